@@ -24,7 +24,12 @@ PACKAGES = ["core", "trl", "verl", "prime-rl", "monarch", "diloco"]
 
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = [*(f"tests-{p}" for p in PACKAGES), "lint", "typecheck"]
+nox.options.sessions = [
+    *(f"tests-{p}" for p in PACKAGES),
+    "tests-core-extras",
+    "lint",
+    "typecheck",
+]
 
 
 def _local_torch() -> tuple[list[str], str | None]:
@@ -91,7 +96,16 @@ def _pytest(session: nox.Session, name: str) -> None:
 def tests_core(session: nox.Session) -> None:
     """composer-core with nothing but torch (+ its test tools)."""
     _install_package(session, "core")
-    _pytest(session, "core")
+    session.chdir(_pkg("core"))
+    session.run("pytest", "tests", "--ignore=tests/extras", *session.posargs)
+
+
+@nox.session(name="tests-core-extras")
+def tests_core_extras(session: nox.Session) -> None:
+    """composer-core features that need its optional extras (tests/extras/)."""
+    _install(session, f"{_pkg('core')}[test,all]")
+    session.chdir(_pkg("core"))
+    session.run("pytest", "tests/extras", *session.posargs)
 
 
 @nox.session(name="tests-trl")
