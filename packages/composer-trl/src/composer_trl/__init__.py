@@ -1,7 +1,29 @@
-"""composer_trl."""
+"""composer_trl: composer's 3-channel objective inside TRL's GRPOTrainer.
+
+Swap ``GRPOConfig``/``GRPOTrainer`` for :class:`ComposerGRPOConfig`/:class:`ComposerGRPOTrainer`.
+``composer-train`` (:mod:`composer_trl.cli`) is the one-command demo and training entry point.
+"""
 
 from importlib.metadata import version as _version
+from typing import TYPE_CHECKING, Any
 
 __version__ = _version("composer-trl")
 
-__all__ = ["__version__"]
+__all__ = ["ComposerGRPOConfig", "ComposerGRPOTrainer", "__version__"]
+
+if TYPE_CHECKING:
+    from composer_trl.config import ComposerGRPOConfig
+    from composer_trl.trainer import ComposerGRPOTrainer
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: importing trl takes seconds; `import composer_trl` stays instant.
+    if name == "ComposerGRPOConfig":
+        from composer_trl.config import ComposerGRPOConfig
+
+        return ComposerGRPOConfig
+    if name == "ComposerGRPOTrainer":
+        from composer_trl.trainer import ComposerGRPOTrainer
+
+        return ComposerGRPOTrainer
+    raise AttributeError(f"module 'composer_trl' has no attribute {name!r}")

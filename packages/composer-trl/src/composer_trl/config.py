@@ -1,0 +1,155 @@
+"""``ComposerGRPOConfig``: TRL's ``GRPOConfig`` plus the composer options (validated in ``__post_init__``).
+
+``total = policy + alpha_sdpo · SDPO + beta_replay · trace-replay``. Channel 1 is TRL's own GRPO loss
+(``loss_type``, ``epsilon``/``epsilon_high``, ``delta``, ``beta`` KL) computed by ``composer_core`` with
+TRL's op order; channel 2 distils the same model read under a hinted context into the plain context
+(generalized JSD over the full vocabulary, optional TAID / entropy-aware wrapper); channel 3 is DPO or
+SimPO on (chosen, rejected) completions carried in the dataset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from trl import GRPOConfig
+
+SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+
+
+@dataclass
+class ComposerGRPOConfig(GRPOConfig):
+    r"""Configuration of :class:`~composer_trl.ComposerGRPOTrainer` (all ``GRPOConfig`` fields, plus these).
+
+    Channel weights:
+        alpha_sdpo: weight of channel 2 (hinted self-distillation); 0 disables it (bit-exact GRPO).
+        beta_replay: weight of channel 3 (trace-replay preference); 0 disables it.
+
+    Channel 2 (hinted self-teacher; the teacher is the same model, no grad, given the hint):
+        sdpo_form: ``"full"`` — generalized JSD over the whole vocabulary, computed chunk-wise from the
+            last hidden states and the LM-head weight (never materialises [B,T,V]); ``"sampled"`` — the
+            reverse-KL estimator on the sampled token only (teacher log-prob of each sampled token).
+        sdpo_beta: generalized-JSD β (TRL GKD convention: 0 forward KL, 1 reverse KL, exact branches).
+        sdpo_temperature: temperature of both distributions in the divergence.
+        sdpo_token_clip: importance-sampling clip of the sampled form (None = no clip).
+        sdpo_chunk_size: rows per chunk of the fused kernel.
+        sdpo_wrapper: ``"none"``, ``"taid"`` (interpolated target, adaptive t, arXiv 2501.16937) or
+            ``"entropy_opd"`` (extra forward KL where the teacher is uncertain).
+        taid_t_start / taid_t_end / taid_alpha / taid_momentum: TAID schedule (stepped once per optimiser
+            step from the globally reduced SDPO loss; ``max_steps`` must be set).
+        entropy_opd_threshold / entropy_opd_weight: the entropy gate and the weight of its forward KL.
+        hint_template: how a ``hint`` becomes the teacher's context, a format string with ``{hint}`` and
+            ``{prompt}`` for text prompts (for chat prompts the hint is added to the last user message).
+
+    Channel 3 (preference on dataset pairs ``chosen``/``rejected``):
+        dpo_variant: ``"dpo"`` (reference log-probs needed) or ``"simpo"`` (reference-free, length-normalised).
+        dpo_beta / dpo_loss_type / dpo_label_smoothing: DPO β, ``"sigmoid"|"robust"|"ipo"``, cDPO ε.
+        simpo_beta / simpo_gamma: SimPO β and absolute margin γ.
+        replay_reference: ``"auto"`` (dataset columns ``ref_chosen_logps``/``ref_rejected_logps`` when
+            present, else the reference model), ``"model"`` or ``"column"``.
+        replay_append_eos: append EOS to text ``chosen``/``rejected`` (as the policy's own completions end).
+        max_replay_length: truncate chosen/rejected to this many tokens (None = ``max_completion_length``).
+    """
+
+    alpha_sdpo: float = field(default=1.0, metadata={"help": "Weight of channel 2 (hinted self-distillation)."})
+    beta_replay: float = field(default=1.0, metadata={"help": "Weight of channel 3 (trace-replay preference)."})
+
+    sdpo_form: Literal["full", "sampled"] = field(default="full", metadata={"help": "'full' or 'sampled'."})
+    sdpo_beta: float = field(default=0.5, metadata={"help": "Generalized JSD beta (0 FKL, 1 RKL)."})
+    sdpo_temperature: float = field(default=1.0, metadata={"help": "Divergence temperature."})
+    sdpo_token_clip: float | None = field(default=2.0, metadata={"help": "IS clip of the sampled form."})
+    sdpo_chunk_size: int = field(default=1024, metadata={"help": "Rows per chunk of the fused kernel."})
+    sdpo_wrapper: Literal["none", "taid", "entropy_opd"] = field(
+        default="none", metadata={"help": "'none', 'taid' or 'entropy_opd'."}
+    )
+    taid_t_start: float = field(default=0.4, metadata={"help": "TAID initial t."})
+    taid_t_end: float = field(default=1.0, metadata={"help": "TAID final t."})
+    taid_alpha: float = field(default=5e-4, metadata={"help": "TAID adaptive step size."})
+    taid_momentum: float = field(default=0.99, metadata={"help": "TAID momentum (paper's beta)."})
+    entropy_opd_threshold: float = field(default=0.8, metadata={"help": "Teacher-entropy gate (nats)."})
+    entropy_opd_weight: float = field(default=1.0, metadata={"help": "Weight of the gated forward KL."})
+    hint_template: str = field(default="{hint}{prompt}", metadata={"help": "Hinted context of text prompts."})
+
+    dpo_variant: Literal["dpo", "simpo"] = field(default="dpo", metadata={"help": "'dpo' or 'simpo'."})
+    dpo_beta: float = field(default=0.1, metadata={"help": "DPO beta."})
+    dpo_loss_type: Literal["sigmoid", "robust", "ipo"] = field(default="sigmoid", metadata={"help": "DPO loss."})
+    dpo_label_smoothing: float = field(default=0.0, metadata={"help": "cDPO / robust epsilon."})
+    simpo_beta: float = field(default=2.0, metadata={"help": "SimPO beta."})
+    simpo_gamma: float = field(default=0.5, metadata={"help": "SimPO absolute margin gamma."})
+    replay_reference: Literal["auto", "model", "column"] = field(
+        default="auto", metadata={"help": "Where DPO reference log-probs come from."}
+    )
+    replay_append_eos: bool = field(default=True, metadata={"help": "Append EOS to text chosen/rejected."})
+    max_replay_length: int | None = field(default=None, metadata={"help": "Token cap of chosen/rejected."})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("alpha_sdpo", "beta_replay"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and 0.0 <= float(value) < float("inf")):
+                raise ValueError(f"`{name}`={value!r} must be a finite weight >= 0 (0 disables the channel).")
+        _choice("sdpo_form", self.sdpo_form, ("full", "sampled"))
+        _choice("sdpo_wrapper", self.sdpo_wrapper, ("none", "taid", "entropy_opd"))
+        _choice("dpo_variant", self.dpo_variant, ("dpo", "simpo"))
+        _choice("dpo_loss_type", self.dpo_loss_type, ("sigmoid", "robust", "ipo"))
+        _choice("replay_reference", self.replay_reference, ("auto", "model", "column"))
+        if not 0.0 <= self.sdpo_beta <= 1.0:
+            raise ValueError(f"`sdpo_beta`={self.sdpo_beta!r} must lie in [0, 1] (0 forward KL, 1 reverse KL).")
+        if not self.sdpo_temperature > 0.0:
+            raise ValueError(f"`sdpo_temperature`={self.sdpo_temperature!r} must be > 0.")
+        if self.sdpo_token_clip is not None and not self.sdpo_token_clip > 0.0:
+            raise ValueError(f"`sdpo_token_clip`={self.sdpo_token_clip!r} must be > 0 or None (no clip).")
+        if not (isinstance(self.sdpo_chunk_size, int) and self.sdpo_chunk_size >= 1):
+            raise ValueError(f"`sdpo_chunk_size`={self.sdpo_chunk_size!r} must be an int >= 1.")
+        if self.sdpo_wrapper != "none" and self.sdpo_form != "full":
+            raise ValueError(
+                f"sdpo_wrapper={self.sdpo_wrapper!r} needs the full-vocabulary distribution; set sdpo_form='full'."
+            )
+        if self.sdpo_wrapper == "taid":
+            if not 0.0 <= self.taid_t_start <= self.taid_t_end <= 1.0:
+                raise ValueError(
+                    f"TAID needs 0 <= taid_t_start <= taid_t_end <= 1, got {self.taid_t_start}, {self.taid_t_end}."
+                )
+            if self.max_steps is None or self.max_steps <= 0:
+                raise ValueError("sdpo_wrapper='taid' needs `max_steps` > 0 (the schedule's total_steps).")
+        if self.entropy_opd_threshold < 0.0 or self.entropy_opd_weight < 0.0:
+            raise ValueError("`entropy_opd_threshold` and `entropy_opd_weight` must be >= 0.")
+        if "{hint}" not in self.hint_template or "{prompt}" not in self.hint_template:
+            raise ValueError(
+                f"`hint_template`={self.hint_template!r} must contain both '{{hint}}' and '{{prompt}}'."
+            )
+        if not self.dpo_beta > 0.0 or not self.simpo_beta > 0.0:
+            raise ValueError(f"`dpo_beta` and `simpo_beta` must be > 0, got {self.dpo_beta}, {self.simpo_beta}.")
+        if not 0.0 <= self.dpo_label_smoothing < 0.5:
+            raise ValueError(f"`dpo_label_smoothing`={self.dpo_label_smoothing!r} must lie in [0, 0.5).")
+        if self.max_replay_length is not None and self.max_replay_length < 1:
+            raise ValueError(f"`max_replay_length`={self.max_replay_length!r} must be >= 1 or None.")
+        self._check_grpo_options()
+
+    def _check_grpo_options(self) -> None:
+        """Reject TRL options whose channel-1 semantics composer does not reproduce (clear error, no silent change)."""
+        if self.loss_type not in SUPPORTED_LOSS_TYPES:
+            raise ValueError(
+                f"loss_type={self.loss_type!r} is not supported by ComposerGRPOTrainer; use one of "
+                f"{SUPPORTED_LOSS_TYPES} (cispo/sapo/vespo/luspo keep plain GRPOTrainer)."
+            )
+        unsupported = {
+            "importance_sampling_level": (self.importance_sampling_level != "token", "'token'"),
+            "top_entropy_quantile": (self.top_entropy_quantile < 1.0, "1.0"),
+            "off_policy_mask_threshold": (self.off_policy_mask_threshold is not None, "None"),
+            "use_bias_correction_kl": (bool(self.use_bias_correction_kl), "False"),
+            "entropy_coef": (self.entropy_coef != 0.0 or bool(self.use_adaptive_entropy), "0.0"),
+            "use_liger_kernel": (bool(self.use_liger_kernel), "False"),
+            "use_vllm": (bool(self.use_vllm), "False"),
+        }
+        for name, (bad, fix) in unsupported.items():
+            if bad:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} is not supported by ComposerGRPOTrainer (composer's channel 1 "
+                    f"reproduces TRL's clipped GRPO/DAPO loss only); set {name}={fix}."
+                )
+
+
+def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"`{name}`={value!r} is not one of {allowed}.")

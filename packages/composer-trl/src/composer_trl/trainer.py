@@ -1,0 +1,633 @@
+"""``ComposerGRPOTrainer``: TRL's ``GRPOTrainer`` computing composer's 3-channel objective.
+
+Swap ``GRPOTrainer``/``GRPOConfig`` for ``ComposerGRPOTrainer``/``ComposerGRPOConfig``; everything else
+(reward functions, datasets, PEFT, accelerate launch) stays TRL's. Per micro-batch::
+
+    loss = policy + alpha_sdpo · sdpo + beta_replay · replay
+
+- **policy** (channel 1): TRL 1.16's GRPO loss for ``loss_type`` grpo/bnpo/dr_grpo/dapo — clipping
+  (``epsilon``, ``epsilon_high``, ``delta``), k3 KL to the reference (``beta``), TRL's normalisers and
+  gradient-accumulation scaling — computed by :func:`composer_core.compose.compose_loss`, which follows
+  TRL's op order: with ``alpha_sdpo = beta_replay = 0`` loss and gradients equal ``GRPOTrainer``'s
+  bit for bit.
+- **sdpo** (channel 2): the same model, without gradient, reads the *hinted* context (a ``hint`` or
+  ``hinted_prompt`` column, or ``hint_fn`` built from the verifier's feedback on each completion) and
+  teaches the plain-context student on the completion tokens of hinted rows. TRL's fused LM head only
+  returns log-probs, so the trainer captures the student's last hidden state from that same forward
+  (a forward hook on the backbone: no second student forward) and runs the teacher backbone; the
+  full-vocabulary generalized JSD is computed chunk-wise from hidden states and the LM-head weight
+  (:func:`composer_core.distill.fused_linear_loss`), never materialising [B, T, V].
+- **replay** (channel 3): DPO or SimPO on ``chosen``/``rejected`` completions of the prompt (text or
+  token ids, optional ``chosen_mask``/``rejected_mask``); reference log-probs from ``ref_chosen_logps``
+  /``ref_rejected_logps`` columns or a frozen reference (TRL's ref model, the PEFT base with adapters
+  disabled, or a frozen copy of the initial policy), computed once per generation batch.
+
+Each channel is normalised by its own global count (tokens of hinted rows, pairs) over the accumulation
+window and all processes, like TRL's ``dapo``, so gradient accumulation is exact.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from accelerate.utils import is_peft_model
+from composer_core.compose import ComposerBatch, compose_loss
+from composer_core.wrappers import TAIDScheduler
+from torch import Tensor
+from transformers import TrainerCallback
+from trl import GRPOTrainer
+from trl.data_utils import is_conversational
+from trl.trainer.utils import pad, use_adapter
+
+from composer_trl.config import ComposerGRPOConfig
+
+HintFn = Callable[..., Sequence[str | None]]
+
+COMPOSER_COLUMNS = (
+    "hint",
+    "hinted_prompt",
+    "chosen",
+    "rejected",
+    "chosen_mask",
+    "rejected_mask",
+    "ref_chosen_logps",
+    "ref_rejected_logps",
+)
+"""Dataset columns the trainer reads (kept through TRL's column removal)."""
+
+_K = "composer_"  # prefix of the extra keys carried from generation to the loss
+
+
+class ComposerGRPOTrainer(GRPOTrainer):
+    """``GRPOTrainer`` whose loss is composer's 3-channel objective (see the module docstring).
+
+    Args:
+        *args, **kwargs: exactly ``GRPOTrainer``'s (``model``, ``reward_funcs``, ``args``, ``train_dataset``, ...).
+            ``args`` must be a :class:`ComposerGRPOConfig`.
+        hint_fn: optional callable ``hint_fn(prompts=..., completions=..., completion_ids=..., **columns)``
+            returning one hint (str) or ``None`` per completion — e.g. a verifier's feedback. It replaces the
+            ``hint`` column. Rows without a hint are not distilled.
+
+    Raises:
+        ValueError: at construction, for a channel whose weight is > 0 but whose inputs the dataset cannot
+            provide, or a model/option combination the adapter cannot compute.
+    """
+
+    def __init__(self, *args: Any, hint_fn: HintFn | None = None, **kwargs: Any) -> None:
+        targs = kwargs.get("args", args[2] if len(args) > 2 else None)
+        if not isinstance(targs, ComposerGRPOConfig):
+            raise ValueError(
+                "ComposerGRPOTrainer needs `args=ComposerGRPOConfig(...)` (a GRPOConfig subclass carrying the "
+                f"composer options), got {type(targs).__name__}."
+            )
+        if hint_fn is not None and not callable(hint_fn):
+            raise ValueError(f"`hint_fn` must be callable, got {type(hint_fn).__name__}.")
+        super().__init__(*args, **kwargs)
+        self.args: ComposerGRPOConfig
+        self.hint_fn = hint_fn
+        self._composer_window: dict[str, Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
+        self._taid: TAIDScheduler | None = None
+        self._taid_pending: float | None = None
+        self._replay_ref_model: torch.nn.Module | None = None
+        self._replay_ref_source = "none"
+        self._check_channel_inputs()
+        self._check_head()
+        if self.args.sdpo_wrapper == "taid":
+            self._taid = TAIDScheduler(
+                total_steps=int(self.args.max_steps),
+                t_start=self.args.taid_t_start,
+                t_end=self.args.taid_t_end,
+                alpha=self.args.taid_alpha,
+                beta=self.args.taid_momentum,
+            )
+            self.add_callback(_TAIDCallback(self))
+
+    # ------------------------------------------------------------------ construction checks
+
+    def _dataset_columns(self) -> set[str] | None:
+        names = getattr(self.train_dataset, "column_names", None)
+        return None if names is None else set(names)
+
+    def _check_channel_inputs(self) -> None:
+        a = self.args
+        cols = self._dataset_columns()
+        if a.alpha_sdpo > 0 and self.hint_fn is None and cols is not None and not cols & {"hint", "hinted_prompt"}:
+            raise ValueError(
+                f"alpha_sdpo={a.alpha_sdpo} needs hints: a `hint` or `hinted_prompt` dataset column, or "
+                "`hint_fn=`; provide one or set alpha_sdpo=0."
+            )
+        if a.beta_replay > 0 and cols is not None and not {"chosen", "rejected"} <= cols:
+            raise ValueError(
+                f"beta_replay={a.beta_replay} needs `chosen` and `rejected` dataset columns (the teacher trace and "
+                f"the trace it beats); the dataset has {sorted(cols)}. Add them or set beta_replay=0."
+            )
+        if a.beta_replay > 0 and a.dpo_variant == "dpo":
+            has_cols = cols is not None and {"ref_chosen_logps", "ref_rejected_logps"} <= cols
+            if a.replay_reference == "column" or (a.replay_reference == "auto" and has_cols):
+                if not has_cols:
+                    raise ValueError(
+                        "replay_reference='column' needs `ref_chosen_logps` and `ref_rejected_logps` columns "
+                        "(summed reference log-probs); add them or use replay_reference='model'."
+                    )
+                self._replay_ref_source = "column"
+            elif self.ref_model is not None:
+                self._replay_ref_source = "ref_model"
+            elif is_peft_model(self.model):
+                self._replay_ref_source = "peft_base"
+            else:
+                # A frozen copy of the initial policy (TRL builds no ref model when beta == 0).
+                ref = copy.deepcopy(self.model).eval()
+                for p in ref.parameters():
+                    p.requires_grad_(False)
+                self._replay_ref_model = self.accelerator.prepare_model(ref, evaluation_mode=True)
+                self._replay_ref_source = "frozen_copy"
+
+    def _check_head(self) -> None:
+        if self.args.alpha_sdpo == 0 or self.args.sdpo_form != "full":
+            return
+        base = self._base_model(self.model)
+        head = base.get_output_embeddings()
+        if not isinstance(head, torch.nn.Linear):
+            raise ValueError(
+                f"sdpo_form='full' reads the LM-head weight directly, but the output embedding is a "
+                f"{type(head).__name__} (e.g. LoRA on lm_head); exclude lm_head from the adapter or use "
+                "sdpo_form='sampled'."
+            )
+        text_cfg = base.config.get_text_config()
+        for attr in ("final_logit_softcapping", "logit_scale", "output_multiplier", "logits_scaling"):
+            value = getattr(text_cfg, attr, None)
+            if value not in (None, 1.0):
+                raise ValueError(
+                    f"sdpo_form='full' projects hidden states with the plain LM head, but this model's config "
+                    f"sets {attr}={value!r}; use sdpo_form='sampled' for it."
+                )
+
+    @staticmethod
+    def _base_model(model: torch.nn.Module) -> Any:
+        while hasattr(model, "module") and not hasattr(model, "get_output_embeddings"):
+            model = model.module  # DDP / accelerate wrappers
+        if is_peft_model(model):
+            model = model.get_base_model()  # LoRA layers are injected in place: the base runs them
+        return model
+
+    def _set_signature_columns_if_needed(self) -> None:
+        super()._set_signature_columns_if_needed()
+        if self._signature_columns is not None:
+            missing = [c for c in COMPOSER_COLUMNS if c not in self._signature_columns]
+            self._signature_columns = [*self._signature_columns, *missing]
+
+    # ------------------------------------------------------------------ generation: carry the extra columns
+
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        output = super()._generate_and_score_completions(inputs)
+        mode = "train" if self.model.training else "eval"
+        if self.args.alpha_sdpo > 0:
+            output.update(self._build_hints(inputs, output))
+        if self.args.beta_replay > 0:
+            output.update(self._build_pairs(inputs, output, mode))
+        return output
+
+    def _completion_texts(self, output: dict[str, Any]) -> list[str]:
+        ids, mask = output["completion_ids"], output["completion_mask"]
+        rows = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+        return self._tokenizer.batch_decode(rows, skip_special_tokens=True)
+
+    def _build_hints(self, inputs: list[dict[str, Any]], output: dict[str, Any]) -> dict[str, Any]:
+        device = self.accelerator.device
+        prompts = [x["prompt"] for x in inputs]
+        if self.hint_fn is not None:
+            columns = {k: [x.get(k) for x in inputs] for k in inputs[0] if k not in ("prompt", "completion")}
+            hints = list(
+                self.hint_fn(
+                    prompts=prompts,
+                    completions=self._completion_texts(output),
+                    completion_ids=output["completion_ids"],
+                    **columns,
+                )
+            )
+            if len(hints) != len(prompts):
+                raise ValueError(f"hint_fn returned {len(hints)} hints for {len(prompts)} completions.")
+            hinted: list[Any | None] = [None if h is None else self._apply_hint(p, h) for p, h in zip(prompts, hints)]
+        else:
+            hinted = []
+            for x in inputs:
+                if x.get("hinted_prompt") is not None:
+                    hinted.append(x["hinted_prompt"])
+                elif x.get("hint") is not None:
+                    hinted.append(self._apply_hint(x["prompt"], x["hint"]))
+                else:
+                    hinted.append(None)
+        for h in hinted:
+            if h is not None and not isinstance(h, str | list):
+                raise ValueError(f"a hint must be a string (or a chat message list), got {type(h).__name__}.")
+        has_hint = torch.tensor([h is not None for h in hinted], device=device)
+        rows = [i for i, h in enumerate(hinted) if h is not None]
+        width = 1
+        ids_list = [torch.full((1,), self._tokenizer.pad_token_id)] * len(hinted)
+        mask_list = [torch.zeros(1, dtype=torch.long)] * len(hinted)
+        if rows:
+            tok_ids, _, _ = self._tokenize_prompts([hinted[i] for i in rows])
+            for i, ids in zip(rows, tok_ids):
+                ids_list[i] = torch.tensor(ids)
+                mask_list[i] = torch.ones(len(ids), dtype=torch.long)
+            width = max(len(t) for t in ids_list)
+        hint_ids = pad(ids_list, padding_value=self._tokenizer.pad_token_id, padding_side="left").to(device)
+        hint_mask = pad(mask_list, padding_value=0, padding_side="left").to(device)
+        assert hint_ids.shape[1] == width
+        loss_mask = output["completion_mask"]
+        if "tool_mask" in output:
+            loss_mask = loss_mask * output["tool_mask"]
+        local = (loss_mask * has_hint.unsqueeze(1)).sum()
+        return {
+            f"{_K}hint_ids": hint_ids,
+            f"{_K}hint_mask": hint_mask,
+            f"{_K}has_hint": has_hint,
+            f"{_K}sdpo_num_items": self.accelerator.gather(local).sum(),
+        }
+
+    def _apply_hint(self, prompt: Any, hint: str) -> Any:
+        if not isinstance(hint, str):
+            raise ValueError(f"a hint must be a string, got {type(hint).__name__}.")
+        if is_conversational({"prompt": prompt}):
+            messages = [dict(m) for m in prompt]
+            last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
+            if last_user is None:
+                raise ValueError("a chat prompt needs a user message to attach the hint to.")
+            messages[last_user]["content"] = f"{messages[last_user]['content']}\n\n{hint}"
+            return messages
+        return self.args.hint_template.format(hint=hint, prompt=prompt)
+
+    def _pair_ids(self, value: Any, mask: Any, name: str) -> tuple[list[int], list[int]]:
+        limit = self.args.max_replay_length or self.args.max_completion_length
+        if isinstance(value, str):
+            ids = self._tokenizer(text=value, add_special_tokens=False)["input_ids"]
+            if self.args.replay_append_eos and self._tokenizer.eos_token_id is not None:
+                ids = [*ids, self._tokenizer.eos_token_id]
+            m = [1] * len(ids)
+        elif isinstance(value, list) and value and isinstance(value[0], dict):
+            text = "".join(msg["content"] for msg in value if msg.get("role") == "assistant")
+            return self._pair_ids(text, mask, name)
+        elif isinstance(value, list) and all(isinstance(t, int) for t in value):
+            ids = list(value)
+            m = [1] * len(ids) if mask is None else [int(bool(v)) for v in mask]
+        else:
+            raise ValueError(f"`{name}` must be text, a list of token ids or assistant messages, got {value!r:.80}.")
+        if mask is not None and isinstance(value, str):
+            raise ValueError(f"`{name}_mask` needs `{name}` as a list of token ids (a mask of text is ambiguous).")
+        if len(m) != len(ids):
+            raise ValueError(f"`{name}_mask` has {len(m)} entries for {len(ids)} tokens of `{name}`.")
+        ids, m = ids[:limit], m[:limit]
+        if not any(m):
+            raise ValueError(f"`{name}` has no scored token (empty or fully masked); fix the row or drop the pair.")
+        return ids, m
+
+    def _build_pairs(self, inputs: list[dict[str, Any]], output: dict[str, Any], mode: str) -> dict[str, Any]:
+        device = self.accelerator.device
+        g = self.num_generations if mode == "train" else self.num_generations_eval
+        offset = self.accelerator.process_index * len(inputs)
+        chosen: list[list[int]] = []
+        rejected: list[list[int]] = []
+        c_mask: list[list[int]] = []
+        r_mask: list[list[int]] = []
+        has_pair: list[bool] = []
+        ref_cols: list[tuple[float, float]] = []
+        for i, x in enumerate(inputs):
+            # Each prompt appears num_generations times in a generation batch: keep its pair once.
+            present = x.get("chosen") is not None and x.get("rejected") is not None
+            if present and (offset + i) % g == 0:
+                ci, cm = self._pair_ids(x["chosen"], x.get("chosen_mask"), "chosen")
+                ri, rm = self._pair_ids(x["rejected"], x.get("rejected_mask"), "rejected")
+                has_pair.append(True)
+                if self._replay_ref_source == "column":
+                    ref_cols.append((_finite(x, "ref_chosen_logps"), _finite(x, "ref_rejected_logps")))
+            else:
+                ci, cm, ri, rm = [self._tokenizer.pad_token_id], [0], [self._tokenizer.pad_token_id], [0]
+                has_pair.append(False)
+                if self._replay_ref_source == "column":
+                    ref_cols.append((0.0, 0.0))
+            chosen.append(ci)
+            rejected.append(ri)
+            c_mask.append(cm)
+            r_mask.append(rm)
+        width = max(len(t) for t in chosen + rejected)
+        pad_id = self._tokenizer.pad_token_id
+
+        def to_tensor(rows: list[list[int]], value: int) -> Tensor:
+            return torch.tensor([r + [value] * (width - len(r)) for r in rows], device=device)
+
+        out: dict[str, Any] = {
+            f"{_K}chosen_ids": to_tensor(chosen, pad_id),
+            f"{_K}chosen_mask": to_tensor(c_mask, 0),
+            f"{_K}chosen_attn": to_tensor([[1] * len(r) for r in chosen], 0),
+            f"{_K}rejected_ids": to_tensor(rejected, pad_id),
+            f"{_K}rejected_mask": to_tensor(r_mask, 0),
+            f"{_K}rejected_attn": to_tensor([[1] * len(r) for r in rejected], 0),
+            f"{_K}has_pair": torch.tensor(has_pair, device=device),
+        }
+        out[f"{_K}replay_num_items"] = self.accelerator.gather(out[f"{_K}has_pair"].sum()).sum()
+        if self.args.dpo_variant == "dpo":
+            if self._replay_ref_source == "column":
+                ref = torch.tensor(ref_cols, dtype=torch.float32, device=device)
+            else:
+                ref = self._reference_pair_logps(output, out)
+            out[f"{_K}ref_chosen_logps"] = ref[:, 0]
+            out[f"{_K}ref_rejected_logps"] = ref[:, 1]
+        return out
+
+    @torch.no_grad()
+    def _reference_pair_logps(self, output: dict[str, Any], pairs: dict[str, Any]) -> Tensor:
+        rows = pairs[f"{_K}has_pair"].nonzero().squeeze(-1)
+        result = torch.zeros(len(pairs[f"{_K}has_pair"]), 2, device=self.accelerator.device)
+        if rows.numel() == 0:
+            return result
+        if self._replay_ref_source == "ref_model":
+            ctx, model = nullcontext(), self.ref_model
+        elif self._replay_ref_source == "peft_base":
+            unwrapped = self.accelerator.unwrap_model(self.model)
+            ctx, model = use_adapter(unwrapped, adapter_name=None), self.model
+        else:
+            ctx, model = nullcontext(), self._replay_ref_model
+        with ctx:
+            c, r = self._pair_logps(model, output, pairs, rows)
+        result[rows, 0] = c.float()
+        result[rows, 1] = r.float()
+        return result
+
+    def _pair_logps(
+        self, model: Any, inputs: dict[str, Any], pairs: dict[str, Any], rows: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Summed log-probs of chosen and rejected after the prompt, one forward over [2P, P_len + L]."""
+        p_ids, p_mask = inputs["prompt_ids"][rows], inputs["prompt_mask"][rows]
+        c_ids, c_mask = pairs[f"{_K}chosen_ids"][rows], pairs[f"{_K}chosen_mask"][rows]
+        r_ids, r_mask = pairs[f"{_K}rejected_ids"][rows], pairs[f"{_K}rejected_mask"][rows]
+        pair_ids = torch.cat([c_ids, r_ids], dim=0)
+        # Attend over every real token; score only the masked ones.
+        pair_attn = torch.cat([pairs[f"{_K}chosen_attn"][rows], pairs[f"{_K}rejected_attn"][rows]], dim=0)
+        input_ids = torch.cat([torch.cat([p_ids, p_ids], dim=0), pair_ids], dim=1)
+        attention = torch.cat([torch.cat([p_mask, p_mask], dim=0), pair_attn], dim=1)
+        logps, _, _ = self._get_per_token_logps_and_entropies(model, input_ids, attention, pair_ids.size(1))
+        summed = (logps * torch.cat([c_mask, r_mask], dim=0)).sum(-1)
+        n = rows.numel()
+        return summed[:n], summed[n:]
+
+    # ------------------------------------------------------------------ the loss
+
+    def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> Tensor:
+        a = self.args
+        mode = "train" if self.model.training else "eval"
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        logits_to_keep = completion_ids.size(1)
+        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+
+        want_sdpo = a.alpha_sdpo > 0 and bool(inputs.get(f"{_K}has_hint", torch.zeros(1)).any())
+        capture = _HiddenCapture(self._base_model(model)) if want_sdpo and a.sdpo_form == "full" else None
+        with capture if capture is not None else nullcontext():
+            per_token_logps, entropies, _ = self._get_per_token_logps_and_entropies(
+                model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                compute_entropy=True,
+                compute_aux_loss=False,
+            )
+
+        batch = ComposerBatch(
+            logprobs=per_token_logps,
+            advantages=inputs["advantages"],
+            completion_mask=mask,
+            old_logprobs=inputs.get("old_per_token_logps"),
+            ref_logprobs=inputs["ref_per_token_logps"] if self.beta != 0.0 else None,
+        )
+        normalizer: Tensor | None = None
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        if self.loss_type == "dapo":
+            # TRL 1.16's exact expression: num_items_in_batch spans the generation batch.
+            normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            if mode == "train":
+                normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation
+        if want_sdpo:
+            self._fill_sdpo(batch, model, inputs, mask, capture, logits_to_keep)
+        if a.beta_replay > 0 and bool(inputs.get(f"{_K}has_pair", torch.zeros(1)).any()):
+            self._fill_replay(batch, model, inputs)
+
+        result = compose_loss(
+            batch,
+            alpha_sdpo=a.alpha_sdpo,
+            beta_replay=a.beta_replay,
+            loss_type=self.loss_type,
+            epsilon_low=self.epsilon_low,
+            epsilon_high=self.epsilon_high,
+            delta=a.delta,
+            kl_beta=self.beta,
+            max_completion_length=self.max_completion_length if self.loss_type == "dr_grpo" else None,
+            sdpo_form="sampled" if a.sdpo_form == "sampled" else "full",
+            sdpo_beta=a.sdpo_beta,
+            sdpo_temperature=a.sdpo_temperature,
+            sdpo_token_clip=a.sdpo_token_clip,
+            sdpo_chunk_size=a.sdpo_chunk_size,
+            sdpo_wrapper=a.sdpo_wrapper,
+            taid_t=self._taid.t if self._taid is not None else None,
+            entropy_opd_threshold=a.entropy_opd_threshold,
+            entropy_opd_weight=a.entropy_opd_weight,
+            dpo_variant=a.dpo_variant,
+            dpo_beta=a.dpo_beta,
+            dpo_loss_type=a.dpo_loss_type,
+            dpo_label_smoothing=a.dpo_label_smoothing,
+            simpo_beta=a.simpo_beta,
+            simpo_gamma=a.simpo_gamma,
+            normalizer=normalizer,
+            sdpo_normalizer=self._channel_normalizer(inputs, "sdpo_num_items", mode) if want_sdpo else None,
+            replay_normalizer=self._channel_normalizer(inputs, "replay_num_items", mode),
+        )
+        # TRL divides grpo/bnpo/dr_grpo by the accumulation steps; dapo's normaliser already spans the window.
+        loss = result.policy if self.loss_type == "dapo" else result.policy / accumulation
+        policy_part = loss.detach()
+        if result.distill is not None:
+            loss = loss + a.alpha_sdpo * result.distill
+        if result.preference is not None:
+            loss = loss + a.beta_replay * result.preference
+
+        self._log_trl_metrics(mode, per_token_logps, entropies, mask, inputs, result.metrics)
+        self._log_composer_metrics(mode, policy_part, result, loss.detach())
+        return loss
+
+    def _channel_normalizer(self, inputs: dict[str, Any], key: str, mode: str) -> Tensor | None:
+        count = inputs.get(f"{_K}{key}")
+        if count is None:
+            return None
+        norm = count.clamp(min=1).to(torch.float32) / self.accelerator.num_processes
+        if mode == "train":
+            norm = norm * self.current_gradient_accumulation_steps / self.args.steps_per_generation
+        return norm
+
+    def _fill_sdpo(
+        self,
+        batch: ComposerBatch,
+        model: Any,
+        inputs: dict[str, Any],
+        mask: Tensor,
+        capture: _HiddenCapture | None,
+        logits_to_keep: int,
+    ) -> None:
+        has_hint = inputs[f"{_K}has_hint"]
+        rows = has_hint.nonzero().squeeze(-1)
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        t_ids = torch.cat([inputs[f"{_K}hint_ids"][rows], completion_ids[rows]], dim=1)
+        t_mask = torch.cat([inputs[f"{_K}hint_mask"][rows], completion_mask[rows]], dim=1)
+        batch.sdpo_mask = mask.bool() & has_hint.unsqueeze(1)
+        if self.args.sdpo_form == "sampled":
+            with torch.no_grad():
+                t_logps, _, _ = self._get_per_token_logps_and_entropies(model, t_ids, t_mask, logits_to_keep)
+            teacher = torch.zeros_like(batch.logprobs)
+            teacher[rows] = t_logps.to(teacher.dtype)
+            batch.teacher_logprobs = teacher
+            return
+        assert capture is not None and capture.hidden is not None
+        base = self._base_model(model)
+        student_hidden = capture.hidden[:, -logits_to_keep - 1 : -1]
+        with torch.no_grad():
+            t_out = base.base_model(input_ids=t_ids, attention_mask=t_mask, use_cache=False)
+            t_hidden = t_out.last_hidden_state[:, -logits_to_keep - 1 : -1]
+        teacher_hidden = torch.zeros_like(student_hidden)
+        teacher_hidden[rows] = t_hidden.to(teacher_hidden.dtype)
+        head = base.get_output_embeddings()
+        batch.student_hidden = student_hidden
+        batch.teacher_hidden = teacher_hidden
+        batch.lm_head_weight = head.weight
+        batch.lm_head_bias = head.bias
+
+    def _fill_replay(self, batch: ComposerBatch, model: Any, inputs: dict[str, Any]) -> None:
+        rows = inputs[f"{_K}has_pair"].nonzero().squeeze(-1)
+        chosen, rejected = self._pair_logps(model, inputs, inputs, rows)
+        batch.chosen_logps, batch.rejected_logps = chosen, rejected
+        batch.chosen_lengths = inputs[f"{_K}chosen_mask"][rows].sum(-1)
+        batch.rejected_lengths = inputs[f"{_K}rejected_mask"][rows].sum(-1)
+        if self.args.dpo_variant == "dpo":
+            batch.ref_chosen_logps = inputs[f"{_K}ref_chosen_logps"][rows].to(chosen.dtype)
+            batch.ref_rejected_logps = inputs[f"{_K}ref_rejected_logps"][rows].to(rejected.dtype)
+
+    # ------------------------------------------------------------------ metrics
+
+    def _log_trl_metrics(
+        self,
+        mode: str,
+        logps: Tensor,
+        entropies: Tensor,
+        mask: Tensor,
+        inputs: dict[str, Any],
+        metrics: dict[str, float],
+    ) -> None:
+        """The metrics plain GRPOTrainer logs from its loss (entropy, kl, clip ratios), same names."""
+
+        def global_masked_mean(x: Tensor) -> float:
+            totals = self.accelerator.reduce(torch.stack([(x * mask).sum(), mask.sum().float()]), reduction="sum")
+            return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+        if self.beta != 0.0:
+            ref = inputs["ref_per_token_logps"]
+            kl = torch.exp(ref - logps.detach()) - (ref - logps.detach()) - 1
+            self._metrics[mode]["kl"].append(global_masked_mean(kl))
+        self._metrics[mode]["entropy"].append(global_masked_mean(entropies.detach()))
+        old = inputs.get("old_per_token_logps")
+        coef = torch.ones_like(logps) if old is None else torch.exp(logps.detach() - old)
+        adv = inputs["advantages"].unsqueeze(1) if inputs["advantages"].dim() == 1 else inputs["advantages"]
+        low = ((coef < 1 - self.epsilon_low) & (adv < 0)).float()
+        high = ((coef > 1 + self.epsilon_high) & (adv > 0)).float()
+        self._metrics[mode]["clip_ratio/low_mean"].append(global_masked_mean(low))
+        self._metrics[mode]["clip_ratio/high_mean"].append(global_masked_mean(high))
+        self._metrics[mode]["clip_ratio/region_mean"].append(global_masked_mean(torch.maximum(low, high)))
+
+    def _log_composer_metrics(self, mode: str, policy: Tensor, result: Any, total: Tensor) -> None:
+        """Accumulate each channel's contribution over the accumulation window; log once per optimiser step.
+
+        Logged (TRL's console / TensorBoard / W&B): ``composer/policy``, ``composer/sdpo``,
+        ``composer/replay`` (unweighted channel losses), ``composer/total``, ``composer/skipped_sdpo`` and
+        ``composer/skipped_replay`` (micro-batches, summed over processes), ``composer/sdpo_tokens``,
+        ``composer/replay_pairs``, ``composer/replay_accuracy`` and ``composer/taid_t``.
+        """
+        m = result.metrics
+        w = self._composer_window
+        w["policy"] = w["policy"] + policy.double().cpu()
+        w["total"] = w["total"] + total.double().cpu()
+        w["sdpo"] = w["sdpo"] + (0.0 if result.distill is None else float(result.distill.detach()))
+        w["replay"] = w["replay"] + (0.0 if result.preference is None else float(result.preference.detach()))
+        w["skipped_sdpo"] = w["skipped_sdpo"] + m.get("skipped/sdpo", 1.0)
+        w["skipped_replay"] = w["skipped_replay"] + m.get("skipped/replay", 1.0)
+        w["sdpo_tokens"] = w["sdpo_tokens"] + m.get("sdpo/tokens", 0.0)
+        w["replay_pairs"] = w["replay_pairs"] + m.get("replay/pairs", 0.0)
+        w["replay_correct"] = w["replay_correct"] + m.get("replay/accuracy", 0.0) * m.get("replay/pairs", 0.0)
+        if mode == "train" and not self.accelerator.sync_gradients:
+            return
+        keys = sorted(w)
+        local = torch.stack([w[k] for k in keys]).to(self.accelerator.device, torch.float64)
+        summed = self.accelerator.reduce(local, reduction="sum")
+        vals = dict(zip(keys, summed.tolist()))
+        n = self.accelerator.num_processes
+        for k in ("policy", "sdpo", "replay", "total"):
+            self._metrics[mode][f"composer/{k}"].append(vals[k] / n)
+        for k in ("skipped_sdpo", "skipped_replay", "sdpo_tokens", "replay_pairs"):
+            self._metrics[mode][f"composer/{k}"].append(vals[k])
+        if vals["replay_pairs"] > 0:
+            self._metrics[mode]["composer/replay_accuracy"].append(vals["replay_correct"] / vals["replay_pairs"])
+        if self._taid is not None:
+            self._metrics[mode]["composer/taid_t"].append(self._taid.t)
+            if mode == "train":
+                self._taid_pending = vals["sdpo"] / n
+        self._composer_window.clear()
+
+    def _taid_step(self) -> None:
+        """Advance TAID's t once per optimiser step from the globally reduced SDPO loss of that step."""
+        if self._taid is not None and self._taid_pending is not None:
+            self._taid.step(self._taid_pending)
+            self._taid_pending = None
+
+
+class _TAIDCallback(TrainerCallback):
+    """Steps the TAID scheduler at each optimiser step (``on_step_end``), never during evaluation."""
+
+    def __init__(self, trainer: ComposerGRPOTrainer) -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        self.trainer._taid_step()
+        return control
+
+
+class _HiddenCapture:
+    """Context manager keeping the backbone's ``last_hidden_state`` of the next forward (with its graph)."""
+
+    def __init__(self, base: Any) -> None:
+        self.module = base.base_model
+        self.hidden: Tensor | None = None
+        self._handle: Any = None
+
+    def _hook(self, module: Any, args: Any, output: Any) -> None:
+        if self.hidden is None:  # the first call only (gradient checkpointing re-runs the forward)
+            self.hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+
+    def __enter__(self) -> _HiddenCapture:
+        self._handle = self.module.register_forward_hook(self._hook)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._handle.remove()
+        if exc[0] is None and self.hidden is None:
+            raise RuntimeError(
+                "composer could not capture the backbone's hidden states from TRL's fused-head forward "
+                "(unexpected model structure); use sdpo_form='sampled'."
+            )
+
+
+def _finite(row: dict[str, Any], key: str) -> float:
+    value = row.get(key)
+    if value is None or not isinstance(value, int | float) or value != value or abs(value) == float("inf"):
+        raise ValueError(f"`{key}` must be a finite float (summed reference log-prob) in every pair row, got {value!r}.")
+    return float(value)
