@@ -77,7 +77,10 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator = 
     check_float("ref_logprobs", ref_logprobs)
     check_same_shape("logprobs", logprobs, "ref_logprobs", ref_logprobs)
     check_choice("estimator", estimator, ("k1", "k2", "k3"))
-    ref = ref_logprobs.detach()
+    return _kl_unchecked(logprobs, ref_logprobs.detach(), estimator)
+
+
+def _kl_unchecked(logprobs: Tensor, ref: Tensor, estimator: str) -> Tensor:
     if estimator == "k1":
         return logprobs - ref
     if estimator == "k2":
@@ -108,6 +111,14 @@ def clipped_surrogate(
     check_float("old_logprobs", old_logprobs)
     check_same_shape("logprobs", logprobs, "old_logprobs", old_logprobs)
     adv = _broadcast_advantages(advantages, logprobs)
+    eps_lo, eps_hi = _check_clip_args(epsilon_low, epsilon_high, delta)
+    coef_1 = torch.exp(logprobs - old_logprobs.detach())
+    return _surrogate_from_ratio(coef_1, adv, eps_lo, eps_hi, delta)
+
+
+def _check_clip_args(
+    epsilon_low: float, epsilon_high: float | None, delta: float | None
+) -> tuple[float, float]:
     eps_lo = float(epsilon_low)
     eps_hi = eps_lo if epsilon_high is None else float(epsilon_high)
     if not (0.0 <= eps_lo < 1.0):
@@ -119,8 +130,13 @@ def clipped_surrogate(
             f"`delta`={delta!r} must exceed 1 + epsilon_high = {1.0 + eps_hi} (it caps the unclipped ratio); "
             "pass delta=None to disable the two-sided clip."
         )
-    log_ratio = logprobs - old_logprobs.detach()
-    coef_1 = torch.exp(log_ratio)
+    return eps_lo, eps_hi
+
+
+def _surrogate_from_ratio(
+    coef_1: Tensor, adv: Tensor, eps_lo: float, eps_hi: float, delta: float | None
+) -> tuple[Tensor, Tensor]:
+    """The clip/min part of :func:`clipped_surrogate`, given ρ (TRL op order)."""
     coef_2 = torch.clamp(coef_1, 1 - eps_lo, 1 + eps_hi)
     if delta is not None:
         coef_1 = torch.clamp(coef_1, max=delta)
@@ -398,14 +414,22 @@ def policy_loss(
     adv = _broadcast_advantages(advantages, logprobs)
     old = logprobs.detach() if old_logprobs is None else old_logprobs
 
+    eps_lo, eps_hi = _check_clip_args(epsilon_low, epsilon_high, delta)
+    ref: Tensor | None = None
+    if ref_logprobs is not None:
+        check_float("ref_logprobs", ref_logprobs)
+        check_same_shape("logprobs", logprobs, "ref_logprobs", ref_logprobs)
+        ref = ref_logprobs.detach()
+
+    # Same op sequence as TRL 1.16 GRPOTrainer._compute_loss (graph-creation order fixes the order in which
+    # autograd accumulates gradients, so even the gradients are bit-identical).
+    log_ratio = logprobs - old.detach()
+    coef_1 = torch.exp(log_ratio)
     per_token_kl: Tensor | None = None
     if kl_beta != 0.0:
-        assert ref_logprobs is not None
-        per_token_kl = kl_penalty(logprobs, ref_logprobs, kl_estimator)
-
-    per_token_loss, is_clipped = clipped_surrogate(
-        logprobs, old, adv, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta
-    )
+        assert ref is not None
+        per_token_kl = _kl_unchecked(logprobs, ref, kl_estimator)
+    per_token_loss, is_clipped = _surrogate_from_ratio(coef_1, adv, eps_lo, eps_hi, delta)
     metrics: dict[str, float] = {}
     m_f = m_bool.to(logprobs.dtype)
     n_tok = m_f.sum().clamp(min=1.0)
