@@ -1,0 +1,74 @@
+"""Training callbacks of ``composer-train``: a tqdm bar and a metrics JSONL file.
+
+Both read TRL's logged metrics (``on_log``), so they work for ``ComposerGRPOTrainer`` and plain
+``GRPOTrainer`` alike (channels 2/3 simply do not appear for the latter).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+from transformers import TrainerCallback
+
+BAR_FIELDS = {
+    "reward": "reward",
+    "composer/policy": "policy",
+    "composer/sdpo": "sdpo",
+    "composer/replay": "replay",
+}
+"""Logged metric → short name shown on the progress bar."""
+
+
+class ProgressBar(TrainerCallback):
+    """One tqdm bar over optimiser steps showing the reward and each channel's loss."""
+
+    def __init__(self, desc: str) -> None:
+        self.desc = desc
+        self.bar: Any = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.bar = tqdm(total=state.max_steps, desc=self.desc, unit="step", dynamic_ncols=True)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.bar is not None:
+            self.bar.update(state.global_step - self.bar.n)
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **kw: Any) -> None:
+        if self.bar is not None and logs:
+            shown = {short: f"{logs[k]:.3f}" for k, short in BAR_FIELDS.items() if k in logs}
+            if shown:
+                self.bar.set_postfix(shown, refresh=False)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+class MetricsJSONL(TrainerCallback):
+    """Appends one JSON object per logging step (``step`` + every numeric metric TRL logged) to ``path``."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text("")
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **kw: Any) -> None:
+        if not logs or "reward" not in logs:  # skip the final train_runtime summary
+            return
+        row: dict[str, Any] = {"step": state.global_step}
+        for k, v in logs.items():
+            if isinstance(v, int | float) and math.isfinite(float(v)):
+                row[k] = float(v)
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """The rows written by :class:`MetricsJSONL`."""
+    with Path(path).open() as f:
+        return [json.loads(line) for line in f if line.strip()]

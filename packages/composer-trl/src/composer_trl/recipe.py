@@ -1,0 +1,130 @@
+"""Training recipes for ``composer-train``: defaults for the embedded task, overridable by TOML/YAML.
+
+A recipe file has optional top-level keys and one ``[trainer]`` table of
+:class:`~composer_trl.ComposerGRPOConfig` fields::
+
+    model = "Qwen/Qwen2.5-0.5B-Instruct"     # local directory or hub id (default: tiny Qwen2 from config)
+    dataset = "data/train.jsonl"              # json/jsonl/parquet/csv with `prompt` (+ hint/chosen/rejected)
+    reward = "my_pkg.rewards:passes_tests"    # "module:function" (default: the embedded task's verifier)
+    hint_fn = "my_pkg.rewards:test_feedback"  # "module:function" or omit (uses a `hint` column if any)
+    steps = 300
+    seed = 0
+    output_dir = "runs/my-run"
+
+    [trainer]
+    learning_rate = 1e-6
+    alpha_sdpo = 0.5
+    dpo_variant = "dpo"
+
+Unknown keys raise ``ValueError`` naming them (a typo never silently falls back to a default).
+"""
+
+from __future__ import annotations
+
+import importlib
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+TOP_LEVEL_KEYS = {"model", "dataset", "reward", "hint_fn", "steps", "seed", "output_dir", "trust_remote_code", "trainer"}
+
+TINY_TRAINER_DEFAULTS: dict[str, Any] = {
+    # Measured on 2 CPU cores: 300 steps ≈ 1.5 min; reward 0.1 → ≈0.6 with composer, ≈0.2 with GRPO alone.
+    "learning_rate": 3e-3,
+    "per_device_train_batch_size": 32,
+    "num_generations": 4,
+    "max_completion_length": 3,
+    "lr_scheduler_type": "constant",
+    "warmup_steps": 0,
+    "logging_steps": 1,
+    "dpo_variant": "simpo",
+    "alpha_sdpo": 1.0,
+    "beta_replay": 1.0,
+}
+"""Trainer settings of the no-argument run (the tiny model on digit reversal)."""
+
+MODEL_TRAINER_DEFAULTS: dict[str, Any] = {
+    "learning_rate": 1e-6,
+    "per_device_train_batch_size": 8,
+    "num_generations": 4,
+    "max_completion_length": 8,
+    "logging_steps": 1,
+    "dpo_variant": "simpo",
+}
+"""Trainer settings when ``--model`` names a real model (override them in the recipe)."""
+
+
+@dataclass
+class Recipe:
+    """Everything ``composer-train`` needs; ``trainer`` holds ``ComposerGRPOConfig`` keyword arguments."""
+
+    model: str | None = None
+    dataset: str | None = None
+    reward: str | None = None
+    hint_fn: str | None = None
+    steps: int = 300
+    seed: int = 0
+    output_dir: str = "runs/composer-train"
+    trust_remote_code: bool = False
+    trainer: dict[str, Any] = field(default_factory=dict)
+
+    def trainer_kwargs(self) -> dict[str, Any]:
+        """Defaults for the chosen model kind, overridden by the recipe's ``[trainer]`` table."""
+        base = MODEL_TRAINER_DEFAULTS if self.model else TINY_TRAINER_DEFAULTS
+        return {**base, **self.trainer}
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Read a ``.toml``, ``.yaml`` or ``.yml`` recipe (YAML needs ``composer-trl[yaml]``)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--config {str(p)!r} is not a file; pass a .toml or .yaml recipe.")
+    suffix = p.suffix.lower()
+    if suffix == ".toml":
+        with p.open("rb") as f:
+            data = tomllib.load(f)
+    elif suffix in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError as e:
+            raise ImportError("YAML recipes need PyYAML: pip install 'composer-trl[yaml]'") from e
+        data = yaml.safe_load(p.read_text()) or {}
+    else:
+        raise ValueError(f"--config {str(p)!r}: unknown recipe format {suffix!r}; use .toml, .yaml or .yml.")
+    if not isinstance(data, dict):
+        raise ValueError(f"recipe {str(p)!r} must be a mapping of keys, got {type(data).__name__}.")
+    return recipe_from_dict(data, source=str(p))
+
+
+def recipe_from_dict(data: dict[str, Any], *, source: str = "recipe") -> Recipe:
+    """Validate keys and types; unknown top-level keys raise ``ValueError``."""
+    unknown = set(data) - TOP_LEVEL_KEYS
+    if unknown:
+        raise ValueError(f"{source}: unknown keys {sorted(unknown)}; allowed: {sorted(TOP_LEVEL_KEYS)}.")
+    trainer = data.get("trainer", {})
+    if not isinstance(trainer, dict):
+        raise ValueError(f"{source}: `trainer` must be a table of ComposerGRPOConfig fields.")
+    names = {f.name for f in fields(Recipe)}
+    kwargs = {k: v for k, v in data.items() if k in names}
+    recipe = Recipe(**kwargs)
+    if not isinstance(recipe.steps, int) or recipe.steps < 1:
+        raise ValueError(f"{source}: `steps` must be an int >= 1, got {recipe.steps!r}.")
+    if not isinstance(recipe.seed, int):
+        raise ValueError(f"{source}: `seed` must be an int, got {recipe.seed!r}.")
+    return recipe
+
+
+def import_callable(spec: str, what: str) -> Callable[..., Any]:
+    """Resolve ``"package.module:function"`` (used for ``reward`` and ``hint_fn``)."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"`{what}`={spec!r} must look like 'package.module:function'.")
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"`{what}`={spec!r} cannot be imported: {e}") from e
+    if not callable(obj):
+        raise ValueError(f"`{what}`={spec!r} is not callable.")
+    return obj  # type: ignore[no-any-return]
