@@ -1,0 +1,107 @@
+"""Shared fixtures: one tiny Qwen2 saved to a local directory, the digit-reversal dataset, trainer factories.
+
+Everything is real: trl 1.16's GRPOTrainer, transformers' Qwen2, datasets, peft. The model is tiny
+(hidden 64, 2 layers) so each trainer builds in about a second on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> Any:
+    from composer_trl.task import ALPHABET
+    from composer_trl.tiny import build_char_tokenizer
+
+    return build_char_tokenizer(ALPHABET)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Path:
+    """A saved tiny model + tokenizer (TRL builds its reference model from a path when beta != 0)."""
+    from composer_trl.tiny import build_tiny_model
+
+    path = tmp_path_factory.mktemp("tiny-qwen2")
+    build_tiny_model(tokenizer, seed=0).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def rows() -> list[dict[str, Any]]:
+    from composer_trl.task import make_dataset_rows
+
+    return make_dataset_rows(256, seed=1)
+
+
+@pytest.fixture(scope="session")
+def dataset(rows: list[dict[str, Any]]) -> Any:
+    from datasets import Dataset
+
+    return Dataset.from_list(rows)
+
+
+BASE_ARGS: dict[str, Any] = {
+    "per_device_train_batch_size": 8,
+    "num_generations": 4,
+    "max_completion_length": 3,
+    "max_steps": 2,
+    "learning_rate": 3e-3,
+    "report_to": "none",
+    "use_cpu": True,
+    "save_strategy": "no",
+    "disable_tqdm": True,
+    "logging_steps": 1,
+    "seed": 0,
+    "lr_scheduler_type": "constant",
+}
+
+
+def grpo_args(tmp_path: Path, composer: bool = True, **overrides: Any) -> Any:
+    from trl import GRPOConfig
+
+    from composer_trl import ComposerGRPOConfig
+
+    cls = ComposerGRPOConfig if composer else GRPOConfig
+    return cls(output_dir=str(tmp_path / "out"), **{**BASE_ARGS, **overrides})
+
+
+def make_trainer(
+    model: Any, tokenizer: Any, dataset: Any, args: Any, *, composer: bool = True, **kwargs: Any
+) -> Any:
+    from trl import GRPOTrainer
+
+    from composer_trl import ComposerGRPOTrainer
+    from composer_trl.task import reverse_reward
+
+    cls = ComposerGRPOTrainer if composer else GRPOTrainer
+    return cls(
+        model=str(model) if isinstance(model, Path) else model,
+        reward_funcs=[reverse_reward],
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        **kwargs,
+    )
+
+
+def generation_batch(dataset: Any, n_prompts: int, g: int, start: int = 0) -> list[dict[str, Any]]:
+    """What TRL's RepeatSampler hands `_generate_and_score_completions`: each row `g` times in a row."""
+    return [dict(dataset[i]) for i in range(start, start + n_prompts) for _ in range(g)]
+
+
+@pytest.fixture(scope="session")
+def h() -> Any:
+    """The helpers above (test modules cannot import conftest under --import-mode=importlib)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(grpo_args=grpo_args, make_trainer=make_trainer, generation_batch=generation_batch)
