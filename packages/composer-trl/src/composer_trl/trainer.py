@@ -493,7 +493,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
         assert capture is not None and capture.hidden is not None
         base = self._base_model(model)
         student_hidden = capture.hidden[:, -logits_to_keep - 1 : -1]
-        with torch.no_grad():
+        with torch.no_grad(), self.accelerator.autocast():  # the student's forward runs under autocast too
             t_out = base.base_model(input_ids=t_ids, attention_mask=t_mask, use_cache=False)
             t_hidden = t_out.last_hidden_state[:, -logits_to_keep - 1 : -1]
         teacher_hidden = torch.zeros_like(student_hidden)
