@@ -190,11 +190,11 @@ def test_gradient_accumulation_invariance(loss_type, tmp_path, model_dir, tokeni
     assert sdpo_f > 0 and full._metrics["train"]["composer/replay"][-1] > 0
     for (n, pf), (_, pa) in zip(full.model.named_parameters(), acc.model.named_parameters()):
         torch.testing.assert_close(pa.grad, pf.grad, atol=1e-6, rtol=1e-5, msg=n)
-    # the window-level logged values agree too
-    assert acc._metrics["train"]["composer/sdpo"][-1] == pytest.approx(sdpo_f, rel=1e-5)
-    assert acc._metrics["train"]["composer/replay"][-1] == pytest.approx(
-        full._metrics["train"]["composer/replay"][-1], rel=1e-5
-    )
+    # the logged channel values are contributions: the two micro-batches add up to the full batch's value
+    # (outside TRL's accumulate() every call is its own logging window)
+    for key in ("composer/sdpo", "composer/replay", "composer/policy"):
+        two = acc._metrics["train"][key][-2:]
+        assert sum(two) == pytest.approx(full._metrics["train"][key][-1], rel=1e-5, abs=1e-6)
 
 
 def test_sampled_form_and_taid_wrapper_train(tmp_path, model_dir, tokenizer, dataset, h):
