@@ -1,0 +1,75 @@
+"""`composer-train`: the main job, its recipe files, and its outputs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+
+from composer_trl.cli import main
+from composer_trl.progress import read_jsonl
+from composer_trl.recipe import load_recipe, recipe_from_dict
+from composer_trl.task import feedback_hint, oracle_solve, verify, wrong_solution
+
+
+def test_task_verifier_hint_and_oracle():
+    assert oracle_solve("3817>") == "7183"
+    assert verify("381>", "183") == 1.0
+    assert verify("381>", "133") == pytest.approx(2 / 3)
+    assert verify("381>", "1833") == pytest.approx(3 / 4)  # extra characters cost
+    assert feedback_hint("381>", "133") == ".8.|"
+    assert feedback_hint("381>", "183") is None
+    assert verify("121>", wrong_solution("121>")) < 1.0  # the rejected side is always wrong
+
+
+def test_composer_train_compare_writes_metrics_plot_and_model(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["--steps", "4", "--compare", "--output-dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    for name in ("metrics-composer.jsonl", "metrics-grpo.jsonl", "metrics.png", "summary.json"):
+        assert (out / name).is_file()
+        assert str((out / name).resolve()) in printed
+    assert (out / "model" / "config.json").is_file()
+    rows = read_jsonl(out / "metrics-composer.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for r in rows:
+        assert {"reward", "composer/policy", "composer/sdpo", "composer/replay"} <= set(r)
+        assert r["composer/replay"] > 0
+    grpo = read_jsonl(out / "metrics-grpo.jsonl")
+    assert len(grpo) == 4 and all("composer/sdpo" not in r for r in grpo)
+    assert rows[0]["reward"] == grpo[0]["reward"]  # same seed, same first generation
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 4 and "composer" in summary and "grpo" in summary
+    assert (out / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_composer_train_model_dir_and_toml_recipe(tmp_path, model_dir):
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(
+        f'model = "{model_dir}"\nsteps = 2\noutput_dir = "{tmp_path / "out"}"\n'
+        "[trainer]\nmax_completion_length = 3\nper_device_train_batch_size = 8\nnum_generations = 4\n"
+        'learning_rate = 1e-3\nhint_template = "{hint}{prompt}"\n'
+    )
+    assert main(["--config", str(recipe), "--no-plot"]) == 0
+    rows = read_jsonl(tmp_path / "out" / "metrics-composer.jsonl")
+    assert len(rows) == 2 and all(r["composer/sdpo"] >= 0 for r in rows)
+
+
+def test_yaml_recipe_and_unknown_keys(tmp_path):
+    y = tmp_path / "r.yaml"
+    y.write_text("steps: 7\ntrainer:\n  alpha_sdpo: 0.5\n")
+    r = load_recipe(y)
+    assert r.steps == 7 and r.trainer_kwargs()["alpha_sdpo"] == 0.5
+    with pytest.raises(ValueError, match="unknown keys"):
+        recipe_from_dict({"stpes": 3})
+    with pytest.raises(ValueError, match="unknown recipe format"):
+        load_recipe(tmp_path.joinpath("r.txt").resolve() if (tmp_path / "r.txt").write_text("x") else None)
+
+
+def test_console_script_is_installed():
+    exe = shutil.which("composer-train")
+    assert exe is not None
+    res = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "--compare" in res.stdout and "--model" in res.stdout

@@ -1,0 +1,84 @@
+"""Bad options and missing channel inputs raise clear errors naming the argument and the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"alpha_sdpo": -1.0}, "alpha_sdpo"),
+        ({"beta_replay": float("inf")}, "beta_replay"),
+        ({"sdpo_beta": 1.5}, "sdpo_beta"),
+        ({"sdpo_temperature": 0.0}, "sdpo_temperature"),
+        ({"sdpo_form": "topk"}, "sdpo_form"),
+        ({"sdpo_form": "sampled", "sdpo_wrapper": "taid"}, "sdpo_form='full'"),
+        ({"sdpo_wrapper": "taid", "max_steps": -1}, "max_steps"),
+        ({"hint_template": "{prompt}"}, "hint_template"),
+        ({"dpo_variant": "kto"}, "dpo_variant"),
+        ({"dpo_label_smoothing": 0.5}, "dpo_label_smoothing"),
+        ({"loss_type": "cispo"}, "loss_type"),
+        ({"importance_sampling_level": "sequence"}, "importance_sampling_level"),
+        ({"top_entropy_quantile": 0.5}, "top_entropy_quantile"),
+        ({"beta": 0.04}, "use_bias_correction_kl"),
+        ({"use_vllm": True}, "use_vllm"),
+        ({"max_replay_length": 0}, "max_replay_length"),
+    ],
+)
+def test_config_rejects_bad_options(overrides, match, tmp_path, h):
+    with pytest.raises(ValueError, match=match):
+        h.grpo_args(tmp_path, **overrides)
+
+
+def test_trainer_needs_composer_config(tmp_path, model_dir, tokenizer, dataset, h):
+    with pytest.raises(ValueError, match="ComposerGRPOConfig"):
+        h.make_trainer(model_dir, tokenizer, dataset, h.grpo_args(tmp_path, composer=False))
+
+
+def test_sdpo_without_hints_is_an_error(tmp_path, model_dir, tokenizer, dataset, h):
+    with pytest.raises(ValueError, match="alpha_sdpo=1.0 needs hints"):
+        h.make_trainer(model_dir, tokenizer, dataset, h.grpo_args(tmp_path))
+
+
+def test_replay_without_pairs_is_an_error(tmp_path, model_dir, tokenizer, dataset, h):
+    prompts_only = dataset.remove_columns(["chosen", "rejected"])
+    with pytest.raises(ValueError, match="chosen"):
+        h.make_trainer(model_dir, tokenizer, prompts_only, h.grpo_args(tmp_path, alpha_sdpo=0.0))
+
+
+def test_column_reference_without_columns_is_an_error(tmp_path, model_dir, tokenizer, dataset, h):
+    args = h.grpo_args(tmp_path, alpha_sdpo=0.0, replay_reference="column")
+    with pytest.raises(ValueError, match="ref_chosen_logps"):
+        h.make_trainer(model_dir, tokenizer, dataset, args)
+
+
+def test_bad_pair_rows_raise(tmp_path, model_dir, tokenizer, dataset, h):
+    ds = dataset.map(lambda r: {"chosen_mask": [0, 0, 0]})
+    ds = ds.map(lambda r: {"chosen": [4, 5, 6]})
+    trainer = h.make_trainer(model_dir, tokenizer, ds, h.grpo_args(tmp_path, alpha_sdpo=0.0, dpo_variant="simpo"))
+    trainer.model.train()
+    with pytest.raises(ValueError, match="no scored token"):
+        trainer._generate_and_score_completions(h.generation_batch(ds, 2, 4))
+
+
+def test_hint_fn_must_return_one_hint_per_completion(tmp_path, model_dir, tokenizer, dataset, h):
+    trainer = h.make_trainer(
+        model_dir, tokenizer, dataset, h.grpo_args(tmp_path, beta_replay=0.0), hint_fn=lambda **kw: ["1|"]
+    )
+    trainer.model.train()
+    with pytest.raises(ValueError, match="hint_fn returned 1 hints for 8"):
+        trainer._generate_and_score_completions(h.generation_batch(dataset, 2, 4))
+
+
+def test_extra_columns_survive_remove_unused_columns(tmp_path, model_dir, tokenizer, dataset, h):
+    """With remove_unused_columns=True TRL keeps only its signature columns; composer's are added to them."""
+    ds = dataset.add_column("hint", ["5|"] * len(dataset)).add_column("unrelated", [0] * len(dataset))
+    args = h.grpo_args(tmp_path, remove_unused_columns=True, max_steps=1)
+    trainer = h.make_trainer(model_dir, tokenizer, ds, args)
+    batch = next(iter(trainer.get_train_dataloader()))
+    assert {"prompt", "hint", "chosen", "rejected"} <= set(batch[0])
+    assert "unrelated" not in batch[0]
+    trainer.train()
+    logs = [r for r in trainer.state.log_history if "reward" in r]
+    assert logs[0]["composer/sdpo"] > 0 and logs[0]["composer/replay"] > 0
