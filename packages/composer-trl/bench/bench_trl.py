@@ -1,0 +1,145 @@
+"""Benchmark: ComposerGRPOTrainer vs plain TRL GRPOTrainer on the embedded task (tiny Qwen2, CPU).
+
+1. Step time with channels off (alpha_sdpo = beta_replay = 0) vs plain GRPOTrainer — target <= 1.05x.
+2. Step time with all three channels on (reported; the extra cost is the hinted teacher forward, the
+   chosen/rejected forward and the reference forward).
+3. Reward after K steps: composer vs GRPO alone, same seed (mean reward of the last 10% of steps).
+
+Runs are interleaved (A, B, A, B, ...) and the median is reported, so background load hits both sides.
+Prints a table and writes ``bench_trl.json`` to ``$COMPOSER_BENCH_OUT`` (default ./bench-results).
+
+    python packages/composer-trl/bench/bench_trl.py [--steps 30] [--repeats 3] [--reward-steps 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _trainer(kind: str, steps: int, out: str, seed: int = 0) -> Any:
+    from datasets import Dataset
+    from transformers import PrinterCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from composer_trl import ComposerGRPOConfig, ComposerGRPOTrainer
+    from composer_trl.recipe import TINY_TRAINER_DEFAULTS
+    from composer_trl.task import ALPHABET, make_dataset_rows, reverse_hints, reverse_reward
+    from composer_trl.tiny import build_char_tokenizer, build_tiny_model
+
+    tok = build_char_tokenizer(ALPHABET)
+    model = build_tiny_model(tok, seed=seed)
+    data = Dataset.from_list(make_dataset_rows(8 * (steps + 2), seed=seed))
+    common: dict[str, Any] = {
+        "output_dir": out,
+        "max_steps": steps,
+        "seed": seed,
+        "report_to": "none",
+        "save_strategy": "no",
+        "disable_tqdm": True,
+        "use_cpu": True,
+    }
+    kwargs = dict(TINY_TRAINER_DEFAULTS)
+    extra: dict[str, Any] = {}
+    if kind == "grpo":
+        base = {f for f in GRPOConfig.__dataclass_fields__}
+        config: Any = GRPOConfig(**common, **{k: v for k, v in kwargs.items() if k in base})
+        cls: Any = GRPOTrainer
+    else:
+        if kind == "composer-off":
+            kwargs.update(alpha_sdpo=0.0, beta_replay=0.0)
+        else:
+            extra["hint_fn"] = reverse_hints
+        config = ComposerGRPOConfig(**common, **kwargs)
+        cls = ComposerGRPOTrainer
+    trainer = cls(model=model, reward_funcs=[reverse_reward], args=config, train_dataset=data, processing_class=tok, **extra)
+    trainer.remove_callback(PrinterCallback)
+    return trainer
+
+
+def _step_time(kind: str, steps: int, tmp: str) -> float:
+    trainer = _trainer(kind, steps, tmp)
+    start = time.perf_counter()
+    trainer.train()
+    return (time.perf_counter() - start) / steps
+
+
+def _reward(kind: str, steps: int, tmp: str) -> dict[str, float]:
+    trainer = _trainer(kind, steps, tmp)
+    start = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - start
+    rewards = [r["reward"] for r in trainer.state.log_history if "reward" in r]
+    k = max(1, len(rewards) // 10)
+    return {"reward_first": sum(rewards[:k]) / k, "reward_last": sum(rewards[-k:]) / k, "seconds": seconds}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=30, help="optimiser steps per timing run")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved timing runs per trainer")
+    p.add_argument("--reward-steps", type=int, default=300, help="steps of the reward comparison (0 = skip)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (the tiny model is fastest on 1)")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+
+    kinds = ("grpo", "composer-off", "composer-on")
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    with tempfile.TemporaryDirectory() as tmp:
+        _step_time("grpo", 3, tmp)  # warm-up (imports, allocator)
+        for _ in range(args.repeats):
+            for k in kinds:
+                times[k].append(_step_time(k, args.steps, tmp))
+        med = {k: statistics.median(v) for k, v in times.items()}
+        result: dict[str, Any] = {
+            "device": "cpu",
+            "threads": args.threads,
+            "steps_per_run": args.steps,
+            "repeats": args.repeats,
+            "step_seconds": {k: {"median": med[k], "runs": times[k]} for k in kinds},
+            "ratio_channels_off_vs_grpo": med["composer-off"] / med["grpo"],
+            "ratio_channels_on_vs_grpo": med["composer-on"] / med["grpo"],
+            "target_channels_off": 1.05,
+        }
+        if args.reward_steps > 0:
+            result["reward_steps"] = args.reward_steps
+            result["reward"] = {
+                "composer": _reward("composer-on", args.reward_steps, tmp),
+                "grpo": _reward("grpo", args.reward_steps, tmp),
+            }
+
+    print("\ncomposer-trl benchmark (tiny Qwen2, embedded digit-reversal task, CPU)")
+    print(f"{'trainer':<34}{'median s/step':>14}{'vs GRPO':>10}")
+    labels = {
+        "grpo": "GRPOTrainer (TRL)",
+        "composer-off": "ComposerGRPOTrainer, channels off",
+        "composer-on": "ComposerGRPOTrainer, 3 channels",
+    }
+    for k in kinds:
+        print(f"{labels[k]:<34}{med[k]:>14.4f}{med[k] / med['grpo']:>9.3f}x")
+    ok = result["ratio_channels_off_vs_grpo"] <= 1.05
+    print(f"channels-off overhead target <= 1.05x: {'met' if ok else 'NOT met'}")
+    if "reward" in result:
+        rc, rg = result["reward"]["composer"], result["reward"]["grpo"]
+        print(f"reward after {args.reward_steps} steps (mean of last 10%, same seed):")
+        print(f"  composer   {rc['reward_first']:.3f} -> {rc['reward_last']:.3f}  ({rc['seconds']:.0f} s)")
+        print(f"  GRPO alone {rg['reward_first']:.3f} -> {rg['reward_last']:.3f}  ({rg['seconds']:.0f} s)")
+    out_dir = Path(os.environ.get("COMPOSER_BENCH_OUT", "bench-results"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "bench_trl.json"
+    path.write_text(json.dumps(result, indent=2))
+    print(f"wrote {path.resolve()}")
+
+
+if __name__ == "__main__":
+    main()
