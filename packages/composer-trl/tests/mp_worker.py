@@ -1,0 +1,67 @@
+"""Worker of test_multiprocess.py, launched by torchrun: 2 CPU processes (gloo) via accelerate's DDP.
+
+Not a test module itself (pytest only collects test_*.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+
+def main(out_dir: str, model_dir: str) -> None:
+    import faulthandler
+
+    faulthandler.dump_traceback_later(float(os.environ.get("COMPOSER_MP_DUMP_AFTER", "300")), exit=True)
+    from datasets import Dataset
+
+    from composer_trl import ComposerGRPOConfig, ComposerGRPOTrainer
+    from composer_trl.task import make_dataset_rows, reverse_hints, reverse_reward
+
+    torch.set_num_threads(1)
+    tok_dir = model_dir
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    data = Dataset.from_list(make_dataset_rows(64, seed=1))
+    args = ComposerGRPOConfig(
+        output_dir=os.path.join(out_dir, "trainer"),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=3,
+        max_steps=2,
+        learning_rate=3e-3,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        logging_steps=1,
+        seed=0,
+        bf16=False,
+        dpo_variant="dpo",
+    )
+    trainer = ComposerGRPOTrainer(
+        model=model_dir, reward_funcs=[reverse_reward], args=args, train_dataset=data, processing_class=tok,
+        hint_fn=reverse_hints,
+    )
+    before = sum(float(p.detach().double().sum()) for p in trainer.model.parameters())
+    trainer.train()
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    after = sum(float(p.detach().double().sum()) for p in model.parameters())
+    rank = trainer.accelerator.process_index
+    result = {
+        "rank": rank,
+        "world": trainer.accelerator.num_processes,
+        "distributed_type": str(trainer.accelerator.distributed_type),
+        "param_sum_before": before,
+        "param_sum_after": after,
+        "logs": [r for r in trainer.state.log_history if "reward" in r],
+    }
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
