@@ -122,7 +122,7 @@ def test_wrapper_bad_inputs() -> None:
         entropy_opd_loss(s, t, threshold=-1.0)
     with pytest.raises(ValueError, match="fkl_weight"):
         entropy_opd_loss(s, t, fkl_weight=-1.0)
-    with pytest.raises(ValueError, match="teacher_logits.*shape"):
+    with pytest.raises(ValueError, match=r"teacher_logits.*shape"):
         taid_loss(s, t[:, :4], 0.5)
 
 
