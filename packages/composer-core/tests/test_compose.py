@@ -4,7 +4,6 @@ import dataclasses
 
 import pytest
 import torch
-
 from composer_core import (
     ComposerBatch,
     compose_loss,
@@ -159,9 +158,7 @@ def test_global_normalisers_make_accumulation_exact_for_all_channels() -> None:
             logprobs=b.logprobs[rows],
             advantages=b.advantages[rows],
             completion_mask=b.completion_mask[rows],
-            sdpo_mask=b.sdpo_mask[rows]
-            if rows != [0, 1]
-            else b.sdpo_mask[rows].clone().fill_(0).index_fill_(0, torch.tensor([1]), 1) * b.sdpo_mask[rows],
+            sdpo_mask=b.sdpo_mask[rows],
             student_logits=b.student_logits[rows],  # type: ignore[index]
             teacher_logits=b.teacher_logits[rows],  # type: ignore[index]
             chosen_logps=b.chosen_logps[pairs],  # type: ignore[index]
