@@ -160,6 +160,8 @@ def validate_record(row: Mapping[str, Any], where: str = "record") -> TraceRecor
                 raise ValueError(f"{where}: teacher_prompt given with token ids but without teacher_prompt_ids")
             _int_list(row["teacher_prompt_ids"], "teacher_prompt_ids", where)
     if has_pair:
+        if row.get("chosen") is None or row.get("rejected") is None:
+            raise ValueError(f"{where}: give chosen and rejected together (channel 3)")
         chosen = _one_assistant(row.get("chosen"), "chosen", where)
         rejected = _one_assistant(row.get("rejected"), "rejected", where)
         from .pairs import action_key

@@ -1,0 +1,2 @@
+def test_placeholder_import() -> None:
+    import data_juicer  # noqa: F401
