@@ -11,7 +11,10 @@ last entry repeats if ``repeat_last``): ``"ok"``, ``"429"`` (with ``Retry-After:
 ``"500"``, ``"503"``, ``"400"``, ``"timeout"`` (sleep ``timeout_sleep_s`` before answering),
 ``"malformed"`` (HTTP 200 with a body that is not JSON), ``"no_choices"`` (JSON without
 ``choices``). Counters: ``requests`` per (model, state hash), ``answered`` likewise,
-``total_requests``. ``on_request(n, model, state)`` runs before the n-th request is answered.
+``total_requests``, ``max_in_flight``. ``on_request(n, model, state)`` runs before the n-th
+request is answered; when it returns True the connection is closed without an answer.
+``"400"`` echoes the request's ``Authorization`` header in its body (as some gateways do),
+to check that clients redact keys from recorded errors.
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ class ChatServer:
         repeat_last: bool = False,
         timeout_sleep_s: float = 2.0,
         require_key: str | None = None,
-        on_request: Callable[[int, str, str], None] | None = None,
+        on_request: Callable[[int, str, str], bool | None] | None = None,
+        retry_after: str = "0",
     ) -> None:
         self.answer_fn = answer_fn
         self.faults = {k: list(v) for k, v in (faults or {}).items()}
@@ -58,6 +62,9 @@ class ChatServer:
         self.timeout_sleep_s = timeout_sleep_s
         self.require_key = require_key
         self.on_request = on_request
+        self.retry_after = retry_after
+        self.in_flight = 0
+        self.max_in_flight = 0
         self.requests: Counter[tuple[str, str]] = Counter()
         self.answered: Counter[tuple[str, str]] = Counter()
         self.total_requests = 0
@@ -118,13 +125,27 @@ class ChatServer:
                     server.bodies.append(body)
                     server.auth_headers.append(self.headers.get("Authorization"))
                     fault = server._next_fault(model)
-                if server.on_request is not None:
-                    server.on_request(n, model, state)
+                    server.in_flight += 1
+                    server.max_in_flight = max(server.max_in_flight, server.in_flight)
+                try:
+                    self._answer(n, model, messages, state, fault)
+                finally:
+                    with server._lock:
+                        server.in_flight -= 1
+
+            def _answer(self, n: int, model: str, messages: list[dict[str, Any]], state: str, fault: str) -> None:
+                if server.on_request is not None and server.on_request(n, model, state):
+                    self.close_connection = True
+                    return
                 if server.require_key is not None and self.headers.get("Authorization") != f"Bearer {server.require_key}":
                     self._send(401, b'{"error": {"message": "invalid api key"}}')
                     return
-                if fault in ("429", "500", "503", "400"):
-                    extra = {"Retry-After": "0"} if fault == "429" else None
+                if fault == "400":
+                    echo = json.dumps({"error": {"message": f"bad auth {self.headers.get('Authorization')}"}})
+                    self._send(400, echo.encode())
+                    return
+                if fault in ("429", "500", "503"):
+                    extra = {"Retry-After": server.retry_after} if fault == "429" else None
                     self._send(int(fault), b'{"error": {"message": "injected"}}', extra)
                     return
                 if fault == "malformed":
