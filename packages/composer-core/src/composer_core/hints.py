@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from string import Formatter
 from typing import TYPE_CHECKING, Any, Literal
 
-from .traces import Episode, ErrorSite, Message, canonical_json
+from .traces import Episode, ErrorSite, Message
 
 if TYPE_CHECKING:  # pragma: no cover
     from .replay import Replayer
@@ -187,7 +187,7 @@ def render_plain(messages: Sequence[Message], *, add_generation_prompt: bool = F
     """Plain-text rendering for tokenizers without a chat template.
 
     Each message is ``<|role|>\\n{content}\\n`` followed, for tool calls, by one
-    ``<|tool_call|>{"name": ..., "arguments": ...}\\n`` line per call and ``<|end|>\\n``.
+    ``<|tool_call|>{name} {arguments}\\n`` line per call (arguments verbatim) and ``<|end|>\\n``.
     ``add_generation_prompt`` appends ``<|assistant|>\\n``.
     """
     out: list[str] = []
@@ -195,7 +195,7 @@ def render_plain(messages: Sequence[Message], *, add_generation_prompt: bool = F
         head = f"<|{m.role}|>" if m.role != "tool" else f"<|tool|>{m.tool_call_id}"
         out.append(f"{head}\n{m.text}\n")
         for c in m.tool_calls:
-            out.append(f"<|tool_call|>{canonical_json({'name': c.name, 'arguments': c.arguments})}\n")
+            out.append(f"<|tool_call|>{c.name} {c.arguments}\n")
         out.append("<|end|>\n")
     if add_generation_prompt:
         out.append("<|assistant|>\n")
@@ -326,7 +326,9 @@ def hint_token_span(prompt_ids: Sequence[int], teacher_prompt_ids: Sequence[int]
     """``(start, end)`` such that ``teacher[:start] + teacher[end:] == prompt``.
 
     Raises ``ValueError`` when the teacher context is not the student context with one
-    contiguous inserted run (i.e. when they differ by more than the hint).
+    contiguous inserted run (i.e. when they differ by more than the hint). When the run's
+    boundary tokens repeat (e.g. ``<|im_start|>``), several placements are valid; the one
+    furthest right is returned.
     """
     n, m = len(prompt_ids), len(teacher_prompt_ids)
     if m <= n:
