@@ -4,7 +4,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from composer_core.hints import (
     TemplateHint,
     build_hinted_context,
@@ -47,7 +46,9 @@ def test_teacher_context_is_student_context_plus_hint() -> None:
 
 def test_plain_rendering_differs_only_by_the_hint() -> None:
     ep = episode()
-    ctx = build_hinted_context(ep, find_error_sites(ep)[0], TemplateHint("Try `{tool_name}` with -x ({kinds})"))
+    ctx = build_hinted_context(
+        ep, find_error_sites(ep)[0], TemplateHint("Try `{tool_name}` with -x ({kinds})")
+    )
     plain = render_plain(ctx.prompt, add_generation_prompt=True)
     hinted = render_plain(ctx.teacher_prompt, add_generation_prompt=True)
     hint_block = render_plain([ctx.teacher_prompt[ctx.hint_index]])
@@ -129,16 +130,28 @@ def test_records_roundtrip_jsonl(tmp_path: Path) -> None:
         ({"hint": "another hint"}, "prompt with one hint message"),
         ({"chosen": None}, "chosen and rejected together"),
         ({"chosen": [{"role": "user", "content": "x"}]}, "exactly one assistant message"),
-        ({"rejected": [{"role": "assistant", "content": "something else"}]}, "rejected must be the student's action"),
+        (
+            {"rejected": [{"role": "assistant", "content": "something else"}]},
+            "rejected must be the student's action",
+        ),
         ({"ref_rejected_logp": None}, "together"),
         ({"ref_chosen_logp": float("nan")}, "finite"),
-        ({"completion": [{"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}]}, "exactly one"),
+        (
+            {"completion": [{"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}]},
+            "exactly one",
+        ),
         ({"prompt": "Make the tests pass."}, "prompt must be a list of OpenAI chat messages"),
         ({"prompt": [{"role": "user", "content": 5}]}, r"prompt\[0\]"),
         ({"colour": "red"}, r"unknown columns \['colour'\]"),
         ({"turn": -1}, "non-negative"),
         (
-            {"teacher_prompt": None, "chosen": None, "rejected": None, "ref_chosen_logp": None, "ref_rejected_logp": None},
+            {
+                "teacher_prompt": None,
+                "chosen": None,
+                "rejected": None,
+                "ref_chosen_logp": None,
+                "ref_rejected_logp": None,
+            },
             "needs channel 2",
         ),
     ],

@@ -3,8 +3,14 @@
 import json
 
 import pytest
-
-from composer_core.pairs import PreferencePair, action_key, action_length, filter_pairs, make_pair, normalize_text
+from composer_core.pairs import (
+    PreferencePair,
+    action_key,
+    action_length,
+    filter_pairs,
+    make_pair,
+    normalize_text,
+)
 from composer_core.replay import ReplayResult
 from composer_core.traces import Episode, Message, ToolCall
 
@@ -74,7 +80,9 @@ def test_length_filter_measures_real_action_size() -> None:
     assert kept == [] and dropped["too_long"] == 1
     kept, dropped = filter_pairs([pair(long_call, Message("assistant", "   "))], min_chars=1)
     assert kept == [] and dropped["too_short"] == 1  # whitespace-only content has length 0
-    assert action_length(long_call) == len("bash") + len(json.dumps({"cmd": "x" * 500}, separators=(",", ":")))
+    assert action_length(long_call) == len("bash") + len(
+        json.dumps({"cmd": "x" * 500}, separators=(",", ":"))
+    )
 
 
 def test_dedupe_on_normalised_structure() -> None:
@@ -103,11 +111,11 @@ def test_string_filter_over_message_lists_is_impossible() -> None:
     assert len(as_dicts) == 1  # what the old length filter saw
     with pytest.raises(TypeError, match="normalize_text takes str, got list"):
         normalize_text(as_dicts)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="must be a composer_core.traces.Message, got list"):
+    with pytest.raises(TypeError, match=r"must be a composer_core\.traces\.Message, got list"):
         action_length(as_dicts)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="got dict"):
         action_key(as_dicts[0])  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="chosen must be a composer_core.traces.Message"):
+    with pytest.raises(TypeError, match=r"chosen must be a composer_core\.traces\.Message"):
         pair(as_dicts, Message("assistant", "y"))  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="prompt must be a tuple of Message"):
         PreferencePair("e", 1, [{"role": "user"}], tc("a"), tc("b"), "majority", (), 1)  # type: ignore[arg-type]

@@ -4,7 +4,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from composer_core.traces import (
     Episode,
     Message,
@@ -20,7 +19,11 @@ from composer_core.traces import (
 
 
 def call(cid: str, cmd: str) -> dict:
-    return {"id": cid, "type": "function", "function": {"name": "bash", "arguments": json.dumps({"cmd": cmd})}}
+    return {
+        "id": cid,
+        "type": "function",
+        "function": {"name": "bash", "arguments": json.dumps({"cmd": cmd})},
+    }
 
 
 def episode_dict(eid: str = "e1", tool_output: str = "ok", **tool_extra: object) -> dict:
@@ -28,7 +31,10 @@ def episode_dict(eid: str = "e1", tool_output: str = "ok", **tool_extra: object)
         "id": eid,
         "messages": [
             {"role": "system", "content": "You are a coding agent."},
-            {"role": "user", "content": [{"type": "text", "text": "Fix "}, {"type": "text", "text": "the bug."}]},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "Fix "}, {"type": "text", "text": "the bug."}],
+            },
             {"role": "assistant", "content": "Running tests.", "tool_calls": [call("c1", "pytest -q")]},
             {"role": "tool", "tool_call_id": "c1", "content": tool_output, **tool_extra},
             {"role": "assistant", "content": "Done."},
@@ -96,18 +102,32 @@ def claude_lines() -> list[dict]:
     base = {"sessionId": "s1", "isSidechain": False, "cwd": "/w", "version": "2.1.1"}
     return [
         {"type": "summary", "summary": "Fix bug", "leafUuid": "u9"},
-        {**base, "type": "user", "uuid": "u1", "parentUuid": None, "message": {"role": "user", "content": "Fix it"}},
+        {
+            **base,
+            "type": "user",
+            "uuid": "u1",
+            "parentUuid": None,
+            "message": {"role": "user", "content": "Fix it"},
+        },
         {
             **base,
             "type": "assistant",
             "uuid": "u2",
-            "message": {"id": "msg_1", "role": "assistant", "content": [{"type": "thinking", "thinking": "hmm"}]},
+            "message": {
+                "id": "msg_1",
+                "role": "assistant",
+                "content": [{"type": "thinking", "thinking": "hmm"}],
+            },
         },
         {
             **base,
             "type": "assistant",
             "uuid": "u3",
-            "message": {"id": "msg_1", "role": "assistant", "content": [{"type": "text", "text": "Running."}]},
+            "message": {
+                "id": "msg_1",
+                "role": "assistant",
+                "content": [{"type": "text", "text": "Running."}],
+            },
         },
         {
             **base,
@@ -116,7 +136,9 @@ def claude_lines() -> list[dict]:
             "message": {
                 "id": "msg_1",
                 "role": "assistant",
-                "content": [{"type": "tool_use", "id": "toolu_1", "name": "Bash", "input": {"command": "make"}}],
+                "content": [
+                    {"type": "tool_use", "id": "toolu_1", "name": "Bash", "input": {"command": "make"}}
+                ],
             },
         },
         {
@@ -169,7 +191,9 @@ def test_claude_code_unknown_block(tmp_path: Path) -> None:
     lines[3]["message"]["content"] = [{"type": "server_tool_magic"}]
     p = tmp_path / "s.jsonl"
     p.write_text("\n".join(json.dumps(x) for x in lines))
-    with pytest.raises(ValueError, match=r"s.jsonl:4: unsupported assistant content block 'server_tool_magic'"):
+    with pytest.raises(
+        ValueError, match=r"s.jsonl:4: unsupported assistant content block 'server_tool_magic'"
+    ):
         read_claude_code_jsonl(p)
 
 

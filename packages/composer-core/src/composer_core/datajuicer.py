@@ -18,6 +18,7 @@ and ``ray`` it imports without declaring).
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -41,14 +42,14 @@ def action_text(m: Message) -> str:
 
 def _dj() -> tuple[Any, Any, tuple[type, ...], type]:
     try:
-        from data_juicer.core.data import NestedDataset
-        from data_juicer.ops import load_ops
-        from data_juicer.ops.base_op import Deduplicator, Filter, Mapper
+        data = importlib.import_module("data_juicer.core.data")
+        ops = importlib.import_module("data_juicer.ops")
+        base = importlib.import_module("data_juicer.ops.base_op")
     except ImportError as e:
         raise ImportError(
             "the data-juicer integration needs py-data-juicer: pip install 'composer-core[datajuicer]'"
         ) from e
-    return NestedDataset, load_ops, (Filter, Deduplicator), Mapper
+    return data.NestedDataset, ops.load_ops, (base.Filter, base.Deduplicator), base.Mapper
 
 
 def datajuicer_filter(

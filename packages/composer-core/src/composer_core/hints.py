@@ -87,7 +87,9 @@ class TemplateHint:
         names = {f for _, f, _, _ in Formatter().parse(template) if f is not None}
         unknown = names - self.FIELDS
         if unknown:
-            raise ValueError(f"template uses unknown fields {sorted(unknown)}; available: {sorted(self.FIELDS)}")
+            raise ValueError(
+                f"template uses unknown fields {sorted(unknown)}; available: {sorted(self.FIELDS)}"
+            )
         if not template.strip():
             raise ValueError("template is empty")
         self.template = template
@@ -170,7 +172,9 @@ def build_hinted_context(
         raise ValueError(f"site belongs to episode {site.episode_id!r}, not {episode.id!r}")
     action = episode.messages[site.action_turn]
     if action.role != "assistant":
-        raise ValueError(f"site.action_turn={site.action_turn} is a {action.role} message, not the student's action")
+        raise ValueError(
+            f"site.action_turn={site.action_turn} is a {action.role} message, not the student's action"
+        )
     hint = source(episode, site)
     if not isinstance(hint, str) or not hint.strip():
         raise ValueError(f"hint source returned an empty hint for {episode.id}@{site.action_turn}")
@@ -212,7 +216,9 @@ def _template_dict(m: Message) -> dict[str, Any]:
     return d
 
 
-def _render_template(tokenizer: Any, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]], gen: bool) -> str:
+def _render_template(
+    tokenizer: Any, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]], gen: bool
+) -> str:
     kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": gen}
     if tools:
         kwargs["tools"] = [dict(t) for t in tools]
@@ -280,7 +286,9 @@ def tokenize_hinted(
     use_template = bool(getattr(tokenizer, "chat_template", None)) if chat_template is None else chat_template
     if use_template:
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("chat_template=True but the tokenizer has no chat_template; pass chat_template=False")
+            raise ValueError(
+                "chat_template=True but the tokenizer has no chat_template; pass chat_template=False"
+            )
         prompt_text = _render_template(tokenizer, ctx.prompt, ctx.tools, True)
         full = _render_template(tokenizer, (*ctx.prompt, ctx.completion), ctx.tools, False)
         teacher_text = _render_template(tokenizer, ctx.teacher_prompt, ctx.tools, True)
@@ -315,11 +323,15 @@ def tokenize_hinted(
     else:
         for a, b in mask_spans:
             if not 0 <= a < b <= len(completion_text):
-                raise ValueError(f"mask span ({a}, {b}) is outside the completion text [0, {len(completion_text)})")
+                raise ValueError(
+                    f"mask span ({a}, {b}) is outside the completion text [0, {len(completion_text)})"
+                )
         mask = [int(any(s < b and a < e for a, b in mask_spans)) for s, e in offsets]
         if not any(mask):
             raise ValueError("the mask spans cover no completion token")
-    return TokenizedHinted(prompt_ids, teacher_ids, completion_ids, mask, completion_text, prompt_text, teacher_text)
+    return TokenizedHinted(
+        prompt_ids, teacher_ids, completion_ids, mask, completion_text, prompt_text, teacher_text
+    )
 
 
 def hint_token_span(prompt_ids: Sequence[int], teacher_prompt_ids: Sequence[int]) -> tuple[int, int]:
@@ -340,5 +352,7 @@ def hint_token_span(prompt_ids: Sequence[int], teacher_prompt_ids: Sequence[int]
     while suf < n - pre and prompt_ids[n - 1 - suf] == teacher_prompt_ids[m - 1 - suf]:
         suf += 1
     if pre + suf != n:
-        raise ValueError(f"contexts differ outside one inserted run (common prefix {pre}, suffix {suf}, prompt {n})")
+        raise ValueError(
+            f"contexts differ outside one inserted run (common prefix {pre}, suffix {suf}, prompt {n})"
+        )
     return pre, m - suf

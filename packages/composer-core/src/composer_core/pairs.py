@@ -83,7 +83,9 @@ def action_key(m: Message) -> str:
 def action_length(m: Message) -> int:
     """Characters of an action's normalised content plus its tool calls' names and canonical arguments."""
     m = _require_message(m, "action")
-    return len(normalize_text(m.text)) + sum(len(c.name) + len(_canonical_args(c.arguments)) for c in m.tool_calls)
+    return len(normalize_text(m.text)) + sum(
+        len(c.name) + len(_canonical_args(c.arguments)) for c in m.tool_calls
+    )
 
 
 @dataclass(frozen=True)
@@ -154,7 +156,15 @@ def make_pair(
     voters = tuple(t for t, m in pool if action_key(m) == best_key)
     chosen = next(m for _, m in pool if action_key(m) == best_key)
     return PreferencePair(
-        episode.id, turn, episode.messages[:turn], chosen, student, chosen_by, voters, len(answers), episode.tools
+        episode.id,
+        turn,
+        episode.messages[:turn],
+        chosen,
+        student,
+        chosen_by,
+        voters,
+        len(answers),
+        episode.tools,
     )
 
 
@@ -172,7 +182,9 @@ def filter_pairs(
     rejected actions; the first is kept. Returns the kept pairs and drop counts.
     """
     if min_chars < 0 or (max_chars is not None and max_chars < min_chars):
-        raise ValueError(f"need 0 <= min_chars <= max_chars, got min_chars={min_chars}, max_chars={max_chars}")
+        raise ValueError(
+            f"need 0 <= min_chars <= max_chars, got min_chars={min_chars}, max_chars={max_chars}"
+        )
     kept: list[PreferencePair] = []
     dropped = {"too_short": 0, "too_long": 0, "duplicate": 0}
     seen: set[tuple[str, str, str]] = set()

@@ -40,6 +40,7 @@ given in pairs. Parquet (``parquet`` extra, pyarrow) stores message columns as J
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -49,7 +50,14 @@ from typing import Any
 
 from .traces import Message, message_from_dict
 
-__all__ = ["MESSAGE_COLUMNS", "TraceRecord", "read_records", "records_from_rows", "validate_record", "write_records"]
+__all__ = [
+    "MESSAGE_COLUMNS",
+    "TraceRecord",
+    "read_records",
+    "records_from_rows",
+    "validate_record",
+    "write_records",
+]
 
 MESSAGE_COLUMNS = ("prompt", "completion", "teacher_prompt", "chosen", "rejected")
 
@@ -128,7 +136,9 @@ def validate_record(row: Mapping[str, Any], where: str = "record") -> TraceRecor
     has_sdpo = row.get("teacher_prompt") is not None
     has_pair = row.get("chosen") is not None or row.get("rejected") is not None
     if not has_sdpo and not has_pair:
-        raise ValueError(f"{where}: a record needs channel 2 (teacher_prompt, hint) or channel 3 (chosen, rejected)")
+        raise ValueError(
+            f"{where}: a record needs channel 2 (teacher_prompt, hint) or channel 3 (chosen, rejected)"
+        )
     if has_sdpo:
         teacher = _messages(row["teacher_prompt"], "teacher_prompt", where)
         hint, k = row.get("hint"), row.get("hint_index")
@@ -155,9 +165,13 @@ def validate_record(row: Mapping[str, Any], where: str = "record") -> TraceRecor
             raise ValueError(f"{where}: sdpo_mask must hold only 0 and 1")
         if has_sdpo:
             if not any(mask):
-                raise ValueError(f"{where}: sdpo_mask is all zero (an SDPO site must mark at least one token)")
+                raise ValueError(
+                    f"{where}: sdpo_mask is all zero (an SDPO site must mark at least one token)"
+                )
             if row.get("teacher_prompt_ids") is None:
-                raise ValueError(f"{where}: teacher_prompt given with token ids but without teacher_prompt_ids")
+                raise ValueError(
+                    f"{where}: teacher_prompt given with token ids but without teacher_prompt_ids"
+                )
             _int_list(row["teacher_prompt_ids"], "teacher_prompt_ids", where)
     if has_pair:
         if row.get("chosen") is None or row.get("rejected") is None:
@@ -187,7 +201,13 @@ def write_records(records: Iterable[TraceRecord], path: str | Path) -> int:
     rows = [validate_record(r.to_dict(), f"record {r.id}").to_dict() for r in records]
     if p.suffix == ".parquet":
         pa, pq = _pyarrow()
-        enc = [{k: (json.dumps(v, ensure_ascii=False) if k in MESSAGE_COLUMNS and v is not None else v) for k, v in r.items()} for r in rows]
+        enc = [
+            {
+                k: (json.dumps(v, ensure_ascii=False) if k in MESSAGE_COLUMNS and v is not None else v)
+                for k, v in r.items()
+            }
+            for r in rows
+        ]
         pq.write_table(pa.Table.from_pylist(enc, schema=_arrow_schema(pa)), p)
     else:
         with p.open("w", encoding="utf-8") as f:
@@ -232,8 +252,8 @@ def read_records(path: str | Path) -> list[TraceRecord]:
 
 def _pyarrow() -> tuple[Any, Any]:
     try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
+        pa = importlib.import_module("pyarrow")
+        pq = importlib.import_module("pyarrow.parquet")
     except ImportError as e:
         raise ImportError("Parquet output needs pyarrow: pip install 'composer-core[parquet]'") from e
     return pa, pq

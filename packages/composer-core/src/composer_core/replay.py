@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import importlib
 import json
 import logging
 import math
@@ -43,12 +44,9 @@ import tomllib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .traces import Message, canonical_json, message_from_dict, state_hash
-
-if TYPE_CHECKING:  # pragma: no cover
-    import httpx
 
 __all__ = [
     "ReplayCache",
@@ -65,12 +63,11 @@ log = logging.getLogger(__name__)
 
 def _httpx() -> Any:
     try:
-        import httpx
+        return importlib.import_module("httpx")
     except ImportError as e:  # pragma: no cover - exercised only without the extra
         raise ImportError(
             "teacher replay needs httpx: install the replay extra, pip install 'composer-core[replay]'"
         ) from e
-    return httpx
 
 
 @dataclass(frozen=True)
@@ -102,7 +99,13 @@ class TeacherConfig:
                 raise ValueError(f"teacher {attr} must be a non-empty string")
         if not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"teacher {self.name!r}: base_url must start with http:// or https://")
-        for attr in ("input_cost_per_mtok", "output_cost_per_mtok", "timeout_s", "backoff_base_s", "backoff_max_s"):
+        for attr in (
+            "input_cost_per_mtok",
+            "output_cost_per_mtok",
+            "timeout_s",
+            "backoff_base_s",
+            "backoff_max_s",
+        ):
             v = getattr(self, attr)
             if not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"teacher {self.name!r}: {attr} must be a finite number >= 0, got {v!r}")
@@ -123,7 +126,9 @@ class TeacherConfig:
         return key
 
     def cost(self, prompt_tokens: int, completion_tokens: int) -> float:
-        return (prompt_tokens * self.input_cost_per_mtok + completion_tokens * self.output_cost_per_mtok) / 1e6
+        return (
+            prompt_tokens * self.input_cost_per_mtok + completion_tokens * self.output_cost_per_mtok
+        ) / 1e6
 
 
 _TEACHER_FIELDS = {f.name for f in dataclasses.fields(TeacherConfig)}
@@ -153,7 +158,9 @@ def load_teachers(path: str | Path) -> list[TeacherConfig]:
         raise ValueError(f"{p}: invalid TOML ({e})") from e
     unknown_top = set(data) - {"defaults", "teachers"}
     if unknown_top:
-        raise ValueError(f"{p}: unknown top-level keys {sorted(unknown_top)} (expected [defaults] and [[teachers]])")
+        raise ValueError(
+            f"{p}: unknown top-level keys {sorted(unknown_top)} (expected [defaults] and [[teachers]])"
+        )
     defaults = data.get("defaults", {})
     tables = data.get("teachers", [])
     if not isinstance(tables, list) or not tables:
@@ -168,7 +175,9 @@ def load_teachers(path: str | Path) -> list[TeacherConfig]:
             )
         unknown = set(merged) - _TEACHER_FIELDS
         if unknown:
-            raise ValueError(f"{p}: teachers[{i}] has unknown keys {sorted(unknown)}; allowed: {sorted(_TEACHER_FIELDS)}")
+            raise ValueError(
+                f"{p}: teachers[{i}] has unknown keys {sorted(unknown)}; allowed: {sorted(_TEACHER_FIELDS)}"
+            )
         try:
             out.append(TeacherConfig(**merged))
         except (TypeError, ValueError) as e:
@@ -234,9 +243,15 @@ class ReplayCache:
         self.root.mkdir(parents=True, exist_ok=True)
 
     @staticmethod
-    def key(teacher: TeacherConfig, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] = ()) -> str:
+    def key(
+        teacher: TeacherConfig, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] = ()
+    ) -> str:
         """SHA-256 of (teacher name, model, state hash, sampling parameters)."""
-        params = {"temperature": teacher.temperature, "max_tokens": teacher.max_tokens, "extra": dict(teacher.extra_body)}
+        params = {
+            "temperature": teacher.temperature,
+            "max_tokens": teacher.max_tokens,
+            "extra": dict(teacher.extra_body),
+        }
         payload = [teacher.name, teacher.model, state_hash(messages, tools), params]
         return hashlib.sha256(canonical_json(payload).encode()).hexdigest()
 
@@ -305,7 +320,7 @@ class Replayer:
         max_concurrency: int = 16,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         rng: random.Random | None = None,
-        transport: httpx.AsyncBaseTransport | None = None,
+        transport: Any = None,
     ) -> None:
         if not teachers:
             raise ValueError("teachers is empty: configure at least one teacher")
@@ -405,7 +420,12 @@ class Replayer:
             st.completion_tokens += ct
             st.cost_usd += cost
             raw = {**data["choices"][0]["message"], "role": "assistant"}
-            entry = {"teacher": t.name, "model": t.model, "message": raw, "usage": {"prompt_tokens": pt, "completion_tokens": ct}}
+            entry = {
+                "teacher": t.name,
+                "model": t.model,
+                "message": raw,
+                "usage": {"prompt_tokens": pt, "completion_tokens": ct},
+            }
             if self.cache is not None:
                 self.cache.put(t.name, key, entry)
             return self._from_entry(t, key, entry, cached=False, attempts=attempts)
@@ -414,7 +434,9 @@ class Replayer:
         log.warning("teacher %s failed: %s", t.name, reason)
         return ReplayResult(t.name, t.model, key, None, reason, False, attempts)
 
-    def _from_entry(self, t: TeacherConfig, key: str, entry: Mapping[str, Any], cached: bool, attempts: int) -> ReplayResult:
+    def _from_entry(
+        self, t: TeacherConfig, key: str, entry: Mapping[str, Any], cached: bool, attempts: int
+    ) -> ReplayResult:
         usage = entry.get("usage") or {}
         pt, ct = int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))
         try:
@@ -424,7 +446,9 @@ class Replayer:
             msg, failure = None, f"unusable answer: {e}"
         return ReplayResult(t.name, t.model, key, msg, failure, cached, attempts, pt, ct, t.cost(pt, ct))
 
-    async def areplay(self, jobs: Sequence[ReplayJob], on_result: Callable[[ReplayResult], None] | None = None) -> list[ReplayResult]:
+    async def areplay(
+        self, jobs: Sequence[ReplayJob], on_result: Callable[[ReplayResult], None] | None = None
+    ) -> list[ReplayResult]:
         """Run ``jobs``; results in job order. ``on_result`` is called as each one completes."""
         for j in jobs:
             if j.teacher not in self.teachers:
@@ -433,7 +457,9 @@ class Replayer:
         overall = asyncio.Semaphore(self.max_concurrency)
         per = {name: asyncio.Semaphore(t.max_concurrency) for name, t in self.teachers.items()}
         inflight: dict[str, asyncio.Future[ReplayResult]] = {}
-        limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
+        limits = httpx.Limits(
+            max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency
+        )
 
         async with httpx.AsyncClient(transport=self._transport, limits=limits) as client:
 
@@ -465,11 +491,15 @@ class Replayer:
 
             return list(await asyncio.gather(*(run(j) for j in jobs)))
 
-    def replay(self, jobs: Sequence[ReplayJob], on_result: Callable[[ReplayResult], None] | None = None) -> list[ReplayResult]:
+    def replay(
+        self, jobs: Sequence[ReplayJob], on_result: Callable[[ReplayResult], None] | None = None
+    ) -> list[ReplayResult]:
         """Synchronous :meth:`areplay` (must not be called from a running event loop)."""
         return asyncio.run(self.areplay(jobs, on_result))
 
-    def complete(self, teacher: str, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] = ()) -> ReplayResult:
+    def complete(
+        self, teacher: str, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] = ()
+    ) -> ReplayResult:
         """One request (cached like any other); used by :class:`composer_core.hints.TeacherHint`."""
         return self.replay([ReplayJob(teacher, tuple(messages), tuple(tools))])[0]
 

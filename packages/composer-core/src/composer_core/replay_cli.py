@@ -51,8 +51,7 @@ class BuildResult:
 
 
 def _progress(total: int, enabled: bool) -> Any:
-    from tqdm.auto import tqdm
-
+    tqdm = importlib.import_module("tqdm.auto").tqdm
     return tqdm(total=total, desc="teacher replay", unit="req", disable=not enabled, file=sys.stderr)
 
 
@@ -120,7 +119,9 @@ def build_records(
         pair = make_pair(ep, t, results.get((ep.id, t), []), verifier=verifier)
         if pair is not None:
             pairs[(ep.id, t)] = pair
-    kept, dropped = filter_pairs(list(pairs.values()), min_chars=min_chars, max_chars=max_chars, dedupe=dedupe)
+    kept, dropped = filter_pairs(
+        list(pairs.values()), min_chars=min_chars, max_chars=max_chars, dedupe=dedupe
+    )
     kept_ids = {(p.episode_id, p.turn) for p in kept}
 
     out = BuildResult([], failures, dropped, states=len(targets))
@@ -178,10 +179,10 @@ def _load_verifier(spec: str) -> Verifier:
 
 def _load_tokenizer(path: str, trust_remote_code: bool) -> Any:
     try:
-        from transformers import AutoTokenizer
+        transformers = importlib.import_module("transformers")
     except ImportError as e:
         raise ImportError("--tokenizer needs transformers: pip install 'composer-core[hf]'") from e
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -189,19 +190,34 @@ def _parser() -> argparse.ArgumentParser:
         prog="composer-replay",
         description="Replay N teacher models at the states of agent traces; write SDPO sites and preference pairs.",
     )
-    ap.add_argument("--traces", required=True, nargs="+", help="episode JSONL files (OpenAI chat or Claude Code)")
+    ap.add_argument(
+        "--traces", required=True, nargs="+", help="episode JSONL files (OpenAI chat or Claude Code)"
+    )
     ap.add_argument("--format", default="auto", choices=["auto", "openai", "claude-code"])
     ap.add_argument("--teachers", help="teachers.toml ([[teachers]] tables); omit to only build SDPO sites")
-    ap.add_argument("--out", required=True, help="output records (.jsonl, or .parquet with the parquet extra)")
+    ap.add_argument(
+        "--out", required=True, help="output records (.jsonl, or .parquet with the parquet extra)"
+    )
     ap.add_argument("--cache-dir", help="replay cache directory (default: <out>.cache)")
     ap.add_argument("--failures", help="failed requests JSONL (default: <out>.failures.jsonl)")
     ap.add_argument("--summary", help="summary JSON (default: <out>.summary.json)")
-    ap.add_argument("--states", default="all", choices=["all", "errors"], help="replay every student turn or only faulty ones")
-    ap.add_argument("--hint", default="error-text", help="'error-text', 'template', 'teacher:<name>' or 'none'")
+    ap.add_argument(
+        "--states",
+        default="all",
+        choices=["all", "errors"],
+        help="replay every student turn or only faulty ones",
+    )
+    ap.add_argument(
+        "--hint", default="error-text", help="'error-text', 'template', 'teacher:<name>' or 'none'"
+    )
     ap.add_argument("--hint-template", help="str.format template for --hint template")
-    ap.add_argument("--tokenizer", help="Hugging Face tokenizer (local dir) for token ids and SDPO masks (hf extra)")
+    ap.add_argument(
+        "--tokenizer", help="Hugging Face tokenizer (local dir) for token ids and SDPO masks (hf extra)"
+    )
     ap.add_argument("--chat-template", default="auto", choices=["auto", "on", "off"])
-    ap.add_argument("--trust-remote-code", action="store_true", help="allow tokenizer code from the tokenizer dir")
+    ap.add_argument(
+        "--trust-remote-code", action="store_true", help="allow tokenizer code from the tokenizer dir"
+    )
     ap.add_argument("--verifier", help="'module:function' accepting (episode, turn, message) -> bool")
     ap.add_argument("--min-chars", type=int, default=1)
     ap.add_argument("--max-chars", type=int)
@@ -228,7 +244,16 @@ def _hint_source(spec: str, template: str | None, replayer: Replayer | None) -> 
 
 
 def _print_summary(summary: dict[str, Any]) -> None:
-    cols = ["requests", "answers", "cache_hits", "retries", "failures", "prompt_tokens", "completion_tokens", "cost_usd"]
+    cols = [
+        "requests",
+        "answers",
+        "cache_hits",
+        "retries",
+        "failures",
+        "prompt_tokens",
+        "completion_tokens",
+        "cost_usd",
+    ]
     teachers = summary["teachers"]
     width = max([len("teacher"), *(len(n) for n in teachers)])
     print(f"{'teacher':<{width}}  " + "  ".join(f"{c:>17}" for c in cols))

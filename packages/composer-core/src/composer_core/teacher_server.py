@@ -133,11 +133,16 @@ class ChatServer:
                     with server._lock:
                         server.in_flight -= 1
 
-            def _answer(self, n: int, model: str, messages: list[dict[str, Any]], state: str, fault: str) -> None:
+            def _answer(
+                self, n: int, model: str, messages: list[dict[str, Any]], state: str, fault: str
+            ) -> None:
                 if server.on_request is not None and server.on_request(n, model, state):
                     self.close_connection = True
                     return
-                if server.require_key is not None and self.headers.get("Authorization") != f"Bearer {server.require_key}":
+                if (
+                    server.require_key is not None
+                    and self.headers.get("Authorization") != f"Bearer {server.require_key}"
+                ):
                     self._send(401, b'{"error": {"message": "invalid api key"}}')
                     return
                 if fault == "400":

@@ -88,7 +88,11 @@ class ToolCall:
             return self.arguments
 
     def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 @dataclass(frozen=True)
@@ -117,7 +121,9 @@ class Message:
                 f"Message.content must be str or None, got {type(self.content).__name__}; "
                 "build messages with message_from_dict() to convert content-part lists"
             )
-        if not isinstance(self.tool_calls, tuple) or not all(isinstance(c, ToolCall) for c in self.tool_calls):
+        if not isinstance(self.tool_calls, tuple) or not all(
+            isinstance(c, ToolCall) for c in self.tool_calls
+        ):
             raise TypeError("Message.tool_calls must be a tuple of ToolCall")
         if self.tool_calls and self.role != "assistant":
             raise ValueError(f"only assistant messages carry tool_calls (got role {self.role!r})")
@@ -168,7 +174,9 @@ def _content_to_text(content: Any, where: str) -> str | None:
                 parts.append("[image]")
             else:
                 kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-                raise ValueError(f"{where}: unsupported content part {kind!r} (text and image parts are read)")
+                raise ValueError(
+                    f"{where}: unsupported content part {kind!r} (text and image parts are read)"
+                )
         return "".join(parts)
     raise ValueError(f"{where}: content must be a string, a list of content parts or null")
 
@@ -184,7 +192,9 @@ def message_from_dict(d: Any, where: str = "message") -> Message:
     for i, c in enumerate(d.get("tool_calls") or []):
         fn = c.get("function") if isinstance(c, Mapping) else None
         if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
-            raise ValueError(f"{where}.tool_calls[{i}]: expected {{'id', 'function': {{'name', 'arguments'}}}}")
+            raise ValueError(
+                f"{where}.tool_calls[{i}]: expected {{'id', 'function': {{'name', 'arguments'}}}}"
+            )
         args = fn.get("arguments", "{}")
         if not isinstance(args, str):  # some exporters store the parsed object
             args = canonical_json(args)
@@ -340,7 +350,9 @@ def read_claude_code_jsonl(path: str | Path) -> list[Episode]:
         sid = str(obj.get("sessionId") or p.stem)
         out = sessions.setdefault(sid, [])
         content = msg.get("content")
-        blocks: list[Any] = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
+        blocks: list[Any] = (
+            [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
+        )
         if kind == "assistant":
             text: list[str] = []
             calls: list[ToolCall] = []
@@ -349,7 +361,9 @@ def read_claude_code_jsonl(path: str | Path) -> list[Episode]:
                 if btype == "text":
                     text.append(str(b.get("text", "")))
                 elif btype == "tool_use":
-                    calls.append(ToolCall(str(b.get("id")), str(b.get("name")), canonical_json(b.get("input", {}))))
+                    calls.append(
+                        ToolCall(str(b.get("id")), str(b.get("name")), canonical_json(b.get("input", {})))
+                    )
                 elif btype in ("thinking", "redacted_thinking"):
                     continue
                 else:
@@ -358,7 +372,12 @@ def read_claude_code_jsonl(path: str | Path) -> list[Episode]:
                 continue
             mid = msg.get("id")
             prev = out[-1] if out else None
-            if prev is not None and prev.role == "assistant" and mid is not None and last_assistant_id.get(sid) == mid:
+            if (
+                prev is not None
+                and prev.role == "assistant"
+                and mid is not None
+                and last_assistant_id.get(sid) == mid
+            ):
                 merged_text = "".join(t for t in (prev.content, *text) if t) or None
                 out[-1] = Message("assistant", merged_text, prev.tool_calls + tuple(calls))
             else:
@@ -407,7 +426,11 @@ def read_traces(path: str | Path, fmt: Literal["auto", "openai", "claude-code"] 
     if fmt != "auto":
         raise ValueError(f"fmt must be 'auto', 'openai' or 'claude-code', got {fmt!r}")
     for _, first in _json_lines(p):
-        if isinstance(first, Mapping) and "messages" not in first and ("sessionId" in first or "type" in first):
+        if (
+            isinstance(first, Mapping)
+            and "messages" not in first
+            and ("sessionId" in first or "type" in first)
+        ):
             return read_claude_code_jsonl(p)
         return read_openai_jsonl(p)
     return []

@@ -3,7 +3,6 @@
 import json
 
 import pytest
-
 from composer_core.datajuicer import action_text, datajuicer_filter
 from composer_core.pairs import PreferencePair
 from composer_core.traces import Message, ToolCall
@@ -19,7 +18,9 @@ def pair(chosen: Message, rejected: Message, prompt: str = "fix the bug") -> Pre
 
 def test_filters_and_dedupe_on_action_text() -> None:
     short = pair(call("pytest -q"), Message("assistant", "I am done"))
-    long_args = pair(call("x" * 3000), Message("assistant", "I am done"))  # long only inside the tool-call args
+    long_args = pair(
+        call("x" * 3000), Message("assistant", "I am done")
+    )  # long only inside the tool-call args
     dup = pair(call("pytest -q", "other-id"), Message("assistant", "I am done"), prompt="another state")
     other = pair(Message("assistant", "Run make test first."), call("rm -rf build"))
     kept, dropped = datajuicer_filter(
@@ -35,7 +36,9 @@ def test_ops_can_target_the_rejected_text() -> None:
 
     a = pair(call("ls"), Message("assistant", "y" * 500))
     b = pair(call("ls"), Message("assistant", "ok then"))
-    kept, dropped = datajuicer_filter([a, b], [TextLengthFilter(min_len=1, max_len=100, text_key="rejected_text", num_proc=1)])
+    kept, dropped = datajuicer_filter(
+        [a, b], [TextLengthFilter(min_len=1, max_len=100, text_key="rejected_text", num_proc=1)]
+    )
     assert kept == [b] and dropped == 1
 
 
@@ -49,5 +52,7 @@ def test_mappers_and_raw_dicts_are_refused() -> None:
 
 
 def test_action_text() -> None:
-    m = Message("assistant", "Running.", (ToolCall("a", "bash", '{"cmd": "ls"}'), ToolCall("b", "read", "{}")))
+    m = Message(
+        "assistant", "Running.", (ToolCall("a", "bash", '{"cmd": "ls"}'), ToolCall("b", "read", "{}"))
+    )
     assert action_text(m) == 'Running.\nbash {"cmd": "ls"}\nread {}'

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from composer_core.records import read_records
 from composer_core.replay import ReplayCache, Replayer, ReplayJob, TeacherConfig, load_teachers
 from composer_core.teacher_server import ChatServer
@@ -42,7 +41,10 @@ def test_answers_tokens_and_cost(tmp_path: Path) -> None:
         body = srv.bodies[0]
         assert body["model"] == "m1" and body["messages"][1] == {"role": "user", "content": "task 0"}
         assert body["temperature"] == 0.0 and body["max_tokens"] == 1024
-        assert (res.prompt_tokens, res.completion_tokens) == (1 + len("agenttask 0") // 4, res.completion_tokens)
+        assert (res.prompt_tokens, res.completion_tokens) == (
+            1 + len("agenttask 0") // 4,
+            res.completion_tokens,
+        )
         assert res.cost_usd == pytest.approx((res.prompt_tokens * 2.0 + res.completion_tokens * 10.0) / 1e6)
         st = r.stats["a"]
         assert (st.requests, st.answers, st.cache_hits, st.failures) == (1, 1, 0, 0)
@@ -219,8 +221,12 @@ def write_inputs(tmp_path: Path, srv: ChatServer, n_episodes: int) -> tuple[Path
                 f"ep{i}",
                 (
                     Message("user", f"task {i}"),
-                    Message("assistant", None, (ToolCall(f"c{i}", "bash", json.dumps({"cmd": f"pytest t{i}"})),)),
-                    Message("tool", f"===== 1 failed in 0.1s =====\nexit code: 1 (run {i})", tool_call_id=f"c{i}"),
+                    Message(
+                        "assistant", None, (ToolCall(f"c{i}", "bash", json.dumps({"cmd": f"pytest t{i}"})),)
+                    ),
+                    Message(
+                        "tool", f"===== 1 failed in 0.1s =====\nexit code: 1 (run {i})", tool_call_id=f"c{i}"
+                    ),
                     Message("assistant", f"I give up on {i}"),
                 ),
             )
@@ -256,7 +262,9 @@ def test_killed_replay_resumes_from_cache_without_duplicate_requests(tmp_path: P
 
     with ChatServer(on_request=kill_on_nth) as srv:
         traces, toml = write_inputs(tmp_path, srv, n_eps)
-        proc["run"] = subprocess.Popen(cli(tmp_path, traces, toml), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc["run"] = subprocess.Popen(
+            cli(tmp_path, traces, toml), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
         proc["run"].wait(timeout=60)
         assert proc["run"].returncode == -signal.SIGKILL
         assert srv.total_requests == kill_at and sum(srv.answered.values()) == kill_at - 1
@@ -293,9 +301,13 @@ def test_killed_replay_resumes_from_cache_without_duplicate_requests(tmp_path: P
 def test_cli_records_failures_and_sdpo_without_teachers(tmp_path: Path) -> None:
     with ChatServer(faults={"m2": ["500"]}, repeat_last=True) as srv:
         traces, toml = write_inputs(tmp_path, srv, 2)
-        toml.write_text(toml.read_text().replace("backoff_base_s = 0.01", "backoff_base_s = 0.01\nmax_retries = 1"))
+        toml.write_text(
+            toml.read_text().replace("backoff_base_s = 0.01", "backoff_base_s = 0.01\nmax_retries = 1")
+        )
         done = subprocess.run(
-            [*cli(tmp_path, traces, toml), "--states", "errors", "--no-progress"], capture_output=True, text=True
+            [*cli(tmp_path, traces, toml), "--states", "errors", "--no-progress"],
+            capture_output=True,
+            text=True,
         )
         assert done.returncode == 0, done.stderr
     fails = [json.loads(x) for x in (tmp_path / "pairs.jsonl.failures.jsonl").read_text().splitlines()]

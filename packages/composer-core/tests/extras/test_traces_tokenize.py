@@ -7,9 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
-
 from composer_core.hints import (
     build_hinted_context,
     error_text_hint,
@@ -20,6 +17,8 @@ from composer_core.hints import (
 from composer_core.records import read_records, write_records
 from composer_core.replay_cli import build_records
 from composer_core.traces import Episode, Message, ToolCall, find_error_sites, write_openai_jsonl
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = (
@@ -50,13 +49,19 @@ def tokenizer() -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    corpus = [render_plain(episode().messages), "pytest tests failed passed exit code hint assistant user"] * 20
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+    corpus = [
+        render_plain(episode().messages),
+        "pytest tests failed passed exit code hint assistant user",
+    ] * 20
+    tok.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
             vocab_size=400,
             special_tokens=SPECIAL,
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
             show_progress=False,
-        ),)
+        ),
+    )
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
 
 
@@ -115,7 +120,10 @@ def test_plain_mask_covers_exactly_the_completion_tokens(tokenizer: PreTrainedTo
     assert t.teacher_prompt_ids[:a] + t.teacher_prompt_ids[b:] == t.prompt_ids
     assert tokenizer.decode(t.teacher_prompt_ids) == t.teacher_prompt_text
     cut = len(render_plain(c.prompt[: c.hint_index]))
-    assert t.teacher_prompt_text == t.prompt_text[:cut] + render_plain([Message("user", c.hint)]) + t.prompt_text[cut:]
+    assert (
+        t.teacher_prompt_text
+        == t.prompt_text[:cut] + render_plain([Message("user", c.hint)]) + t.prompt_text[cut:]
+    )
     # the inserted token run holds the hint (its ends may shift by a repeated boundary token such as "<|")
     assert c.hint in tokenizer.decode(t.teacher_prompt_ids[max(0, a - 3) : b + 3])
 
@@ -148,14 +156,25 @@ def test_chat_template_mask_and_hint(chat_tokenizer: PreTrainedTokenizerFast) ->
     im_end = chat_tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert im_end in t.completion_ids  # the student generates the end-of-turn token: it is distilled too
     assert chat_tokenizer.decode(t.prompt_ids + t.completion_ids) == chat_tokenizer.apply_chat_template(
-        [m.to_api_dict() | ({"tool_calls": [{"function": {"name": "bash", "arguments": json.loads(ARGS)}}]} if m.tool_calls else {}) for m in (*c.prompt, c.completion)],
+        [
+            m.to_api_dict()
+            | (
+                {"tool_calls": [{"function": {"name": "bash", "arguments": json.loads(ARGS)}}]}
+                if m.tool_calls
+                else {}
+            )
+            for m in (*c.prompt, c.completion)
+        ],
         tokenize=False,
     )
     assert len(t.sdpo_mask) == len(t.completion_ids) and all(t.sdpo_mask)
     a, b = hint_token_span(t.prompt_ids, t.teacher_prompt_ids)
     assert t.teacher_prompt_ids[:a] + t.teacher_prompt_ids[b:] == t.prompt_ids
     # the run is found as far right as the repeated boundary token allows: shift it left by one
-    assert chat_tokenizer.decode(t.teacher_prompt_ids[a - 1 : b - 1]) == f"<|im_start|>user\n{c.hint}<|im_end|>\n"
+    assert (
+        chat_tokenizer.decode(t.teacher_prompt_ids[a - 1 : b - 1])
+        == f"<|im_start|>user\n{c.hint}<|im_end|>\n"
+    )
     assert t.teacher_prompt_ids[: a - 1] + t.teacher_prompt_ids[b - 1 :] == t.prompt_ids
     # span mask through the template rendering
     ts = tokenize_hinted(c, chat_tokenizer, mask_text=ARGS)
@@ -170,7 +189,9 @@ def test_chat_template_mask_and_hint(chat_tokenizer: PreTrainedTokenizerFast) ->
 def test_template_errors(tokenizer: PreTrainedTokenizerFast) -> None:
     with pytest.raises(ValueError, match="has no chat_template"):
         tokenize_hinted(ctx(), tokenizer, chat_template=True)
-    tokenizer.chat_template = "{% for m in messages[-1:] %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>{% endfor %}"
+    tokenizer.chat_template = (
+        "{% for m in messages[-1:] %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>{% endfor %}"
+    )
     try:
         with pytest.raises(ValueError, match="rewrites earlier turns"):
             tokenize_hinted(ctx(), tokenizer)
@@ -178,8 +199,12 @@ def test_template_errors(tokenizer: PreTrainedTokenizerFast) -> None:
         tokenizer.chat_template = None
 
 
-def test_pipeline_records_with_tokens_and_parquet(chat_tokenizer: PreTrainedTokenizerFast, tmp_path: Path) -> None:
-    res = build_records([episode()], None, hint_source=error_text_hint(), tokenizer=chat_tokenizer, tokenizer_name="toy")
+def test_pipeline_records_with_tokens_and_parquet(
+    chat_tokenizer: PreTrainedTokenizerFast, tmp_path: Path
+) -> None:
+    res = build_records(
+        [episode()], None, hint_source=error_text_hint(), tokenizer=chat_tokenizer, tokenizer_name="toy"
+    )
     (rec,) = res.records
     assert rec.has_sdpo and not rec.has_pair and rec.tokenizer == "toy"
     assert rec.sdpo_mask == [1] * len(rec.completion_ids)
