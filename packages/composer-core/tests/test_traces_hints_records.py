@@ -169,14 +169,3 @@ def test_duplicate_ids_rejected(tmp_path: Path) -> None:
     p.write_text(json.dumps(record()) + "\n" + json.dumps(record()) + "\n")
     with pytest.raises(ValueError, match="duplicate record ids"):
         read_records(p)
-
-
-def test_parquet_without_pyarrow_names_extra(tmp_path: Path) -> None:
-    pytest.importorskip("torch")
-    try:
-        import pyarrow  # noqa: F401
-    except ImportError:
-        with pytest.raises(ImportError, match=r"composer-core\[parquet\]"):
-            write_records([validate_record(record())], tmp_path / "r.parquet")
-    else:
-        pytest.skip("pyarrow installed: covered by tests/extras")

@@ -338,3 +338,84 @@ def test_console_script_installed() -> None:
     assert exe is not None
     out = subprocess.run([exe, "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "--teachers" in out.stdout and "--traces" in out.stdout
+
+
+# --- hints from a teacher model, verifiers, in-process pipeline ---------------------------------
+
+
+def hint_server_answer(model: str, messages: list[dict]) -> dict:
+    if model == "hinter":
+        assert messages[-1]["role"] == "user" and "hint" in messages[-1]["content"]
+        assert messages[-2]["role"] == "tool"  # the hinter sees the failed tool result
+        return {"role": "assistant", "content": "  Run only the failing test with -x first.  "}
+    if model == "splitter":  # two teachers disagree with each other unless the verifier picks
+        return {"role": "assistant", "content": f"option {len(messages)} {messages[-1].get('content')}"}
+    return {"role": "assistant", "content": "answer from " + model}
+
+
+def pipeline_episode(i: int = 0) -> Episode:
+    return Episode(
+        f"ep{i}",
+        (
+            Message("user", "fix"),
+            Message("assistant", None, (ToolCall("c", "bash", '{"cmd": "pytest"}'),)),
+            Message("tool", "===== 1 failed in 0.1s =====", tool_call_id="c"),
+            Message("assistant", "done"),
+        ),
+    )
+
+
+def test_teacher_model_hint_source(tmp_path: Path) -> None:
+    from composer_core.hints import TeacherHint, build_hinted_context
+    from composer_core.replay_cli import build_records
+    from composer_core.traces import find_error_sites
+
+    with ChatServer(answer_fn=hint_server_answer, faults={"hinter": ["500", "ok"]}) as srv:
+        r = Replayer([teacher(srv, "h", "hinter")], tmp_path)
+        ep = pipeline_episode()
+        hint_source = TeacherHint(r, "h")
+        ctx = build_hinted_context(ep, find_error_sites(ep)[0], hint_source)
+        assert ctx.hint == "Run only the failing test with -x first."
+        assert ctx.teacher_prompt[ctx.hint_index] == Message("user", ctx.hint)
+        assert srv.total_requests == 2  # one retry
+        res = build_records([ep], None, hint_source=hint_source, progress=False)
+        assert res.records[0].hint == ctx.hint and srv.total_requests == 2  # cached
+        with pytest.raises(ValueError, match="teacher 'nobody' is not configured"):
+            TeacherHint(r, "nobody")
+    with ChatServer(faults={"hinter": ["500"]}, repeat_last=True) as srv:
+        r = Replayer([teacher(srv, "h", "hinter", max_retries=1)], tmp_path / "other")
+        with pytest.raises(RuntimeError, match=r"gave no hint.*http 500"):
+            build_hinted_context(ep, find_error_sites(ep)[0], TeacherHint(r, "h"))
+
+
+def test_build_records_verifier_filters_and_dedupe(tmp_path: Path) -> None:
+    from composer_core.replay_cli import build_records
+
+    with ChatServer(answer_fn=hint_server_answer) as srv:
+        teachers = [teacher(srv, "a", "m-a"), teacher(srv, "b", "m-b"), teacher(srv, "c", "m-c")]
+        r = Replayer(teachers, tmp_path)
+        eps = [pipeline_episode(0), pipeline_episode(1)]  # identical states: duplicates
+        res = build_records(eps, r, progress=False)
+        assert res.pairs == 0 and res.records == []  # three different answers: no strict majority
+        accepted: list[str] = []
+
+        def verifier(ep: Episode, turn: int, m: Message) -> bool:
+            accepted.append(m.text)
+            return m.text == "answer from m-b"
+
+        res = build_records(eps, r, verifier=verifier, progress=False)
+        # 2 states per episode; the duplicate episode's pairs are dropped
+        assert res.pairs == 2 and res.dropped["duplicate"] == 2
+        assert all(
+            x.chosen_teachers == ["b"] and x.chosen_by == "verifier" for x in res.records if x.has_pair
+        )
+        assert {x.episode_id for x in res.records if x.has_pair} == {"ep0"}
+        res = build_records(eps, r, verifier=verifier, max_chars=5, progress=False)
+        assert res.pairs == 0 and res.dropped["too_long"] == 4
+        from composer_core.hints import error_text_hint
+
+        res = build_records(
+            eps, r, verifier=verifier, states="errors", hint_source=error_text_hint(), progress=False
+        )
+        assert [x.id for x in res.records] == ["ep0@1", "ep1@1"] and res.pairs == 1
+        assert srv.total_requests == 3 * 2  # 3 teachers x 2 distinct states, everything else cached
