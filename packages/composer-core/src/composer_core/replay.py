@@ -362,9 +362,11 @@ class Replayer:
         if key:
             headers["Authorization"] = f"Bearer {key}"
         url = t.base_url.rstrip("/") + "/chat/completions"
-        try:
-            resp = await client.post(url, json=body, headers=headers, timeout=httpx.Timeout(t.timeout_s))
-        except httpx.TimeoutException as e:
+        try:  # httpx's timeout is per phase; wait_for makes timeout_s a deadline for the whole request
+            resp = await asyncio.wait_for(
+                client.post(url, json=body, headers=headers, timeout=httpx.Timeout(t.timeout_s)), t.timeout_s
+            )
+        except (TimeoutError, httpx.TimeoutException) as e:
             raise _Retryable(f"timeout after {t.timeout_s:g}s ({type(e).__name__})") from e
         except httpx.TransportError as e:
             raise _Retryable(f"connection error ({type(e).__name__})") from e
@@ -468,8 +470,9 @@ class Replayer:
                 key = ReplayCache.key(t, job.messages, job.tools)
                 if key in inflight:  # identical request in this run: share it
                     result = await asyncio.shield(inflight[key])
-                    self.stats[t.name].cache_hits += 1
-                    result = dataclasses.replace(result, cached=True)
+                    if result.ok:  # a shared failure is not a cache hit
+                        self.stats[t.name].cache_hits += 1
+                        result = dataclasses.replace(result, cached=True)
                 else:
                     fut: asyncio.Future[ReplayResult] = asyncio.get_running_loop().create_future()
                     inflight[key] = fut
