@@ -419,3 +419,78 @@ def test_build_records_verifier_filters_and_dedupe(tmp_path: Path) -> None:
         )
         assert [x.id for x in res.records] == ["ep0@1", "ep1@1"] and res.pairs == 1
         assert srv.total_requests == 3 * 2  # 3 teachers x 2 distinct states, everything else cached
+
+
+def test_global_concurrency_and_extra_body(tmp_path: Path) -> None:
+    with ChatServer(
+        faults={"m1": ["timeout"], "m2": ["timeout"]}, repeat_last=True, timeout_sleep_s=0.15
+    ) as srv:
+        a = teacher(srv, "a", "m1", max_concurrency=4, timeout_s=5.0, extra_body={"top_p": 0.5, "seed": 7})
+        b = teacher(srv, "b", "m2", max_concurrency=4, timeout_s=5.0, temperature=None, max_tokens=None)
+        r = Replayer([a, b], tmp_path, max_concurrency=2)
+        res = r.replay([ReplayJob(name, state(i)) for i in range(4) for name in ("a", "b")])
+        assert all(x.ok for x in res) and srv.max_in_flight == 2
+        by_model = {body["model"]: body for body in srv.bodies}
+        assert by_model["m1"]["top_p"] == 0.5 and by_model["m1"]["seed"] == 7
+        assert "temperature" not in by_model["m2"] and "max_tokens" not in by_model["m2"]
+
+
+def test_cli_flags_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    from composer_core import replay_cli
+
+    session = [
+        {"type": "user", "sessionId": "s1", "message": {"role": "user", "content": "fix"}},
+        {
+            "type": "assistant",
+            "sessionId": "s1",
+            "message": {
+                "id": "m1",
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": "t1", "name": "Bash", "input": {"command": "make"}}],
+            },
+        },
+        {
+            "type": "user",
+            "sessionId": "s1",
+            "message": {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "t1", "is_error": True, "content": "boom"}
+                ],
+            },
+        },
+    ]
+    traces = tmp_path / "claude.jsonl"
+    traces.write_text("\n".join(json.dumps(x) for x in session) + "\n")
+    (tmp_path / "my_verifier.py").write_text(
+        "def accept(episode, turn, message):\n    return message.text.startswith('answer')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with ChatServer() as srv:
+        _, toml = write_inputs(tmp_path, srv, 1)
+        paths = {k: tmp_path / "elsewhere" / k for k in ("cache", "fails.jsonl", "sum.json")}
+        paths["cache"].parent.mkdir()
+        argv = [
+            "--traces", str(traces), "--format", "claude-code", "--teachers", str(toml),
+            "--out", str(tmp_path / "o.jsonl"), "--cache-dir", str(paths["cache"]),
+            "--failures", str(paths["fails.jsonl"]), "--summary", str(paths["sum.json"]),
+            "--hint", "template", "--hint-template", "Tool {tool_name} said: {error}",
+            "--verifier", "my_verifier:accept", "--no-progress",
+        ]  # fmt: skip
+        assert replay_cli.main(argv) == 0
+        (rec,) = read_records(tmp_path / "o.jsonl")
+        assert rec.hint == "Tool Bash said: boom" and rec.chosen_by == "verifier"
+        assert rec.chosen_teachers == ["t1", "t2"]
+        assert list(paths["cache"].rglob("*.json")) and paths["fails.jsonl"].read_text() == ""
+        assert json.loads(paths["sum.json"].read_text())["pairs"] == 1
+        assert "cache_hits" in capsys.readouterr().out
+        with pytest.raises(SystemExit, match="needs --hint-template"):
+            replay_cli.main([*argv[:-7], "--hint", "template"])
+        with pytest.raises(SystemExit, match="module:function"):
+            replay_cli.main([*argv[:-3], "--verifier", "nocolon"])
+        with pytest.raises(ValueError, match="unsupported user content block"):
+            bad = tmp_path / "bad.jsonl"
+            bad.write_text(
+                json.dumps({**session[0], "message": {"role": "user", "content": [{"type": "x"}]}})
+            )
+            replay_cli.main(["--traces", str(bad), "--out", str(tmp_path / "b.jsonl")])
