@@ -135,3 +135,11 @@ def test_identical_chosen_rejected_rejected() -> None:
 def test_filter_argument_checks() -> None:
     with pytest.raises(ValueError, match="min_chars"):
         filter_pairs([], min_chars=10, max_chars=5)
+
+
+def test_pipeline_skips_actions_without_context() -> None:
+    from composer_core.replay_cli import build_records
+
+    ep = Episode("e", (Message("assistant", "hello"), Message("user", "x"), Message("assistant", "y")))
+    res = build_records([ep], None, progress=False)
+    assert res.states == 1  # only turn 2: turn 0 has no context to replay

@@ -81,7 +81,7 @@ def build_records(
         for s in find_error_sites(ep):
             sites.setdefault((ep.id, s.action_turn), []).append(s)
         turns = ep.assistant_turns() if states == "all" else sorted({t for (e, t) in sites if e == ep.id})
-        targets += [(ep, t) for t in turns]
+        targets += [(ep, t) for t in turns if t > 0]  # an action with no context before it is no state
     ids = [f"{ep.id}@{t}" for ep, t in targets]
     if len(set(ids)) != len(ids):
         raise ValueError("episode ids must be unique across the input traces")
