@@ -238,3 +238,48 @@ def test_cli_with_local_tokenizer_dir(chat_tokenizer: PreTrainedTokenizerFast, t
         t.teacher_prompt_ids,
         t.sdpo_mask,
     )
+
+
+def test_padded_batch_logits_match_unpadded_rows(chat_tokenizer: PreTrainedTokenizerFast) -> None:
+    """A real (tiny, randomly initialised) Qwen2: the logits collate_sdpo points at are the ones that
+    predict each completion token, for the student and the hinted teacher, despite padding."""
+    import torch
+    from composer_core.sdpo_batch import collate_sdpo
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    eps = []
+    for i, extra in enumerate(["", " Please hurry, the release is today.", " x" * 12]):
+        base = episode()
+        msgs = (base.messages[0], Message("user", base.messages[1].content + extra), *base.messages[2:])
+        eps.append(Episode(f"e{i}", msgs))
+    res = build_records(
+        eps, None, hint_source=error_text_hint(), tokenizer=chat_tokenizer, tokenizer_name="toy"
+    )
+    batch = collate_sdpo(res.records, pad_token_id=chat_tokenizer.pad_token_id, tokenizer="toy")
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        vocab_size=len(chat_tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_implementation="eager",
+    )
+    model = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for inputs, prompts in (
+            (batch.student_inputs(), [r.prompt_ids for r in res.records]),
+            (batch.teacher_inputs(), [r.teacher_prompt_ids for r in res.records]),
+        ):
+            logits = model(
+                input_ids=inputs.input_ids,
+                attention_mask=inputs.attention_mask,
+                position_ids=inputs.position_ids,
+            ).logits[:, inputs.logits_slice]
+            for i, r in enumerate(res.records):
+                row = torch.tensor([prompts[i] + r.completion_ids])
+                ref = model(input_ids=row).logits[0, len(prompts[i]) - 1 : -1]
+                n = len(r.completion_ids)
+                torch.testing.assert_close(logits[i, :n], ref, atol=1e-5, rtol=1e-5)
+    assert batch.sdpo_mask.sum().item() == sum(len(r.completion_ids) for r in res.records)
