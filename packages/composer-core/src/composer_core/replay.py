@@ -18,7 +18,9 @@ Guarantees:
 - **Cache**: every answer is written (atomically) to ``cache_dir`` as soon as it arrives,
   keyed by SHA-256 over (teacher name, model, state hash, sampling parameters); a rerun —
   also after a crash or ``kill -9`` — reads it and never pays for it again. Identical
-  requests within one run are sent once. Failures are not cached (a rerun retries them).
+  requests within one run are sent once. Requests that got no answer are not cached (a
+  rerun retries them); an answer that arrived but is unusable (e.g. empty) is cached and
+  reported as a failure.
 - **Accounting** per teacher (:class:`TeacherStats`): HTTP requests, cache hits, retries,
   failures, prompt/completion tokens (from ``usage``) and cost from the configured prices.
 - **Keys**: read from the environment variable named by ``api_key_env`` at request time;
@@ -428,9 +430,12 @@ class Replayer:
                 "message": raw,
                 "usage": {"prompt_tokens": pt, "completion_tokens": ct},
             }
-            if self.cache is not None:
+            if self.cache is not None:  # paid for: cached even when unusable, so a rerun does not pay again
                 self.cache.put(t.name, key, entry)
-            return self._from_entry(t, key, entry, cached=False, attempts=attempts)
+            result = self._from_entry(t, key, entry, cached=False, attempts=attempts)
+            if not result.ok:
+                st.failures += 1
+            return result
         st.failures += 1
         reason = self._redact(f"{reason} (after {attempts} attempt{'s' if attempts > 1 else ''})")
         log.warning("teacher %s failed: %s", t.name, reason)

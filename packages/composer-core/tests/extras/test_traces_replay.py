@@ -494,3 +494,15 @@ def test_cli_flags_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, c
                 json.dumps({**session[0], "message": {"role": "user", "content": [{"type": "x"}]}})
             )
             replay_cli.main(["--traces", str(bad), "--out", str(tmp_path / "b.jsonl")])
+
+
+def test_unusable_answer_is_a_recorded_failure(tmp_path: Path) -> None:
+    with ChatServer(answer_fn=lambda model, messages: {"role": "assistant", "content": None}) as srv:
+        r = Replayer([teacher(srv)], tmp_path)
+        (res,) = r.replay([ReplayJob("a", state())])
+        assert (
+            not res.ok and "unusable answer" in res.failure and "needs content or tool_calls" in res.failure
+        )
+        assert r.stats["a"].failures == 1 and r.stats["a"].answers == 1
+        (again,) = Replayer([teacher(srv)], tmp_path).replay([ReplayJob("a", state())])
+        assert again.cached and not again.ok and srv.total_requests == 1  # paid once, not re-asked
