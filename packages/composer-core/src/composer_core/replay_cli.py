@@ -37,7 +37,7 @@ from .records import TraceRecord, write_records
 from .replay import Replayer, ReplayJob, ReplayResult, load_teachers
 from .traces import Episode, ErrorSite, find_error_sites, read_traces
 
-__all__ = ["BuildResult", "build_records", "main"]
+__all__ = ["BuildResult", "build_records", "main", "plot_summary"]
 
 
 @dataclass
@@ -185,6 +185,38 @@ def _load_tokenizer(path: str, trust_remote_code: bool) -> Any:
     return transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
+def plot_summary(summary: dict[str, Any], path: str | Path) -> None:
+    """Bar charts per teacher (requests / cache hits / failures, tokens, cost) as a PNG (``plot`` extra)."""
+    try:
+        matplotlib = importlib.import_module("matplotlib")
+    except ImportError as e:
+        raise ImportError("--plot needs matplotlib: pip install 'composer-core[plot]'") from e
+    matplotlib.use("Agg")
+    plt = importlib.import_module("matplotlib.pyplot")
+    teachers = summary["teachers"]
+    if not teachers:
+        raise ValueError("the summary has no teachers to plot (run with --teachers)")
+    names = list(teachers)
+    x = list(range(len(names)))
+    fig, axes = plt.subplots(1, 3, figsize=(4 + 3 * len(names), 3.5))
+    panels = [
+        ("requests", ["requests", "cache_hits", "retries", "failures"]),
+        ("tokens", ["prompt_tokens", "completion_tokens"]),
+        ("cost (USD)", ["cost_usd"]),
+    ]
+    for ax, (title, cols) in zip(axes, panels):
+        width = 0.8 / len(cols)
+        for j, col in enumerate(cols):
+            ax.bar([i + j * width for i in x], [teachers[n][col] for n in names], width, label=col)
+        ax.set_xticks([i + 0.4 - width / 2 for i in x], names)
+        ax.set_title(title)
+        if len(cols) > 1:
+            ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="composer-replay",
@@ -224,6 +256,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-dedupe", action="store_true")
     ap.add_argument("--max-concurrency", type=int, default=16)
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--plot", help="also draw the per-teacher summary as a PNG (plot extra)")
     return ap
 
 
@@ -308,6 +341,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary_path = Path(args.summary) if args.summary else out.with_name(out.name + ".summary.json")
     summary_path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     _print_summary(summary)
+    if args.plot:
+        plot_summary(summary, args.plot)
     return 0
 
 

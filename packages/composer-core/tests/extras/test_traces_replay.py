@@ -483,6 +483,8 @@ def test_cli_flags_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, c
         assert rec.chosen_teachers == ["t1", "t2"]
         assert list(paths["cache"].rglob("*.json")) and paths["fails.jsonl"].read_text() == ""
         assert json.loads(paths["sum.json"].read_text())["pairs"] == 1
+        assert replay_cli.main([*argv, "--plot", str(tmp_path / "summary.png")]) == 0
+        assert (tmp_path / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert "cache_hits" in capsys.readouterr().out
         with pytest.raises(SystemExit, match="needs --hint-template"):
             replay_cli.main([*argv[:-7], "--hint", "template"])
