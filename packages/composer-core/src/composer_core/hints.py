@@ -44,7 +44,9 @@ __all__ = [
     "build_hinted_context",
     "error_text_hint",
     "hint_token_span",
+    "render_completion",
     "render_plain",
+    "tokenize_completion",
     "tokenize_hinted",
 ]
 
@@ -247,6 +249,59 @@ def _encode(tokenizer: Any, text: str, special: bool) -> tuple[list[int], list[t
     return ids, offsets
 
 
+def render_completion(
+    tokenizer: Any,
+    prompt: Sequence[Message],
+    completion: Message,
+    tools: Sequence[Mapping[str, Any]] = (),
+    *,
+    chat_template: bool | None = None,
+) -> tuple[str, str, bool]:
+    """``(prompt_text, completion_text, add_special_tokens_to_prompt)`` for one action.
+
+    With a chat template: ``prompt_text`` = the prompt rendered with
+    ``add_generation_prompt=True``, ``completion_text`` = the rendering of ``prompt +
+    [completion]`` minus ``prompt_text`` (``ValueError`` when the template rewrites earlier
+    turns so that this is not a prefix). Without: :func:`render_plain`.
+    """
+    use_template = bool(getattr(tokenizer, "chat_template", None)) if chat_template is None else chat_template
+    if not use_template:
+        prompt_text = render_plain(prompt, add_generation_prompt=True)
+        return prompt_text, render_plain((completion,))[len("<|assistant|>\n") :], True
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "chat_template=True but the tokenizer has no chat_template; pass chat_template=False"
+        )
+    prompt_text = _render_template(tokenizer, prompt, tools, True)
+    full = _render_template(tokenizer, (*prompt, completion), tools, False)
+    if not full.startswith(prompt_text):
+        raise ValueError(
+            "the chat template renders the prompt differently once the completion is appended "
+            "(it rewrites earlier turns), so completion tokens cannot be isolated; use "
+            "chat_template=False or a template that only appends"
+        )
+    return prompt_text, full[len(prompt_text) :], False
+
+
+def tokenize_completion(
+    tokenizer: Any,
+    prompt: Sequence[Message],
+    completion: Message,
+    tools: Sequence[Mapping[str, Any]] = (),
+    *,
+    chat_template: bool | None = None,
+) -> tuple[list[int], list[int]]:
+    """``(prompt_ids, completion_ids)`` of one action, tokenised separately (TRL convention)."""
+    prompt_text, completion_text, special = render_completion(
+        tokenizer, prompt, completion, tools, chat_template=chat_template
+    )
+    prompt_ids, _ = _encode(tokenizer, prompt_text, special)
+    completion_ids, _ = _encode(tokenizer, completion_text, False)
+    if not completion_ids:
+        raise ValueError("the completion tokenises to nothing")
+    return prompt_ids, completion_ids
+
+
 @dataclass(frozen=True)
 class TokenizedHinted:
     """Token ids of one SDPO site; ``sdpo_mask[t]`` marks ``completion_ids[t]``.
@@ -283,31 +338,14 @@ def tokenize_hinted(
     """
     if mask_spans is not None and mask_text is not None:
         raise ValueError("pass mask_spans or mask_text, not both")
-    use_template = bool(getattr(tokenizer, "chat_template", None)) if chat_template is None else chat_template
-    if use_template:
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError(
-                "chat_template=True but the tokenizer has no chat_template; pass chat_template=False"
-            )
-        prompt_text = _render_template(tokenizer, ctx.prompt, ctx.tools, True)
-        full = _render_template(tokenizer, (*ctx.prompt, ctx.completion), ctx.tools, False)
-        teacher_text = _render_template(tokenizer, ctx.teacher_prompt, ctx.tools, True)
-        teacher_full = _render_template(tokenizer, (*ctx.teacher_prompt, ctx.completion), ctx.tools, False)
-        if not full.startswith(prompt_text) or not teacher_full.startswith(teacher_text):
-            raise ValueError(
-                "the chat template renders the prompt differently once the completion is appended "
-                "(it rewrites earlier turns), so completion tokens cannot be isolated; use "
-                "chat_template=False or a template that only appends"
-            )
-        completion_text = full[len(prompt_text) :]
-        if teacher_full[len(teacher_text) :] != completion_text:
-            raise ValueError("the chat template renders the completion differently after the hint")
-        special = False
-    else:
-        prompt_text = render_plain(ctx.prompt, add_generation_prompt=True)
-        teacher_text = render_plain(ctx.teacher_prompt, add_generation_prompt=True)
-        completion_text = render_plain((ctx.completion,))[len("<|assistant|>\n") :]
-        special = True
+    prompt_text, completion_text, special = render_completion(
+        tokenizer, ctx.prompt, ctx.completion, ctx.tools, chat_template=chat_template
+    )
+    teacher_text, teacher_completion, _ = render_completion(
+        tokenizer, ctx.teacher_prompt, ctx.completion, ctx.tools, chat_template=chat_template
+    )
+    if teacher_completion != completion_text:
+        raise ValueError("the chat template renders the completion differently after the hint")
     prompt_ids, _ = _encode(tokenizer, prompt_text, special)
     teacher_ids, _ = _encode(tokenizer, teacher_text, special)
     completion_ids, offsets = _encode(tokenizer, completion_text, False)

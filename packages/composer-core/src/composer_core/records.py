@@ -11,6 +11,7 @@ column                 type                             meaning
 id                     str                              ``"{episode_id}@{turn}"``, unique
 episode_id, turn       str, int                         where the state comes from
 prompt                 list[message]                    the student's context x
+tools                  list[tool schema]                OpenAI tool schemas of the episode (may be empty)
 completion             [message]                        the student's action y at x
 teacher_prompt         list[message] | null             channel 2: x with the hint inserted
 hint                   str | null                       channel 2: the hint text
@@ -34,7 +35,7 @@ A record carries channel 2 (``teacher_prompt`` + ``hint``), channel 3 (``chosen`
 completion is one assistant message, ``sdpo_mask`` is 0/1 with ``len == len(completion_ids)``
 and at least one 1, ``teacher_prompt`` equals ``prompt`` with exactly the hint message
 inserted at ``hint_index``, ``chosen`` != ``rejected``, reference log-probs finite and
-given in pairs. Parquet (``parquet`` extra, pyarrow) stores message columns as JSON text
+given in pairs. Parquet (``parquet`` extra, pyarrow) stores message columns and ``tools`` as JSON text
 (tool-call structures are ragged) and everything else natively.
 """
 
@@ -59,7 +60,7 @@ __all__ = [
     "write_records",
 ]
 
-MESSAGE_COLUMNS = ("prompt", "completion", "teacher_prompt", "chosen", "rejected")
+MESSAGE_COLUMNS = ("prompt", "completion", "tools", "teacher_prompt", "chosen", "rejected")
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class TraceRecord:
     turn: int
     prompt: list[dict[str, Any]]
     completion: list[dict[str, Any]]
+    tools: list[dict[str, Any]] = field(default_factory=list)
     teacher_prompt: list[dict[str, Any]] | None = None
     hint: str | None = None
     hint_index: int | None = None
@@ -132,6 +134,9 @@ def validate_record(row: Mapping[str, Any], where: str = "record") -> TraceRecor
     if not isinstance(row["turn"], int) or row["turn"] < 0:
         raise ValueError(f"{where}: turn must be a non-negative integer")
     prompt = _messages(row["prompt"], "prompt", where)
+    tools = row.get("tools", [])
+    if not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools):
+        raise ValueError(f"{where}: tools must be a list of OpenAI tool schemas")
     completion = _one_assistant(row["completion"], "completion", where)
     has_sdpo = row.get("teacher_prompt") is not None
     has_pair = row.get("chosen") is not None or row.get("rejected") is not None

@@ -132,6 +132,7 @@ def build_records(
             "turn": t,
             "prompt": [m.to_dict() for m in ep.messages[:t]],
             "completion": [ep.messages[t].to_dict()],
+            "tools": [dict(x) for x in ep.tools],
         }
         site_list = sites.get((ep.id, t), [])
         if site_list:

@@ -24,7 +24,7 @@ import torch
 
 from .records import TraceRecord
 
-__all__ = ["ModelInputs", "SDPOBatch", "collate_sdpo"]
+__all__ = ["ModelInputs", "SDPOBatch", "collate_sdpo", "model_inputs", "pad_ids"]
 
 
 @dataclass(frozen=True)
@@ -50,18 +50,32 @@ class SDPOBatch:
     sdpo_mask: torch.Tensor  # bool [B,T]; False on padding
     ids: list[str]
 
-    def _inputs(self, prompt: torch.Tensor, mask: torch.Tensor) -> ModelInputs:
-        input_ids = torch.cat([prompt, self.completion_ids], dim=1)
-        attention = torch.cat([mask, self.completion_mask], dim=1)
-        position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)
-        p, t = prompt.shape[1], self.completion_ids.shape[1]
-        return ModelInputs(input_ids, attention, position_ids, slice(p - 1, p - 1 + t))
-
     def student_inputs(self) -> ModelInputs:
-        return self._inputs(self.prompt_ids, self.prompt_mask)
+        return model_inputs(self.prompt_ids, self.prompt_mask, self.completion_ids, self.completion_mask)
 
     def teacher_inputs(self) -> ModelInputs:
-        return self._inputs(self.teacher_prompt_ids, self.teacher_prompt_mask)
+        return model_inputs(
+            self.teacher_prompt_ids, self.teacher_prompt_mask, self.completion_ids, self.completion_mask
+        )
+
+
+def model_inputs(
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+) -> ModelInputs:
+    """Concatenate a left-padded prompt ``[B,P]`` and a right-padded completion ``[B,T]``."""
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention = torch.cat([prompt_mask, completion_mask], dim=1)
+    position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)
+    p, t = prompt_ids.shape[1], completion_ids.shape[1]
+    return ModelInputs(input_ids, attention, position_ids, slice(p - 1, p - 1 + t))
+
+
+def pad_ids(rows: Sequence[Sequence[int]], pad: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad token rows to ``[N, max_len]``; returns ``(ids, mask)`` (long)."""
+    return _pad(rows, pad, left)
 
 
 def _pad(rows: Sequence[Sequence[int]], pad: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
