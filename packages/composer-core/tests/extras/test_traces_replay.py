@@ -249,7 +249,17 @@ def cli(tmp_path: Path, traces: Path, toml: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def test_killed_replay_resumes_from_cache_without_duplicate_requests(tmp_path: Path) -> None:
+def run_cli_in_process(argv: list[str], capsys) -> tuple[int, str, str]:
+    """The same ``main`` the console script runs, in this process (a subprocess re-imports torch)."""
+    from composer_core import replay_cli
+
+    capsys.readouterr()
+    rc = replay_cli.main(argv)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_killed_replay_resumes_from_cache_without_duplicate_requests(tmp_path: Path, capsys) -> None:
     n_eps, kill_at = 5, 7  # 5 episodes x 2 student turns x 2 teachers = 20 requests
     proc: dict[str, subprocess.Popen] = {}
 
@@ -272,8 +282,9 @@ def test_killed_replay_resumes_from_cache_without_duplicate_requests(tmp_path: P
         answered_before = set(srv.answered)
         del proc["run"]
 
-        done = subprocess.run(cli(tmp_path, traces, toml), capture_output=True, text=True, timeout=60)
-        assert done.returncode == 0, done.stderr
+        # the rerun: a fresh process would do the same; in-process keeps the test fast
+        rc, stdout, stderr = run_cli_in_process(cli(tmp_path, traces, toml)[3:], capsys)
+        assert rc == 0
         # every state was answered exactly once across both runs; nothing cached was asked again
         assert all(v == 1 for v in srv.answered.values()) and len(srv.answered) == 2 * n_eps * 2
         assert all(srv.requests[k] == 1 for k in answered_before)
@@ -281,9 +292,9 @@ def test_killed_replay_resumes_from_cache_without_duplicate_requests(tmp_path: P
         summary = json.loads((tmp_path / "pairs.jsonl.summary.json").read_text())
         assert sum(t["cache_hits"] for t in summary["teachers"].values()) == kill_at - 1
         assert sum(t["requests"] for t in summary["teachers"].values()) == 2 * n_eps * 2 - (kill_at - 1)
-        assert "teacher replay" in done.stderr and "100%" in done.stderr  # tqdm bar
+        assert "teacher replay" in stderr and "100%" in stderr  # tqdm bar
         for col in ("requests", "cache_hits", "failures", "prompt_tokens", "completion_tokens", "cost_usd"):
-            assert col in done.stdout
+            assert col in stdout
 
         records = read_records(tmp_path / "pairs.jsonl")
         # 2 teachers agree (deterministic server) -> a pair at every state; hints at the 5 faulty turns
@@ -291,25 +302,23 @@ def test_killed_replay_resumes_from_cache_without_duplicate_requests(tmp_path: P
         assert sum(r.has_sdpo for r in records) == n_eps
         assert all(r.chosen_by == "majority" and r.chosen_teachers == ["t1", "t2"] for r in records)
 
-        again = subprocess.run(cli(tmp_path, traces, toml), capture_output=True, text=True, timeout=60)
-        assert again.returncode == 0 and srv.total_requests == 2 * n_eps * 2 + 1  # third run: all cached
+        rc, _, _ = run_cli_in_process(cli(tmp_path, traces, toml)[3:], capsys)
+        assert rc == 0 and srv.total_requests == 2 * n_eps * 2 + 1  # third run: all cached
         assert (tmp_path / "pairs.jsonl").read_text().splitlines() == [
             json.dumps(r.to_dict(), ensure_ascii=False) for r in records
         ]
 
 
-def test_cli_records_failures_and_sdpo_without_teachers(tmp_path: Path) -> None:
+def test_cli_records_failures_and_sdpo_without_teachers(tmp_path: Path, capsys) -> None:
     with ChatServer(faults={"m2": ["500"]}, repeat_last=True) as srv:
         traces, toml = write_inputs(tmp_path, srv, 2)
         toml.write_text(
             toml.read_text().replace("backoff_base_s = 0.01", "backoff_base_s = 0.01\nmax_retries = 1")
         )
-        done = subprocess.run(
-            [*cli(tmp_path, traces, toml), "--states", "errors", "--no-progress"],
-            capture_output=True,
-            text=True,
+        rc, _, _ = run_cli_in_process(
+            [*cli(tmp_path, traces, toml)[3:], "--states", "errors", "--no-progress"], capsys
         )
-        assert done.returncode == 0, done.stderr
+        assert rc == 0
     fails = [json.loads(x) for x in (tmp_path / "pairs.jsonl.failures.jsonl").read_text().splitlines()]
     assert [(f["episode_id"], f["turn"], f["teacher"]) for f in fails] == [("ep0", 1, "t2"), ("ep1", 1, "t2")]
     assert all("http 500" in f["reason"] and "after 2 attempts" in f["reason"] for f in fails)
@@ -321,12 +330,8 @@ def test_cli_records_failures_and_sdpo_without_teachers(tmp_path: Path) -> None:
     assert summary["teachers"]["t2"]["failures"] == 2 and summary["failed_requests"] == 2
 
     out2 = tmp_path / "sdpo.jsonl"
-    done = subprocess.run(
-        [sys.executable, "-m", "composer_core.replay_cli", "--traces", str(traces), "--out", str(out2)],
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 0, done.stderr
+    rc, _, _ = run_cli_in_process(["--traces", str(traces), "--out", str(out2)], capsys)
+    assert rc == 0
     recs = read_records(out2)
     assert len(recs) == 2 and all(r.has_sdpo and not r.has_pair for r in recs)
 
