@@ -36,6 +36,14 @@ class ModelInputs:
     position_ids: torch.Tensor  # [B, P + T]
     logits_slice: slice  # logits[:, logits_slice] -> [B, T, V]
 
+    def forward_kwargs(self) -> dict[str, torch.Tensor]:
+        """``input_ids``, ``attention_mask``, ``position_ids`` for a Hugging Face causal LM."""
+        return {
+            "input_ids": self.input_ids,
+            "attention_mask": self.attention_mask,
+            "position_ids": self.position_ids,
+        }
+
 
 @dataclass(frozen=True)
 class SDPOBatch:

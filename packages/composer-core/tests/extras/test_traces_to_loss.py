@@ -98,10 +98,7 @@ def test_traces_to_compose_loss(tokenizer: PreTrainedTokenizerFast, tmp_path: Pa
     model = Qwen2ForCausalLM(cfg)  # float32: float64 eager attention overflows its additive mask to NaN
 
     def forward(inputs):
-        out = model(
-            input_ids=inputs.input_ids, attention_mask=inputs.attention_mask, position_ids=inputs.position_ids
-        )
-        return out.logits[:, inputs.logits_slice]
+        return model(**inputs.forward_kwargs()).logits[:, inputs.logits_slice]
 
     sb = collate_sdpo(sdpo, pad_token_id=tokenizer.pad_token_id, tokenizer="toy")
     student_logits = forward(sb.student_inputs())
