@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 from accelerate.utils import is_peft_model
-from composer_core.compose import ComposerBatch, compose_loss
+from composer_core.compose import ComposerBatch
 from composer_core.wrappers import TAIDScheduler
 from torch import Tensor
 from transformers import TrainerCallback
@@ -45,6 +45,7 @@ from trl.data_utils import is_conversational
 from trl.trainer.utils import pad, use_adapter
 
 from composer_trl.config import ComposerGRPOConfig
+from composer_trl.loss import Counts, composer_trl_loss
 
 HintFn = Callable[..., Sequence[str | None]]
 
@@ -406,67 +407,25 @@ class ComposerGRPOTrainer(GRPOTrainer):
             old_logprobs=inputs.get("old_per_token_logps"),
             ref_logprobs=inputs["ref_per_token_logps"] if self.beta != 0.0 else None,
         )
-        normalizer: Tensor | None = None
-        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
-        if self.loss_type == "dapo":
-            # TRL 1.16's exact expression: num_items_in_batch spans the generation batch.
-            normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
-            if mode == "train":
-                normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation
         if want_sdpo:
             self._fill_sdpo(batch, model, inputs, mask, capture, logits_to_keep)
         if a.beta_replay > 0 and bool(inputs.get(f"{_K}has_pair", torch.zeros(1)).any()):
             self._fill_replay(batch, model, inputs)
-
-        result = compose_loss(
-            batch,
-            alpha_sdpo=a.alpha_sdpo,
-            beta_replay=a.beta_replay,
-            loss_type=self.loss_type,
-            epsilon_low=self.epsilon_low,
-            epsilon_high=self.epsilon_high,
-            delta=a.delta,
-            kl_beta=self.beta,
-            max_completion_length=self.max_completion_length if self.loss_type == "dr_grpo" else None,
-            sdpo_form="sampled" if a.sdpo_form == "sampled" else "full",
-            sdpo_beta=a.sdpo_beta,
-            sdpo_temperature=a.sdpo_temperature,
-            sdpo_token_clip=a.sdpo_token_clip,
-            sdpo_chunk_size=a.sdpo_chunk_size,
-            sdpo_wrapper=a.sdpo_wrapper,
-            taid_t=self._taid.t if self._taid is not None else None,
-            entropy_opd_threshold=a.entropy_opd_threshold,
-            entropy_opd_weight=a.entropy_opd_weight,
-            dpo_variant=a.dpo_variant,
-            dpo_beta=a.dpo_beta,
-            dpo_loss_type=a.dpo_loss_type,
-            dpo_label_smoothing=a.dpo_label_smoothing,
-            simpo_beta=a.simpo_beta,
-            simpo_gamma=a.simpo_gamma,
-            normalizer=normalizer,
-            sdpo_normalizer=self._channel_normalizer(inputs, "sdpo_num_items", mode) if want_sdpo else None,
-            replay_normalizer=self._channel_normalizer(inputs, "replay_num_items", mode),
+        training = mode == "train"
+        counts = Counts(
+            num_items=inputs["num_items_in_batch"],
+            sdpo_items=inputs.get(f"{_K}sdpo_num_items") if want_sdpo else None,
+            replay_items=inputs.get(f"{_K}replay_num_items"),
+            num_processes=self.accelerator.num_processes,
+            accumulation=self.current_gradient_accumulation_steps if training else 1,
+            steps_per_generation=self.args.steps_per_generation if training else 1,
         )
-        # TRL divides grpo/bnpo/dr_grpo by the accumulation steps; dapo's normaliser already spans the window.
-        loss = result.policy if self.loss_type == "dapo" else result.policy / accumulation
-        policy_part = loss.detach()
-        if result.distill is not None:
-            loss = loss + a.alpha_sdpo * result.distill
-        if result.preference is not None:
-            loss = loss + a.beta_replay * result.preference
+        loss, result = composer_trl_loss(batch, a, counts, taid_t=self._taid.t if self._taid is not None else None)
+        policy_part = (result.policy if self.loss_type == "dapo" else result.policy / counts.accumulation).detach()
 
         self._log_trl_metrics(mode, per_token_logps, entropies, mask, inputs, result.metrics)
         self._log_composer_metrics(mode, policy_part, result, loss.detach())
         return loss
-
-    def _channel_normalizer(self, inputs: dict[str, Any], key: str, mode: str) -> Tensor | None:
-        count = inputs.get(f"{_K}{key}")
-        if count is None:
-            return None
-        norm = count.clamp(min=1).to(torch.float32) / self.accelerator.num_processes
-        if mode == "train":
-            norm = norm * self.current_gradient_accumulation_steps / self.args.steps_per_generation
-        return norm
 
     def _fill_sdpo(
         self,

@@ -1,0 +1,161 @@
+"""The adapter's loss assembly: a filled :class:`~composer_core.compose.ComposerBatch` + the TRL config → loss.
+
+Pure (no model, no trainer), so the trainer's ``_compute_loss`` and the core conformance suite
+(:func:`conformance_compute`) run the very same code.
+
+Normalisation follows TRL 1.16 for channel 1 and TRL's ``dapo`` convention for channels 2 and 3::
+
+    dapo policy     Σ L·m / (num_items / P · G / S)      (train; num_items over the generation batch)
+    grpo/bnpo/dr    compose_loss's local value / G       (train)
+    sdpo, replay    Σ / (count / P · G / S)              (count = hinted tokens / pairs, generation batch)
+
+with P processes, G = current gradient-accumulation steps and S = steps per generation (in eval G = S = 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from composer_core.compose import ComposeResult, ComposerBatch, compose_loss
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Counts:
+    """Global counts over the generation batch (all processes) and the accumulation layout."""
+
+    num_items: Tensor | None = None  # TRL's num_items_in_batch (active completion tokens)
+    sdpo_items: Tensor | None = None  # hinted completion tokens
+    replay_items: Tensor | None = None  # preference pairs
+    num_processes: int = 1
+    accumulation: int = 1  # current gradient-accumulation steps (1 in eval)
+    steps_per_generation: int = 1  # micro-batches per generation batch (1 in eval)
+
+
+def _window(count: Tensor | None, c: Counts) -> Tensor | None:
+    if count is None:
+        return None
+    norm = count.clamp(min=1) / c.num_processes
+    if c.accumulation != 1 or c.steps_per_generation != 1:
+        norm = norm * c.accumulation / c.steps_per_generation
+    return norm
+
+
+def composer_trl_loss(
+    batch: ComposerBatch, args: Any, counts: Counts, *, taid_t: float | None = None
+) -> tuple[Tensor, ComposeResult]:
+    """``loss = policy (TRL-scaled) + alpha_sdpo · sdpo + beta_replay · replay`` for one micro-batch.
+
+    ``args`` is a :class:`~composer_trl.ComposerGRPOConfig`. Returns the loss to backpropagate and the
+    :class:`~composer_core.compose.ComposeResult` (unweighted channel values and metrics).
+    """
+    epsilon_low = args.epsilon
+    epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
+    policy_norm: Tensor | None = None
+    if args.loss_type == "dapo" and counts.num_items is not None:
+        # TRL 1.16's exact expression: num_items_in_batch.clamp(min=1) / P, then × G / S in training.
+        policy_norm = counts.num_items.clamp(min=1.0) / counts.num_processes
+        if counts.accumulation != 1 or counts.steps_per_generation != 1:
+            policy_norm = policy_norm * counts.accumulation / counts.steps_per_generation
+    result = compose_loss(
+        batch,
+        alpha_sdpo=args.alpha_sdpo,
+        beta_replay=args.beta_replay,
+        loss_type=args.loss_type,
+        epsilon_low=epsilon_low,
+        epsilon_high=epsilon_high,
+        delta=args.delta,
+        kl_beta=args.beta,
+        max_completion_length=args.max_completion_length if args.loss_type == "dr_grpo" else None,
+        sdpo_form="sampled" if args.sdpo_form == "sampled" else "full",
+        sdpo_beta=args.sdpo_beta,
+        sdpo_temperature=args.sdpo_temperature,
+        sdpo_token_clip=args.sdpo_token_clip,
+        sdpo_chunk_size=args.sdpo_chunk_size,
+        sdpo_wrapper=args.sdpo_wrapper,
+        taid_t=taid_t if args.sdpo_wrapper == "taid" else None,
+        entropy_opd_threshold=args.entropy_opd_threshold,
+        entropy_opd_weight=args.entropy_opd_weight,
+        dpo_variant=args.dpo_variant,
+        dpo_beta=args.dpo_beta,
+        dpo_loss_type=args.dpo_loss_type,
+        dpo_label_smoothing=args.dpo_label_smoothing,
+        simpo_beta=args.simpo_beta,
+        simpo_gamma=args.simpo_gamma,
+        normalizer=policy_norm,
+        sdpo_normalizer=_window(counts.sdpo_items, counts),
+        replay_normalizer=_window(counts.replay_items, counts),
+    )
+    # TRL divides grpo/bnpo/dr_grpo by the accumulation steps; dapo's normaliser already spans the window.
+    loss = result.policy if args.loss_type == "dapo" else result.policy / counts.accumulation
+    if result.distill is not None:
+        loss = loss + args.alpha_sdpo * result.distill
+    if result.preference is not None:
+        loss = loss + args.beta_replay * result.preference
+    return loss, result
+
+
+# ----------------------------------------------------------------------------- core conformance suite
+
+CONFORMANCE_SUPPORTS = frozenset(
+    {"policy", "sdpo_full", "sdpo_sampled", "taid", "entropy_opd", "dpo", "simpo", "global_normalizer"}
+)
+"""Conformance tags this adapter implements (no top-k SDPO form: the adapter distils the full vocabulary)."""
+
+_RENAMED = {"epsilon_low": "epsilon", "kl_beta": "beta"}
+_SAME = {
+    "alpha_sdpo", "beta_replay", "loss_type", "epsilon_high", "delta", "sdpo_beta", "sdpo_temperature",
+    "sdpo_token_clip", "sdpo_chunk_size", "sdpo_wrapper", "entropy_opd_threshold", "entropy_opd_weight",
+    "dpo_variant", "dpo_beta", "dpo_loss_type", "dpo_label_smoothing", "simpo_beta", "simpo_gamma",
+}  # fmt: skip
+
+
+def conformance_compute(batch: ComposerBatch, options: Mapping[str, Any]) -> Tensor:
+    """Host-side path for :func:`composer_core.testing.check_adapter`: compose_loss options → a
+    ``ComposerGRPOConfig`` → :func:`composer_trl_loss` (one process, no accumulation).
+
+    Global normalisers map to the counts the trainer gathers (``normalizer`` → TRL's
+    ``num_items_in_batch``, ``sdpo_normalizer`` → hinted tokens, ``replay_normalizer`` → pairs).
+    """
+    import tempfile
+
+    from composer_trl.config import ComposerGRPOConfig
+
+    kwargs: dict[str, Any] = {"alpha_sdpo": 1.0, "beta_replay": 1.0}
+    counts: dict[str, Tensor] = {}
+    taid_t: float | None = None
+    for key, value in options.items():
+        if key in _SAME:
+            kwargs[key] = value
+        elif key in _RENAMED:
+            kwargs[_RENAMED[key]] = value
+        elif key == "sdpo_form":
+            if value not in ("sampled", "full", "auto"):
+                raise ValueError(f"sdpo_form={value!r} is not a ComposerGRPOConfig option (full|sampled).")
+            kwargs["sdpo_form"] = "sampled" if value == "sampled" else "full"
+        elif key == "taid_t":
+            taid_t = float(value)
+        elif key in ("normalizer", "sdpo_normalizer", "replay_normalizer"):
+            counts[key] = torch.as_tensor(float(value), dtype=torch.float64)
+        else:
+            raise ValueError(f"compose_loss option {key!r} has no ComposerGRPOConfig counterpart.")
+    if kwargs.get("beta", 0.0) != 0.0:
+        kwargs["use_bias_correction_kl"] = False
+    if kwargs.get("sdpo_wrapper") == "taid":
+        kwargs["max_steps"] = 1000
+    if "normalizer" in counts and kwargs.get("loss_type", "dapo") != "dapo":
+        raise ValueError("a global policy normalizer maps to TRL's num_items_in_batch, i.e. loss_type='dapo'.")
+    with tempfile.TemporaryDirectory() as tmp:
+        args = ComposerGRPOConfig(
+            output_dir=tmp, report_to="none", use_cpu=True, max_completion_length=batch.logprobs.shape[1], **kwargs
+        )
+    c = Counts(
+        num_items=counts.get("normalizer"),
+        sdpo_items=counts.get("sdpo_normalizer"),
+        replay_items=counts.get("replay_normalizer"),
+    )
+    loss, _ = composer_trl_loss(batch, args, c, taid_t=taid_t)
+    return loss
