@@ -28,14 +28,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def _trainer(kind: str, steps: int, out: str, seed: int = 0) -> Any:
-    from datasets import Dataset
-    from transformers import PrinterCallback
-    from trl import GRPOConfig, GRPOTrainer
-
     from composer_trl import ComposerGRPOConfig, ComposerGRPOTrainer
     from composer_trl.recipe import TINY_TRAINER_DEFAULTS
     from composer_trl.task import ALPHABET, make_dataset_rows, reverse_hints, reverse_reward
     from composer_trl.tiny import build_char_tokenizer, build_tiny_model
+    from datasets import Dataset
+    from transformers import PrinterCallback
+    from trl import GRPOConfig, GRPOTrainer
 
     tok = build_char_tokenizer(ALPHABET)
     model = build_tiny_model(tok, seed=seed)
@@ -62,7 +61,14 @@ def _trainer(kind: str, steps: int, out: str, seed: int = 0) -> Any:
             extra["hint_fn"] = reverse_hints
         config = ComposerGRPOConfig(**common, **kwargs)
         cls = ComposerGRPOTrainer
-    trainer = cls(model=model, reward_funcs=[reverse_reward], args=config, train_dataset=data, processing_class=tok, **extra)
+    trainer = cls(
+        model=model,
+        reward_funcs=[reverse_reward],
+        args=config,
+        train_dataset=data,
+        processing_class=tok,
+        **extra,
+    )
     trainer.remove_callback(PrinterCallback)
     return trainer
 

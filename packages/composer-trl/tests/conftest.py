@@ -67,9 +67,8 @@ BASE_ARGS: dict[str, Any] = {
 
 
 def grpo_args(tmp_path: Path, composer: bool = True, **overrides: Any) -> Any:
-    from trl import GRPOConfig
-
     from composer_trl import ComposerGRPOConfig
+    from trl import GRPOConfig
 
     cls = ComposerGRPOConfig if composer else GRPOConfig
     return cls(output_dir=str(tmp_path / "out"), **{**BASE_ARGS, **overrides})
@@ -78,10 +77,9 @@ def grpo_args(tmp_path: Path, composer: bool = True, **overrides: Any) -> Any:
 def make_trainer(
     model: Any, tokenizer: Any, dataset: Any, args: Any, *, composer: bool = True, **kwargs: Any
 ) -> Any:
-    from trl import GRPOTrainer
-
     from composer_trl import ComposerGRPOTrainer
     from composer_trl.task import reverse_reward
+    from trl import GRPOTrainer
 
     cls = ComposerGRPOTrainer if composer else GRPOTrainer
     return cls(

@@ -15,10 +15,9 @@ def main(out_dir: str, model_dir: str) -> None:
     import faulthandler
 
     faulthandler.dump_traceback_later(float(os.environ.get("COMPOSER_MP_DUMP_AFTER", "300")), exit=True)
-    from datasets import Dataset
-
     from composer_trl import ComposerGRPOConfig, ComposerGRPOTrainer
     from composer_trl.task import make_dataset_rows, reverse_hints, reverse_reward
+    from datasets import Dataset
 
     torch.set_num_threads(1)
     tok_dir = model_dir
@@ -43,7 +42,11 @@ def main(out_dir: str, model_dir: str) -> None:
         dpo_variant="dpo",
     )
     trainer = ComposerGRPOTrainer(
-        model=model_dir, reward_funcs=[reverse_reward], args=args, train_dataset=data, processing_class=tok,
+        model=model_dir,
+        reward_funcs=[reverse_reward],
+        args=args,
+        train_dataset=data,
+        processing_class=tok,
         hint_fn=reverse_hints,
     )
     before = sum(float(p.detach().double().sum()) for p in trainer.model.parameters())

@@ -33,9 +33,13 @@ def _loss_and_grads(trainer: Any, inputs: dict[str, Any]) -> tuple[torch.Tensor,
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
-def test_channels_off_equals_plain_grpo_bitwise(case: dict[str, Any], tmp_path, model_dir, tokenizer, dataset, h):
+def test_channels_off_equals_plain_grpo_bitwise(
+    case: dict[str, Any], tmp_path, model_dir, tokenizer, dataset, h
+):
     opts = {"num_iterations": 2, **case}
-    plain = h.make_trainer(model_dir, tokenizer, dataset, h.grpo_args(tmp_path, composer=False, **opts), composer=False)
+    plain = h.make_trainer(
+        model_dir, tokenizer, dataset, h.grpo_args(tmp_path, composer=False, **opts), composer=False
+    )
     comp = h.make_trainer(
         model_dir, tokenizer, dataset, h.grpo_args(tmp_path, alpha_sdpo=0.0, beta_replay=0.0, **opts)
     )
@@ -62,4 +66,7 @@ def test_channels_off_equals_plain_grpo_bitwise(case: dict[str, Any], tmp_path, 
     assert any(gp.abs().sum() > 0 for gp in grads_p)
     # the clip region was exercised, so the comparison covers the clipped branch too
     assert plain._metrics["train"]["clip_ratio/region_mean"][-1] > 0
-    assert comp._metrics["train"]["clip_ratio/region_mean"][-1] == plain._metrics["train"]["clip_ratio/region_mean"][-1]
+    assert (
+        comp._metrics["train"]["clip_ratio/region_mean"][-1]
+        == plain._metrics["train"]["clip_ratio/region_mean"][-1]
+    )

@@ -6,7 +6,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from composer_trl.task import reverse_hints
 
 
@@ -77,7 +76,9 @@ def test_sdpo_is_zero_when_hinted_context_equals_plain(sdpo_beta, tmp_path, mode
 
     # ...and a real hint moves the teacher: the same batch with feedback hints gives a positive loss
     hinted = dataset.add_column("hint", ["9|"] * len(dataset))
-    trainer2 = h.make_trainer(model_dir, tokenizer, hinted, h.grpo_args(tmp_path, beta_replay=0.0, sdpo_beta=sdpo_beta))
+    trainer2 = h.make_trainer(
+        model_dir, tokenizer, hinted, h.grpo_args(tmp_path, beta_replay=0.0, sdpo_beta=sdpo_beta)
+    )
     trainer2.current_gradient_accumulation_steps = 1
     trainer2.model.train()
     torch.manual_seed(0)
@@ -161,13 +162,24 @@ def test_gradient_accumulation_invariance(loss_type, tmp_path, model_dir, tokeni
     rounding by ~0.2% — the same for plain GRPOTrainer — which would hide a normalisation error.
     """
     full = h.make_trainer(
-        model_dir, tokenizer, dataset, h.grpo_args(tmp_path, loss_type=loss_type, num_iterations=2, bf16=False),
+        model_dir,
+        tokenizer,
+        dataset,
+        h.grpo_args(tmp_path, loss_type=loss_type, num_iterations=2, bf16=False),
         hint_fn=reverse_hints,
     )
     acc = h.make_trainer(
-        model_dir, tokenizer, dataset,
-        h.grpo_args(tmp_path, loss_type=loss_type, num_iterations=2, per_device_train_batch_size=4, bf16=False,
-                    gradient_accumulation_steps=2),
+        model_dir,
+        tokenizer,
+        dataset,
+        h.grpo_args(
+            tmp_path,
+            loss_type=loss_type,
+            num_iterations=2,
+            per_device_train_batch_size=4,
+            bf16=False,
+            gradient_accumulation_steps=2,
+        ),
         hint_fn=reverse_hints,
     )
     from trl.trainer.utils import split_tensor_dict
@@ -183,7 +195,9 @@ def test_gradient_accumulation_invariance(loss_type, tmp_path, model_dir, tokeni
     acc.current_gradient_accumulation_steps = 2
     # keep one pair in each half, as TRL's shuffle would spread them
     perm = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7])
-    halves = split_tensor_dict({k: (v[perm] if torch.is_tensor(v) and v.ndim > 0 else v) for k, v in inputs.items()}, 2)
+    halves = split_tensor_dict(
+        {k: (v[perm] if torch.is_tensor(v) and v.ndim > 0 else v) for k, v in inputs.items()}, 2
+    )
     for half in halves:
         acc.compute_loss(acc.model, half).backward()
     sdpo_f = full._metrics["train"]["composer/sdpo"][-1]
@@ -204,8 +218,14 @@ def test_sampled_form_and_taid_wrapper_train(tmp_path, model_dir, tokenizer, dat
     logs = [r for r in trainer.state.log_history if "reward" in r]
     assert all(r["composer/skipped_sdpo"] == 0 for r in logs)
 
-    args = h.grpo_args(tmp_path, sdpo_wrapper="taid", beta_replay=0.0, max_steps=3, gradient_accumulation_steps=2,
-                       per_device_train_batch_size=4)
+    args = h.grpo_args(
+        tmp_path,
+        sdpo_wrapper="taid",
+        beta_replay=0.0,
+        max_steps=3,
+        gradient_accumulation_steps=2,
+        per_device_train_batch_size=4,
+    )
     trainer = h.make_trainer(model_dir, tokenizer, dataset, args, hint_fn=reverse_hints)
     trainer.train()
     # stepped once per optimiser step (3), not per micro-batch (6)

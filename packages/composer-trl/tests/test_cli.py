@@ -7,7 +7,6 @@ import shutil
 import subprocess
 
 import pytest
-
 from composer_trl.cli import main
 from composer_trl.progress import read_jsonl
 from composer_trl.recipe import load_recipe, recipe_from_dict

@@ -37,7 +37,7 @@ def test_trainer_needs_composer_config(tmp_path, model_dir, tokenizer, dataset, 
 
 
 def test_sdpo_without_hints_is_an_error(tmp_path, model_dir, tokenizer, dataset, h):
-    with pytest.raises(ValueError, match="alpha_sdpo=1.0 needs hints"):
+    with pytest.raises(ValueError, match=r"alpha_sdpo=1\.0 needs hints"):
         h.make_trainer(model_dir, tokenizer, dataset, h.grpo_args(tmp_path))
 
 
@@ -56,7 +56,9 @@ def test_column_reference_without_columns_is_an_error(tmp_path, model_dir, token
 def test_bad_pair_rows_raise(tmp_path, model_dir, tokenizer, dataset, h):
     ds = dataset.map(lambda r: {"chosen_mask": [0, 0, 0]})
     ds = ds.map(lambda r: {"chosen": [4, 5, 6]})
-    trainer = h.make_trainer(model_dir, tokenizer, ds, h.grpo_args(tmp_path, alpha_sdpo=0.0, dpo_variant="simpo"))
+    trainer = h.make_trainer(
+        model_dir, tokenizer, ds, h.grpo_args(tmp_path, alpha_sdpo=0.0, dpo_variant="simpo")
+    )
     trainer.model.train()
     with pytest.raises(ValueError, match="no scored token"):
         trainer._generate_and_score_completions(h.generation_batch(ds, 2, 4))

@@ -27,7 +27,9 @@ def test_generalized_jsd_matches_trl_gkd(beta, temperature, gkd_loss):
 
     ours = generalized_jsd(student, teacher, beta=beta, temperature=temperature, mask=mask)
     student_ref = student.detach().clone().requires_grad_()
-    theirs = gkd_loss(student_ref, teacher, labels=labels, beta=beta, temperature=temperature, reduction="batchmean")
+    theirs = gkd_loss(
+        student_ref, teacher, labels=labels, beta=beta, temperature=temperature, reduction="batchmean"
+    )
     torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12)
     ours.backward()
     theirs.backward()

@@ -21,10 +21,25 @@ def _free_port() -> int:
 
 def test_two_process_training_keeps_ranks_in_sync(tmp_path, model_dir):
     worker = Path(__file__).with_name("mp_worker.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "MASTER_ADDR": "127.0.0.1"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "MASTER_ADDR": "127.0.0.1",
+    }
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-        "--master_port", str(_free_port()), str(worker), str(tmp_path), str(model_dir),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        str(worker),
+        str(tmp_path),
+        str(model_dir),
     ]
     env["COMPOSER_MP_DUMP_AFTER"] = "240"  # a hung collective dumps the stacks and exits instead of hanging
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 from composer_trl.task import reverse_hints
 
 
@@ -12,7 +11,9 @@ def test_lora_trains_adapter_only_with_all_channels(tmp_path, model_dir, tokeniz
 
     args = h.grpo_args(tmp_path, max_steps=2, dpo_variant="dpo")
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    trainer = h.make_trainer(model_dir, tokenizer, dataset, args, hint_fn=reverse_hints, peft_config=peft_config)
+    trainer = h.make_trainer(
+        model_dir, tokenizer, dataset, args, hint_fn=reverse_hints, peft_config=peft_config
+    )
     assert trainer._replay_ref_source == "peft_base"  # DPO reference = the base with adapters disabled
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
@@ -33,7 +34,12 @@ def test_lora_on_lm_head_with_full_sdpo_is_rejected(tmp_path, model_dir, tokeniz
     peft_config = LoraConfig(r=4, target_modules=["q_proj", "lm_head"], task_type="CAUSAL_LM")
     with pytest.raises(ValueError, match="lm_head"):
         h.make_trainer(
-            model_dir, tokenizer, dataset, h.grpo_args(tmp_path), hint_fn=reverse_hints, peft_config=peft_config
+            model_dir,
+            tokenizer,
+            dataset,
+            h.grpo_args(tmp_path),
+            hint_fn=reverse_hints,
+            peft_config=peft_config,
         )
 
 

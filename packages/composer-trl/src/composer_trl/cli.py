@@ -31,14 +31,20 @@ def build_parser() -> argparse.ArgumentParser:
         prog="composer-train",
         description="Train with composer's objective (GRPO + hinted self-distillation + trace replay) in TRL.",
     )
-    p.add_argument("--model", help="local model directory or hub id (default: a tiny Qwen2 built from config)")
-    p.add_argument("--config", help="TOML or YAML recipe (keys: model, dataset, reward, hint_fn, steps, [trainer])")
+    p.add_argument(
+        "--model", help="local model directory or hub id (default: a tiny Qwen2 built from config)"
+    )
+    p.add_argument(
+        "--config", help="TOML or YAML recipe (keys: model, dataset, reward, hint_fn, steps, [trainer])"
+    )
     p.add_argument("--compare", action="store_true", help="also train plain GRPO (same seed) and plot both")
     p.add_argument("--steps", type=int, help="optimiser steps (default 300)")
     p.add_argument("--seed", type=int, help="random seed (default 0)")
     p.add_argument("--output-dir", help="where metrics, plot and model go (default runs/composer-train)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: 1 for the tiny model, else torch's)")
+    p.add_argument(
+        "--threads", type=int, help="torch CPU threads (default: 1 for the tiny model, else torch's)"
+    )
     p.add_argument("--trust-remote-code", action="store_true", help="allow custom model code from --model")
     return p
 
@@ -62,12 +68,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     threads = args.threads if args.threads is not None else (1 if recipe.model is None else None)
     if threads is not None:
-        torch.set_num_threads(threads)  # the tiny model runs ~10x faster on one thread than on contended cores
+        torch.set_num_threads(
+            threads
+        )  # the tiny model runs ~10x faster on one thread than on contended cores
 
     out = Path(recipe.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, Path] = {}
-    summary: dict[str, Any] = {"steps": recipe.steps, "seed": recipe.seed, "model": recipe.model or "tiny-qwen2"}
+    summary: dict[str, Any] = {
+        "steps": recipe.steps,
+        "seed": recipe.seed,
+        "model": recipe.model or "tiny-qwen2",
+    }
     runs["composer"], summary["composer"] = _train(recipe, out, composer=True)
     if args.compare:
         runs["GRPO alone"], summary["grpo"] = _train(recipe, out, composer=False)
@@ -107,7 +119,9 @@ def _load_model(recipe: Recipe) -> tuple[Any, Any]:
         return build_tiny_model(tok, seed=recipe.seed), tok
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(recipe.model, padding_side="left", trust_remote_code=recipe.trust_remote_code)
+    tok = AutoTokenizer.from_pretrained(
+        recipe.model, padding_side="left", trust_remote_code=recipe.trust_remote_code
+    )
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     model = AutoModelForCausalLM.from_pretrained(recipe.model, trust_remote_code=recipe.trust_remote_code)
@@ -158,7 +172,9 @@ def _train(recipe: Recipe, out: Path, *, composer: bool) -> tuple[Path, dict[str
     config_cls = ComposerGRPOConfig if composer else GRPOConfig
     config = config_cls(**{**common, **kwargs})
     model, tok = _load_model(recipe)
-    per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps // config.num_generations
+    per_step = (
+        config.per_device_train_batch_size * config.gradient_accumulation_steps // config.num_generations
+    )
     dataset = _load_dataset(recipe, n_rows=max(64, per_step * (recipe.steps + 1)))
     reward = import_callable(recipe.reward, "reward") if recipe.reward else reverse_reward
     extra: dict[str, Any] = {}

@@ -51,8 +51,12 @@ class ComposerGRPOConfig(GRPOConfig):
         max_replay_length: truncate chosen/rejected to this many tokens (None = ``max_completion_length``).
     """
 
-    alpha_sdpo: float = field(default=1.0, metadata={"help": "Weight of channel 2 (hinted self-distillation)."})
-    beta_replay: float = field(default=1.0, metadata={"help": "Weight of channel 3 (trace-replay preference)."})
+    alpha_sdpo: float = field(
+        default=1.0, metadata={"help": "Weight of channel 2 (hinted self-distillation)."}
+    )
+    beta_replay: float = field(
+        default=1.0, metadata={"help": "Weight of channel 3 (trace-replay preference)."}
+    )
 
     sdpo_form: Literal["full", "sampled"] = field(default="full", metadata={"help": "'full' or 'sampled'."})
     sdpo_beta: float = field(default=0.5, metadata={"help": "Generalized JSD beta (0 FKL, 1 RKL)."})
@@ -72,7 +76,9 @@ class ComposerGRPOConfig(GRPOConfig):
 
     dpo_variant: Literal["dpo", "simpo"] = field(default="dpo", metadata={"help": "'dpo' or 'simpo'."})
     dpo_beta: float = field(default=0.1, metadata={"help": "DPO beta."})
-    dpo_loss_type: Literal["sigmoid", "robust", "ipo"] = field(default="sigmoid", metadata={"help": "DPO loss."})
+    dpo_loss_type: Literal["sigmoid", "robust", "ipo"] = field(
+        default="sigmoid", metadata={"help": "DPO loss."}
+    )
     dpo_label_smoothing: float = field(default=0.0, metadata={"help": "cDPO / robust epsilon."})
     simpo_beta: float = field(default=2.0, metadata={"help": "SimPO beta."})
     simpo_gamma: float = field(default=0.5, metadata={"help": "SimPO absolute margin gamma."})
@@ -94,7 +100,9 @@ class ComposerGRPOConfig(GRPOConfig):
         _choice("dpo_loss_type", self.dpo_loss_type, ("sigmoid", "robust", "ipo"))
         _choice("replay_reference", self.replay_reference, ("auto", "model", "column"))
         if not 0.0 <= self.sdpo_beta <= 1.0:
-            raise ValueError(f"`sdpo_beta`={self.sdpo_beta!r} must lie in [0, 1] (0 forward KL, 1 reverse KL).")
+            raise ValueError(
+                f"`sdpo_beta`={self.sdpo_beta!r} must lie in [0, 1] (0 forward KL, 1 reverse KL)."
+            )
         if not self.sdpo_temperature > 0.0:
             raise ValueError(f"`sdpo_temperature`={self.sdpo_temperature!r} must be > 0.")
         if self.sdpo_token_clip is not None and not self.sdpo_token_clip > 0.0:
@@ -119,7 +127,9 @@ class ComposerGRPOConfig(GRPOConfig):
                 f"`hint_template`={self.hint_template!r} must contain both '{{hint}}' and '{{prompt}}'."
             )
         if not self.dpo_beta > 0.0 or not self.simpo_beta > 0.0:
-            raise ValueError(f"`dpo_beta` and `simpo_beta` must be > 0, got {self.dpo_beta}, {self.simpo_beta}.")
+            raise ValueError(
+                f"`dpo_beta` and `simpo_beta` must be > 0, got {self.dpo_beta}, {self.simpo_beta}."
+            )
         if not 0.0 <= self.dpo_label_smoothing < 0.5:
             raise ValueError(f"`dpo_label_smoothing`={self.dpo_label_smoothing!r} must lie in [0, 0.5).")
         if self.max_replay_length is not None and self.max_replay_length < 1:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from composer_core.compose import ComposeResult, ComposerBatch, compose_loss
+from composer_core.compose import ComposerBatch, ComposeResult, compose_loss
 from torch import Tensor
 
 
@@ -147,10 +147,16 @@ def conformance_compute(batch: ComposerBatch, options: Mapping[str, Any]) -> Ten
     if kwargs.get("sdpo_wrapper") == "taid":
         kwargs["max_steps"] = 1000
     if "normalizer" in counts and kwargs.get("loss_type", "dapo") != "dapo":
-        raise ValueError("a global policy normalizer maps to TRL's num_items_in_batch, i.e. loss_type='dapo'.")
+        raise ValueError(
+            "a global policy normalizer maps to TRL's num_items_in_batch, i.e. loss_type='dapo'."
+        )
     with tempfile.TemporaryDirectory() as tmp:
         args = ComposerGRPOConfig(
-            output_dir=tmp, report_to="none", use_cpu=True, max_completion_length=batch.logprobs.shape[1], **kwargs
+            output_dir=tmp,
+            report_to="none",
+            use_cpu=True,
+            max_completion_length=batch.logprobs.shape[1],
+            **kwargs,
         )
     c = Counts(
         num_items=counts.get("normalizer"),

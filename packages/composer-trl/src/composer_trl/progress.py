@@ -37,7 +37,9 @@ class ProgressBar(TrainerCallback):
         if self.bar is not None:
             self.bar.update(state.global_step - self.bar.n)
 
-    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **kw: Any) -> None:
+    def on_log(
+        self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **kw: Any
+    ) -> None:
         if self.bar is not None and logs:
             shown = {short: f"{logs[k]:.3f}" for k, short in BAR_FIELDS.items() if k in logs}
             if shown:
@@ -57,7 +59,9 @@ class MetricsJSONL(TrainerCallback):
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text("")
 
-    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **kw: Any) -> None:
+    def on_log(
+        self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **kw: Any
+    ) -> None:
         if not logs or "reward" not in logs:  # skip the final train_runtime summary
             return
         row: dict[str, Any] = {"step": state.global_step}

@@ -28,7 +28,17 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-TOP_LEVEL_KEYS = {"model", "dataset", "reward", "hint_fn", "steps", "seed", "output_dir", "trust_remote_code", "trainer"}
+TOP_LEVEL_KEYS = {
+    "model",
+    "dataset",
+    "reward",
+    "hint_fn",
+    "steps",
+    "seed",
+    "output_dir",
+    "trust_remote_code",
+    "trainer",
+}
 
 TINY_TRAINER_DEFAULTS: dict[str, Any] = {
     # Measured on 2 CPU cores: 300 steps ≈ 1.5 min; reward 0.1 → ≈0.6 with composer, ≈0.2 with GRPO alone.

@@ -86,7 +86,9 @@ def reverse_hints(prompts: Sequence[str], completions: Sequence[str], **_: Any) 
     return [feedback_hint(p, c) for p, c in zip(prompts, completions, strict=True)]
 
 
-def make_dataset_rows(n: int, *, min_digits: int = 3, max_digits: int = 3, seed: int = 0) -> list[dict[str, str]]:
+def make_dataset_rows(
+    n: int, *, min_digits: int = 3, max_digits: int = 3, seed: int = 0
+) -> list[dict[str, str]]:
     """``n`` rows ``{"prompt", "chosen", "rejected"}`` with random digit strings (reproducible by ``seed``)."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")

@@ -117,7 +117,12 @@ class ComposerGRPOTrainer(GRPOTrainer):
     def _check_channel_inputs(self) -> None:
         a = self.args
         cols = self._dataset_columns()
-        if a.alpha_sdpo > 0 and self.hint_fn is None and cols is not None and not cols & {"hint", "hinted_prompt"}:
+        if (
+            a.alpha_sdpo > 0
+            and self.hint_fn is None
+            and cols is not None
+            and not cols & {"hint", "hinted_prompt"}
+        ):
             raise ValueError(
                 f"alpha_sdpo={a.alpha_sdpo} needs hints: a `hint` or `hinted_prompt` dataset column, or "
                 "`hint_fn=`; provide one or set alpha_sdpo=0."
@@ -213,7 +218,9 @@ class ComposerGRPOTrainer(GRPOTrainer):
             )
             if len(hints) != len(prompts):
                 raise ValueError(f"hint_fn returned {len(hints)} hints for {len(prompts)} completions.")
-            hinted: list[Any | None] = [None if h is None else self._apply_hint(p, h) for p, h in zip(prompts, hints)]
+            hinted: list[Any | None] = [
+                None if h is None else self._apply_hint(p, h) for p, h in zip(prompts, hints)
+            ]
         else:
             hinted = []
             for x in inputs:
@@ -277,14 +284,20 @@ class ComposerGRPOTrainer(GRPOTrainer):
             ids = list(value)
             m = [1] * len(ids) if mask is None else [int(bool(v)) for v in mask]
         else:
-            raise ValueError(f"`{name}` must be text, a list of token ids or assistant messages, got {value!r:.80}.")
+            raise ValueError(
+                f"`{name}` must be text, a list of token ids or assistant messages, got {value!r:.80}."
+            )
         if mask is not None and isinstance(value, str):
-            raise ValueError(f"`{name}_mask` needs `{name}` as a list of token ids (a mask of text is ambiguous).")
+            raise ValueError(
+                f"`{name}_mask` needs `{name}` as a list of token ids (a mask of text is ambiguous)."
+            )
         if len(m) != len(ids):
             raise ValueError(f"`{name}_mask` has {len(m)} entries for {len(ids)} tokens of `{name}`.")
         ids, m = ids[:limit], m[:limit]
         if not any(m):
-            raise ValueError(f"`{name}` has no scored token (empty or fully masked); fix the row or drop the pair.")
+            raise ValueError(
+                f"`{name}` has no scored token (empty or fully masked); fix the row or drop the pair."
+            )
         return ids, m
 
     def _build_pairs(self, inputs: list[dict[str, Any]], output: dict[str, Any], mode: str) -> dict[str, Any]:
@@ -420,8 +433,12 @@ class ComposerGRPOTrainer(GRPOTrainer):
             accumulation=self.current_gradient_accumulation_steps if training else 1,
             steps_per_generation=self.args.steps_per_generation if training else 1,
         )
-        loss, result = composer_trl_loss(batch, a, counts, taid_t=self._taid.t if self._taid is not None else None)
-        policy_part = (result.policy if self.loss_type == "dapo" else result.policy / counts.accumulation).detach()
+        loss, result = composer_trl_loss(
+            batch, a, counts, taid_t=self._taid.t if self._taid is not None else None
+        )
+        policy_part = (
+            result.policy if self.loss_type == "dapo" else result.policy / counts.accumulation
+        ).detach()
 
         self._log_trl_metrics(mode, per_token_logps, entropies, mask, inputs, result.metrics)
         self._log_composer_metrics(mode, policy_part, result, loss.detach())
@@ -487,7 +504,9 @@ class ComposerGRPOTrainer(GRPOTrainer):
         """The metrics plain GRPOTrainer logs from its loss (entropy, kl, clip ratios), same names."""
 
         def global_masked_mean(x: Tensor) -> float:
-            totals = self.accelerator.reduce(torch.stack([(x * mask).sum(), mask.sum().float()]), reduction="sum")
+            totals = self.accelerator.reduce(
+                torch.stack([(x * mask).sum(), mask.sum().float()]), reduction="sum"
+            )
             return (totals[0] / totals[1].clamp(min=1.0)).item()
 
         if self.beta != 0.0:
@@ -535,7 +554,9 @@ class ComposerGRPOTrainer(GRPOTrainer):
         for k in ("skipped_sdpo", "skipped_replay", "sdpo_tokens", "replay_pairs"):
             self._metrics[mode][f"composer/{k}"].append(vals[k])
         if vals["replay_pairs"] > 0:
-            self._metrics[mode]["composer/replay_accuracy"].append(vals["replay_correct"] / vals["replay_pairs"])
+            self._metrics[mode]["composer/replay_accuracy"].append(
+                vals["replay_correct"] / vals["replay_pairs"]
+            )
         if self._taid is not None:
             self._metrics[mode]["composer/taid_t"].append(self._taid.t)
             if mode == "train":
@@ -588,5 +609,7 @@ class _HiddenCapture:
 def _finite(row: dict[str, Any], key: str) -> float:
     value = row.get(key)
     if value is None or not isinstance(value, int | float) or value != value or abs(value) == float("inf"):
-        raise ValueError(f"`{key}` must be a finite float (summed reference log-prob) in every pair row, got {value!r}.")
+        raise ValueError(
+            f"`{key}` must be a finite float (summed reference log-prob) in every pair row, got {value!r}."
+        )
     return float(value)
