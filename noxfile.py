@@ -121,6 +121,9 @@ def tests_core_datajuicer(session: nox.Session) -> None:
 def tests_trl(session: nox.Session) -> None:
     """composer-trl against the real trl / transformers / datasets / peft."""
     _install_package(session, "trl")
+    # Let Python cache bytecode in the venv: importing trl/transformers compiles ~3k modules, which the
+    # subprocess tests (CLI, 2-process torchrun) would otherwise redo on every start.
+    session.env["PYTHONDONTWRITEBYTECODE"] = ""
     _pytest(session, "trl")
 
 
