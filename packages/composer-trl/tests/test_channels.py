@@ -247,3 +247,26 @@ def test_entropy_opd_wrapper_computes(tmp_path, model_dir, tokenizer, dataset, h
     trainer.compute_loss(trainer.model, inputs)
     plain_jsd = trainer._metrics["train"]["composer/sdpo"][-1]
     assert with_gate > plain_jsd > 0  # threshold 0: every token adds the gated forward KL
+
+
+def test_trace_record_column_names_are_accepted(tmp_path, model_dir, tokenizer, dataset, h):
+    """composer_core.records names: teacher_prompt (hinted context), ref_chosen_logp / ref_rejected_logp."""
+    n = len(dataset)
+    ds = (
+        dataset.add_column("teacher_prompt", [f"7|{p}" for p in dataset["prompt"]])
+        .add_column("ref_chosen_logp", [-1.5] * n)
+        .add_column("ref_rejected_logp", [-2.5] * n)
+    )
+    trainer = h.make_trainer(model_dir, tokenizer, ds, h.grpo_args(tmp_path, dpo_variant="dpo"))
+    assert trainer._replay_ref_source == "column"
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.model.train()
+    torch.manual_seed(0)
+    inputs = trainer._generate_and_score_completions(h.generation_batch(ds, 2, 4))
+    assert inputs["composer_has_hint"].all()
+    first = inputs["composer_hint_ids"][0][inputs["composer_hint_mask"][0].bool()].tolist()
+    assert tokenizer.decode(first).startswith("7|")
+    rows = inputs["composer_has_pair"]
+    assert torch.equal(inputs["composer_ref_chosen_logps"][rows], torch.full((2,), -1.5))
+    trainer.compute_loss(trainer.model, inputs)
+    assert trainer._metrics["train"]["composer/sdpo"][-1] > 0

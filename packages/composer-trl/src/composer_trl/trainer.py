@@ -58,8 +58,26 @@ COMPOSER_COLUMNS = (
     "rejected_mask",
     "ref_chosen_logps",
     "ref_rejected_logps",
+    # composer_core.records (TraceRecord) names, accepted as aliases
+    "teacher_prompt",
+    "ref_chosen_logp",
+    "ref_rejected_logp",
 )
-"""Dataset columns the trainer reads (kept through TRL's column removal)."""
+"""Dataset columns the trainer reads (kept through TRL's column removal). ``teacher_prompt``,
+``ref_chosen_logp`` and ``ref_rejected_logp`` (the :mod:`composer_core.records` trace-record schema) are
+aliases of ``hinted_prompt``, ``ref_chosen_logps`` and ``ref_rejected_logps``."""
+
+_ALIASES = {
+    "hinted_prompt": "teacher_prompt",
+    "ref_chosen_logps": "ref_chosen_logp",
+    "ref_rejected_logps": "ref_rejected_logp",
+}
+
+
+def _get(row: dict[str, Any], key: str) -> Any:
+    value = row.get(key)
+    return row.get(_ALIASES[key]) if value is None and key in _ALIASES else value
+
 
 _K = "composer_"  # prefix of the extra keys carried from generation to the loss
 
@@ -112,7 +130,10 @@ class ComposerGRPOTrainer(GRPOTrainer):
 
     def _dataset_columns(self) -> set[str] | None:
         names = getattr(self.train_dataset, "column_names", None)
-        return None if names is None else set(names)
+        if names is None:
+            return None
+        cols = set(names)
+        return cols | {name for name, alias in _ALIASES.items() if alias in cols}
 
     def _check_channel_inputs(self) -> None:
         a = self.args
@@ -224,8 +245,8 @@ class ComposerGRPOTrainer(GRPOTrainer):
         else:
             hinted = []
             for x in inputs:
-                if x.get("hinted_prompt") is not None:
-                    hinted.append(x["hinted_prompt"])
+                if _get(x, "hinted_prompt") is not None:
+                    hinted.append(_get(x, "hinted_prompt"))
                 elif x.get("hint") is not None:
                     hinted.append(self._apply_hint(x["prompt"], x["hint"]))
                 else:
@@ -607,7 +628,7 @@ class _HiddenCapture:
 
 
 def _finite(row: dict[str, Any], key: str) -> float:
-    value = row.get(key)
+    value = _get(row, key)
     if value is None or not isinstance(value, int | float) or value != value or abs(value) == float("inf"):
         raise ValueError(
             f"`{key}` must be a finite float (summed reference log-prob) in every pair row, got {value!r}."
