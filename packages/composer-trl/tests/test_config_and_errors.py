@@ -84,3 +84,16 @@ def test_extra_columns_survive_remove_unused_columns(tmp_path, model_dir, tokeni
     trainer.train()
     logs = [r for r in trainer.state.log_history if "reward" in r]
     assert logs[0]["composer/sdpo"] > 0 and logs[0]["composer/replay"] > 0
+
+
+def test_hint_placement_for_text_and_chat_prompts(tmp_path, model_dir, tokenizer, dataset, h):
+    trainer = h.make_trainer(
+        model_dir, tokenizer, dataset.add_column("hint", ["1|"] * len(dataset)), h.grpo_args(tmp_path)
+    )
+    assert trainer._apply_hint("381>", ".8.|") == ".8.|381>"  # hint_template "{hint}{prompt}"
+    chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "381>"}]
+    hinted = trainer._apply_hint(chat, "expected 183")
+    assert hinted[0] == chat[0] and hinted[1]["content"] == "381>\n\nexpected 183"
+    assert chat[1]["content"] == "381>"  # the dataset row is not mutated
+    with pytest.raises(ValueError, match="user message"):
+        trainer._apply_hint([{"role": "system", "content": "s"}], "x")
