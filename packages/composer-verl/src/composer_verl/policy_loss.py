@@ -78,7 +78,7 @@ def channel1_per_token(
     log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
     # clipped_surrogate depends on ℓθ - ℓold only; feeding the clamped log-ratio against zeros keeps
     # verl's ±20 clamp (value and its zero gradient outside the range) bit for bit.
-    per_token, is_clipped = clipped_surrogate(
+    per_token, _ = clipped_surrogate(
         log_ratio,
         torch.zeros_like(log_ratio),
         advantages,
@@ -90,8 +90,12 @@ def channel1_per_token(
     negative = advantages < 0
     loss = torch.where(negative, torch.minimum(per_token, dual_bound), per_token)
     mask = response_mask.to(log_prob.dtype)
+    with torch.no_grad():  # verl's metric definitions: the clipped branch is the larger loss
+        ratio = torch.exp(log_ratio)
+        clipped_branch = -advantages * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+        clipfrac = _masked_mean((clipped_branch > -advantages * ratio).to(mask.dtype), mask)
     metrics = {
-        "actor/pg_clipfrac": _masked_mean(is_clipped.to(mask.dtype), mask).item(),
+        "actor/pg_clipfrac": clipfrac.item(),
         "actor/ppo_kl": _masked_mean(-log_ratio.detach(), mask).item(),
         "actor/pg_clipfrac_lower": _masked_mean(
             ((per_token.detach() > dual_bound) & negative).to(mask.dtype), mask
