@@ -217,6 +217,7 @@ def replay_term(
                 f"dpo_variant='dpo' needs reference log-probs: give data.batch['{PREF_REF_LOG_PROB}'] (bs,) or run "
                 "verl's reference model (ref_log_prob), or use dpo_variant='simpo'."
             )
+        ipo = cfg.dpo_loss_type == "ipo"  # IPO averages per token: it alone takes the lengths
         loss = dpo_loss(
             seq_logp[ci],
             seq_logp[ri],
@@ -225,8 +226,8 @@ def replay_term(
             beta=cfg.dpo_beta,
             loss_type=cfg.dpo_loss_type,
             label_smoothing=cfg.dpo_label_smoothing,
-            chosen_lengths=lengths[ci],
-            rejected_lengths=lengths[ri],
+            chosen_lengths=lengths[ci] if ipo else None,
+            rejected_lengths=lengths[ri] if ipo else None,
             reduction="mean",
             normalizer=normalizer,
         )
