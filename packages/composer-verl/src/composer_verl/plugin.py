@@ -19,16 +19,52 @@ emitted as a ``RuntimeWarning`` before it propagates: a broken install never fai
 
 from __future__ import annotations
 
+import importlib
+import importlib.abc
+import importlib.util
 import logging
+import sys
 import warnings
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
 
 logger = logging.getLogger("composer_verl")
 
 REGISTERED: dict[str, str] = {}
+TRAINER_PACKAGE = "verl.trainer.ppo.v1"
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Run ``callback`` right after module ``target`` has executed (one shot, then it removes itself)."""
+
+    def __init__(self, target: str, callback: Callable[[], None]) -> None:
+        self.target = target
+        self.callback = callback
+
+    def find_spec(self, fullname: str, path: Any, target: ModuleType | None = None) -> Any:
+        if fullname != self.target:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_register(module: ModuleType) -> None:
+            exec_module(module)
+            self.callback()
+
+        spec.loader.exec_module = exec_then_register  # type: ignore[method-assign]
+        return spec
+
+
+def _register_trainer() -> None:
+    importlib.import_module("composer_verl.trainer")  # registers trainer_mode=composer_sync
 
 
 def register() -> None:
-    """Register composer's estimator and loss in verl's registries (idempotent)."""
+    """Register composer's estimator, loss and (lazily) trainer mode in verl's registries (idempotent)."""
     from verl.trainer.ppo import core_algos
 
     from composer_verl.advantage import ESTIMATOR_NAME, compute_grpo_composer_advantage
@@ -39,6 +75,14 @@ def register() -> None:
     core_algos.register_adv_est(ESTIMATOR_NAME)(compute_grpo_composer_advantage)
     core_algos.register_policy_loss(LOSS_NAME)(compute_policy_loss_composer)  # type: ignore[arg-type]
     REGISTERED.update(adv_estimator=ESTIMATOR_NAME, policy_loss=LOSS_NAME)
+
+    # The trainer mode needs verl's v1 trainer (ray, transfer_queue, ...): register it only once
+    # something imports that package (the TaskRunner does), never at `import verl` time.
+    if TRAINER_PACKAGE in sys.modules:
+        _register_trainer()
+    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(TRAINER_PACKAGE, _register_trainer))
+    REGISTERED.update(trainer_mode="composer_sync")
 
 
 try:
