@@ -126,12 +126,11 @@ def _cpu_platform() -> Any:
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     import torch.distributed as dist
+    from composer_verl.actor import ComposerTrainingWorker
     from transformers import Qwen2Config, Qwen2ForCausalLM
     from verl.plugin.platform import platform_manager, set_platform
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.config.engine import TrainingWorkerConfig
-
-    from composer_verl.actor import ComposerTrainingWorker
 
     previous_platform = platform_manager._current_platform
     names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "VERL_ENGINE_DEVICE")
@@ -140,7 +139,12 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.update(
-        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), VERL_ENGINE_DEVICE="cuda"
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        VERL_ENGINE_DEVICE="cuda",
     )
     set_platform(_cpu_platform())
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
@@ -292,9 +296,8 @@ def test_composer_equals_vanilla_in_the_engine(worker: Any) -> None:
 
 def test_policy_update_step_with_sdpo_keys(worker: Any) -> None:
     """SDPO keys travel DataProto -> mini-batch -> micro-batch -> loss, normalised by the global count."""
-    from verl.workers.utils.losses import ppo_loss
-
     from composer_verl.config import configure
+    from verl.workers.utils.losses import ppo_loss
 
     configure({"alpha_sdpo": 0.5})
     old, mask = _old_log_probs(worker)
@@ -320,10 +323,9 @@ def test_policy_update_step_with_sdpo_keys(worker: Any) -> None:
 
 def test_plain_verl_worker_loss_cannot_see_the_keys(worker: Any) -> None:
     """Without the extension's wrapper verl's ppo_loss drops composer keys: the loss says so."""
+    from composer_verl.config import configure
     from verl.workers.engine_workers import TrainingWorker
     from verl.workers.utils.losses import ppo_loss
-
-    from composer_verl.config import configure
 
     configure({"alpha_sdpo": 0.5})
     old, mask = _old_log_probs(worker)
@@ -333,15 +335,16 @@ def test_plain_verl_worker_loss_cannot_see_the_keys(worker: Any) -> None:
         "composer_teacher_log_probs": old,
         "composer_sdpo_mask": mask,
     }
-    TrainingWorker.set_loss_fn(worker, partial(ppo_loss, config=_actor_config("composer")))  # bypass the wrapper
+    TrainingWorker.set_loss_fn(
+        worker, partial(ppo_loss, config=_actor_config("composer"))
+    )  # bypass the wrapper
     with pytest.raises(ValueError, match="actor extension"):
         worker.infer_batch(_batch(extra))
 
 
 def test_actor_rollout_ref_worker_uses_the_extension() -> None:
-    from verl.workers.engine_workers import ActorRolloutRefWorker
-
     from composer_verl.actor import ComposerActorRolloutRefWorker, ComposerTrainingWorker
+    from verl.workers.engine_workers import ActorRolloutRefWorker
 
     assert issubclass(ComposerActorRolloutRefWorker, ActorRolloutRefWorker)
     assert ComposerActorRolloutRefWorker.actor_worker_cls is ComposerTrainingWorker

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import math
 
+import composer_verl.plugin  # noqa: F401  (the entry point already ran on `import verl`; explicit for clarity)
 import numpy as np
 import pytest
 import torch
+from composer_verl.config import configure
 from verl import DataProto
 from verl.trainer.config import AlgoConfig
 from verl.trainer.ppo.ray_trainer import compute_advantage
-
-import composer_verl.plugin  # noqa: F401  (the entry point already ran on `import verl`; explicit for clarity)
-from composer_verl.config import configure
 
 # Interleaved groups (verl uids need not be contiguous):
 #   "a": rewards 1, 0, 0, 0  -> mean 0.25, unbiased std 0.5
@@ -63,7 +62,9 @@ def test_matches_verl_grpo_except_documented_singleton_scale() -> None:
 
 def test_dr_grpo_follows_norm_adv_by_std_in_grpo() -> None:
     adv = _adv(AlgoConfig(norm_adv_by_std_in_grpo=False))
-    torch.testing.assert_close(adv, torch.tensor([0.75, 1.0, -0.25, 0.0, -0.25, 0.0, -0.25]), rtol=0, atol=1e-7)
+    torch.testing.assert_close(
+        adv, torch.tensor([0.75, 1.0, -0.25, 0.0, -0.25, 0.0, -0.25]), rtol=0, atol=1e-7
+    )
 
 
 def test_adv_scale_overrides_verl_flag() -> None:

@@ -21,16 +21,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import composer_verl.plugin  # noqa: F401
 import pytest
 import torch
 from composer_core.compose import ComposerBatch
 from composer_core.testing import cases_for, check_adapter
-from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn, kl_penalty
-from verl.workers.config import ActorConfig
-
-import composer_verl.plugin  # noqa: F401
 from composer_verl.batch import ComposerExtras, using_extras
 from composer_verl.config import configure
+from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn, kl_penalty
+from verl.workers.config import ActorConfig
 
 SUPPORTS = {"policy", "sdpo_sampled", "dpo", "simpo", "global_normalizer"}
 VERL_KL = {"k1": "k1", "k2": "k2", "k3": "low_var_kl"}
@@ -55,7 +54,11 @@ def _agg(options: Mapping[str, Any], b: int, t: int, tokens: int) -> tuple[str, 
         return "seq-mean-token-mean", {"dp_size": 1, "global_batch_size": norm if norm is not None else b}
     if loss_type == "dr_grpo":
         if norm is not None:
-            return "seq-mean-token-sum-norm", {"dp_size": 1, "global_batch_size": norm, "loss_scale_factor": 1}
+            return "seq-mean-token-sum-norm", {
+                "dp_size": 1,
+                "global_batch_size": norm,
+                "loss_scale_factor": 1,
+            }
         l_max = options.get("max_completion_length") or t
         return "seq-mean-token-sum-norm", {"dp_size": 1, "global_batch_size": b, "loss_scale_factor": l_max}
     raise ValueError(f"loss_type {loss_type!r} has no verl loss_agg_mode")
@@ -110,7 +113,9 @@ def compute(batch: ComposerBatch, options: Mapping[str, Any]) -> torch.Tensor:
                 rows_adv.append(torch.zeros(1, width, dtype=batch.logprobs.dtype))
                 pair_id.append(torch.tensor([i]))
                 chosen.append(torch.tensor([is_chosen]))
-                ref_seq.append((ref[i] if ref is not None else torch.zeros(())).reshape(1).to(batch.logprobs.dtype))
+                ref_seq.append(
+                    (ref[i] if ref is not None else torch.zeros(())).reshape(1).to(batch.logprobs.dtype)
+                )
     log_prob = torch.cat([_pad(x, width) for x in rows_lp])
     response_mask = torch.cat([_pad(x, width) for x in rows_mask])
     advantages = torch.cat([_pad(x, width) for x in rows_adv])
@@ -128,7 +133,9 @@ def compute(batch: ComposerBatch, options: Mapping[str, Any]) -> torch.Tensor:
         sdpo = batch.sdpo_mask if batch.sdpo_mask is not None else batch.completion_mask
         filler = torch.zeros(n_rows - b, width, dtype=batch.teacher_logprobs.dtype)
         extras.teacher_log_probs = torch.cat([_pad(batch.teacher_logprobs, width), filler])
-        extras.sdpo_mask = torch.cat([_pad(sdpo.bool(), width), torch.zeros(n_rows - b, width, dtype=torch.bool)])
+        extras.sdpo_mask = torch.cat(
+            [_pad(sdpo.bool(), width), torch.zeros(n_rows - b, width, dtype=torch.bool)]
+        )
         extras.global_sdpo_tokens = options.get("sdpo_normalizer")
 
     mode, info = _agg(options, b, t, int(mask.sum()))

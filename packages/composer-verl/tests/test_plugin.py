@@ -83,9 +83,8 @@ def test_verl_use_external_modules_alternative(probes: dict[str, dict[str, objec
 
 def test_registration_failure_is_loud(caplog: pytest.LogCaptureFixture) -> None:
     """verl swallows plugin errors at DEBUG level; the plugin logs at ERROR and warns before re-raising."""
-    from verl.trainer.ppo import core_algos
-
     import composer_verl.plugin as plugin
+    from verl.trainer.ppo import core_algos
 
     original = core_algos.ADV_ESTIMATOR_REGISTRY["grpo_composer"]
     core_algos.ADV_ESTIMATOR_REGISTRY["grpo_composer"] = lambda **_: None  # a foreign estimator took the name

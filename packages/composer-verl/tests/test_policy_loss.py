@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import math
 
+import composer_verl.plugin  # noqa: F401
 import pytest
 import torch
 from composer_core.distill import sampled_token_distill
 from composer_core.preference import dpo_loss, simpo_loss
-from verl.trainer.ppo.core_algos import get_policy_loss_fn
-from verl.workers.config import ActorConfig
-
-import composer_verl.plugin  # noqa: F401
 from composer_verl.batch import ComposerExtras, using_extras
 from composer_verl.config import configure
+from verl.trainer.ppo.core_algos import get_policy_loss_fn
+from verl.workers.config import ActorConfig
 
 MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 BATCH_INFOS = [{}, {"dp_size": 2, "batch_num_tokens": 37, "global_batch_size": 9, "loss_scale_factor": 7}]
@@ -21,7 +20,13 @@ LN2 = math.log(2.0)
 
 
 def _actor_config(**kw: object) -> ActorConfig:
-    base: dict[str, object] = {"strategy": "fsdp", "rollout_n": 1, "ppo_micro_batch_size_per_gpu": 2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28}
+    base: dict[str, object] = {
+        "strategy": "fsdp",
+        "rollout_n": 1,
+        "ppo_micro_batch_size_per_gpu": 2,
+        "clip_ratio_low": 0.2,
+        "clip_ratio_high": 0.28,
+    }
     base.update(kw)
     return ActorConfig(**base)
 
@@ -73,7 +78,9 @@ def test_global_batch_info_is_honoured() -> None:
     inputs = _inputs()
     local = _run("composer", inputs, "token-mean", _actor_config())[0]
     config = _actor_config()
-    config.global_batch_info.update({"dp_size": 1, "batch_num_tokens": 2 * int(inputs["response_mask"].sum())})
+    config.global_batch_info.update(
+        {"dp_size": 1, "batch_num_tokens": 2 * int(inputs["response_mask"].sum())}
+    )
     torch.testing.assert_close(_run("composer", inputs, "token-mean", config)[0], local / 2)
 
 
@@ -86,7 +93,9 @@ def test_clip_ratio_c_dual_clip_closed_form() -> None:
         "response_mask": torch.ones(1, 1, dtype=torch.bool),
     }
     assert _run("composer", one, "token-mean", _actor_config())[0].item() == pytest.approx(3.0)
-    assert _run("composer", one, "token-mean", _actor_config(clip_ratio_c=4.0))[0].item() == pytest.approx(4.0)
+    assert _run("composer", one, "token-mean", _actor_config(clip_ratio_c=4.0))[0].item() == pytest.approx(
+        4.0
+    )
     configure({"policy_delta": 2.0})  # TRL two-sided clip caps ρ at δ before the dual clip
     assert _run("composer", one, "token-mean", _actor_config())[0].item() == pytest.approx(2.0)
 
@@ -150,7 +159,9 @@ def test_sdpo_uses_the_global_token_count() -> None:
     configure({"alpha_sdpo": 1.0})
     inputs = _on_policy()
     teacher = torch.full((2, 3), math.log(0.25), dtype=torch.float64)
-    extras = ComposerExtras(teacher_log_probs=teacher, sdpo_mask=torch.ones(2, 3), global_sdpo_tokens=24.0, dp_size=2)
+    extras = ComposerExtras(
+        teacher_log_probs=teacher, sdpo_mask=torch.ones(2, 3), global_sdpo_tokens=24.0, dp_size=2
+    )
     with using_extras(extras):
         loss = _run("composer", inputs, "token-mean", _actor_config())[0]
     assert loss.item() == pytest.approx(6 * LN2 / (24 / 2))
@@ -179,20 +190,27 @@ def test_sdpo_enabled_without_extension_raises() -> None:
 
 def test_sdpo_enabled_with_missing_keys_raises() -> None:
     configure({"alpha_sdpo": 0.5})
-    with using_extras(ComposerExtras(sdpo_mask=torch.ones(2, 3))), pytest.raises(ValueError, match="composer_teacher_log_probs"):
+    with (
+        using_extras(ComposerExtras(sdpo_mask=torch.ones(2, 3))),
+        pytest.raises(ValueError, match="composer_teacher_log_probs"),
+    ):
         _run("composer", _on_policy(), "token-mean", _actor_config())
 
 
 def test_sdpo_shape_mismatch_raises() -> None:
     configure({"alpha_sdpo": 0.5})
-    extras = ComposerExtras(teacher_log_probs=torch.zeros(2, 4, dtype=torch.float64), sdpo_mask=torch.ones(2, 3))
+    extras = ComposerExtras(
+        teacher_log_probs=torch.zeros(2, 4, dtype=torch.float64), sdpo_mask=torch.ones(2, 3)
+    )
     with using_extras(extras), pytest.raises(ValueError, match=r"shape \(2, 4\)"):
         _run("composer", _on_policy(), "token-mean", _actor_config())
 
 
 def test_sdpo_keys_ignored_when_alpha_zero() -> None:
     inputs = _on_policy()
-    extras = ComposerExtras(teacher_log_probs=torch.zeros(2, 3, dtype=torch.float64), sdpo_mask=torch.ones(2, 3))
+    extras = ComposerExtras(
+        teacher_log_probs=torch.zeros(2, 3, dtype=torch.float64), sdpo_mask=torch.ones(2, 3)
+    )
     with using_extras(extras):
         loss, _, metrics = _run("composer", inputs, "token-mean", _actor_config())
     assert loss.item() == 0.0 and "composer/loss_sdpo" not in metrics
@@ -300,7 +318,9 @@ def test_replay_uses_global_pair_count() -> None:
 
 def test_incomplete_pair_raises() -> None:
     configure({"beta_replay": 1.0, "dpo_variant": "simpo"})
-    extras = ComposerExtras(pref_pair_id=torch.tensor([0, 0, -1, 1, -1]), pref_chosen=torch.tensor([1, 0, 0, 1, 0]))
+    extras = ComposerExtras(
+        pref_pair_id=torch.tensor([0, 0, -1, 1, -1]), pref_chosen=torch.tensor([1, 0, 0, 1, 0])
+    )
     with using_extras(extras), pytest.raises(ValueError, match="composer_pref_pair_id=1"):
         _run("composer", _pref_inputs(), "token-mean", _actor_config())
 
@@ -324,7 +344,9 @@ def test_channels_add_up() -> None:
     inputs = _pref_inputs()
     teacher = inputs["log_prob"].detach() - LN2
     ref_seq = (inputs["log_prob"].detach() * inputs["response_mask"]).sum(-1)
-    extras = ComposerExtras(**PAIRS, pref_ref_log_prob=ref_seq, teacher_log_probs=teacher, sdpo_mask=torch.ones(5, 4))
+    extras = ComposerExtras(
+        **PAIRS, pref_ref_log_prob=ref_seq, teacher_log_probs=teacher, sdpo_mask=torch.ones(5, 4)
+    )
     with using_extras(extras):
         loss, _, m = _run("composer", inputs, "token-mean", _actor_config())
     assert m["composer/loss_sdpo"] == pytest.approx(LN2) and m["composer/loss_replay"] == pytest.approx(LN2)

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from importlib.resources import files
 
+import composer_verl.plugin  # noqa: F401
 import pytest
 from hydra import compose, initialize_config_dir
-
-import composer_verl.plugin  # noqa: F401
-
 
 
 @pytest.fixture(scope="module")
@@ -39,17 +37,18 @@ def test_verl_accepts_the_config(config) -> None:
     from verl.utils.config import omega_conf_to_dataclass, validate_config
     from verl.workers.config import PolicyLossConfig
 
-    validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+    validate_config(
+        config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config)
+    )
     assert not need_critic(config)  # grpo_composer is critic-free, like grpo
     loss_cfg = omega_conf_to_dataclass(config.actor_rollout_ref.actor.policy_loss, PolicyLossConfig)
     assert loss_cfg.loss_mode == "composer"
 
 
 def test_trainer_mode_maps_actor_roles_to_the_composer_worker(config) -> None:
+    from composer_verl.actor import ComposerActorRolloutRefWorker
     from verl.trainer.ppo.v1 import get_trainer_cls
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
-
-    from composer_verl.actor import ComposerActorRolloutRefWorker
 
     cls = get_trainer_cls(config.trainer.v1.trainer_mode)
     assert issubclass(cls, PPOTrainerSync)

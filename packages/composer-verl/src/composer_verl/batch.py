@@ -86,7 +86,7 @@ def using_extras(extras: ComposerExtras) -> Iterator[None]:
 
 
 def _non_tensor(data: Any, key: str) -> Any:
-    if key not in data.keys():
+    if key not in data.keys():  # noqa: SIM118 (TensorDict has no `in` membership test)
         return None
     from verl.utils import tensordict_utils as tu
 
@@ -95,7 +95,7 @@ def _non_tensor(data: Any, key: str) -> Any:
 
 def read_extras(data: Any) -> ComposerExtras:
     """Read composer's keys from a verl micro-batch ``TensorDict`` (padded to ``(bs, L)``)."""
-    present = [k for k in TENSOR_KEYS if k in data.keys()]
+    present = [k for k in TENSOR_KEYS if k in data.keys()]  # noqa: SIM118
     tensors: dict[str, torch.Tensor] = {}
     if present:
         selected = data.select(*present)

@@ -82,7 +82,9 @@ class ComposerVerlConfig:
     def __post_init__(self) -> None:
         for name, allowed in _CHOICES.items():
             if getattr(self, name) not in allowed:
-                raise ValueError(f"composer-verl config: {name}={getattr(self, name)!r} is not one of {allowed}.")
+                raise ValueError(
+                    f"composer-verl config: {name}={getattr(self, name)!r} is not one of {allowed}."
+                )
         for name in ("adv_eps", "alpha_sdpo", "beta_replay", "dpo_beta", "simpo_beta"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool) or not value >= 0.0:
@@ -92,7 +94,9 @@ class ComposerVerlConfig:
                 f"composer-verl config: policy_delta={self.policy_delta!r} must be > 1 (choose delta > 1 + clip_ratio_high)."
             )
         if self.sdpo_token_clip is not None and not self.sdpo_token_clip > 0.0:
-            raise ValueError(f"composer-verl config: sdpo_token_clip={self.sdpo_token_clip!r} must be > 0 or null.")
+            raise ValueError(
+                f"composer-verl config: sdpo_token_clip={self.sdpo_token_clip!r} must be > 0 or null."
+            )
 
     @classmethod
     def from_mapping(cls, mapping: dict[str, Any]) -> ComposerVerlConfig:

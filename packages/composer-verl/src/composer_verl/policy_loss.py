@@ -116,7 +116,11 @@ def sdpo_term(
 
     if extras is None:
         raise ValueError("alpha_sdpo > 0 but " + _NO_EXTENSION.format(name="alpha_sdpo"))
-    missing = [k for k, v in ((TEACHER_LOG_PROBS, extras.teacher_log_probs), (SDPO_MASK, extras.sdpo_mask)) if v is None]
+    missing = [
+        k
+        for k, v in ((TEACHER_LOG_PROBS, extras.teacher_log_probs), (SDPO_MASK, extras.sdpo_mask))
+        if v is None
+    ]
     if missing:
         raise ValueError(
             f"alpha_sdpo={cfg.alpha_sdpo} > 0 but the batch has no {missing}: put the teacher (hinted-context) "
@@ -126,7 +130,9 @@ def sdpo_term(
     assert extras.teacher_log_probs is not None and extras.sdpo_mask is not None
     for name, t in ((TEACHER_LOG_PROBS, extras.teacher_log_probs), (SDPO_MASK, extras.sdpo_mask)):
         if t.shape != log_prob.shape:
-            raise ValueError(f"data.batch['{name}'] has shape {tuple(t.shape)}, expected {tuple(log_prob.shape)}.")
+            raise ValueError(
+                f"data.batch['{name}'] has shape {tuple(t.shape)}, expected {tuple(log_prob.shape)}."
+            )
     mask = extras.sdpo_mask.to(torch.bool) & response_mask.to(torch.bool)
     local = int(mask.sum().item())
     if extras.global_sdpo_tokens is not None:
@@ -179,7 +185,9 @@ def replay_term(
 
     if extras is None:
         raise ValueError("beta_replay > 0 but " + _NO_EXTENSION.format(name="beta_replay"))
-    missing = [k for k, v in ((PREF_PAIR_ID, extras.pref_pair_id), (PREF_CHOSEN, extras.pref_chosen)) if v is None]
+    missing = [
+        k for k, v in ((PREF_PAIR_ID, extras.pref_pair_id), (PREF_CHOSEN, extras.pref_chosen)) if v is None
+    ]
     if missing:
         raise ValueError(
             f"beta_replay={cfg.beta_replay} > 0 but the batch has no {missing}: mark preference pairs with "
@@ -194,7 +202,9 @@ def replay_term(
     seq_logp = (log_prob * mask).sum(-1)
     lengths = mask.sum(-1)
     normalizer = (
-        float(extras.global_pref_pairs) / extras.dp_size if extras.global_pref_pairs is not None else float(ci.numel())
+        float(extras.global_pref_pairs) / extras.dp_size
+        if extras.global_pref_pairs is not None
+        else float(ci.numel())
     )
     if cfg.dpo_variant == "simpo":
         loss = simpo_loss(
@@ -251,7 +261,9 @@ def compute_policy_loss_composer(
     from verl.trainer.ppo.core_algos import agg_loss
 
     if config is None:
-        raise ValueError("the composer policy loss needs verl's ActorConfig as `config` (clip ratios, batch info).")
+        raise ValueError(
+            "the composer policy loss needs verl's ActorConfig as `config` (clip ratios, batch info)."
+        )
     cfg = current_config()
     clip_ratio = config.get("clip_ratio", 0.2)
     clip_low = config.get("clip_ratio_low", None)
