@@ -80,7 +80,9 @@ def register() -> None:
     # something imports that package (the TaskRunner does), never at `import verl` time.
     if TRAINER_PACKAGE in sys.modules:
         _register_trainer()
-    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+    elif not any(
+        getattr(f, "target", None) == TRAINER_PACKAGE for f in sys.meta_path
+    ):  # one hook, even on reload
         sys.meta_path.insert(0, _AfterImport(TRAINER_PACKAGE, _register_trainer))
     REGISTERED.update(trainer_mode="composer_sync")
 
