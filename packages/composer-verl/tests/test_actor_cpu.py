@@ -294,12 +294,12 @@ def test_composer_equals_vanilla_in_the_engine(worker: Any) -> None:
     assert losses["vanilla"] != 0.0
 
 
-def test_policy_update_step_with_sdpo_keys(worker: Any) -> None:
-    """SDPO keys travel DataProto -> mini-batch -> micro-batch -> loss, normalised by the global count."""
+def test_policy_update_step_with_sdpo_and_replay_keys(worker: Any) -> None:
+    """Composer keys travel DataProto -> mini-batch -> micro-batch -> loss, normalised by global counts."""
     from composer_verl.config import configure
     from verl.workers.utils.losses import ppo_loss
 
-    configure({"alpha_sdpo": 0.5})
+    configure({"alpha_sdpo": 0.5, "beta_replay": 0.25})
     old, mask = _old_log_probs(worker)
     sdpo_mask = torch.ones(B, R)
     sdpo_mask[3] = 0  # a row without a hint
@@ -308,6 +308,10 @@ def test_policy_update_step_with_sdpo_keys(worker: Any) -> None:
         "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5])[:, None] * mask,
         "composer_teacher_log_probs": old - LN2,  # teacher gives each sampled token half the probability
         "composer_sdpo_mask": sdpo_mask,
+        # rows (0, 1) and (2, 3) are pairs; reference = the current policy, so DPO = ln 2 per pair
+        "composer_pref_pair_id": torch.tensor([0, 0, 1, 1]),
+        "composer_pref_chosen": torch.tensor([1, 0, 0, 1]),
+        "composer_pref_ref_log_prob": (old * mask).sum(-1),
     }
     worker.set_loss_fn(partial(ppo_loss, config=_actor_config("composer")))
     before = [p.detach().clone() for p in worker.engine.module.parameters()]
@@ -316,6 +320,9 @@ def test_policy_update_step_with_sdpo_keys(worker: Any) -> None:
     # averages the per-micro-batch metric: (10 + 6)/16·ln 2 / 2.
     assert m["composer/sdpo_tokens"] == pytest.approx((10 + 6) / 2)
     assert m["composer/loss_sdpo"] == pytest.approx(LN2 / 2, rel=1e-5)
+    # one pair per micro-batch, 2 pairs in the mini-batch: each contributes ln 2 / 2; verl averages
+    assert m["composer/replay_pairs"] == 1.0
+    assert m["composer/loss_replay"] == pytest.approx(LN2 / 2, rel=1e-5)
     after = list(worker.engine.module.parameters())
     changed = sum(not torch.equal(a.detach(), b) for a, b in zip(after, before))
     assert changed == len(before)
