@@ -128,14 +128,19 @@ def _random_sample(upstream_loss: types.ModuleType, seed: int, n: int, weighted:
     g = torch.Generator().manual_seed(seed)
     p_inf = torch.rand(n, generator=g, dtype=torch.float64) * 0.9 + 0.05
     p_train = (p_inf + (torch.rand(n, generator=g, dtype=torch.float64) - 0.5) * 0.8).clamp(0.02, 0.98)
-    return upstream_loss.LossInputs(
-        trainer_logprobs=p_train.log().requires_grad_(True),
-        inference_logprobs=p_inf.log(),
-        ref_logprobs=None,
-        advantages=torch.randn(n, generator=g, dtype=torch.float64),
-        loss_mask=torch.rand(n, generator=g) > 0.2,
-        loss_weights=torch.rand(n, generator=g, dtype=torch.float64) * 2 if weighted else None,
-    )
+    values = {
+        "trainer_logprobs": p_train.log().requires_grad_(True),
+        "inference_logprobs": p_inf.log(),
+        "ref_logprobs": None,
+        "teacher_logprobs": None,  # the field's name before PRIME-RL 0be5ac45
+        "advantages": torch.randn(n, generator=g, dtype=torch.float64),
+        "loss_mask": torch.rand(n, generator=g) > 0.2,
+        "loss_weights": torch.rand(n, generator=g, dtype=torch.float64) * 2 if weighted else None,
+    }
+    names = {f.name for f in dataclasses.fields(upstream_loss.LossInputs)}
+    if "loss_weights" not in names and weighted:
+        pytest.skip("this PRIME-RL version has no loss_weights")
+    return upstream_loss.LossInputs(**{k: v for k, v in values.items() if k in names})
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -159,6 +164,8 @@ def test_dppo_equals_prime_rl_default_loss_fn(upstream, seed, knobs) -> None:
 def test_through_prime_rl_setup_and_compute_loss(upstream) -> None:
     """The real trainer path: CustomLossConfig -> setup_rl_loss_fn -> compute_loss per sample."""
     loss_mod, configs = upstream
+    if not hasattr(loss_mod, "setup_rl_loss_fn"):
+        pytest.skip("PRIME-RL before 0be5ac45: see test_through_old_prime_rl_setup_loss_fns")
     samples = [_random_sample(loss_mod, 100 + i, n, weighted=False) for i, n in enumerate([7, 12, 5])]
     samples[2].loss_mask[:] = False  # a sample without rl tokens: still called, must give 0
     rl_weights = [torch.rand(s.trainer_logprobs.shape[0], dtype=torch.float64) for s in samples]
@@ -182,7 +189,8 @@ def test_through_prime_rl_setup_and_compute_loss(upstream) -> None:
             ref_kl_scale=1,
         )
         loss.backward()
-        return loss, torch.cat([lp.grad for lp in lps]), metrics
+        grads = [torch.zeros_like(lp) if lp.grad is None else lp.grad for lp in lps]  # skipped samples
+        return loss, torch.cat(grads), metrics
 
     custom = configs.CustomLossConfig(import_path="composer_prime_rl.composer_loss", kwargs={"kl_tau": 0.01})
     for weights in (None, rl_weights):
@@ -193,3 +201,40 @@ def test_through_prime_rl_setup_and_compute_loss(upstream) -> None:
         assert math.isfinite(ours[0].item())
         for key, value in theirs[2].items():
             torch.testing.assert_close(ours[2][key].double(), value.double(), rtol=1e-5, atol=1e-7, msg=key)
+
+
+def test_through_old_prime_rl_setup_loss_fns(upstream) -> None:
+    """PRIME-RL before 0be5ac45 (teacher_logprobs, no loss_weights): setup_loss_fns + compute_loss."""
+    loss_mod, configs = upstream
+    if not hasattr(loss_mod, "setup_loss_fns"):
+        pytest.skip("PRIME-RL since 0be5ac45: see test_through_prime_rl_setup_and_compute_loss")
+    samples = [_random_sample(loss_mod, 200 + i, n, weighted=False) for i, n in enumerate([9, 4, 6])]
+    samples[1].loss_mask[:] = False
+    scale = sum(int(s.loss_mask.sum()) for s in samples)
+
+    def run(loss_config: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        lps = [s.trainer_logprobs.detach().clone().requires_grad_(True) for s in samples]
+        loss, _ = loss_mod.compute_loss(
+            trainer_logprobs=lps,
+            inference_logprobs=[s.inference_logprobs for s in samples],
+            teacher_logprobs=None,
+            advantages=[s.advantages for s in samples],
+            loss_mask=[s.loss_mask for s in samples],
+            loss_fns=loss_mod.setup_loss_fns(loss_config),
+            loss_scale=scale,
+        )
+        loss.backward()
+        return loss, torch.cat([lp.grad for lp in lps])
+
+    ours = run(configs.CustomLossConfig(import_path="composer_prime_rl.composer_loss", kwargs={}))
+    theirs = run(configs.DefaultLossConfig())
+    torch.testing.assert_close(ours[0], theirs[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ours[1], theirs[1], rtol=1e-12, atol=1e-12)
+
+    # teacher_logprobs feed channel 2 exactly like ref_logprobs do today
+    sample = samples[0]
+    with_teacher = dataclasses.replace(sample, teacher_logprobs=sample.inference_logprobs - 0.3)
+    out = composer_loss(with_teacher, alpha_sdpo=1.0)
+    assert out.metrics["sdpo/reverse_kl_k1"].item() == pytest.approx(
+        (sample.trainer_logprobs - sample.inference_logprobs + 0.3)[sample.loss_mask].mean().item(), rel=1e-6
+    )
