@@ -86,6 +86,7 @@ def test_sample_sum_and_metrics_over_mixed_tokens(make_inputs) -> None:
     ("kwargs", "p_train", "adv", "kept", "adv_tau", "kl_tau"),
     [
         ({"dppo_mask_high": 0.35}, 0.9, +1.0, True, 1.0, KL_TAU),  # default 0.2 masks it
+        ({"dppo_mask_high": 10.0}, 0.9, +1.0, True, 1.0, KL_TAU),  # > 1: never masks (PRIME-RL's tests use 10)
         ({"dppo_mask_low": 0.35}, 0.3, -1.0, True, 1.0, KL_TAU),  # default 0.2 masks it
         ({"dppo_mask_high": 0.05}, 0.7, +1.0, False, 1.0, KL_TAU),  # default 0.2 keeps it
         ({"dppo_mask_low": 0.05}, 0.5, -1.0, False, 1.0, KL_TAU),  # default 0.2 keeps it

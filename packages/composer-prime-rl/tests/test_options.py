@@ -102,6 +102,8 @@ def test_sdpo_options_without_alpha_raise(sample, key) -> None:
         ({"alpha_sdpo": -1.0}, "'alpha_sdpo' must be a finite number >= 0"),
         ({"alpha_sdpo": 1.0, "sdpo_token_clip": 0.0}, "'sdpo_token_clip' must be a finite number > 0"),
         ({"alpha_sdpo": 1.0, "sdpo_missing": "ignore"}, "'sdpo_missing' must be one of"),
+        ({"alpha_sdpo": 1.0, "sdpo_token_clip": float("inf")}, "'sdpo_token_clip' must be finite"),
+        ({"alpha_sdpo": 1.0, "sdpo_token_clip": True}, "'sdpo_token_clip' must be a number"),
         ({"policy_loss": "clipped_surrogate", "epsilon_low": 1.0}, "'epsilon_low' must be < 1"),
         ({"policy_loss": "clipped_surrogate", "delta": 1.1}, "'delta' must be > 1 \\+ epsilon_high"),
     ],

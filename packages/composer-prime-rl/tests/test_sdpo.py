@@ -26,7 +26,9 @@ OFF = {"adv_tau": 1.0, "kl_tau": 0.0}  # with A = 0 the DPPO term is exactly zer
         (0.5, {"alpha_sdpo": 1.0}, LN2),  # on-policy: importance weight 1
         (0.5, {"alpha_sdpo": 0.5}, 0.5 * LN2),
         (0.5 / 3, {"alpha_sdpo": 1.0}, 2 * LN2),  # ρ = 3 capped at the default clip 2
-        (0.5 / 3, {"alpha_sdpo": 1.0, "sdpo_token_clip": None}, 3 * LN2),
+        (0.5 / 3, {"alpha_sdpo": 1.0, "sdpo_token_clip": 5.0}, 3 * LN2),  # ρ = 3 below a cap of 5
+        (0.5 / 3, {"alpha_sdpo": 1.0, "sdpo_token_clip": None}, LN2),  # no importance weight
+        (0.5 / 3, {"alpha_sdpo": 1.0, "sdpo_token_clip": False}, LN2),  # the same, spelled in TOML
         (0.5 / 3, {"alpha_sdpo": 1.0, "sdpo_token_clip": 2.5}, 2.5 * LN2),
         (1.0, {"alpha_sdpo": 1.0}, 0.5 * LN2),  # ρ = 0.5 below the clip
     ],

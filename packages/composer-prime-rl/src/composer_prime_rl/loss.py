@@ -147,17 +147,13 @@ def _policy_terms(s: _Sample, opts: PrimeRLLossOptions) -> tuple[Tensor, dict[st
     log_ratio = (s.logprobs - s.inference_logprobs).detach()
     mismatch_kl = torch.exp(log_ratio) - log_ratio - 1.0  # k3 estimate of KL(π_inf‖π_train)
     if opts.policy_loss == "dppo":
+        # |Δp| < 1 always, so a bound above 1 (PRIME-RL allows any value >= 0, e.g. 10 to turn
+        # masking off) masks exactly what a bound of 1 masks: nothing.
+        low, high = min(opts.dppo_mask_low, 1.0), min(opts.dppo_mask_high, 1.0)
         per_token, _ = dppo_loss(
-            lp,
-            inf,
-            adv,
-            m,
-            mask_low=opts.dppo_mask_low,
-            mask_high=opts.dppo_mask_high,
-            adv_tau=opts.adv_tau,
-            kl_tau=opts.kl_tau,
+            lp, inf, adv, m, mask_low=low, mask_high=high, adv_tau=opts.adv_tau, kl_tau=opts.kl_tau
         )
-        masked = dppo_mask(lp, inf, adv, mask_low=opts.dppo_mask_low, mask_high=opts.dppo_mask_high)[0]
+        masked = dppo_mask(lp, inf, adv, mask_low=low, mask_high=high)[0]
         dropped = masked & s.mask
         prob_diff = (torch.exp(s.logprobs) - torch.exp(s.inference_logprobs)).detach()
         positive, negative = s.advantages > 0, s.advantages < 0

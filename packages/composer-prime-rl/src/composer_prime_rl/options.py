@@ -44,8 +44,8 @@ class PrimeRLLossOptions:
 
     Channel 2, sampled-token self-distillation (``alpha_sdpo > 0``): the per-sample
     ``ref_logprobs`` (hinted-context log-probs of the sampled tokens) are the teacher.
-    ``sdpo_token_clip`` caps the detached importance weight ``exp(ℓ_train − ℓ_inf)``
-    (None = uncapped). ``sdpo_missing`` decides what a sample without ref log-probs does:
+    ``sdpo_token_clip`` caps the detached importance weight ``exp(ℓ_train − ℓ_inf)``;
+    None (``false`` in TOML) drops the weight (w = 1, TRL's ``distillation_is_clip=None``). ``sdpo_missing`` decides what a sample without ref log-probs does:
     ``"error"`` (default) raises, ``"skip"`` trains it on channel 1 only and reports
     ``sdpo/skipped = 1``. ``sdpo_form`` only accepts ``"sampled"``.
 
@@ -162,6 +162,18 @@ def _number(key: str, value: Any, *, minimum: float = 0.0, strict: bool = False)
     return out
 
 
+def _token_clip(value: Any) -> float | None:
+    # TOML has no null: ``sdpo_token_clip = false`` is how a config drops the importance weight.
+    if value is None or value is False:
+        return None
+    if isinstance(value, (int, float)) and value == math.inf:
+        raise ValueError(
+            "'sdpo_token_clip' must be finite (an uncapped importance weight has unbounded variance); "
+            "use a large cap, or false to drop the importance weight."
+        )
+    return _number("sdpo_token_clip", value, strict=True)
+
+
 def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> str:
     if value not in allowed:
         raise ValueError(f"'{key}' must be one of {', '.join(map(repr, allowed))}, got {value!r}.")
@@ -230,7 +242,7 @@ def _build(items: tuple[tuple[str, Any], ...]) -> PrimeRLLossOptions:
         delta=delta,
         alpha_sdpo=alpha,
         sdpo_form="sampled",
-        sdpo_token_clip=opt("sdpo_token_clip", 2.0, strict=True),
+        sdpo_token_clip=_token_clip(given.get("sdpo_token_clip", 2.0)),
         sdpo_missing=_choice("sdpo_missing", given.get("sdpo_missing", "error"), ("error", "skip")),  # type: ignore[arg-type]
         beta_replay=0.0,
     )
