@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from composer_prime_rl import LossInputs
 
 MakeInputs = Callable[..., Any]

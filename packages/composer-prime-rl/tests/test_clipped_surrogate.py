@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from composer_prime_rl import composer_loss
 
 

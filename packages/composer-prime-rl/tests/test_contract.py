@@ -18,7 +18,11 @@ def test_loss_inputs_fields_match_prime_rl() -> None:
         "loss_mask",
         "loss_weights",
     ]
-    required = [f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    required = [
+        f.name
+        for f in fields
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
     assert required == ["trainer_logprobs", "inference_logprobs", "ref_logprobs", "advantages", "loss_mask"]
     assert next(f for f in fields if f.name == "loss_weights").default is None
 

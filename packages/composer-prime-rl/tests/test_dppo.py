@@ -11,13 +11,14 @@ import math
 
 import pytest
 import torch
-
 from composer_prime_rl import composer_loss
 
 KL_TAU = 1e-3
 
 
-def _expected(p_train: float, p_inf: float, adv: float, kept: bool, adv_tau: float = 1.0, kl_tau: float = KL_TAU):
+def _expected(
+    p_train: float, p_inf: float, adv: float, kept: bool, adv_tau: float = 1.0, kl_tau: float = KL_TAU
+):
     """(loss, d loss / d ℓ_train) of one token, by hand."""
     delta = math.log(p_train) - math.log(p_inf)
     rho = math.exp(delta)
@@ -86,7 +87,14 @@ def test_sample_sum_and_metrics_over_mixed_tokens(make_inputs) -> None:
     ("kwargs", "p_train", "adv", "kept", "adv_tau", "kl_tau"),
     [
         ({"dppo_mask_high": 0.35}, 0.9, +1.0, True, 1.0, KL_TAU),  # default 0.2 masks it
-        ({"dppo_mask_high": 10.0}, 0.9, +1.0, True, 1.0, KL_TAU),  # > 1: never masks (PRIME-RL's tests use 10)
+        (
+            {"dppo_mask_high": 10.0},
+            0.9,
+            +1.0,
+            True,
+            1.0,
+            KL_TAU,
+        ),  # > 1: never masks (PRIME-RL's tests use 10)
         ({"dppo_mask_low": 0.35}, 0.3, -1.0, True, 1.0, KL_TAU),  # default 0.2 masks it
         ({"dppo_mask_high": 0.05}, 0.7, +1.0, False, 1.0, KL_TAU),  # default 0.2 keeps it
         ({"dppo_mask_low": 0.05}, 0.5, -1.0, False, 1.0, KL_TAU),  # default 0.2 keeps it
@@ -118,4 +126,6 @@ def test_loss_weights_scale_each_token_including_the_kl_term(make_inputs) -> Non
     torch.testing.assert_close(inputs.trainer_logprobs.grad, expected_grad, rtol=1e-12, atol=1e-15)
 
     unweighted = composer_loss(make_inputs(p_train=p_train, p_inf=[0.6] * 3, adv=adv, weights=[1.0] * 3))
-    assert unweighted.loss.item() == pytest.approx(composer_loss(make_inputs(p_train=p_train, p_inf=[0.6] * 3, adv=adv)).loss.item())
+    assert unweighted.loss.item() == pytest.approx(
+        composer_loss(make_inputs(p_train=p_train, p_inf=[0.6] * 3, adv=adv)).loss.item()
+    )

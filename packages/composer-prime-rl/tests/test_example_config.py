@@ -14,9 +14,8 @@ import importlib
 import tomllib
 from typing import Any
 
-import pytest
-
 import composer_prime_rl
+import pytest
 from composer_prime_rl import EXAMPLES, composer_loss, example_config, parse_options
 
 
@@ -65,7 +64,9 @@ def test_import_path_resolves_to_composer_loss(name) -> None:
 def test_example_kwargs_validate_and_run(make_inputs, name) -> None:
     kwargs = _loss_table(name)["kwargs"]
     opts = parse_options(kwargs)
-    sample = make_inputs(p_train=[0.9, 0.5, 0.3], p_inf=[0.6, 0.6, 0.6], p_ref=[0.5, 0.4, 0.3], adv=[1.0, -0.5, 2.0])
+    sample = make_inputs(
+        p_train=[0.9, 0.5, 0.3], p_inf=[0.6, 0.6, 0.6], p_ref=[0.5, 0.4, 0.3], adv=[1.0, -0.5, 2.0]
+    )
     fn = _import_object(_loss_table(name)["import_path"])
     out = fn(sample, **kwargs)
     assert out.loss.dim() == 0

@@ -10,7 +10,6 @@ import math
 
 import pytest
 import torch
-
 from composer_prime_rl import LossInputs, composer_loss
 
 P_TRAIN = [0.9, 0.9, 0.3, 0.55, 0.7, 0.05, 0.4]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from composer_prime_rl import PrimeRLLossOptions, composer_loss, parse_options, valid_option_names
 
 
@@ -46,7 +45,13 @@ def test_wrapper_options_raise(sample, key) -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"beta_replay": 0.1}, {"beta_replay": 1}, {"dpo_beta": 0.1}, {"dpo_variant": "simpo"}, {"simpo_gamma": 0.5}],
+    [
+        {"beta_replay": 0.1},
+        {"beta_replay": 1},
+        {"dpo_beta": 0.1},
+        {"dpo_variant": "simpo"},
+        {"simpo_gamma": 0.5},
+    ],
 )
 def test_channel3_raises_and_explains_folding_pairs_into_data(sample, kwargs) -> None:
     with pytest.raises(ValueError, match="once per sample") as err:

@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-
 from composer_prime_rl import LossInputs, composer_loss
 
 CONFIGS = [
@@ -63,7 +62,9 @@ def test_tokens_outside_the_mask_do_not_count_even_if_garbage(make_inputs, kwarg
 
 
 def test_float32_inputs_keep_their_dtype(make_inputs) -> None:
-    inputs = make_inputs(p_train=[0.5, 0.9], p_inf=[0.6, 0.6], p_ref=[0.3, 0.8], adv=[1.0, -1.0], dtype=torch.float32)
+    inputs = make_inputs(
+        p_train=[0.5, 0.9], p_inf=[0.6, 0.6], p_ref=[0.3, 0.8], adv=[1.0, -1.0], dtype=torch.float32
+    )
     out = composer_loss(inputs, alpha_sdpo=1.0)
     assert out.loss.dtype == torch.float32
     reference = composer_loss(
@@ -104,18 +105,32 @@ def _replace(inputs, **fields):
         ({"advantages": torch.zeros(2)}, {}, "advantages has 2 tokens but trainer_logprobs has 3"),
         ({"loss_mask": torch.ones(4, dtype=torch.bool)}, {}, "loss_mask has 4 tokens"),
         ({"loss_weights": torch.ones(2, dtype=torch.float64)}, {}, "loss_weights has 2 tokens"),
-        ({"ref_logprobs": torch.zeros(5, dtype=torch.float64)}, {"alpha_sdpo": 1.0}, "ref_logprobs has 5 tokens"),
+        (
+            {"ref_logprobs": torch.zeros(5, dtype=torch.float64)},
+            {"alpha_sdpo": 1.0},
+            "ref_logprobs has 5 tokens",
+        ),
         ({"inference_logprobs": [0.0, 0.0, 0.0]}, {}, "inference_logprobs must be a torch.Tensor"),
         ({"advantages": torch.ones(3, dtype=torch.long)}, {}, "advantages must be a floating-point tensor"),
         ({"loss_mask": torch.tensor([0, 1, 2])}, {}, "loss_mask must be boolean"),
         ({"trainer_logprobs": torch.tensor([0.0, math.nan, 0.0])}, {}, "trainer_logprobs has NaN or inf"),
-        ({"inference_logprobs": torch.tensor([-math.inf, 0.0, 0.0])}, {}, "inference_logprobs has NaN or inf"),
+        (
+            {"inference_logprobs": torch.tensor([-math.inf, 0.0, 0.0])},
+            {},
+            "inference_logprobs has NaN or inf",
+        ),
         ({"advantages": torch.tensor([0.0, 0.0, math.inf])}, {}, "advantages has NaN or inf"),
         ({"loss_weights": torch.tensor([1.0, math.nan, 1.0])}, {}, "loss_weights has NaN or inf"),
-        ({"ref_logprobs": torch.tensor([-1.0, math.nan, -1.0])}, {"alpha_sdpo": 1.0}, "ref_logprobs has NaN or inf"),
+        (
+            {"ref_logprobs": torch.tensor([-1.0, math.nan, -1.0])},
+            {"alpha_sdpo": 1.0},
+            "ref_logprobs has NaN or inf",
+        ),
     ],
 )
 def test_bad_inputs_raise_naming_the_field(make_inputs, fields, kwargs, message) -> None:
-    base = make_inputs(p_train=[0.5, 0.6, 0.7], p_inf=[0.5, 0.5, 0.5], p_ref=[0.4, 0.4, 0.4], adv=[1.0, -1.0, 0.5])
+    base = make_inputs(
+        p_train=[0.5, 0.6, 0.7], p_inf=[0.5, 0.5, 0.5], p_ref=[0.4, 0.4, 0.4], adv=[1.0, -1.0, 0.5]
+    )
     with pytest.raises(ValueError, match=message):
         composer_loss(_replace(base, **fields), **kwargs)

@@ -13,7 +13,6 @@ import math
 
 import pytest
 import torch
-
 from composer_prime_rl import composer_loss
 
 LN2 = math.log(2.0)
@@ -52,7 +51,9 @@ def test_student_equal_to_teacher_gives_zero_gradient(make_inputs) -> None:
 
 def test_channels_add_per_token_with_weights(make_inputs) -> None:
     # DPPO kept token (A = −1, ρ = 1.5) + α × SDPO, both scaled by the token weight.
-    inputs = make_inputs(p_train=[0.9, 0.5], p_inf=[0.6, 0.5], p_ref=[0.9, 0.25], adv=[-1.0, 0.0], weights=[2.0, 3.0])
+    inputs = make_inputs(
+        p_train=[0.9, 0.5], p_inf=[0.6, 0.5], p_ref=[0.9, 0.25], adv=[-1.0, 0.0], weights=[2.0, 3.0]
+    )
     out = composer_loss(inputs, alpha_sdpo=0.5, kl_tau=0.0)
     out.loss.backward()
     # token 0: policy grad −A·ρ = 1.5, sdpo grad 0 (student = teacher); token 1: 0.5·ln2
@@ -61,7 +62,7 @@ def test_channels_add_per_token_with_weights(make_inputs) -> None:
 
 
 def test_missing_ref_logprobs_raises_by_default(make_inputs) -> None:
-    with pytest.raises(ValueError, match="no ref_logprobs.*sdpo_missing"):
+    with pytest.raises(ValueError, match=r"no ref_logprobs.*sdpo_missing"):
         composer_loss(make_inputs(p_train=[0.5], p_inf=[0.5], adv=[1.0]), alpha_sdpo=1.0)
 
 
@@ -144,4 +145,6 @@ def test_both_names_with_different_tensors_is_ambiguous(make_inputs) -> None:
 @pytest.mark.parametrize("form", ["full", "topk", "fused", "auto"])
 def test_full_vocabulary_forms_raise_not_zero(make_inputs, form) -> None:
     with pytest.raises(ValueError, match="only the log-prob of each sampled token"):
-        composer_loss(make_inputs(p_train=[0.5], p_inf=[0.5], p_ref=[0.25], adv=[0.0]), alpha_sdpo=1.0, sdpo_form=form)
+        composer_loss(
+            make_inputs(p_train=[0.5], p_inf=[0.5], p_ref=[0.25], adv=[0.0]), alpha_sdpo=1.0, sdpo_form=form
+        )

@@ -16,7 +16,6 @@ import pytest
 import torch
 from composer_core.compose import ComposerBatch, compose_loss
 from composer_core.policy import aggregate_loss, dppo_loss
-
 from composer_prime_rl import LossInputs, composer_loss
 
 LENGTHS = (5, 3, 6)
@@ -75,7 +74,9 @@ def _packed(samples: list[dict[str, torch.Tensor]], key: str) -> torch.Tensor:
 
 def _padded(samples: list[dict[str, torch.Tensor]], key: str, fill: float | bool) -> torch.Tensor:
     width = max(LENGTHS)
-    rows = [torch.cat([s[key], torch.full((width - len(s[key]),), fill, dtype=s[key].dtype)]) for s in samples]
+    rows = [
+        torch.cat([s[key], torch.full((width - len(s[key]),), fill, dtype=s[key].dtype)]) for s in samples
+    ]
     return torch.stack(rows)
 
 
@@ -181,7 +182,8 @@ def test_a_mean_per_sample_would_be_wrong() -> None:
     sums = [composer_loss(LossInputs(s["lp"], s["inf"], None, s["adv"], s["mask"])).loss for s in samples]
     counts = [int(s["mask"].sum()) for s in samples]
     per_token = [
-        dppo_loss(s["lp"][None], s["inf"][None], s["adv"][None], s["mask"][None])[0][0][s["mask"]] for s in samples
+        dppo_loss(s["lp"][None], s["inf"][None], s["adv"][None], s["mask"][None])[0][0][s["mask"]]
+        for s in samples
     ]
     for total, tokens, count in zip(sums, per_token, counts, strict=True):
         assert total.item() == pytest.approx(tokens.sum().item(), rel=1e-12)

@@ -25,7 +25,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from composer_prime_rl import composer_loss
 
 
@@ -80,7 +79,7 @@ def _stub_modules() -> dict[str, types.ModuleType]:
 
         jt = types.ModuleType("jaxtyping")
         jt.Float = jt.Bool = jt.Int = _Any
-        jt.jaxtyped = lambda typechecker=None: (lambda fn: fn)
+        jt.jaxtyped = lambda typechecker=None: lambda fn: fn
         mods["jaxtyping"] = jt
         bt = types.ModuleType("beartype")
         bt.beartype = lambda fn: fn
@@ -98,7 +97,9 @@ def _load_upstream() -> tuple[types.ModuleType, types.ModuleType]:
         return loss, configs
     src = os.environ.get("PRIME_RL_SRC")
     if not src:
-        pytest.skip("prime_rl is not importable and PRIME_RL_SRC is unset (prime-rl is not on the package index)")
+        pytest.skip(
+            "prime_rl is not importable and PRIME_RL_SRC is unset (prime-rl is not on the package index)"
+        )
     path = Path(src) / "src/prime_rl/trainer/rl/loss.py"
     if not path.is_file():
         pytest.fail(f"PRIME_RL_SRC={src} has no src/prime_rl/trainer/rl/loss.py")
@@ -150,13 +151,17 @@ def _random_sample(upstream_loss: types.ModuleType, seed: int, n: int, weighted:
 def test_dppo_equals_prime_rl_default_loss_fn(upstream, seed, knobs) -> None:
     loss_mod, configs = upstream
     theirs_in = _random_sample(loss_mod, seed, 40, weighted=seed % 2 == 1)
-    ours_in = dataclasses.replace(theirs_in, trainer_logprobs=theirs_in.trainer_logprobs.detach().requires_grad_(True))
+    ours_in = dataclasses.replace(
+        theirs_in, trainer_logprobs=theirs_in.trainer_logprobs.detach().requires_grad_(True)
+    )
     theirs = loss_mod.default_loss_fn(theirs_in, configs.DefaultLossConfig(**knobs))
     ours = composer_loss(ours_in, **knobs)
     torch.testing.assert_close(ours.loss, theirs.loss, rtol=1e-12, atol=1e-12)
     theirs.loss.backward()
     ours.loss.backward()
-    torch.testing.assert_close(ours_in.trainer_logprobs.grad, theirs_in.trainer_logprobs.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        ours_in.trainer_logprobs.grad, theirs_in.trainer_logprobs.grad, rtol=1e-12, atol=1e-12
+    )
     for key, value in theirs.metrics.items():
         torch.testing.assert_close(ours.metrics[key].double(), value.double(), rtol=1e-5, atol=1e-7, msg=key)
 

@@ -239,7 +239,7 @@ def composer_loss(inputs: LossInputs, **kwargs: Any) -> LossOutputs:
                 "tokens, which is how PRIME-RL's packer fills a sample without them): PRIME-RL "
                 "fills them only when the orchestrator's algorithm scores samples under a "
                 "reference (the hinted context of composer's self-teacher). Ship hinted-context "
-                "log-probs as ref_logprobs, set sdpo_missing = \"skip\" to train such samples on the "
+                'log-probs as ref_logprobs, set sdpo_missing = "skip" to train such samples on the '
                 "policy loss only, or set alpha_sdpo = 0."
             )
         if s.count > 0 and not skipped:

@@ -74,12 +74,12 @@ _SDPO_ONLY = frozenset({"sdpo_form", "sdpo_token_clip", "sdpo_missing"})
 _FULL_VOCAB = (
     "PRIME-RL passes only the log-prob of each sampled token (LossInputs has no logits), so "
     "the {what} cannot be computed inside a PRIME-RL loss. Use the sampled-token form "
-    "(alpha_sdpo > 0 with the default sdpo_form = \"sampled\"), or a host that exposes logits "
+    '(alpha_sdpo > 0 with the default sdpo_form = "sampled"), or a host that exposes logits '
     "(composer-trl, composer-verl)."
 )
 _PER_TOKEN_SUM = (
     "PRIME-RL sums each sample's per-token loss and divides by the global rl-token count "
-    "itself (token-level, like composer's loss_type = \"dapo\" with a global normalizer); "
+    'itself (token-level, like composer\'s loss_type = "dapo" with a global normalizer); '
     "a per-sample loss cannot choose another aggregation. Remove '{key}'."
 )
 _CHANNEL3 = (
@@ -122,10 +122,7 @@ _UNSUPPORTED: dict[str, str] = {
             "replay_normalizer",
         )
     },
-    **{
-        k: _PER_TOKEN_SUM
-        for k in ("loss_type", "normalizer", "sdpo_normalizer", "max_completion_length")
-    },
+    **{k: _PER_TOKEN_SUM for k in ("loss_type", "normalizer", "sdpo_normalizer", "max_completion_length")},
     **{
         k: (
             "composer_prime_rl handles the trainer/inference mismatch through the selected "
@@ -225,7 +222,9 @@ def _build(items: tuple[tuple[str, Any], ...]) -> PrimeRLLossOptions:
     eps_low = opt("epsilon_low", 0.2)
     assert eps_low is not None
     if eps_low >= 1.0:
-        raise ValueError(f"'epsilon_low' must be < 1 (the ratio is clipped at 1 - epsilon_low), got {eps_low}.")
+        raise ValueError(
+            f"'epsilon_low' must be < 1 (the ratio is clipped at 1 - epsilon_low), got {eps_low}."
+        )
     delta = opt("delta", None, strict=True)
     eps_high = opt("epsilon_high", None)
     if delta is not None and delta <= 1.0 + (eps_high if eps_high is not None else eps_low):
