@@ -22,7 +22,7 @@ from torch import Tensor
 __all__ = ["HAS_PRIME_RL", "LossInputs", "LossOutputs", "read_loss_weights", "read_ref_logprobs"]
 
 try:  # pragma: no cover - exercised only inside a PRIME-RL trainer environment
-    from prime_rl.trainer.rl.loss import LossInputs, LossOutputs
+    from prime_rl.trainer.rl.loss import LossInputs, LossOutputs  # type: ignore[import-not-found, unused-ignore]
 
     HAS_PRIME_RL = True
 except ImportError:

@@ -58,7 +58,7 @@ class _Sample(NamedTuple):
     advantages: Tensor
     mask: Tensor
     weights: Tensor | None
-    count: int
+    n_tokens: int
 
 
 def _tensor(name: str, value: Any, length: int | None) -> Tensor:
@@ -131,7 +131,7 @@ def _read_sample(inputs: Any, opts: PrimeRLLossOptions) -> _Sample:
         advantages=keep(advantages.detach()),
         mask=mask,
         weights=None if weights is None else keep(weights.detach()),
-        count=int(mask.sum()),
+        n_tokens=int(mask.sum()),
     )
 
 
@@ -225,14 +225,14 @@ def composer_loss(inputs: LossInputs, **kwargs: Any) -> LossOutputs:
     s = _read_sample(inputs, opts)
     zeros = torch.zeros_like(s.logprobs)
 
-    if s.count > 0:
+    if s.n_tokens > 0:
         policy, metrics = _policy_terms(s, opts)
     else:
         policy, metrics = zeros * s.logprobs, {}  # keep the graph; metrics filled with 0 below
 
     distill: Tensor | None = None
     if opts.alpha_sdpo > 0:
-        skipped = s.ref_logprobs is None and s.count > 0
+        skipped = s.ref_logprobs is None and s.n_tokens > 0
         if skipped and opts.sdpo_missing == "error":
             raise ValueError(
                 "alpha_sdpo > 0 but this sample has no ref_logprobs (None, or all zeros on its masked "
@@ -242,7 +242,7 @@ def composer_loss(inputs: LossInputs, **kwargs: Any) -> LossOutputs:
                 'log-probs as ref_logprobs, set sdpo_missing = "skip" to train such samples on the '
                 "policy loss only, or set alpha_sdpo = 0."
             )
-        if s.count > 0 and not skipped:
+        if s.n_tokens > 0 and not skipped:
             distill, sdpo_metrics = _sdpo_terms(s, opts)
             metrics.update(sdpo_metrics)
         metrics["skipped/sdpo"] = torch.tensor(float(skipped))
@@ -261,6 +261,7 @@ def composer_loss(inputs: LossInputs, **kwargs: Any) -> LossOutputs:
 
 
 def _metric_keys(opts: PrimeRLLossOptions) -> tuple[str, ...]:
+    keys: tuple[str, ...]
     if opts.policy_loss == "dppo":
         keys = (
             "masked_mismatch_kl",
