@@ -12,6 +12,10 @@ from composer_prime_rl import LossInputs
 
 MakeInputs = Callable[..., Any]
 
+# One sample's tensors are tiny: intra-op threads only add contention (a 2-core CI runner
+# shared with other jobs spends milliseconds per op waking them).
+torch.set_num_threads(1)
+
 
 def _t(values: Sequence[float] | torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     if values is None or isinstance(values, torch.Tensor):

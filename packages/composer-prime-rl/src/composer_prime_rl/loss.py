@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 
 import torch
 from composer_core.distill import sampled_token_distill
-from composer_core.policy import clipped_surrogate, dppo_loss, dppo_mask
+from composer_core.policy import clipped_surrogate, dppo_loss
 from torch import Tensor
 
 from composer_prime_rl.contract import LossInputs, LossOutputs, read_loss_weights, read_ref_logprobs
@@ -84,14 +84,6 @@ def _float(name: str, value: Any, length: int | None) -> Tensor:
     return t
 
 
-def _check_finite(name: str, value: Tensor, mask: Tensor) -> None:
-    if not bool(torch.isfinite(value[mask]).all()):
-        raise ValueError(
-            f"LossInputs.{name} has NaN or inf on tokens selected by loss_mask; fix the producer "
-            "of this field (values outside loss_mask are ignored)."
-        )
-
-
 def _read_sample(inputs: Any, opts: PrimeRLLossOptions) -> _Sample:
     logprobs = _float("trainer_logprobs", getattr(inputs, "trainer_logprobs", None), None)
     n = logprobs.shape[0]
@@ -104,22 +96,34 @@ def _read_sample(inputs: Any, opts: PrimeRLLossOptions) -> _Sample:
         raw_mask = raw_mask != 0
     mask = raw_mask.to(logprobs.device)
     ref = read_ref_logprobs(inputs)
-    ref = None if ref is None else _float("ref_logprobs", ref, n)
+    ref = None if ref is None or opts.alpha_sdpo == 0 else _float("ref_logprobs", ref, n)
     weights = read_loss_weights(inputs)
     weights = None if weights is None else _float("loss_weights", weights, n)
 
-    _check_finite("trainer_logprobs", logprobs, mask)
-    _check_finite("inference_logprobs", inference, mask)
-    _check_finite("advantages", advantages, mask)
+    # Every data-dependent check in ONE device sync (the loss runs once per sample).
+    checked = {"trainer_logprobs": logprobs, "inference_logprobs": inference, "advantages": advantages}
     if weights is not None:
-        _check_finite("loss_weights", weights, mask)
-    if ref is not None and opts.alpha_sdpo > 0:
-        _check_finite("ref_logprobs", ref, mask)
-        if bool(mask.any()) and bool((ref[mask] == 0).all()):
-            # PRIME-RL's packer zero-fills ref_logprobs of a sample that has none when a
-            # neighbour in the micro-batch has some (trainer/batch.py): log-prob 0 on every
-            # token is that fill, not a teacher, and would pull every token towards p = 1.
-            ref = None
+        checked["loss_weights"] = weights
+    if ref is not None:
+        checked["ref_logprobs"] = ref
+    outside = ~mask  # no boolean indexing: it would sync the device once per field
+    stats = [(torch.isfinite(t.detach()) | outside).all() for t in checked.values()]
+    stats.append(mask.sum())
+    if ref is not None:
+        stats.append(((ref.detach() == 0) | outside).all())
+    values = torch.stack([v.to(device=logprobs.device, dtype=torch.int64) for v in stats]).tolist()
+    for name, finite in zip(checked, values, strict=False):
+        if not finite:
+            raise ValueError(
+                f"LossInputs.{name} has NaN or inf on tokens selected by loss_mask; fix the producer "
+                "of this field (values outside loss_mask are ignored)."
+            )
+    n_tokens = values[len(checked)]
+    if ref is not None and n_tokens > 0 and values[-1]:
+        # PRIME-RL's packer zero-fills ref_logprobs of a sample that has none when a
+        # neighbour in the micro-batch has some (trainer/batch.py): log-prob 0 on every
+        # token is that fill, not a teacher, and would pull every token towards p = 1.
+        ref = None
 
     def keep(t: Tensor) -> Tensor:  # zero the tokens outside the mask (no NaN can leak)
         return torch.where(mask, t, torch.zeros((), dtype=t.dtype, device=t.device))
@@ -131,54 +135,55 @@ def _read_sample(inputs: Any, opts: PrimeRLLossOptions) -> _Sample:
         advantages=keep(advantages.detach()),
         mask=mask,
         weights=None if weights is None else keep(weights.detach()),
-        n_tokens=int(mask.sum()),
+        n_tokens=n_tokens,
     )
 
 
-def _mean(values: Tensor, where: Tensor) -> Tensor:
-    """Mean of ``values`` over the bool ``where`` (0 when empty), detached."""
-    v = values.detach().to(torch.float32)
-    return (v * where).sum() / where.sum().clamp(min=1)
+# A metric is the mean of ``values`` over the bool ``where`` (0 when empty); all of a sample's
+# metrics are reduced together in one batched op (see _reduce_metrics).
+MetricSpec = tuple[Tensor, Tensor]
 
 
-def _policy_terms(s: _Sample, opts: PrimeRLLossOptions) -> tuple[Tensor, dict[str, Tensor]]:
+def _policy_terms(s: _Sample, opts: PrimeRLLossOptions) -> tuple[Tensor, dict[str, MetricSpec]]:
     """Per-token channel-1 loss [seq] (zero outside the mask) and its diagnostics."""
     lp, inf, adv, m = s.logprobs[None], s.inference_logprobs[None], s.advantages[None], s.mask[None]
     log_ratio = (s.logprobs - s.inference_logprobs).detach()
     mismatch_kl = torch.exp(log_ratio) - log_ratio - 1.0  # k3 estimate of KL(π_inf‖π_train)
-    if opts.policy_loss == "dppo":
-        # |Δp| < 1 always, so a bound above 1 (PRIME-RL allows any value >= 0, e.g. 10 to turn
-        # masking off) masks exactly what a bound of 1 masks: nothing.
-        low, high = min(opts.dppo_mask_low, 1.0), min(opts.dppo_mask_high, 1.0)
-        per_token, _ = dppo_loss(
-            lp, inf, adv, m, mask_low=low, mask_high=high, adv_tau=opts.adv_tau, kl_tau=opts.kl_tau
-        )
-        masked = dppo_mask(lp, inf, adv, mask_low=low, mask_high=high)[0]
-        dropped = masked & s.mask
-        prob_diff = (torch.exp(s.logprobs) - torch.exp(s.inference_logprobs)).detach()
-        positive, negative = s.advantages > 0, s.advantages < 0
-        metrics = {
-            # PRIME-RL's default_loss_fn metric names and definitions (dashboards carry over).
-            "masked_mismatch_kl": _mean(mismatch_kl, dropped),
-            "unmasked_mismatch_kl": _mean(mismatch_kl, s.mask & ~masked),
-            "is_masked": _mean(masked, s.mask),
-            "is_masked_low": _mean(negative & (prob_diff < -opts.dppo_mask_low), s.mask),
-            "is_masked_high": _mean(positive & (prob_diff > opts.dppo_mask_high), s.mask),
-            "masked_advantage_positive": _mean(positive, dropped),
-            "masked_advantage_negative": _mean(negative, dropped),
-        }
-    else:
+    if opts.policy_loss == "clipped_surrogate":
         per_token, is_clipped = clipped_surrogate(
             lp, inf, adv, epsilon_low=opts.epsilon_low, epsilon_high=opts.epsilon_high, delta=opts.delta
         )
-        metrics = {
-            "policy/clip_ratio": _mean(is_clipped[0], s.mask),
-            "mismatch_kl": _mean(mismatch_kl, s.mask),
+        return per_token[0], {
+            "policy/clip_ratio": (is_clipped[0], s.mask),
+            "mismatch_kl": (mismatch_kl, s.mask),
         }
-    return per_token[0], metrics
+
+    # |Δp| < 1 always, so a bound above 1 (PRIME-RL allows any value >= 0, e.g. 10 to turn
+    # masking off) masks exactly what a bound of 1 masks: nothing.
+    low, high = min(opts.dppo_mask_low, 1.0), min(opts.dppo_mask_high, 1.0)
+    per_token, _ = dppo_loss(
+        lp, inf, adv, m, mask_low=low, mask_high=high, adv_tau=opts.adv_tau, kl_tau=opts.kl_tau
+    )
+    # The diagnostics re-derive dppo_mask's rule from Δp (one exp each instead of a second
+    # validated core call); test_upstream.py checks them against PRIME-RL's own metrics.
+    prob_diff = (torch.exp(s.logprobs) - torch.exp(s.inference_logprobs)).detach()
+    positive, negative = s.advantages > 0, s.advantages < 0
+    too_high, too_low = prob_diff > high, prob_diff < -low
+    masked = torch.where(positive, too_high, too_low)
+    dropped = masked & s.mask
+    return per_token[0], {
+        # PRIME-RL's default_loss_fn metric names and definitions (dashboards carry over).
+        "masked_mismatch_kl": (mismatch_kl, dropped),
+        "unmasked_mismatch_kl": (mismatch_kl, s.mask & ~masked),
+        "is_masked": (masked, s.mask),
+        "is_masked_low": (negative & too_low, s.mask),
+        "is_masked_high": (positive & too_high, s.mask),
+        "masked_advantage_positive": (positive, dropped),
+        "masked_advantage_negative": (negative, dropped),
+    }
 
 
-def _sdpo_terms(s: _Sample, opts: PrimeRLLossOptions) -> tuple[Tensor, dict[str, Tensor]]:
+def _sdpo_terms(s: _Sample, opts: PrimeRLLossOptions) -> tuple[Tensor, dict[str, MetricSpec]]:
     """Per-token channel-2 loss [seq] (zero outside the mask) and its diagnostics."""
     assert s.ref_logprobs is not None
     per_token = sampled_token_distill(
@@ -189,7 +194,7 @@ def _sdpo_terms(s: _Sample, opts: PrimeRLLossOptions) -> tuple[Tensor, dict[str,
         is_clip=opts.sdpo_token_clip,
         reduction="none",
     )[0]
-    return per_token, {"sdpo/reverse_kl_k1": _mean(s.logprobs - s.ref_logprobs, s.mask)}
+    return per_token, {"sdpo/reverse_kl_k1": (s.logprobs - s.ref_logprobs, s.mask)}
 
 
 def composer_loss(inputs: LossInputs, **kwargs: Any) -> LossOutputs:
@@ -225,12 +230,14 @@ def composer_loss(inputs: LossInputs, **kwargs: Any) -> LossOutputs:
     s = _read_sample(inputs, opts)
     zeros = torch.zeros_like(s.logprobs)
 
+    specs: dict[str, MetricSpec] = {}
     if s.n_tokens > 0:
-        policy, metrics = _policy_terms(s, opts)
+        policy, specs = _policy_terms(s, opts)
     else:
-        policy, metrics = zeros * s.logprobs, {}  # keep the graph; metrics filled with 0 below
+        policy = zeros * s.logprobs  # keep the graph; the metrics are all 0 below
 
     distill: Tensor | None = None
+    skipped = False
     if opts.alpha_sdpo > 0:
         skipped = s.ref_logprobs is None and s.n_tokens > 0
         if skipped and opts.sdpo_missing == "error":
@@ -243,24 +250,28 @@ def composer_loss(inputs: LossInputs, **kwargs: Any) -> LossOutputs:
                 "policy loss only, or set alpha_sdpo = 0."
             )
         if s.n_tokens > 0 and not skipped:
-            distill, sdpo_metrics = _sdpo_terms(s, opts)
-            metrics.update(sdpo_metrics)
-        metrics["skipped/sdpo"] = torch.tensor(float(skipped))
+            distill, sdpo_specs = _sdpo_terms(s, opts)
+            specs.update(sdpo_specs)
 
     per_token = policy if distill is None else policy + opts.alpha_sdpo * distill
     if s.weights is not None:
         per_token = per_token * s.weights
     loss = torch.where(s.mask, per_token, zeros).sum()
 
-    w = s.weights if s.weights is not None else torch.ones_like(zeros)
-    metrics["loss/policy"] = _mean(policy * w, s.mask)
+    if s.n_tokens > 0:
+        weighted_policy = policy if s.weights is None else policy * s.weights
+        specs["loss/policy"] = (weighted_policy, s.mask)
+        if distill is not None:
+            specs["loss/sdpo"] = (distill if s.weights is None else distill * s.weights, s.mask)
+        specs["loss/total"] = (per_token, s.mask)
+    metrics = _reduce_metrics(specs, _metric_keys(opts), s.logprobs.device)
     if opts.alpha_sdpo > 0:
-        metrics["loss/sdpo"] = _mean((distill if distill is not None else zeros) * w, s.mask)
-    metrics["loss/total"] = _mean(per_token, s.mask)
-    return LossOutputs(loss=loss, metrics=_complete(metrics, opts, loss))
+        metrics["skipped/sdpo"] = torch.tensor(float(skipped), device=s.logprobs.device)
+    return LossOutputs(loss=loss, metrics=metrics)
 
 
 def _metric_keys(opts: PrimeRLLossOptions) -> tuple[str, ...]:
+    """The metric keys of a run (every call emits the same ones, so PRIME-RL can stack them)."""
     keys: tuple[str, ...]
     if opts.policy_loss == "dppo":
         keys = (
@@ -276,11 +287,20 @@ def _metric_keys(opts: PrimeRLLossOptions) -> tuple[str, ...]:
         keys = ("policy/clip_ratio", "mismatch_kl")
     keys += ("loss/policy", "loss/total")
     if opts.alpha_sdpo > 0:
-        keys += ("loss/sdpo", "sdpo/reverse_kl_k1", "skipped/sdpo")
+        keys += ("loss/sdpo", "sdpo/reverse_kl_k1")
     return keys
 
 
-def _complete(metrics: dict[str, Tensor], opts: PrimeRLLossOptions, like: Tensor) -> dict[str, Tensor]:
-    """The run's fixed metric keys, 0 where this sample has none (empty mask, skipped SDPO)."""
-    zero = torch.zeros((), dtype=torch.float32, device=like.device)
-    return {k: metrics.get(k, zero).to(device=like.device) for k in _metric_keys(opts)}
+def _reduce_metrics(
+    specs: dict[str, MetricSpec], keys: tuple[str, ...], device: torch.device
+) -> dict[str, Tensor]:
+    """Detached float32 0-dim means ``Σ v·1[where] / max(Σ 1[where], 1)`` for ``keys`` in one
+    batched reduction; a key without a spec (empty mask, skipped channel) is 0."""
+    present = [k for k in keys if k in specs]
+    out = dict.fromkeys(keys, torch.zeros((), dtype=torch.float32, device=device))
+    if present:
+        values = torch.stack([specs[k][0].detach().to(torch.float32) for k in present])
+        where = torch.stack([specs[k][1] for k in present]).to(torch.float32)
+        means = (values * where).sum(dim=1) / where.sum(dim=1).clamp(min=1)
+        out.update(zip(present, means.unbind(), strict=True))
+    return out
