@@ -47,3 +47,44 @@ def test_gradcheck_policy_losses(kwargs, weighted) -> None:
 
     lp = _log(P_TRAIN).requires_grad_(True)
     assert torch.autograd.gradcheck(f, (lp,), eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
+P_REF = [0.5, 0.95, 0.2, 0.3, 0.7, 0.1, 0.6]
+
+
+@pytest.mark.parametrize("policy", ["dppo", "clipped_surrogate"])
+@pytest.mark.parametrize("clip", [2.0, 1.1, None])
+def test_sdpo_gradient_matches_finite_differences_of_its_potential(policy, clip) -> None:
+    """Channel 2's value is the k1 estimate w·(ℓ − ℓ_ref), a surrogate whose gradient is
+    w·(ℓ − ℓ_ref)·∇ℓ by design, so gradcheck on the value does not apply. Instead: the full
+    gradient must equal central finite differences (float64) of the potential
+    Φ(ℓ) = composer_loss(ℓ, alpha_sdpo=0) + α·Σ_t m_t·u_t·w_t·(ℓ_t − ℓ_ref,t)²/2, w frozen at ℓ0."""
+    alpha = 0.7
+    weights = torch.tensor(WEIGHTS, dtype=torch.float64)
+    mask = torch.tensor(MASK)
+    lp_inf, lp_ref = _log(P_INF), _log(P_REF)
+    lp0 = _log(P_TRAIN)
+
+    def inputs(lp: torch.Tensor) -> LossInputs:
+        return LossInputs(lp, lp_inf, lp_ref, torch.tensor(ADV, dtype=torch.float64), mask, weights)
+
+    base = {"policy_loss": policy}
+    lp = lp0.clone().requires_grad_(True)
+    composer_loss(inputs(lp), **base, alpha_sdpo=alpha, sdpo_token_clip=clip).loss.backward()
+
+    is_weight = torch.exp(lp0 - lp_inf)
+    is_weight = torch.ones_like(is_weight) if clip is None else is_weight.clamp(max=clip)
+
+    def potential(x: torch.Tensor) -> float:
+        policy_value = composer_loss(inputs(x), **base).loss
+        sdpo = (mask * weights * is_weight * (x - lp_ref) ** 2 / 2).sum()
+        return float(policy_value + alpha * sdpo)
+
+    eps = 1e-6
+    numeric = torch.zeros_like(lp0)
+    for i in range(lp0.shape[0]):
+        step = torch.zeros_like(lp0)
+        step[i] = eps
+        numeric[i] = (potential(lp0 + step) - potential(lp0 - step)) / (2 * eps)
+    torch.testing.assert_close(lp.grad, numeric, rtol=1e-6, atol=1e-8)
+    assert lp.grad[~mask].eq(0).all()
