@@ -110,6 +110,7 @@ def _load_upstream() -> tuple[types.ModuleType, types.ModuleType]:
         spec = importlib.util.spec_from_file_location("_prime_rl_upstream_loss", path)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up in sys.modules
         spec.loader.exec_module(module)
     finally:
         for k, v in saved.items():
@@ -243,3 +244,48 @@ def test_through_old_prime_rl_setup_loss_fns(upstream) -> None:
     assert out.metrics["sdpo/reverse_kl_k1"].item() == pytest.approx(
         (sample.trainer_logprobs - sample.inference_logprobs + 0.3)[sample.loss_mask].mean().item(), rel=1e-6
     )
+
+
+_CONTRACT_PROBE = """
+import importlib.util, sys, types
+spec = importlib.util.spec_from_file_location("_upstream_test", sys.argv[1])
+helpers = importlib.util.module_from_spec(spec)
+sys.modules["_upstream_test"] = helpers  # dataclasses look their module up in sys.modules
+spec.loader.exec_module(helpers)
+loss_mod, _ = helpers._load_upstream()
+for name in ("prime_rl", "prime_rl.configs", "prime_rl.utils", "prime_rl.trainer", "prime_rl.trainer.rl"):
+    sys.modules.setdefault(name, types.ModuleType(name))
+sys.modules["prime_rl.trainer.rl.loss"] = loss_mod
+for name in [m for m in sys.modules if m.startswith("composer_prime_rl")]:
+    del sys.modules[name]  # the helper module imported it before prime_rl existed
+import torch
+import composer_prime_rl
+assert composer_prime_rl.HAS_PRIME_RL
+assert composer_prime_rl.LossInputs is loss_mod.LossInputs
+assert composer_prime_rl.LossOutputs is loss_mod.LossOutputs
+names = {f.name for f in __import__("dataclasses").fields(loss_mod.LossInputs)}
+kwargs = dict(trainer_logprobs=torch.tensor([-0.5, -1.0], requires_grad=True),
+              inference_logprobs=torch.tensor([-0.6, -0.9]), advantages=torch.tensor([1.0, -1.0]),
+              loss_mask=torch.tensor([True, True]))
+kwargs["ref_logprobs" if "ref_logprobs" in names else "teacher_logprobs"] = None
+out = composer_prime_rl.composer_loss(loss_mod.LossInputs(**kwargs))
+assert type(out) is loss_mod.LossOutputs
+print("real-contract-ok")
+"""
+
+
+def test_adapter_uses_the_real_classes_when_prime_rl_is_importable(upstream) -> None:
+    """In a fresh interpreter where ``prime_rl.trainer.rl.loss`` imports (here: the checkout's
+    file), composer_prime_rl re-exports PRIME-RL's own LossInputs / LossOutputs and returns them."""
+    import subprocess
+
+    result = subprocess.run(
+        [sys.executable, "-c", _CONTRACT_PROBE, __file__],
+        capture_output=True,
+        text=True,
+        env={**os.environ},
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "real-contract-ok" in result.stdout
