@@ -66,13 +66,19 @@ def test_missing_ref_logprobs_raises_by_default(make_inputs) -> None:
         composer_loss(make_inputs(p_train=[0.5], p_inf=[0.5], adv=[1.0]), alpha_sdpo=1.0)
 
 
-def test_packer_zero_fill_counts_as_missing(make_inputs) -> None:
-    # PRIME-RL fills ref_logprobs of a sample without them with 0.0 when a neighbour has some.
-    inputs = make_inputs(p_train=[0.5, 0.4], p_inf=[0.5, 0.4], lp_ref=[0.0, 0.0], adv=[1.0, 1.0])
-    with pytest.raises(ValueError, match="all zeros"):
-        composer_loss(inputs, alpha_sdpo=1.0)
-    skipped = composer_loss(inputs, alpha_sdpo=1.0, sdpo_missing="skip")
-    assert skipped.metrics["skipped/sdpo"].item() == 1.0
+def test_packer_zero_fill_is_skipped_not_an_error(make_inputs) -> None:
+    # PRIME-RL fills ref_logprobs of a sample without them with 0.0 (the whole sample, prompt
+    # included) when a neighbour in the micro-batch has some: skipped on channel 2 even with
+    # the default sdpo_missing = "error" (the run does ship hints; this source has none).
+    args = {"p_train": [0.5, 0.4, 0.3], "p_inf": [0.5, 0.4, 0.3], "adv": [1.0, 1.0, -1.0]}
+    mask = [False, True, True]  # the first token is prompt
+    filled = composer_loss(make_inputs(**args, lp_ref=[0.0, 0.0, 0.0], mask=mask), alpha_sdpo=1.0)
+    assert filled.metrics["skipped/sdpo"].item() == 1.0
+    assert filled.loss.item() == composer_loss(make_inputs(**args, mask=mask)).loss.item()
+    # a real teacher that is certain (log-prob 0) on every rl token but not on the prompt is kept
+    certain = composer_loss(make_inputs(**args, lp_ref=[-2.0, 0.0, 0.0], mask=mask), alpha_sdpo=1.0)
+    assert certain.metrics["skipped/sdpo"].item() == 0.0
+    assert certain.metrics["sdpo/reverse_kl_k1"].item() == pytest.approx(math.log(0.4 * 0.3) / 2, rel=1e-6)
 
 
 def test_skip_trains_the_policy_only_and_reports_it(make_inputs) -> None:

@@ -59,6 +59,7 @@ class _Sample(NamedTuple):
     mask: Tensor
     weights: Tensor | None
     n_tokens: int
+    zero_filled: bool
 
 
 def _tensor(name: str, value: Any, length: int | None) -> Tensor:
@@ -110,7 +111,7 @@ def _read_sample(inputs: Any, opts: PrimeRLLossOptions) -> _Sample:
     stats = [(torch.isfinite(t.detach()) | outside).all() for t in checked.values()]
     stats.append(mask.sum())
     if ref is not None:
-        stats.append(((ref.detach() == 0) | outside).all())
+        stats.append((ref.detach() == 0).all())  # over the whole sample, prompt tokens included
     values = torch.stack([v.to(device=logprobs.device, dtype=torch.int64) for v in stats]).tolist()
     for name, finite in zip(checked, values, strict=False):
         if not finite:
@@ -119,10 +120,12 @@ def _read_sample(inputs: Any, opts: PrimeRLLossOptions) -> _Sample:
                 "of this field (values outside loss_mask are ignored)."
             )
     n_tokens = values[len(checked)]
-    if ref is not None and n_tokens > 0 and values[-1]:
-        # PRIME-RL's packer zero-fills ref_logprobs of a sample that has none when a
-        # neighbour in the micro-batch has some (trainer/batch.py): log-prob 0 on every
-        # token is that fill, not a teacher, and would pull every token towards p = 1.
+    zero_filled = ref is not None and bool(values[-1])
+    if zero_filled:
+        # PRIME-RL's packer fills ref_logprobs with 0.0 over the whole sample when the sample
+        # has none but a neighbour in its micro-batch has some (trainer/batch.py): that is no
+        # teacher (it would pull every token towards p = 1). Such a sample comes from a source
+        # without hints while the run does ship them, so it is skipped, never an error.
         ref = None
 
     def keep(t: Tensor) -> Tensor:  # zero the tokens outside the mask (no NaN can leak)
@@ -136,6 +139,7 @@ def _read_sample(inputs: Any, opts: PrimeRLLossOptions) -> _Sample:
         mask=mask,
         weights=None if weights is None else keep(weights.detach()),
         n_tokens=n_tokens,
+        zero_filled=zero_filled,
     )
 
 
@@ -223,8 +227,9 @@ def composer_loss(inputs: LossInputs, **kwargs: Any) -> LossOutputs:
     Raises:
         ValueError: bad kwargs (see :func:`composer_prime_rl.options.parse_options`), a
             field that is not a 1-D tensor of the sample's length, a non-boolean mask,
-            NaN/inf on masked tokens, or channel 2 on without ``ref_logprobs`` while
-            ``sdpo_missing = "error"``.
+            NaN/inf on masked tokens, or channel 2 on without ``ref_logprobs`` (None) while
+            ``sdpo_missing = "error"``. A sample whose ``ref_logprobs`` are 0.0 everywhere
+            (PRIME-RL's packer fill for a sample without them) is skipped on channel 2.
     """
     opts = parse_options(kwargs)
     s = _read_sample(inputs, opts)
@@ -240,11 +245,10 @@ def composer_loss(inputs: LossInputs, **kwargs: Any) -> LossOutputs:
     skipped = False
     if opts.alpha_sdpo > 0:
         skipped = s.ref_logprobs is None and s.n_tokens > 0
-        if skipped and opts.sdpo_missing == "error":
+        if skipped and not s.zero_filled and opts.sdpo_missing == "error":
             raise ValueError(
-                "alpha_sdpo > 0 but this sample has no ref_logprobs (None, or all zeros on its masked "
-                "tokens, which is how PRIME-RL's packer fills a sample without them): PRIME-RL "
-                "fills them only when the orchestrator's algorithm scores samples under a "
+                "alpha_sdpo > 0 but this sample has no ref_logprobs (LossInputs.ref_logprobs is None): "
+                "PRIME-RL fills them only when the orchestrator's algorithm scores samples under a "
                 "reference (the hinted context of composer's self-teacher). Ship hinted-context "
                 'log-probs as ref_logprobs, set sdpo_missing = "skip" to train such samples on the '
                 "policy loss only, or set alpha_sdpo = 0."

@@ -45,9 +45,11 @@ class PrimeRLLossOptions:
     Channel 2, sampled-token self-distillation (``alpha_sdpo > 0``): the per-sample
     ``ref_logprobs`` (hinted-context log-probs of the sampled tokens) are the teacher.
     ``sdpo_token_clip`` caps the detached importance weight ``exp(ℓ_train − ℓ_inf)``;
-    None (``false`` in TOML) drops the weight (w = 1, TRL's ``distillation_is_clip=None``). ``sdpo_missing`` decides what a sample without ref log-probs does:
-    ``"error"`` (default) raises, ``"skip"`` trains it on channel 1 only and reports
-    ``sdpo/skipped = 1``. ``sdpo_form`` only accepts ``"sampled"``.
+    None (``false`` in TOML) drops the weight (w = 1, TRL's ``distillation_is_clip=None``).
+    ``sdpo_missing`` decides what a sample with ``ref_logprobs = None`` does: ``"error"``
+    (default) raises, ``"skip"`` trains it on channel 1 only and reports ``skipped/sdpo = 1``
+    (an all-zero ``ref_logprobs``, PRIME-RL's packer fill, is always skipped).
+    ``sdpo_form`` only accepts ``"sampled"``.
 
     Channel 3 (``beta_replay``) only accepts 0: preference pairs cannot be formed per sample.
     """
