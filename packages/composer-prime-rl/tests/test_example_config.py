@@ -79,3 +79,26 @@ def test_example_kwargs_validate_and_run(make_inputs, name) -> None:
     else:
         assert opts.policy_loss == "clipped_surrogate" and opts.alpha_sdpo == 0.5
         assert opts.epsilon_high == 0.28 and opts.sdpo_token_clip == 2.0
+
+
+def test_examples_validate_against_prime_rl_config_schema() -> None:
+    """With PRIME-RL's config package installed (prime-rl-configs: Python 3.12, not on this CI),
+    the examples validate as PRIME-RL's own pydantic configs and select CustomLossConfig."""
+    pytest.importorskip("prime_rl.configs.trainer", reason="prime-rl-configs is not installed")
+    from prime_rl.configs.rl import RLConfig
+    from prime_rl.configs.trainer import CustomLossConfig, TrainerConfig
+
+    with example_config("trainer.toml").open("rb") as fh:
+        trainer = TrainerConfig.model_validate(tomllib.load(fh))
+    assert isinstance(trainer.loss, CustomLossConfig)
+    assert trainer.loss.kwargs == _loss_table("trainer.toml")["kwargs"]
+    with example_config("rl.toml").open("rb") as fh:
+        raw = tomllib.load(fh)
+    assert isinstance(TrainerConfig.model_validate(raw["trainer"]).loss, CustomLossConfig)
+    try:
+        importlib.import_module("reverse_text")
+    except ImportError:
+        del raw["orchestrator"]["train"]["source"]  # the example's taskset package is absent
+    rl = RLConfig.model_validate(raw)
+    assert isinstance(rl.trainer.loss, CustomLossConfig)
+    assert rl.trainer.loss.import_path == "composer_prime_rl.composer_loss"
