@@ -148,9 +148,19 @@ def test_both_names_with_different_tensors_is_ambiguous(make_inputs) -> None:
         composer_loss(both, alpha_sdpo=1.0)
 
 
-@pytest.mark.parametrize("form", ["full", "topk", "fused", "auto"])
+@pytest.mark.parametrize("form", ["full", "topk", "fused"])
 def test_full_vocabulary_forms_raise_not_zero(make_inputs, form) -> None:
     with pytest.raises(ValueError, match="only the log-prob of each sampled token"):
         composer_loss(
             make_inputs(p_train=[0.5], p_inf=[0.5], p_ref=[0.25], adv=[0.0]), alpha_sdpo=1.0, sdpo_form=form
         )
+
+
+def test_auto_form_is_the_sampled_form(make_inputs) -> None:
+    # compose_loss's "auto" picks the form whose inputs exist; in PRIME-RL that is "sampled"
+    args = {"p_train": [0.5, 0.7], "p_inf": [0.5, 0.6], "p_ref": [0.25, 0.9], "adv": [0.5, -0.5]}
+    auto = composer_loss(make_inputs(**args), alpha_sdpo=1.0, sdpo_form="auto")
+    sampled = composer_loss(make_inputs(**args), alpha_sdpo=1.0, sdpo_form="sampled")
+    assert auto.loss.item() == sampled.loss.item()
+    with pytest.raises(ValueError, match="'sdpo_form' must be one of"):
+        composer_loss(make_inputs(**args), alpha_sdpo=1.0, sdpo_form="sampled_token")

@@ -49,7 +49,7 @@ class PrimeRLLossOptions:
     ``sdpo_missing`` decides what a sample with ``ref_logprobs = None`` does: ``"error"``
     (default) raises, ``"skip"`` trains it on channel 1 only and reports ``skipped/sdpo = 1``
     (an all-zero ``ref_logprobs``, PRIME-RL's packer fill, is always skipped).
-    ``sdpo_form`` only accepts ``"sampled"``.
+    ``sdpo_form`` accepts ``"sampled"`` (or ``"auto"``, which can only pick it here).
 
     Channel 3 (``beta_replay``) only accepts 0: preference pairs cannot be formed per sample.
     """
@@ -201,9 +201,10 @@ def _build(items: tuple[tuple[str, Any], ...]) -> PrimeRLLossOptions:
         )
 
     form = given.get("sdpo_form", "sampled")
-    if form in ("full", "topk", "fused", "auto"):
+    if form in ("full", "topk", "fused"):
         raise ValueError(_FULL_VOCAB.format(what=f"sdpo_form = {form!r}"))
-    _choice("sdpo_form", form, ("sampled",))
+    # "auto" is compose_loss's choice among the forms whose inputs exist: here only "sampled".
+    _choice("sdpo_form", form, ("sampled", "auto"))
 
     beta_replay = _number("beta_replay", given.get("beta_replay", 0.0))
     if beta_replay != 0.0:
