@@ -134,3 +134,37 @@ def test_bad_inputs_raise_naming_the_field(make_inputs, fields, kwargs, message)
     )
     with pytest.raises(ValueError, match=message):
         composer_loss(_replace(base, **fields), **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", CONFIGS)
+@pytest.mark.parametrize("seed", range(3))
+def test_loss_is_additive_over_tokens_so_packing_cannot_change_it(make_inputs, kwargs, seed) -> None:
+    """Every term is per token, so cutting one sample into pieces (PRIME-RL packs and may
+    truncate sub-sequences) leaves the summed loss and its gradient unchanged."""
+    g = torch.Generator().manual_seed(seed)
+    n = 11
+    p_inf = (torch.rand(n, generator=g, dtype=torch.float64) * 0.8 + 0.1).tolist()
+    p_train = [
+        min(max(p + d, 0.05), 0.95) for p, d in zip(p_inf, (torch.rand(n, generator=g) - 0.5).tolist())
+    ]
+    p_ref = (torch.rand(n, generator=g, dtype=torch.float64) * 0.8 + 0.1).tolist()
+    adv = torch.randn(n, generator=g, dtype=torch.float64).tolist()
+    mask = (torch.rand(n, generator=g) > 0.2).tolist()
+    mask[0] = True
+    whole = make_inputs(p_train=p_train, p_inf=p_inf, p_ref=p_ref, adv=adv, mask=mask)
+    out = composer_loss(whole, **kwargs)
+    out.loss.backward()
+    cuts = sorted(torch.randperm(n - 1, generator=g)[:2].add(1).tolist())
+    total, grads = 0.0, []
+    for a, b in zip([0, *cuts], [*cuts, n]):
+        piece = make_inputs(
+            p_train=p_train[a:b], p_inf=p_inf[a:b], p_ref=p_ref[a:b], adv=adv[a:b], mask=mask[a:b]
+        )
+        if "alpha_sdpo" in kwargs and not any(mask[a:b]):
+            piece = _replace(piece, ref_logprobs=None)  # an rl-empty piece needs no teacher
+        res = composer_loss(piece, **kwargs)
+        res.loss.backward()
+        total += res.loss.item()
+        grads.append(piece.trainer_logprobs.grad)
+    assert total == pytest.approx(out.loss.item(), rel=1e-12, abs=1e-14)
+    torch.testing.assert_close(torch.cat(grads), whole.trainer_logprobs.grad, rtol=1e-12, atol=1e-14)
