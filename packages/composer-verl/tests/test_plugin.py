@@ -25,6 +25,16 @@ for kind, get, name in (("adv", core_algos.get_adv_estimator_fn, "grpo_composer"
         out[kind] = f"{fn.__module__}.{fn.__qualname__}"
     except ValueError as e:
         out[kind] = f"ValueError: {e}"
+import os
+if os.environ.get("PROBE_EXTERNAL_LIB"):  # the worker-side route: HFModelConfig imports external_lib
+    import tempfile
+    from transformers import Qwen2Config
+    from verl.workers.config import HFModelConfig
+    path = tempfile.mkdtemp()
+    Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                num_attention_heads=2, num_key_value_heads=1, architectures=["Qwen2ForCausalLM"]).save_pretrained(path)
+    HFModelConfig(path=path, load_tokenizer=False, external_lib="composer_verl.plugin")
+    out["external_lib_loss"] = core_algos.get_policy_loss_fn("composer").__name__
 print("PROBE" + json.dumps(out))
 """
 
@@ -49,7 +59,7 @@ def probes() -> dict[str, dict[str, object]]:
     """Three fresh interpreters, started together: entry point, plugins off, explicit module list."""
     procs = {
         "entry_point": _spawn({}),
-        "plugins_off": _spawn({"VERL_USE_EXTERNAL_PLUGINS": "none"}),
+        "plugins_off": _spawn({"VERL_USE_EXTERNAL_PLUGINS": "none", "PROBE_EXTERNAL_LIB": "1"}),
         "external_modules": _spawn(
             {"VERL_USE_EXTERNAL_PLUGINS": "none", "VERL_USE_EXTERNAL_MODULES": "composer_verl.plugin"}
         ),
@@ -75,6 +85,11 @@ def test_without_plugins_nothing_is_registered(probes: dict[str, dict[str, objec
     off = probes["plugins_off"]
     assert off["loaded_by_import"] is False
     assert str(off["adv"]).startswith("ValueError") and str(off["loss"]).startswith("ValueError")
+
+
+def test_external_lib_alternative(probes: dict[str, dict[str, object]]) -> None:
+    """actor_rollout_ref.model.external_lib: verl's HFModelConfig imports the plugin (worker side)."""
+    assert probes["plugins_off"]["external_lib_loss"] == "compute_policy_loss_composer"
 
 
 def test_verl_use_external_modules_alternative(probes: dict[str, dict[str, object]]) -> None:
