@@ -353,7 +353,7 @@ class ObjectStoreAllReduce:
         self.last = RoundStats(
             round=round_id,
             participants=list(participants),
-            excluded={r: problems.get(r, "missing") for r in range(self.world_size) if r not in participants},
+            excluded={r: problems.get(r, "no object") for r in range(self.world_size) if r not in participants},
             bytes_written=self.bytes_written - written0,
             bytes_read=self.bytes_read - read0,
             seconds=time.monotonic() - start,
@@ -388,6 +388,13 @@ class ObjectStoreAllReduce:
             if len(decoded) == self.world_size or timed_out:
                 if timed_out and len(decoded) < self.world_size:
                     missing = {r: problems.get(r, "no object") for r in range(self.world_size) if r not in decoded}
+                    corrupt = {r: problems[r] for r in missing if r in problems}
+                    if self.on_timeout == "fail" and corrupt:
+                        raise CorruptObjectError(
+                            f"round {round_id}: invalid objects for ranks {sorted(corrupt)} after timeout_s="
+                            f"{self.timeout_s}: {'; '.join(corrupt.values())}. They are never averaged; remove them or "
+                            "pass on_timeout='proceed' to continue without those replicas."
+                        )
                     if self.on_timeout == "fail":
                         raise StragglerTimeoutError(
                             f"round {round_id}: ranks {sorted(missing)} gave no valid object within "
