@@ -9,6 +9,7 @@ processes) and print ``sync <n> done`` after every committed sync.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -64,8 +65,14 @@ def run_toy(
     inner: str = "adamw",
     inner_lr: float = 1e-2,
     step_sleep_s: float = 0.0,
+    gates: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Build model/optimiser, call ``manager_factory(load_fn, save_fn)``, train, return lists."""
+    """Build model/optimiser, call ``manager_factory(load_fn, save_fn)``, train, return lists.
+
+    ``gates`` (for tests of replicas dying and joining) maps a global step (as a string, JSON
+    keys) to a file: after reaching that step (``"0"``: before training) the replica waits until
+    the file exists. Every ``start_quorum`` call is logged.
+    """
     config = DiLoCoConfig.from_dict(diloco)
     model = toy_model(seed)
     opt = make_inner_optimizer(model, inner, inner_lr)
@@ -78,12 +85,31 @@ def run_toy(
         opt.load_state_dict(state["optim"])
 
     manager, cleanup = manager_factory(load, save)
+    print(f"manager ready at step {manager.current_step()}", flush=True)
+    gates = dict(gates or {})
+
+    def wait_gate(step: int) -> None:
+        path = gates.pop(str(step), None)
+        while path is not None and not os.path.exists(path):
+            time.sleep(0.05)
+
+    start_quorum = manager.start_quorum
+
+    def logged_start_quorum(*args: Any, **kwargs: Any) -> Any:
+        print(f"start_quorum at step {manager.current_step()}", flush=True)
+        return start_quorum(*args, **kwargs)
+
+    manager.start_quorum = logged_start_quorum
+    wait_gate(0)
     participants: list[int] = []
+    synced_steps: list[int] = []
 
     def on_step(step: int, loss: float) -> None:
-        if len(participants) < manager.current_step():
+        if manager.current_step() > (synced_steps[-1] if synced_steps else 0):
+            synced_steps.append(manager.current_step())
             participants.append(manager.num_participants())
             print(f"sync {manager.current_step()} done participants={participants[-1]} loss={loss:.5f}", flush=True)
+            wait_gate(manager.current_step())
         if step_sleep_s:
             time.sleep(step_sleep_s)
 
@@ -99,6 +125,7 @@ def run_toy(
         "inner_steps": stats.inner_steps,
         "losses": stats.losses,
         "participants": participants,
+        "synced_steps": synced_steps,
     }
 
 
