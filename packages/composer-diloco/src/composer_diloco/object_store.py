@@ -294,6 +294,7 @@ class ObjectStoreAllReduce:
             ) from exc
 
     def _read(self, key: str) -> bytes | None:
+        self.fs.invalidate_cache(posixpath.dirname(key))  # s3fs answers from a stale listing otherwise
         try:
             data = self.fs.cat_file(key)
         except FileNotFoundError:
