@@ -39,7 +39,11 @@ def moto_s3() -> Iterator[dict[str, Any]]:
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
     server.start()
     host, port = server.get_host_and_port()
-    options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": f"http://{host}:{port}"}}
+    options = {
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {"endpoint_url": f"http://{host}:{port}"},
+    }
     import s3fs
 
     s3fs.S3FileSystem(**options).mkdir("diloco-test")

@@ -12,10 +12,15 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
-
-from composer_diloco import DiLoCoConfig, ObjectStoreAllReduce, ObjectStoreManager, build_diloco, split_fragments
+from composer_diloco import (
+    DiLoCoConfig,
+    ObjectStoreAllReduce,
+    ObjectStoreManager,
+    build_diloco,
+    split_fragments,
+)
 from composer_diloco.toy import toy_batches, toy_model
+from torch import nn
 
 
 def _params(model: nn.Module) -> list[torch.Tensor]:
@@ -34,7 +39,13 @@ def _local_run(seed: int, rank: int, steps: int, lr: float = 0.05) -> list[torch
 
 
 def _diloco_run(
-    config: DiLoCoConfig, *, world: int = 1, steps: int, seed: int = 0, lr: float = 0.05, url: str | None = None
+    config: DiLoCoConfig,
+    *,
+    world: int = 1,
+    steps: int,
+    seed: int = 0,
+    lr: float = 0.05,
+    url: str | None = None,
 ) -> tuple[list[list[torch.Tensor]], list[ObjectStoreManager], list[Any]]:
     """`world` replicas as threads, each with torchft's DiLoCo on its own ObjectStoreManager."""
     url = url or f"memory://diloco-{uuid.uuid4().hex}"
@@ -146,7 +157,9 @@ def test_merge_alpha_lerps_new_global_towards_local() -> None:
     theta0 = _params(toy_model(0))
     local = _local_run(0, 0, 2)
     mid = [g + 0.5 * (lo - g) for g, lo in zip(theta0, local)]
-    (got,), _, dilocos = _diloco_run(DiLoCoConfig(sync_every=2, outer_lr=0.5, fragment_update_alpha=0.5, **PLAIN), steps=2)
+    (got,), _, dilocos = _diloco_run(
+        DiLoCoConfig(sync_every=2, outer_lr=0.5, fragment_update_alpha=0.5, **PLAIN), steps=2
+    )
     assert _close(got, [m + 0.5 * (lo - m) for m, lo in zip(mid, local)])
     backup = list(dilocos[0]._fragments[0].original_parameters.values())
     assert _close(backup, mid)  # the stored global copy is the un-merged new global
@@ -193,7 +206,9 @@ def test_quantised_exchange_is_fp8_sized_and_close() -> None:
     (exact_a, _), m_exact, _ = _diloco_run(cfg, world=2, steps=2)
     qcfg = DiLoCoConfig(sync_every=2, outer_lr=1.0, should_quantize=True, **PLAIN)
     (quant_a, quant_b), m_quant, _ = _diloco_run(qcfg, world=2, steps=2)
-    assert all(torch.equal(x, y) for x, y in zip(quant_a, quant_b))  # every replica dequantises the same bytes
+    assert all(
+        torch.equal(x, y) for x, y in zip(quant_a, quant_b)
+    )  # every replica dequantises the same bytes
     theta0 = _params(toy_model(0))
     for e, q, g in zip(exact_a, quant_a, theta0):
         # error bounded by fp8 e4m3 resolution (2^-3 relative) of the pseudo-gradient
@@ -216,7 +231,9 @@ def test_bucketised_exchange_matches_per_parameter() -> None:
 def test_any_inner_optimizer_adamw() -> None:
     model = toy_model(0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    manager = ObjectStoreManager(ObjectStoreAllReduce(f"memory://{uuid.uuid4().hex}", "r", rank=0, world_size=1))
+    manager = ObjectStoreManager(
+        ObjectStoreAllReduce(f"memory://{uuid.uuid4().hex}", "r", rank=0, world_size=1)
+    )
     with build_diloco(manager, model, opt, DiLoCoConfig(sync_every=2)):
         for x, y in islice(toy_batches(0, 0), 4):
             opt.zero_grad()
@@ -248,13 +265,17 @@ def test_config_from_dict_names_unknown_keys() -> None:
 
 def test_build_rejects_async_quorum_and_partial_optimizer() -> None:
     model = toy_model(0)
-    manager = ObjectStoreManager(ObjectStoreAllReduce(f"memory://{uuid.uuid4().hex}", "r", rank=0, world_size=1))
+    manager = ObjectStoreManager(
+        ObjectStoreAllReduce(f"memory://{uuid.uuid4().hex}", "r", rank=0, world_size=1)
+    )
 
     class AsyncManager:
         _use_async_quorum = True
 
     with pytest.raises(ValueError, match="use_async_quorum=False"):
-        build_diloco(AsyncManager(), model, torch.optim.SGD(model.parameters(), lr=0.1), DiLoCoConfig(sync_every=2))
+        build_diloco(
+            AsyncManager(), model, torch.optim.SGD(model.parameters(), lr=0.1), DiLoCoConfig(sync_every=2)
+        )
     partial = torch.optim.SGD(list(model.parameters())[:2], lr=0.1)
     with pytest.raises(ValueError, match="every model parameter"):
         build_diloco(manager, model, partial, DiLoCoConfig(sync_every=2))

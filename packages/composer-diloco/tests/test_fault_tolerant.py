@@ -9,8 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-
 from composer_diloco.fault_tolerant import FaultTolerantLauncher, Lighthouse
 
 TOY_TARGET_FT = "composer_diloco.toy:ft_replica"
@@ -35,7 +33,9 @@ def test_sigkill_one_replica_others_continue_and_restart_rejoins(tmp_path: Path)
         {**common, "gates": {"0": str(start), "2": str(tmp_path / "never")}},
     ]
     lighthouse = {"min_replicas": 1, "join_timeout_ms": 10000, "heartbeat_timeout_ms": 1000}
-    with FaultTolerantLauncher(TOY_TARGET_FT, kwargs, lighthouse_kwargs=lighthouse, workdir=tmp_path) as launcher:
+    with FaultTolerantLauncher(
+        TOY_TARGET_FT, kwargs, lighthouse_kwargs=lighthouse, workdir=tmp_path
+    ) as launcher:
         launcher.start()
         for i in (0, 1):  # both heartbeat before anyone asks for a quorum: the first quorum has both
             launcher.wait_for_log(i, r"manager ready at step 0", timeout_s=120)

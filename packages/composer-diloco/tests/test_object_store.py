@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from composer_diloco import CorruptObjectError, ObjectStoreAllReduce, ObjectStoreError, StragglerTimeoutError
 from composer_diloco.object_store import dequantize_fp8, quantize_fp8, safe_part
 
@@ -20,7 +19,9 @@ def _stores(url: str, world: int, **kw: Any) -> list[ObjectStoreAllReduce]:
     return [ObjectStoreAllReduce(url, "run", rank=r, world_size=world, **kw) for r in range(world)]
 
 
-def _parallel(stores: list[ObjectStoreAllReduce], round_id: int, values: list[list[torch.Tensor]], **kw: Any) -> list[Any]:
+def _parallel(
+    stores: list[ObjectStoreAllReduce], round_id: int, values: list[list[torch.Tensor]], **kw: Any
+) -> list[Any]:
     out: list[Any] = [None] * len(stores)
 
     def go(i: int) -> None:
@@ -56,7 +57,9 @@ def test_sum_op_and_dtype_preserved(url: str) -> None:
     stores = _stores(url, 2)
     values = [[torch.ones(3, dtype=torch.float64) * (r + 1)] for r in range(2)]
     _parallel(stores, 0, values, op="sum")
-    assert values[0][0].dtype == torch.float64 and torch.equal(values[0][0], torch.full((3,), 3.0, dtype=torch.float64))
+    assert values[0][0].dtype == torch.float64 and torch.equal(
+        values[0][0], torch.full((3,), 3.0, dtype=torch.float64)
+    )
 
 
 def test_rounds_are_namespaced_and_cleaned_up(url: str) -> None:
@@ -103,7 +106,9 @@ def test_straggler_proceed_goes_on_and_the_late_replica_adopts_the_same_result(u
 
 
 def test_proceed_respects_min_replicas(url: str) -> None:
-    store = ObjectStoreAllReduce(url, "run", rank=0, world_size=3, timeout_s=0.2, on_timeout="proceed", min_replicas=2)
+    store = ObjectStoreAllReduce(
+        url, "run", rank=0, world_size=3, timeout_s=0.2, on_timeout="proceed", min_replicas=2
+    )
     with pytest.raises(StragglerTimeoutError, match="min_replicas=2"):
         store.allreduce(0, [torch.ones(1)])
 
@@ -186,7 +191,7 @@ def test_url_with_dotdot_segment_is_rejected(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("rank", "world"), [(2, 2), (-1, 2), (True, 2), (0, 0), ("0", 1)])
 def test_ranks_are_validated(tmp_path: Path, rank: Any, world: Any) -> None:
-    with pytest.raises(ValueError, match="rank|world_size"):
+    with pytest.raises(ValueError, match=r"rank|world_size"):
         ObjectStoreAllReduce(f"file://{tmp_path}", "run", rank=rank, world_size=world)
 
 

@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from composer_diloco._optional import require
 
 BLOCK = "import sys\nfor m in ('ray', 's3fs', 'gcsfs', 'transformers', 'moto'):\n    sys.modules[m] = None\n"

@@ -6,13 +6,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from composer_diloco import RayExecutor, ReplicaFailedError, ServerlessExecutor, run_serverless
 
 TOY_KWARGS: dict[str, Any] = {"seed": 0, "max_syncs": 2, "diloco": {"sync_every": 2}}
 
 
-def test_ray_runs_two_replicas_to_identical_weights(tmp_path: Path, ray_instance: Any, ft_reference: list[Any]) -> None:
+def test_ray_runs_two_replicas_to_identical_weights(
+    tmp_path: Path, ray_instance: Any, ft_reference: list[Any]
+) -> None:
     executor = RayExecutor()
     assert isinstance(executor, ServerlessExecutor)
     results = run_serverless(
@@ -28,7 +29,9 @@ def test_ray_runs_two_replicas_to_identical_weights(tmp_path: Path, ray_instance
     assert [r.exit_code for r in results] == [0, 0]
     assert a["weights"] == b["weights"] and a["step"] == 2
     assert a["weights"] == ft_reference[0].value["weights"] or all(
-        abs(x - y) <= 1e-6 for p, q in zip(a["weights"], ft_reference[0].value["weights"]) for x, y in zip(p, q)
+        abs(x - y) <= 1e-6
+        for p, q in zip(a["weights"], ft_reference[0].value["weights"])
+        for x, y in zip(p, q)
     )
 
 

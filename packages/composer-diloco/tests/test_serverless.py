@@ -9,7 +9,6 @@ from typing import Any
 
 import fsspec
 import pytest
-
 from composer_diloco import LocalProcessExecutor, ReplicaFailedError, run_serverless
 
 TARGET = "composer_diloco.toy:serverless_replica"
@@ -31,13 +30,21 @@ def _check_identical_and_equal_to(results: list[Any], reference: list[Any]) -> N
 def test_file_store_processes_match_fault_tolerant_mode(tmp_path: Path, ft_reference: list[Any]) -> None:
     url = f"file://{tmp_path / 'store'}"
     results = run_serverless(
-        LocalProcessExecutor(tmp_path / "logs"), TARGET, url=url, run_id="file-run", world_size=2, kwargs=TOY_KWARGS, timeout_s=240
+        LocalProcessExecutor(tmp_path / "logs"),
+        TARGET,
+        url=url,
+        run_id="file-run",
+        world_size=2,
+        kwargs=TOY_KWARGS,
+        timeout_s=240,
     )
     _check_identical_and_equal_to(results, ft_reference)
     assert not (tmp_path / "store" / "file-run").exists()  # the run prefix is cleaned up
 
 
-def test_s3_store_processes_match_fault_tolerant_mode(tmp_path: Path, moto_s3: dict[str, Any], ft_reference: list[Any]) -> None:
+def test_s3_store_processes_match_fault_tolerant_mode(
+    tmp_path: Path, moto_s3: dict[str, Any], ft_reference: list[Any]
+) -> None:
     run_id = f"s3-{uuid.uuid4().hex[:8]}"
     results = run_serverless(
         LocalProcessExecutor(tmp_path),
@@ -60,7 +67,9 @@ def test_s3_store_processes_match_fault_tolerant_mode(tmp_path: Path, moto_s3: d
 def test_s3_conditional_put_against_moto(moto_s3: dict[str, Any]) -> None:
     from composer_diloco import ObjectStoreAllReduce
 
-    store = ObjectStoreAllReduce("s3://diloco-test/cas", uuid.uuid4().hex[:8], rank=0, world_size=1, storage_options=moto_s3)
+    store = ObjectStoreAllReduce(
+        "s3://diloco-test/cas", uuid.uuid4().hex[:8], rank=0, world_size=1, storage_options=moto_s3
+    )
     key = store.manifest_key(0)
     assert store.put_if_absent(key, b"first") is True
     assert store.put_if_absent(key, b"second") is False
@@ -79,7 +88,7 @@ def test_replica_failure_is_reported_with_exit_code_and_log_tail(tmp_path: Path)
 
 def test_executor_and_launcher_validate_inputs(tmp_path: Path) -> None:
     executor = LocalProcessExecutor(tmp_path)
-    with pytest.raises(ValueError, match="package.module:function"):
+    with pytest.raises(ValueError, match=r"package\.module:function"):
         executor.run("json.loads", [{}])
     with pytest.raises(ValueError, match="JSON-serialisable"):
         executor.run("json:loads", [{"s": object()}])

@@ -8,9 +8,8 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
-
 from composer_diloco import DiLoCoConfig, ObjectStoreAllReduce, ObjectStoreManager
+from torch import nn
 
 transformers = pytest.importorskip("transformers")
 from composer_diloco.trl_callback import DiLoCoCallback  # noqa: E402
@@ -32,7 +31,9 @@ def _data(n: int = 32) -> list[dict[str, torch.Tensor]]:
     return [{"x": x, "labels": torch.sin(x.sum())} for x in xs]
 
 
-def _train(tmp_path: Path, callback: Any | None, *, max_steps: int, accumulation: int = 1) -> list[torch.Tensor]:
+def _train(
+    tmp_path: Path, callback: Any | None, *, max_steps: int, accumulation: int = 1
+) -> list[torch.Tensor]:
     model = TinyRegressor()
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / uuid.uuid4().hex),
@@ -51,13 +52,17 @@ def _train(tmp_path: Path, callback: Any | None, *, max_steps: int, accumulation
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=_data(), callbacks=[callback] if callback else [])
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=_data(), callbacks=[callback] if callback else []
+    )
     trainer.train()
     return [p.detach().clone() for p in model.parameters()]
 
 
 def _manager() -> ObjectStoreManager:
-    return ObjectStoreManager(ObjectStoreAllReduce(f"memory://trl-{uuid.uuid4().hex}", "run", rank=0, world_size=1))
+    return ObjectStoreManager(
+        ObjectStoreAllReduce(f"memory://trl-{uuid.uuid4().hex}", "run", rank=0, world_size=1)
+    )
 
 
 def test_callback_syncs_every_h_optimizer_steps(tmp_path: Path) -> None:
@@ -78,7 +83,9 @@ def test_gradient_accumulation_counts_optimizer_steps_not_micro_batches(tmp_path
 
 
 def test_one_replica_outer_lr_1_momentum_0_is_a_no_op(tmp_path: Path) -> None:
-    cb = DiLoCoCallback(_manager(), DiLoCoConfig(sync_every=2, outer_lr=1.0, outer_momentum=0.0, nesterov=False))
+    cb = DiLoCoCallback(
+        _manager(), DiLoCoConfig(sync_every=2, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
+    )
     trained = _train(tmp_path, cb, max_steps=4)
     plain = _train(tmp_path, None, max_steps=4)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(trained, plain))

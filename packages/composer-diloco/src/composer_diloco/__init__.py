@@ -4,7 +4,13 @@
 from importlib.metadata import version as _version
 
 from .diloco import DiLoCoConfig, build_diloco, make_outer_optimizers, split_fragments
-from .executors import LocalProcessExecutor, RayExecutor, ReplicaFailedError, ReplicaResult, ServerlessExecutor
+from .executors import (
+    LocalProcessExecutor,
+    RayExecutor,
+    ReplicaFailedError,
+    ReplicaResult,
+    ServerlessExecutor,
+)
 from .object_store import (
     CorruptObjectError,
     ObjectStoreAllReduce,

@@ -93,7 +93,9 @@ class DiLoCoConfig:
             raise ValueError("nesterov=True needs outer_momentum > 0; pass nesterov=False for plain SGD.")
         if not 0 <= self.fragment_update_alpha <= 1:
             raise ValueError(f"fragment_update_alpha must be in [0, 1], got {self.fragment_update_alpha}.")
-        if self.bucket_cap_mb is not None and (not isinstance(self.bucket_cap_mb, int) or self.bucket_cap_mb < 1):
+        if self.bucket_cap_mb is not None and (
+            not isinstance(self.bucket_cap_mb, int) or self.bucket_cap_mb < 1
+        ):
             raise ValueError(f"bucket_cap_mb must be a positive int or None, got {self.bucket_cap_mb!r}.")
 
     @classmethod
@@ -138,7 +140,9 @@ def split_fragments(model: nn.Module, n_fragments: int) -> list[nn.Module]:
     return fragments
 
 
-def make_outer_optimizers(fragments: Sequence[nn.Module], config: DiLoCoConfig) -> list[torch.optim.Optimizer]:
+def make_outer_optimizers(
+    fragments: Sequence[nn.Module], config: DiLoCoConfig
+) -> list[torch.optim.Optimizer]:
     """One outer ``SGD(lr=η, momentum=μ, nesterov=…)`` per fragment (created once, never per round:
     re-creating it each round would silently drop the momentum buffer)."""
     return [
@@ -196,7 +200,9 @@ def build_diloco(
             "inner_optimizer does not optimise every model parameter; DiLoCo would sync parameters "
             "that never move. Build the inner optimiser over model.parameters()."
         )
-    outer = list(outer_optimizers) if outer_optimizers is not None else make_outer_optimizers(fragments, config)
+    outer = (
+        list(outer_optimizers) if outer_optimizers is not None else make_outer_optimizers(fragments, config)
+    )
     if len(outer) != len(fragments):
         raise ValueError(f"need one outer optimiser per fragment ({len(fragments)}), got {len(outer)}.")
     return DiLoCo(

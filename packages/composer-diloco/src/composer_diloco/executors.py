@@ -52,7 +52,9 @@ class ReplicaFailedError(RuntimeError):
         failed = [r for r in self.results if not r.ok]
         lines = [f"{len(failed)} of {len(self.results)} replicas failed:"]
         for r in failed:
-            lines.append(f"--- replica {r.rank}: exit code {r.exit_code} (log: {r.log_path}) ---\n{r.log_tail.rstrip()}")
+            lines.append(
+                f"--- replica {r.rank}: exit code {r.exit_code} (log: {r.log_path}) ---\n{r.log_tail.rstrip()}"
+            )
         super().__init__("\n".join(lines))
 
 
@@ -91,14 +93,23 @@ def _tail(path: Path, chars: int = LOG_TAIL_CHARS) -> str:
 class ReplicaProcess:
     """One replica subprocess with its log file and result file (used by both local modes)."""
 
-    def __init__(self, rank: int, target: str, kwargs: Mapping[str, Any], workdir: Path, env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        target: str,
+        kwargs: Mapping[str, Any],
+        workdir: Path,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         self.rank = rank
         self.workdir = workdir
         stamp = f"{rank}-{time.monotonic_ns()}"
         self.log_path = workdir / f"replica-{stamp}.log"
         self.result_path = workdir / f"replica-{stamp}.pt"
         spec_path = workdir / f"replica-{stamp}.json"
-        spec_path.write_text(json.dumps({"target": target, "kwargs": dict(kwargs), "result": str(self.result_path)}))
+        spec_path.write_text(
+            json.dumps({"target": target, "kwargs": dict(kwargs), "result": str(self.result_path)})
+        )
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in finish())
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.started = time.monotonic()
@@ -124,7 +135,9 @@ class ReplicaProcess:
         except subprocess.TimeoutExpired:
             self.kill()
             with open(self.log_path, "ab") as f:
-                f.write(f"\n[composer-diloco] replica {self.rank} killed after timeout_s={timeout_s}\n".encode())
+                f.write(
+                    f"\n[composer-diloco] replica {self.rank} killed after timeout_s={timeout_s}\n".encode()
+                )
             code = -9
         self._log.close()
         value = None
@@ -151,13 +164,22 @@ class LocalProcessExecutor:
         check: raise :class:`ReplicaFailedError` (with log tails) if any replica fails.
     """
 
-    def __init__(self, workdir: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None, check: bool = True) -> None:
-        self.workdir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="composer-diloco-"))
+    def __init__(
+        self,
+        workdir: str | os.PathLike[str] | None = None,
+        env: Mapping[str, str] | None = None,
+        check: bool = True,
+    ) -> None:
+        self.workdir = (
+            Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="composer-diloco-"))
+        )
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.env = dict(env or {})
         self.check = check
 
-    def run(self, target: str, replica_kwargs: Sequence[Mapping[str, Any]], *, timeout_s: float | None = None) -> list[ReplicaResult]:
+    def run(
+        self, target: str, replica_kwargs: Sequence[Mapping[str, Any]], *, timeout_s: float | None = None
+    ) -> list[ReplicaResult]:
         _check_target(target, replica_kwargs)
         procs = [ReplicaProcess(i, target, kw, self.workdir, self.env) for i, kw in enumerate(replica_kwargs)]
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -208,7 +230,9 @@ class RayExecutor:
         self.num_gpus = num_gpus
         self.check = check
 
-    def run(self, target: str, replica_kwargs: Sequence[Mapping[str, Any]], *, timeout_s: float | None = None) -> list[ReplicaResult]:
+    def run(
+        self, target: str, replica_kwargs: Sequence[Mapping[str, Any]], *, timeout_s: float | None = None
+    ) -> list[ReplicaResult]:
         _check_target(target, replica_kwargs)
         ray = self.ray
         task = ray.remote(num_cpus=self.num_cpus, num_gpus=self.num_gpus, max_retries=0)(_ray_replica)
@@ -221,7 +245,11 @@ class RayExecutor:
                 code, value, log = ray.get(ref, timeout=left)
             except ray.exceptions.GetTimeoutError:
                 ray.cancel(ref, force=True)
-                code, value, log = -9, None, f"[composer-diloco] replica {rank} cancelled after timeout_s={timeout_s}"
+                code, value, log = (
+                    -9,
+                    None,
+                    f"[composer-diloco] replica {rank} cancelled after timeout_s={timeout_s}",
+                )
             except ray.exceptions.RayError as exc:  # the worker process died
                 code, value, log = -1, None, str(exc)[-LOG_TAIL_CHARS:]
             results.append(ReplicaResult(rank, code, value, log, None, time.monotonic() - start))

@@ -190,7 +190,9 @@ class FaultTolerantLauncher:
             self.lighthouse = lighthouse
         else:
             self.lighthouse = Lighthouse(lighthouse, **dict(lighthouse_kwargs or {}))
-        self.workdir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="composer-diloco-ft-"))
+        self.workdir = (
+            Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="composer-diloco-ft-"))
+        )
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.env = dict(env or {})
         self.procs: dict[int, ReplicaProcess] = {}
@@ -233,7 +235,9 @@ class FaultTolerantLauncher:
             if p.proc.poll() is not None:
                 raise ReplicaFailedError([p.finish(timeout_s=1)])
             time.sleep(0.05)
-        raise TimeoutError(f"replica {i} did not log {pattern!r} within {timeout_s}s; log tail:\n{self.procs[i].log_text()[-2000:]}")
+        raise TimeoutError(
+            f"replica {i} did not log {pattern!r} within {timeout_s}s; log tail:\n{self.procs[i].log_text()[-2000:]}"
+        )
 
     def wait(self, timeout_s: float | None = None, *, check: bool = True) -> list[ReplicaResult]:
         """Wait for the current process of every replica; raise with log tails if any failed."""

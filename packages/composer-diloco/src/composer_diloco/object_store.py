@@ -23,6 +23,7 @@ Every key is built from validated parts and checked to stay under ``<root>/<run_
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -127,7 +128,11 @@ class ObjectStoreAllReduce:
         poll_interval_s: float = 0.02,
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
-        for name, value, low in (("world_size", world_size, 1), ("min_replicas", min_replicas, 1), ("keep_rounds", keep_rounds, 2)):
+        for name, value, low in (
+            ("world_size", world_size, 1),
+            ("min_replicas", min_replicas, 1),
+            ("keep_rounds", keep_rounds, 2),
+        ):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
         if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
@@ -137,7 +142,9 @@ class ObjectStoreAllReduce:
         if on_timeout not in ("proceed", "fail"):
             raise ValueError(f"on_timeout must be 'proceed' or 'fail', got {on_timeout!r}.")
         if not timeout_s > 0 or not poll_interval_s > 0:
-            raise ValueError(f"timeout_s and poll_interval_s must be > 0, got {timeout_s}, {poll_interval_s}.")
+            raise ValueError(
+                f"timeout_s and poll_interval_s must be > 0, got {timeout_s}, {poll_interval_s}."
+            )
         self.run_id = safe_part("run_id", run_id)
         self.rank = rank
         self.world_size = world_size
@@ -217,10 +224,14 @@ class ObjectStoreAllReduce:
         """Validate and deserialise an object; raise :class:`CorruptObjectError` naming ``key``."""
         head = len(MAGIC) + _DIGEST
         if len(data) < head or data[: len(MAGIC)] != MAGIC:
-            raise CorruptObjectError(f"object {key} has no composer-diloco header (partial or foreign write).")
+            raise CorruptObjectError(
+                f"object {key} has no composer-diloco header (partial or foreign write)."
+            )
         body = data[head:]
         if hashlib.sha256(body).digest() != data[len(MAGIC) : head]:
-            raise CorruptObjectError(f"object {key} fails its SHA-256 check ({len(data)} bytes: truncated or corrupt).")
+            raise CorruptObjectError(
+                f"object {key} fails its SHA-256 check ({len(data)} bytes: truncated or corrupt)."
+            )
         try:
             obj = torch.load(io.BytesIO(body), weights_only=True, map_location="cpu")
             meta = json.loads(obj["meta"])
@@ -234,10 +245,14 @@ class ObjectStoreAllReduce:
         if meta.get("quantized"):
             tensors = [dequantize_fp8(q, s) for q, s in zip(tensors, meta["scales"])]
         if len(tensors) != len(meta.get("layout", [])):
-            raise CorruptObjectError(f"object {key} lists {len(meta.get('layout', []))} tensors but holds {len(tensors)}.")
+            raise CorruptObjectError(
+                f"object {key} lists {len(meta.get('layout', []))} tensors but holds {len(tensors)}."
+            )
         for t, (shape, _dtype) in zip(tensors, meta["layout"]):
             if list(t.shape) != shape:
-                raise CorruptObjectError(f"object {key} has a tensor of shape {list(t.shape)}, expected {shape}.")
+                raise CorruptObjectError(
+                    f"object {key} has a tensor of shape {list(t.shape)}, expected {shape}."
+                )
         return _Decoded(meta, tensors, len(data))
 
     # ---- storage primitives -----------------------------------------------------------
@@ -354,7 +369,9 @@ class ObjectStoreAllReduce:
         self.last = RoundStats(
             round=round_id,
             participants=list(participants),
-            excluded={r: problems.get(r, "no object") for r in range(self.world_size) if r not in participants},
+            excluded={
+                r: problems.get(r, "no object") for r in range(self.world_size) if r not in participants
+            },
             bytes_written=self.bytes_written - written0,
             bytes_read=self.bytes_read - read0,
             seconds=time.monotonic() - start,
@@ -363,7 +380,9 @@ class ObjectStoreAllReduce:
             logger.warning("round %d proceeded without ranks %s", round_id, self.last.excluded)
         return self.last
 
-    def _await_manifest(self, round_id: int, decoded: dict[int, _Decoded], problems: dict[int, str]) -> dict[str, Any]:
+    def _await_manifest(
+        self, round_id: int, decoded: dict[int, _Decoded], problems: dict[int, str]
+    ) -> dict[str, Any]:
         directory = self.round_dir(round_id)
         manifest_key = self.manifest_key(round_id)
         deadline = time.monotonic() + self.timeout_s
@@ -388,7 +407,9 @@ class ObjectStoreAllReduce:
             timed_out = time.monotonic() >= deadline
             if len(decoded) == self.world_size or timed_out:
                 if timed_out and len(decoded) < self.world_size:
-                    missing = {r: problems.get(r, "no object") for r in range(self.world_size) if r not in decoded}
+                    missing = {
+                        r: problems.get(r, "no object") for r in range(self.world_size) if r not in decoded
+                    }
                     corrupt = {r: problems[r] for r in missing if r in problems}
                     if self.on_timeout == "fail" and corrupt:
                         raise CorruptObjectError(
@@ -411,7 +432,9 @@ class ObjectStoreAllReduce:
                 self.put_if_absent(manifest_key, json.dumps(proposal).encode())
                 found = self._read_manifest(manifest_key, round_id)
                 if found is None:
-                    raise ObjectStoreError(f"round {round_id}: manifest {manifest_key} vanished right after creation.")
+                    raise ObjectStoreError(
+                        f"round {round_id}: manifest {manifest_key} vanished right after creation."
+                    )
                 return found
             time.sleep(self.poll_interval_s)
 
@@ -428,24 +451,22 @@ class ObjectStoreAllReduce:
         except (ValueError, KeyError, TypeError) as exc:
             raise CorruptObjectError(f"manifest {key} is not valid JSON of this run: {exc}") from exc
         if not ok or not ranks or sorted(set(ranks)) != ranks:
-            raise CorruptObjectError(f"manifest {key} lists invalid ranks {manifest.get('ranks')!r} for round {round_id}.")
+            raise CorruptObjectError(
+                f"manifest {key} lists invalid ranks {manifest.get('ranks')!r} for round {round_id}."
+            )
         return dict(manifest)
 
     def _cleanup(self, round_id: int) -> None:
         old = round_id - self.keep_rounds
         if old < 0:
             return
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self.round_dir(old), recursive=True)
-        except FileNotFoundError:
-            pass
 
     def cleanup_run(self) -> None:
         """Delete everything under this run's prefix (call once, after every replica finished)."""
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self.prefix, recursive=True)
-        except FileNotFoundError:
-            pass
 
     def rounds_present(self) -> list[int]:
         """Round numbers currently stored for this run."""

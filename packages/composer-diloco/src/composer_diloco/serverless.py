@@ -31,17 +31,28 @@ def run_serverless(
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}.")
     if url.startswith("memory://"):
-        raise ValueError("url='memory://…' is local to one process; executors run replicas in separate processes. Use file:// or s3://.")
+        raise ValueError(
+            "url='memory://…' is local to one process; executors run replicas in separate processes. Use file:// or s3://."
+        )
     common = dict(kwargs or {})
     clash = {"url", "run_id", "rank", "world_size", "storage_options"} & set(common)
     if clash:
         raise ValueError(f"kwargs sets {sorted(clash)}; run_serverless provides them.")
     replica_kwargs = [
-        {**common, "url": url, "run_id": run_id, "rank": r, "world_size": world_size, "storage_options": dict(storage_options or {})}
+        {
+            **common,
+            "url": url,
+            "run_id": run_id,
+            "rank": r,
+            "world_size": world_size,
+            "storage_options": dict(storage_options or {}),
+        }
         for r in range(world_size)
     ]
     try:
         return executor.run(target, replica_kwargs, timeout_s=timeout_s)
     finally:
         if cleanup:
-            ObjectStoreAllReduce(url, run_id, rank=0, world_size=world_size, storage_options=storage_options).cleanup_run()
+            ObjectStoreAllReduce(
+                url, run_id, rank=0, world_size=world_size, storage_options=storage_options
+            ).cleanup_run()

@@ -87,7 +87,9 @@ class ObjectStoreManager:
             self.register_state_dict_fn("default", load_state_dict, state_dict)
 
     # ---- state dict bookkeeping (torchft API) ------------------------------------------
-    def register_state_dict_fn(self, key: str, load_state_dict: Callable[[Any], None], state_dict: Callable[[], Any]) -> None:
+    def register_state_dict_fn(
+        self, key: str, load_state_dict: Callable[[Any], None], state_dict: Callable[[], Any]
+    ) -> None:
         if key in self._load_fns:
             raise ValueError(f"state dict key {key!r} is already registered.")
         self._load_fns[key] = load_state_dict
@@ -120,7 +122,9 @@ class ObjectStoreManager:
         self._batches_committed = int(state_dict["batches_committed"])
 
     # ---- quorum / round ---------------------------------------------------------------
-    def start_quorum(self, allow_heal: bool = True, shrink_only: bool = False, timeout: timedelta | None = None) -> None:
+    def start_quorum(
+        self, allow_heal: bool = True, shrink_only: bool = False, timeout: timedelta | None = None
+    ) -> None:
         """Open round ``current_step()``: every replica is expected (serverless has no membership)."""
         if self._in_round:
             raise RuntimeError("start_quorum called twice without should_commit in between.")
@@ -131,7 +135,9 @@ class ObjectStoreManager:
         if not self._in_round:
             raise RuntimeError("must call start_quorum before wait_quorum.")
 
-    def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False, reduce_op: ReduceOp = ReduceOp.AVG) -> _RoundWork:
+    def allreduce(
+        self, tensor: torch.Tensor, should_quantize: bool = False, reduce_op: ReduceOp = ReduceOp.AVG
+    ) -> _RoundWork:
         if not self._in_round:
             raise RuntimeError("allreduce outside a round: call start_quorum first (torchft's DiLoCo does).")
         if not torch.is_floating_point(tensor):
@@ -139,7 +145,9 @@ class ObjectStoreManager:
         if reduce_op not in (ReduceOp.AVG, ReduceOp.SUM):
             raise ValueError(f"reduce_op must be ReduceOp.AVG or ReduceOp.SUM, got {reduce_op}.")
         if self._exchange is not None:
-            raise RuntimeError("allreduce after this round's exchange started; queue all tensors of a round first.")
+            raise RuntimeError(
+                "allreduce after this round's exchange started; queue all tensors of a round first."
+            )
         work = _RoundWork(self, tensor)
         self._pending.append((tensor, bool(should_quantize), reduce_op, work))
         return work
@@ -149,7 +157,9 @@ class ObjectStoreManager:
             if self._exchange is None and self._pending:
                 self._exchange = self._executor.submit(self._run_exchange, list(self._pending), self._step)
 
-    def _run_exchange(self, pending: list[tuple[torch.Tensor, bool, ReduceOp, _RoundWork]], round_id: int) -> RoundStats:
+    def _run_exchange(
+        self, pending: list[tuple[torch.Tensor, bool, ReduceOp, _RoundWork]], round_id: int
+    ) -> RoundStats:
         quantize = {q for _, q, _, _ in pending}
         ops = {op for _, _, op, _ in pending}
         if len(quantize) > 1 or len(ops) > 1:
@@ -216,7 +226,9 @@ class ObjectStoreManager:
     def report_error(self, e: Exception) -> None:
         self._errored = e
 
-    def wrap_future(self, fut: torch.futures.Future[Any], default: Any, timeout: timedelta | None = None) -> torch.futures.Future[Any]:
+    def wrap_future(
+        self, fut: torch.futures.Future[Any], default: Any, timeout: timedelta | None = None
+    ) -> torch.futures.Future[Any]:
         def callback(f: torch.futures.Future[Any]) -> Any:
             try:
                 return f.value()

@@ -108,14 +108,25 @@ def run_toy(
         if manager.current_step() > (synced_steps[-1] if synced_steps else 0):
             synced_steps.append(manager.current_step())
             participants.append(manager.num_participants())
-            print(f"sync {manager.current_step()} done participants={participants[-1]} loss={loss:.5f}", flush=True)
+            print(
+                f"sync {manager.current_step()} done participants={participants[-1]} loss={loss:.5f}",
+                flush=True,
+            )
             wait_gate(manager.current_step())
         if step_sleep_s:
             time.sleep(step_sleep_s)
 
     try:
         stats = train_diloco(
-            model, opt, manager, config, toy_batches(seed, rank), _mse, max_syncs=max_syncs, progress=False, on_step=on_step
+            model,
+            opt,
+            manager,
+            config,
+            toy_batches(seed, rank),
+            _mse,
+            max_syncs=max_syncs,
+            progress=False,
+            on_step=on_step,
         )
     finally:
         cleanup()

@@ -45,7 +45,9 @@ def train_diloco(
     if max_syncs is not None and (not isinstance(max_syncs, int) or max_syncs < 1):
         raise ValueError(f"max_syncs must be a positive int or None, got {max_syncs!r}.")
     stats = TrainStats()
-    diloco = build_diloco(manager, list(fragments) if fragments is not None else model, inner_optimizer, config)
+    diloco = build_diloco(
+        manager, list(fragments) if fragments is not None else model, inner_optimizer, config
+    )
     bar = tqdm(total=max_syncs, desc="diloco syncs", disable=not progress, leave=False)
     with diloco:
         for batch in batches:
@@ -56,7 +58,9 @@ def train_diloco(
             if loss.dim() != 0:
                 raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}.")
             if not torch.isfinite(loss):
-                raise ValueError(f"loss is {loss.item()} at inner step {stats.inner_steps}; stopping before it spreads.")
+                raise ValueError(
+                    f"loss is {loss.item()} at inner step {stats.inner_steps}; stopping before it spreads."
+                )
             loss.backward()
             inner_optimizer.step()  # DiLoCo's hooks sync here every sync_every / n_fragments steps
             stats.inner_steps += 1

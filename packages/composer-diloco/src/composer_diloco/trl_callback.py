@@ -32,7 +32,9 @@ class DiLoCoCallback(_transformers.TrainerCallback):  # type: ignore[misc, name-
         self.config = config
         self.diloco: Any = None
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kwargs: Any) -> None:
+    def on_train_begin(
+        self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kwargs: Any
+    ) -> None:
         if model is None or optimizer is None:
             raise ValueError("DiLoCoCallback needs the trainer's model and optimizer in on_train_begin.")
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
