@@ -55,6 +55,12 @@ def moto_s3() -> Iterator[dict[str, Any]]:
 def ray_instance() -> Iterator[Any]:
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    except Exception as exc:  # Ray waits a fixed 30 s for its raylet; on an overloaded host retry once
+        if "timed out during startup" not in str(exc):
+            raise
+        ray.shutdown()
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()

@@ -171,6 +171,26 @@ def test_object_from_another_rank_or_run_is_rejected(url: str) -> None:
         store1.decode(store1.encode(0, [torch.ones(1)]), round_id=1, rank=1)
 
 
+def test_checksummed_object_with_a_lying_layout_is_rejected(url: str) -> None:
+    import hashlib
+    import json
+
+    from composer_diloco.object_store import MAGIC
+
+    store = ObjectStoreAllReduce(url, "run", rank=0, world_size=1)
+    meta = {"run_id": "run", "round": 0, "rank": 0, "world_size": 1, "quantized": False}
+    meta["layout"] = [{"shape": [1000], "dtype": "float32", "wire": "float32", "scale": None, "nbytes": 4000}]
+    raw = json.dumps(meta).encode()
+    body = len(raw).to_bytes(4, "little") + raw + b"\0" * 16  # claims 4000 bytes, carries 16
+    with pytest.raises(CorruptObjectError, match="invalid tensor layout"):
+        store.decode(MAGIC + hashlib.sha256(body).digest() + body, round_id=0, rank=0, key="k")
+    meta["layout"][0]["wire"] = "Tensor"  # not a dtype: never getattr'd into anything callable
+    raw = json.dumps(meta).encode()
+    body = len(raw).to_bytes(4, "little") + raw
+    with pytest.raises(CorruptObjectError, match="invalid tensor layout"):
+        store.decode(MAGIC + hashlib.sha256(body).digest() + body, round_id=0, rank=0, key="k")
+
+
 @pytest.mark.parametrize("bad", ["..", ".", "a/../b", "../escape", "/abs", "", ".hidden", "a/b"])
 def test_keys_cannot_escape_the_run_prefix(tmp_path: Path, bad: str) -> None:
     with pytest.raises(ValueError, match="run_id"):

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import json
 import logging
+import math
 import os
 import posixpath
 import re
@@ -48,6 +48,9 @@ _DIGEST = 32
 _PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _MEMORY_LOCK = threading.Lock()
+_DTYPES = {
+    name: getattr(torch, name) for name in ("float16", "bfloat16", "float32", "float64", "float8_e4m3fn")
+}
 
 
 class ObjectStoreError(RuntimeError):
@@ -186,26 +189,47 @@ class ObjectStoreAllReduce:
 
     # ---- codec ------------------------------------------------------------------------
     def encode(self, round_id: int, tensors: Sequence[torch.Tensor], *, quantize: bool = False) -> bytes:
-        """Serialise this replica's tensors for ``round_id`` (fp8 e4m3 + fp32 scale if ``quantize``)."""
-        payload: list[torch.Tensor] = []
-        scales: list[float] = []
-        layout: list[list[Any]] = []
+        """Serialise this replica's tensors for ``round_id`` (fp8 e4m3 + fp32 scale if ``quantize``).
+
+        Layout: ``MAGIC | sha256(body) | body``, ``body = len(meta) (4 bytes, little endian) |
+        meta (JSON: run, round, rank, world size, per-tensor dtype/shape/scale) | raw tensor bytes``.
+        No pickle: decoding is ``torch.frombuffer`` on validated offsets.
+        """
+        return self._encode(round_id, tensors, quantize)[0]
+
+    def _encode(
+        self, round_id: int, tensors: Sequence[torch.Tensor], quantize: bool
+    ) -> tuple[bytes, _Decoded]:
+        chunks: list[bytes] = []
+        own: list[torch.Tensor] = []
+        layout: list[dict[str, Any]] = []
         for i, t in enumerate(tensors):
             if not isinstance(t, torch.Tensor) or not torch.is_floating_point(t):
                 raise ValueError(f"tensor {i} must be a floating-point torch.Tensor, got {type(t).__name__}.")
-            host = t.detach().to("cpu")
-            if not bool(torch.isfinite(host).all()):
+            host = t.detach().to("cpu").contiguous()
+            # float64 accumulation cannot overflow for float32/16 inputs: inf/NaN means a bad value
+            if not bool(torch.isfinite(host.sum(dtype=torch.float64))):
                 raise ValueError(
                     f"tensor {i} of rank {self.rank} in round {round_id} holds NaN/inf; refusing to publish "
                     "it (it would poison every replica's average). Check the inner optimiser / loss."
                 )
-            layout.append([list(host.shape), str(host.dtype).removeprefix("torch.")])
+            entry: dict[str, Any] = {
+                "shape": list(host.shape),
+                "dtype": str(host.dtype).removeprefix("torch."),
+            }
             if quantize:
                 q, scale = quantize_fp8(host)
-                payload.append(q)
-                scales.append(scale)
+                entry.update(wire="float8_e4m3fn", scale=scale)
+                own.append(dequantize_fp8(q, scale))
+                wire = q
             else:
-                payload.append(host.contiguous())
+                entry.update(wire=entry["dtype"], scale=None)
+                own.append(host)
+                wire = host
+            raw = wire.view(torch.uint8).numpy().tobytes() if wire.numel() else b""
+            entry["nbytes"] = len(raw)
+            layout.append(entry)
+            chunks.append(raw)
         meta = {
             "run_id": self.run_id,
             "round": round_id,
@@ -213,46 +237,64 @@ class ObjectStoreAllReduce:
             "world_size": self.world_size,
             "quantized": quantize,
             "layout": layout,
-            "scales": scales,
         }
-        buf = io.BytesIO()
-        torch.save({"meta": json.dumps(meta), "tensors": payload}, buf)
-        body = buf.getvalue()
-        return MAGIC + hashlib.sha256(body).digest() + body
+        meta_bytes = json.dumps(meta).encode()
+        body = b"".join([len(meta_bytes).to_bytes(4, "little"), meta_bytes, *chunks])
+        data = MAGIC + hashlib.sha256(body).digest() + body
+        return data, _Decoded(meta, own, len(data))
 
     def decode(self, data: bytes, *, round_id: int, rank: int, key: str = "?") -> _Decoded:
         """Validate and deserialise an object; raise :class:`CorruptObjectError` naming ``key``."""
         head = len(MAGIC) + _DIGEST
-        if len(data) < head or data[: len(MAGIC)] != MAGIC:
+        if len(data) < head + 4 or data[: len(MAGIC)] != MAGIC:
             raise CorruptObjectError(
                 f"object {key} has no composer-diloco header (partial or foreign write)."
             )
-        body = data[head:]
+        body = memoryview(data)[head:]
         if hashlib.sha256(body).digest() != data[len(MAGIC) : head]:
             raise CorruptObjectError(
                 f"object {key} fails its SHA-256 check ({len(data)} bytes: truncated or corrupt)."
             )
         try:
-            obj = torch.load(io.BytesIO(body), weights_only=True, map_location="cpu")
-            meta = json.loads(obj["meta"])
-            tensors = list(obj["tensors"])
-        except Exception as exc:  # the checksum matched, so this is a foreign/garbage writer
+            meta_len = int.from_bytes(body[:4], "little")
+            meta = json.loads(bytes(body[4 : 4 + meta_len]))
+            layout = list(meta["layout"])
+        except (ValueError, KeyError, TypeError) as exc:  # checksum matched: a foreign/garbage writer
             raise CorruptObjectError(f"object {key} does not decode: {exc}") from exc
         expected = {"run_id": self.run_id, "round": round_id, "rank": rank, "world_size": self.world_size}
         for name, want in expected.items():
             if meta.get(name) != want:
                 raise CorruptObjectError(f"object {key} has {name}={meta.get(name)!r}, expected {want!r}.")
-        if meta.get("quantized"):
-            tensors = [dequantize_fp8(q, s) for q, s in zip(tensors, meta["scales"])]
-        if len(tensors) != len(meta.get("layout", [])):
-            raise CorruptObjectError(
-                f"object {key} lists {len(meta.get('layout', []))} tensors but holds {len(tensors)}."
-            )
-        for t, (shape, _dtype) in zip(tensors, meta["layout"]):
-            if list(t.shape) != shape:
-                raise CorruptObjectError(
-                    f"object {key} has a tensor of shape {list(t.shape)}, expected {shape}."
+        buf = bytearray(body[4 + meta_len :])
+        tensors: list[torch.Tensor] = []
+        offset = 0
+        try:
+            for entry in layout:
+                wire = _DTYPES.get(entry["wire"])
+                dtype = _DTYPES.get(entry["dtype"])
+                shape = [int(d) for d in entry["shape"]]
+                nbytes = int(entry["nbytes"])
+                numel = math.prod(shape)
+                if wire is None or dtype is None:
+                    raise ValueError(f"unknown dtype {entry['wire']!r}/{entry['dtype']!r}")
+                if nbytes != numel * wire.itemsize or offset + nbytes > len(buf):
+                    raise ValueError(
+                        f"tensor of shape {shape} cannot occupy {nbytes} bytes at offset {offset}"
+                    )
+                raw = (
+                    torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
+                    if nbytes
+                    else torch.empty(0, dtype=torch.uint8)
                 )
+                t = raw.view(wire).reshape(shape)
+                tensors.append(dequantize_fp8(t, float(entry["scale"])) if meta.get("quantized") else t)
+                offset += nbytes
+        except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as exc:
+            raise CorruptObjectError(f"object {key} has an invalid tensor layout: {exc}") from exc
+        if offset != len(buf):
+            raise CorruptObjectError(
+                f"object {key} carries {len(buf) - offset} trailing bytes beyond its layout."
+            )
         return _Decoded(meta, tensors, len(data))
 
     # ---- storage primitives -----------------------------------------------------------
@@ -267,9 +309,7 @@ class ObjectStoreAllReduce:
             tmp = f"{parent}/.tmp-{uuid.uuid4().hex}"
             with open(tmp, "wb") as f:
                 f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, key)
+            os.replace(tmp, key)  # atomic for readers (no fsync: visibility, not crash durability)
         else:  # object stores publish a single PUT atomically
             self.fs.pipe_file(key, data)
         self.bytes_written += len(data)
@@ -339,9 +379,8 @@ class ObjectStoreAllReduce:
             raise ValueError(f"op must be 'avg' or 'sum', got {op!r}.")
         start = time.monotonic()
         written0, read0 = self.bytes_written, self.bytes_read
-        data = self.encode(round_id, tensors, quantize=quantize)
+        data, own = self._encode(round_id, tensors, quantize)
         self.put_atomic(self.object_key(round_id, self.rank), data)
-        own = self.decode(data, round_id=round_id, rank=self.rank, key="<own>")
         decoded: dict[int, _Decoded] = {self.rank: own}
         problems: dict[int, str] = {}
         manifest = self._await_manifest(round_id, decoded, problems)
@@ -501,11 +540,14 @@ def _protocols(fs: Any) -> set[str]:
 
 
 def _check_layouts(decoded: Mapping[int, _Decoded], ranks: Sequence[int], round_id: int) -> None:
+    def shapes(r: int) -> list[tuple[Any, ...]]:
+        return [(tuple(e["shape"]), e["dtype"], e["wire"]) for e in decoded[r].meta["layout"]]
+
     ref_rank = ranks[0]
-    ref = decoded[ref_rank].meta["layout"]
+    ref = shapes(ref_rank)
     for r in ranks[1:]:
-        if decoded[r].meta["layout"] != ref:
+        if shapes(r) != ref:
             raise ObjectStoreError(
-                f"round {round_id}: rank {r} sent tensors {decoded[r].meta['layout']} but rank {ref_rank} sent {ref}; "
+                f"round {round_id}: rank {r} sent tensors {shapes(r)} but rank {ref_rank} sent {ref}; "
                 "every replica must all-reduce the same parameters in the same order (same model, same fragments)."
             )
