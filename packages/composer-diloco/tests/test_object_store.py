@@ -219,6 +219,9 @@ def test_nan_and_layout_mismatch_are_refused(url: str) -> None:
     store0, store1 = _stores(url, 2, timeout_s=5)
     with pytest.raises(ValueError, match="NaN/inf"):
         store0.allreduce(0, [torch.tensor([1.0, float("nan")])])
+    with pytest.raises(ValueError, match="NaN/inf"):
+        store0.encode(0, [torch.tensor([1.0, float("-inf")])])
+    store0.encode(0, [torch.full((4,), 3e38)])  # finite values whose float32 sum overflows are fine
     out = _parallel([store0, store1], 1, [[torch.ones(2)], [torch.ones(2), torch.ones(1)]])
     assert all(isinstance(o, ObjectStoreError) and "same parameters" in str(o) for o in out)
 

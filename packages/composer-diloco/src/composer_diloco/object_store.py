@@ -207,8 +207,9 @@ class ObjectStoreAllReduce:
             if not isinstance(t, torch.Tensor) or not torch.is_floating_point(t):
                 raise ValueError(f"tensor {i} must be a floating-point torch.Tensor, got {type(t).__name__}.")
             host = t.detach().to("cpu").contiguous()
-            # float64 accumulation cannot overflow for float32/16 inputs: inf/NaN means a bad value
-            if not bool(torch.isfinite(host.sum(dtype=torch.float64))):
+            # fast path: a finite sum proves every value finite; otherwise check element-wise
+            # (a huge but finite tensor can overflow the sum)
+            if not bool(torch.isfinite(host.sum())) and not bool(torch.isfinite(host).all()):
                 raise ValueError(
                     f"tensor {i} of rank {self.rank} in round {round_id} holds NaN/inf; refusing to publish "
                     "it (it would poison every replica's average). Check the inner optimiser / loss."
@@ -341,7 +342,7 @@ class ObjectStoreAllReduce:
             return True
         except FileExistsError:
             return False
-        except (TypeError, NotImplementedError) as exc:
+        except (TypeError, ValueError, NotImplementedError) as exc:
             raise ObjectStoreError(
                 f"{type(self.fs).__name__} offers no conditional put (pipe_file(mode='create')); "
                 "composer-diloco needs one to agree on a round's participants. Use file://, memory:// "
