@@ -86,6 +86,14 @@ def test_replica_failure_is_reported_with_exit_code_and_log_tail(tmp_path: Path)
     assert "replica 1: exit code 1" in str(info.value) and "JSONDecodeError" in str(info.value)
 
 
+def test_replica_past_its_timeout_is_killed_and_reported(tmp_path: Path) -> None:
+    with pytest.raises(ReplicaFailedError) as info:
+        LocalProcessExecutor(tmp_path).run("subprocess:run", [{"args": ["sleep", "60"]}], timeout_s=3)
+    (result,) = info.value.results
+    assert result.exit_code == -9 and "killed at the deadline" in result.log_tail
+    assert result.seconds < 30
+
+
 def test_executor_and_launcher_validate_inputs(tmp_path: Path) -> None:
     executor = LocalProcessExecutor(tmp_path)
     with pytest.raises(ValueError, match=r"package\.module:function"):

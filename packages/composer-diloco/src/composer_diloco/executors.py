@@ -12,13 +12,14 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Mapping, Sequence
-from contextlib import redirect_stderr, redirect_stdout
+from contextlib import redirect_stderr, redirect_stdout, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -125,8 +126,10 @@ class ReplicaProcess:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def kill(self) -> None:
+        """SIGKILL the replica and anything it started (it leads its own process group)."""
         if self.proc.poll() is None:
-            self.proc.kill()
+            with suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
 
     def finish(self, timeout_s: float | None) -> ReplicaResult:
@@ -136,7 +139,7 @@ class ReplicaProcess:
             self.kill()
             with open(self.log_path, "ab") as f:
                 f.write(
-                    f"\n[composer-diloco] replica {self.rank} killed after timeout_s={timeout_s}\n".encode()
+                    f"\n[composer-diloco] replica {self.rank} killed at the deadline (still running after the timeout)\n".encode()
                 )
             code = -9
         self._log.close()
