@@ -54,13 +54,16 @@ def moto_s3() -> Iterator[dict[str, Any]]:
 @pytest.fixture(scope="session")
 def ray_instance() -> Iterator[Any]:
     import ray
+    from composer_diloco.executors import ray_temp_dir
 
+    # nox points TMPDIR into the virtualenv, where Ray's workers refuse to start
+    options = {"num_cpus": 2, "include_dashboard": False, "log_to_driver": False, "_temp_dir": ray_temp_dir()}
     try:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        ray.init(**options)
     except Exception as exc:  # Ray waits a fixed 30 s for its raylet; on an overloaded host retry once
         if "timed out during startup" not in str(exc):
             raise
         ray.shutdown()
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        ray.init(**options)
     yield ray
     ray.shutdown()

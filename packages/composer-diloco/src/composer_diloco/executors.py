@@ -210,6 +210,15 @@ def _ray_replica(target: str, kwargs: dict[str, Any]) -> tuple[int, Any, str]:
     return code, value, buf.getvalue()[-LOG_TAIL_CHARS:]
 
 
+def ray_temp_dir() -> str:
+    """A temp dir Ray accepts: Ray's workers refuse one inside the virtualenv (nox/tox point
+    TMPDIR there), and its socket paths must stay short, so fall back to /tmp."""
+    tmp = os.path.realpath(tempfile.gettempdir())
+    if tmp.startswith(os.path.realpath(sys.prefix) + os.sep) or len(tmp) > 40:
+        tmp = "/tmp"
+    return tempfile.mkdtemp(prefix="ray-", dir=tmp)
+
+
 class RayExecutor:
     """Run every replica as a Ray task (one CPU each by default).
 
@@ -228,7 +237,10 @@ class RayExecutor:
     ) -> None:
         self.ray = require("ray", "ray", "RayExecutor")
         if not self.ray.is_initialized():
-            self.ray.init(address=address, **dict(init_kwargs or {}))
+            kwargs = dict(init_kwargs or {})
+            if address is None and "_temp_dir" not in kwargs:
+                kwargs["_temp_dir"] = ray_temp_dir()
+            self.ray.init(address=address, **kwargs)
         self.num_cpus = num_cpus
         self.num_gpus = num_gpus
         self.check = check
