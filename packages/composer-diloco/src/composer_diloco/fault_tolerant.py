@@ -123,7 +123,7 @@ def make_manager(
     ``init_sync=False`` assumes every replica initialises its model identically (same seed), as
     torchft recommends; a replica that joins late is still healed from a peer.
     """
-    from torch.distributed import TCPStore
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
     from torchft.manager import Manager
 
     if not replica_id or not re.fullmatch(r"[A-Za-z0-9_.-]+", replica_id):

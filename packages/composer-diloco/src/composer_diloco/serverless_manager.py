@@ -26,7 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import Future as ThreadFuture
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,7 @@ from torch.distributed import ReduceOp
 from .object_store import ObjectStoreAllReduce, RoundStats
 
 
-class _RoundWork(dist._Work):
+class _RoundWork(dist._Work):  # type: ignore[name-defined, misc]
     """A ``Work`` whose result arrives when the round's exchange finishes."""
 
     def __init__(self, manager: ObjectStoreManager, tensor: torch.Tensor) -> None:
@@ -75,7 +75,7 @@ class ObjectStoreManager:
         self._batches_committed = 0
         self._errored: Exception | None = None
         self._in_round = False
-        self._pending: list[tuple[torch.Tensor, bool, ReduceOp, _RoundWork]] = []
+        self._pending: list[tuple[torch.Tensor, bool, Any, _RoundWork]] = []
         self._exchange: ThreadFuture[RoundStats] | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diloco_exchange")
         self._lock = threading.Lock()
@@ -136,7 +136,7 @@ class ObjectStoreManager:
             raise RuntimeError("must call start_quorum before wait_quorum.")
 
     def allreduce(
-        self, tensor: torch.Tensor, should_quantize: bool = False, reduce_op: ReduceOp = ReduceOp.AVG
+        self, tensor: torch.Tensor, should_quantize: bool = False, reduce_op: Any = ReduceOp.AVG
     ) -> _RoundWork:
         if not self._in_round:
             raise RuntimeError("allreduce outside a round: call start_quorum first (torchft's DiLoCo does).")
@@ -158,13 +158,13 @@ class ObjectStoreManager:
                 self._exchange = self._executor.submit(self._run_exchange, list(self._pending), self._step)
 
     def _run_exchange(
-        self, pending: list[tuple[torch.Tensor, bool, ReduceOp, _RoundWork]], round_id: int
+        self, pending: list[tuple[torch.Tensor, bool, Any, _RoundWork]], round_id: int
     ) -> RoundStats:
         quantize = {q for _, q, _, _ in pending}
         ops = {op for _, _, op, _ in pending}
         if len(quantize) > 1 or len(ops) > 1:
             raise ValueError("one round must use a single should_quantize / reduce_op setting.")
-        op = "avg" if ops == {ReduceOp.AVG} else "sum"
+        op: Literal["avg", "sum"] = "avg" if ops == {ReduceOp.AVG} else "sum"
         return self.store.allreduce(round_id, [t for t, _, _, _ in pending], quantize=quantize.pop(), op=op)
 
     def _finish_round(self) -> None:
@@ -178,7 +178,7 @@ class ObjectStoreManager:
         except BaseException as exc:
             for _, _, _, work in pending:
                 if not work._future.done():
-                    work._future.set_exception(exc)
+                    work._future.set_exception(exc)  # type: ignore[arg-type]
             with self._lock:
                 self._exchange, self._pending = None, []
             self._in_round = False

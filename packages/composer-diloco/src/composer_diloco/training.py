@@ -61,7 +61,7 @@ def train_diloco(
                 raise ValueError(
                     f"loss is {loss.item()} at inner step {stats.inner_steps}; stopping before it spreads."
                 )
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             inner_optimizer.step()  # DiLoCo's hooks sync here every sync_every / n_fragments steps
             stats.inner_steps += 1
             stats.losses.append(float(loss.detach()))
