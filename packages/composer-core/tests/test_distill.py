@@ -419,3 +419,26 @@ def test_fused_low_precision_inputs() -> None:
     assert h_ref.grad is not None and w_ref.grad is not None
     torch.testing.assert_close(h.grad.float(), h_ref.grad, rtol=2e-2, atol=2e-3)
     torch.testing.assert_close(w.grad.float(), w_ref.grad, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("beta", [0.1, 0.5, 0.9])
+def test_identical_distributions_are_exactly_zero_in_float32_at_interior_beta(beta: float) -> None:
+    # The mixture log m is computed around the larger log-prob, so p == q gives log m == log p bit-exactly:
+    # hinted context == plain context must give an SDPO channel of exactly 0 (not a rounding residue).
+    torch.manual_seed(0)
+    z = (torch.randn(2, 5, 301) * 4).requires_grad_(True)
+    value = generalized_jsd(z, z.detach().clone(), beta=beta, chunk_size=3)
+    (grad,) = torch.autograd.grad(value, z)
+    assert value.item() == 0.0
+    assert torch.count_nonzero(grad).item() == 0
+    # top-k runs through autograd: the value is exact, the gradient's cancellation leaves only rounding
+    value = topk_distill(z, z.detach().clone(), k=7, beta=beta)
+    (grad,) = torch.autograd.grad(value, z)
+    assert value.item() == 0.0
+    assert grad.abs().max().item() < 1e-6  # float32 rounding
+    h = torch.randn(2, 5, 16, requires_grad=True)
+    w = torch.randn(301, 16, requires_grad=True)
+    value = fused_linear_generalized_jsd(h, w, h.detach().clone(), beta=beta, chunk_size=4)
+    gh, gw = torch.autograd.grad(value, (h, w))
+    assert value.item() == 0.0
+    assert torch.count_nonzero(gh).item() == 0 and torch.count_nonzero(gw).item() == 0

@@ -22,7 +22,6 @@ The sampled-token form (SDPO, Hübotter et al., arXiv 2601.20802; on-policy dist
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any, Literal, cast
 
@@ -90,7 +89,7 @@ def jsd_kernel(beta: float) -> Kernel:
             return loss, g.sub_(loss.unsqueeze(-1)).mul_(q)
         q = lq.exp()
         p = lp.exp()
-        lm = torch.logaddexp(lp + math.log(beta), lq + math.log1p(-beta), out=torch.empty_like(lp))
+        lm = _log_mixture(lp, lq, beta)
         loss = beta * _rowdot(p, lp.sub_(lm))
         del p, lp
         g = lq.sub_(lm)  # log q − log m
@@ -504,13 +503,30 @@ def fused_linear_generalized_jsd(
     )
 
 
+def _log_mixture(lp: Tensor, lq: Tensor, beta: float) -> Tensor:
+    """log m with m = β·p + (1−β)·q, computed around the larger of the two log-probs:
+
+    log m = log p + log1p((1−β)·expm1(log q − log p))   where log p ≥ log q, and symmetrically otherwise.
+
+    Unlike ``logaddexp(log p + log β, log q + log(1−β))`` this returns log m == log p **exactly** where
+    p == q, so the JSD of identical distributions is exactly 0 (not a rounding residue), value and gradient.
+    """
+    p_is_hi = lp >= lq
+    hi = torch.where(p_is_hi, lp, lq)
+    diff = torch.where(p_is_hi, lq - lp, lp - lq)  # ≤ 0
+    weight = torch.full_like(lp, beta).masked_fill_(
+        p_is_hi, 1.0 - beta
+    )  # in lp's dtype (float64 stays exact)
+    return hi + torch.log1p(weight * torch.expm1(diff))
+
+
 def divergence(student_logp: Tensor, teacher_logp: Tensor, beta: float) -> Tensor:
     """Generalized JSD between two log-prob vectors on the last axis (autograd form; small supports)."""
     if beta == 0.0:
         return (teacher_logp.exp() * (teacher_logp - student_logp)).sum(-1)
     if beta == 1.0:
         return (student_logp.exp() * (student_logp - teacher_logp)).sum(-1)
-    lm = torch.logaddexp(teacher_logp + math.log(beta), student_logp + math.log1p(-beta))
+    lm = _log_mixture(teacher_logp, student_logp, beta)
     kl_t = (teacher_logp.exp() * (teacher_logp - lm)).sum(-1)
     kl_s = (student_logp.exp() * (student_logp - lm)).sum(-1)
     return beta * kl_t + (1.0 - beta) * kl_s
