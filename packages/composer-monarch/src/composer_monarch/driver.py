@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import monarch.actor as monarch_actor
-import torch
 from monarch.actor import HostMesh, ProcMesh, this_host
 from torch import Tensor, nn
 from tqdm.auto import tqdm
@@ -296,6 +295,10 @@ class ComposerDriver:
         finally:
             bar.close()
         return results
+
+    def process_ids(self) -> dict[str, int]:
+        """Role → OS process id of the process hosting it (on its host)."""
+        return {role: int(self._call(role, "process_id")()) for role in ROLES}
 
     def weights(self) -> dict[str, Tensor]:
         """The trainer's current weights (a copy)."""

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from composer_monarch.model import token_logprobs
+from composer_monarch.model import token_logprobs, upcast
 
 #: Targets the callable understands, with their shapes (R rows, s response tokens, V vocabulary).
 TARGETS: dict[str, str] = {
@@ -116,7 +116,9 @@ class ComposerLoss:
             logits = logits[:, -s - 1 : -1]
         elif logits.shape[1] != s:
             raise ValueError(f"align=False needs logits [{rows}, {s}, vocab]; got {tuple(logits.shape)}")
-        logits = logits.float() / self.temperature if self.temperature != 1.0 else logits.float()
+        logits = upcast(logits)
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
         logprobs = token_logprobs(logits, response)
 
         mask = targets["padding_mask"].bool()

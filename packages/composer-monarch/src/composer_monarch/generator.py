@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -71,3 +73,7 @@ class GeneratorActor(Actor):
             generator=g,
         )
         return Rollout(step, prompts, ids, mask, logps, self.version, group_size)
+
+    @endpoint
+    def process_id(self) -> int:
+        return os.getpid()

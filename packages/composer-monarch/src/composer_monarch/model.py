@@ -79,9 +79,16 @@ def completion_logits(model: nn.Module, prompt_ids: Tensor, completion_ids: Tens
     return forward_logits(model, tokens)[:, p - 1 : p + t - 1]
 
 
+def upcast(x: Tensor) -> Tensor:
+    """Half precision → float32; float32 and float64 unchanged."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
 def token_logprobs(logits: Tensor, ids: Tensor, temperature: float = 1.0) -> Tensor:
     """log softmax(logits / temperature) gathered at ``ids``: [B, T, V], [B, T] → [B, T] (float32+)."""
-    logits = logits.float() / temperature
+    logits = upcast(logits)
+    if temperature != 1.0:
+        logits = logits / temperature
     return torch.log_softmax(logits, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
 
 

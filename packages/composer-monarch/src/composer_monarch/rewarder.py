@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import math
 from collections.abc import Callable, Sequence
 
@@ -44,3 +46,7 @@ class RewarderActor(Actor):
     @endpoint
     def score(self, rollout: Rollout) -> Tensor:
         return score(rollout, self.reward_fns, self.weights)
+
+    @endpoint
+    def process_id(self) -> int:
+        return os.getpid()

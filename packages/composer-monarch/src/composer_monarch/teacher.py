@@ -11,6 +11,8 @@ such action becomes ``chosen`` and the student's completion ``rejected``.
 
 from __future__ import annotations
 
+import os
+
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -103,3 +105,7 @@ class TeacherActor(Actor):
     @endpoint
     def preference_pairs(self, rollout: Rollout, rewards: Tensor) -> PreferencePairs | None:
         return preference_pairs(rollout, rewards, self.replay, self.pad_id)
+
+    @endpoint
+    def process_id(self) -> int:
+        return os.getpid()

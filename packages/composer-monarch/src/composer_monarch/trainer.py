@@ -8,8 +8,10 @@ bit on CPU (tested).
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from monarch.actor import Actor, endpoint
@@ -147,6 +149,21 @@ class PolicyTrainer:
         """A detached copy of the policy's state dict."""
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
+    def state(self) -> dict[str, Any]:
+        """Everything a step depends on: version, model, optimiser (a copy)."""
+        return copy.deepcopy(
+            {"version": self.version, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        )
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state` (e.g. to replay a step in-process, or resume)."""
+        missing = {"version", "model", "optimizer"} - set(state)
+        if missing:
+            raise ValueError(f"trainer state lacks {sorted(missing)}: pass what PolicyTrainer.state() returned")
+        self.model.load_state_dict(state["model"], strict=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state["version"])
+
 
 class TrainerActor(Actor):
     """A :class:`PolicyTrainer` on a Monarch proc mesh (TorchForge's ``TitanTrainer`` role)."""
@@ -162,3 +179,15 @@ class TrainerActor(Actor):
     def weights(self) -> tuple[int, dict[str, Tensor]]:
         """(version, state dict): the weights the generator and teacher load next."""
         return self.trainer.version, self.trainer.weights()
+
+    @endpoint
+    def state(self) -> dict[str, Any]:
+        return self.trainer.state()
+
+    @endpoint
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.trainer.load_state(state)
+
+    @endpoint
+    def process_id(self) -> int:
+        return os.getpid()
