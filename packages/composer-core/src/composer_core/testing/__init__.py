@@ -1,0 +1,1 @@
+"""Test helpers shipped with composer_core (pytest-free): naive references and the conformance suite."""
