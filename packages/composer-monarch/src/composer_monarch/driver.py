@@ -21,7 +21,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import monarch.actor as monarch_actor
@@ -29,6 +29,7 @@ from monarch.actor import HostMesh, ProcMesh, this_host
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from composer_monarch.bootstrap import prepare_process
 from composer_monarch.errors import ActorCrashedError, wait
 from composer_monarch.forge_loss import ComposerLoss
 from composer_monarch.generator import GeneratorActor, SamplingConfig
@@ -50,7 +51,8 @@ class LoopConfig:
     k+1 while training step k. procs: processes per host. placement: role → proc index (or
     ``(host, proc)`` on a multi-host mesh); by default the trainer has proc 0 to itself and the
     generator, rewarder and teacher share the last proc. call_timeout_s bounds every wait on an
-    actor; stop_timeout_s bounds stopping the mesh. advantage_scale: "group" | "batch" | "none"
+    actor once the loop runs; start_timeout_s bounds spawning (processes import torch and build the
+    models); stop_timeout_s bounds stopping the mesh. advantage_scale: "group" | "batch" | "none"
     (composer_core.group_advantages).
     """
 
@@ -61,6 +63,7 @@ class LoopConfig:
     procs: int = 2
     placement: Mapping[str, Placement] | None = None
     call_timeout_s: float = 300.0
+    start_timeout_s: float = 600.0
     stop_timeout_s: float = 60.0
     advantage_scale: str = "group"
     temperature: float = 1.0
@@ -71,8 +74,10 @@ class LoopConfig:
         for name in ("steps", "prompts_per_step", "group_size", "procs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"LoopConfig.{name}={getattr(self, name)}: must be ≥ 1")
-        if not (math.isfinite(self.call_timeout_s) and self.call_timeout_s > 0):
-            raise ValueError(f"LoopConfig.call_timeout_s={self.call_timeout_s}: must be a positive number")
+        for name in ("call_timeout_s", "start_timeout_s", "stop_timeout_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"LoopConfig.{name}={value}: must be a positive number of seconds")
         if self.placement is not None:
             unknown = sorted(set(self.placement) - set(ROLES))
             if unknown:
@@ -159,7 +164,9 @@ class ComposerDriver:
         monarch_actor.unhandled_fault_hook = self._on_fault
         try:
             hosts = self.host_mesh if self.host_mesh is not None else this_host()
-            self.procs = hosts.spawn_procs(per_host={"procs": self.loop.procs}, name="composer")
+            self.procs = hosts.spawn_procs(
+                per_host={"procs": self.loop.procs}, bootstrap=prepare_process, name="composer"
+            )
             t, lp = self.task, self.loop
             sampling = SamplingConfig(
                 max_new_tokens=t.max_new_tokens,
@@ -177,7 +184,8 @@ class ComposerDriver:
             }
             for role, (cls, a) in args.items():
                 self.actors[role] = self._slot(role).spawn(role, cls, *a)
-            self._push_weights()
+            self._push_weights(timeout_s=lp.start_timeout_s)
+            self._call("rewarder", "process_id", timeout_s=lp.start_timeout_s)()
         except BaseException:
             self.stop()
             raise
@@ -212,8 +220,9 @@ class ComposerDriver:
                 self._saved_hook = None
 
     # ------------------------------------------------------------------ calls
-    def _call(self, role: str, endpoint: str, *args: Any) -> Any:
-        """Send ``role.endpoint(*args)``; returns a future-like thunk bounded by call_timeout_s."""
+    def _call(self, role: str, endpoint: str, *args: Any, timeout_s: float | None = None) -> Any:
+        """Send ``role.endpoint(*args)``; returns a thunk that waits, bounded by ``timeout_s``
+        (default ``call_timeout_s``)."""
         if not self.actors:
             raise RuntimeError("ComposerDriver is not started: use `with ComposerDriver(...) as d:`")
         fut = getattr(self.actors[role], endpoint).call_one(*args)
@@ -221,13 +230,13 @@ class ComposerDriver:
             fut,
             role=role,
             endpoint=endpoint,
-            timeout_s=self.loop.call_timeout_s,
+            timeout_s=self.loop.call_timeout_s if timeout_s is None else timeout_s,
             failures=lambda: list(self._failures),
         )
 
-    def _push_weights(self) -> int:
-        version, state = self._call("trainer", "weights")()
-        done = [self._call(r, "update_weights", version, state) for r in ("generator", "teacher")]
+    def _push_weights(self, timeout_s: float | None = None) -> int:
+        version, state = self._call("trainer", "weights", timeout_s=timeout_s)()
+        done = [self._call(r, "update_weights", version, state, timeout_s=timeout_s) for r in ("generator", "teacher")]
         for d in done:
             d()
         return int(version)
@@ -263,20 +272,34 @@ class ComposerDriver:
             pairs=pairs,
         )
 
-    def run(self, *, progress: bool = True) -> list[StepResult]:
-        """Run ``loop.steps`` steps; returns one :class:`StepResult` per step."""
-        lp = self.loop
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimiser step of the trainer actor on ``batch`` (no weight push)."""
+        return dict(self._call("trainer", "train_step", batch)())
+
+    def trainer_state(self) -> dict[str, Any]:
+        """The trainer's version, model and optimiser state (a copy; see PolicyTrainer.state)."""
+        return dict(self._call("trainer", "state")())
+
+    def run(self, *, steps: int | None = None, overlap: bool | None = None, progress: bool = True) -> list[StepResult]:
+        """Run ``steps`` steps (default ``loop.steps``); returns one :class:`StepResult` per step.
+
+        ``overlap`` overrides ``loop.overlap`` for this run. Steps are numbered from the trainer's
+        current version, so a second ``run`` continues with fresh prompts.
+        """
+        lp = replace(self.loop, **{k: v for k, v in (("steps", steps), ("overlap", overlap)) if v is not None})
         results: list[StepResult] = []
         bar = tqdm(total=lp.steps, desc="composer-monarch GRPO", disable=not progress, unit="step")
+        first = int(self._call("trainer", "version")())
         try:
-            batch = self.rollout(0)
-            for k in range(lp.steps):
+            batch = self.rollout(first)
+            for k in range(first, first + lp.steps):
                 t0 = time.perf_counter()
                 train = self._call("trainer", "train_step", batch)
-                nxt = self.rollout(k + 1) if lp.overlap and k + 1 < lp.steps else None
+                last = k + 1 == first + lp.steps
+                nxt = self.rollout(k + 1) if lp.overlap and not last else None
                 metrics: dict[str, float] = train()
                 version = self._push_weights()
-                if not lp.overlap and k + 1 < lp.steps:
+                if not lp.overlap and not last:
                     nxt = self.rollout(k + 1)
                 results.append(
                     StepResult(

@@ -181,6 +181,11 @@ class TrainerActor(Actor):
         return self.trainer.version, self.trainer.weights()
 
     @endpoint
+    def version(self) -> int:
+        """Optimiser steps taken so far."""
+        return self.trainer.version
+
+    @endpoint
     def state(self) -> dict[str, Any]:
         return self.trainer.state()
 
