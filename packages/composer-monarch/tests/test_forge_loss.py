@@ -5,14 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 from composer_core.compose import ComposerBatch, compose_loss
-
 from composer_monarch.forge_loss import TARGETS, ComposerLoss
 from composer_monarch.model import token_logprobs
 
 R, P, S, V = 4, 3, 5, 7
 
 
-def _forge_targets(seed: int = 0, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _forge_targets(
+    seed: int = 0, dtype: torch.dtype = torch.float64
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Full-sequence logits [R, P+S, V] and the targets TorchForge's collate builds."""
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(R, P + S, V, generator=g, dtype=dtype)
@@ -155,7 +156,9 @@ def test_gradcheck_float64_all_three_channels() -> None:
         return loss(x, **t, teacher_logits=teacher, old_logprobs=old)
 
     assert torch.autograd.gradcheck(f, (logits.clone().requires_grad_(True),), eps=1e-6, atol=1e-6)
-    assert loss.last_result.metrics["skipped/sdpo"] == 0.0 and loss.last_result.metrics["skipped/replay"] == 0.0
+    assert (
+        loss.last_result.metrics["skipped/sdpo"] == 0.0 and loss.last_result.metrics["skipped/replay"] == 0.0
+    )
 
 
 @pytest.mark.parametrize(

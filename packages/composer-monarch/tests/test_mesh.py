@@ -7,7 +7,6 @@ import time
 
 import pytest
 import torch
-
 from composer_monarch import ComposerDriver, ComposerLoss, LoopConfig, PolicyTrainer, ReplayRecord, TinyQwen2
 from composer_monarch.task import ReverseDigits
 from composer_monarch.trainer import TrainerConfig
@@ -18,7 +17,9 @@ MODEL = TinyQwen2(TASK.vocab_size, seed=0)
 
 def oracle_replay(steps: int, n: int) -> list[ReplayRecord]:
     """Replayed actions of an 'oracle teacher' (the correct answer, reward 1) for the prompts of each step."""
-    return [ReplayRecord(p, TASK.target(p), 1.0, "oracle") for s in range(steps) for p in TASK.prompts(n, step=s)]
+    return [
+        ReplayRecord(p, TASK.target(p), 1.0, "oracle") for s in range(steps) for p in TASK.prompts(n, step=s)
+    ]
 
 
 LOSS = ComposerLoss(loss_type="grpo", alpha_sdpo=0.5, beta_replay=0.5, dpo_beta=0.1)
@@ -113,7 +114,8 @@ def test_actor_that_raises_or_hangs_fails_the_driver_in_bounded_time() -> None:
 
     per_step = LOOP.prompts_per_step * LOOP.group_size  # reward calls per rollout
     plan = {per_step + 3: "raise", 3 * per_step + 1: "hang"}
-    loop = LoopConfig(steps=3, prompts_per_step=2, group_size=4, call_timeout_s=8, stop_timeout_s=30)
+    # one process is enough here (and halves the start-up cost)
+    loop = LoopConfig(steps=3, prompts_per_step=2, group_size=4, procs=1, call_timeout_s=8, stop_timeout_s=30)
     loss = ComposerLoss(loss_type="grpo", alpha_sdpo=0.0, beta_replay=0.0)
     with ComposerDriver(TASK, MODEL, loss=loss, loop=loop, reward_fns=[FaultyReward(plan)]) as d:
         pids = set(d.process_ids().values())
@@ -139,7 +141,9 @@ def test_actor_that_raises_or_hangs_fails_the_driver_in_bounded_time() -> None:
 def test_dead_actor_process_fails_the_driver_in_bounded_time() -> None:
     from composer_monarch import ActorCrashedError
 
-    loop = LoopConfig(steps=2, prompts_per_step=1, group_size=2, call_timeout_s=120, stop_timeout_s=30)
+    loop = LoopConfig(
+        steps=2, prompts_per_step=1, group_size=2, procs=1, call_timeout_s=120, stop_timeout_s=30
+    )
     loss = ComposerLoss(loss_type="grpo", alpha_sdpo=0.0, beta_replay=0.0)
     with ComposerDriver(TASK, MODEL, loss=loss, loop=loop, reward_fns=[FaultyReward({1: "die"})]) as d:
         t0 = time.monotonic()

@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-
 from composer_monarch.model import TinyQwen2, completion_logits, token_logprobs
 from composer_monarch.rewarder import score
 from composer_monarch.rollout import PreferencePairs, Rollout, TrainBatch, pad_right, sample
@@ -57,7 +56,15 @@ def test_sample_temperature_changes_logprobs() -> None:
     task = ReverseDigits()
     model = TinyQwen2(task.vocab_size)().eval()
     prompts = task.prompts(4, step=0)
-    hot = sample(model, prompts, max_new_tokens=3, eos_id=4, pad_id=0, temperature=2.0, generator=torch.Generator().manual_seed(1))
+    hot = sample(
+        model,
+        prompts,
+        max_new_tokens=3,
+        eos_id=4,
+        pad_id=0,
+        temperature=2.0,
+        generator=torch.Generator().manual_seed(1),
+    )
     with torch.no_grad():
         ref = token_logprobs(completion_logits(model, prompts, hot[0]), hot[0], temperature=2.0)
     torch.testing.assert_close(hot[2][hot[1]], ref[hot[1]], atol=1e-5, rtol=1e-5)
@@ -137,6 +144,13 @@ def test_collate_packs_samples_then_pairs() -> None:
     assert t["teacher_logits"].shape == (6, 4, v) and t["teacher_logits"][4:].abs().sum() == 0
     assert not t["sdpo_mask"][4:].any() and not t["sdpo_mask"][:, 3].any()
     assert torch.equal(tokens[:, 4:], t["response"])
-    bad = TrainBatch(**{**batch.__dict__, "pairs": PreferencePairs(torch.ones(1, 7, dtype=torch.long), chosen, cmask, rejected, rmask, ("x",))})
+    bad = TrainBatch(
+        **{
+            **batch.__dict__,
+            "pairs": PreferencePairs(
+                torch.ones(1, 7, dtype=torch.long), chosen, cmask, rejected, rmask, ("x",)
+            ),
+        }
+    )
     with pytest.raises(ValueError, match="one prompt length"):
         collate(bad, pad_id=0)

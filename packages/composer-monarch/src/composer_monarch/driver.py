@@ -91,7 +91,13 @@ class LoopConfig:
 
 @dataclass
 class StepResult:
-    """What one step did: the trainer's metrics, the mean reward, the seconds the step took."""
+    """What one step did: the trainer's metrics, the mean reward, the seconds the step took.
+
+    ``extra``: weights_version (after the push), pairs (channel-3 pairs in the batch), and the
+    step's phases in seconds: train_wait_s (send → train_step answered; with overlap this includes
+    the next rollout), push_s (weights trainer → generator, teacher), rollout_s (sequential only:
+    sampling, scoring and teacher calls of the next step).
+    """
 
     step: int
     metrics: dict[str, float]
@@ -212,7 +218,9 @@ class ComposerDriver:
                 try:
                     procs.stop("composer driver exit").get(timeout=self.loop.stop_timeout_s)
                 except Exception as e:  # a mesh with a dead process may not stop cleanly
-                    print(f"composer-monarch: stopping the proc mesh: {type(e).__name__}: {e}", file=sys.stderr)
+                    print(
+                        f"composer-monarch: stopping the proc mesh: {type(e).__name__}: {e}", file=sys.stderr
+                    )
         finally:
             self.actors = {}
             if self._saved_hook is not None:
@@ -236,7 +244,10 @@ class ComposerDriver:
 
     def _push_weights(self, timeout_s: float | None = None) -> int:
         version, state = self._call("trainer", "weights", timeout_s=timeout_s)()
-        done = [self._call(r, "update_weights", version, state, timeout_s=timeout_s) for r in ("generator", "teacher")]
+        done = [
+            self._call(r, "update_weights", version, state, timeout_s=timeout_s)
+            for r in ("generator", "teacher")
+        ]
         for d in done:
             d()
         return int(version)
@@ -280,13 +291,17 @@ class ComposerDriver:
         """The trainer's version, model and optimiser state (a copy; see PolicyTrainer.state)."""
         return dict(self._call("trainer", "state")())
 
-    def run(self, *, steps: int | None = None, overlap: bool | None = None, progress: bool = True) -> list[StepResult]:
+    def run(
+        self, *, steps: int | None = None, overlap: bool | None = None, progress: bool = True
+    ) -> list[StepResult]:
         """Run ``steps`` steps (default ``loop.steps``); returns one :class:`StepResult` per step.
 
         ``overlap`` overrides ``loop.overlap`` for this run. Steps are numbered from the trainer's
         current version, so a second ``run`` continues with fresh prompts.
         """
-        lp = replace(self.loop, **{k: v for k, v in (("steps", steps), ("overlap", overlap)) if v is not None})
+        lp = replace(
+            self.loop, **{k: v for k, v in (("steps", steps), ("overlap", overlap)) if v is not None}
+        )
         results: list[StepResult] = []
         bar = tqdm(total=lp.steps, desc="composer-monarch GRPO", disable=not progress, unit="step")
         first = int(self._call("trainer", "version")())
@@ -298,9 +313,12 @@ class ComposerDriver:
                 last = k + 1 == first + lp.steps
                 nxt = self.rollout(k + 1) if lp.overlap and not last else None
                 metrics: dict[str, float] = train()
+                t1 = time.perf_counter()
                 version = self._push_weights()
+                t2 = time.perf_counter()
                 if not lp.overlap and not last:
                     nxt = self.rollout(k + 1)
+                timing = {"train_wait_s": t1 - t0, "push_s": t2 - t1, "rollout_s": time.perf_counter() - t2}
                 results.append(
                     StepResult(
                         step=k,
@@ -308,11 +326,17 @@ class ComposerDriver:
                         reward_mean=float(batch.rewards.mean()),
                         seconds=time.perf_counter() - t0,
                         sampled_by_version=batch.policy_version,
-                        extra={"weights_version": version, "pairs": 0 if batch.pairs is None else len(batch.pairs)},
+                        extra={
+                            "weights_version": version,
+                            "pairs": 0 if batch.pairs is None else len(batch.pairs),
+                            **timing,
+                        },
                     )
                 )
                 bar.update(1)
-                bar.set_postfix(reward=f"{results[-1].reward_mean:.3f}", loss=f"{metrics.get('loss/total', 0):.4f}")
+                bar.set_postfix(
+                    reward=f"{results[-1].reward_mean:.3f}", loss=f"{metrics.get('loss/total', 0):.4f}"
+                )
                 if nxt is not None:
                     batch = nxt
         finally:

@@ -88,7 +88,10 @@ class ComposerLoss:
     def needs_reference(self) -> bool:
         """True when the options use reference log-probs (KL penalty or DPO on replay pairs)."""
         kl = float(self.options.get("kl_beta", 0.0)) != 0.0
-        dpo = float(self.options.get("beta_replay", 1.0)) != 0.0 and self.options.get("dpo_variant", "dpo") == "dpo"
+        dpo = (
+            float(self.options.get("beta_replay", 1.0)) != 0.0
+            and self.options.get("dpo_variant", "dpo") == "dpo"
+        )
         return kl or dpo
 
     def __call__(self, logits: Tensor, **targets: Tensor) -> Tensor:
@@ -192,7 +195,9 @@ class ComposerLoss:
         else:
             policy_rows = policy_rows.bool().reshape(-1)
             if policy_rows.numel() != rows:
-                raise ValueError(f"policy_rows has {policy_rows.numel()} entries; expected one per row ({rows})")
+                raise ValueError(
+                    f"policy_rows has {policy_rows.numel()} entries; expected one per row ({rows})"
+                )
         if not bool(policy_rows.any()):
             raise ValueError("policy_rows selects no row: channel 1 needs at least one sampled completion")
         return policy_rows.to(targets["response"].device), chosen, rejected

@@ -36,9 +36,7 @@ class TinyQwen2:
             with _IMPORT_LOCK:
                 from transformers.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
         except ImportError as e:  # pragma: no cover - exercised only without the extra
-            raise ImportError(
-                "TinyQwen2 needs transformers: pip install 'composer-monarch[hf]'"
-            ) from e
+            raise ImportError("TinyQwen2 needs transformers: pip install 'composer-monarch[hf]'") from e
         config = Qwen2Config(
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import os
-
 import math
+import os
 from collections.abc import Callable, Sequence
 
 import torch

@@ -12,7 +12,6 @@ such action becomes ``chosen`` and the student's completion ``rejected``.
 from __future__ import annotations
 
 import os
-
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -65,7 +64,9 @@ def preference_pairs(
         return None
     chosen_ids, chosen_mask = pad_right(chosen, pad_id)
     rejected_ids, rejected_mask = pad_right(rejected, pad_id)
-    return PreferencePairs(torch.stack(prompts), chosen_ids, chosen_mask, rejected_ids, rejected_mask, tuple(sources))
+    return PreferencePairs(
+        torch.stack(prompts), chosen_ids, chosen_mask, rejected_ids, rejected_mask, tuple(sources)
+    )
 
 
 class TeacherActor(Actor):

@@ -108,7 +108,9 @@ class PolicyTrainer:
     is the reference model.
     """
 
-    def __init__(self, model_fn: ModelFactory, loss: ComposerLoss, config: TrainerConfig, *, pad_id: int) -> None:
+    def __init__(
+        self, model_fn: ModelFactory, loss: ComposerLoss, config: TrainerConfig, *, pad_id: int
+    ) -> None:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.config = config
@@ -130,7 +132,9 @@ class PolicyTrainer:
             with torch.no_grad():
                 s = targets["response"].shape[1]
                 ref_logits = forward_logits(self.reference, tokens)[:, -s - 1 : -1]
-                targets["ref_logprobs"] = token_logprobs(ref_logits, targets["response"], self.loss.temperature)
+                targets["ref_logprobs"] = token_logprobs(
+                    ref_logits, targets["response"], self.loss.temperature
+                )
         logits = forward_logits(self.model, tokens)
         loss = self.loss(logits, **targets)
         self.optimizer.zero_grad(set_to_none=True)
@@ -152,14 +156,20 @@ class PolicyTrainer:
     def state(self) -> dict[str, Any]:
         """Everything a step depends on: version, model, optimiser (a copy)."""
         return copy.deepcopy(
-            {"version": self.version, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+            {
+                "version": self.version,
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+            }
         )
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state` (e.g. to replay a step in-process, or resume)."""
         missing = {"version", "model", "optimizer"} - set(state)
         if missing:
-            raise ValueError(f"trainer state lacks {sorted(missing)}: pass what PolicyTrainer.state() returned")
+            raise ValueError(
+                f"trainer state lacks {sorted(missing)}: pass what PolicyTrainer.state() returned"
+            )
         self.model.load_state_dict(state["model"], strict=True)
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])
@@ -168,7 +178,9 @@ class PolicyTrainer:
 class TrainerActor(Actor):
     """A :class:`PolicyTrainer` on a Monarch proc mesh (TorchForge's ``TitanTrainer`` role)."""
 
-    def __init__(self, model_fn: ModelFactory, loss: ComposerLoss, config: TrainerConfig, pad_id: int) -> None:
+    def __init__(
+        self, model_fn: ModelFactory, loss: ComposerLoss, config: TrainerConfig, pad_id: int
+    ) -> None:
         self.trainer = PolicyTrainer(model_fn, loss, config, pad_id=pad_id)
 
     @endpoint
