@@ -34,7 +34,7 @@ from composer_monarch.errors import ActorCrashedError, wait
 from composer_monarch.forge_loss import ComposerLoss
 from composer_monarch.generator import GeneratorActor, SamplingConfig
 from composer_monarch.rewarder import RewarderActor, RewardFn
-from composer_monarch.rollout import Rollout, TrainBatch
+from composer_monarch.rollout import Rollout, TrainBatch, assemble_batch
 from composer_monarch.task import Task
 from composer_monarch.teacher import ReplayRecord, TeacherActor
 from composer_monarch.trainer import TrainerActor, TrainerConfig
@@ -51,7 +51,8 @@ class LoopConfig:
     k+1 while training step k. procs: processes per host. placement: role → proc index (or
     ``(host, proc)`` on a multi-host mesh); by default the trainer has proc 0 to itself and the
     generator, rewarder and teacher share the last proc. call_timeout_s bounds every wait on an
-    actor once the loop runs; start_timeout_s bounds spawning (processes import torch and build the
+    actor once the loop runs; seed: sampling seed (step k samples with seed·1_000_003 + k);
+    num_threads: torch threads in each actor process (None: torch's default); start_timeout_s bounds spawning (processes import torch and build the
     models); stop_timeout_s bounds stopping the mesh. advantage_scale: "group" | "batch" | "none"
     (composer_core.group_advantages).
     """
@@ -66,7 +67,6 @@ class LoopConfig:
     start_timeout_s: float = 600.0
     stop_timeout_s: float = 60.0
     advantage_scale: str = "group"
-    temperature: float = 1.0
     seed: int = 0
     num_threads: int | None = 1
 
@@ -78,6 +78,10 @@ class LoopConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"LoopConfig.{name}={value}: must be a positive number of seconds")
+        if self.advantage_scale not in ("group", "batch", "none"):
+            raise ValueError(
+                f"LoopConfig.advantage_scale={self.advantage_scale!r}: use 'group', 'batch' or 'none'"
+            )
         if self.placement is not None:
             unknown = sorted(set(self.placement) - set(ROLES))
             if unknown:
@@ -178,7 +182,7 @@ class ComposerDriver:
                 max_new_tokens=t.max_new_tokens,
                 eos_id=t.eos_id,
                 pad_id=t.pad_id,
-                temperature=lp.temperature,
+                temperature=self.loss.temperature,  # the sampler and the loss see the same distribution
                 seed=lp.seed,
                 num_threads=lp.num_threads,
             )
@@ -255,8 +259,6 @@ class ComposerDriver:
     # ------------------------------------------------------------------ the loop
     def rollout(self, step: int) -> TrainBatch:
         """Sample, score and annotate the batch of ``step`` (generator → rewarder → teacher)."""
-        from composer_core.advantages import group_advantages
-
         lp = self.loop
         prompts = self.task.prompts(lp.prompts_per_step, step=step)
         ro: Rollout = self._call("generator", "generate", step, prompts, lp.group_size)()
@@ -269,18 +271,8 @@ class ComposerDriver:
         pairs = self._call("teacher", "preference_pairs", ro, rewards)() if self.use_pairs else None
         if pending_logits is not None:
             teacher_logits = pending_logits()
-        adv = group_advantages(rewards, lp.group_size, scale=lp.advantage_scale)
-        return TrainBatch(
-            step=step,
-            prompt_ids=ro.prompt_ids,
-            completion_ids=ro.completion_ids,
-            completion_mask=ro.completion_mask,
-            advantages=adv,
-            inference_logprobs=ro.inference_logprobs,
-            rewards=rewards,
-            policy_version=ro.policy_version,
-            teacher_logits=teacher_logits,
-            pairs=pairs,
+        return assemble_batch(
+            ro, rewards, advantage_scale=lp.advantage_scale, teacher_logits=teacher_logits, pairs=pairs
         )
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:

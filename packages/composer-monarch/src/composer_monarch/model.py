@@ -8,9 +8,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-# Actors sharing a process are constructed on different threads; transformers' lazy module is not
-# safe to initialise from two threads at once.
-_IMPORT_LOCK = threading.Lock()
+# Actors sharing a process are constructed on different threads. transformers' lazy module is not
+# safe to initialise from two threads at once, and seeded initialisation uses torch's global RNG:
+# both happen under this lock.
+_BUILD_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class TinyQwen2:
 
     def __call__(self) -> nn.Module:
         try:
-            with _IMPORT_LOCK:
+            with _BUILD_LOCK:
                 from transformers.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
         except ImportError as e:  # pragma: no cover - exercised only without the extra
             raise ImportError("TinyQwen2 needs transformers: pip install 'composer-monarch[hf]'") from e
@@ -48,7 +49,7 @@ class TinyQwen2:
             tie_word_embeddings=False,
             attn_implementation="eager",
         )
-        with torch.random.fork_rng(devices=[]):
+        with _BUILD_LOCK, torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
             model = Qwen2ForCausalLM(config)
         return model

@@ -6,7 +6,7 @@ Groups are contiguous: rows ``g*G .. g*G+G-1`` are the G samples of prompt g.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -74,10 +74,6 @@ class TrainBatch:
     teacher_logits: Tensor | None = None
     pairs: PreferencePairs | None = None
 
-    def without(self, *fields: str) -> TrainBatch:
-        """A copy with the named optional fields (``teacher_logits``, ``pairs``) dropped."""
-        return replace(self, **dict.fromkeys(fields))
-
 
 @torch.no_grad()
 def sample(
@@ -130,3 +126,38 @@ def pad_right(rows: list[Tensor], pad_id: int) -> tuple[Tensor, Tensor]:
         out[i, : len(r)] = r
         mask[i, : len(r)] = True
     return out, mask
+
+
+def assemble_batch(
+    rollout: Rollout,
+    rewards: Tensor,
+    *,
+    advantage_scale: str = "group",
+    teacher_logits: Tensor | None = None,
+    pairs: PreferencePairs | None = None,
+) -> TrainBatch:
+    """The trainer's batch from a scored rollout: GRPO group advantages (composer_core) + annotations.
+
+    A_i = (r_i − mean_g) / (std_g + eps) with ``advantage_scale="group"``; "batch" uses the batch std;
+    "none" is Dr. GRPO's r_i − mean_g (see ``composer_core.advantages.group_advantages``).
+    """
+    from composer_core.advantages import group_advantages
+
+    if rewards.shape != (rollout.prompt_ids.shape[0],):
+        raise ValueError(
+            f"rewards has shape {tuple(rewards.shape)}; expected one reward per completion "
+            f"({rollout.prompt_ids.shape[0]},)"
+        )
+    adv = group_advantages(rewards, rollout.group_size, scale=advantage_scale)  # type: ignore[arg-type]
+    return TrainBatch(
+        step=rollout.step,
+        prompt_ids=rollout.prompt_ids,
+        completion_ids=rollout.completion_ids,
+        completion_mask=rollout.completion_mask,
+        advantages=adv,
+        inference_logprobs=rollout.inference_logprobs,
+        rewards=rewards,
+        policy_version=rollout.policy_version,
+        teacher_logits=teacher_logits,
+        pairs=pairs,
+    )
