@@ -180,3 +180,189 @@ def test_sampled_token_is_clip() -> None:
     torch.testing.assert_close(g, torch.tensor([[2.0 * 1.0, 1.0 * 0.5]], dtype=D))
     v_none = sampled_token_distill(ls, lt, torch.ones(1, 2), old_logprobs=old, is_clip=None, reduction="sum")
     assert v_none.item() == pytest.approx(1.0 + 0.5, abs=1e-12)
+
+
+# ------------------------------------------------------------------ kwargs and bookkeeping
+def test_normalizer_divides_the_masked_sum() -> None:
+    s, t = _logits(2, 3, 5, seed=30), _logits(2, 3, 5, seed=31)
+    total = generalized_jsd(s, t, reduction="sum")
+    assert generalized_jsd(s, t, normalizer=10.0).item() == pytest.approx(total.item() / 10.0, rel=1e-12)
+    assert generalized_jsd(s, t, normalizer=torch.tensor(4)).item() == pytest.approx(
+        total.item() / 4, rel=1e-12
+    )
+    assert generalized_jsd(s, t).item() == pytest.approx(total.item() / 6, rel=1e-12)
+
+
+def test_masked_tokens_get_zero_gradient_and_teacher_gets_none() -> None:
+    s = _logits(2, 3, 5, seed=32).requires_grad_(True)
+    t = _logits(2, 3, 5, seed=33).requires_grad_(True)
+    mask = torch.tensor([[True, False, True], [False, False, True]])
+    generalized_jsd(s, t, mask=mask, chunk_size=2).backward()
+    assert s.grad is not None and t.grad is None
+    assert torch.equal(s.grad[~mask], torch.zeros_like(s.grad[~mask]))
+    assert bool((s.grad[mask].abs().sum(-1) > 0).all())
+
+
+def test_low_precision_inputs_are_computed_in_float32() -> None:
+    s32, t32 = _logits(4, 50, seed=34).float(), _logits(4, 50, seed=35).float()
+    s16 = s32.bfloat16().requires_grad_(True)
+    out = generalized_jsd(s16, t32.bfloat16())
+    assert out.dtype == torch.float32
+    ref = generalized_jsd(s16.detach().float(), t32.bfloat16().float())
+    assert out.item() == pytest.approx(ref.item(), rel=1e-6)
+    out.backward()
+    assert s16.grad is not None and s16.grad.dtype == torch.bfloat16
+
+
+def test_fused_separate_teacher_head_and_sum_reduction() -> None:
+    h, ht = _logits(5, 4, seed=36).requires_grad_(True), _logits(5, 4, seed=37)
+    w, wt = _logits(9, 4, seed=38).requires_grad_(True), _logits(9, 4, seed=39)
+    out = fused_linear_generalized_jsd(
+        h, w, ht, teacher_lm_head_weight=wt, reduction="sum", chunk_size=2, beta=0.0
+    )
+    ref = naive_jsd(h @ w.T, ht @ wt.T, 0.0).sum()
+    torch.testing.assert_close(out, ref)
+    g = torch.autograd.grad(out, (h, w))
+    g_ref = torch.autograd.grad(ref, (h, w))
+    for a, c in zip(g, g_ref):
+        torch.testing.assert_close(a, c)
+    # a frozen head (no grad) only yields the hidden-state gradient
+    out2 = fused_linear_generalized_jsd(h, w.detach(), ht, temperature=2.0)
+    ref2 = naive_jsd(h @ w.detach().T, ht @ w.detach().T, 0.5, 2.0).mean()
+    torch.testing.assert_close(out2, ref2)
+    torch.testing.assert_close(torch.autograd.grad(out2, h)[0], torch.autograd.grad(ref2, h)[0])
+
+
+# ------------------------------------------------------------------ bad input
+def _bad(fn: object, match: str) -> None:
+    assert callable(fn)
+    with pytest.raises(ValueError, match=match):
+        fn()
+
+
+def test_generalized_jsd_bad_inputs() -> None:
+    s, t = _logits(2, 3, 5, seed=40), _logits(2, 3, 5, seed=41)
+    nan = s.clone()
+    nan[0, 1, 2] = float("nan")
+    inf = t.clone()
+    inf[1, 0, 0] = float("-inf")
+    _bad(lambda: generalized_jsd(nan, t), "student_logits.*NaN")
+    _bad(lambda: generalized_jsd(s, inf), "teacher_logits.*NaN/inf")
+    _bad(lambda: generalized_jsd(s, t[..., :4]), "teacher_logits.*shape")
+    _bad(lambda: generalized_jsd(s, t[:1]), "teacher_logits.*shape")
+    _bad(lambda: generalized_jsd(s, t, mask=torch.zeros(2, 3, dtype=torch.bool)), "mask.*selects no token")
+    _bad(lambda: generalized_jsd(s, t, mask=torch.ones(3, 2)), "mask.*shape")
+    _bad(lambda: generalized_jsd(s, t, mask=torch.full((2, 3), 0.5)), "mask.*0/1")
+    _bad(lambda: generalized_jsd(s, t, beta=1.5), "beta")
+    _bad(lambda: generalized_jsd(s, t, temperature=0.0), "temperature")
+    _bad(lambda: generalized_jsd(s, t, chunk_size=0), "chunk_size")
+    _bad(lambda: generalized_jsd(s, t, reduction="batchmean"), "reduction")  # type: ignore[arg-type]
+    _bad(lambda: generalized_jsd(s, t, reduction="sum", normalizer=3), "normalizer")
+    _bad(lambda: generalized_jsd(s, t, normalizer=0), "normalizer")
+    _bad(lambda: generalized_jsd(s[0, 0], t[0, 0]), "dimension")
+    _bad(lambda: generalized_jsd(s.long(), t), "floating-point")
+
+
+def test_fused_and_topk_and_sampled_bad_inputs() -> None:
+    h, w = _logits(2, 4, seed=42), _logits(7, 4, seed=43)
+    _bad(lambda: fused_linear_generalized_jsd(h, w[:, :3], h), "lm_head_weight.*\\[V, H\\]")
+    _bad(lambda: fused_linear_generalized_jsd(h, w, h[:, :3]), "teacher_hidden.*shape")
+    _bad(lambda: fused_linear_generalized_jsd(h, w, h, lm_head_bias=torch.zeros(6, dtype=D)), "lm_head_bias")
+    _bad(
+        lambda: fused_linear_generalized_jsd(h, w, h, teacher_lm_head_weight=w[:5]), "teacher_lm_head_weight"
+    )
+    _bad(lambda: fused_linear_generalized_jsd(h, w * float("nan"), h), "lm_head_weight.*NaN")
+    _bad(lambda: fused_linear_generalized_jsd(h, w, h, reduction="none"), "reduction")  # type: ignore[arg-type]
+    s, t = _logits(2, 7, seed=44), _logits(2, 7, seed=45)
+    _bad(lambda: topk_distill(s, t, k=0), "`k`")
+    _bad(lambda: topk_distill(s, t, k=8), "`k`")
+    _bad(lambda: topk_distill(s, t, k=2, support="both"), "support")  # type: ignore[arg-type]
+    lp = torch.zeros(2, 3, dtype=D)
+    _bad(lambda: sampled_token_distill(lp, lp[:, :2], torch.ones(2, 3)), "teacher_logprobs.*shape")
+    _bad(lambda: sampled_token_distill(lp, lp, torch.zeros(2, 3)), "mask.*selects no token")
+    _bad(lambda: sampled_token_distill(lp, lp, torch.ones(2, 3), is_clip=0.0), "is_clip")
+    _bad(lambda: sampled_token_distill(lp, lp * float("nan"), torch.ones(2, 3)), "teacher_logprobs.*NaN")
+
+
+# ------------------------------------------------------------------ sampled-token kwargs
+def test_sampled_token_reductions_normalizer_and_no_old() -> None:
+    ls = torch.tensor([[0.0, -1.0, -2.0]], dtype=D)
+    lt = torch.tensor([[-1.0, -1.0, -1.0]], dtype=D)
+    m = torch.tensor([[1, 1, 0]])
+    torch.testing.assert_close(
+        sampled_token_distill(ls, lt, m, reduction="none"), torch.tensor([[1.0, 0.0, 0.0]], dtype=D)
+    )
+    assert sampled_token_distill(ls, lt, m).item() == pytest.approx(0.5)
+    assert sampled_token_distill(ls, lt, m, normalizer=4).item() == pytest.approx(0.25)
+    # old_logprobs given but is_clip=None -> no IS weighting at all (TRL: distillation_is_clip=None)
+    old = ls - 1.0
+    assert sampled_token_distill(ls, lt, m, old_logprobs=old, is_clip=None).item() == pytest.approx(0.5)
+    assert sampled_token_distill(ls, lt, m, old_logprobs=old, is_clip=10.0).item() == pytest.approx(
+        0.5 * math.e
+    )
+
+
+def test_sampled_token_gradient_is_exact_reverse_kl_gradient_in_expectation() -> None:
+    """Its gradient is by design sg(d)·∇ℓS, not the derivative of the logged value d. The float64 check:
+    weighting every vocabulary token y by sg(q_y) (the exact on-policy expectation), the summed gradient
+    must equal the central finite-difference gradient of KL(q‖p) itself."""
+    g = torch.Generator().manual_seed(46)
+    z = torch.randn(7, dtype=D, generator=g).requires_grad_(True)
+    zt = torch.randn(7, dtype=D, generator=g)
+    ls = torch.log_softmax(z, -1)[None]
+    lt = torch.log_softmax(zt, -1)[None]
+    per_token = sampled_token_distill(ls, lt, torch.ones(1, 7), reduction="none")
+    (grad,) = torch.autograd.grad((per_token * ls.detach().exp()).sum(), z)
+
+    def rkl(x: torch.Tensor) -> float:
+        lq, lp = torch.log_softmax(x, -1), torch.log_softmax(zt, -1)
+        return float((lq.exp() * (lq - lp)).sum())
+
+    eps = 1e-6
+    numeric = torch.tensor(
+        [(rkl(z.detach() + eps * e) - rkl(z.detach() - eps * e)) / (2 * eps) for e in torch.eye(7, dtype=D)],
+        dtype=D,
+    )
+    torch.testing.assert_close(grad, numeric, rtol=1e-6, atol=1e-9)
+
+
+# ------------------------------------------------------------------ properties (hypothesis)
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), beta=st.floats(0.0, 1.0))
+def test_property_jsd_nonnegative_and_zero_on_identical(data: st.DataObject, beta: float) -> None:
+    v = data.draw(st.integers(2, 12))
+    row = st.lists(st.floats(-20, 20, allow_nan=False), min_size=v, max_size=v)
+    s = torch.tensor([data.draw(row)], dtype=D)
+    t = torch.tensor([data.draw(row)], dtype=D)
+    assert generalized_jsd(s, t, beta=beta).item() >= -1e-12
+    assert generalized_jsd(s, s.clone(), beta=beta).item() == pytest.approx(0.0, abs=1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_property_jsd_half_bounded_by_ln2(data: st.DataObject) -> None:
+    v = data.draw(st.integers(2, 12))
+    row = st.lists(st.floats(-30, 30, allow_nan=False), min_size=v, max_size=v)
+    s = torch.tensor([data.draw(row)], dtype=D)
+    t = torch.tensor([data.draw(row)], dtype=D)
+    assert generalized_jsd(s, t, beta=0.5).item() <= math.log(2) + 1e-12
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), beta=st.sampled_from([0.0, 0.5, 1.0]), chunk=st.integers(1, 9))
+def test_property_chunk_size_does_not_change_value(data: st.DataObject, beta: float, chunk: int) -> None:
+    n = data.draw(st.integers(1, 8))
+    s = torch.tensor(
+        data.draw(st.lists(st.lists(st.floats(-10, 10), min_size=5, max_size=5), min_size=n, max_size=n)),
+        dtype=D,
+    )
+    t = torch.tensor(
+        data.draw(st.lists(st.lists(st.floats(-10, 10), min_size=5, max_size=5), min_size=n, max_size=n)),
+        dtype=D,
+    )
+    a = generalized_jsd(s, t, beta=beta, chunk_size=chunk)
+    torch.testing.assert_close(a, naive_jsd(s, t, beta).mean(), rtol=1e-10, atol=1e-12)

@@ -163,3 +163,204 @@ def test_policy_loss_default_is_dapo_with_ratio_one() -> None:
     (g_lp,) = torch.autograd.grad(out.loss, lp)
     torch.testing.assert_close(g_lp, -(adv[:, None] * m) / m.sum())
     assert out.metrics["policy/clip_ratio"] == 0.0
+
+
+def _inputs(seed: int = 0, b: int = 3, t: int = 4) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    lp = (torch.rand(b, t, generator=g, dtype=D) * -2 - 0.05).requires_grad_(True)
+    return {
+        "logprobs": lp,
+        "old": lp.detach() + 0.3 * torch.randn(b, t, generator=g, dtype=D),
+        "ref": lp.detach() + 0.2 * torch.randn(b, t, generator=g, dtype=D),
+        "inf": lp.detach() + 0.4 * torch.randn(b, t, generator=g, dtype=D),
+        "adv": torch.randn(b, generator=g, dtype=D),
+        "mask": torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]][:b]),
+    }
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_gradcheck_policy_loss(loss_type: str) -> None:
+    x = _inputs()
+    for kwargs in (
+        {"kl_beta": 0.1, "epsilon_high": 0.28},
+        {"rollout_correction": "token_truncate", "delta": 1.6},
+        {"rollout_correction": "dppo_mask", "kl_estimator": "k2", "kl_beta": 0.05},
+    ):
+        kw = dict(kwargs)
+        ref = x["ref"] if "kl_beta" in kw else None
+        inf = x["inf"] if "rollout_correction" in kw else None
+        assert torch.autograd.gradcheck(
+            lambda lp, kw=kw, ref=ref, inf=inf: (
+                policy_loss(
+                    lp,
+                    x["adv"],
+                    x["mask"],
+                    old_logprobs=x["old"],
+                    ref_logprobs=ref,
+                    inference_logprobs=inf,
+                    loss_type=loss_type,
+                    **kw,  # type: ignore[arg-type]
+                ).loss
+            ),
+            (x["logprobs"],),
+        )
+
+
+def test_gradcheck_dppo_loss_and_kl() -> None:
+    x = _inputs(1)
+    assert torch.autograd.gradcheck(
+        lambda lp: dppo_loss(lp, x["inf"], x["adv"], x["mask"])[0], (x["logprobs"],)
+    )
+    for est in ("k1", "k2", "k3"):
+        assert torch.autograd.gradcheck(lambda lp, e=est: kl_penalty(lp, x["ref"], e), (x["logprobs"],))  # type: ignore[misc]
+
+
+def test_policy_loss_matches_manual_composition() -> None:
+    """Surrogate × IS weight + β·KL, then aggregation — every kwarg changes the result."""
+    x = _inputs(2)
+    lp, m = x["logprobs"], x["mask"]
+    base = dict(old_logprobs=x["old"], loss_type="dapo")
+    surr, _ = clipped_surrogate(lp, x["old"], x["adv"], epsilon_high=0.28)
+    w = rollout_correction_weights(x["old"], x["inf"], m, mode="token_mask", clip_min=0.5, clip_max=1.5)
+    kl = kl_penalty(lp, x["ref"], "k1")
+    manual = aggregate_loss(surr * w + 0.1 * kl, m, "dapo")
+    out = policy_loss(
+        lp,
+        x["adv"],
+        m,
+        ref_logprobs=x["ref"],
+        inference_logprobs=x["inf"],
+        epsilon_high=0.28,
+        kl_beta=0.1,
+        kl_estimator="k1",
+        rollout_correction="token_mask",
+        rollout_clip_min=0.5,
+        rollout_clip_max=1.5,
+        **base,  # type: ignore[arg-type]
+    )
+    assert torch.equal(out.loss, manual)
+    assert set(out.metrics) == {"policy/clip_ratio", "policy/kl", "policy/rollout_is_weight"}
+    ref_out = policy_loss(lp, x["adv"], m, **base)  # type: ignore[arg-type]
+    for kw in (
+        {"epsilon_low": 0.1},
+        {"epsilon_high": 0.5},
+        {"normalizer": 100.0},
+        {"rollout_is_weights": torch.full_like(lp, 0.5)},
+        {"inference_logprobs": x["inf"], "rollout_correction": "sequence_truncate", "rollout_clip_max": 1.0},
+        {
+            "inference_logprobs": x["inf"],
+            "rollout_correction": "dppo_mask",
+            "dppo_mask_low": 0.0,
+            "dppo_mask_high": 0.0,
+        },
+        {"loss_type": "dr_grpo", "max_completion_length": 9},
+    ):
+        changed = policy_loss(lp, x["adv"], m, **{**base, **kw})  # type: ignore[arg-type]
+        assert changed.loss.item() != pytest.approx(ref_out.loss.item(), abs=1e-9), kw
+    # delta reaches the surrogate through policy_loss: ρ = e^0.5 > delta, A < 0
+    far_old = lp.detach() - 0.5
+    neg = -x["adv"].abs()
+    no_delta = policy_loss(lp, neg, m, old_logprobs=far_old).loss
+    with_delta = policy_loss(lp, neg, m, old_logprobs=far_old, delta=1.25).loss
+    assert with_delta.item() == pytest.approx(no_delta.item() * 1.25 / math.exp(0.5), rel=1e-12)
+    # dppo thresholds: masked tokens drop out of the surrogate and are reported
+    dp = policy_loss(
+        lp,
+        x["adv"],
+        m,
+        inference_logprobs=x["inf"],
+        rollout_correction="dppo_mask",
+        dppo_mask_low=0.0,
+        dppo_mask_high=0.0,
+    )
+    assert dp.metrics["policy/dppo_masked"] > 0
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+def test_global_normalizer_makes_gradient_accumulation_exact(loss_type: str) -> None:
+    x = _inputs(3, b=4, t=5)
+    m = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]])
+    lp = (torch.rand(4, 5, dtype=D, generator=torch.Generator().manual_seed(5)) * -2).requires_grad_(True)
+    adv = x["adv"].repeat(2)[:4]
+    full = policy_loss(lp, adv, m, loss_type=loss_type).loss  # type: ignore[arg-type]
+    (g_full,) = torch.autograd.grad(full, lp)
+    norm = {"grpo": 4.0, "dr_grpo": 4.0 * 5, "dapo": float(m.sum())}[loss_type]
+    g_acc = torch.zeros_like(lp)
+    total = 0.0
+    for rows in ([0, 1], [2, 3]):
+        part = policy_loss(lp[rows], adv[rows], m[rows], loss_type=loss_type, normalizer=norm).loss  # type: ignore[arg-type]
+        (g,) = torch.autograd.grad(part, lp)
+        g_acc += g
+        total += part.item()
+    assert total == pytest.approx(full.item(), rel=1e-12)
+    torch.testing.assert_close(g_acc, g_full, rtol=1e-12, atol=1e-14)
+
+
+def test_policy_bad_inputs() -> None:
+    x = _inputs(4)
+    lp, adv, m = x["logprobs"], x["adv"], x["mask"]
+    nan = lp.detach().clone()
+    nan[0, 0] = float("nan")
+    cases: list[tuple[object, str]] = [
+        (lambda: policy_loss(nan, adv, m), "logprobs.*NaN"),
+        (lambda: policy_loss(lp, adv * float("inf"), m), "advantages.*NaN/inf"),
+        (lambda: policy_loss(lp, adv[:2], m), "advantages"),
+        (lambda: policy_loss(lp, adv, m[:, :2]), "mask.*shape"),
+        (lambda: policy_loss(lp, adv, torch.zeros_like(m)), "mask.*selects no token"),
+        (lambda: policy_loss(lp, adv, m, old_logprobs=x["old"][:, :2]), "old_logprobs.*shape"),
+        (lambda: policy_loss(lp, adv, m, loss_type="sapo"), "loss_type"),  # type: ignore[arg-type]
+        (lambda: policy_loss(lp, adv, m, kl_beta=0.1), "ref_logprobs"),
+        (lambda: policy_loss(lp, adv, m, ref_logprobs=x["ref"]), "kl_beta"),
+        (lambda: policy_loss(lp, adv, m, rollout_correction="token_mask"), "inference_logprobs"),
+        (lambda: policy_loss(lp, adv, m, inference_logprobs=x["inf"]), "rollout_correction"),
+        (
+            lambda: policy_loss(
+                lp,
+                adv,
+                m,
+                inference_logprobs=x["inf"],
+                rollout_correction="token_mask",
+                rollout_is_weights=torch.ones_like(lp),
+            ),
+            "not both",
+        ),
+        (lambda: policy_loss(lp, adv, m, rollout_correction="tis"), "rollout_correction"),  # type: ignore[arg-type]
+        (lambda: policy_loss(lp, adv, m, delta=1.1), "delta"),
+        (lambda: policy_loss(lp, adv, m, epsilon_low=1.5), "epsilon_low"),
+        (lambda: policy_loss(lp, adv, m, loss_type="bnpo", normalizer=3), "bnpo"),
+        (lambda: policy_loss(lp, adv, m, normalizer=0), "normalizer"),
+        (lambda: policy_loss(lp, adv, m, max_completion_length=8), "max_completion_length"),
+        (
+            lambda: policy_loss(lp, adv, m, loss_type="dr_grpo", max_completion_length=2),
+            "max_completion_length",
+        ),
+        (
+            lambda: policy_loss(lp, adv, m, loss_type="dr_grpo", max_completion_length=8, normalizer=3),
+            "not both",
+        ),
+        (lambda: kl_penalty(lp, x["ref"], "k4"), "estimator"),  # type: ignore[arg-type]
+        (
+            lambda: rollout_correction_weights(lp, x["inf"], m, mode="token_mask", clip_min=2, clip_max=1),
+            "clip_min",
+        ),
+        (lambda: dppo_mask(lp, x["inf"], adv, mask_low=2.0), "mask_low"),
+        (lambda: group_advantages(torch.ones(5), 2), "multiple"),
+        (lambda: group_advantages(torch.ones(4)), "group_size"),
+        (lambda: group_advantages(torch.ones(4), 2, group_ids=[0, 0, 1, 1]), "not both"),
+        (lambda: group_advantages(torch.ones(4), group_ids=[0, 1]), "group_ids"),
+        (lambda: group_advantages(torch.tensor([1.0, float("nan")]), 2), "rewards.*NaN"),
+        (lambda: group_advantages(torch.ones(4), 2, scale="std"), "scale"),  # type: ignore[arg-type]
+        (lambda: overlong_reward_shaping(torch.tensor([1, 2]), 10, 20), "cache_length"),
+        (lambda: overlong_reward_shaping(torch.tensor([-1, 2]), 10, 2), "lengths"),
+    ]
+    for fn, match in cases:
+        assert callable(fn)
+        with pytest.raises(ValueError, match=match):
+            fn()
+
+
+def test_advantages_are_batch_of_tk_broadcast() -> None:
+    x = _inputs(6)
+    lp, m = x["logprobs"], x["mask"]
+    adv_bt = x["adv"][:, None].expand(3, 4).contiguous()
+    assert torch.equal(policy_loss(lp, adv_bt, m).loss, policy_loss(lp, x["adv"], m).loss)
