@@ -121,3 +121,11 @@ def test_loop_config_and_driver_arguments_are_checked() -> None:
         ComposerDriver(TASK, MODEL, loss=ComposerLoss(beta_replay=0.5))
     with pytest.raises(RuntimeError, match="not started"):
         ComposerDriver(TASK, MODEL, loss=ComposerLoss(beta_replay=0.0)).weights()
+
+
+def test_placement_defaults_and_overrides() -> None:
+    loop = LoopConfig(procs=3, placement={"teacher": 1, "rewarder": (0, 0)})
+    assert loop.place("trainer") == 0  # the trainer has proc 0 to itself by default
+    assert loop.place("generator") == 2  # the rest share the last proc
+    assert loop.place("teacher") == 1
+    assert loop.place("rewarder") == (0, 0)

@@ -150,3 +150,29 @@ def test_dead_actor_process_fails_the_driver_in_bounded_time() -> None:
         with pytest.raises(ActorCrashedError, match="exited with non-zero code 7"):
             d.run(progress=False)
         assert time.monotonic() - t0 < 60  # Monarch's supervision notices a dead process in ~10 s
+
+
+def test_same_loop_on_a_two_host_mesh() -> None:
+    """Monarch's ProcessJob runs each 'host' as a local worker process: a real 2-host HostMesh."""
+    from monarch.job import ProcessJob
+
+    job = ProcessJob({"hosts": 2})
+    try:
+        hosts = job.state(cached_path=None).hosts
+        placement = {"trainer": (0, 0), "generator": (1, 0), "rewarder": (1, 0), "teacher": (1, 0)}
+        loop = LoopConfig(
+            steps=3, prompts_per_step=2, group_size=2, procs=1, overlap=True, placement=placement
+        )
+        loss = ComposerLoss(loss_type="grpo", alpha_sdpo=0.5, beta_replay=0.0)
+        with ComposerDriver(TASK, MODEL, loss=loss, loop=loop, host_mesh=hosts) as d:
+            assert d.procs is not None
+            assert dict(zip(d.procs.extent.labels, d.procs.extent.sizes)) == {"hosts": 2, "procs": 1}
+            pids = d.process_ids()
+            assert pids["trainer"] != pids["generator"] == pids["teacher"] == pids["rewarder"]
+            before = d.weights()
+            results = d.run(progress=False)
+            after = d.weights()
+        assert [r.sampled_by_version for r in results] == [0, 0, 1]
+        assert all(not torch.equal(before[k], after[k]) for k in before)
+    finally:
+        job.kill()
