@@ -20,6 +20,37 @@ import time
 from pathlib import Path
 
 from composer_monarch import ComposerDriver, ComposerLoss, LoopConfig, ReplayRecord, ReverseDigits, TinyQwen2
+from monarch.actor import Actor, endpoint
+
+
+class Spinner(Actor):
+    """Burns a fixed amount of CPU time: calibrates how much parallelism the machine gives 2 processes."""
+
+    @endpoint
+    def spin(self, cpu_seconds: float) -> float:
+        t0, w0 = time.process_time(), time.perf_counter()
+        x = 0
+        while time.process_time() - t0 < cpu_seconds:
+            x += 1
+        return time.perf_counter() - w0
+
+
+def parallel_capacity(driver: ComposerDriver, cpu_seconds: float = 0.5) -> float:
+    """2 × (wall of one spin alone) / (wall of two spins at once, one per process): 2.0 = two free cores."""
+    assert driver.procs is not None
+    a = driver.procs.slice(procs=0).spawn("spin0", Spinner)
+    b = driver.procs.slice(procs=1).spawn("spin1", Spinner)
+    a.spin.call_one(0.01).get(timeout=60)
+    b.spin.call_one(0.01).get(timeout=60)
+    t0 = time.perf_counter()
+    a.spin.call_one(cpu_seconds).get(timeout=600)
+    alone = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    fa, fb = a.spin.call_one(cpu_seconds), b.spin.call_one(cpu_seconds)
+    fa.get(timeout=600)
+    fb.get(timeout=600)
+    both = time.perf_counter() - t0
+    return 2 * alone / both
 
 
 def main() -> None:
@@ -52,6 +83,7 @@ def main() -> None:
     with ComposerDriver(task, model, loss=loss, loop=loop, replay=replay) as driver:
         startup = time.perf_counter() - t_start
         driver.run(steps=1, overlap=False, progress=False)  # warm-up
+        capacity = parallel_capacity(driver)
         for rep in range(args.reps):
             for mode in ("sequential", "overlap"):
                 t0 = time.perf_counter()
@@ -75,7 +107,9 @@ def main() -> None:
         f"overlap / sequential = {ratio:.2f}x\n"
         f"  sequential phases (median s): train {phase['train_wait_s']:.3f}, push {phase['push_s']:.3f}, "
         f"rollout {phase['rollout_s']:.3f} → ideal overlap ratio {ideal:.2f}x; "
-        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores\n"
+        f"  parallel capacity for 2 processes: {capacity:.2f} (2.00 = two free cores; overlap cannot beat "
+        f"min(ideal, capacity) = {min(ideal, capacity):.2f}x)"
     )
     out = Path(os.environ.get("COMPOSER_BENCH_OUT", "bench-results"))
     out.mkdir(parents=True, exist_ok=True)
@@ -97,6 +131,8 @@ def main() -> None:
         "sequential_phase_median_s": phase,
         "ideal_ratio_from_phases": ideal,
         "load_average_1min": os.getloadavg()[0],
+        "parallel_capacity_2_procs": capacity,
+        "achievable_bound": min(ideal, capacity),
     }
     (out / "bench_monarch.json").write_text(json.dumps(record, indent=2))
     try:
