@@ -129,3 +129,33 @@ def test_placement_defaults_and_overrides() -> None:
     assert loop.place("generator") == 2  # the rest share the last proc
     assert loop.place("teacher") == 1
     assert loop.place("rewarder") == (0, 0)
+
+
+def test_fault_router_routes_by_mesh_name() -> None:
+    """Routing only (Monarch's MeshFailure cannot be built by hand; a namespace carries mesh_name)."""
+    from types import SimpleNamespace
+
+    import monarch.actor as monarch_actor
+    from composer_monarch.errors import _FaultRouter
+
+    saved = monarch_actor.unhandled_fault_hook
+    foreign: list[object] = []
+    try:
+        monarch_actor.unhandled_fault_hook = foreign.append
+        router = _FaultRouter()
+        got: list[tuple[str, object]] = []
+        router.register("composer_abcd1234_", lambda role, f: got.append((role, f)))
+        assert monarch_actor.unhandled_fault_hook is router
+        mine = SimpleNamespace(mesh_name="composer_abcd1234_rewarder-XyZ")
+        stale = SimpleNamespace(mesh_name="composer_00000000_trainer-AbC")
+        internal = SimpleNamespace(mesh_name="logger-QwE")
+        users = SimpleNamespace(mesh_name="my_workers-RtY")
+        for f in (mine, stale, internal, users):
+            router(f)
+        assert got == [("rewarder", mine)]  # this driver's actor, by role
+        assert foreign == [users]  # not composer's: the previous hook decides
+        router.unregister("composer_abcd1234_")
+        router(mine)  # a late report after the driver stopped is dropped
+        assert len(got) == 1 and foreign == [users]
+    finally:
+        monarch_actor.unhandled_fault_hook = saved

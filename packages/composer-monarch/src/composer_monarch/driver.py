@@ -20,17 +20,17 @@ from __future__ import annotations
 import math
 import sys
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import monarch.actor as monarch_actor
 from monarch.actor import HostMesh, ProcMesh, this_host
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from composer_monarch.bootstrap import prepare_process
-from composer_monarch.errors import ActorCrashedError, wait
+from composer_monarch.errors import FAULTS, ActorCrashedError, wait
 from composer_monarch.forge_loss import ComposerLoss
 from composer_monarch.generator import GeneratorActor, SamplingConfig
 from composer_monarch.rewarder import RewarderActor, RewardFn
@@ -114,7 +114,8 @@ class StepResult:
 class ComposerDriver:
     """Owns the proc mesh and the actors; use as a context manager (the mesh is stopped on exit).
 
-    >>> with ComposerDriver(task, TinyQwen2(task.vocab_size), loss=ComposerLoss(alpha_sdpo=0.5)) as d:
+    >>> loss = ComposerLoss(alpha_sdpo=0.5, beta_replay=0.0)  # no replay records: channel 3 off
+    >>> with ComposerDriver(task, TinyQwen2(task.vocab_size), loss=loss) as d:
     ...     results = d.run()
     """
 
@@ -152,7 +153,7 @@ class ComposerDriver:
         self.procs: ProcMesh | None = None
         self.actors: dict[str, Any] = {}
         self._failures: list[str] = []
-        self._saved_hook: Any = None
+        self._prefix = f"composer_{uuid.uuid4().hex[:8]}_"
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> ComposerDriver:
@@ -162,16 +163,15 @@ class ComposerDriver:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _on_fault(self, failure: Any) -> None:
-        """Monarch's unhandled-fault hook while the driver runs: record, do not kill the client."""
-        self._failures.append(str(failure))
+    def _on_fault(self, role: str, failure: Any) -> None:
+        """A failure of one of this driver's actor meshes (routed by :data:`errors.FAULTS`)."""
+        self._failures.append(f"the {role} actor's process failed: {failure}")
 
     def start(self) -> None:
         """Spawn the proc mesh and the actors, and wait until all of them are constructed."""
         if self.procs is not None:
             raise RuntimeError("ComposerDriver.start(): already started")
-        self._saved_hook = monarch_actor.unhandled_fault_hook
-        monarch_actor.unhandled_fault_hook = self._on_fault
+        FAULTS.register(self._prefix, self._on_fault)
         try:
             hosts = self.host_mesh if self.host_mesh is not None else this_host()
             self.procs = hosts.spawn_procs(
@@ -193,7 +193,7 @@ class ComposerDriver:
                 "teacher": (TeacherActor, (self.model_fn, self.replay, t.pad_id, lp.num_threads)),
             }
             for role, (cls, a) in args.items():
-                self.actors[role] = self._slot(role).spawn(role, cls, *a)
+                self.actors[role] = self._slot(role).spawn(self._prefix + role, cls, *a)
             self._push_weights(timeout_s=lp.start_timeout_s)
             self._call("rewarder", "process_id", timeout_s=lp.start_timeout_s)()
         except BaseException:
@@ -215,7 +215,7 @@ class ComposerDriver:
         return self.procs.slice(**coords)
 
     def stop(self) -> None:
-        """Stop the proc mesh (bounded by ``stop_timeout_s``) and restore Monarch's fault hook."""
+        """Stop the proc mesh (bounded by ``stop_timeout_s``); later reports about it are ignored."""
         procs, self.procs = self.procs, None
         try:
             if procs is not None:
@@ -227,9 +227,7 @@ class ComposerDriver:
                     )
         finally:
             self.actors = {}
-            if self._saved_hook is not None:
-                monarch_actor.unhandled_fault_hook = self._saved_hook
-                self._saved_hook = None
+            FAULTS.unregister(self._prefix)
 
     # ------------------------------------------------------------------ calls
     def _call(self, role: str, endpoint: str, *args: Any, timeout_s: float | None = None) -> Any:

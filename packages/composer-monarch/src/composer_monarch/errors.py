@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import monarch.actor as monarch_actor
 from monarch.actor import ActorError, Future
 
 R = TypeVar("R")
@@ -63,8 +65,52 @@ def wait(
         except TimeoutError:
             seen = failures()
             if seen:
-                raise ActorCrashedError(role, endpoint, f"a process of the mesh failed: {seen[0]}") from None
+                raise ActorCrashedError(role, endpoint, f"while waiting on it, {seen[0]}") from None
         except ActorError as e:
             raise ActorCrashedError(role, endpoint, str(e).strip(), e.exception) from e
         except Exception as e:  # supervision errors and other runtime failures from Monarch
             raise ActorCrashedError(role, endpoint, f"{type(e).__name__}: {e}") from e
+
+
+class _FaultRouter:
+    """Monarch's ``unhandled_fault_hook`` while composer drivers exist in this process.
+
+    Monarch calls the hook when a mesh fails and nobody handled it; its default exits the client
+    (``KeyboardInterrupt`` in the main thread). The router sends failures of a driver's actor meshes
+    (named ``composer_<token>_<role>``) to that driver, drops late reports about stopped drivers'
+    meshes and about proc meshes' internal ``logger``/``setup`` actors (they fail together with the
+    actors on the same process, which are reported by name), and passes everything else to the hook
+    that was installed before. It stays installed once set (late reports arrive after a mesh stops).
+    """
+
+    def __init__(self) -> None:
+        self.sinks: dict[str, Callable[[str, Any], None]] = {}
+        self.previous: Callable[[Any], Any] | None = None
+        self.lock = threading.Lock()
+
+    def __call__(self, failure: Any) -> None:
+        name = str(getattr(failure, "mesh_name", ""))
+        with self.lock:
+            sinks = list(self.sinks.items())
+        for prefix, sink in sinks:
+            if name.startswith(prefix):
+                sink(name[len(prefix) :].split("-", 1)[0], failure)
+                return
+        if name.startswith(("composer_", "logger-", "setup-")):
+            return
+        if self.previous is not None:
+            self.previous(failure)
+
+    def register(self, prefix: str, sink: Callable[[str, Any], None]) -> None:
+        with self.lock:
+            if monarch_actor.unhandled_fault_hook is not self:
+                self.previous = monarch_actor.unhandled_fault_hook
+                monarch_actor.unhandled_fault_hook = self
+            self.sinks[prefix] = sink
+
+    def unregister(self, prefix: str) -> None:
+        with self.lock:
+            self.sinks.pop(prefix, None)
+
+
+FAULTS = _FaultRouter()
