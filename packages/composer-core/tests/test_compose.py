@@ -352,8 +352,36 @@ def test_compose_bad_inputs() -> None:
             r"teacher_logprobs",
         ),
         (lambda: compose_loss(b, sdpo_normalizer=-2), r"normalizer"),
+        (lambda: compose_loss(b, sdpo_chunk_size=0), r"chunk_size"),
+        (lambda: compose_loss(no_logits, sdpo_chunk_size=0), r"chunk_size"),
+        (lambda: compose_loss(b, sdpo_temperature=0.0), r"temperature"),
     ]
     for fn, match in cases:
         assert callable(fn)
         with pytest.raises(ValueError, match=match):
             fn()
+
+
+def test_remaining_policy_options_pass_through() -> None:
+    b = _batch(11)
+    b.old_logprobs = b.logprobs.detach() - 0.6
+    inf = b.logprobs.detach() + 0.3
+    for kw in (
+        {"delta": 1.5, "loss_type": "bnpo"},
+        {"rollout_correction": "sequence_mask", "rollout_clip_max": 1.4, "rollout_clip_min": 0.1},
+        {"rollout_correction": "dppo_mask", "dppo_mask_low": 0.05, "dppo_mask_high": 0.05},
+        {"loss_type": "dr_grpo", "max_completion_length": 12},
+    ):
+        bb = dataclasses.replace(b, inference_logprobs=inf if "rollout_correction" in kw else None)
+        r = compose_loss(bb, alpha_sdpo=0, beta_replay=0, **kw)  # type: ignore[arg-type]
+        p = policy_loss(
+            bb.logprobs,
+            bb.advantages,
+            bb.completion_mask,
+            old_logprobs=bb.old_logprobs,
+            inference_logprobs=bb.inference_logprobs,
+            **kw,
+        )  # type: ignore[arg-type]
+        assert torch.equal(r.total, p.loss), kw
+        plain = policy_loss(bb.logprobs, bb.advantages, bb.completion_mask, old_logprobs=bb.old_logprobs)
+        assert r.total.item() != pytest.approx(plain.loss.item(), abs=1e-9), kw

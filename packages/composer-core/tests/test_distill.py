@@ -366,3 +366,56 @@ def test_property_chunk_size_does_not_change_value(data: st.DataObject, beta: fl
     )
     a = generalized_jsd(s, t, beta=beta, chunk_size=chunk)
     torch.testing.assert_close(a, naive_jsd(s, t, beta).mean(), rtol=1e-10, atol=1e-12)
+
+
+def test_topk_kwargs_temperature_mask_reduction_normalizer() -> None:
+    s, t = _logits(2, 3, 8, seed=50), _logits(2, 3, 8, seed=51)
+    mask = torch.tensor([[1, 0, 1], [1, 1, 0]], dtype=torch.bool)
+    none = topk_distill(s, t, k=3, reduction="none", mask=mask)
+    assert none.shape == (2, 3) and float(none[~mask].abs().sum()) == 0.0
+    assert float(none[mask].min()) > 0
+    assert topk_distill(s, t, k=3, mask=mask).item() == pytest.approx(none[mask].mean().item(), rel=1e-12)
+    assert topk_distill(s, t, k=3, mask=mask, reduction="sum").item() == pytest.approx(
+        none.sum().item(), rel=1e-12
+    )
+    assert topk_distill(s, t, k=3, mask=mask, normalizer=8).item() == pytest.approx(
+        none.sum().item() / 8, rel=1e-12
+    )
+    torch.testing.assert_close(topk_distill(s, t, k=3, temperature=2.0), topk_distill(s / 2, t / 2, k=3))
+    assert topk_distill(s, t, k=3, temperature=2.0).item() != pytest.approx(
+        topk_distill(s, t, k=3).item(), rel=1e-3
+    )
+
+
+def test_fused_normalizer_and_mask() -> None:
+    h, ht, w = _logits(2, 3, 4, seed=52), _logits(2, 3, 4, seed=53), _logits(6, 4, seed=54)
+    mask = torch.tensor([[1, 0, 1], [0, 0, 1]], dtype=torch.bool)
+    total = fused_linear_generalized_jsd(h, w, ht, mask=mask, reduction="sum")
+    ref = naive_jsd(h @ w.T, ht @ w.T, 0.5)[mask].sum()
+    torch.testing.assert_close(total, ref)
+    assert fused_linear_generalized_jsd(h, w, ht, mask=mask, normalizer=12).item() == pytest.approx(
+        ref.item() / 12, rel=1e-12
+    )
+
+
+def test_fused_low_precision_inputs() -> None:
+    h32, ht32, w32 = (
+        _logits(6, 8, seed=60).float(),
+        _logits(6, 8, seed=61).float(),
+        _logits(20, 8, seed=62).float(),
+    )
+    h = h32.bfloat16().requires_grad_(True)
+    w = w32.bfloat16().requires_grad_(True)
+    out = fused_linear_generalized_jsd(h, w, ht32.bfloat16(), chunk_size=4)
+    assert out.dtype == torch.float32
+    out.backward()
+    assert h.grad is not None and h.grad.dtype == torch.bfloat16
+    assert w.grad is not None and w.grad.dtype == torch.bfloat16
+    h_ref = h.detach().float().requires_grad_(True)
+    w_ref = w.detach().float().requires_grad_(True)
+    ref = naive_jsd(h_ref @ w_ref.T, ht32.bfloat16().float() @ w_ref.detach().T, 0.5).mean()
+    ref.backward()
+    assert out.item() == pytest.approx(ref.item(), rel=1e-5)
+    assert h_ref.grad is not None and w_ref.grad is not None
+    torch.testing.assert_close(h.grad.float(), h_ref.grad, rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(w.grad.float(), w_ref.grad, rtol=2e-2, atol=2e-3)

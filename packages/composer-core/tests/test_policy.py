@@ -364,3 +364,19 @@ def test_advantages_are_batch_of_tk_broadcast() -> None:
     lp, m = x["logprobs"], x["mask"]
     adv_bt = x["adv"][:, None].expand(3, 4).contiguous()
     assert torch.equal(policy_loss(lp, adv_bt, m).loss, policy_loss(lp, x["adv"], m).loss)
+
+
+def test_dppo_loss_kwargs() -> None:
+    lp = torch.tensor([[math.log(0.5), math.log(0.9)]], dtype=D)
+    inf = torch.tensor([[math.log(0.4), math.log(0.6)]], dtype=D)
+    adv = torch.tensor([2.0], dtype=D)
+    m = torch.ones(1, 2)
+    base, _ = dppo_loss(lp, inf, adv, m, kl_tau=0.0)
+    torch.testing.assert_close(base, torch.tensor([[-2.5, 0.0]], dtype=D))  # Δp = .3 > .2: token 2 masked
+    tau, _ = dppo_loss(lp, inf, adv, m, kl_tau=0.0, adv_tau=0.5)
+    torch.testing.assert_close(tau, 0.5 * base)
+    wide, met = dppo_loss(lp, inf, adv, m, kl_tau=0.0, mask_high=0.35)
+    torch.testing.assert_close(wide, torch.tensor([[-2.5, -3.0]], dtype=D))
+    assert met["masked_fraction"].item() == 0.0
+    neg, _ = dppo_loss(inf, lp, -adv, m, kl_tau=0.0, mask_low=0.35)  # Δp = −.3 > −.35: kept
+    torch.testing.assert_close(neg, torch.tensor([[2.0 * 0.4 / 0.5, 2.0 * 0.6 / 0.9]], dtype=D))

@@ -163,3 +163,14 @@ def test_taid_scheduler_state_roundtrip_and_errors() -> None:
         TAIDScheduler(0)
     with pytest.raises(ValueError, match="t_start"):
         TAIDScheduler(10, t_start=0.9, t_end=0.5)
+
+
+def test_entropy_opd_normalizer_and_sum() -> None:
+    s, t = _pair(5, 2, 3, 6)
+    none = entropy_opd_loss(s, t, threshold=0.0, reduction="none")
+    assert entropy_opd_loss(s, t, threshold=0.0, reduction="sum").item() == pytest.approx(
+        none.sum().item(), rel=1e-12
+    )
+    assert entropy_opd_loss(s, t, threshold=0.0, normalizer=12).item() == pytest.approx(
+        none.sum().item() / 12, rel=1e-12
+    )

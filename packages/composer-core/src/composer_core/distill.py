@@ -60,46 +60,57 @@ Kernel = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _softmax_backprop(q: Tensor, g: Tensor) -> Tensor:
-    """∂/∂z of a function with ∂/∂q = g, through q = softmax(z): q ⊙ (g − ⟨q, g⟩). Overwrites ``g``."""
-    inner = (q * g).sum(-1, keepdim=True)
-    return g.sub_(inner).mul_(q)
+def _rowdot(a: Tensor, b: Tensor) -> Tensor:
+    """Σ_v a·b per row, via a batched matmul (no [c, V] temporary)."""
+    return (a.unsqueeze(-2) @ b.unsqueeze(-1)).reshape(a.shape[:-1])
+
+
+def _log_softmax_(z: Tensor) -> Tensor:
+    """In-place log-softmax over the last axis (overwrites and returns ``z``)."""
+    return z.sub_(torch.logsumexp(z, dim=-1, keepdim=True))
 
 
 def jsd_kernel(beta: float) -> Kernel:
-    """Chunk kernel of the generalized JSD (exact FKL / RKL branches at β = 0 / 1)."""
+    """Chunk kernel of the generalized JSD (exact FKL / RKL branches at β = 0 / 1).
+
+    The kernel owns (and overwrites) its two input chunks; it keeps at most six [c, V] buffers alive.
+    """
 
     def kernel(zs: Tensor, zt: Tensor) -> tuple[Tensor, Tensor]:
-        lq = torch.log_softmax(zs, dim=-1)
-        lp = torch.log_softmax(zt, dim=-1)
-        q = lq.exp()
+        lq = _log_softmax_(zs)
+        lp = _log_softmax_(zt)
         if beta == 0.0:
             p = lp.exp()
-            loss = (p * (lp - lq)).sum(-1)
-            return loss, q.sub_(p)
+            loss = _rowdot(p, lp.sub_(lq))  # Σ p (log p − log q)
+            return loss, lq.exp_().sub_(p)  # q − p
         if beta == 1.0:
-            g = lq - lp
-            loss = (q * g).sum(-1)
+            q = lq.exp()
+            g = lq.sub_(lp)  # log q − log p
+            loss = _rowdot(q, g)
             return loss, g.sub_(loss.unsqueeze(-1)).mul_(q)
-        lm = torch.logaddexp(lp + math.log(beta), lq + math.log1p(-beta))
+        q = lq.exp()
         p = lp.exp()
-        loss = beta * (p * (lp - lm)).sum(-1)
-        del p
-        g = lq.sub_(lm)  # log q − log m (lq no longer needed)
+        lm = torch.logaddexp(lp + math.log(beta), lq + math.log1p(-beta), out=torch.empty_like(lp))
+        loss = beta * _rowdot(p, lp.sub_(lm))
+        del p, lp
+        g = lq.sub_(lm)  # log q − log m
         del lm
-        loss = loss + (1.0 - beta) * (q * g).sum(-1)
-        g.mul_(1.0 - beta)
-        return loss, _softmax_backprop(q, g)
+        inner = _rowdot(q, g)  # KL(q‖m)
+        loss = loss + (1.0 - beta) * inner
+        # ∂JSD/∂q = (1−β)(log q − log m); through the softmax: q ⊙ (g − ⟨q, g⟩)
+        return loss, g.sub_(inner.unsqueeze(-1)).mul_(q).mul_(1.0 - beta)
 
     return kernel
 
 
 def fkl_kernel_to_target(zs: Tensor, target_logits: Tensor) -> tuple[Tensor, Tensor]:
-    """Forward KL(softmax(target)‖softmax(zs)) and its gradient q − p (the target is constant)."""
-    lq = torch.log_softmax(zs, dim=-1)
-    lp = torch.log_softmax(target_logits, dim=-1)
+    """Forward KL(softmax(target)‖softmax(zs)) and its gradient q − p (the target is constant).
+
+    Owns (overwrites) both inputs."""
+    lq = _log_softmax_(zs)
+    lp = _log_softmax_(target_logits)
     p = lp.exp()
-    loss = (p * (lp - lq)).sum(-1)
+    loss = _rowdot(p, lp.sub_(lq))
     return loss, lq.exp_().sub_(p)
 
 
@@ -112,12 +123,12 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _check_chunk_finite(name: str, chunk: Tensor) -> None:
-    if not bool(torch.isfinite(chunk).all()):
-        raise ValueError(
-            f"`{name}` contains NaN/inf values; fix the upstream computation (mask padded positions with a "
-            "finite value, not -inf/NaN) before calling the loss."
-        )
+def _raise_non_finite(names: tuple[str, str], chunks: tuple[Tensor, Tensor]) -> None:
+    culprits = [n for n, c in zip(names, chunks) if not bool(torch.isfinite(c).all())] or [" / ".join(names)]
+    raise ValueError(
+        f"`{culprits[0]}` contains NaN/inf values; fix the upstream computation (mask padded positions with a "
+        "finite value, not -inf/NaN) before calling the loss."
+    )
 
 
 class _ChunkedLogitsLoss(torch.autograd.Function):
@@ -144,13 +155,16 @@ class _ChunkedLogitsLoss(torch.autograd.Function):
             idx = rows[start : start + chunk_size]
             zs = student.index_select(0, idx).to(cdtype)
             zt = teacher.index_select(0, idx).to(cdtype)
-            _check_chunk_finite("student_logits", zs)
-            _check_chunk_finite("teacher_logits", zt)
             if temperature != 1.0:
                 zs.div_(temperature)
                 zt.div_(temperature)
             loss, g = kernel(zs, zt)
             del zs, zt
+            if not bool(torch.isfinite(loss).all()):  # any NaN/inf logit makes its row's loss non-finite
+                _raise_non_finite(
+                    ("student_logits", "teacher_logits"),
+                    (student.index_select(0, idx), teacher.index_select(0, idx)),
+                )
             factor = (1.0 if per_row else scale) / temperature
             if factor != 1.0:
                 g.mul_(factor)
@@ -206,27 +220,35 @@ class _FusedLinearLoss(torch.autograd.Function):
             if (need_b and bias is not None)
             else None
         )
-        w_c = weight.to(cdtype)
+        w_c = weight.detach().to(cdtype)
+        tw_c = (
+            w_c
+            if teacher_weight is weight or teacher_weight.data_ptr() == weight.data_ptr()
+            else teacher_weight.to(cdtype)
+        )
+        tb_c = None if teacher_bias is None else teacher_bias.to(cdtype)
+        b_c = None if bias is None else bias.detach().to(cdtype)
         total = torch.zeros((), dtype=cdtype, device=student_hidden.device)
         factor = scale / temperature
         for start in range(0, rows.numel(), chunk_size):
             idx = rows[start : start + chunk_size]
             hs = student_hidden.index_select(0, idx).to(cdtype)
             zs = hs @ w_c.T
-            if bias is not None:
-                zs.add_(bias.to(cdtype))
-            with torch.no_grad():
-                ht = teacher_hidden.index_select(0, idx).to(cdtype)
-                zt = ht @ teacher_weight.to(cdtype).T
-                if teacher_bias is not None:
-                    zt.add_(teacher_bias.to(cdtype))
-            _check_chunk_finite("student logits (student_hidden @ lm_head_weight.T)", zs)
-            _check_chunk_finite("teacher logits (teacher_hidden @ lm_head_weight.T)", zt)
+            if b_c is not None:
+                zs.add_(b_c)
+            zt = teacher_hidden.index_select(0, idx).to(cdtype) @ tw_c.T
+            if tb_c is not None:
+                zt.add_(tb_c)
             if temperature != 1.0:
                 zs.div_(temperature)
                 zt.div_(temperature)
             loss, g = kernel(zs, zt)
             del zs, zt
+            if not bool(torch.isfinite(loss).all()):
+                raise ValueError(
+                    "the logits computed from `student_hidden`/`teacher_hidden` and the LM head overflow to "
+                    "NaN/inf; check the hidden states and head weights (or compute in float32)."
+                )
             total = total + loss.sum()
             g.mul_(factor)
             if grad_h is not None:

@@ -31,7 +31,7 @@ def taid_kernel(t: float) -> Kernel:
     """Chunk kernel of TAID: KL(p_t‖q), p_t = softmax((1−t)·sg(z_S) + t·z_T); gradient q − p_t."""
 
     def kernel(zs: Tensor, zt: Tensor) -> tuple[Tensor, Tensor]:
-        target = zs * (1.0 - t) + zt * t
+        target = zt.mul_(t).add_(zs, alpha=1.0 - t)  # (1−t)·z_S + t·z_T, built in the teacher buffer
         return fkl_kernel_to_target(zs, target)
 
     return kernel
@@ -175,26 +175,28 @@ def entropy_opd_kernel(beta: float, threshold: float, fkl_weight: float, topk: i
     base = jsd_kernel(beta)
 
     def kernel(zs: Tensor, zt: Tensor) -> tuple[Tensor, Tensor]:
-        loss, grad = base(zs, zt)
         lp = torch.log_softmax(zt, dim=-1)
         p = lp.exp()
         entropy = -(p * lp).sum(-1)
         gate = (entropy > threshold).to(zs.dtype) * fkl_weight
-        if not bool(gate.any()):
+        extra: tuple[Tensor, Tensor] | None = None
+        if bool(gate.any()):
+            lq = torch.log_softmax(zs, dim=-1)
+            if topk is None:
+                fkl = (p * (lp - lq)).sum(-1)
+                g_f = lq.exp_().sub_(p)
+            else:
+                idx = torch.topk(lp, k=topk, dim=-1).indices
+                pk = p.gather(-1, idx)
+                fkl = (pk * (lp.gather(-1, idx) - lq.gather(-1, idx))).sum(-1)
+                g_f = lq.exp_().mul_(pk.sum(-1, keepdim=True))
+                g_f.scatter_add_(-1, idx, -pk)
+            extra = (gate * fkl, g_f.mul_(gate.unsqueeze(-1)))
+        del lp, p
+        loss, grad = base(zs, zt)  # the base kernel overwrites zs / zt: run it last
+        if extra is None:
             return loss, grad
-        lq = torch.log_softmax(zs, dim=-1)
-        if topk is None:
-            fkl = (p * (lp - lq)).sum(-1)
-            g_f = lq.exp_().sub_(p)
-        else:
-            idx = torch.topk(lp, k=topk, dim=-1).indices
-            pk = p.gather(-1, idx)
-            fkl = (pk * (lp.gather(-1, idx) - lq.gather(-1, idx))).sum(-1)
-            g_f = lq.exp_().mul_(pk.sum(-1, keepdim=True))
-            g_f.scatter_add_(-1, idx, -pk)
-        loss = loss + gate * fkl
-        grad.add_(g_f.mul_(gate.unsqueeze(-1)))
-        return loss, grad
+        return loss + extra[0], grad.add_(extra[1])
 
     return kernel
 
