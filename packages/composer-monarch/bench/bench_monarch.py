@@ -56,7 +56,7 @@ def parallel_capacity(driver: ComposerDriver, cpu_seconds: float = 0.5) -> float
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=6, help="steps per timed run")
-    ap.add_argument("--reps", type=int, default=2, help="timed runs per mode")
+    ap.add_argument("--reps", type=int, default=3, help="timed runs per mode (median)")
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--length", type=int, default=12, help="digits per prompt (completion = length + 1)")
