@@ -289,9 +289,12 @@ class ComposerDriver:
         ``overlap`` overrides ``loop.overlap`` for this run. Steps are numbered from the trainer's
         current version, so a second ``run`` continues with fresh prompts.
         """
-        lp = replace(
-            self.loop, **{k: v for k, v in (("steps", steps), ("overlap", overlap)) if v is not None}
-        )
+        overrides: dict[str, Any] = {}
+        if steps is not None:
+            overrides["steps"] = steps
+        if overlap is not None:
+            overrides["overlap"] = overlap
+        lp = replace(self.loop, **overrides)
         results: list[StepResult] = []
         bar = tqdm(total=lp.steps, desc="composer-monarch GRPO", disable=not progress, unit="step")
         first = int(self._call("trainer", "version")())

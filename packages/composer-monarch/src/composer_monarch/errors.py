@@ -5,12 +5,10 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import monarch.actor as monarch_actor
 from monarch.actor import ActorError, Future
-
-R = TypeVar("R")
 
 
 class ActorCrashedError(RuntimeError):
@@ -40,14 +38,14 @@ class ActorTimeoutError(TimeoutError):
 
 
 def wait(
-    future: Future[R],
+    future: Future[Any],
     *,
     role: str,
     endpoint: str,
     timeout_s: float,
     failures: Callable[[], list[Any]],
     poll_s: float = 0.2,
-) -> R:
+) -> Any:
     """``future.get()`` in slices of ``poll_s`` seconds, bounded by ``timeout_s``.
 
     Between slices it checks ``failures()`` — the mesh failures Monarch's supervision reported to the

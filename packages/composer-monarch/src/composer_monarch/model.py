@@ -38,7 +38,7 @@ class TinyQwen2:
                 from transformers.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
         except ImportError as e:  # pragma: no cover - exercised only without the extra
             raise ImportError("TinyQwen2 needs transformers: pip install 'composer-monarch[hf]'") from e
-        config = Qwen2Config(
+        config = Qwen2Config(  # type: ignore[call-arg]  # attn_implementation goes through **kwargs
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
