@@ -1,0 +1,363 @@
+"""The driver: spawns the four actors on a proc mesh and runs the GRPO loop with composer's loss.
+
+One step k:  generator samples G completions for each prompt (weights v) → rewarder scores them →
+group advantages (composer_core.group_advantages) → teacher: hinted-context logits (channel 2) and
+replay pairs (channel 3) → trainer: one optimiser step on the 3-channel loss → weights v+1 go from
+trainer to generator and teacher.
+
+With ``overlap=True`` the rollout of step k+1 (generate, score, teacher) runs while the trainer
+trains on step k, on a different process, so it is sampled by the weights one step behind; the
+sampler's log-probabilities are the ``old_logprobs`` of the clipped ratio, which corrects for it
+(``policy/staleness`` reports the lag). ``overlap=False`` is strictly on-policy.
+
+Local: ``this_host().spawn_procs(per_host={"procs": 2})``. Multi-host: pass ``host_mesh`` (e.g.
+``SlurmJob(...).state().hosts`` or ``ProcessJob({"hosts": 2}).state().hosts``) and place each role at
+``(host, proc)``; the loop code is the same.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from monarch.actor import HostMesh, ProcMesh, this_host
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from composer_monarch.bootstrap import prepare_process
+from composer_monarch.errors import FAULTS, ActorCrashedError, wait
+from composer_monarch.forge_loss import ComposerLoss
+from composer_monarch.generator import GeneratorActor, SamplingConfig
+from composer_monarch.rewarder import RewarderActor, RewardFn
+from composer_monarch.rollout import Rollout, TrainBatch, assemble_batch
+from composer_monarch.task import Task
+from composer_monarch.teacher import ReplayRecord, TeacherActor
+from composer_monarch.trainer import TrainerActor, TrainerConfig
+
+ROLES = ("trainer", "generator", "rewarder", "teacher")
+Placement = int | tuple[int, int]
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """Loop settings.
+
+    steps: optimiser steps. prompts_per_step × group_size completions per step. overlap: sample step
+    k+1 while training step k. procs: processes per host. placement: role → proc index (or
+    ``(host, proc)`` on a multi-host mesh); by default the trainer has proc 0 to itself and the
+    generator, rewarder and teacher share the last proc. call_timeout_s bounds every wait on an
+    actor once the loop runs; seed: sampling seed (step k samples with seed·1_000_003 + k);
+    num_threads: torch threads in each actor process (None: torch's default); start_timeout_s bounds spawning (processes import torch and build the
+    models); stop_timeout_s bounds stopping the mesh. advantage_scale: "group" | "batch" | "none"
+    (composer_core.group_advantages).
+    """
+
+    steps: int = 3
+    prompts_per_step: int = 2
+    group_size: int = 4
+    overlap: bool = False
+    procs: int = 2
+    placement: Mapping[str, Placement] | None = None
+    call_timeout_s: float = 300.0
+    start_timeout_s: float = 600.0
+    stop_timeout_s: float = 60.0
+    advantage_scale: str = "group"
+    seed: int = 0
+    num_threads: int | None = 1
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "prompts_per_step", "group_size", "procs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"LoopConfig.{name}={getattr(self, name)}: must be ≥ 1")
+        for name in ("call_timeout_s", "start_timeout_s", "stop_timeout_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"LoopConfig.{name}={value}: must be a positive number of seconds")
+        if self.advantage_scale not in ("group", "batch", "none"):
+            raise ValueError(
+                f"LoopConfig.advantage_scale={self.advantage_scale!r}: use 'group', 'batch' or 'none'"
+            )
+        if self.placement is not None:
+            unknown = sorted(set(self.placement) - set(ROLES))
+            if unknown:
+                raise ValueError(f"LoopConfig.placement: unknown role(s) {unknown}; roles are {list(ROLES)}")
+
+    def place(self, role: str) -> Placement:
+        if self.placement is not None and role in self.placement:
+            return self.placement[role]
+        return 0 if role == "trainer" else self.procs - 1
+
+
+@dataclass
+class StepResult:
+    """What one step did: the trainer's metrics, the mean reward, the seconds the step took.
+
+    ``extra``: weights_version (after the push), pairs (channel-3 pairs in the batch), and the
+    step's phases in seconds: train_wait_s (send → train_step answered; with overlap this includes
+    the next rollout), push_s (weights trainer → generator, teacher), rollout_s (sequential only:
+    sampling, scoring and teacher calls of the next step).
+    """
+
+    step: int
+    metrics: dict[str, float]
+    reward_mean: float
+    seconds: float
+    sampled_by_version: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class ComposerDriver:
+    """Owns the proc mesh and the actors; use as a context manager (the mesh is stopped on exit).
+
+    >>> loss = ComposerLoss(alpha_sdpo=0.5, beta_replay=0.0)  # no replay records: channel 3 off
+    >>> with ComposerDriver(task, TinyQwen2(task.vocab_size), loss=loss) as d:
+    ...     results = d.run()
+    """
+
+    def __init__(
+        self,
+        task: Task,
+        model_fn: Callable[[], nn.Module],
+        *,
+        loss: ComposerLoss,
+        loop: LoopConfig | None = None,
+        trainer: TrainerConfig | None = None,
+        reward_fns: Sequence[RewardFn] | None = None,
+        reward_weights: Sequence[float] | None = None,
+        replay: Sequence[ReplayRecord] | None = None,
+        host_mesh: HostMesh | None = None,
+    ) -> None:
+        self.task = task
+        self.model_fn = model_fn
+        self.loss = loss
+        self.loop = loop or LoopConfig()
+        self.trainer_config = trainer or TrainerConfig(num_threads=self.loop.num_threads)
+        self.reward_fns = list(reward_fns) if reward_fns is not None else [task.reward]
+        self.reward_weights = reward_weights
+        self.replay = list(replay) if replay is not None else None
+        self.host_mesh = host_mesh
+        alpha = float(loss.options.get("alpha_sdpo", 1.0))
+        beta = float(loss.options.get("beta_replay", 1.0))
+        self.use_teacher_logits = alpha != 0.0
+        self.use_pairs = beta != 0.0
+        if self.use_pairs and not self.replay:
+            raise ValueError(
+                "beta_replay is not 0 but no replay records were given: pass replay=[ReplayRecord, ...] "
+                "(teacher actions with rewards) or set beta_replay=0.0 in ComposerLoss"
+            )
+        self.procs: ProcMesh | None = None
+        self.actors: dict[str, Any] = {}
+        self._failures: list[str] = []
+        self._prefix = f"composer_{uuid.uuid4().hex[:8]}_"
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> ComposerDriver:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _on_fault(self, role: str, failure: Any) -> None:
+        """A failure of one of this driver's actor meshes (routed by :data:`errors.FAULTS`)."""
+        self._failures.append(f"the {role} actor's process failed: {failure}")
+
+    def start(self) -> None:
+        """Spawn the proc mesh and the actors, and wait until all of them are constructed."""
+        if self.procs is not None:
+            raise RuntimeError("ComposerDriver.start(): already started")
+        FAULTS.register(self._prefix, self._on_fault)
+        try:
+            hosts = self.host_mesh if self.host_mesh is not None else this_host()
+            self.procs = hosts.spawn_procs(
+                per_host={"procs": self.loop.procs}, bootstrap=prepare_process, name="composer"
+            )
+            t, lp = self.task, self.loop
+            sampling = SamplingConfig(
+                max_new_tokens=t.max_new_tokens,
+                eos_id=t.eos_id,
+                pad_id=t.pad_id,
+                temperature=self.loss.temperature,  # the sampler and the loss see the same distribution
+                seed=lp.seed,
+                num_threads=lp.num_threads,
+            )
+            args: dict[str, tuple[type, tuple[Any, ...]]] = {
+                "trainer": (TrainerActor, (self.model_fn, self.loss, self.trainer_config, t.pad_id)),
+                "generator": (GeneratorActor, (self.model_fn, sampling)),
+                "rewarder": (RewarderActor, (self.reward_fns, self.reward_weights)),
+                "teacher": (TeacherActor, (self.model_fn, self.replay, t.pad_id, lp.num_threads)),
+            }
+            for role, (cls, a) in args.items():
+                self.actors[role] = self._slot(role).spawn(self._prefix + role, cls, *a)
+            self._push_weights(timeout_s=lp.start_timeout_s)
+            self._call("rewarder", "process_id", timeout_s=lp.start_timeout_s)()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _slot(self, role: str) -> ProcMesh:
+        assert self.procs is not None
+        where = self.loop.place(role)
+        host, proc = where if isinstance(where, tuple) else (0, where)
+        if not 0 <= proc < self.loop.procs:
+            raise ValueError(f"placement of {role}: proc {proc} is outside 0..{self.loop.procs - 1}")
+        labels = set(self.procs.extent.labels)
+        coords: dict[str, int] = {"procs": proc}
+        if "hosts" in labels:
+            coords["hosts"] = host
+        elif host != 0:
+            raise ValueError(f"placement of {role}: host {host} given but the mesh has one host")
+        return self.procs.slice(**coords)
+
+    def stop(self) -> None:
+        """Stop the proc mesh (bounded by ``stop_timeout_s``); later reports about it are ignored."""
+        procs, self.procs = self.procs, None
+        try:
+            if procs is not None:
+                try:
+                    procs.stop("composer driver exit").get(timeout=self.loop.stop_timeout_s)
+                except Exception as e:  # a mesh with a dead process may not stop cleanly
+                    print(
+                        f"composer-monarch: stopping the proc mesh: {type(e).__name__}: {e}", file=sys.stderr
+                    )
+        finally:
+            self.actors = {}
+            FAULTS.unregister(self._prefix)
+
+    # ------------------------------------------------------------------ calls
+    def _call(self, role: str, endpoint: str, *args: Any, timeout_s: float | None = None) -> Any:
+        """Send ``role.endpoint(*args)``; returns a thunk that waits, bounded by ``timeout_s``
+        (default ``call_timeout_s``)."""
+        if not self.actors:
+            raise RuntimeError("ComposerDriver is not started: use `with ComposerDriver(...) as d:`")
+        fut = getattr(self.actors[role], endpoint).call_one(*args)
+        return lambda: wait(
+            fut,
+            role=role,
+            endpoint=endpoint,
+            timeout_s=self.loop.call_timeout_s if timeout_s is None else timeout_s,
+            failures=lambda: list(self._failures),
+        )
+
+    def _push_weights(self, timeout_s: float | None = None) -> int:
+        version, state = self._call("trainer", "weights", timeout_s=timeout_s)()
+        done = [
+            self._call(r, "update_weights", version, state, timeout_s=timeout_s)
+            for r in ("generator", "teacher")
+        ]
+        for d in done:
+            d()
+        return int(version)
+
+    # ------------------------------------------------------------------ the loop
+    def rollout(self, step: int) -> TrainBatch:
+        """Sample, score and annotate the batch of ``step`` (generator → rewarder → teacher)."""
+        lp = self.loop
+        prompts = self.task.prompts(lp.prompts_per_step, step=step)
+        ro: Rollout = self._call("generator", "generate", step, prompts, lp.group_size)()
+        rewards: Tensor = self._call("rewarder", "score", ro)()
+        teacher_logits = None
+        pending_logits = None
+        if self.use_teacher_logits:
+            hinted = self.task.hinted_prompts(prompts).repeat_interleave(lp.group_size, dim=0)
+            pending_logits = self._call("teacher", "hinted_logits", hinted, ro.completion_ids)
+        pairs = self._call("teacher", "preference_pairs", ro, rewards)() if self.use_pairs else None
+        if pending_logits is not None:
+            teacher_logits = pending_logits()
+        return assemble_batch(
+            ro, rewards, advantage_scale=lp.advantage_scale, teacher_logits=teacher_logits, pairs=pairs
+        )
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimiser step of the trainer actor on ``batch`` (no weight push)."""
+        return dict(self._call("trainer", "train_step", batch)())
+
+    def trainer_state(self) -> dict[str, Any]:
+        """The trainer's version, model and optimiser state (a copy; see PolicyTrainer.state)."""
+        return dict(self._call("trainer", "state")())
+
+    def run(
+        self, *, steps: int | None = None, overlap: bool | None = None, progress: bool = True
+    ) -> list[StepResult]:
+        """Run ``steps`` steps (default ``loop.steps``); returns one :class:`StepResult` per step.
+
+        ``overlap`` overrides ``loop.overlap`` for this run. Steps are numbered from the trainer's
+        current version, so a second ``run`` continues with fresh prompts.
+        """
+        overrides: dict[str, Any] = {}
+        if steps is not None:
+            overrides["steps"] = steps
+        if overlap is not None:
+            overrides["overlap"] = overlap
+        lp = replace(self.loop, **overrides)
+        results: list[StepResult] = []
+        bar = tqdm(total=lp.steps, desc="composer-monarch GRPO", disable=not progress, unit="step")
+        first = int(self._call("trainer", "version")())
+        try:
+            batch = self.rollout(first)
+            for k in range(first, first + lp.steps):
+                t0 = time.perf_counter()
+                train = self._call("trainer", "train_step", batch)
+                last = k + 1 == first + lp.steps
+                nxt = self.rollout(k + 1) if lp.overlap and not last else None
+                metrics: dict[str, float] = train()
+                t1 = time.perf_counter()
+                version = self._push_weights()
+                t2 = time.perf_counter()
+                if not lp.overlap and not last:
+                    nxt = self.rollout(k + 1)
+                timing = {"train_wait_s": t1 - t0, "push_s": t2 - t1, "rollout_s": time.perf_counter() - t2}
+                results.append(
+                    StepResult(
+                        step=k,
+                        metrics=metrics,
+                        reward_mean=float(batch.rewards.mean()),
+                        seconds=time.perf_counter() - t0,
+                        sampled_by_version=batch.policy_version,
+                        extra={
+                            "weights_version": version,
+                            "pairs": 0 if batch.pairs is None else len(batch.pairs),
+                            **timing,
+                        },
+                    )
+                )
+                bar.update(1)
+                bar.set_postfix(
+                    reward=f"{results[-1].reward_mean:.3f}", loss=f"{metrics.get('loss/total', 0):.4f}"
+                )
+                if nxt is not None:
+                    batch = nxt
+        finally:
+            bar.close()
+        return results
+
+    def process_ids(self) -> dict[str, int]:
+        """Role → OS process id of the process hosting it (on its host)."""
+        return {role: int(self._call(role, "process_id")()) for role in ROLES}
+
+    def weights(self) -> dict[str, Tensor]:
+        """The trainer's current weights (a copy)."""
+        _, state = self._call("trainer", "weights")()
+        return dict(state)
+
+
+def run_grpo(
+    task: Task,
+    model_fn: Callable[[], nn.Module],
+    *,
+    loss: ComposerLoss,
+    loop: LoopConfig | None = None,
+    **kwargs: Any,
+) -> tuple[list[StepResult], dict[str, Tensor]]:
+    """Spawn, run the loop, stop: returns the step results and the final weights."""
+    with ComposerDriver(task, model_fn, loss=loss, loop=loop, **kwargs) as driver:
+        results = driver.run()
+        return results, driver.weights()
+
+
+__all__ = ["ActorCrashedError", "ComposerDriver", "LoopConfig", "StepResult", "run_grpo"]

@@ -1,0 +1,203 @@
+"""The composer objective as a TorchForge loss: ``loss(logits, **targets) -> Tensor``.
+
+TorchForge's ``TitanTrainer(loss=...)`` calls ``self.loss(logits, **targets)`` with the targets its
+``collate`` builds: ``response`` [b, s], ``ref_logprobs`` [b, s], ``advantages`` [b, 1] and
+``padding_mask`` [b, s] (``apps/grpo/main.py``). :class:`ComposerLoss` accepts exactly those, so it is
+a drop-in for ``simple_grpo_loss``, and takes optional extra targets that switch on composer's two
+other channels:
+
+total = policy(GRPO family)  +  α · SDPO(student ‖ hinted teacher)  +  β · DPO/SimPO(replay pairs)
+
+(see ``composer_core.compose.compose_loss``; SDPO: Hübotter et al. 2026, DPO: Rafailov et al. 2023,
+SimPO: Meng et al. 2024). Channel-3 pairs ride in the same forward pass as extra rows: ``chosen_rows``
+and ``rejected_rows`` index rows of the batch whose ``response`` is the chosen / rejected completion;
+those rows are left out of channels 1 and 2. Their summed log-probabilities are the DPO/SimPO
+inputs, and the reference model's come from the same rows of ``ref_logprobs``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from composer_monarch.model import token_logprobs, upcast
+
+#: Targets the callable understands, with their shapes (R rows, s response tokens, V vocabulary).
+TARGETS: dict[str, str] = {
+    "response": "[R, s] long — response tokens (TorchForge)",
+    "padding_mask": "[R, s] bool — True on real response tokens (TorchForge)",
+    "advantages": "[R, 1], [R] or [R, s] — advantages (TorchForge: [b, 1])",
+    "ref_logprobs": "[R, s] — reference log-probs (TorchForge); KL term and DPO reference",
+    "old_logprobs": "[R, s] — log-probs of the policy that sampled (clipped ratio)",
+    "inference_logprobs": "[R, s] — sampler log-probs for rollout correction",
+    "rollout_is_weights": "[R, s] — precomputed importance weights",
+    "teacher_logits": "[R, s, V] — hinted-context teacher logits at the response positions",
+    "teacher_logprobs": "[R, s] — hinted-context teacher log-probs of the response tokens",
+    "sdpo_mask": "[R, s] bool — tokens distilled in channel 2 (default: padding_mask)",
+    "policy_rows": "[R] bool — rows of channels 1 and 2 (default: all rows that are not pair rows)",
+    "chosen_rows": "[P] long — row index of each pair's chosen completion (channel 3)",
+    "rejected_rows": "[P] long — row index of each pair's rejected completion (channel 3)",
+}
+
+
+def _compose() -> Any:
+    from composer_core.compose import ComposerBatch, compose_loss
+
+    return ComposerBatch, compose_loss
+
+
+class ComposerLoss:
+    """TorchForge-compatible loss callable computing composer's 3-channel objective.
+
+    Args:
+        align: True (TorchForge's default) when ``logits`` cover the whole sequence [R, L, V]
+            (prompt ⊕ response); the positions that predict the response, ``logits[:, -s-1:-1]``,
+            are used. False when ``logits`` are already aligned with ``response`` ([R, s, V]).
+        temperature: logits are divided by it before the log-softmax (match the sampler's).
+        **options: any keyword of ``composer_core.compose_loss`` (``alpha_sdpo``, ``beta_replay``,
+            ``loss_type``, ``epsilon_low``, ``kl_beta``, ``sdpo_beta``, ``dpo_variant`` …).
+            TorchForge's ``simple_grpo_loss(beta=0.1)`` is ``ComposerLoss(loss_type="grpo",
+            kl_beta=0.1)`` with no channel-2/3 targets.
+
+    After each call ``last_result`` holds the ``ComposeResult`` (per-channel losses and metrics).
+    """
+
+    def __init__(self, *, align: bool = True, temperature: float = 1.0, **options: Any) -> None:
+        if not temperature > 0:
+            raise ValueError(f"temperature={temperature}: must be > 0")
+        _, compose_loss = _compose()
+        known = set(inspect.signature(compose_loss).parameters) - {"batch"}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(
+                f"ComposerLoss: unknown compose_loss option(s) {unknown}; known options: {sorted(known)}"
+            )
+        self.align = align
+        self.temperature = float(temperature)
+        self.options = dict(options)
+        self.last_result: Any = None
+
+    def __repr__(self) -> str:
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
+        return f"ComposerLoss(align={self.align}, temperature={self.temperature}{', ' if opts else ''}{opts})"
+
+    @property
+    def needs_reference(self) -> bool:
+        """True when the options use reference log-probs (KL penalty or DPO on replay pairs)."""
+        kl = float(self.options.get("kl_beta", 0.0)) != 0.0
+        dpo = (
+            float(self.options.get("beta_replay", 1.0)) != 0.0
+            and self.options.get("dpo_variant", "dpo") == "dpo"
+        )
+        return kl or dpo
+
+    def __call__(self, logits: Tensor, **targets: Tensor) -> Tensor:
+        unknown = sorted(set(targets) - set(TARGETS))
+        if unknown:
+            raise ValueError(f"ComposerLoss: unknown target(s) {unknown}; known targets: {sorted(TARGETS)}")
+        for name in ("response", "padding_mask", "advantages"):
+            if targets.get(name) is None:
+                raise ValueError(f"ComposerLoss: target {name!r} is required ({TARGETS[name]})")
+        response = targets["response"]
+        if response.dim() != 2:
+            raise ValueError(f"response has shape {tuple(response.shape)}; expected [rows, response_len]")
+        rows, s = response.shape
+        if logits.dim() != 3 or logits.shape[0] != rows:
+            raise ValueError(
+                f"logits has shape {tuple(logits.shape)}; expected [{rows}, length, vocab] (one row per response)"
+            )
+        if self.align:
+            if logits.shape[1] < s + 1:
+                raise ValueError(
+                    f"logits cover {logits.shape[1]} positions but response has {s} tokens: with align=True "
+                    "logits must span prompt ⊕ response (≥ response_len + 1); pass align=False for "
+                    "logits already aligned with the response"
+                )
+            logits = logits[:, -s - 1 : -1]
+        elif logits.shape[1] != s:
+            raise ValueError(f"align=False needs logits [{rows}, {s}, vocab]; got {tuple(logits.shape)}")
+        logits = upcast(logits)
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        logprobs = token_logprobs(logits, response)
+
+        mask = targets["padding_mask"].bool()
+        policy_rows, chosen, rejected = self._rows(targets, rows)
+        pick = policy_rows.nonzero().squeeze(-1)
+
+        def sel(name: str) -> Tensor | None:
+            t = targets.get(name)
+            return None if t is None else t[pick]
+
+        adv = targets["advantages"][pick]
+        if adv.dim() == 2 and adv.shape[1] == 1 and s != 1:
+            adv = adv.squeeze(-1)
+        fields: dict[str, Any] = {
+            "logprobs": logprobs[pick],
+            "advantages": adv,
+            "completion_mask": mask[pick],
+            "old_logprobs": sel("old_logprobs"),
+            # TorchForge always sends ref_logprobs; channel 1 reads them only for the KL penalty.
+            "ref_logprobs": sel("ref_logprobs") if float(self.options.get("kl_beta", 0.0)) != 0.0 else None,
+            "inference_logprobs": sel("inference_logprobs"),
+            "rollout_is_weights": sel("rollout_is_weights"),
+        }
+        if targets.get("teacher_logits") is not None or targets.get("teacher_logprobs") is not None:
+            sdpo_mask = targets.get("sdpo_mask")
+            fields["sdpo_mask"] = (mask if sdpo_mask is None else sdpo_mask.bool())[pick]
+            if targets.get("teacher_logits") is not None:
+                fields["student_logits"] = logits[pick]
+                fields["teacher_logits"] = targets["teacher_logits"][pick].detach()
+            if targets.get("teacher_logprobs") is not None:
+                fields["teacher_logprobs"] = targets["teacher_logprobs"][pick].detach()
+        elif targets.get("sdpo_mask") is not None:
+            raise ValueError("sdpo_mask was given without teacher_logits or teacher_logprobs (channel 2)")
+        if chosen is not None and rejected is not None:
+            token_sums = (logprobs * mask).sum(-1)
+            fields["chosen_logps"] = token_sums[chosen]
+            fields["rejected_logps"] = token_sums[rejected]
+            lengths = mask.sum(-1)
+            fields["chosen_lengths"] = lengths[chosen]
+            fields["rejected_lengths"] = lengths[rejected]
+            ref = targets.get("ref_logprobs")
+            if ref is not None:
+                ref_sums = (ref.detach() * mask).sum(-1)
+                fields["ref_chosen_logps"] = ref_sums[chosen]
+                fields["ref_rejected_logps"] = ref_sums[rejected]
+        batch_cls, compose_loss = _compose()
+        result = compose_loss(batch_cls(**fields), **self.options)
+        self.last_result = result
+        return result.total  # type: ignore[no-any-return]
+
+    @staticmethod
+    def _rows(targets: dict[str, Tensor], rows: int) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        chosen, rejected = targets.get("chosen_rows"), targets.get("rejected_rows")
+        if (chosen is None) != (rejected is None):
+            raise ValueError("chosen_rows and rejected_rows come together (channel-3 pairs); got only one")
+        if chosen is not None and rejected is not None:
+            chosen, rejected = chosen.long().reshape(-1), rejected.long().reshape(-1)
+            if chosen.shape != rejected.shape:
+                raise ValueError(
+                    f"chosen_rows has {chosen.numel()} entries, rejected_rows {rejected.numel()}: one each per pair"
+                )
+            both = torch.cat([chosen, rejected])
+            if both.numel() and (both.min() < 0 or both.max() >= rows):
+                raise ValueError(f"chosen_rows/rejected_rows index rows 0..{rows - 1}; got {both.tolist()}")
+        policy_rows = targets.get("policy_rows")
+        if policy_rows is None:
+            policy_rows = torch.ones(rows, dtype=torch.bool)
+            if chosen is not None and rejected is not None:
+                policy_rows[chosen] = False
+                policy_rows[rejected] = False
+        else:
+            policy_rows = policy_rows.bool().reshape(-1)
+            if policy_rows.numel() != rows:
+                raise ValueError(
+                    f"policy_rows has {policy_rows.numel()} entries; expected one per row ({rows})"
+                )
+        if not bool(policy_rows.any()):
+            raise ValueError("policy_rows selects no row: channel 1 needs at least one sampled completion")
+        return policy_rows.to(targets["response"].device), chosen, rejected

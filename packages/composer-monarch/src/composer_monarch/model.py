@@ -1,0 +1,95 @@
+"""A tiny Qwen2 causal LM built from its config (no download), and the forward helpers the actors share."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+# Actors sharing a process are constructed on different threads. transformers' lazy module is not
+# safe to initialise from two threads at once, and seeded initialisation uses torch's global RNG:
+# both happen under this lock.
+_BUILD_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class TinyQwen2:
+    """Picklable factory of a tiny ``Qwen2ForCausalLM`` (hidden 64, 2 layers by default).
+
+    Every actor builds its own copy from the factory; ``seed`` fixes the initial weights so the trainer,
+    generator and teacher start identical (the driver also pushes the trainer's weights before step 0).
+    Needs ``transformers`` (``pip install 'composer-monarch[hf]'``).
+    """
+
+    vocab_size: int
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 128
+    max_positions: int = 128
+    seed: int = 0
+
+    def __call__(self) -> nn.Module:
+        try:
+            with _BUILD_LOCK:
+                from transformers.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
+        except ImportError as e:  # pragma: no cover - exercised only without the extra
+            raise ImportError("TinyQwen2 needs transformers: pip install 'composer-monarch[hf]'") from e
+        config = Qwen2Config(  # type: ignore[call-arg]  # attn_implementation goes through **kwargs
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            max_position_embeddings=self.max_positions,
+            tie_word_embeddings=False,
+            attn_implementation="eager",
+        )
+        with _BUILD_LOCK, torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            model = Qwen2ForCausalLM(config)
+        return model
+
+
+def forward_logits(model: nn.Module, tokens: Tensor) -> Tensor:
+    """Logits [B, L, V] of a causal LM (a Hugging Face model or any module returning logits)."""
+    out = model(input_ids=tokens, use_cache=False) if _is_hf(model) else model(tokens)
+    logits = out.logits if hasattr(out, "logits") else out
+    if not isinstance(logits, Tensor) or logits.dim() != 3:
+        raise ValueError(
+            f"model returned {type(logits).__name__} of shape {getattr(logits, 'shape', None)}: "
+            "expected logits [batch, length, vocab]"
+        )
+    return logits
+
+
+def completion_logits(model: nn.Module, prompt_ids: Tensor, completion_ids: Tensor) -> Tensor:
+    """Logits [B, T, V] at the positions that predict each completion token.
+
+    The model reads ``prompt ⊕ completion``; position P-1+t predicts completion token t. Padding after
+    a completion's end does not change earlier positions (causal attention).
+    """
+    tokens = torch.cat([prompt_ids, completion_ids], dim=1)
+    p, t = prompt_ids.shape[1], completion_ids.shape[1]
+    return forward_logits(model, tokens)[:, p - 1 : p + t - 1]
+
+
+def upcast(x: Tensor) -> Tensor:
+    """Half precision → float32; float32 and float64 unchanged."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def token_logprobs(logits: Tensor, ids: Tensor, temperature: float = 1.0) -> Tensor:
+    """log softmax(logits / temperature) gathered at ``ids``: [B, T, V], [B, T] → [B, T] (float32+)."""
+    logits = upcast(logits)
+    if temperature != 1.0:
+        logits = logits / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+
+
+def _is_hf(model: nn.Module) -> bool:
+    return hasattr(model, "config") and hasattr(model, "get_input_embeddings")

@@ -1,0 +1,210 @@
+"""The trainer: the policy model, its optimiser and the composer loss; one optimiser step per batch.
+
+:class:`PolicyTrainer` is plain Python (usable in-process); :class:`TrainerActor` hosts one on a
+Monarch proc mesh. Both run the same code, so a step on the mesh equals the step in-process bit for
+bit on CPU (tested).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from monarch.actor import Actor, endpoint
+from torch import Tensor, nn
+
+from composer_monarch.forge_loss import ComposerLoss
+from composer_monarch.model import forward_logits, token_logprobs
+from composer_monarch.rollout import TrainBatch
+
+ModelFactory = Callable[[], nn.Module]
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """Optimiser (AdamW) and numerics of the trainer.
+
+    ``num_threads`` sets ``torch.set_num_threads`` in the process that builds the trainer (None: leave
+    it); equal thread counts are what makes a mesh step bit-identical to the in-process step.
+    ``max_grad_norm`` None turns clipping off.
+    """
+
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: float | None = 1.0
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"lr={self.lr}: must be > 0")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm={self.max_grad_norm}: must be > 0 or None")
+
+
+def collate(batch: TrainBatch, pad_id: int) -> tuple[Tensor, dict[str, Tensor]]:
+    """TorchForge-style ``(tokens, targets)`` for :class:`ComposerLoss` from a :class:`TrainBatch`.
+
+    Rows: the B sampled completions, then the P chosen and P rejected pair completions (all after
+    their prompt; prompts must share one length). Responses are right-padded to one width.
+    """
+    b, p = batch.prompt_ids.shape
+    responses = [batch.completion_ids]
+    masks = [batch.completion_mask.bool()]
+    prompts = [batch.prompt_ids]
+    pairs = batch.pairs
+    if pairs is not None and len(pairs):
+        if pairs.prompt_ids.shape[1] != p:
+            raise ValueError(
+                f"pair prompts have length {pairs.prompt_ids.shape[1]}, sampled prompts {p}: the trainer "
+                "packs pairs and samples into one forward pass and needs one prompt length"
+            )
+        responses += [pairs.chosen_ids, pairs.rejected_ids]
+        masks += [pairs.chosen_mask.bool(), pairs.rejected_mask.bool()]
+        prompts += [pairs.prompt_ids, pairs.prompt_ids]
+    width = max(r.shape[1] for r in responses)
+
+    def widen(t: Tensor, fill: float | int | bool) -> Tensor:
+        if t.shape[1] == width:
+            return t
+        pad = torch.full((t.shape[0], width - t.shape[1], *t.shape[2:]), fill, dtype=t.dtype)
+        return torch.cat([t, pad], dim=1)
+
+    response = torch.cat([widen(r, pad_id) for r in responses])
+    mask = torch.cat([widen(m, False) for m in masks])
+    rows = response.shape[0]
+    tokens = torch.cat([torch.cat(prompts), response], dim=1)
+    extra = rows - b
+
+    def rows_of(t: Tensor, fill: float) -> Tensor:
+        t = widen(t, fill)
+        return torch.cat([t, torch.full((extra, *t.shape[1:]), fill, dtype=t.dtype)]) if extra else t
+
+    targets: dict[str, Tensor] = {
+        "response": response,
+        "padding_mask": mask,
+        "advantages": torch.cat([batch.advantages.float(), torch.zeros(extra)]).unsqueeze(-1),
+        "old_logprobs": rows_of(batch.inference_logprobs.float(), 0.0),
+        "policy_rows": torch.arange(rows) < b,
+    }
+    if batch.teacher_logits is not None:
+        targets["teacher_logits"] = rows_of(batch.teacher_logits.float(), 0.0)
+        targets["sdpo_mask"] = mask & targets["policy_rows"].unsqueeze(-1)
+    if extra:
+        n = len(pairs) if pairs is not None else 0
+        targets["chosen_rows"] = torch.arange(b, b + n)
+        targets["rejected_rows"] = torch.arange(b + n, b + 2 * n)
+    return tokens, targets
+
+
+class PolicyTrainer:
+    """Policy model + AdamW + :class:`ComposerLoss`; ``train_step`` does one optimiser step.
+
+    When the loss needs reference log-probs (KL penalty, DPO), a frozen copy of the initial policy
+    is the reference model.
+    """
+
+    def __init__(
+        self, model_fn: ModelFactory, loss: ComposerLoss, config: TrainerConfig, *, pad_id: int
+    ) -> None:
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.loss = loss
+        self.pad_id = pad_id
+        self.model = model_fn()
+        self.model.train()
+        self.reference: nn.Module | None = None
+        if loss.needs_reference:
+            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
+        )
+        self.version = 0
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        tokens, targets = collate(batch, self.pad_id)
+        if self.reference is not None:
+            with torch.no_grad():
+                s = targets["response"].shape[1]
+                ref_logits = forward_logits(self.reference, tokens)[:, -s - 1 : -1]
+                targets["ref_logprobs"] = token_logprobs(
+                    ref_logits, targets["response"], self.loss.temperature
+                )
+        logits = forward_logits(self.model, tokens)
+        loss = self.loss(logits, **targets)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        metrics = dict(self.loss.last_result.metrics)
+        if self.config.max_grad_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+            metrics["grad_norm"] = float(norm)
+        self.optimizer.step()
+        self.version += 1
+        metrics["reward/mean"] = float(batch.rewards.float().mean())
+        metrics["policy/staleness"] = float(self.version - 1 - batch.policy_version)
+        return metrics
+
+    def weights(self) -> dict[str, Tensor]:
+        """A detached copy of the policy's state dict."""
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def state(self) -> dict[str, Any]:
+        """Everything a step depends on: version, model, optimiser (a copy)."""
+        return copy.deepcopy(
+            {
+                "version": self.version,
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+            }
+        )
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state` (e.g. to replay a step in-process, or resume)."""
+        missing = {"version", "model", "optimizer"} - set(state)
+        if missing:
+            raise ValueError(
+                f"trainer state lacks {sorted(missing)}: pass what PolicyTrainer.state() returned"
+            )
+        self.model.load_state_dict(state["model"], strict=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state["version"])
+
+
+class TrainerActor(Actor):
+    """A :class:`PolicyTrainer` on a Monarch proc mesh (TorchForge's ``TitanTrainer`` role)."""
+
+    def __init__(
+        self, model_fn: ModelFactory, loss: ComposerLoss, config: TrainerConfig, pad_id: int
+    ) -> None:
+        self.trainer = PolicyTrainer(model_fn, loss, config, pad_id=pad_id)
+
+    @endpoint
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        return self.trainer.train_step(batch)
+
+    @endpoint
+    def weights(self) -> tuple[int, dict[str, Tensor]]:
+        """(version, state dict): the weights the generator and teacher load next."""
+        return self.trainer.version, self.trainer.weights()
+
+    @endpoint
+    def version(self) -> int:
+        """Optimiser steps taken so far."""
+        return self.trainer.version
+
+    @endpoint
+    def state(self) -> dict[str, Any]:
+        return self.trainer.state()
+
+    @endpoint
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.trainer.load_state(state)
+
+    @endpoint
+    def process_id(self) -> int:
+        return os.getpid()

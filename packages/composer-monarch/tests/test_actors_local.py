@@ -1,0 +1,161 @@
+"""The actors' endpoints, spawned in this process (``this_proc().spawn``) — real Monarch, no new process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from composer_monarch import (
+    ComposerDriver,
+    ComposerLoss,
+    GeneratorActor,
+    LoopConfig,
+    ReplayRecord,
+    ReverseDigits,
+    RewarderActor,
+    SamplingConfig,
+    TeacherActor,
+    TinyQwen2,
+)
+from composer_monarch.model import completion_logits
+from composer_monarch.rollout import Rollout, assemble_batch
+from monarch.actor import ActorError, this_proc
+
+TASK = ReverseDigits()
+MODEL = TinyQwen2(TASK.vocab_size, seed=0)
+
+
+def _sampling(seed: int) -> SamplingConfig:
+    return SamplingConfig(
+        max_new_tokens=TASK.max_new_tokens, eos_id=TASK.eos_id, pad_id=TASK.pad_id, seed=seed
+    )
+
+
+def test_generator_seed_and_weights_decide_the_samples() -> None:
+    prompts = TASK.prompts(3, step=0)
+    g0 = this_proc().spawn("gen_a", GeneratorActor, MODEL, _sampling(0))
+    g0b = this_proc().spawn("gen_b", GeneratorActor, MODEL, _sampling(0))
+    g1 = this_proc().spawn("gen_c", GeneratorActor, MODEL, _sampling(1))
+    a = g0.generate.call_one(5, prompts, 4).get(timeout=120)
+    b = g0b.generate.call_one(5, prompts, 4).get(timeout=120)
+    c = g1.generate.call_one(5, prompts, 4).get(timeout=120)
+    assert isinstance(a, Rollout) and a.group_size == 4 and a.prompt_ids.shape == (12, prompts.shape[1])
+    assert torch.equal(a.prompt_ids[:4], prompts[:1].expand(4, -1))  # groups are contiguous
+    assert torch.equal(a.completion_ids, b.completion_ids)  # same seed, same step → same samples
+    assert not torch.equal(a.completion_ids, c.completion_ids)  # the seed matters
+    # new weights change the samples' log-probs and the version stamp
+    other = TinyQwen2(TASK.vocab_size, seed=1)().state_dict()
+    assert g0b.update_weights.call_one(7, other).get(timeout=60) == 7
+    d = g0b.generate.call_one(5, prompts, 4).get(timeout=120)
+    assert d.policy_version == 7 and not torch.equal(d.inference_logprobs, b.inference_logprobs)
+    with pytest.raises(ActorError, match="weights do not fit"):
+        g0b.update_weights.call_one(8, {"nope": torch.zeros(1)}).get(timeout=60)
+
+
+def test_teacher_hinted_logits_and_pairs() -> None:
+    prompts = TASK.prompts(2, step=3)
+    records = [ReplayRecord(p, TASK.target(p), 1.0, "oracle") for p in prompts]
+    teacher = this_proc().spawn("teacher_t", TeacherActor, MODEL, records, TASK.pad_id)
+    completions = torch.tensor([[5, 6, 7, 4], [8, 9, 4, 0]])
+    hinted = TASK.hinted_prompts(prompts)
+    got = teacher.hinted_logits.call_one(hinted, completions).get(timeout=120)
+    with torch.no_grad():
+        expected = completion_logits(MODEL(), hinted, completions)
+    assert torch.equal(got, expected)
+    # the hint changes the teacher's view of the same completion
+    with torch.no_grad():
+        plain = completion_logits(MODEL(), prompts, completions)
+    assert not torch.allclose(got, plain)
+    ro = Rollout(3, prompts, completions, completions != 0, torch.zeros(2, 4), 0, 1)
+    pairs = teacher.preference_pairs.call_one(ro, torch.tensor([0.25, 1.0])).get(timeout=60)
+    assert len(pairs) == 1 and torch.equal(pairs.chosen_ids[0], TASK.target(prompts[0]))
+    with pytest.raises(ActorError, match="one hinted prompt per completion"):
+        teacher.hinted_logits.call_one(hinted[:1], completions).get(timeout=60)
+
+
+def _zero(prompt: torch.Tensor, completion: torch.Tensor) -> float:
+    return 0.0
+
+
+def test_rewarder_weights_and_errors() -> None:
+    rewarder = this_proc().spawn("rewarder_t", RewarderActor, [TASK.reward, _zero], [2.0, 1.0])
+    prompts = TASK.prompts(1, step=0)
+    target = TASK.target(prompts[0]).unsqueeze(0)
+    ro = Rollout(0, prompts, target, torch.ones_like(target, dtype=torch.bool), torch.zeros(1, 4), 0, 1)
+    assert rewarder.score.call_one(ro).get(timeout=60).tolist() == [2.0]
+
+
+def test_assemble_batch_advantage_scales() -> None:
+    prompts = TASK.prompts(2, step=0).repeat_interleave(2, dim=0)
+    ro = Rollout(
+        0,
+        prompts,
+        torch.ones(4, 2, dtype=torch.long),
+        torch.ones(4, 2, dtype=torch.bool),
+        torch.zeros(4, 2),
+        0,
+        2,
+    )
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5])
+    group = assemble_batch(ro, rewards, advantage_scale="group")
+    # (r − mean) / (std + 1e-4), std unbiased: group 1 std = √0.5; group 2 has zero std → 0
+    s = 0.5**0.5
+    torch.testing.assert_close(
+        group.advantages, torch.tensor([0.5 / (s + 1e-4), -0.5 / (s + 1e-4), 0.0, 0.0])
+    )
+    none = assemble_batch(ro, rewards, advantage_scale="none")
+    assert none.advantages.tolist() == [0.5, -0.5, 0.0, 0.0]
+    with pytest.raises(ValueError, match="one reward per completion"):
+        assemble_batch(ro, rewards[:3])
+
+
+def test_loop_config_and_driver_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="advantage_scale"):
+        LoopConfig(advantage_scale="std")
+    with pytest.raises(ValueError, match="unknown role"):
+        LoopConfig(placement={"critic": 0})
+    with pytest.raises(ValueError, match="call_timeout_s"):
+        LoopConfig(call_timeout_s=0)
+    with pytest.raises(ValueError, match="group_size"):
+        LoopConfig(group_size=0)
+    with pytest.raises(ValueError, match="no replay records"):
+        ComposerDriver(TASK, MODEL, loss=ComposerLoss(beta_replay=0.5))
+    with pytest.raises(RuntimeError, match="not started"):
+        ComposerDriver(TASK, MODEL, loss=ComposerLoss(beta_replay=0.0)).weights()
+
+
+def test_placement_defaults_and_overrides() -> None:
+    loop = LoopConfig(procs=3, placement={"teacher": 1, "rewarder": (0, 0)})
+    assert loop.place("trainer") == 0  # the trainer has proc 0 to itself by default
+    assert loop.place("generator") == 2  # the rest share the last proc
+    assert loop.place("teacher") == 1
+    assert loop.place("rewarder") == (0, 0)
+
+
+def test_fault_router_routes_by_mesh_name() -> None:
+    """Routing only (Monarch's MeshFailure cannot be built by hand; a namespace carries mesh_name)."""
+    from types import SimpleNamespace
+
+    import monarch.actor as monarch_actor
+    from composer_monarch.errors import _FaultRouter
+
+    saved = monarch_actor.unhandled_fault_hook
+    foreign: list[object] = []
+    try:
+        monarch_actor.unhandled_fault_hook = foreign.append
+        router = _FaultRouter()
+        got: list[tuple[str, object]] = []
+        router.register("composer_abcd1234_", lambda role, f: got.append((role, f)))
+        assert monarch_actor.unhandled_fault_hook is router
+        mine = SimpleNamespace(mesh_name="composer_abcd1234_rewarder-XyZ")
+        stale = SimpleNamespace(mesh_name="composer_00000000_trainer-AbC")
+        internal = SimpleNamespace(mesh_name="logger-QwE")
+        users = SimpleNamespace(mesh_name="my_workers-RtY")
+        for f in (mine, stale, internal, users):
+            router(f)
+        assert got == [("rewarder", mine)]  # this driver's actor, by role
+        assert foreign == [users]  # not composer's: the previous hook decides
+        router.unregister("composer_abcd1234_")
+        router(mine)  # a late report after the driver stopped is dropped
+        assert len(got) == 1 and foreign == [users]
+    finally:
+        monarch_actor.unhandled_fault_hook = saved
