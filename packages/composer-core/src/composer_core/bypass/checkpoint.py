@@ -222,6 +222,6 @@ def load_checkpoint(
         except Exception as exc:
             raise ValueError(f"optimizer state {file} is missing or corrupt: {exc}") from exc
     rng = path / "rng" / f"rank-{ctx.rank:04d}.pt"
-    if rng.is_file():
+    if optimizers is not None and rng.is_file():  # only when resuming training
         torch.set_rng_state(torch.load(rng, weights_only=True)["cpu"])
     return state
