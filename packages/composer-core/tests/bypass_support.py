@@ -6,19 +6,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
-
 from composer_core.bypass import ReferenceConfig, ReferenceDecoder, config_from_dict
 from composer_core.bypass.config import BypassConfig
 from composer_core.bypass.data import synthetic_tokens
+from safetensors.torch import load_file, save_file
 
 VOCAB = 48
 
 
 def teacher(num_layers: int = 3, seed: int = 0, **kw: Any) -> ReferenceDecoder:
     torch.manual_seed(seed)
-    cfg = dict(vocab_size=VOCAB, hidden_size=16, num_layers=num_layers, num_heads=4, num_kv_heads=4,
-               intermediate_size=32)
+    cfg = dict(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_layers=num_layers,
+        num_heads=4,
+        num_kv_heads=4,
+        intermediate_size=32,
+    )
     cfg.update(kw)
     return ReferenceDecoder(ReferenceConfig(**cfg)).eval()
 

@@ -7,10 +7,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-import bypass_support as S  # noqa: E402
-
-from composer_core.bypass.cli import main, read_config_file  # noqa: E402
-from composer_core.bypass.reference import ReferenceDecoder  # noqa: E402
+import bypass_support as S
+from composer_core.bypass.cli import main, read_config_file
+from composer_core.bypass.reference import ReferenceDecoder
 
 RUN = """
 [teacher]
@@ -47,7 +46,9 @@ def test_cli_sweep_table_export_and_resume(tmp_path: Path, capsys: pytest.Captur
     S.teacher().save(tmp_path / "teacher")
     S.write_tokens(tmp_path / "tokens.safetensors", S.tokens())
     cfg = tmp_path / "run.toml"
-    cfg.write_text(RUN.format(teacher=tmp_path / "teacher", tokens=tmp_path / "tokens.safetensors", out=tmp_path / "out"))
+    cfg.write_text(
+        RUN.format(teacher=tmp_path / "teacher", tokens=tmp_path / "tokens.safetensors", out=tmp_path / "out")
+    )
     assert main(["--config", str(cfg), "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert out.count("assembled student LM loss") == 2 and "first step" in out and "(trained)" in out
@@ -70,7 +71,7 @@ def test_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ValueError, match="unknown tables"):
         bad.write_text("[trainer]\n")
         read_config_file(bad)
-    with pytest.raises(ValueError, match="use a .toml"):
+    with pytest.raises(ValueError, match=r"use a \.toml"):
         read_config_file(tmp_path / "x.json") if (tmp_path / "x.json").write_text("{}") else None
 
 

@@ -1,7 +1,11 @@
 import pytest
 import torch
-
-from composer_core.bypass.losses import get_loss, normalized_mse, per_sample_normalized_mse, vectorwise_normalized_mse
+from composer_core.bypass.losses import (
+    get_loss,
+    normalized_mse,
+    per_sample_normalized_mse,
+    vectorwise_normalized_mse,
+)
 
 LOSSES = [normalized_mse, vectorwise_normalized_mse, per_sample_normalized_mse]
 

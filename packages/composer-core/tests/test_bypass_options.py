@@ -8,12 +8,11 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import bypass_support as S  # noqa: E402
-
-from composer_core.bypass import BlockOverride, build_student, canonical_keys, cosine_lr, partition_blocks  # noqa: E402
-from composer_core.bypass.identity import run_identity, sha256_json  # noqa: E402
-from composer_core.bypass.keys import check_keys_for_model, freeze_for_training  # noqa: E402
-from composer_core.bypass.optim import make_block_optimizer, optimizer_step  # noqa: E402
+import bypass_support as S
+from composer_core.bypass import BlockOverride, build_student, canonical_keys, cosine_lr, partition_blocks
+from composer_core.bypass.identity import run_identity, sha256_json
+from composer_core.bypass.keys import check_keys_for_model, freeze_for_training
+from composer_core.bypass.optim import make_block_optimizer, optimizer_step
 
 
 def test_cosine_lr_values() -> None:
@@ -43,13 +42,18 @@ def test_canonical_keys() -> None:
 
 def test_keys_order_does_not_change_identity(tmp_path: Path) -> None:
     a = S.config(tmp_path, training={"keys_to_learn": ["subblock_ffn", "subblock_attention"]})
-    b = S.config(tmp_path / "elsewhere", training={"keys_to_learn": ["subblock_attention", "subblock_ffn"]},
-                 run={"save_every": 3})
+    b = S.config(
+        tmp_path / "elsewhere",
+        training={"keys_to_learn": ["subblock_attention", "subblock_ffn"]},
+        run={"save_every": 3},
+    )
     c = S.config(tmp_path, training={"keys_to_learn": ["subblock_ffn"]})
     ida, idb, idc = (sha256_json(run_identity(x.identity_fields(), "t", "d")) for x in (a, b, c))
     assert ida == idb  # order, output_dir and save cadence are not part of the identity
     assert ida != idc
-    assert ida != sha256_json(run_identity(S.config(tmp_path, training={"lr": 1e-4}).identity_fields(), "t", "d"))
+    assert ida != sha256_json(
+        run_identity(S.config(tmp_path, training={"lr": 1e-4}).identity_fields(), "t", "d")
+    )
 
 
 def test_subblock_mamba_without_mamba_raises() -> None:
@@ -69,7 +73,9 @@ def test_keys_select_subblock_parameters() -> None:
     assert names and all(n.startswith(("layers.1.mamba.", "layers.1.input_layernorm.")) for n in names)
     params = freeze_for_training(student, [0, 1], ("subblock_ffn",))
     names = {n for n, p in student.named_parameters() if p.requires_grad}
-    assert names == {n for n, _ in student.named_parameters() if ".mlp." in n or "post_attention_layernorm" in n}
+    assert names == {
+        n for n, _ in student.named_parameters() if ".mlp." in n or "post_attention_layernorm" in n
+    }
     assert not any(p.requires_grad for n, p in student.named_parameters() if not n.startswith("layers."))
 
 
@@ -83,8 +89,16 @@ def test_partition_blocks() -> None:
 
 def _toy(scaling: bool, clip: str, value: float) -> tuple[torch.nn.Parameter, list[torch.Tensor]]:
     p = torch.nn.Parameter(torch.zeros(4))
-    block = make_block_optimizer(0, [p], lr=0.1, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0,
-                                 loss_scaling=scaling, init_scale=2.0**10)
+    block = make_block_optimizer(
+        0,
+        [p],
+        lr=0.1,
+        betas=(0.9, 0.99),
+        eps=1e-8,
+        weight_decay=0.0,
+        loss_scaling=scaling,
+        init_scale=2.0**10,
+    )
     seen: list[torch.Tensor] = []
     block.optimizer.register_step_pre_hook(lambda opt, a, k: seen.append(p.grad.detach().clone()))
     g = torch.tensor([0.3, -0.4, 0.0, 0.0])  # ‖g‖ = 0.5

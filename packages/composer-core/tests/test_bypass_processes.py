@@ -18,13 +18,14 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import bypass_support as S  # noqa: E402
-
-from composer_core.bypass import config_from_dict, run_bypass  # noqa: E402
-from composer_core.bypass.checkpoint import KILL_ENV, is_complete  # noqa: E402
+import bypass_support as S
+from composer_core.bypass import config_from_dict, run_bypass
+from composer_core.bypass.checkpoint import KILL_ENV, is_complete
 
 SECTIONS: dict[str, Any] = {
-    "student": {"overrides": [{"intermediate_size": 8, "num_key_value_heads": 2}, {"blocks": [2], "ffn_no_op": True}]},
+    "student": {
+        "overrides": [{"intermediate_size": 8, "num_key_value_heads": 2}, {"blocks": [2], "ffn_no_op": True}]
+    },
     "training": {"steps": 6, "micro_batch_size": 4, "lr": 3e-3, "warmup_steps": 1, "grad_accum": 2},
 }
 
@@ -37,11 +38,20 @@ def _toml_value(v: Any) -> str:
     return json.dumps(v)
 
 
-def _write_run(root: Path, name: str, run: dict[str, Any], teacher_dir: Path, tokens: Path) -> tuple[Path, dict[str, Any]]:
-    tables = {**SECTIONS, "run": {"output_dir": str(root / name), **run},
-              "teacher": {"kind": "reference", "path": str(teacher_dir)}, "data": {"path": str(tokens)},
-              "output": {"plot": False}}
-    text = "\n".join(f"[{t}]\n" + "\n".join(f"{k} = {_toml_value(v)}" for k, v in body.items()) for t, body in tables.items())
+def _write_run(
+    root: Path, name: str, run: dict[str, Any], teacher_dir: Path, tokens: Path
+) -> tuple[Path, dict[str, Any]]:
+    tables = {
+        **SECTIONS,
+        "run": {"output_dir": str(root / name), **run},
+        "teacher": {"kind": "reference", "path": str(teacher_dir)},
+        "data": {"path": str(tokens)},
+        "output": {"plot": False},
+    }
+    text = "\n".join(
+        f"[{t}]\n" + "\n".join(f"{k} = {_toml_value(v)}" for k, v in body.items())
+        for t, body in tables.items()
+    )
     path = root / f"{name}.toml"
     path.write_text(text + "\n")
     return path, {k: tables[k] for k in ("student", "training", "run")}
@@ -60,20 +70,33 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def _cli(config: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "composer_core.bypass.cli", "--config", str(config), "--no-progress"],
-                            env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "composer_core.bypass.cli", "--config", str(config), "--no-progress"],
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 @pytest.mark.parametrize(
     ("checkpoint", "phase"),
-    [("step-00000004", "blocks"), ("step-00000004", "marker"),
-     ("step-00000004", "rename"), ("final", "state")],
+    [
+        ("step-00000004", "blocks"),
+        ("step-00000004", "marker"),
+        ("step-00000004", "rename"),
+        ("final", "state"),
+    ],
 )
-def test_kill_minus_9_mid_save_then_resume_is_bit_identical(setup: dict[str, Any], checkpoint: str, phase: str) -> None:
+def test_kill_minus_9_mid_save_then_resume_is_bit_identical(
+    setup: dict[str, Any], checkpoint: str, phase: str
+) -> None:
     root = setup["root"]
-    toml, cfg = _write_run(root, f"kill-{checkpoint}-{phase}", {"save_every": 2}, setup["teacher"], setup["tokens"])
+    toml, cfg = _write_run(
+        root, f"kill-{checkpoint}-{phase}", {"save_every": 2}, setup["teacher"], setup["tokens"]
+    )
     proc = _cli(toml, {KILL_ENV: f"{checkpoint}:{phase}"})
-    out, err = proc.communicate(timeout=300)
+    _out, err = proc.communicate(timeout=300)
     assert proc.returncode == -signal.SIGKILL, err
     exp = next((root / f"kill-{checkpoint}-{phase}").iterdir())
     if phase != "rename":
@@ -105,8 +128,16 @@ def _free_port() -> int:
 def _launch(config: Path, world: int) -> list[tuple[int, str, str]]:
     port = str(_free_port())
     procs = [
-        _cli(config, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(world), "RANK": str(r),
-                      "LOCAL_RANK": str(r)})
+        _cli(
+            config,
+            {
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+                "WORLD_SIZE": str(world),
+                "RANK": str(r),
+                "LOCAL_RANK": str(r),
+            },
+        )
         for r in range(world)
     ]
     results = []
@@ -118,11 +149,15 @@ def _launch(config: Path, world: int) -> list[tuple[int, str, str]]:
 
 def test_two_process_gloo_equals_one_process(setup: dict[str, Any]) -> None:
     root = setup["root"]
-    toml, _ = _write_run(root, "two", {"save_every": 2, "val_every": 3, "val_sequences": 8}, setup["teacher"],
-                         setup["tokens"])
-    _, one_cfg = _write_run(root, "one", {"save_every": 2, "val_every": 3, "val_sequences": 8}, setup["teacher"],
-                            setup["tokens"])
-    one = run_bypass(type(S.teacher()).load(setup["teacher"]), setup["ids"], config_from_dict(one_cfg), progress=False)
+    toml, _ = _write_run(
+        root, "two", {"save_every": 2, "val_every": 3, "val_sequences": 8}, setup["teacher"], setup["tokens"]
+    )
+    _, one_cfg = _write_run(
+        root, "one", {"save_every": 2, "val_every": 3, "val_sequences": 8}, setup["teacher"], setup["tokens"]
+    )
+    one = run_bypass(
+        type(S.teacher()).load(setup["teacher"]), setup["ids"], config_from_dict(one_cfg), progress=False
+    )
     results = _launch(toml, 2)
     assert all(rc == 0 for rc, _, _ in results), results
     exp = next((root / "two").iterdir())
@@ -145,5 +180,7 @@ def test_more_ranks_than_blocks_fails_cleanly_on_every_rank(setup: dict[str, Any
     results = _launch(toml, 2)
     errors = {err.strip().splitlines()[-1] for _, _, err in results}
     assert [rc for rc, _, _ in results] == [2, 2]
-    assert errors == {"composer-bypass: error: world_size=2 exceeds the number of blocks (1): every rank needs at "
-                      "least one block; run with at most 1 processes"}
+    assert errors == {
+        "composer-bypass: error: world_size=2 exceeds the number of blocks (1): every rank needs at "
+        "least one block; run with at most 1 processes"
+    }

@@ -7,13 +7,12 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import bypass_support as S  # noqa: E402
-
-from composer_core.bypass import BlockOverride, build_student, init_from_teacher, resolve_block_configs  # noqa: E402
-from composer_core.bypass.forward import teacher_forward  # noqa: E402
-from composer_core.bypass.distributed import DistContext  # noqa: E402
-from composer_core.bypass.losses import normalized_mse  # noqa: E402
-from composer_core.bypass.student import ffn_channel_importance  # noqa: E402
+import bypass_support as S
+from composer_core.bypass import BlockOverride, build_student, init_from_teacher, resolve_block_configs
+from composer_core.bypass.distributed import DistContext
+from composer_core.bypass.forward import teacher_forward
+from composer_core.bypass.losses import normalized_mse
+from composer_core.bypass.student import ffn_channel_importance
 
 
 def _block_losses(teacher, student, ids):  # type: ignore[no-untyped-def]
@@ -45,7 +44,9 @@ def test_ffn_truncation_copies_leading_channels() -> None:
     torch.testing.assert_close(sm.gate_proj.weight, tm.gate_proj.weight[:8], rtol=0, atol=0)
     torch.testing.assert_close(sm.up_proj.weight, tm.up_proj.weight[:8], rtol=0, atol=0)
     torch.testing.assert_close(sm.down_proj.weight, tm.down_proj.weight[:, :8], rtol=0, atol=0)
-    torch.testing.assert_close(s.layers[0].mlp.gate_proj.weight, t.layers[0].mlp.gate_proj.weight, rtol=0, atol=0)
+    torch.testing.assert_close(
+        s.layers[0].mlp.gate_proj.weight, t.layers[0].mlp.gate_proj.weight, rtol=0, atol=0
+    )
 
 
 def test_importance_pruning_keeps_the_strongest_channels() -> None:
@@ -59,7 +60,9 @@ def test_importance_pruning_keeps_the_strongest_channels() -> None:
     acts = []
     for b in ids:
         h, ctx = t.prepare(b)
-        x = t.layers[0].post_attention_layernorm(h + t.layers[0].self_attn(t.layers[0].input_layernorm(h), ctx["cos"], ctx["sin"]))
+        x = t.layers[0].post_attention_layernorm(
+            h + t.layers[0].self_attn(t.layers[0].input_layernorm(h), ctx["cos"], ctx["sin"])
+        )
         m = t.layers[0].mlp
         acts.append((torch.nn.functional.silu(m.gate_proj(x)) * m.up_proj(x)).reshape(-1, 32))
     torch.testing.assert_close(scores[0], torch.cat(acts).pow(2).mean(0).sqrt())
@@ -83,7 +86,9 @@ def test_kv_heads_averaged() -> None:
         torch.testing.assert_close(sw[:d], (tw[:d] + tw[d : 2 * d]) / 2)
         torch.testing.assert_close(sw[d:], (tw[2 * d : 3 * d] + tw[3 * d :]) / 2)
     first = build_student(t, [BlockOverride(num_key_value_heads=2)], gqa_init_mode="first")
-    torch.testing.assert_close(first.layers[0].self_attn.k_proj.weight[d:], t.layers[0].self_attn.k_proj.weight[2 * d : 3 * d])
+    torch.testing.assert_close(
+        first.layers[0].self_attn.k_proj.weight[d:], t.layers[0].self_attn.k_proj.weight[2 * d : 3 * d]
+    )
 
 
 def test_kv_average_is_exact_when_grouped_heads_agree() -> None:
@@ -98,7 +103,9 @@ def test_kv_average_is_exact_when_grouped_heads_agree() -> None:
 
 def test_no_op_subblocks() -> None:
     t = S.teacher(num_layers=2)
-    s = build_student(t, [BlockOverride(blocks=(0,), attention_no_op=True), BlockOverride(blocks=(1,), ffn_no_op=True)])
+    s = build_student(
+        t, [BlockOverride(blocks=(0,), attention_no_op=True), BlockOverride(blocks=(1,), ffn_no_op=True)]
+    )
     assert s.layers[0].self_attn is None and s.layers[0].input_layernorm is None
     assert s.layers[1].mlp is None and set(s.subblocks(1)) == {"attention"}
     h = torch.randn(2, 5, 16)

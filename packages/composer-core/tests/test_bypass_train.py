@@ -8,16 +8,15 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import bypass_support as S  # noqa: E402
-
-from composer_core.bypass import StudentConfig, build_student, run_bypass, run_sweep  # noqa: E402
-from composer_core.bypass import checkpoint as ckpt  # noqa: E402
-from composer_core.bypass.config import override_from_dict  # noqa: E402
-from composer_core.bypass.data import TokenBatches  # noqa: E402
-from composer_core.bypass.distributed import DistContext  # noqa: E402
-from composer_core.bypass.forward import teacher_forward  # noqa: E402
-from composer_core.bypass.keys import trainable_parameters  # noqa: E402
-from composer_core.bypass.losses import normalized_mse  # noqa: E402
+import bypass_support as S
+from composer_core.bypass import StudentConfig, build_student, run_bypass, run_sweep
+from composer_core.bypass import checkpoint as ckpt
+from composer_core.bypass.config import override_from_dict
+from composer_core.bypass.data import TokenBatches
+from composer_core.bypass.distributed import DistContext
+from composer_core.bypass.forward import teacher_forward
+from composer_core.bypass.keys import trainable_parameters
+from composer_core.bypass.losses import normalized_mse
 
 
 def _held_out_losses(teacher, student, ids):  # type: ignore[no-untyped-def]
@@ -49,8 +48,17 @@ def test_identical_student_trains_at_zero_loss(tmp_path: Path) -> None:
 def test_grad_accumulation_averages_micro_batches(tmp_path: Path, loss_scaling: bool) -> None:
     """Closed form: after one AdamW step exp_avg = (1 − β1)·mean_k ∇L(batch k) (unscaled)."""
     teacher, ids = S.teacher(num_layers=1), S.tokens()
-    cfg = S.config(tmp_path, training={"steps": 1, "grad_accum": 2, "micro_batch_size": 2, "clip": "none",
-                                       "warmup_steps": 0, "loss_scaling": loss_scaling})
+    cfg = S.config(
+        tmp_path,
+        training={
+            "steps": 1,
+            "grad_accum": 2,
+            "micro_batch_size": 2,
+            "clip": "none",
+            "warmup_steps": 0,
+            "loss_scaling": loss_scaling,
+        },
+    )
     result = run_bypass(teacher, ids, cfg, progress=False)
     student = build_student(teacher, cfg.student.overrides)
     params = [p for _, p in trainable_parameters(student, 0, ("entire_block",))]
@@ -63,7 +71,9 @@ def test_grad_accumulation_averages_micro_batches(tmp_path: Path, loss_scaling: 
     for i, p in enumerate(params):
         torch.testing.assert_close(state[i]["exp_avg"], 0.1 * p.grad, rtol=1e-5, atol=1e-9)
     if loss_scaling:
-        assert torch.load(result.final_dir / "optim" / "block-0000.pt", weights_only=True)["scaler"]["scale"] > 1
+        assert (
+            torch.load(result.final_dir / "optim" / "block-0000.pt", weights_only=True)["scaler"]["scale"] > 1
+        )
 
 
 def test_validation_and_best_checkpoint(tmp_path: Path) -> None:
@@ -88,7 +98,9 @@ def test_skip_if_complete(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     again = run_bypass(teacher, ids, cfg, progress=False)
     assert again.skipped and not first.skipped and calls == []
     assert again.history == first.history and again.experiment_dir == first.experiment_dir
-    for (n, p), (_, q) in zip(again.student.named_parameters(), first.student.named_parameters(), strict=True):
+    for (n, p), (_, q) in zip(
+        again.student.named_parameters(), first.student.named_parameters(), strict=True
+    ):
         assert torch.equal(p, q), n
     fresh = run_bypass(teacher, ids, cfg, resume=False, progress=False)
     assert not fresh.skipped and len(calls) == 6
@@ -129,7 +141,13 @@ def test_resume_continues_at_batches_consumed(tmp_path: Path, monkeypatch: pytes
     resumed = run_bypass(teacher, ids, cfg, progress=False)
     assert calls == list(range(8, 12))  # step-4 was complete (renamed) -> 4 steps × 2 micro-batches consumed
     assert resumed.history == ref.history and resumed.batches_consumed == 12
-    assert all(torch.equal(a, b) for a, b in zip(S.final_blocks(resumed.experiment_dir).values(),
-                                                  S.final_blocks(ref.experiment_dir).values(), strict=True))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(
+            S.final_blocks(resumed.experiment_dir).values(),
+            S.final_blocks(ref.experiment_dir).values(),
+            strict=True,
+        )
+    )
     state = json.loads((resumed.experiment_dir / "step-00000004" / "state.json").read_text())
     assert (state["step"], state["batches_consumed"]) == (4, 8)

@@ -5,11 +5,10 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from safetensors.torch import save_file
-
 from composer_core.bypass.cli import main
 from composer_core.bypass.hf import load_hf_model
 from composer_core.bypass.report import plot_block_losses
+from safetensors.torch import save_file
 
 RUN = """
 teacher: {{kind: hf, path: "{teacher}"}}
@@ -24,12 +23,21 @@ run: {{output_dir: "{out}", val_every: 2, val_sequences: 4}}
 
 def test_yaml_hf_run_with_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    cfg = transformers.Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
     transformers.Qwen2ForCausalLM(cfg).save_pretrained(tmp_path / "teacher")
     save_file({"input_ids": torch.randint(0, 64, (20, 8))}, str(tmp_path / "tokens.safetensors"))
     run = tmp_path / "run.yaml"
-    run.write_text(RUN.format(teacher=tmp_path / "teacher", tokens=tmp_path / "tokens.safetensors", out=tmp_path / "o"))
+    run.write_text(
+        RUN.format(teacher=tmp_path / "teacher", tokens=tmp_path / "tokens.safetensors", out=tmp_path / "o")
+    )
     assert main(["--config", str(run), "--no-progress"]) == 0
     out = capsys.readouterr().out
     exp = next((tmp_path / "o").iterdir())

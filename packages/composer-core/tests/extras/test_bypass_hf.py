@@ -5,7 +5,6 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-
 from composer_core.bypass import BlockOverride, build_student, config_from_dict, run_bypass
 from composer_core.bypass.data import synthetic_tokens
 from composer_core.bypass.distributed import DistContext
@@ -19,14 +18,25 @@ ARCHS = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {"tie_word_embeddings": True}),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": 4}),
 }
-HETERO = [BlockOverride(intermediate_size=16, num_key_value_heads=2), BlockOverride(blocks=(1,), attention_no_op=True)]
+HETERO = [
+    BlockOverride(intermediate_size=16, num_key_value_heads=2),
+    BlockOverride(blocks=(1,), attention_no_op=True),
+]
 
 
 def _teacher(arch: str, path: Path) -> HFDecoder:
     cfg_cls, model_cls, extra = ARCHS[arch]
     torch.manual_seed(0)
-    cfg = cfg_cls(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-                  num_key_value_heads=4, max_position_embeddings=64, **extra)
+    cfg = cfg_cls(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+        **extra,
+    )
     model_cls(cfg).save_pretrained(path)
     return load_hf_model(path)
 
@@ -53,12 +63,18 @@ def test_blockwise_forward_matches_model(arch: str, tmp_path: Path) -> None:
 def test_train_save_and_reload_heterogeneous_student(arch: str, tmp_path: Path) -> None:
     teacher = _teacher(arch, tmp_path / "t")
     ids = synthetic_tokens(64, 28, 10, seed=3)
-    cfg = config_from_dict({
-        "student": {"overrides": [{"intermediate_size": 16, "num_key_value_heads": 2},
-                                  {"blocks": [1], "attention_no_op": True}]},
-        "training": {"steps": 15, "micro_batch_size": 4, "lr": 1e-3},
-        "run": {"output_dir": str(tmp_path / "runs"), "val_every": 15, "val_sequences": 4},
-    })
+    cfg = config_from_dict(
+        {
+            "student": {
+                "overrides": [
+                    {"intermediate_size": 16, "num_key_value_heads": 2},
+                    {"blocks": [1], "attention_no_op": True},
+                ]
+            },
+            "training": {"steps": 15, "micro_batch_size": 4, "lr": 1e-3},
+            "run": {"output_dir": str(tmp_path / "runs"), "val_every": 15, "val_sequences": 4},
+        }
+    )
     before = build_student(teacher, HETERO)
     result = run_bypass(teacher, ids, cfg, progress=False)
     held = ids[-4:]
@@ -72,7 +88,7 @@ def test_train_save_and_reload_heterogeneous_student(arch: str, tmp_path: Path) 
         want = result.student.model(held).logits  # type: ignore[attr-defined]
         torch.testing.assert_close(reloaded.model(held).logits, want, rtol=0, atol=0)
     assert reloaded.model.model.layers[0].mlp.up_proj.weight.shape == (16, 32)
-    with pytest.raises(Exception, match="(?i)size|shape"):  # a heterogeneous student needs load_hf_model
+    with pytest.raises(Exception, match=r"(?i)size|shape"):  # a heterogeneous student needs load_hf_model
         transformers.AutoModelForCausalLM.from_pretrained(out)
 
 
@@ -90,7 +106,12 @@ def test_uniform_student_loads_with_plain_from_pretrained(tmp_path: Path) -> Non
 def test_unsupported_models_raise() -> None:
     with pytest.raises(ValueError, match="not a Llama-style causal LM"):
         HFDecoder(torch.nn.Linear(2, 2))
-    teacher = HFDecoder(transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2)))
+    teacher = HFDecoder(
+        transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(
+                vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2
+            )
+        )
+    )
     with pytest.raises(ValueError, match="mixer='mamba' is not supported for HF"):
         build_student(teacher, [BlockOverride(mixer="mamba")])

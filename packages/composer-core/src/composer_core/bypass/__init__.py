@@ -7,7 +7,13 @@ block's output. Torch-only; Hugging Face models go through :mod:`composer_core.b
 console script.
 """
 
-from composer_core.bypass.config import BypassConfig, RunConfig, StudentConfig, TrainingConfig, config_from_dict
+from composer_core.bypass.config import (
+    BypassConfig,
+    RunConfig,
+    StudentConfig,
+    TrainingConfig,
+    config_from_dict,
+)
 from composer_core.bypass.distributed import DistContext, partition_blocks
 from composer_core.bypass.keys import canonical_keys
 from composer_core.bypass.losses import normalized_mse, per_sample_normalized_mse, vectorwise_normalized_mse

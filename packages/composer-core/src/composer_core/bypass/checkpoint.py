@@ -147,9 +147,13 @@ def read_state(path: Path) -> dict[str, Any]:
     try:
         data = json.loads((path / STATE).read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"checkpoint {path} has an unreadable {STATE}: {exc}; delete or move the directory") from exc
+        raise ValueError(
+            f"checkpoint {path} has an unreadable {STATE}: {exc}; delete or move the directory"
+        ) from exc
     if not isinstance(data, dict) or not {"step", "batches_consumed"} <= set(data):
-        raise ValueError(f"checkpoint {path}/{STATE} lacks step/batches_consumed; delete or move the directory")
+        raise ValueError(
+            f"checkpoint {path}/{STATE} lacks step/batches_consumed; delete or move the directory"
+        )
     return data
 
 

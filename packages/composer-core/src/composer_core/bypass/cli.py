@@ -87,8 +87,12 @@ def load_data(spec: dict[str, Any]) -> Tensor:
         return load_tokens(spec["path"], spec.get("key", "input_ids"))
     if "synthetic" in spec:
         s = dict(spec["synthetic"])
-        return synthetic_tokens(int(s["vocab_size"]), int(s["num_sequences"]), int(s["seq_len"]), int(s.get("seed", 0)))
-    raise ValueError("[data] needs path = <tokens.safetensors> or synthetic = {vocab_size, num_sequences, seq_len}")
+        return synthetic_tokens(
+            int(s["vocab_size"]), int(s["num_sequences"]), int(s["seq_len"]), int(s.get("seed", 0))
+        )
+    raise ValueError(
+        "[data] needs path = <tokens.safetensors> or synthetic = {vocab_size, num_sequences, seq_len}"
+    )
 
 
 def _init_distributed() -> None:
@@ -96,14 +100,27 @@ def _init_distributed() -> None:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
 
 
-def _finish(result: BypassResult, teacher: BlockwiseModel, tokens: Tensor, config: BypassConfig, plot: bool | None) -> None:
+def _finish(
+    result: BypassResult, teacher: BlockwiseModel, tokens: Tensor, config: BypassConfig, plot: bool | None
+) -> None:
     exp = result.experiment_dir
-    (exp / "history.json").write_text(json.dumps({"history": result.history, "validation": result.validation}, indent=1))
-    print(f"\nrun {result.run_id[:16]} ({'skipped: already complete' if result.skipped else 'trained'}) -> {exp}")
+    (exp / "history.json").write_text(
+        json.dumps({"history": result.history, "validation": result.validation}, indent=1)
+    )
+    print(
+        f"\nrun {result.run_id[:16]} ({'skipped: already complete' if result.skipped else 'trained'}) -> {exp}"
+    )
     print(loss_table(result.history, result.validation))
-    student = make_student(teacher, config.student, TokenBatches(
-        tokens, micro_batch_size=config.training.micro_batch_size, seed=config.training.seed,
-        val_sequences=config.run.val_sequences))
+    student = make_student(
+        teacher,
+        config.student,
+        TokenBatches(
+            tokens,
+            micro_batch_size=config.training.micro_batch_size,
+            seed=config.training.seed,
+            val_sequences=config.run.val_sequences,
+        ),
+    )
     export_student(student, result.final_dir, exp / "student")
     print(f"student saved to {exp / 'student'}")
     want = plot
@@ -140,7 +157,9 @@ def _run(args: argparse.Namespace) -> int:
     tokens = load_data(dict(raw.get("data", {})))
     try:
         for config in configs:
-            result = run_bypass(teacher, tokens, config, resume=not args.no_resume, progress=not args.no_progress)
+            result = run_bypass(
+                teacher, tokens, config, resume=not args.no_resume, progress=not args.no_progress
+            )
             if ctx.is_main:
                 _finish(result, teacher, tokens, config, plot)
             ctx.barrier()

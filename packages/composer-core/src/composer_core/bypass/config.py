@@ -22,7 +22,9 @@ class StudentConfig:
 
     def __post_init__(self) -> None:
         if self.mlp_init_mode not in ("truncate", "importance"):
-            raise ValueError(f"student.mlp_init_mode={self.mlp_init_mode!r}: choose 'truncate' or 'importance'")
+            raise ValueError(
+                f"student.mlp_init_mode={self.mlp_init_mode!r}: choose 'truncate' or 'importance'"
+            )
         if self.gqa_init_mode not in ("average", "first"):
             raise ValueError(f"student.gqa_init_mode={self.gqa_init_mode!r}: choose 'average' or 'first'")
         if self.importance_batches < 1:
@@ -58,7 +60,9 @@ class TrainingConfig:
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"training: need 0 <= min_lr <= lr, got min_lr={self.min_lr}, lr={self.lr}")
         if not 0 <= self.warmup_steps <= self.steps:
-            raise ValueError(f"training.warmup_steps must be in [0, steps={self.steps}], got {self.warmup_steps}")
+            raise ValueError(
+                f"training.warmup_steps must be in [0, steps={self.steps}], got {self.warmup_steps}"
+            )
         if self.clip not in ("none", "norm", "value"):
             raise ValueError(f"training.clip={self.clip!r}: choose 'none', 'norm' or 'value'")
         if self.clip != "none" and not self.clip_value > 0:

@@ -37,7 +37,9 @@ def synthetic_tokens(vocab_size: int, num_sequences: int, seq_len: int, seed: in
 class TokenBatches:
     """Train/validation split (the last ``val_sequences`` rows are held out) and batch lookup."""
 
-    def __init__(self, input_ids: Tensor, *, micro_batch_size: int, seed: int, val_sequences: int = 0) -> None:
+    def __init__(
+        self, input_ids: Tensor, *, micro_batch_size: int, seed: int, val_sequences: int = 0
+    ) -> None:
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(
                 f"input_ids must be a 2-D integer tensor [num_sequences, seq_len], got {input_ids.dtype} "
@@ -71,4 +73,7 @@ class TokenBatches:
 
     def val_batches(self) -> list[Tensor]:
         """Held-out micro-batches (the last one may be smaller)."""
-        return [self.val[i : i + self.micro_batch_size] for i in range(0, self.val.shape[0], self.micro_batch_size)]
+        return [
+            self.val[i : i + self.micro_batch_size]
+            for i in range(0, self.val.shape[0], self.micro_batch_size)
+        ]

@@ -16,6 +16,8 @@ def export_student(student: BlockwiseModel, checkpoint: Path, out: Path) -> Path
     Reference decoders are written as ``config.json`` + ``model.safetensors``; HF models with
     ``save_pretrained`` (see :mod:`composer_core.bypass.hf` for per-block shapes).
     """
-    load_checkpoint(checkpoint, model=student, blocks=range(student.num_blocks), optimizers=None, ctx=DistContext())
+    load_checkpoint(
+        checkpoint, model=student, blocks=range(student.num_blocks), optimizers=None, ctx=DistContext()
+    )
     student.save(out)
     return out

@@ -35,7 +35,9 @@ def teacher_forward(
 
 
 @torch.no_grad()
-def student_lm_loss(student: BlockwiseModel, input_ids: Tensor, blocks: Sequence[int], ctx: DistContext) -> float:
+def student_lm_loss(
+    student: BlockwiseModel, input_ids: Tensor, blocks: Sequence[int], ctx: DistContext
+) -> float:
     """Next-token cross-entropy of the assembled student (pipelined; every rank gets the value)."""
     hidden, context = student.prepare(input_ids)
     hidden = ctx.recv_from_previous(hidden)

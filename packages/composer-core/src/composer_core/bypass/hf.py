@@ -27,7 +27,7 @@ import copy
 import importlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors.torch import load_file
@@ -89,14 +89,16 @@ class HFDecoder:
         for i, layer in enumerate(base.layers):
             for attr in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"):
                 if not hasattr(layer, attr):
-                    raise ValueError(f"layer {i} of {type(model).__name__} has no {attr!r}: not a Llama-style block")
-        self.model = model
-        self.base = base
+                    raise ValueError(
+                        f"layer {i} of {type(model).__name__} has no {attr!r}: not a Llama-style block"
+                    )
+        self.model: Any = model
+        self.base: Any = base
 
     # -- BlockwiseModel -------------------------------------------------------------
     @property
     def module(self) -> nn.Module:
-        return self.model
+        return cast(nn.Module, self.model)
 
     @property
     def num_blocks(self) -> int:
@@ -113,11 +115,17 @@ class HFDecoder:
         stored = getattr(cfg, BLOCK_CONFIGS_KEY, None)
         if stored:
             if len(stored) != self.num_blocks:
-                raise ValueError(f"config.{BLOCK_CONFIGS_KEY} has {len(stored)} entries for {self.num_blocks} layers")
+                raise ValueError(
+                    f"config.{BLOCK_CONFIGS_KEY} has {len(stored)} entries for {self.num_blocks} layers"
+                )
             return [BlockConfig.from_dict(b) for b in stored]
         kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        return [BlockConfig(AttentionConfig(num_key_value_heads=kv), FFNConfig(intermediate_size=cfg.intermediate_size))
-                for _ in range(self.num_blocks)]
+        return [
+            BlockConfig(
+                AttentionConfig(num_key_value_heads=kv), FFNConfig(intermediate_size=cfg.intermediate_size)
+            )
+            for _ in range(self.num_blocks)
+        ]
 
     def subblocks(self, index: int) -> dict[str, list[nn.Module]]:
         layer = self.base.layers[index]
@@ -137,7 +145,9 @@ class HFDecoder:
         finally:
             self.base.layers = layers
         if len(sink) != len(layers):
-            raise RuntimeError(f"{type(self.model).__name__}.forward called {len(sink)} of {len(layers)} layers")
+            raise RuntimeError(
+                f"{type(self.model).__name__}.forward called {len(sink)} of {len(layers)} layers"
+            )
         return sink[0][0], {"per_layer": [sink[i][1] for i in range(len(layers))]}
 
     def run_block(self, index: int, hidden: Tensor, context: Mapping[str, Any]) -> Tensor:
@@ -163,7 +173,9 @@ class HFDecoder:
         configs = self.block_configs()
         cfg = self.model.config
         setattr(cfg, BLOCK_CONFIGS_KEY, [c.to_dict() for c in configs])
-        uniform = all(c == configs[0] for c in configs) and not (configs[0].attention.no_op or configs[0].ffn.no_op)
+        uniform = all(c == configs[0] for c in configs) and not (
+            configs[0].attention.no_op or configs[0].ffn.no_op
+        )
         if uniform:
             cfg.intermediate_size = configs[0].ffn.intermediate_size
             cfg.num_key_value_heads = configs[0].attention.num_key_value_heads
@@ -172,11 +184,13 @@ class HFDecoder:
 
 def apply_block_configs(model: nn.Module, configs: Sequence[BlockConfig]) -> None:
     """Rebuild the layers of a freshly created HF model to the given per-block shapes."""
-    cfg = model.config
-    base = model.model  # type: ignore[union-attr]
+    cfg: Any = model.config
+    base: Any = model.model
     for i, (layer, bc) in enumerate(zip(base.layers, configs, strict=True)):
         if bc.attention.mixer != "attention":
-            raise ValueError(f"block {i}: mixer={bc.attention.mixer!r} is not supported for HF models (attention only)")
+            raise ValueError(
+                f"block {i}: mixer={bc.attention.mixer!r} is not supported for HF models (attention only)"
+            )
         dtype = layer.input_layernorm.weight.dtype
         if bc.attention.no_op:
             layer.self_attn = NoOpAttention()
@@ -185,8 +199,10 @@ def apply_block_configs(model: nn.Module, configs: Sequence[BlockConfig]) -> Non
             local = copy.deepcopy(cfg)
             local.num_key_value_heads = bc.attention.num_key_value_heads
             if cfg.num_attention_heads % local.num_key_value_heads:
-                raise ValueError(f"block {i}: num_key_value_heads={local.num_key_value_heads} must divide "
-                                 f"num_attention_heads={cfg.num_attention_heads}")
+                raise ValueError(
+                    f"block {i}: num_key_value_heads={local.num_key_value_heads} must divide "
+                    f"num_attention_heads={cfg.num_attention_heads}"
+                )
             layer.self_attn = type(layer.self_attn)(local, layer_idx=i).to(dtype)
         if bc.ffn.no_op:
             layer.mlp = NoOpMLP()
@@ -198,7 +214,9 @@ def apply_block_configs(model: nn.Module, configs: Sequence[BlockConfig]) -> Non
     setattr(cfg, BLOCK_CONFIGS_KEY, [c.to_dict() for c in configs])
 
 
-def load_hf_model(path: str | Path, *, trust_remote_code: bool = False, dtype: torch.dtype = torch.float32) -> HFDecoder:
+def load_hf_model(
+    path: str | Path, *, trust_remote_code: bool = False, dtype: torch.dtype = torch.float32
+) -> HFDecoder:
     """Load a teacher or a saved student (honouring ``composer_block_configs``) as an :class:`HFDecoder`."""
     tf = _transformers()
     p = Path(path)
@@ -207,7 +225,9 @@ def load_hf_model(path: str | Path, *, trust_remote_code: bool = False, dtype: t
     config = tf.AutoConfig.from_pretrained(str(p), trust_remote_code=trust_remote_code)
     stored = getattr(config, BLOCK_CONFIGS_KEY, None)
     if not stored:
-        model = tf.AutoModelForCausalLM.from_pretrained(str(p), dtype=dtype, trust_remote_code=trust_remote_code)
+        model = tf.AutoModelForCausalLM.from_pretrained(
+            str(p), dtype=dtype, trust_remote_code=trust_remote_code
+        )
         return HFDecoder(model)
     model = tf.AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code).to(dtype)
     apply_block_configs(model, [BlockConfig.from_dict(b) for b in stored])
@@ -220,7 +240,9 @@ def load_hf_model(path: str | Path, *, trust_remote_code: bool = False, dtype: t
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     if set(missing) - tied or unexpected:
-        raise ValueError(f"{p}: weights do not match the recorded block configs (missing {missing}, unexpected {unexpected})")
+        raise ValueError(
+            f"{p}: weights do not match the recorded block configs (missing {missing}, unexpected {unexpected})"
+        )
     if tied:
         model.tie_weights()
     return HFDecoder(model.eval())

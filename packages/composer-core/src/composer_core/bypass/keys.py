@@ -56,7 +56,9 @@ def check_keys_for_model(model: BlockwiseModel, keys: Sequence[str]) -> None:
             )
 
 
-def trainable_parameters(model: BlockwiseModel, index: int, keys: Sequence[str]) -> list[tuple[str, nn.Parameter]]:
+def trainable_parameters(
+    model: BlockwiseModel, index: int, keys: Sequence[str]
+) -> list[tuple[str, nn.Parameter]]:
     """The (name, parameter) pairs of block ``index`` selected by canonical ``keys``."""
     block = model.block(index)
     if "entire_block" in keys:
@@ -70,7 +72,9 @@ def trainable_parameters(model: BlockwiseModel, index: int, keys: Sequence[str])
     return [(n, p) for n, p in block.named_parameters() if id(p) in chosen and p.is_floating_point()]
 
 
-def freeze_for_training(model: BlockwiseModel, blocks: Sequence[int], keys: Sequence[str]) -> dict[int, list[nn.Parameter]]:
+def freeze_for_training(
+    model: BlockwiseModel, blocks: Sequence[int], keys: Sequence[str]
+) -> dict[int, list[nn.Parameter]]:
     """Freeze the whole model, then unfreeze the selected parameters of ``blocks``."""
     model.module.requires_grad_(False)
     out: dict[int, list[nn.Parameter]] = {}

@@ -16,14 +16,14 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from composer_core.bypass.protocol import AttentionConfig, BlockConfig, BlockwiseModel, FFNConfig
+from composer_core.bypass.protocol import BlockConfig, BlockwiseModel
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -45,9 +45,13 @@ class ReferenceConfig:
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads}")
+            raise ValueError(
+                f"hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads}"
+            )
         if self.block_configs and len(self.block_configs) != self.num_layers:
-            raise ValueError(f"block_configs has {len(self.block_configs)} entries, expected num_layers={self.num_layers}")
+            raise ValueError(
+                f"block_configs has {len(self.block_configs)} entries, expected num_layers={self.num_layers}"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -209,7 +213,7 @@ class ReferenceDecoder(nn.Module):
         return len(self.layers)
 
     def block(self, index: int) -> nn.Module:
-        return self.layers[index]  # type: ignore[no-any-return]
+        return self.layers[index]
 
     def block_prefix(self, index: int) -> str:
         return f"layers.{index}."
@@ -218,20 +222,19 @@ class ReferenceDecoder(nn.Module):
         return list(self._blocks)
 
     def subblocks(self, index: int) -> dict[str, list[nn.Module]]:
-        layer = self.layers[index]
+        layer = cast(Block, self.layers[index])
         out: dict[str, list[nn.Module]] = {}
-        if layer.self_attn is not None:
-            out["attention"] = [layer.input_layernorm, layer.self_attn]
-        if layer.mamba is not None:
-            out["mamba"] = [layer.input_layernorm, layer.mamba]
-        if layer.mlp is not None:
+        for kind, mixer in (("attention", layer.self_attn), ("mamba", layer.mamba)):
+            if mixer is not None and layer.input_layernorm is not None:
+                out[kind] = [layer.input_layernorm, mixer]
+        if layer.mlp is not None and layer.post_attention_layernorm is not None:
             out["ffn"] = [layer.post_attention_layernorm, layer.mlp]
         return out
 
     def prepare(self, input_ids: Tensor) -> tuple[Tensor, Mapping[str, Any]]:
         hidden = self.embed_tokens(input_ids)
         pos = torch.arange(input_ids.shape[-1], device=hidden.device, dtype=torch.float32)
-        freqs = torch.outer(pos, self.inv_freq.to(hidden.device))  # type: ignore[operator]
+        freqs = torch.outer(pos, cast(Tensor, self.inv_freq).to(hidden.device))
         emb = torch.cat((freqs, freqs), dim=-1)
         return hidden, {"cos": emb.cos().to(hidden.dtype), "sin": emb.sin().to(hidden.dtype)}
 
@@ -262,7 +265,9 @@ class ReferenceDecoder(nn.Module):
         """Load a decoder written by :meth:`save` (config.json + model.safetensors)."""
         path = Path(directory)
         if not (path / CONFIG_NAME).is_file() or not (path / WEIGHTS_NAME).is_file():
-            raise ValueError(f"{path} is not a reference decoder directory: need {CONFIG_NAME} and {WEIGHTS_NAME}")
+            raise ValueError(
+                f"{path} is not a reference decoder directory: need {CONFIG_NAME} and {WEIGHTS_NAME}"
+            )
         model = ReferenceDecoder(ReferenceConfig.from_dict(json.loads((path / CONFIG_NAME).read_text())))
         model.load_state_dict(load_file(str(path / WEIGHTS_NAME)), strict=True)
         return model

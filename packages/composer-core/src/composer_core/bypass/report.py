@@ -14,12 +14,16 @@ def loss_table(history: Sequence[dict[str, Any]], validation: Sequence[dict[str,
         return "(no training steps recorded)"
     first, last = history[0]["block_loss"], history[-1]["block_loss"]
     val = validation[-1]["block_loss"] if validation else {}
-    lines = [f"{'block':>5}  {'first step':>12}  {'step ' + str(history[-1]['step']):>12}  {'validation':>12}"]
+    lines = [
+        f"{'block':>5}  {'first step':>12}  {'step ' + str(history[-1]['step']):>12}  {'validation':>12}"
+    ]
     for key in sorted(last, key=int):
         v = f"{val[key]:12.6f}" if key in val else f"{'-':>12}"
         lines.append(f"{key:>5}  {first[key]:12.6f}  {last[key]:12.6f}  {v}")
     if validation:
-        lines.append(f"assembled student LM loss (step {validation[-1]['step']}): {validation[-1]['lm_loss']:.6f}")
+        lines.append(
+            f"assembled student LM loss (step {validation[-1]['step']}): {validation[-1]['lm_loss']:.6f}"
+        )
     return "\n".join(lines)
 
 
@@ -27,7 +31,9 @@ def _pyplot() -> Any:
     try:
         mpl = importlib.import_module("matplotlib")
     except ImportError as exc:
-        raise ImportError("plotting per-block losses needs matplotlib: pip install 'composer-core[plot]'") from exc
+        raise ImportError(
+            "plotting per-block losses needs matplotlib: pip install 'composer-core[plot]'"
+        ) from exc
     mpl.use("Agg")
     return importlib.import_module("matplotlib.pyplot")
 

@@ -54,7 +54,9 @@ def build_student(
     importance = None
     if mlp_init_mode == "importance":
         if calibration is None:
-            raise ValueError("mlp_init_mode='importance' needs calibration batches (token ids) to score FFN channels")
+            raise ValueError(
+                "mlp_init_mode='importance' needs calibration batches (token ids) to score FFN channels"
+            )
         importance = ffn_channel_importance(teacher, calibration)
     init_from_teacher(student, teacher, importance=importance, gqa_init_mode=gqa_init_mode)
     return student
@@ -153,7 +155,9 @@ def init_from_teacher(
             elif local in _FFN_ROWS or local in _FFN_COLS:
                 if channels is None:
                     k = s_cfgs[i].ffn.intermediate_size or 0
-                    channels = _select_channels(importance, i, source.shape[0 if local in _FFN_ROWS else 1], k)
+                    channels = _select_channels(
+                        importance, i, source.shape[0 if local in _FFN_ROWS else 1], k
+                    )
                 tensor.copy_(source[channels] if local in _FFN_ROWS else source[:, channels])
             elif local in _KV:
                 tensor.copy_(_average_kv(source, n_t, n_s, gqa_init_mode))
@@ -169,5 +173,7 @@ def _select_channels(importance: dict[int, Tensor] | None, block: int, width: in
     if importance is None:
         return torch.arange(k)
     if block not in importance:
-        raise ValueError(f"block {block}: no activation importance was recorded (its teacher FFN is a no-op?)")
+        raise ValueError(
+            f"block {block}: no activation importance was recorded (its teacher FFN is a no-op?)"
+        )
     return torch.topk(importance[block], k).indices.sort().values.cpu()

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from tqdm.auto import tqdm
+from tqdm.auto import tqdm  # type: ignore[import-untyped, unused-ignore]
 
 from composer_core.bypass.checkpoint import (
     MANIFEST,
@@ -91,7 +91,9 @@ def read_manifest(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"run manifest {path} is unreadable ({exc}); move it away to start this run afresh") from exc
+        raise ValueError(
+            f"run manifest {path} is unreadable ({exc}); move it away to start this run afresh"
+        ) from exc
     if not isinstance(data, dict):
         raise ValueError(f"run manifest {path} is not a JSON object")
     return data
@@ -116,9 +118,13 @@ def run_bypass(
     tcfg, rcfg = config.training, config.run
     ranges = partition_blocks(teacher.num_blocks, ctx.world_size)
     owned = list(ranges[ctx.rank])
-    data = TokenBatches(input_ids, micro_batch_size=tcfg.micro_batch_size, seed=tcfg.seed, val_sequences=rcfg.val_sequences)
+    data = TokenBatches(
+        input_ids, micro_batch_size=tcfg.micro_batch_size, seed=tcfg.seed, val_sequences=rcfg.val_sequences
+    )
     teacher.module.eval().requires_grad_(False)
-    identity = run_identity(config.identity_fields(), module_fingerprint(teacher.module), tensor_fingerprint(input_ids))
+    identity = run_identity(
+        config.identity_fields(), module_fingerprint(teacher.module), tensor_fingerprint(input_ids)
+    )
     run_id = sha256_json(identity)
     exp = experiment_dir(config, run_id)
     decision = ctx.broadcast(_decide(exp, run_id, identity, resume) if ctx.is_main else None)
@@ -128,32 +134,62 @@ def run_bypass(
     check_keys_for_model(student, tcfg.keys_to_learn)
     loss_fn = get_loss(tcfg.loss)
     if decision["action"] == "skip":
-        state = load_checkpoint(Path(decision["path"]), model=student, blocks=owned, optimizers=None, ctx=ctx)
-        return BypassResult(run_id, exp, True, student, state.get("history", []), state.get("validation", []),
-                            int(state["batches_consumed"]))
+        done = load_checkpoint(Path(decision["path"]), model=student, blocks=owned, optimizers=None, ctx=ctx)
+        return BypassResult(
+            run_id,
+            exp,
+            True,
+            student,
+            done.get("history", []),
+            done.get("validation", []),
+            int(done["batches_consumed"]),
+        )
 
     params = freeze_for_training(student, owned, tcfg.keys_to_learn)
     optimizers: dict[int, BlockOptimizer] = {
         i: make_block_optimizer(
-            i, ps, lr=tcfg.lr, betas=tcfg.betas, eps=tcfg.eps, weight_decay=tcfg.weight_decay,
-            loss_scaling=tcfg.loss_scaling, init_scale=tcfg.init_scale,
+            i,
+            ps,
+            lr=tcfg.lr,
+            betas=tcfg.betas,
+            eps=tcfg.eps,
+            weight_decay=tcfg.weight_decay,
+            loss_scaling=tcfg.loss_scaling,
+            init_scale=tcfg.init_scale,
         )
         for i, ps in params.items()
         if ps
     }
     state: dict[str, Any] = {"step": 0, "batches_consumed": 0, "history": [], "validation": [], "best": None}
     if decision["action"] == "resume":
-        state = load_checkpoint(Path(decision["path"]), model=student, blocks=owned, optimizers=optimizers, ctx=ctx)
+        state = load_checkpoint(
+            Path(decision["path"]), model=student, blocks=owned, optimizers=optimizers, ctx=ctx
+        )
         if state["batches_consumed"] != state["step"] * tcfg.grad_accum:
-            raise ValueError(f"checkpoint {decision['path']}: batches_consumed does not match step × grad_accum")
+            raise ValueError(
+                f"checkpoint {decision['path']}: batches_consumed does not match step × grad_accum"
+            )
 
     def save(name: str, latest: bool = True) -> None:
-        save_checkpoint(exp, name, model=student, blocks=owned, optimizers=optimizers, state=state, ctx=ctx,
-                        update_latest=latest)
+        save_checkpoint(
+            exp,
+            name,
+            model=student,
+            blocks=owned,
+            optimizers=optimizers,
+            state=state,
+            ctx=ctx,
+            update_latest=latest,
+        )
 
     student.module.train()
-    bar = tqdm(total=tcfg.steps, initial=state["step"], disable=not (progress and ctx.is_main), desc="bypass",
-               unit="step")
+    bar = tqdm(
+        total=tcfg.steps,
+        initial=state["step"],
+        disable=not (progress and ctx.is_main),
+        desc="bypass",
+        unit="step",
+    )
     tokens_per_step = tcfg.grad_accum * tcfg.micro_batch_size * data.train.shape[1]
     while state["step"] < tcfg.steps:
         t0 = time.perf_counter()
@@ -165,11 +201,17 @@ def run_bypass(
                 with torch.set_grad_enabled(i in optimizers):
                     loss = loss_fn(student.run_block(i, t_in[i], context), t_out[i], tcfg.loss_eps)
                 if i in optimizers:
-                    optimizers[i].scaler.scale(loss / tcfg.grad_accum).backward()
+                    scaled: Tensor = optimizers[i].scaler.scale(loss / tcfg.grad_accum)
+                    torch.autograd.backward(scaled)
                 losses[i] += float(loss.detach()) / tcfg.grad_accum
             state["batches_consumed"] += 1
-        lr = cosine_lr(state["step"], lr=tcfg.lr, min_lr=tcfg.min_lr, warmup_steps=tcfg.warmup_steps,
-                       total_steps=tcfg.steps)
+        lr = cosine_lr(
+            state["step"],
+            lr=tcfg.lr,
+            min_lr=tcfg.min_lr,
+            warmup_steps=tcfg.warmup_steps,
+            total_steps=tcfg.steps,
+        )
         for opt in optimizers.values():
             optimizer_step(opt, lr=lr, clip=tcfg.clip, clip_value=tcfg.clip_value)
         state["step"] += 1
@@ -196,7 +238,9 @@ def run_bypass(
         manifest = read_manifest(exp / MANIFEST)
         write_json_atomic(exp / MANIFEST, {**manifest, "status": "completed", "final": "final"})
     ctx.barrier()
-    return BypassResult(run_id, exp, False, student, state["history"], state["validation"], state["batches_consumed"])
+    return BypassResult(
+        run_id, exp, False, student, state["history"], state["validation"], state["batches_consumed"]
+    )
 
 
 def make_student(teacher: BlockwiseModel, student: StudentConfig, data: TokenBatches) -> BlockwiseModel:
@@ -205,11 +249,16 @@ def make_student(teacher: BlockwiseModel, student: StudentConfig, data: TokenBat
     if student.mlp_init_mode == "importance":
         calibration = [data.batch(i) for i in range(student.importance_batches)]
     built = build_student(
-        teacher, student.overrides, mlp_init_mode=student.mlp_init_mode, gqa_init_mode=student.gqa_init_mode,
+        teacher,
+        student.overrides,
+        mlp_init_mode=student.mlp_init_mode,
+        gqa_init_mode=student.gqa_init_mode,
         calibration=calibration,
     )
     if built.num_blocks != teacher.num_blocks:
-        raise ValueError(f"student has {built.num_blocks} blocks, teacher {teacher.num_blocks}; they must match")
+        raise ValueError(
+            f"student has {built.num_blocks} blocks, teacher {teacher.num_blocks}; they must match"
+        )
     return built
 
 
@@ -225,7 +274,10 @@ def run_sweep(
     """One run per student configuration (each has its own identity and directory)."""
     if not students:
         raise ValueError("a sweep needs at least one student configuration")
-    return [run_bypass(teacher, input_ids, config.with_student(s), resume=resume, progress=progress) for s in students]
+    return [
+        run_bypass(teacher, input_ids, config.with_student(s), resume=resume, progress=progress)
+        for s in students
+    ]
 
 
 def load_final_state(result_dir: Path) -> dict[str, Any]:

@@ -43,4 +43,8 @@ def validate(
     for part in ctx.gather({str(i): v / n for i, v in sums.items()}):
         merged.update(part)
     per_block = dict(sorted(merged.items(), key=lambda kv: int(kv[0])))
-    return {"block_loss": per_block, "mean_block_loss": sum(per_block.values()) / len(per_block), "lm_loss": lm / n}
+    return {
+        "block_loss": per_block,
+        "mean_block_loss": sum(per_block.values()) / len(per_block),
+        "lm_loss": lm / n,
+    }
