@@ -49,8 +49,16 @@ def test_gradcheck_float64(fn) -> None:  # type: ignore[no-untyped-def]
 def test_bad_inputs(fn) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match="shape"):
         fn(torch.zeros(2, 3, 4), torch.zeros(2, 3, 5))
-    with pytest.raises(ValueError, match="NaN"):
+    with pytest.raises(ValueError, match="teacher block output contains NaN/inf"):
         fn(torch.zeros(2, 3, 4), torch.full((2, 3, 4), float("nan")))
+    y = torch.ones(2, 3, 4)
+    y[0, 1, 2] = float("inf")
+    with pytest.raises(ValueError, match="teacher block output contains NaN/inf"):
+        fn(torch.zeros(2, 3, 4), y)
+    x = torch.zeros(2, 3, 4)
+    x[1, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="student block output contains NaN/inf"):
+        fn(x, torch.ones(2, 3, 4))
 
 
 def test_get_loss_unknown() -> None:

@@ -23,8 +23,14 @@ def _check(x: Tensor, y: Tensor, eps: float) -> None:
         raise ValueError(f"block outputs need at least 2 dims [..., hidden], got shape {tuple(x.shape)}")
     if eps < 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
-    if not torch.isfinite(y).all():
-        raise ValueError("teacher block output contains NaN/inf: check the teacher weights and inputs")
+
+
+def _finite(loss: Tensor, x: Tensor, y: Tensor) -> Tensor:
+    """Raise instead of returning NaN/inf (one scalar check; NaN/inf anywhere in x or y reaches the loss)."""
+    if not torch.isfinite(loss.detach()):
+        culprit = "teacher block output" if not torch.isfinite(y).all() else "student block output"
+        raise ValueError(f"{culprit} contains NaN/inf (block loss {float(loss)}): check weights, inputs and lr")
+    return loss
 
 
 def normalized_mse(x: Tensor, y: Tensor, eps: float = 1e-8) -> Tensor:
@@ -33,20 +39,20 @@ def normalized_mse(x: Tensor, y: Tensor, eps: float = 1e-8) -> Tensor:
     Puzzle's block loss (NVIDIA Model-Optimizer ``normalized_mse_loss``).
     """
     _check(x, y, eps)
-    return (x - y).pow(2).mean() / (y.pow(2).mean() + eps)
+    return _finite((x - y).pow(2).mean() / (y.pow(2).mean() + eps), x, y)
 
 
 def vectorwise_normalized_mse(x: Tensor, y: Tensor, eps: float = 1e-8) -> Tensor:
     """Mean over token vectors of ``‖x_t − y_t‖² / (‖y_t‖² + eps)`` (each hidden vector normalised alone)."""
     _check(x, y, eps)
-    return ((x - y).pow(2).sum(-1) / (y.pow(2).sum(-1) + eps)).mean()
+    return _finite(((x - y).pow(2).sum(-1) / (y.pow(2).sum(-1) + eps)).mean(), x, y)
 
 
 def per_sample_normalized_mse(x: Tensor, y: Tensor, eps: float = 1e-8) -> Tensor:
     """Mean over samples (dim 0) of ``Σ(x_b−y_b)² / (Σy_b² + eps)`` (each sequence normalised alone)."""
     _check(x, y, eps)
     dims = tuple(range(1, x.dim()))
-    return ((x - y).pow(2).sum(dims) / (y.pow(2).sum(dims) + eps)).mean()
+    return _finite(((x - y).pow(2).sum(dims) / (y.pow(2).sum(dims) + eps)).mean(), x, y)
 
 
 LOSSES: dict[str, Callable[[Tensor, Tensor, float], Tensor]] = {
