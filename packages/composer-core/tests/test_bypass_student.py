@@ -61,7 +61,7 @@ def test_importance_pruning_keeps_the_strongest_channels() -> None:
     for b in ids:
         h, ctx = t.prepare(b)
         x = t.layers[0].post_attention_layernorm(
-            h + t.layers[0].self_attn(t.layers[0].input_layernorm(h), ctx["cos"], ctx["sin"])
+            h + t.layers[0].self_attn(t.layers[0].input_layernorm(h), ctx["rot"])
         )
         m = t.layers[0].mlp
         acts.append((torch.nn.functional.silu(m.gate_proj(x)) * m.up_proj(x)).reshape(-1, 32))
@@ -113,7 +113,7 @@ def test_no_op_subblocks() -> None:
     l0 = t.layers[0]
     torch.testing.assert_close(s.run_block(0, h, ctx), h + l0.mlp(l0.post_attention_layernorm(h)))
     l1 = t.layers[1]
-    expected = h + l1.self_attn(l1.input_layernorm(h), ctx["cos"], ctx["sin"])
+    expected = h + l1.self_attn(l1.input_layernorm(h), ctx["rot"])
     torch.testing.assert_close(s.run_block(1, h, ctx), expected)
     both = build_student(t, [BlockOverride(blocks=(1,), ffn_no_op=True, attention_no_op=True)])
     assert list(both.layers[1].parameters()) == []

@@ -97,12 +97,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def _rotate_half(x: Tensor) -> Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
+def _rope(x: Tensor, rot: Tensor) -> Tensor:
+    """Rotate consecutive channel pairs of ``x [B, heads, T, d]`` by the unit complex ``rot [T, d/2]``."""
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(pairs * rot).flatten(-2).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -116,17 +117,12 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, rot: Tensor) -> Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = _rope(self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2), rot)
+        k = _rope(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2), rot)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        rep = self.heads // self.kv_heads
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))  # type: ignore[no-any-return]
 
 
@@ -139,7 +135,7 @@ class ConvMixer(nn.Module):
         self.conv = nn.Conv1d(hidden, hidden, kernel, groups=hidden, padding=kernel - 1)
         self.out_proj = nn.Linear(hidden, hidden, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, rot: Tensor) -> Tensor:
         v, gate = self.in_proj(x).chunk(2, dim=-1)
         t = x.shape[1]
         v = self.conv(v.transpose(1, 2))[..., :t].transpose(1, 2)
@@ -180,10 +176,10 @@ class Block(nn.Module):
             self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
             self.mlp = MLP(cfg.hidden_size, block.ffn.intermediate_size or cfg.intermediate_size)
 
-    def forward(self, h: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, h: Tensor, rot: Tensor) -> Tensor:
         mixer = self.self_attn if self.self_attn is not None else self.mamba
         if mixer is not None and self.input_layernorm is not None:
-            h = h + mixer(self.input_layernorm(h), cos, sin)
+            h = h + mixer(self.input_layernorm(h), rot)
         if self.mlp is not None and self.post_attention_layernorm is not None:
             h = h + self.mlp(self.post_attention_layernorm(h))
         return h
@@ -235,11 +231,10 @@ class ReferenceDecoder(nn.Module):
         hidden = self.embed_tokens(input_ids)
         pos = torch.arange(input_ids.shape[-1], device=hidden.device, dtype=torch.float32)
         freqs = torch.outer(pos, cast(Tensor, self.inv_freq).to(hidden.device))
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return hidden, {"cos": emb.cos().to(hidden.dtype), "sin": emb.sin().to(hidden.dtype)}
+        return hidden, {"rot": torch.polar(torch.ones_like(freqs), freqs)}
 
     def run_block(self, index: int, hidden: Tensor, context: Mapping[str, Any]) -> Tensor:
-        return self.layers[index](hidden, context["cos"], context["sin"])  # type: ignore[no-any-return]
+        return self.layers[index](hidden, context["rot"])  # type: ignore[no-any-return]
 
     def logits(self, hidden: Tensor) -> Tensor:
         return self.lm_head(self.norm(hidden))  # type: ignore[no-any-return]

@@ -30,7 +30,7 @@ from composer_core.bypass.checkpoint import (
     step_name,
     write_json_atomic,
 )
-from composer_core.bypass.config import BypassConfig, StudentConfig
+from composer_core.bypass.config import BypassConfig, StudentConfig, TrainingConfig
 from composer_core.bypass.data import TokenBatches
 from composer_core.bypass.distributed import DistContext, partition_blocks
 from composer_core.bypass.forward import teacher_forward
@@ -145,21 +145,7 @@ def run_bypass(
             int(done["batches_consumed"]),
         )
 
-    params = freeze_for_training(student, owned, tcfg.keys_to_learn)
-    optimizers: dict[int, BlockOptimizer] = {
-        i: make_block_optimizer(
-            i,
-            ps,
-            lr=tcfg.lr,
-            betas=tcfg.betas,
-            eps=tcfg.eps,
-            weight_decay=tcfg.weight_decay,
-            loss_scaling=tcfg.loss_scaling,
-            init_scale=tcfg.init_scale,
-        )
-        for i, ps in params.items()
-        if ps
-    }
+    optimizers = make_optimizers(student, owned, tcfg)
     state: dict[str, Any] = {"step": 0, "batches_consumed": 0, "history": [], "validation": [], "best": None}
     if decision["action"] == "resume":
         state = load_checkpoint(
@@ -193,18 +179,7 @@ def run_bypass(
     tokens_per_step = tcfg.grad_accum * tcfg.micro_batch_size * data.train.shape[1]
     while state["step"] < tcfg.steps:
         t0 = time.perf_counter()
-        losses = {i: 0.0 for i in owned}
-        for _ in range(tcfg.grad_accum):
-            ids = data.batch(state["batches_consumed"])
-            t_in, t_out, context = teacher_forward(teacher, ids, owned, ctx)
-            for i in owned:
-                with torch.set_grad_enabled(i in optimizers):
-                    loss = loss_fn(student.run_block(i, t_in[i], context), t_out[i], tcfg.loss_eps)
-                if i in optimizers:
-                    scaled: Tensor = optimizers[i].scaler.scale(loss / tcfg.grad_accum)
-                    torch.autograd.backward(scaled)
-                losses[i] += float(loss.detach()) / tcfg.grad_accum
-            state["batches_consumed"] += 1
+        micro = [data.batch(state["batches_consumed"] + k) for k in range(tcfg.grad_accum)]
         lr = cosine_lr(
             state["step"],
             lr=tcfg.lr,
@@ -212,8 +187,8 @@ def run_bypass(
             warmup_steps=tcfg.warmup_steps,
             total_steps=tcfg.steps,
         )
-        for opt in optimizers.values():
-            optimizer_step(opt, lr=lr, clip=tcfg.clip, clip_value=tcfg.clip_value)
+        losses = bypass_step(teacher, student, optimizers, owned, micro, ctx, tcfg, lr)
+        state["batches_consumed"] += tcfg.grad_accum
         state["step"] += 1
         merged: dict[str, float] = {}
         for part in ctx.gather({str(i): v for i, v in losses.items()}):
@@ -241,6 +216,61 @@ def run_bypass(
     return BypassResult(
         run_id, exp, False, student, state["history"], state["validation"], state["batches_consumed"]
     )
+
+
+def make_optimizers(
+    student: BlockwiseModel, blocks: Sequence[int], tcfg: TrainingConfig
+) -> dict[int, BlockOptimizer]:
+    """Freeze the student except ``keys_to_learn`` of ``blocks``; one AdamW + GradScaler per trainable block."""
+    params = freeze_for_training(student, blocks, tcfg.keys_to_learn)
+    return {
+        i: make_block_optimizer(
+            i,
+            ps,
+            lr=tcfg.lr,
+            betas=tcfg.betas,
+            eps=tcfg.eps,
+            weight_decay=tcfg.weight_decay,
+            loss_scaling=tcfg.loss_scaling,
+            init_scale=tcfg.init_scale,
+        )
+        for i, ps in params.items()
+        if ps
+    }
+
+
+def bypass_step(
+    teacher: BlockwiseModel,
+    student: BlockwiseModel,
+    optimizers: dict[int, BlockOptimizer],
+    blocks: Sequence[int],
+    micro_batches: Sequence[Tensor],
+    ctx: DistContext,
+    tcfg: TrainingConfig,
+    lr: float,
+) -> dict[int, float]:
+    """One optimiser step over ``micro_batches`` (gradient accumulation); returns each block's mean loss.
+
+    Per micro-batch: one no-grad teacher forward, then every block of ``blocks`` on the
+    teacher's input; ``loss / len(micro_batches)`` is scaled and back-propagated (block
+    inputs carry no grad, so backward stops at each block). Blocks without an optimizer
+    (nothing trainable) are only evaluated.
+    """
+    loss_fn = get_loss(tcfg.loss)
+    n = len(micro_batches)
+    losses = {i: 0.0 for i in blocks}
+    for ids in micro_batches:
+        t_in, t_out, context = teacher_forward(teacher, ids, blocks, ctx)
+        for i in blocks:
+            with torch.set_grad_enabled(i in optimizers):
+                loss = loss_fn(student.run_block(i, t_in[i], context), t_out[i], tcfg.loss_eps)
+            if i in optimizers:
+                scaled: Tensor = optimizers[i].scaler.scale(loss / n)
+                torch.autograd.backward(scaled)
+            losses[i] += float(loss.detach()) / n
+    for opt in optimizers.values():
+        optimizer_step(opt, lr=lr, clip=tcfg.clip, clip_value=tcfg.clip_value)
+    return losses
 
 
 def make_student(teacher: BlockwiseModel, student: StudentConfig, data: TokenBatches) -> BlockwiseModel:
