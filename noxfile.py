@@ -27,6 +27,7 @@ nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = [
     *(f"tests-{p}" for p in PACKAGES),
     "tests-core-extras",
+    "tests-core-datajuicer",
     "lint",
     "typecheck",
 ]
@@ -97,7 +98,7 @@ def tests_core(session: nox.Session) -> None:
     """composer-core with nothing but torch (+ its test tools)."""
     _install_package(session, "core")
     session.chdir(_pkg("core"))
-    session.run("pytest", "tests", "--ignore=tests/extras", *session.posargs)
+    session.run("pytest", "tests", "--ignore=tests/extras", "--ignore=tests/datajuicer", *session.posargs)
 
 
 @nox.session(name="tests-core-extras")
@@ -106,6 +107,14 @@ def tests_core_extras(session: nox.Session) -> None:
     _install(session, f"{_pkg('core')}[test,all]")
     session.chdir(_pkg("core"))
     session.run("pytest", "tests/extras", *session.posargs)
+
+
+@nox.session(name="tests-core-datajuicer")
+def tests_core_datajuicer(session: nox.Session) -> None:
+    """composer-core's py-data-juicer integration against the real library (tests/datajuicer/)."""
+    _install(session, f"{_pkg('core')}[test,datajuicer]")
+    session.chdir(_pkg("core"))
+    session.run("pytest", "tests/datajuicer", *session.posargs)
 
 
 @nox.session(name="tests-trl")

@@ -1,7 +1,56 @@
-"""composer_core."""
+"""composer_core: the 3-channel RL post-training objective in pure torch.
+
+``total = policy (GRPO family) + α·SDPO (hinted self-distillation) + β·trace-replay preference (DPO/SimPO)``.
+See :func:`composer_core.compose.compose_loss`.
+"""
 
 from importlib.metadata import version as _version
 
+from composer_core.advantages import group_advantages, overlong_reward_shaping
+from composer_core.compose import ComposerBatch, ComposeResult, compose_loss
+from composer_core.distill import (
+    fused_linear_generalized_jsd,
+    generalized_jsd,
+    sampled_token_distill,
+    topk_distill,
+)
+from composer_core.policy import (
+    PolicyLossOutput,
+    aggregate_loss,
+    clipped_surrogate,
+    dppo_loss,
+    dppo_mask,
+    kl_penalty,
+    policy_loss,
+    rollout_correction_weights,
+)
+from composer_core.preference import dpo_loss, simpo_loss
+from composer_core.wrappers import TAIDScheduler, entropy_opd_loss, taid_loss
+
 __version__ = _version("composer-core")
 
-__all__ = ["__version__"]
+__all__ = [
+    "ComposeResult",
+    "ComposerBatch",
+    "PolicyLossOutput",
+    "TAIDScheduler",
+    "__version__",
+    "aggregate_loss",
+    "clipped_surrogate",
+    "compose_loss",
+    "dpo_loss",
+    "dppo_loss",
+    "dppo_mask",
+    "entropy_opd_loss",
+    "fused_linear_generalized_jsd",
+    "generalized_jsd",
+    "group_advantages",
+    "kl_penalty",
+    "overlong_reward_shaping",
+    "policy_loss",
+    "rollout_correction_weights",
+    "sampled_token_distill",
+    "simpo_loss",
+    "taid_loss",
+    "topk_distill",
+]

@@ -77,7 +77,8 @@ def optimizer_step(block: BlockOptimizer, *, lr: float, clip: ClipMode, clip_val
         group["lr"] = lr
     block.scaler.unscale_(block.optimizer)
     grads = [p for p in block.params if p.grad is not None]
-    norm = float(torch.nn.utils.get_total_norm([p.grad for p in grads])) if grads else 0.0  # type: ignore[misc]
+    norms = [torch.linalg.vector_norm(p.grad.detach()) for p in grads if p.grad is not None]
+    norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
     if clip == "norm":
         torch.nn.utils.clip_grad_norm_(grads, clip_value)
     elif clip == "value":

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from composer_core.bypass.protocol import BlockConfig, BlockwiseModel
 
 CONFIG_NAME = "config.json"
+_SDPA_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
 WEIGHTS_NAME = "model.safetensors"
 
 
@@ -122,7 +123,11 @@ class Attention(nn.Module):
         q = _rope(self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2), rot)
         k = _rope(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2), rot)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
+        if self.kv_heads != self.heads and not _SDPA_GQA:  # torch < 2.5: expand KV heads
+            k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
+            v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
+        gqa = {"enable_gqa": True} if self.kv_heads != self.heads and _SDPA_GQA else {}
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))  # type: ignore[no-any-return]
 
 

@@ -1,0 +1,142 @@
+"""Group-relative advantages (GRPO / Dr. GRPO) and DAPO overlong reward shaping.
+
+GRPO (Shao et al., DeepSeekMath, arXiv 2402.03300) scores each completion against the other completions of
+the same prompt: ``A_i = (r_i − mean_g r) / (std_g r + ε)``. Dr. GRPO (Liu et al., arXiv 2503.20783) drops the
+std: ``A_i = r_i − mean_g r``. DAPO (Yu et al., arXiv 2503.14476) adds a soft length penalty to the reward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from composer_core._validation import check_choice, check_float, check_tensor
+
+__all__ = ["group_advantages", "overlong_reward_shaping"]
+
+
+def _group_index(
+    n: int, group_size: int | None, group_ids: Sequence[Hashable] | Tensor | None, device: torch.device
+) -> Tensor:
+    """Return an int64 [B] tensor mapping every sample to a dense group index."""
+    if group_size is not None and group_ids is not None:
+        raise ValueError(
+            "pass either `group_size` (contiguous groups) or `group_ids` (arbitrary ids), not both."
+        )
+    if group_size is None and group_ids is None:
+        raise ValueError(
+            "`group_size` or `group_ids` is required: pass group_size=G when each prompt's G completions are "
+            "contiguous, or group_ids=[prompt id per sample] (e.g. verl's uid)."
+        )
+    if group_size is not None:
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+            raise ValueError(f"`group_size`={group_size!r} must be an int >= 1.")
+        if n % group_size != 0:
+            raise ValueError(
+                f"`rewards` has {n} entries, not a multiple of `group_size`={group_size}; pad the batch to whole "
+                "groups or pass `group_ids`."
+            )
+        return torch.arange(n, device=device) // group_size
+    assert group_ids is not None
+    keys: list[Hashable] = group_ids.tolist() if isinstance(group_ids, Tensor) else list(group_ids)
+    if len(keys) != n:
+        raise ValueError(
+            f"`group_ids` has {len(keys)} entries but `rewards` has {n}; give one id per sample."
+        )
+    dense: dict[Hashable, int] = {}
+    idx = [dense.setdefault(k, len(dense)) for k in keys]
+    return torch.tensor(idx, dtype=torch.long, device=device)
+
+
+def group_advantages(
+    rewards: Tensor,
+    group_size: int | None = None,
+    *,
+    group_ids: Sequence[Hashable] | Tensor | None = None,
+    scale: Literal["group", "batch", "none"] = "group",
+    eps: float = 1e-4,
+    singleton: Literal["zero", "reward"] = "zero",
+) -> Tensor:
+    """Group-relative advantages ``A_i = (r_i − mean_g r) / (std + eps)`` [B].
+
+    GRPO (arXiv 2402.03300); ``scale="none"`` is Dr. GRPO (arXiv 2503.20783): ``A_i = r_i − mean_g r``.
+
+    Args:
+        rewards: [B] scalar reward per completion.
+        group_size: G, when each prompt's completions are contiguous (TRL layout).
+        group_ids: one hashable id per sample (verl ``uid``); groups may be interleaved.
+        scale: ``"group"``: unbiased (Bessel) std within the group (TRL ``scale_rewards="group"``, verl);
+            ``"batch"``: unbiased std of the whole batch (TRL ``scale_rewards="batch"``); ``"none"``: no scaling.
+        eps: added to the std (TRL 1e-4, verl 1e-6).
+        singleton: groups of size 1: ``"zero"`` gives A=0 (TRL); ``"reward"`` gives A=r (verl: mean 0, std 1).
+
+    A zero-std group (all rewards equal) gets A=0 exactly. Returns a new [B] tensor (no gradient).
+    """
+    check_tensor("rewards", rewards, ndim=1)
+    check_float("rewards", rewards)
+    check_choice("scale", scale, ("group", "batch", "none"))
+    check_choice("singleton", singleton, ("zero", "reward"))
+    if not (float(eps) >= 0.0):
+        raise ValueError(f"`eps`={eps!r} must be >= 0.")
+    r = rewards.detach()
+    n = r.shape[0]
+    if n == 0:
+        raise ValueError("`rewards` is empty; pass at least one completion's reward.")
+    gidx = _group_index(n, group_size, group_ids, r.device)
+    n_groups = int(gidx.max()) + 1
+    counts = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(0, gidx, torch.ones_like(r))
+    sums = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(0, gidx, r)
+    mean = (sums / counts)[gidx]
+    centered = r - mean
+    if scale == "group":
+        sq = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(0, gidx, centered * centered)
+        std = torch.sqrt(sq / (counts - 1).clamp(min=1))[gidx]
+        adv = centered / (std + eps)
+    elif scale == "batch":
+        std_b = r.std() if n > 1 else torch.zeros((), dtype=r.dtype, device=r.device)
+        adv = centered / (std_b + eps)
+    else:
+        adv = centered
+    gmax = torch.full((n_groups,), float("-inf"), dtype=r.dtype, device=r.device).scatter_reduce(
+        0, gidx, r, reduce="amax"
+    )
+    gmin = torch.full((n_groups,), float("inf"), dtype=r.dtype, device=r.device).scatter_reduce(
+        0, gidx, r, reduce="amin"
+    )
+    adv = torch.where((gmax == gmin)[gidx], torch.zeros_like(adv), adv)
+    single = counts[gidx] == 1
+    if bool(single.any()):
+        adv = torch.where(single, r if singleton == "reward" else torch.zeros_like(r), adv)
+    return adv
+
+
+def overlong_reward_shaping(
+    lengths: Tensor, max_length: int, cache_length: int, penalty_factor: float = 1.0
+) -> Tensor:
+    """DAPO soft overlong punishment (arXiv 2503.14476, eq. 13), added to the task reward [B].
+
+    ``R(|y|) = 0`` if ``|y| ≤ L_max − L_cache``; ``((L_max − L_cache) − |y|) / L_cache`` if
+    ``L_max − L_cache < |y| ≤ L_max``; ``−1`` if ``|y| > L_max``; all multiplied by ``penalty_factor``
+    (verl ``overlong_penalty_factor``).
+    """
+    check_tensor("lengths", lengths, ndim=1)
+    check_finite_lengths = lengths.float()
+    if not bool(torch.isfinite(check_finite_lengths).all()) or bool((check_finite_lengths < 0).any()):
+        raise ValueError("`lengths` must hold finite, non-negative completion lengths (token counts).")
+    if not isinstance(max_length, int) or not isinstance(cache_length, int):
+        raise ValueError("`max_length` and `cache_length` must be ints (token counts).")
+    if cache_length < 1 or cache_length > max_length:
+        raise ValueError(
+            f"`cache_length`={cache_length} must satisfy 1 <= cache_length <= max_length={max_length}."
+        )
+    if not (float(penalty_factor) >= 0.0):
+        raise ValueError(f"`penalty_factor`={penalty_factor!r} must be >= 0.")
+    length = check_finite_lengths
+    soft_start = max_length - cache_length
+    ramp = (soft_start - length) / cache_length
+    out = torch.where(length <= soft_start, torch.zeros_like(length), ramp)
+    out = torch.where(length > max_length, torch.full_like(length, -1.0), out)
+    return out * penalty_factor

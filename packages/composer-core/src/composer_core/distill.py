@@ -1,0 +1,630 @@
+"""Token-level distillation losses: generalized JSD (full vocabulary, chunked or fused-linear), top-k with a
+tail bucket, and the sampled-token reverse-KL estimator.
+
+Generalized JSD (GKD, Agarwal et al., arXiv 2306.13649), TRL's β convention: with student q = softmax(z_S/τ)
+and teacher p = softmax(z_T/τ)
+
+- β = 0: forward KL(p‖q) = Σ_v p (log p − log q)  (exact branch)
+- β = 1: reverse KL(q‖p) = Σ_v q (log q − log p)  (exact branch)
+- 0 < β < 1: m = β·p + (1−β)·q, JSD_β = β·KL(p‖m) + (1−β)·KL(q‖m)  (≤ ln 2 at β = ½)
+
+The teacher is always detached (stop-gradient). The full-vocabulary forms never hold more than
+``chunk_size × V`` of intermediate values: a custom :class:`torch.autograd.Function` computes each chunk's value
+and its exact analytic gradient during the forward pass (Liger-Kernel style), so the backward pass is a
+rescale. Gradients with respect to the scaled student logits z = z_S/τ:
+
+- FKL: q − p;  RKL: q ⊙ (g − ⟨q, g⟩) with g = log q − log p;
+- JSD_β: q ⊙ (g − ⟨q, g⟩) with g = (1−β)(log q − log m)   (∂JSD/∂q_v = (1−β)(log q_v − log m_v)).
+
+The sampled-token form (SDPO, Hübotter et al., arXiv 2601.20802; on-policy distillation, Thinking Machines
+2025) needs only the log-probs of the sampled tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, Literal, cast
+
+import torch
+from torch import Tensor
+
+from composer_core._validation import (
+    as_mask,
+    check_choice,
+    check_float,
+    check_normalizer,
+    check_positive,
+    check_probability,
+    check_same_shape,
+    check_tensor,
+)
+
+__all__ = [
+    "Reduction",
+    "fused_linear_generalized_jsd",
+    "generalized_jsd",
+    "sampled_token_distill",
+    "topk_distill",
+]
+
+Reduction = Literal["mean", "sum", "none"]
+
+#: A per-chunk kernel: (scaled student logits [c, V], scaled teacher logits [c, V]) ->
+#: (per-row loss [c], gradient of the per-row loss w.r.t. the scaled student logits [c, V]).
+Kernel = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Kernels (pure functions of one chunk; no autograd)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _rowdot(a: Tensor, b: Tensor) -> Tensor:
+    """Σ_v a·b per row, via a batched matmul (no [c, V] temporary)."""
+    return (a.unsqueeze(-2) @ b.unsqueeze(-1)).reshape(a.shape[:-1])
+
+
+def _log_softmax_(z: Tensor) -> Tensor:
+    """In-place log-softmax over the last axis (overwrites and returns ``z``)."""
+    return z.sub_(torch.logsumexp(z, dim=-1, keepdim=True))
+
+
+def jsd_kernel(beta: float) -> Kernel:
+    """Chunk kernel of the generalized JSD (exact FKL / RKL branches at β = 0 / 1).
+
+    The kernel owns (and overwrites) its two input chunks; it keeps at most six [c, V] buffers alive.
+    """
+
+    def kernel(zs: Tensor, zt: Tensor) -> tuple[Tensor, Tensor]:
+        lq = _log_softmax_(zs)
+        lp = _log_softmax_(zt)
+        if beta == 0.0:
+            p = lp.exp()
+            loss = _rowdot(p, lp.sub_(lq))  # Σ p (log p − log q)
+            return loss, lq.exp_().sub_(p)  # q − p
+        if beta == 1.0:
+            q = lq.exp()
+            g = lq.sub_(lp)  # log q − log p
+            loss = _rowdot(q, g)
+            return loss, g.sub_(loss.unsqueeze(-1)).mul_(q)
+        q = lq.exp()
+        p = lp.exp()
+        lm = torch.logaddexp(lp + math.log(beta), lq + math.log1p(-beta), out=torch.empty_like(lp))
+        loss = beta * _rowdot(p, lp.sub_(lm))
+        del p, lp
+        g = lq.sub_(lm)  # log q − log m
+        del lm
+        inner = _rowdot(q, g)  # KL(q‖m)
+        loss = loss + (1.0 - beta) * inner
+        # ∂JSD/∂q = (1−β)(log q − log m); through the softmax: q ⊙ (g − ⟨q, g⟩)
+        return loss, g.sub_(inner.unsqueeze(-1)).mul_(q).mul_(1.0 - beta)
+
+    return kernel
+
+
+def fkl_kernel_to_target(zs: Tensor, target_logits: Tensor) -> tuple[Tensor, Tensor]:
+    """Forward KL(softmax(target)‖softmax(zs)) and its gradient q − p (the target is constant).
+
+    Owns (overwrites) both inputs."""
+    lq = _log_softmax_(zs)
+    lp = _log_softmax_(target_logits)
+    p = lp.exp()
+    loss = _rowdot(p, lp.sub_(lq))
+    return loss, lq.exp_().sub_(p)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Chunked engines
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _raise_non_finite(names: tuple[str, str], chunks: tuple[Tensor, Tensor]) -> None:
+    culprits = [n for n, c in zip(names, chunks) if not bool(torch.isfinite(c).all())] or [" / ".join(names)]
+    raise ValueError(
+        f"`{culprits[0]}` contains NaN/inf values; fix the upstream computation (mask padded positions with a "
+        "finite value, not -inf/NaN) before calling the loss."
+    )
+
+
+class _ChunkedLogitsLoss(torch.autograd.Function):
+    """Σ_rows scale·loss(row) (or per-row losses) over given rows of [N, V] logits, chunk by chunk."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        student: Tensor,
+        teacher: Tensor,
+        rows: Tensor,
+        kernel: Kernel,
+        temperature: float,
+        chunk_size: int,
+        scale: float,
+        per_row: bool,
+    ) -> Tensor:
+        cdtype = _compute_dtype(student.dtype)
+        n_rows = student.shape[0]
+        grad = torch.zeros_like(student)
+        per_row_out = torch.zeros(n_rows, dtype=cdtype, device=student.device) if per_row else None
+        total = torch.zeros((), dtype=cdtype, device=student.device)
+        for start in range(0, rows.numel(), chunk_size):
+            idx = rows[start : start + chunk_size]
+            zs = student.index_select(0, idx).to(cdtype)
+            zt = teacher.index_select(0, idx).to(cdtype)
+            if temperature != 1.0:
+                zs.div_(temperature)
+                zt.div_(temperature)
+            loss, g = kernel(zs, zt)
+            del zs, zt
+            if not bool(torch.isfinite(loss).all()):  # any NaN/inf logit makes its row's loss non-finite
+                _raise_non_finite(
+                    ("student_logits", "teacher_logits"),
+                    (student.index_select(0, idx), teacher.index_select(0, idx)),
+                )
+            factor = (1.0 if per_row else scale) / temperature
+            if factor != 1.0:
+                g.mul_(factor)
+            grad.index_copy_(0, idx, g.to(student.dtype))
+            del g
+            if per_row_out is not None:
+                per_row_out.index_copy_(0, idx, loss)
+            else:
+                total = total + loss.sum()
+        ctx.save_for_backward(grad)
+        ctx.per_row = per_row
+        if per_row_out is not None:
+            return per_row_out
+        return total * scale
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, ...]:
+        (grad,) = ctx.saved_tensors
+        grad_out = grad_outputs[0]
+        if ctx.per_row:
+            g = grad * grad_out.to(grad.dtype).unsqueeze(-1)
+        elif bool(grad_out == 1):
+            g = grad
+        else:
+            g = grad * grad_out.to(grad.dtype)
+        return g, None, None, None, None, None, None, None
+
+
+class _FusedLinearLoss(torch.autograd.Function):
+    """Σ_rows scale·loss(row) with logits = hidden @ Wᵀ (+ b) built one chunk at a time."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        student_hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        teacher_hidden: Tensor,
+        teacher_weight: Tensor,
+        teacher_bias: Tensor | None,
+        rows: Tensor,
+        kernel: Kernel,
+        temperature: float,
+        chunk_size: int,
+        scale: float,
+    ) -> Tensor:
+        cdtype = _compute_dtype(student_hidden.dtype)
+        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        grad_h = torch.zeros_like(student_hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=cdtype, device=weight.device) if need_w else None
+        grad_b = (
+            torch.zeros(bias.shape, dtype=cdtype, device=weight.device)
+            if (need_b and bias is not None)
+            else None
+        )
+        w_c = weight.detach().to(cdtype)
+        tw_c = (
+            w_c
+            if teacher_weight is weight or teacher_weight.data_ptr() == weight.data_ptr()
+            else teacher_weight.to(cdtype)
+        )
+        tb_c = None if teacher_bias is None else teacher_bias.to(cdtype)
+        b_c = None if bias is None else bias.detach().to(cdtype)
+        total = torch.zeros((), dtype=cdtype, device=student_hidden.device)
+        factor = scale / temperature
+        for start in range(0, rows.numel(), chunk_size):
+            idx = rows[start : start + chunk_size]
+            hs = student_hidden.index_select(0, idx).to(cdtype)
+            zs = hs @ w_c.T
+            if b_c is not None:
+                zs.add_(b_c)
+            zt = teacher_hidden.index_select(0, idx).to(cdtype) @ tw_c.T
+            if tb_c is not None:
+                zt.add_(tb_c)
+            if temperature != 1.0:
+                zs.div_(temperature)
+                zt.div_(temperature)
+            loss, g = kernel(zs, zt)
+            del zs, zt
+            if not bool(torch.isfinite(loss).all()):
+                raise ValueError(
+                    "the logits computed from `student_hidden`/`teacher_hidden` and the LM head overflow to "
+                    "NaN/inf; check the hidden states and head weights (or compute in float32)."
+                )
+            total = total + loss.sum()
+            g.mul_(factor)
+            if grad_h is not None:
+                grad_h.index_copy_(0, idx, (g @ w_c).to(grad_h.dtype))
+            if grad_w is not None:
+                grad_w.addmm_(g.T, hs)
+            if grad_b is not None:
+                grad_b.add_(g.sum(0))
+            del g, hs
+        ctx.save_for_backward(
+            *(t if t is not None else torch.empty(0) for t in (grad_h, grad_w, grad_b)),
+        )
+        ctx.has = (grad_h is not None, grad_w is not None, grad_b is not None)
+        ctx.dtypes = (student_hidden.dtype, weight.dtype, bias.dtype if bias is not None else weight.dtype)
+        return total * scale
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, ...]:
+        grad_out = grad_outputs[0]
+        saved = ctx.saved_tensors
+        outs: list[Tensor | None] = []
+        one = bool(grad_out == 1)
+        for has, g, dtype in zip(ctx.has, saved, ctx.dtypes):
+            if not has:
+                outs.append(None)
+                continue
+            g = g if one else g * grad_out.to(g.dtype)
+            outs.append(g.to(dtype))
+        return outs[0], outs[1], outs[2], None, None, None, None, None, None, None, None
+
+
+_apply_chunked = cast(Callable[..., Tensor], _ChunkedLogitsLoss.apply)
+_apply_fused = cast(Callable[..., Tensor], _FusedLinearLoss.apply)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Shared argument handling
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _check_common(
+    temperature: float,
+    chunk_size: int,
+    reduction: str,
+    normalizer: float | Tensor | None,
+    allowed: tuple[str, ...],
+) -> None:
+    check_positive("temperature", temperature)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"`chunk_size`={chunk_size!r} must be an int >= 1 (rows of B·T processed at once).")
+    check_choice("reduction", reduction, allowed)
+    check_normalizer("normalizer", normalizer)
+    if normalizer is not None and reduction != "mean":
+        raise ValueError(f"`normalizer` only applies to reduction='mean', not {reduction!r}.")
+
+
+def _rows_and_scale(
+    mask: Tensor | None,
+    token_shape: torch.Size,
+    device: torch.device,
+    reduction: str,
+    normalizer: float | Tensor | None,
+) -> tuple[Tensor, float]:
+    m = as_mask("mask", mask, token_shape, device=device)
+    rows = m.reshape(-1).nonzero().squeeze(-1)
+    if reduction == "mean":
+        denom = float(normalizer) if normalizer is not None else float(max(rows.numel(), 1))
+        return rows, 1.0 / denom
+    return rows, 1.0
+
+
+def chunked_logits_loss(
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    kernel: Kernel,
+    *,
+    temperature: float,
+    mask: Tensor | None,
+    chunk_size: int,
+    reduction: str,
+    normalizer: float | Tensor | None,
+) -> Tensor:
+    """Run a chunk ``kernel`` over [..., V] logits with masking and reduction (shared by the wrappers)."""
+    check_tensor("student_logits", student_logits, min_ndim=2)
+    check_tensor("teacher_logits", teacher_logits, min_ndim=2)
+    check_same_shape("student_logits", student_logits, "teacher_logits", teacher_logits)
+    if not student_logits.is_floating_point() or not teacher_logits.is_floating_point():
+        raise ValueError("`student_logits` and `teacher_logits` must be floating-point tensors.")
+    token_shape = student_logits.shape[:-1]
+    rows, scale = _rows_and_scale(mask, token_shape, student_logits.device, reduction, normalizer)
+    vocab = student_logits.shape[-1]
+    s = student_logits.reshape(-1, vocab)
+    t = teacher_logits.detach().reshape(-1, vocab)
+    out = _apply_chunked(s, t, rows, kernel, float(temperature), chunk_size, scale, reduction == "none")
+    if reduction == "none":
+        return out.reshape(token_shape)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Public losses
+# ---------------------------------------------------------------------------------------------------------
+
+
+def generalized_jsd(
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    *,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    mask: Tensor | None = None,
+    chunk_size: int = 1024,
+    reduction: Reduction = "mean",
+    normalizer: float | Tensor | None = None,
+) -> Tensor:
+    """Generalized Jensen-Shannon divergence per token (GKD, arXiv 2306.13649; TRL β convention).
+
+    ``β=0``: KL(p_T‖q_S) (forward); ``β=1``: KL(q_S‖p_T) (reverse); else
+    ``β·KL(p_T‖m) + (1−β)·KL(q_S‖m)``, ``m = β·p_T + (1−β)·q_S``; p, q = softmax(logits/temperature).
+
+    Args:
+        student_logits: [..., V] (gradient flows here).
+        teacher_logits: [..., V] (detached).
+        mask: [...] bool/0-1 tokens to include (None = all); must select at least one token.
+        chunk_size: tokens per chunk; peak extra memory is O(chunk_size·V) plus the [..., V] gradient.
+        reduction: ``"mean"`` = Σ_masked / (normalizer or #masked tokens); ``"sum"``; ``"none"`` = [...] with
+            0 on masked-out tokens.
+        normalizer: global token count (across micro-batches and ranks) for ``"mean"``.
+
+    Values and gradients are exact (analytic per-chunk gradients, independent of ``chunk_size``).
+    """
+    check_probability("beta", beta)
+    _check_common(temperature, chunk_size, reduction, normalizer, ("mean", "sum", "none"))
+    return chunked_logits_loss(
+        student_logits,
+        teacher_logits,
+        jsd_kernel(float(beta)),
+        temperature=temperature,
+        mask=mask,
+        chunk_size=chunk_size,
+        reduction=reduction,
+        normalizer=normalizer,
+    )
+
+
+def fused_linear_loss(
+    student_hidden: Tensor,
+    lm_head_weight: Tensor,
+    teacher_hidden: Tensor,
+    kernel: Kernel,
+    *,
+    teacher_lm_head_weight: Tensor | None,
+    lm_head_bias: Tensor | None,
+    teacher_lm_head_bias: Tensor | None,
+    temperature: float,
+    mask: Tensor | None,
+    chunk_size: int,
+    reduction: str,
+    normalizer: float | Tensor | None,
+) -> Tensor:
+    """Run a chunk ``kernel`` on logits built chunk-wise from hidden states (shared by the wrappers)."""
+    check_tensor("student_hidden", student_hidden, min_ndim=2)
+    check_tensor("teacher_hidden", teacher_hidden, min_ndim=2)
+    check_tensor("lm_head_weight", lm_head_weight, ndim=2)
+    check_float("student_hidden", student_hidden)
+    check_float("teacher_hidden", teacher_hidden)
+    check_float("lm_head_weight", lm_head_weight)
+    check_same_shape("student_hidden", student_hidden, "teacher_hidden", teacher_hidden)
+    hidden = student_hidden.shape[-1]
+    if lm_head_weight.shape[1] != hidden:
+        raise ValueError(
+            f"`lm_head_weight` has shape {tuple(lm_head_weight.shape)} but must be [V, H] with H = "
+            f"{hidden} (the hidden size of `student_hidden`)."
+        )
+    t_weight = lm_head_weight if teacher_lm_head_weight is None else teacher_lm_head_weight
+    if teacher_lm_head_weight is not None:
+        check_tensor("teacher_lm_head_weight", teacher_lm_head_weight, ndim=2)
+        check_float("teacher_lm_head_weight", teacher_lm_head_weight)
+        check_same_shape("lm_head_weight", lm_head_weight, "teacher_lm_head_weight", teacher_lm_head_weight)
+    for name, b in (("lm_head_bias", lm_head_bias), ("teacher_lm_head_bias", teacher_lm_head_bias)):
+        if b is not None:
+            check_tensor(name, b, ndim=1)
+            check_float(name, b)
+            if b.shape[0] != lm_head_weight.shape[0]:
+                raise ValueError(
+                    f"`{name}` has {b.shape[0]} entries; it must have V = {lm_head_weight.shape[0]}."
+                )
+    t_bias = teacher_lm_head_bias
+    if t_bias is None and teacher_lm_head_weight is None:
+        t_bias = lm_head_bias  # same head for the (self-)teacher
+    token_shape = student_hidden.shape[:-1]
+    rows, scale = _rows_and_scale(mask, token_shape, student_hidden.device, reduction, normalizer)
+    out = _apply_fused(
+        student_hidden.reshape(-1, hidden),
+        lm_head_weight,
+        lm_head_bias,
+        teacher_hidden.detach().reshape(-1, hidden),
+        t_weight.detach(),
+        None if t_bias is None else t_bias.detach(),
+        rows,
+        kernel,
+        float(temperature),
+        chunk_size,
+        scale,
+    )
+    return out
+
+
+def fused_linear_generalized_jsd(
+    student_hidden: Tensor,
+    lm_head_weight: Tensor,
+    teacher_hidden: Tensor,
+    *,
+    teacher_lm_head_weight: Tensor | None = None,
+    lm_head_bias: Tensor | None = None,
+    teacher_lm_head_bias: Tensor | None = None,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    mask: Tensor | None = None,
+    chunk_size: int = 1024,
+    reduction: Literal["mean", "sum"] = "mean",
+    normalizer: float | Tensor | None = None,
+) -> Tensor:
+    """Generalized JSD from hidden states with the LM head fused in (never materialises [N, V]).
+
+    Same loss as :func:`generalized_jsd` on ``student_logits = student_hidden @ lm_head_weightᵀ + lm_head_bias``
+    and ``teacher_logits = teacher_hidden @ teacher_lm_head_weightᵀ (+ bias)``; the teacher head defaults to
+    the student's (hinted self-teacher: same network, different context). Logits exist only one chunk at a
+    time (Liger-Kernel ``LigerFusedLinearJSD`` pattern): peak extra memory O(chunk_size·V + V·H). Gradients
+    flow to ``student_hidden``, ``lm_head_weight`` and ``lm_head_bias``; the teacher side is detached.
+
+    Args:
+        student_hidden / teacher_hidden: [..., H]. lm_head_weight: [V, H]. lm_head_bias: [V] or None.
+        teacher_lm_head_weight / teacher_lm_head_bias: a separate teacher head (default: the student's).
+        mask, chunk_size, beta, temperature, normalizer: as in :func:`generalized_jsd`.
+        reduction: ``"mean"`` or ``"sum"``.
+    """
+    check_probability("beta", beta)
+    _check_common(temperature, chunk_size, reduction, normalizer, ("mean", "sum"))
+    return fused_linear_loss(
+        student_hidden,
+        lm_head_weight,
+        teacher_hidden,
+        jsd_kernel(float(beta)),
+        teacher_lm_head_weight=teacher_lm_head_weight,
+        lm_head_bias=lm_head_bias,
+        teacher_lm_head_bias=teacher_lm_head_bias,
+        temperature=temperature,
+        mask=mask,
+        chunk_size=chunk_size,
+        reduction=reduction,
+        normalizer=normalizer,
+    )
+
+
+def divergence(student_logp: Tensor, teacher_logp: Tensor, beta: float) -> Tensor:
+    """Generalized JSD between two log-prob vectors on the last axis (autograd form; small supports)."""
+    if beta == 0.0:
+        return (teacher_logp.exp() * (teacher_logp - student_logp)).sum(-1)
+    if beta == 1.0:
+        return (student_logp.exp() * (student_logp - teacher_logp)).sum(-1)
+    lm = torch.logaddexp(teacher_logp + math.log(beta), student_logp + math.log1p(-beta))
+    kl_t = (teacher_logp.exp() * (teacher_logp - lm)).sum(-1)
+    kl_s = (student_logp.exp() * (student_logp - lm)).sum(-1)
+    return beta * kl_t + (1.0 - beta) * kl_s
+
+
+def _tail_bucket(logp: Tensor) -> Tensor:
+    """Append log(1 − Σ_k p) so the top-k support plus one tail bucket sums to 1."""
+    log_s = torch.logsumexp(logp, dim=-1, keepdim=True).clamp(max=-1e-7)
+    return torch.cat([logp, torch.log(-torch.expm1(log_s))], dim=-1)
+
+
+def _reduce(per_token: Tensor, m: Tensor, reduction: str, normalizer: float | Tensor | None) -> Tensor:
+    """Reduce a [...] per-token loss under bool mask ``m`` (zeros where masked out)."""
+    masked = torch.where(m, per_token, torch.zeros_like(per_token))
+    if reduction == "none":
+        return masked
+    total = masked.sum()
+    if reduction == "sum":
+        return total
+    denom: float | Tensor = m.sum().clamp(min=1).to(per_token.dtype) if normalizer is None else normalizer
+    return total / denom
+
+
+def topk_distill(
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    *,
+    k: int,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    mask: Tensor | None = None,
+    add_tail_bucket: bool = True,
+    support: Literal["student", "teacher"] = "student",
+    reduction: Reduction = "mean",
+    normalizer: float | Tensor | None = None,
+) -> Tensor:
+    """Generalized JSD restricted to a top-k support (TRL ``trl/experimental/sdpo`` ``topk_logits`` mode).
+
+    The support is the top-k tokens of the student (``support="student"``, TRL's choice) or of the teacher.
+    True log-probs (normalised over the full vocabulary) are gathered on it; with ``add_tail_bucket`` one extra
+    category holds the leftover mass ``1 − Σ_k p`` on each side (so the divergence approximates the
+    full-vocabulary one and stays ≥ 0; verl#7856), else both are renormalised over the k tokens.
+    Then :func:`generalized_jsd`'s divergence (same ``beta`` convention) on the k(+1) categories.
+    """
+    check_tensor("student_logits", student_logits, min_ndim=2)
+    check_float("student_logits", student_logits)
+    check_float("teacher_logits", teacher_logits)
+    check_same_shape("student_logits", student_logits, "teacher_logits", teacher_logits)
+    check_probability("beta", beta)
+    check_choice("support", support, ("student", "teacher"))
+    _check_common(temperature, 1, reduction, normalizer, ("mean", "sum", "none"))
+    vocab = student_logits.shape[-1]
+    if isinstance(k, bool) or not isinstance(k, int) or not (1 <= k <= vocab):
+        raise ValueError(f"`k`={k!r} must be an int in [1, V={vocab}].")
+    m = as_mask("mask", mask, student_logits.shape[:-1], device=student_logits.device)
+    cdtype = _compute_dtype(student_logits.dtype)
+    zs = student_logits.to(cdtype) / temperature
+    zt = teacher_logits.detach().to(cdtype) / temperature
+    source = zs.detach() if support == "student" else zt
+    idx = torch.topk(source, k=k, dim=-1).indices
+    lq = torch.gather(zs, -1, idx) - torch.logsumexp(zs, dim=-1, keepdim=True)
+    lp = torch.gather(zt, -1, idx) - torch.logsumexp(zt, dim=-1, keepdim=True)
+    if add_tail_bucket:
+        lq, lp = _tail_bucket(lq), _tail_bucket(lp)
+    else:
+        lq = lq - torch.logsumexp(lq, dim=-1, keepdim=True)
+        lp = lp - torch.logsumexp(lp, dim=-1, keepdim=True)
+    per_token = divergence(lq, lp, float(beta))
+    return _reduce(per_token, m, reduction, normalizer)
+
+
+def sampled_token_distill(
+    student_logprobs: Tensor,
+    teacher_logprobs: Tensor,
+    mask: Tensor,
+    *,
+    old_logprobs: Tensor | None = None,
+    is_clip: float | None = 2.0,
+    reduction: Reduction = "mean",
+    normalizer: float | Tensor | None = None,
+) -> Tensor:
+    """Reverse-KL estimator on the sampled token (SDPO arXiv 2601.20802 / on-policy distillation).
+
+    Per token, with ``d = ℓS − ℓT`` and ``w = min(exp(clamp(ℓS − ℓold, ±20)), is_clip)`` (detached;
+    ``w = 1`` when ``old_logprobs`` or ``is_clip`` is None):
+
+    - gradient ``w·sg(d)·∇ℓS``: equal to TRL ``trl/experimental/sdpo`` ``sampled_token`` mode
+      (``sg(d)·ℓS`` × clipped IS ratio); on-policy ``E_{y∼q}[d·∇ℓS] = ∇KL(q‖p_T)``.
+    - value ``w·d``: the (IS-weighted) k1 estimate of KL(q_S‖p_T), a meaningful number to log (TRL's raw
+      surrogate value ``sg(d)·ℓS`` is not).
+
+    Args: ``student_logprobs`` [B, T] (with grad); ``teacher_logprobs`` [B, T] (detached); ``mask`` [B, T].
+    """
+    check_tensor("student_logprobs", student_logprobs, min_ndim=1)
+    check_float("student_logprobs", student_logprobs)
+    check_float("teacher_logprobs", teacher_logprobs)
+    check_same_shape("student_logprobs", student_logprobs, "teacher_logprobs", teacher_logprobs)
+    check_choice("reduction", reduction, ("mean", "sum", "none"))
+    check_normalizer("normalizer", normalizer)
+    if normalizer is not None and reduction != "mean":
+        raise ValueError(f"`normalizer` only applies to reduction='mean', not {reduction!r}.")
+    if is_clip is not None:
+        check_positive("is_clip", is_clip)
+    m = as_mask("mask", mask, student_logprobs.shape, device=student_logprobs.device)
+    ls = student_logprobs
+    d = (ls - teacher_logprobs.detach()).detach()
+    per_token = d + d * (ls - ls.detach())
+    if old_logprobs is not None:
+        check_float("old_logprobs", old_logprobs)
+        check_same_shape("student_logprobs", student_logprobs, "old_logprobs", old_logprobs)
+        if is_clip is not None:
+            with torch.no_grad():
+                w = torch.exp(torch.clamp(ls.detach() - old_logprobs.detach(), min=-20.0, max=20.0)).clamp(
+                    max=is_clip
+                )
+            per_token = per_token * w
+    return _reduce(per_token, m, reduction, normalizer)

@@ -1,0 +1,208 @@
+"""Preference pairs from teacher replay (channel 3 data), with typed normalisation.
+
+At a student state ``x`` (the messages before the student's assistant turn ``y_S``), N
+teachers answered ``a_1..a_N`` (:mod:`composer_core.replay`). The pair is
+
+- ``chosen`` = a teacher action a **verifier** accepts (the most common accepted action),
+  or — without a verifier — the **strict majority** action of the teachers that answered
+  (its count > half of them);
+- ``rejected`` = the student's own action ``y_S``.
+
+No pair is made when no action qualifies, or when the chosen action *is* the student's
+(after normalisation). The DPO / SimPO losses then prefer ``chosen`` over ``rejected``
+(:mod:`composer_core.preference`).
+
+Normalisation works on the typed :class:`~composer_core.traces.Message` structure:
+whitespace in text is collapsed (NFC, trimmed), tool-call arguments are compared as
+canonical JSON. The functions here accept only ``Message`` / ``str`` and raise
+``TypeError`` for anything else: the bug of the project this replaces — string filters
+(``.strip()``, ``len``, substring tests) run over list-of-dict message fields, which
+silently measured or compared the wrong thing — cannot happen.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import unicodedata
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .replay import ReplayResult
+from .traces import Episode, Message, canonical_json, state_hash
+
+__all__ = [
+    "PreferencePair",
+    "Verifier",
+    "action_key",
+    "action_length",
+    "filter_pairs",
+    "make_pair",
+    "normalize_text",
+]
+
+Verifier = Callable[[Episode, int, Message], bool]
+_WS = re.compile(r"\s+")
+
+
+def normalize_text(text: str) -> str:
+    """NFC, collapse whitespace runs to one space, trim. Only ``str`` is accepted."""
+    if not isinstance(text, str):
+        raise TypeError(
+            f"normalize_text takes str, got {type(text).__name__}; messages are typed — "
+            "normalise Message objects with action_key()/action_length(), not their dict form"
+        )
+    return _WS.sub(" ", unicodedata.normalize("NFC", text)).strip()
+
+
+def _require_message(m: object, what: str) -> Message:
+    if not isinstance(m, Message):
+        raise TypeError(f"{what} must be a composer_core.traces.Message, got {type(m).__name__}")
+    return m
+
+
+def _canonical_args(arguments: str) -> str:
+    try:
+        return canonical_json(json.loads(arguments))
+    except ValueError:
+        return normalize_text(arguments)
+
+
+def action_key(m: Message) -> str:
+    """Normalised identity of an action: text (whitespace-collapsed) + tool calls (name, canonical args).
+
+    Tool-call ids are ignored (they are arbitrary per sample).
+    """
+    m = _require_message(m, "action")
+    calls = [[c.name, _canonical_args(c.arguments)] for c in m.tool_calls]
+    return canonical_json([normalize_text(m.text), calls])
+
+
+def action_length(m: Message) -> int:
+    """Characters of an action's normalised content plus its tool calls' names and canonical arguments."""
+    m = _require_message(m, "action")
+    return len(normalize_text(m.text)) + sum(
+        len(c.name) + len(_canonical_args(c.arguments)) for c in m.tool_calls
+    )
+
+
+@dataclass(frozen=True)
+class PreferencePair:
+    """One preference pair at a student state (typed; validated)."""
+
+    episode_id: str
+    turn: int
+    prompt: tuple[Message, ...]
+    chosen: Message
+    rejected: Message
+    chosen_by: Literal["verifier", "majority"]
+    teachers: tuple[str, ...]
+    answered: int
+    tools: tuple[Mapping[str, Any], ...] = ()
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _require_message(self.chosen, "chosen")
+        _require_message(self.rejected, "rejected")
+        if not isinstance(self.prompt, tuple):
+            raise TypeError("prompt must be a tuple of Message")
+        for i, m in enumerate(self.prompt):
+            _require_message(m, f"prompt[{i}]")
+        if self.chosen.role != "assistant" or self.rejected.role != "assistant":
+            raise ValueError("chosen and rejected must be assistant messages")
+        if action_key(self.chosen) == action_key(self.rejected):
+            raise ValueError("chosen and rejected are the same action after normalisation")
+
+
+def make_pair(
+    episode: Episode,
+    turn: int,
+    results: Sequence[ReplayResult],
+    *,
+    verifier: Verifier | None = None,
+) -> PreferencePair | None:
+    """Pair at ``episode.messages[turn]`` from the teachers' ``results`` (failed ones are ignored).
+
+    With ``verifier``: chosen = the most common action it accepts (ties: first teacher
+    order); none accepted -> ``None``. Without: chosen = the action more than half of the
+    answering teachers gave; no strict majority -> ``None``. Chosen equal to the student's
+    action -> ``None``.
+    """
+    student = episode.messages[turn]
+    if student.role != "assistant":
+        raise ValueError(f"turn {turn} of {episode.id!r} is a {student.role} message, not a student action")
+    answers = [(r.teacher, r.message) for r in results if r.message is not None]
+    if not answers:
+        return None
+    chosen_by: Literal["verifier", "majority"]
+    if verifier is not None:
+        pool = [(t, m) for t, m in answers if m.role == "assistant" and verifier(episode, turn, m)]
+        chosen_by = "verifier"
+    else:
+        pool = answers
+        chosen_by = "majority"
+    if not pool:
+        return None
+    counts = Counter(action_key(m) for _, m in pool)
+    order = list(dict.fromkeys(action_key(m) for _, m in pool))  # first-seen order breaks ties
+    best_key = max(order, key=lambda k: counts[k])
+    best = counts[best_key]
+    if verifier is None and 2 * best <= len(answers):
+        return None
+    if best_key == action_key(student):
+        return None
+    voters = tuple(t for t, m in pool if action_key(m) == best_key)
+    chosen = next(m for _, m in pool if action_key(m) == best_key)
+    return PreferencePair(
+        episode.id,
+        turn,
+        episode.messages[:turn],
+        chosen,
+        student,
+        chosen_by,
+        voters,
+        len(answers),
+        episode.tools,
+    )
+
+
+def filter_pairs(
+    pairs: Sequence[PreferencePair],
+    *,
+    min_chars: int = 1,
+    max_chars: int | None = None,
+    dedupe: bool = True,
+) -> tuple[list[PreferencePair], dict[str, int]]:
+    """Length and duplicate filters on typed pairs.
+
+    Length = :func:`action_length` of chosen and of rejected (both must lie in
+    ``[min_chars, max_chars]``). Duplicates: same state hash and same normalised chosen and
+    rejected actions; the first is kept. Returns the kept pairs and drop counts.
+    """
+    if min_chars < 0 or (max_chars is not None and max_chars < min_chars):
+        raise ValueError(
+            f"need 0 <= min_chars <= max_chars, got min_chars={min_chars}, max_chars={max_chars}"
+        )
+    kept: list[PreferencePair] = []
+    dropped = {"too_short": 0, "too_long": 0, "duplicate": 0}
+    seen: set[tuple[str, str, str]] = set()
+    for p in pairs:
+        if not isinstance(p, PreferencePair):
+            raise TypeError(f"filter_pairs takes PreferencePair objects, got {type(p).__name__}")
+        lengths = (action_length(p.chosen), action_length(p.rejected))
+        if min(lengths) < min_chars:
+            dropped["too_short"] += 1
+            continue
+        if max_chars is not None and max(lengths) > max_chars:
+            dropped["too_long"] += 1
+            continue
+        if dedupe:
+            k = (state_hash(p.prompt, p.tools), action_key(p.chosen), action_key(p.rejected))
+            if k in seen:
+                dropped["duplicate"] += 1
+                continue
+            seen.add(k)
+        kept.append(p)
+    return kept, dropped

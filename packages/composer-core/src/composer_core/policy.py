@@ -1,0 +1,469 @@
+"""GRPO-family policy loss: clipped surrogate, KL penalty, aggregation, rollout-mismatch corrections.
+
+References: GRPO (DeepSeekMath, arXiv 2402.03300); PPO clipping (Schulman et al., arXiv 1707.06347); DAPO
+clip-higher and token-level loss (arXiv 2503.14476); Dr. GRPO (arXiv 2503.20783); INTELLECT-2 two-sided
+``delta`` clip (arXiv 2505.07291); truncated IS (Yao et al. 2025, "Your efficient RL framework secretly
+brings you off-policy RL training"); masked IS / IcePop (arXiv 2510.18855); DPPO probability-difference
+masking (arXiv 2602.04879) as PRIME-RL's default loss; KL estimators k1/k2/k3 (Schulman, "Approximating KL
+divergence", 2020).
+
+The op order of :func:`policy_loss` follows TRL 1.16 ``GRPOTrainer._compute_loss`` exactly
+(ratio → clip → min → × rollout IS weight → + β·KL → aggregate) so a TRL adapter reproduces it bit-exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from composer_core._validation import (
+    as_mask,
+    check_choice,
+    check_float,
+    check_normalizer,
+    check_positive,
+    check_same_shape,
+    check_tensor,
+)
+
+__all__ = [
+    "PolicyLossOutput",
+    "aggregate_loss",
+    "clipped_surrogate",
+    "dppo_loss",
+    "dppo_mask",
+    "kl_penalty",
+    "policy_loss",
+    "rollout_correction_weights",
+]
+
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
+KLEstimator = Literal["k1", "k2", "k3"]
+RolloutMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+RolloutCorrection = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "dppo_mask"]
+
+LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo")
+ROLLOUT_MODES: tuple[str, ...] = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def _broadcast_advantages(advantages: Tensor, like: Tensor) -> Tensor:
+    """[B] → [B, 1] (TRL's conditional unsqueeze); [B, 1] and [B, T] unchanged; anything else raises."""
+    check_float("advantages", advantages)
+    if advantages.dim() == 1:
+        if advantages.shape[0] != like.shape[0]:
+            raise ValueError(
+                f"`advantages` has {advantages.shape[0]} entries but `logprobs` has batch size {like.shape[0]}."
+            )
+        return advantages.unsqueeze(1)
+    if advantages.dim() == 2 and advantages.shape[1] == 1 and advantages.shape[0] == like.shape[0]:
+        return advantages
+    if advantages.shape != like.shape:
+        raise ValueError(
+            f"`advantages` must be [B] or [B, T] = {tuple(like.shape)}, got {tuple(advantages.shape)}."
+        )
+    return advantages
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator = "k3") -> Tensor:
+    """Per-token KL(πθ‖πref) estimate on the sampled token (Schulman 2020), ``x = ℓref − ℓθ``.
+
+    ``k1 = ℓθ − ℓref``; ``k2 = ½x²``; ``k3 = eˣ − x − 1`` (DeepSeekMath, TRL when ``beta≠0``, verl
+    ``low_var_kl`` without its clamps). Gradient flows through ``logprobs`` only.
+    """
+    check_float("logprobs", logprobs)
+    check_float("ref_logprobs", ref_logprobs)
+    check_same_shape("logprobs", logprobs, "ref_logprobs", ref_logprobs)
+    check_choice("estimator", estimator, ("k1", "k2", "k3"))
+    return _kl_unchecked(logprobs, ref_logprobs.detach(), estimator)
+
+
+def _kl_unchecked(logprobs: Tensor, ref: Tensor, estimator: str) -> Tensor:
+    if estimator == "k1":
+        return logprobs - ref
+    if estimator == "k2":
+        x = ref - logprobs
+        return 0.5 * x * x
+    # Same expression (and op order) as TRL 1.16 GRPOTrainer._compute_loss.
+    return torch.exp(ref - logprobs) - (ref - logprobs) - 1
+
+
+def clipped_surrogate(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    *,
+    epsilon_low: float = 0.2,
+    epsilon_high: float | None = None,
+    delta: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """PPO/GRPO clipped surrogate per token, with DAPO clip-higher and INTELLECT-2 two-sided ``delta``.
+
+    ``ρ = exp(ℓθ − ℓold)``, ``L_t = −min(min(ρ, δ)·A, clip(ρ, 1−ε_lo, 1+ε_hi)·A)``.
+
+    Returns ``(per_token_loss [B, T], is_clipped [B, T] bool)``, where ``is_clipped`` marks tokens whose
+    gradient is cut by the clip region (``ρ < 1−ε_lo ∧ A < 0`` or ``ρ > 1+ε_hi ∧ A > 0``, TRL's
+    ``clip_ratio/region_mean``). ``advantages`` is [B] or [B, T].
+    """
+    check_float("logprobs", logprobs)
+    check_float("old_logprobs", old_logprobs)
+    check_same_shape("logprobs", logprobs, "old_logprobs", old_logprobs)
+    adv = _broadcast_advantages(advantages, logprobs)
+    eps_lo, eps_hi = _check_clip_args(epsilon_low, epsilon_high, delta)
+    coef_1 = torch.exp(logprobs - old_logprobs.detach())
+    return _surrogate_from_ratio(coef_1, adv, eps_lo, eps_hi, delta)
+
+
+def _check_clip_args(
+    epsilon_low: float, epsilon_high: float | None, delta: float | None
+) -> tuple[float, float]:
+    eps_lo = float(epsilon_low)
+    eps_hi = eps_lo if epsilon_high is None else float(epsilon_high)
+    if not (0.0 <= eps_lo < 1.0):
+        raise ValueError(f"`epsilon_low`={epsilon_low!r} must lie in [0, 1).")
+    if not (eps_hi >= 0.0):
+        raise ValueError(f"`epsilon_high`={epsilon_high!r} must be >= 0 (None = epsilon_low).")
+    if delta is not None and not (float(delta) > 1.0 + eps_hi):
+        raise ValueError(
+            f"`delta`={delta!r} must exceed 1 + epsilon_high = {1.0 + eps_hi} (it caps the unclipped ratio); "
+            "pass delta=None to disable the two-sided clip."
+        )
+    return eps_lo, eps_hi
+
+
+def _surrogate_from_ratio(
+    coef_1: Tensor, adv: Tensor, eps_lo: float, eps_hi: float, delta: float | None
+) -> tuple[Tensor, Tensor]:
+    """The clip/min part of :func:`clipped_surrogate`, given ρ (TRL op order)."""
+    coef_2 = torch.clamp(coef_1, 1 - eps_lo, 1 + eps_hi)
+    if delta is not None:
+        coef_1 = torch.clamp(coef_1, max=delta)
+    per_token_loss1 = coef_1 * adv
+    per_token_loss2 = coef_2 * adv
+    per_token_loss = -torch.min(per_token_loss1, per_token_loss2)
+    with torch.no_grad():
+        is_clipped = ((coef_1 < 1 - eps_lo) & (adv < 0)) | ((coef_1 > 1 + eps_hi) & (adv > 0))
+    return per_token_loss, is_clipped.expand_as(per_token_loss)
+
+
+def aggregate_loss(
+    per_token_loss: Tensor,
+    mask: Tensor,
+    loss_type: LossType,
+    *,
+    normalizer: float | Tensor | None = None,
+    max_completion_length: int | None = None,
+) -> Tensor:
+    """Reduce a [B, T] per-token loss to a scalar (TRL ``loss_type`` / verl ``loss_agg_mode``).
+
+    - ``grpo``: ``mean_i(Σ_t L·m / Σ_t m)`` (GRPO paper); with ``normalizer`` (global number of sequences):
+      ``Σ_i(...) / normalizer``.
+    - ``bnpo``: ``Σ L·m / Σ m`` over the local micro-batch; ``normalizer`` is rejected.
+    - ``dr_grpo``: ``Σ L·m / (B·L_max)`` (Dr. GRPO, arXiv 2503.20783), ``L_max = max_completion_length``
+      (default T); ``normalizer`` replaces ``B·L_max``.
+    - ``dapo``: ``Σ L·m / normalizer`` with ``normalizer`` = global active-token count (DAPO token-level
+      loss); ``None`` → local ``Σ m``.
+
+    Passing the global count over all micro-batches and ranks makes gradient accumulation exact: the
+    sum of micro-batch losses equals the full-batch loss. Denominators are clamped to ≥ 1.
+    """
+    check_tensor("per_token_loss", per_token_loss, ndim=2)
+    check_float("per_token_loss", per_token_loss)
+    check_choice("loss_type", loss_type, LOSS_TYPES)
+    m_bool = as_mask("mask", mask, per_token_loss.shape, device=per_token_loss.device, require_nonempty=False)
+    m = mask if (mask.dtype != torch.bool and mask.is_floating_point()) else m_bool.to(per_token_loss.dtype)
+    check_normalizer("normalizer", normalizer)
+    if max_completion_length is not None and loss_type != "dr_grpo":
+        raise ValueError(f"`max_completion_length` is only used by loss_type='dr_grpo', not {loss_type!r}.")
+    if loss_type == "grpo":
+        per_seq = (per_token_loss * m).sum(-1) / m.sum(-1).clamp(min=1.0)
+        return per_seq.mean() if normalizer is None else per_seq.sum() / normalizer
+    if loss_type == "bnpo":
+        if normalizer is not None:
+            raise ValueError(
+                "loss_type='bnpo' normalises by the local token count by definition; drop `normalizer` or "
+                "use loss_type='dapo' for a global token count."
+            )
+        return (per_token_loss * m).sum() / m.sum().clamp(min=1.0)
+    if loss_type == "dr_grpo":
+        if normalizer is not None and max_completion_length is not None:
+            raise ValueError(
+                "loss_type='dr_grpo': pass either `normalizer` (global B·L_max) or `max_completion_length`, not both."
+            )
+        if normalizer is None:
+            l_max = per_token_loss.shape[1] if max_completion_length is None else max_completion_length
+            if isinstance(l_max, bool) or not isinstance(l_max, int) or l_max < 1:
+                raise ValueError(f"`max_completion_length`={max_completion_length!r} must be an int >= 1.")
+            if l_max < per_token_loss.shape[1]:
+                raise ValueError(
+                    f"`max_completion_length`={l_max} is shorter than the completion width T="
+                    f"{per_token_loss.shape[1]}; pass the generation cap (>= T)."
+                )
+            return (per_token_loss * m).sum() / (per_token_loss.size(0) * l_max)
+        return (per_token_loss * m).sum() / normalizer
+    denom = m.sum().clamp(min=1.0) if normalizer is None else normalizer
+    return (per_token_loss * m).sum() / denom
+
+
+def rollout_correction_weights(
+    logprobs: Tensor,
+    inference_logprobs: Tensor,
+    mask: Tensor,
+    *,
+    mode: RolloutMode,
+    clip_max: float | None = 3.0,
+    clip_min: float | None = None,
+) -> Tensor:
+    """Detached importance weights ``π_train/π_inference`` correcting trainer/inference mismatch [B, T].
+
+    ``δ = (ℓtrain − ℓinf)·m``; token modes use ``ρ_t = e^{δ_t}``, sequence modes ``ρ = e^{Σ_t δ_t}`` broadcast
+    over the sequence (TRL ``vllm_importance_sampling_mode``).
+
+    - ``*_truncate`` (TIS, Yao et al. 2025): ``clamp(ρ, clip_min, clip_max)``.
+    - ``*_mask`` (MIS / IcePop, arXiv 2510.18855): ``ρ·1[clip_min ≤ ρ ≤ clip_max]`` (dropped, not clipped).
+
+    ``logprobs`` should be the trainer's log-probs at sampling time (``old_logprobs``; TRL uses them).
+    """
+    check_float("logprobs", logprobs)
+    check_float("inference_logprobs", inference_logprobs)
+    check_same_shape("logprobs", logprobs, "inference_logprobs", inference_logprobs)
+    check_choice("mode", mode, ROLLOUT_MODES)
+    m_bool = as_mask("mask", mask, logprobs.shape, device=logprobs.device, require_nonempty=False)
+    if clip_max is not None:
+        check_positive("clip_max", clip_max)
+    if clip_min is not None and not (float(clip_min) >= 0.0):
+        raise ValueError(f"`clip_min`={clip_min!r} must be >= 0.")
+    if clip_min is not None and clip_max is not None and clip_min > clip_max:
+        raise ValueError(f"`clip_min`={clip_min} exceeds `clip_max`={clip_max}.")
+    with torch.no_grad():
+        m = m_bool.to(logprobs.dtype)
+        diff = (logprobs.detach() - inference_logprobs.detach()) * m
+        if mode.startswith("sequence"):
+            diff = diff.sum(dim=-1, keepdim=True)
+        ratio = torch.exp(diff)
+        if mode.endswith("truncate"):
+            ratio = torch.clamp(ratio, min=clip_min, max=clip_max)
+        else:
+            lo = -float("inf") if clip_min is None else float(clip_min)
+            hi = float("inf") if clip_max is None else float(clip_max)
+            ratio = ratio.masked_fill((ratio < lo) | (ratio > hi), 0.0)
+        return ratio.expand_as(logprobs)
+
+
+def dppo_mask(
+    logprobs: Tensor,
+    inference_logprobs: Tensor,
+    advantages: Tensor,
+    *,
+    mask_low: float = 0.2,
+    mask_high: float = 0.2,
+) -> Tensor:
+    """PRIME-RL DPPO-Binary-TV trust-region mask (DPPO, arXiv 2602.04879) [B, T], True = masked out.
+
+    ``Δp = exp(ℓtrain) − exp(ℓinf)``; ``masked = (A > 0 ∧ Δp > mask_high) ∨ (A ≤ 0 ∧ Δp < −mask_low)``:
+    bounds are on probabilities, not log-ratios, and depend on the advantage sign.
+    """
+    check_float("logprobs", logprobs)
+    check_float("inference_logprobs", inference_logprobs)
+    check_same_shape("logprobs", logprobs, "inference_logprobs", inference_logprobs)
+    adv = _broadcast_advantages(advantages, logprobs)
+    check_probability_bound("mask_low", mask_low)
+    check_probability_bound("mask_high", mask_high)
+    with torch.no_grad():
+        dp = torch.exp(logprobs.detach()) - torch.exp(inference_logprobs.detach())
+        masked = ((adv > 0) & (dp > mask_high)) | ((adv <= 0) & (dp < -mask_low))
+    return masked.expand_as(logprobs)
+
+
+def check_probability_bound(name: str, value: float) -> None:
+    """DPPO thresholds are probability differences in [0, 1]."""
+    if not (0.0 <= float(value) <= 1.0):
+        raise ValueError(f"`{name}`={value!r} must lie in [0, 1] (a probability difference).")
+
+
+def dppo_loss(
+    logprobs: Tensor,
+    inference_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    mask_low: float = 0.2,
+    mask_high: float = 0.2,
+    adv_tau: float = 1.0,
+    kl_tau: float = 1e-3,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PRIME-RL default loss per token (DPPO-Binary-TV + Kimi K2.5 KL; arXiv 2602.04879, 2602.02276).
+
+    ``δ = ℓtrain − ℓinf``, ``ρ = e^δ``, ``L_t = −1[¬masked]·adv_tau·A·ρ + kl_tau·m·δ²`` with the mask of
+    :func:`dppo_mask`. Returned per token and NOT reduced (PRIME-RL divides by the global loss-token count;
+    use :func:`aggregate_loss` with ``loss_type="dapo"``). Metrics (detached tensors): ``masked_fraction``,
+    ``mismatch_kl`` (mean ``δ²/2`` over ``mask``).
+    """
+    check_float("logprobs", logprobs)
+    check_float("inference_logprobs", inference_logprobs)
+    check_same_shape("logprobs", logprobs, "inference_logprobs", inference_logprobs)
+    adv = _broadcast_advantages(advantages, logprobs)
+    m_bool = as_mask("mask", mask, logprobs.shape, device=logprobs.device)
+    masked = dppo_mask(logprobs, inference_logprobs, advantages, mask_low=mask_low, mask_high=mask_high)
+    m = m_bool.to(logprobs.dtype)
+    keep = (~masked).to(logprobs.dtype) * m
+    log_ratio = logprobs - inference_logprobs.detach()
+    ratio = torch.exp(log_ratio)
+    per_token = -keep * adv_tau * adv * ratio + kl_tau * m * log_ratio * log_ratio
+    with torch.no_grad():
+        n = m.sum().clamp(min=1.0)
+        metrics = {
+            "masked_fraction": (masked.to(logprobs.dtype) * m).sum() / n,
+            "mismatch_kl": (0.5 * log_ratio.detach() ** 2 * m).sum() / n,
+        }
+    return per_token, metrics
+
+
+@dataclass
+class PolicyLossOutput:
+    """Result of :func:`policy_loss`: the scalar ``loss`` (with grad) and float ``metrics``."""
+
+    loss: Tensor
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def policy_loss(
+    logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    old_logprobs: Tensor | None = None,
+    ref_logprobs: Tensor | None = None,
+    rollout_is_weights: Tensor | None = None,
+    inference_logprobs: Tensor | None = None,
+    loss_type: LossType = "dapo",
+    epsilon_low: float = 0.2,
+    epsilon_high: float | None = None,
+    delta: float | None = None,
+    kl_beta: float = 0.0,
+    kl_estimator: KLEstimator = "k3",
+    rollout_correction: RolloutCorrection | None = None,
+    rollout_clip_max: float | None = 3.0,
+    rollout_clip_min: float | None = None,
+    dppo_mask_low: float = 0.2,
+    dppo_mask_high: float = 0.2,
+    normalizer: float | Tensor | None = None,
+    max_completion_length: int | None = None,
+) -> PolicyLossOutput:
+    """GRPO-family policy loss, op order of TRL 1.16 ``GRPOTrainer._compute_loss``.
+
+    ``L_t = −min(ρA, clip(ρ, 1−ε_lo, 1+ε_hi)A) · w_t + kl_beta·KL_t``, aggregated by ``loss_type`` (see
+    :func:`aggregate_loss`); ``ρ = exp(ℓθ − ℓold)``, ``w_t`` the rollout-correction weight.
+
+    Args:
+        logprobs: [B, T] log-prob of each sampled token under the current policy (with grad).
+        advantages: [B] or [B, T].
+        mask: [B, T] completion mask (bool or 0/1); must select at least one token.
+        old_logprobs: [B, T] sampling-time policy log-probs; ``None`` → ``logprobs.detach()`` (ratio 1,
+            TRL ``num_iterations=1``).
+        ref_logprobs: [B, T] reference-model log-probs; required iff ``kl_beta != 0``.
+        rollout_is_weights: [B, T] precomputed detached IS weights (TRL ``importance_sampling_ratio``,
+            verl ``rollout_is_weights``); multiplies the surrogate. Exclusive with ``rollout_correction``.
+        inference_logprobs: [B, T] inference-engine log-probs; required iff ``rollout_correction`` is set.
+        rollout_correction: compute the weights here: a :func:`rollout_correction_weights` mode (weights from
+            ``old_logprobs`` vs ``inference_logprobs``), or ``"dppo_mask"`` (zero the surrogate on tokens
+            :func:`dppo_mask` flags, from ``logprobs`` vs ``inference_logprobs``).
+        kl_beta / kl_estimator: KL-to-reference coefficient and estimator (:func:`kl_penalty`).
+        normalizer / max_completion_length: see :func:`aggregate_loss`.
+
+    Metrics: ``policy/clip_ratio`` (masked mean of clipped tokens), ``policy/kl`` (if ``kl_beta``),
+    ``policy/rollout_is_weight`` (masked mean weight) or ``policy/dppo_masked`` (masked fraction).
+    """
+    check_tensor("logprobs", logprobs, ndim=2)
+    check_float("logprobs", logprobs)
+    m_bool = as_mask("mask", mask, logprobs.shape, device=logprobs.device)
+    check_choice("loss_type", loss_type, LOSS_TYPES)
+    check_choice("rollout_correction", rollout_correction, (None, *ROLLOUT_MODES, "dppo_mask"))
+    if old_logprobs is not None:
+        check_float("old_logprobs", old_logprobs)
+        check_same_shape("logprobs", logprobs, "old_logprobs", old_logprobs)
+    if rollout_is_weights is not None:
+        check_float("rollout_is_weights", rollout_is_weights)
+        check_same_shape("logprobs", logprobs, "rollout_is_weights", rollout_is_weights)
+        if rollout_correction is not None:
+            raise ValueError(
+                "pass either precomputed `rollout_is_weights` or `rollout_correction` (computed here), not both."
+            )
+    if rollout_correction is not None and inference_logprobs is None:
+        raise ValueError(
+            f"rollout_correction={rollout_correction!r} needs `inference_logprobs` (the inference engine's "
+            "log-probs of the sampled tokens); pass them or set rollout_correction=None."
+        )
+    if inference_logprobs is not None and rollout_correction is None:
+        raise ValueError(
+            "`inference_logprobs` is only used by `rollout_correction`; set rollout_correction (e.g. "
+            "'token_truncate', 'sequence_mask', 'dppo_mask') or drop inference_logprobs."
+        )
+    if kl_beta != 0.0 and ref_logprobs is None:
+        raise ValueError(
+            f"kl_beta={kl_beta} needs `ref_logprobs`; pass the reference model's log-probs or kl_beta=0."
+        )
+    if kl_beta == 0.0 and ref_logprobs is not None:
+        raise ValueError("`ref_logprobs` is only used when kl_beta != 0; set kl_beta or drop ref_logprobs.")
+    if not (float(kl_beta) >= 0.0):
+        raise ValueError(f"`kl_beta`={kl_beta!r} must be >= 0.")
+    check_choice("kl_estimator", kl_estimator, ("k1", "k2", "k3"))
+
+    adv = _broadcast_advantages(advantages, logprobs)
+    old = logprobs.detach() if old_logprobs is None else old_logprobs
+
+    eps_lo, eps_hi = _check_clip_args(epsilon_low, epsilon_high, delta)
+    ref: Tensor | None = None
+    if ref_logprobs is not None:
+        check_float("ref_logprobs", ref_logprobs)
+        check_same_shape("logprobs", logprobs, "ref_logprobs", ref_logprobs)
+        ref = ref_logprobs.detach()
+
+    # Same op sequence as TRL 1.16 GRPOTrainer._compute_loss (graph-creation order fixes the order in which
+    # autograd accumulates gradients, so even the gradients are bit-identical).
+    log_ratio = logprobs - old.detach()
+    coef_1 = torch.exp(log_ratio)
+    per_token_kl: Tensor | None = None
+    if kl_beta != 0.0:
+        assert ref is not None
+        per_token_kl = _kl_unchecked(logprobs, ref, kl_estimator)
+    per_token_loss, is_clipped = _surrogate_from_ratio(coef_1, adv, eps_lo, eps_hi, delta)
+    metrics: dict[str, float] = {}
+    m_f = m_bool.to(logprobs.dtype)
+    n_tok = m_f.sum().clamp(min=1.0)
+
+    if rollout_correction == "dppo_mask":
+        assert inference_logprobs is not None
+        check_float("inference_logprobs", inference_logprobs)
+        masked = dppo_mask(
+            logprobs, inference_logprobs, adv, mask_low=dppo_mask_low, mask_high=dppo_mask_high
+        )
+        per_token_loss = per_token_loss * (~masked)
+        metrics["policy/dppo_masked"] = float((masked.to(m_f.dtype) * m_f).sum() / n_tok)
+    elif rollout_correction is not None:
+        assert inference_logprobs is not None
+        weights = rollout_correction_weights(
+            old,
+            inference_logprobs,
+            m_bool,
+            mode=rollout_correction,
+            clip_max=rollout_clip_max,
+            clip_min=rollout_clip_min,
+        )
+        per_token_loss = per_token_loss * weights
+        metrics["policy/rollout_is_weight"] = float((weights * m_f).sum() / n_tok)
+    elif rollout_is_weights is not None:
+        per_token_loss = per_token_loss * rollout_is_weights.detach()
+        metrics["policy/rollout_is_weight"] = float((rollout_is_weights.detach() * m_f).sum() / n_tok)
+
+    if per_token_kl is not None:
+        per_token_loss = per_token_loss + kl_beta * per_token_kl
+        metrics["policy/kl"] = float((per_token_kl.detach() * m_f).sum() / n_tok)
+
+    loss = aggregate_loss(
+        per_token_loss, mask, loss_type, normalizer=normalizer, max_completion_length=max_completion_length
+    )
+    metrics["policy/clip_ratio"] = float((is_clipped.to(m_f.dtype) * m_f).sum() / n_tok)
+    return PolicyLossOutput(loss=loss, metrics=metrics)

@@ -1,0 +1,189 @@
+"""Pairwise preference losses on trace-replay pairs: DPO family and SimPO.
+
+``h = (ℓθ^w − ℓref^w) − (ℓθ^l − ℓref^l)`` with ℓ the **summed** completion log-probs of the chosen (w) and
+rejected (l) actions.
+
+- DPO (Rafailov et al., arXiv 2305.18290): ``−log σ(βh)``.
+- cDPO (conservative DPO, Mitchell 2023), label smoothing ε: ``−(1−ε)·log σ(βh) − ε·log σ(−βh)``.
+- robust DPO (Chowdhury et al., arXiv 2403.00409): ``[−(1−ε)·log σ(βh) + ε·log σ(−βh)] / (1−2ε)``.
+- IPO (Azar et al., arXiv 2310.12036): ``(h̄ − 1/(2β))²`` with h̄ from per-token-averaged log-probs (TRL).
+- SimPO (Meng et al., arXiv 2405.14734): ``−log σ(β·(ℓ̄θ^w − ℓ̄θ^l) − γ)``, ℓ̄ = ℓ/|y|, no reference model
+  and no NLL term (γ is the absolute margin; the paper's γ/β ratio times β).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from composer_core._validation import (
+    check_choice,
+    check_float,
+    check_normalizer,
+    check_positive,
+    check_same_shape,
+    check_tensor,
+)
+
+__all__ = ["dpo_loss", "preference_margin", "simpo_loss"]
+
+DPOLossType = Literal["sigmoid", "robust", "ipo"]
+
+
+def _check_pairs(**tensors: Tensor | None) -> int:
+    first: tuple[str, Tensor] | None = None
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        check_tensor(name, t, ndim=1)
+        check_float(name, t)
+        if first is None:
+            first = (name, t)
+        else:
+            check_same_shape(first[0], first[1], name, t)
+    assert first is not None
+    if first[1].shape[0] == 0:
+        raise ValueError(
+            f"`{first[0]}` holds no preference pair; pass at least one pair or skip the channel."
+        )
+    return first[1].shape[0]
+
+
+def _check_lengths(name: str, lengths: Tensor) -> Tensor:
+    if not bool((lengths > 0).all()):
+        raise ValueError(f"`{name}` must be > 0 for every pair (token count of each completion).")
+    return lengths
+
+
+def _reduce_pairs(losses: Tensor, reduction: str, normalizer: float | Tensor | None) -> Tensor:
+    check_choice("reduction", reduction, ("mean", "sum", "none"))
+    check_normalizer("normalizer", normalizer)
+    if normalizer is not None and reduction != "mean":
+        raise ValueError(f"`normalizer` only applies to reduction='mean', not {reduction!r}.")
+    if reduction == "none":
+        return losses
+    if reduction == "sum":
+        return losses.sum()
+    if normalizer is None:
+        return losses.mean()
+    return losses.sum() / normalizer
+
+
+def preference_margin(
+    chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Tensor, ref_rejected_logps: Tensor
+) -> Tensor:
+    """``h = (ℓθ^w − ℓref^w) − (ℓθ^l − ℓref^l)`` [P] (references detached)."""
+    return (chosen_logps - ref_chosen_logps.detach()) - (rejected_logps - ref_rejected_logps.detach())
+
+
+def dpo_loss(
+    chosen_logps: Tensor,
+    rejected_logps: Tensor,
+    ref_chosen_logps: Tensor,
+    ref_rejected_logps: Tensor,
+    *,
+    beta: float = 0.1,
+    loss_type: DPOLossType = "sigmoid",
+    label_smoothing: float = 0.0,
+    chosen_lengths: Tensor | None = None,
+    rejected_lengths: Tensor | None = None,
+    reduction: Literal["mean", "sum", "none"] = "mean",
+    normalizer: float | Tensor | None = None,
+) -> Tensor:
+    """DPO family on summed completion log-probs [P] (see module docstring for the formulas).
+
+    Args:
+        chosen_logps / rejected_logps: [P] summed policy log-probs (with grad).
+        ref_chosen_logps / ref_rejected_logps: [P] summed reference log-probs (detached).
+        beta: β (TRL default 0.1).
+        loss_type: ``"sigmoid"`` (DPO; cDPO when ``label_smoothing > 0``), ``"robust"``, ``"ipo"``.
+        label_smoothing: ε ∈ [0, 0.5] for sigmoid, [0, 0.5) for robust; not used by ipo.
+        chosen_lengths / rejected_lengths: [P] token counts; required by ``"ipo"`` only (per-token averages).
+        reduction / normalizer: ``"mean"`` = Σ / (normalizer or P) — pass the global pair count for
+            accumulation-exact gradients; ``"sum"``; ``"none"`` = [P].
+    """
+    check_choice("loss_type", loss_type, ("sigmoid", "robust", "ipo"))
+    beta = check_positive("beta", beta)
+    _check_pairs(
+        chosen_logps=chosen_logps,
+        rejected_logps=rejected_logps,
+        ref_chosen_logps=ref_chosen_logps,
+        ref_rejected_logps=ref_rejected_logps,
+        chosen_lengths=None if chosen_lengths is None else chosen_lengths.to(chosen_logps.dtype),
+        rejected_lengths=None if rejected_lengths is None else rejected_lengths.to(chosen_logps.dtype),
+    )
+    eps = float(label_smoothing)
+    if loss_type == "ipo":
+        if chosen_lengths is None or rejected_lengths is None:
+            raise ValueError(
+                "loss_type='ipo' needs `chosen_lengths` and `rejected_lengths` (IPO uses per-token-averaged "
+                "log-probs, as TRL does); pass the completion token counts."
+            )
+        if eps != 0.0:
+            raise ValueError("`label_smoothing` is not used by loss_type='ipo'; set it to 0.")
+        lc = _check_lengths("chosen_lengths", chosen_lengths).to(chosen_logps.dtype)
+        lr = _check_lengths("rejected_lengths", rejected_lengths).to(chosen_logps.dtype)
+        h_bar = (chosen_logps - ref_chosen_logps.detach()) / lc - (
+            rejected_logps - ref_rejected_logps.detach()
+        ) / lr
+        losses = (h_bar - 1.0 / (2.0 * beta)) ** 2
+        return _reduce_pairs(losses, reduction, normalizer)
+    if chosen_lengths is not None or rejected_lengths is not None:
+        raise ValueError(
+            f"`chosen_lengths`/`rejected_lengths` are only used by loss_type='ipo', not {loss_type!r}; drop them."
+        )
+    h = preference_margin(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps)
+    logits = beta * h
+    if loss_type == "sigmoid":
+        if not (0.0 <= eps <= 0.5):
+            raise ValueError(
+                f"`label_smoothing`={label_smoothing!r} must lie in [0, 0.5] for loss_type='sigmoid'."
+            )
+        losses = -F.logsigmoid(logits) * (1 - eps) - F.logsigmoid(-logits) * eps
+    else:
+        if not (0.0 <= eps < 0.5):
+            raise ValueError(
+                f"`label_smoothing`={label_smoothing!r} must lie in [0, 0.5) for loss_type='robust'."
+            )
+        losses = (-F.logsigmoid(logits) * (1 - eps) + F.logsigmoid(-logits) * eps) / (1 - 2 * eps)
+    return _reduce_pairs(losses, reduction, normalizer)
+
+
+def simpo_loss(
+    chosen_logps: Tensor,
+    rejected_logps: Tensor,
+    chosen_lengths: Tensor,
+    rejected_lengths: Tensor,
+    *,
+    beta: float = 2.0,
+    gamma: float = 0.5,
+    reduction: Literal["mean", "sum", "none"] = "mean",
+    normalizer: float | Tensor | None = None,
+) -> Tensor:
+    """SimPO (arXiv 2405.14734): ``−log σ(β·(ℓθ^w/|y_w| − ℓθ^l/|y_l|) − γ)`` [P], reference-free, no NLL term.
+
+    ``gamma`` is the absolute target margin γ (= β·``gamma_beta_ratio`` in the SimPO repo; defaults β=2.0,
+    γ=0.5 correspond to the paper's γ/β = 0.25). ``reduction``/``normalizer`` as in :func:`dpo_loss`.
+    """
+    beta = check_positive("beta", beta)
+    if not (float(gamma) >= 0.0) or float(gamma) == float("inf"):
+        raise ValueError(f"`gamma`={gamma!r} must be a finite margin >= 0.")
+    _check_pairs(
+        chosen_logps=chosen_logps,
+        rejected_logps=rejected_logps,
+        chosen_lengths=chosen_lengths.to(chosen_logps.dtype),
+        rejected_lengths=rejected_lengths.to(chosen_logps.dtype),
+    )
+    lc = _check_lengths("chosen_lengths", chosen_lengths).to(chosen_logps.dtype)
+    lr = _check_lengths("rejected_lengths", rejected_lengths).to(chosen_logps.dtype)
+    logits = beta * (chosen_logps / lc - rejected_logps / lr) - gamma
+    losses = -F.logsigmoid(logits)
+    return _reduce_pairs(losses, reduction, normalizer)
+
+
+def _pair_accuracy(margin: Tensor) -> float:
+    """Fraction of pairs whose implicit reward prefers the chosen action."""
+    return float((margin.detach() > 0).to(torch.float64).mean())

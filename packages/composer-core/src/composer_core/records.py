@@ -1,0 +1,280 @@
+"""The one output schema the adapters consume (channels 2 and 3), JSONL and Parquet.
+
+One :class:`TraceRecord` per student state (an assistant turn of an episode). Messages are
+OpenAI chat dicts, in TRL's *conversational* layout (``prompt`` is a list of messages;
+``completion``, ``chosen`` and ``rejected`` are one-message lists), so TRL-style code can
+apply the same chat template it uses elsewhere.
+
+=====================  ===============================  ==========================================
+column                 type                             meaning
+=====================  ===============================  ==========================================
+id                     str                              ``"{episode_id}@{turn}"``, unique
+episode_id, turn       str, int                         where the state comes from
+prompt                 list[message]                    the student's context x
+tools                  list[tool schema]                OpenAI tool schemas of the episode (may be empty)
+completion             [message]                        the student's action y at x
+teacher_prompt         list[message] | null             channel 2: x with the hint inserted
+hint                   str | null                       channel 2: the hint text
+hint_index             int | null                       position of the hint message in teacher_prompt
+error_kinds            list[str]                        error signals at this site (may be empty)
+tokenizer              str | null                       tokenizer the ids and mask belong to
+prompt_ids             list[int] | null                 tokens of prompt (add_generation_prompt)
+teacher_prompt_ids     list[int] | null                 tokens of teacher_prompt
+completion_ids         list[int] | null                 tokens of completion (shared by both contexts)
+sdpo_mask              list[int] | null                 0/1 per completion token: where to distil
+chosen                 [message] | null                 channel 3: the preferred (teacher) action
+rejected               [message] | null                 channel 3: the student's action (= completion)
+chosen_by              "verifier" | "majority" | null   how chosen was selected
+chosen_teachers        list[str]                        teachers that gave the chosen action
+ref_chosen_logp        float | null                     optional summed reference log-prob of chosen
+ref_rejected_logp      float | null                     optional summed reference log-prob of rejected
+=====================  ===============================  ==========================================
+
+A record carries channel 2 (``teacher_prompt`` + ``hint``), channel 3 (``chosen`` +
+``rejected``) or both. :func:`read_records` validates every row: messages parse, the
+completion is one assistant message, ``sdpo_mask`` is 0/1 with ``len == len(completion_ids)``
+and at least one 1, ``teacher_prompt`` equals ``prompt`` with exactly the hint message
+inserted at ``hint_index``, ``chosen`` != ``rejected``, reference log-probs finite and
+given in pairs. Parquet (``parquet`` extra, pyarrow) stores message columns and ``tools`` as JSON text
+(tool-call structures are ragged) and everything else natively.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from .traces import Message, message_from_dict
+
+__all__ = [
+    "MESSAGE_COLUMNS",
+    "TraceRecord",
+    "read_records",
+    "records_from_rows",
+    "validate_record",
+    "write_records",
+]
+
+MESSAGE_COLUMNS = ("prompt", "completion", "tools", "teacher_prompt", "chosen", "rejected")
+
+
+@dataclass(frozen=True)
+class TraceRecord:
+    """One row of the output schema (see the module docstring for every column)."""
+
+    id: str
+    episode_id: str
+    turn: int
+    prompt: list[dict[str, Any]]
+    completion: list[dict[str, Any]]
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    teacher_prompt: list[dict[str, Any]] | None = None
+    hint: str | None = None
+    hint_index: int | None = None
+    error_kinds: list[str] = field(default_factory=list)
+    tokenizer: str | None = None
+    prompt_ids: list[int] | None = None
+    teacher_prompt_ids: list[int] | None = None
+    completion_ids: list[int] | None = None
+    sdpo_mask: list[int] | None = None
+    chosen: list[dict[str, Any]] | None = None
+    rejected: list[dict[str, Any]] | None = None
+    chosen_by: str | None = None
+    chosen_teachers: list[str] = field(default_factory=list)
+    ref_chosen_logp: float | None = None
+    ref_rejected_logp: float | None = None
+
+    @property
+    def has_sdpo(self) -> bool:
+        return self.teacher_prompt is not None
+
+    @property
+    def has_pair(self) -> bool:
+        return self.chosen is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_FIELDS = {f.name for f in fields(TraceRecord)}
+
+
+def _messages(value: Any, column: str, where: str) -> list[Message]:
+    if not isinstance(value, list):
+        raise ValueError(f"{where}: {column} must be a list of OpenAI chat messages")
+    return [message_from_dict(m, f"{where}: {column}[{i}]") for i, m in enumerate(value)]
+
+
+def _one_assistant(value: Any, column: str, where: str) -> Message:
+    msgs = _messages(value, column, where)
+    if len(msgs) != 1 or msgs[0].role != "assistant":
+        raise ValueError(f"{where}: {column} must be a list holding exactly one assistant message")
+    return msgs[0]
+
+
+def _int_list(value: Any, column: str, where: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise ValueError(f"{where}: {column} must be a list of integers")
+    return value
+
+
+def validate_record(row: Mapping[str, Any], where: str = "record") -> TraceRecord:
+    """Check one row against the schema and return it as a :class:`TraceRecord`."""
+    unknown = set(row) - _FIELDS
+    if unknown:
+        raise ValueError(f"{where}: unknown columns {sorted(unknown)}")
+    for col in ("id", "episode_id", "turn", "prompt", "completion"):
+        if row.get(col) is None:
+            raise ValueError(f"{where}: missing required column {col!r}")
+    if not isinstance(row["turn"], int) or row["turn"] < 0:
+        raise ValueError(f"{where}: turn must be a non-negative integer")
+    prompt = _messages(row["prompt"], "prompt", where)
+    tools = row.get("tools", [])
+    if not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools):
+        raise ValueError(f"{where}: tools must be a list of OpenAI tool schemas")
+    completion = _one_assistant(row["completion"], "completion", where)
+    has_sdpo = row.get("teacher_prompt") is not None
+    has_pair = row.get("chosen") is not None or row.get("rejected") is not None
+    if not has_sdpo and not has_pair:
+        raise ValueError(
+            f"{where}: a record needs channel 2 (teacher_prompt, hint) or channel 3 (chosen, rejected)"
+        )
+    if has_sdpo:
+        teacher = _messages(row["teacher_prompt"], "teacher_prompt", where)
+        hint, k = row.get("hint"), row.get("hint_index")
+        if not isinstance(hint, str) or not hint.strip() or not isinstance(k, int):
+            raise ValueError(f"{where}: teacher_prompt needs a non-empty hint and an integer hint_index")
+        if not 0 <= k < len(teacher) or teacher[:k] + teacher[k + 1 :] != prompt or teacher[k].text != hint:
+            raise ValueError(
+                f"{where}: teacher_prompt must equal prompt with one hint message (text == hint) inserted at hint_index"
+            )
+    ids_given = [c for c in ("prompt_ids", "completion_ids", "sdpo_mask") if row.get(c) is not None]
+    if ids_given:
+        for c in ("prompt_ids", "completion_ids", "sdpo_mask", "tokenizer"):
+            if row.get(c) is None:
+                raise ValueError(f"{where}: {ids_given} given without {c}; token columns come together")
+        completion_ids = _int_list(row["completion_ids"], "completion_ids", where)
+        mask = _int_list(row["sdpo_mask"], "sdpo_mask", where)
+        _int_list(row["prompt_ids"], "prompt_ids", where)
+        if len(mask) != len(completion_ids):
+            raise ValueError(
+                f"{where}: sdpo_mask has {len(mask)} entries but completion_ids {len(completion_ids)}; "
+                "the mask is per completion token"
+            )
+        if any(v not in (0, 1) for v in mask):
+            raise ValueError(f"{where}: sdpo_mask must hold only 0 and 1")
+        if has_sdpo:
+            if not any(mask):
+                raise ValueError(
+                    f"{where}: sdpo_mask is all zero (an SDPO site must mark at least one token)"
+                )
+            if row.get("teacher_prompt_ids") is None:
+                raise ValueError(
+                    f"{where}: teacher_prompt given with token ids but without teacher_prompt_ids"
+                )
+            _int_list(row["teacher_prompt_ids"], "teacher_prompt_ids", where)
+    if has_pair:
+        if row.get("chosen") is None or row.get("rejected") is None:
+            raise ValueError(f"{where}: give chosen and rejected together (channel 3)")
+        chosen = _one_assistant(row.get("chosen"), "chosen", where)
+        rejected = _one_assistant(row.get("rejected"), "rejected", where)
+        from .pairs import action_key
+
+        if action_key(chosen) == action_key(rejected):
+            raise ValueError(f"{where}: chosen and rejected are the same action")
+        if action_key(rejected) != action_key(completion):
+            raise ValueError(f"{where}: rejected must be the student's action (the completion)")
+    refs = [row.get("ref_chosen_logp"), row.get("ref_rejected_logp")]
+    if (refs[0] is None) != (refs[1] is None):
+        raise ValueError(f"{where}: give ref_chosen_logp and ref_rejected_logp together")
+    for name, v in zip(("ref_chosen_logp", "ref_rejected_logp"), refs):
+        if v is not None and (not isinstance(v, int | float) or not math.isfinite(v)):
+            raise ValueError(f"{where}: {name} must be a finite number, got {v!r}")
+    if refs[0] is not None and not has_pair:
+        raise ValueError(f"{where}: reference log-probs given without chosen/rejected")
+    return TraceRecord(**{k: row[k] for k in row if k in _FIELDS})
+
+
+def write_records(records: Iterable[TraceRecord], path: str | Path) -> int:
+    """Write records as JSONL (``.jsonl``) or Parquet (``.parquet``, needs the ``parquet`` extra)."""
+    p = Path(path)
+    rows = [validate_record(r.to_dict(), f"record {r.id}").to_dict() for r in records]
+    if p.suffix == ".parquet":
+        pa, pq = _pyarrow()
+        enc = [
+            {
+                k: (json.dumps(v, ensure_ascii=False) if k in MESSAGE_COLUMNS and v is not None else v)
+                for k, v in r.items()
+            }
+            for r in rows
+        ]
+        pq.write_table(pa.Table.from_pylist(enc, schema=_arrow_schema(pa)), p)
+    else:
+        with p.open("w", encoding="utf-8") as f:
+            for r in rows:
+                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    return len(rows)
+
+
+def read_records(path: str | Path) -> list[TraceRecord]:
+    """Read and validate records (JSONL or Parquet); errors name the file and row."""
+    p = Path(path)
+    rows: list[tuple[str, Mapping[str, Any]]] = []
+    if p.suffix == ".parquet":
+        _, pq = _pyarrow()
+        for i, r in enumerate(pq.read_table(p).to_pylist()):
+            dec = dict(r)
+            for k in MESSAGE_COLUMNS:
+                if isinstance(dec.get(k), str):
+                    try:
+                        dec[k] = json.loads(dec[k])
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{p} row {i}: column {k} is not JSON ({e.msg})") from e
+            rows.append((f"{p} row {i}", dec))
+    else:
+        with p.open(encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{p}:{n}: not valid JSON ({e.msg})") from e
+                if not isinstance(obj, dict):
+                    raise ValueError(f"{p}:{n}: each line must be a JSON object")
+                rows.append((f"{p}:{n}", obj))
+    out = [validate_record(r, where) for where, r in rows]
+    ids = [r.id for r in out]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{p}: duplicate record ids")
+    return out
+
+
+def _pyarrow() -> tuple[Any, Any]:
+    try:
+        pa = importlib.import_module("pyarrow")
+        pq = importlib.import_module("pyarrow.parquet")
+    except ImportError as e:
+        raise ImportError("Parquet output needs pyarrow: pip install 'composer-core[parquet]'") from e
+    return pa, pq
+
+
+def _arrow_schema(pa: Any) -> Any:
+    ints, s = pa.list_(pa.int64()), pa.string()
+    types: dict[str, Any] = {
+        "id": s, "episode_id": s, "turn": pa.int64(), "hint": s, "hint_index": pa.int64(),
+        "error_kinds": pa.list_(s), "tokenizer": s, "prompt_ids": ints, "teacher_prompt_ids": ints,
+        "completion_ids": ints, "sdpo_mask": ints, "chosen_by": s, "chosen_teachers": pa.list_(s),
+        "ref_chosen_logp": pa.float64(), "ref_rejected_logp": pa.float64(),
+    }  # fmt: skip
+    return pa.schema([(f.name, types.get(f.name, s)) for f in fields(TraceRecord)])
+
+
+def records_from_rows(rows: Sequence[Mapping[str, Any]]) -> list[TraceRecord]:
+    """Validate in-memory rows (e.g. from a ``datasets.Dataset``)."""
+    return [validate_record(r, f"row {i}") for i, r in enumerate(rows)]

@@ -1,0 +1,205 @@
+"""A deterministic OpenAI-compatible chat-completions server (stdlib) for tests and dry runs.
+
+It is a real HTTP server on ``127.0.0.1`` speaking ``POST .../chat/completions``: use it to
+exercise :mod:`composer_core.replay` and ``composer-replay`` end to end without paying a
+provider. Answers are a pure function of (model, messages) — by default an assistant text
+``"answer <hash>"`` where the hash covers the messages only, so different teacher models
+agree (a majority) unless ``answer_fn`` says otherwise.
+
+Fault injection (``faults``: per model, a list consumed one request at a time, then the
+last entry repeats if ``repeat_last``): ``"ok"``, ``"429"`` (with ``Retry-After: 0``),
+``"500"``, ``"503"``, ``"400"``, ``"timeout"`` (sleep ``timeout_sleep_s`` before answering),
+``"malformed"`` (HTTP 200 with a body that is not JSON), ``"no_choices"`` (JSON without
+``choices``). Counters: ``requests`` per (model, state hash), ``answered`` likewise,
+``total_requests``, ``max_in_flight``. ``on_request(n, model, state)`` runs before the n-th
+request is answered; when it returns True the connection is closed without an answer.
+``"400"`` echoes the request's ``Authorization`` header in its body (as some gateways do),
+to check that clients redact keys from recorded errors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+__all__ = ["ChatServer", "default_answer"]
+
+AnswerFn = Callable[[str, list[dict[str, Any]]], dict[str, Any]]
+
+
+def _state(messages: list[dict[str, Any]]) -> str:
+    return hashlib.sha256(json.dumps(messages, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def default_answer(model: str, messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """``{"role": "assistant", "content": "answer <first 12 hex of the state hash>"}``."""
+    return {"role": "assistant", "content": f"answer {_state(messages)[:12]}"}
+
+
+class ChatServer:
+    """Run with ``with ChatServer() as srv: srv.base_url`` (``http://127.0.0.1:<port>/v1``)."""
+
+    def __init__(
+        self,
+        answer_fn: AnswerFn = default_answer,
+        *,
+        faults: dict[str, list[str]] | None = None,
+        repeat_last: bool = False,
+        timeout_sleep_s: float = 2.0,
+        require_key: str | None = None,
+        on_request: Callable[[int, str, str], bool | None] | None = None,
+        retry_after: str = "0",
+    ) -> None:
+        self.answer_fn = answer_fn
+        self.faults = {k: list(v) for k, v in (faults or {}).items()}
+        self.repeat_last = repeat_last
+        self.timeout_sleep_s = timeout_sleep_s
+        self.require_key = require_key
+        self.on_request = on_request
+        self.retry_after = retry_after
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.requests: Counter[tuple[str, str]] = Counter()
+        self.answered: Counter[tuple[str, str]] = Counter()
+        self.total_requests = 0
+        self.bodies: list[dict[str, Any]] = []
+        self.auth_headers: list[str | None] = []
+        self._lock = threading.Lock()
+        self._httpd: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def base_url(self) -> str:
+        if self._httpd is None:
+            raise RuntimeError("server not started")
+        return f"http://127.0.0.1:{self._httpd.server_address[1]}/v1"
+
+    def _next_fault(self, model: str) -> str:
+        plan = self.faults.get(model)
+        if not plan:
+            return "ok"
+        if len(plan) == 1 and self.repeat_last:
+            return plan[0]
+        return plan.pop(0)
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:  # silence (and never log headers)
+                return
+
+            def _send(self, code: int, body: bytes, headers: dict[str, str] | None = None) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                for k, v in (headers or {}).items():
+                    self.send_header(k, v)
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_POST(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                try:
+                    body = json.loads(self.rfile.read(length))
+                    model, messages = str(body["model"]), list(body["messages"])
+                except (ValueError, KeyError, TypeError):
+                    self._send(400, b'{"error": {"message": "bad request"}}')
+                    return
+                if not self.path.endswith("/chat/completions"):
+                    self._send(404, b'{"error": {"message": "not found"}}')
+                    return
+                state = _state(messages)
+                with server._lock:
+                    server.total_requests += 1
+                    n = server.total_requests
+                    server.requests[(model, state)] += 1
+                    server.bodies.append(body)
+                    server.auth_headers.append(self.headers.get("Authorization"))
+                    fault = server._next_fault(model)
+                    server.in_flight += 1
+                    server.max_in_flight = max(server.max_in_flight, server.in_flight)
+                try:
+                    self._answer(n, model, messages, state, fault)
+                finally:
+                    with server._lock:
+                        server.in_flight -= 1
+
+            def _answer(
+                self, n: int, model: str, messages: list[dict[str, Any]], state: str, fault: str
+            ) -> None:
+                if server.on_request is not None and server.on_request(n, model, state):
+                    self.close_connection = True
+                    return
+                if (
+                    server.require_key is not None
+                    and self.headers.get("Authorization") != f"Bearer {server.require_key}"
+                ):
+                    self._send(401, b'{"error": {"message": "invalid api key"}}')
+                    return
+                if fault == "400":
+                    echo = json.dumps({"error": {"message": f"bad auth {self.headers.get('Authorization')}"}})
+                    self._send(400, echo.encode())
+                    return
+                if fault in ("429", "500", "503"):
+                    extra = {"Retry-After": server.retry_after} if fault == "429" else None
+                    self._send(int(fault), b'{"error": {"message": "injected"}}', extra)
+                    return
+                if fault == "malformed":
+                    self._send(200, b'{"choices": [ this is not json')
+                    return
+                if fault == "no_choices":
+                    self._send(200, b'{"object": "chat.completion"}')
+                    return
+                if fault == "timeout":
+                    time.sleep(server.timeout_sleep_s)
+                message = server.answer_fn(model, messages)
+                prompt_chars = sum(len(str(m.get("content") or "")) for m in messages)
+                completion_chars = len(json.dumps(message))
+                payload = {
+                    "id": f"chatcmpl-{n}",
+                    "object": "chat.completion",
+                    "model": model,
+                    "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+                    "usage": {
+                        "prompt_tokens": 1 + prompt_chars // 4,
+                        "completion_tokens": 1 + completion_chars // 4,
+                        "total_tokens": 2 + prompt_chars // 4 + completion_chars // 4,
+                    },
+                }
+                try:
+                    self._send(200, json.dumps(payload).encode())
+                except OSError:  # client gone (killed): not answered
+                    return
+                if fault != "timeout":
+                    with server._lock:
+                        server.answered[(model, state)] += 1
+
+        return Handler
+
+    def start(self) -> ChatServer:
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._httpd.daemon_threads = True
+        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None
+
+    def __enter__(self) -> ChatServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,26 @@
+"""Test helpers shipped with composer_core (pytest-free).
+
+- :mod:`composer_core.testing.conformance`: the shared conformance suite adapters run against their hosts
+  (:func:`check_adapter`, :data:`CASES`).
+- :mod:`composer_core.testing.reference`: naive, fully materialised reference implementations.
+"""
+
+from composer_core.testing.conformance import (
+    CASES,
+    TAGS,
+    ConformanceCase,
+    ConformanceError,
+    ConformanceReport,
+    cases_for,
+    check_adapter,
+)
+
+__all__ = [
+    "CASES",
+    "TAGS",
+    "ConformanceCase",
+    "ConformanceError",
+    "ConformanceReport",
+    "cases_for",
+    "check_adapter",
+]

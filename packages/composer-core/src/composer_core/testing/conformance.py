@@ -1,0 +1,578 @@
+"""Conformance suite: every adapter must compute the same numbers as :func:`composer_core.compose_loss`.
+
+Pytest-free, so each adapter runs it inside its own host's test session::
+
+    from composer_core.testing import check_adapter
+
+    def compute(batch, options):            # host-side: translate, run the host's loss path, return the total
+        return my_trainer_loss(to_host_inputs(batch), **to_host_config(options))
+
+    check_adapter(compute, supports={"policy", "sdpo_full", "dpo"}, atol=1e-6, rtol=1e-5)
+
+Each :class:`ConformanceCase` is a batch factory (fresh leaf tensors on every call), the ``compose_loss``
+options, and closed-form expected values where one exists (e.g. JSD_½ of [0.9, 0.1] vs [0.5, 0.5] is
+0.10175; DPO at initialisation is ln 2). ``check_adapter`` first checks ``compose_loss`` against the closed
+form, then the adapter's total against ``compose_loss`` in value and in the gradient of every input that
+requires grad. Tags (``supports``): ``policy``, ``sdpo_full``, ``sdpo_sampled``, ``sdpo_topk``, ``taid``,
+``entropy_opd``, ``dpo``, ``simpo``, ``global_normalizer``; a case runs when all its tags are supported.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from composer_core.compose import ComposerBatch, ComposeResult, compose_loss
+
+__all__ = [
+    "CASES",
+    "TAGS",
+    "ConformanceCase",
+    "ConformanceError",
+    "ConformanceReport",
+    "cases_for",
+    "check_adapter",
+]
+
+TAGS = frozenset(
+    {
+        "policy",
+        "sdpo_full",
+        "sdpo_sampled",
+        "sdpo_topk",
+        "taid",
+        "entropy_opd",
+        "dpo",
+        "simpo",
+        "global_normalizer",
+    }
+)
+
+#: An adapter's host-side computation: (batch, compose_loss options) -> total loss (or a ComposeResult).
+Compute = Callable[[ComposerBatch, Mapping[str, Any]], "Tensor | ComposeResult"]
+
+
+@dataclass(frozen=True)
+class ConformanceCase:
+    """One conformance case: ``make_batch(dtype)`` builds fresh leaves; ``expected`` holds closed forms."""
+
+    name: str
+    tags: frozenset[str]
+    make_batch: Callable[[torch.dtype], ComposerBatch]
+    options: Mapping[str, Any] = field(default_factory=dict)
+    expected: Mapping[str, float] = field(default_factory=dict)
+    description: str = ""
+
+
+class ConformanceError(AssertionError):
+    """Raised by :func:`check_adapter` with every mismatch found."""
+
+
+@dataclass
+class ConformanceReport:
+    """Which cases ran and which were skipped (unsupported tags)."""
+
+    passed: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------------------- case helpers
+def _t(values: Any, dtype: torch.dtype, grad: bool = False) -> Tensor:
+    return torch.tensor(values, dtype=dtype).requires_grad_(grad)
+
+
+def _policy_only(dtype: torch.dtype, b: int = 1, t: int = 1) -> dict[str, Tensor]:
+    """Channel-1 inputs with zero advantage: policy loss and its gradient are exactly 0."""
+    return {
+        "logprobs": torch.full((b, t), -1.0, dtype=dtype).requires_grad_(True),
+        "advantages": torch.zeros(b, dtype=dtype),
+        "completion_mask": torch.ones(b, t, dtype=torch.bool),
+    }
+
+
+def _log(p: list[float]) -> list[float]:
+    return [math.log(x) for x in p]
+
+
+def _kl(p: list[float], q: list[float]) -> float:
+    return sum(pi * math.log(pi / qi) for pi, qi in zip(p, q) if pi > 0)
+
+
+def _jsd(p_t: list[float], q_s: list[float], beta: float) -> float:
+    if beta == 0:
+        return _kl(p_t, q_s)
+    if beta == 1:
+        return _kl(q_s, p_t)
+    m = [beta * a + (1 - beta) * b for a, b in zip(p_t, q_s)]
+    return beta * _kl(p_t, m) + (1 - beta) * _kl(q_s, m)
+
+
+def _softmax(z: list[float]) -> list[float]:
+    mx = max(z)
+    e = [math.exp(v - mx) for v in z]
+    s = sum(e)
+    return [v / s for v in e]
+
+
+def _random_batch(dtype: torch.dtype, seed: int, *, hidden: bool = False) -> ComposerBatch:
+    g = torch.Generator().manual_seed(seed)
+    b, t, v, h, p = 4, 5, 11, 6, 3
+
+    def r(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+
+    mask = torch.ones(b, t, dtype=torch.bool)
+    mask[1, 3:] = False
+    mask[3, 2:] = False
+    sdpo_mask = mask.clone()
+    sdpo_mask[0] = False
+    batch = ComposerBatch(
+        logprobs=(r(b, t) * 0.5 - 1.5).requires_grad_(True),
+        advantages=r(b),
+        completion_mask=mask,
+        old_logprobs=None,
+        sdpo_mask=sdpo_mask,
+        chosen_logps=(r(p) * 3 - 10).requires_grad_(True),
+        rejected_logps=(r(p) * 3 - 10).requires_grad_(True),
+        ref_chosen_logps=r(p) * 3 - 10,
+        ref_rejected_logps=r(p) * 3 - 10,
+        chosen_lengths=torch.tensor([4, 6, 3]),
+        rejected_lengths=torch.tensor([5, 2, 7]),
+        teacher_logprobs=r(b, t) * 0.5 - 1.5,
+    )
+    if hidden:
+        batch.student_hidden = r(b, t, h).requires_grad_(True)
+        batch.teacher_hidden = r(b, t, h)
+        batch.lm_head_weight = r(v, h).requires_grad_(True)
+    else:
+        batch.student_logits = (r(b, t, v) * 2).requires_grad_(True)
+        batch.teacher_logits = r(b, t, v) * 2
+    return batch
+
+
+def _two_token(dtype: torch.dtype, student: list[float], teacher: list[float]) -> ComposerBatch:
+    return ComposerBatch(
+        **_policy_only(dtype),
+        student_logits=_t([[_log(student)]], dtype, grad=True),
+        teacher_logits=_t([[_log(teacher)]], dtype),
+    )
+
+
+# ------------------------------------------------------------------------------------------------ cases
+def _cases() -> tuple[ConformanceCase, ...]:
+    cases: list[ConformanceCase] = []
+    add = cases.append
+
+    # ---- channel 1
+    def policy_ratio_one(dtype: torch.dtype) -> ComposerBatch:
+        return ComposerBatch(
+            logprobs=_t([[-1.0, -2.0, -0.5], [-0.3, -1.2, -2.2]], dtype, grad=True),
+            advantages=_t([1.0, -1.0], dtype),
+            completion_mask=torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool),
+        )
+
+    add(
+        ConformanceCase(
+            "policy/ratio_one_dapo",
+            frozenset({"policy"}),
+            policy_ratio_one,
+            {"alpha_sdpo": 0.0, "beta_replay": 0.0},
+            {"total": 0.2, "policy": 0.2},
+            "on-policy (old = sg(ℓ)): −Σ A·m / Σ m = −(2·1 + 3·(−1))/5",
+        )
+    )
+    add(
+        ConformanceCase(
+            "policy/ratio_one_global_normalizer",
+            frozenset({"policy", "global_normalizer"}),
+            policy_ratio_one,
+            {"normalizer": 10.0},
+            {"total": 0.1, "policy": 0.1},
+            "dapo with the global token count 10 (e.g. 2 micro-batches): 1/10",
+        )
+    )
+
+    def policy_clip(dtype: torch.dtype) -> ComposerBatch:
+        return ComposerBatch(
+            logprobs=_t([[math.log(1.5)], [math.log(0.5)]], dtype, grad=True),
+            advantages=_t([1.0, -1.0], dtype),
+            completion_mask=torch.ones(2, 1, dtype=torch.bool),
+            old_logprobs=torch.zeros(2, 1, dtype=dtype),
+        )
+
+    add(
+        ConformanceCase(
+            "policy/clip_higher_grpo",
+            frozenset({"policy"}),
+            policy_clip,
+            {"loss_type": "grpo", "epsilon_high": 0.28},
+            {"total": (-1.28 + 0.8) / 2, "policy": (-1.28 + 0.8) / 2},
+            "ρ=1.5, A=+1, ε_hi=0.28 → −1.28; ρ=0.5, A=−1, ε_lo=0.2 → +0.8; grpo mean",
+        )
+    )
+
+    def policy_kl(dtype: torch.dtype) -> ComposerBatch:
+        return ComposerBatch(
+            logprobs=_t([[math.log(0.5)]], dtype, grad=True),
+            advantages=_t([0.0], dtype),
+            completion_mask=torch.ones(1, 1, dtype=torch.bool),
+            ref_logprobs=_t([[math.log(0.25)]], dtype),
+        )
+
+    k3 = 0.5 - math.log(0.5) - 1  # e^x − x − 1 with x = ln(0.25/0.5)
+    add(
+        ConformanceCase(
+            "policy/kl_k3",
+            frozenset({"policy"}),
+            policy_kl,
+            {"kl_beta": 0.04},
+            {"total": 0.04 * k3, "policy": 0.04 * k3},
+            "ℓθ=ln .5, ℓref=ln .25: k3 = 0.19315, × β=0.04",
+        )
+    )
+    add(
+        ConformanceCase(
+            "policy/random_bnpo_delta",
+            frozenset({"policy"}),
+            lambda dt: _random_with_old(dt, 21),
+            {"loss_type": "bnpo", "epsilon_high": 0.28, "delta": 1.5},
+            {},
+            "random batch, old log-probs, clip-higher, two-sided delta",
+        )
+    )
+
+    # ---- channel 2: full JSD
+    for beta in (0.0, 0.5, 1.0):
+        add(
+            ConformanceCase(
+                f"sdpo_full/two_token_beta_{beta}",
+                frozenset({"sdpo_full"}),
+                lambda dt: _two_token(dt, [0.9, 0.1], [0.5, 0.5]),
+                {"sdpo_beta": beta, "beta_replay": 0.0},
+                {"distill": _jsd([0.5, 0.5], [0.9, 0.1], beta), "total": _jsd([0.5, 0.5], [0.9, 0.1], beta)},
+                "P_T=[.5,.5], P_S=[.9,.1]: FKL 0.51083, JSD_½ 0.10175, RKL 0.36806",
+            )
+        )
+    add(
+        ConformanceCase(
+            "sdpo_full/random_three_channels",
+            frozenset({"policy", "sdpo_full", "dpo"}),
+            lambda dt: _random_batch(dt, 1),
+            {"alpha_sdpo": 0.7, "beta_replay": 0.3, "sdpo_temperature": 0.9},
+            {},
+            "random batch, all three channels, hint mask ≠ completion mask",
+        )
+    )
+    add(
+        ConformanceCase(
+            "sdpo_full/random_fused_hidden",
+            frozenset({"policy", "sdpo_full"}),
+            lambda dt: _random_batch(dt, 2, hidden=True),
+            {"alpha_sdpo": 0.5, "beta_replay": 0.0, "sdpo_beta": 0.2},
+            {},
+            "fused hidden-state form (student_hidden, teacher_hidden, lm_head_weight)",
+        )
+    )
+    add(
+        ConformanceCase(
+            "global_normalizer/three_channels",
+            frozenset({"policy", "sdpo_full", "dpo", "global_normalizer"}),
+            lambda dt: _random_batch(dt, 3),
+            {"normalizer": 40.0, "sdpo_normalizer": 25.0, "replay_normalizer": 8.0},
+            {},
+            "each channel divided by its global count",
+        )
+    )
+
+    # ---- channel 2: sampled token
+    def sampled(dtype: torch.dtype) -> ComposerBatch:
+        return ComposerBatch(
+            logprobs=_t([[math.log(0.5)]], dtype, grad=True),
+            advantages=_t([0.0], dtype),
+            completion_mask=torch.ones(1, 1, dtype=torch.bool),
+            teacher_logprobs=_t([[math.log(0.25)]], dtype),
+        )
+
+    add(
+        ConformanceCase(
+            "sdpo_sampled/check_value",
+            frozenset({"sdpo_sampled"}),
+            sampled,
+            {"sdpo_form": "sampled"},
+            {"distill": math.log(2), "total": math.log(2)},
+            "p_S=.5, p_T=.25: k1 value ln 2, gradient coefficient on ℓS +0.69315",
+        )
+    )
+    add(
+        ConformanceCase(
+            "sdpo_sampled/random_is_clip",
+            frozenset({"policy", "sdpo_sampled"}),
+            lambda dt: _random_sampled(dt, 4),
+            {"sdpo_form": "sampled", "sdpo_token_clip": 1.5},
+            {},
+            "random batch with old log-probs: IS ratio clipped at 1.5",
+        )
+    )
+
+    # ---- channel 2: top-k
+    topk_fkl = 0.2 * math.log(0.2 / 0.6) + 0.8 * math.log(0.8 / 0.4)
+    add(
+        ConformanceCase(
+            "sdpo_topk/tail_bucket",
+            frozenset({"sdpo_topk"}),
+            lambda dt: _two_token(dt, [0.6, 0.3, 0.1], [0.2, 0.5, 0.3]),
+            {"sdpo_form": "topk", "sdpo_topk": 1, "sdpo_beta": 0.0},
+            {"distill": topk_fkl, "total": topk_fkl},
+            "student top-1 support + tail bucket: FKL([.2,.8] ‖ [.6,.4])",
+        )
+    )
+
+    # ---- wrappers
+    zs, zt, t_mix = _log([0.9, 0.1]), _log([0.5, 0.5]), 0.4
+    p_t = _softmax([(1 - t_mix) * a + t_mix * b for a, b in zip(zs, zt)])
+    add(
+        ConformanceCase(
+            "taid/interpolated_target",
+            frozenset({"taid"}),
+            lambda dt: _two_token(dt, [0.9, 0.1], [0.5, 0.5]),
+            {"sdpo_wrapper": "taid", "taid_t": t_mix},
+            {"distill": _kl(p_t, [0.9, 0.1]), "total": _kl(p_t, [0.9, 0.1])},
+            "KL(softmax(0.6·z_S + 0.4·z_T) ‖ q_S)",
+        )
+    )
+    q3 = [0.6, 0.3, 0.1]
+    uni = [1 / 3] * 3
+    eopd = _jsd(uni, q3, 0.5) + _kl(uni, q3)
+    add(
+        ConformanceCase(
+            "entropy_opd/gate_open",
+            frozenset({"entropy_opd"}),
+            lambda dt: _two_token(dt, q3, uni),
+            {"sdpo_wrapper": "entropy_opd"},
+            {"distill": eopd, "total": eopd},
+            "uniform teacher over 3 (H = 1.0986 > 0.8): JSD_½ + FKL",
+        )
+    )
+    closed = _jsd([0.5, 0.5], [0.9, 0.1], 0.5)
+    add(
+        ConformanceCase(
+            "entropy_opd/gate_closed",
+            frozenset({"entropy_opd"}),
+            lambda dt: _two_token(dt, [0.9, 0.1], [0.5, 0.5]),
+            {"sdpo_wrapper": "entropy_opd"},
+            {"distill": closed, "total": closed},
+            "teacher [.5,.5] (H = 0.693 < 0.8): base JSD only",
+        )
+    )
+
+    # ---- channel 3
+    def pairs(dtype: torch.dtype, h: float) -> ComposerBatch:
+        return ComposerBatch(
+            **_policy_only(dtype),
+            chosen_logps=_t([h - 12.0], dtype, grad=True),
+            rejected_logps=_t([-15.0], dtype, grad=True),
+            ref_chosen_logps=_t([-12.0], dtype),
+            ref_rejected_logps=_t([-15.0], dtype),
+            chosen_lengths=torch.tensor([4]),
+            rejected_lengths=torch.tensor([5]),
+        )
+
+    add(
+        ConformanceCase(
+            "dpo/init_ln2",
+            frozenset({"dpo"}),
+            lambda dt: pairs(dt, 0.0),
+            {"alpha_sdpo": 0.0},
+            {"preference": math.log(2), "total": math.log(2)},
+            "policy = reference → ln 2 for any β",
+        )
+    )
+    dpo10 = math.log1p(math.exp(-1.0))
+    add(
+        ConformanceCase(
+            "dpo/margin_10",
+            frozenset({"dpo"}),
+            lambda dt: pairs(dt, 10.0),
+            {"dpo_beta": 0.1},
+            {"preference": dpo10, "total": dpo10},
+            "β=0.1, h=10 → 0.313262",
+        )
+    )
+    add(
+        ConformanceCase(
+            "dpo/ipo_init",
+            frozenset({"dpo"}),
+            lambda dt: pairs(dt, 0.0),
+            {"dpo_loss_type": "ipo"},
+            {"preference": 25.0, "total": 25.0},
+            "IPO at h=0, β=0.1 → (0 − 1/(2β))² = 25",
+        )
+    )
+    cdpo = -(0.8 * math.log(1 / (1 + math.exp(-1.0))) + 0.2 * math.log(1 / (1 + math.exp(1.0))))
+    add(
+        ConformanceCase(
+            "dpo/cdpo_margin_10",
+            frozenset({"dpo"}),
+            lambda dt: pairs(dt, 10.0),
+            {"dpo_label_smoothing": 0.2},
+            {"preference": cdpo, "total": cdpo},
+            "cDPO ε=0.2 at βh=1",
+        )
+    )
+    simpo_x = 2.0 * ((-2.0 - 12.0) / 4 - (-15.0) / 5) - 0.5
+    simpo = math.log1p(math.exp(-simpo_x))
+    add(
+        ConformanceCase(
+            "simpo/closed_form",
+            frozenset({"simpo"}),
+            lambda dt: pairs(dt, -2.0),
+            {"dpo_variant": "simpo"},
+            {"preference": simpo, "total": simpo},
+            "−log σ(2·(−14/4 + 15/5) − 0.5)",
+        )
+    )
+    add(
+        ConformanceCase(
+            "simpo/random_three_channels",
+            frozenset({"policy", "sdpo_full", "simpo"}),
+            lambda dt: _random_batch(dt, 5),
+            {"dpo_variant": "simpo", "simpo_beta": 2.5, "simpo_gamma": 1.0},
+            {},
+            "random batch, SimPO replay",
+        )
+    )
+    return tuple(cases)
+
+
+def _random_with_old(dtype: torch.dtype, seed: int) -> ComposerBatch:
+    b = _random_batch(dtype, seed)
+    g = torch.Generator().manual_seed(seed + 1000)
+    b.old_logprobs = b.logprobs.detach() + 0.4 * torch.randn(
+        b.logprobs.shape, generator=g, dtype=torch.float64
+    ).to(dtype)
+    b.student_logits = b.teacher_logits = None
+    b.chosen_logps = b.rejected_logps = None
+    b.teacher_logprobs = None
+    return b
+
+
+def _random_sampled(dtype: torch.dtype, seed: int) -> ComposerBatch:
+    b = _random_with_old(dtype, seed)
+    g = torch.Generator().manual_seed(seed + 2000)
+    b.teacher_logprobs = b.logprobs.detach() + 0.5 * torch.randn(
+        b.logprobs.shape, generator=g, dtype=torch.float64
+    ).to(dtype)
+    return b
+
+
+CASES: tuple[ConformanceCase, ...] = _cases()
+
+
+def cases_for(supports: set[str] | frozenset[str]) -> list[ConformanceCase]:
+    """The cases whose tags are all in ``supports``."""
+    unknown = set(supports) - TAGS
+    if unknown:
+        raise ValueError(f"unknown conformance tag(s) {sorted(unknown)}; choose from {sorted(TAGS)}.")
+    return [c for c in CASES if c.tags <= set(supports)]
+
+
+# ---------------------------------------------------------------------------------------------- checking
+def _grad_leaves(batch: ComposerBatch) -> dict[str, Tensor]:
+    out: dict[str, Tensor] = {}
+    for f in fields(ComposerBatch):
+        v = getattr(batch, f.name)
+        if isinstance(v, Tensor) and v.requires_grad:
+            out[f.name] = v
+    return out
+
+
+def _total(value: Tensor | ComposeResult) -> Tensor:
+    return value.total if isinstance(value, ComposeResult) else value
+
+
+def _close(a: Tensor, b: Tensor, atol: float, rtol: float) -> bool:
+    return bool(
+        torch.allclose(a.detach().to(torch.float64), b.detach().to(torch.float64), atol=atol, rtol=rtol)
+    )
+
+
+def check_adapter(
+    compute: Compute,
+    *,
+    supports: set[str] | frozenset[str],
+    atol: float = 1e-6,
+    rtol: float = 1e-5,
+    dtype: torch.dtype = torch.float64,
+    check_grads: bool = True,
+) -> ConformanceReport:
+    """Run every supported case through ``compute`` and compare with :func:`compose_loss`.
+
+    Args:
+        compute: ``(batch, options) -> total`` (a scalar tensor, or a ComposeResult), the adapter's host-side
+            path. It must not mutate ``batch``; its total must be differentiable w.r.t. the batch tensors that
+            require grad (unless ``check_grads=False``, for hosts whose loss cannot be connected to them).
+        supports: tags the adapter implements (see the module docstring); other cases are skipped.
+        atol / rtol: tolerances for values and gradients (``torch.allclose``); the closed-form anchors use
+            ``max(atol, 1e-9)`` / ``max(rtol, 1e-7)`` against ``compose_loss``.
+        dtype: floating dtype of the batch tensors (float64 by default; hosts in float32 pass float32).
+
+    Returns a :class:`ConformanceReport`; raises :class:`ConformanceError` listing every mismatch.
+    """
+    if not supports:
+        raise ValueError("`supports` is empty; pass the tags the adapter implements, e.g. {'policy'}.")
+    selected = cases_for(supports)
+    report = ConformanceReport(skipped=[c.name for c in CASES if c not in selected])
+    failures: list[str] = []
+    for case in selected:
+        ref_batch = case.make_batch(dtype)
+        ref = compose_loss(ref_batch, **case.options)
+        parts = {
+            "total": ref.total,
+            "policy": ref.policy,
+            "distill": ref.distill,
+            "preference": ref.preference,
+        }
+        for key, expected in case.expected.items():
+            got = parts[key]
+            tol_a, tol_r = max(atol, 1e-9), max(rtol, 1e-7)
+            if got is None or abs(float(got.detach()) - expected) > tol_a + tol_r * abs(expected):
+                failures.append(f"[{case.name}] compose_loss {key}={got} but the closed form is {expected!r}")
+        ref_leaves = _grad_leaves(ref_batch)
+        ref_grads = torch.autograd.grad(ref.total, list(ref_leaves.values()), allow_unused=True)
+
+        batch = case.make_batch(dtype)
+        leaves = _grad_leaves(batch)
+        try:
+            out = _total(compute(batch, dict(case.options)))
+        except Exception as exc:  # report, then continue with the other cases
+            failures.append(f"[{case.name}] the adapter raised {type(exc).__name__}: {exc}")
+            continue
+        if not isinstance(out, Tensor) or out.numel() != 1:
+            failures.append(f"[{case.name}] the adapter returned {type(out).__name__}, not a scalar tensor")
+            continue
+        if not _close(out, ref.total, atol, rtol):
+            failures.append(
+                f"[{case.name}] total {float(out.detach())!r} != compose_loss {float(ref.total.detach())!r}"
+            )
+        if check_grads:
+            if not out.requires_grad:
+                failures.append(f"[{case.name}] the adapter's total does not require grad")
+                continue
+            grads = torch.autograd.grad(out, list(leaves.values()), allow_unused=True)
+            for (name, leaf), g, g_ref in zip(leaves.items(), grads, ref_grads):
+                g = torch.zeros_like(leaf) if g is None else g
+                g_ref = torch.zeros_like(leaf) if g_ref is None else g_ref
+                if not _close(g, g_ref, atol, rtol):
+                    err = float((g.detach().double() - g_ref.detach().double()).abs().max())
+                    failures.append(
+                        f"[{case.name}] d total / d {name} differs from compose_loss (max abs err {err:.3g})"
+                    )
+        report.passed.append(case.name)
+    if failures:
+        raise ConformanceError(f"{len(failures)} conformance failure(s):\n  " + "\n  ".join(failures))
+    return report

@@ -1,0 +1,44 @@
+"""Without an optional extra, each feature raises ImportError naming the extra (runs in tests-core)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import composer_core.traces  # noqa: F401  (core modules import with torch only)
+import pytest
+from composer_core import hints, pairs, records, replay, replay_cli  # noqa: F401
+
+
+def missing(module: str) -> bool:
+    return importlib.util.find_spec(module) is None
+
+
+@pytest.mark.skipif(not missing("httpx"), reason="httpx installed (replay extra present)")
+def test_replay_without_httpx() -> None:
+    t = replay.TeacherConfig("a", "http://127.0.0.1:1/v1", "m")
+    with pytest.raises(ImportError, match=r"composer-core\[replay\]"):
+        replay.Replayer([t])
+
+
+@pytest.mark.skipif(not missing("transformers"), reason="transformers installed (hf extra present)")
+def test_cli_tokenizer_without_transformers(tmp_path: Path) -> None:
+    traces = tmp_path / "t.jsonl"
+    traces.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    with pytest.raises(ImportError, match=r"composer-core\[hf\]"):
+        replay_cli.main(["--traces", str(traces), "--out", str(tmp_path / "o.jsonl"), "--tokenizer", "x"])
+
+
+@pytest.mark.skipif(not missing("data_juicer"), reason="py-data-juicer installed")
+def test_datajuicer_without_library() -> None:
+    from composer_core.datajuicer import datajuicer_filter
+
+    with pytest.raises(ImportError, match=r"composer-core\[datajuicer\]"):
+        datajuicer_filter([], [])
+
+
+@pytest.mark.skipif(not missing("pyarrow"), reason="pyarrow installed (parquet extra present)")
+def test_parquet_without_pyarrow(tmp_path: Path) -> None:
+    with pytest.raises(ImportError, match=r"composer-core\[parquet\]"):
+        records.write_records([], tmp_path / "r.parquet")
+    with pytest.raises(ImportError, match=r"composer-core\[parquet\]"):
+        records.read_records(tmp_path / "r.parquet")
