@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from composer_core.bypass.protocol import BlockConfig, BlockwiseModel
 
 CONFIG_NAME = "config.json"
-_SDPA_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
+_SDPA_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 WEIGHTS_NAME = "model.safetensors"
 
 
@@ -126,8 +126,10 @@ class Attention(nn.Module):
         if self.kv_heads != self.heads and not _SDPA_GQA:  # torch < 2.5: expand KV heads
             k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
             v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
-        gqa = {"enable_gqa": True} if self.kv_heads != self.heads and _SDPA_GQA else {}
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
+        if self.kv_heads != self.heads and _SDPA_GQA:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))  # type: ignore[no-any-return]
 
 
