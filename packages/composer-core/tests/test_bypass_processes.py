@@ -184,3 +184,15 @@ def test_more_ranks_than_blocks_fails_cleanly_on_every_rank(setup: dict[str, Any
         "composer-bypass: error: world_size=2 exceeds the number of blocks (1): every rank needs at "
         "least one block; run with at most 1 processes"
     }
+
+
+def test_rank0_decision_error_reaches_every_rank(setup: dict[str, Any], tmp_path: Path) -> None:
+    """A failure in a rank-0 decision (here: a foreign manifest) is broadcast instead of hanging rank 1."""
+    toml, _ = _write_run(tmp_path, "foreign", {}, setup["teacher"], setup["tokens"])
+    exp = tmp_path / "foreign" / setup["ref"].experiment_dir.name
+    exp.mkdir(parents=True)
+    (exp / "bypass_state.json").write_text(json.dumps({"run_id": "f" * 64, "status": "running"}))
+    results = _launch(toml, 2)
+    assert [rc for rc, _, _ in results] == [2, 2]
+    for _, _, err in results:
+        assert "rank 0 failed: ValueError:" in err and "belongs to run" in err

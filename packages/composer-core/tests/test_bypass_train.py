@@ -102,8 +102,10 @@ def test_skip_if_complete(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
         again.student.named_parameters(), first.student.named_parameters(), strict=True
     ):
         assert torch.equal(p, q), n
-    fresh = run_bypass(teacher, ids, cfg, resume=False, progress=False)
+    with pytest.warns(UserWarning, match="superseded by a run started with resume=False"):
+        fresh = run_bypass(teacher, ids, cfg, resume=False, progress=False)
     assert not fresh.skipped and len(calls) == 6
+    assert (fresh.experiment_dir / "aside" / "final-0" / "COMPLETE").is_file()
 
 
 def test_sweep_runs_each_student(tmp_path: Path) -> None:

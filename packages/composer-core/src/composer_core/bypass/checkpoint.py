@@ -140,7 +140,20 @@ def _set_aside(exp_dir: Path, path: Path, why: str) -> None:
     while (target := aside / f"{path.name}-{n}").exists():
         n += 1
     path.rename(target)
-    warnings.warn(f"bypass: {path.name} is {why}; moved it to {target} (never loaded)", stacklevel=3)
+    warnings.warn(f"bypass: {path.name}: {why}; moved it to {target} (never loaded)", stacklevel=3)
+
+
+def set_aside_checkpoints(exp_dir: Path, why: str) -> None:
+    """Move every checkpoint directory of ``exp_dir`` to ``aside/`` (a restart must not resume from them)."""
+    for path in sorted(exp_dir.iterdir()):
+        if (
+            path.is_dir()
+            and not path.is_symlink()
+            and (path.name.startswith("step-") or path.name.split(".")[0] in ("final", "best"))
+        ):
+            _set_aside(exp_dir, path, why)
+    if (exp_dir / LATEST).is_symlink():
+        (exp_dir / LATEST).unlink()
 
 
 def read_state(path: Path) -> dict[str, Any]:

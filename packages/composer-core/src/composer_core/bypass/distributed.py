@@ -8,12 +8,15 @@ Blocks are split contiguously: with ``L`` blocks and ``W`` ranks, rank ``r`` get
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+T = TypeVar("T")
 
 
 def partition_blocks(num_blocks: int, world_size: int) -> list[range]:
@@ -67,6 +70,34 @@ class DistContext:
         box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def run_on_main(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on rank 0 and broadcast its result; an error there is raised on every rank (no hang)."""
+        if not self.active:
+            return fn()
+        result: tuple[bool, Any] = (True, None)
+        if self.is_main:
+            try:
+                result = (True, fn())
+            except (ValueError, OSError) as exc:
+                result = (False, f"{type(exc).__name__}: {exc}")
+        ok, value = self.broadcast(result)
+        if not ok:
+            raise ValueError(f"rank 0 failed: {value}")
+        return value  # type: ignore[no-any-return]
+
+    def run_everywhere(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on every rank; if any rank fails, every rank raises (the first failure's message)."""
+        if not self.active:
+            return fn()
+        try:
+            value, error = fn(), None
+        except (ValueError, OSError) as exc:
+            value, error = None, f"rank {self.rank} failed: {type(exc).__name__}: {exc}"
+        errors = [e for e in self.gather(error) if e]
+        if errors:
+            raise ValueError(errors[0])
+        return value  # type: ignore[return-value]
 
     def gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (list indexed by rank) on every rank."""

@@ -27,6 +27,7 @@ from composer_core.bypass.checkpoint import (
     load_checkpoint,
     read_state,
     save_checkpoint,
+    set_aside_checkpoints,
     step_name,
     write_json_atomic,
 )
@@ -80,6 +81,8 @@ def _decide(exp: Path, run_id: str, identity: dict[str, Any], resume: bool) -> d
             )
         if resume and manifest.get("status") == "completed" and is_complete(exp / "final"):
             return {"action": "skip", "path": str(exp / "final")}
+    if not resume:
+        set_aside_checkpoints(exp, "superseded by a run started with resume=False")
     path = find_resume_checkpoint(exp) if resume else None
     write_json_atomic(manifest_path, {"run_id": run_id, "identity": identity, "status": "running"})
     return {"action": "resume" if path else "fresh", "path": str(path) if path else None}
@@ -127,7 +130,7 @@ def run_bypass(
     )
     run_id = sha256_json(identity)
     exp = experiment_dir(config, run_id)
-    decision = ctx.broadcast(_decide(exp, run_id, identity, resume) if ctx.is_main else None)
+    decision = ctx.run_on_main(lambda: _decide(exp, run_id, identity, resume))
 
     torch.manual_seed(tcfg.seed)
     student = make_student(teacher, config.student, data)
@@ -148,8 +151,9 @@ def run_bypass(
     optimizers = make_optimizers(student, owned, tcfg)
     state: dict[str, Any] = {"step": 0, "batches_consumed": 0, "history": [], "validation": [], "best": None}
     if decision["action"] == "resume":
-        state = load_checkpoint(
-            Path(decision["path"]), model=student, blocks=owned, optimizers=optimizers, ctx=ctx
+        path = Path(decision["path"])
+        state = ctx.run_everywhere(
+            lambda: load_checkpoint(path, model=student, blocks=owned, optimizers=optimizers, ctx=ctx)
         )
         if state["batches_consumed"] != state["step"] * tcfg.grad_accum:
             raise ValueError(
