@@ -123,3 +123,14 @@ def test_clip_value_after_unscale() -> None:
     torch.testing.assert_close(seen[0], torch.tensor([0.3, -0.35, 0.0, 0.0]))
     _, seen = _toy(True, "none", 1.0)
     torch.testing.assert_close(seen[0], torch.tensor([0.3, -0.4, 0.0, 0.0]))
+
+
+def test_only_floating_point_parameters_train() -> None:
+    model = S.teacher(num_layers=1)
+    model.layers[0].mlp.register_parameter(
+        "codebook", torch.nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False)
+    )
+    params = freeze_for_training(model, [0], ("entire_block",))
+    assert all(p.is_floating_point() for p in params[0])
+    assert len(params[0]) == sum(1 for p in model.layers[0].parameters() if p.is_floating_point())
+    assert not model.layers[0].mlp.codebook.requires_grad
