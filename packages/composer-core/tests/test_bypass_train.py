@@ -153,3 +153,14 @@ def test_resume_continues_at_batches_consumed(tmp_path: Path, monkeypatch: pytes
     )
     state = json.loads((resumed.experiment_dir / "step-00000004" / "state.json").read_text())
     assert (state["step"], state["batches_consumed"]) == (4, 8)
+
+
+def test_bad_token_data_raises(tmp_path: Path) -> None:
+    ids = S.tokens()
+    ids[3, 2] = S.VOCAB
+    with pytest.raises(ValueError, match="token id 48 but the teacher's vocabulary has 48"):
+        run_bypass(S.teacher(), ids, S.config(tmp_path), progress=False)
+    with pytest.raises(ValueError, match="2-D integer tensor"):
+        run_bypass(S.teacher(), S.tokens().float(), S.config(tmp_path), progress=False)
+    with pytest.raises(ValueError, match="fewer than micro_batch_size"):
+        run_bypass(S.teacher(), S.tokens(n=6), S.config(tmp_path, run={"val_sequences": 3}), progress=False)

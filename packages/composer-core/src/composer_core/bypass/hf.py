@@ -104,6 +104,10 @@ class HFDecoder:
     def num_blocks(self) -> int:
         return len(self.base.layers)
 
+    @property
+    def vocab_size(self) -> int:
+        return int(self.base.embed_tokens.num_embeddings)
+
     def block(self, index: int) -> nn.Module:
         return self.base.layers[index]  # type: ignore[no-any-return]
 

@@ -215,6 +215,10 @@ class ReferenceDecoder(nn.Module):
     def num_blocks(self) -> int:
         return len(self.layers)
 
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
     def block(self, index: int) -> nn.Module:
         return self.layers[index]
 

@@ -124,6 +124,11 @@ def run_bypass(
     data = TokenBatches(
         input_ids, micro_batch_size=tcfg.micro_batch_size, seed=tcfg.seed, val_sequences=rcfg.val_sequences
     )
+    if input_ids.numel() and int(input_ids.max()) >= teacher.vocab_size:
+        raise ValueError(
+            f"input_ids contains token id {int(input_ids.max())} but the teacher's vocabulary has "
+            f"{teacher.vocab_size} entries: tokenize with the teacher's tokenizer"
+        )
     teacher.module.eval().requires_grad_(False)
     identity = run_identity(
         config.identity_fields(), module_fingerprint(teacher.module), tensor_fingerprint(input_ids)
