@@ -130,6 +130,17 @@ def _run(method: str, vocab: int, tokens: int, args: argparse.Namespace) -> dict
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _fmt_bytes(n: float) -> str:
     return f"{n / 2**20:8.0f} MiB"
 
@@ -193,7 +204,8 @@ def main(argv: list[str] | None = None) -> None:
         "target": "peak <= 0.25x naive at time <= 1.3x naive",
         "machine": {
             "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
+            "processor": _cpu_model(),
+            "load_average_at_end": os.getloadavg(),
             "cpu_count": os.cpu_count(),
             "threads": args.threads,
             "torch": torch.__version__,

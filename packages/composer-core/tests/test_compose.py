@@ -352,6 +352,9 @@ def test_compose_bad_inputs() -> None:
             r"teacher_logprobs",
         ),
         (lambda: compose_loss(b, sdpo_normalizer=-2), r"normalizer"),
+        (lambda: compose_loss(b, sdpo_chunk_size=0), r"chunk_size"),
+        (lambda: compose_loss(no_logits, sdpo_chunk_size=0), r"chunk_size"),
+        (lambda: compose_loss(b, sdpo_temperature=0.0), r"temperature"),
     ]
     for fn, match in cases:
         assert callable(fn)

@@ -396,3 +396,26 @@ def test_fused_normalizer_and_mask() -> None:
     assert fused_linear_generalized_jsd(h, w, ht, mask=mask, normalizer=12).item() == pytest.approx(
         ref.item() / 12, rel=1e-12
     )
+
+
+def test_fused_low_precision_inputs() -> None:
+    h32, ht32, w32 = (
+        _logits(6, 8, seed=60).float(),
+        _logits(6, 8, seed=61).float(),
+        _logits(20, 8, seed=62).float(),
+    )
+    h = h32.bfloat16().requires_grad_(True)
+    w = w32.bfloat16().requires_grad_(True)
+    out = fused_linear_generalized_jsd(h, w, ht32.bfloat16(), chunk_size=4)
+    assert out.dtype == torch.float32
+    out.backward()
+    assert h.grad is not None and h.grad.dtype == torch.bfloat16
+    assert w.grad is not None and w.grad.dtype == torch.bfloat16
+    h_ref = h.detach().float().requires_grad_(True)
+    w_ref = w.detach().float().requires_grad_(True)
+    ref = naive_jsd(h_ref @ w_ref.T, ht32.bfloat16().float() @ w_ref.detach().T, 0.5).mean()
+    ref.backward()
+    assert out.item() == pytest.approx(ref.item(), rel=1e-5)
+    assert h_ref.grad is not None and w_ref.grad is not None
+    torch.testing.assert_close(h.grad.float(), h_ref.grad, rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(w.grad.float(), w_ref.grad, rtol=2e-2, atol=2e-3)

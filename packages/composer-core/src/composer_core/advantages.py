@@ -88,15 +88,22 @@ def group_advantages(
     gidx = _group_index(n, group_size, group_ids, r.device)
     n_groups = int(gidx.max()) + 1
     counts = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(0, gidx, torch.ones_like(r))
-    sums = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(0, gidx, r)
-    mean = (sums / counts)[gidx]
+    if group_size is not None:
+        # contiguous groups: the same reductions as TRL 1.16 (view + nanmean / Bessel-corrected nanstd)
+        grouped = r.view(-1, group_size)
+        mean = torch.nanmean(grouped, dim=1).repeat_interleave(group_size)
+        std_g = _bessel_std(grouped, dim=1).repeat_interleave(group_size)
+    else:
+        sums = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(0, gidx, r)
+        mean = (sums / counts)[gidx]
+        dev = r - mean
+        sq = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(0, gidx, dev * dev)
+        std_g = torch.sqrt(sq / (counts - 1).clamp(min=1))[gidx]
     centered = r - mean
     if scale == "group":
-        sq = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(0, gidx, centered * centered)
-        std = torch.sqrt(sq / (counts - 1).clamp(min=1))[gidx]
-        adv = centered / (std + eps)
+        adv = centered / (std_g + eps)
     elif scale == "batch":
-        std_b = r.std() if n > 1 else torch.zeros((), dtype=r.dtype, device=r.device)
+        std_b = _bessel_std(r, dim=0) if n > 1 else torch.zeros((), dtype=r.dtype, device=r.device)
         adv = centered / (std_b + eps)
     else:
         adv = centered
@@ -111,6 +118,15 @@ def group_advantages(
     if bool(single.any()):
         adv = torch.where(single, r if singleton == "reward" else torch.zeros_like(r), adv)
     return adv
+
+
+def _bessel_std(x: Tensor, dim: int) -> Tensor:
+    """Unbiased std along ``dim``: sqrt(mean((x − mean)²) · n/(n−1)) (TRL's ``nanstd`` op sequence)."""
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    variance = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True)
+    count = torch.sum(~torch.isnan(x), dim=dim, keepdim=True)
+    variance = variance * (count / (count - 1).clamp(min=1))
+    return torch.sqrt(variance).squeeze(dim)
 
 
 def overlong_reward_shaping(

@@ -1,4 +1,4 @@
-"""Naive reference implementations of the losses: materialise every [..., V] tensor, plain autograd.
+"""Naive reference implementation of the generalized JSD: materialises every [..., V] tensor, plain autograd.
 
 Used by the test-suite and the benchmark as the ground truth the chunked/fused forms must match; never
 use them for training (peak memory O(B·T·V))."""
@@ -10,9 +10,11 @@ import math
 import torch
 from torch import Tensor
 
+__all__ = ["naive_jsd"]
+
 
 def naive_jsd(student: Tensor, teacher: Tensor, beta: float, temperature: float = 1.0) -> Tensor:
-    """Per-token generalized JSD, TRL GKD formula, full [.., V] log-probs."""
+    """Per-token generalized JSD [...] with the TRL GKD formula (``logsumexp`` of the stacked mixture terms)."""
     ls = torch.log_softmax(student / temperature, -1)
     lt = torch.log_softmax(teacher.detach() / temperature, -1)
     if beta == 0:
@@ -21,9 +23,3 @@ def naive_jsd(student: Tensor, teacher: Tensor, beta: float, temperature: float 
         return (ls.exp() * (ls - lt)).sum(-1)
     lm = torch.logsumexp(torch.stack([ls + math.log(1 - beta), lt + math.log(beta)]), 0)
     return beta * (lt.exp() * (lt - lm)).sum(-1) + (1 - beta) * (ls.exp() * (ls - lm)).sum(-1)
-
-
-def naive_fkl_to(student: Tensor, target_logits: Tensor) -> Tensor:
-    ls = torch.log_softmax(student, -1)
-    lt = torch.log_softmax(target_logits, -1)
-    return (lt.exp() * (lt - ls)).sum(-1)

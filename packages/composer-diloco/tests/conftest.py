@@ -1,0 +1,69 @@
+"""Shared fixtures: one Lighthouse run (reference weights), one moto S3 server, one Ray instance."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+# One tiny DiLoCo job used by the fault-tolerant, serverless and Ray tests: same seeds -> same weights.
+TOY_KWARGS: dict[str, Any] = {"seed": 0, "max_syncs": 2, "diloco": {"sync_every": 2}}
+TOY_TARGET_FT = "composer_diloco.toy:ft_replica"
+TOY_TARGET_SERVERLESS = "composer_diloco.toy:serverless_replica"
+
+
+@pytest.fixture(scope="session")
+def ft_reference(tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
+    """Lighthouse (min_replicas=2) + 2 real replica processes with torchft Managers over Gloo."""
+    from composer_diloco.fault_tolerant import launch_fault_tolerant
+
+    return launch_fault_tolerant(
+        TOY_TARGET_FT,
+        [TOY_KWARGS, TOY_KWARGS],
+        lighthouse_kwargs={"min_replicas": 2},
+        timeout_s=180,
+        workdir=tmp_path_factory.mktemp("ft-reference"),
+    )
+
+
+@pytest.fixture(scope="session")
+def moto_s3() -> Iterator[dict[str, Any]]:
+    """moto's ThreadedMotoServer on 127.0.0.1 with a bucket; yields fsspec storage options."""
+    from moto.server import ThreadedMotoServer
+
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    options = {
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {"endpoint_url": f"http://{host}:{port}"},
+    }
+    import s3fs
+
+    s3fs.S3FileSystem(**options).mkdir("diloco-test")
+    yield options
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def ray_instance() -> Iterator[Any]:
+    import ray
+    from composer_diloco.executors import ray_temp_dir
+
+    # nox points TMPDIR into the virtualenv, where Ray's workers refuse to start
+    options = {"num_cpus": 2, "include_dashboard": False, "log_to_driver": False, "_temp_dir": ray_temp_dir()}
+    try:
+        ray.init(**options)
+    except Exception as exc:  # Ray waits a fixed 30 s for its raylet; on an overloaded host retry once
+        if "timed out during startup" not in str(exc):
+            raise
+        ray.shutdown()
+        ray.init(**options)
+    yield ray
+    ray.shutdown()

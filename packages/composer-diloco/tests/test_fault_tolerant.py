@@ -1,0 +1,74 @@
+"""Fault-tolerant mode with real parts: torchft's Lighthouse on 127.0.0.1 and replica processes,
+each with a real torchft Manager over Gloo, running torchft's DiLoCo."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from composer_diloco.fault_tolerant import FaultTolerantLauncher, Lighthouse
+
+TOY_TARGET_FT = "composer_diloco.toy:ft_replica"
+
+
+def test_two_replicas_end_with_identical_weights(ft_reference: list[Any]) -> None:
+    a, b = (r.value for r in ft_reference)
+    assert [r.exit_code for r in ft_reference] == [0, 0]
+    assert a["step"] == b["step"] == 2
+    assert a["participants"] == b["participants"] == [2, 2]
+    assert a["weights"] == b["weights"]
+    assert a["losses"] != b["losses"]  # they trained on different data between syncs
+
+
+def test_sigkill_one_replica_others_continue_and_restart_rejoins(tmp_path: Path) -> None:
+    start, rejoin = tmp_path / "start", tmp_path / "rejoin"
+    common = {"seed": 1, "max_syncs": 7, "diloco": {"sync_every": 2}, "gates": {"0": str(start)}}
+    # replica 0 pauses after sync 4 until the restarted replica asks to join; replica 1 is killed
+    # while it waits after sync 2; its restarted self gets no gates beyond the start
+    kwargs = [
+        {**common, "gates": {"0": str(start), "4": str(rejoin)}},
+        {**common, "gates": {"0": str(start), "2": str(tmp_path / "never")}},
+    ]
+    lighthouse = {"min_replicas": 1, "join_timeout_ms": 10000, "heartbeat_timeout_ms": 1000}
+    with FaultTolerantLauncher(
+        TOY_TARGET_FT, kwargs, lighthouse_kwargs=lighthouse, workdir=tmp_path
+    ) as launcher:
+        launcher.start()
+        for i in (0, 1):  # both heartbeat before anyone asks for a quorum: the first quorum has both
+            launcher.wait_for_log(i, r"manager ready at step 0", timeout_s=120)
+        start.touch()
+        launcher.wait_for_log(1, r"sync 2 done participants=2", timeout_s=120)
+        killed = launcher.kill(1, signal.SIGKILL)
+        assert killed.exit_code == -signal.SIGKILL
+        # the survivor goes on alone (a quorum of one) through syncs 3 and 4, then waits at a gate
+        launcher.wait_for_log(0, r"sync 4 done participants=1", timeout_s=60)
+        launcher.replica_kwargs[1] = common
+        launcher.restart(1)
+        launcher.wait_for_log(1, r"start_quorum at step 0", timeout_s=120)
+        time.sleep(0.5)  # its quorum request reaches the Lighthouse
+        rejoin.touch()
+        survivor, rejoined = (r.value for r in launcher.wait(timeout_s=180))
+    assert survivor["step"] == rejoined["step"] == 7
+    assert survivor["synced_steps"] == list(range(1, 8))
+    assert survivor["participants"][:4] == [2, 2, 1, 1]
+    # the restarted replica was healed to the global step (4) instead of starting over at sync 1 ...
+    assert rejoined["synced_steps"] == [5, 6, 7]
+    # ... and from then on both are in every quorum and end with identical weights
+    assert survivor["participants"][4:] == rejoined["participants"] == [2, 2, 2]
+    assert survivor["weights"] == rejoined["weights"]
+
+
+def test_lighthouse_binds_127_0_0_1_and_accepts_an_existing_address() -> None:
+    with Lighthouse(min_replicas=1) as lh:
+        assert lh.address.startswith("http://127.0.0.1:")
+        assert Lighthouse(lh.address).address == lh.address
+    with pytest.raises(ValueError, match="http://host:port"):
+        Lighthouse("127.0.0.1")
+
+
+def test_launcher_rejects_reserved_kwargs() -> None:
+    with pytest.raises(ValueError, match="replica_id"):
+        FaultTolerantLauncher(TOY_TARGET_FT, [{"replica_id": "x"}], lighthouse="http://127.0.0.1:1")

@@ -1,0 +1,246 @@
+"""ObjectStoreAllReduce over real fsspec filesystems (file://, memory://; s3:// in test_serverless):
+atomic rounds, manifests, cleanup, stragglers, corrupt/partial objects, key escapes, rank checks."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from composer_diloco import CorruptObjectError, ObjectStoreAllReduce, ObjectStoreError, StragglerTimeoutError
+from composer_diloco.object_store import dequantize_fp8, quantize_fp8, safe_part
+
+
+def _stores(url: str, world: int, **kw: Any) -> list[ObjectStoreAllReduce]:
+    return [ObjectStoreAllReduce(url, "run", rank=r, world_size=world, **kw) for r in range(world)]
+
+
+def _parallel(
+    stores: list[ObjectStoreAllReduce], round_id: int, values: list[list[torch.Tensor]], **kw: Any
+) -> list[Any]:
+    out: list[Any] = [None] * len(stores)
+
+    def go(i: int) -> None:
+        try:
+            out[i] = stores[i].allreduce(round_id, values[i], **kw)
+        except BaseException as exc:
+            out[i] = exc
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(stores))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+@pytest.fixture(params=["file", "memory"])
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    return f"file://{tmp_path}" if request.param == "file" else f"memory://os-{uuid.uuid4().hex}"
+
+
+def test_three_replicas_average_exactly(url: str) -> None:
+    stores = _stores(url, 3)
+    values = [[torch.full((2, 3), float(r)), torch.arange(4.0) * r] for r in range(3)]
+    stats = _parallel(stores, 0, values)
+    assert all(s.participants == [0, 1, 2] for s in stats)
+    for v in values:
+        assert torch.equal(v[0], torch.full((2, 3), 1.0))
+        assert torch.equal(v[1], torch.arange(4.0))
+
+
+def test_sum_op_and_dtype_preserved(url: str) -> None:
+    stores = _stores(url, 2)
+    values = [[torch.ones(3, dtype=torch.float64) * (r + 1)] for r in range(2)]
+    _parallel(stores, 0, values, op="sum")
+    assert values[0][0].dtype == torch.float64 and torch.equal(
+        values[0][0], torch.full((3,), 3.0, dtype=torch.float64)
+    )
+
+
+def test_rounds_are_namespaced_and_cleaned_up(url: str) -> None:
+    stores = _stores(url, 2, keep_rounds=2)
+    for rnd in range(5):
+        _parallel(stores, rnd, [[torch.ones(2)], [torch.zeros(2)]])
+    assert stores[0].rounds_present() == [3, 4]
+    assert stores[0].fs.exists(stores[0].manifest_key(4))
+    stores[0].cleanup_run()
+    assert stores[0].rounds_present() == []
+
+
+def test_local_writes_go_through_a_temporary_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    store = ObjectStoreAllReduce(f"file://{tmp_path}", "run", rank=0, world_size=1)
+    renames: list[tuple[str, str]] = []
+    real = os.replace
+    monkeypatch.setattr(os, "replace", lambda a, b: (renames.append((a, b)), real(a, b))[1])
+    store.allreduce(0, [torch.ones(1)])
+    assert len(renames) == 1 and Path(renames[0][0]).name.startswith(".tmp-")
+    assert renames[0][1] == store.object_key(0, 0)
+    assert not list(Path(store.round_dir(0)).glob(".tmp-*"))
+
+
+def test_straggler_fail_raises_naming_the_missing_rank(url: str) -> None:
+    (store, _) = _stores(url, 2, timeout_s=0.3, on_timeout="fail")
+    t0 = time.monotonic()
+    with pytest.raises(StragglerTimeoutError, match=r"ranks \[1\].*timeout_s=0.3"):
+        store.allreduce(0, [torch.ones(2)])
+    assert 0.3 <= time.monotonic() - t0 < 5
+
+
+def test_straggler_proceed_goes_on_and_the_late_replica_adopts_the_same_result(url: str) -> None:
+    fast, late = _stores(url, 2, timeout_s=0.3, on_timeout="proceed")
+    a = [torch.full((3,), 2.0)]
+    stats = fast.allreduce(0, a)
+    assert stats.participants == [0] and stats.excluded == {1: "no object"}
+    assert torch.equal(a[0], torch.full((3,), 2.0))
+    b = [torch.full((3,), 10.0)]  # arrives after the manifest: excluded, but ends identical
+    late_stats = late.allreduce(0, b)
+    assert late_stats.participants == [0]
+    assert torch.equal(b[0], a[0])
+
+
+def test_proceed_respects_min_replicas(url: str) -> None:
+    store = ObjectStoreAllReduce(
+        url, "run", rank=0, world_size=3, timeout_s=0.2, on_timeout="proceed", min_replicas=2
+    )
+    with pytest.raises(StragglerTimeoutError, match="min_replicas=2"):
+        store.allreduce(0, [torch.ones(1)])
+
+
+def _write_raw(store: ObjectStoreAllReduce, key: str, data: bytes) -> None:
+    store.fs.makedirs(key.rsplit("/", 1)[0], exist_ok=True)
+    store.fs.pipe_file(key, data)
+
+
+@pytest.mark.parametrize(
+    ("damage", "match"),
+    [
+        (lambda d: d[: len(d) // 2], "SHA-256"),  # partial object (truncated upload)
+        (lambda d: b"garbage" * 10, "no composer-diloco header"),
+        (lambda d: d[:-1] + bytes([d[-1] ^ 1]), "SHA-256"),  # one flipped bit
+    ],
+)
+def test_corrupt_or_partial_object_fails_clearly(url: str, damage: Any, match: str) -> None:
+    store0, store1 = _stores(url, 2, timeout_s=0.3)
+    _write_raw(store0, store0.object_key(0, 1), damage(store1.encode(0, [torch.ones(2)])))
+    with pytest.raises(CorruptObjectError, match=match) as info:
+        store0.allreduce(0, [torch.ones(2)])
+    assert store0.object_key(0, 1) in str(info.value)
+
+
+def test_corrupt_object_with_proceed_is_excluded_not_averaged(url: str) -> None:
+    store0, store1 = _stores(url, 2, timeout_s=0.3, on_timeout="proceed")
+    data = store1.encode(0, [torch.full((2,), 100.0)])
+    _write_raw(store0, store0.object_key(0, 1), data[:-10])
+    mine = [torch.ones(2)]
+    stats = store0.allreduce(0, mine)
+    assert stats.participants == [0] and "SHA-256" in stats.excluded[1]
+    assert torch.equal(mine[0], torch.ones(2))
+
+
+def test_partial_object_replaced_by_complete_one_is_reread(url: str) -> None:
+    store0, store1 = _stores(url, 2, timeout_s=5)
+    data = store1.encode(0, [torch.full((2,), 3.0)])
+    key = store0.object_key(0, 1)
+    _write_raw(store0, key, data[:20])
+
+    def finish_later() -> None:
+        time.sleep(0.3)
+        _write_raw(store0, key, data)
+
+    threading.Thread(target=finish_later).start()
+    mine = [torch.ones(2)]
+    assert store0.allreduce(0, mine).participants == [0, 1]
+    assert torch.equal(mine[0], torch.full((2,), 2.0))
+
+
+def test_object_from_another_rank_or_run_is_rejected(url: str) -> None:
+    store0, store1 = _stores(url, 2, timeout_s=0.3)
+    other_run = ObjectStoreAllReduce(url, "other", rank=1, world_size=2)
+    with pytest.raises(CorruptObjectError, match="rank=0, expected 1"):
+        store1.decode(store0.encode(0, [torch.ones(1)]), round_id=0, rank=1)
+    with pytest.raises(CorruptObjectError, match="run_id='other'"):
+        store1.decode(other_run.encode(0, [torch.ones(1)]), round_id=0, rank=1)
+    with pytest.raises(CorruptObjectError, match="round=0, expected 1"):
+        store1.decode(store1.encode(0, [torch.ones(1)]), round_id=1, rank=1)
+
+
+def test_checksummed_object_with_a_lying_layout_is_rejected(url: str) -> None:
+    import hashlib
+    import json
+
+    from composer_diloco.object_store import MAGIC
+
+    store = ObjectStoreAllReduce(url, "run", rank=0, world_size=1)
+    meta = {"run_id": "run", "round": 0, "rank": 0, "world_size": 1, "quantized": False}
+    meta["layout"] = [{"shape": [1000], "dtype": "float32", "wire": "float32", "scale": None, "nbytes": 4000}]
+    raw = json.dumps(meta).encode()
+    body = len(raw).to_bytes(4, "little") + raw + b"\0" * 16  # claims 4000 bytes, carries 16
+    with pytest.raises(CorruptObjectError, match="invalid tensor layout"):
+        store.decode(MAGIC + hashlib.sha256(body).digest() + body, round_id=0, rank=0, key="k")
+    meta["layout"][0]["wire"] = "Tensor"  # not a dtype: never getattr'd into anything callable
+    raw = json.dumps(meta).encode()
+    body = len(raw).to_bytes(4, "little") + raw
+    with pytest.raises(CorruptObjectError, match="invalid tensor layout"):
+        store.decode(MAGIC + hashlib.sha256(body).digest() + body, round_id=0, rank=0, key="k")
+
+
+@pytest.mark.parametrize("bad", ["..", ".", "a/../b", "../escape", "/abs", "", ".hidden", "a/b"])
+def test_keys_cannot_escape_the_run_prefix(tmp_path: Path, bad: str) -> None:
+    with pytest.raises(ValueError, match="run_id"):
+        ObjectStoreAllReduce(f"file://{tmp_path}", bad, rank=0, world_size=1)
+    store = ObjectStoreAllReduce(f"file://{tmp_path}", "run", rank=0, world_size=1)
+    with pytest.raises(ValueError, match="escape"):
+        store.key("rounds", bad)
+    with pytest.raises(ValueError):
+        safe_part("x", bad)
+
+
+def test_url_with_dotdot_segment_is_rejected(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"'\.\.'"):
+        ObjectStoreAllReduce(f"file://{tmp_path}/a/../b", "run", rank=0, world_size=1)
+    with pytest.raises(ValueError, match=r"'\.\.'"):
+        ObjectStoreAllReduce("memory://bucket/../x", "run", rank=0, world_size=1)
+
+
+@pytest.mark.parametrize(("rank", "world"), [(2, 2), (-1, 2), (True, 2), (0, 0), ("0", 1)])
+def test_ranks_are_validated(tmp_path: Path, rank: Any, world: Any) -> None:
+    with pytest.raises(ValueError, match=r"rank|world_size"):
+        ObjectStoreAllReduce(f"file://{tmp_path}", "run", rank=rank, world_size=world)
+
+
+def test_nan_and_layout_mismatch_are_refused(url: str) -> None:
+    store0, store1 = _stores(url, 2, timeout_s=5)
+    with pytest.raises(ValueError, match="NaN/inf"):
+        store0.allreduce(0, [torch.tensor([1.0, float("nan")])])
+    with pytest.raises(ValueError, match="NaN/inf"):
+        store0.encode(0, [torch.tensor([1.0, float("-inf")])])
+    store0.encode(0, [torch.full((4,), 3e38)])  # finite values whose float32 sum overflows are fine
+    out = _parallel([store0, store1], 1, [[torch.ones(2)], [torch.ones(2), torch.ones(1)]])
+    assert all(isinstance(o, ObjectStoreError) and "same parameters" in str(o) for o in out)
+
+
+def test_bad_options_are_named(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="on_timeout"):
+        ObjectStoreAllReduce(f"file://{tmp_path}", "r", rank=0, world_size=1, on_timeout="wait")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="keep_rounds"):
+        ObjectStoreAllReduce(f"file://{tmp_path}", "r", rank=0, world_size=1, keep_rounds=1)
+    with pytest.raises(ValueError, match="min_replicas"):
+        ObjectStoreAllReduce(f"file://{tmp_path}", "r", rank=0, world_size=1, min_replicas=2)
+
+
+def test_fp8_quantisation_round_trip_error_bound() -> None:
+    t = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    q, scale = quantize_fp8(t)
+    assert q.dtype == torch.float8_e4m3fn and q.element_size() == 1
+    back = dequantize_fp8(q, scale)
+    # e4m3 keeps 3 mantissa bits: relative error ≤ 2^-4 for normal values, absolute ≤ scale·2^-9 near 0
+    assert ((back - t).abs() <= t.abs() * 2**-4 + scale * 2**-9).all()
+    zero_q, zero_scale = quantize_fp8(torch.zeros(3))
+    assert zero_scale == 1.0 and torch.equal(dequantize_fp8(zero_q, zero_scale), torch.zeros(3))

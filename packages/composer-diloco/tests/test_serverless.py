@@ -1,0 +1,106 @@
+"""Serverless mode with real processes: torchft's DiLoCo on ObjectStoreManager over file:// and
+over s3:// (moto's S3 server on 127.0.0.1); equal to the fault-tolerant run for the same seeds."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+from composer_diloco import LocalProcessExecutor, ReplicaFailedError, run_serverless
+
+TARGET = "composer_diloco.toy:serverless_replica"
+TOY_KWARGS: dict[str, Any] = {"seed": 0, "max_syncs": 2, "diloco": {"sync_every": 2}}
+
+
+def _check_identical_and_equal_to(results: list[Any], reference: list[Any]) -> None:
+    values = [r.value for r in results]
+    assert [r.exit_code for r in results] == [0, 0]
+    assert values[0]["weights"] == values[1]["weights"]
+    assert values[0]["step"] == values[1]["step"] == 2
+    assert values[0]["participants"] == [2, 2]
+    ref = reference[0].value["weights"]
+    flat = [x for p in values[0]["weights"] for x in p]
+    flat_ref = [x for p in ref for x in p]
+    assert max(abs(a - b) for a, b in zip(flat, flat_ref)) <= 1e-6
+
+
+def test_file_store_processes_match_fault_tolerant_mode(tmp_path: Path, ft_reference: list[Any]) -> None:
+    url = f"file://{tmp_path / 'store'}"
+    results = run_serverless(
+        LocalProcessExecutor(tmp_path / "logs"),
+        TARGET,
+        url=url,
+        run_id="file-run",
+        world_size=2,
+        kwargs=TOY_KWARGS,
+        timeout_s=240,
+    )
+    _check_identical_and_equal_to(results, ft_reference)
+    assert not (tmp_path / "store" / "file-run").exists()  # the run prefix is cleaned up
+
+
+def test_s3_store_processes_match_fault_tolerant_mode(
+    tmp_path: Path, moto_s3: dict[str, Any], ft_reference: list[Any]
+) -> None:
+    run_id = f"s3-{uuid.uuid4().hex[:8]}"
+    results = run_serverless(
+        LocalProcessExecutor(tmp_path),
+        TARGET,
+        url="s3://diloco-test/runs",
+        run_id=run_id,
+        world_size=2,
+        kwargs=TOY_KWARGS,
+        storage_options=moto_s3,
+        timeout_s=240,
+        cleanup=False,
+    )
+    _check_identical_and_equal_to(results, ft_reference)
+    fs = fsspec.filesystem("s3", **moto_s3)
+    names = sorted(p.rsplit("/", 1)[1] for p in fs.find(f"diloco-test/runs/{run_id}"))
+    # round 0 was cleaned after round... only the last keep_rounds=2 rounds remain, each with 2 objects + manifest
+    assert names == sorted(["manifest.json", "rank-00000.bin", "rank-00001.bin"] * 2)
+
+
+def test_s3_conditional_put_against_moto(moto_s3: dict[str, Any]) -> None:
+    from composer_diloco import ObjectStoreAllReduce
+
+    store = ObjectStoreAllReduce(
+        "s3://diloco-test/cas", uuid.uuid4().hex[:8], rank=0, world_size=1, storage_options=moto_s3
+    )
+    key = store.manifest_key(0)
+    assert store.put_if_absent(key, b"first") is True
+    assert store.put_if_absent(key, b"second") is False
+    assert store.fs.cat_file(key) == b"first"
+
+
+def test_replica_failure_is_reported_with_exit_code_and_log_tail(tmp_path: Path) -> None:
+    executor = LocalProcessExecutor(tmp_path)
+    with pytest.raises(ReplicaFailedError) as info:
+        executor.run("json:loads", [{"s": "[1, 2]"}, {"s": "{not json"}], timeout_s=60)
+    ok, failed = info.value.results
+    assert ok.exit_code == 0 and ok.value == [1, 2]
+    assert failed.exit_code == 1 and "JSONDecodeError" in failed.log_tail
+    assert "replica 1: exit code 1" in str(info.value) and "JSONDecodeError" in str(info.value)
+
+
+def test_replica_past_its_timeout_is_killed_and_reported(tmp_path: Path) -> None:
+    with pytest.raises(ReplicaFailedError) as info:
+        LocalProcessExecutor(tmp_path).run("subprocess:run", [{"args": ["sleep", "60"]}], timeout_s=3)
+    (result,) = info.value.results
+    assert result.exit_code == -9 and "killed at the deadline" in result.log_tail
+    assert result.seconds < 30
+
+
+def test_executor_and_launcher_validate_inputs(tmp_path: Path) -> None:
+    executor = LocalProcessExecutor(tmp_path)
+    with pytest.raises(ValueError, match=r"package\.module:function"):
+        executor.run("json.loads", [{}])
+    with pytest.raises(ValueError, match="JSON-serialisable"):
+        executor.run("json:loads", [{"s": object()}])
+    with pytest.raises(ValueError, match="memory://"):
+        run_serverless(executor, TARGET, url="memory://x", run_id="r", world_size=2)
+    with pytest.raises(ValueError, match="run_id"):
+        run_serverless(executor, TARGET, url=f"file://{tmp_path}", run_id="../x", world_size=2)

@@ -1,0 +1,81 @@
+"""PRIME-RL's per-sample loss contract: ``LossInputs`` in, ``LossOutputs`` out.
+
+PRIME-RL (``src/prime_rl/trainer/rl/loss.py``) calls a custom loss once per packed
+sample as ``fn(inputs, **kwargs)``. When ``prime_rl`` is importable (the trainer's own
+environment) this module re-exports its real dataclasses, so ``composer_loss`` returns
+exactly the type the trainer expects. Otherwise (prime-rl is not on the package index)
+it defines structurally identical dataclasses with the same field names, order, types
+and defaults, so the adapter can be developed and tested without PRIME-RL installed.
+
+Field history handled by :func:`read_ref_logprobs` and :func:`read_loss_weights`:
+``ref_logprobs`` was called ``teacher_logprobs`` before PRIME-RL commit 0be5ac45
+(2026-06-27), and ``loss_weights`` was added in that same commit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+__all__ = ["HAS_PRIME_RL", "LossInputs", "LossOutputs", "read_loss_weights", "read_ref_logprobs"]
+
+try:  # pragma: no cover - exercised only inside a PRIME-RL trainer environment
+    from prime_rl.trainer.rl.loss import LossInputs, LossOutputs  # type: ignore[import-not-found, unused-ignore]
+
+    HAS_PRIME_RL = True
+except ImportError:
+    HAS_PRIME_RL = False
+
+    @dataclass
+    class LossInputs:  # type: ignore[no-redef]
+        """One sample's 1-D per-token tensors (length ``seq``), as PRIME-RL passes them.
+
+        Attributes:
+            trainer_logprobs: [seq] log-prob of each sampled token under the policy being
+                trained (carries the gradient).
+            inference_logprobs: [seq] log-prob of the same tokens under the inference
+                engine that sampled them.
+            ref_logprobs: [seq] or None. Sampled-token log-probs from a reference scoring
+                (composer reads them as the hinted self-teacher of channel 2).
+            advantages: [seq] per-token advantage (group credit broadcast over tokens).
+            loss_mask: [seq] bool, the tokens that belong to this loss component.
+            loss_weights: [seq] or None, the component's per-token weight (None = 1.0).
+        """
+
+        trainer_logprobs: Tensor
+        inference_logprobs: Tensor
+        ref_logprobs: Tensor | None
+        advantages: Tensor
+        loss_mask: Tensor
+        loss_weights: Tensor | None = field(default=None)
+
+    @dataclass
+    class LossOutputs:  # type: ignore[no-redef]
+        """One sample's loss (0-dim, a SUM over its masked tokens) and 0-dim metrics."""
+
+        loss: Tensor
+        metrics: dict[str, Tensor]
+
+
+def read_ref_logprobs(inputs: Any) -> Tensor | None:
+    """``inputs.ref_logprobs``, or ``inputs.teacher_logprobs`` on PRIME-RL before 0be5ac45.
+
+    Raises:
+        ValueError: both fields are set to different tensors (ambiguous input).
+    """
+    ref = getattr(inputs, "ref_logprobs", None)
+    teacher = getattr(inputs, "teacher_logprobs", None)
+    if ref is not None and teacher is not None and ref is not teacher:
+        raise ValueError(
+            "LossInputs carries both ref_logprobs and teacher_logprobs (its name before PRIME-RL "
+            "commit 0be5ac45); pass only ref_logprobs."
+        )
+    return ref if ref is not None else teacher
+
+
+def read_loss_weights(inputs: Any) -> Tensor | None:
+    """``inputs.loss_weights`` (absent on PRIME-RL before 0be5ac45: treated as None = 1.0)."""
+    weights: Tensor | None = getattr(inputs, "loss_weights", None)
+    return weights

@@ -1,0 +1,271 @@
+"""The ``[trainer.loss.kwargs]`` table of ``composer_loss``, validated.
+
+PRIME-RL forwards ``CustomLossConfig.kwargs`` verbatim on every per-sample call, so a
+typo or an option that cannot work per sample would otherwise be silently ignored.
+:func:`parse_options` turns the kwargs into a frozen :class:`PrimeRLLossOptions` and raises
+``ValueError`` for anything it cannot honour, naming the option and the fix:
+
+- an unknown key (the message lists the valid ones);
+- a composer option that exists in ``composer_core.compose_loss`` but cannot be computed
+  from PRIME-RL's per-sample, sampled-token inputs (full-vocabulary SDPO and its
+  wrappers, channel 3 preference replay, per-sequence aggregation, ...): the message
+  says why and what to do instead;
+- an option of the policy loss that is not selected (e.g. ``epsilon_low`` with
+  ``policy_loss = "dppo"``), which would otherwise do nothing;
+- a value of the wrong type or out of range.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from functools import lru_cache
+from typing import Any, Literal
+
+__all__ = ["PrimeRLLossOptions", "parse_options", "valid_option_names"]
+
+PolicyLoss = Literal["dppo", "clipped_surrogate"]
+
+
+@dataclass(frozen=True)
+class PrimeRLLossOptions:
+    """Options of ``composer_prime_rl.composer_loss`` (keys of ``[trainer.loss.kwargs]``).
+
+    Channel 1, the policy loss (``policy_loss``):
+
+    - ``"dppo"`` (default): PRIME-RL's own default rl loss, DPPO-Binary-TV probability-
+      difference masking with advantage-sign-dependent bounds plus the Kimi-K2.5
+      squared-log-ratio term. Options ``dppo_mask_low``, ``dppo_mask_high``, ``adv_tau``,
+      ``kl_tau`` (same names and defaults as PRIME-RL's ``DefaultLossConfig``;
+      ``kl_tau = 0`` drops the squared-log-ratio term).
+    - ``"clipped_surrogate"``: the PPO/GRPO clipped surrogate with the importance ratio
+      against ``inference_logprobs``. Options ``epsilon_low``, ``epsilon_high`` (None =
+      ``epsilon_low``), ``delta`` (cap on the ratio in the unclipped branch, None = off).
+
+    Channel 2, sampled-token self-distillation (``alpha_sdpo > 0``): the per-sample
+    ``ref_logprobs`` (hinted-context log-probs of the sampled tokens) are the teacher.
+    ``sdpo_token_clip`` caps the detached importance weight ``exp(ℓ_train − ℓ_inf)``;
+    None (``false`` in TOML) drops the weight (w = 1, TRL's ``distillation_is_clip=None``).
+    ``sdpo_missing`` decides what a sample with ``ref_logprobs = None`` does: ``"error"``
+    (default) raises, ``"skip"`` trains it on channel 1 only and reports ``skipped/sdpo = 1``
+    (an all-zero ``ref_logprobs``, PRIME-RL's packer fill, is always skipped).
+    ``sdpo_form`` accepts ``"sampled"`` (or ``"auto"``, which can only pick it here).
+
+    Channel 3 (``beta_replay``) only accepts 0: preference pairs cannot be formed per sample.
+    """
+
+    policy_loss: PolicyLoss = "dppo"
+    dppo_mask_low: float = 0.2
+    dppo_mask_high: float = 0.2
+    adv_tau: float = 1.0
+    kl_tau: float = 1e-3
+    epsilon_low: float = 0.2
+    epsilon_high: float | None = None
+    delta: float | None = None
+    alpha_sdpo: float = 0.0
+    sdpo_form: Literal["sampled"] = "sampled"
+    sdpo_token_clip: float | None = 2.0
+    sdpo_missing: Literal["error", "skip"] = "error"
+    beta_replay: float = 0.0
+
+
+_DPPO_ONLY = frozenset({"dppo_mask_low", "dppo_mask_high", "adv_tau", "kl_tau"})
+_SURROGATE_ONLY = frozenset({"epsilon_low", "epsilon_high", "delta"})
+_SDPO_ONLY = frozenset({"sdpo_form", "sdpo_token_clip", "sdpo_missing"})
+
+_FULL_VOCAB = (
+    "PRIME-RL passes only the log-prob of each sampled token (LossInputs has no logits), so "
+    "the {what} cannot be computed inside a PRIME-RL loss. Use the sampled-token form "
+    '(alpha_sdpo > 0 with the default sdpo_form = "sampled"), or a host that exposes logits '
+    "(composer-trl, composer-verl)."
+)
+_PER_TOKEN_SUM = (
+    "PRIME-RL sums each sample's per-token loss and divides by the global rl-token count "
+    'itself (token-level, like composer\'s loss_type = "dapo" with a global normalizer); '
+    "a per-sample loss cannot choose another aggregation. Remove '{key}'."
+)
+_CHANNEL3 = (
+    "Channel 3 (trace-replay preference, DPO/SimPO) cannot be expressed in a PRIME-RL loss: "
+    "PRIME-RL calls the loss once per sample, and a preference pair needs the summed "
+    "log-probs of two different sequences (chosen and rejected) in one call. Fold the pairs "
+    "into the data instead: ship each winning teacher trace as its own sample (for example "
+    "as ce/SFT tokens, or re-scored by the live policy and placed in the GRPO group next to "
+    "the student's rollout with a higher reward, so its advantage ranks it above the "
+    "student's), and keep beta_replay = 0 here. '{key}' was given."
+)
+
+_UNSUPPORTED: dict[str, str] = {
+    **{
+        k: _FULL_VOCAB.format(what="full-vocabulary / top-k SDPO divergence")
+        for k in ("sdpo_beta", "sdpo_temperature", "sdpo_topk", "sdpo_chunk_size")
+    },
+    **{
+        k: _FULL_VOCAB.format(what="TAID / entropy-aware (EOPD) SDPO wrapper")
+        for k in (
+            "sdpo_wrapper",
+            "taid_t",
+            "taid_schedule_step",
+            "taid_total_steps",
+            "taid_t_start",
+            "taid_t_end",
+            "entropy_opd_threshold",
+            "entropy_opd_weight",
+        )
+    },
+    **{
+        k: _CHANNEL3
+        for k in (
+            "dpo_variant",
+            "dpo_beta",
+            "dpo_loss_type",
+            "dpo_label_smoothing",
+            "simpo_beta",
+            "simpo_gamma",
+            "replay_normalizer",
+        )
+    },
+    **{k: _PER_TOKEN_SUM for k in ("loss_type", "normalizer", "sdpo_normalizer", "max_completion_length")},
+    **{
+        k: (
+            "composer_prime_rl handles the trainer/inference mismatch through the selected "
+            "policy_loss itself (DPPO probability masks, or the clipped ratio against "
+            "inference_logprobs); '{key}' is a composer_core.compose_loss option that is not "
+            "available here."
+        )
+        for k in ("rollout_correction", "rollout_clip_max", "rollout_clip_min")
+    },
+    **{
+        k: (
+            "In PRIME-RL, ref_logprobs carry the hinted self-teacher of channel 2, not a "
+            "reference policy, so a KL-to-reference penalty ('{key}') is not offered. Use "
+            "kl_tau (squared log-ratio to the inference policy) or PRIME-RL's own ref_kl "
+            "component (algorithms opd / opsd)."
+        )
+        for k in ("kl_beta", "kl_estimator")
+    },
+}
+
+
+def valid_option_names() -> tuple[str, ...]:
+    """The keys ``[trainer.loss.kwargs]`` accepts, in declaration order."""
+    return tuple(f.name for f in fields(PrimeRLLossOptions))
+
+
+def _number(key: str, value: Any, *, minimum: float = 0.0, strict: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"'{key}' must be a number, got {value!r} ({type(value).__name__}).")
+    out = float(value)
+    if not math.isfinite(out) or out < minimum or (strict and out == minimum):
+        bound = f"> {minimum}" if strict else f">= {minimum}"
+        raise ValueError(f"'{key}' must be a finite number {bound}, got {value!r}.")
+    return out
+
+
+def _token_clip(value: Any) -> float | None:
+    # TOML has no null: ``sdpo_token_clip = false`` is how a config drops the importance weight.
+    if value is None or value is False:
+        return None
+    if isinstance(value, (int, float)) and value == math.inf:
+        raise ValueError(
+            "'sdpo_token_clip' must be finite (an uncapped importance weight has unbounded variance); "
+            "use a large cap, or false to drop the importance weight."
+        )
+    return _number("sdpo_token_clip", value, strict=True)
+
+
+def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"'{key}' must be one of {', '.join(map(repr, allowed))}, got {value!r}.")
+    return str(value)
+
+
+def _build(items: tuple[tuple[str, Any], ...]) -> PrimeRLLossOptions:
+    given = dict(items)
+    valid = valid_option_names()
+    for key in given:
+        if key in _UNSUPPORTED:
+            raise ValueError(_UNSUPPORTED[key].format(key=key))
+        if key not in valid:
+            raise ValueError(
+                f"Unknown option '{key}' in [trainer.loss.kwargs] for "
+                f"composer_prime_rl.composer_loss. Valid options: {', '.join(valid)}."
+            )
+
+    policy = _choice("policy_loss", given.get("policy_loss", "dppo"), ("dppo", "clipped_surrogate"))
+    stray = (_SURROGATE_ONLY if policy == "dppo" else _DPPO_ONLY) & given.keys()
+    if stray:
+        names = ", ".join(sorted(stray))
+        raise ValueError(
+            f"{names} only apply to the other policy loss, but policy_loss = {policy!r}; "
+            f"remove {names} or change policy_loss."
+        )
+
+    form = given.get("sdpo_form", "sampled")
+    if form in ("full", "topk", "fused"):
+        raise ValueError(_FULL_VOCAB.format(what=f"sdpo_form = {form!r}"))
+    # "auto" is compose_loss's choice among the forms whose inputs exist: here only "sampled".
+    _choice("sdpo_form", form, ("sampled", "auto"))
+
+    beta_replay = _number("beta_replay", given.get("beta_replay", 0.0))
+    if beta_replay != 0.0:
+        raise ValueError(_CHANNEL3.format(key="beta_replay"))
+
+    alpha = _number("alpha_sdpo", given.get("alpha_sdpo", 0.0))
+    if alpha == 0.0 and _SDPO_ONLY & given.keys():
+        names = ", ".join(sorted(_SDPO_ONLY & given.keys()))
+        raise ValueError(
+            f"{names} configure channel 2, which is off (alpha_sdpo = 0); set alpha_sdpo > 0 "
+            f"or remove {names}."
+        )
+
+    def opt(key: str, default: float | None, strict: bool = False) -> float | None:
+        value = given.get(key, default)
+        return None if value is None else _number(key, value, strict=strict)
+
+    eps_low = opt("epsilon_low", 0.2)
+    assert eps_low is not None
+    if eps_low >= 1.0:
+        raise ValueError(
+            f"'epsilon_low' must be < 1 (the ratio is clipped at 1 - epsilon_low), got {eps_low}."
+        )
+    delta = opt("delta", None, strict=True)
+    eps_high = opt("epsilon_high", None)
+    if delta is not None and delta <= 1.0 + (eps_high if eps_high is not None else eps_low):
+        raise ValueError(f"'delta' must be > 1 + epsilon_high (it caps the unclipped ratio), got {delta}.")
+
+    return PrimeRLLossOptions(
+        policy_loss=policy,  # type: ignore[arg-type]
+        dppo_mask_low=_number("dppo_mask_low", given.get("dppo_mask_low", 0.2)),
+        dppo_mask_high=_number("dppo_mask_high", given.get("dppo_mask_high", 0.2)),
+        adv_tau=_number("adv_tau", given.get("adv_tau", 1.0)),
+        kl_tau=_number("kl_tau", given.get("kl_tau", 1e-3)),
+        epsilon_low=eps_low,
+        epsilon_high=eps_high,
+        delta=delta,
+        alpha_sdpo=alpha,
+        sdpo_form="sampled",
+        sdpo_token_clip=_token_clip(given.get("sdpo_token_clip", 2.0)),
+        sdpo_missing=_choice("sdpo_missing", given.get("sdpo_missing", "error"), ("error", "skip")),  # type: ignore[arg-type]
+        beta_replay=0.0,
+    )
+
+
+_build_cached = lru_cache(maxsize=64)(_build)
+
+
+def parse_options(kwargs: dict[str, Any]) -> PrimeRLLossOptions:
+    """Validate ``[trainer.loss.kwargs]`` into :class:`PrimeRLLossOptions`.
+
+    The result is cached per distinct kwargs (the trainer passes the same dict on every
+    per-sample call), so validation costs a dictionary lookup after the first sample.
+
+    Raises:
+        ValueError: unknown option (lists the valid ones), an option that cannot work in a
+            per-sample PRIME-RL loss (says why and what to do), an option of the policy
+            loss that is not selected, or a bad value.
+    """
+    items = tuple(sorted(kwargs.items()))
+    try:
+        return _build_cached(items)
+    except TypeError:  # an unhashable value (a list from TOML): validate uncached
+        return _build(items)

@@ -1,0 +1,124 @@
+"""``[trainer.loss.kwargs]`` validation: every bad option raises, naming it and the fix."""
+
+from __future__ import annotations
+
+import pytest
+from composer_prime_rl import PrimeRLLossOptions, composer_loss, parse_options, valid_option_names
+
+
+@pytest.fixture
+def sample(make_inputs):
+    return make_inputs(p_train=[0.5, 0.6], p_inf=[0.5, 0.5], p_ref=[0.4, 0.4], adv=[1.0, -1.0])
+
+
+def test_defaults_are_prime_rl_default_loss() -> None:
+    opts = parse_options({})
+    assert opts == PrimeRLLossOptions()
+    assert (opts.policy_loss, opts.dppo_mask_low, opts.dppo_mask_high, opts.adv_tau, opts.kl_tau) == (
+        "dppo",
+        0.2,
+        0.2,
+        1.0,
+        1e-3,
+    )
+    assert opts.alpha_sdpo == 0.0 and opts.beta_replay == 0.0
+
+
+def test_unknown_kwarg_lists_the_valid_ones(sample) -> None:
+    with pytest.raises(ValueError, match="Unknown option 'clip_eps'") as err:
+        composer_loss(sample, clip_eps=0.2)
+    for name in valid_option_names():
+        assert name in str(err.value)
+
+
+@pytest.mark.parametrize("key", ["sdpo_beta", "sdpo_temperature", "sdpo_topk", "sdpo_chunk_size"])
+def test_full_vocabulary_options_raise(sample, key) -> None:
+    with pytest.raises(ValueError, match="LossInputs has no logits"):
+        composer_loss(sample, alpha_sdpo=1.0, **{key: 1})
+
+
+@pytest.mark.parametrize("key", ["sdpo_wrapper", "taid_t", "taid_total_steps", "entropy_opd_threshold"])
+def test_wrapper_options_raise(sample, key) -> None:
+    with pytest.raises(ValueError, match="TAID / entropy-aware"):
+        composer_loss(sample, alpha_sdpo=1.0, **{key: 1})
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"beta_replay": 0.1},
+        {"beta_replay": 1},
+        {"dpo_beta": 0.1},
+        {"dpo_variant": "simpo"},
+        {"simpo_gamma": 0.5},
+    ],
+)
+def test_channel3_raises_and_explains_folding_pairs_into_data(sample, kwargs) -> None:
+    with pytest.raises(ValueError, match="once per sample") as err:
+        composer_loss(sample, **kwargs)
+    assert "Fold the pairs into the data" in str(err.value)
+
+
+def test_beta_replay_zero_is_accepted(sample) -> None:
+    assert composer_loss(sample, beta_replay=0.0).loss.item() == composer_loss(sample).loss.item()
+
+
+@pytest.mark.parametrize("key", ["loss_type", "normalizer", "sdpo_normalizer", "max_completion_length"])
+def test_aggregation_options_raise(sample, key) -> None:
+    with pytest.raises(ValueError, match="divides by the global rl-token count"):
+        composer_loss(sample, **{key: "dapo"})
+
+
+@pytest.mark.parametrize("key", ["kl_beta", "kl_estimator", "rollout_correction", "rollout_clip_max"])
+def test_other_compose_options_raise_with_a_reason(sample, key) -> None:
+    with pytest.raises(ValueError, match=key):
+        composer_loss(sample, **{key: 1})
+
+
+@pytest.mark.parametrize(
+    ("policy", "stray"),
+    [
+        ("dppo", {"epsilon_low": 0.2}),
+        ("dppo", {"delta": 2.0}),
+        ("clipped_surrogate", {"dppo_mask_high": 0.3}),
+        ("clipped_surrogate", {"kl_tau": 0.0}),
+    ],
+)
+def test_options_of_the_other_policy_loss_raise(sample, policy, stray) -> None:
+    with pytest.raises(ValueError, match="only apply to the other policy loss"):
+        composer_loss(sample, policy_loss=policy, **stray)
+
+
+@pytest.mark.parametrize("key", ["sdpo_token_clip", "sdpo_missing", "sdpo_form"])
+def test_sdpo_options_without_alpha_raise(sample, key) -> None:
+    value = {"sdpo_token_clip": 2.0, "sdpo_missing": "skip", "sdpo_form": "sampled"}[key]
+    with pytest.raises(ValueError, match="alpha_sdpo = 0"):
+        composer_loss(sample, **{key: value})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"policy_loss": "grpo"}, "'policy_loss' must be one of"),
+        ({"dppo_mask_low": -0.1}, "'dppo_mask_low' must be a finite number >= 0"),
+        ({"kl_tau": float("nan")}, "'kl_tau' must be a finite number"),
+        ({"adv_tau": "1.0"}, "'adv_tau' must be a number"),
+        ({"adv_tau": True}, "'adv_tau' must be a number"),
+        ({"alpha_sdpo": -1.0}, "'alpha_sdpo' must be a finite number >= 0"),
+        ({"alpha_sdpo": 1.0, "sdpo_token_clip": 0.0}, "'sdpo_token_clip' must be a finite number > 0"),
+        ({"alpha_sdpo": 1.0, "sdpo_missing": "ignore"}, "'sdpo_missing' must be one of"),
+        ({"alpha_sdpo": 1.0, "sdpo_token_clip": float("inf")}, "'sdpo_token_clip' must be finite"),
+        ({"alpha_sdpo": 1.0, "sdpo_token_clip": True}, "'sdpo_token_clip' must be a number"),
+        ({"policy_loss": "clipped_surrogate", "epsilon_low": 1.0}, "'epsilon_low' must be < 1"),
+        ({"policy_loss": "clipped_surrogate", "delta": 1.1}, "'delta' must be > 1 \\+ epsilon_high"),
+    ],
+)
+def test_bad_values_raise(sample, kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        composer_loss(sample, **kwargs)
+
+
+def test_parse_is_cached_and_tolerates_unhashable_values() -> None:
+    assert parse_options({"kl_tau": 0.0}) is parse_options({"kl_tau": 0.0})
+    with pytest.raises(ValueError, match="'kl_tau' must be a number"):
+        parse_options({"kl_tau": [0.0]})

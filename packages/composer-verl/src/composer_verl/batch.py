@@ -1,0 +1,133 @@
+"""The ``DataProto`` keys composer reads, and how they reach the policy loss.
+
+verl's policy-loss contract (``policy_loss_fn(old_log_prob=, log_prob=, advantages=, response_mask=,
+loss_agg_mode=, config=, rollout_is_weights=)``) carries no teacher log-probs, SDPO masks or preference
+fields. The composer actor extension (:mod:`composer_verl.actor`) wraps the worker's loss function so
+that, for each micro-batch, it reads the keys below from the micro-batch ``TensorDict`` and makes them
+visible to the registered ``composer`` policy loss for the duration of that call (a context variable:
+nothing global, nothing left behind after the call).
+
+Keys of ``DataProto.batch`` (bs = rows, L = response length, aligned with ``responses``):
+
+===============================  ===========  ==========================================================
+key                              shape/dtype  meaning
+===============================  ===========  ==========================================================
+``composer_teacher_log_probs``   (bs, L) f32  channel 2: log-prob of each sampled response token under the
+                                              teacher, i.e. the same model given the hinted context
+``composer_sdpo_mask``           (bs, L) 0/1  channel 2: tokens SDPO applies to (0 for rows without a hint);
+                                              multiplied by ``response_mask``
+``composer_pref_pair_id``        (bs,) int64  channel 3: pair id of the row, -1 = the row is in no pair
+``composer_pref_chosen``         (bs,) 0/1    channel 3: 1 = chosen (teacher-beaten) row, 0 = rejected row
+``composer_pref_ref_log_prob``   (bs,) f32    channel 3 (DPO, optional): summed reference log-prob of the
+                                              row's response; default Σ_t ``ref_log_prob`` · mask (verl's
+                                              own per-token reference key, present when a ref model runs)
+===============================  ===========  ==========================================================
+
+Both rows of a pair must land in the same micro-batch (keep them adjacent, ``actor.shuffle=False``,
+``use_dynamic_bsz=False`` and an even ``ppo_micro_batch_size_per_gpu``); otherwise the loss raises.
+
+Non-tensor entries added by :class:`composer_verl.actor.ComposerTrainingWorker` per mini-batch (like
+verl's own ``batch_num_tokens``), so channels 2 and 3 are normalised by their own global counts:
+``composer_global_sdpo_tokens`` and ``composer_global_pref_pairs`` (summed over data-parallel ranks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+TEACHER_LOG_PROBS = "composer_teacher_log_probs"
+SDPO_MASK = "composer_sdpo_mask"
+PREF_PAIR_ID = "composer_pref_pair_id"
+PREF_CHOSEN = "composer_pref_chosen"
+PREF_REF_LOG_PROB = "composer_pref_ref_log_prob"
+REF_LOG_PROB = "ref_log_prob"  # verl's own key
+GLOBAL_SDPO_TOKENS = "composer_global_sdpo_tokens"
+GLOBAL_PREF_PAIRS = "composer_global_pref_pairs"
+
+TENSOR_KEYS = (TEACHER_LOG_PROBS, SDPO_MASK, PREF_PAIR_ID, PREF_CHOSEN, PREF_REF_LOG_PROB, REF_LOG_PROB)
+
+
+@dataclass
+class ComposerExtras:
+    """The composer fields of one micro-batch (``None`` = key absent from the batch)."""
+
+    teacher_log_probs: torch.Tensor | None = None
+    sdpo_mask: torch.Tensor | None = None
+    pref_pair_id: torch.Tensor | None = None
+    pref_chosen: torch.Tensor | None = None
+    pref_ref_log_prob: torch.Tensor | None = None
+    ref_log_prob: torch.Tensor | None = None
+    global_sdpo_tokens: float | None = None
+    global_pref_pairs: float | None = None
+    dp_size: int = 1
+
+
+_ACTIVE: ContextVar[ComposerExtras | None] = ContextVar("composer_verl_extras", default=None)
+
+
+def active_extras() -> ComposerExtras | None:
+    """The extras of the micro-batch whose loss is being computed, or ``None`` outside the extension."""
+    return _ACTIVE.get()
+
+
+@contextlib.contextmanager
+def using_extras(extras: ComposerExtras) -> Iterator[None]:
+    token = _ACTIVE.set(extras)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def _non_tensor(data: Any, key: str) -> Any:
+    if key not in data.keys():  # noqa: SIM118 (TensorDict has no `in` membership test)
+        return None
+    from verl.utils import tensordict_utils as tu
+
+    return tu.get_non_tensor_data(data=data, key=key, default=None)
+
+
+def read_extras(data: Any) -> ComposerExtras:
+    """Read composer's keys from a verl micro-batch ``TensorDict`` (padded to ``(bs, L)``)."""
+    present = [k for k in TENSOR_KEYS if k in data.keys()]  # noqa: SIM118
+    tensors: dict[str, torch.Tensor] = {}
+    if present:
+        selected = data.select(*present)
+        if hasattr(selected, "to_padded_tensor"):
+            selected = selected.to_padded_tensor()
+        tensors = {k: selected[k] for k in present}
+    dp_size = _non_tensor(data, "dp_size")
+    return ComposerExtras(
+        teacher_log_probs=tensors.get(TEACHER_LOG_PROBS),
+        sdpo_mask=tensors.get(SDPO_MASK),
+        pref_pair_id=tensors.get(PREF_PAIR_ID),
+        pref_chosen=tensors.get(PREF_CHOSEN),
+        pref_ref_log_prob=tensors.get(PREF_REF_LOG_PROB),
+        ref_log_prob=tensors.get(REF_LOG_PROB),
+        global_sdpo_tokens=_non_tensor(data, GLOBAL_SDPO_TOKENS),
+        global_pref_pairs=_non_tensor(data, GLOBAL_PREF_PAIRS),
+        dp_size=int(dp_size) if dp_size is not None else 1,
+    )
+
+
+def with_composer_batch(loss_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a verl worker loss function (``ppo_loss`` or ``distillation_ppo_loss`` partial).
+
+    The wrapper has verl's worker-loss signature ``(model_output, data, dp_group=None)`` and runs
+    ``loss_fn`` unchanged while the micro-batch's composer keys are visible to the ``composer``
+    policy loss. verl's own terms (entropy bonus, KL loss, metrics) stay verl's.
+    """
+
+    def composer_batch_loss(*args: Any, **kwargs: Any) -> Any:
+        data = kwargs["data"] if "data" in kwargs else args[1]
+        with using_extras(read_extras(data)):
+            return loss_fn(*args, **kwargs)
+
+    composer_batch_loss.__wrapped__ = loss_fn  # type: ignore[attr-defined]
+    return composer_batch_loss

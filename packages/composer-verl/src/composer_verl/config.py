@@ -1,0 +1,159 @@
+"""The plugin-owned configuration section of composer-verl.
+
+verl's ``PolicyLossConfig`` and ``AlgoConfig`` are closed dataclasses: an unknown key such as
+``+actor_rollout_ref.actor.policy_loss.alpha_sdpo=0.5`` raises ``TypeError``. composer's own
+hyper-parameters therefore live in this section, read from the environment variable
+``COMPOSER_VERL_CONFIG`` in every process that needs them (the driver computing advantages and
+the actor workers computing the loss):
+
+* inline JSON: ``COMPOSER_VERL_CONFIG='{"alpha_sdpo": 0.5, "adv_scale": "none"}'``
+* or a path to a ``.json`` / ``.yaml`` / ``.yml`` file holding the same mapping.
+
+Forward it to verl's Ray workers with
+``+ray_kwargs.ray_init.runtime_env.env_vars.COMPOSER_VERL_CONFIG=...`` (``run_ppo`` merges it into
+the runtime environment of every actor). In one process (tests, notebooks) :func:`configure`
+sets it programmatically and takes precedence over the environment.
+
+Everything verl already has a key for stays in verl's config and is read from there:
+``clip_ratio_low/high``, ``clip_ratio_c``, ``loss_agg_mode``, ``loss_scale_factor``,
+``algorithm.norm_adv_by_std_in_grpo``, ``use_kl_loss``/``kl_loss_coef``, ``entropy_coeff``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Literal
+
+ENV_VAR = "COMPOSER_VERL_CONFIG"
+
+_CHOICES: dict[str, tuple[Any, ...]] = {
+    "adv_scale": (None, "group", "batch", "none"),
+    "adv_singleton": ("reward", "zero"),
+    "dpo_variant": ("dpo", "simpo"),
+    "dpo_loss_type": ("sigmoid", "robust", "ipo"),
+}
+
+
+@dataclass(frozen=True)
+class ComposerVerlConfig:
+    """composer's options that verl's config has no key for.
+
+    Advantage estimator ``grpo_composer`` (driver side):
+        adv_scale: ``"group"`` (GRPO, std of the group), ``"batch"`` (std of the whole batch, TRL
+            ``scale_rewards="batch"``), ``"none"`` (Dr. GRPO, ``r - mean_g``). ``None`` follows verl's
+            ``algorithm.norm_adv_by_std_in_grpo`` (True -> ``"group"``, False -> ``"none"``).
+        adv_eps: ε in ``(r - mean)/(std + ε)``; verl's GRPO uses 1e-6.
+        adv_singleton: a group of one completion gets ``A = r`` (``"reward"``, verl: mean 0, std 1)
+            or ``A = 0`` (``"zero"``, TRL).
+
+    Policy loss ``composer`` channel 1 (actor side):
+        policy_delta: optional cap δ on the ratio in the unclipped branch (TRL/INTELLECT-2 two-sided
+            clipping); choose ``delta > 1 + clip_ratio_high``. ``None`` = verl's vanilla surrogate.
+
+    Channel 2, SDPO on the sampled tokens (needs the composer actor extension):
+        alpha_sdpo: weight α of the distillation term; 0 disables it (not computed at all).
+        sdpo_token_clip: clip of the detached importance weight ``min(exp(ℓθ-ℓold), clip)``
+            (TRL ``distillation_is_clip``); ``None`` = no clip.
+
+    Channel 3, trace-replay preference (needs the composer actor extension):
+        beta_replay: weight β of the preference term; 0 disables it.
+        dpo_variant: ``"dpo"`` (needs reference log-probs) or ``"simpo"`` (length-normalised, no ref).
+        dpo_beta, dpo_loss_type, dpo_label_smoothing: DPO options (TRL defaults).
+        simpo_beta, simpo_gamma: SimPO options (paper defaults β=2, γ=0.5).
+    """
+
+    adv_scale: Literal["group", "batch", "none"] | None = None
+    adv_eps: float = 1e-6
+    adv_singleton: Literal["reward", "zero"] = "reward"
+    policy_delta: float | None = None
+    alpha_sdpo: float = 0.0
+    sdpo_token_clip: float | None = 2.0
+    beta_replay: float = 0.0
+    dpo_variant: Literal["dpo", "simpo"] = "dpo"
+    dpo_beta: float = 0.1
+    dpo_loss_type: Literal["sigmoid", "robust", "ipo"] = "sigmoid"
+    dpo_label_smoothing: float = 0.0
+    simpo_beta: float = 2.0
+    simpo_gamma: float = 0.5
+
+    def __post_init__(self) -> None:
+        for name, allowed in _CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"composer-verl config: {name}={getattr(self, name)!r} is not one of {allowed}."
+                )
+        for name in ("adv_eps", "alpha_sdpo", "beta_replay", "dpo_beta", "simpo_beta"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or not value >= 0.0:
+                raise ValueError(f"composer-verl config: {name}={value!r} must be a finite number >= 0.")
+        if self.policy_delta is not None and not self.policy_delta > 1.0:
+            raise ValueError(
+                f"composer-verl config: policy_delta={self.policy_delta!r} must be > 1 (choose delta > 1 + clip_ratio_high)."
+            )
+        if self.sdpo_token_clip is not None and not self.sdpo_token_clip > 0.0:
+            raise ValueError(
+                f"composer-verl config: sdpo_token_clip={self.sdpo_token_clip!r} must be > 0 or null."
+            )
+
+    @classmethod
+    def from_mapping(cls, mapping: dict[str, Any]) -> ComposerVerlConfig:
+        """Build from a plain mapping; unknown keys raise ``ValueError`` listing the valid ones."""
+        if not isinstance(mapping, dict):
+            raise ValueError(f"composer-verl config must be a mapping, got {type(mapping).__name__}.")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(mapping) - known)
+        if unknown:
+            raise ValueError(f"composer-verl config: unknown key(s) {unknown}; valid keys: {sorted(known)}.")
+        return cls(**mapping)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def parse_config(raw: str) -> ComposerVerlConfig:
+    """Parse the value of ``COMPOSER_VERL_CONFIG``: inline JSON or a path to a JSON/YAML file."""
+    text = raw.strip()
+    if not text:
+        return ComposerVerlConfig()
+    if text.startswith("{"):
+        try:
+            mapping = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{ENV_VAR} is not valid JSON ({e}); pass a JSON object or a file path.") from e
+        return ComposerVerlConfig.from_mapping(mapping)
+    path = Path(text)
+    if not path.is_file():
+        raise ValueError(f"{ENV_VAR}={text!r}: not inline JSON and no such file.")
+    if path.suffix in (".yaml", ".yml"):
+        import yaml  # verl depends on omegaconf, which depends on PyYAML
+
+        mapping = yaml.safe_load(path.read_text())
+    elif path.suffix == ".json":
+        mapping = json.loads(path.read_text())
+    else:
+        raise ValueError(f"{ENV_VAR}={text!r}: expected a .json, .yaml or .yml file.")
+    return ComposerVerlConfig.from_mapping(mapping or {})
+
+
+_override: ComposerVerlConfig | None = None
+_cache: tuple[str, ComposerVerlConfig] | None = None
+
+
+def configure(config: ComposerVerlConfig | dict[str, Any] | None) -> None:
+    """Set (or with ``None`` clear) this process's config; takes precedence over the environment."""
+    global _override
+    _override = ComposerVerlConfig.from_mapping(config) if isinstance(config, dict) else config
+
+
+def current_config() -> ComposerVerlConfig:
+    """The active config: :func:`configure`'s value, else ``$COMPOSER_VERL_CONFIG``, else defaults."""
+    global _cache
+    if _override is not None:
+        return _override
+    raw = os.environ.get(ENV_VAR, "")
+    if _cache is None or _cache[0] != raw:
+        _cache = (raw, parse_config(raw))
+    return _cache[1]

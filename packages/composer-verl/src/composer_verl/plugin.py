@@ -1,0 +1,99 @@
+"""verl plugin: registers the ``grpo_composer`` advantage estimator and the ``composer`` policy loss.
+
+How this module gets imported (every route ends in ``importlib.import_module``):
+
+* entry point ``composer = "composer_verl.plugin"`` in the ``verl.plugins`` group: ``import verl``
+  loads it in every process where composer-verl is installed (unless ``VERL_USE_EXTERNAL_PLUGINS=none``
+  or a list without ``composer``);
+* ``VERL_USE_EXTERNAL_MODULES=composer_verl.plugin`` (forward it to Ray workers with
+  ``+ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES=composer_verl.plugin``);
+* ``actor_rollout_ref.model.external_lib=composer_verl.plugin`` (reaches the workers that build the
+  model config; the driver may not see it, so pair it with one of the above for the estimator).
+
+verl calls plugins while ``verl/__init__`` is still running. This module imports
+``verl.trainer.ppo.core_algos`` only inside :func:`register` (by then ``verl.DataProto`` and every
+name core_algos needs from the package exist; tests prove there is no circular import). verl logs a
+failing plugin at DEBUG level and carries on, so a failure here is also logged at ERROR level and
+emitted as a ``RuntimeWarning`` before it propagates: a broken install never fails silently.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import logging
+import sys
+import warnings
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+logger = logging.getLogger("composer_verl")
+
+REGISTERED: dict[str, str] = {}
+TRAINER_PACKAGE = "verl.trainer.ppo.v1"
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Run ``callback`` right after module ``target`` has executed (one shot, then it removes itself)."""
+
+    def __init__(self, target: str, callback: Callable[[], None]) -> None:
+        self.target = target
+        self.callback = callback
+
+    def find_spec(self, fullname: str, path: Any, target: ModuleType | None = None) -> Any:
+        if fullname != self.target:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_register(module: ModuleType) -> None:
+            exec_module(module)
+            self.callback()
+
+        spec.loader.exec_module = exec_then_register  # type: ignore[method-assign]
+        return spec
+
+
+def _register_trainer() -> None:
+    importlib.import_module("composer_verl.trainer")  # registers trainer_mode=composer_sync
+
+
+def register() -> None:
+    """Register composer's estimator, loss and (lazily) trainer mode in verl's registries (idempotent)."""
+    from verl.trainer.ppo import core_algos
+
+    from composer_verl.advantage import ESTIMATOR_NAME, compute_grpo_composer_advantage
+    from composer_verl.policy_loss import LOSS_NAME, compute_policy_loss_composer
+
+    # register_adv_est refuses to rebind a name to a different function; the functions live in
+    # normal modules, so importing this plugin twice (entry point + VERL_USE_EXTERNAL_MODULES) is fine.
+    core_algos.register_adv_est(ESTIMATOR_NAME)(compute_grpo_composer_advantage)
+    core_algos.register_policy_loss(LOSS_NAME)(compute_policy_loss_composer)  # type: ignore[arg-type]
+    REGISTERED.update(adv_estimator=ESTIMATOR_NAME, policy_loss=LOSS_NAME)
+
+    # The trainer mode needs verl's v1 trainer (ray, transfer_queue, ...): register it only once
+    # something imports that package (the TaskRunner does), never at `import verl` time.
+    if TRAINER_PACKAGE in sys.modules:
+        _register_trainer()
+    elif not any(
+        getattr(f, "target", None) == TRAINER_PACKAGE for f in sys.meta_path
+    ):  # one hook, even on reload
+        sys.meta_path.insert(0, _AfterImport(TRAINER_PACKAGE, _register_trainer))
+    REGISTERED.update(trainer_mode="composer_sync")
+
+
+try:
+    register()
+except Exception as exc:  # verl would swallow this at DEBUG level: make it loud, then re-raise.
+    message = (
+        f"composer-verl could not register its verl plugin ({type(exc).__name__}: {exc}); "
+        "adv_estimator=grpo_composer and loss_mode=composer will be unavailable."
+    )
+    logger.error(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=2)
+    raise

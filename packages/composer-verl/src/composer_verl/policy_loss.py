@@ -1,0 +1,298 @@
+"""The ``composer`` policy loss (registered in verl's ``POLICY_LOSS_REGISTRY``).
+
+    total = policy + α·SDPO + β·replay
+
+Channel 1 (always): verl's PPO clipped surrogate with dual clip, computed per token by
+``composer_core.policy.clipped_surrogate`` and reduced by verl's own ``agg_loss`` with the actor's
+``loss_agg_mode`` and ``config.global_batch_info`` (``dp_size``, ``batch_num_tokens``,
+``global_batch_size``, ``loss_scale_factor``), so it is invariant to the micro-batch / data-parallel
+layout exactly like verl's ``vanilla`` loss:
+
+    x = clamp(ℓθ - ℓold, -20, 20),  ρ = exp(x)
+    L1 = max(-ρA, -clip(ρ, 1-ε_lo, 1+ε_hi)·A)             (PPO, Schulman et al. 2017; clip-higher, DAPO)
+    L  = min(L1, -c·A) where A < 0, else L1                 (dual clip, Ye et al. arXiv 1912.09729, c = clip_ratio_c)
+    L  = L · w_IS                                           (verl rollout_is_weights, when given)
+    policy = agg_loss(L, response_mask, loss_agg_mode, **global_batch_info)
+
+With ``policy_delta`` set, ρ is additionally capped at δ in the unclipped branch (TRL two-sided clip).
+
+Channel 2 (α = ``alpha_sdpo`` > 0): SDPO on the sampled tokens (Hübotter et al., arXiv 2601.20802),
+``composer_core.distill.sampled_token_distill``: gradient sg(ℓθ - ℓT)·∇ℓθ × min(exp(ℓθ - ℓold), clip),
+averaged over the SDPO tokens of the whole mini-batch (its own global count).
+
+Channel 3 (β = ``beta_replay`` > 0): DPO (Rafailov et al., arXiv 2305.18290) or SimPO (Meng et al.,
+arXiv 2405.14734) on pairs of rows, ``composer_core.preference``, with the row log-prob Σ_t ℓθ·mask,
+averaged over the pairs of the whole mini-batch.
+
+Channels 2 and 3 read the batch keys of :mod:`composer_verl.batch`, which only the composer actor
+extension passes in; an enabled channel without its keys raises ``ValueError``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from composer_verl.batch import (
+    PREF_CHOSEN,
+    PREF_PAIR_ID,
+    PREF_REF_LOG_PROB,
+    SDPO_MASK,
+    TEACHER_LOG_PROBS,
+    ComposerExtras,
+    active_extras,
+)
+from composer_verl.config import ComposerVerlConfig, current_config
+
+LOSS_NAME = "composer"
+
+_NO_EXTENSION = (
+    "the policy loss was called without the composer actor extension, so verl passed only old_log_prob, "
+    "log_prob, advantages and response_mask. Run training with composer_verl's worker "
+    "(python -m composer_verl.main_ppo, or ComposerActorRolloutRefWorker / with_composer_batch), "
+    "or set {name}=0 in COMPOSER_VERL_CONFIG."
+)
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def channel1_per_token(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float,
+    delta: float | None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Per-token dual-clip PPO loss (formula in the module docstring) and verl's metrics."""
+    from composer_core.policy import clipped_surrogate
+
+    if not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c={clip_ratio_c} must be > 1 (dual-clip PPO lower bound).")
+    log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    # clipped_surrogate depends on ℓθ - ℓold only; feeding the clamped log-ratio against zeros keeps
+    # verl's ±20 clamp (value and its zero gradient outside the range) bit for bit.
+    per_token, _ = clipped_surrogate(
+        log_ratio,
+        torch.zeros_like(log_ratio),
+        advantages,
+        epsilon_low=clip_ratio_low,
+        epsilon_high=clip_ratio_high,
+        delta=delta,
+    )
+    dual_bound = -advantages * clip_ratio_c
+    negative = advantages < 0
+    loss = torch.where(negative, torch.minimum(per_token, dual_bound), per_token)
+    mask = response_mask.to(log_prob.dtype)
+    with torch.no_grad():  # verl's metric definitions: the clipped branch is the larger loss
+        ratio = torch.exp(log_ratio)
+        clipped_branch = -advantages * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+        clipfrac = _masked_mean((clipped_branch > -advantages * ratio).to(mask.dtype), mask)
+    metrics = {
+        "actor/pg_clipfrac": clipfrac.item(),
+        "actor/ppo_kl": _masked_mean(-log_ratio.detach(), mask).item(),
+        "actor/pg_clipfrac_lower": _masked_mean(
+            ((per_token.detach() > dual_bound) & negative).to(mask.dtype), mask
+        ).item(),
+    }
+    return loss, metrics
+
+
+def sdpo_term(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    extras: ComposerExtras | None,
+    cfg: ComposerVerlConfig,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Channel 2: sampled-token SDPO averaged over the global count of SDPO tokens."""
+    from composer_core.distill import sampled_token_distill
+
+    if extras is None:
+        raise ValueError("alpha_sdpo > 0 but " + _NO_EXTENSION.format(name="alpha_sdpo"))
+    missing = [
+        k
+        for k, v in ((TEACHER_LOG_PROBS, extras.teacher_log_probs), (SDPO_MASK, extras.sdpo_mask))
+        if v is None
+    ]
+    if missing:
+        raise ValueError(
+            f"alpha_sdpo={cfg.alpha_sdpo} > 0 but the batch has no {missing}: put the teacher (hinted-context) "
+            f"log-probs of the sampled tokens in data.batch['{TEACHER_LOG_PROBS}'] and the SDPO token mask in "
+            f"data.batch['{SDPO_MASK}'] (both (bs, response_length)), or set alpha_sdpo=0."
+        )
+    assert extras.teacher_log_probs is not None and extras.sdpo_mask is not None
+    for name, t in ((TEACHER_LOG_PROBS, extras.teacher_log_probs), (SDPO_MASK, extras.sdpo_mask)):
+        if t.shape != log_prob.shape:
+            raise ValueError(
+                f"data.batch['{name}'] has shape {tuple(t.shape)}, expected {tuple(log_prob.shape)}."
+            )
+    mask = extras.sdpo_mask.to(torch.bool) & response_mask.to(torch.bool)
+    local = int(mask.sum().item())
+    if extras.global_sdpo_tokens is not None:
+        normalizer = float(extras.global_sdpo_tokens) / extras.dp_size
+    else:
+        normalizer = float(local)
+    if local == 0:  # this micro-batch holds no hinted tokens: it contributes nothing, with a graph
+        return (log_prob * 0.0).sum(), {"composer/sdpo_tokens": 0.0}
+    loss = sampled_token_distill(
+        log_prob,
+        extras.teacher_log_probs.to(log_prob.dtype),
+        mask,
+        old_logprobs=old_log_prob,
+        is_clip=cfg.sdpo_token_clip,
+        reduction="mean",
+        normalizer=normalizer,
+    )
+    return loss, {"composer/sdpo_tokens": float(local)}
+
+
+def _pair_rows(pair_id: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row indices (chosen, rejected) of every pair in the micro-batch; each pair must be complete."""
+    pair_id = pair_id.reshape(-1).long()
+    chosen = chosen.reshape(-1).bool()
+    chosen_rows: list[int] = []
+    rejected_rows: list[int] = []
+    for pid in torch.unique(pair_id[pair_id >= 0]).tolist():
+        rows = (pair_id == pid).nonzero().reshape(-1)
+        c = rows[chosen[rows]].tolist()
+        r = rows[~chosen[rows]].tolist()
+        if len(c) != 1 or len(r) != 1:
+            raise ValueError(
+                f"{PREF_PAIR_ID}={pid}: this micro-batch holds {len(c)} chosen and {len(r)} rejected rows, need "
+                "exactly 1 of each. Keep both rows of a pair adjacent and in one micro-batch "
+                "(actor.shuffle=False, use_dynamic_bsz=False, even ppo_micro_batch_size_per_gpu)."
+            )
+        chosen_rows.append(c[0])
+        rejected_rows.append(r[0])
+    return torch.tensor(chosen_rows, dtype=torch.long), torch.tensor(rejected_rows, dtype=torch.long)
+
+
+def replay_term(
+    log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    extras: ComposerExtras | None,
+    cfg: ComposerVerlConfig,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Channel 3: DPO / SimPO over the pairs of the micro-batch, averaged over the global pair count."""
+    from composer_core.preference import dpo_loss, simpo_loss
+
+    if extras is None:
+        raise ValueError("beta_replay > 0 but " + _NO_EXTENSION.format(name="beta_replay"))
+    missing = [
+        k for k, v in ((PREF_PAIR_ID, extras.pref_pair_id), (PREF_CHOSEN, extras.pref_chosen)) if v is None
+    ]
+    if missing:
+        raise ValueError(
+            f"beta_replay={cfg.beta_replay} > 0 but the batch has no {missing}: mark preference pairs with "
+            f"data.batch['{PREF_PAIR_ID}'] (bs,) int64 (-1 = none) and data.batch['{PREF_CHOSEN}'] (bs,) 0/1, "
+            "or set beta_replay=0."
+        )
+    assert extras.pref_pair_id is not None and extras.pref_chosen is not None
+    ci, ri = _pair_rows(extras.pref_pair_id, extras.pref_chosen)
+    if ci.numel() == 0:
+        return (log_prob * 0.0).sum(), {"composer/replay_pairs": 0.0}
+    mask = response_mask.to(log_prob.dtype)
+    seq_logp = (log_prob * mask).sum(-1)
+    lengths = mask.sum(-1)
+    normalizer = (
+        float(extras.global_pref_pairs) / extras.dp_size
+        if extras.global_pref_pairs is not None
+        else float(ci.numel())
+    )
+    if cfg.dpo_variant == "simpo":
+        loss = simpo_loss(
+            seq_logp[ci],
+            seq_logp[ri],
+            lengths[ci],
+            lengths[ri],
+            beta=cfg.simpo_beta,
+            gamma=cfg.simpo_gamma,
+            reduction="mean",
+            normalizer=normalizer,
+        )
+    else:
+        if extras.pref_ref_log_prob is not None:
+            ref_seq = extras.pref_ref_log_prob.reshape(-1).to(log_prob.dtype)
+        elif extras.ref_log_prob is not None:
+            ref_seq = (extras.ref_log_prob.to(log_prob.dtype) * mask).sum(-1)
+        else:
+            raise ValueError(
+                f"dpo_variant='dpo' needs reference log-probs: give data.batch['{PREF_REF_LOG_PROB}'] (bs,) or run "
+                "verl's reference model (ref_log_prob), or use dpo_variant='simpo'."
+            )
+        ipo = cfg.dpo_loss_type == "ipo"  # IPO averages per token: it alone takes the lengths
+        loss = dpo_loss(
+            seq_logp[ci],
+            seq_logp[ri],
+            ref_seq[ci],
+            ref_seq[ri],
+            beta=cfg.dpo_beta,
+            loss_type=cfg.dpo_loss_type,
+            label_smoothing=cfg.dpo_label_smoothing,
+            chosen_lengths=lengths[ci] if ipo else None,
+            rejected_lengths=lengths[ri] if ipo else None,
+            reduction="mean",
+            normalizer=normalizer,
+        )
+    return loss, {"composer/replay_pairs": float(ci.numel())}
+
+
+def compute_policy_loss_composer(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """verl policy-loss contract: ``(scalar loss, metrics)``; tensors are ``(bs, response_length)``.
+
+    ``config`` is verl's ``ActorConfig`` (``clip_ratio``, ``clip_ratio_low/high``, ``clip_ratio_c``,
+    ``global_batch_info``); composer's own options come from :func:`composer_verl.config.current_config`.
+    """
+    from verl.trainer.ppo.core_algos import agg_loss
+
+    if config is None:
+        raise ValueError(
+            "the composer policy loss needs verl's ActorConfig as `config` (clip ratios, batch info)."
+        )
+    cfg = current_config()
+    clip_ratio = config.get("clip_ratio", 0.2)
+    clip_low = config.get("clip_ratio_low", None)
+    clip_high = config.get("clip_ratio_high", None)
+    per_token, metrics = channel1_per_token(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        clip_ratio_low=clip_ratio if clip_low is None else clip_low,
+        clip_ratio_high=clip_ratio if clip_high is None else clip_high,
+        clip_ratio_c=config.get("clip_ratio_c", 3.0),
+        delta=cfg.policy_delta,
+    )
+    if rollout_is_weights is not None:
+        per_token = per_token * rollout_is_weights
+    batch_info = dict(config.get("global_batch_info", None) or {})
+    policy = agg_loss(loss_mat=per_token, loss_mask=response_mask, loss_agg_mode=loss_agg_mode, **batch_info)
+    total = policy
+    metrics["composer/loss_policy"] = policy.detach().item()
+    extras = active_extras()
+    if cfg.alpha_sdpo > 0:
+        sdpo, m = sdpo_term(log_prob, old_log_prob, response_mask, extras, cfg)
+        total = total + cfg.alpha_sdpo * sdpo
+        metrics.update(m)
+        metrics["composer/loss_sdpo"] = sdpo.detach().item()
+    if cfg.beta_replay > 0:
+        replay, m = replay_term(log_prob, response_mask, extras, cfg)
+        total = total + cfg.beta_replay * replay
+        metrics.update(m)
+        metrics["composer/loss_replay"] = replay.detach().item()
+    return total, metrics

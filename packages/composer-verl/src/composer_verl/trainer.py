@@ -1,0 +1,35 @@
+"""``trainer.v1.trainer_mode=composer_sync``: verl's synchronous v1 trainer with the composer actor.
+
+verl 0.9's v1 trainer (``trainer.use_v1=true``, the default) builds its actor workers from
+``ActorRolloutRefWorker``. This trainer, registered in verl's ``TRAINER_REGISTRY``, is
+``PPOTrainerSync`` with one change, made the way verl's own ``PPOTrainerSeparateAsync`` swaps in its
+``DetachActorWorker``: after the resource pools are set up, the actor roles map to
+:class:`composer_verl.actor.ComposerActorRolloutRefWorker`. Everything else (rollout, reference,
+checkpoints, weight sync) is verl's.
+
+The plugin registers this module lazily, right after ``verl.trainer.ppo.v1`` finishes importing (the
+TaskRunner process imports it to look the trainer up), so ``import verl`` stays cheap everywhere else.
+"""
+
+from __future__ import annotations
+
+import ray
+from verl.trainer.ppo.utils import Role
+from verl.trainer.ppo.v1.trainer_base import register_trainer
+from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+from composer_verl.actor import ComposerActorRolloutRefWorker
+
+TRAINER_MODE = "composer_sync"
+ACTOR_ROLES = (Role.Actor, Role.ActorRollout, Role.ActorRolloutRef)
+
+
+@register_trainer(TRAINER_MODE)
+class ComposerPPOTrainerSync(PPOTrainerSync):  # type: ignore[misc]
+    """``PPOTrainerSync`` whose actor workers run the composer actor extension."""
+
+    def _init_resource_pool_mgr(self) -> None:
+        super()._init_resource_pool_mgr()
+        for role in ACTOR_ROLES:
+            if role in self.role_worker_mapping:
+                self.role_worker_mapping[role] = ray.remote(ComposerActorRolloutRefWorker)

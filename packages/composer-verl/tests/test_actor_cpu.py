@@ -1,0 +1,358 @@
+"""A real verl policy-update step through the composer actor extension, on CPU.
+
+What is real: verl 0.9.1's ``TrainingWorker`` (our ``ComposerTrainingWorker`` subclass), its FSDP2 engine
+(``FSDPEngineWithLMHead``) wrapping a tiny Qwen2 model, verl's ``ppo_loss`` worker loss, the registered
+``composer`` policy loss, verl's DataProto -> TensorDict -> no-padding conversion, mini-batch iterator,
+micro-batching, backward and optimizer step, on a 1-rank gloo process group.
+
+What is bridged, and why: verl 0.9 has no CPU platform. Its platform registry knows nvidia/huawei/amd
+only and falls back to CUDA (``get_device_name() == "cuda"``, NCCL backend), and its FSDP engine is
+registered for ``device=["cuda", "npu"]``. The test therefore (1) installs a minimal CPU
+``PlatformBase`` through verl's own ``set_platform`` (device "cpu", backend gloo, no-op memory stats),
+(2) selects the FSDP engine class with verl's own ``VERL_ENGINE_DEVICE=cuda`` override, and (3) uses
+``attn_implementation="sdpa"`` with ``use_remove_padding=False`` (verl defaults to flash-attention 2,
+which needs a GPU) and fp32 mixed precision. No verl code is patched. Ray is not started: the worker
+object is built in-process, as a Ray actor would build it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import socket
+from collections.abc import Iterator
+from functools import partial
+from typing import Any
+
+import pytest
+import torch
+
+LN2 = math.log(2.0)
+B, P, R = 4, 5, 6
+
+
+def _cpu_platform() -> Any:
+    from verl.plugin.platform import PlatformBase
+
+    def _zero(*_: Any, **__: Any) -> int:
+        return 0
+
+    def _none(*_: Any, **__: Any) -> None:
+        return None
+
+    cpu_module = type(
+        "CPUDeviceModule",
+        (),
+        {
+            **{k: v for k, v in vars(torch.cpu).items() if not k.startswith("__")},
+            "max_memory_allocated": staticmethod(_zero),
+            "max_memory_reserved": staticmethod(_zero),
+            "memory_allocated": staticmethod(_zero),
+            "memory_reserved": staticmethod(_zero),
+            "mem_get_info": staticmethod(lambda *_: (0, 0)),
+            "reset_peak_memory_stats": staticmethod(_none),
+            "empty_cache": staticmethod(_none),
+            "get_device_name": staticmethod(lambda *_: "CPU"),
+        },
+    )
+
+    class PlatformCPU(PlatformBase):  # type: ignore[misc]
+        device_name = "cpu"
+        vendor_name = "cpu"
+        device_module = cpu_module
+
+        def is_available(self) -> bool:
+            return True
+
+        def current_device(self) -> str:  # verl moves tensors with .to(current_device())
+            return "cpu"
+
+        def device_count(self) -> int:
+            return 1
+
+        def set_device(self, device_index: int) -> None:
+            pass
+
+        def synchronize(self, device_index: int | None = None) -> None:
+            pass
+
+        def manual_seed(self, seed: int) -> None:
+            torch.manual_seed(seed)
+
+        def manual_seed_all(self, seed: int) -> None:
+            torch.manual_seed(seed)
+
+        def set_allocator_settings(self, settings: str) -> None:
+            pass
+
+        def empty_cache(self) -> None:
+            pass
+
+        def get_device_capability(self, device_index: int = 0) -> tuple[None, None]:
+            return None, None
+
+        def communication_backend_name(self) -> str:
+            return "gloo"
+
+        def visible_devices_envvar(self) -> str:
+            return "CUDA_VISIBLE_DEVICES"
+
+        @contextlib.contextmanager
+        def nvtx_range(self, msg: str) -> Iterator[None]:
+            yield
+
+        def profiler_start(self) -> None:
+            pass
+
+        def profiler_stop(self) -> None:
+            pass
+
+        def ray_resource_name(self) -> str:
+            return "CPU"
+
+        def ray_noset_envvars(self) -> list[str]:
+            return []
+
+        def is_ipc_supported(self) -> bool:
+            return False
+
+        def cudart(self) -> None:
+            return None
+
+    return PlatformCPU()
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    import torch.distributed as dist
+    from composer_verl.actor import ComposerTrainingWorker
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from verl.plugin.platform import platform_manager, set_platform
+    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
+    from verl.workers.config.engine import TrainingWorkerConfig
+
+    previous_platform = platform_manager._current_platform
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "VERL_ENGINE_DEVICE")
+    saved_env = {k: os.environ.get(k) for k in names}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        VERL_ENGINE_DEVICE="cuda",
+    )
+    set_platform(_cpu_platform())
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+    path = tmp_path_factory.mktemp("tiny-qwen2")
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    model = HFModelConfig(
+        path=str(path),
+        load_tokenizer=False,
+        use_remove_padding=False,
+        enable_gradient_checkpointing=False,
+        override_config={"attn_implementation": "sdpa"},
+    )
+    engine = FSDPEngineConfig(
+        strategy="fsdp2",
+        use_torch_compile=False,
+        model_dtype="fp32",
+        mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
+        use_dynamic_bsz=False,
+        micro_batch_size_per_gpu=2,
+        infer_micro_batch_size_per_gpu=2,
+    )
+    w = ComposerTrainingWorker(
+        config=TrainingWorkerConfig(
+            model_type="language_model",
+            model_config=model,
+            engine_config=engine,
+            optimizer_config=FSDPOptimizerConfig(lr=1e-2),
+            checkpoint_config=None,
+        )
+    )
+    w.reset()
+    try:
+        yield w
+    finally:
+        dist.destroy_process_group()
+        set_platform(previous_platform) if previous_platform is not None else None
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _actor_config(loss_mode: str) -> Any:
+    from verl.workers.config import FSDPActorConfig
+
+    return FSDPActorConfig(
+        strategy="fsdp2",
+        rollout_n=2,
+        ppo_mini_batch_size=B,
+        ppo_micro_batch_size_per_gpu=2,
+        use_torch_compile=False,
+        policy_loss={"loss_mode": loss_mode},
+    )
+
+
+def _batch(extra: dict[str, torch.Tensor], compute_loss: bool = True) -> Any:
+    """A rollout-shaped batch (left-padded prompt, right-padded response), converted as verl's trainer does."""
+    from verl import DataProto
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(1, 128, (B, P), generator=g)
+    responses = torch.randint(1, 128, (B, R), generator=g)
+    attention = torch.ones(B, P + R, dtype=torch.long)
+    attention[0, :2] = 0
+    attention[1, -2:] = 0
+    tensors = {
+        "prompts": prompts,
+        "responses": responses,
+        "input_ids": torch.cat([prompts, responses], 1),
+        "attention_mask": attention,
+        "position_ids": torch.clamp(torch.cumsum(attention, 1) - 1, min=0),
+        "response_mask": attention[:, P:].clone(),
+        **extra,
+    }
+    td = left_right_2_no_padding(DataProto.from_dict(tensors=tensors).to_tensordict())
+    tu.assign_non_tensor(
+        td,
+        calculate_entropy=False,
+        distillation_use_topk=False,
+        distillation_only=False,
+        global_batch_size=B,
+        mini_batch_size=B,
+        epochs=1,
+        seed=0,
+        dataloader_kwargs={"shuffle": False},
+        compute_loss=compute_loss,
+        temperature=1.0,
+        multi_turn=False,
+    )
+    return td
+
+
+def _old_log_probs(worker: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    data = _batch({}, compute_loss=False)
+    out = worker.infer_batch(data)
+    old = no_padding_2_padding(out["log_probs"], _batch({}, compute_loss=False)).detach()
+    mask = _batch({})["response_mask"]
+    return old, mask
+
+
+def _metrics(out: Any) -> dict[str, float]:
+    """verl's metrics, reduced the way its trainer reduces them (Metric aggregation or list mean)."""
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.metric import Metric
+
+    reduced = {}
+    for key, value in tu.get(out, "metrics").items():
+        if isinstance(value, Metric):
+            reduced[key] = value.aggregate()
+        elif isinstance(value, list) and value and isinstance(value[0], Metric):
+            reduced[key] = Metric.aggregate_dp(value)
+        elif isinstance(value, list):
+            reduced[key] = sum(float(v) for v in value) / len(value)
+        else:
+            reduced[key] = float(value)
+    return reduced
+
+
+def test_composer_equals_vanilla_in_the_engine(worker: Any) -> None:
+    from verl.workers.utils.losses import ppo_loss
+
+    old, mask = _old_log_probs(worker)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])[:, None] * mask
+    extra = {"old_log_probs": old - 0.3 * mask, "advantages": adv}  # ratio e^0.3: clipping is active
+    losses = {}
+    for mode in ("vanilla", "composer"):
+        worker.set_loss_fn(partial(ppo_loss, config=_actor_config(mode)))
+        losses[mode] = _metrics(worker.infer_batch(_batch(extra)))["actor/pg_loss"]
+    assert losses["composer"] == pytest.approx(losses["vanilla"], rel=1e-6, abs=1e-7)
+    assert losses["vanilla"] != 0.0
+
+
+def test_policy_update_step_with_sdpo_and_replay_keys(worker: Any) -> None:
+    """Composer keys travel DataProto -> mini-batch -> micro-batch -> loss, normalised by global counts."""
+    from composer_verl.config import configure
+    from verl.workers.utils.losses import ppo_loss
+
+    configure({"alpha_sdpo": 0.5, "beta_replay": 0.25})
+    old, mask = _old_log_probs(worker)
+    sdpo_mask = torch.ones(B, R)
+    sdpo_mask[3] = 0  # a row without a hint
+    extra = {
+        "old_log_probs": old,
+        "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5])[:, None] * mask,
+        "composer_teacher_log_probs": old - LN2,  # teacher gives each sampled token half the probability
+        "composer_sdpo_mask": sdpo_mask,
+        # rows (0, 1) and (2, 3) are pairs; reference = the current policy, so DPO = ln 2 per pair
+        "composer_pref_pair_id": torch.tensor([0, 0, 1, 1]),
+        "composer_pref_chosen": torch.tensor([1, 0, 0, 1]),
+        "composer_pref_ref_log_prob": (old * mask).sum(-1),
+    }
+    worker.set_loss_fn(partial(ppo_loss, config=_actor_config("composer")))
+    before = [p.detach().clone() for p in worker.engine.module.parameters()]
+    m = _metrics(worker.train_mini_batch(_batch(extra)))
+    # two micro-batches of 2 rows: 10 and 6 SDPO tokens out of 16; each contributes Σd/16, and verl
+    # averages the per-micro-batch metric: (10 + 6)/16·ln 2 / 2.
+    assert m["composer/sdpo_tokens"] == pytest.approx((10 + 6) / 2)
+    assert m["composer/loss_sdpo"] == pytest.approx(LN2 / 2, rel=1e-5)
+    # one pair per micro-batch, 2 pairs in the mini-batch: each contributes ln 2 / 2; verl averages
+    assert m["composer/replay_pairs"] == 1.0
+    assert m["composer/loss_replay"] == pytest.approx(LN2 / 2, rel=1e-5)
+    after = list(worker.engine.module.parameters())
+    changed = sum(not torch.equal(a.detach(), b) for a, b in zip(after, before))
+    assert changed == len(before)
+
+
+def test_plain_verl_worker_loss_cannot_see_the_keys(worker: Any) -> None:
+    """Without the extension's wrapper verl's ppo_loss drops composer keys: the loss says so."""
+    from composer_verl.config import configure
+    from verl.workers.engine_workers import TrainingWorker
+    from verl.workers.utils.losses import ppo_loss
+
+    configure({"alpha_sdpo": 0.5})
+    old, mask = _old_log_probs(worker)
+    extra = {
+        "old_log_probs": old,
+        "advantages": mask.double(),
+        "composer_teacher_log_probs": old,
+        "composer_sdpo_mask": mask,
+    }
+    TrainingWorker.set_loss_fn(
+        worker, partial(ppo_loss, config=_actor_config("composer"))
+    )  # bypass the wrapper
+    with pytest.raises(ValueError, match="actor extension"):
+        worker.infer_batch(_batch(extra))
+
+
+def test_actor_rollout_ref_worker_uses_the_extension() -> None:
+    from composer_verl.actor import ComposerActorRolloutRefWorker, ComposerTrainingWorker
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    assert issubclass(ComposerActorRolloutRefWorker, ActorRolloutRefWorker)
+    assert ComposerActorRolloutRefWorker.actor_worker_cls is ComposerTrainingWorker
+    assert ComposerActorRolloutRefWorker.ref_worker_cls is ActorRolloutRefWorker.ref_worker_cls

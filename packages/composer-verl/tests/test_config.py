@@ -1,0 +1,56 @@
+"""The plugin-owned config section: sources, precedence and clear errors."""
+
+from __future__ import annotations
+
+import pytest
+from composer_verl.config import ComposerVerlConfig, configure, current_config, parse_config
+
+
+def test_defaults_are_channel_one_only() -> None:
+    cfg = current_config()
+    assert cfg == ComposerVerlConfig() and cfg.alpha_sdpo == 0.0 and cfg.beta_replay == 0.0
+
+
+def test_inline_json_yaml_and_json_files(tmp_path) -> None:
+    assert parse_config('{"alpha_sdpo": 0.5}').alpha_sdpo == 0.5
+    y = tmp_path / "c.yaml"
+    y.write_text("beta_replay: 0.25\ndpo_variant: simpo\n")
+    assert parse_config(str(y)) == ComposerVerlConfig(beta_replay=0.25, dpo_variant="simpo")
+    j = tmp_path / "c.json"
+    j.write_text('{"adv_scale": "batch"}')
+    assert parse_config(str(j)).adv_scale == "batch"
+
+
+def test_configure_takes_precedence_over_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COMPOSER_VERL_CONFIG", '{"alpha_sdpo": 0.5}')
+    assert current_config().alpha_sdpo == 0.5
+    configure({"alpha_sdpo": 0.1})
+    assert current_config().alpha_sdpo == 0.1
+    configure(None)
+    monkeypatch.setenv("COMPOSER_VERL_CONFIG", '{"alpha_sdpo": 0.7}')  # re-read when the variable changes
+    assert current_config().alpha_sdpo == 0.7
+
+
+@pytest.mark.parametrize(
+    ("raw", "match"),
+    [
+        ('{"alpha": 1}', r"unknown key\(s\) \['alpha'\]"),
+        ('{"adv_scale": "std"}', "adv_scale='std' is not one of"),
+        ('{"alpha_sdpo": -1}', "alpha_sdpo=-1 must be a finite number >= 0"),
+        ('{"beta_replay": NaN}', "beta_replay=nan must be a finite number >= 0"),
+        ('{"policy_delta": 1.0}', "policy_delta=1.0 must be > 1"),
+        ('{"sdpo_token_clip": 0}', "sdpo_token_clip=0 must be > 0"),
+        ('{"alpha_sdpo": ', "not valid JSON"),
+        ("/no/such/file.yaml", "no such file"),
+        ("[1, 2]", "no such file"),
+    ],
+)
+def test_bad_config_is_a_clear_error(raw: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        parse_config(raw)
+
+
+def test_bad_env_config_fails_at_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COMPOSER_VERL_CONFIG", '{"alpha_sdpo": "high"}')
+    with pytest.raises(ValueError, match="alpha_sdpo='high'"):
+        current_config()

@@ -1,0 +1,353 @@
+"""The `composer` policy loss against verl's own `vanilla` loss and closed-form channel values."""
+
+from __future__ import annotations
+
+import math
+
+import composer_verl.plugin  # noqa: F401
+import pytest
+import torch
+from composer_core.distill import sampled_token_distill
+from composer_core.preference import dpo_loss, simpo_loss
+from composer_verl.batch import ComposerExtras, using_extras
+from composer_verl.config import configure
+from verl.trainer.ppo.core_algos import get_policy_loss_fn
+from verl.workers.config import ActorConfig
+
+MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+BATCH_INFOS = [{}, {"dp_size": 2, "batch_num_tokens": 37, "global_batch_size": 9, "loss_scale_factor": 7}]
+LN2 = math.log(2.0)
+
+
+def _actor_config(**kw: object) -> ActorConfig:
+    base: dict[str, object] = {
+        "strategy": "fsdp",
+        "rollout_n": 1,
+        "ppo_micro_batch_size_per_gpu": 2,
+        "clip_ratio_low": 0.2,
+        "clip_ratio_high": 0.28,
+    }
+    base.update(kw)
+    return ActorConfig(**base)
+
+
+def _inputs(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    b, t = 5, 6
+    old = -torch.rand(b, t, generator=g, dtype=torch.float64) * 3 - 0.1
+    # log-ratios spread over both clip regions and past the dual-clip bound (ρ up to e^1.6 ≈ 5)
+    delta = (torch.rand(b, t, generator=g, dtype=torch.float64) - 0.5) * 3.2
+    logp = (old + delta).requires_grad_(True)
+    adv = torch.randn(b, generator=g, dtype=torch.float64)[:, None].expand(b, t).clone()
+    mask = torch.ones(b, t, dtype=torch.bool)
+    mask[1, 4:] = False
+    mask[3, 1:] = False
+    mask[4, :] = False  # a fully masked row (excluded by verl's seq-mean modes)
+    return {"old_log_prob": old, "log_prob": logp, "advantages": adv, "response_mask": mask}
+
+
+def _run(name: str, inputs: dict[str, torch.Tensor], mode: str, config: ActorConfig, **kw: object):
+    fn = get_policy_loss_fn(name)
+    loss, metrics = fn(loss_agg_mode=mode, config=config, **inputs, **kw)
+    (grad,) = torch.autograd.grad(loss, inputs["log_prob"])
+    return loss.detach(), grad, metrics
+
+
+@pytest.mark.parametrize("info", BATCH_INFOS, ids=["local", "global"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("with_is_weights", [False, True])
+def test_alpha_beta_zero_equals_verl_vanilla(mode: str, info: dict[str, int], with_is_weights: bool) -> None:
+    config = _actor_config()
+    config.global_batch_info.update(info)
+    inputs = _inputs()
+    kw = {}
+    if with_is_weights:
+        kw["rollout_is_weights"] = torch.rand(inputs["log_prob"].shape, dtype=torch.float64) + 0.5
+    ours, g_ours, m_ours = _run("composer", inputs, mode, config, **kw)
+    ref, g_ref, m_ref = _run("vanilla", inputs, mode, config, **kw)
+    torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(g_ours, g_ref, rtol=1e-12, atol=1e-12)
+    assert g_ref.abs().sum() > 0
+    for key in ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"):
+        assert m_ours[key] == pytest.approx(m_ref[key], abs=1e-7), key  # verl counts in float32
+    assert 0 < m_ref["actor/pg_clipfrac"] < 1 and m_ref["actor/pg_clipfrac_lower"] > 0  # both clips exercised
+
+
+def test_global_batch_info_is_honoured() -> None:
+    """The same micro-batch gives a different value when verl says the global batch is larger."""
+    inputs = _inputs()
+    local = _run("composer", inputs, "token-mean", _actor_config())[0]
+    config = _actor_config()
+    config.global_batch_info.update(
+        {"dp_size": 1, "batch_num_tokens": 2 * int(inputs["response_mask"].sum())}
+    )
+    torch.testing.assert_close(_run("composer", inputs, "token-mean", config)[0], local / 2)
+
+
+def test_clip_ratio_c_dual_clip_closed_form() -> None:
+    # one token, ρ = 5, A = -1: PPO gives max(5, 0.8)=5, dual clip caps it at c = 3 (verl's clip_ratio_c)
+    one = {
+        "old_log_prob": torch.zeros(1, 1, dtype=torch.float64),
+        "log_prob": torch.full((1, 1), math.log(5.0), dtype=torch.float64, requires_grad=True),
+        "advantages": -torch.ones(1, 1, dtype=torch.float64),
+        "response_mask": torch.ones(1, 1, dtype=torch.bool),
+    }
+    assert _run("composer", one, "token-mean", _actor_config())[0].item() == pytest.approx(3.0)
+    assert _run("composer", one, "token-mean", _actor_config(clip_ratio_c=4.0))[0].item() == pytest.approx(
+        4.0
+    )
+    configure({"policy_delta": 2.0})  # TRL two-sided clip caps ρ at δ before the dual clip
+    assert _run("composer", one, "token-mean", _actor_config())[0].item() == pytest.approx(2.0)
+
+
+def test_gradcheck_policy_and_replay_channels() -> None:
+    configure({"beta_replay": 0.7})
+    inputs = _inputs()
+    mask = inputs["response_mask"].clone()
+    mask[4, :2] = True  # rows 0/1 and 2/4 form pairs below; every row needs response tokens
+    extras = ComposerExtras(
+        pref_pair_id=torch.tensor([0, 0, 1, -1, 1]),
+        pref_chosen=torch.tensor([1, 0, 0, 0, 1]),
+        pref_ref_log_prob=torch.tensor([-3.0, -2.5, -1.0, 0.0, -4.0], dtype=torch.float64),
+    )
+    config = _actor_config()
+    fn = get_policy_loss_fn("composer")
+
+    def f(logp: torch.Tensor) -> torch.Tensor:
+        with using_extras(extras):
+            return fn(
+                old_log_prob=inputs["old_log_prob"],
+                log_prob=logp,
+                advantages=inputs["advantages"],
+                response_mask=mask,
+                loss_agg_mode="seq-mean-token-mean",
+                config=config,
+            )[0]
+
+    assert torch.autograd.gradcheck(f, (inputs["log_prob"].detach().clone().requires_grad_(True),))
+
+
+# --- channel 2: SDPO on sampled tokens --------------------------------------------------------------------
+
+
+def _on_policy(b: int = 2, t: int = 3) -> dict[str, torch.Tensor]:
+    logp = torch.full((b, t), math.log(0.5), dtype=torch.float64, requires_grad=True)
+    return {
+        "old_log_prob": logp.detach().clone(),
+        "log_prob": logp,
+        "advantages": torch.zeros(b, t, dtype=torch.float64),  # policy term 0: isolate the channel
+        "response_mask": torch.ones(b, t, dtype=torch.bool),
+    }
+
+
+def test_sdpo_closed_form_value_and_gradient() -> None:
+    """p_S = 0.5, p_T = 0.25 on every sampled token: value ln 2, gradient coefficient +ln 2 / N."""
+    configure({"alpha_sdpo": 0.5})
+    inputs = _on_policy()
+    sdpo_mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    extras = ComposerExtras(
+        teacher_log_probs=torch.full((2, 3), math.log(0.25), dtype=torch.float64), sdpo_mask=sdpo_mask
+    )
+    with using_extras(extras):
+        loss, grad, metrics = _run("composer", inputs, "token-mean", _actor_config())
+    assert loss.item() == pytest.approx(0.5 * LN2)
+    assert metrics["composer/loss_sdpo"] == pytest.approx(LN2) and metrics["composer/sdpo_tokens"] == 3.0
+    torch.testing.assert_close(grad, 0.5 * LN2 / 3 * sdpo_mask.double())
+
+
+def test_sdpo_uses_the_global_token_count() -> None:
+    configure({"alpha_sdpo": 1.0})
+    inputs = _on_policy()
+    teacher = torch.full((2, 3), math.log(0.25), dtype=torch.float64)
+    extras = ComposerExtras(
+        teacher_log_probs=teacher, sdpo_mask=torch.ones(2, 3), global_sdpo_tokens=24.0, dp_size=2
+    )
+    with using_extras(extras):
+        loss = _run("composer", inputs, "token-mean", _actor_config())[0]
+    assert loss.item() == pytest.approx(6 * LN2 / (24 / 2))
+
+
+def test_sdpo_token_clip_reaches_core() -> None:
+    configure({"alpha_sdpo": 1.0, "sdpo_token_clip": 1.5})
+    inputs = _on_policy()
+    inputs["old_log_prob"] = inputs["old_log_prob"] - 1.0  # ρ = e ≈ 2.72 > 2 (default clip) > 1.5
+    teacher = torch.full((2, 3), math.log(0.25), dtype=torch.float64)
+    extras = ComposerExtras(teacher_log_probs=teacher, sdpo_mask=torch.ones(2, 3))
+    with using_extras(extras):
+        metrics = _run("composer", inputs, "token-mean", _actor_config())[2]
+    assert metrics["composer/loss_sdpo"] == pytest.approx(1.5 * LN2)
+    expected = sampled_token_distill(
+        inputs["log_prob"], teacher, torch.ones(2, 3), old_logprobs=inputs["old_log_prob"], is_clip=1.5
+    )
+    assert metrics["composer/loss_sdpo"] == pytest.approx(expected.item())
+
+
+def test_sdpo_enabled_without_extension_raises() -> None:
+    configure({"alpha_sdpo": 0.5})
+    with pytest.raises(ValueError, match="actor extension"):
+        _run("composer", _on_policy(), "token-mean", _actor_config())
+
+
+def test_sdpo_enabled_with_missing_keys_raises() -> None:
+    configure({"alpha_sdpo": 0.5})
+    with (
+        using_extras(ComposerExtras(sdpo_mask=torch.ones(2, 3))),
+        pytest.raises(ValueError, match="composer_teacher_log_probs"),
+    ):
+        _run("composer", _on_policy(), "token-mean", _actor_config())
+
+
+def test_sdpo_shape_mismatch_raises() -> None:
+    configure({"alpha_sdpo": 0.5})
+    extras = ComposerExtras(
+        teacher_log_probs=torch.zeros(2, 4, dtype=torch.float64), sdpo_mask=torch.ones(2, 3)
+    )
+    with using_extras(extras), pytest.raises(ValueError, match=r"shape \(2, 4\)"):
+        _run("composer", _on_policy(), "token-mean", _actor_config())
+
+
+def test_sdpo_keys_ignored_when_alpha_zero() -> None:
+    inputs = _on_policy()
+    extras = ComposerExtras(
+        teacher_log_probs=torch.zeros(2, 3, dtype=torch.float64), sdpo_mask=torch.ones(2, 3)
+    )
+    with using_extras(extras):
+        loss, _, metrics = _run("composer", inputs, "token-mean", _actor_config())
+    assert loss.item() == 0.0 and "composer/loss_sdpo" not in metrics
+
+
+# --- channel 3: trace-replay preference -------------------------------------------------------------------
+
+PAIRS = {"pref_pair_id": torch.tensor([0, 0, -1, 1, 1]), "pref_chosen": torch.tensor([1, 0, 0, 0, 1])}
+
+
+def _pref_inputs() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    logp = (-torch.rand(5, 4, generator=g, dtype=torch.float64) * 2).requires_grad_(True)
+    mask = torch.ones(5, 4, dtype=torch.bool)
+    mask[1, 3:] = False
+    mask[3, 2:] = False
+    return {
+        "old_log_prob": logp.detach().clone(),
+        "log_prob": logp,
+        "advantages": torch.zeros(5, 4, dtype=torch.float64),
+        "response_mask": mask,
+    }
+
+
+def test_dpo_at_init_is_ln2_per_pair() -> None:
+    configure({"beta_replay": 0.3})
+    inputs = _pref_inputs()
+    ref_seq = (inputs["log_prob"].detach() * inputs["response_mask"]).sum(-1)  # policy == reference
+    with using_extras(ComposerExtras(**PAIRS, pref_ref_log_prob=ref_seq)):
+        loss, _, metrics = _run("composer", inputs, "token-mean", _actor_config())
+    assert loss.item() == pytest.approx(0.3 * LN2)
+    assert metrics["composer/replay_pairs"] == 2.0
+
+
+def test_dpo_reference_from_verl_ref_log_prob() -> None:
+    configure({"beta_replay": 1.0})
+    inputs = _pref_inputs()
+    with using_extras(ComposerExtras(**PAIRS, ref_log_prob=inputs["log_prob"].detach() - 0.1)):
+        loss = _run("composer", inputs, "token-mean", _actor_config())[0]
+    mask = inputs["response_mask"].double()
+    seq = (inputs["log_prob"].detach() * mask).sum(-1)
+    ref = ((inputs["log_prob"].detach() - 0.1) * mask).sum(-1)
+    expected = dpo_loss(seq[[0, 4]], seq[[1, 3]], ref[[0, 4]], ref[[1, 3]])
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-12)
+    assert expected.item() != pytest.approx(LN2)  # lengths differ, so the reference matters
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"dpo_beta": 0.5},
+        {"dpo_loss_type": "robust", "dpo_label_smoothing": 0.2},
+        {"dpo_loss_type": "ipo"},
+        {"dpo_label_smoothing": 0.1},
+    ],
+)
+def test_dpo_options_reach_core(options: dict[str, object]) -> None:
+    inputs = _pref_inputs()
+    mask = inputs["response_mask"].double()
+    seq = (inputs["log_prob"].detach() * mask).sum(-1)
+    ref = seq.flip(0) * 0.5
+    lengths = mask.sum(-1)
+
+    def ours(opts: dict[str, object]) -> float:
+        configure({"beta_replay": 1.0, **opts})
+        with using_extras(ComposerExtras(**PAIRS, pref_ref_log_prob=ref)):
+            return _run("composer", inputs, "token-mean", _actor_config())[0].item()
+
+    core_kw = {
+        "beta": options.get("dpo_beta", 0.1),
+        "loss_type": options.get("dpo_loss_type", "sigmoid"),
+        "label_smoothing": options.get("dpo_label_smoothing", 0.0),
+    }
+    if core_kw["loss_type"] == "ipo":
+        core_kw.update(chosen_lengths=lengths[[0, 4]], rejected_lengths=lengths[[1, 3]])
+    expected = dpo_loss(seq[[0, 4]], seq[[1, 3]], ref[[0, 4]], ref[[1, 3]], **core_kw)
+    assert ours(options) == pytest.approx(expected.item(), rel=1e-12)
+    assert ours(options) != pytest.approx(ours({}), rel=1e-6)
+
+
+@pytest.mark.parametrize("options", [{}, {"simpo_beta": 1.0}, {"simpo_gamma": 0.0}])
+def test_simpo(options: dict[str, object]) -> None:
+    configure({"beta_replay": 1.0, "dpo_variant": "simpo", **options})
+    inputs = _pref_inputs()
+    with using_extras(ComposerExtras(**PAIRS)):  # SimPO needs no reference
+        loss = _run("composer", inputs, "token-mean", _actor_config())[0]
+    mask = inputs["response_mask"].double()
+    seq, lengths = (inputs["log_prob"].detach() * mask).sum(-1), mask.sum(-1)
+    beta, gamma = options.get("simpo_beta", 2.0), options.get("simpo_gamma", 0.5)
+    margin = beta * (seq[[0, 4]] / lengths[[0, 4]] - seq[[1, 3]] / lengths[[1, 3]]) - gamma
+    closed_form = -torch.nn.functional.logsigmoid(margin).mean()
+    assert loss.item() == pytest.approx(closed_form.item(), rel=1e-12)
+    core = simpo_loss(seq[[0, 4]], seq[[1, 3]], lengths[[0, 4]], lengths[[1, 3]], beta=beta, gamma=gamma)
+    assert loss.item() == pytest.approx(core.item(), rel=1e-12)
+
+
+def test_replay_uses_global_pair_count() -> None:
+    configure({"beta_replay": 1.0})
+    inputs = _pref_inputs()
+    ref_seq = (inputs["log_prob"].detach() * inputs["response_mask"]).sum(-1)
+    with using_extras(ComposerExtras(**PAIRS, pref_ref_log_prob=ref_seq, global_pref_pairs=8.0, dp_size=2)):
+        loss = _run("composer", inputs, "token-mean", _actor_config())[0]
+    assert loss.item() == pytest.approx(2 * LN2 / 4)
+
+
+def test_incomplete_pair_raises() -> None:
+    configure({"beta_replay": 1.0, "dpo_variant": "simpo"})
+    extras = ComposerExtras(
+        pref_pair_id=torch.tensor([0, 0, -1, 1, -1]), pref_chosen=torch.tensor([1, 0, 0, 1, 0])
+    )
+    with using_extras(extras), pytest.raises(ValueError, match="composer_pref_pair_id=1"):
+        _run("composer", _pref_inputs(), "token-mean", _actor_config())
+
+
+def test_dpo_without_reference_raises() -> None:
+    configure({"beta_replay": 1.0})
+    with using_extras(ComposerExtras(**PAIRS)), pytest.raises(ValueError, match="reference log-probs"):
+        _run("composer", _pref_inputs(), "token-mean", _actor_config())
+
+
+def test_replay_enabled_with_missing_keys_raises() -> None:
+    configure({"beta_replay": 1.0})
+    with using_extras(ComposerExtras()), pytest.raises(ValueError, match="composer_pref_pair_id"):
+        _run("composer", _pref_inputs(), "token-mean", _actor_config())
+    with pytest.raises(ValueError, match="actor extension"):
+        _run("composer", _pref_inputs(), "token-mean", _actor_config())
+
+
+def test_channels_add_up() -> None:
+    configure({"alpha_sdpo": 0.5, "beta_replay": 0.25})
+    inputs = _pref_inputs()
+    teacher = inputs["log_prob"].detach() - LN2
+    ref_seq = (inputs["log_prob"].detach() * inputs["response_mask"]).sum(-1)
+    extras = ComposerExtras(
+        **PAIRS, pref_ref_log_prob=ref_seq, teacher_log_probs=teacher, sdpo_mask=torch.ones(5, 4)
+    )
+    with using_extras(extras):
+        loss, _, m = _run("composer", inputs, "token-mean", _actor_config())
+    assert m["composer/loss_sdpo"] == pytest.approx(LN2) and m["composer/loss_replay"] == pytest.approx(LN2)
+    assert loss.item() == pytest.approx(m["composer/loss_policy"] + 0.5 * LN2 + 0.25 * LN2)
