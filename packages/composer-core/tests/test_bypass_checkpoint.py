@@ -91,8 +91,13 @@ def test_unmarked_and_partial_checkpoints_are_set_aside(tmp_path: Path) -> None:
     newer = _save(tmp_path, ckpt.step_name(4), model, opts, 4)
     (newer / ckpt.MARKER).unlink()  # e.g. killed before the marker
     (tmp_path / "final.partial").mkdir()
-    with pytest.warns(UserWarning, match="missing its COMPLETE marker"):
+    with pytest.warns(UserWarning) as caught:
         found = ckpt.find_resume_checkpoint(tmp_path)
+    messages = " | ".join(str(w.message) for w in caught)
+    assert (
+        "step-00000004: missing its COMPLETE marker" in messages
+        and "final.partial: an interrupted save" in messages
+    )
     assert found == good
     assert (tmp_path / "aside" / "step-00000004-0").is_dir() and (
         tmp_path / "aside" / "final.partial-0"
