@@ -1,0 +1,59 @@
+"""Bypass distillation: train a cheaper student block by block from a teacher.
+
+Puzzle (arXiv 2411.19146) / NVIDIA Model-Optimizer Puzzletron "bypass distillation": each
+student block sees the teacher's input to that block and learns to reproduce the teacher
+block's output. Torch-only; Hugging Face models go through :mod:`composer_core.bypass.hf`
+(extra ``hf``). Entry points: :func:`run_bypass`, :func:`run_sweep`, the ``composer-bypass``
+console script.
+"""
+
+from composer_core.bypass.config import (
+    BypassConfig,
+    RunConfig,
+    StudentConfig,
+    TrainingConfig,
+    config_from_dict,
+)
+from composer_core.bypass.distributed import DistContext, partition_blocks
+from composer_core.bypass.keys import canonical_keys
+from composer_core.bypass.losses import normalized_mse, per_sample_normalized_mse, vectorwise_normalized_mse
+from composer_core.bypass.optim import cosine_lr
+from composer_core.bypass.protocol import (
+    AttentionConfig,
+    BlockConfig,
+    BlockOverride,
+    BlockwiseModel,
+    FFNConfig,
+    resolve_block_configs,
+)
+from composer_core.bypass.reference import ReferenceConfig, ReferenceDecoder
+from composer_core.bypass.student import build_student, init_from_teacher
+from composer_core.bypass.train import BypassResult, run_bypass, run_sweep
+
+__all__ = [
+    "AttentionConfig",
+    "BlockConfig",
+    "BlockOverride",
+    "BlockwiseModel",
+    "BypassConfig",
+    "BypassResult",
+    "DistContext",
+    "FFNConfig",
+    "ReferenceConfig",
+    "ReferenceDecoder",
+    "RunConfig",
+    "StudentConfig",
+    "TrainingConfig",
+    "build_student",
+    "canonical_keys",
+    "config_from_dict",
+    "cosine_lr",
+    "init_from_teacher",
+    "normalized_mse",
+    "partition_blocks",
+    "per_sample_normalized_mse",
+    "resolve_block_configs",
+    "run_bypass",
+    "run_sweep",
+    "vectorwise_normalized_mse",
+]

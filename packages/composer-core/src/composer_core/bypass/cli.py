@@ -1,0 +1,173 @@
+"""``composer-bypass --config run.toml``: bypass distillation from a config file.
+
+The file (TOML, or YAML with the ``yaml`` extra) has tables ``teacher`` (``kind`` =
+``"reference"`` | ``"hf"``, ``path``), ``data`` (``path`` to a safetensors file with
+``input_ids [N, T]``, or ``synthetic = {vocab_size, num_sequences, seq_len, seed}``),
+``student``, ``training``, ``run`` (see :mod:`composer_core.bypass.config`), optional
+``output`` (``plot``: true/false, default = when matplotlib is installed) and an optional
+list ``sweep`` of student tables (one run each).
+
+Resumes by default (``--no-resume`` starts over). Several processes: launch with
+``torchrun --nproc-per-node N -m composer_core.bypass.cli --config run.toml`` (or the
+console script under torchrun); gloo on CPU, NCCL when CUDA is available.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import tomllib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from composer_core.bypass.config import BypassConfig, config_from_dict, student_from_dict
+from composer_core.bypass.data import TokenBatches, load_tokens, synthetic_tokens
+from composer_core.bypass.distributed import DistContext
+from composer_core.bypass.export import export_student
+from composer_core.bypass.protocol import BlockwiseModel
+from composer_core.bypass.reference import ReferenceDecoder
+from composer_core.bypass.report import loss_table, plot_block_losses
+from composer_core.bypass.train import BypassResult, make_student, run_bypass
+
+TABLES = {"teacher", "data", "student", "training", "run", "output", "sweep"}
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Parse a TOML (``.toml``) or YAML (``.yaml``/``.yml``, extra ``yaml``) run file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--config {str(p)!r} does not exist")
+    if p.suffix == ".toml":
+        with open(p, "rb") as f:
+            data = tomllib.load(f)
+    elif p.suffix in (".yaml", ".yml"):
+        try:
+            yaml = importlib.import_module("yaml")
+        except ImportError as exc:
+            raise ImportError("YAML run files need PyYAML: pip install 'composer-core[yaml]'") from exc
+        data = yaml.safe_load(p.read_text())
+    else:
+        raise ValueError(f"--config {str(p)!r}: use a .toml, .yaml or .yml file")
+    if not isinstance(data, dict):
+        raise ValueError(f"{p}: the top level must be a table/mapping")
+    unknown = set(data) - TABLES
+    if unknown:
+        raise ValueError(f"{p}: unknown tables {sorted(unknown)}; allowed: {sorted(TABLES)}")
+    return data
+
+
+def load_teacher(spec: dict[str, Any]) -> BlockwiseModel:
+    kind, path = spec.get("kind"), spec.get("path")
+    unknown = set(spec) - {"kind", "path", "trust_remote_code"}
+    if unknown:
+        raise ValueError(f"[teacher] unknown keys {sorted(unknown)}")
+    if not path:
+        raise ValueError("[teacher] needs path = <model directory>")
+    if kind == "reference":
+        return ReferenceDecoder.load(path)
+    if kind == "hf":
+        from composer_core.bypass.hf import load_hf_model
+
+        return load_hf_model(path, trust_remote_code=bool(spec.get("trust_remote_code", False)))
+    raise ValueError(f"[teacher] kind={kind!r}: choose 'reference' or 'hf'")
+
+
+def load_data(spec: dict[str, Any]) -> Tensor:
+    if "path" in spec and "synthetic" in spec:
+        raise ValueError("[data] give either path or synthetic, not both")
+    if "path" in spec:
+        return load_tokens(spec["path"], spec.get("key", "input_ids"))
+    if "synthetic" in spec:
+        s = dict(spec["synthetic"])
+        return synthetic_tokens(
+            int(s["vocab_size"]), int(s["num_sequences"]), int(s["seq_len"]), int(s.get("seed", 0))
+        )
+    raise ValueError(
+        "[data] needs path = <tokens.safetensors> or synthetic = {vocab_size, num_sequences, seq_len}"
+    )
+
+
+def _init_distributed() -> None:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def _finish(
+    result: BypassResult, teacher: BlockwiseModel, tokens: Tensor, config: BypassConfig, plot: bool | None
+) -> None:
+    exp = result.experiment_dir
+    (exp / "history.json").write_text(
+        json.dumps({"history": result.history, "validation": result.validation}, indent=1)
+    )
+    print(
+        f"\nrun {result.run_id[:16]} ({'skipped: already complete' if result.skipped else 'trained'}) -> {exp}"
+    )
+    print(loss_table(result.history, result.validation))
+    student = make_student(
+        teacher,
+        config.student,
+        TokenBatches(
+            tokens,
+            micro_batch_size=config.training.micro_batch_size,
+            seed=config.training.seed,
+            val_sequences=config.run.val_sequences,
+        ),
+    )
+    export_student(student, result.final_dir, exp / "student")
+    print(f"student saved to {exp / 'student'}")
+    want = plot
+    if want is None:
+        want = importlib.util.find_spec("matplotlib") is not None
+        if not want:
+            print("no plot: install matplotlib with pip install 'composer-core[plot]'")
+    if want:
+        print(f"plot: {plot_block_losses(result.history, exp / 'block_loss.png', title=exp.name)}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="composer-bypass", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="run file (.toml, or .yaml with composer-core[yaml])")
+    parser.add_argument("--no-resume", action="store_true", help="start over instead of resuming")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    try:
+        return _run(args)
+    except (ValueError, ImportError) as exc:
+        print(f"composer-bypass: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    raw = read_config_file(args.config)
+    plot = raw.get("output", {}).get("plot")
+    sweep = raw.get("sweep", [])
+    base = config_from_dict({k: raw[k] for k in ("student", "training", "run") if k in raw})
+    configs = [base.with_student(student_from_dict(s)) for s in sweep] if sweep else [base]
+    _init_distributed()
+    ctx = DistContext.current()
+    teacher = load_teacher(dict(raw.get("teacher", {})))
+    tokens = load_data(dict(raw.get("data", {})))
+    try:
+        for config in configs:
+            result = run_bypass(
+                teacher, tokens, config, resume=not args.no_resume, progress=not args.no_progress
+            )
+            if ctx.is_main:
+                _finish(result, teacher, tokens, config, plot)
+            ctx.barrier()
+    finally:
+        if ctx.active:
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""Hugging Face Llama / Qwen2 / Mistral-style causal LMs as :class:`BlockwiseModel` (extra ``hf``).
+
+Supported: ``*ForCausalLM`` models whose base model has ``embed_tokens``, ``layers`` (each
+layer with ``self_attn``, ``mlp``, ``input_layernorm``, ``post_attention_layernorm``),
+``norm``, plus ``lm_head``: Llama, Qwen2, Mistral and their relatives.
+
+Block context: :meth:`HFDecoder.prepare` runs the base model's own ``forward`` with every
+decoder layer temporarily replaced by a recorder, so the per-layer keyword arguments
+(rotary ``position_embeddings``, causal / sliding-window masks) are exactly the ones the
+model itself would pass, whatever the transformers version builds internally.
+
+Per-block shapes: the student's layers are rebuilt with the model's own attention / MLP
+classes from a config copy carrying that block's ``num_key_value_heads`` /
+``intermediate_size``; no-op subblocks become parameter-free modules returning zeros (the
+residual passes unchanged) and their norm becomes ``Identity``. A transformers config can
+only describe uniform layers, so :meth:`HFDecoder.save` writes
+``config.composer_block_configs`` (one entry per layer) and, when every block has the same
+shapes and no no-op, also sets ``intermediate_size`` / ``num_key_value_heads`` so plain
+``AutoModelForCausalLM.from_pretrained`` loads the student. Heterogeneous students must be
+loaded with :func:`load_hf_model`; plain ``from_pretrained`` refuses their weights (shape
+mismatch) or, with ``ignore_mismatched_sizes=True``, would re-initialise them.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from safetensors.torch import load_file
+from torch import Tensor, nn
+
+from composer_core.bypass.protocol import AttentionConfig, BlockConfig, BlockwiseModel, FFNConfig
+
+BLOCK_CONFIGS_KEY = "composer_block_configs"
+
+
+def _transformers() -> Any:
+    try:
+        return importlib.import_module("transformers")
+    except ImportError as exc:
+        raise ImportError(
+            "Hugging Face models in the bypass engine need transformers: pip install 'composer-core[hf]'"
+        ) from exc
+
+
+class NoOpAttention(nn.Module):
+    """Replaces a removed attention subblock: contributes zero to the residual stream."""
+
+    def forward(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, None]:
+        return torch.zeros_like(hidden_states), None
+
+
+class NoOpMLP(nn.Module):
+    """Replaces a removed FFN subblock: contributes zero to the residual stream."""
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        return torch.zeros_like(hidden_states)
+
+
+class _Recorder(nn.Module):
+    def __init__(self, index: int, sink: dict[int, tuple[Tensor, dict[str, Any]]], like: nn.Module) -> None:
+        super().__init__()
+        self.index, self.sink = index, sink
+        if hasattr(like, "attention_type"):
+            self.attention_type = like.attention_type
+
+    def forward(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        if args:
+            raise TypeError("decoder layers called with positional context arguments are not supported")
+        self.sink[self.index] = (hidden_states, kwargs)
+        return hidden_states
+
+
+class HFDecoder:
+    """Wrap a transformers causal LM (Llama layout) as a :class:`BlockwiseModel`."""
+
+    def __init__(self, model: nn.Module) -> None:
+        base = getattr(model, "model", None)
+        needed = ("embed_tokens", "layers", "norm")
+        if base is None or not all(hasattr(base, n) for n in needed) or not hasattr(model, "lm_head"):
+            raise ValueError(
+                f"{type(model).__name__} is not a Llama-style causal LM (need .model.embed_tokens, .model.layers, "
+                ".model.norm and .lm_head); supported: Llama, Qwen2, Mistral and relatives"
+            )
+        for i, layer in enumerate(base.layers):
+            for attr in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"):
+                if not hasattr(layer, attr):
+                    raise ValueError(
+                        f"layer {i} of {type(model).__name__} has no {attr!r}: not a Llama-style block"
+                    )
+        self.model: Any = model
+        self.base: Any = base
+
+    # -- BlockwiseModel -------------------------------------------------------------
+    @property
+    def module(self) -> nn.Module:
+        return cast(nn.Module, self.model)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.base.layers)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.base.embed_tokens.num_embeddings)
+
+    def block(self, index: int) -> nn.Module:
+        return self.base.layers[index]  # type: ignore[no-any-return]
+
+    def block_prefix(self, index: int) -> str:
+        return f"model.layers.{index}."
+
+    def block_configs(self) -> list[BlockConfig]:
+        cfg = self.model.config
+        stored = getattr(cfg, BLOCK_CONFIGS_KEY, None)
+        if stored:
+            if len(stored) != self.num_blocks:
+                raise ValueError(
+                    f"config.{BLOCK_CONFIGS_KEY} has {len(stored)} entries for {self.num_blocks} layers"
+                )
+            return [BlockConfig.from_dict(b) for b in stored]
+        kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        return [
+            BlockConfig(
+                AttentionConfig(num_key_value_heads=kv), FFNConfig(intermediate_size=cfg.intermediate_size)
+            )
+            for _ in range(self.num_blocks)
+        ]
+
+    def subblocks(self, index: int) -> dict[str, list[nn.Module]]:
+        layer = self.base.layers[index]
+        out: dict[str, list[nn.Module]] = {}
+        if not isinstance(layer.self_attn, NoOpAttention):
+            out["attention"] = [layer.input_layernorm, layer.self_attn]
+        if not isinstance(layer.mlp, NoOpMLP):
+            out["ffn"] = [layer.post_attention_layernorm, layer.mlp]
+        return out
+
+    def prepare(self, input_ids: Tensor) -> tuple[Tensor, Mapping[str, Any]]:
+        sink: dict[int, tuple[Tensor, dict[str, Any]]] = {}
+        layers = self.base.layers
+        self.base.layers = nn.ModuleList(_Recorder(i, sink, layer) for i, layer in enumerate(layers))
+        try:
+            self.base(input_ids=input_ids, use_cache=False)
+        finally:
+            self.base.layers = layers
+        if len(sink) != len(layers):
+            raise RuntimeError(
+                f"{type(self.model).__name__}.forward called {len(sink)} of {len(layers)} layers"
+            )
+        return sink[0][0], {"per_layer": [sink[i][1] for i in range(len(layers))]}
+
+    def run_block(self, index: int, hidden: Tensor, context: Mapping[str, Any]) -> Tensor:
+        out = self.base.layers[index](hidden, **context["per_layer"][index])
+        return out[0] if isinstance(out, tuple) else out  # type: ignore[no-any-return]
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        return self.model.lm_head(self.base.norm(hidden))  # type: ignore[no-any-return]
+
+    def with_block_configs(self, configs: Sequence[BlockConfig]) -> BlockwiseModel:
+        if len(configs) != self.num_blocks:
+            raise ValueError(f"got {len(configs)} block configs for a model with {self.num_blocks} layers")
+        cfg = copy.deepcopy(self.model.config)
+        if hasattr(cfg, BLOCK_CONFIGS_KEY):
+            delattr(cfg, BLOCK_CONFIGS_KEY)
+        dtype = next(self.model.parameters()).dtype
+        new = type(self.model)(cfg).to(dtype)
+        apply_block_configs(new, configs)
+        return HFDecoder(new)
+
+    def save(self, directory: str | Path) -> None:
+        """``save_pretrained`` with the per-block shapes recorded in the config (see module doc)."""
+        configs = self.block_configs()
+        cfg = self.model.config
+        setattr(cfg, BLOCK_CONFIGS_KEY, [c.to_dict() for c in configs])
+        uniform = all(c == configs[0] for c in configs) and not (
+            configs[0].attention.no_op or configs[0].ffn.no_op
+        )
+        if uniform:
+            cfg.intermediate_size = configs[0].ffn.intermediate_size
+            cfg.num_key_value_heads = configs[0].attention.num_key_value_heads
+        self.model.save_pretrained(str(directory))
+
+
+def apply_block_configs(model: nn.Module, configs: Sequence[BlockConfig]) -> None:
+    """Rebuild the layers of a freshly created HF model to the given per-block shapes."""
+    cfg: Any = model.config
+    base: Any = model.model
+    for i, (layer, bc) in enumerate(zip(base.layers, configs, strict=True)):
+        if bc.attention.mixer != "attention":
+            raise ValueError(
+                f"block {i}: mixer={bc.attention.mixer!r} is not supported for HF models (attention only)"
+            )
+        dtype = layer.input_layernorm.weight.dtype
+        if bc.attention.no_op:
+            layer.self_attn = NoOpAttention()
+            layer.input_layernorm = nn.Identity()
+        elif bc.attention.num_key_value_heads not in (None, cfg.num_key_value_heads):
+            local = copy.deepcopy(cfg)
+            local.num_key_value_heads = bc.attention.num_key_value_heads
+            if cfg.num_attention_heads % local.num_key_value_heads:
+                raise ValueError(
+                    f"block {i}: num_key_value_heads={local.num_key_value_heads} must divide "
+                    f"num_attention_heads={cfg.num_attention_heads}"
+                )
+            layer.self_attn = type(layer.self_attn)(local, layer_idx=i).to(dtype)
+        if bc.ffn.no_op:
+            layer.mlp = NoOpMLP()
+            layer.post_attention_layernorm = nn.Identity()
+        elif bc.ffn.intermediate_size not in (None, cfg.intermediate_size):
+            local = copy.deepcopy(cfg)
+            local.intermediate_size = bc.ffn.intermediate_size
+            layer.mlp = type(layer.mlp)(local).to(dtype)
+    setattr(cfg, BLOCK_CONFIGS_KEY, [c.to_dict() for c in configs])
+
+
+def load_hf_model(
+    path: str | Path, *, trust_remote_code: bool = False, dtype: torch.dtype = torch.float32
+) -> HFDecoder:
+    """Load a teacher or a saved student (honouring ``composer_block_configs``) as an :class:`HFDecoder`."""
+    tf = _transformers()
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise ValueError(f"{p} is not a Hugging Face model directory (no config.json); local paths only here")
+    config = tf.AutoConfig.from_pretrained(str(p), trust_remote_code=trust_remote_code)
+    stored = getattr(config, BLOCK_CONFIGS_KEY, None)
+    if not stored:
+        model = tf.AutoModelForCausalLM.from_pretrained(
+            str(p), dtype=dtype, trust_remote_code=trust_remote_code
+        )
+        return HFDecoder(model)
+    model = tf.AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code).to(dtype)
+    apply_block_configs(model, [BlockConfig.from_dict(b) for b in stored])
+    files = sorted(p.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{p} has no *.safetensors weights")
+    state: dict[str, Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    if set(missing) - tied or unexpected:
+        raise ValueError(
+            f"{p}: weights do not match the recorded block configs (missing {missing}, unexpected {unexpected})"
+        )
+    if tied:
+        model.tie_weights()
+    return HFDecoder(model.eval())

@@ -1,0 +1,179 @@
+"""Build a student from a teacher and initialise it from the teacher's weights.
+
+Per-block overrides (smaller FFN, fewer KV heads, no-op subblocks) give the student's
+block configs; :func:`build_student` creates the student and copies / shrinks the teacher's
+weights (Puzzle, arXiv 2411.19146; Model-Optimizer ``mlp_init_mode`` / ``gqa_init_mode``):
+
+* FFN ``truncate``: keep the first ``k`` intermediate channels (rows of gate/up, columns
+  of down).
+* FFN ``importance``: keep the ``k`` channels with the largest activation importance
+  ``s_j = sqrt(mean_tokens a_j²)`` where ``a`` is the input of ``down_proj`` on calibration
+  batches run through the teacher (Minitron, arXiv 2407.14679), in their original order.
+* KV heads ``average``: student KV head ``h`` is the mean of teacher KV heads
+  ``h·g … h·g+g−1`` with ``g = n_teacher/n_student`` (GQA uptraining, Ainslie et al. 2023);
+  ``first`` keeps the first head of each group.
+
+Initialisation needs the Llama module layout (``self_attn.{q,k,v,o}_proj``,
+``mlp.{gate,up,down}_proj``), which the reference decoder and HF Llama/Qwen2/Mistral share.
+A subblock whose mixer kind changes (attention → mamba) keeps its fresh initialisation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from composer_core.bypass.protocol import BlockOverride, BlockwiseModel, resolve_block_configs
+
+MlpInit = Literal["truncate", "importance"]
+GqaInit = Literal["average", "first"]
+
+_FFN_ROWS = ("mlp.gate_proj.weight", "mlp.gate_proj.bias", "mlp.up_proj.weight", "mlp.up_proj.bias")
+_FFN_COLS = ("mlp.down_proj.weight",)
+_KV = ("self_attn.k_proj.weight", "self_attn.k_proj.bias", "self_attn.v_proj.weight", "self_attn.v_proj.bias")
+
+
+def build_student(
+    teacher: BlockwiseModel,
+    overrides: Sequence[BlockOverride],
+    *,
+    mlp_init_mode: MlpInit = "truncate",
+    gqa_init_mode: GqaInit = "average",
+    calibration: Iterable[Tensor] | None = None,
+) -> BlockwiseModel:
+    """Create the student (teacher + ``overrides``) and initialise it from the teacher."""
+    if mlp_init_mode not in ("truncate", "importance"):
+        raise ValueError(f"mlp_init_mode={mlp_init_mode!r} is unknown; choose 'truncate' or 'importance'")
+    if gqa_init_mode not in ("average", "first"):
+        raise ValueError(f"gqa_init_mode={gqa_init_mode!r} is unknown; choose 'average' or 'first'")
+    configs = resolve_block_configs(teacher.block_configs(), overrides)
+    student = teacher.with_block_configs(configs)
+    importance = None
+    if mlp_init_mode == "importance":
+        if calibration is None:
+            raise ValueError(
+                "mlp_init_mode='importance' needs calibration batches (token ids) to score FFN channels"
+            )
+        importance = ffn_channel_importance(teacher, calibration)
+    init_from_teacher(student, teacher, importance=importance, gqa_init_mode=gqa_init_mode)
+    return student
+
+
+@torch.no_grad()
+def ffn_channel_importance(teacher: BlockwiseModel, batches: Iterable[Tensor]) -> dict[int, Tensor]:
+    """Per-block ``sqrt(mean a_j²)`` of the FFN intermediate activations (input of ``down_proj``)."""
+    sums: dict[int, Tensor] = {}
+    counts: dict[int, int] = {}
+    handles = []
+    for i in range(teacher.num_blocks):
+        down = _find(teacher.block(i), "mlp.down_proj")
+        if down is None:
+            continue
+
+        def hook(_m: nn.Module, args: tuple[Tensor, ...], i: int = i) -> None:
+            a = args[0].detach().float().reshape(-1, args[0].shape[-1])
+            sums[i] = sums.get(i, torch.zeros(a.shape[-1], device=a.device)) + a.pow(2).sum(0)
+            counts[i] = counts.get(i, 0) + a.shape[0]
+
+        handles.append(down.register_forward_pre_hook(hook))
+    try:
+        n = 0
+        for ids in batches:
+            hidden, ctx = teacher.prepare(ids)
+            for i in range(teacher.num_blocks):
+                hidden = teacher.run_block(i, hidden, ctx)
+            n += 1
+        if n == 0:
+            raise ValueError("calibration yielded no batches; activation importance needs at least one")
+    finally:
+        for h in handles:
+            h.remove()
+    return {i: (sums[i] / counts[i]).sqrt() for i in sums}
+
+
+def _find(module: nn.Module, path: str) -> nn.Module | None:
+    for part in path.split("."):
+        child = getattr(module, part, None)
+        if not isinstance(child, nn.Module):
+            return None
+        module = child
+    return module
+
+
+def _average_kv(t: Tensor, n_teacher: int, n_student: int, mode: GqaInit) -> Tensor:
+    if n_teacher % n_student:
+        raise ValueError(
+            f"cannot initialise {n_student} KV heads from {n_teacher}: the student count must divide the teacher's"
+        )
+    g = n_teacher // n_student
+    grouped = t.reshape(n_student, g, t.shape[0] // n_teacher, *t.shape[1:])
+    return (grouped.mean(1) if mode == "average" else grouped[:, 0]).reshape(-1, *t.shape[1:])
+
+
+@torch.no_grad()
+def init_from_teacher(
+    student: BlockwiseModel,
+    teacher: BlockwiseModel,
+    *,
+    importance: dict[int, Tensor] | None = None,
+    gqa_init_mode: GqaInit = "average",
+) -> None:
+    """Copy the teacher's weights into ``student``, shrinking FFN channels and KV heads."""
+    if student.num_blocks != teacher.num_blocks:
+        raise ValueError(
+            f"student has {student.num_blocks} blocks but the teacher has {teacher.num_blocks}; they must match"
+        )
+    s_state = student.module.state_dict()
+    t_state = teacher.module.state_dict()
+    block_prefixes = [student.block_prefix(i) for i in range(student.num_blocks)]
+    for name, tensor in s_state.items():
+        if any(name.startswith(p) for p in block_prefixes):
+            continue
+        if name not in t_state or t_state[name].shape != tensor.shape:
+            raise ValueError(f"student parameter {name!r} has no teacher counterpart of the same shape")
+        tensor.copy_(t_state[name])
+    s_cfgs, t_cfgs = student.block_configs(), teacher.block_configs()
+    for i in range(student.num_blocks):
+        prefix, t_prefix = student.block_prefix(i), teacher.block_prefix(i)
+        same_mixer = s_cfgs[i].attention.mixer == t_cfgs[i].attention.mixer and not t_cfgs[i].attention.no_op
+        n_t = t_cfgs[i].attention.num_key_value_heads or 0
+        n_s = s_cfgs[i].attention.num_key_value_heads or 0
+        channels: Tensor | None = None
+        for name, tensor in s_state.items():
+            if not name.startswith(prefix):
+                continue
+            local = name[len(prefix) :]
+            source = t_state.get(t_prefix + local)
+            is_mixer = local.startswith(("self_attn.", "mamba.", "input_layernorm."))
+            if source is None or (is_mixer and not same_mixer):
+                continue  # new module (mixer kind changed): keep its fresh init
+            if source.shape == tensor.shape:
+                tensor.copy_(source)
+            elif local in _FFN_ROWS or local in _FFN_COLS:
+                if channels is None:
+                    k = s_cfgs[i].ffn.intermediate_size or 0
+                    channels = _select_channels(
+                        importance, i, source.shape[0 if local in _FFN_ROWS else 1], k
+                    )
+                tensor.copy_(source[channels] if local in _FFN_ROWS else source[:, channels])
+            elif local in _KV:
+                tensor.copy_(_average_kv(source, n_t, n_s, gqa_init_mode))
+            else:
+                raise ValueError(
+                    f"cannot initialise student {name!r} {tuple(tensor.shape)} from teacher {tuple(source.shape)}"
+                )
+
+
+def _select_channels(importance: dict[int, Tensor] | None, block: int, width: int, k: int) -> Tensor:
+    if k > width:
+        raise ValueError(f"block {block}: student intermediate_size={k} exceeds the teacher's {width}")
+    if importance is None:
+        return torch.arange(k)
+    if block not in importance:
+        raise ValueError(
+            f"block {block}: no activation importance was recorded (its teacher FFN is a no-op?)"
+        )
+    return torch.topk(importance[block], k).indices.sort().values.cpu()
