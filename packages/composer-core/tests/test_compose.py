@@ -303,6 +303,15 @@ def test_compose_bad_inputs() -> None:
         (lambda: compose_loss(b, sdpo_wrapper="entropy_opd", sdpo_form="sampled"), r"full-vocabulary"),
         (lambda: compose_loss(b, sdpo_wrapper="taid", sdpo_form="topk", taid_t=0.5), r"full-vocabulary"),
         (lambda: compose_loss(b, sdpo_form="topk"), r"sdpo_topk"),
+        # options of a wrapper / form that is not selected would be silently ignored
+        (lambda: compose_loss(b, taid_t=0.5), r"taid_t.*sdpo_wrapper='taid'"),
+        (
+            lambda: compose_loss(b, sdpo_wrapper="entropy_opd", taid_schedule_step=1, taid_total_steps=4),
+            r"taid_schedule_step.*taid_total_steps.*only apply",
+        ),
+        (lambda: compose_loss(b, sdpo_form="sampled", sdpo_topk=2), r"sdpo_topk.*'sampled'"),
+        (lambda: compose_loss(no_logits, sdpo_topk=2), r"sdpo_topk.*'full'"),
+        (lambda: compose_loss(b, sdpo_wrapper="taid", taid_t=0.5, sdpo_topk=2), r"sdpo_topk.*taid"),
         (lambda: compose_loss(b, sdpo_wrapper="cosine"), r"sdpo_wrapper"),  # type: ignore[arg-type]
         (lambda: compose_loss(b, sdpo_form="fused"), r"sdpo_form"),  # type: ignore[arg-type]
         (lambda: compose_loss(b, dpo_variant="kto"), r"dpo_variant"),  # type: ignore[arg-type]

@@ -8,11 +8,10 @@ from typing import Any
 
 import pytest
 import torch
+import transformers  # in the test extra: a missing install fails the session instead of skipping these tests
 from composer_diloco import DiLoCoConfig, ObjectStoreAllReduce, ObjectStoreManager
+from composer_diloco.trl_callback import DiLoCoCallback
 from torch import nn
-
-transformers = pytest.importorskip("transformers")
-from composer_diloco.trl_callback import DiLoCoCallback  # noqa: E402
 
 
 class TinyRegressor(nn.Module):

@@ -267,3 +267,32 @@ def test_trace_record_column_names_are_accepted(tmp_path, model_dir, tokenizer, 
     assert torch.equal(inputs["composer_ref_chosen_logps"][rows], torch.full((2,), -1.5))
     trainer.compute_loss(trainer.model, inputs)
     assert trainer._metrics["train"]["composer/sdpo"][-1] > 0
+
+
+def test_message_list_pairs_score_text_and_refuse_tool_calls(tmp_path, model_dir, tokenizer, rows, h):
+    """chosen/rejected as assistant-message lists (trace-record layout): text is scored like the plain
+    string; a tool-call action (content None, as composer-replay writes it) raises instead of being
+    scored on EOS alone."""
+    from datasets import Dataset
+
+    def as_messages(r, tool_call=False):
+        msg = {"role": "assistant", "content": r["chosen"], "tool_calls": None}
+        if tool_call:
+            call = {"id": "c1", "type": "function", "function": {"name": "bash", "arguments": "{}"}}
+            msg = {"role": "assistant", "content": None, "tool_calls": [call]}
+        return {**r, "chosen": [msg], "rejected": [{"role": "assistant", "content": r["rejected"]}]}
+
+    def pair_ids(ds):
+        trainer = h.make_trainer(
+            model_dir, tokenizer, ds, h.grpo_args(tmp_path, dpo_variant="simpo", alpha_sdpo=0.0)
+        )
+        trainer.model.train()
+        torch.manual_seed(0)
+        return trainer._generate_and_score_completions(h.generation_batch(ds, 2, 4))
+
+    plain = pair_ids(Dataset.from_list(rows[:8]))
+    messages = pair_ids(Dataset.from_list([as_messages(r) for r in rows[:8]]))
+    for key in ("composer_chosen_ids", "composer_chosen_mask", "composer_rejected_ids"):
+        assert torch.equal(plain[key], messages[key])
+    with pytest.raises(ValueError, match="`chosen` holds an assistant message with tool calls"):
+        pair_ids(Dataset.from_list([as_messages(r, tool_call=True) for r in rows[:8]]))

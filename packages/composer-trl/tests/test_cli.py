@@ -72,3 +72,52 @@ def test_console_script_is_installed():
     assert exe is not None
     res = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and "--compare" in res.stdout and "--model" in res.stdout
+
+
+def test_recipe_dataset_reward_and_hint_fn_are_used(tmp_path, model_dir, monkeypatch):
+    """The recipe's `dataset`, `reward` and `hint_fn` replace the embedded task's (README: real work)."""
+    from composer_trl.task import make_dataset_rows
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in make_dataset_rows(64, seed=3)))
+    (tmp_path / "recipe_fns_for_test.py").write_text(
+        "HINT_CALLS = []\n"
+        "def reward(prompts, completions, **kw):\n"
+        "    return [0.25] * len(completions)\n"
+        "def hint(prompts, completions, **kw):\n"
+        "    HINT_CALLS.append(len(prompts))\n"
+        "    return ['9' + c + '|' for c in completions]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "out"
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(
+        f'model = "{model_dir}"\ndataset = "{data}"\nreward = "recipe_fns_for_test:reward"\n'
+        f'hint_fn = "recipe_fns_for_test:hint"\nsteps = 2\noutput_dir = "{out}"\n'
+        "[trainer]\nmax_completion_length = 3\nper_device_train_batch_size = 8\nnum_generations = 4\n"
+    )
+    assert main(["--config", str(recipe), "--no-plot"]) == 0
+    import recipe_fns_for_test
+
+    rows = read_jsonl(out / "metrics-composer.jsonl")
+    assert len(rows) == 2
+    for r in rows:
+        assert r["reward"] == 0.25  # the recipe's reward, not the embedded verifier's partial credit
+        assert r["composer/sdpo_tokens"] > 0 and r["composer/sdpo"] > 0  # hints from the recipe's hint_fn
+        assert r["composer/replay_pairs"] > 0 and r["composer/replay"] > 0  # chosen/rejected of the dataset
+    assert recipe_fns_for_test.HINT_CALLS
+
+
+def test_recipe_dataset_errors_name_the_key(tmp_path, model_dir):
+    bad = tmp_path / "no_prompt.jsonl"
+    bad.write_text('{"text": "1>"}\n')
+    for dataset, match in (
+        (tmp_path / "missing.jsonl", "must be an existing"),
+        (bad, "needs a `prompt` column"),
+    ):
+        recipe = tmp_path / "r.toml"
+        recipe.write_text(
+            f'model = "{model_dir}"\ndataset = "{dataset}"\nsteps = 1\noutput_dir = "{tmp_path}"\n'
+        )
+        with pytest.raises(ValueError, match=match):
+            main(["--config", str(recipe), "--no-plot"])

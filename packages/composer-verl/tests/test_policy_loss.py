@@ -351,3 +351,20 @@ def test_channels_add_up() -> None:
         loss, _, m = _run("composer", inputs, "token-mean", _actor_config())
     assert m["composer/loss_sdpo"] == pytest.approx(LN2) and m["composer/loss_replay"] == pytest.approx(LN2)
     assert loss.item() == pytest.approx(m["composer/loss_policy"] + 0.5 * LN2 + 0.25 * LN2)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "key"),
+    [
+        ("pref_ref_log_prob", torch.zeros(5, 4, dtype=torch.float64), "composer_pref_ref_log_prob"),
+        ("pref_pair_id", torch.tensor([0, 0, -1, 1, 1, -1]), "composer_pref_pair_id"),
+        ("pref_chosen", torch.ones(5, 2), "composer_pref_chosen"),
+    ],
+)
+def test_preference_key_with_wrong_shape_raises(field: str, value: torch.Tensor, key: str) -> None:
+    configure({"beta_replay": 1.0})
+    inputs = _pref_inputs()
+    ref_seq = (inputs["log_prob"].detach() * inputs["response_mask"]).sum(-1)
+    extras = ComposerExtras(**{**PAIRS, "pref_ref_log_prob": ref_seq, field: value})
+    with using_extras(extras), pytest.raises(ValueError, match=rf"{key}'\] has shape .*expected \(5,\)"):
+        _run("composer", inputs, "token-mean", _actor_config())

@@ -281,6 +281,21 @@ def compose_loss(
     check_choice("sdpo_form", sdpo_form, ("auto", "full", "topk", "sampled"))
     check_choice("sdpo_wrapper", sdpo_wrapper, ("none", "taid", "entropy_opd"))
     check_choice("dpo_variant", dpo_variant, ("dpo", "simpo"))
+    if sdpo_wrapper != "taid":
+        taid_given = [
+            f"`{n}`"
+            for n, v in (
+                ("taid_t", taid_t),
+                ("taid_schedule_step", taid_schedule_step),
+                ("taid_total_steps", taid_total_steps),
+            )
+            if v is not None
+        ]
+        if taid_given:
+            raise ValueError(
+                f"{', '.join(taid_given)} only apply with sdpo_wrapper='taid', but sdpo_wrapper={sdpo_wrapper!r}: "
+                "set sdpo_wrapper='taid' or drop them."
+            )
     for name, w in (("alpha_sdpo", alpha_sdpo), ("beta_replay", beta_replay)):
         if not (float(w) >= 0.0) or float(w) == float("inf"):
             raise ValueError(f"`{name}`={w!r} must be a finite weight >= 0 (0 disables the channel).")
@@ -434,6 +449,12 @@ def _sdpo(
             form = "full"
         else:
             form = "sampled"
+    if topk is not None and form != "topk" and wrapper != "entropy_opd":
+        raise ValueError(
+            f"`sdpo_topk`={topk!r} only applies to the top-k form (student/teacher logits) or the entropy_opd "
+            f"wrapper, but the SDPO form is {form!r} with sdpo_wrapper={wrapper!r}: drop `sdpo_topk`, or pass "
+            "logits with sdpo_form='topk'."
+        )
     if wrapper != "none" and form not in ("full",):
         raise ValueError(
             f"sdpo_wrapper={wrapper!r} needs full-vocabulary inputs (student/teacher logits or hidden states "

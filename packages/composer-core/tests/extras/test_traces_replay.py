@@ -513,3 +513,41 @@ def test_unusable_answer_is_a_recorded_failure(tmp_path: Path) -> None:
         assert r.stats["a"].failures == 1 and r.stats["a"].answers == 1
         (again,) = Replayer([teacher(srv)], tmp_path).replay([ReplayJob("a", state())])
         assert again.cached and not again.ok and srv.total_requests == 1  # paid once, not re-asked
+
+
+def test_cli_length_and_dedupe_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--min-chars / --max-chars / --no-dedupe reach filter_pairs (counts in the summary JSON)."""
+    from composer_core import replay_cli
+
+    traces = tmp_path / "traces.jsonl"
+    write_openai_jsonl([pipeline_episode(0), pipeline_episode(1)], traces)  # identical states: duplicates
+    (tmp_path / "pick_b.py").write_text(
+        "def accept(episode, turn, message):\n    return message.text == 'answer from m-b'\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with ChatServer(answer_fn=hint_server_answer) as srv:
+        toml = tmp_path / "teachers.toml"
+        toml.write_text(
+            "[defaults]\nbackoff_base_s = 0.01\n"
+            + "".join(
+                f'[[teachers]]\nname = "{n}"\nbase_url = "{srv.base_url}"\nmodel = "m-{n}"\n' for n in "abc"
+            )
+        )
+
+        def run(*flags: str) -> dict:
+            out = tmp_path / "o.jsonl"
+            argv = ["--traces", str(traces), "--teachers", str(toml), "--out", str(out)]
+            assert replay_cli.main([*argv, "--verifier", "pick_b:accept", "--no-progress", *flags]) == 0
+            return json.loads((tmp_path / "o.jsonl.summary.json").read_text())
+
+        default = run()
+        assert default["pairs"] == 2 and default["dropped"]["duplicate"] == 2
+        no_dedupe = run("--no-dedupe")
+        assert no_dedupe["pairs"] == 4 and no_dedupe["dropped"]["duplicate"] == 0
+        too_long = run("--max-chars", "5")
+        assert too_long["pairs"] == 0 and too_long["dropped"]["too_long"] == 4
+        too_short = run("--min-chars", "1000")
+        assert too_short["pairs"] == 0 and too_short["dropped"]["too_short"] == 4
+        assert srv.total_requests == 3 * 2  # every rerun answered from the cache
+        with pytest.raises(ValueError, match="min_chars"):
+            run("--min-chars", "10", "--max-chars", "5")

@@ -82,6 +82,35 @@ def _get(row: dict[str, Any], key: str) -> Any:
 _K = "composer_"  # prefix of the extra keys carried from generation to the loss
 
 
+def _assistant_text(messages: list[dict[str, Any]], name: str) -> str:
+    """The text a one-action message list is scored on; refuses what text scoring would drop.
+
+    An action made of tool calls (``content`` None or empty, as in composer_core trace records of
+    coding agents) would otherwise be scored on nothing but EOS, and a text + tool-call action on its
+    prose only, so both raise instead of silently comparing the wrong thing.
+    """
+    texts = []
+    for msg in messages:
+        if msg.get("role") != "assistant":
+            continue
+        if msg.get("tool_calls"):
+            raise ValueError(
+                f"`{name}` holds an assistant message with tool calls, which are not rendered as text here "
+                "(the pair would compare only the prose around them). Render the action with your chat "
+                f"template and pass `{name}` as text or token ids (with `{name}_mask`), or drop the pair."
+            )
+        content = msg.get("content")
+        if not isinstance(content, str):
+            raise ValueError(
+                f"`{name}` holds an assistant message whose content is {type(content).__name__}, not text; "
+                f"pass `{name}` as text or token ids."
+            )
+        texts.append(content)
+    if not texts:
+        raise ValueError(f"`{name}` is a message list without an assistant message; pass the action's text.")
+    return "".join(texts)
+
+
 class ComposerGRPOTrainer(GRPOTrainer):
     """``GRPOTrainer`` whose loss is composer's 3-channel objective (see the module docstring).
 
@@ -299,8 +328,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
                 ids = [*ids, self._tokenizer.eos_token_id]
             m = [1] * len(ids)
         elif isinstance(value, list) and value and isinstance(value[0], dict):
-            text = "".join(msg["content"] for msg in value if msg.get("role") == "assistant")
-            return self._pair_ids(text, mask, name)
+            return self._pair_ids(_assistant_text(value, name), mask, name)
         elif isinstance(value, list) and all(isinstance(t, int) for t in value):
             ids = list(value)
             m = [1] * len(ids) if mask is None else [int(bool(v)) for v in mask]

@@ -195,6 +195,20 @@ def replay_term(
             "or set beta_replay=0."
         )
     assert extras.pref_pair_id is not None and extras.pref_chosen is not None
+    rows = log_prob.shape[0]
+    for name, t in (
+        (PREF_PAIR_ID, extras.pref_pair_id),
+        (PREF_CHOSEN, extras.pref_chosen),
+        (PREF_REF_LOG_PROB, extras.pref_ref_log_prob),
+    ):
+        # one value per row: a (bs, L) tensor here (e.g. per-token reference log-probs) would otherwise be
+        # flattened and indexed by row, silently pairing the wrong numbers
+        if t is not None and tuple(t.shape) not in ((rows,), (rows, 1)):
+            raise ValueError(
+                f"data.batch['{name}'] has shape {tuple(t.shape)}, expected ({rows},): one value per row"
+                + (" (the row's summed reference log-prob)" if name == PREF_REF_LOG_PROB else "")
+                + "."
+            )
     ci, ri = _pair_rows(extras.pref_pair_id, extras.pref_chosen)
     if ci.numel() == 0:
         return (log_prob * 0.0).sum(), {"composer/replay_pairs": 0.0}
