@@ -394,3 +394,51 @@ def test_remaining_policy_options_pass_through() -> None:
         assert torch.equal(r.total, p.loss), kw
         plain = policy_loss(bb.logprobs, bb.advantages, bb.completion_mask, old_logprobs=bb.old_logprobs)
         assert r.total.item() != pytest.approx(plain.loss.item(), abs=1e-9), kw
+
+
+# ------------------------------------------------------------------ mode-specific options are never silently ignored
+@pytest.mark.parametrize(
+    ("option", "value", "selector"),
+    [
+        ("dpo_beta", 0.3, {"dpo_variant": "simpo"}),
+        ("dpo_loss_type", "ipo", {"dpo_variant": "simpo"}),
+        ("dpo_label_smoothing", 0.1, {"dpo_variant": "simpo"}),
+        ("simpo_beta", 3.0, {}),
+        ("simpo_gamma", 0.1, {}),
+        ("taid_t_start", 0.2, {}),
+        ("taid_t_end", 0.9, {}),
+        ("entropy_opd_threshold", 0.5, {"sdpo_wrapper": "taid", "taid_t": 0.5}),
+        ("entropy_opd_weight", 2.0, {}),
+        ("sdpo_token_clip", 5.0, {"sdpo_form": "full"}),
+        ("sdpo_temperature", 2.0, {"sdpo_form": "sampled"}),
+        ("sdpo_beta", 0.3, {"sdpo_form": "sampled"}),
+    ],
+)
+def test_option_of_an_unselected_mode_raises_naming_it(option: str, value: object, selector: dict) -> None:
+    from composer_core import check_mode_options
+
+    with pytest.raises(ValueError, match=f"`{option}`"):
+        check_mode_options(**selector, **{option: value})
+    with pytest.raises(ValueError, match=f"`{option}`"):
+        compose_loss(_mode_batch(), **selector, **{option: value})
+
+
+def test_mode_options_pass_when_their_mode_is_selected_or_left_at_default() -> None:
+    from composer_core import check_mode_options
+
+    check_mode_options(dpo_variant="simpo", simpo_beta=3.0, simpo_gamma=0.1)
+    check_mode_options(dpo_variant="dpo", dpo_beta=0.3, dpo_loss_type="ipo", simpo_beta=2.0)
+    check_mode_options(sdpo_wrapper="taid", taid_t_start=0.2, taid_t_end=0.9)
+    check_mode_options(sdpo_wrapper="entropy_opd", entropy_opd_threshold=0.5, entropy_opd_weight=2.0)
+    check_mode_options(sdpo_form="sampled", sdpo_token_clip=5.0, sdpo_beta=1.0)
+    check_mode_options(sdpo_form="auto", sdpo_token_clip=None)
+    compose_loss(_mode_batch(), dpo_variant="dpo", dpo_beta=0.3)
+
+
+def _mode_batch() -> ComposerBatch:
+    lp = -torch.rand(2, 3, dtype=torch.float64)
+    return ComposerBatch(
+        logprobs=lp.requires_grad_(True),
+        advantages=torch.tensor([1.0, -1.0], dtype=torch.float64),
+        completion_mask=torch.ones(2, 3, dtype=torch.bool),
+    )

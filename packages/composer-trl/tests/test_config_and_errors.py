@@ -24,6 +24,14 @@ import pytest
         ({"beta": 0.04}, "use_bias_correction_kl"),
         ({"use_vllm": True}, "use_vllm"),
         ({"max_replay_length": 0}, "max_replay_length"),
+        # options of a mode that is not selected would be silently ignored: refused at construction
+        ({"simpo_beta": 3.0}, "simpo_beta"),
+        ({"dpo_variant": "simpo", "dpo_beta": 0.3}, "dpo_beta"),
+        ({"entropy_opd_weight": 2.0}, "entropy_opd_weight"),
+        ({"taid_t_start": 0.2}, "taid_t_start"),
+        ({"taid_alpha": 1e-3}, "taid_alpha"),
+        ({"sdpo_token_clip": 5.0}, "sdpo_token_clip"),
+        ({"sdpo_form": "sampled", "sdpo_temperature": 2.0}, "sdpo_temperature"),
     ],
 )
 def test_config_rejects_bad_options(overrides, match, tmp_path, h):

@@ -7,7 +7,7 @@ See :func:`composer_core.compose.compose_loss`.
 from importlib.metadata import version as _version
 
 from composer_core.advantages import group_advantages, overlong_reward_shaping
-from composer_core.compose import ComposerBatch, ComposeResult, compose_loss
+from composer_core.compose import ComposerBatch, ComposeResult, check_mode_options, compose_loss
 from composer_core.distill import (
     fused_linear_generalized_jsd,
     generalized_jsd,
@@ -36,6 +36,7 @@ __all__ = [
     "TAIDScheduler",
     "__version__",
     "aggregate_loss",
+    "check_mode_options",
     "clipped_surrogate",
     "compose_loss",
     "dpo_loss",

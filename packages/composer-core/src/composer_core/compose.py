@@ -15,6 +15,7 @@ compute the channel at all, so the total is bit-identical to the policy-only los
 from __future__ import annotations
 
 import difflib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
@@ -34,7 +35,7 @@ from composer_core.policy import KLEstimator, LossType, RolloutCorrection, polic
 from composer_core.preference import DPOLossType, dpo_loss, preference_margin, simpo_loss
 from composer_core.wrappers import entropy_opd_kernel, entropy_opd_loss, taid_kernel, taid_loss
 
-__all__ = ["ComposeResult", "ComposerBatch", "compose_loss"]
+__all__ = ["ComposeResult", "ComposerBatch", "check_mode_options", "compose_loss"]
 
 SDPOForm = Literal["auto", "full", "topk", "sampled"]
 SDPOWrapper = Literal["none", "taid", "entropy_opd"]
@@ -145,6 +146,53 @@ _COMPOSE_OPTIONS = [
     "sdpo_normalizer",
     "replay_normalizer",
 ]
+
+
+#: Options that act in one mode only: name -> (default, does it act under these options?, what selects it).
+_MODE_OPTIONS: dict[str, tuple[object, Callable[[Mapping[str, object]], bool], str]] = {
+    "dpo_beta": (0.1, lambda o: o["dpo_variant"] == "dpo", "dpo_variant='dpo'"),
+    "dpo_loss_type": ("sigmoid", lambda o: o["dpo_variant"] == "dpo", "dpo_variant='dpo'"),
+    "dpo_label_smoothing": (0.0, lambda o: o["dpo_variant"] == "dpo", "dpo_variant='dpo'"),
+    "simpo_beta": (2.0, lambda o: o["dpo_variant"] == "simpo", "dpo_variant='simpo'"),
+    "simpo_gamma": (0.5, lambda o: o["dpo_variant"] == "simpo", "dpo_variant='simpo'"),
+    "taid_t_start": (0.4, lambda o: o["sdpo_wrapper"] == "taid", "sdpo_wrapper='taid'"),
+    "taid_t_end": (1.0, lambda o: o["sdpo_wrapper"] == "taid", "sdpo_wrapper='taid'"),
+    "entropy_opd_threshold": (
+        0.8,
+        lambda o: o["sdpo_wrapper"] == "entropy_opd",
+        "sdpo_wrapper='entropy_opd'",
+    ),
+    "entropy_opd_weight": (1.0, lambda o: o["sdpo_wrapper"] == "entropy_opd", "sdpo_wrapper='entropy_opd'"),
+    # the IS clip belongs to the sampled-token form ("auto" may resolve to it)
+    "sdpo_token_clip": (2.0, lambda o: o["sdpo_form"] in ("auto", "sampled"), "sdpo_form='sampled'"),
+    # the sampled-token form is always the reverse-KL estimator on given log-probs
+    "sdpo_temperature": (1.0, lambda o: o["sdpo_form"] != "sampled", "sdpo_form='full'/'topk'"),
+}
+_MODE_SELECTORS: dict[str, object] = {"dpo_variant": "dpo", "sdpo_wrapper": "none", "sdpo_form": "auto"}
+
+
+def check_mode_options(**options: object) -> None:
+    """Raise ``ValueError`` for an option set to a non-default value in a mode that does not use it.
+
+    ``compose_loss`` calls this; adapters call it when their config is built so a user learns at construction
+    that, e.g., ``simpo_beta`` does nothing under ``dpo_variant='dpo'`` (instead of training without it).
+    Options not given take ``compose_loss``'s defaults; names not listed here are not checked.
+    """
+    resolved: dict[str, object] = {**_MODE_SELECTORS, **options}
+    unused = []
+    for name, (default, acts, selector) in _MODE_OPTIONS.items():
+        if name in options and options[name] != default and not acts(resolved):
+            unused.append(f"`{name}`={options[name]!r} (acts only with {selector})")
+    sampled_beta = options.get("sdpo_beta", 0.5)
+    if resolved["sdpo_form"] == "sampled" and sampled_beta not in (0.5, 1.0):
+        unused.append(
+            f"`sdpo_beta`={sampled_beta!r} (sdpo_form='sampled' is always the reverse-KL estimator, beta 1)"
+        )
+    if unused:
+        raise ValueError(
+            f"option(s) set for a mode that is not selected, so they would be silently ignored: {'; '.join(unused)}. "
+            "Select that mode or drop the option(s)."
+        )
 
 
 def _reject_unknown(unknown: dict[str, object]) -> None:
@@ -281,6 +329,23 @@ def compose_loss(
     check_choice("sdpo_form", sdpo_form, ("auto", "full", "topk", "sampled"))
     check_choice("sdpo_wrapper", sdpo_wrapper, ("none", "taid", "entropy_opd"))
     check_choice("dpo_variant", dpo_variant, ("dpo", "simpo"))
+    check_mode_options(
+        dpo_variant=dpo_variant,
+        sdpo_wrapper=sdpo_wrapper,
+        sdpo_form=sdpo_form,
+        dpo_beta=dpo_beta,
+        dpo_loss_type=dpo_loss_type,
+        dpo_label_smoothing=dpo_label_smoothing,
+        simpo_beta=simpo_beta,
+        simpo_gamma=simpo_gamma,
+        taid_t_start=taid_t_start,
+        taid_t_end=taid_t_end,
+        entropy_opd_threshold=entropy_opd_threshold,
+        entropy_opd_weight=entropy_opd_weight,
+        sdpo_token_clip=sdpo_token_clip,
+        sdpo_temperature=sdpo_temperature,
+        sdpo_beta=sdpo_beta,
+    )
     if sdpo_wrapper != "taid":
         taid_given = [
             f"`{n}`"

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from composer_core import check_mode_options
 from trl import GRPOConfig
 
 SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -120,6 +121,29 @@ class ComposerGRPOConfig(GRPOConfig):
                 )
             if self.max_steps is None or self.max_steps <= 0:
                 raise ValueError("sdpo_wrapper='taid' needs `max_steps` > 0 (the schedule's total_steps).")
+        # an option of a mode that is not selected would be silently ignored: refuse it here, at construction
+        check_mode_options(
+            dpo_variant=self.dpo_variant,
+            sdpo_wrapper=self.sdpo_wrapper,
+            sdpo_form=self.sdpo_form,
+            dpo_beta=self.dpo_beta,
+            dpo_loss_type=self.dpo_loss_type,
+            dpo_label_smoothing=self.dpo_label_smoothing,
+            simpo_beta=self.simpo_beta,
+            simpo_gamma=self.simpo_gamma,
+            taid_t_start=self.taid_t_start,
+            taid_t_end=self.taid_t_end,
+            entropy_opd_threshold=self.entropy_opd_threshold,
+            entropy_opd_weight=self.entropy_opd_weight,
+            sdpo_token_clip=self.sdpo_token_clip,
+            sdpo_temperature=self.sdpo_temperature,
+            sdpo_beta=self.sdpo_beta,
+        )
+        if self.sdpo_wrapper != "taid" and (self.taid_alpha != 5e-4 or self.taid_momentum != 0.99):
+            raise ValueError(
+                f"`taid_alpha`={self.taid_alpha!r} / `taid_momentum`={self.taid_momentum!r} act only with "
+                "sdpo_wrapper='taid'; select it or drop them."
+            )
         if self.entropy_opd_threshold < 0.0 or self.entropy_opd_weight < 0.0:
             raise ValueError("`entropy_opd_threshold` and `entropy_opd_weight` must be >= 0.")
         if "{hint}" not in self.hint_template or "{prompt}" not in self.hint_template:
