@@ -54,9 +54,13 @@ def _diloco_run(
     dilocos: list[Any] = [None] * world
     errors: list[BaseException] = []
 
+    # Built here, one after another: toy_model seeds torch's *global* generator, and two threads drawing
+    # from it at once would interleave their draws (different, nondeterministic initial weights).
+    models = [toy_model(seed) for _ in range(world)]
+
     def replica(rank: int) -> None:
         try:
-            model = toy_model(seed)
+            model = models[rank]
             opt = torch.optim.SGD(model.parameters(), lr=lr)
             store = ObjectStoreAllReduce(url, "run", rank=rank, world_size=world, timeout_s=30)
             manager = ObjectStoreManager(store)
