@@ -155,6 +155,9 @@ _MODE_OPTIONS: dict[str, tuple[object, Callable[[Mapping[str, object]], bool], s
     "dpo_label_smoothing": (0.0, lambda o: o["dpo_variant"] == "dpo", "dpo_variant='dpo'"),
     "simpo_beta": (2.0, lambda o: o["dpo_variant"] == "simpo", "dpo_variant='simpo'"),
     "simpo_gamma": (0.5, lambda o: o["dpo_variant"] == "simpo", "dpo_variant='simpo'"),
+    "taid_t": (None, lambda o: o["sdpo_wrapper"] == "taid", "sdpo_wrapper='taid'"),
+    "taid_schedule_step": (None, lambda o: o["sdpo_wrapper"] == "taid", "sdpo_wrapper='taid'"),
+    "taid_total_steps": (None, lambda o: o["sdpo_wrapper"] == "taid", "sdpo_wrapper='taid'"),
     "taid_t_start": (0.4, lambda o: o["sdpo_wrapper"] == "taid", "sdpo_wrapper='taid'"),
     "taid_t_end": (1.0, lambda o: o["sdpo_wrapper"] == "taid", "sdpo_wrapper='taid'"),
     "entropy_opd_threshold": (
@@ -191,7 +194,7 @@ def check_mode_options(**options: object) -> None:
     if unused:
         raise ValueError(
             f"option(s) set for a mode that is not selected, so they would be silently ignored: {'; '.join(unused)}. "
-            "Select that mode or drop the option(s)."
+            "These options only apply in their mode: select it, or drop them."
         )
 
 
@@ -338,6 +341,9 @@ def compose_loss(
         dpo_label_smoothing=dpo_label_smoothing,
         simpo_beta=simpo_beta,
         simpo_gamma=simpo_gamma,
+        taid_t=taid_t,
+        taid_schedule_step=taid_schedule_step,
+        taid_total_steps=taid_total_steps,
         taid_t_start=taid_t_start,
         taid_t_end=taid_t_end,
         entropy_opd_threshold=entropy_opd_threshold,
@@ -346,21 +352,6 @@ def compose_loss(
         sdpo_temperature=sdpo_temperature,
         sdpo_beta=sdpo_beta,
     )
-    if sdpo_wrapper != "taid":
-        taid_given = [
-            f"`{n}`"
-            for n, v in (
-                ("taid_t", taid_t),
-                ("taid_schedule_step", taid_schedule_step),
-                ("taid_total_steps", taid_total_steps),
-            )
-            if v is not None
-        ]
-        if taid_given:
-            raise ValueError(
-                f"{', '.join(taid_given)} only apply with sdpo_wrapper='taid', but sdpo_wrapper={sdpo_wrapper!r}: "
-                "set sdpo_wrapper='taid' or drop them."
-            )
     for name, w in (("alpha_sdpo", alpha_sdpo), ("beta_replay", beta_replay)):
         if not (float(w) >= 0.0) or float(w) == float("inf"):
             raise ValueError(f"`{name}`={w!r} must be a finite weight >= 0 (0 disables the channel).")
