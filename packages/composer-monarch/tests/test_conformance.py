@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from composer_core.compose import ComposerBatch
+from composer_core.loss.compose import ComposerBatch
 from composer_core.testing import CASES, check_adapter
 from composer_monarch import ComposerLoss
 from torch import Tensor

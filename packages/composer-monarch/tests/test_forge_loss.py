@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from composer_core.compose import ComposerBatch, compose_loss
+from composer_core.loss.compose import ComposerBatch, compose_loss
 from composer_monarch.forge_loss import TARGETS, ComposerLoss
 from composer_monarch.model import token_logprobs
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from composer_core.compose import ComposerBatch, compose_loss
+from composer_core.loss.compose import ComposerBatch, compose_loss
 from composer_core.testing import ConformanceError, cases_for, check_adapter
 from composer_prime_rl import LossInputs, composer_loss
 

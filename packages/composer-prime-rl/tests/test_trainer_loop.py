@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 import torch
-from composer_core.compose import ComposerBatch, compose_loss
-from composer_core.policy import aggregate_loss, dppo_loss
+from composer_core.loss.compose import ComposerBatch, compose_loss
+from composer_core.loss.policy import aggregate_loss, dppo_loss
 from composer_prime_rl import LossInputs, composer_loss
 
 LENGTHS = (5, 3, 6)

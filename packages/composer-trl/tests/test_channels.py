@@ -248,7 +248,7 @@ def test_entropy_opd_wrapper_computes(tmp_path, model_dir, tokenizer, dataset, h
 
 
 def test_trace_record_column_names_are_accepted(tmp_path, model_dir, tokenizer, dataset, h):
-    """composer_core.records names: teacher_prompt (hinted context), ref_chosen_logp / ref_rejected_logp."""
+    """composer_core.traces.records names: teacher_prompt (hinted context), ref_chosen_logp / ref_rejected_logp."""
     n = len(dataset)
     ds = (
         dataset.add_column("teacher_prompt", [f"7|{p}" for p in dataset["prompt"]])

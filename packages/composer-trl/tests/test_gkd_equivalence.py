@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from composer_core.distill import fused_linear_generalized_jsd, generalized_jsd
+from composer_core.loss.distill import fused_linear_generalized_jsd, generalized_jsd
 
 
 @pytest.fixture(scope="module")

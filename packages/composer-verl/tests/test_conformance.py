@@ -24,7 +24,7 @@ from typing import Any
 import composer_verl.plugin  # noqa: F401
 import pytest
 import torch
-from composer_core.compose import ComposerBatch
+from composer_core.loss.compose import ComposerBatch
 from composer_core.testing import cases_for, check_adapter
 from composer_verl.batch import ComposerExtras, using_extras
 from composer_verl.config import configure

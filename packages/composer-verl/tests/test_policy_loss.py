@@ -7,8 +7,8 @@ import math
 import composer_verl.plugin  # noqa: F401
 import pytest
 import torch
-from composer_core.distill import sampled_token_distill
-from composer_core.preference import dpo_loss, simpo_loss
+from composer_core.loss.distill import sampled_token_distill
+from composer_core.loss.preference import dpo_loss, simpo_loss
 from composer_verl.batch import ComposerExtras, using_extras
 from composer_verl.config import configure
 from verl.trainer.ppo.core_algos import get_policy_loss_fn

@@ -1,20 +1,20 @@
 """composer_core: the 3-channel RL post-training objective in pure torch.
 
 ``total = policy (GRPO family) + α·SDPO (hinted self-distillation) + β·trace-replay preference (DPO/SimPO)``.
-See :func:`composer_core.compose.compose_loss`.
+See :func:`composer_core.loss.compose.compose_loss`.
 """
 
 from importlib.metadata import version as _version
 
-from composer_core.advantages import group_advantages, overlong_reward_shaping
-from composer_core.compose import ComposerBatch, ComposeResult, check_mode_options, compose_loss
-from composer_core.distill import (
+from composer_core.loss.advantages import group_advantages, overlong_reward_shaping
+from composer_core.loss.compose import ComposerBatch, ComposeResult, check_mode_options, compose_loss
+from composer_core.loss.distill import (
     fused_linear_generalized_jsd,
     generalized_jsd,
     sampled_token_distill,
     topk_distill,
 )
-from composer_core.policy import (
+from composer_core.loss.policy import (
     PolicyLossOutput,
     aggregate_loss,
     clipped_surrogate,
@@ -24,8 +24,8 @@ from composer_core.policy import (
     policy_loss,
     rollout_correction_weights,
 )
-from composer_core.preference import dpo_loss, simpo_loss
-from composer_core.wrappers import TAIDScheduler, entropy_opd_loss, taid_loss
+from composer_core.loss.preference import dpo_loss, simpo_loss
+from composer_core.loss.wrappers import TAIDScheduler, entropy_opd_loss, taid_loss
 
 __version__ = _version("composer-core")
 

@@ -1,11 +1,11 @@
-"""composer_core.datajuicer against the real py-data-juicer (nox -s tests-core-datajuicer)."""
+"""composer_core.traces.datajuicer against the real py-data-juicer (nox -s tests-core-datajuicer)."""
 
 import json
 
 import pytest
-from composer_core.datajuicer import action_text, datajuicer_filter
-from composer_core.pairs import PreferencePair
-from composer_core.traces import Message, ToolCall
+from composer_core.traces.datajuicer import action_text, datajuicer_filter
+from composer_core.traces.pairs import PreferencePair
+from composer_core.traces.schema import Message, ToolCall
 
 
 def call(cmd: str, cid: str = "c") -> Message:

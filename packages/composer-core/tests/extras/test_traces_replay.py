@@ -1,4 +1,4 @@
-"""Teacher replay against a real chat-completions HTTP server on 127.0.0.1 (composer_core.teacher_server).
+"""Teacher replay against a real chat-completions HTTP server on 127.0.0.1 (composer_core.testing.teacher_server).
 
 No mocks: httpx talks to a real ThreadingHTTPServer; the resume test kills a real
 ``composer-replay`` subprocess with SIGKILL and counts requests on the server.
@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
-from composer_core.records import read_records
-from composer_core.replay import ReplayCache, Replayer, ReplayJob, TeacherConfig, load_teachers
-from composer_core.teacher_server import ChatServer
-from composer_core.traces import Episode, Message, ToolCall, write_openai_jsonl
+from composer_core.traces.records import read_records
+from composer_core.traces.replay import ReplayCache, Replayer, ReplayJob, TeacherConfig, load_teachers
+from composer_core.testing.teacher_server import ChatServer
+from composer_core.traces.schema import Episode, Message, ToolCall, write_openai_jsonl
 
 FAST = {"backoff_base_s": 0.01, "backoff_max_s": 0.05}
 
@@ -244,14 +244,14 @@ def write_inputs(tmp_path: Path, srv: ChatServer, n_episodes: int) -> tuple[Path
 
 def cli(tmp_path: Path, traces: Path, toml: Path) -> list[str]:
     return [
-        sys.executable, "-m", "composer_core.replay_cli", "--traces", str(traces), "--teachers", str(toml),
+        sys.executable, "-m", "composer_core.traces.replay_cli", "--traces", str(traces), "--teachers", str(toml),
         "--out", str(tmp_path / "pairs.jsonl"), "--max-concurrency", "1",
     ]  # fmt: skip
 
 
 def run_cli_in_process(argv: list[str], capsys) -> tuple[int, str, str]:
     """The same ``main`` the console script runs, in this process (a subprocess re-imports torch)."""
-    from composer_core import replay_cli
+    from composer_core.traces import replay_cli
 
     capsys.readouterr()
     rc = replay_cli.main(argv)
@@ -371,9 +371,9 @@ def pipeline_episode(i: int = 0) -> Episode:
 
 
 def test_teacher_model_hint_source(tmp_path: Path) -> None:
-    from composer_core.hints import TeacherHint, build_hinted_context
-    from composer_core.replay_cli import build_records
-    from composer_core.traces import find_error_sites
+    from composer_core.traces.hints import TeacherHint, build_hinted_context
+    from composer_core.traces.replay_cli import build_records
+    from composer_core.traces.schema import find_error_sites
 
     with ChatServer(answer_fn=hint_server_answer, faults={"hinter": ["500", "ok"]}) as srv:
         r = Replayer([teacher(srv, "h", "hinter")], tmp_path)
@@ -394,7 +394,7 @@ def test_teacher_model_hint_source(tmp_path: Path) -> None:
 
 
 def test_build_records_verifier_filters_and_dedupe(tmp_path: Path) -> None:
-    from composer_core.replay_cli import build_records
+    from composer_core.traces.replay_cli import build_records
 
     with ChatServer(answer_fn=hint_server_answer) as srv:
         teachers = [teacher(srv, "a", "m-a"), teacher(srv, "b", "m-b"), teacher(srv, "c", "m-c")]
@@ -417,7 +417,7 @@ def test_build_records_verifier_filters_and_dedupe(tmp_path: Path) -> None:
         assert {x.episode_id for x in res.records if x.has_pair} == {"ep0"}
         res = build_records(eps, r, verifier=verifier, max_chars=5, progress=False)
         assert res.pairs == 0 and res.dropped["too_long"] == 4
-        from composer_core.hints import error_text_hint
+        from composer_core.traces.hints import error_text_hint
 
         res = build_records(
             eps, r, verifier=verifier, states="errors", hint_source=error_text_hint(), progress=False
@@ -441,7 +441,7 @@ def test_global_concurrency_and_extra_body(tmp_path: Path) -> None:
 
 
 def test_cli_flags_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
-    from composer_core import replay_cli
+    from composer_core.traces import replay_cli
 
     session = [
         {"type": "user", "sessionId": "s1", "message": {"role": "user", "content": "fix"}},
@@ -517,7 +517,7 @@ def test_unusable_answer_is_a_recorded_failure(tmp_path: Path) -> None:
 
 def test_cli_length_and_dedupe_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """--min-chars / --max-chars / --no-dedupe reach filter_pairs (counts in the summary JSON)."""
-    from composer_core import replay_cli
+    from composer_core.traces import replay_cli
 
     traces = tmp_path / "traces.jsonl"
     write_openai_jsonl([pipeline_episode(0), pipeline_episode(1)], traces)  # identical states: duplicates

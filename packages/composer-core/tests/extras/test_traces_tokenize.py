@@ -5,17 +5,17 @@ import json
 from pathlib import Path
 
 import pytest
-from composer_core import replay_cli
-from composer_core.hints import (
+from composer_core.traces import replay_cli
+from composer_core.traces.hints import (
     build_hinted_context,
     error_text_hint,
     hint_token_span,
     render_plain,
     tokenize_hinted,
 )
-from composer_core.records import read_records, write_records
-from composer_core.replay_cli import build_records
-from composer_core.traces import Episode, Message, ToolCall, find_error_sites, write_openai_jsonl
+from composer_core.traces.records import read_records, write_records
+from composer_core.traces.replay_cli import build_records
+from composer_core.traces.schema import Episode, Message, ToolCall, find_error_sites, write_openai_jsonl
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -244,7 +244,7 @@ def test_padded_batch_logits_match_unpadded_rows(chat_tokenizer: PreTrainedToken
     """A real (tiny, randomly initialised) Qwen2: the logits collate_sdpo points at are the ones that
     predict each completion token, for the student and the hinted teacher, despite padding."""
     import torch
-    from composer_core.sdpo_batch import collate_sdpo
+    from composer_core.traces.sdpo_batch import collate_sdpo
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     eps = []

@@ -8,7 +8,7 @@ other channels:
 
 total = policy(GRPO family)  +  α · SDPO(student ‖ hinted teacher)  +  β · DPO/SimPO(replay pairs)
 
-(see ``composer_core.compose.compose_loss``; SDPO: Hübotter et al. 2026, DPO: Rafailov et al. 2023,
+(see ``composer_core.loss.compose.compose_loss``; SDPO: Hübotter et al. 2026, DPO: Rafailov et al. 2023,
 SimPO: Meng et al. 2024). Channel-3 pairs ride in the same forward pass as extra rows: ``chosen_rows``
 and ``rejected_rows`` index rows of the batch whose ``response`` is the chosen / rejected completion;
 those rows are left out of channels 1 and 2. Their summed log-probabilities are the DPO/SimPO
@@ -44,7 +44,7 @@ TARGETS: dict[str, str] = {
 
 
 def _compose() -> Any:
-    from composer_core.compose import ComposerBatch, compose_loss
+    from composer_core.loss.compose import ComposerBatch, compose_loss
 
     return ComposerBatch, compose_loss
 

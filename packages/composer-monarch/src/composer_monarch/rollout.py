@@ -139,9 +139,9 @@ def assemble_batch(
     """The trainer's batch from a scored rollout: GRPO group advantages (composer_core) + annotations.
 
     A_i = (r_i − mean_g) / (std_g + eps) with ``advantage_scale="group"``; "batch" uses the batch std;
-    "none" is Dr. GRPO's r_i − mean_g (see ``composer_core.advantages.group_advantages``).
+    "none" is Dr. GRPO's r_i − mean_g (see ``composer_core.loss.advantages.group_advantages``).
     """
-    from composer_core.advantages import group_advantages
+    from composer_core.loss.advantages import group_advantages
 
     if rewards.shape != (rollout.prompt_ids.shape[0],):
         raise ValueError(

@@ -28,7 +28,7 @@ on-policy distillation estimator): ``ref_logprobs`` are the log-probs of the sam
 under the same policy given a hint (the self-teacher). Per token the gradient is
 ``sg(ℓ_train − ℓ_ref) · min(e^{ℓ_train − ℓ_inf}, sdpo_token_clip) · ∇ℓ_train`` (an unbiased
 reverse-KL(π‖π_hint) gradient on the sampled tokens); see
-``composer_core.distill.sampled_token_distill``.
+``composer_core.loss.distill.sampled_token_distill``.
 
 Channel 3 (preference replay) has no per-sample form; :mod:`composer_prime_rl.options`
 raises if it is requested.
@@ -39,8 +39,8 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
-from composer_core.distill import sampled_token_distill
-from composer_core.policy import clipped_surrogate, dppo_loss
+from composer_core.loss.distill import sampled_token_distill
+from composer_core.loss.policy import clipped_surrogate, dppo_loss
 from torch import Tensor
 
 from composer_prime_rl.contract import LossInputs, LossOutputs, read_loss_weights, read_ref_logprobs

@@ -1,4 +1,4 @@
-"""The adapter's loss assembly: a filled :class:`~composer_core.compose.ComposerBatch` + the TRL config → loss.
+"""The adapter's loss assembly: a filled :class:`~composer_core.loss.compose.ComposerBatch` + the TRL config → loss.
 
 Pure (no model, no trainer), so the trainer's ``_compute_loss`` and the core conformance suite
 (:func:`conformance_compute`) run the very same code.
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from composer_core.compose import ComposerBatch, ComposeResult, compose_loss
+from composer_core.loss.compose import ComposerBatch, ComposeResult, compose_loss
 from torch import Tensor
 
 
@@ -50,7 +50,7 @@ def composer_trl_loss(
     """``loss = policy (TRL-scaled) + alpha_sdpo · sdpo + beta_replay · replay`` for one micro-batch.
 
     ``args`` is a :class:`~composer_trl.ComposerGRPOConfig`. Returns the loss to backpropagate and the
-    :class:`~composer_core.compose.ComposeResult` (unweighted channel values and metrics).
+    :class:`~composer_core.loss.compose.ComposeResult` (unweighted channel values and metrics).
     """
     epsilon_low = args.epsilon
     epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon

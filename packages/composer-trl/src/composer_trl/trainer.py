@@ -7,7 +7,7 @@ Swap ``GRPOTrainer``/``GRPOConfig`` for ``ComposerGRPOTrainer``/``ComposerGRPOCo
 
 - **policy** (channel 1): TRL 1.16's GRPO loss for ``loss_type`` grpo/bnpo/dr_grpo/dapo — clipping
   (``epsilon``, ``epsilon_high``, ``delta``), k3 KL to the reference (``beta``), TRL's normalisers and
-  gradient-accumulation scaling — computed by :func:`composer_core.compose.compose_loss`, which follows
+  gradient-accumulation scaling — computed by :func:`composer_core.loss.compose.compose_loss`, which follows
   TRL's op order: with ``alpha_sdpo = beta_replay = 0`` loss and gradients equal ``GRPOTrainer``'s
   bit for bit.
 - **sdpo** (channel 2): the same model, without gradient, reads the *hinted* context (a ``hint`` or
@@ -16,7 +16,7 @@ Swap ``GRPOTrainer``/``GRPOConfig`` for ``ComposerGRPOTrainer``/``ComposerGRPOCo
   returns log-probs, so the trainer captures the student's last hidden state from that same forward
   (a forward hook on the backbone: no second student forward) and runs the teacher backbone; the
   full-vocabulary generalized JSD is computed chunk-wise from hidden states and the LM-head weight
-  (:func:`composer_core.distill.fused_linear_loss`), never materialising [B, T, V].
+  (:func:`composer_core.loss.distill.fused_linear_loss`), never materialising [B, T, V].
 - **replay** (channel 3): DPO or SimPO on ``chosen``/``rejected`` completions of the prompt (text or
   token ids, optional ``chosen_mask``/``rejected_mask``); reference log-probs from ``ref_chosen_logps``
   /``ref_rejected_logps`` columns or a frozen reference (TRL's ref model, the PEFT base with adapters
@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 from accelerate.utils import is_peft_model
-from composer_core.compose import ComposerBatch
-from composer_core.wrappers import TAIDScheduler
+from composer_core.loss.compose import ComposerBatch
+from composer_core.loss.wrappers import TAIDScheduler
 from torch import Tensor
 from transformers import TrainerCallback
 from trl import GRPOTrainer
@@ -58,13 +58,13 @@ COMPOSER_COLUMNS = (
     "rejected_mask",
     "ref_chosen_logps",
     "ref_rejected_logps",
-    # composer_core.records (TraceRecord) names, accepted as aliases
+    # composer_core.traces.records (TraceRecord) names, accepted as aliases
     "teacher_prompt",
     "ref_chosen_logp",
     "ref_rejected_logp",
 )
 """Dataset columns the trainer reads (kept through TRL's column removal). ``teacher_prompt``,
-``ref_chosen_logp`` and ``ref_rejected_logp`` (the :mod:`composer_core.records` trace-record schema) are
+``ref_chosen_logp`` and ``ref_rejected_logp`` (the :mod:`composer_core.traces.records` trace-record schema) are
 aliases of ``hinted_prompt``, ``ref_chosen_logps`` and ``ref_rejected_logps``."""
 
 _ALIASES = {

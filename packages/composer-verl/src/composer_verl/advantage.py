@@ -1,6 +1,6 @@
 """The ``grpo_composer`` advantage estimator (registered in verl's ``ADV_ESTIMATOR_REGISTRY``).
 
-Outcome-reward GRPO / Dr. GRPO group advantages computed by ``composer_core.advantages``:
+Outcome-reward GRPO / Dr. GRPO group advantages computed by ``composer_core.loss.advantages``:
 
     r_i = Σ_t token_level_rewards[i, t]
     A_i = (r_i - mean_g r) / (std_g r + ε)      scale="group"  (GRPO, DeepSeekMath arXiv 2402.03300)
@@ -52,7 +52,7 @@ def compute_grpo_composer_advantage(
         index: ``(bs,)`` group ids (verl's ``non_tensor_batch["uid"]``); required.
         config: verl's ``AlgoConfig`` (reads ``norm_adv_by_std_in_grpo``).
     """
-    from composer_core.advantages import group_advantages
+    from composer_core.loss.advantages import group_advantages
 
     if index is None:
         raise ValueError(

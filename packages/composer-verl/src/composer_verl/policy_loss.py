@@ -3,7 +3,7 @@
     total = policy + α·SDPO + β·replay
 
 Channel 1 (always): verl's PPO clipped surrogate with dual clip, computed per token by
-``composer_core.policy.clipped_surrogate`` and reduced by verl's own ``agg_loss`` with the actor's
+``composer_core.loss.policy.clipped_surrogate`` and reduced by verl's own ``agg_loss`` with the actor's
 ``loss_agg_mode`` and ``config.global_batch_info`` (``dp_size``, ``batch_num_tokens``,
 ``global_batch_size``, ``loss_scale_factor``), so it is invariant to the micro-batch / data-parallel
 layout exactly like verl's ``vanilla`` loss:
@@ -17,11 +17,11 @@ layout exactly like verl's ``vanilla`` loss:
 With ``policy_delta`` set, ρ is additionally capped at δ in the unclipped branch (TRL two-sided clip).
 
 Channel 2 (α = ``alpha_sdpo`` > 0): SDPO on the sampled tokens (Hübotter et al., arXiv 2601.20802),
-``composer_core.distill.sampled_token_distill``: gradient sg(ℓθ - ℓT)·∇ℓθ × min(exp(ℓθ - ℓold), clip),
+``composer_core.loss.distill.sampled_token_distill``: gradient sg(ℓθ - ℓT)·∇ℓθ × min(exp(ℓθ - ℓold), clip),
 averaged over the SDPO tokens of the whole mini-batch (its own global count).
 
 Channel 3 (β = ``beta_replay`` > 0): DPO (Rafailov et al., arXiv 2305.18290) or SimPO (Meng et al.,
-arXiv 2405.14734) on pairs of rows, ``composer_core.preference``, with the row log-prob Σ_t ℓθ·mask,
+arXiv 2405.14734) on pairs of rows, ``composer_core.loss.preference``, with the row log-prob Σ_t ℓθ·mask,
 averaged over the pairs of the whole mini-batch.
 
 Channels 2 and 3 read the batch keys of :mod:`composer_verl.batch`, which only the composer actor
@@ -71,7 +71,7 @@ def channel1_per_token(
     delta: float | None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Per-token dual-clip PPO loss (formula in the module docstring) and verl's metrics."""
-    from composer_core.policy import clipped_surrogate
+    from composer_core.loss.policy import clipped_surrogate
 
     if not clip_ratio_c > 1.0:
         raise ValueError(f"clip_ratio_c={clip_ratio_c} must be > 1 (dual-clip PPO lower bound).")
@@ -112,7 +112,7 @@ def sdpo_term(
     cfg: ComposerVerlConfig,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Channel 2: sampled-token SDPO averaged over the global count of SDPO tokens."""
-    from composer_core.distill import sampled_token_distill
+    from composer_core.loss.distill import sampled_token_distill
 
     if extras is None:
         raise ValueError("alpha_sdpo > 0 but " + _NO_EXTENSION.format(name="alpha_sdpo"))
@@ -181,7 +181,7 @@ def replay_term(
     cfg: ComposerVerlConfig,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Channel 3: DPO / SimPO over the pairs of the micro-batch, averaged over the global pair count."""
-    from composer_core.preference import dpo_loss, simpo_loss
+    from composer_core.loss.preference import dpo_loss, simpo_loss
 
     if extras is None:
         raise ValueError("beta_replay > 0 but " + _NO_EXTENSION.format(name="beta_replay"))

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from composer_core.compose import ComposerBatch, ComposeResult, compose_loss
+from composer_core.loss.compose import ComposerBatch, ComposeResult, compose_loss
 
 __all__ = [
     "CASES",

@@ -12,7 +12,7 @@ The logits that predict completion token ``t`` sit at column ``P - 1 + t`` (teac
 :meth:`SDPOBatch.teacher_inputs` return ``input_ids``, ``attention_mask``, ``position_ids``
 (``cumsum(mask) - 1``, so left padding does not shift positions) and that slice, so an
 adapter gets ``student_logits[B,T,V]``, ``teacher_logits[B,T,V]`` and ``sdpo_mask[B,T]`` for
-:func:`composer_core.compose.compose_loss` without index arithmetic of its own.
+:func:`composer_core.loss.compose.compose_loss` without index arithmetic of its own.
 """
 
 from __future__ import annotations

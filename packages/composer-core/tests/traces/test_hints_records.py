@@ -4,15 +4,15 @@ import json
 from pathlib import Path
 
 import pytest
-from composer_core.hints import (
+from composer_core.traces.hints import (
     TemplateHint,
     build_hinted_context,
     error_text_hint,
     hint_token_span,
     render_plain,
 )
-from composer_core.records import TraceRecord, read_records, validate_record, write_records
-from composer_core.traces import Episode, Message, ToolCall, find_error_sites
+from composer_core.traces.records import TraceRecord, read_records, validate_record, write_records
+from composer_core.traces.schema import Episode, Message, ToolCall, find_error_sites
 
 FAIL = "===== 1 failed, 1 passed in 0.01s =====\n" + "E   assert 2 == 3\n" * 200
 

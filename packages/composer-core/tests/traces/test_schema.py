@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
-from composer_core.traces import (
+from composer_core.traces.schema import (
     Episode,
     Message,
     ToolCall,

@@ -4,9 +4,9 @@ import importlib.util
 import json
 from pathlib import Path
 
-import composer_core.traces  # noqa: F401  (core modules import with torch only)
+import composer_core.traces.schema  # noqa: F401  (core modules import with torch only)
 import pytest
-from composer_core import hints, pairs, records, replay, replay_cli  # noqa: F401
+from composer_core.traces import hints, pairs, records, replay, replay_cli  # noqa: F401
 
 
 def missing(module: str) -> bool:
@@ -30,7 +30,7 @@ def test_cli_tokenizer_without_transformers(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not missing("data_juicer"), reason="py-data-juicer installed")
 def test_datajuicer_without_library() -> None:
-    from composer_core.datajuicer import datajuicer_filter
+    from composer_core.traces.datajuicer import datajuicer_filter
 
     with pytest.raises(ImportError, match=r"composer-core\[datajuicer\]"):
         datajuicer_filter([], [])

@@ -1,7 +1,7 @@
 """Preference pairs from teacher replay (channel 3 data), with typed normalisation.
 
 At a student state ``x`` (the messages before the student's assistant turn ``y_S``), N
-teachers answered ``a_1..a_N`` (:mod:`composer_core.replay`). The pair is
+teachers answered ``a_1..a_N`` (:mod:`composer_core.traces.replay`). The pair is
 
 - ``chosen`` = a teacher action a **verifier** accepts (the most common accepted action),
   or — without a verifier — the **strict majority** action of the teachers that answered
@@ -10,7 +10,7 @@ teachers answered ``a_1..a_N`` (:mod:`composer_core.replay`). The pair is
 
 No pair is made when no action qualifies, or when the chosen action *is* the student's
 (after normalisation). The DPO / SimPO losses then prefer ``chosen`` over ``rejected``
-(:mod:`composer_core.preference`).
+(:mod:`composer_core.loss.preference`).
 
 Normalisation works on the typed :class:`~composer_core.traces.Message` structure:
 whitespace in text is collapsed (NFC, trimmed), tool-call arguments are compared as
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .replay import ReplayResult
-from .traces import Episode, Message, canonical_json, state_hash
+from .schema import Episode, Message, canonical_json, state_hash
 
 __all__ = [
     "PreferencePair",

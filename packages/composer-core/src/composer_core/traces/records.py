@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .traces import Message, message_from_dict
+from .schema import Message, message_from_dict
 
 __all__ = [
     "MESSAGE_COLUMNS",

@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from composer_core.pairs import (
+from composer_core.traces.pairs import (
     PreferencePair,
     action_key,
     action_length,
@@ -11,8 +11,8 @@ from composer_core.pairs import (
     make_pair,
     normalize_text,
 )
-from composer_core.replay import ReplayResult
-from composer_core.traces import Episode, Message, ToolCall
+from composer_core.traces.replay import ReplayResult
+from composer_core.traces.schema import Episode, Message, ToolCall
 
 
 def tc(cmd: str, cid: str = "c") -> Message:
@@ -138,7 +138,7 @@ def test_filter_argument_checks() -> None:
 
 
 def test_pipeline_skips_actions_without_context() -> None:
-    from composer_core.replay_cli import build_records
+    from composer_core.traces.replay_cli import build_records
 
     ep = Episode("e", (Message("assistant", "hello"), Message("user", "x"), Message("assistant", "y")))
     res = build_records([ep], None, progress=False)

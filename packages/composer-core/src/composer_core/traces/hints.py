@@ -13,7 +13,7 @@ SDPO mask over the tokens of ``y`` (:func:`tokenize_hinted`).
 
 Hint sources (any ``Callable[[Episode, ErrorSite], str]``): :func:`error_text_hint` (the
 tool's own error output), :class:`TemplateHint` (a ``str.format`` template), and
-:class:`TeacherHint` (a teacher model asked through :mod:`composer_core.replay`).
+:class:`TeacherHint` (a teacher model asked through :mod:`composer_core.traces.replay`).
 
 Tokenisation follows TRL: the prompt and the completion are tokenised separately and
 concatenated (``prompt_ids + completion_ids``); the completion token ids are identical in
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from string import Formatter
 from typing import TYPE_CHECKING, Any, Literal
 
-from .traces import Episode, ErrorSite, Message
+from .schema import Episode, ErrorSite, Message
 
 if TYPE_CHECKING:  # pragma: no cover
     from .replay import Replayer

@@ -1,12 +1,12 @@
 """Collate preference records into padded chosen/rejected tensors and sum their log-probs (channel 3 input).
 
-The DPO / SimPO losses (:mod:`composer_core.preference`) take **summed** completion
+The DPO / SimPO losses (:mod:`composer_core.loss.preference`) take **summed** completion
 log-probs ``ℓ^w = Σ_t log πθ(y^w_t | x, y^w_<t)`` and ``ℓ^l`` of the chosen (teacher) and
 rejected (student) actions at the same state ``x``, plus their token counts (SimPO, IPO).
 :func:`collate_pairs` tokenises ``prompt + chosen`` and ``prompt + rejected`` exactly as
-the SDPO side does (:func:`composer_core.hints.tokenize_completion`: prompt and completion
-tokenised separately, chat template or :func:`~composer_core.hints.render_plain`), and
-lays them out like :mod:`composer_core.sdpo_batch` (left-padded prompt, right-padded
+the SDPO side does (:func:`composer_core.traces.hints.tokenize_completion`: prompt and completion
+tokenised separately, chat template or :func:`~composer_core.traces.hints.render_plain`), and
+lays them out like :mod:`composer_core.traces.sdpo_batch` (left-padded prompt, right-padded
 completion). :func:`sequence_logps` turns logits into the summed log-probs.
 """
 
@@ -21,7 +21,7 @@ import torch
 from .hints import tokenize_completion
 from .records import TraceRecord
 from .sdpo_batch import ModelInputs, model_inputs, pad_ids
-from .traces import message_from_dict
+from .schema import message_from_dict
 
 __all__ = ["PairBatch", "collate_pairs", "sequence_logps"]
 

@@ -1,6 +1,6 @@
 """The composer objective: ``total = policy + α·distill + β·preference``.
 
-- channel 1, policy: GRPO-family loss (:func:`composer_core.policy.policy_loss`);
+- channel 1, policy: GRPO-family loss (:func:`composer_core.loss.policy.policy_loss`);
 - channel 2, SDPO: hinted self-distillation — the same model given a textual hint is the teacher
   (Hübotter et al., arXiv 2601.20802) — as full-vocabulary generalized JSD (logits or fused hidden states),
   top-k, or the sampled-token reverse-KL estimator, optionally wrapped by TAID or entropy-aware OPD;
@@ -22,8 +22,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from composer_core._validation import as_mask, check_choice, check_probability
-from composer_core.distill import (
+from composer_core.loss.validation import as_mask, check_choice, check_probability
+from composer_core.loss.distill import (
     _check_common,
     fused_linear_loss,
     generalized_jsd,
@@ -31,9 +31,9 @@ from composer_core.distill import (
     sampled_token_distill,
     topk_distill,
 )
-from composer_core.policy import KLEstimator, LossType, RolloutCorrection, policy_loss
-from composer_core.preference import DPOLossType, dpo_loss, preference_margin, simpo_loss
-from composer_core.wrappers import entropy_opd_kernel, entropy_opd_loss, taid_kernel, taid_loss
+from composer_core.loss.policy import KLEstimator, LossType, RolloutCorrection, policy_loss
+from composer_core.loss.preference import DPOLossType, dpo_loss, preference_margin, simpo_loss
+from composer_core.loss.wrappers import entropy_opd_kernel, entropy_opd_loss, taid_kernel, taid_loss
 
 __all__ = ["ComposeResult", "ComposerBatch", "check_mode_options", "compose_loss"]
 
@@ -301,7 +301,7 @@ def compose_loss(
 ) -> ComposeResult:
     """``total = policy + alpha_sdpo·distill + beta_replay·preference`` (see the module docstring).
 
-    Channel 1 options are those of :func:`composer_core.policy.policy_loss` (``normalizer`` = its global
+    Channel 1 options are those of :func:`composer_core.loss.policy.policy_loss` (``normalizer`` = its global
     count). Channel 2:
 
     - ``sdpo_form``: ``"auto"`` picks top-k if ``sdpo_topk`` is set and logits are present, else full logits,
@@ -310,13 +310,13 @@ def compose_loss(
       estimator, so ``sdpo_beta`` does not apply, ``sdpo_token_clip`` is its IS clip vs ``old_logprobs``).
     - ``sdpo_beta`` (generalized-JSD β, TRL convention: 0 forward KL, 1 reverse KL), ``sdpo_temperature``,
       ``sdpo_chunk_size``, ``sdpo_normalizer`` (global distilled-token count; default local count).
-    - ``sdpo_wrapper``: ``"taid"`` (:func:`composer_core.wrappers.taid_loss`; t from ``taid_t`` or the linear
+    - ``sdpo_wrapper``: ``"taid"`` (:func:`composer_core.loss.wrappers.taid_loss`; t from ``taid_t`` or the linear
       schedule ``taid_schedule_step``/``taid_total_steps``/``taid_t_start``/``taid_t_end``) or
       ``"entropy_opd"`` (base JSD with ``sdpo_beta`` + ``entropy_opd_weight``·gated FKL over the teacher
       top-``sdpo_topk`` or the full vocabulary, gate ``H(p_T) > entropy_opd_threshold``). Wrappers need the
       full or fused form.
 
-    Channel 3: ``dpo_variant`` ``"dpo"`` (:func:`composer_core.preference.dpo_loss` with ``dpo_beta``,
+    Channel 3: ``dpo_variant`` ``"dpo"`` (:func:`composer_core.loss.preference.dpo_loss` with ``dpo_beta``,
     ``dpo_loss_type``, ``dpo_label_smoothing``) or ``"simpo"`` (``simpo_beta``, ``simpo_gamma``);
     ``replay_normalizer`` = global pair count (default local P).
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from composer_core._validation import (
+from composer_core.loss.validation import (
     check_choice,
     check_float,
     check_normalizer,

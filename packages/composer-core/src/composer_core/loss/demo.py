@@ -1,6 +1,6 @@
 """Loss demo: compute all three composer channels on a toy batch and print them.
 
-``python -m composer_core.demo``. A toy "model" (an embedding + LM head over a 32-token
+``python -m composer_core.loss.demo``. A toy "model" (an embedding + LM head over a 32-token
 vocabulary) produces student logits for 2 prompts × 4 completions; the hinted self-teacher is the same model
 with a hint vector added to its hidden state; two trace-replay pairs come from the same model. Prints each
 channel, the total, and the gradient norm of the model parameters after ``total.backward()``.
@@ -12,8 +12,8 @@ import argparse
 
 import torch
 
-from composer_core.advantages import group_advantages
-from composer_core.compose import ComposerBatch, compose_loss
+from composer_core.loss.advantages import group_advantages
+from composer_core.loss.compose import ComposerBatch, compose_loss
 
 
 def build_batch(seed: int = 0) -> tuple[ComposerBatch, list[torch.nn.Parameter]]:

@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from composer_core._validation import check_choice, check_float, check_tensor
+from composer_core.loss.validation import check_choice, check_float, check_tensor
 
 __all__ = ["group_advantages", "overlong_reward_shaping"]
 

@@ -1,11 +1,11 @@
 """Run py-data-juicer filters and deduplicators over preference pairs (``datajuicer`` extra).
 
-Each typed :class:`~composer_core.pairs.PreferencePair` is flattened to text columns that
+Each typed :class:`~composer_core.traces.pairs.PreferencePair` is flattened to text columns that
 data-juicer ops read — never the ``str()`` of a message list:
 
 - ``text``: the chosen action (content, then one ``name arguments`` line per tool call),
 - ``rejected_text``: the student's action, same rendering,
-- ``prompt_text``: the state rendered with :func:`composer_core.hints.render_plain`.
+- ``prompt_text``: the state rendered with :func:`composer_core.traces.hints.render_plain`.
 
 Ops see ``text`` unless built with ``text_key="rejected_text"`` / ``"prompt_text"``. Only
 ``Filter`` and ``Deduplicator`` ops are accepted: they keep or drop whole rows, which map
@@ -24,7 +24,7 @@ from typing import Any
 
 from .hints import render_plain
 from .pairs import PreferencePair
-from .traces import Message
+from .schema import Message
 
 __all__ = ["action_text", "datajuicer_filter"]
 

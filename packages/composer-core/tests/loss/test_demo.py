@@ -1,4 +1,4 @@
-"""``python -m composer_core.demo``: all three channels on the toy batch, combined as documented."""
+"""``python -m composer_core.loss.demo``: all three channels on the toy batch, combined as documented."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import torch
 from composer_core import compose_loss
-from composer_core.demo import build_batch, main
+from composer_core.loss.demo import build_batch, main
 
 
 def test_demo_batch_has_every_channel_and_total_is_their_weighted_sum():

@@ -19,7 +19,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from composer_core._validation import (
+from composer_core.loss.validation import (
     as_mask,
     check_choice,
     check_float,

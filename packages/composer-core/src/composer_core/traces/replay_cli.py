@@ -4,10 +4,10 @@
 
 Pipeline (:func:`build_records`): read episodes (OpenAI JSONL or Claude Code sessions),
 find error sites, pick the states (every student turn, or only faulty ones), ask every
-teacher for the next action at each state (:class:`~composer_core.replay.Replayer`: cached,
+teacher for the next action at each state (:class:`~composer_core.traces.replay.Replayer`: cached,
 retried, accounted), build a hinted teacher context at each faulty turn
-(:mod:`composer_core.hints`), build preference pairs (:mod:`composer_core.pairs`), filter
-them, and write :class:`~composer_core.records.TraceRecord` rows. Requests that finally
+(:mod:`composer_core.traces.hints`), build preference pairs (:mod:`composer_core.traces.pairs`), filter
+them, and write :class:`~composer_core.traces.records.TraceRecord` rows. Requests that finally
 failed go to ``<out>.failures.jsonl`` with their reason; per-teacher accounting to
 ``<out>.summary.json`` and the terminal.
 """
@@ -35,7 +35,7 @@ from .hints import (
 from .pairs import PreferencePair, Verifier, filter_pairs, make_pair
 from .records import TraceRecord, write_records
 from .replay import Replayer, ReplayJob, ReplayResult, load_teachers
-from .traces import Episode, ErrorSite, find_error_sites, read_traces
+from .schema import Episode, ErrorSite, find_error_sites, read_traces
 
 __all__ = ["BuildResult", "build_records", "main", "plot_summary"]
 

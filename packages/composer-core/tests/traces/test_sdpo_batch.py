@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from composer_core.records import TraceRecord
-from composer_core.sdpo_batch import collate_sdpo
+from composer_core.traces.records import TraceRecord
+from composer_core.traces.sdpo_batch import collate_sdpo
 
 
 def rec(i: int, prompt: list[int], hint: list[int], completion: list[int], mask: list[int]) -> TraceRecord:

@@ -19,8 +19,8 @@ Ingesters:
 Error sites (:func:`find_error_sites`): a ``tool`` message is an error site when the tool
 reported an error (``is_error``), its output shows a failing test run, or a non-zero exit
 code. The assistant turn that issued the failing call is the **faulty turn**: the SDPO
-site where a hint is inserted (:mod:`composer_core.hints`) and the state at which teachers
-are replayed (:mod:`composer_core.replay`).
+site where a hint is inserted (:mod:`composer_core.traces.hints`) and the state at which teachers
+are replayed (:mod:`composer_core.traces.replay`).
 """
 
 from __future__ import annotations

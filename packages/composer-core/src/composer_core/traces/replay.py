@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .traces import Message, canonical_json, message_from_dict, state_hash
+from .schema import Message, canonical_json, message_from_dict, state_hash
 
 __all__ = [
     "ReplayCache",
@@ -508,7 +508,7 @@ class Replayer:
     def complete(
         self, teacher: str, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] = ()
     ) -> ReplayResult:
-        """One request (cached like any other); used by :class:`composer_core.hints.TeacherHint`."""
+        """One request (cached like any other); used by :class:`composer_core.traces.hints.TeacherHint`."""
         return self.replay([ReplayJob(teacher, tuple(messages), tuple(tools))])[0]
 
     def summary(self) -> dict[str, dict[str, Any]]:

@@ -1,7 +1,7 @@
 """A deterministic OpenAI-compatible chat-completions server (stdlib) for tests and dry runs.
 
 It is a real HTTP server on ``127.0.0.1`` speaking ``POST .../chat/completions``: use it to
-exercise :mod:`composer_core.replay` and ``composer-replay`` end to end without paying a
+exercise :mod:`composer_core.traces.replay` and ``composer-replay`` end to end without paying a
 provider. Answers are a pure function of (model, messages) — by default an assistant text
 ``"answer <hash>"`` where the hash covers the messages only, so different teacher models
 agree (a majority) unless ``answer_fn`` says otherwise.

@@ -3,7 +3,7 @@
 TAID: Temporally Adaptive Interpolated Distillation (Shing et al., SakanaAI, ICLR 2025, arXiv 2501.16937;
 reference code ``SakanaAI/TAID`` ``src/distil_losses/taid.py``). Entropy-aware OPD (EOPD): Jin et al.,
 arXiv 2603.07079 (formulas as quoted in redai-studio/Relax#244; treat details as unconfirmed).
-Both reuse the chunked full-vocabulary engine of :mod:`composer_core.distill` (peak O(chunk·V)).
+Both reuse the chunked full-vocabulary engine of :mod:`composer_core.loss.distill` (peak O(chunk·V)).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from composer_core._validation import check_positive, check_probability
-from composer_core.distill import (
+from composer_core.loss.validation import check_positive, check_probability
+from composer_core.loss.distill import (
     Kernel,
     Reduction,
     _check_common,
@@ -53,7 +53,7 @@ def taid_loss(
     ``p_t = softmax((1−t)·sg(z_S/τ) + t·z_T/τ)``, ``q_θ = softmax(z_S/τ)``. ``t = 0`` → p_t = q_θ, loss and
     gradient 0; ``t = 1`` → plain forward KL(p_T‖q_θ). The value is the true KL (the reference code logs the
     cross-entropy ``−Σ p_t log q_θ``, which adds H(p_t) but has the same gradient). Use
-    :class:`TAIDScheduler` for ``t``. Other arguments as in :func:`composer_core.distill.generalized_jsd`.
+    :class:`TAIDScheduler` for ``t``. Other arguments as in :func:`composer_core.loss.distill.generalized_jsd`.
     """
     check_probability("t", t)
     _check_common(temperature, chunk_size, reduction, normalizer, ("mean", "sum", "none"))
@@ -221,7 +221,7 @@ def entropy_opd_loss(
     ``FKL_t = Σ_{v∈S} p_T(v)(log p_T(v) − log q_θ(v))``, S = the teacher's top-``topk`` tokens (truncated,
     not renormalised, as in the paper) or the full vocabulary (``topk=None``). H(p_T) is the full-vocabulary
     teacher entropy in nats (after ``temperature``); the paper's threshold is 0.8 nats. The base divergence
-    uses :func:`composer_core.distill.generalized_jsd`'s β convention (β=1: reverse KL, the OPD objective).
+    uses :func:`composer_core.loss.distill.generalized_jsd`'s β convention (β=1: reverse KL, the OPD objective).
     The gate is detached; the added term is normalised by the same token count as the base.
     """
     check_probability("beta", beta)

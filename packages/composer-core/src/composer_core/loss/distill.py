@@ -28,7 +28,7 @@ from typing import Any, Literal, cast
 import torch
 from torch import Tensor
 
-from composer_core._validation import (
+from composer_core.loss.validation import (
     as_mask,
     check_choice,
     check_float,
