@@ -88,6 +88,7 @@ def check_readme(pkg: Package, root: Path = ROOT) -> list[str]:
     found = {k: [b for b in blocks(text) if b.kind == k] for k in KINDS}
     out = [f"{where}: no ```bash {k} block (see scripts/readme_install.py)" for k in KINDS if not found[k]]
     out += index_form_outside_blocks(text, where, workspace)
+    out += untested_clone_commands(text, where, root)
     if out:
         return out
     forms: dict[str, set[Req]] = {}
@@ -173,6 +174,49 @@ def index_form_outside_blocks(text: str, where: str, workspace: dict[str, Packag
     return out
 
 
+def _clone_reqs(words: list[str], root: Path, workspace: dict[str, Package]) -> frozenset[Req] | None:
+    args = pip_install_args(words)
+    if args is None or not any(a.startswith("./packages/") for a in args):
+        return None
+    reqs = set()
+    for arg in (a for a in args if not a.startswith("-")):
+        req, problem = _parse("install-test", arg, "", root, workspace)
+        if req is None:
+            return frozenset({(f"<unreadable: {problem}>", frozenset())})
+        reqs.add(req)
+    return frozenset(reqs)
+
+
+def executed_clone_commands(root: Path = ROOT) -> set[frozenset[Req]]:
+    """The requirement sets of every package README's install-test commands (what CI runs)."""
+    workspace = {_norm(p.name): p for p in packages(root).values()}
+    out = set()
+    for pkg in packages(root).values():
+        for block in blocks((pkg.directory / "README.md").read_text()):
+            if block.kind == "install-test":
+                out |= {r for words in commands(block.body) if (r := _clone_reqs(words, root, workspace))}
+    return out
+
+
+def untested_clone_commands(text: str, where: str, root: Path = ROOT) -> list[str]:
+    """Clone-form ``pip install ./packages/...`` commands of a README (code spans and blocks) that are not
+    one of the install-test commands CI runs."""
+    workspace = {_norm(p.name): p for p in packages(root).values()}
+    executed = executed_clone_commands(root)
+    spans = [m[1] for m in re.finditer(r"(?<!`)`([^`\n]*pip install[^`\n]*)`(?!`)", text)]
+    spans += [b.body for b in blocks(text) if b.kind != "install-test"]
+    out = []
+    for span in spans:
+        for words in _shell_like(span):
+            reqs = _clone_reqs(words, root, workspace)
+            if reqs is not None and reqs not in executed:
+                out.append(
+                    f"{where}: {shlex.join(words)!r} is not one of the install-test commands CI runs; "
+                    "use one of those (or add it to a package README's install-test block)"
+                )
+    return out
+
+
 def _shell_like(body: str) -> list[list[str]]:
     try:
         return commands(body)
@@ -210,6 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     problems = [p for pkg in packages(root).values() for p in check_readme(pkg, root)]
     workspace = {_norm(p.name): p for p in packages(root).values()}
     problems += index_form_outside_blocks((root / "README.md").read_text(), "README.md", workspace)
+    problems += untested_clone_commands((root / "README.md").read_text(), "README.md", root)
     for line in problems:
         print(line)
     print(f"readme_install: {len(problems)} problem(s)" if problems else "readme_install: every README's install commands are consistent")

@@ -37,7 +37,7 @@ owners = {m: {_name(d) for d in ds} for m, ds in metadata.packages_distributions
 stdlib = set(sys.stdlib_module_names) | set(sys.builtin_module_names)
 foreign = {}
 for mod in modules:
-    if mod in stdlib or mod == "__main__":
+    if mod in stdlib or mod in ("__main__", "__mp_main__"):  # the latter: multiprocessing's alias of __main__
         continue
     dists = owners.get(mod)
     if not dists:
@@ -48,6 +48,6 @@ assert not foreign, f"import composer_core pulled in modules outside its declare
 extras_present = sorted(d for d in ("transformers", "httpx", "tokenizers") if _name(d) not in allowed and d in {
     _name(x.metadata["Name"]) for x in metadata.distributions()})
 assert extras_present, "the extras are not installed, so the import check would prove nothing"
-third_party = sorted(m for m in modules if m not in stdlib and m != "__main__")
+third_party = sorted(m for m in modules if m not in stdlib and m not in ("__main__", "__mp_main__"))
 print(f"ok: import composer_core imports {len(third_party)} non-stdlib top-level modules ({', '.join(third_party)}),")
 print(f"    all from its declared dependencies {sorted(declared)} and theirs; installed but not imported: {extras_present}")
