@@ -228,7 +228,9 @@ def _build(session: nox.Session, names: list[str], out: Path) -> dict[str, Path]
         if not found:
             for old in out.glob(pattern):
                 old.unlink()
-            session.run("uv", "build", "--package", name, "--wheel", "--out-dir", str(out), "-q", external=True)
+            session.run(
+                "uv", "build", "--package", name, "--wheel", "--out-dir", str(out), "-q", external=True
+            )
             found = sorted(out.glob(pattern))
         if len(found) != 1:
             session.error(f"expected one wheel {pattern}, found {[p.name for p in found]}")
@@ -300,14 +302,18 @@ def installed(session: nox.Session, package: str, host: str) -> None:
         )
         lowest, newest = (_host_version(session, requirement, w, tmp) for w in ("lowest", "newest"))
         if host == "lowest" and lowest == newest:
-            session.skip(f"{requirement}: lowest == newest == {newest} on the index; installed({package}-newest) covers it")
+            session.skip(
+                f"{requirement}: lowest == newest == {newest} on the index; installed({package}-newest) covers it"
+            )
         version = lowest if host == "lowest" else newest
         host_args = [f"{HOSTS[package]}=={version}"]
         session.log(f"host: {requirement} -> {host} = {version} (index: lowest {lowest}, newest {newest})")
     venv = tmp / "venv"
     session.run("uv", "venv", str(venv), "-p", "3.11", "-q", external=True)
     python = str(venv / "bin" / "python")
-    refs = re.findall(r"\./packages/(composer-[a-z-]+)", (workspace[name].directory / "README.md").read_text())
+    refs = re.findall(
+        r"\./packages/(composer-[a-z-]+)", (workspace[name].directory / "README.md").read_text()
+    )
     wheels = _build(session, sorted({"composer-core", name, *refs}), tmp / "dist")
     commands = readme.install_test_commands(workspace[name], wheels)
     for args in commands:  # the README's commands, `pip install` -> `uv pip install` into the fresh venv
@@ -315,8 +321,15 @@ def installed(session: nox.Session, package: str, host: str) -> None:
     work = tmp / "work"
     work.mkdir()
     smoke = work / "smoke.py"
-    smoke.write_text((SCRIPTS / "smoke" / "_common.py").read_text() + (SCRIPTS / "smoke" / f"{package.replace('-', '_')}.py").read_text())
-    env = {"PYTHONPATH": "", "VIRTUAL_ENV": str(venv), "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}"}
+    smoke.write_text(
+        (SCRIPTS / "smoke" / "_common.py").read_text()
+        + (SCRIPTS / "smoke" / f"{package.replace('-', '_')}.py").read_text()
+    )
+    env = {
+        "PYTHONPATH": "",
+        "VIRTUAL_ENV": str(venv),
+        "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}",
+    }
     session.chdir(work)
     session.run(python, "-I", str(smoke), env=env, external=True)
     session.log(f"installed({package}-{host}): {time.monotonic() - start:.0f} s wall")

@@ -29,7 +29,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.version import InvalidVersion, Version
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workspace import ROOT, Package, packages  # noqa: E402
+from workspace import ROOT, Package, packages
 
 TAG = re.compile(r"composer-(?P<short>[a-z0-9][a-z0-9-]*?)-v(?P<version>[0-9][^\s]*)")
 CORE = "composer-core"
@@ -39,7 +39,9 @@ def parse_tag(tag: str) -> tuple[str, str]:
     """``composer-prime-rl-v0.1.0`` -> (``composer-prime-rl``, ``0.1.0``); ValueError naming the form."""
     m = TAG.fullmatch(tag.removeprefix("refs/tags/"))
     if not m:
-        raise ValueError(f"tag {tag!r} is not of the form composer-<pkg>-v<version> (e.g. composer-verl-v0.1.0)")
+        raise ValueError(
+            f"tag {tag!r} is not of the form composer-<pkg>-v<version> (e.g. composer-verl-v0.1.0)"
+        )
     return f"composer-{m['short']}", m["version"]
 
 
@@ -60,7 +62,9 @@ def core_range_problems(package: Package, core_version: str) -> list[str]:
     if req is None:
         return [f"{package.name}: no composer-core dependency in pyproject.toml"]
     if not str(req.specifier):
-        return [f"{package.name}: composer-core has no version range; declare e.g. 'composer-core>={core_version},<...'"]
+        return [
+            f"{package.name}: composer-core has no version range; declare e.g. 'composer-core>={core_version},<...'"
+        ]
     if not req.specifier.contains(Version(core_version), prereleases=True):
         return [
             f"{package.name}: its range 'composer-core{req.specifier}' excludes the workspace's composer-core "
@@ -74,7 +78,9 @@ def changelog_problems(package: Package, version: str) -> list[str]:
     if not changelog.is_file():
         return [f"{package.name}: no CHANGELOG.md"]
     if not re.search(rf"^## \[{re.escape(version)}\]", changelog.read_text(), re.MULTILINE):
-        return [f"{package.name}: CHANGELOG.md has no '## [{version}]' section; move the Unreleased entries there"]
+        return [
+            f"{package.name}: CHANGELOG.md has no '## [{version}]' section; move the Unreleased entries there"
+        ]
     return []
 
 
@@ -86,7 +92,9 @@ def check_tag(tag: str, root: Path = ROOT) -> tuple[Package | None, list[str]]:
         return None, [str(e)]
     workspace = packages(root)
     if name not in workspace:
-        return None, [f"tag {tag!r} names {name!r}, which is not a workspace package ({', '.join(workspace)})"]
+        return None, [
+            f"tag {tag!r} names {name!r}, which is not a workspace package ({', '.join(workspace)})"
+        ]
     pkg = workspace[name]
     try:
         Version(version)
@@ -112,7 +120,9 @@ def check_tag(tag: str, root: Path = ROOT) -> tuple[Package | None, list[str]]:
 def check_all(root: Path = ROOT) -> list[str]:
     workspace = packages(root)
     core_version = workspace[CORE].version
-    return [p for pkg in workspace.values() if pkg.name != CORE for p in core_range_problems(pkg, core_version)]
+    return [
+        p for pkg in workspace.values() if pkg.name != CORE for p in core_range_problems(pkg, core_version)
+    ]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -138,7 +148,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"check_release: {args.tag} releases {pkg.name} {pkg.version}")
     if args.github_output:
         with args.github_output.open("a") as f:
-            f.write(f"package={pkg.name}\nshort={pkg.short}\nversion={pkg.version}\nsession=tests-{pkg.short}\n")
+            f.write(
+                f"package={pkg.name}\nshort={pkg.short}\nversion={pkg.version}\nsession=tests-{pkg.short}\n"
+            )
     return 0
 
 

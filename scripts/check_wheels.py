@@ -42,7 +42,7 @@ from email.policy import compat32
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workspace import ROOT, TESTED_PYTHONS, Package, packages, repository  # noqa: E402
+from workspace import ROOT, TESTED_PYTHONS, Package, packages, repository
 
 PROJECT_URLS = ("Homepage", "Documentation", "Repository", "Changelog", "Issues")
 LICENSE = "Apache-2.0"
@@ -148,17 +148,25 @@ def _check_metadata(raw: bytes, exp: Expected, where: str) -> list[str]:
     classifiers = meta.get_all("Classifier", [])
     if "Typing :: Typed" not in classifiers:
         out.append(f"{where}: no classifier 'Typing :: Typed'")
-    versions = {c.rsplit(" :: ", 1)[1] for c in classifiers if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c)}
+    versions = {
+        c.rsplit(" :: ", 1)[1]
+        for c in classifiers
+        if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c)
+    }
     for v in sorted(set(TESTED_PYTHONS) - versions):
         out.append(f"{where}: no classifier 'Programming Language :: Python :: {v}' (a tested version)")
     for v in sorted(versions - set(TESTED_PYTHONS)):
-        out.append(f"{where}: classifier 'Programming Language :: Python :: {v}' but CI tests only {', '.join(TESTED_PYTHONS)}")
+        out.append(
+            f"{where}: classifier 'Programming Language :: Python :: {v}' but CI tests only {', '.join(TESTED_PYTHONS)}"
+        )
     urls = dict(u.split(", ", 1) for u in meta.get_all("Project-URL", []) if ", " in u)
     for label in PROJECT_URLS:
         if label not in urls:
             out.append(f"{where}: no Project-URL {label!r} (add it to [project.urls])")
     if urls.get("Repository") not in (None, exp.repository):
-        out.append(f"{where}: Project-URL Repository is {urls['Repository']!r}, the root pyproject says {exp.repository!r}")
+        out.append(
+            f"{where}: Project-URL Repository is {urls['Repository']!r}, the root pyproject says {exp.repository!r}"
+        )
     declared = {_requirement_name(r) for r in pkg.project.get("dependencies", [])}
     shipped = {_requirement_name(r) for r in meta.get_all("Requires-Dist", []) if "extra ==" not in r}
     for name in sorted(declared - shipped):
@@ -171,7 +179,9 @@ def _check_entry_points(raw: bytes | None, exp: Expected, where: str) -> list[st
         return []
     if raw is None:
         groups = ", ".join(sorted(exp.entry_points))
-        return [f"{where}: no entry_points.txt (expected groups: {groups}; [project.scripts] / [project.entry-points])"]
+        return [
+            f"{where}: no entry_points.txt (expected groups: {groups}; [project.scripts] / [project.entry-points])"
+        ]
     parser = configparser.ConfigParser(delimiters=("=",), interpolation=None)
     parser.optionxform = str  # type: ignore[assignment,method-assign]
     parser.read_string(raw.decode())
@@ -226,7 +236,9 @@ def check_wheel(path: Path, exp: Expected) -> list[str]:
         names = set(zf.namelist())
         out: list[str] = []
         if f"{info}/METADATA" not in names:
-            return [f"{where}: no {info}/METADATA (is this a wheel of {exp.package.name} {exp.package.version}?)"]
+            return [
+                f"{where}: no {info}/METADATA (is this a wheel of {exp.package.name} {exp.package.version}?)"
+            ]
         out += _check_metadata(zf.read(f"{info}/METADATA"), exp, where)
         ep = f"{info}/entry_points.txt"
         out += _check_entry_points(zf.read(ep) if ep in names else None, exp, where)
@@ -237,7 +249,9 @@ def check_wheel(path: Path, exp: Expected) -> list[str]:
             out.append(f"{where}: {lic} differs from the repository's LICENSE (copy it again)")
         for rel, data in exp.files.items():
             if rel not in names:
-                out.append(f"{where}: {rel} is missing (package data under src/ is shipped by hatch's packages=)")
+                out.append(
+                    f"{where}: {rel} is missing (package data under src/ is shipped by hatch's packages=)"
+                )
             elif data and zf.read(rel) != data:
                 out.append(f"{where}: {rel} differs from the source tree (rebuild)")
         wheel_file = f"{info}/WHEEL"
@@ -245,7 +259,9 @@ def check_wheel(path: Path, exp: Expected) -> list[str]:
             out.append(f"{where}: no {wheel_file}")
         else:
             wheel = BytesParser(policy=compat32).parsebytes(zf.read(wheel_file))
-            if wheel.get("Root-Is-Purelib", "").strip().lower() != "true" or "py3-none-any" not in wheel.get_all("Tag", []):
+            if wheel.get(
+                "Root-Is-Purelib", ""
+            ).strip().lower() != "true" or "py3-none-any" not in wheel.get_all("Tag", []):
                 out.append(f"{where}: not a pure-Python py3-none-any wheel")
         out += _check_record(zf, f"{info}/RECORD", where)
     return out
@@ -308,7 +324,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--root", type=Path, default=ROOT, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if not args.dist.is_dir():
-        print(f"check_wheels: {args.dist} is not a directory; build first (uv build --all-packages --out-dir DIR)")
+        print(
+            f"check_wheels: {args.dist} is not a directory; build first (uv build --all-packages --out-dir DIR)"
+        )
         return 2
     known = packages(args.root)
     unknown = [n for n in args.package or [] if n not in known]

@@ -27,9 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workspace import ROOT, Package, packages, repository  # noqa: E402
+from workspace import ROOT, Package, packages, repository
 
-FENCE = re.compile(r"^(?P<indent> *)```(?P<info>[^\n`]*)\n(?P<body>.*?)^(?P=indent)```", re.MULTILINE | re.DOTALL)
+FENCE = re.compile(
+    r"^(?P<indent> *)```(?P<info>[^\n`]*)\n(?P<body>.*?)^(?P=indent)```", re.MULTILINE | re.DOTALL
+)
 KINDS = ("install-test", "install-git", "install-index")
 NAME = re.compile(r"(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)(?:\[(?P<extras>[^\]]*)\])?")
 CLONE = re.compile(r"\./packages/(?P<dir>[A-Za-z0-9._-]+?)/?(?:\[(?P<extras>[^\]]*)\])?")
@@ -65,7 +67,12 @@ def commands(body: str) -> list[list[str]]:
 
 def pip_install_args(words: list[str]) -> list[str] | None:
     """The arguments after ``pip install`` / ``uv pip install`` / ``python -m pip install`` (None: not one)."""
-    for prefix in (["pip", "install"], ["uv", "pip", "install"], ["python", "-m", "pip", "install"], ["uv", "add"]):
+    for prefix in (
+        ["pip", "install"],
+        ["uv", "pip", "install"],
+        ["python", "-m", "pip", "install"],
+        ["uv", "add"],
+    ):
         if words[: len(prefix)] == prefix:
             return words[len(prefix) :]
     return None
@@ -98,7 +105,9 @@ def check_readme(pkg: Package, root: Path = ROOT) -> list[str]:
             for words in commands(block.body):
                 args = pip_install_args(words)
                 if args is None:
-                    out.append(f"{where}:{block.line}: {kind} block holds {shlex.join(words)!r}, not a pip install")
+                    out.append(
+                        f"{where}:{block.line}: {kind} block holds {shlex.join(words)!r}, not a pip install"
+                    )
                     continue
                 for arg in (a for a in args if not a.startswith("-")):
                     req, problem = _parse(kind, arg, repo, root, workspace)
@@ -110,9 +119,13 @@ def check_readme(pkg: Package, root: Path = ROOT) -> list[str]:
     own = {r for r in forms["install-test"] if r[0] == pkg.name}
     names = {r[0] for r in forms["install-test"]}
     if not own:
-        out.append(f"{where}: the install-test block does not install {pkg.name} (./packages/{pkg.directory.name})")
+        out.append(
+            f"{where}: the install-test block does not install {pkg.name} (./packages/{pkg.directory.name})"
+        )
     if "composer-core" not in names:
-        out.append(f"{where}: the install-test block must install ./packages/composer-core too (not on PyPI yet)")
+        out.append(
+            f"{where}: the install-test block must install ./packages/composer-core too (not on PyPI yet)"
+        )
     if forms["install-git"] != forms["install-test"]:
         out.append(
             f"{where}: the install-git block installs {_show(forms['install-git'])}, "
@@ -127,7 +140,9 @@ def _show(reqs: set[Req]) -> str:
     return ", ".join(sorted(n + (f"[{','.join(sorted(e))}]" if e else "") for n, e in reqs)) or "nothing"
 
 
-def _parse(kind: str, arg: str, repo: str, root: Path, workspace: dict[str, Package]) -> tuple[Req | None, str]:
+def _parse(
+    kind: str, arg: str, repo: str, root: Path, workspace: dict[str, Package]
+) -> tuple[Req | None, str]:
     if kind == "install-test":
         m = CLONE.fullmatch(arg)
         if not m:
@@ -140,7 +155,10 @@ def _parse(kind: str, arg: str, repo: str, root: Path, workspace: dict[str, Pack
     if kind == "install-git":
         m = GIT.fullmatch(arg)
         if not m:
-            return None, f"install-git: {arg!r} is not 'name[extras] @ git+{repo}#subdirectory=packages/<dir>'"
+            return (
+                None,
+                f"install-git: {arg!r} is not 'name[extras] @ git+{repo}#subdirectory=packages/<dir>'",
+            )
         if m["url"].rstrip("/") != repo:
             return None, f"install-git: {arg!r} uses {m['url']}, the repository is {repo} (root pyproject)"
         sub = root / m["subdir"]
@@ -165,7 +183,9 @@ def index_form_outside_blocks(text: str, where: str, workspace: dict[str, Packag
         for words in commands(block.body) if block.kind else _shell_like(block.body):
             args = pip_install_args(words) or []
             for arg in args:
-                m = NAME.fullmatch(arg) or re.fullmatch(r"(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)(\[[^\]]*\])?[<>=!~].*", arg)
+                m = NAME.fullmatch(arg) or re.fullmatch(
+                    r"(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)(\[[^\]]*\])?[<>=!~].*", arg
+                )
                 if m and _norm(m["name"]) in workspace:
                     out.append(
                         f"{where}:{block.line}: {shlex.join(words)!r} installs {m['name']} from the index, "
@@ -235,7 +255,9 @@ def install_test_commands(pkg: Package, wheels: dict[str, Path], root: Path = RO
         for words in commands(block.body):
             args = pip_install_args(words)
             if args is None:
-                raise ValueError(f"{pkg.name} README: install-test command {shlex.join(words)!r} is not a pip install")
+                raise ValueError(
+                    f"{pkg.name} README: install-test command {shlex.join(words)!r} is not a pip install"
+                )
             translated = []
             for arg in args:
                 m = CLONE.fullmatch(arg)
@@ -257,7 +279,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     problems += untested_clone_commands((root / "README.md").read_text(), "README.md", root)
     for line in problems:
         print(line)
-    print(f"readme_install: {len(problems)} problem(s)" if problems else "readme_install: every README's install commands are consistent")
+    print(
+        f"readme_install: {len(problems)} problem(s)"
+        if problems
+        else "readme_install: every README's install commands are consistent"
+    )
     return 1 if problems else 0
 
 

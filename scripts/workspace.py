@@ -62,5 +62,7 @@ def load_package(directory: Path) -> Package:
 
 def packages(root: Path = ROOT) -> dict[str, Package]:
     """Every distribution of the workspace, by distribution name."""
-    found = [load_package(d) for d in sorted((root / "packages").iterdir()) if (d / "pyproject.toml").is_file()]
+    found = [
+        load_package(d) for d in sorted((root / "packages").iterdir()) if (d / "pyproject.toml").is_file()
+    ]
     return {p.name: p for p in found}

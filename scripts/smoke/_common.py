@@ -23,7 +23,9 @@ def installed_from_wheel(dist: str, module: str) -> None:
     imported from the venv's site-packages."""
     info = json.loads(metadata.distribution(dist).read_text("direct_url.json") or "{}")
     url = info.get("url", "")
-    assert url.endswith(".whl") and "dir_info" not in info, f"{dist} was not installed from a built wheel: {info}"
+    assert url.endswith(".whl") and "dir_info" not in info, (
+        f"{dist} was not installed from a built wheel: {info}"
+    )
     mod = importlib.import_module(module)
     where = Path(mod.__file__ or "").resolve()
     assert where.is_relative_to(SITE), f"{module} imported from {where}, not from the venv {SITE}"
@@ -33,7 +35,11 @@ def installed_from_wheel(dist: str, module: str) -> None:
 def run(*cmd: str | Path, timeout: float = 600, env: dict[str, str] | None = None) -> str:
     """Run a command of the venv, fail with its output tail."""
     proc = subprocess.run(
-        [str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+        [str(c) for c in cmd],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(map(str, cmd))} exited {proc.returncode}:\n{out[-4000:]}"

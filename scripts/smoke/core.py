@@ -25,7 +25,9 @@ def _closure(roots: set[str]) -> set[str]:
             reqs = metadata.requires(name) or []
         except metadata.PackageNotFoundError:
             continue
-        todo += [_name(r) for r in reqs if "extra ==" not in r.replace('"', "'").replace("extra==", "extra ==")]
+        todo += [
+            _name(r) for r in reqs if "extra ==" not in r.replace('"', "'").replace("extra==", "extra ==")
+        ]
     return seen
 
 
@@ -45,9 +47,16 @@ for mod in modules:
     elif not dists & allowed:
         foreign[mod] = ", ".join(sorted(dists))
 assert not foreign, f"import composer_core pulled in modules outside its declared dependencies: {foreign}"
-extras_present = sorted(d for d in ("transformers", "httpx", "tokenizers") if _name(d) not in allowed and d in {
-    _name(x.metadata["Name"]) for x in metadata.distributions()})
+extras_present = sorted(
+    d
+    for d in ("transformers", "httpx", "tokenizers")
+    if _name(d) not in allowed and d in {_name(x.metadata["Name"]) for x in metadata.distributions()}
+)
 assert extras_present, "the extras are not installed, so the import check would prove nothing"
 third_party = sorted(m for m in modules if m not in stdlib and m not in ("__main__", "__mp_main__"))
-print(f"ok: import composer_core imports {len(third_party)} non-stdlib top-level modules ({', '.join(third_party)}),")
-print(f"    all from its declared dependencies {sorted(declared)} and theirs; installed but not imported: {extras_present}")
+print(
+    f"ok: import composer_core imports {len(third_party)} non-stdlib top-level modules ({', '.join(third_party)}),"
+)
+print(
+    f"    all from its declared dependencies {sorted(declared)} and theirs; installed but not imported: {extras_present}"
+)

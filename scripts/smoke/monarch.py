@@ -3,8 +3,8 @@ import torch
 
 installed_from_wheel("composer-core", "composer_core")
 installed_from_wheel("composer-monarch", "composer_monarch")
-from composer_monarch import ComposerDriver, ComposerLoss, LoopConfig, ReplayRecord, TinyQwen2  # noqa: E402
-from composer_monarch.task import ReverseDigits  # noqa: E402
+from composer_monarch import ComposerDriver, ComposerLoss, LoopConfig, ReplayRecord, TinyQwen2
+from composer_monarch.task import ReverseDigits
 
 task = ReverseDigits(n_digits=8, length=3)
 model = TinyQwen2(task.vocab_size, seed=0)
@@ -20,5 +20,7 @@ with ComposerDriver(task, model, loss=loss, loop=loop, replay=replay) as driver:
 changed = sum(not torch.equal(before[k], after[k]) for k in before)
 assert changed == len(before), f"{changed} of {len(before)} tensors changed"
 assert result.metrics["sdpo/tokens"] > 0 and result.extra["pairs"] > 0, result.metrics
-print(f"ok: one driver step on a proc mesh (actor pid {sorted(set(pids.values()))}): all {changed} tensors "
-      f"updated, loss {result.metrics.get('loss/total', float('nan')):.4f}, {result.extra['pairs']} replay pairs")
+print(
+    f"ok: one driver step on a proc mesh (actor pid {sorted(set(pids.values()))}): all {changed} tensors "
+    f"updated, loss {result.metrics.get('loss/total', float('nan')):.4f}, {result.extra['pairs']} replay pairs"
+)

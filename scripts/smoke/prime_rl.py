@@ -8,7 +8,7 @@ import torch
 
 installed_from_wheel("composer-core", "composer_core")
 installed_from_wheel("composer-prime-rl", "composer_prime_rl")
-import composer_prime_rl  # noqa: E402
+import composer_prime_rl
 
 torch.manual_seed(0)
 n = 12
@@ -36,5 +36,7 @@ for name in composer_prime_rl.EXAMPLES:
     want = -(adv * mask).sum()
     assert torch.allclose(out.loss.detach(), want, atol=1e-12), (name, out.loss.item(), want.item())
     assert torch.allclose(logp.grad, -(adv * mask), atol=1e-12), name
-    print(f"ok: {name} -> {table['import_path']}({', '.join(sorted(table.get('kwargs', {})))}): "
-          f"loss {out.loss.item():.6f} = -sum(A*mask), gradient = -A*mask, {len(out.metrics)} metrics")
+    print(
+        f"ok: {name} -> {table['import_path']}({', '.join(sorted(table.get('kwargs', {})))}): "
+        f"loss {out.loss.item():.6f} = -sum(A*mask), gradient = -A*mask, {len(out.metrics)} metrics"
+    )

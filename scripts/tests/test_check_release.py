@@ -64,18 +64,24 @@ def test_unknown_package_and_bad_version_are_refused() -> None:
 def test_adapter_whose_core_range_excludes_the_workspace_core_is_refused(ws: Path) -> None:
     _edit(ws / "packages/composer-core/pyproject.toml", 'version = "0.1.0"', 'version = "0.2.0"')
     _edit(ws / "packages/composer-core/CHANGELOG.md", "## [0.1.0]", "## [0.2.0]")
-    pkg, problems = check_tag("composer-trl-v0.1.0", root=ws)
+    _, problems = check_tag("composer-trl-v0.1.0", root=ws)
     assert problems == [
         "composer-trl: its range 'composer-core<0.2,>=0.1.0' excludes the workspace's composer-core 0.2.0; "
         "test the adapter against it and widen the range (CONTRIBUTING.md, versioning)"
     ]
     # releasing that core is refused too, naming every adapter that would no longer resolve
     _, core_problems = check_tag("composer-core-v0.2.0", root=ws)
-    assert len(core_problems) == 5 and all("excludes the workspace's composer-core 0.2.0" in p for p in core_problems)
+    assert len(core_problems) == 5 and all(
+        "excludes the workspace's composer-core 0.2.0" in p for p in core_problems
+    )
     assert len(check_all(ws)) == 5
     assert main(["--all", "--root", str(ws)]) == 1
     # widening one adapter's range (after testing it) makes that adapter releasable
-    _edit(ws / "packages/composer-trl/pyproject.toml", '"composer-core>=0.1.0,<0.2"', '"composer-core>=0.2.0,<0.3"')
+    _edit(
+        ws / "packages/composer-trl/pyproject.toml",
+        '"composer-core>=0.1.0,<0.2"',
+        '"composer-core>=0.2.0,<0.3"',
+    )
     assert check_tag("composer-trl-v0.1.0", root=ws)[1] == []
 
 
@@ -83,7 +89,9 @@ def test_adapter_without_a_core_range_is_refused(ws: Path) -> None:
     _edit(ws / "packages/composer-verl/pyproject.toml", '"composer-core>=0.1.0,<0.2"', '"composer-core"')
     assert "composer-core has no version range" in check_tag("composer-verl-v0.1.0", root=ws)[1][0]
     _edit(ws / "packages/composer-verl/pyproject.toml", '"composer-core",', "")
-    assert check_tag("composer-verl-v0.1.0", root=ws)[1] == ["composer-verl: no composer-core dependency in pyproject.toml"]
+    assert check_tag("composer-verl-v0.1.0", root=ws)[1] == [
+        "composer-verl: no composer-core dependency in pyproject.toml"
+    ]
 
 
 def test_changelog_needs_a_section_for_the_released_version(ws: Path) -> None:

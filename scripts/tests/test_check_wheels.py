@@ -77,7 +77,9 @@ def test_wheel_without_the_verl_plugin_entry_point_fails_naming_it(built: Path, 
     def drop(files: dict[str, bytes]) -> None:
         del files[_info(files, "entry_points.txt")]
 
-    broken = rewrite_wheel(_wheel(built, "composer-verl"), tmp_path / _wheel(built, "composer-verl").name, drop)
+    broken = rewrite_wheel(
+        _wheel(built, "composer-verl"), tmp_path / _wheel(built, "composer-verl").name, drop
+    )
     problems = check_wheel(broken, expected(PKGS["composer-verl"]))
     assert len(problems) == 1
     assert "no entry_points.txt" in problems[0] and "verl.plugins" in problems[0]
@@ -86,7 +88,9 @@ def test_wheel_without_the_verl_plugin_entry_point_fails_naming_it(built: Path, 
         name = _info(files, "entry_points.txt")
         files[name] = files[name].replace(b"composer = ", b"composr = ")
 
-    broken = rewrite_wheel(_wheel(built, "composer-verl"), tmp_path / "x" / _wheel(built, "composer-verl").name, rename)
+    broken = rewrite_wheel(
+        _wheel(built, "composer-verl"), tmp_path / "x" / _wheel(built, "composer-verl").name, rename
+    )
     (problem,) = check_wheel(broken, expected(PKGS["composer-verl"]))
     assert "entry point [verl.plugins] 'composer' missing" in problem
 
@@ -106,7 +110,9 @@ def test_wheel_without_license_file_fails(built: Path, tmp_path: Path) -> None:
         del files[_info(files, "licenses/LICENSE")]
         _edit_metadata(files, lambda m: m.replace("License-File: LICENSE\n", ""))
 
-    problems = check_wheel(rewrite_wheel(wheel, tmp_path / wheel.name, drop), expected(PKGS["composer-prime-rl"]))
+    problems = check_wheel(
+        rewrite_wheel(wheel, tmp_path / wheel.name, drop), expected(PKGS["composer-prime-rl"])
+    )
     assert any("no License-File: LICENSE" in p for p in problems)
     assert any("licenses/LICENSE" in p and "license-files" in p for p in problems)
     assert len(problems) == 2
@@ -126,12 +132,20 @@ def test_wheel_without_license_file_fails(built: Path, tmp_path: Path) -> None:
         (lambda m: m.replace("Classifier: Programming Language :: Python :: 3.11\n", ""), "a tested version"),
         (lambda m: re.sub(r"Project-URL: Changelog, .*\n", "", m), "no Project-URL 'Changelog'"),
         (lambda m: m.replace("Requires-Python: >=3.11\n", ""), "no Requires-Python"),
-        (lambda m: re.sub(r"Requires-Dist: composer-core[^\n]*\n", "", m), "'composer-core' of pyproject.toml"),
-        (lambda m: m.replace("# composer-prime-rl", "# something else"), "long description is not the package README"),
+        (
+            lambda m: re.sub(r"Requires-Dist: composer-core[^\n]*\n", "", m),
+            "'composer-core' of pyproject.toml",
+        ),
+        (
+            lambda m: m.replace("# composer-prime-rl", "# something else"),
+            "long description is not the package README",
+        ),
         (lambda m: m.replace("Version: 0.1.0", "Version: 9.9.9"), "Version is '9.9.9'"),
     ],
 )
-def test_wheel_metadata_defects_are_named(built: Path, tmp_path: Path, edit: Callable[[str], str], needle: str) -> None:
+def test_wheel_metadata_defects_are_named(
+    built: Path, tmp_path: Path, edit: Callable[[str], str], needle: str
+) -> None:
     wheel = _wheel(built, "composer-prime-rl")
     broken = rewrite_wheel(wheel, tmp_path / wheel.name, lambda f: _edit_metadata(f, edit))
     problems = check_wheel(broken, expected(PKGS["composer-prime-rl"]))
@@ -168,7 +182,9 @@ def test_sdist_without_changelog_or_license_fails(built: Path, tmp_path: Path) -
     ]
 
 
-def test_cli_exit_codes_and_missing_distributions(built: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_exit_codes_and_missing_distributions(
+    built: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     only = tmp_path / "only-wheel"
     only.mkdir()
     shutil.copy(_wheel(built, "composer-verl"), only)

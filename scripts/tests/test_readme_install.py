@@ -65,7 +65,11 @@ def test_a_missing_block_or_a_wrong_git_url_is_reported(ws: Path) -> None:
     problems = check_readme(load_package(ws / "packages/composer-verl"), ws)
     assert "holds composer-trl, not composer-verl" in problems[0]
 
-    _edit(readme, f"composer-verl @ git+{REPO}#subdirectory=packages/composer-trl", "composer-verl @ git+https://example.com/x#subdirectory=packages/composer-verl")
+    _edit(
+        readme,
+        f"composer-verl @ git+{REPO}#subdirectory=packages/composer-trl",
+        "composer-verl @ git+https://example.com/x#subdirectory=packages/composer-verl",
+    )
     problems = check_readme(load_package(ws / "packages/composer-verl"), ws)
     assert f"the repository is {REPO}" in problems[0]
 
@@ -76,27 +80,40 @@ def test_clone_and_git_forms_must_install_the_same(ws: Path) -> None:
     problems = check_readme(load_package(ws / "packages/composer-trl"), ws)
     assert any("install-git block installs composer-core, composer-trl[plot]" in p for p in problems)
     assert any("install-index block does not install composer-trl" in p for p in problems)
-    _edit(readme, "pip install ./packages/composer-core ./packages/composer-trl", "pip install ./packages/composer-trl")
+    _edit(
+        readme,
+        "pip install ./packages/composer-core ./packages/composer-trl",
+        "pip install ./packages/composer-trl",
+    )
     problems = check_readme(load_package(ws / "packages/composer-trl"), ws)
     assert any("must install ./packages/composer-core too" in p for p in problems)
 
 
 def test_clone_path_that_does_not_exist_is_reported(ws: Path) -> None:
-    _edit(ws / "packages/composer-diloco/README.md", "./packages/composer-diloco ", "./packages/composer-dilco ")
+    _edit(
+        ws / "packages/composer-diloco/README.md", "./packages/composer-diloco ", "./packages/composer-dilco "
+    )
     problems = check_readme(load_package(ws / "packages/composer-diloco"), ws)
     assert any("packages/composer-dilco has no pyproject.toml" in p for p in problems)
 
 
 def test_unlabelled_index_install_in_the_root_readme_fails(ws: Path) -> None:
-    (ws / "README.md").write_text((ws / "README.md").read_text() + "\n```bash\npip install composer-verl\n```\n")
+    (ws / "README.md").write_text(
+        (ws / "README.md").read_text() + "\n```bash\npip install composer-verl\n```\n"
+    )
     assert main([str(ws)]) == 1
 
 
 def test_clone_command_that_ci_does_not_run_is_reported(ws: Path) -> None:
     # e.g. a README advertising an extra that no install-test block installs
-    (ws / "README.md").write_text((ws / "README.md").read_text() + "\nRun `pip install './packages/composer-diloco[ray]'`.\n")
+    (ws / "README.md").write_text(
+        (ws / "README.md").read_text() + "\nRun `pip install './packages/composer-diloco[ray]'`.\n"
+    )
     assert main([str(ws)]) == 1
     readme = ws / "packages/composer-verl/README.md"
     (readme).write_text(readme.read_text() + "\n```bash\npip install ./packages/composer-verl\n```\n")
     problems = check_readme(load_package(ws / "packages/composer-verl"), ws)
-    assert any("'pip install ./packages/composer-verl' is not one of the install-test commands" in p for p in problems)
+    assert any(
+        "'pip install ./packages/composer-verl' is not one of the install-test commands" in p
+        for p in problems
+    )
