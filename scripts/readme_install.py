@@ -150,8 +150,8 @@ def _parse(
         directory = root / "packages" / m["dir"]
         if not (directory / "pyproject.toml").is_file():
             return None, f"install-test: {arg!r}: packages/{m['dir']} has no pyproject.toml"
-        name = next(p.name for p in workspace.values() if p.directory.name == m["dir"])
-        return (name, _extras(m["extras"])), ""
+        pkg = next(p for p in workspace.values() if p.directory.name == m["dir"])
+        return _with_extras(kind, arg, pkg, _extras(m["extras"]))
     if kind == "install-git":
         m = GIT.fullmatch(arg)
         if not m:
@@ -167,11 +167,19 @@ def _parse(
         name = next((p.name for p in workspace.values() if p.directory == sub.resolve()), None)
         if name is None or _norm(name) != _norm(m["name"]):
             return None, f"install-git: {arg!r}: {m['subdir']} holds {name}, not {m['name']}"
-        return (name, _extras(m["extras"])), ""
+        return _with_extras(kind, arg, workspace[_norm(name)], _extras(m["extras"]))
     m = NAME.match(arg)
     if not m:
         return None, f"install-index: cannot read {arg!r}"
     return (_norm(m["name"]), _extras(m["extras"])), ""
+
+
+def _with_extras(kind: str, arg: str, pkg: Package, extras: frozenset[str]) -> tuple[Req | None, str]:
+    """A requirement of ``pkg`` whose extras must exist (pip and uv only warn about an unknown extra)."""
+    unknown = sorted(extras - set(pkg.project.get("optional-dependencies", {})))
+    if unknown:
+        return None, f"{kind}: {arg!r}: {pkg.name} has no extra {', '.join(unknown)}"
+    return (pkg.name, extras), ""
 
 
 def index_form_outside_blocks(text: str, where: str, workspace: dict[str, Package]) -> list[str]:
@@ -262,6 +270,10 @@ def install_test_commands(pkg: Package, wheels: dict[str, Path], root: Path = RO
             for arg in args:
                 m = CLONE.fullmatch(arg)
                 if m:
+                    if m["dir"] not in by_dir:
+                        raise ValueError(
+                            f"{pkg.name} README: {arg!r}: no package directory packages/{m['dir']}"
+                        )
                     dist = by_dir[m["dir"]].name
                     extras = f"[{m['extras']}]" if m["extras"] else ""
                     translated.append(f"{dist}{extras} @ {wheels[dist].resolve().as_uri()}")

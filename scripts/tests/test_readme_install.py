@@ -117,3 +117,14 @@ def test_clone_command_that_ci_does_not_run_is_reported(ws: Path) -> None:
         "'pip install ./packages/composer-verl' is not one of the install-test commands" in p
         for p in problems
     )
+
+
+def test_unknown_extra_is_reported(ws: Path) -> None:
+    # pip and uv only warn about an extra the package does not have; the check fails on it
+    _edit(
+        ws / "packages/composer-trl/README.md",
+        "'./packages/composer-trl[plot]'",
+        "'./packages/composer-trl[plott]'",
+    )
+    problems = check_readme(load_package(ws / "packages/composer-trl"), ws)
+    assert any("composer-trl has no extra plott" in p for p in problems)
