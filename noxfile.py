@@ -292,7 +292,7 @@ def installed(session: nox.Session, package: str, host: str) -> None:
     readme = _scripts_module("readme_install")
     name = f"composer-{package}"
     tmp = Path(session.create_tmp()).resolve()
-    for leaf in ("venv", "dist", "work"):
+    for leaf in ("venv", "venv-git", "dist", "work"):
         shutil.rmtree(tmp / leaf, ignore_errors=True)
     pin = _prepare(session)  # local torch wheel + constraint (UV_FIND_LINKS / UV_CONSTRAINT)
     host_args: list[str] = []
@@ -332,4 +332,40 @@ def installed(session: nox.Session, package: str, host: str) -> None:
     }
     session.chdir(work)
     session.run(python, "-I", str(smoke), env=env, external=True)
+    session.chdir(ROOT)  # _prepare's constraint path is relative to the root
+    _install_git_form(session, readme, workspace[name], tmp, pin)
     session.log(f"installed({package}-{host}): {time.monotonic() - start:.0f} s wall")
+
+
+def _install_git_form(session: nox.Session, readme: object, pkg: object, tmp: Path, pin: list[str]) -> None:
+    """The README's git-URL commands with the repository URL pointed at this clone (git+file://, the
+    committed HEAD), into a scratch venv without dependencies: the URL syntax, #subdirectory= and extras
+    must build the named distributions."""
+    if not (ROOT / ".git").exists():
+        session.log("not a git checkout: the git-URL install form is checked statically only (nox -s dists)")
+        return
+    venv = tmp / "venv-git"
+    session.run("uv", "venv", str(venv), "-p", "3.11", "-q", external=True)
+    commands = readme.install_git_commands(pkg, ROOT.resolve().as_uri())  # type: ignore[attr-defined]
+    names = set()
+    for args in commands:
+        session.run(
+            "uv",
+            "pip",
+            "install",
+            "--python",
+            str(venv / "bin" / "python"),
+            "--no-deps",
+            *pin,
+            *args,
+            external=True,
+        )
+        names |= {a.split("@", 1)[0].split("[", 1)[0].strip() for a in args if "@ git+" in a}
+    probe = (
+        "import json, sys; from importlib import metadata as m\n"
+        "for n in sys.argv[1:]:\n"
+        "    d = json.loads(m.distribution(n).read_text('direct_url.json'))\n"
+        "    assert 'vcs_info' in d and d.get('subdirectory') == 'packages/' + n, d\n"
+        '    print(f\'ok: git-URL form: {n} {m.version(n)} built from {d["url"]}#subdirectory={d["subdirectory"]}\')\n'
+    )
+    session.run(str(venv / "bin" / "python"), "-I", "-c", probe, *sorted(names), external=True)

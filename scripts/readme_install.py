@@ -8,9 +8,10 @@ Each package README has three fenced blocks, tagged after the language (GitHub s
   built from that directory and ``pip install`` by ``uv pip install`` into the fresh venv (same
   arguments): a README command that stops working fails CI.
 * ```` ```bash install-git ````: the same requirements from the git URL,
-  ``"composer-<pkg> @ git+<repository>#subdirectory=packages/composer-<pkg>"`` (cannot run offline: the
-  check verifies the URL is the root pyproject's repository, the subdirectory exists and holds that
-  distribution, and the requirements equal the clone form's).
+  ``"composer-<pkg> @ git+<repository>#subdirectory=packages/composer-<pkg>"``. The check verifies the URL
+  is the root pyproject's repository, the subdirectory exists and holds that distribution, and the
+  requirements equal the clone form's; ``nox -s installed`` also runs these commands with the repository
+  URL replaced by the local clone (``git+file://``, ``--no-deps``: builds each subdirectory from git).
 * ```` ```bash install-index ````: ``pip install composer-<pkg>`` for after publishing.
 
 Any other fenced block of a README that installs a workspace distribution from the index is reported
@@ -280,6 +281,20 @@ def install_test_commands(pkg: Package, wheels: dict[str, Path], root: Path = RO
                 else:
                     translated.append(arg)
             out.append(translated)
+    return out
+
+
+def install_git_commands(pkg: Package, local_repo: str, root: Path = ROOT) -> list[list[str]]:
+    """The install-git commands of ``pkg``'s README as ``uv pip install`` arguments with the repository
+    URL replaced by ``local_repo`` (e.g. ``file:///path/to/clone``): the same requirement strings, so
+    their syntax, subdirectories and extras are exercised offline against the clone's committed HEAD."""
+    repo = repository(root)
+    text = (pkg.directory / "README.md").read_text()
+    out = []
+    for block in (b for b in blocks(text) if b.kind == "install-git"):
+        for words in commands(block.body):
+            args = pip_install_args(words) or []
+            out.append([a.replace(f"git+{repo}", f"git+{local_repo}") for a in args])
     return out
 
 

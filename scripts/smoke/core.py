@@ -49,7 +49,7 @@ for mod in modules:
 assert not foreign, f"import composer_core pulled in modules outside its declared dependencies: {foreign}"
 extras_present = sorted(
     d
-    for d in ("transformers", "httpx", "tokenizers")
+    for d in ("transformers", "httpx", "tokenizers", "pyarrow")
     if _name(d) not in allowed and d in {_name(x.metadata["Name"]) for x in metadata.distributions()}
 )
 assert extras_present, "the extras are not installed, so the import check would prove nothing"
