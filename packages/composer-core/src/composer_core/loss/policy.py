@@ -19,6 +19,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from composer_core.loss.metrics import Metrics
 from composer_core.loss.validation import (
     as_mask,
     check_choice,
@@ -323,10 +324,11 @@ def dppo_loss(
 
 @dataclass
 class PolicyLossOutput:
-    """Result of :func:`policy_loss`: the scalar ``loss`` (with grad) and float ``metrics``."""
+    """Result of :func:`policy_loss`: the scalar ``loss`` (with grad) and ``metrics``
+    (:class:`~composer_core.loss.metrics.Metrics`: floats on read, detached tensors via ``.tensors()``)."""
 
     loss: Tensor
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: Metrics = field(default_factory=Metrics)
 
 
 def policy_loss(
@@ -430,7 +432,7 @@ def policy_loss(
         assert ref is not None
         per_token_kl = _kl_unchecked(logprobs, ref, kl_estimator)
     per_token_loss, is_clipped = _surrogate_from_ratio(coef_1, adv, eps_lo, eps_hi, delta)
-    metrics: dict[str, float] = {}
+    metrics: dict[str, Tensor | float] = {}
     m_f = m_bool.to(logprobs.dtype)
     n_tok = m_f.sum().clamp(min=1.0)
 
@@ -441,7 +443,7 @@ def policy_loss(
             logprobs, inference_logprobs, adv, mask_low=dppo_mask_low, mask_high=dppo_mask_high
         )
         per_token_loss = per_token_loss * (~masked)
-        metrics["policy/dppo_masked"] = float((masked.to(m_f.dtype) * m_f).sum() / n_tok)
+        metrics["policy/dppo_masked"] = ((masked.to(m_f.dtype) * m_f).sum() / n_tok).detach()
     elif rollout_correction is not None:
         assert inference_logprobs is not None
         weights = rollout_correction_weights(
@@ -453,17 +455,17 @@ def policy_loss(
             clip_min=rollout_clip_min,
         )
         per_token_loss = per_token_loss * weights
-        metrics["policy/rollout_is_weight"] = float((weights * m_f).sum() / n_tok)
+        metrics["policy/rollout_is_weight"] = ((weights * m_f).sum() / n_tok).detach()
     elif rollout_is_weights is not None:
         per_token_loss = per_token_loss * rollout_is_weights.detach()
-        metrics["policy/rollout_is_weight"] = float((rollout_is_weights.detach() * m_f).sum() / n_tok)
+        metrics["policy/rollout_is_weight"] = ((rollout_is_weights.detach() * m_f).sum() / n_tok).detach()
 
     if per_token_kl is not None:
         per_token_loss = per_token_loss + kl_beta * per_token_kl
-        metrics["policy/kl"] = float((per_token_kl.detach() * m_f).sum() / n_tok)
+        metrics["policy/kl"] = ((per_token_kl.detach() * m_f).sum() / n_tok).detach()
 
     loss = aggregate_loss(
         per_token_loss, mask, loss_type, normalizer=normalizer, max_completion_length=max_completion_length
     )
-    metrics["policy/clip_ratio"] = float((is_clipped.to(m_f.dtype) * m_f).sum() / n_tok)
-    return PolicyLossOutput(loss=loss, metrics=metrics)
+    metrics["policy/clip_ratio"] = ((is_clipped.to(m_f.dtype) * m_f).sum() / n_tok).detach()
+    return PolicyLossOutput(loss=loss, metrics=Metrics(metrics))
