@@ -135,7 +135,7 @@ def check_mode_options(**options: object) -> None:
     batch resolves it). Adapters call it when their config is built so a user learns at construction that, e.g.,
     ``simpo_beta`` does nothing under ``dpo_variant='dpo'``. Options not given take the config's defaults.
     """
-    ComposeConfig.from_flat(**{k: v for k, v in options.items() if k not in PER_CALL})
+    ComposeConfig.from_flat(**{k: v for k, v in options.items() if k not in PER_CALL})  # type: ignore[arg-type]
 
 
 def _present(batch: ComposerBatch, *names: str) -> list[str]:

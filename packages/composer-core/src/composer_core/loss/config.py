@@ -54,6 +54,7 @@ __all__ = [
     "SDPOOptions",
     "SimPO",
     "coerce_option",
+    "coerce_to",
     "flat_defaults",
     "flat_option_names",
 ]
@@ -463,7 +464,7 @@ def _hints(klass: type) -> dict[str, Any]:
 
 def _annotation(name: str) -> Any:
     if name in _SELECTORS:
-        return Literal[_SELECTORS[name][1]]  # type: ignore[valid-type]
+        return Literal[_SELECTORS[name][1]]
     klass, fname, _ = _FLAT[name]
     return _hints(klass)[fname]
 
@@ -482,7 +483,12 @@ def _describe(ann: Any) -> str:
 def coerce_option(name: str, value: object) -> object:
     """Coerce one flat option value to its declared type (strings from a CLI included); ``ValueError`` naming
     the option and the expected type for anything that does not convert."""
-    ann = _annotation(name)
+    return coerce_to(name, value, _annotation(name))
+
+
+def coerce_to(name: str, value: object, ann: Any) -> object:
+    """Coerce ``value`` to the type annotation ``ann`` (``float``, ``int``, ``bool``, ``Literal[...]`` and their
+    unions with None), as :meth:`ComposeConfig.from_flat` does; adapters use it for their own options."""
     try:
         return _coerce(ann, value)
     except (TypeError, ValueError):
@@ -615,7 +621,7 @@ def _from_flat(
 
 def _unchecked(klass: type, kw: Mapping[str, object]) -> Any:
     """An instance without running ``__post_init__`` (to collect every mode message before raising)."""
-    obj = object.__new__(klass)
+    obj: Any = object.__new__(klass)
     for f in dataclasses.fields(klass):
         object.__setattr__(obj, f.name, kw.get(f.name, _default(klass, f.name)))
     return obj
