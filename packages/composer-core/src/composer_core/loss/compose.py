@@ -35,15 +35,21 @@ from composer_core.loss.distill import (
     Kernel,
     _check_common,
     fused_linear_loss,
+    _sampled_token_distill,
     generalized_jsd,
     jsd_kernel,
-    sampled_token_distill,
     topk_distill,
 )
 from composer_core.loss.metrics import Metrics
 from composer_core.loss.policy import policy_loss
 from composer_core.loss.preference import dpo_loss, preference_margin, simpo_loss
-from composer_core.loss.validation import as_mask, value_checks
+from composer_core.loss.validation import (
+    as_mask,
+    check_float,
+    check_normalizer,
+    check_same_shape,
+    value_checks,
+)
 from composer_core.loss.wrappers import entropy_opd_kernel, entropy_opd_loss, taid_kernel, taid_loss
 
 __all__ = ["ComposeConfig", "ComposeResult", "ComposerBatch", "check_mode_options", "compose_loss"]
@@ -374,13 +380,12 @@ def _sdpo(
             raise ValueError(
                 "sdpo_form='sampled' needs `teacher_logprobs` [B, T] (teacher log-probs of the sampled tokens)."
             )
-        loss = sampled_token_distill(
-            batch.logprobs,
-            batch.teacher_logprobs,
-            m,
-            old_logprobs=batch.old_logprobs,
-            is_clip=opts.token_clip,
-            normalizer=normalizer,
+        # logprobs / old_logprobs were validated by channel 1; the clip by the config
+        check_float("teacher_logprobs", batch.teacher_logprobs)
+        check_same_shape("logprobs", batch.logprobs, "teacher_logprobs", batch.teacher_logprobs)
+        check_normalizer("sdpo_normalizer", normalizer)
+        loss = _sampled_token_distill(
+            batch.logprobs, batch.teacher_logprobs, m, batch.old_logprobs, opts.token_clip, "mean", normalizer
         )
         return loss, metrics
     if form == "topk":

@@ -652,12 +652,25 @@ def sampled_token_distill(
     if is_clip is not None:
         check_positive("is_clip", is_clip)
     m = as_mask("mask", mask, student_logprobs.shape, device=student_logprobs.device)
-    ls = student_logprobs
-    d = (ls - teacher_logprobs.detach()).detach()
-    per_token = d + d * (ls - ls.detach())
     if old_logprobs is not None:
         check_float("old_logprobs", old_logprobs)
         check_same_shape("student_logprobs", student_logprobs, "old_logprobs", old_logprobs)
+    return _sampled_token_distill(student_logprobs, teacher_logprobs, m, old_logprobs, is_clip, reduction, normalizer)
+
+
+def _sampled_token_distill(
+    ls: Tensor,
+    teacher_logprobs: Tensor,
+    m: Tensor,
+    old_logprobs: Tensor | None,
+    is_clip: float | None,
+    reduction: str,
+    normalizer: float | Tensor | None,
+) -> Tensor:
+    """:func:`sampled_token_distill` on validated inputs (``m`` a bool mask)."""
+    d = (ls - teacher_logprobs.detach()).detach()
+    per_token = d + d * (ls - ls.detach())
+    if old_logprobs is not None:
         if is_clip is not None:
             with torch.no_grad():
                 w = torch.exp(torch.clamp(ls.detach() - old_logprobs.detach(), min=-20.0, max=20.0)).clamp(
