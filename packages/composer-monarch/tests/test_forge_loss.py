@@ -226,7 +226,9 @@ def test_config_is_built_once_at_construction_from_core() -> None:
     from composer_core.loss.config import ComposeConfig, SimPO
 
     loss = ComposerLoss(dpo_variant="simpo", simpo_gamma="0.2", kl_beta=0.1, loss_type="grpo")
-    assert loss.config == ComposeConfig.from_flat(dpo_variant="simpo", simpo_gamma=0.2, kl_beta=0.1, loss_type="grpo")
+    assert loss.config == ComposeConfig.from_flat(
+        dpo_variant="simpo", simpo_gamma=0.2, kl_beta=0.1, loss_type="grpo"
+    )
     assert loss.config.replay == SimPO(gamma=0.2) and loss.needs_reference  # KL reads the reference
     # an option of an unselected mode is refused when the loss is built, not at the first step
     with pytest.raises(ValueError, match="`simpo_gamma`"):

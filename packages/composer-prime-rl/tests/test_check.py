@@ -23,7 +23,9 @@ def test_module_entry_point_exit_codes(tmp_path: Path) -> None:
     assert ok.returncode == 0, ok.stderr
     bad = tmp_path / "bad.toml"
     bad.write_text(example_config("rl.toml").read_text().replace("kl_tau = 1e-3", 'kl_tau = "fast"'))
-    out = subprocess.run([sys.executable, "-m", "composer_prime_rl.check", str(bad)], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "composer_prime_rl.check", str(bad)], capture_output=True, text=True
+    )
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "'kl_tau' must be a number" in lines[0] and "[trainer.loss.kwargs]" in lines[0]
@@ -32,7 +34,11 @@ def test_module_entry_point_exit_codes(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("overrides", "code", "needle"),
     [
-        (["--trainer.loss.kwargs.alpha_sdpo", "0.25", "--trainer.loss.kwargs.sdpo_token_clip", "false"], 0, "ok"),
+        (
+            ["--trainer.loss.kwargs.alpha_sdpo", "0.25", "--trainer.loss.kwargs.sdpo_token_clip", "false"],
+            0,
+            "ok",
+        ),
         (["--trainer.loss.kwargs.alpha_sdpo=0.5"], 0, "alpha_sdpo=0.5"),
         (["--trainer.loss.kwargs.alpha_sdpo", "lots"], 2, "'alpha_sdpo' must be a number"),
         (["--trainer.loss.kwargs.simpo_gamma", "0.2"], 2, "'simpo_gamma' was given"),
@@ -41,7 +47,9 @@ def test_module_entry_point_exit_codes(tmp_path: Path) -> None:
         (["--model.name", "x"], 2, "unexpected argument"),
     ],
 )
-def test_cli_style_overrides(overrides: list[str], code: int, needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_style_overrides(
+    overrides: list[str], code: int, needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main([str(example_config("rl.toml")), *overrides]) == code
     captured = capsys.readouterr()
     assert needle in (captured.out if code == 0 else captured.err)

@@ -115,7 +115,12 @@ def test_defaults_come_from_composer_core_and_the_core_config_is_built(tmp_path,
 
     core = flat_defaults()
     shared = {f.name for f in dataclasses.fields(ComposerGRPOConfig)} & set(core)
-    shared -= {"sdpo_form", "loss_type", "delta", "max_completion_length"}  # TRL's own fields / adapter choice
+    shared -= {
+        "sdpo_form",
+        "loss_type",
+        "delta",
+        "max_completion_length",
+    }  # TRL's own fields / adapter choice
     assert {"alpha_sdpo", "simpo_gamma", "dpo_beta", "sdpo_token_clip", "taid_t_start"} <= shared
     for f in dataclasses.fields(ComposerGRPOConfig):
         if f.name in shared:

@@ -60,7 +60,15 @@ def test_defaults_shared_with_core_come_from_core() -> None:
     from composer_core.loss.config import DPO, SDPOOptions, SimPO, flat_defaults
 
     cfg, core = ComposerVerlConfig(), flat_defaults()
-    for key in ("sdpo_token_clip", "dpo_variant", "dpo_beta", "dpo_loss_type", "dpo_label_smoothing", "simpo_beta", "simpo_gamma"):
+    for key in (
+        "sdpo_token_clip",
+        "dpo_variant",
+        "dpo_beta",
+        "dpo_loss_type",
+        "dpo_label_smoothing",
+        "simpo_beta",
+        "simpo_gamma",
+    ):
         assert getattr(cfg, key) == core[key], key
     assert cfg.policy_delta == core["delta"]
     # the typed core config is built once with the section, and the loss reads it

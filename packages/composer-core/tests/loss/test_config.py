@@ -25,7 +25,9 @@ D = torch.float64
 B, T, V, H, P = 3, 4, 7, 5, 2
 
 
-def _batch(*, logits: bool = False, hidden: bool = False, sampled: bool = False, pairs: bool = True) -> ComposerBatch:
+def _batch(
+    *, logits: bool = False, hidden: bool = False, sampled: bool = False, pairs: bool = True
+) -> ComposerBatch:
     g = torch.Generator().manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=g, dtype=D)  # noqa: E731
     mask = torch.ones(B, T)
@@ -67,7 +69,9 @@ def _batch(*, logits: bool = False, hidden: bool = False, sampled: bool = False,
         ({}, "kl_estimator", "k1"),
     ],
 )
-def test_option_without_effect_in_the_resolved_mode_raises(batch_kw: dict, option: str, value: object) -> None:
+def test_option_without_effect_in_the_resolved_mode_raises(
+    batch_kw: dict, option: str, value: object
+) -> None:
     b = _batch(**batch_kw)
     with pytest.raises(ValueError, match=f"`{option}`.*silently ignored|silently ignored.*`{option}`"):
         compose_loss(b, **{option: value})
@@ -92,7 +96,13 @@ def test_dppo_and_rollout_options_in_their_mode_pass() -> None:
 
 def test_every_option_without_effect_is_named_in_one_message() -> None:
     with pytest.raises(ValueError) as err:
-        compose_loss(_batch(sampled=True), sdpo_temperature=3.0, kl_estimator="k2", simpo_gamma=0.2, rollout_clip_min=0.5)
+        compose_loss(
+            _batch(sampled=True),
+            sdpo_temperature=3.0,
+            kl_estimator="k2",
+            simpo_gamma=0.2,
+            rollout_clip_min=0.5,
+        )
     for name in ("sdpo_temperature", "kl_estimator", "simpo_gamma", "rollout_clip_min"):
         assert f"`{name}`" in str(err.value)
 
@@ -165,8 +175,14 @@ def test_config_is_frozen_and_equals_the_flat_form() -> None:
 
 def test_defaults_live_in_the_config_classes() -> None:
     d = flat_defaults()
-    assert d["simpo_gamma"] == SimPO().gamma and d["dpo_beta"] == DPO().beta and d["taid_t_start"] == TAID().t_start
-    assert d["sdpo_token_clip"] == SDPOOptions().token_clip and d["epsilon_low"] == PolicyOptions().epsilon_low
+    assert (
+        d["simpo_gamma"] == SimPO().gamma
+        and d["dpo_beta"] == DPO().beta
+        and d["taid_t_start"] == TAID().t_start
+    )
+    assert (
+        d["sdpo_token_clip"] == SDPOOptions().token_clip and d["epsilon_low"] == PolicyOptions().epsilon_low
+    )
     from composer_core.loss import compose
 
     assert set(compose._COMPOSE_OPTIONS) >= set(d) | {"normalizer", "sdpo_normalizer", "replay_normalizer"}
@@ -183,7 +199,14 @@ def test_from_flat_coerces_cli_strings() -> None:
     assert cfg.alpha_sdpo == 0.25 and cfg.beta_replay == 0.0 and cfg.policy.epsilon_high is None
     assert cfg.sdpo.topk == 3 and isinstance(cfg.sdpo.topk, int) and cfg.check_values is False
     assert cfg.replay == SimPO(gamma=0.1)
-    for text, want in (("true", True), ("1", True), ("yes", True), ("False", False), ("0", False), ("no", False)):
+    for text, want in (
+        ("true", True),
+        ("1", True),
+        ("yes", True),
+        ("False", False),
+        ("0", False),
+        ("no", False),
+    ):
         assert coerce_option("check_values", text) is want
     assert coerce_option("sdpo_token_clip", "") is None and coerce_option("rollout_clip_max", "NULL") is None
 
@@ -245,7 +268,9 @@ def test_compose_loss_reads_the_host_at_most_once(form: str, variant: str, norma
         b.lm_head_bias = torch.randn(V, dtype=D)
     norms = {}
     if normalizer == "tensor":
-        norms = {k: torch.tensor(5.0, dtype=D) for k in ("normalizer", "sdpo_normalizer", "replay_normalizer")}
+        norms = {
+            k: torch.tensor(5.0, dtype=D) for k in ("normalizer", "sdpo_normalizer", "replay_normalizer")
+        }
     b.ref_logprobs = b.logprobs.detach() - 0.1
     cfg = ComposeConfig.from_flat(dpo_variant=variant, kl_beta=0.04, **opts)
     compose_loss(b, cfg, **norms)  # warm-up (imports, caches)
@@ -278,10 +303,14 @@ def test_compose_loss_reads_the_host_at_most_once(form: str, variant: str, norma
 def test_bad_values_raise_from_the_fused_check_with_one_sync(change: dict, match: str) -> None:
     b = _batch(logits=True)
     for name, how in change.items():
-        t = getattr(b, name)
-        bad = {"nan": lambda: t.detach() * float("nan"), "inf": lambda: t * float("inf"),
-               "half": lambda: t * 0.5, "zeros": lambda: torch.zeros_like(t)}[how]()  # fmt: skip
-        setattr(b, name, bad)
+        t = getattr(b, name).detach()
+        bad = {
+            "nan": t * float("nan"),
+            "inf": t * float("inf"),
+            "half": t * 0.5,
+            "zeros": torch.zeros_like(t),
+        }
+        setattr(b, name, bad[how])
     cfg = ComposeConfig.from_flat(dpo_variant="simpo")
     with _count_host_reads() as calls, pytest.raises(ValueError, match=match):
         compose_loss(b, cfg)

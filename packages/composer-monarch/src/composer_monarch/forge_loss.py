@@ -75,7 +75,9 @@ class ComposerLoss:
         # composer_core's typed config, built (and validated) once here; the per-call normalisers stay apart
         self.normalizers = {k: self.options[k] for k in PER_CALL if k in self.options}
         try:
-            self.config = ComposeConfig.from_flat(**{k: v for k, v in self.options.items() if k not in PER_CALL})
+            self.config = ComposeConfig.from_flat(
+                **{k: v for k, v in self.options.items() if k not in PER_CALL}
+            )
         except ValueError as err:
             if "unknown option" in str(err):
                 raise ValueError(f"ComposerLoss: unknown compose_loss option(s): {err}") from None

@@ -75,7 +75,9 @@ def check_config(path: str | Path, overrides: Sequence[str] = ()) -> PrimeRLLoss
     try:
         config = tomllib.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as err:
-        raise ConfigError(f"cannot read {path}: {err.strerror or err}; pass the path of a PRIME-RL TOML.") from None
+        raise ConfigError(
+            f"cannot read {path}: {err.strerror or err}; pass the path of a PRIME-RL TOML."
+        ) from None
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{path} is not valid TOML ({err}); fix the syntax.") from None
     where, loss = _loss_table(config)

@@ -216,14 +216,18 @@ _HINTS = typing.get_type_hints(PrimeRLLossOptions)
 def _coerce(key: str, value: Any) -> Any:
     """CLI strings (``--loss.kwargs.alpha_sdpo 0.25`` arrives as ``'0.25'``) → the option's type, with the
     coercion of composer_core's typed config; ``sdpo_token_clip = false`` (TOML has no null) → None."""
-    if key == "sdpo_token_clip" and (value is False or (isinstance(value, str) and value.strip().lower() == "false")):
+    if key == "sdpo_token_clip" and (
+        value is False or (isinstance(value, str) and value.strip().lower() == "false")
+    ):
         return None
     if not isinstance(value, str) or typing.get_origin(_HINTS[key]) is Literal:
         return value  # typed values (TOML numbers, Python kwargs) and choices are judged by the checks below
     try:
         return coerce_to(key, value, _HINTS[key])
     except ValueError:
-        want = "a number" if _HINTS[key] in (float, float | None) else f"one of {typing.get_args(_HINTS[key])}"
+        want = (
+            "a number" if _HINTS[key] in (float, float | None) else f"one of {typing.get_args(_HINTS[key])}"
+        )
         raise ValueError(
             f"'{key}' must be {want}, got {value!r} (a string that does not convert); fix the value in "
             "[trainer.loss.kwargs] or on the command line."

@@ -63,10 +63,18 @@ class ComposerGRPOConfig(GRPOConfig):
     )
 
     sdpo_form: Literal["full", "sampled"] = field(default="full", metadata={"help": "'full' or 'sampled'."})
-    sdpo_beta: float = field(default=_CORE["sdpo_beta"], metadata={"help": "Generalized JSD beta (0 FKL, 1 RKL)."})
-    sdpo_temperature: float = field(default=_CORE["sdpo_temperature"], metadata={"help": "Divergence temperature."})
-    sdpo_token_clip: float | None = field(default=_CORE["sdpo_token_clip"], metadata={"help": "IS clip of the sampled form."})
-    sdpo_chunk_size: int = field(default=_CORE["sdpo_chunk_size"], metadata={"help": "Rows per chunk of the fused kernel."})
+    sdpo_beta: float = field(
+        default=_CORE["sdpo_beta"], metadata={"help": "Generalized JSD beta (0 FKL, 1 RKL)."}
+    )
+    sdpo_temperature: float = field(
+        default=_CORE["sdpo_temperature"], metadata={"help": "Divergence temperature."}
+    )
+    sdpo_token_clip: float | None = field(
+        default=_CORE["sdpo_token_clip"], metadata={"help": "IS clip of the sampled form."}
+    )
+    sdpo_chunk_size: int = field(
+        default=_CORE["sdpo_chunk_size"], metadata={"help": "Rows per chunk of the fused kernel."}
+    )
     sdpo_wrapper: Literal["none", "taid", "entropy_opd"] = field(
         default=_CORE["sdpo_wrapper"], metadata={"help": "'none', 'taid' or 'entropy_opd'."}
     )
@@ -74,18 +82,28 @@ class ComposerGRPOConfig(GRPOConfig):
     taid_t_end: float = field(default=_CORE["taid_t_end"], metadata={"help": "TAID final t."})
     taid_alpha: float = field(default=5e-4, metadata={"help": "TAID adaptive step size."})
     taid_momentum: float = field(default=0.99, metadata={"help": "TAID momentum (paper's beta)."})
-    entropy_opd_threshold: float = field(default=_CORE["entropy_opd_threshold"], metadata={"help": "Teacher-entropy gate (nats)."})
-    entropy_opd_weight: float = field(default=_CORE["entropy_opd_weight"], metadata={"help": "Weight of the gated forward KL."})
+    entropy_opd_threshold: float = field(
+        default=_CORE["entropy_opd_threshold"], metadata={"help": "Teacher-entropy gate (nats)."}
+    )
+    entropy_opd_weight: float = field(
+        default=_CORE["entropy_opd_weight"], metadata={"help": "Weight of the gated forward KL."}
+    )
     hint_template: str = field(default="{hint}{prompt}", metadata={"help": "Hinted context of text prompts."})
 
-    dpo_variant: Literal["dpo", "simpo"] = field(default=_CORE["dpo_variant"], metadata={"help": "'dpo' or 'simpo'."})
+    dpo_variant: Literal["dpo", "simpo"] = field(
+        default=_CORE["dpo_variant"], metadata={"help": "'dpo' or 'simpo'."}
+    )
     dpo_beta: float = field(default=_CORE["dpo_beta"], metadata={"help": "DPO beta."})
     dpo_loss_type: Literal["sigmoid", "robust", "ipo"] = field(
         default=_CORE["dpo_loss_type"], metadata={"help": "DPO loss."}
     )
-    dpo_label_smoothing: float = field(default=_CORE["dpo_label_smoothing"], metadata={"help": "cDPO / robust epsilon."})
+    dpo_label_smoothing: float = field(
+        default=_CORE["dpo_label_smoothing"], metadata={"help": "cDPO / robust epsilon."}
+    )
     simpo_beta: float = field(default=_CORE["simpo_beta"], metadata={"help": "SimPO beta."})
-    simpo_gamma: float = field(default=_CORE["simpo_gamma"], metadata={"help": "SimPO absolute margin gamma."})
+    simpo_gamma: float = field(
+        default=_CORE["simpo_gamma"], metadata={"help": "SimPO absolute margin gamma."}
+    )
     replay_reference: Literal["auto", "model", "column"] = field(
         default="auto", metadata={"help": "Where DPO reference log-probs come from."}
     )

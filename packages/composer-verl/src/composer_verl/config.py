@@ -79,7 +79,9 @@ class ComposerVerlConfig:
     beta_replay: float = 0.0
     dpo_variant: Literal["dpo", "simpo"] = cast(Literal["dpo", "simpo"], _CORE["dpo_variant"])
     dpo_beta: float = cast(float, _CORE["dpo_beta"])
-    dpo_loss_type: Literal["sigmoid", "robust", "ipo"] = cast(Literal["sigmoid", "robust", "ipo"], _CORE["dpo_loss_type"])
+    dpo_loss_type: Literal["sigmoid", "robust", "ipo"] = cast(
+        Literal["sigmoid", "robust", "ipo"], _CORE["dpo_loss_type"]
+    )
     dpo_label_smoothing: float = cast(float, _CORE["dpo_label_smoothing"])
     simpo_beta: float = cast(float, _CORE["simpo_beta"])
     simpo_gamma: float = cast(float, _CORE["simpo_gamma"])
@@ -113,7 +115,10 @@ class ComposerVerlConfig:
                 sdpo_form="sampled",
                 sdpo_token_clip=self.sdpo_token_clip,
                 dpo_variant=self.dpo_variant,
-                **{k: getattr(self, k) for k in ("dpo_beta", "dpo_loss_type", "dpo_label_smoothing", "simpo_beta", "simpo_gamma")},
+                **{
+                    k: getattr(self, k)
+                    for k in ("dpo_beta", "dpo_loss_type", "dpo_label_smoothing", "simpo_beta", "simpo_gamma")
+                },
             )
         except ValueError as err:
             raise ValueError(f"composer-verl config: {err}") from None

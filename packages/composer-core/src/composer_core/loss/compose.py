@@ -34,8 +34,8 @@ from composer_core.loss.config import (
 from composer_core.loss.distill import (
     Kernel,
     _check_common,
-    fused_linear_loss,
     _sampled_token_distill,
+    fused_linear_loss,
     generalized_jsd,
     jsd_kernel,
     topk_distill,
@@ -212,7 +212,9 @@ def compose_loss(
     """
     flags = _channel2_flags(batch)
     if config is None:
-        config = ComposeConfig.from_flat(has_logits=flags[0], has_hidden=flags[1], has_sampled=flags[2], **options)
+        config = ComposeConfig.from_flat(
+            has_logits=flags[0], has_hidden=flags[1], has_sampled=flags[2], **options
+        )
     elif options:
         raise TypeError(
             "compose_loss() takes either a ComposeConfig or flat keyword options, not both; got "
@@ -224,7 +226,9 @@ def compose_loss(
     _check_devices(batch)
     check = config.check_values and not torch.compiler.is_compiling()
     with value_checks(check):
-        return _compose(batch, config, form if any(flags) else None, (normalizer, sdpo_normalizer, replay_normalizer))
+        return _compose(
+            batch, config, form if any(flags) else None, (normalizer, sdpo_normalizer, replay_normalizer)
+        )
 
 
 def _channel2_flags(batch: ComposerBatch) -> tuple[bool, bool, bool]:
@@ -454,7 +458,9 @@ def _fused_hidden(
         vocab = batch.lm_head_weight.shape[0]
         if opts.topk is not None and not (1 <= opts.topk <= vocab):
             raise ValueError(f"`sdpo_topk`={opts.topk!r} must be None or an int in [1, V={vocab}].")
-        kernel = entropy_opd_kernel(opts.beta, float(opts.wrapper.threshold), float(opts.wrapper.weight), opts.topk)
+        kernel = entropy_opd_kernel(
+            opts.beta, float(opts.wrapper.threshold), float(opts.wrapper.weight), opts.topk
+        )
     else:
         kernel = jsd_kernel(float(opts.beta))
     return fused_linear_loss(

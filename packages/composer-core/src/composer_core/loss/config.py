@@ -33,7 +33,7 @@ import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Any, Literal, Union, get_args, get_origin
 
 from composer_core.loss.policy import (
@@ -74,9 +74,7 @@ def _raise_unused(unused: list[str]) -> None:
 
 
 def _finite(name: str, value: float, *, low: float | None = None, strict: bool = False) -> None:
-    if not math.isfinite(value) or (
-        low is not None and (value < low or (strict and value == low))
-    ):
+    if not math.isfinite(value) or (low is not None and (value < low or (strict and value == low))):
         bound = "" if low is None else (f" > {low}" if strict else f" >= {low}")
         raise ValueError(f"`{name}`={value!r} must be a finite number{bound}.")
 
@@ -88,7 +86,9 @@ def _unit(name: str, value: float) -> None:
 
 def _choice(name: str, value: object, choices: tuple[object, ...]) -> None:
     if value not in choices:
-        raise ValueError(f"`{name}`={value!r} is not supported; choose one of {', '.join(map(repr, choices))}.")
+        raise ValueError(
+            f"`{name}`={value!r} is not supported; choose one of {', '.join(map(repr, choices))}."
+        )
 
 
 # ----------------------------------------------------------------------------------------------- channel 1
@@ -134,7 +134,9 @@ class PolicyOptions:
                 )
         for name in ("dppo_mask_low", "dppo_mask_high"):
             if self.rollout_correction != "dppo_mask" and _non_default(self, name):
-                out.append(f"`{name}`={getattr(self, name)!r} (acts only with rollout_correction='dppo_mask')")
+                out.append(
+                    f"`{name}`={getattr(self, name)!r} (acts only with rollout_correction='dppo_mask')"
+                )
         if self.kl_beta == 0.0 and _non_default(self, "kl_estimator"):
             out.append(f"`kl_estimator`={self.kl_estimator!r} (acts only with kl_beta != 0)")
         return out
@@ -161,7 +163,10 @@ class TAID:
             raise ValueError(f"`taid_t_start`={self.t_start} must not exceed `taid_t_end`={self.t_end}.")
         if self.t is not None:
             _unit("taid_t", self.t)
-        for name, value, low in (("taid_total_steps", self.total_steps, 1), ("taid_schedule_step", self.schedule_step, 0)):
+        for name, value, low in (
+            ("taid_total_steps", self.total_steps, 1),
+            ("taid_schedule_step", self.schedule_step, 0),
+        ):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
                 raise ValueError(f"`{name}`={value!r} must be an int >= {low}.")
         if self.t is not None and (self.schedule_step is not None or self.total_steps is not None):
@@ -227,7 +232,9 @@ class SDPOOptions:
             raise ValueError(
                 f"`sdpo_chunk_size`={self.chunk_size!r}: `chunk_size` must be an int >= 1 (rows of B·T processed at once)."
             )
-        if self.topk is not None and (isinstance(self.topk, bool) or not isinstance(self.topk, int) or self.topk < 1):
+        if self.topk is not None and (
+            isinstance(self.topk, bool) or not isinstance(self.topk, int) or self.topk < 1
+        ):
             raise ValueError(f"`sdpo_topk`={self.topk!r} must be None or an int >= 1.")
         if self.form != "auto":
             self.structural_errors(self.form)
@@ -235,7 +242,13 @@ class SDPOOptions:
 
     @property
     def wrapper_name(self) -> SDPOWrapper:
-        return "taid" if isinstance(self.wrapper, TAID) else "entropy_opd" if isinstance(self.wrapper, EntropyOPD) else "none"
+        return (
+            "taid"
+            if isinstance(self.wrapper, TAID)
+            else "entropy_opd"
+            if isinstance(self.wrapper, EntropyOPD)
+            else "none"
+        )
 
     def resolve_form(self, *, has_logits: bool, has_hidden: bool, has_sampled: bool) -> ResolvedForm | None:
         """The form a batch with these channel-2 inputs runs (None: no channel-2 input, the channel is skipped)."""
@@ -388,7 +401,12 @@ class ComposeConfig:
         out["sdpo_wrapper"] = self.sdpo.wrapper_name
         if self.sdpo.wrapper is not None:
             prefix = "taid_" if isinstance(self.sdpo.wrapper, TAID) else "entropy_opd_"
-            out.update({prefix + f.name: getattr(self.sdpo.wrapper, f.name) for f in dataclasses.fields(self.sdpo.wrapper)})
+            out.update(
+                {
+                    prefix + f.name: getattr(self.sdpo.wrapper, f.name)
+                    for f in dataclasses.fields(self.sdpo.wrapper)
+                }
+            )
         out["dpo_variant"] = self.dpo_variant
         prefix = "simpo_" if isinstance(self.replay, SimPO) else "dpo_"
         out.update({prefix + f.name: getattr(self.replay, f.name) for f in dataclasses.fields(self.replay)})
@@ -457,7 +475,7 @@ _FALSE = ("false", "0", "no", "off")
 _NONE = ("none", "null", "")
 
 
-@lru_cache(maxsize=None)
+@cache
 def _hints(klass: type) -> dict[str, Any]:
     return typing.get_type_hints(klass)
 
@@ -501,7 +519,9 @@ def _coerce(ann: Any, value: object) -> object:
     origin = get_origin(ann)
     if origin in (Union, types.UnionType):
         args = get_args(ann)
-        if type(None) in args and (value is None or (isinstance(value, str) and value.strip().lower() in _NONE)):
+        if type(None) in args and (
+            value is None or (isinstance(value, str) and value.strip().lower() in _NONE)
+        ):
             return None
         for arg in args:
             if arg is type(None):
@@ -560,7 +580,9 @@ def _reject_unknown(names: list[str]) -> None:
     for key in sorted(names):
         close = difflib.get_close_matches(key, known, n=1)
         hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    raise ValueError(f"compose_loss() got unknown option(s) {', '.join(hints)}; see its docstring for the options.")
+    raise ValueError(
+        f"compose_loss() got unknown option(s) {', '.join(hints)}; see its docstring for the options."
+    )
 
 
 def _from_flat(
@@ -571,7 +593,10 @@ def _from_flat(
     values = {k: coerce_option(k, v) for k, v in given.items()}
     wrapper = values.get("sdpo_wrapper", "none")
     variant = values.get("dpo_variant", "dpo")
-    selected = {"sdpo_wrapper='taid'": wrapper == "taid", "sdpo_wrapper='entropy_opd'": wrapper == "entropy_opd"}
+    selected = {
+        "sdpo_wrapper='taid'": wrapper == "taid",
+        "sdpo_wrapper='entropy_opd'": wrapper == "entropy_opd",
+    }
     selected.update({"dpo_variant='dpo'": variant == "dpo", "dpo_variant='simpo'": variant == "simpo"})
     unused: list[str] = []
     sections: dict[type, dict[str, object]] = {klass: {} for klass, _, _ in _SECTIONS}

@@ -182,7 +182,9 @@ class _ChunkedLogitsLoss(torch.autograd.Function):
                 zt.div_(temperature)
             loss, g = kernel(zs, zt)
             del zs, zt
-            _check_chunk_finite(loss, student, teacher, idx)  # a NaN/inf logit makes its row's loss non-finite
+            _check_chunk_finite(
+                loss, student, teacher, idx
+            )  # a NaN/inf logit makes its row's loss non-finite
             factor = (1.0 if per_row else scale) / temperature
             if factor != 1.0:
                 g.mul_(factor)
@@ -655,7 +657,9 @@ def sampled_token_distill(
     if old_logprobs is not None:
         check_float("old_logprobs", old_logprobs)
         check_same_shape("student_logprobs", student_logprobs, "old_logprobs", old_logprobs)
-    return _sampled_token_distill(student_logprobs, teacher_logprobs, m, old_logprobs, is_clip, reduction, normalizer)
+    return _sampled_token_distill(
+        student_logprobs, teacher_logprobs, m, old_logprobs, is_clip, reduction, normalizer
+    )
 
 
 def _sampled_token_distill(
@@ -670,11 +674,10 @@ def _sampled_token_distill(
     """:func:`sampled_token_distill` on validated inputs (``m`` a bool mask)."""
     d = (ls - teacher_logprobs.detach()).detach()
     per_token = d + d * (ls - ls.detach())
-    if old_logprobs is not None:
-        if is_clip is not None:
-            with torch.no_grad():
-                w = torch.exp(torch.clamp(ls.detach() - old_logprobs.detach(), min=-20.0, max=20.0)).clamp(
-                    max=is_clip
-                )
-            per_token = per_token * w
+    if old_logprobs is not None and is_clip is not None:
+        with torch.no_grad():
+            w = torch.exp(torch.clamp(ls.detach() - old_logprobs.detach(), min=-20.0, max=20.0)).clamp(
+                max=is_clip
+            )
+        per_token = per_token * w
     return _reduce(per_token, m, reduction, normalizer)

@@ -20,7 +20,7 @@ __all__ = ["Metrics"]
 class Metrics(Mapping[str, float]):
     """Read-only mapping ``name -> float``, converted lazily (one host sync for all keys) from tensors."""
 
-    __slots__ = ("_raw", "_floats")
+    __slots__ = ("_floats", "_raw")
 
     def __init__(self, raw: Mapping[str, Tensor | float] | None = None) -> None:
         self._raw: dict[str, Tensor | float] = dict(raw or {})

@@ -436,8 +436,14 @@ def policy_loss(
             check_positive("rollout_clip_max", rollout_clip_max)
         if rollout_clip_min is not None and not (float(rollout_clip_min) >= 0.0):
             raise ValueError(f"`rollout_clip_min`={rollout_clip_min!r} must be >= 0.")
-        if rollout_clip_min is not None and rollout_clip_max is not None and rollout_clip_min > rollout_clip_max:
-            raise ValueError(f"`rollout_clip_min`={rollout_clip_min} exceeds `rollout_clip_max`={rollout_clip_max}.")
+        if (
+            rollout_clip_min is not None
+            and rollout_clip_max is not None
+            and rollout_clip_min > rollout_clip_max
+        ):
+            raise ValueError(
+                f"`rollout_clip_min`={rollout_clip_min} exceeds `rollout_clip_max`={rollout_clip_max}."
+            )
     check_normalizer("normalizer", normalizer)
     if rollout_correction is not None and inference_logprobs is None:
         raise ValueError(

@@ -42,7 +42,9 @@ class _FusedChecks:
         self.messages: list[Callable[[], str]] = []
         self.seen: set[tuple[str, int]] = set()
 
-    def add(self, key: tuple[str, int] | None, condition: Callable[[], Tensor], message: Callable[[], str]) -> None:
+    def add(
+        self, key: tuple[str, int] | None, condition: Callable[[], Tensor], message: Callable[[], str]
+    ) -> None:
         if not self.enabled or (key is not None and key in self.seen):
             return
         if key is not None:
@@ -54,7 +56,9 @@ class _FusedChecks:
         """Raise the first failing check's message (in the order the checks were made); one sync if all pass."""
         if not self.conditions:
             return
-        device = next((c.device for c in self.conditions if c.device.type != "cpu"), self.conditions[0].device)
+        device = next(
+            (c.device for c in self.conditions if c.device.type != "cpu"), self.conditions[0].device
+        )
         ok = torch.stack([c.to(device, non_blocking=True) for c in self.conditions])
         if bool(ok.all()):  # the single host sync of a compose_loss call
             return
@@ -79,7 +83,9 @@ def value_checks(enabled: bool = True) -> Iterator[_FusedChecks]:
     checks.flush()
 
 
-def value_check(key: tuple[str, int] | None, condition: Callable[[], Tensor], message: Callable[[], str]) -> None:
+def value_check(
+    key: tuple[str, int] | None, condition: Callable[[], Tensor], message: Callable[[], str]
+) -> None:
     """Require ``condition()`` (a bool tensor) to be all-true, else ``ValueError(message())``.
 
     Called directly (outside :func:`value_checks`) the check runs at once (one host sync); inside
