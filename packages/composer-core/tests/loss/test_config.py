@@ -323,3 +323,9 @@ def test_device_mismatch_is_a_structural_error() -> None:
     b.advantages = b.advantages.to("meta")
     with pytest.raises(ValueError, match="`advantages` is on meta"):
         compose_loss(b)
+
+
+def test_the_from_flat_cache_keeps_types_apart() -> None:
+    assert ComposeConfig.from_flat(sdpo_topk=1).sdpo.topk == 1
+    with pytest.raises(ValueError, match="`sdpo_topk`=True"):
+        ComposeConfig.from_flat(sdpo_topk=True)  # 1 == True, but a bool is not an int option

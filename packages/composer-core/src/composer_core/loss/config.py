@@ -569,7 +569,8 @@ def _coerce(ann: Any, value: object) -> object:
 
 # ----------------------------------------------------------------------------------------------- from_flat
 def _freeze(options: Mapping[str, object]) -> tuple[tuple[str, object], ...]:
-    return tuple(sorted(options.items()))
+    # the type joins the key: 1, 1.0 and True hash alike but do not coerce alike (True is no int option)
+    return tuple(sorted((k, (type(v).__name__, v)) for k, v in options.items()))
 
 
 def _reject_unknown(names: list[str]) -> None:
@@ -588,7 +589,7 @@ def _reject_unknown(names: list[str]) -> None:
 def _from_flat(
     items: tuple[tuple[str, object], ...], batch_flags: tuple[bool | None, bool | None, bool | None]
 ) -> ComposeConfig:
-    given = dict(items)
+    given = {k: tv[1] for k, tv in items}  # type: ignore[index]
     _reject_unknown([k for k in given if k not in _FLAT and k not in _SELECTORS])
     values = {k: coerce_option(k, v) for k, v in given.items()}
     wrapper = values.get("sdpo_wrapper", "none")
