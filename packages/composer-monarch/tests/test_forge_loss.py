@@ -220,3 +220,18 @@ def test_runs_under_torch_compile_like_titan_trainer() -> None:
     want.backward()
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-6)
+
+
+def test_config_is_built_once_at_construction_from_core() -> None:
+    from composer_core.loss.config import ComposeConfig, SimPO
+
+    loss = ComposerLoss(dpo_variant="simpo", simpo_gamma="0.2", kl_beta=0.1, loss_type="grpo")
+    assert loss.config == ComposeConfig.from_flat(
+        dpo_variant="simpo", simpo_gamma=0.2, kl_beta=0.1, loss_type="grpo"
+    )
+    assert loss.config.replay == SimPO(gamma=0.2) and loss.needs_reference  # KL reads the reference
+    # an option of an unselected mode is refused when the loss is built, not at the first step
+    with pytest.raises(ValueError, match="`simpo_gamma`"):
+        ComposerLoss(simpo_gamma=0.2)
+    with pytest.raises(ValueError, match="did you mean 'epsilon_low'"):
+        ComposerLoss(epsilon_lo=0.2)

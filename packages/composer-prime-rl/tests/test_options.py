@@ -102,7 +102,7 @@ def test_sdpo_options_without_alpha_raise(sample, key) -> None:
         ({"policy_loss": "grpo"}, "'policy_loss' must be one of"),
         ({"dppo_mask_low": -0.1}, "'dppo_mask_low' must be a finite number >= 0"),
         ({"kl_tau": float("nan")}, "'kl_tau' must be a finite number"),
-        ({"adv_tau": "1.0"}, "'adv_tau' must be a number"),
+        ({"adv_tau": "1.0x"}, "'adv_tau' must be a number"),
         ({"adv_tau": True}, "'adv_tau' must be a number"),
         ({"alpha_sdpo": -1.0}, "'alpha_sdpo' must be a finite number >= 0"),
         ({"alpha_sdpo": 1.0, "sdpo_token_clip": 0.0}, "'sdpo_token_clip' must be a finite number > 0"),
@@ -122,3 +122,54 @@ def test_parse_is_cached_and_tolerates_unhashable_values() -> None:
     assert parse_options({"kl_tau": 0.0}) is parse_options({"kl_tau": 0.0})
     with pytest.raises(ValueError, match="'kl_tau' must be a number"):
         parse_options({"kl_tau": [0.0]})
+
+
+# ------------------------------------------------------------------ CLI-typed values and one source of defaults
+def test_cli_string_values_are_coerced_like_a_typed_config(sample) -> None:
+    # what `--loss.kwargs.KEY VALUE` on PRIME-RL's command line delivers: every value a string
+    cli = {"alpha_sdpo": "0.25", "sdpo_token_clip": "false", "dppo_mask_low": "0.1", "kl_tau": "0"}
+    opts = parse_options(cli)
+    assert opts.alpha_sdpo == 0.25 and opts.sdpo_token_clip is None and opts.dppo_mask_low == 0.1
+    assert opts.kl_tau == 0.0
+    typed = {"alpha_sdpo": 0.25, "sdpo_token_clip": False, "dppo_mask_low": 0.1, "kl_tau": 0.0}
+    assert composer_loss(sample, **cli).loss.item() == composer_loss(sample, **typed).loss.item()
+    surrogate = parse_options({"policy_loss": "clipped_surrogate", "epsilon_high": "none", "delta": "2.5"})
+    assert surrogate.epsilon_high is None and surrogate.delta == 2.5
+    assert parse_options({"alpha_sdpo": "1", "sdpo_token_clip": "3"}).sdpo_token_clip == 3.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"alpha_sdpo": "0.25x"}, "'alpha_sdpo' must be a number, got '0.25x'"),
+        ({"alpha_sdpo": "1", "sdpo_token_clip": "true"}, "'sdpo_token_clip' must be a number"),
+        ({"policy_loss": "ppo"}, "'policy_loss' must be one of"),
+        ({"alpha_sdpo": "1", "sdpo_missing": "maybe"}, "'sdpo_missing' must be one of"),
+        ({"kl_tau": "-1"}, "'kl_tau' must be a finite number >= 0"),
+    ],
+)
+def test_bad_cli_strings_name_the_key(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_options(kwargs)
+
+
+def test_shared_defaults_come_from_composer_core() -> None:
+    import inspect
+
+    from composer_core.loss.config import flat_defaults
+    from composer_core.loss.policy import dppo_loss
+
+    core = flat_defaults()
+    opts = PrimeRLLossOptions()
+    for key in ("dppo_mask_low", "dppo_mask_high", "epsilon_low", "epsilon_high", "delta", "sdpo_token_clip"):
+        assert getattr(opts, key) == core[key], key
+    sig = inspect.signature(dppo_loss).parameters
+    assert (opts.adv_tau, opts.kl_tau) == (sig["adv_tau"].default, sig["kl_tau"].default)
+
+
+def test_every_core_option_is_either_supported_or_refused_with_a_reason() -> None:
+    from composer_core.loss.config import flat_option_names
+    from composer_prime_rl.options import _UNSUPPORTED
+
+    for key in flat_option_names():
+        assert key in valid_option_names() or key in _UNSUPPORTED, key

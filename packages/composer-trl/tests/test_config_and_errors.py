@@ -105,3 +105,27 @@ def test_hint_placement_for_text_and_chat_prompts(tmp_path, model_dir, tokenizer
     assert chat[1]["content"] == "381>"  # the dataset row is not mutated
     with pytest.raises(ValueError, match="user message"):
         trainer._apply_hint([{"role": "system", "content": "s"}], "x")
+
+
+def test_defaults_come_from_composer_core_and_the_core_config_is_built(tmp_path, h):
+    import dataclasses
+
+    from composer_core.loss.config import ComposeConfig, flat_defaults
+    from composer_trl import ComposerGRPOConfig
+
+    core = flat_defaults()
+    shared = {f.name for f in dataclasses.fields(ComposerGRPOConfig)} & set(core)
+    shared -= {
+        "sdpo_form",
+        "loss_type",
+        "delta",
+        "max_completion_length",
+    }  # TRL's own fields / adapter choice
+    assert {"alpha_sdpo", "simpo_gamma", "dpo_beta", "sdpo_token_clip", "taid_t_start"} <= shared
+    for f in dataclasses.fields(ComposerGRPOConfig):
+        if f.name in shared:
+            assert f.default == core[f.name], f.name
+    args = h.grpo_args(tmp_path, dpo_variant="simpo", simpo_gamma=0.2, sdpo_beta=0.3)
+    cfg = args.compose_config
+    assert isinstance(cfg, ComposeConfig) and cfg.replay.gamma == 0.2 and cfg.sdpo.beta == 0.3
+    assert args.compose_config is cfg  # cached: the per-step read is a lookup

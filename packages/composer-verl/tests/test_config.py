@@ -54,3 +54,32 @@ def test_bad_env_config_fails_at_use(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("COMPOSER_VERL_CONFIG", '{"alpha_sdpo": "high"}')
     with pytest.raises(ValueError, match="alpha_sdpo='high'"):
         current_config()
+
+
+def test_defaults_shared_with_core_come_from_core() -> None:
+    from composer_core.loss.config import DPO, SDPOOptions, SimPO, flat_defaults
+
+    cfg, core = ComposerVerlConfig(), flat_defaults()
+    for key in (
+        "sdpo_token_clip",
+        "dpo_variant",
+        "dpo_beta",
+        "dpo_loss_type",
+        "dpo_label_smoothing",
+        "simpo_beta",
+        "simpo_gamma",
+    ):
+        assert getattr(cfg, key) == core[key], key
+    assert cfg.policy_delta == core["delta"]
+    # the typed core config is built once with the section, and the loss reads it
+    assert cfg.compose.replay == DPO() and cfg.compose.sdpo == SDPOOptions(form="sampled")
+    assert ComposerVerlConfig(dpo_variant="simpo", simpo_gamma=0.2).compose.replay == SimPO(gamma=0.2)
+
+
+@pytest.mark.parametrize(
+    ("raw", "option"),
+    [('{"simpo_gamma": 0.2}', "simpo_gamma"), ('{"dpo_variant": "simpo", "dpo_beta": 0.3}', "dpo_beta")],
+)
+def test_option_of_the_unselected_replay_variant_raises(raw: str, option: str) -> None:
+    with pytest.raises(ValueError, match=f"composer-verl config: .*silently ignored: `{option}`"):
+        parse_config(raw)

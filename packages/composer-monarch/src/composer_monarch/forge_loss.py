@@ -17,7 +17,6 @@ inputs, and the reference model's come from the same rows of ``ref_logprobs``.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
@@ -68,16 +67,21 @@ class ComposerLoss:
     def __init__(self, *, align: bool = True, temperature: float = 1.0, **options: Any) -> None:
         if not temperature > 0:
             raise ValueError(f"temperature={temperature}: must be > 0")
-        _, compose_loss = _compose()
-        known = set(inspect.signature(compose_loss).parameters) - {"batch"}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ValueError(
-                f"ComposerLoss: unknown compose_loss option(s) {unknown}; known options: {sorted(known)}"
-            )
+        from composer_core.loss.config import PER_CALL, ComposeConfig
+
         self.align = align
         self.temperature = float(temperature)
         self.options = dict(options)
+        # composer_core's typed config, built (and validated) once here; the per-call normalisers stay apart
+        self.normalizers = {k: self.options[k] for k in PER_CALL if k in self.options}
+        try:
+            self.config = ComposeConfig.from_flat(
+                **{k: v for k, v in self.options.items() if k not in PER_CALL}
+            )
+        except ValueError as err:
+            if "unknown option" in str(err):
+                raise ValueError(f"ComposerLoss: unknown compose_loss option(s): {err}") from None
+            raise
         self.last_result: Any = None
 
     def __repr__(self) -> str:
@@ -87,12 +91,10 @@ class ComposerLoss:
     @property
     def needs_reference(self) -> bool:
         """True when the options use reference log-probs (KL penalty or DPO on replay pairs)."""
-        kl = float(self.options.get("kl_beta", 0.0)) != 0.0
-        dpo = (
-            float(self.options.get("beta_replay", 1.0)) != 0.0
-            and self.options.get("dpo_variant", "dpo") == "dpo"
-        )
-        return kl or dpo
+        from composer_core.loss.config import DPO
+
+        dpo = self.config.beta_replay != 0.0 and isinstance(self.config.replay, DPO)
+        return self.config.policy.kl_beta != 0.0 or dpo
 
     def __call__(self, logits: Tensor, **targets: Tensor) -> Tensor:
         unknown = sorted(set(targets) - set(TARGETS))
@@ -141,7 +143,7 @@ class ComposerLoss:
             "completion_mask": mask[pick],
             "old_logprobs": sel("old_logprobs"),
             # TorchForge always sends ref_logprobs; channel 1 reads them only for the KL penalty.
-            "ref_logprobs": sel("ref_logprobs") if float(self.options.get("kl_beta", 0.0)) != 0.0 else None,
+            "ref_logprobs": sel("ref_logprobs") if self.config.policy.kl_beta != 0.0 else None,
             "inference_logprobs": sel("inference_logprobs"),
             "rollout_is_weights": sel("rollout_is_weights"),
         }
@@ -168,7 +170,7 @@ class ComposerLoss:
                 fields["ref_chosen_logps"] = ref_sums[chosen]
                 fields["ref_rejected_logps"] = ref_sums[rejected]
         batch_cls, compose_loss = _compose()
-        result = compose_loss(batch_cls(**fields), **self.options)
+        result = compose_loss(batch_cls(**fields), self.config, **self.normalizers)
         self.last_result = result
         return result.total  # type: ignore[no-any-return]
 

@@ -17,14 +17,33 @@ typo or an option that cannot work per sample would otherwise be silently ignore
 
 from __future__ import annotations
 
+import inspect
 import math
+import typing
 from dataclasses import dataclass, fields
 from functools import lru_cache
 from typing import Any, Literal
 
+from composer_core.loss.config import (
+    DPO,
+    TAID,
+    EntropyOPD,
+    PolicyOptions,
+    SDPOOptions,
+    SimPO,
+    coerce_to,
+    flat_defaults,
+    flat_option_names,
+)
+from composer_core.loss.policy import dppo_loss
+
 __all__ = ["PrimeRLLossOptions", "parse_options", "valid_option_names"]
 
 PolicyLoss = Literal["dppo", "clipped_surrogate"]
+
+#: composer_core's defaults (the one source of truth) for the options this adapter shares with core.
+_CORE = flat_defaults()
+_DPPO = {name: p.default for name, p in inspect.signature(dppo_loss).parameters.items()}
 
 
 @dataclass(frozen=True)
@@ -52,23 +71,28 @@ class PrimeRLLossOptions:
     ``sdpo_form`` accepts ``"sampled"`` (or ``"auto"``, which can only pick it here).
 
     Channel 3 (``beta_replay``) only accepts 0: preference pairs cannot be formed per sample.
+
+    Defaults shared with composer_core (``dppo_mask_*``, ``epsilon_*``, ``delta``, ``sdpo_token_clip``,
+    ``adv_tau``, ``kl_tau``) are read from composer_core; ``alpha_sdpo`` and ``beta_replay`` default to 0 here on
+    purpose (PRIME-RL's default loss, and channel 3 cannot run per sample).
     """
 
     policy_loss: PolicyLoss = "dppo"
-    dppo_mask_low: float = 0.2
-    dppo_mask_high: float = 0.2
-    adv_tau: float = 1.0
-    kl_tau: float = 1e-3
-    epsilon_low: float = 0.2
-    epsilon_high: float | None = None
-    delta: float | None = None
+    dppo_mask_low: float = typing.cast(float, _CORE["dppo_mask_low"])
+    dppo_mask_high: float = typing.cast(float, _CORE["dppo_mask_high"])
+    adv_tau: float = typing.cast(float, _DPPO["adv_tau"])
+    kl_tau: float = typing.cast(float, _DPPO["kl_tau"])
+    epsilon_low: float = typing.cast(float, _CORE["epsilon_low"])
+    epsilon_high: float | None = typing.cast("float | None", _CORE["epsilon_high"])
+    delta: float | None = typing.cast("float | None", _CORE["delta"])
     alpha_sdpo: float = 0.0
     sdpo_form: Literal["sampled"] = "sampled"
-    sdpo_token_clip: float | None = 2.0
+    sdpo_token_clip: float | None = typing.cast("float | None", _CORE["sdpo_token_clip"])
     sdpo_missing: Literal["error", "skip"] = "error"
     beta_replay: float = 0.0
 
 
+_DEFAULTS = {f.name: f.default for f in fields(PrimeRLLossOptions)}
 _DPPO_ONLY = frozenset({"dppo_mask_low", "dppo_mask_high", "adv_tau", "kl_tau"})
 _SURROGATE_ONLY = frozenset({"epsilon_low", "epsilon_high", "delta"})
 _SDPO_ONLY = frozenset({"sdpo_form", "sdpo_token_clip", "sdpo_missing"})
@@ -93,56 +117,63 @@ _CHANNEL3 = (
     "the student's rollout with a higher reward, so its advantage ranks it above the "
     "student's), and keep beta_replay = 0 here. '{key}' was given."
 )
+_ROLLOUT = (
+    "composer_prime_rl handles the trainer/inference mismatch through the selected "
+    "policy_loss itself (DPPO probability masks, or the clipped ratio against "
+    "inference_logprobs); '{key}' is a composer_core.compose_loss option that is not "
+    "available here."
+)
+_KL = (
+    "In PRIME-RL, ref_logprobs carry the hinted self-teacher of channel 2, not a "
+    "reference policy, so a KL-to-reference penalty ('{key}') is not offered. Use "
+    "kl_tau (squared log-ratio to the inference policy) or PRIME-RL's own ref_kl "
+    "component (algorithms opd / opsd)."
+)
+_CHECKS = (
+    "composer_prime_rl checks each sample's values in its own single fused read; '{key}' is a "
+    "composer_core.compose_loss option that is not available here."
+)
 
+
+def _reason(key: str) -> str | None:
+    """Why a composer_core option cannot be used here (derived from core's config classes), or None."""
+    prefixes = {
+        "taid_": (TAID, _FULL_VOCAB.format(what="TAID / entropy-aware (EOPD) SDPO wrapper")),
+        "entropy_opd_": (EntropyOPD, _FULL_VOCAB.format(what="TAID / entropy-aware (EOPD) SDPO wrapper")),
+        "dpo_": (DPO, _CHANNEL3),
+        "simpo_": (SimPO, _CHANNEL3),
+        "sdpo_": (SDPOOptions, _FULL_VOCAB.format(what="full-vocabulary / top-k SDPO divergence")),
+    }
+    if key == "sdpo_wrapper":
+        return _FULL_VOCAB.format(what="TAID / entropy-aware (EOPD) SDPO wrapper")
+    for prefix, (klass, reason) in prefixes.items():
+        if key.startswith(prefix) and key[len(prefix) :] in {f.name for f in fields(klass)}:
+            return reason
+    special = {
+        "sdpo_wrapper": _FULL_VOCAB.format(what="TAID / entropy-aware (EOPD) SDPO wrapper"),
+        "dpo_variant": _CHANNEL3,
+        "replay_normalizer": _CHANNEL3,
+        "normalizer": _PER_TOKEN_SUM,
+        "sdpo_normalizer": _PER_TOKEN_SUM,
+        "check_values": _CHECKS,
+    }
+    if key in special:
+        return special[key]
+    if key in {f.name for f in fields(PolicyOptions)}:
+        if key.startswith("rollout_"):
+            return _ROLLOUT
+        if key.startswith("kl_"):
+            return _KL
+        return _PER_TOKEN_SUM  # loss_type, max_completion_length
+    return None
+
+
+#: composer_core options that cannot work per sample, each with the reason (no hand-written table: every core
+#: option that is not one of PrimeRLLossOptions' fields is here).
 _UNSUPPORTED: dict[str, str] = {
-    **{
-        k: _FULL_VOCAB.format(what="full-vocabulary / top-k SDPO divergence")
-        for k in ("sdpo_beta", "sdpo_temperature", "sdpo_topk", "sdpo_chunk_size")
-    },
-    **{
-        k: _FULL_VOCAB.format(what="TAID / entropy-aware (EOPD) SDPO wrapper")
-        for k in (
-            "sdpo_wrapper",
-            "taid_t",
-            "taid_schedule_step",
-            "taid_total_steps",
-            "taid_t_start",
-            "taid_t_end",
-            "entropy_opd_threshold",
-            "entropy_opd_weight",
-        )
-    },
-    **{
-        k: _CHANNEL3
-        for k in (
-            "dpo_variant",
-            "dpo_beta",
-            "dpo_loss_type",
-            "dpo_label_smoothing",
-            "simpo_beta",
-            "simpo_gamma",
-            "replay_normalizer",
-        )
-    },
-    **{k: _PER_TOKEN_SUM for k in ("loss_type", "normalizer", "sdpo_normalizer", "max_completion_length")},
-    **{
-        k: (
-            "composer_prime_rl handles the trainer/inference mismatch through the selected "
-            "policy_loss itself (DPPO probability masks, or the clipped ratio against "
-            "inference_logprobs); '{key}' is a composer_core.compose_loss option that is not "
-            "available here."
-        )
-        for k in ("rollout_correction", "rollout_clip_max", "rollout_clip_min")
-    },
-    **{
-        k: (
-            "In PRIME-RL, ref_logprobs carry the hinted self-teacher of channel 2, not a "
-            "reference policy, so a KL-to-reference penalty ('{key}') is not offered. Use "
-            "kl_tau (squared log-ratio to the inference policy) or PRIME-RL's own ref_kl "
-            "component (algorithms opd / opsd)."
-        )
-        for k in ("kl_beta", "kl_estimator")
-    },
+    key: reason
+    for key in flat_option_names()
+    if key not in _DEFAULTS and (reason := _reason(key)) is not None
 }
 
 
@@ -179,6 +210,30 @@ def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> str:
     return str(value)
 
 
+_HINTS = typing.get_type_hints(PrimeRLLossOptions)
+
+
+def _coerce(key: str, value: Any) -> Any:
+    """CLI strings (``--loss.kwargs.alpha_sdpo 0.25`` arrives as ``'0.25'``) → the option's type, with the
+    coercion of composer_core's typed config; ``sdpo_token_clip = false`` (TOML has no null) → None."""
+    if key == "sdpo_token_clip" and (
+        value is False or (isinstance(value, str) and value.strip().lower() == "false")
+    ):
+        return None
+    if not isinstance(value, str) or typing.get_origin(_HINTS[key]) is Literal:
+        return value  # typed values (TOML numbers, Python kwargs) and choices are judged by the checks below
+    try:
+        return coerce_to(key, value, _HINTS[key])
+    except ValueError:
+        want = (
+            "a number" if _HINTS[key] in (float, float | None) else f"one of {typing.get_args(_HINTS[key])}"
+        )
+        raise ValueError(
+            f"'{key}' must be {want}, got {value!r} (a string that does not convert); fix the value in "
+            "[trainer.loss.kwargs] or on the command line."
+        ) from None
+
+
 def _build(items: tuple[tuple[str, Any], ...]) -> PrimeRLLossOptions:
     given = dict(items)
     valid = valid_option_names()
@@ -190,6 +245,7 @@ def _build(items: tuple[tuple[str, Any], ...]) -> PrimeRLLossOptions:
                 f"Unknown option '{key}' in [trainer.loss.kwargs] for "
                 f"composer_prime_rl.composer_loss. Valid options: {', '.join(valid)}."
             )
+    given = {key: _coerce(key, value) for key, value in given.items()}
 
     policy = _choice("policy_loss", given.get("policy_loss", "dppo"), ("dppo", "clipped_surrogate"))
     stray = (_SURROGATE_ONLY if policy == "dppo" else _DPPO_ONLY) & given.keys()
@@ -222,29 +278,29 @@ def _build(items: tuple[tuple[str, Any], ...]) -> PrimeRLLossOptions:
         value = given.get(key, default)
         return None if value is None else _number(key, value, strict=strict)
 
-    eps_low = opt("epsilon_low", 0.2)
+    eps_low = opt("epsilon_low", typing.cast(float, _DEFAULTS["epsilon_low"]))
     assert eps_low is not None
     if eps_low >= 1.0:
         raise ValueError(
             f"'epsilon_low' must be < 1 (the ratio is clipped at 1 - epsilon_low), got {eps_low}."
         )
-    delta = opt("delta", None, strict=True)
-    eps_high = opt("epsilon_high", None)
+    delta = opt("delta", typing.cast("float | None", _DEFAULTS["delta"]), strict=True)
+    eps_high = opt("epsilon_high", typing.cast("float | None", _DEFAULTS["epsilon_high"]))
     if delta is not None and delta <= 1.0 + (eps_high if eps_high is not None else eps_low):
         raise ValueError(f"'delta' must be > 1 + epsilon_high (it caps the unclipped ratio), got {delta}.")
 
     return PrimeRLLossOptions(
         policy_loss=policy,  # type: ignore[arg-type]
-        dppo_mask_low=_number("dppo_mask_low", given.get("dppo_mask_low", 0.2)),
-        dppo_mask_high=_number("dppo_mask_high", given.get("dppo_mask_high", 0.2)),
-        adv_tau=_number("adv_tau", given.get("adv_tau", 1.0)),
-        kl_tau=_number("kl_tau", given.get("kl_tau", 1e-3)),
+        dppo_mask_low=_number("dppo_mask_low", given.get("dppo_mask_low", _DEFAULTS["dppo_mask_low"])),
+        dppo_mask_high=_number("dppo_mask_high", given.get("dppo_mask_high", _DEFAULTS["dppo_mask_high"])),
+        adv_tau=_number("adv_tau", given.get("adv_tau", _DEFAULTS["adv_tau"])),
+        kl_tau=_number("kl_tau", given.get("kl_tau", _DEFAULTS["kl_tau"])),
         epsilon_low=eps_low,
         epsilon_high=eps_high,
         delta=delta,
         alpha_sdpo=alpha,
         sdpo_form="sampled",
-        sdpo_token_clip=_token_clip(given.get("sdpo_token_clip", 2.0)),
+        sdpo_token_clip=_token_clip(given.get("sdpo_token_clip", _DEFAULTS["sdpo_token_clip"])),
         sdpo_missing=_choice("sdpo_missing", given.get("sdpo_missing", "error"), ("error", "skip")),  # type: ignore[arg-type]
         beta_replay=0.0,
     )

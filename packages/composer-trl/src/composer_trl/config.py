@@ -10,10 +10,13 @@ SimPO on (chosen, rejected) completions carried in the dataset.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
-from composer_core import check_mode_options
+from composer_core.loss.config import ComposeConfig, flat_defaults
 from trl import GRPOConfig
+
+#: composer_core's defaults: the one source of truth for every option this config shares with core.
+_CORE = flat_defaults()
 
 SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
@@ -53,36 +56,54 @@ class ComposerGRPOConfig(GRPOConfig):
     """
 
     alpha_sdpo: float = field(
-        default=1.0, metadata={"help": "Weight of channel 2 (hinted self-distillation)."}
+        default=_CORE["alpha_sdpo"], metadata={"help": "Weight of channel 2 (hinted self-distillation)."}
     )
     beta_replay: float = field(
-        default=1.0, metadata={"help": "Weight of channel 3 (trace-replay preference)."}
+        default=_CORE["beta_replay"], metadata={"help": "Weight of channel 3 (trace-replay preference)."}
     )
 
     sdpo_form: Literal["full", "sampled"] = field(default="full", metadata={"help": "'full' or 'sampled'."})
-    sdpo_beta: float = field(default=0.5, metadata={"help": "Generalized JSD beta (0 FKL, 1 RKL)."})
-    sdpo_temperature: float = field(default=1.0, metadata={"help": "Divergence temperature."})
-    sdpo_token_clip: float | None = field(default=2.0, metadata={"help": "IS clip of the sampled form."})
-    sdpo_chunk_size: int = field(default=1024, metadata={"help": "Rows per chunk of the fused kernel."})
-    sdpo_wrapper: Literal["none", "taid", "entropy_opd"] = field(
-        default="none", metadata={"help": "'none', 'taid' or 'entropy_opd'."}
+    sdpo_beta: float = field(
+        default=_CORE["sdpo_beta"], metadata={"help": "Generalized JSD beta (0 FKL, 1 RKL)."}
     )
-    taid_t_start: float = field(default=0.4, metadata={"help": "TAID initial t."})
-    taid_t_end: float = field(default=1.0, metadata={"help": "TAID final t."})
+    sdpo_temperature: float = field(
+        default=_CORE["sdpo_temperature"], metadata={"help": "Divergence temperature."}
+    )
+    sdpo_token_clip: float | None = field(
+        default=_CORE["sdpo_token_clip"], metadata={"help": "IS clip of the sampled form."}
+    )
+    sdpo_chunk_size: int = field(
+        default=_CORE["sdpo_chunk_size"], metadata={"help": "Rows per chunk of the fused kernel."}
+    )
+    sdpo_wrapper: Literal["none", "taid", "entropy_opd"] = field(
+        default=_CORE["sdpo_wrapper"], metadata={"help": "'none', 'taid' or 'entropy_opd'."}
+    )
+    taid_t_start: float = field(default=_CORE["taid_t_start"], metadata={"help": "TAID initial t."})
+    taid_t_end: float = field(default=_CORE["taid_t_end"], metadata={"help": "TAID final t."})
     taid_alpha: float = field(default=5e-4, metadata={"help": "TAID adaptive step size."})
     taid_momentum: float = field(default=0.99, metadata={"help": "TAID momentum (paper's beta)."})
-    entropy_opd_threshold: float = field(default=0.8, metadata={"help": "Teacher-entropy gate (nats)."})
-    entropy_opd_weight: float = field(default=1.0, metadata={"help": "Weight of the gated forward KL."})
+    entropy_opd_threshold: float = field(
+        default=_CORE["entropy_opd_threshold"], metadata={"help": "Teacher-entropy gate (nats)."}
+    )
+    entropy_opd_weight: float = field(
+        default=_CORE["entropy_opd_weight"], metadata={"help": "Weight of the gated forward KL."}
+    )
     hint_template: str = field(default="{hint}{prompt}", metadata={"help": "Hinted context of text prompts."})
 
-    dpo_variant: Literal["dpo", "simpo"] = field(default="dpo", metadata={"help": "'dpo' or 'simpo'."})
-    dpo_beta: float = field(default=0.1, metadata={"help": "DPO beta."})
-    dpo_loss_type: Literal["sigmoid", "robust", "ipo"] = field(
-        default="sigmoid", metadata={"help": "DPO loss."}
+    dpo_variant: Literal["dpo", "simpo"] = field(
+        default=_CORE["dpo_variant"], metadata={"help": "'dpo' or 'simpo'."}
     )
-    dpo_label_smoothing: float = field(default=0.0, metadata={"help": "cDPO / robust epsilon."})
-    simpo_beta: float = field(default=2.0, metadata={"help": "SimPO beta."})
-    simpo_gamma: float = field(default=0.5, metadata={"help": "SimPO absolute margin gamma."})
+    dpo_beta: float = field(default=_CORE["dpo_beta"], metadata={"help": "DPO beta."})
+    dpo_loss_type: Literal["sigmoid", "robust", "ipo"] = field(
+        default=_CORE["dpo_loss_type"], metadata={"help": "DPO loss."}
+    )
+    dpo_label_smoothing: float = field(
+        default=_CORE["dpo_label_smoothing"], metadata={"help": "cDPO / robust epsilon."}
+    )
+    simpo_beta: float = field(default=_CORE["simpo_beta"], metadata={"help": "SimPO beta."})
+    simpo_gamma: float = field(
+        default=_CORE["simpo_gamma"], metadata={"help": "SimPO absolute margin gamma."}
+    )
     replay_reference: Literal["auto", "model", "column"] = field(
         default="auto", metadata={"help": "Where DPO reference log-probs come from."}
     )
@@ -121,24 +142,9 @@ class ComposerGRPOConfig(GRPOConfig):
                 )
             if self.max_steps is None or self.max_steps <= 0:
                 raise ValueError("sdpo_wrapper='taid' needs `max_steps` > 0 (the schedule's total_steps).")
-        # an option of a mode that is not selected would be silently ignored: refuse it here, at construction
-        check_mode_options(
-            dpo_variant=self.dpo_variant,
-            sdpo_wrapper=self.sdpo_wrapper,
-            sdpo_form=self.sdpo_form,
-            dpo_beta=self.dpo_beta,
-            dpo_loss_type=self.dpo_loss_type,
-            dpo_label_smoothing=self.dpo_label_smoothing,
-            simpo_beta=self.simpo_beta,
-            simpo_gamma=self.simpo_gamma,
-            taid_t_start=self.taid_t_start,
-            taid_t_end=self.taid_t_end,
-            entropy_opd_threshold=self.entropy_opd_threshold,
-            entropy_opd_weight=self.entropy_opd_weight,
-            sdpo_token_clip=self.sdpo_token_clip,
-            sdpo_temperature=self.sdpo_temperature,
-            sdpo_beta=self.sdpo_beta,
-        )
+        # composer_core's typed config, built (and cached) from these fields: an option of a mode that is not
+        # selected, or one the resolved form ignores, raises here, at construction
+        self.compose_config  # noqa: B018
         if self.sdpo_wrapper != "taid" and (self.taid_alpha != 5e-4 or self.taid_momentum != 0.99):
             raise ValueError(
                 f"`taid_alpha`={self.taid_alpha!r} / `taid_momentum`={self.taid_momentum!r} act only with "
@@ -159,6 +165,40 @@ class ComposerGRPOConfig(GRPOConfig):
         if self.max_replay_length is not None and self.max_replay_length < 1:
             raise ValueError(f"`max_replay_length`={self.max_replay_length!r} must be >= 1 or None.")
         self._check_grpo_options()
+
+    @property
+    def compose_config(self) -> ComposeConfig:
+        """composer_core's :class:`~composer_core.loss.config.ComposeConfig` of these options (TAID's per-step t is
+        set by the loss). ``ComposeConfig.from_flat`` caches it per distinct option values, so reading it on every
+        step costs a dictionary lookup; it follows later edits of the fields."""
+        return ComposeConfig.from_flat(**self.compose_options())
+
+    def compose_options(self) -> dict[str, Any]:
+        """The flat ``compose_loss`` options these fields mean (TRL names mapped to composer's)."""
+        opts: dict[str, Any] = {
+            "alpha_sdpo": self.alpha_sdpo,
+            "beta_replay": self.beta_replay,
+            "loss_type": self.loss_type,
+            "epsilon_low": self.epsilon,
+            "epsilon_high": self.epsilon_high if self.epsilon_high is not None else self.epsilon,
+            "delta": self.delta,
+            "kl_beta": self.beta,
+            "max_completion_length": self.max_completion_length if self.loss_type == "dr_grpo" else None,
+            "sdpo_form": self.sdpo_form,
+            "sdpo_beta": self.sdpo_beta,
+            "sdpo_temperature": self.sdpo_temperature,
+            "sdpo_token_clip": self.sdpo_token_clip,
+            "sdpo_chunk_size": self.sdpo_chunk_size,
+            "sdpo_wrapper": self.sdpo_wrapper,
+            "dpo_variant": self.dpo_variant,
+        }
+        if self.sdpo_wrapper == "taid":
+            opts.update(taid_t_start=self.taid_t_start, taid_t_end=self.taid_t_end)
+        for name in ("taid_t_start", "taid_t_end", "entropy_opd_threshold", "entropy_opd_weight"):
+            opts.setdefault(name, getattr(self, name))
+        for name in ("dpo_beta", "dpo_loss_type", "dpo_label_smoothing", "simpo_beta", "simpo_gamma"):
+            opts[name] = getattr(self, name)
+        return opts
 
     def _check_grpo_options(self) -> None:
         """Reject TRL options whose channel-1 semantics composer does not reproduce (clear error, no silent change)."""

@@ -15,11 +15,12 @@ with P processes, G = current gradient-accumulation steps and S = steps per gene
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from composer_core.loss.compose import ComposerBatch, ComposeResult, compose_loss
+from composer_core.loss.config import TAID
 from torch import Tensor
 
 
@@ -52,39 +53,18 @@ def composer_trl_loss(
     ``args`` is a :class:`~composer_trl.ComposerGRPOConfig`. Returns the loss to backpropagate and the
     :class:`~composer_core.loss.compose.ComposeResult` (unweighted channel values and metrics).
     """
-    epsilon_low = args.epsilon
-    epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
     policy_norm: Tensor | None = None
     if args.loss_type == "dapo" and counts.num_items is not None:
         # TRL 1.16's exact expression: num_items_in_batch.clamp(min=1) / P, then × G / S in training.
         policy_norm = counts.num_items.clamp(min=1.0) / counts.num_processes
         if counts.accumulation != 1 or counts.steps_per_generation != 1:
             policy_norm = policy_norm * counts.accumulation / counts.steps_per_generation
+    config = args.compose_config  # built and validated with the TRL config (cached per option values)
+    if isinstance(config.sdpo.wrapper, TAID):  # TAID's t moves every optimiser step
+        config = replace(config, sdpo=replace(config.sdpo, wrapper=replace(config.sdpo.wrapper, t=taid_t)))
     result = compose_loss(
         batch,
-        alpha_sdpo=args.alpha_sdpo,
-        beta_replay=args.beta_replay,
-        loss_type=args.loss_type,
-        epsilon_low=epsilon_low,
-        epsilon_high=epsilon_high,
-        delta=args.delta,
-        kl_beta=args.beta,
-        max_completion_length=args.max_completion_length if args.loss_type == "dr_grpo" else None,
-        sdpo_form="sampled" if args.sdpo_form == "sampled" else "full",
-        sdpo_beta=args.sdpo_beta,
-        sdpo_temperature=args.sdpo_temperature,
-        sdpo_token_clip=args.sdpo_token_clip,
-        sdpo_chunk_size=args.sdpo_chunk_size,
-        sdpo_wrapper=args.sdpo_wrapper,
-        taid_t=taid_t if args.sdpo_wrapper == "taid" else None,
-        entropy_opd_threshold=args.entropy_opd_threshold,
-        entropy_opd_weight=args.entropy_opd_weight,
-        dpo_variant=args.dpo_variant,
-        dpo_beta=args.dpo_beta,
-        dpo_loss_type=args.dpo_loss_type,
-        dpo_label_smoothing=args.dpo_label_smoothing,
-        simpo_beta=args.simpo_beta,
-        simpo_gamma=args.simpo_gamma,
+        config,
         normalizer=policy_norm,
         sdpo_normalizer=_window(counts.sdpo_items, counts),
         replay_normalizer=_window(counts.replay_items, counts),

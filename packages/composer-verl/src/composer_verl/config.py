@@ -23,11 +23,16 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
+
+from composer_core.loss.config import ComposeConfig, flat_defaults
 
 ENV_VAR = "COMPOSER_VERL_CONFIG"
+
+#: composer_core's defaults, the one source of truth for the options this section shares with core.
+_CORE = flat_defaults()
 
 _CHOICES: dict[str, tuple[Any, ...]] = {
     "adv_scale": (None, "group", "batch", "none"),
@@ -68,16 +73,20 @@ class ComposerVerlConfig:
     adv_scale: Literal["group", "batch", "none"] | None = None
     adv_eps: float = 1e-6
     adv_singleton: Literal["reward", "zero"] = "reward"
-    policy_delta: float | None = None
+    policy_delta: float | None = cast("float | None", _CORE["delta"])
     alpha_sdpo: float = 0.0
-    sdpo_token_clip: float | None = 2.0
+    sdpo_token_clip: float | None = cast("float | None", _CORE["sdpo_token_clip"])
     beta_replay: float = 0.0
-    dpo_variant: Literal["dpo", "simpo"] = "dpo"
-    dpo_beta: float = 0.1
-    dpo_loss_type: Literal["sigmoid", "robust", "ipo"] = "sigmoid"
-    dpo_label_smoothing: float = 0.0
-    simpo_beta: float = 2.0
-    simpo_gamma: float = 0.5
+    dpo_variant: Literal["dpo", "simpo"] = cast(Literal["dpo", "simpo"], _CORE["dpo_variant"])
+    dpo_beta: float = cast(float, _CORE["dpo_beta"])
+    dpo_loss_type: Literal["sigmoid", "robust", "ipo"] = cast(
+        Literal["sigmoid", "robust", "ipo"], _CORE["dpo_loss_type"]
+    )
+    dpo_label_smoothing: float = cast(float, _CORE["dpo_label_smoothing"])
+    simpo_beta: float = cast(float, _CORE["simpo_beta"])
+    simpo_gamma: float = cast(float, _CORE["simpo_gamma"])
+    #: composer_core's typed config of channels 2 and 3, built once here (the loss reads it every step)
+    compose: ComposeConfig = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name, allowed in _CHOICES.items():
@@ -97,20 +106,39 @@ class ComposerVerlConfig:
             raise ValueError(
                 f"composer-verl config: sdpo_token_clip={self.sdpo_token_clip!r} must be > 0 or null."
             )
+        # composer_core's config: one set of defaults, and an option of the unselected replay variant
+        # (e.g. simpo_gamma with dpo_variant='dpo') raises instead of being ignored.
+        try:
+            compose = ComposeConfig.from_flat(
+                alpha_sdpo=self.alpha_sdpo,
+                beta_replay=self.beta_replay,
+                sdpo_form="sampled",
+                sdpo_token_clip=self.sdpo_token_clip,
+                dpo_variant=self.dpo_variant,
+                **{
+                    k: getattr(self, k)
+                    for k in ("dpo_beta", "dpo_loss_type", "dpo_label_smoothing", "simpo_beta", "simpo_gamma")
+                },
+            )
+        except ValueError as err:
+            raise ValueError(f"composer-verl config: {err}") from None
+        object.__setattr__(self, "compose", compose)
 
     @classmethod
     def from_mapping(cls, mapping: dict[str, Any]) -> ComposerVerlConfig:
         """Build from a plain mapping; unknown keys raise ``ValueError`` listing the valid ones."""
         if not isinstance(mapping, dict):
             raise ValueError(f"composer-verl config must be a mapping, got {type(mapping).__name__}.")
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls) if f.init}
         unknown = sorted(set(mapping) - known)
         if unknown:
             raise ValueError(f"composer-verl config: unknown key(s) {unknown}; valid keys: {sorted(known)}.")
         return cls(**mapping)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        out.pop("compose", None)
+        return out
 
 
 def parse_config(raw: str) -> ComposerVerlConfig:

@@ -146,7 +146,7 @@ def sdpo_term(
         extras.teacher_log_probs.to(log_prob.dtype),
         mask,
         old_logprobs=old_log_prob,
-        is_clip=cfg.sdpo_token_clip,
+        is_clip=cfg.compose.sdpo.token_clip,
         reduction="mean",
         normalizer=normalizer,
     )
@@ -181,6 +181,7 @@ def replay_term(
     cfg: ComposerVerlConfig,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Channel 3: DPO / SimPO over the pairs of the micro-batch, averaged over the global pair count."""
+    from composer_core.loss.config import SimPO
     from composer_core.loss.preference import dpo_loss, simpo_loss
 
     if extras is None:
@@ -220,14 +221,15 @@ def replay_term(
         if extras.global_pref_pairs is not None
         else float(ci.numel())
     )
-    if cfg.dpo_variant == "simpo":
+    replay = cfg.compose.replay  # composer_core's typed DPO(...) | SimPO(...), built once with the config
+    if isinstance(replay, SimPO):
         loss = simpo_loss(
             seq_logp[ci],
             seq_logp[ri],
             lengths[ci],
             lengths[ri],
-            beta=cfg.simpo_beta,
-            gamma=cfg.simpo_gamma,
+            beta=replay.beta,
+            gamma=replay.gamma,
             reduction="mean",
             normalizer=normalizer,
         )
@@ -241,15 +243,15 @@ def replay_term(
                 f"dpo_variant='dpo' needs reference log-probs: give data.batch['{PREF_REF_LOG_PROB}'] (bs,) or run "
                 "verl's reference model (ref_log_prob), or use dpo_variant='simpo'."
             )
-        ipo = cfg.dpo_loss_type == "ipo"  # IPO averages per token: it alone takes the lengths
+        ipo = replay.loss_type == "ipo"  # IPO averages per token: it alone takes the lengths
         loss = dpo_loss(
             seq_logp[ci],
             seq_logp[ri],
             ref_seq[ci],
             ref_seq[ri],
-            beta=cfg.dpo_beta,
-            loss_type=cfg.dpo_loss_type,
-            label_smoothing=cfg.dpo_label_smoothing,
+            beta=replay.beta,
+            loss_type=replay.loss_type,
+            label_smoothing=replay.label_smoothing,
             chosen_lengths=lengths[ci] if ipo else None,
             rejected_lengths=lengths[ri] if ipo else None,
             reduction="mean",

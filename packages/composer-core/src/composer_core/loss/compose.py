@@ -14,31 +14,45 @@ compute the channel at all, so the total is bit-identical to the policy-only los
 
 from __future__ import annotations
 
-import difflib
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Literal
 
 import torch
 from torch import Tensor
 
-from composer_core.loss.validation import as_mask, check_choice, check_probability
+from composer_core.loss.config import (
+    _FLAT,
+    DPO,
+    PER_CALL,
+    TAID,
+    ComposeConfig,
+    EntropyOPD,
+    SDPOOptions,
+    SimPO,
+    flat_defaults,
+    flat_option_names,
+)
 from composer_core.loss.distill import (
+    Kernel,
     _check_common,
+    _sampled_token_distill,
     fused_linear_loss,
     generalized_jsd,
     jsd_kernel,
-    sampled_token_distill,
     topk_distill,
 )
-from composer_core.loss.policy import KLEstimator, LossType, RolloutCorrection, policy_loss
-from composer_core.loss.preference import DPOLossType, dpo_loss, preference_margin, simpo_loss
+from composer_core.loss.metrics import Metrics
+from composer_core.loss.policy import policy_loss
+from composer_core.loss.preference import dpo_loss, preference_margin, simpo_loss
+from composer_core.loss.validation import (
+    as_mask,
+    check_float,
+    check_normalizer,
+    check_same_shape,
+    value_checks,
+)
 from composer_core.loss.wrappers import entropy_opd_kernel, entropy_opd_loss, taid_kernel, taid_loss
 
-__all__ = ["ComposeResult", "ComposerBatch", "check_mode_options", "compose_loss"]
-
-SDPOForm = Literal["auto", "full", "topk", "sampled"]
-SDPOWrapper = Literal["none", "taid", "entropy_opd"]
+__all__ = ["ComposeConfig", "ComposeResult", "ComposerBatch", "check_mode_options", "compose_loss"]
 
 
 @dataclass
@@ -97,147 +111,37 @@ class ComposeResult:
     """Output of :func:`compose_loss`.
 
     total: scalar to backpropagate. policy: channel-1 loss. distill / preference: channel 2 / 3 losses
-    (before α / β), None when skipped. metrics: floats (keys in :func:`compose_loss`).
+    (before α / β), None when skipped. metrics: a :class:`~composer_core.loss.metrics.Metrics` mapping (keys in
+    :func:`compose_loss`): reading it gives floats (all keys converted with one host transfer, on first read),
+    ``metrics.tensors()`` gives the detached 0-dim tensors unread. ``float(v)`` / ``dict(metrics)`` keep working.
     """
 
     total: Tensor
     policy: Tensor
     distill: Tensor | None = None
     preference: Tensor | None = None
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: Metrics = field(default_factory=Metrics)
 
 
-_COMPOSE_OPTIONS = [
-    "alpha_sdpo",
-    "beta_replay",
-    "loss_type",
-    "epsilon_low",
-    "epsilon_high",
-    "delta",
-    "kl_beta",
-    "kl_estimator",
-    "rollout_correction",
-    "rollout_clip_max",
-    "rollout_clip_min",
-    "dppo_mask_low",
-    "dppo_mask_high",
-    "max_completion_length",
-    "sdpo_form",
-    "sdpo_beta",
-    "sdpo_temperature",
-    "sdpo_token_clip",
-    "sdpo_topk",
-    "sdpo_chunk_size",
-    "sdpo_wrapper",
-    "taid_t",
-    "taid_schedule_step",
-    "taid_total_steps",
-    "taid_t_start",
-    "taid_t_end",
-    "entropy_opd_threshold",
-    "entropy_opd_weight",
-    "dpo_variant",
-    "dpo_beta",
-    "dpo_loss_type",
-    "dpo_label_smoothing",
-    "simpo_beta",
-    "simpo_gamma",
-    "normalizer",
-    "sdpo_normalizer",
-    "replay_normalizer",
-]
+#: Every flat keyword of :func:`compose_loss` (derived from :class:`~composer_core.loss.config.ComposeConfig`).
+_COMPOSE_OPTIONS = list(flat_option_names())
 
-
-#: Options that act in one mode only: name -> (default, does it act under these options?, what selects it).
-_MODE_OPTIONS: dict[str, tuple[object, Callable[[Mapping[str, object]], bool], str]] = {
-    "dpo_beta": (0.1, lambda o: o["dpo_variant"] == "dpo", "dpo_variant='dpo'"),
-    "dpo_loss_type": ("sigmoid", lambda o: o["dpo_variant"] == "dpo", "dpo_variant='dpo'"),
-    "dpo_label_smoothing": (0.0, lambda o: o["dpo_variant"] == "dpo", "dpo_variant='dpo'"),
-    "simpo_beta": (2.0, lambda o: o["dpo_variant"] == "simpo", "dpo_variant='simpo'"),
-    "simpo_gamma": (0.5, lambda o: o["dpo_variant"] == "simpo", "dpo_variant='simpo'"),
-    "taid_t": (None, lambda o: o["sdpo_wrapper"] == "taid", "sdpo_wrapper='taid'"),
-    "taid_schedule_step": (None, lambda o: o["sdpo_wrapper"] == "taid", "sdpo_wrapper='taid'"),
-    "taid_total_steps": (None, lambda o: o["sdpo_wrapper"] == "taid", "sdpo_wrapper='taid'"),
-    "taid_t_start": (0.4, lambda o: o["sdpo_wrapper"] == "taid", "sdpo_wrapper='taid'"),
-    "taid_t_end": (1.0, lambda o: o["sdpo_wrapper"] == "taid", "sdpo_wrapper='taid'"),
-    "entropy_opd_threshold": (
-        0.8,
-        lambda o: o["sdpo_wrapper"] == "entropy_opd",
-        "sdpo_wrapper='entropy_opd'",
-    ),
-    "entropy_opd_weight": (1.0, lambda o: o["sdpo_wrapper"] == "entropy_opd", "sdpo_wrapper='entropy_opd'"),
-    # the IS clip belongs to the sampled-token form ("auto" may resolve to it)
-    "sdpo_token_clip": (2.0, lambda o: o["sdpo_form"] in ("auto", "sampled"), "sdpo_form='sampled'"),
-    # the sampled-token form is always the reverse-KL estimator on given log-probs
-    "sdpo_temperature": (1.0, lambda o: o["sdpo_form"] != "sampled", "sdpo_form='full'/'topk'"),
+#: Options that act in one mode only: name -> (default, what selects it). Derived from the config classes.
+_MODE_OPTIONS: dict[str, tuple[object, str]] = {
+    name: (flat_defaults()[name], selector)
+    for name, (_, _, selector) in _FLAT.items()
+    if selector is not None
 }
-_MODE_SELECTORS: dict[str, object] = {"dpo_variant": "dpo", "sdpo_wrapper": "none", "sdpo_form": "auto"}
 
 
 def check_mode_options(**options: object) -> None:
     """Raise ``ValueError`` for an option set to a non-default value in a mode that does not use it.
 
-    ``compose_loss`` calls this; adapters call it when their config is built so a user learns at construction
-    that, e.g., ``simpo_beta`` does nothing under ``dpo_variant='dpo'`` (instead of training without it).
-    Options not given take ``compose_loss``'s defaults; names not listed here are not checked.
+    A thin wrapper of :meth:`ComposeConfig.from_flat` (without a batch, so ``sdpo_form="auto"`` is judged when a
+    batch resolves it). Adapters call it when their config is built so a user learns at construction that, e.g.,
+    ``simpo_beta`` does nothing under ``dpo_variant='dpo'``. Options not given take the config's defaults.
     """
-    resolved: dict[str, object] = {**_MODE_SELECTORS, **options}
-    unused = []
-    for name, (default, acts, selector) in _MODE_OPTIONS.items():
-        if name in options and options[name] != default and not acts(resolved):
-            unused.append(f"`{name}`={options[name]!r} (acts only with {selector})")
-    sampled_beta = options.get("sdpo_beta", 0.5)
-    if resolved["sdpo_form"] == "sampled" and sampled_beta not in (0.5, 1.0):
-        unused.append(
-            f"`sdpo_beta`={sampled_beta!r} (sdpo_form='sampled' is always the reverse-KL estimator, beta 1)"
-        )
-    if unused:
-        raise ValueError(
-            f"option(s) set for a mode that is not selected, so they would be silently ignored: {'; '.join(unused)}. "
-            "These options only apply in their mode: select it, or drop them."
-        )
-
-
-def _reject_unknown(unknown: dict[str, object]) -> None:
-    if not unknown:
-        return
-    hints = []
-    for key in sorted(unknown):
-        close = difflib.get_close_matches(key, _COMPOSE_OPTIONS, n=1)
-        hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    raise ValueError(
-        f"compose_loss() got unknown option(s) {', '.join(hints)}; see its docstring for the options."
-    )
-
-
-def _resolve_taid_t(
-    taid_t: float | None,
-    step: int | None,
-    total: int | None,
-    t_start: float,
-    t_end: float,
-) -> float:
-    if taid_t is not None and (step is not None or total is not None):
-        raise ValueError(
-            "pass either `taid_t` (e.g. TAIDScheduler.t) or `taid_schedule_step` + `taid_total_steps` "
-            "(linear schedule), not both."
-        )
-    if taid_t is not None:
-        return check_probability("taid_t", taid_t)
-    if step is None or total is None:
-        raise ValueError(
-            "sdpo_wrapper='taid' needs the interpolation t: pass `taid_t` (e.g. from TAIDScheduler.t) or both "
-            "`taid_schedule_step` and `taid_total_steps` for the linear t_start→t_end schedule."
-        )
-    if isinstance(total, bool) or not isinstance(total, int) or total < 1:
-        raise ValueError(f"`taid_total_steps`={total!r} must be an int >= 1.")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"`taid_schedule_step`={step!r} must be an int >= 0.")
-    check_probability("taid_t_start", t_start)
-    check_probability("taid_t_end", t_end)
-    if t_start > t_end:
-        raise ValueError(f"`taid_t_start`={t_start} must not exceed `taid_t_end`={t_end}.")
-    return t_start + (t_end - t_start) * min(step / total, 1.0)
+    ComposeConfig.from_flat(**{k: v for k, v in options.items() if k not in PER_CALL})  # type: ignore[arg-type]
 
 
 def _present(batch: ComposerBatch, *names: str) -> list[str]:
@@ -255,61 +159,35 @@ def _require_all(batch: ComposerBatch, form: str, names: tuple[str, ...]) -> Non
 
 def compose_loss(
     batch: ComposerBatch,
+    config: ComposeConfig | None = None,
+    /,
     *,
-    alpha_sdpo: float = 1.0,
-    beta_replay: float = 1.0,
-    # channel 1 (policy_loss options)
-    loss_type: LossType = "dapo",
-    epsilon_low: float = 0.2,
-    epsilon_high: float | None = None,
-    delta: float | None = None,
-    kl_beta: float = 0.0,
-    kl_estimator: KLEstimator = "k3",
-    rollout_correction: RolloutCorrection | None = None,
-    rollout_clip_max: float | None = 3.0,
-    rollout_clip_min: float | None = None,
-    dppo_mask_low: float = 0.2,
-    dppo_mask_high: float = 0.2,
-    max_completion_length: int | None = None,
-    # channel 2
-    sdpo_form: SDPOForm = "auto",
-    sdpo_beta: float = 0.5,
-    sdpo_temperature: float = 1.0,
-    sdpo_token_clip: float | None = 2.0,
-    sdpo_topk: int | None = None,
-    sdpo_chunk_size: int = 1024,
-    sdpo_wrapper: SDPOWrapper = "none",
-    taid_t: float | None = None,
-    taid_schedule_step: int | None = None,
-    taid_total_steps: int | None = None,
-    taid_t_start: float = 0.4,
-    taid_t_end: float = 1.0,
-    entropy_opd_threshold: float = 0.8,
-    entropy_opd_weight: float = 1.0,
-    # channel 3
-    dpo_variant: Literal["dpo", "simpo"] = "dpo",
-    dpo_beta: float = 0.1,
-    dpo_loss_type: DPOLossType = "sigmoid",
-    dpo_label_smoothing: float = 0.0,
-    simpo_beta: float = 2.0,
-    simpo_gamma: float = 0.5,
-    # normalisers (global counts across micro-batches and ranks)
     normalizer: float | Tensor | None = None,
     sdpo_normalizer: float | Tensor | None = None,
     replay_normalizer: float | Tensor | None = None,
-    **unknown: object,
+    **options: object,
 ) -> ComposeResult:
     """``total = policy + alpha_sdpo·distill + beta_replay·preference`` (see the module docstring).
 
-    Channel 1 options are those of :func:`composer_core.loss.policy.policy_loss` (``normalizer`` = its global
-    count). Channel 2:
+    Two call forms: ``compose_loss(batch, config)`` with a :class:`~composer_core.loss.config.ComposeConfig`
+    (build it once, reuse it every step), or the flat keyword facade ``compose_loss(batch, alpha_sdpo=...,
+    dpo_variant="simpo", simpo_beta=..., sdpo_wrapper="taid", taid_t=..., ...)``, built through
+    :meth:`ComposeConfig.from_flat` (cached per distinct options) with ``sdpo_form="auto"`` resolved against the
+    batch before the options are judged. Defaults are the config classes' (the one place they live).
+
+    Per call: ``normalizer`` (channel 1, :func:`composer_core.loss.policy.policy_loss`'s global count),
+    ``sdpo_normalizer`` (global distilled-token count; default local count), ``replay_normalizer`` (global pair
+    count; default local P). Python numbers or 0-dim tensors (a tensor is never read on the host).
+
+    Channel 1 options are those of :func:`composer_core.loss.policy.policy_loss`. Channel 2:
 
     - ``sdpo_form``: ``"auto"`` picks top-k if ``sdpo_topk`` is set and logits are present, else full logits,
       else fused hidden states, else the sampled-token form; ``"full"`` (logits or fused hidden states),
       ``"topk"`` (logits + ``sdpo_topk``), ``"sampled"`` (``teacher_logprobs``; always the reverse-KL
-      estimator, so ``sdpo_beta`` does not apply, ``sdpo_token_clip`` is its IS clip vs ``old_logprobs``).
+      estimator, so ``sdpo_beta``/``sdpo_temperature`` do not apply, ``sdpo_token_clip`` is its IS clip vs
+      ``old_logprobs`` and applies to it only).
     - ``sdpo_beta`` (generalized-JSD β, TRL convention: 0 forward KL, 1 reverse KL), ``sdpo_temperature``,
-      ``sdpo_chunk_size``, ``sdpo_normalizer`` (global distilled-token count; default local count).
+      ``sdpo_chunk_size``.
     - ``sdpo_wrapper``: ``"taid"`` (:func:`composer_core.loss.wrappers.taid_loss`; t from ``taid_t`` or the linear
       schedule ``taid_schedule_step``/``taid_total_steps``/``taid_t_start``/``taid_t_end``) or
       ``"entropy_opd"`` (base JSD with ``sdpo_beta`` + ``entropy_opd_weight``·gated FKL over the teacher
@@ -317,45 +195,71 @@ def compose_loss(
       full or fused form.
 
     Channel 3: ``dpo_variant`` ``"dpo"`` (:func:`composer_core.loss.preference.dpo_loss` with ``dpo_beta``,
-    ``dpo_loss_type``, ``dpo_label_smoothing``) or ``"simpo"`` (``simpo_beta``, ``simpo_gamma``);
-    ``replay_normalizer`` = global pair count (default local P).
+    ``dpo_loss_type``, ``dpo_label_smoothing``) or ``"simpo"`` (``simpo_beta``, ``simpo_gamma``).
 
-    Metrics: ``loss/total``, ``loss/policy``, ``loss/sdpo``, ``loss/replay``, ``skipped/sdpo``,
-    ``skipped/replay`` (1.0 when the channel was not computed: inputs absent or weight 0),
-    ``policy/clip_ratio``, ``policy/kl`` (if ``kl_beta``), ``sdpo/tokens``, ``replay/pairs``,
+    ``check_values`` (default True): value checks (finite inputs, 0/1 masks, non-empty selections, positive
+    lengths/normalisers) run fused, with ONE host sync per call; False (or ``torch.compile``) skips them (no host
+    sync). Structural checks (shapes, dtypes, devices, options) always run, without reading device memory.
+
+    Metrics (detached; see :class:`ComposeResult`): ``loss/total``, ``loss/policy``, ``loss/sdpo``,
+    ``loss/replay``, ``skipped/sdpo``, ``skipped/replay`` (1.0 when the channel was not computed: inputs absent or
+    weight 0), ``policy/clip_ratio``, ``policy/kl`` (if ``kl_beta``), ``sdpo/tokens``, ``replay/pairs``,
     ``replay/accuracy``, ``taid/t`` (TAID only), plus the policy metrics of ``policy_loss``.
 
-    Raises ValueError for unknown options, contradictory options, partial channel inputs, NaN/inf, shape or
-    vocabulary mismatches and empty masks of a channel whose inputs are present.
+    Raises ValueError for unknown options (with the closest name), options without effect in the resolved mode,
+    contradictory options, partial channel inputs, NaN/inf, shape, device or vocabulary mismatches and empty masks
+    of a channel whose inputs are present.
     """
-    _reject_unknown(unknown)
-    check_choice("sdpo_form", sdpo_form, ("auto", "full", "topk", "sampled"))
-    check_choice("sdpo_wrapper", sdpo_wrapper, ("none", "taid", "entropy_opd"))
-    check_choice("dpo_variant", dpo_variant, ("dpo", "simpo"))
-    check_mode_options(
-        dpo_variant=dpo_variant,
-        sdpo_wrapper=sdpo_wrapper,
-        sdpo_form=sdpo_form,
-        dpo_beta=dpo_beta,
-        dpo_loss_type=dpo_loss_type,
-        dpo_label_smoothing=dpo_label_smoothing,
-        simpo_beta=simpo_beta,
-        simpo_gamma=simpo_gamma,
-        taid_t=taid_t,
-        taid_schedule_step=taid_schedule_step,
-        taid_total_steps=taid_total_steps,
-        taid_t_start=taid_t_start,
-        taid_t_end=taid_t_end,
-        entropy_opd_threshold=entropy_opd_threshold,
-        entropy_opd_weight=entropy_opd_weight,
-        sdpo_token_clip=sdpo_token_clip,
-        sdpo_temperature=sdpo_temperature,
-        sdpo_beta=sdpo_beta,
-    )
-    for name, w in (("alpha_sdpo", alpha_sdpo), ("beta_replay", beta_replay)):
-        if not (float(w) >= 0.0) or float(w) == float("inf"):
-            raise ValueError(f"`{name}`={w!r} must be a finite weight >= 0 (0 disables the channel).")
+    flags = _channel2_flags(batch)
+    if config is None:
+        config = ComposeConfig.from_flat(
+            has_logits=flags[0], has_hidden=flags[1], has_sampled=flags[2], **options
+        )
+    elif options:
+        raise TypeError(
+            "compose_loss() takes either a ComposeConfig or flat keyword options, not both; got "
+            f"{sorted(options)} beside the config (use dataclasses.replace on the config)."
+        )
+    elif not isinstance(config, ComposeConfig):
+        raise TypeError(f"`config` must be a ComposeConfig, got {type(config).__name__}.")
+    form = config.resolve(has_logits=flags[0], has_hidden=flags[1], has_sampled=flags[2])
+    _check_devices(batch)
+    check = config.check_values and not torch.compiler.is_compiling()
+    with value_checks(check):
+        return _compose(
+            batch, config, form if any(flags) else None, (normalizer, sdpo_normalizer, replay_normalizer)
+        )
 
+
+def _channel2_flags(batch: ComposerBatch) -> tuple[bool, bool, bool]:
+    return (
+        bool(_present(batch, "student_logits", "teacher_logits")),
+        bool(_present(batch, "student_hidden", "teacher_hidden", "lm_head_weight")),
+        batch.teacher_logprobs is not None,
+    )
+
+
+def _check_devices(batch: ComposerBatch) -> None:
+    """Structural: every tensor of the batch on ``logprobs``' device (no host sync)."""
+    device = batch.logprobs.device if isinstance(batch.logprobs, Tensor) else None
+    if device is None:
+        return
+    for name in _BATCH_FIELDS:
+        value = getattr(batch, name)
+        if isinstance(value, Tensor) and value.device != device:
+            raise ValueError(
+                f"`{name}` is on {value.device} but `logprobs` is on {device}; move every batch tensor to the "
+                "same device (e.g. tensor.to(logprobs.device))."
+            )
+
+
+def _compose(
+    batch: ComposerBatch,
+    cfg: ComposeConfig,
+    form: str | None,
+    norms: tuple[float | Tensor | None, float | Tensor | None, float | Tensor | None],
+) -> ComposeResult:
+    p = cfg.policy
     pol = policy_loss(
         batch.logprobs,
         batch.advantages,
@@ -364,258 +268,202 @@ def compose_loss(
         ref_logprobs=batch.ref_logprobs,
         rollout_is_weights=batch.rollout_is_weights,
         inference_logprobs=batch.inference_logprobs,
-        loss_type=loss_type,
-        epsilon_low=epsilon_low,
-        epsilon_high=epsilon_high,
-        delta=delta,
-        kl_beta=kl_beta,
-        kl_estimator=kl_estimator,
-        rollout_correction=rollout_correction,
-        rollout_clip_max=rollout_clip_max,
-        rollout_clip_min=rollout_clip_min,
-        dppo_mask_low=dppo_mask_low,
-        dppo_mask_high=dppo_mask_high,
-        normalizer=normalizer,
-        max_completion_length=max_completion_length,
+        loss_type=p.loss_type,
+        epsilon_low=p.epsilon_low,
+        epsilon_high=p.epsilon_high,
+        delta=p.delta,
+        kl_beta=p.kl_beta,
+        kl_estimator=p.kl_estimator,
+        rollout_correction=p.rollout_correction,
+        rollout_clip_max=p.rollout_clip_max,
+        rollout_clip_min=p.rollout_clip_min,
+        dppo_mask_low=p.dppo_mask_low,
+        dppo_mask_high=p.dppo_mask_high,
+        normalizer=norms[0],
+        max_completion_length=p.max_completion_length,
     )
-    metrics: dict[str, float] = dict(pol.metrics)
+    metrics: dict[str, Tensor | float] = pol.metrics.tensors()
     total = pol.loss
 
     # ---- channel 2 -------------------------------------------------------------------------------------
     distill: Tensor | None = None
-    ch2 = _present(
-        batch,
-        "student_logits",
-        "teacher_logits",
-        "student_hidden",
-        "teacher_hidden",
-        "lm_head_weight",
-        "teacher_logprobs",
-    )
-    if alpha_sdpo == 0 or not ch2:
+    if cfg.alpha_sdpo == 0 or form is None:
         metrics["skipped/sdpo"] = 1.0
     else:
-        distill, sdpo_metrics = _sdpo(
-            batch,
-            form=sdpo_form,
-            beta=sdpo_beta,
-            temperature=sdpo_temperature,
-            token_clip=sdpo_token_clip,
-            topk=sdpo_topk,
-            chunk_size=sdpo_chunk_size,
-            wrapper=sdpo_wrapper,
-            taid=(taid_t, taid_schedule_step, taid_total_steps, taid_t_start, taid_t_end),
-            eopd=(entropy_opd_threshold, entropy_opd_weight),
-            normalizer=sdpo_normalizer,
-        )
+        distill, sdpo_metrics = _sdpo(batch, cfg.sdpo, form, norms[1])
         metrics.update(sdpo_metrics)
         metrics["skipped/sdpo"] = 0.0
-        total = total + alpha_sdpo * distill
+        total = total + cfg.alpha_sdpo * distill
 
     # ---- channel 3 -------------------------------------------------------------------------------------
     preference: Tensor | None = None
     ch3 = _present(batch, "chosen_logps", "rejected_logps")
-    if beta_replay == 0 or not ch3:
+    if cfg.beta_replay == 0 or not ch3:
         metrics["skipped/replay"] = 1.0
     else:
-        if len(ch3) != 2:
-            raise ValueError(
-                "trace replay needs both `chosen_logps` and `rejected_logps`; the batch has only "
-                f"{ch3[0]!r}. Fill both, or leave both out to skip the channel."
-            )
-        assert batch.chosen_logps is not None and batch.rejected_logps is not None
-        if dpo_variant == "dpo":
-            if batch.ref_chosen_logps is None or batch.ref_rejected_logps is None:
-                raise ValueError(
-                    "dpo_variant='dpo' needs `ref_chosen_logps` and `ref_rejected_logps` (reference model "
-                    "log-probs); compute them or use dpo_variant='simpo' (reference-free)."
-                )
-            ipo = dpo_loss_type == "ipo"
-            preference = dpo_loss(
-                batch.chosen_logps,
-                batch.rejected_logps,
-                batch.ref_chosen_logps,
-                batch.ref_rejected_logps,
-                beta=dpo_beta,
-                loss_type=dpo_loss_type,
-                label_smoothing=dpo_label_smoothing,
-                chosen_lengths=batch.chosen_lengths if ipo else None,
-                rejected_lengths=batch.rejected_lengths if ipo else None,
-                normalizer=replay_normalizer,
-            )
-            margin = preference_margin(
-                batch.chosen_logps, batch.rejected_logps, batch.ref_chosen_logps, batch.ref_rejected_logps
-            )
-        else:
-            if batch.chosen_lengths is None or batch.rejected_lengths is None:
-                raise ValueError(
-                    "dpo_variant='simpo' needs `chosen_lengths` and `rejected_lengths` (SimPO is length-"
-                    "normalised); fill them in the batch."
-                )
-            preference = simpo_loss(
-                batch.chosen_logps,
-                batch.rejected_logps,
-                batch.chosen_lengths,
-                batch.rejected_lengths,
-                beta=simpo_beta,
-                gamma=simpo_gamma,
-                normalizer=replay_normalizer,
-            )
-            lc = batch.chosen_lengths.to(batch.chosen_logps.dtype)
-            lr = batch.rejected_lengths.to(batch.chosen_logps.dtype)
-            margin = batch.chosen_logps / lc - batch.rejected_logps / lr
+        preference, margin = _replay(batch, cfg.replay, ch3, norms[2])
+        assert batch.chosen_logps is not None
         metrics["replay/pairs"] = float(batch.chosen_logps.shape[0])
-        metrics["replay/accuracy"] = float((margin.detach() > 0).to(torch.float64).mean())
+        metrics["replay/accuracy"] = (margin.detach() > 0).to(torch.float64).mean()
         metrics["skipped/replay"] = 0.0
-        total = total + beta_replay * preference
+        total = total + cfg.beta_replay * preference
 
-    metrics["loss/policy"] = float(pol.loss.detach())
+    metrics["loss/policy"] = pol.loss.detach()
     if distill is not None:
-        metrics["loss/sdpo"] = float(distill.detach())
+        metrics["loss/sdpo"] = distill.detach()
     if preference is not None:
-        metrics["loss/replay"] = float(preference.detach())
-    metrics["loss/total"] = float(total.detach())
+        metrics["loss/replay"] = preference.detach()
+    metrics["loss/total"] = total.detach()
     return ComposeResult(
-        total=total, policy=pol.loss, distill=distill, preference=preference, metrics=metrics
+        total=total, policy=pol.loss, distill=distill, preference=preference, metrics=Metrics(metrics)
     )
 
 
+def _replay(
+    batch: ComposerBatch, opts: DPO | SimPO, ch3: list[str], normalizer: float | Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """Channel 3: (loss, margin)."""
+    if len(ch3) != 2:
+        raise ValueError(
+            "trace replay needs both `chosen_logps` and `rejected_logps`; the batch has only "
+            f"{ch3[0]!r}. Fill both, or leave both out to skip the channel."
+        )
+    assert batch.chosen_logps is not None and batch.rejected_logps is not None
+    if isinstance(opts, DPO):
+        if batch.ref_chosen_logps is None or batch.ref_rejected_logps is None:
+            raise ValueError(
+                "dpo_variant='dpo' needs `ref_chosen_logps` and `ref_rejected_logps` (reference model "
+                "log-probs); compute them or use dpo_variant='simpo' (reference-free)."
+            )
+        ipo = opts.loss_type == "ipo"
+        loss = dpo_loss(
+            batch.chosen_logps,
+            batch.rejected_logps,
+            batch.ref_chosen_logps,
+            batch.ref_rejected_logps,
+            beta=opts.beta,
+            loss_type=opts.loss_type,
+            label_smoothing=opts.label_smoothing,
+            chosen_lengths=batch.chosen_lengths if ipo else None,
+            rejected_lengths=batch.rejected_lengths if ipo else None,
+            normalizer=normalizer,
+        )
+        margin = preference_margin(
+            batch.chosen_logps, batch.rejected_logps, batch.ref_chosen_logps, batch.ref_rejected_logps
+        )
+        return loss, margin
+    if batch.chosen_lengths is None or batch.rejected_lengths is None:
+        raise ValueError(
+            "dpo_variant='simpo' needs `chosen_lengths` and `rejected_lengths` (SimPO is length-"
+            "normalised); fill them in the batch."
+        )
+    loss = simpo_loss(
+        batch.chosen_logps,
+        batch.rejected_logps,
+        batch.chosen_lengths,
+        batch.rejected_lengths,
+        beta=opts.beta,
+        gamma=opts.gamma,
+        normalizer=normalizer,
+    )
+    lc = batch.chosen_lengths.to(batch.chosen_logps.dtype)
+    lr = batch.rejected_lengths.to(batch.chosen_logps.dtype)
+    return loss, batch.chosen_logps / lc - batch.rejected_logps / lr
+
+
 def _sdpo(
-    batch: ComposerBatch,
-    *,
-    form: str,
-    beta: float,
-    temperature: float,
-    token_clip: float | None,
-    topk: int | None,
-    chunk_size: int,
-    wrapper: str,
-    taid: tuple[float | None, int | None, int | None, float, float],
-    eopd: tuple[float, float],
-    normalizer: float | Tensor | None,
-) -> tuple[Tensor, dict[str, float]]:
-    """Compute channel 2; returns (loss, metrics)."""
-    has_logits = bool(_present(batch, "student_logits", "teacher_logits"))
-    has_hidden = bool(_present(batch, "student_hidden", "teacher_hidden", "lm_head_weight"))
-    has_sampled = batch.teacher_logprobs is not None
-    if form == "auto":
-        if has_logits:
-            form = "topk" if (topk is not None and wrapper == "none") else "full"
-        elif has_hidden:
-            form = "full"
-        else:
-            form = "sampled"
-    if topk is not None and form != "topk" and wrapper != "entropy_opd":
-        raise ValueError(
-            f"`sdpo_topk`={topk!r} only applies to the top-k form (student/teacher logits) or the entropy_opd "
-            f"wrapper, but the SDPO form is {form!r} with sdpo_wrapper={wrapper!r}: drop `sdpo_topk`, or pass "
-            "logits with sdpo_form='topk'."
-        )
-    if wrapper != "none" and form not in ("full",):
-        raise ValueError(
-            f"sdpo_wrapper={wrapper!r} needs full-vocabulary inputs (student/teacher logits or hidden states "
-            f"+ lm_head_weight), but the SDPO form is {form!r}."
-        )
+    batch: ComposerBatch, opts: SDPOOptions, form: str, normalizer: float | Tensor | None
+) -> tuple[Tensor, dict[str, Tensor | float]]:
+    """Compute channel 2 in the resolved ``form``; returns (loss, metrics)."""
     mask_src = batch.sdpo_mask if batch.sdpo_mask is not None else batch.completion_mask
     name = "sdpo_mask" if batch.sdpo_mask is not None else "completion_mask (used as sdpo_mask)"
     m = as_mask(name, mask_src, batch.logprobs.shape, device=batch.logprobs.device)
-    metrics: dict[str, float] = {"sdpo/tokens": float(m.sum())}
-
+    metrics: dict[str, Tensor | float] = {"sdpo/tokens": m.sum().to(torch.float64)}
     if form == "sampled":
-        if not has_sampled:
+        if batch.teacher_logprobs is None:
             raise ValueError(
                 "sdpo_form='sampled' needs `teacher_logprobs` [B, T] (teacher log-probs of the sampled tokens)."
             )
-        assert batch.teacher_logprobs is not None
-        loss = sampled_token_distill(
-            batch.logprobs,
-            batch.teacher_logprobs,
-            m,
-            old_logprobs=batch.old_logprobs,
-            is_clip=token_clip,
-            normalizer=normalizer,
+        # logprobs / old_logprobs were validated by channel 1; the clip by the config
+        check_float("teacher_logprobs", batch.teacher_logprobs)
+        check_same_shape("logprobs", batch.logprobs, "teacher_logprobs", batch.teacher_logprobs)
+        check_normalizer("sdpo_normalizer", normalizer)
+        loss = _sampled_token_distill(
+            batch.logprobs, batch.teacher_logprobs, m, batch.old_logprobs, opts.token_clip, "mean", normalizer
         )
         return loss, metrics
-
-    check_probability("sdpo_beta", beta)
     if form == "topk":
         _require_all(batch, "top-k", ("student_logits", "teacher_logits"))
-        if topk is None:
-            raise ValueError("sdpo_form='topk' needs `sdpo_topk` (the support size k).")
-        assert batch.student_logits is not None and batch.teacher_logits is not None
+        assert batch.student_logits is not None and batch.teacher_logits is not None and opts.topk is not None
         loss = topk_distill(
             batch.student_logits,
             batch.teacher_logits,
-            k=topk,
-            beta=beta,
-            temperature=temperature,
+            k=opts.topk,
+            beta=opts.beta,
+            temperature=opts.temperature,
             mask=m,
             normalizer=normalizer,
         )
         return loss, metrics
-
-    # full vocabulary: logits or fused hidden states
-    if wrapper == "taid":
-        t = _resolve_taid_t(*taid)
+    t: float | None = None
+    if isinstance(opts.wrapper, TAID):
+        t = opts.wrapper.resolve_t()
         metrics["taid/t"] = t
-    if has_logits:
-        _require_all(batch, "full-logits", ("student_logits", "teacher_logits"))
-        assert batch.student_logits is not None and batch.teacher_logits is not None
-        _check_vocab_tokens(batch.student_logits, batch.logprobs, "student_logits")
-        if wrapper == "taid":
-            loss = taid_loss(
-                batch.student_logits,
-                batch.teacher_logits,
-                metrics["taid/t"],
-                temperature=temperature,
-                mask=m,
-                chunk_size=chunk_size,
-                normalizer=normalizer,
-            )
-        elif wrapper == "entropy_opd":
-            loss = entropy_opd_loss(
-                batch.student_logits,
-                batch.teacher_logits,
-                threshold=eopd[0],
-                fkl_weight=eopd[1],
-                beta=beta,
-                temperature=temperature,
-                topk=topk,
-                mask=m,
-                chunk_size=chunk_size,
-                normalizer=normalizer,
-            )
-        else:
-            loss = generalized_jsd(
-                batch.student_logits,
-                batch.teacher_logits,
-                beta=beta,
-                temperature=temperature,
-                mask=m,
-                chunk_size=chunk_size,
-                normalizer=normalizer,
-            )
-        return loss, metrics
-    if not has_hidden:
+    if _present(batch, "student_logits", "teacher_logits"):
+        return _full_logits(batch, opts, m, t, normalizer), metrics
+    if not _present(batch, "student_hidden", "teacher_hidden", "lm_head_weight"):
         raise ValueError(
             "sdpo_form='full' needs `student_logits` + `teacher_logits`, or `student_hidden` + `teacher_hidden` "
             "+ `lm_head_weight`; the batch only has `teacher_logprobs` (use sdpo_form='sampled')."
         )
+    return _fused_hidden(batch, opts, m, t, normalizer), metrics
+
+
+def _full_logits(
+    batch: ComposerBatch, opts: SDPOOptions, m: Tensor, t: float | None, normalizer: float | Tensor | None
+) -> Tensor:
+    _require_all(batch, "full-logits", ("student_logits", "teacher_logits"))
+    assert batch.student_logits is not None and batch.teacher_logits is not None
+    _check_vocab_tokens(batch.student_logits, batch.logprobs, "student_logits")
+    common: dict[str, object] = {
+        "temperature": opts.temperature, "mask": m, "chunk_size": opts.chunk_size, "normalizer": normalizer
+    }  # fmt: skip
+    if t is not None:
+        return taid_loss(batch.student_logits, batch.teacher_logits, t, **common)  # type: ignore[arg-type]
+    if isinstance(opts.wrapper, EntropyOPD):
+        return entropy_opd_loss(
+            batch.student_logits,
+            batch.teacher_logits,
+            threshold=opts.wrapper.threshold,
+            fkl_weight=opts.wrapper.weight,
+            beta=opts.beta,
+            topk=opts.topk,
+            **common,  # type: ignore[arg-type]
+        )
+    return generalized_jsd(batch.student_logits, batch.teacher_logits, beta=opts.beta, **common)  # type: ignore[arg-type]
+
+
+def _fused_hidden(
+    batch: ComposerBatch, opts: SDPOOptions, m: Tensor, t: float | None, normalizer: float | Tensor | None
+) -> Tensor:
     _require_all(batch, "fused hidden-state", ("student_hidden", "teacher_hidden", "lm_head_weight"))
     assert batch.student_hidden is not None and batch.teacher_hidden is not None
     assert batch.lm_head_weight is not None
     _check_vocab_tokens(batch.student_hidden, batch.logprobs, "student_hidden")
-    _check_common(temperature, chunk_size, "mean", normalizer, ("mean",))
-    if wrapper == "taid":
-        kernel = taid_kernel(metrics["taid/t"])
-    elif wrapper == "entropy_opd":
+    _check_common(opts.temperature, opts.chunk_size, "mean", normalizer, ("mean",))
+    kernel: Kernel
+    if t is not None:
+        kernel = taid_kernel(t)
+    elif isinstance(opts.wrapper, EntropyOPD):
         vocab = batch.lm_head_weight.shape[0]
-        if topk is not None and not (1 <= topk <= vocab):
-            raise ValueError(f"`sdpo_topk`={topk!r} must be None or an int in [1, V={vocab}].")
-        kernel = entropy_opd_kernel(beta, float(eopd[0]), float(eopd[1]), topk)
+        if opts.topk is not None and not (1 <= opts.topk <= vocab):
+            raise ValueError(f"`sdpo_topk`={opts.topk!r} must be None or an int in [1, V={vocab}].")
+        kernel = entropy_opd_kernel(
+            opts.beta, float(opts.wrapper.threshold), float(opts.wrapper.weight), opts.topk
+        )
     else:
-        kernel = jsd_kernel(float(beta))
-    loss = fused_linear_loss(
+        kernel = jsd_kernel(float(opts.beta))
+    return fused_linear_loss(
         batch.student_hidden,
         batch.lm_head_weight,
         batch.teacher_hidden,
@@ -623,13 +471,12 @@ def _sdpo(
         teacher_lm_head_weight=None,
         lm_head_bias=batch.lm_head_bias,
         teacher_lm_head_bias=None,
-        temperature=temperature,
+        temperature=opts.temperature,
         mask=m,
-        chunk_size=chunk_size,
+        chunk_size=opts.chunk_size,
         reduction="mean",
         normalizer=normalizer,
     )
-    return loss, metrics
 
 
 def _check_vocab_tokens(x: Tensor, logprobs: Tensor, name: str) -> None:

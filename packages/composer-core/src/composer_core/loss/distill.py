@@ -37,6 +37,7 @@ from composer_core.loss.validation import (
     check_probability,
     check_same_shape,
     check_tensor,
+    value_check,
 )
 
 __all__ = [
@@ -122,11 +123,33 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _raise_non_finite(names: tuple[str, str], chunks: tuple[Tensor, Tensor]) -> None:
+def _non_finite_message(names: tuple[str, str], chunks: tuple[Tensor, Tensor]) -> str:
     culprits = [n for n, c in zip(names, chunks) if not bool(torch.isfinite(c).all())] or [" / ".join(names)]
-    raise ValueError(
+    return (
         f"`{culprits[0]}` contains NaN/inf values; fix the upstream computation (mask padded positions with a "
         "finite value, not -inf/NaN) before calling the loss."
+    )
+
+
+def _check_chunk_finite(loss: Tensor, student: Tensor, teacher: Tensor, idx: Tensor) -> None:
+    """Value check of one chunk's row losses (joins ``compose_loss``'s fused check; eager when called directly)."""
+    value_check(
+        None,
+        lambda: torch.isfinite(loss),
+        lambda: _non_finite_message(
+            ("student_logits", "teacher_logits"), (student.index_select(0, idx), teacher.index_select(0, idx))
+        ),
+    )
+
+
+def _check_fused_chunk_finite(loss: Tensor) -> None:
+    value_check(
+        None,
+        lambda: torch.isfinite(loss),
+        lambda: (
+            "the logits computed from `student_hidden`/`teacher_hidden` and the LM head overflow to "
+            "NaN/inf; check the hidden states and head weights (or compute in float32)."
+        ),
     )
 
 
@@ -159,11 +182,9 @@ class _ChunkedLogitsLoss(torch.autograd.Function):
                 zt.div_(temperature)
             loss, g = kernel(zs, zt)
             del zs, zt
-            if not bool(torch.isfinite(loss).all()):  # any NaN/inf logit makes its row's loss non-finite
-                _raise_non_finite(
-                    ("student_logits", "teacher_logits"),
-                    (student.index_select(0, idx), teacher.index_select(0, idx)),
-                )
+            _check_chunk_finite(
+                loss, student, teacher, idx
+            )  # a NaN/inf logit makes its row's loss non-finite
             factor = (1.0 if per_row else scale) / temperature
             if factor != 1.0:
                 g.mul_(factor)
@@ -243,11 +264,7 @@ class _FusedLinearLoss(torch.autograd.Function):
                 zt.div_(temperature)
             loss, g = kernel(zs, zt)
             del zs, zt
-            if not bool(torch.isfinite(loss).all()):
-                raise ValueError(
-                    "the logits computed from `student_hidden`/`teacher_hidden` and the LM head overflow to "
-                    "NaN/inf; check the hidden states and head weights (or compute in float32)."
-                )
+            _check_fused_chunk_finite(loss)
             total = total + loss.sum()
             g.mul_(factor)
             if grad_h is not None:
@@ -313,10 +330,16 @@ def _rows_and_scale(
 ) -> tuple[Tensor, float]:
     m = as_mask("mask", mask, token_shape, device=device)
     rows = m.reshape(-1).nonzero().squeeze(-1)
-    if reduction == "mean":
+    if reduction == "mean" and not isinstance(normalizer, Tensor):
         denom = float(normalizer) if normalizer is not None else float(max(rows.numel(), 1))
         return rows, 1.0 / denom
-    return rows, 1.0
+    return rows, 1.0  # a tensor normaliser divides the sum afterwards (reading it would be a host sync)
+
+
+def _divide(out: Tensor, reduction: str, normalizer: float | Tensor | None) -> Tensor:
+    if reduction == "mean" and isinstance(normalizer, Tensor):
+        return out / normalizer.to(out.dtype)
+    return out
 
 
 def chunked_logits_loss(
@@ -344,7 +367,7 @@ def chunked_logits_loss(
     out = _apply_chunked(s, t, rows, kernel, float(temperature), chunk_size, scale, reduction == "none")
     if reduction == "none":
         return out.reshape(token_shape)
-    return out
+    return _divide(out, reduction, normalizer)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -453,7 +476,7 @@ def fused_linear_loss(
         chunk_size,
         scale,
     )
-    return out
+    return _divide(out, reduction, normalizer)
 
 
 def fused_linear_generalized_jsd(
@@ -631,16 +654,30 @@ def sampled_token_distill(
     if is_clip is not None:
         check_positive("is_clip", is_clip)
     m = as_mask("mask", mask, student_logprobs.shape, device=student_logprobs.device)
-    ls = student_logprobs
-    d = (ls - teacher_logprobs.detach()).detach()
-    per_token = d + d * (ls - ls.detach())
     if old_logprobs is not None:
         check_float("old_logprobs", old_logprobs)
         check_same_shape("student_logprobs", student_logprobs, "old_logprobs", old_logprobs)
-        if is_clip is not None:
-            with torch.no_grad():
-                w = torch.exp(torch.clamp(ls.detach() - old_logprobs.detach(), min=-20.0, max=20.0)).clamp(
-                    max=is_clip
-                )
-            per_token = per_token * w
+    return _sampled_token_distill(
+        student_logprobs, teacher_logprobs, m, old_logprobs, is_clip, reduction, normalizer
+    )
+
+
+def _sampled_token_distill(
+    ls: Tensor,
+    teacher_logprobs: Tensor,
+    m: Tensor,
+    old_logprobs: Tensor | None,
+    is_clip: float | None,
+    reduction: str,
+    normalizer: float | Tensor | None,
+) -> Tensor:
+    """:func:`sampled_token_distill` on validated inputs (``m`` a bool mask)."""
+    d = (ls - teacher_logprobs.detach()).detach()
+    per_token = d + d * (ls - ls.detach())
+    if old_logprobs is not None and is_clip is not None:
+        with torch.no_grad():
+            w = torch.exp(torch.clamp(ls.detach() - old_logprobs.detach(), min=-20.0, max=20.0)).clamp(
+                max=is_clip
+            )
+        per_token = per_token * w
     return _reduce(per_token, m, reduction, normalizer)

@@ -19,6 +19,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from composer_core.loss.metrics import Metrics
 from composer_core.loss.validation import (
     as_mask,
     check_choice,
@@ -175,6 +176,17 @@ def aggregate_loss(
     m_bool = as_mask("mask", mask, per_token_loss.shape, device=per_token_loss.device, require_nonempty=False)
     m = mask if (mask.dtype != torch.bool and mask.is_floating_point()) else m_bool.to(per_token_loss.dtype)
     check_normalizer("normalizer", normalizer)
+    return _aggregate(per_token_loss, m, loss_type, normalizer, max_completion_length)
+
+
+def _aggregate(
+    per_token_loss: Tensor,
+    m: Tensor,
+    loss_type: str,
+    normalizer: float | Tensor | None,
+    max_completion_length: int | None,
+) -> Tensor:
+    """:func:`aggregate_loss` on validated inputs (``m`` a float mask in the loss dtype); option checks only."""
     if max_completion_length is not None and loss_type != "dr_grpo":
         raise ValueError(f"`max_completion_length` is only used by loss_type='dr_grpo', not {loss_type!r}.")
     if loss_type == "grpo":
@@ -237,6 +249,18 @@ def rollout_correction_weights(
         raise ValueError(f"`clip_min`={clip_min!r} must be >= 0.")
     if clip_min is not None and clip_max is not None and clip_min > clip_max:
         raise ValueError(f"`clip_min`={clip_min} exceeds `clip_max`={clip_max}.")
+    return _rollout_weights(logprobs, inference_logprobs, m_bool, mode, clip_max, clip_min)
+
+
+def _rollout_weights(
+    logprobs: Tensor,
+    inference_logprobs: Tensor,
+    m_bool: Tensor,
+    mode: str,
+    clip_max: float | None,
+    clip_min: float | None,
+) -> Tensor:
+    """:func:`rollout_correction_weights` on validated inputs."""
     with torch.no_grad():
         m = m_bool.to(logprobs.dtype)
         diff = (logprobs.detach() - inference_logprobs.detach()) * m
@@ -271,6 +295,13 @@ def dppo_mask(
     adv = _broadcast_advantages(advantages, logprobs)
     check_probability_bound("mask_low", mask_low)
     check_probability_bound("mask_high", mask_high)
+    return _dppo_mask(logprobs, inference_logprobs, adv, mask_low, mask_high)
+
+
+def _dppo_mask(
+    logprobs: Tensor, inference_logprobs: Tensor, adv: Tensor, mask_low: float, mask_high: float
+) -> Tensor:
+    """:func:`dppo_mask` on validated inputs (``adv`` broadcastable to [B, T])."""
     with torch.no_grad():
         dp = torch.exp(logprobs.detach()) - torch.exp(inference_logprobs.detach())
         masked = ((adv > 0) & (dp > mask_high)) | ((adv <= 0) & (dp < -mask_low))
@@ -306,7 +337,9 @@ def dppo_loss(
     check_same_shape("logprobs", logprobs, "inference_logprobs", inference_logprobs)
     adv = _broadcast_advantages(advantages, logprobs)
     m_bool = as_mask("mask", mask, logprobs.shape, device=logprobs.device)
-    masked = dppo_mask(logprobs, inference_logprobs, advantages, mask_low=mask_low, mask_high=mask_high)
+    check_probability_bound("mask_low", mask_low)
+    check_probability_bound("mask_high", mask_high)
+    masked = _dppo_mask(logprobs, inference_logprobs, adv, mask_low, mask_high)
     m = m_bool.to(logprobs.dtype)
     keep = (~masked).to(logprobs.dtype) * m
     log_ratio = logprobs - inference_logprobs.detach()
@@ -323,10 +356,11 @@ def dppo_loss(
 
 @dataclass
 class PolicyLossOutput:
-    """Result of :func:`policy_loss`: the scalar ``loss`` (with grad) and float ``metrics``."""
+    """Result of :func:`policy_loss`: the scalar ``loss`` (with grad) and ``metrics``
+    (:class:`~composer_core.loss.metrics.Metrics`: floats on read, detached tensors via ``.tensors()``)."""
 
     loss: Tensor
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: Metrics = field(default_factory=Metrics)
 
 
 def policy_loss(
@@ -391,6 +425,26 @@ def policy_loss(
             raise ValueError(
                 "pass either precomputed `rollout_is_weights` or `rollout_correction` (computed here), not both."
             )
+    if inference_logprobs is not None:
+        check_float("inference_logprobs", inference_logprobs)
+        check_same_shape("logprobs", logprobs, "inference_logprobs", inference_logprobs)
+    if rollout_correction == "dppo_mask":
+        check_probability_bound("dppo_mask_low", dppo_mask_low)
+        check_probability_bound("dppo_mask_high", dppo_mask_high)
+    elif rollout_correction is not None:
+        if rollout_clip_max is not None:
+            check_positive("rollout_clip_max", rollout_clip_max)
+        if rollout_clip_min is not None and not (float(rollout_clip_min) >= 0.0):
+            raise ValueError(f"`rollout_clip_min`={rollout_clip_min!r} must be >= 0.")
+        if (
+            rollout_clip_min is not None
+            and rollout_clip_max is not None
+            and rollout_clip_min > rollout_clip_max
+        ):
+            raise ValueError(
+                f"`rollout_clip_min`={rollout_clip_min} exceeds `rollout_clip_max`={rollout_clip_max}."
+            )
+    check_normalizer("normalizer", normalizer)
     if rollout_correction is not None and inference_logprobs is None:
         raise ValueError(
             f"rollout_correction={rollout_correction!r} needs `inference_logprobs` (the inference engine's "
@@ -430,40 +484,31 @@ def policy_loss(
         assert ref is not None
         per_token_kl = _kl_unchecked(logprobs, ref, kl_estimator)
     per_token_loss, is_clipped = _surrogate_from_ratio(coef_1, adv, eps_lo, eps_hi, delta)
-    metrics: dict[str, float] = {}
+    metrics: dict[str, Tensor | float] = {}
     m_f = m_bool.to(logprobs.dtype)
     n_tok = m_f.sum().clamp(min=1.0)
 
     if rollout_correction == "dppo_mask":
         assert inference_logprobs is not None
-        check_float("inference_logprobs", inference_logprobs)
-        masked = dppo_mask(
-            logprobs, inference_logprobs, adv, mask_low=dppo_mask_low, mask_high=dppo_mask_high
-        )
+        masked = _dppo_mask(logprobs, inference_logprobs, adv, dppo_mask_low, dppo_mask_high)
         per_token_loss = per_token_loss * (~masked)
-        metrics["policy/dppo_masked"] = float((masked.to(m_f.dtype) * m_f).sum() / n_tok)
+        metrics["policy/dppo_masked"] = ((masked.to(m_f.dtype) * m_f).sum() / n_tok).detach()
     elif rollout_correction is not None:
         assert inference_logprobs is not None
-        weights = rollout_correction_weights(
-            old,
-            inference_logprobs,
-            m_bool,
-            mode=rollout_correction,
-            clip_max=rollout_clip_max,
-            clip_min=rollout_clip_min,
+        weights = _rollout_weights(
+            old, inference_logprobs, m_bool, rollout_correction, rollout_clip_max, rollout_clip_min
         )
         per_token_loss = per_token_loss * weights
-        metrics["policy/rollout_is_weight"] = float((weights * m_f).sum() / n_tok)
+        metrics["policy/rollout_is_weight"] = ((weights * m_f).sum() / n_tok).detach()
     elif rollout_is_weights is not None:
         per_token_loss = per_token_loss * rollout_is_weights.detach()
-        metrics["policy/rollout_is_weight"] = float((rollout_is_weights.detach() * m_f).sum() / n_tok)
+        metrics["policy/rollout_is_weight"] = ((rollout_is_weights.detach() * m_f).sum() / n_tok).detach()
 
     if per_token_kl is not None:
         per_token_loss = per_token_loss + kl_beta * per_token_kl
-        metrics["policy/kl"] = float((per_token_kl.detach() * m_f).sum() / n_tok)
+        metrics["policy/kl"] = ((per_token_kl.detach() * m_f).sum() / n_tok).detach()
 
-    loss = aggregate_loss(
-        per_token_loss, mask, loss_type, normalizer=normalizer, max_completion_length=max_completion_length
-    )
-    metrics["policy/clip_ratio"] = float((is_clipped.to(m_f.dtype) * m_f).sum() / n_tok)
-    return PolicyLossOutput(loss=loss, metrics=metrics)
+    m_agg = mask if (mask.dtype != torch.bool and mask.is_floating_point()) else m_f
+    loss = _aggregate(per_token_loss, m_agg, loss_type, normalizer, max_completion_length)
+    metrics["policy/clip_ratio"] = ((is_clipped.to(m_f.dtype) * m_f).sum() / n_tok).detach()
+    return PolicyLossOutput(loss=loss, metrics=Metrics(metrics))

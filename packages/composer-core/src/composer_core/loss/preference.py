@@ -26,6 +26,7 @@ from composer_core.loss.validation import (
     check_positive,
     check_same_shape,
     check_tensor,
+    value_check,
 )
 
 __all__ = ["dpo_loss", "preference_margin", "simpo_loss"]
@@ -53,8 +54,11 @@ def _check_pairs(**tensors: Tensor | None) -> int:
 
 
 def _check_lengths(name: str, lengths: Tensor) -> Tensor:
-    if not bool((lengths > 0).all()):
-        raise ValueError(f"`{name}` must be > 0 for every pair (token count of each completion).")
+    value_check(
+        (name + ":>0", id(lengths)),
+        lambda: lengths > 0,
+        lambda: f"`{name}` must be > 0 for every pair (token count of each completion).",
+    )
     return lengths
 
 

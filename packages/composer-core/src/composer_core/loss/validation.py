@@ -6,7 +6,9 @@ bad batch fails loudly at the boundary instead of producing a silent 0 or NaN de
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -21,7 +23,81 @@ __all__ = [
     "check_same_shape",
     "check_tensor",
     "resolve_normalizer",
+    "value_check",
+    "value_checks",
 ]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Value checks: eager for a direct call, fused into one host sync inside ``compose_loss``
+# ---------------------------------------------------------------------------------------------------------
+
+
+class _FusedChecks:
+    """Conditions collected during one ``compose_loss`` call, read with a single host sync."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.conditions: list[Tensor] = []
+        self.messages: list[Callable[[], str]] = []
+        self.seen: set[tuple[str, int]] = set()
+
+    def add(
+        self, key: tuple[str, int] | None, condition: Callable[[], Tensor], message: Callable[[], str]
+    ) -> None:
+        if not self.enabled or (key is not None and key in self.seen):
+            return
+        if key is not None:
+            self.seen.add(key)
+        self.conditions.append(condition().reshape(()))
+        self.messages.append(message)
+
+    def flush(self) -> None:
+        """Raise the first failing check's message (in the order the checks were made); one sync if all pass."""
+        if not self.conditions:
+            return
+        device = next(
+            (c.device for c in self.conditions if c.device.type != "cpu"), self.conditions[0].device
+        )
+        ok = torch.stack([c.to(device, non_blocking=True) for c in self.conditions])
+        if bool(ok.all()):  # the single host sync of a compose_loss call
+            return
+        for cond, message in zip(self.conditions, self.messages):
+            if not bool(cond):
+                raise ValueError(message())
+
+
+_ACTIVE: ContextVar[_FusedChecks | None] = ContextVar("composer_value_checks", default=None)
+
+
+@contextmanager
+def value_checks(enabled: bool = True) -> Iterator[_FusedChecks]:
+    """Collect every value check made inside the block (by any loss function) and run them fused, with one
+    host sync, when the block ends normally; ``enabled=False`` drops them (no sync, no extra kernels)."""
+    checks = _FusedChecks(enabled)
+    token = _ACTIVE.set(checks)
+    try:
+        yield checks
+    finally:
+        _ACTIVE.reset(token)
+    checks.flush()
+
+
+def value_check(
+    key: tuple[str, int] | None, condition: Callable[[], Tensor], message: Callable[[], str]
+) -> None:
+    """Require ``condition()`` (a bool tensor) to be all-true, else ``ValueError(message())``.
+
+    Called directly (outside :func:`value_checks`) the check runs at once (one host sync); inside
+    ``compose_loss`` it joins the call's fused check. ``key`` (name, id of the tensor) drops a repeated check of
+    the same tensor within one call.
+    """
+    active = _ACTIVE.get()
+    if active is not None:
+        active.add(key, lambda: condition().all(), message)
+        return
+    if not bool(condition().all()):
+        raise ValueError(message())
 
 
 def check_tensor(name: str, value: object, *, ndim: int | None = None, min_ndim: int | None = None) -> Tensor:
@@ -44,11 +120,16 @@ def check_tensor(name: str, value: object, *, ndim: int | None = None, min_ndim:
 def check_finite(name: str, value: Tensor) -> Tensor:
     """Raise ValueError if ``value`` holds NaN or ±inf."""
     check_tensor(name, value)
-    if value.is_floating_point() and value.numel() > 0 and not bool(torch.isfinite(value.detach()).all()):
-        n_bad = int((~torch.isfinite(value.detach())).sum())
-        raise ValueError(
-            f"`{name}` contains {n_bad} NaN/inf value(s); fix the upstream computation (e.g. mask padded "
-            "positions with a finite value instead of -inf/NaN) before calling the loss."
+    if value.is_floating_point() and value.numel() > 0:
+        v = value.detach()
+        value_check(
+            (name, id(value)),
+            lambda: torch.isfinite(v),
+            lambda: (
+                f"`{name}` contains {int((~torch.isfinite(v)).sum())} NaN/inf value(s); fix the upstream "
+                "computation (e.g. mask padded positions with a finite value instead of -inf/NaN) before "
+                "calling the loss."
+            ),
         )
     return value
 
@@ -88,15 +169,25 @@ def as_mask(
         raise ValueError(
             f"`{name}` has shape {tuple(mask.shape)} but must have shape {tuple(shape)} (one entry per token)."
         )
+    key = id(mask)
     if mask.dtype != torch.bool:
         check_finite(name, mask)
-        if not bool(((mask == 0) | (mask == 1)).all()):
-            raise ValueError(f"`{name}` must be bool or hold only 0/1 values; binarise it (mask > 0).")
+        raw = mask
+        value_check(
+            (f"{name}:0/1", key),
+            lambda: (raw == 0) | (raw == 1),
+            lambda: f"`{name}` must be bool or hold only 0/1 values; binarise it (mask > 0).",
+        )
         mask = mask != 0
-    if require_nonempty and not bool(mask.any()):
-        raise ValueError(
-            f"`{name}` selects no token; pass at least one active position, or leave this channel's inputs "
-            "out of the batch so it is skipped."
+    if require_nonempty:
+        b = mask
+        value_check(
+            (f"{name}:any", key),
+            lambda: b.any(),
+            lambda: (
+                f"`{name}` selects no token; pass at least one active position, or leave this channel's inputs "
+                "out of the batch so it is skipped."
+            ),
         )
     return mask
 
@@ -147,10 +238,17 @@ def check_normalizer(name: str, normalizer: float | Tensor | None) -> None:
             raise ValueError(
                 f"`{name}` must be a scalar (global count), got shape {tuple(normalizer.shape)}."
             )
-        check_finite(name, normalizer.float())
-        val = float(normalizer.detach())
-    else:
-        val = float(normalizer)
+        n = normalizer.detach()
+        value_check(
+            (name, id(normalizer)),
+            lambda: torch.isfinite(n) & (n > 0),
+            lambda: (
+                f"`{name}`={float(n)!r} must be a finite count > 0 (the global number of tokens/sequences/pairs "
+                "summed over micro-batches and ranks)."
+            ),
+        )
+        return
+    val = float(normalizer)
     if not (val > 0.0) or val == float("inf"):
         raise ValueError(
             f"`{name}`={val!r} must be a finite count > 0 (the global number of tokens/sequences/pairs "

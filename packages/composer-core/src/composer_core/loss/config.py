@@ -1,0 +1,667 @@
+"""``ComposeConfig``: the one typed, frozen home of every :func:`~composer_core.loss.compose.compose_loss`
+option and default.
+
+The shape makes an option of an unselected mode impossible to write down::
+
+    ComposeConfig(
+        alpha_sdpo=1.0, beta_replay=1.0,
+        policy=PolicyOptions(loss_type="dapo", kl_beta=0.0, ...),
+        sdpo=SDPOOptions(form="auto", beta=0.5, wrapper=None | TAID(...) | EntropyOPD(...)),
+        replay=DPO(beta=0.1, ...) | SimPO(beta=2.0, gamma=0.5),
+        check_values=True,
+    )
+
+``SimPO`` has no ``dpo_beta`` field, ``SDPOOptions(wrapper=None)`` no ``taid_t``: a flat keyword that belongs to
+an unselected mode has nowhere to go, and :meth:`ComposeConfig.from_flat` (the flat keyword facade of
+``compose_loss`` and of every adapter) raises ``ValueError`` naming it. Within one class, an option that acts
+only under another value of a sibling (``rollout_clip_max`` without ``rollout_correction``, ``kl_estimator``
+with ``kl_beta=0``, ``sdpo_token_clip`` outside the sampled form, ...) is refused by ``__post_init__``, and the
+SDPO form ``"auto"`` is judged again once resolved against a batch (:meth:`ComposeConfig.resolve`).
+
+``from_flat`` also coerces values the way a typed config loader would, so options arriving as strings from a
+command line work: ``"0.25"`` → 0.25 for a float, ``"3"`` → 3 for an int, ``"true"/"false"/"1"/"0"/"yes"/"no"``
+for a bool, ``"none"/"null"/""`` → None where None is allowed, ``Literal`` choices checked; anything else is one
+``ValueError`` naming the option and the expected type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cache, lru_cache
+from typing import Any, Literal, Union, get_args, get_origin
+
+from composer_core.loss.policy import (
+    LOSS_TYPES,
+    ROLLOUT_MODES,
+    KLEstimator,
+    LossType,
+    RolloutCorrection,
+)
+from composer_core.loss.preference import DPOLossType
+
+__all__ = [
+    "DPO",
+    "TAID",
+    "ComposeConfig",
+    "EntropyOPD",
+    "PolicyOptions",
+    "SDPOOptions",
+    "SimPO",
+    "coerce_option",
+    "coerce_to",
+    "flat_defaults",
+    "flat_option_names",
+]
+
+SDPOForm = Literal["auto", "full", "topk", "sampled"]
+ResolvedForm = Literal["full", "topk", "sampled"]
+SDPOWrapper = Literal["none", "taid", "entropy_opd"]
+DPOVariant = Literal["dpo", "simpo"]
+
+_HEADER = "option(s) set for a mode that is not selected, so they would be silently ignored: "
+_FOOTER = ". These options only apply in their mode: select it, or drop them."
+
+
+def _raise_unused(unused: list[str]) -> None:
+    if unused:
+        raise ValueError(_HEADER + "; ".join(unused) + _FOOTER)
+
+
+def _finite(name: str, value: float, *, low: float | None = None, strict: bool = False) -> None:
+    if not math.isfinite(value) or (low is not None and (value < low or (strict and value == low))):
+        bound = "" if low is None else (f" > {low}" if strict else f" >= {low}")
+        raise ValueError(f"`{name}`={value!r} must be a finite number{bound}.")
+
+
+def _unit(name: str, value: float) -> None:
+    if not (0.0 <= value <= 1.0):
+        raise ValueError(f"`{name}`={value!r} must lie in [0, 1].")
+
+
+def _choice(name: str, value: object, choices: tuple[object, ...]) -> None:
+    if value not in choices:
+        raise ValueError(
+            f"`{name}`={value!r} is not supported; choose one of {', '.join(map(repr, choices))}."
+        )
+
+
+# ----------------------------------------------------------------------------------------------- channel 1
+@dataclass(frozen=True)
+class PolicyOptions:
+    """Channel 1 (:func:`composer_core.loss.policy.policy_loss`). Flat names: the same field names.
+
+    ``rollout_clip_max``/``rollout_clip_min`` act only with a ``rollout_correction`` weight mode
+    (``token_*``/``sequence_*``), ``dppo_mask_low``/``dppo_mask_high`` only with ``rollout_correction=
+    'dppo_mask'``, ``kl_estimator`` only with ``kl_beta != 0``, ``max_completion_length`` only with
+    ``loss_type='dr_grpo'``: a non-default value outside its mode raises ``ValueError``.
+    """
+
+    loss_type: LossType = "dapo"
+    epsilon_low: float = 0.2
+    epsilon_high: float | None = None
+    delta: float | None = None
+    kl_beta: float = 0.0
+    kl_estimator: KLEstimator = "k3"
+    rollout_correction: RolloutCorrection | None = None
+    rollout_clip_max: float | None = 3.0
+    rollout_clip_min: float | None = None
+    dppo_mask_low: float = 0.2
+    dppo_mask_high: float = 0.2
+    max_completion_length: int | None = None
+
+    def __post_init__(self) -> None:
+        _choice("loss_type", self.loss_type, LOSS_TYPES)
+        _choice("kl_estimator", self.kl_estimator, ("k1", "k2", "k3"))
+        _choice("rollout_correction", self.rollout_correction, (None, *ROLLOUT_MODES, "dppo_mask"))
+        _finite("kl_beta", self.kl_beta, low=0.0)
+        _raise_unused(self.unused())
+
+    def unused(self) -> list[str]:
+        """Messages for options set (non-default) in a mode that does not read them."""
+        out: list[str] = []
+        weights = self.rollout_correction in ROLLOUT_MODES
+        for name in ("rollout_clip_max", "rollout_clip_min"):
+            if not weights and _non_default(self, name):
+                out.append(
+                    f"`{name}`={getattr(self, name)!r} (acts only with rollout_correction="
+                    f"{'/'.join(map(repr, ROLLOUT_MODES))}; rollout_correction={self.rollout_correction!r})"
+                )
+        for name in ("dppo_mask_low", "dppo_mask_high"):
+            if self.rollout_correction != "dppo_mask" and _non_default(self, name):
+                out.append(
+                    f"`{name}`={getattr(self, name)!r} (acts only with rollout_correction='dppo_mask')"
+                )
+        if self.kl_beta == 0.0 and _non_default(self, "kl_estimator"):
+            out.append(f"`kl_estimator`={self.kl_estimator!r} (acts only with kl_beta != 0)")
+        return out
+
+
+# ----------------------------------------------------------------------------------------------- channel 2
+@dataclass(frozen=True)
+class TAID:
+    """TAID wrapper (:func:`composer_core.loss.wrappers.taid_loss`). Flat names ``taid_<field>``.
+
+    Give ``t`` (e.g. ``TAIDScheduler.t``) or ``schedule_step`` + ``total_steps`` (linear ``t_start → t_end``).
+    """
+
+    t: float | None = None
+    schedule_step: int | None = None
+    total_steps: int | None = None
+    t_start: float = 0.4
+    t_end: float = 1.0
+
+    def __post_init__(self) -> None:
+        _unit("taid_t_start", self.t_start)
+        _unit("taid_t_end", self.t_end)
+        if self.t_start > self.t_end:
+            raise ValueError(f"`taid_t_start`={self.t_start} must not exceed `taid_t_end`={self.t_end}.")
+        if self.t is not None:
+            _unit("taid_t", self.t)
+        for name, value, low in (
+            ("taid_total_steps", self.total_steps, 1),
+            ("taid_schedule_step", self.schedule_step, 0),
+        ):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+                raise ValueError(f"`{name}`={value!r} must be an int >= {low}.")
+        if self.t is not None and (self.schedule_step is not None or self.total_steps is not None):
+            raise ValueError(
+                "pass either `taid_t` (e.g. TAIDScheduler.t) or `taid_schedule_step` + `taid_total_steps` "
+                "(linear schedule), not both."
+            )
+
+    def resolve_t(self) -> float:
+        """The interpolation t of this step (raises if neither ``t`` nor the schedule is given)."""
+        if self.t is not None:
+            return float(self.t)
+        if self.schedule_step is None or self.total_steps is None:
+            raise ValueError(
+                "sdpo_wrapper='taid' needs the interpolation t: pass `taid_t` (e.g. from TAIDScheduler.t) or both "
+                "`taid_schedule_step` and `taid_total_steps` for the linear t_start→t_end schedule."
+            )
+        return self.t_start + (self.t_end - self.t_start) * min(self.schedule_step / self.total_steps, 1.0)
+
+
+@dataclass(frozen=True)
+class EntropyOPD:
+    """Entropy-aware OPD wrapper (:func:`composer_core.loss.wrappers.entropy_opd_loss`).
+    Flat names ``entropy_opd_threshold`` / ``entropy_opd_weight``."""
+
+    threshold: float = 0.8
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        _finite("entropy_opd_threshold", self.threshold, low=0.0)
+        _finite("entropy_opd_weight", self.weight, low=0.0, strict=True)
+
+
+@dataclass(frozen=True)
+class SDPOOptions:
+    """Channel 2. Flat names ``sdpo_<field>`` (``sdpo_wrapper`` selects ``wrapper``: ``"none"`` → None,
+    ``"taid"`` → :class:`TAID`, ``"entropy_opd"`` → :class:`EntropyOPD`).
+
+    ``form="auto"`` is resolved per batch (:meth:`resolved`): top-k if ``topk`` is set and logits are present
+    (and no wrapper), else full logits, else fused hidden states, else the sampled-token form. In the resolved
+    form: ``token_clip`` acts only in ``"sampled"``; ``temperature`` and ``beta`` only outside it (the sampled
+    form is always the reverse-KL estimator: ``beta`` 0.5 (default) or 1.0 are accepted there); ``topk`` only in
+    ``"topk"`` or with the entropy-OPD wrapper; a wrapper needs ``"full"``.
+    """
+
+    form: SDPOForm = "auto"
+    beta: float = 0.5
+    temperature: float = 1.0
+    token_clip: float | None = 2.0
+    topk: int | None = None
+    chunk_size: int = 1024
+    wrapper: TAID | EntropyOPD | None = None
+
+    def __post_init__(self) -> None:
+        _choice("sdpo_form", self.form, ("auto", "full", "topk", "sampled"))
+        if not isinstance(self.wrapper, (TAID, EntropyOPD, type(None))):
+            raise TypeError(f"`wrapper` must be None, TAID(...) or EntropyOPD(...), got {self.wrapper!r}.")
+        _unit("sdpo_beta", self.beta)
+        _finite("sdpo_temperature", self.temperature, low=0.0, strict=True)
+        if self.token_clip is not None:
+            _finite("is_clip (sdpo_token_clip)", self.token_clip, low=0.0, strict=True)
+        if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1:
+            raise ValueError(
+                f"`sdpo_chunk_size`={self.chunk_size!r}: `chunk_size` must be an int >= 1 (rows of B·T processed at once)."
+            )
+        if self.topk is not None and (
+            isinstance(self.topk, bool) or not isinstance(self.topk, int) or self.topk < 1
+        ):
+            raise ValueError(f"`sdpo_topk`={self.topk!r} must be None or an int >= 1.")
+        if self.form != "auto":
+            self.structural_errors(self.form)
+            _raise_unused(self.unused(self.form))
+
+    @property
+    def wrapper_name(self) -> SDPOWrapper:
+        return (
+            "taid"
+            if isinstance(self.wrapper, TAID)
+            else "entropy_opd"
+            if isinstance(self.wrapper, EntropyOPD)
+            else "none"
+        )
+
+    def resolve_form(self, *, has_logits: bool, has_hidden: bool, has_sampled: bool) -> ResolvedForm | None:
+        """The form a batch with these channel-2 inputs runs (None: no channel-2 input, the channel is skipped)."""
+        if self.form != "auto":
+            return self.form
+        if has_logits:
+            return "topk" if (self.topk is not None and self.wrapper is None) else "full"
+        if has_hidden:
+            return "full"
+        if has_sampled:
+            return "sampled"
+        return None
+
+    def structural_errors(self, form: str) -> None:
+        """Raise for a wrapper / ``topk`` that the resolved ``form`` cannot run."""
+        wrapper = self.wrapper_name
+        if self.topk is not None and form != "topk" and wrapper != "entropy_opd":
+            raise ValueError(
+                f"`sdpo_topk`={self.topk!r} only applies to the top-k form (student/teacher logits) or the "
+                f"entropy_opd wrapper, but the SDPO form is {form!r} with sdpo_wrapper={wrapper!r}: drop "
+                "`sdpo_topk`, or pass logits with sdpo_form='topk'."
+            )
+        if wrapper != "none" and form != "full":
+            raise ValueError(
+                f"sdpo_wrapper={wrapper!r} needs full-vocabulary inputs (student/teacher logits or hidden states "
+                f"+ lm_head_weight), but the SDPO form is {form!r}."
+            )
+        if form == "topk" and self.topk is None:
+            raise ValueError("sdpo_form='topk' needs `sdpo_topk` (the support size k).")
+
+    def unused(self, form: str) -> list[str]:
+        """Messages for options that the resolved ``form`` does not read."""
+        out: list[str] = []
+        how = "given" if self.form != "auto" else "resolved from the batch"
+        if form == "sampled":
+            if self.beta not in (0.5, 1.0):
+                out.append(
+                    f"`sdpo_beta`={self.beta!r} (sdpo_form='sampled' ({how}) is always the reverse-KL estimator, beta 1)"
+                )
+            if _non_default(self, "temperature"):
+                out.append(
+                    f"`sdpo_temperature`={self.temperature!r} (acts only with sdpo_form='full'/'topk'; the form is "
+                    f"'sampled' ({how}), which reads given log-probs)"
+                )
+        elif _non_default(self, "token_clip"):
+            out.append(
+                f"`sdpo_token_clip`={self.token_clip!r} (acts only with sdpo_form='sampled'; the form is {form!r} ({how}))"
+            )
+        return out
+
+
+# ----------------------------------------------------------------------------------------------- channel 3
+@dataclass(frozen=True)
+class DPO:
+    """DPO family (:func:`composer_core.loss.preference.dpo_loss`). Flat names ``dpo_<field>``."""
+
+    beta: float = 0.1
+    loss_type: DPOLossType = "sigmoid"
+    label_smoothing: float = 0.0
+
+    def __post_init__(self) -> None:
+        _choice("dpo_loss_type", self.loss_type, ("sigmoid", "robust", "ipo"))
+        _finite("dpo_beta", self.beta, low=0.0, strict=True)
+        _finite("dpo_label_smoothing", self.label_smoothing, low=0.0)
+
+
+@dataclass(frozen=True)
+class SimPO:
+    """SimPO (:func:`composer_core.loss.preference.simpo_loss`). Flat names ``simpo_beta`` / ``simpo_gamma``."""
+
+    beta: float = 2.0
+    gamma: float = 0.5
+
+    def __post_init__(self) -> None:
+        _finite("simpo_beta", self.beta, low=0.0, strict=True)
+        _finite("simpo_gamma", self.gamma, low=0.0)
+
+
+# ----------------------------------------------------------------------------------------------- the config
+@dataclass(frozen=True)
+class ComposeConfig:
+    """Everything :func:`~composer_core.loss.compose.compose_loss` needs besides the batch and the per-step
+    normalisers. Build it once (directly, or with :meth:`from_flat` from the flat keyword names) and pass it
+    on every call.
+
+    ``check_values``: run the value checks (finite inputs, 0/1 masks, non-empty selections, positive lengths and
+    normalisers) fused into one host sync per ``compose_loss`` call; ``False`` skips them (no host sync at all)
+    for hot loops whose inputs are trusted. They are skipped under ``torch.compile`` either way. Structural
+    checks (shapes, dtypes, devices, options) always run and never read device memory.
+    """
+
+    alpha_sdpo: float = 1.0
+    beta_replay: float = 1.0
+    policy: PolicyOptions = field(default_factory=PolicyOptions)
+    sdpo: SDPOOptions = field(default_factory=SDPOOptions)
+    replay: DPO | SimPO = field(default_factory=DPO)
+    check_values: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("alpha_sdpo", "beta_replay"):
+            w = getattr(self, name)
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not (0.0 <= float(w) < math.inf):
+                raise ValueError(f"`{name}`={w!r} must be a finite weight >= 0 (0 disables the channel).")
+        for name, value, kinds in (
+            ("policy", self.policy, (PolicyOptions,)),
+            ("sdpo", self.sdpo, (SDPOOptions,)),
+            ("replay", self.replay, (DPO, SimPO)),
+        ):
+            if not isinstance(value, kinds):
+                raise TypeError(f"`{name}` must be {' | '.join(k.__name__ for k in kinds)}, got {value!r}.")
+
+    @property
+    def dpo_variant(self) -> DPOVariant:
+        return "simpo" if isinstance(self.replay, SimPO) else "dpo"
+
+    def resolve(self, *, has_logits: bool, has_hidden: bool, has_sampled: bool) -> ResolvedForm | None:
+        """Resolve ``sdpo.form`` against which channel-2 inputs a batch has, and judge the options in that form
+        (raises ``ValueError`` naming every option the resolved form ignores). Pure Python, no host sync."""
+        form = self.sdpo.resolve_form(has_logits=has_logits, has_hidden=has_hidden, has_sampled=has_sampled)
+        if form is not None and self.sdpo.form == "auto":
+            self.sdpo.structural_errors(form)
+            _raise_unused(self.sdpo.unused(form))
+        return form
+
+    @classmethod
+    def from_flat(
+        cls,
+        *,
+        has_logits: bool | None = None,
+        has_hidden: bool | None = None,
+        has_sampled: bool | None = None,
+        **options: object,
+    ) -> ComposeConfig:
+        """Build the config from ``compose_loss``'s flat keyword names (coercing CLI strings).
+
+        Raises ``ValueError`` for an unknown name (with the closest match), a value of the wrong type, and —
+        all named in one message — every option that has no effect in the selected modes. With the
+        ``has_*`` flags (which channel-2 inputs the batch carries), ``sdpo_form="auto"`` is resolved and the
+        options are judged in the resolved form.
+        """
+        return _from_flat_cached(_freeze(options), (has_logits, has_hidden, has_sampled))
+
+    def to_flat(self) -> dict[str, object]:
+        """The flat keyword form of this config (every option, including defaults)."""
+        out: dict[str, object] = {"alpha_sdpo": self.alpha_sdpo, "beta_replay": self.beta_replay}
+        out.update({f.name: getattr(self.policy, f.name) for f in dataclasses.fields(PolicyOptions)})
+        for f in dataclasses.fields(SDPOOptions):
+            if f.name != "wrapper":
+                out[f"sdpo_{f.name}"] = getattr(self.sdpo, f.name)
+        out["sdpo_wrapper"] = self.sdpo.wrapper_name
+        if self.sdpo.wrapper is not None:
+            prefix = "taid_" if isinstance(self.sdpo.wrapper, TAID) else "entropy_opd_"
+            out.update(
+                {
+                    prefix + f.name: getattr(self.sdpo.wrapper, f.name)
+                    for f in dataclasses.fields(self.sdpo.wrapper)
+                }
+            )
+        out["dpo_variant"] = self.dpo_variant
+        prefix = "simpo_" if isinstance(self.replay, SimPO) else "dpo_"
+        out.update({prefix + f.name: getattr(self.replay, f.name) for f in dataclasses.fields(self.replay)})
+        out["check_values"] = self.check_values
+        return out
+
+
+# ----------------------------------------------------------------------------------------------- flat names
+#: flat name -> (class holding it, field name, the selector value that puts the class in use)
+_SECTIONS: tuple[tuple[type, str, str | None], ...] = (
+    (PolicyOptions, "", None),
+    (SDPOOptions, "sdpo_", None),
+    (TAID, "taid_", "sdpo_wrapper='taid'"),
+    (EntropyOPD, "entropy_opd_", "sdpo_wrapper='entropy_opd'"),
+    (DPO, "dpo_", "dpo_variant='dpo'"),
+    (SimPO, "simpo_", "dpo_variant='simpo'"),
+)
+_SELECTORS: dict[str, tuple[object, tuple[object, ...]]] = {
+    "sdpo_wrapper": ("none", ("none", "taid", "entropy_opd")),
+    "dpo_variant": ("dpo", ("dpo", "simpo")),
+}
+_TOP = ("alpha_sdpo", "beta_replay", "check_values")
+#: per-call values of compose_loss that are not options of the config
+PER_CALL = ("normalizer", "sdpo_normalizer", "replay_normalizer")
+
+
+def _flat_table() -> dict[str, tuple[type, str, str | None]]:
+    table: dict[str, tuple[type, str, str | None]] = {name: (ComposeConfig, name, None) for name in _TOP}
+    for klass, prefix, selector in _SECTIONS:
+        for f in dataclasses.fields(klass):
+            if f.name != "wrapper":
+                table[prefix + f.name] = (klass, f.name, selector)
+    return table
+
+
+_FLAT = _flat_table()
+
+
+def flat_option_names() -> tuple[str, ...]:
+    """Every flat option name of ``compose_loss`` (config options, mode selectors, per-call normalisers)."""
+    return (*_FLAT, *_SELECTORS, *PER_CALL)
+
+
+def _default(klass: type, name: str) -> object:
+    f = next(f for f in dataclasses.fields(klass) if f.name == name)
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    assert f.default_factory is not dataclasses.MISSING
+    return f.default_factory()
+
+
+def flat_defaults() -> dict[str, object]:
+    """The default of every flat option (read from the config classes; adapters take their defaults here)."""
+    out: dict[str, object] = {name: _default(klass, fname) for name, (klass, fname, _) in _FLAT.items()}
+    out.update({name: default for name, (default, _) in _SELECTORS.items()})
+    return out
+
+
+def _non_default(obj: object, name: str) -> bool:
+    return bool(getattr(obj, name) != _default(type(obj), name))
+
+
+# ----------------------------------------------------------------------------------------------- coercion
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
+_NONE = ("none", "null", "")
+
+
+@cache
+def _hints(klass: type) -> dict[str, Any]:
+    return typing.get_type_hints(klass)
+
+
+def _annotation(name: str) -> Any:
+    if name in _SELECTORS:
+        return Literal[_SELECTORS[name][1]]
+    klass, fname, _ = _FLAT[name]
+    return _hints(klass)[fname]
+
+
+def _describe(ann: Any) -> str:
+    origin = get_origin(ann)
+    if origin is Literal:
+        return "one of " + ", ".join(map(repr, get_args(ann)))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in get_args(ann))
+    if ann is type(None):
+        return "None"
+    return getattr(ann, "__name__", str(ann))
+
+
+def coerce_option(name: str, value: object) -> object:
+    """Coerce one flat option value to its declared type (strings from a CLI included); ``ValueError`` naming
+    the option and the expected type for anything that does not convert."""
+    return coerce_to(name, value, _annotation(name))
+
+
+def coerce_to(name: str, value: object, ann: Any) -> object:
+    """Coerce ``value`` to the type annotation ``ann`` (``float``, ``int``, ``bool``, ``Literal[...]`` and their
+    unions with None), as :meth:`ComposeConfig.from_flat` does; adapters use it for their own options."""
+    try:
+        return _coerce(ann, value)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"`{name}`={value!r} ({type(value).__name__}) is not a valid value: expected {_describe(ann)}."
+        ) from None
+
+
+def _coerce(ann: Any, value: object) -> object:
+    origin = get_origin(ann)
+    if origin in (Union, types.UnionType):
+        args = get_args(ann)
+        if type(None) in args and (
+            value is None or (isinstance(value, str) and value.strip().lower() in _NONE)
+        ):
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value)
+            except (TypeError, ValueError):
+                continue
+        raise ValueError(value)
+    if origin is Literal:
+        choices = get_args(ann)
+        if value in choices and not isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip() in choices:
+            return value.strip()
+        if isinstance(value, str) and value.strip().lower() in _NONE and None in choices:
+            return None
+        raise ValueError(value)
+    if ann is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+            return value.strip().lower() in _TRUE
+        raise ValueError(value)
+    if ann is int:
+        if isinstance(value, bool):
+            raise TypeError(value)
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            return int(value.strip())
+        raise TypeError(value)
+    if ann is float:
+        if isinstance(value, bool):
+            raise TypeError(value)
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str) and value.strip():
+            return float(value.strip())
+        raise TypeError(value)
+    raise TypeError(value)
+
+
+# ----------------------------------------------------------------------------------------------- from_flat
+def _freeze(options: Mapping[str, object]) -> tuple[tuple[str, object], ...]:
+    # the type joins the key: 1, 1.0 and True hash alike but do not coerce alike (True is no int option)
+    return tuple(sorted((k, (type(v).__name__, v)) for k, v in options.items()))
+
+
+def _reject_unknown(names: list[str]) -> None:
+    if not names:
+        return
+    known = flat_option_names()
+    hints = []
+    for key in sorted(names):
+        close = difflib.get_close_matches(key, known, n=1)
+        hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise ValueError(
+        f"compose_loss() got unknown option(s) {', '.join(hints)}; see its docstring for the options."
+    )
+
+
+def _from_flat(
+    items: tuple[tuple[str, object], ...], batch_flags: tuple[bool | None, bool | None, bool | None]
+) -> ComposeConfig:
+    given = {k: tv[1] for k, tv in items}  # type: ignore[index]
+    _reject_unknown([k for k in given if k not in _FLAT and k not in _SELECTORS])
+    values = {k: coerce_option(k, v) for k, v in given.items()}
+    wrapper = values.get("sdpo_wrapper", "none")
+    variant = values.get("dpo_variant", "dpo")
+    selected = {
+        "sdpo_wrapper='taid'": wrapper == "taid",
+        "sdpo_wrapper='entropy_opd'": wrapper == "entropy_opd",
+    }
+    selected.update({"dpo_variant='dpo'": variant == "dpo", "dpo_variant='simpo'": variant == "simpo"})
+    unused: list[str] = []
+    sections: dict[type, dict[str, object]] = {klass: {} for klass, _, _ in _SECTIONS}
+    sections[ComposeConfig] = {}
+    for name, value in values.items():
+        if name in _SELECTORS:
+            continue
+        klass, fname, selector = _FLAT[name]
+        if selector is not None and not selected[selector]:
+            if value != _default(klass, fname):
+                unused.append(f"`{name}`={value!r} (acts only with {selector})")
+            continue
+        sections[klass][fname] = value
+    # judge every class's mode-dependent options together, so one message names them all
+    policy_kw = sections[PolicyOptions]
+    sdpo_kw = sections[SDPOOptions]
+    probe_policy = _unchecked(PolicyOptions, policy_kw)
+    unused += probe_policy.unused()
+    probe_sdpo = _unchecked(SDPOOptions, sdpo_kw)
+    if wrapper == "taid":
+        object.__setattr__(probe_sdpo, "wrapper", _unchecked(TAID, sections[TAID]))
+    elif wrapper == "entropy_opd":
+        object.__setattr__(probe_sdpo, "wrapper", _unchecked(EntropyOPD, sections[EntropyOPD]))
+    has_logits, has_hidden, has_sampled = batch_flags
+    form: str | None = probe_sdpo.form
+    if form == "auto" and None not in batch_flags:
+        form = probe_sdpo.resolve_form(
+            has_logits=bool(has_logits), has_hidden=bool(has_hidden), has_sampled=bool(has_sampled)
+        )
+    if form is not None and form != "auto":
+        probe_sdpo.structural_errors(form)
+        unused += probe_sdpo.unused(form)
+    _raise_unused(unused)
+    wrapper_obj: TAID | EntropyOPD | None = None
+    if wrapper == "taid":
+        wrapper_obj = TAID(**sections[TAID])  # type: ignore[arg-type]
+    elif wrapper == "entropy_opd":
+        wrapper_obj = EntropyOPD(**sections[EntropyOPD])  # type: ignore[arg-type]
+    replay: DPO | SimPO = SimPO(**sections[SimPO]) if variant == "simpo" else DPO(**sections[DPO])  # type: ignore[arg-type]
+    return ComposeConfig(
+        policy=PolicyOptions(**policy_kw),  # type: ignore[arg-type]
+        sdpo=SDPOOptions(**sdpo_kw, wrapper=wrapper_obj),  # type: ignore[arg-type]
+        replay=replay,
+        **sections[ComposeConfig],  # type: ignore[arg-type]
+    )
+
+
+def _unchecked(klass: type, kw: Mapping[str, object]) -> Any:
+    """An instance without running ``__post_init__`` (to collect every mode message before raising)."""
+    obj: Any = object.__new__(klass)
+    for f in dataclasses.fields(klass):
+        object.__setattr__(obj, f.name, kw.get(f.name, _default(klass, f.name)))
+    return obj
+
+
+_cached = lru_cache(maxsize=256)(_from_flat)
+
+
+def _from_flat_cached(
+    items: tuple[tuple[str, object], ...], flags: tuple[bool | None, bool | None, bool | None]
+) -> ComposeConfig:
+    try:
+        return _cached(items, flags)
+    except TypeError as err:  # an unhashable value (a list from TOML): build uncached
+        if "unhashable" not in str(err):
+            raise
+        return _from_flat(items, flags)

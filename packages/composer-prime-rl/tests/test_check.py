@@ -1,0 +1,78 @@
+"""``python -m composer_prime_rl.check``: a PRIME-RL TOML's loss kwargs validated before training."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from composer_prime_rl import EXAMPLES, example_config
+from composer_prime_rl.check import main
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_shipped_examples_pass(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(example_config(name))]) == 0
+    assert "ok" in capsys.readouterr().out
+
+
+def test_module_entry_point_exit_codes(tmp_path: Path) -> None:
+    ok = subprocess.run([sys.executable, "-m", "composer_prime_rl.check", str(example_config("rl.toml"))],
+                        capture_output=True, text=True)  # fmt: skip
+    assert ok.returncode == 0, ok.stderr
+    bad = tmp_path / "bad.toml"
+    bad.write_text(example_config("rl.toml").read_text().replace("kl_tau = 1e-3", 'kl_tau = "fast"'))
+    out = subprocess.run(
+        [sys.executable, "-m", "composer_prime_rl.check", str(bad)], capture_output=True, text=True
+    )
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "'kl_tau' must be a number" in lines[0] and "[trainer.loss.kwargs]" in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "code", "needle"),
+    [
+        (
+            ["--trainer.loss.kwargs.alpha_sdpo", "0.25", "--trainer.loss.kwargs.sdpo_token_clip", "false"],
+            0,
+            "ok",
+        ),
+        (["--trainer.loss.kwargs.alpha_sdpo=0.5"], 0, "alpha_sdpo=0.5"),
+        (["--trainer.loss.kwargs.alpha_sdpo", "lots"], 2, "'alpha_sdpo' must be a number"),
+        (["--trainer.loss.kwargs.simpo_gamma", "0.2"], 2, "'simpo_gamma' was given"),
+        (["--trainer.loss.kwargs.epsilon_low", "0.3"], 2, "only apply to the other policy loss"),
+        (["--trainer.loss.kwargs.clip_eps", "0.2"], 2, "Unknown option 'clip_eps'"),
+        (["--model.name", "x"], 2, "unexpected argument"),
+    ],
+)
+def test_cli_style_overrides(
+    overrides: list[str], code: int, needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([str(example_config("rl.toml")), *overrides]) == code
+    captured = capsys.readouterr()
+    assert needle in (captured.out if code == 0 else captured.err)
+
+
+def test_trainer_form_uses_loss_kwargs(capsys: pytest.CaptureFixture[str]) -> None:
+    path = str(example_config("trainer.toml"))
+    assert main([path, "--loss.kwargs.sdpo_missing", "skip"]) == 0
+    assert main([path, "--loss.kwargs.sdpo_missing", "never"]) == 2
+    assert "[loss.kwargs] 'sdpo_missing' must be one of" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("[trainer.loss]\ntype = 'default'\n", 'set type = "custom"'),
+        ("[model]\nname = 'x'\n", "no [trainer.loss]"),
+        ("[trainer.loss\n", "not valid TOML"),
+    ],
+)
+def test_configs_that_do_not_use_composer_are_bad(tmp_path: Path, text: str, needle: str, capsys) -> None:
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    assert main([str(p)]) == 2
+    assert needle in capsys.readouterr().err
+    assert main([str(tmp_path / "missing.toml")]) == 2
