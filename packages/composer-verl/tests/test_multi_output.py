@@ -113,7 +113,9 @@ def test_single_output_sessions_equal_grpo_and_the_plain_estimator(norm: bool) -
     from verl.trainer.ppo.ray_trainer import compute_advantage
 
     plain = compute_advantage(
-        _batch(keys, rewards, lengths), adv_estimator="grpo_composer", config=AlgoConfig(norm_adv_by_std_in_grpo=norm)
+        _batch(keys, rewards, lengths),
+        adv_estimator="grpo_composer",
+        config=AlgoConfig(norm_adv_by_std_in_grpo=norm),
     ).batch["advantages"][:, 0]
     assert torch.equal(ours, plain)
 

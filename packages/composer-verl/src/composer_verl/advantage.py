@@ -136,7 +136,9 @@ def session_members(
         everyone = torch.arange(rows, device=device)
         return everyone, everyone
     if len(keys) != rows:
-        raise ValueError(f"verl passed {len(keys)} batch keys for {rows} rows; they must correspond one to one.")
+        raise ValueError(
+            f"verl passed {len(keys)} batch keys for {rows} rows; they must correspond one to one."
+        )
     final: dict[str, tuple[int, int]] = {}  # session -> (output index, row)
     sessions: list[str] = []
     for row, key in enumerate(keys):
