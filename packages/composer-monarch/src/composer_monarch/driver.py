@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from composer_monarch.bootstrap import prepare_process
-from composer_monarch.errors import FAULTS, ActorCrashedError, wait
+from composer_monarch.errors import FAULTS, ActorCrashedError, Call, ProcessFailure, wait
 from composer_monarch.forge_loss import ComposerLoss
 from composer_monarch.generator import GeneratorActor, SamplingConfig
 from composer_monarch.rewarder import RewarderActor, RewardFn
@@ -50,8 +50,9 @@ class LoopConfig:
     steps: optimiser steps. prompts_per_step × group_size completions per step. overlap: sample step
     k+1 while training step k. procs: processes per host. placement: role → proc index (or
     ``(host, proc)`` on a multi-host mesh); by default the trainer has proc 0 to itself and the
-    generator, rewarder and teacher share the last proc. call_timeout_s bounds every wait on an
-    actor once the loop runs; seed: sampling seed (step k samples with seed·1_000_003 + k);
+    generator, rewarder and teacher share the last proc. call_timeout_s: every call to an actor must be
+    answered within it of being sent, once the loop runs (in overlap mode the train_step too, while the
+    next rollout runs); seed: sampling seed (step k samples with seed·1_000_003 + k);
     num_threads: torch threads in each actor process (None: torch's default); start_timeout_s bounds spawning (processes import torch and build the
     models); stop_timeout_s bounds stopping the mesh. advantage_scale: "group" | "batch" | "none"
     (composer_core.group_advantages).
@@ -152,7 +153,8 @@ class ComposerDriver:
             )
         self.procs: ProcMesh | None = None
         self.actors: dict[str, Any] = {}
-        self._failures: list[str] = []
+        self._failures: list[ProcessFailure] = []
+        self._in_flight: list[Call] = []
         self._prefix = f"composer_{uuid.uuid4().hex[:8]}_"
 
     # ------------------------------------------------------------------ lifecycle
@@ -165,7 +167,20 @@ class ComposerDriver:
 
     def _on_fault(self, role: str, failure: Any) -> None:
         """A failure of one of this driver's actor meshes (routed by :data:`errors.FAULTS`)."""
-        self._failures.append(f"the {role} actor's process failed: {failure}")
+        self._failures.append(
+            ProcessFailure(role, self._colocated(role), f"the {role} actor's process failed: {failure}")
+        )
+
+    def _colocated(self, role: str) -> tuple[str, ...]:
+        """The roles placed on the same process as ``role`` (itself included), in ROLES order."""
+
+        def slot(r: str) -> tuple[int, int]:
+            where = self.loop.place(r)
+            return where if isinstance(where, tuple) else (0, where)
+
+        if role not in ROLES:
+            return (role,)
+        return tuple(r for r in ROLES if slot(r) == slot(role))
 
     def start(self) -> None:
         """Spawn the proc mesh and the actors, and wait until all of them are constructed."""
@@ -230,19 +245,30 @@ class ComposerDriver:
             FAULTS.unregister(self._prefix)
 
     # ------------------------------------------------------------------ calls
-    def _call(self, role: str, endpoint: str, *args: Any, timeout_s: float | None = None) -> Any:
-        """Send ``role.endpoint(*args)``; returns a thunk that waits, bounded by ``timeout_s``
-        (default ``call_timeout_s``)."""
+    def _call(
+        self, role: str, endpoint: str, *args: Any, timeout_s: float | None = None
+    ) -> Callable[[], Any]:
+        """Send ``role.endpoint(*args)``; returns a thunk that waits for the answer, which must come
+        within ``timeout_s`` (default ``call_timeout_s``) of this send. Until the thunk has run, the
+        call is in flight: every other wait also enforces its deadline."""
         if not self.actors:
             raise RuntimeError("ComposerDriver is not started: use `with ComposerDriver(...) as d:`")
         fut = getattr(self.actors[role], endpoint).call_one(*args)
-        return lambda: wait(
-            fut,
-            role=role,
-            endpoint=endpoint,
-            timeout_s=self.loop.call_timeout_s if timeout_s is None else timeout_s,
-            failures=lambda: list(self._failures),
-        )
+        call = Call(fut, role, endpoint, self.loop.call_timeout_s if timeout_s is None else timeout_s)
+        self._in_flight.append(call)
+
+        def answer() -> Any:
+            try:
+                return wait(call, failures=lambda: list(self._failures), others=lambda: list(self._in_flight))
+            finally:
+                self._forget(call)
+
+        answer.call = call  # type: ignore[attr-defined]
+        return answer
+
+    def _forget(self, call: Call) -> None:
+        if call in self._in_flight:
+            self._in_flight.remove(call)
 
     def _push_weights(self, timeout_s: float | None = None) -> int:
         version, state = self._call("trainer", "weights", timeout_s=timeout_s)()
@@ -298,6 +324,7 @@ class ComposerDriver:
         results: list[StepResult] = []
         bar = tqdm(total=lp.steps, desc="composer-monarch GRPO", disable=not progress, unit="step")
         first = int(self._call("trainer", "version")())
+        train: Callable[[], Any] | None = None
         try:
             batch = self.rollout(first)
             for k in range(first, first + lp.steps):
@@ -334,6 +361,8 @@ class ComposerDriver:
                     batch = nxt
         finally:
             bar.close()
+            if train is not None:  # a run that failed mid-step leaves no call in flight behind
+                self._forget(train.call)  # type: ignore[attr-defined]
         return results
 
     def process_ids(self) -> dict[str, int]:
