@@ -17,11 +17,12 @@ Local: ``this_host().spawn_procs(per_host={"procs": 2})``. Multi-host: pass ``ho
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -263,12 +264,21 @@ class ComposerDriver:
             finally:
                 self._forget(call)
 
-        answer.call = call  # type: ignore[attr-defined]
         return answer
 
     def _forget(self, call: Call) -> None:
-        if call in self._in_flight:
-            self._in_flight.remove(call)
+        self._in_flight[:] = [c for c in self._in_flight if c is not call]
+
+    @contextlib.contextmanager
+    def _abandoned_on_error(self) -> Iterator[None]:
+        """Calls sent inside the block and still unanswered when it raises are abandoned: the error
+        already ended the step, so later waits do not enforce their deadlines."""
+        before = list(self._in_flight)
+        try:
+            yield
+        except BaseException:
+            self._in_flight[:] = [c for c in self._in_flight if any(c is b for b in before)]
+            raise
 
     def _push_weights(self, timeout_s: float | None = None) -> int:
         version, state = self._call("trainer", "weights", timeout_s=timeout_s)()
@@ -285,16 +295,17 @@ class ComposerDriver:
         """Sample, score and annotate the batch of ``step`` (generator → rewarder → teacher)."""
         lp = self.loop
         prompts = self.task.prompts(lp.prompts_per_step, step=step)
-        ro: Rollout = self._call("generator", "generate", step, prompts, lp.group_size)()
-        rewards: Tensor = self._call("rewarder", "score", ro)()
-        teacher_logits = None
-        pending_logits = None
-        if self.use_teacher_logits:
-            hinted = self.task.hinted_prompts(prompts).repeat_interleave(lp.group_size, dim=0)
-            pending_logits = self._call("teacher", "hinted_logits", hinted, ro.completion_ids)
-        pairs = self._call("teacher", "preference_pairs", ro, rewards)() if self.use_pairs else None
-        if pending_logits is not None:
-            teacher_logits = pending_logits()
+        with self._abandoned_on_error():
+            ro: Rollout = self._call("generator", "generate", step, prompts, lp.group_size)()
+            rewards: Tensor = self._call("rewarder", "score", ro)()
+            teacher_logits = None
+            pending_logits = None
+            if self.use_teacher_logits:
+                hinted = self.task.hinted_prompts(prompts).repeat_interleave(lp.group_size, dim=0)
+                pending_logits = self._call("teacher", "hinted_logits", hinted, ro.completion_ids)
+            pairs = self._call("teacher", "preference_pairs", ro, rewards)() if self.use_pairs else None
+            if pending_logits is not None:
+                teacher_logits = pending_logits()
         return assemble_batch(
             ro, rewards, advantage_scale=lp.advantage_scale, teacher_logits=teacher_logits, pairs=pairs
         )
@@ -324,45 +335,47 @@ class ComposerDriver:
         results: list[StepResult] = []
         bar = tqdm(total=lp.steps, desc="composer-monarch GRPO", disable=not progress, unit="step")
         first = int(self._call("trainer", "version")())
-        train: Callable[[], Any] | None = None
         try:
-            batch = self.rollout(first)
-            for k in range(first, first + lp.steps):
-                t0 = time.perf_counter()
-                train = self._call("trainer", "train_step", batch)
-                last = k + 1 == first + lp.steps
-                nxt = self.rollout(k + 1) if lp.overlap and not last else None
-                metrics: dict[str, float] = train()
-                t1 = time.perf_counter()
-                version = self._push_weights()
-                t2 = time.perf_counter()
-                if not lp.overlap and not last:
-                    nxt = self.rollout(k + 1)
-                timing = {"train_wait_s": t1 - t0, "push_s": t2 - t1, "rollout_s": time.perf_counter() - t2}
-                results.append(
-                    StepResult(
-                        step=k,
-                        metrics=metrics,
-                        reward_mean=float(batch.rewards.mean()),
-                        seconds=time.perf_counter() - t0,
-                        sampled_by_version=batch.policy_version,
-                        extra={
-                            "weights_version": version,
-                            "pairs": 0 if batch.pairs is None else len(batch.pairs),
-                            **timing,
-                        },
+            with self._abandoned_on_error():  # a failed step leaves no call in flight behind
+                batch = self.rollout(first)
+                for k in range(first, first + lp.steps):
+                    t0 = time.perf_counter()
+                    train = self._call("trainer", "train_step", batch)
+                    last = k + 1 == first + lp.steps
+                    nxt = self.rollout(k + 1) if lp.overlap and not last else None
+                    metrics: dict[str, float] = train()
+                    t1 = time.perf_counter()
+                    version = self._push_weights()
+                    t2 = time.perf_counter()
+                    if not lp.overlap and not last:
+                        nxt = self.rollout(k + 1)
+                    timing = {
+                        "train_wait_s": t1 - t0,
+                        "push_s": t2 - t1,
+                        "rollout_s": time.perf_counter() - t2,
+                    }
+                    results.append(
+                        StepResult(
+                            step=k,
+                            metrics=metrics,
+                            reward_mean=float(batch.rewards.mean()),
+                            seconds=time.perf_counter() - t0,
+                            sampled_by_version=batch.policy_version,
+                            extra={
+                                "weights_version": version,
+                                "pairs": 0 if batch.pairs is None else len(batch.pairs),
+                                **timing,
+                            },
+                        )
                     )
-                )
-                bar.update(1)
-                bar.set_postfix(
-                    reward=f"{results[-1].reward_mean:.3f}", loss=f"{metrics.get('loss/total', 0):.4f}"
-                )
-                if nxt is not None:
-                    batch = nxt
+                    bar.update(1)
+                    bar.set_postfix(
+                        reward=f"{results[-1].reward_mean:.3f}", loss=f"{metrics.get('loss/total', 0):.4f}"
+                    )
+                    if nxt is not None:
+                        batch = nxt
         finally:
             bar.close()
-            if train is not None:  # a run that failed mid-step leaves no call in flight behind
-                self._forget(train.call)  # type: ignore[attr-defined]
         return results
 
     def process_ids(self) -> dict[str, int]:

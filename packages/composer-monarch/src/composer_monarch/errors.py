@@ -66,7 +66,7 @@ class ProcessFailure:
     detail: str
 
 
-@dataclass
+@dataclass(eq=False)
 class Call:
     """An endpoint call in flight: its future, who answers it and its deadline (from the send)."""
 
