@@ -21,15 +21,21 @@ and by the bit-exact mesh step.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Mapping
 from typing import Any
 
 import torch
-from composer_core.loss.compose import ComposerBatch
+from composer_core.loss.compose import ComposerBatch, compose_loss
 from composer_core.testing import CASES, check_adapter
 from composer_monarch import ComposerLoss
+from composer_monarch.forge_loss import FORGE_DEFAULTS
 from torch import Tensor
+
+# The conformance cases give compose_loss options; where ComposerLoss's bare defaults are TorchForge's,
+# the cases mean compose_loss's own defaults.
+COMPOSE_DEFAULTS = {k: inspect.signature(compose_loss).parameters[k].default for k in FORGE_DEFAULTS}
 
 
 def _two_way(lp: Tensor) -> Tensor:
@@ -117,7 +123,7 @@ def via_logprobs(batch: ComposerBatch, options: Mapping[str, Any]) -> Tensor:
     if batch.sdpo_mask is not None and batch.teacher_logprobs is not None:
         # (compose_loss ignores an sdpo_mask without a teacher; ComposerLoss rejects it as a user error)
         targets["sdpo_mask"] = per_row(batch.sdpo_mask.bool(), False)  # type: ignore[assignment]
-    opts = dict(options)
+    opts = {**COMPOSE_DEFAULTS, **options}
     if opts.get("loss_type") == "dr_grpo":  # widening must not change Dr. GRPO's constant L_max
         opts.setdefault("max_completion_length", t)
     loss = ComposerLoss(align=False, **opts)
@@ -136,7 +142,7 @@ def via_student_logits(batch: ComposerBatch, options: Mapping[str, Any]) -> Tens
     }
     if batch.sdpo_mask is not None:
         targets["sdpo_mask"] = batch.sdpo_mask.bool()
-    return ComposerLoss(align=False, **options)(batch.student_logits, **targets)
+    return ComposerLoss(align=False, **{**COMPOSE_DEFAULTS, **options})(batch.student_logits, **targets)
 
 
 def test_two_way_logits_are_exact() -> None:

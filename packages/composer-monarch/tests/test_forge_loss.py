@@ -29,11 +29,21 @@ def _forge_targets(
     }
 
 
-def forge_simple_grpo(logits, response, ref_logprobs, advantages, padding_mask, beta=0.1):  # type: ignore[no-untyped-def]
+def forge_compute_logprobs(logits, response, temperature=1.0):  # type: ignore[no-untyped-def]
+    """TorchForge ``forge.util.ops.compute_logprobs`` written from its steps: slice the positions that
+    predict the response, divide by the temperature in the logits' dtype, upcast to float32, −cross-entropy."""
+    scaled = (logits[:, -response.shape[1] - 1 : -1] / temperature).float()
+    b, s, v = scaled.shape
+    return -torch.nn.functional.cross_entropy(
+        scaled.reshape(-1, v), response.reshape(-1), reduction="none"
+    ).view(b, s)
+
+
+def forge_simple_grpo(logits, response, ref_logprobs, advantages, padding_mask, beta=0.1, temperature=1.0):  # type: ignore[no-untyped-def]
     """TorchForge ``apps/grpo/main.py::simple_grpo_loss`` written from its formula:
-    per token −(exp(ℓ−sg ℓ)·A − β·(exp(ref−ℓ) − (ref−ℓ) − 1)), mean over tokens then over sequences."""
-    lp = torch.log_softmax(logits[:, -response.shape[1] - 1 : -1].float(), -1)
-    lp = lp.gather(-1, response.unsqueeze(-1)).squeeze(-1)
+    per token −(exp(ℓ−sg ℓ)·A − β·(exp(ref−ℓ) − (ref−ℓ) − 1)), mean over tokens then over sequences.
+    (``simple_grpo_loss`` calls ``compute_logprobs`` at temperature 1; ``temperature`` is its argument.)"""
+    lp = forge_compute_logprobs(logits, response, temperature)
     d = ref_logprobs - lp
     per_token = -(torch.exp(lp - lp.detach()) * advantages - beta * (torch.exp(d) - d - 1))
     return ((per_token * padding_mask).sum(1) / padding_mask.sum(1).clamp(min=1)).mean()
@@ -51,11 +61,53 @@ def test_equals_torchforge_simple_grpo_loss_value_and_grad() -> None:
     torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize(
+    ("dtype", "temperature", "tol"),
+    [
+        (torch.float32, 1.0, 1e-6),
+        (torch.float32, 0.7, 1e-6),
+        (torch.bfloat16, 0.7, 1e-6),
+        (torch.bfloat16, 1.3, 1e-6),
+    ],
+)
+def test_bare_constructor_is_torchforge_grpo(dtype: torch.dtype, temperature: float, tol: float) -> None:
+    """``ComposerLoss()`` (only the temperature set, as the sampler's) equals TorchForge's GRPO loss on the
+    same batch, value and gradient, also with bf16 logits (TorchForge scales before upcasting)."""
+    logits, t = _forge_targets(seed=2, dtype=torch.float32)
+    logits = (3.0 * logits).to(dtype)
+    t = {k: (v.float() if v.is_floating_point() else v) for k, v in t.items()}
+    a = logits.clone().requires_grad_(True)
+    b = logits.clone().requires_grad_(True)
+    ours = ComposerLoss(temperature=temperature)(a, **t)
+    ref = forge_simple_grpo(b, **t, temperature=temperature)
+    ours.backward()
+    ref.backward()
+    torch.testing.assert_close(ours, ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(a.grad, b.grad, atol=tol, rtol=tol)
+    assert a.grad.dtype == dtype and float(ref.detach()) > 0.1  # the KL term is on (β = 0.1)
+    if dtype == torch.bfloat16:  # the op order is visible in bf16: upcasting first gives another value
+        upcast_first = forge_simple_grpo(logits.float() / temperature, **t, temperature=1.0)
+        assert abs(float(upcast_first) - float(ref.detach())) > 100 * tol
+
+
+def test_bare_constructor_defaults() -> None:
+    loss = ComposerLoss()
+    assert {k: loss.options[k] for k in ("loss_type", "kl_beta", "kl_estimator")} == {
+        "loss_type": "grpo",
+        "kl_beta": 0.1,
+        "kl_estimator": "k3",
+    }
+    assert loss.needs_reference
+    assert not ComposerLoss(kl_beta=0.0, beta_replay=0.0).needs_reference
+
+
 def test_kl_beta_uses_ref_logprobs_and_without_it_they_are_ignored() -> None:
     logits, t = _forge_targets()
     with_kl = ComposerLoss(loss_type="grpo", kl_beta=0.1)(logits, **t)
-    no_kl = ComposerLoss(loss_type="grpo")(logits, **t)
-    no_ref = ComposerLoss(loss_type="grpo")(logits, **{k: v for k, v in t.items() if k != "ref_logprobs"})
+    no_kl = ComposerLoss(loss_type="grpo", kl_beta=0.0)(logits, **t)
+    no_ref = ComposerLoss(loss_type="grpo", kl_beta=0.0)(
+        logits, **{k: v for k, v in t.items() if k != "ref_logprobs"}
+    )
     assert not torch.allclose(with_kl, no_kl)
     assert torch.equal(no_kl, no_ref)
 
@@ -66,7 +118,7 @@ def test_equals_compose_loss_on_aligned_inputs() -> None:
     g = torch.Generator().manual_seed(3)
     teacher = torch.randn(R, S, V, generator=g, dtype=torch.float64)
     old = -torch.rand(R, S, generator=g, dtype=torch.float64) - 0.5
-    opts = {"loss_type": "dapo", "alpha_sdpo": 0.7, "sdpo_beta": 0.5, "beta_replay": 0.0}
+    opts = {"loss_type": "dapo", "kl_beta": 0.0, "alpha_sdpo": 0.7, "sdpo_beta": 0.5, "beta_replay": 0.0}
     ours = ComposerLoss(**opts)(logits, **t, teacher_logits=teacher, old_logprobs=old)
     aligned = logits[:, -S - 1 : -1]
     batch = ComposerBatch(
@@ -115,7 +167,7 @@ def _with_pairs() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
 
 def test_pair_rows_feed_dpo_and_leave_channel_1() -> None:
     logits, t = _with_pairs()
-    opts = {"loss_type": "grpo", "alpha_sdpo": 0.0, "beta_replay": 0.5, "dpo_beta": 0.1}
+    opts = {"loss_type": "grpo", "kl_beta": 0.0, "alpha_sdpo": 0.0, "beta_replay": 0.5, "dpo_beta": 0.1}
     loss = ComposerLoss(**opts)
     total = loss(logits, **t)
     lp = token_logprobs(logits[:, -S - 1 : -1], t["response"])
@@ -235,3 +287,48 @@ def test_config_is_built_once_at_construction_from_core() -> None:
         ComposerLoss(simpo_gamma=0.2)
     with pytest.raises(ValueError, match="did you mean 'epsilon_low'"):
         ComposerLoss(epsilon_lo=0.2)
+# Tensor constructors that place memory: each call in the loss path must say where (device=).
+CONSTRUCTORS = {
+    "tensor", "as_tensor", "asarray", "arange", "range", "zeros", "ones", "full", "empty", "empty_strided",
+    "eye", "linspace", "logspace", "rand", "randn", "randint", "randperm", "scalar_tensor", "tril_indices",
+    "triu_indices", "from_numpy",
+}  # fmt: skip
+
+
+def _constructor_calls_without_device(source: str) -> list[str]:
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        base, name = node.func.value, node.func.attr
+        placed = name != "from_numpy" and any(k.arg == "device" for k in node.keywords)
+        if isinstance(base, ast.Name) and base.id == "torch" and name in CONSTRUCTORS and not placed:
+            found.append(f"line {node.lineno}: torch.{name}")
+    return found
+
+
+def test_loss_path_builds_every_tensor_on_the_input_device() -> None:
+    """Every torch constructor in the loss path (forge_loss.py, model.py's log-prob helpers) passes device=."""
+    import inspect
+
+    import composer_monarch.forge_loss as forge_loss
+    import composer_monarch.model as model
+
+    for module in (forge_loss, model):
+        assert _constructor_calls_without_device(inspect.getsource(module)) == [], module.__name__
+    # the scan sees what it must catch
+    bad = "import torch\nx = torch.ones(3, dtype=torch.bool)\ny = torch.arange(4, device=d)\nz = torch.tensor([1])\n"
+    assert _constructor_calls_without_device(bad) == ["line 2: torch.ones", "line 4: torch.tensor"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_pairs_and_policy_rows_on_cuda() -> None:
+    """Inputs on a non-default device type: every row selection happens on the logits' device."""
+    logits, t = _with_pairs()
+    cuda = {k: v.cuda() for k, v in t.items()}
+    loss = ComposerLoss(alpha_sdpo=0.0, beta_replay=0.5)
+    got = loss(logits.cuda(), **cuda)
+    assert got.device.type == "cuda"
+    torch.testing.assert_close(got.cpu(), loss(logits, **t), atol=1e-9, rtol=1e-9)

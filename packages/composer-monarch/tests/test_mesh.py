@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
 import torch
 from composer_monarch import ComposerDriver, ComposerLoss, LoopConfig, PolicyTrainer, ReplayRecord, TinyQwen2
+from composer_monarch.rollout import TrainBatch
 from composer_monarch.task import ReverseDigits
 from composer_monarch.trainer import TrainerConfig
 
@@ -150,6 +152,81 @@ def test_dead_actor_process_fails_the_driver_in_bounded_time() -> None:
         with pytest.raises(ActorCrashedError, match="exited with non-zero code 7"):
             d.run(progress=False)
         assert time.monotonic() - t0 < 60  # Monarch's supervision notices a dead process in ~10 s
+
+
+def test_killed_process_is_reported_by_the_role_it_hosts_not_the_call_waited_on() -> None:
+    """SIGKILL the generator's process while the driver waits on the rewarder (on its own process, hung
+    in a reward function): the error names the generator, and says which call the driver waited on."""
+    from composer_monarch import ActorCrashedError
+
+    placement = {"trainer": 0, "teacher": 0, "generator": 1, "rewarder": 2}
+    loop = LoopConfig(
+        steps=1, prompts_per_step=1, group_size=2, procs=3, placement=placement, call_timeout_s=120
+    )
+    loss = ComposerLoss(kl_beta=0.0, alpha_sdpo=0.0, beta_replay=0.0)
+    with ComposerDriver(TASK, MODEL, loss=loss, loop=loop, reward_fns=[FaultyReward({1: "hang"})]) as d:
+        pids = d.process_ids()
+        assert len({pids["trainer"], pids["generator"], pids["rewarder"]}) == 3
+        rollout = d._call("generator", "generate", 0, TASK.prompts(1, step=0), 2)()
+        scoring = d._call("rewarder", "score", rollout)  # hangs in the reward function
+        os.kill(pids["generator"], signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(
+            ActorCrashedError, match="the generator actor failed while the driver waited on"
+        ) as err:
+            scoring()
+        assert time.monotonic() - t0 < 60  # Monarch's supervision notices a dead process in ~10 s
+        assert err.value.role == "generator" and err.value.roles == ("generator",)
+        assert err.value.waiting_on == "rewarder" and err.value.endpoint == "score"
+        assert not _alive(pids["generator"]) and _alive(pids["rewarder"])
+
+
+class HangingTrainLoss(ComposerLoss):
+    """A loss whose forward never returns: the trainer hangs in ``train_step``."""
+
+    def __call__(self, logits: torch.Tensor, **targets: torch.Tensor) -> torch.Tensor:
+        time.sleep(600)
+        raise AssertionError("unreachable")
+
+
+class SlowReward:
+    """Reward function that sleeps ``seconds`` on every call after the first ``fast`` calls."""
+
+    def __init__(self, fast: int, seconds: float) -> None:
+        self.fast, self.seconds, self.calls = fast, seconds, 0
+
+    def __call__(self, prompt: torch.Tensor, completion: torch.Tensor) -> float:
+        self.calls += 1
+        if self.calls > self.fast:
+            time.sleep(self.seconds)
+        return TASK.reward(prompt, completion)
+
+
+def test_overlap_train_step_deadline_counts_from_its_send() -> None:
+    """Overlap mode: train_step is sent, then the next rollout runs (≥ 0.8·T here: two reward calls of
+    0.4·T each). A hung trainer must fail the run at T after the send, not after rollout + T (≥ 1.8·T)."""
+    from composer_monarch import ActorTimeoutError
+
+    timeout = 12.0
+    loop = LoopConfig(steps=2, prompts_per_step=1, group_size=2, overlap=True, call_timeout_s=timeout)
+    loss = HangingTrainLoss(kl_beta=0.0, alpha_sdpo=0.0, beta_replay=0.0)
+    reward = SlowReward(fast=2, seconds=0.4 * timeout)  # rollout 0 is fast, rollout 1 takes ≥ 0.8·T
+    with ComposerDriver(TASK, MODEL, loss=loss, loop=loop, reward_fns=[reward]) as d:
+        done: list[float] = []  # when each rollout returned; train_step is sent right after rollout 0
+        rollout = d.rollout
+
+        def timed_rollout(step: int) -> TrainBatch:
+            batch = rollout(step)
+            done.append(time.monotonic())
+            return batch
+
+        d.rollout = timed_rollout  # type: ignore[method-assign]
+        with pytest.raises(ActorTimeoutError, match="trainer actor did not answer 'train_step'") as err:
+            d.run(progress=False)
+        since_send = time.monotonic() - done[0]
+    assert err.value.role == "trainer" and err.value.endpoint == "train_step"
+    assert len(done) == 1 or done[1] - done[0] >= 0.8 * timeout  # rollout 1 was as slow as planned
+    assert timeout - 0.5 <= since_send < 1.6 * timeout  # the old bound: ≥ 0.8·T + T
 
 
 def test_same_loop_on_a_two_host_mesh() -> None:

@@ -154,3 +154,60 @@ def test_collate_packs_samples_then_pairs() -> None:
     )
     with pytest.raises(ValueError, match="one prompt length"):
         collate(bad, pad_id=0)
+
+
+class _Unanswered:
+    """A future whose answer never comes (``get`` waits out its timeout)."""
+
+    def get(self, timeout: float | None = None) -> object:
+        import time
+
+        time.sleep(min(timeout or 0.0, 0.01))
+        raise TimeoutError
+
+
+class _Answered:
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def get(self, timeout: float | None = None) -> object:
+        return self.value
+
+
+def test_wait_enforces_the_deadlines_of_other_calls_in_flight() -> None:
+    from composer_monarch import ActorTimeoutError
+    from composer_monarch.errors import Call, wait
+
+    overdue_train = Call(_Unanswered(), "trainer", "train_step", timeout_s=0.0)  # type: ignore[arg-type]
+    score = Call(_Unanswered(), "rewarder", "score", timeout_s=60.0)  # type: ignore[arg-type]
+    with pytest.raises(ActorTimeoutError, match="trainer actor did not answer 'train_step'") as err:
+        wait(score, failures=list, others=lambda: [overdue_train, score], poll_s=0.01)
+    assert err.value.role == "trainer"
+    answered_train = Call(_Answered({"loss": 1.0}), "trainer", "train_step", timeout_s=0.0)  # type: ignore[arg-type]
+    rollout = Call(_Answered(7), "generator", "generate", timeout_s=60.0)  # type: ignore[arg-type]
+    assert wait(rollout, failures=list, others=lambda: [answered_train]) == 7  # answered in time: no error
+    with pytest.raises(ActorTimeoutError, match="rewarder actor did not answer 'score' within 0 s"):
+        wait(Call(_Unanswered(), "rewarder", "score", timeout_s=0.05), failures=list, poll_s=0.01)  # type: ignore[arg-type]
+
+
+def test_dead_process_is_reported_by_the_role_it_hosted() -> None:
+    from composer_monarch import ActorCrashedError, ComposerDriver, ComposerLoss
+    from composer_monarch.errors import Call, ProcessFailure, wait
+
+    task = ReverseDigits()
+    driver = ComposerDriver(task, TinyQwen2(task.vocab_size), loss=ComposerLoss(beta_replay=0.0))
+    assert driver._colocated("trainer") == ("trainer",)  # default placement: the trainer alone on proc 0
+    assert driver._colocated("generator") == ("generator", "rewarder", "teacher")
+    alone = ProcessFailure("generator", ("generator",), "the generator actor's process failed: Killed(sig=9)")
+    score = Call(_Unanswered(), "rewarder", "score", timeout_s=60.0)  # type: ignore[arg-type]
+    with pytest.raises(
+        ActorCrashedError, match="the generator actor failed while the driver waited on"
+    ) as err:
+        wait(score, failures=lambda: [alone], poll_s=0.01)
+    assert (err.value.role, err.value.waiting_on, err.value.endpoint) == ("generator", "rewarder", "score")
+    shared = ProcessFailure(
+        "generator", driver._colocated("generator"), "the generator actor's process failed"
+    )
+    with pytest.raises(ActorCrashedError, match="the rewarder actor failed in 'score'") as err:
+        wait(score, failures=lambda: [shared], poll_s=0.01)  # the waited-on role died with it
+    assert err.value.role == "rewarder" and err.value.roles == ("generator", "rewarder", "teacher")

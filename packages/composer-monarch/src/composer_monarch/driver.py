@@ -17,11 +17,12 @@ Local: ``this_host().spawn_procs(per_host={"procs": 2})``. Multi-host: pass ``ho
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -30,7 +31,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from composer_monarch.bootstrap import prepare_process
-from composer_monarch.errors import FAULTS, ActorCrashedError, wait
+from composer_monarch.errors import FAULTS, ActorCrashedError, Call, ProcessFailure, wait
 from composer_monarch.forge_loss import ComposerLoss
 from composer_monarch.generator import GeneratorActor, SamplingConfig
 from composer_monarch.rewarder import RewarderActor, RewardFn
@@ -50,8 +51,9 @@ class LoopConfig:
     steps: optimiser steps. prompts_per_step × group_size completions per step. overlap: sample step
     k+1 while training step k. procs: processes per host. placement: role → proc index (or
     ``(host, proc)`` on a multi-host mesh); by default the trainer has proc 0 to itself and the
-    generator, rewarder and teacher share the last proc. call_timeout_s bounds every wait on an
-    actor once the loop runs; seed: sampling seed (step k samples with seed·1_000_003 + k);
+    generator, rewarder and teacher share the last proc. call_timeout_s: every call to an actor must be
+    answered within it of being sent, once the loop runs (in overlap mode the train_step too, while the
+    next rollout runs); seed: sampling seed (step k samples with seed·1_000_003 + k);
     num_threads: torch threads in each actor process (None: torch's default); start_timeout_s bounds spawning (processes import torch and build the
     models); stop_timeout_s bounds stopping the mesh. advantage_scale: "group" | "batch" | "none"
     (composer_core.group_advantages).
@@ -152,7 +154,8 @@ class ComposerDriver:
             )
         self.procs: ProcMesh | None = None
         self.actors: dict[str, Any] = {}
-        self._failures: list[str] = []
+        self._failures: list[ProcessFailure] = []
+        self._in_flight: list[Call] = []
         self._prefix = f"composer_{uuid.uuid4().hex[:8]}_"
 
     # ------------------------------------------------------------------ lifecycle
@@ -165,7 +168,20 @@ class ComposerDriver:
 
     def _on_fault(self, role: str, failure: Any) -> None:
         """A failure of one of this driver's actor meshes (routed by :data:`errors.FAULTS`)."""
-        self._failures.append(f"the {role} actor's process failed: {failure}")
+        self._failures.append(
+            ProcessFailure(role, self._colocated(role), f"the {role} actor's process failed: {failure}")
+        )
+
+    def _colocated(self, role: str) -> tuple[str, ...]:
+        """The roles placed on the same process as ``role`` (itself included), in ROLES order."""
+
+        def slot(r: str) -> tuple[int, int]:
+            where = self.loop.place(r)
+            return where if isinstance(where, tuple) else (0, where)
+
+        if role not in ROLES:
+            return (role,)
+        return tuple(r for r in ROLES if slot(r) == slot(role))
 
     def start(self) -> None:
         """Spawn the proc mesh and the actors, and wait until all of them are constructed."""
@@ -230,19 +246,39 @@ class ComposerDriver:
             FAULTS.unregister(self._prefix)
 
     # ------------------------------------------------------------------ calls
-    def _call(self, role: str, endpoint: str, *args: Any, timeout_s: float | None = None) -> Any:
-        """Send ``role.endpoint(*args)``; returns a thunk that waits, bounded by ``timeout_s``
-        (default ``call_timeout_s``)."""
+    def _call(
+        self, role: str, endpoint: str, *args: Any, timeout_s: float | None = None
+    ) -> Callable[[], Any]:
+        """Send ``role.endpoint(*args)``; returns a thunk that waits for the answer, which must come
+        within ``timeout_s`` (default ``call_timeout_s``) of this send. Until the thunk has run, the
+        call is in flight: every other wait also enforces its deadline."""
         if not self.actors:
             raise RuntimeError("ComposerDriver is not started: use `with ComposerDriver(...) as d:`")
         fut = getattr(self.actors[role], endpoint).call_one(*args)
-        return lambda: wait(
-            fut,
-            role=role,
-            endpoint=endpoint,
-            timeout_s=self.loop.call_timeout_s if timeout_s is None else timeout_s,
-            failures=lambda: list(self._failures),
-        )
+        call = Call(fut, role, endpoint, self.loop.call_timeout_s if timeout_s is None else timeout_s)
+        self._in_flight.append(call)
+
+        def answer() -> Any:
+            try:
+                return wait(call, failures=lambda: list(self._failures), others=lambda: list(self._in_flight))
+            finally:
+                self._forget(call)
+
+        return answer
+
+    def _forget(self, call: Call) -> None:
+        self._in_flight[:] = [c for c in self._in_flight if c is not call]
+
+    @contextlib.contextmanager
+    def _abandoned_on_error(self) -> Iterator[None]:
+        """Calls sent inside the block and still unanswered when it raises are abandoned: the error
+        already ended the step, so later waits do not enforce their deadlines."""
+        before = list(self._in_flight)
+        try:
+            yield
+        except BaseException:
+            self._in_flight[:] = [c for c in self._in_flight if any(c is b for b in before)]
+            raise
 
     def _push_weights(self, timeout_s: float | None = None) -> int:
         version, state = self._call("trainer", "weights", timeout_s=timeout_s)()
@@ -259,16 +295,17 @@ class ComposerDriver:
         """Sample, score and annotate the batch of ``step`` (generator → rewarder → teacher)."""
         lp = self.loop
         prompts = self.task.prompts(lp.prompts_per_step, step=step)
-        ro: Rollout = self._call("generator", "generate", step, prompts, lp.group_size)()
-        rewards: Tensor = self._call("rewarder", "score", ro)()
-        teacher_logits = None
-        pending_logits = None
-        if self.use_teacher_logits:
-            hinted = self.task.hinted_prompts(prompts).repeat_interleave(lp.group_size, dim=0)
-            pending_logits = self._call("teacher", "hinted_logits", hinted, ro.completion_ids)
-        pairs = self._call("teacher", "preference_pairs", ro, rewards)() if self.use_pairs else None
-        if pending_logits is not None:
-            teacher_logits = pending_logits()
+        with self._abandoned_on_error():
+            ro: Rollout = self._call("generator", "generate", step, prompts, lp.group_size)()
+            rewards: Tensor = self._call("rewarder", "score", ro)()
+            teacher_logits = None
+            pending_logits = None
+            if self.use_teacher_logits:
+                hinted = self.task.hinted_prompts(prompts).repeat_interleave(lp.group_size, dim=0)
+                pending_logits = self._call("teacher", "hinted_logits", hinted, ro.completion_ids)
+            pairs = self._call("teacher", "preference_pairs", ro, rewards)() if self.use_pairs else None
+            if pending_logits is not None:
+                teacher_logits = pending_logits()
         return assemble_batch(
             ro, rewards, advantage_scale=lp.advantage_scale, teacher_logits=teacher_logits, pairs=pairs
         )
@@ -299,39 +336,44 @@ class ComposerDriver:
         bar = tqdm(total=lp.steps, desc="composer-monarch GRPO", disable=not progress, unit="step")
         first = int(self._call("trainer", "version")())
         try:
-            batch = self.rollout(first)
-            for k in range(first, first + lp.steps):
-                t0 = time.perf_counter()
-                train = self._call("trainer", "train_step", batch)
-                last = k + 1 == first + lp.steps
-                nxt = self.rollout(k + 1) if lp.overlap and not last else None
-                metrics: dict[str, float] = train()
-                t1 = time.perf_counter()
-                version = self._push_weights()
-                t2 = time.perf_counter()
-                if not lp.overlap and not last:
-                    nxt = self.rollout(k + 1)
-                timing = {"train_wait_s": t1 - t0, "push_s": t2 - t1, "rollout_s": time.perf_counter() - t2}
-                results.append(
-                    StepResult(
-                        step=k,
-                        metrics=metrics,
-                        reward_mean=float(batch.rewards.mean()),
-                        seconds=time.perf_counter() - t0,
-                        sampled_by_version=batch.policy_version,
-                        extra={
-                            "weights_version": version,
-                            "pairs": 0 if batch.pairs is None else len(batch.pairs),
-                            **timing,
-                        },
+            with self._abandoned_on_error():  # a failed step leaves no call in flight behind
+                batch = self.rollout(first)
+                for k in range(first, first + lp.steps):
+                    t0 = time.perf_counter()
+                    train = self._call("trainer", "train_step", batch)
+                    last = k + 1 == first + lp.steps
+                    nxt = self.rollout(k + 1) if lp.overlap and not last else None
+                    metrics: dict[str, float] = train()
+                    t1 = time.perf_counter()
+                    version = self._push_weights()
+                    t2 = time.perf_counter()
+                    if not lp.overlap and not last:
+                        nxt = self.rollout(k + 1)
+                    timing = {
+                        "train_wait_s": t1 - t0,
+                        "push_s": t2 - t1,
+                        "rollout_s": time.perf_counter() - t2,
+                    }
+                    results.append(
+                        StepResult(
+                            step=k,
+                            metrics=metrics,
+                            reward_mean=float(batch.rewards.mean()),
+                            seconds=time.perf_counter() - t0,
+                            sampled_by_version=batch.policy_version,
+                            extra={
+                                "weights_version": version,
+                                "pairs": 0 if batch.pairs is None else len(batch.pairs),
+                                **timing,
+                            },
+                        )
                     )
-                )
-                bar.update(1)
-                bar.set_postfix(
-                    reward=f"{results[-1].reward_mean:.3f}", loss=f"{metrics.get('loss/total', 0):.4f}"
-                )
-                if nxt is not None:
-                    batch = nxt
+                    bar.update(1)
+                    bar.set_postfix(
+                        reward=f"{results[-1].reward_mean:.3f}", loss=f"{metrics.get('loss/total', 0):.4f}"
+                    )
+                    if nxt is not None:
+                        batch = nxt
         finally:
             bar.close()
         return results

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import monarch.actor as monarch_actor
@@ -12,21 +13,40 @@ from monarch.actor import ActorError, Future
 
 
 class ActorCrashedError(RuntimeError):
-    """An actor raised, or its process died, while the driver waited on it.
+    """An actor raised, or its process died, while the driver waited on an actor.
 
-    ``role`` (trainer, generator, rewarder, teacher), ``endpoint`` and, when the actor raised,
-    ``remote_exception`` (the exception object from the actor's process) say what failed.
+    ``role`` is the role that failed: the actor that raised, or the role whose process died, which need
+    not be the one the driver was waiting on (``waiting_on``, ``endpoint``). When a dead process hosted
+    several roles (the placement puts them together), ``roles`` lists all of them and ``role`` is the
+    waited-on role if it is among them, else the first one Monarch reported. ``remote_exception`` is the
+    exception object from the actor's process when the actor raised.
     """
 
-    def __init__(self, role: str, endpoint: str, detail: str, remote_exception: BaseException | None = None):
+    def __init__(
+        self,
+        role: str,
+        endpoint: str,
+        detail: str,
+        remote_exception: BaseException | None = None,
+        *,
+        waiting_on: str | None = None,
+        roles: tuple[str, ...] | None = None,
+    ):
         self.role = role
         self.endpoint = endpoint
+        self.waiting_on = role if waiting_on is None else waiting_on
+        self.roles = (role,) if roles is None else roles
         self.remote_exception = remote_exception
-        super().__init__(f"composer-monarch: the {role} actor failed in {endpoint!r}: {detail}")
+        where = (
+            f"in {endpoint!r}"
+            if self.waiting_on == role
+            else f"while the driver waited on the {self.waiting_on} actor's {endpoint!r}"
+        )
+        super().__init__(f"composer-monarch: the {role} actor failed {where}: {detail}")
 
 
 class ActorTimeoutError(TimeoutError):
-    """An actor did not answer within the driver's ``call_timeout_s``."""
+    """An actor did not answer within the driver's ``call_timeout_s`` of the call being sent."""
 
     def __init__(self, role: str, endpoint: str, timeout_s: float):
         self.role = role
@@ -37,37 +57,89 @@ class ActorTimeoutError(TimeoutError):
         )
 
 
+@dataclass(frozen=True)
+class ProcessFailure:
+    """A failure Monarch's supervision reported for one of a driver's actor meshes."""
+
+    role: str  # the role whose actor mesh failed
+    roles: tuple[str, ...]  # every role the failed process hosts
+    detail: str
+
+
+@dataclass(eq=False)
+class Call:
+    """An endpoint call in flight: its future, who answers it and its deadline (from the send)."""
+
+    future: Future[Any]
+    role: str
+    endpoint: str
+    timeout_s: float
+    sent_at: float = field(default_factory=time.monotonic)
+    outcome: tuple[bool, Any] | None = None  # (answered normally, value or exception)
+
+    @property
+    def deadline(self) -> float:
+        return self.sent_at + self.timeout_s
+
+    def poll(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the answer; True once it (a value or an error) is in."""
+        if self.outcome is None:
+            try:
+                self.outcome = (True, self.future.get(timeout=max(timeout_s, 0.0)))
+            except TimeoutError:
+                return False
+            except Exception as e:  # the actor raised, or Monarch reports its mesh failed
+                self.outcome = (False, e)
+        return True
+
+
+def _crashed(call: Call, seen: list[ProcessFailure]) -> ActorCrashedError:
+    own = [f for f in seen if call.role in f.roles]
+    failure = own[0] if own else seen[0]
+    role = call.role if own else failure.role
+    return ActorCrashedError(
+        role,
+        call.endpoint,
+        f"while waiting on it, {failure.detail}",
+        waiting_on=call.role,
+        roles=failure.roles,
+    )
+
+
 def wait(
-    future: Future[Any],
+    call: Call,
     *,
-    role: str,
-    endpoint: str,
-    timeout_s: float,
-    failures: Callable[[], list[Any]],
+    failures: Callable[[], list[ProcessFailure]],
+    others: Callable[[], list[Call]] = list,
     poll_s: float = 0.2,
 ) -> Any:
-    """``future.get()`` in slices of ``poll_s`` seconds, bounded by ``timeout_s``.
+    """The answer to ``call``, polled in slices of ``poll_s`` seconds, bounded by its deadline.
 
     Between slices it checks ``failures()`` — the mesh failures Monarch's supervision reported to the
-    driver (a process that died) — so a dead actor ends the wait with :class:`ActorCrashedError`
-    instead of a hang. An exception raised inside the actor becomes :class:`ActorCrashedError` with
-    the remote exception attached.
+    driver (a process that died), reported as :class:`ActorCrashedError` naming the role that died —
+    and the deadlines of ``others()``, the driver's other calls in flight: in overlap mode the
+    ``train_step`` sent before the next rollout must answer within ``call_timeout_s`` of its send even
+    while the driver waits on the rollout. An exception raised inside the actor becomes
+    :class:`ActorCrashedError` with the remote exception attached.
     """
-    deadline = time.monotonic() + timeout_s
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise ActorTimeoutError(role, endpoint, timeout_s)
-        try:
-            return future.get(timeout=min(poll_s, left))
-        except TimeoutError:
-            seen = failures()
-            if seen:
-                raise ActorCrashedError(role, endpoint, f"while waiting on it, {seen[0]}") from None
-        except ActorError as e:
-            raise ActorCrashedError(role, endpoint, str(e).strip(), e.exception) from e
-        except Exception as e:  # supervision errors and other runtime failures from Monarch
-            raise ActorCrashedError(role, endpoint, f"{type(e).__name__}: {e}") from e
+    while not call.poll(min(poll_s, call.deadline - time.monotonic())):
+        seen = failures()
+        if seen:
+            raise _crashed(call, seen) from None
+        now = time.monotonic()
+        for other in others():
+            if other is not call and now >= other.deadline and not other.poll(0.0):
+                raise ActorTimeoutError(other.role, other.endpoint, other.timeout_s)
+        if now >= call.deadline:
+            raise ActorTimeoutError(call.role, call.endpoint, call.timeout_s)
+    assert call.outcome is not None
+    ok, value = call.outcome
+    if ok:
+        return value
+    if isinstance(value, ActorError):
+        raise ActorCrashedError(call.role, call.endpoint, str(value).strip(), value.exception) from value
+    # supervision errors and other runtime failures from Monarch
+    raise ActorCrashedError(call.role, call.endpoint, f"{type(value).__name__}: {value}") from value
 
 
 class _FaultRouter:

@@ -9,7 +9,14 @@ other channels:
 total = policy(GRPO family)  +  α · SDPO(student ‖ hinted teacher)  +  β · DPO/SimPO(replay pairs)
 
 (see ``composer_core.loss.compose.compose_loss``; SDPO: Hübotter et al. 2026, DPO: Rafailov et al. 2023,
-SimPO: Meng et al. 2024). Channel-3 pairs ride in the same forward pass as extra rows: ``chosen_rows``
+SimPO: Meng et al. 2024). The bare ``ComposerLoss()`` is TorchForge's GRPO loss (``simple_grpo_loss``,
+DeepSeekMath arXiv 2402.03300 with the k3 KL of Schulman's estimator note), the defaults in
+:data:`FORGE_DEFAULTS`; per token, with ℓ = log softmax(logits / τ)[response] and r = ref_logprobs:
+
+    L_t = −(exp(ℓ − sg ℓ)·A − β·(exp(r − ℓ) − (r − ℓ) − 1)),   β = 0.1
+    loss = mean_rows( Σ_t L_t·mask / max(Σ_t mask, 1) )        (per-sequence mean, then batch mean)
+
+Shapes: logits [R, P+s, V] (or [R, s, V] with ``align=False``), response/mask/ref [R, s], A [R, 1]. Channel-3 pairs ride in the same forward pass as extra rows: ``chosen_rows``
 and ``rejected_rows`` index rows of the batch whose ``response`` is the chosen / rejected completion;
 those rows are left out of channels 1 and 2. Their summed log-probabilities are the DPO/SimPO
 inputs, and the reference model's come from the same rows of ``ref_logprobs``.
@@ -42,6 +49,11 @@ TARGETS: dict[str, str] = {
 }
 
 
+#: Options in which the bare constructor differs from ``compose_loss``'s defaults, so that
+#: ``ComposerLoss()`` is TorchForge's ``simple_grpo_loss``: per-sequence mean (``"grpo"``), k3 KL, β = 0.1.
+FORGE_DEFAULTS: dict[str, Any] = {"loss_type": "grpo", "kl_beta": 0.1, "kl_estimator": "k3"}
+
+
 def _compose() -> Any:
     from composer_core.loss.compose import ComposerBatch, compose_loss
 
@@ -55,11 +67,14 @@ class ComposerLoss:
         align: True (TorchForge's default) when ``logits`` cover the whole sequence [R, L, V]
             (prompt ⊕ response); the positions that predict the response, ``logits[:, -s-1:-1]``,
             are used. False when ``logits`` are already aligned with ``response`` ([R, s, V]).
-        temperature: logits are divided by it before the log-softmax (match the sampler's).
+        temperature: logits are divided by it before the log-softmax (match the sampler's), in the
+            logits' dtype and then upcast to float32, in TorchForge's order (``compute_logprobs``).
         **options: any keyword of ``composer_core.compose_loss`` (``alpha_sdpo``, ``beta_replay``,
-            ``loss_type``, ``epsilon_low``, ``kl_beta``, ``sdpo_beta``, ``dpo_variant`` …).
-            TorchForge's ``simple_grpo_loss(beta=0.1)`` is ``ComposerLoss(loss_type="grpo",
-            kl_beta=0.1)`` with no channel-2/3 targets.
+            ``loss_type``, ``epsilon_low``, ``kl_beta``, ``sdpo_beta``, ``dpo_variant`` …). Unset,
+            ``loss_type``, ``kl_beta`` and ``kl_estimator`` take :data:`FORGE_DEFAULTS` (TorchForge's
+            GRPO: ``"grpo"``, 0.1, ``"k3"``), the rest ``compose_loss``'s defaults. So the bare
+            ``ComposerLoss()`` is a drop-in for ``simple_grpo_loss`` (with TorchForge's targets only,
+            channels 2 and 3 have no inputs and are skipped); ``kl_beta=0.0`` turns the KL term off.
 
     After each call ``last_result`` holds the ``ComposeResult`` (per-channel losses and metrics).
     """
@@ -71,7 +86,7 @@ class ComposerLoss:
 
         self.align = align
         self.temperature = float(temperature)
-        self.options = dict(options)
+        self.options = {**FORGE_DEFAULTS, **options}
         # composer_core's typed config, built (and validated) once here; the per-call normalisers stay apart
         self.normalizers = {k: self.options[k] for k in PER_CALL if k in self.options}
         try:
@@ -121,13 +136,13 @@ class ComposerLoss:
             logits = logits[:, -s - 1 : -1]
         elif logits.shape[1] != s:
             raise ValueError(f"align=False needs logits [{rows}, {s}, vocab]; got {tuple(logits.shape)}")
-        logits = upcast(logits)
-        if self.temperature != 1.0:
+        if self.temperature != 1.0:  # TorchForge's order: scale in the logits' dtype, then upcast
             logits = logits / self.temperature
+        logits = upcast(logits)
         logprobs = token_logprobs(logits, response)
 
         mask = targets["padding_mask"].bool()
-        policy_rows, chosen, rejected = self._rows(targets, rows)
+        policy_rows, chosen, rejected = self._rows(targets, rows, logits.device)
         pick = policy_rows.nonzero().squeeze(-1)
 
         def sel(name: str) -> Tensor | None:
@@ -175,12 +190,16 @@ class ComposerLoss:
         return result.total  # type: ignore[no-any-return]
 
     @staticmethod
-    def _rows(targets: dict[str, Tensor], rows: int) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    def _rows(
+        targets: dict[str, Tensor], rows: int, device: torch.device
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """Row selections on ``device`` (the logits'): channel-1/2 rows, chosen rows, rejected rows."""
         chosen, rejected = targets.get("chosen_rows"), targets.get("rejected_rows")
         if (chosen is None) != (rejected is None):
             raise ValueError("chosen_rows and rejected_rows come together (channel-3 pairs); got only one")
         if chosen is not None and rejected is not None:
-            chosen, rejected = chosen.long().reshape(-1), rejected.long().reshape(-1)
+            chosen = chosen.to(device=device, dtype=torch.long).reshape(-1)
+            rejected = rejected.to(device=device, dtype=torch.long).reshape(-1)
             if chosen.shape != rejected.shape:
                 raise ValueError(
                     f"chosen_rows has {chosen.numel()} entries, rejected_rows {rejected.numel()}: one each per pair"
@@ -190,16 +209,16 @@ class ComposerLoss:
                 raise ValueError(f"chosen_rows/rejected_rows index rows 0..{rows - 1}; got {both.tolist()}")
         policy_rows = targets.get("policy_rows")
         if policy_rows is None:
-            policy_rows = torch.ones(rows, dtype=torch.bool)
+            policy_rows = torch.ones(rows, dtype=torch.bool, device=device)
             if chosen is not None and rejected is not None:
                 policy_rows[chosen] = False
                 policy_rows[rejected] = False
         else:
-            policy_rows = policy_rows.bool().reshape(-1)
+            policy_rows = policy_rows.to(device=device, dtype=torch.bool).reshape(-1)
             if policy_rows.numel() != rows:
                 raise ValueError(
                     f"policy_rows has {policy_rows.numel()} entries; expected one per row ({rows})"
                 )
         if not bool(policy_rows.any()):
             raise ValueError("policy_rows selects no row: channel 1 needs at least one sampled completion")
-        return policy_rows.to(targets["response"].device), chosen, rejected
+        return policy_rows, chosen, rejected

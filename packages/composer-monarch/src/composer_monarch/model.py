@@ -84,10 +84,13 @@ def upcast(x: Tensor) -> Tensor:
 
 
 def token_logprobs(logits: Tensor, ids: Tensor, temperature: float = 1.0) -> Tensor:
-    """log softmax(logits / temperature) gathered at ``ids``: [B, T, V], [B, T] → [B, T] (float32+)."""
-    logits = upcast(logits)
+    """log softmax(logits / temperature) gathered at ``ids``: [B, T, V], [B, T] → [B, T] (float32+).
+
+    TorchForge's order (``forge.util.ops.compute_logprobs``): divide in the logits' dtype, then upcast.
+    """
     if temperature != 1.0:
         logits = logits / temperature
+    logits = upcast(logits)
     return torch.log_softmax(logits, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
 
 

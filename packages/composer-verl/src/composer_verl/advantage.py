@@ -15,10 +15,26 @@ and ``returns`` equals ``advantages`` (as verl's GRPO does).
 
 Options come from :mod:`composer_verl.config` (``adv_scale``, ``adv_eps``, ``adv_singleton``); with
 ``adv_scale`` unset, verl's own ``algorithm.norm_adv_by_std_in_grpo`` chooses group vs none.
+
+Multi-output agent sessions (verl's v1 trainer). An agent loop may return several outputs per session;
+verl's v1 trainer keys each row ``{uid}_{session}_{output}`` and computes advantages through
+``verl.trainer.ppo.v1.utils.compute_advantage_for_multi_trajectories``, which for ``grpo`` lets only the
+final output of each session (highest ``output``) take part in its uid's group and broadcasts that
+session's advantage to all of its outputs; every other estimator name is passed the rows as they are.
+``grpo_composer`` takes the same path itself: verl's estimator contract carries no session keys, so it
+reads the ``batch_keys`` argument of that enclosing verl call (the only caller that has them) and then
+
+    g = rows sharing a uid, one member per session: the session's final output
+    A_row = A_final(session(row))                  broadcast over response_mask
+
+The same grouping is used for ``scale="batch"`` (std over the final outputs). Outside that call (verl's
+legacy trainer, ``compute_advantage`` directly) each row is one sample and a group member.
 """
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -27,6 +43,8 @@ import torch
 from composer_verl.config import ComposerVerlConfig, current_config
 
 ESTIMATOR_NAME = "grpo_composer"
+MULTI_TRAJECTORY_MODULE = "verl.trainer.ppo.v1.utils"
+MULTI_TRAJECTORY_FN = "compute_advantage_for_multi_trajectories"
 
 
 def resolve_scale(composer: ComposerVerlConfig, algo_config: Any) -> str:
@@ -68,13 +86,71 @@ def compute_grpo_composer_advantage(
         raise ValueError(f"index has {len(index)} entries for {token_level_rewards.shape[0]} rows.")
     composer = current_config()
     scores = token_level_rewards.sum(dim=-1)
+    members, row_member = session_members(enclosing_batch_keys(), len(index), scores.device)
     with torch.no_grad():
         adv = group_advantages(
-            scores,
-            group_ids=list(index),
+            scores[members],
+            group_ids=[index[i] for i in members.tolist()],
             scale=resolve_scale(composer, config),  # type: ignore[arg-type]
             eps=composer.adv_eps,
             singleton=composer.adv_singleton,
-        )
+        )[row_member]
     adv = adv.to(token_level_rewards.dtype).unsqueeze(-1) * response_mask
     return adv, adv
+
+
+def enclosing_batch_keys() -> Sequence[str] | None:
+    """``batch_keys`` of the enclosing verl ``compute_advantage_for_multi_trajectories`` call, or ``None``.
+
+    verl's v1 trainer passes its row keys (``{uid}_{session}_{output}``) only to that function, which
+    calls the registered estimator through ``compute_advantage`` with ``index=uid`` alone.
+    """
+    module = sys.modules.get(MULTI_TRAJECTORY_MODULE)
+    code = getattr(getattr(module, MULTI_TRAJECTORY_FN, None), "__code__", None)
+    if code is None:
+        return None
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not code:
+        frame = frame.f_back  # type: ignore[assignment]
+    if frame is None:
+        return None
+    keys = frame.f_locals.get("batch_keys")
+    if keys is None:
+        raise RuntimeError(
+            f"grpo_composer was called by verl's {MULTI_TRAJECTORY_FN} but found no `batch_keys` argument "
+            "there: this verl version changed that function; install the verl version composer-verl "
+            "declares (pip install composer-verl) or use algorithm.adv_estimator=grpo."
+        )
+    return list(keys)
+
+
+def session_members(
+    keys: Sequence[str] | None, rows: int, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(members, row_member)``: the rows that form the groups, and for every row its member's position.
+
+    With ``keys`` (``{uid}_{session}_{output}``, one per row) a session's member is its final output
+    (highest ``output``; verl's rule); without keys every row is its own member.
+    """
+    if keys is None:
+        everyone = torch.arange(rows, device=device)
+        return everyone, everyone
+    if len(keys) != rows:
+        raise ValueError(
+            f"verl passed {len(keys)} batch keys for {rows} rows; they must correspond one to one."
+        )
+    final: dict[str, tuple[int, int]] = {}  # session -> (output index, row)
+    sessions: list[str] = []
+    for row, key in enumerate(keys):
+        session, sep, output = str(key).rpartition("_")
+        if not sep or not session or not output.isdigit():
+            raise ValueError(
+                f"batch key {key!r} is not {{uid}}_{{session}}_{{output}} (verl's v1 agent-loop key format)."
+            )
+        sessions.append(session)
+        if session not in final or final[session][0] < int(output):
+            final[session] = (int(output), row)
+    position = {session: i for i, session in enumerate(final)}
+    members = torch.tensor([row for _, row in final.values()], dtype=torch.long, device=device)
+    row_member = torch.tensor([position[s] for s in sessions], dtype=torch.long, device=device)
+    return members, row_member

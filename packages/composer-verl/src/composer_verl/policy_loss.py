@@ -49,9 +49,11 @@ LOSS_NAME = "composer"
 
 _NO_EXTENSION = (
     "the policy loss was called without the composer actor extension, so verl passed only old_log_prob, "
-    "log_prob, advantages and response_mask. Run training with composer_verl's worker "
-    "(python -m composer_verl.main_ppo, or ComposerActorRolloutRefWorker / with_composer_batch), "
-    "or set {name}=0 in COMPOSER_VERL_CONFIG."
+    "log_prob, advantages and response_mask. Train with the composer actor extension: "
+    "python -m verl.trainer.main_ppo trainer.use_v1=true trainer.v1.trainer_mode=composer_sync (as the example "
+    "config composer_verl.examples/composer_grpo.yaml does), or build your workers from "
+    "composer_verl.actor.ComposerActorRolloutRefWorker or wrap their loss with "
+    "composer_verl.batch.with_composer_batch; or set {name}=0 in COMPOSER_VERL_CONFIG."
 )
 
 
@@ -167,7 +169,8 @@ def _pair_rows(pair_id: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tenso
             raise ValueError(
                 f"{PREF_PAIR_ID}={pid}: this micro-batch holds {len(c)} chosen and {len(r)} rejected rows, need "
                 "exactly 1 of each. Keep both rows of a pair adjacent and in one micro-batch "
-                "(actor.shuffle=False, use_dynamic_bsz=False, even ppo_micro_batch_size_per_gpu)."
+                "(actor_rollout_ref.actor.shuffle=False, actor_rollout_ref.actor.use_dynamic_bsz=False, an even "
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu)."
             )
         chosen_rows.append(c[0])
         rejected_rows.append(r[0])
