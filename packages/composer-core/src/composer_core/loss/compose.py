@@ -127,6 +127,7 @@ _COMPOSE_OPTIONS = [
     "sdpo_temperature",
     "sdpo_token_clip",
     "sdpo_topk",
+    "sdpo_topk_tail",
     "sdpo_chunk_size",
     "sdpo_wrapper",
     "taid_t",
@@ -168,6 +169,12 @@ _MODE_OPTIONS: dict[str, tuple[object, Callable[[Mapping[str, object]], bool], s
     "entropy_opd_weight": (1.0, lambda o: o["sdpo_wrapper"] == "entropy_opd", "sdpo_wrapper='entropy_opd'"),
     # the IS clip belongs to the sampled-token form ("auto" may resolve to it)
     "sdpo_token_clip": (2.0, lambda o: o["sdpo_form"] in ("auto", "sampled"), "sdpo_form='sampled'"),
+    # the tail bucket belongs to the top-k form ("auto" picks it when sdpo_topk is set)
+    "sdpo_topk_tail": (
+        True,
+        lambda o: o["sdpo_form"] == "topk" or (o["sdpo_form"] == "auto" and o.get("sdpo_topk") is not None),
+        "sdpo_form='topk' (or sdpo_topk with logits)",
+    ),
     # the sampled-token form is always the reverse-KL estimator on given log-probs
     "sdpo_temperature": (1.0, lambda o: o["sdpo_form"] != "sampled", "sdpo_form='full'/'topk'"),
 }
@@ -277,6 +284,7 @@ def compose_loss(
     sdpo_temperature: float = 1.0,
     sdpo_token_clip: float | None = 2.0,
     sdpo_topk: int | None = None,
+    sdpo_topk_tail: bool = True,
     sdpo_chunk_size: int = 1024,
     sdpo_wrapper: SDPOWrapper = "none",
     taid_t: float | None = None,
@@ -310,6 +318,9 @@ def compose_loss(
       estimator, so ``sdpo_beta`` does not apply, ``sdpo_token_clip`` is its IS clip vs ``old_logprobs``).
     - ``sdpo_beta`` (generalized-JSD β, TRL convention: 0 forward KL, 1 reverse KL), ``sdpo_temperature``,
       ``sdpo_chunk_size``, ``sdpo_normalizer`` (global distilled-token count; default local count).
+    - ``sdpo_topk_tail`` (top-k form): add the tail bucket ``1 − Σ_k p`` on each side (default True: the
+      divergence approximates the full-vocabulary one); False renormalises both over the k tokens, TRL
+      ``trl.experimental.sdpo``'s default ``distillation_add_tail=False``.
     - ``sdpo_wrapper``: ``"taid"`` (:func:`composer_core.loss.wrappers.taid_loss`; t from ``taid_t`` or the linear
       schedule ``taid_schedule_step``/``taid_total_steps``/``taid_t_start``/``taid_t_end``) or
       ``"entropy_opd"`` (base JSD with ``sdpo_beta`` + ``entropy_opd_weight``·gated FKL over the teacher
@@ -351,6 +362,8 @@ def compose_loss(
         sdpo_token_clip=sdpo_token_clip,
         sdpo_temperature=sdpo_temperature,
         sdpo_beta=sdpo_beta,
+        sdpo_topk=sdpo_topk,
+        sdpo_topk_tail=sdpo_topk_tail,
     )
     for name, w in (("alpha_sdpo", alpha_sdpo), ("beta_replay", beta_replay)):
         if not (float(w) >= 0.0) or float(w) == float("inf"):
@@ -402,6 +415,7 @@ def compose_loss(
             temperature=sdpo_temperature,
             token_clip=sdpo_token_clip,
             topk=sdpo_topk,
+            topk_tail=sdpo_topk_tail,
             chunk_size=sdpo_chunk_size,
             wrapper=sdpo_wrapper,
             taid=(taid_t, taid_schedule_step, taid_total_steps, taid_t_start, taid_t_end),
@@ -488,6 +502,7 @@ def _sdpo(
     temperature: float,
     token_clip: float | None,
     topk: int | None,
+    topk_tail: bool,
     chunk_size: int,
     wrapper: str,
     taid: tuple[float | None, int | None, int | None, float, float],
@@ -510,6 +525,13 @@ def _sdpo(
             f"`sdpo_topk`={topk!r} only applies to the top-k form (student/teacher logits) or the entropy_opd "
             f"wrapper, but the SDPO form is {form!r} with sdpo_wrapper={wrapper!r}: drop `sdpo_topk`, or pass "
             "logits with sdpo_form='topk'."
+        )
+    if not isinstance(topk_tail, bool):
+        raise ValueError(f"`sdpo_topk_tail`={topk_tail!r} must be a bool (True adds the tail bucket).")
+    if not topk_tail and form != "topk":
+        raise ValueError(
+            f"`sdpo_topk_tail`=False only applies to the top-k form, but the SDPO form is {form!r}: drop it, or "
+            "pass logits with sdpo_form='topk' and `sdpo_topk`."
         )
     if wrapper != "none" and form not in ("full",):
         raise ValueError(
@@ -550,6 +572,7 @@ def _sdpo(
             beta=beta,
             temperature=temperature,
             mask=m,
+            add_tail_bucket=topk_tail,
             normalizer=normalizer,
         )
         return loss, metrics
