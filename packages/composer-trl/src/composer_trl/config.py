@@ -171,7 +171,6 @@ class ComposerGRPOConfig(GRPOConfig):
             "importance_sampling_level": (self.importance_sampling_level != "token", "'token'"),
             "top_entropy_quantile": (self.top_entropy_quantile < 1.0, "1.0"),
             "off_policy_mask_threshold": (self.off_policy_mask_threshold is not None, "None"),
-            "use_bias_correction_kl": (self.beta != 0.0 and bool(self.use_bias_correction_kl), "False"),
             "entropy_coef": (self.entropy_coef != 0.0 or bool(self.use_adaptive_entropy), "0.0"),
             "use_liger_kernel": (bool(self.use_liger_kernel), "False"),
             "use_vllm": (bool(self.use_vllm), "False"),

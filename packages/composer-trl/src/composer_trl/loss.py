@@ -69,6 +69,7 @@ def composer_trl_loss(
         epsilon_high=epsilon_high,
         delta=args.delta,
         kl_beta=args.beta,
+        kl_bias_correction=bool(args.use_bias_correction_kl) and args.beta != 0.0,
         max_completion_length=args.max_completion_length if args.loss_type == "dr_grpo" else None,
         sdpo_form="sampled" if args.sdpo_form == "sampled" else "full",
         sdpo_beta=args.sdpo_beta,
