@@ -15,10 +15,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import composer_trl.trainer as trainer_module
 import pytest
 import torch
-
-import composer_trl.trainer as trainer_module
 from composer_trl.loss import composer_trl_loss
 
 
@@ -43,7 +42,9 @@ def _leaf_copy(batch: Any, dtype: torch.dtype | None) -> tuple[Any, list[torch.T
 
 
 @pytest.mark.parametrize("wrapper", ["none", "taid", "entropy_opd"])
-def test_train_step_under_autocast_with_sdpo_full(wrapper, tmp_path, model_dir, tokenizer, dataset, h, monkeypatch):
+def test_train_step_under_autocast_with_sdpo_full(
+    wrapper, tmp_path, model_dir, tokenizer, dataset, h, monkeypatch
+):
     extra: dict[str, Any] = {"sdpo_wrapper": wrapper}
     if wrapper == "entropy_opd":
         extra["entropy_opd_threshold"] = 0.0
@@ -79,7 +80,7 @@ def test_train_step_under_autocast_with_sdpo_full(wrapper, tmp_path, model_dir, 
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     assert seen, "the loss was never computed"
-    row = [r for r in trainer.state.log_history if "reward" in r][0]
+    row = next(r for r in trainer.state.log_history if "reward" in r)
     assert row["composer/sdpo"] > 0 and row["composer/skipped_sdpo"] == 0
     assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
     for s in seen:

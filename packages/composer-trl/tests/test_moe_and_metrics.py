@@ -87,10 +87,15 @@ def test_moe_one_step_bit_identical_to_grpo_trainer(tmp_path, moe_dir, tokenizer
 
 def test_moe_aux_loss_moves_the_router(tmp_path, moe_dir, tokenizer, dataset, h):
     """The test above can fail: without the aux loss the router weights train differently."""
-    plain, comp = _train_pair(tmp_path, moe_dir, tokenizer, dataset, h, max_steps=1, router_aux_loss_coef=0.0)
+    _plain, comp = _train_pair(
+        tmp_path, moe_dir, tokenizer, dataset, h, max_steps=1, router_aux_loss_coef=0.0
+    )
     no_aux = dict(comp.model.named_parameters())
     with_aux = h.make_trainer(
-        moe_dir, tokenizer, dataset, h.grpo_args(tmp_path / "aux", alpha_sdpo=0.0, beta_replay=0.0, max_steps=1)
+        moe_dir,
+        tokenizer,
+        dataset,
+        h.grpo_args(tmp_path / "aux", alpha_sdpo=0.0, beta_replay=0.0, max_steps=1),
     )
     with_aux.train()
     gates = [n for n, p in with_aux.model.named_parameters() if n.endswith("mlp.gate.weight")]

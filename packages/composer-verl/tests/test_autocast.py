@@ -57,7 +57,7 @@ def _run(inputs: dict[str, torch.Tensor], extras: ComposerExtras, amp: torch.dty
 def test_policy_loss_under_autocast_equals_float32(amp: torch.dtype) -> None:
     configure({"alpha_sdpo": 0.5, "beta_replay": 0.3})
     inputs, extras = _inputs(torch.float32)
-    ref, g_ref, m_ref = _run(inputs, extras, None)
+    ref, g_ref, _m_ref = _run(inputs, extras, None)
     out, g, m = _run(inputs, extras, amp)
     assert m["composer/loss_sdpo"] > 0 and "composer/loss_replay" in m  # channels 2 and 3 computed
     assert out.dtype == g.dtype == torch.float32

@@ -401,7 +401,9 @@ def test_kl_bias_correction_weights_the_k3_kl_by_the_unclipped_ratio() -> None:
     expected = (surrogate + 0.1 * rho * k3).mean()
     torch.testing.assert_close(out.loss, expected, rtol=1e-13, atol=0.0)
     assert out.metrics["policy/kl"] == pytest.approx(float((rho * k3).mean()), rel=1e-12)
-    plain = policy_loss(lp, adv, mask, old_logprobs=old, ref_logprobs=ref, kl_beta=0.1, loss_type="bnpo", delta=1.5)
+    plain = policy_loss(
+        lp, adv, mask, old_logprobs=old, ref_logprobs=ref, kl_beta=0.1, loss_type="bnpo", delta=1.5
+    )
     assert abs(plain.loss.item() - out.loss.item()) > 1e-6
     with pytest.raises(ValueError, match="kl_bias_correction"):
         policy_loss(lp, adv, mask, kl_bias_correction=True)

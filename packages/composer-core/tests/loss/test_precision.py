@@ -13,10 +13,9 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from torch import Tensor
-
 from composer_core import fused_linear_generalized_jsd, generalized_jsd, topk_distill
 from composer_core.loss.wrappers import entropy_opd_loss, taid_loss
+from torch import Tensor
 
 N, V, H = 6, 2000, 16
 LOW = [torch.bfloat16, torch.float16]
@@ -130,7 +129,7 @@ def test_fused_linear_jsd_low_precision_inputs(amp: torch.dtype) -> None:
 
 
 def test_float64_inputs_stay_float64_under_autocast() -> None:
-    """"float32 or better": float64 inputs are not cast down by the autocast guard."""
+    """ "float32 or better": float64 inputs are not cast down by the autocast guard."""
     s, t = (x.double() for x in _logits())
     v_ref, g_ref = _value_and_grad(LOGIT_LOSSES["jsd_half"], s, t, None)
     v, g = _value_and_grad(LOGIT_LOSSES["jsd_half"], s, t, torch.bfloat16)

@@ -491,7 +491,9 @@ class ComposerGRPOTrainer(GRPOTrainer):
         if aux_loss is not None:
             # GRPOTrainer's MoE router load-balancing loss, scaled for accumulation like its policy loss
             loss = loss + self.router_aux_loss_coef * aux_loss / counts.accumulation
-            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
+            self._metrics[mode]["aux_loss"].append(
+                self.accelerator.gather_for_metrics(aux_loss).mean().item()
+            )
 
         self._log_trl_metrics(mode, per_token_logps, entropies, mask, inputs, result.metrics)
         self._log_composer_metrics(mode, policy_part, result, loss.detach())

@@ -417,7 +417,9 @@ def policy_loss(
     if not isinstance(kl_bias_correction, bool):
         raise ValueError(f"`kl_bias_correction`={kl_bias_correction!r} must be a bool.")
     if kl_bias_correction and kl_beta == 0.0:
-        raise ValueError("`kl_bias_correction` corrects the KL penalty, which is off (kl_beta=0); set kl_beta or drop it.")
+        raise ValueError(
+            "`kl_bias_correction` corrects the KL penalty, which is off (kl_beta=0); set kl_beta or drop it."
+        )
 
     adv = _broadcast_advantages(advantages, logprobs)
     old = logprobs.detach() if old_logprobs is None else old_logprobs
