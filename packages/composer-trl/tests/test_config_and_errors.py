@@ -21,7 +21,6 @@ import pytest
         ({"loss_type": "cispo"}, "loss_type"),
         ({"importance_sampling_level": "sequence"}, "importance_sampling_level"),
         ({"top_entropy_quantile": 0.5}, "top_entropy_quantile"),
-        ({"beta": 0.04}, "use_bias_correction_kl"),
         ({"use_vllm": True}, "use_vllm"),
         ({"max_replay_length": 0}, "max_replay_length"),
         # options of a mode that is not selected would be silently ignored: refused at construction

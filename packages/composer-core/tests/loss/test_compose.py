@@ -442,3 +442,22 @@ def _mode_batch() -> ComposerBatch:
         advantages=torch.tensor([1.0, -1.0], dtype=torch.float64),
         completion_mask=torch.ones(2, 3, dtype=torch.bool),
     )
+
+
+def test_sdpo_topk_tail_threads_to_topk_distill_and_is_refused_elsewhere() -> None:
+    b = _batch()
+    m = b.sdpo_mask.bool()  # type: ignore[union-attr]
+    off = compose_loss(b, sdpo_topk=3, sdpo_topk_tail=False).distill
+    ref = topk_distill(b.student_logits, b.teacher_logits, k=3, mask=m, add_tail_bucket=False)  # type: ignore[arg-type]
+    assert off is not None and torch.equal(off, ref)
+    on = compose_loss(b, sdpo_topk=3).distill
+    assert on is not None and abs(on.item() - off.item()) > 1e-6  # the default keeps the tail bucket
+    with pytest.raises(ValueError, match="sdpo_topk_tail"):
+        compose_loss(b, sdpo_form="full", sdpo_topk_tail=False)
+    with pytest.raises(ValueError, match="sdpo_topk_tail"):
+        compose_loss(b, sdpo_topk_tail=False)  # auto without sdpo_topk: the full form
+    # a CLI string is coerced as the typed config coerces every option; anything else names the option
+    again = compose_loss(b, sdpo_topk=3, sdpo_topk_tail="false").distill  # type: ignore[arg-type]
+    assert again is not None and torch.equal(again, off)
+    with pytest.raises(ValueError, match="sdpo_topk_tail"):
+        compose_loss(b, sdpo_topk=3, sdpo_topk_tail="maybe")  # type: ignore[arg-type]

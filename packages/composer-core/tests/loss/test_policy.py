@@ -380,3 +380,30 @@ def test_dppo_loss_kwargs() -> None:
     assert met["masked_fraction"].item() == 0.0
     neg, _ = dppo_loss(inf, lp, -adv, m, kl_tau=0.0, mask_low=0.35)  # Δp = −.3 > −.35: kept
     torch.testing.assert_close(neg, torch.tensor([[2.0 * 0.4 / 0.5, 2.0 * 0.6 / 0.9]], dtype=D))
+
+
+def test_kl_bias_correction_weights_the_k3_kl_by_the_unclipped_ratio() -> None:
+    """TRL's use_bias_correction_kl=True: L_t = −min(ρA, clip(ρ)A) + β·ρ·k3_t (ρ not clamped by δ)."""
+    g = torch.Generator().manual_seed(4)
+    lp = (torch.randn(3, 4, generator=g, dtype=torch.float64) - 1).requires_grad_()
+    old = lp.detach() + 0.4 * torch.randn(3, 4, generator=g, dtype=torch.float64)
+    ref = lp.detach() + 0.3 * torch.randn(3, 4, generator=g, dtype=torch.float64)
+    adv = torch.randn(3, generator=g, dtype=torch.float64)
+    mask = torch.ones(3, 4)
+    out = policy_loss(
+        lp, adv, mask, old_logprobs=old, ref_logprobs=ref, kl_beta=0.1, kl_bias_correction=True, delta=1.5,
+        loss_type="bnpo",
+    )  # fmt: skip
+    rho = torch.exp(lp - old)
+    k3 = torch.exp(ref - lp) - (ref - lp) - 1
+    a = adv.unsqueeze(1)
+    surrogate = -torch.min(rho.clamp(max=1.5) * a, rho.clamp(0.8, 1.2) * a)
+    expected = (surrogate + 0.1 * rho * k3).mean()
+    torch.testing.assert_close(out.loss, expected, rtol=1e-13, atol=0.0)
+    assert out.metrics["policy/kl"] == pytest.approx(float((rho * k3).mean()), rel=1e-12)
+    plain = policy_loss(
+        lp, adv, mask, old_logprobs=old, ref_logprobs=ref, kl_beta=0.1, loss_type="bnpo", delta=1.5
+    )
+    assert abs(plain.loss.item() - out.loss.item()) > 1e-6
+    with pytest.raises(ValueError, match="kl_bias_correction"):
+        policy_loss(lp, adv, mask, kl_bias_correction=True)

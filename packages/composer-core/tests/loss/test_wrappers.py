@@ -132,7 +132,7 @@ def test_taid_scheduler_linear_floor_cap_and_kwargs() -> None:
     ts = [sched.step(1.0) for _ in range(12)]
     # alpha=0: pure linear floor t_start + (t_end - t_start)·step/total, capped at t_end
     assert ts[0] == 0.2
-    assert ts[4] == pytest.approx(0.2 + 0.6 * 5 / 10)
+    assert ts[4] == pytest.approx(0.2 + 0.6 * 4 / 10)  # the 5th step is global step 4 (0-based)
     assert ts[-1] == pytest.approx(0.8)
     fast = TAIDScheduler(total_steps=10**6, alpha=0.5, beta=0.0)
     fast.step(1.0)
@@ -142,6 +142,40 @@ def test_taid_scheduler_linear_floor_cap_and_kwargs() -> None:
     rising = TAIDScheduler(total_steps=10**6, alpha=0.5, beta=0.0)
     rising.step(1.0)
     assert rising.step(2.0) == pytest.approx(0.4 + 0.5 * (1 / (1 + math.exp(1.0))) * 0.6)
+
+
+def _taid_reference(
+    losses: list[float], num_train_steps: int, t_start: float, t_end: float, alpha: float, beta: float
+) -> list[float]:
+    """The update rule of the TAID reference (SakanaAI/TAID ``src/distil_losses/taid.py``, ``TAID.update_t``),
+    transcribed as a formula. It runs once per training step, after the loss of step ``global_step`` (0-based,
+    Lightning's count of optimiser steps done before it) was computed with the current t:
+
+    - first call: remember J, t unchanged;
+    - then δ = (J_prev − J)/(J_prev + 1e-15), m ← β·m + (1−β)·δ,
+      t ← min(t_end, max(t_start + (t_end − t_start)·global_step/num_train_steps, t + α·σ(m)·(1 − t))).
+    """
+    t, m, prev, out = t_start, 0.0, None, []
+    for global_step, loss in enumerate(losses):
+        if prev is not None:
+            m = beta * m + (1 - beta) * (prev - loss) / (prev + 1e-15)
+            target = t_start + (t_end - t_start) * global_step / num_train_steps
+            t = min(t_end, max(target, t + alpha * (1 / (1 + math.exp(-m))) * (1 - t)))
+        prev = loss
+        out.append(t)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("total", "alpha", "beta"), [(6, 5e-4, 0.99), (6, 0.0, 0.99), (40, 0.3, 0.5), (3, 0.05, 0.0)]
+)
+def test_taid_scheduler_matches_reference_update_rule(total: int, alpha: float, beta: float) -> None:
+    """The linear floor uses the 0-based step (reference), not one step ahead; momentum and Δt as the reference."""
+    losses = [2.0, 1.7, 1.75, 1.2, 1.1, 1.15, 0.9, 0.8, 0.85, 0.7]
+    sched = TAIDScheduler(total_steps=total, t_start=0.3, t_end=0.9, alpha=alpha, beta=beta)
+    ours = [sched.step(j) for j in losses]
+    ref = _taid_reference(losses, total, 0.3, 0.9, alpha, beta)
+    assert ours == pytest.approx(ref, rel=1e-12, abs=1e-15)
 
 
 def test_taid_scheduler_state_roundtrip_and_errors() -> None:

@@ -183,6 +183,8 @@ class ComposerGRPOConfig(GRPOConfig):
             "epsilon_high": self.epsilon_high if self.epsilon_high is not None else self.epsilon,
             "delta": self.delta,
             "kl_beta": self.beta,
+            # TRL's default use_bias_correction_kl=True: the per-token KL times the ratio (acts with beta != 0)
+            "kl_bias_correction": bool(self.use_bias_correction_kl) and self.beta != 0.0,
             "max_completion_length": self.max_completion_length if self.loss_type == "dr_grpo" else None,
             "sdpo_form": self.sdpo_form,
             "sdpo_beta": self.sdpo_beta,
@@ -211,7 +213,6 @@ class ComposerGRPOConfig(GRPOConfig):
             "importance_sampling_level": (self.importance_sampling_level != "token", "'token'"),
             "top_entropy_quantile": (self.top_entropy_quantile < 1.0, "1.0"),
             "off_policy_mask_threshold": (self.off_policy_mask_threshold is not None, "None"),
-            "use_bias_correction_kl": (self.beta != 0.0 and bool(self.use_bias_correction_kl), "False"),
             "entropy_coef": (self.entropy_coef != 0.0 or bool(self.use_adaptive_entropy), "0.0"),
             "use_liger_kernel": (bool(self.use_liger_kernel), "False"),
             "use_vllm": (bool(self.use_vllm), "False"),

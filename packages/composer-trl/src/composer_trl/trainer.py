@@ -42,7 +42,7 @@ from torch import Tensor
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 from trl.data_utils import is_conversational
-from trl.trainer.utils import pad, use_adapter
+from trl.trainer.utils import nanmax, nanmin, pad, use_adapter
 
 from composer_trl.config import ComposerGRPOConfig
 from composer_trl.loss import Counts, composer_trl_loss
@@ -453,13 +453,13 @@ class ComposerGRPOTrainer(GRPOTrainer):
         want_sdpo = a.alpha_sdpo > 0 and bool(inputs.get(f"{_K}has_hint", torch.zeros(1)).any())
         capture = _HiddenCapture(self._base_model(model)) if want_sdpo and a.sdpo_form == "full" else None
         with capture if capture is not None else nullcontext():
-            per_token_logps, entropies, _ = self._get_per_token_logps_and_entropies(
+            per_token_logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
                 model,
                 input_ids,
                 attention_mask,
                 logits_to_keep,
                 compute_entropy=True,
-                compute_aux_loss=False,
+                compute_aux_loss=self.aux_loss_enabled,
             )
 
         batch = ComposerBatch(
@@ -488,6 +488,12 @@ class ComposerGRPOTrainer(GRPOTrainer):
         policy_part = (
             result.policy if self.loss_type == "dapo" else result.policy / counts.accumulation
         ).detach()
+        if aux_loss is not None:
+            # GRPOTrainer's MoE router load-balancing loss, scaled for accumulation like its policy loss
+            loss = loss + self.router_aux_loss_coef * aux_loss / counts.accumulation
+            self._metrics[mode]["aux_loss"].append(
+                self.accelerator.gather_for_metrics(aux_loss).mean().item()
+            )
 
         self._log_trl_metrics(mode, per_token_logps, entropies, mask, inputs, result.metrics)
         self._log_composer_metrics(mode, policy_part, result, loss.detach())
@@ -550,7 +556,10 @@ class ComposerGRPOTrainer(GRPOTrainer):
         inputs: dict[str, Any],
         metrics: dict[str, float],
     ) -> None:
-        """The metrics plain GRPOTrainer logs from its loss (entropy, kl, clip ratios), same names."""
+        """The metrics plain GRPOTrainer logs from its loss, same names and values: ``kl`` (bias-corrected when
+        TRL's ``use_bias_correction_kl`` is), ``entropy``, ``clip_ratio/low_mean``, ``clip_ratio/high_mean``,
+        ``clip_ratio/region_mean``, ``clip_ratio/low_min``, ``clip_ratio/high_max`` (``aux_loss`` for MoE models
+        is logged in :meth:`_compute_loss`)."""
 
         def global_masked_mean(x: Tensor) -> float:
             totals = self.accelerator.reduce(
@@ -558,19 +567,28 @@ class ComposerGRPOTrainer(GRPOTrainer):
             )
             return (totals[0] / totals[1].clamp(min=1.0)).item()
 
+        def masked_seq_mean(x: Tensor) -> Tensor:
+            return (x * mask).sum(-1) / mask.sum(-1)  # NaN for an empty row, skipped by nanmin/nanmax (TRL)
+
+        old = inputs.get("old_per_token_logps")
+        coef = torch.ones_like(logps) if old is None else torch.exp(logps.detach() - old)
         if self.beta != 0.0:
             ref = inputs["ref_per_token_logps"]
             kl = torch.exp(ref - logps.detach()) - (ref - logps.detach()) - 1
+            if self.args.use_bias_correction_kl:
+                kl = kl * coef
             self._metrics[mode]["kl"].append(global_masked_mean(kl))
         self._metrics[mode]["entropy"].append(global_masked_mean(entropies.detach()))
-        old = inputs.get("old_per_token_logps")
-        coef = torch.ones_like(logps) if old is None else torch.exp(logps.detach() - old)
         adv = inputs["advantages"].unsqueeze(1) if inputs["advantages"].dim() == 1 else inputs["advantages"]
         low = ((coef < 1 - self.epsilon_low) & (adv < 0)).float()
         high = ((coef > 1 + self.epsilon_high) & (adv > 0)).float()
         self._metrics[mode]["clip_ratio/low_mean"].append(global_masked_mean(low))
         self._metrics[mode]["clip_ratio/high_mean"].append(global_masked_mean(high))
         self._metrics[mode]["clip_ratio/region_mean"].append(global_masked_mean(torch.maximum(low, high)))
+        low_rows = self.accelerator.gather(masked_seq_mean(low))
+        high_rows = self.accelerator.gather(masked_seq_mean(high))
+        self._metrics[mode]["clip_ratio/low_min"].append(nanmin(low_rows).item())
+        self._metrics[mode]["clip_ratio/high_max"].append(nanmax(high_rows).item())
 
     def _log_composer_metrics(self, mode: str, policy: Tensor, result: Any, total: Tensor) -> None:
         """Accumulate each channel's contribution over the accumulation window; log once per optimiser step.

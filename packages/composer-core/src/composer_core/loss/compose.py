@@ -188,6 +188,9 @@ def compose_loss(
       ``old_logprobs`` and applies to it only).
     - ``sdpo_beta`` (generalized-JSD β, TRL convention: 0 forward KL, 1 reverse KL), ``sdpo_temperature``,
       ``sdpo_chunk_size``.
+    - ``sdpo_topk_tail`` (top-k form): add the tail bucket ``1 − Σ_k p`` on each side (default True: the
+      divergence approximates the full-vocabulary one); False renormalises both over the k tokens, TRL
+      ``trl.experimental.sdpo``'s default ``distillation_add_tail=False``.
     - ``sdpo_wrapper``: ``"taid"`` (:func:`composer_core.loss.wrappers.taid_loss`; t from ``taid_t`` or the linear
       schedule ``taid_schedule_step``/``taid_total_steps``/``taid_t_start``/``taid_t_end``) or
       ``"entropy_opd"`` (base JSD with ``sdpo_beta`` + ``entropy_opd_weight``·gated FKL over the teacher
@@ -274,6 +277,7 @@ def _compose(
         delta=p.delta,
         kl_beta=p.kl_beta,
         kl_estimator=p.kl_estimator,
+        kl_bias_correction=p.kl_bias_correction,
         rollout_correction=p.rollout_correction,
         rollout_clip_max=p.rollout_clip_max,
         rollout_clip_min=p.rollout_clip_min,
@@ -402,6 +406,7 @@ def _sdpo(
             beta=opts.beta,
             temperature=opts.temperature,
             mask=m,
+            add_tail_bucket=opts.topk_tail,
             normalizer=normalizer,
         )
         return loss, metrics

@@ -98,7 +98,7 @@ class PolicyOptions:
 
     ``rollout_clip_max``/``rollout_clip_min`` act only with a ``rollout_correction`` weight mode
     (``token_*``/``sequence_*``), ``dppo_mask_low``/``dppo_mask_high`` only with ``rollout_correction=
-    'dppo_mask'``, ``kl_estimator`` only with ``kl_beta != 0``, ``max_completion_length`` only with
+    'dppo_mask'``, ``kl_estimator`` and ``kl_bias_correction`` only with ``kl_beta != 0``, ``max_completion_length`` only with
     ``loss_type='dr_grpo'``: a non-default value outside its mode raises ``ValueError``.
     """
 
@@ -108,6 +108,7 @@ class PolicyOptions:
     delta: float | None = None
     kl_beta: float = 0.0
     kl_estimator: KLEstimator = "k3"
+    kl_bias_correction: bool = False
     rollout_correction: RolloutCorrection | None = None
     rollout_clip_max: float | None = 3.0
     rollout_clip_min: float | None = None
@@ -120,6 +121,8 @@ class PolicyOptions:
         _choice("kl_estimator", self.kl_estimator, ("k1", "k2", "k3"))
         _choice("rollout_correction", self.rollout_correction, (None, *ROLLOUT_MODES, "dppo_mask"))
         _finite("kl_beta", self.kl_beta, low=0.0)
+        if not isinstance(self.kl_bias_correction, bool):
+            raise ValueError(f"`kl_bias_correction`={self.kl_bias_correction!r} must be a bool.")
         _raise_unused(self.unused())
 
     def unused(self) -> list[str]:
@@ -137,8 +140,9 @@ class PolicyOptions:
                 out.append(
                     f"`{name}`={getattr(self, name)!r} (acts only with rollout_correction='dppo_mask')"
                 )
-        if self.kl_beta == 0.0 and _non_default(self, "kl_estimator"):
-            out.append(f"`kl_estimator`={self.kl_estimator!r} (acts only with kl_beta != 0)")
+        for name in ("kl_estimator", "kl_bias_correction"):
+            if self.kl_beta == 0.0 and _non_default(self, name):
+                out.append(f"`{name}`={getattr(self, name)!r} (acts only with kl_beta != 0)")
         return out
 
 
@@ -209,7 +213,8 @@ class SDPOOptions:
     (and no wrapper), else full logits, else fused hidden states, else the sampled-token form. In the resolved
     form: ``token_clip`` acts only in ``"sampled"``; ``temperature`` and ``beta`` only outside it (the sampled
     form is always the reverse-KL estimator: ``beta`` 0.5 (default) or 1.0 are accepted there); ``topk`` only in
-    ``"topk"`` or with the entropy-OPD wrapper; a wrapper needs ``"full"``.
+    ``"topk"`` or with the entropy-OPD wrapper; ``topk_tail`` (add the tail bucket ``1 − Σ_k p``; False is TRL
+    SDPO's ``distillation_add_tail=False``) only in ``"topk"``; a wrapper needs ``"full"``.
     """
 
     form: SDPOForm = "auto"
@@ -217,6 +222,7 @@ class SDPOOptions:
     temperature: float = 1.0
     token_clip: float | None = 2.0
     topk: int | None = None
+    topk_tail: bool = True
     chunk_size: int = 1024
     wrapper: TAID | EntropyOPD | None = None
 
@@ -225,6 +231,8 @@ class SDPOOptions:
         if not isinstance(self.wrapper, (TAID, EntropyOPD, type(None))):
             raise TypeError(f"`wrapper` must be None, TAID(...) or EntropyOPD(...), got {self.wrapper!r}.")
         _unit("sdpo_beta", self.beta)
+        if not isinstance(self.topk_tail, bool):
+            raise ValueError(f"`sdpo_topk_tail`={self.topk_tail!r} must be a bool (True adds the tail bucket).")
         _finite("sdpo_temperature", self.temperature, low=0.0, strict=True)
         if self.token_clip is not None:
             _finite("is_clip (sdpo_token_clip)", self.token_clip, low=0.0, strict=True)
@@ -296,6 +304,10 @@ class SDPOOptions:
         elif _non_default(self, "token_clip"):
             out.append(
                 f"`sdpo_token_clip`={self.token_clip!r} (acts only with sdpo_form='sampled'; the form is {form!r} ({how}))"
+            )
+        if form != "topk" and _non_default(self, "topk_tail"):
+            out.append(
+                f"`sdpo_topk_tail`={self.topk_tail!r} (acts only with sdpo_form='topk'; the form is {form!r} ({how}))"
             )
         return out
 

@@ -22,6 +22,7 @@ The sampled-token form (SDPO, Hübotter et al., arXiv 2601.20802; on-policy dist
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any, Literal, cast
 
@@ -123,6 +124,19 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def full_precision(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """Autocast off for ``device``'s type, so the explicit float32 (or float64) upcasts of the losses hold.
+
+    Under an ambient ``torch.autocast`` (TRL ``bf16=True``, FSDP mixed precision) matmuls such as the chunk
+    kernels' row dot products and the fused LM head would run in bf16/fp16 (and ``grad_w.addmm_`` would mix
+    dtypes). Every loss here computes in ``promote(input dtype, float32)`` and returns gradients in the inputs'
+    dtypes instead.
+    """
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device_type=device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
 def _non_finite_message(names: tuple[str, str], chunks: tuple[Tensor, Tensor]) -> str:
     culprits = [n for n, c in zip(names, chunks) if not bool(torch.isfinite(c).all())] or [" / ".join(names)]
     return (
@@ -158,6 +172,23 @@ class _ChunkedLogitsLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(
+        ctx: Any,
+        student: Tensor,
+        teacher: Tensor,
+        rows: Tensor,
+        kernel: Kernel,
+        temperature: float,
+        chunk_size: int,
+        scale: float,
+        per_row: bool,
+    ) -> Tensor:
+        with full_precision(student.device):
+            return _ChunkedLogitsLoss._forward(
+                ctx, student, teacher, rows, kernel, temperature, chunk_size, scale, per_row
+            )
+
+    @staticmethod
+    def _forward(
         ctx: Any,
         student: Tensor,
         teacher: Tensor,
@@ -204,12 +235,13 @@ class _ChunkedLogitsLoss(torch.autograd.Function):
     def backward(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, ...]:
         (grad,) = ctx.saved_tensors
         grad_out = grad_outputs[0]
-        if ctx.per_row:
-            g = grad * grad_out.to(grad.dtype).unsqueeze(-1)
-        elif bool(grad_out == 1):
-            g = grad
-        else:
-            g = grad * grad_out.to(grad.dtype)
+        with full_precision(grad.device):
+            if ctx.per_row:
+                g = grad * grad_out.to(grad.dtype).unsqueeze(-1)
+            elif bool(grad_out == 1):
+                g = grad
+            else:
+                g = grad * grad_out.to(grad.dtype)
         return g, None, None, None, None, None, None, None
 
 
@@ -218,6 +250,37 @@ class _FusedLinearLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(
+        ctx: Any,
+        student_hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        teacher_hidden: Tensor,
+        teacher_weight: Tensor,
+        teacher_bias: Tensor | None,
+        rows: Tensor,
+        kernel: Kernel,
+        temperature: float,
+        chunk_size: int,
+        scale: float,
+    ) -> Tensor:
+        with full_precision(student_hidden.device):
+            return _FusedLinearLoss._forward(
+                ctx,
+                student_hidden,
+                weight,
+                bias,
+                teacher_hidden,
+                teacher_weight,
+                teacher_bias,
+                rows,
+                kernel,
+                temperature,
+                chunk_size,
+                scale,
+            )
+
+    @staticmethod
+    def _forward(
         ctx: Any,
         student_hidden: Tensor,
         weight: Tensor,
@@ -287,12 +350,13 @@ class _FusedLinearLoss(torch.autograd.Function):
         saved = ctx.saved_tensors
         outs: list[Tensor | None] = []
         one = bool(grad_out == 1)
-        for has, g, dtype in zip(ctx.has, saved, ctx.dtypes):
-            if not has:
-                outs.append(None)
-                continue
-            g = g if one else g * grad_out.to(g.dtype)
-            outs.append(g.to(dtype))
+        with full_precision(grad_out.device):
+            for has, g, dtype in zip(ctx.has, saved, ctx.dtypes):
+                if not has:
+                    outs.append(None)
+                    continue
+                g = g if one else g * grad_out.to(g.dtype)
+                outs.append(g.to(dtype))
         return outs[0], outs[1], outs[2], None, None, None, None, None, None, None, None
 
 
@@ -606,19 +670,20 @@ def topk_distill(
         raise ValueError(f"`k`={k!r} must be an int in [1, V={vocab}].")
     m = as_mask("mask", mask, student_logits.shape[:-1], device=student_logits.device)
     cdtype = _compute_dtype(student_logits.dtype)
-    zs = student_logits.to(cdtype) / temperature
-    zt = teacher_logits.detach().to(cdtype) / temperature
-    source = zs.detach() if support == "student" else zt
-    idx = torch.topk(source, k=k, dim=-1).indices
-    lq = torch.gather(zs, -1, idx) - torch.logsumexp(zs, dim=-1, keepdim=True)
-    lp = torch.gather(zt, -1, idx) - torch.logsumexp(zt, dim=-1, keepdim=True)
-    if add_tail_bucket:
-        lq, lp = _tail_bucket(lq), _tail_bucket(lp)
-    else:
-        lq = lq - torch.logsumexp(lq, dim=-1, keepdim=True)
-        lp = lp - torch.logsumexp(lp, dim=-1, keepdim=True)
-    per_token = divergence(lq, lp, float(beta))
-    return _reduce(per_token, m, reduction, normalizer)
+    with full_precision(student_logits.device):
+        zs = student_logits.to(cdtype) / temperature
+        zt = teacher_logits.detach().to(cdtype) / temperature
+        source = zs.detach() if support == "student" else zt
+        idx = torch.topk(source, k=k, dim=-1).indices
+        lq = torch.gather(zs, -1, idx) - torch.logsumexp(zs, dim=-1, keepdim=True)
+        lp = torch.gather(zt, -1, idx) - torch.logsumexp(zt, dim=-1, keepdim=True)
+        if add_tail_bucket:
+            lq, lp = _tail_bucket(lq), _tail_bucket(lp)
+        else:
+            lq = lq - torch.logsumexp(lq, dim=-1, keepdim=True)
+            lp = lp - torch.logsumexp(lp, dim=-1, keepdim=True)
+        per_token = divergence(lq, lp, float(beta))
+        return _reduce(per_token, m, reduction, normalizer)
 
 
 def sampled_token_distill(

@@ -378,6 +378,7 @@ def policy_loss(
     delta: float | None = None,
     kl_beta: float = 0.0,
     kl_estimator: KLEstimator = "k3",
+    kl_bias_correction: bool = False,
     rollout_correction: RolloutCorrection | None = None,
     rollout_clip_max: float | None = 3.0,
     rollout_clip_min: float | None = None,
@@ -405,6 +406,9 @@ def policy_loss(
             ``old_logprobs`` vs ``inference_logprobs``), or ``"dppo_mask"`` (zero the surrogate on tokens
             :func:`dppo_mask` flags, from ``logprobs`` vs ``inference_logprobs``).
         kl_beta / kl_estimator: KL-to-reference coefficient and estimator (:func:`kl_penalty`).
+        kl_bias_correction: multiply the per-token KL by the (unclipped) ratio ρ = exp(ℓθ − ℓold), the
+            importance-sampling correction of TRL's ``use_bias_correction_kl=True`` (its default): the KL is
+            estimated on samples of πold, not πθ. Needs ``kl_beta != 0``.
         normalizer / max_completion_length: see :func:`aggregate_loss`.
 
     Metrics: ``policy/clip_ratio`` (masked mean of clipped tokens), ``policy/kl`` (if ``kl_beta``),
@@ -464,6 +468,12 @@ def policy_loss(
     if not (float(kl_beta) >= 0.0):
         raise ValueError(f"`kl_beta`={kl_beta!r} must be >= 0.")
     check_choice("kl_estimator", kl_estimator, ("k1", "k2", "k3"))
+    if not isinstance(kl_bias_correction, bool):
+        raise ValueError(f"`kl_bias_correction`={kl_bias_correction!r} must be a bool.")
+    if kl_bias_correction and kl_beta == 0.0:
+        raise ValueError(
+            "`kl_bias_correction` corrects the KL penalty, which is off (kl_beta=0); set kl_beta or drop it."
+        )
 
     adv = _broadcast_advantages(advantages, logprobs)
     old = logprobs.detach() if old_logprobs is None else old_logprobs
@@ -483,6 +493,8 @@ def policy_loss(
     if kl_beta != 0.0:
         assert ref is not None
         per_token_kl = _kl_unchecked(logprobs, ref, kl_estimator)
+        if kl_bias_correction:
+            per_token_kl = per_token_kl * coef_1  # TRL 1.16: after the KL, before the δ clamp of the ratio
     per_token_loss, is_clipped = _surrogate_from_ratio(coef_1, adv, eps_lo, eps_hi, delta)
     metrics: dict[str, Tensor | float] = {}
     m_f = m_bool.to(logprobs.dtype)

@@ -14,7 +14,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from composer_core.loss.validation import check_positive, check_probability
 from composer_core.loss.distill import (
     Kernel,
     Reduction,
@@ -23,6 +22,7 @@ from composer_core.loss.distill import (
     fkl_kernel_to_target,
     jsd_kernel,
 )
+from composer_core.loss.validation import check_positive, check_probability
 
 __all__ = ["TAIDScheduler", "entropy_opd_kernel", "entropy_opd_loss", "taid_kernel", "taid_loss"]
 
@@ -70,13 +70,22 @@ def taid_loss(
 
 
 class TAIDScheduler:
-    """Adaptive TAID interpolation parameter t (arXiv 2501.16937, Alg. 1; ``SakanaAI/TAID`` ``update_t``).
+    """Adaptive TAID interpolation parameter t (arXiv 2501.16937, Alg. 1; ``SakanaAI/TAID`` ``TAID.update_t``).
 
-    Call :meth:`step` once per optimiser step with the globally reduced (all-ranks, all-micro-batches) loss J
-    — never per micro-batch and never during validation. The first call only records J. Then::
+    Call :meth:`step` once per optimiser step, after that step's loss was computed with the current ``t``,
+    with the globally reduced (all-ranks, all-micro-batches) loss J of the step — never during validation.
+    The first call only records J. Then, at the k-th call (k = 0, 1, … counts the optimiser steps done before
+    it, the reference's 0-based ``global_step``)::
 
         δ = (J_prev − J)/(J_prev + 1e-15);  m = β·m + (1−β)·δ;  Δt = α·sigmoid(m)·(1 − t)
-        t = min(t_end, max(t_start + (t_end − t_start)·step/total_steps, t + Δt))
+        t = min(t_end, max(t_start + (t_end − t_start)·k/total_steps, t + Δt))
+
+    Which J: the reference feeds its distillation loss value, the token-mean **cross-entropy**
+    ``−Σ_v p_t log q_θ`` (= KL(p_t‖q_θ) + H(p_t)). :func:`taid_loss` returns the KL (same gradient, no entropy
+    term), and :class:`composer_trl.ComposerGRPOTrainer` feeds that KL (its channel-2 value). Fed the KL, δ is
+    the relative change of the KL alone, larger than the reference's (the entropy H(p_t) is absent from the
+    denominator), so t advances faster above the linear floor; to reproduce the reference's schedule exactly,
+    feed KL + H(p_t). The floor (and so ``t_end`` at ``total_steps``) is the same either way.
 
     Args: total_steps (optimiser steps of the run), t_start=0.4, t_end=1.0, alpha=5e-4 (α), beta=0.99
     (momentum β). State (``t``, momentum, previous loss, step) round-trips via state_dict().
@@ -125,6 +134,7 @@ class TAIDScheduler:
             raise ValueError(
                 f"`loss`={value} is not finite; TAIDScheduler.step needs the reduced training loss."
             )
+        done = self.num_steps  # optimiser steps before this one: the reference's 0-based global_step
         self.num_steps += 1
         if self.prev_loss is None:
             self.prev_loss = value
@@ -132,7 +142,7 @@ class TAIDScheduler:
         rel = (self.prev_loss - value) / (self.prev_loss + 1e-15)
         self.momentum = self.beta * self.momentum + (1.0 - self.beta) * rel
         delta_t = self.alpha * (1.0 / (1.0 + math.exp(-self.momentum))) * (1.0 - self.t)
-        floor = self.t_start + (self.t_end - self.t_start) * min(self.num_steps / self.total_steps, 1.0)
+        floor = self.t_start + (self.t_end - self.t_start) * min(done / self.total_steps, 1.0)
         self.t = min(self.t_end, max(floor, self.t + delta_t))
         self.prev_loss = value
         return self.t
