@@ -159,6 +159,7 @@ class ChatServer:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            _body: dict[str, Any] = {}  # the request being answered
 
             def log_message(self, format: str, *args: Any) -> None:  # silence (and never log headers)
                 return
