@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import io
 import json
 import os
 import re
@@ -35,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as safetensors_bytes
 from torch import Tensor
 
 from composer_core.bypass.distributed import DistContext
@@ -54,15 +56,25 @@ class OutputWriteError(OSError):
     """An output file could not be written; ``filename`` and ``strerror`` name the path and cause."""
 
 
-def _write_error(exc: BaseException, path: Path) -> OutputWriteError:
-    """Turn an OSError or a safetensors I/O error into an :class:`OutputWriteError` for ``path``."""
-    if isinstance(exc, OSError) and exc.errno is not None:
-        code = exc.errno
-    else:  # SafetensorError: "...IoError(Os { code: 28, kind: StorageFull, message: ... })"
-        m = re.search(r"code: (\d+)", str(exc))
-        code = int(m.group(1)) if m else errno.EIO
-    filename = getattr(exc, "filename", None) or str(path)
-    return OutputWriteError(code, os.strerror(code), filename)
+def _write_error(exc: OSError, path: Path) -> OutputWriteError:
+    code = exc.errno if exc.errno is not None else errno.EIO
+    return OutputWriteError(code, os.strerror(code), exc.filename or str(path))
+
+
+def _write_file(path: Path, data: bytes | memoryview) -> None:
+    """Write ``data`` to ``path``; an OSError (disk full, read-only, ...) names the file."""
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+    except OSError as exc:
+        raise _write_error(exc, path) from exc
+
+
+def _torch_save(obj: Any, path: Path) -> None:
+    # serialised in memory first: torch.save reports a full disk as a RuntimeError without errno
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    _write_file(path, buf.getbuffer())
 
 
 def _fault_point(name: str, phase: str) -> None:
@@ -100,11 +112,9 @@ def shared_state(model: BlockwiseModel) -> dict[str, Tensor]:
 
 def _save_tensors(tensors: Mapping[str, Tensor], path: Path) -> None:
     # clone: tied weights share storage, which safetensors refuses to write twice
-    data = {k: v.detach().cpu().clone().contiguous() for k, v in tensors.items()}
-    try:
-        save_file(data, str(path))
-    except Exception as exc:  # safetensors reports disk full / read-only as SafetensorError
-        raise _write_error(exc, path) from exc
+    # (serialised in memory, written by _write_file: safetensors' own writer reports a full
+    # disk as a SafetensorError without errno or path)
+    _write_file(path, safetensors_bytes({k: v.detach().cpu().clone().contiguous() for k, v in tensors.items()}))
 
 
 def file_sha256(path: Path) -> str:
@@ -206,12 +216,12 @@ def _save_checkpoint(
     ctx.barrier()
     for i in blocks:
         if i in optimizers:
-            torch.save(optimizers[i].state_dict(), partial / "optim" / f"block-{i:04d}.pt")
+            _torch_save(optimizers[i].state_dict(), partial / "optim" / f"block-{i:04d}.pt")
     _fault_point(name, "optimizer")
     for i in blocks:
         _save_tensors(block_state(model, i), partial / "blocks" / f"block-{i:04d}.safetensors")
     _fault_point(name, "blocks")
-    torch.save({"cpu": torch.get_rng_state()}, partial / "rng" / f"rank-{ctx.rank:04d}.pt")
+    _torch_save({"cpu": torch.get_rng_state()}, partial / "rng" / f"rank-{ctx.rank:04d}.pt")
     ctx.barrier()
     if ctx.is_main:
         _save_tensors(shared_state(model), partial / "shared.safetensors")
