@@ -42,7 +42,9 @@ def _toml(v: Any) -> str:
     return json.dumps(v)
 
 
-def write_run(root: Path, name: str, run: dict[str, Any], base: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
+def write_run(
+    root: Path, name: str, run: dict[str, Any], base: dict[str, Any]
+) -> tuple[Path, dict[str, Any]]:
     tables = {
         **SECTIONS,
         "run": {"output_dir": str(root / name), **run},
@@ -59,8 +61,18 @@ def write_run(root: Path, name: str, run: dict[str, Any], base: dict[str, Any]) 
 
 
 def cli(config: Path, *flags: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
-    argv = [sys.executable, "-m", "composer_core.bypass.cli", "--config", str(config), "--no-progress", *flags]
-    proc = subprocess.run(argv, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=300)
+    argv = [
+        sys.executable,
+        "-m",
+        "composer_core.bypass.cli",
+        "--config",
+        str(config),
+        "--no-progress",
+        *flags,
+    ]
+    proc = subprocess.run(
+        argv, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=300
+    )
     return proc.returncode, proc.stdout, proc.stderr
 
 
@@ -112,9 +124,7 @@ def test_bit_flip_is_detected_on_load(base: dict[str, Any]) -> None:
     ckpt.load_checkpoint(step4, model=model, blocks=[0, 1], optimizers=None, ctx=DistContext())  # intact
 
 
-@pytest.mark.parametrize(
-    "corrupt", ["blocks/block-0001.safetensors", "state.json", "two newest"]
-)
+@pytest.mark.parametrize("corrupt", ["blocks/block-0001.safetensors", "state.json", "two newest"])
 def test_corrupt_newest_checkpoint_is_set_aside_and_run_resumes_bit_exact(
     base: dict[str, Any], corrupt: str
 ) -> None:
@@ -134,7 +144,7 @@ def test_corrupt_newest_checkpoint_is_set_aside_and_run_resumes_bit_exact(
             flip_bit_in_tensor_data(exp / step / "blocks" / "block-0000.safetensors")
     else:
         flip_bit_in_tensor_data(exp / "step-00000004" / corrupt)
-    rc, out, err = cli(toml)
+    rc, _, err = cli(toml)
     assert rc == 0, err
     aside = sorted(p.name for p in (exp / "aside").iterdir())
     corrupt_dirs = [a for a in aside if ".corrupt-" in a]
@@ -183,9 +193,9 @@ def test_keep_last_config_and_cli(base: dict[str, Any]) -> None:
     assert kept == ["best", "final", "step-00000005", "student"]
     rc, _, err = cli(toml, "--keep-last", "-1")
     assert rc == 2 and "--keep-last must be >= 0" in err
-    with pytest.raises(ValueError, match="run.keep_last must be >= 0"):
+    with pytest.raises(ValueError, match=r"run\.keep_last must be >= 0"):
         config_from_dict({"run": {"keep_last": -2}})
-    with pytest.raises(ValueError, match="run.keep_last must be an integer"):
+    with pytest.raises(ValueError, match=r"run\.keep_last must be an integer"):
         config_from_dict({"run": {"keep_last": "3"}})
 
 
@@ -209,7 +219,9 @@ def _unshare_works() -> bool:
     return probe.returncode == 0
 
 
-needs_mount_ns = pytest.mark.skipif(not _unshare_works(), reason="unshare -rm (private mount namespace) not permitted")
+needs_mount_ns = pytest.mark.skipif(
+    not _unshare_works(), reason="unshare -rm (private mount namespace) not permitted"
+)
 
 
 @needs_mount_ns
@@ -217,12 +229,15 @@ def test_disk_full_is_one_line_and_exit_3(base: dict[str, Any], tmp_path: Path) 
     out = tmp_path / "full"
     out.mkdir()
     toml, _ = write_run(tmp_path, "full", {"save_every": 1}, base)
-    wrap = ["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs '{out}' && exec \"$0\" \"$@\""]
+    wrap = ["unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o size=64k tmpfs \'{out}\' && exec "$0" "$@"']
     rc, _, err = cli_in(wrap, toml)
     assert rc == 3, err
     assert "Traceback" not in err
     last = err.strip().splitlines()[-1]
-    assert last.startswith(f"composer-bypass: error: cannot write {out}/") and "No space left on device (ENOSPC)" in last
+    assert (
+        last.startswith(f"composer-bypass: error: cannot write {out}/")
+        and "No space left on device (ENOSPC)" in last
+    )
 
 
 @needs_mount_ns
@@ -271,5 +286,8 @@ def test_write_error_in_process_is_one_line(
     assert main(["--config", str(toml), "--no-progress"]) == 3
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err
-    assert err.startswith(f"composer-bypass: error: cannot write {tmp_path / 'sim'}/") and "step-00000002.partial/" in err
+    assert (
+        err.startswith(f"composer-bypass: error: cannot write {tmp_path / 'sim'}/")
+        and "step-00000002.partial/" in err
+    )
     assert "No space left on device (ENOSPC)" in err

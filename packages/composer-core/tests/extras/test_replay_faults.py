@@ -225,7 +225,10 @@ def test_malformed_response_fails_that_request_only(tmp_path: Path, fault: str) 
         assert all(x.cost_usd is None for x in res[1::2])
         assert any(x.prompt_tokens is None or x.completion_tokens is None for x in res[1::2])
     elif fault in MALFORMED:  # retried, then a recorded failure with its reason (not cached)
-        assert all(not x.ok and "malformed response" in x.failure and "after 2 attempts" in x.failure for x in res[1::2])
+        assert all(
+            not x.ok and "malformed response" in x.failure and "after 2 attempts" in x.failure
+            for x in res[1::2]
+        )
         assert st.failures == 2 and st.requests == 4
     else:  # paid for, unusable: a cached failure naming the field
         assert all(not x.ok and x.failure.startswith("unusable answer") for x in res[1::2])
@@ -254,7 +257,9 @@ def test_cli_survives_bad_usage_and_caches_it(tmp_path: Path) -> None:
     second = json.loads((tmp_path / "out" / "pairs.jsonl.summary.json").read_text())
     assert second["teachers"]["s"]["cache_hits"] == 4
     assert len(read_records(tmp_path / "out" / "pairs.jsonl")) == 4
-    cached = [json.loads(p.read_text()) for p in (tmp_path / "out" / "pairs.jsonl.cache" / "i").rglob("*.json")]
+    cached = [
+        json.loads(p.read_text()) for p in (tmp_path / "out" / "pairs.jsonl.cache" / "i").rglob("*.json")
+    ]
     assert len(cached) == 4 and all(c["usage"]["prompt_tokens"] is None for c in cached)
 
 
@@ -284,9 +289,12 @@ def test_oversize_response_is_refused_streamed_with_bounded_rss(tmp_path: Path) 
         sent = srv.oversize_sent
         requests = srv.total_requests
     assert rc == 4, log1  # 4 of 6 requests failed
-    fails = [json.loads(x) for x in (tmp_path / "out" / "pairs.jsonl.failures.jsonl").read_text().splitlines()]
+    fails = [
+        json.loads(x) for x in (tmp_path / "out" / "pairs.jsonl.failures.jsonl").read_text().splitlines()
+    ]
     assert len(fails) == 4 and all(
-        f"response larger than max_response_bytes={8 * 2**20}" in f["reason"] and "after 1 attempt)" in f["reason"]
+        f"response larger than max_response_bytes={8 * 2**20}" in f["reason"]
+        and "after 1 attempt)" in f["reason"]
         for f in fails
     )  # refused, not retried: a deterministic oversize answer would be paid for again
     assert requests == 2 + 6  # base run + this run, no retries
@@ -346,7 +354,9 @@ def test_teacher_names_cannot_leave_the_cache(tmp_path: Path, name: str) -> None
     assert len(entries) == 2 and all(p.resolve().is_relative_to(cache.resolve()) for p in entries)
     (teacher_dir,) = cache.iterdir()
     assert teacher_dir.name == ReplayCache.teacher_dir(name) and not teacher_dir.name.startswith(".")
-    outside = {p.relative_to(tmp_path) for p in tmp_path.rglob("*") if not p.resolve().is_relative_to(work.resolve())}
+    outside = {
+        p.relative_to(tmp_path) for p in tmp_path.rglob("*") if not p.resolve().is_relative_to(work.resolve())
+    }
     assert outside == set(), outside
     assert sorted(p.name for p in (work / "out").iterdir()) == [
         "pairs.jsonl", "pairs.jsonl.cache", "pairs.jsonl.failures.jsonl", "pairs.jsonl.summary.json",

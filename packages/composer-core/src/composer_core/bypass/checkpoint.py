@@ -114,7 +114,9 @@ def _save_tensors(tensors: Mapping[str, Tensor], path: Path) -> None:
     # clone: tied weights share storage, which safetensors refuses to write twice
     # (serialised in memory, written by _write_file: safetensors' own writer reports a full
     # disk as a SafetensorError without errno or path)
-    _write_file(path, safetensors_bytes({k: v.detach().cpu().clone().contiguous() for k, v in tensors.items()}))
+    _write_file(
+        path, safetensors_bytes({k: v.detach().cpu().clone().contiguous() for k, v in tensors.items()})
+    )
 
 
 def file_sha256(path: Path) -> str:

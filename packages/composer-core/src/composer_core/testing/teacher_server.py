@@ -34,9 +34,9 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import urllib.parse
 import threading
 import time
+import urllib.parse
 from collections import Counter
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -159,7 +159,6 @@ class ChatServer:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
-            _body: dict[str, Any] = {}  # the request being answered
 
             def log_message(self, format: str, *args: Any) -> None:  # silence (and never log headers)
                 return
@@ -178,7 +177,6 @@ class ChatServer:
                 try:
                     body = json.loads(self.rfile.read(length))
                     model, messages = str(body["model"]), list(body["messages"])
-                    self._body = body
                 except (ValueError, KeyError, TypeError):
                     self._send(400, b'{"error": {"message": "bad request"}}')
                     return
@@ -227,13 +225,16 @@ class ChatServer:
                 if fault == "no_choices":
                     self._send(200, b'{"object": "chat.completion"}')
                     return
-                if self._hostile(fault):
+                if self._hostile(fault, model):
                     return
                 if fault == "timeout":
                     time.sleep(server.timeout_sleep_s)
                 message = server.answer_fn(model, messages)
                 if fault == "answer_echo":
-                    message = {"role": "assistant", "content": "ok " + _echo_forms(self.headers.get("Authorization"))}
+                    message = {
+                        "role": "assistant",
+                        "content": "ok " + _echo_forms(self.headers.get("Authorization")),
+                    }
                 prompt_chars = sum(len(str(m.get("content") or "")) for m in messages)
                 completion_chars = len(json.dumps(message))
                 payload = {
@@ -256,9 +257,8 @@ class ChatServer:
                     with server._lock:
                         server.answered[(model, state)] += 1
 
-            def _hostile(self, fault: str) -> bool:
+            def _hostile(self, fault: str, model: str) -> bool:
                 """Answer the echo/oversize faults; False when ``fault`` is not one of them."""
-                model = str(self._body.get("model"))
                 pad = server.echo_pad if isinstance(server.echo_pad, int) else server.echo_pad.get(model, 0)
                 echo = "x" * pad + _echo_forms(self.headers.get("Authorization"))
                 if fault in ("401", "500_echo"):

@@ -59,8 +59,8 @@ import re
 import signal
 import tempfile
 import time
-import urllib.parse
 import tomllib
+import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -494,7 +494,11 @@ class Replayer:
             raise ValueError("teachers is empty: configure at least one teacher")
         if max_concurrency < 1:
             raise ValueError("max_concurrency must be >= 1")
-        if isinstance(max_response_bytes, bool) or not isinstance(max_response_bytes, int) or max_response_bytes < 1:
+        if (
+            isinstance(max_response_bytes, bool)
+            or not isinstance(max_response_bytes, int)
+            or max_response_bytes < 1
+        ):
             raise ValueError(f"max_response_bytes must be an integer >= 1, got {max_response_bytes!r}")
         self.max_response_bytes = max_response_bytes
         self.teachers = {t.name: t for t in teachers}
