@@ -61,6 +61,12 @@ def _write_error(exc: OSError, path: Path) -> OutputWriteError:
     return OutputWriteError(code, os.strerror(code), exc.filename or str(path))
 
 
+def safetensors_write_error(exc: Exception, path: Path) -> OutputWriteError | None:
+    """The :class:`OutputWriteError` behind a safetensors I/O error ("... (os error 28) ..."), else None."""
+    m = re.search(r"(?:\(os error |IoError\(Os \{ code: )(\d+)", str(exc))
+    return None if m is None else OutputWriteError(int(m.group(1)), os.strerror(int(m.group(1))), str(path))
+
+
 def _write_file(path: Path, data: bytes | memoryview) -> None:
     """Write ``data`` to ``path``; an OSError (disk full, read-only, ...) names the file."""
     try:

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from composer_core.bypass.checkpoint import safetensors_write_error
 from composer_core.bypass.config import BypassConfig, config_from_dict, student_from_dict
 from composer_core.bypass.data import TokenBatches, load_tokens, synthetic_tokens
 from composer_core.bypass.distributed import DistContext
@@ -137,7 +138,13 @@ def _finish(
             val_sequences=config.run.val_sequences,
         ),
     )
-    export_student(student, result.final_dir, exp / "student")
+    try:
+        export_student(student, result.final_dir, exp / "student")
+    except Exception as exc:  # safetensors reports a full / read-only disk as SafetensorError
+        error = safetensors_write_error(exc, exp / "student")
+        if error is None:
+            raise
+        raise error from exc
     print(f"student saved to {exp / 'student'}")
     want = plot
     if want is None:

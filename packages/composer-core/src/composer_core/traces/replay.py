@@ -358,7 +358,7 @@ class ReplayCache:
         for tmp in self.root.rglob(".tmp-*"):
             m = re.match(r"\.tmp-(\d+)-", tmp.name)
             try:
-                if m is not None and int(m.group(1)) != os.getpid() and _pid_alive(int(m.group(1))):
+                if m is not None and _pid_alive(int(m.group(1))):  # a live writer (maybe this process)
                     continue
                 if m is None and time.time() - tmp.stat().st_mtime < legacy_age_s:
                     continue
