@@ -122,6 +122,9 @@ def test_redact_catches_cut_prefixes_suffixes_and_encoded_forms() -> None:
         assert "***" in red, text
         assert_no_leak(red, f"redact({text!r})")
     assert redact("nothing secret here at all", [key]) == "nothing secret here at all"
+    spam = (key * 3 + " ") * 50_000  # 5 MB of keys: dropped whole, quickly, not scanned per copy
+    assert redact(spam, [key]) == "*** (redacted whole: it holds too many copies of an API key)"
+    assert redact(f"pre{key}{key[:10]}post", [key]) == "pre***post"
     assert redact("a short key abc12", ["abc12"]) == "a short key ***"
 
 

@@ -87,6 +87,7 @@ ERROR_BODY_BYTES = 64 * 2**10  # how much of an error body is read (redacted, th
 MIN_SECRET_CHARS = 8  # runs of a key's characters at least this long are redacted
 KILL_ENV = "COMPOSER_REPLAY_KILL_AT"  # test hook: "cache-write:<n>" SIGKILLs after the n-th temp file
 _MAX_COUNT = 10**15
+_MAX_SECRET_HITS = 8192
 
 
 def _secret_forms(secret: str) -> set[str]:
@@ -102,11 +103,39 @@ def _secret_forms(secret: str) -> set[str]:
 
 
 @functools.lru_cache(maxsize=64)
-def _redactor(secrets: tuple[str, ...]) -> tuple[tuple[str, ...], re.Pattern[str] | None]:
-    forms = tuple(sorted({f for s in secrets for f in _secret_forms(s)}, key=len, reverse=True))
-    windows = {f[i : i + MIN_SECRET_CHARS] for f in forms for i in range(len(f) - MIN_SECRET_CHARS + 1)}
-    pattern = re.compile("|".join(map(re.escape, sorted(windows)))) if windows else None
-    return tuple(f for f in forms if len(f) < MIN_SECRET_CHARS), pattern
+def _redactor(secrets: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """(forms >= MIN_SECRET_CHARS, their 4-grams at offsets 0, 4, 8, ..., shorter forms)."""
+    forms = sorted({f for s in secrets for f in _secret_forms(s)}, key=len, reverse=True)
+    long_forms = tuple(f for f in forms if len(f) >= MIN_SECRET_CHARS)
+    # any run of >= 8 characters of a form contains one of its 4-grams that starts at a multiple of 4
+    anchors = tuple(sorted({f[i : i + 4] for f in long_forms for i in range(0, len(f) - 3, 4)}))
+    return long_forms, anchors, tuple(f for f in forms if len(f) < MIN_SECRET_CHARS)
+
+
+def _grow(text: str, start: int, end: int, forms: Sequence[str], right_first: bool) -> tuple[int, int]:
+    """Widen ``text[start:end]`` (part of a form) as far as it stays part of some form.
+
+    "Part of a form" is monotone in both ends, so each end is found by bisection.
+    """
+    longest = max(map(len, forms))
+
+    def part(a: int, b: int) -> bool:
+        return any(text[a:b] in f for f in forms)
+
+    for side in ("right", "left") if right_first else ("left", "right"):
+        if side == "right":
+            lo, hi = end, min(len(text), start + longest)  # text[start:lo] is part of a form
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if part(start, mid) else (lo, mid - 1)
+            end = lo
+        else:
+            lo, hi = max(0, end - longest), start  # text[hi:end] is part of a form
+            while lo < hi:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if part(mid, end) else (mid + 1, hi)
+            start = hi
+    return start, end
 
 
 def redact(text: str, secrets: Sequence[str]) -> str:
@@ -114,29 +143,42 @@ def redact(text: str, secrets: Sequence[str]) -> str:
 
     Any run of >= ``MIN_SECRET_CHARS`` characters that is part of a form is removed, so a key
     cut short by a truncation, or a prefix/suffix of it, is caught too. Redact *before* cutting.
+    Anchors are found with ``str.find`` (C speed); a body full of keys costs O(log) per key.
     """
-    secrets = tuple(sorted({s for s in secrets if s}))
-    if not secrets or not text:
+    uniq = tuple(sorted({s for s in secrets if s}))
+    if not uniq or not text:
         return text
-    short, pattern = _redactor(secrets)
-    forms = _redactor_forms(secrets)
-    out: list[str] = []
-    pos = 0
-    while pattern is not None and (m := pattern.search(text, pos)) is not None:
-        start, end = m.start(), m.end()
-        while end < len(text) and any(text[start : end + 1] in f for f in forms):
-            end += 1
-        out += [text[pos:start], "***"]
-        pos = end
-    text = "".join(out) + text[pos:]
+    forms, anchors, short = _redactor(uniq)
+    hits = []
+    for anchor in anchors:
+        hit = text.find(anchor)
+        while hit != -1:
+            hits.append(hit)
+            if len(hits) > _MAX_SECRET_HITS:  # a body made of keys: drop it whole rather than burn CPU
+                return (
+                    f"*** (redacted whole: it holds more than {_MAX_SECRET_HITS // 8} copies of an API key)"
+                )
+            hit = text.find(anchor, hit + 1)
+    merged: list[list[int]] = []
+    for hit in sorted(set(hits)):
+        if merged and hit + 4 <= merged[-1][1]:
+            continue  # inside a span already found
+        for right_first in (True, False):  # both ways round: the union covers the whole run
+            a, b = _grow(text, hit, hit + 4, forms, right_first)
+            if b - a < MIN_SECRET_CHARS:
+                continue
+            if merged and a <= merged[-1][1]:
+                merged[-1] = [min(merged[-1][0], a), max(merged[-1][1], b)]
+            else:
+                merged.append([a, b])
+    pieces, pos = [], 0
+    for a, b in merged:
+        pieces += [text[pos:a], "***"]
+        pos = b
+    text = "".join(pieces) + text[pos:]
     for f in short:  # keys shorter than MIN_SECRET_CHARS: exact matches only
         text = text.replace(f, "***")
     return text
-
-
-@functools.lru_cache(maxsize=64)
-def _redactor_forms(secrets: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple(f for s in secrets for f in _secret_forms(s) if len(f) >= MIN_SECRET_CHARS)
 
 
 def _redact_strings(value: Any, secrets: Sequence[str]) -> Any:
