@@ -123,6 +123,9 @@ def test_corrupt_checkpoint_raises_clearly(tmp_path: Path) -> None:
     model, opts = _setup()
     path = _save(tmp_path, ckpt.step_name(1), model, opts, 1)
     (path / "blocks" / "block-0001.safetensors").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match=r"block-0001\.safetensors fails its SHA-256 check"):
+        ckpt.load_checkpoint(path, model=model, blocks=[0, 1], optimizers=opts, ctx=DistContext())
+    (path / ckpt.MARKER).write_text("complete\n")  # a marker from before checksums: the loader still refuses
     with pytest.raises(ValueError, match=r"block-0001\.safetensors is missing or corrupt"):
         ckpt.load_checkpoint(path, model=model, blocks=[0, 1], optimizers=opts, ctx=DistContext())
     (path / "state.json").write_text("{")

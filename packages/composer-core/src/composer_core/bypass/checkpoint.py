@@ -8,23 +8,36 @@ and its RNG state; rank 0 writes the non-block weights (``shared.safetensors``) 
 same name is moved out first, so a re-save never keeps stale optimizer state), then
 ``latest`` is repointed atomically (temporary symlink + ``os.replace``).
 
-On resume only marked ``step-*``/``final`` directories count; unmarked, ``.partial`` and
-``.old`` ones are moved to ``aside/`` with a warning. ``best`` is never resumed from.
+The marker holds the SHA-256 of every other file of the checkpoint. On resume only marked
+``step-*``/``final`` directories count; unmarked, ``.partial`` and ``.old`` ones are moved to
+``aside/`` with a warning. Candidates are tried newest first and verified against the marker's
+checksums: a corrupt one (bit rot, a truncated or missing file, an unreadable ``state.json``) is
+moved to ``aside/<name>.corrupt-<UTC time>`` with a warning and the next older one is tried.
+``load_checkpoint`` verifies the files it reads, so a corrupt file is never loaded. ``best`` is
+never resumed from. ``prune_checkpoints`` keeps the newest K ``step-*`` (``best``/``final``
+always kept). A file that cannot be written (disk full, read-only, permissions) raises
+:class:`OutputWriteError` (an ``OSError`` naming the path and the cause).
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import io
 import json
 import os
+import re
 import shutil
 import signal
+import time
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as safetensors_bytes
 from torch import Tensor
 
 from composer_core.bypass.distributed import DistContext
@@ -36,6 +49,38 @@ STATE = "state.json"
 MANIFEST = "bypass_state.json"
 LATEST = "latest"
 KILL_ENV = "COMPOSER_BYPASS_KILL_AT"
+MARKER_FORMAT = 1
+
+
+class OutputWriteError(OSError):
+    """An output file could not be written; ``filename`` and ``strerror`` name the path and cause."""
+
+
+def _write_error(exc: OSError, path: Path) -> OutputWriteError:
+    code = exc.errno if exc.errno is not None else errno.EIO
+    return OutputWriteError(code, os.strerror(code), exc.filename or str(path))
+
+
+def safetensors_write_error(exc: Exception, path: Path) -> OutputWriteError | None:
+    """The :class:`OutputWriteError` behind a safetensors I/O error ("... (os error 28) ..."), else None."""
+    m = re.search(r"(?:\(os error |IoError\(Os \{ code: )(\d+)", str(exc))
+    return None if m is None else OutputWriteError(int(m.group(1)), os.strerror(int(m.group(1))), str(path))
+
+
+def _write_file(path: Path, data: bytes | memoryview) -> None:
+    """Write ``data`` to ``path``; an OSError (disk full, read-only, ...) names the file."""
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+    except OSError as exc:
+        raise _write_error(exc, path) from exc
+
+
+def _torch_save(obj: Any, path: Path) -> None:
+    # serialised in memory first: torch.save reports a full disk as a RuntimeError without errno
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    _write_file(path, buf.getbuffer())
 
 
 def _fault_point(name: str, phase: str) -> None:
@@ -73,7 +118,67 @@ def shared_state(model: BlockwiseModel) -> dict[str, Tensor]:
 
 def _save_tensors(tensors: Mapping[str, Tensor], path: Path) -> None:
     # clone: tied weights share storage, which safetensors refuses to write twice
-    save_file({k: v.detach().cpu().clone().contiguous() for k, v in tensors.items()}, str(path))
+    # (serialised in memory, written by _write_file: safetensors' own writer reports a full
+    # disk as a SafetensorError without errno or path)
+    _write_file(
+        path, safetensors_bytes({k: v.detach().cpu().clone().contiguous() for k, v in tensors.items()})
+    )
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _write_marker(path: Path) -> None:
+    """The completion marker: the SHA-256 of every other file of the checkpoint (written last)."""
+    files = {
+        p.relative_to(path).as_posix(): file_sha256(p)
+        for p in sorted(path.rglob("*"))
+        if p.is_file() and p.name != MARKER
+    }
+    with open(path / MARKER, "w") as f:
+        json.dump({"format": MARKER_FORMAT, "sha256": files}, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def marker_checksums(path: Path) -> dict[str, str] | None:
+    """``{relative file: sha256}`` from the marker; None for a legacy marker without checksums."""
+    text = (path / MARKER).read_text()
+    if text.strip() == "complete":
+        return None
+    try:
+        data = json.loads(text)
+        files = data["sha256"]
+        if not isinstance(files, dict):
+            raise TypeError
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"checkpoint {path}: unreadable {MARKER} marker") from exc
+    return {str(k): str(v) for k, v in files.items()}
+
+
+def verify_files(path: Path, files: Sequence[str] | None = None) -> str | None:
+    """None when ``files`` (default: all listed in the marker) match their checksums, else the problem."""
+    try:
+        sums = marker_checksums(path)
+    except (OSError, ValueError) as exc:
+        return str(exc)
+    if sums is None:
+        return None  # written before checksums existed: nothing to verify against
+    for rel in files if files is not None else sorted(sums):
+        if rel not in sums:
+            return f"{rel} is not listed in {MARKER}"
+        try:
+            got = file_sha256(path / rel)
+        except OSError as exc:
+            return f"{rel} is unreadable ({exc.strerror or exc})"
+        if got != sums[rel]:
+            return f"{rel} fails its SHA-256 check (bit rot or a torn write)"
+    return None
 
 
 def save_checkpoint(
@@ -87,7 +192,28 @@ def save_checkpoint(
     ctx: DistContext,
     update_latest: bool = True,
 ) -> Path:
-    """Write checkpoint ``name`` (every rank calls this; each writes only its own blocks)."""
+    """Write checkpoint ``name`` (every rank calls this; each writes only its own blocks).
+
+    Raises :class:`OutputWriteError` when a file cannot be written (disk full, read-only, ...).
+    """
+    try:
+        return _save_checkpoint(exp_dir, name, model, blocks, optimizers, state, ctx, update_latest)
+    except OutputWriteError:
+        raise
+    except OSError as exc:
+        raise _write_error(exc, exp_dir / f"{name}.partial") from exc
+
+
+def _save_checkpoint(
+    exp_dir: Path,
+    name: str,
+    model: BlockwiseModel,
+    blocks: Sequence[int],
+    optimizers: Mapping[int, BlockOptimizer],
+    state: Mapping[str, Any],
+    ctx: DistContext,
+    update_latest: bool,
+) -> Path:
     final = exp_dir / name
     partial = exp_dir / f"{name}.partial"
     if ctx.is_main:
@@ -98,21 +224,18 @@ def save_checkpoint(
     ctx.barrier()
     for i in blocks:
         if i in optimizers:
-            torch.save(optimizers[i].state_dict(), partial / "optim" / f"block-{i:04d}.pt")
+            _torch_save(optimizers[i].state_dict(), partial / "optim" / f"block-{i:04d}.pt")
     _fault_point(name, "optimizer")
     for i in blocks:
         _save_tensors(block_state(model, i), partial / "blocks" / f"block-{i:04d}.safetensors")
     _fault_point(name, "blocks")
-    torch.save({"cpu": torch.get_rng_state()}, partial / "rng" / f"rank-{ctx.rank:04d}.pt")
+    _torch_save({"cpu": torch.get_rng_state()}, partial / "rng" / f"rank-{ctx.rank:04d}.pt")
     ctx.barrier()
     if ctx.is_main:
         _save_tensors(shared_state(model), partial / "shared.safetensors")
         write_json_atomic(partial / STATE, dict(state))
         _fault_point(name, "state")
-        with open(partial / MARKER, "w") as f:
-            f.write("complete\n")
-            f.flush()
-            os.fsync(f.fileno())
+        _write_marker(partial)
         _fault_point(name, "marker")
         old = exp_dir / f"{name}.old"
         if final.exists():
@@ -133,14 +256,42 @@ def save_checkpoint(
     return final
 
 
-def _set_aside(exp_dir: Path, path: Path, why: str) -> None:
+def _set_aside(exp_dir: Path, path: Path, why: str, tag: str = "") -> Path:
     aside = exp_dir / "aside"
     aside.mkdir(exist_ok=True)
     n = 0
-    while (target := aside / f"{path.name}-{n}").exists():
+    while (target := aside / f"{path.name}{tag}-{n}").exists():
         n += 1
     path.rename(target)
     warnings.warn(f"bypass: {path.name}: {why}; moved it to {target} (never loaded)", stacklevel=3)
+    return target
+
+
+def set_aside_corrupt(exp_dir: Path, path: Path, problem: str) -> Path:
+    """Move a corrupt checkpoint to ``aside/<name>.corrupt-<UTC time>-<n>`` with a warning."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    return _set_aside(exp_dir, path, f"corrupt: {problem}", tag=f".corrupt-{stamp}")
+
+
+def prune_checkpoints(exp_dir: Path, keep_last: int) -> list[str]:
+    """Delete all but the newest ``keep_last`` complete ``step-*`` checkpoints (``best``/``final`` kept).
+
+    Each is renamed to ``<name>.deleting`` first, so a kill mid-delete never leaves a
+    half-deleted directory that looks like a checkpoint. Returns the deleted names.
+    """
+    if keep_last < 1:
+        return []
+    steps = sorted(
+        p for p in exp_dir.iterdir()
+        if re.fullmatch(r"step-\d+", p.name) and p.is_dir() and not p.is_symlink() and is_complete(p)
+    )  # fmt: skip
+    removed = []
+    for path in steps[:-keep_last]:
+        doomed = path.with_name(f"{path.name}.deleting")
+        path.rename(doomed)
+        shutil.rmtree(doomed)
+        removed.append(path.name)
+    return removed
 
 
 def set_aside_checkpoints(exp_dir: Path, why: str) -> None:
@@ -171,12 +322,20 @@ def read_state(path: Path) -> dict[str, Any]:
 
 
 def find_resume_checkpoint(exp_dir: Path) -> Path | None:
-    """Rank 0: the newest complete ``step-*``/``final`` checkpoint; incomplete ones are set aside."""
+    """Rank 0: the newest complete *and intact* ``step-*``/``final`` checkpoint.
+
+    Incomplete ones are set aside; complete ones are tried newest first and verified against
+    their marker's checksums; a corrupt one is set aside (``.corrupt-<time>``) and the next
+    older one is tried.
+    """
     if not exp_dir.is_dir():
         return None
-    best: tuple[int, int, Path] | None = None
+    candidates: list[tuple[tuple[int, int], Path]] = []
     for path in sorted(exp_dir.iterdir()):
         if not path.is_dir() or path.is_symlink() or path.name == "aside":
+            continue
+        if path.name.endswith(".deleting"):  # a pruned checkpoint whose deletion was interrupted
+            shutil.rmtree(path)
             continue
         if path.name.endswith((".partial", ".old")):
             _set_aside(exp_dir, path, "an interrupted save")
@@ -188,11 +347,18 @@ def find_resume_checkpoint(exp_dir: Path) -> Path | None:
             continue
         if path.name == "best":
             continue
-        state = read_state(path)
-        key = (int(state["batches_consumed"]), 1 if path.name == "final" else 0, path)
-        if best is None or key[:2] > best[:2]:
-            best = key
-    return None if best is None else best[2]
+        try:
+            state = read_state(path)
+        except ValueError as exc:
+            set_aside_corrupt(exp_dir, path, str(exc))
+            continue
+        candidates.append(((int(state["batches_consumed"]), 1 if path.name == "final" else 0), path))
+    for _, path in sorted(candidates, key=lambda c: c[0], reverse=True):
+        problem = verify_files(path)
+        if problem is None:
+            return path
+        set_aside_corrupt(exp_dir, path, problem)
+    return None
 
 
 def load_checkpoint(
@@ -207,6 +373,15 @@ def load_checkpoint(
     """Load this rank's blocks (and optimizers, RNG) from ``path``; return ``state.json``."""
     if not is_complete(path):
         raise ValueError(f"checkpoint {path} has no {MARKER} marker; it is incomplete and will not be loaded")
+    mine = [STATE, *(f"blocks/block-{i:04d}.safetensors" for i in blocks)]
+    mine += [f"optim/block-{i:04d}.pt" for i in (optimizers or {})]
+    mine += ["shared.safetensors"] if load_shared else []
+    rng_rel = f"rng/rank-{ctx.rank:04d}.pt"
+    if optimizers is not None and (path / rng_rel).is_file():
+        mine.append(rng_rel)
+    problem = verify_files(path, mine)
+    if problem is not None:
+        raise ValueError(f"checkpoint {path} is corrupt: {problem}; it will not be loaded")
     state = read_state(path)
     expected = model.module.state_dict()
     updates: dict[str, Tensor] = {}

@@ -10,11 +10,18 @@ list ``sweep`` of student tables (one run each).
 Resumes by default (``--no-resume`` starts over). Several processes: launch with
 ``torchrun --nproc-per-node N -m composer_core.bypass.cli --config run.toml`` (or the
 console script under torchrun); gloo on CPU, NCCL when CUDA is available.
+
+Exit status: 0 done (or skipped: a completed run re-run writes nothing, so it also works from a
+read-only disk); 2 bad config or input, or a checkpoint that cannot be used (one line naming it);
+3 an output file cannot be written (disk full, read-only or unwritable output directory: one
+line naming the path and the cause; the interrupted checkpoint is set aside on the next run).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import errno
 import importlib
 import json
 import os
@@ -28,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from composer_core.bypass.checkpoint import safetensors_write_error
 from composer_core.bypass.config import BypassConfig, config_from_dict, student_from_dict
 from composer_core.bypass.data import TokenBatches, load_tokens, synthetic_tokens
 from composer_core.bypass.distributed import DistContext
@@ -100,17 +108,26 @@ def _init_distributed() -> None:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
 
 
+EXIT_BAD_INPUT = 2
+EXIT_CANNOT_WRITE = 3
+
+
 def _finish(
     result: BypassResult, teacher: BlockwiseModel, tokens: Tensor, config: BypassConfig, plot: bool | None
 ) -> None:
+    """Print the table; write history.json, the assembled student and the plot (a skipped run
+    rewrites none that exist, so re-running a finished run writes nothing)."""
     exp = result.experiment_dir
-    (exp / "history.json").write_text(
-        json.dumps({"history": result.history, "validation": result.validation}, indent=1)
-    )
+    history = exp / "history.json"
+    if not (result.skipped and history.is_file()):
+        history.write_text(json.dumps({"history": result.history, "validation": result.validation}, indent=1))
     print(
         f"\nrun {result.run_id[:16]} ({'skipped: already complete' if result.skipped else 'trained'}) -> {exp}"
     )
     print(loss_table(result.history, result.validation))
+    if result.skipped and (exp / "student").is_dir():
+        print(f"student already saved in {exp / 'student'}")
+        return
     student = make_student(
         teacher,
         config.student,
@@ -121,7 +138,13 @@ def _finish(
             val_sequences=config.run.val_sequences,
         ),
     )
-    export_student(student, result.final_dir, exp / "student")
+    try:
+        export_student(student, result.final_dir, exp / "student")
+    except Exception as exc:  # safetensors reports a full / read-only disk as SafetensorError
+        error = safetensors_write_error(exc, exp / "student")
+        if error is None:
+            raise
+        raise error from exc
     print(f"student saved to {exp / 'student'}")
     want = plot
     if want is None:
@@ -137,12 +160,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="run file (.toml, or .yaml with composer-core[yaml])")
     parser.add_argument("--no-resume", action="store_true", help="start over instead of resuming")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--keep-last",
+        type=int,
+        metavar="K",
+        help="keep only the newest K step-N checkpoints (best/final always kept); overrides run.keep_last",
+    )
+    parser.epilog = (
+        "exit status: 0 done or skipped (already complete); 2 bad config/input or unusable checkpoint; "
+        "3 an output file cannot be written (disk full, read-only or unwritable directory)"
+    )
     args = parser.parse_args(argv)
+    if args.keep_last is not None and args.keep_last < 0:
+        parser.error(f"--keep-last must be >= 0, got {args.keep_last}")
     try:
         return _run(args)
     except (ValueError, ImportError) as exc:
         print(f"composer-bypass: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
+    except OSError as exc:  # disk full, read-only, permissions: one line, no traceback
+        code = errno.errorcode.get(exc.errno or 0, "")
+        cause = f"{exc.strerror or exc}{f' ({code})' if code else ''}"
+        print(
+            f"composer-bypass: error: cannot write {exc.filename or 'an output file'}: {cause}; free space, "
+            "make run.output_dir writable or choose another one",
+            file=sys.stderr,
+        )
+        return EXIT_CANNOT_WRITE
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -150,6 +194,8 @@ def _run(args: argparse.Namespace) -> int:
     plot = raw.get("output", {}).get("plot")
     sweep = raw.get("sweep", [])
     base = config_from_dict({k: raw[k] for k in ("student", "training", "run") if k in raw})
+    if args.keep_last is not None:
+        base = dataclasses.replace(base, run=dataclasses.replace(base.run, keep_last=args.keep_last))
     configs = [base.with_student(student_from_dict(s)) for s in sweep] if sweep else [base]
     _init_distributed()
     ctx = DistContext.current()

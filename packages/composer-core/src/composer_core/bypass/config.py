@@ -75,17 +75,24 @@ class TrainingConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """Where and how often to save/validate. ``val_every``/``best_metric`` decide ``best/``."""
+    """Where and how often to save/validate. ``val_every``/``best_metric`` decide ``best/``.
+
+    ``keep_last`` > 0 keeps only the newest K ``step-N`` checkpoints (``best``/``final`` are
+    always kept); 0 keeps every one.
+    """
 
     output_dir: str = "bypass-runs"
     name: str = "bypass"
     save_every: int = 0
+    keep_last: int = 0
     val_every: int = 0
     val_sequences: int = 0
     best_metric: Literal["lm_loss", "block_loss"] = "lm_loss"
 
     def __post_init__(self) -> None:
-        for name in ("save_every", "val_every", "val_sequences"):
+        for name in ("save_every", "val_every", "val_sequences", "keep_last"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
+                raise ValueError(f"run.{name} must be an integer, got {getattr(self, name)!r}")
             if getattr(self, name) < 0:
                 raise ValueError(f"run.{name} must be >= 0, got {getattr(self, name)}")
         if self.val_every and not self.val_sequences:

@@ -22,13 +22,17 @@ from tqdm.auto import tqdm  # type: ignore[import-untyped, unused-ignore]
 
 from composer_core.bypass.checkpoint import (
     MANIFEST,
+    OutputWriteError,
     find_resume_checkpoint,
     is_complete,
     load_checkpoint,
+    prune_checkpoints,
     read_state,
     save_checkpoint,
     set_aside_checkpoints,
+    set_aside_corrupt,
     step_name,
+    verify_files,
     write_json_atomic,
 )
 from composer_core.bypass.config import BypassConfig, StudentConfig, TrainingConfig
@@ -70,8 +74,10 @@ def experiment_dir(config: BypassConfig, run_id: str) -> Path:
 
 
 def _decide(exp: Path, run_id: str, identity: dict[str, Any], resume: bool) -> dict[str, Any]:
-    """Rank 0: skip (complete run with this identity), resume (newest complete checkpoint) or start fresh."""
-    exp.mkdir(parents=True, exist_ok=True)
+    """Rank 0: skip (complete run with this identity), resume (newest intact checkpoint) or start fresh.
+
+    Skipping writes nothing (a finished run can be re-run from a read-only disk).
+    """
     manifest_path = exp / MANIFEST
     if manifest_path.is_file():
         manifest = read_manifest(manifest_path)
@@ -80,7 +86,14 @@ def _decide(exp: Path, run_id: str, identity: dict[str, Any], resume: bool) -> d
                 f"{exp} belongs to run {manifest.get('run_id')!r}, not {run_id!r}; choose another run.output_dir/name"
             )
         if resume and manifest.get("status") == "completed" and is_complete(exp / "final"):
-            return {"action": "skip", "path": str(exp / "final")}
+            problem = verify_files(exp / "final")
+            if problem is None:
+                return {"action": "skip", "path": str(exp / "final")}
+            set_aside_corrupt(exp, exp / "final", problem)
+    try:
+        exp.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputWriteError(exc.errno or 5, exc.strerror or str(exc), str(exp)) from exc
     if not resume:
         set_aside_checkpoints(exp, "superseded by a run started with resume=False")
     path = find_resume_checkpoint(exp) if resume else None
@@ -216,11 +229,15 @@ def run_bypass(
                 save("best", latest=False)
         if rcfg.save_every and state["step"] % rcfg.save_every == 0 and state["step"] < tcfg.steps:
             save(step_name(state["step"]))
+            if ctx.is_main and rcfg.keep_last:
+                prune_checkpoints(exp, rcfg.keep_last)
     bar.close()
     save("final")
     if ctx.is_main:
         manifest = read_manifest(exp / MANIFEST)
         write_json_atomic(exp / MANIFEST, {**manifest, "status": "completed", "final": "final"})
+        if rcfg.keep_last:
+            prune_checkpoints(exp, rcfg.keep_last)
     ctx.barrier()
     return BypassResult(
         run_id, exp, False, student, state["history"], state["validation"], state["batches_consumed"]

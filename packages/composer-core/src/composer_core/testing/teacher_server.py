@@ -15,26 +15,87 @@ last entry repeats if ``repeat_last``): ``"ok"``, ``"429"`` (with ``Retry-After:
 request is answered; when it returns True the connection is closed without an answer.
 ``"400"`` echoes the request's ``Authorization`` header in its body (as some gateways do),
 to check that clients redact keys from recorded errors.
+
+Hostile-endpoint faults (for the secret, malformed-response and size tests). The ``echo``
+faults put ``echo_pad`` characters of padding, then the request's ``Authorization`` header
+(raw, URL-encoded and base64) into the body (``echo_pad``: an int, or a dict per model): ``"401"``, ``"500_echo"``, ``"malformed_echo"``
+(HTTP 200, not JSON), ``"answer_echo"`` (a valid answer whose content holds the header).
+``"oversize"`` streams ``oversize_bytes`` (declared in ``Content-Length``) and
+``"oversize_chunked"`` the same with chunked transfer encoding (no length), both starting with
+the echoed header. Malformed-but-JSON answers (:data:`BAD_PAYLOADS`): ``"usage_str"``
+(``prompt_tokens: "abc"``), ``"usage_inf"`` (``1e999``), ``"usage_missing"``,
+``"usage_not_dict"``, ``"usage_negative"``, ``"usage_huge"``, ``"choices_empty"``,
+``"choices_not_list"``, ``"choice_not_dict"``, ``"message_not_dict"``, ``"content_not_str"``,
+``"tool_calls_not_list"``, ``"role_wrong"``, ``"not_object"``.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import threading
 import time
+import urllib.parse
 from collections import Counter
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-__all__ = ["ChatServer", "default_answer"]
+__all__ = ["BAD_PAYLOADS", "ChatServer", "default_answer"]
 
 AnswerFn = Callable[[str, list[dict[str, Any]]], dict[str, Any]]
 
 
 def _state(messages: list[dict[str, Any]]) -> str:
     return hashlib.sha256(json.dumps(messages, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _set(path: tuple[Any, ...], value: Any) -> Callable[[dict[str, Any]], Any]:
+    def edit(payload: dict[str, Any]) -> Any:
+        target: Any = payload
+        for k in path[:-1]:
+            target = target[k]
+        if value is _DELETE:
+            del target[path[-1]]
+        else:
+            target[path[-1]] = value
+        return payload
+
+    return edit
+
+
+_DELETE = object()
+_INF = "__INF__"  # serialised as the JSON number 1e999 (Python's json reads it as inf)
+
+#: fault name -> how it damages a valid payload (a JSON-serialisable value is returned)
+BAD_PAYLOADS: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "usage_str": _set(("usage", "prompt_tokens"), "abc"),
+    "usage_inf": _set(("usage", "prompt_tokens"), _INF),
+    "usage_missing": _set(("usage",), _DELETE),
+    "usage_not_dict": _set(("usage",), [1, 2]),
+    "usage_negative": _set(("usage", "completion_tokens"), -5),
+    "usage_huge": _set(("usage", "prompt_tokens"), 10**400),
+    "choices_empty": _set(("choices",), []),
+    "choices_not_list": _set(("choices",), {"0": 1}),
+    "choice_not_dict": _set(("choices", 0), "text"),
+    "message_not_dict": _set(("choices", 0, "message"), ["assistant"]),
+    "content_not_str": _set(("choices", 0, "message", "content"), {"text": 1}),
+    "tool_calls_not_list": _set(("choices", 0, "message", "tool_calls"), 5),
+    "role_wrong": _set(("choices", 0, "message", "role"), 7),
+    "not_object": lambda payload: [payload],
+}
+
+
+def _dumps(value: Any) -> bytes:
+    return json.dumps(value).replace(f'"{_INF}"', "1e999").encode()
+
+
+def _echo_forms(auth: str | None) -> str:
+    """The ``Authorization`` header as a leaky gateway might echo it: raw, URL-encoded, base64."""
+    a = auth or ""
+    b64 = base64.b64encode(a.encode()).decode()
+    return f"Authorization: {a} url={urllib.parse.quote(a, safe='')} b64={b64}"
 
 
 def default_answer(model: str, messages: list[dict[str, Any]]) -> dict[str, Any]:
@@ -55,6 +116,8 @@ class ChatServer:
         require_key: str | None = None,
         on_request: Callable[[int, str, str], bool | None] | None = None,
         retry_after: str = "0",
+        echo_pad: int | dict[str, int] = 0,
+        oversize_bytes: int = 60_000_000,
     ) -> None:
         self.answer_fn = answer_fn
         self.faults = {k: list(v) for k, v in (faults or {}).items()}
@@ -63,6 +126,9 @@ class ChatServer:
         self.require_key = require_key
         self.on_request = on_request
         self.retry_after = retry_after
+        self.echo_pad = echo_pad
+        self.oversize_bytes = oversize_bytes
+        self.oversize_sent = 0  # bytes of oversize bodies actually written before the client hung up
         self.in_flight = 0
         self.max_in_flight = 0
         self.requests: Counter[tuple[str, str]] = Counter()
@@ -159,9 +225,16 @@ class ChatServer:
                 if fault == "no_choices":
                     self._send(200, b'{"object": "chat.completion"}')
                     return
+                if self._hostile(fault, model):
+                    return
                 if fault == "timeout":
                     time.sleep(server.timeout_sleep_s)
                 message = server.answer_fn(model, messages)
+                if fault == "answer_echo":
+                    message = {
+                        "role": "assistant",
+                        "content": "ok " + _echo_forms(self.headers.get("Authorization")),
+                    }
                 prompt_chars = sum(len(str(m.get("content") or "")) for m in messages)
                 completion_chars = len(json.dumps(message))
                 payload = {
@@ -175,13 +248,51 @@ class ChatServer:
                         "total_tokens": 2 + prompt_chars // 4 + completion_chars // 4,
                     },
                 }
+                damage = BAD_PAYLOADS.get(fault)
                 try:
-                    self._send(200, json.dumps(payload).encode())
+                    self._send(200, _dumps(damage(payload) if damage else payload))
                 except OSError:  # client gone (killed): not answered
                     return
                 if fault != "timeout":
                     with server._lock:
                         server.answered[(model, state)] += 1
+
+            def _hostile(self, fault: str, model: str) -> bool:
+                """Answer the echo/oversize faults; False when ``fault`` is not one of them."""
+                pad = server.echo_pad if isinstance(server.echo_pad, int) else server.echo_pad.get(model, 0)
+                echo = "x" * pad + _echo_forms(self.headers.get("Authorization"))
+                if fault in ("401", "500_echo"):
+                    body = json.dumps({"error": {"message": echo}}).encode()
+                    self._send(401 if fault == "401" else 500, body)
+                elif fault == "malformed_echo":
+                    self._send(200, ("<html>" + echo + "</html>").encode())
+                elif fault in ("oversize", "oversize_chunked"):
+                    self._stream_oversize(echo.encode(), chunked=fault == "oversize_chunked")
+                else:
+                    return False
+                return True
+
+            def _stream_oversize(self, head: bytes, chunked: bool) -> None:
+                total, block = server.oversize_bytes, b"y" * 65536
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                if chunked:
+                    self.send_header("Transfer-Encoding", "chunked")
+                else:
+                    self.send_header("Content-Length", str(total))
+                self.end_headers()
+                sent = 0
+                try:
+                    while sent < total:
+                        part = (head if sent == 0 else block)[: total - sent]
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part) if chunked else part)
+                        sent += len(part)
+                        with server._lock:
+                            server.oversize_sent += len(part)
+                    if chunked:
+                        self.wfile.write(b"0\r\n\r\n")
+                except OSError:  # the client stopped reading and hung up: the point of the test
+                    self.close_connection = True
 
         return Handler
 

@@ -9,12 +9,16 @@ Guarantees:
 - **Bounded concurrency**: at most ``max_concurrency`` requests in flight overall and
   ``TeacherConfig.max_concurrency`` per teacher.
 - **Retries**: 408/409/429, 5xx, timeouts, connection errors, malformed JSON and responses
-  without ``choices[0].message`` are retried up to ``max_retries`` times with exponential
+  without a well-typed ``choices[0].message`` are retried up to ``max_retries`` times with exponential
   backoff and jitter: sleep ~ U(d/2, d), ``d = min(backoff_max_s, backoff_base_s·2^attempt)``;
   a ``Retry-After`` header (seconds) is honoured up to ``backoff_max_s``. Other 4xx are not
   retried. Every request has a timeout (``timeout_s``).
 - **Failures are recorded, never dropped**: a request that finally fails yields a
-  :class:`ReplayResult` with ``failure`` set to the reason.
+  :class:`ReplayResult` with ``failure`` set to the reason. A malformed part of one response
+  (wrong types anywhere, a non-object body, no choices) fails that request only, never the run.
+- **Bounded responses**: bodies are read streamed and refused past ``max_response_bytes``
+  (default :data:`DEFAULT_MAX_RESPONSE_BYTES` = 8 MiB; a declared ``Content-Length`` above it is
+  refused before reading): an oversize answer is a recorded, non-retried failure.
 - **Cache**: every answer is written (atomically) to ``cache_dir`` as soon as it arrives,
   keyed by SHA-256 over (teacher name, model, state hash, sampling parameters); a rerun —
   also after a crash or ``kill -9`` — reads it and never pays for it again. Identical
@@ -23,9 +27,17 @@ Guarantees:
   reported as a failure.
 - **Accounting** per teacher (:class:`TeacherStats`): HTTP requests, cache hits, retries,
   failures, prompt/completion tokens (from ``usage``) and cost from the configured prices.
+  A ``usage`` count that is missing, non-numeric, negative, non-finite or absurd (>= 1e15) is
+  *unknown*: the result carries None, ``usage_unknown`` counts the answer, and the totals
+  (tokens, cost) cover the known counts only (a lower bound when ``usage_unknown > 0``).
 - **Keys**: read from the environment variable named by ``api_key_env`` at request time;
   never stored in configs, caches, results, logs or errors (``teachers.toml`` refuses an
-  ``api_key`` entry).
+  ``api_key`` entry). Everything taken from a response (error bodies, answers) is redacted
+  *before* it is cut: every run of >= 8 characters of the key, its URL-encoded and JSON forms
+  and its base64 forms at any alignment (e.g. an echoed ``Authorization: Basic``/``Bearer``
+  header) becomes ``***``.
+- **Cache paths** never leave ``cache_dir`` (teacher names such as ``..`` or ``a/b`` map to a
+  sanitised directory); temporary files orphaned by a killed run are removed by the next one.
 
 Requires the ``replay`` extra (``pip install 'composer-core[replay]'``, httpx).
 """
@@ -33,7 +45,9 @@ Requires the ``replay`` extra (``pip install 'composer-core[replay]'``, httpx).
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
+import functools
 import hashlib
 import importlib
 import json
@@ -41,8 +55,12 @@ import logging
 import math
 import os
 import random
+import re
+import signal
 import tempfile
+import time
 import tomllib
+import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +69,7 @@ from typing import Any
 from .schema import Message, canonical_json, message_from_dict, state_hash
 
 __all__ = [
+    "DEFAULT_MAX_RESPONSE_BYTES",
     "ReplayCache",
     "ReplayJob",
     "ReplayResult",
@@ -58,9 +77,126 @@ __all__ = [
     "TeacherConfig",
     "TeacherStats",
     "load_teachers",
+    "redact",
 ]
 
 log = logging.getLogger(__name__)
+
+DEFAULT_MAX_RESPONSE_BYTES = 8 * 2**20
+ERROR_BODY_BYTES = 64 * 2**10  # how much of an error body is read (redacted, then cut to 300 chars)
+MIN_SECRET_CHARS = 8  # runs of a key's characters at least this long are redacted
+KILL_ENV = "COMPOSER_REPLAY_KILL_AT"  # test hook: "cache-write:<n>" SIGKILLs after the n-th temp file
+_MAX_COUNT = 10**15
+_MAX_SECRET_HITS = 8192
+
+
+def _secret_forms(secret: str) -> set[str]:
+    """The key as it can appear in a body: raw, URL-encoded, JSON-escaped, base64 at every alignment."""
+    forms = {secret, urllib.parse.quote(secret, safe=""), urllib.parse.quote_plus(secret)}
+    forms.add(json.dumps(secret)[1:-1])
+    raw = secret.encode()
+    for encode in (base64.b64encode, base64.urlsafe_b64encode):
+        for shift in range(3):  # the key after 0, 1 or 2 other bytes (e.g. "Bearer ", "user:")
+            text = encode(b"\0" * shift + raw).decode().rstrip("=")
+            forms.add(text[4 if shift else 0 :])  # drop the group that mixes in the other bytes
+    return forms
+
+
+@functools.lru_cache(maxsize=64)
+def _redactor(secrets: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """(forms >= MIN_SECRET_CHARS, their 4-grams at offsets 0, 4, 8, ..., shorter forms)."""
+    forms = sorted({f for s in secrets for f in _secret_forms(s)}, key=len, reverse=True)
+    long_forms = tuple(f for f in forms if len(f) >= MIN_SECRET_CHARS)
+    # any run of >= 8 characters of a form contains one of its 4-grams that starts at a multiple of 4
+    anchors = tuple(sorted({f[i : i + 4] for f in long_forms for i in range(0, len(f) - 3, 4)}))
+    return long_forms, anchors, tuple(f for f in forms if len(f) < MIN_SECRET_CHARS)
+
+
+def _grow(text: str, start: int, end: int, forms: Sequence[str], right_first: bool) -> tuple[int, int]:
+    """Widen ``text[start:end]`` (part of a form) as far as it stays part of some form.
+
+    "Part of a form" is monotone in both ends, so each end is found by bisection.
+    """
+    longest = max(map(len, forms))
+
+    def part(a: int, b: int) -> bool:
+        return any(text[a:b] in f for f in forms)
+
+    for side in ("right", "left") if right_first else ("left", "right"):
+        if side == "right":
+            lo, hi = end, min(len(text), start + longest)  # text[start:lo] is part of a form
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if part(start, mid) else (lo, mid - 1)
+            end = lo
+        else:
+            lo, hi = max(0, end - longest), start  # text[hi:end] is part of a form
+            while lo < hi:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if part(mid, end) else (mid + 1, hi)
+            start = hi
+    return start, end
+
+
+def redact(text: str, secrets: Sequence[str]) -> str:
+    """``text`` with every form of every secret (see the module docstring) replaced by ``***``.
+
+    Any run of >= ``MIN_SECRET_CHARS`` characters that is part of a form is removed, so a key
+    cut short by a truncation, or a prefix/suffix of it, is caught too. Redact *before* cutting.
+    Anchors are found with ``str.find`` (C speed); a body full of keys costs O(log) per key.
+    """
+    uniq = tuple(sorted({s for s in secrets if s}))
+    if not uniq or not text:
+        return text
+    forms, anchors, short = _redactor(uniq)
+    hits = []
+    for anchor in anchors:
+        hit = text.find(anchor)
+        while hit != -1:
+            hits.append(hit)
+            if len(hits) > _MAX_SECRET_HITS:  # a body made of keys: drop it whole rather than burn CPU
+                return "*** (redacted whole: it holds too many copies of an API key)"
+            hit = text.find(anchor, hit + 1)
+    merged: list[list[int]] = []
+    for hit in sorted(set(hits)):
+        if merged and hit + 4 <= merged[-1][1]:
+            continue  # inside a span already found
+        for right_first in (True, False):  # both ways round: the union covers the whole run
+            a, b = _grow(text, hit, hit + 4, forms, right_first)
+            if b - a < MIN_SECRET_CHARS:
+                continue
+            if merged and a <= merged[-1][1]:
+                merged[-1] = [min(merged[-1][0], a), max(merged[-1][1], b)]
+            else:
+                merged.append([a, b])
+    pieces, pos = [], 0
+    for a, b in merged:
+        pieces += [text[pos:a], "***"]
+        pos = b
+    text = "".join(pieces) + text[pos:]
+    for f in short:  # keys shorter than MIN_SECRET_CHARS: exact matches only
+        text = text.replace(f, "***")
+    return text
+
+
+def _redact_strings(value: Any, secrets: Sequence[str]) -> Any:
+    """Redact every string (keys included) inside a JSON value."""
+    if isinstance(value, str):
+        return redact(value, secrets)
+    if isinstance(value, list):
+        return [_redact_strings(v, secrets) for v in value]
+    if isinstance(value, dict):
+        return {redact(str(k), secrets): _redact_strings(v, secrets) for k, v in value.items()}
+    return value
+
+
+def _count(value: Any) -> int | None:
+    """A ``usage`` token count, or None (unknown) when missing, non-numeric, negative or absurd."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
+        return None
+    return int(value) if 0 <= value < _MAX_COUNT else None
 
 
 def _httpx() -> Any:
@@ -127,7 +263,10 @@ class TeacherConfig:
             raise ValueError(f"teacher {self.name!r}: environment variable {self.api_key_env} is not set")
         return key
 
-    def cost(self, prompt_tokens: int, completion_tokens: int) -> float:
+    def cost(self, prompt_tokens: int | None, completion_tokens: int | None) -> float | None:
+        """USD for one answer; None when a count is unknown."""
+        if prompt_tokens is None or completion_tokens is None:
+            return None
         return (
             prompt_tokens * self.input_cost_per_mtok + completion_tokens * self.output_cost_per_mtok
         ) / 1e6
@@ -199,6 +338,7 @@ class TeacherStats:
     cache_hits: int = 0
     retries: int = 0
     failures: int = 0
+    usage_unknown: int = 0  # answers with a missing / non-numeric usage count (not in the totals)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cost_usd: float = 0.0
@@ -215,7 +355,10 @@ class ReplayJob:
 
 @dataclass(frozen=True)
 class ReplayResult:
-    """A teacher's answer (``message``) or the reason it finally failed (``failure``)."""
+    """A teacher's answer (``message``) or the reason it finally failed (``failure``).
+
+    Token counts and cost are None when the endpoint's ``usage`` did not state them usably.
+    """
 
     teacher: str
     model: str
@@ -224,9 +367,9 @@ class ReplayResult:
     failure: str | None
     cached: bool
     attempts: int
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cost_usd: float = 0.0
+    prompt_tokens: int | None = 0
+    completion_tokens: int | None = 0
+    cost_usd: float | None = 0.0
 
     @property
     def ok(self) -> bool:
@@ -234,15 +377,38 @@ class ReplayResult:
 
 
 class ReplayCache:
-    """On-disk cache: one JSON file per key under ``root/<teacher>/<key[:2]>/<key>.json``.
+    """On-disk cache: one JSON file per key under ``root/<teacher dir>/<key[:2]>/<key>.json``.
 
-    Writes go to a temporary file then ``os.replace``, so a killed process leaves either
-    a complete entry or none.
+    Writes go to a temporary file ``.tmp-<pid>-*`` then ``os.replace``, so a killed process
+    leaves either a complete entry or none (plus possibly its temporary file, which the next
+    :class:`ReplayCache` on the same root removes: ``orphans_removed``). ``<teacher dir>`` is
+    the name itself when it is a plain name, else a sanitised name plus a hash of the original.
     """
+
+    _writes = 0  # per process, for the KILL_ENV test hook
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        self.orphans_removed = self._remove_orphans()
+
+    def _remove_orphans(self, legacy_age_s: float = 600.0) -> int:
+        """Delete temporary files whose writer is gone (dead pid, or unnamed and older than 10 min)."""
+        removed = 0
+        for tmp in self.root.rglob(".tmp-*"):
+            m = re.match(r"\.tmp-(\d+)-", tmp.name)
+            try:
+                if m is not None and _pid_alive(int(m.group(1))):  # a live writer (maybe this process)
+                    continue
+                if m is None and time.time() - tmp.stat().st_mtime < legacy_age_s:
+                    continue
+                tmp.unlink()
+                removed += 1
+            except FileNotFoundError:
+                continue
+        if removed:
+            log.info("replay cache %s: removed %d temporary files of an interrupted run", self.root, removed)
+        return removed
 
     @staticmethod
     def key(
@@ -257,9 +423,21 @@ class ReplayCache:
         payload = [teacher.name, teacher.model, state_hash(messages, tools), params]
         return hashlib.sha256(canonical_json(payload).encode()).hexdigest()
 
+    @staticmethod
+    def teacher_dir(teacher: str) -> str:
+        """A directory name for ``teacher`` that stays inside the cache (no ``/``, ``..``, leading dot)."""
+        if re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}", teacher):
+            return teacher
+        safe = re.sub(r"[^A-Za-z0-9_-]", "_", teacher)[:64]
+        return f"{safe}-{hashlib.sha256(teacher.encode()).hexdigest()[:12]}"
+
     def _path(self, teacher: str, key: str) -> Path:
-        safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in teacher)
-        return self.root / safe / key[:2] / f"{key}.json"
+        if not re.fullmatch(r"[0-9a-f]{64}", key):
+            raise ValueError(f"cache key must be a SHA-256 hex digest, got {key!r}")
+        p = self.root / self.teacher_dir(teacher) / key[:2] / f"{key}.json"
+        if not p.resolve().is_relative_to(self.root.resolve()):
+            raise ValueError(f"cache path {p} leaves the cache directory {self.root}")
+        return p
 
     def get(self, teacher: str, key: str) -> dict[str, Any] | None:
         p = self._path(teacher, key)
@@ -276,16 +454,29 @@ class ReplayCache:
     def put(self, teacher: str, key: str, entry: Mapping[str, Any]) -> None:
         p = self._path(teacher, key)
         p.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".tmp-", suffix=".json")
+        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".tmp-{os.getpid()}-", suffix=".json")
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 json.dump({**entry, "key": key}, f, ensure_ascii=False)
                 f.flush()
                 os.fsync(f.fileno())
+            ReplayCache._writes += 1
+            if os.environ.get(KILL_ENV) == f"cache-write:{ReplayCache._writes}":
+                os.kill(os.getpid(), signal.SIGKILL)
             os.replace(tmp, p)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
 
 
 class _Retryable(Exception):
@@ -297,6 +488,20 @@ class _Retryable(Exception):
 
 class _Fatal(Exception):
     pass
+
+
+def _answer_message(data: Any) -> dict[str, Any]:
+    """``choices[0].message`` of a chat-completions payload; :class:`_Retryable` naming what is wrong."""
+    if not isinstance(data, dict):
+        raise _Retryable(f"malformed response: the body is a JSON {type(data).__name__}, not an object")
+    choices = data.get("choices")
+    first = choices[0] if isinstance(choices, list) and choices else None
+    message = first.get("message") if isinstance(first, dict) else None
+    if not isinstance(message, dict):
+        raise _Retryable(
+            f"malformed response: no choices[0].message object (choices is {type(choices).__name__})"
+        )
+    return message
 
 
 def _retry_after(headers: Mapping[str, str]) -> float | None:
@@ -323,11 +528,19 @@ class Replayer:
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         rng: random.Random | None = None,
         transport: Any = None,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
     ) -> None:
         if not teachers:
             raise ValueError("teachers is empty: configure at least one teacher")
         if max_concurrency < 1:
             raise ValueError("max_concurrency must be >= 1")
+        if (
+            isinstance(max_response_bytes, bool)
+            or not isinstance(max_response_bytes, int)
+            or max_response_bytes < 1
+        ):
+            raise ValueError(f"max_response_bytes must be an integer >= 1, got {max_response_bytes!r}")
+        self.max_response_bytes = max_response_bytes
         self.teachers = {t.name: t for t in teachers}
         if len(self.teachers) != len(teachers):
             raise ValueError("teacher names must be unique")
@@ -343,11 +556,15 @@ class Replayer:
     def teacher_names(self) -> list[str]:
         return list(self.teachers)
 
+    def _secrets(self) -> list[str]:
+        return [
+            os.environ[t.api_key_env]
+            for t in self.teachers.values()
+            if t.api_key_env and os.environ.get(t.api_key_env)
+        ]
+
     def _redact(self, text: str) -> str:
-        for t in self.teachers.values():
-            if t.api_key_env and os.environ.get(t.api_key_env):
-                text = text.replace(os.environ[t.api_key_env], "***")
-        return text
+        return redact(text, self._secrets())
 
     def backoff(self, teacher: TeacherConfig, attempt: int, retry_after: float | None) -> float:
         """Sleep before retry ``attempt`` (0-based): U(d/2, d), d = min(max, base·2^attempt)."""
@@ -357,6 +574,29 @@ class Replayer:
             delay = max(delay, min(retry_after, teacher.backoff_max_s))
         return delay
 
+    async def _read(
+        self, client: Any, url: str, body: Mapping[str, Any], headers: Mapping[str, str], timeout_s: float
+    ) -> tuple[int, Mapping[str, str], bytes, bool]:
+        """POST and read the body streamed: (status, headers, body, oversize). Never reads past the cap."""
+        httpx = _httpx()
+        async with client.stream(
+            "POST", url, json=body, headers=headers, timeout=httpx.Timeout(timeout_s)
+        ) as resp:
+            cap = self.max_response_bytes if resp.status_code < 400 else ERROR_BODY_BYTES
+            declared = resp.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > self.max_response_bytes:
+                return resp.status_code, resp.headers, b"", True
+            buf = bytearray()
+            async for chunk in resp.aiter_bytes():
+                buf += chunk
+                if len(buf) > cap:
+                    return resp.status_code, resp.headers, bytes(buf[:cap]), cap == self.max_response_bytes
+            return resp.status_code, resp.headers, bytes(buf), False
+
+    def _snippet(self, raw: bytes, limit: int) -> str:
+        """Redact first, then cut (a key cut at the edge would no longer match)."""
+        return self._redact(raw.decode("utf-8", errors="replace"))[:limit]
+
     async def _post(self, client: Any, t: TeacherConfig, body: Mapping[str, Any]) -> dict[str, Any]:
         httpx = _httpx()
         headers = {"Content-Type": "application/json"}
@@ -365,27 +605,27 @@ class Replayer:
             headers["Authorization"] = f"Bearer {key}"
         url = t.base_url.rstrip("/") + "/chat/completions"
         try:  # httpx's timeout is per phase; wait_for makes timeout_s a deadline for the whole request
-            resp = await asyncio.wait_for(
-                client.post(url, json=body, headers=headers, timeout=httpx.Timeout(t.timeout_s)), t.timeout_s
+            status, resp_headers, raw, oversize = await asyncio.wait_for(
+                self._read(client, url, body, headers, t.timeout_s), t.timeout_s
             )
         except (TimeoutError, httpx.TimeoutException) as e:
             raise _Retryable(f"timeout after {t.timeout_s:g}s ({type(e).__name__})") from e
         except httpx.TransportError as e:
             raise _Retryable(f"connection error ({type(e).__name__})") from e
-        if resp.status_code in (408, 409, 429) or resp.status_code >= 500:
-            raise _Retryable(f"http {resp.status_code}", _retry_after(resp.headers))
-        if resp.status_code >= 400:
-            raise _Fatal(f"http {resp.status_code}: {resp.text[:300]}")
+        if status in (408, 409, 429) or status >= 500:
+            raise _Retryable(f"http {status}", _retry_after(resp_headers))
+        if status >= 400:
+            raise _Fatal(f"http {status}: {self._snippet(raw, 300)}")
+        if oversize:
+            raise _Fatal(
+                f"response larger than max_response_bytes={self.max_response_bytes} "
+                "(raise --max-response-bytes if the endpoint really answers that much)"
+            )
         try:
-            data = resp.json()
+            data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise _Retryable(f"malformed JSON in response ({resp.text[:80]!r})") from e
-        try:
-            message = data["choices"][0]["message"]
-            if not isinstance(message, dict):
-                raise TypeError
-        except (KeyError, IndexError, TypeError) as e:
-            raise _Retryable("malformed response: no choices[0].message") from e
+            raise _Retryable(f"malformed JSON in response ({self._snippet(raw, 80)!r})") from e
+        _answer_message(data)
         return dict(data)
 
     async def _request(self, client: Any, t: TeacherConfig, job: ReplayJob, key: str) -> ReplayResult:
@@ -416,41 +656,53 @@ class Replayer:
                     log.debug("teacher %s: %s; retry %d in %.2fs", t.name, reason, attempt + 1, delay)
                     await self._sleep(delay)
                 continue
-            usage = data.get("usage") or {}
-            pt, ct = int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
-            cost = t.cost(pt, ct)
-            st.answers += 1
-            st.prompt_tokens += pt
-            st.completion_tokens += ct
-            st.cost_usd += cost
-            raw = {**data["choices"][0]["message"], "role": "assistant"}
-            entry = {
-                "teacher": t.name,
-                "model": t.model,
-                "message": raw,
-                "usage": {"prompt_tokens": pt, "completion_tokens": ct},
-            }
-            if self.cache is not None:  # paid for: cached even when unusable, so a rerun does not pay again
-                self.cache.put(t.name, key, entry)
-            result = self._from_entry(t, key, entry, cached=False, attempts=attempts)
-            if not result.ok:
-                st.failures += 1
-            return result
+            except Exception as e:  # anything else a hostile endpoint provokes fails this request only
+                reason = f"unexpected {type(e).__name__} reading the response: {self._redact(str(e))[:300]}"
+                break
+            return self._answered(t, key, data, attempts)
         st.failures += 1
         reason = self._redact(f"{reason} (after {attempts} attempt{'s' if attempts > 1 else ''})")
         log.warning("teacher %s failed: %s", t.name, reason)
         return ReplayResult(t.name, t.model, key, None, reason, False, attempts)
 
+    def _answered(self, t: TeacherConfig, key: str, data: Mapping[str, Any], attempts: int) -> ReplayResult:
+        """Account and cache a paid answer (even an unusable one, so a rerun does not pay again)."""
+        st = self.stats[t.name]
+        usage = data.get("usage")
+        usage = usage if isinstance(usage, dict) else {}
+        pt, ct = _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
+        st.answers += 1
+        st.usage_unknown += pt is None or ct is None
+        st.prompt_tokens += pt or 0
+        st.completion_tokens += ct or 0
+        st.cost_usd += t.cost(pt or 0, ct or 0) or 0.0
+        secrets = self._secrets()
+        raw = _redact_strings({**_answer_message(data), "role": "assistant"}, secrets)
+        entry = {
+            "teacher": t.name,
+            "model": t.model,
+            "message": raw,
+            "usage": {"prompt_tokens": pt, "completion_tokens": ct},
+        }
+        if self.cache is not None:
+            self.cache.put(t.name, key, entry)
+        result = self._from_entry(t, key, entry, cached=False, attempts=attempts)
+        if not result.ok:
+            st.failures += 1
+            log.warning("teacher %s failed: %s", t.name, result.failure)
+        return result
+
     def _from_entry(
         self, t: TeacherConfig, key: str, entry: Mapping[str, Any], cached: bool, attempts: int
     ) -> ReplayResult:
-        usage = entry.get("usage") or {}
-        pt, ct = int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))
+        usage = entry.get("usage")
+        usage = usage if isinstance(usage, dict) else {}
+        pt, ct = _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
         try:
-            msg: Message | None = message_from_dict(entry["message"], f"teacher {t.name} answer")
+            msg: Message | None = message_from_dict(entry.get("message"), f"teacher {t.name} answer")
             failure = None
-        except ValueError as e:
-            msg, failure = None, f"unusable answer: {e}"
+        except (ValueError, TypeError, AttributeError) as e:  # any malformed part: unusable, not a crash
+            msg, failure = None, self._redact(f"unusable answer: {e}")[:300]
         return ReplayResult(t.name, t.model, key, msg, failure, cached, attempts, pt, ct, t.cost(pt, ct))
 
     async def areplay(

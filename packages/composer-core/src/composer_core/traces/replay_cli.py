@@ -10,6 +10,14 @@ retried, accounted), build a hinted teacher context at each faulty turn
 them, and write :class:`~composer_core.traces.records.TraceRecord` rows. Requests that finally
 failed go to ``<out>.failures.jsonl`` with their reason; per-teacher accounting to
 ``<out>.summary.json`` and the terminal.
+
+Exit status (all outputs are written first, whatever the status):
+
+- 0: done; at most ``--max-failure-rate`` of the teacher requests failed
+- 1: an unexpected error (a traceback)
+- 2: bad arguments or input (one line naming the argument)
+- 3: every teacher request failed (nothing usable came back: check keys, URLs, the endpoints)
+- 4: more than ``--max-failure-rate`` (default 0.5) of the teacher requests failed
 """
 
 from __future__ import annotations
@@ -34,10 +42,14 @@ from .hints import (
 )
 from .pairs import PreferencePair, Verifier, filter_pairs, make_pair
 from .records import TraceRecord, write_records
-from .replay import Replayer, ReplayJob, ReplayResult, load_teachers
+from .replay import DEFAULT_MAX_RESPONSE_BYTES, Replayer, ReplayJob, ReplayResult, load_teachers
 from .schema import Episode, ErrorSite, find_error_sites, read_traces
 
-__all__ = ["BuildResult", "build_records", "main", "plot_summary"]
+__all__ = ["EXIT_ALL_FAILED", "EXIT_TOO_MANY_FAILED", "BuildResult", "build_records", "main", "plot_summary"]
+
+EXIT_ALL_FAILED = 3
+EXIT_TOO_MANY_FAILED = 4
+DEFAULT_MAX_FAILURE_RATE = 0.5
 
 
 @dataclass
@@ -48,6 +60,7 @@ class BuildResult:
     states: int = 0
     sdpo_sites: int = 0
     pairs: int = 0
+    requests: int = 0  # teacher requests (one per state and teacher; cached ones included)
 
 
 def _progress(total: int, enabled: bool) -> Any:
@@ -125,6 +138,7 @@ def build_records(
     kept_ids = {(p.episode_id, p.turn) for p in kept}
 
     out = BuildResult([], failures, dropped, states=len(targets))
+    out.requests = sum(len(rs) for rs in results.values())
     for ep, t in targets:
         row: dict[str, Any] = {
             "id": f"{ep.id}@{t}",
@@ -222,6 +236,10 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="composer-replay",
         description="Replay N teacher models at the states of agent traces; write SDPO sites and preference pairs.",
+        epilog=(
+            "exit status: 0 done; 1 unexpected error; 2 bad arguments or input; 3 every teacher request "
+            "failed; 4 more than --max-failure-rate of them failed (outputs are written in every case)"
+        ),
     )
     ap.add_argument(
         "--traces", required=True, nargs="+", help="episode JSONL files (OpenAI chat or Claude Code)"
@@ -256,6 +274,19 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-chars", type=int)
     ap.add_argument("--no-dedupe", action="store_true")
     ap.add_argument("--max-concurrency", type=int, default=16)
+    ap.add_argument(
+        "--max-response-bytes",
+        type=int,
+        default=DEFAULT_MAX_RESPONSE_BYTES,
+        help="refuse (record as failed) teacher responses larger than this (default: %(default)s = 8 MiB)",
+    )
+    ap.add_argument(
+        "--max-failure-rate",
+        type=float,
+        default=DEFAULT_MAX_FAILURE_RATE,
+        help="exit 4 when more than this fraction of teacher requests failed (default: %(default)s); "
+        "exit 3 when all failed",
+    )
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--plot", help="also draw the per-teacher summary as a PNG (plot extra)")
     return ap
@@ -284,6 +315,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
         "cache_hits",
         "retries",
         "failures",
+        "usage_unknown",
         "prompt_tokens",
         "completion_tokens",
         "cost_usd",
@@ -300,14 +332,45 @@ def _print_summary(summary: dict[str, Any]) -> None:
     )
 
 
+def _exit_status(result: BuildResult, max_failure_rate: float, failures_path: Path) -> int:
+    failed, total = len(result.failures), result.requests
+    if not total or not failed:
+        return 0
+    if failed == total:
+        print(
+            f"composer-replay: error: all {total} teacher requests failed (reasons in {failures_path}); "
+            "check api_key_env, base_url and the endpoints",
+            file=sys.stderr,
+        )
+        return EXIT_ALL_FAILED
+    if failed / total > max_failure_rate:
+        print(
+            f"composer-replay: error: {failed} of {total} teacher requests failed ({failed / total:.0%} > "
+            f"--max-failure-rate {max_failure_rate:g}; reasons in {failures_path})",
+            file=sys.stderr,
+        )
+        return EXIT_TOO_MANY_FAILED
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not 0.0 <= args.max_failure_rate <= 1.0:
+        parser.error(f"--max-failure-rate must be in [0, 1], got {args.max_failure_rate}")
+    if args.max_response_bytes < 1:
+        parser.error(f"--max-response-bytes must be >= 1, got {args.max_response_bytes}")
     out = Path(args.out)
     episodes = [ep for path in args.traces for ep in read_traces(path, args.format)]
     replayer = None
     if args.teachers:
         cache = Path(args.cache_dir) if args.cache_dir else out.with_name(out.name + ".cache")
-        replayer = Replayer(load_teachers(args.teachers), cache, max_concurrency=args.max_concurrency)
+        replayer = Replayer(
+            load_teachers(args.teachers),
+            cache,
+            max_concurrency=args.max_concurrency,
+            max_response_bytes=args.max_response_bytes,
+        )
     hint = _hint_source(args.hint, args.hint_template, replayer)
     tokenizer = _load_tokenizer(args.tokenizer, args.trust_remote_code) if args.tokenizer else None
     result = build_records(
@@ -335,6 +398,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "records": len(result.records),
         "sdpo_sites": result.sdpo_sites,
         "pairs": result.pairs,
+        "teacher_requests": result.requests,
         "failed_requests": len(result.failures),
         "dropped": result.dropped,
         "teachers": replayer.summary() if replayer else {},
@@ -344,7 +408,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _print_summary(summary)
     if args.plot:
         plot_summary(summary, args.plot)
-    return 0
+    return _exit_status(result, args.max_failure_rate, failures_path)
 
 
 if __name__ == "__main__":  # pragma: no cover
