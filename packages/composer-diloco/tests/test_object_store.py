@@ -76,12 +76,16 @@ def test_local_writes_go_through_a_temporary_key(tmp_path: Path, monkeypatch: py
     import os
 
     store = ObjectStoreAllReduce(f"file://{tmp_path}", "run", rank=0, world_size=1)
+    links: list[tuple[str, str]] = []
     renames: list[tuple[str, str]] = []
-    real = os.replace
-    monkeypatch.setattr(os, "replace", lambda a, b: (renames.append((a, b)), real(a, b))[1])
+    real_link, real_replace = os.link, os.replace
+    monkeypatch.setattr(os, "link", lambda a, b: (links.append((a, b)), real_link(a, b))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (renames.append((a, b)), real_replace(a, b))[1])
     store.allreduce(0, [torch.ones(1)])
-    assert len(renames) == 1 and Path(renames[0][0]).name.startswith(".tmp-")
-    assert renames[0][1] == store.object_key(0, 0)
+    # object and manifest: create-only link of a complete temporary file; marker: atomic rename
+    assert [b for _, b in links] == [store.object_key(0, 0), store.manifest_key(0)]
+    assert [b for _, b in renames] == [store.marker_key(0)]
+    assert all(Path(a).name.startswith(".tmp-") for a, _ in links + renames)
     assert not list(Path(store.round_dir(0)).glob(".tmp-*"))
 
 
