@@ -10,8 +10,11 @@ is bounded and generous, and a replica that must be absent from a round is simpl
 from __future__ import annotations
 
 import os
+import socket
+import threading
 import time
 import uuid
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -136,3 +139,166 @@ def test_replica_behind_keep_rounds_gets_round_expired_and_recreates_nothing(
     assert late["results"] == [] and late["error"] == "RoundExpiredError", late
     assert "keep_rounds=2" in late["message"] and "checkpoint" in late["message"]
     assert admin.rounds_present() == [2, 3]
+
+
+class StallProxy:
+    """A TCP proxy in front of moto's S3 server that holds one upload mid-body.
+    
+    Everything is forwarded byte for byte, except that once the client sends ``pattern`` (e.g. the
+    request line of one object's PUT), the proxy forwards ``after`` more bytes and then holds the
+    rest: the upload is in flight, part of its body is at the server. ``stalled`` is set then. When
+    the client goes away (SIGKILLed), the proxy closes its server connection, as the kernel of a
+    killed client would: the server sees a request that ends mid-body.
+    """
+
+    def __init__(self, upstream: tuple[str, int], pattern: bytes, after: int) -> None:
+        self.upstream = upstream
+        self.pattern = pattern
+        self.after = after
+        self.stalled = threading.Event()
+        self.forwarded_after_match = 0
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.port = self._server.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        for s in [self._server, *self._sockets]:
+            with suppress(OSError):
+                s.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._server.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(self.upstream)
+            except OSError:
+                client.close()
+                continue
+            self._sockets += [client, upstream]
+            threading.Thread(target=self._up, args=(client, upstream), daemon=True).start()
+            threading.Thread(target=self._down, args=(upstream, client), daemon=True).start()
+
+    def _down(self, src: socket.socket, dst: socket.socket) -> None:
+        with suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+        with suppress(OSError):
+            dst.close()
+
+    def _up(self, src: socket.socket, dst: socket.socket) -> None:
+        tail = b""
+        budget: int | None = None  # bytes still to forward once the pattern was seen
+        with suppress(OSError):
+            while data := src.recv(65536):
+                if budget is None:  # every matching upload is held (a client retry included)
+                    seen = tail + data
+                    at = seen.find(self.pattern)
+                    tail = seen[-(len(self.pattern) - 1) :]
+                    if at < 0:
+                        dst.sendall(data)
+                        continue
+                    budget = (at - (len(seen) - len(data))) + self.after  # match offset in data + after
+                send = data[: max(0, budget)]
+                if send:
+                    dst.sendall(send)
+                    self.forwarded_after_match += len(send)
+                budget -= len(data)
+                if budget <= 0:
+                    self.stalled.set()
+                    while src.recv(65536):  # hold: read and drop until the client dies
+                        pass
+                    break
+        with suppress(OSError):
+            dst.close()
+
+
+@pytest.mark.parametrize("upload", ["put", "multipart"])
+def test_sigkill_mid_put_on_s3_never_publishes_a_torn_object(
+    upload: str, tmp_path: Path, moto_s3: dict[str, Any]
+) -> None:
+    """Rank 1's upload is held mid-body by a proxy (2 MiB into a single 4 MB PUT, or into part 2
+    of a 12 MB multipart upload in 5 MiB parts; a client retry is held too), the other two
+    replicas start and publish, then rank 1 is SIGKILLed while its upload is in flight: the round
+    completes without it, and its object never appears (no torn object is ever listed or read)."""
+    from urllib.parse import urlparse
+
+    store = Store("s3://diloco-test/faults", f"k-{uuid.uuid4().hex[:10]}", moto_s3)
+    admin = store.admin(3)
+    numel = 1_000_000 if upload == "put" else 3_000_000
+    path = f"PUT /{admin.object_key(0, 1)}".encode()
+    pattern = path + (b" HTTP/1.1" if upload == "put" else b"?partNumber=2&")
+    moto = urlparse(moto_s3["client_kwargs"]["endpoint_url"])
+    held_after = 2 * 2**20  # 2 MiB of the 4 MB PUT body / of the 5 MiB part reach the server, then it hangs
+    proxy = StallProxy((str(moto.hostname), int(moto.port or 80)), pattern, after=held_after)
+    victim_options = {**moto_s3, "client_kwargs": {"endpoint_url": proxy.url}}
+    common: dict[str, Any] = {"numel": numel, "on_timeout": "proceed", "timeout_s": 30}
+    if upload == "multipart":
+        common["multipart_chunksize"] = 5 * 2**20
+    try:
+        victim = ReplicaProcess(
+            1,
+            TARGET,
+            {
+                "url": store.url,
+                "run_id": store.run_id,
+                "rank": 1,
+                "world_size": 3,
+                "rounds": [[0, 100.0]],
+                "storage_options": victim_options,
+                **common,
+            },
+            tmp_path,
+            replica_env(),
+        )
+        assert proxy.stalled.wait(WAIT_S), victim.log_text()  # rank 1's upload is in flight
+        gate = tmp_path / "gate"
+        survivors = [start(tmp_path, store, r, 3, [[0, v]], gate=str(gate), **common) for r, v in ((0, 1.0), (2, 3.0))]
+        open_gate(survivors, gate)
+        deadline = time.monotonic() + WAIT_S
+        while not all(admin.fs.exists(admin.object_key(0, r)) for r in (0, 2)):  # both now poll the round
+            assert time.monotonic() < deadline
+            admin.fs.invalidate_cache()
+            time.sleep(0.05)
+        assert victim.proc.poll() is None and proxy.stalled.is_set()
+        victim.kill()  # SIGKILL while its PUT / multipart upload is in flight
+        outs = [finish(p) for p in survivors]
+    finally:
+        proxy.close()
+    assert victim.proc.returncode == -9
+    assert proxy.forwarded_after_match >= held_after  # part of the body had reached the server
+    for out in outs:
+        (res,) = out["results"]
+        assert out["error"] is None and res["value"] == 2.0 and res["uniform"]
+        assert res["participants"] == [0, 2] and res["excluded"] == {"1": "no object"}  # never a torn one
+    admin.fs.invalidate_cache()
+    assert not admin.fs.exists(admin.object_key(0, 1))
+
+
+SECRET = uuid.uuid4().hex + uuid.uuid4().hex  # random: never printed by the code under test
+
+
+@pytest.mark.parametrize("writer", ["no key", "wrong key"])
+def test_hmac_reader_refuses_unsigned_or_wrongly_signed_writer(store: Store, tmp_path: Path, writer: str) -> None:
+    other = {"no key": {}, "wrong key": {"COMPOSER_DILOCO_HMAC_KEY": uuid.uuid4().hex}}[writer]
+    gate = tmp_path / "gate"
+    procs = [
+        start(tmp_path, store, 0, 2, [[0, 1.0]], env={"COMPOSER_DILOCO_HMAC_KEY": SECRET}, gate=str(gate), timeout_s=15),
+        start(tmp_path, store, 1, 2, [[0, 50.0]], env=other, gate=str(gate), timeout_s=15),
+    ]
+    if writer == "no key":  # the parent's environment must not leak a key into the keyless writer
+        assert "COMPOSER_DILOCO_HMAC_KEY" not in os.environ
+    open_gate(procs, gate)
+    reader, rogue = (finish(p) for p in procs)
+    assert reader["results"] == [] and reader["error"] == "AuthenticationError", reader
+    assert store.admin(2).object_key(0, 1) in reader["message"]
+    assert ("not authenticated" if writer == "no key" else "HMAC-SHA256 check") in reader["message"]
+    assert rogue["results"] == [] and rogue["error"] == "AuthenticationError"  # it refuses the reader too
+    texts = [p.log_text() for p in procs] + [reader["message"], rogue["message"]]
+    for secret in [SECRET, *other.values()]:
+        pieces = {secret[i : i + 8] for i in range(len(secret) - 7)}
+        assert not any(piece in text for piece in pieces for text in texts)

@@ -220,12 +220,17 @@ class ObjectStoreAllReduce:
         self.bytes_written = 0
         self.bytes_read = 0
         self.hmac_key_env = hmac_key_env
-        self._hmac_key = _hmac_key(hmac_key_env, require_hmac)
+        secret = _hmac_key(hmac_key_env, require_hmac)
+        self._hmac = None if secret is None else _Secret(secret)
 
     @property
     def authenticated(self) -> bool:
         """True when objects are signed and verified with HMAC-SHA256."""
-        return self._hmac_key is not None
+        return self._hmac is not None
+
+    @property
+    def _hmac_key(self) -> bytes | None:
+        return None if self._hmac is None else self._hmac.value
 
     # ---- keys -------------------------------------------------------------------------
     def key(self, *parts: str) -> str:
@@ -648,7 +653,7 @@ class ObjectStoreAllReduce:
         written0, read0 = self.bytes_written, self.bytes_read
         data, own = self._encode(round_id, tensors, quantize)
         decoded: dict[int, _Decoded] = {}
-        problems: dict[int, str] = {}
+        problems: dict[int, CorruptObjectError] = {}
         manifest = self._committed(round_id)
         adopted = manifest is not None
         if manifest is None:
@@ -684,7 +689,7 @@ class ObjectStoreAllReduce:
             round=round_id,
             participants=list(participants),
             excluded={
-                r: problems.get(r, "no object") for r in range(self.world_size) if r not in participants
+                r: str(problems.get(r, "no object")) for r in range(self.world_size) if r not in participants
             },
             bytes_written=self.bytes_written - written0,
             bytes_read=self.bytes_read - read0,
@@ -736,7 +741,7 @@ class ObjectStoreAllReduce:
         return out
 
     def _await_manifest(
-        self, round_id: int, decoded: dict[int, _Decoded], problems: dict[int, str]
+        self, round_id: int, decoded: dict[int, _Decoded], problems: dict[int, CorruptObjectError]
     ) -> _Manifest:
         directory = self.round_dir(round_id)
         deadline = time.monotonic() + self.timeout_s
@@ -757,7 +762,7 @@ class ObjectStoreAllReduce:
                     decoded[r] = self.decode(raw, round_id=round_id, rank=r, key=key)
                     problems.pop(r, None)
                 except CorruptObjectError as exc:
-                    problems[r] = str(exc)  # maybe still being written by a non-atomic writer: re-read
+                    problems[r] = exc  # maybe still being written by a non-atomic writer: re-read
             timed_out = time.monotonic() >= deadline
             if len(decoded) == self.world_size or timed_out:
                 committed = self._committed(round_id)  # never propose for a round the run has left
@@ -774,15 +779,19 @@ class ObjectStoreAllReduce:
                 return found
             time.sleep(self.poll_interval_s)
 
-    def _check_timeout(self, round_id: int, decoded: Mapping[int, _Decoded], problems: Mapping[int, str]) -> None:
+    def _check_timeout(
+        self, round_id: int, decoded: Mapping[int, _Decoded], problems: Mapping[int, CorruptObjectError]
+    ) -> None:
         """Raise per ``on_timeout`` / ``min_replicas`` when ranks are missing at the deadline."""
-        missing = {r: problems.get(r, "no object") for r in range(self.world_size) if r not in decoded}
+        missing = {r: str(problems.get(r, "no object")) for r in range(self.world_size) if r not in decoded}
         corrupt = {r: problems[r] for r in missing if r in problems}
         if self.on_timeout == "fail" and corrupt:
-            raise CorruptObjectError(
+            kinds = {type(exc) for exc in corrupt.values()}
+            cls = kinds.pop() if len(kinds) == 1 else CorruptObjectError  # the most specific name
+            raise cls(
                 f"round {round_id}: invalid objects for ranks {sorted(corrupt)} after timeout_s="
-                f"{self.timeout_s}: {'; '.join(corrupt.values())}. They are never averaged; remove them or "
-                "pass on_timeout='proceed' to continue without those replicas."
+                f"{self.timeout_s}: {'; '.join(map(str, corrupt.values()))}. They are never averaged; remove "
+                "them or pass on_timeout='proceed' to continue without those replicas."
             )
         if self.on_timeout == "fail":
             raise StragglerTimeoutError(
@@ -827,6 +836,21 @@ def quantize_fp8(t: torch.Tensor) -> tuple[torch.Tensor, float]:
 def dequantize_fp8(q: torch.Tensor, scale: float) -> torch.Tensor:
     """Inverse of :func:`quantize_fp8` in float32."""
     return q.to(torch.float32) * float(scale)
+
+
+class _Secret:
+    """Holds the HMAC key; its repr never shows it (reprs end up in logs and tracebacks)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: bytes) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return "_Secret(<redacted>)"
+
+    def __reduce__(self) -> Any:
+        raise TypeError("the HMAC key is not picklable: every replica reads it from its own environment.")
 
 
 def _hmac_key(env: str, required: bool) -> bytes | None:
