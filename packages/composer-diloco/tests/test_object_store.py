@@ -305,7 +305,9 @@ def test_expired_round_raises_and_writes_nothing(url: str) -> None:
     for rnd in range(4):
         fast.allreduce(rnd, [torch.ones(1)])
     mine = [torch.full((1,), 5.0)]
-    with pytest.raises(RoundExpiredError, match=r"round 0 .*store already holds round 3.*keep_rounds=2.*checkpoint"):
+    with pytest.raises(
+        RoundExpiredError, match=r"round 0 .*store already holds round 3.*keep_rounds=2.*checkpoint"
+    ):
         late.allreduce(0, mine)
     assert torch.equal(mine[0], torch.full((1,), 5.0)) and fast.rounds_present() == [2, 3]
 
@@ -314,7 +316,7 @@ def test_lost_manifest_is_detected_from_progress_markers(url: str) -> None:
     fast, late = _stores(url, 2, timeout_s=0.2, on_timeout="proceed")
     fast.allreduce(0, [torch.ones(1)])
     fast.fs.rm(fast.manifest_key(0))
-    with pytest.raises(RoundExpiredError, match="rank 0 accepted its manifest.*its manifest is gone"):
+    with pytest.raises(RoundExpiredError, match=r"rank 0 accepted its manifest.*its manifest is gone"):
         late.allreduce(0, [torch.zeros(1)])
 
 
@@ -349,7 +351,7 @@ def _nan_object(store: ObjectStoreAllReduce, rank: int, value: float) -> bytes:
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
 def test_checksum_valid_non_finite_object_is_refused_on_read(url: str, value: float) -> None:
-    store0, store1 = _stores(url, 2, timeout_s=0.3)
+    store0, _ = _stores(url, 2, timeout_s=0.3)
     with pytest.raises(NonFiniteObjectError, match="NaN/inf"):
         store0.decode(_nan_object(store0, 1, value), round_id=0, rank=1, key="k")
     _write_raw(store0, store0.object_key(0, 1), _nan_object(store0, 1, value))
@@ -362,7 +364,9 @@ def test_non_finite_object_with_proceed_is_excluded(url: str) -> None:
     _write_raw(store0, store0.object_key(0, 1), _nan_object(store0, 1, float("nan")))
     mine = [torch.ones(2)]
     stats = store0.allreduce(0, mine)
-    assert stats.participants == [0] and "NaN/inf" in stats.excluded[1] and torch.equal(mine[0], torch.ones(2))
+    assert (
+        stats.participants == [0] and "NaN/inf" in stats.excluded[1] and torch.equal(mine[0], torch.ones(2))
+    )
 
 
 KEY = "0123456789abcdef0123456789abcdef"
@@ -377,7 +381,9 @@ def test_hmac_signed_round_trip_and_refusals(url: str, monkeypatch: pytest.Monke
     store0, store1 = _stores(url, 2, timeout_s=10)
     assert store0.authenticated and not plain.authenticated
     signed = store1.encode(0, [torch.ones(2)])
-    assert signed.startswith(b"CDILOCH1") and store0.decode(signed, round_id=0, rank=1).tensors[0].tolist() == [1, 1]
+    assert signed.startswith(b"CDILOCH1") and store0.decode(signed, round_id=0, rank=1).tensors[
+        0
+    ].tolist() == [1, 1]
     with pytest.raises(AuthenticationError, match="not authenticated") as unsigned:
         store0.decode(plain.encode(0, [torch.ones(2)]), round_id=0, rank=1, key="k")
     with pytest.raises(AuthenticationError, match="HMAC-SHA256 check") as forged:
@@ -409,7 +415,7 @@ def test_hmac_refuses_an_unsigned_manifest_and_excludes_unsigned_objects(
     keyless = ObjectStoreAllReduce(url, "run2", rank=0, world_size=2, timeout_s=0.2, on_timeout="proceed")
     keyless.allreduce(0, [torch.ones(2)])  # a keyless writer commits a manifest
     monkeypatch.setenv("COMPOSER_DILOCO_HMAC_KEY", KEY)
-    with pytest.raises(AuthenticationError, match="manifest.json is unsigned"):
+    with pytest.raises(AuthenticationError, match=r"manifest\.json is unsigned"):
         ObjectStoreAllReduce(url, "run2", rank=1, world_size=2, timeout_s=0.3).allreduce(0, [torch.ones(2)])
 
 

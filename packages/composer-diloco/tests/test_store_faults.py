@@ -95,13 +95,17 @@ def run_together(
     workdir: Path, store: Store, world_size: int, values: dict[int, list[list[float]]], **kw: Any
 ) -> dict[int, dict[str, Any]]:
     gate = workdir / f"gate-{uuid.uuid4().hex[:6]}"
-    procs = [start(workdir, store, r, world_size, rounds, gate=str(gate), **kw) for r, rounds in values.items()]
+    procs = [
+        start(workdir, store, r, world_size, rounds, gate=str(gate), **kw) for r, rounds in values.items()
+    ]
     open_gate(procs, gate)
     return {p.rank: finish(p) for p in procs}
 
 
 def test_late_replica_whose_committed_manifest_was_deleted_fails_named(store: Store, tmp_path: Path) -> None:
-    done = run_together(tmp_path, store, 3, {0: [[0, 1.0]], 1: [[0, 2.0]]}, on_timeout="proceed", timeout_s=10)
+    done = run_together(
+        tmp_path, store, 3, {0: [[0, 1.0]], 1: [[0, 2.0]]}, on_timeout="proceed", timeout_s=10
+    )
     for out in done.values():
         assert out["error"] is None and out["results"][0]["value"] == 1.5
         assert out["results"][0]["participants"] == [0, 1]
@@ -143,7 +147,7 @@ def test_replica_behind_keep_rounds_gets_round_expired_and_recreates_nothing(
 
 class StallProxy:
     """A TCP proxy in front of moto's S3 server that holds one upload mid-body.
-    
+
     Everything is forwarded byte for byte, except that once the client sends ``pattern`` (e.g. the
     request line of one object's PUT), the proxy forwards ``after`` more bytes and then holds the
     rest: the upload is in flight, part of its body is at the server. ``stalled`` is set then. When
@@ -257,7 +261,9 @@ def test_sigkill_mid_put_on_s3_never_publishes_a_torn_object(
         )
         assert proxy.stalled.wait(WAIT_S), victim.log_text()  # rank 1's upload is in flight
         gate = tmp_path / "gate"
-        survivors = [start(tmp_path, store, r, 3, [[0, v]], gate=str(gate), **common) for r, v in ((0, 1.0), (2, 3.0))]
+        survivors = [
+            start(tmp_path, store, r, 3, [[0, v]], gate=str(gate), **common) for r, v in ((0, 1.0), (2, 3.0))
+        ]
         open_gate(survivors, gate)
         deadline = time.monotonic() + WAIT_S
         while not all(admin.fs.exists(admin.object_key(0, r)) for r in (0, 2)):  # both now poll the round
@@ -283,11 +289,22 @@ SECRET = uuid.uuid4().hex + uuid.uuid4().hex  # random: never printed by the cod
 
 
 @pytest.mark.parametrize("writer", ["no key", "wrong key"])
-def test_hmac_reader_refuses_unsigned_or_wrongly_signed_writer(store: Store, tmp_path: Path, writer: str) -> None:
+def test_hmac_reader_refuses_unsigned_or_wrongly_signed_writer(
+    store: Store, tmp_path: Path, writer: str
+) -> None:
     other = {"no key": {}, "wrong key": {"COMPOSER_DILOCO_HMAC_KEY": uuid.uuid4().hex}}[writer]
     gate = tmp_path / "gate"
     procs = [
-        start(tmp_path, store, 0, 2, [[0, 1.0]], env={"COMPOSER_DILOCO_HMAC_KEY": SECRET}, gate=str(gate), timeout_s=15),
+        start(
+            tmp_path,
+            store,
+            0,
+            2,
+            [[0, 1.0]],
+            env={"COMPOSER_DILOCO_HMAC_KEY": SECRET},
+            gate=str(gate),
+            timeout_s=15,
+        ),
         start(tmp_path, store, 1, 2, [[0, 50.0]], env=other, gate=str(gate), timeout_s=15),
     ]
     if writer == "no key":  # the parent's environment must not leak a key into the keyless writer

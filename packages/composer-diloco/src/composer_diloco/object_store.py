@@ -526,7 +526,9 @@ class ObjectStoreAllReduce:
                 and m["round"] == round_id
                 and m["world_size"] == self.world_size
                 and isinstance(ranks, list)
-                and all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r < self.world_size for r in ranks)
+                and all(
+                    isinstance(r, int) and not isinstance(r, bool) and 0 <= r < self.world_size for r in ranks
+                )
                 and ranks == sorted(set(ranks))
                 and len(ranks) > 0
                 and sorted(tags) == ranks
@@ -720,7 +722,9 @@ class ObjectStoreAllReduce:
             )
         return stored, True
 
-    def _gather(self, round_id: int, manifest: _Manifest, decoded: dict[int, _Decoded]) -> dict[int, _Decoded]:
+    def _gather(
+        self, round_id: int, manifest: _Manifest, decoded: dict[int, _Decoded]
+    ) -> dict[int, _Decoded]:
         """The committed objects: each participant's object with the tag the manifest lists."""
         out: dict[int, _Decoded] = {}
         for r in manifest.ranks:
