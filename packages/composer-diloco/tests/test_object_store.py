@@ -430,3 +430,52 @@ def test_hmac_key_is_validated_without_echoing_it(tmp_path: Path, monkeypatch: p
     monkeypatch.setenv("MY_KEY", KEY)
     store = ObjectStoreAllReduce(f"file://{tmp_path}", "run", rank=0, world_size=1, hmac_key_env="MY_KEY")
     assert store.authenticated and KEY not in repr(store) and KEY not in str(vars(store))
+
+
+def test_manager_restored_from_a_checkpoint_adopts_committed_rounds_or_fails_named(url: str) -> None:
+    """ObjectStoreManager (the torchft Manager stand-in): a replica restored from a checkpoint
+    re-runs round 0 with new values and adopts the committed 3.0; once round 0 is cleaned up, the
+    same re-run raises RoundExpiredError from the round's Work.wait and leaves its tensor alone."""
+    from composer_diloco import ObjectStoreManager
+
+    def one_round(manager: ObjectStoreManager, value: float) -> torch.Tensor:
+        manager.start_quorum()
+        tensor = torch.full((2,), value)
+        manager.allreduce(tensor).wait()
+        assert manager.should_commit()
+        return tensor
+
+    managers = [ObjectStoreManager(s) for s in _stores(url, 2, timeout_s=10, on_timeout="proceed")]
+    checkpoint = managers[1].state_dict()  # taken before round 0
+    out: list[Any] = [None, None]
+    threads = [
+        threading.Thread(target=lambda i=i, v=v: out.__setitem__(i, one_round(managers[i], v)))
+        for i, v in ((0, 2.0), (1, 4.0))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert torch.equal(out[0], torch.full((2,), 3.0)) and torch.equal(out[1], out[0])
+
+    def restored() -> ObjectStoreManager:
+        manager = ObjectStoreManager(ObjectStoreAllReduce(url, "run", rank=1, world_size=2, timeout_s=0.2))
+        manager.load_state_dict(checkpoint)
+        return manager
+
+    again = restored()
+    assert torch.equal(one_round(again, 22.0), torch.full((2,), 3.0))
+    assert again.store.last.adopted and again.current_step() == 1
+    solo = ObjectStoreManager(
+        ObjectStoreAllReduce(url, "run", rank=0, world_size=2, timeout_s=0.2, on_timeout="proceed")
+    )
+    solo.load_state_dict(managers[0].state_dict())
+    for _ in range(3):  # rounds 1..3 without rank 1: keep_rounds=2 deletes rounds 0 and 1
+        one_round(solo, 1.0)
+    late = restored()
+    late.start_quorum()
+    tensor = torch.full((2,), 22.0)
+    work = late.allreduce(tensor)
+    with pytest.raises(RoundExpiredError, match=r"round 0 .*checkpoint"):
+        work.wait()
+    assert torch.equal(tensor, torch.full((2,), 22.0)) and late.current_step() == 0
