@@ -58,12 +58,13 @@ def ray_instance() -> Iterator[Any]:
 
     # nox points TMPDIR into the virtualenv, where Ray's workers refuse to start
     options = {"num_cpus": 2, "include_dashboard": False, "log_to_driver": False, "_temp_dir": ray_temp_dir()}
-    try:
-        ray.init(**options)
-    except Exception as exc:  # Ray waits a fixed 30 s for its raylet; on an overloaded host retry once
-        if "timed out during startup" not in str(exc):
-            raise
-        ray.shutdown()
-        ray.init(**options)
+    for attempt in range(3):  # Ray waits a fixed 30 s for its raylet; on an overloaded host retry
+        try:
+            ray.init(**options)
+            break
+        except Exception as exc:
+            if "timed out during startup" not in str(exc) or attempt == 2:
+                raise
+            ray.shutdown()
     yield ray
     ray.shutdown()

@@ -11,7 +11,16 @@ from typing import Any
 
 import pytest
 import torch
-from composer_diloco import CorruptObjectError, ObjectStoreAllReduce, ObjectStoreError, StragglerTimeoutError
+from composer_diloco import (
+    AuthenticationError,
+    CorruptObjectError,
+    NonFiniteObjectError,
+    ObjectStoreAllReduce,
+    ObjectStoreError,
+    RoundConflictError,
+    RoundExpiredError,
+    StragglerTimeoutError,
+)
 from composer_diloco.object_store import dequantize_fp8, quantize_fp8, safe_part
 
 
@@ -76,12 +85,16 @@ def test_local_writes_go_through_a_temporary_key(tmp_path: Path, monkeypatch: py
     import os
 
     store = ObjectStoreAllReduce(f"file://{tmp_path}", "run", rank=0, world_size=1)
+    links: list[tuple[str, str]] = []
     renames: list[tuple[str, str]] = []
-    real = os.replace
-    monkeypatch.setattr(os, "replace", lambda a, b: (renames.append((a, b)), real(a, b))[1])
+    real_link, real_replace = os.link, os.replace
+    monkeypatch.setattr(os, "link", lambda a, b: (links.append((a, b)), real_link(a, b))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (renames.append((a, b)), real_replace(a, b))[1])
     store.allreduce(0, [torch.ones(1)])
-    assert len(renames) == 1 and Path(renames[0][0]).name.startswith(".tmp-")
-    assert renames[0][1] == store.object_key(0, 0)
+    # object and manifest: create-only link of a complete temporary file; marker: atomic rename
+    assert [b for _, b in links] == [store.object_key(0, 0), store.manifest_key(0)]
+    assert [b for _, b in renames] == [store.marker_key(0)]
+    assert all(Path(a).name.startswith(".tmp-") for a, _ in links + renames)
     assert not list(Path(store.round_dir(0)).glob(".tmp-*"))
 
 
@@ -244,3 +257,225 @@ def test_fp8_quantisation_round_trip_error_bound() -> None:
     assert ((back - t).abs() <= t.abs() * 2**-4 + scale * 2**-9).all()
     zero_q, zero_scale = quantize_fp8(torch.zeros(3))
     assert zero_scale == 1.0 and torch.equal(dequantize_fp8(zero_q, zero_scale), torch.zeros(3))
+
+
+# ---- the committed manifest is the single source of truth (process tests: test_store_faults.py) ----
+
+
+def test_rerun_of_a_committed_round_adopts_it_and_never_overwrites(url: str) -> None:
+    stores = _stores(url, 2, timeout_s=10)
+    _parallel(stores, 0, [[torch.full((2,), 2.0)], [torch.full((2,), 4.0)]])
+    stored = stores[1].fs.cat_file(stores[1].object_key(0, 1))
+    again = [torch.full((2,), 22.0)]
+    stats = stores[1].allreduce(0, again)
+    assert stats.adopted and stats.participants == [0, 1] and torch.equal(again[0], torch.full((2,), 3.0))
+    assert stores[1].fs.cat_file(stores[1].object_key(0, 1)) == stored
+
+
+def test_own_object_from_an_earlier_attempt_is_the_contribution(url: str) -> None:
+    store0, store1 = _stores(url, 2, timeout_s=10)
+    store1.put_if_absent(store1.object_key(0, 1), store1.encode(0, [torch.full((2,), 10.0)]))  # then crashed
+    out = _parallel([store0, store1], 0, [[torch.zeros(2)], [torch.full((2,), 20.0)]])
+    assert out[1].adopted and not out[0].adopted
+    assert all(o.participants == [0, 1] for o in out)
+
+
+def test_own_object_from_an_earlier_attempt_gives_the_same_average_everywhere(url: str) -> None:
+    store0, store1 = _stores(url, 2, timeout_s=10)
+    store1.put_if_absent(store1.object_key(0, 1), store1.encode(0, [torch.full((2,), 10.0)]))
+    values = [[torch.zeros(2)], [torch.full((2,), 20.0)]]
+    _parallel([store0, store1], 0, values)
+    assert torch.equal(values[0][0], torch.full((2,), 5.0)) and torch.equal(values[1][0], values[0][0])
+
+
+def test_object_replaced_after_commit_is_refused(url: str) -> None:
+    store0, store1 = _stores(url, 2, timeout_s=0.3, on_timeout="proceed")
+    assert store0.allreduce(0, [torch.ones(2)]).participants == [0]
+    forged = ObjectStoreAllReduce(url, "run", rank=0, world_size=2).encode(0, [torch.full((2,), 99.0)])
+    store0.fs.rm(store0.object_key(0, 0))
+    _write_raw(store0, store0.object_key(0, 0), forged)  # a foreign writer replaces the committed object
+    late = [torch.zeros(2)]
+    with pytest.raises(CorruptObjectError, match="not the one committed"):
+        store1.allreduce(0, late)
+    assert torch.equal(late[0], torch.zeros(2))
+
+
+def test_expired_round_raises_and_writes_nothing(url: str) -> None:
+    fast, late = _stores(url, 2, timeout_s=0.2, on_timeout="proceed", keep_rounds=2)
+    for rnd in range(4):
+        fast.allreduce(rnd, [torch.ones(1)])
+    mine = [torch.full((1,), 5.0)]
+    with pytest.raises(
+        RoundExpiredError, match=r"round 0 .*store already holds round 3.*keep_rounds=2.*checkpoint"
+    ):
+        late.allreduce(0, mine)
+    assert torch.equal(mine[0], torch.full((1,), 5.0)) and fast.rounds_present() == [2, 3]
+
+
+def test_lost_manifest_is_detected_from_progress_markers(url: str) -> None:
+    fast, late = _stores(url, 2, timeout_s=0.2, on_timeout="proceed")
+    fast.allreduce(0, [torch.ones(1)])
+    fast.fs.rm(fast.manifest_key(0))
+    with pytest.raises(RoundExpiredError, match=r"rank 0 accepted its manifest.*its manifest is gone"):
+        late.allreduce(0, [torch.zeros(1)])
+
+
+def test_manifest_proposed_again_after_a_deletion_race_is_a_named_conflict(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The late replica checks for evidence before a committed replica's marker exists (forced
+    here), proposes a second manifest, and finds the other marker when it accepts."""
+    fast, late = _stores(url, 2, timeout_s=0.2, on_timeout="proceed")
+    fast.allreduce(0, [torch.ones(1)])
+    fast.fs.rm(fast.manifest_key(0))
+    monkeypatch.setattr(late, "_commit_evidence", lambda round_id: None)
+    mine = [torch.full((1,), 3.0)]
+    with pytest.raises(RoundConflictError, match="rank 0 applied a different manifest"):
+        late.allreduce(0, mine)
+    assert torch.equal(mine[0], torch.full((1,), 3.0))  # nothing applied
+
+
+def _nan_object(store: ObjectStoreAllReduce, rank: int, value: float) -> bytes:
+    """A checksum-valid object for (round 0, rank) holding ``value`` (encode refuses NaN)."""
+    import hashlib
+    import json
+
+    from composer_diloco.object_store import MAGIC
+
+    meta = {"run_id": "run", "round": 0, "rank": rank, "world_size": store.world_size, "quantized": False}
+    meta["layout"] = [{"shape": [2], "dtype": "float32", "wire": "float32", "scale": None, "nbytes": 8}]
+    raw = json.dumps(meta).encode()
+    body = len(raw).to_bytes(4, "little") + raw + torch.tensor([1.0, value]).numpy().tobytes()
+    return MAGIC + hashlib.sha256(body).digest() + body
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_checksum_valid_non_finite_object_is_refused_on_read(url: str, value: float) -> None:
+    store0, _ = _stores(url, 2, timeout_s=0.3)
+    with pytest.raises(NonFiniteObjectError, match="NaN/inf"):
+        store0.decode(_nan_object(store0, 1, value), round_id=0, rank=1, key="k")
+    _write_raw(store0, store0.object_key(0, 1), _nan_object(store0, 1, value))
+    with pytest.raises(NonFiniteObjectError, match=r"ranks \[1\].*NaN/inf"):
+        store0.allreduce(0, [torch.ones(2)])
+
+
+def test_non_finite_object_with_proceed_is_excluded(url: str) -> None:
+    store0, _ = _stores(url, 2, timeout_s=0.3, on_timeout="proceed")
+    _write_raw(store0, store0.object_key(0, 1), _nan_object(store0, 1, float("nan")))
+    mine = [torch.ones(2)]
+    stats = store0.allreduce(0, mine)
+    assert (
+        stats.participants == [0] and "NaN/inf" in stats.excluded[1] and torch.equal(mine[0], torch.ones(2))
+    )
+
+
+KEY = "0123456789abcdef0123456789abcdef"
+
+
+def test_hmac_signed_round_trip_and_refusals(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("COMPOSER_DILOCO_HMAC_KEY", raising=False)
+    plain = ObjectStoreAllReduce(url, "run", rank=1, world_size=2)
+    monkeypatch.setenv("COMPOSER_DILOCO_HMAC_KEY", "f" * 32)
+    wrong = ObjectStoreAllReduce(url, "run", rank=1, world_size=2)
+    monkeypatch.setenv("COMPOSER_DILOCO_HMAC_KEY", KEY)
+    store0, store1 = _stores(url, 2, timeout_s=10)
+    assert store0.authenticated and not plain.authenticated
+    signed = store1.encode(0, [torch.ones(2)])
+    assert signed.startswith(b"CDILOCH1") and store0.decode(signed, round_id=0, rank=1).tensors[
+        0
+    ].tolist() == [1, 1]
+    with pytest.raises(AuthenticationError, match="not authenticated") as unsigned:
+        store0.decode(plain.encode(0, [torch.ones(2)]), round_id=0, rank=1, key="k")
+    with pytest.raises(AuthenticationError, match="HMAC-SHA256 check") as forged:
+        store0.decode(wrong.encode(0, [torch.ones(2)]), round_id=0, rank=1, key="k")
+    with pytest.raises(AuthenticationError, match="COMPOSER_DILOCO_HMAC_KEY is not set") as keyless:
+        plain.decode(signed, round_id=0, rank=1, key="k")
+    for info in (unsigned, forged, keyless):
+        assert KEY[:8] not in str(info.value) and "f" * 8 not in str(info.value)
+    values = [[torch.full((2,), 1.0)], [torch.full((2,), 3.0)]]
+    assert all(s.participants == [0, 1] for s in _parallel([store0, store1], 0, values))
+    assert torch.equal(values[0][0], torch.full((2,), 2.0))
+    raw = store0.fs.cat_file(store0.manifest_key(0))
+    assert b'"hmac"' in raw and KEY.encode() not in raw
+
+
+def test_hmac_refuses_an_unsigned_manifest_and_excludes_unsigned_objects(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("COMPOSER_DILOCO_HMAC_KEY", raising=False)
+    plain1 = ObjectStoreAllReduce(url, "run", rank=1, world_size=2)
+    _write_raw(plain1, plain1.object_key(0, 1), plain1.encode(0, [torch.full((2,), 50.0)]))  # injected
+    monkeypatch.setenv("COMPOSER_DILOCO_HMAC_KEY", KEY)
+    store0 = ObjectStoreAllReduce(url, "run", rank=0, world_size=2, timeout_s=0.3, on_timeout="proceed")
+    mine = [torch.ones(2)]
+    stats = store0.allreduce(0, mine)
+    assert stats.participants == [0] and "not authenticated" in stats.excluded[1]
+    assert torch.equal(mine[0], torch.ones(2))  # the injected 50.0 is never averaged
+    monkeypatch.delenv("COMPOSER_DILOCO_HMAC_KEY")
+    keyless = ObjectStoreAllReduce(url, "run2", rank=0, world_size=2, timeout_s=0.2, on_timeout="proceed")
+    keyless.allreduce(0, [torch.ones(2)])  # a keyless writer commits a manifest
+    monkeypatch.setenv("COMPOSER_DILOCO_HMAC_KEY", KEY)
+    with pytest.raises(AuthenticationError, match=r"manifest\.json is unsigned"):
+        ObjectStoreAllReduce(url, "run2", rank=1, world_size=2, timeout_s=0.3).allreduce(0, [torch.ones(2)])
+
+
+def test_hmac_key_is_validated_without_echoing_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COMPOSER_DILOCO_HMAC_KEY", "shortsecret")
+    with pytest.raises(ValueError, match="shorter than 16 bytes") as info:
+        ObjectStoreAllReduce(f"file://{tmp_path}", "run", rank=0, world_size=1)
+    assert "shortsec" not in str(info.value)
+    monkeypatch.delenv("COMPOSER_DILOCO_HMAC_KEY")
+    with pytest.raises(ValueError, match="require_hmac=True but \\$COMPOSER_DILOCO_HMAC_KEY is not set"):
+        ObjectStoreAllReduce(f"file://{tmp_path}", "run", rank=0, world_size=1, require_hmac=True)
+    monkeypatch.setenv("MY_KEY", KEY)
+    store = ObjectStoreAllReduce(f"file://{tmp_path}", "run", rank=0, world_size=1, hmac_key_env="MY_KEY")
+    assert store.authenticated and KEY not in repr(store) and KEY not in str(vars(store))
+
+
+def test_manager_restored_from_a_checkpoint_adopts_committed_rounds_or_fails_named(url: str) -> None:
+    """ObjectStoreManager (the torchft Manager stand-in): a replica restored from a checkpoint
+    re-runs round 0 with new values and adopts the committed 3.0; once round 0 is cleaned up, the
+    same re-run raises RoundExpiredError from the round's Work.wait and leaves its tensor alone."""
+    from composer_diloco import ObjectStoreManager
+
+    def one_round(manager: ObjectStoreManager, value: float) -> torch.Tensor:
+        manager.start_quorum()
+        tensor = torch.full((2,), value)
+        manager.allreduce(tensor).wait()
+        assert manager.should_commit()
+        return tensor
+
+    managers = [ObjectStoreManager(s) for s in _stores(url, 2, timeout_s=10, on_timeout="proceed")]
+    checkpoint = managers[1].state_dict()  # taken before round 0
+    out: list[Any] = [None, None]
+    threads = [
+        threading.Thread(target=lambda i=i, v=v: out.__setitem__(i, one_round(managers[i], v)))
+        for i, v in ((0, 2.0), (1, 4.0))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert torch.equal(out[0], torch.full((2,), 3.0)) and torch.equal(out[1], out[0])
+
+    def restored() -> ObjectStoreManager:
+        manager = ObjectStoreManager(ObjectStoreAllReduce(url, "run", rank=1, world_size=2, timeout_s=0.2))
+        manager.load_state_dict(checkpoint)
+        return manager
+
+    again = restored()
+    assert torch.equal(one_round(again, 22.0), torch.full((2,), 3.0))
+    assert again.store.last.adopted and again.current_step() == 1
+    solo = ObjectStoreManager(
+        ObjectStoreAllReduce(url, "run", rank=0, world_size=2, timeout_s=0.2, on_timeout="proceed")
+    )
+    solo.load_state_dict(managers[0].state_dict())
+    for _ in range(3):  # rounds 1..3 without rank 1: keep_rounds=2 deletes rounds 0 and 1
+        one_round(solo, 1.0)
+    late = restored()
+    late.start_quorum()
+    tensor = torch.full((2,), 22.0)
+    work = late.allreduce(tensor)
+    with pytest.raises(RoundExpiredError, match=r"round 0 .*checkpoint"):
+        work.wait()
+    assert torch.equal(tensor, torch.full((2,), 22.0)) and late.current_step() == 0

@@ -60,8 +60,10 @@ def test_s3_store_processes_match_fault_tolerant_mode(
     _check_identical_and_equal_to(results, ft_reference)
     fs = fsspec.filesystem("s3", **moto_s3)
     names = sorted(p.rsplit("/", 1)[1] for p in fs.find(f"diloco-test/runs/{run_id}"))
-    # round 0 was cleaned after round... only the last keep_rounds=2 rounds remain, each with 2 objects + manifest
-    assert names == sorted(["manifest.json", "rank-00000.bin", "rank-00001.bin"] * 2)
+    # only the last keep_rounds=2 rounds remain, each with 2 objects + manifest; plus one progress marker per replica
+    assert names == sorted(
+        ["manifest.json", "rank-00000.bin", "rank-00001.bin"] * 2 + ["rank-00000.json", "rank-00001.json"]
+    )
 
 
 def test_s3_conditional_put_against_moto(moto_s3: dict[str, Any]) -> None:

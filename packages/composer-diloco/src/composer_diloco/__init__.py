@@ -12,9 +12,13 @@ from .executors import (
     ServerlessExecutor,
 )
 from .object_store import (
+    AuthenticationError,
     CorruptObjectError,
+    NonFiniteObjectError,
     ObjectStoreAllReduce,
     ObjectStoreError,
+    RoundConflictError,
+    RoundExpiredError,
     StragglerTimeoutError,
     dequantize_fp8,
     quantize_fp8,
@@ -26,15 +30,19 @@ from .training import TrainStats, train_diloco
 __version__ = _version("composer-diloco")
 
 __all__ = [
+    "AuthenticationError",
     "CorruptObjectError",
     "DiLoCoConfig",
     "LocalProcessExecutor",
+    "NonFiniteObjectError",
     "ObjectStoreAllReduce",
     "ObjectStoreError",
     "ObjectStoreManager",
     "RayExecutor",
     "ReplicaFailedError",
     "ReplicaResult",
+    "RoundConflictError",
+    "RoundExpiredError",
     "ServerlessExecutor",
     "StragglerTimeoutError",
     "TrainStats",

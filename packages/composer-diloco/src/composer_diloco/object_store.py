@@ -1,30 +1,46 @@
 """ObjectStoreAllReduce: an all-reduce through any fsspec filesystem, with no network path
 between replicas (``file://``, ``memory://``, ``s3://``, ``gs://``, …).
 
-One exchange ("round") works like this, for replica ``rank`` of ``world_size``:
+The invariant: **every replica that completes round r applies the same average, or fails with an
+error naming why.** The round's committed manifest is its single source of truth. One exchange
+("round") works like this, for replica ``rank`` of ``world_size``:
 
-1. Encode the tensors (optionally fp8-quantised) into one object with a magic header and a
-   SHA-256 of the payload, and write it to ``<root>/<run_id>/rounds/<round>/rank-<rank>.bin``
-   atomically: local filesystems write a temporary key and rename it; object stores
-   (S3, GCS, memory) make a single PUT visible all at once.
-2. Poll the round's folder. Every object is decoded and validated (magic, checksum, run id,
-   round, rank, world size, tensor layout); a partial or corrupt object is never averaged.
-3. When every rank is present, or when ``timeout_s`` passes, the replica proposes the
-   participant set by *creating* ``manifest.json`` with a conditional put (``link`` on local
-   filesystems, ``If-None-Match: *`` on S3, a lock on ``memory://``). The first proposal wins
-   and every replica, including a late one, averages exactly the ranks it lists: all replicas
-   end the round with identical results. On timeout, ``on_timeout="proceed"`` goes on with the
+1. If round r already has a manifest (a replica re-running a committed round, or a straggler the
+   round went on without), adopt it: average exactly the objects it lists, never this replica's
+   new values. If it has none but the run has evidently moved past r (a progress marker of some
+   replica accepted r or a later round, or a later round exists), the committed result is gone:
+   raise :class:`RoundExpiredError` (restart from a checkpoint). Nothing is written then.
+2. Encode the tensors (optionally fp8-quantised) into one object with a magic header and a tag
+   of the payload (SHA-256, or HMAC-SHA256 with a shared secret from ``$COMPOSER_DILOCO_HMAC_KEY``),
+   and *create* ``<root>/<run_id>/rounds/<round>/rank-<rank>.bin`` with a create-only write
+   (``link`` of a complete temporary file on local filesystems, ``If-None-Match: *`` on S3, a lock
+   on ``memory://``). Objects are immutable: a replica whose object for r exists already (it
+   re-runs r after a crash) contributes the stored object, which others may have read.
+3. Poll the round's folder. Every object is decoded and validated (magic, tag, run id, round,
+   rank, world size, tensor layout, finite values); a partial, corrupt, non-finite or
+   unauthenticated object is never averaged.
+4. When every rank is present, or when ``timeout_s`` passes, the replica proposes the participant
+   set by *creating* ``manifest.json`` (create-only, as above) listing the ranks and the tag of
+   each rank's object. The first proposal wins; every replica, including a late one, averages
+   exactly those objects (tags checked). On timeout, ``on_timeout="proceed"`` goes on with the
    replicas present (at least ``min_replicas``); ``"fail"`` raises :class:`StragglerTimeoutError`.
-4. Average in float32 in rank order (``Σ x_r`` then ``/ n``, the order torchft's gloo path
+5. Before applying, the replica records the manifest's fingerprint for round r in its progress
+   marker ``progress/rank-<rank>.json``, then reads every replica's marker: a marker that accepted
+   a different manifest for r (one was deleted and proposed again) raises
+   :class:`RoundConflictError`. Of two replicas accepting different manifests, at least one sees
+   the other's marker, so no two replicas complete r with different averages.
+6. Average in float32 in rank order (``Σ x_r`` then ``/ n``, the order torchft's gloo path
    uses), write into the caller's tensors, and delete rounds older than ``keep_rounds``.
 
-Every key is built from validated parts and checked to stay under ``<root>/<run_id>/``.
+Every key is built from validated parts and checked to stay under ``<root>/<run_id>/``. The HMAC
+secret is read once from the environment and never logged or put in an error message.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
 import json
 import logging
 import math
@@ -43,7 +59,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"CDILOCO1"
+MAGIC = b"CDILOCO1"  # objects tagged with SHA-256 of the body (integrity)
+MAGIC_HMAC = b"CDILOCH1"  # objects tagged with HMAC-SHA256 of the body (integrity + authenticity)
+HMAC_KEY_ENV = "COMPOSER_DILOCO_HMAC_KEY"
+MIN_HMAC_KEY_BYTES = 16
 _DIGEST = 32
 _PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -63,6 +82,24 @@ class StragglerTimeoutError(ObjectStoreError, TimeoutError):
 
 class CorruptObjectError(ObjectStoreError, ValueError):
     """An object in the store is truncated, corrupt, or belongs to another run/round/rank."""
+
+
+class NonFiniteObjectError(CorruptObjectError):
+    """An object passes its checksum but holds NaN/inf values (never averaged)."""
+
+
+class AuthenticationError(CorruptObjectError):
+    """An object, manifest or marker is unauthenticated or fails its HMAC-SHA256 check."""
+
+
+class RoundExpiredError(ObjectStoreError):
+    """Round r was committed but its result is no longer in the store (cleaned up, or its
+    manifest or objects deleted): this replica must restart from a checkpoint."""
+
+
+class RoundConflictError(ObjectStoreError):
+    """Replicas accepted different manifests for one round (a manifest was deleted and proposed
+    again): the run can no longer guarantee identical replicas."""
 
 
 def safe_part(name: str, value: object) -> str:
@@ -89,6 +126,7 @@ class RoundStats:
     bytes_written: int = 0
     bytes_read: int = 0
     seconds: float = 0.0
+    adopted: bool = False  # this replica's new values were not its contribution (see allreduce)
 
 
 @dataclass
@@ -96,6 +134,14 @@ class _Decoded:
     meta: dict[str, Any]
     tensors: list[torch.Tensor]
     size: int
+    tag: bytes = b""  # the object's SHA-256 / HMAC tag, as listed in the manifest
+
+
+@dataclass
+class _Manifest:
+    ranks: list[int]
+    tags: dict[int, bytes]
+    fingerprint: str  # SHA-256 of the manifest's bytes, recorded in progress markers
 
 
 class ObjectStoreAllReduce:
@@ -115,6 +161,11 @@ class ObjectStoreAllReduce:
             can still read the round it is finishing).
         poll_interval_s: delay between listings of the round folder.
         storage_options: passed to ``fsspec.url_to_fs`` (e.g. ``key``/``secret``/``client_kwargs``).
+        hmac_key_env: the environment variable holding the shared HMAC secret (at least
+            16 bytes). When it is set, objects, manifests and markers are signed with
+            HMAC-SHA256 and unsigned or wrongly signed ones are refused
+            (:class:`AuthenticationError`); every replica must then have the same secret.
+        require_hmac: raise at construction if ``hmac_key_env`` is not set.
     """
 
     def __init__(
@@ -130,6 +181,8 @@ class ObjectStoreAllReduce:
         keep_rounds: int = 2,
         poll_interval_s: float = 0.02,
         storage_options: Mapping[str, Any] | None = None,
+        hmac_key_env: str = HMAC_KEY_ENV,
+        require_hmac: bool = False,
     ) -> None:
         for name, value, low in (
             ("world_size", world_size, 1),
@@ -166,6 +219,18 @@ class ObjectStoreAllReduce:
         self.last = RoundStats()
         self.bytes_written = 0
         self.bytes_read = 0
+        self.hmac_key_env = hmac_key_env
+        secret = _hmac_key(hmac_key_env, require_hmac)
+        self._hmac = None if secret is None else _Secret(secret)
+
+    @property
+    def authenticated(self) -> bool:
+        """True when objects are signed and verified with HMAC-SHA256."""
+        return self._hmac is not None
+
+    @property
+    def _hmac_key(self) -> bytes | None:
+        return None if self._hmac is None else self._hmac.value
 
     # ---- keys -------------------------------------------------------------------------
     def key(self, *parts: str) -> str:
@@ -186,6 +251,10 @@ class ObjectStoreAllReduce:
 
     def manifest_key(self, round_id: int) -> str:
         return self.key("rounds", f"{_check_round(round_id):010d}", "manifest.json")
+
+    def marker_key(self, rank: int) -> str:
+        """Replica ``rank``'s progress marker (manifests it accepted in its latest rounds)."""
+        return self.key("progress", f"rank-{rank:05d}.json")
 
     # ---- codec ------------------------------------------------------------------------
     def encode(self, round_id: int, tensors: Sequence[torch.Tensor], *, quantize: bool = False) -> bytes:
@@ -241,21 +310,52 @@ class ObjectStoreAllReduce:
         }
         meta_bytes = json.dumps(meta).encode()
         body = b"".join([len(meta_bytes).to_bytes(4, "little"), meta_bytes, *chunks])
-        data = MAGIC + hashlib.sha256(body).digest() + body
-        return data, _Decoded(meta, own, len(data))
+        tag = self._tag(body)
+        data = (MAGIC_HMAC if self._hmac_key is not None else MAGIC) + tag + body
+        return data, _Decoded(meta, own, len(data), tag)
 
-    def decode(self, data: bytes, *, round_id: int, rank: int, key: str = "?") -> _Decoded:
-        """Validate and deserialise an object; raise :class:`CorruptObjectError` naming ``key``."""
+    def _tag(self, body: bytes | memoryview) -> bytes:
+        if self._hmac_key is None:
+            return hashlib.sha256(body).digest()
+        return hmac.new(self._hmac_key, body, hashlib.sha256).digest()
+
+    def _check_tag(self, data: bytes, key: str) -> memoryview:
+        """Check the header and the tag; return the body."""
         head = len(MAGIC) + _DIGEST
-        if len(data) < head + 4 or data[: len(MAGIC)] != MAGIC:
+        magic = data[: len(MAGIC)]
+        if len(data) < head + 4 or magic not in (MAGIC, MAGIC_HMAC):
             raise CorruptObjectError(
                 f"object {key} has no composer-diloco header (partial or foreign write)."
             )
-        body = memoryview(data)[head:]
-        if hashlib.sha256(body).digest() != data[len(MAGIC) : head]:
+        body, tag = memoryview(data)[head:], data[len(MAGIC) : head]
+        env = self.hmac_key_env
+        if self._hmac_key is not None and magic != MAGIC_HMAC:
+            raise AuthenticationError(
+                f"object {key} is not authenticated (written without ${env}); this replica has "
+                f"${env} set and refuses unsigned objects: give every replica the same secret."
+            )
+        if self._hmac_key is None and magic == MAGIC_HMAC:
+            raise AuthenticationError(
+                f"object {key} is HMAC-signed but ${env} is not set on this replica, which cannot "
+                "verify it: give every replica the same secret."
+            )
+        if not hmac.compare_digest(self._tag(body), tag):
+            if self._hmac_key is not None:
+                raise AuthenticationError(
+                    f"object {key} fails its HMAC-SHA256 check ({len(data)} bytes): signed with a "
+                    f"different ${env}, or altered/truncated after signing."
+                )
             raise CorruptObjectError(
                 f"object {key} fails its SHA-256 check ({len(data)} bytes: truncated or corrupt)."
             )
+        return body
+
+    def decode(self, data: bytes, *, round_id: int, rank: int, key: str = "?") -> _Decoded:
+        """Validate and deserialise an object; raise :class:`CorruptObjectError` naming ``key``
+        (:class:`AuthenticationError` for a missing/wrong HMAC, :class:`NonFiniteObjectError`
+        for NaN/inf values)."""
+        body = self._check_tag(data, key)
+        tag = bytes(data[len(MAGIC) : len(MAGIC) + _DIGEST])
         try:
             meta_len = int.from_bytes(body[:4], "little")
             meta = json.loads(bytes(body[4 : 4 + meta_len]))
@@ -296,7 +396,14 @@ class ObjectStoreAllReduce:
             raise CorruptObjectError(
                 f"object {key} carries {len(buf) - offset} trailing bytes beyond its layout."
             )
-        return _Decoded(meta, tensors, len(data))
+        for i, t in enumerate(tensors):
+            values = t.to(torch.float32) if t.dtype == torch.float8_e4m3fn else t
+            if not bool(torch.isfinite(values).all()):
+                raise NonFiniteObjectError(
+                    f"object {key} passes its checksum but tensor {i} holds NaN/inf; it is never "
+                    "averaged (a replica with a diverged inner loop, or a foreign writer)."
+                )
+        return _Decoded(meta, tensors, len(data), tag)
 
     # ---- storage primitives -----------------------------------------------------------
     def _is_local(self) -> bool:
@@ -316,7 +423,16 @@ class ObjectStoreAllReduce:
         self.bytes_written += len(data)
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
-        """Create ``key`` only if it does not exist (conditional put); True if we created it."""
+        """Create ``key`` only if it does not exist (conditional put); True if we created it.
+
+        Readers see all of ``data`` or nothing: local filesystems link a complete temporary
+        file, S3 publishes a single PUT or a completed multipart upload."""
+        created = self._create(key, data)
+        if created:
+            self.bytes_written += len(data)
+        return created
+
+    def _create(self, key: str, data: bytes) -> bool:
         protocols = _protocols(self.fs)
         if "file" in protocols:
             parent = posixpath.dirname(key)
@@ -366,6 +482,158 @@ class ObjectStoreAllReduce:
             return set()
         return {posixpath.basename(str(e).rstrip("/")) for e in entries}
 
+    # ---- signed JSON (manifests, markers) ---------------------------------------------
+    def _dump_json(self, obj: dict[str, Any]) -> bytes:
+        if self._hmac_key is not None:
+            obj = {**obj, "hmac": hmac.new(self._hmac_key, _canonical(obj), hashlib.sha256).hexdigest()}
+        return json.dumps(obj, sort_keys=True).encode()
+
+    def _load_json(self, raw: bytes, key: str) -> dict[str, Any]:
+        try:
+            obj = json.loads(raw)
+            if not isinstance(obj, dict):
+                raise TypeError(f"a JSON {type(obj).__name__}, not an object")
+        except (ValueError, TypeError) as exc:
+            raise CorruptObjectError(f"{key} is not valid JSON of this run: {exc}") from exc
+        mac = obj.pop("hmac", None)
+        env = self.hmac_key_env
+        if self._hmac_key is None:
+            if mac is not None:
+                raise AuthenticationError(
+                    f"{key} is HMAC-signed but ${env} is not set on this replica: give every replica the same secret."
+                )
+            return obj
+        want = hmac.new(self._hmac_key, _canonical(obj), hashlib.sha256).hexdigest()
+        if not isinstance(mac, str) or not hmac.compare_digest(mac, want):
+            raise AuthenticationError(
+                f"{key} is {'unsigned' if mac is None else 'wrongly signed'}: this replica has ${env} set "
+                "and refuses it (written without the secret, with a different one, or altered)."
+            )
+        return obj
+
+    # ---- manifests and progress markers -------------------------------------------------
+    def _read_manifest(self, round_id: int) -> _Manifest | None:
+        key = self.manifest_key(round_id)
+        raw = self._read(key)
+        if raw is None:
+            return None
+        m = self._load_json(raw, key)
+        try:
+            ranks = m["ranks"]
+            tags = {int(r): bytes.fromhex(t) for r, t in m["tags"].items()}
+            ok = (
+                m["run_id"] == self.run_id
+                and m["round"] == round_id
+                and m["world_size"] == self.world_size
+                and isinstance(ranks, list)
+                and all(
+                    isinstance(r, int) and not isinstance(r, bool) and 0 <= r < self.world_size for r in ranks
+                )
+                and ranks == sorted(set(ranks))
+                and len(ranks) > 0
+                and sorted(tags) == ranks
+                and all(len(t) == _DIGEST for t in tags.values())
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CorruptObjectError(f"manifest {key} is not a manifest of this run: {exc}") from exc
+        if not ok:
+            raise CorruptObjectError(
+                f"manifest {key} does not describe round {round_id} of run {self.run_id!r} with "
+                f"world_size={self.world_size} (ranks {m.get('ranks')!r})."
+            )
+        return _Manifest(list(ranks), tags, hashlib.sha256(raw).hexdigest())
+
+    def _propose_manifest(self, round_id: int, decoded: Mapping[int, _Decoded]) -> None:
+        proposal = {
+            "run_id": self.run_id,
+            "round": round_id,
+            "world_size": self.world_size,
+            "ranks": sorted(decoded),
+            "tags": {str(r): d.tag.hex() for r, d in sorted(decoded.items())},
+            "proposer": self.rank,
+        }
+        self.put_if_absent(self.manifest_key(round_id), self._dump_json(proposal))
+
+    def _read_marker(self, rank: int) -> dict[int, str] | None:
+        """Replica ``rank``'s progress marker: ``{round: manifest fingerprint}`` (None if absent)."""
+        key = self.marker_key(rank)
+        raw = self._read(key)
+        if raw is None:
+            return None
+        obj = self._load_json(raw, key)
+        try:
+            if obj["run_id"] != self.run_id or obj["rank"] != rank:
+                raise ValueError(f"run_id/rank {obj['run_id']!r}/{obj['rank']!r}")
+            return {int(k): str(v) for k, v in obj["accepted"].items()}
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CorruptObjectError(f"progress marker {key} is not a marker of this run: {exc}") from exc
+
+    def _read_markers(self) -> dict[int, dict[int, str]]:
+        markers = {r: self._read_marker(r) for r in range(self.world_size)}
+        return {r: m for r, m in markers.items() if m is not None}
+
+    def _commit_evidence(self, round_id: int) -> str | None:
+        """Why round ``round_id`` must already be committed (None if nothing says so)."""
+        later = [r for r in self.rounds_present() if r > round_id]
+        if later:
+            return f"the store already holds round {max(later)}"
+        for rank, accepted in sorted(self._read_markers().items()):
+            if round_id in accepted:
+                return f"rank {rank} accepted its manifest"
+            if accepted and max(accepted) > round_id:
+                return f"rank {rank} has reached round {max(accepted)}"
+        return None
+
+    def _expired(self, round_id: int, evidence: str, what: str) -> RoundExpiredError:
+        return RoundExpiredError(
+            f"round {round_id} of run {self.run_id!r} was already committed ({evidence}) but {what}: "
+            "this replica cannot get the committed average and will not recompute it. It fell more "
+            f"than keep_rounds={self.keep_rounds} rounds behind (or the round was deleted from the "
+            "store): restart it from a checkpoint of the run's current round (or heal it from a "
+            "healthy replica). If this is a new run, use a new run_id."
+        )
+
+    def _committed(self, round_id: int) -> _Manifest | None:
+        """The committed manifest of ``round_id``; None if the round is still open;
+        :class:`RoundExpiredError` if it was committed and its manifest is gone."""
+        manifest = self._read_manifest(round_id)
+        if manifest is not None:
+            return manifest
+        evidence = self._commit_evidence(round_id)
+        if evidence is None:
+            return None
+        manifest = self._read_manifest(round_id)  # committed since the first read?
+        if manifest is None:
+            raise self._expired(round_id, evidence, "its manifest is gone")
+        return manifest
+
+    def _accept(self, round_id: int, manifest: _Manifest) -> None:
+        """Record that this replica applies ``manifest`` for ``round_id``, then check that no
+        replica accepted another one. Marker first, reads second: of two replicas accepting
+        different manifests, the later reader sees the other's marker and raises."""
+        mine = self._read_marker(self.rank) or {}
+        mine[round_id] = manifest.fingerprint
+        newest = sorted(mine)[-(self.keep_rounds + 1) :]
+        marker = {"run_id": self.run_id, "rank": self.rank, "accepted": {str(r): mine[r] for r in newest}}
+        self.put_atomic(self.marker_key(self.rank), self._dump_json(marker))
+        for rank, accepted in sorted(self._read_markers().items()):
+            theirs = accepted.get(round_id)
+            if rank == self.rank:
+                continue
+            if theirs is not None and theirs != manifest.fingerprint:
+                raise RoundConflictError(
+                    f"round {round_id}: rank {rank} applied a different manifest than this replica "
+                    f"(rank {self.rank}); the manifest was deleted and proposed again while replicas "
+                    "were reading it. Replicas no longer hold the same weights: stop the run and restart "
+                    "every replica from one checkpoint."
+                )
+            if theirs is None and accepted and min(accepted) > round_id:
+                raise self._expired(
+                    round_id,
+                    f"rank {rank} has reached round {max(accepted)}",
+                    "this replica cannot check which manifest the others applied",
+                )
+
     # ---- the round --------------------------------------------------------------------
     def allreduce(
         self,
@@ -375,61 +643,116 @@ class ObjectStoreAllReduce:
         quantize: bool = False,
         op: Literal["avg", "sum"] = "avg",
     ) -> RoundStats:
-        """Replace ``tensors`` in place with their average (or sum) over the round's participants."""
+        """Replace ``tensors`` in place with their average (or sum) over the round's participants.
+
+        If round ``round_id`` is already committed, the committed average is adopted (this
+        replica's new values are not used) and ``stats.adopted`` is True; if its committed
+        result is gone, :class:`RoundExpiredError` is raised and ``tensors`` are unchanged.
+        """
         if op not in ("avg", "sum"):
             raise ValueError(f"op must be 'avg' or 'sum', got {op!r}.")
         start = time.monotonic()
         written0, read0 = self.bytes_written, self.bytes_read
         data, own = self._encode(round_id, tensors, quantize)
-        self.put_atomic(self.object_key(round_id, self.rank), data)
-        decoded: dict[int, _Decoded] = {self.rank: own}
-        problems: dict[int, str] = {}
-        manifest = self._await_manifest(round_id, decoded, problems)
-        participants = manifest["ranks"]
-        for r in participants:
-            if r not in decoded:
-                key = self.object_key(round_id, r)
-                raw = self._read(key)
-                if raw is None:
-                    raise ObjectStoreError(
-                        f"round {round_id}: manifest lists rank {r} but {key} is gone (this replica fell more than "
-                        f"keep_rounds={self.keep_rounds} rounds behind; restart it from the latest state)."
-                    )
-                decoded[r] = self.decode(raw, round_id=round_id, rank=r, key=key)
-        _check_layouts(decoded, participants, round_id)
+        decoded: dict[int, _Decoded] = {}
+        problems: dict[int, CorruptObjectError] = {}
+        manifest = self._committed(round_id)
+        adopted = manifest is not None
+        if manifest is None:
+            mine, reused = self._publish(round_id, data, own)
+            decoded[self.rank] = mine
+            adopted = reused
+            manifest = self._await_manifest(round_id, decoded, problems)
+        else:
+            logger.warning(
+                "round %d is already committed (ranks %s): rank %d adopts its average, not its new values",
+                round_id,
+                manifest.ranks,
+                self.rank,
+            )
+        inputs = self._gather(round_id, manifest, decoded)
+        participants = manifest.ranks
+        _check_layouts(inputs, participants, round_id)
+        _check_targets(inputs[participants[0]], tensors, round_id)
         with torch.no_grad():
+            sums = []
             for i, t in enumerate(tensors):
                 acc = torch.zeros(t.shape, dtype=torch.float32)
                 for r in participants:
-                    acc += decoded[r].tensors[i].to(torch.float32)
+                    acc += inputs[r].tensors[i].to(torch.float32)
                 if op == "avg":
                     acc /= len(participants)
+                sums.append(acc)
+            self._accept(round_id, manifest)
+            for t, acc in zip(tensors, sums):
                 t.copy_(acc.to(device=t.device, dtype=t.dtype))
         self._cleanup(round_id)
         self.last = RoundStats(
             round=round_id,
             participants=list(participants),
             excluded={
-                r: problems.get(r, "no object") for r in range(self.world_size) if r not in participants
+                r: str(problems.get(r, "no object")) for r in range(self.world_size) if r not in participants
             },
             bytes_written=self.bytes_written - written0,
             bytes_read=self.bytes_read - read0,
             seconds=time.monotonic() - start,
+            adopted=adopted,
         )
         if self.last.excluded:
             logger.warning("round %d proceeded without ranks %s", round_id, self.last.excluded)
         return self.last
 
+    def _publish(self, round_id: int, data: bytes, own: _Decoded) -> tuple[_Decoded, bool]:
+        """Create this replica's object; if it exists already (a re-run of the round), return the
+        stored one: objects are immutable, other replicas may have read it. True if reused."""
+        key = self.object_key(round_id, self.rank)
+        if self.put_if_absent(key, data):
+            return own, False
+        raw = self._read(key)
+        if raw is None:
+            raise ObjectStoreError(f"round {round_id}: {key} exists but could not be read; retry the round.")
+        stored = self.decode(raw, round_id=round_id, rank=self.rank, key=key)
+        if stored.tag != own.tag:
+            logger.warning(
+                "round %d: rank %d's object %s was published earlier with other values; it is "
+                "immutable (other replicas may have read it), so this round uses the stored one",
+                round_id,
+                self.rank,
+                key,
+            )
+        return stored, True
+
+    def _gather(
+        self, round_id: int, manifest: _Manifest, decoded: dict[int, _Decoded]
+    ) -> dict[int, _Decoded]:
+        """The committed objects: each participant's object with the tag the manifest lists."""
+        out: dict[int, _Decoded] = {}
+        for r in manifest.ranks:
+            have = decoded.get(r)
+            if have is None or have.tag != manifest.tags[r]:
+                key = self.object_key(round_id, r)
+                raw = self._read(key)
+                if raw is None:
+                    raise self._expired(round_id, f"its manifest lists rank {r}", f"{key} is gone")
+                have = self.decode(raw, round_id=round_id, rank=r, key=key)
+                if have.tag != manifest.tags[r]:
+                    raise CorruptObjectError(
+                        f"object {key} is not the one committed in round {round_id}'s manifest (its tag "
+                        "differs): it was replaced after the round was committed. Objects are create-only; "
+                        "something else writes to this run's prefix."
+                    )
+            out[r] = have
+        return out
+
     def _await_manifest(
-        self, round_id: int, decoded: dict[int, _Decoded], problems: dict[int, str]
-    ) -> dict[str, Any]:
+        self, round_id: int, decoded: dict[int, _Decoded], problems: dict[int, CorruptObjectError]
+    ) -> _Manifest:
         directory = self.round_dir(round_id)
-        manifest_key = self.manifest_key(round_id)
         deadline = time.monotonic() + self.timeout_s
         while True:
             names = self._list(directory)
             if "manifest.json" in names:
-                found = self._read_manifest(manifest_key, round_id)
+                found = self._read_manifest(round_id)
                 if found is not None:
                     return found
             for r in range(self.world_size):
@@ -443,58 +766,48 @@ class ObjectStoreAllReduce:
                     decoded[r] = self.decode(raw, round_id=round_id, rank=r, key=key)
                     problems.pop(r, None)
                 except CorruptObjectError as exc:
-                    problems[r] = str(exc)  # maybe still being written by a non-atomic writer: re-read
+                    problems[r] = exc  # maybe still being written by a non-atomic writer: re-read
             timed_out = time.monotonic() >= deadline
             if len(decoded) == self.world_size or timed_out:
+                committed = self._committed(round_id)  # never propose for a round the run has left
+                if committed is not None:
+                    return committed
                 if timed_out and len(decoded) < self.world_size:
-                    missing = {
-                        r: problems.get(r, "no object") for r in range(self.world_size) if r not in decoded
-                    }
-                    corrupt = {r: problems[r] for r in missing if r in problems}
-                    if self.on_timeout == "fail" and corrupt:
-                        raise CorruptObjectError(
-                            f"round {round_id}: invalid objects for ranks {sorted(corrupt)} after timeout_s="
-                            f"{self.timeout_s}: {'; '.join(corrupt.values())}. They are never averaged; remove them or "
-                            "pass on_timeout='proceed' to continue without those replicas."
-                        )
-                    if self.on_timeout == "fail":
-                        raise StragglerTimeoutError(
-                            f"round {round_id}: ranks {sorted(missing)} gave no valid object within "
-                            f"timeout_s={self.timeout_s} ({missing}). Raise timeout_s, or pass "
-                            "on_timeout='proceed' to continue with the replicas present."
-                        )
-                    if len(decoded) < self.min_replicas:
-                        raise StragglerTimeoutError(
-                            f"round {round_id}: only ranks {sorted(decoded)} delivered within timeout_s={self.timeout_s}, "
-                            f"fewer than min_replicas={self.min_replicas} ({missing})."
-                        )
-                proposal = {"round": round_id, "ranks": sorted(decoded), "proposer": self.rank}
-                self.put_if_absent(manifest_key, json.dumps(proposal).encode())
-                found = self._read_manifest(manifest_key, round_id)
+                    self._check_timeout(round_id, decoded, problems)
+                self._propose_manifest(round_id, decoded)
+                found = self._read_manifest(round_id)
                 if found is None:
                     raise ObjectStoreError(
-                        f"round {round_id}: manifest {manifest_key} vanished right after creation."
+                        f"round {round_id}: manifest {self.manifest_key(round_id)} vanished right after creation."
                     )
                 return found
             time.sleep(self.poll_interval_s)
 
-    def _read_manifest(self, key: str, round_id: int) -> dict[str, Any] | None:
-        raw = self._read(key)
-        if raw is None:
-            return None
-        try:
-            manifest = json.loads(raw)
-            ranks = manifest["ranks"]
-            ok = manifest["round"] == round_id and all(
-                isinstance(r, int) and 0 <= r < self.world_size for r in ranks
+    def _check_timeout(
+        self, round_id: int, decoded: Mapping[int, _Decoded], problems: Mapping[int, CorruptObjectError]
+    ) -> None:
+        """Raise per ``on_timeout`` / ``min_replicas`` when ranks are missing at the deadline."""
+        missing = {r: str(problems.get(r, "no object")) for r in range(self.world_size) if r not in decoded}
+        corrupt = {r: problems[r] for r in missing if r in problems}
+        if self.on_timeout == "fail" and corrupt:
+            kinds = {type(exc) for exc in corrupt.values()}
+            cls = kinds.pop() if len(kinds) == 1 else CorruptObjectError  # the most specific name
+            raise cls(
+                f"round {round_id}: invalid objects for ranks {sorted(corrupt)} after timeout_s="
+                f"{self.timeout_s}: {'; '.join(map(str, corrupt.values()))}. They are never averaged; remove "
+                "them or pass on_timeout='proceed' to continue without those replicas."
             )
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CorruptObjectError(f"manifest {key} is not valid JSON of this run: {exc}") from exc
-        if not ok or not ranks or sorted(set(ranks)) != ranks:
-            raise CorruptObjectError(
-                f"manifest {key} lists invalid ranks {manifest.get('ranks')!r} for round {round_id}."
+        if self.on_timeout == "fail":
+            raise StragglerTimeoutError(
+                f"round {round_id}: ranks {sorted(missing)} gave no valid object within "
+                f"timeout_s={self.timeout_s} ({missing}). Raise timeout_s, or pass "
+                "on_timeout='proceed' to continue with the replicas present."
             )
-        return dict(manifest)
+        if len(decoded) < self.min_replicas:
+            raise StragglerTimeoutError(
+                f"round {round_id}: only ranks {sorted(decoded)} delivered within timeout_s={self.timeout_s}, "
+                f"fewer than min_replicas={self.min_replicas} ({missing})."
+            )
 
     def _cleanup(self, round_id: int) -> None:
         old = round_id - self.keep_rounds
@@ -529,6 +842,46 @@ def dequantize_fp8(q: torch.Tensor, scale: float) -> torch.Tensor:
     return q.to(torch.float32) * float(scale)
 
 
+class _Secret:
+    """Holds the HMAC key; its repr never shows it (reprs end up in logs and tracebacks)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: bytes) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return "_Secret(<redacted>)"
+
+    def __reduce__(self) -> Any:
+        raise TypeError("the HMAC key is not picklable: every replica reads it from its own environment.")
+
+
+def _hmac_key(env: str, required: bool) -> bytes | None:
+    """The shared HMAC secret from ``$env`` (its value never appears in any message)."""
+    if not isinstance(env, str) or not env:
+        raise ValueError(f"hmac_key_env must name an environment variable, got {env!r}.")
+    secret = os.environ.get(env, "")
+    if not secret:
+        if required:
+            raise ValueError(
+                f"require_hmac=True but ${env} is not set: export the run's shared secret "
+                f"(at least {MIN_HMAC_KEY_BYTES} bytes) on every replica."
+            )
+        return None
+    key = secret.encode()
+    if len(key) < MIN_HMAC_KEY_BYTES:
+        raise ValueError(
+            f"${env} is set but shorter than {MIN_HMAC_KEY_BYTES} bytes: use a random secret of at "
+            "least 32 bytes (e.g. `openssl rand -hex 32`)."
+        )
+    return key
+
+
+def _canonical(obj: Mapping[str, Any]) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
 def _check_round(round_id: int) -> int:
     if not isinstance(round_id, int) or isinstance(round_id, bool) or round_id < 0:
         raise ValueError(f"round_id must be an int >= 0, got {round_id!r}.")
@@ -552,3 +905,14 @@ def _check_layouts(decoded: Mapping[int, _Decoded], ranks: Sequence[int], round_
                 f"round {round_id}: rank {r} sent tensors {shapes(r)} but rank {ref_rank} sent {ref}; "
                 "every replica must all-reduce the same parameters in the same order (same model, same fragments)."
             )
+
+
+def _check_targets(ref: _Decoded, tensors: Sequence[torch.Tensor], round_id: int) -> None:
+    """The caller's tensors must have the committed objects' shapes (e.g. when adopting)."""
+    shapes = [tuple(e["shape"]) for e in ref.meta["layout"]]
+    mine = [tuple(t.shape) for t in tensors]
+    if shapes != mine:
+        raise ObjectStoreError(
+            f"round {round_id} was committed with tensors of shapes {shapes} but this replica passes "
+            f"{mine}; every replica must all-reduce the same parameters in the same order."
+        )

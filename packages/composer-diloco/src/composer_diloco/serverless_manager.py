@@ -15,6 +15,14 @@ the queued tensors of a round travel in **one** object. The upload starts in a b
 thread as soon as the next inner step begins (so ``fragment_sync_delay`` really overlaps the
 exchange with τ inner steps) or when DiLoCo first waits on the result, whichever comes first.
 
+Rounds follow the store's invariant: every replica that completes round r applies the same
+average, or fails with an error naming why. A replica restored from a checkpoint
+(``load_state_dict`` + the registered user state) that re-runs rounds already committed adopts
+their committed averages, never recomputes them; one more than ``keep_rounds`` rounds behind (its
+round cleaned up, or the round's manifest deleted) gets
+:class:`~composer_diloco.object_store.RoundExpiredError` from ``Work.wait`` / ``should_commit``
+and must restart from a checkpoint of the run's current round.
+
 Not supported here: healing. A replica that restarts cannot fetch the current global state
 from the store (use the fault-tolerant mode, :mod:`composer_diloco.fault_tolerant`, for that).
 """
