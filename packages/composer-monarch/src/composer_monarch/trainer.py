@@ -93,7 +93,10 @@ def collate(batch: TrainBatch, pad_id: int) -> tuple[Tensor, dict[str, Tensor]]:
     }
     if batch.teacher_logits is not None:
         targets["teacher_logits"] = rows_of(batch.teacher_logits.float(), 0.0)
-        targets["sdpo_mask"] = mask & targets["policy_rows"].unsqueeze(-1)
+        distilled = targets["policy_rows"]
+        if batch.sdpo_rows is not None:  # completions without a hint are not distilled
+            distilled = distilled & torch.cat([batch.sdpo_rows.bool(), torch.zeros(extra, dtype=torch.bool)])
+        targets["sdpo_mask"] = mask & distilled.unsqueeze(-1)
     if extra:
         n = len(pairs) if pairs is not None else 0
         targets["chosen_rows"] = torch.arange(b, b + n)
