@@ -141,7 +141,7 @@ class PolicyTrainer:
         logits = forward_logits(self.model, tokens)
         loss = self.loss(logits, **targets)
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward untyped
         metrics = dict(self.loss.last_result.metrics)
         if self.config.max_grad_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)

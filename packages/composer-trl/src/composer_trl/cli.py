@@ -115,7 +115,7 @@ def _load_model(recipe: Recipe) -> tuple[Any, Any]:
         from composer_core.tasks.digit_reversal import ALPHABET
         from composer_core.tasks.tiny import build_char_tokenizer, build_tiny_model
 
-        tok = build_char_tokenizer(ALPHABET)
+        tok: Any = build_char_tokenizer(ALPHABET)
         return build_tiny_model(tok, seed=recipe.seed), tok
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -173,10 +173,10 @@ def _train(recipe: Recipe, out: Path, *, composer: bool) -> tuple[Path, dict[str
     config = config_cls(**{**common, **kwargs})
     model, tok = _load_model(recipe)
     per_step = (
-        config.per_device_train_batch_size * config.gradient_accumulation_steps // config.num_generations
+        config.per_device_train_batch_size * config.gradient_accumulation_steps // config.num_generations  # type: ignore[operator]  # set by GRPOConfig.__post_init__
     )
     dataset = _load_dataset(recipe, n_rows=max(64, per_step * (recipe.steps + 1)))
-    reward = import_callable(recipe.reward, "reward") if recipe.reward else reverse_reward
+    reward: Any = import_callable(recipe.reward, "reward") if recipe.reward else reverse_reward
     extra: dict[str, Any] = {}
     if composer:
         if recipe.hint_fn:

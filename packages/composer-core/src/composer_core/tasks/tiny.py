@@ -67,9 +67,10 @@ def build_char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
         raise ImportError(f"build_char_tokenizer needs tokenizers and transformers: {_HF_EXTRA}") from e
 
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # type: ignore[assignment]
-    tok.decoder = decoders.Fuse()  # type: ignore[assignment]
-    return PreTrainedTokenizerFast(
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    # transformers 5's tokenizer __init__ and GenerationConfig are untyped (4.x may type them)
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call, unused-ignore]
         tokenizer_object=tok, pad_token=PAD, eos_token=EOS, bos_token=BOS, padding_side="left"
     )
 
@@ -134,7 +135,9 @@ def build_tiny_qwen2(
     with _BUILD_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(qcfg)
-    model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=bos_id)
+    model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call, unused-ignore]
+        eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=bos_id
+    )
     return model
 
 
