@@ -231,3 +231,184 @@ def demo(session: nox.Session) -> None:
     objective inside TRL on an embedded verifiable task; `nox -s demo -- --compare` adds GRPO alone."""
     _install_package(session, "trl", extra="plot")
     session.run("composer-train", *session.posargs)
+
+
+# ======================================================================================================
+# Distributions as artifacts (issue 16). Kept apart from the test sessions above; reuses _prepare().
+#   nox -s dists            build every sdist + wheel into dist/, check their metadata and the READMEs'
+#                           install blocks (scripts/check_wheels.py, scripts/readme_install.py)
+#   nox -s release_scripts  unit tests of those scripts and of scripts/check_release.py
+#   nox -s installed        per adapter x host version: a fresh venv gets only the built wheels (through
+#                           the README's install-test commands) and the host from the index, then runs
+#                           what a user runs first, from a temp dir (nox -t installed-verl: one adapter)
+# COMPOSER_DIST=<dir>: take the wheels found there instead of building them (the release job tests the
+# artifact it publishes).
+# ======================================================================================================
+
+SCRIPTS = ROOT / "scripts"
+#: adapter -> its host framework's distribution on the package index (composer-core's "host" is torch,
+#: pinned to the local wheel; prime-rl is not on the index).
+HOSTS = {"trl": "trl", "verl": "verl", "monarch": "torchmonarch", "diloco": "torchft"}
+
+
+def _scripts_module(name: str):  # type: ignore[no-untyped-def]
+    import importlib
+    import sys
+
+    if str(SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(SCRIPTS))
+    return importlib.import_module(name)
+
+
+def _build(session: nox.Session, names: list[str], out: Path) -> dict[str, Path]:
+    """Built wheels of ``names`` (``uv build --package``, or taken from $COMPOSER_DIST), by distribution."""
+    workspace = _scripts_module("workspace").packages()
+    prebuilt = Path(os.environ["COMPOSER_DIST"]) if os.environ.get("COMPOSER_DIST") else None
+    wheels: dict[str, Path] = {}
+    for name in names:
+        pattern = f"{workspace[name].wheel_stem}-*.whl"
+        found = sorted(prebuilt.glob(pattern)) if prebuilt else []
+        if not found:
+            for old in out.glob(pattern):
+                old.unlink()
+            session.run(
+                "uv", "build", "--package", name, "--wheel", "--out-dir", str(out), "-q", external=True
+            )
+            found = sorted(out.glob(pattern))
+        if len(found) != 1:
+            session.error(f"expected one wheel {pattern}, found {[p.name for p in found]}")
+        wheels[name] = found[0]
+    return wheels
+
+
+def _host_version(session: nox.Session, requirement: str, which: str, tmp: Path) -> str:
+    """Lowest or newest version of a requirement's distribution on the index inside its declared range."""
+    req_file = tmp / f"host-{which}.in"
+    req_file.write_text(requirement + "\n")
+    resolution = {"lowest": "lowest", "newest": "highest"}[which]
+    out = session.run(
+        "uv", "pip", "compile", str(req_file), "--no-deps", "--resolution", resolution, "-p", "3.11",
+        "--no-header", "--no-annotate", "-q", external=True, silent=True,
+    )  # fmt: skip
+    pins = [ln.strip() for ln in str(out).splitlines() if "==" in ln and not ln.startswith("#")]
+    if len(pins) != 1:
+        session.error(f"could not resolve {requirement!r} ({which}): {out}")
+    return pins[0].split("==", 1)[1]
+
+
+def _installed_params() -> list[object]:
+    params: list[object] = []
+    for pkg in PACKAGES:
+        for host in ("lowest", "newest") if pkg in HOSTS else ("none",):
+            params.append(nox.param(pkg, host, id=f"{pkg}-{host}", tags=["installed", f"installed-{pkg}", "ci"]))
+    return params
+
+
+@nox.session(venv_backend="none", tags=["ci"])
+def dists(session: nox.Session) -> None:
+    """Build every sdist and wheel into dist/ and check them (and the READMEs' install blocks)."""
+    out = ROOT / "dist"
+    for old in out.glob("composer_*"):
+        old.unlink()
+    session.run("uv", "build", "--all-packages", "--out-dir", str(out), "-q", external=True)
+    session.run("python", str(SCRIPTS / "check_wheels.py"), str(out), external=True)
+    session.run("python", str(SCRIPTS / "readme_install.py"), external=True)
+
+
+@nox.session(name="release_scripts", tags=["ci"])
+def release_scripts(session: nox.Session) -> None:
+    """Unit tests of scripts/ (wheel check against real and broken wheels, release tag check)."""
+    session.install("pytest>=8", "packaging>=24")
+    session.run("python", str(SCRIPTS / "check_release.py"), "--all")
+    session.run("pytest", str(SCRIPTS / "tests"), "-p", "no:cacheprovider", *session.posargs)
+
+
+@nox.session(venv_backend="none")
+@nox.parametrize(("package", "host"), _installed_params())
+def installed(session: nox.Session, package: str, host: str) -> None:
+    """Install the built wheels like a user (the README's install-test commands) and run a first use."""
+    import shutil
+    import time
+
+    start = time.monotonic()
+    workspace = _scripts_module("workspace").packages()
+    readme = _scripts_module("readme_install")
+    name = f"composer-{package}"
+    tmp = Path(session.create_tmp()).resolve()
+    for leaf in ("venv", "venv-git", "dist", "work"):
+        shutil.rmtree(tmp / leaf, ignore_errors=True)
+    pin = _prepare(session)  # local torch wheel + constraint (UV_FIND_LINKS / UV_CONSTRAINT)
+    host_args: list[str] = []
+    if package in HOSTS:
+        requirement = next(
+            r for r in workspace[name].project["dependencies"] if re.match(rf"{HOSTS[package]}\b", r, re.I)
+        )
+        lowest, newest = (_host_version(session, requirement, w, tmp) for w in ("lowest", "newest"))
+        if host == "lowest" and lowest == newest:
+            session.skip(
+                f"{requirement}: lowest == newest == {newest} on the index; installed({package}-newest) covers it"
+            )
+        version = lowest if host == "lowest" else newest
+        host_args = [f"{HOSTS[package]}=={version}"]
+        session.log(f"host: {requirement} -> {host} = {version} (index: lowest {lowest}, newest {newest})")
+    venv = tmp / "venv"
+    session.run("uv", "venv", str(venv), "-p", "3.11", "-q", external=True)
+    python = str(venv / "bin" / "python")
+    refs = re.findall(
+        r"\./packages/(composer-[a-z-]+)", (workspace[name].directory / "README.md").read_text()
+    )
+    wheels = _build(session, sorted({"composer-core", name, *refs}), tmp / "dist")
+    commands = readme.install_test_commands(workspace[name], wheels)
+    for args in commands:  # the README's commands, `pip install` -> `uv pip install` into the fresh venv
+        session.run("uv", "pip", "install", "--python", python, *pin, *args, *host_args, external=True)
+    work = tmp / "work"
+    work.mkdir()
+    smoke = work / "smoke.py"
+    smoke.write_text(
+        (SCRIPTS / "smoke" / "_common.py").read_text()
+        + (SCRIPTS / "smoke" / f"{package.replace('-', '_')}.py").read_text()
+    )
+    env = {
+        "PYTHONPATH": "",
+        "VIRTUAL_ENV": str(venv),
+        "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}",
+    }
+    session.chdir(work)
+    session.run(python, "-I", str(smoke), env=env, external=True)
+    session.chdir(ROOT)  # _prepare's constraint path is relative to the root
+    _install_git_form(session, readme, workspace[name], tmp, pin)
+    session.log(f"installed({package}-{host}): {time.monotonic() - start:.0f} s wall")
+
+
+def _install_git_form(session: nox.Session, readme: object, pkg: object, tmp: Path, pin: list[str]) -> None:
+    """The README's git-URL commands with the repository URL pointed at this clone (git+file://, the
+    committed HEAD), into a scratch venv without dependencies: the URL syntax, #subdirectory= and extras
+    must build the named distributions."""
+    if not (ROOT / ".git").exists():
+        session.log("not a git checkout: the git-URL install form is checked statically only (nox -s dists)")
+        return
+    venv = tmp / "venv-git"
+    session.run("uv", "venv", str(venv), "-p", "3.11", "-q", external=True)
+    commands = readme.install_git_commands(pkg, ROOT.resolve().as_uri())  # type: ignore[attr-defined]
+    names = set()
+    for args in commands:
+        session.run(
+            "uv",
+            "pip",
+            "install",
+            "--python",
+            str(venv / "bin" / "python"),
+            "--no-deps",
+            *pin,
+            *args,
+            external=True,
+        )
+        names |= {a.split("@", 1)[0].split("[", 1)[0].strip() for a in args if "@ git+" in a}
+    probe = (
+        "import json, sys; from importlib import metadata as m\n"
+        "for n in sys.argv[1:]:\n"
+        "    d = json.loads(m.distribution(n).read_text('direct_url.json'))\n"
+        "    assert 'vcs_info' in d and d.get('subdirectory') == 'packages/' + n, d\n"
+        '    print(f\'ok: git-URL form: {n} {m.version(n)} built from {d["url"]}#subdirectory={d["subdirectory"]}\')\n'
+    )
+    session.run(str(venv / "bin" / "python"), "-I", "-c", probe, *sorted(names), external=True)
