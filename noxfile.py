@@ -300,7 +300,9 @@ def _installed_params() -> list[object]:
     params: list[object] = []
     for pkg in PACKAGES:
         for host in ("lowest", "newest") if pkg in HOSTS else ("none",):
-            params.append(nox.param(pkg, host, id=f"{pkg}-{host}", tags=["installed", f"installed-{pkg}", "ci"]))
+            params.append(
+                nox.param(pkg, host, id=f"{pkg}-{host}", tags=["installed", f"installed-{pkg}", "ci"])
+            )
     return params
 
 
