@@ -61,8 +61,11 @@ def load_package(directory: Path) -> Package:
 
 
 def packages(root: Path = ROOT) -> dict[str, Package]:
-    """Every distribution of the workspace, by distribution name."""
+    """Every distribution of the workspace, by distribution name (``packages/_template``, the adapter
+    skeleton, is not a workspace member and not a distribution)."""
     found = [
-        load_package(d) for d in sorted((root / "packages").iterdir()) if (d / "pyproject.toml").is_file()
+        load_package(d)
+        for d in sorted((root / "packages").iterdir())
+        if (d / "pyproject.toml").is_file() and not d.name.startswith("_")
     ]
     return {p.name: p for p in found}
