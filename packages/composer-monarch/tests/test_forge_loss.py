@@ -287,6 +287,8 @@ def test_config_is_built_once_at_construction_from_core() -> None:
         ComposerLoss(simpo_gamma=0.2)
     with pytest.raises(ValueError, match="did you mean 'epsilon_low'"):
         ComposerLoss(epsilon_lo=0.2)
+
+
 # Tensor constructors that place memory: each call in the loss path must say where (device=).
 CONSTRUCTORS = {
     "tensor", "as_tensor", "asarray", "arange", "range", "zeros", "ones", "full", "empty", "empty_strided",

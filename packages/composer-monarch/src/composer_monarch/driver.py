@@ -306,7 +306,9 @@ class ComposerDriver:
             pending_logits = None
             sdpo_rows = None
             if self.use_teacher_logits:
-                hinted, sdpo_rows = self.task.hinted_prompts(ro.prompt_ids, ro.completion_ids, ro.completion_mask)
+                hinted, sdpo_rows = self.task.hinted_prompts(
+                    ro.prompt_ids, ro.completion_ids, ro.completion_mask
+                )
                 if bool(sdpo_rows.any()):  # no hinted completion: channel 2 is skipped this step
                     pending_logits = self._call("teacher", "hinted_logits", hinted, ro.completion_ids)
             pairs = self._call("teacher", "preference_pairs", ro, rewards)() if self.use_pairs else None

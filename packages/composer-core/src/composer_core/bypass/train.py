@@ -115,6 +115,26 @@ def read_manifest(path: Path) -> dict[str, Any]:
     return data
 
 
+def _initial_state(
+    decision: dict[str, Any],
+    student: BlockwiseModel,
+    owned: list[int],
+    optimizers: Any,
+    ctx: DistContext,
+    grad_accum: int,
+) -> dict[str, Any]:
+    """A fresh run's state, or the state of the checkpoint ``decision`` says to resume from."""
+    if decision["action"] != "resume":
+        return {"step": 0, "batches_consumed": 0, "history": [], "validation": [], "best": None}
+    path = Path(decision["path"])
+    state: dict[str, Any] = ctx.run_everywhere(
+        lambda: load_checkpoint(path, model=student, blocks=owned, optimizers=optimizers, ctx=ctx)
+    )
+    if state["batches_consumed"] != state["step"] * grad_accum:
+        raise ValueError(f"checkpoint {path}: batches_consumed does not match step × grad_accum")
+    return state
+
+
 def run_bypass(
     teacher: BlockwiseModel,
     input_ids: Tensor,
@@ -167,16 +187,7 @@ def run_bypass(
         )
 
     optimizers = make_optimizers(student, owned, tcfg)
-    state: dict[str, Any] = {"step": 0, "batches_consumed": 0, "history": [], "validation": [], "best": None}
-    if decision["action"] == "resume":
-        path = Path(decision["path"])
-        state = ctx.run_everywhere(
-            lambda: load_checkpoint(path, model=student, blocks=owned, optimizers=optimizers, ctx=ctx)
-        )
-        if state["batches_consumed"] != state["step"] * tcfg.grad_accum:
-            raise ValueError(
-                f"checkpoint {decision['path']}: batches_consumed does not match step × grad_accum"
-            )
+    state = _initial_state(decision, student, owned, optimizers, ctx, tcfg.grad_accum)
 
     def save(name: str, latest: bool = True) -> None:
         save_checkpoint(

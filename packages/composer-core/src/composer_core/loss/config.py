@@ -232,7 +232,9 @@ class SDPOOptions:
             raise TypeError(f"`wrapper` must be None, TAID(...) or EntropyOPD(...), got {self.wrapper!r}.")
         _unit("sdpo_beta", self.beta)
         if not isinstance(self.topk_tail, bool):
-            raise ValueError(f"`sdpo_topk_tail`={self.topk_tail!r} must be a bool (True adds the tail bucket).")
+            raise ValueError(
+                f"`sdpo_topk_tail`={self.topk_tail!r} must be a bool (True adds the tail bucket)."
+            )
         _finite("sdpo_temperature", self.temperature, low=0.0, strict=True)
         if self.token_clip is not None:
             _finite("is_clip (sdpo_token_clip)", self.token_clip, low=0.0, strict=True)
@@ -530,53 +532,65 @@ def coerce_to(name: str, value: object, ann: Any) -> object:
 def _coerce(ann: Any, value: object) -> object:
     origin = get_origin(ann)
     if origin in (Union, types.UnionType):
-        args = get_args(ann)
-        if type(None) in args and (
-            value is None or (isinstance(value, str) and value.strip().lower() in _NONE)
-        ):
-            return None
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(arg, value)
-            except (TypeError, ValueError):
-                continue
-        raise ValueError(value)
+        return _coerce_union(get_args(ann), value)
     if origin is Literal:
-        choices = get_args(ann)
-        if value in choices and not isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.strip() in choices:
-            return value.strip()
-        if isinstance(value, str) and value.strip().lower() in _NONE and None in choices:
-            return None
-        raise ValueError(value)
-    if ann is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, int) and value in (0, 1):
-            return bool(value)
-        if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
-            return value.strip().lower() in _TRUE
-        raise ValueError(value)
-    if ann is int:
-        if isinstance(value, bool):
-            raise TypeError(value)
-        if isinstance(value, int):
-            return value
-        if isinstance(value, str):
-            return int(value.strip())
+        return _coerce_literal(get_args(ann), value)
+    scalar = _SCALARS.get(ann)
+    if scalar is None:
         raise TypeError(value)
-    if ann is float:
-        if isinstance(value, bool):
-            raise TypeError(value)
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str) and value.strip():
-            return float(value.strip())
+    return scalar(value)
+
+
+def _coerce_union(args: tuple[Any, ...], value: object) -> object:
+    if type(None) in args and (value is None or (isinstance(value, str) and value.strip().lower() in _NONE)):
+        return None
+    for arg in args:
+        if arg is type(None):
+            continue
+        try:
+            return _coerce(arg, value)
+        except (TypeError, ValueError):
+            continue
+    raise ValueError(value)
+
+
+def _coerce_literal(choices: tuple[Any, ...], value: object) -> object:
+    if value in choices and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip() in choices:
+        return value.strip()
+    if isinstance(value, str) and value.strip().lower() in _NONE and None in choices:
+        return None
+    raise ValueError(value)
+
+
+def _to_bool(value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ValueError(value)
+
+
+def _to_int(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise TypeError(value)
+    return value if isinstance(value, int) else int(value.strip())
+
+
+def _to_float(value: object) -> float:
+    if isinstance(value, bool):
+        raise TypeError(value)
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str) and value.strip():
+        return float(value.strip())
     raise TypeError(value)
+
+
+_SCALARS: dict[Any, Any] = {bool: _to_bool, int: _to_int, float: _to_float}
 
 
 # ----------------------------------------------------------------------------------------------- from_flat
