@@ -16,7 +16,7 @@ from composer_core.loss.config import ComposeConfig, flat_defaults
 from trl import GRPOConfig
 
 #: composer_core's defaults: the one source of truth for every option this config shares with core.
-_CORE = flat_defaults()
+_CORE: dict[str, Any] = flat_defaults()  # typed Any: each field declares its own type
 
 SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 

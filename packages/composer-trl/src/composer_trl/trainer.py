@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import copy
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -559,7 +559,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
         entropies: Tensor,
         mask: Tensor,
         inputs: dict[str, Any],
-        metrics: dict[str, float],
+        metrics: Mapping[str, float],
     ) -> None:
         """The metrics plain GRPOTrainer logs from its loss, same names and values: ``kl`` (bias-corrected when
         TRL's ``use_bias_correction_kl`` is), ``entropy``, ``clip_ratio/low_mean``, ``clip_ratio/high_mean``,
