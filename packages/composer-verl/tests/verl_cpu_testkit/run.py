@@ -56,8 +56,6 @@ def overrides(tmp: Path, *, steps: int = 3, extra: tuple[str, ...] = ()) -> list
         "trainer.save_freq=-1",
         "trainer.logger=[console]",
         f"trainer.default_local_dir={tmp / 'ckpt'}",
-        "+ray_kwargs.ray_init.num_gpus=1",
-        "+ray_kwargs.ray_init.num_cpus=8",
         *extra,
     ]
 
@@ -77,10 +75,9 @@ def run_main_ppo(tmp: Path, composer: str, extra: tuple[str, ...] = (), timeout:
         "HYDRA_FULL_ERROR": "1",
     }
     cmd = [
-        sys.executable, "-m", "verl.trainer.main_ppo",
+        sys.executable, "-m", "verl_cpu_testkit.launch",
         f"--config-path={examples}", "--config-name=composer_grpo",
         *overrides(tmp, extra=extra),
-        f"ray_kwargs.ray_init.runtime_env.env_vars.COMPOSER_VERL_CONFIG='{composer}'",
     ]
     log = tmp / "main_ppo.log"
     with open(log, "w") as fh:
