@@ -100,8 +100,10 @@ def test_hinted_scores_become_ref_logprobs_and_grpo_advantages_stay() -> None:
         asyncio.run(algo.score_episode(ep))
     asyncio.run(algo.score_group(episodes))
 
-    block = Renderer().render_ids([{"role": "system", "content": "Hint: wrong unit"}], add_generation_prompt=False)
-    assert pool.calls == [block + [1, 2, 3, 4, 5, 6]]  # one scoring call, the hinted trace only
+    block = Renderer().render_ids(
+        [{"role": "system", "content": "Hint: wrong unit"}], add_generation_prompt=False
+    )
+    assert pool.calls == [[*block, 1, 2, 3, 4, 5, 6]]  # one scoring call, the hinted trace only
     expected = [-(t % 7) / 10 for t in [1, 2, 3, 4, 5, 6]]
     assert hinted.nodes[1].reference_logprobs == expected[2:4]  # sampled tokens only, hint block dropped
     assert hinted.nodes[3].reference_logprobs == expected[5:6]
@@ -127,7 +129,9 @@ def test_hint_sources_and_errors() -> None:
 class CharTokenizer:
     chat_template = None
 
-    def __call__(self, text: str, add_special_tokens: bool = False, return_offsets_mapping: bool = False) -> dict:
+    def __call__(
+        self, text: str, add_special_tokens: bool = False, return_offsets_mapping: bool = False
+    ) -> dict:
         ids = [ord(c) for c in text]
         out: dict[str, Any] = {"input_ids": ids}
         if return_offsets_mapping:
@@ -140,8 +144,13 @@ def record(i: int) -> Any:
 
     completion = [{"role": "assistant", "content": "no"}]
     return TraceRecord(
-        id=f"e{i}@1", episode_id=f"e{i}", turn=1, prompt=[{"role": "user", "content": "q"}],
-        completion=completion, chosen=[{"role": "assistant", "content": "yes"}], rejected=completion,
+        id=f"e{i}@1",
+        episode_id=f"e{i}",
+        turn=1,
+        prompt=[{"role": "user", "content": "q"}],
+        completion=completion,
+        chosen=[{"role": "assistant", "content": "yes"}],
+        rejected=completion,
     )
 
 
@@ -158,7 +167,12 @@ def test_rl_pair_mode_needs_a_scorer_and_signs_the_advantages() -> None:
     with pytest.raises(ValueError, match="scorer"):
         pair_samples(record(0), CharTokenizer(), env_name="env", mode="rl_pair")
     chosen, rejected = pair_samples(
-        record(0), CharTokenizer(), env_name="env", mode="rl_pair", margin=0.5, scorer=lambda ids: [-0.1] * len(ids)
+        record(0),
+        CharTokenizer(),
+        env_name="env",
+        mode="rl_pair",
+        margin=0.5,
+        scorer=lambda ids: [-0.1] * len(ids),
     )
     assert {a for a, m in zip(chosen.advantages, chosen.mask, strict=True) if m} == {0.5}
     assert {a for a, m in zip(rejected.advantages, rejected.mask, strict=True) if m} == {-0.5}

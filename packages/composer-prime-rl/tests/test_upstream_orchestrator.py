@@ -24,7 +24,9 @@ from pathlib import Path
 import pytest
 
 SRC = os.environ.get("PRIME_RL_SRC")
-pytestmark = pytest.mark.skipif(not SRC, reason="PRIME_RL_SRC is unset (prime-rl is not on the package index)")
+pytestmark = pytest.mark.skipif(
+    not SRC, reason="PRIME_RL_SRC is unset (prime-rl is not on the package index)"
+)
 
 
 def _file(rel: str) -> Path:
@@ -40,16 +42,27 @@ def _classes(rel: str) -> dict[str, ast.ClassDef]:
 
 
 def _load_routing() -> types.ModuleType:
-    stubs = {name: types.ModuleType(name) for name in ("verifiers", "verifiers.v1", "prime_rl", "prime_rl.configs",
-                                                        "prime_rl.configs.algorithm", "prime_rl.transports",
-                                                        "prime_rl.transports.rollouts")}
+    stubs = {
+        name: types.ModuleType(name)
+        for name in (
+            "verifiers",
+            "verifiers.v1",
+            "prime_rl",
+            "prime_rl.configs",
+            "prime_rl.configs.algorithm",
+            "prime_rl.transports",
+            "prime_rl.transports.rollouts",
+        )
+    }
     stubs["prime_rl.configs.algorithm"].ActionLossType = str
     stubs["prime_rl.transports.rollouts"].TrainingSample = object
     saved = {k: sys.modules.get(k) for k in stubs}
     for k, v in stubs.items():
         sys.modules.setdefault(k, v)
     try:
-        spec = importlib.util.spec_from_file_location("_prime_rl_routing", _file("src/prime_rl/orchestrator/algo/routing.py"))
+        spec = importlib.util.spec_from_file_location(
+            "_prime_rl_routing", _file("src/prime_rl/orchestrator/algo/routing.py")
+        )
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
@@ -113,7 +126,9 @@ def test_training_sample_fields_match_the_converter_mirror() -> None:
     from composer_prime_rl import records_to_samples as conv
 
     cls = _classes("src/prime_rl/transports/rollouts/types.py")["TrainingSample"]
-    upstream = [n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
+    upstream = [
+        n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+    ]
     if conv.HAS_PRIME_RL_TRANSPORT:
         pytest.skip("prime_rl is importable: the converter uses upstream's class itself")
     assert upstream == [f.name for f in dataclasses.fields(conv.TrainingSample)]

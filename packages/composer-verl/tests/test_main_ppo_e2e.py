@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from verl_cpu_testkit.run import run_main_ppo, step_metrics  # noqa: E402
+from verl_cpu_testkit.run import run_main_ppo, step_metrics
 
 pytestmark = pytest.mark.slow
 

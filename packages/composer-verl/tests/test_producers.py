@@ -27,7 +27,7 @@ from composer_verl.producers import (
 )
 
 sys.path.insert(0, str(Path(__file__).parent))
-from verl_cpu_testkit.task import build_tokenizer  # noqa: E402
+from verl_cpu_testkit.task import build_tokenizer
 
 ACTOR = {"shuffle": False, "use_dynamic_bsz": False, "ppo_micro_batch_size_per_gpu": 4}
 
@@ -116,8 +116,13 @@ def test_record_pairs_cycle_in_file_order(tmp_path: Path) -> None:
         prompt = [{"role": "user", "content": f"q{i}"}]
         completion = [{"role": "assistant", "content": f"bad{i}"}]
         return TraceRecord(
-            id=f"e{i}@1", episode_id=f"e{i}", turn=1, prompt=prompt, completion=completion,
-            chosen=[{"role": "assistant", "content": f"good{i}"}], rejected=completion,
+            id=f"e{i}@1",
+            episode_id=f"e{i}",
+            turn=1,
+            prompt=prompt,
+            completion=completion,
+            chosen=[{"role": "assistant", "content": f"good{i}"}],
+            rejected=completion,
         )
 
     path = tmp_path / "records.jsonl"
@@ -132,9 +137,9 @@ def test_hint_fn_import_paths_and_errors() -> None:
     fn = load_hint_fn("verl_cpu_testkit.task:hint_from_feedback")
     assert fn("p", "r", 1.0, {"feedback": "correct"}) is None
     assert load_hint_fn("verl_cpu_testkit.task.hint_from_feedback") is fn
-    with pytest.raises(ValueError, match="composer.hint_fn"):
+    with pytest.raises(ValueError, match=r"composer\.hint_fn"):
         load_hint_fn("verl_cpu_testkit.task:nope")
-    with pytest.raises(ValueError, match="composer.hint_fn"):
+    with pytest.raises(ValueError, match=r"composer\.hint_fn"):
         load_hint_fn("verl_cpu_testkit.task:ALPHABET")
 
 
@@ -149,7 +154,9 @@ def test_config_refuses_producers_without_effect_and_split_pairs() -> None:
     with pytest.raises(ValueError, match="shuffle"):
         check_settings(ProducerConfig(pair_source="dataset"), 0.0, 0.1, {**ACTOR, "shuffle": True})
     with pytest.raises(ValueError, match="even"):
-        check_settings(ProducerConfig(pair_source="dataset"), 0.0, 0.1, {**ACTOR, "ppo_micro_batch_size_per_gpu": 3})
+        check_settings(
+            ProducerConfig(pair_source="dataset"), 0.0, 0.1, {**ACTOR, "ppo_micro_batch_size_per_gpu": 3}
+        )
     check_settings(ProducerConfig(hint_fn="m:f", pair_source="dataset"), 0.5, 0.1, ACTOR)
 
 
@@ -157,11 +164,22 @@ def test_hints_get_prompt_response_reward_and_feedback(tok) -> None:
     producers = ComposerProducers(ProducerConfig(hint_fn="verl_cpu_testkit.task:hint_from_feedback"), tok, 8)
     enc = lambda s: torch.tensor(tok(s, add_special_tokens=False)["input_ids"])  # noqa: E731
     samples = [
-        {"prompts": enc("write a\n>"), "responses": enc("ab"), "response_mask": torch.tensor([1, 1]),
-         "rm_scores": torch.tensor([0.0, 0.5]), "feedback": "1 of 2 characters are not a",
-         "reward_model": {"ground_truth": "a"}},
-        {"prompts": enc("write b\n>"), "responses": enc("bb"), "response_mask": torch.tensor([1, 1]),
-         "rm_scores": torch.tensor([0.0, 1.0]), "feedback": "correct", "reward_model": {"ground_truth": "b"}},
+        {
+            "prompts": enc("write a\n>"),
+            "responses": enc("ab"),
+            "response_mask": torch.tensor([1, 1]),
+            "rm_scores": torch.tensor([0.0, 0.5]),
+            "feedback": "1 of 2 characters are not a",
+            "reward_model": {"ground_truth": "a"},
+        },
+        {
+            "prompts": enc("write b\n>"),
+            "responses": enc("bb"),
+            "response_mask": torch.tensor([1, 1]),
+            "rm_scores": torch.tensor([0.0, 1.0]),
+            "feedback": "correct",
+            "reward_model": {"ground_truth": "b"},
+        },
     ]
     hints = producers._hints(samples, skip={})
     assert hints == ["hint: 1 of 2 characters are not a. write only a", None]
@@ -178,4 +196,6 @@ def test_example_yaml_turns_the_producers_on() -> None:
     producers = ProducerConfig.from_mapping(cfg["composer"])
     assert producers.hint_fn and producers.pair_source == "dataset"
     env = json.loads(cfg["ray_kwargs"]["ray_init"]["runtime_env"]["env_vars"]["COMPOSER_VERL_CONFIG"])
-    check_settings(producers, env["alpha_sdpo"], env["beta_replay"], {**ACTOR, **cfg["actor_rollout_ref"]["actor"]})
+    check_settings(
+        producers, env["alpha_sdpo"], env["beta_replay"], {**ACTOR, **cfg["actor_rollout_ref"]["actor"]}
+    )

@@ -153,13 +153,21 @@ def _import(path: str) -> HintFn:
     return fn  # type: ignore[no-any-return]
 
 
-def resolve_hint(settings: ComposerSDPOSettings, hint_fn: HintFn | None, episode: Any, trace: Any) -> str | None:
+def resolve_hint(
+    settings: ComposerSDPOSettings, hint_fn: HintFn | None, episode: Any, trace: Any
+) -> str | None:
     """The hint text of one trace: ``hint_fn``'s answer, else ``trace.info[hint_key]``; None/empty = no hint."""
-    raw = hint_fn(episode, trace) if hint_fn is not None else (getattr(trace, "info", None) or {}).get(settings.hint_key)
+    raw = (
+        hint_fn(episode, trace)
+        if hint_fn is not None
+        else (getattr(trace, "info", None) or {}).get(settings.hint_key)
+    )
     if raw is None:
         return None
     if not isinstance(raw, str):
-        raise ValueError(f"composer_sdpo: the hint of trace {getattr(trace, 'id', '?')!r} is {type(raw).__name__}, not str.")
+        raise ValueError(
+            f"composer_sdpo: the hint of trace {getattr(trace, 'id', '?')!r} is {type(raw).__name__}, not str."
+        )
     return settings.template.format(hint=raw) if raw.strip() else None
 
 
@@ -180,10 +188,14 @@ class ComposerSDPOAlgorithm(_Base):  # type: ignore[misc, valid-type]
         if self.renderer is None:
             from renderers.base import create_renderer, load_tokenizer  # type: ignore[import-not-found]
 
-            self.renderer = create_renderer(load_tokenizer(self.policy_pool.model_name), self._renderer_config)
+            self.renderer = create_renderer(
+                load_tokenizer(self.policy_pool.model_name), self._renderer_config
+            )
 
     def hint_block(self, hint: str) -> list[int]:
-        ids = self.renderer.render_ids([{"role": self.settings.hint_role, "content": hint}], add_generation_prompt=False)
+        ids = self.renderer.render_ids(
+            [{"role": self.settings.hint_role, "content": hint}], add_generation_prompt=False
+        )
         return [int(i) for i in ids]
 
     async def score_episode(self, episode: Any) -> None:
@@ -195,7 +207,9 @@ class ComposerSDPOAlgorithm(_Base):  # type: ignore[misc, valid-type]
                 continue
             block = self.hint_block(hint)
             branches = [branch for branch, _ in iter_trainable_branches(trace)]
-            scores = await asyncio.gather(*(self.policy_pool.score(block + list(b.token_ids)) for b in branches))
+            scores = await asyncio.gather(
+                *(self.policy_pool.score(block + list(b.token_ids)) for b in branches)
+            )
             for branch, full in zip(branches, scores, strict=True):
                 assign_reference_logprobs(branch, list(full)[len(block) :])
 

@@ -60,7 +60,9 @@ except ImportError:
 Scorer = Callable[[list[int]], Sequence[float]]
 
 
-def _tokens(tokenizer: Any, record: Any, side: str, chat_template: bool | None) -> tuple[list[int], list[int]]:
+def _tokens(
+    tokenizer: Any, record: Any, side: str, chat_template: bool | None
+) -> tuple[list[int], list[int]]:
     from composer_core.traces.hints import tokenize_completion
     from composer_core.traces.schema import message_from_dict
 
@@ -69,11 +71,17 @@ def _tokens(tokenizer: Any, record: Any, side: str, chat_template: bool | None) 
     return tokenize_completion(tokenizer, prompt, action, record.tools, chat_template=chat_template)
 
 
-def _sample(prompt_ids: list[int], action_ids: list[int], env_name: str, temperature: float) -> TrainingSample:
+def _sample(
+    prompt_ids: list[int], action_ids: list[int], env_name: str, temperature: float
+) -> TrainingSample:
     ids = prompt_ids + action_ids
     mask = [False] * len(prompt_ids) + [True] * len(action_ids)
     return TrainingSample(
-        token_ids=ids, mask=mask, logprobs=[0.0] * len(ids), temperatures=[temperature] * len(ids), env_name=env_name
+        token_ids=ids,
+        mask=mask,
+        logprobs=[0.0] * len(ids),
+        temperatures=[temperature] * len(ids),
+        env_name=env_name,
     )
 
 

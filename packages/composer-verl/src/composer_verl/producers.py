@@ -98,10 +98,14 @@ def load_hint_fn(path: str) -> HintFn:
     return fn  # type: ignore[no-any-return]
 
 
-def check_settings(producers: ProducerConfig, alpha_sdpo: float, beta_replay: float, actor: Mapping[str, Any]) -> None:
+def check_settings(
+    producers: ProducerConfig, alpha_sdpo: float, beta_replay: float, actor: Mapping[str, Any]
+) -> None:
     """Refuse configurations where a producer would have no effect, or pairs could be split."""
     if producers.hint_fn is not None and alpha_sdpo <= 0:
-        raise ValueError("composer.hint_fn is set but alpha_sdpo is 0 in COMPOSER_VERL_CONFIG: set alpha_sdpo > 0.")
+        raise ValueError(
+            "composer.hint_fn is set but alpha_sdpo is 0 in COMPOSER_VERL_CONFIG: set alpha_sdpo > 0."
+        )
     if producers.pair_source is not None:
         if beta_replay <= 0:
             raise ValueError(
@@ -173,7 +177,9 @@ def response_ids(tokenizer: Any, text: str, length: int) -> list[int]:
     return ids[:length]
 
 
-def pair_sample(template: Mapping[str, Any], prompt_ids: Sequence[int], resp_ids: Sequence[int]) -> dict[str, Any]:
+def pair_sample(
+    template: Mapping[str, Any], prompt_ids: Sequence[int], resp_ids: Sequence[int]
+) -> dict[str, Any]:
     """One appended pair row built on a real sample (same fields), zero reward, full response mask."""
     out = {k: (v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in template.items()}
     prompts = torch.tensor(list(prompt_ids), dtype=torch.int64)
@@ -225,7 +231,9 @@ def _message_text(value: Any) -> str:
         content = value[0].get("content")
         if isinstance(content, str):
             return content
-    raise ValueError(f"a pair's chosen/rejected must be text or one message with text content, got {value!r:.80}")
+    raise ValueError(
+        f"a pair's chosen/rejected must be text or one message with text content, got {value!r:.80}"
+    )
 
 
 class RecordPairs:
@@ -240,7 +248,9 @@ class RecordPairs:
             if r.has_pair
         ]
         if not self.pairs:
-            raise ValueError(f"composer.pair_source={str(path)!r}: the records file holds no pair (chosen/rejected).")
+            raise ValueError(
+                f"composer.pair_source={str(path)!r}: the records file holds no pair (chosen/rejected)."
+            )
         self.n = n
         self.cursor = 0
 
@@ -264,7 +274,9 @@ def dataset_pairs(samples: Sequence[Mapping[str, Any]]) -> list[PairText]:
         if uid in seen or s["chosen"] is None or s["rejected"] is None:
             continue
         seen.add(uid)
-        out.append(PairText(_as_messages(s["raw_prompt"]), _message_text(s["chosen"]), _message_text(s["rejected"])))
+        out.append(
+            PairText(_as_messages(s["raw_prompt"]), _message_text(s["chosen"]), _message_text(s["rejected"]))
+        )
     return out
 
 
@@ -325,7 +337,12 @@ class ComposerProducers:
         for i, h in enumerate(hints):
             if h is not None:
                 jobs.append(("teacher", i))
-                temp.append(with_prompt(samples[i], hinted_prompt_ids(self.tokenizer, samples[i]["raw_prompt"], h, self.config.hint_role)))
+                temp.append(
+                    with_prompt(
+                        samples[i],
+                        hinted_prompt_ids(self.tokenizer, samples[i]["raw_prompt"], h, self.config.hint_role),
+                    )
+                )
         for i in pair_rows:
             jobs.append(("pair", i))
             temp.append(with_prompt(samples[i], samples[i]["prompts"].tolist()))
@@ -401,7 +418,9 @@ class ComposerProducers:
         import transfer_queue as tq
 
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id)
-        return [dict(data[i].items()) if hasattr(data[i], "items") else data[i] for i in range(len(batch.keys))]
+        return [
+            dict(data[i].items()) if hasattr(data[i], "items") else data[i] for i in range(len(batch.keys))
+        ]
 
     def _hints(self, samples: Sequence[Mapping[str, Any]], skip: Mapping[int, int]) -> list[str | None]:
         if self.hint_fn is None:
@@ -422,7 +441,9 @@ class ComposerProducers:
             out.append(hint)
         return out
 
-    def _append_pairs(self, batch: Any, samples: Sequence[Mapping[str, Any]], metrics: dict[str, float]) -> Any:
+    def _append_pairs(
+        self, batch: Any, samples: Sequence[Mapping[str, Any]], metrics: dict[str, float]
+    ) -> Any:
         import transfer_queue as tq
         from transfer_queue import KVBatchMeta
         from verl.utils.tensordict_utils import list_of_dict_to_tensordict
@@ -433,7 +454,7 @@ class ComposerProducers:
         pairs = self.records.take() if self.records is not None else dataset_pairs(samples)
         template, tag0 = samples[0], batch.tags[0]
         rows, keys, tags = [], [], []
-        for j, p in enumerate(pairs):
+        for p in pairs:
             prompt_ids = render_prompt_ids(self.tokenizer, p.prompt)
             pair = []
             for side, text in (("chosen", p.chosen), ("rejected", p.rejected)):
@@ -456,7 +477,9 @@ class ComposerProducers:
         metrics["composer/appended_pairs"] = float(len(pairs))
         if not rows:
             return batch
-        tq.kv_batch_put(keys=keys, partition_id=batch.partition_id, fields=list_of_dict_to_tensordict(rows), tags=tags)
+        tq.kv_batch_put(
+            keys=keys, partition_id=batch.partition_id, fields=list_of_dict_to_tensordict(rows), tags=tags
+        )
         return KVBatchMeta(
             keys=batch.keys + keys,
             tags=batch.tags + tags,
@@ -465,7 +488,9 @@ class ComposerProducers:
             extra_info=batch.extra_info,
         )
 
-    def _actor_log_probs(self, trainer: Any, batch: Any, rows: Sequence[Mapping[str, Any]]) -> list[torch.Tensor]:
+    def _actor_log_probs(
+        self, trainer: Any, batch: Any, rows: Sequence[Mapping[str, Any]]
+    ) -> list[torch.Tensor]:
         """Per-response-token log-probs of ``rows`` under the current actor (verl's ``compute_log_prob``)."""
         import transfer_queue as tq
         from transfer_queue import KVBatchMeta
@@ -487,17 +512,26 @@ class ComposerProducers:
             tag.update(prompt_len=int(r["prompts"].numel()), response_len=int(r["responses"].numel()))
             tag["seq_len"] = tag["prompt_len"] + tag["response_len"]
             tags.append(tag)
-        tq.kv_batch_put(keys=keys, partition_id=batch.partition_id, fields=list_of_dict_to_tensordict(rows), tags=tags)
+        tq.kv_batch_put(
+            keys=keys, partition_id=batch.partition_id, fields=list_of_dict_to_tensordict(rows), tags=tags
+        )
         try:
-            meta = KVBatchMeta(keys=keys, tags=tags, partition_id=batch.partition_id, fields=batch.fields,
-                               extra_info=dict(batch.extra_info))
+            meta = KVBatchMeta(
+                keys=keys,
+                tags=tags,
+                partition_id=batch.partition_id,
+                fields=batch.fields,
+                extra_info=dict(batch.extra_info),
+            )
             meta.extra_info.update(
                 calculate_entropy=False,
                 compute_loss=False,
                 temperature=trainer.config.actor_rollout_ref.rollout.temperature,
             )
             wg.compute_log_prob(meta)
-            data = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id, select_fields=["log_probs", "response_mask"])
+            data = tq.kv_batch_get(
+                keys=keys, partition_id=batch.partition_id, select_fields=["log_probs", "response_mask"]
+            )
             lp = response_from_nested(data["log_probs"], data["response_mask"])
             return [lp[i] for i in range(n_real)]
         finally:

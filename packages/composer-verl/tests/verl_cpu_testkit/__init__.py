@@ -36,9 +36,7 @@ def _init_gloo_for_verl_worker() -> None:
         return
     if os.environ.get("VERL_CPU_TESTKIT_NO_GLOO") or dist.is_initialized():
         return
-    dist.init_process_group(
-        "gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"])
-    )
+    dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
 
 
 _init_gloo_for_verl_worker()

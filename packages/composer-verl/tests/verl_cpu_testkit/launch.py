@@ -37,10 +37,12 @@ def start_ray(attempts: int = 5) -> None:
                 num_cpus=8,  # logical: verl's placement bundles ask for CPUs per worker
                 num_gpus=1,  # logical: verl's resource check counts only GPU/NPU
                 include_dashboard=False,
-                runtime_env={"env_vars": {k: os.environ[k] for k in ("COMPOSER_VERL_CONFIG",) if k in os.environ}},
+                runtime_env={
+                    "env_vars": {k: os.environ[k] for k in ("COMPOSER_VERL_CONFIG",) if k in os.environ}
+                },
             )
             return
-        except Exception as e:  # noqa: BLE001 - only the startup timeout is retried
+        except Exception as e:
             if "timed out during startup" not in str(e) or attempt == attempts:
                 raise
             print(f"[launch] Ray startup timed out (attempt {attempt}/{attempts}); retrying", flush=True)

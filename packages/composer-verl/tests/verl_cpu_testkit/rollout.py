@@ -50,7 +50,9 @@ class HFGenerateServer:
             return len(state)
 
     @torch.no_grad()
-    def _sample(self, prompt_ids: list[int], params: dict[str, Any], request_id: str) -> tuple[list[int], list[float]]:
+    def _sample(
+        self, prompt_ids: list[int], params: dict[str, Any], request_id: str
+    ) -> tuple[list[int], list[float]]:
         temperature = float(params.get("temperature", 1.0))
         max_tokens = int(params.get("max_tokens") or params.get("max_new_tokens") or self.response_length)
         max_tokens = min(max_tokens, self.response_length)
@@ -144,7 +146,9 @@ def _adapter_cls() -> type:
     from verl.workers.rollout.base import BaseRollout
 
     class HFGenerateAdapter(BaseRollout):  # type: ignore[misc]
-        def __init__(self, config: Any, model_config: Any, device_mesh: Any, *args: Any, **kwargs: Any) -> None:
+        def __init__(
+            self, config: Any, model_config: Any, device_mesh: Any, *args: Any, **kwargs: Any
+        ) -> None:
             super().__init__(config, model_config, device_mesh)
             self.replica_rank = 0
             self.is_leader_rank = int(os.environ.get("RANK", "0")) == 0

@@ -60,7 +60,9 @@ def overrides(tmp: Path, *, steps: int = 3, extra: tuple[str, ...] = ()) -> list
     ]
 
 
-def run_main_ppo(tmp: Path, composer: str, extra: tuple[str, ...] = (), timeout: float = 900) -> subprocess.CompletedProcess[str]:
+def run_main_ppo(
+    tmp: Path, composer: str, extra: tuple[str, ...] = (), timeout: float = 900
+) -> subprocess.CompletedProcess[str]:
     examples = str(files("composer_verl.examples"))
     env = {
         **os.environ,
@@ -75,13 +77,18 @@ def run_main_ppo(tmp: Path, composer: str, extra: tuple[str, ...] = (), timeout:
         "HYDRA_FULL_ERROR": "1",
     }
     cmd = [
-        sys.executable, "-m", "verl_cpu_testkit.launch",
-        f"--config-path={examples}", "--config-name=composer_grpo",
+        sys.executable,
+        "-m",
+        "verl_cpu_testkit.launch",
+        f"--config-path={examples}",
+        "--config-name=composer_grpo",
         *overrides(tmp, extra=extra),
     ]
     log = tmp / "main_ppo.log"
     with open(log, "w") as fh:
-        proc = subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, text=True, timeout=timeout, cwd=tmp)
+        proc = subprocess.run(
+            cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, text=True, timeout=timeout, cwd=tmp
+        )
     return subprocess.CompletedProcess(cmd, proc.returncode, log.read_text(), "")
 
 

@@ -81,7 +81,9 @@ def write_task(path: Path, n: int = 16, *, pairs: bool = False) -> Path:
     return path
 
 
-def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: Any = None, **_: Any) -> dict:
+def compute_score(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: Any = None, **_: Any
+) -> dict:
     """Reward = fraction of characters equal to the target letter; ``feedback`` = what the environment says."""
     text = solution_str.replace("<eos>", "")
     hits = sum(ch == ground_truth for ch in text)
@@ -96,7 +98,11 @@ def hint_from_feedback(prompt: str, response: str, reward: float, extra: dict[st
     """The user's hint function: the environment's feedback becomes the hint (None = no hint)."""
     if reward >= 1.0:
         return None
-    return f"hint: {extra['feedback']}. write only {extra['reward_model']['ground_truth']}" if "reward_model" in extra else f"hint: {extra['feedback']}"
+    return (
+        f"hint: {extra['feedback']}. write only {extra['reward_model']['ground_truth']}"
+        if "reward_model" in extra
+        else f"hint: {extra['feedback']}"
+    )
 
 
 def dump(obj: Any) -> str:
