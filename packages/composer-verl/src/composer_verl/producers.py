@@ -418,9 +418,8 @@ class ComposerProducers:
         import transfer_queue as tq
 
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id)
-        return [
-            dict(data[i].items()) if hasattr(data[i], "items") else data[i] for i in range(len(batch.keys))
-        ]
+        rows = [data[i] for i in range(len(batch.keys))]
+        return [{k: row[k] for k in row.keys()} for row in rows]  # noqa: SIM118 (TensorDict rows)
 
     def _hints(self, samples: Sequence[Mapping[str, Any]], skip: Mapping[int, int]) -> list[str | None]:
         if self.hint_fn is None:
