@@ -169,7 +169,7 @@ def test_hints_get_prompt_response_reward_and_feedback(tok) -> None:
             "responses": enc("ab"),
             "response_mask": torch.tensor([1, 1]),
             "rm_scores": torch.tensor([0.0, 0.5]),
-            "feedback": "1 of 2 characters are not a",
+            "extra_fields": {"reward_extra_info": {"feedback": "1 of 2 characters are not a"}},
             "reward_model": {"ground_truth": "a"},
         },
         {

@@ -214,6 +214,18 @@ def pairs_last(keys: Sequence[str], pairs: Sequence[tuple[str, str]]) -> list[in
     return order
 
 
+def reward_extra(sample: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``extra`` handed to ``hint_fn``: the reward function's extra info (verl's agent loop keeps it under
+    ``extra_fields["reward_extra_info"]``, e.g. ``{"feedback": ...}``) merged over the row's non-tensor fields
+    (dataset columns such as ``reward_model``, ``extra_info``, ``raw_prompt``)."""
+    extra = {k: v for k, v in sample.items() if not isinstance(v, torch.Tensor)}
+    fields_ = extra.get("extra_fields")
+    info = fields_.get("reward_extra_info") if isinstance(fields_, Mapping) else None
+    if isinstance(info, Mapping):
+        extra.update(info)
+    return extra
+
+
 # --- pair sources ----------------------------------------------------------------------------------------------
 
 
@@ -433,7 +445,7 @@ class ComposerProducers:
             resp = s["responses"][s["response_mask"].bool()] if "response_mask" in s else s["responses"]
             response = self.tokenizer.decode(resp.tolist(), skip_special_tokens=True)
             reward = float(s["rm_scores"].sum()) if "rm_scores" in s else 0.0
-            extra = {k: v for k, v in s.items() if not isinstance(v, torch.Tensor)}
+            extra = reward_extra(s)
             hint = self.hint_fn(prompt, response, reward, extra)
             if hint is not None and (not isinstance(hint, str) or not hint.strip()):
                 raise ValueError(f"composer.hint_fn returned {hint!r}: return a non-empty string or None.")

@@ -46,6 +46,7 @@ def overrides(tmp: Path, *, steps: int = 3, extra: tuple[str, ...] = ()) -> list
         "actor_rollout_ref.rollout.agent.num_workers=1",
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
         "reward.num_workers=1",
+        "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",  # 8 by default: 8 Ray actors
         f"reward.custom_reward_function.path={Path(task.__file__)}",
         "reward.custom_reward_function.name=compute_score",
         "trainer.n_gpus_per_node=1",
