@@ -60,7 +60,10 @@ def test_with_prompt_keeps_the_response_and_rebuilds_positions(tok) -> None:
     out = with_prompt(sample, [1, 2, 3, 4])
     assert out["input_ids"].tolist() == [1, 2, 3, 4, 8, 9]
     assert out["position_ids"].tolist() == list(range(6))
-    assert out["attention_mask"].tolist() == [1] * 6
+    assert out["attention_mask"].tolist() == [1] * 6  # rebuilt because the sample has one
+    assert "attention_mask" not in with_prompt(
+        {k: v for k, v in sample.items() if k != "attention_mask"}, [1]
+    )
     assert torch.equal(out["responses"], sample["responses"]) and out["uid"] == "u"
     assert sample["input_ids"].tolist() == [5, 6, 7, 8, 9]  # the original is untouched
 

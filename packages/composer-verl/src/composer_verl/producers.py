@@ -161,9 +161,10 @@ def with_prompt(sample: Mapping[str, Any], prompt_ids: Sequence[int]) -> dict[st
     out.update(
         prompts=prompts,
         input_ids=input_ids,
-        attention_mask=torch.ones_like(input_ids),
         position_ids=_position_ids(sample.get("position_ids"), input_ids.numel()),
     )
+    if "attention_mask" in out:  # verl's agent loop stores no attention mask (all ones, no padding)
+        out["attention_mask"] = torch.ones_like(input_ids)
     return out
 
 
@@ -190,7 +191,6 @@ def pair_sample(
         prompts=prompts,
         responses=responses,
         input_ids=input_ids,
-        attention_mask=torch.ones_like(input_ids),
         position_ids=_position_ids(template.get("position_ids"), input_ids.numel()),
         response_mask=ones,
         rm_scores=torch.zeros(len(resp_ids), dtype=torch.float32),
@@ -199,6 +199,8 @@ def pair_sample(
     )
     if "loss_mask" in out:
         out["loss_mask"] = ones.clone()
+    if "attention_mask" in out:
+        out["attention_mask"] = torch.ones_like(input_ids)
     if "num_turns" in out:
         out["num_turns"] = 1
     return out

@@ -52,7 +52,7 @@ def start_ray(attempts: int = 5) -> None:
 
 
 if __name__ == "__main__":
-    start_ray()
+    start_ray(int(os.environ.get("VERL_CPU_TESTKIT_RAY_ATTEMPTS", "5")))
     from verl.trainer.main_ppo import main
 
     sys.argv = ["verl.trainer.main_ppo", *sys.argv[1:]]
