@@ -87,10 +87,29 @@ def run_main_ppo(
     ]
     log = tmp / "main_ppo.log"
     with open(log, "w") as fh:
-        proc = subprocess.run(
-            cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, text=True, timeout=timeout, cwd=tmp
-        )
-    return subprocess.CompletedProcess(cmd, proc.returncode, log.read_text(), "")
+        proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, text=True, cwd=tmp)
+        try:
+            returncode = proc.wait(timeout=timeout)
+        finally:
+            _end_tree(proc.pid)  # Ray's processes (gcs, raylet, workers) of this run, by pid
+    return subprocess.CompletedProcess(cmd, returncode, log.read_text(), "")
+
+
+def _end_tree(pid: int) -> None:
+    import contextlib
+
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        root = psutil.Process(pid)
+        procs = [*root.children(recursive=True), root]
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                p.terminate()
+        _, alive = psutil.wait_procs(procs, timeout=10)
+        for p in alive:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
 
 
 STEP_LINE = re.compile(r"step:(\d+) - (.*)$")
