@@ -400,7 +400,8 @@ class ComposerProducers:
         if padding:  # verl's padding rows copy row 0's fields: give them empty composer fields
             keys = [batch.keys[i] for i in padding]
             data = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id, select_fields=["responses"])
-            lens = data["responses"].offsets().diff().tolist()
+            resp = data["responses"]  # jagged, or dense when every padding row has the same length
+            lens = resp.offsets().diff().tolist() if resp.is_nested else [resp.shape[-1]] * resp.shape[0]
             zeros = [torch.zeros(int(n_), dtype=torch.float32) for n_ in lens]
             fields = {
                 TEACHER_LOG_PROBS: _nested(zeros),
