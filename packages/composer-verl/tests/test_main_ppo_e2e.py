@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+from verl_cpu_testkit.launch import RAY_START_FAILED
 from verl_cpu_testkit.run import run_main_ppo, step_metrics
 
 pytestmark = pytest.mark.slow
@@ -43,6 +44,8 @@ def _get(metrics: dict[str, float], name: str) -> float:
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, float]]:
     tmp = tmp_path_factory.mktemp("main_ppo")
     proc = run_main_ppo(tmp, json.dumps(COMPOSER), PRODUCERS)
+    if proc.returncode == RAY_START_FAILED:  # an overloaded machine, before any verl/composer code ran
+        pytest.skip(next(ln for ln in proc.stdout.splitlines() if "RAY_START_FAILED" in ln))
     assert proc.returncode == 0, proc.stdout[-8000:]
     steps = step_metrics(proc.stdout)
     assert sorted(steps) == [1, 2, 3], proc.stdout[-8000:]

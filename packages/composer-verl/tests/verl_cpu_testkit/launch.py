@@ -14,6 +14,8 @@ import os
 import sys
 import time
 
+RAY_START_FAILED = 75  # EX_TEMPFAIL: the machine could not start Ray in time (no training ran)
+
 
 def _kill_children_started_since(before: set[int]) -> None:
     """A failed ``ray.init`` leaves the processes it started (gcs, raylet, agents): end those, by pid."""
@@ -43,8 +45,12 @@ def start_ray(attempts: int = 5) -> None:
             )
             return
         except Exception as e:
-            if "timed out during startup" not in str(e) or attempt == attempts:
+            if "timed out during startup" not in str(e):
                 raise
+            if attempt == attempts:
+                print(f"[launch] RAY_START_FAILED after {attempts} attempts: {e}", flush=True)
+                _kill_children_started_since(before)
+                sys.exit(RAY_START_FAILED)
             print(f"[launch] Ray startup timed out (attempt {attempt}/{attempts}); retrying", flush=True)
             ray.shutdown()
             _kill_children_started_since(before)
