@@ -136,7 +136,8 @@ def step_metrics(stdout: str) -> dict[int, dict[str, float]]:
 if __name__ == "__main__":
     tmp = Path(sys.argv[1])
     tmp.mkdir(parents=True, exist_ok=True)
-    proc = run_main_ppo(tmp, sys.argv[2] if len(sys.argv) > 2 else "{}", tuple(sys.argv[3:]))
+    timeout = float(os.environ.get("VERL_CPU_TESTKIT_TIMEOUT", "900"))
+    proc = run_main_ppo(tmp, sys.argv[2] if len(sys.argv) > 2 else "{}", tuple(sys.argv[3:]), timeout=timeout)
     print(proc.stdout[-20000:])
     print(proc.stderr[-20000:], file=sys.stderr)
     print("RC", proc.returncode)
