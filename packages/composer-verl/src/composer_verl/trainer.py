@@ -5,7 +5,9 @@ verl 0.9's v1 trainer (``trainer.use_v1=true``, the default) builds its actor wo
 ``PPOTrainerSync`` with one change, made the way verl's own ``PPOTrainerSeparateAsync`` swaps in its
 ``DetachActorWorker``: after the resource pools are set up, the actor roles map to
 :class:`composer_verl.actor.ComposerActorRolloutRefWorker`. Everything else (rollout, reference,
-checkpoints, weight sync) is verl's.
+checkpoints, weight sync) is verl's, except that when the ``composer`` section of verl's config configures
+producers (:mod:`composer_verl.producers`: a ``hint_fn`` for channel 2, a ``pair_source`` for channel 3),
+they run on each step's batch right before verl balances it (rewards are known, ``old_log_probs`` not yet).
 
 The plugin registers this module lazily, right after ``verl.trainer.ppo.v1`` finishes importing (the
 TaskRunner process imports it to look the trainer up), so ``import verl`` stays cheap everywhere else.
@@ -13,12 +15,15 @@ TaskRunner process imports it to look the trainer up), so ``import verl`` stays 
 
 from __future__ import annotations
 
+from typing import Any
+
 import ray
 from verl.trainer.ppo.utils import Role
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
 from composer_verl.actor import ComposerActorRolloutRefWorker
+from composer_verl.producers import ComposerProducers
 
 TRAINER_MODE = "composer_sync"
 ACTOR_ROLES = (Role.Actor, Role.ActorRollout, Role.ActorRolloutRef)
@@ -33,3 +38,16 @@ class ComposerPPOTrainerSync(PPOTrainerSync):  # type: ignore[misc]
         for role in ACTOR_ROLES:
             if role in self.role_worker_mapping:
                 self.role_worker_mapping[role] = ray.remote(ComposerActorRolloutRefWorker)
+
+    def _init_tokenizer(self) -> None:
+        super()._init_tokenizer()
+        # config is checked here, once, before any worker starts
+        self.composer_producers = ComposerProducers.from_trainer_config(self.config, self.tokenizer)
+
+    def _balance_batch(self, batch: Any, metrics: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        producers = getattr(self, "composer_producers", None)
+        if producers is None:
+            return super()._balance_batch(batch, metrics, *args, **kwargs)
+        batch = producers.before_balance(self, batch, metrics)
+        batch = super()._balance_batch(batch, metrics, *args, **kwargs)
+        return producers.after_balance(batch)

@@ -1,0 +1,222 @@
+"""Channel-2 producer on PRIME-RL's orchestrator: hinted self-scoring routed to the rl loss.
+
+PRIME-RL (559b447) turns a finalized episode into training signal through an ``Algorithm``
+(``prime_rl.orchestrator.algo``): ``score_episode`` (rollout-local) and ``score_group`` (group-relative)
+annotate the verifier graph; ``action_loss_type`` routes the action tokens to a loss component. Its
+``opsd`` algorithm scores each sampled branch with the **live policy** after a hint block (a leading system
+message) and ships the result as ``ref_logprobs``, but routes the tokens to the ``ref_kl`` component and
+assigns no advantage. :class:`ComposerSDPOAlgorithm` does the same hinted scoring and keeps GRPO's group
+advantages with ``action_loss_type = "rl"``, so ``composer_prime_rl.composer_loss`` (the custom rl loss)
+receives both: advantages for channel 1 and the hinted self-teacher for channel 2 (``alpha_sdpo``).
+
+The hint is the environment's feedback: ``trace.info[hint_key]`` (a verifiers rubric / environment writes it),
+or a user ``hint_fn(episode, trace) -> str | None`` (import path). A trace without a hint gets no
+``ref_logprobs`` (``composer_loss`` then trains it on channel 1 only).
+
+When ``prime_rl`` is importable the class derives from PRIME-RL's own ``GRPOAlgorithm`` and uses its
+``assign_reference_logprobs`` / ``iter_trainable_traces`` / ``iter_trainable_branches``; otherwise (no PRIME-RL
+on the package index) the same hooks run on structurally identical local stand-ins, as in
+:mod:`composer_prime_rl.contract`.
+
+Registration: :func:`install` adds ``"composer_sdpo"`` to PRIME-RL's ``ALGORITHM_CLASSES``. PRIME-RL's config
+side (``prime_rl.configs.algorithm.AlgoConfig``) is a closed pydantic union keyed on ``type``, and upstream
+states that a new algorithm is registered in code, not through an import path; selecting
+``algo.type = "composer_sdpo"`` in the TOML therefore also needs :class:`ComposerSDPOAlgoConfig` in that union
+(see the README). Until then the algorithm is usable from code (``build_algorithm`` replacement or a fork).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "HAS_PRIME_RL_ORCHESTRATOR",
+    "ComposerSDPOAlgorithm",
+    "ComposerSDPOSettings",
+    "install",
+    "resolve_hint",
+]
+
+ALGO_TYPE = "composer_sdpo"
+
+try:  # pragma: no cover - exercised only inside a PRIME-RL orchestrator environment
+    from prime_rl.orchestrator.algo.base import iter_trainable_traces  # type: ignore[import-not-found, unused-ignore]
+    from prime_rl.orchestrator.algo.grpo import GRPOAlgorithm as _Base  # type: ignore[import-not-found, unused-ignore]
+    from prime_rl.orchestrator.algo.routing import (  # type: ignore[import-not-found, unused-ignore]
+        assign_reference_logprobs,
+    )
+    from prime_rl.orchestrator.trajectories import (  # type: ignore[import-not-found, unused-ignore]
+        iter_trainable_branches,
+    )
+
+    HAS_PRIME_RL_ORCHESTRATOR = True
+except ImportError:
+    HAS_PRIME_RL_ORCHESTRATOR = False
+
+    def iter_trainable_traces(episodes: Sequence[Any]) -> Iterator[tuple[Any, Any]]:  # type: ignore[misc]
+        """Mirror of PRIME-RL's: clean trainable traces that contain sampled tokens."""
+        for episode in episodes:
+            for trace in episode.traces:
+                if trace.has_error or not trace.agent.trainable:
+                    continue
+                if any(any(node.mask) for node in trace.nodes):
+                    yield episode, trace
+
+    def iter_trainable_branches(trace: Any) -> Iterator[tuple[Any, Any]]:  # type: ignore[misc]
+        """Mirror: each branch of the trace (``trace.branches``) with a sampled token."""
+        for branch in trace.branches:
+            if any(any(node.mask) for node in branch.nodes):
+                yield branch, None
+
+    def assign_reference_logprobs(branch: Any, values: list[float]) -> None:  # type: ignore[misc]
+        """Mirror of PRIME-RL's: project branch-aligned log-probs onto the sampled nodes."""
+        if len(values) != len(branch.token_ids):
+            raise ValueError(
+                f"reference logprobs must align with branch tokens: got {len(values)}, expected {len(branch.token_ids)}"
+            )
+        offset = 0
+        for node in branch.nodes:
+            end = offset + len(node.token_ids)
+            if any(node.mask) and node.reference_logprobs is None:
+                node.reference_logprobs = [
+                    float(v) for v, sampled in zip(values[offset:end], node.mask, strict=True) if sampled
+                ]
+            offset = end
+
+    class _Base:  # type: ignore[no-redef]
+        """Mirror of PRIME-RL's ``GRPOAlgorithm`` hooks (advantage = reward − group mean)."""
+
+        action_loss_type = "rl"
+
+        def __init__(self, config: Any, policy_pool: Any) -> None:
+            self.policy_pool = policy_pool
+            self.length_penalty = None
+
+        async def score_group(self, episodes: list[Any]) -> None:
+            traces = [trace for _, trace in iter_trainable_traces(episodes)]
+            if not traces:
+                return
+            mean = sum(t.reward for t in traces) / len(traces)
+            for trace in traces:
+                nodes = [n for n in trace.nodes if any(n.mask)]
+                for node in nodes:
+                    node.advantages = [float(trace.reward - mean)] * sum(node.mask)
+
+
+HintFn = Callable[[Any, Any], "str | None"]
+
+
+@dataclass(frozen=True)
+class ComposerSDPOSettings:
+    """Options of :class:`ComposerSDPOAlgorithm` (the ``[...algo]`` table keys of ComposerSDPOAlgoConfig).
+
+    hint_key: key of ``trace.info`` holding the environment's feedback (the hint); default ``feedback``.
+    hint_fn: optional import path ``module.function`` of ``hint_fn(episode, trace) -> str | None``; takes
+        precedence over ``hint_key``.
+    hint_role: role of the hint message (``system`` like ``opsd``, or ``user``).
+    template: ``str.format`` template of the hint message with ``{hint}``.
+    """
+
+    hint_key: str = "feedback"
+    hint_fn: str | None = None
+    hint_role: str = "system"
+    template: str = "{hint}"
+
+    def __post_init__(self) -> None:
+        if self.hint_role not in ("system", "user"):
+            raise ValueError(f"composer_sdpo: hint_role={self.hint_role!r} must be 'system' or 'user'.")
+        if "{hint}" not in self.template:
+            raise ValueError(f"composer_sdpo: template={self.template!r} must contain '{{hint}}'.")
+
+    @classmethod
+    def from_config(cls, config: Any) -> ComposerSDPOSettings:
+        names = ("hint_key", "hint_fn", "hint_role", "template")
+        if isinstance(config, dict):
+            return cls(**{k: config[k] for k in names if k in config})
+        return cls(**{k: getattr(config, k) for k in names if hasattr(config, k)})
+
+
+def _import(path: str) -> HintFn:
+    module, _, name = path.replace(":", ".").rpartition(".")
+    if not module:
+        raise ValueError(f"composer_sdpo: hint_fn={path!r} must be an import path 'module.function'.")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"composer_sdpo: hint_fn={path!r} cannot be imported ({e}).") from e
+    if not callable(fn):
+        raise ValueError(f"composer_sdpo: hint_fn={path!r} is not callable.")
+    return fn  # type: ignore[no-any-return]
+
+
+def resolve_hint(
+    settings: ComposerSDPOSettings, hint_fn: HintFn | None, episode: Any, trace: Any
+) -> str | None:
+    """The hint text of one trace: ``hint_fn``'s answer, else ``trace.info[hint_key]``; None/empty = no hint."""
+    raw = (
+        hint_fn(episode, trace)
+        if hint_fn is not None
+        else (getattr(trace, "info", None) or {}).get(settings.hint_key)
+    )
+    if raw is None:
+        return None
+    if not isinstance(raw, str):
+        raise ValueError(
+            f"composer_sdpo: the hint of trace {getattr(trace, 'id', '?')!r} is {type(raw).__name__}, not str."
+        )
+    return settings.template.format(hint=raw) if raw.strip() else None
+
+
+class ComposerSDPOAlgorithm(_Base):  # type: ignore[misc, valid-type]
+    """GRPO advantages + hinted self-scoring (``ref_logprobs``), both consumed by the ``rl`` loss."""
+
+    action_loss_type = "rl"
+
+    def __init__(self, config: Any, policy_pool: Any) -> None:
+        super().__init__(config, policy_pool)
+        self.settings = ComposerSDPOSettings.from_config(config)
+        self.hint_fn = _import(self.settings.hint_fn) if self.settings.hint_fn else None
+        self.renderer: Any = getattr(config, "renderer_instance", None)
+        self._renderer_config = getattr(config, "renderer", None)
+
+    async def setup(self) -> None:
+        """Build the hint-block renderer from the live policy's tokenizer (as ``opsd`` does)."""
+        if self.renderer is None:
+            from renderers.base import create_renderer, load_tokenizer  # type: ignore[import-not-found]
+
+            self.renderer = create_renderer(
+                load_tokenizer(self.policy_pool.model_name), self._renderer_config
+            )
+
+    def hint_block(self, hint: str) -> list[int]:
+        ids = self.renderer.render_ids(
+            [{"role": self.settings.hint_role, "content": hint}], add_generation_prompt=False
+        )
+        return [int(i) for i in ids]
+
+    async def score_episode(self, episode: Any) -> None:
+        if self.renderer is None:
+            raise RuntimeError("composer_sdpo: setup() must run before score_episode (no renderer).")
+        for _, trace in iter_trainable_traces([episode]):
+            hint = resolve_hint(self.settings, self.hint_fn, episode, trace)
+            if hint is None:
+                continue
+            block = self.hint_block(hint)
+            branches = [branch for branch, _ in iter_trainable_branches(trace)]
+            scores = await asyncio.gather(
+                *(self.policy_pool.score(block + list(b.token_ids)) for b in branches)
+            )
+            for branch, full in zip(branches, scores, strict=True):
+                assign_reference_logprobs(branch, list(full)[len(block) :])
+
+
+def install() -> type:
+    """Register :class:`ComposerSDPOAlgorithm` as ``"composer_sdpo"`` in PRIME-RL's ``ALGORITHM_CLASSES``."""
+    from prime_rl.orchestrator import algo  # type: ignore[import-not-found]
+
+    algo.ALGORITHM_CLASSES[ALGO_TYPE] = ComposerSDPOAlgorithm
+    return ComposerSDPOAlgorithm

@@ -1,0 +1,149 @@
+"""Channel 3 for PRIME-RL: ``composer_core.traces.records`` pairs → PRIME-RL training samples.
+
+PRIME-RL's trainer calls the loss once per packed sample, so a pairwise DPO/SimPO term cannot be computed
+there (``composer_loss`` raises for ``beta_replay > 0``). Its loss is instead a sum of three per-token
+components (``rl``, ``ce``, ``ref_kl``) routed by weight streams on each ``TrainingSample``. This converter
+folds trace-replay pairs into that data, in one of two documented ways:
+
+* ``mode="ce"`` (default): one sample per pair, ``prompt_ids + chosen_ids``; the chosen (teacher-beaten)
+  action's tokens get ``ce_weights = weight`` and ``rl_weights = 0``: supervised replay of the preferred
+  action (the SFT term of RPO-style objectives). The rejected action is not trained on.
+* ``mode="rl_pair"``: two samples per pair, chosen with advantage ``+margin`` and rejected with ``−margin``
+  (``rl`` component, composer's channel 1 then pushes the chosen action up and the rejected one down
+  relative to each other). The rl loss needs the sampling log-probs of every trained token, so a
+  ``scorer(token_ids) -> list[float]`` (the live policy's prefill log-probs, e.g. PRIME-RL's
+  ``InferencePool.score``) is required.
+
+Tokenisation uses ``composer_core.traces.hints.tokenize_completion`` (TRL convention: prompt and action
+tokenised separately; the tokenizer's chat template when it has one). A record's ``prompt_ids`` /
+``completion_ids`` are not reused: they belong to the student's completion, not to ``chosen``.
+
+``TrainingSample`` is PRIME-RL's own class (``prime_rl.transports.rollouts.types``) when importable, else a
+structurally identical local dataclass (same field names and defaults).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+__all__ = ["HAS_PRIME_RL_TRANSPORT", "TrainingSample", "pair_samples", "records_to_samples"]
+
+try:  # pragma: no cover - exercised only where prime-rl is installed
+    from prime_rl.transports.rollouts.types import TrainingSample  # type: ignore[import-not-found, unused-ignore]
+
+    HAS_PRIME_RL_TRANSPORT = True
+except ImportError:
+    HAS_PRIME_RL_TRANSPORT = False
+
+    @dataclass
+    class TrainingSample:  # type: ignore[no-redef]
+        """Mirror of PRIME-RL's ``TrainingSample`` (one flat token sequence; all streams share its length)."""
+
+        token_ids: list[int]
+        mask: list[bool]
+        logprobs: list[float]
+        temperatures: list[float]
+        env_name: str
+        ref_logprobs: list[float] | None = None
+        mm_kwargs: dict[str, Any] | None = None
+        routed_experts: Any | None = None
+        mm_token_type_ids: list[int] | None = None
+        rl_weights: list[float] | None = None
+        ce_weights: list[float] | None = None
+        ref_kl_weights: list[float] | None = None
+        advantages: list[float] | None = None
+
+
+Scorer = Callable[[list[int]], Sequence[float]]
+
+
+def _tokens(
+    tokenizer: Any, record: Any, side: str, chat_template: bool | None
+) -> tuple[list[int], list[int]]:
+    from composer_core.traces.hints import tokenize_completion
+    from composer_core.traces.schema import message_from_dict
+
+    prompt = [message_from_dict(m, f"{record.id}: prompt") for m in record.prompt]
+    action = message_from_dict(getattr(record, side)[0], f"{record.id}: {side}")
+    return tokenize_completion(tokenizer, prompt, action, record.tools, chat_template=chat_template)
+
+
+def _sample(
+    prompt_ids: list[int], action_ids: list[int], env_name: str, temperature: float
+) -> TrainingSample:
+    ids = prompt_ids + action_ids
+    mask = [False] * len(prompt_ids) + [True] * len(action_ids)
+    return TrainingSample(
+        token_ids=ids,
+        mask=mask,
+        logprobs=[0.0] * len(ids),
+        temperatures=[temperature] * len(ids),
+        env_name=env_name,
+    )
+
+
+def pair_samples(
+    record: Any,
+    tokenizer: Any,
+    *,
+    env_name: str,
+    mode: Literal["ce", "rl_pair"] = "ce",
+    weight: float = 1.0,
+    margin: float = 1.0,
+    scorer: Scorer | None = None,
+    temperature: float = 1.0,
+    chat_template: bool | None = None,
+) -> list[TrainingSample]:
+    """The PRIME-RL samples of one record's pair (see the module docstring for the two modes)."""
+    if not getattr(record, "has_pair", False):
+        raise ValueError(f"record {record.id!r} has no pair (chosen/rejected): filter with record.has_pair.")
+    if mode == "ce":
+        prompt_ids, chosen_ids = _tokens(tokenizer, record, "chosen", chat_template)
+        s = _sample(prompt_ids, chosen_ids, env_name, temperature)
+        s.rl_weights = [0.0] * len(s.token_ids)
+        s.ce_weights = [weight if m else 0.0 for m in s.mask]
+        return [s]
+    if mode != "rl_pair":
+        raise ValueError(f"mode={mode!r} must be 'ce' or 'rl_pair'.")
+    if scorer is None:
+        raise ValueError(
+            "mode='rl_pair' needs scorer=: the rl loss needs the sampling log-probs of each trained token "
+            "(score the sequence with the live policy, e.g. PRIME-RL's InferencePool.score)."
+        )
+    out = []
+    for side, adv in (("chosen", margin), ("rejected", -margin)):
+        prompt_ids, action_ids = _tokens(tokenizer, record, side, chat_template)
+        s = _sample(prompt_ids, action_ids, env_name, temperature)
+        logprobs = [float(x) for x in scorer(list(s.token_ids))]
+        if len(logprobs) != len(s.token_ids):
+            raise ValueError(f"scorer returned {len(logprobs)} log-probs for {len(s.token_ids)} tokens.")
+        s.logprobs = logprobs
+        s.advantages = [adv if m else 0.0 for m in s.mask]
+        out.append(s)
+    return out
+
+
+def records_to_samples(
+    records: Iterable[Any] | str | Path,
+    tokenizer: Any,
+    *,
+    env_name: str,
+    mode: Literal["ce", "rl_pair"] = "ce",
+    **kwargs: Any,
+) -> list[TrainingSample]:
+    """Every pair of a records file (or iterable of ``TraceRecord``) as PRIME-RL samples (records without a
+    pair are skipped). Raises when no record has a pair: a channel that cannot be computed is an error."""
+    if isinstance(records, str | Path):
+        from composer_core.traces.records import read_records
+
+        records = read_records(records)
+    out: list[TrainingSample] = []
+    for record in records:
+        if getattr(record, "has_pair", False):
+            out += pair_samples(record, tokenizer, env_name=env_name, mode=mode, **kwargs)
+    if not out:
+        raise ValueError("no record carries a pair (chosen/rejected): nothing to replay for channel 3.")
+    return out

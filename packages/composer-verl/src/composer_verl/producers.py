@@ -1,0 +1,552 @@
+"""Producers of channels 2 and 3 inside verl's own loop (``trainer.v1.trainer_mode=composer_sync``).
+
+Users write a hint function, not a pipeline stage. After rollout and reward (before verl balances the batch
+and computes ``old_log_probs``), :class:`ComposerProducers` does, for every step:
+
+* **channel 2**: for each sampled row it calls the configured ``hint_fn(prompt, response, reward, extra)``
+  (``prompt``/``response`` decoded text, ``reward`` = Σ ``rm_scores``, ``extra`` = the row's reward extra info,
+  i.e. the environment's feedback returned by the reward function, plus the dataset fields); a returned
+  string is inserted as one ``hint_role`` message after the prompt messages (``composer_core.traces.hints``'
+  layout: the hint right before the student's action), the hinted prompt is rendered with the tokenizer's
+  chat template, and the **actor** re-scores the sampled response on that context (verl's own
+  ``compute_log_prob``, current weights): ``composer_teacher_log_probs``; ``composer_sdpo_mask`` is 1 on the
+  response tokens of hinted rows, 0 elsewhere.
+* **channel 3**: pairs from ``pair_source`` (``dataset``: the rows' ``chosen``/``rejected`` columns, one pair
+  per prompt group; or a ``composer_core.traces.records`` file: ``pairs_per_step`` records per step, in
+  order, cycling) are appended as two rows each (prompt = the chat-rendered prompt, response = the tokenised
+  text + EOS, truncated to the response length), with ``composer_pref_pair_id`` / ``composer_pref_chosen``,
+  reward 0 (so advantage 0: channel 1 ignores them), tagged ``is_padding`` so verl's reward and length
+  metrics skip them. Their ``rollout_log_probs`` are the actor's own (they were not sampled). After verl's
+  balancing the pair rows are moved to the end of the batch in (chosen, rejected) order so each pair sits
+  in one micro-batch.
+
+Configured by the ``composer`` section of verl's config (driver side only; see :class:`ProducerConfig`).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from composer_verl.batch import PREF_CHOSEN, PREF_PAIR_ID, SDPO_MASK, TEACHER_LOG_PROBS
+
+HintFn = Callable[[str, str, float, Mapping[str, Any]], "str | None"]
+PAIR_TAG = "composer_pair"
+_ROW_FIELDS = ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask")
+
+
+@dataclass(frozen=True)
+class ProducerConfig:
+    """The ``composer:`` section of verl's config (read by the driver; Hydra: ``composer.hint_fn=...``).
+
+    hint_fn: import path ``package.module:function`` (or ``package.module.function``) of
+        ``hint_fn(prompt: str, response: str, reward: float, extra: Mapping) -> str | None``; ``None`` = no hint
+        for that row. Needs ``alpha_sdpo > 0`` in ``COMPOSER_VERL_CONFIG``.
+    hint_role: role of the inserted hint message (``user`` or ``system``).
+    pair_source: ``dataset`` (columns ``chosen``/``rejected`` of the training data) or the path of a
+        ``composer_core.traces.records`` file (``.jsonl``/``.parquet``); needs ``beta_replay > 0``.
+    pairs_per_step: records per step when ``pair_source`` is a records file.
+    """
+
+    hint_fn: str | None = None
+    hint_role: str = "user"
+    pair_source: str | None = None
+    pairs_per_step: int = 1
+
+    def __post_init__(self) -> None:
+        if self.hint_role not in ("user", "system"):
+            raise ValueError(f"composer.hint_role={self.hint_role!r} must be 'user' or 'system'.")
+        if not isinstance(self.pairs_per_step, int) or self.pairs_per_step < 1:
+            raise ValueError(f"composer.pairs_per_step={self.pairs_per_step!r} must be an integer >= 1.")
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, Any] | None) -> ProducerConfig:
+        mapping = dict(mapping or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(mapping) - known)
+        if unknown:
+            raise ValueError(f"composer section: unknown key(s) {unknown}; valid keys: {sorted(known)}.")
+        if "pairs_per_step" in mapping:
+            mapping["pairs_per_step"] = int(mapping["pairs_per_step"])  # CLI values arrive as strings
+        return cls(**mapping)
+
+    @property
+    def enabled(self) -> bool:
+        return self.hint_fn is not None or self.pair_source is not None
+
+
+def load_hint_fn(path: str) -> HintFn:
+    """Import ``module:function`` or ``module.function``; raise naming the key when it is not callable."""
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"composer.hint_fn={path!r}: expected 'package.module:function'.")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"composer.hint_fn={path!r} cannot be imported ({e}).") from e
+    if not callable(fn):
+        raise ValueError(f"composer.hint_fn={path!r} is not callable.")
+    return fn  # type: ignore[no-any-return]
+
+
+def check_settings(
+    producers: ProducerConfig, alpha_sdpo: float, beta_replay: float, actor: Mapping[str, Any]
+) -> None:
+    """Refuse configurations where a producer would have no effect, or pairs could be split."""
+    if producers.hint_fn is not None and alpha_sdpo <= 0:
+        raise ValueError(
+            "composer.hint_fn is set but alpha_sdpo is 0 in COMPOSER_VERL_CONFIG: set alpha_sdpo > 0."
+        )
+    if producers.pair_source is not None:
+        if beta_replay <= 0:
+            raise ValueError(
+                "composer.pair_source is set but beta_replay is 0 in COMPOSER_VERL_CONFIG: set beta_replay > 0."
+            )
+        if actor.get("shuffle") or actor.get("use_dynamic_bsz"):
+            raise ValueError(
+                "composer.pair_source needs actor_rollout_ref.actor.shuffle=false and use_dynamic_bsz=false "
+                "(both rows of a pair must stay in one micro-batch)."
+            )
+        micro = actor.get("ppo_micro_batch_size_per_gpu")
+        if micro is None or int(micro) % 2:
+            raise ValueError(
+                f"composer.pair_source needs an even actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu, got {micro}."
+            )
+
+
+# --- tokenisation of hinted contexts and pair rows -----------------------------------------------------------
+
+
+def _as_messages(raw_prompt: Any) -> list[dict[str, Any]]:
+    if isinstance(raw_prompt, str):
+        return [{"role": "user", "content": raw_prompt}]
+    return [dict(m) for m in raw_prompt]
+
+
+def render_prompt_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    """Prompt token ids the way verl's agent loop renders them (chat template, generation prompt)."""
+    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, Mapping):  # transformers >= 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
+
+
+def hinted_prompt_ids(tokenizer: Any, raw_prompt: Any, hint: str, role: str = "user") -> list[int]:
+    """Teacher context: the prompt messages + one hint message, rendered with the generation prompt."""
+    return render_prompt_ids(tokenizer, [*_as_messages(raw_prompt), {"role": role, "content": hint}])
+
+
+def _position_ids(template: Any, n: int) -> torch.Tensor:
+    pos = torch.arange(n, dtype=torch.int64)
+    if isinstance(template, torch.Tensor) and template.dim() > 1:
+        return pos.reshape(1, -1).expand(template.shape[0], -1).clone()
+    return pos
+
+
+def with_prompt(sample: Mapping[str, Any], prompt_ids: Sequence[int]) -> dict[str, Any]:
+    """A copy of one no-padding sample whose prompt is replaced by ``prompt_ids`` (response unchanged)."""
+    out = {k: (v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in sample.items()}
+    prompts = torch.tensor(list(prompt_ids), dtype=torch.int64)
+    responses = sample["responses"]
+    input_ids = torch.cat([prompts, responses.to(torch.int64)])
+    out.update(
+        prompts=prompts,
+        input_ids=input_ids,
+        position_ids=_position_ids(sample.get("position_ids"), input_ids.numel()),
+    )
+    if "attention_mask" in out:  # verl's agent loop stores no attention mask (all ones, no padding)
+        out["attention_mask"] = torch.ones_like(input_ids)
+    return out
+
+
+def response_ids(tokenizer: Any, text: str, length: int) -> list[int]:
+    """Token ids of a pair's response text + EOS, truncated to ``length`` (verl's response length)."""
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    if not ids:
+        raise ValueError(f"pair response {text[:40]!r} tokenises to nothing")
+    return ids[:length]
+
+
+def pair_sample(
+    template: Mapping[str, Any], prompt_ids: Sequence[int], resp_ids: Sequence[int]
+) -> dict[str, Any]:
+    """One appended pair row built on a real sample (same fields), zero reward, full response mask."""
+    out = {k: (v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in template.items()}
+    prompts = torch.tensor(list(prompt_ids), dtype=torch.int64)
+    responses = torch.tensor(list(resp_ids), dtype=torch.int64)
+    input_ids = torch.cat([prompts, responses])
+    ones = torch.ones_like(responses)
+    out.update(
+        prompts=prompts,
+        responses=responses,
+        input_ids=input_ids,
+        position_ids=_position_ids(template.get("position_ids"), input_ids.numel()),
+        response_mask=ones,
+        rm_scores=torch.zeros(len(resp_ids), dtype=torch.float32),
+        rollout_log_probs=torch.zeros(len(resp_ids), dtype=torch.float32),
+        uid=f"composer-pair-{uuid.uuid4().hex}",
+    )
+    if "loss_mask" in out:
+        out["loss_mask"] = ones.clone()
+    if "attention_mask" in out:
+        out["attention_mask"] = torch.ones_like(input_ids)
+    if "num_turns" in out:
+        out["num_turns"] = 1
+    return out
+
+
+def pairs_last(keys: Sequence[str], pairs: Sequence[tuple[str, str]]) -> list[int]:
+    """Reorder indices: every non-pair row in its order, then each pair as (chosen, rejected)."""
+    index = {k: i for i, k in enumerate(keys)}
+    in_pairs = {k for p in pairs for k in p}
+    order = [i for i, k in enumerate(keys) if k not in in_pairs]
+    for chosen, rejected in pairs:
+        order += [index[chosen], index[rejected]]
+    return order
+
+
+def reward_extra(sample: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``extra`` handed to ``hint_fn``: the reward function's extra info (verl's agent loop keeps it under
+    ``extra_fields["reward_extra_info"]``, e.g. ``{"feedback": ...}``) merged over the row's non-tensor fields
+    (dataset columns such as ``reward_model``, ``extra_info``, ``raw_prompt``)."""
+    extra = {k: v for k, v in sample.items() if not isinstance(v, torch.Tensor)}
+    fields_ = extra.get("extra_fields")
+    info = fields_.get("reward_extra_info") if isinstance(fields_, Mapping) else None
+    if isinstance(info, Mapping):
+        extra.update(info)
+    return extra
+
+
+# --- pair sources ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PairText:
+    prompt: list[dict[str, Any]]
+    chosen: str
+    rejected: str
+
+
+def _message_text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Sequence) and len(value) == 1 and isinstance(value[0], Mapping):
+        content = value[0].get("content")
+        if isinstance(content, str):
+            return content
+    raise ValueError(
+        f"a pair's chosen/rejected must be text or one message with text content, got {value!r:.80}"
+    )
+
+
+class RecordPairs:
+    """Channel-3 pairs from a ``composer_core.traces.records`` file, ``n`` per step, cycling in file order."""
+
+    def __init__(self, path: str | Path, n: int) -> None:
+        from composer_core.traces.records import read_records
+
+        self.pairs = [
+            PairText(list(r.prompt), _message_text(r.chosen), _message_text(r.rejected))
+            for r in read_records(path)
+            if r.has_pair
+        ]
+        if not self.pairs:
+            raise ValueError(
+                f"composer.pair_source={str(path)!r}: the records file holds no pair (chosen/rejected)."
+            )
+        self.n = n
+        self.cursor = 0
+
+    def take(self) -> list[PairText]:
+        out = [self.pairs[(self.cursor + i) % len(self.pairs)] for i in range(self.n)]
+        self.cursor = (self.cursor + self.n) % len(self.pairs)
+        return out
+
+
+def dataset_pairs(samples: Sequence[Mapping[str, Any]]) -> list[PairText]:
+    """One pair per prompt group (``uid``) from the rows' ``chosen``/``rejected`` dataset columns."""
+    seen: set[str] = set()
+    out: list[PairText] = []
+    for s in samples:
+        if "chosen" not in s or "rejected" not in s:
+            raise ValueError(
+                "composer.pair_source=dataset but the rollout rows have no 'chosen'/'rejected' fields: add those "
+                "columns to the training data."
+            )
+        uid = str(s.get("uid"))
+        if uid in seen or s["chosen"] is None or s["rejected"] is None:
+            continue
+        seen.add(uid)
+        out.append(
+            PairText(_as_messages(s["raw_prompt"]), _message_text(s["chosen"]), _message_text(s["rejected"]))
+        )
+    return out
+
+
+# --- the trainer-side glue (TransferQueue, the actor worker group) ---------------------------------------------
+
+
+def _nested(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.nested.as_nested_tensor(list(rows), layout=torch.jagged)
+
+
+class ComposerProducers:
+    """Runs the producers on one step's ``KVBatchMeta`` (driver side, inside ``ComposerPPOTrainerSync``)."""
+
+    def __init__(self, config: ProducerConfig, tokenizer: Any, response_length: int) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.response_length = response_length
+        self.hint_fn = load_hint_fn(config.hint_fn) if config.hint_fn else None
+        self.records: RecordPairs | None = None
+        if config.pair_source not in (None, "dataset"):
+            self.records = RecordPairs(config.pair_source, config.pairs_per_step)
+        self.pair_keys: list[tuple[str, str]] = []
+
+    @classmethod
+    def from_trainer_config(cls, config: Any, tokenizer: Any) -> ComposerProducers | None:
+        from omegaconf import OmegaConf
+
+        from composer_verl.config import current_config
+
+        section = config.get("composer", None)
+        mapping = OmegaConf.to_container(section, resolve=True) if section is not None else {}
+        producers = ProducerConfig.from_mapping(mapping)  # type: ignore[arg-type]
+        if not producers.enabled:
+            return None
+        composer = current_config()
+        actor = OmegaConf.to_container(config.actor_rollout_ref.actor, resolve=True)
+        check_settings(producers, composer.alpha_sdpo, composer.beta_replay, actor)  # type: ignore[arg-type]
+        return cls(producers, tokenizer, int(config.data.max_response_length))
+
+    # -- before verl balances the batch: append pairs, compute hints and teacher log-probs ---------------------
+
+    def before_balance(self, trainer: Any, batch: Any, metrics: dict[str, float]) -> Any:
+        import transfer_queue as tq
+        from verl.utils import tensordict_utils as tu
+
+        samples = self._samples(batch)
+        batch = self._append_pairs(batch, samples, metrics)
+        samples = self._samples(batch)
+        n = len(samples)
+        pair_index = {k: i for i, k in enumerate(batch.keys)}
+        pair_rows = {pair_index[k]: int(j == 0) for p in self.pair_keys for j, k in enumerate(p)}
+
+        hints = self._hints(samples, pair_rows)
+        metrics["composer/hinted_rows"] = float(sum(h is not None for h in hints))
+        # one actor pass: hinted contexts (teacher) + pair rows (their behaviour log-probs)
+        jobs: list[tuple[str, int]] = []
+        temp: list[dict[str, Any]] = []
+        for i, h in enumerate(hints):
+            if h is not None:
+                jobs.append(("teacher", i))
+                temp.append(
+                    with_prompt(
+                        samples[i],
+                        hinted_prompt_ids(self.tokenizer, samples[i]["raw_prompt"], h, self.config.hint_role),
+                    )
+                )
+        for i in pair_rows:
+            jobs.append(("pair", i))
+            temp.append(with_prompt(samples[i], samples[i]["prompts"].tolist()))
+        scored = self._actor_log_probs(trainer, batch, temp) if temp else []
+
+        lengths = [int(s["responses"].numel()) for s in samples]
+        teacher = [torch.zeros(n_, dtype=torch.float32) for n_ in lengths]
+        sdpo = [torch.zeros(n_, dtype=torch.float32) for n_ in lengths]
+        fields: dict[str, Any] = {}
+        rollout_lp: dict[int, torch.Tensor] = {}
+        for (kind, i), lp in zip(jobs, scored, strict=True):
+            if kind == "teacher":
+                teacher[i] = lp.to(torch.float32)
+                sdpo[i] = samples[i]["response_mask"].to(torch.float32)
+            else:
+                rollout_lp[i] = lp.to(torch.float32)
+        fields[TEACHER_LOG_PROBS] = _nested(teacher)
+        fields[SDPO_MASK] = _nested(sdpo)
+        fields[PREF_PAIR_ID] = torch.tensor(
+            [self._pair_id(batch.keys[i]) if i in pair_rows else -1 for i in range(n)], dtype=torch.int64
+        )
+        fields[PREF_CHOSEN] = torch.tensor([pair_rows.get(i, 0) for i in range(n)], dtype=torch.int64)
+        tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=tu.get_tensordict(fields))
+        if rollout_lp:
+            idx = sorted(rollout_lp)
+            tq.kv_batch_put(
+                keys=[batch.keys[i] for i in idx],
+                partition_id=batch.partition_id,
+                fields=tu.get_tensordict({"rollout_log_probs": _nested([rollout_lp[i] for i in idx])}),
+            )
+        return batch
+
+    # -- after verl balanced (and padded) the batch: fix padding rows, keep pairs together ---------------------
+
+    def after_balance(self, batch: Any) -> Any:
+        import transfer_queue as tq
+        from verl.utils import tensordict_utils as tu
+
+        own = {k for p in self.pair_keys for k in p}
+        padding = [i for i, t in enumerate(batch.tags) if t.get("is_padding") and batch.keys[i] not in own]
+        if padding:  # verl's padding rows copy row 0's fields: give them empty composer fields
+            keys = [batch.keys[i] for i in padding]
+            data = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id, select_fields=["responses"])
+            resp = data["responses"]  # jagged, or dense when every padding row has the same length
+            lens = resp.offsets().diff().tolist() if resp.is_nested else [resp.shape[-1]] * resp.shape[0]
+            zeros = [torch.zeros(int(n_), dtype=torch.float32) for n_ in lens]
+            fields = {
+                TEACHER_LOG_PROBS: _nested(zeros),
+                SDPO_MASK: _nested([z.clone() for z in zeros]),
+                PREF_PAIR_ID: torch.full((len(keys),), -1, dtype=torch.int64),
+                PREF_CHOSEN: torch.zeros(len(keys), dtype=torch.int64),
+            }
+            tq.kv_batch_put(keys=keys, partition_id=batch.partition_id, fields=tu.get_tensordict(fields))
+        if self.pair_keys:
+            order = pairs_last(batch.keys, self.pair_keys)
+            batch.reorder(order)
+            first = len(batch.keys) - 2 * len(self.pair_keys)
+            if first % 2:
+                raise ValueError(
+                    f"composer pairs start at odd row {first}: make the batch size (train_batch_size x rollout.n) even."
+                )
+        return batch
+
+    # -- helpers ----------------------------------------------------------------------------------------------
+
+    def _pair_id(self, key: str) -> int:
+        for j, p in enumerate(self.pair_keys):
+            if key in p:
+                return j
+        raise KeyError(key)
+
+    @staticmethod
+    def _samples(batch: Any) -> list[dict[str, Any]]:
+        import transfer_queue as tq
+
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id)
+        rows = [data[i] for i in range(len(batch.keys))]
+        return [{k: row[k] for k in row.keys()} for row in rows]  # noqa: SIM118 (TensorDict rows)
+
+    def _hints(self, samples: Sequence[Mapping[str, Any]], skip: Mapping[int, int]) -> list[str | None]:
+        if self.hint_fn is None:
+            return [None] * len(samples)
+        out: list[str | None] = []
+        for i, s in enumerate(samples):
+            if i in skip:
+                out.append(None)
+                continue
+            prompt = self.tokenizer.decode(s["prompts"].tolist(), skip_special_tokens=True)
+            resp = s["responses"][s["response_mask"].bool()] if "response_mask" in s else s["responses"]
+            response = self.tokenizer.decode(resp.tolist(), skip_special_tokens=True)
+            reward = float(s["rm_scores"].sum()) if "rm_scores" in s else 0.0
+            extra = reward_extra(s)
+            hint = self.hint_fn(prompt, response, reward, extra)
+            if hint is not None and (not isinstance(hint, str) or not hint.strip()):
+                raise ValueError(f"composer.hint_fn returned {hint!r}: return a non-empty string or None.")
+            out.append(hint)
+        return out
+
+    def _append_pairs(
+        self, batch: Any, samples: Sequence[Mapping[str, Any]], metrics: dict[str, float]
+    ) -> Any:
+        import transfer_queue as tq
+        from transfer_queue import KVBatchMeta
+        from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+        self.pair_keys = []
+        if self.config.pair_source is None:
+            return batch
+        pairs = self.records.take() if self.records is not None else dataset_pairs(samples)
+        template, tag0 = samples[0], batch.tags[0]
+        rows, keys, tags = [], [], []
+        for p in pairs:
+            prompt_ids = render_prompt_ids(self.tokenizer, p.prompt)
+            pair = []
+            for side, text in (("chosen", p.chosen), ("rejected", p.rejected)):
+                resp = response_ids(self.tokenizer, text, self.response_length)
+                row = pair_sample(template, prompt_ids, resp)
+                key = f"{row['uid']}_{side}_0"
+                tag = copy.deepcopy(tag0)
+                tag.update(
+                    is_padding=True,
+                    **{PAIR_TAG: side},
+                    prompt_len=len(prompt_ids),
+                    response_len=len(resp),
+                    seq_len=len(prompt_ids) + len(resp),
+                )
+                rows.append(row)
+                keys.append(key)
+                tags.append(tag)
+                pair.append(key)
+            self.pair_keys.append((pair[0], pair[1]))
+        metrics["composer/appended_pairs"] = float(len(pairs))
+        if not rows:
+            return batch
+        tq.kv_batch_put(
+            keys=keys, partition_id=batch.partition_id, fields=list_of_dict_to_tensordict(rows), tags=tags
+        )
+        return KVBatchMeta(
+            keys=batch.keys + keys,
+            tags=batch.tags + tags,
+            partition_id=batch.partition_id,
+            fields=batch.fields,
+            extra_info=batch.extra_info,
+        )
+
+    def _actor_log_probs(
+        self, trainer: Any, batch: Any, rows: Sequence[Mapping[str, Any]]
+    ) -> list[torch.Tensor]:
+        """Per-response-token log-probs of ``rows`` under the current actor (verl's ``compute_log_prob``)."""
+        import transfer_queue as tq
+        from transfer_queue import KVBatchMeta
+        from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+        from verl.workers.utils.padding import response_from_nested
+
+        wg = trainer.actor_rollout_wg
+        if "actor" not in wg._dispatch_info:
+            wg._dispatch_info["actor"] = wg._query_dispatch_info("actor")
+        dp = max(wg._dispatch_info["actor"]) + 1
+        n_real = len(rows)
+        rows = list(rows) + [rows[0]] * ((-n_real) % dp)  # the worker group splits evenly over dp ranks
+        tag0 = batch.tags[0]
+        keys, tags = [], []
+        stem = f"composer-score-{uuid.uuid4().hex}"
+        for i, r in enumerate(rows):
+            keys.append(f"{stem}_{i}_0")
+            tag = copy.deepcopy(tag0)
+            tag.update(prompt_len=int(r["prompts"].numel()), response_len=int(r["responses"].numel()))
+            tag["seq_len"] = tag["prompt_len"] + tag["response_len"]
+            tags.append(tag)
+        tq.kv_batch_put(
+            keys=keys, partition_id=batch.partition_id, fields=list_of_dict_to_tensordict(rows), tags=tags
+        )
+        try:
+            meta = KVBatchMeta(
+                keys=keys,
+                tags=tags,
+                partition_id=batch.partition_id,
+                fields=batch.fields,
+                extra_info=dict(batch.extra_info),
+            )
+            meta.extra_info.update(
+                calculate_entropy=False,
+                compute_loss=False,
+                temperature=trainer.config.actor_rollout_ref.rollout.temperature,
+            )
+            wg.compute_log_prob(meta)
+            data = tq.kv_batch_get(
+                keys=keys, partition_id=batch.partition_id, select_fields=["log_probs", "response_mask"]
+            )
+            lp = response_from_nested(data["log_probs"], data["response_mask"])
+            return [lp[i] for i in range(n_real)]
+        finally:
+            tq.kv_clear(keys=keys, partition_id=batch.partition_id)

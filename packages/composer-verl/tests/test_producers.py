@@ -1,0 +1,204 @@
+"""Unit tests of the verl producers' pure parts (hint contexts, pair rows, ordering, config checks).
+
+The producers' TransferQueue / actor glue runs inside verl's real loop in test_main_ppo_e2e.py.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from composer_verl.producers import (
+    ComposerProducers,
+    ProducerConfig,
+    RecordPairs,
+    check_settings,
+    dataset_pairs,
+    hinted_prompt_ids,
+    load_hint_fn,
+    pair_sample,
+    pairs_last,
+    render_prompt_ids,
+    response_ids,
+    with_prompt,
+)
+
+sys.path.insert(0, str(Path(__file__).parent))
+from verl_cpu_testkit.task import build_tokenizer
+
+ACTOR = {"shuffle": False, "use_dynamic_bsz": False, "ppo_micro_batch_size_per_gpu": 4}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+def test_hinted_prompt_is_the_prompt_plus_one_hint_message(tok) -> None:
+    prompt = [{"role": "user", "content": "write a"}]
+    student = render_prompt_ids(tok, prompt)
+    teacher = hinted_prompt_ids(tok, prompt, "only a")
+    assert tok.decode(student) == "write a\n>"
+    assert tok.decode(teacher) == "write a\nonly a\n>"
+    # student prompt (minus the generation prompt) is a prefix of the teacher prompt
+    assert teacher[: len(student) - 1] == student[:-1]
+
+
+def test_with_prompt_keeps_the_response_and_rebuilds_positions(tok) -> None:
+    sample = {
+        "prompts": torch.tensor([5, 6, 7]),
+        "responses": torch.tensor([8, 9]),
+        "input_ids": torch.tensor([5, 6, 7, 8, 9]),
+        "attention_mask": torch.ones(5, dtype=torch.int64),
+        "position_ids": torch.arange(5),
+        "response_mask": torch.tensor([1, 1]),
+        "uid": "u",
+    }
+    out = with_prompt(sample, [1, 2, 3, 4])
+    assert out["input_ids"].tolist() == [1, 2, 3, 4, 8, 9]
+    assert out["position_ids"].tolist() == list(range(6))
+    assert out["attention_mask"].tolist() == [1] * 6  # rebuilt because the sample has one
+    assert "attention_mask" not in with_prompt(
+        {k: v for k, v in sample.items() if k != "attention_mask"}, [1]
+    )
+    assert torch.equal(out["responses"], sample["responses"]) and out["uid"] == "u"
+    assert sample["input_ids"].tolist() == [5, 6, 7, 8, 9]  # the original is untouched
+
+
+def test_pair_rows_have_zero_reward_full_mask_and_eos(tok) -> None:
+    template = {
+        "prompts": torch.tensor([5]),
+        "responses": torch.tensor([8]),
+        "input_ids": torch.tensor([5, 8]),
+        "attention_mask": torch.ones(2, dtype=torch.int64),
+        "position_ids": torch.arange(2),
+        "response_mask": torch.tensor([1]),
+        "loss_mask": torch.tensor([1]),
+        "rm_scores": torch.tensor([0.7]),
+        "rollout_log_probs": torch.tensor([-1.0]),
+        "uid": "g",
+    }
+    resp = response_ids(tok, "aaa", length=8)
+    assert resp == tok("aaa", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert response_ids(tok, "aaaaaaaaaa", length=4) == tok("aaaa", add_special_tokens=False)["input_ids"]
+    row = pair_sample(template, [1, 2], resp)
+    assert row["input_ids"].tolist() == [1, 2, *resp]
+    assert row["response_mask"].tolist() == [1] * len(resp) == row["loss_mask"].tolist()
+    assert row["rm_scores"].tolist() == [0.0] * len(resp)
+    assert row["uid"].startswith("composer-pair-") and row["uid"] != template["uid"]
+
+
+def test_pairs_last_keeps_order_and_puts_pairs_adjacent() -> None:
+    keys = ["a", "p0c", "b", "p1r", "c", "p0r", "p1c", "d"]
+    order = pairs_last(keys, [("p0c", "p0r"), ("p1c", "p1r")])
+    assert [keys[i] for i in order] == ["a", "b", "c", "d", "p0c", "p0r", "p1c", "p1r"]
+
+
+def test_dataset_pairs_one_per_group_and_clear_error() -> None:
+    rows = [
+        {"uid": "g1", "raw_prompt": [{"role": "user", "content": "x"}], "chosen": "aa", "rejected": "b"},
+        {"uid": "g1", "raw_prompt": [{"role": "user", "content": "x"}], "chosen": "aa", "rejected": "b"},
+        {"uid": "g2", "raw_prompt": "y", "chosen": [{"role": "assistant", "content": "c"}], "rejected": "d"},
+    ]
+    pairs = dataset_pairs(rows)
+    assert [(p.prompt, p.chosen, p.rejected) for p in pairs] == [
+        ([{"role": "user", "content": "x"}], "aa", "b"),
+        ([{"role": "user", "content": "y"}], "c", "d"),
+    ]
+    with pytest.raises(ValueError, match="chosen"):
+        dataset_pairs([{"uid": "g", "raw_prompt": "x"}])
+
+
+def test_record_pairs_cycle_in_file_order(tmp_path: Path) -> None:
+    from composer_core.traces.records import TraceRecord, write_records
+
+    def rec(i: int) -> TraceRecord:
+        prompt = [{"role": "user", "content": f"q{i}"}]
+        completion = [{"role": "assistant", "content": f"bad{i}"}]
+        return TraceRecord(
+            id=f"e{i}@1",
+            episode_id=f"e{i}",
+            turn=1,
+            prompt=prompt,
+            completion=completion,
+            chosen=[{"role": "assistant", "content": f"good{i}"}],
+            rejected=completion,
+        )
+
+    path = tmp_path / "records.jsonl"
+    write_records([rec(0), rec(1), rec(2)], path)
+    source = RecordPairs(path, n=2)
+    assert [p.chosen for p in source.take()] == ["good0", "good1"]
+    assert [p.chosen for p in source.take()] == ["good2", "good0"]
+    assert source.take()[0].rejected == "bad1"
+
+
+def test_hint_fn_import_paths_and_errors() -> None:
+    fn = load_hint_fn("verl_cpu_testkit.task:hint_from_feedback")
+    assert fn("p", "r", 1.0, {"feedback": "correct"}) is None
+    assert load_hint_fn("verl_cpu_testkit.task.hint_from_feedback") is fn
+    with pytest.raises(ValueError, match=r"composer\.hint_fn"):
+        load_hint_fn("verl_cpu_testkit.task:nope")
+    with pytest.raises(ValueError, match=r"composer\.hint_fn"):
+        load_hint_fn("verl_cpu_testkit.task:ALPHABET")
+
+
+def test_config_refuses_producers_without_effect_and_split_pairs() -> None:
+    with pytest.raises(ValueError, match="unknown key"):
+        ProducerConfig.from_mapping({"hint": "x"})
+    assert ProducerConfig.from_mapping({"pairs_per_step": "3"}).pairs_per_step == 3  # CLI strings
+    with pytest.raises(ValueError, match="alpha_sdpo"):
+        check_settings(ProducerConfig(hint_fn="m:f"), 0.0, 0.0, ACTOR)
+    with pytest.raises(ValueError, match="beta_replay"):
+        check_settings(ProducerConfig(pair_source="dataset"), 0.0, 0.0, ACTOR)
+    with pytest.raises(ValueError, match="shuffle"):
+        check_settings(ProducerConfig(pair_source="dataset"), 0.0, 0.1, {**ACTOR, "shuffle": True})
+    with pytest.raises(ValueError, match="even"):
+        check_settings(
+            ProducerConfig(pair_source="dataset"), 0.0, 0.1, {**ACTOR, "ppo_micro_batch_size_per_gpu": 3}
+        )
+    check_settings(ProducerConfig(hint_fn="m:f", pair_source="dataset"), 0.5, 0.1, ACTOR)
+
+
+def test_hints_get_prompt_response_reward_and_feedback(tok) -> None:
+    producers = ComposerProducers(ProducerConfig(hint_fn="verl_cpu_testkit.task:hint_from_feedback"), tok, 8)
+    enc = lambda s: torch.tensor(tok(s, add_special_tokens=False)["input_ids"])  # noqa: E731
+    samples = [
+        {
+            "prompts": enc("write a\n>"),
+            "responses": enc("ab"),
+            "response_mask": torch.tensor([1, 1]),
+            "rm_scores": torch.tensor([0.0, 0.5]),
+            "extra_fields": {"reward_extra_info": {"feedback": "1 of 2 characters are not a"}},
+            "reward_model": {"ground_truth": "a"},
+        },
+        {
+            "prompts": enc("write b\n>"),
+            "responses": enc("bb"),
+            "response_mask": torch.tensor([1, 1]),
+            "rm_scores": torch.tensor([0.0, 1.0]),
+            "feedback": "correct",
+            "reward_model": {"ground_truth": "b"},
+        },
+    ]
+    hints = producers._hints(samples, skip={})
+    assert hints == ["hint: 1 of 2 characters are not a. write only a", None]
+    assert producers._hints(samples, skip={0: 1})[0] is None  # pair rows get no hint
+
+
+def test_example_yaml_turns_the_producers_on() -> None:
+    from importlib.resources import files
+
+    import yaml
+
+    text = files("composer_verl.examples").joinpath("composer_grpo_producers.yaml").read_text()
+    cfg = yaml.safe_load(text)
+    producers = ProducerConfig.from_mapping(cfg["composer"])
+    assert producers.hint_fn and producers.pair_source == "dataset"
+    env = json.loads(cfg["ray_kwargs"]["ray_init"]["runtime_env"]["env_vars"]["COMPOSER_VERL_CONFIG"])
+    check_settings(
+        producers, env["alpha_sdpo"], env["beta_replay"], {**ACTOR, **cfg["actor_rollout_ref"]["actor"]}
+    )

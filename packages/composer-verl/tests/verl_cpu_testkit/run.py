@@ -1,0 +1,143 @@
+"""TEST-ONLY: build the tiny task and run verl's real ``python -m verl.trainer.main_ppo`` on CPU."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from importlib.resources import files
+from pathlib import Path
+
+from verl_cpu_testkit import task
+
+TESTS_DIR = Path(__file__).resolve().parents[1]
+
+
+def overrides(tmp: Path, *, steps: int = 3, extra: tuple[str, ...] = ()) -> list[str]:
+    model = task.build_model_dir(tmp / "model")
+    train = task.write_task(tmp / "train.parquet", pairs=True)
+    return [
+        f"data.train_files={train}",
+        f"data.val_files={train}",
+        "data.train_batch_size=2",
+        "data.max_prompt_length=16",
+        "data.max_response_length=8",
+        "data.dataloader_num_workers=0",
+        "data.shuffle=false",
+        f"actor_rollout_ref.model.path={model}",
+        "actor_rollout_ref.model.use_remove_padding=false",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=false",
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+        "actor_rollout_ref.actor.strategy=fsdp2",
+        "actor_rollout_ref.actor.optim.lr=1e-2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.actor.use_torch_compile=false",
+        "actor_rollout_ref.actor.fsdp_config.use_torch_compile=false",
+        "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32",
+        "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32",
+        "+actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype=fp32",
+        "+actor_rollout_ref.actor.fsdp_config.mixed_precision.buffer_dtype=fp32",
+        "actor_rollout_ref.rollout.name=hf_generate",
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.rollout.calculate_log_probs=true",
+        "actor_rollout_ref.rollout.agent.num_workers=1",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
+        "reward.num_workers=1",
+        "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",  # 8 by default: 8 Ray actors
+        f"reward.custom_reward_function.path={Path(task.__file__)}",
+        "reward.custom_reward_function.name=compute_score",
+        "trainer.n_gpus_per_node=1",
+        "trainer.nnodes=1",
+        f"trainer.total_training_steps={steps}",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "trainer.logger=[console]",
+        f"trainer.default_local_dir={tmp / 'ckpt'}",
+        *extra,
+    ]
+
+
+def run_main_ppo(
+    tmp: Path, composer: str, extra: tuple[str, ...] = (), timeout: float = 900
+) -> subprocess.CompletedProcess[str]:
+    examples = str(files("composer_verl.examples"))
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]),
+        "VERL_PLATFORM": "cpu",
+        "VERL_USE_EXTERNAL_MODULES": "verl_cpu_testkit",
+        "VERL_ENGINE_DEVICE": "cuda",  # verl's own override: pick the FSDP engine class (registered for cuda/npu)
+        "COMPOSER_VERL_CONFIG": composer,
+        "RAY_DEDUP_LOGS": "0",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+        "HYDRA_FULL_ERROR": "1",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "verl_cpu_testkit.launch",
+        f"--config-path={examples}",
+        "--config-name=composer_grpo",
+        *overrides(tmp, extra=extra),
+    ]
+    log = tmp / "main_ppo.log"
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, text=True, cwd=tmp)
+        try:
+            returncode = proc.wait(timeout=timeout)
+        finally:
+            _end_tree(proc.pid)  # Ray's processes (gcs, raylet, workers) of this run, by pid
+    return subprocess.CompletedProcess(cmd, returncode, log.read_text(), "")
+
+
+def _end_tree(pid: int) -> None:
+    import contextlib
+
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        root = psutil.Process(pid)
+        procs = [*root.children(recursive=True), root]
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                p.terminate()
+        _, alive = psutil.wait_procs(procs, timeout=10)
+        for p in alive:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+
+
+STEP_LINE = re.compile(r"step:(\d+) - (.*)$")
+
+
+def step_metrics(stdout: str) -> dict[int, dict[str, float]]:
+    """verl's console logger lines ``step:N - key:value - ...`` → {step: {key: value}}."""
+    out: dict[int, dict[str, float]] = {}
+    for line in stdout.splitlines():
+        m = STEP_LINE.search(line)
+        if not m:
+            continue
+        metrics: dict[str, float] = {}
+        for item in m.group(2).split(" - "):
+            key, _, value = item.rpartition(":")
+            try:
+                metrics[key.strip()] = float(value)
+            except ValueError:
+                continue
+        out[int(m.group(1))] = metrics
+    return out
+
+
+if __name__ == "__main__":
+    tmp = Path(sys.argv[1])
+    tmp.mkdir(parents=True, exist_ok=True)
+    timeout = float(os.environ.get("VERL_CPU_TESTKIT_TIMEOUT", "900"))
+    proc = run_main_ppo(tmp, sys.argv[2] if len(sys.argv) > 2 else "{}", tuple(sys.argv[3:]), timeout=timeout)
+    print(proc.stdout[-20000:])
+    print(proc.stderr[-20000:], file=sys.stderr)
+    print("RC", proc.returncode)
