@@ -41,6 +41,7 @@ def overrides(tmp: Path, *, steps: int = 3, extra: tuple[str, ...] = ()) -> list
         "+actor_rollout_ref.actor.fsdp_config.mixed_precision.buffer_dtype=fp32",
         "actor_rollout_ref.rollout.name=hf_generate",
         "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.rollout.calculate_log_probs=true",
         "actor_rollout_ref.rollout.agent.num_workers=1",
