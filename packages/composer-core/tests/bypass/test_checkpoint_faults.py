@@ -21,9 +21,6 @@ from typing import Any
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
-import bypass_support as S
 from composer_core.bypass import checkpoint as ckpt
 from composer_core.bypass import config_from_dict, run_bypass
 from composer_core.bypass.checkpoint import KILL_ENV
@@ -77,7 +74,7 @@ def cli(config: Path, *flags: str, env: dict[str, str] | None = None) -> tuple[i
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def base(tmp_path_factory: pytest.TempPathFactory, S: Any) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("bypass-faults")
     teacher = S.teacher(num_layers=2)
     teacher.save(root / "teacher")
@@ -99,13 +96,13 @@ def flip_bit_in_tensor_data(file: Path) -> int:
     return pos
 
 
-def assert_bit_exact(exp: Path, ref: Any) -> None:
+def assert_bit_exact(exp: Path, ref: Any, S: Any) -> None:
     got, want = S.final_blocks(exp), S.final_blocks(ref.experiment_dir)
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     assert json.loads((exp / "history.json").read_text())["history"] == ref.history
 
 
-def test_bit_flip_is_detected_on_load(base: dict[str, Any]) -> None:
+def test_bit_flip_is_detected_on_load(S: Any, base: dict[str, Any]) -> None:
     _, cfg = write_run(base["root"], "ref", {"save_every": 2}, base)
     step4 = base["ref"].experiment_dir / "step-00000004"
     copy = base["root"] / "flip" / "step-00000004"
@@ -126,7 +123,7 @@ def test_bit_flip_is_detected_on_load(base: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("corrupt", ["blocks/block-0001.safetensors", "state.json", "two newest"])
 def test_corrupt_newest_checkpoint_is_set_aside_and_run_resumes_bit_exact(
-    base: dict[str, Any], corrupt: str
+    S: Any, base: dict[str, Any], corrupt: str
 ) -> None:
     """SIGKILL during the final save (step-2 and step-4 complete), corrupt step-4, re-run the CLI:
     step-4 goes to aside/step-00000004.corrupt-<time>-0, the run resumes from step-2 and ends
@@ -152,10 +149,12 @@ def test_corrupt_newest_checkpoint_is_set_aside_and_run_resumes_bit_exact(
         ["step-00000002", "step-00000004"] if corrupt == "two newest" else ["step-00000004"]
     )
     assert "corrupt:" in err and ("SHA-256" in err or "state.json" in err)
-    assert_bit_exact(exp, base["ref"])
+    assert_bit_exact(exp, base["ref"], S)
 
 
-def test_corrupt_final_of_a_completed_run_is_retrained_from_newest_intact(base: dict[str, Any]) -> None:
+def test_corrupt_final_of_a_completed_run_is_retrained_from_newest_intact(
+    S: Any, base: dict[str, Any]
+) -> None:
     toml, _ = write_run(base["root"], "final-rot", {"save_every": 2}, base)
     rc, _, err = cli(toml)
     assert rc == 0, err
@@ -164,13 +163,13 @@ def test_corrupt_final_of_a_completed_run_is_retrained_from_newest_intact(base: 
     rc, out, err = cli(toml)
     assert rc == 0 and "(trained)" in out and "skipped" not in out, err
     assert [p.name.split(".corrupt-")[0] for p in (exp / "aside").iterdir()] == ["final"]
-    assert_bit_exact(exp, base["ref"])
+    assert_bit_exact(exp, base["ref"], S)
 
 
 # --- retention ----------------------------------------------------------------------------------
 
 
-def test_keep_last_config_and_cli(base: dict[str, Any]) -> None:
+def test_keep_last_config_and_cli(S: Any, base: dict[str, Any]) -> None:
     root = base["root"]
     run = {"save_every": 1, "val_every": 2, "val_sequences": 4}
     _, cfg = write_run(root, "keep2", {**run, "keep_last": 2}, base)
