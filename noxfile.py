@@ -1,9 +1,9 @@
 """Nox sessions for the composer monorepo.
 
 ``nox`` with no arguments runs every package's test session plus lint and typecheck.
-Each ``tests-<pkg>`` session installs only that package, ``composer-core`` (for adapters)
-and the package's own ``test`` extra into a fresh venv: a missing dependency in a
-package's metadata fails its session.
+Each ``tests-<suite>`` session (one per row of ``SUITES``) installs only that package,
+``composer-core`` (for adapters) and the package's own ``test`` extra into a fresh venv: a
+missing dependency in a package's metadata fails its session. ``nox -t tests`` runs all of them.
 
 Torch: when pip is configured with a local find-links directory holding a torch wheel
 (``PIP_FIND_LINKS``, e.g. a CPU build), every session pins torch to that exact wheel and
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import nox
@@ -24,13 +25,6 @@ PACKAGES = ["core", "trl", "verl", "prime-rl", "monarch", "diloco"]
 
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = [
-    *(f"tests-{p}" for p in PACKAGES),
-    "tests-core-extras",
-    "tests-core-datajuicer",
-    "lint",
-    "typecheck",
-]
 
 
 def _local_torch() -> tuple[list[str], str | None]:
@@ -67,7 +61,8 @@ def _prepare(session: nox.Session) -> list[str]:
 
 
 def _pkg(name: str) -> str:
-    return str(ROOT / "packages" / f"composer-{name}")
+    """packages/composer-<name>, or packages/<name> for the skeleton ``_template``."""
+    return str(ROOT / "packages" / (name if name.startswith("_") else f"composer-{name}"))
 
 
 def _install(session: nox.Session, *specs: str) -> None:
@@ -76,7 +71,7 @@ def _install(session: nox.Session, *specs: str) -> None:
     if session.venv_backend == "uv":
         # Local directories are rebuilt every time (uv otherwise caches a build keyed on
         # pyproject.toml only, which would test stale sources).
-        for p in PACKAGES:
+        for p in [*PACKAGES, "adapter"]:  # composer-adapter: the _template skeleton
             refresh += ["--refresh-package", f"composer-{p}", "--reinstall-package", f"composer-{p}"]
     session.install(*pin, *refresh, *specs)
 
@@ -93,81 +88,129 @@ def _pytest(session: nox.Session, name: str) -> None:
     session.run("pytest", "tests", *session.posargs)
 
 
-@nox.session(name="tests-core")
-def tests_core(session: nox.Session) -> None:
-    """composer-core with nothing but torch (+ its test tools)."""
-    _install_package(session, "core")
-    session.chdir(_pkg("core"))
-    session.run("pytest", "tests", "--ignore=tests/extras", "--ignore=tests/datajuicer", *session.posargs)
+@dataclass(frozen=True)
+class Suite:
+    """One test session ``tests-<name>``: which package, which extras, which test paths.
+
+    ``SUITES`` is the single table behind every test session and the CI matrix (``.github/workflows/
+    ci.yml`` builds its matrix from ``nox -l --json``). Add a package or a variant here, not a new function.
+    """
+
+    name: str
+    package: str
+    doc: str
+    extras: str = "test"
+    paths: tuple[str, ...] = ("tests",)
+    pytest_args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
 
 
-@nox.session(name="tests-core-extras")
-def tests_core_extras(session: nox.Session) -> None:
-    """composer-core features that need its optional extras (tests/extras/)."""
-    _install(session, f"{_pkg('core')}[test,all]")
-    session.chdir(_pkg("core"))
-    session.run("pytest", "tests/extras", *session.posargs)
+SUITES = [
+    Suite(
+        "core",
+        "core",
+        "composer-core with nothing but torch (+ its test tools).",
+        pytest_args=("--ignore=tests/extras", "--ignore=tests/datajuicer"),
+    ),
+    Suite(
+        "core-extras",
+        "core",
+        "composer-core features that need its optional extras (tests/extras/).",
+        extras="test,all",
+        paths=("tests/extras",),
+    ),
+    Suite(
+        "core-datajuicer",
+        "core",
+        "composer-core's py-data-juicer integration against the real library (tests/datajuicer/).",
+        extras="test,datajuicer",
+        paths=("tests/datajuicer",),
+    ),
+    Suite(
+        "trl",
+        "trl",
+        "composer-trl against the real trl / transformers / datasets / peft.",
+        # Let Python cache bytecode in the venv: importing trl/transformers compiles ~3k modules, which the
+        # subprocess tests (CLI, 2-process torchrun) would otherwise redo on every start.
+        env=(("PYTHONDONTWRITEBYTECODE", ""),),
+    ),
+    Suite("verl", "verl", "composer-verl against the real verl (plus the deps verl forgets to declare)."),
+    Suite("prime-rl", "prime-rl", "composer-prime-rl (prime-rl itself is not on the package index)."),
+    Suite("monarch", "monarch", "composer-monarch against the real torchmonarch."),
+    Suite("diloco", "diloco", "composer-diloco against real torchft, fsspec/s3fs, moto's server and ray."),
+    Suite(
+        "template", "_template", "packages/_template, the adapter skeleton: its import and conformance tests."
+    ),
+]
 
 
-@nox.session(name="tests-core-datajuicer")
-def tests_core_datajuicer(session: nox.Session) -> None:
-    """composer-core's py-data-juicer integration against the real library (tests/datajuicer/)."""
-    _install(session, f"{_pkg('core')}[test,datajuicer]")
-    session.chdir(_pkg("core"))
-    session.run("pytest", "tests/datajuicer", *session.posargs)
+def _run_suite(session: nox.Session, suite: Suite) -> None:
+    """Install the suite's package (+ composer-core for adapters) with its extras, then run pytest.
+
+    Positional arguments replace the suite's test paths (``nox -s tests-core -- tests/loss/test_compose.py
+    -q`` runs that file only); the suite's own pytest options stay.
+    """
+    if suite.package == "core":
+        _install(session, f"{_pkg('core')}[{suite.extras}]")
+    else:
+        _install_package(session, suite.package, extra=suite.extras)
+    session.env.update(dict(suite.env))
+    session.chdir(_pkg(suite.package))
+    paths = [] if any(not a.startswith("-") for a in session.posargs) else list(suite.paths)
+    session.run("pytest", *paths, *suite.pytest_args, *session.posargs)
 
 
-@nox.session(name="tests-trl")
-def tests_trl(session: nox.Session) -> None:
-    """composer-trl against the real trl / transformers / datasets / peft."""
-    _install_package(session, "trl")
-    # Let Python cache bytecode in the venv: importing trl/transformers compiles ~3k modules, which the
-    # subprocess tests (CLI, 2-process torchrun) would otherwise redo on every start.
-    session.env["PYTHONDONTWRITEBYTECODE"] = ""
-    _pytest(session, "trl")
+def _register(suite: Suite) -> None:
+    def run(session: nox.Session) -> None:
+        _run_suite(session, suite)
+
+    run.__doc__ = suite.doc
+    nox.session(name=f"tests-{suite.name}", tags=["tests", "ci"])(run)
 
 
-@nox.session(name="tests-verl")
-def tests_verl(session: nox.Session) -> None:
-    """composer-verl against the real verl (plus the deps verl forgets to declare)."""
-    _install_package(session, "verl")
-    _pytest(session, "verl")
+for _suite in SUITES:
+    _register(_suite)
+
+nox.options.sessions = [*(f"tests-{s.name}" for s in SUITES), "lint", "typecheck"]
 
 
-@nox.session(name="tests-prime-rl")
-def tests_prime_rl(session: nox.Session) -> None:
-    """composer-prime-rl (prime-rl itself is not on the package index)."""
-    _install_package(session, "prime-rl")
-    _pytest(session, "prime-rl")
+HOST_TYPES = "trl[peft]>=1.16,<1.17"
+"""Hosts installed for ``typecheck`` because they ship types (trl, transformers, peft). Untyped or heavy
+hosts (verl, torchmonarch, torchft, ray, s3fs/fsspec, datasets, accelerate, py-data-juicer, ...) are not
+installed: ``[tool.mypy]`` in pyproject.toml sets ``ignore_missing_imports`` for them, so their names are
+``Any`` to mypy."""
 
 
-@nox.session(name="tests-monarch")
-def tests_monarch(session: nox.Session) -> None:
-    """composer-monarch against the real torchmonarch."""
-    _install_package(session, "monarch")
-    _pytest(session, "monarch")
-
-
-@nox.session(name="tests-diloco")
-def tests_diloco(session: nox.Session) -> None:
-    """composer-diloco against real torchft, fsspec/s3fs, moto's server and ray."""
-    _install_package(session, "diloco")
-    _pytest(session, "diloco")
-
-
-@nox.session
+@nox.session(tags=["ci"])
 def lint(session: nox.Session) -> None:
-    """ruff check + ruff format --check over the whole tree."""
+    """ruff check (incl. the C901 complexity ratchet) + ruff format --check, and ``uv lock --check``."""
     session.install("ruff>=0.8")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    _lock_check(session)
 
 
-@nox.session
+def _lock_check(session: nox.Session) -> None:
+    """``uv.lock`` matches the workspace's pyproject files (resolution from the package index only: local
+    find-links and CI's extra CPU index are removed for this command so they cannot change the answer)."""
+    plain_index = {
+        k: None for k in ("UV_FIND_LINKS", "UV_EXTRA_INDEX_URL", "UV_INDEX_STRATEGY", "UV_CONSTRAINT")
+    }
+    session.run("uv", "lock", "--check", env=plain_index, external=True)
+
+
+@nox.session(tags=["ci"])
 def typecheck(session: nox.Session) -> None:
-    """mypy --strict on composer-core."""
-    _install(session, f"{_pkg('core')}[test]", "mypy>=1.13")
-    session.run("mypy", "--strict", str(ROOT / "packages/composer-core/src/composer_core"))
+    """mypy --strict (configured in pyproject.toml) over every package's src."""
+    _install(
+        session,
+        f"{_pkg('core')}[test,hf,replay,plot,yaml,parquet]",
+        HOST_TYPES,
+        "mypy>=1.13",
+        "types-PyYAML",
+        "types-tqdm",
+    )
+    session.run("mypy", *session.posargs)
 
 
 @nox.session
@@ -182,7 +225,7 @@ def bench(session: nox.Session, package: str) -> None:
         session.run("python", str(script), *session.posargs)
 
 
-@nox.session
+@nox.session(tags=["ci"])
 def demo(session: nox.Session) -> None:
     """The main job (README's first command): `composer-train` trains a tiny Qwen2 with the 3-channel
     objective inside TRL on an embedded verifiable task; `nox -s demo -- --compare` adds GRPO alone."""

@@ -55,8 +55,9 @@ def test_teacher_hinted_logits_and_pairs() -> None:
     prompts = TASK.prompts(2, step=3)
     records = [ReplayRecord(p, TASK.target(p), 1.0, "oracle") for p in prompts]
     teacher = this_proc().spawn("teacher_t", TeacherActor, MODEL, records, TASK.pad_id)
-    completions = torch.tensor([[5, 6, 7, 4], [8, 9, 4, 0]])
-    hinted = TASK.hinted_prompts(prompts)
+    completions = torch.tensor([[5, 6, 7, 1], [8, 9, 1, 0]])
+    hinted, has_hint = TASK.hinted_prompts(prompts, completions, completions != 0)
+    assert has_hint.all()
     got = teacher.hinted_logits.call_one(hinted, completions).get(timeout=120)
     with torch.no_grad():
         expected = completion_logits(MODEL(), hinted, completions)
@@ -159,3 +160,43 @@ def test_fault_router_routes_by_mesh_name() -> None:
         assert len(got) == 1 and foreign == [users]
     finally:
         monarch_actor.unhandled_fault_hook = saved
+
+
+class _HintRows(ReverseDigits):
+    """ReverseDigits whose hint rule gives a hint to the completions of ``rows`` only."""
+
+    def __init__(self, rows: tuple[int, ...]) -> None:
+        super().__init__()
+        object.__setattr__(self, "rows", rows)
+
+    def hinted_prompts(
+        self, prompts: torch.Tensor, completions: torch.Tensor, completion_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hinted, _ = super().hinted_prompts(prompts, completions, completion_mask)
+        has_hint = torch.zeros(prompts.shape[0], dtype=torch.bool)
+        has_hint[list(self.rows)] = True
+        return hinted, has_hint
+
+
+@pytest.mark.parametrize("rows", [(), (0, 3)])
+def test_rollout_distils_only_hinted_completions(rows: tuple[int, ...]) -> None:
+    """A correct completion has no hint (composer-core's rule): it is not distilled, and a step where
+    no completion has a hint sends no teacher call and no channel-2 inputs."""
+    task = _HintRows(rows)
+    d = ComposerDriver(task, MODEL, loss=ComposerLoss(alpha_sdpo=0.5, beta_replay=0.0), loop=LoopConfig())
+    tag = "".join(map(str, rows)) or "none"
+    d.actors = {
+        "generator": this_proc().spawn(f"gen_h{tag}", GeneratorActor, MODEL, _sampling(0)),
+        "rewarder": this_proc().spawn(f"rew_h{tag}", RewarderActor, [task.reward]),
+        "teacher": this_proc().spawn(f"tea_h{tag}", TeacherActor, MODEL, None, task.pad_id),
+    }
+    batch = d.rollout(0)
+    assert batch.completion_ids.shape[0] == 8
+    if not rows:
+        assert batch.teacher_logits is None and batch.sdpo_rows is None
+    else:
+        assert (
+            batch.teacher_logits is not None and batch.teacher_logits.shape[:2] == batch.completion_ids.shape
+        )
+        assert batch.sdpo_rows is not None and batch.sdpo_rows.nonzero().flatten().tolist() == list(rows)
+    d.actors = {}

@@ -15,20 +15,46 @@ from composer_monarch.trainer import collate
 
 
 def test_reverse_digits_task() -> None:
+    """composer-core's digit-reversal rules on token ids (the same rules as composer-trl's main job)."""
+    from composer_core.tasks import digit_reversal as rules
+
     task = ReverseDigits(n_digits=8, length=3)
     assert isinstance(task, Task)
+    assert task.vocab_size == len(rules.VOCAB) == 16 and (task.pad_id, task.eos_id) == (0, 1)
     p = task.prompts(4, step=7)
-    assert p.shape == (4, 5) and torch.equal(p, task.prompts(4, step=7))
+    assert p.shape == (4, 4) and torch.equal(p, task.prompts(4, step=7))
     assert not torch.equal(p, task.prompts(4, step=8))
-    prompt = torch.tensor([1, 5, 6, 7, 2])
-    assert task.target(prompt).tolist() == [7, 6, 5, 4]
-    assert task.reward(prompt, torch.tensor([7, 6, 5, 4])) == 1.0
-    assert task.reward(prompt, torch.tensor([7, 9, 5])) == 0.5  # 2 of 4 positions right
+    assert ((p[:, :3] >= 3) & (p[:, :3] < 3 + 8)).all() and (p[:, 3] == rules.VOCAB[">"]).all()
+    prompt = torch.tensor(rules.encode("381>"))
+    eos = task.eos_id
+    assert task.text(prompt) == "381>"
+    assert task.target(prompt).tolist() == [*rules.encode("183"), eos]
+    # reward: positions right over max(len(completion), len(answer)); the completion is cut at EOS
+    assert task.reward(prompt, torch.tensor([*rules.encode("183"), eos])) == 1.0
+    assert task.reward(prompt, torch.tensor(rules.encode("133"))) == pytest.approx(2 / 3)
+    assert task.reward(prompt, torch.tensor(rules.encode("1833"))) == pytest.approx(3 / 4)
     assert task.reward(prompt, torch.tensor([], dtype=torch.long)) == 0.0
-    hinted = task.hinted_prompts(prompt.unsqueeze(0))
-    assert hinted.tolist() == [[1, 3, 7, 6, 5, 2, 5, 6, 7, 2]]
+    for c in ("183", "133", "1833", "", "9"):  # exactly composer-core's (= composer-trl's) reward
+        assert task.reward(prompt, torch.tensor([*rules.encode(c), eos], dtype=torch.long)) == rules.verify(
+            "381>", c
+        )
+    # hint: the verifier's feedback on each completion in front of the prompt; none when it is right
+    completions = torch.tensor([[*rules.encode("133"), eos], [*rules.encode("183"), eos]])
+    hinted, has_hint = task.hinted_prompts(
+        prompt.expand(2, -1), completions, torch.ones(2, 4, dtype=torch.bool)
+    )
+    assert (
+        task.text(hinted[0]) == ".8.|381>" == rules.hint_template("381>", rules.feedback_hint("381>", "133"))
+    )
+    assert has_hint.tolist() == [True, False] and hinted.shape == (2, 8)
+    # the mask cuts the completion: only "1" is sampled, so positions 2 and 3 are wrong
+    mask = torch.tensor([[True, False, False, False]] * 2)
+    hinted, has_hint = task.hinted_prompts(prompt.expand(2, -1), completions, mask)
+    assert task.text(hinted[0]) == ".83|381>" and has_hint.all()
     with pytest.raises(ValueError, match="n_digits"):
         ReverseDigits(n_digits=1)
+    with pytest.raises(ValueError, match="n_digits"):
+        ReverseDigits(n_digits=11)
 
 
 def test_sample_masks_after_eos_and_logprobs_match_model() -> None:
@@ -143,6 +169,12 @@ def test_collate_packs_samples_then_pairs() -> None:
     assert t["chosen_rows"].tolist() == [4] and t["rejected_rows"].tolist() == [5]
     assert t["teacher_logits"].shape == (6, 4, v) and t["teacher_logits"][4:].abs().sum() == 0
     assert not t["sdpo_mask"][4:].any() and not t["sdpo_mask"][:, 3].any()
+    # completions without a hint (sdpo_rows False) are not distilled
+    hinted_only = collate(
+        TrainBatch(**{**batch.__dict__, "sdpo_rows": torch.tensor([True, False, True, False])}), 0
+    )[1]
+    assert hinted_only["sdpo_mask"].any(-1).tolist() == [True, False, True, False, False, False]
+    assert torch.equal(hinted_only["sdpo_mask"][[0, 2]], t["sdpo_mask"][[0, 2]])
     assert torch.equal(tokens[:, 4:], t["response"])
     bad = TrainBatch(
         **{

@@ -28,10 +28,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def _trainer(kind: str, steps: int, out: str, seed: int = 0) -> Any:
+    from composer_core.tasks.digit_reversal import ALPHABET, make_dataset_rows, reverse_hints, reverse_reward
+    from composer_core.tasks.tiny import build_char_tokenizer, build_tiny_model
     from composer_trl import ComposerGRPOConfig, ComposerGRPOTrainer
     from composer_trl.recipe import TINY_TRAINER_DEFAULTS
-    from composer_trl.task import ALPHABET, make_dataset_rows, reverse_hints, reverse_reward
-    from composer_trl.tiny import build_char_tokenizer, build_tiny_model
     from datasets import Dataset
     from transformers import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer

@@ -19,8 +19,8 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="session")
 def tokenizer() -> Any:
-    from composer_trl.task import ALPHABET
-    from composer_trl.tiny import build_char_tokenizer
+    from composer_core.tasks.digit_reversal import ALPHABET
+    from composer_core.tasks.tiny import build_char_tokenizer
 
     return build_char_tokenizer(ALPHABET)
 
@@ -28,7 +28,7 @@ def tokenizer() -> Any:
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Path:
     """A saved tiny model + tokenizer (TRL builds its reference model from a path when beta != 0)."""
-    from composer_trl.tiny import build_tiny_model
+    from composer_core.tasks.tiny import build_tiny_model
 
     path = tmp_path_factory.mktemp("tiny-qwen2")
     build_tiny_model(tokenizer, seed=0).save_pretrained(path)
@@ -38,7 +38,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Path:
 
 @pytest.fixture(scope="session")
 def rows() -> list[dict[str, Any]]:
-    from composer_trl.task import make_dataset_rows
+    from composer_core.tasks.digit_reversal import make_dataset_rows
 
     return make_dataset_rows(256, seed=1)
 
@@ -77,8 +77,8 @@ def grpo_args(tmp_path: Path, composer: bool = True, **overrides: Any) -> Any:
 def make_trainer(
     model: Any, tokenizer: Any, dataset: Any, args: Any, *, composer: bool = True, **kwargs: Any
 ) -> Any:
+    from composer_core.tasks.digit_reversal import reverse_reward
     from composer_trl import ComposerGRPOTrainer
-    from composer_trl.task import reverse_reward
     from trl import GRPOTrainer
 
     cls = ComposerGRPOTrainer if composer else GRPOTrainer

@@ -15,8 +15,8 @@ def main(out_dir: str, model_dir: str) -> None:
     import faulthandler
 
     faulthandler.dump_traceback_later(float(os.environ.get("COMPOSER_MP_DUMP_AFTER", "300")), exit=True)
+    from composer_core.tasks.digit_reversal import make_dataset_rows, reverse_hints, reverse_reward
     from composer_trl import ComposerGRPOConfig, ComposerGRPOTrainer
-    from composer_trl.task import make_dataset_rows, reverse_hints, reverse_reward
     from datasets import Dataset
 
     torch.set_num_threads(1)

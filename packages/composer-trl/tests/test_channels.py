@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 import torch
-from composer_trl.task import reverse_hints
+from composer_core.tasks.digit_reversal import reverse_hints
 
 
 def _params(model: Any) -> dict[str, torch.Tensor]:

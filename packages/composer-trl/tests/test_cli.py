@@ -7,20 +7,27 @@ import shutil
 import subprocess
 
 import pytest
+from composer_core.tasks.digit_reversal import feedback_hint, oracle_solve, verify, wrong_solution
 from composer_trl.cli import main
 from composer_trl.progress import read_jsonl
 from composer_trl.recipe import load_recipe, recipe_from_dict
-from composer_trl.task import feedback_hint, oracle_solve, verify, wrong_solution
 
 
-def test_task_verifier_hint_and_oracle():
-    assert oracle_solve("3817>") == "7183"
-    assert verify("381>", "183") == 1.0
+def test_main_job_runs_composer_core_task_and_tiny_model():
+    """composer_trl.task / composer_trl.tiny are re-exports: the main job's rules live in composer-core."""
+    import composer_core.tasks.digit_reversal as core_task
+    import composer_core.tasks.tiny as core_tiny
+    import composer_trl.task as trl_task
+    import composer_trl.tiny as trl_tiny
+
+    for name in trl_task.__all__:
+        assert getattr(trl_task, name) is getattr(core_task, name)
+    for name in trl_tiny.__all__:
+        assert getattr(trl_tiny, name) is getattr(core_tiny, name)
     assert verify("381>", "133") == pytest.approx(2 / 3)
-    assert verify("381>", "1833") == pytest.approx(3 / 4)  # extra characters cost
     assert feedback_hint("381>", "133") == ".8.|"
-    assert feedback_hint("381>", "183") is None
-    assert verify("121>", wrong_solution("121>")) < 1.0  # the rejected side is always wrong
+    assert oracle_solve("3817>") == "7183"
+    assert verify("121>", wrong_solution("121>")) < 1.0
 
 
 def test_composer_train_compare_writes_metrics_plot_and_model(tmp_path, capsys):
@@ -76,7 +83,7 @@ def test_console_script_is_installed():
 
 def test_recipe_dataset_reward_and_hint_fn_are_used(tmp_path, model_dir, monkeypatch):
     """The recipe's `dataset`, `reward` and `hint_fn` replace the embedded task's (README: real work)."""
-    from composer_trl.task import make_dataset_rows
+    from composer_core.tasks.digit_reversal import make_dataset_rows
 
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in make_dataset_rows(64, seed=3)))

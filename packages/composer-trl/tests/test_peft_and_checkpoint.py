@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from composer_trl.task import reverse_hints
+from composer_core.tasks.digit_reversal import reverse_hints
 
 
 def test_lora_trains_adapter_only_with_all_channels(tmp_path, model_dir, tokenizer, dataset, h):

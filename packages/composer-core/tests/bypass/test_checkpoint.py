@@ -1,13 +1,10 @@
 """Checkpoint layout, re-save, partial/corrupt checkpoints and the run manifest."""
 
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
-import bypass_support as S
 from composer_core.bypass import checkpoint as ckpt
 from composer_core.bypass import run_bypass
 from composer_core.bypass.distributed import DistContext
@@ -15,7 +12,7 @@ from composer_core.bypass.keys import freeze_for_training
 from composer_core.bypass.optim import make_block_optimizer, optimizer_step
 
 
-def _setup():  # type: ignore[no-untyped-def]
+def _setup(S: Any):  # type: ignore[no-untyped-def]
     model = S.teacher(num_layers=2)
     params = freeze_for_training(model, [0, 1], ("entire_block",))
     opts = {
@@ -27,7 +24,7 @@ def _setup():  # type: ignore[no-untyped-def]
     return model, opts
 
 
-def _step(model, opts) -> None:  # type: ignore[no-untyped-def]
+def _step(S: Any, model, opts) -> None:  # type: ignore[no-untyped-def]
     out = model(S.tokens(2))
     out.pow(2).mean().backward()
     for o in opts.values():
@@ -46,13 +43,13 @@ def _save(exp: Path, name: str, model, opts, step: int) -> Path:  # type: ignore
     )
 
 
-def test_resave_overwrites_optimizer_state(tmp_path: Path) -> None:
+def test_resave_overwrites_optimizer_state(S: Any, tmp_path: Path) -> None:
     """Puzzletron review: a re-save passed the cleanup flag as overwrite= and kept stale optimizer state."""
-    model, opts = _setup()
-    _step(model, opts)
+    model, opts = _setup(S)
+    _step(S, model, opts)
     path = _save(tmp_path, "best", model, opts, 1)
     (path / "optim" / "block-0007.pt").write_bytes(b"stale")
-    _step(model, opts)
+    _step(S, model, opts)
     _save(tmp_path, "best", model, opts, 2)
     saved = torch.load(path / "optim" / "block-0000.pt", weights_only=True)["optimizer"]
     current = opts[0].optimizer.state_dict()
@@ -64,8 +61,8 @@ def test_resave_overwrites_optimizer_state(tmp_path: Path) -> None:
     assert ckpt.read_state(path)["step"] == 2 and not (tmp_path / "best.old").exists()
 
 
-def test_layout_marker_and_latest(tmp_path: Path) -> None:
-    model, opts = _setup()
+def test_layout_marker_and_latest(S: Any, tmp_path: Path) -> None:
+    model, opts = _setup(S)
     path = _save(tmp_path, ckpt.step_name(3), model, opts, 3)
     assert sorted(p.name for p in path.iterdir()) == [
         "COMPLETE",
@@ -85,8 +82,8 @@ def test_layout_marker_and_latest(tmp_path: Path) -> None:
     assert not [p for p in tmp_path.iterdir() if "tmp" in p.name]
 
 
-def test_unmarked_and_partial_checkpoints_are_set_aside(tmp_path: Path) -> None:
-    model, opts = _setup()
+def test_unmarked_and_partial_checkpoints_are_set_aside(S: Any, tmp_path: Path) -> None:
+    model, opts = _setup(S)
     good = _save(tmp_path, ckpt.step_name(2), model, opts, 2)
     newer = _save(tmp_path, ckpt.step_name(4), model, opts, 4)
     (newer / ckpt.MARKER).unlink()  # e.g. killed before the marker
@@ -112,15 +109,15 @@ def test_unmarked_and_partial_checkpoints_are_set_aside(tmp_path: Path) -> None:
         )
 
 
-def test_best_is_never_resumed_from(tmp_path: Path) -> None:
-    model, opts = _setup()
+def test_best_is_never_resumed_from(S: Any, tmp_path: Path) -> None:
+    model, opts = _setup(S)
     _save(tmp_path, "best", model, opts, 9)
     step = _save(tmp_path, ckpt.step_name(2), model, opts, 2)
     assert ckpt.find_resume_checkpoint(tmp_path) == step
 
 
-def test_corrupt_checkpoint_raises_clearly(tmp_path: Path) -> None:
-    model, opts = _setup()
+def test_corrupt_checkpoint_raises_clearly(S: Any, tmp_path: Path) -> None:
+    model, opts = _setup(S)
     path = _save(tmp_path, ckpt.step_name(1), model, opts, 1)
     (path / "blocks" / "block-0001.safetensors").write_bytes(b"garbage")
     with pytest.raises(ValueError, match=r"block-0001\.safetensors is missing or corrupt"):
@@ -134,7 +131,7 @@ def test_corrupt_checkpoint_raises_clearly(tmp_path: Path) -> None:
         ckpt.load_checkpoint(path2, model=other, blocks=[0], optimizers=None, ctx=DistContext())
 
 
-def test_experiment_dir_of_another_run_is_refused(tmp_path: Path) -> None:
+def test_experiment_dir_of_another_run_is_refused(S: Any, tmp_path: Path) -> None:
     teacher, ids = S.teacher(), S.tokens()
     cfg = S.config(tmp_path, training={"steps": 1})
     result = run_bypass(teacher, ids, cfg, progress=False)

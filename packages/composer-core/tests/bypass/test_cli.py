@@ -1,13 +1,10 @@
 """The composer-bypass CLI in-process (TOML; the YAML and plot paths are in tests/extras)."""
 
 import importlib.util
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-import bypass_support as S
 from composer_core.bypass.cli import main, read_config_file
 from composer_core.bypass.reference import ReferenceDecoder
 
@@ -42,7 +39,9 @@ overrides = [{{intermediate_size = 16}}, {{blocks = [1], attention_no_op = true}
 """
 
 
-def test_cli_sweep_table_export_and_resume(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_sweep_table_export_and_resume(
+    S: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     S.teacher().save(tmp_path / "teacher")
     S.write_tokens(tmp_path / "tokens.safetensors", S.tokens())
     cfg = tmp_path / "run.toml"

@@ -1,14 +1,11 @@
 """Schedule, keys_to_learn, partitioning, run identity, optimiser step (incl. Puzzletron regressions)."""
 
 import math
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
-import bypass_support as S
 from composer_core.bypass import BlockOverride, build_student, canonical_keys, cosine_lr, partition_blocks
 from composer_core.bypass.identity import run_identity, sha256_json
 from composer_core.bypass.keys import check_keys_for_model, freeze_for_training
@@ -40,7 +37,7 @@ def test_canonical_keys() -> None:
         canonical_keys([])
 
 
-def test_keys_order_does_not_change_identity(tmp_path: Path) -> None:
+def test_keys_order_does_not_change_identity(S: Any, tmp_path: Path) -> None:
     a = S.config(tmp_path, training={"keys_to_learn": ["subblock_ffn", "subblock_attention"]})
     b = S.config(
         tmp_path / "elsewhere",
@@ -56,14 +53,14 @@ def test_keys_order_does_not_change_identity(tmp_path: Path) -> None:
     )
 
 
-def test_subblock_mamba_without_mamba_raises() -> None:
+def test_subblock_mamba_without_mamba_raises(S: Any) -> None:
     """Puzzletron review: subblock_mamba on a model without mamba silently trained attention."""
     model = S.teacher()
     with pytest.raises(ValueError, match="no student block has a mamba subblock"):
         check_keys_for_model(model, ("subblock_mamba",))
 
 
-def test_keys_select_subblock_parameters() -> None:
+def test_keys_select_subblock_parameters(S: Any) -> None:
     model = S.teacher(num_layers=2)
     student = build_student(model, [BlockOverride(blocks=(1,), mixer="mamba")])
     check_keys_for_model(student, ("subblock_mamba",))
@@ -125,7 +122,7 @@ def test_clip_value_after_unscale() -> None:
     torch.testing.assert_close(seen[0], torch.tensor([0.3, -0.4, 0.0, 0.0]))
 
 
-def test_only_floating_point_parameters_train() -> None:
+def test_only_floating_point_parameters_train(S: Any) -> None:
     model = S.teacher(num_layers=1)
     model.layers[0].mlp.register_parameter(
         "codebook", torch.nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False)

@@ -16,9 +16,6 @@ from typing import Any
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
-import bypass_support as S
 from composer_core.bypass import config_from_dict, run_bypass
 from composer_core.bypass.checkpoint import KILL_ENV, is_complete
 
@@ -58,7 +55,7 @@ def _write_run(
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def setup(S: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("bypass-proc")
     teacher = S.teacher(num_layers=3)
     teacher.save(root / "teacher")
@@ -89,7 +86,7 @@ def _cli(config: Path, env: dict[str, str] | None = None) -> subprocess.Popen[st
     ],
 )
 def test_kill_minus_9_mid_save_then_resume_is_bit_identical(
-    setup: dict[str, Any], checkpoint: str, phase: str
+    S: Any, setup: dict[str, Any], checkpoint: str, phase: str
 ) -> None:
     root = setup["root"]
     toml, cfg = _write_run(
@@ -147,7 +144,7 @@ def _launch(config: Path, world: int) -> list[tuple[int, str, str]]:
     return results
 
 
-def test_two_process_gloo_equals_one_process(setup: dict[str, Any]) -> None:
+def test_two_process_gloo_equals_one_process(S: Any, setup: dict[str, Any]) -> None:
     root = setup["root"]
     toml, _ = _write_run(
         root, "two", {"save_every": 2, "val_every": 3, "val_sequences": 8}, setup["teacher"], setup["tokens"]
@@ -171,7 +168,9 @@ def test_two_process_gloo_equals_one_process(setup: dict[str, Any]) -> None:
     assert (exp / "student" / "model.safetensors").is_file()
 
 
-def test_more_ranks_than_blocks_fails_cleanly_on_every_rank(setup: dict[str, Any], tmp_path: Path) -> None:
+def test_more_ranks_than_blocks_fails_cleanly_on_every_rank(
+    S: Any, setup: dict[str, Any], tmp_path: Path
+) -> None:
     one_block = S.teacher(num_layers=1)
     one_block.save(tmp_path / "teacher1")
     toml, _ = _write_run(tmp_path, "tiny", {}, tmp_path / "teacher1", setup["tokens"])

@@ -1,13 +1,10 @@
 """Student construction and initialisation from the teacher."""
 
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
-import bypass_support as S
 from composer_core.bypass import BlockOverride, build_student, init_from_teacher, resolve_block_configs
 from composer_core.bypass.distributed import DistContext
 from composer_core.bypass.forward import teacher_forward
@@ -21,13 +18,13 @@ def _block_losses(teacher, student, ids):  # type: ignore[no-untyped-def]
         return [normalized_mse(student.run_block(i, t_in[i], ctx), t_out[i]).item() for i in t_in]
 
 
-def test_identical_student_has_zero_block_loss() -> None:
+def test_identical_student_has_zero_block_loss(S: Any) -> None:
     t = S.teacher()
     s = build_student(t, [])
     assert _block_losses(t, s, S.tokens(4)) == [0.0, 0.0, 0.0]
 
 
-def test_block_count_mismatch_raises() -> None:
+def test_block_count_mismatch_raises(S: Any) -> None:
     t = S.teacher(num_layers=3)
     with pytest.raises(ValueError, match="student has 2 blocks but the teacher has 3"):
         resolve_block_configs(t.block_configs(), [], num_blocks=2)
@@ -37,7 +34,7 @@ def test_block_count_mismatch_raises() -> None:
         build_student(t, [BlockOverride(blocks=(5,), ffn_no_op=True)])
 
 
-def test_ffn_truncation_copies_leading_channels() -> None:
+def test_ffn_truncation_copies_leading_channels(S: Any) -> None:
     t = S.teacher()
     s = build_student(t, [BlockOverride(blocks=(1,), intermediate_size=8)])
     tm, sm = t.layers[1].mlp, s.layers[1].mlp
@@ -49,7 +46,7 @@ def test_ffn_truncation_copies_leading_channels() -> None:
     )
 
 
-def test_importance_pruning_keeps_the_strongest_channels() -> None:
+def test_importance_pruning_keeps_the_strongest_channels(S: Any) -> None:
     t = S.teacher(num_layers=1)
     with torch.no_grad():  # make channels 3, 17, 29 dominate block 0's FFN activations
         for c in (3, 17, 29):
@@ -75,7 +72,7 @@ def test_importance_pruning_keeps_the_strongest_channels() -> None:
         build_student(t, [BlockOverride(intermediate_size=3)], mlp_init_mode="importance")
 
 
-def test_kv_heads_averaged() -> None:
+def test_kv_heads_averaged(S: Any) -> None:
     t = S.teacher(num_layers=1)
     s = build_student(t, [BlockOverride(num_key_value_heads=2)])
     d = 4  # head_dim
@@ -91,7 +88,7 @@ def test_kv_heads_averaged() -> None:
     )
 
 
-def test_kv_average_is_exact_when_grouped_heads_agree() -> None:
+def test_kv_average_is_exact_when_grouped_heads_agree(S: Any) -> None:
     t = S.teacher(num_layers=1)
     with torch.no_grad():  # teacher heads (0,1) and (2,3) identical: 2 averaged heads reproduce it
         for proj in (t.layers[0].self_attn.k_proj, t.layers[0].self_attn.v_proj):
@@ -101,7 +98,7 @@ def test_kv_average_is_exact_when_grouped_heads_agree() -> None:
     assert _block_losses(t, s, S.tokens(4))[0] == pytest.approx(0.0, abs=1e-12)
 
 
-def test_no_op_subblocks() -> None:
+def test_no_op_subblocks(S: Any) -> None:
     t = S.teacher(num_layers=2)
     s = build_student(
         t, [BlockOverride(blocks=(0,), attention_no_op=True), BlockOverride(blocks=(1,), ffn_no_op=True)]
@@ -120,14 +117,14 @@ def test_no_op_subblocks() -> None:
     torch.testing.assert_close(both.run_block(1, h, ctx), h)
 
 
-def test_shrink_beyond_teacher_raises() -> None:
+def test_shrink_beyond_teacher_raises(S: Any) -> None:
     with pytest.raises(ValueError, match="exceeds the teacher"):
         build_student(S.teacher(), [BlockOverride(intermediate_size=64)])
     with pytest.raises(ValueError, match="must divide"):
         build_student(S.teacher(), [BlockOverride(num_key_value_heads=3)])
 
 
-def test_reference_save_load_roundtrip(tmp_path: Path) -> None:
+def test_reference_save_load_roundtrip(S: Any, tmp_path: Path) -> None:
     s = build_student(S.teacher(), [BlockOverride(blocks=(2,), intermediate_size=8, attention_no_op=True)])
     s.save(tmp_path)
     loaded = type(s).load(tmp_path)

@@ -1,14 +1,11 @@
 """The training loop: learning, accumulation, validation/best, skip, sweeps, resume."""
 
 import json
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
-import bypass_support as S
 from composer_core.bypass import StudentConfig, build_student, run_bypass, run_sweep
 from composer_core.bypass import checkpoint as ckpt
 from composer_core.bypass.config import override_from_dict
@@ -25,7 +22,7 @@ def _held_out_losses(teacher, student, ids):  # type: ignore[no-untyped-def]
         return [normalized_mse(student.run_block(i, t_in[i], ctx), t_out[i]).item() for i in t_in]
 
 
-def test_pruned_student_block_losses_decrease(tmp_path: Path) -> None:
+def test_pruned_student_block_losses_decrease(S: Any, tmp_path: Path) -> None:
     teacher, ids = S.teacher(), S.tokens(32)
     cfg = S.config(tmp_path, training={"steps": 25, "lr": 1e-2})
     before = _held_out_losses(teacher, build_student(teacher, cfg.student.overrides), ids[-8:])
@@ -36,7 +33,7 @@ def test_pruned_student_block_losses_decrease(tmp_path: Path) -> None:
     assert len(result.history) == 25 and result.batches_consumed == 25
 
 
-def test_identical_student_trains_at_zero_loss(tmp_path: Path) -> None:
+def test_identical_student_trains_at_zero_loss(S: Any, tmp_path: Path) -> None:
     teacher = S.teacher()
     result = run_bypass(teacher, S.tokens(), S.config(tmp_path, student={"overrides": []}), progress=False)
     assert all(v == 0.0 for h in result.history for v in h["block_loss"].values())
@@ -45,7 +42,7 @@ def test_identical_student_trains_at_zero_loss(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("loss_scaling", [False, True])
-def test_grad_accumulation_averages_micro_batches(tmp_path: Path, loss_scaling: bool) -> None:
+def test_grad_accumulation_averages_micro_batches(S: Any, tmp_path: Path, loss_scaling: bool) -> None:
     """Closed form: after one AdamW step exp_avg = (1 − β1)·mean_k ∇L(batch k) (unscaled)."""
     teacher, ids = S.teacher(num_layers=1), S.tokens()
     cfg = S.config(
@@ -76,7 +73,7 @@ def test_grad_accumulation_averages_micro_batches(tmp_path: Path, loss_scaling: 
         )
 
 
-def test_validation_and_best_checkpoint(tmp_path: Path) -> None:
+def test_validation_and_best_checkpoint(S: Any, tmp_path: Path) -> None:
     cfg = S.config(tmp_path, training={"steps": 6}, run={"val_every": 2, "val_sequences": 8})
     result = run_bypass(S.teacher(), S.tokens(32), cfg, progress=False)
     assert [v["step"] for v in result.validation] == [2, 4, 6]
@@ -88,7 +85,7 @@ def test_validation_and_best_checkpoint(tmp_path: Path) -> None:
     assert (result.experiment_dir / "latest").resolve() == (result.experiment_dir / "final").resolve()
 
 
-def test_skip_if_complete(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_skip_if_complete(S: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     teacher, ids = S.teacher(), S.tokens()
     cfg = S.config(tmp_path)
     first = run_bypass(teacher, ids, cfg, progress=False)
@@ -108,7 +105,7 @@ def test_skip_if_complete(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     assert (fresh.experiment_dir / "aside" / "final-0" / "COMPLETE").is_file()
 
 
-def test_sweep_runs_each_student(tmp_path: Path) -> None:
+def test_sweep_runs_each_student(S: Any, tmp_path: Path) -> None:
     cfg = S.config(tmp_path, training={"steps": 2})
     students = [StudentConfig(overrides=(override_from_dict({"intermediate_size": n}),)) for n in (8, 16)]
     results = run_sweep(S.teacher(), S.tokens(), cfg, students, progress=False)
@@ -123,7 +120,9 @@ class _Crash(Exception):
     pass
 
 
-def test_resume_continues_at_batches_consumed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_resume_continues_at_batches_consumed(
+    S: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Puzzletron review: resume used saved_skip + iter − 1 and retrained a batch. Here: explicit counter."""
     teacher, ids = S.teacher(), S.tokens()
     ref = run_bypass(teacher, ids, S.config(tmp_path / "ref", training={"grad_accum": 2}), progress=False)
@@ -155,7 +154,7 @@ def test_resume_continues_at_batches_consumed(tmp_path: Path, monkeypatch: pytes
     assert (state["step"], state["batches_consumed"]) == (4, 8)
 
 
-def test_bad_token_data_raises(tmp_path: Path) -> None:
+def test_bad_token_data_raises(S: Any, tmp_path: Path) -> None:
     ids = S.tokens()
     ids[3, 2] = S.VOCAB
     with pytest.raises(ValueError, match="token id 48 but the teacher's vocabulary has 48"):

@@ -256,21 +256,32 @@ class ComposerDriver:
 
     # ------------------------------------------------------------------ the loop
     def rollout(self, step: int) -> TrainBatch:
-        """Sample, score and annotate the batch of ``step`` (generator → rewarder → teacher)."""
+        """Sample, score and annotate the batch of ``step`` (generator → rewarder → teacher).
+
+        Channel 2 distils the completions the task gives a hint (``task.hinted_prompts``); when none has
+        one, the teacher is not called and the step has no SDPO term.
+        """
         lp = self.loop
         prompts = self.task.prompts(lp.prompts_per_step, step=step)
         ro: Rollout = self._call("generator", "generate", step, prompts, lp.group_size)()
         rewards: Tensor = self._call("rewarder", "score", ro)()
         teacher_logits = None
         pending_logits = None
+        sdpo_rows = None
         if self.use_teacher_logits:
-            hinted = self.task.hinted_prompts(prompts).repeat_interleave(lp.group_size, dim=0)
-            pending_logits = self._call("teacher", "hinted_logits", hinted, ro.completion_ids)
+            hinted, sdpo_rows = self.task.hinted_prompts(ro.prompt_ids, ro.completion_ids, ro.completion_mask)
+            if bool(sdpo_rows.any()):  # no hinted completion: channel 2 is skipped this step
+                pending_logits = self._call("teacher", "hinted_logits", hinted, ro.completion_ids)
         pairs = self._call("teacher", "preference_pairs", ro, rewards)() if self.use_pairs else None
         if pending_logits is not None:
             teacher_logits = pending_logits()
         return assemble_batch(
-            ro, rewards, advantage_scale=lp.advantage_scale, teacher_logits=teacher_logits, pairs=pairs
+            ro,
+            rewards,
+            advantage_scale=lp.advantage_scale,
+            teacher_logits=teacher_logits,
+            sdpo_rows=sdpo_rows if teacher_logits is not None else None,
+            pairs=pairs,
         )
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:

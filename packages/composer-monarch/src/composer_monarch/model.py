@@ -2,16 +2,10 @@
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-
-# Actors sharing a process are constructed on different threads. transformers' lazy module is not
-# safe to initialise from two threads at once, and seeded initialisation uses torch's global RNG:
-# both happen under this lock.
-_BUILD_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -20,7 +14,9 @@ class TinyQwen2:
 
     Every actor builds its own copy from the factory; ``seed`` fixes the initial weights so the trainer,
     generator and teacher start identical (the driver also pushes the trainer's weights before step 0).
-    Needs ``transformers`` (``pip install 'composer-monarch[hf]'``).
+    The model is composer-core's tiny Qwen2 (:func:`composer_core.tasks.tiny.build_tiny_qwen2`, eager
+    attention), the one composer-trl's main job trains. Needs ``transformers``
+    (``pip install 'composer-monarch[hf]'``).
     """
 
     vocab_size: int
@@ -33,25 +29,23 @@ class TinyQwen2:
     seed: int = 0
 
     def __call__(self) -> nn.Module:
-        try:
-            with _BUILD_LOCK:
-                from transformers.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
-        except ImportError as e:  # pragma: no cover - exercised only without the extra
-            raise ImportError("TinyQwen2 needs transformers: pip install 'composer-monarch[hf]'") from e
-        config = Qwen2Config(  # type: ignore[call-arg]  # attn_implementation goes through **kwargs
-            vocab_size=self.vocab_size,
+        from composer_core.tasks.tiny import TinyModelConfig, build_tiny_qwen2
+
+        config = TinyModelConfig(
             hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
             num_hidden_layers=self.num_layers,
             num_attention_heads=self.num_heads,
             num_key_value_heads=self.num_kv_heads,
+            intermediate_size=self.intermediate_size,
             max_position_embeddings=self.max_positions,
-            tie_word_embeddings=False,
             attn_implementation="eager",
         )
-        with _BUILD_LOCK, torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed)
-            model = Qwen2ForCausalLM(config)
+        try:
+            model: nn.Module = build_tiny_qwen2(self.vocab_size, config, seed=self.seed)
+        except ImportError as e:  # pragma: no cover - exercised only without the extra
+            raise ImportError(
+                f"TinyQwen2 needs transformers: pip install 'composer-monarch[hf]' ({e})"
+            ) from e
         return model
 
 

@@ -59,7 +59,8 @@ class TrainBatch:
     Channel 1: prompt_ids, completion_ids, completion_mask, advantages [B], inference_logprobs [B, T]
     (the sampler's log-probabilities; they are the ``old_logprobs`` of the clipped ratio, so a batch
     sampled by older weights, as with overlap, is corrected by importance ratios).
-    Channel 2: teacher_logits [B, T, V] — the hinted-context teacher at the completion positions.
+    Channel 2: teacher_logits [B, T, V] — the hinted-context teacher at the completion positions;
+    sdpo_rows [B] bool — the completions that have a hint and are distilled (None: all of them).
     Channel 3: pairs — replayed teacher actions that beat the student's.
     """
 
@@ -73,6 +74,7 @@ class TrainBatch:
     policy_version: int
     teacher_logits: Tensor | None = None
     pairs: PreferencePairs | None = None
+    sdpo_rows: Tensor | None = None
 
 
 @torch.no_grad()
@@ -135,6 +137,7 @@ def assemble_batch(
     advantage_scale: str = "group",
     teacher_logits: Tensor | None = None,
     pairs: PreferencePairs | None = None,
+    sdpo_rows: Tensor | None = None,
 ) -> TrainBatch:
     """The trainer's batch from a scored rollout: GRPO group advantages (composer_core) + annotations.
 
@@ -148,6 +151,11 @@ def assemble_batch(
             f"rewards has shape {tuple(rewards.shape)}; expected one reward per completion "
             f"({rollout.prompt_ids.shape[0]},)"
         )
+    if sdpo_rows is not None and (teacher_logits is None or sdpo_rows.shape != rewards.shape):
+        raise ValueError(
+            f"sdpo_rows (shape {tuple(sdpo_rows.shape)}) needs teacher_logits and one flag per completion "
+            f"({rewards.shape[0]},)"
+        )
     adv = group_advantages(rewards, rollout.group_size, scale=advantage_scale)  # type: ignore[arg-type]
     return TrainBatch(
         step=rollout.step,
@@ -160,4 +168,5 @@ def assemble_batch(
         policy_version=rollout.policy_version,
         teacher_logits=teacher_logits,
         pairs=pairs,
+        sdpo_rows=None if sdpo_rows is None else sdpo_rows.bool(),
     )

@@ -1,8 +1,11 @@
-"""The task interface the loop runs, and a tiny integer-token task (reverse the digits).
+"""The task interface the loop runs, and the digit-reversal task as integer tokens.
 
 A task turns a step number into prompts, scores completions, and writes the hinted context of the
-self-distillation teacher (channel 2: the same model, shown a hint, is the teacher). Prompts are
-dense integer tensors of one length: the loop does not left-pad.
+self-distillation teacher (channel 2: the same model, shown a hint about its own completion, is the
+teacher). Prompts are dense integer tensors of one length: the loop does not left-pad.
+
+:class:`ReverseDigits` runs composer-core's digit-reversal rules (:mod:`composer_core.tasks.digit_reversal`,
+the same reward and hint rules as composer-trl's main job) on the token ids of its character vocabulary.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
+from composer_core.tasks import digit_reversal as rules
+from composer_core.tasks.tiny import BOS_ID, EOS_ID, PAD_ID
 from torch import Tensor
 
 
@@ -27,8 +32,15 @@ class Task(Protocol):
         """``n`` prompts for ``step``, shape [n, P] (long), deterministic in ``step``."""
         ...
 
-    def hinted_prompts(self, prompts: Tensor) -> Tensor:
-        """The teacher's context for each prompt: the prompt with a hint, shape [n, P'] (long)."""
+    def hinted_prompts(
+        self, prompts: Tensor, completions: Tensor, completion_mask: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """The teacher's context for each completion and which completions have a hint.
+
+        prompts [n, P] (one row per completion), completions [n, T] and completion_mask [n, T] (bool)
+        → (hinted prompts [n, P'] long, has_hint [n] bool). Rows without a hint are not distilled
+        (their hinted row is any valid context of length P').
+        """
         ...
 
     def reward(self, prompt: Tensor, completion: Tensor) -> float:
@@ -38,33 +50,36 @@ class Task(Protocol):
 
 @dataclass(frozen=True)
 class ReverseDigits:
-    """Reverse ``length`` digits, then stop: ``BOS d1 .. dL SEP`` → ``dL .. d1 EOS``.
+    """Reverse ``length`` digits, then stop: ``"381>"`` → ``"183"`` + EOS, as token ids.
 
-    Vocabulary: PAD=0, BOS=1, SEP=2, HINT=3, EOS=4, digits 5 .. 5+n_digits-1.
-    The hinted context puts the answer in front: ``BOS HINT dL .. d1 SEP d1 .. dL SEP``.
-    Reward: the fraction of the L+1 target positions the completion gets right (0 … 1).
+    Ids are composer-core's character vocabulary (:data:`composer_core.tasks.digit_reversal.VOCAB`:
+    PAD=0, EOS=1, BOS=2, ``"0"``..``"9"`` = 3..12, ``">"`` = 13, ``"|"`` = 14, ``"."`` = 15), the ids
+    ``composer_core.tasks.tiny.build_char_tokenizer`` gives the same text. Digits are drawn from the first
+    ``n_digits`` of 0-9.
+
+    Reward and hint are composer-core's rules on the decoded text (the completion up to its EOS):
+    reward = fraction of positions right over ``max(len(completion), length)``; the hinted context is
+    the verifier's feedback (the expected digit at every wrong position, ``.`` elsewhere, then ``|``) in
+    front of the prompt, and a correct completion has no hint.
     """
 
-    n_digits: int = 8
+    n_digits: int = 10
     length: int = 3
     seed: int = 0
 
-    PAD = 0
-    BOS = 1
-    SEP = 2
-    HINT = 3
-    EOS = 4
-    FIRST_DIGIT = 5
+    PAD = PAD_ID
+    EOS = EOS_ID
+    BOS = BOS_ID
 
     def __post_init__(self) -> None:
-        if self.n_digits < 2:
-            raise ValueError(f"n_digits={self.n_digits}: need at least 2 digits")
+        if not 2 <= self.n_digits <= 10:
+            raise ValueError(f"n_digits={self.n_digits}: need 2..10 distinct digits")
         if self.length < 1:
             raise ValueError(f"length={self.length}: need at least 1 digit per prompt")
 
     @property
     def vocab_size(self) -> int:
-        return self.FIRST_DIGIT + self.n_digits
+        return len(rules.VOCAB)
 
     @property
     def pad_id(self) -> int:
@@ -80,25 +95,30 @@ class ReverseDigits:
 
     def prompts(self, n: int, *, step: int) -> Tensor:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        digits = torch.randint(self.FIRST_DIGIT, self.vocab_size, (n, self.length), generator=g)
-        bos = torch.full((n, 1), self.BOS)
-        sep = torch.full((n, 1), self.SEP)
-        return torch.cat([bos, digits, sep], dim=1)
+        first = rules.VOCAB["0"]
+        digits = torch.randint(first, first + self.n_digits, (n, self.length), generator=g)
+        end = torch.full((n, 1), rules.VOCAB[">"])
+        return torch.cat([digits, end], dim=1)
+
+    def text(self, ids: Tensor) -> str:
+        """The task text of token ids (up to the first EOS; pad and bos skipped)."""
+        return rules.decode(int(i) for i in ids.tolist())
 
     def target(self, prompt: Tensor) -> Tensor:
         """The correct completion for one prompt: reversed digits then EOS."""
-        digits = prompt[1 : 1 + self.length]
-        return torch.cat([digits.flip(0), torch.tensor([self.EOS])])
+        return torch.tensor([*rules.encode(rules.oracle_solve(self.text(prompt))), self.EOS])
 
-    def hinted_prompts(self, prompts: Tensor) -> Tensor:
-        n = prompts.shape[0]
-        answers = prompts[:, 1 : 1 + self.length].flip(1)
-        head = torch.tensor([self.BOS, self.HINT]).expand(n, 2)
-        sep = torch.full((n, 1), self.SEP)
-        return torch.cat([head, answers, sep, prompts[:, 1:]], dim=1)
+    def hinted_prompts(
+        self, prompts: Tensor, completions: Tensor, completion_mask: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        rows, has_hint = [], []
+        for prompt, completion, mask in zip(prompts, completions, completion_mask.bool()):
+            text = self.text(prompt)
+            hint = rules.feedback_hint(text, self.text(completion[mask]))
+            has_hint.append(hint is not None)
+            filler = "." * self.length + "|"  # context of a row without a hint (not distilled)
+            rows.append(rules.encode(rules.hint_template(text, filler if hint is None else hint)))
+        return torch.tensor(rows, dtype=torch.long), torch.tensor(has_hint, dtype=torch.bool)
 
     def reward(self, prompt: Tensor, completion: Tensor) -> float:
-        target = self.target(prompt)
-        n = min(len(target), len(completion))
-        hits = (completion[:n] == target[:n]).sum().item()
-        return float(hits) / float(len(target))
+        return rules.verify(self.text(prompt), self.text(completion))

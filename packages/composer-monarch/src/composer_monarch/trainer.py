@@ -93,7 +93,10 @@ def collate(batch: TrainBatch, pad_id: int) -> tuple[Tensor, dict[str, Tensor]]:
     }
     if batch.teacher_logits is not None:
         targets["teacher_logits"] = rows_of(batch.teacher_logits.float(), 0.0)
-        targets["sdpo_mask"] = mask & targets["policy_rows"].unsqueeze(-1)
+        distilled = targets["policy_rows"]
+        if batch.sdpo_rows is not None:  # completions without a hint are not distilled
+            distilled = distilled & torch.cat([batch.sdpo_rows.bool(), torch.zeros(extra, dtype=torch.bool)])
+        targets["sdpo_mask"] = mask & distilled.unsqueeze(-1)
     if extra:
         n = len(pairs) if pairs is not None else 0
         targets["chosen_rows"] = torch.arange(b, b + n)
@@ -138,7 +141,7 @@ class PolicyTrainer:
         logits = forward_logits(self.model, tokens)
         loss = self.loss(logits, **targets)
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward untyped
         metrics = dict(self.loss.last_result.metrics)
         if self.config.max_grad_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)

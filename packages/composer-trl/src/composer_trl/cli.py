@@ -1,7 +1,7 @@
 """``composer-train``: train with composer's 3-channel objective inside TRL, in one command.
 
 With no arguments it builds a tiny Qwen2 (random init, character tokenizer, no download) and trains it
-on the embedded digit-reversal task (:mod:`composer_trl.task`): reward from the verifier, hints from the
+on the embedded digit-reversal task (:mod:`composer_core.tasks.digit_reversal`): reward from the verifier, hints from the
 verifier's feedback (channel 2), oracle answers as teacher traces (channel 3). It shows a progress bar
 (reward and each channel's loss), writes ``metrics-composer.jsonl``, a PNG plot, ``summary.json`` and the
 trained model, and prints where they are. ``--compare`` also trains plain TRL ``GRPOTrainer`` from the
@@ -112,10 +112,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _load_model(recipe: Recipe) -> tuple[Any, Any]:
     if recipe.model is None:
-        from composer_trl.task import ALPHABET
-        from composer_trl.tiny import build_char_tokenizer, build_tiny_model
+        from composer_core.tasks.digit_reversal import ALPHABET
+        from composer_core.tasks.tiny import build_char_tokenizer, build_tiny_model
 
-        tok = build_char_tokenizer(ALPHABET)
+        tok: Any = build_char_tokenizer(ALPHABET)
         return build_tiny_model(tok, seed=recipe.seed), tok
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -132,7 +132,7 @@ def _load_dataset(recipe: Recipe, n_rows: int) -> Any:
     from datasets import Dataset, load_dataset
 
     if recipe.dataset is None:
-        from composer_trl.task import make_dataset_rows
+        from composer_core.tasks.digit_reversal import make_dataset_rows
 
         return Dataset.from_list(make_dataset_rows(n_rows, seed=recipe.seed))
     path = Path(recipe.dataset)
@@ -147,12 +147,12 @@ def _load_dataset(recipe: Recipe, n_rows: int) -> Any:
 
 def _train(recipe: Recipe, out: Path, *, composer: bool) -> tuple[Path, dict[str, Any]]:
     import torch
+    from composer_core.tasks.digit_reversal import reverse_hints, reverse_reward
     from transformers import PrinterCallback, ProgressCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from composer_trl.config import ComposerGRPOConfig
     from composer_trl.progress import MetricsJSONL, ProgressBar, read_jsonl
-    from composer_trl.task import reverse_hints, reverse_reward
     from composer_trl.trainer import ComposerGRPOTrainer
 
     name = "composer" if composer else "grpo"
@@ -173,10 +173,10 @@ def _train(recipe: Recipe, out: Path, *, composer: bool) -> tuple[Path, dict[str
     config = config_cls(**{**common, **kwargs})
     model, tok = _load_model(recipe)
     per_step = (
-        config.per_device_train_batch_size * config.gradient_accumulation_steps // config.num_generations
+        config.per_device_train_batch_size * config.gradient_accumulation_steps // config.num_generations  # type: ignore[operator]  # set by GRPOConfig.__post_init__
     )
     dataset = _load_dataset(recipe, n_rows=max(64, per_step * (recipe.steps + 1)))
-    reward = import_callable(recipe.reward, "reward") if recipe.reward else reverse_reward
+    reward: Any = import_callable(recipe.reward, "reward") if recipe.reward else reverse_reward
     extra: dict[str, Any] = {}
     if composer:
         if recipe.hint_fn:

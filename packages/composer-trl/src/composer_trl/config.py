@@ -90,7 +90,7 @@ class ComposerGRPOConfig(GRPOConfig):
     max_replay_length: int | None = field(default=None, metadata={"help": "Token cap of chosen/rejected."})
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        super().__post_init__()  # type: ignore[no-untyped-call]
         for name in ("alpha_sdpo", "beta_replay"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and 0.0 <= float(value) < float("inf")):

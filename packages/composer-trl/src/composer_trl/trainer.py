@@ -31,7 +31,7 @@ from __future__ import annotations
 import copy
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -125,6 +125,8 @@ class ComposerGRPOTrainer(GRPOTrainer):
         ValueError: at construction, for a channel whose weight is > 0 but whose inputs the dataset cannot
             provide, or a model/option combination the adapter cannot compute.
     """
+
+    model: torch.nn.Module  # Trainer.__init__ sets it; never None in a constructed trainer
 
     def __init__(self, *args: Any, hint_fn: HintFn | None = None, **kwargs: Any) -> None:
         targs = kwargs.get("args", args[2] if len(args) > 2 else None)
@@ -224,7 +226,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
                 )
 
     @staticmethod
-    def _base_model(model: torch.nn.Module) -> Any:
+    def _base_model(model: Any) -> Any:
         while hasattr(model, "module") and not hasattr(model, "get_output_embeddings"):
             model = model.module  # DDP / accelerate wrappers
         if is_peft_model(model):
@@ -232,7 +234,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
         return model
 
     def _set_signature_columns_if_needed(self) -> None:
-        super()._set_signature_columns_if_needed()
+        super()._set_signature_columns_if_needed()  # type: ignore[no-untyped-call]
         if self._signature_columns is not None:
             missing = [c for c in COMPOSER_COLUMNS if c not in self._signature_columns]
             self._signature_columns = [*self._signature_columns, *missing]
@@ -251,7 +253,8 @@ class ComposerGRPOTrainer(GRPOTrainer):
     def _completion_texts(self, output: dict[str, Any]) -> list[str]:
         ids, mask = output["completion_ids"], output["completion_mask"]
         rows = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
-        return self._tokenizer.batch_decode(rows, skip_special_tokens=True)
+        texts: list[str] = self._tokenizer.batch_decode(rows, skip_special_tokens=True)
+        return texts
 
     def _build_hints(self, inputs: list[dict[str, Any]], output: dict[str, Any]) -> dict[str, Any]:
         device = self.accelerator.device
@@ -408,6 +411,8 @@ class ComposerGRPOTrainer(GRPOTrainer):
         result = torch.zeros(len(pairs[f"{_K}has_pair"]), 2, device=self.accelerator.device)
         if rows.numel() == 0:
             return result
+        ctx: AbstractContextManager[Any]
+        model: torch.nn.Module | None
         if self._replay_ref_source == "ref_model":
             ctx, model = nullcontext(), self.ref_model
         elif self._replay_ref_source == "peft_base":
@@ -480,7 +485,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
             replay_items=inputs.get(f"{_K}replay_num_items"),
             num_processes=self.accelerator.num_processes,
             accumulation=self.current_gradient_accumulation_steps if training else 1,
-            steps_per_generation=self.args.steps_per_generation if training else 1,
+            steps_per_generation=self.args.steps_per_generation if training else 1,  # type: ignore[arg-type]  # int after GRPOConfig.__post_init__
         )
         loss, result = composer_trl_loss(
             batch, a, counts, taid_t=self._taid.t if self._taid is not None else None
@@ -556,7 +561,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
             totals = self.accelerator.reduce(
                 torch.stack([(x * mask).sum(), mask.sum().float()]), reduction="sum"
             )
-            return (totals[0] / totals[1].clamp(min=1.0)).item()
+            return float((totals[0] / totals[1].clamp(min=1.0)).item())
 
         if self.beta != 0.0:
             ref = inputs["ref_per_token_logps"]

@@ -73,7 +73,7 @@ def register() -> None:
     # register_adv_est refuses to rebind a name to a different function; the functions live in
     # normal modules, so importing this plugin twice (entry point + VERL_USE_EXTERNAL_MODULES) is fine.
     core_algos.register_adv_est(ESTIMATOR_NAME)(compute_grpo_composer_advantage)
-    core_algos.register_policy_loss(LOSS_NAME)(compute_policy_loss_composer)  # type: ignore[arg-type]
+    core_algos.register_policy_loss(LOSS_NAME)(compute_policy_loss_composer)
     REGISTERED.update(adv_estimator=ESTIMATOR_NAME, policy_loss=LOSS_NAME)
 
     # The trainer mode needs verl's v1 trainer (ray, transfer_queue, ...): register it only once

@@ -22,7 +22,6 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from composer_core.loss.validation import as_mask, check_choice, check_probability
 from composer_core.loss.distill import (
     _check_common,
     fused_linear_loss,
@@ -33,6 +32,7 @@ from composer_core.loss.distill import (
 )
 from composer_core.loss.policy import KLEstimator, LossType, RolloutCorrection, policy_loss
 from composer_core.loss.preference import DPOLossType, dpo_loss, preference_margin, simpo_loss
+from composer_core.loss.validation import as_mask, check_choice, check_probability
 from composer_core.loss.wrappers import entropy_opd_kernel, entropy_opd_loss, taid_kernel, taid_loss
 
 __all__ = ["ComposeResult", "ComposerBatch", "check_mode_options", "compose_loss"]

@@ -14,7 +14,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from composer_core.loss.validation import check_positive, check_probability
 from composer_core.loss.distill import (
     Kernel,
     Reduction,
@@ -23,6 +22,7 @@ from composer_core.loss.distill import (
     fkl_kernel_to_target,
     jsd_kernel,
 )
+from composer_core.loss.validation import check_positive, check_probability
 
 __all__ = ["TAIDScheduler", "entropy_opd_kernel", "entropy_opd_loss", "taid_kernel", "taid_loss"]
 

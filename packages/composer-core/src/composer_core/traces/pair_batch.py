@@ -20,8 +20,8 @@ import torch
 
 from .hints import tokenize_completion
 from .records import TraceRecord
-from .sdpo_batch import ModelInputs, model_inputs, pad_ids
 from .schema import message_from_dict
+from .sdpo_batch import ModelInputs, model_inputs, pad_ids
 
 __all__ = ["PairBatch", "collate_pairs", "sequence_logps"]
 

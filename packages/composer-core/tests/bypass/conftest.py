@@ -1,10 +1,16 @@
-"""Shared builders for the bypass tests (tiny models so the suite stays fast on 2 cores)."""
+"""Shared builders for the bypass tests (tiny models so the suite stays fast on 2 cores).
+
+Tests get them through the ``S`` fixture (``def test_x(S): S.teacher()``): test modules cannot import a
+conftest under ``--import-mode=importlib``, and no test edits ``sys.path``.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
 from composer_core.bypass import ReferenceConfig, ReferenceDecoder, config_from_dict
 from composer_core.bypass.config import BypassConfig
@@ -56,3 +62,17 @@ def final_blocks(exp: Path) -> dict[str, torch.Tensor]:
 def write_tokens(path: Path, ids: torch.Tensor) -> Path:
     save_file({"input_ids": ids.contiguous()}, str(path))
     return path
+
+
+@pytest.fixture(scope="session")
+def S() -> SimpleNamespace:
+    """The builders above: VOCAB, PRUNE, teacher, tokens, config, final_blocks, write_tokens."""
+    return SimpleNamespace(
+        VOCAB=VOCAB,
+        PRUNE=PRUNE,
+        teacher=teacher,
+        tokens=tokens,
+        config=config,
+        final_blocks=final_blocks,
+        write_tokens=write_tokens,
+    )

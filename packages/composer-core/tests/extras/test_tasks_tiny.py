@@ -1,0 +1,40 @@
+"""The tiny Qwen2 and character tokenizer (hf extra) agree with the task's pure-Python ids."""
+
+from __future__ import annotations
+
+import torch
+from composer_core.tasks import digit_reversal as T
+from composer_core.tasks.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model, build_tiny_qwen2
+
+
+def test_char_tokenizer_uses_the_task_ids(tmp_path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = build_char_tokenizer(T.ALPHABET)
+    assert tok.get_vocab() == T.VOCAB
+    assert (tok.pad_token_id, tok.eos_token_id, tok.bos_token_id) == (0, 1, 2)
+    assert tok.padding_side == "left"
+    text = ".8.|381>"
+    assert tok(text, add_special_tokens=True)["input_ids"] == T.encode(text)
+    completion = [*T.encode("183"), tok.eos_token_id, tok.pad_token_id]
+    assert tok.decode(completion, skip_special_tokens=True) == T.decode(completion) == "183"
+    tok.save_pretrained(tmp_path)
+    assert AutoTokenizer.from_pretrained(tmp_path)(text)["input_ids"] == T.encode(text)
+
+
+def test_tiny_model_is_seeded_and_leaves_the_global_rng_alone() -> None:
+    tok = build_char_tokenizer(T.ALPHABET)
+    torch.manual_seed(123)
+    before = torch.random.get_rng_state()
+    a = build_tiny_model(tok, seed=0)
+    assert torch.equal(torch.random.get_rng_state(), before)
+    b = build_tiny_qwen2(len(T.VOCAB), seed=0)
+    c = build_tiny_qwen2(len(T.VOCAB), seed=1)
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert not all(torch.equal(sa[k], sc[k]) for k in sa)
+    assert a.config.vocab_size == 16 and a.config.eos_token_id == 1 and a.config.pad_token_id == 0
+    eager = build_tiny_qwen2(16, TinyModelConfig(hidden_size=32, attn_implementation="eager"))
+    assert eager.config.hidden_size == 32 and eager.config._attn_implementation == "eager"
+    logits = a(input_ids=torch.tensor([T.encode("381>")])).logits
+    assert logits.shape == (1, 4, 16)
