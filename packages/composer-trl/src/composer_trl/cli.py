@@ -404,7 +404,8 @@ class Job:
         model, tok = load_model(self.recipe)
         extra: dict[str, Any] = {}
         if self.composer:
-            hint = self.hint_fn or self.hint or (reverse_hints if self.recipe.dataset is None else None)
+            auto = reverse_hints if self.recipe.dataset is None and self.config.alpha_sdpo > 0 else None
+            hint = self.hint_fn or self.hint or auto
             if hint is not None:
                 extra["hint_fn"] = hint
         cls = self.trainer_cls or (ComposerGRPOTrainer if self.composer else GRPOTrainer)
