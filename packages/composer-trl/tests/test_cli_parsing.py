@@ -16,8 +16,22 @@ def _config(argv, tmp_path):
 
 def test_every_config_field_is_a_flag_and_strings_are_typed(tmp_path):
     inv, c = _config(
-        ["--alpha_sdpo", "0.5", "--learning_rate", "1e-6", "--sdpo_wrapper", "taid", "--beta", "0.02",
-         "--save_steps", "5", "--max_steps", "7", "--seed", "3"],
+        [
+            "--alpha_sdpo",
+            "0.5",
+            "--learning_rate",
+            "1e-6",
+            "--sdpo_wrapper",
+            "taid",
+            "--beta",
+            "0.02",
+            "--save_steps",
+            "5",
+            "--max_steps",
+            "7",
+            "--seed",
+            "3",
+        ],
         tmp_path,
     )
     assert c.alpha_sdpo == 0.5 and c.learning_rate == 1e-6 and c.sdpo_wrapper == "taid" and c.beta == 0.02
@@ -27,21 +41,26 @@ def test_every_config_field_is_a_flag_and_strings_are_typed(tmp_path):
 
 
 def test_legacy_flags_still_work(tmp_path):
-    inv = parse(["--model", "org/name", "--steps", "9", "--output-dir", str(tmp_path), "--no-plot",
-                 "--threads", "2"])
+    inv = parse(
+        ["--model", "org/name", "--steps", "9", "--output-dir", str(tmp_path), "--no-plot", "--threads", "2"]
+    )
     assert inv.recipe.model == "org/name" and inv.recipe.steps == 9 and not inv.plot and inv.threads == 2
     assert inv.recipe.output_dir == str(tmp_path)
 
 
 def test_several_reward_funcs_and_resume(tmp_path):
-    inv = parse(["--reward_funcs", "a.b:f", "c.d:g", "--resume_from_checkpoint", "last", "--dataset_name", "x.csv"])
+    inv = parse(
+        ["--reward_funcs", "a.b:f", "c.d:g", "--resume_from_checkpoint", "last", "--dataset_name", "x.csv"]
+    )
     assert inv.recipe.reward == ["a.b:f", "c.d:g"] and inv.resume == "last" and inv.recipe.dataset == "x.csv"
 
 
 def test_flat_trl_yaml_config_and_cli_override(tmp_path):
     y = tmp_path / "grpo.yaml"
-    y.write_text("model_name_or_path: org/m\nlearning_rate: 3.0e-6\nalpha_sdpo: 0.25\nmax_steps: 11\n"
-                 "env:\n  FOO: bar\n")
+    y.write_text(
+        "model_name_or_path: org/m\nlearning_rate: 3.0e-6\nalpha_sdpo: 0.25\nmax_steps: 11\n"
+        "env:\n  FOO: bar\n"
+    )
     inv, c = _config(["--config", str(y), "--alpha_sdpo", "0.75"], tmp_path)
     assert inv.recipe.model == "org/m" and inv.recipe.steps == 11
     assert c.learning_rate == 3.0e-6 and c.alpha_sdpo == 0.75  # the command line wins over the file
@@ -50,7 +69,7 @@ def test_flat_trl_yaml_config_and_cli_override(tmp_path):
 
 def test_composer_recipe_toml_still_works(tmp_path):
     t = tmp_path / "r.toml"
-    t.write_text('steps = 5\nseed = 2\n[trainer]\nalpha_sdpo = 0.5\n')
+    t.write_text("steps = 5\nseed = 2\n[trainer]\nalpha_sdpo = 0.5\n")
     inv, c = _config(["--config", str(t)], tmp_path)
     assert inv.recipe.steps == 5 and inv.recipe.seed == 2 and c.alpha_sdpo == 0.5
 
@@ -88,8 +107,9 @@ def test_local_dataset_formats_are_loaded(tmp_path):
     rows = make_dataset_rows(6, seed=0)
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "d.json").write_text(json.dumps(rows))
-    (tmp_path / "d.csv").write_text("prompt,chosen,rejected\n" + "".join(
-        f"{r['prompt']},{r['chosen']},{r['rejected']}\n" for r in rows))
+    (tmp_path / "d.csv").write_text(
+        "prompt,chosen,rejected\n" + "".join(f"{r['prompt']},{r['chosen']},{r['rejected']}\n" for r in rows)
+    )
     import pyarrow as pa
     import pyarrow.parquet as pq
 

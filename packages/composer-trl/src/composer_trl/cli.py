@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from composer_trl.lifecycle import (
-    EXIT_OK,
     DataError,
     UsageError,
     checkpoint_step,
@@ -167,7 +166,9 @@ def quiet_third_party_warnings() -> None:
     import transformers
 
     datasets.utils.logging.set_verbosity_error()
-    datasets.utils.logging.get_logger().setLevel(60)  # unreadable files: composer-train reports them in one line
+    datasets.utils.logging.get_logger().setLevel(
+        60
+    )  # unreadable files: composer-train reports them in one line
     datasets.disable_progress_bars()  # "Generating train split" bars: composer-train shows its own bar
     transformers.utils.logging.disable_progress_bar()  # "Writing model shards" bars at every save
 
@@ -187,7 +188,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         threads = inv.threads if inv.threads is not None else (1 if inv.recipe.model is None else None)
         if threads is not None:
-            torch.set_num_threads(threads)  # the tiny model runs ~10x faster on one thread than on contended cores
+            torch.set_num_threads(
+                threads
+            )  # the tiny model runs ~10x faster on one thread than on contended cores
         if inv.compare:
             from composer_trl.compare import run_comparison
 
@@ -300,7 +303,7 @@ def load_dataset_checked(recipe: Recipe, *, need: int, n_rows: int) -> Any:
         _check_jsonl(path, flag)
     try:
         ds = load_dataset(DATA_KINDS[path.suffix.lower()], data_files=str(path), split="train")
-    except Exception as e:  # noqa: BLE001 - datasets raises many kinds; all mean "unreadable file"
+    except Exception as e:  # datasets raises many kinds; all mean "unreadable file"
         root = e.__cause__ or e.__context__ or e
         first = str(root).strip().splitlines()[0] if str(root).strip() else type(root).__name__
         raise DataError(f"{flag} could not be read ({type(e).__name__}: {first}).") from e
@@ -381,7 +384,9 @@ class Job:
         """Load and check the dataset (and the reward/hint callables) before anything is written."""
         c = self.config
         need = int(c.generation_batch_size) // int(c.num_generations)
-        self.dataset = load_dataset_checked(self.recipe, need=need, n_rows=max(64, need * (self.recipe.steps + 1)))
+        self.dataset = load_dataset_checked(
+            self.recipe, need=need, n_rows=max(64, need * (self.recipe.steps + 1))
+        )
         try:
             self.rewards = [import_callable(r, "reward_funcs") for r in (self.recipe.reward or [])]
             self.hint = import_callable(self.recipe.hint_fn, "hint_fn") if self.recipe.hint_fn else None

@@ -165,8 +165,10 @@ def run_comparison(inv: Any) -> int:
 
     recipe = inv.recipe
     if recipe.model is not None or recipe.dataset is not None:
-        raise UsageError("--compare runs on the embedded task with the tiny model; drop --model_name_or_path/"
-                         "--dataset_name.")
+        raise UsageError(
+            "--compare runs on the embedded task with the tiny model; drop --model_name_or_path/"
+            "--dataset_name."
+        )
     if inv.resume:
         raise UsageError("--compare cannot --resume_from_checkpoint; rerun it (each run takes minutes).")
     if inv.quick:
@@ -181,9 +183,15 @@ def run_comparison(inv: Any) -> int:
         for spec in RUNS:
             r = _seeded(recipe, seed)
             _, tok = load_model(r)
-            job = Job(r, out / f"seed-{seed}", name=spec.name.replace(" ", "-").replace("+", "-"),
-                      composer=spec.composer, trainer_overrides=spec.overrides,
-                      trainer_cls=GRPOPlusSFTTrainer if spec.sft else None, save_model=False)
+            job = Job(
+                r,
+                out / f"seed-{seed}",
+                name=spec.name.replace(" ", "-").replace("+", "-"),
+                composer=spec.composer,
+                trainer_overrides=spec.overrides,
+                trainer_cls=GRPOPlusSFTTrainer if spec.sft else None,
+                save_model=False,
+            )
             c = job.config
             need = int(c.generation_batch_size) // int(c.num_generations)
             train_rows, held = split_rows(seed, max(64, need * (r.steps + 1)), held_n)
@@ -196,8 +204,9 @@ def run_comparison(inv: Any) -> int:
             from composer_trl.progress import read_jsonl
 
             curve = [(row["step"], row.get("reward")) for row in read_jsonl(res["metrics"])]
-            results[spec.name].append({"seed": seed, "seconds": res["seconds"], "train_reward": curve,
-                                       "held_out": ev.rows})
+            results[spec.name].append(
+                {"seed": seed, "seconds": res["seconds"], "train_reward": curve, "held_out": ev.rows}
+            )
     wall = time.perf_counter() - start
     report = _report(results, recipe, inv, held_n, wall)
     (out / "comparison.json").write_text(dumps(report, indent=2))
@@ -223,11 +232,16 @@ def _stats(values: list[float]) -> dict[str, float]:
     vals = [v for v in values if v is not None and math.isfinite(v)]
     if not vals:
         return {"mean": float("nan"), "std": float("nan"), "n": 0}
-    return {"mean": statistics.fmean(vals), "std": statistics.stdev(vals) if len(vals) > 1 else 0.0,
-            "n": len(vals)}
+    return {
+        "mean": statistics.fmean(vals),
+        "std": statistics.stdev(vals) if len(vals) > 1 else 0.0,
+        "n": len(vals),
+    }
 
 
-def _report(results: dict[str, list[dict[str, Any]]], recipe: Any, inv: Any, held_n: int, wall: float) -> dict[str, Any]:
+def _report(
+    results: dict[str, list[dict[str, Any]]], recipe: Any, inv: Any, held_n: int, wall: float
+) -> dict[str, Any]:
     runs = {}
     for spec in RUNS:
         per_seed = results[spec.name]
@@ -264,8 +278,10 @@ def _machine() -> str:
     import torch
 
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return (f"{platform.machine()} {os.cpu_count()} CPU cores, torch threads {torch.get_num_threads()}, "
-            f"load average {load:.1f} at the end")
+    return (
+        f"{platform.machine()} {os.cpu_count()} CPU cores, torch threads {torch.get_num_threads()}, "
+        f"load average {load:.1f} at the end"
+    )
 
 
 def table(report: dict[str, Any]) -> str:
@@ -279,8 +295,10 @@ def table(report: dict[str, Any]) -> str:
         "|---|---|---|---|---|",
     ]
     for name, r in report["runs"].items():
-        cells = [f"{r[k]['mean']:.3f} ± {r[k]['std']:.3f}" for k in
-                 ("final_exact_match", "final_partial_credit", "train_reward_last10pct")]
+        cells = [
+            f"{r[k]['mean']:.3f} ± {r[k]['std']:.3f}"
+            for k in ("final_exact_match", "final_partial_credit", "train_reward_last10pct")
+        ]
         lines.append(f"| {name} | {r['sees_oracle_answers']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

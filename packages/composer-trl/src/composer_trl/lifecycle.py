@@ -34,7 +34,15 @@ EXIT_SIGINT = 130
 EXIT_SIGTERM = 143
 
 COMPOSER_STATE = "composer_state.json"
-OWNED_OUTPUTS = ("metrics-*.jsonl", "metrics.png", "summary.json", "model", "trainer-*", "comparison*", "seed-*")
+OWNED_OUTPUTS = (
+    "metrics-*.jsonl",
+    "metrics.png",
+    "summary.json",
+    "model",
+    "trainer-*",
+    "comparison*",
+    "seed-*",
+)
 """What ``composer-train`` writes into its output directory (``--overwrite_output_dir`` removes only these)."""
 
 
@@ -136,8 +144,10 @@ class ComposerState(TrainerCallback):
             return
         path = self.resume_from / COMPOSER_STATE
         if not path.is_file():
-            raise UsageError(f"checkpoint {str(self.resume_from)!r} has no {COMPOSER_STATE}; it was not written "
-                             "by composer-train, so composer's state (TAID) cannot be restored.")
+            raise UsageError(
+                f"checkpoint {str(self.resume_from)!r} has no {COMPOSER_STATE}; it was not written "
+                "by composer-train, so composer's state (TAID) cannot be restored."
+            )
         saved = json.loads(path.read_text())
         taid = self._taid()
         if taid is not None:
