@@ -25,6 +25,8 @@ def test_every_config_field_is_a_flag_and_strings_are_typed(tmp_path):
             "taid",
             "--beta",
             "0.02",
+            "--use_bias_correction_kl",
+            "false",
             "--save_steps",
             "5",
             "--max_steps",
@@ -35,6 +37,8 @@ def test_every_config_field_is_a_flag_and_strings_are_typed(tmp_path):
         tmp_path,
     )
     assert c.alpha_sdpo == 0.5 and c.learning_rate == 1e-6 and c.sdpo_wrapper == "taid" and c.beta == 0.02
+    assert c.use_bias_correction_kl is False
+    assert c.use_bias_correction_kl is False
     assert c.save_steps == 5 and c.save_strategy == "steps" and c.max_steps == 7 and c.seed == 3
     assert c.per_device_train_batch_size == 32  # tiny-model default kept where no flag was given
     assert inv.recipe.steps == 7 and inv.recipe.seed == 3

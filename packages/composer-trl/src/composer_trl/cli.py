@@ -76,11 +76,12 @@ def build_parser() -> Any:
     from composer_trl.args import ComposerScriptArguments
     from composer_trl.config import ComposerGRPOConfig
 
-    class _Parser(HfArgumentParser):  # type: ignore[misc]
+    class _Parser(HfArgumentParser):
         def error(self, message: str) -> NoReturn:
             raise UsageError(message)
 
-    p = _Parser((ComposerScriptArguments, ComposerGRPOConfig), prog="composer-train")
+    types: Any = (ComposerScriptArguments, ComposerGRPOConfig)
+    p = _Parser(types, prog="composer-train", allow_abbrev=False)  # a typo never matches a prefix
     p.description = "Train with composer's objective (GRPO + hinted self-distillation + trace replay) in TRL."
     return p
 
@@ -170,7 +171,8 @@ def quiet_third_party_warnings() -> None:
         60
     )  # unreadable files: composer-train reports them in one line
     datasets.disable_progress_bars()  # "Generating train split" bars: composer-train shows its own bar
-    transformers.utils.logging.disable_progress_bar()  # "Writing model shards" bars at every save
+    # "Writing model shards" bars at every save
+    transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -414,9 +416,10 @@ class Job:
             if hint is not None:
                 extra["hint_fn"] = hint
         cls = self.trainer_cls or (ComposerGRPOTrainer if self.composer else GRPOTrainer)
+        rewards: list[Any] = list(self.rewards) or [reverse_reward]
         trainer = cls(
             model=model,
-            reward_funcs=self.rewards or [reverse_reward],
+            reward_funcs=rewards,
             args=self.config,
             train_dataset=self.dataset,
             processing_class=tok,

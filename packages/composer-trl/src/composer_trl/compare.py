@@ -67,14 +67,14 @@ EVAL_POINTS = 4
 QUICK = {"steps": 4, "per_device_train_batch_size": 8, "held_out": 8}
 
 
-class GRPOPlusSFTTrainer(GRPOTrainer):  # type: ignore[misc]
+class GRPOPlusSFTTrainer(GRPOTrainer):
     """Plain GRPO plus ``SFT_WEIGHT`` x mean token NLL of the row's ``chosen`` answer given its prompt."""
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         import torch
 
         out = super()._generate_and_score_completions(inputs)
-        tok = self.processing_class
+        tok: Any = self.processing_class
         device = out["prompt_ids"].device
         seqs, targets = [], []
         for row in inputs:
