@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from composer_trl.cli import Job, main, parse
@@ -59,15 +60,18 @@ def test_several_reward_funcs_and_resume(tmp_path):
     assert inv.recipe.reward == ["a.b:f", "c.d:g"] and inv.resume == "last" and inv.recipe.dataset == "x.csv"
 
 
-def test_flat_trl_yaml_config_and_cli_override(tmp_path):
+def test_flat_trl_yaml_config_and_cli_override(tmp_path, monkeypatch):
+    monkeypatch.delenv("COMPOSER_TEST_FOO", raising=False)
     y = tmp_path / "grpo.yaml"
     y.write_text(
-        "model_name_or_path: org/m\nlearning_rate: 3.0e-6\nalpha_sdpo: 0.25\nmax_steps: 11\n"
-        "env:\n  FOO: bar\n"
+        "model_name_or_path: org/m\nlearning_rate: 1e-6\nalpha_sdpo: 0.25\nmax_steps: 11\nenv:\n  COMPOSER_TEST_FOO: bar\n"
     )
     inv, c = _config(["--config", str(y), "--alpha_sdpo", "0.75"], tmp_path)
     assert inv.recipe.model == "org/m" and inv.recipe.steps == 11
-    assert c.learning_rate == 3.0e-6 and c.alpha_sdpo == 0.75  # the command line wins over the file
+    assert os.environ["COMPOSER_TEST_FOO"] == "bar"  # TrlParser's env: block
+    assert (
+        c.learning_rate == 1e-6
+    )  # YAML reads 1e-6 as a string; typed like the flag and c.alpha_sdpo == 0.75  # the command line wins over the file
     assert c.per_device_train_batch_size == 8  # real-model defaults (model_name_or_path given)
 
 

@@ -120,9 +120,23 @@ def parse(argv: Sequence[str]) -> Invocation:
             key = FILE_ALIASES.get(key, key)
             if key not in valid or key == "config":
                 raise UsageError(f"--config {ns.config}: unknown field {key!r}{_closest(key, valid)}")
-            values[key] = value
+            values[key] = _typed(parser, key, value, ns.config)
     values.update({k: getattr(ns, k) for k in _explicit(argv, parser)})
     return _invocation(values)
+
+
+def _typed(parser: Any, dest: str, value: Any, source: str) -> Any:
+    """A config-file string converted as the flag would convert it (YAML reads ``1e-6`` as a string)."""
+    action = next(a for a in parser._actions if a.dest == dest)
+    convert = action.type
+    if not isinstance(value, str) or convert in (None, str):
+        return value
+    try:
+        return convert(value)
+    except (TypeError, ValueError) as e:
+        raise UsageError(
+            f"--config {source}: `{dest}`={value!r} is not a valid {getattr(convert, '__name__', convert)}."
+        ) from e
 
 
 def _invocation(values: dict[str, Any]) -> Invocation:

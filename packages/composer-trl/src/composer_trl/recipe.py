@@ -22,6 +22,7 @@ Unknown keys raise ``ValueError`` naming them (a typo never silently falls back 
 from __future__ import annotations
 
 import importlib
+import os
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -97,7 +98,11 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     trainer = data.pop("trainer", {})
     if not isinstance(trainer, dict):
         raise ValueError(f"{path}: `trainer` must be a table of ComposerGRPOConfig fields.")
-    data.pop("env", None)  # TrlParser's `env:` block: set before parsing by TRL; not a training field
+    env = data.pop("env", None)  # TrlParser's `env:` block: environment variables, set as TRL sets them
+    if env is not None:
+        if not isinstance(env, dict):
+            raise ValueError(f"{path}: `env` must be a mapping of environment variables.")
+        os.environ.update({str(k): str(v) for k, v in env.items()})
     clash = set(data) & set(trainer)
     if clash:
         raise ValueError(f"{path}: {sorted(clash)} set both at top level and in [trainer]; keep one.")
