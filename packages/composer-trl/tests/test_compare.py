@@ -49,3 +49,56 @@ def test_compare_quick_writes_json_table_plot_and_fills_readme(tmp_path, capsys)
     assert "old 0.24" not in text and md in text and text.endswith("rest\n")
     c = report["runs"]["composer"]["final_partial_credit"]
     assert f"{c['mean']:.3f} ± {c['std']:.3f}" in text
+
+
+def test_grpo_plus_sft_adds_exactly_the_answer_nll(tmp_path):
+    """Constant reward (zero advantages, beta=0): GRPO's loss is 0, so the logged loss is the SFT term alone,
+    equal to the mean token NLL of `chosen`+EOS after the prompt under the (lr=0, unchanged) initial model."""
+    import torch
+    import torch.nn.functional as F
+    from composer_core.tasks.digit_reversal import ALPHABET
+    from composer_core.tasks.tiny import build_char_tokenizer, build_tiny_model
+    from composer_trl.compare import GRPOPlusSFTTrainer
+    from datasets import Dataset
+    from trl import GRPOConfig
+
+    tok = build_char_tokenizer(ALPHABET)
+    model = build_tiny_model(tok, seed=0)
+    row = {"prompt": "381>", "chosen": "183"}
+    p = tok(row["prompt"], add_special_tokens=False)["input_ids"]
+    c = [*tok(row["chosen"], add_special_tokens=False)["input_ids"], tok.eos_token_id]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([p + c])).logits[0, :-1].double()
+    nll = F.cross_entropy(logits, torch.tensor((p + c)[1:]), reduction="none")[len(p) - 1 :]
+    expected = float(nll.mean())
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        max_steps=1,
+        learning_rate=0.0,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=3,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        beta=0.0,
+    )
+    logs = []
+
+    class Keep(__import__("transformers").TrainerCallback):
+        def on_log(self, args, state, control, logs_=None, **kw):
+            logs.append(kw.get("logs") or logs_)
+
+    trainer = GRPOPlusSFTTrainer(
+        model=model,
+        reward_funcs=[lambda completions, **kw: [0.25] * len(completions)],
+        args=args,
+        train_dataset=Dataset.from_list([row] * 16),
+        processing_class=tok,
+        callbacks=[Keep()],
+    )
+    trainer.train()
+    step = next(entry for entry in logs if entry and "sft/nll" in entry)
+    assert step["sft/nll"] == pytest.approx(expected, rel=1e-5)
+    assert step["loss"] == pytest.approx(expected, rel=1e-4)
