@@ -228,7 +228,8 @@ def bench(session: nox.Session, package: str) -> None:
 @nox.session(tags=["ci"])
 def demo(session: nox.Session) -> None:
     """The main job (README's first command): `composer-train` trains a tiny Qwen2 with the 3-channel
-    objective inside TRL on an embedded verifiable task; `nox -s demo -- --compare` adds GRPO alone."""
+    objective inside TRL on an embedded verifiable task; `nox -s demo -- --compare` runs the fair
+    comparison (GRPO, GRPO + SFT on the oracle answers, composer, each channel; 3 seeds; held-out eval)."""
     _install_package(session, "trl", extra="plot")
     session.run("composer-train", *session.posargs)
 

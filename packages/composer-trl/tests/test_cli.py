@@ -30,11 +30,11 @@ def test_main_job_runs_composer_core_task_and_tiny_model():
     assert verify("121>", wrong_solution("121>")) < 1.0
 
 
-def test_composer_train_compare_writes_metrics_plot_and_model(tmp_path, capsys):
+def test_composer_train_writes_metrics_plot_summary_and_model(tmp_path, capsys):
     out = tmp_path / "run"
-    assert main(["--steps", "4", "--compare", "--output-dir", str(out)]) == 0
+    assert main(["--steps", "4", "--output-dir", str(out)]) == 0  # the pre-TRL-parser flags still work
     printed = capsys.readouterr().out
-    for name in ("metrics-composer.jsonl", "metrics-grpo.jsonl", "metrics.png", "summary.json"):
+    for name in ("metrics-composer.jsonl", "metrics.png", "summary.json"):
         assert (out / name).is_file()
         assert str((out / name).resolve()) in printed
     assert (out / "model" / "config.json").is_file()
@@ -43,11 +43,8 @@ def test_composer_train_compare_writes_metrics_plot_and_model(tmp_path, capsys):
     for r in rows:
         assert {"reward", "composer/policy", "composer/sdpo", "composer/replay"} <= set(r)
         assert r["composer/replay"] > 0
-    grpo = read_jsonl(out / "metrics-grpo.jsonl")
-    assert len(grpo) == 4 and all("composer/sdpo" not in r for r in grpo)
-    assert rows[0]["reward"] == grpo[0]["reward"]  # same seed, same first generation
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["steps"] == 4 and "composer" in summary and "grpo" in summary
+    assert summary["steps"] == 4 and summary["status"] == "finished" and "composer" in summary
     assert (out / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -115,7 +112,7 @@ def test_recipe_dataset_reward_and_hint_fn_are_used(tmp_path, model_dir, monkeyp
     assert recipe_fns_for_test.HINT_CALLS
 
 
-def test_recipe_dataset_errors_name_the_key(tmp_path, model_dir):
+def test_recipe_dataset_errors_name_the_key(tmp_path, model_dir, capsys):
     bad = tmp_path / "no_prompt.jsonl"
     bad.write_text('{"text": "1>"}\n')
     for dataset, match in (
@@ -124,7 +121,7 @@ def test_recipe_dataset_errors_name_the_key(tmp_path, model_dir):
     ):
         recipe = tmp_path / "r.toml"
         recipe.write_text(
-            f'model = "{model_dir}"\ndataset = "{dataset}"\nsteps = 1\noutput_dir = "{tmp_path}"\n'
+            f'model = "{model_dir}"\ndataset = "{dataset}"\nsteps = 1\noutput_dir = "{tmp_path / "o"}"\n'
         )
-        with pytest.raises(ValueError, match=match):
-            main(["--config", str(recipe), "--no-plot"])
+        assert main(["--config", str(recipe), "--no-plot"]) == 3
+        assert match in capsys.readouterr().err

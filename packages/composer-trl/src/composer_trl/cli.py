@@ -4,113 +4,267 @@ With no arguments it builds a tiny Qwen2 (random init, character tokenizer, no d
 on the embedded digit-reversal task (:mod:`composer_core.tasks.digit_reversal`): reward from the verifier, hints from the
 verifier's feedback (channel 2), oracle answers as teacher traces (channel 3). It shows a progress bar
 (reward and each channel's loss), writes ``metrics-composer.jsonl``, a PNG plot, ``summary.json`` and the
-trained model, and prints where they are. ``--compare`` also trains plain TRL ``GRPOTrainer`` from the
-same seed and plots both reward curves.
+trained model, and prints where they are. ``--compare`` runs the fair comparison of :mod:`composer_trl.compare`.
 
-``--model`` (local directory or hub id) and ``--config`` (TOML/YAML recipe, see
-:mod:`composer_trl.recipe`) make the same command train real models on real data.
+Arguments follow TRL's conventions: ``transformers.HfArgumentParser`` over
+:class:`~composer_trl.args.ComposerScriptArguments` and :class:`~composer_trl.ComposerGRPOConfig`, so every
+config field is a flag (``--alpha_sdpo 0.5 --learning_rate 1e-6``) and ``--config`` takes the flat YAML
+``trl grpo --config`` takes (or composer's TOML/YAML recipe with a ``[trainer]`` table). Values given on
+the command line win over the file, which wins over the defaults of :mod:`composer_trl.recipe`.
+Exit codes: see :mod:`composer_trl.lifecycle`.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
+import difflib
 import os
 import sys
 import time
+import warnings
 from collections.abc import Sequence
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-from composer_trl.recipe import Recipe, import_callable, load_recipe
+from composer_trl.lifecycle import (
+    DataError,
+    UsageError,
+    checkpoint_step,
+    dumps,
+    prepare_output_dir,
+    resolve_checkpoint,
+)
+from composer_trl.recipe import Recipe, import_callable, read_config_file
+
+SCRIPT_TO_RECIPE = {
+    "model_name_or_path": "model",
+    "dataset_name": "dataset",
+    "reward_funcs": "reward",
+    "hint_fn": "hint_fn",
+    "steps": "steps",
+    "max_steps": "steps",
+    "seed": "seed",
+    "output_dir": "output_dir",
+    "trust_remote_code": "trust_remote_code",
+}
+"""Flags that fill a :class:`Recipe` field (the rest of the config fields go to its ``trainer`` table)."""
+
+FILE_ALIASES = {"model": "model_name_or_path", "dataset": "dataset_name", "reward": "reward_funcs"}
+"""composer's recipe keys → the TRL flag they mean (both spellings work in a config file)."""
+
+RUN_ONLY = {"config", "compare", "seeds", "quick", "no_plot", "threads", "overwrite_output_dir"}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="composer-train",
-        description="Train with composer's objective (GRPO + hinted self-distillation + trace replay) in TRL.",
-    )
-    p.add_argument(
-        "--model", help="local model directory or hub id (default: a tiny Qwen2 built from config)"
-    )
-    p.add_argument(
-        "--config", help="TOML or YAML recipe (keys: model, dataset, reward, hint_fn, steps, [trainer])"
-    )
-    p.add_argument("--compare", action="store_true", help="also train plain GRPO (same seed) and plot both")
-    p.add_argument("--steps", type=int, help="optimiser steps (default 300)")
-    p.add_argument("--seed", type=int, help="random seed (default 0)")
-    p.add_argument("--output-dir", help="where metrics, plot and model go (default runs/composer-train)")
-    p.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
-    p.add_argument(
-        "--threads", type=int, help="torch CPU threads (default: 1 for the tiny model, else torch's)"
-    )
-    p.add_argument("--trust-remote-code", action="store_true", help="allow custom model code from --model")
+@dataclass
+class Invocation:
+    """One parsed command line: the recipe plus what only this invocation decides."""
+
+    recipe: Recipe
+    resume: str | None
+    overwrite: bool
+    compare: bool
+    seeds: int
+    quick: bool
+    plot: bool
+    threads: int | None
+
+
+def build_parser() -> Any:
+    """HfArgumentParser over the script arguments and ComposerGRPOConfig; errors raise :class:`UsageError`."""
+    from transformers import HfArgumentParser
+
+    from composer_trl.args import ComposerScriptArguments
+    from composer_trl.config import ComposerGRPOConfig
+
+    class _Parser(HfArgumentParser):
+        def error(self, message: str) -> NoReturn:
+            raise UsageError(message)
+
+    types: Any = (ComposerScriptArguments, ComposerGRPOConfig)
+    p = _Parser(types, prog="composer-train", allow_abbrev=False)  # a typo never matches a prefix
+    p.description = "Train with composer's objective (GRPO + hinted self-distillation + trace replay) in TRL."
     return p
 
 
+def _closest(name: str, valid: Sequence[str]) -> str:
+    near = difflib.get_close_matches(name, valid, n=3, cutoff=0.6)
+    return f"; did you mean {', '.join('--' + n for n in near)}?" if near else "; see composer-train --help."
+
+
+def _explicit(argv: Sequence[str], parser: Any) -> list[str]:
+    """The destinations the command line set (so defaults never override the config file)."""
+    out = []
+    for tok in argv:
+        if tok.startswith("--"):
+            action = parser._option_string_actions.get(tok.split("=", 1)[0])
+            if action is not None and action.dest != "help":
+                out.append(action.dest)
+    return out
+
+
+def parse(argv: Sequence[str]) -> Invocation:
+    """Command line (+ ``--config`` file) → :class:`Invocation`; every mistake is one :class:`UsageError`."""
+    parser = build_parser()
+    valid = sorted(a.dest for a in parser._actions if a.dest != "help")
+    ns, rest = parser.parse_known_args(list(argv))
+    if rest:
+        bad = rest[0].split("=", 1)[0]
+        raise UsageError(f"unknown argument {bad}{_closest(bad.lstrip('-').replace('-', '_'), valid)}")
+    values: dict[str, Any] = {}
+    if ns.config:
+        try:
+            file_values = read_config_file(ns.config)
+        except (ValueError, ImportError) as e:
+            raise UsageError(str(e)) from e
+        for key, value in file_values.items():
+            key = FILE_ALIASES.get(key, key)
+            if key not in valid or key == "config":
+                raise UsageError(f"--config {ns.config}: unknown field {key!r}{_closest(key, valid)}")
+            values[key] = _typed(parser, key, value, ns.config)
+    values.update({k: getattr(ns, k) for k in _explicit(argv, parser)})
+    return _invocation(values)
+
+
+def _typed(parser: Any, dest: str, value: Any, source: str) -> Any:
+    """A config-file string converted as the flag would convert it (YAML reads ``1e-6`` as a string)."""
+    action = next(a for a in parser._actions if a.dest == dest)
+    convert = action.type
+    if not isinstance(value, str) or convert in (None, str):
+        return value
+    try:
+        return convert(value)
+    except (TypeError, ValueError) as e:
+        raise UsageError(
+            f"--config {source}: `{dest}`={value!r} is not a valid {getattr(convert, '__name__', convert)}."
+        ) from e
+
+
+def _invocation(values: dict[str, Any]) -> Invocation:
+    recipe = Recipe()
+    run = {k: values.pop(k) for k in list(values) if k in RUN_ONLY}
+    resume = values.pop("resume_from_checkpoint", None)
+    for key, value in values.items():
+        if key in SCRIPT_TO_RECIPE:
+            setattr(recipe, SCRIPT_TO_RECIPE[key], value)
+        else:
+            recipe.trainer[key] = value
+    if isinstance(recipe.reward, str):
+        recipe.reward = [recipe.reward]
+    if not isinstance(recipe.steps, int) or isinstance(recipe.steps, bool) or recipe.steps < 1:
+        raise UsageError(f"--max_steps (or --steps) must be an int >= 1, got {recipe.steps!r}.")
+    if not isinstance(recipe.seed, int):
+        raise UsageError(f"--seed must be an int, got {recipe.seed!r}.")
+    if "save_steps" in recipe.trainer:
+        recipe.trainer.setdefault("save_strategy", "steps")
+    seeds = int(run.get("seeds", 3))
+    if seeds < 1:
+        raise UsageError(f"--seeds must be >= 1, got {seeds}.")
+    return Invocation(
+        recipe=recipe,
+        resume=str(resume) if resume else None,
+        overwrite=bool(run.get("overwrite_output_dir", False)),
+        compare=bool(run.get("compare", False)),
+        seeds=seeds,
+        quick=bool(run.get("quick", False)),
+        plot=not run.get("no_plot", False),
+        threads=run.get("threads"),
+    )
+
+
+def quiet_third_party_warnings() -> None:
+    """CLI only: hide deprecation warnings of transformers/trl/torch/datasets that users cannot act on."""
+    for category in (FutureWarning, DeprecationWarning, UserWarning):
+        for module in ("transformers", "trl", "torch", "datasets", "accelerate", "peft"):
+            warnings.filterwarnings("ignore", category=category, module=module + r"(\.|$)")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    import datasets
+    import transformers
+
+    datasets.utils.logging.set_verbosity_error()
+    datasets.utils.logging.get_logger().setLevel(
+        60
+    )  # unreadable files: composer-train reports them in one line
+    datasets.disable_progress_bars()  # "Generating train split" bars: composer-train shows its own bar
+    # "Writing model shards" bars at every save
+    transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    recipe = load_recipe(args.config) if args.config else Recipe()
-    for name in ("model", "steps", "seed", "output_dir"):
-        value = getattr(args, name)
-        if value is not None:
-            setattr(recipe, name, value)
-    recipe.trust_remote_code = recipe.trust_remote_code or args.trust_remote_code
-    if recipe.steps < 1:
-        raise SystemExit("composer-train: --steps must be >= 1")
-    if not args.no_plot:
-        from composer_trl.plot import _require_matplotlib
+    quiet_third_party_warnings()
+    try:
+        inv = parse(sys.argv[1:] if argv is None else argv)
+        if inv.plot:
+            from composer_trl.plot import _require_matplotlib
 
-        _require_matplotlib()  # fail before training, not after
+            try:
+                _require_matplotlib()  # fail before training, not after
+            except ImportError as e:
+                raise UsageError(f"{e} (or pass --no_plot)") from e
+        import torch
 
-    import torch
+        threads = inv.threads if inv.threads is not None else (1 if inv.recipe.model is None else None)
+        if threads is not None:
+            torch.set_num_threads(
+                threads
+            )  # the tiny model runs ~10x faster on one thread than on contended cores
+        if inv.compare:
+            from composer_trl.compare import run_comparison
 
-    threads = args.threads if args.threads is not None else (1 if recipe.model is None else None)
-    if threads is not None:
-        torch.set_num_threads(
-            threads
-        )  # the tiny model runs ~10x faster on one thread than on contended cores
+            return run_comparison(inv)
+        return train_once(inv)
+    except UsageError as e:
+        print(f"composer-train: error: {e}", file=sys.stderr)
+        return e.exit_code
 
+
+def train_once(inv: Invocation) -> int:
+    """The single run: check everything, train (resumable, interruptible), save, summarise."""
+    recipe = inv.recipe
     out = Path(recipe.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    runs: dict[str, Path] = {}
+    job = Job(recipe, out, name="composer", composer=True)
+    job.check()  # dataset and model problems surface here, before anything is written
+    prepare_output_dir(out, overwrite=inv.overwrite, resume=inv.resume is not None)
+    result = job.run(resume=inv.resume)
     summary: dict[str, Any] = {
+        "status": "interrupted" if result["signal"] else "finished",
         "steps": recipe.steps,
         "seed": recipe.seed,
         "model": recipe.model or "tiny-qwen2",
+        "composer": result,
     }
-    runs["composer"], summary["composer"] = _train(recipe, out, composer=True)
-    if args.compare:
-        runs["GRPO alone"], summary["grpo"] = _train(recipe, out, composer=False)
-
-    from composer_trl.progress import read_jsonl
-
     plot_path = None
-    if not args.no_plot:
+    if inv.plot and Path(result["metrics"]).is_file():
         from composer_trl.plot import plot_runs
+        from composer_trl.progress import read_jsonl
 
-        plot_path = plot_runs({k: read_jsonl(v) for k, v in runs.items()}, out / "metrics.png")
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        plot_path = plot_runs({"composer": read_jsonl(result["metrics"])}, out / "metrics.png")
+    (out / "summary.json").write_text(dumps(summary, indent=2))
+    _report(summary, result, out, plot_path)
+    return int(result["exit_code"])
 
-    print("\ncomposer-train finished")
-    for label, key in (("composer", "composer"), ("GRPO alone", "grpo")):
-        if key in summary:
-            s = summary[key]
-            print(
-                f"  {label:<11} reward first 10% {s['reward_start']:.3f} -> last 10% {s['reward_end']:.3f}"
-                f"  ({s['seconds']:.0f} s)"
-            )
-    for label, path in runs.items():
-        print(f"  metrics ({label}): {path.resolve()}")
+
+def _report(summary: dict[str, Any], result: dict[str, Any], out: Path, plot_path: Path | None) -> None:
+    if result["signal"]:
+        print(f"\ncomposer-train stopped by {result['signal']} after step {result['global_step']}")
+        print(f"  checkpoint: {result['checkpoint']}  (continue with --resume_from_checkpoint last)")
+    else:
+        print("\ncomposer-train finished")
+        s, e = result["reward_start"], result["reward_end"]
+        if s is not None and e is not None:
+            print(f"  composer    reward first 10% {s:.3f} -> last 10% {e:.3f}  ({result['seconds']:.0f} s)")
+    print(f"  metrics: {Path(result['metrics']).resolve()}")
     if plot_path is not None:
         print(f"  plot:    {plot_path.resolve()}")
-    print(f"  model:   {(out / 'model').resolve()}")
+    if not result["signal"] and result.get("model"):
+        print(f"  model:   {Path(result['model']).resolve()}")
     print(f"  summary: {(out / 'summary.json').resolve()}")
-    return 0
 
 
-def _load_model(recipe: Recipe) -> tuple[Any, Any]:
+_HUB_ID = __import__("re").compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+def load_model(recipe: Recipe) -> tuple[Any, Any]:
+    """The tiny model (``model=None``) or ``from_pretrained``; a missing directory is one clear line."""
     if recipe.model is None:
         from composer_core.tasks.digit_reversal import ALPHABET
         from composer_core.tasks.tiny import build_char_tokenizer, build_tiny_model
@@ -119,16 +273,36 @@ def _load_model(recipe: Recipe) -> tuple[Any, Any]:
         return build_tiny_model(tok, seed=recipe.seed), tok
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(
-        recipe.model, padding_side="left", trust_remote_code=recipe.trust_remote_code
-    )
+    name = recipe.model
+    local = Path(name).expanduser()
+    if not local.is_dir() and not _HUB_ID.match(name):
+        raise UsageError(
+            f"--model_name_or_path {name!r}: directory {str(local)!r} does not exist; pass an existing "
+            "model directory or a hub id like 'Qwen/Qwen2.5-0.5B-Instruct'."
+        )
+    try:
+        tok = AutoTokenizer.from_pretrained(
+            str(local) if local.is_dir() else name,
+            padding_side="left",
+            trust_remote_code=recipe.trust_remote_code,
+        )
+        model = AutoModelForCausalLM.from_pretrained(
+            str(local) if local.is_dir() else name, trust_remote_code=recipe.trust_remote_code
+        )
+    except (OSError, ValueError) as e:
+        where = "local directory" if local.is_dir() else f"hub id (no directory {str(local)!r} exists)"
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(f"--model_name_or_path {name!r} as a {where} could not be loaded: {first}") from e
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(recipe.model, trust_remote_code=recipe.trust_remote_code)
     return model, tok
 
 
-def _load_dataset(recipe: Recipe, n_rows: int) -> Any:
+DATA_KINDS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def load_dataset_checked(recipe: Recipe, *, need: int, n_rows: int) -> Any:
+    """The training set; raises :class:`DataError` unless it has a ``prompt`` column and ``>= need`` rows."""
     from datasets import Dataset, load_dataset
 
     if recipe.dataset is None:
@@ -136,77 +310,174 @@ def _load_dataset(recipe: Recipe, n_rows: int) -> Any:
 
         return Dataset.from_list(make_dataset_rows(n_rows, seed=recipe.seed))
     path = Path(recipe.dataset)
-    kinds = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
-    if not path.is_file() or path.suffix.lower() not in kinds:
-        raise ValueError(f"`dataset`={recipe.dataset!r} must be an existing .json/.jsonl/.parquet/.csv file.")
-    ds = load_dataset(kinds[path.suffix.lower()], data_files=str(path), split="train")
+    flag = f"--dataset_name {recipe.dataset!r}"
+    if not path.is_file() or path.suffix.lower() not in DATA_KINDS:
+        raise DataError(f"{flag} must be an existing .json/.jsonl/.parquet/.csv file.")
+    if path.stat().st_size == 0 or (path.suffix.lower() != ".parquet" and not path.read_text().strip()):
+        raise DataError(f"{flag} is empty (0 rows); it needs at least {need} rows with a `prompt` column.")
+    if path.suffix.lower() == ".jsonl":
+        _check_jsonl(path, flag)
+    try:
+        ds = load_dataset(DATA_KINDS[path.suffix.lower()], data_files=str(path), split="train")
+    except Exception as e:  # datasets raises many kinds; all mean "unreadable file"
+        root = e.__cause__ or e.__context__ or e
+        first = str(root).strip().splitlines()[0] if str(root).strip() else type(root).__name__
+        raise DataError(f"{flag} could not be read ({type(e).__name__}: {first}).") from e
     if "prompt" not in ds.column_names:
-        raise ValueError(f"dataset {recipe.dataset!r} needs a `prompt` column; it has {ds.column_names}.")
+        raise DataError(f"{flag} needs a `prompt` column; it has {ds.column_names}.")
+    if len(ds) < need:
+        raise DataError(
+            f"{flag} has {len(ds)} rows but one optimiser step needs {need} prompts (generation batch / "
+            "num_generations); add rows or lower --per_device_train_batch_size."
+        )
     return ds
 
 
-def _train(recipe: Recipe, out: Path, *, composer: bool) -> tuple[Path, dict[str, Any]]:
-    import torch
-    from composer_core.tasks.digit_reversal import reverse_hints, reverse_reward
-    from transformers import PrinterCallback, ProgressCallback
-    from trl import GRPOConfig, GRPOTrainer
+def _check_jsonl(path: Path, flag: str) -> None:
+    import json
 
-    from composer_trl.config import ComposerGRPOConfig
-    from composer_trl.progress import MetricsJSONL, ProgressBar, read_jsonl
-    from composer_trl.trainer import ComposerGRPOTrainer
+    with path.open() as f:
+        for i, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    json.loads(line)
+                except ValueError as e:
+                    raise DataError(f"{flag} could not be read: line {i} is not JSON ({e}).") from e
 
-    name = "composer" if composer else "grpo"
-    kwargs = recipe.trainer_kwargs()
-    base_fields = {f.name for f in fields(GRPOConfig)}
-    if not composer:
-        kwargs = {k: v for k, v in kwargs.items() if k in base_fields}
-    common = {
-        "output_dir": str(out / f"trainer-{name}"),
-        "max_steps": recipe.steps,
-        "seed": recipe.seed,
-        "report_to": "none",
-        "save_strategy": "no",
-        "disable_tqdm": True,
-        "use_cpu": not torch.cuda.is_available(),
-    }
-    config_cls = ComposerGRPOConfig if composer else GRPOConfig
-    config = config_cls(**{**common, **kwargs})
-    model, tok = _load_model(recipe)
-    per_step = (
-        config.per_device_train_batch_size * config.gradient_accumulation_steps // config.num_generations  # type: ignore[operator]  # set by GRPOConfig.__post_init__
-    )
-    dataset = _load_dataset(recipe, n_rows=max(64, per_step * (recipe.steps + 1)))
-    reward: Any = import_callable(recipe.reward, "reward") if recipe.reward else reverse_reward
-    extra: dict[str, Any] = {}
-    if composer:
-        if recipe.hint_fn:
-            extra["hint_fn"] = import_callable(recipe.hint_fn, "hint_fn")
-        elif recipe.dataset is None:
-            extra["hint_fn"] = reverse_hints
-    cls = ComposerGRPOTrainer if composer else GRPOTrainer
-    trainer = cls(
-        model=model, reward_funcs=[reward], args=config, train_dataset=dataset, processing_class=tok, **extra
-    )
-    for cb in (PrinterCallback, ProgressCallback):
-        trainer.remove_callback(cb)
-    metrics_path = out / f"metrics-{name}.jsonl"
-    trainer.add_callback(ProgressBar("composer" if composer else "GRPO alone"))
-    trainer.add_callback(MetricsJSONL(metrics_path))
-    start = time.perf_counter()
-    trainer.train()
-    seconds = time.perf_counter() - start
-    if composer:
-        trainer.save_model(str(out / "model"))
-        tok.save_pretrained(str(out / "model"))
-    rows = read_jsonl(metrics_path)
-    rewards = [r["reward"] for r in rows if "reward" in r]
-    k = max(1, len(rewards) // 10)
-    return metrics_path, {
-        "seconds": seconds,
-        "reward_start": sum(rewards[:k]) / k if rewards else float("nan"),
-        "reward_end": sum(rewards[-k:]) / k if rewards else float("nan"),
-        "metrics": str(metrics_path),
-    }
+
+class Job:
+    """One training run of ``composer-train`` (composer, or plain GRPO for comparisons) in ``out``."""
+
+    def __init__(
+        self,
+        recipe: Recipe,
+        out: Path,
+        *,
+        name: str,
+        composer: bool,
+        trainer_overrides: dict[str, Any] | None = None,
+        hint_fn: Any = None,
+        trainer_cls: Any = None,
+        callbacks: Sequence[Any] = (),
+        progress: bool = True,
+        save_model: bool = True,
+    ) -> None:
+        self.recipe, self.out, self.name, self.composer = recipe, out, name, composer
+        self.overrides = trainer_overrides or {}
+        self.hint_fn, self.trainer_cls, self.callbacks = hint_fn, trainer_cls, list(callbacks)
+        self.progress, self.save = progress, save_model
+        self.trainer_dir = out / f"trainer-{name}"
+        self.metrics_path = out / f"metrics-{name}.jsonl"
+        self.config = self._config()
+        self.dataset: Any = None
+
+    def _config(self) -> Any:
+        import torch
+        from trl import GRPOConfig
+
+        from composer_trl.config import ComposerGRPOConfig
+
+        kwargs = {**self.recipe.trainer_kwargs(), **self.overrides}
+        if not self.composer:
+            base = {f.name for f in fields(GRPOConfig)}
+            kwargs = {k: v for k, v in kwargs.items() if k in base}
+        common = {
+            "output_dir": str(self.trainer_dir),
+            "max_steps": self.recipe.steps,
+            "seed": self.recipe.seed,
+            "report_to": "none",
+            "save_strategy": "no",
+            "disable_tqdm": True,
+            "use_cpu": not torch.cuda.is_available(),
+        }
+        cls = ComposerGRPOConfig if self.composer else GRPOConfig
+        try:
+            return cls(**{**common, **kwargs})
+        except (TypeError, ValueError) as e:
+            raise UsageError(str(e).strip().splitlines()[0]) from e
+
+    def check(self) -> None:
+        """Load and check the dataset (and the reward/hint callables) before anything is written."""
+        c = self.config
+        need = int(c.generation_batch_size) // int(c.num_generations)
+        self.dataset = load_dataset_checked(
+            self.recipe, need=need, n_rows=max(64, need * (self.recipe.steps + 1))
+        )
+        try:
+            self.rewards = [import_callable(r, "reward_funcs") for r in (self.recipe.reward or [])]
+            self.hint = import_callable(self.recipe.hint_fn, "hint_fn") if self.recipe.hint_fn else None
+        except ValueError as e:
+            raise UsageError(str(e)) from e
+
+    def run(self, *, resume: str | None = None) -> dict[str, Any]:
+        """Train (from ``resume``: ``last`` or a checkpoint path); the result row of summary.json."""
+        from composer_core.tasks.digit_reversal import reverse_hints, reverse_reward
+        from transformers import PrinterCallback, ProgressCallback
+        from trl import GRPOTrainer
+
+        from composer_trl.lifecycle import ComposerState, StopOnSignal
+        from composer_trl.progress import MetricsJSONL, ProgressBar
+        from composer_trl.trainer import ComposerGRPOTrainer
+
+        if self.dataset is None:
+            self.check()
+        ckpt = resolve_checkpoint(resume, self.trainer_dir) if resume else None
+        model, tok = load_model(self.recipe)
+        extra: dict[str, Any] = {}
+        if self.composer:
+            auto = reverse_hints if self.recipe.dataset is None and self.config.alpha_sdpo > 0 else None
+            hint = self.hint_fn or self.hint or auto
+            if hint is not None:
+                extra["hint_fn"] = hint
+        cls = self.trainer_cls or (ComposerGRPOTrainer if self.composer else GRPOTrainer)
+        rewards: list[Any] = list(self.rewards) or [reverse_reward]
+        trainer = cls(
+            model=model,
+            reward_funcs=rewards,
+            args=self.config,
+            train_dataset=self.dataset,
+            processing_class=tok,
+            **extra,
+        )
+        for cb in (PrinterCallback, ProgressCallback):
+            trainer.remove_callback(cb)
+        stop = StopOnSignal()
+        cbs = [ComposerState(trainer, ckpt), stop, MetricsJSONL(self.metrics_path, resume_step=_step(ckpt))]
+        if self.progress:
+            cbs.append(ProgressBar(self.name))
+        for cb in [*cbs, *self.callbacks]:
+            trainer.add_callback(cb)
+        start = time.perf_counter()
+        stop.install()
+        try:
+            trainer.train(resume_from_checkpoint=str(ckpt) if ckpt else None)
+        finally:
+            stop.uninstall()
+        seconds = time.perf_counter() - start
+        return self._result(trainer, tok, stop, seconds)
+
+    def _result(self, trainer: Any, tok: Any, stop: Any, seconds: float) -> dict[str, Any]:
+        from composer_trl.progress import read_jsonl
+
+        step = int(trainer.state.global_step)
+        result: dict[str, Any] = {"seconds": seconds, "metrics": str(self.metrics_path), "global_step": step}
+        result.update(signal=stop.received, exit_code=stop.code, checkpoint=None, model=None)
+        if stop.received:
+            result["checkpoint"] = str(self.trainer_dir / f"checkpoint-{step}")
+        elif self.save:
+            trainer.save_model(str(self.out / "model"))
+            tok.save_pretrained(str(self.out / "model"))
+            result["model"] = str(self.out / "model")
+        rewards = [r["reward"] for r in read_jsonl(self.metrics_path) if r.get("reward") is not None]
+        k = max(1, len(rewards) // 10)
+        result["reward_start"] = sum(rewards[:k]) / k if rewards else None
+        result["reward_end"] = sum(rewards[-k:]) / k if rewards else None
+        self.trainer = trainer
+        return result
+
+
+def _step(ckpt: Path | None) -> int | None:
+    return checkpoint_step(ckpt) if ckpt is not None else None
 
 
 def _entry() -> None:

@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Any
 
 PANELS = (
-    ("reward", "reward (mean over completions)"),
-    ("composer/policy", "channel 1: policy loss"),
-    ("composer/sdpo", "channel 2: SDPO (hinted self-distillation)"),
-    ("composer/replay", "channel 3: trace replay (preference)"),
+    ("reward", "reward (mean over completions)", "training reward"),
+    ("composer/policy", "channel 1: policy loss", "policy loss"),
+    ("composer/sdpo", "channel 2: SDPO (hinted self-distillation)", "SDPO loss"),
+    ("composer/replay", "channel 3: trace replay (preference)", "replay loss"),
 )
 
 
@@ -44,20 +44,21 @@ def plot_runs(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str | Path,
     moving average. Returns the PNG path.
     """
     plt = _require_matplotlib()
-    panels = [(k, title) for k, title in PANELS if any(k in row for rows in runs.values() for row in rows)]
+    panels = [p for p in PANELS if any(p[0] in row for rows in runs.values() for row in rows)]
     if not panels:
         raise ValueError("no metrics to plot: the runs logged neither reward nor channel losses.")
     fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.6 * len(panels)), sharex=True, squeeze=False)
-    for ax, (key, title) in zip(axes[:, 0], panels):
+    for ax, (key, title, ylabel) in zip(axes[:, 0], panels):
         for i, (label, rows) in enumerate(runs.items()):
-            pts = [(r["step"], r[key]) for r in rows if key in r]
+            pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
             if not pts:
                 continue
             steps, vals = zip(*pts)
             color = f"C{i}"
             ax.plot(steps, vals, color=color, alpha=0.25, linewidth=0.8)
             ax.plot(steps, smooth(vals, window), color=color, linewidth=1.8, label=label)
-        ax.set_title(title, fontsize=10)
+        ax.set_title(f"{title} (light: per step; solid: {window}-step moving average)", fontsize=9)
+        ax.set_ylabel(ylabel, fontsize=8)
         ax.grid(alpha=0.3)
         ax.legend(loc="best", fontsize=8)
     axes[-1, 0].set_xlabel("optimiser step")
@@ -67,3 +68,60 @@ def plot_runs(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str | Path,
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+COMPARE_PANELS = (
+    ("exact_match", "held-out exact match (greedy)", "exact-match rate"),
+    ("partial_credit", "held-out mean partial credit (greedy)", "partial credit"),
+)
+
+
+def plot_comparison(report: Mapping[str, Any], path: str | Path, *, window: int = 10) -> Path:
+    """``comparison.json`` as a PNG: per run, the mean over seeds (line) and the min–max band over seeds.
+
+    Panels: held-out exact match, held-out partial credit (at the evaluation points, no smoothing) and the
+    training reward (``window``-step moving average per seed, then mean and band). Every run, baselines
+    included, is drawn on every panel.
+    """
+    plt = _require_matplotlib()
+    fig, axes = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
+    for i, (name, run) in enumerate(report["runs"].items()):
+        color = f"C{i}"
+        label = f"{name} (oracle answers: {run['sees_oracle_answers']})"
+        for ax, (key, _, _) in zip(axes[:2], COMPARE_PANELS):
+            curves = [[(r["step"], r[key]) for r in s["held_out"]] for s in run["seeds"]]
+            _band(ax, curves, color, label)
+        curves = []
+        for s in run["seeds"]:
+            pts = [(st, v) for st, v in s["train_reward"] if v is not None]
+            if pts:
+                steps, vals = zip(*pts)
+                curves.append(list(zip(steps, smooth(vals, window))))
+        _band(axes[2], curves, color, label)
+    n = len(report["seeds"])
+    titles = [t for _, t, _ in COMPARE_PANELS] + [f"training reward ({window}-step moving average)"]
+    ylabels = [y for _, _, y in COMPARE_PANELS] + ["training reward"]
+    for ax, title, ylabel in zip(axes, titles, ylabels):
+        ax.set_title(f"{title}; line: mean over {n} seeds, band: min–max", fontsize=9)
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.grid(alpha=0.3)
+    axes[0].legend(loc="best", fontsize=7)
+    axes[-1].set_xlabel("optimiser step")
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def _band(ax: Any, curves: Sequence[Sequence[tuple[int, float]]], color: str, label: str) -> None:
+    """Mean line and min–max band over curves, at the steps every curve has."""
+    if not curves:
+        return
+    common = sorted(set.intersection(*(set(s for s, _ in c) for c in curves)))
+    by = [dict(c) for c in curves]
+    vals = [[d[s] for d in by] for s in common]
+    mean = [sum(v) / len(v) for v in vals]
+    ax.plot(common, mean, color=color, linewidth=1.8, label=label, marker="o" if len(common) < 12 else None)
+    ax.fill_between(common, [min(v) for v in vals], [max(v) for v in vals], color=color, alpha=0.2)

@@ -7,12 +7,13 @@ Both read TRL's logged metrics (``on_log``), so they work for ``ComposerGRPOTrai
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 from transformers import TrainerCallback
+
+from composer_trl.lifecycle import dumps
 
 BAR_FIELDS = {
     "reward": "reward",
@@ -52,12 +53,22 @@ class ProgressBar(TrainerCallback):
 
 
 class MetricsJSONL(TrainerCallback):
-    """Appends one JSON object per logging step (``step`` + every numeric metric TRL logged) to ``path``."""
+    """Appends one JSON object per logging step (``step`` + every numeric metric TRL logged) to ``path``.
 
-    def __init__(self, path: str | Path) -> None:
+    Every line is strict JSON: a non-finite value is written as ``null`` and its key listed under
+    ``"nonfinite"``. ``resume_step=None`` starts a fresh file; ``resume_step=N`` (resuming from the
+    checkpoint of step N) keeps the rows up to step N, drops the ones a killed run logged after it, and
+    appends from there, so the file holds each step once.
+    """
+
+    def __init__(self, path: str | Path, *, resume_step: int | None = None) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text("")
+        if resume_step is None or not self.path.is_file():
+            self.path.write_text("")
+        else:
+            kept = [line for line in self.path.read_text().splitlines() if _step(line) <= resume_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
 
     def on_log(
         self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **kw: Any
@@ -66,10 +77,17 @@ class MetricsJSONL(TrainerCallback):
             return
         row: dict[str, Any] = {"step": state.global_step}
         for k, v in logs.items():
-            if isinstance(v, int | float) and math.isfinite(float(v)):
+            if isinstance(v, int | float):
                 row[k] = float(v)
         with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(dumps(row) + "\n")
+
+
+def _step(line: str) -> int:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return 1 << 62  # a torn last line of a killed run: dropped
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:

@@ -22,6 +22,7 @@ Unknown keys raise ``ValueError`` naming them (a typo never silently falls back 
 from __future__ import annotations
 
 import importlib
+import os
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -73,7 +74,7 @@ class Recipe:
 
     model: str | None = None
     dataset: str | None = None
-    reward: str | None = None
+    reward: str | list[str] | None = None
     hint_fn: str | None = None
     steps: int = 300
     seed: int = 0
@@ -87,8 +88,28 @@ class Recipe:
         return {**base, **self.trainer}
 
 
-def load_recipe(path: str | Path) -> Recipe:
-    """Read a ``.toml``, ``.yaml`` or ``.yml`` recipe (YAML needs ``composer-trl[yaml]``)."""
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """A ``.toml``/``.yaml``/``.yml`` file as one flat mapping (a ``trainer`` table is merged in).
+
+    Takes both composer's recipe layout (top-level keys + ``[trainer]``) and the flat YAML that
+    ``trl grpo --config`` takes (every key a flag name). Errors raise ``ValueError`` naming the file.
+    """
+    data = _read_mapping(path)
+    trainer = data.pop("trainer", {})
+    if not isinstance(trainer, dict):
+        raise ValueError(f"{path}: `trainer` must be a table of ComposerGRPOConfig fields.")
+    env = data.pop("env", None)  # TrlParser's `env:` block: environment variables, set as TRL sets them
+    if env is not None:
+        if not isinstance(env, dict):
+            raise ValueError(f"{path}: `env` must be a mapping of environment variables.")
+        os.environ.update({str(k): str(v) for k, v in env.items()})
+    clash = set(data) & set(trainer)
+    if clash:
+        raise ValueError(f"{path}: {sorted(clash)} set both at top level and in [trainer]; keep one.")
+    return {**data, **trainer}
+
+
+def _read_mapping(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"--config {str(p)!r} is not a file; pass a .toml or .yaml recipe.")
@@ -106,7 +127,12 @@ def load_recipe(path: str | Path) -> Recipe:
         raise ValueError(f"--config {str(p)!r}: unknown recipe format {suffix!r}; use .toml, .yaml or .yml.")
     if not isinstance(data, dict):
         raise ValueError(f"recipe {str(p)!r} must be a mapping of keys, got {type(data).__name__}.")
-    return recipe_from_dict(data, source=str(p))
+    return data
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Read a ``.toml``, ``.yaml`` or ``.yml`` recipe (YAML needs ``composer-trl[yaml]``)."""
+    return recipe_from_dict(_read_mapping(path), source=str(path))
 
 
 def recipe_from_dict(data: dict[str, Any], *, source: str = "recipe") -> Recipe:

@@ -1,0 +1,51 @@
+"""``composer-train``'s script arguments: the fields TRL's ``ScriptArguments``/``ModelConfig`` would hold.
+
+Parsed by ``transformers.HfArgumentParser`` together with :class:`~composer_trl.ComposerGRPOConfig` (so
+every config field is a flag: ``--alpha_sdpo 0.5 --learning_rate 1e-6``). This module has no
+``from __future__ import annotations``: HfArgumentParser reads the field types at runtime.
+"""
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ComposerScriptArguments:
+    """Arguments of the main job that are not trainer config fields."""
+
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "local model directory or hub id (default: a tiny Qwen2 built from config, no download)",
+            "aliases": ["--model"],
+        },
+    )
+    dataset_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "local .json/.jsonl/.parquet/.csv with a `prompt` column (+ hint/chosen/rejected); "
+            "default: the embedded digit-reversal task",
+            "aliases": ["--dataset"],
+        },
+    )
+    reward_funcs: list[str] | None = field(
+        default=None,
+        metadata={"help": "one or more 'package.module:function' rewards (default: the task's verifier)"},
+    )
+    hint_fn: str | None = field(default=None, metadata={"help": "'package.module:function' building hints"})
+    config: str | None = field(
+        default=None, metadata={"help": "YAML (as `trl grpo --config` takes it) or TOML recipe"}
+    )
+    steps: int | None = field(default=None, metadata={"help": "alias of --max_steps (default 300)"})
+    overwrite_output_dir: bool = field(
+        default=False, metadata={"help": "replace composer-train's outputs in a non-empty --output_dir"}
+    )
+    compare: bool = field(
+        default=False,
+        metadata={"help": "fair comparison: GRPO, GRPO+SFT on the oracle answers, composer, each channel"},
+    )
+    seeds: int = field(default=3, metadata={"help": "--compare: number of seeds (0, 1, ...)"})
+    quick: bool = field(default=False, metadata={"help": "--compare: a tiny budget (tests, smoke runs)"})
+    no_plot: bool = field(default=False, metadata={"help": "skip the PNG (no matplotlib needed)"})
+    threads: int | None = field(
+        default=None, metadata={"help": "torch CPU threads (default: 1 for the tiny model, else torch's)"}
+    )

@@ -1,0 +1,201 @@
+"""Run lifecycle of ``composer-train``: exit codes, output-directory rules, valid JSON, checkpoints, signals.
+
+Exit codes (documented in the package README)::
+
+    0    finished
+    1    unexpected failure (a traceback)
+    2    bad arguments or config (unknown field, missing model directory, non-empty output dir, ...)
+    3    bad dataset (missing, empty, unreadable, no ``prompt`` column, fewer rows than one step needs)
+    130  stopped by SIGINT  (the current step finished, a checkpoint and summary.json written)
+    143  stopped by SIGTERM (same)
+
+Checkpoints are TRL/transformers' own (``trainer-<run>/checkpoint-<step>``: weights, optimiser, scheduler,
+RNG, trainer state) plus ``composer_state.json`` holding composer's own state (TAID's ``t`` and momentum),
+so ``--resume_from_checkpoint`` continues bit-exactly on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import signal
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+EXIT_DATA = 3
+EXIT_SIGINT = 130
+EXIT_SIGTERM = 143
+
+COMPOSER_STATE = "composer_state.json"
+OWNED_OUTPUTS = (
+    "metrics-*.jsonl",
+    "metrics.png",
+    "summary.json",
+    "model",
+    "trainer-*",
+    "comparison*",
+    "seed-*",
+)
+"""What ``composer-train`` writes into its output directory (``--overwrite_output_dir`` removes only these)."""
+
+
+class UsageError(Exception):
+    """Bad arguments or config: one line on stderr, exit 2."""
+
+    exit_code = EXIT_USAGE
+
+
+class DataError(UsageError):
+    """Bad dataset: one line on stderr, exit 3, nothing written."""
+
+    exit_code = EXIT_DATA
+
+
+def json_safe(value: Any, path: str = "", flagged: list[str] | None = None) -> Any:
+    """``value`` with every non-finite float replaced by ``None``; the dotted paths go into ``flagged``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        if flagged is not None:
+            flagged.append(path)
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v, f"{path}.{k}" if path else str(k), flagged) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v, f"{path}[{i}]", flagged) for i, v in enumerate(value)]
+    return value
+
+
+def dumps(value: dict[str, Any], **kw: Any) -> str:
+    """Strict JSON (never a bare NaN): non-finite floats become null, listed under ``"nonfinite"``."""
+    flagged: list[str] = []
+    clean = json_safe(value, flagged=flagged)
+    if flagged:
+        clean["nonfinite"] = flagged
+    return json.dumps(clean, allow_nan=False, **kw)
+
+
+def prepare_output_dir(out: Path, *, overwrite: bool, resume: bool) -> None:
+    """Refuse a non-empty ``out`` unless resuming or ``overwrite`` (which removes composer-train's outputs)."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--output_dir {str(out)!r} is a file; pass a directory.")
+    if resume or not out.exists() or not any(out.iterdir()):
+        return
+    if not overwrite:
+        raise UsageError(
+            f"--output_dir {str(out)!r} is not empty; pass --overwrite_output_dir to replace its run, "
+            "--resume_from_checkpoint last to continue it, or another --output_dir."
+        )
+    for pattern in OWNED_OUTPUTS:
+        for p in out.glob(pattern):
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
+def _step_of(p: Path) -> int:
+    m = re.fullmatch(r"checkpoint-(\d+)", p.name)
+    return int(m.group(1)) if m else -1
+
+
+def resolve_checkpoint(value: str, trainer_dir: Path) -> Path:
+    """``last`` → the newest ``checkpoint-<step>`` in ``trainer_dir``; otherwise an existing checkpoint path."""
+    if value == "last":
+        found = sorted((p for p in trainer_dir.glob("checkpoint-*") if _step_of(p) >= 0), key=_step_of)
+        if not found:
+            raise UsageError(
+                f"--resume_from_checkpoint last: no checkpoint-<step> in {str(trainer_dir)!r}; "
+                "run without it (and with --save_steps N to write checkpoints)."
+            )
+        return found[-1]
+    p = Path(value)
+    if not (p / "trainer_state.json").is_file():
+        raise UsageError(
+            f"--resume_from_checkpoint {value!r} is not a checkpoint directory (no trainer_state.json); "
+            f"pass `last` or a path like {trainer_dir}/checkpoint-<step>."
+        )
+    return p
+
+
+def checkpoint_step(ckpt: Path) -> int:
+    """The global step a checkpoint was written at (its ``trainer_state.json``)."""
+    return int(json.loads((ckpt / "trainer_state.json").read_text())["global_step"])
+
+
+class ComposerState(TrainerCallback):
+    """Saves composer's own state next to each TRL checkpoint and restores it on resume.
+
+    Today that is the TAID scheduler (``t``, momentum, previous loss, step count) of
+    :class:`~composer_trl.ComposerGRPOTrainer`; plain ``GRPOTrainer`` has none and writes ``{}``.
+    """
+
+    def __init__(self, trainer: Any, resume_from: Path | None) -> None:
+        self.trainer = trainer
+        self.resume_from = resume_from
+
+    def _taid(self) -> Any:
+        return getattr(self.trainer, "_taid", None)
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.resume_from is None:
+            return
+        path = self.resume_from / COMPOSER_STATE
+        if not path.is_file():
+            raise UsageError(
+                f"checkpoint {str(self.resume_from)!r} has no {COMPOSER_STATE}; it was not written "
+                "by composer-train, so composer's state (TAID) cannot be restored."
+            )
+        saved = json.loads(path.read_text())
+        taid = self._taid()
+        if taid is not None:
+            if saved.get("taid") is None:
+                raise UsageError(f"{path}: no TAID state saved, but this run uses sdpo_wrapper='taid'.")
+            taid.load_state_dict(saved["taid"])
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        taid = self._taid()
+        payload = {"global_step": state.global_step, "taid": taid.state_dict() if taid is not None else None}
+        if ckpt.is_dir():
+            (ckpt / COMPOSER_STATE).write_text(dumps(payload))
+
+
+class StopOnSignal(TrainerCallback):
+    """SIGINT/SIGTERM: finish the current optimiser step, save a checkpoint, stop; a second signal kills.
+
+    ``received`` holds the signal's name after one arrived; the caller writes the summary and exits
+    128 + signal number (130 / 143).
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self.code = EXIT_OK
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        for s in self.SIGNALS:
+            self._previous[s] = signal.signal(s, self._handle)
+
+    def uninstall(self) -> None:
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.received is not None:  # second signal: stop now
+            self.uninstall()
+            signal.raise_signal(signum)
+            return
+        self.received = signal.Signals(signum).name
+        self.code = 128 + signum
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if self.received is not None:
+            control.should_save = True
+            control.should_training_stop = True
+        return control

@@ -1,0 +1,127 @@
+"""`composer-train`'s command line follows TRL's conventions (HfArgumentParser over the config + script args)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from composer_trl.cli import Job, main, parse
+from composer_trl.lifecycle import EXIT_USAGE
+
+
+def _config(argv, tmp_path):
+    inv = parse([*argv, "--output_dir", str(tmp_path / "o")])
+    return inv, Job(inv.recipe, tmp_path / "o", name="composer", composer=True).config
+
+
+def test_every_config_field_is_a_flag_and_strings_are_typed(tmp_path):
+    inv, c = _config(
+        [
+            "--alpha_sdpo",
+            "0.5",
+            "--learning_rate",
+            "1e-6",
+            "--sdpo_wrapper",
+            "taid",
+            "--beta",
+            "0.02",
+            "--use_bias_correction_kl",
+            "false",
+            "--save_steps",
+            "5",
+            "--max_steps",
+            "7",
+            "--seed",
+            "3",
+        ],
+        tmp_path,
+    )
+    assert c.alpha_sdpo == 0.5 and c.learning_rate == 1e-6 and c.sdpo_wrapper == "taid" and c.beta == 0.02
+    assert c.use_bias_correction_kl is False
+    assert c.use_bias_correction_kl is False
+    assert c.save_steps == 5 and c.save_strategy == "steps" and c.max_steps == 7 and c.seed == 3
+    assert c.per_device_train_batch_size == 32  # tiny-model default kept where no flag was given
+    assert inv.recipe.steps == 7 and inv.recipe.seed == 3
+
+
+def test_legacy_flags_still_work(tmp_path):
+    inv = parse(
+        ["--model", "org/name", "--steps", "9", "--output-dir", str(tmp_path), "--no-plot", "--threads", "2"]
+    )
+    assert inv.recipe.model == "org/name" and inv.recipe.steps == 9 and not inv.plot and inv.threads == 2
+    assert inv.recipe.output_dir == str(tmp_path)
+
+
+def test_several_reward_funcs_and_resume(tmp_path):
+    inv = parse(
+        ["--reward_funcs", "a.b:f", "c.d:g", "--resume_from_checkpoint", "last", "--dataset_name", "x.csv"]
+    )
+    assert inv.recipe.reward == ["a.b:f", "c.d:g"] and inv.resume == "last" and inv.recipe.dataset == "x.csv"
+
+
+def test_flat_trl_yaml_config_and_cli_override(tmp_path, monkeypatch):
+    monkeypatch.delenv("COMPOSER_TEST_FOO", raising=False)
+    y = tmp_path / "grpo.yaml"
+    y.write_text(
+        "model_name_or_path: org/m\nlearning_rate: 1e-6\nalpha_sdpo: 0.25\nmax_steps: 11\nenv:\n  COMPOSER_TEST_FOO: bar\n"
+    )
+    inv, c = _config(["--config", str(y), "--alpha_sdpo", "0.75"], tmp_path)
+    assert inv.recipe.model == "org/m" and inv.recipe.steps == 11
+    assert os.environ["COMPOSER_TEST_FOO"] == "bar"  # TrlParser's env: block
+    assert (
+        c.learning_rate == 1e-6
+    )  # YAML reads 1e-6 as a string; typed like the flag and c.alpha_sdpo == 0.75  # the command line wins over the file
+    assert c.per_device_train_batch_size == 8  # real-model defaults (model_name_or_path given)
+
+
+def test_composer_recipe_toml_still_works(tmp_path):
+    t = tmp_path / "r.toml"
+    t.write_text("steps = 5\nseed = 2\n[trainer]\nalpha_sdpo = 0.5\n")
+    inv, c = _config(["--config", str(t)], tmp_path)
+    assert inv.recipe.steps == 5 and inv.recipe.seed == 2 and c.alpha_sdpo == 0.5
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--alpah_sdpo", "0.5"], "unknown argument --alpah_sdpo; did you mean --alpha_sdpo"),
+        (["--learning-rat", "1"], "did you mean --learning_rate"),
+        (["--alpha_sdpo", "abc"], "--alpha_sdpo"),
+        (["--sdpo_wrapper", "tiad"], "tiad"),
+        (["--max_steps", "0"], "--max_steps"),
+    ],
+)
+def test_config_mistakes_are_one_line_exit_2(tmp_path, capsys, argv, match):
+    assert main([*argv, "--output_dir", str(tmp_path / "o"), "--no_plot"]) == EXIT_USAGE
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("composer-train: error:") and match in err
+    assert "Traceback" not in err and not (tmp_path / "o").exists()
+
+
+def test_unknown_key_in_config_file_names_closest(tmp_path, capsys):
+    y = tmp_path / "c.yaml"
+    y.write_text("learnig_rate: 1.0e-6\n")
+    assert main(["--config", str(y), "--output_dir", str(tmp_path / "o")]) == EXIT_USAGE
+    err = capsys.readouterr().err.strip()
+    assert "unknown field 'learnig_rate'" in err and "--learning_rate" in err and len(err.splitlines()) == 1
+
+
+def test_local_dataset_formats_are_loaded(tmp_path):
+    from composer_core.tasks.digit_reversal import make_dataset_rows
+    from composer_trl.cli import load_dataset_checked
+    from composer_trl.recipe import Recipe
+
+    rows = make_dataset_rows(6, seed=0)
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "d.json").write_text(json.dumps(rows))
+    (tmp_path / "d.csv").write_text(
+        "prompt,chosen,rejected\n" + "".join(f"{r['prompt']},{r['chosen']},{r['rejected']}\n" for r in rows)
+    )
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    for ext in ("jsonl", "json", "csv", "parquet"):
+        ds = load_dataset_checked(Recipe(dataset=str(tmp_path / f"d.{ext}")), need=2, n_rows=0)
+        assert len(ds) == 6 and ds[0]["prompt"] == rows[0]["prompt"], ext

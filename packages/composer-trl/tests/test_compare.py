@@ -1,0 +1,104 @@
+"""`composer-train --compare --quick`: every run x seed, held-out eval, comparison.json/.md/.png, README block."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from composer_trl.cli import main
+from composer_trl.compare import RUNS, eval_steps, split_rows, update_readme
+from composer_trl.progress import read_jsonl
+
+
+def test_held_out_prompts_are_never_trained_on():
+    for seed in range(3):
+        train, held = split_rows(seed, 2400, 64)
+        assert len(held) == 64 and len(train) == 2400
+        assert not {r["prompt"] for r in train} & set(held)
+    assert eval_steps(300) == {75, 150, 225, 300} and eval_steps(4) == {1, 2, 3, 4}
+
+
+@pytest.mark.timeout(1500)
+def test_compare_quick_writes_json_table_plot_and_fills_readme(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    assert main(["--compare", "--quick", "--seeds", "2", "--output_dir", str(out)]) == 0
+    report = json.loads((out / "comparison.json").read_text())
+    assert list(report["runs"]) == [r.name for r in RUNS]
+    assert report["runs"]["grpo"]["sees_oracle_answers"] == "no"
+    assert all(r["sees_oracle_answers"].startswith("yes") for k, r in report["runs"].items() if k != "grpo")
+    for run in report["runs"].values():
+        assert [s["seed"] for s in run["seeds"]] == [0, 1]
+        for s in run["seeds"]:
+            assert [e["step"] for e in s["held_out"]] == [0, 1, 2, 3, 4]  # step 0 and every eval point
+            assert all(0 <= e["exact_match"] <= e["partial_credit"] <= 1 for e in s["held_out"])
+            assert [st for st, _ in s["train_reward"]] == [1, 2, 3, 4]
+        assert run["final_partial_credit"]["n"] == 2
+    # same seed, same first generation: every run starts from the same weights and prompts
+    firsts = {run["seeds"][0]["train_reward"][0][1] for run in report["runs"].values()}
+    assert len(firsts) == 1
+    sft = read_jsonl(out / "seed-0" / "metrics-grpo-sft.jsonl")
+    assert all(r["sft/nll"] > 0 for r in sft)  # the information-matched baseline trains on the answers
+    assert all("sft/nll" not in r for r in read_jsonl(out / "seed-0" / "metrics-grpo.jsonl"))
+    md = (out / "comparison.md").read_text()
+    assert "mean ± std over 2 seeds" in md and md.count("\n| ") == 6
+    assert (out / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- comparison:begin -->\nold 0.24\n<!-- comparison:end -->\nrest\n")
+    update_readme(readme, out / "comparison.json")
+    text = readme.read_text()
+    assert "old 0.24" not in text and md in text and text.endswith("rest\n")
+    c = report["runs"]["composer"]["final_partial_credit"]
+    assert f"{c['mean']:.3f} ± {c['std']:.3f}" in text
+
+
+def test_grpo_plus_sft_adds_exactly_the_answer_nll(tmp_path):
+    """Constant reward (zero advantages, beta=0): GRPO's loss is 0, so the logged loss is the SFT term alone,
+    equal to the mean token NLL of `chosen`+EOS after the prompt under the (lr=0, unchanged) initial model."""
+    import torch
+    import torch.nn.functional as F
+    from composer_core.tasks.digit_reversal import ALPHABET
+    from composer_core.tasks.tiny import build_char_tokenizer, build_tiny_model
+    from composer_trl.compare import GRPOPlusSFTTrainer
+    from datasets import Dataset
+    from trl import GRPOConfig
+
+    tok = build_char_tokenizer(ALPHABET)
+    model = build_tiny_model(tok, seed=0)
+    row = {"prompt": "381>", "chosen": "183"}
+    p = tok(row["prompt"], add_special_tokens=False)["input_ids"]
+    c = [*tok(row["chosen"], add_special_tokens=False)["input_ids"], tok.eos_token_id]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([p + c])).logits[0, :-1].double()
+    nll = F.cross_entropy(logits, torch.tensor((p + c)[1:]), reduction="none")[len(p) - 1 :]
+    expected = float(nll.mean())
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        max_steps=1,
+        learning_rate=0.0,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=3,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        beta=0.0,
+    )
+    logs = []
+
+    class Keep(__import__("transformers").TrainerCallback):
+        def on_log(self, args, state, control, logs_=None, **kw):
+            logs.append(kw.get("logs") or logs_)
+
+    trainer = GRPOPlusSFTTrainer(
+        model=model,
+        reward_funcs=[lambda completions, **kw: [0.25] * len(completions)],
+        args=args,
+        train_dataset=Dataset.from_list([row] * 16),
+        processing_class=tok,
+        callbacks=[Keep()],
+    )
+    trainer.train()
+    step = next(entry for entry in logs if entry and "sft/nll" in entry)
+    assert step["sft/nll"] == pytest.approx(expected, rel=1e-5)
+    assert step["loss"] == pytest.approx(expected, rel=1e-4)

@@ -1,0 +1,196 @@
+"""`composer-train`'s run lifecycle: bad datasets, valid JSON, output-dir rules, kill-and-resume, signals.
+
+The subprocess tests run the real console entry (`python -m composer_trl.cli`) with a reward that sleeps
+0.3 s per call, so a signal lands while training is under way; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from composer_trl.cli import main
+from composer_trl.lifecycle import EXIT_DATA, EXIT_USAGE, dumps
+from composer_trl.progress import MetricsJSONL, read_jsonl
+from safetensors.torch import load_file
+
+SLOW_REWARD = (
+    "import time\n"
+    "from composer_core.tasks.digit_reversal import reverse_reward\n"
+    "def reward(prompts, completions, **kw):\n"
+    "    time.sleep(0.3)\n"
+    "    return reverse_reward(prompts, completions, **kw)\n"
+)
+SMALL = ["--per_device_train_batch_size", "8", "--num_generations", "4", "--no_plot"]
+
+
+def _rows(path: Path, n: int) -> None:
+    from composer_core.tasks.digit_reversal import make_dataset_rows
+
+    path.write_text("".join(json.dumps(r) + "\n" for r in make_dataset_rows(n, seed=1)))
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        ("", "is empty (0 rows)"),
+        ("\n\n", "is empty (0 rows)"),
+        (None, "has 1 rows but one optimiser step needs 2 prompts"),
+        ("{not json\n", "could not be read"),
+        ('{"text": "1>"}\n{"text": "2>"}\n', "needs a `prompt` column"),
+    ],
+)
+def test_bad_dataset_fails_before_training_with_one_line_and_exit_3(tmp_path, capsys, content, match):
+    data = tmp_path / "train.jsonl"
+    if content is None:
+        _rows(data, 1)  # 8 completions / 4 generations = 2 prompts per step
+    else:
+        data.write_text(content)
+    out = tmp_path / "out"
+    rc = main(["--dataset_name", str(data), "--output_dir", str(out), "--max_steps", "2", *SMALL])
+    err = capsys.readouterr().err.strip()
+    assert rc == EXIT_DATA == 3
+    assert len(err.splitlines()) == 1 and match in err and "--dataset_name" in err
+    assert not out.exists()  # nothing saved
+
+
+def test_missing_model_directory_says_so(tmp_path, capsys):
+    out = tmp_path / "out"
+    for name in (str(tmp_path / "no-such-model"), "./models/qwen-missing/"):
+        rc = main(["--model_name_or_path", name, "--output_dir", str(out), "--max_steps", "1", "--no_plot"])
+        err = capsys.readouterr().err.strip()
+        assert rc == EXIT_USAGE and len(err.splitlines()) == 1
+        assert "does not exist" in err and "Repo id" not in err
+    assert not out.exists()
+
+
+def test_summary_and_metrics_are_strict_json_with_nonfinite_flagged(tmp_path):
+    text = dumps({"a": float("nan"), "b": {"c": float("inf")}, "d": 1.5})
+    assert json.loads(text) == {"a": None, "b": {"c": None}, "d": 1.5, "nonfinite": ["a", "b.c"]}
+    cb = MetricsJSONL(tmp_path / "m.jsonl")
+
+    class S:
+        global_step = 1
+
+    cb.on_log(None, S(), None, logs={"reward": float("nan"), "loss": 0.5})
+    line = (tmp_path / "m.jsonl").read_text().strip()
+    assert "NaN" not in line
+    assert json.loads(line) == {"step": 1, "reward": None, "loss": 0.5, "nonfinite": ["reward"]}
+    # strict parsers refuse a bare NaN: what json.dumps wrote before
+    with pytest.raises(ValueError):
+        json.loads(json.dumps({"x": math.nan}), parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
+
+
+def test_rerun_into_non_empty_output_dir_refuses_unless_overwrite(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics-composer.jsonl").write_text('{"step": 1, "reward": 0.5}\n')
+    (out / "notes.txt").write_text("mine")
+    args = ["--output_dir", str(out), "--max_steps", "1", *SMALL]
+    assert main(args) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "is not empty" in err and "--overwrite_output_dir" in err
+    assert (out / "metrics-composer.jsonl").read_text() == '{"step": 1, "reward": 0.5}\n'  # untouched
+    assert main([*args, "--overwrite_output_dir"]) == 0
+    assert [r["step"] for r in read_jsonl(out / "metrics-composer.jsonl")] == [1]
+    assert (out / "notes.txt").read_text() == "mine"  # only composer-train's own outputs are replaced
+    assert json.loads((out / "summary.json").read_text())["status"] == "finished"
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    (tmp_path / "slow_reward_lc.py").write_text(SLOW_REWARD)
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def _wait_for(pred, proc: subprocess.Popen, what: str, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if proc.poll() is not None:
+            out = proc.stdout.read() if proc.stdout else ""
+            pytest.fail(f"the run ended (rc {proc.returncode}) before {what}:\n{out[-3000:]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "composer_trl.cli", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _logged_steps(path: Path) -> list[int]:
+    if not path.is_file():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+@pytest.mark.timeout(1500)
+def test_sigkill_then_resume_last_is_bit_exact(tmp_path, monkeypatch):
+    """Uninterrupted 6 steps == (killed after step 3, resumed from checkpoint-2): torch.equal on every weight,
+    identical logged rewards/losses and TAID t; each step logged once (the killed run's step 3 is dropped)."""
+    env = _env(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    common = ["--max_steps", "6", "--save_steps", "2", "--reward_funcs", "slow_reward_lc:reward"]
+    common += ["--sdpo_wrapper", "taid", *SMALL]
+    ref, cut = tmp_path / "ref", tmp_path / "cut"
+    assert main([*common, "--output_dir", str(ref)]) == 0
+
+    proc = _spawn([*common, "--output_dir", str(cut)], env)
+    ckpt2 = cut / "trainer-composer" / "checkpoint-2" / "composer_state.json"
+    _wait_for(lambda: ckpt2.is_file() and 3 in _logged_steps(cut / "metrics-composer.jsonl"), proc, "step 3")
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+    assert not (cut / "trainer-composer" / "checkpoint-6").exists() and not (cut / "summary.json").exists()
+
+    assert main([*common, "--output_dir", str(cut), "--resume_from_checkpoint", "last"]) == 0
+    a, b = load_file(ref / "model" / "model.safetensors"), load_file(cut / "model" / "model.safetensors")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    ra, rb = read_jsonl(ref / "metrics-composer.jsonl"), read_jsonl(cut / "metrics-composer.jsonl")
+    assert [r["step"] for r in rb] == [1, 2, 3, 4, 5, 6]
+    keys = ("reward", "composer/policy", "composer/sdpo", "composer/replay", "composer/taid_t")
+    assert [[r[k] for k in keys] for r in ra] == [[r[k] for k in keys] for r in rb]
+    assert len({r["composer/taid_t"] for r in rb}) > 1  # TAID's t moved, so restoring it mattered
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signal_finishes_step_writes_checkpoint_and_summary(tmp_path, sig, code):
+    env = _env(tmp_path)
+    out = tmp_path / "out"
+    proc = _spawn(
+        ["--max_steps", "200", "--reward_funcs", "slow_reward_lc:reward", "--output_dir", str(out), *SMALL],
+        env,
+    )
+    _wait_for(lambda: 1 in _logged_steps(out / "metrics-composer.jsonl"), proc, "step 1")
+    proc.send_signal(sig)
+    try:
+        stdout, _ = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"{sig.name}: the run did not stop within 300 s")
+    assert proc.returncode == code, stdout[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    step = summary["composer"]["global_step"]
+    assert summary["status"] == "interrupted" and summary["composer"]["signal"] == sig.name
+    assert 1 <= step < 200
+    ckpt = out / "trainer-composer" / f"checkpoint-{step}"
+    assert (ckpt / "model.safetensors").is_file() and (ckpt / "composer_state.json").is_file()
+    assert _logged_steps(out / "metrics-composer.jsonl") == list(range(1, step + 1))
+    assert f"stopped by {sig.name}" in stdout
