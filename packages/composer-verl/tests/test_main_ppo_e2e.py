@@ -16,12 +16,8 @@ from __future__ import annotations
 
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
 from verl_cpu_testkit.launch import RAY_START_FAILED
 from verl_cpu_testkit.run import run_main_ppo, step_metrics
 

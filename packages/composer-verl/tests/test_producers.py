@@ -6,7 +6,6 @@ The producers' TransferQueue / actor glue runs inside verl's real loop in test_m
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,8 +24,6 @@ from composer_verl.producers import (
     response_ids,
     with_prompt,
 )
-
-sys.path.insert(0, str(Path(__file__).parent))
 from verl_cpu_testkit.task import build_tokenizer
 
 ACTOR = {"shuffle": False, "use_dynamic_bsz": False, "ppo_micro_batch_size_per_gpu": 4}
