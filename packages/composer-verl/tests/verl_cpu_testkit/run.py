@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from importlib.resources import files
 from pathlib import Path
 
@@ -87,12 +89,17 @@ def run_main_ppo(
         *overrides(tmp, extra=extra),
     ]
     log = tmp / "main_ppo.log"
+    # Ray refuses a temp dir inside the virtualenv (nox points TMPDIR there: workers die at start and the
+    # driver waits forever); a short dir under /tmp also keeps its socket paths under the length limit
+    ray_tmp = tempfile.mkdtemp(prefix="composer-ray-", dir="/tmp")
+    env["RAY_TMPDIR"] = ray_tmp
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, text=True, cwd=tmp)
         try:
             returncode = proc.wait(timeout=timeout)
         finally:
             _end_tree(proc.pid)  # Ray's processes (gcs, raylet, workers) of this run, by pid
+            shutil.rmtree(ray_tmp, ignore_errors=True)
     return subprocess.CompletedProcess(cmd, returncode, log.read_text(), "")
 
 

@@ -23,7 +23,9 @@ def build_tokenizer() -> Any:
 
     vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, **{ch: i + 3 for i, ch in enumerate(ALPHABET)}}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("(?s)."), behavior="isolated")
+    tok.pre_tokenizer = pre_tokenizers.Split(
+        Regex("[\\s\\S]"), behavior="isolated"
+    )  # every char, newline too
     tok.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", padding_side="left"
