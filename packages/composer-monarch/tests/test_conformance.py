@@ -21,13 +21,13 @@ and by the bit-exact mesh step.
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Mapping
 from typing import Any
 
 import torch
-from composer_core.loss.compose import ComposerBatch, compose_loss
+from composer_core.loss.compose import ComposerBatch
+from composer_core.loss.config import flat_defaults
 from composer_core.testing import CASES, check_adapter
 from composer_monarch import ComposerLoss
 from composer_monarch.forge_loss import FORGE_DEFAULTS
@@ -35,7 +35,7 @@ from torch import Tensor
 
 # The conformance cases give compose_loss options; where ComposerLoss's bare defaults are TorchForge's,
 # the cases mean compose_loss's own defaults.
-COMPOSE_DEFAULTS = {k: inspect.signature(compose_loss).parameters[k].default for k in FORGE_DEFAULTS}
+COMPOSE_DEFAULTS = {k: flat_defaults()[k] for k in FORGE_DEFAULTS}
 
 
 def _two_way(lp: Tensor) -> Tensor:
