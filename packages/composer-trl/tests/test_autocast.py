@@ -70,7 +70,7 @@ def test_train_step_under_autocast_with_sdpo_full(
             {
                 "hidden_dtype": batch.student_hidden.dtype,
                 "loss": (loss_a.detach(), loss_r.detach()),
-                "distill": (res_a.distill.detach(), res_r.distill.detach()),
+                "sdpo": (res_a.sdpo.detach(), res_r.sdpo.detach()),
                 "grads": list(zip(grads_a, grads_r, leaves_a)),
             }
         )
@@ -81,11 +81,11 @@ def test_train_step_under_autocast_with_sdpo_full(
     trainer.train()
     assert seen, "the loss was never computed"
     row = next(r for r in trainer.state.log_history if "reward" in r)
-    assert row["composer/sdpo"] > 0 and row["composer/skipped_sdpo"] == 0
+    assert row["composer/loss/sdpo"] > 0 and row["composer/sdpo/skipped"] == 0
     assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
     for s in seen:
         assert s["hidden_dtype"] == torch.float32
-        a, r = s["distill"]
+        a, r = s["sdpo"]
         assert a.dtype == torch.float32 and a.item() > 0
         torch.testing.assert_close(a, r, rtol=2e-6, atol=1e-12)
         torch.testing.assert_close(s["loss"][0].float(), s["loss"][1], rtol=2e-6, atol=1e-12)

@@ -6,7 +6,12 @@ from typing import Any
 
 import pytest
 import torch
+from composer_core import ADAPTER_PREFIX, METRIC_KEYS
 from composer_core.tasks.digit_reversal import reverse_hints
+
+# composer-core's metric keys under composer/, except policy/* (TRL logs its own kl / clip_ratio) and the
+# TAID-only taid/t; composer-trl logs no extras of its own.
+LOGGED_3_CHANNELS = {ADAPTER_PREFIX + k for k in METRIC_KEYS if not k.startswith(("policy/", "taid/"))}
 
 
 def _params(model: Any) -> dict[str, torch.Tensor]:
@@ -23,13 +28,14 @@ def test_trains_all_three_channels_and_logs_them(tmp_path, model_dir, tokenizer,
     logs = [row for row in trainer.state.log_history if "reward" in row]
     assert len(logs) == 3
     for row in logs:
-        for key in ("composer/policy", "composer/sdpo", "composer/replay", "composer/total"):
+        for key in ("composer/loss/policy", "composer/loss/sdpo", "composer/loss/replay", "composer/loss/total"):
             assert key in row
-        assert row["composer/sdpo"] > 0  # hints present on every step (no completion is right yet)
-        assert row["composer/replay"] > 0
-        assert row["composer/skipped_sdpo"] == 0 and row["composer/skipped_replay"] == 0
-        assert row["composer/replay_pairs"] == 2  # 8 completions = 2 prompts x 4: one pair per prompt
-        assert row["composer/sdpo_tokens"] > 0
+        assert row["composer/loss/sdpo"] > 0  # hints present on every step (no completion is right yet)
+        assert row["composer/loss/replay"] > 0
+        assert row["composer/sdpo/skipped"] == 0 and row["composer/replay/skipped"] == 0
+        assert row["composer/replay/pairs"] == 2  # 8 completions = 2 prompts x 4: one pair per prompt
+        assert row["composer/sdpo/tokens"] > 0
+        assert {k for k in row if k.startswith("composer/")} == LOGGED_3_CHANNELS
     # channel 1 is logged with TRL's own names as well
     assert "clip_ratio/region_mean" in logs[0] and "entropy" in logs[0]
 
@@ -45,9 +51,9 @@ def test_policy_channel_is_nonzero_when_advantages_are(tmp_path, model_dir, toke
     inputs["advantages"] = torch.linspace(-1.0, 1.0, 8)
     inputs["old_per_token_logps"] = inputs["old_per_token_logps"] - 0.1
     trainer.compute_loss(trainer.model, inputs)
-    assert trainer._metrics["train"]["composer/policy"][-1] != 0.0
-    assert trainer._metrics["train"]["composer/sdpo"][-1] > 0.0
-    assert trainer._metrics["train"]["composer/replay"][-1] > 0.0
+    assert trainer._metrics["train"]["composer/loss/policy"][-1] != 0.0
+    assert trainer._metrics["train"]["composer/loss/sdpo"][-1] > 0.0
+    assert trainer._metrics["train"]["composer/loss/replay"][-1] > 0.0
 
 
 @pytest.mark.parametrize("sdpo_beta", [0.0, 1.0, 0.5])
@@ -67,8 +73,8 @@ def test_sdpo_is_zero_when_hinted_context_equals_plain(sdpo_beta, tmp_path, mode
     assert inputs["composer_has_hint"].all()
     assert torch.equal(inputs["composer_hint_ids"], inputs["prompt_ids"])
     trainer.compute_loss(trainer.model, inputs)
-    value = trainer._metrics["train"]["composer/sdpo"][-1]
-    assert trainer._metrics["train"]["composer/skipped_sdpo"][-1] == 0  # computed, not skipped
+    value = trainer._metrics["train"]["composer/loss/sdpo"][-1]
+    assert trainer._metrics["train"]["composer/sdpo/skipped"][-1] == 0  # computed, not skipped
     assert value == 0.0
 
     # ...and a real hint moves the teacher: the same batch with feedback hints gives a positive loss
@@ -81,7 +87,7 @@ def test_sdpo_is_zero_when_hinted_context_equals_plain(sdpo_beta, tmp_path, mode
     torch.manual_seed(0)
     inputs2 = trainer2._generate_and_score_completions(h.generation_batch(hinted, 2, 4))
     trainer2.compute_loss(trainer2.model, inputs2)
-    assert trainer2._metrics["train"]["composer/sdpo"][-1] > 1e-4
+    assert trainer2._metrics["train"]["composer/loss/sdpo"][-1] > 1e-4
 
 
 def test_sdpo_teacher_gets_no_gradient_and_student_does(tmp_path, model_dir, tokenizer, dataset, h):
@@ -148,7 +154,7 @@ def test_replay_reference_frozen_copy_matches_policy_at_start(tmp_path, model_di
     trainer.model.train()
     inputs = trainer._generate_and_score_completions(h.generation_batch(dataset, 2, 4))
     trainer.compute_loss(trainer.model, inputs)
-    assert trainer._metrics["train"]["composer/replay"][-1] == pytest.approx(0.6931471805599453, abs=1e-6)
+    assert trainer._metrics["train"]["composer/loss/replay"][-1] == pytest.approx(0.6931471805599453, abs=1e-6)
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
@@ -197,13 +203,13 @@ def test_gradient_accumulation_invariance(loss_type, tmp_path, model_dir, tokeni
     )
     for half in halves:
         acc.compute_loss(acc.model, half).backward()
-    sdpo_f = full._metrics["train"]["composer/sdpo"][-1]
-    assert sdpo_f > 0 and full._metrics["train"]["composer/replay"][-1] > 0
+    sdpo_f = full._metrics["train"]["composer/loss/sdpo"][-1]
+    assert sdpo_f > 0 and full._metrics["train"]["composer/loss/replay"][-1] > 0
     for (n, pf), (_, pa) in zip(full.model.named_parameters(), acc.model.named_parameters()):
         torch.testing.assert_close(pa.grad, pf.grad, atol=1e-6, rtol=1e-5, msg=n)
     # the logged channel values are contributions: the two micro-batches add up to the full batch's value
     # (outside TRL's accumulate() every call is its own logging window)
-    for key in ("composer/sdpo", "composer/replay", "composer/policy"):
+    for key in ("composer/loss/sdpo", "composer/loss/replay", "composer/loss/policy"):
         two = acc._metrics["train"][key][-2:]
         assert sum(two) == pytest.approx(full._metrics["train"][key][-1], rel=1e-5, abs=1e-6)
 
@@ -213,7 +219,7 @@ def test_sampled_form_and_taid_wrapper_train(tmp_path, model_dir, tokenizer, dat
     trainer = h.make_trainer(model_dir, tokenizer, dataset, args, hint_fn=reverse_hints)
     trainer.train()
     logs = [r for r in trainer.state.log_history if "reward" in r]
-    assert all(r["composer/skipped_sdpo"] == 0 for r in logs)
+    assert all(r["composer/sdpo/skipped"] == 0 for r in logs)
 
     args = h.grpo_args(
         tmp_path,
@@ -227,7 +233,12 @@ def test_sampled_form_and_taid_wrapper_train(tmp_path, model_dir, tokenizer, dat
     trainer.train()
     # stepped once per optimiser step (3), not per micro-batch (6)
     assert trainer._taid.num_steps == 3
-    ts = [r["composer/taid_t"] for r in trainer.state.log_history if "composer/taid_t" in r]
+    ts = [r["composer/taid/t"] for r in trainer.state.log_history if "composer/taid/t" in r]
+    rows = [r for r in trainer.state.log_history if "reward" in r]
+    # replay off: no pair, so no accuracy; its loss and counts are logged as 0
+    logged = {k for k in rows[0] if k.startswith("composer/")}
+    assert logged == (LOGGED_3_CHANNELS - {"composer/replay/accuracy"}) | {"composer/taid/t"}
+    assert rows[0]["composer/replay/skipped"] == 2 and rows[0]["composer/loss/replay"] == 0.0
     assert ts[0] == pytest.approx(0.4) and ts[-1] > ts[0]
 
 
@@ -239,11 +250,11 @@ def test_entropy_opd_wrapper_computes(tmp_path, model_dir, tokenizer, dataset, h
     torch.manual_seed(0)
     inputs = trainer._generate_and_score_completions(h.generation_batch(dataset, 2, 4))
     trainer.compute_loss(trainer.model, inputs)
-    with_gate = trainer._metrics["train"]["composer/sdpo"][-1]
+    with_gate = trainer._metrics["train"]["composer/loss/sdpo"][-1]
     trainer.args.sdpo_wrapper = "none"
     trainer.args.entropy_opd_threshold = 0.8  # the gate's option is refused once its wrapper is off
     trainer.compute_loss(trainer.model, inputs)
-    plain_jsd = trainer._metrics["train"]["composer/sdpo"][-1]
+    plain_jsd = trainer._metrics["train"]["composer/loss/sdpo"][-1]
     assert with_gate > plain_jsd > 0  # threshold 0: every token adds the gated forward KL
 
 
@@ -267,7 +278,7 @@ def test_trace_record_column_names_are_accepted(tmp_path, model_dir, tokenizer, 
     rows = inputs["composer_has_pair"]
     assert torch.equal(inputs["composer_ref_chosen_logps"][rows], torch.full((2,), -1.5))
     trainer.compute_loss(trainer.model, inputs)
-    assert trainer._metrics["train"]["composer/sdpo"][-1] > 0
+    assert trainer._metrics["train"]["composer/loss/sdpo"][-1] > 0
 
 
 def test_message_list_pairs_score_text_and_refuse_tool_calls(tmp_path, model_dir, tokenizer, rows, h):

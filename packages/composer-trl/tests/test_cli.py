@@ -41,8 +41,8 @@ def test_composer_train_writes_metrics_plot_summary_and_model(tmp_path, capsys):
     rows = read_jsonl(out / "metrics-composer.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
-        assert {"reward", "composer/policy", "composer/sdpo", "composer/replay"} <= set(r)
-        assert r["composer/replay"] > 0
+        assert {"reward", "composer/loss/policy", "composer/loss/sdpo", "composer/loss/replay"} <= set(r)
+        assert r["composer/loss/replay"] > 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["status"] == "finished" and "composer" in summary
     assert (out / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -57,7 +57,7 @@ def test_composer_train_model_dir_and_toml_recipe(tmp_path, model_dir):
     )
     assert main(["--config", str(recipe), "--no-plot"]) == 0
     rows = read_jsonl(tmp_path / "out" / "metrics-composer.jsonl")
-    assert len(rows) == 2 and all(r["composer/sdpo"] >= 0 for r in rows)
+    assert len(rows) == 2 and all(r["composer/loss/sdpo"] >= 0 for r in rows)
 
 
 def test_yaml_recipe_and_unknown_keys(tmp_path):
@@ -107,8 +107,8 @@ def test_recipe_dataset_reward_and_hint_fn_are_used(tmp_path, model_dir, monkeyp
     assert len(rows) == 2
     for r in rows:
         assert r["reward"] == 0.25  # the recipe's reward, not the embedded verifier's partial credit
-        assert r["composer/sdpo_tokens"] > 0 and r["composer/sdpo"] > 0  # hints from the recipe's hint_fn
-        assert r["composer/replay_pairs"] > 0 and r["composer/replay"] > 0  # chosen/rejected of the dataset
+        assert r["composer/sdpo/tokens"] > 0 and r["composer/loss/sdpo"] > 0  # hints from the recipe's hint_fn
+        assert r["composer/replay/pairs"] > 0 and r["composer/loss/replay"] > 0  # chosen/rejected of the dataset
     assert recipe_fns_for_test.HINT_CALLS
 
 

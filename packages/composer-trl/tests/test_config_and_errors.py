@@ -90,7 +90,7 @@ def test_extra_columns_survive_remove_unused_columns(tmp_path, model_dir, tokeni
     assert "unrelated" not in batch[0]
     trainer.train()
     logs = [r for r in trainer.state.log_history if "reward" in r]
-    assert logs[0]["composer/sdpo"] > 0 and logs[0]["composer/replay"] > 0
+    assert logs[0]["composer/loss/sdpo"] > 0 and logs[0]["composer/loss/replay"] > 0
 
 
 def test_hint_placement_for_text_and_chat_prompts(tmp_path, model_dir, tokenizer, dataset, h):

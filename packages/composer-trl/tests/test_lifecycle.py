@@ -164,9 +164,9 @@ def test_sigkill_then_resume_last_is_bit_exact(tmp_path, monkeypatch):
     assert all(torch.equal(a[k], b[k]) for k in a)
     ra, rb = read_jsonl(ref / "metrics-composer.jsonl"), read_jsonl(cut / "metrics-composer.jsonl")
     assert [r["step"] for r in rb] == [1, 2, 3, 4, 5, 6]
-    keys = ("reward", "composer/policy", "composer/sdpo", "composer/replay", "composer/taid_t")
+    keys = ("reward", "composer/loss/policy", "composer/loss/sdpo", "composer/loss/replay", "composer/taid/t")
     assert [[r[k] for k in keys] for r in ra] == [[r[k] for k in keys] for r in rb]
-    assert len({r["composer/taid_t"] for r in rb}) > 1  # TAID's t moved, so restoring it mattered
+    assert len({r["composer/taid/t"] for r in rb}) > 1  # TAID's t moved, so restoring it mattered
 
 
 @pytest.mark.timeout(900)

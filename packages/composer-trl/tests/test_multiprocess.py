@@ -54,6 +54,6 @@ def test_two_process_training_keeps_ranks_in_sync(tmp_path, model_dir):
     logs = r0["logs"]
     assert len(logs) == 2
     for row in logs:
-        assert row["composer/sdpo"] > 0 and row["composer/replay"] > 0
+        assert row["composer/loss/sdpo"] > 0 and row["composer/loss/replay"] > 0
         # 2 processes x 4 completions = 2 prompts: one pair each, counted across both ranks
-        assert row["composer/replay_pairs"] == 2
+        assert row["composer/replay/pairs"] == 2

@@ -24,7 +24,7 @@ def test_lora_trains_adapter_only_with_all_channels(tmp_path, model_dir, tokeniz
     assert any(not torch.equal(before[n], after[n]) for n in lora if "lora_B" in n)
     assert all(torch.equal(before[n], after[n]) for n in base)
     logs = [r for r in trainer.state.log_history if "reward" in r]
-    assert all(r["composer/sdpo"] > 0 and r["composer/replay"] > 0 for r in logs)
+    assert all(r["composer/loss/sdpo"] > 0 and r["composer/loss/replay"] > 0 for r in logs)
 
 
 def test_lora_on_lm_head_with_full_sdpo_is_rejected(tmp_path, model_dir, tokenizer, dataset, h):

@@ -68,10 +68,10 @@ def test_compose_loss_sdpo_topk_tail_false_matches_trl_masked_mean(trl_topk) -> 
     per_token = trl_topk(
         student, teacher, distillation_topk=6, distillation_alpha=0.5, distillation_add_tail=False
     )
-    assert out.distill is not None
-    torch.testing.assert_close(out.distill, per_token[mask].mean(), rtol=1e-12, atol=0.0)
+    assert out.sdpo is not None
+    torch.testing.assert_close(out.sdpo, per_token[mask].mean(), rtol=1e-12, atol=0.0)
     default = compose_loss(batch, sdpo_form="topk", sdpo_topk=6, sdpo_beta=0.5)
     tailed = trl_topk(
         student, teacher, distillation_topk=6, distillation_alpha=0.5, distillation_add_tail=True
     )
-    torch.testing.assert_close(default.distill, tailed[mask].mean(), rtol=1e-12, atol=0.0)
+    torch.testing.assert_close(default.sdpo, tailed[mask].mean(), rtol=1e-12, atol=0.0)

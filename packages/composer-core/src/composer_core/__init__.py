@@ -14,6 +14,7 @@ from composer_core.loss.distill import (
     sampled_token_distill,
     topk_distill,
 )
+from composer_core.loss.metrics import ADAPTER_PREFIX, METRIC_KEYS, OPTIONAL_METRIC_KEYS, Metrics
 from composer_core.loss.policy import (
     PolicyLossOutput,
     aggregate_loss,
@@ -30,8 +31,12 @@ from composer_core.loss.wrappers import TAIDScheduler, entropy_opd_loss, taid_lo
 __version__ = _version("composer-core")
 
 __all__ = [
+    "ADAPTER_PREFIX",
+    "METRIC_KEYS",
+    "OPTIONAL_METRIC_KEYS",
     "ComposeResult",
     "ComposerBatch",
+    "Metrics",
     "PolicyLossOutput",
     "TAIDScheduler",
     "__version__",

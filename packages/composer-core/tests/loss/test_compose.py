@@ -83,16 +83,16 @@ def test_zero_weight_channels_are_not_computed_bit_exact(alpha: float, beta: flo
         p = policy_loss(b.logprobs, b.advantages, b.completion_mask)
         assert torch.equal(r.total, p.loss)
         assert torch.equal(grads[0], torch.autograd.grad(p.loss, b.logprobs)[0])
-    assert (r.distill is None) == (alpha == 0) and (r.preference is None) == (beta == 0)
-    assert r.metrics["skipped/sdpo"] == float(alpha == 0) and r.metrics["skipped/replay"] == float(beta == 0)
+    assert (r.sdpo is None) == (alpha == 0) and (r.replay is None) == (beta == 0)
+    assert r.metrics["sdpo/skipped"] == float(alpha == 0) and r.metrics["replay/skipped"] == float(beta == 0)
 
 
 def test_absent_channels_are_skipped_and_reported() -> None:
     b = _batch(logits=False)
     b.chosen_logps = b.rejected_logps = None
     r = compose_loss(b)
-    assert r.distill is None and r.preference is None
-    assert r.metrics["skipped/sdpo"] == 1.0 and r.metrics["skipped/replay"] == 1.0
+    assert r.sdpo is None and r.replay is None
+    assert r.metrics["sdpo/skipped"] == 1.0 and r.metrics["replay/skipped"] == 1.0
     assert "loss/sdpo" not in r.metrics and "loss/replay" not in r.metrics
     assert torch.equal(r.total, policy_loss(b.logprobs, b.advantages, b.completion_mask).loss)
 
@@ -100,26 +100,26 @@ def test_absent_channels_are_skipped_and_reported() -> None:
 def test_total_metrics_and_own_normalisers() -> None:
     b = _batch()
     r = compose_loss(b, alpha_sdpo=0.3, beta_replay=2.0, kl_beta=0.0)
-    assert r.distill is not None and r.preference is not None
-    torch.testing.assert_close(r.total, r.policy + 0.3 * r.distill + 2.0 * r.preference)
+    assert r.sdpo is not None and r.replay is not None
+    torch.testing.assert_close(r.total, r.policy + 0.3 * r.sdpo + 2.0 * r.replay)
     # channel 2 is normalised by its own token count (sdpo_mask), channel 3 by the pair count
     assert b.sdpo_mask is not None and b.student_logits is not None and b.teacher_logits is not None
     n_sdpo = int(b.sdpo_mask.sum())
     assert n_sdpo != int(b.completion_mask.sum())
     jsd_sum = generalized_jsd(b.student_logits, b.teacher_logits, mask=b.sdpo_mask, reduction="sum")
-    assert r.distill.item() == pytest.approx(jsd_sum.item() / n_sdpo, rel=1e-12)
+    assert r.sdpo.item() == pytest.approx(jsd_sum.item() / n_sdpo, rel=1e-12)
     assert b.ref_chosen_logps is not None and b.ref_rejected_logps is not None
     pairs = dpo_loss(
         b.chosen_logps, b.rejected_logps, b.ref_chosen_logps, b.ref_rejected_logps, reduction="sum"
     )  # type: ignore[arg-type]
-    assert r.preference.item() == pytest.approx(pairs.item() / P, rel=1e-12)
+    assert r.replay.item() == pytest.approx(pairs.item() / P, rel=1e-12)
     expected_keys = {
         "loss/total",
         "loss/policy",
         "loss/sdpo",
         "loss/replay",
-        "skipped/sdpo",
-        "skipped/replay",
+        "sdpo/skipped",
+        "replay/skipped",
         "policy/clip_ratio",
         "sdpo/tokens",
         "replay/pairs",
@@ -135,9 +135,9 @@ def test_total_metrics_and_own_normalisers() -> None:
 def test_sdpo_mask_defaults_to_completion_mask() -> None:
     b = dataclasses.replace(_batch(), sdpo_mask=None)
     r = compose_loss(b)
-    assert b.student_logits is not None and b.teacher_logits is not None and r.distill is not None
+    assert b.student_logits is not None and b.teacher_logits is not None and r.sdpo is not None
     ref = generalized_jsd(b.student_logits, b.teacher_logits, mask=b.completion_mask)
-    assert torch.equal(r.distill, ref)
+    assert torch.equal(r.sdpo, ref)
 
 
 def test_global_normalisers_make_accumulation_exact_for_all_channels() -> None:
@@ -195,23 +195,23 @@ def test_sdpo_forms_match_the_standalone_losses() -> None:
     m = b.sdpo_mask
     assert b.student_logits is not None and b.teacher_logits is not None and b.teacher_logprobs is not None
     assert b.student_hidden is not None and b.teacher_hidden is not None and b.lm_head_weight is not None
-    auto = compose_loss(b, sdpo_beta=0.2, sdpo_temperature=0.8).distill
+    auto = compose_loss(b, sdpo_beta=0.2, sdpo_temperature=0.8).sdpo
     assert torch.equal(
         auto, generalized_jsd(b.student_logits, b.teacher_logits, beta=0.2, temperature=0.8, mask=m)
     )  # type: ignore[arg-type]
-    topk = compose_loss(b, sdpo_topk=3).distill
+    topk = compose_loss(b, sdpo_topk=3).sdpo
     assert torch.equal(topk, topk_distill(b.student_logits, b.teacher_logits, k=3, mask=m))  # type: ignore[arg-type]
-    sampled = compose_loss(b, sdpo_form="sampled", sdpo_token_clip=None).distill
+    sampled = compose_loss(b, sdpo_form="sampled", sdpo_token_clip=None).sdpo
     assert torch.equal(sampled, sampled_token_distill(b.logprobs, b.teacher_logprobs, m, is_clip=None))  # type: ignore[arg-type]
     fused_b = dataclasses.replace(b, student_logits=None, teacher_logits=None)
-    fused = compose_loss(fused_b, sdpo_chunk_size=4).distill
+    fused = compose_loss(fused_b, sdpo_chunk_size=4).sdpo
     ref = fused_linear_generalized_jsd(
         b.student_hidden, b.lm_head_weight, b.teacher_hidden, mask=m, chunk_size=4
     )
     assert torch.equal(fused, ref)  # type: ignore[arg-type]
     only_sampled = dataclasses.replace(fused_b, student_hidden=None, teacher_hidden=None, lm_head_weight=None)
     old = b.logprobs.detach() - 0.5
-    clip = compose_loss(dataclasses.replace(only_sampled, old_logprobs=old), sdpo_token_clip=1.2).distill
+    clip = compose_loss(dataclasses.replace(only_sampled, old_logprobs=old), sdpo_token_clip=1.2).sdpo
     ref_clip = sampled_token_distill(b.logprobs, b.teacher_logprobs, m, old_logprobs=old, is_clip=1.2)  # type: ignore[arg-type]
     assert torch.equal(clip, ref_clip)  # type: ignore[arg-type]
 
@@ -221,7 +221,7 @@ def test_wrappers_through_compose() -> None:
     assert b.student_logits is not None and b.teacher_logits is not None
     m = b.sdpo_mask
     r = compose_loss(b, sdpo_wrapper="taid", taid_t=0.35)
-    assert torch.equal(r.distill, taid_loss(b.student_logits, b.teacher_logits, 0.35, mask=m))  # type: ignore[arg-type]
+    assert torch.equal(r.sdpo, taid_loss(b.student_logits, b.teacher_logits, 0.35, mask=m))  # type: ignore[arg-type]
     assert r.metrics["taid/t"] == 0.35
     r = compose_loss(
         b, sdpo_wrapper="taid", taid_schedule_step=5, taid_total_steps=10, taid_t_start=0.2, taid_t_end=0.6
@@ -238,11 +238,11 @@ def test_wrappers_through_compose() -> None:
     ref = entropy_opd_loss(
         b.student_logits, b.teacher_logits, threshold=0.1, fkl_weight=0.5, beta=1.0, topk=4, mask=m
     )
-    assert torch.equal(r.distill, ref)  # type: ignore[arg-type]
+    assert torch.equal(r.sdpo, ref)  # type: ignore[arg-type]
     # fused form with a wrapper equals the logits form on the same logits
     hb = _batch(7, hidden=True, logits=False)
     assert hb.student_hidden is not None and hb.lm_head_weight is not None and hb.teacher_hidden is not None
-    fused = compose_loss(hb, sdpo_wrapper="taid", taid_t=0.5).distill
+    fused = compose_loss(hb, sdpo_wrapper="taid", taid_t=0.5).sdpo
     logits = compose_loss(
         dataclasses.replace(
             hb,
@@ -251,7 +251,7 @@ def test_wrappers_through_compose() -> None:
         ),
         sdpo_wrapper="taid",
         taid_t=0.5,
-    ).distill
+    ).sdpo
     torch.testing.assert_close(fused, logits)
 
 
@@ -260,18 +260,18 @@ def test_replay_variants_through_compose() -> None:
     args = (b.chosen_logps, b.rejected_logps)
     r = compose_loss(b, dpo_variant="simpo", simpo_beta=1.5, simpo_gamma=0.3)
     assert torch.equal(
-        r.preference, simpo_loss(*args, b.chosen_lengths, b.rejected_lengths, beta=1.5, gamma=0.3)
+        r.replay, simpo_loss(*args, b.chosen_lengths, b.rejected_lengths, beta=1.5, gamma=0.3)
     )  # type: ignore[arg-type]
     refs = (b.ref_chosen_logps, b.ref_rejected_logps)
     r = compose_loss(b, dpo_beta=0.2, dpo_loss_type="robust", dpo_label_smoothing=0.1)
     assert torch.equal(
-        r.preference, dpo_loss(*args, *refs, beta=0.2, loss_type="robust", label_smoothing=0.1)
+        r.replay, dpo_loss(*args, *refs, beta=0.2, loss_type="robust", label_smoothing=0.1)
     )  # type: ignore[arg-type]
     r = compose_loss(b, dpo_loss_type="ipo")
     ipo = dpo_loss(
         *args, *refs, loss_type="ipo", chosen_lengths=b.chosen_lengths, rejected_lengths=b.rejected_lengths
     )  # type: ignore[arg-type]
-    assert torch.equal(r.preference, ipo)  # type: ignore[arg-type]
+    assert torch.equal(r.replay, ipo)  # type: ignore[arg-type]
 
 
 def test_policy_options_pass_through() -> None:
@@ -447,17 +447,17 @@ def _mode_batch() -> ComposerBatch:
 def test_sdpo_topk_tail_threads_to_topk_distill_and_is_refused_elsewhere() -> None:
     b = _batch()
     m = b.sdpo_mask.bool()  # type: ignore[union-attr]
-    off = compose_loss(b, sdpo_topk=3, sdpo_topk_tail=False).distill
+    off = compose_loss(b, sdpo_topk=3, sdpo_topk_tail=False).sdpo
     ref = topk_distill(b.student_logits, b.teacher_logits, k=3, mask=m, add_tail_bucket=False)  # type: ignore[arg-type]
     assert off is not None and torch.equal(off, ref)
-    on = compose_loss(b, sdpo_topk=3).distill
+    on = compose_loss(b, sdpo_topk=3).sdpo
     assert on is not None and abs(on.item() - off.item()) > 1e-6  # the default keeps the tail bucket
     with pytest.raises(ValueError, match="sdpo_topk_tail"):
         compose_loss(b, sdpo_form="full", sdpo_topk_tail=False)
     with pytest.raises(ValueError, match="sdpo_topk_tail"):
         compose_loss(b, sdpo_topk_tail=False)  # auto without sdpo_topk: the full form
     # a CLI string is coerced as the typed config coerces every option; anything else names the option
-    again = compose_loss(b, sdpo_topk=3, sdpo_topk_tail="false").distill  # type: ignore[arg-type]
+    again = compose_loss(b, sdpo_topk=3, sdpo_topk_tail="false").sdpo  # type: ignore[arg-type]
     assert again is not None and torch.equal(again, off)
     with pytest.raises(ValueError, match="sdpo_topk_tail"):
         compose_loss(b, sdpo_topk=3, sdpo_topk_tail="maybe")  # type: ignore[arg-type]

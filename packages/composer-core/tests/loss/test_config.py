@@ -283,7 +283,7 @@ def test_compose_loss_reads_the_host_at_most_once(form: str, variant: str, norma
     assert len(on) <= 1, on
     assert off == [], off
     assert len(flat) <= 1, flat
-    assert r.distill is not None and r.preference is not None
+    assert r.sdpo is not None and r.replay is not None
     assert torch.equal(r.total, r_off.total)
     assert r.metrics["loss/total"] == pytest.approx(float(r.total.detach()))  # read only now, on demand
     assert set(r.metrics.tensors()) == set(r.metrics)

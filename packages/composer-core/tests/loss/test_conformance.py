@@ -57,8 +57,8 @@ def test_wrong_adapters_are_caught() -> None:
     def teacher_grad(batch: ComposerBatch, options: Mapping[str, Any]) -> torch.Tensor:
         # value right, gradient wrong: scales the student gradient through a straight-through trick
         out = compose_loss(batch, **options)
-        assert out.distill is not None
-        return out.total + 0.5 * (out.distill - out.distill.detach())
+        assert out.sdpo is not None
+        return out.total + 0.5 * (out.sdpo - out.sdpo.detach())
 
     with pytest.raises(ConformanceError, match="d total / d student_logits"):
         check_adapter(teacher_grad, supports={"sdpo_full"})

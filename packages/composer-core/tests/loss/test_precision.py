@@ -186,7 +186,7 @@ def _compose(fields: dict[str, Tensor], form: str, amp: torch.dtype | None) -> t
     inputs = {k: (v.detach().clone().requires_grad_() if k in _LEAVES else v) for k, v in fields.items()}
     with torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None):
         out = compose_loss(ComposerBatch(**inputs), alpha_sdpo=0.5, **_FORMS[form])  # type: ignore[arg-type]
-    assert out.distill is not None
+    assert out.sdpo is not None
     out.total.backward()
     return out.total.detach(), [inputs[k].grad for k in _LEAVES if k in inputs]  # type: ignore[misc]
 

@@ -71,10 +71,10 @@ def composer_trl_loss(
     )
     # TRL divides grpo/bnpo/dr_grpo by the accumulation steps; dapo's normaliser already spans the window.
     loss = result.policy if args.loss_type == "dapo" else result.policy / counts.accumulation
-    if result.distill is not None:
-        loss = loss + args.alpha_sdpo * result.distill
-    if result.preference is not None:
-        loss = loss + args.beta_replay * result.preference
+    if result.sdpo is not None:
+        loss = loss + args.alpha_sdpo * result.sdpo
+    if result.replay is not None:
+        loss = loss + args.beta_replay * result.replay
     return loss, result
 
 

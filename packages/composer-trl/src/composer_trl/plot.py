@@ -8,9 +8,9 @@ from typing import Any
 
 PANELS = (
     ("reward", "reward (mean over completions)", "training reward"),
-    ("composer/policy", "channel 1: policy loss", "policy loss"),
-    ("composer/sdpo", "channel 2: SDPO (hinted self-distillation)", "SDPO loss"),
-    ("composer/replay", "channel 3: trace replay (preference)", "replay loss"),
+    ("composer/loss/policy", "channel 1: policy loss", "policy loss"),
+    ("composer/loss/sdpo", "channel 2: SDPO (hinted self-distillation)", "SDPO loss"),
+    ("composer/loss/replay", "channel 3: trace replay (preference)", "replay loss"),
 )
 
 

@@ -17,9 +17,9 @@ from composer_trl.lifecycle import dumps
 
 BAR_FIELDS = {
     "reward": "reward",
-    "composer/policy": "policy",
-    "composer/sdpo": "sdpo",
-    "composer/replay": "replay",
+    "composer/loss/policy": "policy",
+    "composer/loss/sdpo": "sdpo",
+    "composer/loss/replay": "replay",
 }
 """Logged metric → short name shown on the progress bar."""
 

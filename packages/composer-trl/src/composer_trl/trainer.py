@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from accelerate.utils import is_peft_model
 from composer_core.loss.compose import ComposerBatch
+from composer_core.loss.metrics import ADAPTER_PREFIX
 from composer_core.loss.wrappers import TAIDScheduler
 from torch import Tensor
 from transformers import TrainerCallback
@@ -598,22 +599,24 @@ class ComposerGRPOTrainer(GRPOTrainer):
     def _log_composer_metrics(self, mode: str, policy: Tensor, result: Any, total: Tensor) -> None:
         """Accumulate each channel's contribution over the accumulation window; log once per optimiser step.
 
-        Logged (TRL's console / TensorBoard / W&B): ``composer/policy``, ``composer/sdpo``,
-        ``composer/replay`` (unweighted channel losses), ``composer/total``, ``composer/skipped_sdpo`` and
-        ``composer/skipped_replay`` (micro-batches, summed over processes), ``composer/sdpo_tokens``,
-        ``composer/replay_pairs``, ``composer/replay_accuracy`` and ``composer/taid_t``.
+        Logged (TRL's console / TensorBoard / W&B) under ``composer/`` + composer_core's ``METRIC_KEYS``:
+        ``composer/loss/policy``, ``composer/loss/sdpo``, ``composer/loss/replay`` (unweighted channel losses,
+        0 for a skipped channel), ``composer/loss/total``, ``composer/sdpo/skipped`` and
+        ``composer/replay/skipped`` (micro-batches, summed over processes), ``composer/sdpo/tokens``,
+        ``composer/replay/pairs``, ``composer/replay/accuracy`` and ``composer/taid/t``. The ``policy/*`` keys
+        are not repeated: TRL logs its own (``kl``, ``clip_ratio/*``).
         """
         m = result.metrics
         w = self._composer_window
-        w["policy"] = w["policy"] + policy.double().cpu()
-        w["total"] = w["total"] + total.double().cpu()
-        w["sdpo"] = w["sdpo"] + (0.0 if result.distill is None else float(result.distill.detach()))
-        w["replay"] = w["replay"] + (0.0 if result.preference is None else float(result.preference.detach()))
-        w["skipped_sdpo"] = w["skipped_sdpo"] + m.get("skipped/sdpo", 1.0)
-        w["skipped_replay"] = w["skipped_replay"] + m.get("skipped/replay", 1.0)
-        w["sdpo_tokens"] = w["sdpo_tokens"] + m.get("sdpo/tokens", 0.0)
-        w["replay_pairs"] = w["replay_pairs"] + m.get("replay/pairs", 0.0)
-        w["replay_correct"] = w["replay_correct"] + m.get("replay/accuracy", 0.0) * m.get("replay/pairs", 0.0)
+        w["loss/policy"] = w["loss/policy"] + policy.double().cpu()
+        w["loss/total"] = w["loss/total"] + total.double().cpu()
+        w["loss/sdpo"] = w["loss/sdpo"] + (0.0 if result.sdpo is None else float(result.sdpo.detach()))
+        w["loss/replay"] = w["loss/replay"] + (0.0 if result.replay is None else float(result.replay.detach()))
+        w["sdpo/skipped"] = w["sdpo/skipped"] + m.get("sdpo/skipped", 1.0)
+        w["replay/skipped"] = w["replay/skipped"] + m.get("replay/skipped", 1.0)
+        w["sdpo/tokens"] = w["sdpo/tokens"] + m.get("sdpo/tokens", 0.0)
+        w["replay/pairs"] = w["replay/pairs"] + m.get("replay/pairs", 0.0)
+        w["replay/correct"] = w["replay/correct"] + m.get("replay/accuracy", 0.0) * m.get("replay/pairs", 0.0)
         if mode == "train" and not self.accelerator.sync_gradients:
             return
         keys = sorted(w)
@@ -621,18 +624,18 @@ class ComposerGRPOTrainer(GRPOTrainer):
         summed = self.accelerator.reduce(local, reduction="sum")
         vals = dict(zip(keys, summed.tolist()))
         n = self.accelerator.num_processes
-        for k in ("policy", "sdpo", "replay", "total"):
-            self._metrics[mode][f"composer/{k}"].append(vals[k] / n)
-        for k in ("skipped_sdpo", "skipped_replay", "sdpo_tokens", "replay_pairs"):
-            self._metrics[mode][f"composer/{k}"].append(vals[k])
-        if vals["replay_pairs"] > 0:
-            self._metrics[mode]["composer/replay_accuracy"].append(
-                vals["replay_correct"] / vals["replay_pairs"]
+        for k in ("loss/policy", "loss/sdpo", "loss/replay", "loss/total"):
+            self._metrics[mode][ADAPTER_PREFIX + k].append(vals[k] / n)
+        for k in ("sdpo/skipped", "replay/skipped", "sdpo/tokens", "replay/pairs"):
+            self._metrics[mode][ADAPTER_PREFIX + k].append(vals[k])
+        if vals["replay/pairs"] > 0:
+            self._metrics[mode][ADAPTER_PREFIX + "replay/accuracy"].append(
+                vals["replay/correct"] / vals["replay/pairs"]
             )
         if self._taid is not None:
-            self._metrics[mode]["composer/taid_t"].append(self._taid.t)
+            self._metrics[mode][ADAPTER_PREFIX + "taid/t"].append(self._taid.t)
             if mode == "train":
-                self._taid_pending = vals["sdpo"] / n
+                self._taid_pending = vals["loss/sdpo"] / n
         self._composer_window.clear()
 
     def _taid_step(self) -> None:

@@ -1,4 +1,4 @@
-"""The composer objective: ``total = policy + α·distill + β·preference``.
+"""The composer objective: ``total = policy + α·sdpo + β·replay``.
 
 - channel 1, policy: GRPO-family loss (:func:`composer_core.loss.policy.policy_loss`);
 - channel 2, SDPO: hinted self-distillation — the same model given a textual hint is the teacher
@@ -8,13 +8,16 @@
 
 Each channel is normalised by its own count (tokens for channels 1–2, pairs for 3), as PRIME-RL's
 ``compute_loss`` does, so the terms do not dilute each other. A channel whose inputs are absent from the batch
-is skipped for that step (``metrics["skipped/<channel>"] = 1.0``); ``alpha_sdpo=0`` / ``beta_replay=0`` do not
+is skipped for that step (``metrics["<channel>/skipped"] = 1.0``); ``alpha_sdpo=0`` / ``beta_replay=0`` do not
 compute the channel at all, so the total is bit-identical to the policy-only loss.
 """
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -110,17 +113,40 @@ class ComposerBatch:
 class ComposeResult:
     """Output of :func:`compose_loss`.
 
-    total: scalar to backpropagate. policy: channel-1 loss. distill / preference: channel 2 / 3 losses
-    (before α / β), None when skipped. metrics: a :class:`~composer_core.loss.metrics.Metrics` mapping (keys in
-    :func:`compose_loss`): reading it gives floats (all keys converted with one host transfer, on first read),
-    ``metrics.tensors()`` gives the detached 0-dim tensors unread. ``float(v)`` / ``dict(metrics)`` keep working.
+    total: scalar to backpropagate. policy / sdpo / replay: the channel-1 / 2 / 3 losses (sdpo and replay
+    before α / β; None when the channel was skipped). metrics: a :class:`~composer_core.loss.metrics.Metrics`
+    mapping (keys: :data:`~composer_core.loss.metrics.METRIC_KEYS`): reading it gives floats (all keys converted
+    with one host transfer, on first read), ``metrics.tensors()`` gives the detached 0-dim tensors unread.
+    ``float(v)`` / ``dict(metrics)`` keep working. ``distill`` / ``preference`` are deprecated read-only aliases
+    of ``sdpo`` / ``replay``.
     """
 
     total: Tensor
     policy: Tensor
-    distill: Tensor | None = None
-    preference: Tensor | None = None
+    sdpo: Tensor | None = None
+    replay: Tensor | None = None
     metrics: Metrics = field(default_factory=Metrics)
+
+    @property
+    def distill(self) -> Tensor | None:
+        """Deprecated alias of :attr:`sdpo` (the channel-2 loss)."""
+        warnings.warn(
+            "ComposeResult.distill is deprecated; use ComposeResult.sdpo (channels are policy, sdpo, replay).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.sdpo
+
+    @property
+    def preference(self) -> Tensor | None:
+        """Deprecated alias of :attr:`replay` (the channel-3 loss)."""
+        warnings.warn(
+            "ComposeResult.preference is deprecated; use ComposeResult.replay (channels are policy, sdpo, "
+            "replay).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.replay
 
 
 #: Every flat keyword of :func:`compose_loss` (derived from :class:`~composer_core.loss.config.ComposeConfig`).
@@ -167,7 +193,7 @@ def compose_loss(
     replay_normalizer: float | Tensor | None = None,
     **options: object,
 ) -> ComposeResult:
-    """``total = policy + alpha_sdpo·distill + beta_replay·preference`` (see the module docstring).
+    """``total = policy + alpha_sdpo·sdpo + beta_replay·replay`` (see the module docstring).
 
     Two call forms: ``compose_loss(batch, config)`` with a :class:`~composer_core.loss.config.ComposeConfig`
     (build it once, reuse it every step), or the flat keyword facade ``compose_loss(batch, alpha_sdpo=...,
@@ -204,10 +230,11 @@ def compose_loss(
     lengths/normalisers) run fused, with ONE host sync per call; False (or ``torch.compile``) skips them (no host
     sync). Structural checks (shapes, dtypes, devices, options) always run, without reading device memory.
 
-    Metrics (detached; see :class:`ComposeResult`): ``loss/total``, ``loss/policy``, ``loss/sdpo``,
-    ``loss/replay``, ``skipped/sdpo``, ``skipped/replay`` (1.0 when the channel was not computed: inputs absent or
-    weight 0), ``policy/clip_ratio``, ``policy/kl`` (if ``kl_beta``), ``sdpo/tokens``, ``replay/pairs``,
-    ``replay/accuracy``, ``taid/t`` (TAID only), plus the policy metrics of ``policy_loss``.
+    Metrics (detached; see :class:`ComposeResult`): the keys of
+    :data:`~composer_core.loss.metrics.METRIC_KEYS` (``<group>/<name>``: ``loss/total``, ``loss/policy``,
+    ``loss/sdpo``, ``loss/replay``, ``sdpo/skipped``, ``replay/skipped`` (1.0 when the channel was not computed:
+    inputs absent or weight 0), ``sdpo/tokens``, ``replay/pairs``, ``replay/accuracy``, ``taid/t`` (TAID only),
+    ``policy/clip_ratio`` and the optional ``policy/*`` metrics of ``policy_loss``).
 
     Raises ValueError for unknown options (with the closest name), options without effect in the resolved mode,
     contradictory options, partial channel inputs, NaN/inf, shape, device or vocabulary mismatches and empty masks
@@ -290,37 +317,35 @@ def _compose(
     total = pol.loss
 
     # ---- channel 2 -------------------------------------------------------------------------------------
-    distill: Tensor | None = None
+    sdpo: Tensor | None = None
     if cfg.alpha_sdpo == 0 or form is None:
-        metrics["skipped/sdpo"] = 1.0
+        metrics["sdpo/skipped"] = 1.0
     else:
-        distill, sdpo_metrics = _sdpo(batch, cfg.sdpo, form, norms[1])
+        sdpo, sdpo_metrics = _sdpo(batch, cfg.sdpo, form, norms[1])
         metrics.update(sdpo_metrics)
-        metrics["skipped/sdpo"] = 0.0
-        total = total + cfg.alpha_sdpo * distill
+        metrics["sdpo/skipped"] = 0.0
+        total = total + cfg.alpha_sdpo * sdpo
 
     # ---- channel 3 -------------------------------------------------------------------------------------
-    preference: Tensor | None = None
+    replay: Tensor | None = None
     ch3 = _present(batch, "chosen_logps", "rejected_logps")
     if cfg.beta_replay == 0 or not ch3:
-        metrics["skipped/replay"] = 1.0
+        metrics["replay/skipped"] = 1.0
     else:
-        preference, margin = _replay(batch, cfg.replay, ch3, norms[2])
+        replay, margin = _replay(batch, cfg.replay, ch3, norms[2])
         assert batch.chosen_logps is not None
         metrics["replay/pairs"] = float(batch.chosen_logps.shape[0])
         metrics["replay/accuracy"] = (margin.detach() > 0).to(torch.float64).mean()
-        metrics["skipped/replay"] = 0.0
-        total = total + cfg.beta_replay * preference
+        metrics["replay/skipped"] = 0.0
+        total = total + cfg.beta_replay * replay
 
     metrics["loss/policy"] = pol.loss.detach()
-    if distill is not None:
-        metrics["loss/sdpo"] = distill.detach()
-    if preference is not None:
-        metrics["loss/replay"] = preference.detach()
+    if sdpo is not None:
+        metrics["loss/sdpo"] = sdpo.detach()
+    if replay is not None:
+        metrics["loss/replay"] = replay.detach()
     metrics["loss/total"] = total.detach()
-    return ComposeResult(
-        total=total, policy=pol.loss, distill=distill, preference=preference, metrics=Metrics(metrics)
-    )
+    return ComposeResult(total=total, policy=pol.loss, sdpo=sdpo, replay=replay, metrics=Metrics(metrics))
 
 
 def _replay(
@@ -375,31 +400,86 @@ def _replay(
     return loss, batch.chosen_logps / lc - batch.rejected_logps / lr
 
 
+@dataclass(frozen=True)
+class _SDPOKernel:
+    """Decision 1 of channel 2: the divergence. ``name``: ``"jsd"`` (generalized JSD with ``sdpo_beta``; β=1 is
+    reverse KL), ``"taid"`` (TAID at interpolation ``t``), ``"entropy_opd"`` (entropy-aware OPD), ``"topk"``
+    (top-k generalized JSD) or ``"sampled"`` (the sampled-token reverse-KL estimator)."""
+
+    name: Literal["jsd", "taid", "entropy_opd", "topk", "sampled"]
+    t: float | None = None
+
+
+#: Decision 2 of channel 2: what the kernel runs on (sampled-token log-probs, full logits, or fused hidden
+#: states and the LM head). ``(batch, options, kernel, mask, normalizer) -> loss``.
+_Runner = Callable[[ComposerBatch, SDPOOptions, _SDPOKernel, Tensor, "float | Tensor | None"], Tensor]
+
+
 def _sdpo(
     batch: ComposerBatch, opts: SDPOOptions, form: str, normalizer: float | Tensor | None
 ) -> tuple[Tensor, dict[str, Tensor | float]]:
-    """Compute channel 2 in the resolved ``form``; returns (loss, metrics)."""
+    """Compute channel 2 in the resolved ``form``: pick the kernel, pick the runner; returns (loss, metrics)."""
     mask_src = batch.sdpo_mask if batch.sdpo_mask is not None else batch.completion_mask
     name = "sdpo_mask" if batch.sdpo_mask is not None else "completion_mask (used as sdpo_mask)"
     m = as_mask(name, mask_src, batch.logprobs.shape, device=batch.logprobs.device)
     metrics: dict[str, Tensor | float] = {"sdpo/tokens": m.sum().to(torch.float64)}
+    kernel = _pick_kernel(opts, form)
+    if kernel.t is not None:
+        metrics["taid/t"] = kernel.t
+    return _pick_runner(batch, form)(batch, opts, kernel, m, normalizer), metrics
+
+
+def _pick_kernel(opts: SDPOOptions, form: str) -> _SDPOKernel:
+    """The divergence the resolved ``form`` and wrapper ask for (wrappers need the full or fused form)."""
     if form == "sampled":
-        if batch.teacher_logprobs is None:
-            raise ValueError(
-                "sdpo_form='sampled' needs `teacher_logprobs` [B, T] (teacher log-probs of the sampled tokens)."
-            )
-        # logprobs / old_logprobs were validated by channel 1; the clip by the config
-        check_float("teacher_logprobs", batch.teacher_logprobs)
-        check_same_shape("logprobs", batch.logprobs, "teacher_logprobs", batch.teacher_logprobs)
-        check_normalizer("sdpo_normalizer", normalizer)
-        loss = _sampled_token_distill(
-            batch.logprobs, batch.teacher_logprobs, m, batch.old_logprobs, opts.token_clip, "mean", normalizer
-        )
-        return loss, metrics
+        return _SDPOKernel("sampled")
     if form == "topk":
+        return _SDPOKernel("topk")
+    if isinstance(opts.wrapper, TAID):
+        return _SDPOKernel("taid", t=opts.wrapper.resolve_t())
+    if isinstance(opts.wrapper, EntropyOPD):
+        return _SDPOKernel("entropy_opd")
+    return _SDPOKernel("jsd")
+
+
+def _pick_runner(batch: ComposerBatch, form: str) -> _Runner:
+    """Sampled-token log-probs for the sampled form, logits when present (always for top-k), else the fused
+    hidden-state path."""
+    if form == "sampled":
+        return _run_sampled
+    if form == "topk" or _present(batch, "student_logits", "teacher_logits"):
+        return _run_logits
+    if not _present(batch, "student_hidden", "teacher_hidden", "lm_head_weight"):
+        raise ValueError(
+            "sdpo_form='full' needs `student_logits` + `teacher_logits`, or `student_hidden` + `teacher_hidden` "
+            "+ `lm_head_weight`; the batch only has `teacher_logprobs` (use sdpo_form='sampled')."
+        )
+    return _run_fused
+
+
+def _run_sampled(
+    batch: ComposerBatch, opts: SDPOOptions, kernel: _SDPOKernel, m: Tensor, normalizer: float | Tensor | None
+) -> Tensor:
+    if batch.teacher_logprobs is None:
+        raise ValueError(
+            "sdpo_form='sampled' needs `teacher_logprobs` [B, T] (teacher log-probs of the sampled tokens)."
+        )
+    # logprobs / old_logprobs were validated by channel 1; the clip by the config
+    check_float("teacher_logprobs", batch.teacher_logprobs)
+    check_same_shape("logprobs", batch.logprobs, "teacher_logprobs", batch.teacher_logprobs)
+    check_normalizer("sdpo_normalizer", normalizer)
+    return _sampled_token_distill(
+        batch.logprobs, batch.teacher_logprobs, m, batch.old_logprobs, opts.token_clip, "mean", normalizer
+    )
+
+
+def _run_logits(
+    batch: ComposerBatch, opts: SDPOOptions, kernel: _SDPOKernel, m: Tensor, normalizer: float | Tensor | None
+) -> Tensor:
+    if kernel.name == "topk":
         _require_all(batch, "top-k", ("student_logits", "teacher_logits"))
         assert batch.student_logits is not None and batch.teacher_logits is not None and opts.topk is not None
-        loss = topk_distill(
+        return topk_distill(
             batch.student_logits,
             batch.teacher_logits,
             k=opts.topk,
@@ -409,33 +489,17 @@ def _sdpo(
             add_tail_bucket=opts.topk_tail,
             normalizer=normalizer,
         )
-        return loss, metrics
-    t: float | None = None
-    if isinstance(opts.wrapper, TAID):
-        t = opts.wrapper.resolve_t()
-        metrics["taid/t"] = t
-    if _present(batch, "student_logits", "teacher_logits"):
-        return _full_logits(batch, opts, m, t, normalizer), metrics
-    if not _present(batch, "student_hidden", "teacher_hidden", "lm_head_weight"):
-        raise ValueError(
-            "sdpo_form='full' needs `student_logits` + `teacher_logits`, or `student_hidden` + `teacher_hidden` "
-            "+ `lm_head_weight`; the batch only has `teacher_logprobs` (use sdpo_form='sampled')."
-        )
-    return _fused_hidden(batch, opts, m, t, normalizer), metrics
-
-
-def _full_logits(
-    batch: ComposerBatch, opts: SDPOOptions, m: Tensor, t: float | None, normalizer: float | Tensor | None
-) -> Tensor:
     _require_all(batch, "full-logits", ("student_logits", "teacher_logits"))
     assert batch.student_logits is not None and batch.teacher_logits is not None
     _check_vocab_tokens(batch.student_logits, batch.logprobs, "student_logits")
     common: dict[str, object] = {
         "temperature": opts.temperature, "mask": m, "chunk_size": opts.chunk_size, "normalizer": normalizer
     }  # fmt: skip
-    if t is not None:
-        return taid_loss(batch.student_logits, batch.teacher_logits, t, **common)  # type: ignore[arg-type]
-    if isinstance(opts.wrapper, EntropyOPD):
+    if kernel.name == "taid":
+        assert kernel.t is not None
+        return taid_loss(batch.student_logits, batch.teacher_logits, kernel.t, **common)  # type: ignore[arg-type]
+    if kernel.name == "entropy_opd":
+        assert isinstance(opts.wrapper, EntropyOPD)
         return entropy_opd_loss(
             batch.student_logits,
             batch.teacher_logits,
@@ -448,31 +512,19 @@ def _full_logits(
     return generalized_jsd(batch.student_logits, batch.teacher_logits, beta=opts.beta, **common)  # type: ignore[arg-type]
 
 
-def _fused_hidden(
-    batch: ComposerBatch, opts: SDPOOptions, m: Tensor, t: float | None, normalizer: float | Tensor | None
+def _run_fused(
+    batch: ComposerBatch, opts: SDPOOptions, kernel: _SDPOKernel, m: Tensor, normalizer: float | Tensor | None
 ) -> Tensor:
     _require_all(batch, "fused hidden-state", ("student_hidden", "teacher_hidden", "lm_head_weight"))
     assert batch.student_hidden is not None and batch.teacher_hidden is not None
     assert batch.lm_head_weight is not None
     _check_vocab_tokens(batch.student_hidden, batch.logprobs, "student_hidden")
     _check_common(opts.temperature, opts.chunk_size, "mean", normalizer, ("mean",))
-    kernel: Kernel
-    if t is not None:
-        kernel = taid_kernel(t)
-    elif isinstance(opts.wrapper, EntropyOPD):
-        vocab = batch.lm_head_weight.shape[0]
-        if opts.topk is not None and not (1 <= opts.topk <= vocab):
-            raise ValueError(f"`sdpo_topk`={opts.topk!r} must be None or an int in [1, V={vocab}].")
-        kernel = entropy_opd_kernel(
-            opts.beta, float(opts.wrapper.threshold), float(opts.wrapper.weight), opts.topk
-        )
-    else:
-        kernel = jsd_kernel(float(opts.beta))
     return fused_linear_loss(
         batch.student_hidden,
         batch.lm_head_weight,
         batch.teacher_hidden,
-        kernel,
+        _fused_kernel(opts, kernel, vocab=batch.lm_head_weight.shape[0]),
         teacher_lm_head_weight=None,
         lm_head_bias=batch.lm_head_bias,
         teacher_lm_head_bias=None,
@@ -482,6 +534,21 @@ def _fused_hidden(
         reduction="mean",
         normalizer=normalizer,
     )
+
+
+def _fused_kernel(opts: SDPOOptions, kernel: _SDPOKernel, vocab: int) -> Kernel:
+    """The chunk kernel of :func:`~composer_core.loss.distill.fused_linear_loss` for ``kernel``."""
+    if kernel.name == "taid":
+        assert kernel.t is not None
+        return taid_kernel(kernel.t)
+    if kernel.name == "entropy_opd":
+        assert isinstance(opts.wrapper, EntropyOPD)
+        if opts.topk is not None and not (1 <= opts.topk <= vocab):
+            raise ValueError(f"`sdpo_topk`={opts.topk!r} must be None or an int in [1, V={vocab}].")
+        return entropy_opd_kernel(
+            opts.beta, float(opts.wrapper.threshold), float(opts.wrapper.weight), opts.topk
+        )
+    return jsd_kernel(float(opts.beta))
 
 
 def _check_vocab_tokens(x: Tensor, logprobs: Tensor, name: str) -> None:

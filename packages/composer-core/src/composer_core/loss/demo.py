@@ -62,10 +62,10 @@ def main(argv: list[str] | None = None) -> None:
     grad_norm = torch.stack([(p.grad**2).sum() for p in params if p.grad is not None]).sum().sqrt()
     print("composer loss demo: toy batch of 2 prompts x 4 completions, V=32")
     print(f"  policy (GRPO/DAPO)          : {result.policy.item():+.6f}")
-    if result.distill is not None:
-        print(f"  distill (SDPO, JSD beta=0.5): {result.distill.item():+.6f}  x alpha={args.alpha_sdpo}")
-    if result.preference is not None:
-        print(f"  preference (DPO sigmoid)    : {result.preference.item():+.6f}  x beta={args.beta_replay}")
+    if result.sdpo is not None:
+        print(f"  sdpo (JSD beta=0.5)         : {result.sdpo.item():+.6f}  x alpha={args.alpha_sdpo}")
+    if result.replay is not None:
+        print(f"  replay (DPO sigmoid)        : {result.replay.item():+.6f}  x beta={args.beta_replay}")
     print(f"  total                       : {result.total.item():+.6f}")
     print(f"  grad norm (embed, head)     : {float(grad_norm):.6f}")
     for key in sorted(result.metrics):

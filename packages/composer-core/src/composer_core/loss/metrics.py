@@ -5,16 +5,66 @@ The loss functions never read a metric on the host (each read would be a device 
 ``float(m[k])``, ``dict(m)``, iterating values) converts **all** of them to floats with one host transfer,
 once, and caches the result. :meth:`Metrics.tensors` returns them unread, for callers that reduce or log
 tensors themselves.
+
+:data:`METRIC_KEYS` names every key :func:`composer_core.compose_loss` can return (``<group>/<name>``; the
+groups are the channels ``policy`` / ``sdpo`` / ``replay``, ``loss`` for the channel losses, ``taid`` for the
+wrapper): the one source of truth adapters log under their ``composer/`` prefix.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Mapping
+from types import MappingProxyType
 
 import torch
 from torch import Tensor
 
-__all__ = ["Metrics"]
+__all__ = ["ADAPTER_PREFIX", "METRIC_KEYS", "OPTIONAL_METRIC_KEYS", "Metrics"]
+
+#: Every metric key of :func:`composer_core.compose_loss` -> what it holds. A full 3-channel batch with the
+#: default options returns exactly the keys not in :data:`OPTIONAL_METRIC_KEYS`.
+METRIC_KEYS: Mapping[str, str] = MappingProxyType(
+    {
+        "loss/total": "the total loss, policy + alpha_sdpo*sdpo + beta_replay*replay",
+        "loss/policy": "channel 1 (policy) loss",
+        "loss/sdpo": "channel 2 (SDPO) loss before alpha_sdpo; absent when the channel was skipped",
+        "loss/replay": "channel 3 (trace replay) loss before beta_replay; absent when the channel was skipped",
+        "policy/clip_ratio": "fraction of policy tokens whose ratio was clipped",
+        "policy/kl": "mean per-token KL to the reference (kl_beta != 0 only)",
+        "policy/rollout_is_weight": "mean rollout IS weight (rollout correction or rollout_is_weights only)",
+        "policy/dppo_masked": "fraction of tokens the DPPO mask dropped (rollout_correction='dppo_mask' only)",
+        "sdpo/skipped": "1.0 when channel 2 was not computed (inputs absent or alpha_sdpo=0), else 0.0",
+        "sdpo/tokens": "distilled tokens of this call; absent when the channel was skipped",
+        "taid/t": "TAID's interpolation t of this step (sdpo_wrapper='taid' only)",
+        "replay/skipped": "1.0 when channel 3 was not computed (inputs absent or beta_replay=0), else 0.0",
+        "replay/pairs": "preference pairs of this call; absent when the channel was skipped",
+        "replay/accuracy": "fraction of pairs with a positive preference margin; absent when skipped",
+    }
+)
+
+#: Keys present only under an option (see :data:`METRIC_KEYS`).
+OPTIONAL_METRIC_KEYS = frozenset({"policy/kl", "policy/rollout_is_weight", "policy/dppo_masked", "taid/t"})
+
+#: The prefix under which every adapter logs :data:`METRIC_KEYS` (``composer/loss/sdpo``); an adapter's own
+#: counters use the same ``<group>/<name>`` grouping under it (``composer/sdpo/hinted_rows``).
+ADAPTER_PREFIX = "composer/"
+
+#: Keys renamed when the channels got their names (policy, sdpo, replay): old -> new. Reading an old key
+#: still works, with a DeprecationWarning.
+_RENAMED = {"skipped/sdpo": "sdpo/skipped", "skipped/replay": "replay/skipped"}
+
+
+def _renamed(key: object) -> object:
+    if isinstance(key, str) and key in _RENAMED:
+        warnings.warn(
+            f"metric key {key!r} is deprecated; use {_RENAMED[key]!r} (keys are <group>/<name>, see "
+            "composer_core.METRIC_KEYS).",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return _RENAMED[key]
+    return key
 
 
 class Metrics(Mapping[str, float]):
@@ -43,6 +93,8 @@ class Metrics(Mapping[str, float]):
         return self._floats
 
     def __getitem__(self, key: str) -> float:
+        if key not in self._raw and _RENAMED.get(key) in self._raw:
+            key = str(_renamed(key))
         if key not in self._raw:
             raise KeyError(key)
         return self._read()[key]
@@ -54,6 +106,8 @@ class Metrics(Mapping[str, float]):
         return len(self._raw)
 
     def __contains__(self, key: object) -> bool:
+        if isinstance(key, str) and key not in self._raw and _RENAMED.get(key) in self._raw:
+            key = _renamed(key)
         return key in self._raw
 
     def __repr__(self) -> str:

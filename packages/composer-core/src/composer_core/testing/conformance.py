@@ -254,7 +254,7 @@ def _cases() -> tuple[ConformanceCase, ...]:
                 frozenset({"sdpo_full"}),
                 lambda dt: _two_token(dt, [0.9, 0.1], [0.5, 0.5]),
                 {"sdpo_beta": beta, "beta_replay": 0.0},
-                {"distill": _jsd([0.5, 0.5], [0.9, 0.1], beta), "total": _jsd([0.5, 0.5], [0.9, 0.1], beta)},
+                {"sdpo": _jsd([0.5, 0.5], [0.9, 0.1], beta), "total": _jsd([0.5, 0.5], [0.9, 0.1], beta)},
                 "P_T=[.5,.5], P_S=[.9,.1]: FKL 0.51083, JSD_½ 0.10175, RKL 0.36806",
             )
         )
@@ -304,7 +304,7 @@ def _cases() -> tuple[ConformanceCase, ...]:
             frozenset({"sdpo_sampled"}),
             sampled,
             {"sdpo_form": "sampled"},
-            {"distill": math.log(2), "total": math.log(2)},
+            {"sdpo": math.log(2), "total": math.log(2)},
             "p_S=.5, p_T=.25: k1 value ln 2, gradient coefficient on ℓS +0.69315",
         )
     )
@@ -327,7 +327,7 @@ def _cases() -> tuple[ConformanceCase, ...]:
             frozenset({"sdpo_topk"}),
             lambda dt: _two_token(dt, [0.6, 0.3, 0.1], [0.2, 0.5, 0.3]),
             {"sdpo_form": "topk", "sdpo_topk": 1, "sdpo_beta": 0.0},
-            {"distill": topk_fkl, "total": topk_fkl},
+            {"sdpo": topk_fkl, "total": topk_fkl},
             "student top-1 support + tail bucket: FKL([.2,.8] ‖ [.6,.4])",
         )
     )
@@ -341,7 +341,7 @@ def _cases() -> tuple[ConformanceCase, ...]:
             frozenset({"taid"}),
             lambda dt: _two_token(dt, [0.9, 0.1], [0.5, 0.5]),
             {"sdpo_wrapper": "taid", "taid_t": t_mix},
-            {"distill": _kl(p_t, [0.9, 0.1]), "total": _kl(p_t, [0.9, 0.1])},
+            {"sdpo": _kl(p_t, [0.9, 0.1]), "total": _kl(p_t, [0.9, 0.1])},
             "KL(softmax(0.6·z_S + 0.4·z_T) ‖ q_S)",
         )
     )
@@ -354,7 +354,7 @@ def _cases() -> tuple[ConformanceCase, ...]:
             frozenset({"entropy_opd"}),
             lambda dt: _two_token(dt, q3, uni),
             {"sdpo_wrapper": "entropy_opd"},
-            {"distill": eopd, "total": eopd},
+            {"sdpo": eopd, "total": eopd},
             "uniform teacher over 3 (H = 1.0986 > 0.8): JSD_½ + FKL",
         )
     )
@@ -365,7 +365,7 @@ def _cases() -> tuple[ConformanceCase, ...]:
             frozenset({"entropy_opd"}),
             lambda dt: _two_token(dt, [0.9, 0.1], [0.5, 0.5]),
             {"sdpo_wrapper": "entropy_opd"},
-            {"distill": closed, "total": closed},
+            {"sdpo": closed, "total": closed},
             "teacher [.5,.5] (H = 0.693 < 0.8): base JSD only",
         )
     )
@@ -388,7 +388,7 @@ def _cases() -> tuple[ConformanceCase, ...]:
             frozenset({"dpo"}),
             lambda dt: pairs(dt, 0.0),
             {"alpha_sdpo": 0.0},
-            {"preference": math.log(2), "total": math.log(2)},
+            {"replay": math.log(2), "total": math.log(2)},
             "policy = reference → ln 2 for any β",
         )
     )
@@ -399,7 +399,7 @@ def _cases() -> tuple[ConformanceCase, ...]:
             frozenset({"dpo"}),
             lambda dt: pairs(dt, 10.0),
             {"dpo_beta": 0.1},
-            {"preference": dpo10, "total": dpo10},
+            {"replay": dpo10, "total": dpo10},
             "β=0.1, h=10 → 0.313262",
         )
     )
@@ -409,7 +409,7 @@ def _cases() -> tuple[ConformanceCase, ...]:
             frozenset({"dpo"}),
             lambda dt: pairs(dt, 0.0),
             {"dpo_loss_type": "ipo"},
-            {"preference": 25.0, "total": 25.0},
+            {"replay": 25.0, "total": 25.0},
             "IPO at h=0, β=0.1 → (0 − 1/(2β))² = 25",
         )
     )
@@ -420,7 +420,7 @@ def _cases() -> tuple[ConformanceCase, ...]:
             frozenset({"dpo"}),
             lambda dt: pairs(dt, 10.0),
             {"dpo_label_smoothing": 0.2},
-            {"preference": cdpo, "total": cdpo},
+            {"replay": cdpo, "total": cdpo},
             "cDPO ε=0.2 at βh=1",
         )
     )
@@ -432,7 +432,7 @@ def _cases() -> tuple[ConformanceCase, ...]:
             frozenset({"simpo"}),
             lambda dt: pairs(dt, -2.0),
             {"dpo_variant": "simpo"},
-            {"preference": simpo, "total": simpo},
+            {"replay": simpo, "total": simpo},
             "−log σ(2·(−14/4 + 15/5) − 0.5)",
         )
     )
@@ -534,8 +534,8 @@ def check_adapter(
         parts = {
             "total": ref.total,
             "policy": ref.policy,
-            "distill": ref.distill,
-            "preference": ref.preference,
+            "sdpo": ref.sdpo,
+            "replay": ref.replay,
         }
         for key, expected in case.expected.items():
             got = parts[key]
