@@ -19,8 +19,8 @@ with ComposerDriver(task, model, loss=loss, loop=loop, replay=replay) as driver:
     after = driver.weights()
 changed = sum(not torch.equal(before[k], after[k]) for k in before)
 assert changed == len(before), f"{changed} of {len(before)} tensors changed"
-assert result.metrics["sdpo/tokens"] > 0 and result.extra["pairs"] > 0, result.metrics
+assert result.metrics["composer/sdpo/tokens"] > 0 and result.extra["pairs"] > 0, result.metrics
 print(
     f"ok: one driver step on a proc mesh (actor pid {sorted(set(pids.values()))}): all {changed} tensors "
-    f"updated, loss {result.metrics.get('loss/total', float('nan')):.4f}, {result.extra['pairs']} replay pairs"
+    f"updated, loss {result.metrics.get('composer/loss/total', float('nan')):.4f}, {result.extra['pairs']} replay pairs"
 )

@@ -51,7 +51,7 @@ def _run(form: str, logits: torch.Tensor, t: dict[str, torch.Tensor], amp: torch
     with torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None):
         loss = loss_fn(x, **t)
     loss.backward()
-    assert loss_fn.last_result.distill is not None and loss_fn.last_result.distill.item() != 0.0
+    assert loss_fn.last_result.sdpo is not None and loss_fn.last_result.sdpo.item() != 0.0
     return loss.detach(), x.grad
 
 

@@ -188,7 +188,7 @@ def test_pair_rows_feed_dpo_and_leave_channel_1() -> None:
     assert torch.equal(total, expected.total)
     # closed form of the DPO term: −log σ(β((c − c_ref) − (r − r_ref)))
     margin = 0.1 * ((sums[2] - ref_sums[2]) - (sums[3] - ref_sums[3]))
-    torch.testing.assert_close(expected.preference, -torch.nn.functional.logsigmoid(margin))
+    torch.testing.assert_close(expected.replay, -torch.nn.functional.logsigmoid(margin))
     assert loss.last_result.metrics["replay/pairs"] == 1.0
     # an explicit policy_rows overrides the default (pair rows excluded)
     all_rows = loss(logits, **t, policy_rows=torch.tensor([True, True, True, True]))
@@ -211,7 +211,7 @@ def test_gradcheck_float64_all_three_channels() -> None:
         f, (logits.clone().requires_grad_(True),), eps=1e-6, atol=1e-6, fast_mode=True
     )
     assert (
-        loss.last_result.metrics["skipped/sdpo"] == 0.0 and loss.last_result.metrics["skipped/replay"] == 0.0
+        loss.last_result.metrics["sdpo/skipped"] == 0.0 and loss.last_result.metrics["replay/skipped"] == 0.0
     )
 
 

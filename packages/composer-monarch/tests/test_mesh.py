@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from composer_core import ADAPTER_PREFIX, METRIC_KEYS, OPTIONAL_METRIC_KEYS
 from composer_monarch import ComposerDriver, ComposerLoss, LoopConfig, PolicyTrainer, ReplayRecord, TinyQwen2
 from composer_monarch.rollout import TrainBatch
 from composer_monarch.task import ReverseDigits
@@ -59,20 +60,27 @@ def test_loop_runs_three_steps_on_two_processes_and_policy_changes(driver: Compo
     changed = [k for k in before if not torch.equal(before[k], after[k])]
     assert len(changed) == len(before)  # every tensor moved
     for r in results:
-        assert r.metrics["skipped/sdpo"] == 0.0 and r.metrics["sdpo/tokens"] > 0  # channel 2 ran
-        assert r.metrics["skipped/replay"] == 0.0 and r.extra["pairs"] > 0  # channel 3 ran
+        assert (
+            r.metrics["composer/sdpo/skipped"] == 0.0 and r.metrics["composer/sdpo/tokens"] > 0
+        )  # channel 2 ran
+        assert r.metrics["composer/replay/skipped"] == 0.0 and r.extra["pairs"] > 0  # channel 3 ran
+        # composer-core's keys (of the option-only ones, TorchForge's default kl_beta=0.1 adds policy/kl)
+        # under composer/, plus the trainer's own
+        core = set(METRIC_KEYS) - OPTIONAL_METRIC_KEYS | {"policy/kl"}
+        extras = {"train/grad_norm", "reward/mean", "policy/staleness"}
+        assert set(r.metrics) == {ADAPTER_PREFIX + k for k in core | extras}
         assert r.extra["weights_version"] == r.step + 1  # trainer → generator after every step
     # overlap: step k+1 was sampled while step k trained, by the weights one step behind
     assert results[0].sampled_by_version == first
     assert [r.sampled_by_version for r in results[1:]] == [first, first + 1]
-    assert [r.metrics["policy/staleness"] for r in results[1:]] == [1.0, 1.0]
+    assert [r.metrics["composer/policy/staleness"] for r in results[1:]] == [1.0, 1.0]
 
 
 def test_sequential_run_is_on_policy(driver: ComposerDriver) -> None:
     first = int(driver.trainer_state()["version"])
     results = driver.run(steps=2, overlap=False, progress=False)
     assert [r.sampled_by_version for r in results] == [first, first + 1]
-    assert all(r.metrics["policy/staleness"] == 0.0 for r in results)
+    assert all(r.metrics["composer/policy/staleness"] == 0.0 for r in results)
 
 
 def test_train_step_on_mesh_equals_in_process_bit_exact(driver: ComposerDriver) -> None:

@@ -34,7 +34,7 @@ def test_clipped_surrogate_closed_form(make_inputs, rho, adv, kwargs, loss, grad
     assert out.loss.item() == pytest.approx(loss, rel=1e-12)
     out.loss.backward()
     assert inputs.trainer_logprobs.grad.item() == pytest.approx(grad, rel=1e-12, abs=1e-15)
-    assert out.metrics["policy/clip_ratio"].item() == float(clipped)
+    assert out.metrics["composer/policy/clip_ratio"].item() == float(clipped)
 
 
 def test_clipped_surrogate_is_not_dppo(make_inputs) -> None:
@@ -52,7 +52,12 @@ def test_sum_and_weights_and_metrics(make_inputs) -> None:
     inputs = make_inputs(lp_train=[math.log(r) - 2 for r in rhos], lp_inf=[-2.0] * 3, adv=adv, weights=w)
     out = composer_loss(inputs, policy_loss="clipped_surrogate")
     assert out.loss.item() == pytest.approx(1.0 * -1.2 + 2.0 * 1.5 + 0.5 * -3.0, rel=1e-12)
-    assert out.metrics["policy/clip_ratio"].item() == pytest.approx(1 / 3)
+    assert out.metrics["composer/policy/clip_ratio"].item() == pytest.approx(1 / 3)
     k3 = 1.5 - math.log(1.5) - 1
     assert out.metrics["mismatch_kl"].item() == pytest.approx(2 * k3 / 3, rel=1e-6)
-    assert set(out.metrics) == {"policy/clip_ratio", "mismatch_kl", "loss/policy", "loss/total"}
+    assert set(out.metrics) == {
+        "composer/policy/clip_ratio",
+        "mismatch_kl",
+        "composer/loss/policy",
+        "composer/loss/total",
+    }

@@ -79,7 +79,7 @@ def test_sample_sum_and_metrics_over_mixed_tokens(make_inputs) -> None:
 
     assert m["masked_mismatch_kl"].item() == pytest.approx((k3(0.9, 0.6) + k3(0.3, 0.6)) / 2, rel=1e-6)
     assert m["unmasked_mismatch_kl"].item() == pytest.approx((k3(0.9, 0.6) + k3(0.5, 0.6)) / 2, rel=1e-6)
-    assert m["loss/policy"].item() == pytest.approx(expected / 4, rel=1e-6)
+    assert m["composer/loss/policy"].item() == pytest.approx(expected / 4, rel=1e-6)
     assert all(v.dim() == 0 and not v.requires_grad for v in m.values())
 
 

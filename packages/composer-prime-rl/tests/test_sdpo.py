@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from composer_core import ADAPTER_PREFIX, METRIC_KEYS
 from composer_prime_rl import composer_loss
 
 LN2 = math.log(2.0)
@@ -37,8 +38,8 @@ def test_sampled_token_gradient_check_value(make_inputs, p_inf, kwargs, coeffici
     out = composer_loss(inputs, **OFF, **kwargs)
     out.loss.backward()
     assert inputs.trainer_logprobs.grad.item() == pytest.approx(coefficient, rel=1e-12)
-    assert out.metrics["sdpo/reverse_kl_k1"].item() == pytest.approx(LN2, rel=1e-6)
-    assert out.metrics["skipped/sdpo"].item() == 0.0
+    assert out.metrics["composer/sdpo/reverse_kl_k1"].item() == pytest.approx(LN2, rel=1e-6)
+    assert out.metrics["composer/sdpo/skipped"].item() == 0.0
 
 
 def test_student_equal_to_teacher_gives_zero_gradient(make_inputs) -> None:
@@ -73,12 +74,14 @@ def test_packer_zero_fill_is_skipped_not_an_error(make_inputs) -> None:
     args = {"p_train": [0.5, 0.4, 0.3], "p_inf": [0.5, 0.4, 0.3], "adv": [1.0, 1.0, -1.0]}
     mask = [False, True, True]  # the first token is prompt
     filled = composer_loss(make_inputs(**args, lp_ref=[0.0, 0.0, 0.0], mask=mask), alpha_sdpo=1.0)
-    assert filled.metrics["skipped/sdpo"].item() == 1.0
+    assert filled.metrics["composer/sdpo/skipped"].item() == 1.0
     assert filled.loss.item() == composer_loss(make_inputs(**args, mask=mask)).loss.item()
     # a real teacher that is certain (log-prob 0) on every rl token but not on the prompt is kept
     certain = composer_loss(make_inputs(**args, lp_ref=[-2.0, 0.0, 0.0], mask=mask), alpha_sdpo=1.0)
-    assert certain.metrics["skipped/sdpo"].item() == 0.0
-    assert certain.metrics["sdpo/reverse_kl_k1"].item() == pytest.approx(math.log(0.4 * 0.3) / 2, rel=1e-6)
+    assert certain.metrics["composer/sdpo/skipped"].item() == 0.0
+    assert certain.metrics["composer/sdpo/reverse_kl_k1"].item() == pytest.approx(
+        math.log(0.4 * 0.3) / 2, rel=1e-6
+    )
 
 
 def test_skip_trains_the_policy_only_and_reports_it(make_inputs) -> None:
@@ -86,19 +89,19 @@ def test_skip_trains_the_policy_only_and_reports_it(make_inputs) -> None:
     skipped = composer_loss(make_inputs(**args), alpha_sdpo=1.0, sdpo_missing="skip")
     policy_only = composer_loss(make_inputs(**args))
     assert skipped.loss.item() == policy_only.loss.item()
-    assert skipped.metrics["skipped/sdpo"].item() == 1.0
-    assert skipped.metrics["loss/sdpo"].item() == 0.0
+    assert skipped.metrics["composer/sdpo/skipped"].item() == 1.0
+    assert skipped.metrics["composer/loss/sdpo"].item() == 0.0
     # the metric keys stay those of a run with channel 2 on
     with_ref = composer_loss(make_inputs(**args, p_ref=[0.5, 0.5]), alpha_sdpo=1.0, sdpo_missing="skip")
     assert set(with_ref.metrics) == set(skipped.metrics)
-    assert with_ref.metrics["skipped/sdpo"].item() == 0.0
+    assert with_ref.metrics["composer/sdpo/skipped"].item() == 0.0
 
 
 def test_alpha_zero_ignores_ref_logprobs(make_inputs) -> None:
     args = {"p_train": [0.9, 0.5], "p_inf": [0.6, 0.6], "adv": [-1.0, 1.0]}
     with_ref = composer_loss(make_inputs(**args, p_ref=[0.01, 0.99]))
     assert with_ref.loss.item() == composer_loss(make_inputs(**args)).loss.item()
-    assert "loss/sdpo" not in with_ref.metrics
+    assert "composer/loss/sdpo" not in with_ref.metrics
 
 
 @dataclasses.dataclass
@@ -164,3 +167,17 @@ def test_auto_form_is_the_sampled_form(make_inputs) -> None:
     assert auto.loss.item() == sampled.loss.item()
     with pytest.raises(ValueError, match="'sdpo_form' must be one of"):
         composer_loss(make_inputs(**args), alpha_sdpo=1.0, sdpo_form="sampled_token")
+
+
+@pytest.mark.parametrize("policy_loss", ["clipped_surrogate", "dppo"])
+def test_metric_keys_are_composer_core_keys_under_the_prefix(make_inputs, policy_loss) -> None:
+    """composer-core's keys under ``composer/`` plus the adapter's own ``sdpo/reverse_kl_k1``;
+    PRIME-RL's own metric names (``mismatch_kl``, ``is_masked``, ...) stay unprefixed."""
+    inputs = make_inputs(p_train=[0.5, 0.4], p_inf=[0.5, 0.3], p_ref=[0.25, 0.5], adv=[1.0, -1.0])
+    out = composer_loss(inputs, alpha_sdpo=1.0, policy_loss=policy_loss)
+    ours = {k.removeprefix(ADAPTER_PREFIX) for k in out.metrics if k.startswith(ADAPTER_PREFIX)}
+    core = {"loss/policy", "loss/sdpo", "loss/total", "sdpo/skipped"}
+    if policy_loss == "clipped_surrogate":
+        core.add("policy/clip_ratio")
+    assert core <= set(METRIC_KEYS) and ours == core | {"sdpo/reverse_kl_k1"}
+    assert not any("/" in k for k in out.metrics if not k.startswith(ADAPTER_PREFIX))

@@ -241,7 +241,7 @@ def test_through_old_prime_rl_setup_loss_fns(upstream) -> None:
     sample = samples[0]
     with_teacher = dataclasses.replace(sample, teacher_logprobs=sample.inference_logprobs - 0.3)
     out = composer_loss(with_teacher, alpha_sdpo=1.0)
-    assert out.metrics["sdpo/reverse_kl_k1"].item() == pytest.approx(
+    assert out.metrics["composer/sdpo/reverse_kl_k1"].item() == pytest.approx(
         (sample.trainer_logprobs - sample.inference_logprobs + 0.3)[sample.loss_mask].mean().item(), rel=1e-6
     )
 

@@ -28,7 +28,12 @@ def test_trains_all_three_channels_and_logs_them(tmp_path, model_dir, tokenizer,
     logs = [row for row in trainer.state.log_history if "reward" in row]
     assert len(logs) == 3
     for row in logs:
-        for key in ("composer/loss/policy", "composer/loss/sdpo", "composer/loss/replay", "composer/loss/total"):
+        for key in (
+            "composer/loss/policy",
+            "composer/loss/sdpo",
+            "composer/loss/replay",
+            "composer/loss/total",
+        ):
             assert key in row
         assert row["composer/loss/sdpo"] > 0  # hints present on every step (no completion is right yet)
         assert row["composer/loss/replay"] > 0
@@ -154,7 +159,9 @@ def test_replay_reference_frozen_copy_matches_policy_at_start(tmp_path, model_di
     trainer.model.train()
     inputs = trainer._generate_and_score_completions(h.generation_batch(dataset, 2, 4))
     trainer.compute_loss(trainer.model, inputs)
-    assert trainer._metrics["train"]["composer/loss/replay"][-1] == pytest.approx(0.6931471805599453, abs=1e-6)
+    assert trainer._metrics["train"]["composer/loss/replay"][-1] == pytest.approx(
+        0.6931471805599453, abs=1e-6
+    )
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])

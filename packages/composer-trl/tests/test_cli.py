@@ -107,8 +107,9 @@ def test_recipe_dataset_reward_and_hint_fn_are_used(tmp_path, model_dir, monkeyp
     assert len(rows) == 2
     for r in rows:
         assert r["reward"] == 0.25  # the recipe's reward, not the embedded verifier's partial credit
-        assert r["composer/sdpo/tokens"] > 0 and r["composer/loss/sdpo"] > 0  # hints from the recipe's hint_fn
-        assert r["composer/replay/pairs"] > 0 and r["composer/loss/replay"] > 0  # chosen/rejected of the dataset
+        # hints from the recipe's hint_fn; chosen/rejected of the dataset
+        assert r["composer/sdpo/tokens"] > 0 and r["composer/loss/sdpo"] > 0
+        assert r["composer/replay/pairs"] > 0 and r["composer/loss/replay"] > 0
     assert recipe_fns_for_test.HINT_CALLS
 
 

@@ -318,11 +318,11 @@ def test_policy_update_step_with_sdpo_and_replay_keys(worker: Any) -> None:
     m = _metrics(worker.train_mini_batch(_batch(extra)))
     # two micro-batches of 2 rows: 10 and 6 SDPO tokens out of 16; each contributes Σd/16, and verl
     # averages the per-micro-batch metric: (10 + 6)/16·ln 2 / 2.
-    assert m["composer/sdpo_tokens"] == pytest.approx((10 + 6) / 2)
-    assert m["composer/loss_sdpo"] == pytest.approx(LN2 / 2, rel=1e-5)
+    assert m["composer/sdpo/tokens"] == pytest.approx((10 + 6) / 2)
+    assert m["composer/loss/sdpo"] == pytest.approx(LN2 / 2, rel=1e-5)
     # one pair per micro-batch, 2 pairs in the mini-batch: each contributes ln 2 / 2; verl averages
-    assert m["composer/replay_pairs"] == 1.0
-    assert m["composer/loss_replay"] == pytest.approx(LN2 / 2, rel=1e-5)
+    assert m["composer/replay/pairs"] == 1.0
+    assert m["composer/loss/replay"] == pytest.approx(LN2 / 2, rel=1e-5)
     after = list(worker.engine.module.parameters())
     changed = sum(not torch.equal(a.detach(), b) for a, b in zip(after, before))
     assert changed == len(before)

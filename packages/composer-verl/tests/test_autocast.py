@@ -59,7 +59,7 @@ def test_policy_loss_under_autocast_equals_float32(amp: torch.dtype) -> None:
     inputs, extras = _inputs(torch.float32)
     ref, g_ref, _m_ref = _run(inputs, extras, None)
     out, g, m = _run(inputs, extras, amp)
-    assert m["composer/loss_sdpo"] > 0 and "composer/loss_replay" in m  # channels 2 and 3 computed
+    assert m["composer/loss/sdpo"] > 0 and "composer/loss/replay" in m  # channels 2 and 3 computed
     assert out.dtype == g.dtype == torch.float32
     torch.testing.assert_close(out, ref, rtol=2e-6, atol=1e-12)
     torch.testing.assert_close(g, g_ref, rtol=2e-6, atol=1e-12)
@@ -72,6 +72,6 @@ def test_bf16_log_probs_under_autocast() -> None:
     inputs, extras = _inputs(torch.bfloat16)
     ref, g_ref, _ = _run(inputs, extras, None)
     out, g, m = _run(inputs, extras, torch.bfloat16)
-    assert m["composer/loss_sdpo"] > 0
+    assert m["composer/loss/sdpo"] > 0
     assert g.dtype == torch.bfloat16
     assert torch.equal(out, ref) and torch.equal(g, g_ref)

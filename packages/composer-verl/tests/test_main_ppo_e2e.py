@@ -59,13 +59,13 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, float]]
 
 def test_three_steps_with_all_three_channels_non_zero(run: dict[int, dict[str, float]]) -> None:
     for step, m in run.items():
-        for name in ("pg_loss", "composer/loss_policy", "composer/loss_sdpo", "composer/loss_replay"):
+        for name in ("pg_loss", "composer/loss/policy", "composer/loss/sdpo", "composer/loss/replay"):
             assert math.isfinite(_get(m, name)), (step, name)
-        assert _get(m, "composer/hinted_rows") > 0, step  # hint_fn answered for unrewarded rows
-        assert _get(m, "composer/sdpo_tokens") > 0, step
-        assert _get(m, "composer/appended_pairs") == 2.0, step  # one pair per prompt group, 2 prompts
-        assert _get(m, "composer/replay_pairs") > 0, step
-        assert _get(m, "composer/loss_sdpo") != 0.0 and _get(m, "composer/loss_replay") != 0.0, step
+        assert _get(m, "composer/sdpo/hinted_rows") > 0, step  # hint_fn answered for unrewarded rows
+        assert _get(m, "composer/sdpo/tokens") > 0, step
+        assert _get(m, "composer/replay/appended_pairs") == 2.0, step  # one pair per prompt group, 2 prompts
+        assert _get(m, "composer/replay/pairs") > 0, step
+        assert _get(m, "composer/loss/sdpo") != 0.0 and _get(m, "composer/loss/replay") != 0.0, step
 
 
 def test_rollout_and_actor_log_probs_agree(run: dict[int, dict[str, float]]) -> None:

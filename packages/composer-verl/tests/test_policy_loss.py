@@ -7,6 +7,7 @@ import math
 import composer_verl.plugin  # noqa: F401
 import pytest
 import torch
+from composer_core import ADAPTER_PREFIX, METRIC_KEYS
 from composer_core.loss.distill import sampled_token_distill
 from composer_core.loss.preference import dpo_loss, simpo_loss
 from composer_verl.batch import ComposerExtras, using_extras
@@ -151,7 +152,7 @@ def test_sdpo_closed_form_value_and_gradient() -> None:
     with using_extras(extras):
         loss, grad, metrics = _run("composer", inputs, "token-mean", _actor_config())
     assert loss.item() == pytest.approx(0.5 * LN2)
-    assert metrics["composer/loss_sdpo"] == pytest.approx(LN2) and metrics["composer/sdpo_tokens"] == 3.0
+    assert metrics["composer/loss/sdpo"] == pytest.approx(LN2) and metrics["composer/sdpo/tokens"] == 3.0
     torch.testing.assert_close(grad, 0.5 * LN2 / 3 * sdpo_mask.double())
 
 
@@ -175,11 +176,11 @@ def test_sdpo_token_clip_reaches_core() -> None:
     extras = ComposerExtras(teacher_log_probs=teacher, sdpo_mask=torch.ones(2, 3))
     with using_extras(extras):
         metrics = _run("composer", inputs, "token-mean", _actor_config())[2]
-    assert metrics["composer/loss_sdpo"] == pytest.approx(1.5 * LN2)
+    assert metrics["composer/loss/sdpo"] == pytest.approx(1.5 * LN2)
     expected = sampled_token_distill(
         inputs["log_prob"], teacher, torch.ones(2, 3), old_logprobs=inputs["old_log_prob"], is_clip=1.5
     )
-    assert metrics["composer/loss_sdpo"] == pytest.approx(expected.item())
+    assert metrics["composer/loss/sdpo"] == pytest.approx(expected.item())
 
 
 def test_sdpo_enabled_without_extension_raises() -> None:
@@ -213,7 +214,7 @@ def test_sdpo_keys_ignored_when_alpha_zero() -> None:
     )
     with using_extras(extras):
         loss, _, metrics = _run("composer", inputs, "token-mean", _actor_config())
-    assert loss.item() == 0.0 and "composer/loss_sdpo" not in metrics
+    assert loss.item() == 0.0 and "composer/loss/sdpo" not in metrics
 
 
 # --- channel 3: trace-replay preference -------------------------------------------------------------------
@@ -242,7 +243,7 @@ def test_dpo_at_init_is_ln2_per_pair() -> None:
     with using_extras(ComposerExtras(**PAIRS, pref_ref_log_prob=ref_seq)):
         loss, _, metrics = _run("composer", inputs, "token-mean", _actor_config())
     assert loss.item() == pytest.approx(0.3 * LN2)
-    assert metrics["composer/replay_pairs"] == 2.0
+    assert metrics["composer/replay/pairs"] == 2.0
 
 
 def test_dpo_reference_from_verl_ref_log_prob() -> None:
@@ -349,8 +350,13 @@ def test_channels_add_up() -> None:
     )
     with using_extras(extras):
         loss, _, m = _run("composer", inputs, "token-mean", _actor_config())
-    assert m["composer/loss_sdpo"] == pytest.approx(LN2) and m["composer/loss_replay"] == pytest.approx(LN2)
-    assert loss.item() == pytest.approx(m["composer/loss_policy"] + 0.5 * LN2 + 0.25 * LN2)
+    assert m["composer/loss/sdpo"] == pytest.approx(LN2) and m["composer/loss/replay"] == pytest.approx(LN2)
+    assert loss.item() == pytest.approx(m["composer/loss/policy"] + 0.5 * LN2 + 0.25 * LN2)
+    # composer-core's metric keys under composer/ (verl logs channel 1 under its own actor/* names)
+    logged = {k for k in m if k.startswith(ADAPTER_PREFIX)}
+    core = {"loss/policy", "loss/sdpo", "loss/replay", "sdpo/tokens", "replay/pairs"}
+    assert core <= set(METRIC_KEYS) and logged == {ADAPTER_PREFIX + k for k in core}
+    assert {k for k in m if not k.startswith(ADAPTER_PREFIX)} <= {k for k in m if k.startswith("actor/")}
 
 
 @pytest.mark.parametrize(

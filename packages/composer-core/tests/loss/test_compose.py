@@ -259,14 +259,10 @@ def test_replay_variants_through_compose() -> None:
     b = _batch(8)
     args = (b.chosen_logps, b.rejected_logps)
     r = compose_loss(b, dpo_variant="simpo", simpo_beta=1.5, simpo_gamma=0.3)
-    assert torch.equal(
-        r.replay, simpo_loss(*args, b.chosen_lengths, b.rejected_lengths, beta=1.5, gamma=0.3)
-    )  # type: ignore[arg-type]
+    assert torch.equal(r.replay, simpo_loss(*args, b.chosen_lengths, b.rejected_lengths, beta=1.5, gamma=0.3))  # type: ignore[arg-type]
     refs = (b.ref_chosen_logps, b.ref_rejected_logps)
     r = compose_loss(b, dpo_beta=0.2, dpo_loss_type="robust", dpo_label_smoothing=0.1)
-    assert torch.equal(
-        r.replay, dpo_loss(*args, *refs, beta=0.2, loss_type="robust", label_smoothing=0.1)
-    )  # type: ignore[arg-type]
+    assert torch.equal(r.replay, dpo_loss(*args, *refs, beta=0.2, loss_type="robust", label_smoothing=0.1))  # type: ignore[arg-type]
     r = compose_loss(b, dpo_loss_type="ipo")
     ipo = dpo_loss(
         *args, *refs, loss_type="ipo", chosen_lengths=b.chosen_lengths, rejected_lengths=b.rejected_lengths

@@ -8,7 +8,7 @@ trainer to generator and teacher.
 With ``overlap=True`` the rollout of step k+1 (generate, score, teacher) runs while the trainer
 trains on step k, on a different process, so it is sampled by the weights one step behind; the
 sampler's log-probabilities are the ``old_logprobs`` of the clipped ratio, which corrects for it
-(``policy/staleness`` reports the lag). ``overlap=False`` is strictly on-policy.
+(``composer/policy/staleness`` reports the lag). ``overlap=False`` is strictly on-policy.
 
 Local: ``this_host().spawn_procs(per_host={"procs": 2})``. Multi-host: pass ``host_mesh`` (e.g.
 ``SlurmJob(...).state().hosts`` or ``ProcessJob({"hosts": 2}).state().hosts``) and place each role at
@@ -383,7 +383,8 @@ class ComposerDriver:
                     )
                     bar.update(1)
                     bar.set_postfix(
-                        reward=f"{results[-1].reward_mean:.3f}", loss=f"{metrics.get('loss/total', 0):.4f}"
+                        reward=f"{results[-1].reward_mean:.3f}",
+                        loss=f"{metrics.get('composer/loss/total', 0):.4f}",
                     )
                     if nxt is not None:
                         batch = nxt

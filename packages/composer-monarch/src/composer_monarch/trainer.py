@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from composer_core.loss.metrics import ADAPTER_PREFIX
 from monarch.actor import Actor, endpoint
 from torch import Tensor, nn
 
@@ -130,6 +131,9 @@ class PolicyTrainer:
         self.version = 0
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimiser step; returns the metrics to log: composer-core's ``compose_loss`` keys under
+        ``composer/`` (``composer/loss/total``, ``composer/sdpo/tokens``, ...) and this adapter's own
+        ``composer/train/grad_norm`` (when clipping), ``composer/reward/mean``, ``composer/policy/staleness``."""
         tokens, targets = collate(batch, self.pad_id)
         if self.reference is not None:
             with torch.no_grad():
@@ -142,14 +146,14 @@ class PolicyTrainer:
         loss = self.loss(logits, **targets)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward untyped
-        metrics = dict(self.loss.last_result.metrics)
+        metrics = {ADAPTER_PREFIX + k: v for k, v in self.loss.last_result.metrics.items()}
         if self.config.max_grad_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
-            metrics["grad_norm"] = float(norm)
+            metrics[ADAPTER_PREFIX + "train/grad_norm"] = float(norm)
         self.optimizer.step()
         self.version += 1
-        metrics["reward/mean"] = float(batch.rewards.float().mean())
-        metrics["policy/staleness"] = float(self.version - 1 - batch.policy_version)
+        metrics[ADAPTER_PREFIX + "reward/mean"] = float(batch.rewards.float().mean())
+        metrics[ADAPTER_PREFIX + "policy/staleness"] = float(self.version - 1 - batch.policy_version)
         return metrics
 
     def weights(self) -> dict[str, Tensor]:

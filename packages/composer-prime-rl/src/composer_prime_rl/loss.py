@@ -158,7 +158,7 @@ def _policy_terms(s: _Sample, opts: PrimeRLLossOptions) -> tuple[Tensor, dict[st
             lp, inf, adv, epsilon_low=opts.epsilon_low, epsilon_high=opts.epsilon_high, delta=opts.delta
         )
         return per_token[0], {
-            "policy/clip_ratio": (is_clipped[0], s.mask),
+            "composer/policy/clip_ratio": (is_clipped[0], s.mask),
             "mismatch_kl": (mismatch_kl, s.mask),
         }
 
@@ -198,7 +198,7 @@ def _sdpo_terms(s: _Sample, opts: PrimeRLLossOptions) -> tuple[Tensor, dict[str,
         is_clip=opts.sdpo_token_clip,
         reduction="none",
     )[0]
-    return per_token, {"sdpo/reverse_kl_k1": (s.logprobs - s.ref_logprobs, s.mask)}
+    return per_token, {"composer/sdpo/reverse_kl_k1": (s.logprobs - s.ref_logprobs, s.mask)}
 
 
 def composer_loss(inputs: LossInputs, **kwargs: Any) -> LossOutputs:
@@ -214,10 +214,10 @@ def composer_loss(inputs: LossInputs, **kwargs: Any) -> LossOutputs:
     Returns:
         ``LossOutputs`` with ``loss`` = the SUM over masked tokens of
         ``w_t (L^policy_t + alpha_sdpo L^sdpo_t)`` (PRIME-RL divides by the global token
-        count) and 0-dim detached ``metrics``: ``loss/policy``, ``loss/sdpo`` and
-        ``loss/total`` (per-token means of this sample), the policy diagnostics (PRIME-RL's
-        DPPO names, or ``policy/clip_ratio`` + ``mismatch_kl``), and with channel 2 on
-        ``sdpo/reverse_kl_k1`` and ``skipped/sdpo``. Every call of a run emits the same keys.
+        count) and 0-dim detached ``metrics``: ``composer/loss/policy``, ``composer/loss/sdpo`` and
+        ``composer/loss/total`` (per-token means of this sample), the policy diagnostics (PRIME-RL's
+        DPPO names, or ``composer/policy/clip_ratio`` + ``mismatch_kl``), and with channel 2 on
+        ``composer/sdpo/reverse_kl_k1`` and ``composer/sdpo/skipped``. Every call of a run emits the same keys.
 
         A sample whose ``loss_mask`` selects no token (PRIME-RL calls the loss for it when
         no rl weight stream exists) returns an exact 0 that is still attached to the graph
@@ -264,13 +264,13 @@ def composer_loss(inputs: LossInputs, **kwargs: Any) -> LossOutputs:
 
     if s.n_tokens > 0:
         weighted_policy = policy if s.weights is None else policy * s.weights
-        specs["loss/policy"] = (weighted_policy, s.mask)
+        specs["composer/loss/policy"] = (weighted_policy, s.mask)
         if distill is not None:
-            specs["loss/sdpo"] = (distill if s.weights is None else distill * s.weights, s.mask)
-        specs["loss/total"] = (per_token, s.mask)
+            specs["composer/loss/sdpo"] = (distill if s.weights is None else distill * s.weights, s.mask)
+        specs["composer/loss/total"] = (per_token, s.mask)
     metrics = _reduce_metrics(specs, _metric_keys(opts), s.logprobs.device)
     if opts.alpha_sdpo > 0:
-        metrics["skipped/sdpo"] = torch.tensor(float(skipped), device=s.logprobs.device)
+        metrics["composer/sdpo/skipped"] = torch.tensor(float(skipped), device=s.logprobs.device)
     return LossOutputs(loss=loss, metrics=metrics)
 
 
@@ -288,10 +288,10 @@ def _metric_keys(opts: PrimeRLLossOptions) -> tuple[str, ...]:
             "masked_advantage_negative",
         )
     else:
-        keys = ("policy/clip_ratio", "mismatch_kl")
-    keys += ("loss/policy", "loss/total")
+        keys = ("composer/policy/clip_ratio", "mismatch_kl")
+    keys += ("composer/loss/policy", "composer/loss/total")
     if opts.alpha_sdpo > 0:
-        keys += ("loss/sdpo", "sdpo/reverse_kl_k1")
+        keys += ("composer/loss/sdpo", "composer/sdpo/reverse_kl_k1")
     return keys
 
 

@@ -66,7 +66,7 @@ class PrimeRLLossOptions:
     ``sdpo_token_clip`` caps the detached importance weight ``exp(ℓ_train − ℓ_inf)``;
     None (``false`` in TOML) drops the weight (w = 1, TRL's ``distillation_is_clip=None``).
     ``sdpo_missing`` decides what a sample with ``ref_logprobs = None`` does: ``"error"``
-    (default) raises, ``"skip"`` trains it on channel 1 only and reports ``skipped/sdpo = 1``
+    (default) raises, ``"skip"`` trains it on channel 1 only and reports ``composer/sdpo/skipped = 1``
     (an all-zero ``ref_logprobs``, PRIME-RL's packer fill, is always skipped).
     ``sdpo_form`` accepts ``"sampled"`` (or ``"auto"``, which can only pick it here).
 

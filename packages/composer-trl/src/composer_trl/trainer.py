@@ -611,7 +611,9 @@ class ComposerGRPOTrainer(GRPOTrainer):
         w["loss/policy"] = w["loss/policy"] + policy.double().cpu()
         w["loss/total"] = w["loss/total"] + total.double().cpu()
         w["loss/sdpo"] = w["loss/sdpo"] + (0.0 if result.sdpo is None else float(result.sdpo.detach()))
-        w["loss/replay"] = w["loss/replay"] + (0.0 if result.replay is None else float(result.replay.detach()))
+        w["loss/replay"] = w["loss/replay"] + (
+            0.0 if result.replay is None else float(result.replay.detach())
+        )
         w["sdpo/skipped"] = w["sdpo/skipped"] + m.get("sdpo/skipped", 1.0)
         w["replay/skipped"] = w["replay/skipped"] + m.get("replay/skipped", 1.0)
         w["sdpo/tokens"] = w["sdpo/tokens"] + m.get("sdpo/tokens", 0.0)

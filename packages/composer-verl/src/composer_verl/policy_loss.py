@@ -142,7 +142,7 @@ def sdpo_term(
     else:
         normalizer = float(local)
     if local == 0:  # this micro-batch holds no hinted tokens: it contributes nothing, with a graph
-        return (log_prob * 0.0).sum(), {"composer/sdpo_tokens": 0.0}
+        return (log_prob * 0.0).sum(), {"composer/sdpo/tokens": 0.0}
     loss = sampled_token_distill(
         log_prob,
         extras.teacher_log_probs.to(log_prob.dtype),
@@ -152,7 +152,7 @@ def sdpo_term(
         reduction="mean",
         normalizer=normalizer,
     )
-    return loss, {"composer/sdpo_tokens": float(local)}
+    return loss, {"composer/sdpo/tokens": float(local)}
 
 
 def _pair_rows(pair_id: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,7 +215,7 @@ def replay_term(
             )
     ci, ri = _pair_rows(extras.pref_pair_id, extras.pref_chosen)
     if ci.numel() == 0:
-        return (log_prob * 0.0).sum(), {"composer/replay_pairs": 0.0}
+        return (log_prob * 0.0).sum(), {"composer/replay/pairs": 0.0}
     mask = response_mask.to(log_prob.dtype)
     seq_logp = (log_prob * mask).sum(-1)
     lengths = mask.sum(-1)
@@ -260,7 +260,7 @@ def replay_term(
             reduction="mean",
             normalizer=normalizer,
         )
-    return loss, {"composer/replay_pairs": float(ci.numel())}
+    return loss, {"composer/replay/pairs": float(ci.numel())}
 
 
 def compute_policy_loss_composer(
@@ -302,16 +302,16 @@ def compute_policy_loss_composer(
     batch_info = dict(config.get("global_batch_info", None) or {})
     policy = agg_loss(loss_mat=per_token, loss_mask=response_mask, loss_agg_mode=loss_agg_mode, **batch_info)
     total = policy
-    metrics["composer/loss_policy"] = policy.detach().item()
+    metrics["composer/loss/policy"] = policy.detach().item()
     extras = active_extras()
     if cfg.alpha_sdpo > 0:
         sdpo, m = sdpo_term(log_prob, old_log_prob, response_mask, extras, cfg)
         total = total + cfg.alpha_sdpo * sdpo
         metrics.update(m)
-        metrics["composer/loss_sdpo"] = sdpo.detach().item()
+        metrics["composer/loss/sdpo"] = sdpo.detach().item()
     if cfg.beta_replay > 0:
         replay, m = replay_term(log_prob, response_mask, extras, cfg)
         total = total + cfg.beta_replay * replay
         metrics.update(m)
-        metrics["composer/loss_replay"] = replay.detach().item()
+        metrics["composer/loss/replay"] = replay.detach().item()
     return total, metrics

@@ -344,7 +344,7 @@ class ComposerProducers:
         pair_rows = {pair_index[k]: int(j == 0) for p in self.pair_keys for j, k in enumerate(p)}
 
         hints = self._hints(samples, pair_rows)
-        metrics["composer/hinted_rows"] = float(sum(h is not None for h in hints))
+        metrics["composer/sdpo/hinted_rows"] = float(sum(h is not None for h in hints))
         # one actor pass: hinted contexts (teacher) + pair rows (their behaviour log-probs)
         jobs: list[tuple[str, int]] = []
         temp: list[dict[str, Any]] = []
@@ -488,7 +488,7 @@ class ComposerProducers:
                 tags.append(tag)
                 pair.append(key)
             self.pair_keys.append((pair[0], pair[1]))
-        metrics["composer/appended_pairs"] = float(len(pairs))
+        metrics["composer/replay/appended_pairs"] = float(len(pairs))
         if not rows:
             return batch
         tq.kv_batch_put(
