@@ -2,30 +2,11 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 from check_release import check_all, check_tag, main, parse_tag
-from workspace import ROOT, packages
-
-
-@pytest.fixture
-def ws(tmp_path: Path) -> Path:
-    """A copy of the workspace's metadata (root pyproject + each package's pyproject and CHANGELOG)."""
-    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
-    for pkg in packages().values():
-        dst = tmp_path / "packages" / pkg.directory.name
-        dst.mkdir(parents=True)
-        for leaf in ("pyproject.toml", "CHANGELOG.md"):
-            shutil.copy(pkg.directory / leaf, dst / leaf)
-    return tmp_path
-
-
-def _edit(path: Path, old: str, new: str) -> None:
-    text = path.read_text()
-    assert old in text, (path, old)
-    path.write_text(text.replace(old, new, 1))
+from workspace import packages
 
 
 def test_parse_tag() -> None:
@@ -61,9 +42,9 @@ def test_unknown_package_and_bad_version_are_refused() -> None:
     assert main(["--tag", "nonsense"]) == 1
 
 
-def test_adapter_whose_core_range_excludes_the_workspace_core_is_refused(ws: Path) -> None:
-    _edit(ws / "packages/composer-core/pyproject.toml", 'version = "0.1.0"', 'version = "0.2.0"')
-    _edit(ws / "packages/composer-core/CHANGELOG.md", "## [0.1.0]", "## [0.2.0]")
+def test_adapter_whose_core_range_excludes_the_workspace_core_is_refused(ws: Path, edit) -> None:
+    edit(ws / "packages/composer-core/pyproject.toml", 'version = "0.1.0"', 'version = "0.2.0"')
+    edit(ws / "packages/composer-core/CHANGELOG.md", "## [0.1.0]", "## [0.2.0]")
     _, problems = check_tag("composer-trl-v0.1.0", root=ws)
     assert problems == [
         "composer-trl: its range 'composer-core<0.2,>=0.1.0' excludes the workspace's composer-core 0.2.0; "
@@ -77,7 +58,7 @@ def test_adapter_whose_core_range_excludes_the_workspace_core_is_refused(ws: Pat
     assert len(check_all(ws)) == 5
     assert main(["--all", "--root", str(ws)]) == 1
     # widening one adapter's range (after testing it) makes that adapter releasable
-    _edit(
+    edit(
         ws / "packages/composer-trl/pyproject.toml",
         '"composer-core>=0.1.0,<0.2"',
         '"composer-core>=0.2.0,<0.3"',
@@ -85,17 +66,17 @@ def test_adapter_whose_core_range_excludes_the_workspace_core_is_refused(ws: Pat
     assert check_tag("composer-trl-v0.1.0", root=ws)[1] == []
 
 
-def test_adapter_without_a_core_range_is_refused(ws: Path) -> None:
-    _edit(ws / "packages/composer-verl/pyproject.toml", '"composer-core>=0.1.0,<0.2"', '"composer-core"')
+def test_adapter_without_a_core_range_is_refused(ws: Path, edit) -> None:
+    edit(ws / "packages/composer-verl/pyproject.toml", '"composer-core>=0.1.0,<0.2"', '"composer-core"')
     assert "composer-core has no version range" in check_tag("composer-verl-v0.1.0", root=ws)[1][0]
-    _edit(ws / "packages/composer-verl/pyproject.toml", '"composer-core",', "")
+    edit(ws / "packages/composer-verl/pyproject.toml", '"composer-core",', "")
     assert check_tag("composer-verl-v0.1.0", root=ws)[1] == [
         "composer-verl: no composer-core dependency in pyproject.toml"
     ]
 
 
-def test_changelog_needs_a_section_for_the_released_version(ws: Path) -> None:
-    _edit(ws / "packages/composer-monarch/CHANGELOG.md", "## [0.1.0]", "## [0.0.9]")
+def test_changelog_needs_a_section_for_the_released_version(ws: Path, edit) -> None:
+    edit(ws / "packages/composer-monarch/CHANGELOG.md", "## [0.1.0]", "## [0.0.9]")
     assert check_tag("composer-monarch-v0.1.0", root=ws)[1] == [
         "composer-monarch: CHANGELOG.md has no '## [0.1.0]' section; move the Unreleased entries there"
     ]

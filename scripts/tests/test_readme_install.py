@@ -2,33 +2,12 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
-import pytest
 from readme_install import check_readme, install_test_commands, main
-from workspace import ROOT, load_package, packages
+from workspace import load_package, packages
 
 REPO = "https://github.com/composer-rl/composer"
-
-
-@pytest.fixture
-def ws(tmp_path: Path) -> Path:
-    """A copy of the workspace's root pyproject, READMEs and package pyprojects."""
-    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
-    shutil.copy(ROOT / "README.md", tmp_path / "README.md")
-    for pkg in packages().values():
-        dst = tmp_path / "packages" / pkg.directory.name
-        dst.mkdir(parents=True)
-        for leaf in ("pyproject.toml", "README.md"):
-            shutil.copy(pkg.directory / leaf, dst / leaf)
-    return tmp_path
-
-
-def _edit(path: Path, old: str, new: str) -> None:
-    text = path.read_text()
-    assert old in text, (path, old)
-    path.write_text(text.replace(old, new, 1))
 
 
 def test_workspace_readmes_are_consistent() -> None:
@@ -49,23 +28,23 @@ def test_install_test_commands_point_at_the_built_wheels(tmp_path: Path) -> None
     ]
 
 
-def test_a_missing_block_or_a_wrong_git_url_is_reported(ws: Path) -> None:
+def test_a_missing_block_or_a_wrong_git_url_is_reported(ws: Path, edit) -> None:
     readme = ws / "packages/composer-verl/README.md"
-    _edit(readme, "```bash install-index", "```bash")
+    edit(readme, "```bash install-index", "```bash")
     problems = check_readme(load_package(ws / "packages/composer-verl"), ws)
     assert "no ```bash install-index block" in problems[0]
     assert any("installs composer-verl from the index" in p for p in problems)
 
-    _edit(readme, "```bash\npip install composer-verl", "```bash install-index\npip install composer-verl")
-    _edit(readme, "#subdirectory=packages/composer-verl", "#subdirectory=packages/composer-vrl")
+    edit(readme, "```bash\npip install composer-verl", "```bash install-index\npip install composer-verl")
+    edit(readme, "#subdirectory=packages/composer-verl", "#subdirectory=packages/composer-vrl")
     problems = check_readme(load_package(ws / "packages/composer-verl"), ws)
     assert "subdirectory packages/composer-vrl has no pyproject.toml" in problems[0]
 
-    _edit(readme, "#subdirectory=packages/composer-vrl", "#subdirectory=packages/composer-trl")
+    edit(readme, "#subdirectory=packages/composer-vrl", "#subdirectory=packages/composer-trl")
     problems = check_readme(load_package(ws / "packages/composer-verl"), ws)
     assert "holds composer-trl, not composer-verl" in problems[0]
 
-    _edit(
+    edit(
         readme,
         f"composer-verl @ git+{REPO}#subdirectory=packages/composer-trl",
         "composer-verl @ git+https://example.com/x#subdirectory=packages/composer-verl",
@@ -74,13 +53,13 @@ def test_a_missing_block_or_a_wrong_git_url_is_reported(ws: Path) -> None:
     assert f"the repository is {REPO}" in problems[0]
 
 
-def test_clone_and_git_forms_must_install_the_same(ws: Path) -> None:
+def test_clone_and_git_forms_must_install_the_same(ws: Path, edit) -> None:
     readme = ws / "packages/composer-trl/README.md"
-    _edit(readme, "'./packages/composer-trl[plot]'", "./packages/composer-trl")
+    edit(readme, "'./packages/composer-trl[plot]'", "./packages/composer-trl")
     problems = check_readme(load_package(ws / "packages/composer-trl"), ws)
     assert any("install-git block installs composer-core, composer-trl[plot]" in p for p in problems)
     assert any("install-index block does not install composer-trl" in p for p in problems)
-    _edit(
+    edit(
         readme,
         "pip install ./packages/composer-core ./packages/composer-trl",
         "pip install ./packages/composer-trl",
@@ -89,8 +68,8 @@ def test_clone_and_git_forms_must_install_the_same(ws: Path) -> None:
     assert any("must install ./packages/composer-core too" in p for p in problems)
 
 
-def test_clone_path_that_does_not_exist_is_reported(ws: Path) -> None:
-    _edit(
+def test_clone_path_that_does_not_exist_is_reported(ws: Path, edit) -> None:
+    edit(
         ws / "packages/composer-diloco/README.md", "./packages/composer-diloco ", "./packages/composer-dilco "
     )
     problems = check_readme(load_package(ws / "packages/composer-diloco"), ws)
@@ -119,9 +98,9 @@ def test_clone_command_that_ci_does_not_run_is_reported(ws: Path) -> None:
     )
 
 
-def test_unknown_extra_is_reported(ws: Path) -> None:
+def test_unknown_extra_is_reported(ws: Path, edit) -> None:
     # pip and uv only warn about an extra the package does not have; the check fails on it
-    _edit(
+    edit(
         ws / "packages/composer-trl/README.md",
         "'./packages/composer-trl[plot]'",
         "'./packages/composer-trl[plott]'",
