@@ -18,34 +18,14 @@ import torch
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Path:
-    from transformers import GenerationConfig, Qwen2MoeConfig, Qwen2MoeForCausalLM
+    from composer_core.tasks.tiny import TinyModelConfig, build_tiny_model
 
-    cfg = Qwen2MoeConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts=4,
-        num_experts_per_tok=2,
-        decoder_sparse_step=1,
-        max_position_embeddings=64,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        tie_word_embeddings=False,
-    )
-    assert cfg.router_aux_loss_coef > 0  # the default coefficient (0.001) is what GRPOTrainer applies
-    torch.manual_seed(0)
-    model = Qwen2MoeForCausalLM(cfg)
-    model.generation_config = GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-    )
+    cfg = TinyModelConfig(hidden_size=32, intermediate_size=64, num_experts=4, num_experts_per_tok=2)
+    model = build_tiny_model(tokenizer, cfg, seed=0)
+    assert type(model).__name__ == "Qwen2MoeForCausalLM"
+    assert (
+        model.config.router_aux_loss_coef > 0
+    )  # the default coefficient (0.001) is what GRPOTrainer applies
     path = tmp_path_factory.mktemp("tiny-qwen2-moe")
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

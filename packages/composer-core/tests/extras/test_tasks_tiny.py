@@ -38,3 +38,21 @@ def test_tiny_model_is_seeded_and_leaves_the_global_rng_alone() -> None:
     assert eager.config.hidden_size == 32 and eager.config._attn_implementation == "eager"
     logits = a(input_ids=torch.tensor([T.encode("381>")])).logits
     assert logits.shape == (1, 4, 16)
+
+
+def test_tiny_moe_model() -> None:
+    import pytest
+
+    cfg = TinyModelConfig(hidden_size=32, intermediate_size=64, num_experts=4, num_experts_per_tok=2)
+    moe = build_tiny_qwen2(16, cfg, seed=0)
+    again = build_tiny_qwen2(16, cfg, seed=0)
+    assert type(moe).__name__ == "Qwen2MoeForCausalLM"
+    assert moe.config.num_experts == 4 and moe.config.num_experts_per_tok == 2
+    assert moe.config.router_aux_loss_coef > 0  # transformers' default: GRPOTrainer adds the aux loss
+    assert all(torch.equal(v, again.state_dict()[k]) for k, v in moe.state_dict().items())
+    gates = [n for n, _ in moe.named_parameters() if n.endswith("mlp.gate.weight")]
+    assert len(gates) == 2  # every layer sparse
+    out = moe(input_ids=torch.tensor([T.encode("381>")]), output_router_logits=True)
+    assert out.logits.shape == (1, 4, 16) and out.aux_loss is not None
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        TinyModelConfig(num_experts=2, num_experts_per_tok=3)

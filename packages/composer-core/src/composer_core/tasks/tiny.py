@@ -9,6 +9,7 @@ both build their model here; the tests of both use it too.
   ``PreTrainedTokenizerFast`` (left padding, as TRL's GRPOTrainer requires), so it saves and reloads with
   ``AutoTokenizer`` like any other tokenizer;
 - :func:`build_tiny_qwen2` / :func:`build_tiny_model` build a randomly initialised ``Qwen2ForCausalLM``
+  (or, with ``TinyModelConfig(num_experts=...)``, a mixture-of-experts ``Qwen2MoeForCausalLM``)
   from a :class:`TinyModelConfig` and a seed, without touching the caller's global RNG state, and
   thread-safe (Monarch actors sharing a process are constructed on different threads).
 
@@ -80,6 +81,10 @@ class TinyModelConfig:
     """Shape of the tiny Qwen2 (defaults: ≈0.1 M parameters, trains at ~10 steps/s on 2 CPU cores).
 
     ``attn_implementation``: None keeps transformers' default (sdpa); composer-monarch passes "eager".
+    ``num_experts`` > 0 builds a mixture-of-experts ``Qwen2MoeForCausalLM`` instead (every layer sparse,
+    ``num_experts_per_tok`` experts of width ``moe_intermediate_size`` per token plus a shared expert of
+    width ``shared_expert_intermediate_size``; the router load-balancing loss at transformers' default
+    coefficient); 0 (the default) keeps the dense ``Qwen2ForCausalLM``.
     """
 
     hidden_size: int = 64
@@ -89,6 +94,18 @@ class TinyModelConfig:
     intermediate_size: int = 128
     max_position_embeddings: int = 64
     attn_implementation: str | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 32
+    shared_expert_intermediate_size: int = 32
+
+    def __post_init__(self) -> None:
+        if self.num_experts < 0:
+            raise ValueError(f"num_experts={self.num_experts}: must be >= 0 (0 builds the dense Qwen2)")
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok={self.num_experts_per_tok}: must be in [1, num_experts={self.num_experts}]"
+            )
 
 
 def build_tiny_qwen2(
@@ -100,7 +117,8 @@ def build_tiny_qwen2(
     eos_id: int = EOS_ID,
     bos_id: int = BOS_ID,
 ) -> PreTrainedModel:
-    """A randomly initialised ``Qwen2ForCausalLM`` with ``vocab_size`` tokens, weights fixed by ``seed``.
+    """A randomly initialised ``Qwen2ForCausalLM`` (``Qwen2MoeForCausalLM`` when ``config.num_experts`` > 0)
+    with ``vocab_size`` tokens, weights fixed by ``seed``.
 
     The caller's global torch RNG state is left as it was (the seeded draw runs in a forked RNG).
     """
@@ -108,37 +126,56 @@ def build_tiny_qwen2(
 
     try:
         with _BUILD_LOCK:
-            from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+            from transformers import GenerationConfig
     except ImportError as e:
         raise ImportError(f"build_tiny_qwen2 needs transformers: {_HF_EXTRA}") from e
 
     if vocab_size < 1:
         raise ValueError(f"vocab_size={vocab_size}: must be >= 1")
     c = config or TinyModelConfig()
-    extra: dict[str, Any] = {}
-    if c.attn_implementation is not None:
-        extra["attn_implementation"] = c.attn_implementation
-    qcfg = Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=c.hidden_size,
-        num_hidden_layers=c.num_hidden_layers,
-        num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads,
-        intermediate_size=c.intermediate_size,
-        max_position_embeddings=c.max_position_embeddings,
-        pad_token_id=pad_id,
-        eos_token_id=eos_id,
-        bos_token_id=bos_id,
-        tie_word_embeddings=False,
-        **extra,
-    )
+    model_cls, hf_config = _hf_config(c, vocab_size, pad_id=pad_id, eos_id=eos_id, bos_id=bos_id)
     with _BUILD_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(qcfg)
+        model = model_cls(hf_config)
     model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call, unused-ignore]
         eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=bos_id
     )
     return model
+
+
+def _hf_config(
+    c: TinyModelConfig, vocab_size: int, *, pad_id: int, eos_id: int, bos_id: int
+) -> tuple[Any, Any]:
+    """(model class, transformers config) for ``c``: dense Qwen2, or Qwen2-MoE when ``c.num_experts`` > 0."""
+    with _BUILD_LOCK:
+        from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    common: dict[str, Any] = {
+        "vocab_size": vocab_size,
+        "hidden_size": c.hidden_size,
+        "num_hidden_layers": c.num_hidden_layers,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "intermediate_size": c.intermediate_size,
+        "max_position_embeddings": c.max_position_embeddings,
+        "pad_token_id": pad_id,
+        "eos_token_id": eos_id,
+        "bos_token_id": bos_id,
+        "tie_word_embeddings": False,
+    }
+    if c.attn_implementation is not None:
+        common["attn_implementation"] = c.attn_implementation
+    if not c.num_experts:
+        return Qwen2ForCausalLM, Qwen2Config(**common)
+    moe = Qwen2MoeConfig(
+        num_experts=c.num_experts,
+        num_experts_per_tok=c.num_experts_per_tok,
+        moe_intermediate_size=c.moe_intermediate_size,
+        shared_expert_intermediate_size=c.shared_expert_intermediate_size,
+        decoder_sparse_step=1,
+        **common,
+    )
+    return Qwen2MoeForCausalLM, moe
 
 
 def build_tiny_model(
