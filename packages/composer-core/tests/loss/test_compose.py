@@ -457,3 +457,31 @@ def test_sdpo_topk_tail_threads_to_topk_distill_and_is_refused_elsewhere() -> No
     assert again is not None and torch.equal(again, off)
     with pytest.raises(ValueError, match="sdpo_topk_tail"):
         compose_loss(b, sdpo_topk=3, sdpo_topk_tail="maybe")  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ channel 2: kernel x runner
+@pytest.mark.parametrize(
+    ("form", "options", "fields", "kernel", "runner"),
+    [
+        ("sampled", {}, {"logits": False, "sampled": True}, "sampled", "_run_sampled"),
+        ("topk", {"sdpo_topk": 3}, {}, "topk", "_run_logits"),
+        ("full", {}, {}, "jsd", "_run_logits"),
+        ("full", {"sdpo_wrapper": "taid", "taid_t": 0.3}, {}, "taid", "_run_logits"),
+        (
+            "full",
+            {"sdpo_wrapper": "entropy_opd"},
+            {"logits": False, "hidden": True},
+            "entropy_opd",
+            "_run_fused",
+        ),
+        ("full", {}, {"logits": False, "hidden": True}, "jsd", "_run_fused"),
+    ],
+)
+def test_sdpo_is_two_decisions_kernel_then_runner(form, options, fields, kernel, runner) -> None:
+    from composer_core.loss.compose import ComposeConfig, _pick_kernel, _pick_runner
+
+    b = _batch(**fields)
+    cfg = ComposeConfig.from_flat(sdpo_form=form, **options)
+    picked = _pick_kernel(cfg.sdpo, form)
+    assert picked.name == kernel and (picked.t == 0.3) == (kernel == "taid")
+    assert _pick_runner(b, form).__name__ == runner

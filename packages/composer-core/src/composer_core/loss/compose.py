@@ -412,7 +412,7 @@ class _SDPOKernel:
 
 #: Decision 2 of channel 2: what the kernel runs on (sampled-token log-probs, full logits, or fused hidden
 #: states and the LM head). ``(batch, options, kernel, mask, normalizer) -> loss``.
-_Runner = Callable[[ComposerBatch, SDPOOptions, _SDPOKernel, Tensor, "float | Tensor | None"], Tensor]
+_Runner = Callable[[ComposerBatch, SDPOOptions, _SDPOKernel, Tensor, float | Tensor | None], Tensor]
 
 
 def _sdpo(
