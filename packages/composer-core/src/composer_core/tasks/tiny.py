@@ -136,7 +136,7 @@ def build_tiny_qwen2(
     model_cls, hf_config = _hf_config(c, vocab_size, pad_id=pad_id, eos_id=eos_id, bos_id=bos_id)
     with _BUILD_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = model_cls(hf_config)
+        model: PreTrainedModel = model_cls(hf_config)
     model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call, unused-ignore]
         eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=bos_id
     )
