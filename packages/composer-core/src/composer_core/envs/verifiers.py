@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import AsyncIterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -124,6 +125,14 @@ class VerifiersEnvironment:
             out.append(env_task)
         return out
 
+    def task(self, task_id: str) -> EnvTask:
+        """The task with id ``task_id`` (composer_core.envs.trl_funcs looks rows up through this)."""
+        if task_id not in self._tasks and self.taskset.bounded:
+            self.tasks()
+        if task_id not in self._tasks:
+            raise ValueError(f"{self.name}: unknown task_id {task_id!r}")
+        return self._to_env_task(self._tasks[task_id])
+
     def reset(self, task: EnvTask) -> _SingleTurnSession | _MultiTurnSession:
         vf_task = self._tasks.get(task.task_id)
         if vf_task is None:
@@ -132,6 +141,16 @@ class VerifiersEnvironment:
         if self.multi_turn:
             return _MultiTurnSession(self, vf_task, self.seats[0])
         return _SingleTurnSession(self, vf_task)
+
+    def trace_feedback(self, trace: Any) -> str | None:
+        """The feedback of this env's rewards on a finished verifiers ``Trace`` (e.g. one PRIME-RL's orchestrator
+        holds): a copy of the trace is scored by the task's own rewards, the original is left untouched."""
+        task_cls = type(self.taskset).task_type()
+        task = task_cls(trace.task.data, self.taskset.config.task)
+        self._check_offline(task)
+        copy = trace.model_copy(deep=True)
+        copy.info.pop(self.feedback_key, None)
+        return self._score(task, copy).feedback
 
     # --- helpers ---------------------------------------------------------------------------------------------
 
@@ -159,7 +178,12 @@ class VerifiersEnvironment:
             return await asyncio.wait_for(coro, self.timeout_s)
 
         try:
-            return asyncio.run(bounded())
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:  # no loop here: run on this thread
+                return asyncio.run(bounded())
+            with ThreadPoolExecutor(1) as pool:  # called from async code (an orchestrator): a loop of its own
+                return pool.submit(asyncio.run, bounded()).result()
         except TimeoutError:
             raise EnvError(f"{self.name}: scoring did not finish within timeout_s={self.timeout_s:g}s") from None
 
