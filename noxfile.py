@@ -76,7 +76,9 @@ def _install(session: nox.Session, *specs: str) -> None:
     session.install(*pin, *refresh, *specs)
 
 
-def _install_package(session: nox.Session, name: str, extra: str = "test", installs: list[str] | None = None) -> None:
+def _install_package(
+    session: nox.Session, name: str, extra: str = "test", installs: list[str] | None = None
+) -> None:
     specs = [f"{_pkg(name)}[{extra}]" if extra else _pkg(name)]
     if name != "core":
         specs.insert(0, _pkg("core"))

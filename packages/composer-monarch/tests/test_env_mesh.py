@@ -68,5 +68,7 @@ def test_env_bound_task_checks_its_environment() -> None:
     assert prompts.shape == (3, 4) and torch.equal(prompts, task.prompts(3, step=1))
     right = torch.tensor(dr.encode(dr.oracle_solve(task.codec.text(prompts[0]))))
     assert task.reward(prompts[0], right) == 1.0
-    hinted, has = task.hinted_prompts(prompts[:1], right[None], torch.ones(1, right.numel(), dtype=torch.bool))
+    hinted, has = task.hinted_prompts(
+        prompts[:1], right[None], torch.ones(1, right.numel(), dtype=torch.bool)
+    )
     assert not bool(has[0]) and hinted.shape == (1, 8)

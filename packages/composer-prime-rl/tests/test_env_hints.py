@@ -60,7 +60,11 @@ def vf_trace(task: vf.Task, reply: str) -> vf.Trace:
         is_completed=True,
         ok=True,
         nodes=[
-            MessageNode(message=vf.UserMessage(content=prompt), token_ids=dr.encode(prompt), mask=[False] * len(prompt)),
+            MessageNode(
+                message=vf.UserMessage(content=prompt),
+                token_ids=dr.encode(prompt),
+                mask=[False] * len(prompt),
+            ),
             MessageNode(
                 parent=0,
                 message=vf.AssistantMessage(content=reply),
@@ -94,7 +98,9 @@ def test_env_feedback_is_the_hint_of_each_trace(tasks: list[vf.Task]) -> None:
     expected = [-(t % 7) / 10 for t in tokens]
     assert hinted.nodes[1].reference_logprobs == expected[len(prompt) :]
     assert hinted.nodes[0].reference_logprobs is None and plain.nodes[1].reference_logprobs is None
-    assert "feedback" not in hinted.info and hinted.rewards == {}  # the orchestrator's trace is left as it was
+    assert (
+        "feedback" not in hinted.info and hinted.rewards == {}
+    )  # the orchestrator's trace is left as it was
 
 
 def test_env_hint_is_exclusive_with_hint_fn() -> None:

@@ -90,7 +90,9 @@ def test_single_turn_session_is_one_step(single: VerifiersEnvironment) -> None:
         session.step("2")
 
 
-def test_single_turn_episode_records_have_the_error_site_at_the_feedback(single: VerifiersEnvironment) -> None:
+def test_single_turn_episode_records_have_the_error_site_at_the_feedback(
+    single: VerifiersEnvironment,
+) -> None:
     task = single.tasks()[1]
     wrong = dr.wrong_solution(str(task.prompt))
     ep = run_episode(single, task, lambda msgs: wrong)
@@ -110,7 +112,9 @@ def test_single_turn_episode_records_have_the_error_site_at_the_feedback(single:
     assert right.reward == 1.0 and episode_error_sites(right) == [] and episode_records(right) == []
 
 
-def test_multi_turn_env_replies_are_feedback_steps_and_the_last_reply_is_scored(multi: VerifiersEnvironment) -> None:
+def test_multi_turn_env_replies_are_feedback_steps_and_the_last_reply_is_scored(
+    multi: VerifiersEnvironment,
+) -> None:
     task = multi.tasks()[2]
     prompt, ref = str(task.prompt), str(task.reference)
     replies = iter(["000", ref[:-1] + "0", ref])
@@ -118,7 +122,11 @@ def test_multi_turn_env_replies_are_feedback_steps_and_the_last_reply_is_scored(
     assert ep.failed is None
     assert [s.done for s in ep.steps] == [False, False, True]
     assert [s.reward for s in ep.steps] == [0.0, 0.0, 1.0] and ep.reward == 1.0
-    assert [s.feedback for s in ep.steps] == [dr.feedback_hint(prompt, "000"), dr.feedback_hint(prompt, ref[:-1] + "0"), None]
+    assert [s.feedback for s in ep.steps] == [
+        dr.feedback_hint(prompt, "000"),
+        dr.feedback_hint(prompt, ref[:-1] + "0"),
+        None,
+    ]
     sites = episode_error_sites(ep)
     assert [s.evidence for s in sites] == [ep.steps[0].feedback, ep.steps[1].feedback]
     # the env's reply follows the action it answers, as the next user turn of the chat

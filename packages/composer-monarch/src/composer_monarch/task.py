@@ -182,7 +182,9 @@ class EnvBoundTask:
             self._prompts = [self._prompt_text(t) for t in tasks]
             self._by_prompt = {p: t.task_id for p, t in zip(self._prompts, tasks)}
             if len({len(p) for p in self._prompts}) != 1:
-                raise ValueError(f"env {self.spec!r}: prompts of different lengths; the loop does not left-pad")
+                raise ValueError(
+                    f"env {self.spec!r}: prompts of different lengths; the loop does not left-pad"
+                )
             for p in self._prompts:
                 rules.encode(p)  # every prompt is in the codec's vocabulary (raises naming the characters)
             refs = [t.reference for t in tasks if t.reference is not None]
@@ -193,7 +195,9 @@ class EnvBoundTask:
         prompt = task.prompt
         if not isinstance(prompt, str):
             if len(prompt) != 1 or prompt[0].role != "user":
-                raise ValueError(f"env {self.spec!r}: task {task.task_id!r} has a chat prompt; need one text prompt")
+                raise ValueError(
+                    f"env {self.spec!r}: task {task.task_id!r} has a chat prompt; need one text prompt"
+                )
             prompt = prompt[0].text
         return str(prompt)
 
@@ -239,9 +243,13 @@ class EnvBoundTask:
             hints.append(fb if fb and fb.strip() else None)
         lengths = {len(h) for h in hints if h is not None}
         if len(lengths) > 1:
-            raise ValueError(f"env {self.spec!r}: feedback of lengths {sorted(lengths)} in one batch; need one")
+            raise ValueError(
+                f"env {self.spec!r}: feedback of lengths {sorted(lengths)} in one batch; need one"
+            )
         width = lengths.pop() if lengths else self._answer_len + 1
         filler = "." * (width - 1) + "|"
-        rows = [rules.encode(rules.hint_template(t, filler if h is None else h)) for t, h in zip(texts, hints)]
+        rows = [
+            rules.encode(rules.hint_template(t, filler if h is None else h)) for t, h in zip(texts, hints)
+        ]
         has_hint = torch.tensor([h is not None for h in hints], dtype=torch.bool)
         return torch.tensor(rows, dtype=torch.long), has_hint

@@ -39,8 +39,8 @@ __all__ = [
     "HAS_PRIME_RL_ORCHESTRATOR",
     "ComposerSDPOAlgorithm",
     "ComposerSDPOSettings",
-    "install",
     "env_hint_fn",
+    "install",
     "resolve_hint",
 ]
 
@@ -136,7 +136,9 @@ class ComposerSDPOSettings:
         if self.hint_role not in ("system", "user"):
             raise ValueError(f"composer_sdpo: hint_role={self.hint_role!r} must be 'system' or 'user'.")
         if self.hint_fn and self.hint_env:
-            raise ValueError("composer_sdpo: set hint_fn or hint_env, not both (each is a whole hint source).")
+            raise ValueError(
+                "composer_sdpo: set hint_fn or hint_env, not both (each is a whole hint source)."
+            )
         if "{hint}" not in self.template:
             raise ValueError(f"composer_sdpo: template={self.template!r} must contain '{{hint}}'.")
 

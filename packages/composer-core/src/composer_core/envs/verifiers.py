@@ -68,7 +68,9 @@ class VerifiersEnvironment:
         timeout_s: float = 30.0,
     ) -> None:
         if not module or not isinstance(module, str):
-            raise ValueError(f"module={module!r}: name an installed verifiers environment (verifiers:<module>)")
+            raise ValueError(
+                f"module={module!r}: name an installed verifiers environment (verifiers:<module>)"
+            )
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         vf = _vf()
@@ -87,7 +89,9 @@ class VerifiersEnvironment:
         self.multi_turn = env_cls is not vf.SingleAgentEnv
         self.vf_env: Any = None
         if self.multi_turn:
-            env_config = loaders.resolve_env_config({"taskset": ts_config.model_dump(), **dict(env_args or {})})
+            env_config = loaders.resolve_env_config(
+                {"taskset": ts_config.model_dump(), **dict(env_args or {})}
+            )
             self.vf_env = env_cls(env_config)
             self.seats = list(_seats(env_config))
             if len(self.seats) != 1:
@@ -98,7 +102,9 @@ class VerifiersEnvironment:
             self.taskset = self.vf_env.taskset
         else:
             if env_args:
-                raise ValueError(f"{self.name} is single-turn (no Env of its own): env_args={dict(env_args)} unused")
+                raise ValueError(
+                    f"{self.name} is single-turn (no Env of its own): env_args={dict(env_args)} unused"
+                )
             self.seats = []
             self.taskset = loaders.load_taskset(ts_config)
         self._tasks: dict[str, Any] = {}
@@ -136,7 +142,9 @@ class VerifiersEnvironment:
     def reset(self, task: EnvTask) -> _SingleTurnSession | _MultiTurnSession:
         vf_task = self._tasks.get(task.task_id)
         if vf_task is None:
-            raise EnvError(f"{self.name}: unknown task_id {task.task_id!r} (take tasks from this env's tasks())")
+            raise EnvError(
+                f"{self.name}: unknown task_id {task.task_id!r} (take tasks from this env's tasks())"
+            )
         self._check_offline(vf_task)
         if self.multi_turn:
             return _MultiTurnSession(self, vf_task, self.seats[0])
@@ -159,17 +167,23 @@ class VerifiersEnvironment:
         task_id = str(data.id) if data.id else f"{self.module}-{data.idx}"
         answer = getattr(data, "answer", None)
         info = {"vf_key": task.key, "vf_idx": data.idx}
-        return EnvTask(task_id, _prompt(data), reference=answer if isinstance(answer, str) else None, info=info)
+        return EnvTask(
+            task_id, _prompt(data), reference=answer if isinstance(answer, str) else None, info=info
+        )
 
     def _check_offline(self, task: Any) -> None:
         judges = task.plugged_judges()
         if judges:
             names = [j.reward_name for j in judges]
-            raise EnvError(f"{self.name} scores with LLM judges {names}; composer never calls an LLM endpoint")
+            raise EnvError(
+                f"{self.name} scores with LLM judges {names}; composer never calls an LLM endpoint"
+            )
         for fn in task.hooks("reward"):
             param = inspect.signature(fn).parameters.get("runtime")
             if param is not None and param.default is inspect.Parameter.empty:
-                raise EnvError(f"{self.name}: reward {fn.__name__!r} needs a runtime (sandbox); composer scores offline")
+                raise EnvError(
+                    f"{self.name}: reward {fn.__name__!r} needs a runtime (sandbox); composer scores offline"
+                )
 
     def _run(self, coro: Any) -> Any:
         """Run one coroutine to completion, bounded by ``timeout_s``."""
@@ -185,7 +199,9 @@ class VerifiersEnvironment:
             with ThreadPoolExecutor(1) as pool:  # called from async code (an orchestrator): a loop of its own
                 return pool.submit(asyncio.run, bounded()).result()
         except TimeoutError:
-            raise EnvError(f"{self.name}: scoring did not finish within timeout_s={self.timeout_s:g}s") from None
+            raise EnvError(
+                f"{self.name}: scoring did not finish within timeout_s={self.timeout_s:g}s"
+            ) from None
 
     def _score(self, task: Any, trace: Any) -> StepResult:
         """The task's own scoring of ``trace`` -> the terminal :class:`StepResult`."""
@@ -203,7 +219,9 @@ class VerifiersEnvironment:
             raise EnvError(f"{self.name}: scoring left rewards unscored: {rewards}")
         feedback = trace.info.get(self.feedback_key)
         if feedback is not None and not isinstance(feedback, str):
-            raise EnvError(f"{self.name}: trace.info[{self.feedback_key!r}] is {type(feedback).__name__}, not text")
+            raise EnvError(
+                f"{self.name}: trace.info[{self.feedback_key!r}] is {type(feedback).__name__}, not text"
+            )
         return StepResult(float(trace.reward), True, feedback or None, info={"rewards": rewards})
 
 
@@ -284,7 +302,11 @@ class _Bridge:
     async def turn(self, message: Any = None) -> Any:
         vf = _vf()
         if message is not None:
-            text = message if isinstance(message, str) else "\n\n".join(vf.content_text(m.content) for m in message)
+            text = (
+                message
+                if isinstance(message, str)
+                else "\n\n".join(vf.content_text(m.content) for m in message)
+            )
             _append(self.trace, vf.UserMessage(content=text), sampled=False)
         self.action = asyncio.get_running_loop().create_future()
         await self.requests.put(None if message is None else text)
@@ -341,7 +363,9 @@ class _MultiTurnSession:
         try:
             return await asyncio.wait_for(coro, self.env.timeout_s)
         except TimeoutError:
-            raise EnvError(f"{self.env.name}: run() did not advance within timeout_s={self.env.timeout_s:g}s") from None
+            raise EnvError(
+                f"{self.env.name}: run() did not advance within timeout_s={self.env.timeout_s:g}s"
+            ) from None
 
     async def _next(self) -> Any:
         """The env's next message to the policy, or ``_DONE`` once ``run`` has returned."""
@@ -380,7 +404,9 @@ class _MultiTurnSession:
         try:
             self.loop.run_until_complete(self._bounded(self.task.score(trace)))
             if type(self.env.vf_env).finalize is not _vf().Env.finalize:
-                self.loop.run_until_complete(self._bounded(self.env.vf_env.finalize(self.task, _episode(self.task, trace))))
+                self.loop.run_until_complete(
+                    self._bounded(self.env.vf_env.finalize(self.task, _episode(self.task, trace)))
+                )
         except EnvError:
             raise
         except Exception as e:
