@@ -54,6 +54,7 @@ def test_tasks_come_from_the_taskset_with_the_answer_as_reference(single: Verifi
     assert [t.prompt for t in tasks] == [r["prompt"] for r in rows]
     assert [t.reference for t in tasks] == [r["chosen"] for r in rows]
     assert [t.task_id for t in tasks] == [f"digits-{i}" for i in range(6)]
+    assert [t.info["rejected"] for t in tasks] == [r["rejected"] for r in rows]  # the env's own task field
     assert len(single.tasks(limit=2)) == 2
     assert not single.multi_turn and multi_is_multi()
 

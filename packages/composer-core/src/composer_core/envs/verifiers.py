@@ -166,7 +166,9 @@ class VerifiersEnvironment:
         data = task.data
         task_id = str(data.id) if data.id else f"{self.module}-{data.idx}"
         answer = getattr(data, "answer", None)
-        info = {"vf_key": task.key, "vf_idx": data.idx}
+        own = set(type(data).model_fields) - set(_vf().TaskData.model_fields) - {"answer"}
+        extra = data.model_dump(mode="json", include=own)  # the env's own task fields, e.g. "rejected"
+        info = {**extra, "vf_key": task.key, "vf_idx": data.idx}
         return EnvTask(
             task_id, _prompt(data), reference=answer if isinstance(answer, str) else None, info=info
         )
