@@ -14,8 +14,6 @@ import pytest
 from composer_trl.cli import main
 from composer_trl.progress import read_jsonl
 
-pytest.importorskip("composer_vf_digits", reason="needs composer-core[verifiers] and the fixture env package")
-
 
 def channel_key(channel: str) -> str:
     """The metric key of a channel's loss (the one place to change when the keys move)."""
@@ -27,7 +25,16 @@ SMALL = ["--per_device_train_batch_size", "64", "--num_generations", "8", "--max
 
 def test_composer_train_env_verifiers_three_channels(tmp_path, capsys) -> None:
     out = tmp_path / "run"
-    argv = ["--env", "verifiers:composer_vf_digits", "--steps", "3", "--output_dir", str(out), "--no_plot", *SMALL]
+    argv = [
+        "--env",
+        "verifiers:composer_vf_digits",
+        "--steps",
+        "3",
+        "--output_dir",
+        str(out),
+        "--no_plot",
+        *SMALL,
+    ]
     assert main(argv) == 0, capsys.readouterr().err
     rows = read_jsonl(out / "metrics-composer.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -37,7 +44,9 @@ def test_composer_train_env_verifiers_three_channels(tmp_path, capsys) -> None:
         assert r[channel_key("sdpo")] > 0 and r["composer/sdpo_tokens"] > 0, r
         assert r[channel_key("replay")] > 0 and r["composer/replay_pairs"] > 0, r
         assert r["reward_std"] > 0 and math.isfinite(r[channel_key("policy")]), r
-    assert any(k.startswith("rewards/env_reward_verifiers_composer_vf_digits") for k in rows[0]), sorted(rows[0])
+    assert any(k.startswith("rewards/env_reward_verifiers_composer_vf_digits") for k in rows[0]), sorted(
+        rows[0]
+    )
     assert json.loads((out / "summary.json").read_text())["status"] == "finished"
 
 
