@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 
-import pytest
 from composer_trl.cli import main
 from composer_trl.progress import read_jsonl
 
