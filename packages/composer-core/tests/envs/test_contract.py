@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from collections.abc import Sequence
 
@@ -254,6 +255,13 @@ def test_bad_spec_names_env_and_the_schemes(spec: str) -> None:
     msg = str(e.value)
     assert msg.startswith("--env ") and "digit-reversal" in msg and "openenv" in msg and "verifiers" in msg
     assert "\n" not in msg
+
+
+def test_openenv_scheme_names_the_extra_when_missing() -> None:
+    if importlib.util.find_spec("openenv") is not None:
+        pytest.skip("openenv is installed (tests/openenv covers the adapter)")
+    with pytest.raises(ImportError, match=r"pip install 'composer-core\[openenv\]'"):
+        load_env("openenv:http://127.0.0.1:1")
 
 
 def test_load_env_passes_keywords() -> None:
