@@ -106,7 +106,7 @@ class Suite:
     pytest_args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
     installs: tuple[str, ...] = ()
-    """More requirements installed with the package (paths relative to the repository root)."""
+    """More requirements installed with the package (``packages/...``: paths relative to the repository root)."""
 
 
 VF_FIXTURE = ("packages/composer-core[verifiers]", "packages/composer-core/tests/fixtures/composer-vf-digits")
@@ -161,7 +161,16 @@ SUITES = [
         # Let Python cache bytecode in the venv: importing trl/transformers compiles ~3k modules, which the
         # subprocess tests (CLI, 2-process torchrun) would otherwise redo on every start.
         env=(("PYTHONDONTWRITEBYTECODE", ""),),
-        installs=VF_FIXTURE,
+        pytest_args=("--ignore=tests/test_env_verifiers.py",),
+    ),
+    Suite(
+        "trl-verifiers",
+        "trl",
+        "composer-train --env verifiers:<module> (verifiers and openenv cannot share a venv: not in tests-trl).",
+        extras="all",
+        paths=("tests/test_env_verifiers.py",),
+        env=(("PYTHONDONTWRITEBYTECODE", ""),),
+        installs=(*VF_FIXTURE, "pytest>=8", "pytest-timeout>=2.3"),
     ),
     Suite("verl", "verl", "composer-verl against the real verl (plus the deps verl forgets to declare)."),
     Suite(
@@ -184,7 +193,7 @@ def _run_suite(session: nox.Session, suite: Suite) -> None:
     Positional arguments replace the suite's test paths (``nox -s tests-core -- tests/loss/test_compose.py
     -q`` runs that file only); the suite's own pytest options stay.
     """
-    installs = [str(ROOT / p) for p in suite.installs]
+    installs = [str(ROOT / p) if p.startswith("packages/") else p for p in suite.installs]
     if suite.package == "core":
         _install(session, f"{_pkg('core')}[{suite.extras}]", *installs)
     else:
