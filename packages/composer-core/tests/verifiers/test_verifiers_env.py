@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 import verifiers.v1 as vf
@@ -172,3 +173,27 @@ def test_split_and_unused_env_args_raise(single: VerifiersEnvironment) -> None:
 def test_unknown_task_is_an_env_error(single: VerifiersEnvironment) -> None:
     with pytest.raises(EnvError, match="unknown task_id"):
         single.reset(EnvTask("nope", "1>"))
+
+
+def test_multi_turn_env_faults_are_failed_episodes_in_bounded_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    env = VerifiersEnvironment(MULTI, taskset_args={"num_tasks": 1}, timeout_s=2.0)
+    task = env.tasks()[0]
+
+    async def broken(vf_task: vf.Task, agents: vf.Agents) -> None:
+        async with agents.solver.interaction(vf_task) as chat:
+            await chat.turn()
+            raise RuntimeError("env exploded")
+
+    monkeypatch.setattr(env.vf_env, "run", broken)
+    ep = run_episode(env, task, lambda msgs: "1")
+    assert ep.failed is not None and "env exploded" in ep.failed and ep.steps == ()
+
+    async def hangs(vf_task: vf.Task, agents: vf.Agents) -> None:
+        async with agents.solver.interaction(vf_task) as chat:
+            await chat.turn()
+            await asyncio.sleep(3600)
+
+    monkeypatch.setattr(env.vf_env, "run", hangs)
+    t0 = time.monotonic()
+    ep = run_episode(env, task, lambda msgs: "1")
+    assert ep.failed is not None and "timeout_s=2" in ep.failed and time.monotonic() - t0 < 15

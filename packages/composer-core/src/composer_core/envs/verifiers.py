@@ -348,15 +348,22 @@ class _MultiTurnSession:
 
     def __init__(self, env: VerifiersEnvironment, task: Any, seat: str) -> None:
         self.env, self.task = env, task
+        self.run: asyncio.Task[Any] | None = None
+        self.done = False
         self.loop = asyncio.new_event_loop()
         self.bridge: _Bridge = self.loop.run_until_complete(self._make_bridge(seat))
         agents = _Agents(seat, self.bridge)
-        self.loop.run_until_complete(self._bounded(env.vf_env.setup(agents)))
+        try:
+            self.loop.run_until_complete(self._bounded(env.vf_env.setup(agents)))
+        except Exception as e:
+            self.close()
+            raise e if isinstance(e, EnvError) else EnvError(f"{env.name}: setup() failed: {e!r}") from None
         self.run = self.loop.create_task(env.vf_env.run(task, agents))
-        self.done = False
-        first = self._advance()
-        if first is _DONE:
-            raise EnvError(f"{env.name}: its run() ended without asking the policy for a reply")
+        if self._advance() is _DONE:
+            error = self.run.exception()
+            self.close()
+            why = f" (it raised {error!r})" if error is not None else ""
+            raise EnvError(f"{env.name}: its run() ended without asking the policy for a reply{why}")
 
     async def _make_bridge(self, seat: str) -> _Bridge:
         return _Bridge(seat, self.task)
@@ -371,12 +378,15 @@ class _MultiTurnSession:
 
     async def _next(self) -> Any:
         """The env's next message to the policy, or ``_DONE`` once ``run`` has returned."""
+        assert self.run is not None
         get = asyncio.ensure_future(self.bridge.requests.get())
-        await asyncio.wait({get, self.run}, return_when=asyncio.FIRST_COMPLETED)
-        if get.done():
-            return get.result()
-        get.cancel()
-        return _DONE
+        try:
+            await asyncio.wait({get, self.run}, return_when=asyncio.FIRST_COMPLETED)
+            return get.result() if get.done() else _DONE
+        finally:
+            if not get.done():  # finished here, not left pending on a loop that is about to close
+                get.cancel()
+                await asyncio.gather(get, return_exceptions=True)
 
     def _advance(self) -> Any:
         try:
@@ -394,6 +404,7 @@ class _MultiTurnSession:
         if message is not _DONE:
             return StepResult(0.0, False, feedback=message or None)
         self.done = True
+        assert self.run is not None
         try:
             self.run.result()
         except Exception as e:
@@ -421,7 +432,7 @@ class _MultiTurnSession:
         self.done = True
         if self.loop.is_closed():
             return
-        if not self.run.done():
+        if self.run is not None and not self.run.done():
             self.run.cancel()
             self.loop.run_until_complete(asyncio.gather(self.run, return_exceptions=True))
         self.loop.close()
