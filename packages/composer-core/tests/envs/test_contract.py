@@ -112,6 +112,15 @@ def test_reward_and_hint_share_one_step_per_completion() -> None:
     assert calls == ["000", "111"]  # the hint reused the reward's step
 
 
+def test_scorer_timeout_bounds_a_slow_step() -> None:
+    env = _Faulty("slow")
+    rows = env_dataset_rows(env)  # registers the task; the shared scorer starts with the 30 s default
+    t0 = time.monotonic()
+    with pytest.raises(EnvError, match=r"within timeout_s=0\.2s"):
+        env_reward_func(env, timeout_s=0.2)(prompts=["x"], completions=["a"], task_id=[rows[0]["task_id"]])
+    assert time.monotonic() - t0 < 2.0
+
+
 def test_trl_funcs_need_task_ids() -> None:
     env = DigitReversalEnv(n_tasks=2)
     with pytest.raises(ValueError, match="task_id"):

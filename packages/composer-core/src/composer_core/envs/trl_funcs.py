@@ -81,12 +81,19 @@ class EnvScorer:
 _SCORERS: dict[int, tuple[Environment, EnvScorer]] = {}
 
 
-def scorer_for(env: Environment, *, timeout_s: float = 30.0) -> EnvScorer:
-    """The :class:`EnvScorer` shared by every function built from ``env`` (created on first use)."""
+def scorer_for(env: Environment, *, timeout_s: float | None = None) -> EnvScorer:
+    """The :class:`EnvScorer` shared by every function built from ``env`` (created on first use, 30 s bound).
+
+    ``timeout_s`` (when given) becomes the bound of that shared scorer's ``reset``/``step``/``close`` calls.
+    """
     entry = _SCORERS.get(id(env))
     if entry is None or entry[0] is not env:
-        entry = (env, EnvScorer(env, timeout_s=timeout_s))
+        entry = (env, EnvScorer(env))
         _SCORERS[id(env)] = entry
+    if timeout_s is not None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        entry[1].timeout_s = timeout_s
     return entry[1]
 
 
@@ -115,7 +122,7 @@ def _func_name(env: Environment, kind: str) -> str:
     return f"env_{kind}_" + re.sub(r"\W+", "_", env.name).strip("_")
 
 
-def env_reward_func(env: Environment, *, timeout_s: float = 30.0) -> Callable[..., list[float]]:
+def env_reward_func(env: Environment, *, timeout_s: float | None = None) -> Callable[..., list[float]]:
     """A reward function ``(prompts, completions, task_id=[...], **kw) -> list[float]`` scoring with ``env``."""
     scorer = scorer_for(env, timeout_s=timeout_s)
 
@@ -129,7 +136,7 @@ def env_reward_func(env: Environment, *, timeout_s: float = 30.0) -> Callable[..
     return reward
 
 
-def env_hint_func(env: Environment, *, timeout_s: float = 30.0) -> Callable[..., list[str | None]]:
+def env_hint_func(env: Environment, *, timeout_s: float | None = None) -> Callable[..., list[str | None]]:
     """A hint function (composer-trl's ``hint_fn``): the environment's feedback on each completion, or None."""
     scorer = scorer_for(env, timeout_s=timeout_s)
 
