@@ -71,16 +71,18 @@ def _install(session: nox.Session, *specs: str) -> None:
     if session.venv_backend == "uv":
         # Local directories are rebuilt every time (uv otherwise caches a build keyed on
         # pyproject.toml only, which would test stale sources).
-        for p in [*PACKAGES, "adapter"]:  # composer-adapter: the _template skeleton
+        for p in [*PACKAGES, "adapter", "vf-digits"]:  # the _template skeleton; the verifiers test fixture
             refresh += ["--refresh-package", f"composer-{p}", "--reinstall-package", f"composer-{p}"]
     session.install(*pin, *refresh, *specs)
 
 
-def _install_package(session: nox.Session, name: str, extra: str = "test") -> None:
+def _install_package(
+    session: nox.Session, name: str, extra: str = "test", installs: list[str] | None = None
+) -> None:
     specs = [f"{_pkg(name)}[{extra}]" if extra else _pkg(name)]
     if name != "core":
         specs.insert(0, _pkg("core"))
-    _install(session, *specs)
+    _install(session, *specs, *(installs or []))
 
 
 def _pytest(session: nox.Session, name: str) -> None:
@@ -103,6 +105,12 @@ class Suite:
     paths: tuple[str, ...] = ("tests",)
     pytest_args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
+    installs: tuple[str, ...] = ()
+    """More requirements installed with the package (``packages/...``: paths relative to the repository root)."""
+
+
+VF_FIXTURE = ("packages/composer-core[verifiers]", "packages/composer-core/tests/fixtures/composer-vf-digits")
+"""composer-core's verifiers extra + the verifiers environments the project ships for its tests."""
 
 
 SUITES = [
@@ -110,7 +118,12 @@ SUITES = [
         "core",
         "core",
         "composer-core with nothing but torch (+ its test tools).",
-        pytest_args=("--ignore=tests/extras", "--ignore=tests/datajuicer", "--ignore=tests/openenv"),
+        pytest_args=(
+            "--ignore=tests/extras",
+            "--ignore=tests/datajuicer",
+            "--ignore=tests/openenv",
+            "--ignore=tests/verifiers",
+        ),
     ),
     Suite(
         "core-extras",
@@ -134,16 +147,39 @@ SUITES = [
         paths=("tests/openenv",),
     ),
     Suite(
+        "core-verifiers",
+        "core",
+        "composer-core's verifiers adapter against the real verifiers and the fixture envs (tests/verifiers/).",
+        extras="test,verifiers",
+        paths=("tests/verifiers",),
+        installs=VF_FIXTURE[1:],
+    ),
+    Suite(
         "trl",
         "trl",
         "composer-trl against the real trl / transformers / datasets / peft.",
         # Let Python cache bytecode in the venv: importing trl/transformers compiles ~3k modules, which the
         # subprocess tests (CLI, 2-process torchrun) would otherwise redo on every start.
         env=(("PYTHONDONTWRITEBYTECODE", ""),),
+        pytest_args=("--ignore=tests/test_env_verifiers.py",),
+    ),
+    Suite(
+        "trl-verifiers",
+        "trl",
+        "composer-train --env verifiers:<module> (verifiers and openenv cannot share a venv: not in tests-trl).",
+        extras="all",
+        paths=("tests/test_env_verifiers.py",),
+        env=(("PYTHONDONTWRITEBYTECODE", ""),),
+        installs=(*VF_FIXTURE, "pytest>=8", "pytest-timeout>=2.3"),
     ),
     Suite("verl", "verl", "composer-verl against the real verl (plus the deps verl forgets to declare)."),
-    Suite("prime-rl", "prime-rl", "composer-prime-rl (prime-rl itself is not on the package index)."),
-    Suite("monarch", "monarch", "composer-monarch against the real torchmonarch."),
+    Suite(
+        "prime-rl",
+        "prime-rl",
+        "composer-prime-rl (prime-rl itself is not on the package index).",
+        installs=VF_FIXTURE,
+    ),
+    Suite("monarch", "monarch", "composer-monarch against the real torchmonarch.", installs=VF_FIXTURE),
     Suite("diloco", "diloco", "composer-diloco against real torchft, fsspec/s3fs, moto's server and ray."),
     Suite(
         "template", "_template", "packages/_template, the adapter skeleton: its import and conformance tests."
@@ -157,10 +193,11 @@ def _run_suite(session: nox.Session, suite: Suite) -> None:
     Positional arguments replace the suite's test paths (``nox -s tests-core -- tests/loss/test_compose.py
     -q`` runs that file only); the suite's own pytest options stay.
     """
+    installs = [str(ROOT / p) if p.startswith("packages/") else p for p in suite.installs]
     if suite.package == "core":
-        _install(session, f"{_pkg('core')}[{suite.extras}]")
+        _install(session, f"{_pkg('core')}[{suite.extras}]", *installs)
     else:
-        _install_package(session, suite.package, extra=suite.extras)
+        _install_package(session, suite.package, extra=suite.extras, installs=installs)
     session.env.update(dict(suite.env))
     session.chdir(_pkg(suite.package))
     paths = [] if any(not a.startswith("-") for a in session.posargs) else list(suite.paths)

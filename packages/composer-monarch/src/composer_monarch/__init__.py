@@ -14,7 +14,7 @@ from composer_monarch.generator import GeneratorActor, SamplingConfig
 from composer_monarch.model import TinyQwen2
 from composer_monarch.rewarder import RewarderActor
 from composer_monarch.rollout import PreferencePairs, Rollout, TrainBatch
-from composer_monarch.task import ReverseDigits, Task
+from composer_monarch.task import EnvBoundTask, ReverseDigits, Task
 from composer_monarch.teacher import ReplayRecord, TeacherActor
 from composer_monarch.trainer import PolicyTrainer, TrainerActor, TrainerConfig
 
@@ -25,6 +25,7 @@ __all__ = [
     "ActorTimeoutError",
     "ComposerDriver",
     "ComposerLoss",
+    "EnvBoundTask",
     "GeneratorActor",
     "LoopConfig",
     "PolicyTrainer",

@@ -11,7 +11,7 @@ the same reward and hint rules as composer-trl's main job) on the token ids of i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from composer_core.tasks import digit_reversal as rules
@@ -122,3 +122,134 @@ class ReverseDigits:
 
     def reward(self, prompt: Tensor, completion: Tensor) -> float:
         return rules.verify(self.text(prompt), self.text(completion))
+
+
+class EnvBoundTask:
+    """A :class:`Task` whose prompts, rewards and hints come from an environment (:mod:`composer_core.envs`).
+
+    ``env`` is a :func:`composer_core.envs.load_env` spec (``"digit-reversal"``, ``"verifiers:<module>"``,
+    ``"openenv:<url>"``; ``env_kwargs`` go to its constructor). The environment's text is mapped to token ids by
+    ``codec`` (a :class:`ReverseDigits`: composer-core's character vocabulary), so every prompt, reply and
+    feedback of the environment must be written in that vocabulary, and all prompts must have one length (the
+    loop does not left-pad).
+
+    - **prompts**: ``n`` of the environment's first ``n_tasks`` train tasks, drawn reproducibly from ``step``;
+    - **reward** (the rewarder actor calls it, in its own process): one step of a fresh episode of the task whose
+      prompt this is (:class:`composer_core.envs.EnvScorer`): the step's reward; a multi-turn environment gives
+      its first step's (0 until it ends the episode);
+    - **hinted prompts** (the teacher's context): the same step's ``feedback`` in front of the prompt
+      (:func:`composer_core.tasks.digit_reversal.hint_template`); no feedback = no hint. Every hint of a batch
+      must have one length (rows without one get a filler of that length).
+
+    The environment is loaded lazily in each process that uses it (the object is pickled to the actors without
+    it).
+    """
+
+    def __init__(
+        self,
+        env: str,
+        *,
+        codec: ReverseDigits | None = None,
+        n_tasks: int = 64,
+        seed: int = 0,
+        env_kwargs: dict[str, Any] | None = None,
+        timeout_s: float = 30.0,
+    ) -> None:
+        if n_tasks < 1:
+            raise ValueError(f"n_tasks={n_tasks}: need at least one task")
+        self.spec, self.codec, self.n_tasks, self.seed = env, codec or ReverseDigits(), n_tasks, seed
+        self.env_kwargs, self.timeout_s = dict(env_kwargs or {}), timeout_s
+        self._scorer: Any = None
+        self._by_prompt: dict[str, str] = {}
+        self._prompts: list[str] = []
+        self._answer_len = 0
+        self._load()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_scorer": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def _load(self) -> Any:
+        if self._scorer is None:
+            from composer_core.envs import load_env, scorer_for
+
+            env = load_env(self.spec, **self.env_kwargs)
+            self._scorer = scorer_for(env, timeout_s=self.timeout_s)
+            tasks = list(env.tasks("train", self.n_tasks))
+            self._scorer.register(tasks)
+            self._prompts = [self._prompt_text(t) for t in tasks]
+            self._by_prompt = {p: t.task_id for p, t in zip(self._prompts, tasks)}
+            if len({len(p) for p in self._prompts}) != 1:
+                raise ValueError(
+                    f"env {self.spec!r}: prompts of different lengths; the loop does not left-pad"
+                )
+            for p in self._prompts:
+                rules.encode(p)  # every prompt is in the codec's vocabulary (raises naming the characters)
+            refs = [t.reference for t in tasks if t.reference is not None]
+            self._answer_len = max((len(r) for r in refs), default=self.codec.length)
+        return self._scorer
+
+    def _prompt_text(self, task: Any) -> str:
+        prompt = task.prompt
+        if not isinstance(prompt, str):
+            if len(prompt) != 1 or prompt[0].role != "user":
+                raise ValueError(
+                    f"env {self.spec!r}: task {task.task_id!r} has a chat prompt; need one text prompt"
+                )
+            prompt = prompt[0].text
+        return str(prompt)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.codec.vocab_size
+
+    @property
+    def pad_id(self) -> int:
+        return self.codec.pad_id
+
+    @property
+    def eos_id(self) -> int:
+        return self.codec.eos_id
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self._answer_len + 1
+
+    def prompts(self, n: int, *, step: int) -> Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        picks = torch.randint(0, len(self._prompts), (n,), generator=g).tolist()
+        return torch.tensor([rules.encode(self._prompts[i]) for i in picks], dtype=torch.long)
+
+    def step(self, prompt: Tensor, completion: Tensor) -> Any:
+        """The environment's :class:`~composer_core.envs.StepResult` for one completion of one prompt."""
+        text = self.codec.text(prompt)
+        task_id = self._by_prompt.get(text)
+        if task_id is None:
+            raise ValueError(f"env {self.spec!r}: prompt {text!r} is none of its tasks")
+        return self._load().score(task_id, self.codec.text(completion))
+
+    def reward(self, prompt: Tensor, completion: Tensor) -> float:
+        return float(self.step(prompt, completion).reward)
+
+    def hinted_prompts(
+        self, prompts: Tensor, completions: Tensor, completion_mask: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        texts, hints = [], []
+        for prompt, completion, mask in zip(prompts, completions, completion_mask.bool()):
+            texts.append(self.codec.text(prompt))
+            fb = self.step(prompt, completion[mask]).feedback
+            hints.append(fb if fb and fb.strip() else None)
+        lengths = {len(h) for h in hints if h is not None}
+        if len(lengths) > 1:
+            raise ValueError(
+                f"env {self.spec!r}: feedback of lengths {sorted(lengths)} in one batch; need one"
+            )
+        width = lengths.pop() if lengths else self._answer_len + 1
+        filler = "." * (width - 1) + "|"
+        rows = [
+            rules.encode(rules.hint_template(t, filler if h is None else h)) for t, h in zip(texts, hints)
+        ]
+        has_hint = torch.tensor([h is not None for h in hints], dtype=torch.bool)
+        return torch.tensor(rows, dtype=torch.long), has_hint

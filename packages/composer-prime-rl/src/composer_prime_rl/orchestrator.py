@@ -9,7 +9,9 @@ assigns no advantage. :class:`ComposerSDPOAlgorithm` does the same hinted scorin
 advantages with ``action_loss_type = "rl"``, so ``composer_prime_rl.composer_loss`` (the custom rl loss)
 receives both: advantages for channel 1 and the hinted self-teacher for channel 2 (``alpha_sdpo``).
 
-The hint is the environment's feedback: ``trace.info[hint_key]`` (a verifiers rubric / environment writes it),
+The hint is the environment's feedback: ``trace.info[hint_key]`` (a verifiers reward function writes it),
+the feedback of a verifiers environment's own rewards on the trace (``hint_env = "verifiers:<module>"``, read
+through :class:`composer_core.envs.verifiers.VerifiersEnvironment`; needs ``composer-core[verifiers]``),
 or a user ``hint_fn(episode, trace) -> str | None`` (import path). A trace without a hint gets no
 ``ref_logprobs`` (``composer_loss`` then trains it on channel 1 only).
 
@@ -37,6 +39,7 @@ __all__ = [
     "HAS_PRIME_RL_ORCHESTRATOR",
     "ComposerSDPOAlgorithm",
     "ComposerSDPOSettings",
+    "env_hint_fn",
     "install",
     "resolve_hint",
 ]
@@ -117,24 +120,31 @@ class ComposerSDPOSettings:
     hint_key: key of ``trace.info`` holding the environment's feedback (the hint); default ``feedback``.
     hint_fn: optional import path ``module.function`` of ``hint_fn(episode, trace) -> str | None``; takes
         precedence over ``hint_key``.
+    hint_env: optional environment spec (``verifiers:<module>``): the hint is that environment's feedback on the
+        trace (:func:`env_hint_fn`); takes precedence over ``hint_key``, exclusive with ``hint_fn``.
     hint_role: role of the hint message (``system`` like ``opsd``, or ``user``).
     template: ``str.format`` template of the hint message with ``{hint}``.
     """
 
     hint_key: str = "feedback"
     hint_fn: str | None = None
+    hint_env: str | None = None
     hint_role: str = "system"
     template: str = "{hint}"
 
     def __post_init__(self) -> None:
         if self.hint_role not in ("system", "user"):
             raise ValueError(f"composer_sdpo: hint_role={self.hint_role!r} must be 'system' or 'user'.")
+        if self.hint_fn and self.hint_env:
+            raise ValueError(
+                "composer_sdpo: set hint_fn or hint_env, not both (each is a whole hint source)."
+            )
         if "{hint}" not in self.template:
             raise ValueError(f"composer_sdpo: template={self.template!r} must contain '{{hint}}'.")
 
     @classmethod
     def from_config(cls, config: Any) -> ComposerSDPOSettings:
-        names = ("hint_key", "hint_fn", "hint_role", "template")
+        names = ("hint_key", "hint_fn", "hint_env", "hint_role", "template")
         if isinstance(config, dict):
             return cls(**{k: config[k] for k in names if k in config})
         return cls(**{k: getattr(config, k) for k in names if hasattr(config, k)})
@@ -151,6 +161,23 @@ def _import(path: str) -> HintFn:
     if not callable(fn):
         raise ValueError(f"composer_sdpo: hint_fn={path!r} is not callable.")
     return fn  # type: ignore[no-any-return]
+
+
+def env_hint_fn(spec: str) -> HintFn:
+    """``hint_fn(episode, trace)``: the feedback of environment ``spec`` (``verifiers:<module>``) on the trace.
+
+    PRIME-RL's environments are verifiers environments: the trace is PRIME-RL's ``vf.Trace``, re-scored (a copy)
+    by the environment's own rewards through composer's adapter, whose feedback text is the hint.
+    """
+    from composer_core.envs import load_env
+
+    env = load_env(spec)
+    feedback = getattr(env, "trace_feedback", None)
+    if not callable(feedback):
+        raise ValueError(
+            f"composer_sdpo: hint_env={spec!r} ({env.name}) cannot read a PRIME-RL trace; use verifiers:<module>."
+        )
+    return lambda episode, trace: feedback(trace)  # type: ignore[no-any-return]
 
 
 def resolve_hint(
@@ -180,6 +207,8 @@ class ComposerSDPOAlgorithm(_Base):  # type: ignore[misc, valid-type]
         super().__init__(config, policy_pool)
         self.settings = ComposerSDPOSettings.from_config(config)
         self.hint_fn = _import(self.settings.hint_fn) if self.settings.hint_fn else None
+        if self.settings.hint_env:
+            self.hint_fn = env_hint_fn(self.settings.hint_env)
         self.renderer: Any = getattr(config, "renderer_instance", None)
         self._renderer_config = getattr(config, "renderer", None)
 
