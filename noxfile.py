@@ -188,7 +188,9 @@ def lint(session: nox.Session) -> None:
     session.install("ruff>=0.8")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
-    session.run("python", str(ROOT / "scripts" / "bench_tables.py"), "--check")  # README tables = committed JSONs
+    session.run(
+        "python", str(ROOT / "scripts" / "bench_tables.py"), "--check"
+    )  # README tables = committed JSONs
     _lock_check(session)
 
 

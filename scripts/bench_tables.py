@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-MARKER = re.compile(r"<!-- bench:(?P<name>[A-Za-z0-9_.-]+):begin -->\n(?P<body>.*?)<!-- bench:(?P=name):end -->", re.S)
+MARKER = re.compile(
+    r"<!-- bench:(?P<name>[A-Za-z0-9_.-]+):begin -->\n(?P<body>.*?)<!-- bench:(?P=name):end -->", re.S
+)
 
 
 class BenchError(ValueError):
@@ -50,10 +52,12 @@ def fmt_cell(value: object) -> str:
 def readme_block(data: dict[str, Any], source: str) -> dict[str, Any]:
     block = data.get("readme")
     if not isinstance(block, dict):
-        raise BenchError(f"{source}: no \"readme\" block; add {{'title', 'columns', 'rows'}} to the bench JSON.")
+        raise BenchError(
+            f"{source}: no \"readme\" block; add {{'title', 'columns', 'rows'}} to the bench JSON."
+        )
     cols, rows = block.get("columns"), block.get("rows")
     if not isinstance(block.get("title"), str) or not isinstance(cols, list) or not isinstance(rows, list):
-        raise BenchError(f"{source}: \"readme\" needs a str \"title\", a list \"columns\" and a list \"rows\".")
+        raise BenchError(f'{source}: "readme" needs a str "title", a list "columns" and a list "rows".')
     for i, row in enumerate(rows):
         if not isinstance(row, list) or len(row) != len(cols):
             raise BenchError(f"{source}: readme row {i} has {len(row) if isinstance(row, list) else '?'} "

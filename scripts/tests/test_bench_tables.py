@@ -50,7 +50,9 @@ def test_update_rewrites_between_markers_and_check_then_passes(tmp_path: Path) -
     assert bench_tables.main(["--root", str(tmp_path)]) == 0
     text = readme.read_text()
     assert "old figure" not in text and "| 32,768 | 1.23 | fused |" in text
-    assert text.startswith("intro\n<!-- bench:bench_x:begin -->\n") and text.endswith("<!-- bench:bench_x:end -->\nafter\n")
+    assert text.startswith("intro\n<!-- bench:bench_x:begin -->\n") and text.endswith(
+        "<!-- bench:bench_x:end -->\nafter\n"
+    )
     assert bench_tables.main(["--root", str(tmp_path), "--check"]) == 0
     assert bench_tables.update(tmp_path) == []  # idempotent
 

@@ -75,7 +75,9 @@ def _fused_step(method: str, h_s: Any, h_t: Any, w: Any, chunk: int) -> Any:
     if method == "liger":
         from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
 
-        loss_fn = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=BETA, compiled=False)
+        loss_fn = LigerFusedLinearJSDLoss(
+            weight_hard_loss=0.0, weight_soft_loss=1.0, beta=BETA, compiled=False
+        )
         labels = torch.zeros(h_s.shape[0], dtype=torch.long)
         return loss_fn(h_s, w, h_t, w.detach(), labels)
     raise ValueError(method)
@@ -117,35 +119,30 @@ def _logits_step(method: str, z_s: Any, z_t: Any, chunk: int) -> Any:
     raise ValueError(method)
 
 
-def _child(args: argparse.Namespace) -> dict[str, Any]:
+def _make_step(form: str, method: str, args: argparse.Namespace) -> tuple[Any, list[Any]]:
+    """(step function returning the loss, leaf tensors with gradients) for one method on seeded inputs."""
     import torch
 
-    torch.set_num_threads(args.threads)
-    form, method = args.child.split(":")
     vocab, tokens = _parse_sizes(args.sizes)[0]
     g = torch.Generator().manual_seed(0)
     if form == "fused":
         h_s = (torch.randn(tokens, args.hidden, generator=g) * 0.5).requires_grad_(True)
         h_t = torch.randn(tokens, args.hidden, generator=g) * 0.5
         w = (torch.randn(vocab, args.hidden, generator=g) * 2 / args.hidden**0.5).requires_grad_(True)
-        params = [h_s, w]
         if method == "floor":
+            return (lambda: _floor_step(h_s, h_t, w.detach(), args.chunk_size)), [h_s, w]
+        return (lambda: _fused_step(method, h_s, h_t, w, args.chunk_size)), [h_s, w]
+    z_s = (torch.randn(tokens, vocab, generator=g) * 2).requires_grad_(True)
+    z_t = torch.randn(tokens, vocab, generator=g) * 2
+    return (lambda: _logits_step(method, z_s, z_t, args.chunk_size)), [z_s]
 
-            def step() -> Any:
-                return _floor_step(h_s, h_t, w.detach(), args.chunk_size)
 
-        else:
+def _child(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
 
-            def step() -> Any:
-                return _fused_step(method, h_s, h_t, w, args.chunk_size)
-
-    else:
-        z_s = (torch.randn(tokens, vocab, generator=g) * 2).requires_grad_(True)
-        z_t = torch.randn(tokens, vocab, generator=g) * 2
-        params = [z_s]
-
-        def step() -> Any:
-            return _logits_step(method, z_s, z_t, args.chunk_size)
+    torch.set_num_threads(args.threads)
+    form, method = args.child.split(":")
+    step, params = _make_step(form, method, args)
 
     def run() -> float:
         for p in params:
@@ -184,7 +181,9 @@ def _parse_sizes(text: str) -> list[tuple[int, int]]:
     return [(int(v), int(n)) for v, n in (s.split("x") for s in text.split(",") if s)]
 
 
-def _spawn(form: str, method: str, vocab: int, tokens: int, args: argparse.Namespace, save: str) -> dict[str, Any]:
+def _spawn(
+    form: str, method: str, vocab: int, tokens: int, args: argparse.Namespace, save: str
+) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", f"{form}:{method}", "--sizes", f"{vocab}x{tokens}"]
     cmd += ["--hidden", str(args.hidden), "--chunk-size", str(args.chunk_size), "--inner", str(args.inner)]
     cmd += ["--threads", str(args.threads), "--save", save]
@@ -206,7 +205,10 @@ def _agreement(files: dict[str, str]) -> dict[str, dict[str, float]]:
             float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
             for a, b in zip(other["grads"], ref["grads"], strict=True)
         )
-        out[method] = {"loss_rel": abs(other["loss"] - ref["loss"]) / max(abs(ref["loss"]), 1e-30), "grad_rel": grad_diff}
+        out[method] = {
+            "loss_rel": abs(other["loss"] - ref["loss"]) / max(abs(ref["loss"]), 1e-30),
+            "grad_rel": grad_diff,
+        }
     return out
 
 
@@ -233,7 +235,14 @@ def _measure(form: str, vocab: int, tokens: int, args: argparse.Namespace) -> di
     ours = stats["composer"]
     ratios = {f"time_vs_{m}": ours["time_s"] / stats[m]["time_s"] for m in methods if m != "composer"}
     ratios |= {f"peak_vs_{m}": ours["peak_bytes"] / max(stats[m]["peak_bytes"], 1) for m in ("trl", "liger")}
-    return {"form": form, "vocab": vocab, "tokens": tokens, "methods": stats, "ratios": ratios, "agreement": agree}
+    return {
+        "form": form,
+        "vocab": vocab,
+        "tokens": tokens,
+        "methods": stats,
+        "ratios": ratios,
+        "agreement": agree,
+    }
 
 
 def _cpu_model() -> str:
@@ -298,12 +307,20 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--sizes", default=",".join(f"{v}x{n}" for v, n in DEFAULT_SIZES), help="VxN,VxN,...")
     p.add_argument("--hidden", type=int, default=896)
-    p.add_argument("--chunk-size", type=int, default=None, help="composer's chunk (default: DEFAULT_CHUNK_SIZE)")
+    p.add_argument(
+        "--chunk-size", type=int, default=None, help="composer's chunk (default: DEFAULT_CHUNK_SIZE)"
+    )
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (fresh process per method each)")
     p.add_argument("--inner", type=int, default=1, help="warm passes timed per process")
-    p.add_argument("--threads", type=int, default=int(os.environ.get("COMPOSER_BENCH_THREADS", min(2, os.cpu_count() or 1))))
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=int(os.environ.get("COMPOSER_BENCH_THREADS", min(2, os.cpu_count() or 1))),
+    )
     p.add_argument("--forms", default="fused,logits")
-    p.add_argument("--small", action="store_true", help="tiny sizes, one round: CI's check that the bench works")
+    p.add_argument(
+        "--small", action="store_true", help="tiny sizes, one round: CI's check that the bench works"
+    )
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--save", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -335,7 +352,13 @@ def main(argv: list[str] | None = None) -> None:
                 + "  ".join(f"{m} {_fmt_time(s)} {s['peak_bytes'] / 2**20:,.0f} MiB" for m, s in ms.items())
             )
             print("        ratios " + "  ".join(f"{k} {v:.2f}" for k, v in r.items()))
-            print("        agreement " + "  ".join(f"{m}: loss {a['loss_rel']:.1e} grad {a['grad_rel']:.1e}" for m, a in row["agreement"].items()))
+            print(
+                "        agreement "
+                + "  ".join(
+                    f"{m}: loss {a['loss_rel']:.1e} grad {a['grad_rel']:.1e}"
+                    for m, a in row["agreement"].items()
+                )
+            )
             for m, a in row["agreement"].items():
                 if a["loss_rel"] > 1e-4 or a["grad_rel"] > 1e-3:
                     raise SystemExit(f"bench_jsd: {m} disagrees with composer ({a}); the comparison is void.")
@@ -348,11 +371,17 @@ def main(argv: list[str] | None = None) -> None:
             "cpu_count": os.cpu_count(),
             "threads": args.threads,
             "load_average": os.getloadavg(),
-            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "torch": torch.__version__,
             "composer_core": __version__,
         },
-        "config": {"hidden": args.hidden, "chunk_size": args.chunk_size, "rounds": args.rounds, "inner": args.inner, "small": args.small},
+        "config": {
+            "hidden": args.hidden,
+            "chunk_size": args.chunk_size,
+            "rounds": args.rounds,
+            "inner": args.inner,
+            "small": args.small,
+        },
         "rows": rows,
         "readme": _readme(rows, args),
     }

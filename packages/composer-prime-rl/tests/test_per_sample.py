@@ -190,7 +190,9 @@ def test_one_call_reads_the_host_at_most_once(make_inputs, kwargs, mask_kind, mo
     """Every value check of a sample is fused into one condition read once (PRIME-RL calls the loss once per
     packed sample: a sync per check would stall the device that often). Zero-filled ``ref_logprobs`` (the
     packer's fill) and empty masks are handled without a branch on tensor values."""
-    inputs = make_inputs(p_train=[0.9, 0.5, 0.3], p_inf=[0.6, 0.6, 0.2], p_ref=[0.5, 0.2, 0.4], adv=[1.0, -1.0, 0.5])
+    inputs = make_inputs(
+        p_train=[0.9, 0.5, 0.3], p_inf=[0.6, 0.6, 0.2], p_ref=[0.5, 0.2, 0.4], adv=[1.0, -1.0, 0.5]
+    )
     if mask_kind == "float01":
         inputs = LossInputs(
             inputs.trainer_logprobs, inputs.inference_logprobs, inputs.ref_logprobs, inputs.advantages,

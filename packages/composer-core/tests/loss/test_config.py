@@ -333,7 +333,9 @@ def test_the_from_flat_cache_keeps_types_apart() -> None:
 
 # ------------------------------------------------------------------ chunk size of the full-vocabulary forms
 @pytest.mark.parametrize("form", ["full_logits", "fused_hidden"])
-def test_sdpo_chunk_size_from_a_cli_string_reaches_the_kernel(form: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sdpo_chunk_size_from_a_cli_string_reaches_the_kernel(
+    form: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from composer_core.loss import distill
 
     cfg = ComposeConfig.from_flat(sdpo_chunk_size="2", alpha_sdpo="1.0")

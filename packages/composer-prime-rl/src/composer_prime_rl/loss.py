@@ -154,7 +154,9 @@ def _read_sample(inputs: Any, opts: PrimeRLLossOptions) -> _Sample:
 MetricSpec = tuple[str, str, str]
 
 
-def _policy_terms(s: _Sample, opts: PrimeRLLossOptions) -> tuple[Tensor, dict[str, Tensor], dict[str, MetricSpec]]:
+def _policy_terms(
+    s: _Sample, opts: PrimeRLLossOptions
+) -> tuple[Tensor, dict[str, Tensor], dict[str, MetricSpec]]:
     """Per-token channel-1 loss [seq] (zero outside the mask), its metric columns and metric specs."""
     log_ratio = s.logprobs - s.inference_logprobs  # 0 outside the mask (both zeroed)
     ratio = torch.exp(log_ratio)
@@ -165,10 +167,14 @@ def _policy_terms(s: _Sample, opts: PrimeRLLossOptions) -> tuple[Tensor, dict[st
         eps_hi = eps_lo if opts.epsilon_high is None else float(opts.epsilon_high)
         per_token, is_clipped = _surrogate_from_ratio(ratio, s.advantages, eps_lo, eps_hi, opts.delta)
         cols = {"clipped": is_clipped, "mismatch_kl": mismatch_kl}
-        return per_token, cols, {
-            "policy/clip_ratio": ("clipped", "mask", "mask"),
-            "mismatch_kl": ("mismatch_kl", "mask", "mask"),
-        }
+        return (
+            per_token,
+            cols,
+            {
+                "policy/clip_ratio": ("clipped", "mask", "mask"),
+                "mismatch_kl": ("mismatch_kl", "mask", "mask"),
+            },
+        )
 
     # DPPO (composer_core.loss.policy.dppo_loss, PRIME-RL's default_loss_fn), branch-free. |Δp| < 1 always, so
     # a bound above 1 (PRIME-RL allows any value >= 0, e.g. 10 to turn masking off) masks what 1 masks: nothing.
@@ -181,18 +187,28 @@ def _policy_terms(s: _Sample, opts: PrimeRLLossOptions) -> tuple[Tensor, dict[st
         keep = s.mask ^ dropped
         coef = torch.where(keep, s.advantages, 0.0).mul_(-opts.adv_tau)
     per_token = coef * ratio + opts.kl_tau * log_ratio.square()
-    cols = {"dropped": dropped, "keep": keep, "positive": positive, "negative": negative, "mismatch_kl": mismatch_kl}
+    cols = {
+        "dropped": dropped,
+        "keep": keep,
+        "positive": positive,
+        "negative": negative,
+        "mismatch_kl": mismatch_kl,
+    }
     # PRIME-RL's default_loss_fn metric names and definitions (dashboards carry over); for A < 0 "masked" is
     # "too low" and for A > 0 "too high", so the low/high splits are the sign columns over the dropped tokens.
-    return per_token, cols, {
-        "masked_mismatch_kl": ("mismatch_kl", "dropped", "dropped"),
-        "unmasked_mismatch_kl": ("mismatch_kl", "keep", "keep"),
-        "is_masked": ("dropped", "mask", "mask"),
-        "is_masked_low": ("negative", "dropped", "mask"),
-        "is_masked_high": ("positive", "dropped", "mask"),
-        "masked_advantage_positive": ("positive", "dropped", "dropped"),
-        "masked_advantage_negative": ("negative", "dropped", "dropped"),
-    }
+    return (
+        per_token,
+        cols,
+        {
+            "masked_mismatch_kl": ("mismatch_kl", "dropped", "dropped"),
+            "unmasked_mismatch_kl": ("mismatch_kl", "keep", "keep"),
+            "is_masked": ("dropped", "mask", "mask"),
+            "is_masked_low": ("negative", "dropped", "mask"),
+            "is_masked_high": ("positive", "dropped", "mask"),
+            "masked_advantage_positive": ("positive", "dropped", "dropped"),
+            "masked_advantage_negative": ("negative", "dropped", "dropped"),
+        },
+    )
 
 
 def _sdpo_terms(s: _Sample, opts: PrimeRLLossOptions) -> Tensor:
@@ -238,7 +254,12 @@ def composer_loss(inputs: LossInputs, **kwargs: Any) -> LossOutputs:
     """
     opts = parse_options(kwargs)
     s = _read_sample(inputs, opts)
-    if opts.alpha_sdpo > 0 and s.ref_logprobs is None and opts.sdpo_missing == "error" and inputs_has_tokens(s):
+    if (
+        opts.alpha_sdpo > 0
+        and s.ref_logprobs is None
+        and opts.sdpo_missing == "error"
+        and inputs_has_tokens(s)
+    ):
         raise ValueError(
             "alpha_sdpo > 0 but this sample has no ref_logprobs (LossInputs.ref_logprobs is None): "
             "PRIME-RL fills them only when the orchestrator's algorithm scores samples under a "
@@ -297,7 +318,9 @@ def _metric_keys(opts: PrimeRLLossOptions) -> tuple[str, ...]:
     return keys
 
 
-def _reduce_metrics(cols: dict[str, Tensor], specs: dict[str, MetricSpec], keys: tuple[str, ...]) -> dict[str, Tensor]:
+def _reduce_metrics(
+    cols: dict[str, Tensor], specs: dict[str, MetricSpec], keys: tuple[str, ...]
+) -> dict[str, Tensor]:
     """Detached float32 0-dim means ``Σ v·w / max(Σ d, 1)`` for ``keys`` from one matmul of the value columns
     with the where columns; a key without a spec (skipped channel) is 0."""
     names = list(cols)

@@ -257,7 +257,9 @@ class _ChunkedLogitsLoss(torch.autograd.Function):
                 zs.div_(temperature)
                 zt.div_(temperature)
             loss, g = kernel(zs, zt)
-            _check_chunk_finite(loss, student, teacher, idx)  # a NaN/inf logit makes its row's loss non-finite
+            _check_chunk_finite(
+                loss, student, teacher, idx
+            )  # a NaN/inf logit makes its row's loss non-finite
             if factor != 1.0:
                 g.mul_(factor)
             grad.index_copy_(0, idx, g if g.dtype == grad.dtype else g.to(grad.dtype))
@@ -309,7 +311,11 @@ class _FusedLinearLoss(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         grad_h = torch.zeros_like(student_hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=cdtype, device=weight.device) if need_w else None
-        grad_b = torch.zeros(weight.shape[0], dtype=cdtype, device=device) if (need_b and bias is not None) else None
+        grad_b = (
+            torch.zeros(weight.shape[0], dtype=cdtype, device=device)
+            if (need_b and bias is not None)
+            else None
+        )
         w_c = weight.detach().to(cdtype)
         tw_c = (
             w_c
