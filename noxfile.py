@@ -227,10 +227,14 @@ installed: ``[tool.mypy]`` in pyproject.toml sets ``ignore_missing_imports`` for
 
 @nox.session(tags=["ci"])
 def lint(session: nox.Session) -> None:
-    """ruff check (incl. the C901 complexity ratchet) + ruff format --check, and ``uv lock --check``."""
+    """ruff check (incl. the C901 complexity ratchet) + ruff format --check, README benchmark tables match the
+    committed bench JSONs (``scripts/bench_tables.py --check``), and ``uv lock --check``."""
     session.install("ruff>=0.8")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    session.run(
+        "python", str(ROOT / "scripts" / "bench_tables.py"), "--check"
+    )  # README tables = committed JSONs
     _lock_check(session)
 
 
@@ -267,6 +271,8 @@ def bench(session: nox.Session, package: str) -> None:
     session.env["COMPOSER_BENCH_OUT"] = str(out)
     for script in sorted((ROOT / "packages" / f"composer-{package}" / "bench").glob("bench_*.py")):
         session.run("python", str(script), *session.posargs)
+    # Summary of every JSON written so far (the last package's session prints all of them).
+    session.run("python", str(ROOT / "scripts" / "bench_tables.py"), "--summary", str(out))
 
 
 @nox.session(tags=["ci"])

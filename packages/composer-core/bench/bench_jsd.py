@@ -1,24 +1,33 @@
-"""Benchmark: chunked / fused-linear generalized JSD vs a naive implementation, side by side.
+"""Benchmark: composer's generalized JSD against TRL's and Liger-Kernel's own functions and the matmul floor.
 
-Forward + backward of the generalized JSD (β = 0.5) on the same inputs:
+Forward + backward of the generalized JSD (β = 0.5), float32, on the same inputs, two forms:
 
-- ``fused``: :func:`composer_core.fused_linear_generalized_jsd` from hidden states [N, H] and an LM head
-  [V, H]; logits exist only ``chunk × V`` at a time.
-- ``naive``: ``logits = hidden @ Wᵀ`` for student and teacher, full ``log_softmax`` [N, V] and the TRL GKD
-  formula with autograd (``composer_core.testing.reference.naive_jsd``): what a plain implementation does.
-- ``chunked`` vs ``naive_logits`` (with ``--logits``): the logits-input form, where the [N, V] inputs and
-  their gradient are part of both peaks, so only the intermediates shrink.
+- ``fused`` (from hidden states [N, H] and an LM head [V, H]):
+  ``composer`` = :func:`composer_core.fused_linear_generalized_jsd` (chunk = ``--chunk-size``, default
+  composer's ``DEFAULT_CHUNK_SIZE``); ``trl`` = logits ``h @ Wᵀ`` materialised for student and teacher, then
+  TRL's ``GKDTrainer.generalized_jsd_loss`` with autograd; ``liger`` = Liger-Kernel's
+  ``LigerFusedLinearJSDLoss`` (its chunked pure-torch path, ``compiled=False``, its default chunk 1024, hard-loss
+  weight 0); ``floor`` = the four matmuls alone (student and teacher logits, both gradients), chunked into
+  preallocated buffers: no method can do less arithmetic.
+- ``logits`` (from [N, V] logits): ``composer`` = :func:`composer_core.generalized_jsd`; ``trl`` = TRL's
+  ``generalized_jsd_loss``; ``liger`` = Liger's logits path ``LigerFusedLinearJSDFunction.distillation_loss_fn``
+  with autograd.
 
-Peak memory is measured honestly on CPU: every (method, size) runs in a fresh subprocess; the reported peak
-is the process's peak resident set (``resource.getrusage(RUSAGE_SELF).ru_maxrss``) minus its resident set
-just before the first forward pass (inputs already allocated). Python's tracemalloc does not see torch's
-allocations, so it is not used. Time is the median of ``--repeats`` forward+backward passes after that
-first (cold) pass. Results are printed and written to ``$COMPOSER_BENCH_OUT/bench_jsd.json``.
+Every measurement runs in a fresh subprocess (peak = ``ru_maxrss`` − resident set just before the first pass,
+the inputs already allocated; tracemalloc cannot see torch's allocations). Methods are interleaved: each round
+runs every method once (a cold pass, then ``--inner`` timed warm passes), the order rotating per round; the
+reported time is the median over rounds of the warm passes, with min–max as the spread (the machine is shared).
+Round 0 also checks that TRL, Liger (and the floor's shapes) agree with composer in value and gradient.
+Prints a table and writes ``$COMPOSER_BENCH_OUT/bench_jsd.json`` (with the ``machine`` and ``readme`` blocks of
+the project's bench convention; ``scripts/bench_tables.py`` renders the README table from it).
+
+    python bench/bench_jsd.py [--sizes 32768x4096,152064x1024] [--hidden 896] [--rounds 3] [--small]
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import os
 import platform
@@ -26,11 +35,14 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-DEFAULT_SIZES = [(32_000, 4096), (152_064, 1024)]  # (V, N tokens); naive peak ≈ 7 GB and 8.5 GB
+DEFAULT_SIZES = [(32_768, 4096), (152_064, 1024)]  # (V, N tokens)
+METHODS = {"fused": ["composer", "trl", "liger", "floor"], "logits": ["composer", "trl", "liger"]}
+BETA = 0.5
 
 
 def _rss_bytes() -> int:
@@ -42,92 +54,195 @@ def _maxrss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def _child(
-    method: str, vocab: int, tokens: int, hidden: int, chunk: int, repeats: int, threads: int
-) -> dict[str, Any]:
+# ---------------------------------------------------------------------------------------------------------
+# Child: one method, one size, a fresh process
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _fused_step(method: str, h_s: Any, h_t: Any, w: Any, chunk: int) -> Any:
     import torch
-    from composer_core import fused_linear_generalized_jsd, generalized_jsd
-    from composer_core.testing.reference import naive_jsd
+    from composer_core import fused_linear_generalized_jsd
 
-    torch.set_num_threads(threads)
+    if method == "composer":
+        return fused_linear_generalized_jsd(h_s, w, h_t, beta=BETA, chunk_size=chunk)
+    if method == "trl":
+        from trl.experimental.gkd import GKDTrainer
+
+        logits_s = h_s @ w.T
+        with torch.no_grad():
+            logits_t = h_t @ w.T
+        return GKDTrainer.generalized_jsd_loss(logits_s, logits_t, beta=BETA)
+    if method == "liger":
+        from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
+
+        loss_fn = LigerFusedLinearJSDLoss(
+            weight_hard_loss=0.0, weight_soft_loss=1.0, beta=BETA, compiled=False
+        )
+        labels = torch.zeros(h_s.shape[0], dtype=torch.long)
+        return loss_fn(h_s, w, h_t, w.detach(), labels)
+    raise ValueError(method)
+
+
+def _floor_step(h_s: Any, h_t: Any, w: Any, chunk: int) -> Any:
+    """The four matmuls of a fused JSD fwd+bwd (no elementwise work), into preallocated chunk buffers."""
+    import torch
+
+    with torch.no_grad():
+        n, vocab = h_s.shape[0], w.shape[0]
+        zs = torch.empty(min(chunk, n), vocab)
+        zt = torch.empty_like(zs)
+        gh = torch.empty(min(chunk, n), h_s.shape[1])
+        grad_w = torch.zeros_like(w)
+        for s in range(0, n, chunk):
+            hs, ht = h_s[s : s + chunk], h_t[s : s + chunk]
+            c = hs.shape[0]
+            torch.matmul(hs, w.T, out=zs[:c])
+            torch.matmul(ht, w.T, out=zt[:c])
+            torch.matmul(zs[:c], w, out=gh[:c])
+            grad_w.addmm_(zs[:c].T, hs)
+    return torch.zeros(())
+
+
+def _logits_step(method: str, z_s: Any, z_t: Any, chunk: int) -> Any:
+    from composer_core import generalized_jsd
+
+    if method == "composer":
+        return generalized_jsd(z_s, z_t, beta=BETA, chunk_size=chunk)
+    if method == "trl":
+        from trl.experimental.gkd import GKDTrainer
+
+        return GKDTrainer.generalized_jsd_loss(z_s, z_t, beta=BETA)
+    if method == "liger":
+        from liger_kernel.chunked_loss.jsd_loss import LigerFusedLinearJSDFunction
+
+        return LigerFusedLinearJSDFunction.distillation_loss_fn(z_s, z_t, beta=BETA) / z_s.shape[0]
+    raise ValueError(method)
+
+
+def _make_step(form: str, method: str, args: argparse.Namespace) -> tuple[Any, list[Any]]:
+    """(step function returning the loss, leaf tensors with gradients) for one method on seeded inputs."""
+    import torch
+
+    vocab, tokens = _parse_sizes(args.sizes)[0]
     g = torch.Generator().manual_seed(0)
-    if method in ("fused", "naive"):
-        h_s = (torch.randn(tokens, hidden, generator=g) * 0.5).requires_grad_(True)
-        h_t = torch.randn(tokens, hidden, generator=g) * 0.5
-        w = (torch.randn(vocab, hidden, generator=g) / hidden**0.5).requires_grad_(True)
-        params = [h_s, w]
+    if form == "fused":
+        h_s = (torch.randn(tokens, args.hidden, generator=g) * 0.5).requires_grad_(True)
+        h_t = torch.randn(tokens, args.hidden, generator=g) * 0.5
+        w = (torch.randn(vocab, args.hidden, generator=g) * 2 / args.hidden**0.5).requires_grad_(True)
+        if method == "floor":
+            return (lambda: _floor_step(h_s, h_t, w.detach(), args.chunk_size)), [h_s, w]
+        return (lambda: _fused_step(method, h_s, h_t, w, args.chunk_size)), [h_s, w]
+    z_s = (torch.randn(tokens, vocab, generator=g) * 2).requires_grad_(True)
+    z_t = torch.randn(tokens, vocab, generator=g) * 2
+    return (lambda: _logits_step(method, z_s, z_t, args.chunk_size)), [z_s]
 
-        def step() -> float:
-            if method == "fused":
-                loss = fused_linear_generalized_jsd(h_s, w, h_t, beta=0.5, chunk_size=chunk)
-            else:
-                logits_s = h_s @ w.T
-                with torch.no_grad():
-                    logits_t = h_t @ w.T
-                loss = naive_jsd(logits_s, logits_t, 0.5).mean()
-            loss.backward()
-            return float(loss)
 
-    else:
-        z_s = (torch.randn(tokens, vocab, generator=g) * 2).requires_grad_(True)
-        z_t = torch.randn(tokens, vocab, generator=g) * 2
-        params = [z_s]
+def _child(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
 
-        def step() -> float:
-            if method == "chunked":
-                loss = generalized_jsd(z_s, z_t, beta=0.5, chunk_size=chunk)
-            else:
-                loss = naive_jsd(z_s, z_t, 0.5).mean()
-            loss.backward()
-            return float(loss)
+    torch.set_num_threads(args.threads)
+    form, method = args.child.split(":")
+    step, params = _make_step(form, method, args)
 
-    base = _rss_bytes()
-    t0 = time.perf_counter()
-    value = step()
-    cold = time.perf_counter() - t0
-    peak = _maxrss_bytes() - base
-    grad_norm = float(sum(float(p.grad.double().norm() ** 2) for p in params if p.grad is not None) ** 0.5)
-    times = []
-    for _ in range(repeats):
+    def run() -> float:
         for p in params:
             p.grad = None
+        loss = step()
+        if loss.requires_grad:
+            loss.backward()
+        return float(loss)
+
+    if method == "trl":  # imports are not part of the measured peak
+        import trl.experimental.gkd  # noqa: F401
+    elif method == "liger":
+        import liger_kernel.chunked_loss  # noqa: F401
+    base = _rss_bytes()
+    t0 = time.perf_counter()
+    value = run()
+    cold = time.perf_counter() - t0
+    peak = _maxrss_bytes() - base
+    if args.save:  # round 0: loss and (row-subsampled) gradients for the agreement check
+        grads = [p.grad[:: max(1, p.shape[0] // 256)].clone() for p in params if p.grad is not None]
+        torch.save({"loss": value, "grads": grads}, args.save)
+    times = []
+    for _ in range(args.inner):
         t0 = time.perf_counter()
-        step()
+        run()
         times.append(time.perf_counter() - t0)
-    return {
-        "method": method,
-        "vocab": vocab,
-        "tokens": tokens,
-        "hidden": hidden,
-        "chunk_size": chunk,
-        "loss": value,
-        "grad_norm": grad_norm,
-        "peak_bytes": peak,
-        "cold_s": cold,
-        "time_s": statistics.median(times) if times else cold,
-        "times_s": times,
-    }
+    return {"loss": value, "peak_bytes": peak, "cold_s": cold, "times_s": times}
 
 
-def _run(method: str, vocab: int, tokens: int, args: argparse.Namespace) -> dict[str, Any]:
-    cmd = [
-        sys.executable,
-        __file__,
-        "--child",
-        method,
-        "--sizes",
-        f"{vocab}x{tokens}",
-        "--hidden",
-        str(args.hidden),
-        "--chunk-size",
-        str(args.chunk_size),
-        "--repeats",
-        str(args.repeats),
-        "--threads",
-        str(args.threads),
-    ]
+# ---------------------------------------------------------------------------------------------------------
+# Parent: interleaved rounds, agreement, ratios, JSON
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _parse_sizes(text: str) -> list[tuple[int, int]]:
+    return [(int(v), int(n)) for v, n in (s.split("x") for s in text.split(",") if s)]
+
+
+def _spawn(
+    form: str, method: str, vocab: int, tokens: int, args: argparse.Namespace, save: str
+) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--child", f"{form}:{method}", "--sizes", f"{vocab}x{tokens}"]
+    cmd += ["--hidden", str(args.hidden), "--chunk-size", str(args.chunk_size), "--inner", str(args.inner)]
+    cmd += ["--threads", str(args.threads), "--save", save]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _agreement(files: dict[str, str]) -> dict[str, dict[str, float]]:
+    """Relative difference of loss and of each (subsampled) gradient against composer's."""
+    import torch
+
+    ref = torch.load(files["composer"], weights_only=True)
+    out: dict[str, dict[str, float]] = {}
+    for method, path in files.items():
+        if method in ("composer", "floor"):
+            continue
+        other = torch.load(path, weights_only=True)
+        grad_diff = max(
+            float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+            for a, b in zip(other["grads"], ref["grads"], strict=True)
+        )
+        out[method] = {
+            "loss_rel": abs(other["loss"] - ref["loss"]) / max(abs(ref["loss"]), 1e-30),
+            "grad_rel": grad_diff,
+        }
+    return out
+
+
+def _measure(form: str, vocab: int, tokens: int, args: argparse.Namespace) -> dict[str, Any]:
+    methods = METHODS[form]
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
+    with tempfile.TemporaryDirectory() as tmp:
+        files = {m: str(Path(tmp) / f"{m}.pt") for m in methods}
+        for r in range(args.rounds):
+            order = methods[r % len(methods) :] + methods[: r % len(methods)]
+            for m in order:
+                runs[m].append(_spawn(form, m, vocab, tokens, args, files[m] if r == 0 else ""))
+        agree = _agreement(files)
+    stats: dict[str, dict[str, float]] = {}
+    for m, rs in runs.items():
+        warm = [statistics.median(x["times_s"]) if x["times_s"] else x["cold_s"] for x in rs]
+        stats[m] = {
+            "time_s": statistics.median(warm),
+            "time_min_s": min(warm),
+            "time_max_s": max(warm),
+            "peak_bytes": statistics.median(x["peak_bytes"] for x in rs),
+            "loss": rs[0]["loss"],
+        }
+    ours = stats["composer"]
+    ratios = {f"time_vs_{m}": ours["time_s"] / stats[m]["time_s"] for m in methods if m != "composer"}
+    ratios |= {f"peak_vs_{m}": ours["peak_bytes"] / max(stats[m]["peak_bytes"], 1) for m in ("trl", "liger")}
+    return {
+        "form": form,
+        "vocab": vocab,
+        "tokens": tokens,
+        "methods": stats,
+        "ratios": ratios,
+        "agreement": agree,
+    }
 
 
 def _cpu_model() -> str:
@@ -141,79 +256,134 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _fmt_bytes(n: float) -> str:
-    return f"{n / 2**20:8.0f} MiB"
+def _fmt_time(s: dict[str, float]) -> str:
+    return f"{s['time_s']:.2f} s [{s['time_min_s']:.2f}–{s['time_max_s']:.2f}]"
+
+
+def _readme(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    table = []
+    for row in rows:
+        ms, r = row["methods"], row["ratios"]
+        mib = {m: f"{ms[m]['peak_bytes'] / 2**20:,.0f}" for m in ("composer", "trl", "liger")}
+        table.append(
+            [
+                row["form"],
+                f"{row['vocab']:,} × {row['tokens']:,}",
+                _fmt_time(ms["composer"]),
+                _fmt_time(ms["trl"]),
+                _fmt_time(ms["liger"]),
+                _fmt_time(ms["floor"]) if "floor" in ms else "–",
+                round(r["time_vs_floor"], 2) if "time_vs_floor" in r else "–",
+                round(r["time_vs_trl"], 2),
+                round(r["time_vs_liger"], 2),
+                f"{mib['composer']} / {mib['trl']} / {mib['liger']}",
+                round(r["peak_vs_liger"], 2),
+            ]
+        )
+    return {
+        "title": f"Generalized JSD (β = 0.5) forward + backward, float32, H = {args.hidden}, composer chunk = "
+        f"{args.chunk_size}: median of {args.rounds} interleaved rounds [min–max]",
+        "columns": [
+            "form",
+            "V × N",
+            "composer",
+            "TRL",
+            "Liger",
+            "matmul floor",
+            "composer / floor",
+            "composer / TRL",
+            "composer / Liger",
+            "extra memory MiB (composer / TRL / Liger)",
+            "memory composer / Liger",
+        ],
+        "rows": table,
+        "note": "TRL: `GKDTrainer.generalized_jsd_loss` on materialised logits; Liger: `LigerFusedLinearJSDLoss` "
+        "(compiled=False) / `distillation_loss_fn` for logits; floor: the 4 matmuls alone. Values and gradients "
+        "agree (see `agreement` in the JSON).",
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--sizes", default=",".join(f"{v}x{n}" for v, n in DEFAULT_SIZES), help="VxN,VxN,...")
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--chunk-size", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
-    p.add_argument("--logits", action="store_true", help="also bench the logits-input chunked form")
+    p.add_argument("--hidden", type=int, default=896)
+    p.add_argument(
+        "--chunk-size", type=int, default=None, help="composer's chunk (default: DEFAULT_CHUNK_SIZE)"
+    )
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (fresh process per method each)")
+    p.add_argument("--inner", type=int, default=1, help="warm passes timed per process")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=int(os.environ.get("COMPOSER_BENCH_THREADS", min(2, os.cpu_count() or 1))),
+    )
+    p.add_argument("--forms", default="fused,logits")
+    p.add_argument(
+        "--small", action="store_true", help="tiny sizes, one round: CI's check that the bench works"
+    )
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--save", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    sizes = [tuple(int(x) for x in s.split("x")) for s in args.sizes.split(",") if s]
+    if args.chunk_size is None:
+        from composer_core.loss.distill import DEFAULT_CHUNK_SIZE
+
+        args.chunk_size = DEFAULT_CHUNK_SIZE
     if args.child:
-        vocab, tokens = sizes[0]
-        print(
-            json.dumps(
-                _child(args.child, vocab, tokens, args.hidden, args.chunk_size, args.repeats, args.threads)
-            )
-        )
+        print(json.dumps(_child(args)))
         return
+    if args.small:
+        args.sizes, args.hidden, args.rounds, args.chunk_size = "512x64,1024x32", 32, 1, 16
 
     import torch
     from composer_core import __version__
 
-    pairs = [("fused", "naive")] + ([("chunked", "naive_logits")] if args.logits else [])
-    rows: list[dict[str, Any]] = []
     print(
-        f"generalized JSD (beta=0.5) forward+backward, CPU, {args.threads} threads, H={args.hidden}, "
-        f"chunk={args.chunk_size}; peak = ru_maxrss - RSS before the first pass (fresh process each)"
+        f"generalized JSD (beta={BETA}) forward+backward, CPU, {args.threads} threads, H={args.hidden}, "
+        f"composer chunk={args.chunk_size}, {args.rounds} interleaved rounds (fresh process per run)"
     )
-    for vocab, tokens in sizes:
-        for ours_name, naive_name in pairs:
-            ours = _run(ours_name, vocab, tokens, args)
-            naive = _run(naive_name, vocab, tokens, args)
-            rel_loss = abs(ours["loss"] - naive["loss"]) / max(abs(naive["loss"]), 1e-30)
-            rel_grad = abs(ours["grad_norm"] - naive["grad_norm"]) / max(naive["grad_norm"], 1e-30)
-            row = {
-                "vocab": vocab,
-                "tokens": tokens,
-                "ours": ours,
-                "naive": naive,
-                "peak_ratio": ours["peak_bytes"] / max(naive["peak_bytes"], 1),
-                "time_ratio": ours["time_s"] / naive["time_s"],
-                "loss_rel_diff": rel_loss,
-                "grad_norm_rel_diff": rel_grad,
-                "meets_target": ours["peak_bytes"] <= 0.25 * naive["peak_bytes"]
-                and ours["time_s"] <= 1.3 * naive["time_s"],
-            }
+    rows: list[dict[str, Any]] = []
+    for form in args.forms.split(","):
+        for vocab, tokens in _parse_sizes(args.sizes):
+            row = _measure(form, vocab, tokens, args)
             rows.append(row)
+            ms, r = row["methods"], row["ratios"]
             print(
-                f"V={vocab:>6} N={tokens:>5} {ours_name:>7}: {ours['time_s']:7.2f} s {_fmt_bytes(ours['peak_bytes'])} | "
-                f"{naive_name:>12}: {naive['time_s']:7.2f} s {_fmt_bytes(naive['peak_bytes'])} | "
-                f"peak ratio {row['peak_ratio']:.3f}  time ratio {row['time_ratio']:.3f}  "
-                f"(loss rel diff {rel_loss:.1e}) {'OK' if row['meets_target'] else 'MISSES target'}"
+                f"{form:>6} V={vocab:>6} N={tokens:>5}  "
+                + "  ".join(f"{m} {_fmt_time(s)} {s['peak_bytes'] / 2**20:,.0f} MiB" for m, s in ms.items())
             )
+            print("        ratios " + "  ".join(f"{k} {v:.2f}" for k, v in r.items()))
+            print(
+                "        agreement "
+                + "  ".join(
+                    f"{m}: loss {a['loss_rel']:.1e} grad {a['grad_rel']:.1e}"
+                    for m, a in row["agreement"].items()
+                )
+            )
+            for m, a in row["agreement"].items():
+                if a["loss_rel"] > 1e-4 or a["grad_rel"] > 1e-3:
+                    raise SystemExit(f"bench_jsd: {m} disagrees with composer ({a}); the comparison is void.")
     result = {
-        "benchmark": "generalized_jsd forward+backward: chunked/fused vs naive",
-        "target": "peak <= 0.25x naive at time <= 1.3x naive",
+        "benchmark": "generalized JSD forward+backward: composer vs TRL vs Liger vs matmul floor",
+        "targets": {"fused time / floor": 1.5, "fused memory / Liger": 0.35},
         "machine": {
-            "platform": platform.platform(),
             "processor": _cpu_model(),
-            "load_average_at_end": os.getloadavg(),
+            "platform": platform.platform(),
             "cpu_count": os.cpu_count(),
             "threads": args.threads,
+            "load_average": os.getloadavg(),
+            "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "torch": torch.__version__,
             "composer_core": __version__,
         },
-        "method": "fresh subprocess per measurement; peak = ru_maxrss - RSS before first pass; time = median "
-        f"of {args.repeats} warm passes",
+        "config": {
+            "hidden": args.hidden,
+            "chunk_size": args.chunk_size,
+            "rounds": args.rounds,
+            "inner": args.inner,
+            "small": args.small,
+        },
         "rows": rows,
+        "readme": _readme(rows, args),
     }
     out_dir = Path(os.environ.get("COMPOSER_BENCH_OUT", "bench-results"))
     out_dir.mkdir(parents=True, exist_ok=True)

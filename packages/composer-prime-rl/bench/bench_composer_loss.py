@@ -12,8 +12,10 @@ costs. Prints the ratios and writes JSON to $COMPOSER_BENCH_OUT (default ./bench
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import os
+import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -68,22 +70,37 @@ def step(
     (total / count).backward()
 
 
-def timed(
-    fn: Callable[..., LossOutputs],
+def interleaved(
+    methods: dict[str, tuple[Callable[..., LossOutputs], dict[str, Any]]],
     samples: list[dict[str, torch.Tensor]],
-    kwargs: dict[str, Any],
     repeats: int,
-) -> float:
+) -> dict[str, list[float]]:
+    """ms per step of every method, interleaved (one step of each per repeat, order rotating)."""
     sync = torch.cuda.synchronize if samples[0]["lp"].is_cuda else (lambda: None)
-    step(fn, samples, kwargs)  # warm-up
-    times = []
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        step(fn, samples, kwargs)
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    names = list(methods)
+    for fn, kwargs in methods.values():
+        step(fn, samples, kwargs)  # warm-up
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            fn, kwargs = methods[name]
+            sync()
+            t0 = time.perf_counter()
+            step(fn, samples, kwargs)
+            sync()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def main() -> None:
@@ -91,6 +108,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=32, help="packed samples per micro-batch")
     parser.add_argument("--lengths", default="256,4096", help="tokens per sample, comma-separated")
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--small", action="store_true", help="CI's check that the bench works (tiny sizes)")
     parser.add_argument(
         "--threads",
         type=int,
@@ -99,43 +117,71 @@ def main() -> None:
         "more threads only add contention on a shared machine)",
     )
     args = parser.parse_args()
+    if args.small:
+        args.samples, args.lengths, args.repeats = 4, "64", 3
     torch.set_num_threads(args.threads)
     devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
-    results = []
+    methods = {
+        "inline_dppo_kl": (inline_dppo_kl, {}),
+        "composer_dppo": (composer_loss, {}),
+        "composer_clipped_surrogate_sdpo": (
+            composer_loss,
+            {"policy_loss": "clipped_surrogate", "alpha_sdpo": 1.0},
+        ),
+    }
+    results, table = [], []
     for device in devices:
         for length in (int(x) for x in args.lengths.split(",")):
             samples = make_samples(args.samples, length, device)
-            base = timed(inline_dppo_kl, samples, {}, args.repeats)
-            rows = {
-                "composer_dppo": timed(composer_loss, samples, {}, args.repeats),
-                "composer_clipped_surrogate_sdpo": timed(
-                    composer_loss,
-                    samples,
-                    {"policy_loss": "clipped_surrogate", "alpha_sdpo": 1.0},
-                    args.repeats,
-                ),
-            }
-            for name, ms in rows.items():
-                print(
-                    f"[{device.type}, {args.samples} x {length} tokens] {name}: {ms:.2f} ms/step vs inline "
-                    f"DPPO+KL {base:.2f} ms/step -> ratio {ms / base:.2f}x"
-                )
-            results.append(
-                {
-                    "device": device.type,
-                    "samples": args.samples,
-                    "length": length,
-                    "repeats": args.repeats,
-                    "cpu_threads": args.threads,
-                    "inline_dppo_kl_ms": base,
-                    **{f"{k}_ms": v for k, v in rows.items()},
-                    **{f"{k}_ratio": v / base for k, v in rows.items()},
-                }
-            )
+            times = interleaved(methods, samples, args.repeats)
+            med = {k: statistics.median(v) for k, v in times.items()}
+            base = med["inline_dppo_kl"]
+            row: dict[str, Any] = {
+                "device": device.type, "samples": args.samples, "length": length, "repeats": args.repeats,
+                "cpu_threads": args.threads, "times_ms": times,
+            }  # fmt: skip
+            for name in methods:
+                row[f"{name}_ms"] = med[name]
+                row[f"{name}_spread_ms"] = [min(times[name]), max(times[name])]
+                if name != "inline_dppo_kl":
+                    # ratio per interleaved repeat (side by side), then its median and range
+                    per = [a / b for a, b in zip(times[name], times["inline_dppo_kl"], strict=True)]
+                    row[f"{name}_ratio"] = statistics.median(per)
+                    row[f"{name}_ratio_spread"] = [min(per), max(per)]
+                    print(
+                        f"[{device.type}, {args.samples} x {length} tokens] {name}: {med[name]:.2f} ms/step vs "
+                        f"inline DPPO+KL {base:.2f} ms/step -> ratio {row[f'{name}_ratio']:.2f}x "
+                        f"[{min(per):.2f}-{max(per):.2f}]"
+                    )
+                    table.append(
+                        [device.type, f"{args.samples} × {length}", name.removeprefix("composer_"),
+                         f"{med[name]:.1f}", f"{base:.1f}",
+                         f"{row[f'{name}_ratio']:.2f} [{min(per):.2f}–{max(per):.2f}]"]
+                    )  # fmt: skip
+            results.append(row)
     out = Path(os.environ.get("COMPOSER_BENCH_OUT", "bench-results"))
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "prime_rl_composer_loss.json"
-    path.write_text(json.dumps(results, indent=2))
+    path = out / "bench_composer_loss.json"
+    doc = {
+        "benchmark": "composer_prime_rl.composer_loss per PRIME-RL step vs an inline DPPO+KL formula",
+        "target": "ratio <= 1.3",
+        "machine": {
+            "processor": _cpu_model(),
+            "cpu_count": os.cpu_count(),
+            "threads": args.threads,
+            "load_average": os.getloadavg(),
+            "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+            "torch": torch.__version__,
+        },
+        "rows": results,
+        "readme": {
+            "title": f"composer_loss per step (PRIME-RL's per-sample loop, forward + backward) vs the inline "
+            f"DPPO+KL formula: median of {args.repeats} interleaved repeats [ratio range]",
+            "columns": ["device", "samples × tokens", "composer config", "composer ms", "inline ms", "ratio"],
+            "rows": table,
+        },
+    }
+    path.write_text(json.dumps(doc, indent=2))
     print(f"wrote {path}")
 
 

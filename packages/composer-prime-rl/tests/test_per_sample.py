@@ -168,3 +168,46 @@ def test_loss_is_additive_over_tokens_so_packing_cannot_change_it(make_inputs, k
         grads.append(piece.trainer_logprobs.grad)
     assert total == pytest.approx(out.loss.item(), rel=1e-12, abs=1e-14)
     torch.testing.assert_close(torch.cat(grads), whole.trainer_logprobs.grad, rtol=1e-12, atol=1e-14)
+
+
+# ------------------------------------------------------------------ host reads per call (issue 19)
+def _count_host_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    calls: list[str] = []
+    for name in ("item", "__bool__", "__float__", "__int__", "__index__", "tolist"):
+        orig = getattr(torch.Tensor, name)
+
+        def wrapper(self: torch.Tensor, *a: object, _orig=orig, _name=name, **k: object) -> object:  # type: ignore[no-untyped-def]
+            calls.append(_name)
+            return _orig(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, wrapper)
+    return calls
+
+
+@pytest.mark.parametrize("kwargs", CONFIGS)
+@pytest.mark.parametrize("mask_kind", ["bool", "float01"])
+def test_one_call_reads_the_host_at_most_once(make_inputs, kwargs, mask_kind, monkeypatch) -> None:
+    """Every value check of a sample is fused into one condition read once (PRIME-RL calls the loss once per
+    packed sample: a sync per check would stall the device that often). Zero-filled ``ref_logprobs`` (the
+    packer's fill) and empty masks are handled without a branch on tensor values."""
+    inputs = make_inputs(
+        p_train=[0.9, 0.5, 0.3], p_inf=[0.6, 0.6, 0.2], p_ref=[0.5, 0.2, 0.4], adv=[1.0, -1.0, 0.5]
+    )
+    if mask_kind == "float01":
+        inputs = LossInputs(
+            inputs.trainer_logprobs, inputs.inference_logprobs, inputs.ref_logprobs, inputs.advantages,
+            torch.tensor([1.0, 0.0, 1.0]),
+        )  # fmt: skip
+    zero_filled = LossInputs(
+        inputs.trainer_logprobs, inputs.inference_logprobs, torch.zeros(3, dtype=torch.float64),
+        inputs.advantages, inputs.loss_mask,
+    )  # fmt: skip
+    calls = _count_host_reads(monkeypatch)
+    for sample in (inputs, zero_filled):
+        calls.clear()
+        out = composer_loss(sample, **kwargs)
+        assert len(calls) <= 1, calls
+    monkeypatch.undo()
+    out.loss.backward()
+    if kwargs.get("alpha_sdpo"):
+        assert out.metrics["composer/sdpo/skipped"].item() == 1.0  # the zero-filled sample skipped channel 2

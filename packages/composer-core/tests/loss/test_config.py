@@ -329,3 +329,36 @@ def test_the_from_flat_cache_keeps_types_apart() -> None:
     assert ComposeConfig.from_flat(sdpo_topk=1).sdpo.topk == 1
     with pytest.raises(ValueError, match="`sdpo_topk`=True"):
         ComposeConfig.from_flat(sdpo_topk=True)  # 1 == True, but a bool is not an int option
+
+
+# ------------------------------------------------------------------ chunk size of the full-vocabulary forms
+@pytest.mark.parametrize("form", ["full_logits", "fused_hidden"])
+def test_sdpo_chunk_size_from_a_cli_string_reaches_the_kernel(
+    form: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from composer_core.loss import distill
+
+    cfg = ComposeConfig.from_flat(sdpo_chunk_size="2", alpha_sdpo="1.0")
+    assert cfg.sdpo.chunk_size == 2 and isinstance(cfg.sdpo.chunk_size, int)
+    assert flat_defaults()["sdpo_chunk_size"] == distill.DEFAULT_CHUNK_SIZE  # one source of the default
+    widths: list[int] = []
+    real = distill._rows_into
+
+    def spy(src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        widths.append(out.shape[0])
+        return real(src, idx, out)
+
+    monkeypatch.setattr(distill, "_rows_into", spy)
+    flags, _ = _FORMS[form]
+    small = compose_loss(_batch(**flags), cfg).total
+    assert widths and max(widths) == 2  # every chunk of 2 rows (the last may be shorter)
+    widths.clear()
+    whole = compose_loss(_batch(**flags), ComposeConfig.from_flat(alpha_sdpo="1.0")).total
+    assert max(widths) > 2
+    torch.testing.assert_close(small, whole, rtol=1e-12, atol=1e-12)  # exact per chunk: same loss
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "2.5", "abc", True, 0])
+def test_invalid_sdpo_chunk_size_names_the_option(value: object) -> None:
+    with pytest.raises(ValueError, match="`sdpo_chunk_size`"):
+        ComposeConfig.from_flat(sdpo_chunk_size=value)

@@ -39,8 +39,8 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
-from composer_core.loss.distill import sampled_token_distill
-from composer_core.loss.policy import clipped_surrogate, dppo_loss
+from composer_core.loss.distill import _sampled_token_distill
+from composer_core.loss.policy import _surrogate_from_ratio
 from torch import Tensor
 
 from composer_prime_rl.contract import LossInputs, LossOutputs, read_loss_weights, read_ref_logprobs
@@ -50,7 +50,7 @@ __all__ = ["composer_loss"]
 
 
 class _Sample(NamedTuple):
-    """One sample's validated tensors; positions outside ``mask`` are zeroed."""
+    """One sample's tensors, zeroed outside ``mask`` (no NaN/inf can reach the loss or its gradient)."""
 
     logprobs: Tensor
     inference_logprobs: Tensor
@@ -58,8 +58,7 @@ class _Sample(NamedTuple):
     advantages: Tensor
     mask: Tensor
     weights: Tensor | None
-    n_tokens: int
-    zero_filled: bool
+    has_ref: Tensor  # 0-dim: 1.0 when the ref_logprobs are real, 0.0 when absent or PRIME-RL's zero fill
 
 
 def _tensor(name: str, value: Any, length: int | None) -> Tensor:
@@ -85,120 +84,140 @@ def _float(name: str, value: Any, length: int | None) -> Tensor:
     return t
 
 
-def _read_sample(inputs: Any, opts: PrimeRLLossOptions) -> _Sample:
+def _fields(inputs: Any, opts: PrimeRLLossOptions) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """Structural checks (no tensor values read): (trainer log-probs, raw mask, detached float fields)."""
     logprobs = _float("trainer_logprobs", getattr(inputs, "trainer_logprobs", None), None)
     n = logprobs.shape[0]
-    inference = _float("inference_logprobs", getattr(inputs, "inference_logprobs", None), n)
-    advantages = _float("advantages", getattr(inputs, "advantages", None), n)
+    fields = {
+        "inference_logprobs": _float("inference_logprobs", getattr(inputs, "inference_logprobs", None), n),
+        "advantages": _float("advantages", getattr(inputs, "advantages", None), n),
+    }
     raw_mask = _tensor("loss_mask", getattr(inputs, "loss_mask", None), n)
-    if raw_mask.dtype != torch.bool:
-        if not bool(((raw_mask == 0) | (raw_mask == 1)).all()):
-            raise ValueError("LossInputs.loss_mask must be boolean (or 0/1); it has other values.")
-        raw_mask = raw_mask != 0
-    mask = raw_mask.to(logprobs.device)
-    ref = read_ref_logprobs(inputs)
-    ref = None if ref is None or opts.alpha_sdpo == 0 else _float("ref_logprobs", ref, n)
     weights = read_loss_weights(inputs)
-    weights = None if weights is None else _float("loss_weights", weights, n)
-
-    # Every data-dependent check in ONE device sync (the loss runs once per sample).
-    checked = {"trainer_logprobs": logprobs, "inference_logprobs": inference, "advantages": advantages}
     if weights is not None:
-        checked["loss_weights"] = weights
-    if ref is not None:
-        checked["ref_logprobs"] = ref
-    outside = ~mask  # no boolean indexing: it would sync the device once per field
-    stats = [(torch.isfinite(t.detach()) | outside).all() for t in checked.values()]
-    stats.append(mask.sum())
-    if ref is not None:
-        stats.append((ref.detach() == 0).all())  # over the whole sample, prompt tokens included
-    values = torch.stack([v.to(device=logprobs.device, dtype=torch.int64) for v in stats]).tolist()
-    for name, finite in zip(checked, values, strict=False):
-        if not finite:
+        fields["loss_weights"] = _float("loss_weights", weights, n)
+    ref = read_ref_logprobs(inputs)
+    if ref is not None and opts.alpha_sdpo != 0:
+        fields["ref_logprobs"] = _float("ref_logprobs", ref, n)
+    return logprobs, raw_mask, fields
+
+
+def _raise_bad_values(raw_mask: Tensor, mask: Tensor, named: dict[str, Tensor]) -> None:
+    """The fused check failed: name the first culprit (extra reads only on this error path)."""
+    if raw_mask.dtype != torch.bool and not bool(((raw_mask == 0) | (raw_mask == 1)).all()):
+        raise ValueError("LossInputs.loss_mask must be boolean (or 0/1); it has other values.")
+    for name, t in named.items():
+        if not bool((torch.isfinite(t) | ~mask).all()):
             raise ValueError(
                 f"LossInputs.{name} has NaN or inf on tokens selected by loss_mask; fix the producer "
                 "of this field (values outside loss_mask are ignored)."
             )
-    n_tokens = values[len(checked)]
-    zero_filled = ref is not None and bool(values[-1])
-    if zero_filled:
-        # PRIME-RL's packer fills ref_logprobs with 0.0 over the whole sample when the sample
-        # has none but a neighbour in its micro-batch has some (trainer/batch.py): that is no
-        # teacher (it would pull every token towards p = 1). Such a sample comes from a source
-        # without hints while the run does ship them, so it is skipped, never an error.
-        ref = None
-
-    def keep(t: Tensor) -> Tensor:  # zero the tokens outside the mask (no NaN can leak)
-        return torch.where(mask, t, torch.zeros((), dtype=t.dtype, device=t.device))
-
-    return _Sample(
-        logprobs=keep(logprobs),
-        inference_logprobs=keep(inference.detach()),
-        ref_logprobs=None if ref is None else keep(ref.detach()),
-        advantages=keep(advantages.detach()),
-        mask=mask,
-        weights=None if weights is None else keep(weights.detach()),
-        n_tokens=n_tokens,
-        zero_filled=zero_filled,
-    )
 
 
-# A metric is the mean of ``values`` over the bool ``where`` (0 when empty); all of a sample's
-# metrics are reduced together in one batched op (see _reduce_metrics).
-MetricSpec = tuple[Tensor, Tensor]
-
-
-def _policy_terms(s: _Sample, opts: PrimeRLLossOptions) -> tuple[Tensor, dict[str, MetricSpec]]:
-    """Per-token channel-1 loss [seq] (zero outside the mask) and its diagnostics."""
-    lp, inf, adv, m = s.logprobs[None], s.inference_logprobs[None], s.advantages[None], s.mask[None]
-    log_ratio = (s.logprobs - s.inference_logprobs).detach()
-    mismatch_kl = torch.exp(log_ratio) - log_ratio - 1.0  # k3 estimate of KL(π_inf‖π_train)
-    if opts.policy_loss == "clipped_surrogate":
-        per_token, is_clipped = clipped_surrogate(
-            lp, inf, adv, epsilon_low=opts.epsilon_low, epsilon_high=opts.epsilon_high, delta=opts.delta
+def _read_sample(inputs: Any, opts: PrimeRLLossOptions) -> _Sample:
+    logprobs, raw_mask, fields = _fields(inputs, opts)
+    mask = (raw_mask if raw_mask.dtype == torch.bool else raw_mask != 0).to(logprobs.device)
+    named = {"trainer_logprobs": logprobs.detach(), **fields}
+    dtype = logprobs.dtype
+    with torch.no_grad():
+        stacked = torch.stack([t.to(device=logprobs.device, dtype=dtype) for t in named.values()])
+        ok = torch.isfinite(stacked).logical_or_(~mask).all()
+        if raw_mask.dtype != torch.bool:
+            ok &= ((raw_mask == 0) | (raw_mask == 1)).all().to(ok.device)
+        # PRIME-RL's packer fills ref_logprobs with 0.0 over the whole sample when the sample has none
+        # but a neighbour in its micro-batch has some (trainer/batch.py): that is no teacher (it would pull
+        # every token towards p = 1), so channel 2 is skipped for it, never an error (a 0-dim factor, no
+        # branch on tensor values).
+        has_ref = (
+            (stacked[-1] != 0).any().to(dtype)
+            if "ref_logprobs" in fields
+            else torch.zeros((), dtype=dtype, device=logprobs.device)
         )
-        return per_token[0], {
-            "composer/policy/clip_ratio": (is_clipped[0], s.mask),
-            "mismatch_kl": (mismatch_kl, s.mask),
-        }
-
-    # |Δp| < 1 always, so a bound above 1 (PRIME-RL allows any value >= 0, e.g. 10 to turn
-    # masking off) masks exactly what a bound of 1 masks: nothing.
-    low, high = min(opts.dppo_mask_low, 1.0), min(opts.dppo_mask_high, 1.0)
-    per_token, _ = dppo_loss(
-        lp, inf, adv, m, mask_low=low, mask_high=high, adv_tau=opts.adv_tau, kl_tau=opts.kl_tau
+        kept = torch.where(mask, stacked[1:], 0.0).unbind(0)  # the detached fields, zeroed outside the mask
+    if not bool(ok):  # the single host read of a call: every value check above, fused
+        _raise_bad_values(raw_mask, mask, named)
+    by_name = dict(zip(fields, kept, strict=True))
+    return _Sample(
+        logprobs=torch.where(mask, logprobs, 0.0),
+        inference_logprobs=by_name["inference_logprobs"],
+        ref_logprobs=by_name.get("ref_logprobs"),
+        advantages=by_name["advantages"],
+        mask=mask,
+        weights=by_name.get("loss_weights"),
+        has_ref=has_ref,
     )
-    # The diagnostics re-derive dppo_mask's rule from Δp (one exp each instead of a second
-    # validated core call); test_upstream.py checks them against PRIME-RL's own metrics.
-    prob_diff = (torch.exp(s.logprobs) - torch.exp(s.inference_logprobs)).detach()
-    positive, negative = s.advantages > 0, s.advantages < 0
-    too_high, too_low = prob_diff > high, prob_diff < -low
-    masked = torch.where(positive, too_high, too_low)
-    dropped = masked & s.mask
-    return per_token[0], {
-        # PRIME-RL's default_loss_fn metric names and definitions (dashboards carry over).
-        "masked_mismatch_kl": (mismatch_kl, dropped),
-        "unmasked_mismatch_kl": (mismatch_kl, s.mask & ~masked),
-        "is_masked": (masked, s.mask),
-        "is_masked_low": (negative & too_low, s.mask),
-        "is_masked_high": (positive & too_high, s.mask),
-        "masked_advantage_positive": (positive, dropped),
-        "masked_advantage_negative": (negative, dropped),
+
+
+# A metric is Σ value·where / max(Σ where, 1) (0 when empty). All of a sample's metrics come from ONE matmul
+# of the per-token value columns with the "where" columns (see _reduce_metrics): (value column, where column,
+# denominator column) by name.
+MetricSpec = tuple[str, str, str]
+
+
+def _policy_terms(
+    s: _Sample, opts: PrimeRLLossOptions
+) -> tuple[Tensor, dict[str, Tensor], dict[str, MetricSpec]]:
+    """Per-token channel-1 loss [seq] (zero outside the mask), its metric columns and metric specs."""
+    log_ratio = s.logprobs - s.inference_logprobs  # 0 outside the mask (both zeroed)
+    ratio = torch.exp(log_ratio)
+    with torch.no_grad():
+        mismatch_kl = ratio - log_ratio - 1.0  # k3 estimate of KL(π_inf‖π_train)
+    if opts.policy_loss == "clipped_surrogate":
+        eps_lo = float(opts.epsilon_low)
+        eps_hi = eps_lo if opts.epsilon_high is None else float(opts.epsilon_high)
+        per_token, is_clipped = _surrogate_from_ratio(ratio, s.advantages, eps_lo, eps_hi, opts.delta)
+        cols = {"clipped": is_clipped, "mismatch_kl": mismatch_kl}
+        return (
+            per_token,
+            cols,
+            {
+                "composer/policy/clip_ratio": ("clipped", "mask", "mask"),
+                "mismatch_kl": ("mismatch_kl", "mask", "mask"),
+            },
+        )
+
+    # DPPO (composer_core.loss.policy.dppo_loss, PRIME-RL's default_loss_fn), branch-free. |Δp| < 1 always, so
+    # a bound above 1 (PRIME-RL allows any value >= 0, e.g. 10 to turn masking off) masks what 1 masks: nothing.
+    low, high = min(opts.dppo_mask_low, 1.0), min(opts.dppo_mask_high, 1.0)
+    with torch.no_grad():
+        prob_diff = torch.exp(s.logprobs).sub_(torch.exp(s.inference_logprobs))  # Δp
+        positive, negative = s.advantages > 0, s.advantages < 0
+        masked = torch.where(positive, prob_diff > high, prob_diff < -low)
+        dropped = masked & s.mask
+        keep = s.mask ^ dropped
+        coef = torch.where(keep, s.advantages, 0.0).mul_(-opts.adv_tau)
+    per_token = coef * ratio + opts.kl_tau * log_ratio.square()
+    cols = {
+        "dropped": dropped,
+        "keep": keep,
+        "positive": positive,
+        "negative": negative,
+        "mismatch_kl": mismatch_kl,
     }
+    # PRIME-RL's default_loss_fn metric names and definitions (dashboards carry over); for A < 0 "masked" is
+    # "too low" and for A > 0 "too high", so the low/high splits are the sign columns over the dropped tokens.
+    return (
+        per_token,
+        cols,
+        {
+            "masked_mismatch_kl": ("mismatch_kl", "dropped", "dropped"),
+            "unmasked_mismatch_kl": ("mismatch_kl", "keep", "keep"),
+            "is_masked": ("dropped", "mask", "mask"),
+            "is_masked_low": ("negative", "dropped", "mask"),
+            "is_masked_high": ("positive", "dropped", "mask"),
+            "masked_advantage_positive": ("positive", "dropped", "dropped"),
+            "masked_advantage_negative": ("negative", "dropped", "dropped"),
+        },
+    )
 
 
-def _sdpo_terms(s: _Sample, opts: PrimeRLLossOptions) -> tuple[Tensor, dict[str, MetricSpec]]:
-    """Per-token channel-2 loss [seq] (zero outside the mask) and its diagnostics."""
+def _sdpo_terms(s: _Sample, opts: PrimeRLLossOptions) -> Tensor:
+    """Per-token channel-2 loss [seq] (zero outside the mask; ``sampled_token_distill`` on checked inputs)."""
     assert s.ref_logprobs is not None
-    per_token = sampled_token_distill(
-        s.logprobs[None],
-        s.ref_logprobs[None],
-        s.mask[None],
-        old_logprobs=s.inference_logprobs[None],
-        is_clip=opts.sdpo_token_clip,
-        reduction="none",
-    )[0]
-    return per_token, {"composer/sdpo/reverse_kl_k1": (s.logprobs - s.ref_logprobs, s.mask)}
+    return _sampled_token_distill(
+        s.logprobs[None], s.ref_logprobs[None], s.mask[None], s.inference_logprobs[None], opts.sdpo_token_clip,
+        "none", None,
+    )[0]  # fmt: skip
 
 
 def composer_loss(inputs: LossInputs, **kwargs: Any) -> LossOutputs:
@@ -209,7 +228,8 @@ def composer_loss(inputs: LossInputs, **kwargs: Any) -> LossOutputs:
             ``trainer_logprobs`` (grad), ``inference_logprobs``, ``ref_logprobs`` (or its
             pre-0be5ac45 name ``teacher_logprobs``), ``advantages``, ``loss_mask``,
             ``loss_weights`` (optional).
-        **kwargs: ``[trainer.loss.kwargs]``; see :class:`composer_prime_rl.options.PrimeRLLossOptions`.
+        **kwargs: ``[trainer.loss.kwargs]``; see :class:`composer_prime_rl.options.PrimeRLLossOptions`
+            (validated once per distinct kwargs, then a cache lookup).
 
     Returns:
         ``LossOutputs`` with ``loss`` = the SUM over masked tokens of
@@ -218,6 +238,7 @@ def composer_loss(inputs: LossInputs, **kwargs: Any) -> LossOutputs:
         ``composer/loss/total`` (per-token means of this sample), the policy diagnostics (PRIME-RL's
         DPPO names, or ``composer/policy/clip_ratio`` + ``mismatch_kl``), and with channel 2 on
         ``composer/sdpo/reverse_kl_k1`` and ``composer/sdpo/skipped``. Every call of a run emits the same keys.
+        Cost: structural checks in Python, every value check fused into one host read.
 
         A sample whose ``loss_mask`` selects no token (PRIME-RL calls the loss for it when
         no rl weight stream exists) returns an exact 0 that is still attached to the graph
@@ -233,45 +254,47 @@ def composer_loss(inputs: LossInputs, **kwargs: Any) -> LossOutputs:
     """
     opts = parse_options(kwargs)
     s = _read_sample(inputs, opts)
-    zeros = torch.zeros_like(s.logprobs)
-
-    specs: dict[str, MetricSpec] = {}
-    if s.n_tokens > 0:
-        policy, specs = _policy_terms(s, opts)
-    else:
-        policy = zeros * s.logprobs  # keep the graph; the metrics are all 0 below
-
-    distill: Tensor | None = None
-    skipped = False
-    if opts.alpha_sdpo > 0:
-        skipped = s.ref_logprobs is None and s.n_tokens > 0
-        if skipped and not s.zero_filled and opts.sdpo_missing == "error":
-            raise ValueError(
-                "alpha_sdpo > 0 but this sample has no ref_logprobs (LossInputs.ref_logprobs is None): "
-                "PRIME-RL fills them only when the orchestrator's algorithm scores samples under a "
-                "reference (the hinted context of composer's self-teacher). Ship hinted-context "
-                'log-probs as ref_logprobs, set sdpo_missing = "skip" to train such samples on the '
-                "policy loss only, or set alpha_sdpo = 0."
-            )
-        if s.n_tokens > 0 and not skipped:
-            distill, sdpo_specs = _sdpo_terms(s, opts)
-            specs.update(sdpo_specs)
-
-    per_token = policy if distill is None else policy + opts.alpha_sdpo * distill
+    if (
+        opts.alpha_sdpo > 0
+        and s.ref_logprobs is None
+        and opts.sdpo_missing == "error"
+        and inputs_has_tokens(s)
+    ):
+        raise ValueError(
+            "alpha_sdpo > 0 but this sample has no ref_logprobs (LossInputs.ref_logprobs is None): "
+            "PRIME-RL fills them only when the orchestrator's algorithm scores samples under a "
+            "reference (the hinted context of composer's self-teacher). Ship hinted-context "
+            'log-probs as ref_logprobs, set sdpo_missing = "skip" to train such samples on the '
+            "policy loss only, or set alpha_sdpo = 0."
+        )
+    policy, cols, specs = _policy_terms(s, opts)
+    per_token = policy
+    if opts.alpha_sdpo > 0 and s.ref_logprobs is not None:
+        distill = _sdpo_terms(s, opts) * s.has_ref
+        per_token = policy + opts.alpha_sdpo * distill
+        with torch.no_grad():
+            cols["sdpo_mask"] = s.mask * s.has_ref
+            cols["composer/loss/sdpo"] = distill if s.weights is None else distill * s.weights
+            cols["composer/sdpo/reverse_kl_k1"] = s.logprobs - s.ref_logprobs
+        specs["composer/loss/sdpo"] = ("composer/loss/sdpo", "sdpo_mask", "sdpo_mask")
+        specs["composer/sdpo/reverse_kl_k1"] = ("composer/sdpo/reverse_kl_k1", "sdpo_mask", "sdpo_mask")
     if s.weights is not None:
         per_token = per_token * s.weights
-    loss = torch.where(s.mask, per_token, zeros).sum()
-
-    if s.n_tokens > 0:
-        weighted_policy = policy if s.weights is None else policy * s.weights
-        specs["composer/loss/policy"] = (weighted_policy, s.mask)
-        if distill is not None:
-            specs["composer/loss/sdpo"] = (distill if s.weights is None else distill * s.weights, s.mask)
-        specs["composer/loss/total"] = (per_token, s.mask)
-    metrics = _reduce_metrics(specs, _metric_keys(opts), s.logprobs.device)
+    loss = per_token.sum()  # every term is 0 outside the mask
+    cols["composer/loss/policy"] = policy if s.weights is None else policy * s.weights
+    cols["composer/loss/total"] = per_token
+    specs["composer/loss/policy"] = ("composer/loss/policy", "mask", "mask")
+    specs["composer/loss/total"] = ("composer/loss/total", "mask", "mask")
+    cols["mask"] = s.mask
+    metrics = _reduce_metrics(cols, specs, _metric_keys(opts))
     if opts.alpha_sdpo > 0:
-        metrics["composer/sdpo/skipped"] = torch.tensor(float(skipped), device=s.logprobs.device)
+        metrics["composer/sdpo/skipped"] = (1.0 - s.has_ref) * s.mask.any()
     return LossOutputs(loss=loss, metrics=metrics)
+
+
+def inputs_has_tokens(s: _Sample) -> bool:
+    """Only reached on the error path (channel 2 requested, no ref_logprobs): an empty sample needs none."""
+    return bool(s.mask.any())
 
 
 def _metric_keys(opts: PrimeRLLossOptions) -> tuple[str, ...]:
@@ -296,15 +319,24 @@ def _metric_keys(opts: PrimeRLLossOptions) -> tuple[str, ...]:
 
 
 def _reduce_metrics(
-    specs: dict[str, MetricSpec], keys: tuple[str, ...], device: torch.device
+    cols: dict[str, Tensor], specs: dict[str, MetricSpec], keys: tuple[str, ...]
 ) -> dict[str, Tensor]:
-    """Detached float32 0-dim means ``Σ v·1[where] / max(Σ 1[where], 1)`` for ``keys`` in one
-    batched reduction; a key without a spec (empty mask, skipped channel) is 0."""
-    present = [k for k in keys if k in specs]
+    """Detached float32 0-dim means ``Σ v·w / max(Σ d, 1)`` for ``keys`` from one matmul of the value columns
+    with the where columns; a key without a spec (skipped channel) is 0."""
+    names = list(cols)
+    device = cols["mask"].device
+    with torch.no_grad():
+        table = torch.stack([cols[n].detach().to(torch.float32) for n in names], dim=1)  # [T, C]
+        where_names = sorted({w for _, w, d in specs.values()} | {d for _, w, d in specs.values()})
+        wcols = [names.index(w) for w in where_names]
+        sums = table.T @ table[:, wcols]  # [C, W]: Σ_t value_c · where_w
+        present = [k for k in keys if k in specs]
+        vi = [names.index(specs[k][0]) for k in present]
+        wi = [where_names.index(specs[k][1]) for k in present]
+        di = [where_names.index(specs[k][2]) for k in present]
+        # Σ where·where = Σ where for a 0/1 column, so the denominators are read from the same table.
+        dens = sums[[names.index(where_names[d]) for d in di], di].clamp(min=1)
+        means = (sums[vi, wi] / dens).unbind() if present else ()
     out = dict.fromkeys(keys, torch.zeros((), dtype=torch.float32, device=device))
-    if present:
-        values = torch.stack([specs[k][0].detach().to(torch.float32) for k in present])
-        where = torch.stack([specs[k][1] for k in present]).to(torch.float32)
-        means = (values * where).sum(dim=1) / where.sum(dim=1).clamp(min=1)
-        out.update(zip(present, means.unbind(), strict=True))
+    out.update(zip(present, means, strict=True))
     return out

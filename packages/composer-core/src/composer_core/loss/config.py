@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from functools import cache, lru_cache
 from typing import Any, Literal, Union, get_args, get_origin
 
+from composer_core.loss.distill import DEFAULT_CHUNK_SIZE
 from composer_core.loss.policy import (
     LOSS_TYPES,
     ROLLOUT_MODES,
@@ -223,7 +224,7 @@ class SDPOOptions:
     token_clip: float | None = 2.0
     topk: int | None = None
     topk_tail: bool = True
-    chunk_size: int = 1024
+    chunk_size: int = DEFAULT_CHUNK_SIZE
     wrapper: TAID | EntropyOPD | None = None
 
     def __post_init__(self) -> None:

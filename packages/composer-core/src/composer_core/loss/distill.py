@@ -23,6 +23,8 @@ The sampled-token form (SDPO, Hübotter et al., arXiv 2601.20802; on-policy dist
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 from collections.abc import Callable
 from typing import Any, Literal, cast
 
@@ -42,6 +44,7 @@ from composer_core.loss.validation import (
 )
 
 __all__ = [
+    "DEFAULT_CHUNK_SIZE",
     "Reduction",
     "fused_linear_generalized_jsd",
     "generalized_jsd",
@@ -50,6 +53,10 @@ __all__ = [
 ]
 
 Reduction = Literal["mean", "sum", "none"]
+
+#: Rows (tokens) per chunk of the full-vocabulary losses: extra memory ≈ 4·chunk·V floats (+ chunk·V bools), so
+#: 1024 rows at V = 32k is ≈ 0.5 GB. Smaller saves memory, larger amortises per-chunk overhead (``sdpo_chunk_size``).
+DEFAULT_CHUNK_SIZE = 1024
 
 #: A per-chunk kernel: (scaled student logits [c, V], scaled teacher logits [c, V]) ->
 #: (per-row loss [c], gradient of the per-row loss w.r.t. the scaled student logits [c, V]).
@@ -66,53 +73,85 @@ def _rowdot(a: Tensor, b: Tensor) -> Tensor:
     return (a.unsqueeze(-2) @ b.unsqueeze(-1)).reshape(a.shape[:-1])
 
 
-def _log_softmax_(z: Tensor) -> Tensor:
-    """In-place log-softmax over the last axis (overwrites and returns ``z``)."""
-    return z.sub_(torch.logsumexp(z, dim=-1, keepdim=True))
+class Scratch:
+    """Reusable [c, V] work buffers of one loss call (a fresh allocation per chunk costs page faults that take
+    longer than the arithmetic on CPU). ``get(key, like)`` returns a buffer shaped like ``like`` (rows of a
+    larger one when the last chunk is shorter); its contents are garbage."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, Tensor] = {}
+
+    def get(self, key: str, like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        dtype = like.dtype if dtype is None else dtype
+        buf = self._bufs.get(key)
+        if (
+            buf is None
+            or buf.dtype != dtype
+            or buf.device != like.device
+            or buf.shape[1:] != like.shape[1:]
+            or buf.shape[0] < like.shape[0]
+        ):
+            buf = torch.empty(like.shape, dtype=dtype, device=like.device)
+            self._bufs[key] = buf
+        return buf[: like.shape[0]]
+
+
+def _log_softmax_and_probs(z: Tensor, logp: Tensor) -> tuple[Tensor, Tensor]:
+    """log-softmax of ``z`` into ``logp`` and its exp into ``z`` (two fused passes, no allocation)."""
+    torch.log_softmax(z, dim=-1, out=logp)
+    torch.exp(logp, out=z)
+    return logp, z
 
 
 def jsd_kernel(beta: float) -> Kernel:
     """Chunk kernel of the generalized JSD (exact FKL / RKL branches at β = 0 / 1).
 
-    The kernel owns (and overwrites) its two input chunks; it keeps at most six [c, V] buffers alive.
+    The kernel owns (and overwrites) its two input chunks and returns the gradient in ``zs``'s buffer; it uses
+    two more [c, V] buffers (plus a bool one at 0 < β < 1), reused across the chunks of one loss call.
+
+    Interior β, with d = log q − log p and f = log m − log p = log(β + (1−β)·e^d)
+    (= logaddexp(d + log(1−β), log β), forced to exactly 0 where d == 0 so that p == q gives exactly 0):
+    KL(p‖m) = −Σ p·f, KL(q‖m) = Σ q·(d − f), ∂JSD/∂z = (1−β)·q ⊙ (g − ⟨q, g⟩) with g = d − f.
     """
+    scratch = Scratch()
+    log_beta = float("-inf") if beta == 0.0 else math.log(beta)
+    log_1m_beta = math.log(1.0 - beta) if beta < 1.0 else float("-inf")
 
     def kernel(zs: Tensor, zt: Tensor) -> tuple[Tensor, Tensor]:
-        lq = _log_softmax_(zs)
-        lp = _log_softmax_(zt)
+        lq, q = _log_softmax_and_probs(zs, scratch.get("a", zs))
+        lp, p = _log_softmax_and_probs(zt, scratch.get("b", zt))
         if beta == 0.0:
-            p = lp.exp()
             loss = _rowdot(p, lp.sub_(lq))  # Σ p (log p − log q)
-            return loss, lq.exp_().sub_(p)  # q − p
+            return loss, q.sub_(p)  # q − p
         if beta == 1.0:
-            q = lq.exp()
             g = lq.sub_(lp)  # log q − log p
             loss = _rowdot(q, g)
-            return loss, g.sub_(loss.unsqueeze(-1)).mul_(q)
-        q = lq.exp()
-        p = lp.exp()
-        lm = _log_mixture(lp, lq, beta)
-        loss = beta * _rowdot(p, lp.sub_(lm))
-        del p, lp
-        g = lq.sub_(lm)  # log q − log m
-        del lm
-        inner = _rowdot(q, g)  # KL(q‖m)
-        loss = loss + (1.0 - beta) * inner
-        # ∂JSD/∂q = (1−β)(log q − log m); through the softmax: q ⊙ (g − ⟨q, g⟩)
-        return loss, g.sub_(inner.unsqueeze(-1)).mul_(q).mul_(1.0 - beta)
+            return loss, q.mul_(g.sub_(loss.unsqueeze(-1)))
+        d = lp.sub_(lq).neg_()  # log q − log p, in lp's buffer
+        f = torch.add(d, log_1m_beta, out=lq)  # lq's buffer is free now
+        torch.logaddexp(f, torch.tensor(log_beta, dtype=f.dtype, device=f.device), out=f)
+        f.masked_fill_(torch.eq(d, 0, out=scratch.get("zero", d, torch.bool)), 0.0)
+        kl_p = _rowdot(p, f).neg_()  # KL(p‖m)
+        g = d.sub_(f)  # log q − log m
+        kl_q = _rowdot(q, g)  # KL(q‖m)
+        loss = kl_q.mul(1.0 - beta).add_(kl_p, alpha=beta)
+        return loss, q.mul_(g.sub_(kl_q.unsqueeze(-1))).mul_(1.0 - beta)
 
     return kernel
 
 
-def fkl_kernel_to_target(zs: Tensor, target_logits: Tensor) -> tuple[Tensor, Tensor]:
+def fkl_kernel_to_target(
+    zs: Tensor, target_logits: Tensor, scratch: Scratch | None = None
+) -> tuple[Tensor, Tensor]:
     """Forward KL(softmax(target)‖softmax(zs)) and its gradient q − p (the target is constant).
 
-    Owns (overwrites) both inputs."""
-    lq = _log_softmax_(zs)
-    lp = _log_softmax_(target_logits)
-    p = lp.exp()
+    Owns (overwrites) both inputs; the gradient is returned in ``zs``'s buffer. ``scratch`` (optional) holds
+    the two work buffers across chunks."""
+    scratch = Scratch() if scratch is None else scratch
+    lq, q = _log_softmax_and_probs(zs, scratch.get("a", zs))
+    lp, p = _log_softmax_and_probs(target_logits, scratch.get("b", target_logits))
     loss = _rowdot(p, lp.sub_(lq))
-    return loss, lq.exp_().sub_(p)
+    return loss, q.sub_(p)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -167,10 +206,29 @@ def _check_fused_chunk_finite(loss: Tensor) -> None:
     )
 
 
+def _in_full_precision(forward: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """Run an autograd Function's ``forward(ctx, first_tensor, ...)`` with autocast off for that tensor's device."""
+
+    @functools.wraps(forward)
+    def wrapper(ctx: Any, first: Tensor, *args: Any) -> Tensor:
+        with full_precision(first.device):
+            return forward(ctx, first, *args)
+
+    return wrapper
+
+
+def _rows_into(src: Tensor, idx: Tensor, out: Tensor) -> Tensor:
+    """``src[idx]`` in ``out``'s dtype, written into ``out`` (one copy; no allocation when dtypes match)."""
+    if src.dtype == out.dtype:
+        return torch.index_select(src, 0, idx, out=out)
+    return out.copy_(src.index_select(0, idx))
+
+
 class _ChunkedLogitsLoss(torch.autograd.Function):
     """Σ_rows scale·loss(row) (or per-row losses) over given rows of [N, V] logits, chunk by chunk."""
 
     @staticmethod
+    @_in_full_precision
     def forward(
         ctx: Any,
         student: Tensor,
@@ -182,49 +240,33 @@ class _ChunkedLogitsLoss(torch.autograd.Function):
         scale: float,
         per_row: bool,
     ) -> Tensor:
-        with full_precision(student.device):
-            return _ChunkedLogitsLoss._forward(
-                ctx, student, teacher, rows, kernel, temperature, chunk_size, scale, per_row
-            )
-
-    @staticmethod
-    def _forward(
-        ctx: Any,
-        student: Tensor,
-        teacher: Tensor,
-        rows: Tensor,
-        kernel: Kernel,
-        temperature: float,
-        chunk_size: int,
-        scale: float,
-        per_row: bool,
-    ) -> Tensor:
         cdtype = _compute_dtype(student.dtype)
-        n_rows = student.shape[0]
+        n_rows, vocab = student.shape
         grad = torch.zeros_like(student)
         per_row_out = torch.zeros(n_rows, dtype=cdtype, device=student.device) if per_row else None
         total = torch.zeros((), dtype=cdtype, device=student.device)
+        width = min(chunk_size, max(rows.numel(), 1))
+        buf_s = torch.empty(width, vocab, dtype=cdtype, device=student.device)
+        buf_t = torch.empty_like(buf_s)
+        factor = (1.0 if per_row else scale) / temperature
         for start in range(0, rows.numel(), chunk_size):
             idx = rows[start : start + chunk_size]
-            zs = student.index_select(0, idx).to(cdtype)
-            zt = teacher.index_select(0, idx).to(cdtype)
+            zs = _rows_into(student, idx, buf_s[: idx.numel()])
+            zt = _rows_into(teacher, idx, buf_t[: idx.numel()])
             if temperature != 1.0:
                 zs.div_(temperature)
                 zt.div_(temperature)
             loss, g = kernel(zs, zt)
-            del zs, zt
             _check_chunk_finite(
                 loss, student, teacher, idx
             )  # a NaN/inf logit makes its row's loss non-finite
-            factor = (1.0 if per_row else scale) / temperature
             if factor != 1.0:
                 g.mul_(factor)
-            grad.index_copy_(0, idx, g.to(student.dtype))
-            del g
+            grad.index_copy_(0, idx, g if g.dtype == grad.dtype else g.to(grad.dtype))
             if per_row_out is not None:
                 per_row_out.index_copy_(0, idx, loss)
             else:
-                total = total + loss.sum()
+                total += loss.sum()
         ctx.save_for_backward(grad)
         ctx.per_row = per_row
         if per_row_out is not None:
@@ -249,6 +291,7 @@ class _FusedLinearLoss(torch.autograd.Function):
     """Σ_rows scale·loss(row) with logits = hidden @ Wᵀ (+ b) built one chunk at a time."""
 
     @staticmethod
+    @_in_full_precision
     def forward(
         ctx: Any,
         student_hidden: Tensor,
@@ -263,43 +306,13 @@ class _FusedLinearLoss(torch.autograd.Function):
         chunk_size: int,
         scale: float,
     ) -> Tensor:
-        with full_precision(student_hidden.device):
-            return _FusedLinearLoss._forward(
-                ctx,
-                student_hidden,
-                weight,
-                bias,
-                teacher_hidden,
-                teacher_weight,
-                teacher_bias,
-                rows,
-                kernel,
-                temperature,
-                chunk_size,
-                scale,
-            )
-
-    @staticmethod
-    def _forward(
-        ctx: Any,
-        student_hidden: Tensor,
-        weight: Tensor,
-        bias: Tensor | None,
-        teacher_hidden: Tensor,
-        teacher_weight: Tensor,
-        teacher_bias: Tensor | None,
-        rows: Tensor,
-        kernel: Kernel,
-        temperature: float,
-        chunk_size: int,
-        scale: float,
-    ) -> Tensor:
         cdtype = _compute_dtype(student_hidden.dtype)
+        device = student_hidden.device
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         grad_h = torch.zeros_like(student_hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=cdtype, device=weight.device) if need_w else None
         grad_b = (
-            torch.zeros(bias.shape, dtype=cdtype, device=weight.device)
+            torch.zeros(weight.shape[0], dtype=cdtype, device=device)
             if (need_b and bias is not None)
             else None
         )
@@ -311,32 +324,38 @@ class _FusedLinearLoss(torch.autograd.Function):
         )
         tb_c = None if teacher_bias is None else teacher_bias.to(cdtype)
         b_c = None if bias is None else bias.detach().to(cdtype)
-        total = torch.zeros((), dtype=cdtype, device=student_hidden.device)
+        total = torch.zeros((), dtype=cdtype, device=device)
         factor = scale / temperature
+        width = min(chunk_size, max(rows.numel(), 1))
+        hidden = student_hidden.shape[1]
+        buf_hs = torch.empty(width, hidden, dtype=cdtype, device=device)
+        buf_ht = torch.empty_like(buf_hs)
+        buf_s = torch.empty(width, weight.shape[0], dtype=cdtype, device=device)
+        buf_t = torch.empty_like(buf_s)
+        buf_gh = torch.empty_like(buf_hs) if grad_h is not None else None
         for start in range(0, rows.numel(), chunk_size):
             idx = rows[start : start + chunk_size]
-            hs = student_hidden.index_select(0, idx).to(cdtype)
-            zs = hs @ w_c.T
+            c = idx.numel()
+            hs = _rows_into(student_hidden, idx, buf_hs[:c])
+            zs = torch.matmul(hs, w_c.T, out=buf_s[:c])
+            zt = torch.matmul(_rows_into(teacher_hidden, idx, buf_ht[:c]), tw_c.T, out=buf_t[:c])
             if b_c is not None:
                 zs.add_(b_c)
-            zt = teacher_hidden.index_select(0, idx).to(cdtype) @ tw_c.T
             if tb_c is not None:
                 zt.add_(tb_c)
             if temperature != 1.0:
                 zs.div_(temperature)
                 zt.div_(temperature)
             loss, g = kernel(zs, zt)
-            del zs, zt
             _check_fused_chunk_finite(loss)
-            total = total + loss.sum()
+            total += loss.sum()
             g.mul_(factor)
-            if grad_h is not None:
-                grad_h.index_copy_(0, idx, (g @ w_c).to(grad_h.dtype))
+            if grad_h is not None and buf_gh is not None:
+                grad_h.index_copy_(0, idx, torch.matmul(g, w_c, out=buf_gh[:c]).to(grad_h.dtype))
             if grad_w is not None:
                 grad_w.addmm_(g.T, hs)
             if grad_b is not None:
                 grad_b.add_(g.sum(0))
-            del g, hs
         ctx.save_for_backward(
             *(t if t is not None else torch.empty(0) for t in (grad_h, grad_w, grad_b)),
         )
@@ -446,7 +465,7 @@ def generalized_jsd(
     beta: float = 0.5,
     temperature: float = 1.0,
     mask: Tensor | None = None,
-    chunk_size: int = 1024,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
     reduction: Reduction = "mean",
     normalizer: float | Tensor | None = None,
 ) -> Tensor:
@@ -467,11 +486,36 @@ def generalized_jsd(
     Values and gradients are exact (analytic per-chunk gradients, independent of ``chunk_size``).
     """
     check_probability("beta", beta)
+    return logits_loss(
+        student_logits,
+        teacher_logits,
+        jsd_kernel(float(beta)),
+        temperature=temperature,
+        mask=mask,
+        chunk_size=chunk_size,
+        reduction=reduction,
+        normalizer=normalizer,
+    )
+
+
+def logits_loss(
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    kernel: Kernel,
+    *,
+    temperature: float,
+    mask: Tensor | None,
+    chunk_size: int,
+    reduction: str,
+    normalizer: float | Tensor | None,
+) -> Tensor:
+    """Check the shared arguments, then run ``kernel`` chunk-wise over [..., V] logits (the public
+    logits-input losses: :func:`generalized_jsd`, ``taid_loss``, ``entropy_opd_loss``)."""
     _check_common(temperature, chunk_size, reduction, normalizer, ("mean", "sum", "none"))
     return chunked_logits_loss(
         student_logits,
         teacher_logits,
-        jsd_kernel(float(beta)),
+        kernel,
         temperature=temperature,
         mask=mask,
         chunk_size=chunk_size,
@@ -554,7 +598,7 @@ def fused_linear_generalized_jsd(
     beta: float = 0.5,
     temperature: float = 1.0,
     mask: Tensor | None = None,
-    chunk_size: int = 1024,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
     reduction: Literal["mean", "sum"] = "mean",
     normalizer: float | Tensor | None = None,
 ) -> Tensor:

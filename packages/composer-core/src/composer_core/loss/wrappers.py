@@ -15,12 +15,13 @@ import torch
 from torch import Tensor
 
 from composer_core.loss.distill import (
+    DEFAULT_CHUNK_SIZE,
     Kernel,
     Reduction,
-    _check_common,
-    chunked_logits_loss,
+    Scratch,
     fkl_kernel_to_target,
     jsd_kernel,
+    logits_loss,
 )
 from composer_core.loss.validation import check_positive, check_probability
 
@@ -30,9 +31,11 @@ __all__ = ["TAIDScheduler", "entropy_opd_kernel", "entropy_opd_loss", "taid_kern
 def taid_kernel(t: float) -> Kernel:
     """Chunk kernel of TAID: KL(p_t‖q), p_t = softmax((1−t)·sg(z_S) + t·z_T); gradient q − p_t."""
 
+    scratch = Scratch()
+
     def kernel(zs: Tensor, zt: Tensor) -> tuple[Tensor, Tensor]:
         target = zt.mul_(t).add_(zs, alpha=1.0 - t)  # (1−t)·z_S + t·z_T, built in the teacher buffer
-        return fkl_kernel_to_target(zs, target)
+        return fkl_kernel_to_target(zs, target, scratch)
 
     return kernel
 
@@ -44,7 +47,7 @@ def taid_loss(
     *,
     temperature: float = 1.0,
     mask: Tensor | None = None,
-    chunk_size: int = 1024,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
     reduction: Reduction = "mean",
     normalizer: float | Tensor | None = None,
 ) -> Tensor:
@@ -56,8 +59,7 @@ def taid_loss(
     :class:`TAIDScheduler` for ``t``. Other arguments as in :func:`composer_core.loss.distill.generalized_jsd`.
     """
     check_probability("t", t)
-    _check_common(temperature, chunk_size, reduction, normalizer, ("mean", "sum", "none"))
-    return chunked_logits_loss(
+    return logits_loss(
         student_logits,
         teacher_logits,
         taid_kernel(float(t)),
@@ -221,7 +223,7 @@ def entropy_opd_loss(
     temperature: float = 1.0,
     topk: int | None = None,
     mask: Tensor | None = None,
-    chunk_size: int = 1024,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
     reduction: Reduction = "mean",
     normalizer: float | Tensor | None = None,
 ) -> Tensor:
@@ -241,8 +243,7 @@ def entropy_opd_loss(
     vocab = student_logits.shape[-1] if isinstance(student_logits, Tensor) and student_logits.dim() else 0
     if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int) or not (1 <= topk <= vocab)):
         raise ValueError(f"`topk`={topk!r} must be None (full vocabulary) or an int in [1, V={vocab}].")
-    _check_common(temperature, chunk_size, reduction, normalizer, ("mean", "sum", "none"))
-    return chunked_logits_loss(
+    return logits_loss(
         student_logits,
         teacher_logits,
         entropy_opd_kernel(float(beta), float(threshold), float(fkl_weight), topk),
