@@ -126,12 +126,19 @@ def count_reads(fs: Any) -> list[int]:
     return counter
 
 
-def _current_rss() -> int:
+def _status(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _reset_peak_rss() -> int:
+    """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS and return that RSS."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status("VmRSS")
 
 
 def random_rounds(
@@ -152,7 +159,6 @@ def random_rounds(
     """All-reduce ``torch.randn(numel)`` seeded by (round, rank) for ``rounds`` rounds; return the
     results, the bytes read per round through an instrumented filesystem and the peak RSS growth.
     ``die_before_reduce``: SIGKILL this process when it starts reducing its first shard."""
-    import resource
     import signal
 
     torch.set_num_threads(1)  # one thread per replica process (several share the machine)
@@ -179,7 +185,7 @@ def random_rounds(
             if time.monotonic() > deadline:
                 raise TimeoutError(f"gate {gate} never opened")
             time.sleep(0.02)
-    rss0 = _current_rss()  # baseline: current RSS (peak growth is then an upper bound)
+    rss0 = _reset_peak_rss()  # the peak below is then the rounds' own
     out: list[dict[str, Any]] = []
     for r, t in enumerate(tensors):
         before = counter[0]
@@ -193,5 +199,5 @@ def random_rounds(
                 "store_read": stats.bytes_read,
             }
         )
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0
+    peak = _status("VmHWM") - rss0
     return {"rounds": out, "payload": numel * 4, "peak_rss_growth": peak}
