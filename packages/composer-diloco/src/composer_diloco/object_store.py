@@ -32,6 +32,15 @@ error naming why.** The round's committed manifest is its single source of truth
 6. Average in float32 in rank order (``Σ x_r`` then ``/ n``, the order torchft's gloo path
    uses), write into the caller's tensors, and delete rounds older than ``keep_rounds``.
 
+With ``exchange="sharded"`` step 2 writes k shard objects (shard s = the s-th 1/k of every flattened
+tensor, under a fresh nonce) and then the replica's *index* object (at the key above; its tag is what
+the manifest lists); after step 4, participant j of n reduces the shards s with ``s % n == j`` (reads
+shard s of every participant, tags checked against the committed indexes) and *creates*
+``reduced-<s>.bin``; every replica then reads the k reduced shards. A shard whose reducer is silent
+for ``timeout_s`` is reduced by the waiting replica (create-only: the first writer wins, everyone
+applies the stored shard). Bytes read per replica per round: about 2 (k−1)/k × the payload, against
+(k−1)× in the full exchange.
+
 Every key is built from validated parts and checked to stay under ``<root>/<run_id>/``. The HMAC
 secret is read once from the environment and never logged or put in an error message.
 """
@@ -742,10 +751,11 @@ class ObjectStoreAllReduce:
                 local = None if adopted or own is None else own
                 sums = self._sharded_result(round_id, manifest, inputs, local, op)
             else:
-                sums = self._reduce([inputs[r].tensors for r in participants], op)
+                sums = self._reduce([inputs[r].tensors for r in participants], "sum")
             self._accept(round_id, manifest)
+            divisor = len(participants) if op == "avg" and self.exchange == "full" else 1
             for t, acc in zip(tensors, sums):
-                t.copy_(acc.view(t.shape))
+                _apply(t, acc, divisor)
         self._cleanup(round_id)
         self.last = RoundStats(
             round=round_id,
@@ -1150,13 +1160,29 @@ def _piece(t: torch.Tensor, s: int, k: int) -> torch.Tensor:
 
 def _sum_into(outs: Sequence[torch.Tensor], inputs: Sequence[Sequence[torch.Tensor]], op: str) -> None:
     """``outs[i] = Σ_r inputs[r][i]`` in float32 in the given order, then ``/ n`` for avg (the
-    full and the sharded exchange share this, so both give the same bits)."""
+    full and the sharded exchange share this arithmetic, so both give the same bits)."""
     for i, out in enumerate(outs):
-        out.copy_(inputs[0][i].reshape(-1))
-        for x in inputs[1:]:
-            out.add_(x[i].reshape(-1))
+        first, rest = inputs[0][i].reshape(-1), [x[i].reshape(-1) for x in inputs[1:]]
+        if rest and first.dtype == rest[0].dtype == torch.float32:
+            torch.add(first, rest[0], out=out)  # one pass instead of copy + add
+            rest = rest[1:]
+        else:
+            out.copy_(first)
+        for x in rest:
+            out.add_(x)
         if op == "avg":
             out.div_(len(inputs))
+
+
+def _apply(t: torch.Tensor, acc: torch.Tensor, divisor: int) -> None:
+    """``t ← acc / divisor`` (float32 division, then cast to t's dtype/device); a float32
+    contiguous CPU ``t`` receives the quotient directly (no extra pass)."""
+    if divisor == 1:
+        t.copy_(acc.view(t.shape))
+    elif t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous():
+        torch.div(acc, divisor, out=t.view(-1))
+    else:
+        t.copy_(acc.div_(divisor).view(t.shape))
 
 
 def _shard_count(
