@@ -253,8 +253,8 @@ def machine() -> dict[str, Any]:
     except OSError:
         pass
     return {
-        "threads": os.cpu_count(),
-        "torch_threads_per_replica": 1,
+        "threads": torch.get_num_threads(),  # per replica (set to 1 in main and in every replica process)
+        "cpu_count": os.cpu_count(),
         "cpu": cpu,
         "load_average": list(os.getloadavg()),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -338,6 +338,7 @@ def main() -> None:
             results["scaling"].extend(
                 scaling(world, 1.0 if args.small else 16.0, 3 if args.small else 4, Path(tmp))
             )
+    results["machine"] = machine()  # load average at the end of the run
     results["readme"] = readme(results)
     report(results, out_dir)
 

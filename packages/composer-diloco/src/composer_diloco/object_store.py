@@ -588,8 +588,9 @@ class ObjectStoreAllReduce:
     def _read_manifest(self, round_id: int) -> _Manifest | None:
         key = self.manifest_key(round_id)
         raw = self._read(key)
-        if raw is None:
-            return None
+        return None if raw is None else self._parse_manifest(bytes(raw), key, round_id)
+
+    def _parse_manifest(self, raw: bytes, key: str, round_id: int) -> _Manifest:
         m = self._load_json(raw, key)
         try:
             ranks = m["ranks"]
@@ -616,7 +617,8 @@ class ObjectStoreAllReduce:
             )
         return _Manifest(list(ranks), tags, hashlib.sha256(raw).hexdigest())
 
-    def _propose_manifest(self, round_id: int, decoded: Mapping[int, _Decoded]) -> None:
+    def _propose_manifest(self, round_id: int, decoded: Mapping[int, _Decoded]) -> bytes | None:
+        """Create the round's manifest; its bytes if this replica's proposal won, else None."""
         proposal = {
             "run_id": self.run_id,
             "round": round_id,
@@ -625,7 +627,8 @@ class ObjectStoreAllReduce:
             "tags": {str(r): d.tag.hex() for r, d in sorted(decoded.items())},
             "proposer": self.rank,
         }
-        self.put_if_absent(self.manifest_key(round_id), self._dump_json(proposal))
+        data = self._dump_json(proposal)
+        return data if self.put_if_absent(self.manifest_key(round_id), data) else None
 
     def _read_marker(self, rank: int) -> dict[int, str] | None:
         """Replica ``rank``'s progress marker: ``{round: manifest fingerprint}`` (None if absent)."""
@@ -641,8 +644,8 @@ class ObjectStoreAllReduce:
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CorruptObjectError(f"progress marker {key} is not a marker of this run: {exc}") from exc
 
-    def _read_markers(self) -> dict[int, dict[int, str]]:
-        markers = {r: self._read_marker(r) for r in range(self.world_size)}
+    def _read_markers(self, skip: int | None = None) -> dict[int, dict[int, str]]:
+        markers = {r: self._read_marker(r) for r in range(self.world_size) if r != skip}
         return {r: m for r, m in markers.items() if m is not None}
 
     def _commit_evidence(self, round_id: int) -> str | None:
@@ -689,10 +692,8 @@ class ObjectStoreAllReduce:
         newest = sorted(mine)[-(self.keep_rounds + 1) :]
         marker = {"run_id": self.run_id, "rank": self.rank, "accepted": {str(r): mine[r] for r in newest}}
         self.put_atomic(self.marker_key(self.rank), self._dump_json(marker))
-        for rank, accepted in sorted(self._read_markers().items()):
+        for rank, accepted in sorted(self._read_markers(skip=self.rank).items()):
             theirs = accepted.get(round_id)
-            if rank == self.rank:
-                continue
             if theirs is not None and theirs != manifest.fingerprint:
                 raise RoundConflictError(
                     f"round {round_id}: rank {rank} applied a different manifest than this replica "
@@ -1056,8 +1057,13 @@ class ObjectStoreAllReduce:
                     return committed
                 if timed_out and len(decoded) < self.world_size:
                     self._check_timeout(round_id, decoded, problems)
-                self._propose_manifest(round_id, decoded)
-                found = self._read_manifest(round_id)
+                created = self._propose_manifest(round_id, decoded)
+                key = self.manifest_key(round_id)  # ours won: no need to read it back
+                found = (
+                    self._read_manifest(round_id)
+                    if created is None
+                    else self._parse_manifest(created, key, round_id)
+                )
                 if found is None:
                     raise ObjectStoreError(
                         f"round {round_id}: manifest {self.manifest_key(round_id)} vanished right after creation."
