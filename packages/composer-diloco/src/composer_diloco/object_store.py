@@ -486,8 +486,9 @@ class ObjectStoreAllReduce:
             self.fs.makedirs(parent, exist_ok=True)
             tmp = f"{parent}/.tmp-{uuid.uuid4().hex}"
             with open(tmp, "wb") as f:  # straight from the tensors' memory: no joined copy
-                for piece in (enc.head, *enc.chunks):
-                    f.write(piece)
+                f.write(enc.head)
+                for chunk in enc.chunks:
+                    f.write(chunk)
             try:
                 os.link(tmp, key)  # atomic, fails if key exists
                 return True
@@ -636,7 +637,7 @@ class ObjectStoreAllReduce:
         raw = self._read(key)
         if raw is None:
             return None
-        obj = self._load_json(raw, key)
+        obj = self._load_json(bytes(raw), key)
         try:
             if obj["run_id"] != self.run_id or obj["rank"] != rank:
                 raise ValueError(f"run_id/rank {obj['run_id']!r}/{obj['rank']!r}")
@@ -1219,7 +1220,8 @@ def _bytes_view(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B")
+    array: Any = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+    return memoryview(array).cast("B")
 
 
 def _frombuffer(buf: memoryview, nbytes: int, offset: int) -> torch.Tensor:
