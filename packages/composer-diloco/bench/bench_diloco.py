@@ -4,17 +4,28 @@
    serverless ObjectStoreManager (measured: bytes written + read through the store, two replicas,
    fp32 and fp8-quantised), against what DDP would exchange for the same model every step
    (ring all-reduce of fp32 gradients: 2·(k−1)/k·P·4 bytes sent and as many received).
-2. Throughput: ObjectStoreAllReduce (encode + checksum + atomic write + manifest + validated
-   read + average) against a raw fsspec copy of the same bytes (each replica writes its blob and
-   reads the other's), over file:// and s3:// (moto's server on 127.0.0.1).
+2. Throughput: an ObjectStoreAllReduce round (encode + checksum + atomic write + manifest +
+   validated read + average, 2 replicas as threads) against a raw fsspec copy of the same bytes
+   (each replica writes its blob and reads the other's), over file:// and s3:// (moto's server on
+   127.0.0.1), at 1, 64 and 512 MiB (``--small``: 1 and 16 MiB). The two are interleaved rep by rep;
+   median and spread are reported (the machine is shared).
+3. Scale in replicas: k = 2, 4, 8 real replica processes over file://, the full exchange (every
+   replica reads every object) against the sharded one (reduce-scatter + all-gather), rounds
+   interleaved: bytes read and round time per replica against k.
 
-Prints a table and writes JSON (and a PNG when matplotlib is installed) to $COMPOSER_BENCH_OUT.
+Torch runs one intra-op thread per replica (several replicas share the machine; a 2-thread pool
+per replica on a loaded 2-core host costs ~10 ms per elementwise op in scheduling alone).
+Prints tables and writes JSON (with the README table) and a PNG to $COMPOSER_BENCH_OUT.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import platform
+import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -108,24 +119,29 @@ def _s3_options() -> tuple[dict[str, Any], Any]:
     return options, server
 
 
+def _spread(xs: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
 def throughput(url: str, megabytes: float, reps: int, options: dict[str, Any] | None) -> dict[str, Any]:
     numel = int(megabytes * 2**20 / 4)
     tensors = [torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(WORLD)]
     payload = numel * 4
     run = uuid.uuid4().hex[:8]
     stores = [
-        ObjectStoreAllReduce(url, run, rank=r, world_size=WORLD, timeout_s=120, storage_options=options)
+        ObjectStoreAllReduce(url, run, rank=r, world_size=WORLD, timeout_s=600, storage_options=options)
         for r in range(WORLD)
     ]
     fs = stores[0].fs
     raw_prefix = f"{stores[0].root}/raw-{run}"
     blobs = [t.numpy().tobytes() for t in tensors]
-    t_reduce, t_raw = [], []
-    for rep in tqdm(range(reps), desc=f"throughput {url.split(':')[0]}", leave=False):
+    ratios, t_reduce, t_raw = [], [], []
+    for rep in tqdm(range(reps), desc=f"throughput {url.split(':')[0]} {megabytes:g} MiB", leave=False):
         work = [[t.clone()] for t in tensors]
         t0 = time.perf_counter()
         _threads(lambda r, rep=rep, work=work: stores[r].allreduce(rep, work[r]))
         t_reduce.append(time.perf_counter() - t0)
+        del work
 
         fs.makedirs(f"{raw_prefix}/{rep}", exist_ok=True)
         barrier = threading.Barrier(WORLD)
@@ -138,34 +154,196 @@ def throughput(url: str, megabytes: float, reps: int, options: dict[str, Any] | 
         t0 = time.perf_counter()
         _threads(raw)
         t_raw.append(time.perf_counter() - t0)
+        ratios.append(t_raw[-1] / t_reduce[-1])
+        fs.rm(f"{raw_prefix}/{rep}", recursive=True)
     stores[0].cleanup_run()
-    fs.rm(raw_prefix, recursive=True)
-    best_reduce, best_raw = min(t_reduce), min(t_raw)
     return {
         "url": url.split(":")[0],
         "megabytes_per_replica": megabytes,
-        "allreduce_MBps": payload / best_reduce / 2**20,
-        "raw_copy_MBps": payload / best_raw / 2**20,
-        "ratio_allreduce_over_raw": best_raw / best_reduce,
+        "allreduce_s": _spread(t_reduce),
+        "raw_copy_s": _spread(t_raw),
+        "allreduce_MBps": payload / statistics.median(t_reduce) / 2**20,
+        "raw_copy_MBps": payload / statistics.median(t_raw) / 2**20,
+        "ratio_allreduce_over_raw": _spread(ratios),  # raw time / all-reduce time, per interleaved rep
         "reps": reps,
     }
 
 
+def scale_replica(
+    *, url: str, rank: int, world_size: int, numel: int, rounds: int, gate: str, timeout_s: float = 600.0
+) -> dict[str, Any]:
+    """One replica process of the scaling bench: per round, the full then the sharded exchange
+    (two runs in one store), each on fresh random values; bytes read and seconds per round."""
+    torch.set_num_threads(1)
+    stores = {
+        mode: ObjectStoreAllReduce(
+            url, mode, rank=rank, world_size=world_size, timeout_s=timeout_s, exchange=mode
+        )
+        for mode in ("full", "sharded")
+    }
+    g = torch.Generator().manual_seed(rank)
+    print(f"ready rank={rank}", flush=True)
+    deadline = time.monotonic() + 600
+    while not os.path.exists(gate):
+        if time.monotonic() > deadline:
+            raise TimeoutError("gate never opened")
+        time.sleep(0.02)
+    out: dict[str, list[dict[str, float]]] = {mode: [] for mode in stores}
+    for r in range(rounds):
+        for mode, store in stores.items():
+            x = torch.randn(numel, generator=g)
+            stats = store.allreduce(r, [x])
+            out[mode].append({"read": stats.bytes_read, "seconds": stats.seconds})
+    return {"payload": numel * 4, **out}
+
+
+def scaling(world: int, megabytes: float, rounds: int, workdir: Path) -> list[dict[str, Any]]:
+    from composer_diloco.executors import ReplicaProcess
+
+    numel = int(megabytes * 2**20 / 4)
+    gate = workdir / f"gate-{world}"
+    env = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    kwargs = {
+        "url": f"file://{workdir / f'store-{world}'}",
+        "world_size": world,
+        "numel": numel,
+        "rounds": rounds,
+    }
+    procs = [
+        ReplicaProcess(
+            r, "bench_diloco:scale_replica", {**kwargs, "rank": r, "gate": str(gate)}, workdir, env
+        )
+        for r in range(world)
+    ]
+    deadline = time.monotonic() + 600
+    for p in procs:
+        while "ready rank=" not in p.log_text():
+            if p.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"replica {p.rank} did not start: {p.log_text()[-2000:]}")
+            time.sleep(0.05)
+    gate.touch()
+    results = []
+    for p in procs:
+        res = p.finish(1200)
+        if res.exit_code != 0:
+            raise RuntimeError(f"replica {p.rank} failed: {res.log_tail}")
+        results.append(res.value)
+    rows = []
+    for mode in ("full", "sharded"):
+        reads = [x["read"] / r["payload"] for r in results for x in r[mode][1:]]  # round 0 warms up
+        secs = [x["seconds"] for r in results for x in r[mode][1:]]
+        rows.append(
+            {
+                "k": world,
+                "exchange": mode,
+                "megabytes_per_replica": megabytes,
+                "read_over_payload": _spread(reads),
+                "round_s": _spread(secs),
+                "rounds": rounds,
+            }
+        )
+    return rows
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {
+        "threads": torch.get_num_threads(),  # per replica (set to 1 in main and in every replica process)
+        "cpu_count": os.cpu_count(),
+        "cpu": cpu,
+        "load_average": list(os.getloadavg()),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+    }
+
+
+def readme(results: dict[str, Any]) -> dict[str, Any]:
+    rows: list[list[Any]] = []
+    for r in results["throughput"]:
+        ratio = r["ratio_allreduce_over_raw"]
+        rows.append(
+            [
+                "round vs raw fsspec copy (k=2, full)",
+                r["url"],
+                2,
+                r["megabytes_per_replica"],
+                f"{ratio['median']:.2f} [{ratio['min']:.2f}–{ratio['max']:.2f}]",
+                "",
+                round(r["allreduce_s"]["median"], 4),
+            ]
+        )
+    for r in results["scaling"]:
+        read = r["read_over_payload"]
+        rows.append(
+            [
+                f"replicas as processes, {r['exchange']} exchange",
+                "file",
+                r["k"],
+                r["megabytes_per_replica"],
+                "",
+                f"{read['median']:.2f} (max {read['max']:.2f})",
+                round(r["round_s"]["median"], 4),
+            ]
+        )
+    return {
+        "title": "Serverless DiLoCo: object-store all-reduce throughput and cost per replica against k",
+        "columns": [
+            "measurement",
+            "store",
+            "k",
+            "MiB / replica",
+            "raw copy time / round time (median [min–max])",
+            "bytes read / payload per replica-round (median)",
+            "round s (median)",
+        ],
+        "rows": rows,
+        "note": "ratio ≥ 1 would be as fast as a raw copy of the same bytes; replicas share "
+        f"{os.cpu_count()} CPU threads, torch 1 thread per replica; see `machine` in the JSON.",
+    }
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="CI's check-it-works size (no 512 MiB)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
     out_dir = Path(os.environ.get("COMPOSER_BENCH_OUT", "bench-results"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"communication": [], "throughput": []}
+    results: dict[str, Any] = {
+        "machine": machine(),
+        "small": args.small,
+        "communication": [],
+        "throughput": [],
+    }
     for h, q in [(50, False), (50, True), (10, False)]:
         results["communication"].append(communication(h, rounds=2, quantize=q))
+    sizes = [(1.0, 7), (16.0, 3)] if args.small else [(1.0, 9), (64.0, 5), (512.0, 3)]
     options, server = _s3_options()
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            for mb in (1.0, 16.0):
-                results["throughput"].append(throughput(f"file://{tmp}", mb, reps=5, options=None))
-                results["throughput"].append(throughput("s3://bench/tp", mb, reps=3, options=options))
+            for mb, reps in sizes:
+                results["throughput"].append(throughput(f"file://{tmp}", mb, reps=reps, options=None))
+                results["throughput"].append(throughput("s3://bench/tp", mb, reps=reps, options=options))
     finally:
         server.stop()
+    results["scaling"] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in (2, 4) if args.small else (2, 4, 8):
+            results["scaling"].extend(
+                scaling(world, 1.0 if args.small else 16.0, 3 if args.small else 4, Path(tmp))
+            )
+    results["machine"] = machine()  # load average at the end of the run
+    results["readme"] = readme(results)
+    report(results, out_dir)
 
+
+def report(results: dict[str, Any], out_dir: Path) -> None:
     print("\n== bytes per inner step: DiLoCo (object store, measured) vs DDP (ring all-reduce, fp32) ==")
     print(f"{'H':>4} {'fp8':>5} {'params':>9} {'DiLoCo B/step':>14} {'DDP B/step':>12} {'ratio':>8}")
     for r in results["communication"]:
@@ -173,16 +351,28 @@ def main() -> None:
             f"{r['sync_every']:>4} {r['quantized']!s:>5} {r['params']:>9} {r['diloco_bytes_per_inner_step']:>14.0f} "
             f"{r['ddp_bytes_per_step']:>12.0f} {r['ratio_diloco_over_ddp']:>8.4f}"
         )
-    print("\n== all-reduce throughput vs raw fsspec copy of the same bytes (2 replicas) ==")
-    print(f"{'store':>6} {'MB':>6} {'allreduce MB/s':>15} {'raw MB/s':>10} {'ratio':>7}")
+    print("\n== all-reduce round vs raw fsspec copy of the same bytes (2 replicas; raw time / round time) ==")
+    print(f"{'store':>6} {'MiB':>6} {'round s':>9} {'raw s':>9} {'ratio median [min-max]':>24}")
     for r in results["throughput"]:
+        q = r["ratio_allreduce_over_raw"]
         print(
-            f"{r['url']:>6} {r['megabytes_per_replica']:>6.1f} {r['allreduce_MBps']:>15.1f} "
-            f"{r['raw_copy_MBps']:>10.1f} {r['ratio_allreduce_over_raw']:>7.3f}"
+            f"{r['url']:>6} {r['megabytes_per_replica']:>6.0f} {r['allreduce_s']['median']:>9.4f} "
+            f"{r['raw_copy_s']['median']:>9.4f} {q['median']:>8.3f} [{q['min']:.3f}-{q['max']:.3f}]"
+        )
+    print("\n== scale in replicas (processes, file://): bytes read / payload and round time per replica ==")
+    for r in results["scaling"]:
+        print(
+            f"k={r['k']} {r['exchange']:>8}: read/payload {r['read_over_payload']['median']:.2f} "
+            f"(max {r['read_over_payload']['max']:.2f}), round {r['round_s']['median']:.3f} s "
+            f"[{r['round_s']['min']:.3f}-{r['round_s']['max']:.3f}]"
         )
     path = out_dir / "diloco.json"
     path.write_text(json.dumps(results, indent=2))
     print(f"\nwrote {path}")
+    plot(results, out_dir)
+
+
+def plot(results: dict[str, Any], out_dir: Path) -> None:
     try:
         import matplotlib
 
@@ -190,21 +380,25 @@ def main() -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    comm = results["communication"]
-    a.bar(
-        [f"H={r['sync_every']}{' fp8' if r['quantized'] else ''}" for r in comm],
-        [r["ratio_diloco_over_ddp"] for r in comm],
-    )
-    a.set_yscale("log")
-    a.set_title("bytes per inner step, DiLoCo / DDP")
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4))
     tp = results["throughput"]
-    b.bar(
-        [f"{r['url']} {r['megabytes_per_replica']:.0f}MB" for r in tp],
-        [r["ratio_allreduce_over_raw"] for r in tp],
+    a.bar(
+        [f"{r['url']} {r['megabytes_per_replica']:.0f}MiB" for r in tp],
+        [r["ratio_allreduce_over_raw"]["median"] for r in tp],
     )
-    b.axhline(1.0, color="k", lw=0.5)
-    b.set_title("all-reduce / raw fsspec copy throughput")
+    a.axhline(1.0, color="k", lw=0.5)
+    a.set_title("raw copy time / all-reduce round time (k=2)")
+    for mode, marker in (("full", "o"), ("sharded", "s")):
+        rows = [r for r in results["scaling"] if r["exchange"] == mode]
+        ks = [r["k"] for r in rows]
+        b.plot(ks, [r["read_over_payload"]["median"] for r in rows], marker=marker, label=mode)
+        c.plot(ks, [r["round_s"]["median"] for r in rows], marker=marker, label=mode)
+    b.axhline(2.5, color="r", lw=0.5, ls="--")
+    b.set_title("bytes read per replica per round / payload")
+    c.set_title("round time per replica (s)")
+    for ax in (b, c):
+        ax.set_xlabel("replicas k")
+        ax.legend()
     fig.tight_layout()
     fig.savefig(out_dir / "diloco.png", dpi=100)
     print(f"wrote {out_dir / 'diloco.png'}")

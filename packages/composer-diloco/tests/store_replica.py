@@ -72,3 +72,132 @@ def exchange(
         )
         print(f"round {int(round_id)} done value={float(tensor[0])}", flush=True)
     return {"results": results, "error": None, "message": ""}
+
+
+class _CountingFile:
+    """A file object that adds every byte read to ``counter[0]``."""
+
+    def __init__(self, f: Any, counter: list[int]) -> None:
+        self._f, self._counter = f, counter
+
+    def read(self, *args: Any) -> bytes:
+        data = self._f.read(*args)
+        self._counter[0] += len(data)
+        return data  # type: ignore[no-any-return]
+
+    def readinto(self, buf: Any) -> int:
+        n = self._f.readinto(buf)
+        self._counter[0] += n or 0
+        return n  # type: ignore[no-any-return]
+
+    def __enter__(self) -> _CountingFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._f.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+
+def count_reads(fs: Any) -> list[int]:
+    """Instrument an fsspec filesystem: every byte read through ``open``/``cat_file``/``cat`` is
+    counted (independently of the store's own ``bytes_read``). Returns the counter."""
+    counter = [0]
+    open_, cat_file, cat = fs.open, fs.cat_file, fs.cat
+
+    def counted_open(path: str, mode: str = "rb", **kw: Any) -> Any:
+        f = open_(path, mode, **kw)
+        return _CountingFile(f, counter) if "r" in mode else f
+
+    def counted_cat_file(path: str, *args: Any, **kw: Any) -> Any:
+        data = cat_file(path, *args, **kw)
+        counter[0] += len(data)
+        return data
+
+    def counted_cat(path: Any, *args: Any, **kw: Any) -> Any:
+        out = cat(path, *args, **kw)
+        counter[0] += (
+            sum(len(v) for v in out.values() if isinstance(v, bytes)) if isinstance(out, dict) else len(out)
+        )
+        return out
+
+    fs.open, fs.cat_file, fs.cat = counted_open, counted_cat_file, counted_cat
+    return counter
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _reset_peak_rss() -> int:
+    """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS and return that RSS."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status("VmRSS")
+
+
+def random_rounds(
+    *,
+    url: str,
+    run_id: str,
+    rank: int,
+    world_size: int,
+    rounds: int,
+    numel: int,
+    exchange: str,
+    storage_options: dict[str, Any] | None = None,
+    timeout_s: float = 60.0,
+    on_timeout: str = "fail",
+    gate: str | None = None,
+    die_before_reduce: bool = False,
+) -> dict[str, Any]:
+    """All-reduce ``torch.randn(numel)`` seeded by (round, rank) for ``rounds`` rounds; return the
+    results, the bytes read per round through an instrumented filesystem and the peak RSS growth.
+    ``die_before_reduce``: SIGKILL this process when it starts reducing its first shard."""
+    import signal
+
+    torch.set_num_threads(1)  # one thread per replica process (several share the machine)
+    store = ObjectStoreAllReduce(
+        url,
+        run_id,
+        rank=rank,
+        world_size=world_size,
+        timeout_s=timeout_s,
+        on_timeout=on_timeout,  # type: ignore[arg-type]
+        storage_options=storage_options,
+        exchange=exchange,  # type: ignore[arg-type]
+    )
+    counter = count_reads(store.fs)
+    if die_before_reduce:
+        store._reduce_shard = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[method-assign]
+    tensors = [
+        torch.randn(numel, generator=torch.Generator().manual_seed(1000 * r + rank)) for r in range(rounds)
+    ]
+    print(f"ready rank={rank}", flush=True)
+    if gate is not None:
+        deadline = time.monotonic() + 300
+        while not os.path.exists(gate):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"gate {gate} never opened")
+            time.sleep(0.02)
+    rss0 = _reset_peak_rss()  # the peak below is then the rounds' own
+    out: list[dict[str, Any]] = []
+    for r, t in enumerate(tensors):
+        before = counter[0]
+        stats = store.allreduce(r, [t])
+        out.append(
+            {
+                "value": t,
+                "read": counter[0] - before,
+                "participants": stats.participants,
+                "seconds": stats.seconds,
+                "store_read": stats.bytes_read,
+            }
+        )
+    peak = _status("VmHWM") - rss0
+    return {"rounds": out, "payload": numel * 4, "peak_rss_growth": peak}

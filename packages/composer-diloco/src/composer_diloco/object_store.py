@@ -32,6 +32,15 @@ error naming why.** The round's committed manifest is its single source of truth
 6. Average in float32 in rank order (``Σ x_r`` then ``/ n``, the order torchft's gloo path
    uses), write into the caller's tensors, and delete rounds older than ``keep_rounds``.
 
+With ``exchange="sharded"`` step 2 writes k shard objects (shard s = the s-th 1/k of every flattened
+tensor, under a fresh nonce) and then the replica's *index* object (at the key above; its tag is what
+the manifest lists); after step 4, participant j of n reduces the shards s with ``s % n == j`` (reads
+shard s of every participant, tags checked against the committed indexes) and *creates*
+``reduced-<s>.bin``; every replica then reads the k reduced shards. A shard whose reducer is silent
+for ``timeout_s`` is reduced by the waiting replica (create-only: the first writer wins, everyone
+applies the stored shard). Bytes read per replica per round: about 2 (k−1)/k × the payload, against
+(k−1)× in the full exchange.
+
 Every key is built from validated parts and checked to stay under ``<root>/<run_id>/``. The HMAC
 secret is read once from the environment and never logged or put in an error message.
 """
@@ -50,6 +59,7 @@ import re
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -67,6 +77,7 @@ _DIGEST = 32
 _PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _MEMORY_LOCK = threading.Lock()
+_FIRST_POLL_S = 0.001  # polls start here and double up to poll_interval_s
 _DTYPES = {
     name: getattr(torch, name) for name in ("float16", "bfloat16", "float32", "float64", "float8_e4m3fn")
 }
@@ -138,6 +149,27 @@ class _Decoded:
 
 
 @dataclass
+class _Encoded:
+    """An object ready to write: ``head`` (magic, tag, meta) then ``chunks`` (zero-copy byte views
+    of ``wires``, which keep the memory alive)."""
+
+    head: bytes
+    chunks: list[memoryview]
+    tag: bytes
+    wires: Sequence[torch.Tensor] = ()
+
+    @property
+    def size(self) -> int:
+        return len(self.head) + sum(c.nbytes for c in self.chunks)
+
+    def tobytes(self) -> bytes:
+        return b"".join([self.head, *self.chunks])
+
+
+Payload = bytes | bytearray | memoryview
+
+
+@dataclass
 class _Manifest:
     ranks: list[int]
     tags: dict[int, bytes]
@@ -159,7 +191,13 @@ class ObjectStoreAllReduce:
         min_replicas: with ``"proceed"``, the fewest valid replicas a round may average.
         keep_rounds: rounds kept in the store (older ones are deleted; ≥ 2 so that every replica
             can still read the round it is finishing).
-        poll_interval_s: delay between listings of the round folder.
+        poll_interval_s: the longest delay between listings of the round folder (polling starts
+            at 1 ms and doubles up to this, so small payloads are not dominated by sleeps).
+        exchange: ``"full"`` (every replica reads every replica's whole object: bytes read per
+            replica grow as (k−1)× the payload) or ``"sharded"`` (reduce-scatter then all-gather
+            through the store: each replica reduces 1/k of the tensors and reads about 2× the
+            payload per round whatever k; see the module docstring). Every replica of a run must
+            use the same; objects of the other kind are refused.
         storage_options: passed to ``fsspec.url_to_fs`` (e.g. ``key``/``secret``/``client_kwargs``).
         hmac_key_env: the environment variable holding the shared HMAC secret (at least
             16 bytes). When it is set, objects, manifests and markers are signed with
@@ -183,7 +221,10 @@ class ObjectStoreAllReduce:
         storage_options: Mapping[str, Any] | None = None,
         hmac_key_env: str = HMAC_KEY_ENV,
         require_hmac: bool = False,
+        exchange: Literal["full", "sharded"] = "full",
     ) -> None:
+        if exchange not in ("full", "sharded"):
+            raise ValueError(f"exchange must be 'full' or 'sharded', got {exchange!r}.")
         for name, value, low in (
             ("world_size", world_size, 1),
             ("min_replicas", min_replicas, 1),
@@ -222,6 +263,10 @@ class ObjectStoreAllReduce:
         self.hmac_key_env = hmac_key_env
         secret = _hmac_key(hmac_key_env, require_hmac)
         self._hmac = None if secret is None else _Secret(secret)
+        self.exchange = exchange
+        self._buffers: dict[str, bytearray] = {}  # read buffers reused across rounds (local stores)
+        self._acc: list[torch.Tensor] = []  # float32 accumulators reused across rounds
+        self._cleaner: threading.Thread | None = None
 
     @property
     def authenticated(self) -> bool:
@@ -264,70 +309,62 @@ class ObjectStoreAllReduce:
         meta (JSON: run, round, rank, world size, per-tensor dtype/shape/scale) | raw tensor bytes``.
         No pickle: decoding is ``torch.frombuffer`` on validated offsets.
         """
-        return self._encode(round_id, tensors, quantize)[0]
+        return self._encode(round_id, tensors, quantize)[0].tobytes()
 
     def _encode(
         self, round_id: int, tensors: Sequence[torch.Tensor], quantize: bool
-    ) -> tuple[bytes, _Decoded]:
-        chunks: list[bytes] = []
+    ) -> tuple[_Encoded, _Decoded]:
         own: list[torch.Tensor] = []
         layout: list[dict[str, Any]] = []
+        wires: list[torch.Tensor] = []
         for i, t in enumerate(tensors):
-            if not isinstance(t, torch.Tensor) or not torch.is_floating_point(t):
-                raise ValueError(f"tensor {i} must be a floating-point torch.Tensor, got {type(t).__name__}.")
-            host = t.detach().to("cpu").contiguous()
-            # fast path: a finite sum proves every value finite; otherwise check element-wise
-            # (a huge but finite tensor can overflow the sum)
-            if not bool(torch.isfinite(host.sum())) and not bool(torch.isfinite(host).all()):
-                raise ValueError(
-                    f"tensor {i} of rank {self.rank} in round {round_id} holds NaN/inf; refusing to publish "
-                    "it (it would poison every replica's average). Check the inner optimiser / loss."
-                )
-            entry: dict[str, Any] = {
-                "shape": list(host.shape),
-                "dtype": str(host.dtype).removeprefix("torch."),
-            }
-            if quantize:
-                q, scale = quantize_fp8(host)
-                entry.update(wire="float8_e4m3fn", scale=scale)
-                own.append(dequantize_fp8(q, scale))
-                wire = q
-            else:
-                entry.update(wire=entry["dtype"], scale=None)
-                own.append(host)
-                wire = host
-            raw = wire.view(torch.uint8).numpy().tobytes() if wire.numel() else b""
-            entry["nbytes"] = len(raw)
+            _host, wire, entry, mine = _wire_form(t, i, self.rank, round_id, quantize)
             layout.append(entry)
-            chunks.append(raw)
-        meta = {
+            wires.append(wire)
+            own.append(mine)
+        meta = self._meta(round_id, self.rank, quantized=quantize, layout=layout)
+        enc = self._pack(meta, wires)
+        return enc, _Decoded(meta, own, enc.size, enc.tag)
+
+    def _meta(self, round_id: int, rank: int, **extra: Any) -> dict[str, Any]:
+        return {
             "run_id": self.run_id,
             "round": round_id,
-            "rank": self.rank,
+            "rank": rank,
             "world_size": self.world_size,
-            "quantized": quantize,
-            "layout": layout,
+            **extra,
         }
+
+    def _pack(self, meta: dict[str, Any], wires: Sequence[torch.Tensor]) -> _Encoded:
+        """Header + zero-copy views of the wire tensors; the tag is hashed incrementally over
+        them (no joined copy of the payload is ever made here)."""
+        chunks = [_bytes_view(w) for w in wires]
+        for entry, chunk in zip(meta["layout"], chunks):
+            entry["nbytes"] = chunk.nbytes
         meta_bytes = json.dumps(meta).encode()
-        body = b"".join([len(meta_bytes).to_bytes(4, "little"), meta_bytes, *chunks])
-        tag = self._tag(body)
-        data = (MAGIC_HMAC if self._hmac_key is not None else MAGIC) + tag + body
-        return data, _Decoded(meta, own, len(data), tag)
+        lead = len(meta_bytes).to_bytes(4, "little") + meta_bytes
+        h = hashlib.sha256() if self._hmac_key is None else hmac.new(self._hmac_key, digestmod=hashlib.sha256)
+        h.update(lead)
+        for chunk in chunks:
+            h.update(chunk)
+        tag = h.digest()
+        head = (MAGIC_HMAC if self._hmac_key is not None else MAGIC) + tag + lead
+        return _Encoded(head, chunks, tag, wires)
 
     def _tag(self, body: bytes | memoryview) -> bytes:
         if self._hmac_key is None:
             return hashlib.sha256(body).digest()
         return hmac.new(self._hmac_key, body, hashlib.sha256).digest()
 
-    def _check_tag(self, data: bytes, key: str) -> memoryview:
+    def _check_tag(self, data: Payload, key: str) -> memoryview:
         """Check the header and the tag; return the body."""
         head = len(MAGIC) + _DIGEST
-        magic = data[: len(MAGIC)]
+        magic = bytes(data[: len(MAGIC)])
         if len(data) < head + 4 or magic not in (MAGIC, MAGIC_HMAC):
             raise CorruptObjectError(
                 f"object {key} has no composer-diloco header (partial or foreign write)."
             )
-        body, tag = memoryview(data)[head:], data[len(MAGIC) : head]
+        body, tag = memoryview(data)[head:], bytes(data[len(MAGIC) : head])
         env = self.hmac_key_env
         if self._hmac_key is not None and magic != MAGIC_HMAC:
             raise AuthenticationError(
@@ -350,7 +387,15 @@ class ObjectStoreAllReduce:
             )
         return body
 
-    def decode(self, data: bytes, *, round_id: int, rank: int, key: str = "?") -> _Decoded:
+    def decode(
+        self,
+        data: Payload,
+        *,
+        round_id: int,
+        rank: int,
+        key: str = "?",
+        expect: Mapping[str, Any] | None = None,
+    ) -> _Decoded:
         """Validate and deserialise an object; raise :class:`CorruptObjectError` naming ``key``
         (:class:`AuthenticationError` for a missing/wrong HMAC, :class:`NonFiniteObjectError`
         for NaN/inf values)."""
@@ -362,11 +407,16 @@ class ObjectStoreAllReduce:
             layout = list(meta["layout"])
         except (ValueError, KeyError, TypeError) as exc:  # checksum matched: a foreign/garbage writer
             raise CorruptObjectError(f"object {key} does not decode: {exc}") from exc
-        expected = {"run_id": self.run_id, "round": round_id, "rank": rank, "world_size": self.world_size}
+        if meta.get("exchange", "full") != self.exchange:
+            raise CorruptObjectError(
+                f"object {key} was written by a replica with exchange={meta.get('exchange', 'full')!r}, "
+                f"this one uses exchange={self.exchange!r}: every replica of a run must use the same."
+            )
+        expected = {**self._meta(round_id, rank), **(expect or {})}
         for name, want in expected.items():
             if meta.get(name) != want:
                 raise CorruptObjectError(f"object {key} has {name}={meta.get(name)!r}, expected {want!r}.")
-        buf = bytearray(body[4 + meta_len :])
+        buf = body[4 + meta_len :]
         tensors: list[torch.Tensor] = []
         offset = 0
         try:
@@ -382,11 +432,7 @@ class ObjectStoreAllReduce:
                     raise ValueError(
                         f"tensor of shape {shape} cannot occupy {nbytes} bytes at offset {offset}"
                     )
-                raw = (
-                    torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
-                    if nbytes
-                    else torch.empty(0, dtype=torch.uint8)
-                )
+                raw = _frombuffer(buf, nbytes, offset)
                 t = raw.view(wire).reshape(shape)
                 tensors.append(dequantize_fp8(t, float(entry["scale"])) if meta.get("quantized") else t)
                 offset += nbytes
@@ -397,8 +443,7 @@ class ObjectStoreAllReduce:
                 f"object {key} carries {len(buf) - offset} trailing bytes beyond its layout."
             )
         for i, t in enumerate(tensors):
-            values = t.to(torch.float32) if t.dtype == torch.float8_e4m3fn else t
-            if not bool(torch.isfinite(values).all()):
+            if not _all_finite(t):
                 raise NonFiniteObjectError(
                     f"object {key} passes its checksum but tensor {i} holds NaN/inf; it is never "
                     "averaged (a replica with a diverged inner loop, or a foreign writer)."
@@ -422,24 +467,28 @@ class ObjectStoreAllReduce:
             self.fs.pipe_file(key, data)
         self.bytes_written += len(data)
 
-    def put_if_absent(self, key: str, data: bytes) -> bool:
+    def put_if_absent(self, key: str, data: bytes | _Encoded) -> bool:
         """Create ``key`` only if it does not exist (conditional put); True if we created it.
 
         Readers see all of ``data`` or nothing: local filesystems link a complete temporary
-        file, S3 publishes a single PUT or a completed multipart upload."""
-        created = self._create(key, data)
+        file, S3 publishes a single PUT or a completed multipart upload (parts in parallel,
+        s3fs's ``max_concurrency``)."""
+        enc = data if isinstance(data, _Encoded) else _Encoded(bytes(data), [], b"")
+        created = self._create(key, enc)
         if created:
-            self.bytes_written += len(data)
+            self.bytes_written += enc.size
         return created
 
-    def _create(self, key: str, data: bytes) -> bool:
+    def _create(self, key: str, enc: _Encoded) -> bool:
         protocols = _protocols(self.fs)
         if "file" in protocols:
             parent = posixpath.dirname(key)
             self.fs.makedirs(parent, exist_ok=True)
             tmp = f"{parent}/.tmp-{uuid.uuid4().hex}"
-            with open(tmp, "wb") as f:
-                f.write(data)
+            with open(tmp, "wb") as f:  # straight from the tensors' memory: no joined copy
+                f.write(enc.head)
+                for chunk in enc.chunks:
+                    f.write(chunk)
             try:
                 os.link(tmp, key)  # atomic, fails if key exists
                 return True
@@ -447,6 +496,7 @@ class ObjectStoreAllReduce:
                 return False
             finally:
                 os.unlink(tmp)
+        data = enc.tobytes()  # one copy: object-store clients want one bytes-like body
         if "memory" in protocols:
             with _MEMORY_LOCK:
                 if self.fs.exists(key):
@@ -465,7 +515,11 @@ class ObjectStoreAllReduce:
                 "or s3:// (or an fsspec backend with create-only writes)."
             ) from exc
 
-    def _read(self, key: str) -> bytes | None:
+    def _read(self, key: str, slot: str | None = None) -> Payload | None:
+        """The object's bytes, or None if absent. With ``slot`` on a local filesystem the object
+        is read into a buffer kept for that slot across rounds (no fresh pages every round)."""
+        if slot is not None and self._is_local():
+            return self._read_into(key, slot)
         self.fs.invalidate_cache(posixpath.dirname(key))  # s3fs answers from a stale listing otherwise
         try:
             data = self.fs.cat_file(key)
@@ -473,6 +527,26 @@ class ObjectStoreAllReduce:
             return None
         self.bytes_read += len(data)
         return bytes(data)
+
+    def _read_into(self, key: str, slot: str) -> memoryview | None:
+        try:
+            size = int(self.fs.size(key))
+            f = self.fs.open(key, "rb")
+        except FileNotFoundError:
+            return None
+        buf = self._buffers.get(slot)
+        if buf is None or len(buf) < size:
+            buf = self._buffers[slot] = bytearray(size)
+        view = memoryview(buf)[:size]
+        with f:
+            got = 0
+            while got < size:  # a file shorter than its size a moment ago reads short: its tag fails
+                n = f.readinto(view[got:])
+                if not n:
+                    break
+                got += n
+        self.bytes_read += got
+        return view[:got]
 
     def _list(self, directory: str) -> set[str]:
         self.fs.invalidate_cache(directory)
@@ -515,8 +589,9 @@ class ObjectStoreAllReduce:
     def _read_manifest(self, round_id: int) -> _Manifest | None:
         key = self.manifest_key(round_id)
         raw = self._read(key)
-        if raw is None:
-            return None
+        return None if raw is None else self._parse_manifest(bytes(raw), key, round_id)
+
+    def _parse_manifest(self, raw: bytes, key: str, round_id: int) -> _Manifest:
         m = self._load_json(raw, key)
         try:
             ranks = m["ranks"]
@@ -543,7 +618,8 @@ class ObjectStoreAllReduce:
             )
         return _Manifest(list(ranks), tags, hashlib.sha256(raw).hexdigest())
 
-    def _propose_manifest(self, round_id: int, decoded: Mapping[int, _Decoded]) -> None:
+    def _propose_manifest(self, round_id: int, decoded: Mapping[int, _Decoded]) -> bytes | None:
+        """Create the round's manifest; its bytes if this replica's proposal won, else None."""
         proposal = {
             "run_id": self.run_id,
             "round": round_id,
@@ -552,7 +628,8 @@ class ObjectStoreAllReduce:
             "tags": {str(r): d.tag.hex() for r, d in sorted(decoded.items())},
             "proposer": self.rank,
         }
-        self.put_if_absent(self.manifest_key(round_id), self._dump_json(proposal))
+        data = self._dump_json(proposal)
+        return data if self.put_if_absent(self.manifest_key(round_id), data) else None
 
     def _read_marker(self, rank: int) -> dict[int, str] | None:
         """Replica ``rank``'s progress marker: ``{round: manifest fingerprint}`` (None if absent)."""
@@ -560,7 +637,7 @@ class ObjectStoreAllReduce:
         raw = self._read(key)
         if raw is None:
             return None
-        obj = self._load_json(raw, key)
+        obj = self._load_json(bytes(raw), key)
         try:
             if obj["run_id"] != self.run_id or obj["rank"] != rank:
                 raise ValueError(f"run_id/rank {obj['run_id']!r}/{obj['rank']!r}")
@@ -568,8 +645,8 @@ class ObjectStoreAllReduce:
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CorruptObjectError(f"progress marker {key} is not a marker of this run: {exc}") from exc
 
-    def _read_markers(self) -> dict[int, dict[int, str]]:
-        markers = {r: self._read_marker(r) for r in range(self.world_size)}
+    def _read_markers(self, skip: int | None = None) -> dict[int, dict[int, str]]:
+        markers = {r: self._read_marker(r) for r in range(self.world_size) if r != skip}
         return {r: m for r, m in markers.items() if m is not None}
 
     def _commit_evidence(self, round_id: int) -> str | None:
@@ -616,10 +693,8 @@ class ObjectStoreAllReduce:
         newest = sorted(mine)[-(self.keep_rounds + 1) :]
         marker = {"run_id": self.run_id, "rank": self.rank, "accepted": {str(r): mine[r] for r in newest}}
         self.put_atomic(self.marker_key(self.rank), self._dump_json(marker))
-        for rank, accepted in sorted(self._read_markers().items()):
+        for rank, accepted in sorted(self._read_markers(skip=self.rank).items()):
             theirs = accepted.get(round_id)
-            if rank == self.rank:
-                continue
             if theirs is not None and theirs != manifest.fingerprint:
                 raise RoundConflictError(
                     f"round {round_id}: rank {rank} applied a different manifest than this replica "
@@ -653,15 +728,14 @@ class ObjectStoreAllReduce:
             raise ValueError(f"op must be 'avg' or 'sum', got {op!r}.")
         start = time.monotonic()
         written0, read0 = self.bytes_written, self.bytes_read
-        data, own = self._encode(round_id, tensors, quantize)
         decoded: dict[int, _Decoded] = {}
         problems: dict[int, CorruptObjectError] = {}
         manifest = self._committed(round_id)
         adopted = manifest is not None
+        own: _Decoded | None = None
         if manifest is None:
-            mine, reused = self._publish(round_id, data, own)
-            decoded[self.rank] = mine
-            adopted = reused
+            own, adopted = self._contribute(round_id, tensors, quantize)
+            decoded[self.rank] = own
             manifest = self._await_manifest(round_id, decoded, problems)
         else:
             logger.warning(
@@ -675,17 +749,15 @@ class ObjectStoreAllReduce:
         _check_layouts(inputs, participants, round_id)
         _check_targets(inputs[participants[0]], tensors, round_id)
         with torch.no_grad():
-            sums = []
-            for i, t in enumerate(tensors):
-                acc = torch.zeros(t.shape, dtype=torch.float32)
-                for r in participants:
-                    acc += inputs[r].tensors[i].to(torch.float32)
-                if op == "avg":
-                    acc /= len(participants)
-                sums.append(acc)
+            if self.exchange == "sharded":
+                local = None if adopted or own is None else own
+                sums = self._sharded_result(round_id, manifest, inputs, local, op)
+            else:
+                sums = self._reduce([inputs[r].tensors for r in participants], "sum")
             self._accept(round_id, manifest)
+            divisor = len(participants) if op == "avg" and self.exchange == "full" else 1
             for t, acc in zip(tensors, sums):
-                t.copy_(acc.to(device=t.device, dtype=t.dtype))
+                _apply(t, acc, divisor)
         self._cleanup(round_id)
         self.last = RoundStats(
             round=round_id,
@@ -702,13 +774,34 @@ class ObjectStoreAllReduce:
             logger.warning("round %d proceeded without ranks %s", round_id, self.last.excluded)
         return self.last
 
-    def _publish(self, round_id: int, data: bytes, own: _Decoded) -> tuple[_Decoded, bool]:
+    def _contribute(
+        self, round_id: int, tensors: Sequence[torch.Tensor], quantize: bool
+    ) -> tuple[_Decoded, bool]:
+        """Publish this replica's object (full) or shards + index (sharded); True if an object
+        published earlier (a re-run of the round) is the contribution instead."""
+        if self.exchange == "sharded":
+            index, own = self._encode_sharded(round_id, tensors, quantize)
+            mine, reused = self._publish(round_id, index, own)
+            return mine, reused
+        data, own = self._encode(round_id, tensors, quantize)
+        return self._publish(round_id, data, own)
+
+    def _reduce(self, inputs: Sequence[Sequence[torch.Tensor]], op: str) -> list[torch.Tensor]:
+        """``Σ x_r`` in float32 in the given (rank) order, then ``/ n`` for ``avg``: the order
+        torchft's gloo path uses. Accumulators are reused across rounds."""
+        shapes = [t.numel() for t in inputs[0]]
+        if [a.numel() for a in self._acc] != shapes:
+            self._acc = [torch.empty(n, dtype=torch.float32) for n in shapes]
+        _sum_into(self._acc, inputs, op)
+        return self._acc
+
+    def _publish(self, round_id: int, data: _Encoded, own: _Decoded) -> tuple[_Decoded, bool]:
         """Create this replica's object; if it exists already (a re-run of the round), return the
         stored one: objects are immutable, other replicas may have read it. True if reused."""
         key = self.object_key(round_id, self.rank)
         if self.put_if_absent(key, data):
             return own, False
-        raw = self._read(key)
+        raw = self._read(key, slot=f"obj-{self.rank}")
         if raw is None:
             raise ObjectStoreError(f"round {round_id}: {key} exists but could not be read; retry the round.")
         stored = self.decode(raw, round_id=round_id, rank=self.rank, key=key)
@@ -731,7 +824,7 @@ class ObjectStoreAllReduce:
             have = decoded.get(r)
             if have is None or have.tag != manifest.tags[r]:
                 key = self.object_key(round_id, r)
-                raw = self._read(key)
+                raw = self._read(key, slot=f"obj-{r}")
                 if raw is None:
                     raise self._expired(round_id, f"its manifest lists rank {r}", f"{key} is gone")
                 have = self.decode(raw, round_id=round_id, rank=r, key=key)
@@ -744,11 +837,202 @@ class ObjectStoreAllReduce:
             out[r] = have
         return out
 
+    # ---- the sharded exchange (reduce-scatter + all-gather through the store) --------------
+    def shard_key(self, round_id: int, rank: int, shard: int, nonce: str) -> str:
+        return self.key(
+            "rounds",
+            f"{_check_round(round_id):010d}",
+            f"shard-{shard:05d}-rank-{rank:05d}-{safe_part('nonce', nonce)}.bin",
+        )
+
+    def reduced_key(self, round_id: int, shard: int) -> str:
+        return self.key("rounds", f"{_check_round(round_id):010d}", f"reduced-{shard:05d}.bin")
+
+    def _encode_sharded(
+        self, round_id: int, tensors: Sequence[torch.Tensor], quantize: bool
+    ) -> tuple[_Encoded, _Decoded]:
+        """Write this replica's k shard objects (shard s = the s-th 1/k of every tensor, under a
+        fresh nonce, so they never collide), then return the *index* object listing their tags:
+        creating the index is what publishes the contribution."""
+        forms = [_wire_form(t, i, self.rank, round_id, quantize) for i, t in enumerate(tensors)]
+        k, nonce = self.world_size, uuid.uuid4().hex[:16]
+        shards: dict[str, _Encoded] = {}
+        for s in range(k):
+            layout = [{**entry, "shape": [_piece(wire, s, k).numel()]} for _, wire, entry, _ in forms]
+            meta = self._meta(
+                round_id,
+                self.rank,
+                exchange="sharded",
+                kind="shard",
+                shard=s,
+                quantized=quantize,
+                layout=layout,
+            )
+            shards[self.shard_key(round_id, self.rank, s, nonce)] = self._pack(
+                meta, [_piece(wire, s, k) for _, wire, _, _ in forms]
+            )
+        self._put_many(shards)
+        meta = self._meta(
+            round_id,
+            self.rank,
+            exchange="sharded",
+            kind="index",
+            quantized=quantize,
+            layout=[],
+            tensors=[entry for _, _, entry, _ in forms],
+            shards=k,
+            nonce=nonce,
+            shard_tags=[enc.tag.hex() for enc in shards.values()],
+        )
+        index = self._pack(meta, [])
+        return index, _Decoded(meta, [own for *_, own in forms], index.size, index.tag)
+
+    def _put_many(self, objects: Mapping[str, _Encoded]) -> None:
+        """Write objects under fresh keys: one after the other on local/memory stores, all at
+        once on object stores (s3fs sends them concurrently)."""
+        if self._is_local() or "memory" in _protocols(self.fs):
+            for key, enc in objects.items():
+                if not self.put_if_absent(key, enc):
+                    raise ObjectStoreError(
+                        f"{key} already exists: a fresh shard key collided; retry the round."
+                    )
+            return
+        self.fs.pipe({key: enc.tobytes() for key, enc in objects.items()})
+        self.bytes_written += sum(enc.size for enc in objects.values())
+
+    def _sharded_result(
+        self,
+        round_id: int,
+        manifest: _Manifest,
+        indexes: Mapping[int, _Decoded],
+        local: _Decoded | None,
+        op: str,
+    ) -> list[torch.Tensor]:
+        """Reduce this replica's shards (participant j of n owns shards s with s % n == j), then
+        collect every other reduced shard; a shard whose reducer is silent for ``timeout_s`` is
+        reduced by the waiting replica itself. The *stored* reduced shard (create-only, first
+        writer wins) is what every replica applies, so all replicas end identical."""
+        ranks = manifest.ranks
+        k = _shard_count(indexes, ranks, self.world_size, round_id)
+        sizes = [math.prod(e["shape"]) for e in indexes[ranks[0]].meta["tensors"]]
+        if [a.numel() for a in self._acc] != sizes:
+            self._acc = [torch.empty(n, dtype=torch.float32) for n in sizes]
+        mine = [s for s in range(k) if ranks[s % len(ranks)] == self.rank]
+        deadline = time.monotonic() + self.timeout_s
+        for s in mine + [s for s in range(k) if s not in mine]:
+            if s in mine:
+                reduced = self._reduce_shard(round_id, manifest, indexes, s, local, op)
+            else:
+                reduced = self._await_reduced(round_id, manifest, indexes, s, local, op, deadline)
+            for acc, piece in zip(self._acc, reduced):
+                target = _piece(acc, s, k)
+                if piece.data_ptr() == target.data_ptr():
+                    continue  # reduced in place by this replica
+                if piece.numel() != target.numel():
+                    raise CorruptObjectError(
+                        f"round {round_id}: reduced shard {s} holds {piece.numel()} values where "
+                        f"{target.numel()} belong: it does not match the committed layout."
+                    )
+                target.copy_(piece)
+        return self._acc
+
+    def _reduce_shard(
+        self,
+        round_id: int,
+        manifest: _Manifest,
+        indexes: Mapping[int, _Decoded],
+        s: int,
+        local: _Decoded | None,
+        op: str,
+    ) -> list[torch.Tensor]:
+        """Σ over the participants (rank order) of their shard ``s``, ``/ n`` for avg; create it
+        as ``reduced-<s>.bin`` and return the stored one (another replica may have been first)."""
+        k = self.world_size
+        inputs = []
+        for r in manifest.ranks:
+            if r == self.rank and local is not None:
+                inputs.append([_piece(t, s, k) for t in local.tensors])
+            else:
+                inputs.append(self._read_shard(round_id, indexes[r], r, s).tensors)
+        sums = [_piece(acc, s, k) for acc in self._acc]  # reduced straight into the accumulators
+        _sum_into(sums, inputs, op)
+        layout = [{"shape": [t.numel()], "dtype": "float32", "wire": "float32", "scale": None} for t in sums]
+        meta = self._meta(
+            round_id,
+            -1,
+            exchange="sharded",
+            kind="reduced",
+            shard=s,
+            manifest=manifest.fingerprint,
+            op=op,
+            quantized=False,
+            layout=layout,
+        )
+        if self.put_if_absent(self.reduced_key(round_id, s), self._pack(meta, sums)):
+            return sums
+        stored = self._load_reduced(round_id, manifest, s, op)
+        if stored is None:
+            raise ObjectStoreError(
+                f"round {round_id}: reduced shard {s} exists but could not be read; retry."
+            )
+        return stored
+
+    def _read_shard(self, round_id: int, index: _Decoded, rank: int, s: int) -> _Decoded:
+        key = self.shard_key(round_id, rank, s, str(index.meta["nonce"]))
+        raw = self._read(key, slot=f"shard-{rank}")
+        if raw is None:
+            raise self._expired(round_id, f"its manifest lists rank {rank}", f"{key} is gone")
+        shard = self.decode(raw, round_id=round_id, rank=rank, key=key, expect={"kind": "shard", "shard": s})
+        if shard.tag.hex() != index.meta["shard_tags"][s]:
+            raise CorruptObjectError(
+                f"object {key} is not the shard rank {rank}'s committed index lists (its tag differs): "
+                "it was replaced after publication. The round cannot be reduced; restart the round."
+            )
+        return shard
+
+    def _load_reduced(self, round_id: int, manifest: _Manifest, s: int, op: str) -> list[torch.Tensor] | None:
+        key = self.reduced_key(round_id, s)
+        raw = self._read(key, slot="reduced")
+        if raw is None:
+            return None
+        expect = {"kind": "reduced", "shard": s, "manifest": manifest.fingerprint, "op": op}
+        return self.decode(raw, round_id=round_id, rank=-1, key=key, expect=expect).tensors
+
+    def _await_reduced(
+        self,
+        round_id: int,
+        manifest: _Manifest,
+        indexes: Mapping[int, _Decoded],
+        s: int,
+        local: _Decoded | None,
+        op: str,
+        deadline: float,
+    ) -> list[torch.Tensor]:
+        delay = _FIRST_POLL_S
+        while True:
+            found = self._load_reduced(round_id, manifest, s, op)
+            if found is not None:
+                return found
+            if time.monotonic() >= deadline:
+                owner = manifest.ranks[s % len(manifest.ranks)]
+                logger.warning(
+                    "round %d: rank %d wrote no reduced shard %d within timeout_s=%s; rank %d reduces it",
+                    round_id,
+                    owner,
+                    s,
+                    self.timeout_s,
+                    self.rank,
+                )
+                return self._reduce_shard(round_id, manifest, indexes, s, local, op)
+            time.sleep(min(delay, self.poll_interval_s, max(0.0, deadline - time.monotonic())))
+            delay *= 2
+
     def _await_manifest(
         self, round_id: int, decoded: dict[int, _Decoded], problems: dict[int, CorruptObjectError]
     ) -> _Manifest:
         directory = self.round_dir(round_id)
         deadline = time.monotonic() + self.timeout_s
+        delay = _FIRST_POLL_S
         while True:
             names = self._list(directory)
             if "manifest.json" in names:
@@ -759,7 +1043,7 @@ class ObjectStoreAllReduce:
                 if r in decoded or f"rank-{r:05d}.bin" not in names:
                     continue
                 key = self.object_key(round_id, r)
-                raw = self._read(key)
+                raw = self._read(key, slot=f"obj-{r}")
                 if raw is None:
                     continue
                 try:
@@ -774,14 +1058,20 @@ class ObjectStoreAllReduce:
                     return committed
                 if timed_out and len(decoded) < self.world_size:
                     self._check_timeout(round_id, decoded, problems)
-                self._propose_manifest(round_id, decoded)
-                found = self._read_manifest(round_id)
+                created = self._propose_manifest(round_id, decoded)
+                key = self.manifest_key(round_id)  # ours won: no need to read it back
+                found = (
+                    self._read_manifest(round_id)
+                    if created is None
+                    else self._parse_manifest(created, key, round_id)
+                )
                 if found is None:
                     raise ObjectStoreError(
                         f"round {round_id}: manifest {self.manifest_key(round_id)} vanished right after creation."
                     )
                 return found
-            time.sleep(self.poll_interval_s)
+            time.sleep(min(delay, self.poll_interval_s, max(0.0, deadline - time.monotonic())))
+            delay *= 2
 
     def _check_timeout(
         self, round_id: int, decoded: Mapping[int, _Decoded], problems: Mapping[int, CorruptObjectError]
@@ -810,20 +1100,138 @@ class ObjectStoreAllReduce:
             )
 
     def _cleanup(self, round_id: int) -> None:
+        """Delete round ``round_id - keep_rounds`` in the background (directory removal is a slow
+        metadata operation on many filesystems; it overlaps the next inner steps). At most one
+        deletion runs at a time; :meth:`rounds_present` and :meth:`cleanup_run` wait for it."""
         old = round_id - self.keep_rounds
         if old < 0:
             return
-        with contextlib.suppress(FileNotFoundError):
+        self.wait_cleanup()
+        self._cleaner = threading.Thread(target=self._remove_round, args=(old,), name="diloco-store-cleanup")
+        self._cleaner.start()  # not a daemon: the interpreter finishes it before exiting
+
+    def _remove_round(self, old: int) -> None:
+        try:
             self.fs.rm(self.round_dir(old), recursive=True)
+        except FileNotFoundError:
+            pass
+        except Exception as exc:  # a failed cleanup leaves garbage, never a wrong average
+            logger.warning("could not delete round %d of run %r: %s", old, self.run_id, exc)
+
+    def wait_cleanup(self) -> None:
+        """Wait until the background deletion of an old round (if any) has finished."""
+        cleaner, self._cleaner = self._cleaner, None
+        if cleaner is not None:
+            cleaner.join()
 
     def cleanup_run(self) -> None:
         """Delete everything under this run's prefix (call once, after every replica finished)."""
+        self.wait_cleanup()
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self.prefix, recursive=True)
 
     def rounds_present(self) -> list[int]:
         """Round numbers currently stored for this run."""
+        self.wait_cleanup()
         return sorted(int(n) for n in self._list(self.key("rounds")) if n.isdigit())
+
+
+def _wire_form(
+    t: object, i: int, rank: int, round_id: int, quantize: bool
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any], torch.Tensor]:
+    """(host tensor, wire tensor, layout entry, this replica's own contribution) of tensor ``i``.
+    A contiguous CPU tensor is used in place (no copy)."""
+    if not isinstance(t, torch.Tensor) or not torch.is_floating_point(t):
+        raise ValueError(f"tensor {i} must be a floating-point torch.Tensor, got {type(t).__name__}.")
+    host = t.detach().to("cpu").contiguous()
+    if not _all_finite(host):
+        raise ValueError(
+            f"tensor {i} of rank {rank} in round {round_id} holds NaN/inf; refusing to publish "
+            "it (it would poison every replica's average). Check the inner optimiser / loss."
+        )
+    entry: dict[str, Any] = {"shape": list(host.shape), "dtype": str(host.dtype).removeprefix("torch.")}
+    if quantize:
+        q, scale = quantize_fp8(host)
+        entry.update(wire="float8_e4m3fn", scale=scale)
+        return host, q, entry, dequantize_fp8(q, scale)
+    entry.update(wire=entry["dtype"], scale=None)
+    return host, host, entry, host
+
+
+def _piece(t: torch.Tensor, s: int, k: int) -> torch.Tensor:
+    """Shard ``s`` of ``k`` of a tensor: a contiguous 1/k slice of its flattened values (a view)."""
+    flat = t.reshape(-1)
+    n = flat.numel()
+    return flat[n * s // k : n * (s + 1) // k]
+
+
+def _sum_into(outs: Sequence[torch.Tensor], inputs: Sequence[Sequence[torch.Tensor]], op: str) -> None:
+    """``outs[i] = Σ_r inputs[r][i]`` in float32 in the given order, then ``/ n`` for avg (the
+    full and the sharded exchange share this arithmetic, so both give the same bits)."""
+    for i, out in enumerate(outs):
+        first, rest = inputs[0][i].reshape(-1), [x[i].reshape(-1) for x in inputs[1:]]
+        if rest and first.dtype == rest[0].dtype == torch.float32:
+            torch.add(first, rest[0], out=out)  # one pass instead of copy + add
+            rest = rest[1:]
+        else:
+            out.copy_(first)
+        for x in rest:
+            out.add_(x)
+        if op == "avg":
+            out.div_(len(inputs))
+
+
+def _apply(t: torch.Tensor, acc: torch.Tensor, divisor: int) -> None:
+    """``t ← acc / divisor`` (float32 division, then cast to t's dtype/device); a float32
+    contiguous CPU ``t`` receives the quotient directly (no extra pass)."""
+    if divisor == 1:
+        t.copy_(acc.view(t.shape))
+    elif t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous():
+        torch.div(acc, divisor, out=t.view(-1))
+    else:
+        t.copy_(acc.div_(divisor).view(t.shape))
+
+
+def _shard_count(
+    indexes: Mapping[int, _Decoded], ranks: Sequence[int], world_size: int, round_id: int
+) -> int:
+    counts = {int(indexes[r].meta.get("shards", -1)) for r in ranks}
+    if counts != {world_size}:
+        raise CorruptObjectError(
+            f"round {round_id}: the committed indexes split the tensors into {sorted(counts)} shards, "
+            f"expected world_size={world_size}: every replica must run with the same world_size."
+        )
+    return world_size
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """One reduction pass: a finite float32 sum proves every value finite; only when it is not
+    (NaN/inf, or a huge but finite tensor whose sum overflows) are the values checked one by one."""
+    if t.numel() == 0:
+        return True
+    if t.dtype == torch.float8_e4m3fn:
+        t = t.to(torch.float32)
+    if bool(torch.isfinite(t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32))):
+        return True
+    return bool(torch.isfinite(t).all())
+
+
+def _bytes_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    if t.numel() == 0:
+        return memoryview(b"")
+    array: Any = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+    return memoryview(array).cast("B")
+
+
+def _frombuffer(buf: memoryview, nbytes: int, offset: int) -> torch.Tensor:
+    if not nbytes:
+        return torch.empty(0, dtype=torch.uint8)
+    if offset + nbytes > len(buf):
+        raise ValueError(f"{nbytes} bytes at offset {offset} exceed the object's {len(buf)} bytes")
+    with warnings.catch_warnings():  # read-only bytes from the store: these tensors are only read
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
 
 
 def quantize_fp8(t: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -893,9 +1301,14 @@ def _protocols(fs: Any) -> set[str]:
     return {proto} if isinstance(proto, str) else set(proto)
 
 
+def _full_layout(d: _Decoded) -> list[dict[str, Any]]:
+    """The tensors an object stands for (a sharded index lists them under ``tensors``)."""
+    return list(d.meta["tensors"] if d.meta.get("kind") == "index" else d.meta["layout"])
+
+
 def _check_layouts(decoded: Mapping[int, _Decoded], ranks: Sequence[int], round_id: int) -> None:
     def shapes(r: int) -> list[tuple[Any, ...]]:
-        return [(tuple(e["shape"]), e["dtype"], e["wire"]) for e in decoded[r].meta["layout"]]
+        return [(tuple(e["shape"]), e["dtype"], e["wire"]) for e in _full_layout(decoded[r])]
 
     ref_rank = ranks[0]
     ref = shapes(ref_rank)
@@ -909,7 +1322,7 @@ def _check_layouts(decoded: Mapping[int, _Decoded], ranks: Sequence[int], round_
 
 def _check_targets(ref: _Decoded, tensors: Sequence[torch.Tensor], round_id: int) -> None:
     """The caller's tensors must have the committed objects' shapes (e.g. when adopting)."""
-    shapes = [tuple(e["shape"]) for e in ref.meta["layout"]]
+    shapes = [tuple(e["shape"]) for e in _full_layout(ref)]
     mine = [tuple(t.shape) for t in tensors]
     if shapes != mine:
         raise ObjectStoreError(

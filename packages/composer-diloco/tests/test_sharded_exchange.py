@@ -1,0 +1,259 @@
+"""The sharded exchange (``exchange="sharded"``: reduce-scatter + all-gather through the store) and
+the per-replica costs of both exchanges: bytes read per round through an instrumented filesystem,
+peak memory, results bit-identical across replicas and equal to the mean computed directly.
+
+Real replica processes (``tests/store_replica.py:random_rounds``) over file://; a few thread-level
+checks over file://, memory:// and s3:// (moto on 127.0.0.1). Payloads are small (256 KiB) so that
+the whole file adds little to the session's time.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from composer_diloco import CorruptObjectError, ObjectStoreAllReduce
+from composer_diloco.executors import ReplicaProcess
+
+TESTS = Path(__file__).resolve().parent
+WAIT_S = 240.0  # per replica process: generous, the machine is shared and slow
+NUMEL = 2**16  # 256 KiB of float32 per replica
+READ_BOUND = 2.5  # bytes read per replica per round, in payloads (issue 19)
+
+
+def _direct_mean(
+    world: int, round_id: int, ranks: list[int] | None = None, numel: int = NUMEL
+) -> torch.Tensor:
+    ranks = list(range(world)) if ranks is None else ranks
+    xs = [torch.randn(numel, generator=torch.Generator().manual_seed(1000 * round_id + r)) for r in ranks]
+    acc = xs[0].clone()
+    for x in xs[1:]:
+        acc += x
+    return acc / len(xs)
+
+
+def replica_env() -> dict[str, str]:
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH", "")) if p)}
+
+
+def open_gate(procs: list[ReplicaProcess], gate: Path) -> None:
+    """Wait (bounded) until every replica is ready, then let them all start round one."""
+    deadline = time.monotonic() + WAIT_S
+    for p in procs:
+        while "ready rank=" not in p.log_text():
+            assert p.proc.poll() is None, p.log_text()
+            assert time.monotonic() < deadline, f"replica {p.rank} never got ready"
+            time.sleep(0.05)
+    gate.touch()
+
+
+def finish(proc: ReplicaProcess) -> dict[str, Any]:
+    result = proc.finish(WAIT_S)
+    assert result.exit_code == 0, result.log_tail
+    return result.value  # type: ignore[no-any-return]
+
+
+def _start(tmp_path: Path, world: int, exchange: str, die: set[int], **kw: Any) -> list[ReplicaProcess]:
+    """``world`` replica processes running ``random_rounds``; they begin round 0 together."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    gate = tmp_path / f"gate-{uuid.uuid4().hex[:6]}"
+    common = {
+        "url": f"file://{tmp_path / 'store'}",
+        "run_id": f"{exchange}-{uuid.uuid4().hex[:6]}",
+        "gate": str(gate),
+    }
+    procs = [
+        ReplicaProcess(
+            r,
+            "store_replica:random_rounds",
+            {
+                **common,
+                "rank": r,
+                "world_size": world,
+                "exchange": exchange,
+                "die_before_reduce": r in die,
+                **kw,
+            },
+            tmp_path,
+            replica_env(),
+        )
+        for r in range(world)
+    ]
+    open_gate(procs, gate)
+    return procs
+
+
+def _run(tmp_path: Path, world: int, exchange: str, rounds: int = 2, **kw: Any) -> dict[int, dict[str, Any]]:
+    die = kw.pop("die", set())
+    procs = _start(tmp_path, world, exchange, die, rounds=rounds, numel=kw.pop("numel", NUMEL), **kw)
+    out: dict[int, dict[str, Any]] = {}
+    for p in procs:
+        if p.rank in die:
+            result = p.finish(WAIT_S)
+            assert result.exit_code == -9, result.log_tail  # SIGKILLed itself before reducing
+        else:
+            out[p.rank] = finish(p)
+    return out
+
+
+@pytest.mark.parametrize(("world", "numel"), [(2, 4 * 2**20), (4, NUMEL)])
+def test_sharded_reads_at_most_2_5_payloads_identical_and_exact(
+    tmp_path: Path, world: int, numel: int
+) -> None:
+    """k = 2 at 16 MiB also bounds peak memory (RSS growth over the rounds, an upper bound)."""
+    sharded = _run(tmp_path, world, "sharded", numel=numel)
+    payload = sharded[0]["payload"]
+    for round_id in range(2):
+        expected = _direct_mean(world, round_id, numel=numel)
+        values = [sharded[r]["rounds"][round_id]["value"] for r in range(world)]
+        for v in values:  # bit-identical across replicas, equal to the directly computed mean
+            assert torch.equal(v, values[0])
+        assert torch.equal(values[0], expected)
+        reads = [sharded[r]["rounds"][round_id]["read"] / payload for r in range(world)]
+        assert max(reads) <= READ_BOUND, reads
+        assert min(reads) >= 2 * (world - 1) / world * 0.99, reads  # it did read the other shards
+    if world == 2:
+        for rank, res in sharded.items():
+            assert res["peak_rss_growth"] <= 2.5 * payload, (rank, res["peak_rss_growth"] / payload)
+
+
+def test_dead_reducer_shard_is_taken_over_then_the_run_goes_on_without_it(tmp_path: Path) -> None:
+    """Rank 1 publishes its shards, is committed in round 0's manifest, and is SIGKILLed when it
+    starts reducing its shard. After timeout_s the survivors reduce shard 1 themselves (first
+    writer wins; all apply the stored shard). Round 1 proceeds without rank 1: 2 participants
+    reduce 3 shards."""
+    out = _run(tmp_path, 3, "sharded", timeout_s=3.0, on_timeout="proceed", die={1})
+    assert sorted(out) == [0, 2]
+    r0 = [out[r]["rounds"][0] for r in (0, 2)]
+    assert all(x["participants"] == [0, 1, 2] for x in r0)
+    assert torch.equal(r0[0]["value"], r0[1]["value"])
+    assert torch.equal(r0[0]["value"], _direct_mean(3, 0))
+    r1 = [out[r]["rounds"][1] for r in (0, 2)]
+    assert all(x["participants"] == [0, 2] for x in r1)
+    assert torch.equal(r1[0]["value"], r1[1]["value"])
+    assert torch.equal(r1[0]["value"], _direct_mean(3, 1, [0, 2]))
+
+
+def test_full_exchange_peak_memory_at_most_2_5_payloads(tmp_path: Path) -> None:
+    numel = 4 * 2**20  # 16 MiB: large enough that RSS growth is the exchange's, not noise
+    for rank, res in _run(tmp_path, 2, "full", rounds=3, numel=numel).items():
+        growth = res["peak_rss_growth"] / res["payload"]
+        assert growth <= 2.5, (rank, growth)
+        assert torch.equal(res["rounds"][2]["value"], _direct_mean(2, 2, numel=numel))
+
+
+def _threads(
+    stores: list[ObjectStoreAllReduce], round_id: int, values: list[list[torch.Tensor]]
+) -> list[Any]:
+    out: list[Any] = [None] * len(stores)
+
+    def go(i: int) -> None:
+        try:
+            out[i] = stores[i].allreduce(round_id, values[i])
+        except BaseException as exc:
+            out[i] = exc
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(stores))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+@pytest.fixture(params=["file", "memory", "s3"])
+def any_url(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[str, Any] | None]:
+    if request.param == "file":
+        return f"file://{tmp_path}", None
+    if request.param == "memory":
+        return f"memory://sh-{uuid.uuid4().hex}", None
+    return f"s3://diloco-test/sh-{uuid.uuid4().hex[:8]}", request.getfixturevalue("moto_s3")
+
+
+def test_sharded_equals_full_bit_for_bit_with_mixed_dtypes_and_fp8(any_url: tuple[str, Any]) -> None:
+    url, options = any_url
+
+    def values(r: int) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(r)
+        return [
+            torch.randn(5, 7, generator=g),
+            torch.randn(3, generator=g).bfloat16(),
+            torch.randn(1, generator=g),
+        ]
+
+    for quantize in (False, True):
+        got = {}
+        for mode in ("full", "sharded"):
+            stores = [
+                ObjectStoreAllReduce(
+                    url,
+                    f"{mode}{int(quantize)}",
+                    rank=r,
+                    world_size=3,
+                    storage_options=options,
+                    exchange=mode,
+                )
+                for r in range(3)
+            ]
+            vals = [values(r) for r in range(3)]
+            stats = _threads_q(stores, vals, quantize)
+            assert all(not isinstance(s, BaseException) for s in stats), stats
+            for v in vals[1:]:
+                assert all(torch.equal(a, b) for a, b in zip(v, vals[0]))
+            got[mode] = vals[0]
+            read = max(st.bytes_read for st in stats)
+            payload = sum(t.numel() * t.element_size() for t in vals[0])
+            assert read > 1.9 * payload if mode == "full" else True  # k=3: full reads 2 whole objects
+        assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(got["full"], got["sharded"]))
+
+
+def _threads_q(
+    stores: list[ObjectStoreAllReduce], vals: list[list[torch.Tensor]], quantize: bool
+) -> list[Any]:
+    out: list[Any] = [None] * len(stores)
+
+    def go(i: int) -> None:
+        try:
+            out[i] = stores[i].allreduce(0, vals[i], quantize=quantize)
+        except BaseException as exc:
+            out[i] = exc
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(stores))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+def test_sharded_rerun_of_a_committed_round_adopts_and_straggler_adopts(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}"
+    stores = [
+        ObjectStoreAllReduce(
+            url, "run", rank=r, world_size=3, timeout_s=0.5, on_timeout="proceed", exchange="sharded"
+        )
+        for r in range(3)
+    ]
+    vals = [[torch.full((10,), float(r))] for r in range(2)]
+    stats = _threads(stores[:2], 0, vals)
+    assert all(s.participants == [0, 1] for s in stats) and torch.equal(vals[0][0], torch.full((10,), 0.5))
+    late = [torch.full((10,), 100.0)]  # the straggler adopts the committed average
+    assert stores[2].allreduce(0, late).adopted and torch.equal(late[0], torch.full((10,), 0.5))
+    again = [torch.full((10,), 7.0)]  # a re-run with new values adopts too
+    assert stores[0].allreduce(0, again).adopted and torch.equal(again[0], torch.full((10,), 0.5))
+
+
+def test_mixing_exchanges_in_one_run_is_refused_by_name(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}"
+    full = ObjectStoreAllReduce(url, "run", rank=0, world_size=2, timeout_s=0.5)
+    sharded = ObjectStoreAllReduce(url, "run", rank=1, world_size=2, timeout_s=0.5, exchange="sharded")
+    out = _threads([full, sharded], 0, [[torch.ones(4)], [torch.ones(4)]])
+    assert all(isinstance(e, CorruptObjectError) and "exchange=" in str(e) for e in out), out
+    with pytest.raises(ValueError, match="exchange must be"):
+        ObjectStoreAllReduce(url, "run", rank=0, world_size=2, exchange="ring")  # type: ignore[arg-type]
