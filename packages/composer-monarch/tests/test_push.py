@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,7 +61,7 @@ def _perturbed(state: dict[str, Any], seed: int) -> dict[str, Any]:
     return {**state, "model": model}
 
 
-@pytest.mark.parametrize("transport", ["rdma", "direct"])
+@pytest.mark.parametrize("transport", ["shm", "rdma", "direct"])
 def test_push_of_tied_mixed_dtype_model_is_bit_exact_and_the_driver_gets_a_receipt(transport: str) -> None:
     loop = LoopConfig(steps=1, prompts_per_step=2, group_size=2, call_timeout_s=120, weight_transport=transport)
     with ComposerDriver(TASK, TiedMixed(TASK.vocab_size), loss=LOSS, loop=loop) as d:
@@ -103,6 +104,9 @@ def test_loop_moves_weights_and_teacher_logits_without_the_driver() -> None:
         d._call = spy  # type: ignore[method-assign]
         results = d.run(progress=False)
         d._call = call  # type: ignore[method-assign]
+        assert d.transport == "shm"  # auto: every receiver shares the trainer's host
+        # the shared buffer's name is gone once both receivers mapped it: nothing left in /dev/shm
+        assert not [f for f in os.listdir("/dev/shm") if f.startswith("composer-weights-")]
         assert all(r.metrics["sdpo/tokens"] > 0 for r in results)  # channel 2 ran on the trainer
         endpoints = {(role, ep) for role, ep, _, _ in seen}
         assert ("trainer", "push_weights") in endpoints and ("teacher", "hinted_logits") in endpoints

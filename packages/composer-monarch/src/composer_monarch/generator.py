@@ -11,7 +11,7 @@ from monarch.actor import Actor, endpoint
 from torch import Tensor, nn
 
 from composer_monarch.rollout import Rollout, sample
-from composer_monarch.weights import WeightLayout, WeightReceiver
+from composer_monarch.weights import WeightLayout, WeightReceiver, host_id
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,18 @@ class GeneratorActor(Actor):
         n = self.receiver.pull(layout, source, timeout_s)
         self.version = version
         return n
+
+    @endpoint
+    def map_weights(self, version: int, layout: WeightLayout, path: str) -> int:
+        """Copy the trainer's packed weights out of its shared-memory buffer at ``path`` (same host)."""
+        n = self.receiver.map_shared(layout, path)
+        self.version = version
+        return n
+
+    @endpoint
+    def host(self) -> str:
+        """This process's host identity (the trainer's same-host check for the shm transport)."""
+        return host_id()
 
     @endpoint
     def load_weights(self, version: int, layout: WeightLayout, flat: Tensor) -> int:

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from composer_monarch.generator import load_weights
 from composer_monarch.model import completion_logits
 from composer_monarch.rollout import PreferencePairs, Rollout, pad_right
-from composer_monarch.weights import WeightLayout, WeightReceiver
+from composer_monarch.weights import WeightLayout, WeightReceiver, host_id
 
 STASHED = 8
 """Hinted logits kept for the trainer to take (oldest dropped first): batches rolled out, not trained."""
@@ -106,6 +106,18 @@ class TeacherActor(Actor):
         n = self.receiver.pull(layout, source, timeout_s)
         self.version = version
         return n
+
+    @endpoint
+    def map_weights(self, version: int, layout: WeightLayout, path: str) -> int:
+        """Copy the trainer's packed weights out of its shared-memory buffer at ``path`` (same host)."""
+        n = self.receiver.map_shared(layout, path)
+        self.version = version
+        return n
+
+    @endpoint
+    def host(self) -> str:
+        """This process's host identity (the trainer's same-host check for the shm transport)."""
+        return host_id()
 
     @endpoint
     def load_weights(self, version: int, layout: WeightLayout, flat: Tensor) -> int:

@@ -21,7 +21,14 @@ from torch import Tensor, nn
 from composer_monarch.forge_loss import ComposerLoss
 from composer_monarch.model import forward_logits, token_logprobs
 from composer_monarch.rollout import TrainBatch
-from composer_monarch.weights import WeightLayout, layout_of, pack_into, resolve_transport
+from composer_monarch.weights import (
+    WeightLayout,
+    host_id,
+    layout_of,
+    pack_into,
+    resolve_transport,
+    shared_buffer,
+)
 
 ModelFactory = Callable[[], nn.Module]
 
@@ -198,22 +205,49 @@ class TrainerActor(Actor):
         self._layout: WeightLayout | None = None
         self._flat: Tensor | None = None
         self._rdma: Any = None
+        self._shm: tuple[str, Tensor] | None = None
+        self._shm_mapped: set[str] = set()
 
     @endpoint
     def connect(self, peers: dict[str, Any], transport: str, timeout_s: float) -> str:
         """Hold the receivers (role → actor mesh) and pick the transport; returns the one in use."""
         self.peers = dict(peers)
-        self.transport = resolve_transport(transport)
+        hosts = [p.host.call_one().get(timeout=timeout_s) for p in self.peers.values()]
+        self.transport = resolve_transport(transport, same_host=all(h == host_id() for h in hosts))
         self.timeout_s = float(timeout_s)
         return self.transport
 
     def _packed(self) -> tuple[WeightLayout, Tensor]:
         state = self.trainer.model.state_dict()
-        if self._layout is None or self._flat is None:
+        if self._layout is None:
             self._layout = layout_of(state)
-            self._flat = torch.empty(self._layout.nbytes, dtype=torch.uint8)
-        pack_into(state, self._layout, self._flat)
-        return self._layout, self._flat
+        if self.transport == "shm":
+            if self._shm is None:
+                self._shm = shared_buffer(self._layout.nbytes)
+            flat = self._shm[1]
+        else:
+            if self._flat is None:
+                self._flat = torch.empty(self._layout.nbytes, dtype=torch.uint8)
+            flat = self._flat
+        pack_into(state, self._layout, flat)
+        return self._layout, flat
+
+    def _futures(self, version: int, layout: WeightLayout, flat: Tensor) -> list[Any]:
+        peers = self.peers.values()
+        if self.transport == "shm":
+            assert self._shm is not None
+            return [p.map_weights.call_one(version, layout, self._shm[0]) for p in peers]
+        if self.transport == "rdma":
+            source = self._rdma_buffer(flat)
+            return [p.pull_weights.call_one(version, layout, source, self.timeout_s) for p in peers]
+        return [p.load_weights.call_one(version, layout, flat) for p in peers]
+
+    def _unlink_shared(self) -> None:
+        """Every receiver has mapped the buffer: drop its name (the mappings stay valid)."""
+        if self._shm is not None and set(self.peers) <= self._shm_mapped:
+            path = self._shm[0]
+            if os.path.exists(path):
+                os.unlink(path)
 
     def _rdma_buffer(self, flat: Tensor) -> Any:
         if self._rdma is None:  # registered once; its bytes are rewritten in place every push
@@ -234,12 +268,11 @@ class TrainerActor(Actor):
         t0 = time.perf_counter()
         layout, flat = self._packed()
         version = self.trainer.version
-        if self.transport == "rdma":
-            source = self._rdma_buffer(flat)
-            futs = [p.pull_weights.call_one(version, layout, source, self.timeout_s) for p in self.peers.values()]
-        else:
-            futs = [p.load_weights.call_one(version, layout, flat) for p in self.peers.values()]
+        futs = self._futures(version, layout, flat)
         received = [int(f.get(timeout=self.timeout_s)) for f in futs]
+        if self.transport == "shm":
+            self._shm_mapped |= set(self.peers)
+            self._unlink_shared()
         return {
             "version": version,
             "bytes": layout.nbytes,

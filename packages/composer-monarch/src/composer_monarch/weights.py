@@ -8,6 +8,9 @@ straight out of the trainer's buffer and into their own parameters:
 * ``"rdma"``: the trainer registers the buffer once as a Monarch :class:`monarch.rdma.RDMABuffer`;
   each receiver ``read_into``-s its own receive buffer (ibverbs where the hardware has it, Monarch's TCP
   transport otherwise, e.g. on CPU-only machines).
+* ``"shm"``: receivers on the trainer's host map the trainer's buffer, which lives in shared memory
+  (``/dev/shm``), and copy out of it: one copy on each side, no serialisation, no socket. The file is
+  unlinked once every receiver has mapped it, so nothing is left behind.
 * ``"direct"``: the trainer sends the packed buffer in one actor-to-actor message (one tensor, no
   nested state dict) to each receiver; used where no RDMA backend exists.
 
@@ -18,13 +21,17 @@ for bit, in every dtype the model mixes.
 
 from __future__ import annotations
 
+import os
+import socket
+import tempfile
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-TRANSPORTS = ("auto", "rdma", "direct")
+TRANSPORTS = ("auto", "shm", "rdma", "direct")
 _ALIGN = 8
 
 
@@ -118,11 +125,35 @@ def rdma_backend() -> str:
     return str(get_rdma_backend())
 
 
-def resolve_transport(transport: str) -> str:
-    """'auto' → 'rdma' where Monarch has an RDMA backend, else 'direct'; checks the name."""
+def host_id() -> str:
+    """This machine's identity for the same-host check (hostname + boot id)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def shared_buffer(nbytes: int) -> tuple[str, Tensor]:
+    """A new ``uint8`` tensor of ``nbytes`` backed by a shared-memory file; returns (path, tensor)."""
+    root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    path = os.path.join(root, f"composer-weights-{uuid.uuid4().hex}.bin")
+    with open(path, "wb") as f:
+        f.truncate(nbytes)
+    return path, torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+
+
+def resolve_transport(transport: str, same_host: bool = False) -> str:
+    """'auto' → 'shm' when every receiver shares the trainer's host, else 'rdma' where Monarch has an RDMA
+    backend, else 'direct'; checks the name (and that 'shm' is possible)."""
     if transport not in TRANSPORTS:
         raise ValueError(f"weight_transport={transport!r}: use one of {list(TRANSPORTS)}")
-    if transport == "direct":
+    if transport == "shm" and not same_host:
+        raise ValueError("weight_transport='shm' needs every receiver on the trainer's host: use 'auto' or 'rdma'")
+    if transport == "auto" and same_host:
+        return "shm"
+    if transport in ("direct", "shm"):
         return transport
     available = rdma_backend() != "none"
     if transport == "rdma" and not available:
@@ -140,6 +171,7 @@ class WeightReceiver:
         self.model = model
         self.who = who
         self._recv: Tensor | None = None
+        self._shared: tuple[str, Tensor] | None = None  # the trainer's shared buffer, mapped
 
     def _buffer(self, nbytes: int) -> Tensor:
         if self._recv is None or self._recv.numel() != nbytes:
@@ -151,6 +183,15 @@ class WeightReceiver:
         recv = self._buffer(layout.nbytes)
         source.read_into(recv, timeout=max(1, int(timeout_s))).get()  # type: ignore[attr-defined]
         unpack_into(self.model, layout, recv, self.who)
+        return layout.nbytes
+
+    def map_shared(self, layout: WeightLayout, path: str) -> int:
+        """Copy the weights out of the trainer's shared-memory buffer (mapped once, reused)."""
+        if self._shared is None or self._shared[0] != path:
+            if not os.path.exists(path):
+                raise ValueError(f"{self.who}: no shared weight buffer at {path}: is it on the trainer's host?")
+            self._shared = (path, torch.from_file(path, shared=True, size=layout.nbytes, dtype=torch.uint8))
+        unpack_into(self.model, layout, self._shared[1], self.who)
         return layout.nbytes
 
     def load(self, layout: WeightLayout, flat: Tensor) -> int:
@@ -166,6 +207,8 @@ __all__ = [
     "Slot",
     "WeightLayout",
     "WeightReceiver",
+    "host_id",
+    "shared_buffer",
     "layout_of",
     "pack_into",
     "rdma_backend",
