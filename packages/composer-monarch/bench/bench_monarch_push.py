@@ -104,18 +104,24 @@ def main() -> None:
             for m in METHODS:
                 perturb(d, rep * 10 + METHODS.index(m))
                 if m != "driver-pickle":
-                    d._call("trainer", "connect", {r: d.actors[r] for r in ("generator", "teacher")}, m, 600.0)()
+                    d._call(
+                        "trainer", "connect", {r: d.actors[r] for r in ("generator", "teacher")}, m, 600.0
+                    )()
                 t0 = time.perf_counter()
                 old_push(d) if m == "driver-pickle" else d._push_weights()
                 times[m].append(time.perf_counter() - t0)
                 if args.check:
                     checksum_all(d)
                 print(f"rep {rep} {m:>13}: {times[m][-1]:.2f} s")
-        backend = d._call("trainer", "connect", {r: d.actors[r] for r in ("generator", "teacher")}, "auto", 600.0)()
+        backend = d._call(
+            "trainer", "connect", {r: d.actors[r] for r in ("generator", "teacher")}, "auto", 600.0
+        )()
     med = {m: statistics.median(v) for m, v in times.items()}
     speedup = {m: med["driver-pickle"] / med[m] for m in METHODS}
     mib = nbytes / 2**20
-    print(f"push of {params / 1e6:.0f}M params ({mib:.0f} MiB) to generator + teacher, median of {args.reps}:")
+    print(
+        f"push of {params / 1e6:.0f}M params ({mib:.0f} MiB) to generator + teacher, median of {args.reps}:"
+    )
     for m in METHODS:
         print(
             f"  {m:>13}: {med[m]:6.2f} s (spread {min(times[m]):.2f}–{max(times[m]):.2f}) "

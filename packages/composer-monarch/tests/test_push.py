@@ -63,7 +63,9 @@ def _perturbed(state: dict[str, Any], seed: int) -> dict[str, Any]:
 
 @pytest.mark.parametrize("transport", ["shm", "rdma", "direct"])
 def test_push_of_tied_mixed_dtype_model_is_bit_exact_and_the_driver_gets_a_receipt(transport: str) -> None:
-    loop = LoopConfig(steps=1, prompts_per_step=2, group_size=2, call_timeout_s=120, weight_transport=transport)
+    loop = LoopConfig(
+        steps=1, prompts_per_step=2, group_size=2, call_timeout_s=120, weight_transport=transport
+    )
     with ComposerDriver(TASK, TiedMixed(TASK.vocab_size), loss=LOSS, loop=loop) as d:
         assert d.transport == transport
         for seed in (1, 2):  # twice: the registered buffer / receive buffers are reused
@@ -110,7 +112,11 @@ def test_loop_moves_weights_and_teacher_logits_without_the_driver() -> None:
         assert all(r.metrics["sdpo/tokens"] > 0 for r in results)  # channel 2 ran on the trainer
         endpoints = {(role, ep) for role, ep, _, _ in seen}
         assert ("trainer", "push_weights") in endpoints and ("teacher", "hinted_logits") in endpoints
-        assert not endpoints & {("trainer", "weights"), ("generator", "update_weights"), ("teacher", "update_weights")}
+        assert not endpoints & {
+            ("trainer", "weights"),
+            ("generator", "update_weights"),
+            ("teacher", "update_weights"),
+        }
         weight_bytes = sum(t.numel() * t.element_size() for t in d.weights().values())
         assert weight_bytes > 50 * 1024
         for role, ep, size, kind in seen:

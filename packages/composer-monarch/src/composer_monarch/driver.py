@@ -224,7 +224,12 @@ class ComposerDriver:
                 self.actors[role] = self._slot(role).spawn(self._prefix + role, cls, *a)
             peers = {r: self.actors[r] for r in ("generator", "teacher")}
             self.transport = self._call(
-                "trainer", "connect", peers, lp.weight_transport, lp.call_timeout_s, timeout_s=lp.start_timeout_s
+                "trainer",
+                "connect",
+                peers,
+                lp.weight_transport,
+                lp.call_timeout_s,
+                timeout_s=lp.start_timeout_s,
             )()
             self._push_weights(timeout_s=lp.start_timeout_s)
             self._call("rewarder", "process_id", timeout_s=lp.start_timeout_s)()

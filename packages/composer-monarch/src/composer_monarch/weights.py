@@ -150,7 +150,9 @@ def resolve_transport(transport: str, same_host: bool = False) -> str:
     if transport not in TRANSPORTS:
         raise ValueError(f"weight_transport={transport!r}: use one of {list(TRANSPORTS)}")
     if transport == "shm" and not same_host:
-        raise ValueError("weight_transport='shm' needs every receiver on the trainer's host: use 'auto' or 'rdma'")
+        raise ValueError(
+            "weight_transport='shm' needs every receiver on the trainer's host: use 'auto' or 'rdma'"
+        )
     if transport == "auto" and same_host:
         return "shm"
     if transport in ("direct", "shm"):
@@ -189,7 +191,9 @@ class WeightReceiver:
         """Copy the weights out of the trainer's shared-memory buffer (mapped once, reused)."""
         if self._shared is None or self._shared[0] != path:
             if not os.path.exists(path):
-                raise ValueError(f"{self.who}: no shared weight buffer at {path}: is it on the trainer's host?")
+                raise ValueError(
+                    f"{self.who}: no shared weight buffer at {path}: is it on the trainer's host?"
+                )
             self._shared = (path, torch.from_file(path, shared=True, size=layout.nbytes, dtype=torch.uint8))
         unpack_into(self.model, layout, self._shared[1], self.who)
         return layout.nbytes
@@ -197,7 +201,9 @@ class WeightReceiver:
     def load(self, layout: WeightLayout, flat: Tensor) -> int:
         """Load a packed buffer sent in a message; returns its bytes."""
         if flat.dtype != torch.uint8 or flat.numel() != layout.nbytes:
-            raise ValueError(f"{self.who}: packed weights of {flat.numel()} bytes, layout says {layout.nbytes}")
+            raise ValueError(
+                f"{self.who}: packed weights of {flat.numel()} bytes, layout says {layout.nbytes}"
+            )
         unpack_into(self.model, layout, flat, self.who)
         return layout.nbytes
 
@@ -208,11 +214,11 @@ __all__ = [
     "WeightLayout",
     "WeightReceiver",
     "host_id",
-    "shared_buffer",
     "layout_of",
     "pack_into",
     "rdma_backend",
     "resolve_transport",
+    "shared_buffer",
     "unpack_into",
     "view",
 ]

@@ -470,9 +470,11 @@ class ComposerGRPOTrainer(GRPOTrainer):
         want_replay = a.beta_replay > 0 and bool(inputs.get(f"{_K}has_pair", torch.zeros(1)).any())
         # The chosen/rejected rows ride in the student's forward (one forward over [B + 2P] rows) unless
         # the MoE aux loss is on: TRL's router loss must see the policy rows only.
-        merged = _MergedPairs(inputs, logits_to_keep, self._tokenizer.pad_token_id) if (
-            want_replay and not self.aux_loss_enabled
-        ) else None
+        merged = (
+            _MergedPairs(inputs, logits_to_keep, self._tokenizer.pad_token_id)
+            if (want_replay and not self.aux_loss_enabled)
+            else None
+        )
         if merged is not None:
             input_ids, attention_mask = merged.input_ids(input_ids), merged.attention(attention_mask)
         capture = _HiddenCapture(self._base_model(model)) if want_sdpo and a.sdpo_form == "full" else None
