@@ -102,7 +102,8 @@ def main() -> None:
             old_push(d) if m == "driver-pickle" else new_push(d, m)
         for rep in range(args.reps):
             for m in METHODS:
-                perturb(d, rep * 10 + METHODS.index(m))
+                if args.check:  # new bytes each push, checked after it (slow: the weights pass the driver)
+                    perturb(d, rep * 10 + METHODS.index(m))
                 if m != "driver-pickle":
                     d._call(
                         "trainer", "connect", {r: d.actors[r] for r in ("generator", "teacher")}, m, 600.0

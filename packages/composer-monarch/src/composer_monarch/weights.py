@@ -64,7 +64,7 @@ def layout_of(state: Mapping[str, Tensor]) -> WeightLayout:
     seen: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype], int] = {}
     end = 0
     for name, t in state.items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        key = (t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(t.shape), t.stride(), t.dtype)
         nbytes = t.numel() * t.element_size()
         if key in seen and nbytes:
             offset = seen[key]
