@@ -193,8 +193,12 @@ def test_rollout_distils_only_hinted_completions(rows: tuple[int, ...]) -> None:
     batch = d.rollout(0)
     assert batch.completion_ids.shape[0] == 8
     if not rows:
-        assert batch.teacher_logits is None and batch.sdpo_rows is None
+        assert batch.teacher_logits is None and batch.sdpo_rows is None and batch.teacher_key is None
     else:
+        assert (
+            batch.teacher_logits is None and batch.teacher_key is not None
+        )  # the logits stay on the teacher
+        batch = d.with_teacher_logits(batch)
         assert (
             batch.teacher_logits is not None and batch.teacher_logits.shape[:2] == batch.completion_ids.shape
         )

@@ -86,10 +86,13 @@ def test_sequential_run_is_on_policy(driver: ComposerDriver) -> None:
 def test_train_step_on_mesh_equals_in_process_bit_exact(driver: ComposerDriver) -> None:
     state = driver.trainer_state()
     batch = driver.rollout(int(state["version"]))  # a real rollout: generator, rewarder, teacher
-    assert batch.teacher_logits is not None and batch.pairs is not None
+    # the hinted logits stay on the teacher; the mesh trainer takes them from there itself
+    assert batch.teacher_logits is None and batch.teacher_key is not None and batch.pairs is not None
+    local_batch = driver.with_teacher_logits(batch)
+    assert local_batch.teacher_logits is not None
     local = PolicyTrainer(MODEL, LOSS, TrainerConfig(num_threads=LOOP.num_threads), pad_id=TASK.pad_id)
     local.load_state(state)
-    local_metrics = local.train_step(batch)
+    local_metrics = local.train_step(local_batch)
     mesh_metrics = driver.train_step(batch)
     mesh_weights = driver.weights()
     local_weights = local.weights()

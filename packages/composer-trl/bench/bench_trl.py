@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import tempfile
 import time
@@ -80,6 +81,50 @@ def _step_time(kind: str, steps: int, tmp: str) -> float:
     return (time.perf_counter() - start) / steps
 
 
+def _extras(tmp: str, repeats: int) -> dict[str, float]:
+    """The all-channels step's extra forwards measured alone, on a real micro-batch (median seconds).
+
+    teacher_forward: the hinted teacher forward of ``_fill_sdpo`` (no grad, hinted rows only);
+    pair_forward_backward: the chosen/rejected forward with its backward, as a separate forward.
+    """
+    tr = _trainer("composer-on", 2, tmp)
+    captured: dict[str, Any] = {}
+    original = tr._compute_loss
+
+    def capture(model: Any, inputs: dict[str, Any]) -> Any:
+        captured["inputs"] = inputs
+        return original(model, inputs)
+
+    tr._compute_loss = capture
+    tr.train()
+    inp, model = captured["inputs"], tr.model
+    base = tr._base_model(model)
+    t = inp["completion_ids"].size(1)
+    hint_rows = inp["composer_has_hint"].nonzero().squeeze(-1)
+    pair_rows = inp["composer_has_pair"].nonzero().squeeze(-1)
+
+    def teacher() -> None:
+        t_ids = torch.cat([inp["composer_hint_ids"][hint_rows], inp["completion_ids"][hint_rows]], dim=1)
+        t_mask = torch.cat([inp["composer_hint_mask"][hint_rows], inp["completion_mask"][hint_rows]], dim=1)
+        with torch.no_grad():
+            base.base_model(input_ids=t_ids, attention_mask=t_mask, use_cache=False).last_hidden_state[
+                :, -t - 1 : -1
+            ]
+
+    def pairs() -> None:
+        c, r = tr._pair_logps(model, inp, inp, pair_rows)
+        (c.sum() + r.sum()).backward()
+        model.zero_grad(set_to_none=True)
+
+    times: dict[str, list[float]] = {"teacher_forward": [], "pair_forward_backward": []}
+    for _ in range(3 * repeats):
+        for name, fn in (("teacher_forward", teacher), ("pair_forward_backward", pairs)):
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def _reward(kind: str, steps: int, tmp: str) -> dict[str, float]:
     trainer = _trainer(kind, steps, tmp)
     start = time.perf_counter()
@@ -107,6 +152,14 @@ def main() -> None:
             for k in kinds:
                 times[k].append(_step_time(k, args.steps, tmp))
         med = {k: statistics.median(v) for k, v in times.items()}
+        extras = _extras(tmp, args.repeats)
+        floor = med["grpo"] + sum(extras.values())
+        breakdown = {
+            "policy (plain GRPOTrainer step)": med["grpo"],
+            "teacher forward, hinted rows (alone)": extras["teacher_forward"],
+            "pair forward + backward (alone)": extras["pair_forward_backward"],
+            "rest: JSD, hints, pairs, metrics (composer - floor)": med["composer-on"] - floor,
+        }
         result: dict[str, Any] = {
             "device": "cpu",
             "threads": args.threads,
@@ -116,6 +169,40 @@ def main() -> None:
             "ratio_channels_off_vs_grpo": med["composer-off"] / med["grpo"],
             "ratio_channels_on_vs_grpo": med["composer-on"] / med["grpo"],
             "target_channels_off": 1.05,
+            "floor_seconds": floor,
+            "extras_alone_seconds": extras,
+            "breakdown_seconds": breakdown,
+            "ratio_channels_on_vs_floor": med["composer-on"] / floor,
+            "target_channels_on_vs_floor": 1.15,
+            "machine": {
+                "platform": platform.platform(),
+                "cpu_count": os.cpu_count(),
+                "threads": args.threads,
+                "load_average_at_end": os.getloadavg(),
+                "torch": torch.__version__,
+                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            },
+            "readme": {
+                "title": f"ComposerGRPOTrainer step vs plain GRPOTrainer and the floor ({args.repeats} interleaved "
+                f"runs x {args.steps} steps, median)",
+                "columns": ["trainer", "median s/step", "min", "max", "vs GRPO", "vs floor"],
+                "rows": [
+                    [
+                        name,
+                        round(value, 4),
+                        round(min(times[k]), 4) if k else "",
+                        round(max(times[k]), 4) if k else "",
+                        round(value / med["grpo"], 3),
+                        round(value / floor, 3),
+                    ]
+                    for name, k, value in (
+                        ("GRPOTrainer (TRL)", "grpo", med["grpo"]),
+                        ("floor: GRPO + extra forwards alone", "", floor),
+                        ("ComposerGRPOTrainer, channels off", "composer-off", med["composer-off"]),
+                        ("ComposerGRPOTrainer, 3 channels", "composer-on", med["composer-on"]),
+                    )
+                ],
+            },
         }
         if args.reward_steps > 0:
             result["reward_steps"] = args.reward_steps
@@ -133,6 +220,11 @@ def main() -> None:
     }
     for k in kinds:
         print(f"{labels[k]:<34}{med[k]:>14.4f}{med[k] / med['grpo']:>9.3f}x")
+    print(f"{'floor (GRPO + extra forwards alone)':<34}{floor:>14.4f}{floor / med['grpo']:>9.3f}x")
+    print("breakdown of the 3-channel step (s):")
+    for name, value in breakdown.items():
+        print(f"  {name:<52}{value:>8.4f}")
+    print(f"3 channels / floor = {result['ratio_channels_on_vs_floor']:.3f}x (target <= 1.15x)")
     ok = result["ratio_channels_off_vs_grpo"] <= 1.05
     print(f"channels-off overhead target <= 1.05x: {'met' if ok else 'NOT met'}")
     if "reward" in result:

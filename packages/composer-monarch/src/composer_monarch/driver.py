@@ -39,6 +39,7 @@ from composer_monarch.rollout import Rollout, TrainBatch, assemble_batch
 from composer_monarch.task import Task
 from composer_monarch.teacher import ReplayRecord, TeacherActor
 from composer_monarch.trainer import TrainerActor, TrainerConfig
+from composer_monarch.weights import TRANSPORTS
 
 ROLES = ("trainer", "generator", "rewarder", "teacher")
 Placement = int | tuple[int, int]
@@ -54,7 +55,10 @@ class LoopConfig:
     generator, rewarder and teacher share the last proc. call_timeout_s: every call to an actor must be
     answered within it of being sent, once the loop runs (in overlap mode the train_step too, while the
     next rollout runs); seed: sampling seed (step k samples with seed·1_000_003 + k);
-    num_threads: torch threads in each actor process (None: torch's default); start_timeout_s bounds spawning (processes import torch and build the
+    num_threads: torch threads in each actor process (None: torch's default); weight_transport: how the
+    trainer sends weights to the generator and teacher, never through the driver: "rdma" (Monarch's
+    RDMABuffer; ibverbs or Monarch's TCP transport), "direct" (one packed buffer per message), "auto"
+    (rdma where Monarch has a backend); start_timeout_s bounds spawning (processes import torch and build the
     models); stop_timeout_s bounds stopping the mesh. advantage_scale: "group" | "batch" | "none"
     (composer_core.group_advantages).
     """
@@ -71,6 +75,7 @@ class LoopConfig:
     advantage_scale: str = "group"
     seed: int = 0
     num_threads: int | None = 1
+    weight_transport: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "group_size", "procs"):
@@ -80,6 +85,10 @@ class LoopConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"LoopConfig.{name}={value}: must be a positive number of seconds")
+        if self.weight_transport not in TRANSPORTS:
+            raise ValueError(
+                f"LoopConfig.weight_transport={self.weight_transport!r}: use one of {list(TRANSPORTS)}"
+            )
         if self.advantage_scale not in ("group", "batch", "none"):
             raise ValueError(
                 f"LoopConfig.advantage_scale={self.advantage_scale!r}: use 'group', 'batch' or 'none'"
@@ -101,7 +110,8 @@ class StepResult:
 
     ``extra``: weights_version (after the push), pairs (channel-3 pairs in the batch), and the
     step's phases in seconds: train_wait_s (send → train_step answered; with overlap this includes
-    the next rollout), push_s (weights trainer → generator, teacher), rollout_s (sequential only:
+    the next rollout), push_s (weights trainer → generator, teacher, as the driver waits for it),
+    push_bytes and push_transport (the trainer's receipt), rollout_s (sequential only:
     sampling, scoring and teacher calls of the next step).
     """
 
@@ -157,6 +167,8 @@ class ComposerDriver:
         self._failures: list[ProcessFailure] = []
         self._in_flight: list[Call] = []
         self._prefix = f"composer_{uuid.uuid4().hex[:8]}_"
+        self.transport = ""
+        self.last_push: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> ComposerDriver:
@@ -210,6 +222,15 @@ class ComposerDriver:
             }
             for role, (cls, a) in args.items():
                 self.actors[role] = self._slot(role).spawn(self._prefix + role, cls, *a)
+            peers = {r: self.actors[r] for r in ("generator", "teacher")}
+            self.transport = self._call(
+                "trainer",
+                "connect",
+                peers,
+                lp.weight_transport,
+                lp.call_timeout_s,
+                timeout_s=lp.start_timeout_s,
+            )()
             self._push_weights(timeout_s=lp.start_timeout_s)
             self._call("rewarder", "process_id", timeout_s=lp.start_timeout_s)()
         except BaseException:
@@ -281,14 +302,9 @@ class ComposerDriver:
             raise
 
     def _push_weights(self, timeout_s: float | None = None) -> int:
-        version, state = self._call("trainer", "weights", timeout_s=timeout_s)()
-        done = [
-            self._call(r, "update_weights", version, state, timeout_s=timeout_s)
-            for r in ("generator", "teacher")
-        ]
-        for d in done:
-            d()
-        return int(version)
+        """The trainer sends its weights to the generator and teacher itself; the driver gets a receipt."""
+        self.last_push = dict(self._call("trainer", "push_weights", timeout_s=timeout_s)())
+        return int(self.last_push["version"])
 
     # ------------------------------------------------------------------ the loop
     def rollout(self, step: int) -> TrainBatch:
@@ -302,26 +318,37 @@ class ComposerDriver:
         with self._abandoned_on_error():
             ro: Rollout = self._call("generator", "generate", step, prompts, lp.group_size)()
             rewards: Tensor = self._call("rewarder", "score", ro)()
-            teacher_logits = None
-            pending_logits = None
+            teacher_key: str | None = None
+            pending = None
             sdpo_rows = None
             if self.use_teacher_logits:
                 hinted, sdpo_rows = self.task.hinted_prompts(
                     ro.prompt_ids, ro.completion_ids, ro.completion_mask
                 )
                 if bool(sdpo_rows.any()):  # no hinted completion: channel 2 is skipped this step
-                    pending_logits = self._call("teacher", "hinted_logits", hinted, ro.completion_ids)
+                    teacher_key = f"{step}-{uuid.uuid4().hex[:8]}"  # the logits stay on the teacher
+                    pending = self._call("teacher", "hinted_logits", hinted, ro.completion_ids, teacher_key)
             pairs = self._call("teacher", "preference_pairs", ro, rewards)() if self.use_pairs else None
-            if pending_logits is not None:
-                teacher_logits = pending_logits()
+            if pending is not None:
+                pending()  # their shape: the trainer takes the logits from the teacher
         return assemble_batch(
             ro,
             rewards,
             advantage_scale=lp.advantage_scale,
-            teacher_logits=teacher_logits,
-            sdpo_rows=sdpo_rows if teacher_logits is not None else None,
+            teacher_key=teacher_key,
+            sdpo_rows=sdpo_rows if teacher_key is not None else None,
             pairs=pairs,
         )
+
+    def with_teacher_logits(self, batch: TrainBatch) -> TrainBatch:
+        """``batch`` with the teacher's hinted logits fetched into it (kept on the teacher too).
+
+        For replaying a batch in-process (tests, debugging); the loop never calls it: its logits go
+        teacher → trainer.
+        """
+        if batch.teacher_logits is not None or batch.teacher_key is None:
+            return batch
+        return replace(batch, teacher_logits=self._call("teacher", "peek_logits", batch.teacher_key)())
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimiser step of the trainer actor on ``batch`` (no weight push)."""
@@ -365,6 +392,8 @@ class ComposerDriver:
                     timing = {
                         "train_wait_s": t1 - t0,
                         "push_s": t2 - t1,
+                        "push_bytes": self.last_push.get("bytes", 0),
+                        "push_transport": self.last_push.get("transport", ""),
                         "rollout_s": time.perf_counter() - t2,
                     }
                     results.append(

@@ -11,6 +11,7 @@ from monarch.actor import Actor, endpoint
 from torch import Tensor, nn
 
 from composer_monarch.rollout import Rollout, sample
+from composer_monarch.weights import WeightLayout, WeightReceiver, host_id
 
 
 @dataclass(frozen=True)
@@ -48,12 +49,45 @@ class GeneratorActor(Actor):
         self.config = config
         self.model = model_fn().eval().requires_grad_(False)
         self.version = 0
+        self.receiver = WeightReceiver(self.model, "generator")
 
     @endpoint
     def update_weights(self, version: int, state: dict[str, Tensor]) -> int:
+        """Load a state dict (in-process use and the bench's baseline; the loop uses pull/load_weights)."""
         load_weights(self.model, state, "generator")
         self.version = version
         return version
+
+    @endpoint
+    def pull_weights(self, version: int, layout: WeightLayout, source: object, timeout_s: float) -> int:
+        """Read the trainer's packed weights from its RDMA buffer ``source``; returns the bytes read."""
+        n = self.receiver.pull(layout, source, timeout_s)
+        self.version = version
+        return n
+
+    @endpoint
+    def map_weights(self, version: int, layout: WeightLayout, path: str) -> int:
+        """Copy the trainer's packed weights out of its shared-memory buffer at ``path`` (same host)."""
+        n = self.receiver.map_shared(layout, path)
+        self.version = version
+        return n
+
+    @endpoint
+    def host(self) -> str:
+        """This process's host identity (the trainer's same-host check for the shm transport)."""
+        return host_id()
+
+    @endpoint
+    def load_weights(self, version: int, layout: WeightLayout, flat: Tensor) -> int:
+        """Load packed weights sent by the trainer in one message; returns the bytes."""
+        n = self.receiver.load(layout, flat)
+        self.version = version
+        return n
+
+    @endpoint
+    def weights(self) -> tuple[int, dict[str, Tensor]]:
+        """(version, a copy of the state dict): for tests and checks, not for the loop."""
+        return self.version, {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     @endpoint
     def generate(self, step: int, prompt_ids: Tensor, group_size: int) -> Rollout:

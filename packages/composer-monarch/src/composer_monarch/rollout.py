@@ -60,7 +60,9 @@ class TrainBatch:
     (the sampler's log-probabilities; they are the ``old_logprobs`` of the clipped ratio, so a batch
     sampled by older weights, as with overlap, is corrected by importance ratios).
     Channel 2: teacher_logits [B, T, V] — the hinted-context teacher at the completion positions;
-    sdpo_rows [B] bool — the completions that have a hint and are distilled (None: all of them).
+    sdpo_rows [B] bool — the completions that have a hint and are distilled (None: all of them);
+    teacher_key — on the mesh the logits stay on the teacher actor under this key and the trainer takes
+    them from there (teacher_logits is None until then), so they never pass through the driver.
     Channel 3: pairs — replayed teacher actions that beat the student's.
     """
 
@@ -75,6 +77,7 @@ class TrainBatch:
     teacher_logits: Tensor | None = None
     pairs: PreferencePairs | None = None
     sdpo_rows: Tensor | None = None
+    teacher_key: str | None = None
 
 
 @torch.no_grad()
@@ -138,6 +141,7 @@ def assemble_batch(
     teacher_logits: Tensor | None = None,
     pairs: PreferencePairs | None = None,
     sdpo_rows: Tensor | None = None,
+    teacher_key: str | None = None,
 ) -> TrainBatch:
     """The trainer's batch from a scored rollout: GRPO group advantages (composer_core) + annotations.
 
@@ -151,7 +155,8 @@ def assemble_batch(
             f"rewards has shape {tuple(rewards.shape)}; expected one reward per completion "
             f"({rollout.prompt_ids.shape[0]},)"
         )
-    if sdpo_rows is not None and (teacher_logits is None or sdpo_rows.shape != rewards.shape):
+    has_teacher = teacher_logits is not None or teacher_key is not None
+    if sdpo_rows is not None and (not has_teacher or sdpo_rows.shape != rewards.shape):
         raise ValueError(
             f"sdpo_rows (shape {tuple(sdpo_rows.shape)}) needs teacher_logits and one flag per completion "
             f"({rewards.shape[0]},)"
@@ -169,4 +174,5 @@ def assemble_batch(
         teacher_logits=teacher_logits,
         pairs=pairs,
         sdpo_rows=None if sdpo_rows is None else sdpo_rows.bool(),
+        teacher_key=teacher_key,
     )

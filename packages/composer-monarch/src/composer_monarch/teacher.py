@@ -12,6 +12,7 @@ such action becomes ``chosen`` and the student's completion ``rejected``.
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -22,6 +23,10 @@ from torch import Tensor, nn
 from composer_monarch.generator import load_weights
 from composer_monarch.model import completion_logits
 from composer_monarch.rollout import PreferencePairs, Rollout, pad_right
+from composer_monarch.weights import WeightLayout, WeightReceiver, host_id
+
+STASHED = 8
+"""Hinted logits kept for the trainer to take (oldest dropped first): batches rolled out, not trained."""
 
 
 @dataclass(frozen=True)
@@ -85,16 +90,83 @@ class TeacherActor(Actor):
         self.replay = index_replay(replay) if replay else {}
         self.pad_id = pad_id
         self.version = 0
+        self.receiver = WeightReceiver(self.model, "teacher")
+        self.stash: OrderedDict[str, Tensor] = OrderedDict()
 
     @endpoint
     def update_weights(self, version: int, state: dict[str, Tensor]) -> int:
+        """Load a state dict (in-process use and the bench's baseline; the loop uses pull/load_weights)."""
         load_weights(self.model, state, "teacher")
         self.version = version
         return version
 
     @endpoint
-    def hinted_logits(self, hinted_prompt_ids: Tensor, completion_ids: Tensor) -> Tensor:
-        """Teacher logits [B, T, V] at the completion positions, given the hinted context."""
+    def pull_weights(self, version: int, layout: WeightLayout, source: object, timeout_s: float) -> int:
+        """Read the trainer's packed weights from its RDMA buffer ``source``; returns the bytes read."""
+        n = self.receiver.pull(layout, source, timeout_s)
+        self.version = version
+        return n
+
+    @endpoint
+    def map_weights(self, version: int, layout: WeightLayout, path: str) -> int:
+        """Copy the trainer's packed weights out of its shared-memory buffer at ``path`` (same host)."""
+        n = self.receiver.map_shared(layout, path)
+        self.version = version
+        return n
+
+    @endpoint
+    def host(self) -> str:
+        """This process's host identity (the trainer's same-host check for the shm transport)."""
+        return host_id()
+
+    @endpoint
+    def load_weights(self, version: int, layout: WeightLayout, flat: Tensor) -> int:
+        """Load packed weights sent by the trainer in one message; returns the bytes."""
+        n = self.receiver.load(layout, flat)
+        self.version = version
+        return n
+
+    @endpoint
+    def weights(self) -> tuple[int, dict[str, Tensor]]:
+        """(version, a copy of the state dict): for tests and checks, not for the loop."""
+        return self.version, {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    @endpoint
+    def hinted_logits(
+        self, hinted_prompt_ids: Tensor, completion_ids: Tensor, key: str | None = None
+    ) -> Tensor | tuple[int, ...]:
+        """Teacher logits [B, T, V] at the completion positions, given the hinted context.
+
+        With ``key`` the logits stay here for the trainer to :meth:`take_logits` (the loop's path: they
+        go teacher → trainer, not through the driver) and the answer is their shape.
+        """
+        logits = self._hinted_logits(hinted_prompt_ids, completion_ids)
+        if key is None:
+            return logits
+        self.stash[key] = logits
+        while len(self.stash) > STASHED:
+            self.stash.popitem(last=False)
+        return tuple(logits.shape)
+
+    @endpoint
+    def take_logits(self, key: str) -> Tensor:
+        """The stashed logits of ``key`` (removed here): the trainer's call."""
+        return self._stashed(key, keep=False)
+
+    @endpoint
+    def peek_logits(self, key: str) -> Tensor:
+        """The stashed logits of ``key`` (kept): for tests that replay a batch in-process."""
+        return self._stashed(key, keep=True)
+
+    def _stashed(self, key: str, *, keep: bool) -> Tensor:
+        if key not in self.stash:
+            raise KeyError(
+                f"teacher: no hinted logits under {key!r} (taken already, or dropped after {STASHED} newer "
+                "batches): train each rolled-out batch once, soon after its rollout"
+            )
+        return self.stash[key] if keep else self.stash.pop(key)
+
+    def _hinted_logits(self, hinted_prompt_ids: Tensor, completion_ids: Tensor) -> Tensor:
         if hinted_prompt_ids.shape[0] != completion_ids.shape[0]:
             raise ValueError(
                 f"hinted_prompt_ids has {hinted_prompt_ids.shape[0]} rows, completion_ids "

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -21,6 +22,14 @@ from torch import Tensor, nn
 from composer_monarch.forge_loss import ComposerLoss
 from composer_monarch.model import forward_logits, token_logprobs
 from composer_monarch.rollout import TrainBatch
+from composer_monarch.weights import (
+    WeightLayout,
+    host_id,
+    layout_of,
+    pack_into,
+    resolve_transport,
+    shared_buffer,
+)
 
 ModelFactory = Callable[[], nn.Module]
 
@@ -183,20 +192,115 @@ class PolicyTrainer:
 
 
 class TrainerActor(Actor):
-    """A :class:`PolicyTrainer` on a Monarch proc mesh (TorchForge's ``TitanTrainer`` role)."""
+    """A :class:`PolicyTrainer` on a Monarch proc mesh (TorchForge's ``TitanTrainer`` role).
+
+    After :meth:`connect` it holds the generator and teacher actors: :meth:`push_weights` sends them the
+    weights itself (packed, over RDMA or one direct message; see :mod:`composer_monarch.weights`) and
+    ``train_step`` takes the teacher's hinted logits from the teacher (``TrainBatch.teacher_key``).
+    """
 
     def __init__(
         self, model_fn: ModelFactory, loss: ComposerLoss, config: TrainerConfig, pad_id: int
     ) -> None:
         self.trainer = PolicyTrainer(model_fn, loss, config, pad_id=pad_id)
+        self.peers: dict[str, Any] = {}
+        self.transport = "direct"
+        self.timeout_s = 300.0
+        self._layout: WeightLayout | None = None
+        self._flat: Tensor | None = None
+        self._rdma: Any = None
+        self._shm: tuple[str, Tensor] | None = None
+        self._shm_mapped: set[str] = set()
+
+    @endpoint
+    def connect(self, peers: dict[str, Any], transport: str, timeout_s: float) -> str:
+        """Hold the receivers (role → actor mesh) and pick the transport; returns the one in use."""
+        self.peers = dict(peers)
+        hosts = [p.host.call_one().get(timeout=timeout_s) for p in self.peers.values()]
+        self.transport = resolve_transport(transport, same_host=all(h == host_id() for h in hosts))
+        self.timeout_s = float(timeout_s)
+        return self.transport
+
+    def _packed(self) -> tuple[WeightLayout, Tensor]:
+        state = self.trainer.model.state_dict()
+        if self._layout is None:
+            self._layout = layout_of(state)
+        if self.transport == "shm":
+            if self._shm is None:
+                self._shm = shared_buffer(self._layout.nbytes)
+            flat = self._shm[1]
+        else:
+            if self._flat is None:
+                self._flat = torch.empty(self._layout.nbytes, dtype=torch.uint8)
+            flat = self._flat
+        pack_into(state, self._layout, flat)
+        return self._layout, flat
+
+    def _futures(self, version: int, layout: WeightLayout, flat: Tensor) -> list[Any]:
+        peers = self.peers.values()
+        if self.transport == "shm":
+            assert self._shm is not None
+            return [p.map_weights.call_one(version, layout, self._shm[0]) for p in peers]
+        if self.transport == "rdma":
+            source = self._rdma_buffer(flat)
+            return [p.pull_weights.call_one(version, layout, source, self.timeout_s) for p in peers]
+        return [p.load_weights.call_one(version, layout, flat) for p in peers]
+
+    def _unlink_shared(self) -> None:
+        """Every receiver has mapped the buffer: drop its name (the mappings stay valid)."""
+        if self._shm is not None and set(self.peers) <= self._shm_mapped:
+            path = self._shm[0]
+            if os.path.exists(path):
+                os.unlink(path)
+
+    def _rdma_buffer(self, flat: Tensor) -> Any:
+        if self._rdma is None:  # registered once; its bytes are rewritten in place every push
+            import warnings
+
+            from monarch.rdma import RDMABuffer
+
+            with warnings.catch_warnings():  # the TCP transport warns once per process; we report it
+                warnings.simplefilter("ignore")
+                self._rdma = RDMABuffer(flat)
+        return self._rdma
+
+    @endpoint
+    def push_weights(self) -> dict[str, Any]:
+        """Send the current weights to every connected receiver; returns a receipt (no weights)."""
+        if not self.peers:
+            raise RuntimeError("TrainerActor.push_weights: connect(peers, ...) first")
+        t0 = time.perf_counter()
+        layout, flat = self._packed()
+        version = self.trainer.version
+        futs = self._futures(version, layout, flat)
+        received = [int(f.get(timeout=self.timeout_s)) for f in futs]
+        if self.transport == "shm":
+            self._shm_mapped |= set(self.peers)
+            self._unlink_shared()
+        return {
+            "version": version,
+            "bytes": layout.nbytes,
+            "received": received,
+            "transport": self.transport,
+            "seconds": time.perf_counter() - t0,
+        }
+
+    def _with_teacher_logits(self, batch: TrainBatch) -> TrainBatch:
+        if batch.teacher_logits is not None or batch.teacher_key is None:
+            return batch
+        teacher = self.peers.get("teacher")
+        if teacher is None:
+            raise RuntimeError("the batch's teacher logits live on the teacher: connect the teacher first")
+        logits = teacher.take_logits.call_one(batch.teacher_key).get(timeout=self.timeout_s)
+        return replace(batch, teacher_logits=logits)
 
     @endpoint
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        return self.trainer.train_step(batch)
+        return self.trainer.train_step(self._with_teacher_logits(batch))
 
     @endpoint
     def weights(self) -> tuple[int, dict[str, Tensor]]:
-        """(version, state dict): the weights the generator and teacher load next."""
+        """(version, state dict): a copy for the user (``ComposerDriver.weights``); pushes do not use it."""
         return self.trainer.version, self.trainer.weights()
 
     @endpoint

@@ -146,6 +146,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
         self._taid_pending: float | None = None
         self._replay_ref_model: torch.nn.Module | None = None
         self._replay_ref_source = "none"
+        self._pair_token_cache: dict[str, list[int]] = {}  # text action → token ids (datasets repeat them)
         self._check_channel_inputs()
         self._check_head()
         if self.args.sdpo_wrapper == "taid":
@@ -327,9 +328,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
     def _pair_ids(self, value: Any, mask: Any, name: str) -> tuple[list[int], list[int]]:
         limit = self.args.max_replay_length or self.args.max_completion_length
         if isinstance(value, str):
-            ids = self._tokenizer(text=value, add_special_tokens=False)["input_ids"]
-            if self.args.replay_append_eos and self._tokenizer.eos_token_id is not None:
-                ids = [*ids, self._tokenizer.eos_token_id]
+            ids = self._text_ids(value)
             m = [1] * len(ids)
         elif isinstance(value, list) and value and isinstance(value[0], dict):
             return self._pair_ids(_assistant_text(value, name), mask, name)
@@ -352,6 +351,18 @@ class ComposerGRPOTrainer(GRPOTrainer):
                 f"`{name}` has no scored token (empty or fully masked); fix the row or drop the pair."
             )
         return ids, m
+
+    def _text_ids(self, text: str) -> list[int]:
+        """Token ids of a text action (+ EOS per ``replay_append_eos``), tokenised once per distinct text."""
+        ids = self._pair_token_cache.get(text)
+        if ids is None:
+            ids = list(self._tokenizer(text=text, add_special_tokens=False)["input_ids"])
+            if self.args.replay_append_eos and self._tokenizer.eos_token_id is not None:
+                ids.append(self._tokenizer.eos_token_id)
+            if len(self._pair_token_cache) >= 100_000:
+                self._pair_token_cache.clear()
+            self._pair_token_cache[text] = ids
+        return list(ids)
 
     def _build_pairs(self, inputs: list[dict[str, Any]], output: dict[str, Any], mode: str) -> dict[str, Any]:
         device = self.accelerator.device
@@ -457,16 +468,31 @@ class ComposerGRPOTrainer(GRPOTrainer):
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
 
         want_sdpo = a.alpha_sdpo > 0 and bool(inputs.get(f"{_K}has_hint", torch.zeros(1)).any())
+        want_replay = a.beta_replay > 0 and bool(inputs.get(f"{_K}has_pair", torch.zeros(1)).any())
+        # The chosen/rejected rows ride in the student's forward (one forward over [B + 2P] rows) unless
+        # the MoE aux loss is on: TRL's router loss must see the policy rows only.
+        merged = (
+            _MergedPairs(inputs, logits_to_keep, self._tokenizer.pad_token_id)
+            if (want_replay and not self.aux_loss_enabled)
+            else None
+        )
+        if merged is not None:
+            input_ids, attention_mask = merged.input_ids(input_ids), merged.attention(attention_mask)
         capture = _HiddenCapture(self._base_model(model)) if want_sdpo and a.sdpo_form == "full" else None
         with capture if capture is not None else nullcontext():
             per_token_logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
                 model,
                 input_ids,
                 attention_mask,
-                logits_to_keep,
+                merged.width if merged is not None else logits_to_keep,
                 compute_entropy=True,
                 compute_aux_loss=self.aux_loss_enabled,
             )
+        if merged is not None:
+            pair_logps = per_token_logps
+            per_token_logps, entropies = merged.policy(per_token_logps), merged.policy(entropies)
+            if capture is not None and capture.hidden is not None:
+                capture.hidden = merged.policy_hidden(capture.hidden)
 
         batch = ComposerBatch(
             logprobs=per_token_logps,
@@ -477,8 +503,8 @@ class ComposerGRPOTrainer(GRPOTrainer):
         )
         if want_sdpo:
             self._fill_sdpo(batch, model, inputs, mask, capture, logits_to_keep)
-        if a.beta_replay > 0 and bool(inputs.get(f"{_K}has_pair", torch.zeros(1)).any()):
-            self._fill_replay(batch, model, inputs)
+        if want_replay:
+            self._fill_replay(batch, model, inputs, None if merged is None else merged.pair_sums(pair_logps))
         training = mode == "train"
         counts = Counts(
             num_items=inputs["num_items_in_batch"],
@@ -541,9 +567,16 @@ class ComposerGRPOTrainer(GRPOTrainer):
         batch.lm_head_weight = head.weight
         batch.lm_head_bias = head.bias
 
-    def _fill_replay(self, batch: ComposerBatch, model: Any, inputs: dict[str, Any]) -> None:
+    def _fill_replay(
+        self,
+        batch: ComposerBatch,
+        model: Any,
+        inputs: dict[str, Any],
+        sums: tuple[Tensor, Tensor] | None = None,
+    ) -> None:
+        """Channel-3 inputs; ``sums``: the pairs' summed log-probs when the student's forward computed them."""
         rows = inputs[f"{_K}has_pair"].nonzero().squeeze(-1)
-        chosen, rejected = self._pair_logps(model, inputs, inputs, rows)
+        chosen, rejected = sums if sums is not None else self._pair_logps(model, inputs, inputs, rows)
         batch.chosen_logps, batch.rejected_logps = chosen, rejected
         batch.chosen_lengths = inputs[f"{_K}chosen_mask"][rows].sum(-1)
         batch.rejected_lengths = inputs[f"{_K}rejected_mask"][rows].sum(-1)
@@ -656,6 +689,55 @@ class _TAIDCallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         self.trainer._taid_step()
         return control
+
+
+class _MergedPairs:
+    """The chosen/rejected rows of a micro-batch appended to the student's rows, for one forward.
+
+    Rows: the B policy rows (prompt ⊕ completion), then P chosen and P rejected rows (prompt ⊕ action), all
+    right-padded to one width W = max(T, pair width) with attention 0 after each row's end, so (causal
+    attention) every real position sees exactly what it saw in separate forwards. ``policy`` slices the B
+    policy rows' first T positions back out; ``pair_sums`` gives the pairs' summed log-probs, as
+    ``ComposerGRPOTrainer._pair_logps`` computes them.
+    """
+
+    def __init__(self, inputs: dict[str, Any], t: int, pad_id: int) -> None:
+        rows = inputs[f"{_K}has_pair"].nonzero().squeeze(-1)
+        self.b, self.t, self.n, self.pad_id = inputs["completion_ids"].size(0), t, rows.numel(), pad_id
+        self.prompt_ids, self.prompt_mask = inputs["prompt_ids"][rows], inputs["prompt_mask"][rows]
+        self.pair_ids = torch.cat([inputs[f"{_K}chosen_ids"][rows], inputs[f"{_K}rejected_ids"][rows]])
+        self.pair_attn = torch.cat([inputs[f"{_K}chosen_attn"][rows], inputs[f"{_K}rejected_attn"][rows]])
+        self.pair_mask = torch.cat([inputs[f"{_K}chosen_mask"][rows], inputs[f"{_K}rejected_mask"][rows]])
+        self.width = max(t, self.pair_ids.size(1))
+
+    @staticmethod
+    def _pad(x: Tensor, extra: int, fill: int) -> Tensor:
+        return x if extra == 0 else torch.cat([x, x.new_full((x.size(0), extra), fill)], dim=1)
+
+    def _rows(self, policy: Tensor, prompt: Tensor, pair: Tensor, fill: int) -> Tensor:
+        pairs = torch.cat([torch.cat([prompt, prompt]), self._pad(pair, self.width - pair.size(1), fill)], 1)
+        return torch.cat([self._pad(policy, self.width - self.t, fill), pairs])
+
+    def input_ids(self, policy_ids: Tensor) -> Tensor:
+        """[B + 2P, prompt + W]: policy rows (prompt ⊕ completion) then chosen and rejected rows."""
+        return self._rows(policy_ids, self.prompt_ids, self.pair_ids, self.pad_id)
+
+    def attention(self, policy_mask: Tensor) -> Tensor:
+        return self._rows(policy_mask, self.prompt_mask, self.pair_attn, 0)
+
+    def policy(self, x: Tensor | None) -> Tensor:
+        assert x is not None
+        return x[: self.b, : self.t]
+
+    def policy_hidden(self, hidden: Tensor) -> Tensor:
+        """Hidden states [B, P + T, H] of the policy rows (what a forward of those rows alone returns)."""
+        end = hidden.size(1) - (self.width - self.t)
+        return hidden[: self.b, :end]
+
+    def pair_sums(self, logps: Tensor) -> tuple[Tensor, Tensor]:
+        pair = logps[self.b :, : self.pair_ids.size(1)]
+        summed = (pair * self.pair_mask).sum(-1)
+        return summed[: self.n], summed[self.n :]
 
 
 class _HiddenCapture:
