@@ -26,7 +26,10 @@ from composer_core.bypass.shard import name_owner
 
 SECTIONS: dict[str, Any] = {
     "student": {
-        "overrides": [{"intermediate_size": 8, "num_key_value_heads": 2}, {"blocks": [3], "attention_no_op": True}]
+        "overrides": [
+            {"intermediate_size": 8, "num_key_value_heads": 2},
+            {"blocks": [3], "attention_no_op": True},
+        ]
     },
     "training": {"steps": 6, "micro_batch_size": 4, "lr": 3e-3, "warmup_steps": 1, "grad_accum": 2},
 }
@@ -34,7 +37,9 @@ SECTIONS: dict[str, Any] = {
 
 def _non_block_bytes(model: Any) -> int:
     prefixes = tuple(model.block_prefix(i) for i in range(model.num_blocks))
-    return sum(p.numel() * p.element_size() for n, p in model.module.named_parameters() if not n.startswith(prefixes))
+    return sum(
+        p.numel() * p.element_size() for n, p in model.module.named_parameters() if not n.startswith(prefixes)
+    )
 
 
 def test_rank_reads_and_materialises_only_what_it_owns(
@@ -77,7 +82,9 @@ def test_rank_reads_and_materialises_only_what_it_owns(
             got = materialised_bytes(model.module)
             assert got <= whole_blocks / k + overhead, (k, r, got, whole_blocks / k + overhead)
             assert got >= sum(
-                p.numel() * 4 for n, p in teacher.named_parameters() if n.startswith(tuple(f"layers.{i}." for i in own.blocks))
+                p.numel() * 4
+                for n, p in teacher.named_parameters()
+                if n.startswith(tuple(f"layers.{i}." for i in own.blocks))
             )
             for i in range(4):
                 assert any(p.is_meta for p in model.block(i).parameters()) == (i not in own.blocks)
@@ -97,7 +104,9 @@ def _toml(v: Any) -> str:
     return json.dumps(v)
 
 
-def _write_run(root: Path, name: str, teacher: Path, tokens: Path, sections: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
+def _write_run(
+    root: Path, name: str, teacher: Path, tokens: Path, sections: dict[str, Any]
+) -> tuple[Path, dict[str, Any]]:
     tables = {
         **sections,
         "run": {"output_dir": str(root / name), "save_every": 2},
@@ -105,19 +114,30 @@ def _write_run(root: Path, name: str, teacher: Path, tokens: Path, sections: dic
         "data": {"path": str(tokens)},
         "output": {"plot": False},
     }
-    text = "\n".join(f"[{t}]\n" + "\n".join(f"{k} = {_toml(v)}" for k, v in b.items()) for t, b in tables.items())
+    text = "\n".join(
+        f"[{t}]\n" + "\n".join(f"{k} = {_toml(v)}" for k, v in b.items()) for t, b in tables.items()
+    )
     path = root / f"{name}.toml"
     path.write_text(text + "\n")
     return path, {k: tables[k] for k in ("student", "training", "run")}
 
 
-def _launch(args: list[str], world: int, extra_env: dict[str, str] | None = None) -> list[tuple[int, str, str]]:
+def _launch(
+    args: list[str], world: int, extra_env: dict[str, str] | None = None
+) -> list[tuple[int, str, str]]:
     port = str(_free_port())
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra_env or {})}
     procs = [
         subprocess.Popen(
             [sys.executable, *args],
-            env={**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(world), "RANK": str(r), "LOCAL_RANK": str(r)},
+            env={
+                **env,
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+                "WORLD_SIZE": str(world),
+                "RANK": str(r),
+                "LOCAL_RANK": str(r),
+            },
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -162,7 +182,10 @@ def test_one_two_four_ranks_train_bit_identical_blocks(S: Any, runs: dict[str, A
         history = json.loads((exps[k] / "history.json").read_text())["history"]
         assert history == runs["one"].history
     final4 = exps[4] / "final"
-    assert sorted(p.name for p in final4.glob("shared*")) == ["shared-rank-0003.safetensors", "shared.safetensors"]
+    assert sorted(p.name for p in final4.glob("shared*")) == [
+        "shared-rank-0003.safetensors",
+        "shared.safetensors",
+    ]
     marker = json.loads((final4 / "COMPLETE").read_text())["sha256"]
     assert {f"blocks/block-{i:04d}.safetensors" for i in range(4)} <= set(marker)
     assert {f"rng/rank-{r:04d}.pt" for r in range(4)} <= set(marker)
@@ -196,14 +219,21 @@ def test_checkpoint_of_four_ranks_resumes_on_two_and_one_and_reverse(S: Any, run
     for written, resumed in cases:
         out = root / f"resume-{written}-{resumed}"
         exp = _resumable_copy(exps[written], out / exps[written].name)
-        toml, cfg = _write_run(root, f"resume-{written}-{resumed}", root / "teacher", runs["tokens"], SECTIONS)
+        toml, cfg = _write_run(
+            root, f"resume-{written}-{resumed}", root / "teacher", runs["tokens"], SECTIONS
+        )
         if resumed == 1:
-            res = run_bypass(ReferenceDecoder.load(root / "teacher"), runs["ids"], config_from_dict(cfg), progress=False)
+            res = run_bypass(
+                ReferenceDecoder.load(root / "teacher"), runs["ids"], config_from_dict(cfg), progress=False
+            )
             assert res.batches_consumed == 12 and res.history == runs["one"].history
         else:
             _cli(toml, resumed)
         got = S.final_blocks(exp)
-        assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want), (written, resumed)
+        assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want), (
+            written,
+            resumed,
+        )
         state = json.loads((exp / "final" / "state.json").read_text())
         assert state["history"] == runs["one"].history
 
@@ -244,7 +274,9 @@ def test_per_rank_memory_falls_with_ranks(tmp_path: Path) -> None:
     torch.manual_seed(0)
     from composer_core.bypass import ReferenceConfig
 
-    cfg = ReferenceConfig(vocab_size=256, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=8, intermediate_size=2048)
+    cfg = ReferenceConfig(
+        vocab_size=256, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=8, intermediate_size=2048
+    )
     ReferenceDecoder(cfg).save(tmp_path / "t")
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
@@ -253,11 +285,15 @@ def test_per_rank_memory_falls_with_ranks(tmp_path: Path) -> None:
         outs = _launch([str(script), str(tmp_path / "t"), str(tmp_path / f"run{k}")], k)
         reports[k] = [json.loads(o.strip().splitlines()[-1]) for _, o, _ in outs]
     whole = reports[1][0]["teacher_bytes"] + reports[1][0]["student_bytes"]
-    embed_head = 2 * 2 * 256 * 512 * 4 + 4 * 512 * 4  # embedding + head (+ norms), teacher's and student's copies
+    embed_head = (
+        2 * 2 * 256 * 512 * 4 + 4 * 512 * 4
+    )  # embedding + head (+ norms), teacher's and student's copies
     for r in reports[4]:
         assert r["foreign_reads"] == []
         assert r["teacher_bytes"] + r["student_bytes"] <= whole / 4 + embed_head, (r, whole)
     peak1 = reports[1][0]["peak_growth"]
     peak4 = max(r["peak_growth"] for r in reports[4])
-    print(f"per-rank peak RSS growth: k=1 {peak1 / 2**20:.0f} MiB, k=4 max {peak4 / 2**20:.0f} MiB; model bytes {whole / 2**20:.0f} MiB")
+    print(
+        f"per-rank peak RSS growth: k=1 {peak1 / 2**20:.0f} MiB, k=4 max {peak4 / 2**20:.0f} MiB; model bytes {whole / 2**20:.0f} MiB"
+    )
     assert peak4 < 0.45 * peak1, (peak1, peak4)

@@ -164,7 +164,9 @@ def _write_marker(path: Path, files: Mapping[str, str]) -> None:
     """
     on_disk = {p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file() and p.name != MARKER}
     if on_disk != set(files):
-        raise ValueError(f"checkpoint {path}: files on disk {sorted(on_disk ^ set(files))} were not reported by a rank")
+        raise ValueError(
+            f"checkpoint {path}: files on disk {sorted(on_disk ^ set(files))} were not reported by a rank"
+        )
     with open(path / MARKER, "w") as f:
         json.dump({"format": MARKER_FORMAT, "sha256": dict(files)}, f, indent=1, sort_keys=True)
         f.flush()
@@ -433,7 +435,11 @@ def load_checkpoint(
     block_prefixes = tuple(model.block_prefix(i) for i in range(model.num_blocks))
     shared_wanted = {k for k in expected if not k.startswith(block_prefixes)} if load_shared else set()
     shared_files = _shared_files(path, shared_wanted)
-    mine = [STATE, *(f"blocks/block-{i:04d}.safetensors" for i in blocks), *sorted(set(shared_files.values()))]
+    mine = [
+        STATE,
+        *(f"blocks/block-{i:04d}.safetensors" for i in blocks),
+        *sorted(set(shared_files.values())),
+    ]
     mine += [f"optim/block-{i:04d}.pt" for i in (optimizers or {})]
     rng_rel = f"rng/rank-{ctx.rank:04d}.pt"
     if optimizers is not None and (path / rng_rel).is_file():
@@ -459,7 +465,9 @@ def load_checkpoint(
         _check_fits(path / rel, k, k, v, expected)
         updates[k] = v
     owned_prefixes = tuple(model.block_prefix(i) for i in blocks)
-    missing = [k for k in expected if (k.startswith(owned_prefixes) or k in shared_wanted) and k not in updates]
+    missing = [
+        k for k in expected if (k.startswith(owned_prefixes) or k in shared_wanted) and k not in updates
+    ]
     if missing:
         raise ValueError(f"checkpoint {path} lacks student tensors {missing[:5]}")
     with torch.no_grad():

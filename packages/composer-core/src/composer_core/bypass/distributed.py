@@ -17,6 +17,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+
 import torch
 import torch.distributed as dist
 from torch import Tensor

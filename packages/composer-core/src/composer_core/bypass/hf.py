@@ -151,7 +151,9 @@ class HFDecoder:
         weight = self.base.embed_tokens.weight
         try:
             if weight.is_meta:
-                embeds = torch.zeros(*input_ids.shape, weight.shape[1], dtype=weight.dtype, device=input_ids.device)
+                embeds = torch.zeros(
+                    *input_ids.shape, weight.shape[1], dtype=weight.dtype, device=input_ids.device
+                )
                 self.base(inputs_embeds=embeds, use_cache=False)
             else:
                 self.base(input_ids=input_ids, use_cache=False)
@@ -200,7 +202,9 @@ class HFDecoder:
                 _configure_layer(layer, cfg, configs[i], i)
             layers[i] = layer
         model = HFDecoder(new)
-        materialise(new, owned_names(model, ownership, head=True), lambda _n, p: torch.zeros(p.shape, dtype=p.dtype))
+        materialise(
+            new, owned_names(model, ownership, head=True), lambda _n, p: torch.zeros(p.shape, dtype=p.dtype)
+        )
         return model
 
     def save_config(self, directory: str | Path) -> None:
@@ -237,7 +241,9 @@ def apply_block_configs(model: nn.Module, configs: Sequence[BlockConfig]) -> Non
 def _configure_layer(layer: Any, cfg: Any, bc: BlockConfig, i: int) -> None:
     """Rebuild one decoder layer's attention / MLP to the shapes of ``bc`` (no-op modules included)."""
     if bc.attention.mixer != "attention":
-        raise ValueError(f"block {i}: mixer={bc.attention.mixer!r} is not supported for HF models (attention only)")
+        raise ValueError(
+            f"block {i}: mixer={bc.attention.mixer!r} is not supported for HF models (attention only)"
+        )
     dtype = layer.input_layernorm.weight.dtype
     if bc.attention.no_op:
         layer.self_attn = NoOpAttention()

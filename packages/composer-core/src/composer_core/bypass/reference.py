@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
-from contextlib import nullcontext
-
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
@@ -225,7 +224,9 @@ class ReferenceDecoder(nn.Module):
                     torch.manual_seed(seed + 7919 * (i + 1))
                     self.layers[i] = Block(config, self._blocks[i])
             keep = owned_names(self, ownership, head=True)
-            materialise(self, keep, lambda _n, p: torch.zeros(p.shape, dtype=p.dtype))  # filled from the teacher
+            materialise(
+                self, keep, lambda _n, p: torch.zeros(p.shape, dtype=p.dtype)
+            )  # filled from the teacher
 
     # -- BlockwiseModel -------------------------------------------------------------
     @property
@@ -262,7 +263,9 @@ class ReferenceDecoder(nn.Module):
     def prepare(self, input_ids: Tensor) -> tuple[Tensor, Mapping[str, Any]]:
         weight = self.embed_tokens.weight
         if weight.is_meta:  # not the first rank: the hidden state comes from the previous rank
-            hidden = torch.zeros(*input_ids.shape, weight.shape[1], dtype=weight.dtype, device=input_ids.device)
+            hidden = torch.zeros(
+                *input_ids.shape, weight.shape[1], dtype=weight.dtype, device=input_ids.device
+            )
         else:
             hidden = self.embed_tokens(input_ids)
         pos = torch.arange(input_ids.shape[-1], device=hidden.device, dtype=torch.float32)
@@ -287,7 +290,9 @@ class ReferenceDecoder(nn.Module):
 
     def save(self, directory: str | Path) -> None:
         self.save_config(directory)
-        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(Path(directory) / WEIGHTS_NAME))
+        save_file(
+            {k: v.contiguous() for k, v in self.state_dict().items()}, str(Path(directory) / WEIGHTS_NAME)
+        )
 
     # -- plain use ------------------------------------------------------------------
     def forward(self, input_ids: Tensor) -> Tensor:
@@ -308,7 +313,9 @@ class ReferenceDecoder(nn.Module):
         """
         path = Path(directory)
         if not (path / CONFIG_NAME).is_file():
-            raise ValueError(f"{path} is not a reference decoder directory: need {CONFIG_NAME} and safetensors")
+            raise ValueError(
+                f"{path} is not a reference decoder directory: need {CONFIG_NAME} and safetensors"
+            )
         config = ReferenceConfig.from_dict(json.loads((path / CONFIG_NAME).read_text()))
         source = SafetensorsSource(path)
         own = ownership or Ownership.of(config.num_layers)
@@ -319,6 +326,8 @@ class ReferenceDecoder(nn.Module):
         if ownership is None:
             expected = {n for n, _ in model.named_parameters(remove_duplicate=False)}
             if set(source.names()) != expected:
-                raise ValueError(f"{path}: tensors {sorted(set(source.names()) ^ expected)[:5]} do not fit its config")
+                raise ValueError(
+                    f"{path}: tensors {sorted(set(source.names()) ^ expected)[:5]} do not fit its config"
+                )
         model.tensor_source = source
         return model

@@ -105,7 +105,9 @@ def materialise(module: nn.Module, names: Iterable[str], fill: Callable[[str, Te
                 continue
             value = fill(name, param)
             if value.shape != param.shape:
-                raise ValueError(f"tensor {name!r} has shape {tuple(value.shape)}, expected {tuple(param.shape)}")
+                raise ValueError(
+                    f"tensor {name!r} has shape {tuple(value.shape)}, expected {tuple(param.shape)}"
+                )
             made[id(param)] = nn.Parameter(value.to(param.dtype), requires_grad=param.requires_grad)
             total += value.numel() * value.element_size()
         owner_path, _, attr = name.rpartition(".")

@@ -140,6 +140,30 @@ def _initial_state(
     return state
 
 
+def _flush(
+    pending: list[tuple[int, float, dict[int, float]]], state: dict[str, Any], ctx: DistContext
+) -> None:
+    """Merge every rank's per-block losses of the steps since the last flush into the history."""
+    parts = ctx.gather([(step, lr, {str(i): v for i, v in losses.items()}) for step, lr, losses in pending])
+    for k, (step, lr, _) in enumerate(pending):
+        merged: dict[str, float] = {}
+        for part in parts:
+            merged.update(part[k][2])
+        block_loss = dict(sorted(merged.items(), key=lambda kv: int(kv[0])))
+        state["history"].append({"step": step, "lr": lr, "block_loss": block_loss})
+    pending.clear()
+
+
+def _check_teacher(teacher: BlockwiseModel, owned: Sequence[int], ctx: DistContext) -> None:
+    """Every block this rank owns must be materialised in ``teacher``."""
+    for i in owned:
+        if has_meta(teacher.module, teacher.block_prefix(i)):
+            raise ValueError(
+                f"rank {ctx.rank} owns teacher block {i} but it is not materialised: load the teacher with "
+                f"ownership=DistContext.current().ownership(num_blocks)"
+            )
+
+
 def run_bypass(
     teacher: BlockwiseModel,
     input_ids: Tensor,
@@ -164,12 +188,7 @@ def run_bypass(
     tcfg, rcfg = config.training, config.run
     ownership = ctx.ownership(teacher.num_blocks)
     owned = list(ownership.blocks)
-    for i in owned:
-        if has_meta(teacher.module, teacher.block_prefix(i)):
-            raise ValueError(
-                f"rank {ctx.rank} owns teacher block {i} but it is not materialised: load the teacher with "
-                f"ownership=DistContext.current().ownership(num_blocks)"
-            )
+    _check_teacher(teacher, owned, ctx)
     data = TokenBatches(
         input_ids, micro_batch_size=tcfg.micro_batch_size, seed=tcfg.seed, val_sequences=rcfg.val_sequences
     )
@@ -181,7 +200,9 @@ def run_bypass(
     teacher.module.eval().requires_grad_(False)
     to_device(teacher.module, ctx.device)
     identity = run_identity(
-        config.identity_fields(), sharded_fingerprint(teacher, source_of(teacher), ctx), tensor_fingerprint(input_ids)
+        config.identity_fields(),
+        sharded_fingerprint(teacher, source_of(teacher), ctx),
+        tensor_fingerprint(input_ids),
     )
     run_id = sha256_json(identity)
     exp = experiment_dir(config, run_id)
@@ -210,15 +231,7 @@ def run_bypass(
     pending: list[tuple[int, float, dict[int, float]]] = []
 
     def flush() -> None:
-        """Merge every rank's per-block losses of the steps since the last flush into the history."""
-        parts = ctx.gather([(step, lr, {str(i): v for i, v in losses.items()}) for step, lr, losses in pending])
-        for k, (step, lr, _) in enumerate(pending):
-            merged: dict[str, float] = {}
-            for part in parts:
-                merged.update(part[k][2])
-            block_loss = dict(sorted(merged.items(), key=lambda kv: int(kv[0])))
-            state["history"].append({"step": step, "lr": lr, "block_loss": block_loss})
-        pending.clear()
+        _flush(pending, state, ctx)
 
     def save(name: str, latest: bool = True) -> None:
         flush()
