@@ -243,6 +243,7 @@ import json, os, sys
 import torch, torch.distributed as dist
 from pathlib import Path
 from composer_core.bypass import config_from_dict, load_model, materialised_bytes, run_bypass
+from composer_core.bypass.distributed import DistContext
 from composer_core.bypass.shard import name_owner
 
 def hwm():
