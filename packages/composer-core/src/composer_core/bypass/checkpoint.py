@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 from torch import Tensor
@@ -43,6 +44,7 @@ from torch import Tensor
 from composer_core.bypass.distributed import DistContext
 from composer_core.bypass.optim import BlockOptimizer
 from composer_core.bypass.protocol import BlockwiseModel
+from composer_core.bypass.shard import name_owner
 
 MARKER = "COMPLETE"
 STATE = "state.json"
@@ -67,20 +69,31 @@ def safetensors_write_error(exc: Exception, path: Path) -> OutputWriteError | No
     return None if m is None else OutputWriteError(int(m.group(1)), os.strerror(int(m.group(1))), str(path))
 
 
-def _write_file(path: Path, data: bytes | memoryview) -> None:
-    """Write ``data`` to ``path``; an OSError (disk full, read-only, ...) names the file."""
+def _write_file(path: Path, data: bytes | memoryview) -> str:
+    """Write ``data`` to ``path`` durably (fsync); returns its SHA-256. An OSError names the file."""
     try:
         with open(path, "wb") as f:
             f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
     except OSError as exc:
         raise _write_error(exc, path) from exc
+    return hashlib.sha256(data).hexdigest()
 
 
-def _torch_save(obj: Any, path: Path) -> None:
+def _torch_save(obj: Any, path: Path) -> str:
     # serialised in memory first: torch.save reports a full disk as a RuntimeError without errno
     buf = io.BytesIO()
     torch.save(obj, buf)
-    _write_file(path, buf.getbuffer())
+    return _write_file(path, buf.getbuffer())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _fault_point(name: str, phase: str) -> None:
@@ -111,16 +124,26 @@ def block_state(model: BlockwiseModel, index: int) -> dict[str, Tensor]:
     return {k[len(prefix) :]: v for k, v in model.module.state_dict().items() if k.startswith(prefix)}
 
 
-def shared_state(model: BlockwiseModel) -> dict[str, Tensor]:
+def shared_state(model: BlockwiseModel, rank: int = 0, world_size: int = 1) -> dict[str, Tensor]:
+    """The non-block tensors rank ``rank`` writes: those it owns (embedding: first rank, rest: last)."""
     prefixes = tuple(model.block_prefix(i) for i in range(model.num_blocks))
-    return {k: v for k, v in model.module.state_dict().items() if not k.startswith(prefixes)}
+    return {
+        k: v
+        for k, v in model.module.state_dict().items()
+        if not k.startswith(prefixes) and not v.is_meta and name_owner(model, k, world_size) == rank
+    }
 
 
-def _save_tensors(tensors: Mapping[str, Tensor], path: Path) -> None:
+def shared_file(rank: int) -> str:
+    """The non-block tensors' file of ``rank`` (rank 0 keeps the single-writer name)."""
+    return "shared.safetensors" if rank == 0 else f"shared-rank-{rank:04d}.safetensors"
+
+
+def _save_tensors(tensors: Mapping[str, Tensor], path: Path) -> str:
     # clone: tied weights share storage, which safetensors refuses to write twice
     # (serialised in memory, written by _write_file: safetensors' own writer reports a full
     # disk as a SafetensorError without errno or path)
-    _write_file(
+    return _write_file(
         path, safetensors_bytes({k: v.detach().cpu().clone().contiguous() for k, v in tensors.items()})
     )
 
@@ -133,15 +156,19 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _write_marker(path: Path) -> None:
-    """The completion marker: the SHA-256 of every other file of the checkpoint (written last)."""
-    files = {
-        p.relative_to(path).as_posix(): file_sha256(p)
-        for p in sorted(path.rglob("*"))
-        if p.is_file() and p.name != MARKER
-    }
+def _write_marker(path: Path, files: Mapping[str, str]) -> None:
+    """The completion marker: the SHA-256 of every other file of the checkpoint (written last).
+
+    ``files`` are the checksums every rank computed of the bytes it wrote (and fsynced) before
+    the barrier that precedes the marker; the marker lists exactly the files on disk.
+    """
+    on_disk = {p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file() and p.name != MARKER}
+    if on_disk != set(files):
+        raise ValueError(
+            f"checkpoint {path}: files on disk {sorted(on_disk ^ set(files))} were not reported by a rank"
+        )
     with open(path / MARKER, "w") as f:
-        json.dump({"format": MARKER_FORMAT, "sha256": files}, f, indent=1, sort_keys=True)
+        json.dump({"format": MARKER_FORMAT, "sha256": dict(files)}, f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
 
@@ -222,20 +249,30 @@ def _save_checkpoint(
         for sub in ("blocks", "optim", "rng"):
             (partial / sub).mkdir(parents=True)
     ctx.barrier()
+    sums: dict[str, str] = {}
     for i in blocks:
         if i in optimizers:
-            _torch_save(optimizers[i].state_dict(), partial / "optim" / f"block-{i:04d}.pt")
+            rel = f"optim/block-{i:04d}.pt"
+            sums[rel] = _torch_save(optimizers[i].state_dict(), partial / rel)
     _fault_point(name, "optimizer")
     for i in blocks:
-        _save_tensors(block_state(model, i), partial / "blocks" / f"block-{i:04d}.safetensors")
+        rel = f"blocks/block-{i:04d}.safetensors"
+        sums[rel] = _save_tensors(block_state(model, i), partial / rel)
     _fault_point(name, "blocks")
-    _torch_save({"cpu": torch.get_rng_state()}, partial / "rng" / f"rank-{ctx.rank:04d}.pt")
-    ctx.barrier()
+    shared = shared_state(model, ctx.rank, ctx.world_size)
+    if shared or ctx.is_main:
+        sums[shared_file(ctx.rank)] = _save_tensors(shared, partial / shared_file(ctx.rank))
+    rel = f"rng/rank-{ctx.rank:04d}.pt"
+    sums[rel] = _torch_save({"cpu": torch.get_rng_state()}, partial / rel)
+    for sub in ("blocks", "optim", "rng", "."):
+        _fsync_dir(partial / sub)
+    everyone = ctx.gather(sums)  # every rank's files are durable past this point
     if ctx.is_main:
-        _save_tensors(shared_state(model), partial / "shared.safetensors")
+        files = {k: v for part in everyone for k, v in part.items()}
         write_json_atomic(partial / STATE, dict(state))
+        files[STATE] = file_sha256(partial / STATE)
         _fault_point(name, "state")
-        _write_marker(partial)
+        _write_marker(partial, files)
         _fault_point(name, "marker")
         old = exp_dir / f"{name}.old"
         if final.exists():
@@ -361,6 +398,27 @@ def find_resume_checkpoint(exp_dir: Path) -> Path | None:
     return None
 
 
+def _check_fits(file: Path, key: str, full: str, v: Tensor, expected: Mapping[str, Tensor]) -> None:
+    if full not in expected or expected[full].shape != v.shape:
+        raise ValueError(
+            f"checkpoint {file}: tensor {key!r} {tuple(v.shape)} does not fit the student "
+            "(was it written for another student config?)"
+        )
+
+
+def _shared_files(path: Path, wanted: set[str]) -> dict[str, str]:
+    """``{tensor: file}`` for the non-block tensors ``wanted``, from whichever rank's file holds them
+    (only the safetensors headers are read)."""
+    out: dict[str, str] = {}
+    for f in sorted(path.glob("shared*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as handle:
+                out.update({k: f.name for k in handle.keys() if k in wanted})  # noqa: SIM118
+        except Exception as exc:
+            raise ValueError(f"checkpoint file {f} is corrupt: {exc}") from exc
+    return out
+
+
 def load_checkpoint(
     path: Path,
     *,
@@ -373,9 +431,16 @@ def load_checkpoint(
     """Load this rank's blocks (and optimizers, RNG) from ``path``; return ``state.json``."""
     if not is_complete(path):
         raise ValueError(f"checkpoint {path} has no {MARKER} marker; it is incomplete and will not be loaded")
-    mine = [STATE, *(f"blocks/block-{i:04d}.safetensors" for i in blocks)]
+    expected = {k: v for k, v in model.module.state_dict().items() if not v.is_meta}
+    block_prefixes = tuple(model.block_prefix(i) for i in range(model.num_blocks))
+    shared_wanted = {k for k in expected if not k.startswith(block_prefixes)} if load_shared else set()
+    shared_files = _shared_files(path, shared_wanted)
+    mine = [
+        STATE,
+        *(f"blocks/block-{i:04d}.safetensors" for i in blocks),
+        *sorted(set(shared_files.values())),
+    ]
     mine += [f"optim/block-{i:04d}.pt" for i in (optimizers or {})]
-    mine += ["shared.safetensors"] if load_shared else []
     rng_rel = f"rng/rank-{ctx.rank:04d}.pt"
     if optimizers is not None and (path / rng_rel).is_file():
         mine.append(rng_rel)
@@ -383,25 +448,26 @@ def load_checkpoint(
     if problem is not None:
         raise ValueError(f"checkpoint {path} is corrupt: {problem}; it will not be loaded")
     state = read_state(path)
-    expected = model.module.state_dict()
     updates: dict[str, Tensor] = {}
-    files = [(model.block_prefix(i), path / "blocks" / f"block-{i:04d}.safetensors") for i in blocks]
-    if load_shared:
-        files.append(("", path / "shared.safetensors"))
-    for prefix, file in files:
+    for i in blocks:
+        file = path / "blocks" / f"block-{i:04d}.safetensors"
+        prefix = model.block_prefix(i)
         try:
             tensors = load_file(str(file))
         except Exception as exc:
             raise ValueError(f"checkpoint file {file} is missing or corrupt: {exc}") from exc
         for k, v in tensors.items():
-            full = prefix + k
-            if full not in expected or expected[full].shape != v.shape:
-                raise ValueError(
-                    f"checkpoint {file}: tensor {k!r} {tuple(v.shape)} does not fit the student "
-                    "(was it written for another student config?)"
-                )
-            updates[full] = v
-    missing = [k for k in expected if k.startswith(tuple(p for p, _ in files if p)) and k not in updates]
+            _check_fits(file, k, prefix + k, v, expected)
+            updates[prefix + k] = v
+    for k, rel in shared_files.items():
+        with safe_open(str(path / rel), framework="pt") as handle:
+            v = handle.get_tensor(k)
+        _check_fits(path / rel, k, k, v, expected)
+        updates[k] = v
+    owned_prefixes = tuple(model.block_prefix(i) for i in blocks)
+    missing = [
+        k for k in expected if (k.startswith(owned_prefixes) or k in shared_wanted) and k not in updates
+    ]
     if missing:
         raise ValueError(f"checkpoint {path} lacks student tensors {missing[:5]}")
     with torch.no_grad():

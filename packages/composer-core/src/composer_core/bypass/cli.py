@@ -37,13 +37,13 @@ from torch import Tensor
 
 from composer_core.bypass.checkpoint import safetensors_write_error
 from composer_core.bypass.config import BypassConfig, config_from_dict, student_from_dict
-from composer_core.bypass.data import TokenBatches, load_tokens, synthetic_tokens
+from composer_core.bypass.data import load_tokens, synthetic_tokens
 from composer_core.bypass.distributed import DistContext
-from composer_core.bypass.export import export_student
+from composer_core.bypass.export import export_sharded
 from composer_core.bypass.protocol import BlockwiseModel
 from composer_core.bypass.reference import ReferenceDecoder
 from composer_core.bypass.report import loss_table, plot_block_losses
-from composer_core.bypass.train import BypassResult, make_student, run_bypass
+from composer_core.bypass.train import BypassResult, run_bypass
 
 TABLES = {"teacher", "data", "student", "training", "run", "output", "sweep"}
 
@@ -72,20 +72,41 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def load_teacher(spec: dict[str, Any]) -> BlockwiseModel:
+def load_teacher(spec: dict[str, Any], ctx: DistContext | None = None) -> BlockwiseModel:
+    """This rank's share of the teacher: its blocks (+ the embedding on the first rank), read from disk."""
     kind, path = spec.get("kind"), spec.get("path")
     unknown = set(spec) - {"kind", "path", "trust_remote_code"}
     if unknown:
         raise ValueError(f"[teacher] unknown keys {sorted(unknown)}")
     if not path:
         raise ValueError("[teacher] needs path = <model directory>")
+    if kind not in ("reference", "hf"):
+        raise ValueError(f"[teacher] kind={kind!r}: choose 'reference' or 'hf'")
+    ctx = ctx or DistContext()
+    num_blocks = _num_blocks(Path(path), kind)
+    own = ctx.ownership(num_blocks)
     if kind == "reference":
-        return ReferenceDecoder.load(path)
-    if kind == "hf":
-        from composer_core.bypass.hf import load_hf_model
+        return ReferenceDecoder.load(path, own, head=False)
+    from composer_core.bypass.hf import load_hf_model
 
-        return load_hf_model(path, trust_remote_code=bool(spec.get("trust_remote_code", False)))
-    raise ValueError(f"[teacher] kind={kind!r}: choose 'reference' or 'hf'")
+    return load_hf_model(
+        path,
+        trust_remote_code=bool(spec.get("trust_remote_code", False)),
+        ownership=own,
+        head=False,
+        device=ctx.device,
+    )
+
+
+def _num_blocks(path: Path, kind: str) -> int:
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"[teacher] path={str(path)!r}: no readable config.json ({exc})") from exc
+    key = "num_layers" if kind == "reference" else "num_hidden_layers"
+    if not isinstance(cfg.get(key), int):
+        raise ValueError(f"[teacher] {path}/config.json has no integer {key!r}; is kind={kind!r} right?")
+    return int(cfg[key])
 
 
 def load_data(spec: dict[str, Any]) -> Tensor:
@@ -105,19 +126,32 @@ def load_data(spec: dict[str, Any]) -> Tensor:
 
 def _init_distributed() -> None:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group("nccl")
+        else:
+            dist.init_process_group("gloo")
 
 
 EXIT_BAD_INPUT = 2
 EXIT_CANNOT_WRITE = 3
 
 
-def _finish(
-    result: BypassResult, teacher: BlockwiseModel, tokens: Tensor, config: BypassConfig, plot: bool | None
-) -> None:
-    """Print the table; write history.json, the assembled student and the plot (a skipped run
-    rewrites none that exist, so re-running a finished run writes nothing)."""
+def _finish(result: BypassResult, config: BypassConfig, plot: bool | None, ctx: DistContext) -> None:
+    """Rank 0 prints the table and writes history.json and the plot; every rank writes its shard of the
+    student (a skipped run rewrites none that exist, so re-running a finished run writes nothing)."""
     exp = result.experiment_dir
+    already = result.skipped and (exp / "student" / "config.json").is_file()
+    if not already:
+        try:
+            export_sharded(result.student, exp / "student", ctx)
+        except Exception as exc:  # safetensors reports a full / read-only disk as SafetensorError
+            error = safetensors_write_error(exc, exp / "student")
+            if error is None:
+                raise
+            raise error from exc
+    if not ctx.is_main:
+        return
     history = exp / "history.json"
     if not (result.skipped and history.is_file()):
         history.write_text(json.dumps({"history": result.history, "validation": result.validation}, indent=1))
@@ -125,27 +159,9 @@ def _finish(
         f"\nrun {result.run_id[:16]} ({'skipped: already complete' if result.skipped else 'trained'}) -> {exp}"
     )
     print(loss_table(result.history, result.validation))
-    if result.skipped and (exp / "student").is_dir():
-        print(f"student already saved in {exp / 'student'}")
+    print(f"student {'already saved in' if already else 'saved to'} {exp / 'student'}")
+    if already:
         return
-    student = make_student(
-        teacher,
-        config.student,
-        TokenBatches(
-            tokens,
-            micro_batch_size=config.training.micro_batch_size,
-            seed=config.training.seed,
-            val_sequences=config.run.val_sequences,
-        ),
-    )
-    try:
-        export_student(student, result.final_dir, exp / "student")
-    except Exception as exc:  # safetensors reports a full / read-only disk as SafetensorError
-        error = safetensors_write_error(exc, exp / "student")
-        if error is None:
-            raise
-        raise error from exc
-    print(f"student saved to {exp / 'student'}")
     want = plot
     if want is None:
         want = importlib.util.find_spec("matplotlib") is not None
@@ -199,15 +215,14 @@ def _run(args: argparse.Namespace) -> int:
     configs = [base.with_student(student_from_dict(s)) for s in sweep] if sweep else [base]
     _init_distributed()
     ctx = DistContext.current()
-    teacher = load_teacher(dict(raw.get("teacher", {})))
+    teacher = load_teacher(dict(raw.get("teacher", {})), ctx)
     tokens = load_data(dict(raw.get("data", {})))
     try:
         for config in configs:
             result = run_bypass(
                 teacher, tokens, config, resume=not args.no_resume, progress=not args.no_progress
             )
-            if ctx.is_main:
-                _finish(result, teacher, tokens, config, plot)
+            _finish(result, config, plot, ctx)
             ctx.barrier()
     finally:
         if ctx.active:

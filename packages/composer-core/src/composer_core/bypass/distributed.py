@@ -1,15 +1,21 @@
 """Block partitioning and the few collectives the engine needs (no-ops in one process).
 
 Blocks are split contiguously: with ``L`` blocks and ``W`` ranks, rank ``r`` gets
-``L // W`` blocks plus one more if ``r < L mod W``. Teacher activations flow rank to rank
-(pipeline): rank ``r`` runs the teacher over its blocks and sends the hidden state to
-``r + 1``. Decisions (skip, resume point, best) are made on rank 0 and broadcast.
+``L // W`` blocks plus one more if ``r < L mod W`` (:class:`Ownership`: its blocks, its
+neighbour ranks, whether it holds the embedding or the head). Teacher activations flow rank to
+rank (pipeline): rank ``r`` runs the teacher over its blocks and sends the hidden state to
+``r + 1`` with a non-blocking send (one message in flight per link), then trains its blocks on
+that micro-batch while ``r + 1`` already works on it: a forward-only wavefront schedule (no
+gradient crosses ranks, so there is no drain of backward passes). Decisions (skip, resume
+point, best) are made on rank 0 and broadcast. Every tensor a rank creates lives on
+:attr:`DistContext.device` (CPU with gloo, ``cuda:<LOCAL_RANK>`` with NCCL).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -42,18 +48,63 @@ def partition_blocks(num_blocks: int, world_size: int) -> list[range]:
 
 
 @dataclass(frozen=True)
+class Ownership:
+    """What rank ``rank`` of ``world_size`` holds: its blocks, the embedding (first rank), the head (last)."""
+
+    rank: int
+    world_size: int
+    num_blocks: int
+    blocks: tuple[int, ...]
+
+    @staticmethod
+    def of(num_blocks: int, rank: int = 0, world_size: int = 1) -> Ownership:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} is outside world_size={world_size}")
+        return Ownership(rank, world_size, num_blocks, tuple(partition_blocks(num_blocks, world_size)[rank]))
+
+    @property
+    def embed(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def head(self) -> bool:
+        return self.rank == self.world_size - 1
+
+    @property
+    def previous(self) -> int | None:
+        """The rank sending this one its first block's input (None on the first rank)."""
+        return self.rank - 1 if self.rank > 0 else None
+
+    @property
+    def next(self) -> int | None:
+        """The rank receiving this one's last block's output (None on the last rank)."""
+        return self.rank + 1 if self.rank < self.world_size - 1 else None
+
+
+def _default_device() -> torch.device:
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+@dataclass(frozen=True)
 class DistContext:
     """Rank/world of this process; ``active`` when torch.distributed is initialised."""
 
     rank: int = 0
     world_size: int = 1
     active: bool = False
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    _pending: list[Any] = field(default_factory=list, compare=False, repr=False)
 
     @staticmethod
     def current() -> DistContext:
         if dist.is_available() and dist.is_initialized():
-            return DistContext(dist.get_rank(), dist.get_world_size(), True)
+            return DistContext(dist.get_rank(), dist.get_world_size(), True, _default_device())
         return DistContext()
+
+    def ownership(self, num_blocks: int) -> Ownership:
+        return Ownership.of(num_blocks, self.rank, self.world_size)
 
     @property
     def is_main(self) -> bool:
@@ -61,6 +112,7 @@ class DistContext:
 
     def barrier(self) -> None:
         if self.active:
+            self.flush_sends()
             dist.barrier()
 
     def broadcast(self, obj: Any) -> Any:
@@ -108,13 +160,22 @@ class DistContext:
         return out
 
     def recv_from_previous(self, like: Tensor) -> Tensor:
-        """Receive the hidden state from rank ``r − 1`` (same shape/dtype as ``like``)."""
+        """Receive the hidden state from rank ``r − 1`` (shape/dtype of ``like``, on this rank's device)."""
         if not self.active or self.rank == 0:
             return like
-        buf = torch.empty_like(like)
+        buf = torch.empty(like.shape, dtype=like.dtype, device=self.device)
         dist.recv(buf, src=self.rank - 1)
         return buf
 
     def send_to_next(self, hidden: Tensor) -> None:
+        """Non-blocking send to rank ``r + 1``; waits for the previous send first (one in flight)."""
         if self.active and self.rank < self.world_size - 1:
-            dist.send(hidden.contiguous(), dst=self.rank + 1)
+            self.flush_sends()
+            payload = hidden.detach().contiguous()
+            self._pending.append((dist.isend(payload, dst=self.rank + 1), payload))
+
+    def flush_sends(self) -> None:
+        """Wait until every hidden state sent by this rank has been received."""
+        while self._pending:
+            work, _payload = self._pending.pop(0)
+            work.wait()

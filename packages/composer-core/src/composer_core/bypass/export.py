@@ -1,16 +1,30 @@
-"""Assemble a finished run's student from its per-block checkpoint files and save it."""
+"""Write a finished run's student: a sharded safetensors checkpoint that no rank holds whole.
+
+:func:`export_sharded`: every rank writes the tensors it owns (its blocks; the embedding on the
+first rank, final norm and head on the last) to its own shard ``model-<r+1>-of-<W>.safetensors``
+(one process: ``model.safetensors``), and rank 0 writes the config and
+``model.safetensors.index.json`` (the weight map gathered from every rank), the layout
+``transformers``' ``from_pretrained`` and :func:`~composer_core.bypass.load_model` read.
+:func:`export_student` assembles a whole in-memory student from a checkpoint (one process).
+"""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from composer_core.bypass.checkpoint import load_checkpoint
+from safetensors.torch import save as safetensors_bytes
+
+from composer_core.bypass.checkpoint import _write_file, load_checkpoint
 from composer_core.bypass.distributed import DistContext
 from composer_core.bypass.protocol import BlockwiseModel
+from composer_core.bypass.shard import INDEX_NAME, name_owner
+
+WEIGHTS_NAME = "model.safetensors"
 
 
 def export_student(student: BlockwiseModel, checkpoint: Path, out: Path) -> Path:
-    """Load every block of ``checkpoint`` into ``student`` (built with the run's config) and ``save`` it.
+    """Load every block of ``checkpoint`` into ``student`` (built whole with the run's config) and ``save`` it.
 
     Reads the per-block files from disk, so no rank ever gathers the model over the network.
     Reference decoders are written as ``config.json`` + ``model.safetensors``; HF models with
@@ -20,4 +34,33 @@ def export_student(student: BlockwiseModel, checkpoint: Path, out: Path) -> Path
         checkpoint, model=student, blocks=range(student.num_blocks), optimizers=None, ctx=DistContext()
     )
     student.save(out)
+    return out
+
+
+def shard_name(rank: int, world_size: int) -> str:
+    return WEIGHTS_NAME if world_size == 1 else f"model-{rank + 1:05d}-of-{world_size:05d}.safetensors"
+
+
+def export_sharded(student: BlockwiseModel, out: Path, ctx: DistContext) -> Path:
+    """Every rank writes its shard of ``student``; rank 0 the config and the index (every rank calls this)."""
+    out.mkdir(parents=True, exist_ok=True)
+    tied = bool(getattr(getattr(student.module, "config", None), "tie_word_embeddings", False))
+    mine = {
+        k: v.detach().cpu().clone().contiguous()
+        for k, v in student.module.state_dict().items()
+        if not v.is_meta
+        and name_owner(student, k, ctx.world_size) == ctx.rank
+        and not (tied and k == "lm_head.weight")  # tied to the embedding: transformers re-ties it
+    }
+    name = shard_name(ctx.rank, ctx.world_size)
+    _write_file(out / name, safetensors_bytes(mine, metadata={"format": "pt"}))
+    parts = ctx.gather({k: (name, v.numel() * v.element_size()) for k, v in mine.items()})
+    if ctx.is_main:
+        student.save_config(out)
+        if ctx.world_size > 1:
+            weight_map = {k: f for part in parts for k, (f, _) in part.items()}
+            total = sum(size for part in parts for _, size in part.values())
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    ctx.barrier()
     return out

@@ -30,10 +30,11 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from safetensors.torch import load_file
 from torch import Tensor, nn
 
+from composer_core.bypass.distributed import Ownership
 from composer_core.bypass.protocol import AttentionConfig, BlockConfig, BlockwiseModel, FFNConfig
+from composer_core.bypass.shard import SafetensorsSource, materialise, meta_parameters, owned_names
 
 BLOCK_CONFIGS_KEY = "composer_block_configs"
 
@@ -94,6 +95,7 @@ class HFDecoder:
                     )
         self.model: Any = model
         self.base: Any = base
+        self.tensor_source: SafetensorsSource | None = None
 
     # -- BlockwiseModel -------------------------------------------------------------
     @property
@@ -141,13 +143,22 @@ class HFDecoder:
         return out
 
     def prepare(self, input_ids: Tensor) -> tuple[Tensor, Mapping[str, Any]]:
+        """Embed (first rank; elsewhere zeros of the right shape) and record every layer's context."""
         sink: dict[int, tuple[Tensor, dict[str, Any]]] = {}
-        layers = self.base.layers
+        layers, norm = self.base.layers, self.base.norm
         self.base.layers = nn.ModuleList(_Recorder(i, sink, layer) for i, layer in enumerate(layers))
+        self.base.norm = nn.Identity()  # the final norm may be absent (meta) on this rank
+        weight = self.base.embed_tokens.weight
         try:
-            self.base(input_ids=input_ids, use_cache=False)
+            if weight.is_meta:
+                embeds = torch.zeros(
+                    *input_ids.shape, weight.shape[1], dtype=weight.dtype, device=input_ids.device
+                )
+                self.base(inputs_embeds=embeds, use_cache=False)
+            else:
+                self.base(input_ids=input_ids, use_cache=False)
         finally:
-            self.base.layers = layers
+            self.base.layers, self.base.norm = layers, norm
         if len(sink) != len(layers):
             raise RuntimeError(
                 f"{type(self.model).__name__}.forward called {len(sink)} of {len(layers)} layers"
@@ -161,19 +172,47 @@ class HFDecoder:
     def logits(self, hidden: Tensor) -> Tensor:
         return self.model.lm_head(self.base.norm(hidden))  # type: ignore[no-any-return]
 
-    def with_block_configs(self, configs: Sequence[BlockConfig]) -> BlockwiseModel:
+    def with_block_configs(
+        self, configs: Sequence[BlockConfig], ownership: Ownership | None = None
+    ) -> BlockwiseModel:
+        """A new model with these block shapes; with ``ownership`` only the owned parts get storage.
+
+        Owned layers are created with the seed ``torch.initial_seed() + 7919·(i + 1)``; the
+        owned embedding / norm / head are zeros until initialised from the teacher.
+        """
         if len(configs) != self.num_blocks:
             raise ValueError(f"got {len(configs)} block configs for a model with {self.num_blocks} layers")
         cfg = copy.deepcopy(self.model.config)
         if hasattr(cfg, BLOCK_CONFIGS_KEY):
             delattr(cfg, BLOCK_CONFIGS_KEY)
         dtype = next(self.model.parameters()).dtype
-        new = type(self.model)(cfg).to(dtype)
-        apply_block_configs(new, configs)
-        return HFDecoder(new)
+        seed = torch.initial_seed()
+        if ownership is None:
+            new = type(self.model)(cfg).to(dtype)
+            apply_block_configs(new, configs)
+            return HFDecoder(new)
+        with meta_parameters():
+            new = type(self.model)(cfg).to(dtype)
+            apply_block_configs(new, configs)
+        layers = new.model.layers
+        for i in ownership.blocks:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed + 7919 * (i + 1))
+                layer = type(layers[i])(cfg, layer_idx=i).to(dtype)
+                _configure_layer(layer, cfg, configs[i], i)
+            layers[i] = layer
+        model = HFDecoder(new)
+        materialise(
+            new, owned_names(model, ownership, head=True), lambda _n, p: torch.zeros(p.shape, dtype=p.dtype)
+        )
+        return model
 
-    def save(self, directory: str | Path) -> None:
-        """``save_pretrained`` with the per-block shapes recorded in the config (see module doc)."""
+    def save_config(self, directory: str | Path) -> None:
+        """The config (with per-block shapes, see module doc) and generation config, no weights."""
+        self._record_block_configs()
+        self.model.config.save_pretrained(str(directory))
+
+    def _record_block_configs(self) -> None:
         configs = self.block_configs()
         cfg = self.model.config
         setattr(cfg, BLOCK_CONFIGS_KEY, [c.to_dict() for c in configs])
@@ -183,6 +222,10 @@ class HFDecoder:
         if uniform:
             cfg.intermediate_size = configs[0].ffn.intermediate_size
             cfg.num_key_value_heads = configs[0].attention.num_key_value_heads
+
+    def save(self, directory: str | Path) -> None:
+        """``save_pretrained`` with the per-block shapes recorded in the config (see module doc)."""
+        self._record_block_configs()
         self.model.save_pretrained(str(directory))
 
 
@@ -191,62 +234,79 @@ def apply_block_configs(model: nn.Module, configs: Sequence[BlockConfig]) -> Non
     cfg: Any = model.config
     base: Any = model.model
     for i, (layer, bc) in enumerate(zip(base.layers, configs, strict=True)):
-        if bc.attention.mixer != "attention":
-            raise ValueError(
-                f"block {i}: mixer={bc.attention.mixer!r} is not supported for HF models (attention only)"
-            )
-        dtype = layer.input_layernorm.weight.dtype
-        if bc.attention.no_op:
-            layer.self_attn = NoOpAttention()
-            layer.input_layernorm = nn.Identity()
-        elif bc.attention.num_key_value_heads not in (None, cfg.num_key_value_heads):
-            local = copy.deepcopy(cfg)
-            local.num_key_value_heads = bc.attention.num_key_value_heads
-            if cfg.num_attention_heads % local.num_key_value_heads:
-                raise ValueError(
-                    f"block {i}: num_key_value_heads={local.num_key_value_heads} must divide "
-                    f"num_attention_heads={cfg.num_attention_heads}"
-                )
-            layer.self_attn = type(layer.self_attn)(local, layer_idx=i).to(dtype)
-        if bc.ffn.no_op:
-            layer.mlp = NoOpMLP()
-            layer.post_attention_layernorm = nn.Identity()
-        elif bc.ffn.intermediate_size not in (None, cfg.intermediate_size):
-            local = copy.deepcopy(cfg)
-            local.intermediate_size = bc.ffn.intermediate_size
-            layer.mlp = type(layer.mlp)(local).to(dtype)
+        _configure_layer(layer, cfg, bc, i)
     setattr(cfg, BLOCK_CONFIGS_KEY, [c.to_dict() for c in configs])
 
 
+def _configure_layer(layer: Any, cfg: Any, bc: BlockConfig, i: int) -> None:
+    """Rebuild one decoder layer's attention / MLP to the shapes of ``bc`` (no-op modules included)."""
+    if bc.attention.mixer != "attention":
+        raise ValueError(
+            f"block {i}: mixer={bc.attention.mixer!r} is not supported for HF models (attention only)"
+        )
+    dtype = layer.input_layernorm.weight.dtype
+    if bc.attention.no_op:
+        layer.self_attn = NoOpAttention()
+        layer.input_layernorm = nn.Identity()
+    elif bc.attention.num_key_value_heads not in (None, cfg.num_key_value_heads):
+        local = copy.deepcopy(cfg)
+        local.num_key_value_heads = bc.attention.num_key_value_heads
+        if cfg.num_attention_heads % local.num_key_value_heads:
+            raise ValueError(
+                f"block {i}: num_key_value_heads={local.num_key_value_heads} must divide "
+                f"num_attention_heads={cfg.num_attention_heads}"
+            )
+        layer.self_attn = type(layer.self_attn)(local, layer_idx=i).to(dtype)
+    if bc.ffn.no_op:
+        layer.mlp = NoOpMLP()
+        layer.post_attention_layernorm = nn.Identity()
+    elif bc.ffn.intermediate_size not in (None, cfg.intermediate_size):
+        local = copy.deepcopy(cfg)
+        local.intermediate_size = bc.ffn.intermediate_size
+        layer.mlp = type(layer.mlp)(local).to(dtype)
+
+
 def load_hf_model(
-    path: str | Path, *, trust_remote_code: bool = False, dtype: torch.dtype = torch.float32
+    path: str | Path,
+    *,
+    trust_remote_code: bool = False,
+    dtype: torch.dtype = torch.float32,
+    ownership: Ownership | None = None,
+    head: bool = True,
+    device: torch.device | str = "cpu",
 ) -> HFDecoder:
-    """Load a teacher or a saved student (honouring ``composer_block_configs``) as an :class:`HFDecoder`."""
+    """Load a teacher or a saved student (honouring ``composer_block_configs``) as an :class:`HFDecoder`.
+
+    The model is built from its config as a skeleton (parameters on ``meta``), then only the
+    tensors ``ownership`` names (default: all) are read from the safetensors files (index json
+    or every ``*.safetensors``; ``safe_open``, one tensor at a time) onto ``device``;
+    ``head=False`` leaves the final norm and LM head unread (a teacher never needs them).
+    """
     tf = _transformers()
     p = Path(path)
     if not (p / "config.json").is_file():
         raise ValueError(f"{p} is not a Hugging Face model directory (no config.json); local paths only here")
     config = tf.AutoConfig.from_pretrained(str(p), trust_remote_code=trust_remote_code)
     stored = getattr(config, BLOCK_CONFIGS_KEY, None)
-    if not stored:
-        model = tf.AutoModelForCausalLM.from_pretrained(
-            str(p), dtype=dtype, trust_remote_code=trust_remote_code
-        )
-        return HFDecoder(model)
-    model = tf.AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code).to(dtype)
-    apply_block_configs(model, [BlockConfig.from_dict(b) for b in stored])
-    files = sorted(p.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{p} has no *.safetensors weights")
-    state: dict[str, Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
-    if set(missing) - tied or unexpected:
-        raise ValueError(
-            f"{p}: weights do not match the recorded block configs (missing {missing}, unexpected {unexpected})"
-        )
-    if tied:
-        model.tie_weights()
-    return HFDecoder(model.eval())
+    with meta_parameters():
+        model = tf.AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code).to(dtype)
+        if stored:
+            apply_block_configs(model, [BlockConfig.from_dict(b) for b in stored])
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    source = SafetensorsSource(p, aliases={"lm_head.weight": "model.embed_tokens.weight"} if tied else None)
+    decoder = HFDecoder(model)
+    own = ownership or Ownership.of(decoder.num_blocks)
+    names = owned_names(decoder, own, head=head or ownership is None)
+    materialise(model, names, lambda n, _p: source.get(n).to(device=device, dtype=dtype))
+    if ownership is None:
+        expected = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        extra = set(source.names()) - expected
+        missing = expected - set(source.names()) - ({"lm_head.weight"} if tied else set())
+        if extra or missing:
+            raise ValueError(
+                f"{p}: weights do not match the model config / recorded block configs "
+                f"(missing {sorted(missing)[:5]}, unexpected {sorted(extra)[:5]})"
+            )
+    decoder.tensor_source = source
+    model.eval()
+    return decoder

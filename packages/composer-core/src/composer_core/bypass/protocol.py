@@ -17,6 +17,8 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from torch import Tensor, nn
 
+from composer_core.bypass.distributed import Ownership
+
 SubblockKind = Literal["attention", "ffn", "mamba"]
 
 
@@ -136,7 +138,9 @@ class BlockwiseModel(Protocol):
 
     ``prepare`` embeds tokens and returns the block context (rotary tables, masks ...) that
     every block call needs; ``run_block`` applies block ``index``; ``logits`` applies the
-    final norm and LM head. ``subblocks`` maps the kinds present in a block
+    final norm and LM head. ``with_block_configs(configs, ownership)`` builds a new model whose
+    parameters outside ``ownership`` stay on the ``meta`` device; ``save_config`` writes what a
+    loader needs besides the weights. ``subblocks`` maps the kinds present in a block
     (``attention``/``ffn``/``mamba``; a no-op subblock is absent) to the modules holding
     that subblock's parameters (its norm and its mixer/FFN).
     """
@@ -164,6 +168,10 @@ class BlockwiseModel(Protocol):
 
     def logits(self, hidden: Tensor) -> Tensor: ...
 
-    def with_block_configs(self, configs: Sequence[BlockConfig]) -> BlockwiseModel: ...
+    def with_block_configs(
+        self, configs: Sequence[BlockConfig], ownership: Ownership | None = None
+    ) -> BlockwiseModel: ...
 
     def save(self, directory: str | Path) -> None: ...
+
+    def save_config(self, directory: str | Path) -> None: ...

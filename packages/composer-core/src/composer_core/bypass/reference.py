@@ -14,16 +14,19 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from composer_core.bypass.distributed import Ownership
 from composer_core.bypass.protocol import BlockConfig, BlockwiseModel
+from composer_core.bypass.shard import SafetensorsSource, materialise, meta_parameters, owned_names
 
 CONFIG_NAME = "config.json"
 _SDPA_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
@@ -195,16 +198,35 @@ class Block(nn.Module):
 class ReferenceDecoder(nn.Module):
     """Plain-torch decoder LM implementing :class:`~composer_core.bypass.protocol.BlockwiseModel`."""
 
-    def __init__(self, config: ReferenceConfig) -> None:
+    tensor_source: SafetensorsSource | None = None
+
+    def __init__(self, config: ReferenceConfig, ownership: Ownership | None = None) -> None:
+        """Build the decoder; with ``ownership`` only its blocks (and embedding / head) get storage.
+
+        The other parameters stay on the ``meta`` device. An owned block is created with the
+        seed ``torch.initial_seed() + 7919·(i + 1)``, so its fresh initialisation does not depend
+        on which other blocks this process builds.
+        """
         super().__init__()
         self.config = config
         self._blocks = config.resolved()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config, b) for b in self._blocks)
-        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        seed = torch.initial_seed()
+        with meta_parameters() if ownership is not None else nullcontext():
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.layers = nn.ModuleList(Block(config, b) for b in self._blocks)
+            self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         inv = 1.0 / config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim)
         self.register_buffer("inv_freq", inv, persistent=False)
+        if ownership is not None:
+            for i in ownership.blocks:
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(seed + 7919 * (i + 1))
+                    self.layers[i] = Block(config, self._blocks[i])
+            keep = owned_names(self, ownership, head=True)
+            materialise(
+                self, keep, lambda _n, p: torch.zeros(p.shape, dtype=p.dtype)
+            )  # filled from the teacher
 
     # -- BlockwiseModel -------------------------------------------------------------
     @property
@@ -239,7 +261,13 @@ class ReferenceDecoder(nn.Module):
         return out
 
     def prepare(self, input_ids: Tensor) -> tuple[Tensor, Mapping[str, Any]]:
-        hidden = self.embed_tokens(input_ids)
+        weight = self.embed_tokens.weight
+        if weight.is_meta:  # not the first rank: the hidden state comes from the previous rank
+            hidden = torch.zeros(
+                *input_ids.shape, weight.shape[1], dtype=weight.dtype, device=input_ids.device
+            )
+        else:
+            hidden = self.embed_tokens(input_ids)
         pos = torch.arange(input_ids.shape[-1], device=hidden.device, dtype=torch.float32)
         freqs = torch.outer(pos, cast(Tensor, self.inv_freq).to(hidden.device))
         return hidden, {"rot": torch.polar(torch.ones_like(freqs), freqs)}
@@ -250,14 +278,21 @@ class ReferenceDecoder(nn.Module):
     def logits(self, hidden: Tensor) -> Tensor:
         return self.lm_head(self.norm(hidden))  # type: ignore[no-any-return]
 
-    def with_block_configs(self, configs: Sequence[BlockConfig]) -> BlockwiseModel:
-        return ReferenceDecoder(replace(self.config, block_configs=tuple(configs)))
+    def with_block_configs(
+        self, configs: Sequence[BlockConfig], ownership: Ownership | None = None
+    ) -> BlockwiseModel:
+        return ReferenceDecoder(replace(self.config, block_configs=tuple(configs)), ownership)
 
-    def save(self, directory: str | Path) -> None:
+    def save_config(self, directory: str | Path) -> None:
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         (out / CONFIG_NAME).write_text(json.dumps(self.config.to_dict(), indent=2))
-        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(out / WEIGHTS_NAME))
+
+    def save(self, directory: str | Path) -> None:
+        self.save_config(directory)
+        save_file(
+            {k: v.contiguous() for k, v in self.state_dict().items()}, str(Path(directory) / WEIGHTS_NAME)
+        )
 
     # -- plain use ------------------------------------------------------------------
     def forward(self, input_ids: Tensor) -> Tensor:
@@ -267,13 +302,32 @@ class ReferenceDecoder(nn.Module):
         return self.logits(hidden)
 
     @staticmethod
-    def load(directory: str | Path) -> ReferenceDecoder:
-        """Load a decoder written by :meth:`save` (config.json + model.safetensors)."""
+    def load(
+        directory: str | Path, ownership: Ownership | None = None, *, head: bool = True
+    ) -> ReferenceDecoder:
+        """Load a decoder written by :meth:`save` or a sharded export (config.json + safetensors).
+
+        With ``ownership`` only the owned tensors are read (``safe_open``, one tensor at a time)
+        and the rest stay on the ``meta`` device; ``head=False`` skips the final norm and LM head
+        (a teacher never needs them). The source stays attached as ``tensor_source``.
+        """
         path = Path(directory)
-        if not (path / CONFIG_NAME).is_file() or not (path / WEIGHTS_NAME).is_file():
+        if not (path / CONFIG_NAME).is_file():
             raise ValueError(
-                f"{path} is not a reference decoder directory: need {CONFIG_NAME} and {WEIGHTS_NAME}"
+                f"{path} is not a reference decoder directory: need {CONFIG_NAME} and safetensors"
             )
-        model = ReferenceDecoder(ReferenceConfig.from_dict(json.loads((path / CONFIG_NAME).read_text())))
-        model.load_state_dict(load_file(str(path / WEIGHTS_NAME)), strict=True)
+        config = ReferenceConfig.from_dict(json.loads((path / CONFIG_NAME).read_text()))
+        source = SafetensorsSource(path)
+        own = ownership or Ownership.of(config.num_layers)
+        with meta_parameters():
+            model = ReferenceDecoder(config)
+        names = owned_names(model, own, head=head or ownership is None)
+        materialise(model, names, lambda n, _p: source.get(n))
+        if ownership is None:
+            expected = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+            if set(source.names()) != expected:
+                raise ValueError(
+                    f"{path}: tensors {sorted(set(source.names()) ^ expected)[:5]} do not fit its config"
+                )
+        model.tensor_source = source
         return model

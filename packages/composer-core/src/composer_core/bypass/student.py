@@ -20,13 +20,15 @@ A subblock whose mixer kind changes (attention → mamba) keeps its fresh initia
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Literal
 
 import torch
 from torch import Tensor, nn
 
+from composer_core.bypass.distributed import DistContext, Ownership
 from composer_core.bypass.protocol import BlockOverride, BlockwiseModel, resolve_block_configs
+from composer_core.bypass.shard import TensorSource, source_of
 
 MlpInit = Literal["truncate", "importance"]
 GqaInit = Literal["average", "first"]
@@ -43,32 +45,54 @@ def build_student(
     mlp_init_mode: MlpInit = "truncate",
     gqa_init_mode: GqaInit = "average",
     calibration: Iterable[Tensor] | None = None,
+    ownership: Ownership | None = None,
+    ctx: DistContext | None = None,
 ) -> BlockwiseModel:
-    """Create the student (teacher + ``overrides``) and initialise it from the teacher."""
+    """Create the student (teacher + ``overrides``) and initialise it from the teacher.
+
+    With ``ownership`` only the owned blocks (+ embedding on the first rank, final norm and head
+    on the last) get storage, initialised from the teacher's tensors read through its source
+    (:func:`~composer_core.bypass.shard.source_of`); importance scores then come from a
+    pipelined teacher pass over the owned blocks (every rank of ``ctx`` takes part).
+    """
     if mlp_init_mode not in ("truncate", "importance"):
         raise ValueError(f"mlp_init_mode={mlp_init_mode!r} is unknown; choose 'truncate' or 'importance'")
     if gqa_init_mode not in ("average", "first"):
         raise ValueError(f"gqa_init_mode={gqa_init_mode!r} is unknown; choose 'average' or 'first'")
     configs = resolve_block_configs(teacher.block_configs(), overrides)
-    student = teacher.with_block_configs(configs)
+    student = (
+        teacher.with_block_configs(configs, ownership) if ownership else teacher.with_block_configs(configs)
+    )
     importance = None
     if mlp_init_mode == "importance":
         if calibration is None:
             raise ValueError(
                 "mlp_init_mode='importance' needs calibration batches (token ids) to score FFN channels"
             )
-        importance = ffn_channel_importance(teacher, calibration)
+        blocks = ownership.blocks if ownership else range(teacher.num_blocks)
+        importance = ffn_channel_importance(teacher, calibration, blocks, ctx or DistContext())
     init_from_teacher(student, teacher, importance=importance, gqa_init_mode=gqa_init_mode)
     return student
 
 
 @torch.no_grad()
-def ffn_channel_importance(teacher: BlockwiseModel, batches: Iterable[Tensor]) -> dict[int, Tensor]:
-    """Per-block ``sqrt(mean a_j²)`` of the FFN intermediate activations (input of ``down_proj``)."""
+def ffn_channel_importance(
+    teacher: BlockwiseModel,
+    batches: Iterable[Tensor],
+    blocks: Iterable[int] | None = None,
+    ctx: DistContext | None = None,
+) -> dict[int, Tensor]:
+    """Per-block ``sqrt(mean a_j²)`` of the FFN intermediate activations (input of ``down_proj``).
+
+    Scores ``blocks`` (default: all) with a pipelined teacher pass (every rank of ``ctx`` calls it).
+    """
+    from composer_core.bypass.forward import teacher_forward
+
+    owned = list(range(teacher.num_blocks) if blocks is None else blocks)
     sums: dict[int, Tensor] = {}
     counts: dict[int, int] = {}
     handles = []
-    for i in range(teacher.num_blocks):
+    for i in owned:
         down = _find(teacher.block(i), "mlp.down_proj")
         if down is None:
             continue
@@ -82,9 +106,7 @@ def ffn_channel_importance(teacher: BlockwiseModel, batches: Iterable[Tensor]) -
     try:
         n = 0
         for ids in batches:
-            hidden, ctx = teacher.prepare(ids)
-            for i in range(teacher.num_blocks):
-                hidden = teacher.run_block(i, hidden, ctx)
+            teacher_forward(teacher, ids, owned, ctx or DistContext())
             n += 1
         if n == 0:
             raise ValueError("calibration yielded no batches; activation importance needs at least one")
@@ -120,19 +142,31 @@ def init_from_teacher(
     *,
     importance: dict[int, Tensor] | None = None,
     gqa_init_mode: GqaInit = "average",
+    source: TensorSource | None = None,
 ) -> None:
-    """Copy the teacher's weights into ``student``, shrinking FFN channels and KV heads."""
+    """Copy the teacher's weights into ``student``, shrinking FFN channels and KV heads.
+
+    Only the student's materialised tensors are written; teacher tensors not materialised on
+    this rank are read from ``source`` (default: :func:`~composer_core.bypass.shard.source_of`).
+    """
     if student.num_blocks != teacher.num_blocks:
         raise ValueError(
             f"student has {student.num_blocks} blocks but the teacher has {teacher.num_blocks}; they must match"
         )
-    s_state = student.module.state_dict()
-    t_state = teacher.module.state_dict()
+    s_state = {k: v for k, v in student.module.state_dict().items() if not v.is_meta}
+    t_skeleton = teacher.module.state_dict()
+    src = source or source_of(teacher)
+
+    def read(name: str) -> Tensor:
+        t = t_skeleton[name]
+        return src.get(name).to(t.dtype) if t.is_meta else t
+
+    t_state = _LazyState(t_skeleton, read)
     block_prefixes = [student.block_prefix(i) for i in range(student.num_blocks)]
     for name, tensor in s_state.items():
         if any(name.startswith(p) for p in block_prefixes):
             continue
-        if name not in t_state or t_state[name].shape != tensor.shape:
+        if name not in t_state or t_skeleton[name].shape != tensor.shape:
             raise ValueError(f"student parameter {name!r} has no teacher counterpart of the same shape")
         tensor.copy_(t_state[name])
     s_cfgs, t_cfgs = student.block_configs(), teacher.block_configs()
@@ -165,6 +199,22 @@ def init_from_teacher(
                 raise ValueError(
                     f"cannot initialise student {name!r} {tuple(tensor.shape)} from teacher {tuple(source.shape)}"
                 )
+
+
+class _LazyState:
+    """``name in``, ``[name]`` and ``.get(name)`` over a teacher whose tensors are read on demand."""
+
+    def __init__(self, skeleton: dict[str, Tensor], read: Callable[[str], Tensor]) -> None:
+        self._skeleton, self._read = skeleton, read
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._skeleton
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self._read(name)
+
+    def get(self, name: str) -> Tensor | None:
+        return self._read(name) if name in self._skeleton else None
 
 
 def _select_channels(importance: dict[int, Tensor] | None, block: int, width: int, k: int) -> Tensor:

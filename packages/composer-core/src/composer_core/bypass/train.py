@@ -4,8 +4,12 @@ Per optimiser step and micro-batch: one no-grad teacher forward captures every b
 input and output; each trainable student block runs on the *teacher's* input (teacher
 forcing) and is trained towards the teacher's output with a normalised MSE, its own AdamW
 and GradScaler. Blocks are independent, so they are split across ranks and trained
-in parallel; the only inter-rank traffic is the teacher's hidden state at rank boundaries
-and small metadata.
+in parallel; each rank materialises only the teacher and student blocks it owns
+(:mod:`composer_core.bypass.shard`). The only inter-rank traffic is the teacher's hidden
+state at rank boundaries (a forward-only wavefront: rank ``r`` sends micro-batch ``m`` on
+and trains on it while ``r + 1`` already runs its teacher blocks on it) and small metadata;
+per-step losses are gathered at checkpoints, validation and the end, not every step, so no
+per-step collective stalls the pipeline.
 """
 
 from __future__ import annotations
@@ -37,13 +41,14 @@ from composer_core.bypass.checkpoint import (
 )
 from composer_core.bypass.config import BypassConfig, StudentConfig, TrainingConfig
 from composer_core.bypass.data import TokenBatches
-from composer_core.bypass.distributed import DistContext, partition_blocks
+from composer_core.bypass.distributed import DistContext, Ownership
 from composer_core.bypass.forward import teacher_forward
-from composer_core.bypass.identity import module_fingerprint, run_identity, sha256_json, tensor_fingerprint
+from composer_core.bypass.identity import run_identity, sha256_json, tensor_fingerprint
 from composer_core.bypass.keys import check_keys_for_model, freeze_for_training
 from composer_core.bypass.losses import get_loss
 from composer_core.bypass.optim import BlockOptimizer, cosine_lr, make_block_optimizer, optimizer_step
 from composer_core.bypass.protocol import BlockwiseModel
+from composer_core.bypass.shard import has_meta, sharded_fingerprint, source_of, to_device
 from composer_core.bypass.student import build_student
 from composer_core.bypass.validation import validate
 
@@ -135,6 +140,30 @@ def _initial_state(
     return state
 
 
+def _flush(
+    pending: list[tuple[int, float, dict[int, float]]], state: dict[str, Any], ctx: DistContext
+) -> None:
+    """Merge every rank's per-block losses of the steps since the last flush into the history."""
+    parts = ctx.gather([(step, lr, {str(i): v for i, v in losses.items()}) for step, lr, losses in pending])
+    for k, (step, lr, _) in enumerate(pending):
+        merged: dict[str, float] = {}
+        for part in parts:
+            merged.update(part[k][2])
+        block_loss = dict(sorted(merged.items(), key=lambda kv: int(kv[0])))
+        state["history"].append({"step": step, "lr": lr, "block_loss": block_loss})
+    pending.clear()
+
+
+def _check_teacher(teacher: BlockwiseModel, owned: Sequence[int], ctx: DistContext) -> None:
+    """Every block this rank owns must be materialised in ``teacher``."""
+    for i in owned:
+        if has_meta(teacher.module, teacher.block_prefix(i)):
+            raise ValueError(
+                f"rank {ctx.rank} owns teacher block {i} but it is not materialised: load the teacher with "
+                f"ownership=DistContext.current().ownership(num_blocks)"
+            )
+
+
 def run_bypass(
     teacher: BlockwiseModel,
     input_ids: Tensor,
@@ -142,18 +171,24 @@ def run_bypass(
     *,
     resume: bool = True,
     progress: bool = True,
+    hold_all_blocks: bool = False,
 ) -> BypassResult:
     """Build the student from ``teacher`` and train it blockwise on ``input_ids`` ``[N, T]``.
 
     Runs in one process or, when ``torch.distributed`` is initialised, with blocks split
-    across ranks (every rank calls this with the same arguments). Resumes from the newest
-    complete checkpoint unless ``resume=False``; a completed run with the same identity is
-    skipped. Returns the trained student and per-step per-block losses.
+    across ranks (every rank calls this with the same arguments). ``teacher`` needs only this
+    rank's blocks materialised (:func:`composer_core.bypass.load_model` with this rank's
+    :class:`~composer_core.bypass.distributed.Ownership`); the student is built with only its
+    owned blocks (+ embedding on the first rank, final norm and head on the last) unless
+    ``hold_all_blocks`` (the former every-rank-holds-everything mode, kept for comparison).
+    Resumes from the newest complete checkpoint unless ``resume=False``; a completed run with
+    the same identity is skipped. Returns the trained student and per-step per-block losses.
     """
     ctx = DistContext.current()
     tcfg, rcfg = config.training, config.run
-    ranges = partition_blocks(teacher.num_blocks, ctx.world_size)
-    owned = list(ranges[ctx.rank])
+    ownership = ctx.ownership(teacher.num_blocks)
+    owned = list(ownership.blocks)
+    _check_teacher(teacher, owned, ctx)
     data = TokenBatches(
         input_ids, micro_batch_size=tcfg.micro_batch_size, seed=tcfg.seed, val_sequences=rcfg.val_sequences
     )
@@ -163,15 +198,19 @@ def run_bypass(
             f"{teacher.vocab_size} entries: tokenize with the teacher's tokenizer"
         )
     teacher.module.eval().requires_grad_(False)
+    to_device(teacher.module, ctx.device)
     identity = run_identity(
-        config.identity_fields(), module_fingerprint(teacher.module), tensor_fingerprint(input_ids)
+        config.identity_fields(),
+        sharded_fingerprint(teacher, source_of(teacher), ctx),
+        tensor_fingerprint(input_ids),
     )
     run_id = sha256_json(identity)
     exp = experiment_dir(config, run_id)
     decision = ctx.run_on_main(lambda: _decide(exp, run_id, identity, resume))
 
     torch.manual_seed(tcfg.seed)
-    student = make_student(teacher, config.student, data)
+    student = make_student(teacher, config.student, data, None if hold_all_blocks else ownership, ctx)
+    to_device(student.module, ctx.device)
     check_keys_for_model(student, tcfg.keys_to_learn)
     loss_fn = get_loss(tcfg.loss)
     if decision["action"] == "skip":
@@ -186,10 +225,16 @@ def run_bypass(
             int(done["batches_consumed"]),
         )
 
-    optimizers = make_optimizers(student, owned, tcfg)
+    optimizers = make_optimizers(student, owned, tcfg, ctx.device.type)
     state = _initial_state(decision, student, owned, optimizers, ctx, tcfg.grad_accum)
 
+    pending: list[tuple[int, float, dict[int, float]]] = []
+
+    def flush() -> None:
+        _flush(pending, state, ctx)
+
     def save(name: str, latest: bool = True) -> None:
+        flush()
         save_checkpoint(
             exp,
             name,
@@ -212,7 +257,7 @@ def run_bypass(
     tokens_per_step = tcfg.grad_accum * tcfg.micro_batch_size * data.train.shape[1]
     while state["step"] < tcfg.steps:
         t0 = time.perf_counter()
-        micro = [data.batch(state["batches_consumed"] + k) for k in range(tcfg.grad_accum)]
+        micro = [data.batch(state["batches_consumed"] + k).to(ctx.device) for k in range(tcfg.grad_accum)]
         lr = cosine_lr(
             state["step"],
             lr=tcfg.lr,
@@ -223,16 +268,14 @@ def run_bypass(
         losses = bypass_step(teacher, student, optimizers, owned, micro, ctx, tcfg, lr)
         state["batches_consumed"] += tcfg.grad_accum
         state["step"] += 1
-        merged: dict[str, float] = {}
-        for part in ctx.gather({str(i): v for i, v in losses.items()}):
-            merged.update(part)
-        block_loss = dict(sorted(merged.items(), key=lambda kv: int(kv[0])))
-        state["history"].append({"step": state["step"], "lr": lr, "block_loss": block_loss})
-        mean = sum(block_loss.values()) / len(block_loss)
+        pending.append((state["step"], lr, losses))
+        mean = sum(losses.values()) / len(losses)  # this rank's blocks
         bar.set_postfix(loss=f"{mean:.4g}", tok_s=f"{tokens_per_step / (time.perf_counter() - t0):.0f}")
         bar.update(1)
         if rcfg.val_every and (state["step"] % rcfg.val_every == 0 or state["step"] == tcfg.steps):
-            result = validate(teacher, student, data.val_batches(), owned, ctx, loss_fn, tcfg.loss_eps)
+            flush()
+            val = [b.to(ctx.device) for b in data.val_batches()]
+            result = validate(teacher, student, val, owned, ctx, loss_fn, tcfg.loss_eps)
             state["validation"].append({"step": state["step"], **result})
             metric = float(result["lm_loss" if rcfg.best_metric == "lm_loss" else "mean_block_loss"])  # type: ignore[arg-type]
             if state["best"] is None or metric < state["best"]["value"]:
@@ -256,7 +299,7 @@ def run_bypass(
 
 
 def make_optimizers(
-    student: BlockwiseModel, blocks: Sequence[int], tcfg: TrainingConfig
+    student: BlockwiseModel, blocks: Sequence[int], tcfg: TrainingConfig, device: str = "cpu"
 ) -> dict[int, BlockOptimizer]:
     """Freeze the student except ``keys_to_learn`` of ``blocks``; one AdamW + GradScaler per trainable block."""
     params = freeze_for_training(student, blocks, tcfg.keys_to_learn)
@@ -270,6 +313,7 @@ def make_optimizers(
             weight_decay=tcfg.weight_decay,
             loss_scaling=tcfg.loss_scaling,
             init_scale=tcfg.init_scale,
+            device=device,
         )
         for i, ps in params.items()
         if ps
@@ -310,17 +354,29 @@ def bypass_step(
     return losses
 
 
-def make_student(teacher: BlockwiseModel, student: StudentConfig, data: TokenBatches) -> BlockwiseModel:
-    """Build and initialise the student (importance scores from the first training batches)."""
+def make_student(
+    teacher: BlockwiseModel,
+    student: StudentConfig,
+    data: TokenBatches,
+    ownership: Ownership | None = None,
+    ctx: DistContext | None = None,
+) -> BlockwiseModel:
+    """Build and initialise the student (importance scores from the first training batches).
+
+    With ``ownership`` only its blocks get storage (every rank of ``ctx`` calls this).
+    """
+    device = (ctx or DistContext()).device
     calibration = None
     if student.mlp_init_mode == "importance":
-        calibration = [data.batch(i) for i in range(student.importance_batches)]
+        calibration = [data.batch(i).to(device) for i in range(student.importance_batches)]
     built = build_student(
         teacher,
         student.overrides,
         mlp_init_mode=student.mlp_init_mode,
         gqa_init_mode=student.gqa_init_mode,
         calibration=calibration,
+        ownership=ownership,
+        ctx=ctx,
     )
     if built.num_blocks != teacher.num_blocks:
         raise ValueError(
