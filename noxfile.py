@@ -110,7 +110,7 @@ SUITES = [
         "core",
         "core",
         "composer-core with nothing but torch (+ its test tools).",
-        pytest_args=("--ignore=tests/extras", "--ignore=tests/datajuicer"),
+        pytest_args=("--ignore=tests/extras", "--ignore=tests/datajuicer", "--ignore=tests/openenv"),
     ),
     Suite(
         "core-extras",
@@ -125,6 +125,13 @@ SUITES = [
         "composer-core's py-data-juicer integration against the real library (tests/datajuicer/).",
         extras="test,datajuicer",
         paths=("tests/datajuicer",),
+    ),
+    Suite(
+        "core-envs",
+        "core",
+        "composer-core's OpenEnv adapter against real OpenEnv server processes on 127.0.0.1 (tests/openenv/).",
+        extras="test,openenv",
+        paths=("tests/openenv",),
     ),
     Suite(
         "trl",

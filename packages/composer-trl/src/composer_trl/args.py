@@ -32,6 +32,14 @@ class ComposerScriptArguments:
         metadata={"help": "one or more 'package.module:function' rewards (default: the task's verifier)"},
     )
     hint_fn: str | None = field(default=None, metadata={"help": "'package.module:function' building hints"})
+    env: str | None = field(
+        default=None,
+        metadata={
+            "help": "environment giving the prompts, rewards and hints (and reference answers as channel 3's "
+            "`chosen`): 'digit-reversal', 'openenv:<url>' (composer-core[openenv]) or 'verifiers:<module>' "
+            "(composer-core[verifiers]); excludes --dataset_name, --reward_funcs and --hint_fn"
+        },
+    )
     config: str | None = field(
         default=None, metadata={"help": "YAML (as `trl grpo --config` takes it) or TOML recipe"}
     )

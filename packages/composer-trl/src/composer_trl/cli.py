@@ -1,6 +1,8 @@
 """``composer-train``: train with composer's 3-channel objective inside TRL, in one command.
 
-With no arguments it builds a tiny Qwen2 (random init, character tokenizer, no download) and trains it
+``--env`` takes the prompts, rewards and hints from an environment instead (:mod:`composer_core.envs`:
+``digit-reversal``, ``openenv:<url>``, ``verifiers:<module>``; its reference answers are channel 3's
+``chosen``). With no arguments it builds a tiny Qwen2 (random init, character tokenizer, no download) and trains it
 on the embedded digit-reversal task (:mod:`composer_core.tasks.digit_reversal`): reward from the verifier, hints from the
 verifier's feedback (channel 2), oracle answers as teacher traces (channel 3). It shows a progress bar
 (reward and each channel's loss), writes ``metrics-composer.jsonl``, a PNG plot, ``summary.json`` and the
@@ -28,6 +30,7 @@ from typing import Any, NoReturn
 
 from composer_trl.lifecycle import (
     DataError,
+    EnvFault,
     UsageError,
     checkpoint_step,
     dumps,
@@ -41,6 +44,7 @@ SCRIPT_TO_RECIPE = {
     "dataset_name": "dataset",
     "reward_funcs": "reward",
     "hint_fn": "hint_fn",
+    "env": "env",
     "steps": "steps",
     "max_steps": "steps",
     "seed": "seed",
@@ -156,6 +160,7 @@ def _invocation(values: dict[str, Any]) -> Invocation:
         raise UsageError(f"--seed must be an int, got {recipe.seed!r}.")
     if "save_steps" in recipe.trainer:
         recipe.trainer.setdefault("save_strategy", "steps")
+    _check_env_flags(recipe, compare=bool(run.get("compare", False)))
     seeds = int(run.get("seeds", 3))
     if seeds < 1:
         raise UsageError(f"--seeds must be >= 1, got {seeds}.")
@@ -169,6 +174,25 @@ def _invocation(values: dict[str, Any]) -> Invocation:
         plot=not run.get("no_plot", False),
         threads=run.get("threads"),
     )
+
+
+ENV_EXCLUDES = (("dataset", "--dataset_name"), ("reward", "--reward_funcs"), ("hint_fn", "--hint_fn"))
+"""Recipe fields that ``--env`` replaces (the environment gives the prompts, the rewards and the hints)."""
+
+
+def _check_env_flags(recipe: Recipe, *, compare: bool) -> None:
+    if recipe.env is None:
+        return
+    if not isinstance(recipe.env, str) or not recipe.env.strip():
+        raise UsageError(f"--env must be a string like 'openenv:http://127.0.0.1:8000', got {recipe.env!r}.")
+    for attr, flag in ENV_EXCLUDES:
+        if getattr(recipe, attr):
+            raise UsageError(
+                f"--env {recipe.env!r} and {flag} both given: the environment supplies the prompts, rewards "
+                f"and hints; drop {flag} or --env."
+            )
+    if compare:
+        raise UsageError("--compare runs the embedded task's fair comparison; drop --env (or --compare).")
 
 
 def quiet_third_party_warnings() -> None:
@@ -190,6 +214,8 @@ def quiet_third_party_warnings() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from composer_core.envs import EnvError
+
     quiet_third_party_warnings()
     try:
         inv = parse(sys.argv[1:] if argv is None else argv)
@@ -212,6 +238,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_comparison(inv)
         return train_once(inv)
+    except EnvError as e:  # raised by the environment's reward/hint functions during training
+        print(f"composer-train: error: --env: {e}", file=sys.stderr)
+        return EnvFault.exit_code
     except UsageError as e:
         print(f"composer-train: error: {e}", file=sys.stderr)
         return e.exit_code
@@ -333,6 +362,38 @@ def load_dataset_checked(recipe: Recipe, *, need: int, n_rows: int) -> Any:
     return ds
 
 
+def load_env_checked(recipe: Recipe, config: Any, *, need: int, n_rows: int) -> tuple[Any, Any]:
+    """``(environment, dataset)`` of ``--env``: rows, rewards and hints come from the environment.
+
+    Bad spec or missing extra: :class:`UsageError` (exit 2); the environment faulting (server down, ...):
+    :class:`EnvFault` (exit 4); too few tasks: :class:`DataError` (exit 3); channel 3 on (``beta_replay > 0``)
+    but the environment gives no reference answers: :class:`UsageError`.
+    """
+    from composer_core.envs import EnvError, env_dataset_rows, load_env
+    from datasets import Dataset
+
+    spec = str(recipe.env)
+    kw: dict[str, Any] = {"n_tasks": n_rows, "seed": recipe.seed} if spec == "digit-reversal" else {}
+    try:
+        env = load_env(spec, **kw)
+        rows = env_dataset_rows(env, "train", n_rows)
+    except EnvError as e:
+        raise EnvFault(f"--env {spec!r}: {e}") from e
+    except (ValueError, ImportError) as e:
+        raise UsageError(str(e)) from e
+    if len(rows) < need:
+        raise DataError(
+            f"--env {spec!r} has {len(rows)} training tasks but one optimiser step needs {need} prompts "
+            "(generation batch / num_generations); lower --per_device_train_batch_size."
+        )
+    if float(getattr(config, "beta_replay", 0.0)) > 0 and not {"chosen", "rejected"} <= set(rows[0]):
+        raise UsageError(
+            f"--env {spec!r} gives no reference and wrong answers (channel 3's chosen/rejected); "
+            "pass --beta_replay 0 to train without channel 3."
+        )
+    return env, Dataset.from_list(rows)
+
+
 def _check_jsonl(path: Path, flag: str) -> None:
     import json
 
@@ -400,9 +461,15 @@ class Job:
         """Load and check the dataset (and the reward/hint callables) before anything is written."""
         c = self.config
         need = int(c.generation_batch_size) // int(c.num_generations)
-        self.dataset = load_dataset_checked(
-            self.recipe, need=need, n_rows=max(64, need * (self.recipe.steps + 1))
-        )
+        n_rows = max(64, need * (self.recipe.steps + 1))
+        if self.recipe.env is not None:
+            from composer_core.envs import env_hint_func, env_reward_func
+
+            env, self.dataset = load_env_checked(self.recipe, c, need=need, n_rows=n_rows)
+            self.rewards = [env_reward_func(env)]
+            self.hint = env_hint_func(env) if self.composer and float(c.alpha_sdpo) > 0 else None
+            return
+        self.dataset = load_dataset_checked(self.recipe, need=need, n_rows=n_rows)
         try:
             self.rewards = [import_callable(r, "reward_funcs") for r in (self.recipe.reward or [])]
             self.hint = import_callable(self.recipe.hint_fn, "hint_fn") if self.recipe.hint_fn else None
@@ -425,7 +492,8 @@ class Job:
         model, tok = load_model(self.recipe)
         extra: dict[str, Any] = {}
         if self.composer:
-            auto = reverse_hints if self.recipe.dataset is None and self.config.alpha_sdpo > 0 else None
+            embedded = self.recipe.dataset is None and self.recipe.env is None
+            auto = reverse_hints if embedded and self.config.alpha_sdpo > 0 else None
             hint = self.hint_fn or self.hint or auto
             if hint is not None:
                 extra["hint_fn"] = hint

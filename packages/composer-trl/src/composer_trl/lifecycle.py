@@ -6,6 +6,9 @@ Exit codes (documented in the package README)::
     1    unexpected failure (a traceback)
     2    bad arguments or config (unknown field, missing model directory, non-empty output dir, ...)
     3    bad dataset (missing, empty, unreadable, no ``prompt`` column, fewer rows than one step needs)
+    4    the ``--env`` environment faulted (server down, no answer within its timeout, garbage answers): one
+         line naming the server; before training nothing is written, during training the run stops at the
+         failing step (checkpoints already saved are kept)
     130  stopped by SIGINT  (the current step finished, a checkpoint and summary.json written)
     143  stopped by SIGTERM (same)
 
@@ -30,6 +33,7 @@ EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 EXIT_DATA = 3
+EXIT_ENV = 4
 EXIT_SIGINT = 130
 EXIT_SIGTERM = 143
 
@@ -56,6 +60,12 @@ class DataError(UsageError):
     """Bad dataset: one line on stderr, exit 3, nothing written."""
 
     exit_code = EXIT_DATA
+
+
+class EnvFault(UsageError):
+    """The ``--env`` environment faulted (composer_core.envs.EnvError): one line on stderr, exit 4."""
+
+    exit_code = EXIT_ENV
 
 
 def json_safe(value: Any, path: str = "", flagged: list[str] | None = None) -> Any:

@@ -7,6 +7,7 @@ A recipe file has optional top-level keys and one ``[trainer]`` table of
     dataset = "data/train.jsonl"              # json/jsonl/parquet/csv with `prompt` (+ hint/chosen/rejected)
     reward = "my_pkg.rewards:passes_tests"    # "module:function" (default: the embedded task's verifier)
     hint_fn = "my_pkg.rewards:test_feedback"  # "module:function" or omit (uses a `hint` column if any)
+    env = "openenv:http://127.0.0.1:8000"     # or: prompts, rewards and hints from an environment
     steps = 300
     seed = 0
     output_dir = "runs/my-run"
@@ -34,6 +35,7 @@ TOP_LEVEL_KEYS = {
     "dataset",
     "reward",
     "hint_fn",
+    "env",
     "steps",
     "seed",
     "output_dir",
@@ -76,6 +78,7 @@ class Recipe:
     dataset: str | None = None
     reward: str | list[str] | None = None
     hint_fn: str | None = None
+    env: str | None = None
     steps: int = 300
     seed: int = 0
     output_dir: str = "runs/composer-train"
@@ -98,8 +101,10 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     trainer = data.pop("trainer", {})
     if not isinstance(trainer, dict):
         raise ValueError(f"{path}: `trainer` must be a table of ComposerGRPOConfig fields.")
-    env = data.pop("env", None)  # TrlParser's `env:` block: environment variables, set as TRL sets them
-    if env is not None:
+    env = data.pop("env", None)
+    if isinstance(env, str):  # composer's `env = "openenv:<url>"`: the --env flag (an environment spec)
+        data["env"] = env
+    elif env is not None:  # TrlParser's `env:` block: environment variables, set as TRL sets them
         if not isinstance(env, dict):
             raise ValueError(f"{path}: `env` must be a mapping of environment variables.")
         os.environ.update({str(k): str(v) for k, v in env.items()})
@@ -150,6 +155,10 @@ def recipe_from_dict(data: dict[str, Any], *, source: str = "recipe") -> Recipe:
         raise ValueError(f"{source}: `steps` must be an int >= 1, got {recipe.steps!r}.")
     if not isinstance(recipe.seed, int):
         raise ValueError(f"{source}: `seed` must be an int, got {recipe.seed!r}.")
+    if recipe.env is not None and not isinstance(recipe.env, str):
+        raise ValueError(
+            f"{source}: `env` must be a string like 'openenv:http://127.0.0.1:8000', got {recipe.env!r}."
+        )
     return recipe
 
 

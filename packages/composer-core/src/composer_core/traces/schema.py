@@ -35,7 +35,7 @@ from typing import Any, Literal, cast
 
 Role = Literal["system", "user", "assistant", "tool"]
 ROLES: tuple[Role, ...] = ("system", "user", "assistant", "tool")
-ErrorKind = Literal["tool_error", "test_failure", "exit_code"]
+ErrorKind = Literal["tool_error", "test_failure", "exit_code", "env_feedback"]
 
 __all__ = [
     "Episode",

@@ -1,0 +1,309 @@
+"""Episodes of an environment: run them, find their error sites, turn them into training records.
+
+Message layout of an :class:`EnvEpisode` (built by :func:`episode_from_steps`, which every adapter uses)::
+
+    prompt messages (the task's prompt; a text prompt is one user message)
+    for each step k:  assistant  = the policy's action k
+                      user       = the environment's reply to it: feedback, then observation (joined by a
+                                   blank line); only when the step returned either
+    a failed episode may end with one more assistant action whose step faulted (no reply)
+
+Error sites (:func:`episode_error_sites`) are the environment's replies that carry ``feedback``: ``turn`` is the
+reply message, ``action_turn`` the action it answers, ``kinds == ("env_feedback",)`` and ``evidence`` the
+feedback text. :func:`feedback_hint` turns that feedback into a :data:`~composer_core.traces.hints.HintSource`
+(channel 2), and :func:`episode_records` writes one :class:`~composer_core.traces.records.TraceRecord` per
+action that has feedback (channel 2) or differs from the task's reference answer (channel 3: ``chosen`` = the
+reference, ``rejected`` = the action).
+
+``EnvEpisode.reward`` is the **sum** of the step rewards (for environments that reward only the last step, the
+terminal reward); a failed episode keeps the sum of the steps that completed and sets ``failed``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal, TypeVar
+
+from composer_core.traces.hints import HintSource, build_hinted_context
+from composer_core.traces.records import TraceRecord, validate_record
+from composer_core.traces.schema import Episode, ErrorSite, Message
+
+from .base import EnvError, Environment, EnvSession, EnvTask, StepResult, prompt_messages
+
+__all__ = [
+    "EnvEpisode",
+    "episode_error_sites",
+    "episode_from_steps",
+    "episode_records",
+    "feedback_hint",
+    "run_episode",
+]
+
+T = TypeVar("T")
+_COUNTER = itertools.count()
+
+
+@dataclass(frozen=True)
+class EnvEpisode:
+    """One episode of an environment: the task, the chat (actions and replies), the step results, the return.
+
+    ``failed`` is the one-line reason when the environment faulted (the episode is kept, not raised).
+    """
+
+    task: EnvTask
+    episode: Episode
+    steps: tuple[StepResult, ...]
+    reward: float
+    failed: str | None = None
+
+    def __post_init__(self) -> None:
+        turns = _step_turns(self)  # validates the layout
+        if self.failed is None and len(turns) > len(self.steps):
+            raise ValueError(f"episode {self.episode.id!r}: an unscored action without `failed` set")
+
+    def actions(self) -> list[str]:
+        """The policy's actions, in order (including a last unscored one of a failed episode)."""
+        return [self.episode.messages[a].text for a, _ in _step_turns(self)]
+
+
+def _reply_text(step: StepResult) -> str | None:
+    parts = [p for p in (step.feedback, step.observation) if p]
+    return "\n\n".join(parts) if parts else None
+
+
+def episode_from_steps(
+    task: EnvTask,
+    actions: Sequence[str],
+    steps: Sequence[StepResult],
+    *,
+    env_name: str,
+    failed: str | None = None,
+    episode_id: str | None = None,
+) -> EnvEpisode:
+    """Build an :class:`EnvEpisode` in the layout of the module docstring.
+
+    ``actions`` has one entry per step, or one more when the last action's step faulted (then ``failed``
+    must say why).
+    """
+    if not len(steps) <= len(actions) <= len(steps) + 1:
+        raise ValueError(f"{len(actions)} actions for {len(steps)} steps (need as many, or one more)")
+    if len(actions) > len(steps) and failed is None:
+        raise ValueError("an action without a step result needs `failed` (why the step did not complete)")
+    messages = list(prompt_messages(task))
+    for k, action in enumerate(actions):
+        messages.append(Message("assistant", action))
+        if k < len(steps) and (reply := _reply_text(steps[k])) is not None:
+            messages.append(Message("user", reply))
+    eid = episode_id or f"{env_name}:{task.task_id}:{next(_COUNTER)}"
+    meta = {"env": env_name, "task_id": task.task_id, **({"failed": failed} if failed else {})}
+    episode = Episode(eid, tuple(messages), task.tools, meta)
+    reward = float(sum(s.reward for s in steps))
+    return EnvEpisode(task, episode, tuple(steps), reward, failed)
+
+
+def _step_turns(ep: EnvEpisode) -> list[tuple[int, int | None]]:
+    """``(action index, reply index or None)`` per action, checked against the layout."""
+    msgs = ep.episode.messages
+    i = len(prompt_messages(ep.task))
+    turns: list[tuple[int, int | None]] = []
+    k = 0
+    while i < len(msgs):
+        if msgs[i].role != "assistant":
+            raise ValueError(f"episode {ep.episode.id!r}: message {i} should be action {k} (assistant)")
+        reply = _reply_text(ep.steps[k]) if k < len(ep.steps) else None
+        has_reply = reply is not None
+        if has_reply and (i + 1 >= len(msgs) or msgs[i + 1].text != reply):
+            raise ValueError(f"episode {ep.episode.id!r}: message {i + 1} should be the reply to action {k}")
+        turns.append((i, i + 1 if has_reply else None))
+        i += 2 if has_reply else 1
+        k += 1
+    if len(turns) not in (len(ep.steps), len(ep.steps) + 1):
+        raise ValueError(f"episode {ep.episode.id!r}: {len(turns)} actions for {len(ep.steps)} steps")
+    return turns
+
+
+def _call_bounded(fn: Callable[[], T], timeout_s: float, what: str) -> T:
+    """``fn()`` in a daemon thread; EnvError when it takes longer than ``timeout_s`` (the thread is abandoned)."""
+    box: queue.Queue[tuple[bool, object]] = queue.Queue(maxsize=1)
+
+    def target() -> None:
+        try:
+            box.put((True, fn()))
+        except BaseException as e:
+            box.put((False, e))
+
+    threading.Thread(target=target, daemon=True, name=f"env-{what}").start()
+    try:
+        ok, value = box.get(timeout=timeout_s)
+    except queue.Empty:
+        raise EnvError(f"{what} did not answer within timeout_s={timeout_s:g}s") from None
+    if not ok:
+        assert isinstance(value, BaseException)
+        raise value
+    return value  # type: ignore[return-value]
+
+
+def run_episode(
+    env: Environment,
+    task: EnvTask,
+    act: Callable[[Sequence[Message]], str],
+    max_turns: int = 8,
+    timeout_s: float = 30.0,
+    *,
+    episode_id: str | None = None,
+) -> EnvEpisode:
+    """Play one episode: ``act(messages so far)`` gives each action, the environment steps it.
+
+    Stops when a step is ``done`` or after ``max_turns`` actions. ``reset`` and every ``step`` are bounded by
+    ``timeout_s``; an :class:`EnvError` (or a timeout) ends the episode as a failed one (``failed`` = the
+    one-line reason) instead of raising. Errors of ``act`` itself propagate.
+    """
+    if max_turns < 1:
+        raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    actions: list[str] = []
+    steps: list[StepResult] = []
+    failed: str | None = None
+    session: EnvSession | None = None
+    try:
+        session = _call_bounded(lambda: env.reset(task), timeout_s, f"{env.name} reset")
+        messages = list(prompt_messages(task))
+        for _ in range(max_turns):
+            action = act(tuple(messages))
+            if not isinstance(action, str):
+                raise TypeError(f"act returned {type(action).__name__}, expected the action text (str)")
+            actions.append(action)
+            step = _call_bounded(functools.partial(session.step, action), timeout_s, f"{env.name} step")
+            if not isinstance(step, StepResult):
+                raise EnvError(f"{env.name}: step returned {type(step).__name__}, not a StepResult")
+            steps.append(step)
+            messages.append(Message("assistant", action))
+            if (reply := _reply_text(step)) is not None:
+                messages.append(Message("user", reply))
+            if step.done:
+                break
+    except EnvError as e:
+        failed = str(e)
+    finally:
+        if session is not None:
+            _close_quietly(session, timeout_s)
+    return episode_from_steps(task, actions, steps, env_name=env.name, failed=failed, episode_id=episode_id)
+
+
+def _close_quietly(session: EnvSession, timeout_s: float) -> None:
+    # the episode's result is already recorded; a session that cannot close is the server's problem
+    with contextlib.suppress(EnvError):
+        _call_bounded(session.close, timeout_s, "close")
+
+
+def episode_error_sites(ep: EnvEpisode) -> list[ErrorSite]:
+    """The environment's replies that carry feedback, as error sites (see the module docstring)."""
+    sites = []
+    for k, (action, reply) in enumerate(_step_turns(ep)):
+        if k >= len(ep.steps) or reply is None:
+            continue
+        feedback = ep.steps[k].feedback
+        if feedback is None or not feedback.strip():
+            continue
+        sites.append(
+            ErrorSite(
+                episode_id=ep.episode.id,
+                turn=reply,
+                action_turn=action,
+                tool_call_id=f"step-{k}",
+                tool_name=str(ep.episode.metadata.get("env", "env")),
+                kinds=("env_feedback",),
+                evidence=feedback,
+            )
+        )
+    return sites
+
+
+def feedback_hint(ep_or_feedback: EnvEpisode | str | None = None) -> HintSource:
+    """A hint source whose hint is the environment's feedback.
+
+    ``None``: the feedback an env error site carries (its ``evidence``); an :class:`EnvEpisode`: the feedback of
+    that episode's step at the site's action; a string: that text at every site.
+    """
+    if isinstance(ep_or_feedback, str):
+        text = ep_or_feedback
+        if not text.strip():
+            raise ValueError("feedback_hint: the feedback text is empty (an empty hint distils nothing)")
+        return lambda episode, site: text
+    if isinstance(ep_or_feedback, EnvEpisode):
+        by_action = {s.action_turn: s.evidence for s in episode_error_sites(ep_or_feedback)}
+
+        def from_episode(episode: Episode, site: ErrorSite) -> str:
+            if site.action_turn not in by_action:
+                raise ValueError(f"no environment feedback at action {site.action_turn} of {episode.id!r}")
+            return by_action[site.action_turn]
+
+        return from_episode
+    if ep_or_feedback is not None:
+        raise TypeError(
+            f"feedback_hint takes an EnvEpisode, a string or None, got {type(ep_or_feedback).__name__}"
+        )
+
+    def from_site(episode: Episode, site: ErrorSite) -> str:
+        if "env_feedback" not in site.kinds:
+            raise ValueError(f"site {site.episode_id}@{site.turn} is not an environment-feedback site")
+        return site.evidence
+
+    return from_site
+
+
+def episode_records(
+    ep: EnvEpisode,
+    *,
+    hint_role: Literal["user", "system"] = "user",
+    pairs: bool = True,
+) -> list[TraceRecord]:
+    """Training records of one episode (the :mod:`composer_core.traces.records` schema).
+
+    One record per scored action that has feedback (channel 2: the hint is the feedback, inserted as a
+    ``hint_role`` message before the action) and/or, when ``pairs`` and the task has a reference answer that
+    differs from the action, channel 3 (``chosen`` = the reference, ``rejected`` = the action). The unscored
+    last action of a failed episode gets no record.
+    """
+    sites = {s.action_turn: s for s in episode_error_sites(ep)}
+    hint = feedback_hint()
+    msgs, ref = ep.episode.messages, ep.task.reference
+    out = []
+    for k, (a, _) in enumerate(_step_turns(ep)):
+        if k >= len(ep.steps):
+            continue
+        action = msgs[a]
+        row: dict[str, object] = {
+            "id": f"{ep.episode.id}@{a}",
+            "episode_id": ep.episode.id,
+            "turn": a,
+            "prompt": [m.to_dict() for m in msgs[:a]],
+            "completion": [action.to_dict()],
+            "tools": [dict(t) for t in ep.episode.tools],
+        }
+        site = sites.get(a)
+        if site is not None:
+            ctx = build_hinted_context(ep.episode, site, hint, role=hint_role)
+            row |= {
+                "teacher_prompt": [m.to_dict() for m in ctx.teacher_prompt],
+                "hint": ctx.hint,
+                "hint_index": ctx.hint_index,
+                "error_kinds": list(site.kinds),
+            }
+        if pairs and ref is not None and " ".join(ref.split()) != " ".join(action.text.split()):
+            row |= {
+                "chosen": [Message("assistant", ref).to_dict()],
+                "rejected": [action.to_dict()],
+                "chosen_by": "verifier",
+                "chosen_teachers": [f"env:{ep.episode.metadata.get('env', 'env')}"],
+            }
+        if site is not None or "chosen" in row:
+            out.append(validate_record(row, f"episode {ep.episode.id} action {k}"))
+    return out

@@ -1,0 +1,247 @@
+"""The embedded digit-reversal task served as an OpenEnv environment (OpenEnv's own server classes).
+
+Run it::
+
+    python -m composer_core.envs.openenv_digit_reversal --port 8000      # needs composer-core[openenv]
+    composer-train --env openenv:http://127.0.0.1:8000 ...
+
+It is :class:`composer_core.envs.digit_reversal.DigitReversalEnv` behind
+:func:`openenv.core.env_server.create_fastapi_app`: one :class:`DigitReversalOpenEnv` per WebSocket session,
+``reset(split=..., index=..., max_attempts=...)`` starts the episode of that task (``max_attempts`` > 1 makes
+it multi-turn, default ``--max-attempts``), ``step(DigitReversalAction(answer=...))``
+returns a :class:`DigitReversalObservation` with the reward (``verify``), ``done`` and the ``feedback`` (the
+task's hint, ``".8.|"``). The environment also implements OpenEnv's Task API (``list_splits``,
+``num_tasks``, ``get_task``, ``get_task_range``, ``list_tasks``): each task spec is
+``{"id", "index", "split", "prompt", "reference", "rejected"}``, which is how
+:class:`composer_core.envs.openenv.OpenEnvEnvironment` learns the prompts and the reference answers.
+
+``--fault`` runs a faulty server for tests of the client's fault handling: ``slow`` (every step sleeps
+``--slow-s`` seconds), ``garbage`` (the session WebSocket answers non-JSON), ``schema`` (it answers JSON of the
+wrong shape). Reset, the Task API and ``/health`` stay healthy in every mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+if __name__ == "__main__":
+    # This process serves no Gradio web UI; OpenEnv imports gradio only if it is importable (its documented
+    # fallback when gradio is absent), and skipping it starts the server in a third of the time.
+    sys.modules.setdefault("gradio", None)  # type: ignore[arg-type]
+
+from fastapi import FastAPI, WebSocket, WebSocketDisconnect
+from openenv.core.env_server import Action, Environment, HTTPEnvServer, Observation, State
+
+from .base import EnvTask
+from .digit_reversal import SPLIT_SEEDS, DigitReversalEnv, DigitReversalSession
+
+__all__ = [
+    "ENV_NAME",
+    "DigitReversalAction",
+    "DigitReversalObservation",
+    "DigitReversalOpenEnv",
+    "build_app",
+    "main",
+]
+
+ENV_NAME = "digit_reversal"
+FAULTS = ("none", "slow", "garbage", "schema")
+
+
+class DigitReversalAction(Action):
+    """The policy's answer (the digits reversed)."""
+
+    answer: str
+
+
+class DigitReversalObservation(Observation):
+    """The prompt (at reset), the verifier's feedback (after a wrong answer) and the attempt count."""
+
+    prompt: str = ""
+    task_id: str = ""
+    feedback: str | None = None
+    attempt: int = 0
+
+
+def _spec(split: str, index: int, task: EnvTask) -> dict[str, Any]:
+    return {
+        "id": task.task_id,
+        "index": index,
+        "split": split,
+        "prompt": task.prompt,
+        "reference": task.reference,
+        "rejected": task.info.get("rejected"),
+    }
+
+
+class DigitReversalOpenEnv(Environment[DigitReversalAction, DigitReversalObservation, State]):
+    """One session of the digit-reversal task (see the module docstring)."""
+
+    SUPPORTS_CONCURRENT_SESSIONS = True
+    config: DigitReversalEnv = DigitReversalEnv()
+    slow_s: float = 0.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._session: DigitReversalSession | None = None
+        self._state = State(episode_id=None, step_count=0)
+
+    # --- episodes ---------------------------------------------------------------------------
+    def reset(
+        self,
+        seed: int | None = None,
+        episode_id: str | None = None,
+        split: str = "train",
+        index: int = 0,
+        max_attempts: int | None = None,
+        **kwargs: Any,
+    ) -> DigitReversalObservation:
+        task = self._tasks(split)[self._index(split, index)]
+        attempts = self.config.max_attempts if max_attempts is None else int(max_attempts)
+        if attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+        self._session = DigitReversalSession(task, attempts)
+        self._state = State(episode_id=episode_id or f"{task.task_id}", step_count=0)
+        assert isinstance(task.prompt, str)
+        return DigitReversalObservation(prompt=task.prompt, task_id=task.task_id, reward=None, done=False)
+
+    def step(
+        self, action: DigitReversalAction, timeout_s: float | None = None, **kwargs: Any
+    ) -> DigitReversalObservation:
+        if self._session is None:
+            raise RuntimeError("step before reset: call reset(split=..., index=...) first")
+        if self.slow_s > 0:
+            time.sleep(self.slow_s)
+        result = self._session.step(action.answer)
+        self._state = State(episode_id=self._state.episode_id, step_count=self._state.step_count + 1)
+        return DigitReversalObservation(
+            prompt=self._session.prompt,
+            feedback=result.feedback,
+            attempt=int(result.info["attempt"]),
+            reward=result.reward,
+            done=result.done,
+        )
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+    # --- OpenEnv's Task API -----------------------------------------------------------------
+    def _tasks(self, split: str) -> list[EnvTask]:
+        return list(self.config.tasks(split))
+
+    def _index(self, split: str, index: int) -> int:
+        n = self.num_tasks(split)
+        if not 0 <= index < n:
+            raise IndexError(f"task index {index} out of range for split {split!r} ({n} tasks)")
+        return index
+
+    def list_splits(self) -> list[str]:
+        return list(SPLIT_SEEDS)
+
+    def num_tasks(self, split: str) -> int:
+        return len(self._tasks(split))
+
+    def get_task(self, split: str, index: int) -> dict[str, Any]:
+        return _spec(split, index, self._tasks(split)[self._index(split, index)])
+
+    def get_task_range(
+        self, split: str, start: int | None = None, stop: int | None = None
+    ) -> list[dict[str, Any]]:
+        tasks = self._tasks(split)
+        lo, hi, _ = slice(start, stop).indices(len(tasks))
+        return [_spec(split, i, tasks[i]) for i in range(lo, hi)]
+
+    def list_tasks(self, split: str) -> list[dict[str, Any]]:
+        return self.get_task_range(split)
+
+
+def _faulty_ws(app: FastAPI, fault: str) -> None:
+    """A session WebSocket that answers garbage (registered before OpenEnv's, so it wins the route)."""
+
+    @app.websocket("/ws")
+    async def faulty(websocket: WebSocket) -> None:
+        await websocket.accept()
+        try:
+            while True:
+                await websocket.receive_text()
+                if fault == "garbage":
+                    await websocket.send_text("<html>502 Bad Gateway</html>")
+                else:
+                    bad = {
+                        "type": "observation",
+                        "data": {"observation": "oops", "reward": "high", "done": "maybe"},
+                    }
+                    await websocket.send_text(json.dumps(bad))
+        except WebSocketDisconnect:
+            pass
+
+
+def build_app(
+    *,
+    n_tasks: int = 64,
+    min_digits: int = 3,
+    max_digits: int = 3,
+    seed: int = 0,
+    max_attempts: int = 1,
+    fault: str = "none",
+    slow_s: float = 30.0,
+    max_concurrent_envs: int = 64,
+) -> FastAPI:
+    """The FastAPI app: OpenEnv's :class:`HTTPEnvServer` routes for :class:`DigitReversalOpenEnv`."""
+    if fault not in FAULTS:
+        raise ValueError(f"--fault must be one of {FAULTS}, got {fault!r}")
+    config = DigitReversalEnv(n_tasks, min_digits, max_digits, seed, max_attempts)
+    env_cls = type(
+        "DigitReversalOpenEnv",
+        (DigitReversalOpenEnv,),
+        {"config": config, "slow_s": slow_s if fault == "slow" else 0.0},
+    )
+    app = FastAPI(title="composer digit-reversal (OpenEnv)")
+    if fault in ("garbage", "schema"):
+        _faulty_ws(app, fault)
+    server = HTTPEnvServer(
+        env_cls,
+        DigitReversalAction,
+        DigitReversalObservation,
+        max_concurrent_envs=max_concurrent_envs,
+        env_name=ENV_NAME,
+    )
+    server.register_routes(app, mode="simulation")
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="python -m composer_core.envs.openenv_digit_reversal", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--n-tasks", type=int, default=64)
+    p.add_argument("--min-digits", type=int, default=3)
+    p.add_argument("--max-digits", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-attempts", type=int, default=1)
+    p.add_argument("--fault", choices=FAULTS, default="none", help="a faulty server, for tests")
+    p.add_argument("--slow-s", type=float, default=30.0, help="seconds every step sleeps with --fault slow")
+    a = p.parse_args(argv)
+    import uvicorn
+
+    app = build_app(
+        n_tasks=a.n_tasks,
+        min_digits=a.min_digits,
+        max_digits=a.max_digits,
+        seed=a.seed,
+        max_attempts=a.max_attempts,
+        fault=a.fault,
+        slow_s=a.slow_s,
+    )
+    uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""An environment as TRL-style callables: dataset rows, a reward function, a hint function.
+
+No TRL import: these are plain callables in TRL's reward-function calling convention
+(``f(prompts=..., completions=..., **dataset_columns)``), which composer-trl's ``hint_fn`` shares.
+
+- :func:`env_dataset_rows`: one row per task, ``{"prompt", "task_id"}`` plus ``"chosen"`` (the reference
+  answer, channel 3) when any task has one, and ``"rejected"`` when a task's ``info["rejected"]`` gives one;
+- :func:`env_reward_func`: per completion, ``reset(task)`` -> ``step(completion)`` -> the step's reward;
+- :func:`env_hint_func`: the same step's feedback (None when there is none: that completion is not distilled).
+
+Single-turn use: each completion is one step of a fresh episode (a multi-turn environment contributes its first
+step's reward and feedback). The reward and the hint of a completion come from **one** step: both functions share
+an :class:`EnvScorer` per environment that caches the step result by ``(task_id, completion)``. The task of a row
+is found by its ``task_id`` column (tasks seen by :func:`env_dataset_rows`, else the environment's own
+``task(task_id)`` when it has one). An environment fault raises :class:`~composer_core.envs.EnvError` (one line);
+a training step never continues on a reward it could not compute.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from .base import EnvError, Environment, EnvTask, StepResult
+from .episodes import _call_bounded
+
+__all__ = ["EnvScorer", "env_dataset_rows", "env_hint_func", "env_reward_func", "scorer_for"]
+
+
+class EnvScorer:
+    """Single-step scoring of ``(task_id, completion)`` with a bounded LRU cache (see the module docstring)."""
+
+    def __init__(self, env: Environment, *, timeout_s: float = 30.0, cache_size: int = 4096) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.env, self.timeout_s, self.cache_size = env, timeout_s, cache_size
+        self._tasks: dict[str, EnvTask] = {}
+        self._cache: OrderedDict[tuple[str, str], StepResult] = OrderedDict()
+
+    def register(self, tasks: Iterable[EnvTask]) -> None:
+        for t in tasks:
+            self._tasks[t.task_id] = t
+
+    def task(self, task_id: str) -> EnvTask:
+        if task_id in self._tasks:
+            return self._tasks[task_id]
+        lookup = getattr(self.env, "task", None)
+        if callable(lookup):
+            found = lookup(task_id)
+            if isinstance(found, EnvTask):
+                self._tasks[task_id] = found
+                return found
+        raise ValueError(
+            f"task_id {task_id!r} is unknown to environment {self.env.name!r}; build the dataset with "
+            "composer_core.envs.env_dataset_rows(env) so every row's task_id is registered"
+        )
+
+    def score(self, task_id: str, completion: str) -> StepResult:
+        key = (task_id, completion)
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
+        task = self.task(task_id)
+        session = _call_bounded(lambda: self.env.reset(task), self.timeout_s, f"{self.env.name} reset")
+        try:
+            result = _call_bounded(lambda: session.step(completion), self.timeout_s, f"{self.env.name} step")
+        finally:
+            with contextlib.suppress(EnvError):  # the step's result (or its error) is what matters
+                _call_bounded(session.close, self.timeout_s, f"{self.env.name} close")
+        if not isinstance(result, StepResult):
+            raise EnvError(f"{self.env.name}: step returned {type(result).__name__}, not a StepResult")
+        self._cache[key] = result
+        while len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
+        return result
+
+
+_SCORERS: dict[int, tuple[Environment, EnvScorer]] = {}
+
+
+def scorer_for(env: Environment, *, timeout_s: float = 30.0) -> EnvScorer:
+    """The :class:`EnvScorer` shared by every function built from ``env`` (created on first use)."""
+    entry = _SCORERS.get(id(env))
+    if entry is None or entry[0] is not env:
+        entry = (env, EnvScorer(env, timeout_s=timeout_s))
+        _SCORERS[id(env)] = entry
+    return entry[1]
+
+
+def _completion_text(c: Any) -> str:
+    if isinstance(c, str):
+        return c
+    if isinstance(c, Sequence) and c and isinstance(c[-1], Mapping):
+        return str(
+            c[-1].get("content") or ""
+        )  # TRL's conversational completion: [{"role": "assistant", ...}]
+    raise TypeError(f"a completion must be text or a list of chat messages, got {type(c).__name__}")
+
+
+def _task_ids(task_id: Any, n: int, who: str) -> list[str]:
+    if task_id is None:
+        raise ValueError(
+            f"{who}: the dataset has no `task_id` column; build it with composer_core.envs.env_dataset_rows(env)"
+        )
+    ids = [str(t) for t in task_id]
+    if len(ids) != n:
+        raise ValueError(f"{who}: {len(ids)} task ids for {n} completions")
+    return ids
+
+
+def _func_name(env: Environment, kind: str) -> str:
+    return f"env_{kind}_" + re.sub(r"\W+", "_", env.name).strip("_")
+
+
+def env_reward_func(env: Environment, *, timeout_s: float = 30.0) -> Callable[..., list[float]]:
+    """A reward function ``(prompts, completions, task_id=[...], **kw) -> list[float]`` scoring with ``env``."""
+    scorer = scorer_for(env, timeout_s=timeout_s)
+
+    def reward(
+        prompts: Sequence[Any], completions: Sequence[Any], task_id: Any = None, **_: Any
+    ) -> list[float]:
+        ids = _task_ids(task_id, len(completions), reward.__name__)
+        return [float(scorer.score(t, _completion_text(c)).reward) for t, c in zip(ids, completions)]
+
+    reward.__name__ = reward.__qualname__ = _func_name(env, "reward")  # TRL logs rewards/<__name__>
+    return reward
+
+
+def env_hint_func(env: Environment, *, timeout_s: float = 30.0) -> Callable[..., list[str | None]]:
+    """A hint function (composer-trl's ``hint_fn``): the environment's feedback on each completion, or None."""
+    scorer = scorer_for(env, timeout_s=timeout_s)
+
+    def hint(
+        prompts: Sequence[Any], completions: Sequence[Any], task_id: Any = None, **_: Any
+    ) -> list[str | None]:
+        ids = _task_ids(task_id, len(completions), hint.__name__)
+        out: list[str | None] = []
+        for t, c in zip(ids, completions):
+            fb = scorer.score(t, _completion_text(c)).feedback
+            out.append(fb if fb and fb.strip() else None)
+        return out
+
+    hint.__name__ = hint.__qualname__ = _func_name(env, "hint")
+    return hint
+
+
+def env_dataset_rows(
+    env: Environment, split: str = "train", limit: int | None = None
+) -> list[dict[str, Any]]:
+    """One row per task (see the module docstring); registers the tasks with the env's :class:`EnvScorer`."""
+    tasks = list(env.tasks(split, limit))
+    if not tasks:
+        raise ValueError(f"environment {env.name!r} has no tasks in split {split!r}")
+    scorer_for(env).register(tasks)
+    with_ref = any(t.reference is not None for t in tasks)
+    with_rejected = any(isinstance(t.info.get("rejected"), str) for t in tasks)
+    rows = []
+    for t in tasks:
+        prompt: Any = t.prompt if isinstance(t.prompt, str) else [m.to_api_dict() for m in t.prompt]
+        row: dict[str, Any] = {"prompt": prompt, "task_id": t.task_id}
+        if with_ref:
+            row["chosen"] = t.reference
+        if with_rejected:
+            rejected = t.info.get("rejected")
+            row["rejected"] = rejected if isinstance(rejected, str) else None
+        rows.append(row)
+    return rows
