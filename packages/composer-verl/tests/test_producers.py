@@ -142,7 +142,7 @@ def test_hint_fn_import_paths_and_errors() -> None:
     with pytest.raises(ValueError, match=r"composer\.hint_fn"):
         load_hint_fn("verl_cpu_testkit.task:nope")
     with pytest.raises(ValueError, match=r"composer\.hint_fn"):
-        load_hint_fn("verl_cpu_testkit.task:DATA_SOURCE")
+        load_hint_fn("verl_cpu_testkit.task:MODEL")
 
 
 def test_config_refuses_producers_without_effect_and_split_pairs() -> None:

@@ -53,9 +53,14 @@ class ProducerConfig:
     pair_source: ``dataset`` (columns ``chosen``/``rejected`` of the training data) or the path of a
         ``composer_core.traces.records`` file (``.jsonl``/``.parquet``); needs ``beta_replay > 0``.
     pairs_per_step: records per step when ``pair_source`` is a records file.
+    env: an environment spec (``composer_core.envs.load_env``: ``digit-reversal``, ``openenv:<url>``,
+        ``verifiers:<module>``) whose feedback on each sampled response is the hint
+        (:func:`composer_verl.envs.env_hint_fn`); replaces ``hint_fn`` (setting both raises). Rows need
+        ``extra_info.task_id`` (:func:`composer_verl.envs.write_env_dataset`).
     """
 
     hint_fn: str | None = None
+    env: str | None = None
     hint_role: str = "user"
     pair_source: str | None = None
     pairs_per_step: int = 1
@@ -65,6 +70,11 @@ class ProducerConfig:
             raise ValueError(f"composer.hint_role={self.hint_role!r} must be 'user' or 'system'.")
         if not isinstance(self.pairs_per_step, int) or self.pairs_per_step < 1:
             raise ValueError(f"composer.pairs_per_step={self.pairs_per_step!r} must be an integer >= 1.")
+        if self.env is not None and self.hint_fn is not None:
+            raise ValueError(
+                f"composer.env={self.env!r} and composer.hint_fn={self.hint_fn!r} are both set: the environment's "
+                "feedback is the hint, so drop one of them."
+            )
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any] | None) -> ProducerConfig:
@@ -79,7 +89,12 @@ class ProducerConfig:
 
     @property
     def enabled(self) -> bool:
-        return self.hint_fn is not None or self.pair_source is not None
+        return self.hints or self.pair_source is not None
+
+    @property
+    def hints(self) -> bool:
+        """Channel 2 is produced (a hint function or an environment)."""
+        return self.hint_fn is not None or self.env is not None
 
 
 def load_hint_fn(path: str) -> HintFn:
@@ -93,9 +108,9 @@ def check_settings(
     producers: ProducerConfig, alpha_sdpo: float, beta_replay: float, actor: Mapping[str, Any]
 ) -> None:
     """Refuse configurations where a producer would have no effect, or pairs could be split."""
-    if producers.hint_fn is not None and alpha_sdpo <= 0:
+    if producers.hints and alpha_sdpo <= 0:
         raise ValueError(
-            "composer.hint_fn is set but alpha_sdpo is 0 in COMPOSER_VERL_CONFIG: set alpha_sdpo > 0."
+            "composer.hint_fn / composer.env is set but alpha_sdpo is 0 in COMPOSER_VERL_CONFIG: set alpha_sdpo > 0."
         )
     if producers.pair_source is not None:
         if beta_replay <= 0:
@@ -299,7 +314,11 @@ class ComposerProducers:
         self.config = config
         self.tokenizer = tokenizer
         self.response_length = response_length
-        self.hint_fn = load_hint_fn(config.hint_fn) if config.hint_fn else None
+        self.hint_fn: HintFn | None = load_hint_fn(config.hint_fn) if config.hint_fn else None
+        if config.env is not None:
+            from composer_verl.envs import env_hint_fn
+
+            self.hint_fn = env_hint_fn(config.env)
         self.records: RecordPairs | None = None
         if config.pair_source not in (None, "dataset"):
             self.records = RecordPairs(config.pair_source, config.pairs_per_step)
