@@ -23,7 +23,10 @@ def test_rows_reward_and_hint_come_from_the_environment(tmp_path) -> None:
     # verl's reward-function call: score = the task's partial credit, feedback = the verifier's hint
     out = compute_score(r["data_source"], wrong, r["reward_model"]["ground_truth"], r["extra_info"])
     assert out == {"score": T.verify(prompt, wrong), "feedback": T.feedback_hint(prompt, wrong)}
-    assert compute_score("x", answer, None, r["extra_info"], env="digit-reversal") == {"score": 1.0, "feedback": ""}
+    assert compute_score("x", answer, None, r["extra_info"], env="digit-reversal") == {
+        "score": 1.0,
+        "feedback": "",
+    }
     # the producers' hint: the environment's feedback on the response, None when it is right
     hint = env_hint_fn("digit-reversal")
     extra = {"extra_info": r["extra_info"], "reward_model": r["reward_model"]}

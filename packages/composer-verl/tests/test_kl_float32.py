@@ -47,7 +47,9 @@ def _lora_run(lr: float, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
     from peft import LoraConfig, get_peft_model
 
     base = build_tiny_qwen2(64, TinyModelConfig(hidden_size=32, intermediate_size=64), seed=0)
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    model = get_peft_model(
+        base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    )
     ids = torch.randint(3, 64, (4, 12), generator=torch.Generator().manual_seed(0))
 
     def logps() -> torch.Tensor:

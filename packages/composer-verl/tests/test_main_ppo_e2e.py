@@ -50,7 +50,14 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, float]]
     steps = step_metrics(proc.stdout)
     assert sorted(steps) == [1, 2, 3], proc.stdout[-8000:]
     for step, m in sorted(steps.items()):  # shown with -s / in the report
-        print(f"step {step}:", {k: m[k] for k in sorted(m) if k.startswith(("composer/", "actor/pg_loss", "critic/score/mean", "training/rollout"))})
+        print(
+            f"step {step}:",
+            {
+                k: m[k]
+                for k in sorted(m)
+                if k.startswith(("composer/", "actor/pg_loss", "critic/score/mean", "training/rollout"))
+            },
+        )
     return steps
 
 

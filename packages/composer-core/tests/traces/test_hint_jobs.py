@@ -33,6 +33,10 @@ def test_non_string_answers_and_bad_templates_name_the_option() -> None:
 
 def test_load_hint_fn_accepts_both_path_forms_and_names_the_option() -> None:
     assert load_hint_fn("os.path:join", option="k") is load_hint_fn("os.path.join", option="k")
-    for bad, why in (("os.path:nope", "cannot be imported"), ("os.path:sep", "not callable"), ("x", "expected")):
+    for bad, why in (
+        ("os.path:nope", "cannot be imported"),
+        ("os.path:sep", "not callable"),
+        ("x", "expected"),
+    ):
         with pytest.raises(ValueError, match=rf"^k={bad!r}.*{why}"):
             load_hint_fn(bad, option="k")

@@ -361,7 +361,9 @@ class ComposerProducers:
         for job in hinted:
             i = job.index
             jobs.append(("teacher", i))
-            teacher_ids = hinted_prompt_ids(self.tokenizer, samples[i]["raw_prompt"], job.hint, self.config.hint_role)
+            teacher_ids = hinted_prompt_ids(
+                self.tokenizer, samples[i]["raw_prompt"], job.hint, self.config.hint_role
+            )
             temp.append(with_prompt(samples[i], teacher_ids))
         for i in pair_rows:
             jobs.append(("pair", i))

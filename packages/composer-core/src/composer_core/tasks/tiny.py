@@ -126,7 +126,11 @@ def _byte_level_vocab(alphabet: str) -> dict[str, int]:
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character table (the symbols of a byte-level vocabulary):
     printable Latin-1 bytes map to themselves, the other bytes to ``chr(256 + k)`` in byte order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     table = {b: chr(b) for b in printable}
     others = [b for b in range(256) if b not in table]
     table.update({b: chr(256 + k) for k, b in enumerate(others)})
