@@ -61,7 +61,7 @@ def env_rows(spec: str, split: str = "train", limit: int | None = None) -> list[
 
 def write_env_dataset(spec: str, path: str | Path, split: str = "train", limit: int | None = None) -> Path:
     """:func:`env_rows` as a parquet file (verl's ``data.train_files``)."""
-    import pandas as pd
+    import pandas as pd  # type: ignore[import-untyped, unused-ignore]  # a dependency of verl
 
     pd.DataFrame(env_rows(spec, split, limit)).to_parquet(path)
     return Path(path)
