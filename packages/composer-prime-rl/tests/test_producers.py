@@ -116,7 +116,7 @@ def test_hint_sources_and_errors() -> None:
     t = trace("a", 0.0, {"feedback": "  "})
     assert resolve_hint(s, None, None, t) is None  # empty feedback = no hint
     assert resolve_hint(s, lambda ep, tr: "from fn", None, t) == "from fn"
-    with pytest.raises(ValueError, match="not str"):
+    with pytest.raises(ValueError, match="answered int"):
         resolve_hint(s, lambda ep, tr: 3, None, t)
     with pytest.raises(ValueError, match="hint_role"):
         ComposerSDPOSettings(hint_role="assistant")

@@ -16,7 +16,7 @@ from composer_trl.progress import read_jsonl
 
 def channel_key(channel: str) -> str:
     """The metric key of a channel's loss (the one place to change when the keys move)."""
-    return f"composer/{channel}"
+    return f"composer/loss/{channel}"
 
 
 # 8 prompts x 8 completions of 2-digit tasks: every step has groups whose rewards differ (the tiny random
@@ -43,8 +43,8 @@ def _assert_three_channels(out) -> list[dict]:
     rows = read_jsonl(out / "metrics-composer.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
-        assert r[channel_key("sdpo")] > 0 and r["composer/sdpo_tokens"] > 0, r
-        assert r[channel_key("replay")] > 0 and r["composer/replay_pairs"] > 0, r
+        assert r[channel_key("sdpo")] > 0 and r["composer/sdpo/tokens"] > 0, r
+        assert r[channel_key("replay")] > 0 and r["composer/replay/pairs"] > 0, r
         assert r["reward_std"] > 0 and abs(r[channel_key("policy")]) > 1e-6, r
     return rows
 

@@ -13,11 +13,11 @@ from composer_trl.cli import main
 from composer_trl.progress import read_jsonl
 
 KEYS = {
-    "policy": "composer/policy",
-    "sdpo": "composer/sdpo",
-    "replay": "composer/replay",
-    "sdpo_tokens": "composer/sdpo_tokens",
-    "replay_pairs": "composer/replay_pairs",
+    "policy": "composer/loss/policy",
+    "sdpo": "composer/loss/sdpo",
+    "replay": "composer/loss/replay",
+    "sdpo_tokens": "composer/sdpo/tokens",
+    "replay_pairs": "composer/replay/pairs",
 }
 """The logged metric keys this test reads (the one place to change when the keys move, e.g. composer/loss/sdpo)."""
 

@@ -1,14 +1,15 @@
 """A real verl policy-update step through the composer actor extension, on CPU.
 
 What is real: verl 0.9.1's ``TrainingWorker`` (our ``ComposerTrainingWorker`` subclass), its FSDP2 engine
-(``FSDPEngineWithLMHead``) wrapping a tiny Qwen2 model, verl's ``ppo_loss`` worker loss, the registered
+(``FSDPEngineWithLMHead``) wrapping a tiny Qwen2 model (``composer_core.tasks.tiny``), verl's ``ppo_loss`` worker loss, the registered
 ``composer`` policy loss, verl's DataProto -> TensorDict -> no-padding conversion, mini-batch iterator,
 micro-batching, backward and optimizer step, on a 1-rank gloo process group.
 
 What is bridged, and why: verl 0.9 has no CPU platform. Its platform registry knows nvidia/huawei/amd
 only and falls back to CUDA (``get_device_name() == "cuda"``, NCCL backend), and its FSDP engine is
-registered for ``device=["cuda", "npu"]``. The test therefore (1) installs a minimal CPU
-``PlatformBase`` through verl's own ``set_platform`` (device "cpu", backend gloo, no-op memory stats),
+registered for ``device=["cuda", "npu"]``. The test therefore (1) installs the test kit's CPU
+``PlatformBase`` (``verl_cpu_testkit.platform``, the one the ``main_ppo`` end-to-end run registers) through
+verl's own ``set_platform`` (device "cpu", backend gloo, no-op memory stats),
 (2) selects the FSDP engine class with verl's own ``VERL_ENGINE_DEVICE=cuda`` override, and (3) uses
 ``attn_implementation="sdpa"`` with ``use_remove_padding=False`` (verl defaults to flash-attention 2,
 which needs a GPU) and fp32 mixed precision. No verl code is patched. Ray is not started: the worker
@@ -17,7 +18,6 @@ object is built in-process, as a Ray actor would build it.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import socket
@@ -27,107 +27,17 @@ from typing import Any
 
 import pytest
 import torch
+from verl_cpu_testkit.platform import cpu_platform
 
 LN2 = math.log(2.0)
 B, P, R = 4, 5, 6
 
 
-def _cpu_platform() -> Any:
-    from verl.plugin.platform import PlatformBase
-
-    def _zero(*_: Any, **__: Any) -> int:
-        return 0
-
-    def _none(*_: Any, **__: Any) -> None:
-        return None
-
-    cpu_module = type(
-        "CPUDeviceModule",
-        (),
-        {
-            **{k: v for k, v in vars(torch.cpu).items() if not k.startswith("__")},
-            "max_memory_allocated": staticmethod(_zero),
-            "max_memory_reserved": staticmethod(_zero),
-            "memory_allocated": staticmethod(_zero),
-            "memory_reserved": staticmethod(_zero),
-            "mem_get_info": staticmethod(lambda *_: (0, 0)),
-            "reset_peak_memory_stats": staticmethod(_none),
-            "empty_cache": staticmethod(_none),
-            "get_device_name": staticmethod(lambda *_: "CPU"),
-        },
-    )
-
-    class PlatformCPU(PlatformBase):  # type: ignore[misc]
-        device_name = "cpu"
-        vendor_name = "cpu"
-        device_module = cpu_module
-
-        def is_available(self) -> bool:
-            return True
-
-        def current_device(self) -> str:  # verl moves tensors with .to(current_device())
-            return "cpu"
-
-        def device_count(self) -> int:
-            return 1
-
-        def set_device(self, device_index: int) -> None:
-            pass
-
-        def synchronize(self, device_index: int | None = None) -> None:
-            pass
-
-        def manual_seed(self, seed: int) -> None:
-            torch.manual_seed(seed)
-
-        def manual_seed_all(self, seed: int) -> None:
-            torch.manual_seed(seed)
-
-        def set_allocator_settings(self, settings: str) -> None:
-            pass
-
-        def empty_cache(self) -> None:
-            pass
-
-        def get_device_capability(self, device_index: int = 0) -> tuple[None, None]:
-            return None, None
-
-        def communication_backend_name(self) -> str:
-            return "gloo"
-
-        def visible_devices_envvar(self) -> str:
-            return "CUDA_VISIBLE_DEVICES"
-
-        @contextlib.contextmanager
-        def nvtx_range(self, msg: str) -> Iterator[None]:
-            yield
-
-        def profiler_start(self) -> None:
-            pass
-
-        def profiler_stop(self) -> None:
-            pass
-
-        def ray_resource_name(self) -> str:
-            return "CPU"
-
-        def ray_noset_envvars(self) -> list[str]:
-            return []
-
-        def is_ipc_supported(self) -> bool:
-            return False
-
-        def cudart(self) -> None:
-            return None
-
-    return PlatformCPU()
-
-
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     import torch.distributed as dist
+    from composer_core.tasks.tiny import TinyModelConfig, build_tiny_qwen2
     from composer_verl.actor import ComposerTrainingWorker
-    from transformers import Qwen2Config, Qwen2ForCausalLM
     from verl.plugin.platform import platform_manager, set_platform
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.config.engine import TrainingWorkerConfig
@@ -146,22 +56,11 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         MASTER_PORT=str(port),
         VERL_ENGINE_DEVICE="cuda",
     )
-    set_platform(_cpu_platform())
+    set_platform(cpu_platform())
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
     path = tmp_path_factory.mktemp("tiny-qwen2")
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    Qwen2ForCausalLM(config).save_pretrained(path)
+    build_tiny_qwen2(128, TinyModelConfig(hidden_size=32, intermediate_size=64), seed=0).save_pretrained(path)
     model = HFModelConfig(
         path=str(path),
         load_tokenizer=False,

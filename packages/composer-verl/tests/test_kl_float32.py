@@ -37,3 +37,54 @@ def test_identical_policy_and_reference_give_exactly_zero() -> None:
     lp = torch.randn(16, dtype=torch.float32)
     for kind in ("kl", "abs", "mse", "low_var_kl"):
         assert torch.all(kl_penalty(lp, lp.clone(), kind) == 0.0), kind
+
+
+def _lora_run(lr: float, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tiny Qwen2 + PEFT LoRA (B = 0 at init, as verl's ``lora_rank > 0``); ``steps`` SGD steps of ``lr`` on the
+    sequences' NLL; returns per-token log-probs of the policy and of the reference (adapter disabled, as verl's
+    ``no_lora_adapter``)."""
+    from composer_core.tasks.tiny import TinyModelConfig, build_tiny_qwen2
+    from peft import LoraConfig, get_peft_model
+
+    base = build_tiny_qwen2(64, TinyModelConfig(hidden_size=32, intermediate_size=64), seed=0)
+    model = get_peft_model(
+        base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    )
+    ids = torch.randint(3, 64, (4, 12), generator=torch.Generator().manual_seed(0))
+
+    def logps() -> torch.Tensor:
+        logits = model(input_ids=ids).logits[:, :-1].float()
+        return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
+    for _ in range(steps):
+        opt.zero_grad()
+        (-logps().mean()).backward()
+        opt.step()
+    with torch.no_grad():
+        policy = logps()
+        with model.disable_adapter():
+            ref = logps()
+    return policy, ref
+
+
+def test_lora_reference_kl_is_zero_at_step_one_and_positive_once_the_adapter_has_moved() -> None:
+    """The mechanism on real PEFT + verl's ``kl_penalty``: KL must be > 0 once the policy moved from the reference."""
+    policy, ref = _lora_run(lr=0.0, steps=0)
+    assert torch.equal(policy, ref)  # B = 0: the policy is the reference bit for bit
+    assert torch.all(kl_penalty(policy, ref, "low_var_kl") == 0.0)
+
+    policy, ref = _lora_run(lr=0.5, steps=3)
+    gap = (ref - policy).abs()
+    kl = kl_penalty(policy, ref, "low_var_kl")
+    assert gap.max() > 1e-2, gap.max()  # the adapter moved the policy
+    assert torch.all(kl[gap > 1e-3] > 0)  # resolvable gaps give a positive KL ...
+    assert kl.mean() > 1e-6, kl.mean()
+    exact = kl_penalty(policy.double(), ref.double(), "low_var_kl")
+    assert torch.allclose(kl.double(), exact, rtol=0.05, atol=1e-7)  # ... equal to the float64 value
+
+    policy, ref = _lora_run(lr=1e-4, steps=1)  # a barely moved adapter: the float32 quantisation
+    tiny = (ref - policy).abs() < 1e-4
+    assert tiny.any()
+    assert torch.all(kl_penalty(policy, ref, "low_var_kl")[tiny] == 0.0)
+    assert torch.all(kl_penalty(policy.double(), ref.double(), "low_var_kl")[tiny & (policy != ref)] > 0)

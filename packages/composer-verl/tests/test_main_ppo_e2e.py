@@ -4,8 +4,10 @@ What is verl's: ``verl.trainer.main_ppo.main`` (Hydra config = the shipped ``com
 selections on verl's ``ppo_trainer``), the v1 trainer (``trainer_mode=composer_sync`` = ``PPOTrainerSync`` +
 composer's actor worker), Ray, TransferQueue, the FSDP2 actor, the agent loop, the reward loop calling the
 task's reward function, ``grpo_composer`` advantages, the ``composer`` policy loss, weight sync each step.
-What is composer's: the producers (``composer_verl.producers``): hints from ``hint_fn`` (the reward function's
-feedback), teacher log-probs re-scored by the actor, pairs from the dataset's ``chosen``/``rejected`` columns.
+What is composer's: the environment ``digit-reversal`` (``composer_core.envs``) as task, reward and hint source
+(``composer_verl.envs``: the data, verl's custom reward function, ``composer.env``), the producers
+(``composer_verl.producers``): hints = the environment's feedback, teacher log-probs re-scored by the actor,
+pairs from the dataset's ``chosen``/``rejected`` columns (the environment's reference answer / typical mistake).
 
 What is a TEST STAND-IN (``tests/verl_cpu_testkit``, never shipped): the CPU platform, the HF-``generate``
 rollout replica (vLLM/SGLang have no CPU path here), Ray started by the launcher with bounded retries and
@@ -16,27 +18,20 @@ from __future__ import annotations
 
 import json
 import math
-import os
 
 import pytest
 from verl_cpu_testkit.launch import RAY_START_FAILED
 from verl_cpu_testkit.run import run_main_ppo, step_metrics
 
-# Opt-in until it passes: the run reaches verl's agent loop, which rejects the test tokenizer
-# ("Expected Qwen newline to tokenize to one token, got []"); see the package README's "Not done here".
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        os.environ.get("COMPOSER_VERL_E2E") != "1",
-        reason="opt-in (COMPOSER_VERL_E2E=1): the CPU main_ppo run does not pass yet (agent-loop tokenizer check)",
-    ),
-]
+pytestmark = pytest.mark.slow  # about 2-3 min on 2 free cores; runs in the verl session (no deselection)
 
 COMPOSER = {"alpha_sdpo": 0.5, "beta_replay": 0.25, "dpo_variant": "simpo", "sdpo_token_clip": 2.0}
-PRODUCERS = (
-    "+composer.hint_fn=verl_cpu_testkit.task:hint_from_feedback",
-    "+composer.pair_source=dataset",
-)
+PRODUCERS = ("+composer.env=digit-reversal", "+composer.pair_source=dataset")
+
+
+def loss_key(channel: str) -> str:
+    """composer's per-channel loss metric as verl logs it (``policy``, ``sdpo``, ``replay``)."""
+    return f"composer/loss/{channel}"
 
 
 def _get(metrics: dict[str, float], name: str) -> float:
@@ -54,18 +49,28 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, float]]
     assert proc.returncode == 0, proc.stdout[-8000:]
     steps = step_metrics(proc.stdout)
     assert sorted(steps) == [1, 2, 3], proc.stdout[-8000:]
+    for step, m in sorted(steps.items()):  # shown with -s / in the report
+        print(
+            f"step {step}:",
+            {
+                k: m[k]
+                for k in sorted(m)
+                if k.startswith(("composer/", "actor/pg_loss", "critic/score/mean", "training/rollout"))
+            },
+        )
     return steps
 
 
 def test_three_steps_with_all_three_channels_non_zero(run: dict[int, dict[str, float]]) -> None:
     for step, m in run.items():
-        for name in ("pg_loss", "composer/loss/policy", "composer/loss/sdpo", "composer/loss/replay"):
+        for name in ("pg_loss", *map(loss_key, ("policy", "sdpo", "replay"))):
             assert math.isfinite(_get(m, name)), (step, name)
-        assert _get(m, "composer/sdpo/hinted_rows") > 0, step  # hint_fn answered for unrewarded rows
+        assert _get(m, "composer/sdpo/hinted_rows") > 0, step  # the environment gave feedback on wrong answers
         assert _get(m, "composer/sdpo/tokens") > 0, step
         assert _get(m, "composer/replay/appended_pairs") == 2.0, step  # one pair per prompt group, 2 prompts
         assert _get(m, "composer/replay/pairs") > 0, step
-        assert _get(m, "composer/loss/sdpo") != 0.0 and _get(m, "composer/loss/replay") != 0.0, step
+        assert _get(m, loss_key("sdpo")) > 0.0 and _get(m, loss_key("replay")) > 0.0, step
+        assert 0.0 <= _get(m, "critic/score/mean") <= 1.0, step  # the environment's partial-credit reward
 
 
 def test_rollout_and_actor_log_probs_agree(run: dict[int, dict[str, float]]) -> None:

@@ -35,13 +35,15 @@ def tok():
 
 
 def test_hinted_prompt_is_the_prompt_plus_one_hint_message(tok) -> None:
-    prompt = [{"role": "user", "content": "write a"}]
+    prompt = [{"role": "user", "content": "381>"}]
     student = render_prompt_ids(tok, prompt)
-    teacher = hinted_prompt_ids(tok, prompt, "only a")
-    assert tok.decode(student) == "write a\n>"
-    assert tok.decode(teacher) == "write a\nonly a\n>"
+    teacher = hinted_prompt_ids(tok, prompt, ".8.|")
+    gen = "<|im_start|>assistant\n"
+    assert tok.decode(student) == "<|im_start|>user\n381><|im_end|>\n" + gen
+    assert tok.decode(teacher) == "<|im_start|>user\n381><|im_end|>\n<|im_start|>user\n.8.|<|im_end|>\n" + gen
     # student prompt (minus the generation prompt) is a prefix of the teacher prompt
-    assert teacher[: len(student) - 1] == student[:-1]
+    n_gen = len(tok.encode(gen, add_special_tokens=False))
+    assert n_gen == 11 and teacher[: len(student) - n_gen] == student[:-n_gen]
 
 
 def test_with_prompt_keeps_the_response_and_rebuilds_positions(tok) -> None:
@@ -135,12 +137,12 @@ def test_record_pairs_cycle_in_file_order(tmp_path: Path) -> None:
 
 def test_hint_fn_import_paths_and_errors() -> None:
     fn = load_hint_fn("verl_cpu_testkit.task:hint_from_feedback")
-    assert fn("p", "r", 1.0, {"feedback": "correct"}) is None
+    assert fn("p", "r", 1.0, {"feedback": ""}) is None  # the verifier's feedback of a correct answer
     assert load_hint_fn("verl_cpu_testkit.task.hint_from_feedback") is fn
     with pytest.raises(ValueError, match=r"composer\.hint_fn"):
         load_hint_fn("verl_cpu_testkit.task:nope")
     with pytest.raises(ValueError, match=r"composer\.hint_fn"):
-        load_hint_fn("verl_cpu_testkit.task:ALPHABET")
+        load_hint_fn("verl_cpu_testkit.task:MODEL")
 
 
 def test_config_refuses_producers_without_effect_and_split_pairs() -> None:
@@ -165,25 +167,22 @@ def test_hints_get_prompt_response_reward_and_feedback(tok) -> None:
     enc = lambda s: torch.tensor(tok(s, add_special_tokens=False)["input_ids"])  # noqa: E731
     samples = [
         {
-            "prompts": enc("write a\n>"),
-            "responses": enc("ab"),
-            "response_mask": torch.tensor([1, 1]),
-            "rm_scores": torch.tensor([0.0, 0.5]),
-            "extra_fields": {"reward_extra_info": {"feedback": "1 of 2 characters are not a"}},
-            "reward_model": {"ground_truth": "a"},
+            "prompts": enc("381>"),
+            "responses": enc("133"),
+            "response_mask": torch.tensor([1, 1, 1]),
+            "rm_scores": torch.tensor([0.0, 0.0, 1 / 3]),
+            "extra_fields": {"reward_extra_info": {"feedback": ".8.|"}},
         },
         {
-            "prompts": enc("write b\n>"),
-            "responses": enc("bb"),
+            "prompts": enc("12>"),
+            "responses": enc("21"),
             "response_mask": torch.tensor([1, 1]),
             "rm_scores": torch.tensor([0.0, 1.0]),
-            "feedback": "correct",
-            "reward_model": {"ground_truth": "b"},
+            "feedback": "",
         },
     ]
-    hints = producers._hints(samples, skip={})
-    assert hints == ["hint: 1 of 2 characters are not a. write only a", None]
-    assert producers._hints(samples, skip={0: 1})[0] is None  # pair rows get no hint
+    assert [(j.index, j.hint) for j in producers._hint_jobs(samples, skip={})] == [(0, ".8.|")]
+    assert producers._hint_jobs(samples, skip={0: 1}) == []  # pair rows are not asked
 
 
 def test_example_yaml_turns_the_producers_on() -> None:

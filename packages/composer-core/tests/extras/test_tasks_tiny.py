@@ -56,3 +56,24 @@ def test_tiny_moe_model() -> None:
     assert out.logits.shape == (1, 4, 16) and out.aux_loss is not None
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         TinyModelConfig(num_experts=2, num_experts_per_tok=3)
+
+
+def test_chatml_tokenizer_reloads_as_qwen2_with_the_same_ids(tmp_path) -> None:
+    """``chatml=True``: a qwen2 model directory's tokenizer reloads (as transformers' Qwen2Tokenizer) with the
+    task's ids, ``"\\n"`` one token, the ChatML specials, and no extra id beyond the model's vocabulary."""
+    from composer_core.tasks.tiny import CHATML_TEMPLATE, IM_END, IM_START
+    from transformers import AutoTokenizer
+
+    tok = build_char_tokenizer(T.ALPHABET, chatml=True)
+    assert tok.chat_template == CHATML_TEMPLATE
+    assert tok("381>", add_special_tokens=False)["input_ids"] == T.encode("381>")  # the task's ids stay
+    build_tiny_model(tok).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    again = AutoTokenizer.from_pretrained(tmp_path)
+    assert type(again).__name__ == "Qwen2Tokenizer"
+    assert again.get_vocab() == tok.get_vocab() and len(again) == len(tok)
+    assert len(again.encode("\n", add_special_tokens=False)) == 1
+    ids = again.apply_chat_template([{"role": "user", "content": "381>"}], add_generation_prompt=True)
+    ids = ids["input_ids"] if not isinstance(ids, list) else ids
+    assert again.decode(ids) == f"{IM_START}user\n381>{IM_END}\n{IM_START}assistant\n"
+    assert ids[0] == again.convert_tokens_to_ids(IM_START) and IM_END in again.all_special_tokens

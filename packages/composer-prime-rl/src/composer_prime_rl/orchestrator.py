@@ -30,10 +30,11 @@ states that a new algorithm is registered in code, not through an import path; s
 from __future__ import annotations
 
 import asyncio
-import importlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from composer_core.traces.hints import HintJob, hint_jobs
 
 __all__ = [
     "HAS_PRIME_RL_ORCHESTRATOR",
@@ -42,6 +43,7 @@ __all__ = [
     "env_hint_fn",
     "install",
     "resolve_hint",
+    "trace_hint_jobs",
 ]
 
 ALGO_TYPE = "composer_sdpo"
@@ -151,16 +153,9 @@ class ComposerSDPOSettings:
 
 
 def _import(path: str) -> HintFn:
-    module, _, name = path.replace(":", ".").rpartition(".")
-    if not module:
-        raise ValueError(f"composer_sdpo: hint_fn={path!r} must be an import path 'module.function'.")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"composer_sdpo: hint_fn={path!r} cannot be imported ({e}).") from e
-    if not callable(fn):
-        raise ValueError(f"composer_sdpo: hint_fn={path!r} is not callable.")
-    return fn  # type: ignore[no-any-return]
+    from composer_core.traces.hints import load_hint_fn
+
+    return load_hint_fn(path, option="composer_sdpo: hint_fn")
 
 
 def env_hint_fn(spec: str) -> HintFn:
@@ -184,18 +179,21 @@ def resolve_hint(
     settings: ComposerSDPOSettings, hint_fn: HintFn | None, episode: Any, trace: Any
 ) -> str | None:
     """The hint text of one trace: ``hint_fn``'s answer, else ``trace.info[hint_key]``; None/empty = no hint."""
-    raw = (
-        hint_fn(episode, trace)
-        if hint_fn is not None
-        else (getattr(trace, "info", None) or {}).get(settings.hint_key)
-    )
-    if raw is None:
-        return None
-    if not isinstance(raw, str):
-        raise ValueError(
-            f"composer_sdpo: the hint of trace {getattr(trace, 'id', '?')!r} is {type(raw).__name__}, not str."
-        )
-    return settings.template.format(hint=raw) if raw.strip() else None
+    jobs = trace_hint_jobs(settings, hint_fn, episode, [trace])
+    return jobs[0].hint if jobs else None
+
+
+def trace_hint_jobs(
+    settings: ComposerSDPOSettings, hint_fn: HintFn | None, episode: Any, traces: Sequence[Any]
+) -> list[HintJob[Any]]:
+    """The traces that get a hint (``composer_core.traces.hints.hint_jobs``), hint formatted by ``template``."""
+
+    def hint_of(trace: Any) -> object:
+        if hint_fn is not None:
+            return hint_fn(episode, trace)
+        return (getattr(trace, "info", None) or {}).get(settings.hint_key)
+
+    return hint_jobs(traces, hint_of, option="composer_sdpo: the hint", template=settings.template)
 
 
 class ComposerSDPOAlgorithm(_Base):  # type: ignore[misc, valid-type]
@@ -230,11 +228,9 @@ class ComposerSDPOAlgorithm(_Base):  # type: ignore[misc, valid-type]
     async def score_episode(self, episode: Any) -> None:
         if self.renderer is None:
             raise RuntimeError("composer_sdpo: setup() must run before score_episode (no renderer).")
-        for _, trace in iter_trainable_traces([episode]):
-            hint = resolve_hint(self.settings, self.hint_fn, episode, trace)
-            if hint is None:
-                continue
-            block = self.hint_block(hint)
+        traces = [trace for _, trace in iter_trainable_traces([episode])]
+        for job in trace_hint_jobs(self.settings, self.hint_fn, episode, traces):
+            trace, block = job.item, self.hint_block(job.hint)
             branches = [branch for branch, _ in iter_trainable_branches(trace)]
             scores = await asyncio.gather(
                 *(self.policy_pool.score(block + list(b.token_ids)) for b in branches)

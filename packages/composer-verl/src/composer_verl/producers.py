@@ -26,14 +26,14 @@ Configured by the ``composer`` section of verl's config (driver side only; see :
 from __future__ import annotations
 
 import copy
-import importlib
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
+from composer_core.traces.hints import HintJob
 
 from composer_verl.batch import PREF_CHOSEN, PREF_PAIR_ID, SDPO_MASK, TEACHER_LOG_PROBS
 
@@ -53,9 +53,14 @@ class ProducerConfig:
     pair_source: ``dataset`` (columns ``chosen``/``rejected`` of the training data) or the path of a
         ``composer_core.traces.records`` file (``.jsonl``/``.parquet``); needs ``beta_replay > 0``.
     pairs_per_step: records per step when ``pair_source`` is a records file.
+    env: an environment spec (``composer_core.envs.load_env``: ``digit-reversal``, ``openenv:<url>``,
+        ``verifiers:<module>``) whose feedback on each sampled response is the hint
+        (:func:`composer_verl.envs.env_hint_fn`); replaces ``hint_fn`` (setting both raises). Rows need
+        ``extra_info.task_id`` (:func:`composer_verl.envs.write_env_dataset`).
     """
 
     hint_fn: str | None = None
+    env: str | None = None
     hint_role: str = "user"
     pair_source: str | None = None
     pairs_per_step: int = 1
@@ -65,6 +70,11 @@ class ProducerConfig:
             raise ValueError(f"composer.hint_role={self.hint_role!r} must be 'user' or 'system'.")
         if not isinstance(self.pairs_per_step, int) or self.pairs_per_step < 1:
             raise ValueError(f"composer.pairs_per_step={self.pairs_per_step!r} must be an integer >= 1.")
+        if self.env is not None and self.hint_fn is not None:
+            raise ValueError(
+                f"composer.env={self.env!r} and composer.hint_fn={self.hint_fn!r} are both set: the environment's "
+                "feedback is the hint, so drop one of them."
+            )
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any] | None) -> ProducerConfig:
@@ -79,32 +89,28 @@ class ProducerConfig:
 
     @property
     def enabled(self) -> bool:
-        return self.hint_fn is not None or self.pair_source is not None
+        return self.hints or self.pair_source is not None
+
+    @property
+    def hints(self) -> bool:
+        """Channel 2 is produced (a hint function or an environment)."""
+        return self.hint_fn is not None or self.env is not None
 
 
 def load_hint_fn(path: str) -> HintFn:
     """Import ``module:function`` or ``module.function``; raise naming the key when it is not callable."""
-    module_name, sep, attr = path.partition(":")
-    if not sep:
-        module_name, _, attr = path.rpartition(".")
-    if not module_name or not attr:
-        raise ValueError(f"composer.hint_fn={path!r}: expected 'package.module:function'.")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"composer.hint_fn={path!r} cannot be imported ({e}).") from e
-    if not callable(fn):
-        raise ValueError(f"composer.hint_fn={path!r} is not callable.")
-    return fn  # type: ignore[no-any-return]
+    from composer_core.traces.hints import load_hint_fn as load
+
+    return load(path, option="composer.hint_fn")
 
 
 def check_settings(
     producers: ProducerConfig, alpha_sdpo: float, beta_replay: float, actor: Mapping[str, Any]
 ) -> None:
     """Refuse configurations where a producer would have no effect, or pairs could be split."""
-    if producers.hint_fn is not None and alpha_sdpo <= 0:
+    if producers.hints and alpha_sdpo <= 0:
         raise ValueError(
-            "composer.hint_fn is set but alpha_sdpo is 0 in COMPOSER_VERL_CONFIG: set alpha_sdpo > 0."
+            "composer.hint_fn / composer.env is set but alpha_sdpo is 0 in COMPOSER_VERL_CONFIG: set alpha_sdpo > 0."
         )
     if producers.pair_source is not None:
         if beta_replay <= 0:
@@ -308,7 +314,11 @@ class ComposerProducers:
         self.config = config
         self.tokenizer = tokenizer
         self.response_length = response_length
-        self.hint_fn = load_hint_fn(config.hint_fn) if config.hint_fn else None
+        self.hint_fn: HintFn | None = load_hint_fn(config.hint_fn) if config.hint_fn else None
+        if config.env is not None:
+            from composer_verl.envs import env_hint_fn
+
+            self.hint_fn = env_hint_fn(config.env)
         self.records: RecordPairs | None = None
         if config.pair_source not in (None, "dataset"):
             self.records = RecordPairs(config.pair_source, config.pairs_per_step)
@@ -343,20 +353,18 @@ class ComposerProducers:
         pair_index = {k: i for i, k in enumerate(batch.keys)}
         pair_rows = {pair_index[k]: int(j == 0) for p in self.pair_keys for j, k in enumerate(p)}
 
-        hints = self._hints(samples, pair_rows)
-        metrics["composer/sdpo/hinted_rows"] = float(sum(h is not None for h in hints))
+        hinted = self._hint_jobs(samples, pair_rows)
+        metrics["composer/sdpo/hinted_rows"] = float(len(hinted))
         # one actor pass: hinted contexts (teacher) + pair rows (their behaviour log-probs)
         jobs: list[tuple[str, int]] = []
         temp: list[dict[str, Any]] = []
-        for i, h in enumerate(hints):
-            if h is not None:
-                jobs.append(("teacher", i))
-                temp.append(
-                    with_prompt(
-                        samples[i],
-                        hinted_prompt_ids(self.tokenizer, samples[i]["raw_prompt"], h, self.config.hint_role),
-                    )
-                )
+        for job in hinted:
+            i = job.index
+            jobs.append(("teacher", i))
+            teacher_ids = hinted_prompt_ids(
+                self.tokenizer, samples[i]["raw_prompt"], job.hint, self.config.hint_role
+            )
+            temp.append(with_prompt(samples[i], teacher_ids))
         for i in pair_rows:
             jobs.append(("pair", i))
             temp.append(with_prompt(samples[i], samples[i]["prompts"].tolist()))
@@ -436,24 +444,27 @@ class ComposerProducers:
         rows = [data[i] for i in range(len(batch.keys))]
         return [{k: row[k] for k in row.keys()} for row in rows]  # noqa: SIM118 (TensorDict rows)
 
-    def _hints(self, samples: Sequence[Mapping[str, Any]], skip: Mapping[int, int]) -> list[str | None]:
+    def _hint_jobs(self, samples: Sequence[Mapping[str, Any]], skip: Collection[int]) -> list[HintJob[int]]:
+        """Rows (by index) that ``hint_fn`` gave a hint; pair rows (``skip``) are not asked."""
+        from composer_core.traces.hints import hint_jobs
+
         if self.hint_fn is None:
-            return [None] * len(samples)
-        out: list[str | None] = []
-        for i, s in enumerate(samples):
-            if i in skip:
-                out.append(None)
-                continue
-            prompt = self.tokenizer.decode(s["prompts"].tolist(), skip_special_tokens=True)
-            resp = s["responses"][s["response_mask"].bool()] if "response_mask" in s else s["responses"]
-            response = self.tokenizer.decode(resp.tolist(), skip_special_tokens=True)
-            reward = float(s["rm_scores"].sum()) if "rm_scores" in s else 0.0
-            extra = reward_extra(s)
-            hint = self.hint_fn(prompt, response, reward, extra)
-            if hint is not None and (not isinstance(hint, str) or not hint.strip()):
-                raise ValueError(f"composer.hint_fn returned {hint!r}: return a non-empty string or None.")
-            out.append(hint)
-        return out
+            return []
+        hint_fn = self.hint_fn
+        return hint_jobs(
+            range(len(samples)),
+            lambda i: hint_fn(*self._hint_args(samples[i])),
+            option="composer.hint_fn",
+            skip=skip,
+        )
+
+    def _hint_args(self, s: Mapping[str, Any]) -> tuple[str, str, float, dict[str, Any]]:
+        """``hint_fn``'s inputs for one row: decoded prompt and response, Σ rm_scores, the reward's extra info."""
+        prompt = self.tokenizer.decode(s["prompts"].tolist(), skip_special_tokens=True)
+        resp = s["responses"][s["response_mask"].bool()] if "response_mask" in s else s["responses"]
+        response = self.tokenizer.decode(resp.tolist(), skip_special_tokens=True)
+        reward = float(s["rm_scores"].sum()) if "rm_scores" in s else 0.0
+        return prompt, response, reward, reward_extra(s)
 
     def _append_pairs(
         self, batch: Any, samples: Sequence[Mapping[str, Any]], metrics: dict[str, float]

@@ -1,8 +1,13 @@
-"""TEST-ONLY: a CPU ``PlatformBase`` for verl 0.9.1 (verl has none)."""
+"""TEST-ONLY: a CPU ``PlatformBase`` for verl 0.9.1 (verl has none).
+
+:func:`register_platform` registers it with verl's ``PlatformRegistry`` (a ``main_ppo`` run selects it with
+``VERL_PLATFORM=cpu``); :func:`cpu_platform` is an instance for in-process tests (verl's ``set_platform``).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -44,10 +49,20 @@ CPUDeviceModule = type(
 
 
 def register_platform() -> None:
-    from verl.plugin.platform import PlatformBase
     from verl.plugin.platform.platform_manager import PlatformRegistry
 
-    @PlatformRegistry.register(platform=NAME)
+    PlatformRegistry.register(platform=NAME)(platform_class())
+
+
+def cpu_platform() -> Any:
+    """A platform instance (``verl.plugin.platform.set_platform(cpu_platform())``)."""
+    return platform_class()()
+
+
+@functools.cache
+def platform_class() -> type:
+    from verl.plugin.platform import PlatformBase
+
     class PlatformCPU(PlatformBase):  # type: ignore[misc]
         device_name = "cpu"
         vendor_name = "cpu"
@@ -110,3 +125,5 @@ def register_platform() -> None:
 
         def cudart(self) -> None:
             return None
+
+    return PlatformCPU

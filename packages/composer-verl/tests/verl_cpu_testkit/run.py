@@ -11,20 +11,23 @@ import tempfile
 from importlib.resources import files
 from pathlib import Path
 
+from composer_verl.envs import write_env_dataset
+
 from verl_cpu_testkit import task
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
+ENV = "digit-reversal"  # composer_core.envs: the task, its reward and (with composer.env) the hints
 
 
 def overrides(tmp: Path, *, steps: int = 3, extra: tuple[str, ...] = ()) -> list[str]:
     model = task.build_model_dir(tmp / "model")
-    train = task.write_task(tmp / "train.parquet", pairs=True)
+    train = write_env_dataset(ENV, tmp / "train.parquet", limit=16)
     return [
         f"data.train_files={train}",
         f"data.val_files={train}",
         "data.train_batch_size=2",
-        "data.max_prompt_length=16",
-        "data.max_response_length=8",
+        "data.max_prompt_length=32",
+        "data.max_response_length=6",
         "data.dataloader_num_workers=0",
         "data.shuffle=false",
         f"actor_rollout_ref.model.path={model}",
@@ -50,8 +53,9 @@ def overrides(tmp: Path, *, steps: int = 3, extra: tuple[str, ...] = ()) -> list
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
         "reward.num_workers=1",
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",  # 8 by default: 8 Ray actors
-        f"reward.custom_reward_function.path={Path(task.__file__)}",
+        "reward.custom_reward_function.path=pkg://composer_verl.envs",
         "reward.custom_reward_function.name=compute_score",
+        f"+reward.custom_reward_function.reward_kwargs.env={ENV}",
         "trainer.n_gpus_per_node=1",
         "trainer.nnodes=1",
         f"trainer.total_training_steps={steps}",

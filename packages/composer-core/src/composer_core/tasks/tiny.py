@@ -11,7 +11,12 @@ both build their model here; the tests of both use it too.
 - :func:`build_tiny_qwen2` / :func:`build_tiny_model` build a randomly initialised ``Qwen2ForCausalLM``
   (or, with ``TinyModelConfig(num_experts=...)``, a mixture-of-experts ``Qwen2MoeForCausalLM``)
   from a :class:`TinyModelConfig` and a seed, without touching the caller's global RNG state, and
-  thread-safe (Monarch actors sharing a process are constructed on different threads).
+  thread-safe (Monarch actors sharing a process are constructed on different threads);
+- ``build_char_tokenizer(alphabet, chatml=True)`` is the same character tokenizer in the form a Qwen2 model
+  directory needs (hosts that load a tokenizer by the model's type, e.g. verl's agent loop, through
+  ``AutoTokenizer``, which rebuilds a ``qwen2`` model's tokenizer as transformers' byte-level
+  ``Qwen2Tokenizer``): byte-level vocabulary keys, ``<|im_start|>`` / ``<|im_end|>`` special tokens and a
+  ChatML chat template (:data:`CHATML_TEMPLATE`), ``"\\n"`` one token.
 
 The builders need the ``hf`` extra (``pip install 'composer-core[hf]'``: transformers, tokenizers); a
 missing one raises ``ImportError`` naming it. Importing this module needs nothing beyond the standard
@@ -30,8 +35,11 @@ if TYPE_CHECKING:
 __all__ = [
     "BOS",
     "BOS_ID",
+    "CHATML_TEMPLATE",
     "EOS",
     "EOS_ID",
+    "IM_END",
+    "IM_START",
     "PAD",
     "PAD_ID",
     "TinyModelConfig",
@@ -43,6 +51,13 @@ __all__ = [
 
 PAD, EOS, BOS = "<pad>", "<eos>", "<bos>"
 PAD_ID, EOS_ID, BOS_ID = 0, 1, 2
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""Qwen's ChatML layout (no default system message): what ``chatml=True`` tokenizers render."""
+_CHATML_CHARS = "\naeimnrstuy"  # the characters of the template's own text (roles, newlines)
 
 _HF_EXTRA = "pip install 'composer-core[hf]'"
 
@@ -58,22 +73,69 @@ def char_vocab(alphabet: str) -> dict[str, int]:
     return {PAD: PAD_ID, EOS: EOS_ID, BOS: BOS_ID, **{ch: i + 3 for i, ch in enumerate(alphabet)}}
 
 
-def build_char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
-    """A character-level tokenizer with the ids of :func:`char_vocab` (left padding)."""
+def build_char_tokenizer(alphabet: str, *, chatml: bool = False) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer with the ids of :func:`char_vocab` (left padding).
+
+    ``chatml=True``: the Qwen2-loadable form (see the module docstring). ``alphabet`` must be ASCII; the
+    characters the ChatML template needs that ``alphabet`` lacks (role names, ``"\\n"``) get the next ids,
+    then ``<|im_start|>`` and ``<|im_end|>``: the ids of ``alphabet`` itself are those of :func:`char_vocab`.
+    """
     vocab = char_vocab(alphabet)
     try:
-        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
         from transformers import PreTrainedTokenizerFast
     except ImportError as e:
         raise ImportError(f"build_char_tokenizer needs tokenizers and transformers: {_HF_EXTRA}") from e
 
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    # transformers 5's tokenizer __init__ and GenerationConfig are untyped (4.x may type them)
-    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call, unused-ignore]
-        tokenizer_object=tok, pad_token=PAD, eos_token=EOS, bos_token=BOS, padding_side="left"
+    if not chatml:
+        tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD))
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+        tok.decoder = decoders.Fuse()
+        # transformers 5's tokenizer __init__ and GenerationConfig are untyped (4.x may type them)
+        return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call, unused-ignore]
+            tokenizer_object=tok, pad_token=PAD, eos_token=EOS, bos_token=BOS, padding_side="left"
+        )
+    tok = Tokenizer(models.BPE(vocab=_byte_level_vocab(alphabet), merges=[], fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in (PAD, EOS, BOS, IM_START, IM_END)])
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call, unused-ignore]
+        tokenizer_object=tok,
+        pad_token=PAD,
+        eos_token=EOS,
+        bos_token=BOS,
+        unk_token=PAD,  # else Qwen2Tokenizer (the reload of a qwen2 model dir) adds <|endoftext|> as a new id
+        additional_special_tokens=[IM_START, IM_END],
+        padding_side="left",
     )
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+def _byte_level_vocab(alphabet: str) -> dict[str, int]:
+    """:func:`char_vocab` + the template's characters + ChatML specials, keyed by byte-level symbols."""
+    if not alphabet.isascii():
+        raise ValueError(f"build_char_tokenizer(chatml=True) needs an ASCII alphabet, got {alphabet!r}")
+    chars = alphabet + "".join(ch for ch in _CHATML_CHARS if ch not in alphabet)
+    symbol = _bytes_to_unicode()
+    vocab = {PAD: PAD_ID, EOS: EOS_ID, BOS: BOS_ID}
+    vocab.update({symbol[ord(ch)]: i + 3 for i, ch in enumerate(chars)})
+    vocab.update({IM_START: len(vocab), IM_END: len(vocab) + 1})
+    return vocab
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table (the symbols of a byte-level vocabulary):
+    printable Latin-1 bytes map to themselves, the other bytes to ``chr(256 + k)`` in byte order."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    table = {b: chr(b) for b in printable}
+    others = [b for b in range(256) if b not in table]
+    table.update({b: chr(256 + k) for k, b in enumerate(others)})
+    return table
 
 
 @dataclass(frozen=True)

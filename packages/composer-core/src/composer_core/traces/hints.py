@@ -15,6 +15,11 @@ Hint sources (any ``Callable[[Episode, ErrorSite], str]``): :func:`error_text_hi
 tool's own error output), :class:`TemplateHint` (a ``str.format`` template), and
 :class:`TeacherHint` (a teacher model asked through :mod:`composer_core.traces.replay`).
 
+Host producers (composer-verl's ``composer_sync`` producers, composer-prime-rl's ``composer_sdpo``
+algorithm) ask a user's hint function per sampled row and re-score the hinted rows with the live policy:
+:func:`load_hint_fn` imports the function from its config string, :func:`hint_jobs` asks it for every row
+and returns the rows that got a hint (:class:`HintJob`), which the host then scores its own way.
+
 Tokenisation follows TRL: the prompt and the completion are tokenised separately and
 concatenated (``prompt_ids + completion_ids``); the completion token ids are identical in
 the student and teacher sequences by construction, so the mask lines up with both.
@@ -25,10 +30,11 @@ without one, :func:`render_plain` is used.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import importlib
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from string import Formatter
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 from .schema import Episode, ErrorSite, Message
 
@@ -36,6 +42,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .replay import Replayer
 
 __all__ = [
+    "HintJob",
     "HintSource",
     "HintedContext",
     "TeacherHint",
@@ -43,7 +50,9 @@ __all__ = [
     "TokenizedHinted",
     "build_hinted_context",
     "error_text_hint",
+    "hint_jobs",
     "hint_token_span",
+    "load_hint_fn",
     "render_completion",
     "render_plain",
     "tokenize_completion",
@@ -51,6 +60,65 @@ __all__ = [
 ]
 
 HintSource = Callable[[Episode, ErrorSite], str]
+T = TypeVar("T")
+
+
+def load_hint_fn(path: str, *, option: str) -> Callable[..., Any]:
+    """Import ``package.module:function`` (or ``package.module.function``).
+
+    ``option`` names the config key the path came from (``composer.hint_fn``); every error says it.
+    """
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"{option}={path!r}: expected an import path 'package.module:function'.")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{option}={path!r} cannot be imported ({e}).") from e
+    if not callable(fn):
+        raise ValueError(f"{option}={path!r} is not callable.")
+    return fn  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True)
+class HintJob(Generic[T]):
+    """One row to re-score on its hinted context: its position, the row, and the hint text."""
+
+    index: int
+    item: T
+    hint: str
+
+
+def hint_jobs(
+    items: Sequence[T],
+    hint_of: Callable[[T], object],
+    *,
+    option: str,
+    template: str = "{hint}",
+    skip: Collection[int] = (),
+) -> list[HintJob[T]]:
+    """The rows of ``items`` that get a hint, in order: ``hint_of(item)`` formatted into ``template``.
+
+    ``hint_of`` answers ``None`` or a blank string for "no hint" (nothing went wrong, e.g. empty feedback);
+    any other non-string answer raises ``ValueError`` naming ``option``. Rows whose index is in ``skip``
+    (e.g. appended preference rows) are not asked.
+    """
+    if "{hint}" not in template:
+        raise ValueError(f"template={template!r} must contain '{{hint}}'.")
+    jobs: list[HintJob[T]] = []
+    for i, item in enumerate(items):
+        if i in skip:
+            continue
+        raw = hint_of(item)
+        if raw is None:
+            continue
+        if not isinstance(raw, str):
+            raise ValueError(f"{option} answered {type(raw).__name__} for row {i}: return a string or None.")
+        if raw.strip():
+            jobs.append(HintJob(i, item, template.format(hint=raw)))
+    return jobs
 
 
 def _truncate(text: str, max_chars: int) -> str:
