@@ -54,7 +54,9 @@ def test_env_drives_rewarder_and_teacher_on_the_mesh(spec: str) -> None:
         assert batch.sdpo_rows is not None and bool(batch.sdpo_rows.any())  # the env's feedback is the hint
         results = d.run(steps=2, overlap=False, progress=False)
     for r in results:
-        assert r.metrics["composer/sdpo/tokens"] > 0 and r.metrics["composer/sdpo/skipped"] == 0.0  # channel 2 ran
+        assert (
+            r.metrics["composer/sdpo/tokens"] > 0 and r.metrics["composer/sdpo/skipped"] == 0.0
+        )  # channel 2 ran
         assert r.extra["pairs"] > 0 and r.metrics["composer/replay/skipped"] == 0.0  # channel 3 ran
     losses = {ch: [r.metrics[f"composer/loss/{ch}"] for r in results] for ch in ("policy", "sdpo", "replay")}
     assert all(any(v != 0.0 for v in vals) for vals in losses.values()), losses

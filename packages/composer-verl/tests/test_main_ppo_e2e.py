@@ -65,7 +65,9 @@ def test_three_steps_with_all_three_channels_non_zero(run: dict[int, dict[str, f
     for step, m in run.items():
         for name in ("pg_loss", *map(loss_key, ("policy", "sdpo", "replay"))):
             assert math.isfinite(_get(m, name)), (step, name)
-        assert _get(m, "composer/sdpo/hinted_rows") > 0, step  # the environment gave feedback on wrong answers
+        assert _get(m, "composer/sdpo/hinted_rows") > 0, (
+            step
+        )  # the environment gave feedback on wrong answers
         assert _get(m, "composer/sdpo/tokens") > 0, step
         assert _get(m, "composer/replay/appended_pairs") == 2.0, step  # one pair per prompt group, 2 prompts
         assert _get(m, "composer/replay/pairs") > 0, step

@@ -165,7 +165,12 @@ def test_two_process_gloo_equals_one_process(S: Any, setup: dict[str, Any]) -> N
     assert history["history"] == one.history and history["validation"] == one.validation
     assert sorted(p.name for p in (exp / "final" / "rng").iterdir()) == ["rank-0000.pt", "rank-0001.pt"]
     assert "assembled student LM loss" in results[0][1]  # rank 0 prints the table
-    assert (exp / "student" / "model.safetensors").is_file()
+    # two ranks export two shards + the index (no rank holds the whole student)
+    index = json.loads((exp / "student" / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ]
 
 
 def test_more_ranks_than_blocks_fails_cleanly_on_every_rank(
