@@ -38,8 +38,12 @@ class HFGenerateServer:
         self.eos_token_id = eos_token_id if eos_token_id is not None else self.model.config.eos_token_id
         self.lock = asyncio.Lock()
         self.weight_version = 0
+        self.global_steps = 0  # the trainer step of the loaded weights (verl's staleness tags); 0 = initial
 
-    async def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> int:
+    async def set_global_steps(self, global_steps: int) -> None:
+        self.global_steps = global_steps
+
+    async def load_weights(self, named: list[tuple[str, torch.Tensor]], global_steps: int | None = None) -> int:
         async with self.lock:
             state = dict(named)
             missing, unexpected = self.model.load_state_dict(state, strict=False)
@@ -47,6 +51,8 @@ class HFGenerateServer:
             if real_missing or unexpected:
                 raise RuntimeError(f"weight sync: missing {real_missing}, unexpected {unexpected}")
             self.weight_version += 1
+            if global_steps is not None:
+                self.global_steps = global_steps
             return len(state)
 
     @torch.no_grad()
@@ -84,7 +90,14 @@ class HFGenerateServer:
 
         async with self.lock:
             tokens, logps = self._sample(list(prompt_ids), dict(sampling_params), str(request_id))
-        return TokenOutput(token_ids=tokens, log_probs=logps, stop_reason="completed")
+        # like verl's vLLM/SGLang servers: the weights' step goes back with every output (the v1 trainer reads it
+        # as min/max_global_steps for its staleness metrics)
+        return TokenOutput(
+            token_ids=tokens,
+            log_probs=logps,
+            stop_reason="completed",
+            extra_fields={"global_steps": self.global_steps},
+        )
 
     async def wake_up(self, *_: Any, **__: Any) -> None:
         return None
@@ -165,7 +178,7 @@ def _adapter_cls() -> type:
             if not self.is_leader_rank:
                 return
             server = ray.get_actor(SERVER_NAME.format(rank=self.replica_rank))
-            await server.load_weights.remote(named)
+            await server.load_weights.remote(named, kwargs.get("global_steps"))
 
     return HFGenerateAdapter
 
