@@ -109,7 +109,7 @@ def test_loop_moves_weights_and_teacher_logits_without_the_driver() -> None:
         assert d.transport == "shm"  # auto: every receiver shares the trainer's host
         # the shared buffer's name is gone once both receivers mapped it: nothing left in /dev/shm
         assert not [f for f in os.listdir("/dev/shm") if f.startswith("composer-weights-")]
-        assert all(r.metrics["sdpo/tokens"] > 0 for r in results)  # channel 2 ran on the trainer
+        assert all(r.metrics["composer/sdpo/tokens"] > 0 for r in results)  # channel 2 ran on the trainer
         endpoints = {(role, ep) for role, ep, _, _ in seen}
         assert ("trainer", "push_weights") in endpoints and ("teacher", "hinted_logits") in endpoints
         assert not endpoints & {
