@@ -43,7 +43,9 @@ class HFGenerateServer:
     async def set_global_steps(self, global_steps: int) -> None:
         self.global_steps = global_steps
 
-    async def load_weights(self, named: list[tuple[str, torch.Tensor]], global_steps: int | None = None) -> int:
+    async def load_weights(
+        self, named: list[tuple[str, torch.Tensor]], global_steps: int | None = None
+    ) -> int:
         async with self.lock:
             state = dict(named)
             missing, unexpected = self.model.load_state_dict(state, strict=False)

@@ -128,7 +128,7 @@ def materialised_bytes(module: nn.Module) -> int:
 
 def to_device(module: nn.Module, device: torch.device | str) -> None:
     """Move the real parameters and buffers of ``module`` to ``device`` (meta ones stay meta)."""
-    module._apply(lambda t: t if t.is_meta else t.to(device))
+    module._apply(lambda t: t if t.is_meta else t.to(device))  # type: ignore[no-untyped-call]
 
 
 def has_meta(module: nn.Module, prefix: str = "") -> bool:
@@ -153,7 +153,7 @@ class ModuleSource:
         return list(self._state)
 
     def get(self, name: str) -> Tensor:
-        t = self._state[name]
+        t: Tensor = self._state[name]
         if t.is_meta:
             raise ValueError(
                 f"teacher tensor {name!r} is not materialised on this rank and the teacher has no tensor source; "
@@ -198,7 +198,8 @@ class SafetensorsSource:
             raise ValueError(f"{self.directory}: no tensor {name!r} in its safetensors files")
         self.read.append(key)
         with safe_open(str(self.directory / self._map[key]), framework="pt") as handle:
-            return handle.get_tensor(key)
+            tensor: Tensor = handle.get_tensor(key)
+        return tensor
 
 
 def source_of(model: BlockwiseModel) -> TensorSource:

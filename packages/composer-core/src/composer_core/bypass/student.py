@@ -180,24 +180,24 @@ def init_from_teacher(
             if not name.startswith(prefix):
                 continue
             local = name[len(prefix) :]
-            source = t_state.get(t_prefix + local)
+            t_tensor = t_state.get(t_prefix + local)
             is_mixer = local.startswith(("self_attn.", "mamba.", "input_layernorm."))
-            if source is None or (is_mixer and not same_mixer):
+            if t_tensor is None or (is_mixer and not same_mixer):
                 continue  # new module (mixer kind changed): keep its fresh init
-            if source.shape == tensor.shape:
-                tensor.copy_(source)
+            if t_tensor.shape == tensor.shape:
+                tensor.copy_(t_tensor)
             elif local in _FFN_ROWS or local in _FFN_COLS:
                 if channels is None:
                     k = s_cfgs[i].ffn.intermediate_size or 0
                     channels = _select_channels(
-                        importance, i, source.shape[0 if local in _FFN_ROWS else 1], k
+                        importance, i, t_tensor.shape[0 if local in _FFN_ROWS else 1], k
                     )
-                tensor.copy_(source[channels] if local in _FFN_ROWS else source[:, channels])
+                tensor.copy_(t_tensor[channels] if local in _FFN_ROWS else t_tensor[:, channels])
             elif local in _KV:
-                tensor.copy_(_average_kv(source, n_t, n_s, gqa_init_mode))
+                tensor.copy_(_average_kv(t_tensor, n_t, n_s, gqa_init_mode))
             else:
                 raise ValueError(
-                    f"cannot initialise student {name!r} {tuple(tensor.shape)} from teacher {tuple(source.shape)}"
+                    f"cannot initialise student {name!r} {tuple(tensor.shape)} from teacher {tuple(t_tensor.shape)}"
                 )
 
 
