@@ -14,6 +14,11 @@ Each package README has three fenced blocks, tagged after the language (GitHub s
   URL replaced by the local clone (``git+file://``, ``--no-deps``: builds each subdirectory from git).
 * ```` ```bash install-index ````: ``pip install composer-<pkg>`` for after publishing.
 
+An install-test block may carry a name (```` ```bash install-test verifiers ````): an extra that cannot share
+the main block's environment (e.g. ``[verifiers]``, whose pins conflict with ``[openenv]``). ``nox -s
+installed`` installs each named block into its own fresh venv and runs ``scripts/smoke/<pkg>_<name>.py``
+there; the install-git block must hold the union of all install-test blocks' requirements.
+
 Any other fenced block of a README that installs a workspace distribution from the index is reported
 (it would fail today: nothing is published). ``python scripts/readme_install.py`` checks every README.
 """
@@ -49,6 +54,7 @@ class Block:
     kind: str  # install-test / install-git / install-index / "" for any other block
     body: str
     line: int
+    name: str = ""  # a named install-test block (its own venv in nox -s installed)
 
 
 def blocks(text: str) -> list[Block]:
@@ -56,7 +62,8 @@ def blocks(text: str) -> list[Block]:
     for m in FENCE.finditer(text):
         words = m["info"].split()
         kind = next((w for w in words if w in KINDS), "")
-        out.append(Block(kind, m["body"], text.count("\n", 0, m.start()) + 1))
+        rest = words[words.index(kind) + 1 :] if kind else []
+        out.append(Block(kind, m["body"], text.count("\n", 0, m.start()) + 1, rest[0] if rest else ""))
     return out
 
 
@@ -100,9 +107,11 @@ def check_readme(pkg: Package, root: Path = ROOT) -> list[str]:
     if out:
         return out
     forms: dict[str, set[Req]] = {}
+    venvs: dict[str, set[Req]] = {}  # install-test block name ("": the main one) -> what its venv gets
     for kind in KINDS:
         reqs: set[Req] = set()
         for block in found[kind]:
+            own_reqs: set[Req] = set()
             for words in commands(block.body):
                 args = pip_install_args(words)
                 if args is None:
@@ -115,10 +124,14 @@ def check_readme(pkg: Package, root: Path = ROOT) -> list[str]:
                     if problem:
                         out.append(f"{where}:{block.line}: {problem}")
                     elif req:
-                        reqs.add(req)
+                        own_reqs.add(req)
+            reqs |= own_reqs
+            if kind == "install-test":
+                venvs.setdefault(block.name, set()).update(own_reqs)
         forms[kind] = reqs
-    own = {r for r in forms["install-test"] if r[0] == pkg.name}
-    names = {r[0] for r in forms["install-test"]}
+    main_block = venvs.get("", set())  # named blocks are checked below, each its own venv
+    own = {r for r in main_block if r[0] == pkg.name}
+    names = {r[0] for r in main_block}
     if not own:
         out.append(
             f"{where}: the install-test block does not install {pkg.name} (./packages/{pkg.directory.name})"
@@ -127,12 +140,19 @@ def check_readme(pkg: Package, root: Path = ROOT) -> list[str]:
         out.append(
             f"{where}: the install-test block must install ./packages/composer-core too (not on PyPI yet)"
         )
+    for name, reqs in sorted((n, r) for n, r in venvs.items() if n):
+        missing = {pkg.name, "composer-core"} - {r[0] for r in reqs}
+        if missing:
+            out.append(
+                f"{where}: the install-test block {name!r} (its own venv) does not install "
+                f"{', '.join(sorted(missing))}"
+            )
     if forms["install-git"] != forms["install-test"]:
         out.append(
             f"{where}: the install-git block installs {_show(forms['install-git'])}, "
             f"the install-test block {_show(forms['install-test'])}; make them the same"
         )
-    if not own <= forms["install-index"]:
+    if not own <= forms["install-index"]:  # named blocks: their index form is optional
         out.append(f"{where}: the install-index block does not install {_show(own)}")
     return out
 
@@ -253,14 +273,23 @@ def _shell_like(body: str) -> list[list[str]]:
         return []
 
 
-def install_test_commands(pkg: Package, wheels: dict[str, Path], root: Path = ROOT) -> list[list[str]]:
-    """The install-test commands of ``pkg``'s README as ``uv pip install`` arguments, every
-    ``./packages/<dir>[extras]`` replaced by ``name[extras] @ file://<wheel built from <dir>>``."""
+def install_test_names(pkg: Package) -> list[str]:
+    """The names of ``pkg``'s named install-test blocks (each its own venv in ``nox -s installed``)."""
+    found = [b.name for b in blocks((pkg.directory / "README.md").read_text()) if b.kind == "install-test"]
+    return sorted({n for n in found if n})
+
+
+def install_test_commands(
+    pkg: Package, wheels: dict[str, Path], root: Path = ROOT, name: str = ""
+) -> list[list[str]]:
+    """The install-test commands of ``pkg``'s README (the unnamed block(s), or the block named ``name``)
+    as ``uv pip install`` arguments, every ``./packages/<dir>[extras]`` replaced by
+    ``name[extras] @ file://<wheel built from <dir>>``."""
     workspace = packages(root)
     by_dir = {p.directory.name: p for p in workspace.values()}
     text = (pkg.directory / "README.md").read_text()
     out = []
-    for block in (b for b in blocks(text) if b.kind == "install-test"):
+    for block in (b for b in blocks(text) if b.kind == "install-test" and b.name == name):
         for words in commands(block.body):
             args = pip_install_args(words)
             if args is None:

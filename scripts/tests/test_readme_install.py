@@ -57,7 +57,10 @@ def test_clone_and_git_forms_must_install_the_same(ws: Path, edit) -> None:
     readme = ws / "packages/composer-trl/README.md"
     edit(readme, "'./packages/composer-trl[plot]'", "./packages/composer-trl")
     problems = check_readme(load_package(ws / "packages/composer-trl"), ws)
-    assert any("install-git block installs composer-core, composer-trl[plot]" in p for p in problems)
+    assert any(
+        "install-git block installs composer-core, composer-trl[openenv], composer-trl[plot]" in p
+        for p in problems
+    )
     assert any("install-index block does not install composer-trl" in p for p in problems)
     edit(
         readme,
@@ -107,3 +110,41 @@ def test_unknown_extra_is_reported(ws: Path, edit) -> None:
     )
     problems = check_readme(load_package(ws / "packages/composer-trl"), ws)
     assert any("composer-trl has no extra plott" in p for p in problems)
+
+
+def test_named_install_test_blocks_get_their_own_commands(tmp_path: Path) -> None:
+    # composer-trl's [verifiers] extra cannot share a venv with [openenv]: each is a named block, its own venv
+    from readme_install import install_test_names
+
+    pkg = packages()["composer-trl"]
+    wheels = {
+        n: tmp_path / f"{n.replace('-', '_')}-0.1.0-py3-none-any.whl"
+        for n in ("composer-core", "composer-trl")
+    }
+    assert install_test_names(pkg) == ["openenv", "verifiers"]
+    (cmd,) = install_test_commands(pkg, wheels, name="verifiers")
+    assert cmd == [
+        f"composer-core @ {wheels['composer-core'].as_uri()}",
+        f"composer-trl[verifiers] @ {wheels['composer-trl'].as_uri()}",
+    ]
+    assert len(install_test_commands(pkg, wheels)) == 1  # the main block is unchanged
+
+
+def test_named_block_must_install_core_and_its_git_form_must_match(ws: Path, edit) -> None:
+    readme = ws / "packages/composer-trl/README.md"
+    edit(
+        readme,
+        "pip install ./packages/composer-core './packages/composer-trl[verifiers]'",
+        "pip install './packages/composer-trl[verifiers]'",
+    )
+    problems = check_readme(load_package(ws / "packages/composer-trl"), ws)
+    assert any(
+        "install-test block 'verifiers' (its own venv) does not install composer-core" in p for p in problems
+    )
+    edit(
+        readme,
+        "pip install './packages/composer-trl[verifiers]'",
+        "pip install ./packages/composer-core './packages/composer-trl[verifiers,yaml]'",
+    )
+    problems = check_readme(load_package(ws / "packages/composer-trl"), ws)
+    assert any("make them the same" in p for p in problems), problems
