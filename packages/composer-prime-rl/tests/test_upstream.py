@@ -2,123 +2,30 @@
 
 prime-rl is not on the package index, so this module runs when either
 - ``prime_rl`` is importable (the trainer's own environment), or
-- ``PRIME_RL_SRC`` points at a prime-rl checkout: its ``src/prime_rl/trainer/rl/loss.py`` is
-  loaded from the file. Only its imports that need the GPU-stack environment are replaced,
-  and only when missing: the pydantic config classes (``DefaultLossConfig``,
-  ``CustomLossConfig``, ... as plain dataclasses with upstream's field names and
-  defaults), ``import_object`` (upstream's rpartition-on-the-last-dot rule) and the
-  ``jaxtyping``/``beartype`` annotations. The loss math under test is upstream's.
+- ``PRIME_RL_SRC`` points at a prime-rl checkout (loaded by :mod:`composer_prime_rl.upstream`).
 Otherwise it is skipped (the CI case); test_trainer_loop.py then checks the same contract.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import importlib.util
 import math
 import os
 import sys
 import types
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from composer_prime_rl import composer_loss
-
-
-def _stub_modules() -> dict[str, types.ModuleType]:
-    mods: dict[str, types.ModuleType] = {}
-
-    @dataclasses.dataclass
-    class DefaultLossConfig:
-        type: str = "default"
-        dppo_mask_low: float = 0.2
-        dppo_mask_high: float = 0.2
-        adv_tau: float = 1.0
-        kl_tau: float = 1e-3
-
-    @dataclasses.dataclass
-    class IPOLossConfig:
-        type: str = "ipo"
-        ipo_threshold: float = 0.1
-        adv_tau: float = 1.0
-        kl_tau: float = 1e-3
-
-    @dataclasses.dataclass
-    class CustomLossConfig:
-        import_path: str
-        kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-        type: str = "custom"
-
-    configs = types.ModuleType("prime_rl.configs.trainer")
-    configs.DefaultLossConfig = DefaultLossConfig
-    configs.IPOLossConfig = IPOLossConfig
-    configs.CustomLossConfig = CustomLossConfig
-    configs.LossConfig = Any
-    utils = types.ModuleType("prime_rl.utils.utils")
-
-    def import_object(dotted_path: str) -> Any:
-        module_path, _, name = dotted_path.rpartition(".")
-        return getattr(importlib.import_module(module_path), name)
-
-    utils.import_object = import_object
-    for name in ("prime_rl", "prime_rl.configs", "prime_rl.utils"):
-        mods[name] = types.ModuleType(name)
-    mods["prime_rl.configs.trainer"] = configs
-    mods["prime_rl.utils.utils"] = utils
-
-    try:
-        import jaxtyping  # noqa: F401
-    except ImportError:
-
-        class _Any:
-            def __class_getitem__(cls, item: Any) -> Any:
-                return torch.Tensor
-
-        jt = types.ModuleType("jaxtyping")
-        jt.Float = jt.Bool = jt.Int = _Any
-        jt.jaxtyped = lambda typechecker=None: lambda fn: fn
-        mods["jaxtyping"] = jt
-        bt = types.ModuleType("beartype")
-        bt.beartype = lambda fn: fn
-        mods["beartype"] = bt
-    return mods
+from composer_prime_rl.upstream import UpstreamUnavailable, load_upstream
 
 
 def _load_upstream() -> tuple[types.ModuleType, types.ModuleType]:
     try:
-        from prime_rl.configs import trainer as configs
-        from prime_rl.trainer.rl import loss
-    except ImportError:
-        pass
-    else:
-        return loss, configs
-    src = os.environ.get("PRIME_RL_SRC")
-    if not src:
-        pytest.skip(
-            "prime_rl is not importable and PRIME_RL_SRC is unset (prime-rl is not on the package index)"
-        )
-    path = Path(src) / "src/prime_rl/trainer/rl/loss.py"
-    if not path.is_file():
-        pytest.fail(f"PRIME_RL_SRC={src} has no src/prime_rl/trainer/rl/loss.py")
-    stubs = _stub_modules()
-    saved = {k: sys.modules.get(k) for k in stubs}
-    sys.modules.update(stubs)
-    try:
-        spec = importlib.util.spec_from_file_location("_prime_rl_upstream_loss", path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # dataclasses look their module up in sys.modules
-        spec.loader.exec_module(module)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                sys.modules.pop(k, None)
-            else:
-                sys.modules[k] = v
-    return module, stubs["prime_rl.configs.trainer"]
+        return load_upstream()
+    except UpstreamUnavailable as exc:
+        pytest.skip(str(exc))
 
 
 @pytest.fixture(scope="module")

@@ -36,6 +36,7 @@ raises if it is requested.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import torch
@@ -322,21 +323,46 @@ def _reduce_metrics(
     cols: dict[str, Tensor], specs: dict[str, MetricSpec], keys: tuple[str, ...]
 ) -> dict[str, Tensor]:
     """Detached float32 0-dim means ``Σ v·w / max(Σ d, 1)`` for ``keys`` from one matmul of the value columns
-    with the where columns; a key without a spec (skipped channel) is 0."""
-    names = list(cols)
+    with the where columns; a key without a spec (skipped channel) is 0. The columns and specs of a run are
+    the same at every call, so which entries of the matmul to read is computed once (:func:`_metric_index`)."""
+    names = tuple(cols)
     device = cols["mask"].device
+    present, where_cols, flat = _metric_index(names, tuple(specs.items()), keys)
     with torch.no_grad():
-        table = torch.stack([cols[n].detach().to(torch.float32) for n in names], dim=1)  # [T, C]
-        where_names = sorted({w for _, w, d in specs.values()} | {d for _, w, d in specs.values()})
-        wcols = [names.index(w) for w in where_names]
-        sums = table.T @ table[:, wcols]  # [C, W]: Σ_t value_c · where_w
-        present = [k for k in keys if k in specs]
-        vi = [names.index(specs[k][0]) for k in present]
-        wi = [where_names.index(specs[k][1]) for k in present]
-        di = [where_names.index(specs[k][2]) for k in present]
-        # Σ where·where = Σ where for a 0/1 column, so the denominators are read from the same table.
-        dens = sums[[names.index(where_names[d]) for d in di], di].clamp(min=1)
-        means = (sums[vi, wi] / dens).unbind() if present else ()
+        # bool columns and float columns: one stack + one cast each (not one cast per column)
+        table = torch.stack([cols[n].detach() for n in names], dim=1).to(torch.float32)  # [T, C]
+        sums = (
+            table.T @ table.index_select(1, _on(where_cols, device))
+        ).flatten()  # [C·W]: Σ_t value_c · where_w
+        picked = sums.take(_on(flat, device)).view(2, len(present))  # numerators; denominators (Σ where)
+        means = (picked[0] / picked[1].clamp(min=1)).unbind() if present else ()
     out = dict.fromkeys(keys, torch.zeros((), dtype=torch.float32, device=device))
     out.update(zip(present, means, strict=True))
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _metric_index(
+    names: tuple[str, ...], specs: tuple[tuple[str, MetricSpec], ...], keys: tuple[str, ...]
+) -> tuple[tuple[str, ...], tuple[str, ...], tuple[int, ...]]:
+    """(keys with a spec, the where columns' indices, flat indices into the [C, W] sums: numerators then
+    denominators).
+    Σ where·where = Σ where for a 0/1 column, so the denominators are read from the same table."""
+    spec = dict(specs)
+    present = tuple(k for k in keys if k in spec)
+    where_names = tuple(sorted({w for _, w, _ in spec.values()} | {d for _, _, d in spec.values()}))
+    width = len(where_names)
+    num = [names.index(spec[k][0]) * width + where_names.index(spec[k][1]) for k in present]
+    den = [names.index(spec[k][2]) * width + where_names.index(spec[k][2]) for k in present]
+    return present, tuple(names.index(w) for w in where_names), tuple(num + den)
+
+
+_INDEX_CACHE: dict[tuple[tuple[int, ...], torch.device], Tensor] = {}
+
+
+def _on(flat: tuple[int, ...], device: torch.device) -> Tensor:
+    """The index tensor of ``flat`` on ``device``, built once per (index, device)."""
+    key = (flat, device)
+    if key not in _INDEX_CACHE:
+        _INDEX_CACHE[key] = torch.tensor(flat, dtype=torch.long, device=device)
+    return _INDEX_CACHE[key]
