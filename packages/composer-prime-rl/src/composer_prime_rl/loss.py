@@ -344,7 +344,7 @@ def _reduce_metrics(
 @functools.lru_cache(maxsize=64)
 def _metric_index(
     names: tuple[str, ...], specs: tuple[tuple[str, MetricSpec], ...], keys: tuple[str, ...]
-) -> tuple[tuple[str, ...], tuple[str, ...], tuple[int, ...]]:
+) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]:
     """(keys with a spec, the where columns' indices, flat indices into the [C, W] sums: numerators then
     denominators).
     Σ where·where = Σ where for a 0/1 column, so the denominators are read from the same table."""
