@@ -60,7 +60,9 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Mapping, Sequence
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -69,11 +71,17 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"CDILOCO1"  # objects tagged with SHA-256 of the body (integrity)
-MAGIC_HMAC = b"CDILOCH1"  # objects tagged with HMAC-SHA256 of the body (integrity + authenticity)
+MAGIC = b"CDILOCO2"  # object format 2: CRC-32 per chunk, SHA-256 over header + CRC table (integrity)
+MAGIC_HMAC = b"CDILOCH2"  # format 2 signed: SHA-256 per chunk, HMAC-SHA256 over header + table (authenticity)
+_FORMAT1 = (b"CDILOCO1", b"CDILOCH1")  # whole-body SHA-256 (before 0.2): refused by name
 HMAC_KEY_ENV = "COMPOSER_DILOCO_HMAC_KEY"
 MIN_HMAC_KEY_BYTES = 16
+CHUNK_BYTES = 4 << 20  # the body is checked in pieces of at most this many bytes (per tensor)
 _DIGEST = 32
+_HEAD = len(MAGIC) + _DIGEST + 8  # magic, tag, len(meta) and len(table) as 4-byte little-endian ints
+_POOL: ThreadPoolExecutor | None = None  # chunk checksums (zlib/hashlib release the GIL)
+_POOL_LOCK = threading.Lock()
+_PARALLEL_BYTES = 8 << 20  # smaller payloads are checked in the calling thread
 _PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _MEMORY_LOCK = threading.Lock()
@@ -305,9 +313,15 @@ class ObjectStoreAllReduce:
     def encode(self, round_id: int, tensors: Sequence[torch.Tensor], *, quantize: bool = False) -> bytes:
         """Serialise this replica's tensors for ``round_id`` (fp8 e4m3 + fp32 scale if ``quantize``).
 
-        Layout: ``MAGIC | sha256(body) | body``, ``body = len(meta) (4 bytes, little endian) |
-        meta (JSON: run, round, rank, world size, per-tensor dtype/shape/scale) | raw tensor bytes``.
-        No pickle: decoding is ``torch.frombuffer`` on validated offsets.
+        Layout (object format 2)::
+
+            MAGIC | tag (32) | len(meta) (u32 LE) | len(table) (u32 LE) | meta | table | body
+
+        ``meta`` is JSON (run, round, rank, world size, per-tensor dtype/shape/scale/nbytes, chunk
+        size), ``body`` the raw tensor bytes, ``table`` one checksum per piece of at most
+        ``meta["chunk"]`` bytes of each tensor: CRC-32 (4 bytes) by default, SHA-256 (32 bytes)
+        with an HMAC key. ``tag`` = SHA-256, or HMAC-SHA256 with the key, of everything between
+        the tag and the body. No pickle: decoding is ``torch.frombuffer`` on validated offsets.
         """
         return self._encode(round_id, tensors, quantize)[0].tobytes()
 
@@ -336,35 +350,51 @@ class ObjectStoreAllReduce:
         }
 
     def _pack(self, meta: dict[str, Any], wires: Sequence[torch.Tensor]) -> _Encoded:
-        """Header + zero-copy views of the wire tensors; the tag is hashed incrementally over
-        them (no joined copy of the payload is ever made here)."""
+        """Header (with the checksum table) + zero-copy views of the wire tensors: the checksums
+        are computed over the tensors' own memory, chunk by chunk (in parallel threads on large
+        payloads); no joined copy of the payload is ever made here."""
         chunks = [_bytes_view(w) for w in wires]
         for entry, chunk in zip(meta["layout"], chunks):
             entry["nbytes"] = chunk.nbytes
+        meta["chunk"] = CHUNK_BYTES
         meta_bytes = json.dumps(meta).encode()
-        lead = len(meta_bytes).to_bytes(4, "little") + meta_bytes
-        h = hashlib.sha256() if self._hmac_key is None else hmac.new(self._hmac_key, digestmod=hashlib.sha256)
-        h.update(lead)
-        for chunk in chunks:
-            h.update(chunk)
-        tag = h.digest()
+        table = _checksums(self._chunk_sum, _pieces(chunks, CHUNK_BYTES))
+        lead = _u32(len(meta_bytes)) + _u32(len(table)) + meta_bytes + table
+        tag = self._tag(lead)
         head = (MAGIC_HMAC if self._hmac_key is not None else MAGIC) + tag + lead
         return _Encoded(head, chunks, tag, wires)
 
-    def _tag(self, body: bytes | memoryview) -> bytes:
-        if self._hmac_key is None:
-            return hashlib.sha256(body).digest()
-        return hmac.new(self._hmac_key, body, hashlib.sha256).digest()
+    @property
+    def _chunk_sum(self) -> Callable[[memoryview], bytes]:
+        return _crc32 if self._hmac_key is None else _sha256
 
-    def _check_tag(self, data: Payload, key: str) -> memoryview:
-        """Check the header and the tag; return the body."""
-        head = len(MAGIC) + _DIGEST
-        magic = bytes(data[: len(MAGIC)])
-        if len(data) < head + 4 or magic not in (MAGIC, MAGIC_HMAC):
+    def _tag(self, lead: bytes | memoryview) -> bytes:
+        if self._hmac_key is None:
+            return hashlib.sha256(lead).digest()
+        return hmac.new(self._hmac_key, lead, hashlib.sha256).digest()
+
+    def _damaged(self, key: str, size: int, what: str) -> CorruptObjectError:
+        if self._hmac_key is not None:
+            return AuthenticationError(
+                f"object {key} fails its HMAC-SHA256 check ({what}, {size} bytes): signed with a "
+                f"different ${self.hmac_key_env}, or altered/truncated after signing."
+            )
+        return CorruptObjectError(
+            f"object {key} fails its checksum ({what}, {size} bytes: truncated or corrupt)."
+        )
+
+    def _check_header(self, view: memoryview, key: str) -> None:
+        magic = bytes(view[: len(MAGIC)])
+        if magic in _FORMAT1:
+            raise CorruptObjectError(
+                f"object {key} is in object format 1 (whole-body SHA-256), written by an older "
+                "composer-diloco; this version reads format 2 only. Run every replica of a run with the "
+                "same composer-diloco version (an upgraded run needs a new run_id)."
+            )
+        if len(view) < _HEAD or magic not in (MAGIC, MAGIC_HMAC):
             raise CorruptObjectError(
                 f"object {key} has no composer-diloco header (partial or foreign write)."
             )
-        body, tag = memoryview(data)[head:], bytes(data[len(MAGIC) : head])
         env = self.hmac_key_env
         if self._hmac_key is not None and magic != MAGIC_HMAC:
             raise AuthenticationError(
@@ -376,16 +406,51 @@ class ObjectStoreAllReduce:
                 f"object {key} is HMAC-signed but ${env} is not set on this replica, which cannot "
                 "verify it: give every replica the same secret."
             )
-        if not hmac.compare_digest(self._tag(body), tag):
-            if self._hmac_key is not None:
-                raise AuthenticationError(
-                    f"object {key} fails its HMAC-SHA256 check ({len(data)} bytes): signed with a "
-                    f"different ${env}, or altered/truncated after signing."
-                )
+
+    def _verify(self, data: Payload, key: str) -> tuple[dict[str, Any], memoryview, bytes]:
+        """Check the header, the tag and every chunk's checksum; return (meta, body, tag).
+
+        Any flipped byte is caught: in the tag, lengths, meta or table by the tag (SHA-256 /
+        HMAC-SHA256 over them); in the body by its chunk's CRC-32 (which detects every error burst
+        of up to 32 bits, so every single flipped byte) or SHA-256; a truncated body by its length."""
+        view = memoryview(data)
+        if view.format != "B":
+            view = view.cast("B")
+        self._check_header(view, key)
+        tag = bytes(view[len(MAGIC) : len(MAGIC) + _DIGEST])
+        meta_len = int.from_bytes(view[_HEAD - 8 : _HEAD - 4], "little")
+        table_len = int.from_bytes(view[_HEAD - 4 : _HEAD], "little")
+        end = _HEAD + meta_len + table_len
+        if end > len(view) or not hmac.compare_digest(self._tag(view[_HEAD - 8 : end]), tag):
+            raise self._damaged(key, len(view), "header")
+        try:
+            meta = json.loads(bytes(view[_HEAD : _HEAD + meta_len]))
+            sizes = [int(e["nbytes"]) for e in meta["layout"]]
+            chunk = int(meta["chunk"])
+            if chunk < 1 or min(sizes, default=0) < 0:
+                raise ValueError(f"chunk={chunk}, nbytes={sizes}")
+        except (ValueError, KeyError, TypeError) as exc:  # tag matched: a foreign/garbage writer
+            raise CorruptObjectError(f"object {key} does not decode: {exc}") from exc
+        body = view[end:]
+        if sum(sizes) != len(body):
+            raise self._damaged(key, len(view), f"body of {len(body)} bytes, its header lists {sum(sizes)}")
+        pieces = _pieces(_split(body, sizes), chunk)
+        table = view[_HEAD + meta_len : end]
+        width = len(self._chunk_sum(memoryview(b"")))
+        if len(pieces) * width != table_len:
             raise CorruptObjectError(
-                f"object {key} fails its SHA-256 check ({len(data)} bytes: truncated or corrupt)."
+                f"object {key} has an invalid tensor layout: {len(pieces)} chunks, {table_len} checksum bytes."
             )
-        return body
+        sums = _checksums(self._chunk_sum, pieces)
+        if sums != table:
+            bad = next(
+                i
+                for i in range(len(pieces))
+                if sums[i * width : (i + 1) * width] != table[i * width : (i + 1) * width]
+            )
+            start = sum(p.nbytes for p in pieces[:bad])
+            raise self._damaged(key, len(view), f"body bytes {start}-{start + pieces[bad].nbytes}")
+        return meta, body, tag
 
     def decode(
         self,
@@ -399,14 +464,8 @@ class ObjectStoreAllReduce:
         """Validate and deserialise an object; raise :class:`CorruptObjectError` naming ``key``
         (:class:`AuthenticationError` for a missing/wrong HMAC, :class:`NonFiniteObjectError`
         for NaN/inf values)."""
-        body = self._check_tag(data, key)
-        tag = bytes(data[len(MAGIC) : len(MAGIC) + _DIGEST])
-        try:
-            meta_len = int.from_bytes(body[:4], "little")
-            meta = json.loads(bytes(body[4 : 4 + meta_len]))
-            layout = list(meta["layout"])
-        except (ValueError, KeyError, TypeError) as exc:  # checksum matched: a foreign/garbage writer
-            raise CorruptObjectError(f"object {key} does not decode: {exc}") from exc
+        meta, buf, tag = self._verify(data, key)
+        layout = list(meta["layout"])
         if meta.get("exchange", "full") != self.exchange:
             raise CorruptObjectError(
                 f"object {key} was written by a replica with exchange={meta.get('exchange', 'full')!r}, "
@@ -416,7 +475,6 @@ class ObjectStoreAllReduce:
         for name, want in expected.items():
             if meta.get(name) != want:
                 raise CorruptObjectError(f"object {key} has {name}={meta.get(name)!r}, expected {want!r}.")
-        buf = body[4 + meta_len :]
         tensors: list[torch.Tensor] = []
         offset = 0
         try:
@@ -1222,6 +1280,46 @@ def _bytes_view(t: torch.Tensor) -> memoryview:
         return memoryview(b"")
     array: Any = t.contiguous().reshape(-1).view(torch.uint8).numpy()
     return memoryview(array).cast("B")
+
+
+def _u32(n: int) -> bytes:
+    return n.to_bytes(4, "little")
+
+
+def _crc32(chunk: memoryview) -> bytes:
+    return _u32(zlib.crc32(chunk))
+
+
+def _sha256(chunk: memoryview) -> bytes:
+    return hashlib.sha256(chunk).digest()
+
+
+def _split(body: memoryview, sizes: Sequence[int]) -> list[memoryview]:
+    """``body`` cut into consecutive views of ``sizes`` bytes (their sum is ``len(body)``)."""
+    out, offset = [], 0
+    for n in sizes:
+        out.append(body[offset : offset + n])
+        offset += n
+    return out
+
+
+def _pieces(views: Sequence[memoryview], size: int) -> list[memoryview]:
+    """Every view cut into pieces of at most ``size`` bytes (zero-copy); an empty view has none."""
+    return [v[i : i + size] for v in views for i in range(0, v.nbytes, size)]
+
+
+def _checksums(fn: Callable[[memoryview], bytes], pieces: Sequence[memoryview]) -> bytes:
+    """``fn`` of every piece, concatenated; several pieces are checked in parallel threads (zlib
+    and hashlib release the GIL on large buffers), so a large object costs one pass spread over
+    the cores."""
+    global _POOL
+    if len(pieces) < 2 or (os.cpu_count() or 1) < 2 or sum(p.nbytes for p in pieces) < _PARALLEL_BYTES:
+        return b"".join(map(fn, pieces))
+    if _POOL is None:
+        with _POOL_LOCK:
+            if _POOL is None:
+                _POOL = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="diloco-checksum")
+    return b"".join(_POOL.map(fn, pieces))
 
 
 def _frombuffer(buf: memoryview, nbytes: int, offset: int) -> torch.Tensor:
