@@ -275,6 +275,10 @@ class ObjectStoreAllReduce:
         self._buffers: dict[str, bytearray] = {}  # read buffers reused across rounds (local stores)
         self._acc: list[torch.Tensor] = []  # float32 accumulators reused across rounds
         self._cleaner: threading.Thread | None = None
+        self._marker: dict[int, str] | None = None  # this replica's progress marker, as last written
+        # s3fs's cat_file sends a HEAD (size) before each GET unless max_concurrency=1, and its concurrent
+        # ranged read joins the parts into two more full copies: one GET per object (see the README)
+        self._cat_options: dict[str, Any] = {"max_concurrency": 1} if "s3" in _protocols(self.fs) else {}
 
     @property
     def authenticated(self) -> bool:
@@ -580,7 +584,7 @@ class ObjectStoreAllReduce:
             return self._read_into(key, slot)
         self.fs.invalidate_cache(posixpath.dirname(key))  # s3fs answers from a stale listing otherwise
         try:
-            data = self.fs.cat_file(key)
+            data = self.fs.cat_file(key, **self._cat_options)
         except FileNotFoundError:
             return None
         self.bytes_read += len(data)
@@ -704,7 +708,12 @@ class ObjectStoreAllReduce:
             raise CorruptObjectError(f"progress marker {key} is not a marker of this run: {exc}") from exc
 
     def _read_markers(self, skip: int | None = None) -> dict[int, dict[int, str]]:
-        markers = {r: self._read_marker(r) for r in range(self.world_size) if r != skip}
+        own = self._marker  # this replica's marker is only written by itself: no GET once known
+        markers = {
+            r: dict(own) if r == self.rank and own is not None else self._read_marker(r)
+            for r in range(self.world_size)
+            if r != skip
+        }
         return {r: m for r, m in markers.items() if m is not None}
 
     def _commit_evidence(self, round_id: int) -> str | None:
@@ -746,11 +755,12 @@ class ObjectStoreAllReduce:
         """Record that this replica applies ``manifest`` for ``round_id``, then check that no
         replica accepted another one. Marker first, reads second: of two replicas accepting
         different manifests, the later reader sees the other's marker and raises."""
-        mine = self._read_marker(self.rank) or {}
+        mine = dict(self._marker if self._marker is not None else self._read_marker(self.rank) or {})
         mine[round_id] = manifest.fingerprint
         newest = sorted(mine)[-(self.keep_rounds + 1) :]
         marker = {"run_id": self.run_id, "rank": self.rank, "accepted": {str(r): mine[r] for r in newest}}
         self.put_atomic(self.marker_key(self.rank), self._dump_json(marker))
+        self._marker = {r: mine[r] for r in newest}
         for rank, accepted in sorted(self._read_markers(skip=self.rank).items()):
             theirs = accepted.get(round_id)
             if theirs is not None and theirs != manifest.fingerprint:
