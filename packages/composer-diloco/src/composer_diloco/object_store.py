@@ -47,9 +47,11 @@ secret is read once from the environment and never logged or put in an error mes
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import hmac
+import io
 import json
 import logging
 import math
@@ -67,6 +69,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import fsspec
+import fsspec.asyn
 import torch
 
 logger = logging.getLogger(__name__)
@@ -81,6 +84,8 @@ _DIGEST = 32
 _HEAD = len(MAGIC) + _DIGEST + 8  # magic, tag, len(meta) and len(table) as 4-byte little-endian ints
 _POOL: ThreadPoolExecutor | None = None  # chunk checksums (zlib/hashlib release the GIL)
 _POOL_LOCK = threading.Lock()
+S3_PART_BYTES = 50 << 20  # s3fs's part size: objects of 2 parts or more go up as parallel multipart uploads
+_STREAM_READ = 1 << 20  # S3 GET bodies are copied into the read buffer this many bytes at a time
 _PARALLEL_BYTES = 8 << 20  # smaller payloads are checked in the calling thread
 _PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -276,9 +281,10 @@ class ObjectStoreAllReduce:
         self._acc: list[torch.Tensor] = []  # float32 accumulators reused across rounds
         self._cleaner: threading.Thread | None = None
         self._marker: dict[int, str] | None = None  # this replica's progress marker, as last written
+        self.s3_part_bytes = S3_PART_BYTES  # multipart part size on S3 (parts go up in parallel)
         # s3fs's cat_file sends a HEAD (size) before each GET unless max_concurrency=1, and its concurrent
         # ranged read joins the parts into two more full copies: one GET per object (see the README)
-        self._cat_options: dict[str, Any] = {"max_concurrency": 1} if "s3" in _protocols(self.fs) else {}
+        self._cat_options: dict[str, Any] = {"max_concurrency": 1} if _is_s3(self.fs) else {}
 
     @property
     def authenticated(self) -> bool:
@@ -558,7 +564,9 @@ class ObjectStoreAllReduce:
                 return False
             finally:
                 os.unlink(tmp)
-        data = enc.tobytes()  # one copy: object-store clients want one bytes-like body
+        if _is_s3(self.fs):
+            return bool(fsspec.asyn.sync(self.fs.loop, self._s3_create, key, enc))
+        data = enc.tobytes()  # one copy: this client wants one bytes-like body
         if "memory" in protocols:
             with _MEMORY_LOCK:
                 if self.fs.exists(key):
@@ -577,11 +585,96 @@ class ObjectStoreAllReduce:
                 "or s3:// (or an fsspec backend with create-only writes)."
             ) from exc
 
+    async def _s3_create(self, key: str, enc: _Encoded) -> bool:
+        """Create-only S3 upload streamed from the encoded object's memory (no joined copy):
+        one PUT with ``If-None-Match: *``, or, from 2 parts of ``s3_part_bytes`` up, a multipart
+        upload whose parts go up in parallel (s3fs's ``max_concurrency``) and whose completion
+        carries ``If-None-Match: *`` (aborted on any failure: readers never see part of it)."""
+        fs, size, part = self.fs, enc.size, self.s3_part_bytes
+        bucket, name, _ = fs.split_path(key)
+        views = [memoryview(enc.head), *enc.chunks]
+        try:
+            if size < 2 * part:
+                await fs._call_s3("put_object", Bucket=bucket, Key=name, Body=_Stream(views), IfNoneMatch="*")
+                return True
+            upload = (await fs._call_s3("create_multipart_upload", Bucket=bucket, Key=name))["UploadId"]
+            gate = asyncio.Semaphore(max(1, int(getattr(fs, "max_concurrency", 1))))
+
+            async def put_part(i: int, lo: int) -> dict[str, Any]:
+                async with gate:
+                    body = _Stream(views, lo, min(lo + part, size))
+                    out = await fs._call_s3(
+                        "upload_part", Bucket=bucket, Key=name, UploadId=upload, PartNumber=i + 1, Body=body
+                    )
+                return {"PartNumber": i + 1, "ETag": out["ETag"]}
+
+            try:
+                parts = await asyncio.gather(*(put_part(i, lo) for i, lo in enumerate(range(0, size, part))))
+                await fs._call_s3(
+                    "complete_multipart_upload",
+                    Bucket=bucket,
+                    Key=name,
+                    UploadId=upload,
+                    MultipartUpload={"Parts": list(parts)},
+                    IfNoneMatch="*",
+                )
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=name, UploadId=upload)
+                raise
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            fs.invalidate_cache(key)
+
+    async def _s3_read_into(self, key: str, slot: str) -> memoryview | None:
+        """One GET streamed into the slot's buffer (reused across rounds): no full-size bytes
+        object, no HEAD. A short or failed stream is retried twice, then returned short (its
+        checksum then fails and the object is re-read or reported)."""
+        bucket, name, _ = self.fs.split_path(key)
+        view, got = memoryview(b""), 0
+        for attempt in range(3):
+            try:
+                resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=name)
+            except FileNotFoundError:
+                return None
+            body = resp["Body"]
+            try:
+                size = int(resp["ContentLength"])
+                view, got = self._slot(slot, size), 0
+                while got < size:
+                    n = await body.readinto(view[got : got + _STREAM_READ])
+                    if not n:
+                        break
+                    got += n
+            except Exception:
+                if attempt == 2:
+                    raise
+                continue
+            finally:
+                closed = body.close()
+                if asyncio.iscoroutine(closed):
+                    await closed
+            if got == size:
+                break
+        self.bytes_read += got
+        return view[:got]
+
+    def _slot(self, slot: str, size: int) -> memoryview:
+        """A writable ``size``-byte view of the read buffer kept for ``slot`` across rounds."""
+        buf = self._buffers.get(slot)
+        if buf is None or len(buf) < size:
+            buf = self._buffers[slot] = bytearray(size)
+        return memoryview(buf)[:size]
+
     def _read(self, key: str, slot: str | None = None) -> Payload | None:
         """The object's bytes, or None if absent. With ``slot`` on a local filesystem the object
         is read into a buffer kept for that slot across rounds (no fresh pages every round)."""
         if slot is not None and self._is_local():
             return self._read_into(key, slot)
+        if slot is not None and _is_s3(self.fs):
+            return fsspec.asyn.sync(self.fs.loop, self._s3_read_into, key, slot)  # type: ignore[no-any-return]
         self.fs.invalidate_cache(posixpath.dirname(key))  # s3fs answers from a stale listing otherwise
         try:
             data = self.fs.cat_file(key, **self._cat_options)
@@ -596,10 +689,7 @@ class ObjectStoreAllReduce:
             f = self.fs.open(key, "rb")
         except FileNotFoundError:
             return None
-        buf = self._buffers.get(slot)
-        if buf is None or len(buf) < size:
-            buf = self._buffers[slot] = bytearray(size)
-        view = memoryview(buf)[:size]
+        view = self._slot(slot, size)
         with f:
             got = 0
             while got < size:  # a file shorter than its size a moment ago reads short: its tag fails
@@ -1402,6 +1492,52 @@ def _check_round(round_id: int) -> int:
     if not isinstance(round_id, int) or isinstance(round_id, bool) or round_id < 0:
         raise ValueError(f"round_id must be an int >= 0, got {round_id!r}.")
     return round_id
+
+
+def _is_s3(fs: Any) -> bool:
+    """s3fs (its async API streams uploads and downloads without full-size copies)."""
+    return "s3" in _protocols(fs) and hasattr(fs, "_call_s3")
+
+
+class _Stream(io.RawIOBase):
+    """Bytes ``[lo, hi)`` of the concatenation of ``views``, as a seekable file (an upload body
+    read straight from the tensors' memory; botocore seeks back to retry)."""
+
+    def __init__(self, views: Sequence[memoryview], lo: int = 0, hi: int | None = None) -> None:
+        self._views = [v.cast("B") if v.format != "B" else v for v in views]
+        total = sum(v.nbytes for v in self._views)
+        self._lo, self._hi = lo, total if hi is None else hi
+        self._pos = 0
+
+    def __len__(self) -> int:
+        return self._hi - self._lo
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: len(self)}[whence]
+        self._pos = max(0, min(len(self), base + offset))
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        out = memoryview(buffer).cast("B")
+        pos, n, start = self._lo + self._pos, 0, 0
+        for v in self._views:
+            end = start + v.nbytes
+            if pos < end and n < len(out) and pos < self._hi:
+                k = min(end - pos, len(out) - n, self._hi - pos)
+                out[n : n + k] = v[pos - start : pos - start + k]
+                n, pos = n + k, pos + k
+            start = end
+        self._pos += n
+        return n
 
 
 def _protocols(fs: Any) -> set[str]:
