@@ -586,42 +586,18 @@ class ObjectStoreAllReduce:
             ) from exc
 
     async def _s3_create(self, key: str, enc: _Encoded) -> bool:
-        """Create-only S3 upload streamed from the encoded object's memory (no joined copy):
-        one PUT with ``If-None-Match: *``, or, from 2 parts of ``s3_part_bytes`` up, a multipart
-        upload whose parts go up in parallel (s3fs's ``max_concurrency``) and whose completion
-        carries ``If-None-Match: *`` (aborted on any failure: readers never see part of it)."""
+        """Create-only S3 upload. Below 2 parts of ``s3_part_bytes``: one PUT with
+        ``If-None-Match: *`` streamed from the encoded object's memory (no joined copy). From 2
+        parts up: s3fs's multipart upload (parts in parallel, s3fs's ``max_concurrency``; the
+        completion carries ``If-None-Match: *``, readers never see part of it) of one joined copy."""
         fs, size, part = self.fs, enc.size, self.s3_part_bytes
         bucket, name, _ = fs.split_path(key)
-        views = [memoryview(enc.head), *enc.chunks]
         try:
             if size < 2 * part:
-                await fs._call_s3("put_object", Bucket=bucket, Key=name, Body=_Stream(views), IfNoneMatch="*")
-                return True
-            upload = (await fs._call_s3("create_multipart_upload", Bucket=bucket, Key=name))["UploadId"]
-            gate = asyncio.Semaphore(max(1, int(getattr(fs, "max_concurrency", 1))))
-
-            async def put_part(i: int, lo: int) -> dict[str, Any]:
-                async with gate:
-                    body = _Stream(views, lo, min(lo + part, size))
-                    out = await fs._call_s3(
-                        "upload_part", Bucket=bucket, Key=name, UploadId=upload, PartNumber=i + 1, Body=body
-                    )
-                return {"PartNumber": i + 1, "ETag": out["ETag"]}
-
-            try:
-                parts = await asyncio.gather(*(put_part(i, lo) for i, lo in enumerate(range(0, size, part))))
-                await fs._call_s3(
-                    "complete_multipart_upload",
-                    Bucket=bucket,
-                    Key=name,
-                    UploadId=upload,
-                    MultipartUpload={"Parts": list(parts)},
-                    IfNoneMatch="*",
-                )
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    await fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=name, UploadId=upload)
-                raise
+                body = _Stream([memoryview(enc.head), *enc.chunks])
+                await fs._call_s3("put_object", Bucket=bucket, Key=name, Body=body, IfNoneMatch="*")
+            else:
+                await fs._pipe_file(key, enc.tobytes(), chunksize=part, mode="create")
             return True
         except FileExistsError:
             return False
