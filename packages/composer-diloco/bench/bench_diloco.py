@@ -7,8 +7,10 @@
 2. Throughput: an ObjectStoreAllReduce round (encode + checksum + atomic write + manifest +
    validated read + average, 2 replicas as threads) against a raw fsspec copy of the same bytes
    (each replica writes its blob and reads the other's), over file:// and s3:// (moto's server on
-   127.0.0.1), at 1, 64 and 512 MiB (``--small``: 1 and 16 MiB). The two are interleaved rep by rep;
-   median and spread are reported (the machine is shared).
+   127.0.0.1), at 1, 16 and 64 MiB (``--small``: 1 and 16 MiB; ``--large`` or
+   ``$COMPOSER_BENCH_LARGE=1`` adds 512 MiB). The two are interleaved rep by rep, the order
+   alternating; median and spread are reported (the machine is shared). Peak RSS growth per replica
+   over 3 rounds (replica processes, VmHWM) against the payload, at every size but 1 MiB.
 3. Scale in replicas: k = 2, 4, 8 real replica processes over file://, the full exchange (every
    replica reads every object) against the sharded one (reduce-scatter + all-gather), rounds
    interleaved: bytes read and round time per replica against k.
@@ -124,6 +126,9 @@ def _spread(xs: list[float]) -> dict[str, float]:
 
 
 def throughput(url: str, megabytes: float, reps: int, options: dict[str, Any] | None) -> dict[str, Any]:
+    """One ObjectStoreAllReduce round (2 replicas as threads) against a raw fsspec copy of the same
+    bytes (each replica ``pipe_file``s its blob, then ``cat_file``s the other's, with the same
+    ``cat_file`` options the store uses), interleaved rep by rep, the order alternating."""
     numel = int(megabytes * 2**20 / 4)
     tensors = [torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(WORLD)]
     payload = numel * 4
@@ -132,30 +137,40 @@ def throughput(url: str, megabytes: float, reps: int, options: dict[str, Any] | 
         ObjectStoreAllReduce(url, run, rank=r, world_size=WORLD, timeout_s=600, storage_options=options)
         for r in range(WORLD)
     ]
-    fs = stores[0].fs
+    fs, cat_options = stores[0].fs, stores[0]._cat_options
     raw_prefix = f"{stores[0].root}/raw-{run}"
     blobs = [t.numpy().tobytes() for t in tensors]
     ratios, t_reduce, t_raw = [], [], []
-    for rep in tqdm(range(reps), desc=f"throughput {url.split(':')[0]} {megabytes:g} MiB", leave=False):
+
+    def reduce_once(rep: int) -> float:
         work = [[t.clone()] for t in tensors]
         t0 = time.perf_counter()
-        _threads(lambda r, rep=rep, work=work: stores[r].allreduce(rep, work[r]))
-        t_reduce.append(time.perf_counter() - t0)
-        del work
+        _threads(lambda r: stores[r].allreduce(rep, work[r]))
+        return time.perf_counter() - t0
 
+    def raw_once(rep: int) -> float:
         fs.makedirs(f"{raw_prefix}/{rep}", exist_ok=True)
         barrier = threading.Barrier(WORLD)
 
-        def raw(r: int, rep: int = rep, barrier: threading.Barrier = barrier) -> None:
+        def raw(r: int) -> None:
             fs.pipe_file(f"{raw_prefix}/{rep}/{r}.bin", blobs[r])
             barrier.wait()  # the same I/O as the all-reduce: write own blob, read the other's
-            fs.cat_file(f"{raw_prefix}/{rep}/{1 - r}.bin")
+            fs.cat_file(f"{raw_prefix}/{rep}/{1 - r}.bin", **cat_options)
 
         t0 = time.perf_counter()
         _threads(raw)
-        t_raw.append(time.perf_counter() - t0)
-        ratios.append(t_raw[-1] / t_reduce[-1])
+        elapsed = time.perf_counter() - t0
         fs.rm(f"{raw_prefix}/{rep}", recursive=True)
+        return elapsed
+
+    for rep in tqdm(range(reps), desc=f"throughput {url.split(':')[0]} {megabytes:g} MiB", leave=False):
+        if rep % 2:
+            t_raw.append(raw_once(rep))
+            t_reduce.append(reduce_once(rep))
+        else:
+            t_reduce.append(reduce_once(rep))
+            t_raw.append(raw_once(rep))
+        ratios.append(t_raw[-1] / t_reduce[-1])
     stores[0].cleanup_run()
     return {
         "url": url.split(":")[0],
@@ -166,6 +181,88 @@ def throughput(url: str, megabytes: float, reps: int, options: dict[str, Any] | 
         "raw_copy_MBps": payload / statistics.median(t_raw) / 2**20,
         "ratio_allreduce_over_raw": _spread(ratios),  # raw time / all-reduce time, per interleaved rep
         "reps": reps,
+    }
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
+def peak_replica(
+    *,
+    url: str,
+    rank: int,
+    world_size: int,
+    numel: int,
+    rounds: int,
+    gate: str,
+    options: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """One replica process of the memory bench: ``rounds`` full-exchange rounds; the peak RSS over
+    them (VmHWM, reset after the input tensor exists) minus the RSS before, over the payload."""
+    torch.set_num_threads(1)
+    store = ObjectStoreAllReduce(
+        url, "peak", rank=rank, world_size=world_size, timeout_s=600, storage_options=options
+    )
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+    store.rounds_present()  # the store's client is set up (botocore loads its models) before the baseline
+    print(f"ready rank={rank}", flush=True)
+    _wait_gate(gate)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := current RSS
+    rss0 = _status("VmRSS")
+    for r in range(rounds):
+        store.allreduce(r, [x])
+    return {"payload": numel * 4, "peak_growth": _status("VmHWM") - rss0}
+
+
+def _wait_gate(gate: str) -> None:
+    deadline = time.monotonic() + 600
+    while not os.path.exists(gate):
+        if time.monotonic() > deadline:
+            raise TimeoutError("gate never opened")
+        time.sleep(0.02)
+
+
+def _processes(target: str, kwargs: dict[str, Any], world: int, workdir: Path, tag: str) -> list[Any]:
+    """Run ``target`` in ``world`` replica processes started together through a gate file."""
+    from composer_diloco.executors import ReplicaProcess
+
+    gate = workdir / f"gate-{tag}"
+    env = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    procs = [
+        ReplicaProcess(r, f"bench_diloco:{target}", {**kwargs, "rank": r, "gate": str(gate)}, workdir, env)
+        for r in range(world)
+    ]
+    deadline = time.monotonic() + 600
+    for p in procs:
+        while "ready rank=" not in p.log_text():
+            if p.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"replica {p.rank} did not start: {p.log_text()[-2000:]}")
+            time.sleep(0.05)
+    gate.touch()
+    results = []
+    for p in procs:
+        res = p.finish(1200)
+        if res.exit_code != 0:
+            raise RuntimeError(f"replica {p.rank} failed: {res.log_tail}")
+        results.append(res.value)
+    return results
+
+
+def peak_memory(url: str, megabytes: float, options: dict[str, Any] | None, workdir: Path) -> dict[str, Any]:
+    numel = int(megabytes * 2**20 / 4)
+    kwargs = {"url": url, "world_size": WORLD, "numel": numel, "rounds": 3, "options": options}
+    tag = f"peak-{url.split(':')[0]}-{megabytes:g}"
+    growth = [
+        r["peak_growth"] / r["payload"] for r in _processes("peak_replica", kwargs, WORLD, workdir, tag)
+    ]
+    return {
+        "url": url.split(":")[0],
+        "megabytes_per_replica": megabytes,
+        "peak_growth_over_payload": max(growth),
     }
 
 
@@ -183,11 +280,7 @@ def scale_replica(
     }
     g = torch.Generator().manual_seed(rank)
     print(f"ready rank={rank}", flush=True)
-    deadline = time.monotonic() + 600
-    while not os.path.exists(gate):
-        if time.monotonic() > deadline:
-            raise TimeoutError("gate never opened")
-        time.sleep(0.02)
+    _wait_gate(gate)
     out: dict[str, list[dict[str, float]]] = {mode: [] for mode in stores}
     for r in range(rounds):
         for mode, store in stores.items():
@@ -198,36 +291,14 @@ def scale_replica(
 
 
 def scaling(world: int, megabytes: float, rounds: int, workdir: Path) -> list[dict[str, Any]]:
-    from composer_diloco.executors import ReplicaProcess
-
     numel = int(megabytes * 2**20 / 4)
-    gate = workdir / f"gate-{world}"
-    env = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
     kwargs = {
         "url": f"file://{workdir / f'store-{world}'}",
         "world_size": world,
         "numel": numel,
         "rounds": rounds,
     }
-    procs = [
-        ReplicaProcess(
-            r, "bench_diloco:scale_replica", {**kwargs, "rank": r, "gate": str(gate)}, workdir, env
-        )
-        for r in range(world)
-    ]
-    deadline = time.monotonic() + 600
-    for p in procs:
-        while "ready rank=" not in p.log_text():
-            if p.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"replica {p.rank} did not start: {p.log_text()[-2000:]}")
-            time.sleep(0.05)
-    gate.touch()
-    results = []
-    for p in procs:
-        res = p.finish(1200)
-        if res.exit_code != 0:
-            raise RuntimeError(f"replica {p.rank} failed: {res.log_tail}")
-        results.append(res.value)
+    results = _processes("scale_replica", kwargs, world, workdir, f"scale-{world}")
     rows = []
     for mode in ("full", "sharded"):
         reads = [x["read"] / r["payload"] for r in results for x in r[mode][1:]]  # round 0 warms up
@@ -265,8 +336,12 @@ def machine() -> dict[str, Any]:
 
 def readme(results: dict[str, Any]) -> dict[str, Any]:
     rows: list[list[Any]] = []
+    peaks = {
+        (p["url"], p["megabytes_per_replica"]): p["peak_growth_over_payload"] for p in results["peak_memory"]
+    }
     for r in results["throughput"]:
         ratio = r["ratio_allreduce_over_raw"]
+        peak = peaks.get((r["url"], r["megabytes_per_replica"]))
         rows.append(
             [
                 "round vs raw fsspec copy (k=2, full)",
@@ -275,7 +350,9 @@ def readme(results: dict[str, Any]) -> dict[str, Any]:
                 r["megabytes_per_replica"],
                 f"{ratio['median']:.2f} [{ratio['min']:.2f}–{ratio['max']:.2f}]",
                 "",
+                "" if peak is None else f"{peak:.2f}",
                 round(r["allreduce_s"]["median"], 4),
+                round(r["raw_copy_s"]["median"], 4),
             ]
         )
     for r in results["scaling"]:
@@ -288,11 +365,14 @@ def readme(results: dict[str, Any]) -> dict[str, Any]:
                 r["megabytes_per_replica"],
                 "",
                 f"{read['median']:.2f} (max {read['max']:.2f})",
+                "",
                 round(r["round_s"]["median"], 4),
+                "",
             ]
         )
+    load = results["machine"]["load_average"][0]
     return {
-        "title": "Serverless DiLoCo: object-store all-reduce throughput and cost per replica against k",
+        "title": "Serverless DiLoCo: object-store all-reduce throughput, memory and cost per replica against k",
         "columns": [
             "measurement",
             "store",
@@ -300,36 +380,54 @@ def readme(results: dict[str, Any]) -> dict[str, Any]:
             "MiB / replica",
             "raw copy time / round time (median [min–max])",
             "bytes read / payload per replica-round (median)",
+            "peak RSS growth / payload per replica (max)",
             "round s (median)",
+            "raw copy s (median)",
         ],
         "rows": rows,
-        "note": "ratio ≥ 1 would be as fast as a raw copy of the same bytes; replicas share "
-        f"{os.cpu_count()} CPU threads, torch 1 thread per replica; see `machine` in the JSON.",
+        "note": "ratio 1 = as fast as a raw copy of the same bytes (each replica writes its blob and reads the "
+        "other's; the round also checksums, validates, averages and agrees on a manifest); 2 replicas as threads "
+        f"share {os.cpu_count()} CPU threads with moto's in-process S3 server, torch 1 thread per replica, "
+        f"load average {load:.1f} at the end; peak RSS from replica processes (VmHWM over 3 rounds); "
+        "see `machine` in the JSON.",
     }
+
+
+SIZES = {"small": [(1.0, 5), (16.0, 3)], "default": [(1.0, 9), (16.0, 5), (64.0, 5)], "large": [(512.0, 3)]}
+LARGE_ENV = "COMPOSER_BENCH_LARGE"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--small", action="store_true", help="CI's check-it-works size (no 512 MiB)")
+    parser.add_argument("--small", action="store_true", help="CI's check-it-works size: 1 and 16 MiB only")
+    parser.add_argument(
+        "--large", action="store_true", help=f"also 512 MiB (~6 GiB of RAM; or set ${LARGE_ENV}=1)"
+    )
     args = parser.parse_args()
+    large = args.large or os.environ.get(LARGE_ENV, "") not in ("", "0")
     torch.set_num_threads(1)
     out_dir = Path(os.environ.get("COMPOSER_BENCH_OUT", "bench-results"))
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {
         "machine": machine(),
         "small": args.small,
+        "large": large,
         "communication": [],
         "throughput": [],
+        "peak_memory": [],
     }
     for h, q in [(50, False), (50, True), (10, False)]:
         results["communication"].append(communication(h, rounds=2, quantize=q))
-    sizes = [(1.0, 7), (16.0, 3)] if args.small else [(1.0, 9), (64.0, 5), (512.0, 3)]
+    sizes = SIZES["small"] if args.small else SIZES["default"] + (SIZES["large"] if large else [])
     options, server = _s3_options()
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for mb, reps in sizes:
-                results["throughput"].append(throughput(f"file://{tmp}", mb, reps=reps, options=None))
-                results["throughput"].append(throughput("s3://bench/tp", mb, reps=reps, options=options))
+                for url, opts in ((f"file://{tmp}/tp", None), ("s3://bench/tp", options)):
+                    results["throughput"].append(throughput(url, mb, reps=reps, options=opts))
+            for mb, _ in sizes[1:]:  # 1 MiB: RSS noise exceeds the payload
+                for url, opts in ((f"file://{tmp}/peak-{mb:g}", None), (f"s3://bench/peak-{mb:g}", options)):
+                    results["peak_memory"].append(peak_memory(url, mb, opts, Path(tmp)))
     finally:
         server.stop()
     results["scaling"] = []
@@ -359,6 +457,9 @@ def report(results: dict[str, Any], out_dir: Path) -> None:
             f"{r['url']:>6} {r['megabytes_per_replica']:>6.0f} {r['allreduce_s']['median']:>9.4f} "
             f"{r['raw_copy_s']['median']:>9.4f} {q['median']:>8.3f} [{q['min']:.3f}-{q['max']:.3f}]"
         )
+    print("\n== peak RSS growth per replica over 3 rounds (processes, k=2) / payload ==")
+    for r in results["peak_memory"]:
+        print(f"{r['url']:>6} {r['megabytes_per_replica']:>6.0f} MiB: {r['peak_growth_over_payload']:.2f}")
     print("\n== scale in replicas (processes, file://): bytes read / payload and round time per replica ==")
     for r in results["scaling"]:
         print(

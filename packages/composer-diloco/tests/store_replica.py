@@ -7,7 +7,6 @@ what it ended with, or the name and text of the :class:`ObjectStoreError` that s
 
 from __future__ import annotations
 
-import functools
 import os
 import time
 from typing import Any
@@ -44,7 +43,7 @@ def exchange(
         storage_options=storage_options,
     )
     if multipart_chunksize:  # S3 multipart uploads for objects over 2 chunks (s3fs's rule)
-        store.fs.pipe_file = functools.partial(store.fs.pipe_file, chunksize=multipart_chunksize)  # type: ignore[method-assign]
+        store.s3_part_bytes = multipart_chunksize
     print(f"ready rank={rank}", flush=True)
     if gate is not None:
         deadline = time.monotonic() + 300

@@ -3,9 +3,11 @@ atomic rounds, manifests, cleanup, stragglers, corrupt/partial objects, key esca
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -134,9 +136,10 @@ def _write_raw(store: ObjectStoreAllReduce, key: str, data: bytes) -> None:
 @pytest.mark.parametrize(
     ("damage", "match"),
     [
-        (lambda d: d[: len(d) // 2], "SHA-256"),  # partial object (truncated upload)
+        (lambda d: d[: len(d) // 2], "fails its checksum"),  # partial object (truncated upload)
+        (lambda d: d[:-1], "fails its checksum"),  # one byte short
         (lambda d: b"garbage" * 10, "no composer-diloco header"),
-        (lambda d: d[:-1] + bytes([d[-1] ^ 1]), "SHA-256"),  # one flipped bit
+        (lambda d: d[:-1] + bytes([d[-1] ^ 1]), "fails its checksum"),  # one flipped bit
     ],
 )
 def test_corrupt_or_partial_object_fails_clearly(url: str, damage: Any, match: str) -> None:
@@ -153,7 +156,7 @@ def test_corrupt_object_with_proceed_is_excluded_not_averaged(url: str) -> None:
     _write_raw(store0, store0.object_key(0, 1), data[:-10])
     mine = [torch.ones(2)]
     stats = store0.allreduce(0, mine)
-    assert stats.participants == [0] and "SHA-256" in stats.excluded[1]
+    assert stats.participants == [0] and "fails its checksum" in stats.excluded[1]
     assert torch.equal(mine[0], torch.ones(2))
 
 
@@ -184,24 +187,77 @@ def test_object_from_another_rank_or_run_is_rejected(url: str) -> None:
         store1.decode(store1.encode(0, [torch.ones(1)]), round_id=1, rank=1)
 
 
-def test_checksummed_object_with_a_lying_layout_is_rejected(url: str) -> None:
+def _frame(meta: dict[str, Any], body: bytes, chunk: int = 1 << 20) -> bytes:
+    """A format-2 object built from the documented layout (independently of the encoder):
+    MAGIC | SHA-256(lead) | lead | body, lead = len(meta) | len(table) | meta | CRC-32 table."""
     import hashlib
     import json
+    import zlib
 
     from composer_diloco.object_store import MAGIC
 
+    meta = {**meta, "chunk": chunk}
+    raw = json.dumps(meta).encode()
+    table, offset = b"", 0
+    for entry in meta["layout"]:
+        data = body[offset : offset + entry["nbytes"]]
+        offset += entry["nbytes"]
+        table += b"".join(
+            zlib.crc32(data[i : i + chunk]).to_bytes(4, "little") for i in range(0, len(data), chunk)
+        )
+    lead = len(raw).to_bytes(4, "little") + len(table).to_bytes(4, "little") + raw + table
+    return MAGIC + hashlib.sha256(lead).digest() + lead + body
+
+
+def test_checksummed_object_with_a_lying_layout_is_rejected(url: str) -> None:
     store = ObjectStoreAllReduce(url, "run", rank=0, world_size=1)
-    meta = {"run_id": "run", "round": 0, "rank": 0, "world_size": 1, "quantized": False}
-    meta["layout"] = [{"shape": [1000], "dtype": "float32", "wire": "float32", "scale": None, "nbytes": 4000}]
-    raw = json.dumps(meta).encode()
-    body = len(raw).to_bytes(4, "little") + raw + b"\0" * 16  # claims 4000 bytes, carries 16
-    with pytest.raises(CorruptObjectError, match="invalid tensor layout"):
-        store.decode(MAGIC + hashlib.sha256(body).digest() + body, round_id=0, rank=0, key="k")
-    meta["layout"][0]["wire"] = "Tensor"  # not a dtype: never getattr'd into anything callable
-    raw = json.dumps(meta).encode()
-    body = len(raw).to_bytes(4, "little") + raw
-    with pytest.raises(CorruptObjectError, match="invalid tensor layout"):
-        store.decode(MAGIC + hashlib.sha256(body).digest() + body, round_id=0, rank=0, key="k")
+    meta: dict[str, Any] = {"run_id": "run", "round": 0, "rank": 0, "world_size": 1, "quantized": False}
+    meta["layout"] = [{"shape": [1000], "dtype": "float32", "wire": "float32", "scale": None, "nbytes": 16}]
+    with pytest.raises(CorruptObjectError, match="invalid tensor layout"):  # 1000 floats in 16 bytes
+        store.decode(_frame(meta, b"\0" * 16), round_id=0, rank=0, key="k")
+    meta["layout"] = [{"shape": [0], "dtype": "float32", "wire": "Tensor", "scale": None, "nbytes": 0}]
+    with pytest.raises(CorruptObjectError, match="invalid tensor layout"):  # never getattr'd into a callable
+        store.decode(_frame(meta, b""), round_id=0, rank=0, key="k")
+
+
+@pytest.mark.parametrize("signed", [False, True], ids=["crc32", "hmac"])
+def test_every_flipped_byte_is_detected_with_a_named_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, signed: bool
+) -> None:
+    """Flip each byte of an object (3 tensors, one spanning several checksum chunks; magic, tag,
+    lengths, meta, table, every chunk of the body): every single one is refused, naming the key."""
+    import composer_diloco.object_store as object_store
+
+    if signed:
+        monkeypatch.setenv("COMPOSER_DILOCO_HMAC_KEY", KEY)
+    monkeypatch.setattr(object_store, "CHUNK_BYTES", 64)
+    store = ObjectStoreAllReduce(f"file://{tmp_path}", "run", rank=0, world_size=1)
+    data = store.encode(0, [torch.arange(40.0), torch.zeros(0), torch.full((3,), 2.0, dtype=torch.bfloat16)])
+    assert len(json.loads(data[48 : 48 + int.from_bytes(data[40:44], "little")])["layout"]) == 3
+    assert store.decode(data, round_id=0, rank=0).tensors[0].equal(torch.arange(40.0))
+    kinds = Counter()
+    for offset in range(len(data)):
+        bad = bytearray(data)
+        bad[offset] ^= 0x01 if offset % 2 else 0x80
+        with pytest.raises(CorruptObjectError) as info:
+            store.decode(bytes(bad), round_id=0, rank=0, key=f"obj@{offset}")
+        message = str(info.value)
+        assert f"obj@{offset}" in message and "\n" not in message
+        if offset >= 8:  # past the magic: the checksum / HMAC names what failed
+            assert ("HMAC-SHA256 check" if signed else "fails its checksum") in message, (offset, message)
+            assert isinstance(info.value, AuthenticationError) == signed
+        kinds["body" if "body bytes" in message else "header"] += 1
+    assert kinds["body"] == 40 * 4 + 3 * 2 and kinds["header"] == len(data) - kinds["body"]
+
+
+def test_format_1_objects_are_refused_by_name(url: str) -> None:
+    import hashlib
+
+    store0, _ = _stores(url, 2, timeout_s=0.3)
+    body = b"\x02\x00\x00\x00{}"
+    old = b"CDILOCO1" + hashlib.sha256(body).digest() + body
+    with pytest.raises(CorruptObjectError, match=r"object format 1.*same composer-diloco version"):
+        store0.decode(old, round_id=0, rank=1, key="k")
 
 
 @pytest.mark.parametrize("bad", ["..", ".", "a/../b", "../escape", "/abs", "", ".hidden", "a/b"])
@@ -337,16 +393,10 @@ def test_manifest_proposed_again_after_a_deletion_race_is_a_named_conflict(
 
 def _nan_object(store: ObjectStoreAllReduce, rank: int, value: float) -> bytes:
     """A checksum-valid object for (round 0, rank) holding ``value`` (encode refuses NaN)."""
-    import hashlib
-    import json
-
-    from composer_diloco.object_store import MAGIC
-
-    meta = {"run_id": "run", "round": 0, "rank": rank, "world_size": store.world_size, "quantized": False}
+    meta: dict[str, Any] = {"run_id": "run", "round": 0, "rank": rank, "world_size": store.world_size}
+    meta.update(quantized=False)
     meta["layout"] = [{"shape": [2], "dtype": "float32", "wire": "float32", "scale": None, "nbytes": 8}]
-    raw = json.dumps(meta).encode()
-    body = len(raw).to_bytes(4, "little") + raw + torch.tensor([1.0, value]).numpy().tobytes()
-    return MAGIC + hashlib.sha256(body).digest() + body
+    return _frame(meta, torch.tensor([1.0, value]).numpy().tobytes())
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
@@ -381,7 +431,7 @@ def test_hmac_signed_round_trip_and_refusals(url: str, monkeypatch: pytest.Monke
     store0, store1 = _stores(url, 2, timeout_s=10)
     assert store0.authenticated and not plain.authenticated
     signed = store1.encode(0, [torch.ones(2)])
-    assert signed.startswith(b"CDILOCH1") and store0.decode(signed, round_id=0, rank=1).tensors[
+    assert signed.startswith(b"CDILOCH2") and store0.decode(signed, round_id=0, rank=1).tensors[
         0
     ].tolist() == [1, 1]
     with pytest.raises(AuthenticationError, match="not authenticated") as unsigned:
