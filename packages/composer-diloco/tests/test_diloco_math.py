@@ -219,8 +219,21 @@ def test_quantised_exchange_is_fp8_sized_and_close() -> None:
         assert (e - q).abs().max() <= (g - e).abs().max() * 2**-3 + 1e-7
     assert not _close(exact_a, quant_a, atol=0)
     raw = sum(p.numel() for p in toy_model(0).parameters()) * 4
-    assert m_quant[0].history[0].bytes_written < m_exact[0].history[0].bytes_written
     assert m_exact[0].history[0].bytes_written > raw  # fp32 payload + header
+    assert m_quant[0].history[0].bytes_written > 0
+
+
+def test_quantised_object_is_fp8_sized(tmp_path) -> None:
+    # the toy model's payload (~1 KiB) is smaller than an object's per-tensor header (names, scales, checksums),
+    # so the fp8 size claim is checked where the payload dominates: 1 byte per element + header, against 4
+    store = ObjectStoreAllReduce(f"file://{tmp_path}", "run", rank=0, world_size=1)
+    tensors = [torch.randn(4096), torch.randn(256, 64)]
+    numel = sum(t.numel() for t in tensors)
+    fp32, fp8 = len(store.encode(0, tensors)), len(store.encode(0, tensors, quantize=True))
+    header = fp32 - 4 * numel
+    assert 0 < header < 2048
+    assert numel <= fp8 <= numel + header + 64  # fp8 payload; the scales and their entries in the header
+    assert fp32 - fp8 >= 3 * numel - 64
 
 
 def test_bucketised_exchange_matches_per_parameter() -> None:
