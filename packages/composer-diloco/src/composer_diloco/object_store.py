@@ -89,6 +89,7 @@ _HEAD = len(MAGIC) + _DIGEST + 8  # magic, tag, len(meta) and len(table) as 4-by
 _POOL: ThreadPoolExecutor | None = None  # chunk checksums (zlib/hashlib release the GIL)
 _POOL_LOCK = threading.Lock()
 S3_PART_BYTES = 50 << 20  # s3fs's part size: objects of 2 parts or more go up as parallel multipart uploads
+S3_PARTS_IN_FLIGHT = 4  # multipart parts uploading at once (each streamed from the tensors' memory)
 _STREAM_READ = 1 << 20  # S3 GET bodies are copied into the read buffer this many bytes at a time
 _PARALLEL_BYTES = 8 << 20  # smaller payloads are checked in the calling thread
 _PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -286,6 +287,7 @@ class ObjectStoreAllReduce:
         self._cleaner: threading.Thread | None = None
         self._marker: dict[int, str] | None = None  # this replica's progress marker, as last written
         self.s3_part_bytes = S3_PART_BYTES  # multipart part size on S3 (parts go up in parallel)
+        self.s3_parts_in_flight = S3_PARTS_IN_FLIGHT  # multipart parts uploading at once
         # s3fs's cat_file sends a HEAD (size) before each GET unless max_concurrency=1, and its concurrent
         # ranged read joins the parts into two more full copies: one GET per object (see the README)
         self._cat_options: dict[str, Any] = {"max_concurrency": 1} if _is_s3(self.fs) else {}
@@ -592,8 +594,8 @@ class ObjectStoreAllReduce:
     async def _s3_create(self, key: str, enc: _Encoded) -> bool:
         """Create-only S3 upload. Below 2 parts of ``s3_part_bytes``: one PUT with
         ``If-None-Match: *`` streamed from the encoded object's memory (no joined copy). From 2
-        parts up: s3fs's multipart upload (parts in parallel, s3fs's ``max_concurrency``; the
-        completion carries ``If-None-Match: *``, readers never see part of it) of one joined copy."""
+        parts up: a multipart upload (:meth:`_s3_multipart`) whose completion carries
+        ``If-None-Match: *``: readers never see part of it."""
         fs, size, part = self.fs, enc.size, self.s3_part_bytes
         bucket, name, _ = fs.split_path(key)
         try:
@@ -601,12 +603,42 @@ class ObjectStoreAllReduce:
                 body = _Stream([memoryview(enc.head), *enc.chunks])
                 await fs._call_s3("put_object", Bucket=bucket, Key=name, Body=body, IfNoneMatch="*")
             else:
-                await fs._pipe_file(key, enc.tobytes(), chunksize=part, mode="create")
+                await self._s3_multipart(bucket, name, enc)
             return True
         except FileExistsError:
             return False
         finally:
             fs.invalidate_cache(key)
+
+    async def _s3_multipart(self, bucket: str, name: str, enc: _Encoded) -> None:
+        """Parts of ``s3_part_bytes`` go up in parallel, at most ``s3_parts_in_flight`` at once, each
+        body streamed from the tensors' memory (a seekable view: botocore reads it to sign and hash,
+        aiohttp to send; never a joined copy of the object nor of a part). Any failure aborts the
+        upload, so no part of it is ever visible. ``upload_part`` takes PartNumber before UploadId:
+        the query string reads ``?partNumber=N&uploadId=...`` as S3's documentation writes it."""
+        fs, size, part = self.fs, enc.size, self.s3_part_bytes
+        views = [memoryview(enc.head), *enc.chunks]
+        upload = (await fs._call_s3("create_multipart_upload", Bucket=bucket, Key=name))["UploadId"]
+        gate = asyncio.Semaphore(self.s3_parts_in_flight)
+
+        async def put_part(number: int, lo: int) -> dict[str, Any]:
+            async with gate:
+                body = _Stream(views, lo, min(lo + part, size))  # streamed from the tensors' memory
+                out = await fs._call_s3(
+                    "upload_part", Bucket=bucket, Key=name, PartNumber=number, UploadId=upload, Body=body
+                )
+            return {"PartNumber": number, "ETag": out["ETag"]}
+
+        try:
+            parts = await asyncio.gather(*(put_part(i + 1, lo) for i, lo in enumerate(range(0, size, part))))
+            await fs._call_s3(
+                "complete_multipart_upload", Bucket=bucket, Key=name, UploadId=upload,
+                MultipartUpload={"Parts": list(parts)}, IfNoneMatch="*",
+            )  # fmt: skip
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=name, UploadId=upload)
+            raise
 
     async def _s3_read_into(self, key: str, slot: str) -> memoryview | None:
         """One GET streamed into the slot's buffer (reused across rounds): no full-size bytes
