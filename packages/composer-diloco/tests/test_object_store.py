@@ -188,12 +188,12 @@ def test_object_from_another_rank_or_run_is_rejected(url: str) -> None:
 
 
 def _frame(meta: dict[str, Any], body: bytes, chunk: int = 1 << 20) -> bytes:
-    """A format-2 object built from the documented layout (independently of the encoder):
-    MAGIC | SHA-256(lead) | lead | body, lead = len(meta) | len(table) | meta | CRC-32 table."""
+    """A format-3 object built from the documented layout (independently of the encoder):
+    MAGIC | SHA-256(lead) | lead | body, lead = len(meta) | len(table) | meta | XXH3-64 table."""
     import hashlib
     import json
-    import zlib
 
+    import xxhash
     from composer_diloco.object_store import MAGIC
 
     meta = {**meta, "chunk": chunk}
@@ -203,7 +203,8 @@ def _frame(meta: dict[str, Any], body: bytes, chunk: int = 1 << 20) -> bytes:
         data = body[offset : offset + entry["nbytes"]]
         offset += entry["nbytes"]
         table += b"".join(
-            zlib.crc32(data[i : i + chunk]).to_bytes(4, "little") for i in range(0, len(data), chunk)
+            xxhash.xxh3_64(data[i : i + chunk]).intdigest().to_bytes(8, "big")
+            for i in range(0, len(data), chunk)
         )
     lead = len(raw).to_bytes(4, "little") + len(table).to_bytes(4, "little") + raw + table
     return MAGIC + hashlib.sha256(lead).digest() + lead + body
@@ -220,7 +221,7 @@ def test_checksummed_object_with_a_lying_layout_is_rejected(url: str) -> None:
         store.decode(_frame(meta, b""), round_id=0, rank=0, key="k")
 
 
-@pytest.mark.parametrize("signed", [False, True], ids=["crc32", "hmac"])
+@pytest.mark.parametrize("signed", [False, True], ids=["xxh3", "hmac"])
 def test_every_flipped_byte_is_detected_with_a_named_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, signed: bool
 ) -> None:
@@ -250,13 +251,16 @@ def test_every_flipped_byte_is_detected_with_a_named_error(
     assert kinds["body"] == 40 * 4 + 3 * 2 and kinds["header"] == len(data) - kinds["body"]
 
 
-def test_format_1_objects_are_refused_by_name(url: str) -> None:
+@pytest.mark.parametrize(
+    ("magic", "name"), [(b"CDILOCO1", "1"), (b"CDILOCH1", "1"), (b"CDILOCO2", "2"), (b"CDILOCH2", "2")]
+)
+def test_older_formats_are_refused_by_name(url: str, magic: bytes, name: str) -> None:
     import hashlib
 
     store0, _ = _stores(url, 2, timeout_s=0.3)
     body = b"\x02\x00\x00\x00{}"
-    old = b"CDILOCO1" + hashlib.sha256(body).digest() + body
-    with pytest.raises(CorruptObjectError, match=r"object format 1.*same composer-diloco version"):
+    old = magic + hashlib.sha256(body).digest() + body
+    with pytest.raises(CorruptObjectError, match=rf"object format {name} .*same composer-diloco version"):
         store0.decode(old, round_id=0, rank=1, key="k")
 
 
@@ -431,7 +435,7 @@ def test_hmac_signed_round_trip_and_refusals(url: str, monkeypatch: pytest.Monke
     store0, store1 = _stores(url, 2, timeout_s=10)
     assert store0.authenticated and not plain.authenticated
     signed = store1.encode(0, [torch.ones(2)])
-    assert signed.startswith(b"CDILOCH2") and store0.decode(signed, round_id=0, rank=1).tensors[
+    assert signed.startswith(b"CDILOCH3") and store0.decode(signed, round_id=0, rank=1).tensors[
         0
     ].tolist() == [1, 1]
     with pytest.raises(AuthenticationError, match="not authenticated") as unsigned:
