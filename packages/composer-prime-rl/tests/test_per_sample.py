@@ -126,6 +126,11 @@ def _replace(inputs, **fields):
             {"alpha_sdpo": 1.0},
             "ref_logprobs has NaN or inf",
         ),
+        (  # every value finite, their masked sum is not: refused, never a silent inf loss
+            {"advantages": torch.tensor([1e308, 1e308, 0.0], dtype=torch.float64)},
+            {},
+            "finite but so large that their sum over loss_mask overflows torch.float64",
+        ),
     ],
 )
 def test_bad_inputs_raise_naming_the_field(make_inputs, fields, kwargs, message) -> None:

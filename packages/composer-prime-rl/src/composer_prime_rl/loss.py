@@ -37,7 +37,7 @@ raises if it is requested.
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 from composer_core.loss.distill import _sampled_token_distill
@@ -51,7 +51,8 @@ __all__ = ["composer_loss"]
 
 
 class _Sample(NamedTuple):
-    """One sample's tensors, zeroed outside ``mask`` (no NaN/inf can reach the loss or its gradient)."""
+    """One sample's tensors, detached and zeroed outside ``mask`` (no NaN/inf can reach the loss or its
+    gradient)."""
 
     logprobs: Tensor
     inference_logprobs: Tensor
@@ -103,7 +104,7 @@ def _fields(inputs: Any, opts: PrimeRLLossOptions) -> tuple[Tensor, Tensor, dict
     return logprobs, raw_mask, fields
 
 
-def _raise_bad_values(raw_mask: Tensor, mask: Tensor, named: dict[str, Tensor]) -> None:
+def _raise_bad_values(raw_mask: Tensor, mask: Tensor, named: dict[str, Tensor]) -> NoReturn:
     """The fused check failed: name the first culprit (extra reads only on this error path)."""
     if raw_mask.dtype != torch.bool and not bool(((raw_mask == 0) | (raw_mask == 1)).all()):
         raise ValueError("LossInputs.loss_mask must be boolean (or 0/1); it has other values.")
@@ -113,6 +114,10 @@ def _raise_bad_values(raw_mask: Tensor, mask: Tensor, named: dict[str, Tensor]) 
                 f"LossInputs.{name} has NaN or inf on tokens selected by loss_mask; fix the producer "
                 "of this field (values outside loss_mask are ignored)."
             )
+    raise ValueError(
+        "LossInputs fields are finite but so large that their sum over loss_mask overflows "
+        f"{named['trainer_logprobs'].dtype}; check the advantages' scale (values outside loss_mask are ignored)."
+    )
 
 
 def _read_sample(inputs: Any, opts: PrimeRLLossOptions) -> _Sample:
@@ -122,7 +127,8 @@ def _read_sample(inputs: Any, opts: PrimeRLLossOptions) -> _Sample:
     dtype = logprobs.dtype
     with torch.no_grad():
         stacked = torch.stack([t.to(device=logprobs.device, dtype=dtype) for t in named.values()])
-        ok = torch.isfinite(stacked).logical_or_(~mask).all()
+        kept = torch.where(mask, stacked, 0.0)  # every field detached, zeroed outside the mask
+        ok = kept.sum().isfinite()  # a NaN/±inf on a selected token makes the sum non-finite
         if raw_mask.dtype != torch.bool:
             ok &= ((raw_mask == 0) | (raw_mask == 1)).all().to(ok.device)
         # PRIME-RL's packer fills ref_logprobs with 0.0 over the whole sample when the sample has none
@@ -134,12 +140,11 @@ def _read_sample(inputs: Any, opts: PrimeRLLossOptions) -> _Sample:
             if "ref_logprobs" in fields
             else torch.zeros((), dtype=dtype, device=logprobs.device)
         )
-        kept = torch.where(mask, stacked[1:], 0.0).unbind(0)  # the detached fields, zeroed outside the mask
     if not bool(ok):  # the single host read of a call: every value check above, fused
         _raise_bad_values(raw_mask, mask, named)
-    by_name = dict(zip(fields, kept, strict=True))
+    by_name = dict(zip(named, kept.unbind(0), strict=True))
     return _Sample(
-        logprobs=torch.where(mask, logprobs, 0.0),
+        logprobs=by_name["trainer_logprobs"],
         inference_logprobs=by_name["inference_logprobs"],
         ref_logprobs=by_name.get("ref_logprobs"),
         advantages=by_name["advantages"],
@@ -157,19 +162,21 @@ MetricSpec = tuple[str, str, str]
 
 def _policy_terms(
     s: _Sample, opts: PrimeRLLossOptions
-) -> tuple[Tensor, dict[str, Tensor], dict[str, MetricSpec]]:
-    """Per-token channel-1 loss [seq] (zero outside the mask), its metric columns and metric specs."""
+) -> tuple[Tensor, Tensor, dict[str, Tensor], dict[str, MetricSpec]]:
+    """Channel 1 per token [seq], detached and zero outside the mask: (loss, ∂loss/∂ℓ_train, metric columns,
+    metric specs). The derivative is written out (see :func:`_clipped_grad`), so the call runs no autograd graph."""
     log_ratio = s.logprobs - s.inference_logprobs  # 0 outside the mask (both zeroed)
     ratio = torch.exp(log_ratio)
-    with torch.no_grad():
-        mismatch_kl = ratio - log_ratio - 1.0  # k3 estimate of KL(π_inf‖π_train)
+    mismatch_kl = ratio - log_ratio - 1.0  # k3 estimate of KL(π_inf‖π_train)
     if opts.policy_loss == "clipped_surrogate":
         eps_lo = float(opts.epsilon_low)
         eps_hi = eps_lo if opts.epsilon_high is None else float(opts.epsilon_high)
         per_token, is_clipped = _surrogate_from_ratio(ratio, s.advantages, eps_lo, eps_hi, opts.delta)
+        grad = _clipped_grad(ratio, s.advantages, eps_lo, eps_hi, opts.delta)
         cols = {"clipped": is_clipped, "mismatch_kl": mismatch_kl}
         return (
             per_token,
+            grad,
             cols,
             {
                 "composer/policy/clip_ratio": ("clipped", "mask", "mask"),
@@ -179,15 +186,16 @@ def _policy_terms(
 
     # DPPO (composer_core.loss.policy.dppo_loss, PRIME-RL's default_loss_fn), branch-free. |Δp| < 1 always, so
     # a bound above 1 (PRIME-RL allows any value >= 0, e.g. 10 to turn masking off) masks what 1 masks: nothing.
+    # L = c·ρ + κ·δ² with c = −adv_tau·A on kept tokens (0 on dropped ones), so ∂L/∂ℓ = c·ρ + 2κ·δ.
     low, high = min(opts.dppo_mask_low, 1.0), min(opts.dppo_mask_high, 1.0)
-    with torch.no_grad():
-        prob_diff = torch.exp(s.logprobs).sub_(torch.exp(s.inference_logprobs))  # Δp
-        positive, negative = s.advantages > 0, s.advantages < 0
-        masked = torch.where(positive, prob_diff > high, prob_diff < -low)
-        dropped = masked & s.mask
-        keep = s.mask ^ dropped
-        coef = torch.where(keep, s.advantages, 0.0).mul_(-opts.adv_tau)
-    per_token = coef * ratio + opts.kl_tau * log_ratio.square()
+    prob_diff = torch.exp(s.logprobs).sub_(torch.exp(s.inference_logprobs))  # Δp
+    positive, negative = s.advantages > 0, s.advantages < 0
+    masked = torch.where(positive, prob_diff > high, prob_diff < -low)
+    dropped = masked & s.mask
+    keep = s.mask ^ dropped
+    coef_ratio = torch.where(keep, s.advantages, 0.0).mul_(-opts.adv_tau).mul_(ratio)  # c·ρ
+    per_token = torch.addcmul(coef_ratio, log_ratio, log_ratio, value=opts.kl_tau)
+    grad = torch.add(coef_ratio, log_ratio, alpha=2.0 * opts.kl_tau)
     cols = {
         "dropped": dropped,
         "keep": keep,
@@ -199,6 +207,7 @@ def _policy_terms(
     # "too low" and for A > 0 "too high", so the low/high splits are the sign columns over the dropped tokens.
     return (
         per_token,
+        grad,
         cols,
         {
             "masked_mismatch_kl": ("mismatch_kl", "dropped", "dropped"),
@@ -212,13 +221,41 @@ def _policy_terms(
     )
 
 
+def _clipped_grad(ratio: Tensor, adv: Tensor, eps_lo: float, eps_hi: float, delta: float | None) -> Tensor:
+    """∂/∂ℓ of ``−min(ρ'·A, clip(ρ, 1 − ε_lo, 1 + ε_hi)·A)``, ρ' = min(ρ, δ), exactly as autograd
+    differentiates it: clamp passes the gradient on its closed interval, ``min`` gives a tie half to
+    each side, and ∂ρ/∂ℓ = ρ."""
+    unclipped = adv if delta is None else torch.where(ratio <= delta, adv, 0.0)  # ∂(ρ'A)/∂ρ
+    clipped = torch.where((ratio >= 1 - eps_lo) & (ratio <= 1 + eps_hi), adv, 0.0)  # ∂(clip(ρ)A)/∂ρ
+    lhs = ratio if delta is None else ratio.clamp(max=delta)
+    a, b = lhs * adv, torch.clamp(ratio, 1 - eps_lo, 1 + eps_hi) * adv
+    picked = torch.where(a < b, unclipped, torch.where(a > b, clipped, (unclipped + clipped) * 0.5))
+    return picked.mul_(ratio).neg_()
+
+
 def _sdpo_terms(s: _Sample, opts: PrimeRLLossOptions) -> Tensor:
-    """Per-token channel-2 loss [seq] (zero outside the mask; ``sampled_token_distill`` on checked inputs)."""
+    """Channel 2 per token [seq], detached, zero outside the mask (``sampled_token_distill`` on checked
+    inputs): the value w·(ℓ − ℓ_ref) is also its gradient coefficient by design (the k1 surrogate)."""
     assert s.ref_logprobs is not None
     return _sampled_token_distill(
         s.logprobs[None], s.ref_logprobs[None], s.mask[None], s.inference_logprobs[None], opts.sdpo_token_clip,
         "none", None,
     )[0]  # fmt: skip
+
+
+class _WithGradient(torch.autograd.Function):
+    """``Σ_t per_token`` as a function of ``trainer_logprobs`` whose gradient is the given per-token
+    derivative: one multiply in backward instead of replaying the formula's autograd graph."""
+
+    @staticmethod
+    def forward(ctx: Any, logprobs: Tensor, per_token: Tensor, grad: Tensor) -> Tensor:
+        ctx.save_for_backward(grad)
+        return per_token.sum()
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor, None, None]:
+        (grad,) = ctx.saved_tensors
+        return grad * grad_output, None, None
 
 
 def composer_loss(inputs: LossInputs, **kwargs: Any) -> LossOutputs:
@@ -268,20 +305,22 @@ def composer_loss(inputs: LossInputs, **kwargs: Any) -> LossOutputs:
             'log-probs as ref_logprobs, set sdpo_missing = "skip" to train such samples on the '
             "policy loss only, or set alpha_sdpo = 0."
         )
-    policy, cols, specs = _policy_terms(s, opts)
-    per_token = policy
-    if opts.alpha_sdpo > 0 and s.ref_logprobs is not None:
-        distill = _sdpo_terms(s, opts) * s.has_ref
-        per_token = policy + opts.alpha_sdpo * distill
-        with torch.no_grad():
+    with torch.no_grad():
+        policy, grad, cols, specs = _policy_terms(s, opts)
+        per_token = policy
+        if opts.alpha_sdpo > 0 and s.ref_logprobs is not None:
+            distill = _sdpo_terms(s, opts) * s.has_ref
+            per_token = policy + opts.alpha_sdpo * distill
+            grad = grad + opts.alpha_sdpo * distill
             cols["sdpo_mask"] = s.mask * s.has_ref
             cols["composer/loss/sdpo"] = distill if s.weights is None else distill * s.weights
             cols["composer/sdpo/reverse_kl_k1"] = s.logprobs - s.ref_logprobs
-        specs["composer/loss/sdpo"] = ("composer/loss/sdpo", "sdpo_mask", "sdpo_mask")
-        specs["composer/sdpo/reverse_kl_k1"] = ("composer/sdpo/reverse_kl_k1", "sdpo_mask", "sdpo_mask")
-    if s.weights is not None:
-        per_token = per_token * s.weights
-    loss = per_token.sum()  # every term is 0 outside the mask
+            specs["composer/loss/sdpo"] = ("composer/loss/sdpo", "sdpo_mask", "sdpo_mask")
+            specs["composer/sdpo/reverse_kl_k1"] = ("composer/sdpo/reverse_kl_k1", "sdpo_mask", "sdpo_mask")
+        if s.weights is not None:
+            per_token = per_token * s.weights
+            grad = grad * s.weights
+    loss = _WithGradient.apply(inputs.trainer_logprobs, per_token, grad)  # every term is 0 outside the mask
     cols["composer/loss/policy"] = policy if s.weights is None else policy * s.weights
     cols["composer/loss/total"] = per_token
     specs["composer/loss/policy"] = ("composer/loss/policy", "mask", "mask")

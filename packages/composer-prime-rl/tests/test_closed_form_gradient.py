@@ -1,0 +1,117 @@
+"""``composer_loss`` writes its gradient out (one multiply in backward, no autograd graph of the formula):
+it must equal autograd through the same formulas, ties included. The reference here differentiates the
+textbook forms with autograd: DPPO + KL as PRIME-RL's ``default_loss_fn`` writes it, the PPO/GRPO clipped
+surrogate through ``composer_core``'s ``_surrogate_from_ratio`` (TRL's op order), channel 2 through
+``composer_core``'s ``_sampled_token_distill``."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from composer_core.loss.distill import _sampled_token_distill
+from composer_core.loss.policy import _surrogate_from_ratio
+from composer_prime_rl import LossInputs, composer_loss
+
+EPS_LO, EPS_HI, DELTA = 0.2, 0.28, 1.5
+
+
+def _inputs(seed: int, ties: bool) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    n = 64
+    inf = torch.rand(n, generator=g, dtype=torch.float64).mul(0.9).add(0.05).log()
+    lp = inf + torch.randn(n, generator=g, dtype=torch.float64) * 0.4
+    if ties:  # exact ties of the min/clamp branches: ρ = 1 (on-policy), ρ = 1 + ε_hi, ρ = 1 − ε_lo, ρ = δ
+        lp[:8] = inf[:8]
+        lp[8:12] = inf[8:12] + math.log(1 + EPS_HI)
+        lp[12:16] = inf[12:16] + math.log(1 - EPS_LO)
+        lp[16:20] = inf[16:20] + math.log(DELTA)
+    adv = torch.randn(n, generator=g, dtype=torch.float64)
+    adv[::7] = 0.0
+    return {
+        "lp": lp,
+        "inf": inf,
+        "ref": torch.rand(n, generator=g, dtype=torch.float64).mul(0.9).add(0.05).log(),
+        "adv": adv,
+        "mask": torch.rand(n, generator=g) > 0.2,
+        "w": torch.rand(n, generator=g, dtype=torch.float64) + 0.5,
+    }
+
+
+def _reference(x: dict[str, torch.Tensor], lp: torch.Tensor, kwargs: dict, weighted: bool) -> torch.Tensor:
+    m, adv = x["mask"], x["adv"]
+    log_ratio = torch.where(m, lp, 0.0) - torch.where(m, x["inf"], 0.0)
+    ratio = torch.exp(log_ratio)
+    if kwargs.get("policy_loss") == "clipped_surrogate":
+        per_token, _ = _surrogate_from_ratio(
+            ratio, torch.where(m, adv, 0.0), EPS_LO, EPS_HI, kwargs.get("delta")
+        )
+    else:  # PRIME-RL's default_loss_fn (DPPO + KL), adv_tau = 1, kl_tau = 1e-3, mask bounds 0.2
+        dp = torch.exp(lp) - torch.exp(x["inf"])
+        masked = torch.where(adv > 0, dp > 0.2, dp < -0.2)
+        keep = m & ~masked
+        per_token = -(keep * adv * ratio) + 1e-3 * m.double() * log_ratio**2
+    if kwargs.get("alpha_sdpo"):
+        distill = _sampled_token_distill(
+            lp[None], x["ref"][None], m[None], x["inf"][None], 2.0, "none", None
+        )[0]
+        per_token = per_token + kwargs["alpha_sdpo"] * distill
+    per_token = torch.where(m, per_token, 0.0)
+    return (per_token * x["w"] if weighted else per_token).sum()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"alpha_sdpo": 0.5},
+        {"policy_loss": "clipped_surrogate", "epsilon_low": EPS_LO, "epsilon_high": EPS_HI},
+        {"policy_loss": "clipped_surrogate", "epsilon_low": EPS_LO, "epsilon_high": EPS_HI, "delta": DELTA},
+        {
+            "policy_loss": "clipped_surrogate",
+            "epsilon_low": EPS_LO,
+            "epsilon_high": EPS_HI,
+            "alpha_sdpo": 2.0,
+        },
+    ],
+    ids=["dppo", "dppo+sdpo", "clipped", "clipped+delta", "clipped+sdpo"],
+)
+@pytest.mark.parametrize("ties", [False, True], ids=["generic", "ties"])
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+def test_gradient_equals_autograd_through_the_formula(kwargs: dict, ties: bool, weighted: bool) -> None:
+    x = _inputs(3, ties)
+    lp = x["lp"].clone().requires_grad_(True)
+    out = composer_loss(
+        LossInputs(lp, x["inf"], x["ref"], x["adv"], x["mask"], x["w"] if weighted else None),
+        **({"sdpo_token_clip": 2.0, **kwargs} if kwargs.get("alpha_sdpo") else kwargs),
+    )
+    (grad,) = torch.autograd.grad(out.loss * 0.37, lp)  # a non-unit upstream gradient, as PRIME-RL's 1/N
+    ref_lp = x["lp"].clone().requires_grad_(True)
+    ref = _reference(x, ref_lp, kwargs, weighted)
+    (ref_grad,) = torch.autograd.grad(ref * 0.37, ref_lp)
+    torch.testing.assert_close(out.loss, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-12, atol=1e-12)
+    assert grad[~x["mask"]].eq(0).all()
+    if ties:
+        assert (grad[:20] != 0).any()  # the tied tokens carry gradient (not all masked away)
+
+
+def test_backward_is_one_multiply_not_the_formula_graph() -> None:
+    """The loss is one node over trainer_logprobs: its backward dispatches a handful of aten ops
+    whatever the formula (autograd through it dispatched 13)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    x = _inputs(0, False)
+    lp = x["lp"].clone().requires_grad_(True)
+    out = composer_loss(LossInputs(lp, x["inf"], x["ref"], x["adv"], x["mask"]), alpha_sdpo=1.0)
+    with Count():
+        out.loss.backward()
+    assert Count.n <= 4, Count.n
