@@ -369,14 +369,16 @@ def _reduce_metrics(
     present, where_cols, flat = _metric_index(names, tuple(specs.items()), keys)
     with torch.no_grad():
         # bool columns and float columns: one stack + one cast each (not one cast per column)
-        table = torch.stack([cols[n].detach() for n in names], dim=1).to(torch.float32)  # [T, C]
+        table = torch.stack([cols[n] for n in names], dim=1).to(torch.float32)  # [T, C] (no grad: made so)
         sums = (
             table.T @ table.index_select(1, _on(where_cols, device))
         ).flatten()  # [C·W]: Σ_t value_c · where_w
         picked = sums.take(_on(flat, device)).view(2, len(present))  # numerators; denominators (Σ where)
         means = (picked[0] / picked[1].clamp(min=1)).unbind() if present else ()
-    out = dict.fromkeys(keys, torch.zeros((), dtype=torch.float32, device=device))
-    out.update(zip(present, means, strict=True))
+    out = dict(zip(present, means, strict=True))
+    if len(out) < len(keys):  # a skipped channel's keys read 0
+        zero = torch.zeros((), dtype=torch.float32, device=device)
+        out = {k: out.get(k, zero) for k in keys}
     return out
 
 
