@@ -393,7 +393,7 @@ def readme(results: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-SIZES = {"small": [(1.0, 5), (16.0, 3)], "default": [(1.0, 9), (16.0, 5), (64.0, 5)], "large": [(512.0, 3)]}
+SIZES = {"small": [(1.0, 5), (16.0, 3)], "default": [(1.0, 15), (16.0, 9), (64.0, 11)], "large": [(512.0, 5)]}
 LARGE_ENV = "COMPOSER_BENCH_LARGE"
 
 
