@@ -221,6 +221,14 @@ def _measure(form: str, vocab: int, tokens: int, args: argparse.Namespace) -> di
             order = methods[r % len(methods) :] + methods[: r % len(methods)]
             for m in order:
                 runs[m].append(_spawn(form, m, vocab, tokens, args, files[m] if r == 0 else ""))
+                done = runs[m][-1]
+                warm = statistics.median(done["times_s"]) if done["times_s"] else done["cold_s"]
+                print(  # progress: one line per measured process (a full run takes tens of minutes)
+                    f"  {form} V={vocab} N={tokens} round {r + 1}/{args.rounds} {m}: {warm:.2f} s, "
+                    f"{done['peak_bytes'] / 2**20:,.0f} MiB",
+                    file=sys.stderr,
+                    flush=True,
+                )
         agree = _agreement(files)
     stats: dict[str, dict[str, float]] = {}
     for m, rs in runs.items():

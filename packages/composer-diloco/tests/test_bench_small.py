@@ -1,0 +1,27 @@
+"""The bench script runs (CI's check at ``--small``: 1 and 16 MiB, k = 2 and 4; times are not asserted,
+benchmarks are scripts), and its load-independent figures hold: bytes read per replica-round against k."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_diloco.py"
+
+
+def test_bench_runs_at_small_size_and_sharded_reads_stay_flat(tmp_path: Path) -> None:
+    env = {**os.environ, "COMPOSER_BENCH_OUT": str(tmp_path), "COMPOSER_BENCH_LARGE": "0"}
+    run = subprocess.run(
+        [sys.executable, str(BENCH), "--small"], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    data = json.loads((tmp_path / "diloco.json").read_text())
+    assert data["machine"] and data["readme"]["rows"]
+    assert {(r["url"], r["megabytes_per_replica"]) for r in data["throughput"]} == {
+        (u, m) for u in ("file", "s3") for m in (1.0, 16.0)
+    }
+    reads = {(r["k"], r["exchange"]): r["read_over_payload"]["median"] for r in data["scaling"]}
+    assert abs(reads[(4, "sharded")] - 1.5) < 0.01 and abs(reads[(4, "full")] - 3.0) < 0.01, reads
