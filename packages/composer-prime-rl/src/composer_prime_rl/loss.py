@@ -36,11 +36,13 @@ raises if it is requested.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, NamedTuple, NoReturn
+from collections.abc import Callable
+from typing import Any, NamedTuple, NoReturn, cast
 
 import torch
-from composer_core.loss.distill import _sampled_token_distill
+from composer_core.loss.distill import _sampled_token_distill, full_precision
 from composer_core.loss.policy import _surrogate_from_ratio
 from torch import Tensor
 
@@ -258,6 +260,9 @@ class _WithGradient(torch.autograd.Function):
         return grad * grad_output, None, None
 
 
+_with_gradient = cast(Callable[..., Tensor], _WithGradient.apply)
+
+
 def composer_loss(inputs: LossInputs, **kwargs: Any) -> LossOutputs:
     """composer's loss for one PRIME-RL sample: ``[trainer.loss] import_path = "composer_prime_rl.composer_loss"``.
 
@@ -320,7 +325,7 @@ def composer_loss(inputs: LossInputs, **kwargs: Any) -> LossOutputs:
         if s.weights is not None:
             per_token = per_token * s.weights
             grad = grad * s.weights
-    loss = _WithGradient.apply(inputs.trainer_logprobs, per_token, grad)  # every term is 0 outside the mask
+    loss = _with_gradient(inputs.trainer_logprobs, per_token, grad)  # every term is 0 outside the mask
     cols["composer/loss/policy"] = policy if s.weights is None else policy * s.weights
     cols["composer/loss/total"] = per_token
     specs["composer/loss/policy"] = ("composer/loss/policy", "mask", "mask")
@@ -367,7 +372,8 @@ def _reduce_metrics(
     names = tuple(cols)
     device = cols["mask"].device
     present, where_cols, flat = _metric_index(names, tuple(specs.items()), keys)
-    with torch.no_grad():
+    exact = full_precision(device) if torch.is_autocast_enabled(device.type) else contextlib.nullcontext()
+    with torch.no_grad(), exact:  # an ambient autocast would run the matmul in bf16: counts past 256 inexact
         # bool columns and float columns: one stack + one cast each (not one cast per column)
         table = torch.stack([cols[n] for n in names], dim=1).to(torch.float32)  # [T, C] (no grad: made so)
         sums = (
