@@ -173,9 +173,13 @@ def test_s3_multipart_upload_that_fails_is_aborted_and_never_visible(
     store = _multipart_store(moto_s3)
     call_s3 = store.fs._call_s3
 
+    started: list[int] = []
+
     async def failing(method: str, *args: Any, **kwargs: Any) -> Any:
-        if method == "upload_part" and kwargs["PartNumber"] == 4:
-            raise OSError("connection reset mid-part")
+        if method == "upload_part":
+            started.append(kwargs["PartNumber"])
+            if kwargs["PartNumber"] == 2:
+                raise OSError("connection reset mid-part")
         return await call_s3(method, *args, **kwargs)
 
     monkeypatch.setattr(store.fs, "_call_s3", failing)
@@ -185,3 +189,4 @@ def test_s3_multipart_upload_that_fails_is_aborted_and_never_visible(
     bucket, name, _ = store.fs.split_path(key)
     pending = store.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=name).get("Uploads", [])
     assert pending == [] and not store.fs.exists(key)
+    assert 2 in started  # the failure happened mid-upload, with parts still queued

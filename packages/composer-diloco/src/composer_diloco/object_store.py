@@ -635,13 +635,17 @@ class ObjectStoreAllReduce:
                 )
             return {"PartNumber": number, "ETag": out["ETag"]}
 
+        tasks = [asyncio.ensure_future(put_part(i + 1, lo)) for i, lo in enumerate(range(0, size, part))]
         try:
-            parts = await asyncio.gather(*(put_part(i + 1, lo) for i, lo in enumerate(range(0, size, part))))
+            parts = await asyncio.gather(*tasks)
             await fs._call_s3(
                 "complete_multipart_upload", Bucket=bucket, Key=name, UploadId=upload,
                 MultipartUpload={"Parts": list(parts)}, IfNoneMatch="*",
             )  # fmt: skip
         except BaseException:
+            for task in tasks:  # no part starts after a failure; the ones in flight end before the abort
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             with contextlib.suppress(Exception):
                 await fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=name, UploadId=upload)
             raise
