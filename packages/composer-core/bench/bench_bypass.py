@@ -73,6 +73,7 @@ from composer_core.bypass.data import TokenBatches, synthetic_tokens
 from composer_core.bypass.distributed import DistContext
 from composer_core.bypass.keys import freeze_for_training
 from composer_core.bypass.train import bypass_step, make_optimizers, make_student
+from composer_core.testing.machine import cpu_model
 from safetensors.torch import load_file, save_file
 
 MODEL = {
@@ -161,20 +162,10 @@ def memory_child(method: str) -> None:
     print(json.dumps({"peak_rss_mib": peak, "training_peak_growth_mib": peak - base}))
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine(threads: int, **extra: Any) -> dict[str, Any]:
     """The JSON's "machine" block (CONTEXT: bench JSON)."""
     return {
-        "processor": _cpu_model(),
+        "processor": cpu_model(),
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
         "threads": threads,

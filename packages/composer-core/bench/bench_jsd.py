@@ -40,6 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from composer_core.testing.machine import cpu_model
+
 DEFAULT_SIZES = [(32_768, 4096), (152_064, 1024)]  # (V, N tokens)
 METHODS = {"fused": ["composer", "trl", "liger", "floor"], "logits": ["composer", "trl", "liger"]}
 BETA = 0.5
@@ -253,17 +255,6 @@ def _measure(form: str, vocab: int, tokens: int, args: argparse.Namespace) -> di
     }
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _fmt_time(s: dict[str, float]) -> str:
     return f"{s['time_s']:.2f} s [{s['time_min_s']:.2f}–{s['time_max_s']:.2f}]"
 
@@ -374,7 +365,7 @@ def main(argv: list[str] | None = None) -> None:
         "benchmark": "generalized JSD forward+backward: composer vs TRL vs Liger vs matmul floor",
         "targets": {"fused time / floor": 1.5, "fused memory / Liger": 0.35},
         "machine": {
-            "processor": _cpu_model(),
+            "processor": cpu_model(),
             "platform": platform.platform(),
             "cpu_count": os.cpu_count(),
             "threads": args.threads,

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from composer_core.testing.machine import cpu_model
 from composer_diloco import DiLoCoConfig, ObjectStoreAllReduce, ObjectStoreManager, build_diloco
 from torch import nn
 from tqdm.auto import tqdm
@@ -317,16 +317,10 @@ def scaling(world: int, megabytes: float, rounds: int, workdir: Path) -> list[di
 
 
 def machine() -> dict[str, Any]:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
     return {
         "threads": torch.get_num_threads(),  # per replica (set to 1 in main and in every replica process)
         "cpu_count": os.cpu_count(),
-        "cpu": cpu,
+        "cpu": cpu_model(),
         "load_average": list(os.getloadavg()),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "python": sys.version.split()[0],

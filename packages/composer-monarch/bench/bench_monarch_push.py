@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from composer_core.testing.machine import cpu_model
 from composer_monarch import ComposerDriver, ComposerLoss, LoopConfig, ReverseDigits, TinyQwen2
 
 METHODS = ("driver-pickle", "shm", "rdma", "direct")
@@ -70,16 +71,6 @@ def perturb(d: ComposerDriver, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     state["model"] = {k: v + 1e-3 * torch.randn(v.shape, generator=g) for k, v in state["model"].items()}
     d._call("trainer", "load_state", state)()
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def main() -> None:
@@ -140,7 +131,7 @@ def main() -> None:
         "speedup_vs_driver_pickle": speedup,
         "machine": {
             "platform": platform.platform(),
-            "processor": _cpu_model(),
+            "processor": cpu_model(),
             "cpu_count": os.cpu_count(),
             "threads": 1,
             "load_average_at_end": os.getloadavg(),

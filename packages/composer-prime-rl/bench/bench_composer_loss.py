@@ -22,7 +22,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from composer_core.testing.machine import cpu_model
 from composer_prime_rl import LossInputs, LossOutputs, composer_loss
 from composer_prime_rl.upstream import UpstreamUnavailable, load_upstream
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -140,17 +140,6 @@ def interleaved(
     return times
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=32, help="packed samples per micro-batch")
@@ -224,7 +213,7 @@ def main() -> None:
         "default_loss_fn",
         "target": "ratio <= 1.3",
         "machine": {
-            "processor": _cpu_model(),
+            "processor": cpu_model(),
             "cpu_count": os.cpu_count(),
             "threads": args.threads,
             "load_average": os.getloadavg(),
