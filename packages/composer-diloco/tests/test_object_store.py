@@ -100,6 +100,32 @@ def test_local_writes_go_through_a_temporary_key(tmp_path: Path, monkeypatch: py
     assert not list(Path(store.round_dir(0)).glob(".tmp-*"))
 
 
+@pytest.mark.parametrize("signed", [False, True])
+def test_local_objects_are_mapped_not_copied_unless_signed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, signed: bool
+) -> None:
+    """Without an HMAC key, the other replicas' objects on a local filesystem are mapped: the
+    checksums and the sum read the page cache in place (no buffer, no copy). Signed objects are
+    copied first: a writer who changed a mapped file between its check and its use would bypass the
+    HMAC."""
+    if signed:
+        monkeypatch.setenv("COMPOSER_DILOCO_HMAC_KEY", KEY)
+    stores = _stores(f"file://{tmp_path}", 2)
+    values = [[torch.full((1000,), float(r)), torch.arange(6.0).reshape(2, 3) * r] for r in range(2)]
+    _parallel(stores, 0, values)
+    for v in values:
+        assert torch.equal(v[0], torch.full((1000,), 0.5)) and torch.equal(
+            v[1], torch.arange(6.0).reshape(2, 3) / 2
+        )
+    assert all(bool(s._buffers) == signed for s in stores)  # a read buffer only for signed objects
+    key = stores[0].object_key(0, 1)
+    view = stores[0]._read(key, slot="obj-1")
+    assert isinstance(view, memoryview) and (type(view.obj).__name__ == "mmap") != signed
+    Path(key).unlink()  # cleanup deletes objects; a mapping stays readable
+    decoded = stores[0].decode(view, round_id=0, rank=1, key=key)
+    assert torch.equal(decoded.tensors[0], torch.ones(1000))
+
+
 def test_straggler_fail_raises_naming_the_missing_rank(url: str) -> None:
     (store, _) = _stores(url, 2, timeout_s=0.3, on_timeout="fail")
     t0 = time.monotonic()

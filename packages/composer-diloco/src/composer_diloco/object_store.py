@@ -60,6 +60,7 @@ import io
 import json
 import logging
 import math
+import mmap
 import os
 import posixpath
 import re
@@ -692,9 +693,10 @@ class ObjectStoreAllReduce:
 
     def _read(self, key: str, slot: str | None = None) -> Payload | None:
         """The object's bytes, or None if absent. With ``slot`` on a local filesystem the object
-        is read into a buffer kept for that slot across rounds (no fresh pages every round)."""
+        is mapped (:meth:`_map`), or with an HMAC key read into a buffer kept for that slot across
+        rounds (no fresh pages every round)."""
         if slot is not None and self._is_local():
-            return self._read_into(key, slot)
+            return self._map(key) if self._hmac_key is None else self._read_into(key, slot)
         if slot is not None and _is_s3(self.fs):
             return fsspec.asyn.sync(self.fs.loop, self._s3_read_into, key, slot)  # type: ignore[no-any-return]
         self.fs.invalidate_cache(posixpath.dirname(key))  # s3fs answers from a stale listing otherwise
@@ -704,6 +706,23 @@ class ObjectStoreAllReduce:
             return None
         self.bytes_read += len(data)
         return bytes(data)
+
+    def _map(self, key: str) -> memoryview | None:
+        """The object's page-cache pages mapped copy-on-write: checksums and the sum read them in
+        place, with no copy into a buffer (a third of a round's memory traffic at 64 MiB).
+
+        Objects are create-only (linked complete, never rewritten; deletion keeps a mapping
+        valid), so the mapped bytes are the checked bytes. Only without an HMAC key: an untrusted
+        writer could change a mapped file between its check and its use, so signed objects are
+        copied (:meth:`_read_into`)."""
+        try:
+            with open(key, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                pages = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else b""
+        except FileNotFoundError:
+            return None
+        self.bytes_read += size
+        return memoryview(pages)
 
     def _read_into(self, key: str, slot: str) -> memoryview | None:
         try:
