@@ -106,20 +106,48 @@ def _fields(inputs: Any, opts: PrimeRLLossOptions) -> tuple[Tensor, Tensor, dict
     return logprobs, raw_mask, fields
 
 
+_NOT_BOOLEAN = "LossInputs.loss_mask must be boolean (or 0/1); it has other values."
+_NON_FINITE = (
+    "LossInputs.{name} has NaN or inf on tokens selected by loss_mask; fix the producer of this field "
+    "(values outside loss_mask are ignored)."
+)
+_OVERFLOW = (
+    "LossInputs fields are finite but so large that their sum over loss_mask overflows {dtype}; check the "
+    "advantages' scale (values outside loss_mask are ignored)."
+)
+
+
 def _raise_bad_values(raw_mask: Tensor, mask: Tensor, named: dict[str, Tensor]) -> NoReturn:
     """The fused check failed: name the first culprit (extra reads only on this error path)."""
     if raw_mask.dtype != torch.bool and not bool(((raw_mask == 0) | (raw_mask == 1)).all()):
-        raise ValueError("LossInputs.loss_mask must be boolean (or 0/1); it has other values.")
+        raise ValueError(_NOT_BOOLEAN)
     for name, t in named.items():
         if not bool((torch.isfinite(t) | ~mask).all()):
-            raise ValueError(
-                f"LossInputs.{name} has NaN or inf on tokens selected by loss_mask; fix the producer "
-                "of this field (values outside loss_mask are ignored)."
-            )
-    raise ValueError(
-        "LossInputs fields are finite but so large that their sum over loss_mask overflows "
-        f"{named['trainer_logprobs'].dtype}; check the advantages' scale (values outside loss_mask are ignored)."
-    )
+            raise ValueError(_NON_FINITE.format(name=name))
+    raise ValueError(_OVERFLOW.format(dtype=named["trainer_logprobs"].dtype))
+
+
+def _host_reads_are_free(device: torch.device) -> bool:
+    """CPU tensors are already on the host: reading a flag costs no stall."""
+    return device.type == "cpu"
+
+
+def _check_values(ok: Tensor, raw_mask: Tensor, mask: Tensor, named: dict[str, Tensor], kept: Tensor) -> None:
+    """Raise if the fused check ``ok`` failed. On CPU: one host read, and the error names the culprit. On an
+    accelerator: asynchronous device asserts (no host sync, so PRIME-RL's per-sample calls never stall the
+    stream), one per field so the assert message names it; the failure surfaces at the next synchronisation
+    as a device-side assert carrying that message."""
+    if _host_reads_are_free(kept.device):
+        if not bool(ok):  # the single host read of a call: every value check, fused
+            _raise_bad_values(raw_mask, mask, named)
+        return
+    with torch.no_grad():
+        finite = kept.isfinite().all(dim=1)  # per field, exact (kept is 0 outside the mask)
+        for i, name in enumerate(named):
+            torch._assert_async(finite[i], _NON_FINITE.format(name=name))
+        if raw_mask.dtype != torch.bool:
+            torch._assert_async(((raw_mask == 0) | (raw_mask == 1)).all(), _NOT_BOOLEAN)
+        torch._assert_async(ok, _OVERFLOW.format(dtype=kept.dtype))
 
 
 def _read_sample(inputs: Any, opts: PrimeRLLossOptions) -> _Sample:
@@ -142,8 +170,7 @@ def _read_sample(inputs: Any, opts: PrimeRLLossOptions) -> _Sample:
             if "ref_logprobs" in fields
             else torch.zeros((), dtype=dtype, device=logprobs.device)
         )
-    if not bool(ok):  # the single host read of a call: every value check above, fused
-        _raise_bad_values(raw_mask, mask, named)
+    _check_values(ok, raw_mask, mask, named, kept)
     by_name = dict(zip(named, kept.unbind(0), strict=True))
     return _Sample(
         logprobs=by_name["trainer_logprobs"],
@@ -281,7 +308,8 @@ def composer_loss(inputs: LossInputs, **kwargs: Any) -> LossOutputs:
         ``composer/loss/total`` (per-token means of this sample), the policy diagnostics (PRIME-RL's
         DPPO names, or ``composer/policy/clip_ratio`` + ``mismatch_kl``), and with channel 2 on
         ``composer/sdpo/reverse_kl_k1`` and ``composer/sdpo/skipped``. Every call of a run emits the same keys.
-        Cost: structural checks in Python, every value check fused into one host read.
+        Cost: structural checks in Python; every value check fused into one host read on CPU, and into
+        asynchronous device asserts (no host sync) on an accelerator.
 
         A sample whose ``loss_mask`` selects no token (PRIME-RL calls the loss for it when
         no rl weight stream exists) returns an exact 0 that is still attached to the graph
@@ -294,6 +322,8 @@ def composer_loss(inputs: LossInputs, **kwargs: Any) -> LossOutputs:
             NaN/inf on masked tokens, or channel 2 on without ``ref_logprobs`` (None) while
             ``sdpo_missing = "error"``. A sample whose ``ref_logprobs`` are 0.0 everywhere
             (PRIME-RL's packer fill for a sample without them) is skipped on channel 2.
+            On an accelerator the value checks (mask values, NaN/inf, overflow) are device asserts with
+            the same messages instead: the error surfaces at the next synchronisation.
     """
     opts = parse_options(kwargs)
     s = _read_sample(inputs, opts)

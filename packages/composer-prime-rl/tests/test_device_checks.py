@@ -1,0 +1,140 @@
+"""On an accelerator ``composer_loss`` validates without a host sync (PRIME-RL calls it once per packed sample:
+a sync per call would drain the stream every sample). The value checks become device asserts that carry the
+same messages. On CPU the accelerator path is forced through ``_host_reads_are_free`` and every aten op of
+forward + backward is recorded: none may read a value to the host. On CUDA the loss runs under
+``torch.cuda.set_sync_debug_mode("error")``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from composer_prime_rl import LossInputs, composer_loss
+from composer_prime_rl import loss as loss_module
+from torch.utils._python_dispatch import TorchDispatchMode
+
+HOST_READS = {"aten._local_scalar_dense.default", "aten.is_nonzero.default", "aten.item.default"}
+HOST_READS |= {"aten.nonzero.default", "aten.equal.default", "aten.allclose.default"}
+CONFIGS = [
+    {},
+    {"alpha_sdpo": 0.5},
+    {"policy_loss": "clipped_surrogate", "epsilon_low": 0.2, "epsilon_high": 0.28, "delta": 1.5},
+    {"policy_loss": "clipped_surrogate", "alpha_sdpo": "2.0", "sdpo_token_clip": "3"},  # CLI strings
+]
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _sample(device: str, weighted: bool, float_mask: bool, n: int = 48, seed: int = 0) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    inf = torch.rand(n, generator=g).mul(0.9).add(0.05).log()
+    mask = torch.rand(n, generator=g) > 0.2
+    x = {
+        "lp": inf + torch.randn(n, generator=g) * 0.3,
+        "inf": inf,
+        "ref": torch.rand(n, generator=g).mul(0.9).add(0.05).log(),
+        "adv": torch.randn(n, generator=g),
+        "mask": mask.float() if float_mask else mask,
+        "w": torch.rand(n, generator=g) + 0.5 if weighted else None,
+    }
+    return {k: None if v is None else v.to(device) for k, v in x.items()}
+
+
+def _call(
+    x: dict[str, Any], kwargs: dict[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    lp = x["lp"].clone().requires_grad_(True)
+    out = composer_loss(LossInputs(lp, x["inf"], x["ref"], x["adv"], x["mask"], x["w"]), **kwargs)
+    out.loss.backward()
+    assert lp.grad is not None
+    return out.loss.detach(), lp.grad, out.metrics
+
+
+@pytest.fixture
+def accelerator_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loss_module, "_host_reads_are_free", lambda device: False)
+
+
+@pytest.mark.parametrize("kwargs", CONFIGS, ids=["dppo", "dppo+sdpo", "clipped+delta", "clipped+sdpo-cli"])
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+@pytest.mark.parametrize("float_mask", [False, True], ids=["bool-mask", "float-mask"])
+def test_accelerator_path_reads_nothing_to_the_host_and_matches_the_cpu_path(
+    kwargs: dict[str, Any], weighted: bool, float_mask: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    x = _sample("cpu", weighted, float_mask)
+    want = _call(x, kwargs)  # the CPU path (one host read)
+    _call(x, kwargs)  # warm the per-run caches (index tensors) as a first step would
+    monkeypatch.setattr(loss_module, "_host_reads_are_free", lambda device: False)
+    with _Ops() as rec:
+        got = _call(x, kwargs)
+    assert not HOST_READS & set(rec.ops), sorted(HOST_READS & set(rec.ops))
+    asserts = rec.ops.count("aten._assert_async.msg")
+    assert (
+        asserts == 4 + ("alpha_sdpo" in kwargs) + weighted + float_mask
+    )  # one per field, mask values, overflow
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert got[2].keys() == want[2].keys() and all(torch.equal(got[2][k], want[2][k]) for k in want[2])
+
+
+def test_cpu_path_reads_exactly_one_value_to_the_host() -> None:
+    x = _sample("cpu", weighted=True, float_mask=False)
+    _call(x, {"alpha_sdpo": 0.5})
+    with _Ops() as rec:
+        _call(x, {"alpha_sdpo": 0.5})
+    assert sum(op in HOST_READS for op in rec.ops) == 1 and "aten._assert_async.msg" not in rec.ops
+
+
+@pytest.mark.usefixtures("accelerator_path")
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("adv", float("nan"), "LossInputs.advantages has NaN or inf on tokens selected by loss_mask"),
+        ("inf", float("-inf"), "LossInputs.inference_logprobs has NaN or inf"),
+        ("ref", float("nan"), "LossInputs.ref_logprobs has NaN or inf"),
+        ("w", float("inf"), "LossInputs.loss_weights has NaN or inf"),
+        ("mask", 0.5, "LossInputs.loss_mask must be boolean \\(or 0/1\\)"),
+        ("adv", 3e38, "so large that their sum over loss_mask overflows torch.float32"),
+    ],
+)
+def test_accelerator_path_asserts_name_the_bad_field(field: str, value: float, match: str) -> None:
+    x = _sample("cpu", weighted=True, float_mask=True)
+    selected = int(torch.nonzero(x["mask"])[0])
+    x[field] = x[field].clone()
+    if value == 3e38:
+        x[field][x["mask"] > 0] = value  # every field finite, their masked sum is not
+    else:
+        x[field][selected] = value
+    with pytest.raises(RuntimeError, match=match):
+        _call(x, {"alpha_sdpo": 0.5})
+    x = _sample("cpu", weighted=True, float_mask=True)
+    x["adv"] = x["adv"].clone()
+    x["adv"][x["mask"] == 0] = float("nan")  # outside the mask: ignored, as on CPU
+    assert torch.isfinite(_call(x, {"alpha_sdpo": 0.5})[0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kwargs", CONFIGS, ids=["dppo", "dppo+sdpo", "clipped+delta", "clipped+sdpo-cli"])
+def test_cuda_loss_runs_under_sync_debug_mode_error(kwargs: dict[str, Any]) -> None:
+    samples = [_sample("cuda", weighted=True, float_mask=True, seed=s) for s in range(4)]
+    _call(
+        samples[0], kwargs
+    )  # the first call builds the cached index tensors (one host-to-device copy per run)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = [_call(x, kwargs) for x in samples]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for s, (loss, grad, _) in enumerate(got):
+        want = _call(_sample("cpu", True, True, seed=s), kwargs)
+        torch.testing.assert_close(loss.cpu(), want[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(grad.cpu(), want[1], rtol=1e-5, atol=1e-6)
