@@ -100,6 +100,29 @@ def test_local_writes_go_through_a_temporary_key(tmp_path: Path, monkeypatch: py
     assert not list(Path(store.round_dir(0)).glob(".tmp-*"))
 
 
+def test_average_is_written_in_pieces_without_a_payload_sized_accumulator(url: str) -> None:
+    """Contiguous CPU targets receive the average piece by piece through a cache-sized scratch: no
+    accumulator as large as the payload. Targets that share memory (a tied weight passed twice, views
+    of one buffer) or are not contiguous go through the accumulators, so every one is still averaged
+    from the values the replicas published. Bits equal ``(x0 + x1 + x2) / 3`` in float32."""
+    from composer_diloco import object_store
+
+    n = object_store._REDUCE_PIECE * 2 + 5  # two full pieces and a short one
+    g = torch.Generator().manual_seed(0)
+    big = [torch.randn(n, generator=g) for _ in range(3)]
+    stores = _stores(url, 3)
+    values = [[big[r].clone(), torch.randn(3, 4, generator=g).T] for r in range(3)]  # second: not contiguous
+    shared = [torch.arange(8.0) * (r + 1) for r in range(3)]
+    tied = [torch.full((5,), float(r)) for r in range(3)]
+    for r in range(3):
+        values[r] += [shared[r][:4], shared[r][4:], tied[r], tied[r]]
+    want = [(v[0] + v[1] + v[2]) / 3 for v in zip(*[[t.clone() for t in vs] for vs in values])]
+    _parallel(stores, 0, values)
+    for vs in values:
+        assert all(torch.equal(t, w) for t, w in zip(vs, want))
+    assert all(sum(a.numel() for a in s._acc) < 100 for s in stores)  # only the small fallback targets
+
+
 @pytest.mark.parametrize("signed", [False, True])
 def test_local_objects_are_mapped_not_copied_unless_signed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, signed: bool

@@ -98,6 +98,7 @@ _POOL_LOCK = threading.Lock()
 S3_PART_BYTES = 50 << 20  # s3fs's part size: objects of 2 parts or more go up as parallel multipart uploads
 S3_PARTS_IN_FLIGHT = 4  # multipart parts uploading at once (each streamed from the tensors' memory)
 _STREAM_READ = 1 << 20  # S3 GET bodies are copied into the read buffer this many bytes at a time
+_REDUCE_PIECE = 1 << 18  # float32 elements (1 MiB) of the scratch a full-exchange average goes through
 _PARALLEL_BYTES = 8 << 20  # smaller payloads are checked in the calling thread
 _PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -951,12 +952,12 @@ class ObjectStoreAllReduce:
             if self.exchange == "sharded":
                 local = None if adopted or own is None else own
                 sums = self._sharded_result(round_id, manifest, inputs, local, op)
+                self._accept(round_id, manifest)
+                for t, acc in zip(tensors, sums):
+                    _apply(t, acc, 1)
             else:
-                sums = self._reduce([inputs[r].tensors for r in participants], "sum")
-            self._accept(round_id, manifest)
-            divisor = len(participants) if op == "avg" and self.exchange == "full" else 1
-            for t, acc in zip(tensors, sums):
-                _apply(t, acc, divisor)
+                self._accept(round_id, manifest)
+                self._reduce_into(tensors, [inputs[r].tensors for r in participants], op)
         self._cleanup(round_id)
         self.last = RoundStats(
             round=round_id,
@@ -984,6 +985,23 @@ class ObjectStoreAllReduce:
             return mine, reused
         data, own = self._encode(round_id, tensors, quantize)
         return self._publish(round_id, data, own)
+
+    def _reduce_into(
+        self, tensors: Sequence[torch.Tensor], inputs: Sequence[Sequence[torch.Tensor]], op: str
+    ) -> None:
+        """``tensors ← Σ_r inputs[r]`` (float32, rank order), ``/ n`` for avg. A contiguous CPU target
+        sharing memory with no other target is written piece by piece through a cache-sized float32
+        scratch (:func:`_reduce_pieces`: no payload-sized accumulator, one pass less); any other target
+        goes through the accumulators first. The same bits either way."""
+        divisor = len(inputs) if op == "avg" else 1
+        direct = _direct_targets(tensors)
+        rest = [i for i in range(len(tensors)) if i not in direct]
+        if rest:  # before any direct write: these sums may read memory a direct target shares
+            sums = self._reduce([[x[i] for i in rest] for x in inputs], "sum")
+            for i, acc in zip(rest, sums):
+                _apply(tensors[i], acc, divisor)
+        for i in sorted(direct):
+            _reduce_pieces(tensors[i], [x[i] for x in inputs], divisor)
 
     def _reduce(self, inputs: Sequence[Sequence[torch.Tensor]], op: str) -> list[torch.Tensor]:
         """``Σ x_r`` in float32 in the given (rank) order, then ``/ n`` for ``avg``: the order
@@ -1378,6 +1396,32 @@ def _sum_into(outs: Sequence[torch.Tensor], inputs: Sequence[Sequence[torch.Tens
             out.add_(x)
         if op == "avg":
             out.div_(len(inputs))
+
+
+def _direct_targets(tensors: Sequence[torch.Tensor]) -> set[int]:
+    """Indices of the contiguous CPU targets whose memory no other target shares (tied weights passed
+    twice, views of one buffer): those can be written while the inputs of later targets are still read."""
+    owners: dict[int, list[int]] = {}
+    for i, t in enumerate(tensors):
+        owners.setdefault(t.untyped_storage().data_ptr(), []).append(i)
+    return {
+        ix[0]
+        for ix in owners.values()
+        if len(ix) == 1 and tensors[ix[0]].device.type == "cpu" and tensors[ix[0]].is_contiguous()
+    }
+
+
+def _reduce_pieces(t: torch.Tensor, inputs: Sequence[torch.Tensor], divisor: int) -> None:
+    """``t ← Σ inputs / divisor`` through a float32 scratch of ``_REDUCE_PIECE`` elements (it stays in
+    cache): the arithmetic of :func:`_sum_into` + :func:`_apply`, piece by piece. An input that is ``t``
+    itself (this replica's own contribution) is read piece by piece before that piece is written."""
+    flat, flats = t.view(-1), [x.reshape(-1) for x in inputs]
+    scratch = torch.empty(min(flat.numel(), _REDUCE_PIECE), dtype=torch.float32)
+    for lo in range(0, flat.numel(), _REDUCE_PIECE):
+        hi = min(lo + _REDUCE_PIECE, flat.numel())
+        piece = scratch[: hi - lo]
+        _sum_into([piece], [[x[lo:hi]] for x in flats], "sum")
+        _apply(flat[lo:hi], piece, divisor)
 
 
 def _apply(t: torch.Tensor, acc: torch.Tensor, divisor: int) -> None:
