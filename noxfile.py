@@ -129,8 +129,9 @@ SUITES = [
     Suite(
         "core-extras",
         "core",
-        "composer-core features that need its optional extras (tests/extras/).",
-        extras="test,all",
+        "composer-core features that need its optional extras (tests/extras/), and its bench scripts at --small "
+        "(the bench extra: trl and liger-kernel, the peers bench_jsd.py checks against).",
+        extras="test,all,bench",
         paths=("tests/extras",),
     ),
     Suite(

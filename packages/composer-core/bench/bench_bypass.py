@@ -35,6 +35,11 @@ every round), the speedup over full-model KL distillation of the same student in
 the same rounds), and a FLOP model of the ideal speedup: KL FLOPs per token over the FLOPs of the
 slowest rank, with at most ``cpu_count`` ranks running at once (:func:`flop_model`). Rounds interleave
 the configurations (order reversed every other round).
+
+``--small`` is CI's check that the bench works: both parts, every method and every k, on tiny models with
+one round (the JSONs record ``"small": true``).
+
+    python bench/bench_bypass.py [--part all|single|dist] [--rounds 2] [--steps 4] [--small]
 """
 
 from __future__ import annotations
@@ -76,6 +81,11 @@ from composer_core.bypass.train import bypass_step, make_optimizers, make_studen
 from composer_core.testing.machine import cpu_model
 from safetensors.torch import load_file, save_file
 
+SMALL = "--small" in sys.argv[1:]
+"""``--small``, read at import (argparse accepts it too) so that every process of the bench has the same sizes:
+the memory children get ``--small`` on their command line, the forkserver ranks re-import this script with the
+parent's ``sys.argv``."""
+
 MODEL = {
     "vocab_size": 16384,
     "hidden_size": 384,
@@ -86,6 +96,17 @@ MODEL = {
 }
 STUDENT = [BlockOverride(intermediate_size=1024, num_key_value_heads=4)]
 SEQ, BATCH, WARM, STEPS = 256, 8, 2, 8
+if SMALL:  # CI's check that the bench works: the same code paths on a tiny model, a few steps
+    MODEL = {
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "num_layers": 2,
+        "num_heads": 4,
+        "num_kv_heads": 4,
+        "intermediate_size": 256,
+    }
+    STUDENT = [BlockOverride(intermediate_size=128, num_key_value_heads=2)]
+    SEQ, BATCH, WARM, STEPS = 32, 2, 1, 2
 THREADS = int(os.environ.get("COMPOSER_BENCH_THREADS", "1"))
 TCFG = TrainingConfig(steps=WARM + STEPS, micro_batch_size=BATCH, lr=1e-4, clip="norm", clip_value=1.0)
 
@@ -203,9 +224,8 @@ def single_process() -> None:
     results: dict[str, dict[str, float]] = {}
     for m in RUNNERS:
         med, med_cpu = statistics.median(wall[m]), statistics.median(cpu[m])
-        proc = subprocess.run(
-            [sys.executable, __file__, "--memory", m], capture_output=True, text=True, check=True
-        )
+        cmd = [sys.executable, __file__, "--memory", m, *(["--small"] if SMALL else [])]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
         results[m] = {
             "median_step_s": med,
             "tokens_per_s": tokens / med,
@@ -218,8 +238,10 @@ def single_process() -> None:
     cpu_ratio = results["bypass"]["tokens_per_cpu_s"] / results["kl"]["tokens_per_cpu_s"]
     ratio = results["bypass"]["tokens_per_s"] / results["kl"]["tokens_per_s"]
     mem = results["bypass"]["training_peak_growth_mib"] / max(results["kl"]["training_peak_growth_mib"], 1e-9)
+    student = STUDENT[0]
     print(
-        f"model {MODEL}; student FFN 1024, KV heads 4; batch {BATCH}x{SEQ}; {STEPS} timed steps each, alternating"
+        f"model {MODEL}; student FFN {student.intermediate_size}, KV heads {student.num_key_value_heads}; "
+        f"batch {BATCH}x{SEQ}; {STEPS} timed steps each, alternating"
     )
     print(
         f"{'method':>8} {'tokens/s':>10} {'tokens/CPU-s':>13} {'peak RSS MiB':>13} {'train growth MiB':>17}"
@@ -250,6 +272,7 @@ def single_process() -> None:
             "batch": BATCH,
             "seq": SEQ,
             "steps": STEPS,
+            "small": SMALL,
             "results": results,
             "tokens_per_s_ratio": ratio,
             "tokens_per_cpu_s_ratio": cpu_ratio,
@@ -282,6 +305,21 @@ DIST_MODEL = {
 }
 DIST_STUDENT = (BlockOverride(intermediate_size=512, num_key_value_heads=4),)
 DIST_SEQ, DIST_MB, DIST_ACCUM, DIST_WARM, DIST_STEPS = 64, 2, 4, 1, 4
+DIST_ROUNDS = 2
+WORLDS = (1, 2, 4)
+SHARDS = 4  # block-group shards of the saved teacher, plus one for embedding / norm / head
+if SMALL:  # every k and both modes, on 4 tiny blocks (one per rank at k = 4), one round of one timed step
+    DIST_MODEL = {
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "num_layers": 4,
+        "num_heads": 4,
+        "num_kv_heads": 4,
+        "intermediate_size": 128,
+    }
+    DIST_STUDENT = (BlockOverride(intermediate_size=64, num_key_value_heads=2),)
+    DIST_SEQ, DIST_MB, DIST_ACCUM, DIST_WARM, DIST_STEPS = 16, 1, 2, 1, 1
+    DIST_ROUNDS, SHARDS = 1, 2
 DIST_TCFG = TrainingConfig(
     steps=DIST_WARM + DIST_STEPS,
     micro_batch_size=DIST_MB,
@@ -290,8 +328,6 @@ DIST_TCFG = TrainingConfig(
     clip="norm",
     clip_value=1.0,
 )
-WORLDS = (1, 2, 4)
-SHARDS = 4  # block-group shards of the saved teacher, plus one for embedding / norm / head
 
 
 def save_sharded_teacher(path: Path) -> Path:
@@ -418,11 +454,14 @@ def launch(procs: Any, mode: str, world: int, path: Path, steps: int) -> list[di
 def fork_server() -> Any:
     """Workers are forked from a server that has imported torch and the engine once (a fresh interpreter
     per rank would spend most of the bench importing torch on a loaded 2-core machine); each worker is
-    still a new process, with its own VmHWM."""
+    still a new process, with its own VmHWM. At ``--small`` the server also imports ``torch._dynamo``, which
+    each rank otherwise imports lazily when it builds its meta-device model (about 1.5 s of CPU per rank; the
+    default run keeps the preload its committed figures were measured with)."""
     import multiprocessing
 
     procs = multiprocessing.get_context("forkserver")
-    procs.set_forkserver_preload(["torch", "composer_core.bypass.train", "safetensors.torch"])
+    preload = ["torch", "composer_core.bypass.train", "safetensors.torch"]
+    procs.set_forkserver_preload([*preload, *(["torch._dynamo"] if SMALL else [])])
     return procs
 
 
@@ -595,6 +634,7 @@ def distributed(rounds: int, steps: int, workdir: Path) -> None:
         "grad_accum": DIST_ACCUM,
         "timed_steps_per_round": steps,
         "rounds": rounds,
+        "small": SMALL,
         "results": results,
         "flop_model": flops,
         "machine": machine(
@@ -619,9 +659,14 @@ def distributed(rounds: int, steps: int, workdir: Path) -> None:
 
 def main() -> None:
     torch.set_num_threads(THREADS)
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--memory", choices=sorted(RUNNERS))
-    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the distributed part")
+    parser.add_argument(
+        "--small", action="store_true", help="tiny models, one round: CI's check that the bench works"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=DIST_ROUNDS, help="interleaved rounds of the distributed part"
+    )
     parser.add_argument("--steps", type=int, default=DIST_STEPS, help="timed steps per distributed run")
     parser.add_argument("--part", choices=("all", "single", "dist"), default="all")
     args, ignored = parser.parse_known_args()  # `nox -s bench -- ...` passes its arguments to every script

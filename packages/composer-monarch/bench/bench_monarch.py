@@ -4,10 +4,11 @@ Both modes run on the same 2-process mesh (trainer on proc 0; generator, rewarde
 proc 1), the same number of steps, the same batch shapes, all three loss channels on. Modes alternate
 (sequential, overlap, sequential, …) after one warm-up step; the median wall time per mode is reported.
 
-    python bench_monarch.py [--steps 6] [--reps 2]
+    python bench_monarch.py [--steps 6] [--reps 2] [--small]
 
 Prints the ratio and writes JSON to $COMPOSER_BENCH_OUT/bench_monarch.json (default ./bench-results),
-plus a PNG when matplotlib is installed.
+plus a PNG when matplotlib is installed. ``--small`` is CI's check that the bench works: both modes, the
+capacity probe, the JSON and the plot, on a tiny model for 2 steps (the JSON records ``"small": true``).
 """
 
 from __future__ import annotations
@@ -15,12 +16,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
+import torch
+from composer_core.testing.machine import cpu_model
 from composer_monarch import ComposerDriver, ComposerLoss, LoopConfig, ReplayRecord, ReverseDigits, TinyQwen2
 from monarch.actor import Actor, endpoint
+
+SPIN_CPU_S = 0.5
+"""CPU seconds each spinner burns in :func:`parallel_capacity`."""
+SMALL = {"steps": 2, "reps": 1, "hidden": 32, "layers": 1, "length": 4, "prompts": 2, "group_size": 2}
+"""``--small``: CI's check that the bench works (the same code paths on a tiny model, 2 steps a run)."""
+SMALL_SPIN_CPU_S = 0.1
 
 
 class Spinner(Actor):
@@ -35,7 +46,7 @@ class Spinner(Actor):
         return time.perf_counter() - w0
 
 
-def parallel_capacity(driver: ComposerDriver, cpu_seconds: float = 0.5) -> float:
+def parallel_capacity(driver: ComposerDriver, cpu_seconds: float = SPIN_CPU_S) -> float:
     """2 × (wall of one spin alone) / (wall of two spins at once, one per process): 2.0 = two free cores."""
     assert driver.procs is not None
     a = driver.procs.slice(procs=0).spawn("spin0", Spinner)
@@ -53,6 +64,37 @@ def parallel_capacity(driver: ComposerDriver, cpu_seconds: float = 0.5) -> float
     return 2 * alone / both
 
 
+def _readme(
+    args: argparse.Namespace,
+    timings: dict[str, list[float]],
+    sps: dict[str, float],
+    phase: dict[str, float],
+    ideal: float,
+    capacity: float,
+) -> dict[str, Any]:
+    """The JSON's "readme" block (CONTEXT: bench JSON): one row per mode."""
+    return {
+        "title": f"composer-monarch loop, overlap vs sequential: {args.steps} steps × {args.prompts}×"
+        f"{args.group_size} completions, Qwen2 hidden {args.hidden} × {args.layers} layers, median of "
+        f"{args.reps} runs",
+        "columns": ["mode", "median s / run", "min s", "max s", "steps/s", "vs sequential"],
+        "rows": [
+            [
+                mode,
+                round(statistics.median(ts), 3),
+                round(min(ts), 3),
+                round(max(ts), 3),
+                round(sps[mode], 3),
+                round(sps[mode] / sps["sequential"], 3),
+            ]
+            for mode, ts in timings.items()
+        ],
+        "note": f"sequential phases (median s): train {phase['train_wait_s']:.3f}, push {phase['push_s']:.3f}, "
+        f"rollout {phase['rollout_s']:.3f}; ideal overlap ratio {ideal:.2f}x, parallel capacity for 2 "
+        f"processes {capacity:.2f} (overlap cannot beat the smaller).",
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=6, help="steps per timed run")
@@ -62,7 +104,13 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=12, help="digits per prompt (completion = length + 1)")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument(
+        "--small", action="store_true", help="tiny sizes, one rep: CI's check that the bench works"
+    )
     args = ap.parse_args()
+    if args.small:
+        for name, value in SMALL.items():
+            setattr(args, name, value)
 
     task = ReverseDigits(n_digits=8, length=args.length)
     model = TinyQwen2(
@@ -83,7 +131,7 @@ def main() -> None:
     with ComposerDriver(task, model, loss=loss, loop=loop, replay=replay) as driver:
         startup = time.perf_counter() - t_start
         driver.run(steps=1, overlap=False, progress=False)  # warm-up
-        capacity = parallel_capacity(driver)
+        capacity = parallel_capacity(driver, SMALL_SPIN_CPU_S if args.small else SPIN_CPU_S)
         for rep in range(args.reps):
             for mode in ("sequential", "overlap"):
                 t0 = time.perf_counter()
@@ -117,6 +165,7 @@ def main() -> None:
         "benchmark": "composer-monarch overlap vs sequential",
         "steps_per_run": args.steps,
         "reps": args.reps,
+        "small": args.small,
         "batch": {
             "prompts": args.prompts,
             "group_size": args.group_size,
@@ -133,6 +182,16 @@ def main() -> None:
         "load_average_1min": os.getloadavg()[0],
         "parallel_capacity_2_procs": capacity,
         "achievable_bound": min(ideal, capacity),
+        "machine": {
+            "processor": cpu_model(),
+            "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            "threads": 1,
+            "load_average_at_end": os.getloadavg(),
+            "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        },
+        "readme": _readme(args, timings, sps, phase, ideal, capacity),
     }
     (out / "bench_monarch.json").write_text(json.dumps(record, indent=2))
     try:

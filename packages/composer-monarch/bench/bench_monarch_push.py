@@ -12,8 +12,10 @@ The model is a Qwen2 of about ``--params-m`` million fp32 parameters (125 by def
 generator and teacher on proc 1. The three methods are interleaved for ``--reps`` rounds after one
 warm-up push each; every push is checked bit-exact on both receivers. Reports the median seconds per
 push, the spread (min–max) and MiB/s, and writes ``$COMPOSER_BENCH_OUT/bench_monarch_push.json``.
+``--small`` is CI's check that the bench works: every method, bit-exact checks included, on a Qwen2 of about
+0.25M parameters, one round (the JSON records ``"small": true``).
 
-    python bench_monarch_push.py [--params-m 125] [--reps 3]
+    python bench_monarch_push.py [--params-m 125] [--reps 3] [--small]
 """
 
 from __future__ import annotations
@@ -32,14 +34,20 @@ from composer_core.testing.machine import cpu_model
 from composer_monarch import ComposerDriver, ComposerLoss, LoopConfig, ReverseDigits, TinyQwen2
 
 METHODS = ("driver-pickle", "shm", "rdma", "direct")
+SHAPE = {"hidden": 768, "intermediate": 2048, "heads": 12}
+"""The layer shape of the pushed Qwen2 (hidden 768: GPT-2 small's width); ``--params-m`` sets the depth."""
+SMALL = {"params_m": 0.25, "vocab": 512, "reps": 1}
+"""``--small``: CI's check that the bench works (every method on a tiny model, one round)."""
+SMALL_SHAPE = {"hidden": 64, "intermediate": 128, "heads": 4}
 
 
-def model_of(params_m: float, vocab: int) -> TinyQwen2:
-    """A Qwen2 with hidden 768 (GPT-2 small's width) and as many layers as fit ``params_m`` million."""
-    hidden, inter, embed = 768, 2048, 2 * vocab * 768
+def model_of(params_m: float, vocab: int, shape: dict[str, int] = SHAPE) -> TinyQwen2:
+    """A Qwen2 of layer shape ``shape`` with as many layers as fit ``params_m`` million parameters."""
+    hidden, inter, heads = shape["hidden"], shape["intermediate"], shape["heads"]
+    embed = 2 * vocab * hidden
     per_layer = 4 * hidden * hidden + 3 * hidden * inter
     layers = max(1, round((params_m * 1e6 - embed) / per_layer))
-    return TinyQwen2(vocab, hidden, layers, 12, 12, inter, max_positions=64)
+    return TinyQwen2(vocab, hidden, layers, heads, heads, inter, max_positions=64)
 
 
 def old_push(d: ComposerDriver) -> None:
@@ -79,10 +87,16 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--reps", type=int, default=3, help="interleaved rounds (median, spread)")
     ap.add_argument("--check", action=argparse.BooleanOptionalAction, default=True, help="bit-exact check")
+    ap.add_argument(
+        "--small", action="store_true", help="a tiny model, one round: CI's check that the bench works"
+    )
     args = ap.parse_args()
+    if args.small:
+        for name, value in SMALL.items():
+            setattr(args, name, value)
 
     task = ReverseDigits(n_digits=8, length=3)
-    model = model_of(args.params_m, args.vocab)
+    model = model_of(args.params_m, args.vocab, SMALL_SHAPE if args.small else SHAPE)
     loss = ComposerLoss(loss_type="grpo", alpha_sdpo=0.5, beta_replay=0.0)
     loop = LoopConfig(procs=2, num_threads=1, call_timeout_s=600, start_timeout_s=1200)
     times: dict[str, list[float]] = {m: [] for m in METHODS}
@@ -112,7 +126,7 @@ def main() -> None:
     speedup = {m: med["driver-pickle"] / med[m] for m in METHODS}
     mib = nbytes / 2**20
     print(
-        f"push of {params / 1e6:.0f}M params ({mib:.0f} MiB) to generator + teacher, median of {args.reps}:"
+        f"push of {params / 1e6:.3g}M params ({mib:.0f} MiB) to generator + teacher, median of {args.reps}:"
     )
     for m in METHODS:
         print(
@@ -125,6 +139,8 @@ def main() -> None:
         "params": params,
         "bytes_per_receiver": nbytes,
         "reps": args.reps,
+        "small": args.small,
+        "checked_bit_exact": args.check,
         "auto_transport_here": backend,
         "seconds": times,
         "median_s": med,
@@ -139,7 +155,7 @@ def main() -> None:
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         },
         "readme": {
-            "title": f"Weight push of {params / 1e6:.0f}M fp32 params to generator + teacher (median of {args.reps})",
+            "title": f"Weight push of {params / 1e6:.3g}M fp32 params to generator + teacher (median of {args.reps})",
             "columns": ["path", "median s", "min s", "max s", "MiB/s delivered", "speed-up vs driver-pickle"],
             "rows": [
                 [

@@ -7,8 +7,10 @@
 
 Runs are interleaved (A, B, A, B, ...) and the median is reported, so background load hits both sides.
 Prints a table and writes ``bench_trl.json`` to ``$COMPOSER_BENCH_OUT`` (default ./bench-results).
+``--small`` is CI's check that the bench works: every trainer, the extras and the reward comparison, a few
+steps each (the JSON records ``"small": true``).
 
-    python packages/composer-trl/bench/bench_trl.py [--steps 30] [--repeats 3] [--reward-steps 300]
+    python packages/composer-trl/bench/bench_trl.py [--steps 30] [--repeats 3] [--reward-steps 300] [--small]
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ from typing import Any
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+WARMUP_STEPS = 3
+SMALL = {"steps": 2, "repeats": 1, "reward_steps": 2, "warmup_steps": 1}
+"""``--small``: CI's check that the bench works (the same code paths, a few steps each)."""
 
 
 def _trainer(kind: str, steps: int, out: str, seed: int = 0) -> Any:
@@ -141,13 +147,18 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="interleaved timing runs per trainer")
     p.add_argument("--reward-steps", type=int, default=300, help="steps of the reward comparison (0 = skip)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (the tiny model is fastest on 1)")
+    p.add_argument("--small", action="store_true", help="a few steps each: CI's check that the bench works")
     args = p.parse_args()
+    warmup = WARMUP_STEPS
+    if args.small:
+        args.steps, args.repeats, args.reward_steps = SMALL["steps"], SMALL["repeats"], SMALL["reward_steps"]
+        warmup = SMALL["warmup_steps"]
     torch.set_num_threads(args.threads)
 
     kinds = ("grpo", "composer-off", "composer-on")
     times: dict[str, list[float]] = {k: [] for k in kinds}
     with tempfile.TemporaryDirectory() as tmp:
-        _step_time("grpo", 3, tmp)  # warm-up (imports, allocator)
+        _step_time("grpo", warmup, tmp)  # warm-up (imports, allocator)
         for _ in range(args.repeats):
             for k in kinds:
                 times[k].append(_step_time(k, args.steps, tmp))
@@ -165,6 +176,7 @@ def main() -> None:
             "threads": args.threads,
             "steps_per_run": args.steps,
             "repeats": args.repeats,
+            "small": args.small,
             "step_seconds": {k: {"median": med[k], "runs": times[k]} for k in kinds},
             "ratio_channels_off_vs_grpo": med["composer-off"] / med["grpo"],
             "ratio_channels_on_vs_grpo": med["composer-on"] / med["grpo"],

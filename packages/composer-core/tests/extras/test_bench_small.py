@@ -1,0 +1,64 @@
+"""The bench scripts run (CI's check at ``--small``; times are not asserted, benchmarks are scripts), and their
+load-independent figures hold: TRL and Liger-Kernel agree with composer's JSD in value and gradient, and in
+the distributed bypass part each rank holds less as k grows in the owned mode and everything in the full one.
+
+bench_jsd.py needs the ``bench`` extra (trl, liger-kernel); a missing peer fails its child process, so the
+test fails rather than skips. bench_bypass.py plots with matplotlib (the ``plot`` extra, part of ``all``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def _run(script: str, out: Path) -> None:
+    env = {**os.environ, "COMPOSER_BENCH_OUT": str(out)}
+    # Each measurement is a fresh interpreter importing torch (and trl / liger): let Python cache bytecode.
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    run = subprocess.run(
+        [sys.executable, str(BENCH / script), "--small"], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+
+
+def _load(path: Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(path.read_text())
+    assert data["machine"] and data["readme"]["rows"], path.name
+    return data
+
+
+def test_bench_jsd_runs_at_small_size_and_the_peers_agree(tmp_path: Path) -> None:
+    _run("bench_jsd.py", tmp_path)
+    data = _load(tmp_path / "bench_jsd.json")
+    assert data["config"]["small"] is True
+    methods = {"fused": {"composer", "trl", "liger", "floor"}, "logits": {"composer", "trl", "liger"}}
+    assert {row["form"] for row in data["rows"]} == set(methods)
+    for row in data["rows"]:
+        assert set(row["methods"]) == methods[row["form"]], row["form"]
+        assert set(row["agreement"]) == {"trl", "liger"}, row["form"]
+        for peer, agree in row["agreement"].items():
+            assert agree["loss_rel"] < 1e-4 and agree["grad_rel"] < 1e-3, (row["form"], peer, agree)
+
+
+def test_bench_bypass_runs_at_small_size_and_owned_ranks_hold_less(tmp_path: Path) -> None:
+    _run("bench_bypass.py", tmp_path)
+    single = _load(tmp_path / "bench_bypass.json")
+    assert single["small"] is True and set(single["results"]) == {"bypass", "kl"}
+    dist = _load(tmp_path / "bench_bypass_dist.json")
+    assert dist["small"] is True and len(dist["readme"]["rows"]) == 7
+    held = {key: r["max_model_mib"] for key, r in dist["results"].items()}
+    assert set(held) == {f"{mode} k={k}" for mode in ("owned", "full") for k in (1, 2, 4)} | {"kl k=1"}
+    assert held["owned k=1"] > held["owned k=2"] > held["owned k=4"], held
+    assert held["full k=1"] == held["full k=2"] == held["full k=4"] > held["owned k=1"], held
+    ideal = dist["flop_model"]["ideal_speedup_vs_kl"]
+    assert ideal["1"] > 1 and ideal["2"] >= ideal["1"], (
+        ideal
+    )  # KL also runs the LM head; k = 2 splits the blocks
+    assert (tmp_path / "bench_bypass_dist.png").stat().st_size > 0
