@@ -3,23 +3,16 @@ benchmarks are scripts), and its load-independent figures hold: bytes read per r
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+from composer_core.testing.bench import load_bench_json, run_small_bench
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_diloco.py"
 
 
 def test_bench_runs_at_small_size_and_sharded_reads_stay_flat(tmp_path: Path) -> None:
-    env = {**os.environ, "COMPOSER_BENCH_OUT": str(tmp_path), "COMPOSER_BENCH_LARGE": "0"}
-    run = subprocess.run(
-        [sys.executable, str(BENCH), "--small"], env=env, capture_output=True, text=True, timeout=900
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    data = json.loads((tmp_path / "diloco.json").read_text())
-    assert data["machine"] and data["readme"]["rows"]
+    run_small_bench(BENCH, tmp_path, env={"COMPOSER_BENCH_LARGE": "0"}, timeout=900)
+    data = load_bench_json(tmp_path / "diloco.json")
     assert {(r["url"], r["megabytes_per_replica"]) for r in data["throughput"]} == {
         (u, m) for u in ("file", "s3") for m in (1.0, 16.0)
     }

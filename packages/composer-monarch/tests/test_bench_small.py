@@ -5,28 +5,17 @@ trainer's fp32 weights (checked bit-exact by the script) with ``auto`` picking s
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
+
+from composer_core.testing.bench import load_bench_json, run_small_bench
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
 def _run(script: str, out: Path) -> dict[str, Any]:
-    env = {**os.environ, "COMPOSER_BENCH_OUT": str(out)}
-    run = subprocess.run(
-        [sys.executable, str(BENCH / f"{script}.py"), "--small"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
-    data: dict[str, Any] = json.loads((out / f"{script}.json").read_text())
-    assert data["machine"] and data["readme"]["rows"]
+    run_small_bench(BENCH / f"{script}.py", out)
+    data = load_bench_json(out / f"{script}.json")
     assert data["small"] is True
     return data
 

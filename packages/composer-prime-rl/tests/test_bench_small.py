@@ -3,23 +3,16 @@ load-independent figure holds: the aten operators one sample's forward + backwar
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+from composer_core.testing.bench import load_bench_json, run_small_bench
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_composer_loss.py"
 
 
 def test_bench_runs_at_small_size_and_counts_operators(tmp_path: Path) -> None:
-    env = {**os.environ, "COMPOSER_BENCH_OUT": str(tmp_path)}
-    run = subprocess.run(
-        [sys.executable, str(BENCH), "--small"], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    data = json.loads((tmp_path / "bench_composer_loss.json").read_text())
-    assert data["machine"] and data["readme"]["rows"]
+    run_small_bench(BENCH, tmp_path)
+    data = load_bench_json(tmp_path / "bench_composer_loss.json")
     (row,) = data["rows"]
     ops = row["ops_per_sample"]
     assert ops["inline_dppo_kl"] == 35

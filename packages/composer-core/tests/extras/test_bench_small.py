@@ -8,35 +8,16 @@ test fails rather than skips. bench_bypass.py plots with matplotlib (the ``plot`
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
-from typing import Any
+
+from composer_core.testing.bench import load_bench_json, run_small_bench
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
-def _run(script: str, out: Path) -> None:
-    env = {**os.environ, "COMPOSER_BENCH_OUT": str(out)}
-    # Each measurement is a fresh interpreter importing torch (and trl / liger): let Python cache bytecode.
-    env.pop("PYTHONDONTWRITEBYTECODE", None)
-    run = subprocess.run(
-        [sys.executable, str(BENCH / script), "--small"], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
-
-
-def _load(path: Path) -> dict[str, Any]:
-    data: dict[str, Any] = json.loads(path.read_text())
-    assert data["machine"] and data["readme"]["rows"], path.name
-    return data
-
-
 def test_bench_jsd_runs_at_small_size_and_the_peers_agree(tmp_path: Path) -> None:
-    _run("bench_jsd.py", tmp_path)
-    data = _load(tmp_path / "bench_jsd.json")
+    run_small_bench(BENCH / "bench_jsd.py", tmp_path)
+    data = load_bench_json(tmp_path / "bench_jsd.json")
     assert data["config"]["small"] is True
     methods = {"fused": {"composer", "trl", "liger", "floor"}, "logits": {"composer", "trl", "liger"}}
     assert {row["form"] for row in data["rows"]} == set(methods)
@@ -48,10 +29,10 @@ def test_bench_jsd_runs_at_small_size_and_the_peers_agree(tmp_path: Path) -> Non
 
 
 def test_bench_bypass_runs_at_small_size_and_owned_ranks_hold_less(tmp_path: Path) -> None:
-    _run("bench_bypass.py", tmp_path)
-    single = _load(tmp_path / "bench_bypass.json")
+    run_small_bench(BENCH / "bench_bypass.py", tmp_path)
+    single = load_bench_json(tmp_path / "bench_bypass.json")
     assert single["small"] is True and set(single["results"]) == {"bypass", "kl"}
-    dist = _load(tmp_path / "bench_bypass_dist.json")
+    dist = load_bench_json(tmp_path / "bench_bypass_dist.json")
     assert dist["small"] is True and len(dist["readme"]["rows"]) == 7
     held = {key: r["max_model_mib"] for key, r in dist["results"].items()}
     assert set(held) == {f"{mode} k={k}" for mode in ("owned", "full") for k in (1, 2, 4)} | {"kl k=1"}

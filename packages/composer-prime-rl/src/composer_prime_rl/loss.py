@@ -117,9 +117,10 @@ _OVERFLOW = (
 )
 
 
-def _raise_bad_values(raw_mask: Tensor, mask: Tensor, named: dict[str, Tensor]) -> NoReturn:
-    """The fused check failed: name the first culprit (extra reads only on this error path)."""
-    if raw_mask.dtype != torch.bool and not bool(((raw_mask == 0) | (raw_mask == 1)).all()):
+def _raise_bad_values(binary: Tensor | None, mask: Tensor, named: dict[str, Tensor]) -> NoReturn:
+    """The fused check failed: name the first culprit (extra reads only on this error path). ``binary``: whether
+    a non-bool mask holds only 0/1 (None for a bool mask)."""
+    if binary is not None and not bool(binary):
         raise ValueError(_NOT_BOOLEAN)
     for name, t in named.items():
         if not bool((torch.isfinite(t) | ~mask).all()):
@@ -132,21 +133,23 @@ def _host_reads_are_free(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-def _check_values(ok: Tensor, raw_mask: Tensor, mask: Tensor, named: dict[str, Tensor], kept: Tensor) -> None:
+def _check_values(
+    ok: Tensor, binary: Tensor | None, mask: Tensor, named: dict[str, Tensor], kept: Tensor
+) -> None:
     """Raise if the fused check ``ok`` failed. On CPU: one host read, and the error names the culprit. On an
     accelerator: asynchronous device asserts (no host sync, so PRIME-RL's per-sample calls never stall the
     stream), one per field so the assert message names it; the failure surfaces at the next synchronisation
     as a device-side assert carrying that message."""
     if _host_reads_are_free(kept.device):
         if not bool(ok):  # the single host read of a call: every value check, fused
-            _raise_bad_values(raw_mask, mask, named)
+            _raise_bad_values(binary, mask, named)
         return
     with torch.no_grad():
         finite = kept.isfinite().all(dim=1)  # per field, exact (kept is 0 outside the mask)
         for i, name in enumerate(named):
             torch._assert_async(finite[i], _NON_FINITE.format(name=name))
-        if raw_mask.dtype != torch.bool:
-            torch._assert_async(((raw_mask == 0) | (raw_mask == 1)).all(), _NOT_BOOLEAN)
+        if binary is not None:
+            torch._assert_async(binary, _NOT_BOOLEAN)
         torch._assert_async(ok, _OVERFLOW.format(dtype=kept.dtype))
 
 
@@ -159,8 +162,11 @@ def _read_sample(inputs: Any, opts: PrimeRLLossOptions) -> _Sample:
         stacked = torch.stack([t.to(device=logprobs.device, dtype=dtype) for t in named.values()])
         kept = torch.where(mask, stacked, 0.0)  # every field detached, zeroed outside the mask
         ok = kept.sum().isfinite()  # a NaN/±inf on a selected token makes the sum non-finite
-        if raw_mask.dtype != torch.bool:
-            ok &= ((raw_mask == 0) | (raw_mask == 1)).all().to(ok.device)
+        binary = (
+            None if raw_mask.dtype == torch.bool else ((raw_mask == 0) | (raw_mask == 1)).all().to(ok.device)
+        )
+        if binary is not None:
+            ok &= binary
         # PRIME-RL's packer fills ref_logprobs with 0.0 over the whole sample when the sample has none
         # but a neighbour in its micro-batch has some (trainer/batch.py): that is no teacher (it would pull
         # every token towards p = 1), so channel 2 is skipped for it, never an error (a 0-dim factor, no
@@ -170,7 +176,7 @@ def _read_sample(inputs: Any, opts: PrimeRLLossOptions) -> _Sample:
             if "ref_logprobs" in fields
             else torch.zeros((), dtype=dtype, device=logprobs.device)
         )
-    _check_values(ok, raw_mask, mask, named, kept)
+    _check_values(ok, binary, mask, named, kept)
     by_name = dict(zip(named, kept.unbind(0), strict=True))
     return _Sample(
         logprobs=by_name["trainer_logprobs"],
