@@ -69,7 +69,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -103,7 +103,9 @@ _PARALLEL_BYTES = 8 << 20  # smaller payloads are checked in the calling thread
 _PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _MEMORY_LOCK = threading.Lock()
-_FIRST_POLL_S = 0.001  # polls start here and double up to poll_interval_s
+_FIRST_POLL_S = 0.001  # polls of a remote store start here and double up to poll_interval_s
+_FIRST_LOCAL_POLL_S = 0.00005  # a local listing costs tens of µs: a 1 MiB round must not wait out 1 ms sleeps
+_CLEANUPS_QUEUED = 2  # deletions allowed to wait behind the running one before a round waits for them
 _DTYPES = {
     name: getattr(torch, name) for name in ("float16", "bfloat16", "float32", "float64", "float8_e4m3fn")
 }
@@ -218,7 +220,8 @@ class ObjectStoreAllReduce:
         keep_rounds: rounds kept in the store (older ones are deleted; ≥ 2 so that every replica
             can still read the round it is finishing).
         poll_interval_s: the longest delay between listings of the round folder (polling starts
-            at 1 ms and doubles up to this, so small payloads are not dominated by sleeps).
+            at 50 µs on a local filesystem and 1 ms elsewhere and doubles up to this, so small
+            payloads are not dominated by sleeps).
         exchange: ``"full"`` (every replica reads every replica's whole object: bytes read per
             replica grow as (k−1)× the payload) or ``"sharded"`` (reduce-scatter then all-gather
             through the store: each replica reduces 1/k of the tensors and reads about 2× the
@@ -292,7 +295,9 @@ class ObjectStoreAllReduce:
         self.exchange = exchange
         self._buffers: dict[str, bytearray] = {}  # read buffers reused across rounds (local stores)
         self._acc: list[torch.Tensor] = []  # float32 accumulators reused across rounds
-        self._cleaner: threading.Thread | None = None
+        self._first_poll_s = _FIRST_LOCAL_POLL_S if self._is_local() else _FIRST_POLL_S
+        self._cleaner: ThreadPoolExecutor | None = None  # one worker: deletions run one at a time, in order
+        self._cleanups: list[Future[None]] = []
         self._marker: dict[int, str] | None = None  # this replica's progress marker, as last written
         self.s3_part_bytes = S3_PART_BYTES  # multipart part size on S3 (parts go up in parallel)
         self.s3_parts_in_flight = S3_PARTS_IN_FLIGHT  # multipart parts uploading at once
@@ -536,13 +541,20 @@ class ObjectStoreAllReduce:
     def _is_local(self) -> bool:
         return "file" in _protocols(self.fs)
 
+    def _local_tmp(self, key: str) -> tuple[str, io.BufferedWriter]:
+        """A new temporary file beside ``key`` (its folder made only when missing: no makedirs per write)."""
+        tmp = f"{posixpath.dirname(key)}/.tmp-{uuid.uuid4().hex}"
+        try:
+            return tmp, open(tmp, "xb")
+        except FileNotFoundError:
+            self.fs.makedirs(posixpath.dirname(key), exist_ok=True)
+            return tmp, open(tmp, "xb")
+
     def put_atomic(self, key: str, data: bytes) -> None:
         """Write ``data`` so that readers see all of it or nothing."""
         if self._is_local():
-            parent = posixpath.dirname(key)
-            self.fs.makedirs(parent, exist_ok=True)
-            tmp = f"{parent}/.tmp-{uuid.uuid4().hex}"
-            with open(tmp, "wb") as f:
+            tmp, f = self._local_tmp(key)
+            with f:
                 f.write(data)
             os.replace(tmp, key)  # atomic for readers (no fsync: visibility, not crash durability)
         else:  # object stores publish a single PUT atomically
@@ -564,10 +576,8 @@ class ObjectStoreAllReduce:
     def _create(self, key: str, enc: _Encoded) -> bool:
         protocols = _protocols(self.fs)
         if "file" in protocols:
-            parent = posixpath.dirname(key)
-            self.fs.makedirs(parent, exist_ok=True)
-            tmp = f"{parent}/.tmp-{uuid.uuid4().hex}"
-            with open(tmp, "wb") as f:  # straight from the tensors' memory: no joined copy
+            tmp, f = self._local_tmp(key)
+            with f:  # straight from the tensors' memory: no joined copy
                 f.write(enc.head)
                 for chunk in enc.chunks:
                     f.write(chunk)
@@ -850,7 +860,7 @@ class ObjectStoreAllReduce:
 
     def _commit_evidence(self, round_id: int) -> str | None:
         """Why round ``round_id`` must already be committed (None if nothing says so)."""
-        later = [r for r in self.rounds_present() if r > round_id]
+        later = [r for r in self._rounds_listed() if r > round_id]
         if later:
             return f"the store already holds round {max(later)}"
         for rank, accepted in sorted(self._read_markers().items()):
@@ -1225,7 +1235,7 @@ class ObjectStoreAllReduce:
         op: str,
         deadline: float,
     ) -> list[torch.Tensor]:
-        delay = _FIRST_POLL_S
+        delay = self._first_poll_s
         while True:
             found = self._load_reduced(round_id, manifest, s, op)
             if found is not None:
@@ -1249,7 +1259,7 @@ class ObjectStoreAllReduce:
     ) -> _Manifest:
         directory = self.round_dir(round_id)
         deadline = time.monotonic() + self.timeout_s
-        delay = _FIRST_POLL_S
+        delay = self._first_poll_s
         while True:
             names = self._list(directory)
             if "manifest.json" in names:
@@ -1270,11 +1280,15 @@ class ObjectStoreAllReduce:
                     problems[r] = exc  # maybe still being written by a non-atomic writer: re-read
             timed_out = time.monotonic() >= deadline
             if len(decoded) == self.world_size or timed_out:
-                committed = self._committed(round_id)  # never propose for a round the run has left
-                if committed is not None:
-                    return committed
-                if timed_out and len(decoded) < self.world_size:
+                if len(decoded) < self.world_size:  # never exclude ranks from a round the run has left
+                    committed = self._committed(round_id)
+                    if committed is not None:
+                        return committed
                     self._check_timeout(round_id, decoded, problems)
+                # With every object present the proposal is the only possible one: a manifest committed
+                # since the listing makes ours lose (create-only) and is read back; a round the run has
+                # left was refused by the check before this replica contributed, and a deletion racing
+                # this round is caught by _accept's markers before any tensor changes.
                 created = self._propose_manifest(round_id, decoded)
                 key = self.manifest_key(round_id)  # ours won: no need to read it back
                 found = (
@@ -1318,28 +1332,52 @@ class ObjectStoreAllReduce:
 
     def _cleanup(self, round_id: int) -> None:
         """Delete round ``round_id - keep_rounds`` in the background (directory removal is a slow
-        metadata operation on many filesystems; it overlaps the next inner steps). At most one
-        deletion runs at a time; :meth:`rounds_present` and :meth:`cleanup_run` wait for it."""
+        metadata operation on many filesystems; it overlaps the next inner steps). One long-lived
+        worker runs the deletions in order (no thread start per round); a round waits only when
+        more than ``_CLEANUPS_QUEUED`` are behind. :meth:`rounds_present` and :meth:`cleanup_run`
+        wait for all of them."""
         old = round_id - self.keep_rounds
         if old < 0:
             return
-        self.wait_cleanup()
-        self._cleaner = threading.Thread(target=self._remove_round, args=(old,), name="diloco-store-cleanup")
-        self._cleaner.start()  # not a daemon: the interpreter finishes it before exiting
+        if self._cleaner is None:  # not a daemon: the interpreter finishes queued deletions before exiting
+            self._cleaner = ThreadPoolExecutor(1, thread_name_prefix="diloco-store-cleanup")
+        self._cleanups = [f for f in self._cleanups if not f.done()]
+        while len(self._cleanups) > _CLEANUPS_QUEUED:
+            self._cleanups.pop(0).result()
+        self._cleanups.append(self._cleaner.submit(self._remove_round, old))
 
     def _remove_round(self, old: int) -> None:
         try:
-            self.fs.rm(self.round_dir(old), recursive=True)
+            if _is_s3(self.fs):  # one listing + one bulk delete (s3fs's rm adds HEADs and listings)
+                fsspec.asyn.sync(self.fs.loop, self._s3_remove_prefix, self.round_dir(old) + "/")
+            else:
+                self.fs.rm(self.round_dir(old), recursive=True)
         except FileNotFoundError:
             pass
         except Exception as exc:  # a failed cleanup leaves garbage, never a wrong average
             logger.warning("could not delete round %d of run %r: %s", old, self.run_id, exc)
 
+    async def _s3_remove_prefix(self, prefix: str) -> None:
+        """Delete every object under ``prefix``: a listing and a bulk delete per 1,000 keys."""
+        bucket, name, _ = self.fs.split_path(prefix)
+        token: dict[str, Any] = {}
+        while True:
+            page = await self.fs._call_s3("list_objects_v2", Bucket=bucket, Prefix=name, **token)
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if keys:
+                await self.fs._call_s3(
+                    "delete_objects", Bucket=bucket, Delete={"Objects": keys, "Quiet": True}
+                )
+            if not page.get("IsTruncated"):
+                break
+            token = {"ContinuationToken": page["NextContinuationToken"]}
+        self.fs.invalidate_cache(prefix.rstrip("/"))
+
     def wait_cleanup(self) -> None:
-        """Wait until the background deletion of an old round (if any) has finished."""
-        cleaner, self._cleaner = self._cleaner, None
-        if cleaner is not None:
-            cleaner.join()
+        """Wait until the background deletions of old rounds (if any) have finished."""
+        pending, self._cleanups = self._cleanups, []
+        for f in pending:
+            f.result()  # _remove_round logs its own failures: this never raises
 
     def cleanup_run(self) -> None:
         """Delete everything under this run's prefix (call once, after every replica finished)."""
@@ -1350,6 +1388,11 @@ class ObjectStoreAllReduce:
     def rounds_present(self) -> list[int]:
         """Round numbers currently stored for this run."""
         self.wait_cleanup()
+        return self._rounds_listed()
+
+    def _rounds_listed(self) -> list[int]:
+        """Round numbers in the store's listing now (a round being deleted in the background may
+        still show: only rounds newer than the one asked about count as evidence)."""
         return sorted(int(n) for n in self._list(self.key("rounds")) if n.isdigit())
 
 
