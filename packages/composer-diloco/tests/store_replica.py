@@ -124,6 +124,12 @@ def count_reads(fs: Any) -> list[int]:
 
     fs.open, fs.cat_file, fs.cat = counted_open, counted_cat_file, counted_cat
     object_store.mmap = _CountingMmap(counter)  # type: ignore[attr-defined]  # local objects are mapped, not read
+
+    def counted_builtin_open(path: Any, mode: str = "r", *args: Any, **kw: Any) -> Any:
+        f = open(path, mode, *args, **kw)  # noqa: SIM115  # the caller closes it
+        return _CountingFile(f, counter) if "r" in mode else f
+
+    object_store.open = counted_builtin_open  # type: ignore[attr-defined]  # local manifests and markers
     return counter
 
 

@@ -295,7 +295,10 @@ class ObjectStoreAllReduce:
         self.exchange = exchange
         self._buffers: dict[str, bytearray] = {}  # read buffers reused across rounds (local stores)
         self._acc: list[torch.Tensor] = []  # float32 accumulators reused across rounds
-        self._first_poll_s = _FIRST_LOCAL_POLL_S if self._is_local() else _FIRST_POLL_S
+        self._local = "file" in _protocols(
+            self.fs
+        )  # paths are the OS's: small reads and listings skip fsspec
+        self._first_poll_s = _FIRST_LOCAL_POLL_S if self._local else _FIRST_POLL_S
         self._cleaner: ThreadPoolExecutor | None = None  # one worker: deletions run one at a time, in order
         self._cleanups: list[Future[None]] = []
         self._marker: dict[int, str] | None = None  # this replica's progress marker, as last written
@@ -539,7 +542,7 @@ class ObjectStoreAllReduce:
 
     # ---- storage primitives -----------------------------------------------------------
     def _is_local(self) -> bool:
-        return "file" in _protocols(self.fs)
+        return self._local
 
     def _local_tmp(self, key: str) -> tuple[str, io.BufferedWriter]:
         """A new temporary file beside ``key`` (its folder made only when missing: no makedirs per write)."""
@@ -710,6 +713,14 @@ class ObjectStoreAllReduce:
             return self._map(key) if self._hmac_key is None else self._read_into(key, slot)
         if slot is not None and _is_s3(self.fs):
             return fsspec.asyn.sync(self.fs.loop, self._s3_read_into, key, slot)  # type: ignore[no-any-return]
+        if self._local:  # a manifest or a marker: one open and read (fsspec's cat_file costs ~10x that)
+            try:
+                with open(key, "rb") as f:
+                    data = f.read()
+            except FileNotFoundError:
+                return None
+            self.bytes_read += len(data)
+            return data
         self.fs.invalidate_cache(posixpath.dirname(key))  # s3fs answers from a stale listing otherwise
         try:
             data = self.fs.cat_file(key, **self._cat_options)
@@ -753,6 +764,11 @@ class ObjectStoreAllReduce:
         return view[:got]
 
     def _list(self, directory: str) -> set[str]:
+        if self._local:
+            try:
+                return set(os.listdir(directory))
+            except (FileNotFoundError, NotADirectoryError):
+                return set()
         self.fs.invalidate_cache(directory)
         try:
             entries = self.fs.ls(directory, detail=False)
