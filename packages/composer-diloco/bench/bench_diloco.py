@@ -9,7 +9,8 @@
    (each replica writes its blob and reads the other's), over file:// and s3:// (moto's server on
    127.0.0.1), at 1, 16 and 64 MiB (``--small``: 1 and 16 MiB; ``--large`` or
    ``$COMPOSER_BENCH_LARGE=1`` adds 512 MiB). The two are interleaved rep by rep, the order
-   alternating; median and spread are reported (the machine is shared). Peak RSS growth per replica
+   alternating, each file:// rep after ``os.sync()`` and the stores' pending deletions (outside the clock);
+   median and spread are reported (the machine is shared). Peak RSS growth per replica
    over 3 rounds (replica processes, VmHWM) against the payload, at every size but 1 MiB.
 3. Scale in replicas: k = 2, 4, 8 real replica processes over file://, the full exchange (every
    replica reads every object) against the sharded one (reduce-scatter + all-gather), rounds
@@ -163,13 +164,15 @@ def throughput(url: str, megabytes: float, reps: int, options: dict[str, Any] | 
         fs.rm(f"{raw_prefix}/{rep}", recursive=True)
         return elapsed
 
+    # file://: flush dirty pages before each timed rep, so neither side pays the writeback of the other's
+    # objects (at 512 MiB a round leaves 1 GiB dirty; that alone spread the ratio over 0.2-1.5)
+    settle = os.sync if url.startswith("file://") else (lambda: None)
     for rep in tqdm(range(reps), desc=f"throughput {url.split(':')[0]} {megabytes:g} MiB", leave=False):
-        if rep % 2:
-            t_raw.append(raw_once(rep))
-            t_reduce.append(reduce_once(rep))
-        else:
-            t_reduce.append(reduce_once(rep))
-            t_raw.append(raw_once(rep))
+        for side in ((raw_once, t_raw), (reduce_once, t_reduce))[:: 1 if rep % 2 else -1]:
+            stores[0].wait_cleanup()  # deletions of old rounds overlap inner steps in training, not the clock
+            stores[1].wait_cleanup()
+            settle()
+            side[1].append(side[0](rep))
         ratios.append(t_raw[-1] / t_reduce[-1])
     stores[0].cleanup_run()
     return {
