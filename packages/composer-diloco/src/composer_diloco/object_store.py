@@ -295,9 +295,8 @@ class ObjectStoreAllReduce:
         self.exchange = exchange
         self._buffers: dict[str, bytearray] = {}  # read buffers reused across rounds (local stores)
         self._acc: list[torch.Tensor] = []  # float32 accumulators reused across rounds
-        self._local = "file" in _protocols(
-            self.fs
-        )  # paths are the OS's: small reads and listings skip fsspec
+        # a local filesystem's paths are the OS's: small reads and listings skip fsspec
+        self._local = "file" in _protocols(self.fs)
         self._first_poll_s = _FIRST_LOCAL_POLL_S if self._local else _FIRST_POLL_S
         self._cleaner: ThreadPoolExecutor | None = None  # one worker: deletions run one at a time, in order
         self._cleanups: list[Future[None]] = []
