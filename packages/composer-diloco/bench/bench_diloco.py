@@ -168,11 +168,11 @@ def throughput(url: str, megabytes: float, reps: int, options: dict[str, Any] | 
     # objects (at 512 MiB a round leaves 1 GiB dirty; that alone spread the ratio over 0.2-1.5)
     settle = os.sync if url.startswith("file://") else (lambda: None)
     for rep in tqdm(range(reps), desc=f"throughput {url.split(':')[0]} {megabytes:g} MiB", leave=False):
-        for side in ((raw_once, t_raw), (reduce_once, t_reduce))[:: 1 if rep % 2 else -1]:
-            stores[0].wait_cleanup()  # deletions of old rounds overlap inner steps in training, not the clock
-            stores[1].wait_cleanup()
+        for once, times in ((raw_once, t_raw), (reduce_once, t_reduce))[:: 1 if rep % 2 else -1]:
+            for store in stores:  # deletions of old rounds overlap inner steps in training, not the clock
+                store.wait_cleanup()
             settle()
-            side[1].append(side[0](rep))
+            times.append(once(rep))
         ratios.append(t_raw[-1] / t_reduce[-1])
     stores[0].cleanup_run()
     return {

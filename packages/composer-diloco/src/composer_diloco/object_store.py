@@ -540,9 +540,6 @@ class ObjectStoreAllReduce:
         return _Decoded(meta, tensors, len(data), tag)
 
     # ---- storage primitives -----------------------------------------------------------
-    def _is_local(self) -> bool:
-        return self._local
-
     def _local_tmp(self, key: str) -> tuple[str, io.BufferedWriter]:
         """A new temporary file beside ``key`` (its folder made only when missing: no makedirs per write)."""
         tmp = f"{posixpath.dirname(key)}/.tmp-{uuid.uuid4().hex}"
@@ -554,7 +551,7 @@ class ObjectStoreAllReduce:
 
     def put_atomic(self, key: str, data: bytes) -> None:
         """Write ``data`` so that readers see all of it or nothing."""
-        if self._is_local():
+        if self._local:
             tmp, f = self._local_tmp(key)
             with f:
                 f.write(data)
@@ -576,8 +573,7 @@ class ObjectStoreAllReduce:
         return created
 
     def _create(self, key: str, enc: _Encoded) -> bool:
-        protocols = _protocols(self.fs)
-        if "file" in protocols:
+        if self._local:
             tmp, f = self._local_tmp(key)
             with f:  # straight from the tensors' memory: no joined copy
                 f.write(enc.head)
@@ -593,7 +589,7 @@ class ObjectStoreAllReduce:
         if _is_s3(self.fs):
             return bool(fsspec.asyn.sync(self.fs.loop, self._s3_create, key, enc))
         data = enc.tobytes()  # one copy: this client wants one bytes-like body
-        if "memory" in protocols:
+        if "memory" in _protocols(self.fs):
             with _MEMORY_LOCK:
                 if self.fs.exists(key):
                     return False
@@ -708,18 +704,18 @@ class ObjectStoreAllReduce:
         """The object's bytes, or None if absent. With ``slot`` on a local filesystem the object
         is mapped (:meth:`_map`), or with an HMAC key read into a buffer kept for that slot across
         rounds (no fresh pages every round)."""
-        if slot is not None and self._is_local():
-            return self._map(key) if self._hmac_key is None else self._read_into(key, slot)
-        if slot is not None and _is_s3(self.fs):
-            return fsspec.asyn.sync(self.fs.loop, self._s3_read_into, key, slot)  # type: ignore[no-any-return]
-        if self._local:  # a manifest or a marker: one open and read (fsspec's cat_file costs ~10x that)
-            try:
+        if self._local:
+            if slot is not None:
+                return self._map(key) if self._hmac_key is None else self._read_into(key, slot)
+            try:  # a manifest or a marker: one open and read (fsspec's cat_file costs ~10x that)
                 with open(key, "rb") as f:
                     data = f.read()
             except FileNotFoundError:
                 return None
             self.bytes_read += len(data)
             return data
+        if slot is not None and _is_s3(self.fs):
+            return fsspec.asyn.sync(self.fs.loop, self._s3_read_into, key, slot)  # type: ignore[no-any-return]
         self.fs.invalidate_cache(posixpath.dirname(key))  # s3fs answers from a stale listing otherwise
         try:
             data = self.fs.cat_file(key, **self._cat_options)
@@ -1132,7 +1128,7 @@ class ObjectStoreAllReduce:
     def _put_many(self, objects: Mapping[str, _Encoded]) -> None:
         """Write objects under fresh keys: one after the other on local/memory stores, all at
         once on object stores (s3fs sends them concurrently)."""
-        if self._is_local() or "memory" in _protocols(self.fs):
+        if self._local or "memory" in _protocols(self.fs):
             for key, enc in objects.items():
                 if not self.put_if_absent(key, enc):
                     raise ObjectStoreError(
@@ -1363,17 +1359,22 @@ class ObjectStoreAllReduce:
 
     def _remove_round(self, old: int) -> None:
         try:
-            if _is_s3(self.fs):  # one listing + one bulk delete (s3fs's rm adds HEADs and listings)
-                fsspec.asyn.sync(self.fs.loop, self._s3_remove_prefix, self.round_dir(old) + "/")
-            else:
-                self.fs.rm(self.round_dir(old), recursive=True)
+            self._remove_tree(self.round_dir(old))
         except FileNotFoundError:
             pass
         except Exception as exc:  # a failed cleanup leaves garbage, never a wrong average
             logger.warning("could not delete round %d of run %r: %s", old, self.run_id, exc)
 
+    def _remove_tree(self, path: str) -> None:
+        """Delete ``path`` and everything under it. On S3: one listing and one bulk delete per 1,000 keys
+        (s3fs's recursive rm adds HEADs and listings)."""
+        if _is_s3(self.fs):
+            fsspec.asyn.sync(self.fs.loop, self._s3_remove_prefix, path.rstrip("/") + "/")
+        else:
+            self.fs.rm(path, recursive=True)
+
     async def _s3_remove_prefix(self, prefix: str) -> None:
-        """Delete every object under ``prefix``: a listing and a bulk delete per 1,000 keys."""
+        """Delete every object under ``prefix`` (ending in ``/``)."""
         bucket, name, _ = self.fs.split_path(prefix)
         token: dict[str, Any] = {}
         while True:
@@ -1398,7 +1399,7 @@ class ObjectStoreAllReduce:
         """Delete everything under this run's prefix (call once, after every replica finished)."""
         self.wait_cleanup()
         with contextlib.suppress(FileNotFoundError):
-            self.fs.rm(self.prefix, recursive=True)
+            self._remove_tree(self.prefix)
 
     def rounds_present(self) -> list[int]:
         """Round numbers currently stored for this run."""
