@@ -66,9 +66,26 @@ def setup(S: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"root": root, "teacher": root / "teacher", "tokens": tokens, "ids": ids, "ref": ref}
 
 
-def _cli(config: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+# Runs the CLI's main() in-process, then prints which gloo threads are still alive (Linux /proc).
+_MAIN_THEN_THREADS = """
+import json, os, sys
+from composer_core.bypass.cli import main
+rc = main(sys.argv[1:])
+names = []
+for tid in os.listdir("/proc/self/task"):
+    try:
+        names.append(open(f"/proc/self/task/{tid}/comm").read().strip())
+    except OSError:
+        pass
+print(json.dumps(sorted(n for n in names if "gloo" in n)))
+sys.exit(rc)
+"""
+
+
+def _cli(config: Path, env: dict[str, str] | None = None, *, threads: bool = False) -> subprocess.Popen[str]:
+    entry = ["-c", _MAIN_THEN_THREADS] if threads else ["-m", "composer_core.bypass.cli"]
     return subprocess.Popen(
-        [sys.executable, "-m", "composer_core.bypass.cli", "--config", str(config), "--no-progress"],
+        [sys.executable, *entry, "--config", str(config), "--no-progress"],
         env={**os.environ, **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -122,7 +139,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _launch(config: Path, world: int) -> list[tuple[int, str, str]]:
+def _launch(config: Path, world: int, *, threads: bool = False) -> list[tuple[int, str, str]]:
     port = str(_free_port())
     procs = [
         _cli(
@@ -134,6 +151,7 @@ def _launch(config: Path, world: int) -> list[tuple[int, str, str]]:
                 "RANK": str(r),
                 "LOCAL_RANK": str(r),
             },
+            threads=threads,
         )
         for r in range(world)
     ]
@@ -190,13 +208,48 @@ def test_more_ranks_than_blocks_fails_cleanly_on_every_rank(
     }
 
 
+_INIT_IMPORT_DESTROY = """
+import json, os
+import torch.distributed as dist
+from composer_core.bypass.cli import _init_distributed
+_init_distributed()
+import torch._dynamo  # imported after init, as a model build or a transformers import may do
+dist.destroy_process_group()
+names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+print(json.dumps(sorted(n for n in names if "gloo" in n)))
+"""
+
+
+def test_destroy_process_group_ends_its_threads_whatever_is_imported_later() -> None:
+    """Upstream modules imported after init (torch.distributed.nn binds ``group.WORLD`` as a default
+    argument) must not keep the default group, and its gloo threads, alive past destroy_process_group."""
+    port = str(_free_port())
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _INIT_IMPORT_DESTROY],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert [o.strip().splitlines()[-1] for o in outs] == ["[]", "[]"]
+
+
 def test_rank0_decision_error_reaches_every_rank(setup: dict[str, Any], tmp_path: Path) -> None:
     """A failure in a rank-0 decision (here: a foreign manifest) is broadcast instead of hanging rank 1."""
     toml, _ = _write_run(tmp_path, "foreign", {}, setup["teacher"], setup["tokens"])
     exp = tmp_path / "foreign" / setup["ref"].experiment_dir.name
     exp.mkdir(parents=True)
     (exp / "bypass_state.json").write_text(json.dumps({"run_id": "f" * 64, "status": "running"}))
-    results = _launch(toml, 2)
+    results = _launch(toml, 2, threads=True)
     assert [rc for rc, _, _ in results] == [2, 2]
-    for _, _, err in results:
+    for _, out, err in results:
         assert "rank 0 failed: ValueError:" in err and "belongs to run" in err
+        # No process group outlives main(): one that did (torch.distributed.nn binds the default group
+        # as a default argument when imported after init) kept its gloo threads running into interpreter
+        # teardown, where they died with "terminate called without an active exception" (exit -6).
+        assert out.strip().splitlines()[-1] == "[]"

@@ -1,5 +1,7 @@
 """Student construction and initialisation from the teacher."""
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +12,7 @@ from composer_core.bypass.distributed import DistContext
 from composer_core.bypass.forward import teacher_forward
 from composer_core.bypass.losses import normalized_mse
 from composer_core.bypass.student import ffn_channel_importance
+from torch import nn
 
 
 def _block_losses(teacher, student, ids):  # type: ignore[no-untyped-def]
@@ -132,3 +135,31 @@ def test_reference_save_load_roundtrip(S: Any, tmp_path: Path) -> None:
     torch.testing.assert_close(loaded(ids), s(ids), rtol=0, atol=0)
     with pytest.raises(ValueError, match="not a reference decoder directory"):
         type(s).load(tmp_path / "missing")
+
+
+def test_sharded_skeleton_imports_no_compiler_stack(S: Any, tmp_path: Path) -> None:
+    """Building a rank's skeleton runs no initialiser on ``meta`` tensors: ``normal_`` on meta has no
+    C++ kernel and pulls in torch._dynamo (~800 modules, seconds per rank, and with it
+    torch.distributed.nn, which pins the default process group past destroy_process_group)."""
+    S.teacher(num_layers=3).save(tmp_path / "teacher")
+    code = (
+        "import sys\n"
+        "from composer_core.bypass.distributed import Ownership\n"
+        "from composer_core.bypass.reference import ReferenceDecoder\n"
+        f"m = ReferenceDecoder.load({str(tmp_path / 'teacher')!r}, Ownership.of(3, 1, 2), head=False)\n"
+        "print(sorted(k for k in ('torch._dynamo', 'torch.distributed.nn') if k in sys.modules))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"
+
+
+def test_embedding_initialisation_is_unchanged(S: Any) -> None:
+    """The embedding is created as before (same RNG draws): ``nn.Embedding``'s own N(0, 1) init."""
+    teacher = S.teacher(num_layers=1)
+    torch.manual_seed(3)
+    model = type(teacher)(teacher.config)
+    cfg = teacher.config
+    torch.manual_seed(3)
+    want = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+    assert torch.equal(model.embed_tokens.weight, want.weight)

@@ -195,6 +195,16 @@ class Block(nn.Module):
         return h
 
 
+def _embedding(num: int, dim: int) -> nn.Embedding:
+    """``nn.Embedding(num, dim)`` with the same N(0, 1) draws, but none on a ``meta`` skeleton: ``normal_``
+    has no C++ meta kernel and its Python one imports torch._dynamo (seconds per process)."""
+    emb = nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+    if not emb.weight.is_meta:
+        with torch.no_grad():
+            emb.weight.normal_()
+    return emb
+
+
 class ReferenceDecoder(nn.Module):
     """Plain-torch decoder LM implementing :class:`~composer_core.bypass.protocol.BlockwiseModel`."""
 
@@ -212,7 +222,7 @@ class ReferenceDecoder(nn.Module):
         self._blocks = config.resolved()
         seed = torch.initial_seed()
         with meta_parameters() if ownership is not None else nullcontext():
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.embed_tokens = _embedding(config.vocab_size, config.hidden_size)
             self.layers = nn.ModuleList(Block(config, b) for b in self._blocks)
             self.norm = RMSNorm(config.hidden_size, config.norm_eps)
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
