@@ -66,26 +66,37 @@ def setup(S: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"root": root, "teacher": root / "teacher", "tokens": tokens, "ids": ids, "ref": ref}
 
 
-# Runs the CLI's main() in-process, then prints which gloo threads are still alive (Linux /proc).
-_MAIN_THEN_THREADS = """
-import json, os, sys
-from composer_core.bypass.cli import main
-rc = main(sys.argv[1:])
-names = []
-for tid in os.listdir("/proc/self/task"):
+# Appended to a script run by each rank: print which gloo threads are still alive (Linux /proc).
+_PRINT_GLOO_THREADS = """
+import json as _json, os as _os
+_names = []
+for _tid in _os.listdir("/proc/self/task"):
     try:
-        names.append(open(f"/proc/self/task/{tid}/comm").read().strip())
+        _names.append(open(f"/proc/self/task/{_tid}/comm").read().strip())
     except OSError:
         pass
-print(json.dumps(sorted(n for n in names if "gloo" in n)))
-sys.exit(rc)
+print(_json.dumps(sorted(n for n in _names if "gloo" in n)))
 """
+# The CLI's main() in-process, then the gloo threads still alive, then main()'s exit status.
+_MAIN_THEN_THREADS = (
+    "import sys\nfrom composer_core.bypass.cli import main\nrc = main(sys.argv[1:])\n"
+    + _PRINT_GLOO_THREADS
+    + "sys.exit(rc)\n"
+)
 
 
-def _cli(config: Path, env: dict[str, str] | None = None, *, threads: bool = False) -> subprocess.Popen[str]:
+def _cli_args(config: Path, *, threads: bool = False) -> list[str]:
     entry = ["-c", _MAIN_THEN_THREADS] if threads else ["-m", "composer_core.bypass.cli"]
+    return [*entry, "--config", str(config), "--no-progress"]
+
+
+def _cli(config: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return _python(_cli_args(config), env)
+
+
+def _python(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, *entry, "--config", str(config), "--no-progress"],
+        [sys.executable, *args],
         env={**os.environ, **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -140,10 +151,15 @@ def _free_port() -> int:
 
 
 def _launch(config: Path, world: int, *, threads: bool = False) -> list[tuple[int, str, str]]:
+    return _run_ranks(_cli_args(config, threads=threads), world)
+
+
+def _run_ranks(args: list[str], world: int) -> list[tuple[int, str, str]]:
+    """``python <args>`` as ranks 0..world-1 of one gloo group on 127.0.0.1: (exit status, stdout, stderr)."""
     port = str(_free_port())
     procs = [
-        _cli(
-            config,
+        _python(
+            args,
             {
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": port,
@@ -151,7 +167,6 @@ def _launch(config: Path, world: int, *, threads: bool = False) -> list[tuple[in
                 "RANK": str(r),
                 "LOCAL_RANK": str(r),
             },
-            threads=threads,
         )
         for r in range(world)
     ]
@@ -208,35 +223,21 @@ def test_more_ranks_than_blocks_fails_cleanly_on_every_rank(
     }
 
 
-_INIT_IMPORT_DESTROY = """
-import json, os
-import torch.distributed as dist
-from composer_core.bypass.cli import _init_distributed
-_init_distributed()
-import torch._dynamo  # imported after init, as a model build or a transformers import may do
-dist.destroy_process_group()
-names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
-print(json.dumps(sorted(n for n in names if "gloo" in n)))
-"""
+_INIT_IMPORT_DESTROY = (
+    "import torch.distributed as dist\n"
+    "from composer_core.bypass.cli import _init_distributed\n"
+    "_init_distributed()\n"
+    "import torch._dynamo  # imported after init, as a model build or a transformers import may do\n"
+    "dist.destroy_process_group()\n" + _PRINT_GLOO_THREADS
+)
 
 
 def test_destroy_process_group_ends_its_threads_whatever_is_imported_later() -> None:
     """Upstream modules imported after init (torch.distributed.nn binds ``group.WORLD`` as a default
     argument) must not keep the default group, and its gloo threads, alive past destroy_process_group."""
-    port = str(_free_port())
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _INIT_IMPORT_DESTROY],
-            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    outs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0]
-    assert [o.strip().splitlines()[-1] for o in outs] == ["[]", "[]"]
+    results = _run_ranks(["-c", _INIT_IMPORT_DESTROY], 2)
+    assert [rc for rc, _, _ in results] == [0, 0], results
+    assert [out.strip().splitlines()[-1] for _, out, _ in results] == ["[]", "[]"]
 
 
 def test_rank0_decision_error_reaches_every_rank(setup: dict[str, Any], tmp_path: Path) -> None:

@@ -157,9 +157,9 @@ def test_sharded_skeleton_imports_no_compiler_stack(S: Any, tmp_path: Path) -> N
 def test_embedding_initialisation_is_unchanged(S: Any) -> None:
     """The embedding is created as before (same RNG draws): ``nn.Embedding``'s own N(0, 1) init."""
     teacher = S.teacher(num_layers=1)
-    torch.manual_seed(3)
-    model = type(teacher)(teacher.config)
     cfg = teacher.config
+    torch.manual_seed(3)
+    model = type(teacher)(cfg)
     torch.manual_seed(3)
     want = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
     assert torch.equal(model.embed_tokens.weight, want.weight)

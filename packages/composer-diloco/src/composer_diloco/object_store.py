@@ -297,6 +297,7 @@ class ObjectStoreAllReduce:
         self._acc: list[torch.Tensor] = []  # float32 accumulators reused across rounds
         # a local filesystem's paths are the OS's: small reads and listings skip fsspec
         self._local = "file" in _protocols(self.fs)
+        self._memory = "memory" in _protocols(self.fs)  # create-only emulated under a process-wide lock
         self._first_poll_s = _FIRST_LOCAL_POLL_S if self._local else _FIRST_POLL_S
         self._cleaner: ThreadPoolExecutor | None = None  # one worker: deletions run one at a time, in order
         self._cleanups: list[Future[None]] = []
@@ -589,7 +590,7 @@ class ObjectStoreAllReduce:
         if _is_s3(self.fs):
             return bool(fsspec.asyn.sync(self.fs.loop, self._s3_create, key, enc))
         data = enc.tobytes()  # one copy: this client wants one bytes-like body
-        if "memory" in _protocols(self.fs):
+        if self._memory:
             with _MEMORY_LOCK:
                 if self.fs.exists(key):
                     return False
@@ -1128,7 +1129,7 @@ class ObjectStoreAllReduce:
     def _put_many(self, objects: Mapping[str, _Encoded]) -> None:
         """Write objects under fresh keys: one after the other on local/memory stores, all at
         once on object stores (s3fs sends them concurrently)."""
-        if self._local or "memory" in _protocols(self.fs):
+        if self._local or self._memory:
             for key, enc in objects.items():
                 if not self.put_if_absent(key, enc):
                     raise ObjectStoreError(

@@ -200,8 +200,7 @@ def _embedding(num: int, dim: int) -> nn.Embedding:
     has no C++ meta kernel and its Python one imports torch._dynamo (seconds per process)."""
     emb = nn.Embedding(num, dim, _weight=torch.empty(num, dim))
     if not emb.weight.is_meta:
-        with torch.no_grad():
-            emb.weight.normal_()
+        nn.init.normal_(emb.weight)  # what nn.Embedding.reset_parameters draws
     return emb
 
 
