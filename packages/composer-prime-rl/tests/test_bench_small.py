@@ -16,5 +16,7 @@ def test_bench_runs_at_small_size_and_counts_operators(tmp_path: Path) -> None:
     (row,) = data["rows"]
     ops = row["ops_per_sample"]
     assert ops["inline_dppo_kl"] == 35
-    assert ops["composer_dppo"] <= 48, ops  # 74 before the gradient was written out (one autograd node)
-    assert ops["composer_clipped_surrogate_sdpo"] <= 95, ops
+    # 74 before the gradient was written out (one autograd node), 48 before the CPU check read the masked total
+    # (isfinite alone dispatches 4 ops)
+    assert ops["composer_dppo"] <= 45, ops
+    assert ops["composer_clipped_surrogate_sdpo"] <= 92, ops

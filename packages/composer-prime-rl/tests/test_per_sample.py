@@ -73,6 +73,25 @@ def test_float32_inputs_keep_their_dtype(make_inputs) -> None:
     assert out.loss.item() == pytest.approx(reference.loss.item(), rel=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("ref", ["real", "zero-filled", "absent"])
+def test_every_metric_is_a_float32_scalar_whatever_the_input_dtype(make_inputs, dtype, ref) -> None:
+    """PRIME-RL stacks each key over the samples of a step: one dtype for every key and call (the skip flag
+    came out in the inputs' dtype before, the means in float32)."""
+    args = {"p_train": [0.5, 0.9], "p_inf": [0.6, 0.6], "adv": [1.0, -1.0], "dtype": dtype}
+    inputs = make_inputs(**args, **({} if ref == "absent" else {"p_ref": [0.3, 0.8]}))
+    if ref == "zero-filled":
+        inputs = LossInputs(
+            inputs.trainer_logprobs, inputs.inference_logprobs, torch.zeros(2, dtype=dtype), inputs.advantages,
+            inputs.loss_mask,
+        )  # fmt: skip
+    out = composer_loss(inputs, alpha_sdpo=1.0, sdpo_missing="skip")
+    assert {(k, v.dtype, v.dim()) for k, v in out.metrics.items()} == {
+        (k, torch.float32, 0) for k in out.metrics
+    }
+    assert out.metrics["composer/sdpo/skipped"].item() == (0.0 if ref == "real" else 1.0)
+
+
 def test_float_mask_of_zeros_and_ones_is_accepted(make_inputs) -> None:
     a = make_inputs(p_train=[0.5, 0.9], p_inf=[0.6, 0.6], adv=[1.0, -1.0], mask=[True, False])
     b = LossInputs(

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple, NoReturn, cast
 
@@ -62,7 +63,7 @@ class _Sample(NamedTuple):
     advantages: Tensor
     mask: Tensor
     weights: Tensor | None
-    has_ref: Tensor  # 0-dim: 1.0 when the ref_logprobs are real, 0.0 when absent or PRIME-RL's zero fill
+    has_ref: Tensor | None  # 0-dim bool: the ref_logprobs are real (not PRIME-RL's zero fill); else None
 
 
 def _tensor(name: str, value: Any, length: int | None) -> Tensor:
@@ -134,17 +135,22 @@ def _host_reads_are_free(device: torch.device) -> bool:
 
 
 def _check_values(
-    ok: Tensor, binary: Tensor | None, mask: Tensor, named: dict[str, Tensor], kept: Tensor
+    total: Tensor, binary: Tensor | None, mask: Tensor, named: dict[str, Tensor], kept: Tensor
 ) -> None:
-    """Raise if the fused check ``ok`` failed. On CPU: one host read, and the error names the culprit. On an
+    """Raise if a value check fails: ``total`` (the sum of every kept value) is non-finite exactly when a
+    selected token holds NaN/±inf (or the sum overflows); ``binary`` is whether a non-bool mask is 0/1. On CPU:
+    one host read of ``total`` (``binary`` folded in), and the error names the culprit. On an
     accelerator: asynchronous device asserts (no host sync, so PRIME-RL's per-sample calls never stall the
     stream), one per field so the assert message names it; the failure surfaces at the next synchronisation
     as a device-side assert carrying that message."""
     if _host_reads_are_free(kept.device):
-        if not bool(ok):  # the single host read of a call: every value check, fused
+        if binary is not None:  # one read either way: a non-binary mask turns the total into NaN
+            total = torch.where(binary, total, math.nan)
+        if not math.isfinite(total.item()):
             _raise_bad_values(binary, mask, named)
         return
     with torch.no_grad():
+        ok = total.isfinite() if binary is None else total.isfinite() & binary
         finite = kept.isfinite().all(dim=1)  # per field, exact (kept is 0 outside the mask)
         for i, name in enumerate(named):
             torch._assert_async(finite[i], _NON_FINITE.format(name=name))
@@ -155,28 +161,22 @@ def _check_values(
 
 def _read_sample(inputs: Any, opts: PrimeRLLossOptions) -> _Sample:
     logprobs, raw_mask, fields = _fields(inputs, opts)
-    mask = (raw_mask if raw_mask.dtype == torch.bool else raw_mask != 0).to(logprobs.device)
+    device, dtype = logprobs.device, logprobs.dtype
+    mask = (raw_mask if raw_mask.dtype == torch.bool else raw_mask != 0).to(device)
     named = {"trainer_logprobs": logprobs.detach(), **fields}
-    dtype = logprobs.dtype
     with torch.no_grad():
-        stacked = torch.stack([t.to(device=logprobs.device, dtype=dtype) for t in named.values()])
+        stacked = torch.stack([_as(t, device, dtype) for t in named.values()])
         kept = torch.where(mask, stacked, 0.0)  # every field detached, zeroed outside the mask
-        ok = kept.sum().isfinite()  # a NaN/±inf on a selected token makes the sum non-finite
+        total = kept.sum()  # a NaN/±inf on a selected token makes the sum non-finite
         binary = (
-            None if raw_mask.dtype == torch.bool else ((raw_mask == 0) | (raw_mask == 1)).all().to(ok.device)
+            None if raw_mask.dtype == torch.bool else ((raw_mask == 0) | (raw_mask == 1)).all().to(device)
         )
-        if binary is not None:
-            ok &= binary
         # PRIME-RL's packer fills ref_logprobs with 0.0 over the whole sample when the sample has none
         # but a neighbour in its micro-batch has some (trainer/batch.py): that is no teacher (it would pull
-        # every token towards p = 1), so channel 2 is skipped for it, never an error (a 0-dim factor, no
+        # every token towards p = 1), so channel 2 is skipped for it, never an error (a 0-dim flag, no
         # branch on tensor values).
-        has_ref = (
-            (stacked[-1] != 0).any().to(dtype)
-            if "ref_logprobs" in fields
-            else torch.zeros((), dtype=dtype, device=logprobs.device)
-        )
-    _check_values(ok, binary, mask, named, kept)
+        has_ref = (stacked[-1] != 0).any() if "ref_logprobs" in fields else None
+    _check_values(total, binary, mask, named, kept)
     by_name = dict(zip(named, kept.unbind(0), strict=True))
     return _Sample(
         logprobs=by_name["trainer_logprobs"],
@@ -189,9 +189,14 @@ def _read_sample(inputs: Any, opts: PrimeRLLossOptions) -> _Sample:
     )
 
 
+def _as(t: Tensor, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """``t`` on ``device`` in ``dtype`` (itself when it already is: no dispatch)."""
+    return t if t.dtype == dtype and t.device == device else t.to(device=device, dtype=dtype)
+
+
 # A metric is Σ value·where / max(Σ where, 1) (0 when empty). All of a sample's metrics come from ONE matmul
-# of the per-token value columns with the "where" columns (see _reduce_metrics): (value column, where column,
-# denominator column) by name.
+# of the bool (where) columns with every per-token column (see _reduce_metrics): (value column, where column,
+# denominator column) by name; where and denominator columns are bool.
 MetricSpec = tuple[str, str, str]
 
 
@@ -350,26 +355,28 @@ def composer_loss(inputs: LossInputs, **kwargs: Any) -> LossOutputs:
         policy, grad, cols, specs = _policy_terms(s, opts)
         per_token = policy
         if opts.alpha_sdpo > 0 and s.ref_logprobs is not None:
-            distill = _sdpo_terms(s, opts) * s.has_ref
-            per_token = policy + opts.alpha_sdpo * distill
-            grad = grad + opts.alpha_sdpo * distill
-            cols["sdpo_mask"] = s.mask * s.has_ref
+            assert s.has_ref is not None
+            distill = torch.where(s.has_ref, _sdpo_terms(s, opts), 0.0)
+            per_token = torch.add(policy, distill, alpha=opts.alpha_sdpo)
+            grad = grad.add_(distill, alpha=opts.alpha_sdpo)  # the policy's gradient is a fresh tensor
+            cols["sdpo_mask"] = s.mask & s.has_ref
             cols["composer/loss/sdpo"] = distill if s.weights is None else distill * s.weights
             cols["composer/sdpo/reverse_kl_k1"] = s.logprobs - s.ref_logprobs
             specs["composer/loss/sdpo"] = ("composer/loss/sdpo", "sdpo_mask", "sdpo_mask")
             specs["composer/sdpo/reverse_kl_k1"] = ("composer/sdpo/reverse_kl_k1", "sdpo_mask", "sdpo_mask")
         if s.weights is not None:
             per_token = per_token * s.weights
-            grad = grad * s.weights
+            grad = grad.mul_(s.weights)
+        cols["composer/loss/policy"] = policy if s.weights is None else policy * s.weights
+        cols["composer/loss/total"] = per_token
+        specs["composer/loss/policy"] = ("composer/loss/policy", "mask", "mask")
+        specs["composer/loss/total"] = ("composer/loss/total", "mask", "mask")
+        cols["mask"] = s.mask
+        metrics = _reduce_metrics(cols, specs, _metric_keys(opts))
+        if opts.alpha_sdpo > 0:
+            skipped = s.mask.any() if s.has_ref is None else s.mask.any() & ~s.has_ref
+            metrics["composer/sdpo/skipped"] = skipped.to(torch.float32)
     loss = _with_gradient(inputs.trainer_logprobs, per_token, grad)  # every term is 0 outside the mask
-    cols["composer/loss/policy"] = policy if s.weights is None else policy * s.weights
-    cols["composer/loss/total"] = per_token
-    specs["composer/loss/policy"] = ("composer/loss/policy", "mask", "mask")
-    specs["composer/loss/total"] = ("composer/loss/total", "mask", "mask")
-    cols["mask"] = s.mask
-    metrics = _reduce_metrics(cols, specs, _metric_keys(opts))
-    if opts.alpha_sdpo > 0:
-        metrics["composer/sdpo/skipped"] = (1.0 - s.has_ref) * s.mask.any()
     return LossOutputs(loss=loss, metrics=metrics)
 
 
@@ -402,19 +409,19 @@ def _metric_keys(opts: PrimeRLLossOptions) -> tuple[str, ...]:
 def _reduce_metrics(
     cols: dict[str, Tensor], specs: dict[str, MetricSpec], keys: tuple[str, ...]
 ) -> dict[str, Tensor]:
-    """Detached float32 0-dim means ``Σ v·w / max(Σ d, 1)`` for ``keys`` from one matmul of the value columns
-    with the where columns; a key without a spec (skipped channel) is 0. The columns and specs of a run are
+    """Detached float32 0-dim means ``Σ v·w / max(Σ d, 1)`` for ``keys`` from one matmul of the 0/1 (bool)
+    columns with every column; a key without a spec (skipped channel) is 0. The columns and specs of a run are
     the same at every call, so which entries of the matmul to read is computed once (:func:`_metric_index`)."""
     names = tuple(cols)
     device = cols["mask"].device
-    present, where_cols, flat = _metric_index(names, tuple(specs.items()), keys)
+    flags = tuple(cols[n].dtype == torch.bool for n in names)
+    present, bools, floats, flat = _metric_index(names, flags, tuple(specs.items()), keys)
     exact = full_precision(device) if torch.is_autocast_enabled(device.type) else contextlib.nullcontext()
     with torch.no_grad(), exact:  # an ambient autocast would run the matmul in bf16: counts past 256 inexact
-        # bool columns and float columns: one stack + one cast each (not one cast per column)
-        table = torch.stack([cols[n] for n in names], dim=1).to(torch.float32)  # [T, C] (no grad: made so)
-        sums = (
-            table.T @ table.index_select(1, _on(where_cols, device))
-        ).flatten()  # [C·W]: Σ_t value_c · where_w
+        # one stack + one cast per kind (a stack of mixed dtypes converts column by column)
+        where = torch.stack([cols[n] for n in bools]).to(torch.float32)  # [W, T]
+        table = torch.cat((torch.stack([cols[n] for n in floats]).to(torch.float32), where))  # [C, T]
+        sums = torch.mm(where, table.T).flatten()  # [W·C]: Σ_t where_w · column_c
         picked = sums.take(_on(flat, device)).view(2, len(present))  # numerators; denominators (Σ where)
         means = (picked[0] / picked[1].clamp(min=1)).unbind() if present else ()
     out = dict(zip(present, means, strict=True))
@@ -426,18 +433,26 @@ def _reduce_metrics(
 
 @functools.lru_cache(maxsize=64)
 def _metric_index(
-    names: tuple[str, ...], specs: tuple[tuple[str, MetricSpec], ...], keys: tuple[str, ...]
-) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]:
-    """(keys with a spec, the where columns' indices, flat indices into the [C, W] sums: numerators then
-    denominators).
-    Σ where·where = Σ where for a 0/1 column, so the denominators are read from the same table."""
+    names: tuple[str, ...],
+    flags: tuple[bool, ...],
+    specs: tuple[tuple[str, MetricSpec], ...],
+    keys: tuple[str, ...],
+) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], tuple[int, ...]]:
+    """(keys with a spec, the bool columns, the float columns, flat indices into the [W, C] sums: numerators
+    then denominators). The table's rows are the float columns then the bool ones, so Σ where·where = Σ where
+    (a 0/1 column) gives the denominators from the same matmul."""
     spec = dict(specs)
     present = tuple(k for k in keys if k in spec)
-    where_names = tuple(sorted({w for _, w, _ in spec.values()} | {d for _, _, d in spec.values()}))
-    width = len(where_names)
-    num = [names.index(spec[k][0]) * width + where_names.index(spec[k][1]) for k in present]
-    den = [names.index(spec[k][2]) * width + where_names.index(spec[k][2]) for k in present]
-    return present, tuple(names.index(w) for w in where_names), tuple(num + den)
+    bools = tuple(n for n, b in zip(names, flags, strict=True) if b)
+    floats = tuple(n for n, b in zip(names, flags, strict=True) if not b)
+    for _, w, d in spec.values():
+        if w not in bools or d not in bools:
+            raise TypeError(f"metric columns {w!r} and {d!r} select tokens: they must be bool columns.")
+    rows = floats + bools
+    width = len(rows)
+    num = [bools.index(spec[k][1]) * width + rows.index(spec[k][0]) for k in present]
+    den = [bools.index(spec[k][2]) * width + rows.index(spec[k][2]) for k in present]
+    return present, bools, floats, tuple(num + den)
 
 
 _INDEX_CACHE: dict[tuple[tuple[int, ...], torch.device], Tensor] = {}
