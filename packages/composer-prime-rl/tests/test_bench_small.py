@@ -16,7 +16,8 @@ def test_bench_runs_at_small_size_and_counts_operators(tmp_path: Path) -> None:
     (row,) = data["rows"]
     ops = row["ops_per_sample"]
     assert ops["inline_dppo_kl"] == 35
-    # 74 before the gradient was written out (one autograd node), 48 before the CPU check read the masked total
-    # (isfinite alone dispatches 4 ops)
-    assert ops["composer_dppo"] <= 45, ops
-    assert ops["composer_clipped_surrogate_sdpo"] <= 92, ops
+    # 74 before the gradient was written out (one autograd node); 48 before the CPU check read the masked total
+    # (isfinite alone dispatches 4 ops), the metrics took their means from the sums without views and selects,
+    # and where() got a cached zero (a Python 0.0 dispatches a scalar_tensor each call)
+    assert ops["composer_dppo"] <= 40, ops
+    assert ops["composer_clipped_surrogate_sdpo"] <= 86, ops

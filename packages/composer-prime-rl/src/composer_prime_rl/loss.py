@@ -166,7 +166,7 @@ def _read_sample(inputs: Any, opts: PrimeRLLossOptions) -> _Sample:
     named = {"trainer_logprobs": logprobs.detach(), **fields}
     with torch.no_grad():
         stacked = torch.stack([_as(t, device, dtype) for t in named.values()])
-        kept = torch.where(mask, stacked, 0.0)  # every field detached, zeroed outside the mask
+        kept = torch.where(mask, stacked, _zero(stacked))  # every field detached, zeroed outside the mask
         total = kept.sum()  # a NaN/±inf on a selected token makes the sum non-finite
         binary = (
             None if raw_mask.dtype == torch.bool else ((raw_mask == 0) | (raw_mask == 1)).all().to(device)
@@ -233,7 +233,7 @@ def _policy_terms(
     masked = torch.where(positive, prob_diff > high, prob_diff < -low)
     dropped = masked & s.mask
     keep = s.mask ^ dropped
-    coef_ratio = torch.where(keep, s.advantages, 0.0).mul_(-opts.adv_tau).mul_(ratio)  # c·ρ
+    coef_ratio = torch.where(keep, s.advantages, _zero(ratio)).mul_(-opts.adv_tau).mul_(ratio)  # c·ρ
     per_token = torch.addcmul(coef_ratio, log_ratio, log_ratio, value=opts.kl_tau)
     grad = torch.add(coef_ratio, log_ratio, alpha=2.0 * opts.kl_tau)
     cols = {
@@ -265,8 +265,8 @@ def _clipped_grad(ratio: Tensor, adv: Tensor, eps_lo: float, eps_hi: float, delt
     """∂/∂ℓ of ``−min(ρ'·A, clip(ρ, 1 − ε_lo, 1 + ε_hi)·A)``, ρ' = min(ρ, δ), exactly as autograd
     differentiates it: clamp passes the gradient on its closed interval, ``min`` gives a tie half to
     each side, and ∂ρ/∂ℓ = ρ."""
-    unclipped = adv if delta is None else torch.where(ratio <= delta, adv, 0.0)  # ∂(ρ'A)/∂ρ
-    clipped = torch.where((ratio >= 1 - eps_lo) & (ratio <= 1 + eps_hi), adv, 0.0)  # ∂(clip(ρ)A)/∂ρ
+    unclipped = adv if delta is None else torch.where(ratio <= delta, adv, _zero(adv))  # ∂(ρ'A)/∂ρ
+    clipped = torch.where((ratio >= 1 - eps_lo) & (ratio <= 1 + eps_hi), adv, _zero(adv))  # ∂(clip(ρ)A)/∂ρ
     lhs = ratio if delta is None else ratio.clamp(max=delta)
     a, b = lhs * adv, torch.clamp(ratio, 1 - eps_lo, 1 + eps_hi) * adv
     picked = torch.where(a < b, unclipped, torch.where(a > b, clipped, (unclipped + clipped) * 0.5))
@@ -356,7 +356,8 @@ def composer_loss(inputs: LossInputs, **kwargs: Any) -> LossOutputs:
         per_token = policy
         if opts.alpha_sdpo > 0 and s.ref_logprobs is not None:
             assert s.has_ref is not None
-            distill = torch.where(s.has_ref, _sdpo_terms(s, opts), 0.0)
+            distill = _sdpo_terms(s, opts)
+            distill = torch.where(s.has_ref, distill, _zero(distill))
             per_token = torch.add(policy, distill, alpha=opts.alpha_sdpo)
             grad = grad.add_(distill, alpha=opts.alpha_sdpo)  # the policy's gradient is a fresh tensor
             cols["sdpo_mask"] = s.mask & s.has_ref
@@ -421,9 +422,9 @@ def _reduce_metrics(
         # one stack + one cast per kind (a stack of mixed dtypes converts column by column)
         where = torch.stack([cols[n] for n in bools]).to(torch.float32)  # [W, T]
         table = torch.cat((torch.stack([cols[n] for n in floats]).to(torch.float32), where))  # [C, T]
-        sums = torch.mm(where, table.T).flatten()  # [W·C]: Σ_t where_w · column_c
-        picked = sums.take(_on(flat, device)).view(2, len(present))  # numerators; denominators (Σ where)
-        means = (picked[0] / picked[1].clamp(min=1)).unbind() if present else ()
+        sums = torch.mm(where, table.T)  # [W, C]: Σ_t where_w · column_c
+        num, den = sums.take(_pairs(flat, device)).unbind()  # numerators; denominators (Σ where)
+        means = (num / den.clamp(min=1)).unbind() if present else ()
     out = dict(zip(present, means, strict=True))
     if len(out) < len(keys):  # a skipped channel's keys read 0
         zero = torch.zeros((), dtype=torch.float32, device=device)
@@ -458,9 +459,22 @@ def _metric_index(
 _INDEX_CACHE: dict[tuple[tuple[int, ...], torch.device], Tensor] = {}
 
 
-def _on(flat: tuple[int, ...], device: torch.device) -> Tensor:
-    """The index tensor of ``flat`` on ``device``, built once per (index, device)."""
+def _pairs(flat: tuple[int, ...], device: torch.device) -> Tensor:
+    """``flat`` as a [2, n] index tensor on ``device`` (numerators, denominators), built once per (index,
+    device)."""
     key = (flat, device)
     if key not in _INDEX_CACHE:
-        _INDEX_CACHE[key] = torch.tensor(flat, dtype=torch.long, device=device)
+        _INDEX_CACHE[key] = torch.tensor(flat, dtype=torch.long, device=device).view(2, -1)
     return _INDEX_CACHE[key]
+
+
+_ZERO_CACHE: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+
+
+def _zero(like: Tensor) -> Tensor:
+    """A 0-dim zero of ``like``'s dtype and device, made once: ``torch.where(c, x, 0.0)`` dispatches a
+    ``scalar_tensor`` per call to make it."""
+    key = (like.dtype, like.device)
+    if key not in _ZERO_CACHE:
+        _ZERO_CACHE[key] = torch.zeros((), dtype=like.dtype, device=like.device)
+    return _ZERO_CACHE[key]
