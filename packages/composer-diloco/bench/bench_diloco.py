@@ -488,10 +488,14 @@ def plot(results: dict[str, Any], out_dir: Path) -> None:
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4))
     tp = results["throughput"]
     a.bar(
-        [f"{r['url']} {r['megabytes_per_replica']:.0f}MiB" for r in tp],
+        [f"{r['url']}\n{r['megabytes_per_replica']:.0f} MiB" for r in tp],
         [r["ratio_allreduce_over_raw"]["median"] for r in tp],
     )
     a.axhline(1.0, color="k", lw=0.5)
+    a.tick_params(axis="x", labelsize=8)
+    for target, label in ((0.8, "target 64/512 MiB"), (0.5, "target 1 MiB")):
+        a.axhline(target, color="r", lw=0.5, ls="--")
+        a.annotate(label, (a.get_xlim()[0], target), fontsize=7, color="r", va="bottom")
     a.set_title("raw copy time / all-reduce round time (k=2)")
     for mode, marker in (("full", "o"), ("sharded", "s")):
         rows = [r for r in results["scaling"] if r["exchange"] == mode]
@@ -499,6 +503,7 @@ def plot(results: dict[str, Any], out_dir: Path) -> None:
         b.plot(ks, [r["read_over_payload"]["median"] for r in rows], marker=marker, label=mode)
         c.plot(ks, [r["round_s"]["median"] for r in rows], marker=marker, label=mode)
     b.axhline(2.5, color="r", lw=0.5, ls="--")
+    b.annotate("target (sharded)", (2, 2.5), fontsize=7, color="r", va="bottom")
     b.set_title("bytes read per replica per round / payload")
     c.set_title("round time per replica (s)")
     for ax in (b, c):
