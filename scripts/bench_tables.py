@@ -8,8 +8,10 @@ Convention (CONTEXT: bench JSON): every ``packages/<pkg>/bench/bench_*.py`` writ
 
 Results a README shows are committed as ``packages/<pkg>/bench/results/<name>.json``; the package's README holds
 the table between ``<!-- bench:<name>:begin -->`` and ``<!-- bench:<name>:end -->``. This script rewrites
-those blocks from the JSONs. ``--check`` rewrites nothing and exits 1 naming every stale README (or a marker
-whose JSON is missing); ``--summary DIR`` prints one table per JSON in ``DIR`` (``nox -s bench`` ends with it).
+those blocks from the JSONs. The root README's ``<!-- bench:summary:begin -->`` block is one headline per bench,
+read from the same JSONs by the functions in ``bench_headlines.py``. ``--check`` rewrites nothing and exits 1
+naming every stale README (or a marker whose JSON is missing); ``--summary DIR`` prints one table per JSON in
+``DIR`` (``nox -s bench`` ends with it).
 
 Exit codes: 0 ok, 1 stale README(s) under ``--check``, 2 bad input (malformed JSON or markers).
 """
@@ -24,10 +26,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench_headlines import HEADLINES
+
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = re.compile(
     r"<!-- bench:(?P<name>[A-Za-z0-9_.-]+):begin -->\n(?P<body>.*?)<!-- bench:(?P=name):end -->", re.S
 )
+
+
+SUMMARY = re.compile(r"<!-- bench:summary:begin -->\n.*?<!-- bench:summary:end -->", re.S)
 
 
 class BenchError(ValueError):
@@ -128,14 +135,61 @@ def regenerate(text: str, results: dict[str, dict[str, Any]], readme: Path) -> s
     return MARKER.sub(sub, text)
 
 
+def _measured(data: dict[str, Any]) -> str:
+    """A summary row's "measured" cell: the JSON's date and load average."""
+    m = data.get("machine")
+    m = m if isinstance(m, dict) else {}
+    load = m.get("load_average", m.get("load_average_at_end"))
+    load = load[0] if isinstance(load, (list, tuple)) and load else load
+    when = str(m.get("date", "undated"))[:10]
+    return when if not isinstance(load, (int, float)) else f"{when}, load {float(load):.1f}"
+
+
+def render_summary(results: dict[Path, dict[str, dict[str, Any]]], root: Path) -> str:
+    """The root README's summary table: one row per :data:`bench_headlines.HEADLINES` entry."""
+    lines = ["| what | result | package | measured |", "|---|---|---|---|"]
+    for h in HEADLINES:
+        source = f"packages/composer-{h.package}/bench/results/{h.bench}.json"
+        data = results.get(root / "packages" / f"composer-{h.package}", {}).get(h.bench)
+        if data is None:
+            raise BenchError(
+                f"README.md: the headline {h.what!r} reads {source}, which is missing; commit it."
+            )
+        try:
+            result = h.result(data)
+        except (LookupError, TypeError, ValueError) as e:
+            raise BenchError(
+                f"{source}: the headline {h.what!r} cannot be read ({e}); update scripts/bench_headlines.py."
+            ) from e
+        lines.append(f"| {fmt_cell(h.what)} | {fmt_cell(result)} | {h.package} | {_measured(data)} |")
+    return "\n".join(lines) + "\n"
+
+
+def regenerate_summary(text: str, results: dict[Path, dict[str, dict[str, Any]]], root: Path) -> str:
+    """``text`` (the root README) with its summary block rendered from the JSONs (unchanged without one)."""
+    if not SUMMARY.search(text):
+        return text
+    block = f"<!-- bench:summary:begin -->\n{render_summary(results, root)}<!-- bench:summary:end -->"
+    return SUMMARY.sub(lambda _: block, text)
+
+
+def _readmes(root: Path) -> list[Path]:
+    return sorted(p / "README.md" for p in root.glob("packages/*") if (p / "README.md").is_file())
+
+
 def update(root: Path = ROOT, check: bool = False) -> list[Path]:
-    """Rewrite (or with ``check`` only compare) every package README; return the stale ones."""
+    """Rewrite (or with ``check`` only compare) every package README and the root README's summary; return
+    the stale ones."""
     stale: list[Path] = []
     results = load_results(root)
-    for pkg in sorted(p for p in root.glob("packages/*") if (p / "README.md").is_file()):
-        readme = pkg / "README.md"
+    for readme in [*_readmes(root), root / "README.md"]:
+        if not readme.is_file():
+            continue
         text = readme.read_text()
-        new = regenerate(text, results.get(pkg, {}), readme)
+        if readme.parent == root:
+            new = regenerate_summary(text, results, root)
+        else:
+            new = regenerate(text, results.get(readme.parent, {}), readme)
         if new != text:
             stale.append(readme)
             if not check:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import bench_headlines
 import bench_tables
 import pytest
 
@@ -95,3 +96,47 @@ def test_summary_prints_every_json(tmp_path: Path, capsys: pytest.CaptureFixture
 
 def test_repository_readmes_are_current() -> None:
     assert bench_tables.update(bench_tables.ROOT, check=True) == []
+
+
+ROOT_README = "# x\n<!-- bench:summary:begin -->\n| fused | 9.99× |\n<!-- bench:summary:end -->\nend\n"
+
+
+@pytest.fixture
+def one_headline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The summary reads one headline: composer-x's bench_x, its fused row's ratio."""
+    headline = bench_headlines.Headline(
+        "x", "bench_x", "JSD", lambda d: f"{bench_headlines.cell(d, 'ratio', method='fused'):.2f}×"
+    )
+    monkeypatch.setattr(bench_tables, "HEADLINES", (headline,))
+
+
+def test_root_summary_is_read_from_the_json_and_a_typed_figure_is_stale(
+    tmp_path: Path, one_headline: None
+) -> None:
+    _workspace(tmp_path, "no markers\n", {"bench_x": RESULT})
+    (tmp_path / "README.md").write_text(ROOT_README)
+    assert bench_tables.main(["--root", str(tmp_path), "--check"]) == 1  # 9.99× was typed, the JSON says 1.23
+    assert bench_tables.main(["--root", str(tmp_path)]) == 0
+    text = (tmp_path / "README.md").read_text()
+    assert "| JSD | 1.23× | x | 2026-11-23, load 3.2 |" in text and "9.99" not in text
+    assert text.startswith("# x\n<!-- bench:summary:begin -->\n| what |") and text.endswith("end\n")
+    assert bench_tables.main(["--root", str(tmp_path), "--check"]) == 0
+
+
+def test_a_headline_the_json_no_longer_has_is_bad_input(
+    tmp_path: Path, one_headline: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    renamed = {**RESULT, "readme": {**RESULT["readme"], "columns": ["V", "speedup", "method"]}}  # type: ignore[dict-item]
+    _workspace(tmp_path, "no markers\n", {"bench_x": renamed})
+    (tmp_path / "README.md").write_text(ROOT_README)
+    assert bench_tables.main(["--root", str(tmp_path), "--check"]) == 2
+    err = capsys.readouterr().err
+    assert "packages/composer-x/bench/results/bench_x.json: the headline 'JSD' cannot be read" in err
+    assert "no column 'ratio'" in err and "update scripts/bench_headlines.py" in err
+
+
+def test_every_repository_headline_reads_its_committed_json() -> None:
+    results = bench_tables.load_results(bench_tables.ROOT)
+    for h in bench_headlines.HEADLINES:
+        data = results[bench_tables.ROOT / "packages" / f"composer-{h.package}"][h.bench]
+        assert h.result(data).strip(), h.what

@@ -1,0 +1,148 @@
+"""The root README's benchmark summary: one headline per committed bench JSON, read from the JSON (never typed).
+
+Each headline is a pure function of one ``packages/<pkg>/bench/results/<name>.json``; it reads the cells of the
+JSON's ``readme`` table (by column name and row key) or its raw fields, and raises :class:`LookupError` naming
+what it looked for when the JSON no longer has it (``bench_tables.py --check`` then fails lint: a headline never
+goes stale silently). ``bench_tables.py`` renders the ``<!-- bench:summary:begin/end -->`` block of the root
+README from :data:`HEADLINES`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+Json = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Headline:
+    package: str  # packages/composer-<package>
+    bench: str  # bench/results/<bench>.json
+    what: str
+    result: Callable[[Json], str]
+
+
+def cell(data: Json, column: str, **key: object) -> Any:
+    """The ``column`` cell of the readme row whose cells match ``key`` (column name → value)."""
+    block = data["readme"]
+    cols: list[str] = block["columns"]
+    missing = [c for c in (column, *key) if c not in cols]
+    if missing:
+        raise LookupError(f"no column {missing[0]!r} in the readme table (columns: {cols})")
+    for row in block["rows"]:
+        if all(row[cols.index(c)] == v for c, v in key.items()):
+            return row[cols.index(column)]
+    raise LookupError(f"no readme row with {key}")
+
+
+def _num(value: Any) -> float:
+    """A table cell as a number (a formatted median such as ``"0.87 [0.85–0.93]"`` gives its median)."""
+    return float(str(value).split()[0].replace(",", ""))
+
+
+def _jsd(d: Json) -> str:
+    parts = []
+    for size in ("32,768 × 4,096", "152,064 × 1,024"):
+        row = {"form": "fused", "V × N": size}
+        parts.append(
+            f"V × N = {size}: time {_num(cell(d, 'composer / TRL', **row)):.2f}× TRL's, "
+            f"{_num(cell(d, 'composer / Liger', **row)):.2f}× Liger's, "
+            f"{_num(cell(d, 'composer / floor', **row)):.2f}× the matmul floor, "
+            f"extra memory {_num(cell(d, 'memory composer / Liger', **row)):.2f}× Liger's"
+        )
+    return "; ".join(parts)
+
+
+def _bypass(d: Json) -> str:
+    speed = _num(cell(d, "tokens/CPU-s", method="bypass")) / _num(cell(d, "tokens/CPU-s", method="kl"))
+    growth = _num(cell(d, "training growth MiB", method="bypass")) / _num(
+        cell(d, "training growth MiB", method="kl")
+    )
+    return f"{speed:.2f}× the tokens per CPU-second; training memory growth {growth:.2f}×"
+
+
+def _bypass_dist(d: Json) -> str:
+    owned = {"mode": "owned", "k": 4}
+    return (
+        f"k = 4 ranks owning their blocks: {_num(cell(d, 'speedup vs KL', **owned)):.2f}× one-process KL "
+        f"tokens/s, {_num(cell(d, 'per-rank parameter MiB (max)', **owned)):.1f} MiB of parameters per rank "
+        f"against {_num(cell(d, 'per-rank parameter MiB (max)', mode='full', k=4)):.1f} replicated"
+    )
+
+
+def _trl(d: Json) -> str:
+    on = "ComposerGRPOTrainer, 3 channels"
+    off = "ComposerGRPOTrainer, channels off"
+    return (
+        f"3 channels: step time {_num(cell(d, 'vs GRPO', trainer=on)):.2f}× a plain step's, "
+        f"{_num(cell(d, 'vs floor', trainer=on)):.2f}× the floor (plain step + the extra forwards alone); "
+        f"channels off: {_num(cell(d, 'vs GRPO', trainer=off)):.2f}×"
+    )
+
+
+def _prime_rl(d: Json) -> str:
+    row = {"samples × tokens": "32 × 256", "method": "dppo"}
+    return (
+        f"DPPO, 32 × 256 tokens: step time {_num(cell(d, 'ratio vs prime_rl_default', **row)):.2f}× PRIME-RL's own "
+        f"default_loss_fn (same metrics), {_num(cell(d, 'ratio vs inline', **row)):.2f}× an inline "
+        "one-metric formula without validation"
+    )
+
+
+def _object_store(d: Json) -> str:
+    ratio = "raw copy time / round time (median [min–max])"
+    measurement = "round vs raw fsspec copy (k=2, full)"
+    parts = []
+    for mib in (512.0, 64.0, 1.0):
+        got = [
+            _num(cell(d, ratio, measurement=measurement, store=s, **{"MiB / replica": mib}))
+            for s in ("file", "s3")
+        ]
+        parts.append(f"{mib:g} MiB: {got[0]:.2f} (file) / {got[1]:.2f} (s3)")
+    return "; ".join(parts)
+
+
+def _scaling(d: Json) -> str:
+    read = "bytes read / payload per replica-round (median)"
+    parts = []
+    for mode in ("sharded", "full"):
+        got = [
+            _num(cell(d, read, measurement=f"replicas as processes, {mode} exchange", k=k)) for k in (2, 4, 8)
+        ]
+        parts.append(f"{mode} {' / '.join(f'{x:.2f}' for x in got)}")
+    return "k = 2 / 4 / 8: " + "; ".join(parts)
+
+
+def _communication(d: Json) -> str:
+    rows = {(r["sync_every"], r["quantized"]): r["ratio_diloco_over_ddp"] for r in d["communication"]}
+    try:
+        return f"H = 50 fp32: {rows[(50, False)]:.3f}×; H = 50 fp8: {rows[(50, True)]:.3f}×"
+    except KeyError as e:
+        raise LookupError(f"no communication row for (sync_every, quantized) = {e}") from e
+
+
+def _monarch_push(d: Json) -> str:
+    return (
+        f"{_num(cell(d, 'speed-up vs driver-pickle', path='shm')):.1f}× (shared memory), "
+        f"{_num(cell(d, 'speed-up vs driver-pickle', path='rdma')):.1f}× (RDMA buffers) the driver-pickled push"
+    )
+
+
+HEADLINES: tuple[Headline, ...] = (
+    Headline("core", "bench_jsd", "generalized JSD fused from hidden states, forward + backward", _jsd),
+    Headline("core", "bench_bypass", "bypass vs full-model KL distillation, one process", _bypass),
+    Headline("core", "bench_bypass_dist", "bypass on gloo processes", _bypass_dist),
+    Headline("trl", "bench_trl", "`ComposerGRPOTrainer` step vs plain `GRPOTrainer`", _trl),
+    Headline("prime-rl", "bench_composer_loss", "`composer_loss` per PRIME-RL step", _prime_rl),
+    Headline(
+        "diloco",
+        "diloco",
+        "object-store all-reduce, raw copy time / round time (k = 2; 1 = as fast as a copy)",
+        _object_store,
+    ),
+    Headline("diloco", "diloco", "serverless DiLoCo, bytes read per replica-round / payload", _scaling),
+    Headline("diloco", "diloco", "DiLoCo bytes per inner step vs DDP", _communication),
+    Headline("monarch", "bench_monarch_push", "Monarch weight push, 127M fp32 parameters", _monarch_push),
+)
