@@ -130,6 +130,14 @@ def _monarch_push(d: Json) -> str:
     )
 
 
+def _monarch_overlap(d: Json) -> str:
+    ratio = _num(cell(d, "vs sequential", mode="overlap"))
+    return (
+        f"{ratio:.2f}× the steps/s of the strictly sequential loop (bound min(ideal, capacity) = "
+        f"{float(d['achievable_bound']):.2f}×, parallel capacity {float(d['parallel_capacity_2_procs']):.2f} of 2)"
+    )
+
+
 HEADLINES: tuple[Headline, ...] = (
     Headline("core", "bench_jsd", "generalized JSD fused from hidden states, forward + backward", _jsd),
     Headline("core", "bench_bypass", "bypass vs full-model KL distillation, one process", _bypass),
@@ -144,5 +152,6 @@ HEADLINES: tuple[Headline, ...] = (
     ),
     Headline("diloco", "diloco", "serverless DiLoCo, bytes read per replica-round / payload", _scaling),
     Headline("diloco", "diloco", "DiLoCo bytes per inner step vs DDP", _communication),
+    Headline("monarch", "bench_monarch", "Monarch loop, generation/training overlap", _monarch_overlap),
     Headline("monarch", "bench_monarch_push", "Monarch weight push, 127M fp32 parameters", _monarch_push),
 )
