@@ -72,6 +72,14 @@ def readme_block(data: dict[str, Any], source: str) -> dict[str, Any]:
     return block
 
 
+def _load(m: dict[str, Any]) -> float | None:
+    """The 1-minute load average a "machine" block recorded (a triple or one number), None if none."""
+    load = m.get("load_average", m.get("load_average_at_end"))
+    if isinstance(load, (list, tuple)) and load:
+        load = load[0]
+    return float(load) if isinstance(load, (int, float)) else None
+
+
 def machine_line(data: dict[str, Any]) -> str:
     """Footer: machine, threads and date from the JSON's "machine" block."""
     m = data.get("machine")
@@ -85,11 +93,8 @@ def machine_line(data: dict[str, Any]) -> str:
         parts.append(f"{m['cpu_count']} cores")
     if m.get("threads") is not None:
         parts.append(f"{m['threads']} torch threads")
-    load = m.get("load_average", m.get("load_average_at_end"))
-    if isinstance(load, (list, tuple)) and load:
-        parts.append(f"load average {float(load[0]):.1f}")
-    elif isinstance(load, (int, float)):
-        parts.append(f"load average {float(load):.1f}")
+    if (load := _load(m)) is not None:
+        parts.append(f"load average {load:.1f}")
     parts.append(str(m.get("date", "undated")))
     return "_machine: " + ", ".join(parts) + "_"
 
@@ -139,10 +144,8 @@ def _measured(data: dict[str, Any]) -> str:
     """A summary row's "measured" cell: the JSON's date and load average."""
     m = data.get("machine")
     m = m if isinstance(m, dict) else {}
-    load = m.get("load_average", m.get("load_average_at_end"))
-    load = load[0] if isinstance(load, (list, tuple)) and load else load
-    when = str(m.get("date", "undated"))[:10]
-    return when if not isinstance(load, (int, float)) else f"{when}, load {float(load):.1f}"
+    when, load = str(m.get("date", "undated"))[:10], _load(m)
+    return when if load is None else f"{when}, load {load:.1f}"
 
 
 def render_summary(results: dict[Path, dict[str, dict[str, Any]]], root: Path) -> str:
@@ -167,14 +170,10 @@ def render_summary(results: dict[Path, dict[str, dict[str, Any]]], root: Path) -
 
 def regenerate_summary(text: str, results: dict[Path, dict[str, dict[str, Any]]], root: Path) -> str:
     """``text`` (the root README) with its summary block rendered from the JSONs (unchanged without one)."""
-    if not SUMMARY.search(text):
-        return text
-    block = f"<!-- bench:summary:begin -->\n{render_summary(results, root)}<!-- bench:summary:end -->"
-    return SUMMARY.sub(lambda _: block, text)
-
-
-def _readmes(root: Path) -> list[Path]:
-    return sorted(p / "README.md" for p in root.glob("packages/*") if (p / "README.md").is_file())
+    return SUMMARY.sub(
+        lambda _: f"<!-- bench:summary:begin -->\n{render_summary(results, root)}<!-- bench:summary:end -->",
+        text,
+    )
 
 
 def update(root: Path = ROOT, check: bool = False) -> list[Path]:
@@ -182,9 +181,8 @@ def update(root: Path = ROOT, check: bool = False) -> list[Path]:
     the stale ones."""
     stale: list[Path] = []
     results = load_results(root)
-    for readme in [*_readmes(root), root / "README.md"]:
-        if not readme.is_file():
-            continue
+    readmes = [*sorted(root.glob("packages/*/README.md")), root / "README.md"]
+    for readme in (r for r in readmes if r.is_file()):
         text = readme.read_text()
         if readme.parent == root:
             new = regenerate_summary(text, results, root)

@@ -212,8 +212,8 @@ def plot(record: dict[str, Any], out: Path) -> None:
     ax.bar(list(sps), list(sps.values()), color=["tab:gray", "tab:blue"])
     bound = record["achievable_bound"] * sps["sequential"]
     ax.axhline(bound, color="r", lw=0.8, ls="--")
-    ax.annotate(f"bound min(ideal, capacity) = {record['achievable_bound']:.2f}x", (-0.4, bound), fontsize=7,
-                color="r", va="bottom")  # fmt: skip
+    label = f"bound min(ideal, capacity) = {record['achievable_bound']:.2f}x"
+    ax.annotate(label, (-0.4, bound), fontsize=7, color="r", va="bottom")
     ax.set_ylabel("steps / s")
     ax.set_title(f"overlap / sequential = {record['ratio_overlap_over_sequential']:.2f}x")
     fig.tight_layout()

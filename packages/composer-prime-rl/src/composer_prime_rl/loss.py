@@ -150,7 +150,9 @@ def _check_values(
             _raise_bad_values(binary, mask, named)
         return
     with torch.no_grad():
-        ok = total.isfinite() if binary is None else total.isfinite() & binary
+        ok = total.isfinite()
+        if binary is not None:
+            ok &= binary
         finite = kept.isfinite().all(dim=1)  # per field, exact (kept is 0 outside the mask)
         for i, name in enumerate(named):
             torch._assert_async(finite[i], _NON_FINITE.format(name=name))
@@ -456,25 +458,19 @@ def _metric_index(
     return present, bools, floats, tuple(num + den)
 
 
-_INDEX_CACHE: dict[tuple[tuple[int, ...], torch.device], Tensor] = {}
-
-
+@functools.cache
 def _pairs(flat: tuple[int, ...], device: torch.device) -> Tensor:
     """``flat`` as a [2, n] index tensor on ``device`` (numerators, denominators), built once per (index,
     device)."""
-    key = (flat, device)
-    if key not in _INDEX_CACHE:
-        _INDEX_CACHE[key] = torch.tensor(flat, dtype=torch.long, device=device).view(2, -1)
-    return _INDEX_CACHE[key]
-
-
-_ZERO_CACHE: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+    return torch.tensor(flat, dtype=torch.long, device=device).view(2, -1)
 
 
 def _zero(like: Tensor) -> Tensor:
     """A 0-dim zero of ``like``'s dtype and device, made once: ``torch.where(c, x, 0.0)`` dispatches a
     ``scalar_tensor`` per call to make it."""
-    key = (like.dtype, like.device)
-    if key not in _ZERO_CACHE:
-        _ZERO_CACHE[key] = torch.zeros((), dtype=like.dtype, device=like.device)
-    return _ZERO_CACHE[key]
+    return _zero_of(like.dtype, like.device)
+
+
+@functools.cache
+def _zero_of(dtype: torch.dtype, device: torch.device) -> Tensor:
+    return torch.zeros((), dtype=dtype, device=device)
