@@ -5,9 +5,12 @@ PRIME-RL's own ``default_loss_fn`` (the same formula with its seven metrics: the
 since composer_loss returns the same seven).
 
 One "step" = PRIME-RL's ``compute_loss`` pattern: call the loss once per packed sample, sum,
-divide by the token count, backward. composer_loss validates every sample (NaN/inf, shapes,
-empty mask) in one device sync plus composer_core's own checks; this measures what that
-costs. Prints the ratios and writes JSON to $COMPOSER_BENCH_OUT (default ./bench-results).
+divide by the token count, backward. Two layouts: ``packed`` is PRIME-RL's train loop (one ``[1, N]`` tensor
+per field for the micro-batch, each call getting ``packed.squeeze().split(sequence_lengths)`` views); ``separate``
+gives each sample its own tensors (a caller that builds them one by one). composer_loss validates every value
+(NaN/inf, 0/1 mask, overflow) with one host read on CPU per micro-batch when packed (per sample when separate)
+plus the structural checks in Python on every call; this measures what that costs. Prints the ratios and
+writes JSON to $COMPOSER_BENCH_OUT (default ./bench-results).
 
     python bench/bench_composer_loss.py [--samples 32] [--lengths 256,4096] [--repeats 15] [--threads 1]
                                         [--prime-rl-src PATH]
@@ -48,6 +51,9 @@ def inline_dppo_kl(
     return LossOutputs(loss=per_token.sum(), metrics={"is_masked": masked.float().mean()})
 
 
+LAYOUTS = ("packed", "separate")
+
+
 def make_samples(n: int, length: int, device: torch.device) -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
     samples = []
@@ -66,17 +72,31 @@ def make_samples(n: int, length: int, device: torch.device) -> list[dict[str, to
     return samples
 
 
+def pack(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """PRIME-RL's micro-batch: each field's samples concatenated into one ``[1, N]`` tensor."""
+    return {key: torch.cat([s[key] for s in samples])[None] for key in samples[0]}
+
+
 def step(
-    fn: Callable[..., LossOutputs], samples: list[dict[str, torch.Tensor]], kwargs: dict[str, Any]
+    fn: Callable[..., LossOutputs],
+    samples: list[dict[str, torch.Tensor]],
+    kwargs: dict[str, Any],
+    packed: dict[str, torch.Tensor] | None = None,
 ) -> None:
-    leaves = [s["lp"].clone().requires_grad_(True) for s in samples]
-    total = leaves[0].sum() * 0.0
-    count = 0
-    for s, lp in zip(samples, leaves, strict=True):
-        inputs = LossInputs(lp, s["inf"], s["ref"], s["adv"], s["mask"])
+    """One step: with ``packed``, PRIME-RL's train loop (the forward's ``[1, N]`` log-probs and the micro-batch
+    tensors, each split by sequence length); else every sample's own tensors."""
+    lengths = [s["lp"].shape[0] for s in samples]
+    if packed is not None:
+        leaf = packed["lp"].clone().requires_grad_(True)
+        split = {key: t.squeeze(0).split(lengths) for key, t in {**packed, "lp": leaf}.items()}
+        fields = [{key: split[key][i] for key in split} for i in range(len(samples))]
+    else:
+        fields = [{**s, "lp": s["lp"].clone().requires_grad_(True)} for s in samples]
+    total = fields[0]["lp"].sum() * 0.0
+    for f in fields:
+        inputs = LossInputs(f["lp"], f["inf"], f["ref"], f["adv"], f["mask"])
         total = total + fn(inputs, **kwargs).loss
-        count += s["mask"].shape[0]
-    (total / count).backward()
+    (total / sum(lengths)).backward()
 
 
 class _OpCounter(TorchDispatchMode):
@@ -89,13 +109,28 @@ class _OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def op_count(fn: Callable[..., LossOutputs], sample: dict[str, torch.Tensor], kwargs: dict[str, Any]) -> int:
-    """aten operators dispatched by one sample's loss forward + backward (metrics included)."""
-    lp = sample["lp"].clone().requires_grad_(True)
-    inputs = LossInputs(lp, sample["inf"], sample["ref"], sample["adv"], sample["mask"])
+def op_count(
+    fn: Callable[..., LossOutputs],
+    samples: list[dict[str, torch.Tensor]],
+    kwargs: dict[str, Any],
+    packed: dict[str, torch.Tensor] | None,
+) -> float:
+    """aten operators one sample's loss forward + backward dispatches (metrics included): a whole step's count
+    less the same step's with a loss that does nothing, over the samples (the micro-batch's shared work is
+    spread over its samples when packed)."""
     with _OpCounter() as counter:
-        fn(inputs, **kwargs).loss.backward()
-    return counter.count
+        step(fn, samples, kwargs, packed)
+    with _OpCounter() as bare:
+        step(_nothing, samples, {}, packed)
+    return (counter.count - bare.count) / len(samples)
+
+
+_NOTHING = torch.zeros(())
+
+
+def _nothing(inputs: Any) -> LossOutputs:
+    """The step's frame alone (what op_count subtracts): a constant loss, no operator."""
+    return LossOutputs(loss=_NOTHING, metrics={})
 
 
 def prime_rl_default(src: str | None) -> Callable[..., LossOutputs] | None:
@@ -117,6 +152,7 @@ def interleaved(
     methods: dict[str, tuple[Callable[..., LossOutputs], dict[str, Any]]],
     samples: list[dict[str, torch.Tensor]],
     repeats: int,
+    packed: dict[str, torch.Tensor] | None,
 ) -> dict[str, list[float]]:
     """ms per step of every method, interleaved (one step of each per repeat, order rotating). On CPU the
     clock is this process's CPU time (``time.process_time``; 1 torch thread): on a shared machine the wall
@@ -127,17 +163,65 @@ def interleaved(
     clock = time.perf_counter if cuda else time.process_time
     names = list(methods)
     for fn, kwargs in methods.values():
-        step(fn, samples, kwargs)  # warm-up
+        step(fn, samples, kwargs, packed)  # warm-up
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(repeats):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             fn, kwargs = methods[name]
             sync()
             t0 = clock()
-            step(fn, samples, kwargs)
+            step(fn, samples, kwargs, packed)
             sync()
             times[name].append((clock() - t0) * 1e3)
     return times
+
+
+def measure(
+    methods: dict[str, tuple[Callable[..., LossOutputs], dict[str, Any]]],
+    anchors: list[str],
+    samples: list[dict[str, torch.Tensor]],
+    packed: dict[str, torch.Tensor] | None,
+    repeats: int,
+) -> dict[str, Any]:
+    """One size and layout: times, operator counts, and each method's ratio per interleaved repeat against each
+    anchor (side by side), with its median and range."""
+    times = interleaved(methods, samples, repeats, packed)
+    ops = {name: op_count(fn, samples, kw, packed) for name, (fn, kw) in methods.items()}
+    row: dict[str, Any] = {"times_ms": times, "ops_per_sample": ops}
+    for name in methods:
+        row[f"{name}_ms"] = statistics.median(times[name])
+        row[f"{name}_spread_ms"] = [min(times[name]), max(times[name])]
+        for anchor in anchors:
+            if name == anchor or (anchor != "inline_dppo_kl" and name in anchors):
+                continue
+            per = [a / b for a, b in zip(times[name], times[anchor], strict=True)]
+            row[f"{name}_ratio_vs_{anchor}"] = statistics.median(per)
+            row[f"{name}_ratio_vs_{anchor}_spread"] = [min(per), max(per)]
+    return row
+
+
+def readme_rows(row: dict[str, Any], methods: dict[str, Any], anchors: list[str]) -> list[list[str | float]]:
+    """The README table's rows of one measurement (and the same figures printed)."""
+    where = f"[{row['device']}, {row['layout']}, {row['samples']} x {row['length']} tokens]"
+    out: list[list[str | float]] = []
+    for name in methods:
+        cells = []
+        for anchor in anchors:
+            ratio = row.get(f"{name}_ratio_vs_{anchor}")
+            if ratio is None:
+                cells.append("—")
+                continue
+            lo, hi = row[f"{name}_ratio_vs_{anchor}_spread"]
+            cells.append(f"{ratio:.2f} [{lo:.2f}–{hi:.2f}]")
+            print(
+                f"{where} {name}: {row[f'{name}_ms']:.2f} ms/step, {row['ops_per_sample'][name]:.1f} ops/sample vs "
+                f"{anchor} {row[f'{anchor}_ms']:.2f} ms/step -> {ratio:.2f}x [{lo:.2f}-{hi:.2f}]"
+            )
+        out.append(
+            [row["device"], row["layout"], f"{row['samples']} × {row['length']}", name.removeprefix("composer_"),
+             f"{row[f'{name}_ms']:.1f}", f"{row['ops_per_sample'][name]:.1f}", *cells]
+        )  # fmt: skip
+    return out
 
 
 def main() -> None:
@@ -176,35 +260,13 @@ def main() -> None:
     for device in devices:
         for length in (int(x) for x in args.lengths.split(",")):
             samples = make_samples(args.samples, length, device)
-            times = interleaved(methods, samples, args.repeats)
-            ops = {name: op_count(fn, samples[0], kw) for name, (fn, kw) in methods.items()}
-            row: dict[str, Any] = {
-                "device": device.type, "samples": args.samples, "length": length, "repeats": args.repeats,
-                "cpu_threads": args.threads, "times_ms": times, "ops_per_sample": ops,
-            }  # fmt: skip
-            for name in methods:
-                row[f"{name}_ms"] = statistics.median(times[name])
-                row[f"{name}_spread_ms"] = [min(times[name]), max(times[name])]
-                cells = []
-                for anchor in anchors:
-                    if name == anchor or (anchor != "inline_dppo_kl" and name in anchors):
-                        cells.append("—")
-                        continue
-                    # ratio per interleaved repeat (side by side), then its median and range
-                    per = [a / b for a, b in zip(times[name], times[anchor], strict=True)]
-                    row[f"{name}_ratio_vs_{anchor}"] = statistics.median(per)
-                    row[f"{name}_ratio_vs_{anchor}_spread"] = [min(per), max(per)]
-                    cells.append(f"{statistics.median(per):.2f} [{min(per):.2f}–{max(per):.2f}]")
-                    print(
-                        f"[{device.type}, {args.samples} x {length} tokens] {name}: {row[f'{name}_ms']:.2f} ms/step, "
-                        f"{ops[name]} ops/sample vs {anchor} {statistics.median(times[anchor]):.2f} ms/step, "
-                        f"{ops[anchor]} ops/sample -> {statistics.median(per):.2f}x [{min(per):.2f}-{max(per):.2f}]"
-                    )
-                table.append(
-                    [device.type, f"{args.samples} × {length}", name.removeprefix("composer_"),
-                     f"{row[f'{name}_ms']:.1f}", ops[name], *cells]
-                )  # fmt: skip
-            results.append(row)
+            for layout in LAYOUTS:
+                packed = pack(samples) if layout == "packed" else None
+                row = measure(methods, anchors, samples, packed, args.repeats)
+                row |= {"device": device.type, "layout": layout, "samples": args.samples, "length": length,
+                        "repeats": args.repeats, "cpu_threads": args.threads}  # fmt: skip
+                table += readme_rows(row, methods, anchors)
+                results.append(row)
     out = Path(os.environ.get("COMPOSER_BENCH_OUT", "bench-results"))
     out.mkdir(parents=True, exist_ok=True)
     path = out / "bench_composer_loss.json"
@@ -224,10 +286,12 @@ def main() -> None:
         "readme": {
             "title": f"composer_loss per step (PRIME-RL's per-sample loop, forward + backward) vs the inline "
             f"DPPO+KL formula (one metric) and PRIME-RL's own default_loss_fn (its seven metrics, as composer's): "
-            f"median of {args.repeats} interleaved repeats [ratio range], CPU time of the process on CPU; ops = aten "
-            f"operators per sample (forward + backward)",
+            f"median of {args.repeats} interleaved repeats [ratio range], CPU time of the process on CPU; layout "
+            f"packed = PRIME-RL's train loop (views of [1, N] micro-batch tensors), separate = each sample's own "
+            f"tensors; ops = aten operators per sample (forward + backward)",
             "columns": [
                 "device",
+                "layout",
                 "samples × tokens",
                 "method",
                 "ms / step",

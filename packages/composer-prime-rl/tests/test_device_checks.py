@@ -138,3 +138,54 @@ def test_cuda_loss_runs_under_sync_debug_mode_error(kwargs: dict[str, Any]) -> N
         want = _call(_sample("cpu", True, True, seed=s), kwargs)
         torch.testing.assert_close(loss.cpu(), want[0], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(grad.cpu(), want[1], rtol=1e-5, atol=1e-6)
+
+
+def _call_packed(
+    samples: list[dict[str, Any]], kwargs: dict[str, Any]
+) -> tuple[list[torch.Tensor], torch.Tensor, list[dict[str, torch.Tensor]]]:
+    """PRIME-RL's train loop: every field one ``[1, N]`` tensor, each call getting its split views."""
+    lengths = [x["lp"].shape[0] for x in samples]
+    packed = {k: torch.cat([x[k] for x in samples])[None] for k in samples[0] if samples[0][k] is not None}
+    leaf = packed["lp"].clone().requires_grad_(True)
+    split = {k: v.squeeze(0).split(lengths) for k, v in {**packed, "lp": leaf * 1.0}.items()}
+    fields = ("lp", "inf", "ref", "adv", "mask", "w")
+    outs = [
+        composer_loss(LossInputs(*(split[k][i] if k in split else None for k in fields)), **kwargs)
+        for i in range(len(samples))
+    ]
+    torch.stack([o.loss for o in outs]).sum().backward()
+    assert leaf.grad is not None
+    return [o.loss.detach() for o in outs], leaf.grad[0], [o.metrics for o in outs]
+
+
+@pytest.mark.parametrize("kwargs", CONFIGS, ids=["dppo", "dppo+sdpo", "clipped+delta", "clipped+sdpo-cli"])
+def test_accelerator_path_packed_reads_nothing_to_the_host(
+    kwargs: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A packed micro-batch: one set of device asserts for all its samples, no host read, CPU-path results."""
+    samples = [_sample("cpu", weighted=True, float_mask=True, seed=s) for s in range(4)]
+    want = _call_packed(samples, kwargs)
+    monkeypatch.setattr(loss_module, "_host_reads_are_free", lambda device: False)
+    with _Ops() as rec:
+        got = _call_packed(samples, kwargs)
+    assert not HOST_READS & set(rec.ops), sorted(HOST_READS & set(rec.ops))
+    assert rec.ops.count("aten._assert_async.msg") == 6 + ("alpha_sdpo" in kwargs)  # once per micro-batch
+    assert all(torch.equal(a, b) for a, b in zip(got[0], want[0], strict=True)) and torch.equal(
+        got[1], want[1]
+    )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kwargs", CONFIGS, ids=["dppo", "dppo+sdpo", "clipped+delta", "clipped+sdpo-cli"])
+def test_cuda_packed_micro_batch_runs_under_sync_debug_mode_error(kwargs: dict[str, Any]) -> None:
+    samples = [_sample("cuda", weighted=True, float_mask=True, seed=s) for s in range(4)]
+    _call_packed(samples, kwargs)  # builds the cached index tensors (one host-to-device copy per run)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        losses, grad, _ = _call_packed(samples, kwargs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    want = _call_packed([_sample("cpu", True, True, seed=s) for s in range(4)], kwargs)
+    torch.testing.assert_close(torch.stack(losses).cpu(), torch.stack(want[0]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad.cpu(), want[1], rtol=1e-5, atol=1e-6)

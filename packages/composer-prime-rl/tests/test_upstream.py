@@ -74,8 +74,11 @@ def test_dppo_equals_prime_rl_default_loss_fn(upstream, seed, knobs) -> None:
         torch.testing.assert_close(ours.metrics[key].double(), value.double(), rtol=1e-5, atol=1e-7, msg=key)
 
 
-def test_through_prime_rl_setup_and_compute_loss(upstream) -> None:
-    """The real trainer path: CustomLossConfig -> setup_rl_loss_fn -> compute_loss per sample."""
+@pytest.mark.parametrize("packed", [False, True])
+def test_through_prime_rl_setup_and_compute_loss(upstream, packed) -> None:
+    """The real trainer path: CustomLossConfig -> setup_rl_loss_fn -> compute_loss per sample. ``packed``: as
+    PRIME-RL's train loop calls it, every field a ``[1, N]`` micro-batch tensor split by sequence length (the
+    log-probs a non-leaf of the forward)."""
     loss_mod, configs = upstream
     if not hasattr(loss_mod, "setup_rl_loss_fn"):
         pytest.skip("PRIME-RL before 0be5ac45: see test_through_old_prime_rl_setup_loss_fns")
@@ -84,16 +87,24 @@ def test_through_prime_rl_setup_and_compute_loss(upstream) -> None:
     rl_weights = [torch.rand(s.trainer_logprobs.shape[0], dtype=torch.float64) for s in samples]
     rl_weights[0][0] = 0.0  # weight 0 removes a token from the rl mask
     rl_scale = sum(int((s.loss_mask & (w != 0)).sum()) for s, w in zip(samples, rl_weights, strict=True))
+    lengths = [s.trainer_logprobs.shape[0] for s in samples]
+
+    def fields(values: list[torch.Tensor]) -> list[torch.Tensor]:
+        return list(torch.cat(values)[None].squeeze().split(lengths)) if packed else values
 
     def run(loss_config: Any, weights: list[torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        lps = [s.trainer_logprobs.detach().clone().requires_grad_(True) for s in samples]
+        leaf = torch.cat([s.trainer_logprobs.detach() for s in samples]).requires_grad_(True)
+        if packed:  # the forward's [1, N] output, split
+            lps = list((leaf[None] * 1.0).squeeze().split(lengths))
+        else:
+            lps = [lp.clone() for lp in leaf.split(lengths)]
         loss, metrics = loss_mod.compute_loss(
             trainer_logprobs=lps,
-            inference_logprobs=[s.inference_logprobs for s in samples],
+            inference_logprobs=fields([s.inference_logprobs for s in samples]),
             ref_logprobs=None,
-            advantages=[s.advantages for s in samples],
-            loss_mask=[s.loss_mask for s in samples],
-            rl_weights=weights,
+            advantages=fields([s.advantages for s in samples]),
+            loss_mask=fields([s.loss_mask for s in samples]),
+            rl_weights=None if weights is None else fields(weights),
             ce_weights=None,
             ref_kl_weights=None,
             rl_loss_fn=loss_mod.setup_rl_loss_fn(loss_config),
@@ -102,8 +113,8 @@ def test_through_prime_rl_setup_and_compute_loss(upstream) -> None:
             ref_kl_scale=1,
         )
         loss.backward()
-        grads = [torch.zeros_like(lp) if lp.grad is None else lp.grad for lp in lps]  # skipped samples
-        return loss, torch.cat(grads), metrics
+        assert leaf.grad is not None
+        return loss, leaf.grad, metrics
 
     custom = configs.CustomLossConfig(import_path="composer_prime_rl.composer_loss", kwargs={"kl_tau": 0.01})
     for weights in (None, rl_weights):

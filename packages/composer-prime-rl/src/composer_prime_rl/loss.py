@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple, NoReturn, cast
 
@@ -54,8 +55,8 @@ __all__ = ["composer_loss"]
 
 
 class _Sample(NamedTuple):
-    """One sample's tensors, detached and zeroed outside ``mask`` (no NaN/inf can reach the loss or its
-    gradient)."""
+    """The tensors of the samples one micro-batch packs (or of one sample), detached and zeroed outside
+    ``mask`` (no NaN/inf can reach the loss or its gradient)."""
 
     logprobs: Tensor
     inference_logprobs: Tensor
@@ -63,7 +64,19 @@ class _Sample(NamedTuple):
     advantages: Tensor
     mask: Tensor
     weights: Tensor | None
-    has_ref: Tensor | None  # 0-dim bool: the ref_logprobs are real (not PRIME-RL's zero fill); else None
+    ref_nonzero: (
+        Tensor | None
+    )  # bool per token: ref_logprobs != 0 (a sample of zeros is PRIME-RL's fill); else None
+
+
+class _Suspect(NamedTuple):
+    """A packed value check failed (CPU): each sample is checked on its own slice, so the error comes from
+    the sample that holds the bad value and a clean sample still trains."""
+
+    raw_mask: Tensor
+    mask: Tensor
+    named: dict[str, Tensor]
+    kept: Tensor
 
 
 def _tensor(name: str, value: Any, length: int | None) -> Tensor:
@@ -89,22 +102,24 @@ def _float(name: str, value: Any, length: int | None) -> Tensor:
     return t
 
 
-def _fields(inputs: Any, opts: PrimeRLLossOptions) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-    """Structural checks (no tensor values read): (trainer log-probs, raw mask, detached float fields)."""
+def _fields(inputs: Any, opts: PrimeRLLossOptions) -> tuple[Tensor, dict[str, Tensor]]:
+    """Structural checks (no tensor values read): (raw mask, the float fields by name, trainer log-probs first and
+    ref_logprobs last when channel 2 reads them)."""
     logprobs = _float("trainer_logprobs", getattr(inputs, "trainer_logprobs", None), None)
     n = logprobs.shape[0]
-    fields = {
+    named = {
+        "trainer_logprobs": logprobs,
         "inference_logprobs": _float("inference_logprobs", getattr(inputs, "inference_logprobs", None), n),
         "advantages": _float("advantages", getattr(inputs, "advantages", None), n),
     }
     raw_mask = _tensor("loss_mask", getattr(inputs, "loss_mask", None), n)
     weights = read_loss_weights(inputs)
     if weights is not None:
-        fields["loss_weights"] = _float("loss_weights", weights, n)
+        named["loss_weights"] = _float("loss_weights", weights, n)
     ref = read_ref_logprobs(inputs)
     if ref is not None and opts.alpha_sdpo != 0:
-        fields["ref_logprobs"] = _float("ref_logprobs", ref, n)
-    return logprobs, raw_mask, fields
+        named["ref_logprobs"] = _float("ref_logprobs", ref, n)
+    return raw_mask, named
 
 
 _NOT_BOOLEAN = "LossInputs.loss_mask must be boolean (or 0/1); it has other values."
@@ -134,61 +149,98 @@ def _host_reads_are_free(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-def _check_values(
-    total: Tensor, binary: Tensor | None, mask: Tensor, named: dict[str, Tensor], kept: Tensor
-) -> None:
-    """Raise if a value check fails: ``total`` (the sum of every kept value) is non-finite exactly when a
+def _passes(total: Tensor, binary: Tensor | None, named: dict[str, Tensor], kept: Tensor) -> bool:
+    """Whether every value check passes: ``total`` (the sum of every kept value) is non-finite exactly when a
     selected token holds NaN/±inf (or the sum overflows); ``binary`` is whether a non-bool mask is 0/1. On CPU:
-    one host read of ``total`` (``binary`` folded in), and the error names the culprit. On an
-    accelerator: asynchronous device asserts (no host sync, so PRIME-RL's per-sample calls never stall the
-    stream), one per field so the assert message names it; the failure surfaces at the next synchronisation
-    as a device-side assert carrying that message."""
+    one host read of ``total`` (``binary`` folded in). On an accelerator: True, after queueing asynchronous
+    device asserts (no host sync, so PRIME-RL's per-sample calls never stall the stream), one per field so the
+    assert message names it; a failure surfaces at the next synchronisation as a device-side assert carrying
+    that message."""
     if _host_reads_are_free(kept.device):
         if binary is not None:  # one read either way: a non-binary mask turns the total into NaN
             total = torch.where(binary, total, math.nan)
-        if not math.isfinite(total.item()):
-            _raise_bad_values(binary, mask, named)
-        return
-    with torch.no_grad():
-        ok = total.isfinite()
-        if binary is not None:
-            ok &= binary
-        finite = kept.isfinite().all(dim=1)  # per field, exact (kept is 0 outside the mask)
-        for i, name in enumerate(named):
-            torch._assert_async(finite[i], _NON_FINITE.format(name=name))
-        if binary is not None:
-            torch._assert_async(binary, _NOT_BOOLEAN)
-        torch._assert_async(ok, _OVERFLOW.format(dtype=kept.dtype))
+        return math.isfinite(total.item())
+    ok = total.isfinite()
+    if binary is not None:
+        ok &= binary
+    finite = kept.isfinite().all(dim=1)  # per field, exact (kept is 0 outside the mask)
+    for i, name in enumerate(named):
+        torch._assert_async(finite[i], _NON_FINITE.format(name=name))
+    if binary is not None:
+        torch._assert_async(binary, _NOT_BOOLEAN)
+    torch._assert_async(ok, _OVERFLOW.format(dtype=kept.dtype))
+    return True
 
 
-def _read_sample(inputs: Any, opts: PrimeRLLossOptions) -> _Sample:
-    logprobs, raw_mask, fields = _fields(inputs, opts)
+def _binary(raw_mask: Tensor, device: torch.device) -> Tensor | None:
+    """Whether a non-bool mask holds only 0 and 1 (0-dim bool on ``device``; None for a bool mask)."""
+    return None if raw_mask.dtype == torch.bool else ((raw_mask == 0) | (raw_mask == 1)).all().to(device)
+
+
+def _read_sample(raw_mask: Tensor, named: dict[str, Tensor]) -> tuple[_Sample, _Suspect | None]:
+    """Every field zeroed outside the mask, and every value check in one fused condition (see :func:`_passes`):
+    None when it passed, else what :func:`_recheck` needs to find the sample that failed."""
+    logprobs = named["trainer_logprobs"]
     device, dtype = logprobs.device, logprobs.dtype
     mask = (raw_mask if raw_mask.dtype == torch.bool else raw_mask != 0).to(device)
-    named = {"trainer_logprobs": logprobs.detach(), **fields}
-    with torch.no_grad():
-        stacked = torch.stack([_as(t, device, dtype) for t in named.values()])
-        kept = torch.where(mask, stacked, _zero(stacked))  # every field detached, zeroed outside the mask
-        total = kept.sum()  # a NaN/±inf on a selected token makes the sum non-finite
-        binary = (
-            None if raw_mask.dtype == torch.bool else ((raw_mask == 0) | (raw_mask == 1)).all().to(device)
-        )
-        # PRIME-RL's packer fills ref_logprobs with 0.0 over the whole sample when the sample has none
-        # but a neighbour in its micro-batch has some (trainer/batch.py): that is no teacher (it would pull
-        # every token towards p = 1), so channel 2 is skipped for it, never an error (a 0-dim flag, no
-        # branch on tensor values).
-        has_ref = (stacked[-1] != 0).any() if "ref_logprobs" in fields else None
-    _check_values(total, binary, mask, named, kept)
+    stacked = torch.stack([_as(t, device, dtype) for t in named.values()])
+    kept = _keep(mask, stacked)  # every field detached, zeroed outside the mask
+    total = kept.sum()  # a NaN/±inf on a selected token makes the sum non-finite
+    binary = _binary(raw_mask, device)
+    # PRIME-RL's packer fills ref_logprobs with 0.0 over the whole sample when the sample has none
+    # but a neighbour in its micro-batch has some (trainer/batch.py): that is no teacher (it would pull
+    # every token towards p = 1), so channel 2 is skipped for such a sample, never an error (decided per
+    # sample from the count of these flags, with no branch on tensor values).
+    ref_nonzero = stacked[-1] != 0 if "ref_logprobs" in named else None
+    suspect = None if _passes(total, binary, named, kept) else _Suspect(raw_mask, mask, named, kept)
     by_name = dict(zip(named, kept.unbind(0), strict=True))
-    return _Sample(
+    sample = _Sample(
         logprobs=by_name["trainer_logprobs"],
         inference_logprobs=by_name["inference_logprobs"],
         ref_logprobs=by_name.get("ref_logprobs"),
         advantages=by_name["advantages"],
         mask=mask,
         weights=by_name.get("loss_weights"),
-        has_ref=has_ref,
+        ref_nonzero=ref_nonzero,
     )
+    return sample, suspect
+
+
+def _recheck(suspect: _Suspect, start: int, n: int) -> None:
+    """The value checks of one sample (tokens ``start : start + n`` of the packed tensors); raises naming the
+    culprit."""
+    cut = slice(start, start + n)
+    named = {name: t[cut] for name, t in suspect.named.items()}
+    kept, mask, raw_mask = suspect.kept[:, cut], suspect.mask[cut], suspect.raw_mask[cut]
+    binary = _binary(raw_mask, kept.device)
+    if not _passes(kept.sum(), binary, named, kept):
+        _raise_bad_values(binary, mask, named)
+
+
+# torch.where's CPU kernel is a scalar loop (about 1 ns a token; 25x a bool op on bool operands): from this many
+# tokens on (a packed micro-batch) its vectorised equivalents win; below it (one sample) operator dispatch
+# dominates and where's single operator wins. test_packed.py runs both forms.
+VECTORISED_FROM = 16384
+# An integer dtype of each float dtype's width: a float's bits ANDed with 0 or all ones is +0.0 or itself.
+_BITS = {
+    torch.float64: torch.int64,
+    torch.float32: torch.int32,
+    torch.bfloat16: torch.int16,
+    torch.float16: torch.int16,
+}
+
+
+def _vectorised(mask: Tensor) -> bool:
+    return mask.device.type == "cpu" and mask.shape[-1] >= VECTORISED_FROM
+
+
+def _keep(mask: Tensor, x: Tensor) -> Tensor:
+    """``torch.where(mask, x, 0)`` (``mask`` broadcast over ``x``'s rows), exact for NaN/inf outside the mask:
+    on many tokens, a bitwise AND of the bits with 0 or all ones."""
+    ints = _BITS.get(x.dtype)
+    if ints is None or not _vectorised(mask):
+        return torch.where(mask, x, _zero(x))
+    return (x.view(ints) & mask.to(ints).neg_()).view(x.dtype)
 
 
 def _as(t: Tensor, device: torch.device, dtype: torch.dtype) -> Tensor:
@@ -196,17 +248,35 @@ def _as(t: Tensor, device: torch.device, dtype: torch.dtype) -> Tensor:
     return t if t.dtype == dtype and t.device == device else t.to(device=device, dtype=dtype)
 
 
-# A metric is Σ value·where / max(Σ where, 1) (0 when empty). All of a sample's metrics come from ONE matmul
-# of the bool (where) columns with every per-token column (see _reduce_metrics): (value column, where column,
-# denominator column) by name; where and denominator columns are bool.
-MetricSpec = tuple[str, str, str]
+# A metric is Σ_t where·value / max(Σ_t den, 1) over one sample's tokens: (value column, where column,
+# denominator column) by name, where and denominator columns bool. A value of None reads 0, a denominator of None
+# reads 1 (a plain sum: the loss). All of a sample's sums come from ONE matmul of the bool columns with every
+# column (see _Packed).
+MetricSpec = tuple[str | None, str, str | None]
 
 
-def _policy_terms(
-    s: _Sample, opts: PrimeRLLossOptions
-) -> tuple[Tensor, Tensor, dict[str, Tensor], dict[str, MetricSpec]]:
-    """Channel 1 per token [seq], detached and zero outside the mask: (loss, ∂loss/∂ℓ_train, metric columns,
-    metric specs). The derivative is written out (see :func:`_clipped_grad`), so the call runs no autograd graph."""
+_CLIPPED_METRICS: dict[str, MetricSpec] = {
+    "composer/policy/clip_ratio": ("clipped", "mask", "mask"),
+    "mismatch_kl": ("mismatch_kl", "mask", "mask"),
+}
+# PRIME-RL's default_loss_fn metric names and definitions (dashboards carry over); for A < 0 "masked" is "too
+# low" and for A > 0 "too high", so the low/high splits are the sign columns over the dropped tokens.
+_DPPO_METRICS: dict[str, MetricSpec] = {
+    "masked_mismatch_kl": ("mismatch_kl", "dropped", "dropped"),
+    "unmasked_mismatch_kl": ("mismatch_kl", "keep", "keep"),
+    "is_masked": ("dropped", "mask", "mask"),
+    "is_masked_low": ("negative", "dropped", "mask"),
+    "is_masked_high": ("positive", "dropped", "mask"),
+    "masked_advantage_positive": ("positive", "dropped", "dropped"),
+    "masked_advantage_negative": ("negative", "dropped", "dropped"),
+}
+_BOOL_COLUMNS = frozenset({"clipped", "dropped", "keep", "positive", "negative", "mask", "ref_nonzero"})
+
+
+def _policy_terms(s: _Sample, opts: PrimeRLLossOptions) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """Channel 1 per token [seq], detached and zero outside the mask: (loss, ∂loss/∂ℓ_train, the columns its
+    metrics read). The derivative is written out (see :func:`_clipped_grad`), so the call runs no autograd
+    graph."""
     log_ratio = s.logprobs - s.inference_logprobs  # 0 outside the mask (both zeroed)
     ratio = torch.exp(log_ratio)
     mismatch_kl = ratio - log_ratio - 1.0  # k3 estimate of KL(π_inf‖π_train)
@@ -215,16 +285,7 @@ def _policy_terms(
         eps_hi = eps_lo if opts.epsilon_high is None else float(opts.epsilon_high)
         per_token, is_clipped = _surrogate_from_ratio(ratio, s.advantages, eps_lo, eps_hi, opts.delta)
         grad = _clipped_grad(ratio, s.advantages, eps_lo, eps_hi, opts.delta)
-        cols = {"clipped": is_clipped, "mismatch_kl": mismatch_kl}
-        return (
-            per_token,
-            grad,
-            cols,
-            {
-                "composer/policy/clip_ratio": ("clipped", "mask", "mask"),
-                "mismatch_kl": ("mismatch_kl", "mask", "mask"),
-            },
-        )
+        return per_token, grad, {"clipped": is_clipped, "mismatch_kl": mismatch_kl}
 
     # DPPO (composer_core.loss.policy.dppo_loss, PRIME-RL's default_loss_fn), branch-free. |Δp| < 1 always, so
     # a bound above 1 (PRIME-RL allows any value >= 0, e.g. 10 to turn masking off) masks what 1 masks: nothing.
@@ -232,10 +293,17 @@ def _policy_terms(
     low, high = min(opts.dppo_mask_low, 1.0), min(opts.dppo_mask_high, 1.0)
     prob_diff = torch.exp(s.logprobs).sub_(torch.exp(s.inference_logprobs))  # Δp
     positive, negative = s.advantages > 0, s.advantages < 0
-    masked = torch.where(positive, prob_diff > high, prob_diff < -low)
-    dropped = masked & s.mask
-    keep = s.mask ^ dropped
-    coef_ratio = torch.where(keep, s.advantages, _zero(ratio)).mul_(-opts.adv_tau).mul_(ratio)  # c·ρ
+    if _vectorised(
+        s.mask
+    ):  # bool algebra and a product: torch.where's CPU kernel is scalar (VECTORISED_FROM)
+        dropped = ((positive & (prob_diff > high)) | (~positive & (prob_diff < -low))) & s.mask
+        keep = s.mask ^ dropped
+        kept_adv = s.advantages * keep  # A is finite (0 outside the mask)
+    else:
+        dropped = torch.where(positive, prob_diff > high, prob_diff < -low) & s.mask
+        keep = s.mask ^ dropped
+        kept_adv = torch.where(keep, s.advantages, _zero(ratio))
+    coef_ratio = kept_adv.mul_(-opts.adv_tau).mul_(ratio)  # c·ρ
     per_token = torch.addcmul(coef_ratio, log_ratio, log_ratio, value=opts.kl_tau)
     grad = torch.add(coef_ratio, log_ratio, alpha=2.0 * opts.kl_tau)
     cols = {
@@ -245,22 +313,7 @@ def _policy_terms(
         "negative": negative,
         "mismatch_kl": mismatch_kl,
     }
-    # PRIME-RL's default_loss_fn metric names and definitions (dashboards carry over); for A < 0 "masked" is
-    # "too low" and for A > 0 "too high", so the low/high splits are the sign columns over the dropped tokens.
-    return (
-        per_token,
-        grad,
-        cols,
-        {
-            "masked_mismatch_kl": ("mismatch_kl", "dropped", "dropped"),
-            "unmasked_mismatch_kl": ("mismatch_kl", "keep", "keep"),
-            "is_masked": ("dropped", "mask", "mask"),
-            "is_masked_low": ("negative", "dropped", "mask"),
-            "is_masked_high": ("positive", "dropped", "mask"),
-            "masked_advantage_positive": ("positive", "dropped", "dropped"),
-            "masked_advantage_negative": ("negative", "dropped", "dropped"),
-        },
-    )
+    return per_token, grad, cols
 
 
 def _clipped_grad(ratio: Tensor, adv: Tensor, eps_lo: float, eps_hi: float, delta: float | None) -> Tensor:
@@ -285,22 +338,175 @@ def _sdpo_terms(s: _Sample, opts: PrimeRLLossOptions) -> Tensor:
     )[0]  # fmt: skip
 
 
-class _WithGradient(torch.autograd.Function):
-    """``Σ_t per_token`` as a function of ``trainer_logprobs`` whose gradient is the given per-token
-    derivative: one multiply in backward instead of replaying the formula's autograd graph."""
+class _Packed(NamedTuple):
+    """Everything per token that one micro-batch's samples share, computed once over the packed tensors they
+    are views of (PRIME-RL's train loop passes ``packed.squeeze().split(sequence_lengths)``), or over one
+    sample's own tensors when they are not such views. A sample then costs one matmul over its slice.
+
+    Variants: with channel 2 on, a sample whose ``ref_logprobs`` are PRIME-RL's zero fill is trained without
+    it. Both readings of every metric are in ``picks`` (variant 0: with its teacher, 1: without), then the
+    sample's selector (whether it has a token, whether its ``ref_logprobs`` are real), and its gradient is
+    ``grads @ selector``: channel 1 in column 0, channel 2's share in column 1. Without variants ``grads`` is
+    the gradient."""
+
+    key: tuple[Any, ...]  # (options, field names, version counters)
+    bases: tuple[weakref.ref[Tensor], ...]  # what every field (and the mask) is a view of
+    length: int  # tokens of the packed tensors
+    where: Tensor  # [W, N] the bool columns that select or count tokens: the table's last rows
+    table: Tensor  # [C, N] every column in one dtype (see _plan)
+    picks: Tensor  # [2, V·(K + 1) (+ 2)]: numerators, denominators: flat indices into the [W, C] sums
+    grads: Tensor  # [N] ∂loss/∂ℓ_train per token; with variants [N, 2]: channel 1's, channel 2's share
+    keys: tuple[str, ...]  # the K metric keys (then come the loss and the selector)
+    suspect: _Suspect | None
+
+
+class _Last:
+    """The micro-batch being trained. One slot: PRIME-RL calls every sample of a micro-batch before the next
+    one. It refers to the packed tensors weakly (a freed one is never matched again) and holds what was
+    derived from them until the next micro-batch replaces it."""
+
+    packed: _Packed | None = None
+
+
+def _layout(tensors: tuple[Tensor, ...]) -> tuple[tuple[Tensor, ...], int] | None:
+    """(each tensor's base, the sample's first token in it) when all are 1-D views at one offset of contiguous
+    tensors of one size (PRIME-RL's ``split`` of packed ``[1, N]`` tensors); else None."""
+    bases: list[Tensor] = []
+    start = size = -1
+    for t in tensors:
+        b = t._base
+        if b is None or t.stride() != (1,) or not b.is_contiguous():
+            return None
+        offset = int(t.storage_offset() - b.storage_offset())
+        if not bases:
+            start, size = offset, int(b.numel())
+        elif offset != start or b.numel() != size:
+            return None
+        bases.append(b)
+    return tuple(bases), start
+
+
+def _shared(opts: PrimeRLLossOptions, raw_mask: Tensor, named: dict[str, Tensor]) -> tuple[_Packed, int]:
+    """The micro-batch this sample belongs to (computed on its first sample, matched by identity and version
+    counter: an in-place change of any field recomputes it), and the sample's first token in it. Fields that
+    are not views of packed tensors share nothing: their sample is computed on its own."""
+    tensors = (*named.values(), raw_mask)
+    layout = _layout(tensors)
+    if layout is None:
+        return _pack(opts, raw_mask, named), 0
+    bases, start = layout
+    key = (opts, tuple(named), tuple(t._version for t in tensors))
+    last = _Last.packed
+    if (
+        last is not None
+        and last.key == key
+        and all(ref() is b for ref, b in zip(last.bases, bases, strict=True))
+    ):
+        return last, start
+    flat = [b.detach().view(-1) for b in bases]
+    refs = tuple(weakref.ref(b) for b in bases)
+    _Last.packed = _pack(opts, flat[-1], dict(zip(named, flat[:-1], strict=True)), key, refs)
+    return _Last.packed, start
+
+
+def _pack(
+    opts: PrimeRLLossOptions,
+    raw_mask: Tensor,
+    named: dict[str, Tensor],
+    key: tuple[Any, ...] = (),
+    bases: tuple[weakref.ref[Tensor], ...] = (),
+) -> _Packed:
+    """Every per-token column and gradient over the given (packed or single-sample) tensors (under no_grad)."""
+    s, suspect = _read_sample(raw_mask, named)
+    policy, grad, cols = _policy_terms(s, opts)
+    w = s.weights
+    cols["mask"] = s.mask
+    cols["composer/loss/policy"] = policy if w is None else policy * w
+    grads = [grad]
+    if opts.alpha_sdpo > 0 and s.ref_logprobs is not None:
+        assert s.ref_nonzero is not None
+        distill = _sdpo_terms(s, opts)
+        total = torch.add(policy, distill, alpha=opts.alpha_sdpo)
+        cols["composer/loss/total"] = total if w is None else total * w
+        cols["composer/loss/sdpo"] = distill if w is None else distill * w
+        cols["composer/sdpo/reverse_kl_k1"] = s.logprobs - s.ref_logprobs
+        cols["ref_nonzero"] = s.ref_nonzero
+        grads.append(distill * opts.alpha_sdpo)
+    keys, columns, width, flat = _plan(opts, tuple(cols))
+    dtype = torch.float64 if s.logprobs.dtype == torch.float64 else torch.float32
+    table = _table([None if c is None else cols[c] for c in columns], s.mask.shape[0], dtype, s.mask.device)
+    if w is not None:
+        grads = [g * w for g in grads]
+    return _Packed(
+        key=key,
+        bases=bases,
+        length=s.logprobs.shape[0],
+        where=table[-width:],
+        table=table,
+        picks=_pairs(flat, s.logprobs.device),
+        grads=grads[0] if len(grads) == 1 else torch.stack(grads, dim=1),
+        keys=keys,
+        suspect=suspect,
+    )
+
+
+def _table(columns: list[Tensor | None], n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """[C, N] ``columns`` in ``dtype`` (None: zeros), each written and converted in place: one pass per column
+    (a stack and a cast per kind, then a cat, would pass twice or more)."""
+    table = torch.empty((len(columns), n), dtype=dtype, device=device)
+    for row, column in zip(table.unbind(), columns, strict=True):
+        row.zero_() if column is None else row.copy_(column)
+    return table
+
+
+def _sample_row(packed: _Packed, start: int, n: int) -> tuple[Tensor, Tensor | None]:
+    """One sample's K metric means then its loss (a sum), in the table's dtype, and its gradient selector [2]
+    (None without variants; see :class:`_Packed`): one matmul of its slice of the bool columns with its slice
+    of every column, one gather, one division."""
+    where, table = packed.where, packed.table
+    if n != packed.length:
+        where, table = where[:, start : start + n], table[:, start : start + n]
+    sums = torch.mm(where, table.T)  # [W, C]: Σ_t where_w · column_c
+    num, den = sums.take(packed.picks).unbind()
+    means = num.div_(den.clamp_(min=1))
+    if packed.grads.dim() == 1:
+        return means, None
+    width = len(packed.keys) + 1
+    selector = means[-2:]
+    return torch.where(selector[1] > 0, means[:width], means[width : 2 * width]), selector
+
+
+def _exact(device: torch.device) -> contextlib.AbstractContextManager[None]:
+    """Full precision under an ambient autocast (it would run the metrics' matmul in bf16: counts past 256
+    inexact)."""
+    return full_precision(device) if torch.is_autocast_enabled(device.type) else contextlib.nullcontext()
+
+
+class _SampleLoss(torch.autograd.Function):
+    """A sample's loss (its entry of the row) as a function of ``trainer_logprobs`` whose gradient is the
+    sample's slice of the packed per-token derivative: one matrix-vector product in backward instead of
+    replaying the formula's autograd graph."""
 
     @staticmethod
-    def forward(ctx: Any, logprobs: Tensor, per_token: Tensor, grad: Tensor) -> Tensor:
-        ctx.save_for_backward(grad)
-        return per_token.sum()
+    def forward(
+        ctx: Any, logprobs: Tensor, loss: Tensor, grads: Tensor, selector: Tensor | None, start: int, n: int
+    ) -> Tensor:
+        ctx.save_for_backward(grads, None if selector is None else _as(selector, grads.device, grads.dtype))
+        ctx.cut = None if n == grads.shape[0] else slice(start, start + n)
+        return loss.to(logprobs.dtype, copy=True)
 
     @staticmethod
-    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor, None, None]:
-        (grad,) = ctx.saved_tensors
-        return grad * grad_output, None, None
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
+        grads, selector = ctx.saved_tensors
+        if ctx.cut is not None:
+            grads = grads[ctx.cut]
+        if selector is None:
+            return grads * grad_output, None, None, None, None, None
+        with _exact(grads.device):
+            return torch.mv(grads, selector).mul_(grad_output), None, None, None, None, None
 
 
-_with_gradient = cast(Callable[..., Tensor], _WithGradient.apply)
+_sample_loss = cast(Callable[..., Tensor], _SampleLoss.apply)
 
 
 def composer_loss(inputs: LossInputs, **kwargs: Any) -> LossOutputs:
@@ -317,12 +523,16 @@ def composer_loss(inputs: LossInputs, **kwargs: Any) -> LossOutputs:
     Returns:
         ``LossOutputs`` with ``loss`` = the SUM over masked tokens of
         ``w_t (L^policy_t + alpha_sdpo L^sdpo_t)`` (PRIME-RL divides by the global token
-        count) and 0-dim detached ``metrics``: ``composer/loss/policy``, ``composer/loss/sdpo`` and
+        count) and 0-dim detached float32 ``metrics``: ``composer/loss/policy``, ``composer/loss/sdpo`` and
         ``composer/loss/total`` (per-token means of this sample), the policy diagnostics (PRIME-RL's
         DPPO names, or ``composer/policy/clip_ratio`` + ``mismatch_kl``), and with channel 2 on
         ``composer/sdpo/reverse_kl_k1`` and ``composer/sdpo/skipped``. Every call of a run emits the same keys.
-        Cost: structural checks in Python; every value check fused into one host read on CPU, and into
-        asynchronous device asserts (no host sync) on an accelerator.
+
+        Cost: structural checks in Python on every call. When the fields are views of packed tensors (PRIME-RL's
+        train loop splits its ``[1, N]`` micro-batch tensors by sequence length), every per-token term and value
+        check runs once over the packed tensors at the micro-batch's first sample, and each sample costs one
+        matmul over its slice; otherwise all of it runs on the sample. The value checks are one host read on CPU
+        and asynchronous device asserts (no host sync) on an accelerator.
 
         A sample whose ``loss_mask`` selects no token (PRIME-RL calls the loss for it when
         no rl weight stream exists) returns an exact 0 that is still attached to the graph
@@ -336,15 +546,22 @@ def composer_loss(inputs: LossInputs, **kwargs: Any) -> LossOutputs:
             ``sdpo_missing = "error"``. A sample whose ``ref_logprobs`` are 0.0 everywhere
             (PRIME-RL's packer fill for a sample without them) is skipped on channel 2.
             On an accelerator the value checks (mask values, NaN/inf, overflow) are device asserts with
-            the same messages instead: the error surfaces at the next synchronisation.
+            the same messages instead: the error surfaces at the next synchronisation, and for packed fields
+            it covers the packed tensors.
     """
     opts = parse_options(kwargs)
-    s = _read_sample(inputs, opts)
+    raw_mask, named = _fields(inputs, opts)
+    n = raw_mask.shape[0]
+    with torch.no_grad(), _exact(named["trainer_logprobs"].device):
+        packed, start = _shared(opts, raw_mask, named)
+        if packed.suspect is not None:
+            _recheck(packed.suspect, start, n)
+        row, selector = _sample_row(packed, start, n)
     if (
         opts.alpha_sdpo > 0
-        and s.ref_logprobs is None
+        and "ref_logprobs" not in named
         and opts.sdpo_missing == "error"
-        and inputs_has_tokens(s)
+        and bool((raw_mask != 0).any())  # only reached without ref_logprobs: an empty sample needs none
     ):
         raise ValueError(
             "alpha_sdpo > 0 but this sample has no ref_logprobs (LossInputs.ref_logprobs is None): "
@@ -353,39 +570,12 @@ def composer_loss(inputs: LossInputs, **kwargs: Any) -> LossOutputs:
             'log-probs as ref_logprobs, set sdpo_missing = "skip" to train such samples on the '
             "policy loss only, or set alpha_sdpo = 0."
         )
-    with torch.no_grad():
-        policy, grad, cols, specs = _policy_terms(s, opts)
-        per_token = policy
-        if opts.alpha_sdpo > 0 and s.ref_logprobs is not None:
-            assert s.has_ref is not None
-            distill = _sdpo_terms(s, opts)
-            distill = torch.where(s.has_ref, distill, _zero(distill))
-            per_token = torch.add(policy, distill, alpha=opts.alpha_sdpo)
-            grad = grad.add_(distill, alpha=opts.alpha_sdpo)  # the policy's gradient is a fresh tensor
-            cols["sdpo_mask"] = s.mask & s.has_ref
-            cols["composer/loss/sdpo"] = distill if s.weights is None else distill * s.weights
-            cols["composer/sdpo/reverse_kl_k1"] = s.logprobs - s.ref_logprobs
-            specs["composer/loss/sdpo"] = ("composer/loss/sdpo", "sdpo_mask", "sdpo_mask")
-            specs["composer/sdpo/reverse_kl_k1"] = ("composer/sdpo/reverse_kl_k1", "sdpo_mask", "sdpo_mask")
-        if s.weights is not None:
-            per_token = per_token * s.weights
-            grad = grad.mul_(s.weights)
-        cols["composer/loss/policy"] = policy if s.weights is None else policy * s.weights
-        cols["composer/loss/total"] = per_token
-        specs["composer/loss/policy"] = ("composer/loss/policy", "mask", "mask")
-        specs["composer/loss/total"] = ("composer/loss/total", "mask", "mask")
-        cols["mask"] = s.mask
-        metrics = _reduce_metrics(cols, specs, _metric_keys(opts))
-        if opts.alpha_sdpo > 0:
-            skipped = s.mask.any() if s.has_ref is None else s.mask.any() & ~s.has_ref
-            metrics["composer/sdpo/skipped"] = skipped.to(torch.float32)
-    loss = _with_gradient(inputs.trainer_logprobs, per_token, grad)  # every term is 0 outside the mask
-    return LossOutputs(loss=loss, metrics=metrics)
-
-
-def inputs_has_tokens(s: _Sample) -> bool:
-    """Only reached on the error path (channel 2 requested, no ref_logprobs): an empty sample needs none."""
-    return bool(s.mask.any())
+    values = row.unbind()  # the K metrics, the loss (and the selector without variants)
+    k = len(packed.keys)
+    loss = _sample_loss(inputs.trainer_logprobs, values[k], packed.grads, selector, start, n)
+    if row.dtype != torch.float32:
+        values = row.to(torch.float32).unbind()
+    return LossOutputs(loss=loss, metrics=dict(zip(packed.keys, values[:k], strict=True)))
 
 
 def _metric_keys(opts: PrimeRLLossOptions) -> tuple[str, ...]:
@@ -405,57 +595,55 @@ def _metric_keys(opts: PrimeRLLossOptions) -> tuple[str, ...]:
         keys = ("composer/policy/clip_ratio", "mismatch_kl")
     keys += ("composer/loss/policy", "composer/loss/total")
     if opts.alpha_sdpo > 0:
-        keys += ("composer/loss/sdpo", "composer/sdpo/reverse_kl_k1")
+        keys += ("composer/loss/sdpo", "composer/sdpo/reverse_kl_k1", "composer/sdpo/skipped")
     return keys
 
 
-def _reduce_metrics(
-    cols: dict[str, Tensor], specs: dict[str, MetricSpec], keys: tuple[str, ...]
-) -> dict[str, Tensor]:
-    """Detached float32 0-dim means ``Σ v·w / max(Σ d, 1)`` for ``keys`` from one matmul of the 0/1 (bool)
-    columns with every column; a key without a spec (skipped channel) is 0. The columns and specs of a run are
-    the same at every call, so which entries of the matmul to read is computed once (:func:`_metric_index`)."""
-    names = tuple(cols)
-    device = cols["mask"].device
-    flags = tuple(cols[n].dtype == torch.bool for n in names)
-    present, bools, floats, flat = _metric_index(names, flags, tuple(specs.items()), keys)
-    exact = full_precision(device) if torch.is_autocast_enabled(device.type) else contextlib.nullcontext()
-    with torch.no_grad(), exact:  # an ambient autocast would run the matmul in bf16: counts past 256 inexact
-        # one stack + one cast per kind (a stack of mixed dtypes converts column by column)
-        where = torch.stack([cols[n] for n in bools]).to(torch.float32)  # [W, T]
-        table = torch.cat((torch.stack([cols[n] for n in floats]).to(torch.float32), where))  # [C, T]
-        sums = torch.mm(where, table.T)  # [W, C]: Σ_t where_w · column_c
-        num, den = sums.take(_pairs(flat, device)).unbind()  # numerators; denominators (Σ where)
-        means = (num / den.clamp(min=1)).unbind() if present else ()
-    out = dict(zip(present, means, strict=True))
-    if len(out) < len(keys):  # a skipped channel's keys read 0
-        zero = torch.zeros((), dtype=torch.float32, device=device)
-        out = {k: out.get(k, zero) for k in keys}
-    return out
-
-
 @functools.lru_cache(maxsize=64)
-def _metric_index(
-    names: tuple[str, ...],
-    flags: tuple[bool, ...],
-    specs: tuple[tuple[str, MetricSpec], ...],
-    keys: tuple[str, ...],
-) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], tuple[int, ...]]:
-    """(keys with a spec, the bool columns, the float columns, flat indices into the [W, C] sums: numerators
-    then denominators). The table's rows are the float columns then the bool ones, so Σ where·where = Σ where
-    (a 0/1 column) gives the denominators from the same matmul."""
-    spec = dict(specs)
-    present = tuple(k for k in keys if k in spec)
-    bools = tuple(n for n, b in zip(names, flags, strict=True) if b)
-    floats = tuple(n for n, b in zip(names, flags, strict=True) if not b)
-    for _, w, d in spec.values():
-        if w not in bools or d not in bools:
-            raise TypeError(f"metric columns {w!r} and {d!r} select tokens: they must be bool columns.")
-    rows = floats + bools
-    width = len(rows)
-    num = [bools.index(spec[k][1]) * width + rows.index(spec[k][0]) for k in present]
-    den = [bools.index(spec[k][2]) * width + rows.index(spec[k][2]) for k in present]
-    return present, bools, floats, tuple(num + den)
+def _plan(
+    opts: PrimeRLLossOptions, names: tuple[str, ...]
+) -> tuple[tuple[str, ...], tuple[str | None, ...], int, tuple[int, ...]]:
+    """(the metric keys, the table's columns, W, flat indices into the [W, C] sums: every variant's K metrics
+    and loss then the selector (see :class:`_Packed`), numerators then denominators) for the columns ``names``
+    of a run. The table's columns are the float ones, an all-zero one (None), the bool ones only read as
+    values, then the W bool ones that select tokens or count them (the where rows, a view of the table's last
+    rows). So Σ where·where = Σ where (a 0/1 column) gives the denominators from the same matmul, and
+    Σ where·0 = 0, clamped to 1, is a denominator of None."""
+    keys = _metric_keys(opts)
+    policy = _DPPO_METRICS if opts.policy_loss == "dppo" else _CLIPPED_METRICS
+    alone = policy | {
+        "composer/loss/policy": ("composer/loss/policy", "mask", "mask"),
+        "composer/loss/total": ("composer/loss/policy", "mask", "mask"),
+        "composer/sdpo/skipped": ("mask", "mask", "mask"),  # 1 when the sample has a token, else 0
+        "loss": ("composer/loss/policy", "mask", None),
+    }
+    variants = [alone]
+    if "ref_nonzero" in names:  # channel 2 on, with ref_logprobs: with its teacher (0) or the zero fill (1)
+        with_ref = alone | {
+            "composer/loss/total": ("composer/loss/total", "mask", "mask"),
+            "composer/loss/sdpo": ("composer/loss/sdpo", "mask", "mask"),
+            "composer/sdpo/reverse_kl_k1": ("composer/sdpo/reverse_kl_k1", "mask", "mask"),
+            "composer/sdpo/skipped": (None, "mask", None),
+            "loss": ("composer/loss/total", "mask", None),
+        }
+        variants = [with_ref, alone]
+    entries = [v.get(k, (None, "mask", None)) for v in variants for k in (*keys, "loss")]
+    if len(variants) > 1:  # the selector: Σ f / max(Σ f, 1) is 1 if any, else 0
+        entries += [("mask", "mask", "mask"), ("ref_nonzero", "ref_nonzero", "ref_nonzero")]
+    rows = tuple(
+        dict.fromkeys(n for _, w, d in entries for n in (w, d) if n is not None)
+    )  # where, denominators
+    floats = tuple(n for n in names if n not in _BOOL_COLUMNS)
+    columns = (*floats, None, *(n for n in names if n in _BOOL_COLUMNS and n not in rows), *rows)
+    width = len(columns)
+    for value, w, d in entries:
+        if value not in columns or not {w, d} - {None} <= _BOOL_COLUMNS:
+            raise TypeError(
+                f"metric spec {(value, w, d)!r}: no such column, or a where/denominator not bool."
+            )
+    num = [rows.index(w) * width + columns.index(v) for v, w, _ in entries]
+    den = [rows.index(d or w) * width + columns.index(d) for _, w, d in entries]
+    return keys, columns, len(rows), tuple(num + den)
 
 
 @functools.cache

@@ -1,0 +1,231 @@
+"""Samples that are views of one packed micro-batch (PRIME-RL's train loop: every field a ``[1, N]`` tensor,
+``.squeeze().split(sequence_lengths)``): the shared per-token work runs once per micro-batch, and every result
+equals the same samples passed as separate tensors (issue 19)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from composer_prime_rl import LossInputs, LossOutputs, composer_loss
+from composer_prime_rl import loss as loss_module
+
+LENGTHS = (6, 1, 9, 4)
+CONFIGS: list[dict[str, Any]] = [
+    {},
+    {"kl_tau": 0.05, "dppo_mask_low": 0.1, "dppo_mask_high": 0.3, "adv_tau": 0.7},
+    {"policy_loss": "clipped_surrogate", "epsilon_low": 0.2, "epsilon_high": 0.28, "delta": 3.0},
+    {"alpha_sdpo": 0.5, "sdpo_token_clip": 2.0},
+    {"policy_loss": "clipped_surrogate", "alpha_sdpo": 1.0},
+]
+
+
+@pytest.fixture(autouse=True, params=["where", "vectorised"])
+def form(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs both CPU forms: torch.where (few tokens) and its vectorised equivalents (a packed
+    micro-batch of VECTORISED_FROM tokens or more; forced here on these small ones)."""
+    if request.param == "vectorised":
+        monkeypatch.setattr(loss_module, "VECTORISED_FROM", 0)
+    return str(request.param)
+
+
+def _fields(seed: int, dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
+    """One packed micro-batch, [N] per field; sample 2's ref_logprobs are PRIME-RL's zero fill."""
+    g = torch.Generator().manual_seed(seed)
+    n = sum(LENGTHS)
+    p_inf = torch.rand(n, generator=g, dtype=torch.float64) * 0.9 + 0.05
+    p_train = (p_inf + (torch.rand(n, generator=g, dtype=torch.float64) - 0.5) * 0.6).clamp(0.02, 0.98)
+    ref = (torch.rand(n, generator=g, dtype=torch.float64) * 0.9 + 0.05).log()
+    ref[sum(LENGTHS[:2]) : sum(LENGTHS[:3])] = 0.0
+    adv = torch.cat([torch.randn(1, generator=g, dtype=torch.float64).expand(k) for k in LENGTHS])
+    mask = torch.rand(n, generator=g) > 0.25
+    mask[sum(LENGTHS[:1])] = False  # the one-token sample selects nothing
+    weights = torch.rand(n, generator=g, dtype=torch.float64) + 0.5
+    values = {"lp": p_train.log(), "inf": p_inf.log(), "ref": ref, "adv": adv, "w": weights}
+    return {**{k: v.to(dtype) for k, v in values.items()}, "mask": mask}
+
+
+def _step(
+    f: dict[str, torch.Tensor], kwargs: dict[str, Any], packed: bool, weighted: bool = False
+) -> tuple[list[LossOutputs], torch.Tensor]:
+    """Every sample's outputs and d(Σ losses)/d(log-probs). ``packed``: PRIME-RL's views of ``[1, N]`` tensors
+    (the log-probs a non-leaf, as the forward's output); else each sample's own tensors."""
+    leaf = f["lp"].clone().requires_grad_(True)
+    source = {**f, "lp": leaf[None] * 1.0}
+    if packed:
+        split = {k: v.reshape(1, -1).squeeze().split(list(LENGTHS)) for k, v in source.items()}
+    else:
+        split = {k: [t.clone() for t in v.reshape(-1).split(list(LENGTHS))] for k, v in source.items()}
+    outs = []
+    for i in range(len(LENGTHS)):
+        s = {k: v[i] for k, v in split.items()}
+        inputs = LossInputs(s["lp"], s["inf"], s["ref"], s["adv"], s["mask"], s["w"] if weighted else None)
+        outs.append(composer_loss(inputs, **kwargs))
+    torch.stack([o.loss for o in outs]).sum().backward()
+    assert leaf.grad is not None
+    return outs, leaf.grad
+
+
+def _assert_same(
+    a: tuple[list[LossOutputs], torch.Tensor], b: tuple[list[LossOutputs], torch.Tensor]
+) -> None:
+    for x, y in zip(a[0], b[0], strict=True):
+        torch.testing.assert_close(x.loss, y.loss, rtol=1e-12, atol=1e-14)
+        assert x.metrics.keys() == y.metrics.keys()
+        for key in x.metrics:
+            torch.testing.assert_close(x.metrics[key], y.metrics[key], rtol=1e-6, atol=1e-7, msg=key)
+    torch.testing.assert_close(a[1], b[1], rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("kwargs", CONFIGS)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_packed_samples_equal_separate_ones(kwargs, weighted) -> None:
+    f = _fields(0)
+    _assert_same(
+        _step(f, kwargs, packed=True, weighted=weighted), _step(f, kwargs, packed=False, weighted=weighted)
+    )
+
+
+@pytest.mark.parametrize("kwargs", [CONFIGS[0], CONFIGS[4]])
+def test_the_zero_filled_sample_skips_channel_2_when_packed(kwargs) -> None:
+    outs, grad = _step(_fields(1), kwargs, packed=True)
+    if kwargs.get("alpha_sdpo"):
+        assert [o.metrics["composer/sdpo/skipped"].item() for o in outs] == [0.0, 0.0, 1.0, 0.0]
+        assert outs[2].metrics["composer/loss/sdpo"].item() == 0.0
+    empty = outs[1]  # its only token is outside the mask
+    assert empty.loss.item() == 0.0 and all(v.item() == 0.0 for v in empty.metrics.values())
+    assert grad[LENGTHS[0]].item() == 0.0
+
+
+def _count_host_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    calls: list[str] = []
+    for name in ("item", "__bool__", "__float__", "__int__", "__index__", "tolist"):
+        orig = getattr(torch.Tensor, name)
+
+        def wrapper(self: torch.Tensor, *a: object, _orig=orig, _name=name, **k: object) -> object:  # type: ignore[no-untyped-def]
+            calls.append(_name)
+            return _orig(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, wrapper)
+    return calls
+
+
+@pytest.mark.parametrize("kwargs", CONFIGS)
+def test_a_packed_micro_batch_reads_the_host_once(kwargs, monkeypatch) -> None:
+    """The value checks of every sample of a micro-batch are one fused condition over the packed tensors,
+    read once (before: once per sample, a device sync per call on an accelerator)."""
+    f = _fields(2)
+    leaf = f["lp"].clone().requires_grad_(True)
+    split = {k: v[None].squeeze().split(list(LENGTHS)) for k, v in {**f, "lp": leaf * 1.0}.items()}
+    calls = _count_host_reads(monkeypatch)
+    outs = [
+        composer_loss(LossInputs(*(split[k][i] for k in ("lp", "inf", "ref", "adv", "mask"))), **kwargs)
+        for i in range(len(LENGTHS))
+    ]
+    assert len(calls) <= 1, calls
+    monkeypatch.undo()
+    torch.stack([o.loss for o in outs]).sum().backward()
+
+
+def test_a_bad_value_raises_at_its_own_sample_and_the_others_train() -> None:
+    """The packed check fails: each sample is then checked on its own, so the error names the field at the
+    sample that holds the NaN, and clean samples before and after it give their normal results."""
+    f = _fields(3)
+    bad = sum(LENGTHS[:2]) + 1
+    f["inf"][bad] = math.nan
+    f["mask"][bad] = True
+    clean = _step(_fields(3), {}, packed=False)[0]
+    split = {k: v[None].squeeze().split(list(LENGTHS)) for k, v in f.items()}
+    for i in range(len(LENGTHS)):
+        inputs = LossInputs(*(split[k][i] for k in ("lp", "inf", "ref", "adv", "mask")))
+        if i == 2:
+            with pytest.raises(ValueError, match=r"LossInputs\.inference_logprobs has NaN or inf"):
+                composer_loss(inputs)
+            continue
+        torch.testing.assert_close(composer_loss(inputs).loss, clean[i].loss, rtol=1e-12, atol=1e-14)
+
+
+def test_an_in_place_change_between_calls_is_seen() -> None:
+    """The shared work is matched by identity and version counter: a field changed in place after the first
+    sample (a new micro-batch written into the same buffer) is recomputed, never read stale."""
+    f = _fields(4)
+    split = {k: v[None].squeeze().split(list(LENGTHS)) for k, v in f.items()}
+
+    def sample(i: int) -> LossInputs:
+        return LossInputs(*(split[k][i] for k in ("lp", "inf", "ref", "adv", "mask")))
+
+    composer_loss(sample(0))
+    f["adv"].neg_()  # in place: the views see it
+    fresh = [t.clone() for t in (split[k][3] for k in ("lp", "inf", "ref", "adv", "mask"))]
+    torch.testing.assert_close(composer_loss(sample(3)).loss, composer_loss(LossInputs(*fresh)).loss)
+    assert composer_loss(sample(3)).loss.item() != 0.0
+
+
+def test_a_new_micro_batch_of_the_same_shape_is_recomputed() -> None:
+    """Each micro-batch's tensors are new objects (PRIME-RL moves them per micro-batch): the previous one's
+    work is never reused, even where the allocator hands out the same memory."""
+    for seed in range(4):
+        f = _fields(10 + seed)
+        split = {k: v[None].squeeze().split(list(LENGTHS)) for k, v in f.items()}
+        got = composer_loss(LossInputs(*(split[k][0] for k in ("lp", "inf", "ref", "adv", "mask")))).loss
+        own = [t.clone() for t in (split[k][0] for k in ("lp", "inf", "ref", "adv", "mask"))]
+        torch.testing.assert_close(got, composer_loss(LossInputs(*own)).loss, rtol=0, atol=0)
+        del f, split
+
+
+@pytest.mark.parametrize("kwargs", [CONFIGS[1], CONFIGS[2]])
+def test_gradcheck_through_packed_views(kwargs) -> None:
+    """float64 gradcheck of the micro-batch's summed loss wrt the packed log-probs (away from the mask and clip
+    boundaries the loss is smooth)."""
+    f = _fields(5)
+    f["lp"] = (f["inf"] + 0.01 * torch.sin(torch.arange(f["lp"].shape[0], dtype=torch.float64))).clamp(
+        max=-0.01
+    )
+
+    def total(lp: torch.Tensor) -> torch.Tensor:
+        split = {k: v[None].squeeze().split(list(LENGTHS)) for k, v in {**f, "lp": lp * 1.0}.items()}
+        losses = [
+            composer_loss(
+                LossInputs(*(split[k][i] for k in ("lp", "inf", "ref", "adv", "mask"))), **kwargs
+            ).loss
+            for i in range(len(LENGTHS))
+        ]
+        return torch.stack(losses).sum()
+
+    lp = f["lp"].clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(total, (lp,), eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kwargs", [CONFIGS[0], CONFIGS[4]])
+def test_packed_under_cpu_autocast_is_bit_identical(dtype, kwargs) -> None:
+    """An ambient bf16 autocast changes nothing: the metrics' matmul and the backward's product run in full
+    precision."""
+    f = _fields(6, dtype)
+    plain = _step(f, kwargs, packed=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = _step(f, kwargs, packed=True)
+    for x, y in zip(plain[0], cast[0], strict=True):
+        assert torch.equal(x.loss, y.loss)
+        assert all(torch.equal(x.metrics[k], y.metrics[k]) for k in x.metrics)
+        assert all(v.dtype == torch.float32 for v in y.metrics.values())
+    assert torch.equal(plain[1], cast[1])
+    assert plain[0][0].loss.dtype == dtype
+
+
+@pytest.mark.parametrize("garbage", [math.nan, math.inf, -math.inf, 3e38])
+@pytest.mark.parametrize("kwargs", [CONFIGS[1], CONFIGS[4]])
+def test_garbage_outside_the_mask_changes_nothing(garbage, kwargs) -> None:
+    """Values outside loss_mask are ignored bit for bit (the zeroing is exact, NaN included), in every field.
+    The one exception is by design: a sample's ref_logprobs count as real if any token of it, prompt included,
+    is non-zero (PRIME-RL's zero fill covers the whole sample), so the zero-filled sample 2 stays all zero."""
+    f = _fields(7)
+    clean = _step(f, kwargs, packed=True, weighted=True)
+    dirty = {k: v.clone() for k, v in f.items()}
+    filled = torch.zeros_like(f["mask"])
+    filled[sum(LENGTHS[:2]) : sum(LENGTHS[:3])] = True
+    for key in ("lp", "inf", "ref", "adv", "w"):
+        dirty[key][~f["mask"] & ~(filled if key == "ref" else torch.zeros_like(filled))] = garbage
+    _assert_same(_step(dirty, kwargs, packed=True, weighted=True), clean)
