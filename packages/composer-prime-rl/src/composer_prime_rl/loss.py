@@ -64,9 +64,8 @@ class _Sample(NamedTuple):
     advantages: Tensor
     mask: Tensor
     weights: Tensor | None
-    ref_nonzero: (
-        Tensor | None
-    )  # bool per token: ref_logprobs != 0 (a sample of zeros is PRIME-RL's fill); else None
+    # bool per token: ref_logprobs != 0 (a sample of zeros is PRIME-RL's fill); None without ref_logprobs
+    ref_nonzero: Tensor | None
 
 
 class _Suspect(NamedTuple):
