@@ -66,3 +66,23 @@ def make_inputs() -> MakeInputs:
         )
 
     return make
+
+
+@pytest.fixture
+def host_reads(monkeypatch: pytest.MonkeyPatch) -> Callable[[], list[str]]:
+    """Call it to start recording every read of a tensor value to the host (``item``, ``bool``, ``float``,
+    ``int``, ``index``, ``tolist``): the returned list fills as they happen; ``monkeypatch.undo()`` stops it."""
+
+    def start() -> list[str]:
+        calls: list[str] = []
+        for name in ("item", "__bool__", "__float__", "__int__", "__index__", "tolist"):
+            orig = getattr(torch.Tensor, name)
+
+            def wrapper(self: torch.Tensor, *a: object, _orig=orig, _name=name, **k: object) -> object:  # type: ignore[no-untyped-def]
+                calls.append(_name)
+                return _orig(self, *a, **k)
+
+            monkeypatch.setattr(torch.Tensor, name, wrapper)
+        return calls
+
+    return start

@@ -68,6 +68,17 @@ def _step(
     return outs, leaf.grad
 
 
+def _views(f: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, ...]]:
+    """PRIME-RL's per-sample views: each ``[N]`` field as a ``[1, N]`` micro-batch tensor, squeezed and split."""
+    return {k: v[None].squeeze().split(list(LENGTHS)) for k, v in f.items()}
+
+
+def _inputs(views: dict[str, tuple[torch.Tensor, ...]], i: int, clone: bool = False) -> LossInputs:
+    """Sample ``i``'s LossInputs (unweighted) from the views; ``clone``: as its own tensors instead."""
+    fields = (views[k][i] for k in ("lp", "inf", "ref", "adv", "mask"))
+    return LossInputs(*(t.clone() if clone else t for t in fields))
+
+
 def _assert_same(
     a: tuple[list[LossOutputs], torch.Tensor], b: tuple[list[LossOutputs], torch.Tensor]
 ) -> None:
@@ -99,31 +110,15 @@ def test_the_zero_filled_sample_skips_channel_2_when_packed(kwargs) -> None:
     assert grad[LENGTHS[0]].item() == 0.0
 
 
-def _count_host_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    calls: list[str] = []
-    for name in ("item", "__bool__", "__float__", "__int__", "__index__", "tolist"):
-        orig = getattr(torch.Tensor, name)
-
-        def wrapper(self: torch.Tensor, *a: object, _orig=orig, _name=name, **k: object) -> object:  # type: ignore[no-untyped-def]
-            calls.append(_name)
-            return _orig(self, *a, **k)
-
-        monkeypatch.setattr(torch.Tensor, name, wrapper)
-    return calls
-
-
 @pytest.mark.parametrize("kwargs", CONFIGS)
-def test_a_packed_micro_batch_reads_the_host_once(kwargs, monkeypatch) -> None:
+def test_a_packed_micro_batch_reads_the_host_once(kwargs, monkeypatch, host_reads) -> None:
     """The value checks of every sample of a micro-batch are one fused condition over the packed tensors,
     read once (before: once per sample, a device sync per call on an accelerator)."""
     f = _fields(2)
     leaf = f["lp"].clone().requires_grad_(True)
-    split = {k: v[None].squeeze().split(list(LENGTHS)) for k, v in {**f, "lp": leaf * 1.0}.items()}
-    calls = _count_host_reads(monkeypatch)
-    outs = [
-        composer_loss(LossInputs(*(split[k][i] for k in ("lp", "inf", "ref", "adv", "mask"))), **kwargs)
-        for i in range(len(LENGTHS))
-    ]
+    views = _views({**f, "lp": leaf * 1.0})
+    calls = host_reads()
+    outs = [composer_loss(_inputs(views, i), **kwargs) for i in range(len(LENGTHS))]
     assert len(calls) <= 1, calls
     monkeypatch.undo()
     torch.stack([o.loss for o in outs]).sum().backward()
@@ -137,9 +132,9 @@ def test_a_bad_value_raises_at_its_own_sample_and_the_others_train() -> None:
     f["inf"][bad] = math.nan
     f["mask"][bad] = True
     clean = _step(_fields(3), {}, packed=False)[0]
-    split = {k: v[None].squeeze().split(list(LENGTHS)) for k, v in f.items()}
+    views = _views(f)
     for i in range(len(LENGTHS)):
-        inputs = LossInputs(*(split[k][i] for k in ("lp", "inf", "ref", "adv", "mask")))
+        inputs = _inputs(views, i)
         if i == 2:
             with pytest.raises(ValueError, match=r"LossInputs\.inference_logprobs has NaN or inf"):
                 composer_loss(inputs)
@@ -151,16 +146,12 @@ def test_an_in_place_change_between_calls_is_seen() -> None:
     """The shared work is matched by identity and version counter: a field changed in place after the first
     sample (a new micro-batch written into the same buffer) is recomputed, never read stale."""
     f = _fields(4)
-    split = {k: v[None].squeeze().split(list(LENGTHS)) for k, v in f.items()}
-
-    def sample(i: int) -> LossInputs:
-        return LossInputs(*(split[k][i] for k in ("lp", "inf", "ref", "adv", "mask")))
-
-    composer_loss(sample(0))
+    views = _views(f)
+    composer_loss(_inputs(views, 0))
     f["adv"].neg_()  # in place: the views see it
-    fresh = [t.clone() for t in (split[k][3] for k in ("lp", "inf", "ref", "adv", "mask"))]
-    torch.testing.assert_close(composer_loss(sample(3)).loss, composer_loss(LossInputs(*fresh)).loss)
-    assert composer_loss(sample(3)).loss.item() != 0.0
+    got = composer_loss(_inputs(views, 3)).loss
+    torch.testing.assert_close(got, composer_loss(_inputs(views, 3, clone=True)).loss)
+    assert got.item() != 0.0
 
 
 def test_a_new_micro_batch_of_the_same_shape_is_recomputed() -> None:
@@ -168,11 +159,10 @@ def test_a_new_micro_batch_of_the_same_shape_is_recomputed() -> None:
     work is never reused, even where the allocator hands out the same memory."""
     for seed in range(4):
         f = _fields(10 + seed)
-        split = {k: v[None].squeeze().split(list(LENGTHS)) for k, v in f.items()}
-        got = composer_loss(LossInputs(*(split[k][0] for k in ("lp", "inf", "ref", "adv", "mask")))).loss
-        own = [t.clone() for t in (split[k][0] for k in ("lp", "inf", "ref", "adv", "mask"))]
-        torch.testing.assert_close(got, composer_loss(LossInputs(*own)).loss, rtol=0, atol=0)
-        del f, split
+        views = _views(f)
+        got = composer_loss(_inputs(views, 0)).loss
+        torch.testing.assert_close(got, composer_loss(_inputs(views, 0, clone=True)).loss, rtol=0, atol=0)
+        del f, views
 
 
 @pytest.mark.parametrize("kwargs", [CONFIGS[1], CONFIGS[2]])
@@ -185,13 +175,8 @@ def test_gradcheck_through_packed_views(kwargs) -> None:
     )
 
     def total(lp: torch.Tensor) -> torch.Tensor:
-        split = {k: v[None].squeeze().split(list(LENGTHS)) for k, v in {**f, "lp": lp * 1.0}.items()}
-        losses = [
-            composer_loss(
-                LossInputs(*(split[k][i] for k in ("lp", "inf", "ref", "adv", "mask"))), **kwargs
-            ).loss
-            for i in range(len(LENGTHS))
-        ]
+        views = _views({**f, "lp": lp * 1.0})
+        losses = [composer_loss(_inputs(views, i), **kwargs).loss for i in range(len(LENGTHS))]
         return torch.stack(losses).sum()
 
     lp = f["lp"].clone().requires_grad_(True)

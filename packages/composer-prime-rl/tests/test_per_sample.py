@@ -195,22 +195,11 @@ def test_loss_is_additive_over_tokens_so_packing_cannot_change_it(make_inputs, k
 
 
 # ------------------------------------------------------------------ host reads per call (issue 19)
-def _count_host_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    calls: list[str] = []
-    for name in ("item", "__bool__", "__float__", "__int__", "__index__", "tolist"):
-        orig = getattr(torch.Tensor, name)
-
-        def wrapper(self: torch.Tensor, *a: object, _orig=orig, _name=name, **k: object) -> object:  # type: ignore[no-untyped-def]
-            calls.append(_name)
-            return _orig(self, *a, **k)
-
-        monkeypatch.setattr(torch.Tensor, name, wrapper)
-    return calls
-
-
 @pytest.mark.parametrize("kwargs", CONFIGS)
 @pytest.mark.parametrize("mask_kind", ["bool", "float01"])
-def test_one_call_reads_the_host_at_most_once(make_inputs, kwargs, mask_kind, monkeypatch) -> None:
+def test_one_call_reads_the_host_at_most_once(
+    make_inputs, kwargs, mask_kind, monkeypatch, host_reads
+) -> None:
     """Every value check of a sample is fused into one condition read once (PRIME-RL calls the loss once per
     packed sample: a sync per check would stall the device that often). Zero-filled ``ref_logprobs`` (the
     packer's fill) and empty masks are handled without a branch on tensor values."""
@@ -226,7 +215,7 @@ def test_one_call_reads_the_host_at_most_once(make_inputs, kwargs, mask_kind, mo
         inputs.trainer_logprobs, inputs.inference_logprobs, torch.zeros(3, dtype=torch.float64),
         inputs.advantages, inputs.loss_mask,
     )  # fmt: skip
-    calls = _count_host_reads(monkeypatch)
+    calls = host_reads()
     for sample in (inputs, zero_filled):
         calls.clear()
         out = composer_loss(sample, **kwargs)

@@ -629,9 +629,8 @@ def _plan(
     entries = [v.get(k, (None, "mask", None)) for v in variants for k in (*keys, "loss")]
     if len(variants) > 1:  # the selector: Σ f / max(Σ f, 1) is 1 if any, else 0
         entries += [("mask", "mask", "mask"), ("ref_nonzero", "ref_nonzero", "ref_nonzero")]
-    rows = tuple(
-        dict.fromkeys(n for _, w, d in entries for n in (w, d) if n is not None)
-    )  # where, denominators
+    # the bool columns that select (where) or count (denominator) tokens, in first-use order
+    rows = tuple(dict.fromkeys(n for _, w, d in entries for n in (w, d) if n is not None))
     floats = tuple(n for n in names if n not in _BOOL_COLUMNS)
     columns = (*floats, None, *(n for n in names if n in _BOOL_COLUMNS and n not in rows), *rows)
     width = len(columns)
