@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import types
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -442,6 +443,159 @@ def test_manifest_proposed_again_after_a_deletion_race_is_a_named_conflict(
     with pytest.raises(RoundConflictError, match="rank 0 applied a different manifest"):
         late.allreduce(0, mine)
     assert torch.equal(mine[0], torch.full((1,), 3.0))  # nothing applied
+
+
+# ---- in step: the committed-round check rides on the wait (issue 19: 1 MiB rounds) -------------
+
+
+@pytest.fixture(params=["file", "memory", "s3"])
+def where(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, Any]:
+    """Store kwargs for file://, memory:// and moto's s3:// (the listing paths differ on each)."""
+    if request.param == "s3":
+        options = request.getfixturevalue("moto_s3")
+        return {"url": f"s3://diloco-test/{uuid.uuid4().hex}", "storage_options": options}
+    if request.param == "file":
+        return {"url": f"file://{tmp_path}"}
+    return {"url": f"memory://os-{uuid.uuid4().hex}"}
+
+
+def _at(where: dict[str, Any], world: int, **kw: Any) -> list[ObjectStoreAllReduce]:
+    return _stores(where["url"], world, storage_options=where.get("storage_options"), **kw)
+
+
+def _in_step(stores: list[ObjectStoreAllReduce], rounds: range) -> None:
+    for rnd in rounds:
+        out = _parallel(stores, rnd, [[torch.full((2,), float(r))] for r in range(len(stores))])
+        assert all(not isinstance(o, BaseException) for o in out), out
+
+
+def test_a_replica_in_step_makes_no_committed_round_check(
+    where: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After completing round r-1 a replica has nothing of round r: the check (a manifest GET, a
+    rounds LIST and a GET per peer marker on S3) is left to the wait, which sees what it would. A
+    fresh replica (restart) and a re-run still check first. Fails on the old main: 2 checks a round."""
+    stores = _at(where, 2, timeout_s=30)
+    checks: Counter[int] = Counter()
+    committed = ObjectStoreAllReduce._committed
+
+    def counting(self: ObjectStoreAllReduce, round_id: int) -> Any:
+        checks[self.rank] += 1
+        return committed(self, round_id)
+
+    monkeypatch.setattr(ObjectStoreAllReduce, "_committed", counting)
+    _in_step(stores, range(4))
+    assert checks == {0: 1, 1: 1}  # round 0 only: nothing is known before a replica's first round
+    again = [torch.full((2,), 9.0)]
+    assert stores[1].allreduce(2, again).adopted and torch.equal(again[0], torch.full((2,), 0.5))
+    assert checks[1] == 2  # a re-run of a committed round is checked first, and adopted
+    stores[0].cleanup_run()
+
+
+def test_in_step_straggler_adopts_the_round_committed_without_it(where: dict[str, Any]) -> None:
+    """Rank 2 completed round 0 in step, then arrives at round 1 after ranks 0 and 1 committed it
+    without it: it writes its object (never averaged), finds the manifest, and ends identical."""
+    stores = _at(where, 3, timeout_s=0.3, on_timeout="proceed")
+    _in_step(stores, range(1))
+    out = _parallel(stores[:2], 1, [[torch.full((2,), 2.0)], [torch.full((2,), 4.0)]])
+    assert [o.participants for o in out] == [[0, 1], [0, 1]]
+    late = [torch.full((2,), 100.0)]
+    stats = stores[2].allreduce(1, late)
+    assert stats.participants == [0, 1] and torch.equal(late[0], torch.full((2,), 3.0))
+    stores[0].cleanup_run()
+
+
+def test_in_step_replica_finds_a_manifest_committed_while_it_waits(where: dict[str, Any]) -> None:
+    """Rank 1 is dead; rank 0 gives up on it after 0.3 s and commits {0, 2}. Rank 2, in step and
+    waiting 30 s for rank 1, sees the manifest at its next listing instead of its own timeout."""
+    s0, s1, s2 = _at(where, 3, timeout_s=30, on_timeout="proceed")
+    _in_step([s0, s1, s2], range(1))
+    s0.timeout_s = 0.3
+    values = [[torch.full((2,), 2.0)], [torch.full((2,), 6.0)]]
+    t0 = time.monotonic()
+    out = _parallel([s0, s2], 1, values)
+    assert [o.participants for o in out] == [[0, 2], [0, 2]], out
+    assert time.monotonic() - t0 < 10
+    assert torch.equal(values[0][0], torch.full((2,), 4.0)) and torch.equal(values[1][0], values[0][0])
+    s0.cleanup_run()
+
+
+def test_in_step_replica_far_behind_gets_expired_and_recreates_nothing(where: dict[str, Any]) -> None:
+    """Rank 1 completed round 0 in step; rank 0 then ran rounds 1-3 alone (keep_rounds=2 deleted
+    round 1). Rank 1 arrives at round 1: its listing shows the later rounds, so it raises
+    RoundExpiredError at once (not after its 30 s timeout), takes its object back, and leaves its
+    values alone; the store holds rounds 2 and 3 only."""
+    fast, late = _at(where, 2, timeout_s=30, on_timeout="proceed", keep_rounds=2)
+    _in_step([fast, late], range(1))
+    fast.timeout_s = 0.2
+    for rnd in range(1, 4):
+        assert fast.allreduce(rnd, [torch.ones(2)]).participants == [0]
+    fast.wait_cleanup()
+    mine = [torch.full((2,), 5.0)]
+    t0 = time.monotonic()
+    with pytest.raises(RoundExpiredError, match=r"round 1 .*store already holds round 3.*checkpoint"):
+        late.allreduce(1, mine)
+    assert time.monotonic() - t0 < 10
+    assert torch.equal(mine[0], torch.full((2,), 5.0))
+    assert fast.rounds_present() == [2, 3]
+    fast.cleanup_run()
+
+
+def test_round_deleted_while_an_in_step_replica_reads_it_is_expired_and_taken_back(
+    where: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The race behind the previous test: rank 1 reads rank 0's object of round 1, and round 1 is
+    deleted (rank 0's cleanup) before rank 1 proposes. Its proposal wins the now empty round, and
+    rank 0's marker (round 1 under another manifest, and on to round 3) names the round expired:
+    rank 1 applies nothing, takes back its object, its manifest and its marker entry."""
+    fast, late = _at(where, 2, timeout_s=30, on_timeout="proceed", keep_rounds=2)
+    _in_step([fast, late], range(1))
+    fast.timeout_s = 0.2
+    monkeypatch.setattr(fast, "_cleanup", lambda *args: None)  # round 1 is still there when rank 1 reads it
+    for rnd in range(1, 4):
+        fast.allreduce(rnd, [torch.ones(2)])
+    take = ObjectStoreAllReduce._take
+
+    def then_deleted(self: ObjectStoreAllReduce, round_id: int, *args: Any) -> None:
+        take(self, round_id, *args)
+        fast._remove_round(round_id)  # the cleanup lands right after the read
+
+    monkeypatch.setattr(late, "_take", types.MethodType(then_deleted, late))
+    mine = [torch.full((2,), 5.0)]
+    with pytest.raises(RoundExpiredError, match=r"round 1 .*rank 0 applied another manifest.*round 3"):
+        late.allreduce(1, mine)
+    assert torch.equal(mine[0], torch.full((2,), 5.0))
+    assert fast.rounds_present() == [2, 3]
+    assert set(late._read_marker(1) or {}) == {0}  # round 1's entry was taken back
+    fast.cleanup_run()
+
+
+def test_one_participant_per_round_deletes_and_a_leftover_round_is_swept(
+    where: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each old round is deleted once (by ranks[round % n]), not by every replica, and the deletion
+    takes every round up to it: a round a dead cleaner left behind goes with the next one. Fails on
+    the old main: 2 deletions per round, and the leftover round stays."""
+    stores = _at(where, 2, timeout_s=30, keep_rounds=2)
+    removals: Counter[int] = Counter()
+    remove = ObjectStoreAllReduce._remove_round
+
+    def counting(self: ObjectStoreAllReduce, old: int) -> None:
+        removals[old] += 1
+        remove(self, old)
+
+    monkeypatch.setattr(ObjectStoreAllReduce, "_remove_round", counting)
+    _in_step(stores, range(4))
+    for s in stores:
+        s.wait_cleanup()
+    assert removals == {0: 1, 1: 1} and stores[0].rounds_present() == [2, 3]
+    stray = stores[1].encode(0, [torch.ones(2)])  # round 0 again, as a cleaner that died would leave it
+    assert stores[1].put_if_absent(stores[1].object_key(0, 1), stray)
+    _in_step(stores, range(4, 5))
+    for s in stores:
+        s.wait_cleanup()
+    assert stores[0].rounds_present() == [3, 4]
+    stores[0].cleanup_run()
 
 
 def _nan_object(store: ObjectStoreAllReduce, rank: int, value: float) -> bytes:

@@ -121,11 +121,12 @@ def _count_s3_requests(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
 
 
 def test_s3_requests_per_round(moto_s3: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    """On S3 the round's fixed cost is its requests. Per replica and round (k = 2, full exchange, the
-    deletion of an old round included): the committed-round check (GET manifest, LIST rounds, GET the
-    peer's marker), PUT object, LIST + GET the peer's object, PUT manifest (+ GET when the peer's won),
-    PUT marker + GET the peer's marker, and one LIST + one bulk DELETE for the old round. s3fs's
-    recursive rm alone took 6 requests, and the pre-proposal re-check 3 more (16 in all on today's main)."""
+    """On S3 the round's fixed cost is its requests. Per replica and round (k = 2, full exchange, in
+    step, deletions included): PUT object, GET the peer's object (no listing: it is there), PUT
+    manifest (+ GET when the peer's won), PUT marker + GET the peer's marker, and half of one LIST +
+    one bulk DELETE (one participant per round deletes): 6.5 in all; the main before issue 19's
+    round 3 made 11.5 (a committed-round check of 3 requests every round, a LIST before each read,
+    every replica deleting), and before that 16."""
     run = uuid.uuid4().hex[:8]
     stores = [
         ObjectStoreAllReduce("s3://diloco-test/rounds", run, rank=r, world_size=2, storage_options=moto_s3)
@@ -140,9 +141,9 @@ def test_s3_requests_per_round(moto_s3: dict[str, Any], monkeypatch: pytest.Monk
     for s in stores:
         s.wait_cleanup()
     per_round = sum(calls.values()) / (len(rounds) * len(stores))
-    assert per_round <= 11.5, dict(calls)
-    assert calls["head_object"] == 0, dict(calls)
-    assert calls["delete_objects"] <= len(rounds) * len(stores), dict(calls)
+    assert per_round <= 7, dict(calls)  # a replica that looks before its peer's PUT lands lists once more
+    assert calls["head_object"] == 0 and calls["list_objects_v2"] <= 2 * len(rounds), dict(calls)
+    assert calls["delete_objects"] == len(rounds), dict(calls)
     for round_id, out in zip(rounds, outs):
         assert all(torch.equal(o, torch.full((64,), round_id + 0.5)) for o in out)
     assert stores[0].rounds_present() == [7, 8]

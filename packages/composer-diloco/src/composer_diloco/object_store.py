@@ -10,6 +10,13 @@ error naming why.** The round's committed manifest is its single source of truth
    new values. If it has none but the run has evidently moved past r (a progress marker of some
    replica accepted r or a later round, or a later round exists), the committed result is gone:
    raise :class:`RoundExpiredError` (restart from a checkpoint). Nothing is written then.
+   A replica *in step* (this instance completed round r - 1 and calls round r) has nothing of
+   round r yet, so this check rides on the later steps instead of costing requests up front:
+   its object goes up first, a committed manifest makes its proposal lose and is read back
+   (step 4) or is seen in the listing (step 3), a later round in the listing sends it to the
+   check above, and a replica's marker that went on from r under another manifest names the
+   round expired (step 5). On :class:`RoundExpiredError` the replica deletes what it wrote into
+   r (its objects, a manifest it proposed) and takes back its marker entry.
 2. Encode the tensors (optionally fp8-quantised) into one object with a magic header, an XXH3-64
    per piece of at most 4 MiB of each tensor and a tag = SHA-256 of the header and that table (with
    a shared secret from ``$COMPOSER_DILOCO_HMAC_KEY``: SHA-256 per piece and HMAC-SHA256; see
@@ -21,8 +28,9 @@ error naming why.** The round's committed manifest is its single source of truth
    (``link`` of a complete temporary file on local filesystems, ``If-None-Match: *`` on S3, a lock
    on ``memory://``). Objects are immutable: a replica whose object for r exists already (it
    re-runs r after a crash) contributes the stored object, which others may have read.
-3. Poll the round's folder. Every object is decoded and validated (magic, tag, run id, round,
-   rank, world size, tensor layout, finite values); a partial, corrupt, non-finite or
+3. Read the other ranks' objects: first directly (on S3 all GETs at once, no listing), then by
+   polling a listing of the run's rounds. Every object is decoded and validated (magic, tag, run
+   id, round, rank, world size, tensor layout, finite values); a partial, corrupt, non-finite or
    unauthenticated object is never averaged.
 4. When every rank is present, or when ``timeout_s`` passes, the replica proposes the participant
    set by *creating* ``manifest.json`` (create-only, as above) listing the ranks and the tag of
@@ -35,7 +43,8 @@ error naming why.** The round's committed manifest is its single source of truth
    :class:`RoundConflictError`. Of two replicas accepting different manifests, at least one sees
    the other's marker, so no two replicas complete r with different averages.
 6. Average in float32 in rank order (``Σ x_r`` then ``/ n``, the order torchft's gloo path
-   uses), write into the caller's tensors, and delete rounds older than ``keep_rounds``.
+   uses), write into the caller's tensors; one participant per round (``ranks[r % n]``) deletes
+   the rounds older than ``keep_rounds`` in the background.
 
 With ``exchange="sharded"`` step 2 writes k shard objects (shard s = the s-th 1/k of every flattened
 tensor, under a fresh nonce) and then the replica's *index* object (at the key above; its tag is what
@@ -97,6 +106,10 @@ _POOL: ThreadPoolExecutor | None = None  # chunk checksums (xxhash/hashlib relea
 _POOL_LOCK = threading.Lock()
 S3_PART_BYTES = 50 << 20  # s3fs's part size: objects of 2 parts or more go up as parallel multipart uploads
 S3_PARTS_IN_FLIGHT = 4  # multipart parts uploading at once (each streamed from the tensors' memory)
+# Up to this size an S3 PUT body is one joined bytes object, above it a stream from the tensors' memory:
+# botocore sends a streamed body behind `Expect: 100-continue`, a round trip before the body (on moto
+# 8-10 ms a PUT, half of a 1 MiB PUT's time; even at 4 MiB the two are level).
+S3_JOINED_PUT_BYTES = 2 << 20
 _STREAM_READ = 1 << 20  # S3 GET bodies are copied into the read buffer this many bytes at a time
 _REDUCE_PIECE = 1 << 18  # float32 elements (1 MiB) of the scratch a full-exchange average goes through
 _PARALLEL_BYTES = 8 << 20  # smaller payloads are checked in the calling thread
@@ -302,6 +315,8 @@ class ObjectStoreAllReduce:
         self._cleaner: ThreadPoolExecutor | None = None  # one worker: deletions run one at a time, in order
         self._cleanups: list[Future[None]] = []
         self._marker: dict[int, str] | None = None  # this replica's progress marker, as last written
+        self._next_round: int | None = None  # the round after the one this instance last completed
+        self._proposed: int | None = None  # the round whose manifest this call created (see _discard)
         self.s3_part_bytes = S3_PART_BYTES  # multipart part size on S3 (parts go up in parallel)
         self.s3_parts_in_flight = S3_PARTS_IN_FLIGHT  # multipart parts uploading at once
         # s3fs's cat_file sends a HEAD (size) before each GET unless max_concurrency=1, and its concurrent
@@ -610,14 +625,19 @@ class ObjectStoreAllReduce:
 
     async def _s3_create(self, key: str, enc: _Encoded) -> bool:
         """Create-only S3 upload. Below 2 parts of ``s3_part_bytes``: one PUT with
-        ``If-None-Match: *`` streamed from the encoded object's memory (no joined copy). From 2
-        parts up: a multipart upload (:meth:`_s3_multipart`) whose completion carries
-        ``If-None-Match: *``: readers never see part of it."""
+        ``If-None-Match: *``, its body joined up to ``S3_JOINED_PUT_BYTES`` and above that streamed
+        from the encoded object's memory (no joined copy). From 2 parts up: a multipart upload
+        (:meth:`_s3_multipart`) whose completion carries ``If-None-Match: *``: readers never see
+        part of it."""
         fs, size, part = self.fs, enc.size, self.s3_part_bytes
         bucket, name, _ = fs.split_path(key)
         try:
             if size < 2 * part:
-                body = _Stream([memoryview(enc.head), *enc.chunks])
+                body: bytes | _Stream = (
+                    enc.tobytes()
+                    if size <= S3_JOINED_PUT_BYTES
+                    else _Stream([memoryview(enc.head), *enc.chunks])
+                )
                 await fs._call_s3("put_object", Bucket=bucket, Key=name, Body=body, IfNoneMatch="*")
             else:
                 await self._s3_multipart(bucket, name, enc)
@@ -724,6 +744,22 @@ class ObjectStoreAllReduce:
             return None
         self.bytes_read += len(data)
         return bytes(data)
+
+    def _read_many(self, keys: Sequence[str], slots: Sequence[str]) -> list[Payload | None]:
+        """:meth:`_read` of each key into its slot; on S3 the GETs are in flight together."""
+        if len(keys) < 2 or not _is_s3(self.fs):
+            return [self._read(key, slot=slot) for key, slot in zip(keys, slots)]
+
+        async def gather() -> list[Any]:  # every GET ends before any error is raised: no stray writer
+            return await asyncio.gather(
+                *(self._s3_read_into(key, slot) for key, slot in zip(keys, slots)), return_exceptions=True
+            )
+
+        got = fsspec.asyn.sync(self.fs.loop, gather)
+        for item in got:
+            if isinstance(item, BaseException):
+                raise item
+        return list(got)
 
     def _map(self, key: str) -> memoryview | None:
         """The object's page-cache pages mapped copy-on-write: checksums and the sum read them in
@@ -908,16 +944,38 @@ class ObjectStoreAllReduce:
     def _accept(self, round_id: int, manifest: _Manifest) -> None:
         """Record that this replica applies ``manifest`` for ``round_id``, then check that no
         replica accepted another one. Marker first, reads second: of two replicas accepting
-        different manifests, the later reader sees the other's marker and raises."""
-        mine = dict(self._marker if self._marker is not None else self._read_marker(self.rank) or {})
-        mine[round_id] = manifest.fingerprint
-        newest = sorted(mine)[-(self.keep_rounds + 1) :]
-        marker = {"run_id": self.run_id, "rank": self.rank, "accepted": {str(r): mine[r] for r in newest}}
+        different manifests, the later reader sees the other's marker and raises. If the round
+        turns out to be one the run has left, the record is taken back (nothing is applied)."""
+        before = dict(self._marker if self._marker is not None else self._read_marker(self.rank) or {})
+        self._record({**before, round_id: manifest.fingerprint})
+        try:
+            self._check_markers(round_id, manifest)
+        except RoundExpiredError:
+            self._record(before)
+            raise
+
+    def _record(self, accepted: Mapping[int, str]) -> None:
+        """Write this replica's progress marker: the newest ``keep_rounds + 1`` accepted rounds."""
+        newest = {r: accepted[r] for r in sorted(accepted)[-(self.keep_rounds + 1) :]}
+        marker = {
+            "run_id": self.run_id,
+            "rank": self.rank,
+            "accepted": {str(r): v for r, v in newest.items()},
+        }
         self.put_atomic(self.marker_key(self.rank), self._dump_json(marker))
-        self._marker = {r: mine[r] for r in newest}
+        self._marker = newest
+
+    def _check_markers(self, round_id: int, manifest: _Manifest) -> None:
         for rank, accepted in sorted(self._read_markers(skip=self.rank).items()):
             theirs = accepted.get(round_id)
             if theirs is not None and theirs != manifest.fingerprint:
+                # it went on under the first manifest: ours was proposed after that one was gone
+                if max(accepted) > round_id:
+                    raise self._expired(
+                        round_id,
+                        f"rank {rank} applied another manifest for it and has reached round {max(accepted)}",
+                        "its manifest is gone (this replica's proposal came after it)",
+                    )
                 raise RoundConflictError(
                     f"round {round_id}: rank {rank} applied a different manifest than this replica "
                     f"(rank {self.rank}); the manifest was deleted and proposed again while replicas "
@@ -950,37 +1008,34 @@ class ObjectStoreAllReduce:
             raise ValueError(f"op must be 'avg' or 'sum', got {op!r}.")
         start = time.monotonic()
         written0, read0 = self.bytes_written, self.bytes_read
-        decoded: dict[int, _Decoded] = {}
+        # In step (this instance completed round r - 1), nothing of round r is this replica's yet: the
+        # committed-round check rides on the wait and the markers (module docstring, step 1).
+        in_step, self._next_round, self._proposed = self._next_round == round_id, None, None
         problems: dict[int, CorruptObjectError] = {}
-        manifest = self._committed(round_id)
-        adopted = manifest is not None
+        manifest = None if in_step else self._committed(round_id)
         own: _Decoded | None = None
-        if manifest is None:
-            own, adopted = self._contribute(round_id, tensors, quantize)
-            decoded[self.rank] = own
-            manifest = self._await_manifest(round_id, decoded, problems)
-        else:
-            logger.warning(
-                "round %d is already committed (ranks %s): rank %d adopts its average, not its new values",
-                round_id,
-                manifest.ranks,
-                self.rank,
-            )
-        inputs = self._gather(round_id, manifest, decoded)
-        participants = manifest.ranks
-        _check_layouts(inputs, participants, round_id)
-        _check_targets(inputs[participants[0]], tensors, round_id)
-        with torch.no_grad():
-            if self.exchange == "sharded":
-                local = None if adopted or own is None else own
-                sums = self._sharded_result(round_id, manifest, inputs, local, op)
-                self._accept(round_id, manifest)
-                for t, acc in zip(tensors, sums):
-                    _apply(t, acc, 1)
+        adopted = manifest is not None
+        try:
+            if manifest is None:
+                own, adopted = self._contribute(round_id, tensors, quantize)
+                decoded = {self.rank: own}
+                manifest = self._await_manifest(round_id, decoded, problems)
             else:
-                self._accept(round_id, manifest)
-                self._reduce_into(tensors, [inputs[r].tensors for r in participants], op)
-        self._cleanup(round_id)
+                decoded = {}
+                logger.warning(
+                    "round %d is already committed (ranks %s): rank %d adopts its average, not its new values",
+                    round_id,
+                    manifest.ranks,
+                    self.rank,
+                )
+            self._apply_round(round_id, manifest, decoded, tensors, None if adopted else own, op)
+        except RoundExpiredError:
+            if own is not None and not adopted:  # this call's objects belong to a round the run has left
+                self._discard(round_id)
+            raise
+        self._cleanup(round_id, manifest)
+        self._next_round = round_id + 1
+        participants = manifest.ranks
         self.last = RoundStats(
             round=round_id,
             participants=list(participants),
@@ -995,6 +1050,31 @@ class ObjectStoreAllReduce:
         if self.last.excluded:
             logger.warning("round %d proceeded without ranks %s", round_id, self.last.excluded)
         return self.last
+
+    def _apply_round(
+        self,
+        round_id: int,
+        manifest: _Manifest,
+        decoded: dict[int, _Decoded],
+        tensors: Sequence[torch.Tensor],
+        local: _Decoded | None,
+        op: str,
+    ) -> None:
+        """Read the committed objects, record acceptance (:meth:`_accept`), then write the result
+        into ``tensors``: nothing changes before every check has passed."""
+        inputs = self._gather(round_id, manifest, decoded)
+        participants = manifest.ranks
+        _check_layouts(inputs, participants, round_id)
+        _check_targets(inputs[participants[0]], tensors, round_id)
+        with torch.no_grad():
+            if self.exchange == "sharded":
+                sums = self._sharded_result(round_id, manifest, inputs, local, op)
+                self._accept(round_id, manifest)
+                for t, acc in zip(tensors, sums):
+                    _apply(t, acc, 1)
+            else:
+                self._accept(round_id, manifest)
+                self._reduce_into(tensors, [inputs[r].tensors for r in participants], op)
 
     def _contribute(
         self, round_id: int, tensors: Sequence[torch.Tensor], quantize: bool
@@ -1269,27 +1349,26 @@ class ObjectStoreAllReduce:
     def _await_manifest(
         self, round_id: int, decoded: dict[int, _Decoded], problems: dict[int, CorruptObjectError]
     ) -> _Manifest:
-        directory = self.round_dir(round_id)
+        """Collect the other ranks' objects until all are present or ``timeout_s`` passes, then
+        propose the participant set. The first look reads the missing objects directly (on S3 all at
+        once, no listing: replicas in step find them there). Each later look lists first: it finds a
+        manifest committed meanwhile (the round went on without this replica: adopt it) and notices
+        a run that has left this round (a later round exists: the committed manifest, or
+        :class:`RoundExpiredError` when it is gone)."""
         deadline = time.monotonic() + self.timeout_s
         delay = self._first_poll_s
+        names: set[str] | None = None  # None: the first look, which lists nothing
         while True:
-            names = self._list(directory)
-            if "manifest.json" in names:
-                found = self._read_manifest(round_id)
-                if found is not None:
-                    return found
-            for r in range(self.world_size):
-                if r in decoded or f"rank-{r:05d}.bin" not in names:
-                    continue
-                key = self.object_key(round_id, r)
-                raw = self._read(key, slot=f"obj-{r}")
-                if raw is None:
-                    continue
-                try:
-                    decoded[r] = self.decode(raw, round_id=round_id, rank=r, key=key)
-                    problems.pop(r, None)
-                except CorruptObjectError as exc:
-                    problems[r] = exc  # maybe still being written by a non-atomic writer: re-read
+            self._take(
+                round_id,
+                [
+                    r
+                    for r in range(self.world_size)
+                    if r not in decoded and (names is None or f"rank-{r:05d}.bin" in names)
+                ],
+                decoded,
+                problems,
+            )
             timed_out = time.monotonic() >= deadline
             if len(decoded) == self.world_size or timed_out:
                 if len(decoded) < self.world_size:  # never exclude ranks from a round the run has left
@@ -1299,22 +1378,85 @@ class ObjectStoreAllReduce:
                     self._check_timeout(round_id, decoded, problems)
                 # With every object present the proposal is the only possible one: a manifest committed
                 # since the listing makes ours lose (create-only) and is read back; a round the run has
-                # left was refused by the check before this replica contributed, and a deletion racing
-                # this round is caught by _accept's markers before any tensor changes.
-                created = self._propose_manifest(round_id, decoded)
-                key = self.manifest_key(round_id)  # ours won: no need to read it back
-                found = (
-                    self._read_manifest(round_id)
-                    if created is None
-                    else self._parse_manifest(created, key, round_id)
-                )
-                if found is None:
-                    raise ObjectStoreError(
-                        f"round {round_id}: manifest {self.manifest_key(round_id)} vanished right after creation."
-                    )
-                return found
+                # left was refused by the check before this replica contributed (or is refused now,
+                # at the read-back), and a deletion racing this round is caught by _accept's markers
+                # before any tensor changes.
+                return self._propose(round_id, decoded)
             time.sleep(min(delay, self.poll_interval_s, max(0.0, deadline - time.monotonic())))
             delay *= 2
+            names, later = self._scan(round_id)
+            if "manifest.json" in names:
+                found = self._read_manifest(round_id)
+                if found is not None:
+                    return found
+            if later:
+                committed = self._committed(round_id)
+                if committed is not None:
+                    return committed
+
+    def _propose(self, round_id: int, decoded: Mapping[int, _Decoded]) -> _Manifest:
+        """Create the manifest of ``decoded``'s ranks; the stored one if another proposal won."""
+        created = self._propose_manifest(round_id, decoded)
+        key = self.manifest_key(round_id)
+        if created is not None:  # ours won: no need to read it back
+            self._proposed = round_id
+            return self._parse_manifest(created, key, round_id)
+        found = self._read_manifest(round_id)
+        if found is None:
+            raise ObjectStoreError(f"round {round_id}: manifest {key} vanished right after creation.")
+        return found
+
+    def _take(
+        self,
+        round_id: int,
+        ranks: Sequence[int],
+        decoded: dict[int, _Decoded],
+        problems: dict[int, CorruptObjectError],
+    ) -> None:
+        """Read and validate the objects of ``ranks`` that exist now (on S3 concurrently)."""
+        keys = [self.object_key(round_id, r) for r in ranks]
+        for r, key, raw in zip(ranks, keys, self._read_many(keys, [f"obj-{r}" for r in ranks])):
+            if raw is None:
+                continue
+            try:
+                decoded[r] = self.decode(raw, round_id=round_id, rank=r, key=key)
+                problems.pop(r, None)
+            except CorruptObjectError as exc:
+                problems[r] = exc  # maybe still being written by a non-atomic writer: re-read
+
+    def _scan(self, round_id: int) -> tuple[set[str], bool]:
+        """The names in round ``round_id``'s folder, and whether a later round is stored: one
+        listing of the run's rounds on S3, two directory reads on a local filesystem."""
+        if _is_s3(self.fs):
+            keys = self._s3_round_keys()
+            here = f"{round_id:010d}"
+            names = {name for r, name in keys if r == here}
+            return names, any(int(r) > round_id for r, _ in keys if r.isdigit())
+        return self._list(self.round_dir(round_id)), any(r > round_id for r in self._rounds_listed())
+
+    def _discard(self, round_id: int) -> None:
+        """Delete what this call wrote into ``round_id``, a round the run has left: this replica's
+        objects and the manifest it proposed, if it did (nobody applies it: every replica that
+        accepts it finds the marker of one that went on under the first), and on a local
+        filesystem the round's folder if that leaves it empty. Best effort: a failure leaves
+        garbage, logged."""
+        directory = self.round_dir(round_id)
+        mine = f"rank-{self.rank:05d}"
+        try:
+            for name in self._list(directory):
+                if (
+                    name == f"{mine}.bin"
+                    or (name.startswith("shard-") and f"-{mine}-" in name)
+                    or (name == "manifest.json" and self._proposed == round_id)
+                ):
+                    self.fs.rm_file(f"{directory}/{name}")
+            if self._local:
+                with contextlib.suppress(OSError):
+                    os.rmdir(directory)
+        except Exception as exc:
+            logger.warning(
+                "could not take back rank %d's objects of expired round %d: %s", self.rank, round_id, exc
+            )
 
     def _check_timeout(
         self, round_id: int, decoded: Mapping[int, _Decoded], problems: Mapping[int, CorruptObjectError]
@@ -1342,14 +1484,16 @@ class ObjectStoreAllReduce:
                 f"fewer than min_replicas={self.min_replicas} ({missing})."
             )
 
-    def _cleanup(self, round_id: int) -> None:
-        """Delete round ``round_id - keep_rounds`` in the background (directory removal is a slow
-        metadata operation on many filesystems; it overlaps the next inner steps). One long-lived
-        worker runs the deletions in order (no thread start per round); a round waits only when
-        more than ``_CLEANUPS_QUEUED`` are behind. :meth:`rounds_present` and :meth:`cleanup_run`
-        wait for all of them."""
+    def _cleanup(self, round_id: int, manifest: _Manifest) -> None:
+        """Delete round ``round_id - keep_rounds`` (and any older one still stored) in the background:
+        directory removal is a slow metadata operation on many filesystems, so it overlaps the next
+        inner steps. One participant per round does it, ``ranks[round_id % n]`` of the manifest (so
+        deletions cost one listing and one bulk delete per round, not per replica); a cleaner that
+        died leaves its rounds to the next round's. One long-lived worker runs the deletions in order
+        (no thread start per round); a round waits only when more than ``_CLEANUPS_QUEUED`` are
+        behind. :meth:`rounds_present` and :meth:`cleanup_run` wait for all of them."""
         old = round_id - self.keep_rounds
-        if old < 0:
+        if old < 0 or manifest.ranks[round_id % len(manifest.ranks)] != self.rank:
             return
         if self._cleaner is None:  # not a daemon: the interpreter finishes queued deletions before exiting
             self._cleaner = ThreadPoolExecutor(1, thread_name_prefix="diloco-store-cleanup")
@@ -1359,36 +1503,68 @@ class ObjectStoreAllReduce:
         self._cleanups.append(self._cleaner.submit(self._remove_round, old))
 
     def _remove_round(self, old: int) -> None:
+        """Delete every stored round up to ``old``."""
         try:
-            self._remove_tree(self.round_dir(old))
-        except FileNotFoundError:
-            pass
+            if _is_s3(self.fs):
+                fsspec.asyn.sync(self.fs.loop, self._s3_remove_rounds, old)
+                return
+            for r in self._rounds_listed():
+                if r <= old:
+                    with contextlib.suppress(FileNotFoundError):
+                        self._remove_tree(self.round_dir(r))
         except Exception as exc:  # a failed cleanup leaves garbage, never a wrong average
-            logger.warning("could not delete round %d of run %r: %s", old, self.run_id, exc)
+            logger.warning("could not delete rounds up to %d of run %r: %s", old, self.run_id, exc)
 
     def _remove_tree(self, path: str) -> None:
         """Delete ``path`` and everything under it. On S3: one listing and one bulk delete per 1,000 keys
         (s3fs's recursive rm adds HEADs and listings)."""
         if _is_s3(self.fs):
-            fsspec.asyn.sync(self.fs.loop, self._s3_remove_prefix, path.rstrip("/") + "/")
+            prefix = path.rstrip("/") + "/"
+            fsspec.asyn.sync(self.fs.loop, self._s3_delete, prefix)
         else:
             self.fs.rm(path, recursive=True)
 
-    async def _s3_remove_prefix(self, prefix: str) -> None:
-        """Delete every object under ``prefix`` (ending in ``/``)."""
+    def _s3_round_keys(self) -> list[tuple[str, str]]:
+        """(round folder, name) of every object under the run's ``rounds/`` (one LIST per 1,000)."""
+        prefix = self.key("rounds") + "/"
+        keys: list[str] = fsspec.asyn.sync(self.fs.loop, self._s3_keys, prefix)
+        pairs = [k[len(prefix) :].split("/") for k in keys]
+        return [(p[0], p[1]) for p in pairs if len(p) == 2]
+
+    async def _s3_keys(self, prefix: str) -> list[str]:
+        """Every key under ``prefix`` (ending in ``/``), as ``bucket/key`` paths."""
         bucket, name, _ = self.fs.split_path(prefix)
+        name = name.rstrip("/") + "/"
+        keys: list[str] = []
         token: dict[str, Any] = {}
         while True:
             page = await self.fs._call_s3("list_objects_v2", Bucket=bucket, Prefix=name, **token)
-            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
-            if keys:
-                await self.fs._call_s3(
-                    "delete_objects", Bucket=bucket, Delete={"Objects": keys, "Quiet": True}
-                )
+            keys += [f"{bucket}/{o['Key']}" for o in page.get("Contents", [])]
             if not page.get("IsTruncated"):
-                break
+                return keys
             token = {"ContinuationToken": page["NextContinuationToken"]}
+
+    async def _s3_remove_rounds(self, old: int) -> None:
+        """Delete every object of rounds up to ``old``: one listing, one bulk delete per 1,000 keys."""
+        prefix = self.key("rounds") + "/"
+        folders = [(k, k[len(prefix) :].split("/", 1)[0]) for k in await self._s3_keys(prefix)]
+        await self._s3_delete_keys([k for k, r in folders if r.isdigit() and int(r) <= old])
         self.fs.invalidate_cache(prefix.rstrip("/"))
+
+    async def _s3_delete(self, prefix: str) -> None:
+        """Delete every object under ``prefix`` (ending in ``/``)."""
+        await self._s3_delete_keys(await self._s3_keys(prefix))
+        self.fs.invalidate_cache(prefix.rstrip("/"))
+
+    async def _s3_delete_keys(self, keys: Sequence[str]) -> None:
+        """One bulk delete per 1,000 keys (``bucket/key`` paths of one bucket)."""
+        for lo in range(0, len(keys), 1000):
+            batch = keys[lo : lo + 1000]
+            bucket = self.fs.split_path(batch[0])[0]
+            objects = [{"Key": self.fs.split_path(k)[1]} for k in batch]
+            await self.fs._call_s3(
+                "delete_objects", Bucket=bucket, Delete={"Objects": objects, "Quiet": True}
+            )
 
     def wait_cleanup(self) -> None:
         """Wait until the background deletions of old rounds (if any) have finished."""
