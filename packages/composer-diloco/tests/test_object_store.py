@@ -570,6 +570,20 @@ def test_round_deleted_while_an_in_step_replica_reads_it_is_expired_and_taken_ba
     fast.cleanup_run()
 
 
+def test_the_others_propose_when_the_rank_that_should_died_after_its_object(where: dict[str, Any]) -> None:
+    """With every object present rank min(ranks) proposes and the others read its manifest. Rank 0
+    published its object and died: rank 1 proposes itself after a few looks, well before its
+    timeout, and averages both objects."""
+    dead, alive = _at(where, 2, timeout_s=30)
+    assert dead.put_if_absent(dead.object_key(0, 0), dead.encode(0, [torch.full((2,), 2.0)]))
+    mine = [torch.full((2,), 4.0)]
+    t0 = time.monotonic()
+    stats = alive.allreduce(0, mine)
+    assert stats.participants == [0, 1] and torch.equal(mine[0], torch.full((2,), 3.0))
+    assert time.monotonic() - t0 < 5
+    alive.cleanup_run()
+
+
 def test_one_participant_per_round_deletes_and_a_leftover_round_is_swept(
     where: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:

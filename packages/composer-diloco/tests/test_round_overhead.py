@@ -122,11 +122,12 @@ def _count_s3_requests(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
 
 def test_s3_requests_per_round(moto_s3: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """On S3 the round's fixed cost is its requests. Per replica and round (k = 2, full exchange, in
-    step, deletions included): PUT object, GET the peer's object (no listing: it is there), PUT
-    manifest (+ GET when the peer's won), PUT marker + GET the peer's marker, and half of one LIST +
-    one bulk DELETE (one participant per round deletes): 6.5 in all; the main before issue 19's
-    round 3 made 11.5 (a committed-round check of 3 requests every round, a LIST before each read,
-    every replica deleting), and before that 16."""
+    step, deletions included): PUT object, GET the peer's object (no listing: it is there), the
+    manifest (rank 0 PUTs it, rank 1 GETs it: a losing create-only PUT cost more than a GET), PUT
+    marker + GET the peer's marker, and half of one LIST + one bulk DELETE (one participant per
+    round deletes): about 6.5 in all. The main before issue 19's third round made 11.5 (a
+    committed-round check of 3 requests every round, a LIST before each read, both replicas PUTting
+    the manifest, every replica deleting), and before that 16."""
     run = uuid.uuid4().hex[:8]
     stores = [
         ObjectStoreAllReduce("s3://diloco-test/rounds", run, rank=r, world_size=2, storage_options=moto_s3)
@@ -144,7 +145,37 @@ def test_s3_requests_per_round(moto_s3: dict[str, Any], monkeypatch: pytest.Monk
     assert per_round <= 7, dict(calls)  # a replica that looks before its peer's PUT lands lists once more
     assert calls["head_object"] == 0 and calls["list_objects_v2"] <= 2 * len(rounds), dict(calls)
     assert calls["delete_objects"] == len(rounds), dict(calls)
+    assert calls["put_object"] <= 5.5 * len(rounds), dict(calls)  # 2 objects, 2 markers, 1 manifest a round
     for round_id, out in zip(rounds, outs):
         assert all(torch.equal(o, torch.full((64,), round_id + 0.5)) for o in out)
     assert stores[0].rounds_present() == [7, 8]
     stores[0].cleanup_run()
+
+
+def test_small_s3_objects_go_up_joined_large_ones_streamed(
+    moto_s3: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """botocore sends a streamed (file-like) body behind ``Expect: 100-continue``, a round trip
+    before the body: 8-10 ms a PUT on moto, half of a 1 MiB PUT. Up to ``S3_JOINED_PUT_BYTES`` the
+    body is one bytes object; above it, still a stream from the tensors' memory (no joined copy).
+    Fails on the main before: every create-only PUT was streamed."""
+    import s3fs
+
+    bodies: dict[str, type] = {}
+    call = s3fs.S3FileSystem._call_s3
+
+    async def recording(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        if method == "put_object":
+            bodies["/".join(kwargs["Key"].split("/")[-2:])] = type(kwargs["Body"])
+        return await call(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", recording)
+    store = ObjectStoreAllReduce(
+        f"s3://diloco-test/{uuid.uuid4().hex}", "run", rank=0, world_size=1, storage_options=moto_s3
+    )
+    limit = object_store_module.S3_JOINED_PUT_BYTES
+    store.allreduce(0, [torch.ones(limit // 8)])  # half the limit in float32
+    store.allreduce(1, [torch.ones(limit // 2)])  # twice the limit
+    assert bodies["0000000000/rank-00000.bin"] is bytes and bodies["0000000000/manifest.json"] is bytes
+    assert bodies["0000000001/rank-00000.bin"] is object_store_module._Stream, bodies
+    store.cleanup_run()

@@ -34,8 +34,9 @@ error naming why.** The round's committed manifest is its single source of truth
    unauthenticated object is never averaged.
 4. When every rank is present, or when ``timeout_s`` passes, the replica proposes the participant
    set by *creating* ``manifest.json`` (create-only, as above) listing the ranks and the tag of
-   each rank's object. The first proposal wins; every replica, including a late one, averages
-   exactly those objects (tags checked). On timeout, ``on_timeout="proceed"`` goes on with the
+   each rank's object (with every rank present, the lowest rank proposes and the others first read
+   its manifest for a few polls: a losing create costs more than a read). The first proposal wins;
+   every replica, including a late one, averages exactly those objects (tags checked). On timeout, ``on_timeout="proceed"`` goes on with the
    replicas present (at least ``min_replicas``); ``"fail"`` raises :class:`StragglerTimeoutError`.
 5. Before applying, the replica records the manifest's fingerprint for round r in its progress
    marker ``progress/rank-<rank>.json``, then reads every replica's marker: a marker that accepted
@@ -118,6 +119,7 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _MEMORY_LOCK = threading.Lock()
 _FIRST_POLL_S = 0.001  # polls of a remote store start here and double up to poll_interval_s
 _FIRST_LOCAL_POLL_S = 0.00005  # a local listing costs tens of µs: a 1 MiB round must not wait out 1 ms sleeps
+_PROPOSAL_LOOKS = 4  # reads of the manifest rank min(ranks) proposes, before the others propose too
 _CLEANUPS_QUEUED = 2  # deletions allowed to wait behind the running one before a round waits for them
 _DTYPES = {
     name: getattr(torch, name) for name in ("float16", "bfloat16", "float32", "float64", "float8_e4m3fn")
@@ -1381,6 +1383,10 @@ class ObjectStoreAllReduce:
                 # left was refused by the check before this replica contributed (or is refused now,
                 # at the read-back), and a deletion racing this round is caught by _accept's markers
                 # before any tensor changes.
+                if len(decoded) == self.world_size and self.rank != min(decoded):
+                    found = self._await_proposal(round_id)
+                    if found is not None:
+                        return found
                 return self._propose(round_id, decoded)
             time.sleep(min(delay, self.poll_interval_s, max(0.0, deadline - time.monotonic())))
             delay *= 2
@@ -1393,6 +1399,19 @@ class ObjectStoreAllReduce:
                 committed = self._committed(round_id)
                 if committed is not None:
                     return committed
+
+    def _await_proposal(self, round_id: int) -> _Manifest | None:
+        """With every object present, rank ``min(ranks)`` proposes and the others read its manifest
+        (a losing create-only PUT costs more than a GET), for ``_PROPOSAL_LOOKS`` looks; then they
+        propose too (create-only: a proposer that died changes nothing)."""
+        delay = self._first_poll_s
+        for look in range(_PROPOSAL_LOOKS):
+            found = self._read_manifest(round_id)
+            if found is not None or look == _PROPOSAL_LOOKS - 1:
+                return found
+            time.sleep(delay)
+            delay *= 2
+        return None
 
     def _propose(self, round_id: int, decoded: Mapping[int, _Decoded]) -> _Manifest:
         """Create the manifest of ``decoded``'s ranks; the stored one if another proposal won."""
