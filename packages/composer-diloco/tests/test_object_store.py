@@ -166,7 +166,7 @@ def test_straggler_proceed_goes_on_and_the_late_replica_adopts_the_same_result(u
     assert torch.equal(a[0], torch.full((3,), 2.0))
     b = [torch.full((3,), 10.0)]  # arrives after the manifest: excluded, but ends identical
     late_stats = late.allreduce(0, b)
-    assert late_stats.participants == [0]
+    assert late_stats.participants == [0] and late_stats.adopted
     assert torch.equal(b[0], a[0])
 
 
@@ -502,6 +502,7 @@ def test_in_step_straggler_adopts_the_round_committed_without_it(where: dict[str
     late = [torch.full((2,), 100.0)]
     stats = stores[2].allreduce(1, late)
     assert stats.participants == [0, 1] and torch.equal(late[0], torch.full((2,), 3.0))
+    assert stats.adopted  # its new values are not the round's, as when it checks first
     stores[0].cleanup_run()
 
 

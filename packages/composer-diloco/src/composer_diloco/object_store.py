@@ -36,8 +36,9 @@ error naming why.** The round's committed manifest is its single source of truth
    set by *creating* ``manifest.json`` (create-only, as above) listing the ranks and the tag of
    each rank's object (with every rank present, the lowest rank proposes and the others first read
    its manifest for a few polls: a losing create costs more than a read). The first proposal wins;
-   every replica, including a late one, averages exactly those objects (tags checked). On timeout, ``on_timeout="proceed"`` goes on with the
-   replicas present (at least ``min_replicas``); ``"fail"`` raises :class:`StragglerTimeoutError`.
+   every replica, including a late one, averages exactly those objects (tags checked). On timeout,
+   ``on_timeout="proceed"`` goes on with the replicas present (at least ``min_replicas``);
+   ``"fail"`` raises :class:`StragglerTimeoutError`.
 5. Before applying, the replica records the manifest's fingerprint for round r in its progress
    marker ``progress/rank-<rank>.json``, then reads every replica's marker: a marker that accepted
    a different manifest for r (one was deleted and proposed again) raises
@@ -1016,12 +1017,14 @@ class ObjectStoreAllReduce:
         problems: dict[int, CorruptObjectError] = {}
         manifest = None if in_step else self._committed(round_id)
         own: _Decoded | None = None
+        reused = False  # this replica's object of the round was there before this call
         adopted = manifest is not None
         try:
             if manifest is None:
-                own, adopted = self._contribute(round_id, tensors, quantize)
+                own, reused = self._contribute(round_id, tensors, quantize)
                 decoded = {self.rank: own}
                 manifest = self._await_manifest(round_id, decoded, problems)
+                adopted = reused or manifest.tags.get(self.rank) != own.tag  # or committed without it
             else:
                 decoded = {}
                 logger.warning(
@@ -1032,7 +1035,7 @@ class ObjectStoreAllReduce:
                 )
             self._apply_round(round_id, manifest, decoded, tensors, None if adopted else own, op)
         except RoundExpiredError:
-            if own is not None and not adopted:  # this call's objects belong to a round the run has left
+            if own is not None and not reused:  # this call's objects belong to a round the run has left
                 self._discard(round_id)
             raise
         self._cleanup(round_id, manifest)
