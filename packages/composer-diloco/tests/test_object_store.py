@@ -521,12 +521,15 @@ def test_in_step_replica_finds_a_manifest_committed_while_it_waits(where: dict[s
     s0.cleanup_run()
 
 
-def test_in_step_replica_far_behind_gets_expired_and_recreates_nothing(where: dict[str, Any]) -> None:
+@pytest.mark.parametrize("exchange", ["full", "sharded"])
+def test_in_step_replica_far_behind_gets_expired_and_recreates_nothing(
+    where: dict[str, Any], exchange: str
+) -> None:
     """Rank 1 completed round 0 in step; rank 0 then ran rounds 1-3 alone (keep_rounds=2 deleted
     round 1). Rank 1 arrives at round 1: its listing shows the later rounds, so it raises
     RoundExpiredError at once (not after its 30 s timeout), takes its object back, and leaves its
-    values alone; the store holds rounds 2 and 3 only."""
-    fast, late = _at(where, 2, timeout_s=30, on_timeout="proceed", keep_rounds=2)
+    values alone; the store holds rounds 2 and 3 only (sharded: its shards and index are gone too)."""
+    fast, late = _at(where, 2, timeout_s=30, on_timeout="proceed", keep_rounds=2, exchange=exchange)
     _in_step([fast, late], range(1))
     fast.timeout_s = 0.2
     for rnd in range(1, 4):
@@ -542,14 +545,16 @@ def test_in_step_replica_far_behind_gets_expired_and_recreates_nothing(where: di
     fast.cleanup_run()
 
 
+@pytest.mark.parametrize("exchange", ["full", "sharded"])
 def test_round_deleted_while_an_in_step_replica_reads_it_is_expired_and_taken_back(
-    where: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+    where: dict[str, Any], exchange: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The race behind the previous test: rank 1 reads rank 0's object of round 1, and round 1 is
     deleted (rank 0's cleanup) before rank 1 proposes. Its proposal wins the now empty round, and
     rank 0's marker (round 1 under another manifest, and on to round 3) names the round expired:
-    rank 1 applies nothing, takes back its object, its manifest and its marker entry."""
-    fast, late = _at(where, 2, timeout_s=30, on_timeout="proceed", keep_rounds=2)
+    rank 1 applies nothing, takes back its object (sharded: shards and index), its manifest and its
+    marker entry."""
+    fast, late = _at(where, 2, timeout_s=30, on_timeout="proceed", keep_rounds=2, exchange=exchange)
     _in_step([fast, late], range(1))
     fast.timeout_s = 0.2
     monkeypatch.setattr(fast, "_cleanup", lambda *args: None)  # round 1 is still there when rank 1 reads it
@@ -563,7 +568,11 @@ def test_round_deleted_while_an_in_step_replica_reads_it_is_expired_and_taken_ba
 
     monkeypatch.setattr(late, "_take", types.MethodType(then_deleted, late))
     mine = [torch.full((2,), 5.0)]
-    with pytest.raises(RoundExpiredError, match=r"round 1 .*rank 0 applied another manifest.*round 3"):
+    named = {  # the sharded exchange finds rank 0's shards gone before it gets to the markers
+        "full": r"round 1 .*rank 0 applied another manifest.*round 3",
+        "sharded": r"round 1 .*shard-00001-rank-00000-.* is gone",
+    }
+    with pytest.raises(RoundExpiredError, match=named[exchange]):
         late.allreduce(1, mine)
     assert torch.equal(mine[0], torch.full((2,), 5.0))
     assert fast.rounds_present() == [2, 3]
