@@ -21,7 +21,13 @@ Round 0 also checks that TRL, Liger (and the floor's shapes) agree with composer
 Prints a table and writes ``$COMPOSER_BENCH_OUT/bench_jsd.json`` (with the ``machine`` and ``readme`` blocks of
 the project's bench convention; ``scripts/bench_tables.py`` renders the README table from it).
 
+``--device cuda`` runs the same comparison on a GPU: time is wall time between ``torch.cuda.synchronize()``
+calls, peak is ``torch.cuda.max_memory_allocated()`` above what was allocated before the first pass, Liger runs
+compiled (its default there, ``torch.compile`` of its chunk step; the cold pass pays the compilation, the warm
+passes are timed), and the JSON is ``bench_jsd_cuda.json`` (the README's CPU table is not touched).
+
     python bench/bench_jsd.py [--sizes 32768x4096,152064x1024] [--hidden 896] [--rounds 3] [--small]
+                              [--device cuda --inner 5]
 """
 
 from __future__ import annotations
@@ -81,9 +87,9 @@ def _fused_step(method: str, h_s: Any, h_t: Any, w: Any, chunk: int) -> Any:
         from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
 
         loss_fn = LigerFusedLinearJSDLoss(
-            weight_hard_loss=0.0, weight_soft_loss=1.0, beta=BETA, compiled=False
+            weight_hard_loss=0.0, weight_soft_loss=1.0, beta=BETA, compiled=h_s.is_cuda
         )
-        labels = torch.zeros(h_s.shape[0], dtype=torch.long)
+        labels = torch.zeros(h_s.shape[0], dtype=torch.long, device=h_s.device)
         return loss_fn(h_s, w, h_t, w.detach(), labels)
     raise ValueError(method)
 
@@ -94,9 +100,9 @@ def _floor_step(h_s: Any, h_t: Any, w: Any, chunk: int) -> Any:
 
     with torch.no_grad():
         n, vocab = h_s.shape[0], w.shape[0]
-        zs = torch.empty(min(chunk, n), vocab)
+        zs = torch.empty(min(chunk, n), vocab, device=w.device)
         zt = torch.empty_like(zs)
-        gh = torch.empty(min(chunk, n), h_s.shape[1])
+        gh = torch.empty(min(chunk, n), h_s.shape[1], device=w.device)
         grad_w = torch.zeros_like(w)
         for s in range(0, n, chunk):
             hs, ht = h_s[s : s + chunk], h_t[s : s + chunk]
@@ -105,7 +111,7 @@ def _floor_step(h_s: Any, h_t: Any, w: Any, chunk: int) -> Any:
             torch.matmul(ht, w.T, out=zt[:c])
             torch.matmul(zs[:c], w, out=gh[:c])
             grad_w.addmm_(zs[:c].T, hs)
-    return torch.zeros(())
+    return torch.zeros((), device=w.device)
 
 
 def _logits_step(method: str, z_s: Any, z_t: Any, chunk: int) -> Any:
@@ -130,15 +136,16 @@ def _make_step(form: str, method: str, args: argparse.Namespace) -> tuple[Any, l
 
     vocab, tokens = _parse_sizes(args.sizes)[0]
     g = torch.Generator().manual_seed(0)
+    dev = args.device
     if form == "fused":
-        h_s = (torch.randn(tokens, args.hidden, generator=g) * 0.5).requires_grad_(True)
-        h_t = torch.randn(tokens, args.hidden, generator=g) * 0.5
-        w = (torch.randn(vocab, args.hidden, generator=g) * 2 / args.hidden**0.5).requires_grad_(True)
+        h_s = (torch.randn(tokens, args.hidden, generator=g) * 0.5).to(dev).requires_grad_(True)
+        h_t = (torch.randn(tokens, args.hidden, generator=g) * 0.5).to(dev)
+        w = (torch.randn(vocab, args.hidden, generator=g) * 2 / args.hidden**0.5).to(dev).requires_grad_(True)
         if method == "floor":
             return (lambda: _floor_step(h_s, h_t, w.detach(), args.chunk_size)), [h_s, w]
         return (lambda: _fused_step(method, h_s, h_t, w, args.chunk_size)), [h_s, w]
-    z_s = (torch.randn(tokens, vocab, generator=g) * 2).requires_grad_(True)
-    z_t = torch.randn(tokens, vocab, generator=g) * 2
+    z_s = (torch.randn(tokens, vocab, generator=g) * 2).to(dev).requires_grad_(True)
+    z_t = (torch.randn(tokens, vocab, generator=g) * 2).to(dev)
     return (lambda: _logits_step(method, z_s, z_t, args.chunk_size)), [z_s]
 
 
@@ -148,6 +155,7 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     form, method = args.child.split(":")
     step, params = _make_step(form, method, args)
+    cuda = args.device == "cuda"
 
     def run() -> float:
         for p in params:
@@ -155,19 +163,22 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
         loss = step()
         if loss.requires_grad:
             loss.backward()
-        return float(loss)
+        return float(loss.detach())  # a host read: on CUDA the pass is complete when it returns
 
     if method == "trl":  # imports are not part of the measured peak
         import trl.experimental.gkd  # noqa: F401
     elif method == "liger":
         import liger_kernel.chunked_loss  # noqa: F401
-    base = _rss_bytes()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if cuda else _rss_bytes()
     t0 = time.perf_counter()
     value = run()
     cold = time.perf_counter() - t0
-    peak = _maxrss_bytes() - base
+    peak = (torch.cuda.max_memory_allocated() if cuda else _maxrss_bytes()) - base
     if args.save:  # round 0: loss and (row-subsampled) gradients for the agreement check
-        grads = [p.grad[:: max(1, p.shape[0] // 256)].clone() for p in params if p.grad is not None]
+        grads = [p.grad[:: max(1, p.shape[0] // 256)].cpu() for p in params if p.grad is not None]
         torch.save({"loss": value, "grads": grads}, args.save)
     times = []
     for _ in range(args.inner):
@@ -191,7 +202,7 @@ def _spawn(
 ) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", f"{form}:{method}", "--sizes", f"{vocab}x{tokens}"]
     cmd += ["--hidden", str(args.hidden), "--chunk-size", str(args.chunk_size), "--inner", str(args.inner)]
-    cmd += ["--threads", str(args.threads), "--save", save]
+    cmd += ["--threads", str(args.threads), "--save", save, "--device", args.device]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -259,6 +270,8 @@ def _measure(form: str, vocab: int, tokens: int, args: argparse.Namespace) -> di
 
 
 def _fmt_time(s: dict[str, float]) -> str:
+    if s["time_max_s"] < 1.0:  # a GPU: milliseconds
+        return f"{s['time_s'] * 1e3:.1f} ms [{s['time_min_s'] * 1e3:.1f}–{s['time_max_s'] * 1e3:.1f}]"
     return f"{s['time_s']:.2f} s [{s['time_min_s']:.2f}–{s['time_max_s']:.2f}]"
 
 
@@ -282,9 +295,11 @@ def _readme(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, A
                 round(r["peak_vs_liger"], 2),
             ]
         )
+    cuda = args.device == "cuda"
     return {
         "title": f"Generalized JSD (β = 0.5) forward + backward, float32, H = {args.hidden}, composer chunk = "
-        f"{args.chunk_size}: median of {args.rounds} interleaved rounds [min–max]",
+        f"{args.chunk_size}{', CUDA' if cuda else ''}: median of {args.rounds} interleaved rounds [min–max]"
+        + (f" of the median of {args.inner} warm passes" if args.inner > 1 else ""),
         "columns": [
             "form",
             "V × N",
@@ -300,8 +315,9 @@ def _readme(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, A
         ],
         "rows": table,
         "note": "TRL: `GKDTrainer.generalized_jsd_loss` on materialised logits; Liger: `LigerFusedLinearJSDLoss` "
-        "(compiled=False) / `distillation_loss_fn` for logits; floor: the 4 matmuls alone. Values and gradients "
-        "agree (see `agreement` in the JSON).",
+        f"(compiled={cuda}) / `distillation_loss_fn` for logits; floor: the 4 matmuls alone. Values and gradients "
+        "agree (see `agreement` in the JSON)."
+        + (" Memory: `torch.cuda.max_memory_allocated` above the inputs." if cuda else ""),
     }
 
 
@@ -323,6 +339,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--small", action="store_true", help="tiny sizes, one round: CI's check that the bench works"
     )
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--save", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -340,8 +357,9 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     from composer_core import __version__
 
+    where = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {args.threads} threads"
     print(
-        f"generalized JSD (beta={BETA}) forward+backward, CPU, {args.threads} threads, H={args.hidden}, "
+        f"generalized JSD (beta={BETA}) forward+backward, {where}, H={args.hidden}, "
         f"composer chunk={args.chunk_size}, {args.rounds} interleaved rounds (fresh process per run)"
     )
     rows: list[dict[str, Any]] = []
@@ -370,6 +388,7 @@ def main(argv: list[str] | None = None) -> None:
         "targets": {"fused time / floor": 1.5, "fused memory / Liger": 0.35},
         "machine": {
             "processor": cpu_model(),
+            **({"gpu": torch.cuda.get_device_name()} if args.device == "cuda" else {}),
             "platform": platform.platform(),
             "cpu_count": os.cpu_count(),
             "threads": args.threads,
@@ -390,8 +409,9 @@ def main(argv: list[str] | None = None) -> None:
     }
     out_dir = Path(os.environ.get("COMPOSER_BENCH_OUT", "bench-results"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "bench_jsd.json").write_text(json.dumps(result, indent=2))
-    print(f"wrote {out_dir / 'bench_jsd.json'}")
+    name = "bench_jsd.json" if args.device == "cpu" else f"bench_jsd_{args.device}.json"
+    (out_dir / name).write_text(json.dumps(result, indent=2))
+    print(f"wrote {out_dir / name}")
 
 
 if __name__ == "__main__":

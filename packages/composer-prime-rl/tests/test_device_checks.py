@@ -136,7 +136,9 @@ def test_cuda_loss_runs_under_sync_debug_mode_error(kwargs: dict[str, Any]) -> N
         torch.cuda.set_sync_debug_mode("default")
     for s, (loss, grad, _) in enumerate(got):
         want = _call(_sample("cpu", True, True, seed=s), kwargs)
-        torch.testing.assert_close(loss.cpu(), want[0], rtol=1e-5, atol=1e-6)
+        # float32 on two devices (other exp/log, other summation order): the loss is a small difference of
+        # O(1) per-token terms (|loss| ~ 0.01), so its error is bounded by theirs, a few float32 ulps of 1
+        torch.testing.assert_close(loss.cpu(), want[0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(grad.cpu(), want[1], rtol=1e-5, atol=1e-6)
 
 
@@ -187,5 +189,7 @@ def test_cuda_packed_micro_batch_runs_under_sync_debug_mode_error(kwargs: dict[s
     finally:
         torch.cuda.set_sync_debug_mode("default")
     want = _call_packed([_sample("cpu", True, True, seed=s) for s in range(4)], kwargs)
-    torch.testing.assert_close(torch.stack(losses).cpu(), torch.stack(want[0]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        torch.stack(losses).cpu(), torch.stack(want[0]), rtol=1e-5, atol=1e-5
+    )  # as above
     torch.testing.assert_close(grad.cpu(), want[1], rtol=1e-5, atol=1e-6)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
 import torch
@@ -257,8 +257,31 @@ def compose_loss(
     check = config.check_values and not torch.compiler.is_compiling()
     with value_checks(check):
         return _compose(
-            batch, config, form if any(flags) else None, (normalizer, sdpo_normalizer, replay_normalizer)
+            _upcast(batch),
+            config,
+            form if any(flags) else None,
+            (normalizer, sdpo_normalizer, replay_normalizer),
         )
+
+
+#: The per-token and per-pair float fields. A bf16/fp16 one is upcast to float32 once (a [B, T] copy; its
+#: gradient flows back in its own dtype), so every channel computes in ``promote(dtype, float32)`` as the
+#: distillation kernels do, with or without an ambient autocast (CUDA autocast runs ``exp``/``log`` in float32,
+#: CPU autocast does not: without this the same bf16 batch gave two losses). Logits, hidden states and the LM
+#: head are not copied: the chunked kernels upcast one chunk at a time.
+_UPCAST = (
+    "logprobs", "advantages", "old_logprobs", "ref_logprobs", "inference_logprobs", "rollout_is_weights",
+    "teacher_logprobs", "chosen_logps", "rejected_logps", "ref_chosen_logps", "ref_rejected_logps",
+)  # fmt: skip
+
+
+def _upcast(batch: ComposerBatch) -> ComposerBatch:
+    low = {
+        name: t.float()
+        for name in _UPCAST
+        if isinstance(t := getattr(batch, name), Tensor) and t.dtype in (torch.bfloat16, torch.float16)
+    }
+    return replace(batch, **low) if low else batch
 
 
 def _channel2_flags(batch: ComposerBatch) -> tuple[bool, bool, bool]:

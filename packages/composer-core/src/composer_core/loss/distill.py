@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Literal, cast
 
 import torch
@@ -129,7 +129,7 @@ def jsd_kernel(beta: float) -> Kernel:
             return loss, q.mul_(g.sub_(loss.unsqueeze(-1)))
         d = lp.sub_(lq).neg_()  # log q − log p, in lp's buffer
         f = torch.add(d, log_1m_beta, out=lq)  # lq's buffer is free now
-        torch.logaddexp(f, torch.tensor(log_beta, dtype=f.dtype, device=f.device), out=f)
+        torch.logaddexp(f, torch.full((), log_beta, dtype=f.dtype, device=f.device), out=f)  # a fill: no copy
         f.masked_fill_(torch.eq(d, 0, out=scratch.get("zero", d, torch.bool)), 0.0)
         kl_p = _rowdot(p, f).neg_()  # KL(p‖m)
         g = d.sub_(f)  # log q − log m
@@ -184,14 +184,18 @@ def _non_finite_message(names: tuple[str, str], chunks: tuple[Tensor, Tensor]) -
     )
 
 
-def _check_chunk_finite(loss: Tensor, student: Tensor, teacher: Tensor, idx: Tensor) -> None:
+def _check_chunk_finite(
+    loss: Tensor, student: Tensor, teacher: Tensor, sel: Tensor | slice, keep: Tensor | None
+) -> None:
     """Value check of one chunk's row losses (joins ``compose_loss``'s fused check; eager when called directly)."""
+
+    def rows(x: Tensor) -> Tensor:  # only on failure: the chunk's selected rows
+        return x[sel] if keep is None else x[sel][keep]
+
     value_check(
         None,
         lambda: torch.isfinite(loss),
-        lambda: _non_finite_message(
-            ("student_logits", "teacher_logits"), (student.index_select(0, idx), teacher.index_select(0, idx))
-        ),
+        lambda: _non_finite_message(("student_logits", "teacher_logits"), (rows(student), rows(teacher))),
     )
 
 
@@ -217,11 +221,71 @@ def _in_full_precision(forward: Callable[..., Tensor]) -> Callable[..., Tensor]:
     return wrapper
 
 
-def _rows_into(src: Tensor, idx: Tensor, out: Tensor) -> Tensor:
-    """``src[idx]`` in ``out``'s dtype, written into ``out`` (one copy; no allocation when dtypes match)."""
+def host_reads_are_free(device: torch.device) -> bool:
+    """CPU tensors are already on the host: reading a count or a flag there costs no stall."""
+    return device.type == "cpu"
+
+
+Selector = Tensor | slice
+
+
+def _chunks(rows: Tensor, n_rows: int, chunk_size: int) -> Iterator[tuple[Selector, Tensor | None, int]]:
+    """``(selector, keep, count)`` per chunk of the selected rows.
+
+    ``rows`` is either the int64 indices of the selected rows (chosen on the host: masked rows cost nothing)
+    or, on an accelerator, the bool [N] row mask itself: every row is computed in contiguous slices and the
+    masked ones are zeroed (``keep``), so no shape depends on data and nothing waits for the device.
+    """
+    if rows.dtype == torch.bool:
+        for start in range(0, n_rows, chunk_size):
+            stop = min(start + chunk_size, n_rows)
+            yield slice(start, stop), rows[start:stop], stop - start
+        return
+    for start in range(0, rows.numel(), chunk_size):
+        idx = rows[start : start + chunk_size]
+        yield idx, None, idx.numel()
+
+
+def _chunk_width(rows: Tensor, n_rows: int, chunk_size: int) -> int:
+    selected = n_rows if rows.dtype == torch.bool else rows.numel()
+    return min(chunk_size, max(selected, 1))
+
+
+def _rows_into(src: Tensor, sel: Selector, out: Tensor) -> Tensor:
+    """``src[sel]`` in ``out``'s dtype, written into ``out`` (one copy; no allocation when dtypes match)."""
+    if isinstance(sel, slice):
+        return out.copy_(src[sel])
     if src.dtype == out.dtype:
-        return torch.index_select(src, 0, idx, out=out)
-    return out.copy_(src.index_select(0, idx))
+        return torch.index_select(src, 0, sel, out=out)
+    return out.copy_(src.index_select(0, sel))
+
+
+def _put(dst: Tensor, sel: Selector, value: Tensor) -> None:
+    """``dst[sel] = value`` (cast to ``dst``'s dtype)."""
+    if isinstance(sel, slice):
+        dst[sel].copy_(value)
+    else:
+        dst.index_copy_(0, sel, value if value.dtype == dst.dtype else value.to(dst.dtype))
+
+
+def _factor(scale: float | Tensor, temperature: float, dtype: torch.dtype) -> float | Tensor:
+    """``scale / temperature`` as the gradient's multiplier: a Python float, or a device scalar in ``dtype``
+    (an accelerator's ``1 / count``), rounded once to ``dtype`` either way, as a Python scalar is."""
+    if isinstance(scale, Tensor):
+        return (scale / temperature).to(dtype)
+    return scale / temperature
+
+
+def _times(total: Tensor, scale: float | Tensor) -> Tensor:
+    return total * (scale.to(total.dtype) if isinstance(scale, Tensor) else scale)
+
+
+def _drop_masked(loss: Tensor, grad: Tensor, keep: Tensor | None) -> Tensor:
+    """Zero the loss and gradient of the masked rows of a chunk (accelerator path; NaN-safe)."""
+    if keep is None:
+        return loss
+    grad.masked_fill_(~keep.unsqueeze(-1), 0.0)
+    return torch.where(keep, loss, 0.0)
 
 
 class _ChunkedLogitsLoss(torch.autograd.Function):
@@ -237,7 +301,7 @@ class _ChunkedLogitsLoss(torch.autograd.Function):
         kernel: Kernel,
         temperature: float,
         chunk_size: int,
-        scale: float,
+        scale: float | Tensor,
         per_row: bool,
     ) -> Tensor:
         cdtype = _compute_dtype(student.dtype)
@@ -245,33 +309,34 @@ class _ChunkedLogitsLoss(torch.autograd.Function):
         grad = torch.zeros_like(student)
         per_row_out = torch.zeros(n_rows, dtype=cdtype, device=student.device) if per_row else None
         total = torch.zeros((), dtype=cdtype, device=student.device)
-        width = min(chunk_size, max(rows.numel(), 1))
-        buf_s = torch.empty(width, vocab, dtype=cdtype, device=student.device)
+        buf_s = torch.empty(
+            _chunk_width(rows, n_rows, chunk_size), vocab, dtype=cdtype, device=student.device
+        )
         buf_t = torch.empty_like(buf_s)
-        factor = (1.0 if per_row else scale) / temperature
-        for start in range(0, rows.numel(), chunk_size):
-            idx = rows[start : start + chunk_size]
-            zs = _rows_into(student, idx, buf_s[: idx.numel()])
-            zt = _rows_into(teacher, idx, buf_t[: idx.numel()])
+        factor = _factor(1.0 if per_row else scale, temperature, cdtype)
+        for sel, keep, c in _chunks(rows, n_rows, chunk_size):
+            zs = _rows_into(student, sel, buf_s[:c])
+            zt = _rows_into(teacher, sel, buf_t[:c])
             if temperature != 1.0:
                 zs.div_(temperature)
                 zt.div_(temperature)
             loss, g = kernel(zs, zt)
+            loss = _drop_masked(loss, g, keep)
             _check_chunk_finite(
-                loss, student, teacher, idx
+                loss, student, teacher, sel, keep
             )  # a NaN/inf logit makes its row's loss non-finite
-            if factor != 1.0:
+            if isinstance(factor, Tensor) or factor != 1.0:
                 g.mul_(factor)
-            grad.index_copy_(0, idx, g if g.dtype == grad.dtype else g.to(grad.dtype))
+            _put(grad, sel, g)
             if per_row_out is not None:
-                per_row_out.index_copy_(0, idx, loss)
+                _put(per_row_out, sel, loss)
             else:
                 total += loss.sum()
         ctx.save_for_backward(grad)
         ctx.per_row = per_row
         if per_row_out is not None:
             return per_row_out
-        return total * scale
+        return _times(total, scale)
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, ...]:
@@ -280,7 +345,7 @@ class _ChunkedLogitsLoss(torch.autograd.Function):
         with full_precision(grad.device):
             if ctx.per_row:
                 g = grad * grad_out.to(grad.dtype).unsqueeze(-1)
-            elif bool(grad_out == 1):
+            elif host_reads_are_free(grad.device) and bool(grad_out == 1):
                 g = grad
             else:
                 g = grad * grad_out.to(grad.dtype)
@@ -304,7 +369,7 @@ class _FusedLinearLoss(torch.autograd.Function):
         kernel: Kernel,
         temperature: float,
         chunk_size: int,
-        scale: float,
+        scale: float | Tensor,
     ) -> Tensor:
         cdtype = _compute_dtype(student_hidden.dtype)
         device = student_hidden.device
@@ -325,20 +390,18 @@ class _FusedLinearLoss(torch.autograd.Function):
         tb_c = None if teacher_bias is None else teacher_bias.to(cdtype)
         b_c = None if bias is None else bias.detach().to(cdtype)
         total = torch.zeros((), dtype=cdtype, device=device)
-        factor = scale / temperature
-        width = min(chunk_size, max(rows.numel(), 1))
+        factor = _factor(scale, temperature, cdtype)
+        width = _chunk_width(rows, student_hidden.shape[0], chunk_size)
         hidden = student_hidden.shape[1]
         buf_hs = torch.empty(width, hidden, dtype=cdtype, device=device)
         buf_ht = torch.empty_like(buf_hs)
         buf_s = torch.empty(width, weight.shape[0], dtype=cdtype, device=device)
         buf_t = torch.empty_like(buf_s)
         buf_gh = torch.empty_like(buf_hs) if grad_h is not None else None
-        for start in range(0, rows.numel(), chunk_size):
-            idx = rows[start : start + chunk_size]
-            c = idx.numel()
-            hs = _rows_into(student_hidden, idx, buf_hs[:c])
+        for sel, keep, c in _chunks(rows, student_hidden.shape[0], chunk_size):
+            hs = _rows_into(student_hidden, sel, buf_hs[:c])
             zs = torch.matmul(hs, w_c.T, out=buf_s[:c])
-            zt = torch.matmul(_rows_into(teacher_hidden, idx, buf_ht[:c]), tw_c.T, out=buf_t[:c])
+            zt = torch.matmul(_rows_into(teacher_hidden, sel, buf_ht[:c]), tw_c.T, out=buf_t[:c])
             if b_c is not None:
                 zs.add_(b_c)
             if tb_c is not None:
@@ -347,11 +410,12 @@ class _FusedLinearLoss(torch.autograd.Function):
                 zs.div_(temperature)
                 zt.div_(temperature)
             loss, g = kernel(zs, zt)
+            loss = _drop_masked(loss, g, keep)
             _check_fused_chunk_finite(loss)
             total += loss.sum()
             g.mul_(factor)
             if grad_h is not None and buf_gh is not None:
-                grad_h.index_copy_(0, idx, torch.matmul(g, w_c, out=buf_gh[:c]).to(grad_h.dtype))
+                _put(grad_h, sel, torch.matmul(g, w_c, out=buf_gh[:c]))
             if grad_w is not None:
                 grad_w.addmm_(g.T, hs)
             if grad_b is not None:
@@ -361,14 +425,14 @@ class _FusedLinearLoss(torch.autograd.Function):
         )
         ctx.has = (grad_h is not None, grad_w is not None, grad_b is not None)
         ctx.dtypes = (student_hidden.dtype, weight.dtype, bias.dtype if bias is not None else weight.dtype)
-        return total * scale
+        return _times(total, scale)
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, ...]:
         grad_out = grad_outputs[0]
         saved = ctx.saved_tensors
         outs: list[Tensor | None] = []
-        one = bool(grad_out == 1)
+        one = host_reads_are_free(grad_out.device) and bool(grad_out == 1)
         with full_precision(grad_out.device):
             for has, g, dtype in zip(ctx.has, saved, ctx.dtypes):
                 if not has:
@@ -410,19 +474,27 @@ def _rows_and_scale(
     device: torch.device,
     reduction: str,
     normalizer: float | Tensor | None,
-) -> tuple[Tensor, float]:
-    m = as_mask("mask", mask, token_shape, device=device)
-    rows = m.reshape(-1).nonzero().squeeze(-1)
-    if reduction == "mean" and not isinstance(normalizer, Tensor):
-        denom = float(normalizer) if normalizer is not None else float(max(rows.numel(), 1))
-        return rows, 1.0 / denom
-    return rows, 1.0  # a tensor normaliser divides the sum afterwards (reading it would be a host sync)
+) -> tuple[Tensor, float | Tensor]:
+    """``(rows, scale)``: the selected rows (see :func:`_chunks`) and the mean's ``1 / count``, folded into the
+    kernel's float32 gradient before it is stored in the inputs' dtype (one rounding for a bf16 gradient).
 
-
-def _divide(out: Tensor, reduction: str, normalizer: float | Tensor | None) -> Tensor:
-    if reduction == "mean" and isinstance(normalizer, Tensor):
-        return out / normalizer.to(out.dtype)
-    return out
+    On the host the rows are selected by index and counted. On an accelerator ``rows`` is the bool row mask and
+    the count stays a device tensor, as does a tensor normaliser: nothing waits for the device.
+    """
+    if mask is None:  # every row: counted on the host, nothing to select or zero
+        rows = torch.arange(math.prod(token_shape), device=device)
+    else:
+        m = as_mask("mask", mask, token_shape, device=device).reshape(-1)
+        rows = m.nonzero().squeeze(-1) if host_reads_are_free(device) else m
+    if reduction != "mean":
+        return rows, 1.0
+    if isinstance(normalizer, Tensor):
+        return rows, normalizer.to(device, torch.float64).reciprocal()
+    if normalizer is not None:
+        return rows, 1.0 / float(normalizer)
+    if rows.dtype != torch.bool:
+        return rows, 1.0 / float(max(rows.numel(), 1))
+    return rows, rows.sum().clamp(min=1).to(torch.float64).reciprocal()
 
 
 def chunked_logits_loss(
@@ -450,7 +522,7 @@ def chunked_logits_loss(
     out = _apply_chunked(s, t, rows, kernel, float(temperature), chunk_size, scale, reduction == "none")
     if reduction == "none":
         return out.reshape(token_shape)
-    return _divide(out, reduction, normalizer)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -584,7 +656,7 @@ def fused_linear_loss(
         chunk_size,
         scale,
     )
-    return _divide(out, reduction, normalizer)
+    return out
 
 
 def fused_linear_generalized_jsd(
