@@ -488,13 +488,14 @@ def _rows_and_scale(
         rows = m.nonzero().squeeze(-1) if host_reads_are_free(device) else m
     if reduction != "mean":
         return rows, 1.0
-    if isinstance(normalizer, Tensor):
-        return rows, normalizer.to(device, torch.float64).reciprocal()
+    exact = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+    if isinstance(normalizer, Tensor):  # kept where it is: a 0-dim CPU tensor joins a GPU op as a scalar
+        return rows, normalizer.to(exact).reciprocal()
     if normalizer is not None:
         return rows, 1.0 / float(normalizer)
     if rows.dtype != torch.bool:
         return rows, 1.0 / float(max(rows.numel(), 1))
-    return rows, rows.sum().clamp(min=1).to(torch.float64).reciprocal()
+    return rows, rows.sum().clamp(min=1).to(exact).reciprocal()
 
 
 def chunked_logits_loss(
