@@ -270,7 +270,7 @@ def _measure(form: str, vocab: int, tokens: int, args: argparse.Namespace) -> di
 
 
 def _fmt_time(s: dict[str, float]) -> str:
-    if s["time_max_s"] < 1.0:  # a GPU: milliseconds
+    if s["time_max_s"] < 1.0:  # sub-second runs (a GPU, --small): milliseconds
         return f"{s['time_s'] * 1e3:.1f} ms [{s['time_min_s'] * 1e3:.1f}–{s['time_max_s'] * 1e3:.1f}]"
     return f"{s['time_s']:.2f} s [{s['time_min_s']:.2f}–{s['time_max_s']:.2f}]"
 

@@ -10,28 +10,16 @@ from typing import Any
 
 import pytest
 import torch
+from composer_core.testing.host_reads import HOST_READS, RecordOps
 from composer_prime_rl import LossInputs, composer_loss
 from composer_prime_rl import loss as loss_module
-from torch.utils._python_dispatch import TorchDispatchMode
 
-HOST_READS = {"aten._local_scalar_dense.default", "aten.is_nonzero.default", "aten.item.default"}
-HOST_READS |= {"aten.nonzero.default", "aten.equal.default", "aten.allclose.default"}
 CONFIGS = [
     {},
     {"alpha_sdpo": 0.5},
     {"policy_loss": "clipped_surrogate", "epsilon_low": 0.2, "epsilon_high": 0.28, "delta": 1.5},
     {"policy_loss": "clipped_surrogate", "alpha_sdpo": "2.0", "sdpo_token_clip": "3"},  # CLI strings
 ]
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 def _sample(device: str, weighted: bool, float_mask: bool, n: int = 48, seed: int = 0) -> dict[str, Any]:
@@ -74,7 +62,7 @@ def test_accelerator_path_reads_nothing_to_the_host_and_matches_the_cpu_path(
     want = _call(x, kwargs)  # the CPU path (one host read)
     _call(x, kwargs)  # warm the per-run caches (index tensors) as a first step would
     monkeypatch.setattr(loss_module, "_host_reads_are_free", lambda device: False)
-    with _Ops() as rec:
+    with RecordOps() as rec:
         got = _call(x, kwargs)
     assert not HOST_READS & set(rec.ops), sorted(HOST_READS & set(rec.ops))
     asserts = rec.ops.count("aten._assert_async.msg")
@@ -88,7 +76,7 @@ def test_accelerator_path_reads_nothing_to_the_host_and_matches_the_cpu_path(
 def test_cpu_path_reads_exactly_one_value_to_the_host() -> None:
     x = _sample("cpu", weighted=True, float_mask=False)
     _call(x, {"alpha_sdpo": 0.5})
-    with _Ops() as rec:
+    with RecordOps() as rec:
         _call(x, {"alpha_sdpo": 0.5})
     assert sum(op in HOST_READS for op in rec.ops) == 1 and "aten._assert_async.msg" not in rec.ops
 
@@ -168,7 +156,7 @@ def test_accelerator_path_packed_reads_nothing_to_the_host(
     samples = [_sample("cpu", weighted=True, float_mask=True, seed=s) for s in range(4)]
     want = _call_packed(samples, kwargs)
     monkeypatch.setattr(loss_module, "_host_reads_are_free", lambda device: False)
-    with _Ops() as rec:
+    with RecordOps() as rec:
         got = _call_packed(samples, kwargs)
     assert not HOST_READS & set(rec.ops), sorted(HOST_READS & set(rec.ops))
     assert rec.ops.count("aten._assert_async.msg") == 6 + ("alpha_sdpo" in kwargs)  # once per micro-batch

@@ -26,7 +26,7 @@ from composer_core import ComposerBatch, compose_loss, fused_linear_generalized_
 from composer_core.loss import distill
 from composer_core.loss.config import ComposeConfig
 from composer_core.loss.wrappers import entropy_opd_loss
-from torch.utils._python_dispatch import TorchDispatchMode
+from composer_core.testing.host_reads import HOST_READS, RecordOps
 
 B, T, V, H, P = 4, 16, 3000, 32, 3
 FORMS: dict[str, tuple[str, dict[str, object]]] = {
@@ -39,9 +39,6 @@ FORMS: dict[str, tuple[str, dict[str, object]]] = {
     "entropy_opd": ("logits", {"sdpo_wrapper": "entropy_opd", "entropy_opd_threshold": 0.1}),
     "entropy_opd_fused": ("hidden", {"sdpo_wrapper": "entropy_opd", "entropy_opd_threshold": 0.1}),
 }
-HOST_READS = {"aten._local_scalar_dense.default", "aten.is_nonzero.default", "aten.item.default"}
-HOST_READS |= {"aten.nonzero.default", "aten.equal.default", "aten.allclose.default"}
-HOST_READS |= {"aten.masked_select.default"}
 _NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -99,16 +96,6 @@ def _value_and_grads(b: ComposerBatch, cfg: ComposeConfig, norms: dict[str, Any]
     return [out.total.detach(), *(t.grad for t in _leaves(b) if t.grad is not None)]
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.fixture
 def accelerator_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(distill, "host_reads_are_free", lambda device: False)
@@ -127,9 +114,9 @@ def test_accelerator_path_reads_nothing_to_the_host_and_equals_the_host_path(
     monkeypatch.setattr(distill, "host_reads_are_free", lambda device: False)
     for t in _leaves(b):
         t.grad = None
-    with _Ops() as fwd:
+    with RecordOps() as fwd:
         out = compose_loss(b, cfg, **norms)
-    with _Ops() as bwd:
+    with RecordOps() as bwd:
         out.total.backward()
     reads = [op for op in fwd.ops + bwd.ops if op in HOST_READS]
     if normalizers == "none":  # the policy and replay means count their tokens on the host by design

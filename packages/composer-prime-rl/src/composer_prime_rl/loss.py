@@ -46,6 +46,7 @@ from typing import Any, NamedTuple, NoReturn, cast
 import torch
 from composer_core.loss.distill import _sampled_token_distill, full_precision
 from composer_core.loss.policy import _surrogate_from_ratio
+from composer_core.loss.validation import host_reads_are_free as _host_reads_are_free
 from torch import Tensor
 
 from composer_prime_rl.contract import LossInputs, LossOutputs, read_loss_weights, read_ref_logprobs
@@ -141,11 +142,6 @@ def _raise_bad_values(binary: Tensor | None, mask: Tensor, named: dict[str, Tens
         if not bool((torch.isfinite(t) | ~mask).all()):
             raise ValueError(_NON_FINITE.format(name=name))
     raise ValueError(_OVERFLOW.format(dtype=named["trainer_logprobs"].dtype))
-
-
-def _host_reads_are_free(device: torch.device) -> bool:
-    """CPU tensors are already on the host: reading a flag costs no stall."""
-    return device.type == "cpu"
 
 
 def _passes(total: Tensor, binary: Tensor | None, named: dict[str, Tensor], kept: Tensor) -> bool:

@@ -42,6 +42,9 @@ from composer_core.loss.validation import (
     check_tensor,
     value_check,
 )
+from composer_core.loss.validation import (  # re-exported: the kernels and wrappers look it up here
+    host_reads_are_free as host_reads_are_free,
+)
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
@@ -219,11 +222,6 @@ def _in_full_precision(forward: Callable[..., Tensor]) -> Callable[..., Tensor]:
             return forward(ctx, first, *args)
 
     return wrapper
-
-
-def host_reads_are_free(device: torch.device) -> bool:
-    """CPU tensors are already on the host: reading a count or a flag there costs no stall."""
-    return device.type == "cpu"
 
 
 Selector = Tensor | slice
@@ -521,9 +519,7 @@ def chunked_logits_loss(
     s = student_logits.reshape(-1, vocab)
     t = teacher_logits.detach().reshape(-1, vocab)
     out = _apply_chunked(s, t, rows, kernel, float(temperature), chunk_size, scale, reduction == "none")
-    if reduction == "none":
-        return out.reshape(token_shape)
-    return out
+    return out.reshape(token_shape) if reduction == "none" else out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -644,7 +640,7 @@ def fused_linear_loss(
         t_bias = lm_head_bias  # same head for the (self-)teacher
     token_shape = student_hidden.shape[:-1]
     rows, scale = _rows_and_scale(mask, token_shape, student_hidden.device, reduction, normalizer)
-    out = _apply_fused(
+    return _apply_fused(
         student_hidden.reshape(-1, hidden),
         lm_head_weight,
         lm_head_bias,
@@ -657,7 +653,6 @@ def fused_linear_loss(
         chunk_size,
         scale,
     )
-    return out
 
 
 def fused_linear_generalized_jsd(

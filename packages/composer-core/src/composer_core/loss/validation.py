@@ -22,6 +22,7 @@ __all__ = [
     "check_probability",
     "check_same_shape",
     "check_tensor",
+    "host_reads_are_free",
     "resolve_normalizer",
     "value_check",
     "value_checks",
@@ -31,6 +32,11 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------------------
 # Value checks: eager for a direct call, fused into one host sync inside ``compose_loss``
 # ---------------------------------------------------------------------------------------------------------
+
+
+def host_reads_are_free(device: torch.device) -> bool:
+    """CPU tensors are already on the host: reading a count or a flag there costs no stall."""
+    return device.type == "cpu"
 
 
 class _FusedChecks:
@@ -57,7 +63,8 @@ class _FusedChecks:
         if not self.conditions:
             return
         device = next(
-            (c.device for c in self.conditions if c.device.type != "cpu"), self.conditions[0].device
+            (c.device for c in self.conditions if not host_reads_are_free(c.device)),
+            self.conditions[0].device,
         )
         ok = torch.stack([c.to(device, non_blocking=True) for c in self.conditions])
         if bool(ok.all()):  # the single host sync of a compose_loss call
