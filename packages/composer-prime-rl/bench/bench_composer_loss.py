@@ -5,9 +5,13 @@ PRIME-RL's own ``default_loss_fn`` (the same formula with its seven metrics: the
 since composer_loss returns the same seven).
 
 One "step" = PRIME-RL's ``compute_loss`` pattern: call the loss once per packed sample, sum,
-divide by the token count, backward. Two layouts: ``packed`` is PRIME-RL's train loop (one ``[1, N]`` tensor
-per field for the micro-batch, each call getting ``packed.squeeze().split(sequence_lengths)`` views); ``separate``
-gives each sample its own tensors (a caller that builds them one by one). composer_loss validates every value
+divide by the token count, backward. Three layouts: ``packed`` is PRIME-RL's train loop (one ``[1, N]`` tensor
+per field for the micro-batch, each call getting ``packed.squeeze().split(sequence_lengths)`` views);
+``packed_rl_weights`` is the same loop when the micro-batch carries an rl weight stream (PRIME-RL's orchestrator
+prunes zero-advantage tokens or routes a sample to the ce / ref_kl component, and the packer fills 1.0 for the
+other samples): ``compute_loss`` then reads ``bool(rl_mask.any())`` and passes ``loss_mask = mask & (rl_weights !=
+0)``, a fresh tensor, with ``loss_weights`` = the stream's view, for every method alike; ``separate`` gives each
+sample its own tensors (a caller that builds them one by one). composer_loss validates every value
 (NaN/inf, 0/1 mask, overflow) with one host read on CPU per micro-batch when packed (per sample when separate)
 plus the structural checks in Python on every call; this measures what that costs. Prints the ratios and
 writes JSON to $COMPOSER_BENCH_OUT (default ./bench-results).
@@ -48,10 +52,13 @@ def inline_dppo_kl(
     masked = torch.where(adv > 0, dp > mask_high, dp < -mask_low)
     keep = inputs.loss_mask & ~masked
     per_token = -(keep * adv * torch.exp(log_ratio)) + kl_tau * inputs.loss_mask * log_ratio**2
+    if inputs.loss_weights is not None:  # as PRIME-RL's default_loss_fn
+        per_token = per_token * inputs.loss_weights
     return LossOutputs(loss=per_token.sum(), metrics={"is_masked": masked.float().mean()})
 
 
-LAYOUTS = ("packed", "separate")
+#: layout -> (views of packed micro-batch tensors, an rl weight stream)
+LAYOUTS = {"packed": (True, False), "packed_rl_weights": (True, True), "separate": (False, False)}
 
 
 def make_samples(n: int, length: int, device: torch.device) -> list[dict[str, torch.Tensor]]:
@@ -67,6 +74,8 @@ def make_samples(n: int, length: int, device: torch.device) -> list[dict[str, to
                 "ref": (torch.rand(length, generator=g) * 0.9 + 0.05).log().to(device),
                 "adv": torch.randn(1, generator=g).expand(length).clone().to(device),
                 "mask": (torch.rand(length, generator=g) > 0.1).to(device),
+                # an rl weight stream: zero-advantage tokens pruned (0) on the first tenth, PRIME-RL's fill 1.0
+                "w": (torch.arange(length) >= length // 10).to(torch.float32).to(device),
             }
         )
     return samples
@@ -82,9 +91,11 @@ def step(
     samples: list[dict[str, torch.Tensor]],
     kwargs: dict[str, Any],
     packed: dict[str, torch.Tensor] | None = None,
+    rl_weights: bool = False,
 ) -> None:
     """One step: with ``packed``, PRIME-RL's train loop (the forward's ``[1, N]`` log-probs and the micro-batch
-    tensors, each split by sequence length); else every sample's own tensors."""
+    tensors, each split by sequence length); else every sample's own tensors. ``rl_weights``: ``compute_loss``'s
+    path for a micro-batch with an rl weight stream (a fresh mask per sample, its host read included)."""
     lengths = [s["lp"].shape[0] for s in samples]
     if packed is not None:
         leaf = packed["lp"].clone().requires_grad_(True)
@@ -94,6 +105,14 @@ def step(
         fields = [{**s, "lp": s["lp"].clone().requires_grad_(True)} for s in samples]
     total = fields[0]["lp"].sum() * 0.0
     for f in fields:
+        if rl_weights:
+            rl_mask = f["mask"] & (f["w"] != 0)
+            if bool(rl_mask.any()):
+                total = (
+                    total
+                    + fn(LossInputs(f["lp"], f["inf"], f["ref"], f["adv"], rl_mask, f["w"]), **kwargs).loss
+                )
+            continue
         inputs = LossInputs(f["lp"], f["inf"], f["ref"], f["adv"], f["mask"])
         total = total + fn(inputs, **kwargs).loss
     (total / sum(lengths)).backward()
@@ -114,14 +133,15 @@ def op_count(
     samples: list[dict[str, torch.Tensor]],
     kwargs: dict[str, Any],
     packed: dict[str, torch.Tensor] | None,
+    rl_weights: bool,
 ) -> float:
     """aten operators one sample's loss forward + backward dispatches (metrics included): a whole step's count
     less the same step's with a loss that does nothing, over the samples (the micro-batch's shared work is
     spread over its samples when packed)."""
     with _OpCounter() as counter:
-        step(fn, samples, kwargs, packed)
+        step(fn, samples, kwargs, packed, rl_weights)
     with _OpCounter() as bare:
-        step(_nothing, samples, {}, packed)
+        step(_nothing, samples, {}, packed, rl_weights)
     return (counter.count - bare.count) / len(samples)
 
 
@@ -153,6 +173,7 @@ def interleaved(
     samples: list[dict[str, torch.Tensor]],
     repeats: int,
     packed: dict[str, torch.Tensor] | None,
+    rl_weights: bool,
 ) -> dict[str, list[float]]:
     """ms per step of every method, interleaved (one step of each per repeat, order rotating). On CPU the
     clock is this process's CPU time (``time.process_time``; 1 torch thread): on a shared machine the wall
@@ -163,14 +184,14 @@ def interleaved(
     clock = time.perf_counter if cuda else time.process_time
     names = list(methods)
     for fn, kwargs in methods.values():
-        step(fn, samples, kwargs, packed)  # warm-up
+        step(fn, samples, kwargs, packed, rl_weights)  # warm-up
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(repeats):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             fn, kwargs = methods[name]
             sync()
             t0 = clock()
-            step(fn, samples, kwargs, packed)
+            step(fn, samples, kwargs, packed, rl_weights)
             sync()
             times[name].append((clock() - t0) * 1e3)
     return times
@@ -181,12 +202,13 @@ def measure(
     anchors: list[str],
     samples: list[dict[str, torch.Tensor]],
     packed: dict[str, torch.Tensor] | None,
+    rl_weights: bool,
     repeats: int,
 ) -> dict[str, Any]:
     """One size and layout: times, operator counts, and each method's ratio per interleaved repeat against each
     anchor (side by side), with its median and range."""
-    times = interleaved(methods, samples, repeats, packed)
-    ops = {name: op_count(fn, samples, kw, packed) for name, (fn, kw) in methods.items()}
+    times = interleaved(methods, samples, repeats, packed, rl_weights)
+    ops = {name: op_count(fn, samples, kw, packed, rl_weights) for name, (fn, kw) in methods.items()}
     row: dict[str, Any] = {"times_ms": times, "ops_per_sample": ops}
     for name in methods:
         row[f"{name}_ms"] = statistics.median(times[name])
@@ -260,9 +282,9 @@ def main() -> None:
     for device in devices:
         for length in (int(x) for x in args.lengths.split(",")):
             samples = make_samples(args.samples, length, device)
-            for layout in LAYOUTS:
-                packed = pack(samples) if layout == "packed" else None
-                row = measure(methods, anchors, samples, packed, args.repeats)
+            for layout, (views, rl_weights) in LAYOUTS.items():
+                packed = pack(samples) if views else None
+                row = measure(methods, anchors, samples, packed, rl_weights, args.repeats)
                 row |= {"device": device.type, "layout": layout, "samples": args.samples, "length": length,
                         "repeats": args.repeats, "cpu_threads": args.threads}  # fmt: skip
                 table += readme_rows(row, methods, anchors)
@@ -287,8 +309,9 @@ def main() -> None:
             "title": f"composer_loss per step (PRIME-RL's per-sample loop, forward + backward) vs the inline "
             f"DPPO+KL formula (one metric) and PRIME-RL's own default_loss_fn (its seven metrics, as composer's): "
             f"median of {args.repeats} interleaved repeats [ratio range], CPU time of the process on CPU; layout "
-            f"packed = PRIME-RL's train loop (views of [1, N] micro-batch tensors), separate = each sample's own "
-            f"tensors; ops = aten operators per sample (forward + backward)",
+            f"packed = PRIME-RL's train loop (views of [1, N] micro-batch tensors), packed_rl_weights = the same loop "
+            f"with an rl weight stream (a fresh mask per sample), separate = each sample's own tensors; ops = aten "
+            f"operators per sample (forward + backward)",
             "columns": [
                 "device",
                 "layout",

@@ -131,13 +131,16 @@ def test_cuda_loss_runs_under_sync_debug_mode_error(kwargs: dict[str, Any]) -> N
 
 
 def _call_packed(
-    samples: list[dict[str, Any]], kwargs: dict[str, Any]
+    samples: list[dict[str, Any]], kwargs: dict[str, Any], rl_stream: bool = False
 ) -> tuple[list[torch.Tensor], torch.Tensor, list[dict[str, torch.Tensor]]]:
-    """PRIME-RL's train loop: every field one ``[1, N]`` tensor, each call getting its split views."""
+    """PRIME-RL's train loop: every field one ``[1, N]`` tensor, each call getting its split views. ``rl_stream``:
+    the weights are an rl weight stream, so each call's mask is ``mask & (w != 0)``, a fresh tensor."""
     lengths = [x["lp"].shape[0] for x in samples]
     packed = {k: torch.cat([x[k] for x in samples])[None] for k in samples[0] if samples[0][k] is not None}
     leaf = packed["lp"].clone().requires_grad_(True)
     split = {k: v.squeeze(0).split(lengths) for k, v in {**packed, "lp": leaf * 1.0}.items()}
+    if rl_stream:
+        split["mask"] = tuple(m & (w != 0) for m, w in zip(split["mask"], split["w"], strict=True))
     fields = ("lp", "inf", "ref", "adv", "mask", "w")
     outs = [
         composer_loss(LossInputs(*(split[k][i] if k in split else None for k in fields)), **kwargs)
@@ -180,4 +183,65 @@ def test_cuda_packed_micro_batch_runs_under_sync_debug_mode_error(kwargs: dict[s
     torch.testing.assert_close(
         torch.stack(losses).cpu(), torch.stack(want[0]), rtol=1e-5, atol=1e-5
     )  # as above
+    torch.testing.assert_close(grad.cpu(), want[1], rtol=1e-5, atol=1e-6)
+
+
+def _rl_samples(device: str) -> list[dict[str, Any]]:
+    """Four samples of a micro-batch with an rl weight stream: weight 0 on some loss-mask tokens (pruned)."""
+    samples = [_sample(device, weighted=True, float_mask=False, seed=s) for s in range(4)]
+    for x in samples:
+        x["w"][::4] = 0.0
+    return samples
+
+
+@pytest.mark.parametrize("kwargs", CONFIGS, ids=["dppo", "dppo+sdpo", "clipped+delta", "clipped+sdpo-cli"])
+def test_accelerator_path_rl_stream_reads_nothing_to_the_host(
+    kwargs: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An rl weight stream (fresh masks, float fields packed): the shared work once, each sample's value checks
+    as device asserts on its own slice (one per field and the overflow), no host read, CPU-path results."""
+    samples = _rl_samples("cpu")
+    want = _call_packed(samples, kwargs, rl_stream=True)
+    monkeypatch.setattr(loss_module, "_host_reads_are_free", lambda device: False)
+    packs: list[int] = []
+    pack = loss_module._pack
+    monkeypatch.setattr(loss_module, "_pack", lambda *a, **k: packs.append(1) or pack(*a, **k))
+    with RecordOps() as rec:
+        got = _call_packed(samples, kwargs, rl_stream=True)
+    assert len(packs) == 1  # the micro-batch's shared work (the main before: once per sample)
+    assert not HOST_READS & set(rec.ops), sorted(HOST_READS & set(rec.ops))
+    fields = 4 + ("alpha_sdpo" in kwargs)  # lp, inf, adv, w (+ ref)
+    assert rec.ops.count("aten._assert_async.msg") == len(samples) * (fields + 1)
+    assert all(torch.equal(a, b) for a, b in zip(got[0], want[0], strict=True)) and torch.equal(
+        got[1], want[1]
+    )
+    for a, b in zip(got[2], want[2], strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+@pytest.mark.usefixtures("accelerator_path")
+def test_accelerator_path_rl_stream_asserts_name_the_bad_field_of_its_sample() -> None:
+    samples = _rl_samples("cpu")
+    pruned = int(torch.nonzero(samples[2]["mask"] & (samples[2]["w"] == 0))[0])
+    samples[2]["adv"][pruned] = float("nan")  # in the loss mask but pruned: ignored
+    _call_packed(samples, {"alpha_sdpo": 0.5}, rl_stream=True)
+    selected = int(torch.nonzero(samples[2]["mask"] & (samples[2]["w"] != 0))[0])
+    samples[2]["inf"][selected] = float("inf")
+    with pytest.raises(RuntimeError, match=r"LossInputs\.inference_logprobs has NaN or inf"):
+        _call_packed(samples, {"alpha_sdpo": 0.5}, rl_stream=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kwargs", CONFIGS, ids=["dppo", "dppo+sdpo", "clipped+delta", "clipped+sdpo-cli"])
+def test_cuda_rl_stream_micro_batch_runs_under_sync_debug_mode_error(kwargs: dict[str, Any]) -> None:
+    samples = _rl_samples("cuda")
+    _call_packed(samples, kwargs, rl_stream=True)  # builds the cached index tensors
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        losses, grad, _ = _call_packed(samples, kwargs, rl_stream=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    want = _call_packed(_rl_samples("cpu"), kwargs, rl_stream=True)
+    torch.testing.assert_close(torch.stack(losses).cpu(), torch.stack(want[0]), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grad.cpu(), want[1], rtol=1e-5, atol=1e-6)

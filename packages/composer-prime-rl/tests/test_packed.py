@@ -48,10 +48,16 @@ def _fields(seed: int, dtype: torch.dtype = torch.float64) -> dict[str, torch.Te
 
 
 def _step(
-    f: dict[str, torch.Tensor], kwargs: dict[str, Any], packed: bool, weighted: bool = False
+    f: dict[str, torch.Tensor],
+    kwargs: dict[str, Any],
+    packed: bool,
+    weighted: bool = False,
+    rl_stream: bool = False,
 ) -> tuple[list[LossOutputs], torch.Tensor]:
     """Every sample's outputs and d(Σ losses)/d(log-probs). ``packed``: PRIME-RL's views of ``[1, N]`` tensors
-    (the log-probs a non-leaf, as the forward's output); else each sample's own tensors."""
+    (the log-probs a non-leaf, as the forward's output); else each sample's own tensors. ``rl_stream``: the
+    micro-batch carries rl weights, so PRIME-RL's ``compute_loss`` builds each sample's mask afresh,
+    ``mask & (rl_weights != 0)``, and passes ``loss_weights = rl_weights``."""
     leaf = f["lp"].clone().requires_grad_(True)
     source = {**f, "lp": leaf[None] * 1.0}
     if packed:
@@ -61,7 +67,9 @@ def _step(
     outs = []
     for i in range(len(LENGTHS)):
         s = {k: v[i] for k, v in split.items()}
-        inputs = LossInputs(s["lp"], s["inf"], s["ref"], s["adv"], s["mask"], s["w"] if weighted else None)
+        mask = s["mask"] & (s["w"] != 0) if rl_stream else s["mask"]
+        weights = s["w"] if weighted or rl_stream else None
+        inputs = LossInputs(s["lp"], s["inf"], s["ref"], s["adv"], mask, weights)
         outs.append(composer_loss(inputs, **kwargs))
     torch.stack([o.loss for o in outs]).sum().backward()
     assert leaf.grad is not None
@@ -185,13 +193,14 @@ def test_gradcheck_through_packed_views(kwargs) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kwargs", [CONFIGS[0], CONFIGS[4]])
-def test_packed_under_cpu_autocast_is_bit_identical(dtype, kwargs) -> None:
+@pytest.mark.parametrize("rl_stream", [False, True], ids=["packed-mask", "rl-stream"])
+def test_packed_under_cpu_autocast_is_bit_identical(dtype, kwargs, rl_stream) -> None:
     """An ambient bf16 autocast changes nothing: the metrics' matmul and the backward's product run in full
     precision."""
-    f = _fields(6, dtype)
-    plain = _step(f, kwargs, packed=True)
+    f = _rl_fields(6, dtype) if rl_stream else _fields(6, dtype)
+    plain = _step(f, kwargs, packed=True, rl_stream=rl_stream)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        cast = _step(f, kwargs, packed=True)
+        cast = _step(f, kwargs, packed=True, rl_stream=rl_stream)
     for x, y in zip(plain[0], cast[0], strict=True):
         assert torch.equal(x.loss, y.loss)
         assert all(torch.equal(x.metrics[k], y.metrics[k]) for k in x.metrics)
@@ -214,3 +223,104 @@ def test_garbage_outside_the_mask_changes_nothing(garbage, kwargs) -> None:
     for key in ("lp", "inf", "ref", "adv", "w"):
         dirty[key][~f["mask"] & ~(filled if key == "ref" else torch.zeros_like(filled))] = garbage
     _assert_same(_step(dirty, kwargs, packed=True, weighted=True), clean)
+
+
+# ---- an rl weight stream: every sample's mask is a fresh tensor ------------------------------------------------
+# PRIME-RL's orchestrator gives a sample rl weights when it prunes zero-advantage tokens or routes a sample to the
+# ce / ref_kl component; the packer then fills the stream (1.0) for every other sample of the micro-batch, and
+# compute_loss passes each sample `loss_mask = mask & (rl_weights != 0)` (a new tensor) with `loss_weights =
+# rl_weights` (a view). The float fields are still views of the packed tensors: their work is shared.
+
+
+def _rl_fields(seed: int, dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
+    """A packed micro-batch whose rl weights are 0 on some tokens of the loss mask (pruned) and 1 elsewhere
+    (PRIME-RL's fill), with a few non-unit weights."""
+    f = _fields(seed, dtype)
+    w = torch.ones_like(f["w"])
+    w[::3] = 0.0
+    w[1::7] = 0.5
+    return {**f, "w": w}
+
+
+@pytest.mark.parametrize("kwargs", CONFIGS)
+def test_rl_weight_stream_samples_equal_separate_ones(kwargs) -> None:
+    f = _rl_fields(20)
+    _assert_same(
+        _step(f, kwargs, packed=True, rl_stream=True), _step(f, kwargs, packed=False, rl_stream=True)
+    )
+
+
+@pytest.mark.parametrize("kwargs", CONFIGS)
+def test_an_rl_weight_stream_micro_batch_is_computed_once_and_read_once(
+    kwargs, monkeypatch, host_reads
+) -> None:
+    """The per-token work of a micro-batch whose masks are fresh tensors runs once (fails on the main before:
+    once per sample, each call on the separate path), and its value checks read the host once (before: once per
+    sample)."""
+    packs: list[int] = []
+    pack = loss_module._pack
+
+    def counting(*args: Any, **kw: Any) -> Any:
+        packs.append(1)
+        return pack(*args, **kw)
+
+    monkeypatch.setattr(loss_module, "_pack", counting)
+    f = _rl_fields(21)
+    calls = host_reads()
+    _step(f, kwargs, packed=True, rl_stream=True)
+    assert len(packs) == 1 and len(calls) <= 1, (packs, calls)
+
+
+@pytest.mark.parametrize("garbage", [math.nan, math.inf, -math.inf, 3e38])
+@pytest.mark.parametrize("kwargs", [CONFIGS[1], CONFIGS[4]])
+def test_rl_weight_stream_garbage_outside_each_mask_changes_nothing(garbage, kwargs) -> None:
+    """Values outside a sample's fresh mask are ignored bit for bit, on tokens outside loss_mask and on tokens
+    inside it whose rl weight is 0 (pruned) alike: the micro-batch's one read then fails and each sample is
+    checked on its own slice and trains (sample 2's ref_logprobs stay PRIME-RL's zero fill, see above)."""
+    f = _rl_fields(22)
+    clean = _step(f, kwargs, packed=True, rl_stream=True)
+    dirty = {k: v.clone() for k, v in f.items()}
+    selected = f["mask"] & (f["w"] != 0)
+    filled = torch.zeros_like(selected)
+    filled[sum(LENGTHS[:2]) : sum(LENGTHS[:3])] = True
+    assert (f["mask"] & ~selected).any()  # some pruned tokens carry garbage too
+    for key in ("lp", "inf", "ref", "adv"):
+        dirty[key][~selected & ~(filled if key == "ref" else torch.zeros_like(filled))] = garbage
+    _assert_same(_step(dirty, kwargs, packed=True, rl_stream=True), clean)
+
+
+def test_rl_weight_stream_bad_value_raises_at_its_own_sample_and_the_others_train() -> None:
+    f = _rl_fields(23)
+    selected = f["mask"] & (f["w"] != 0)
+    bad = int(torch.nonzero(selected[sum(LENGTHS[:2]) : sum(LENGTHS[:3])])[0]) + sum(LENGTHS[:2])
+    clean = _step(_rl_fields(23), {}, packed=False, rl_stream=True)[0]
+    f["adv"][bad] = math.inf
+    views = _views(f)
+    for i in range(len(LENGTHS)):
+        v = {k: t[i] for k, t in views.items()}
+        inputs = LossInputs(v["lp"], v["inf"], v["ref"], v["adv"], v["mask"] & (v["w"] != 0), v["w"])
+        if i == 2:
+            with pytest.raises(ValueError, match=r"LossInputs\.advantages has NaN or inf"):
+                composer_loss(inputs)
+            continue
+        torch.testing.assert_close(composer_loss(inputs).loss, clean[i].loss, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("kwargs", [CONFIGS[1], CONFIGS[2]])
+def test_gradcheck_through_an_rl_weight_stream(kwargs) -> None:
+    f = _rl_fields(24)
+    f["lp"] = (f["inf"] + 0.01 * torch.sin(torch.arange(f["lp"].shape[0], dtype=torch.float64))).clamp(
+        max=-0.01
+    )
+
+    def total(lp: torch.Tensor) -> torch.Tensor:
+        views = _views({**f, "lp": lp * 1.0})
+        losses = []
+        for i in range(len(LENGTHS)):
+            v = {k: t[i] for k, t in views.items()}
+            inputs = LossInputs(v["lp"], v["inf"], v["ref"], v["adv"], v["mask"] & (v["w"] != 0), v["w"])
+            losses.append(composer_loss(inputs, **kwargs).loss)
+        return torch.stack(losses).sum()
+
+    lp = f["lp"].clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(total, (lp,), eps=1e-6, atol=1e-8, rtol=1e-6)

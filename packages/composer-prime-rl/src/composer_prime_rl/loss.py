@@ -57,7 +57,8 @@ __all__ = ["composer_loss"]
 
 class _Sample(NamedTuple):
     """The tensors of the samples one micro-batch packs (or of one sample), detached and zeroed outside
-    ``mask`` (no NaN/inf can reach the loss or its gradient)."""
+    ``mask`` (no NaN/inf can reach the loss or its gradient). Under fresh masks (see :class:`_Unmasked`) ``mask``
+    is every token and nothing is zeroed: each call's own mask zeroes the rest of its slice."""
 
     logprobs: Tensor
     inference_logprobs: Tensor
@@ -172,33 +173,64 @@ def _binary(raw_mask: Tensor, device: torch.device) -> Tensor | None:
     return None if raw_mask.dtype == torch.bool else ((raw_mask == 0) | (raw_mask == 1)).all().to(device)
 
 
-def _read_sample(raw_mask: Tensor, named: dict[str, Tensor]) -> tuple[_Sample, _Suspect | None]:
-    """Every field zeroed outside the mask, and every value check in one fused condition (see :func:`_passes`):
-    None when it passed, else what :func:`_recheck` needs to find the sample that failed."""
+def _stack(named: dict[str, Tensor]) -> Tensor:
+    """[F, N] every field in the trainer log-probs' dtype and device, detached (a new tensor)."""
     logprobs = named["trainer_logprobs"]
-    device, dtype = logprobs.device, logprobs.dtype
-    mask = (raw_mask if raw_mask.dtype == torch.bool else raw_mask != 0).to(device)
-    stacked = torch.stack([_as(t, device, dtype) for t in named.values()])
-    kept = _keep(mask, stacked)  # every field detached, zeroed outside the mask
-    total = kept.sum()  # a NaN/±inf on a selected token makes the sum non-finite
-    binary = _binary(raw_mask, device)
-    # PRIME-RL's packer fills ref_logprobs with 0.0 over the whole sample when the sample has none
-    # but a neighbour in its micro-batch has some (trainer/batch.py): that is no teacher (it would pull
-    # every token towards p = 1), so channel 2 is skipped for such a sample, never an error (decided per
-    # sample from the count of these flags, with no branch on tensor values).
-    ref_nonzero = stacked[-1] != 0 if "ref_logprobs" in named else None
-    suspect = None if _passes(total, binary, named, kept) else _Suspect(raw_mask, mask, named, kept)
+    return torch.stack([_as(t, logprobs.device, logprobs.dtype) for t in named.values()])
+
+
+def _as_sample(named: dict[str, Tensor], kept: Tensor, mask: Tensor, stacked: Tensor) -> _Sample:
+    """The fields ``kept`` [F, N] by name. PRIME-RL's packer fills ref_logprobs with 0.0 over the whole sample
+    when the sample has none but a neighbour in its micro-batch has some (trainer/batch.py): that is no teacher
+    (it would pull every token towards p = 1), so channel 2 is skipped for such a sample, never an error (decided
+    per sample from the count of the ``ref_nonzero`` flags of ``stacked``, with no branch on tensor values)."""
     by_name = dict(zip(named, kept.unbind(0), strict=True))
-    sample = _Sample(
+    return _Sample(
         logprobs=by_name["trainer_logprobs"],
         inference_logprobs=by_name["inference_logprobs"],
         ref_logprobs=by_name.get("ref_logprobs"),
         advantages=by_name["advantages"],
         mask=mask,
         weights=by_name.get("loss_weights"),
-        ref_nonzero=ref_nonzero,
+        ref_nonzero=stacked[-1] != 0 if "ref_logprobs" in named else None,
     )
-    return sample, suspect
+
+
+def _read_sample(raw_mask: Tensor, named: dict[str, Tensor]) -> tuple[_Sample, _Suspect | None]:
+    """Every field zeroed outside the mask, and every value check in one fused condition (see :func:`_passes`):
+    None when it passed, else what :func:`_recheck` needs to find the sample that failed."""
+    stacked = _stack(named)
+    mask = (raw_mask if raw_mask.dtype == torch.bool else raw_mask != 0).to(stacked.device)
+    kept = _keep(mask, stacked)  # every field detached, zeroed outside the mask
+    total = kept.sum()  # a NaN/±inf on a selected token makes the sum non-finite
+    binary = _binary(raw_mask, stacked.device)
+    suspect = None if _passes(total, binary, named, kept) else _Suspect(raw_mask, mask, named, kept)
+    return _as_sample(named, kept, mask, stacked), suspect
+
+
+def _read_unmasked(named: dict[str, Tensor]) -> tuple[_Sample, Tensor, bool]:
+    """Fresh masks (see :class:`_Unmasked`): every token of the packed fields, nothing zeroed; (the sample, the
+    stacked fields, whether one host read found every value of them finite: then no call checks again). On an
+    accelerator nothing is read (False): every call checks its own slice with device asserts."""
+    stacked = _stack(named)
+    clean = _host_reads_are_free(stacked.device) and math.isfinite(stacked.sum().item())
+    every = torch.ones(stacked.shape[1], dtype=torch.bool, device=stacked.device)
+    return _as_sample(named, stacked, every, stacked), stacked, clean
+
+
+def _own_mask(unmasked: _Unmasked, raw_mask: Tensor, named: dict[str, Tensor], start: int) -> Tensor:
+    """A call's own bool mask on the packed fields' device, after its value checks on its slice of them (as
+    the separate path checks them: one host read on CPU, device asserts on an accelerator). Skipped when the
+    micro-batch's one read found every value finite and the mask is bool."""
+    stacked = unmasked.stacked
+    mask = (raw_mask if raw_mask.dtype == torch.bool else raw_mask != 0).to(stacked.device)
+    if unmasked.clean and raw_mask.dtype == torch.bool:
+        return mask
+    kept = _keep(mask, stacked[:, start : start + mask.shape[0]])
+    binary = _binary(raw_mask, stacked.device)
+    if not _passes(kept.sum(), binary, named, kept):
+        _raise_bad_values(binary, mask, named)
+    return mask
 
 
 def _recheck(suspect: _Suspect, start: int, n: int) -> None:
@@ -333,6 +365,20 @@ def _sdpo_terms(s: _Sample, opts: PrimeRLLossOptions) -> Tensor:
     )[0]  # fmt: skip
 
 
+class _Unmasked(NamedTuple):
+    """A micro-batch whose float fields are packed views but whose masks are not: with an rl weight stream
+    PRIME-RL's ``compute_loss`` passes each sample ``loss_mask = mask & (rl_weights != 0)``, a new tensor, and
+    ``loss_weights = rl_weights``, a view. Every per-token column is computed once over every token, nothing
+    zeroed; each call zeroes its slice of the table outside its own mask (``torch.where``: exact, NaN/inf
+    included) before the matmul, and backward zeroes its slice of the derivative the same way."""
+
+    stacked: Tensor  # [F, N] the packed fields (each call's value checks read its slice)
+    clean: bool  # one host read found every packed value finite (CPU): no call checks again
+    # [C, 1] bool: the table rows no call's mask touches (ref_nonzero: a teacher is judged on every token of
+    # the sample); None when there is none
+    unmasked_rows: Tensor | None
+
+
 class _Packed(NamedTuple):
     """Everything per token that one micro-batch's samples share, computed once over the packed tensors they
     are views of (PRIME-RL's train loop passes ``packed.squeeze().split(sequence_lengths)``), or over one
@@ -353,6 +399,7 @@ class _Packed(NamedTuple):
     grads: Tensor  # [N] ∂loss/∂ℓ_train per token; with variants [N, 2]: channel 1's, channel 2's share
     keys: tuple[str, ...]  # the K metric keys (then come the loss and the selector)
     suspect: _Suspect | None
+    unmasked: _Unmasked | None  # fresh masks: each call brings its own
 
 
 class _Last:
@@ -363,9 +410,9 @@ class _Last:
     packed: _Packed | None = None
 
 
-def _layout(tensors: tuple[Tensor, ...]) -> tuple[tuple[Tensor, ...], int] | None:
-    """(each tensor's base, the sample's first token in it) when all are 1-D views at one offset of contiguous
-    tensors of one size (PRIME-RL's ``split`` of packed ``[1, N]`` tensors); else None."""
+def _layout(tensors: tuple[Tensor, ...]) -> tuple[tuple[Tensor, ...], int, int] | None:
+    """(each tensor's base, the sample's first token in it, the bases' size) when all are 1-D views at one
+    offset of contiguous tensors of one size (PRIME-RL's ``split`` of packed ``[1, N]`` tensors); else None."""
     bases: list[Tensor] = []
     start = size = -1
     for t in tensors:
@@ -378,19 +425,26 @@ def _layout(tensors: tuple[Tensor, ...]) -> tuple[tuple[Tensor, ...], int] | Non
         elif offset != start or b.numel() != size:
             return None
         bases.append(b)
-    return tuple(bases), start
+    return tuple(bases), start, size
 
 
 def _shared(opts: PrimeRLLossOptions, raw_mask: Tensor, named: dict[str, Tensor]) -> tuple[_Packed, int]:
     """The micro-batch this sample belongs to (computed on its first sample, matched by identity and version
-    counter: an in-place change of any field recomputes it), and the sample's first token in it. Fields that
-    are not views of packed tensors share nothing: their sample is computed on its own."""
-    tensors = (*named.values(), raw_mask)
-    layout = _layout(tensors)
+    counter: an in-place change of any field recomputes it), and the sample's first token in it. The mask is
+    part of the micro-batch when it is a view like the float fields, else each call brings its own (an rl
+    weight stream; see :class:`_Unmasked`). Float fields that are not views of packed tensors share nothing:
+    their sample is computed on its own."""
+    layout = _layout(tuple(named.values()))
     if layout is None:
         return _pack(opts, raw_mask, named), 0
-    bases, start = layout
-    key = (opts, tuple(named), tuple(t._version for t in tensors))
+    bases, start, size = layout
+    mask_layout = _layout((raw_mask,))
+    fresh = mask_layout is None or mask_layout[1:] != (start, size)
+    tensors = (*named.values(), *(() if fresh else (raw_mask,)))
+    key = (opts, tuple(named), tuple(t._version for t in tensors), fresh)
+    if not fresh:
+        assert mask_layout is not None
+        bases += mask_layout[0]
     last = _Last.packed
     if (
         last is not None
@@ -400,19 +454,25 @@ def _shared(opts: PrimeRLLossOptions, raw_mask: Tensor, named: dict[str, Tensor]
         return last, start
     flat = [b.detach().view(-1) for b in bases]
     refs = tuple(weakref.ref(b) for b in bases)
-    _Last.packed = _pack(opts, flat[-1], dict(zip(named, flat[:-1], strict=True)), key, refs)
+    floats = dict(zip(named, flat, strict=False))
+    _Last.packed = _pack(opts, None if fresh else flat[-1], floats, key, refs)
     return _Last.packed, start
 
 
 def _pack(
     opts: PrimeRLLossOptions,
-    raw_mask: Tensor,
+    raw_mask: Tensor | None,
     named: dict[str, Tensor],
     key: tuple[Any, ...] = (),
     bases: tuple[weakref.ref[Tensor], ...] = (),
 ) -> _Packed:
-    """Every per-token column and gradient over the given (packed or single-sample) tensors (under no_grad)."""
-    s, suspect = _read_sample(raw_mask, named)
+    """Every per-token column and gradient over the given (packed or single-sample) tensors (under no_grad);
+    ``raw_mask`` None: every token, each call bringing its own mask (see :class:`_Unmasked`)."""
+    if raw_mask is None:
+        s, stacked, clean = _read_unmasked(named)
+        suspect = None
+    else:
+        s, suspect = _read_sample(raw_mask, named)
     policy, grad, cols = _policy_terms(s, opts)
     w = s.weights
     cols["mask"] = s.mask
@@ -432,6 +492,9 @@ def _pack(
     table = _table([None if c is None else cols[c] for c in columns], s.mask.shape[0], dtype, s.mask.device)
     if w is not None:
         grads = [g * w for g in grads]
+    unmasked = None
+    if raw_mask is None:
+        unmasked = _Unmasked(stacked, clean, _unmasked_rows(columns, s.mask.device))
     return _Packed(
         key=key,
         bases=bases,
@@ -442,6 +505,7 @@ def _pack(
         grads=grads[0] if len(grads) == 1 else torch.stack(grads, dim=1),
         keys=keys,
         suspect=suspect,
+        unmasked=unmasked,
     )
 
 
@@ -454,13 +518,19 @@ def _table(columns: list[Tensor | None], n: int, dtype: torch.dtype, device: tor
     return table
 
 
-def _sample_row(packed: _Packed, start: int, n: int) -> tuple[Tensor, Tensor | None]:
+def _sample_row(packed: _Packed, start: int, n: int, mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
     """One sample's K metric means then its loss (a sum), in the table's dtype, and its gradient selector [2]
     (None without variants; see :class:`_Packed`): one matmul of its slice of the bool columns with its slice
-    of every column, one gather, one division."""
+    of every column, one gather, one division. ``mask``: the call's own (fresh masks), which first zeroes its
+    slice of the table outside it."""
     where, table = packed.where, packed.table
     if n != packed.length:
         where, table = where[:, start : start + n], table[:, start : start + n]
+    if mask is not None:
+        assert packed.unmasked is not None
+        rows = packed.unmasked.unmasked_rows
+        table = torch.where(mask if rows is None else rows | mask, table, _zero(table))
+        where = table[table.shape[0] - where.shape[0] :]
     sums = torch.mm(where, table.T)  # [W, C]: Σ_t where_w · column_c
     num, den = sums.take(packed.picks).unbind()
     means = num.div_(den.clamp_(min=1))
@@ -484,21 +554,32 @@ class _SampleLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, logprobs: Tensor, loss: Tensor, grads: Tensor, selector: Tensor | None, start: int, n: int
+        ctx: Any,
+        logprobs: Tensor,
+        loss: Tensor,
+        grads: Tensor,
+        selector: Tensor | None,
+        start: int,
+        n: int,
+        mask: Tensor | None,
     ) -> Tensor:
-        ctx.save_for_backward(grads, None if selector is None else _as(selector, grads.device, grads.dtype))
+        selector = None if selector is None else _as(selector, grads.device, grads.dtype)
+        ctx.save_for_backward(grads, selector, mask)
         ctx.cut = None if n == grads.shape[0] else slice(start, start + n)
         return loss.to(logprobs.dtype, copy=True)
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
-        grads, selector = ctx.saved_tensors
+        grads, selector, mask = ctx.saved_tensors
         if ctx.cut is not None:
             grads = grads[ctx.cut]
+        if mask is not None:  # fresh masks: the packed derivative covers every token
+            grads = torch.where(mask if grads.dim() == 1 else mask[:, None], grads, _zero(grads))
+        none = (None,) * 6
         if selector is None:
-            return grads * grad_output, None, None, None, None, None
+            return grads * grad_output, *none
         with _exact(grads.device):
-            return torch.mv(grads, selector).mul_(grad_output), None, None, None, None, None
+            return torch.mv(grads, selector).mul_(grad_output), *none
 
 
 _sample_loss = cast(Callable[..., Tensor], _SampleLoss.apply)
@@ -551,7 +632,8 @@ def composer_loss(inputs: LossInputs, **kwargs: Any) -> LossOutputs:
         packed, start = _shared(opts, raw_mask, named)
         if packed.suspect is not None:
             _recheck(packed.suspect, start, n)
-        row, selector = _sample_row(packed, start, n)
+        mask = None if packed.unmasked is None else _own_mask(packed.unmasked, raw_mask, named, start)
+        row, selector = _sample_row(packed, start, n, mask)
     if (
         opts.alpha_sdpo > 0
         and "ref_logprobs" not in named
@@ -567,7 +649,7 @@ def composer_loss(inputs: LossInputs, **kwargs: Any) -> LossOutputs:
         )
     values = row.unbind()  # the K metrics, the loss (and the selector without variants)
     k = len(packed.keys)
-    loss = _sample_loss(inputs.trainer_logprobs, values[k], packed.grads, selector, start, n)
+    loss = _sample_loss(inputs.trainer_logprobs, values[k], packed.grads, selector, start, n, mask)
     if row.dtype != torch.float32:
         values = row.to(torch.float32).unbind()
     return LossOutputs(loss=loss, metrics=dict(zip(packed.keys, values[:k], strict=True)))
@@ -638,6 +720,14 @@ def _plan(
     num = [rows.index(w) * width + columns.index(v) for v, w, _ in entries]
     den = [rows.index(d or w) * width + columns.index(d) for _, w, d in entries]
     return keys, columns, len(rows), tuple(num + den)
+
+
+@functools.cache
+def _unmasked_rows(columns: tuple[str | None, ...], device: torch.device) -> Tensor | None:
+    """[C, 1] bool: the table rows a call's own mask leaves whole (see :class:`_Unmasked`), built once per
+    (columns, device); None when every row is masked."""
+    flags = [c == "ref_nonzero" for c in columns]
+    return torch.tensor(flags, device=device)[:, None] if any(flags) else None
 
 
 @functools.cache
