@@ -289,6 +289,18 @@ def test_rl_weight_stream_garbage_outside_each_mask_changes_nothing(garbage, kwa
     _assert_same(_step(dirty, kwargs, packed=True, rl_stream=True), clean)
 
 
+@pytest.mark.parametrize("kwargs", [CONFIGS[1], CONFIGS[4]])
+def test_rl_weight_stream_finite_inputs_with_overflowing_terms_outside_each_mask(kwargs) -> None:
+    """A finite log-prob of 800 outside every mask: every input is finite (and so is their sum), but e^800
+    overflows float64, so the per-token terms there are inf or NaN. The micro-batch's read covers the metric table
+    and the derivative too, so those calls zero their whole slice outside the mask (a NaN times 0 is NaN)."""
+    f = _rl_fields(25)
+    clean = _step(f, kwargs, packed=True, rl_stream=True)
+    dirty = {k: v.clone() for k, v in f.items()}
+    dirty["lp"][~(f["mask"] & (f["w"] != 0))] = 800.0
+    _assert_same(_step(dirty, kwargs, packed=True, rl_stream=True), clean)
+
+
 def test_rl_weight_stream_bad_value_raises_at_its_own_sample_and_the_others_train() -> None:
     f = _rl_fields(23)
     selected = f["mask"] & (f["w"] != 0)

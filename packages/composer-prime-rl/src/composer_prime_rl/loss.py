@@ -208,14 +208,22 @@ def _read_sample(raw_mask: Tensor, named: dict[str, Tensor]) -> tuple[_Sample, _
     return _as_sample(named, kept, mask, stacked), suspect
 
 
-def _read_unmasked(named: dict[str, Tensor]) -> tuple[_Sample, Tensor, bool]:
-    """Fresh masks (see :class:`_Unmasked`): every token of the packed fields, nothing zeroed; (the sample, the
-    stacked fields, whether one host read found every value of them finite: then no call checks again). On an
-    accelerator nothing is read (False): every call checks its own slice with device asserts."""
+def _read_unmasked(named: dict[str, Tensor]) -> tuple[_Sample, Tensor]:
+    """Fresh masks (see :class:`_Unmasked`): every token of the packed fields, nothing zeroed nor checked yet;
+    (the sample, the stacked fields)."""
     stacked = _stack(named)
-    clean = _host_reads_are_free(stacked.device) and math.isfinite(stacked.sum().item())
     every = torch.ones(stacked.shape[1], dtype=torch.bool, device=stacked.device)
-    return _as_sample(named, stacked, every, stacked), stacked, clean
+    return _as_sample(named, stacked, every, stacked), stacked
+
+
+def _all_finite(stacked: Tensor, table: Tensor) -> bool:
+    """Fresh masks: whether every packed value and float table entry is finite, by one host read of their sums
+    on CPU (then no call checks its slice, and a call masks only the rows that select tokens: finite × 0 is 0;
+    backward always zeroes with ``torch.where``); False on an accelerator, with nothing read (every call checks
+    its own slice with device asserts)."""
+    if not _host_reads_are_free(stacked.device):
+        return False
+    return math.isfinite((stacked.sum() + table.sum()).item())
 
 
 def _own_mask(unmasked: _Unmasked, raw_mask: Tensor, named: dict[str, Tensor], start: int) -> Tensor:
@@ -369,11 +377,13 @@ class _Unmasked(NamedTuple):
     """A micro-batch whose float fields are packed views but whose masks are not: with an rl weight stream
     PRIME-RL's ``compute_loss`` passes each sample ``loss_mask = mask & (rl_weights != 0)``, a new tensor, and
     ``loss_weights = rl_weights``, a view. Every per-token column is computed once over every token, nothing
-    zeroed; each call zeroes its slice of the table outside its own mask (``torch.where``: exact, NaN/inf
-    included) before the matmul, and backward zeroes its slice of the derivative the same way."""
+    zeroed. Each call zeroes its slice of the table outside its own mask before the matmul: ``torch.where`` over
+    the whole slice (exact, NaN/inf included), or, when one read found every entry finite (CPU), a product of
+    only the rows that select tokens (finite × 0 = 0). Backward zeroes its slice of the derivative with
+    ``torch.where``."""
 
     stacked: Tensor  # [F, N] the packed fields (each call's value checks read its slice)
-    clean: bool  # one host read found every packed value finite (CPU): no call checks again
+    clean: bool  # every packed value and table entry is finite (one host read, CPU; see _all_finite)
     # [C, 1] bool: the table rows no call's mask touches (ref_nonzero: a teacher is judged on every token of
     # the sample); None when there is none
     unmasked_rows: Tensor | None
@@ -469,7 +479,7 @@ def _pack(
     """Every per-token column and gradient over the given (packed or single-sample) tensors (under no_grad);
     ``raw_mask`` None: every token, each call bringing its own mask (see :class:`_Unmasked`)."""
     if raw_mask is None:
-        s, stacked, clean = _read_unmasked(named)
+        s, stacked = _read_unmasked(named)
         suspect = None
     else:
         s, suspect = _read_sample(raw_mask, named)
@@ -494,7 +504,8 @@ def _pack(
         grads = [g * w for g in grads]
     unmasked = None
     if raw_mask is None:
-        unmasked = _Unmasked(stacked, clean, _unmasked_rows(columns, s.mask.device))
+        floats = table[: columns.index(None)]  # the bool rows are finite
+        unmasked = _Unmasked(stacked, _all_finite(stacked, floats), _unmasked_rows(columns, s.mask.device))
     return _Packed(
         key=key,
         bases=bases,
@@ -526,11 +537,14 @@ def _sample_row(packed: _Packed, start: int, n: int, mask: Tensor | None) -> tup
     where, table = packed.where, packed.table
     if n != packed.length:
         where, table = where[:, start : start + n], table[:, start : start + n]
-    if mask is not None:
+    if mask is not None:  # fresh masks: zero this call's slice outside its own mask
         assert packed.unmasked is not None
         rows = packed.unmasked.unmasked_rows
-        table = torch.where(mask if rows is None else rows | mask, table, _zero(table))
-        where = table[table.shape[0] - where.shape[0] :]
+        if packed.unmasked.clean:  # every entry finite: the rows that select tokens suffice (finite × 0 = 0)
+            where = where * (mask if rows is None else rows[-where.shape[0] :] | mask)
+        else:
+            table = torch.where(mask if rows is None else rows | mask, table, _zero(table))
+            where = table[table.shape[0] - where.shape[0] :]
     sums = torch.mm(where, table.T)  # [W, C]: Σ_t where_w · column_c
     num, den = sums.take(packed.picks).unbind()
     means = num.div_(den.clamp_(min=1))
