@@ -336,3 +336,20 @@ def test_gradcheck_through_an_rl_weight_stream(kwargs) -> None:
 
     lp = f["lp"].clone().requires_grad_(True)
     assert torch.autograd.gradcheck(total, (lp,), eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
+def test_rl_weight_stream_in_place_change_between_calls_is_seen() -> None:
+    """Fresh masks leave the float fields' identity and version counters as the micro-batch's key: an rl weight
+    changed in place after the first sample is recomputed, never read stale."""
+    f = _rl_fields(26)
+    views = _views(f)
+
+    def call(i: int, clone: bool = False) -> torch.Tensor:
+        v = {k: t[i].clone() if clone else t[i] for k, t in views.items()}
+        return composer_loss(
+            LossInputs(v["lp"], v["inf"], v["ref"], v["adv"], v["mask"] & (v["w"] != 0), v["w"])
+        ).loss
+
+    call(0)
+    f["w"].mul_(3.0)  # in place: the views see it
+    torch.testing.assert_close(call(3), call(3, clone=True), rtol=0, atol=0)

@@ -621,7 +621,9 @@ def composer_loss(inputs: LossInputs, **kwargs: Any) -> LossOutputs:
         Cost: structural checks in Python on every call. When the fields are views of packed tensors (PRIME-RL's
         train loop splits its ``[1, N]`` micro-batch tensors by sequence length), every per-token term and value
         check runs once over the packed tensors at the micro-batch's first sample, and each sample costs one
-        matmul over its slice; otherwise all of it runs on the sample. The value checks are one host read on CPU
+        matmul over its slice; otherwise all of it runs on the sample. A mask that is a fresh tensor while the
+        float fields are packed views (PRIME-RL's ``mask & (rl_weights != 0)`` under an rl weight stream) keeps
+        the shared work: each call zeroes its slice outside its own mask. The value checks are one host read on CPU
         and asynchronous device asserts (no host sync) on an accelerator.
 
         A sample whose ``loss_mask`` selects no token (PRIME-RL calls the loss for it when
