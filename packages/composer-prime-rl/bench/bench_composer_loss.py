@@ -105,16 +105,12 @@ def step(
         fields = [{**s, "lp": s["lp"].clone().requires_grad_(True)} for s in samples]
     total = fields[0]["lp"].sum() * 0.0
     for f in fields:
-        if rl_weights:
-            rl_mask = f["mask"] & (f["w"] != 0)
-            if bool(rl_mask.any()):
-                total = (
-                    total
-                    + fn(LossInputs(f["lp"], f["inf"], f["ref"], f["adv"], rl_mask, f["w"]), **kwargs).loss
-                )
-            continue
-        inputs = LossInputs(f["lp"], f["inf"], f["ref"], f["adv"], f["mask"])
-        total = total + fn(inputs, **kwargs).loss
+        mask, weights = f["mask"], None
+        if rl_weights:  # PRIME-RL's compute_loss: a fresh mask, and a sample without rl tokens is not called
+            mask, weights = mask & (f["w"] != 0), f["w"]
+            if not bool(mask.any()):
+                continue
+        total = total + fn(LossInputs(f["lp"], f["inf"], f["ref"], f["adv"], mask, weights), **kwargs).loss
     (total / sum(lengths)).backward()
 
 

@@ -87,6 +87,13 @@ def _inputs(views: dict[str, tuple[torch.Tensor, ...]], i: int, clone: bool = Fa
     return LossInputs(*(t.clone() if clone else t for t in fields))
 
 
+def _rl_inputs(views: dict[str, tuple[torch.Tensor, ...]], i: int, clone: bool = False) -> LossInputs:
+    """Sample ``i``'s LossInputs under an rl weight stream, as PRIME-RL's ``compute_loss`` builds them: a fresh
+    ``mask & (w != 0)`` and ``loss_weights = w``; ``clone``: every field its own tensor instead of a view."""
+    v = {k: t[i].clone() if clone else t[i] for k, t in views.items()}
+    return LossInputs(v["lp"], v["inf"], v["ref"], v["adv"], v["mask"] & (v["w"] != 0), v["w"])
+
+
 def _assert_same(
     a: tuple[list[LossOutputs], torch.Tensor], b: tuple[list[LossOutputs], torch.Tensor]
 ) -> None:
@@ -309,8 +316,7 @@ def test_rl_weight_stream_bad_value_raises_at_its_own_sample_and_the_others_trai
     f["adv"][bad] = math.inf
     views = _views(f)
     for i in range(len(LENGTHS)):
-        v = {k: t[i] for k, t in views.items()}
-        inputs = LossInputs(v["lp"], v["inf"], v["ref"], v["adv"], v["mask"] & (v["w"] != 0), v["w"])
+        inputs = _rl_inputs(views, i)
         if i == 2:
             with pytest.raises(ValueError, match=r"LossInputs\.advantages has NaN or inf"):
                 composer_loss(inputs)
@@ -327,11 +333,7 @@ def test_gradcheck_through_an_rl_weight_stream(kwargs) -> None:
 
     def total(lp: torch.Tensor) -> torch.Tensor:
         views = _views({**f, "lp": lp * 1.0})
-        losses = []
-        for i in range(len(LENGTHS)):
-            v = {k: t[i] for k, t in views.items()}
-            inputs = LossInputs(v["lp"], v["inf"], v["ref"], v["adv"], v["mask"] & (v["w"] != 0), v["w"])
-            losses.append(composer_loss(inputs, **kwargs).loss)
+        losses = [composer_loss(_rl_inputs(views, i), **kwargs).loss for i in range(len(LENGTHS))]
         return torch.stack(losses).sum()
 
     lp = f["lp"].clone().requires_grad_(True)
@@ -344,12 +346,7 @@ def test_rl_weight_stream_in_place_change_between_calls_is_seen() -> None:
     f = _rl_fields(26)
     views = _views(f)
 
-    def call(i: int, clone: bool = False) -> torch.Tensor:
-        v = {k: t[i].clone() if clone else t[i] for k, t in views.items()}
-        return composer_loss(
-            LossInputs(v["lp"], v["inf"], v["ref"], v["adv"], v["mask"] & (v["w"] != 0), v["w"])
-        ).loss
-
-    call(0)
+    composer_loss(_rl_inputs(views, 0))
     f["w"].mul_(3.0)  # in place: the views see it
-    torch.testing.assert_close(call(3), call(3, clone=True), rtol=0, atol=0)
+    got, want = composer_loss(_rl_inputs(views, 3)).loss, composer_loss(_rl_inputs(views, 3, clone=True)).loss
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

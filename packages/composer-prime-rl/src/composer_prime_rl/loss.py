@@ -168,6 +168,19 @@ def _passes(total: Tensor, binary: Tensor | None, named: dict[str, Tensor], kept
     return True
 
 
+def _bool_mask(raw_mask: Tensor, device: torch.device) -> Tensor:
+    """The mask as bool on ``device`` (itself when it already is)."""
+    return (raw_mask if raw_mask.dtype == torch.bool else raw_mask != 0).to(device)
+
+
+def _check(kept: Tensor, raw_mask: Tensor, mask: Tensor, named: dict[str, Tensor]) -> None:
+    """One sample's value checks (see :func:`_passes`) on its fields ``kept`` [F, n] (zeroed outside ``mask``);
+    raises naming the culprit."""
+    binary = _binary(raw_mask, kept.device)
+    if not _passes(kept.sum(), binary, named, kept):
+        _raise_bad_values(binary, mask, named)
+
+
 def _binary(raw_mask: Tensor, device: torch.device) -> Tensor | None:
     """Whether a non-bool mask holds only 0 and 1 (0-dim bool on ``device``; None for a bool mask)."""
     return None if raw_mask.dtype == torch.bool else ((raw_mask == 0) | (raw_mask == 1)).all().to(device)
@@ -200,7 +213,7 @@ def _read_sample(raw_mask: Tensor, named: dict[str, Tensor]) -> tuple[_Sample, _
     """Every field zeroed outside the mask, and every value check in one fused condition (see :func:`_passes`):
     None when it passed, else what :func:`_recheck` needs to find the sample that failed."""
     stacked = _stack(named)
-    mask = (raw_mask if raw_mask.dtype == torch.bool else raw_mask != 0).to(stacked.device)
+    mask = _bool_mask(raw_mask, stacked.device)
     kept = _keep(mask, stacked)  # every field detached, zeroed outside the mask
     total = kept.sum()  # a NaN/±inf on a selected token makes the sum non-finite
     binary = _binary(raw_mask, stacked.device)
@@ -231,13 +244,9 @@ def _own_mask(unmasked: _Unmasked, raw_mask: Tensor, named: dict[str, Tensor], s
     the separate path checks them: one host read on CPU, device asserts on an accelerator). Skipped when the
     micro-batch's one read found every value finite and the mask is bool."""
     stacked = unmasked.stacked
-    mask = (raw_mask if raw_mask.dtype == torch.bool else raw_mask != 0).to(stacked.device)
-    if unmasked.clean and raw_mask.dtype == torch.bool:
-        return mask
-    kept = _keep(mask, stacked[:, start : start + mask.shape[0]])
-    binary = _binary(raw_mask, stacked.device)
-    if not _passes(kept.sum(), binary, named, kept):
-        _raise_bad_values(binary, mask, named)
+    mask = _bool_mask(raw_mask, stacked.device)
+    if not (unmasked.clean and raw_mask.dtype == torch.bool):
+        _check(_keep(mask, stacked[:, start : start + mask.shape[0]]), raw_mask, mask, named)
     return mask
 
 
@@ -246,10 +255,7 @@ def _recheck(suspect: _Suspect, start: int, n: int) -> None:
     culprit."""
     cut = slice(start, start + n)
     named = {name: t[cut] for name, t in suspect.named.items()}
-    kept, mask, raw_mask = suspect.kept[:, cut], suspect.mask[cut], suspect.raw_mask[cut]
-    binary = _binary(raw_mask, kept.device)
-    if not _passes(kept.sum(), binary, named, kept):
-        _raise_bad_values(binary, mask, named)
+    _check(suspect.kept[:, cut], suspect.raw_mask[cut], suspect.mask[cut], named)
 
 
 # torch.where's CPU kernel is a scalar loop (about 1 ns a token; 25x a bool op on bool operands): from this many
@@ -464,7 +470,7 @@ def _shared(opts: PrimeRLLossOptions, raw_mask: Tensor, named: dict[str, Tensor]
         return last, start
     flat = [b.detach().view(-1) for b in bases]
     refs = tuple(weakref.ref(b) for b in bases)
-    floats = dict(zip(named, flat, strict=False))
+    floats = dict(zip(named, flat[: len(named)], strict=True))
     _Last.packed = _pack(opts, None if fresh else flat[-1], floats, key, refs)
     return _Last.packed, start
 
