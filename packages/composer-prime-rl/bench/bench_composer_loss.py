@@ -36,10 +36,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from composer_core.testing.host_reads import RecordOps
 from composer_core.testing.machine import cpu_model
 from composer_prime_rl import LossInputs, LossOutputs, composer_loss
 from composer_prime_rl.upstream import UpstreamUnavailable, load_upstream
-from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def inline_dppo_kl(
@@ -114,16 +114,6 @@ def step(
     (total / sum(lengths)).backward()
 
 
-class _OpCounter(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def op_count(
     fn: Callable[..., LossOutputs],
     samples: list[dict[str, torch.Tensor]],
@@ -134,11 +124,11 @@ def op_count(
     """aten operators one sample's loss forward + backward dispatches (metrics included): a whole step's count
     less the same step's with a loss that does nothing, over the samples (the micro-batch's shared work is
     spread over its samples when packed)."""
-    with _OpCounter() as counter:
+    with RecordOps() as counter:
         step(fn, samples, kwargs, packed, rl_weights)
-    with _OpCounter() as bare:
+    with RecordOps() as bare:
         step(_nothing, samples, {}, packed, rl_weights)
-    return (counter.count - bare.count) / len(samples)
+    return (len(counter.ops) - len(bare.ops)) / len(samples)
 
 
 _NOTHING = torch.zeros(())
