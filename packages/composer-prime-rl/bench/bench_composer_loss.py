@@ -1,8 +1,8 @@
-"""Per-step cost of ``composer_loss`` in PRIME-RL's per-sample loop, side by side with an
-inline plain-torch DPPO + KL loss (PRIME-RL's default formula, no validation, one metric) and, when a
-PRIME-RL checkout is given (``--prime-rl-src`` / ``$PRIME_RL_SRC``) or ``prime_rl`` is importable,
-PRIME-RL's own ``default_loss_fn`` (the same formula with its seven metrics: the information-matched anchor,
-since composer_loss returns the same seven).
+"""Per-step cost of ``composer_loss`` in PRIME-RL's per-sample loop, side by side with the inline
+plain-torch formula of the same loss (DPPO + KL, PRIME-RL's default; or the clipped surrogate + SDPO; no
+validation, one metric; :data:`MATCHED`) and, when a PRIME-RL checkout is given (``--prime-rl-src`` /
+``$PRIME_RL_SRC``) or ``prime_rl`` is importable, PRIME-RL's own ``default_loss_fn`` (the DPPO formula with its
+seven metrics: the information-matched anchor of DPPO, since composer_loss returns the same seven).
 
 One "step" = PRIME-RL's ``compute_loss`` pattern: call the loss once per packed sample, sum,
 divide by the token count, backward. Three layouts: ``packed`` is PRIME-RL's train loop (one ``[1, N]`` tensor
@@ -11,10 +11,11 @@ per field for the micro-batch, each call getting ``packed.squeeze().split(sequen
 prunes zero-advantage tokens or routes a sample to the ce / ref_kl component, and the packer fills 1.0 for the
 other samples): ``compute_loss`` then reads ``bool(rl_mask.any())`` and passes ``loss_mask = mask & (rl_weights !=
 0)``, a fresh tensor, with ``loss_weights`` = the stream's view, for every method alike; ``separate`` gives each
-sample its own tensors (a caller that builds them one by one). composer_loss validates every value
-(NaN/inf, 0/1 mask, overflow) with one host read on CPU per micro-batch when packed (per sample when separate)
-plus the structural checks in Python on every call; this measures what that costs. Prints the ratios and
-writes JSON to $COMPOSER_BENCH_OUT (default ./bench-results).
+sample its own tensors (a caller that builds them one by one). Before a layout is timed, each composer
+configuration is checked to give the same loss and gradient as its anchors (:func:`check_agreement`).
+composer_loss validates every value (NaN/inf, 0/1 mask, overflow) with one host read on CPU per micro-batch when
+packed (per sample when separate) plus the structural checks in Python on every call; this measures what that
+costs. Prints the ratios and writes JSON to $COMPOSER_BENCH_OUT (default ./bench-results).
 
     python bench/bench_composer_loss.py [--samples 32] [--lengths 256,4096] [--repeats 15] [--threads 1]
                                         [--prime-rl-src PATH]
@@ -57,6 +58,30 @@ def inline_dppo_kl(
     return LossOutputs(loss=per_token.sum(), metrics={"is_masked": masked.float().mean()})
 
 
+def inline_clipped_sdpo(
+    inputs: Any, epsilon: float = 0.2, alpha_sdpo: float = 1.0, token_clip: float = 2.0
+) -> LossOutputs:
+    """The clipped surrogate + α · sampled-token SDPO written directly (composer's ``policy_loss =
+    "clipped_surrogate", alpha_sdpo = 1`` at its defaults; no validation, one metric): the information-matched
+    inline anchor of that configuration."""
+    lp, inf = inputs.trainer_logprobs, inputs.inference_logprobs
+    ratio = torch.exp(lp - inf)
+    adv = inputs.advantages
+    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon)
+    policy = -torch.min(ratio * adv, clipped * adv)
+    d = (lp - inputs.ref_logprobs).detach()
+    with torch.no_grad():
+        weight = torch.exp(torch.clamp(lp - inf, -20.0, 20.0)).clamp(max=token_clip)
+    sdpo = (d + d * (lp - lp.detach())) * weight  # value d·w, gradient d·w·∇ℓ (the k1 surrogate)
+    per_token = inputs.loss_mask * (policy + alpha_sdpo * sdpo)
+    if inputs.loss_weights is not None:
+        per_token = per_token * inputs.loss_weights
+    return LossOutputs(loss=per_token.sum(), metrics={"clip_ratio": (ratio != clipped).float().mean()})
+
+
+#: each composer configuration -> the inline formula of the same loss (its information-matched inline anchor)
+MATCHED = {"composer_dppo": "inline_dppo_kl", "composer_clipped_surrogate_sdpo": "inline_clipped_sdpo"}
+
 #: layout -> (views of packed micro-batch tensors, an rl weight stream)
 LAYOUTS = {"packed": (True, False), "packed_rl_weights": (True, True), "separate": (False, False)}
 
@@ -92,10 +117,11 @@ def step(
     kwargs: dict[str, Any],
     packed: dict[str, torch.Tensor] | None = None,
     rl_weights: bool = False,
-) -> None:
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One step: with ``packed``, PRIME-RL's train loop (the forward's ``[1, N]`` log-probs and the micro-batch
     tensors, each split by sequence length); else every sample's own tensors. ``rl_weights``: ``compute_loss``'s
-    path for a micro-batch with an rl weight stream (a fresh mask per sample, its host read included)."""
+    path for a micro-batch with an rl weight stream (a fresh mask per sample, its host read included). Returns
+    the step's loss and the log-prob leaves (their ``.grad`` filled; read by :func:`check_agreement` only)."""
     lengths = [s["lp"].shape[0] for s in samples]
     if packed is not None:
         leaf = packed["lp"].clone().requires_grad_(True)
@@ -111,7 +137,42 @@ def step(
             if not bool(mask.any()):
                 continue
         total = total + fn(LossInputs(f["lp"], f["inf"], f["ref"], f["adv"], mask, weights), **kwargs).loss
-    (total / sum(lengths)).backward()
+    loss = total / sum(lengths)
+    loss.backward()
+    return loss, [leaf] if packed is not None else [f["lp"] for f in fields]
+
+
+def _loss_and_grad(
+    method: tuple[Callable[..., LossOutputs], dict[str, Any]],
+    samples: list[dict[str, torch.Tensor]],
+    packed: dict[str, torch.Tensor] | None,
+    rl_weights: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step's loss and the gradient of every log-prob (flat)."""
+    loss, leaves = step(method[0], samples, method[1], packed, rl_weights)
+    grads = [torch.zeros_like(t) if t.grad is None else t.grad for t in leaves]
+    return loss.detach(), torch.cat([g.view(-1) for g in grads])
+
+
+def check_agreement(
+    methods: dict[str, tuple[Callable[..., LossOutputs], dict[str, Any]]],
+    samples: list[dict[str, torch.Tensor]],
+    packed: dict[str, torch.Tensor] | None,
+    rl_weights: bool,
+) -> None:
+    """Each composer configuration and its inline formula (and PRIME-RL's default_loss_fn, DPPO's) give the same
+    step loss and gradient, so the ratios compare the same computation; raises otherwise."""
+    pairs = [*MATCHED.items(), ("composer_dppo", "prime_rl_default_loss_fn")]
+    for ours, anchor in (p for p in pairs if p[1] in methods):
+        (a_loss, a_grad), (b_loss, b_grad) = (
+            _loss_and_grad(methods[n], samples, packed, rl_weights) for n in (ours, anchor)
+        )
+        if not (torch.allclose(a_loss, b_loss, rtol=1e-5, atol=1e-7)
+                and torch.allclose(a_grad, b_grad, rtol=1e-4, atol=1e-9)):  # fmt: skip
+            raise SystemExit(
+                f"{ours} and {anchor} disagree (loss {a_loss.item()} vs {b_loss.item()}, largest gradient "
+                f"difference {(a_grad - b_grad).abs().max().item():.3g}): the bench would compare different work."
+            )
 
 
 def op_count(
@@ -183,42 +244,57 @@ def interleaved(
     return times
 
 
+#: the README's ratio columns: (column, the anchor's JSON name, or None for each composer configuration's MATCHED)
+COLUMNS = (("ratio vs inline", None), ("ratio vs prime_rl_default", "prime_rl_default_loss_fn"))
+
+
+def anchors_of(name: str, methods: dict[str, Any]) -> dict[str, str]:
+    """column -> the anchor ``name`` is compared with there: a composer configuration with its own inline formula
+    and with PRIME-RL's default_loss_fn (when measured), PRIME-RL's with the inline DPPO + KL, an inline formula
+    with none."""
+    if name == "prime_rl_default_loss_fn":
+        return {COLUMNS[0][0]: "inline_dppo_kl"}
+    if name not in MATCHED:
+        return {}
+    return {col: anchor or MATCHED[name] for col, anchor in COLUMNS if (anchor or MATCHED[name]) in methods}
+
+
 def measure(
     methods: dict[str, tuple[Callable[..., LossOutputs], dict[str, Any]]],
-    anchors: list[str],
     samples: list[dict[str, torch.Tensor]],
     packed: dict[str, torch.Tensor] | None,
     rl_weights: bool,
     repeats: int,
 ) -> dict[str, Any]:
     """One size and layout: times, operator counts, and each method's ratio per interleaved repeat against each
-    anchor (side by side), with its median and range."""
+    of its anchors (side by side), with its median and range."""
+    check_agreement(methods, samples, packed, rl_weights)
     times = interleaved(methods, samples, repeats, packed, rl_weights)
     ops = {name: op_count(fn, samples, kw, packed, rl_weights) for name, (fn, kw) in methods.items()}
     row: dict[str, Any] = {"times_ms": times, "ops_per_sample": ops}
     for name in methods:
         row[f"{name}_ms"] = statistics.median(times[name])
         row[f"{name}_spread_ms"] = [min(times[name]), max(times[name])]
-        for anchor in anchors:
-            if name == anchor or (anchor != "inline_dppo_kl" and name in anchors):
-                continue
+        for anchor in anchors_of(name, methods).values():
             per = [a / b for a, b in zip(times[name], times[anchor], strict=True)]
             row[f"{name}_ratio_vs_{anchor}"] = statistics.median(per)
             row[f"{name}_ratio_vs_{anchor}_spread"] = [min(per), max(per)]
     return row
 
 
-def readme_rows(row: dict[str, Any], methods: dict[str, Any], anchors: list[str]) -> list[list[str | float]]:
+def readme_rows(row: dict[str, Any], methods: dict[str, Any], columns: list[str]) -> list[list[str | float]]:
     """The README table's rows of one measurement (and the same figures printed)."""
     where = f"[{row['device']}, {row['layout']}, {row['samples']} x {row['length']} tokens]"
     out: list[list[str | float]] = []
     for name in methods:
         cells = []
-        for anchor in anchors:
-            ratio = row.get(f"{name}_ratio_vs_{anchor}")
-            if ratio is None:
+        anchors = anchors_of(name, methods)
+        for column in columns:
+            anchor = anchors.get(column)
+            if anchor is None:
                 cells.append("—")
                 continue
+            ratio = row[f"{name}_ratio_vs_{anchor}"]
             lo, hi = row[f"{name}_ratio_vs_{anchor}_spread"]
             cells.append(f"{ratio:.2f} [{lo:.2f}–{hi:.2f}]")
             print(
@@ -256,6 +332,7 @@ def main() -> None:
     upstream = prime_rl_default(args.prime_rl_src)
     methods: dict[str, tuple[Callable[..., LossOutputs], dict[str, Any]]] = {
         "inline_dppo_kl": (inline_dppo_kl, {}),
+        "inline_clipped_sdpo": (inline_clipped_sdpo, {}),
         **({"prime_rl_default_loss_fn": (upstream, {})} if upstream else {}),
         "composer_dppo": (composer_loss, {}),
         "composer_clipped_surrogate_sdpo": (
@@ -263,24 +340,24 @@ def main() -> None:
             {"policy_loss": "clipped_surrogate", "alpha_sdpo": 1.0},
         ),
     }
-    anchors = ["inline_dppo_kl", *(["prime_rl_default_loss_fn"] if upstream else [])]
+    columns = [col for col, anchor in COLUMNS if anchor is None or anchor in methods]
     results, table = [], []
     for device in devices:
         for length in (int(x) for x in args.lengths.split(",")):
             samples = make_samples(args.samples, length, device)
             for layout, (views, rl_weights) in LAYOUTS.items():
                 packed = pack(samples) if views else None
-                row = measure(methods, anchors, samples, packed, rl_weights, args.repeats)
+                row = measure(methods, samples, packed, rl_weights, args.repeats)
                 row |= {"device": device.type, "layout": layout, "samples": args.samples, "length": length,
                         "repeats": args.repeats, "cpu_threads": args.threads}  # fmt: skip
-                table += readme_rows(row, methods, anchors)
+                table += readme_rows(row, methods, columns)
                 results.append(row)
     out = Path(os.environ.get("COMPOSER_BENCH_OUT", "bench-results"))
     out.mkdir(parents=True, exist_ok=True)
     path = out / "bench_composer_loss.json"
     doc = {
-        "benchmark": "composer_prime_rl.composer_loss per PRIME-RL step vs an inline DPPO+KL formula and PRIME-RL's "
-        "default_loss_fn",
+        "benchmark": "composer_prime_rl.composer_loss per PRIME-RL step vs the inline formula of the same loss and "
+        "PRIME-RL's default_loss_fn",
         "target": "ratio <= 1.3",
         "machine": {
             "processor": cpu_model(),
@@ -293,7 +370,8 @@ def main() -> None:
         "rows": results,
         "readme": {
             "title": f"composer_loss per step (PRIME-RL's per-sample loop, forward + backward) vs the inline "
-            f"DPPO+KL formula (one metric) and PRIME-RL's own default_loss_fn (its seven metrics, as composer's): "
+            f"formula of the same loss (DPPO+KL, or clipped surrogate + SDPO; one metric, no validation) and "
+            f"PRIME-RL's own default_loss_fn (DPPO+KL with its seven metrics, as composer's): "
             f"median of {args.repeats} interleaved repeats [ratio range], CPU time of the process on CPU; layout "
             f"packed = PRIME-RL's train loop (views of [1, N] micro-batch tensors), packed_rl_weights = the same loop "
             f"with an rl weight stream (a fresh mask per sample), separate = each sample's own tensors; ops = aten "
@@ -305,7 +383,7 @@ def main() -> None:
                 "method",
                 "ms / step",
                 "ops / sample",
-                *(f"ratio vs {a.removesuffix('_dppo_kl').replace('_loss_fn', '')}" for a in anchors),
+                *columns,
             ],
             "rows": table,
         },

@@ -3,11 +3,26 @@ load-independent figure holds: the aten operators one sample's forward + backwar
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
+import pytest
+import torch
 from composer_core.testing.bench import load_bench_json, run_small_bench
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_composer_loss.py"
+
+
+def _bench_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_composer_loss", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_bench_runs_at_small_size_and_counts_operators(tmp_path: Path) -> None:
@@ -15,6 +30,11 @@ def test_bench_runs_at_small_size_and_counts_operators(tmp_path: Path) -> None:
     data = load_bench_json(tmp_path / "bench_composer_loss.json")
     ops = {row["layout"]: row["ops_per_sample"] for row in data["rows"]}
     assert ops.keys() == {"packed", "packed_rl_weights", "separate"}
+    # each composer configuration is compared with the inline formula of the same loss (information-matched)
+    for row in data["rows"]:
+        assert "composer_dppo_ratio_vs_inline_dppo_kl" in row
+        assert "composer_clipped_surrogate_sdpo_ratio_vs_inline_clipped_sdpo" in row
+        assert "composer_clipped_surrogate_sdpo_ratio_vs_inline_dppo_kl" not in row
     # the step's own operators are not counted (a loss that does nothing is subtracted)
     assert ops["packed"]["inline_dppo_kl"] == 32.5 and ops["separate"]["inline_dppo_kl"] == 33.75
     assert ops["packed_rl_weights"]["inline_dppo_kl"] == 34.5  # and the loss weights' product
@@ -31,3 +51,40 @@ def test_bench_runs_at_small_size_and_counts_operators(tmp_path: Path) -> None:
     # 38.75 and 84.75 before the metric table was written column by column, one pass each on a packed batch)
     assert ops["separate"]["composer_dppo"] <= 45, ops
     assert ops["separate"]["composer_clipped_surrogate_sdpo"] <= 93, ops
+
+
+@pytest.mark.parametrize("layout", ["packed", "packed_rl_weights", "separate"])
+def test_bench_agreement_check_passes_and_catches_a_different_formula(layout: str) -> None:
+    """The bench's anchors compute the same loss as composer's configurations (value and gradient), and the check
+    that says so fails when an anchor's formula differs (here its clip range or SDPO weight cap)."""
+    bench = _bench_module()
+    samples = bench.make_samples(4, 64, torch.device("cpu"))
+    views, rl_weights = bench.LAYOUTS[layout]
+    packed = bench.pack(samples) if views else None
+    methods: dict[str, Any] = {
+        "inline_dppo_kl": (bench.inline_dppo_kl, {}),
+        "inline_clipped_sdpo": (bench.inline_clipped_sdpo, {}),
+        "composer_dppo": (bench.composer_loss, {}),
+        "composer_clipped_surrogate_sdpo": (
+            bench.composer_loss,
+            {"policy_loss": "clipped_surrogate", "alpha_sdpo": 1.0},
+        ),
+    }
+    bench.check_agreement(methods, samples, packed, rl_weights)
+    for wrong in ({"epsilon": 0.25}, {"token_clip": 3.0}):
+        with pytest.raises(
+            SystemExit, match="composer_clipped_surrogate_sdpo and inline_clipped_sdpo disagree"
+        ):
+            bench.check_agreement(
+                {**methods, "inline_clipped_sdpo": (bench.inline_clipped_sdpo, wrong)},
+                samples,
+                packed,
+                rl_weights,
+            )
+    with pytest.raises(SystemExit, match="composer_dppo and inline_dppo_kl disagree"):
+        bench.check_agreement(
+            {**methods, "inline_dppo_kl": (bench.inline_dppo_kl, {"kl_tau": 0.1})},
+            samples,
+            packed,
+            rl_weights,
+        )

@@ -17,6 +17,22 @@ from composer_prime_rl import LossInputs, composer_loss
 EPS_LO, EPS_HI, DELTA = 0.2, 0.28, 1.5
 
 
+def _rounding_tie(bound: float, sign: float) -> tuple[float, float, float]:
+    """(ℓ_inf, ℓ_train, A) with ρ = e^{ℓ_train − ℓ_inf} one step outside ``bound`` (above 1 + ε_hi when
+    ``sign`` > 0, below 1 − ε_lo otherwise; A of that sign, so the clipped side is the smaller) and ρ·A ==
+    bound·A in float64."""
+    inf = torch.tensor(math.log(0.5), dtype=torch.float64)
+    for k in range(1, 100):
+        lp = inf + math.log(bound) + sign * k * 1e-16
+        rho = torch.exp(lp - inf)
+        if (rho - bound).item() * sign <= 0:
+            continue
+        for adv in torch.linspace(0.1, 3.0, 3001, dtype=torch.float64) * sign:
+            if (rho * adv).item() == (torch.clamp(rho, 1 - EPS_LO, 1 + EPS_HI) * adv).item():
+                return inf.item(), lp.item(), adv.item()
+    raise AssertionError(f"no rounding tie found at {bound}")
+
+
 def _inputs(seed: int, ties: bool) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     n = 64
@@ -29,12 +45,18 @@ def _inputs(seed: int, ties: bool) -> dict[str, torch.Tensor]:
         lp[16:20] = inf[16:20] + math.log(DELTA)
     adv = torch.randn(n, generator=g, dtype=torch.float64)
     adv[::7] = 0.0
+    if ties:  # ρ just outside the clip range with ρ·A and clip(ρ)·A rounding to one value: a tie autograd splits
+        for i, (bound, sign) in zip(range(20, 24), [(1 + EPS_HI, 1.0), (1 - EPS_LO, -1.0)] * 2, strict=True):
+            inf[i], lp[i], adv[i] = _rounding_tie(bound, sign)
+    mask = torch.rand(n, generator=g) > 0.2
+    if ties:
+        mask[20:24] = True
     return {
         "lp": lp,
         "inf": inf,
         "ref": torch.rand(n, generator=g, dtype=torch.float64).mul(0.9).add(0.05).log(),
         "adv": adv,
-        "mask": torch.rand(n, generator=g) > 0.2,
+        "mask": mask,
         "w": torch.rand(n, generator=g, dtype=torch.float64) + 0.5,
     }
 
@@ -95,6 +117,10 @@ def test_gradient_equals_autograd_through_the_formula(kwargs: dict, ties: bool, 
     assert grad[~x["mask"]].eq(0).all()
     if ties:
         assert (grad[:20] != 0).any()  # the tied tokens carry gradient (not all masked away)
+        if kwargs.get("policy_loss") == "clipped_surrogate" and not kwargs.get("alpha_sdpo"):
+            # the rounding ties outside the clip range: half the unclipped side's gradient, as autograd splits it
+            half = -0.5 * 0.37 * x["adv"][20:24] * torch.exp(x["lp"][20:24] - x["inf"][20:24])
+            torch.testing.assert_close(grad[20:24], half * (x["w"][20:24] if weighted else 1), rtol=1e-12, atol=0)
 
 
 def test_backward_is_one_multiply_not_the_formula_graph() -> None:

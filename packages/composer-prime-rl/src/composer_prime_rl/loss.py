@@ -339,7 +339,7 @@ def _policy_terms(s: _Sample, opts: PrimeRLLossOptions) -> tuple[Tensor, Tensor,
     ):  # bool algebra and a product: torch.where's CPU kernel is scalar (VECTORISED_FROM)
         dropped = ((positive & (prob_diff > high)) | (~positive & (prob_diff < -low))) & s.mask
         keep = s.mask ^ dropped
-        kept_adv = s.advantages * keep  # A is finite (0 outside the mask)
+        kept_adv = s.advantages * _bits(keep)  # A is finite (0 outside the mask)
     else:
         dropped = torch.where(positive, prob_diff > high, prob_diff < -low) & s.mask
         keep = s.mask ^ dropped
@@ -358,15 +358,25 @@ def _policy_terms(s: _Sample, opts: PrimeRLLossOptions) -> tuple[Tensor, Tensor,
 
 
 def _clipped_grad(ratio: Tensor, adv: Tensor, eps_lo: float, eps_hi: float, delta: float | None) -> Tensor:
-    """∂/∂ℓ of ``−min(ρ'·A, clip(ρ, 1 − ε_lo, 1 + ε_hi)·A)``, ρ' = min(ρ, δ), exactly as autograd
-    differentiates it: clamp passes the gradient on its closed interval, ``min`` gives a tie half to
-    each side, and ∂ρ/∂ℓ = ρ."""
-    unclipped = adv if delta is None else torch.where(ratio <= delta, adv, _zero(adv))  # ∂(ρ'A)/∂ρ
-    clipped = torch.where((ratio >= 1 - eps_lo) & (ratio <= 1 + eps_hi), adv, _zero(adv))  # ∂(clip(ρ)A)/∂ρ
+    """∂/∂ℓ of ``−min(a, b)``, ``a = ρ'·A``, ``b = clip(ρ, 1 − ε_lo, 1 + ε_hi)·A``, ρ' = min(ρ, δ), exactly as
+    autograd differentiates it (clamp passes the gradient on its closed interval, ``min`` gives a tie half to each
+    side, ∂ρ/∂ℓ = ρ), branch-free in float arithmetic (CPU's bool comparisons and ``where`` are scalar loops: this
+    form is 6.7x faster on 131,072 tokens):
+
+        ∂/∂ℓ = −ρ · A · 1[ρ ≤ δ] · share,  share = 1 + (sign(b − a) − |sign(clip(ρ) − ρ)|) / 2
+
+    ``share`` is the unclipped side's part of the min's gradient. Inside the clip range clip(ρ) = ρ = ρ' (δ > 1 +
+    ε_hi), so a = b, a tie of two equal derivatives: share 1. Outside it the clipped side's derivative is 0: share
+    1 where a < b, 1/2 on a tie (A = 0, or the two products rounding to one value), 0 where a > b. Each factor is 0,
+    1/2 or 1, so the product is the one autograd forms."""
+    clip = torch.clamp(ratio, 1 - eps_lo, 1 + eps_hi)
     lhs = ratio if delta is None else ratio.clamp(max=delta)
-    a, b = lhs * adv, torch.clamp(ratio, 1 - eps_lo, 1 + eps_hi) * adv
-    picked = torch.where(a < b, unclipped, torch.where(a > b, clipped, (unclipped + clipped) * 0.5))
-    return picked.mul_(ratio).neg_()
+    side = torch.sub(clip * adv, lhs * adv).sign_()  # sign(b − a)
+    outside = torch.sub(clip, ratio).sign_().abs_()  # 0 in [1 − ε_lo, 1 + ε_hi], else 1
+    share = side.sub_(outside).mul_(0.5).add_(1.0)
+    if delta is not None:  # ∂ρ'/∂ρ = 1[ρ ≤ δ] = 1 − sign(ρ − ρ') (ρ ≥ ρ')
+        share.mul_(torch.sub(ratio, lhs).sign_().neg_().add_(1.0))
+    return (adv * share).mul_(ratio).neg_()
 
 
 def _sdpo_terms(s: _Sample, opts: PrimeRLLossOptions) -> Tensor:
@@ -531,8 +541,15 @@ def _table(columns: list[Tensor | None], n: int, dtype: torch.dtype, device: tor
     (a stack and a cast per kind, then a cat, would pass twice or more)."""
     table = torch.empty((len(columns), n), dtype=dtype, device=device)
     for row, column in zip(table.unbind(), columns, strict=True):
-        row.zero_() if column is None else row.copy_(column)
+        row.zero_() if column is None else row.copy_(_bits(column))
     return table
+
+
+def _bits(t: Tensor) -> Tensor:
+    """A bool tensor of many tokens (see :data:`VECTORISED_FROM`) as its bytes, a 0/1 uint8 view: CPU kernels
+    that read bool as a float (a cast, a product) are scalar loops, about 7x slower than on uint8 (73 against 9 us
+    for a 131,072-token cast). Any other tensor as itself (on few tokens the view's dispatch costs more)."""
+    return t.view(torch.uint8) if t.dtype == torch.bool and _vectorised(t) else t
 
 
 def _sample_row(packed: _Packed, start: int, n: int, mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
