@@ -45,7 +45,9 @@ def _inputs(seed: int, ties: bool) -> dict[str, torch.Tensor]:
         lp[16:20] = inf[16:20] + math.log(DELTA)
     adv = torch.randn(n, generator=g, dtype=torch.float64)
     adv[::7] = 0.0
-    if ties:  # ρ just outside the clip range with ρ·A and clip(ρ)·A rounding to one value: a tie autograd splits
+    if (
+        ties
+    ):  # ρ just outside the clip range with ρ·A and clip(ρ)·A rounding to one value: a tie autograd splits
         for i, (bound, sign) in zip(range(20, 24), [(1 + EPS_HI, 1.0), (1 - EPS_LO, -1.0)] * 2, strict=True):
             inf[i], lp[i], adv[i] = _rounding_tie(bound, sign)
     mask = torch.rand(n, generator=g) > 0.2
@@ -120,7 +122,9 @@ def test_gradient_equals_autograd_through_the_formula(kwargs: dict, ties: bool, 
         if kwargs.get("policy_loss") == "clipped_surrogate" and not kwargs.get("alpha_sdpo"):
             # the rounding ties outside the clip range: half the unclipped side's gradient, as autograd splits it
             half = -0.5 * 0.37 * x["adv"][20:24] * torch.exp(x["lp"][20:24] - x["inf"][20:24])
-            torch.testing.assert_close(grad[20:24], half * (x["w"][20:24] if weighted else 1), rtol=1e-12, atol=0)
+            torch.testing.assert_close(
+                grad[20:24], half * (x["w"][20:24] if weighted else 1), rtol=1e-12, atol=0
+            )
 
 
 def test_backward_is_one_multiply_not_the_formula_graph() -> None:
