@@ -85,12 +85,15 @@ def _trl(d: Json) -> str:
 def _prime_rl(d: Json) -> str:
     row = {"samples × tokens": "32 × 256", "method": "dppo", "layout": "packed"}
     rl = {**row, "layout": "packed_rl_weights"}
+    sdpo = {**row, "method": "clipped_surrogate_sdpo"}
     return (
         f"DPPO, 32 × 256 tokens in PRIME-RL's packed train loop: step time "
         f"{_num(cell(d, 'ratio vs inline', **row)):.2f}× an inline one-metric formula without validation, "
         f"{_num(cell(d, 'ratio vs prime_rl_default', **row)):.2f}× PRIME-RL's own default_loss_fn (same metrics); "
         f"with an rl weight stream (a fresh mask per sample) {_num(cell(d, 'ratio vs inline', **rl)):.2f}× / "
-        f"{_num(cell(d, 'ratio vs prime_rl_default', **rl)):.2f}×"
+        f"{_num(cell(d, 'ratio vs prime_rl_default', **rl)):.2f}×; clipped surrogate + SDPO against its own inline "
+        f"formula {_num(cell(d, 'ratio vs inline', **sdpo)):.2f}× "
+        f"({_num(cell(d, 'ratio vs inline', **{**sdpo, 'layout': 'packed_rl_weights'})):.2f}× with the stream)"
     )
 
 
