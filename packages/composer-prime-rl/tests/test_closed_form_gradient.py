@@ -45,9 +45,8 @@ def _inputs(seed: int, ties: bool) -> dict[str, torch.Tensor]:
         lp[16:20] = inf[16:20] + math.log(DELTA)
     adv = torch.randn(n, generator=g, dtype=torch.float64)
     adv[::7] = 0.0
-    if (
-        ties
-    ):  # ρ just outside the clip range with ρ·A and clip(ρ)·A rounding to one value: a tie autograd splits
+    if ties:
+        # ρ just outside the clip range with ρ·A and clip(ρ)·A rounding to one value: a tie autograd splits
         for i, (bound, sign) in zip(range(20, 24), [(1 + EPS_HI, 1.0), (1 - EPS_LO, -1.0)] * 2, strict=True):
             inf[i], lp[i], adv[i] = _rounding_tie(bound, sign)
     mask = torch.rand(n, generator=g) > 0.2
