@@ -139,6 +139,20 @@ def test_a_packed_micro_batch_reads_the_host_once(kwargs, monkeypatch, host_read
     torch.stack([o.loss for o in outs]).sum().backward()
 
 
+def _assert_sample_2_raises_and_the_others_train(
+    views: Any, inputs_of: Any, clean: list[LossOutputs], field: str
+) -> None:
+    """Sample 2 holds a bad value of ``field``: its call raises naming it, every other call gives its clean
+    result."""
+    for i in range(len(LENGTHS)):
+        inputs = inputs_of(views, i)
+        if i == 2:
+            with pytest.raises(ValueError, match=rf"LossInputs\.{field} has NaN or inf"):
+                composer_loss(inputs)
+            continue
+        torch.testing.assert_close(composer_loss(inputs).loss, clean[i].loss, rtol=1e-12, atol=1e-14)
+
+
 def test_a_bad_value_raises_at_its_own_sample_and_the_others_train() -> None:
     """The packed check fails: each sample is then checked on its own, so the error names the field at the
     sample that holds the NaN, and clean samples before and after it give their normal results."""
@@ -147,14 +161,7 @@ def test_a_bad_value_raises_at_its_own_sample_and_the_others_train() -> None:
     f["inf"][bad] = math.nan
     f["mask"][bad] = True
     clean = _step(_fields(3), {}, packed=False)[0]
-    views = _views(f)
-    for i in range(len(LENGTHS)):
-        inputs = _inputs(views, i)
-        if i == 2:
-            with pytest.raises(ValueError, match=r"LossInputs\.inference_logprobs has NaN or inf"):
-                composer_loss(inputs)
-            continue
-        torch.testing.assert_close(composer_loss(inputs).loss, clean[i].loss, rtol=1e-12, atol=1e-14)
+    _assert_sample_2_raises_and_the_others_train(_views(f), _inputs, clean, "inference_logprobs")
 
 
 def test_an_in_place_change_between_calls_is_seen() -> None:
@@ -180,22 +187,28 @@ def test_a_new_micro_batch_of_the_same_shape_is_recomputed() -> None:
         del f, views
 
 
-@pytest.mark.parametrize("kwargs", [CONFIGS[1], CONFIGS[2]])
-def test_gradcheck_through_packed_views(kwargs) -> None:
-    """float64 gradcheck of the micro-batch's summed loss wrt the packed log-probs (away from the mask and clip
-    boundaries the loss is smooth)."""
-    f = _fields(5)
-    f["lp"] = (f["inf"] + 0.01 * torch.sin(torch.arange(f["lp"].shape[0], dtype=torch.float64))).clamp(
-        max=-0.01
-    )
+def _gradcheck_micro_batch(f: dict[str, torch.Tensor], inputs_of: Any, kwargs: dict[str, Any]) -> bool:
+    """float64 gradcheck of the micro-batch's summed loss wrt the packed log-probs, set close to the inference
+    ones (away from the mask and clip boundaries the loss is smooth); ``inputs_of(views, i)``: sample i's inputs."""
+    f = {
+        **f,
+        "lp": (f["inf"] + 0.01 * torch.sin(torch.arange(f["lp"].shape[0], dtype=torch.float64))).clamp(
+            max=-0.01
+        ),
+    }
 
     def total(lp: torch.Tensor) -> torch.Tensor:
         views = _views({**f, "lp": lp * 1.0})
-        losses = [composer_loss(_inputs(views, i), **kwargs).loss for i in range(len(LENGTHS))]
+        losses = [composer_loss(inputs_of(views, i), **kwargs).loss for i in range(len(LENGTHS))]
         return torch.stack(losses).sum()
 
     lp = f["lp"].clone().requires_grad_(True)
-    assert torch.autograd.gradcheck(total, (lp,), eps=1e-6, atol=1e-8, rtol=1e-6)
+    return bool(torch.autograd.gradcheck(total, (lp,), eps=1e-6, atol=1e-8, rtol=1e-6))
+
+
+@pytest.mark.parametrize("kwargs", [CONFIGS[1], CONFIGS[2]])
+def test_gradcheck_through_packed_views(kwargs) -> None:
+    assert _gradcheck_micro_batch(_fields(5), _inputs, kwargs)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -314,30 +327,12 @@ def test_rl_weight_stream_bad_value_raises_at_its_own_sample_and_the_others_trai
     bad = int(torch.nonzero(selected[sum(LENGTHS[:2]) : sum(LENGTHS[:3])])[0]) + sum(LENGTHS[:2])
     clean = _step(_rl_fields(23), {}, packed=False, rl_stream=True)[0]
     f["adv"][bad] = math.inf
-    views = _views(f)
-    for i in range(len(LENGTHS)):
-        inputs = _rl_inputs(views, i)
-        if i == 2:
-            with pytest.raises(ValueError, match=r"LossInputs\.advantages has NaN or inf"):
-                composer_loss(inputs)
-            continue
-        torch.testing.assert_close(composer_loss(inputs).loss, clean[i].loss, rtol=1e-12, atol=1e-14)
+    _assert_sample_2_raises_and_the_others_train(_views(f), _rl_inputs, clean, "advantages")
 
 
 @pytest.mark.parametrize("kwargs", [CONFIGS[1], CONFIGS[2]])
 def test_gradcheck_through_an_rl_weight_stream(kwargs) -> None:
-    f = _rl_fields(24)
-    f["lp"] = (f["inf"] + 0.01 * torch.sin(torch.arange(f["lp"].shape[0], dtype=torch.float64))).clamp(
-        max=-0.01
-    )
-
-    def total(lp: torch.Tensor) -> torch.Tensor:
-        views = _views({**f, "lp": lp * 1.0})
-        losses = [composer_loss(_rl_inputs(views, i), **kwargs).loss for i in range(len(LENGTHS))]
-        return torch.stack(losses).sum()
-
-    lp = f["lp"].clone().requires_grad_(True)
-    assert torch.autograd.gradcheck(total, (lp,), eps=1e-6, atol=1e-8, rtol=1e-6)
+    assert _gradcheck_micro_batch(_rl_fields(24), _rl_inputs, kwargs)
 
 
 def test_rl_weight_stream_in_place_change_between_calls_is_seen() -> None:

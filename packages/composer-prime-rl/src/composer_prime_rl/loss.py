@@ -465,12 +465,11 @@ def _shared(opts: PrimeRLLossOptions, raw_mask: Tensor, named: dict[str, Tensor]
         return _pack(opts, raw_mask, named), 0
     bases, start, size = layout
     mask_layout = _layout((raw_mask,))
-    fresh = mask_layout is None or mask_layout[1:] != (start, size)
+    mask_bases = mask_layout[0] if mask_layout is not None and mask_layout[1:] == (start, size) else ()
+    fresh = not mask_bases
+    bases += mask_bases
     tensors = (*named.values(), *(() if fresh else (raw_mask,)))
     key = (opts, tuple(named), tuple(t._version for t in tensors), fresh)
-    if not fresh:
-        assert mask_layout is not None
-        bases += mask_layout[0]
     last = _Last.packed
     if (
         last is not None
