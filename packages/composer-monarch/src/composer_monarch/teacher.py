@@ -17,13 +17,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from monarch.actor import Actor, endpoint
+from monarch.actor import endpoint
 from torch import Tensor, nn
 
-from composer_monarch.generator import load_weights
 from composer_monarch.model import completion_logits
+from composer_monarch.policy_copy import PolicyCopyActor
 from composer_monarch.rollout import PreferencePairs, Rollout, pad_right
-from composer_monarch.weights import WeightLayout, WeightReceiver, host_id
 
 STASHED = 8
 """Hinted logits kept for the trainer to take (oldest dropped first): batches rolled out, not trained."""
@@ -74,7 +73,7 @@ def preference_pairs(
     )
 
 
-class TeacherActor(Actor):
+class TeacherActor(PolicyCopyActor):
     """Hinted-context teacher (same model as the policy, synced each step) and replay pair builder."""
 
     def __init__(
@@ -84,52 +83,10 @@ class TeacherActor(Actor):
         pad_id: int,
         num_threads: int | None = None,
     ) -> None:
-        if num_threads is not None:
-            torch.set_num_threads(num_threads)
-        self.model = model_fn().eval().requires_grad_(False)
+        self._hold(model_fn, "teacher", num_threads)
         self.replay = index_replay(replay) if replay else {}
         self.pad_id = pad_id
-        self.version = 0
-        self.receiver = WeightReceiver(self.model, "teacher")
         self.stash: OrderedDict[str, Tensor] = OrderedDict()
-
-    @endpoint
-    def update_weights(self, version: int, state: dict[str, Tensor]) -> int:
-        """Load a state dict (in-process use and the bench's baseline; the loop uses pull/load_weights)."""
-        load_weights(self.model, state, "teacher")
-        self.version = version
-        return version
-
-    @endpoint
-    def pull_weights(self, version: int, layout: WeightLayout, source: object, timeout_s: float) -> int:
-        """Read the trainer's packed weights from its RDMA buffer ``source``; returns the bytes read."""
-        n = self.receiver.pull(layout, source, timeout_s)
-        self.version = version
-        return n
-
-    @endpoint
-    def map_weights(self, version: int, layout: WeightLayout, path: str) -> int:
-        """Copy the trainer's packed weights out of its shared-memory buffer at ``path`` (same host)."""
-        n = self.receiver.map_shared(layout, path)
-        self.version = version
-        return n
-
-    @endpoint
-    def host(self) -> str:
-        """This process's host identity (the trainer's same-host check for the shm transport)."""
-        return host_id()
-
-    @endpoint
-    def load_weights(self, version: int, layout: WeightLayout, flat: Tensor) -> int:
-        """Load packed weights sent by the trainer in one message; returns the bytes."""
-        n = self.receiver.load(layout, flat)
-        self.version = version
-        return n
-
-    @endpoint
-    def weights(self) -> tuple[int, dict[str, Tensor]]:
-        """(version, a copy of the state dict): for tests and checks, not for the loop."""
-        return self.version, {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     @endpoint
     def hinted_logits(

@@ -1,0 +1,83 @@
+"""The receiving side of the weight push, shared by every actor that holds a copy of the policy.
+
+The generator samples with the policy and the teacher reads hinted contexts with it; both take the
+trainer's weights each step through the same endpoints (shared memory, Monarch ``RDMABuffer``, one
+direct message, or a state dict for in-process use), so they inherit them from :class:`PolicyCopyActor`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from monarch.actor import Actor, endpoint
+from torch import Tensor, nn
+
+from composer_monarch.weights import WeightLayout, WeightReceiver, host_id
+
+
+def load_weights(model: nn.Module, state: dict[str, Tensor], who: str) -> None:
+    """``load_state_dict(strict=True)`` with an error that says which actor got wrong weights."""
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        raise ValueError(f"{who}: the weights do not fit its model (same model factory?): {e}") from e
+
+
+class PolicyCopyActor(Actor):
+    """An actor holding a frozen copy of the policy (``model``, at weight ``version``), loaded from the trainer.
+
+    Subclasses call :meth:`_hold` in ``__init__``; every endpoint below sets ``version`` after its load.
+    """
+
+    model: nn.Module
+    version: int
+    receiver: WeightReceiver
+
+    def _hold(self, model_fn: Callable[[], nn.Module], who: str, num_threads: int | None) -> None:
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        self.model = model_fn().eval().requires_grad_(False)
+        self.version = 0
+        self.receiver = WeightReceiver(self.model, who)
+
+    @endpoint
+    def update_weights(self, version: int, state: dict[str, Tensor]) -> int:
+        """Load a state dict (in-process use and the bench's baseline; the loop uses pull/load_weights)."""
+        load_weights(self.model, state, self.receiver.who)
+        self.version = version
+        return version
+
+    @endpoint
+    def pull_weights(self, version: int, layout: WeightLayout, source: object, timeout_s: float) -> int:
+        """Read the trainer's packed weights from its RDMA buffer ``source``; returns the bytes read."""
+        n = self.receiver.pull(layout, source, timeout_s)
+        self.version = version
+        return n
+
+    @endpoint
+    def map_weights(self, version: int, layout: WeightLayout, path: str) -> int:
+        """Copy the trainer's packed weights out of its shared-memory buffer at ``path`` (same host)."""
+        n = self.receiver.map_shared(layout, path)
+        self.version = version
+        return n
+
+    @endpoint
+    def host(self) -> str:
+        """This process's host identity (the trainer's same-host check for the shm transport)."""
+        return host_id()
+
+    @endpoint
+    def load_weights(self, version: int, layout: WeightLayout, flat: Tensor) -> int:
+        """Load packed weights sent by the trainer in one message; returns the bytes."""
+        n = self.receiver.load(layout, flat)
+        self.version = version
+        return n
+
+    @endpoint
+    def weights(self) -> tuple[int, dict[str, Tensor]]:
+        """(version, a copy of the state dict): for tests and checks, not for the loop."""
+        return self.version, {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+
+__all__ = ["PolicyCopyActor", "load_weights"]
