@@ -8,7 +8,9 @@ Forward + backward of the generalized JSD (β = 0.5), float32, on the same input
   TRL's ``GKDTrainer.generalized_jsd_loss`` with autograd; ``liger`` = Liger-Kernel's
   ``LigerFusedLinearJSDLoss`` (its chunked pure-torch path, ``compiled=False``, its default chunk 1024, hard-loss
   weight 0); ``floor`` = the four matmuls alone (student and teacher logits, both gradients), chunked into
-  preallocated buffers: no method can do less arithmetic.
+  preallocated buffers: no method can do less arithmetic. ``composer_compiled`` (``--compiled-kernel``, on by
+  default with ``--device cuda``) = the same engine with its chunk kernel as one functional graph under
+  ``torch.compile`` (inductor fuses the elementwise passes; the cold pass pays the compilation).
 - ``logits`` (from [N, V] logits): ``composer`` = :func:`composer_core.generalized_jsd`; ``trl`` = TRL's
   ``generalized_jsd_loss``; ``liger`` = Liger's logits path ``LigerFusedLinearJSDFunction.distillation_loss_fn``
   with autograd.
@@ -27,7 +29,7 @@ compiled (its default there, ``torch.compile`` of its chunk step; the cold pass 
 passes are timed), and the JSON is ``bench_jsd_cuda.json`` (the README's CPU table is not touched).
 
     python bench/bench_jsd.py [--sizes 32768x4096,152064x1024] [--hidden 896] [--rounds 3] [--small]
-                              [--device cuda --inner 5]
+                              [--device cuda --inner 5] [--compiled-kernel]
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import math
 import os
 import platform
 import resource
@@ -76,6 +79,23 @@ def _fused_step(method: str, h_s: Any, h_t: Any, w: Any, chunk: int) -> Any:
 
     if method == "composer":
         return fused_linear_generalized_jsd(h_s, w, h_t, beta=BETA, chunk_size=chunk)
+    if method == "composer_compiled":
+        from composer_core.loss.distill import fused_linear_loss
+
+        return fused_linear_loss(
+            h_s,
+            w,
+            h_t,
+            _compiled_jsd_kernel(BETA),
+            teacher_lm_head_weight=None,
+            lm_head_bias=None,
+            teacher_lm_head_bias=None,
+            temperature=1.0,
+            mask=None,
+            chunk_size=chunk,
+            reduction="mean",
+            normalizer=None,
+        )
     if method == "trl":
         from trl.experimental.gkd import GKDTrainer
 
@@ -92,6 +112,35 @@ def _fused_step(method: str, h_s: Any, h_t: Any, w: Any, chunk: int) -> Any:
         labels = torch.zeros(h_s.shape[0], dtype=torch.long, device=h_s.device)
         return loss_fn(h_s, w, h_t, w.detach(), labels)
     raise ValueError(method)
+
+
+_COMPILED: dict[float, Any] = {}
+
+
+def _compiled_jsd_kernel(beta: float) -> Any:
+    """composer's chunk kernel of the generalized JSD (0 < β < 1, the formulas of ``jsd_kernel``) written as one
+    functional graph and compiled with ``torch.compile``: inductor fuses the elementwise passes that the eager
+    kernel runs one by one. Bench-only (``--compiled-kernel``), for the GPU, where those passes are what lies
+    between composer and the matmul floor; on a CPU the matmuls dominate and it gains nothing."""
+    import torch
+
+    if beta not in _COMPILED:
+        log_beta, log_1m_beta = math.log(beta), math.log(1.0 - beta)
+
+        def kernel(zs: Any, zt: Any) -> tuple[Any, Any]:
+            lq = torch.log_softmax(zs, dim=-1)
+            lp = torch.log_softmax(zt, dim=-1)
+            q, p = lq.exp(), lp.exp()
+            d = lq - lp
+            f = torch.logaddexp(d + log_1m_beta, torch.full_like(d, log_beta))
+            f = torch.where(d == 0, torch.zeros_like(f), f)
+            g = d - f
+            kl_q = (q * g).sum(-1)
+            loss = (1.0 - beta) * kl_q - beta * (p * f).sum(-1)
+            return loss, (1.0 - beta) * q * (g - kl_q.unsqueeze(-1))
+
+        _COMPILED[beta] = torch.compile(kernel, dynamic=False)
+    return _COMPILED[beta]
 
 
 def _floor_step(h_s: Any, h_t: Any, w: Any, chunk: int) -> Any:
@@ -229,7 +278,7 @@ def _agreement(files: dict[str, str]) -> dict[str, dict[str, float]]:
 
 
 def _measure(form: str, vocab: int, tokens: int, args: argparse.Namespace) -> dict[str, Any]:
-    methods = METHODS[form]
+    methods = METHODS[form] + (["composer_compiled"] if form == "fused" and args.compiled_kernel else [])
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
     with tempfile.TemporaryDirectory() as tmp:
         files = {m: str(Path(tmp) / f"{m}.pt") for m in methods}
@@ -259,6 +308,8 @@ def _measure(form: str, vocab: int, tokens: int, args: argparse.Namespace) -> di
     ours = stats["composer"]
     ratios = {f"time_vs_{m}": ours["time_s"] / stats[m]["time_s"] for m in methods if m != "composer"}
     ratios |= {f"peak_vs_{m}": ours["peak_bytes"] / max(stats[m]["peak_bytes"], 1) for m in ("trl", "liger")}
+    if "composer_compiled" in stats:
+        ratios["compiled_time_vs_floor"] = stats["composer_compiled"]["time_s"] / stats["floor"]["time_s"]
     return {
         "form": form,
         "vocab": vocab,
@@ -277,9 +328,11 @@ def _fmt_time(s: dict[str, float]) -> str:
 
 def _readme(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
     table = []
+    compiled = any("composer_compiled" in row["methods"] for row in rows)
     for row in rows:
         ms, r = row["methods"], row["ratios"]
         mib = {m: f"{ms[m]['peak_bytes'] / 2**20:,.0f}" for m in ("composer", "trl", "liger")}
+        extra = [round(r["compiled_time_vs_floor"], 2) if "compiled_time_vs_floor" in r else "–"]
         table.append(
             [
                 row["form"],
@@ -293,6 +346,7 @@ def _readme(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, A
                 round(r["time_vs_liger"], 2),
                 f"{mib['composer']} / {mib['trl']} / {mib['liger']}",
                 round(r["peak_vs_liger"], 2),
+                *(extra if compiled else []),
             ]
         )
     cuda = args.device == "cuda"
@@ -312,6 +366,7 @@ def _readme(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, A
             "composer / Liger",
             "extra memory MiB (composer / TRL / Liger)",
             "memory composer / Liger",
+            *(["composer, chunk kernel compiled / floor"] if compiled else []),
         ],
         "rows": table,
         "note": "TRL: `GKDTrainer.generalized_jsd_loss` on materialised logits; Liger: `LigerFusedLinearJSDLoss` "
@@ -340,6 +395,12 @@ def main(argv: list[str] | None = None) -> None:
         "--small", action="store_true", help="tiny sizes, one round: CI's check that the bench works"
     )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument(
+        "--compiled-kernel",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also time composer with its chunk kernel under torch.compile (fused form; default: on with CUDA)",
+    )
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--save", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -347,6 +408,8 @@ def main(argv: list[str] | None = None) -> None:
         from composer_core.loss.distill import DEFAULT_CHUNK_SIZE
 
         args.chunk_size = DEFAULT_CHUNK_SIZE
+    if args.compiled_kernel is None:
+        args.compiled_kernel = args.device == "cuda"
     if args.child:
         print(json.dumps(_child(args)))
         return
@@ -403,6 +466,7 @@ def main(argv: list[str] | None = None) -> None:
             "rounds": args.rounds,
             "inner": args.inner,
             "small": args.small,
+            "compiled_kernel": args.compiled_kernel,
         },
         "rows": rows,
         "readme": _readme(rows, args),

@@ -16,14 +16,19 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 def test_bench_jsd_runs_at_small_size_and_the_peers_agree(tmp_path: Path) -> None:
-    run_small_bench(BENCH / "bench_jsd.py", tmp_path)
+    """With ``--compiled-kernel`` (CUDA's default; here inductor's CPU backend compiles it) the compiled chunk
+    kernel is one more fused method, checked against composer's eager kernel like the peers."""
+    run_small_bench(BENCH / "bench_jsd.py", tmp_path, args=["--compiled-kernel"])
     data = load_bench_json(tmp_path / "bench_jsd.json")
-    assert data["config"]["small"] is True
-    methods = {"fused": {"composer", "trl", "liger", "floor"}, "logits": {"composer", "trl", "liger"}}
+    assert data["config"]["small"] is True and data["config"]["compiled_kernel"] is True
+    fused = {"composer", "trl", "liger", "floor", "composer_compiled"}
+    methods = {"fused": fused, "logits": {"composer", "trl", "liger"}}
+    peers = {"fused": {"trl", "liger", "composer_compiled"}, "logits": {"trl", "liger"}}
     assert {row["form"] for row in data["rows"]} == set(methods)
+    assert data["readme"]["columns"][-1] == "composer, chunk kernel compiled / floor"
     for row in data["rows"]:
         assert set(row["methods"]) == methods[row["form"]], row["form"]
-        assert set(row["agreement"]) == {"trl", "liger"}, row["form"]
+        assert set(row["agreement"]) == peers[row["form"]], row["form"]
         for peer, agree in row["agreement"].items():
             assert agree["loss_rel"] < 1e-4 and agree["grad_rel"] < 1e-3, (row["form"], peer, agree)
 

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,14 +15,23 @@ __all__ = ["load_bench_json", "run_small_bench"]
 
 
 def run_small_bench(
-    script: Path, out: Path, *, env: dict[str, str] | None = None, timeout: float = 600
+    script: Path,
+    out: Path,
+    *,
+    env: dict[str, str] | None = None,
+    timeout: float = 600,
+    args: Sequence[str] = (),
 ) -> None:
-    """Run ``script --small`` with ``$COMPOSER_BENCH_OUT = out`` (plus ``env``); AssertionError with the
+    """Run ``script --small [args]`` with ``$COMPOSER_BENCH_OUT = out`` (plus ``env``); AssertionError with the
     output's tail if it fails. Python may cache bytecode: benches start fresh interpreters importing torch."""
     full = {**os.environ, "COMPOSER_BENCH_OUT": str(out), **(env or {})}
     full.pop("PYTHONDONTWRITEBYTECODE", None)
     run = subprocess.run(
-        [sys.executable, str(script), "--small"], env=full, capture_output=True, text=True, timeout=timeout
+        [sys.executable, str(script), "--small", *args],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     assert run.returncode == 0, (
         f"{script.name} --small exited {run.returncode}:\n{run.stdout[-2000:]}{run.stderr[-3000:]}"
