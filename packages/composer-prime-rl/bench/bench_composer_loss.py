@@ -18,7 +18,7 @@ packed (per sample when separate) plus the structural checks in Python on every 
 costs. Prints the ratios and writes JSON to $COMPOSER_BENCH_OUT (default ./bench-results).
 
     python bench/bench_composer_loss.py [--samples 32] [--lengths 256,4096] [--repeats 15] [--threads 1]
-                                        [--prime-rl-src PATH]
+                                        [--prime-rl-src PATH] [--device cuda]
 
 Besides wall time (noisy on a shared machine) it counts the aten operators one sample's forward + backward
 dispatches per method: a load-independent measure of the per-call overhead that dominates small samples.
@@ -322,13 +322,21 @@ def main() -> None:
         "more threads only add contention on a shared machine)",
     )
     parser.add_argument("--prime-rl-src", default=None, help="a prime-rl checkout (default: $PRIME_RL_SRC)")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="cuda: time on the GPU (wall clock around synchronized steps), JSON bench_composer_loss_cuda.json",
+    )
     args = parser.parse_args()
     if args.small:
         args.samples, args.lengths, args.repeats = 4, "64", 3
     if args.threads != 1:
         parser.error("--threads: the CPU clock is process time, which sums threads; keep --threads 1")
     torch.set_num_threads(args.threads)
-    devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device here")
+    devices = [torch.device(args.device)]
     upstream = prime_rl_default(args.prime_rl_src)
     methods: dict[str, tuple[Callable[..., LossOutputs], dict[str, Any]]] = {
         "inline_dppo_kl": (inline_dppo_kl, {}),
@@ -354,7 +362,10 @@ def main() -> None:
                 results.append(row)
     out = Path(os.environ.get("COMPOSER_BENCH_OUT", "bench-results"))
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "bench_composer_loss.json"
+    path = out / (
+        "bench_composer_loss.json" if args.device == "cpu" else f"bench_composer_loss_{args.device}.json"
+    )
+    clock = "the wall clock around synchronized steps" if args.device == "cuda" else "CPU time of the process"
     doc = {
         "benchmark": "composer_prime_rl.composer_loss per PRIME-RL step vs the inline formula of the same loss and "
         "PRIME-RL's default_loss_fn",
@@ -366,13 +377,14 @@ def main() -> None:
             "load_average": os.getloadavg(),
             "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "torch": torch.__version__,
+            **({"gpu": torch.cuda.get_device_name()} if args.device == "cuda" else {}),
         },
         "rows": results,
         "readme": {
             "title": f"composer_loss per step (PRIME-RL's per-sample loop, forward + backward) vs the inline "
             f"formula of the same loss (DPPO+KL, or clipped surrogate + SDPO; one metric, no validation) and "
             f"PRIME-RL's own default_loss_fn (DPPO+KL with its seven metrics, as composer's): "
-            f"median of {args.repeats} interleaved repeats [ratio range], CPU time of the process on CPU; layout "
+            f"median of {args.repeats} interleaved repeats [ratio range], {clock}; layout "
             f"packed = PRIME-RL's train loop (views of [1, N] micro-batch tensors), packed_rl_weights = the same loop "
             f"with an rl weight stream (a fresh mask per sample), separate = each sample's own tensors; ops = aten "
             f"operators per sample (forward + backward)",
