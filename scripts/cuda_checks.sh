@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Every CUDA test and GPU benchmark of the workspace in one run, for a maintainer's machine with an NVIDIA GPU
+# (CI has none, so these only run here). Needs a Python ($PYTHON, default python3) with CUDA torch and pytest;
+# the workspace's sources are put on PYTHONPATH; bench_jsd.py also needs trl and liger-kernel (its peers).
+#
+#   bash scripts/cuda_checks.sh            # tests, then both GPU benches (about 15 minutes on one H100)
+#   OUT=/tmp/cuda bash scripts/cuda_checks.sh tests    # only the tests;  ... benches: only the benches
+#
+# Writes under $OUT (default ./cuda-results): one log per step and the benches' JSON
+# (bench_jsd_cuda.json, bench_composer_loss_cuda.json). Copy the JSON into each package's bench/results/ and
+# run scripts/bench_tables.py to regenerate the READMEs' CUDA tables. Exits non-zero at the first failing step.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+OUT=${OUT:-cuda-results}
+WHAT=${1:-all}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+export PYTHONPATH="$PWD/packages/composer-core/src:$PWD/packages/composer-prime-rl/src${PYTHONPATH:+:$PYTHONPATH}"
+export COMPOSER_BENCH_OUT="$OUT"
+"$PYTHON" -c "import torch" 2>/dev/null || { echo "cuda_checks.sh: $PYTHON cannot import torch: set PYTHON" >&2; exit 2; }
+"$PYTHON" -c "import torch; torch.cuda.is_available() or exit('cuda_checks.sh: torch sees no CUDA device')"
+
+step() {  # step NAME DIR COMMAND...: run COMMAND in DIR, its output into $OUT/NAME.log and on the terminal
+    local name=$1 dir=$2
+    shift 2
+    echo "== $name" >&2
+    (cd "$dir" && "$@") 2>&1 | tee "$OUT/$name.log"
+}
+
+if [[ $WHAT == all || $WHAT == tests ]]; then
+    # composer-core: host syncs counted under set_sync_debug_mode, precision under CUDA autocast (tests/loss)
+    step tests-core-loss packages/composer-core "$PYTHON" -m pytest -q -p no:cacheprovider tests/loss
+    # composer-prime-rl: the loss under set_sync_debug_mode("error"), per sample, packed and with an rl stream
+    step tests-prime-rl-device packages/composer-prime-rl \
+        "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_device_checks.py
+fi
+if [[ $WHAT == all || $WHAT == benches ]]; then
+    step bench-jsd-cuda packages/composer-core "$PYTHON" bench/bench_jsd.py --device cuda --inner 10 --rounds 2
+    step bench-prime-rl-cuda packages/composer-prime-rl "$PYTHON" bench/bench_composer_loss.py --device cuda
+fi
+echo "cuda_checks.sh: done; logs and JSON in $OUT" >&2
