@@ -64,6 +64,12 @@ def main(out_dir: str, model_dir: str) -> None:
     }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+    # Tear the gloo group down before the interpreter exits: left alive, its C++ threads are destroyed during
+    # teardown and a rank can abort ("terminate called without an active exception") after a passing run.
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()
 
 
 if __name__ == "__main__":
