@@ -36,7 +36,7 @@ class GeneratorActor(PolicyCopyActor):
     """Holds a copy of the policy (weights from the trainer: :class:`PolicyCopyActor`); ``generate`` samples."""
 
     def __init__(self, model_fn: Callable[[], nn.Module], config: SamplingConfig) -> None:
-        self._hold(model_fn, "generator", config.num_threads)
+        super().__init__(model_fn, "generator", config.num_threads)
         self.config = config
 
     @endpoint

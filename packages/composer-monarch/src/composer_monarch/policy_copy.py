@@ -27,14 +27,15 @@ def load_weights(model: nn.Module, state: dict[str, Tensor], who: str) -> None:
 class PolicyCopyActor(Actor):
     """An actor holding a frozen copy of the policy (``model``, at weight ``version``), loaded from the trainer.
 
-    Subclasses call :meth:`_hold` in ``__init__``; every endpoint below sets ``version`` after its load.
+    Subclasses call ``super().__init__(model_fn, who, num_threads)``; every endpoint below sets ``version``
+    after its load.
     """
 
     model: nn.Module
     version: int
     receiver: WeightReceiver
 
-    def _hold(self, model_fn: Callable[[], nn.Module], who: str, num_threads: int | None) -> None:
+    def __init__(self, model_fn: Callable[[], nn.Module], who: str, num_threads: int | None) -> None:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         self.model = model_fn().eval().requires_grad_(False)

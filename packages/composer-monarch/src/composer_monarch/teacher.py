@@ -83,7 +83,7 @@ class TeacherActor(PolicyCopyActor):
         pad_id: int,
         num_threads: int | None = None,
     ) -> None:
-        self._hold(model_fn, "teacher", num_threads)
+        super().__init__(model_fn, "teacher", num_threads)
         self.replay = index_replay(replay) if replay else {}
         self.pad_id = pad_id
         self.stash: OrderedDict[str, Tensor] = OrderedDict()
