@@ -4,6 +4,8 @@ load-independent figure holds: the aten operators one sample's forward + backwar
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -88,3 +90,14 @@ def test_bench_agreement_check_passes_and_catches_a_different_formula(layout: st
             packed,
             rl_weights,
         )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present: --device cuda would run")
+def test_bench_device_cuda_without_a_gpu_exits_2_in_one_line(tmp_path: Path) -> None:
+    env = {**os.environ, "COMPOSER_BENCH_OUT": str(tmp_path)}
+    res = subprocess.run(
+        [sys.executable, str(BENCH), "--small", "--device", "cuda"], env=env, capture_output=True, text=True
+    )
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.strip().splitlines()[-1].endswith("--device cuda: torch sees no CUDA device here")
+    assert not any(tmp_path.iterdir())
