@@ -3,12 +3,12 @@
 Forward + backward of the generalized JSD (β = 0.5), float32, on the same inputs, two forms:
 
 - ``fused`` (from hidden states [N, H] and an LM head [V, H]):
-  ``composer`` = :func:`composer_core.fused_linear_generalized_jsd` (chunk = ``--chunk-size``, default
-  composer's ``DEFAULT_CHUNK_SIZE``); ``trl`` = logits ``h @ Wᵀ`` materialised for student and teacher, then
+  ``composer`` = :func:`composer_core.fused_linear_generalized_jsd` (chunk = ``--chunk-size`` rows, default
+  composer's: ``CHUNK_LOGITS // V`` rows); ``trl`` = logits ``h @ Wᵀ`` materialised for student and teacher, then
   TRL's ``GKDTrainer.generalized_jsd_loss`` with autograd; ``liger`` = Liger-Kernel's
   ``LigerFusedLinearJSDLoss`` (its chunked pure-torch path, ``compiled=False``, its default chunk 1024, hard-loss
-  weight 0); ``floor`` = the four matmuls alone (student and teacher logits, both gradients), chunked into
-  preallocated buffers: no method can do less arithmetic. ``composer_compiled`` (``--compiled-kernel``, on by
+  weight 0); ``floor`` = the four matmuls alone (student and teacher logits, both gradients), chunked as composer
+  into preallocated buffers: no method can do less arithmetic. ``composer_compiled`` (``--compiled-kernel``, on by
   default with ``--device cuda``) = the same engine with its chunk kernel as one functional graph under
   ``torch.compile`` (inductor fuses the elementwise passes; the cold pass pays the compilation).
 - ``logits`` (from [N, V] logits): ``composer`` = :func:`composer_core.generalized_jsd`; ``trl`` = TRL's
@@ -73,7 +73,7 @@ def _maxrss_bytes() -> int:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _fused_step(method: str, h_s: Any, h_t: Any, w: Any, chunk: int) -> Any:
+def _fused_step(method: str, h_s: Any, h_t: Any, w: Any, chunk: int | None) -> Any:
     import torch
     from composer_core import fused_linear_generalized_jsd
 
@@ -163,7 +163,7 @@ def _floor_step(h_s: Any, h_t: Any, w: Any, chunk: int) -> Any:
     return torch.zeros((), device=w.device)
 
 
-def _logits_step(method: str, z_s: Any, z_t: Any, chunk: int) -> Any:
+def _logits_step(method: str, z_s: Any, z_t: Any, chunk: int | None) -> Any:
     from composer_core import generalized_jsd
 
     if method == "composer":
@@ -191,7 +191,10 @@ def _make_step(form: str, method: str, args: argparse.Namespace) -> tuple[Any, l
         h_t = (torch.randn(tokens, args.hidden, generator=g) * 0.5).to(dev)
         w = (torch.randn(vocab, args.hidden, generator=g) * 2 / args.hidden**0.5).to(dev).requires_grad_(True)
         if method == "floor":
-            return (lambda: _floor_step(h_s, h_t, w.detach(), args.chunk_size)), [h_s, w]
+            from composer_core.loss.distill import chunk_rows
+
+            chunk = chunk_rows(args.chunk_size, vocab)
+            return (lambda: _floor_step(h_s, h_t, w.detach(), chunk)), [h_s, w]
         return (lambda: _fused_step(method, h_s, h_t, w, args.chunk_size)), [h_s, w]
     z_s = (torch.randn(tokens, vocab, generator=g) * 2).to(dev).requires_grad_(True)
     z_t = (torch.randn(tokens, vocab, generator=g) * 2).to(dev)
@@ -242,6 +245,15 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------------------
 
 
+def _chunk_text(chunk_size: int | None) -> str:
+    """composer's chunk as the title states it: its default sizes the rows by V."""
+    if chunk_size is not None:
+        return f"{chunk_size} rows"
+    from composer_core.loss.distill import CHUNK_LOGITS
+
+    return f"{CHUNK_LOGITS:,} logits (its default: CHUNK_LOGITS // V rows)"
+
+
 def _parse_sizes(text: str) -> list[tuple[int, int]]:
     return [(int(v), int(n)) for v, n in (s.split("x") for s in text.split(",") if s)]
 
@@ -250,7 +262,8 @@ def _spawn(
     form: str, method: str, vocab: int, tokens: int, args: argparse.Namespace, save: str
 ) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", f"{form}:{method}", "--sizes", f"{vocab}x{tokens}"]
-    cmd += ["--hidden", str(args.hidden), "--chunk-size", str(args.chunk_size), "--inner", str(args.inner)]
+    cmd += ["--hidden", str(args.hidden), "--inner", str(args.inner)]
+    cmd += [] if args.chunk_size is None else ["--chunk-size", str(args.chunk_size)]
     cmd += ["--threads", str(args.threads), "--save", save, "--device", args.device]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -352,8 +365,8 @@ def _readme(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, A
     cuda = args.device == "cuda"
     return {
         "title": f"Generalized JSD (β = 0.5) forward + backward, float32, H = {args.hidden}, composer chunk = "
-        f"{args.chunk_size}{', CUDA' if cuda else ''}: median of {args.rounds} interleaved rounds [min–max]"
-        + (f" of the median of {args.inner} warm passes" if args.inner > 1 else ""),
+        f"{_chunk_text(args.chunk_size)}{', CUDA' if cuda else ''}: median of {args.rounds} interleaved rounds "
+        "[min–max]" + (f" of the median of {args.inner} warm passes" if args.inner > 1 else ""),
         "columns": [
             "form",
             "V × N",
@@ -381,7 +394,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sizes", default=",".join(f"{v}x{n}" for v, n in DEFAULT_SIZES), help="VxN,VxN,...")
     p.add_argument("--hidden", type=int, default=896)
     p.add_argument(
-        "--chunk-size", type=int, default=None, help="composer's chunk (default: DEFAULT_CHUNK_SIZE)"
+        "--chunk-size", type=int, default=None, help="composer's rows per chunk (default: CHUNK_LOGITS // V)"
     )
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (fresh process per method each)")
     p.add_argument("--inner", type=int, default=1, help="warm passes timed per process")
@@ -404,10 +417,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--save", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.chunk_size is None:
-        from composer_core.loss.distill import DEFAULT_CHUNK_SIZE
-
-        args.chunk_size = DEFAULT_CHUNK_SIZE
     if args.compiled_kernel is None:
         args.compiled_kernel = args.device == "cuda"
     if args.child:
@@ -423,7 +432,7 @@ def main(argv: list[str] | None = None) -> None:
     where = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {args.threads} threads"
     print(
         f"generalized JSD (beta={BETA}) forward+backward, {where}, H={args.hidden}, "
-        f"composer chunk={args.chunk_size}, {args.rounds} interleaved rounds (fresh process per run)"
+        f"composer chunk={_chunk_text(args.chunk_size)}, {args.rounds} interleaved rounds (fresh process per run)"
     )
     rows: list[dict[str, Any]] = []
     for form in args.forms.split(","):
@@ -448,7 +457,7 @@ def main(argv: list[str] | None = None) -> None:
                     raise SystemExit(f"bench_jsd: {m} disagrees with composer ({a}); the comparison is void.")
     result = {
         "benchmark": "generalized JSD forward+backward: composer vs TRL vs Liger vs matmul floor",
-        "targets": {"fused time / floor": 1.5, "fused memory / Liger": 0.35},
+        "targets": {"fused time / floor": 1.5, "fused memory / Liger": 0.35, "logits memory / Liger": 0.35},
         "machine": {
             "processor": cpu_model(),
             **({"gpu": torch.cuda.get_device_name()} if args.device == "cuda" else {}),

@@ -45,6 +45,17 @@ def test_every_config_field_is_a_flag_and_strings_are_typed(tmp_path):
     assert inv.recipe.steps == 7 and inv.recipe.seed == 3
 
 
+def test_sdpo_chunk_size_flag_is_rows_and_defaults_to_the_vocabulary_budget(tmp_path):
+    """Rows per chunk of the fused kernel: an int from the command line, None (core's default: CHUNK_LOGITS // V
+    rows) without the flag; a bad value is one line naming the option."""
+    _, c = _config(["--sdpo_chunk_size", "512"], tmp_path)
+    assert c.sdpo_chunk_size == 512 and type(c.sdpo_chunk_size) is int
+    _, c = _config([], tmp_path)
+    assert c.sdpo_chunk_size is None
+    with pytest.raises(ValueError, match="`sdpo_chunk_size`=0 must be an int >= 1"):
+        _config(["--sdpo_chunk_size", "0"], tmp_path)
+
+
 def test_legacy_flags_still_work(tmp_path):
     inv = parse(
         ["--model", "org/name", "--steps", "9", "--output-dir", str(tmp_path), "--no-plot", "--threads", "2"]

@@ -358,6 +358,16 @@ def test_sdpo_chunk_size_from_a_cli_string_reaches_the_kernel(
     torch.testing.assert_close(small, whole, rtol=1e-12, atol=1e-12)  # exact per chunk: same loss
 
 
+@pytest.mark.parametrize(
+    ("value", "want"), [("none", None), ("", None), (None, None), ("512", 512), (64, 64)]
+)
+def test_sdpo_chunk_size_is_rows_or_none_for_a_budget_of_logits(value: object, want: int | None) -> None:
+    """None (the default; "none"/"" from a CLI or YAML) sizes each chunk's rows by the vocabulary (see
+    ``distill.CHUNK_LOGITS``); an int fixes the rows."""
+    assert ComposeConfig.from_flat(sdpo_chunk_size=value).sdpo.chunk_size == want
+    assert flat_defaults()["sdpo_chunk_size"] is None
+
+
 @pytest.mark.parametrize("value", ["0", "-3", "2.5", "abc", True, 0])
 def test_invalid_sdpo_chunk_size_names_the_option(value: object) -> None:
     with pytest.raises(ValueError, match="`sdpo_chunk_size`"):

@@ -95,6 +95,47 @@ def test_gradcheck_generalized_jsd(beta: float) -> None:
     )
 
 
+# ------------------------------------------------------------------ the default chunk: a budget of logits
+#: The default chunk's logits: four float32 work buffers of this many entries are ≈ 0.5 GB.
+BUDGET = 1024 * 32_768
+
+
+@pytest.mark.parametrize("form", ["logits", "fused"])
+@pytest.mark.parametrize(("vocab", "tokens"), [(32_768, 1100), (152_064, 300)])
+def test_the_default_chunk_holds_a_fixed_budget_of_logits_whatever_the_vocabulary(
+    form: str, vocab: int, tokens: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows per chunk = BUDGET // V by default (1024 at V = 32,768; 220 at Qwen2's 152,064), so the work buffers
+    stay ≈ 0.5 GB. A fixed 1024 rows held 4.6x that at V = 152,064 (2.3 GiB: 0.40x Liger's logits path against the
+    0.35 target of #19) and ran 2.4x slower (bench_jsd.py). The loss equals an explicit chunk's exactly."""
+    from composer_core.loss import distill
+
+    widths: list[int] = []
+    real = distill._rows_into
+
+    def spy(src: torch.Tensor, idx: object, out: torch.Tensor) -> torch.Tensor:
+        widths.append(out.shape[0])
+        return real(src, idx, out)
+
+    monkeypatch.setattr(distill, "_rows_into", spy)
+    g = torch.Generator().manual_seed(0)
+    if form == "logits":
+        s, t = torch.randn(tokens, vocab, generator=g), torch.randn(tokens, vocab, generator=g)
+        run = lambda **kw: generalized_jsd(s, t, **kw)  # noqa: E731
+    else:
+        h, ht = torch.randn(tokens, 4, generator=g), torch.randn(tokens, 4, generator=g)
+        w = torch.randn(vocab, 4, generator=g)
+        run = lambda **kw: fused_linear_generalized_jsd(h, w, ht, **kw)  # noqa: E731
+    default = run()
+    rows = BUDGET // vocab
+    assert max(widths) == rows and max(widths) * vocab <= BUDGET, (max(widths), rows)
+    assert len(widths) == 2 * math.ceil(tokens / rows)  # student and teacher rows of every chunk
+    widths.clear()
+    torch.testing.assert_close(default, run(chunk_size=rows), rtol=0, atol=0)
+    assert distill.chunk_rows(None, 1) == BUDGET and distill.chunk_rows(None, 10 * BUDGET) == 1
+    assert distill.chunk_rows(7, vocab) == 7
+
+
 # ------------------------------------------------------------------ fused linear
 @pytest.mark.parametrize("chunk_size", [1, 4, 64])
 @pytest.mark.parametrize("beta", [0.0, 0.4, 1.0])

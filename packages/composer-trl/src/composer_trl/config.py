@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from composer_core.loss.config import ComposeConfig, flat_defaults
+from composer_core.loss.distill import check_chunk_size
 from trl import GRPOConfig
 
 #: composer_core's defaults: the one source of truth for every option this config shares with core.
@@ -36,7 +37,8 @@ class ComposerGRPOConfig(GRPOConfig):
         sdpo_beta: generalized-JSD β (TRL GKD convention: 0 forward KL, 1 reverse KL, exact branches).
         sdpo_temperature: temperature of both distributions in the divergence.
         sdpo_token_clip: importance-sampling clip of the sampled form (None = no clip).
-        sdpo_chunk_size: rows per chunk of the fused kernel.
+        sdpo_chunk_size: rows per chunk of the fused kernel; None (the default) sizes each chunk to
+            ``composer_core.loss.distill.CHUNK_LOGITS`` logits (1024 rows at V = 32,768, 220 at 152,064).
         sdpo_wrapper: ``"none"``, ``"taid"`` (interpolated target, adaptive t, arXiv 2501.16937) or
             ``"entropy_opd"`` (extra forward KL where the teacher is uncertain).
         taid_t_start / taid_t_end / taid_alpha / taid_momentum: TAID schedule (stepped once per optimiser
@@ -72,8 +74,11 @@ class ComposerGRPOConfig(GRPOConfig):
     sdpo_token_clip: float | None = field(
         default=_CORE["sdpo_token_clip"], metadata={"help": "IS clip of the sampled form."}
     )
-    sdpo_chunk_size: int = field(
-        default=_CORE["sdpo_chunk_size"], metadata={"help": "Rows per chunk of the fused kernel."}
+    sdpo_chunk_size: int | None = field(
+        default=_CORE["sdpo_chunk_size"],
+        metadata={
+            "help": "Rows per chunk of the fused kernel (None: CHUNK_LOGITS // V, ~0.5 GB of buffers)."
+        },
     )
     sdpo_wrapper: Literal["none", "taid", "entropy_opd"] = field(
         default=_CORE["sdpo_wrapper"], metadata={"help": "'none', 'taid' or 'entropy_opd'."}
@@ -129,8 +134,7 @@ class ComposerGRPOConfig(GRPOConfig):
             raise ValueError(f"`sdpo_temperature`={self.sdpo_temperature!r} must be > 0.")
         if self.sdpo_token_clip is not None and not self.sdpo_token_clip > 0.0:
             raise ValueError(f"`sdpo_token_clip`={self.sdpo_token_clip!r} must be > 0 or None (no clip).")
-        if not (isinstance(self.sdpo_chunk_size, int) and self.sdpo_chunk_size >= 1):
-            raise ValueError(f"`sdpo_chunk_size`={self.sdpo_chunk_size!r} must be an int >= 1.")
+        check_chunk_size("sdpo_chunk_size", self.sdpo_chunk_size)
         if self.sdpo_wrapper != "none" and self.sdpo_form != "full":
             raise ValueError(
                 f"sdpo_wrapper={self.sdpo_wrapper!r} needs the full-vocabulary distribution; set sdpo_form='full'."

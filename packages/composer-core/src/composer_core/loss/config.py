@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from functools import cache, lru_cache
 from typing import Any, Literal, Union, get_args, get_origin
 
-from composer_core.loss.distill import DEFAULT_CHUNK_SIZE
+from composer_core.loss.distill import DEFAULT_CHUNK_SIZE, check_chunk_size
 from composer_core.loss.policy import (
     LOSS_TYPES,
     ROLLOUT_MODES,
@@ -224,7 +224,7 @@ class SDPOOptions:
     token_clip: float | None = 2.0
     topk: int | None = None
     topk_tail: bool = True
-    chunk_size: int = DEFAULT_CHUNK_SIZE
+    chunk_size: int | None = DEFAULT_CHUNK_SIZE
     wrapper: TAID | EntropyOPD | None = None
 
     def __post_init__(self) -> None:
@@ -239,10 +239,7 @@ class SDPOOptions:
         _finite("sdpo_temperature", self.temperature, low=0.0, strict=True)
         if self.token_clip is not None:
             _finite("is_clip (sdpo_token_clip)", self.token_clip, low=0.0, strict=True)
-        if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1:
-            raise ValueError(
-                f"`sdpo_chunk_size`={self.chunk_size!r}: `chunk_size` must be an int >= 1 (rows of B·T processed at once)."
-            )
+        check_chunk_size("sdpo_chunk_size", self.chunk_size)
         if self.topk is not None and (
             isinstance(self.topk, bool) or not isinstance(self.topk, int) or self.topk < 1
         ):

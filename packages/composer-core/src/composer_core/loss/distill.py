@@ -47,8 +47,10 @@ from composer_core.loss.validation import (  # re-exported: the kernels and wrap
 )
 
 __all__ = [
+    "CHUNK_LOGITS",
     "DEFAULT_CHUNK_SIZE",
     "Reduction",
+    "chunk_rows",
     "fused_linear_generalized_jsd",
     "generalized_jsd",
     "sampled_token_distill",
@@ -57,9 +59,15 @@ __all__ = [
 
 Reduction = Literal["mean", "sum", "none"]
 
-#: Rows (tokens) per chunk of the full-vocabulary losses: extra memory ≈ 4·chunk·V floats (+ chunk·V bools), so
-#: 1024 rows at V = 32k is ≈ 0.5 GB. Smaller saves memory, larger amortises per-chunk overhead (``sdpo_chunk_size``).
-DEFAULT_CHUNK_SIZE = 1024
+#: Logits per chunk of the full-vocabulary losses at the default ``chunk_size`` (None): a chunk is
+#: ``max(1, CHUNK_LOGITS // V)`` rows (tokens), 1024 at V = 32,768 and 220 at V = 152,064, so the extra memory,
+#: about four chunk × V float buffers (+ a bool one), stays ≈ 0.5 GB whatever the vocabulary (a fixed 1024 rows
+#: held 2.3 GiB at V = 152,064, and ran slower: bench/bench_jsd.py).
+CHUNK_LOGITS = 1024 * 32_768
+
+#: ``chunk_size`` (``sdpo_chunk_size``) default: None = rows from :data:`CHUNK_LOGITS` and V (see
+#: :func:`chunk_rows`). An int fixes the rows per chunk: smaller saves memory, larger amortises per-chunk overhead.
+DEFAULT_CHUNK_SIZE: int | None = None
 
 #: A per-chunk kernel: (scaled student logits [c, V], scaled teacher logits [c, V]) ->
 #: (per-row loss [c], gradient of the per-row loss w.r.t. the scaled student logits [c, V]).
@@ -450,16 +458,32 @@ _apply_fused = cast(Callable[..., Tensor], _FusedLinearLoss.apply)
 # ---------------------------------------------------------------------------------------------------------
 
 
+def chunk_rows(chunk_size: int | None, vocab: int) -> int:
+    """Rows (tokens) per chunk over a vocabulary of ``vocab``: ``chunk_size``, or for None (the default)
+    ``max(1, CHUNK_LOGITS // vocab)``."""
+    return max(1, CHUNK_LOGITS // vocab) if chunk_size is None else chunk_size
+
+
+def check_chunk_size(name: str, chunk_size: object) -> None:
+    """``chunk_size`` is None (rows from :data:`CHUNK_LOGITS`) or an int >= 1; raises naming ``name``."""
+    if chunk_size is not None and (
+        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+    ):
+        raise ValueError(
+            f"`{name}`={chunk_size!r} must be an int >= 1 (rows of B·T processed at once) or None (the default: "
+            f"{CHUNK_LOGITS:,} logits per chunk, CHUNK_LOGITS // V rows)."
+        )
+
+
 def _check_common(
     temperature: float,
-    chunk_size: int,
+    chunk_size: int | None,
     reduction: str,
     normalizer: float | Tensor | None,
     allowed: tuple[str, ...],
 ) -> None:
     check_positive("temperature", temperature)
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"`chunk_size`={chunk_size!r} must be an int >= 1 (rows of B·T processed at once).")
+    check_chunk_size("chunk_size", chunk_size)
     check_choice("reduction", reduction, allowed)
     check_normalizer("normalizer", normalizer)
     if normalizer is not None and reduction != "mean":
@@ -503,7 +527,7 @@ def chunked_logits_loss(
     *,
     temperature: float,
     mask: Tensor | None,
-    chunk_size: int,
+    chunk_size: int | None,
     reduction: str,
     normalizer: float | Tensor | None,
 ) -> Tensor:
@@ -518,7 +542,8 @@ def chunked_logits_loss(
     vocab = student_logits.shape[-1]
     s = student_logits.reshape(-1, vocab)
     t = teacher_logits.detach().reshape(-1, vocab)
-    out = _apply_chunked(s, t, rows, kernel, float(temperature), chunk_size, scale, reduction == "none")
+    chunk = chunk_rows(chunk_size, vocab)
+    out = _apply_chunked(s, t, rows, kernel, float(temperature), chunk, scale, reduction == "none")
     return out.reshape(token_shape) if reduction == "none" else out
 
 
@@ -534,7 +559,7 @@ def generalized_jsd(
     beta: float = 0.5,
     temperature: float = 1.0,
     mask: Tensor | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = DEFAULT_CHUNK_SIZE,
     reduction: Reduction = "mean",
     normalizer: float | Tensor | None = None,
 ) -> Tensor:
@@ -547,7 +572,8 @@ def generalized_jsd(
         student_logits: [..., V] (gradient flows here).
         teacher_logits: [..., V] (detached).
         mask: [...] bool/0-1 tokens to include (None = all); must select at least one token.
-        chunk_size: tokens per chunk; peak extra memory is O(chunk_size·V) plus the [..., V] gradient.
+        chunk_size: tokens per chunk (None: :data:`CHUNK_LOGITS` // V); peak extra memory is O(chunk·V) plus the
+            [..., V] gradient.
         reduction: ``"mean"`` = Σ_masked / (normalizer or #masked tokens); ``"sum"``; ``"none"`` = [...] with
             0 on masked-out tokens.
         normalizer: global token count (across micro-batches and ranks) for ``"mean"``.
@@ -574,7 +600,7 @@ def logits_loss(
     *,
     temperature: float,
     mask: Tensor | None,
-    chunk_size: int,
+    chunk_size: int | None,
     reduction: str,
     normalizer: float | Tensor | None,
 ) -> Tensor:
@@ -604,7 +630,7 @@ def fused_linear_loss(
     teacher_lm_head_bias: Tensor | None,
     temperature: float,
     mask: Tensor | None,
-    chunk_size: int,
+    chunk_size: int | None,
     reduction: str,
     normalizer: float | Tensor | None,
 ) -> Tensor:
@@ -650,7 +676,7 @@ def fused_linear_loss(
         rows,
         kernel,
         float(temperature),
-        chunk_size,
+        chunk_rows(chunk_size, lm_head_weight.shape[0]),
         scale,
     )
 
@@ -666,7 +692,7 @@ def fused_linear_generalized_jsd(
     beta: float = 0.5,
     temperature: float = 1.0,
     mask: Tensor | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = DEFAULT_CHUNK_SIZE,
     reduction: Literal["mean", "sum"] = "mean",
     normalizer: float | Tensor | None = None,
 ) -> Tensor:
@@ -675,7 +701,7 @@ def fused_linear_generalized_jsd(
     Same loss as :func:`generalized_jsd` on ``student_logits = student_hidden @ lm_head_weightᵀ + lm_head_bias``
     and ``teacher_logits = teacher_hidden @ teacher_lm_head_weightᵀ (+ bias)``; the teacher head defaults to
     the student's (hinted self-teacher: same network, different context). Logits exist only one chunk at a
-    time (Liger-Kernel ``LigerFusedLinearJSD`` pattern): peak extra memory O(chunk_size·V + V·H). Gradients
+    time (Liger-Kernel ``LigerFusedLinearJSD`` pattern): peak extra memory O(chunk·V + V·H). Gradients
     flow to ``student_hidden``, ``lm_head_weight`` and ``lm_head_bias``; the teacher side is detached.
 
     Args:

@@ -48,7 +48,7 @@ def taid_loss(
     *,
     temperature: float = 1.0,
     mask: Tensor | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = DEFAULT_CHUNK_SIZE,
     reduction: Reduction = "mean",
     normalizer: float | Tensor | None = None,
 ) -> Tensor:
@@ -224,7 +224,7 @@ def entropy_opd_loss(
     temperature: float = 1.0,
     topk: int | None = None,
     mask: Tensor | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = DEFAULT_CHUNK_SIZE,
     reduction: Reduction = "mean",
     normalizer: float | Tensor | None = None,
 ) -> Tensor:
