@@ -7,7 +7,7 @@ import os
 
 import pytest
 from composer_trl.cli import Job, main, parse
-from composer_trl.lifecycle import EXIT_USAGE
+from composer_trl.lifecycle import EXIT_USAGE, UsageError
 
 
 def _config(argv, tmp_path):
@@ -52,7 +52,7 @@ def test_sdpo_chunk_size_flag_is_rows_and_defaults_to_the_vocabulary_budget(tmp_
     assert c.sdpo_chunk_size == 512 and type(c.sdpo_chunk_size) is int
     _, c = _config([], tmp_path)
     assert c.sdpo_chunk_size is None
-    with pytest.raises(ValueError, match="`sdpo_chunk_size`=0 must be an int >= 1"):
+    with pytest.raises(UsageError, match="`sdpo_chunk_size`=0 must be an int >= 1"):
         _config(["--sdpo_chunk_size", "0"], tmp_path)
 
 
