@@ -333,22 +333,13 @@ def test_the_from_flat_cache_keeps_types_apart() -> None:
 
 # ------------------------------------------------------------------ chunk size of the full-vocabulary forms
 @pytest.mark.parametrize("form", ["full_logits", "fused_hidden"])
-def test_sdpo_chunk_size_from_a_cli_string_reaches_the_kernel(
-    form: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_sdpo_chunk_size_from_a_cli_string_reaches_the_kernel(form: str, chunk_widths: list[int]) -> None:
     from composer_core.loss import distill
 
     cfg = ComposeConfig.from_flat(sdpo_chunk_size="2", alpha_sdpo="1.0")
     assert cfg.sdpo.chunk_size == 2 and isinstance(cfg.sdpo.chunk_size, int)
     assert flat_defaults()["sdpo_chunk_size"] == distill.DEFAULT_CHUNK_SIZE  # one source of the default
-    widths: list[int] = []
-    real = distill._rows_into
-
-    def spy(src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        widths.append(out.shape[0])
-        return real(src, idx, out)
-
-    monkeypatch.setattr(distill, "_rows_into", spy)
+    widths = chunk_widths
     flags, _ = _FORMS[form]
     small = compose_loss(_batch(**flags), cfg).total
     assert widths and max(widths) == 2  # every chunk of 2 rows (the last may be shorter)
