@@ -32,6 +32,9 @@ B, T, V, H, P = 4, 16, 3000, 32, 3
 FORMS: dict[str, tuple[str, dict[str, object]]] = {
     "full_logits": ("logits", {"sdpo_chunk_size": 16}),
     "fused_hidden": ("hidden", {"sdpo_chunk_size": 16}),
+    # temperature enters the gradient's factor, a device scalar on an accelerator: host and device paths must agree
+    "full_logits_t2": ("logits", {"sdpo_chunk_size": 16, "sdpo_temperature": 2.0}),
+    "fused_hidden_t2": ("hidden", {"sdpo_chunk_size": 16, "sdpo_temperature": 2.0}),
     "topk": ("logits", {"sdpo_topk": 8}),
     "sampled": ("sampled", {}),
     "taid": ("logits", {"sdpo_wrapper": "taid", "taid_t": 0.7, "sdpo_chunk_size": 16}),

@@ -125,6 +125,9 @@ def test_rollout_correction_check_values() -> None:
     assert mis2[0, 0].item() == 0.0
     icepop = rollout_correction_weights(lp, inf, m, mode="token_mask", clip_min=0.5, clip_max=5.0)
     torch.testing.assert_close(icepop, torch.tensor([[3.0, 0.0]], dtype=D))
+    # clip_min = 0 is a valid bound (nothing below it to mask)
+    floor0 = rollout_correction_weights(lp, inf, m, mode="token_mask", clip_min=0.0, clip_max=5.0)
+    torch.testing.assert_close(floor0, torch.tensor([[3.0, 0.4]], dtype=D))
     seq = rollout_correction_weights(lp, inf, m, mode="sequence_truncate", clip_max=10.0)
     torch.testing.assert_close(seq, torch.full((1, 2), 1.2, dtype=D))
     seqm = rollout_correction_weights(lp, inf, m, mode="sequence_mask", clip_max=1.1)
@@ -240,6 +243,11 @@ def test_policy_loss_matches_manual_composition() -> None:
     )
     assert torch.equal(out.loss, manual)
     assert set(out.metrics) == {"policy/clip_ratio", "policy/kl", "policy/rollout_is_weight"}
+    masked_mean = lambda v: float((v * m).sum() / m.sum())  # noqa: E731
+    assert out.metrics["policy/rollout_is_weight"] == pytest.approx(masked_mean(w), rel=1e-12)
+    assert out.metrics["policy/kl"] == pytest.approx(masked_mean(kl), rel=1e-12)
+    given = policy_loss(lp, x["adv"], m, rollout_is_weights=torch.full_like(lp, 0.5), **base)  # type: ignore[arg-type]
+    assert given.metrics["policy/rollout_is_weight"] == pytest.approx(0.5, rel=1e-12)
     ref_out = policy_loss(lp, x["adv"], m, **base)  # type: ignore[arg-type]
     for kw in (
         {"epsilon_low": 0.1},
@@ -274,6 +282,14 @@ def test_policy_loss_matches_manual_composition() -> None:
         dppo_mask_high=0.0,
     )
     assert dp.metrics["policy/dppo_masked"] > 0
+
+
+def test_dppo_mask_counts_a_zero_advantage_as_non_positive() -> None:
+    """PRIME-RL's DPPO: ``(A>0 ∧ Δp > high) ∨ (A≤0 ∧ Δp < −low)``; A = 0 (a group with one reward) is the A ≤ 0 side."""
+    lp = torch.log(torch.tensor([[0.2, 0.9]], dtype=D))
+    inf = torch.log(torch.tensor([[0.6, 0.5]], dtype=D))  # Δp = −0.4 (fell past −low), +0.4 (rose past high)
+    assert dppo_mask(lp, inf, torch.zeros(1, dtype=D)).tolist() == [[True, False]]
+    assert dppo_mask(lp, inf, torch.ones(1, dtype=D)).tolist() == [[False, True]]
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
@@ -346,6 +362,9 @@ def test_policy_bad_inputs() -> None:
         (lambda: dppo_mask(lp, x["inf"], adv, mask_low=2.0), "mask_low"),
         (lambda: group_advantages(torch.ones(5), 2), "multiple"),
         (lambda: group_advantages(torch.ones(4)), "group_size"),
+        (lambda: group_advantages(torch.ones(4), 0), r"`group_size`=0 must be an int >= 1"),
+        (lambda: group_advantages(torch.ones(4), True), r"`group_size`=True must be an int"),  # not a 1
+        (lambda: group_advantages(torch.ones(4), "2"), r"`group_size`='2' must be an int"),  # type: ignore[arg-type]
         (lambda: group_advantages(torch.ones(4), 2, group_ids=[0, 0, 1, 1]), "not both"),
         (lambda: group_advantages(torch.ones(4), group_ids=[0, 1]), "group_ids"),
         (lambda: group_advantages(torch.tensor([1.0, float("nan")]), 2), "rewards.*NaN"),

@@ -102,6 +102,9 @@ def test_entropy_opd_kwargs_threshold_weight_temperature_mask() -> None:
     out = entropy_opd_loss(s, t, threshold=thr, fkl_weight=2.0, reduction="none")
     torch.testing.assert_close(out, base + 2.0 * gate * fkl)
     assert 0 < int(gate.sum()) < 10
+    # topk is checked against V (the last dim, 8), not another dim of a [B, T, V] input (T = 5): topk=V is full
+    full = entropy_opd_loss(s, t, threshold=thr, fkl_weight=2.0, topk=8, reduction="none")
+    torch.testing.assert_close(full, out)
     # temperature scales both sides and enters the entropy
     out_t = entropy_opd_loss(s, t, threshold=thr, temperature=2.0)
     assert out_t.item() == pytest.approx(entropy_opd_loss(s / 2, t / 2, threshold=thr).item(), rel=1e-12)
