@@ -260,6 +260,17 @@ def test_replay_variants_through_compose() -> None:
     args = (b.chosen_logps, b.rejected_logps)
     r = compose_loss(b, dpo_variant="simpo", simpo_beta=1.5, simpo_gamma=0.3)
     assert torch.equal(r.replay, simpo_loss(*args, b.chosen_lengths, b.rejected_lengths, beta=1.5, gamma=0.3))  # type: ignore[arg-type]
+    # SimPO's accuracy counts its length-normalised margin c/|c| − r/|r| > 0: 2 of these 3 pairs (the raw
+    # difference c − r is positive for all 3, the sum c/|c| + r/|r| for none)
+    t = lambda *v: torch.tensor(v, dtype=b.chosen_logps.dtype)  # noqa: E731
+    pairs = dataclasses.replace(
+        b,
+        chosen_logps=t(-2.0, -1.0, -2.0),
+        rejected_logps=t(-6.0, -3.0, -4.0),
+        chosen_lengths=torch.tensor([1, 1, 2]),
+        rejected_lengths=torch.tensor([6, 1, 2]),
+    )
+    assert compose_loss(pairs, dpo_variant="simpo").metrics["replay/accuracy"] == pytest.approx(2 / 3)
     refs = (b.ref_chosen_logps, b.ref_rejected_logps)
     r = compose_loss(b, dpo_beta=0.2, dpo_loss_type="robust", dpo_label_smoothing=0.1)
     assert torch.equal(r.replay, dpo_loss(*args, *refs, beta=0.2, loss_type="robust", label_smoothing=0.1))  # type: ignore[arg-type]

@@ -40,6 +40,11 @@ def test_group_advantages_groups_ids_batch_scale_singletons_zero_std() -> None:
     # group a: [1, 0] mean .5 std sqrt(.5); group b: zero std -> 0; group c singleton -> 0 (TRL)
     s = math.sqrt(0.5)
     torch.testing.assert_close(a, torch.tensor([0.5 / s, 0.0, -0.5 / s, 0.0, 0.0], dtype=D))
+    # contiguous groups of 2 (num_generations=2): Bessel std |r1 - r2| / sqrt(2), the same as by ids
+    pairs = torch.tensor([1.0, 0.0, 0.0, 3.0], dtype=D)
+    by_size = group_advantages(pairs, 2, eps=0.0)
+    torch.testing.assert_close(by_size, torch.tensor([1.0, -1.0, -1.0, 1.0], dtype=D) * s)
+    torch.testing.assert_close(group_advantages(pairs, group_ids=[0, 0, 1, 1], eps=0.0), by_size)
     a_v = group_advantages(r, group_ids=torch.tensor([0, 1, 0, 1, 2]), eps=0.0, singleton="reward")
     assert a_v[4].item() == 3.0
     r2 = torch.tensor([1.0, 0.0, 2.0, 2.0], dtype=D)
@@ -56,6 +61,13 @@ def test_overlong_reward_shaping() -> None:
     torch.testing.assert_close(
         overlong_reward_shaping(lengths, 20, 4, penalty_factor=0.5),
         torch.tensor([0.0, 0.0, -0.25, -0.5, -0.5]),
+    )
+    # the bounds 1 <= cache_length <= max_length are both valid
+    torch.testing.assert_close(
+        overlong_reward_shaping(torch.tensor([9, 10, 11]), 10, 1), torch.tensor([0.0, -1.0, -1.0])
+    )
+    torch.testing.assert_close(
+        overlong_reward_shaping(torch.tensor([0, 5, 11]), 10, 10), torch.tensor([0.0, -0.5, -1.0])
     )
 
 
@@ -383,6 +395,9 @@ def test_advantages_are_batch_of_tk_broadcast() -> None:
     lp, m = x["logprobs"], x["mask"]
     adv_bt = x["adv"][:, None].expand(3, 4).contiguous()
     assert torch.equal(policy_loss(lp, adv_bt, m).loss, policy_loss(lp, x["adv"], m).loss)
+    assert torch.equal(
+        policy_loss(lp, x["adv"][:, None], m).loss, policy_loss(lp, x["adv"], m).loss
+    )  # [B, 1]
 
 
 def test_dppo_loss_kwargs() -> None:

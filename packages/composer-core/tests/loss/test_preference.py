@@ -117,6 +117,7 @@ def test_preference_bad_inputs() -> None:
             lambda: dpo_loss(c, r, rc, rr, chosen_lengths=one, rejected_lengths=one),
             r"only used by loss_type='ipo'",
         ),
+        (lambda: dpo_loss(c, r, rc, rr, chosen_lengths=one), r"only used by loss_type='ipo'"),  # one of them
         (lambda: dpo_loss(c, r, rc, rr, label_smoothing=0.7), r"label_smoothing"),
         (lambda: dpo_loss(c, r, rc, rr, loss_type="robust", label_smoothing=0.5), r"label_smoothing"),
         (lambda: dpo_loss(c, r, rc, rr, reduction="sum", normalizer=3), r"normalizer"),
