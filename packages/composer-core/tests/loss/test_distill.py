@@ -148,6 +148,26 @@ def test_fused_linear_equals_logits_form(chunk_size: int, beta: float) -> None:
         torch.testing.assert_close(a, c, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("form", ["logits", "fused"])
+def test_the_gradient_follows_grad_out_through_the_unit_fast_path(form: str) -> None:
+    """Backward skips the multiply when the incoming gradient is exactly 1 (a host read on the CPU): 1 gives the
+    reference gradient, and 2 and 0.5 (exact in binary) give it times 2 and 0.5, bit for bit."""
+    h, ht = _logits(3, 4, 6, seed=21).requires_grad_(True), _logits(3, 4, 6, seed=22)
+    w = _logits(13, 6, seed=23)
+    mask = torch.rand(3, 4, generator=torch.Generator().manual_seed(24)) > 0.4
+    if form == "fused":
+        out = fused_linear_generalized_jsd(h, w, ht, beta=0.3, mask=mask, chunk_size=4)
+    else:
+        out = generalized_jsd(h @ w.T, ht @ w.T, beta=0.3, mask=mask, chunk_size=4)
+    (want,) = torch.autograd.grad(naive_jsd(h @ w.T, ht @ w.T, 0.3)[mask].mean(), h)
+    one, two, half = (
+        torch.autograd.grad(out, h, grad_outputs=torch.tensor(c, dtype=D), retain_graph=True)[0]
+        for c in (1, 2, 0.5)
+    )
+    torch.testing.assert_close(one, want, rtol=1e-10, atol=1e-12)
+    assert torch.equal(two, 2 * one) and torch.equal(half, 0.5 * one)
+
+
 def test_gradcheck_fused_linear() -> None:
     h = _logits(2, 3, 5, seed=16).requires_grad_(True)
     ht = _logits(2, 3, 5, seed=17)

@@ -45,6 +45,8 @@ def test_group_advantages_groups_ids_batch_scale_singletons_zero_std() -> None:
     by_size = group_advantages(pairs, 2, eps=0.0)
     torch.testing.assert_close(by_size, torch.tensor([1.0, -1.0, -1.0, 1.0], dtype=D) * s)
     torch.testing.assert_close(group_advantages(pairs, group_ids=[0, 0, 1, 1], eps=0.0), by_size)
+    six = torch.tensor([1.0, 0.0, 0.0, 2.0, 5.0, 3.0], dtype=D)  # and groups of 3
+    torch.testing.assert_close(group_advantages(six, group_ids=[7, 7, 7, 8, 8, 8]), group_advantages(six, 3))
     a_v = group_advantages(r, group_ids=torch.tensor([0, 1, 0, 1, 2]), eps=0.0, singleton="reward")
     assert a_v[4].item() == 3.0
     r2 = torch.tensor([1.0, 0.0, 2.0, 2.0], dtype=D)
@@ -261,6 +263,9 @@ def test_policy_loss_matches_manual_composition() -> None:
     given = policy_loss(lp, x["adv"], m, rollout_is_weights=torch.full_like(lp, 0.5), **base)  # type: ignore[arg-type]
     assert given.metrics["policy/rollout_is_weight"] == pytest.approx(0.5, rel=1e-12)
     ref_out = policy_loss(lp, x["adv"], m, **base)  # type: ignore[arg-type]
+    assert given.loss.item() == pytest.approx(
+        0.5 * ref_out.loss.item(), rel=1e-12
+    )  # weights multiply (dapo: linear)
     for kw in (
         {"epsilon_low": 0.1},
         {"epsilon_high": 0.5},
@@ -383,6 +388,7 @@ def test_policy_bad_inputs() -> None:
         (lambda: group_advantages(torch.ones(4), 2, scale="std"), "scale"),  # type: ignore[arg-type]
         (lambda: overlong_reward_shaping(torch.tensor([1, 2]), 10, 20), "cache_length"),
         (lambda: overlong_reward_shaping(torch.tensor([-1, 2]), 10, 2), "lengths"),
+        (lambda: overlong_reward_shaping(torch.tensor([1, 2]), 10.0, 2), "must be ints"),  # type: ignore[arg-type]
     ]
     for fn, match in cases:
         assert callable(fn)
@@ -412,6 +418,8 @@ def test_dppo_loss_kwargs() -> None:
     wide, met = dppo_loss(lp, inf, adv, m, kl_tau=0.0, mask_high=0.35)
     torch.testing.assert_close(wide, torch.tensor([[-2.5, -3.0]], dtype=D))
     assert met["masked_fraction"].item() == 0.0
+    log_ratio = lp - inf  # mismatch_kl: the masked mean of ½·log²(π/π_inf)
+    assert met["mismatch_kl"].item() == pytest.approx(float((0.5 * log_ratio**2).mean()), rel=1e-12)
     neg, _ = dppo_loss(inf, lp, -adv, m, kl_tau=0.0, mask_low=0.35)  # Δp = −.3 > −.35: kept
     torch.testing.assert_close(neg, torch.tensor([[2.0 * 0.4 / 0.5, 2.0 * 0.6 / 0.9]], dtype=D))
 
