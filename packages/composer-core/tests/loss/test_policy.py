@@ -122,6 +122,11 @@ def test_aggregate_loss_types_closed_form() -> None:
     assert aggregate_loss(L, m, "dapo").item() == pytest.approx(10.0 / 4)
     assert aggregate_loss(L, m, "dapo", normalizer=8).item() == pytest.approx(10.0 / 8)
     assert aggregate_loss(L, m, "dr_grpo").item() == pytest.approx(10.0 / 6)
+    one = torch.tensor([[0, 0, 1], [0, 0, 0]])  # a single kept token: the token means are that token
+    assert aggregate_loss(L, one, "bnpo").item() == 3.0 and aggregate_loss(L, one, "dapo").item() == 3.0
+    assert (
+        aggregate_loss(L, one, "grpo").item() == 1.5
+    )  # TRL: the empty sequence still counts in the batch mean
     assert aggregate_loss(L, m, "dr_grpo", max_completion_length=5).item() == pytest.approx(10.0 / 10)
     assert aggregate_loss(L, m, "dr_grpo", normalizer=20).item() == pytest.approx(10.0 / 20)
 
@@ -377,6 +382,7 @@ def test_policy_bad_inputs() -> None:
             "clip_min",
         ),
         (lambda: dppo_mask(lp, x["inf"], adv, mask_low=2.0), "mask_low"),
+        (lambda: dppo_mask(lp, x["inf"], adv, mask_high=1.2), "mask_high"),  # a probability difference <= 1
         (lambda: group_advantages(torch.ones(5), 2), "multiple"),
         (lambda: group_advantages(torch.ones(4)), "group_size"),
         (lambda: group_advantages(torch.ones(4), 0), r"`group_size`=0 must be an int >= 1"),
