@@ -124,9 +124,8 @@ def test_aggregate_loss_types_closed_form() -> None:
     assert aggregate_loss(L, m, "dr_grpo").item() == pytest.approx(10.0 / 6)
     one = torch.tensor([[0, 0, 1], [0, 0, 0]])  # a single kept token: the token means are that token
     assert aggregate_loss(L, one, "bnpo").item() == 3.0 and aggregate_loss(L, one, "dapo").item() == 3.0
-    assert (
-        aggregate_loss(L, one, "grpo").item() == 1.5
-    )  # TRL: the empty sequence still counts in the batch mean
+    # grpo (TRL): the per-sequence means, averaged over every sequence, the empty one included
+    assert aggregate_loss(L, one, "grpo").item() == 1.5
     assert aggregate_loss(L, m, "dr_grpo", max_completion_length=5).item() == pytest.approx(10.0 / 10)
     assert aggregate_loss(L, m, "dr_grpo", normalizer=20).item() == pytest.approx(10.0 / 20)
 
@@ -268,9 +267,8 @@ def test_policy_loss_matches_manual_composition() -> None:
     given = policy_loss(lp, x["adv"], m, rollout_is_weights=torch.full_like(lp, 0.5), **base)  # type: ignore[arg-type]
     assert given.metrics["policy/rollout_is_weight"] == pytest.approx(0.5, rel=1e-12)
     ref_out = policy_loss(lp, x["adv"], m, **base)  # type: ignore[arg-type]
-    assert given.loss.item() == pytest.approx(
-        0.5 * ref_out.loss.item(), rel=1e-12
-    )  # weights multiply (dapo: linear)
+    # the given weights multiply the per-token loss (dapo aggregates linearly)
+    assert given.loss.item() == pytest.approx(0.5 * ref_out.loss.item(), rel=1e-12)
     for kw in (
         {"epsilon_low": 0.1},
         {"epsilon_high": 0.5},
@@ -405,11 +403,9 @@ def test_policy_bad_inputs() -> None:
 def test_advantages_are_batch_of_tk_broadcast() -> None:
     x = _inputs(6)
     lp, m = x["logprobs"], x["mask"]
-    adv_bt = x["adv"][:, None].expand(3, 4).contiguous()
-    assert torch.equal(policy_loss(lp, adv_bt, m).loss, policy_loss(lp, x["adv"], m).loss)
-    assert torch.equal(
-        policy_loss(lp, x["adv"][:, None], m).loss, policy_loss(lp, x["adv"], m).loss
-    )  # [B, 1]
+    per_sample = policy_loss(lp, x["adv"], m).loss
+    for adv in (x["adv"][:, None].expand(3, 4).contiguous(), x["adv"][:, None]):  # [B, T] and [B, 1]
+        assert torch.equal(policy_loss(lp, adv, m).loss, per_sample)
 
 
 def test_dppo_loss_kwargs() -> None:
