@@ -55,6 +55,20 @@ def _jsd(d: Json) -> str:
     return "; ".join(parts)
 
 
+def _jsd_cuda(d: Json) -> str:
+    parts = []
+    for size in ("32,768 × 4,096", "152,064 × 1,024"):
+        row = {"form": "fused", "V × N": size}
+        parts.append(
+            f"V × N = {size}: eager {_num(cell(d, 'composer / floor', **row)):.2f}× the matmul floor, "
+            f"compiled=True {_num(cell(d, 'compiled / floor', **row)):.2f}× the floor and "
+            f"{_num(cell(d, 'compiled / Liger', **row)):.2f}× Liger's compiled time; extra memory "
+            f"{_num(cell(d, 'memory composer / Liger', **row)):.2f}× Liger's eager, "
+            f"{_num(cell(d, 'compiled memory / Liger', **row)):.2f}× compiled"
+        )
+    return f"{d['machine']['gpu']}: " + "; ".join(parts)
+
+
 def _bypass(d: Json) -> str:
     speed = _num(cell(d, "tokens/CPU-s", method="bypass")) / _num(cell(d, "tokens/CPU-s", method="kl"))
     growth = _num(cell(d, "training growth MiB", method="bypass")) / _num(
@@ -146,6 +160,7 @@ def _monarch_overlap(d: Json) -> str:
 
 HEADLINES: tuple[Headline, ...] = (
     Headline("core", "bench_jsd", "generalized JSD fused from hidden states, forward + backward", _jsd),
+    Headline("core", "bench_jsd_cuda", "the same on a GPU, eager and with `compiled=True`", _jsd_cuda),
     Headline("core", "bench_bypass", "bypass vs full-model KL distillation, one process", _bypass),
     Headline("core", "bench_bypass_dist", "bypass on gloo processes", _bypass_dist),
     Headline("trl", "bench_trl", "`ComposerGRPOTrainer` step vs plain `GRPOTrainer`", _trl),

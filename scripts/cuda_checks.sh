@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Every CUDA test and GPU benchmark of the workspace in one run, for a maintainer's machine with an NVIDIA GPU
-# (CI has none, so these only run here). Needs a Python ($PYTHON, default python3) with CUDA torch and pytest;
-# the workspace's sources are put on PYTHONPATH; bench_jsd.py also needs trl and liger-kernel (its peers).
+# (CI has none, so these only run here). Needs a Python ($PYTHON, default python3) with CUDA torch and pytest,
+# and composer-core and composer-prime-rl installed in it (any version: the workspace's sources are put first on
+# PYTHONPATH, but composer_core reads its version from the installed distribution), e.g. `pip install --no-deps
+# ./packages/composer-core ./packages/composer-prime-rl`; bench_jsd.py also needs trl and liger-kernel (its peers).
 #
-#   bash scripts/cuda_checks.sh            # tests, then both GPU benches (about 15 minutes on one H100)
+#   bash scripts/cuda_checks.sh            # tests, then both GPU benches (about 8 minutes on one H200)
 #   OUT=/tmp/cuda bash scripts/cuda_checks.sh tests    # only the tests;  ... benches: only the benches
 #
 # Writes under $OUT (default ./cuda-results): one log per step and the benches' JSON
@@ -20,6 +22,12 @@ export PYTHONPATH="$PWD/packages/composer-core/src:$PWD/packages/composer-prime-
 export COMPOSER_BENCH_OUT="$OUT"
 "$PYTHON" -c "import torch" 2>/dev/null || { echo "cuda_checks.sh: $PYTHON cannot import torch: set PYTHON" >&2; exit 2; }
 "$PYTHON" -c "import torch; torch.cuda.is_available() or exit('cuda_checks.sh: torch sees no CUDA device')"
+"$PYTHON" -c "import importlib.metadata as m; [m.version(d) for d in ('composer-core', 'composer-prime-rl')]" \
+    2>/dev/null || {
+    echo "cuda_checks.sh: composer-core and composer-prime-rl are not installed in $PYTHON: pip install --no-deps" \
+        "./packages/composer-core ./packages/composer-prime-rl (or wheels built elsewhere)" >&2
+    exit 2
+}
 
 step() {  # step NAME DIR COMMAND...: run COMMAND in DIR, its output into $OUT/NAME.log and on the terminal
     local name=$1 dir=$2
@@ -29,8 +37,9 @@ step() {  # step NAME DIR COMMAND...: run COMMAND in DIR, its output into $OUT/N
 }
 
 if [[ $WHAT == all || $WHAT == tests ]]; then
-    # composer-core: host syncs counted under set_sync_debug_mode, precision under CUDA autocast (tests/loss)
-    step tests-core-loss packages/composer-core "$PYTHON" -m pytest -q -p no:cacheprovider tests/loss
+    # composer-core: host syncs counted under set_sync_debug_mode, precision under CUDA autocast, the compiled
+    # JSD kernel (tests/loss; -k cuda: the CUDA cases, the CPU ones run in CI)
+    step tests-core-loss packages/composer-core "$PYTHON" -m pytest -q -p no:cacheprovider tests/loss -k cuda
     # composer-prime-rl: the loss under set_sync_debug_mode("error"), per sample, packed and with an rl stream
     step tests-prime-rl-device packages/composer-prime-rl \
         "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_device_checks.py

@@ -35,3 +35,20 @@ def test_no_cuda_device_exits_1_before_any_step(tmp_path: Path) -> None:
     assert res.returncode == 1, res.stderr
     assert res.stderr.strip().splitlines()[-1] == "cuda_checks.sh: torch sees no CUDA device"
     assert not any((tmp_path / "out").iterdir())
+
+
+def test_composer_not_installed_exits_2_naming_the_install(tmp_path: Path) -> None:
+    """A stand-in ``torch`` that sees a device, and a ``$PYTHON`` in which composer-core is not installed: the
+    sources on PYTHONPATH alone cannot import (composer_core reads its version from the installed distribution),
+    so the script stops before any step with the pip command. ``-S`` keeps this test's own site-packages out."""
+    fake = tmp_path / "fake" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("class cuda:\n    is_available = staticmethod(lambda: True)\n")
+    python = tmp_path / "python-S"
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "$@"\n')
+    python.chmod(0o755)
+    res = _run(str(python), tmp_path / "out", pythonpath=fake.parent)
+    assert res.returncode == 2, res.stderr
+    assert "composer-core and composer-prime-rl are not installed" in res.stderr
+    assert "pip install --no-deps ./packages/composer-core ./packages/composer-prime-rl" in res.stderr
+    assert not any((tmp_path / "out").iterdir())

@@ -8,9 +8,10 @@ Forward + backward of the generalized JSD (β = 0.5), float32, on the same input
   TRL's ``GKDTrainer.generalized_jsd_loss`` with autograd; ``liger`` = Liger-Kernel's
   ``LigerFusedLinearJSDLoss`` (its chunked pure-torch path, ``compiled=False``, its default chunk 1024, hard-loss
   weight 0); ``floor`` = the four matmuls alone (student and teacher logits, both gradients), chunked as composer
-  into preallocated buffers: no method can do less arithmetic. ``composer_compiled`` (``--compiled-kernel``, on by
-  default with ``--device cuda``) = the same engine with its chunk kernel as one functional graph under
-  ``torch.compile`` (inductor fuses the elementwise passes; the cold pass pays the compilation).
+  into preallocated buffers: no method can do less arithmetic.
+- ``composer_compiled`` (both forms; ``--compiled-kernel``, on by default with ``--device cuda``) = composer with
+  ``compiled=True`` (``sdpo_compiled``): the same engine with its chunk kernel under ``torch.compile``
+  (:mod:`composer_core.loss.compiled`; inductor fuses the elementwise passes; the cold pass pays the compilation).
 - ``logits`` (from [N, V] logits): ``composer`` = :func:`composer_core.generalized_jsd`; ``trl`` = TRL's
   ``generalized_jsd_loss``; ``liger`` = Liger's logits path ``LigerFusedLinearJSDFunction.distillation_loss_fn``
   with autograd.
@@ -37,7 +38,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import math
 import os
 import platform
 import resource
@@ -80,22 +80,7 @@ def _fused_step(method: str, h_s: Any, h_t: Any, w: Any, chunk: int | None) -> A
     if method == "composer":
         return fused_linear_generalized_jsd(h_s, w, h_t, beta=BETA, chunk_size=chunk)
     if method == "composer_compiled":
-        from composer_core.loss.distill import fused_linear_loss
-
-        return fused_linear_loss(
-            h_s,
-            w,
-            h_t,
-            _compiled_jsd_kernel(BETA),
-            teacher_lm_head_weight=None,
-            lm_head_bias=None,
-            teacher_lm_head_bias=None,
-            temperature=1.0,
-            mask=None,
-            chunk_size=chunk,
-            reduction="mean",
-            normalizer=None,
-        )
+        return fused_linear_generalized_jsd(h_s, w, h_t, beta=BETA, chunk_size=chunk, compiled=True)
     if method == "trl":
         from trl.experimental.gkd import GKDTrainer
 
@@ -112,35 +97,6 @@ def _fused_step(method: str, h_s: Any, h_t: Any, w: Any, chunk: int | None) -> A
         labels = torch.zeros(h_s.shape[0], dtype=torch.long, device=h_s.device)
         return loss_fn(h_s, w, h_t, w.detach(), labels)
     raise ValueError(method)
-
-
-_COMPILED: dict[float, Any] = {}
-
-
-def _compiled_jsd_kernel(beta: float) -> Any:
-    """composer's chunk kernel of the generalized JSD (0 < β < 1, the formulas of ``jsd_kernel``) written as one
-    functional graph and compiled with ``torch.compile``: inductor fuses the elementwise passes that the eager
-    kernel runs one by one. Bench-only (``--compiled-kernel``), for the GPU, where those passes are what lies
-    between composer and the matmul floor; on a CPU the matmuls dominate and it gains nothing."""
-    import torch
-
-    if beta not in _COMPILED:
-        log_beta, log_1m_beta = math.log(beta), math.log(1.0 - beta)
-
-        def kernel(zs: Any, zt: Any) -> tuple[Any, Any]:
-            lq = torch.log_softmax(zs, dim=-1)
-            lp = torch.log_softmax(zt, dim=-1)
-            q, p = lq.exp(), lp.exp()
-            d = lq - lp
-            f = torch.logaddexp(d + log_1m_beta, torch.full_like(d, log_beta))
-            f = torch.where(d == 0, torch.zeros_like(f), f)
-            g = d - f
-            kl_q = (q * g).sum(-1)
-            loss = (1.0 - beta) * kl_q - beta * (p * f).sum(-1)
-            return loss, (1.0 - beta) * q * (g - kl_q.unsqueeze(-1))
-
-        _COMPILED[beta] = torch.compile(kernel, dynamic=False)
-    return _COMPILED[beta]
 
 
 def _floor_step(h_s: Any, h_t: Any, w: Any, chunk: int) -> Any:
@@ -166,8 +122,8 @@ def _floor_step(h_s: Any, h_t: Any, w: Any, chunk: int) -> Any:
 def _logits_step(method: str, z_s: Any, z_t: Any, chunk: int | None) -> Any:
     from composer_core import generalized_jsd
 
-    if method == "composer":
-        return generalized_jsd(z_s, z_t, beta=BETA, chunk_size=chunk)
+    if method in ("composer", "composer_compiled"):
+        return generalized_jsd(z_s, z_t, beta=BETA, chunk_size=chunk, compiled=method == "composer_compiled")
     if method == "trl":
         from trl.experimental.gkd import GKDTrainer
 
@@ -291,7 +247,7 @@ def _agreement(files: dict[str, str]) -> dict[str, dict[str, float]]:
 
 
 def _measure(form: str, vocab: int, tokens: int, args: argparse.Namespace) -> dict[str, Any]:
-    methods = METHODS[form] + (["composer_compiled"] if form == "fused" and args.compiled_kernel else [])
+    methods = METHODS[form] + (["composer_compiled"] if args.compiled_kernel else [])
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
     with tempfile.TemporaryDirectory() as tmp:
         files = {m: str(Path(tmp) / f"{m}.pt") for m in methods}
@@ -322,7 +278,11 @@ def _measure(form: str, vocab: int, tokens: int, args: argparse.Namespace) -> di
     ratios = {f"time_vs_{m}": ours["time_s"] / stats[m]["time_s"] for m in methods if m != "composer"}
     ratios |= {f"peak_vs_{m}": ours["peak_bytes"] / max(stats[m]["peak_bytes"], 1) for m in ("trl", "liger")}
     if "composer_compiled" in stats:
-        ratios["compiled_time_vs_floor"] = stats["composer_compiled"]["time_s"] / stats["floor"]["time_s"]
+        compiled = stats["composer_compiled"]
+        ratios |= {
+            f"compiled_time_vs_{m}": compiled["time_s"] / stats[m]["time_s"] for m in METHODS[form][1:]
+        }
+        ratios["compiled_peak_vs_liger"] = compiled["peak_bytes"] / max(stats["liger"]["peak_bytes"], 1)
     return {
         "form": form,
         "vocab": vocab,
@@ -345,7 +305,13 @@ def _readme(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, A
     for row in rows:
         ms, r = row["methods"], row["ratios"]
         mib = {m: f"{ms[m]['peak_bytes'] / 2**20:,.0f}" for m in ("composer", "trl", "liger")}
-        extra = [round(r["compiled_time_vs_floor"], 2) if "compiled_time_vs_floor" in r else "–"]
+        extra = [
+            _fmt_time(ms["composer_compiled"]) if "composer_compiled" in ms else "–",
+            *(
+                round(r[k], 2) if k in r else "–"
+                for k in ("compiled_time_vs_floor", "compiled_time_vs_liger", "compiled_peak_vs_liger")
+            ),
+        ]
         table.append(
             [
                 row["form"],
@@ -379,7 +345,11 @@ def _readme(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, A
             "composer / Liger",
             "extra memory MiB (composer / TRL / Liger)",
             "memory composer / Liger",
-            *(["composer, chunk kernel compiled / floor"] if compiled else []),
+            *(
+                ["composer compiled=True", "compiled / floor", "compiled / Liger", "compiled memory / Liger"]
+                if compiled
+                else []
+            ),
         ],
         "rows": table,
         "note": "TRL: `GKDTrainer.generalized_jsd_loss` on materialised logits; Liger: `LigerFusedLinearJSDLoss` "
@@ -412,7 +382,7 @@ def main(argv: list[str] | None = None) -> None:
         "--compiled-kernel",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="also time composer with its chunk kernel under torch.compile (fused form; default: on with CUDA)",
+        help="also time composer with compiled=True (its chunk kernel under torch.compile; default: on with CUDA)",
     )
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--save", default="", help=argparse.SUPPRESS)
@@ -427,7 +397,6 @@ def main(argv: list[str] | None = None) -> None:
         args.hidden, args.rounds, args.chunk_size = SMALL["hidden"], SMALL["rounds"], SMALL["chunk_size"]
 
     import torch
-    from composer_core import __version__
 
     where = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {args.threads} threads"
     print(
@@ -435,6 +404,9 @@ def main(argv: list[str] | None = None) -> None:
         f"composer chunk={_chunk_text(args.chunk_size)}, {args.rounds} interleaved rounds (fresh process per run)"
     )
     rows: list[dict[str, Any]] = []
+    out_dir = Path(os.environ.get("COMPOSER_BENCH_OUT", "bench-results"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / ("bench_jsd.json" if args.device == "cpu" else f"bench_jsd_{args.device}.json")
     for form in args.forms.split(","):
         for vocab, tokens in _parse_sizes(args.sizes):
             row = _measure(form, vocab, tokens, args)
@@ -455,6 +427,16 @@ def main(argv: list[str] | None = None) -> None:
             for m, a in row["agreement"].items():
                 if a["loss_rel"] > 1e-4 or a["grad_rel"] > 1e-3:
                     raise SystemExit(f"bench_jsd: {m} disagrees with composer ({a}); the comparison is void.")
+            _write(out, rows, args, complete=False)  # a run stopped midway keeps its finished rows
+    _write(out, rows, args, complete=True)
+    print(f"wrote {out}")
+
+
+def _write(out: Path, rows: list[dict[str, Any]], args: argparse.Namespace, *, complete: bool) -> None:
+    """The bench JSON of ``rows``; ``complete`` is False while rows are still to come."""
+    import torch
+    from composer_core import __version__
+
     result = {
         "benchmark": "generalized JSD forward+backward: composer vs TRL vs Liger vs matmul floor",
         "targets": {"fused time / floor": 1.5, "fused memory / Liger": 0.35, "logits memory / Liger": 0.35},
@@ -477,14 +459,11 @@ def main(argv: list[str] | None = None) -> None:
             "small": args.small,
             "compiled_kernel": args.compiled_kernel,
         },
+        "complete": complete,
         "rows": rows,
         "readme": _readme(rows, args),
     }
-    out_dir = Path(os.environ.get("COMPOSER_BENCH_OUT", "bench-results"))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    name = "bench_jsd.json" if args.device == "cpu" else f"bench_jsd_{args.device}.json"
-    (out_dir / name).write_text(json.dumps(result, indent=2))
-    print(f"wrote {out_dir / name}")
+    out.write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

@@ -19,8 +19,8 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 def test_bench_jsd_runs_at_small_size_and_the_peers_agree(tmp_path: Path) -> None:
     """With ``--compiled-kernel`` (CUDA's default; here inductor's CPU backend compiles it, which needs a C++
-    compiler) the compiled chunk kernel is one more fused method, checked against composer's eager kernel like
-    the peers."""
+    compiler) composer with ``compiled=True`` is one more method of both forms, checked against composer's
+    eager kernel like the peers."""
     compiled = shutil.which(os.environ.get("CXX", "c++")) is not None
     run_small_bench(
         BENCH / "bench_jsd.py", tmp_path, args=["--compiled-kernel" if compiled else "--no-compiled-kernel"]
@@ -28,15 +28,23 @@ def test_bench_jsd_runs_at_small_size_and_the_peers_agree(tmp_path: Path) -> Non
     data = load_bench_json(tmp_path / "bench_jsd.json")
     assert data["config"]["small"] is True and data["config"]["compiled_kernel"] is compiled
     more = {"composer_compiled"} if compiled else set()
-    methods = {"fused": {"composer", "trl", "liger", "floor"} | more, "logits": {"composer", "trl", "liger"}}
-    peers = {"fused": {"trl", "liger"} | more, "logits": {"trl", "liger"}}
+    methods = {
+        "fused": {"composer", "trl", "liger", "floor"} | more,
+        "logits": {"composer", "trl", "liger"} | more,
+    }
+    peers = {"fused": {"trl", "liger"} | more, "logits": {"trl", "liger"} | more}
     assert {row["form"] for row in data["rows"]} == set(methods)
-    assert (data["readme"]["columns"][-1] == "composer, chunk kernel compiled / floor") is compiled
+    assert (data["readme"]["columns"][-1] == "compiled memory / Liger") is compiled
     for row in data["rows"]:
         assert set(row["methods"]) == methods[row["form"]], row["form"]
         assert set(row["agreement"]) == peers[row["form"]], row["form"]
         for peer, agree in row["agreement"].items():
             assert agree["loss_rel"] < 1e-4 and agree["grad_rel"] < 1e-3, (row["form"], peer, agree)
+        if compiled:
+            want = {"trl", "liger"} | ({"floor"} if row["form"] == "fused" else set())
+            assert {k for k in row["ratios"] if k.startswith("compiled_time_vs_")} == {
+                f"compiled_time_vs_{m}" for m in want
+            }
 
 
 def test_bench_bypass_runs_at_small_size_and_owned_ranks_hold_less(tmp_path: Path) -> None:

@@ -39,6 +39,9 @@ class ComposerGRPOConfig(GRPOConfig):
         sdpo_token_clip: importance-sampling clip of the sampled form (None = no clip).
         sdpo_chunk_size: rows per chunk of the fused kernel; None (the default) sizes each chunk to
             ``composer_core.loss.distill.CHUNK_LOGITS`` logits (1024 rows at V = 32,768, 220 at 152,064).
+        sdpo_compiled: run the JSD chunk kernel under ``torch.compile`` (``sdpo_form="full"``, no wrapper;
+            one compilation on the first step). On a GPU it removes most of the kernel's time above the LM-head
+            matmuls (the README's CUDA table); Liger-Kernel's ``use_liger_kernel`` losses compile the same way.
         sdpo_wrapper: ``"none"``, ``"taid"`` (interpolated target, adaptive t, arXiv 2501.16937) or
             ``"entropy_opd"`` (extra forward KL where the teacher is uncertain).
         taid_t_start / taid_t_end / taid_alpha / taid_momentum: TAID schedule (stepped once per optimiser
@@ -79,6 +82,10 @@ class ComposerGRPOConfig(GRPOConfig):
         metadata={
             "help": "Rows per chunk of the fused kernel (None: CHUNK_LOGITS // V, ~0.5 GB of buffers)."
         },
+    )
+    sdpo_compiled: bool = field(
+        default=_CORE["sdpo_compiled"],
+        metadata={"help": "Run the JSD chunk kernel under torch.compile (full form, no wrapper)."},
     )
     sdpo_wrapper: Literal["none", "taid", "entropy_opd"] = field(
         default=_CORE["sdpo_wrapper"], metadata={"help": "'none', 'taid' or 'entropy_opd'."}
@@ -195,6 +202,7 @@ class ComposerGRPOConfig(GRPOConfig):
             "sdpo_temperature": self.sdpo_temperature,
             "sdpo_token_clip": self.sdpo_token_clip,
             "sdpo_chunk_size": self.sdpo_chunk_size,
+            "sdpo_compiled": self.sdpo_compiled,
             "sdpo_wrapper": self.sdpo_wrapper,
             "dpo_variant": self.dpo_variant,
         }

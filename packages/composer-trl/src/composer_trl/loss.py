@@ -81,14 +81,24 @@ def composer_trl_loss(
 # ----------------------------------------------------------------------------- core conformance suite
 
 CONFORMANCE_SUPPORTS = frozenset(
-    {"policy", "sdpo_full", "sdpo_sampled", "taid", "entropy_opd", "dpo", "simpo", "global_normalizer"}
+    {
+        "policy",
+        "sdpo_full",
+        "sdpo_sampled",
+        "sdpo_compiled",
+        "taid",
+        "entropy_opd",
+        "dpo",
+        "simpo",
+        "global_normalizer",
+    }
 )
 """Conformance tags this adapter implements (no top-k SDPO form: the adapter distils the full vocabulary)."""
 
 _RENAMED = {"epsilon_low": "epsilon", "kl_beta": "beta"}
 _SAME = {
     "alpha_sdpo", "beta_replay", "loss_type", "epsilon_high", "delta", "sdpo_beta", "sdpo_temperature",
-    "sdpo_token_clip", "sdpo_chunk_size", "sdpo_wrapper", "entropy_opd_threshold", "entropy_opd_weight",
+    "sdpo_token_clip", "sdpo_chunk_size", "sdpo_compiled", "sdpo_wrapper", "entropy_opd_threshold", "entropy_opd_weight",
     "dpo_variant", "dpo_beta", "dpo_loss_type", "dpo_label_smoothing", "simpo_beta", "simpo_gamma",
 }  # fmt: skip
 

@@ -213,7 +213,8 @@ def compose_loss(
       estimator, so ``sdpo_beta``/``sdpo_temperature`` do not apply, ``sdpo_token_clip`` is its IS clip vs
       ``old_logprobs`` and applies to it only).
     - ``sdpo_beta`` (generalized-JSD β, TRL convention: 0 forward KL, 1 reverse KL), ``sdpo_temperature``,
-      ``sdpo_chunk_size``.
+      ``sdpo_chunk_size``; ``sdpo_compiled`` (full form, no wrapper): the JSD chunk kernel under
+      ``torch.compile`` (:mod:`composer_core.loss.compiled`).
     - ``sdpo_topk_tail`` (top-k form): add the tail bucket ``1 − Σ_k p`` on each side (default True: the
       divergence approximates the full-vocabulary one); False renormalises both over the k tokens, TRL
       ``trl.experimental.sdpo``'s default ``distillation_add_tail=False``.
@@ -532,7 +533,13 @@ def _run_logits(
             topk=opts.topk,
             **common,  # type: ignore[arg-type]
         )
-    return generalized_jsd(batch.student_logits, batch.teacher_logits, beta=opts.beta, **common)  # type: ignore[arg-type]
+    return generalized_jsd(
+        batch.student_logits,
+        batch.teacher_logits,
+        beta=opts.beta,
+        compiled=opts.compiled,
+        **common,  # type: ignore[arg-type]
+    )
 
 
 def _run_fused(
@@ -571,7 +578,7 @@ def _fused_kernel(opts: SDPOOptions, kernel: _SDPOKernel, vocab: int) -> Kernel:
         return entropy_opd_kernel(
             opts.beta, float(opts.wrapper.threshold), float(opts.wrapper.weight), opts.topk
         )
-    return jsd_kernel(float(opts.beta))
+    return jsd_kernel(float(opts.beta), opts.compiled)
 
 
 def _check_vocab_tokens(x: Tensor, logprobs: Tensor, name: str) -> None:

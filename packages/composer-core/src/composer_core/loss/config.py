@@ -45,6 +45,7 @@ from composer_core.loss.policy import (
     RolloutCorrection,
 )
 from composer_core.loss.preference import DPOLossType
+from composer_core.loss.validation import check_bool
 
 __all__ = [
     "DPO",
@@ -215,7 +216,9 @@ class SDPOOptions:
     form: ``token_clip`` acts only in ``"sampled"``; ``temperature`` and ``beta`` only outside it (the sampled
     form is always the reverse-KL estimator: ``beta`` 0.5 (default) or 1.0 are accepted there); ``topk`` only in
     ``"topk"`` or with the entropy-OPD wrapper; ``topk_tail`` (add the tail bucket ``1 − Σ_k p``; False is TRL
-    SDPO's ``distillation_add_tail=False``) only in ``"topk"``; a wrapper needs ``"full"``.
+    SDPO's ``distillation_add_tail=False``) only in ``"topk"``; a wrapper needs ``"full"``; ``compiled`` (the
+    generalized-JSD chunk kernel under ``torch.compile``, :mod:`composer_core.loss.compiled`) only in ``"full"``
+    without a wrapper.
     """
 
     form: SDPOForm = "auto"
@@ -225,6 +228,7 @@ class SDPOOptions:
     topk: int | None = None
     topk_tail: bool = True
     chunk_size: int | None = DEFAULT_CHUNK_SIZE
+    compiled: bool = False
     wrapper: TAID | EntropyOPD | None = None
 
     def __post_init__(self) -> None:
@@ -240,6 +244,7 @@ class SDPOOptions:
         if self.token_clip is not None:
             _finite("is_clip (sdpo_token_clip)", self.token_clip, low=0.0, strict=True)
         check_chunk_size("sdpo_chunk_size", self.chunk_size)
+        check_bool("sdpo_compiled", self.compiled)
         if self.topk is not None and (
             isinstance(self.topk, bool) or not isinstance(self.topk, int) or self.topk < 1
         ):
@@ -304,6 +309,11 @@ class SDPOOptions:
         elif _non_default(self, "token_clip"):
             out.append(
                 f"`sdpo_token_clip`={self.token_clip!r} (acts only with sdpo_form='sampled'; the form is {form!r} ({how}))"
+            )
+        if self.compiled and (form != "full" or self.wrapper is not None):
+            out.append(
+                f"`sdpo_compiled`=True (compiles the generalized-JSD chunk kernel: acts only with sdpo_form='full' "
+                f"and no wrapper; the form is {form!r} ({how}), sdpo_wrapper={self.wrapper_name!r})"
             )
         if form != "topk" and _non_default(self, "topk_tail"):
             out.append(

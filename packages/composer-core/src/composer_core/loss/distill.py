@@ -33,6 +33,7 @@ from torch import Tensor
 
 from composer_core.loss.validation import (
     as_mask,
+    check_bool,
     check_choice,
     check_float,
     check_normalizer,
@@ -114,16 +115,24 @@ def _log_softmax_and_probs(z: Tensor, logp: Tensor) -> tuple[Tensor, Tensor]:
     return logp, z
 
 
-def jsd_kernel(beta: float) -> Kernel:
+def jsd_kernel(beta: float, compiled: bool = False) -> Kernel:
     """Chunk kernel of the generalized JSD (exact FKL / RKL branches at β = 0 / 1).
 
-    The kernel owns (and overwrites) its two input chunks and returns the gradient in ``zs``'s buffer; it uses
+    ``compiled=True``: the same formulas as one graph under ``torch.compile``
+    (:func:`composer_core.loss.compiled.compiled_jsd_kernel`: inductor fuses the elementwise passes; returns new
+    tensors and leaves its inputs as they are). Otherwise the eager kernel below.
+
+    The eager kernel owns (and overwrites) its two input chunks and returns the gradient in ``zs``'s buffer; it uses
     two more [c, V] buffers (plus a bool one at 0 < β < 1), reused across the chunks of one loss call.
 
     Interior β, with d = log q − log p and f = log m − log p = log(β + (1−β)·e^d)
     (= logaddexp(d + log(1−β), log β), forced to exactly 0 where d == 0 so that p == q gives exactly 0):
     KL(p‖m) = −Σ p·f, KL(q‖m) = Σ q·(d − f), ∂JSD/∂z = (1−β)·q ⊙ (g − ⟨q, g⟩) with g = d − f.
     """
+    if compiled:
+        from composer_core.loss.compiled import compiled_jsd_kernel
+
+        return compiled_jsd_kernel(beta)
     scratch = Scratch()
     log_beta = float("-inf") if beta == 0.0 else math.log(beta)
     log_1m_beta = math.log(1.0 - beta) if beta < 1.0 else float("-inf")
@@ -562,6 +571,7 @@ def generalized_jsd(
     chunk_size: int | None = DEFAULT_CHUNK_SIZE,
     reduction: Reduction = "mean",
     normalizer: float | Tensor | None = None,
+    compiled: bool = False,
 ) -> Tensor:
     """Generalized Jensen-Shannon divergence per token (GKD, arXiv 2306.13649; TRL β convention).
 
@@ -577,14 +587,17 @@ def generalized_jsd(
         reduction: ``"mean"`` = Σ_masked / (normalizer or #masked tokens); ``"sum"``; ``"none"`` = [...] with
             0 on masked-out tokens.
         normalizer: global token count (across micro-batches and ranks) for ``"mean"``.
+        compiled: run the chunk kernel under ``torch.compile`` (:mod:`composer_core.loss.compiled`; one
+            compilation on first use; on a GPU it removes most of the time above the logits' own cost).
 
     Values and gradients are exact (analytic per-chunk gradients, independent of ``chunk_size``).
     """
     check_probability("beta", beta)
+    check_bool("compiled", compiled)
     return logits_loss(
         student_logits,
         teacher_logits,
-        jsd_kernel(float(beta)),
+        jsd_kernel(float(beta), compiled),
         temperature=temperature,
         mask=mask,
         chunk_size=chunk_size,
@@ -695,6 +708,7 @@ def fused_linear_generalized_jsd(
     chunk_size: int | None = DEFAULT_CHUNK_SIZE,
     reduction: Literal["mean", "sum"] = "mean",
     normalizer: float | Tensor | None = None,
+    compiled: bool = False,
 ) -> Tensor:
     """Generalized JSD from hidden states with the LM head fused in (never materialises [N, V]).
 
@@ -707,16 +721,17 @@ def fused_linear_generalized_jsd(
     Args:
         student_hidden / teacher_hidden: [..., H]. lm_head_weight: [V, H]. lm_head_bias: [V] or None.
         teacher_lm_head_weight / teacher_lm_head_bias: a separate teacher head (default: the student's).
-        mask, chunk_size, beta, temperature, normalizer: as in :func:`generalized_jsd`.
+        mask, chunk_size, beta, temperature, normalizer, compiled: as in :func:`generalized_jsd`.
         reduction: ``"mean"`` or ``"sum"``.
     """
     check_probability("beta", beta)
+    check_bool("compiled", compiled)
     _check_common(temperature, chunk_size, reduction, normalizer, ("mean", "sum"))
     return fused_linear_loss(
         student_hidden,
         lm_head_weight,
         teacher_hidden,
-        jsd_kernel(float(beta)),
+        jsd_kernel(float(beta), compiled),
         teacher_lm_head_weight=teacher_lm_head_weight,
         lm_head_bias=lm_head_bias,
         teacher_lm_head_bias=teacher_lm_head_bias,

@@ -16,6 +16,7 @@ from torch import Tensor
 
 __all__ = [
     "as_mask",
+    "check_bool",
     "check_choice",
     "check_finite",
     "check_normalizer",
@@ -206,6 +207,12 @@ def check_choice(name: str, value: object, choices: Iterable[object]) -> None:
         raise ValueError(
             f"`{name}`={value!r} is not supported; choose one of {', '.join(map(repr, options))}."
         )
+
+
+def check_bool(name: str, value: object) -> None:
+    """Raise ValueError unless ``value`` is a bool (a CLI string goes through ``config.coerce_option`` first)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}`={value!r} must be a bool (True or False).")
 
 
 def check_probability(

@@ -14,7 +14,9 @@ options, and closed-form expected values where one exists (e.g. JSD_½ of [0.9, 
 0.10175; DPO at initialisation is ln 2). ``check_adapter`` first checks ``compose_loss`` against the closed
 form, then the adapter's total against ``compose_loss`` in value and in the gradient of every input that
 requires grad. Tags (``supports``): ``policy``, ``sdpo_full``, ``sdpo_sampled``, ``sdpo_topk``, ``taid``,
-``entropy_opd``, ``dpo``, ``simpo``, ``global_normalizer``; a case runs when all its tags are supported.
+``entropy_opd``, ``dpo``, ``simpo``, ``global_normalizer``, ``sdpo_compiled`` (the adapter passes
+``sdpo_compiled`` through: the JSD chunk kernel under ``torch.compile``, which needs inductor's backend: a C++
+compiler on a CPU); a case runs when all its tags are supported.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ TAGS = frozenset(
         "dpo",
         "simpo",
         "global_normalizer",
+        "sdpo_compiled",
     }
 )
 
@@ -258,6 +261,16 @@ def _cases() -> tuple[ConformanceCase, ...]:
                 "P_T=[.5,.5], P_S=[.9,.1]: FKL 0.51083, JSD_½ 0.10175, RKL 0.36806",
             )
         )
+    add(
+        ConformanceCase(
+            "sdpo_full/two_token_compiled",
+            frozenset({"sdpo_full", "sdpo_compiled"}),
+            lambda dt: _two_token(dt, [0.9, 0.1], [0.5, 0.5]),
+            {"sdpo_beta": 0.5, "beta_replay": 0.0, "sdpo_compiled": True},
+            {"sdpo": _jsd([0.5, 0.5], [0.9, 0.1], 0.5), "total": _jsd([0.5, 0.5], [0.9, 0.1], 0.5)},
+            "sdpo_compiled=True (the chunk kernel under torch.compile): JSD_½ 0.10175",
+        )
+    )
     add(
         ConformanceCase(
             "sdpo_full/random_three_channels",
