@@ -56,6 +56,17 @@ def test_sdpo_chunk_size_flag_is_rows_and_defaults_to_the_vocabulary_budget(tmp_
         _config(["--sdpo_chunk_size", "0"], tmp_path)
 
 
+def test_sdpo_compiled_flag_is_a_bool_refused_where_it_has_no_effect(tmp_path):
+    """``--sdpo_compiled true`` (core's compiled JSD chunk kernel) reaches the typed core config; off without the
+    flag; with the sampled form, which has no chunk kernel, it is one line naming the option."""
+    _, c = _config(["--sdpo_compiled", "true"], tmp_path)
+    assert c.sdpo_compiled is True and c.compose_config.sdpo.compiled is True
+    _, c = _config([], tmp_path)
+    assert c.sdpo_compiled is False and c.compose_config.sdpo.compiled is False
+    with pytest.raises(UsageError, match=r"`sdpo_compiled`=True .*acts only with sdpo_form='full'"):
+        _config(["--sdpo_compiled", "true", "--sdpo_form", "sampled"], tmp_path)
+
+
 def test_legacy_flags_still_work(tmp_path):
     inv = parse(
         ["--model", "org/name", "--steps", "9", "--output-dir", str(tmp_path), "--no-plot", "--threads", "2"]
