@@ -42,31 +42,37 @@ def _num(value: Any) -> float:
     return float(str(value).split()[0].replace(",", ""))
 
 
-def _jsd(d: Json) -> str:
-    parts = []
+def _per_jsd_size(d: Json, part: Callable[[Callable[[str], float]], str]) -> str:
+    """``part(col)`` for each fused row of the JSD bench (``col(name)``: that row's cell as a number)."""
+    out = []
     for size in ("32,768 × 4,096", "152,064 × 1,024"):
-        row = {"form": "fused", "V × N": size}
-        parts.append(
-            f"V × N = {size}: time {_num(cell(d, 'composer / TRL', **row)):.2f}× TRL's, "
-            f"{_num(cell(d, 'composer / Liger', **row)):.2f}× Liger's, "
-            f"{_num(cell(d, 'composer / floor', **row)):.2f}× the matmul floor, "
-            f"extra memory {_num(cell(d, 'memory composer / Liger', **row)):.2f}× Liger's"
-        )
-    return "; ".join(parts)
+
+        def col(column: str, size: str = size) -> float:
+            return _num(cell(d, column, **{"form": "fused", "V × N": size}))
+
+        out.append(f"V × N = {size}: " + part(col))
+    return "; ".join(out)
+
+
+def _jsd(d: Json) -> str:
+    return _per_jsd_size(
+        d,
+        lambda c: (
+            f"time {c('composer / TRL'):.2f}× TRL's, {c('composer / Liger'):.2f}× Liger's, "
+            f"{c('composer / floor'):.2f}× the matmul floor, extra memory {c('memory composer / Liger'):.2f}× Liger's"
+        ),
+    )
 
 
 def _jsd_cuda(d: Json) -> str:
-    parts = []
-    for size in ("32,768 × 4,096", "152,064 × 1,024"):
-        row = {"form": "fused", "V × N": size}
-        parts.append(
-            f"V × N = {size}: eager {_num(cell(d, 'composer / floor', **row)):.2f}× the matmul floor, "
-            f"compiled=True {_num(cell(d, 'compiled / floor', **row)):.2f}× the floor and "
-            f"{_num(cell(d, 'compiled / Liger', **row)):.2f}× Liger's compiled time; extra memory "
-            f"{_num(cell(d, 'memory composer / Liger', **row)):.2f}× Liger's eager, "
-            f"{_num(cell(d, 'compiled memory / Liger', **row)):.2f}× compiled"
-        )
-    return f"{d['machine']['gpu']}: " + "; ".join(parts)
+    return f"{d['machine']['gpu']}: " + _per_jsd_size(
+        d,
+        lambda c: (
+            f"eager {c('composer / floor'):.2f}× the matmul floor, compiled=True {c('compiled / floor'):.2f}× the "
+            f"floor and {c('compiled / Liger'):.2f}× Liger's compiled time; extra memory "
+            f"{c('memory composer / Liger'):.2f}× Liger's eager, {c('compiled memory / Liger'):.2f}× compiled"
+        ),
+    )
 
 
 def _bypass(d: Json) -> str:
