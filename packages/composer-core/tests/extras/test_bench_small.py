@@ -27,6 +27,7 @@ def test_bench_jsd_runs_at_small_size_and_the_peers_agree(tmp_path: Path) -> Non
     )
     data = load_bench_json(tmp_path / "bench_jsd.json")
     assert data["config"]["small"] is True and data["config"]["compiled_kernel"] is compiled
+    assert data["complete"] is True  # rewritten after every row with False until the last one
     more = {"composer_compiled"} if compiled else set()
     methods = {
         "fused": {"composer", "trl", "liger", "floor"} | more,
