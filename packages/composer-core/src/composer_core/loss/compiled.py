@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["compiled_jsd_kernel"]
+from composer_core.loss.distill import Kernel
 
-Kernel = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
+__all__ = ["compiled_jsd_kernel"]
 
 
 def _fkl(zs: Tensor, zt: Tensor) -> tuple[Tensor, Tensor]:
@@ -70,7 +70,7 @@ def _compiled(fn: Callable[..., tuple[Tensor, Tensor]]) -> Callable[..., tuple[T
         try:
             return graph(zs, zt, *scalars)
         except torch._dynamo.exc.BackendCompilerFailed as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            first = (str(e).strip() or type(e).__name__).splitlines()[0]
             raise RuntimeError(
                 f"`compiled=True` (sdpo_compiled): torch.compile could not build the JSD chunk kernel on "
                 f"{zs.device.type} ({first[:200]}); install what inductor needs there (a C++ compiler on a CPU, "
