@@ -4,7 +4,7 @@ Forward + backward of the generalized JSD (β = 0.5), float32, on the same input
 
 - ``fused`` (from hidden states [N, H] and an LM head [V, H]):
   ``composer`` = :func:`composer_core.fused_linear_generalized_jsd` (chunk = ``--chunk-size`` rows, default
-  composer's: ``CHUNK_LOGITS // V`` rows); ``trl`` = logits ``h @ Wᵀ`` materialised for student and teacher, then
+  composer's: ``max(FUSED_MIN_ROWS, FUSED_CHUNK_LOGITS // V)`` rows); ``trl`` = logits ``h @ Wᵀ`` materialised for student and teacher, then
   TRL's ``GKDTrainer.generalized_jsd_loss`` with autograd; ``liger`` = Liger-Kernel's
   ``LigerFusedLinearJSDLoss`` (its chunked pure-torch path, ``compiled=False``, its default chunk 1024, hard-loss
   weight 0); ``floor`` = the four matmuls alone (student and teacher logits, both gradients), chunked as composer
@@ -149,7 +149,7 @@ def _make_step(form: str, method: str, args: argparse.Namespace) -> tuple[Any, l
         if method == "floor":
             from composer_core.loss.distill import chunk_rows
 
-            chunk = chunk_rows(args.chunk_size, vocab)
+            chunk = chunk_rows(args.chunk_size, vocab, fused=True)
             return (lambda: _floor_step(h_s, h_t, w.detach(), chunk)), [h_s, w]
         return (lambda: _fused_step(method, h_s, h_t, w, args.chunk_size)), [h_s, w]
     z_s = (torch.randn(tokens, vocab, generator=g) * 2).to(dev).requires_grad_(True)
@@ -205,9 +205,12 @@ def _chunk_text(chunk_size: int | None) -> str:
     """composer's chunk as the title states it: its default sizes the rows by V."""
     if chunk_size is not None:
         return f"{chunk_size} rows"
-    from composer_core.loss.distill import CHUNK_LOGITS
+    from composer_core.loss.distill import CHUNK_LOGITS, FUSED_CHUNK_LOGITS, FUSED_MIN_ROWS
 
-    return f"{CHUNK_LOGITS:,} logits (its default: CHUNK_LOGITS // V rows)"
+    return (
+        f"its default, max({FUSED_MIN_ROWS}, {FUSED_CHUNK_LOGITS:,} // V) rows fused and {CHUNK_LOGITS:,} // V "
+        "on logits"
+    )
 
 
 def _parse_sizes(text: str) -> list[tuple[int, int]]:
@@ -364,7 +367,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sizes", default=",".join(f"{v}x{n}" for v, n in DEFAULT_SIZES), help="VxN,VxN,...")
     p.add_argument("--hidden", type=int, default=896)
     p.add_argument(
-        "--chunk-size", type=int, default=None, help="composer's rows per chunk (default: CHUNK_LOGITS // V)"
+        "--chunk-size",
+        type=int,
+        default=None,
+        help="composer's rows per chunk (default: distill.chunk_rows, by form and V)",
     )
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (fresh process per method each)")
     p.add_argument("--inner", type=int, default=1, help="warm passes timed per process")

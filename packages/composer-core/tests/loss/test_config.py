@@ -354,7 +354,7 @@ def test_sdpo_chunk_size_from_a_cli_string_reaches_the_kernel(form: str, chunk_w
 )
 def test_sdpo_chunk_size_is_rows_or_none_for_a_budget_of_logits(value: object, want: int | None) -> None:
     """None (the default; "none"/"" from a CLI or YAML) sizes each chunk's rows by the vocabulary (see
-    ``distill.CHUNK_LOGITS``); an int fixes the rows."""
+    ``distill.chunk_rows``); an int fixes the rows."""
     assert ComposeConfig.from_flat(sdpo_chunk_size=value).sdpo.chunk_size == want
     assert flat_defaults()["sdpo_chunk_size"] is None
 

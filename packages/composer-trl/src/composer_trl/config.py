@@ -37,8 +37,9 @@ class ComposerGRPOConfig(GRPOConfig):
         sdpo_beta: generalized-JSD β (TRL GKD convention: 0 forward KL, 1 reverse KL, exact branches).
         sdpo_temperature: temperature of both distributions in the divergence.
         sdpo_token_clip: importance-sampling clip of the sampled form (None = no clip).
-        sdpo_chunk_size: rows per chunk of the fused kernel; None (the default) sizes each chunk to
-            ``composer_core.loss.distill.CHUNK_LOGITS`` logits (1024 rows at V = 32,768, 220 at 152,064).
+        sdpo_chunk_size: rows per chunk of the fused kernel; None (the default) is
+            ``composer_core.loss.distill.chunk_rows``: 256 rows from V = 32,768 up, ``CHUNK_LOGITS // V`` below
+            (about four [rows, V] float32 buffers); more rows trade memory for speed.
         sdpo_compiled: run the JSD chunk kernel under ``torch.compile`` (``sdpo_form="full"``, no wrapper;
             one compilation on the first step). On a GPU it removes most of the kernel's time above the LM-head
             matmuls (the README's CUDA table); Liger-Kernel's ``use_liger_kernel`` losses compile the same way.
@@ -80,7 +81,7 @@ class ComposerGRPOConfig(GRPOConfig):
     sdpo_chunk_size: int | None = field(
         default=_CORE["sdpo_chunk_size"],
         metadata={
-            "help": "Rows per chunk of the fused kernel (None: CHUNK_LOGITS // V, ~0.5 GB of buffers)."
+            "help": "Rows per chunk of the fused kernel (None: 256 from V = 32,768 up, CHUNK_LOGITS // V below)."
         },
     )
     sdpo_compiled: bool = field(

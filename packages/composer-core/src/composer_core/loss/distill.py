@@ -41,6 +41,7 @@ from composer_core.loss.validation import (
     check_probability,
     check_same_shape,
     check_tensor,
+    checked_once,
     value_check,
 )
 from composer_core.loss.validation import (  # re-exported: the kernels and wrappers look it up here
@@ -50,6 +51,8 @@ from composer_core.loss.validation import (  # re-exported: the kernels and wrap
 __all__ = [
     "CHUNK_LOGITS",
     "DEFAULT_CHUNK_SIZE",
+    "FUSED_CHUNK_LOGITS",
+    "FUSED_MIN_ROWS",
     "Reduction",
     "chunk_rows",
     "fused_linear_generalized_jsd",
@@ -60,13 +63,25 @@ __all__ = [
 
 Reduction = Literal["mean", "sum", "none"]
 
-#: Logits per chunk of the full-vocabulary losses at the default ``chunk_size`` (None): a chunk is
-#: ``max(1, CHUNK_LOGITS // V)`` rows (tokens), 1024 at V = 32,768 and 220 at V = 152,064, so the extra memory,
-#: about four chunk × V float buffers (+ a bool one), stays ≈ 0.5 GB whatever the vocabulary (a fixed 1024 rows
-#: held 2.3 GiB at V = 152,064, and ran slower: bench/bench_jsd.py).
+#: Logits per chunk of the logits-input losses at the default ``chunk_size`` (None): a chunk is
+#: ``max(1, CHUNK_LOGITS // V)`` rows (tokens), 1024 at V = 32,768 and 220 at V = 152,064, so the work buffers,
+#: about four chunk × V float buffers (+ a bool one), stay ≈ 0.5 GB whatever the vocabulary (a fixed 1024 rows
+#: held 2.3 GiB at V = 152,064, and ran slower). The caller's [N, V] gradient (and its copy in backward) is the
+#: larger part of that form's memory; smaller chunks would only add per-chunk cost (``bench/bench_jsd.py``).
 CHUNK_LOGITS = 1024 * 32_768
 
-#: ``chunk_size`` (``sdpo_chunk_size``) default: None = rows from :data:`CHUNK_LOGITS` and V (see
+#: Logits per chunk of the fused (LM-head) losses at the default ``chunk_size``, with at least
+#: :data:`FUSED_MIN_ROWS` rows: ``max(FUSED_MIN_ROWS, FUSED_CHUNK_LOGITS // V)`` rows, 256 from V = 32,768 up.
+#: There the chunk buffers are the extra memory (with the [V, H] weight gradient): about a third of
+#: Liger-Kernel's fused JSD at its 1024 rows, the issue-19 target (``bench/bench_jsd.py --device cuda``).
+#: More rows amortise the per-chunk cost for more memory (``chunk_size``; the bench's ``--chunk-size``).
+FUSED_CHUNK_LOGITS = 256 * 32_768
+
+#: Rows the fused default never goes below: thinner chunks re-read the LM head (0.5 GB at V = 152,064, H = 896)
+#: for matmuls too short to use the device.
+FUSED_MIN_ROWS = 256
+
+#: ``chunk_size`` (``sdpo_chunk_size``) default: None = rows from V and the form (see
 #: :func:`chunk_rows`). An int fixes the rows per chunk: smaller saves memory, larger amortises per-chunk overhead.
 DEFAULT_CHUNK_SIZE: int | None = None
 
@@ -147,7 +162,7 @@ def jsd_kernel(beta: float, compiled: bool = False) -> Kernel:
             g = lq.sub_(lp)  # log q − log p
             loss = _rowdot(q, g)
             return loss, q.mul_(g.sub_(loss.unsqueeze(-1)))
-        d = lp.sub_(lq).neg_()  # log q − log p, in lp's buffer
+        d = torch.sub(lq, lp, out=lp)  # log q − log p, in lp's buffer
         f = torch.add(d, log_1m_beta, out=lq)  # lq's buffer is free now
         torch.logaddexp(f, torch.full((), log_beta, dtype=f.dtype, device=f.device), out=f)  # a fill: no copy
         f.masked_fill_(torch.eq(d, 0, out=scratch.get("zero", d, torch.bool)), 0.0)
@@ -155,7 +170,9 @@ def jsd_kernel(beta: float, compiled: bool = False) -> Kernel:
         g = d.sub_(f)  # log q − log m
         kl_q = _rowdot(q, g)  # KL(q‖m)
         loss = kl_q.mul(1.0 - beta).add_(kl_p, alpha=beta)
-        return loss, q.mul_(g.sub_(kl_q.unsqueeze(-1))).mul_(1.0 - beta)
+        # (1−β)·g − (1−β)·⟨q, g⟩ in one pass (add's alpha scales g), then q ⊙ ·
+        torch.add(kl_q.unsqueeze(-1).mul(beta - 1.0), g, alpha=1.0 - beta, out=g)
+        return loss, q.mul_(g)
 
     return kernel
 
@@ -204,25 +221,29 @@ def _non_finite_message(names: tuple[str, str], chunks: tuple[Tensor, Tensor]) -
     )
 
 
-def _check_chunk_finite(
-    loss: Tensor, student: Tensor, teacher: Tensor, sel: Tensor | slice, keep: Tensor | None
-) -> None:
-    """Value check of one chunk's row losses (joins ``compose_loss``'s fused check; eager when called directly)."""
+def _check_logits_finite(result: Tensor, student: Tensor, teacher: Tensor, rows: Tensor) -> None:
+    """Value check of a logits call's result (the summed loss or the per-row losses; joins ``compose_loss``'s
+    fused check, eager when called directly): one per call, as a NaN/inf logit makes its row's loss non-finite.
+    Only on failure are the selected rows searched for the culprit."""
 
-    def rows(x: Tensor) -> Tensor:  # only on failure: the chunk's selected rows
-        return x[sel] if keep is None else x[sel][keep]
+    def selected(x: Tensor) -> Tensor:
+        return x[rows]  # indices or the bool row mask
 
     value_check(
         None,
-        lambda: torch.isfinite(loss),
-        lambda: _non_finite_message(("student_logits", "teacher_logits"), (rows(student), rows(teacher))),
+        lambda: torch.isfinite(result),
+        lambda: _non_finite_message(
+            ("student_logits", "teacher_logits"), (selected(student), selected(teacher))
+        ),
     )
 
 
-def _check_fused_chunk_finite(loss: Tensor) -> None:
+def _check_fused_finite(total: Tensor) -> None:
+    """Value check of a fused call's summed loss (joins ``compose_loss``'s fused check; eager when called
+    directly): one per call, not per chunk, as a NaN/inf row makes the sum non-finite."""
     value_check(
         None,
-        lambda: torch.isfinite(loss),
+        lambda: torch.isfinite(total),
         lambda: (
             "the logits computed from `student_hidden`/`teacher_hidden` and the LM head overflow to "
             "NaN/inf; check the hidden states and head weights (or compute in float32)."
@@ -337,9 +358,6 @@ class _ChunkedLogitsLoss(torch.autograd.Function):
                 zt.div_(temperature)
             loss, g = kernel(zs, zt)
             loss = _drop_masked(loss, g, keep)
-            _check_chunk_finite(
-                loss, student, teacher, sel, keep
-            )  # a NaN/inf logit makes its row's loss non-finite
             if isinstance(factor, Tensor) or factor != 1.0:
                 g.mul_(factor)
             _put(grad, sel, g)
@@ -347,6 +365,7 @@ class _ChunkedLogitsLoss(torch.autograd.Function):
                 _put(per_row_out, sel, loss)
             else:
                 total += loss.sum()
+        _check_logits_finite(total if per_row_out is None else per_row_out, student, teacher, rows)
         ctx.save_for_backward(grad)
         ctx.per_row = per_row
         if per_row_out is not None:
@@ -425,16 +444,15 @@ class _FusedLinearLoss(torch.autograd.Function):
                 zs.div_(temperature)
                 zt.div_(temperature)
             loss, g = kernel(zs, zt)
-            loss = _drop_masked(loss, g, keep)
-            _check_fused_chunk_finite(loss)
-            total += loss.sum()
-            g.mul_(factor)
+            total += _drop_masked(loss, g, keep).sum()
+            # the factor scales the [c, H] operands and the [V] sum, not a pass over g [c, V]
             if grad_h is not None and buf_gh is not None:
-                _put(grad_h, sel, torch.matmul(g, w_c, out=buf_gh[:c]))
+                _put(grad_h, sel, torch.matmul(g, w_c, out=buf_gh[:c]).mul_(factor))
             if grad_w is not None:
-                grad_w.addmm_(g.T, hs)
+                grad_w.addmm_(g.T, hs.mul_(factor))
             if grad_b is not None:
-                grad_b.add_(g.sum(0))
+                grad_b.add_(g.sum(0).mul_(factor))
+        _check_fused_finite(total)  # a non-finite row makes the sum non-finite: one check per call
         ctx.save_for_backward(
             *(t if t is not None else torch.empty(0) for t in (grad_h, grad_w, grad_b)),
         )
@@ -467,20 +485,23 @@ _apply_fused = cast(Callable[..., Tensor], _FusedLinearLoss.apply)
 # ---------------------------------------------------------------------------------------------------------
 
 
-def chunk_rows(chunk_size: int | None, vocab: int) -> int:
+def chunk_rows(chunk_size: int | None, vocab: int, *, fused: bool) -> int:
     """Rows (tokens) per chunk over a vocabulary of ``vocab``: ``chunk_size``, or for None (the default)
-    ``max(1, CHUNK_LOGITS // vocab)``."""
-    return max(1, CHUNK_LOGITS // vocab) if chunk_size is None else chunk_size
+    ``max(FUSED_MIN_ROWS, FUSED_CHUNK_LOGITS // vocab)`` in the fused form, ``max(1, CHUNK_LOGITS // vocab)`` on
+    logits."""
+    if chunk_size is not None:
+        return chunk_size
+    return max(FUSED_MIN_ROWS, FUSED_CHUNK_LOGITS // vocab) if fused else max(1, CHUNK_LOGITS // vocab)
 
 
 def check_chunk_size(name: str, chunk_size: object) -> None:
-    """``chunk_size`` is None (rows from :data:`CHUNK_LOGITS`) or an int >= 1; raises naming ``name``."""
+    """``chunk_size`` is None (rows from V: :func:`chunk_rows`) or an int >= 1; raises naming ``name``."""
     if chunk_size is not None and (
         isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
     ):
         raise ValueError(
             f"`{name}`={chunk_size!r} must be an int >= 1 (rows of B·T processed at once) or None (the default: "
-            f"{CHUNK_LOGITS:,} logits per chunk, CHUNK_LOGITS // V rows)."
+            f"{CHUNK_LOGITS:,} // V rows on logits, max({FUSED_MIN_ROWS}, {FUSED_CHUNK_LOGITS:,} // V) fused)."
         )
 
 
@@ -529,6 +550,7 @@ def _rows_and_scale(
     return rows, rows.sum().clamp(min=1).to(exact).reciprocal()
 
 
+@checked_once
 def chunked_logits_loss(
     student_logits: Tensor,
     teacher_logits: Tensor,
@@ -551,7 +573,7 @@ def chunked_logits_loss(
     vocab = student_logits.shape[-1]
     s = student_logits.reshape(-1, vocab)
     t = teacher_logits.detach().reshape(-1, vocab)
-    chunk = chunk_rows(chunk_size, vocab)
+    chunk = chunk_rows(chunk_size, vocab, fused=False)
     out = _apply_chunked(s, t, rows, kernel, float(temperature), chunk, scale, reduction == "none")
     return out.reshape(token_shape) if reduction == "none" else out
 
@@ -632,6 +654,7 @@ def logits_loss(
     )
 
 
+@checked_once
 def fused_linear_loss(
     student_hidden: Tensor,
     lm_head_weight: Tensor,
@@ -689,7 +712,7 @@ def fused_linear_loss(
         rows,
         kernel,
         float(temperature),
-        chunk_rows(chunk_size, lm_head_weight.shape[0]),
+        chunk_rows(chunk_size, lm_head_weight.shape[0], fused=True),
         scale,
     )
 
@@ -721,7 +744,9 @@ def fused_linear_generalized_jsd(
     Args:
         student_hidden / teacher_hidden: [..., H]. lm_head_weight: [V, H]. lm_head_bias: [V] or None.
         teacher_lm_head_weight / teacher_lm_head_bias: a separate teacher head (default: the student's).
-        mask, chunk_size, beta, temperature, normalizer, compiled: as in :func:`generalized_jsd`.
+        chunk_size: tokens per chunk (None: :data:`FUSED_MIN_ROWS`, 256, from V = 32,768 up; see
+            :func:`chunk_rows`); the extra memory is about four chunk × V float buffers plus the gradients.
+        mask, beta, temperature, normalizer, compiled: as in :func:`generalized_jsd`.
         reduction: ``"mean"`` or ``"sum"``.
     """
     check_probability("beta", beta)

@@ -6,10 +6,11 @@ bad batch fails loudly at the boundary instead of producing a silent 0 or NaN de
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 from torch import Tensor
@@ -23,6 +24,7 @@ __all__ = [
     "check_probability",
     "check_same_shape",
     "check_tensor",
+    "checked_once",
     "host_reads_are_free",
     "resolve_normalizer",
     "value_check",
@@ -89,6 +91,24 @@ def value_checks(enabled: bool = True) -> Iterator[_FusedChecks]:
     finally:
         _ACTIVE.reset(token)
     checks.flush()
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def checked_once(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Run every value check ``fn`` makes fused, with one host sync when it returns: inside an enclosing
+    :func:`value_checks` (``compose_loss``'s) the checks join it instead (no extra sync)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        if _ACTIVE.get() is not None:
+            return fn(*args, **kwargs)
+        with value_checks():
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def value_check(
