@@ -46,8 +46,8 @@ def test_every_config_field_is_a_flag_and_strings_are_typed(tmp_path):
 
 
 def test_sdpo_chunk_size_flag_is_rows_and_defaults_to_the_vocabulary_budget(tmp_path):
-    """Rows per chunk of the fused kernel: an int from the command line, None (core's default: CHUNK_LOGITS // V
-    rows) without the flag; a bad value is one line naming the option."""
+    """Rows per chunk of the fused kernel: an int from the command line, None (core's default: ``chunk_rows``, by form
+    and V) without the flag; a bad value is one line naming the option."""
     _, c = _config(["--sdpo_chunk_size", "512"], tmp_path)
     assert c.sdpo_chunk_size == 512 and type(c.sdpo_chunk_size) is int
     _, c = _config([], tmp_path)

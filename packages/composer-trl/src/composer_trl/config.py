@@ -38,8 +38,9 @@ class ComposerGRPOConfig(GRPOConfig):
         sdpo_temperature: temperature of both distributions in the divergence.
         sdpo_token_clip: importance-sampling clip of the sampled form (None = no clip).
         sdpo_chunk_size: rows per chunk of the fused kernel; None (the default) is
-            ``composer_core.loss.distill.chunk_rows``: 256 rows from V = 32,768 up, ``CHUNK_LOGITS // V`` below
-            (about four [rows, V] float32 buffers); more rows trade memory for speed.
+            ``composer_core.loss.distill.chunk_rows``: fused, 256 rows from V = 32,768 up
+            (``FUSED_CHUNK_LOGITS // V`` below); on logits ``CHUNK_LOGITS // V``. A chunk holds about four
+            [rows, V] float32 buffers; more rows trade memory for speed.
         sdpo_compiled: run the JSD chunk kernel under ``torch.compile`` (``sdpo_form="full"``, no wrapper;
             one compilation on the first step). On a GPU it removes most of the kernel's time above the LM-head
             matmuls (the README's CUDA table); Liger-Kernel's ``use_liger_kernel`` losses compile the same way.
@@ -81,7 +82,7 @@ class ComposerGRPOConfig(GRPOConfig):
     sdpo_chunk_size: int | None = field(
         default=_CORE["sdpo_chunk_size"],
         metadata={
-            "help": "Rows per chunk of the fused kernel (None: 256 from V = 32,768 up, CHUNK_LOGITS // V below)."
+            "help": "Rows per chunk of the fused kernel (None: composer_core.loss.distill.chunk_rows, 256 from V = 32,768)."
         },
     )
     sdpo_compiled: bool = field(
