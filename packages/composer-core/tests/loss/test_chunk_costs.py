@@ -40,7 +40,7 @@ class LiveBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.live: dict[int, int] = {}
-        self.peak = 0
+        self.current = self.peak = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -53,9 +53,13 @@ class LiveBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]
             if key in self.live or key in inputs or storage.nbytes() == 0:
                 continue
             self.live[key] = storage.nbytes()
-            self.peak = max(self.peak, sum(self.live.values()))
-            weakref.finalize(storage, self.live.pop, key, None)
+            self.current += storage.nbytes()
+            self.peak = max(self.peak, self.current)
+            weakref.finalize(storage, self._free, key)
         return out
+
+    def _free(self, key: int) -> None:
+        self.current -= self.live.pop(key)
 
 
 class ChunkPasses(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -99,10 +103,8 @@ def test_fused_extra_memory_at_the_default_chunk_is_four_chunk_buffers() -> None
         hs = torch.randn(n, h, generator=g).requires_grad_(True)
         w = torch.randn(V, h, generator=g).requires_grad_(True)
         fused_linear_generalized_jsd(hs, w, torch.randn(n, h, generator=g), beta=0.5).backward()
-    grads, inputs = (
-        (n * h + V * h) * 4,
-        (3 * n * h + V * h) * 4,
-    )  # the inputs are created inside the block too
+    grads = (n * h + V * h) * 4
+    inputs = (3 * n * h + V * h) * 4  # created inside the block too
     extra = live.peak - inputs
     assert extra <= grads + 4.25 * 256 * V * 4 + 2**20, f"{extra / 2**20:.0f} MiB"
 
@@ -126,11 +128,8 @@ def test_fused_engine_adds_only_the_four_matmuls_per_chunk() -> None:
     c, v, h = 8, 64, 16
     hs = torch.randn(c, h, generator=g).requires_grad_(True)
     w = torch.randn(v, h, generator=g).requires_grad_(True)
-    zs, zt, ht = (
-        torch.randn(c, v, generator=g),
-        torch.randn(c, v, generator=g),
-        torch.randn(c, h, generator=g),
-    )
+    zs, zt = torch.randn(c, v, generator=g), torch.randn(c, v, generator=g)
+    ht = torch.randn(c, h, generator=g)
     with ChunkPasses(c * v) as kernel_only:
         jsd_kernel(0.5)(zs, zt)
     with ChunkPasses(c * v) as rec:

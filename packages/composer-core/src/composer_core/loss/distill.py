@@ -224,17 +224,11 @@ def _non_finite_message(names: tuple[str, str], chunks: tuple[Tensor, Tensor]) -
 def _check_logits_finite(result: Tensor, student: Tensor, teacher: Tensor, rows: Tensor) -> None:
     """Value check of a logits call's result (the summed loss or the per-row losses; joins ``compose_loss``'s
     fused check, eager when called directly): one per call, as a NaN/inf logit makes its row's loss non-finite.
-    Only on failure are the selected rows searched for the culprit."""
-
-    def selected(x: Tensor) -> Tensor:
-        return x[rows]  # indices or the bool row mask
-
+    Only on failure are the selected rows (``rows``: indices or the bool row mask) searched for the culprit."""
     value_check(
         None,
         lambda: torch.isfinite(result),
-        lambda: _non_finite_message(
-            ("student_logits", "teacher_logits"), (selected(student), selected(teacher))
-        ),
+        lambda: _non_finite_message(("student_logits", "teacher_logits"), (student[rows], teacher[rows])),
     )
 
 
