@@ -311,6 +311,7 @@ class ObjectStoreAllReduce:
         self.exchange = exchange
         self._buffers: dict[str, bytearray] = {}  # read buffers reused across rounds (local stores)
         self._acc: list[torch.Tensor] = []  # float32 accumulators reused across rounds
+        self._scratch: torch.Tensor | None = None  # the direct average's float32 piece, kept across rounds
         # a local filesystem's paths are the OS's: small reads and listings skip fsspec
         self._local = "file" in _protocols(self.fs)
         self._memory = "memory" in _protocols(self.fs)  # create-only emulated under a process-wide lock
@@ -1108,7 +1109,9 @@ class ObjectStoreAllReduce:
             for i, acc in zip(rest, sums):
                 _apply(tensors[i], acc, divisor)
         for i in sorted(direct):
-            _reduce_pieces(tensors[i], [x[i] for x in inputs], divisor)
+            if self._scratch is None:  # a fresh one per round cost its page faults every round
+                self._scratch = torch.empty(_REDUCE_PIECE, dtype=torch.float32)
+            _reduce_pieces(tensors[i], [x[i] for x in inputs], divisor, self._scratch)
 
     def _reduce(self, inputs: Sequence[Sequence[torch.Tensor]], op: str) -> list[torch.Tensor]:
         """``Σ x_r`` in float32 in the given (rank) order, then ``/ n`` for ``avg``: the order
@@ -1669,12 +1672,13 @@ def _direct_targets(tensors: Sequence[torch.Tensor]) -> set[int]:
     }
 
 
-def _reduce_pieces(t: torch.Tensor, inputs: Sequence[torch.Tensor], divisor: int) -> None:
-    """``t ← Σ inputs / divisor`` through a float32 scratch of ``_REDUCE_PIECE`` elements (it stays in
-    cache): the arithmetic of :func:`_sum_into` + :func:`_apply`, piece by piece. An input that is ``t``
+def _reduce_pieces(
+    t: torch.Tensor, inputs: Sequence[torch.Tensor], divisor: int, scratch: torch.Tensor
+) -> None:
+    """``t ← Σ inputs / divisor`` through ``scratch``, a float32 piece of ``_REDUCE_PIECE`` elements (it stays
+    in cache; the caller keeps it across rounds): the arithmetic of :func:`_sum_into` + :func:`_apply`, piece by piece. An input that is ``t``
     itself (this replica's own contribution) is read piece by piece before that piece is written."""
     flat, flats = t.view(-1), [x.reshape(-1) for x in inputs]
-    scratch = torch.empty(min(flat.numel(), _REDUCE_PIECE), dtype=torch.float32)
     for lo in range(0, flat.numel(), _REDUCE_PIECE):
         hi = min(lo + _REDUCE_PIECE, flat.numel())
         piece = scratch[: hi - lo]
