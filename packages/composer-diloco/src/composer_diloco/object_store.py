@@ -79,7 +79,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -115,6 +115,9 @@ S3_JOINED_PUT_BYTES = 2 << 20
 _STREAM_READ = 1 << 20  # S3 GET bodies are copied into the read buffer this many bytes at a time
 _REDUCE_PIECE = 1 << 18  # float32 elements (1 MiB) of the scratch a full-exchange average goes through
 _PARALLEL_BYTES = 8 << 20  # smaller payloads are checked in the calling thread
+_SCAN_BYTES = (
+    1 << 20
+)  # a chunk is hashed, then checked for finite values, this many bytes at a time (in cache)
 _PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _MEMORY_LOCK = threading.Lock()
@@ -403,21 +406,27 @@ class ObjectStoreAllReduce:
     def _pack(self, meta: dict[str, Any], wires: Sequence[torch.Tensor]) -> _Encoded:
         """Header (with the checksum table) + zero-copy views of the wire tensors: the checksums
         are computed over the tensors' own memory, chunk by chunk (in parallel threads on large
-        payloads); no joined copy of the payload is ever made here."""
+        payloads), each piece checked for NaN/inf right after it is hashed; no joined copy of the
+        payload is ever made here."""
         chunks = [_bytes_view(w) for w in wires]
         for entry, chunk in zip(meta["layout"], chunks):
             entry["nbytes"] = chunk.nbytes
         meta["chunk"] = CHUNK_BYTES
         meta_bytes = json.dumps(meta).encode()
-        table = _checksums(self._chunk_sum, _pieces(chunks, CHUNK_BYTES))
+        # a full-precision wire's values are checked for NaN/inf as they are hashed (one read from memory)
+        checked = [None if meta.get("quantized") else w.dtype for w in wires]
+        table, finite = _scan(self._signed, chunks, checked, CHUNK_BYTES)
+        bad = finite.index(False) if False in finite else None
+        if bad is not None:
+            raise _non_finite(bad, meta["rank"], meta["round"])
         lead = _u32(len(meta_bytes)) + _u32(len(table)) + meta_bytes + table
         tag = self._tag(lead)
         head = (MAGIC_HMAC if self._hmac_key is not None else MAGIC) + tag + lead
         return _Encoded(head, chunks, tag, wires)
 
     @property
-    def _chunk_sum(self) -> Callable[[memoryview], bytes]:
-        return _xxh3 if self._hmac_key is None else _sha256
+    def _signed(self) -> bool:
+        return self._hmac_key is not None
 
     def _tag(self, lead: bytes | memoryview) -> bytes:
         if self._hmac_key is None:
@@ -458,8 +467,10 @@ class ObjectStoreAllReduce:
                 "verify it: give every replica the same secret."
             )
 
-    def _verify(self, data: Payload, key: str) -> tuple[dict[str, Any], memoryview, bytes]:
-        """Check the header, the tag and every chunk's checksum; return (meta, body, tag).
+    def _verify(self, data: Payload, key: str) -> tuple[dict[str, Any], memoryview, bytes, list[bool | None]]:
+        """Check the header, the tag and every chunk's checksum; return (meta, body, tag, finite): per
+        tensor, whether its values are all finite, checked piece by piece as they are hashed (None where
+        the layout gives no dtype to check them as: a quantized or malformed one, checked after decoding).
 
         Any flipped byte is caught: in the tag, lengths, meta or table by the tag (SHA-256 /
         HMAC-SHA256 over them); in the body by its chunk's XXH3-64 (a random corruption passes with
@@ -485,14 +496,15 @@ class ObjectStoreAllReduce:
         body = view[end:]
         if sum(sizes) != len(body):
             raise self._damaged(key, len(view), f"body of {len(body)} bytes, its header lists {sum(sizes)}")
-        pieces = _pieces(_split(body, sizes), chunk)
+        views = _split(body, sizes)
+        pieces = _pieces(views, chunk)
         table = view[_HEAD + meta_len : end]
-        width = len(self._chunk_sum(memoryview(b"")))
+        width = _Hasher.width(self._signed)
         if len(pieces) * width != table_len:
             raise CorruptObjectError(
                 f"object {key} has an invalid tensor layout: {len(pieces)} chunks, {table_len} checksum bytes."
             )
-        sums = _checksums(self._chunk_sum, pieces)
+        sums, finite = _scan(self._signed, views, _checkable(meta, chunk), chunk)
         if sums != table:
             bad = next(
                 i
@@ -501,7 +513,7 @@ class ObjectStoreAllReduce:
             )
             start = sum(p.nbytes for p in pieces[:bad])
             raise self._damaged(key, len(view), f"body bytes {start}-{start + pieces[bad].nbytes}")
-        return meta, body, tag
+        return meta, body, tag, finite
 
     def decode(
         self,
@@ -515,7 +527,7 @@ class ObjectStoreAllReduce:
         """Validate and deserialise an object; raise :class:`CorruptObjectError` naming ``key``
         (:class:`AuthenticationError` for a missing/wrong HMAC, :class:`NonFiniteObjectError`
         for NaN/inf values)."""
-        meta, buf, tag = self._verify(data, key)
+        meta, buf, tag, finite = self._verify(data, key)
         layout = list(meta["layout"])
         if meta.get("exchange", "full") != self.exchange:
             raise CorruptObjectError(
@@ -552,7 +564,7 @@ class ObjectStoreAllReduce:
                 f"object {key} carries {len(buf) - offset} trailing bytes beyond its layout."
             )
         for i, t in enumerate(tensors):
-            if not _all_finite(t):
+            if not (finite[i] if finite[i] is not None else _all_finite(t)):
                 raise NonFiniteObjectError(
                     f"object {key} passes its checksum but tensor {i} holds NaN/inf; it is never "
                     "averaged (a replica with a diverged inner loop, or a foreign writer)."
@@ -1614,6 +1626,13 @@ class ObjectStoreAllReduce:
         return sorted(int(n) for n in self._list(self.key("rounds")) if n.isdigit())
 
 
+def _non_finite(i: int, rank: int, round_id: int) -> ValueError:
+    return ValueError(
+        f"tensor {i} of rank {rank} in round {round_id} holds NaN/inf; refusing to publish "
+        "it (it would poison every replica's average). Check the inner optimiser / loss."
+    )
+
+
 def _wire_form(
     t: object, i: int, rank: int, round_id: int, quantize: bool
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any], torch.Tensor]:
@@ -1622,13 +1641,10 @@ def _wire_form(
     if not isinstance(t, torch.Tensor) or not torch.is_floating_point(t):
         raise ValueError(f"tensor {i} must be a floating-point torch.Tensor, got {type(t).__name__}.")
     host = t.detach().to("cpu").contiguous()
-    if not _all_finite(host):
-        raise ValueError(
-            f"tensor {i} of rank {rank} in round {round_id} holds NaN/inf; refusing to publish "
-            "it (it would poison every replica's average). Check the inner optimiser / loss."
-        )
     entry: dict[str, Any] = {"shape": list(host.shape), "dtype": str(host.dtype).removeprefix("torch.")}
-    if quantize:
+    if quantize:  # a full-precision wire is checked for NaN/inf as it is hashed (_pack)
+        if not _all_finite(host):
+            raise _non_finite(i, rank, round_id)
         q, scale = quantize_fp8(host)
         entry.update(wire="float8_e4m3fn", scale=scale)
         return host, q, entry, dequantize_fp8(q, scale)
@@ -1733,12 +1749,21 @@ def _u32(n: int) -> bytes:
     return n.to_bytes(4, "little")
 
 
-def _xxh3(chunk: memoryview) -> bytes:
-    return xxhash.xxh3_64_digest(chunk)
+class _Hasher:
+    """One chunk's checksum, fed piece by piece: XXH3-64 (8 bytes, big-endian), or SHA-256 for signed objects."""
 
+    def __init__(self, signed: bool) -> None:
+        self._h: Any = hashlib.sha256() if signed else xxhash.xxh3_64()
 
-def _sha256(chunk: memoryview) -> bytes:
-    return hashlib.sha256(chunk).digest()
+    @staticmethod
+    def width(signed: bool) -> int:
+        return _DIGEST if signed else 8
+
+    def update(self, piece: memoryview) -> None:
+        self._h.update(piece)
+
+    def digest(self) -> bytes:
+        return bytes(self._h.digest())
 
 
 def _split(body: memoryview, sizes: Sequence[int]) -> list[memoryview]:
@@ -1755,18 +1780,60 @@ def _pieces(views: Sequence[memoryview], size: int) -> list[memoryview]:
     return [v[i : i + size] for v in views for i in range(0, v.nbytes, size)]
 
 
-def _checksums(fn: Callable[[memoryview], bytes], pieces: Sequence[memoryview]) -> bytes:
-    """``fn`` of every piece, concatenated; several pieces are checked in parallel threads (xxhash
-    and hashlib release the GIL on large buffers), so a large object costs one pass spread over
-    the cores."""
+def _checkable(meta: Mapping[str, Any], chunk: int) -> list[torch.dtype | None]:
+    """Per tensor of a decoded header, the dtype its wire bytes are checked for finite values as (None: after
+    decoding instead, for a quantized object or a layout whose pieces would not hold whole values)."""
+    out: list[torch.dtype | None] = []
+    for entry in meta["layout"]:
+        wire = entry.get("wire") if isinstance(entry, dict) else None
+        dtype = _DTYPES.get(wire) if isinstance(wire, str) else None
+        whole = (
+            dtype is not None and chunk % dtype.itemsize == 0 and int(entry["nbytes"]) % dtype.itemsize == 0
+        )
+        out.append(dtype if whole and not meta.get("quantized") and dtype != torch.float8_e4m3fn else None)
+    return out
+
+
+def _scan_chunk(signed: bool, chunk: memoryview, dtype: torch.dtype | None) -> tuple[bytes, bool]:
+    """A chunk's checksum, and whether its values read as ``dtype`` are all finite (True when ``dtype`` is None):
+    each piece of at most ``_SCAN_BYTES`` is hashed, then checked while it is still in cache."""
+    h, finite = _Hasher(signed), True
+    for lo in range(0, chunk.nbytes, _SCAN_BYTES):
+        piece = chunk[lo : lo + _SCAN_BYTES]
+        h.update(piece)
+        if dtype is not None and finite:
+            finite = _all_finite(_frombuffer(piece, piece.nbytes, 0).view(dtype))
+    return h.digest(), finite
+
+
+def _scan(
+    signed: bool, views: Sequence[memoryview], dtypes: Sequence[torch.dtype | None], size: int
+) -> tuple[bytes, list[bool | None]]:
+    """The checksum table of ``views`` cut into chunks of at most ``size`` bytes, and per view whether its values
+    (read as its dtype) are all finite (None where its dtype is None). Chunks are scanned in parallel threads on
+    large payloads (xxhash, hashlib and torch release the GIL), so a large object costs one read of its bytes
+    from memory, spread over the cores."""
     global _POOL
-    if len(pieces) < 2 or (os.cpu_count() or 1) < 2 or sum(p.nbytes for p in pieces) < _PARALLEL_BYTES:
-        return b"".join(map(fn, pieces))
-    if _POOL is None:
-        with _POOL_LOCK:
-            if _POOL is None:
-                _POOL = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="diloco-checksum")
-    return b"".join(_POOL.map(fn, pieces))
+    jobs = [(i, v[lo : lo + size]) for i, v in enumerate(views) for lo in range(0, v.nbytes, size)]
+
+    def one(job: tuple[int, memoryview]) -> tuple[bytes, bool]:
+        return _scan_chunk(signed, job[1], dtypes[job[0]])
+
+    if len(jobs) < 2 or (os.cpu_count() or 1) < 2 or sum(v.nbytes for v in views) < _PARALLEL_BYTES:
+        results = list(map(one, jobs))
+    else:
+        if _POOL is None:
+            with _POOL_LOCK:
+                if _POOL is None:
+                    _POOL = ThreadPoolExecutor(
+                        min(8, os.cpu_count() or 1), thread_name_prefix="diloco-checksum"
+                    )
+        results = list(_POOL.map(one, jobs))
+    finite: list[bool | None] = [None if d is None else True for d in dtypes]
+    for (i, _), (_, ok) in zip(jobs, results):
+        if not ok:
+            finite[i] = False
+    return b"".join(digest for digest, _ in results), finite
 
 
 def _frombuffer(buf: memoryview, nbytes: int, offset: int) -> torch.Tensor:
