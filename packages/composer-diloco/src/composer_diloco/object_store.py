@@ -115,9 +115,7 @@ S3_JOINED_PUT_BYTES = 2 << 20
 _STREAM_READ = 1 << 20  # S3 GET bodies are copied into the read buffer this many bytes at a time
 _REDUCE_PIECE = 1 << 18  # float32 elements (1 MiB) of the scratch a full-exchange average goes through
 _PARALLEL_BYTES = 8 << 20  # smaller payloads are checked in the calling thread
-_SCAN_BYTES = (
-    1 << 20
-)  # a chunk is hashed, then checked for finite values, this many bytes at a time (in cache)
+_SCAN_BYTES = 1 << 20  # a chunk is hashed, then checked for NaN/inf, this many bytes at a time (in cache)
 _PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _MEMORY_LOCK = threading.Lock()
@@ -1692,8 +1690,9 @@ def _reduce_pieces(
     t: torch.Tensor, inputs: Sequence[torch.Tensor], divisor: int, scratch: torch.Tensor
 ) -> None:
     """``t ← Σ inputs / divisor`` through ``scratch``, a float32 piece of ``_REDUCE_PIECE`` elements (it stays
-    in cache; the caller keeps it across rounds): the arithmetic of :func:`_sum_into` + :func:`_apply`, piece by piece. An input that is ``t``
-    itself (this replica's own contribution) is read piece by piece before that piece is written."""
+    in cache; the caller keeps it across rounds): the arithmetic of :func:`_sum_into` + :func:`_apply`, piece
+    by piece. An input that is ``t`` itself (this replica's own contribution) is read piece by piece before
+    that piece is written."""
     flat, flats = t.view(-1), [x.reshape(-1) for x in inputs]
     for lo in range(0, flat.numel(), _REDUCE_PIECE):
         hi = min(lo + _REDUCE_PIECE, flat.numel())
@@ -1790,6 +1789,7 @@ def _checkable(meta: Mapping[str, Any], chunk: int) -> list[torch.dtype | None]:
         whole = (
             dtype is not None and chunk % dtype.itemsize == 0 and int(entry["nbytes"]) % dtype.itemsize == 0
         )
+        # quantized (fp8) values are checked after dequantizing, as the decoded tensors
         out.append(dtype if whole and not meta.get("quantized") and dtype != torch.float8_e4m3fn else None)
     return out
 
@@ -1813,27 +1813,28 @@ def _scan(
     (read as its dtype) are all finite (None where its dtype is None). Chunks are scanned in parallel threads on
     large payloads (xxhash, hashlib and torch release the GIL), so a large object costs one read of its bytes
     from memory, spread over the cores."""
-    global _POOL
     jobs = [(i, v[lo : lo + size]) for i, v in enumerate(views) for lo in range(0, v.nbytes, size)]
 
     def one(job: tuple[int, memoryview]) -> tuple[bytes, bool]:
         return _scan_chunk(signed, job[1], dtypes[job[0]])
 
-    if len(jobs) < 2 or (os.cpu_count() or 1) < 2 or sum(v.nbytes for v in views) < _PARALLEL_BYTES:
-        results = list(map(one, jobs))
-    else:
-        if _POOL is None:
-            with _POOL_LOCK:
-                if _POOL is None:
-                    _POOL = ThreadPoolExecutor(
-                        min(8, os.cpu_count() or 1), thread_name_prefix="diloco-checksum"
-                    )
-        results = list(_POOL.map(one, jobs))
+    serial = len(jobs) < 2 or (os.cpu_count() or 1) < 2 or sum(v.nbytes for v in views) < _PARALLEL_BYTES
+    results = list(map(one, jobs) if serial else _pool().map(one, jobs))
     finite: list[bool | None] = [None if d is None else True for d in dtypes]
     for (i, _), (_, ok) in zip(jobs, results):
         if not ok:
             finite[i] = False
     return b"".join(digest for digest, _ in results), finite
+
+
+def _pool() -> ThreadPoolExecutor:
+    """The process's checksum threads (started on first use)."""
+    global _POOL
+    if _POOL is None:
+        with _POOL_LOCK:
+            if _POOL is None:
+                _POOL = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="diloco-checksum")
+    return _POOL
 
 
 def _frombuffer(buf: memoryview, nbytes: int, offset: int) -> torch.Tensor:
