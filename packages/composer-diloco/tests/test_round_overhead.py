@@ -294,64 +294,34 @@ def _address(view: memoryview) -> int:
         return torch.frombuffer(view, dtype=torch.uint8).data_ptr() if view.nbytes else 0
 
 
-@pytest.mark.parametrize("signed", [False, True])
-def test_a_local_store_writes_each_piece_while_it_is_hashed_and_checked(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, signed: bool
-) -> None:
-    """On a local filesystem the object's body is written first, each piece right after its checksum update and
-    its NaN/inf check (all three while it is in cache: the payload is read from memory once, not twice), then
-    the head at offset 0. The file is byte for byte what ``encode`` returns. A NaN in a later piece refuses the
-    object by name and leaves no object and no temporary file. On main before this test, the whole body was
-    checked and hashed first, then written."""
-    if signed:
-        monkeypatch.setenv("COMPOSER_DILOCO_HMAC_KEY", "k" * 32)
-    log: list[tuple[str, int, int]] = []
-    hasher = object_store_module._Hasher.update
-    monkeypatch.setattr(
-        object_store_module._Hasher,
-        "update",
-        lambda self, piece: (log.append(("hash", _address(piece), piece.nbytes)), hasher(self, piece))[1],
-    )
+def test_a_write_that_fails_leaves_no_temporary_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk while the object is written: the error reaches the caller, and neither the object nor its
+    temporary file is left in the round's folder (before this test, the temporary file stayed)."""
+    import errno
+
     local_tmp = ObjectStoreAllReduce._local_tmp
 
-    class Recorded:  # the temporary file, recording where each write lands
+    class FullDisk:
         def __init__(self, f: Any) -> None:
             self.f = f
 
-        def __enter__(self) -> Recorded:
+        def __enter__(self) -> FullDisk:
             return self
 
         def __exit__(self, *exc: object) -> None:
             self.f.close()
 
-        def seek(self, offset: int) -> int:
-            return int(self.f.seek(offset))
-
         def write(self, data: Any) -> int:
-            view = memoryview(data)
-            log.append(("write", _address(view) if view.nbytes > 1 << 16 else self.f.tell(), view.nbytes))
+            if memoryview(data).nbytes > 1 << 16:
+                raise OSError(errno.ENOSPC, "No space left on device")
             return int(self.f.write(data))
 
-    def recording_tmp(self: ObjectStoreAllReduce, key: str) -> tuple[str, Any]:
+    def full(self: ObjectStoreAllReduce, key: str) -> tuple[str, Any]:
         tmp, f = local_tmp(self, key)
-        return tmp, Recorded(f)
+        return tmp, FullDisk(f)
 
-    monkeypatch.setattr(ObjectStoreAllReduce, "_local_tmp", recording_tmp)
+    monkeypatch.setattr(ObjectStoreAllReduce, "_local_tmp", full)
     store = ObjectStoreAllReduce(f"file://{tmp_path}", "run", rank=0, world_size=1)
-    tensor = torch.randn(3 << 19)  # 6 MiB: a 4 MiB and a 2 MiB checksum chunk
-    with _Reads(log):
-        store.allreduce(0, [tensor.clone()])
-    published = Path(store.object_key(0, 0)).read_bytes()
-    events = [e for e in log if not (e[0] == "write" and e[2] < 1 << 16)]  # the small manifest and marker
-    triples = [events[i : i + 3] for i in range(0, 18, 3)]
-    assert [[kind for kind, *_ in t] for t in triples] == [["hash", "finite", "write"]] * 6, events
-    assert all(h[1:] == f[1:] == w[1:] for h, f, w in triples), events  # the same piece, back to back
-    assert sum(n for _, _, n in [t[2] for t in triples]) == tensor.nbytes
-    assert ("write", 0, len(published) - tensor.nbytes) in log  # the head last, at the start of the file
-    assert published == store.encode(0, [tensor])  # the same bytes as an object sealed in memory
-
-    bad = tensor.clone()
-    bad[-1] = float("nan")  # in the last piece: the first ones are written before it is found
-    with pytest.raises(ValueError, match=r"tensor 0 of rank 0 in round 1 holds NaN/inf"):
-        store.allreduce(1, [bad])
-    assert not Path(store.round_dir(1)).exists() or not list(Path(store.round_dir(1)).iterdir())
+    with pytest.raises(OSError, match="No space left"):
+        store.allreduce(0, [torch.ones(1 << 16)])
+    assert list(Path(store.round_dir(0)).iterdir()) == []

@@ -257,3 +257,24 @@ def test_mixing_exchanges_in_one_run_is_refused_by_name(tmp_path: Path) -> None:
     assert all(isinstance(e, CorruptObjectError) and "exchange=" in str(e) for e in out), out
     with pytest.raises(ValueError, match="exchange must be"):
         ObjectStoreAllReduce(url, "run", rank=0, world_size=2, exchange="ring")  # type: ignore[arg-type]
+
+
+def test_a_reduced_shard_that_overflows_is_refused_by_name_on_every_replica(tmp_path: Path) -> None:
+    """Finite inputs whose float32 sum overflows (3e38 + 3e38): each reducer publishes its shard as it is and every
+    reader refuses it as non-finite, promptly and by name, with no tensor changed. The writer's value checks are
+    for a replica's own tensors: on f553641 the reducer refused its own sum as "tensor 0 of rank -1 ... Check the
+    inner optimiser", a misleading ValueError."""
+    from composer_diloco import NonFiniteObjectError
+
+    stores = [
+        ObjectStoreAllReduce(
+            f"file://{tmp_path}", "run", rank=r, world_size=2, exchange="sharded", timeout_s=20
+        )
+        for r in (0, 1)
+    ]
+    values = [[torch.full((64,), 3e38)] for _ in stores]
+    start = time.monotonic()
+    out = _threads(stores, 0, values)
+    assert all(isinstance(o, NonFiniteObjectError) and "reduced-" in str(o) for o in out), out
+    assert time.monotonic() - start < 10  # refused on the first read, not after a reducer's timeout
+    assert all(torch.equal(v[0], torch.full((64,), 3e38)) for v in values)

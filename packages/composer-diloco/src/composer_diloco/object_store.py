@@ -79,7 +79,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -194,83 +194,21 @@ class _Decoded:
 
 
 @dataclass
-class _Seal:
-    """What an object still needs to finish its head: its chunks' checksum table, with the NaN/inf checks."""
-
-    signed: bool
-    dtypes: list[torch.dtype | None]  # per chunk view: checked for NaN/inf as this dtype (None: not here)
-    head_len: int
-    finish: Callable[[bytes], tuple[bytes, bytes]]  # checksum table -> (head, tag)
-    non_finite: Callable[[int], ValueError]  # tensor index -> the error that refuses to publish it
-
-
 class _Encoded:
-    """An object to write: ``head`` (magic, tag, meta, checksum table) then ``chunks`` (zero-copy byte views of
-    ``wires``, which keep the memory alive). A packed object is *unsealed* until its checksums are computed: on
-    first use of ``head`` or ``tag`` (one pass, parallel on large payloads; :meth:`seal`) or while its body is
-    written to a local file (:meth:`write_to`: each piece hashed, checked and written while it is in cache)."""
+    """An object ready to write: ``head`` (magic, tag, meta) then ``chunks`` (zero-copy byte views
+    of ``wires``, which keep the memory alive)."""
 
-    def __init__(
-        self, chunks: Sequence[memoryview], wires: Sequence[torch.Tensor] = (), *, head: bytes = b"",
-        tag: bytes = b"", pending: _Seal | None = None,
-    ) -> None:  # fmt: skip
-        self.chunks, self.wires = list(chunks), wires
-        self._head, self._tag, self._pending = head, tag, pending
+    head: bytes
+    chunks: list[memoryview]
+    tag: bytes
+    wires: Sequence[torch.Tensor] = ()
 
     @property
     def size(self) -> int:
-        head = self._pending.head_len if self._pending is not None else len(self._head)
-        return head + sum(c.nbytes for c in self.chunks)
-
-    @property
-    def head(self) -> bytes:
-        self.seal()
-        return self._head
-
-    @property
-    def tag(self) -> bytes:
-        self.seal()
-        return self._tag
+        return len(self.head) + sum(c.nbytes for c in self.chunks)
 
     def tobytes(self) -> bytes:
         return b"".join([self.head, *self.chunks])
-
-    def seal(self) -> None:
-        """Compute the checksums (raising for NaN/inf values) and the head, if not done yet."""
-        if self._pending is not None:
-            self._finish(*_scan(self._pending.signed, self.chunks, self._pending.dtypes, CHUNK_BYTES))
-
-    def write_to(self, f: io.BufferedWriter) -> None:
-        """Write the whole object into ``f``, a new file that nothing reads before it is complete (it is
-        linked into place afterwards). Unsealed: the body first, each piece hashed, checked for NaN/inf and
-        written while it is in cache (one read of the payload from memory, not two), then the head at 0."""
-        pending = self._pending
-        if pending is None:
-            f.write(self._head)
-            for chunk in self.chunks:
-                f.write(chunk)
-            return
-        f.seek(pending.head_len)
-        table: list[bytes] = []
-        for i, view in enumerate(self.chunks):
-            for lo in range(0, view.nbytes, CHUNK_BYTES):
-                digest, finite = _scan_chunk(
-                    pending.signed, view[lo : lo + CHUNK_BYTES], pending.dtypes[i], f.write
-                )
-                if not finite:  # the caller discards the file
-                    raise pending.non_finite(i)
-                table.append(digest)
-        self._finish(b"".join(table), [True] * len(self.chunks))
-        f.seek(0)
-        f.write(self._head)
-
-    def _finish(self, table: bytes, finite: Sequence[bool | None]) -> None:
-        pending = self._pending
-        assert pending is not None
-        if False in finite:
-            raise pending.non_finite(list(finite).index(False))
-        self._head, self._tag = pending.finish(table)
-        self._pending = None
 
 
 Payload = bytes | bytearray | memoryview
@@ -452,7 +390,7 @@ class ObjectStoreAllReduce:
             own.append(mine)
         meta = self._meta(round_id, self.rank, quantized=quantize, layout=layout)
         enc = self._pack(meta, wires)
-        return enc, _Decoded(meta, own, enc.size)  # its tag once the object is written (_publish)
+        return enc, _Decoded(meta, own, enc.size, enc.tag)
 
     def _meta(self, round_id: int, rank: int, **extra: Any) -> dict[str, Any]:
         return {
@@ -464,32 +402,25 @@ class ObjectStoreAllReduce:
         }
 
     def _pack(self, meta: dict[str, Any], wires: Sequence[torch.Tensor], *, check: bool = True) -> _Encoded:
-        """An unsealed object (:class:`_Encoded`): zero-copy views of the wire tensors, and what its head needs.
-        Its checksums are computed over the tensors' own memory, each piece checked for NaN/inf right after
-        it is hashed (``check``; a quantized wire was checked before quantizing), when the object is sealed
-        or written; no joined copy of the payload is ever made here."""
+        """Header (with the checksum table) + zero-copy views of the wire tensors: the checksums
+        are computed over the tensors' own memory, chunk by chunk (in parallel threads on large
+        payloads), each piece checked for NaN/inf right after it is hashed (``check``; a quantized
+        wire was checked before quantizing); no joined copy of the payload is ever made here."""
         chunks = [_bytes_view(w) for w in wires]
         for entry, chunk in zip(meta["layout"], chunks):
             entry["nbytes"] = chunk.nbytes
         meta["chunk"] = CHUNK_BYTES
         meta_bytes = json.dumps(meta).encode()
-        magic = MAGIC_HMAC if self._signed else MAGIC
-        n_chunks = sum(-(-c.nbytes // CHUNK_BYTES) for c in chunks)
-
-        def finish(table: bytes) -> tuple[bytes, bytes]:
-            lead = _u32(len(meta_bytes)) + _u32(len(table)) + meta_bytes + table
-            tag = self._tag(lead)
-            return magic + tag + lead, tag
-
-        pending = _Seal(
-            signed=self._signed,
-            # a full-precision wire's values are checked for NaN/inf as they are hashed (one read from memory)
-            dtypes=[None if meta.get("quantized") or not check else w.dtype for w in wires],
-            head_len=_HEAD + len(meta_bytes) + n_chunks * _Hasher.width(self._signed),
-            finish=finish,
-            non_finite=lambda i: _non_finite(i, meta["rank"], meta["round"]),
-        )
-        return _Encoded(chunks, wires, pending=pending)
+        # a full-precision wire's values are checked for NaN/inf as they are hashed (one read from memory)
+        checked = [None if meta.get("quantized") or not check else w.dtype for w in wires]
+        table, finite = _scan(self._signed, chunks, checked, CHUNK_BYTES)
+        bad = finite.index(False) if False in finite else None
+        if bad is not None:
+            raise _non_finite(bad, meta["rank"], meta["round"])
+        lead = _u32(len(meta_bytes)) + _u32(len(table)) + meta_bytes + table
+        tag = self._tag(lead)
+        head = (MAGIC_HMAC if self._hmac_key is not None else MAGIC) + tag + lead
+        return _Encoded(head, chunks, tag, wires)
 
     @property
     def _signed(self) -> bool:
@@ -665,7 +596,7 @@ class ObjectStoreAllReduce:
         Readers see all of ``data`` or nothing: local filesystems link a complete temporary
         file, S3 publishes a single PUT or a completed multipart upload (parts in parallel,
         s3fs's ``max_concurrency``)."""
-        enc = data if isinstance(data, _Encoded) else _Encoded([], head=bytes(data))
+        enc = data if isinstance(data, _Encoded) else _Encoded(bytes(data), [], b"")
         created = self._create(key, enc)
         if created:
             self.bytes_written += enc.size
@@ -676,15 +607,16 @@ class ObjectStoreAllReduce:
             tmp, f = self._local_tmp(key)
             try:
                 with f:  # straight from the tensors' memory: no joined copy
-                    enc.write_to(f)
+                    f.write(enc.head)
+                    for chunk in enc.chunks:
+                        f.write(chunk)
                 try:
                     os.link(tmp, key)  # atomic, fails if key exists
                     return True
                 except FileExistsError:
                     return False
-            finally:  # also when the write fails (a full disk, NaN/inf values): no temporary file is left
+            finally:  # also when the write fails (a full disk): no temporary file is left behind
                 os.unlink(tmp)
-        enc.seal()  # checksums and value checks before a byte leaves (and outside the event loop)
         if _is_s3(self.fs):
             return bool(fsspec.asyn.sync(self.fs.loop, self._s3_create, key, enc))
         data = enc.tobytes()  # one copy: this client wants one bytes-like body
@@ -1206,13 +1138,12 @@ class ObjectStoreAllReduce:
         stored one: objects are immutable, other replicas may have read it. True if reused."""
         key = self.object_key(round_id, self.rank)
         if self.put_if_absent(key, data):
-            own.tag = data.tag
             return own, False
         raw = self._read(key, slot=f"obj-{self.rank}")
         if raw is None:
             raise ObjectStoreError(f"round {round_id}: {key} exists but could not be read; retry the round.")
         stored = self.decode(raw, round_id=round_id, rank=self.rank, key=key)
-        if stored.tag != data.tag:
+        if stored.tag != own.tag:
             logger.warning(
                 "round %d: rank %d's object %s was published earlier with other values; it is "
                 "immutable (other replicas may have read it), so this round uses the stored one",
@@ -1278,8 +1209,6 @@ class ObjectStoreAllReduce:
             shards[self.shard_key(round_id, self.rank, s, nonce)] = self._pack(
                 meta, [_piece(wire, s, k) for _, wire, _, _ in forms]
             )
-        for enc in shards.values():  # every value checked before any shard is written
-            enc.seal()
         self._put_many(shards)
         meta = self._meta(
             round_id,
@@ -1379,7 +1308,7 @@ class ObjectStoreAllReduce:
         )
         reduced = self._pack(
             meta, sums, check=False
-        )  # a sum that overflows is refused by its readers, by name
+        )  # a sum that overflowed is refused by its readers, by name
         if self.put_if_absent(self.reduced_key(round_id, s), reduced):
             return sums
         stored = self._load_reduced(round_id, manifest, s, op)
@@ -1869,23 +1798,15 @@ def _checkable(meta: Mapping[str, Any], chunk: int) -> list[torch.dtype | None]:
     return out
 
 
-def _scan_chunk(
-    signed: bool,
-    chunk: memoryview,
-    dtype: torch.dtype | None,
-    sink: Callable[[memoryview], Any] | None = None,
-) -> tuple[bytes, bool]:
+def _scan_chunk(signed: bool, chunk: memoryview, dtype: torch.dtype | None) -> tuple[bytes, bool]:
     """A chunk's checksum, and whether its values read as ``dtype`` are all finite (True when ``dtype`` is None):
-    each piece of at most ``_SCAN_BYTES`` is hashed, then checked (and given to ``sink``, if any) while it is
-    still in cache. A non-finite piece ends the chunk's checks and its sink."""
+    each piece of at most ``_SCAN_BYTES`` is hashed, then checked while it is still in cache."""
     h, finite = _Hasher(signed), True
     for lo in range(0, chunk.nbytes, _SCAN_BYTES):
         piece = chunk[lo : lo + _SCAN_BYTES]
         h.update(piece)
         if dtype is not None and finite:
             finite = _all_finite(_frombuffer(piece, piece.nbytes, 0).view(dtype))
-        if sink is not None and finite:
-            sink(piece)
     return h.digest(), finite
 
 
