@@ -5,6 +5,7 @@ counted on moto's server."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import threading
 import time
 import types
@@ -22,10 +23,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 
-def _run_rounds(stores: list[ObjectStoreAllReduce], rounds: range) -> list[list[torch.Tensor]]:
+def _run_rounds(
+    stores: list[ObjectStoreAllReduce], rounds: range, numel: int = 64
+) -> list[list[torch.Tensor]]:
     outs = []
     for round_id in rounds:
-        values = [[torch.full((64,), float(r + round_id))] for r in range(len(stores))]
+        values = [[torch.full((numel,), float(r + round_id))] for r in range(len(stores))]
         threads = [threading.Thread(target=s.allreduce, args=(round_id, v)) for s, v in zip(stores, values)]
         for t in threads:
             t.start()
@@ -214,23 +217,17 @@ def test_a_steady_round_allocates_no_payload_sized_memory(tmp_path: Path) -> Non
     numel = 1 << 18  # 1 MiB of float32
     stores = [ObjectStoreAllReduce(f"file://{tmp_path}", "run", rank=r, world_size=2) for r in (0, 1)]
     recorded = _NewStorages()
+    allreduce = stores[0].allreduce
 
-    def rank0(round_id: int, values: list[torch.Tensor]) -> None:
+    def rank0(
+        round_id: int, values: list[torch.Tensor]
+    ) -> Any:  # the mode is per thread: enter it in rank 0's
         with recorded if round_id == 2 else contextlib.nullcontext():
-            stores[0].allreduce(round_id, values)
+            return allreduce(round_id, values)
 
-    for round_id in range(3):
-        values = [[torch.full((numel,), float(r + round_id))] for r in (0, 1)]
-        threads = [
-            threading.Thread(target=rank0, args=(round_id, values[0])),
-            threading.Thread(target=stores[1].allreduce, args=(round_id, values[1])),
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert torch.equal(values[0][0], torch.full((numel,), round_id + 0.5))
-        assert torch.equal(values[1][0], values[0][0])
+    stores[0].allreduce = rank0  # type: ignore[method-assign]
+    for round_id, out in zip(range(3), _run_rounds(stores, range(3), numel)):
+        assert all(torch.equal(o, torch.full((numel,), round_id + 0.5)) for o in out)
     assert recorded.sizes, "the recorder saw no operator output at all: it is not recording"
     assert max(recorded.sizes) < 64 << 10, sorted(recorded.sizes)[-3:]
 
@@ -297,8 +294,6 @@ def _address(view: memoryview) -> int:
 def test_a_write_that_fails_leaves_no_temporary_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A full disk while the object is written: the error reaches the caller, and neither the object nor its
     temporary file is left in the round's folder (before this test, the temporary file stayed)."""
-    import errno
-
     local_tmp = ObjectStoreAllReduce._local_tmp
 
     class FullDisk:

@@ -413,10 +413,9 @@ class ObjectStoreAllReduce:
         meta_bytes = json.dumps(meta).encode()
         # a full-precision wire's values are checked for NaN/inf as they are hashed (one read from memory)
         checked = [None if meta.get("quantized") or not check else w.dtype for w in wires]
-        table, finite = _scan(self._signed, chunks, checked, CHUNK_BYTES)
-        bad = finite.index(False) if False in finite else None
-        if bad is not None:
-            raise _non_finite(bad, meta["rank"], meta["round"])
+        table, finite = _scan(self._signed, _pieces(chunks, CHUNK_BYTES), checked)
+        if False in finite:
+            raise _non_finite(finite.index(False), meta["rank"], meta["round"])
         lead = _u32(len(meta_bytes)) + _u32(len(table)) + meta_bytes + table
         tag = self._tag(lead)
         head = (MAGIC_HMAC if self._hmac_key is not None else MAGIC) + tag + lead
@@ -494,23 +493,22 @@ class ObjectStoreAllReduce:
         body = view[end:]
         if sum(sizes) != len(body):
             raise self._damaged(key, len(view), f"body of {len(body)} bytes, its header lists {sum(sizes)}")
-        views = _split(body, sizes)
-        pieces = _pieces(views, chunk)
+        pieces = _pieces(_split(body, sizes), chunk)
         table = view[_HEAD + meta_len : end]
         width = _Hasher.width(self._signed)
         if len(pieces) * width != table_len:
             raise CorruptObjectError(
                 f"object {key} has an invalid tensor layout: {len(pieces)} chunks, {table_len} checksum bytes."
             )
-        sums, finite = _scan(self._signed, views, _checkable(meta, chunk), chunk)
+        sums, finite = _scan(self._signed, pieces, _checkable(meta, chunk))
         if sums != table:
             bad = next(
                 i
                 for i in range(len(pieces))
                 if sums[i * width : (i + 1) * width] != table[i * width : (i + 1) * width]
             )
-            start = sum(p.nbytes for p in pieces[:bad])
-            raise self._damaged(key, len(view), f"body bytes {start}-{start + pieces[bad].nbytes}")
+            start = sum(p.nbytes for _, p in pieces[:bad])
+            raise self._damaged(key, len(view), f"body bytes {start}-{start + pieces[bad][1].nbytes}")
         return meta, body, tag, finite
 
     def decode(
@@ -1306,9 +1304,8 @@ class ObjectStoreAllReduce:
             quantized=False,
             layout=layout,
         )
-        reduced = self._pack(
-            meta, sums, check=False
-        )  # a sum that overflowed is refused by its readers, by name
+        # not value-checked here: a sum that overflowed is refused by its readers, by name
+        reduced = self._pack(meta, sums, check=False)
         if self.put_if_absent(self.reduced_key(round_id, s), reduced):
             return sums
         stored = self._load_reduced(round_id, manifest, s, op)
@@ -1778,9 +1775,10 @@ def _split(body: memoryview, sizes: Sequence[int]) -> list[memoryview]:
     return out
 
 
-def _pieces(views: Sequence[memoryview], size: int) -> list[memoryview]:
-    """Every view cut into pieces of at most ``size`` bytes (zero-copy); an empty view has none."""
-    return [v[i : i + size] for v in views for i in range(0, v.nbytes, size)]
+def _pieces(views: Sequence[memoryview], size: int) -> list[tuple[int, memoryview]]:
+    """Every view cut into pieces of at most ``size`` bytes (zero-copy), each with its view's index; an empty
+    view has none."""
+    return [(i, v[lo : lo + size]) for i, v in enumerate(views) for lo in range(0, v.nbytes, size)]
 
 
 def _checkable(meta: Mapping[str, Any], chunk: int) -> list[torch.dtype | None]:
@@ -1811,21 +1809,22 @@ def _scan_chunk(signed: bool, chunk: memoryview, dtype: torch.dtype | None) -> t
 
 
 def _scan(
-    signed: bool, views: Sequence[memoryview], dtypes: Sequence[torch.dtype | None], size: int
+    signed: bool, pieces: Sequence[tuple[int, memoryview]], dtypes: Sequence[torch.dtype | None]
 ) -> tuple[bytes, list[bool | None]]:
-    """The checksum table of ``views`` cut into chunks of at most ``size`` bytes, and per view whether its values
-    (read as its dtype) are all finite (None where its dtype is None). Chunks are scanned in parallel threads on
-    large payloads (xxhash, hashlib and torch release the GIL), so a large object costs one read of its bytes
-    from memory, spread over the cores."""
-    jobs = [(i, v[lo : lo + size]) for i, v in enumerate(views) for lo in range(0, v.nbytes, size)]
+    """The checksum table of ``pieces`` (:func:`_pieces`), and per view whether its values (read as its dtype)
+    are all finite (None where its dtype is None). Pieces are scanned in parallel threads on large payloads
+    (xxhash, hashlib and torch release the GIL), so a large object costs one read of its bytes from memory,
+    spread over the cores."""
 
-    def one(job: tuple[int, memoryview]) -> tuple[bytes, bool]:
-        return _scan_chunk(signed, job[1], dtypes[job[0]])
+    def one(piece: tuple[int, memoryview]) -> tuple[bytes, bool]:
+        return _scan_chunk(signed, piece[1], dtypes[piece[0]])
 
-    serial = len(jobs) < 2 or (os.cpu_count() or 1) < 2 or sum(v.nbytes for v in views) < _PARALLEL_BYTES
-    results = list(map(one, jobs) if serial else _pool().map(one, jobs))
+    serial = (
+        len(pieces) < 2 or (os.cpu_count() or 1) < 2 or sum(p.nbytes for _, p in pieces) < _PARALLEL_BYTES
+    )
+    results = list(map(one, pieces) if serial else _pool().map(one, pieces))
     finite: list[bool | None] = [None if d is None else True for d in dtypes]
-    for (i, _), (_, ok) in zip(jobs, results):
+    for (i, _), (_, ok) in zip(pieces, results):
         if not ok:
             finite[i] = False
     return b"".join(digest for digest, _ in results), finite
