@@ -259,22 +259,97 @@ def test_mixing_exchanges_in_one_run_is_refused_by_name(tmp_path: Path) -> None:
         ObjectStoreAllReduce(url, "run", rank=0, world_size=2, exchange="ring")  # type: ignore[arg-type]
 
 
-def test_a_reduced_shard_that_overflows_is_refused_by_name_on_every_replica(tmp_path: Path) -> None:
-    """Finite inputs whose float32 sum overflows (3e38 + 3e38): each reducer publishes its shard as it is and every
-    reader refuses it as non-finite, promptly and by name, with no tensor changed. The writer's value checks are
-    for a replica's own tensors: on f553641 the reducer refused its own sum as "tensor 0 of rank -1 ... Check the
-    inner optimiser", a misleading ValueError."""
-    from composer_diloco import NonFiniteObjectError
+def _overflowing(r: int) -> list[torch.Tensor]:
+    """Rank ``r``'s tensors for the overflow tests: finite values whose float32 sum over 3 ranks overflows in the
+    first 4 values of tensor 0 (its first piece on the piecewise path, shard 0 of 3) and in one value of its second
+    piece (shard 2), and in all of the bfloat16 tensor 1 (its largest value); ordinary values elsewhere."""
+    from composer_diloco.object_store import _REDUCE_PIECE
 
-    stores = [
-        ObjectStoreAllReduce(
-            f"file://{tmp_path}", "run", rank=r, world_size=2, exchange="sharded", timeout_s=20
-        )
-        for r in (0, 1)
+    g = torch.Generator().manual_seed(r)
+    first = torch.randn(_REDUCE_PIECE + 12, generator=g)
+    first[:4] = 3e38
+    first[_REDUCE_PIECE + 2] = -3e38
+    return [first, torch.full((6,), torch.finfo(torch.bfloat16).max, dtype=torch.bfloat16)]
+
+
+def _stores(url: str, exchange: str, world: int = 3) -> list[ObjectStoreAllReduce]:
+    run = f"{exchange}-{uuid.uuid4().hex[:6]}"
+    return [
+        ObjectStoreAllReduce(url, run, rank=r, world_size=world, timeout_s=20, exchange=exchange)
+        for r in range(world)
     ]
-    values = [[torch.full((64,), 3e38)] for _ in stores]
-    start = time.monotonic()
+
+
+@pytest.mark.parametrize("exchange", ["full", "sharded"])
+def test_an_average_whose_float32_sum_overflows_is_the_true_average_on_every_replica(exchange: str) -> None:
+    """Finite contributions whose float32 running sum overflows (3 x 3e38): the average itself is finite, and every
+    replica ends the round with it, identical, by both exchanges; elements whose sum does not overflow keep the
+    float32 arithmetic (Σ in rank order, then / n). On 52831fd the full exchange wrote inf into every replica
+    without an error, and in the sharded exchange the reducer of the overflowing shard applied inf while the
+    other replicas raised: replicas left the round with different weights."""
+    stores = _stores(f"memory://ovf-{uuid.uuid4().hex}", exchange)
+    values = [_overflowing(r) for r in range(3)]
     out = _threads(stores, 0, values)
-    assert all(isinstance(o, NonFiniteObjectError) and "reduced-" in str(o) for o in out), out
-    assert time.monotonic() - start < 10  # refused on the first read, not after a reducer's timeout
-    assert all(torch.equal(v[0], torch.full((64,), 3e38)) for v in values)
+    assert all(not isinstance(o, BaseException) for o in out), out
+    inputs = [_overflowing(r) for r in range(3)]
+    expect = [
+        (inputs[0][0] + inputs[1][0] + inputs[2][0]) / 3,
+        inputs[0][1],
+    ]  # float32, inf where it overflows
+    big = expect[0].isinf()
+    assert big.sum() == 5
+    expect[0][big] = inputs[0][0][big]  # ±3e38 and bfloat16's largest value are their own means
+    for v in values:
+        assert all(torch.isfinite(t.float()).all() for t in v)
+        assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(v, expect, strict=True)), v
+
+
+@pytest.mark.parametrize("exchange", ["full", "sharded"])
+def test_a_sum_that_overflows_float32_is_refused_on_every_replica_with_nothing_changed(exchange: str) -> None:
+    """``op="sum"`` whose result is beyond float32 (3 x 3e38) cannot be applied: every replica raises
+    NonFiniteResultError naming the tensor or shard and the fix, and no tensor changes, promptly (not after a
+    reducer's timeout). On 52831fd the full exchange wrote inf into every replica without an error, and the
+    sharded reducer of the overflowing shard applied it while its readers raised."""
+    from composer_diloco import NonFiniteResultError
+
+    stores = _stores(f"memory://ovf-{uuid.uuid4().hex}", exchange)
+    values = [_overflowing(r) for r in range(3)]
+    out: list[Any] = [None] * 3
+
+    def go(i: int) -> None:
+        try:
+            out[i] = stores[i].allreduce(0, values[i], op="sum")
+        except BaseException as exc:
+            out[i] = exc
+
+    start = time.monotonic()
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(isinstance(o, NonFiniteResultError) for o in out), out
+    assert all("overflows float32" in str(o) and "op='sum'" in str(o) for o in out), out
+    assert time.monotonic() - start < 10
+    for r, v in enumerate(values):
+        assert all(torch.equal(a, b) for a, b in zip(v, _overflowing(r), strict=True))
+    scaled = [[t * 1e-30 for t in v] for v in values]  # the fix the message names: the run goes on
+    stats = _threads(stores, 1, scaled)
+    assert all(not isinstance(s, BaseException) and s.participants == [0, 1, 2] for s in stats), stats
+    assert all(torch.equal(a, b) for v in scaled[1:] for a, b in zip(v, scaled[0], strict=True))
+
+
+@pytest.mark.parametrize("exchange", ["full", "sharded"])
+def test_float64_values_beyond_float32_are_refused_on_every_replica_not_averaged_to_inf(
+    exchange: str,
+) -> None:
+    """The exchange averages in float32: float64 values beyond its range (1e300) have no float32 average. Every
+    replica raises NonFiniteResultError naming the fix and keeps its tensors; on 52831fd the full exchange wrote
+    inf into every replica without an error."""
+    from composer_diloco import NonFiniteResultError
+
+    stores = _stores(f"memory://ovf-{uuid.uuid4().hex}", exchange, world=2)
+    values = [[torch.full((6,), 1e300, dtype=torch.float64)] for _ in range(2)]
+    out = _threads(stores, 0, values)
+    assert all(isinstance(o, NonFiniteResultError) and "float32's range" in str(o) for o in out), out
+    assert all(torch.equal(v[0], torch.full((6,), 1e300, dtype=torch.float64)) for v in values)
