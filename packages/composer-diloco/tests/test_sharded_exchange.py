@@ -260,16 +260,19 @@ def test_mixing_exchanges_in_one_run_is_refused_by_name(tmp_path: Path) -> None:
 
 
 def _overflowing(r: int) -> list[torch.Tensor]:
-    """Rank ``r``'s tensors for the overflow tests: finite values whose float32 sum over 3 ranks overflows in the
-    first 4 values of tensor 0 (its first piece on the piecewise path, shard 0 of 3) and in one value of its second
-    piece (shard 2), and in all of the bfloat16 tensor 1 (its largest value); ordinary values elsewhere."""
+    """Rank ``r``'s tensors for the overflow tests: finite values whose float32 sum over 3 ranks overflows only in
+    shard 0 of 3 (the first third of each tensor): in tensor 0 at the start of its first piece on the piecewise
+    path and at the start of its second, in the bfloat16 tensor 1 at its largest value; ordinary values elsewhere.
+    One reducer's shard overflows and the others do not."""
     from composer_diloco.object_store import _REDUCE_PIECE
 
     g = torch.Generator().manual_seed(r)
-    first = torch.randn(_REDUCE_PIECE + 12, generator=g)
+    first = torch.randn(3 * _REDUCE_PIECE + 12, generator=g)  # shard 0 reaches past the first piece
     first[:4] = 3e38
     first[_REDUCE_PIECE + 2] = -3e38
-    return [first, torch.full((6,), torch.finfo(torch.bfloat16).max, dtype=torch.bfloat16)]
+    second = torch.randn(6, generator=g).bfloat16()
+    second[:2] = torch.finfo(torch.bfloat16).max
+    return [first, second]
 
 
 def _stores(url: str, exchange: str, world: int = 3) -> list[ObjectStoreAllReduce]:
@@ -292,13 +295,11 @@ def test_an_average_whose_float32_sum_overflows_is_the_true_average_on_every_rep
     out = _threads(stores, 0, values)
     assert all(not isinstance(o, BaseException) for o in out), out
     inputs = [_overflowing(r) for r in range(3)]
-    expect = [
-        (inputs[0][0] + inputs[1][0] + inputs[2][0]) / 3,
-        inputs[0][1],
-    ]  # float32, inf where it overflows
-    big = expect[0].isinf()
-    assert big.sum() == 5
-    expect[0][big] = inputs[0][0][big]  # ±3e38 and bfloat16's largest value are their own means
+    # Σ in rank order in float32, then / 3, in each tensor's dtype: inf where the float32 sum overflows
+    expect = [(sum(x[i].float() for x in inputs) / 3).to(inputs[0][i].dtype) for i in range(2)]
+    assert [int(e.isinf().sum()) for e in expect] == [5, 2]
+    for e, x in zip(expect, inputs[0], strict=True):
+        e[e.isinf()] = x[e.isinf()]  # ±3e38 and bfloat16's largest value are their own means
     for v in values:
         assert all(torch.isfinite(t.float()).all() for t in v)
         assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(v, expect, strict=True)), v
