@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from composer_diloco import CorruptObjectError, ObjectStoreAllReduce
+from composer_diloco import CorruptObjectError, NonFiniteResultError, ObjectStoreAllReduce
 from composer_diloco.executors import ReplicaProcess
 
 TESTS = Path(__file__).resolve().parent
@@ -149,13 +149,14 @@ def test_full_exchange_peak_memory_at_most_2_5_payloads(tmp_path: Path) -> None:
 
 
 def _threads(
-    stores: list[ObjectStoreAllReduce], round_id: int, values: list[list[torch.Tensor]]
+    stores: list[ObjectStoreAllReduce], round_id: int, values: list[list[torch.Tensor]], **kw: Any
 ) -> list[Any]:
+    """Every store's ``allreduce(round_id, values[i], **kw)`` in its own thread: each result or exception."""
     out: list[Any] = [None] * len(stores)
 
     def go(i: int) -> None:
         try:
-            out[i] = stores[i].allreduce(round_id, values[i])
+            out[i] = stores[i].allreduce(round_id, values[i], **kw)
         except BaseException as exc:
             out[i] = exc
 
@@ -202,7 +203,7 @@ def test_sharded_equals_full_bit_for_bit_with_mixed_dtypes_and_fp8(any_url: tupl
                 for r in range(3)
             ]
             vals = [values(r) for r in range(3)]
-            stats = _threads_q(stores, vals, quantize)
+            stats = _threads(stores, 0, vals, quantize=quantize)
             assert all(not isinstance(s, BaseException) for s in stats), stats
             for v in vals[1:]:
                 assert all(torch.equal(a, b) for a, b in zip(v, vals[0]))
@@ -211,25 +212,6 @@ def test_sharded_equals_full_bit_for_bit_with_mixed_dtypes_and_fp8(any_url: tupl
             payload = sum(t.numel() * t.element_size() for t in vals[0])
             assert read > 1.9 * payload if mode == "full" else True  # k=3: full reads 2 whole objects
         assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(got["full"], got["sharded"]))
-
-
-def _threads_q(
-    stores: list[ObjectStoreAllReduce], vals: list[list[torch.Tensor]], quantize: bool
-) -> list[Any]:
-    out: list[Any] = [None] * len(stores)
-
-    def go(i: int) -> None:
-        try:
-            out[i] = stores[i].allreduce(0, vals[i], quantize=quantize)
-        except BaseException as exc:
-            out[i] = exc
-
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(stores))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return out
 
 
 def test_sharded_rerun_of_a_committed_round_adopts_and_straggler_adopts(tmp_path: Path) -> None:
@@ -311,24 +293,10 @@ def test_a_sum_that_overflows_float32_is_refused_on_every_replica_with_nothing_c
     NonFiniteResultError naming the tensor or shard and the fix, and no tensor changes, promptly (not after a
     reducer's timeout). On 52831fd the full exchange wrote inf into every replica without an error, and the
     sharded reducer of the overflowing shard applied it while its readers raised."""
-    from composer_diloco import NonFiniteResultError
-
     stores = _stores(f"memory://ovf-{uuid.uuid4().hex}", exchange)
     values = [_overflowing(r) for r in range(3)]
-    out: list[Any] = [None] * 3
-
-    def go(i: int) -> None:
-        try:
-            out[i] = stores[i].allreduce(0, values[i], op="sum")
-        except BaseException as exc:
-            out[i] = exc
-
     start = time.monotonic()
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    out = _threads(stores, 0, values, op="sum")
     assert all(isinstance(o, NonFiniteResultError) for o in out), out
     assert all("overflows float32" in str(o) and "op='sum'" in str(o) for o in out), out
     assert time.monotonic() - start < 10
@@ -347,8 +315,6 @@ def test_float64_values_beyond_float32_are_refused_on_every_replica_not_averaged
     """The exchange averages in float32: float64 values beyond its range (1e300) have no float32 average. Every
     replica raises NonFiniteResultError naming the fix and keeps its tensors; on 52831fd the full exchange wrote
     inf into every replica without an error."""
-    from composer_diloco import NonFiniteResultError
-
     stores = _stores(f"memory://ovf-{uuid.uuid4().hex}", exchange, world=2)
     values = [[torch.full((6,), 1e300, dtype=torch.float64)] for _ in range(2)]
     out = _threads(stores, 0, values)

@@ -1122,15 +1122,13 @@ class ObjectStoreAllReduce:
         """The results of the targets that are not written piece by piece (:func:`_direct_targets`; under
         ``op="sum"``, whose result may be beyond float32, every target), by index, computed into the accumulators
         and checked: raises :class:`NonFiniteResultError` before any tensor changes."""
-        # a float64 target may hold values beyond float32 (its float32 average would be inf): checked here too
-        direct = set() if op == "sum" else _direct_targets(tensors, exclude=torch.float64)
+        direct = set() if op == "sum" else _direct_targets(tensors)
         rest = [i for i in range(len(tensors)) if i not in direct]
         if not rest:
             return {}
-        sums = self._reduce([[x[i] for i in rest] for x in inputs], op)
-        for i, acc in zip(rest, sums):
-            if not _all_finite(acc):
-                raise NonFiniteResultError(_overflow_message(round_id, f"tensor {i}", op))
+        sums, finite = self._reduce([[x[i] for i in rest] for x in inputs], op)
+        if not all(finite):
+            raise NonFiniteResultError(_overflow_message(round_id, f"tensor {rest[finite.index(False)]}", op))
         return dict(zip(rest, sums))
 
     def _reduce_into(
@@ -1153,14 +1151,16 @@ class ObjectStoreAllReduce:
                 self._scratch = torch.empty(_REDUCE_PIECE, dtype=torch.float32)
             _reduce_pieces(tensors[i], [x[i] for x in inputs], divisor, self._scratch)
 
-    def _reduce(self, inputs: Sequence[Sequence[torch.Tensor]], op: str) -> list[torch.Tensor]:
+    def _reduce(
+        self, inputs: Sequence[Sequence[torch.Tensor]], op: str
+    ) -> tuple[list[torch.Tensor], list[bool]]:
         """``Σ x_r`` in float32 in the given (rank) order, then ``/ n`` for ``avg`` (:func:`_sum_into`): the
-        order torchft's gloo path uses. Accumulators are reused across rounds."""
+        order torchft's gloo path uses, and whether each result is finite. Accumulators are reused across
+        rounds."""
         shapes = [t.numel() for t in inputs[0]]
         if [a.numel() for a in self._acc] != shapes:
             self._acc = [torch.empty(n, dtype=torch.float32) for n in shapes]
-        _sum_into(self._acc, inputs, op)
-        return self._acc
+        return self._acc, _sum_into(self._acc, inputs, op)
 
     def _publish(self, round_id: int, data: _Encoded, own: _Decoded) -> tuple[_Decoded, bool]:
         """Create this replica's object; if it exists already (a re-run of the round), return the
@@ -1322,7 +1322,7 @@ class ObjectStoreAllReduce:
             else:
                 inputs.append(self._read_shard(round_id, indexes[r], r, s).tensors)
         sums = [_piece(acc, s, k) for acc in self._acc]  # reduced straight into the accumulators
-        _sum_into(sums, inputs, op)
+        finite = _sum_into(sums, inputs, op)
         layout = [{"shape": [t.numel()], "dtype": "float32", "wire": "float32", "scale": None} for t in sums]
         meta = self._meta(
             round_id,
@@ -1338,7 +1338,7 @@ class ObjectStoreAllReduce:
         # published as it is: a sum beyond float32 (op="sum") is refused by every replica, its readers promptly
         reduced = self._pack(meta, sums, check=False)
         if self.put_if_absent(self.reduced_key(round_id, s), reduced):
-            if not all(_all_finite(t) for t in sums):
+            if not all(finite):
                 raise NonFiniteResultError(_overflow_message(round_id, f"reduced shard {s}", op))
             return sums
         stored = self._load_reduced(round_id, manifest, s, op)
@@ -1696,19 +1696,23 @@ def _piece(t: torch.Tensor, s: int, k: int) -> torch.Tensor:
     return flat[n * s // k : n * (s + 1) // k]
 
 
-def _sum_into(outs: Sequence[torch.Tensor], inputs: Sequence[Sequence[torch.Tensor]], op: str) -> None:
+def _sum_into(outs: Sequence[torch.Tensor], inputs: Sequence[Sequence[torch.Tensor]], op: str) -> list[bool]:
     """``outs[i] = Σ_r inputs[r][i]`` in float32 in the given order, then ``/ n`` for avg (the
     full and the sharded exchange share this arithmetic, so both give the same bits); an element whose float32
-    running sum overflows although its average is finite gets that average (:func:`_mend`)."""
+    running sum overflows although its average is finite gets that average (:func:`_mend`). Returns whether
+    each result is finite (known from the mend's one read: no second pass)."""
+    divisor = len(inputs) if op == "avg" else 1
+    finite = []
     for i, out in enumerate(outs):
         column = [x[i] for x in inputs]
         _sum(out, column)
-        divisor = len(inputs) if op == "avg" else 1
         fix = _mend(out, column, divisor)
         if divisor > 1:
             out.div_(divisor)
         if fix is not None:
             out[fix[0]] = fix[1]
+        finite.append(fix is None or bool(torch.isfinite(fix[1]).all()))
+    return finite
 
 
 def _sum(out: torch.Tensor, inputs: Sequence[torch.Tensor]) -> None:
@@ -1752,17 +1756,18 @@ def _overflow_message(round_id: int, what: str, op: str) -> str:
     )
 
 
-def _direct_targets(tensors: Sequence[torch.Tensor], exclude: torch.dtype) -> set[int]:
+def _direct_targets(tensors: Sequence[torch.Tensor]) -> set[int]:
     """Indices of the contiguous CPU targets whose memory no other target shares (tied weights passed
-    twice, views of one buffer), of any dtype but ``exclude``: those can be written while the inputs of later
-    targets are still read."""
+    twice, views of one buffer): those can be written while the inputs of later targets are still read. Not
+    float64 ones: they may hold values beyond float32, whose float32 average is inf, and :meth:`_stage` checks
+    its results before any write."""
     owners: dict[int, list[int]] = {}
     for i, t in enumerate(tensors):
         owners.setdefault(t.untyped_storage().data_ptr(), []).append(i)
     return {
         i
         for i, t in ((ix[0], tensors[ix[0]]) for ix in owners.values() if len(ix) == 1)
-        if t.device.type == "cpu" and t.is_contiguous() and t.dtype != exclude
+        if t.device.type == "cpu" and t.is_contiguous() and t.dtype != torch.float64
     }
 
 
