@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from composer_core.testing.machine import cpu_model
 from composer_diloco import DiLoCoConfig, ObjectStoreAllReduce, ObjectStoreManager, build_diloco
+from composer_diloco.object_store import PHASES
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -142,12 +143,16 @@ def throughput(url: str, megabytes: float, reps: int, options: dict[str, Any] | 
     raw_prefix = f"{stores[0].root}/raw-{run}"
     blobs = [t.numpy().tobytes() for t in tensors]
     ratios, t_reduce, t_raw = [], [], []
+    phases: dict[str, list[float]] = {p: [] for p in PHASES}
 
     def reduce_once(rep: int) -> float:
         work = [[t.clone()] for t in tensors]
         t0 = time.perf_counter()
         _threads(lambda r: stores[r].allreduce(rep, work[r]))
-        return time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        for p in PHASES:  # mean over the replicas (RoundStats.phases)
+            phases[p].append(statistics.fmean(s.last.phases[p] for s in stores))
+        return elapsed
 
     def raw_once(rep: int) -> float:
         fs.makedirs(f"{raw_prefix}/{rep}", exist_ok=True)
@@ -183,6 +188,7 @@ def throughput(url: str, megabytes: float, reps: int, options: dict[str, Any] | 
         "allreduce_MBps": payload / statistics.median(t_reduce) / 2**20,
         "raw_copy_MBps": payload / statistics.median(t_raw) / 2**20,
         "ratio_allreduce_over_raw": _spread(ratios),  # raw time / all-reduce time, per interleaved rep
+        "phases_s": {p: _spread(v) for p, v in phases.items()},  # RoundStats.phases, mean of the replicas
         "reps": reps,
     }
 
@@ -350,6 +356,7 @@ def readme(results: dict[str, Any]) -> dict[str, Any]:
                 "" if peak is None else f"{peak:.2f}",
                 round(r["allreduce_s"]["median"], 4),
                 round(r["raw_copy_s"]["median"], 4),
+                " / ".join(_ms(r["phases_s"][p]["median"]) for p in PHASES),
             ]
         )
     for r in results["scaling"]:
@@ -364,6 +371,7 @@ def readme(results: dict[str, Any]) -> dict[str, Any]:
                 f"{read['median']:.2f} (max {read['max']:.2f})",
                 "",
                 round(r["round_s"]["median"], 4),
+                "",
                 "",
             ]
         )
@@ -380,14 +388,22 @@ def readme(results: dict[str, Any]) -> dict[str, Any]:
             "peak RSS growth / payload per replica (max)",
             "round s (median)",
             "raw copy s (median)",
+            f"round's ms per phase: {' / '.join(PHASES)} (median)",
         ],
         "rows": rows,
         "note": "ratio 1 = as fast as a raw copy of the same bytes (each replica writes its blob and reads the "
         "other's; the round also checksums, validates, averages and agrees on a manifest); 2 replicas as threads "
         f"share {os.cpu_count()} CPU threads with moto's in-process S3 server, torch 1 thread per replica, "
         f"load average {load:.1f} at the end; peak RSS from replica processes (VmHWM over 3 rounds); "
-        "see `machine` in the JSON.",
+        "phases as in `RoundStats.phases` (each from the end of the one before; mean of the 2 replicas): publish "
+        "= encode + create its object, commit = wait for and validate the other's object until the manifest is "
+        "committed, reduce = checks and staged sums, accept = write its marker and read the other's, apply = "
+        "the average into the tensors; see `machine` in the JSON.",
     }
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g}"
 
 
 SIZES = {  # MiB per replica: (file:// reps, s3:// reps); an s3 rep at 512 MiB takes ~40 s, a file:// one ~4 s
@@ -459,7 +475,9 @@ def report(results: dict[str, Any], out_dir: Path) -> None:
         q = r["ratio_allreduce_over_raw"]
         print(
             f"{r['url']:>6} {r['megabytes_per_replica']:>6.0f} {r['allreduce_s']['median']:>9.4f} "
-            f"{r['raw_copy_s']['median']:>9.4f} {q['median']:>8.3f} [{q['min']:.3f}-{q['max']:.3f}]"
+            f"{r['raw_copy_s']['median']:>9.4f} {q['median']:>8.3f} [{q['min']:.3f}-{q['max']:.3f}]  "
+            + " ".join(f"{p} {_ms(r['phases_s'][p]['median'])}" for p in PHASES)
+            + " ms"
         )
     print("\n== peak RSS growth per replica over 3 rounds (processes, k=2) / payload ==")
     for r in results["peak_memory"]:

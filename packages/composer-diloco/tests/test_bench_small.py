@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from composer_core.testing.bench import load_bench_json, run_small_bench
+from composer_diloco.object_store import PHASES
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_diloco.py"
 
@@ -16,5 +17,10 @@ def test_bench_runs_at_small_size_and_sharded_reads_stay_flat(tmp_path: Path) ->
     assert {(r["url"], r["megabytes_per_replica"]) for r in data["throughput"]} == {
         (u, m) for u in ("file", "s3") for m in (1.0, 16.0)
     }
+    for r in data[
+        "throughput"
+    ]:  # where the round's time went (RoundStats.phases), a column of the README table
+        assert list(r["phases_s"]) == list(PHASES) and all(v["min"] >= 0 for v in r["phases_s"].values())
+        assert sum(v["median"] for v in r["phases_s"].values()) <= 2 * r["allreduce_s"]["max"]
     reads = {(r["k"], r["exchange"]): r["read_over_payload"]["median"] for r in data["scaling"]}
     assert abs(reads[(4, "sharded")] - 1.5) < 0.01 and abs(reads[(4, "full")] - 3.0) < 0.01, reads

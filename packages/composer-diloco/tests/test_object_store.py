@@ -760,3 +760,31 @@ def test_manager_restored_from_a_checkpoint_adopts_committed_rounds_or_fails_nam
     with pytest.raises(RoundExpiredError, match=r"round 0 .*checkpoint"):
         work.wait()
     assert torch.equal(tensor, torch.full((2,), 22.0)) and late.current_step() == 0
+
+
+@pytest.mark.parametrize("exchange", ["full", "sharded"])
+def test_round_stats_say_which_phase_the_round_spent_its_time_in(url: str, exchange: str) -> None:
+    """A replica that waits 0.4 s for a late peer spends it in ``commit``; every phase is timed from the end of
+    the one before, so together they cover the round; a re-run of a committed round publishes nothing."""
+    stores = _stores(url, 2, timeout_s=10, exchange=exchange)
+    _parallel(stores, 0, [[torch.ones(4)], [torch.ones(4)]])  # warm: the buffers and folders exist
+    out: list[Any] = [None, None]
+
+    def late() -> None:
+        time.sleep(0.4)
+        out[1] = stores[1].allreduce(1, [torch.full((4,), 3.0)])
+
+    thread = threading.Thread(target=late)
+    thread.start()
+    out[0] = stores[0].allreduce(1, [torch.ones(4)])
+    thread.join(30)
+    for stats in out:
+        assert tuple(stats.phases) == ("publish", "commit", "reduce", "accept", "apply")
+        assert all(s >= 0 for s in stats.phases.values())
+        assert stats.seconds - 0.05 <= sum(stats.phases.values()) <= stats.seconds
+    waited, prompt = out[0].phases, out[1].phases
+    assert waited["commit"] >= 0.3 and max(s for p, s in waited.items() if p != "commit") < 0.2
+    assert max(prompt.values()) < 0.2
+
+    again = stores[1].allreduce(1, [torch.zeros(4)])
+    assert again.adopted and again.phases["publish"] == 0.0 and again.phases["commit"] > 0

@@ -181,7 +181,20 @@ def safe_part(name: str, value: object) -> str:
 
 @dataclass
 class RoundStats:
-    """What the last round did (for logs, tests and the benchmark)."""
+    """What the last round did (for logs, tests and the benchmark).
+
+    ``phases``: seconds per phase, in the round's order, each timed from the end of the one before (together
+    they are the round's ``seconds`` but for the hand-off of old rounds to the deletion worker):
+
+    - ``publish``: encode this replica's tensors and create its object (sharded: its shards and index); 0 when
+      the round was committed already;
+    - ``commit``: the committed-round check, then wait for and validate the other replicas' objects until the
+      round's manifest is committed (a straggler's wait is here);
+    - ``reduce``: read what the manifest lists and compute the result before anything is applied (full
+      exchange: the checks and the staged sums; sharded: reduce this replica's shards, read the reduced ones);
+    - ``accept``: write this replica's progress marker, read the others';
+    - ``apply``: write the result into the caller's tensors (full exchange: the average, piece by piece).
+    """
 
     round: int = -1
     participants: list[int] = field(default_factory=list)
@@ -190,6 +203,23 @@ class RoundStats:
     bytes_read: int = 0
     seconds: float = 0.0
     adopted: bool = False  # this replica's new values were not its contribution (see allreduce)
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+PHASES = ("publish", "commit", "reduce", "accept", "apply")  # RoundStats.phases, in a round's order
+
+
+class _Laps:
+    """A round's :data:`PHASES` timed back to back: each call adds the time since the previous one."""
+
+    def __init__(self) -> None:
+        self.start = self._last = time.perf_counter()
+        self.phases = dict.fromkeys(PHASES, 0.0)
+
+    def __call__(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase] += now - self._last
+        self._last = now
 
 
 @dataclass
@@ -1026,21 +1056,24 @@ class ObjectStoreAllReduce:
         """
         if op not in ("avg", "sum"):
             raise ValueError(f"op must be 'avg' or 'sum', got {op!r}.")
-        start = time.monotonic()
+        laps = _Laps()
         written0, read0 = self.bytes_written, self.bytes_read
         # In step (this instance completed round r - 1), nothing of round r is this replica's yet: the
         # committed-round check rides on the wait and the markers (module docstring, step 1).
         in_step, self._next_round, self._proposed = self._next_round == round_id, None, None
         problems: dict[int, CorruptObjectError] = {}
         manifest = None if in_step else self._committed(round_id)
+        laps("commit")
         own: _Decoded | None = None
         reused = False  # this replica's object of the round was there before this call
         adopted = manifest is not None
         try:
             if manifest is None:
                 own, reused = self._contribute(round_id, tensors, quantize)
+                laps("publish")
                 decoded = {self.rank: own}
                 manifest = self._await_manifest(round_id, decoded, problems)
+                laps("commit")
                 adopted = reused or manifest.tags.get(self.rank) != own.tag  # or committed without it
             else:
                 decoded = {}
@@ -1050,7 +1083,7 @@ class ObjectStoreAllReduce:
                     manifest.ranks,
                     self.rank,
                 )
-            self._apply_round(round_id, manifest, decoded, tensors, None if adopted else own, op)
+            self._apply_round(round_id, manifest, decoded, tensors, None if adopted else own, op, laps)
         except RoundExpiredError:
             if own is not None and not reused:  # this call's objects belong to a round the run has left
                 self._discard(round_id)
@@ -1066,8 +1099,9 @@ class ObjectStoreAllReduce:
             },
             bytes_written=self.bytes_written - written0,
             bytes_read=self.bytes_read - read0,
-            seconds=time.monotonic() - start,
+            seconds=time.perf_counter() - laps.start,
             adopted=adopted,
+            phases=laps.phases,
         )
         if self.last.excluded:
             logger.warning("round %d proceeded without ranks %s", round_id, self.last.excluded)
@@ -1081,9 +1115,10 @@ class ObjectStoreAllReduce:
         tensors: Sequence[torch.Tensor],
         local: _Decoded | None,
         op: str,
+        laps: _Laps,
     ) -> None:
         """Read the committed objects, record acceptance (:meth:`_accept`), then write the result
-        into ``tensors``: nothing changes before every check has passed."""
+        into ``tensors``: nothing changes before every check has passed. ``laps`` times the phases."""
         inputs = self._gather(round_id, manifest, decoded)
         participants = manifest.ranks
         _check_layouts(inputs, participants, round_id)
@@ -1091,14 +1126,19 @@ class ObjectStoreAllReduce:
         with torch.no_grad():
             if self.exchange == "sharded":
                 sums = self._sharded_result(round_id, manifest, inputs, local, op)
+                laps("reduce")
                 self._accept(round_id, manifest)
+                laps("accept")
                 for t, acc in zip(tensors, sums):
                     _apply(t, acc, 1)
             else:
                 xs = [inputs[r].tensors for r in participants]
                 staged = self._stage(round_id, tensors, xs, op)  # every check before anything changes
+                laps("reduce")
                 self._accept(round_id, manifest)
+                laps("accept")
                 self._reduce_into(tensors, xs, op, staged)
+        laps("apply")
 
     def _contribute(
         self, round_id: int, tensors: Sequence[torch.Tensor], quantize: bool
