@@ -17,9 +17,8 @@ def test_bench_runs_at_small_size_and_sharded_reads_stay_flat(tmp_path: Path) ->
     assert {(r["url"], r["megabytes_per_replica"]) for r in data["throughput"]} == {
         (u, m) for u in ("file", "s3") for m in (1.0, 16.0)
     }
-    for r in data[
-        "throughput"
-    ]:  # where the round's time went (RoundStats.phases), a column of the README table
+    # where each round's time went (RoundStats.phases), a column of the README table
+    for r in data["throughput"]:
         assert list(r["phases_s"]) == list(PHASES) and all(v["min"] >= 0 for v in r["phases_s"].values())
         assert sum(v["median"] for v in r["phases_s"].values()) <= 2 * r["allreduce_s"]["max"]
     reads = {(r["k"], r["exchange"]): r["read_over_payload"]["median"] for r in data["scaling"]}
