@@ -320,3 +320,89 @@ def test_a_write_that_fails_leaves_no_temporary_file(tmp_path: Path, monkeypatch
     with pytest.raises(OSError, match="No space left"):
         store.allreduce(0, [torch.ones(1 << 16)])
     assert list(Path(store.round_dir(0)).iterdir()) == []
+
+
+class _Recorded:
+    """A temporary object file whose writes are logged as ("write", first byte address, bytes)."""
+
+    def __init__(self, f: Any, log: list[tuple[str, int, int]]) -> None:
+        self.f, self.log = f, log
+
+    def __enter__(self) -> _Recorded:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.f.close()
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.log.append(("write", _address(view), view.nbytes))
+        return int(self.f.write(data))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.f, name)
+
+
+@pytest.mark.parametrize("signed", [False, True])
+@pytest.mark.parametrize("mib", [6, 12])
+def test_a_local_object_is_written_piece_by_piece_as_it_is_hashed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, signed: bool, mib: int
+) -> None:
+    """Publishing on a local filesystem reads the payload from memory once: each checksum piece is written to
+    the object right after it is hashed and checked (it is still in cache), the header, which holds the
+    checksums, last. Above the threaded size the pool hashes the next piece while this thread writes the
+    current one: never more than one piece is hashed ahead of the writes. The object is the one
+    :meth:`encode` gives. On main before this test every piece was hashed before the first write: a second
+    pass over the payload from memory."""
+    if signed:
+        monkeypatch.setenv("COMPOSER_DILOCO_HMAC_KEY", "k" * 32)
+    log: list[tuple[str, int, int]] = []
+    hasher = object_store_module._Hasher.update
+
+    def update(self: Any, piece: memoryview) -> None:
+        log.append(("hash", _address(piece), piece.nbytes))
+        hasher(self, piece)
+
+    local_tmp = ObjectStoreAllReduce._local_tmp
+
+    def recorded(self: ObjectStoreAllReduce, key: str) -> tuple[str, Any]:
+        tmp, f = local_tmp(self, key)
+        return tmp, _Recorded(f, log)
+
+    monkeypatch.setattr(object_store_module._Hasher, "update", update)
+    monkeypatch.setattr(ObjectStoreAllReduce, "_local_tmp", recorded)
+    store = ObjectStoreAllReduce(f"file://{tmp_path}", "run", rank=0, world_size=1)
+    tensor = torch.randn(mib << 18)
+    before = tensor.clone()
+    lo, hi = tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes
+    stats = store.allreduce(0, [tensor])  # the object is written from the tensor's own memory
+    assert stats.participants == [0] and torch.equal(tensor, before)
+    payload = [(kind, a, n) for kind, a, n in log if lo <= a < hi]
+    assert sum(n for kind, _, n in payload if kind == "write") == tensor.nbytes
+    assert sum(n for kind, _, n in payload if kind == "hash") == tensor.nbytes
+    piece = object_store_module.CHUNK_BYTES
+    threaded = tensor.nbytes >= object_store_module._PARALLEL_BYTES
+    hashed = written = 0
+    for kind, address, n in payload:
+        if kind == "write":
+            assert address - lo + n <= hashed, "a piece was written before it was hashed"
+            written = address - lo + n
+        else:
+            hashed = max(hashed, address - lo + n)
+        assert hashed - written <= piece * (2 if threaded else 1), (hashed, written, payload)
+    assert Path(store.object_key(0, 0)).read_bytes() == store.encode(0, [tensor])
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_a_non_finite_value_found_while_writing_leaves_nothing_behind(tmp_path: Path, threaded: bool) -> None:
+    """A NaN in the last piece is found while the object is being written: the round is refused by name and
+    neither the object nor its temporary file is left in the round's folder."""
+    store = ObjectStoreAllReduce(f"file://{tmp_path}", "run", rank=0, world_size=2, timeout_s=5)
+    tensor = torch.randn((12 if threaded else 6) << 18)
+    tensor[-1] = float("nan")
+    with pytest.raises(ValueError, match="tensor 0 of rank 0 in round 0 holds NaN/inf; refusing to publish"):
+        store.allreduce(0, [tensor])
+    assert not Path(store.object_key(0, 0)).exists()
+    assert (
+        list(Path(store.round_dir(0)).glob("*")) == [] and list(Path(store.round_dir(0)).glob(".tmp-*")) == []
+    )
