@@ -11,7 +11,9 @@
    ``$COMPOSER_BENCH_LARGE=1`` adds 512 MiB). The two are interleaved rep by rep, the order
    alternating, each file:// rep after ``os.sync()`` and the stores' pending deletions (outside the clock);
    median and spread are reported (the machine is shared). Peak RSS growth per replica
-   over 3 rounds (replica processes, VmHWM) against the payload, at every size but 1 MiB.
+   over 3 rounds (replica processes, VmHWM) against the payload, at every size but 1 MiB. One
+   replica's publish alone (checksums, NaN/inf check and create-only write of its object) against a raw
+   fsspec write of the same bytes, interleaved the same way: what writing an object costs over its bytes.
 3. Scale in replicas: k = 2, 4, 8 real replica processes over file://, the full exchange (every
    replica reads every object) against the sharded one (reduce-scatter + all-gather), rounds
    interleaved: bytes read and round time per replica against k.
@@ -193,6 +195,47 @@ def throughput(url: str, megabytes: float, reps: int, options: dict[str, Any] | 
     }
 
 
+def publish_alone(url: str, megabytes: float, reps: int, options: dict[str, Any] | None) -> dict[str, Any]:
+    """One replica's publish (``RoundStats.phases["publish"]`` of a one-replica round: checksums, NaN/inf check
+    and the create-only write of its object, streamed from the tensor's memory) against a raw fsspec
+    ``pipe_file`` of the same bytes, interleaved rep by rep, the order alternating."""
+    tensor = torch.randn(int(megabytes * 2**20 / 4), generator=torch.Generator().manual_seed(0))
+    run = uuid.uuid4().hex[:8]
+    store = ObjectStoreAllReduce(
+        url, f"solo-{run}", rank=0, world_size=1, timeout_s=600, storage_options=options
+    )
+    fs, blob, raw_prefix = store.fs, tensor.numpy().tobytes(), f"{store.root}/rawwrite-{run}"
+    ratios, t_publish, t_raw = [], [], []
+
+    def publish_once(rep: int) -> float:
+        store.allreduce(rep, [tensor])  # the average of one replica leaves the tensor as it is
+        return store.last.phases["publish"]
+
+    def raw_once(rep: int) -> float:
+        t0 = time.perf_counter()
+        fs.pipe_file(f"{raw_prefix}/{rep}.bin", blob)
+        return time.perf_counter() - t0
+
+    fs.makedirs(raw_prefix, exist_ok=True)
+    settle = os.sync if url.startswith("file://") else (lambda: None)
+    for rep in tqdm(range(reps), desc=f"publish {url.split(':')[0]} {megabytes:g} MiB", leave=False):
+        for once, times in ((raw_once, t_raw), (publish_once, t_publish))[:: 1 if rep % 2 else -1]:
+            store.wait_cleanup()
+            settle()
+            times.append(once(rep))
+        ratios.append(t_raw[-1] / t_publish[-1])
+    store.cleanup_run()
+    fs.rm(raw_prefix, recursive=True)
+    return {
+        "url": url.split(":")[0],
+        "megabytes_per_replica": megabytes,
+        "publish_s": _spread(t_publish),
+        "raw_write_s": _spread(t_raw),
+        "ratio_publish_over_raw_write": _spread(ratios),  # raw write time / publish time, per interleaved rep
+        "reps": reps,
+    }
+
+
 def _status(field: str) -> int:
     with open("/proc/self/status") as f:
         line = next(line for line in f if line.startswith(field + ":"))
@@ -359,6 +402,22 @@ def readme(results: dict[str, Any]) -> dict[str, Any]:
                 " / ".join(_ms(r["phases_s"][p]["median"]) for p in PHASES),
             ]
         )
+    for r in results["publish"]:
+        ratio = r["ratio_publish_over_raw_write"]
+        rows.append(
+            [
+                "one replica's publish vs raw fsspec write (k=1)",
+                r["url"],
+                1,
+                r["megabytes_per_replica"],
+                f"{ratio['median']:.2f} [{ratio['min']:.2f}–{ratio['max']:.2f}]",
+                "",
+                "",
+                round(r["publish_s"]["median"], 4),
+                round(r["raw_write_s"]["median"], 4),
+                "",
+            ]
+        )
     for r in results["scaling"]:
         read = r["read_over_payload"]
         rows.append(
@@ -383,11 +442,11 @@ def readme(results: dict[str, Any]) -> dict[str, Any]:
             "store",
             "k",
             "MiB / replica",
-            "raw copy time / round time (median [min–max])",
+            "raw copy (write) time / round (publish) time (median [min–max])",
             "bytes read / payload per replica-round (median)",
             "peak RSS growth / payload per replica (max)",
-            "round s (median)",
-            "raw copy s (median)",
+            "round (publish) s (median)",
+            "raw copy (write) s (median)",
             f"round's ms per phase: {' / '.join(PHASES)} (median)",
         ],
         "rows": rows,
@@ -398,7 +457,8 @@ def readme(results: dict[str, Any]) -> dict[str, Any]:
         "phases as in `RoundStats.phases` (each from the end of the one before; mean of the 2 replicas): publish "
         "= encode + create its object, commit = wait for and validate the other's object until the manifest is "
         "committed, reduce = checks and staged sums, accept = write its marker and read the other's, apply = "
-        "the average into the tensors; see `machine` in the JSON.",
+        "the average into the tensors; publish rows: one replica alone, its publish phase against a raw fsspec "
+        "`pipe_file` of the same bytes; see `machine` in the JSON.",
     }
 
 
@@ -431,6 +491,7 @@ def main() -> None:
         "large": large,
         "communication": [],
         "throughput": [],
+        "publish": [],
         "peak_memory": [],
     }
     for h, q in [(50, False), (50, True), (10, False)]:
@@ -445,6 +506,7 @@ def main() -> None:
                     ("s3://bench/tp", options, s3_reps),
                 ):
                     results["throughput"].append(throughput(url, mb, reps=reps, options=opts))
+                    results["publish"].append(publish_alone(url, mb, reps=reps, options=opts))
             for mb, *_ in sizes[1:]:  # 1 MiB: RSS noise exceeds the payload
                 for url, opts in ((f"file://{tmp}/peak-{mb:g}", None), (f"s3://bench/peak-{mb:g}", options)):
                     results["peak_memory"].append(peak_memory(url, mb, opts, Path(tmp)))
@@ -478,6 +540,14 @@ def report(results: dict[str, Any], out_dir: Path) -> None:
             f"{r['raw_copy_s']['median']:>9.4f} {q['median']:>8.3f} [{q['min']:.3f}-{q['max']:.3f}]  "
             + " ".join(f"{p} {_ms(r['phases_s'][p]['median'])}" for p in PHASES)
             + " ms"
+        )
+    print("\n== one replica's publish vs raw fsspec write of the same bytes (raw time / publish time) ==")
+    print(f"{'store':>6} {'MiB':>6} {'publish s':>10} {'raw s':>9} {'ratio median [min-max]':>24}")
+    for r in results["publish"]:
+        q = r["ratio_publish_over_raw_write"]
+        print(
+            f"{r['url']:>6} {r['megabytes_per_replica']:>6.0f} {r['publish_s']['median']:>10.4f} "
+            f"{r['raw_write_s']['median']:>9.4f} {q['median']:>8.3f} [{q['min']:.3f}-{q['max']:.3f}]"
         )
     print("\n== peak RSS growth per replica over 3 rounds (processes, k=2) / payload ==")
     for r in results["peak_memory"]:

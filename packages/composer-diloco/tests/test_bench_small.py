@@ -21,5 +21,16 @@ def test_bench_runs_at_small_size_and_sharded_reads_stay_flat(tmp_path: Path) ->
     for r in data["throughput"]:
         assert list(r["phases_s"]) == list(PHASES) and all(v["min"] >= 0 for v in r["phases_s"].values())
         assert sum(v["median"] for v in r["phases_s"].values()) <= 2 * r["allreduce_s"]["max"]
+    # one replica's publish against a raw write of the same bytes, both measured (README rows)
+    assert {(r["url"], r["megabytes_per_replica"]) for r in data["publish"]} == {
+        (u, m) for u in ("file", "s3") for m in (1.0, 16.0)
+    }
+    for r in data["publish"]:
+        assert (
+            r["publish_s"]["min"] > 0
+            and r["raw_write_s"]["min"] > 0
+            and r["ratio_publish_over_raw_write"]["min"] > 0
+        )
+    assert sum("publish vs raw fsspec write" in row[0] for row in data["readme"]["rows"]) == 4
     reads = {(r["k"], r["exchange"]): r["read_over_payload"]["median"] for r in data["scaling"]}
     assert abs(reads[(4, "sharded")] - 1.5) < 0.01 and abs(reads[(4, "full")] - 3.0) < 0.01, reads
