@@ -118,7 +118,7 @@ def _prime_rl(d: Json) -> str:
 
 
 def _object_store(d: Json) -> str:
-    ratio = "raw copy time / round time (median [min–max])"
+    ratio = "raw copy (write) time / round (publish) time (median [min–max])"
     measurement = "round vs raw fsspec copy (k=2, full)"
     parts = []
     for mib in (512.0, 64.0, 1.0):

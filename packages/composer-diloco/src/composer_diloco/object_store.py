@@ -25,8 +25,8 @@ error naming why.** The round's committed manifest is its single source of truth
    XXH3-64 runs at about 9 GB/s per core (4x zlib's CRC-32, 10x SHA-256), in threads over the
    pieces, and lets a random corruption through with probability 2^-64; forged objects are the HMAC's
    job. Objects of formats 1 and 2 are refused by name. Then *create* ``<root>/<run_id>/rounds/<round>/rank-<rank>.bin`` with a create-only write
-   (``link`` of a complete temporary file on local filesystems, ``If-None-Match: *`` on S3, a lock
-   on ``memory://``). Objects are immutable: a replica whose object for r exists already (it
+   (``link`` of a complete temporary file on local filesystems, written piece by piece as it is
+   hashed, its header last; ``If-None-Match: *`` on S3, a lock on ``memory://``). Objects are immutable: a replica whose object for r exists already (it
    re-runs r after a crash) contributes the stored object, which others may have read.
 3. Read the other ranks' objects: first directly (on S3 all GETs at once, no listing), then by
    polling a listing of the run's rounds. Every object is decoded and validated (magic, tag, run
