@@ -532,23 +532,13 @@ def report(results: dict[str, Any], out_dir: Path) -> None:
             f"{r['ddp_bytes_per_step']:>12.0f} {r['ratio_diloco_over_ddp']:>8.4f}"
         )
     print("\n== all-reduce round vs raw fsspec copy of the same bytes (2 replicas; raw time / round time) ==")
-    print(f"{'store':>6} {'MiB':>6} {'round s':>9} {'raw s':>9} {'ratio median [min-max]':>24}")
-    for r in results["throughput"]:
-        q = r["ratio_allreduce_over_raw"]
-        print(
-            f"{r['url']:>6} {r['megabytes_per_replica']:>6.0f} {r['allreduce_s']['median']:>9.4f} "
-            f"{r['raw_copy_s']['median']:>9.4f} {q['median']:>8.3f} [{q['min']:.3f}-{q['max']:.3f}]  "
-            + " ".join(f"{p} {_ms(r['phases_s'][p]['median'])}" for p in PHASES)
-            + " ms"
-        )
+    _print_ratios(
+        results["throughput"],
+        ("allreduce_s", "raw_copy_s", "ratio_allreduce_over_raw"),
+        lambda r: " ".join(f"{p} {_ms(r['phases_s'][p]['median'])}" for p in PHASES) + " ms",
+    )
     print("\n== one replica's publish vs raw fsspec write of the same bytes (raw time / publish time) ==")
-    print(f"{'store':>6} {'MiB':>6} {'publish s':>10} {'raw s':>9} {'ratio median [min-max]':>24}")
-    for r in results["publish"]:
-        q = r["ratio_publish_over_raw_write"]
-        print(
-            f"{r['url']:>6} {r['megabytes_per_replica']:>6.0f} {r['publish_s']['median']:>10.4f} "
-            f"{r['raw_write_s']['median']:>9.4f} {q['median']:>8.3f} [{q['min']:.3f}-{q['max']:.3f}]"
-        )
+    _print_ratios(results["publish"], ("publish_s", "raw_write_s", "ratio_publish_over_raw_write"))
     print("\n== peak RSS growth per replica over 3 rounds (processes, k=2) / payload ==")
     for r in results["peak_memory"]:
         print(f"{r['url']:>6} {r['megabytes_per_replica']:>6.0f} MiB: {r['peak_growth_over_payload']:.2f}")
@@ -563,6 +553,22 @@ def report(results: dict[str, Any], out_dir: Path) -> None:
     path.write_text(json.dumps(results, indent=2))
     print(f"\nwrote {path}")
     plot(results, out_dir)
+
+
+def _print_ratios(
+    rows: list[dict[str, Any]],
+    keys: tuple[str, str, str],
+    extra: Callable[[dict[str, Any]], str] = lambda r: "",
+) -> None:
+    """One line per row: store, MiB, the medians of ``keys`` (ours, the anchor's) and their ratio's spread."""
+    ours, anchor, ratio = keys
+    print(f"{'store':>6} {'MiB':>6} {'ours s':>9} {'anchor s':>9} {'ratio median [min-max]':>24}")
+    for r in rows:
+        q = r[ratio]
+        print(
+            f"{r['url']:>6} {r['megabytes_per_replica']:>6.0f} {r[ours]['median']:>9.4f} "
+            f"{r[anchor]['median']:>9.4f} {q['median']:>8.3f} [{q['min']:.3f}-{q['max']:.3f}]  {extra(r)}"
+        )
 
 
 def plot(results: dict[str, Any], out_dir: Path) -> None:

@@ -257,14 +257,7 @@ def test_each_piece_is_hashed_and_checked_for_finite_values_while_in_cache(
     test, one sum ran over each whole 6 MiB tensor, apart from the checksums."""
     if signed:
         monkeypatch.setenv("COMPOSER_DILOCO_HMAC_KEY", "k" * 32)
-    log: list[tuple[str, int, int]] = []
-    hasher = object_store_module._Hasher.update
-
-    def update(self: Any, piece: memoryview) -> None:
-        log.append(("hash", _address(piece), piece.nbytes))
-        hasher(self, piece)
-
-    monkeypatch.setattr(object_store_module._Hasher, "update", update)
+    log = _log_hashes(monkeypatch)
     store = ObjectStoreAllReduce(f"file://{tmp_path}", "run", rank=0, world_size=1)
     tensor = torch.randn(3 << 19)  # 6 MiB: a 4 MiB and a 2 MiB checksum chunk, below the threaded size
     with _Reads(log):
@@ -282,6 +275,19 @@ def test_each_piece_is_hashed_and_checked_for_finite_values_while_in_cache(
         assert finite == hashed, events  # the same pieces, in the same order
         pairs = [events[i : i + 2] for i in range(0, len(events), 2)]
         assert all(h[0] == "hash" and f[0] == "finite" and h[1:] == f[1:] for h, f in pairs), events
+
+
+def _log_hashes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int]]:
+    """A log that every checksum update appends ("hash", first byte address, bytes) to."""
+    log: list[tuple[str, int, int]] = []
+    hasher = object_store_module._Hasher.update
+
+    def update(self: Any, piece: memoryview) -> None:
+        log.append(("hash", _address(piece), piece.nbytes))
+        hasher(self, piece)
+
+    monkeypatch.setattr(object_store_module._Hasher, "update", update)
+    return log
 
 
 def _address(view: memoryview) -> int:
@@ -356,20 +362,13 @@ def test_a_local_object_is_written_piece_by_piece_as_it_is_hashed(
     pass over the payload from memory."""
     if signed:
         monkeypatch.setenv("COMPOSER_DILOCO_HMAC_KEY", "k" * 32)
-    log: list[tuple[str, int, int]] = []
-    hasher = object_store_module._Hasher.update
-
-    def update(self: Any, piece: memoryview) -> None:
-        log.append(("hash", _address(piece), piece.nbytes))
-        hasher(self, piece)
-
+    log = _log_hashes(monkeypatch)
     local_tmp = ObjectStoreAllReduce._local_tmp
 
     def recorded(self: ObjectStoreAllReduce, key: str) -> tuple[str, Any]:
         tmp, f = local_tmp(self, key)
         return tmp, _Recorded(f, log)
 
-    monkeypatch.setattr(object_store_module._Hasher, "update", update)
     monkeypatch.setattr(ObjectStoreAllReduce, "_local_tmp", recorded)
     store = ObjectStoreAllReduce(f"file://{tmp_path}", "run", rank=0, world_size=1)
     tensor = torch.randn(mib << 18)
