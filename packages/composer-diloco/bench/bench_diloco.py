@@ -129,6 +129,31 @@ def _spread(xs: list[float]) -> dict[str, float]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
+def _interleaved(
+    url: str,
+    reps: int,
+    desc: str,
+    stores: list[ObjectStoreAllReduce],
+    ours: Callable[[int], float],
+    raw: Callable[[int], float],
+) -> tuple[list[float], list[float], list[float]]:
+    """``reps`` times ``ours(rep)`` and ``raw(rep)`` (each returns its seconds), the order alternating rep by rep,
+    each after the stores' pending deletions and, on file://, ``os.sync()`` (both outside the clock): (our
+    times, the raw times, raw / ours per rep)."""
+    # file://: flush dirty pages before each timed rep, so neither side pays the writeback of the other's
+    # objects (at 512 MiB a round leaves 1 GiB dirty; that alone spread the ratio over 0.2-1.5)
+    settle = os.sync if url.startswith("file://") else (lambda: None)
+    t_ours: list[float] = []
+    t_raw: list[float] = []
+    for rep in tqdm(range(reps), desc=f"{url.split(':')[0]} {desc}", leave=False):
+        for once, times in ((raw, t_raw), (ours, t_ours))[:: 1 if rep % 2 else -1]:
+            for store in stores:  # deletions of old rounds overlap inner steps in training, not the clock
+                store.wait_cleanup()
+            settle()
+            times.append(once(rep))
+    return t_ours, t_raw, [r / o for r, o in zip(t_raw, t_ours, strict=True)]
+
+
 def throughput(url: str, megabytes: float, reps: int, options: dict[str, Any] | None) -> dict[str, Any]:
     """One ObjectStoreAllReduce round (2 replicas as threads) against a raw fsspec copy of the same
     bytes (each replica ``pipe_file``s its blob, then ``cat_file``s the other's, with the same
@@ -144,7 +169,6 @@ def throughput(url: str, megabytes: float, reps: int, options: dict[str, Any] | 
     fs, cat_options = stores[0].fs, stores[0]._cat_options
     raw_prefix = f"{stores[0].root}/raw-{run}"
     blobs = [t.numpy().tobytes() for t in tensors]
-    ratios, t_reduce, t_raw = [], [], []
     phases: dict[str, list[float]] = {p: [] for p in PHASES}
 
     def reduce_once(rep: int) -> float:
@@ -171,16 +195,9 @@ def throughput(url: str, megabytes: float, reps: int, options: dict[str, Any] | 
         fs.rm(f"{raw_prefix}/{rep}", recursive=True)
         return elapsed
 
-    # file://: flush dirty pages before each timed rep, so neither side pays the writeback of the other's
-    # objects (at 512 MiB a round leaves 1 GiB dirty; that alone spread the ratio over 0.2-1.5)
-    settle = os.sync if url.startswith("file://") else (lambda: None)
-    for rep in tqdm(range(reps), desc=f"throughput {url.split(':')[0]} {megabytes:g} MiB", leave=False):
-        for once, times in ((raw_once, t_raw), (reduce_once, t_reduce))[:: 1 if rep % 2 else -1]:
-            for store in stores:  # deletions of old rounds overlap inner steps in training, not the clock
-                store.wait_cleanup()
-            settle()
-            times.append(once(rep))
-        ratios.append(t_raw[-1] / t_reduce[-1])
+    t_reduce, t_raw, ratios = _interleaved(
+        url, reps, f"throughput {megabytes:g} MiB", stores, reduce_once, raw_once
+    )
     stores[0].cleanup_run()
     return {
         "url": url.split(":")[0],
@@ -205,7 +222,6 @@ def publish_alone(url: str, megabytes: float, reps: int, options: dict[str, Any]
         url, f"solo-{run}", rank=0, world_size=1, timeout_s=600, storage_options=options
     )
     fs, blob, raw_prefix = store.fs, tensor.numpy().tobytes(), f"{store.root}/rawwrite-{run}"
-    ratios, t_publish, t_raw = [], [], []
 
     def publish_once(rep: int) -> float:
         store.allreduce(rep, [tensor])  # the average of one replica leaves the tensor as it is
@@ -217,13 +233,9 @@ def publish_alone(url: str, megabytes: float, reps: int, options: dict[str, Any]
         return time.perf_counter() - t0
 
     fs.makedirs(raw_prefix, exist_ok=True)
-    settle = os.sync if url.startswith("file://") else (lambda: None)
-    for rep in tqdm(range(reps), desc=f"publish {url.split(':')[0]} {megabytes:g} MiB", leave=False):
-        for once, times in ((raw_once, t_raw), (publish_once, t_publish))[:: 1 if rep % 2 else -1]:
-            store.wait_cleanup()
-            settle()
-            times.append(once(rep))
-        ratios.append(t_raw[-1] / t_publish[-1])
+    t_publish, t_raw, ratios = _interleaved(
+        url, reps, f"publish {megabytes:g} MiB", [store], publish_once, raw_once
+    )
     store.cleanup_run()
     fs.rm(raw_prefix, recursive=True)
     return {
