@@ -49,6 +49,10 @@ def test_composer_not_installed_exits_2_naming_the_install(tmp_path: Path) -> No
     python.chmod(0o755)
     res = _run(str(python), tmp_path / "out", pythonpath=fake.parent)
     assert res.returncode == 2, res.stderr
-    assert "composer-core and composer-prime-rl are not installed" in res.stderr
-    assert "pip install --no-deps ./packages/composer-core ./packages/composer-prime-rl" in res.stderr
+    assert "composer-core, composer-prime-rl, composer-trl and composer-diloco" in res.stderr
+    assert (
+        "pip install --no-deps ./packages/composer-core ./packages/composer-prime-rl ./packages/composer-trl"
+        " ./packages/composer-diloco" in res.stderr
+    )
+    assert len(res.stderr.strip().splitlines()) == 1
     assert not any((tmp_path / "out").iterdir())
