@@ -78,12 +78,19 @@ def test_the_loss_and_its_gradient_on_the_gpu_are_the_cpu_ones(
     variant, tmp_path, model_dir, tokenizer, dataset, h
 ):
     """One batch (generated on CPU, with non-zero advantages and stale old log-probs so every channel
-    contributes), the loss, its metrics and every parameter's gradient, in float32 on each device."""
+    contributes), the loss, its metrics and every parameter's gradient, in float32 on each device (``bf16``
+    off: TRL's default turns it on). On CPU float32 agrees with float64 to about 1e-6 of each gradient's norm,
+    so 1e-4 leaves room for the GPU's other summation orders and nothing for a wrong operand."""
     got: dict[str, tuple[float, dict[str, float], dict[str, torch.Tensor]]] = {}
     inputs: Any = None
     for device in ("cpu", "cuda"):
         args = h.grpo_args(
-            tmp_path / device, use_cpu=device == "cpu", num_iterations=2, dpo_variant=variant, beta=0.04
+            tmp_path / device,
+            use_cpu=device == "cpu",
+            num_iterations=2,
+            dpo_variant=variant,
+            beta=0.04,
+            bf16=False,
         )
         trainer = h.make_trainer(model_dir, tokenizer, dataset, args, hint_fn=reverse_hints)
         trainer.current_gradient_accumulation_steps = 1
@@ -110,5 +117,7 @@ def test_the_loss_and_its_gradient_on_the_gpu_are_the_cpu_ones(
     for k in m_cpu:
         assert m_gpu[k] == pytest.approx(m_cpu[k], rel=1e-4, abs=1e-6), k
     assert g_gpu.keys() == g_cpu.keys() and len(g_cpu) > 0
-    for n in g_cpu:
-        torch.testing.assert_close(g_gpu[n], g_cpu[n], rtol=1e-3, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
+    scale = max(float(g.norm()) for g in g_cpu.values())
+    for n in g_cpu:  # relative to the tensor's norm, floored for gradients that are 0 in exact arithmetic
+        err = float((g_gpu[n] - g_cpu[n]).norm())
+        assert err <= 1e-4 * float(g_cpu[n].norm()) + 1e-7 * scale, (n, err, float(g_cpu[n].norm()))

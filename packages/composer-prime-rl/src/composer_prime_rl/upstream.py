@@ -76,7 +76,7 @@ def _stub_modules() -> dict[str, types.ModuleType]:
         mods[name] = types.ModuleType(name)
     mods["prime_rl.configs.trainer"] = configs
     mods["prime_rl.utils.utils"] = _module("prime_rl.utils.utils", import_object=import_object)
-    if importlib.util.find_spec("jaxtyping") is None:
+    if not _importable("jaxtyping"):
 
         class _Any:
             def __class_getitem__(cls, item: Any) -> Any:
@@ -85,8 +85,17 @@ def _stub_modules() -> dict[str, types.ModuleType]:
         mods["jaxtyping"] = _module(
             "jaxtyping", Float=_Any, Bool=_Any, Int=_Any, jaxtyped=lambda typechecker=None: lambda fn: fn
         )
+    if not _importable("beartype"):  # each on its own: GPU images often have jaxtyping without beartype
         mods["beartype"] = _module("beartype", beartype=lambda fn: fn)
     return mods
+
+
+def _importable(name: str) -> bool:
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        return False
+    return True
 
 
 def load_upstream(src: str | os.PathLike[str] | None = None) -> tuple[types.ModuleType, types.ModuleType]:
