@@ -1,4 +1,4 @@
-"""Benchmark: ComposerGRPOTrainer vs plain TRL GRPOTrainer on the embedded task (tiny Qwen2, CPU).
+"""Benchmark: ComposerGRPOTrainer vs plain TRL GRPOTrainer on the embedded task (tiny Qwen2, CPU or GPU).
 
 1. Step time with channels off (alpha_sdpo = beta_replay = 0) vs plain GRPOTrainer — target <= 1.05x.
 2. Step time with all three channels on (reported; the extra cost is the hinted teacher forward, the
@@ -6,11 +6,14 @@
 3. Reward after K steps: composer vs GRPO alone, same seed (mean reward of the last 10% of steps).
 
 Runs are interleaved (A, B, A, B, ...) and the median is reported, so background load hits both sides.
-Prints a table and writes ``bench_trl.json`` to ``$COMPOSER_BENCH_OUT`` (default ./bench-results).
-``--small`` is CI's check that the bench works: every trainer, the extras and the reward comparison, a few
-steps each (the JSON records ``"small": true``).
+Prints a table and writes ``bench_trl.json`` to ``$COMPOSER_BENCH_OUT`` (default ./bench-results);
+``--device cuda`` runs every trainer on the GPU (TRL's defaults, bf16 included; each timed span ends with a
+``torch.cuda.synchronize()``) and writes ``bench_trl_cuda.json`` (the README's CUDA table). ``--small`` is CI's
+check that the bench works: every trainer, the extras and the reward comparison, a few steps each (the JSON
+records ``"small": true``).
 
     python packages/composer-trl/bench/bench_trl.py [--steps 30] [--repeats 3] [--reward-steps 300] [--small]
+                                                    [--device cuda]
 """
 
 from __future__ import annotations
@@ -34,7 +37,13 @@ SMALL = {"steps": 2, "repeats": 1, "reward_steps": 2, "warmup_steps": 1}
 """``--small``: CI's check that the bench works (the same code paths, a few steps each)."""
 
 
-def _trainer(kind: str, steps: int, out: str, seed: int = 0) -> Any:
+def _sync(device: str) -> None:
+    """Wait for the GPU's queued work, so a timed span covers it (nothing on CPU)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _trainer(kind: str, steps: int, out: str, device: str = "cpu", seed: int = 0) -> Any:
     from composer_core.tasks.digit_reversal import ALPHABET, make_dataset_rows, reverse_hints, reverse_reward
     from composer_core.tasks.tiny import build_char_tokenizer, build_tiny_model
     from composer_trl import ComposerGRPOConfig, ComposerGRPOTrainer
@@ -53,7 +62,7 @@ def _trainer(kind: str, steps: int, out: str, seed: int = 0) -> Any:
         "report_to": "none",
         "save_strategy": "no",
         "disable_tqdm": True,
-        "use_cpu": True,
+        "use_cpu": device == "cpu",
     }
     kwargs = dict(TINY_TRAINER_DEFAULTS)
     extra: dict[str, Any] = {}
@@ -80,20 +89,22 @@ def _trainer(kind: str, steps: int, out: str, seed: int = 0) -> Any:
     return trainer
 
 
-def _step_time(kind: str, steps: int, tmp: str) -> float:
-    trainer = _trainer(kind, steps, tmp)
+def _step_time(kind: str, steps: int, tmp: str, device: str) -> float:
+    trainer = _trainer(kind, steps, tmp, device)
+    _sync(device)
     start = time.perf_counter()
     trainer.train()
+    _sync(device)
     return (time.perf_counter() - start) / steps
 
 
-def _extras(tmp: str, repeats: int) -> dict[str, float]:
+def _extras(tmp: str, repeats: int, device: str) -> dict[str, float]:
     """The all-channels step's extra forwards measured alone, on a real micro-batch (median seconds).
 
     teacher_forward: the hinted teacher forward of ``_fill_sdpo`` (no grad, hinted rows only);
     pair_forward_backward: the chosen/rejected forward with its backward, as a separate forward.
     """
-    tr = _trainer("composer-on", 2, tmp)
+    tr = _trainer("composer-on", 2, tmp, device)
     captured: dict[str, Any] = {}
     original = tr._compute_loss
 
@@ -125,14 +136,16 @@ def _extras(tmp: str, repeats: int) -> dict[str, float]:
     times: dict[str, list[float]] = {"teacher_forward": [], "pair_forward_backward": []}
     for _ in range(3 * repeats):
         for name, fn in (("teacher_forward", teacher), ("pair_forward_backward", pairs)):
+            _sync(device)
             start = time.perf_counter()
             fn()
+            _sync(device)
             times[name].append(time.perf_counter() - start)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def _reward(kind: str, steps: int, tmp: str) -> dict[str, float]:
-    trainer = _trainer(kind, steps, tmp)
+def _reward(kind: str, steps: int, tmp: str, device: str) -> dict[str, float]:
+    trainer = _trainer(kind, steps, tmp, device)
     start = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - start
@@ -148,7 +161,10 @@ def main() -> None:
     p.add_argument("--reward-steps", type=int, default=300, help="steps of the reward comparison (0 = skip)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (the tiny model is fastest on 1)")
     p.add_argument("--small", action="store_true", help="a few steps each: CI's check that the bench works")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where every trainer runs")
     args = p.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA device (run without --device for the CPU bench)")
     warmup = WARMUP_STEPS
     if args.small:
         args.steps, args.repeats, args.reward_steps = SMALL["steps"], SMALL["repeats"], SMALL["reward_steps"]
@@ -158,12 +174,12 @@ def main() -> None:
     kinds = ("grpo", "composer-off", "composer-on")
     times: dict[str, list[float]] = {k: [] for k in kinds}
     with tempfile.TemporaryDirectory() as tmp:
-        _step_time("grpo", warmup, tmp)  # warm-up (imports, allocator)
+        _step_time("grpo", warmup, tmp, args.device)  # warm-up (imports, allocator)
         for _ in range(args.repeats):
             for k in kinds:
-                times[k].append(_step_time(k, args.steps, tmp))
+                times[k].append(_step_time(k, args.steps, tmp, args.device))
         med = {k: statistics.median(v) for k, v in times.items()}
-        extras = _extras(tmp, args.repeats)
+        extras = _extras(tmp, args.repeats, args.device)
         floor = med["grpo"] + sum(extras.values())
         breakdown = {
             "policy (plain GRPOTrainer step)": med["grpo"],
@@ -172,7 +188,7 @@ def main() -> None:
             "rest: JSD, hints, pairs, metrics (composer - floor)": med["composer-on"] - floor,
         }
         result: dict[str, Any] = {
-            "device": "cpu",
+            "device": args.device,
             "threads": args.threads,
             "steps_per_run": args.steps,
             "repeats": args.repeats,
@@ -188,6 +204,7 @@ def main() -> None:
             "target_channels_on_vs_floor": 1.15,
             "machine": {
                 "platform": platform.platform(),
+                **({"gpu": torch.cuda.get_device_name()} if args.device == "cuda" else {}),
                 "cpu_count": os.cpu_count(),
                 "threads": args.threads,
                 "load_average_at_end": os.getloadavg(),
@@ -195,8 +212,8 @@ def main() -> None:
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             },
             "readme": {
-                "title": f"ComposerGRPOTrainer step vs plain GRPOTrainer and the floor ({args.repeats} interleaved "
-                f"runs x {args.steps} steps, median)",
+                "title": f"ComposerGRPOTrainer step vs plain GRPOTrainer and the floor on {args.device.upper()} "
+                f"({args.repeats} interleaved runs x {args.steps} steps, median)",
                 "columns": ["trainer", "median s/step", "min", "max", "vs GRPO", "vs floor"],
                 "rows": [
                     [
@@ -219,11 +236,11 @@ def main() -> None:
         if args.reward_steps > 0:
             result["reward_steps"] = args.reward_steps
             result["reward"] = {
-                "composer": _reward("composer-on", args.reward_steps, tmp),
-                "grpo": _reward("grpo", args.reward_steps, tmp),
+                "composer": _reward("composer-on", args.reward_steps, tmp, args.device),
+                "grpo": _reward("grpo", args.reward_steps, tmp, args.device),
             }
 
-    print("\ncomposer-trl benchmark (tiny Qwen2, embedded digit-reversal task, CPU)")
+    print(f"\ncomposer-trl benchmark (tiny Qwen2, embedded digit-reversal task, {args.device.upper()})")
     print(f"{'trainer':<34}{'median s/step':>14}{'vs GRPO':>10}")
     labels = {
         "grpo": "GRPOTrainer (TRL)",
@@ -246,7 +263,7 @@ def main() -> None:
         print(f"  GRPO alone {rg['reward_first']:.3f} -> {rg['reward_last']:.3f}  ({rg['seconds']:.0f} s)")
     out_dir = Path(os.environ.get("COMPOSER_BENCH_OUT", "bench-results"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "bench_trl.json"
+    path = out_dir / ("bench_trl.json" if args.device == "cpu" else f"bench_trl_{args.device}.json")
     path.write_text(json.dumps(result, indent=2))
     print(f"wrote {path.resolve()}")
 

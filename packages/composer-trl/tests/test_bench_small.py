@@ -4,9 +4,13 @@ rewards (same seed, same model, same first rollout)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 from composer_core.testing.bench import load_bench_json, run_small_bench
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_trl.py"
@@ -25,3 +29,18 @@ def test_bench_runs_at_small_size(tmp_path: Path) -> None:
     assert set(data["extras_alone_seconds"]) == {"teacher_forward", "pair_forward_backward"}
     reward = data["reward"]
     assert reward["composer"]["reward_first"] == pytest.approx(reward["grpo"]["reward_first"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present: --device cuda would run")
+def test_bench_device_cuda_without_a_gpu_exits_2_in_one_line(tmp_path: Path) -> None:
+    env = {**os.environ, "COMPOSER_BENCH_OUT": str(tmp_path)}
+    res = subprocess.run(
+        [sys.executable, str(BENCH), "--small", "--device", "cuda"], env=env, capture_output=True, text=True
+    )
+    assert res.returncode == 2, res.stderr
+    assert (
+        res.stderr.strip()
+        .splitlines()[-1]
+        .endswith("--device cuda: torch sees no CUDA device (run without --device for the CPU bench)")
+    )
+    assert not any(tmp_path.iterdir())
