@@ -28,6 +28,7 @@ def test_bench_runs_at_small_size(tmp_path: Path) -> None:
     }
     assert set(data["extras_alone_seconds"]) == {"teacher_forward", "pair_forward_backward"}
     reward = data["reward"]
+    assert data["readme"]["note"].startswith(f"Reward after {data['reward_steps']} steps (same seed")
     assert reward["composer"]["reward_first"] == pytest.approx(reward["grpo"]["reward_first"])
 
 
