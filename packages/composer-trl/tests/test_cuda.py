@@ -34,13 +34,25 @@ def moe_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Path:
     return path
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
-@pytest.mark.parametrize("sdpo_form", ["full", "sampled"])
+@pytest.mark.parametrize(
+    ("kind", "sdpo"),
+    [("dense", "full"), ("dense", "sampled"), ("moe", "full"), ("moe", "sampled"), ("dense", "compiled")],
+)
 def test_all_three_channels_train_on_the_gpu_under_bf16(
-    kind, sdpo_form, tmp_path, model_dir, moe_dir, tokenizer, dataset, h
+    kind, sdpo, tmp_path, model_dir, moe_dir, tokenizer, dataset, h
 ):
+    """``compiled``: the full form's JSD chunk kernel under ``torch.compile`` (``sdpo_compiled``), inside TRL's
+    bf16 autocast on the GPU."""
+    sdpo_form = "sampled" if sdpo == "sampled" else "full"
     args = h.grpo_args(
-        tmp_path, max_steps=2, dpo_variant="dpo", use_cpu=False, bf16=True, sdpo_form=sdpo_form, beta=0.04
+        tmp_path,
+        max_steps=2,
+        dpo_variant="dpo",
+        use_cpu=False,
+        bf16=True,
+        sdpo_form=sdpo_form,
+        sdpo_compiled=sdpo == "compiled",
+        beta=0.04,
     )
     trainer = h.make_trainer(
         model_dir if kind == "dense" else moe_dir, tokenizer, dataset, args, hint_fn=reverse_hints
@@ -121,3 +133,20 @@ def test_the_loss_and_its_gradient_on_the_gpu_are_the_cpu_ones(
     for n in g_cpu:  # relative to the tensor's norm, floored for gradients that are 0 in exact arithmetic
         err = float((g_gpu[n] - g_cpu[n]).norm())
         assert err <= 1e-4 * float(g_cpu[n].norm()) + 1e-7 * scale, (n, err, float(g_cpu[n].norm()))
+
+
+def test_composer_train_runs_on_the_gpu_when_there_is_one(tmp_path):
+    """The main job picks the GPU by itself (no flag) and writes its metrics, summary and model."""
+    from composer_trl.cli import main
+    from composer_trl.progress import read_jsonl
+
+    torch.cuda.reset_peak_memory_stats()
+    out = tmp_path / "run"
+    assert main(["--steps", "3", "--output-dir", str(out), "--no-plot"]) == 0
+    assert torch.cuda.max_memory_allocated() > 0  # the trainer ran on the card
+    rows = read_jsonl(out / "metrics-composer.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert all(math.isfinite(r[k]) for k in ("reward", "composer/loss/policy", "composer/loss/sdpo"))
+        assert r["composer/loss/replay"] > 0
+    assert (out / "model" / "config.json").is_file()
