@@ -117,7 +117,7 @@ def test_the_loss_and_its_gradient_on_the_gpu_are_the_cpu_ones(
         loss.backward()
         metrics = {k: v[-1] for k, v in trainer._metrics["train"].items() if k.startswith("composer/")}
         grads = {n: p.grad.detach().cpu() for n, p in trainer.model.named_parameters() if p.grad is not None}
-        got[device] = (float(loss), metrics, grads)
+        got[device] = (loss.item(), metrics, grads)
     (l_cpu, m_cpu, g_cpu), (l_gpu, m_gpu, g_gpu) = got["cpu"], got["cuda"]
     assert (
         m_cpu["composer/loss/policy"] != 0
