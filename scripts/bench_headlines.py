@@ -164,13 +164,20 @@ def _monarch_overlap(d: Json) -> str:
     )
 
 
+def _on_gpu(render: Callable[[Json], str]) -> Callable[[Json], str]:
+    """A CPU headline's text for the same bench's GPU JSON, prefixed with the card it ran on."""
+    return lambda d: f"{d['machine']['gpu']}: {render(d)}"
+
+
 HEADLINES: tuple[Headline, ...] = (
     Headline("core", "bench_jsd", "generalized JSD fused from hidden states, forward + backward", _jsd),
     Headline("core", "bench_jsd_cuda", "the same on a GPU, eager and with `compiled=True`", _jsd_cuda),
     Headline("core", "bench_bypass", "bypass vs full-model KL distillation, one process", _bypass),
     Headline("core", "bench_bypass_dist", "bypass on gloo processes", _bypass_dist),
     Headline("trl", "bench_trl", "`ComposerGRPOTrainer` step vs plain `GRPOTrainer`", _trl),
+    Headline("trl", "bench_trl_cuda", "the same on a GPU", _on_gpu(_trl)),
     Headline("prime-rl", "bench_composer_loss", "`composer_loss` per PRIME-RL step", _prime_rl),
+    Headline("prime-rl", "bench_composer_loss_cuda", "the same on a GPU", _on_gpu(_prime_rl)),
     Headline(
         "diloco",
         "diloco",
