@@ -245,3 +245,30 @@ def test_cuda_rl_stream_micro_batch_runs_under_sync_debug_mode_error(kwargs: dic
     want = _call_packed(_rl_samples("cpu"), kwargs, rl_stream=True)
     torch.testing.assert_close(torch.stack(losses).cpu(), torch.stack(want[0]), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grad.cpu(), want[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.usefixtures("accelerator_path")
+@pytest.mark.parametrize("kwargs", CONFIGS, ids=["dppo", "dppo+sdpo", "clipped+delta", "clipped+sdpo-cli"])
+def test_accelerator_value_checks_of_a_sample_cost_its_asserts_and_a_few_operators(
+    kwargs: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU every dispatched operator is a launch (microseconds of host time), and with an rl weight stream
+    every call checks its own slice: F + 1 asserts (one per field, the overflow) and 7 operators besides (the
+    sum, exact finiteness per field and of the sum, one unbind), where two isfinite, an all and a select per
+    field dispatched F + 10 (21 in all for DPPO + SDPO before)."""
+    samples = _rl_samples("cpu")
+    per_call: list[list[str]] = []
+    check = loss_module._check
+
+    def recorded(*args: Any) -> None:
+        with RecordOps() as rec:
+            check(*args)
+        per_call.append(rec.ops)
+
+    monkeypatch.setattr(loss_module, "_check", recorded)
+    _call_packed(samples, kwargs, rl_stream=True)
+    fields = 4 + ("alpha_sdpo" in kwargs)
+    assert len(per_call) == len(samples)
+    for ops in per_call:
+        assert ops.count("aten._assert_async.msg") == fields + 1
+        assert len(ops) <= fields + 1 + 7, ops

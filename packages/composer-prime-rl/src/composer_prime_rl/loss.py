@@ -156,12 +156,14 @@ def _passes(total: Tensor, binary: Tensor | None, named: dict[str, Tensor], kept
         if binary is not None:  # one read either way: a non-binary mask turns the total into NaN
             total = torch.where(binary, total, math.nan)
         return math.isfinite(total.item())
-    ok = total.isfinite()
+    # x − x is 0 for a finite x and NaN for NaN/±inf; a sum of zeros cannot overflow, so a field's row sums to
+    # 0 exactly when all its kept values are finite. Two operators where isfinite + all dispatch five.
+    ok = total.sub(total).eq(0)
     if binary is not None:
         ok &= binary
-    finite = kept.isfinite().all(dim=1)  # per field, exact (kept is 0 outside the mask)
-    for i, name in enumerate(named):
-        torch._assert_async(finite[i], _NON_FINITE.format(name=name))
+    finite = kept.sub(kept).sum(dim=1).eq(0)  # per field, exact (kept is 0 outside the mask)
+    for flag, name in zip(finite.unbind(), named, strict=True):  # one unbind, not a select per field
+        torch._assert_async(flag, _NON_FINITE.format(name=name))
     if binary is not None:
         torch._assert_async(binary, _NOT_BOOLEAN)
     torch._assert_async(ok, _OVERFLOW.format(dtype=kept.dtype))
@@ -557,16 +559,19 @@ def _sample_row(packed: _Packed, start: int, n: int, mask: Tensor | None) -> tup
     of every column, one gather, one division. ``mask``: the call's own (fresh masks), which first zeroes its
     slice of the table outside it."""
     where, table = packed.where, packed.table
-    if n != packed.length:
-        where, table = where[:, start : start + n], table[:, start : start + n]
-    if mask is not None:  # fresh masks: zero this call's slice outside its own mask
-        assert packed.unmasked is not None
-        rows = packed.unmasked.unmasked_rows
-        if packed.unmasked.clean:  # every entry finite: the rows that select tokens suffice (finite × 0 = 0)
+    cut = n != packed.length
+    unmasked = packed.unmasked
+    rows = None if unmasked is None else unmasked.unmasked_rows
+    if mask is not None and unmasked is not None and not unmasked.clean:  # fresh masks, not all finite
+        # zero this call's slice of the table outside its own mask; the where rows are its last rows
+        part = table[:, start : start + n] if cut else table
+        table = torch.where(mask if rows is None else rows | mask, part, _zero(table))
+        where = table[table.shape[0] - where.shape[0] :]
+    else:
+        if cut:
+            where, table = where[:, start : start + n], table[:, start : start + n]
+        if mask is not None:  # fresh masks, all finite: the rows that select tokens suffice (x × 0 = 0)
             where = where * (mask if rows is None else rows[-where.shape[0] :] | mask)
-        else:
-            table = torch.where(mask if rows is None else rows | mask, table, _zero(table))
-            where = table[table.shape[0] - where.shape[0] :]
     sums = torch.mm(where, table.T)  # [W, C]: Σ_t where_w · column_c
     num, den = sums.take(packed.picks).unbind()
     means = num.div_(den.clamp_(min=1))
