@@ -374,3 +374,83 @@ def test_preference_key_with_wrong_shape_raises(field: str, value: torch.Tensor,
     extras = ComposerExtras(**{**PAIRS, "pref_ref_log_prob": ref_seq, field: value})
     with using_extras(extras), pytest.raises(ValueError, match=rf"{key}'\] has shape .*expected \(5,\)"):
         _run("composer", inputs, "token-mean", _actor_config())
+
+
+def test_pairs_are_read_to_the_host_once_whatever_their_number(monkeypatch: pytest.MonkeyPatch) -> None:
+    """verl's micro-batch lives on the GPU, where every read of a value to the host is a sync. Channel 3 finds
+    its pairs with one read of the two pair columns (one ``tolist``), not a ``unique``, then a ``nonzero`` and
+    two reads per pair; the loss equals the closed form's pairing."""
+    from composer_core.testing.host_reads import RecordOps
+    from composer_verl.config import current_config
+    from composer_verl.policy_loss import replay_term
+
+    configure({"beta_replay": 1.0, "dpo_variant": "simpo"})
+    b = 8  # pairs 2, 0, 1 (in that row order), two unpaired rows
+    pair_id = torch.tensor([2, 0, -1, 1, 0, 2, -1, 1])
+    chosen = torch.tensor([0, 1, 0, 1, 0, 1, 1, 0])
+    g = torch.Generator().manual_seed(4)
+    logp = -torch.rand(b, 3, generator=g, dtype=torch.float64)
+    mask = torch.ones(b, 3, dtype=torch.bool)
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or tolist(t))
+    extras = ComposerExtras(pref_pair_id=pair_id, pref_chosen=chosen)
+    with RecordOps() as rec:
+        loss, metrics = replay_term(logp, mask, extras, current_config())
+    assert not {"aten.nonzero.default", "aten._unique2.default"} & set(rec.ops)
+    assert reads == [(2, b)]
+    assert metrics == {"composer/replay/pairs": 3.0}
+    seq, n = logp.sum(-1), mask.sum(-1).double()
+    ci, ri = [1, 3, 5], [4, 7, 0]  # pairs 0, 1, 2: chosen and rejected rows
+    want = simpo_loss(seq[ci], seq[ri], n[ci], n[ri], beta=2.0, gamma=0.5)
+    assert loss.item() == pytest.approx(want.item(), rel=1e-12)
+
+
+def test_the_three_channels_value_checks_are_one_host_read() -> None:
+    """The core losses behind the three channels check their inputs (finite values, masks): 11 checks here.
+    Inside the composer policy loss they are fused into one read, so a call reads the host 8 times: that read,
+    the SDPO token count, and six metric values read from tensors (18 times before: each check read on its own)."""
+    from composer_core.testing.host_reads import HOST_READS, RecordOps
+
+    configure({"alpha_sdpo": 0.5, "beta_replay": 0.25})
+    inputs = _pref_inputs()
+    teacher = inputs["log_prob"].detach() - LN2
+    ref_seq = (inputs["log_prob"].detach() * inputs["response_mask"]).sum(-1)
+    extras = ComposerExtras(
+        **PAIRS, pref_ref_log_prob=ref_seq, teacher_log_probs=teacher, sdpo_mask=torch.ones(5, 4)
+    )
+    with using_extras(extras), RecordOps() as rec:
+        _, metrics = get_policy_loss_fn("composer")(
+            loss_agg_mode="token-mean", config=_actor_config(), **inputs
+        )
+    assert len([op for op in rec.ops if op in HOST_READS]) == 8
+    assert len([v for v in metrics.values() if isinstance(v, float)]) == len(metrics) == 8
+    # and a failing check still raises its own message
+    bad = {**inputs, "old_log_prob": inputs["old_log_prob"].clone()}
+    bad["old_log_prob"][0, 0] = float("nan")
+    with using_extras(extras), pytest.raises(ValueError, match="NaN"):
+        get_policy_loss_fn("composer")(loss_agg_mode="token-mean", config=_actor_config(), **bad)
+
+
+# Tensor constructors that place memory: each call in the policy loss must say where (device=), so that a GPU
+# micro-batch is never indexed by host tensors (an implicit copy at every use).
+CONSTRUCTORS = {
+    "tensor", "as_tensor", "asarray", "arange", "range", "zeros", "ones", "full", "empty", "empty_strided",
+    "eye", "linspace", "logspace", "rand", "randn", "randint", "randperm", "scalar_tensor", "from_numpy",
+}  # fmt: skip
+
+
+def test_policy_loss_builds_every_tensor_on_the_batch_device() -> None:
+    import ast
+    import inspect
+
+    import composer_verl.policy_loss as policy_loss
+
+    found = []
+    for node in ast.walk(ast.parse(inspect.getsource(policy_loss))):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            base, name = node.func.value, node.func.attr
+            placed = name != "from_numpy" and any(k.arg == "device" for k in node.keywords)
+            if isinstance(base, ast.Name) and base.id == "torch" and name in CONSTRUCTORS and not placed:
+                found.append(f"line {node.lineno}: torch.{name}")
+    assert found == []
