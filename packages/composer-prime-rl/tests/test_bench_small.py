@@ -4,8 +4,6 @@ load-independent figure holds: the aten operators one sample's forward + backwar
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -13,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from composer_core.testing.bench import load_bench_json, run_small_bench
+from composer_core.testing.bench import load_bench_json, run_bench, run_small_bench
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_composer_loss.py"
 
@@ -94,10 +92,7 @@ def test_bench_agreement_check_passes_and_catches_a_different_formula(layout: st
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present: --device cuda would run")
 def test_bench_device_cuda_without_a_gpu_exits_2_in_one_line(tmp_path: Path) -> None:
-    env = {**os.environ, "COMPOSER_BENCH_OUT": str(tmp_path)}
-    res = subprocess.run(
-        [sys.executable, str(BENCH), "--small", "--device", "cuda"], env=env, capture_output=True, text=True
-    )
+    res = run_bench(BENCH, tmp_path, "--small", "--device", "cuda")
     assert res.returncode == 2, res.stderr
     assert res.stderr.strip().splitlines()[-1].endswith("--device cuda: torch sees no CUDA device here")
     assert not any(tmp_path.iterdir())

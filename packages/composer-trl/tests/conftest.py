@@ -37,6 +37,23 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Path:
 
 
 @pytest.fixture(scope="session")
+def moe_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Path:
+    """A saved tiny mixture-of-experts Qwen2 (4 experts, 2 per token) + tokenizer."""
+    from composer_core.tasks.tiny import TinyModelConfig, build_tiny_model
+
+    cfg = TinyModelConfig(hidden_size=32, intermediate_size=64, num_experts=4, num_experts_per_tok=2)
+    model = build_tiny_model(tokenizer, cfg, seed=0)
+    assert type(model).__name__ == "Qwen2MoeForCausalLM"
+    assert (
+        model.config.router_aux_loss_coef > 0
+    )  # the default coefficient (0.001) is what GRPOTrainer applies
+    path = tmp_path_factory.mktemp("tiny-qwen2-moe")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def rows() -> list[dict[str, Any]]:
     from composer_core.tasks.digit_reversal import make_dataset_rows
 

@@ -4,14 +4,11 @@ rewards (same seed, same model, same first rollout)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from composer_core.testing.bench import load_bench_json, run_small_bench
+from composer_core.testing.bench import load_bench_json, run_bench, run_small_bench
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_trl.py"
 
@@ -34,10 +31,7 @@ def test_bench_runs_at_small_size(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present: --device cuda would run")
 def test_bench_device_cuda_without_a_gpu_exits_2_in_one_line(tmp_path: Path) -> None:
-    env = {**os.environ, "COMPOSER_BENCH_OUT": str(tmp_path)}
-    res = subprocess.run(
-        [sys.executable, str(BENCH), "--small", "--device", "cuda"], env=env, capture_output=True, text=True
-    )
+    res = run_bench(BENCH, tmp_path, "--small", "--device", "cuda")
     assert res.returncode == 2, res.stderr
     assert (
         res.stderr.strip()

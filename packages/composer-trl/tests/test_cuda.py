@@ -10,7 +10,6 @@ must be the CPU's for the same batch.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,17 +20,6 @@ from composer_core.tasks.digit_reversal import reverse_hints
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 LOGGED_3_CHANNELS = {ADAPTER_PREFIX + k for k in METRIC_KEYS if not k.startswith(("policy/", "taid/"))}
-
-
-@pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Path:
-    from composer_core.tasks.tiny import TinyModelConfig, build_tiny_model
-
-    cfg = TinyModelConfig(hidden_size=32, intermediate_size=64, num_experts=4, num_experts_per_tok=2)
-    path = tmp_path_factory.mktemp("tiny-qwen2-moe-cuda")
-    build_tiny_model(tokenizer, cfg, seed=0).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 @pytest.mark.parametrize(

@@ -16,22 +16,6 @@ import pytest
 import torch
 
 
-@pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Path:
-    from composer_core.tasks.tiny import TinyModelConfig, build_tiny_model
-
-    cfg = TinyModelConfig(hidden_size=32, intermediate_size=64, num_experts=4, num_experts_per_tok=2)
-    model = build_tiny_model(tokenizer, cfg, seed=0)
-    assert type(model).__name__ == "Qwen2MoeForCausalLM"
-    assert (
-        model.config.router_aux_loss_coef > 0
-    )  # the default coefficient (0.001) is what GRPOTrainer applies
-    path = tmp_path_factory.mktemp("tiny-qwen2-moe")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 def _train_pair(tmp_path: Path, model_dir: Path, tokenizer: Any, dataset: Any, h: Any, **opts: Any):
     """Plain GRPOTrainer, then ComposerGRPOTrainer (channels off), each built and trained from the same seed."""
     out = []

@@ -33,6 +33,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from composer_core.loss.validation import checked_once
 
 from composer_verl.batch import (
     PREF_CHOSEN,
@@ -178,7 +179,7 @@ def _pair_rows(pair_id: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tenso
             )
         chosen_rows.append(c[0])
         rejected_rows.append(r[0])
-    index = torch.tensor([chosen_rows, rejected_rows], dtype=torch.long, device=columns.device).view(2, -1)
+    index = torch.tensor([chosen_rows, rejected_rows], dtype=torch.long, device=columns.device)
     return index[0], index[1]
 
 
@@ -268,6 +269,9 @@ def replay_term(
     return loss, {"composer/replay/pairs": float(ci.numel())}
 
 
+# every value check the channels' core losses make joins one fused check: one host read (a sync on a GPU) for
+# all of them, where each direct call would read once per checked tensor
+@checked_once
 def compute_policy_loss_composer(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -282,7 +286,6 @@ def compute_policy_loss_composer(
     ``config`` is verl's ``ActorConfig`` (``clip_ratio``, ``clip_ratio_low/high``, ``clip_ratio_c``,
     ``global_batch_info``); composer's own options come from :func:`composer_verl.config.current_config`.
     """
-    from composer_core.loss.validation import value_checks
     from verl.trainer.ppo.core_algos import agg_loss
 
     if config is None:
@@ -290,39 +293,34 @@ def compute_policy_loss_composer(
             "the composer policy loss needs verl's ActorConfig as `config` (clip ratios, batch info)."
         )
     cfg = current_config()
-    # every value check the channels' core losses make joins one fused check: one host read (a sync on a GPU)
-    # for all of them, where each direct call would read once per checked tensor
-    with value_checks():
-        clip_ratio = config.get("clip_ratio", 0.2)
-        clip_low = config.get("clip_ratio_low", None)
-        clip_high = config.get("clip_ratio_high", None)
-        per_token, metrics = channel1_per_token(
-            old_log_prob,
-            log_prob,
-            advantages,
-            response_mask,
-            clip_ratio_low=clip_ratio if clip_low is None else clip_low,
-            clip_ratio_high=clip_ratio if clip_high is None else clip_high,
-            clip_ratio_c=config.get("clip_ratio_c", 3.0),
-            delta=cfg.policy_delta,
-        )
-        if rollout_is_weights is not None:
-            per_token = per_token * rollout_is_weights
-        batch_info = dict(config.get("global_batch_info", None) or {})
-        policy = agg_loss(
-            loss_mat=per_token, loss_mask=response_mask, loss_agg_mode=loss_agg_mode, **batch_info
-        )
-        total = policy
-        metrics["composer/loss/policy"] = policy.detach().item()
-        extras = active_extras()
-        if cfg.alpha_sdpo > 0:
-            sdpo, m = sdpo_term(log_prob, old_log_prob, response_mask, extras, cfg)
-            total = total + cfg.alpha_sdpo * sdpo
-            metrics.update(m)
-            metrics["composer/loss/sdpo"] = sdpo.detach().item()
-        if cfg.beta_replay > 0:
-            replay, m = replay_term(log_prob, response_mask, extras, cfg)
-            total = total + cfg.beta_replay * replay
-            metrics.update(m)
-            metrics["composer/loss/replay"] = replay.detach().item()
-        return total, metrics
+    clip_ratio = config.get("clip_ratio", 0.2)
+    clip_low = config.get("clip_ratio_low", None)
+    clip_high = config.get("clip_ratio_high", None)
+    per_token, metrics = channel1_per_token(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        clip_ratio_low=clip_ratio if clip_low is None else clip_low,
+        clip_ratio_high=clip_ratio if clip_high is None else clip_high,
+        clip_ratio_c=config.get("clip_ratio_c", 3.0),
+        delta=cfg.policy_delta,
+    )
+    if rollout_is_weights is not None:
+        per_token = per_token * rollout_is_weights
+    batch_info = dict(config.get("global_batch_info", None) or {})
+    policy = agg_loss(loss_mat=per_token, loss_mask=response_mask, loss_agg_mode=loss_agg_mode, **batch_info)
+    total = policy
+    metrics["composer/loss/policy"] = policy.detach().item()
+    extras = active_extras()
+    if cfg.alpha_sdpo > 0:
+        sdpo, m = sdpo_term(log_prob, old_log_prob, response_mask, extras, cfg)
+        total = total + cfg.alpha_sdpo * sdpo
+        metrics.update(m)
+        metrics["composer/loss/sdpo"] = sdpo.detach().item()
+    if cfg.beta_replay > 0:
+        replay, m = replay_term(log_prob, response_mask, extras, cfg)
+        total = total + cfg.beta_replay * replay
+        metrics.update(m)
+        metrics["composer/loss/replay"] = replay.detach().item()
+    return total, metrics

@@ -11,7 +11,20 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["load_bench_json", "run_small_bench"]
+__all__ = ["load_bench_json", "run_bench", "run_small_bench"]
+
+
+def run_bench(
+    script: Path, out: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess[str]:
+    """Run ``script args`` in a fresh interpreter with ``$COMPOSER_BENCH_OUT = out`` (plus ``env``); the
+    finished process, whatever its exit code. Python may cache bytecode: benches start fresh interpreters
+    importing torch."""
+    full = {**os.environ, "COMPOSER_BENCH_OUT": str(out), **(env or {})}
+    full.pop("PYTHONDONTWRITEBYTECODE", None)
+    return subprocess.run(
+        [sys.executable, str(script), *args], env=full, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def run_small_bench(
@@ -22,17 +35,9 @@ def run_small_bench(
     timeout: float = 600,
     args: Sequence[str] = (),
 ) -> None:
-    """Run ``script --small [args]`` with ``$COMPOSER_BENCH_OUT = out`` (plus ``env``); AssertionError with the
-    output's tail if it fails. Python may cache bytecode: benches start fresh interpreters importing torch."""
-    full = {**os.environ, "COMPOSER_BENCH_OUT": str(out), **(env or {})}
-    full.pop("PYTHONDONTWRITEBYTECODE", None)
-    run = subprocess.run(
-        [sys.executable, str(script), "--small", *args],
-        env=full,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    """Run ``script --small [args]`` (see :func:`run_bench`); AssertionError with the output's tail if it
+    fails."""
+    run = run_bench(script, out, "--small", *args, env=env, timeout=timeout)
     assert run.returncode == 0, (
         f"{script.name} --small exited {run.returncode}:\n{run.stdout[-2000:]}{run.stderr[-3000:]}"
     )
