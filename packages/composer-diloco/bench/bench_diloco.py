@@ -5,9 +5,10 @@
    fp32 and fp8-quantised), against what DDP would exchange for the same model every step
    (ring all-reduce of fp32 gradients: 2·(k−1)/k·P·4 bytes sent and as many received).
 2. Throughput: an ObjectStoreAllReduce round (encode + checksum + atomic write + manifest +
-   validated read + average, 2 replicas as threads) against a raw fsspec copy of the same bytes
-   (each replica writes its blob and reads the other's), over file:// and s3:// (moto's server on
-   127.0.0.1), at 1, 16 and 64 MiB (``--small``: 1 and 16 MiB; ``--large`` or
+   validated read + average) against a raw fsspec copy of the same bytes (each replica writes its blob
+   and reads the other's), both run by 2 replica processes started together by a barrier (as in
+   training, each replica has its own interpreter: no GIL shared with the other replica or with moto),
+   over file:// and s3:// (moto's server on 127.0.0.1, in the bench's process), at 1, 16 and 64 MiB (``--small``: 1 and 16 MiB; ``--large`` or
    ``$COMPOSER_BENCH_LARGE=1`` adds 512 MiB). The two are interleaved rep by rep, the order
    alternating, each file:// rep after ``os.sync()`` and the stores' pending deletions (outside the clock);
    median and spread are reported (the machine is shared). Peak RSS growth per replica
@@ -27,12 +28,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import statistics
 import sys
 import tempfile
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -154,54 +157,137 @@ def _interleaved(
     return t_ours, t_raw, [r / o for r, o in zip(t_raw, t_ours, strict=True)]
 
 
-def throughput(url: str, megabytes: float, reps: int, options: dict[str, Any] | None) -> dict[str, Any]:
-    """One ObjectStoreAllReduce round (2 replicas as threads) against a raw fsspec copy of the same
-    bytes (each replica ``pipe_file``s its blob, then ``cat_file``s the other's, with the same
-    ``cat_file`` options the store uses), interleaved rep by rep, the order alternating."""
-    numel = int(megabytes * 2**20 / 4)
-    tensors = [torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(WORLD)]
-    payload = numel * 4
-    run = uuid.uuid4().hex[:8]
-    stores = [
-        ObjectStoreAllReduce(url, run, rank=r, world_size=WORLD, timeout_s=600, storage_options=options)
-        for r in range(WORLD)
-    ]
-    fs, cat_options = stores[0].fs, stores[0]._cat_options
-    raw_prefix = f"{stores[0].root}/raw-{run}"
-    blobs = [t.numpy().tobytes() for t in tensors]
-    phases: dict[str, list[float]] = {p: [] for p in PHASES}
+def _timed_reps(
+    rank: int,
+    barrier: Any,
+    reps: int,
+    desc: str,
+    settle: Callable[[], None],
+    ours: Callable[[int], tuple[float, float]],
+    raw: Callable[[int], tuple[float, float]],
+) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """In one replica process: ``reps`` times ``ours(rep)`` and ``raw(rep)`` (each returns its (start, end) on the
+    monotonic clock all processes share), the order alternating rep by rep, each after ``settle`` (the store's
+    pending deletions, a barrier, then on file:// rank 0 flushes dirty pages), outside the clock."""
+    t_ours: list[tuple[float, float]] = []
+    t_raw: list[tuple[float, float]] = []
+    for rep in tqdm(range(reps), desc=desc, leave=False, disable=rank != 0):
+        for once, times in ((raw, t_raw), (ours, t_ours))[:: 1 if rep % 2 else -1]:
+            settle()
+            times.append(once(rep))
+    return t_ours, t_raw
 
-    def reduce_once(rep: int) -> float:
-        work = [[t.clone()] for t in tensors]
-        t0 = time.perf_counter()
-        _threads(lambda r: stores[r].allreduce(rep, work[r]))
-        elapsed = time.perf_counter() - t0
-        for p in PHASES:  # mean over the replicas (RoundStats.phases)
-            phases[p].append(statistics.fmean(s.last.phases[p] for s in stores))
-        return elapsed
 
-    def raw_once(rep: int) -> float:
-        fs.makedirs(f"{raw_prefix}/{rep}", exist_ok=True)
-        barrier = threading.Barrier(WORLD)
-
-        def raw(r: int) -> None:
-            fs.pipe_file(f"{raw_prefix}/{rep}/{r}.bin", blobs[r])
-            barrier.wait()  # the same I/O as the all-reduce: write own blob, read the other's
-            fs.cat_file(f"{raw_prefix}/{rep}/{1 - r}.bin", **cat_options)
-
-        t0 = time.perf_counter()
-        _threads(raw)
-        elapsed = time.perf_counter() - t0
-        fs.rm(f"{raw_prefix}/{rep}", recursive=True)
-        return elapsed
-
-    t_reduce, t_raw, ratios = _interleaved(
-        url, reps, f"throughput {megabytes:g} MiB", stores, reduce_once, raw_once
+def round_replica(
+    rank: int, url: str, run: str, numel: int, reps: int, options: dict[str, Any] | None, barrier: Any
+) -> dict[str, Any]:
+    """One replica process of the throughput bench: per rep, one ObjectStoreAllReduce round and one raw fsspec
+    copy of the same bytes (``pipe_file`` its blob, then ``cat_file`` the other's with the store's ``cat_file``
+    options), each started by a barrier of the replica processes; (start, end) of each and the round's
+    phases."""
+    torch.set_num_threads(1)
+    store = ObjectStoreAllReduce(
+        url, run, rank=rank, world_size=WORLD, timeout_s=600, storage_options=options
     )
-    stores[0].cleanup_run()
+    tensor = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+    fs, cat_options, blob = store.fs, store._cat_options, tensor.numpy().tobytes()
+    raw_prefix = f"{store.root}/raw-{run}"
+    local = url.startswith("file://")
+    phases: list[dict[str, float]] = []
+
+    def settle() -> None:
+        store.wait_cleanup()  # deletions of old rounds overlap inner steps in training, not the clock
+        barrier.wait()
+        if local and rank == 0:  # flush dirty pages: neither side pays the writeback of the other's files
+            os.sync()
+
+    def ours(rep: int) -> tuple[float, float]:
+        work = [tensor.clone()]
+        barrier.wait()
+        t0 = time.perf_counter()
+        store.allreduce(rep, work)
+        t1 = time.perf_counter()
+        phases.append(dict(store.last.phases))
+        return t0, t1
+
+    def raw(rep: int) -> tuple[float, float]:
+        folder = f"{raw_prefix}/{rep}"
+        fs.makedirs(folder, exist_ok=True)
+        barrier.wait()
+        t0 = time.perf_counter()
+        fs.pipe_file(f"{folder}/{rank}.bin", blob)
+        barrier.wait()  # the same I/O as the all-reduce: write own blob, read the other's
+        fs.cat_file(f"{folder}/{1 - rank}.bin", **cat_options)
+        t1 = time.perf_counter()
+        barrier.wait()
+        if rank == 0:
+            fs.rm(folder, recursive=True)
+        return t0, t1
+
+    desc = f"{url.split(':')[0]} throughput {numel * 4 / 2**20:g} MiB"
+    t_ours, t_raw = _timed_reps(rank, barrier, reps, desc, settle, ours, raw)
+    barrier.wait()
+    if rank == 0:
+        store.cleanup_run()
+    return {"pid": os.getpid(), "ours": t_ours, "raw": t_raw, "phases": phases}
+
+
+def _replica_main(rank: int, kwargs: dict[str, Any], barrier: Any, results: Any) -> None:
+    """A replica process: :func:`round_replica`, its result (or its traceback) put on ``results``; a failure
+    breaks the barrier, so the other replica stops too."""
+    try:
+        results.put((rank, round_replica(rank=rank, barrier=barrier, **kwargs), None))
+    except BaseException:
+        barrier.abort()
+        results.put((rank, None, traceback.format_exc()))
+
+
+def _run_replicas(kwargs: dict[str, Any]) -> list[dict[str, Any]]:
+    """:func:`round_replica` in ``WORLD`` fresh (spawned) processes sharing one barrier; their results by rank."""
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(WORLD, timeout=1200), ctx.Queue()
+    procs = [ctx.Process(target=_replica_main, args=(r, kwargs, barrier, results)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    out: dict[int, dict[str, Any]] = {}
+    try:
+        for _ in procs:
+            rank, value, error = results.get(timeout=3600)
+            if error is not None:
+                raise RuntimeError(f"throughput replica {rank} failed:\n{error}")
+            out[rank] = value
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    return [out[r] for r in range(WORLD)]
+
+
+def throughput(url: str, megabytes: float, reps: int, options: dict[str, Any] | None) -> dict[str, Any]:
+    """One ObjectStoreAllReduce round against a raw fsspec copy of the same bytes (each replica ``pipe_file``s
+    its blob, then ``cat_file``s the other's, with the same ``cat_file`` options the store uses), in 2 replica
+    processes started together by a barrier, interleaved rep by rep, the order alternating. A rep's time runs
+    from the first replica's start to the last one's end (one monotonic clock for every process)."""
+    numel = int(megabytes * 2**20 / 4)
+    kwargs = {"url": url, "run": uuid.uuid4().hex[:8], "numel": numel, "reps": reps, "options": options}
+    replicas = _run_replicas(kwargs)
+
+    def spans(kind: str) -> list[float]:
+        return [max(e for _, e in rep) - min(s for s, _ in rep) for rep in zip(*(r[kind] for r in replicas))]
+
+    t_reduce, t_raw = spans("ours"), spans("raw")
+    ratios = [r / o for r, o in zip(t_raw, t_reduce, strict=True)]
+    phases = {
+        p: [statistics.fmean(ph[p] for ph in rep) for rep in zip(*(r["phases"] for r in replicas))]
+        for p in PHASES
+    }
+    payload = numel * 4
     return {
         "url": url.split(":")[0],
         "megabytes_per_replica": megabytes,
+        "replica_pids": [r["pid"] for r in replicas],
+        "bench_pid": os.getpid(),
         "allreduce_s": _spread(t_reduce),
         "raw_copy_s": _spread(t_raw),
         "allreduce_MBps": payload / statistics.median(t_reduce) / 2**20,
@@ -463,8 +549,9 @@ def readme(results: dict[str, Any]) -> dict[str, Any]:
         ],
         "rows": rows,
         "note": "ratio 1 = as fast as a raw copy of the same bytes (each replica writes its blob and reads the "
-        "other's; the round also checksums, validates, averages and agrees on a manifest); 2 replicas as threads "
-        f"share {os.cpu_count()} CPU threads with moto's in-process S3 server, torch 1 thread per replica, "
+        "other's; the round also checksums, validates, averages and agrees on a manifest); 2 replica processes "
+        f"(started together by a barrier; a rep runs from the first one's start to the last one's end) share "
+        f"{os.cpu_count()} CPU threads with moto's S3 server (the bench's process), torch 1 thread per replica, "
         f"load average {load:.1f} at the end; peak RSS from replica processes (VmHWM over 3 rounds); "
         "phases as in `RoundStats.phases` (each from the end of the one before; mean of the 2 replicas): publish "
         "= encode + create its object, commit = wait for and validate the other's object until the manifest is "

@@ -17,6 +17,9 @@ def test_bench_runs_at_small_size_and_sharded_reads_stay_flat(tmp_path: Path) ->
     assert {(r["url"], r["megabytes_per_replica"]) for r in data["throughput"]} == {
         (u, m) for u in ("file", "s3") for m in (1.0, 16.0)
     }
+    # the replicas of a timed round (and of its raw copy) are two processes of their own, as in training
+    for r in data["throughput"]:
+        assert len(set(r["replica_pids"])) == 2 and r["bench_pid"] not in r["replica_pids"], r
     # where each round's time went (RoundStats.phases), a column of the README table
     for r in data["throughput"]:
         assert list(r["phases_s"]) == list(PHASES) and all(v["min"] >= 0 for v in r["phases_s"].values())
