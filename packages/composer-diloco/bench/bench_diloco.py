@@ -30,6 +30,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import queue
 import statistics
 import sys
 import tempfile
@@ -243,24 +244,40 @@ def _replica_main(rank: int, kwargs: dict[str, Any], barrier: Any, results: Any)
 
 
 def _run_replicas(kwargs: dict[str, Any]) -> list[dict[str, Any]]:
-    """:func:`round_replica` in ``WORLD`` fresh (spawned) processes sharing one barrier; their results by rank."""
+    """:func:`round_replica` in ``WORLD`` fresh (spawned) processes sharing one barrier; their results by rank.
+    A replica that dies without a result (killed, out of memory) ends the wait at once, named with its exit
+    code; the other one is stopped."""
     ctx = multiprocessing.get_context("spawn")
     barrier, results = ctx.Barrier(WORLD, timeout=1200), ctx.Queue()
     procs = [ctx.Process(target=_replica_main, args=(r, kwargs, barrier, results)) for r in range(WORLD)]
     for p in procs:
         p.start()
     out: dict[int, dict[str, Any]] = {}
+    lost: set[int] = set()  # replicas found exited cleanly without their result
     try:
-        for _ in procs:
-            rank, value, error = results.get(timeout=3600)
+        while len(out) < WORLD:
+            try:
+                rank, value, error = results.get(timeout=2)
+            except queue.Empty:
+                for r, p in enumerate(procs):
+                    if r in out or p.exitcode is None:
+                        continue
+                    # a clean exit's result may still be in the pipe: two looks before it counts as lost
+                    if p.exitcode != 0 or r in lost:
+                        raise RuntimeError(
+                            f"throughput replica {r} exited with code {p.exitcode} without a result"
+                        ) from None
+                    lost.add(r)
+                continue
             if error is not None:
                 raise RuntimeError(f"throughput replica {rank} failed:\n{error}")
             out[rank] = value
     finally:
         for p in procs:
-            p.join(30)
+            p.join(30 if len(out) == WORLD else 0)
             if p.is_alive():
                 p.kill()
+                p.join()
     return [out[r] for r in range(WORLD)]
 
 
