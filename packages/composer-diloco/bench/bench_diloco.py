@@ -8,8 +8,8 @@
    validated read + average) against a raw fsspec copy of the same bytes (each replica writes its blob
    and reads the other's), both run by 2 replica processes started together by a barrier (as in
    training, each replica has its own interpreter: no GIL shared with the other replica or with moto),
-   over file:// and s3:// (moto's server on 127.0.0.1, in the bench's process), at 1, 16 and 64 MiB (``--small``: 1 and 16 MiB; ``--large`` or
-   ``$COMPOSER_BENCH_LARGE=1`` adds 512 MiB). The two are interleaved rep by rep, the order
+   over file:// and s3:// (moto's server on 127.0.0.1, in the bench's process), at 1, 16 and 64 MiB
+   (``--small``: 1 and 16 MiB; ``--large`` or ``$COMPOSER_BENCH_LARGE=1`` adds 512 MiB). The two are interleaved rep by rep, the order
    alternating, each file:// rep after ``os.sync()`` and the stores' pending deletions (outside the clock);
    median and spread are reported (the machine is shared). Peak RSS growth per replica
    over 3 rounds (replica processes, VmHWM) against the payload, at every size but 1 MiB. One
@@ -160,7 +160,6 @@ def _interleaved(
 
 def _timed_reps(
     rank: int,
-    barrier: Any,
     reps: int,
     desc: str,
     settle: Callable[[], None],
@@ -226,7 +225,7 @@ def round_replica(
         return t0, t1
 
     desc = f"{url.split(':')[0]} throughput {numel * 4 / 2**20:g} MiB"
-    t_ours, t_raw = _timed_reps(rank, barrier, reps, desc, settle, ours, raw)
+    t_ours, t_raw = _timed_reps(rank, reps, desc, settle, ours, raw)
     barrier.wait()
     if rank == 0:
         store.cleanup_run()

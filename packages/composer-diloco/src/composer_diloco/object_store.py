@@ -24,7 +24,8 @@ error naming why.** The round's committed manifest is its single source of truth
    longer than writing the object, and CRC-32 (format 2) still cost more than a page-cache read;
    XXH3-64 runs at about 9 GB/s per core (4x zlib's CRC-32, 10x SHA-256), in threads over the
    pieces where each replica has 2 cores to itself (``checksum_parallel``), and lets a random
-   corruption through with probability 2^-64; forged objects are the HMAC's job. Objects of formats 1 and 2 are refused by name. Then *create* ``<root>/<run_id>/rounds/<round>/rank-<rank>.bin`` with a create-only write
+   corruption through with probability 2^-64; forged objects are the HMAC's job. Objects of
+   formats 1 and 2 are refused by name. Then *create* ``<root>/<run_id>/rounds/<round>/rank-<rank>.bin`` with a create-only write
    (``link`` of a complete temporary file on local filesystems, written piece by piece as it is
    hashed, its header last; ``If-None-Match: *`` on S3, a lock on ``memory://``). Objects are immutable: a replica whose object for r exists already (it
    re-runs r after a crash) contributes the stored object, which others may have read.
@@ -376,9 +377,8 @@ class ObjectStoreAllReduce:
         self._next_round: int | None = None  # the round after the one this instance last completed
         self._proposed: int | None = None  # the round whose manifest this call created (see _discard)
         self._machine = _machine()  # what this replica's objects say of where they come from
-        self.colocated = (
-            1  # replicas of the last round on this machine, this one included (see checksum_parallel)
-        )
+        # replicas of the last round on this machine, this one included (see checksum_parallel)
+        self.colocated = 1
         self.s3_part_bytes = S3_PART_BYTES  # multipart part size on S3 (parts go up in parallel)
         self.s3_parts_in_flight = S3_PARTS_IN_FLIGHT  # multipart parts uploading at once
         # s3fs's cat_file sends a HEAD (size) before each GET unless max_concurrency=1, and its concurrent
@@ -587,7 +587,7 @@ class ObjectStoreAllReduce:
             raise CorruptObjectError(
                 f"object {key} has an invalid tensor layout: {len(pieces)} chunks, {table_len} checksum bytes."
             )
-        sums, finite = _scan(self._signed, pieces, _checkable(meta, chunk), parallel=self.checksum_parallel)
+        sums, finite = _scan(self._signed, pieces, _checkable(meta, chunk), None, self.checksum_parallel)
         if sums != table:
             bad = next(
                 i
@@ -2000,25 +2000,20 @@ def _scan(
     signed: bool,
     pieces: Sequence[tuple[int, memoryview]],
     dtypes: Sequence[torch.dtype | None],
-    write: Callable[[memoryview], object] | None = None,
-    parallel: bool = True,
+    write: Callable[[memoryview], object] | None,
+    parallel: bool,
 ) -> tuple[bytes, list[bool | None]]:
     """The checksum table of ``pieces`` (:func:`_pieces`), and per view whether its values (read as its dtype)
     are all finite (None where its dtype is None). Pieces are scanned in parallel threads on large payloads
     (xxhash, hashlib and torch release the GIL), so a large object costs one read of its bytes from memory,
-    spread over the cores (never with ``parallel`` False: see :attr:`ObjectStoreAllReduce.checksum_parallel`). With
-    ``write`` (:func:`_streamed`), each piece is written after it is scanned, and the scan stops at the first
-    non-finite piece, which is not written."""
+    spread over the cores, when ``parallel`` (:attr:`ObjectStoreAllReduce.checksum_parallel`: 2 cores or more per
+    replica on this machine). With ``write`` (:func:`_streamed`), each piece is written after it is scanned, and
+    the scan stops at the first non-finite piece, which is not written."""
 
     def one(piece: tuple[int, memoryview]) -> tuple[bytes, bool]:
         return _scan_chunk(signed, piece[1], dtypes[piece[0]])
 
-    serial = (
-        not parallel
-        or len(pieces) < 2
-        or (os.cpu_count() or 1) < 2
-        or sum(p.nbytes for _, p in pieces) < _PARALLEL_BYTES
-    )
+    serial = not parallel or len(pieces) < 2 or sum(p.nbytes for _, p in pieces) < _PARALLEL_BYTES
     if write is not None:
         results = _streamed(one, pieces, write, serial)
     else:
