@@ -68,6 +68,8 @@ def exchange(
                 "participants": list(stats.participants),
                 "excluded": {str(k): v for k, v in stats.excluded.items()},
                 "adopted": bool(getattr(stats, "adopted", False)),
+                "colocated": store.colocated,
+                "checksum_parallel": store.checksum_parallel,
             }
         )
         print(f"round {int(round_id)} done value={float(tensor[0])}", flush=True)
