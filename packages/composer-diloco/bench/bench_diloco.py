@@ -31,6 +31,7 @@ import json
 import multiprocessing
 import os
 import queue
+import resource
 import statistics
 import sys
 import tempfile
@@ -50,6 +51,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 WORLD = 2
+Timed = tuple[float, float, float]  # start, end (the monotonic clock all processes share), kernel CPU seconds
 
 
 def _model(seed: int = 0) -> nn.Module:
@@ -163,14 +165,14 @@ def _timed_reps(
     reps: int,
     desc: str,
     settle: Callable[[], None],
-    ours: Callable[[int], tuple[float, float]],
-    raw: Callable[[int], tuple[float, float]],
-) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
-    """In one replica process: ``reps`` times ``ours(rep)`` and ``raw(rep)`` (each returns its (start, end) on the
-    monotonic clock all processes share), the order alternating rep by rep, each after ``settle`` (the store's
-    pending deletions, a barrier, then on file:// rank 0 flushes dirty pages), outside the clock."""
-    t_ours: list[tuple[float, float]] = []
-    t_raw: list[tuple[float, float]] = []
+    ours: Callable[[int], Timed],
+    raw: Callable[[int], Timed],
+) -> tuple[list[Timed], list[Timed]]:
+    """In one replica process: ``reps`` times ``ours(rep)`` and ``raw(rep)`` (each returns its :data:`Timed`), the
+    order alternating rep by rep, each after ``settle`` (the store's pending deletions, a barrier, then on file://
+    rank 0 flushes dirty pages), outside the clock."""
+    t_ours: list[Timed] = []
+    t_raw: list[Timed] = []
     for rep in tqdm(range(reps), desc=desc, leave=False, disable=rank != 0):
         for once, times in ((raw, t_raw), (ours, t_ours))[:: 1 if rep % 2 else -1]:
             settle()
@@ -183,14 +185,17 @@ def round_replica(
 ) -> dict[str, Any]:
     """One replica process of the throughput bench: per rep, one ObjectStoreAllReduce round and one raw fsspec
     copy of the same bytes (``pipe_file`` its blob, then ``cat_file`` the other's with the store's ``cat_file``
-    options), each started by a barrier of the replica processes; (start, end) of each and the round's
-    phases."""
+    options), each started by a barrier of the replica processes; (start, end, kernel CPU seconds of this
+    process) of each and the round's phases. Both start from a fresh copy of the tensor made before the clock:
+    the round because it overwrites its tensors, the raw copy so that both meet the same memory state (where
+    freed memory goes back to the host, as on a Firecracker VM with free page reporting, a write landing on
+    handed-back pages pays host faults, kernel time the third field shows)."""
     torch.set_num_threads(1)
     store = ObjectStoreAllReduce(
         url, run, rank=rank, world_size=WORLD, timeout_s=600, storage_options=options
     )
     tensor = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
-    fs, cat_options, blob = store.fs, store._cat_options, tensor.numpy().tobytes()
+    fs, cat_options = store.fs, store._cat_options
     raw_prefix = f"{store.root}/raw-{run}"
     local = url.startswith("file://")
     phases: list[dict[str, float]] = []
@@ -201,28 +206,29 @@ def round_replica(
         if local and rank == 0:  # flush dirty pages: neither side pays the writeback of the other's files
             os.sync()
 
-    def ours(rep: int) -> tuple[float, float]:
+    def ours(rep: int) -> Timed:
         work = [tensor.clone()]
         barrier.wait()
-        t0 = time.perf_counter()
+        k0, t0 = _kernel_s(), time.perf_counter()
         store.allreduce(rep, work)
-        t1 = time.perf_counter()
+        t1, k1 = time.perf_counter(), _kernel_s()
         phases.append(dict(store.last.phases))
-        return t0, t1
+        return t0, t1, k1 - k0
 
-    def raw(rep: int) -> tuple[float, float]:
+    def raw(rep: int) -> Timed:
         folder = f"{raw_prefix}/{rep}"
         fs.makedirs(folder, exist_ok=True)
+        blob = tensor.numpy().tobytes()  # fresh memory, as the round's clone
         barrier.wait()
-        t0 = time.perf_counter()
+        k0, t0 = _kernel_s(), time.perf_counter()
         fs.pipe_file(f"{folder}/{rank}.bin", blob)
         barrier.wait()  # the same I/O as the all-reduce: write own blob, read the other's
         fs.cat_file(f"{folder}/{1 - rank}.bin", **cat_options)
-        t1 = time.perf_counter()
+        t1, k1 = time.perf_counter(), _kernel_s()
         barrier.wait()
         if rank == 0:
             fs.rm(folder, recursive=True)
-        return t0, t1
+        return t0, t1, k1 - k0
 
     desc = f"{url.split(':')[0]} throughput {numel * 4 / 2**20:g} MiB"
     t_ours, t_raw = _timed_reps(rank, reps, desc, settle, ours, raw)
@@ -230,6 +236,11 @@ def round_replica(
     if rank == 0:
         store.cleanup_run()
     return {"pid": os.getpid(), "ours": t_ours, "raw": t_raw, "phases": phases}
+
+
+def _kernel_s() -> float:
+    """CPU seconds this process (every thread) has spent in the kernel so far."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_stime
 
 
 def _replica_main(rank: int, kwargs: dict[str, Any], barrier: Any, results: Any) -> None:
@@ -290,7 +301,10 @@ def throughput(url: str, megabytes: float, reps: int, options: dict[str, Any] | 
     replicas = _run_replicas(kwargs)
 
     def spans(kind: str) -> list[float]:
-        return [max(e for _, e in rep) - min(s for s, _ in rep) for rep in zip(*(r[kind] for r in replicas))]
+        return [max(t[1] for t in rep) - min(t[0] for t in rep) for rep in zip(*(r[kind] for r in replicas))]
+
+    def kernel(kind: str) -> list[float]:  # per rep, the mean over the replicas
+        return [statistics.fmean(t[2] for t in rep) for rep in zip(*(r[kind] for r in replicas))]
 
     t_reduce, t_raw = spans("ours"), spans("raw")
     ratios = [r / o for r, o in zip(t_raw, t_reduce, strict=True)]
@@ -310,6 +324,8 @@ def throughput(url: str, megabytes: float, reps: int, options: dict[str, Any] | 
         "raw_copy_MBps": payload / statistics.median(t_raw) / 2**20,
         "ratio_allreduce_over_raw": _spread(ratios),  # raw time / all-reduce time, per interleaved rep
         "phases_s": {p: _spread(v) for p, v in phases.items()},  # RoundStats.phases, mean of the replicas
+        # CPU seconds a replica process spent in the kernel during the timed span (page cache, page faults, I/O)
+        "kernel_s": {"allreduce": _spread(kernel("ours")), "raw_copy": _spread(kernel("raw"))},
         "reps": reps,
     }
 
@@ -491,7 +507,22 @@ def machine() -> dict[str, Any]:
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "python": sys.version.split()[0],
         "torch": torch.__version__,
+        "page_reporting": page_reporting(),
     }
+
+
+def page_reporting() -> dict[str, int] | None:
+    """The guest kernel's free page reporting (freed memory handed back to the host, as Firecracker's balloon
+    does), None where it is off or unreadable: ``order`` (smallest block reported, log2 pages) and
+    ``min_free_ms`` (how long a block stays free before it is reported)."""
+    folder = Path("/sys/module/page_reporting/parameters")
+    try:
+        return {
+            "order": int((folder / "page_reporting_order").read_text()),
+            "min_free_ms": int((folder / "min_free_ms").read_text()),
+        }
+    except (OSError, ValueError):
+        return None
 
 
 def readme(results: dict[str, Any]) -> dict[str, Any]:
@@ -573,8 +604,19 @@ def readme(results: dict[str, Any]) -> dict[str, Any]:
         "= encode + create its object, commit = wait for and validate the other's object until the manifest is "
         "committed, reduce = checks and staged sums, accept = write its marker and read the other's, apply = "
         "the average into the tensors; publish rows: one replica alone, its publish phase against a raw fsspec "
-        "`pipe_file` of the same bytes; see `machine` in the JSON.",
+        "`pipe_file` of the same bytes; both sides of a round row start from a fresh copy of the tensor, made "
+        f"outside the clock{_reporting_note(results['machine'].get('page_reporting'))}; see `machine` in the JSON.",
     }
+
+
+def _reporting_note(reporting: dict[str, int] | None) -> str:
+    if not reporting:
+        return ""
+    return (
+        f" (this VM hands freed memory back to the host: free page reporting of blocks of 2^{reporting['order']} "
+        f"pages after {reporting['min_free_ms']} ms, so a write that lands on handed-back pages pays host faults; "
+        "`kernel_s` in the JSON holds each side's kernel CPU time)"
+    )
 
 
 def _ms(seconds: float) -> str:

@@ -20,6 +20,14 @@ def test_bench_runs_at_small_size_and_sharded_reads_stay_flat(tmp_path: Path) ->
     # the replicas of a timed round (and of its raw copy) are two processes of their own, as in training
     for r in data["throughput"]:
         assert len(set(r["replica_pids"])) == 2 and r["bench_pid"] not in r["replica_pids"], r
+    # both sides' kernel CPU time (page cache, page faults): where a VM hands freed memory back to the host, a
+    # write landing on handed-back pages pays host faults, and the note names that setting from the JSON
+    for r in data["throughput"]:
+        assert set(r["kernel_s"]) == {"allreduce", "raw_copy"}, r
+        assert all(v["min"] >= 0 and v["max"] < 60 for v in r["kernel_s"].values()), r
+    reporting = data["machine"]["page_reporting"]
+    assert reporting is None or set(reporting) == {"order", "min_free_ms"}, reporting
+    assert ("free page reporting" in data["readme"]["note"]) == bool(reporting), data["readme"]["note"]
     # where each round's time went (RoundStats.phases), a column of the README table
     for r in data["throughput"]:
         assert list(r["phases_s"]) == list(PHASES) and all(v["min"] >= 0 for v in r["phases_s"].values())
