@@ -1,9 +1,11 @@
-"""Shared fixtures: one Lighthouse run (reference weights), one moto S3 server, one Ray instance."""
+"""Shared fixtures: one Lighthouse run (reference weights), one moto S3 server, one Ray instance, and a runner of
+replicas as threads."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -68,3 +70,31 @@ def ray_instance() -> Iterator[Any]:
             ray.shutdown()
     yield ray
     ray.shutdown()
+
+
+def _in_threads(fn: Callable[[int], Any], world: int, timeout_s: float = 120.0) -> list[Any]:
+    """``fn(rank)`` for every rank in its own thread: the results by rank; the first error is re-raised."""
+    out: list[Any] = [None] * world
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            out[rank] = fn(rank)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    assert not any(t.is_alive() for t in threads), "a replica thread did not finish"
+    if errors:
+        raise errors[0]
+    return out
+
+
+@pytest.fixture
+def in_threads() -> Callable[[Callable[[int], Any], int], list[Any]]:
+    """Run replicas as threads of this process: ``in_threads(fn, world)`` (see :func:`_in_threads`)."""
+    return _in_threads

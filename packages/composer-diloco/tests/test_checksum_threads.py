@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 import socket
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,26 +17,6 @@ from composer_diloco import ObjectStoreAllReduce
 from composer_diloco import object_store as osm
 
 N = (16 << 20) // 4  # 16 MiB of float32: above _PARALLEL_BYTES, so the threads are used where allowed
-
-
-def _each(fn: Callable[[int], Any], world: int = 2) -> list[Any]:
-    out: list[Any] = [None] * world
-    errors: list[BaseException] = []
-
-    def run(r: int) -> None:
-        try:
-            out[r] = fn(r)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return out
 
 
 @pytest.fixture
@@ -60,13 +39,20 @@ def _stores(tmp_path: Path, run: str) -> list[ObjectStoreAllReduce]:
     ]
 
 
-def _round(stores: list[ObjectStoreAllReduce], round_id: int) -> None:
-    """One round of fresh values; checks the average bit for bit."""
-    values = [torch.randn(N, generator=torch.Generator().manual_seed(10 * round_id + r)) for r in range(2)]
-    work = [v.clone() for v in values]
-    _each(lambda r: stores[r].allreduce(round_id, [work[r]]))
-    expected = (values[0] + values[1]) / 2
-    assert all(torch.equal(w, expected) for w in work)
+@pytest.fixture
+def run_round(in_threads: Callable[..., list[Any]]) -> Callable[[list[ObjectStoreAllReduce], int], None]:
+    """One round of fresh values, the replicas as threads; checks the average bit for bit."""
+
+    def one(stores: list[ObjectStoreAllReduce], round_id: int) -> None:
+        values = [
+            torch.randn(N, generator=torch.Generator().manual_seed(10 * round_id + r)) for r in range(2)
+        ]
+        work = [v.clone() for v in values]
+        in_threads(lambda r: stores[r].allreduce(round_id, [work[r]]), 2)
+        expected = (values[0] + values[1]) / 2
+        assert all(torch.equal(w, expected) for w in work)
+
+    return one
 
 
 def test_objects_name_their_machine_without_naming_the_host(tmp_path: Path) -> None:
@@ -78,43 +64,45 @@ def test_objects_name_their_machine_without_naming_the_host(tmp_path: Path) -> N
 
 
 def test_replicas_sharing_two_cores_check_in_the_calling_thread(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pool_uses: list[int]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pool_uses: list[int], run_round: Any
 ) -> None:
     monkeypatch.setattr(osm, "_usable_cores", lambda: 2)
     stores = _stores(tmp_path, "shared")
-    _round(stores, 0)  # nothing known of the others before the first round: the threads are used
+    run_round(stores, 0)  # nothing known of the others before the first round: the threads are used
     assert pool_uses and all(s.colocated == 2 and not s.checksum_parallel for s in stores)
     pool_uses.clear()
-    _round(stores, 1)
+    run_round(stores, 1)
     assert not pool_uses  # publish and validation both scanned in the calling threads
 
 
 def test_replicas_with_cores_to_spare_keep_the_threads(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pool_uses: list[int]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pool_uses: list[int], run_round: Any
 ) -> None:
     monkeypatch.setattr(osm, "_usable_cores", lambda: 4)
     stores = _stores(tmp_path, "spare")
-    _round(stores, 0)
+    run_round(stores, 0)
     assert all(s.colocated == 2 and s.checksum_parallel for s in stores)
     pool_uses.clear()
-    _round(stores, 1)
+    run_round(stores, 1)
     assert pool_uses
 
 
 def test_replicas_on_other_machines_do_not_count(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pool_uses: list[int]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pool_uses: list[int], run_round: Any
 ) -> None:
     monkeypatch.setattr(osm, "_usable_cores", lambda: 2)
     stores = _stores(tmp_path, "apart")
     stores[1]._machine = "0" * 16  # its objects say they come from another machine
-    _round(stores, 0)
+    run_round(stores, 0)
     assert [s.colocated for s in stores] == [1, 1] and all(s.checksum_parallel for s in stores)
     pool_uses.clear()
-    _round(stores, 1)
+    run_round(stores, 1)
     assert pool_uses
 
 
-def test_a_sharded_exchange_counts_its_replicas_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_sharded_exchange_counts_its_replicas_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run_round: Any
+) -> None:
     monkeypatch.setattr(osm, "_usable_cores", lambda: 2)
     stores = [
         ObjectStoreAllReduce(
@@ -122,5 +110,5 @@ def test_a_sharded_exchange_counts_its_replicas_too(tmp_path: Path, monkeypatch:
         )
         for r in range(2)
     ]
-    _round(stores, 0)
+    run_round(stores, 0)
     assert all(s.colocated == 2 and not s.checksum_parallel for s in stores)

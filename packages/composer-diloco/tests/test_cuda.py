@@ -7,8 +7,8 @@ the round must leave every tensor where it was, in place, with the value the sam
 
 from __future__ import annotations
 
-import threading
 import uuid
+from collections.abc import Callable
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -20,26 +20,7 @@ from composer_diloco.toy import toy_batches, toy_model
 from torch import nn
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-def _threads(world: int, body: Any) -> None:
-    """Run ``body(rank)`` for every rank in its own thread; re-raise the first error."""
-    errors: list[BaseException] = []
-
-    def go(rank: int) -> None:
-        try:
-            body(rank)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=go, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not any(t.is_alive() for t in threads), "a replica thread did not finish"
-    if errors:
-        raise errors[0]
+Runner = Callable[..., list[Any]]  # conftest's in_threads(fn, world)
 
 
 def _state(rank: int, device: str) -> list[torch.Tensor]:
@@ -61,7 +42,7 @@ def _state(rank: int, device: str) -> list[torch.Tensor]:
 @pytest.mark.parametrize("exchange", ["full", "sharded"])
 @pytest.mark.parametrize("quantize", [False, True])
 def test_cuda_tensors_are_averaged_in_place_with_the_cpu_round_s_values(
-    tmp_path: Path, exchange: str, quantize: bool
+    tmp_path: Path, exchange: str, quantize: bool, in_threads: Runner
 ) -> None:
     world = 3
     got: dict[str, list[list[torch.Tensor]]] = {}
@@ -79,7 +60,7 @@ def test_cuda_tensors_are_averaged_in_place_with_the_cpu_round_s_values(
             )
             for r in range(world)
         ]
-        _threads(world, lambda r, s=stores, v=values: s[r].allreduce(0, v[r], quantize=quantize))
+        in_threads(lambda r, s=stores, v=values: s[r].allreduce(0, v[r], quantize=quantize), world)
         for v, p in zip(values, ptrs):
             assert [t.device.type for t in v] == [device] * len(v)
             assert [t.data_ptr() for t in v] == p  # in place: the caller's tensors, not copies
@@ -91,7 +72,9 @@ def test_cuda_tensors_are_averaged_in_place_with_the_cpu_round_s_values(
     assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(got["cuda"][0], got["cuda"][1]))
 
 
-def _diloco(config: DiLoCoConfig, device: str, *, world: int = 2, steps: int = 8) -> list[list[torch.Tensor]]:
+def _diloco(
+    config: DiLoCoConfig, device: str, in_threads: Runner, *, world: int = 2, steps: int = 8
+) -> list[list[torch.Tensor]]:
     """``world`` replicas as threads, each with torchft's DiLoCo on its own ObjectStoreManager and its
     model on ``device``; returns every replica's final parameters."""
     url = f"memory://cuda-{uuid.uuid4().hex}"
@@ -112,7 +95,7 @@ def _diloco(config: DiLoCoConfig, device: str, *, world: int = 2, steps: int = 8
         assert manager.current_step() == steps // (config.sync_every // config.n_fragments)
         out[rank] = [p.detach().clone() for p in model.parameters()]
 
-    _threads(world, replica)
+    in_threads(replica, world)
     return out
 
 
@@ -126,11 +109,13 @@ CONFIGS = {
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_diloco_on_the_gpu_keeps_replicas_identical_and_matches_the_cpu_run(name: str) -> None:
+def test_diloco_on_the_gpu_keeps_replicas_identical_and_matches_the_cpu_run(
+    name: str, in_threads: Runner
+) -> None:
     kw = dict(CONFIGS[name])
     cpu_kw = {k: v for k, v in kw.items() if k not in ("pin_memory", "backup_device")}
-    gpu = _diloco(DiLoCoConfig(sync_every=4, **kw), "cuda")
-    cpu = _diloco(DiLoCoConfig(sync_every=4, **cpu_kw), "cpu")
+    gpu = _diloco(DiLoCoConfig(sync_every=4, **kw), "cuda", in_threads)
+    cpu = _diloco(DiLoCoConfig(sync_every=4, **cpu_kw), "cpu", in_threads)
     assert all(p.device.type == "cuda" for p in gpu[0] + gpu[1])
     if "fragments" not in name:  # streaming: the fragment synced first has taken local steps since
         assert all(torch.equal(a, b) for a, b in zip(gpu[0], gpu[1]))  # one committed average per round
