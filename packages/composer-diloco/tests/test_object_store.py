@@ -91,14 +91,26 @@ def test_local_writes_go_through_a_temporary_key(tmp_path: Path, monkeypatch: py
     links: list[tuple[str, str]] = []
     renames: list[tuple[str, str]] = []
     real_link, real_replace = os.link, os.replace
-    monkeypatch.setattr(os, "link", lambda a, b: (links.append((a, b)), real_link(a, b))[1])
-    monkeypatch.setattr(os, "replace", lambda a, b: (renames.append((a, b)), real_replace(a, b))[1])
+
+    def link(a: str, b: str) -> None:
+        real_link(a, b)  # recorded once it succeeded (the first link into a new round's folder makes it)
+        links.append((a, b))
+
+    def replace(a: str, b: str) -> None:
+        real_replace(a, b)
+        renames.append((a, b))
+
+    monkeypatch.setattr(os, "link", link)
+    monkeypatch.setattr(os, "replace", replace)
     store.allreduce(0, [torch.ones(1)])
-    # object and manifest: create-only link of a complete temporary file; marker: atomic rename
+    # object and manifest: create-only link of a complete temporary file; the first marker: atomic rename
     assert [b for _, b in links] == [store.object_key(0, 0), store.manifest_key(0)]
     assert [b for _, b in renames] == [store.marker_key(0)]
-    assert all(Path(a).name.startswith(".tmp-") for a, _ in links + renames)
-    assert not list(Path(store.round_dir(0)).glob(".tmp-*"))
+    temporary = [Path(a) for a, _ in links + renames]
+    assert all(t.name.startswith(".tmp-") and t.parent == Path(store.key("tmp")) for t in temporary)
+    store.wait_cleanup()
+    assert not list(Path(store.prefix).rglob(".tmp-*"))[len(store._spares) :]  # only the spares made ahead
+    assert not any(Path(a).exists() for a, _ in links + renames)
 
 
 def test_average_is_written_in_pieces_without_a_payload_sized_accumulator(url: str) -> None:

@@ -66,6 +66,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import errno
 import functools
 import hashlib
 import hmac
@@ -82,6 +84,7 @@ import threading
 import time
 import uuid
 import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -374,6 +377,14 @@ class ObjectStoreAllReduce:
         self._cleaner: ThreadPoolExecutor | None = None  # one worker: deletions run one at a time, in order
         self._cleanups: list[Future[None]] = []
         self._marker: dict[int, str] | None = None  # this replica's progress marker, as last written
+        # local stores: temporary files created ahead (see _make_spares), removed with the store at the latest
+        self._tmp_dir = self.key("tmp")
+        self._spares: list[tuple[str, io.BufferedWriter]] = []
+        self._tmp_taken = 0  # temporary files the current round took: the next round gets as many spares
+        self._exchange = True  # until this filesystem refuses RENAME_EXCHANGE (see _swap_in)
+        self._sparer: ThreadPoolExecutor | None = None  # the worker that makes them
+        self._sparing: Future[None] | None = None
+        weakref.finalize(self, _drop_spares, self._spares)
         self._next_round: int | None = None  # the round after the one this instance last completed
         self._proposed: int | None = None  # the round whose manifest this call created (see _discard)
         self._machine = _machine()  # what this replica's objects say of where they come from
@@ -656,24 +667,77 @@ class ObjectStoreAllReduce:
 
     # ---- storage primitives -----------------------------------------------------------
     def _local_tmp(self, key: str) -> tuple[str, io.BufferedWriter]:
-        """A new temporary file beside ``key`` (its folder made only when missing: no makedirs per write)."""
-        tmp = f"{posixpath.dirname(key)}/.tmp-{uuid.uuid4().hex}"
+        """A temporary file to write ``key``'s bytes into before it is linked or swapped in: a spare one
+        (:meth:`_make_spares`) when there is one, else a new one, in the run's ``tmp/`` folder (the same
+        filesystem as ``key``)."""
+        self._tmp_taken += 1
+        try:
+            return self._spares.pop()
+        except IndexError:
+            return self._new_tmp()
+
+    def _new_tmp(self) -> tuple[str, io.BufferedWriter]:
+        tmp = f"{self._tmp_dir}/.tmp-{uuid.uuid4().hex}"
         try:
             return tmp, open(tmp, "xb")
-        except FileNotFoundError:
-            self.fs.makedirs(posixpath.dirname(key), exist_ok=True)
+        except FileNotFoundError:  # the folder is made only when missing: no makedirs per write
+            os.makedirs(self._tmp_dir, exist_ok=True)
             return tmp, open(tmp, "xb")
 
+    def _make_spares(self, count: int) -> None:
+        """Create temporary files for the next round's writes (run in the background after a round, like the
+        deletions): creating a file is a journaled metadata operation (~45 µs on ext4), and a round writes
+        three (object, manifest, marker), a third of a 1 MiB round's fixed cost on its critical path."""
+        try:
+            while len(self._spares) < count:
+                self._spares.append(self._new_tmp())
+        except OSError as exc:  # a round then creates its files itself, and reports a real failure
+            logger.warning("could not create temporary files ahead in %s: %s", self._tmp_dir, exc)
+
+    def _link_into(self, tmp: str, key: str) -> bool:
+        """``os.link(tmp, key)`` (create-only: False if ``key`` exists), making ``key``'s folder if missing."""
+        try:
+            try:
+                os.link(tmp, key)
+            except FileNotFoundError:
+                os.makedirs(posixpath.dirname(key), exist_ok=True)
+                os.link(tmp, key)
+            return True
+        except FileExistsError:
+            return False
+
     def put_atomic(self, key: str, data: bytes) -> None:
-        """Write ``data`` so that readers see all of it or nothing."""
+        """Write ``data`` so that readers see all of it or nothing (the old value until then)."""
         if self._local:
             tmp, f = self._local_tmp(key)
-            with f:
-                f.write(data)
-            os.replace(tmp, key)  # atomic for readers (no fsync: visibility, not crash durability)
+            try:
+                with f:
+                    f.write(data)
+                self._swap_in(tmp, key)
+            finally:  # the old file after an exchange; the temporary file after a failed write
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
         else:  # object stores publish a single PUT atomically
             self.fs.pipe_file(key, data)
         self.bytes_written += len(data)
+
+    def _swap_in(self, tmp: str, key: str) -> None:
+        """Make the complete file ``tmp`` the file at ``key``, atomically for readers (no fsync: visibility, not
+        crash durability). An existing ``key`` is exchanged with ``tmp`` (Linux ``renameat2`` with
+        ``RENAME_EXCHANGE``; ``tmp`` then names the old file): renaming over an existing file makes ext4 start
+        writing the new one back first (``auto_da_alloc``), ~0.1 ms of a marker update's ~0.15 ms. Elsewhere,
+        for a new ``key``, or on a filesystem without exchange: ``os.replace``."""
+        if self._exchange and _RENAMEAT2 is not None:
+            if _RENAMEAT2(_AT_FDCWD, os.fsencode(tmp), _AT_FDCWD, os.fsencode(key), _RENAME_EXCHANGE) == 0:
+                return
+            err = ctypes.get_errno()
+            if err != errno.ENOENT:  # EINVAL/ENOTSUP: this filesystem cannot exchange; ENOSYS: nor the kernel
+                self._exchange = False
+        try:
+            os.replace(tmp, key)
+        except FileNotFoundError:
+            os.makedirs(posixpath.dirname(key), exist_ok=True)
+            os.replace(tmp, key)
 
     def put_if_absent(self, key: str, data: bytes | _Encoded) -> bool:
         """Create ``key`` only if it does not exist (conditional put); True if we created it.
@@ -700,11 +764,7 @@ class ObjectStoreAllReduce:
                         self._seal(enc, f.write)
                         f.seek(0)
                         f.write(enc.head)
-                try:
-                    os.link(tmp, key)  # atomic, fails if key exists
-                    return True
-                except FileExistsError:
-                    return False
+                return self._link_into(tmp, key)  # atomic, fails if key exists
             finally:  # also when the write fails (a full disk): no temporary file is left behind
                 os.unlink(tmp)
         if enc.unsealed is not None:
@@ -1115,6 +1175,7 @@ class ObjectStoreAllReduce:
             raise ValueError(f"op must be 'avg' or 'sum', got {op!r}.")
         laps = _Laps()
         written0, read0 = self.bytes_written, self.bytes_read
+        self._tmp_taken = 0
         # In step (this instance completed round r - 1), nothing of round r is this replica's yet: the
         # committed-round check rides on the wait and the markers (module docstring, step 1).
         in_step, self._next_round, self._proposed = self._next_round == round_id, None, None
@@ -1146,6 +1207,7 @@ class ObjectStoreAllReduce:
                 self._discard(round_id)
             raise
         self._cleanup(round_id, manifest)
+        self._spare_ahead()
         self._next_round = round_id + 1
         participants = manifest.ranks
         self.last = RoundStats(
@@ -1677,6 +1739,18 @@ class ObjectStoreAllReduce:
             self._cleanups.pop(0).result()
         self._cleanups.append(self._cleaner.submit(self._remove_round, old))
 
+    def _spare_ahead(self) -> None:
+        """On a local filesystem, create the next round's temporary files (:meth:`_make_spares`: as many as this
+        round took) in a worker of their own, off the critical path like the deletions and never queued behind
+        one; not while the previous round's are still being made (the round then creates what it lacks)."""
+        if not self._local or len(self._spares) >= self._tmp_taken:
+            return
+        if self._sparing is not None and not self._sparing.done():
+            return
+        if self._sparer is None:
+            self._sparer = ThreadPoolExecutor(1, thread_name_prefix="diloco-store-spares")
+        self._sparing = self._sparer.submit(self._make_spares, self._tmp_taken)
+
     def _remove_round(self, old: int) -> None:
         """Delete every stored round up to ``old``."""
         try:
@@ -1742,14 +1816,17 @@ class ObjectStoreAllReduce:
             )
 
     def wait_cleanup(self) -> None:
-        """Wait until the background deletions of old rounds (if any) have finished."""
+        """Wait until the background work (deletions of old rounds, temporary files made ahead) has finished."""
         pending, self._cleanups = self._cleanups, []
+        if self._sparing is not None:
+            pending.append(self._sparing)
         for f in pending:
-            f.result()  # _remove_round logs its own failures: this never raises
+            f.result()  # _remove_round and _make_spares log their own failures: this never raises
 
     def cleanup_run(self) -> None:
         """Delete everything under this run's prefix (call once, after every replica finished)."""
         self.wait_cleanup()
+        _drop_spares(self._spares)
         with contextlib.suppress(FileNotFoundError):
             self._remove_tree(self.prefix)
 
@@ -2201,6 +2278,31 @@ class _Stream(io.RawIOBase):
             start = end
         self._pos += n
         return n
+
+
+def _renameat2() -> Any:
+    """libc's ``renameat2`` (Linux, glibc 2.28 and later), or None."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError, TypeError):  # not Linux/glibc (TypeError: Windows' CDLL(None))
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_RENAMEAT2 = _renameat2()
+_AT_FDCWD = -100  # paths relative to the working directory (ours are absolute)
+_RENAME_EXCHANGE = 2  # <linux/fs.h>: swap the two names atomically, both must exist
+
+
+def _drop_spares(spares: list[tuple[str, io.BufferedWriter]]) -> None:
+    """Close and delete a store's spare temporary files (when it is collected, at exit, or by cleanup_run)."""
+    while spares:
+        tmp, f = spares.pop()
+        f.close()
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
 
 
 def _protocols(fs: Any) -> set[str]:
