@@ -27,7 +27,8 @@ error naming why.** The round's committed manifest is its single source of truth
    corruption through with probability 2^-64; forged objects are the HMAC's job. Objects of
    formats 1 and 2 are refused by name. Then *create* ``<root>/<run_id>/rounds/<round>/rank-<rank>.bin`` with a create-only write
    (``link`` of a complete temporary file on local filesystems, written piece by piece as it is
-   hashed, its header last; ``If-None-Match: *`` on S3, a lock on ``memory://``). Objects are immutable: a replica whose object for r exists already (it
+   hashed, its header last, the file made ahead in ``<run_id>/tmp/`` after the previous round;
+   ``If-None-Match: *`` on S3, a lock on ``memory://``). Objects are immutable: a replica whose object for r exists already (it
    re-runs r after a crash) contributes the stored object, which others may have read.
 3. Read the other ranks' objects: first directly (on S3 all GETs at once, no listing), then by
    polling a listing of the run's rounds. Every object is decoded and validated (magic, tag, run
@@ -47,7 +48,10 @@ error naming why.** The round's committed manifest is its single source of truth
    the other's marker, so no two replicas complete r with different averages.
 6. Average in float32 in rank order (``Σ x_r`` then ``/ n``, the order torchft's gloo path
    uses), write into the caller's tensors; one participant per round (``ranks[r % n]``) deletes
-   the rounds older than ``keep_rounds`` in the background.
+   the rounds older than ``keep_rounds`` in the background. On a local filesystem a worker of each
+   replica then makes the next round's temporary files (a file's creation is a journaled metadata
+   operation: off the round's path), and a marker is swapped in by ``renameat2(RENAME_EXCHANGE)``
+   with the old one where the filesystem has it (``os.replace`` elsewhere).
 
 With ``exchange="sharded"`` step 2 writes k shard objects (shard s = the s-th 1/k of every flattened
 tensor, under a fresh nonce) and then the replica's *index* object (at the key above; its tag is what
@@ -384,7 +388,8 @@ class ObjectStoreAllReduce:
         self._exchange = True  # until this filesystem refuses RENAME_EXCHANGE (see _swap_in)
         self._sparer: ThreadPoolExecutor | None = None  # the worker that makes them
         self._sparing: Future[None] | None = None
-        weakref.finalize(self, _drop_spares, self._spares)
+        self._pid = os.getpid()  # the process they belong to
+        weakref.finalize(self, _drop_spares, self._spares, self._pid)
         self._next_round: int | None = None  # the round after the one this instance last completed
         self._proposed: int | None = None  # the round whose manifest this call created (see _discard)
         self._machine = _machine()  # what this replica's objects say of where they come from
@@ -671,10 +676,10 @@ class ObjectStoreAllReduce:
         (:meth:`_make_spares`) when there is one, else a new one, in the run's ``tmp/`` folder (the same
         filesystem as ``key``)."""
         self._tmp_taken += 1
-        try:
-            return self._spares.pop()
-        except IndexError:
-            return self._new_tmp()
+        if self._pid == os.getpid():  # a forked child never writes its parent's spares
+            with contextlib.suppress(IndexError):
+                return self._spares.pop()
+        return self._new_tmp()
 
     def _new_tmp(self) -> tuple[str, io.BufferedWriter]:
         tmp = f"{self._tmp_dir}/.tmp-{uuid.uuid4().hex}"
@@ -1743,7 +1748,7 @@ class ObjectStoreAllReduce:
         """On a local filesystem, create the next round's temporary files (:meth:`_make_spares`: as many as this
         round took) in a worker of their own, off the critical path like the deletions and never queued behind
         one; not while the previous round's are still being made (the round then creates what it lacks)."""
-        if not self._local or len(self._spares) >= self._tmp_taken:
+        if not self._local or len(self._spares) >= self._tmp_taken or self._pid != os.getpid():
             return
         if self._sparing is not None and not self._sparing.done():
             return
@@ -1826,7 +1831,7 @@ class ObjectStoreAllReduce:
     def cleanup_run(self) -> None:
         """Delete everything under this run's prefix (call once, after every replica finished)."""
         self.wait_cleanup()
-        _drop_spares(self._spares)
+        _drop_spares(self._spares, self._pid)
         with contextlib.suppress(FileNotFoundError):
             self._remove_tree(self.prefix)
 
@@ -2296,9 +2301,10 @@ _AT_FDCWD = -100  # paths relative to the working directory (ours are absolute)
 _RENAME_EXCHANGE = 2  # <linux/fs.h>: swap the two names atomically, both must exist
 
 
-def _drop_spares(spares: list[tuple[str, io.BufferedWriter]]) -> None:
-    """Close and delete a store's spare temporary files (when it is collected, at exit, or by cleanup_run)."""
-    while spares:
+def _drop_spares(spares: list[tuple[str, io.BufferedWriter]], pid: int) -> None:
+    """Close and delete a store's spare temporary files (when it is collected, at exit, or by cleanup_run);
+    in a forked child of process ``pid``, which they belong to, nothing."""
+    while spares and os.getpid() == pid:
         tmp, f = spares.pop()
         f.close()
         with contextlib.suppress(OSError):
