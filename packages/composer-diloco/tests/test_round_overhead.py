@@ -459,9 +459,11 @@ def test_a_local_round_in_step_creates_no_file_and_renames_over_none(
 ) -> None:
     """On a local filesystem a round in step writes its object, manifest and marker into temporary files made
     ahead, after the previous round, by a background worker (creating a file cost ~45 µs on ext4, three per
-    round), and swaps the new marker in by exchanging it with the old one (renaming over an existing file makes
-    ext4 write the new one back first, ~0.1 ms). Together they were half of a 1 MiB round's fixed cost. On
-    main before this test: three files created and one rename over an existing file per round."""
+    round), swaps the new marker in by exchanging it with the old one (renaming over an existing file makes
+    ext4 write the new one back first, ~0.1 ms), and leaves the spent temporary names to that worker (an
+    unlink after a write-back, as after the bench's os.sync, cost ~65 µs). Together they were half of a 1 MiB
+    round's fixed cost. On main before this test: three files created, one rename over an existing file and
+    three unlinks per round."""
     if not _exchange_works(tmp_path):
         pytest.skip("this filesystem has no RENAME_EXCHANGE (the fallback is tested below)")
     store = ObjectStoreAllReduce(f"file://{tmp_path}", "run", rank=0, world_size=1)
@@ -482,14 +484,22 @@ def test_a_local_round_in_step_creates_no_file_and_renames_over_none(
             replaced.append(str(b))
         real_replace(a, b)
 
+    def counting_unlink(path: Any, *args: Any, **kwargs: Any) -> None:
+        if threading.current_thread() is main:
+            unlinked.append(str(path))
+        real_unlink(path, *args, **kwargs)
+
+    unlinked: list[str] = []
+    real_unlink = os.unlink
     monkeypatch.setattr(object_store_module, "open", counting_open, raising=False)
     monkeypatch.setattr(os, "replace", counting_replace)
+    monkeypatch.setattr(os, "unlink", counting_unlink)
     for round_id in (1, 2, 3):
         tensors = [torch.full((4,), float(round_id))]
         store.allreduce(round_id, tensors)
         assert torch.equal(tensors[0], torch.full((4,), float(round_id)))
         store.wait_cleanup()
-    assert created == [] and replaced == []
+    assert created == [] and replaced == [] and unlinked == []
     marker = json.loads(Path(store.marker_key(0)).read_text())
     assert sorted(marker["accepted"]) == ["1", "2", "3"]  # keep_rounds + 1 newest: the swaps took effect
     files = [p for p in Path(store.prefix).rglob(".tmp-*")]
@@ -611,4 +621,5 @@ def test_a_forked_child_never_writes_or_deletes_its_parents_files_made_ahead(tmp
     assert all(p.exists() and p.stat().st_size == 0 for p in spares)
     tensors = [torch.full((2,), 7.0)]
     store.allreduce(2, tensors)
+    store.wait_cleanup()  # the spent names are deleted by the worker
     assert torch.equal(tensors[0], torch.full((2,), 7.0)) and not any(p.exists() for p in spares)
