@@ -181,7 +181,14 @@ def _timed_reps(
 
 
 def round_replica(
-    rank: int, url: str, run: str, numel: int, reps: int, options: dict[str, Any] | None, barrier: Any
+    rank: int,
+    url: str,
+    run: str,
+    numel: int,
+    reps: int,
+    options: dict[str, Any] | None,
+    barrier: Any,
+    tensors: int = 1,
 ) -> dict[str, Any]:
     """One replica process of the throughput bench: per rep, one ObjectStoreAllReduce round and one raw fsspec
     copy of the same bytes (``pipe_file`` its blob, then ``cat_file`` the other's with the store's ``cat_file``
@@ -189,12 +196,15 @@ def round_replica(
     process) of each and the round's phases. Both start from a fresh copy of the tensor made before the clock:
     the round because it overwrites its tensors, the raw copy so that both meet the same memory state (where
     freed memory goes back to the host, as on a Firecracker VM with free page reporting, a write landing on
-    handed-back pages pays host faults, kernel time the third field shows)."""
+    handed-back pages pays host faults, kernel time the third field shows). With ``tensors`` > 1 the payload is
+    that many tensors of their own (a model's or a LoRA adapter's parameters), the raw copy one blob of their
+    bytes."""
     torch.set_num_threads(1)
     store = ObjectStoreAllReduce(
         url, run, rank=rank, world_size=WORLD, timeout_s=600, storage_options=options
     )
-    tensor = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+    values = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+    parts = [c.clone() for c in values.chunk(tensors)]  # separate storages, as a model's parameters
     fs, cat_options = store.fs, store._cat_options
     raw_prefix = f"{store.root}/raw-{run}"
     local = url.startswith("file://")
@@ -207,7 +217,7 @@ def round_replica(
             os.sync()
 
     def ours(rep: int) -> Timed:
-        work = [tensor.clone()]
+        work = [p.clone() for p in parts]
         barrier.wait()
         k0, t0 = _kernel_s(), time.perf_counter()
         store.allreduce(rep, work)
@@ -218,7 +228,7 @@ def round_replica(
     def raw(rep: int) -> Timed:
         folder = f"{raw_prefix}/{rep}"
         fs.makedirs(folder, exist_ok=True)
-        blob = tensor.numpy().tobytes()  # fresh memory, as the round's clone
+        blob = torch.cat(parts).numpy().tobytes()  # fresh memory, as the round's clone
         barrier.wait()
         k0, t0 = _kernel_s(), time.perf_counter()
         fs.pipe_file(f"{folder}/{rank}.bin", blob)
@@ -230,7 +240,7 @@ def round_replica(
             fs.rm(folder, recursive=True)
         return t0, t1, k1 - k0
 
-    desc = f"{url.split(':')[0]} throughput {numel * 4 / 2**20:g} MiB"
+    desc = f"{url.split(':')[0]} throughput {numel * 4 / 2**20:g} MiB in {tensors} tensor(s)"
     t_ours, t_raw = _timed_reps(rank, reps, desc, settle, ours, raw)
     barrier.wait()
     if rank == 0:
@@ -291,13 +301,23 @@ def _run_replicas(kwargs: dict[str, Any]) -> list[dict[str, Any]]:
     return [out[r] for r in range(WORLD)]
 
 
-def throughput(url: str, megabytes: float, reps: int, options: dict[str, Any] | None) -> dict[str, Any]:
+def throughput(
+    url: str, megabytes: float, reps: int, options: dict[str, Any] | None, tensors: int = 1
+) -> dict[str, Any]:
     """One ObjectStoreAllReduce round against a raw fsspec copy of the same bytes (each replica ``pipe_file``s
     its blob, then ``cat_file``s the other's, with the same ``cat_file`` options the store uses), in 2 replica
     processes started together by a barrier, interleaved rep by rep, the order alternating. A rep's time runs
-    from the first replica's start to the last one's end (one monotonic clock for every process)."""
+    from the first replica's start to the last one's end (one monotonic clock for every process). ``tensors``: the
+    payload's number of tensors (:func:`round_replica`)."""
     numel = int(megabytes * 2**20 / 4)
-    kwargs = {"url": url, "run": uuid.uuid4().hex[:8], "numel": numel, "reps": reps, "options": options}
+    kwargs = {
+        "url": url,
+        "run": uuid.uuid4().hex[:8],
+        "numel": numel,
+        "reps": reps,
+        "options": options,
+        "tensors": tensors,
+    }
     replicas = _run_replicas(kwargs)
 
     def spans(kind: str) -> list[float]:
@@ -316,6 +336,7 @@ def throughput(url: str, megabytes: float, reps: int, options: dict[str, Any] | 
     return {
         "url": url.split(":")[0],
         "megabytes_per_replica": megabytes,
+        "tensors": tensors,
         "replica_pids": [r["pid"] for r in replicas],
         "bench_pid": os.getpid(),
         "allreduce_s": _spread(t_reduce),
@@ -532,10 +553,10 @@ def readme(results: dict[str, Any]) -> dict[str, Any]:
     }
     for r in results["throughput"]:
         ratio = r["ratio_allreduce_over_raw"]
-        peak = peaks.get((r["url"], r["megabytes_per_replica"]))
+        peak = peaks.get((r["url"], r["megabytes_per_replica"])) if r.get("tensors", 1) == 1 else None
         rows.append(
             [
-                "round vs raw fsspec copy (k=2, full)",
+                f"round vs raw fsspec copy (k=2, full{_tensors_label(r)})",
                 r["url"],
                 2,
                 r["megabytes_per_replica"],
@@ -609,6 +630,11 @@ def readme(results: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _tensors_label(row: dict[str, Any]) -> str:
+    n = row.get("tensors", 1)
+    return "" if n == 1 else f", {n} tensors"
+
+
 def _reporting_note(reporting: dict[str, int] | None) -> str:
     if not reporting:
         return ""
@@ -629,6 +655,9 @@ SIZES = {  # MiB per replica: (file:// reps, s3:// reps); an s3 rep at 512 MiB t
     "large": [(512.0, 11, 5)],
 }
 LARGE_ENV = "COMPOSER_BENCH_LARGE"
+# the 1 MiB round again with the payload in this many tensors: a LoRA adapter's or a small model's parameter count,
+# where what a round costs per tensor (encode, checksum, decode, average) shows
+MANY_TENSORS = 200
 
 
 def main() -> None:
@@ -664,6 +693,14 @@ def main() -> None:
                 ):
                     results["throughput"].append(throughput(url, mb, reps=reps, options=opts))
                     results["publish"].append(publish_alone(url, mb, reps=reps, options=opts))
+            mb, file_reps, s3_reps = sizes[0]
+            for url, opts, reps in (
+                (f"file://{tmp}/tpn", None, file_reps),
+                ("s3://bench/tpn", options, s3_reps),
+            ):
+                results["throughput"].append(
+                    throughput(url, mb, reps=reps, options=opts, tensors=MANY_TENSORS)
+                )
             for mb, *_ in sizes[1:]:  # 1 MiB: RSS noise exceeds the payload
                 for url, opts in ((f"file://{tmp}/peak-{mb:g}", None), (f"s3://bench/peak-{mb:g}", options)):
                     results["peak_memory"].append(peak_memory(url, mb, opts, Path(tmp)))
@@ -692,7 +729,9 @@ def report(results: dict[str, Any], out_dir: Path) -> None:
     _print_ratios(
         results["throughput"],
         ("allreduce_s", "raw_copy_s", "ratio_allreduce_over_raw"),
-        lambda r: " ".join(f"{p} {_ms(r['phases_s'][p]['median'])}" for p in PHASES) + " ms",
+        lambda r: (
+            " ".join(f"{p} {_ms(r['phases_s'][p]['median'])}" for p in PHASES) + f" ms{_tensors_label(r)}"
+        ),
     )
     print("\n== one replica's publish vs raw fsspec write of the same bytes (raw time / publish time) ==")
     _print_ratios(results["publish"], ("publish_s", "raw_write_s", "ratio_publish_over_raw_write"))
@@ -739,7 +778,10 @@ def plot(results: dict[str, Any], out_dir: Path) -> None:
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4))
     tp = results["throughput"]
     a.bar(
-        [f"{r['url']}\n{r['megabytes_per_replica']:.0f} MiB" for r in tp],
+        [
+            f"{r['url']}\n{r['megabytes_per_replica']:.0f} MiB{_tensors_label(r).replace(', ', chr(10))}"
+            for r in tp
+        ],
         [r["ratio_allreduce_over_raw"]["median"] for r in tp],
     )
     a.axhline(1.0, color="k", lw=0.5)

@@ -14,9 +14,10 @@ BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_diloco.py"
 def test_bench_runs_at_small_size_and_sharded_reads_stay_flat(tmp_path: Path) -> None:
     run_small_bench(BENCH, tmp_path, env={"COMPOSER_BENCH_LARGE": "0"}, timeout=900)
     data = load_bench_json(tmp_path / "diloco.json")
-    assert {(r["url"], r["megabytes_per_replica"]) for r in data["throughput"]} == {
-        (u, m) for u in ("file", "s3") for m in (1.0, 16.0)
-    }
+    assert {(r["url"], r["megabytes_per_replica"], r["tensors"]) for r in data["throughput"]} == {
+        (u, m, 1) for u in ("file", "s3") for m in (1.0, 16.0)
+    } | {(u, 1.0, 200) for u in ("file", "s3")}  # 1 MiB again as 200 tensors: the per-tensor cost shows
+    assert sum("full, 200 tensors)" in row[0] for row in data["readme"]["rows"]) == 2
     # the replicas of a timed round (and of its raw copy) are two processes of their own, as in training
     for r in data["throughput"]:
         assert len(set(r["replica_pids"])) == 2 and r["bench_pid"] not in r["replica_pids"], r
