@@ -320,3 +320,37 @@ def test_float64_values_beyond_float32_are_refused_on_every_replica_not_averaged
     out = _threads(stores, 0, values)
     assert all(isinstance(o, NonFiniteResultError) and "float32's range" in str(o) for o in out), out
     assert all(torch.equal(v[0], torch.full((6,), 1e300, dtype=torch.float64)) for v in values)
+
+
+def _many(r: int) -> list[torch.Tensor]:
+    """Rank ``r``'s tensors for the many-tensor test: 150 small float32 ones (averaged several at a time on the
+    full exchange's direct path), one whose float32 sum over 3 ranks overflows at two elements, one larger than a
+    bucket's tensor (the piecewise path), a bfloat16 one and a 2-D one."""
+    g = torch.Generator().manual_seed(r)
+    sizes = torch.randint(1, 3000, (150,), generator=torch.Generator().manual_seed(99)).tolist()
+    ts = [torch.randn(n, generator=g) for n in sizes]
+    ts[3][:2] = 3e38
+    ts.insert(10, torch.randn(40_000, generator=g))
+    ts.insert(20, torch.randn(8, generator=g).bfloat16())
+    ts.append(torch.randn(4, 4, generator=g))
+    return ts
+
+
+def test_many_small_tensors_average_bit_for_bit_as_one_at_a_time() -> None:
+    """The full exchange averages small float32 targets several at a time (gathered, summed, mended, divided,
+    scattered back); the sharded exchange and the formula do it tensor by tensor: the same bits on every replica,
+    the overflowing elements mended to the true average."""
+    inputs = [_many(r) for r in range(3)]
+    got = {}
+    for exchange in ("full", "sharded"):
+        values = [_many(r) for r in range(3)]
+        out = _threads(_stores(f"memory://many-{uuid.uuid4().hex}", exchange), 0, values)
+        assert all(not isinstance(o, BaseException) for o in out), out
+        for v in values[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(v, values[0], strict=True))
+        got[exchange] = values[0]
+    expect = [(sum(x[i].float() for x in inputs) / 3).to(inputs[0][i].dtype) for i in range(len(inputs[0]))]
+    assert int(expect[3].isinf().sum()) == 2
+    expect[3][:2] = 3e38
+    for a, b, e in zip(got["full"], got["sharded"], expect, strict=True):
+        assert torch.equal(a, e) and torch.equal(b, e) and a.dtype == e.dtype and a.shape == e.shape

@@ -98,6 +98,7 @@ import fsspec
 import fsspec.asyn
 import torch
 import xxhash
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +127,7 @@ _STREAM_READ = 1 << 20  # S3 GET bodies are copied into the read buffer this man
 # float32 elements (512 KiB) of the scratch a full-exchange average goes through: the piece, summed, is read once
 # more by its overflow check while it is still in L2 (1 MiB pieces were 1.1x slower per 64 MiB with the check)
 _REDUCE_PIECE = 1 << 17
+_BUCKET_TENSOR = 1 << 15  # float32 targets up to this many elements are averaged several at a time
 _PARALLEL_BYTES = 8 << 20  # smaller payloads are checked in the calling thread
 _SCAN_BYTES = 1 << 20  # a chunk is hashed, then checked for NaN/inf, this many bytes at a time (in cache)
 _PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -1326,14 +1328,19 @@ class ObjectStoreAllReduce:
         """``tensors ← Σ_r inputs[r]`` (float32, rank order), ``/ n`` for avg. The ``staged`` results
         (:meth:`_stage`) are copied in first (they may read memory a direct target shares); every other target, a
         contiguous CPU tensor sharing memory with no other, is written piece by piece through a cache-sized
-        float32 scratch (:func:`_reduce_pieces`: no payload-sized accumulator, one pass less). The same bits
-        either way."""
+        float32 scratch (:func:`_reduce_pieces`: no payload-sized accumulator, one pass less), small float32 ones
+        several at a time (:func:`_reduce_bucket`). The same bits either way."""
         for i, acc in staged.items():
             _apply(tensors[i], acc, 1)
         divisor = len(inputs) if op == "avg" else 1
-        for i in (i for i in range(len(tensors)) if i not in staged):
-            if self._scratch is None:  # a fresh one per round cost its page faults every round
-                self._scratch = torch.empty(_REDUCE_PIECE, dtype=torch.float32)
+        if self._scratch is None:  # a fresh one per round cost its page faults every round
+            self._scratch = torch.empty(_REDUCE_PIECE, dtype=torch.float32)
+        rest = [i for i in range(len(tensors)) if i not in staged]
+        small = [i for i in rest if _bucketable(tensors[i], [x[i] for x in inputs])]
+        for bucket in _buckets(small, [tensors[i].numel() for i in small]):
+            columns = [[x[i] for i in bucket] for x in inputs]
+            _reduce_bucket([tensors[i] for i in bucket], columns, divisor, self._scratch)
+        for i in sorted(set(rest) - set(small)):
             _reduce_pieces(tensors[i], [x[i] for x in inputs], divisor, self._scratch)
 
     def _reduce(
@@ -1993,6 +2000,50 @@ def _reduce_pieces(
         _apply(flat[lo:hi], piece, divisor)
         if fix is not None:
             flat[lo:hi][fix[0]] = fix[1].to(t.dtype)
+
+
+def _bucketable(t: torch.Tensor, inputs: Sequence[torch.Tensor]) -> bool:
+    """Whether the direct target ``t`` is averaged in a bucket with others (:func:`_reduce_bucket`): small, and
+    it and its inputs float32."""
+    return (
+        t.numel() <= _BUCKET_TENSOR
+        and t.dtype == torch.float32
+        and all(x.dtype == torch.float32 and x.device.type == "cpu" for x in inputs)
+    )
+
+
+def _buckets(indices: Sequence[int], sizes: Sequence[int]) -> list[list[int]]:
+    """``indices`` cut, in order, into runs of at most ``_REDUCE_PIECE`` elements in all."""
+    out: list[list[int]] = []
+    total = _REDUCE_PIECE
+    for i, n in zip(indices, sizes):
+        if total + n > _REDUCE_PIECE:
+            out.append([])
+            total = 0
+        out[-1].append(i)
+        total += n
+    return out
+
+
+def _reduce_bucket(
+    targets: Sequence[torch.Tensor],
+    columns: Sequence[Sequence[torch.Tensor]],
+    divisor: int,
+    scratch: torch.Tensor,
+) -> None:
+    """``targets[j] ← Σ_r columns[r][j] / divisor`` for small float32 targets at once: each input's tensors are
+    flattened into one buffer (in cache), then summed into ``scratch``, mended, divided and copied back, one call
+    each, not one per tensor (a 200-tensor round spent ~15 µs a tensor in per-call overhead, 5 µs gathering with
+    ``torch.cat``). Elementwise, so the bits are :func:`_reduce_pieces`'."""
+    flats = [_flatten_dense_tensors(list(column)) for column in columns]  # reads the targets before any write
+    piece = scratch[: flats[0].numel()]
+    _sum(piece, flats)
+    fix = _mend(piece, flats, divisor)
+    if divisor > 1:
+        piece.div_(divisor)
+    if fix is not None:
+        piece[fix[0]] = fix[1]
+    torch._foreach_copy_(list(targets), _unflatten_dense_tensors(piece, list(targets)))
 
 
 def _apply(t: torch.Tensor, acc: torch.Tensor, divisor: int) -> None:
