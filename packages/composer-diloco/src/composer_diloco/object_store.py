@@ -98,7 +98,7 @@ import fsspec
 import fsspec.asyn
 import torch
 import xxhash
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch._C._nn import flatten_dense_tensors, unflatten_dense_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -2035,7 +2035,7 @@ def _reduce_bucket(
     flattened into one buffer (in cache), then summed into ``scratch``, mended, divided and copied back, one call
     each, not one per tensor (a 200-tensor round spent ~15 µs a tensor in per-call overhead, 5 µs gathering with
     ``torch.cat``). Elementwise, so the bits are :func:`_reduce_pieces`'."""
-    flats = [_flatten_dense_tensors(list(column)) for column in columns]  # reads the targets before any write
+    flats = [flatten_dense_tensors(list(column)) for column in columns]  # reads the targets before any write
     piece = scratch[: flats[0].numel()]
     _sum(piece, flats)
     fix = _mend(piece, flats, divisor)
@@ -2043,7 +2043,7 @@ def _reduce_bucket(
         piece.div_(divisor)
     if fix is not None:
         piece[fix[0]] = fix[1]
-    torch._foreach_copy_(list(targets), _unflatten_dense_tensors(piece, list(targets)))
+    torch._foreach_copy_(list(targets), unflatten_dense_tensors(piece, list(targets)))
 
 
 def _apply(t: torch.Tensor, acc: torch.Tensor, divisor: int) -> None:
