@@ -323,13 +323,14 @@ def test_float64_values_beyond_float32_are_refused_on_every_replica_not_averaged
 
 
 def _many(r: int) -> list[torch.Tensor]:
-    """Rank ``r``'s tensors for the many-tensor test: 150 small float32 ones (averaged several at a time on the
-    full exchange's direct path), one whose float32 sum over 3 ranks overflows at two elements, one larger than a
-    bucket's tensor (the piecewise path), a bfloat16 one and a 2-D one."""
+    """Rank ``r``'s tensors for the many-tensor test: an empty one, then 150 small float32 ones (averaged several
+    at a time on the full exchange's direct path), one whose float32 sum over 3 ranks overflows at two elements,
+    one larger than a bucket's tensor (the piecewise path), a bfloat16 one and a 2-D one."""
     g = torch.Generator().manual_seed(r)
     sizes = torch.randint(1, 3000, (150,), generator=torch.Generator().manual_seed(99)).tolist()
     ts = [torch.randn(n, generator=g) for n in sizes]
     ts[3][:2] = 3e38
+    ts.insert(0, torch.zeros(0))  # an empty one first
     ts.insert(10, torch.randn(40_000, generator=g))
     ts.insert(20, torch.randn(8, generator=g).bfloat16())
     ts.append(torch.randn(4, 4, generator=g))
@@ -350,7 +351,7 @@ def test_many_small_tensors_average_bit_for_bit_as_one_at_a_time() -> None:
             assert all(torch.equal(a, b) for a, b in zip(v, values[0], strict=True))
         got[exchange] = values[0]
     expect = [(sum(x[i].float() for x in inputs) / 3).to(inputs[0][i].dtype) for i in range(len(inputs[0]))]
-    assert int(expect[3].isinf().sum()) == 2
-    expect[3][:2] = 3e38
+    assert int(expect[4].isinf().sum()) == 2
+    expect[4][:2] = 3e38
     for a, b, e in zip(got["full"], got["sharded"], expect, strict=True):
         assert torch.equal(a, e) and torch.equal(b, e) and a.dtype == e.dtype and a.shape == e.shape

@@ -2015,9 +2015,9 @@ def _bucketable(t: torch.Tensor, inputs: Sequence[torch.Tensor]) -> bool:
 def _buckets(indices: Sequence[int], sizes: Sequence[int]) -> list[list[int]]:
     """``indices`` cut, in order, into runs of at most ``_REDUCE_PIECE`` elements in all."""
     out: list[list[int]] = []
-    total = _REDUCE_PIECE
+    total = 0
     for i, n in zip(indices, sizes):
-        if total + n > _REDUCE_PIECE:
+        if not out or total + n > _REDUCE_PIECE:
             out.append([])
             total = 0
         out[-1].append(i)
