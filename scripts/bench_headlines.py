@@ -127,7 +127,12 @@ def _object_store(d: Json) -> str:
             for s in ("file", "s3")
         ]
         parts.append(f"{mib:g} MiB: {got[0]:.2f} (file) / {got[1]:.2f} (s3)")
-    return "; ".join(parts)
+    many = f"{measurement[:-1]}, 200 tensors)"  # the 1 MiB round again in a LoRA adapter's layout (since 2026-11-27)
+    try:
+        got = [_num(cell(d, ratio, measurement=many, store=s)) for s in ("file", "s3")]
+    except LookupError:
+        return "; ".join(parts)
+    return "; ".join([*parts, f"1 MiB in 200 tensors: {got[0]:.2f} (file) / {got[1]:.2f} (s3)"])
 
 
 def _scaling(d: Json) -> str:
