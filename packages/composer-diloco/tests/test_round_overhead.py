@@ -8,6 +8,7 @@ import contextlib
 import ctypes
 import errno
 import gc
+import io
 import json
 import multiprocessing
 import os
@@ -472,12 +473,17 @@ def test_a_local_round_in_step_creates_no_file_and_renames_over_none(
     main = threading.current_thread()
     created: list[str] = []
     replaced: list[str] = []
-    real_open, real_replace = open, os.replace
+    real_open, real_file, real_replace = open, io.FileIO, os.replace
 
     def counting_open(path: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
         if "x" in mode and threading.current_thread() is main:
             created.append(str(path))
         return real_open(path, mode, *args, **kwargs)
+
+    def counting_file(path: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        if "x" in mode and threading.current_thread() is main:
+            created.append(str(path))
+        return real_file(path, mode, *args, **kwargs)
 
     def counting_replace(a: Any, b: Any) -> None:
         if threading.current_thread() is main:
@@ -492,6 +498,7 @@ def test_a_local_round_in_step_creates_no_file_and_renames_over_none(
     unlinked: list[str] = []
     real_unlink = os.unlink
     monkeypatch.setattr(object_store_module, "open", counting_open, raising=False)
+    monkeypatch.setattr(io, "FileIO", counting_file)
     monkeypatch.setattr(os, "replace", counting_replace)
     monkeypatch.setattr(os, "unlink", counting_unlink)
     for round_id in (1, 2, 3):
