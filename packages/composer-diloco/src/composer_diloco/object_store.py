@@ -1908,15 +1908,23 @@ def _sum_into(outs: Sequence[torch.Tensor], inputs: Sequence[Sequence[torch.Tens
     divisor = len(inputs) if op == "avg" else 1
     finite = []
     for i, out in enumerate(outs):
-        column = [x[i] for x in inputs]
-        _sum(out, column)
-        fix = _mend(out, column, divisor)
-        if divisor > 1:
-            out.div_(divisor)
-        if fix is not None:
-            out[fix[0]] = fix[1]
+        fix = _average_into(out, [x[i] for x in inputs], divisor)
         finite.append(fix is None or bool(torch.isfinite(fix[1]).all()))
     return finite
+
+
+def _average_into(
+    out: torch.Tensor, inputs: Sequence[torch.Tensor], divisor: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``out ← Σ inputs / divisor`` in float32 in the given order, the elements whose sum overflowed mended
+    (:func:`_mend`); the mend, or None."""
+    _sum(out, inputs)
+    fix = _mend(out, inputs, divisor)
+    if divisor > 1:
+        out.div_(divisor)
+    if fix is not None:
+        out[fix[0]] = fix[1]
+    return fix
 
 
 def _sum(out: torch.Tensor, inputs: Sequence[torch.Tensor]) -> None:
@@ -2029,12 +2037,7 @@ def _reduce_bucket(
     ``torch.cat``). Elementwise, so the bits are :func:`_reduce_pieces`'."""
     flats = [flatten_dense_tensors(list(column)) for column in columns]  # reads the targets before any write
     piece = scratch[: flats[0].numel()]
-    _sum(piece, flats)
-    fix = _mend(piece, flats, divisor)
-    if divisor > 1:
-        piece.div_(divisor)
-    if fix is not None:
-        piece[fix[0]] = fix[1]
+    _average_into(piece, flats, divisor)
     torch._foreach_copy_(list(targets), unflatten_dense_tensors(piece, list(targets)))
 
 
