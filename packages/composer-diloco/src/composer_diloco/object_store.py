@@ -36,8 +36,10 @@ error naming why.** The round's committed manifest is its single source of truth
    unauthenticated object is never averaged.
 4. When every rank is present, or when ``timeout_s`` passes, the replica proposes the participant
    set by *creating* ``manifest.json`` (create-only, as above) listing the ranks and the tag of
-   each rank's object (with every rank present, the lowest rank proposes and the others first read
-   its manifest for a few polls: a losing create costs more than a read). The first proposal wins;
+   each rank's object (with every rank present on an object store, the lowest rank proposes and the
+   others first read its manifest for a few polls: a losing create-only PUT costs more than a GET; on
+   a local filesystem every replica proposes at once: a losing link and one read cost less than one
+   poll's sleep). The first proposal wins;
    every replica, including a late one, averages exactly those objects (tags checked). On timeout,
    ``on_timeout="proceed"`` goes on with the replicas present (at least ``min_replicas``);
    ``"fail"`` raises :class:`StragglerTimeoutError`.
@@ -747,9 +749,10 @@ class ObjectStoreAllReduce:
         return False
 
     def _drop_name(self, tmp: str, later: bool) -> None:
-        """Delete the temporary name ``tmp``: ``later`` (a second name of a linked object, or an exchanged-out
-        marker) in the background worker with the next spares, since an unlink right after ``os.sync`` or a
-        write-back cost ~65 µs on ext4; at once otherwise (a failed or lost write) or in a forked child."""
+        """Delete the temporary name ``tmp``: ``later`` (a second name of a linked object, a complete file whose
+        create lost, or an exchanged-out marker) in the background worker with the next spares, since an unlink
+        right after ``os.sync`` or a write-back cost ~65 µs on ext4; at once otherwise (a failed write) or in a
+        forked child."""
         if later and self._pid == os.getpid():
             self._trash.append(tmp)
         else:
@@ -771,7 +774,7 @@ class ObjectStoreAllReduce:
     def _create(self, key: str, enc: _Encoded) -> bool:
         if self._local:
             tmp, f = self._local_tmp(key)
-            linked = False
+            written = False
             try:
                 with f:  # straight from the tensors' memory: no joined copy
                     f.write(enc.head)  # unsealed: a placeholder, rewritten once the body is written
@@ -782,10 +785,10 @@ class ObjectStoreAllReduce:
                         self._seal(enc, f.write)
                         f.seek(0)
                         f.write(enc.head)
-                linked = self._link_into(tmp, key)  # atomic, fails if key exists
-                return linked
-            finally:  # also when the write fails (a full disk): no temporary file is left behind
-                self._drop_name(tmp, linked)
+                written = True
+                return self._link_into(tmp, key)  # atomic, fails if key exists
+            finally:  # a failed write (a full disk) leaves no temporary file; a linked or losing one goes later
+                self._drop_name(tmp, written)
         if enc.unsealed is not None:
             self._seal(enc)
         if _is_s3(self.fs):
@@ -1625,7 +1628,7 @@ class ObjectStoreAllReduce:
                 # left was refused by the check before this replica contributed (or is refused now,
                 # at the read-back), and a deletion racing this round is caught by _accept's markers
                 # before any tensor changes.
-                if len(decoded) == self.world_size and self.rank != min(decoded):
+                if len(decoded) == self.world_size and self.rank != min(decoded) and not self._local:
                     found = self._await_proposal(round_id)
                     if found is not None:
                         return found
@@ -1643,9 +1646,10 @@ class ObjectStoreAllReduce:
                     return committed
 
     def _await_proposal(self, round_id: int) -> _Manifest | None:
-        """With every object present, rank ``min(ranks)`` proposes and the others read its manifest
-        (a losing create-only PUT costs more than a GET), for ``_PROPOSAL_LOOKS`` looks; then they
-        propose too (create-only: a proposer that died changes nothing)."""
+        """With every object present on an object store, rank ``min(ranks)`` proposes and the others read its
+        manifest (a losing create-only PUT costs more than a GET), for ``_PROPOSAL_LOOKS`` looks; then they
+        propose too (create-only: a proposer that died changes nothing). Not on a local filesystem, where a
+        losing create is a failed link and one read (~20 µs) and a poll's sleep ~0.1 ms (the timer slack)."""
         delay = self._first_poll_s
         for look in range(_PROPOSAL_LOOKS):
             found = self._read_manifest(round_id)
