@@ -126,7 +126,9 @@ def test_on_a_local_filesystem_no_replica_waits_for_another_ones_proposal(
     made the last replica of a 1 MiB round end ~0.15 ms after the first. On main: 3 sleeps, then the proposal."""
     sleeps: list[float] = []
     clock = types.SimpleNamespace(
-        monotonic=time.monotonic, perf_counter=time.perf_counter, sleep=lambda s: sleeps.append(s) or time.sleep(s)
+        monotonic=time.monotonic,
+        perf_counter=time.perf_counter,
+        sleep=lambda s: sleeps.append(s) or time.sleep(s),
     )
     stores = [ObjectStoreAllReduce(f"file://{tmp_path}", "run", rank=r, world_size=2) for r in (0, 1)]
     stores[0]._contribute(0, [torch.ones(8)], False)  # rank 0 has published, not proposed
