@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from composer_diloco import ObjectStoreAllReduce
+from composer_diloco import NonFiniteObjectError, ObjectStoreAllReduce
 from composer_diloco import object_store as object_store_module
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -689,3 +689,85 @@ def test_a_round_of_many_tensors_silences_no_warning_and_builds_no_storage_objec
     assert filters == [] and storages == []
     for v in values:
         assert all(torch.equal(x, torch.full((64,), i + 0.5)) for i, x in enumerate(v))
+
+
+def test_small_tensors_are_checked_for_nan_and_inf_together_not_one_by_one(tmp_path: Path) -> None:
+    """A check for NaN/inf costs ~3 µs of fixed overhead (a view, a sum, a host read): one per tensor was a
+    quarter of validating a 200-tensor object, on both sides (publish and read). Tensors below 64 KiB are
+    checked in runs of at most 1 MiB per dtype, one reduction a run; larger ones piece by piece right after
+    each piece is hashed, as before. On main: one reduction per small tensor (230 + the large one's 3)."""
+    store = ObjectStoreAllReduce(f"file://{tmp_path}", "run", rank=0, world_size=1)
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(1310, generator=g) for _ in range(200)] + [
+        torch.randn(7, 9, generator=g).to(torch.bfloat16) for _ in range(30)
+    ]
+    tensors.insert(100, torch.randn(3 << 18, generator=g))  # 3 MiB: checked in 1 MiB pieces
+    for side in ("encode", "decode"):
+        log: list[tuple[str, int, int]] = []
+        with _Reads(log):
+            if side == "encode":
+                data = store.encode(0, tensors)
+            else:
+                decoded = store.decode(data, round_id=0, rank=0)
+        sizes = sorted(n for _, _, n in log)
+        # the float32 run (200 x 5240 bytes), the bf16 run, the large tensor's three pieces: each byte once
+        assert len(sizes) == 5 and sum(sizes) == sum(t.nbytes for t in tensors), (side, sizes)
+    assert all(torch.equal(a, b) for a, b in zip(decoded.tensors, tensors))
+
+
+def _unchecked_object(store: ObjectStoreAllReduce, tensors: list[torch.Tensor]) -> bytes:
+    """A checksum-valid object of round 0 from ``store``'s rank holding ``tensors`` as they are (encode refuses
+    NaN/inf): what a writer that skips the check would publish."""
+    layout = [
+        {"shape": list(t.shape), "dtype": str(t.dtype)[6:], "wire": str(t.dtype)[6:], "scale": None}
+        for t in tensors
+    ]
+    meta = store._meta(0, store.rank, quantized=False, layout=layout)
+    return store._pack(meta, tensors, check=False).tobytes()
+
+
+@pytest.mark.parametrize("where", [0, 57, 199, 215])
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf")])
+def test_a_non_finite_small_tensor_is_named_when_published_and_when_read(
+    tmp_path: Path, where: int, bad: float
+) -> None:
+    """Checked together, a NaN/inf in one small tensor still names that tensor: on publish (and nothing is left
+    behind) and when a peer's object is read (it is never averaged)."""
+    stores = [ObjectStoreAllReduce(f"file://{tmp_path}", "run", rank=r, world_size=2) for r in (0, 1)]
+    tensors = [torch.full((100,), float(i)) for i in range(200)] + [
+        torch.full((3, 5), float(i), dtype=torch.bfloat16) for i in range(20)
+    ]
+    poisoned = [t.clone() for t in tensors]
+    poisoned[where].view(-1)[7] = bad
+    with pytest.raises(ValueError, match=rf"tensor {where} of rank 1 in round 0 holds NaN/inf; refusing"):
+        stores[1].allreduce(0, poisoned)
+    assert [p for p in Path(stores[1].prefix).rglob("*") if p.is_file()] == []
+    good = stores[0].decode(_unchecked_object(stores[1], tensors), round_id=0, rank=1)
+    assert all(torch.equal(a, b) for a, b in zip(good.tensors, tensors))
+    with pytest.raises(NonFiniteObjectError, match=rf"tensor {where} holds NaN/inf"):
+        stores[0].decode(_unchecked_object(stores[1], poisoned), round_id=0, rank=1)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.tensor(3.5),
+        lambda: torch.empty(0, 3),
+        lambda: torch.randn(5, 7),
+        lambda: torch.randn(7, 5).T,  # not contiguous: its values in row-major order
+        lambda: torch.randn(4, 6, dtype=torch.float64),
+        lambda: torch.randn(3, 5).to(torch.float16),
+        lambda: torch.randn(3, 5).to(torch.bfloat16),
+        lambda: torch.randn(2, 9).to(torch.float8_e4m3fn),
+        lambda: torch.randn(40)[10:30],  # a slice of a larger storage
+    ],
+)
+def test_a_tensors_bytes_are_viewed_without_a_copy(make: Any) -> None:
+    """The wire bytes of a tensor: its values in row-major order, a view of its memory when it is contiguous
+    (numpy's buffer where numpy has the dtype: ~0.7 µs a tensor, against 2.2 µs through four tensor views)."""
+    t = make()
+    view = object_store_module._bytes_view(t)
+    assert view.format == "B" and view.ndim == 1 and view.nbytes == t.numel() * t.element_size()
+    assert bytes(view) == t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    if t.is_contiguous() and t.numel():
+        assert _address(view) == t.data_ptr()

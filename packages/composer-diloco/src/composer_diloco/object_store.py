@@ -134,6 +134,9 @@ _BUCKET_TENSOR = 1 << 15  # float32 targets up to this many elements are average
 _PARALLEL_BYTES = 8 << 20  # smaller payloads are checked in the calling thread
 _WRITE_BUFFER = 1 << 16  # a local object's write buffer (heap memory, reused: not a fresh mapping per file)
 _SCAN_BYTES = 1 << 20  # a chunk is hashed, then checked for NaN/inf, this many bytes at a time (in cache)
+# tensors below this size are checked for NaN/inf in runs of up to _SCAN_BYTES per dtype, one reduction a run: a
+# check's fixed cost (~3 µs: a view, a sum, a host read) exceeds summing 64 KiB
+_RUN_CHECK_BYTES = 64 << 10
 _PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _MEMORY_LOCK = threading.Lock()
@@ -141,6 +144,7 @@ _FIRST_POLL_S = 0.001  # polls of a remote store start here and double up to pol
 _FIRST_LOCAL_POLL_S = 0.00005  # a local listing costs tens of µs: a 1 MiB round must not wait out 1 ms sleeps
 _PROPOSAL_LOOKS = 4  # reads of the manifest rank min(ranks) proposes, before the others propose too
 _CLEANUPS_QUEUED = 2  # deletions allowed to wait behind the running one before a round waits for them
+_NUMPY_DTYPES = (torch.float16, torch.float32, torch.float64)
 _DTYPES = {
     name: getattr(torch, name) for name in ("float16", "bfloat16", "float32", "float64", "float8_e4m3fn")
 }
@@ -520,7 +524,8 @@ class ObjectStoreAllReduce:
 
     def _seal(self, enc: _Encoded, write: Callable[[memoryview], object] | None = None) -> None:
         """Compute ``enc``'s checksum table and header; with ``write``, each piece is passed to it right
-        after it is hashed and checked (:func:`_scan`). Raises before any non-finite piece is written."""
+        after it is hashed and checked (:func:`_scan`; small tensors are checked together after their write).
+        Raises on a non-finite value before the object is complete: the caller never publishes it."""
         pending = enc.unsealed
         assert pending is not None
         table, finite = _scan(self._signed, pending.pieces, pending.dtypes, write, self.checksum_parallel)
@@ -2081,10 +2086,15 @@ def _all_finite(t: torch.Tensor) -> bool:
 
 
 def _bytes_view(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy."""
+    """The bytes of a CPU tensor in row-major order: a view of its memory when it is contiguous. Through numpy's
+    buffer where numpy has the dtype (~0.7 µs a tensor, against 2.2 µs through a reshape and a uint8 view)."""
     if t.numel() == 0:
         return memoryview(b"")
-    array: Any = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.dtype not in _NUMPY_DTYPES:  # bfloat16, float8: numpy has no such dtype, its bytes do
+        t = t.reshape(-1).view(torch.uint8)
+    array: Any = t.numpy()
     return memoryview(array).cast("B")
 
 
@@ -2163,10 +2173,13 @@ def _scan(
     (xxhash, hashlib and torch release the GIL), so a large object costs one read of its bytes from memory,
     spread over the cores, when ``parallel`` (:attr:`ObjectStoreAllReduce.checksum_parallel`: 2 cores or more per
     replica on this machine). With ``write`` (:func:`_streamed`), each piece is written after it is scanned, and
-    the scan stops at the first non-finite piece, which is not written."""
+    the scan stops at the first non-finite piece, which is not written. Pieces below ``_RUN_CHECK_BYTES`` are only
+    hashed there and checked together afterwards (:func:`_non_finite_small`): a non-finite one may be written,
+    and the caller refuses the object before it is published."""
 
     def one(piece: tuple[int, memoryview]) -> tuple[bytes, bool]:
-        return _scan_chunk(signed, piece[1], dtypes[piece[0]])
+        i, view = piece
+        return _scan_chunk(signed, view, dtypes[i] if view.nbytes >= _RUN_CHECK_BYTES else None)
 
     serial = not parallel or len(pieces) < 2 or sum(p.nbytes for _, p in pieces) < _PARALLEL_BYTES
     if write is not None:
@@ -2177,7 +2190,40 @@ def _scan(
     for (i, _), (_, ok) in zip(pieces, results):
         if not ok:
             finite[i] = False
+    if len(results) == len(pieces):  # else a streamed write stopped at a non-finite piece: refused already
+        for i in _non_finite_small(pieces, dtypes):
+            finite[i] = False
     return b"".join(digest for digest, _ in results), finite
+
+
+def _non_finite_small(
+    pieces: Sequence[tuple[int, memoryview]], dtypes: Sequence[torch.dtype | None]
+) -> list[int]:
+    """The views among ``pieces`` below ``_RUN_CHECK_BYTES`` (a whole view each) whose values, read as their
+    dtype, hold NaN/inf. Per dtype, the pieces are joined into runs of at most ``_SCAN_BYTES`` (a buffer that
+    stays in cache), each checked by one reduction; a run that fails is checked piece by piece, to name the
+    tensor."""
+    bad: list[int] = []
+    runs: dict[torch.dtype, list[tuple[int, memoryview]]] = {}
+    sizes: dict[torch.dtype, int] = {}
+
+    def check(dtype: torch.dtype) -> None:
+        run = runs.pop(dtype, [])
+        sizes[dtype] = 0
+        if run and not _all_finite(torch.frombuffer(bytearray().join(v for _, v in run), dtype=dtype)):
+            bad.extend(i for i, v in run if not _all_finite(_frombuffer(v, v.nbytes, 0).view(dtype)))
+
+    for i, view in pieces:
+        dtype = dtypes[i]
+        if dtype is None or view.nbytes >= _RUN_CHECK_BYTES:
+            continue
+        if sizes.get(dtype, 0) + view.nbytes > _SCAN_BYTES:
+            check(dtype)
+        runs.setdefault(dtype, []).append((i, view))
+        sizes[dtype] = sizes.get(dtype, 0) + view.nbytes
+    for dtype in list(runs):
+        check(dtype)
+    return bad
 
 
 def _streamed(
