@@ -311,13 +311,18 @@ def test_each_piece_is_hashed_and_checked_for_finite_values_while_in_cache(
 def _log_hashes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int]]:
     """A log that every checksum update appends ("hash", first byte address, bytes) to."""
     log: list[tuple[str, int, int]] = []
-    hasher = object_store_module._Hasher.update
+    hasher, once = object_store_module._Hasher.update, object_store_module._Hasher.of
 
     def update(self: Any, piece: memoryview) -> None:
         log.append(("hash", _address(piece), piece.nbytes))
         hasher(self, piece)
 
+    def of(signed: bool, piece: memoryview) -> bytes:
+        log.append(("hash", _address(piece), piece.nbytes))
+        return once(signed, piece)
+
     monkeypatch.setattr(object_store_module._Hasher, "update", update)
+    monkeypatch.setattr(object_store_module._Hasher, "of", staticmethod(of))
     return log
 
 
@@ -771,3 +776,15 @@ def test_a_tensors_bytes_are_viewed_without_a_copy(make: Any) -> None:
     assert bytes(view) == t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     if t.is_contiguous() and t.numel():
         assert _address(view) == t.data_ptr()
+
+
+@pytest.mark.parametrize("signed", [False, True])
+@pytest.mark.parametrize("nbytes", [0, 1, 5240, 1 << 20])
+def test_a_one_piece_checksum_is_the_streamed_one(signed: bool, nbytes: int) -> None:
+    """A chunk that fits in one scan piece is hashed in one call: the same bytes the table held before (XXH3-64
+    big-endian, or SHA-256), so objects stay readable across the change."""
+    piece = memoryview(bytes(range(256)) * (nbytes // 256 + 1))[:nbytes]
+    streamed = object_store_module._Hasher(signed)
+    streamed.update(piece)
+    assert object_store_module._Hasher.of(signed, piece) == streamed.digest()
+    assert len(streamed.digest()) == object_store_module._Hasher.width(signed)

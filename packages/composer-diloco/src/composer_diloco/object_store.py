@@ -2124,6 +2124,11 @@ class _Hasher:
     def digest(self) -> bytes:
         return bytes(self._h.digest())
 
+    @staticmethod
+    def of(signed: bool, piece: memoryview) -> bytes:
+        """The checksum of one piece, in one call (the same bytes as update + digest, ~1 µs less a piece)."""
+        return hashlib.sha256(piece).digest() if signed else xxhash.xxh3_64_digest(piece)
+
 
 def _split(body: memoryview, sizes: Sequence[int]) -> list[memoryview]:
     """``body`` cut into consecutive views of ``sizes`` bytes (their sum is ``len(body)``)."""
@@ -2162,6 +2167,9 @@ def _checkable(meta: Mapping[str, Any], chunk: int) -> list[torch.dtype | None]:
 def _scan_chunk(signed: bool, chunk: memoryview, dtype: torch.dtype | None) -> tuple[bytes, bool]:
     """A chunk's checksum, and whether its values read as ``dtype`` are all finite (True when ``dtype`` is None):
     each piece of at most ``_SCAN_BYTES`` is hashed, then checked while it is still in cache."""
+    if chunk.nbytes <= _SCAN_BYTES:  # one piece (every small tensor): no hasher object, no loop
+        digest = _Hasher.of(signed, chunk)
+        return digest, dtype is None or _all_finite(_frombuffer(chunk, chunk.nbytes, 0, dtype))
     h, finite = _Hasher(signed), True
     for lo in range(0, chunk.nbytes, _SCAN_BYTES):
         piece = chunk[lo : lo + _SCAN_BYTES]
