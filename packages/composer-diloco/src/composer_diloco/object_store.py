@@ -700,13 +700,17 @@ class ObjectStoreAllReduce:
         # in all published in 2.5 ms, not 2.9; pieces of 64 KiB or more are written from the tensors' memory
         return tmp, io.BufferedWriter(_in_folder(lambda: io.FileIO(tmp, "x"), self._tmp_dir), _WRITE_BUFFER)
 
-    def _make_spares(self, count: int) -> None:
-        """Delete the round's spent temporary names (:meth:`_drop_name`), then create temporary files for the
-        next round's writes (run in the background after a round, like the deletions): creating a file is a
-        journaled metadata operation (~45 µs on ext4), and a round writes three (object, manifest, marker), a
-        third of a 1 MiB round's fixed cost on its critical path."""
+    def _make_spares(self, count: int, folder: str) -> None:
+        """Delete the round's spent temporary names (:meth:`_drop_name`), then make the next round's ``folder``
+        and temporary files for its writes (run in the background after a round, like the deletions): creating a
+        file or a folder is a journaled metadata operation (~45 / ~30 µs on ext4), and a round writes three files
+        (object, manifest, marker) into a folder of its own, half of a 1 MiB round's fixed cost on its critical
+        path. The folder is made only after this round is committed: a folder of a later round means the run
+        has left a round, whose manifest then exists (:meth:`_await_manifest`); an empty one is no stored
+        round (:meth:`rounds_present`)."""
         _unlink_all(self._trash)
         try:
+            os.makedirs(folder, exist_ok=True)
             while len(self._spares) < count:
                 self._spares.append(self._new_tmp())
         except OSError as exc:  # a round then creates its files itself, and reports a real failure
@@ -1103,7 +1107,7 @@ class ObjectStoreAllReduce:
 
     def _commit_evidence(self, round_id: int) -> str | None:
         """Why round ``round_id`` must already be committed (None if nothing says so)."""
-        later = [r for r in self._rounds_listed() if r > round_id]
+        later = [r for r in self._rounds_stored() if r > round_id]
         if later:
             return f"the store already holds round {max(later)}"
         for rank, accepted in sorted(self._read_markers().items()):
@@ -1235,7 +1239,7 @@ class ObjectStoreAllReduce:
                 self._discard(round_id)
             raise
         self._cleanup(round_id, manifest)
-        self._spare_ahead()
+        self._spare_ahead(round_id + 1)
         self._next_round = round_id + 1
         participants = manifest.ranks
         self.last = RoundStats(
@@ -1773,19 +1777,18 @@ class ObjectStoreAllReduce:
             self._cleanups.pop(0).result()
         self._cleanups.append(self._cleaner.submit(self._remove_round, old))
 
-    def _spare_ahead(self) -> None:
-        """On a local filesystem, create the next round's temporary files (:meth:`_make_spares`: as many as this
-        round took) in a worker of their own, off the critical path like the deletions and never queued behind
-        one; not while the previous round's are still being made (the round then creates what it lacks)."""
+    def _spare_ahead(self, next_round: int) -> None:
+        """On a local filesystem, once this round is committed, create the next round's folder and temporary
+        files (:meth:`_make_spares`: as many as this round took) in a worker of their own, off the critical path
+        like the deletions and never queued behind one; not while the previous round's are still being made (the
+        round then creates what it lacks)."""
         if not self._local or self._pid != os.getpid():
-            return
-        if len(self._spares) >= self._tmp_taken and not self._trash:
             return
         if self._sparing is not None and not self._sparing.done():
             return
         if self._sparer is None:
             self._sparer = ThreadPoolExecutor(1, thread_name_prefix="diloco-store-spares")
-        self._sparing = self._sparer.submit(self._make_spares, self._tmp_taken)
+        self._sparing = self._sparer.submit(self._make_spares, self._tmp_taken, self.round_dir(next_round))
 
     def _remove_round(self, old: int) -> None:
         """Delete every stored round up to ``old``."""
@@ -1867,9 +1870,14 @@ class ObjectStoreAllReduce:
             self._remove_tree(self.prefix)
 
     def rounds_present(self) -> list[int]:
-        """Round numbers currently stored for this run."""
+        """Round numbers currently stored for this run (not a local folder made ahead for the next round)."""
         self.wait_cleanup()
-        return self._rounds_listed()
+        return self._rounds_stored()
+
+    def _rounds_stored(self) -> list[int]:
+        """:meth:`_rounds_listed`, less a local folder made ahead for the next round that is still empty."""
+        rounds = self._rounds_listed()
+        return [r for r in rounds if self._list(self.round_dir(r))] if self._local else rounds
 
     def _rounds_listed(self) -> list[int]:
         """Round numbers in the store's listing now (a round being deleted in the background may
