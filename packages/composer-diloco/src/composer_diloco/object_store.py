@@ -1342,7 +1342,7 @@ class ObjectStoreAllReduce:
             self._scratch = torch.empty(_REDUCE_PIECE, dtype=torch.float32)
         rest = [i for i in range(len(tensors)) if i not in staged]
         small = [i for i in rest if _bucketable(tensors[i], [x[i] for x in inputs])]
-        for bucket in _buckets(small, [tensors[i].numel() for i in small]):
+        for bucket in _runs(small, [tensors[i].numel() for i in small], _REDUCE_PIECE):
             columns = [[x[i] for i in bucket] for x in inputs]
             _reduce_bucket([tensors[i] for i in bucket], columns, divisor, self._scratch)
         for i in sorted(set(rest) - set(small)):
@@ -2035,15 +2035,16 @@ def _bucketable(t: torch.Tensor, inputs: Sequence[torch.Tensor]) -> bool:
     )
 
 
-def _buckets(indices: Sequence[int], sizes: Sequence[int]) -> list[list[int]]:
-    """``indices`` cut, in order, into runs of at most ``_REDUCE_PIECE`` elements in all."""
-    out: list[list[int]] = []
+def _runs(items: Sequence[_T], sizes: Sequence[int], limit: int) -> list[list[_T]]:
+    """``items`` cut, in order, into runs whose ``sizes`` add up to at most ``limit`` (an item larger than
+    ``limit`` makes a run of its own)."""
+    out: list[list[_T]] = []
     total = 0
-    for i, n in zip(indices, sizes):
-        if not out or total + n > _REDUCE_PIECE:
+    for item, n in zip(items, sizes):
+        if not out or total + n > limit:
             out.append([])
             total = 0
-        out[-1].append(i)
+        out[-1].append(item)
         total += n
     return out
 
@@ -2205,7 +2206,7 @@ def _scan(
 
     def one(piece: tuple[int, memoryview]) -> tuple[bytes, bool]:
         i, view = piece
-        return _scan_chunk(signed, view, dtypes[i] if view.nbytes >= _RUN_CHECK_BYTES else None)
+        return _scan_chunk(signed, view, None if _checked_in_runs(view) else dtypes[i])
 
     serial = not parallel or len(pieces) < 2 or sum(p.nbytes for _, p in pieces) < _PARALLEL_BYTES
     if write is not None:
@@ -2222,6 +2223,11 @@ def _scan(
     return b"".join(digest for digest, _ in results), finite
 
 
+def _checked_in_runs(view: memoryview) -> bool:
+    """Whether a piece is checked for NaN/inf with others (:func:`_non_finite_small`), not right after its hash."""
+    return view.nbytes < _RUN_CHECK_BYTES
+
+
 def _non_finite_small(
     pieces: Sequence[tuple[int, memoryview]], dtypes: Sequence[torch.dtype | None]
 ) -> list[int]:
@@ -2229,26 +2235,16 @@ def _non_finite_small(
     dtype, hold NaN/inf. Per dtype, the pieces are joined into runs of at most ``_SCAN_BYTES`` (a buffer that
     stays in cache), each checked by one reduction; a run that fails is checked piece by piece, to name the
     tensor."""
-    bad: list[int] = []
-    runs: dict[torch.dtype, list[tuple[int, memoryview]]] = {}
-    sizes: dict[torch.dtype, int] = {}
-
-    def check(dtype: torch.dtype) -> None:
-        run = runs.pop(dtype, [])
-        sizes[dtype] = 0
-        if run and not _all_finite(torch.frombuffer(bytearray().join(v for _, v in run), dtype=dtype)):
-            bad.extend(i for i, v in run if not _all_finite(_frombuffer(v, v.nbytes, 0, dtype)))
-
+    groups: dict[torch.dtype, list[tuple[int, memoryview]]] = {}
     for i, view in pieces:
         dtype = dtypes[i]
-        if dtype is None or view.nbytes >= _RUN_CHECK_BYTES:
-            continue
-        if sizes.get(dtype, 0) + view.nbytes > _SCAN_BYTES:
-            check(dtype)
-        runs.setdefault(dtype, []).append((i, view))
-        sizes[dtype] = sizes.get(dtype, 0) + view.nbytes
-    for dtype in list(runs):
-        check(dtype)
+        if dtype is not None and _checked_in_runs(view):
+            groups.setdefault(dtype, []).append((i, view))
+    bad: list[int] = []
+    for dtype, small in groups.items():
+        for run in _runs(small, [v.nbytes for _, v in small], _SCAN_BYTES):
+            if not _all_finite(torch.frombuffer(bytearray().join(v for _, v in run), dtype=dtype)):
+                bad.extend(i for i, v in run if not _all_finite(_frombuffer(v, v.nbytes, 0, dtype)))
     return bad
 
 
