@@ -135,7 +135,7 @@ _PARALLEL_BYTES = 8 << 20  # smaller payloads are checked in the calling thread
 _WRITE_BUFFER = 1 << 16  # a local object's write buffer (heap memory, reused: not a fresh mapping per file)
 # local objects of at least _PREFILL_MIN bytes, up to _PREFILL_BYTES a round in all, go into temporary files that the
 # background worker filled with as many zeros ahead (see _prefill): overwriting page-cache pages costs ~30 µs a MiB on
-# ext4, writing a new file's ~175 µs (page and block allocation), half of a 1 MiB object's publish
+# ext4, writing a new file's ~175 µs (page and block allocation), a third of a 1 MiB object's publish
 _PREFILL_MIN = 1 << 16
 _PREFILL_BYTES = 8 << 20
 _SCAN_BYTES = 1 << 20  # a chunk is hashed, then checked for NaN/inf, this many bytes at a time (in cache)
@@ -698,10 +698,12 @@ class ObjectStoreAllReduce:
         (:meth:`_make_spares`) when there is one, else a new one, in the run's ``tmp/`` folder (the same
         filesystem as ``key``)."""
         self._tmp_taken += 1
-        if self._pid == os.getpid():  # a forked child never writes its parent's spares
-            with contextlib.suppress(IndexError):
-                return self._spares.pop()
-        return self._new_tmp()
+        return self._spare(self._spares) or self._new_tmp()
+
+    def _spare(self, pool: list[_T]) -> _T | None:
+        """The last file of ``pool`` (made ahead), or None if it is empty or this is a forked child, which never
+        writes its parent's files."""
+        return pool.pop() if pool and self._pid == os.getpid() else None
 
     def _object_tmp(self, key: str, size: int) -> tuple[str, io.BufferedWriter, int]:
         """A temporary file for an object of ``size`` bytes, and how many bytes of zeros it holds already: one
@@ -711,10 +713,7 @@ class ObjectStoreAllReduce:
             return (*self._local_tmp(key), 0)
         if sum(self._fill_sizes) + size <= _PREFILL_BYTES:
             self._fill_sizes.append(size)
-        if self._pid == os.getpid():
-            with contextlib.suppress(IndexError):
-                return self._filled.pop()
-        return (*self._local_tmp(key), 0)
+        return self._spare(self._filled) or (*self._local_tmp(key), 0)
 
     def _prefill(self, sizes: Sequence[int]) -> None:
         """Temporary files holding ``sizes`` bytes of zeros, for the next round's objects (:meth:`_object_tmp`),
@@ -729,8 +728,7 @@ class ObjectStoreAllReduce:
             except OSError:  # a full disk: no partial file is left behind, the round writes a new one
                 with contextlib.suppress(OSError):
                     f.close()
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp)
+                self._drop_name(tmp, False)
                 raise
             self._filled.append((tmp, f, size))
 
