@@ -85,6 +85,7 @@ import mmap
 import os
 import posixpath
 import re
+import select
 import socket
 import sys
 import threading
@@ -139,6 +140,9 @@ _MAP_MIN = 2 << 20
 # cleanup_run empties the run's folders again this many times when a file appears in one as it is emptied (another
 # replica's worker making its files ahead; that worker makes no folder of the run, so it soon stops)
 _RUN_REMOVALS = 5
+# a local replica's wait for another's file is watched (inotify) from this poll delay on (the third wait): earlier
+# waits sleep (see ObjectStoreAllReduce._pause)
+_WATCH_FROM_S = 2e-4
 _WRITE_BUFFER = 1 << 16  # a local object's write buffer (heap memory, reused: not a fresh mapping per file)
 # local objects of at least _PREFILL_MIN bytes, up to _PREFILL_BYTES a round in all, go into temporary files that the
 # background worker filled with as many zeros ahead (see _prefill): overwriting page-cache pages costs ~30 µs a MiB on
@@ -418,6 +422,8 @@ class ObjectStoreAllReduce:
         self._trash: list[str] = []  # spent temporary names the worker deletes (see _drop_name)
         self._pid = os.getpid()  # the process they belong to
         weakref.finalize(self, _drop_spares, self._spares, self._filled, self._trash, self._pid)
+        self._watch: _FolderWatch | None = None  # local stores on Linux: wakes waits for another's file
+        self._watch_pid = 0  # the process it belongs to
         self._next_round: int | None = None  # the round after the one this instance last completed
         self._proposed: int | None = None  # the round whose manifest this call created (see _discard)
         self._machine = _machine()  # what this replica's objects say of where they come from
@@ -1532,22 +1538,29 @@ class ObjectStoreAllReduce:
             self._acc = [torch.empty(n, dtype=torch.float32) for n in sizes]
         mine = [s for s in range(k) if ranks[s % len(ranks)] == self.rank]
         deadline = time.monotonic() + self.timeout_s
-        for s in mine + [s for s in range(k) if s not in mine]:
-            if s in mine:
-                reduced = self._reduce_shard(round_id, manifest, indexes, s, local, op)
-            else:
-                reduced = self._await_reduced(round_id, manifest, indexes, s, local, op, deadline)
-            for acc, piece in zip(self._acc, reduced):
-                target = _piece(acc, s, k)
-                if piece.data_ptr() == target.data_ptr():
-                    continue  # reduced in place by this replica
-                if piece.numel() != target.numel():
-                    raise CorruptObjectError(
-                        f"round {round_id}: reduced shard {s} holds {piece.numel()} values where "
-                        f"{target.numel()} belong: it does not match the committed layout."
-                    )
-                target.copy_(piece)
+        try:
+            for s in mine + [s for s in range(k) if s not in mine]:
+                if s in mine:
+                    reduced = self._reduce_shard(round_id, manifest, indexes, s, local, op)
+                else:
+                    reduced = self._await_reduced(round_id, manifest, indexes, s, local, op, deadline)
+                self._place(round_id, s, k, reduced)
+        finally:
+            self._unwatch()
         return self._acc
+
+    def _place(self, round_id: int, s: int, k: int, reduced: Sequence[torch.Tensor]) -> None:
+        """Copy reduced shard ``s`` of ``k`` into the accumulators (unless it was reduced there)."""
+        for acc, piece in zip(self._acc, reduced):
+            target = _piece(acc, s, k)
+            if piece.data_ptr() == target.data_ptr():
+                continue  # reduced in place by this replica
+            if piece.numel() != target.numel():
+                raise CorruptObjectError(
+                    f"round {round_id}: reduced shard {s} holds {piece.numel()} values where "
+                    f"{target.numel()} belong: it does not match the committed layout."
+                )
+            target.copy_(piece)
 
     def _reduce_shard(
         self,
@@ -1646,7 +1659,11 @@ class ObjectStoreAllReduce:
                     self.rank,
                 )
                 return self._reduce_shard(round_id, manifest, indexes, s, local, op)
-            time.sleep(min(delay, self.poll_interval_s, max(0.0, deadline - time.monotonic())))
+            self._pause(
+                self.round_dir(round_id),
+                min(delay, self.poll_interval_s, max(0.0, deadline - time.monotonic())),
+                delay,
+            )
             delay *= 2
 
     def _await_manifest(
@@ -1657,7 +1674,20 @@ class ObjectStoreAllReduce:
         once, no listing: replicas in step find them there). Each later look lists first: it finds a
         manifest committed meanwhile (the round went on without this replica: adopt it) and notices
         a run that has left this round (a later round exists: the committed manifest, or
-        :class:`RoundExpiredError` when it is gone)."""
+        :class:`RoundExpiredError` when it is gone). On a local filesystem a long wait ends when a file is
+        linked into the round's folder (:meth:`_pause`)."""
+        try:
+            return self._collect(round_id, decoded, problems)
+        finally:
+            self._unwatch()
+
+    def _collect(
+        self,
+        round_id: int,
+        decoded: dict[int, _Decoded],
+        problems: dict[int, CorruptObjectError],
+    ) -> _Manifest:
+        """:meth:`_await_manifest`'s looks, :meth:`_pause` between them."""
         deadline = time.monotonic() + self.timeout_s
         delay = self._first_poll_s
         names: set[str] | None = None  # None: the first look, which lists nothing
@@ -1689,7 +1719,11 @@ class ObjectStoreAllReduce:
                     if found is not None:
                         return found
                 return self._propose(round_id, decoded)
-            time.sleep(min(delay, self.poll_interval_s, max(0.0, deadline - time.monotonic())))
+            self._pause(
+                self.round_dir(round_id),
+                min(delay, self.poll_interval_s, max(0.0, deadline - time.monotonic())),
+                delay,
+            )
             delay *= 2
             names, later = self._scan(round_id)
             if "manifest.json" in names:
@@ -1700,6 +1734,38 @@ class ObjectStoreAllReduce:
                 committed = self._committed(round_id)
                 if committed is not None:
                     return committed
+
+    def _pause(self, folder: str, seconds: float, delay: float) -> None:
+        """Wait ``seconds`` before the next look for other replicas' files in ``folder``, the poll's ``delay``.
+        From ``_WATCH_FROM_S`` on (the third wait), on a local filesystem, the wait ends when a file is made in
+        ``folder`` (:class:`_FolderWatch`): a replica waiting for a late one wakes ~25 µs after its link, not up
+        to a doubled delay later (~1.3 ms for one 5 ms late). The first waits sleep: a replica a few µs behind is
+        found as soon by the next look, and a watched link wakes the waiter through an interrupt that the linking
+        replica pays (a 1 MiB round 3-5% longer, 2 replicas in step, when every wait was watched)."""
+        watch = self._watching(folder) if delay >= _WATCH_FROM_S else None
+        if watch is None:
+            time.sleep(seconds)
+        else:
+            watch.wait(seconds)
+
+    def _watching(self, folder: str) -> _FolderWatch | None:
+        """This process's :class:`_FolderWatch`, watching local ``folder``; None where a wait sleeps (not a local
+        store, no inotify, or the folder cannot be watched)."""
+        if not self._local or _INOTIFY is None:
+            return None
+        if self._watch is None or self._watch_pid != os.getpid():  # a forked child makes its own
+            try:
+                self._watch = _FolderWatch()
+            except OSError:
+                return None
+            self._watch_pid = os.getpid()
+            weakref.finalize(self, self._watch.close)
+        return self._watch if self._watch.watch(folder) else None
+
+    def _unwatch(self) -> None:
+        """End the watch of this wait's folder, if :meth:`_pause` made one."""
+        if self._watch is not None and self._watch_pid == os.getpid():
+            self._watch.unwatch()
 
     def _await_proposal(self, round_id: int) -> _Manifest | None:
         """With every object present on an object store, rank ``min(ranks)`` proposes and the others read its
@@ -2504,6 +2570,69 @@ def _renameat2() -> Any:
 _RENAMEAT2 = _renameat2()
 _AT_FDCWD = -100  # paths relative to the working directory (ours are absolute)
 _RENAME_EXCHANGE = 2  # <linux/fs.h>: swap the two names atomically, both must exist
+
+
+def _inotify() -> tuple[Any, Any, Any] | None:
+    """libc's ``inotify_init1``, ``inotify_add_watch`` and ``inotify_rm_watch`` (Linux), or None."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fns = (libc.inotify_init1, libc.inotify_add_watch, libc.inotify_rm_watch)
+    except (OSError, AttributeError, TypeError):  # not Linux/glibc (TypeError: Windows' CDLL(None))
+        return None
+    init1, add_watch, rm_watch = fns
+    init1.argtypes = [ctypes.c_int]
+    add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
+    rm_watch.argtypes = [ctypes.c_int, ctypes.c_int]
+    for fn in fns:
+        fn.restype = ctypes.c_int
+    return fns
+
+
+_INOTIFY = _inotify()
+_IN_CREATE, _IN_MOVED_TO, _IN_ONLYDIR = 0x100, 0x80, 0x01000000  # <sys/inotify.h>
+_IN_NONBLOCK, _IN_CLOEXEC = os.O_NONBLOCK, getattr(os, "O_CLOEXEC", 0)
+
+
+class _FolderWatch:
+    """Wakes a local replica that waits for another's file as soon as a name is made in the folder it watches
+    (Linux inotify): a link or a rename into it. A wait still ends at its timeout, so where inotify does not see
+    the other writers (a network filesystem written from other machines) waiting is sleeping, as without it."""
+
+    def __init__(self) -> None:
+        assert _INOTIFY is not None
+        self._fd = _INOTIFY[0](_IN_NONBLOCK | _IN_CLOEXEC)
+        if self._fd < 0:
+            raise OSError(ctypes.get_errno(), "inotify_init1 failed")
+        self._wd, self._folder = -1, ""
+
+    def watch(self, folder: str) -> bool:
+        """Watch ``folder`` (only it: another one watched before is left); False if it cannot be watched (missing,
+        or no watches left)."""
+        if self._wd >= 0 and folder == self._folder:
+            return True
+        self.unwatch()
+        self._wd = _INOTIFY[1](self._fd, os.fsencode(folder), _IN_CREATE | _IN_MOVED_TO | _IN_ONLYDIR)  # type: ignore[index]
+        self._folder = folder
+        return self._wd >= 0
+
+    def wait(self, seconds: float) -> None:
+        """Until a name is made in the watched folder, or ``seconds`` pass."""
+        if select.select([self._fd], [], [], seconds)[0]:
+            self._drain()
+
+    def unwatch(self) -> None:
+        if self._wd >= 0:
+            _INOTIFY[2](self._fd, self._wd)  # type: ignore[index]
+            self._wd = -1
+        self._drain()
+
+    def _drain(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self._fd, 1 << 16):
+                pass
+
+    def close(self) -> None:
+        os.close(self._fd)
 
 
 def _lowest_cpu_priority() -> None:
