@@ -31,7 +31,8 @@ error naming why.** The round's committed manifest is its single source of truth
    ``If-None-Match: *`` on S3, a lock on ``memory://``). Objects are immutable: a replica whose object for r exists already (it
    re-runs r after a crash) contributes the stored object, which others may have read.
 3. Read the other ranks' objects: first directly (on S3 all GETs at once, no listing), then by
-   polling a listing of the run's rounds. Every object is decoded and validated (magic, tag, run
+   polling a listing of the run's rounds (on Linux a local wait from the third poll on ends when a file is
+   linked into the round's folder: an inotify watch). Every object is decoded and validated (magic, tag, run
    id, round, rank, world size, tensor layout, finite values); a partial, corrupt, non-finite or
    unauthenticated object is never averaged.
 4. When every rank is present, or when ``timeout_s`` passes, the replica proposes the participant
