@@ -941,10 +941,11 @@ def test_a_local_round_in_step_makes_no_folder_the_next_ones_is_made_ahead(
 def test_the_worker_making_files_ahead_runs_at_the_lowest_cpu_priority(tmp_path: Path) -> None:
     """The worker that makes the next round's files (and writes their zeros) runs at nice 19, the rest of the
     process at its own: its work is needed only by the next round, and at the replicas' priority it took a core
-    from a replica still finishing this round (2 replica processes on 2 cores, rounds alternating with and
-    without it: a 1 MiB round's span 10-14% shorter at nice 19). The deletions' worker keeps the process's
-    priority (at nice 19 the span was 2-3% longer: preempted while holding the GIL, it held up its own
-    replica). On main before this test: every thread at nice 0."""
+    from a replica still finishing this round (2 replica processes on 2 cores, rounds back to back alternating
+    with and without it: a 1 MiB round's span 10-14% shorter at nice 19; no change measured with dirty pages
+    flushed before each round). The deletions' worker keeps the process's priority (at nice 19 the span was 2-4%
+    longer: preempted while holding the GIL, it held up its own replica). On main before this test: every thread
+    at nice 0."""
     base = os.getpriority(os.PRIO_PROCESS, 0)
     stores = [
         ObjectStoreAllReduce(f"file://{tmp_path}", "run", rank=r, world_size=2, keep_rounds=2) for r in (0, 1)
