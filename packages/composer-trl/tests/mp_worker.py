@@ -69,7 +69,8 @@ def main(out_dir: str, model_dir: str) -> None:
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
-    faulthandler.cancel_dump_traceback_later()
+    # The watchdog stays armed until the interpreter is gone: a rank that hangs in its teardown (once in CI, past
+    # the test's 300 s after a passing run) dumps every thread's stack and exits, so the failure names where.
 
 
 if __name__ == "__main__":

@@ -42,7 +42,13 @@ def test_two_process_training_keeps_ranks_in_sync(tmp_path, model_dir):
         str(model_dir),
     ]
     env["COMPOSER_MP_DUMP_AFTER"] = "240"  # a hung collective dumps the stacks and exits instead of hanging
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    except subprocess.TimeoutExpired as exc:  # torchrun itself hung: show what the ranks printed
+        out, err = (
+            x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (exc.stdout, exc.stderr)
+        )
+        pytest.fail(f"torchrun did not end within 300 s:\n{out[-3000:]}\n{err[-5000:]}")
     if res.returncode != 0:
         pytest.fail(f"torchrun failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}")
     r0 = json.loads((tmp_path / "rank0.json").read_text())
