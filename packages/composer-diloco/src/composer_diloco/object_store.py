@@ -2557,36 +2557,31 @@ class _Stream(io.RawIOBase):
         return n
 
 
-def _renameat2() -> Any:
-    """libc's ``renameat2`` (Linux, glibc 2.28 and later), or None."""
+def _libc(name: str, argtypes: list[Any]) -> Any:
+    """libc's function ``name``, taking ``argtypes`` and returning an int (errno kept), or None where libc has
+    no such function."""
     try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError, TypeError):  # not Linux/glibc (TypeError: Windows' CDLL(None))
         return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    fn.restype = ctypes.c_int
+    fn.argtypes, fn.restype = argtypes, ctypes.c_int
     return fn
 
 
-_RENAMEAT2 = _renameat2()
+# Linux, glibc 2.28 and later
+_RENAMEAT2 = _libc("renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint])
 _AT_FDCWD = -100  # paths relative to the working directory (ours are absolute)
 _RENAME_EXCHANGE = 2  # <linux/fs.h>: swap the two names atomically, both must exist
 
 
 def _inotify() -> tuple[Any, Any, Any] | None:
     """libc's ``inotify_init1``, ``inotify_add_watch`` and ``inotify_rm_watch`` (Linux), or None."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fns = (libc.inotify_init1, libc.inotify_add_watch, libc.inotify_rm_watch)
-    except (OSError, AttributeError, TypeError):  # not Linux/glibc (TypeError: Windows' CDLL(None))
-        return None
-    init1, add_watch, rm_watch = fns
-    init1.argtypes = [ctypes.c_int]
-    add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
-    rm_watch.argtypes = [ctypes.c_int, ctypes.c_int]
-    for fn in fns:
-        fn.restype = ctypes.c_int
-    return fns
+    fns = (
+        _libc("inotify_init1", [ctypes.c_int]),
+        _libc("inotify_add_watch", [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]),
+        _libc("inotify_rm_watch", [ctypes.c_int, ctypes.c_int]),
+    )
+    return None if any(fn is None for fn in fns) else fns
 
 
 _INOTIFY = _inotify()
@@ -2600,8 +2595,10 @@ class _FolderWatch:
     the other writers (a network filesystem written from other machines) waiting is sleeping, as without it."""
 
     def __init__(self) -> None:
-        assert _INOTIFY is not None
-        self._fd = _INOTIFY[0](_IN_NONBLOCK | _IN_CLOEXEC)
+        if _INOTIFY is None:
+            raise OSError(errno.ENOSYS, "no inotify here")
+        init1, self._add, self._rm = _INOTIFY
+        self._fd = init1(_IN_NONBLOCK | _IN_CLOEXEC)
         if self._fd < 0:
             raise OSError(ctypes.get_errno(), "inotify_init1 failed")
         self._wd, self._folder = -1, ""
@@ -2612,7 +2609,7 @@ class _FolderWatch:
         if self._wd >= 0 and folder == self._folder:
             return True
         self.unwatch()
-        self._wd = _INOTIFY[1](self._fd, os.fsencode(folder), _IN_CREATE | _IN_MOVED_TO | _IN_ONLYDIR)  # type: ignore[index]
+        self._wd = self._add(self._fd, os.fsencode(folder), _IN_CREATE | _IN_MOVED_TO | _IN_ONLYDIR)
         self._folder = folder
         return self._wd >= 0
 
@@ -2625,7 +2622,7 @@ class _FolderWatch:
         """Stop watching (nothing if nothing is watched); events still queued are dropped."""
         if self._wd < 0:
             return
-        _INOTIFY[2](self._fd, self._wd)  # type: ignore[index]
+        self._rm(self._fd, self._wd)
         self._wd = -1
         self._drain()
 
