@@ -77,7 +77,9 @@ class ComposerBatch:
             None → ``completion_mask``.
         full form: student_logits [B, T, V] (grad), teacher_logits [B, T, V] (the hinted context; detached).
         fused form: student_hidden [B, T, H] (grad), teacher_hidden [B, T, H] (detached),
-            lm_head_weight [V, H] (grad), lm_head_bias [V] (optional).
+            lm_head_weight [V, H] (grad), lm_head_bias [V] (optional); teacher_lm_head_weight [V, H] /
+            teacher_lm_head_bias [V] (optional, detached: a teacher with weights of its own, e.g. an EMA
+            teacher; None → the student's head).
         sampled form: teacher_logprobs [B, T] (the student side is ``logprobs``).
 
     Channel 3 (trace replay):
@@ -100,6 +102,8 @@ class ComposerBatch:
     teacher_hidden: Tensor | None = None
     lm_head_weight: Tensor | None = None
     lm_head_bias: Tensor | None = None
+    teacher_lm_head_weight: Tensor | None = None
+    teacher_lm_head_bias: Tensor | None = None
     teacher_logprobs: Tensor | None = None
     chosen_logps: Tensor | None = None
     rejected_logps: Tensor | None = None
@@ -450,7 +454,34 @@ def _sdpo(
     kernel = _pick_kernel(opts, form)
     if kernel.t is not None:
         metrics["taid/t"] = kernel.t
-    return _pick_runner(batch, form)(batch, opts, kernel, m, normalizer), metrics
+    runner = _pick_runner(batch, form)
+    if opts.loss_agg == "token_mean":
+        return runner(batch, opts, kernel, m, normalizer), metrics
+    return _seq_mean(runner, batch, opts, kernel, m, normalizer), metrics
+
+
+def _seq_mean(
+    runner: _Runner,
+    batch: ComposerBatch,
+    opts: SDPOOptions,
+    kernel: _SDPOKernel,
+    m: Tensor,
+    normalizer: float | Tensor | None,
+) -> Tensor:
+    """``Σ_rows (Σ_t loss·m / Σ_t m) / rows`` (``sdpo_loss_agg="seq_mean"``): the rows holding ``c`` distilled
+    tokens form one call of the token-mean ``runner`` with normaliser ``c · rows``, one call per distinct count
+    (reads the counts on the host: one sync on an accelerator)."""
+    counts = m.sum(-1)
+    rows: float | Tensor = float(m.shape[0]) if normalizer is None else normalizer
+    sizes = [int(c) for c in torch.unique(counts[counts > 0]).tolist()]
+    if not sizes:
+        return runner(batch, opts, kernel, m, rows)
+    total: Tensor | None = None
+    for c in sizes:
+        part = runner(batch, opts, kernel, m & (counts == c).unsqueeze(-1), rows * c)
+        total = part if total is None else total + part
+    assert total is not None
+    return total
 
 
 def _pick_kernel(opts: SDPOOptions, form: str) -> _SDPOKernel:
@@ -555,9 +586,9 @@ def _run_fused(
         batch.lm_head_weight,
         batch.teacher_hidden,
         _fused_kernel(opts, kernel, vocab=batch.lm_head_weight.shape[0]),
-        teacher_lm_head_weight=None,
+        teacher_lm_head_weight=batch.teacher_lm_head_weight,
         lm_head_bias=batch.lm_head_bias,
-        teacher_lm_head_bias=None,
+        teacher_lm_head_bias=batch.teacher_lm_head_bias,
         temperature=opts.temperature,
         mask=m,
         chunk_size=opts.chunk_size,

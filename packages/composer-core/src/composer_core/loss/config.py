@@ -64,6 +64,7 @@ __all__ = [
 SDPOForm = Literal["auto", "full", "topk", "sampled"]
 ResolvedForm = Literal["full", "topk", "sampled"]
 SDPOWrapper = Literal["none", "taid", "entropy_opd"]
+SDPOLossAgg = Literal["token_mean", "seq_mean"]
 DPOVariant = Literal["dpo", "simpo"]
 
 _HEADER = "option(s) set for a mode that is not selected, so they would be silently ignored: "
@@ -219,6 +220,11 @@ class SDPOOptions:
     SDPO's ``distillation_add_tail=False``) only in ``"topk"``; a wrapper needs ``"full"``; ``compiled`` (the
     generalized-JSD chunk kernel under ``torch.compile``, :mod:`composer_core.loss.compiled`) only in ``"full"``
     without a wrapper.
+
+    ``loss_agg`` (every form): ``"token_mean"`` (default; lasgroup/SDPO's verl ``token-mean``) divides the sum over
+    distilled tokens by their count (``sdpo_normalizer``: the global count); ``"seq_mean"`` (TRL
+    ``trl.experimental.sdpo.SDPOTrainer``) averages each row over its distilled tokens, then divides the sum of
+    row means by the number of rows, distilled or not (``sdpo_normalizer``: the global row count).
     """
 
     form: SDPOForm = "auto"
@@ -229,10 +235,12 @@ class SDPOOptions:
     topk_tail: bool = True
     chunk_size: int | None = DEFAULT_CHUNK_SIZE
     compiled: bool = False
+    loss_agg: SDPOLossAgg = "token_mean"
     wrapper: TAID | EntropyOPD | None = None
 
     def __post_init__(self) -> None:
         _choice("sdpo_form", self.form, ("auto", "full", "topk", "sampled"))
+        _choice("sdpo_loss_agg", self.loss_agg, ("token_mean", "seq_mean"))
         if not isinstance(self.wrapper, (TAID, EntropyOPD, type(None))):
             raise TypeError(f"`wrapper` must be None, TAID(...) or EntropyOPD(...), got {self.wrapper!r}.")
         _unit("sdpo_beta", self.beta)

@@ -1,0 +1,282 @@
+"""The SDPO teacher's context, built from the group's own rollouts (arXiv 2601.20802, §3).
+
+For each completion ``i`` of a group (the ``G`` completions of one prompt, consecutive in the batch), the
+self-teacher reads the prompt *re-asked* with what the group learnt:
+
+- **a successful sibling's answer** (the scalar-reward setting of the paper): a completion ``j`` of the same
+  group whose reward reached ``success_reward_threshold``, never ``i`` itself while
+  ``dont_reprompt_on_self_success`` (a completion that succeeded is not reprompted on its own success);
+- **the environment's feedback** on ``i`` (``"feedback"``; with ``"success+feedback"`` both, or the feedback only
+  where no sibling succeeded when ``feedback_only_without_solution``);
+- rows with neither get no teacher context: their self-distillation mask is 0 (they contribute nothing).
+
+The reprompt is three templates (placeholders checked once, at construction)::
+
+    reprompt_template   {prompt} {solution} {feedback}       the teacher's user turn
+    solution_template   {demonstration}                       -> {solution}  ("" without a demonstration)
+    feedback_template   {feedback}                            -> {feedback}  ("" without feedback)
+
+A chat prompt keeps its earlier messages; its last message (a user turn) is replaced by the reprompt whose
+``{prompt}`` is that message's text, as TRL's ``trl.experimental.sdpo.SDPOTrainer`` does. ``max_reprompt_len``
+(tokens; the adapter tokenises) keeps the last tokens of a long reprompt (:func:`cap_reprompt`).
+
+Which sibling: ``demo_pick="first"`` the first successful sibling in group order (lasgroup/SDPO and TRL's
+choice); ``"random"`` one drawn uniformly from a generator seeded by ``seed`` and the group's index, so a run is
+reproducible and independent of batch layout across processes.
+
+One implementation for every adapter (TRL, verl, PRIME-RL, Monarch): :func:`build_teacher_contexts` on plain
+Python lists, no tokenizer, no torch.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import string
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = [
+    "CONTEXT_SOURCES",
+    "DEFAULT_FEEDBACK_TEMPLATE",
+    "DEFAULT_REPROMPT_TEMPLATE",
+    "DEFAULT_SOLUTION_TEMPLATE",
+    "TeacherContextOptions",
+    "TeacherContexts",
+    "build_teacher_contexts",
+    "cap_reprompt",
+    "remove_thinking",
+]
+
+ContextSource = Literal["hint", "success", "feedback", "success+feedback"]
+CONTEXT_SOURCES: tuple[str, ...] = ("hint", "success", "feedback", "success+feedback")
+"""``"hint"``: the user's hint (a ``hint`` column, ``hint_fn``), composer's original path, no group needed;
+``"success"``: successful siblings only (no hint, no oracle: the paper's scalar-reward setting);
+``"feedback"``: the environment's feedback only; ``"success+feedback"``: both."""
+
+DEFAULT_REPROMPT_TEMPLATE = "{prompt}{solution}{feedback}\n\nAnswer the original question again, correctly.\n"
+DEFAULT_SOLUTION_TEMPLATE = "\n\nAn answer to this question that was judged correct:\n\n{demonstration}\n"
+DEFAULT_FEEDBACK_TEMPLATE = "\n\nFeedback on an earlier attempt at this question:\n\n{feedback}\n"
+
+_PLACEHOLDERS = {
+    "reprompt_template": ("prompt", "solution", "feedback"),
+    "solution_template": ("demonstration",),
+    "feedback_template": ("feedback",),
+}
+_THINK = re.compile(r"<think>.*?</think>", flags=re.DOTALL)
+
+
+def _check_template(name: str, template: object) -> None:
+    allowed = _PLACEHOLDERS[name]
+    if not isinstance(template, str):
+        raise ValueError(f"`{name}` must be a string, got {type(template).__name__}.")
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+    except ValueError as exc:
+        raise ValueError(f"`{name}`={template!r} is not a valid format string ({exc}); escape braces as {{{{ }}}}.")
+    unknown = sorted({f for f in fields if f not in allowed})
+    if unknown:
+        raise ValueError(
+            f"`{name}` has unknown placeholder(s) {', '.join('{' + u + '}' for u in unknown)}; it may use "
+            f"{', '.join('{' + a + '}' for a in allowed)} (write literal braces as {{{{ and }}}})."
+        )
+
+
+@dataclass(frozen=True)
+class TeacherContextOptions:
+    """How the SDPO teacher's context is built (checked once, here). Field names are the flat option names."""
+
+    sdpo_teacher_context: ContextSource = "hint"
+    success_reward_threshold: float = 1.0
+    dont_reprompt_on_self_success: bool = True
+    feedback_only_without_solution: bool = False
+    demo_pick: Literal["first", "random"] = "first"
+    reprompt_template: str = DEFAULT_REPROMPT_TEMPLATE
+    solution_template: str = DEFAULT_SOLUTION_TEMPLATE
+    feedback_template: str = DEFAULT_FEEDBACK_TEMPLATE
+    max_reprompt_len: int | None = 10240
+    remove_thinking_from_demonstration: bool = False
+
+    def __post_init__(self) -> None:
+        if self.sdpo_teacher_context not in CONTEXT_SOURCES:
+            raise ValueError(
+                f"`sdpo_teacher_context`={self.sdpo_teacher_context!r} is not supported; choose one of "
+                f"{', '.join(map(repr, CONTEXT_SOURCES))}."
+            )
+        if self.demo_pick not in ("first", "random"):
+            raise ValueError(f"`demo_pick`={self.demo_pick!r} must be 'first' or 'random'.")
+        threshold = self.success_reward_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, int | float) or threshold != threshold:
+            raise ValueError(f"`success_reward_threshold`={threshold!r} must be a number.")
+        for name in ("dont_reprompt_on_self_success", "feedback_only_without_solution", "remove_thinking_from_demonstration"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"`{name}`={getattr(self, name)!r} must be a bool.")
+        cap = self.max_reprompt_len
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise ValueError(f"`max_reprompt_len`={cap!r} must be an int >= 1 or None (no cap).")
+        for name in _PLACEHOLDERS:
+            _check_template(name, getattr(self, name))
+        if self.sdpo_teacher_context == "hint":
+            changed = [f"`{n}`" for n in _GROUP_ONLY if getattr(self, n) != _DEFAULTS[n]]
+            if changed:
+                raise ValueError(
+                    f"{', '.join(changed)} only act(s) when the teacher context is built from the group "
+                    "(sdpo_teacher_context='success', 'feedback' or 'success+feedback'), but it is 'hint'; "
+                    "select one of those or drop the option(s)."
+                )
+        if self.feedback_only_without_solution and self.sdpo_teacher_context != "success+feedback":
+            raise ValueError(
+                "`feedback_only_without_solution`=True acts only with sdpo_teacher_context='success+feedback'; "
+                "select it or drop the option."
+            )
+
+    @property
+    def uses_success(self) -> bool:
+        return self.sdpo_teacher_context in ("success", "success+feedback")
+
+    @property
+    def uses_feedback(self) -> bool:
+        return self.sdpo_teacher_context in ("feedback", "success+feedback")
+
+    @property
+    def from_group(self) -> bool:
+        return self.sdpo_teacher_context != "hint"
+
+
+_GROUP_ONLY = (
+    "success_reward_threshold", "dont_reprompt_on_self_success", "demo_pick", "reprompt_template",
+    "solution_template", "feedback_template", "remove_thinking_from_demonstration",
+)  # fmt: skip
+_DEFAULTS = {f: getattr(TeacherContextOptions, f) for f in _GROUP_ONLY}
+
+
+@dataclass
+class TeacherContexts:
+    """The output of :func:`build_teacher_contexts` for one batch (N = number of completions).
+
+    contexts: the teacher's prompt per row (a string, or a chat message list for chat prompts); None where the
+        row has no teacher context (its ``mask`` is False).
+    mask: the self-distillation mask per row.
+    demo_index: the row whose completion is the demonstration (None: no demonstration).
+    groups, groups_with_success, with_solution, with_feedback: counts for logging and the no-success warning.
+    """
+
+    contexts: list[Any | None]
+    mask: list[bool]
+    demo_index: list[int | None]
+    groups: int = 0
+    groups_with_success: int = 0
+    with_solution: int = 0
+    with_feedback: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def remove_thinking(text: str) -> str:
+    """``text`` without its ``<think>…</think>`` blocks (stripped)."""
+    return _THINK.sub("", text).strip()
+
+
+def cap_reprompt(ids: Sequence[int], max_len: int | None) -> list[int]:
+    """The last ``max_len`` tokens of a reprompt (all of them for None), as TRL's SDPOTrainer truncates."""
+    return list(ids) if max_len is None else list(ids)[-max_len:]
+
+
+def _pick(successful: list[int], opts: TeacherContextOptions, seed: int, group: int) -> int:
+    if opts.demo_pick == "first" or len(successful) == 1:
+        return successful[0]
+    return random.Random(seed * 1_000_003 + group).choice(successful)
+
+
+def _reprompt(prompt: Any, solution: str, feedback: str, opts: TeacherContextOptions) -> Any:
+    if isinstance(prompt, str):
+        return opts.reprompt_template.format(prompt=prompt, solution=solution, feedback=feedback)
+    if not isinstance(prompt, list) or not prompt or not isinstance(prompt[-1], dict):
+        raise ValueError(f"a prompt must be text or a non-empty chat message list, got {prompt!r:.80}.")
+    last = prompt[-1]
+    if last.get("role") != "user":
+        raise ValueError(
+            "the SDPO teacher's reprompt replaces the prompt's last message, which must be a user turn; this "
+            f"prompt ends with role {last.get('role')!r} (assistant prefill or tool turn): end prompts with the "
+            "user's message or use sdpo_teacher_context='hint'."
+        )
+    content = last.get("content", "")
+    if isinstance(content, list):
+        content = " ".join(p.get("text", "") for p in content if p.get("type") == "text")
+    text = opts.reprompt_template.format(prompt=content, solution=solution, feedback=feedback)
+    return [*prompt[:-1], {"role": "user", "content": text}]
+
+
+def build_teacher_contexts(
+    prompts: Sequence[Any],
+    completions: Sequence[str],
+    rewards: Sequence[float],
+    group_size: int,
+    options: TeacherContextOptions,
+    *,
+    feedback: Sequence[str | None] | None = None,
+    seed: int = 0,
+) -> TeacherContexts:
+    """Each row's SDPO teacher context from its group's successes and/or its feedback (module docstring).
+
+    Args:
+        prompts: N prompts (text or chat message lists); rows ``[g·G, (g+1)·G)`` are one group.
+        completions: N decoded completions (the demonstrations; special tokens already skipped).
+        rewards: N scalar rewards (NaN: never a success).
+        group_size: G; N must be a multiple of it.
+        options: a :class:`TeacherContextOptions` with a group source (not ``"hint"``).
+        feedback: N feedback texts or None (empty or blank text counts as none); needed by the feedback sources.
+        seed: seeds ``demo_pick="random"``.
+    """
+    n = len(prompts)
+    if not options.from_group:
+        raise ValueError("build_teacher_contexts builds group contexts; sdpo_teacher_context='hint' uses hints.")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1 or n % group_size:
+        raise ValueError(f"`group_size`={group_size!r} must be an int >= 1 dividing the {n} rows.")
+    if len(completions) != n or len(rewards) != n:
+        raise ValueError(f"got {n} prompts, {len(completions)} completions and {len(rewards)} rewards; one per row.")
+    if feedback is not None and len(feedback) != n:
+        raise ValueError(f"got {len(feedback)} feedback entries for {n} rows; one per row (None where absent).")
+    if options.uses_feedback and feedback is None:
+        raise ValueError(
+            f"sdpo_teacher_context={options.sdpo_teacher_context!r} needs the environment's feedback per "
+            "completion (a hint_fn / feedback source); pass it or use sdpo_teacher_context='success'."
+        )
+    out = TeacherContexts(contexts=[None] * n, mask=[False] * n, demo_index=[None] * n, groups=n // group_size)
+    ok = [float(r) >= options.success_reward_threshold for r in rewards]  # NaN >= x is False
+    for i in range(n):
+        start = (i // group_size) * group_size
+        if i == start and any(ok[start : start + group_size]):
+            out.groups_with_success += 1
+        successful = [
+            j
+            for j in range(start, start + group_size)
+            if options.uses_success and ok[j] and not (options.dont_reprompt_on_self_success and j == i)
+        ]
+        text = feedback[i] if feedback is not None else None
+        has_feedback = isinstance(text, str) and text.strip() != ""
+        use_feedback = (
+            options.uses_feedback and has_feedback and not (options.feedback_only_without_solution and successful)
+        )
+        solution = ""
+        if successful:
+            j = _pick(successful, options, seed, i // group_size)
+            demo = completions[j]
+            if options.remove_thinking_from_demonstration:
+                demo = remove_thinking(demo)
+            solution = options.solution_template.format(demonstration=demo)
+            out.demo_index[i] = j
+            out.with_solution += 1
+        fb = options.feedback_template.format(feedback=text) if use_feedback else ""
+        out.with_feedback += int(use_feedback)
+        if successful or use_feedback:
+            out.contexts[i] = _reprompt(prompts[i], solution, fb, options)
+            out.mask[i] = True
+    rows = max(n, 1)
+    out.metrics = {
+        "success_group_fraction": out.groups_with_success / max(out.groups, 1),
+        "success_sample_fraction": out.with_solution / rows,
+        "feedback_used_fraction": out.with_feedback / rows,
+        "reprompt_sample_fraction": sum(out.mask) / rows,
+    }
+    return out

@@ -1,0 +1,116 @@
+"""The SDPO teacher's weights: the live student, a frozen copy of the initial model, or an EMA of the student.
+
+- ``"live"``: the student itself, read without gradient (no extra memory; the teacher moves with every step).
+- ``"base"``: the initial model, frozen (one extra copy of the weights; with PEFT, the base with adapters off).
+- ``"ema"``: ``θ_T ← (1 − τ)·θ_T + τ·θ_S`` every ``teacher_sync_steps`` optimiser steps, τ =
+  ``teacher_update_rate`` (one extra copy; SDPO's default, arXiv 2601.20802 §3.2, TRL ``teacher_model_kind``).
+
+:func:`ema_update_` is the update (the same float ops, in the same order, as TRL's
+``SyncRefModelCallback.sync_target_model``: ``θ_T.mul_(1 − τ).add_(θ_S, alpha=τ)``); :func:`save_teacher` /
+:func:`load_teacher` keep a teacher's weights with a checkpoint (safetensors, shared tensors handled), so a
+resumed run equals an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+__all__ = [
+    "TEACHER_KINDS",
+    "TEACHER_STATE_FILE",
+    "TeacherWeightsOptions",
+    "ema_update_",
+    "frozen_copy",
+    "load_teacher",
+    "save_teacher",
+]
+
+TeacherKind = Literal["live", "ema", "base"]
+TEACHER_KINDS: tuple[str, ...] = ("live", "ema", "base")
+TEACHER_STATE_FILE = "composer_sdpo_teacher.safetensors"
+"""The file a checkpoint keeps an ``ema``/``base`` teacher's weights in."""
+
+
+@dataclass(frozen=True)
+class TeacherWeightsOptions:
+    """``sdpo_teacher`` (live | ema | base), ``teacher_update_rate`` τ and ``teacher_sync_steps`` (ema only)."""
+
+    sdpo_teacher: TeacherKind = "live"
+    teacher_update_rate: float = 0.05
+    teacher_sync_steps: int = 1
+
+    def __post_init__(self) -> None:
+        if self.sdpo_teacher not in TEACHER_KINDS:
+            raise ValueError(
+                f"`sdpo_teacher`={self.sdpo_teacher!r} is not supported; choose one of "
+                f"{', '.join(map(repr, TEACHER_KINDS))}."
+            )
+        rate = self.teacher_update_rate
+        if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0.0 < float(rate) <= 1.0:
+            raise ValueError(f"`teacher_update_rate`={rate!r} must lie in (0, 1] (the EMA rate τ).")
+        steps = self.teacher_sync_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"`teacher_sync_steps`={steps!r} must be an int >= 1.")
+        if self.sdpo_teacher != "ema" and (rate != 0.05 or steps != 1):
+            raise ValueError(
+                f"`teacher_update_rate`={rate!r} / `teacher_sync_steps`={steps!r} act only with sdpo_teacher='ema' "
+                f"(it is {self.sdpo_teacher!r}); select it or drop them."
+            )
+
+    def syncs_at(self, global_step: int) -> bool:
+        """Whether the EMA teacher is updated after optimiser step ``global_step`` (1-based, as TRL counts)."""
+        return self.sdpo_teacher == "ema" and global_step % self.teacher_sync_steps == 0
+
+
+def frozen_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` in eval mode with every parameter frozen (the ``base``/``ema`` teacher)."""
+    teacher = copy.deepcopy(model).eval()
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    return teacher
+
+
+@torch.no_grad()
+def ema_update_(teacher: nn.Module, student: nn.Module, rate: float) -> None:
+    """``θ_T ← (1 − rate)·θ_T + rate·θ_S`` in place, parameter by parameter (names must match)."""
+    t_params = dict(teacher.named_parameters())
+    s_params = dict(student.named_parameters())
+    if t_params.keys() != s_params.keys():
+        missing = sorted(set(s_params) ^ set(t_params))[:3]
+        raise ValueError(
+            f"the EMA teacher's parameters do not match the student's (first differences: {missing}); build the "
+            "teacher with composer_core.sdpo.teacher.frozen_copy(student)."
+        )
+    for name, t in t_params.items():
+        t.data.mul_(1.0 - rate).add_(s_params[name].data.to(t.dtype), alpha=rate)
+
+
+def save_teacher(teacher: nn.Module, directory: str | os.PathLike[str]) -> str:
+    """Write the teacher's weights to ``directory/TEACHER_STATE_FILE``; returns the path."""
+    from safetensors.torch import save_model
+
+    path = os.path.join(os.fspath(directory), TEACHER_STATE_FILE)
+    save_model(teacher, path)
+    return path
+
+
+def load_teacher(teacher: nn.Module, directory: str | os.PathLike[str]) -> None:
+    """Load ``directory/TEACHER_STATE_FILE`` into ``teacher`` (strict); a missing or corrupt file raises with the fix."""
+    from safetensors.torch import load_model
+
+    path = os.path.join(os.fspath(directory), TEACHER_STATE_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{path} is missing: this checkpoint holds no SDPO teacher (written before sdpo_teacher was set, or "
+            "by another trainer); resume with the sdpo_teacher it was trained with, or start a new run."
+        )
+    try:
+        load_model(teacher, path, strict=True, device=str(next(teacher.parameters()).device))
+    except Exception as exc:  # safetensors raises its own error types for a truncated file
+        raise ValueError(f"{path} is not a readable SDPO teacher checkpoint ({exc}); restore it or start anew.") from exc
