@@ -12,12 +12,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import dataclasses
+
 from composer_core.loss.config import ComposeConfig, flat_defaults
 from composer_core.loss.distill import check_chunk_size
+from composer_core.sdpo import TeacherContextOptions, TeacherWeightsOptions
 from trl import GRPOConfig
 
 #: composer_core's defaults: the one source of truth for every option this config shares with core.
 _CORE: dict[str, Any] = flat_defaults()  # typed Any: each field declares its own type
+_CORE.update({f.name: f.default for f in dataclasses.fields(TeacherContextOptions)})
+_CORE.update({f.name: f.default for f in dataclasses.fields(TeacherWeightsOptions)})
 
 SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
@@ -51,6 +56,26 @@ class ComposerGRPOConfig(GRPOConfig):
         entropy_opd_threshold / entropy_opd_weight: the entropy gate and the weight of its forward KL.
         hint_template: how a ``hint`` becomes the teacher's context, a format string with ``{hint}`` and
             ``{prompt}`` for text prompts (for chat prompts the hint is added to the last user message).
+        sdpo_loss_agg: ``"token_mean"`` (Σ over distilled tokens / their global count, TRL's ``dapo``
+            convention) or ``"seq_mean"`` (TRL ``SDPOTrainer``: each row's mean over its distilled tokens, summed
+            and divided by the number of rows, distilled or not).
+
+    Channel 2's teacher context and weights (SDPO as its authors run it; ``composer_core.sdpo``):
+        sdpo_teacher_context: ``"hint"`` (a ``hint``/``hinted_prompt`` column or ``hint_fn``; the default),
+            ``"success"`` (a successful sibling of the same group is the demonstration: no hint, no oracle),
+            ``"feedback"`` (``hint_fn``'s text or a ``privileged_context`` column as the environment's feedback)
+            or ``"success+feedback"``. Rows without a teacher context are not distilled.
+        success_reward_threshold: the reward at which a completion counts as a success.
+        dont_reprompt_on_self_success: a completion that succeeded is not its own demonstration.
+        feedback_only_without_solution: ``"success+feedback"``: feedback only where no sibling succeeded.
+        demo_pick: ``"first"`` successful sibling (TRL, lasgroup/SDPO) or ``"random"`` (seeded by ``seed``).
+        reprompt_template (``{prompt}``, ``{solution}``, ``{feedback}``), solution_template
+            (``{demonstration}``), feedback_template (``{feedback}``): the teacher's reprompt.
+        max_reprompt_len: keep the last this many tokens of a reprompt.
+        remove_thinking_from_demonstration: drop ``<think>…</think>`` from the demonstration.
+        sdpo_teacher: ``"live"`` (the student, no extra memory), ``"ema"`` (an EMA of the student, one extra
+            copy) or ``"base"`` (the frozen initial model; with PEFT the base with adapters off).
+        teacher_update_rate / teacher_sync_steps: the EMA's τ and period in optimiser steps (``"ema"`` only).
 
     Channel 3 (preference on dataset pairs ``chosen``/``rejected``):
         dpo_variant: ``"dpo"`` (reference log-probs needed) or ``"simpo"`` (reference-free, length-normalised).
@@ -103,6 +128,50 @@ class ComposerGRPOConfig(GRPOConfig):
         default=_CORE["entropy_opd_weight"], metadata={"help": "Weight of the gated forward KL."}
     )
     hint_template: str = field(default="{hint}{prompt}", metadata={"help": "Hinted context of text prompts."})
+    sdpo_loss_agg: Literal["token_mean", "seq_mean"] = field(
+        default=_CORE["sdpo_loss_agg"], metadata={"help": "'token_mean' or 'seq_mean' (TRL SDPOTrainer's)."}
+    )
+    sdpo_teacher_context: Literal["hint", "success", "feedback", "success+feedback"] = field(
+        default=_CORE["sdpo_teacher_context"],
+        metadata={"help": "Teacher context: 'hint', 'success' (successful siblings), 'feedback', 'success+feedback'."},
+    )
+    success_reward_threshold: float = field(
+        default=_CORE["success_reward_threshold"], metadata={"help": "Reward at which a completion is a success."}
+    )
+    dont_reprompt_on_self_success: bool = field(
+        default=_CORE["dont_reprompt_on_self_success"], metadata={"help": "A success is not its own demonstration."}
+    )
+    feedback_only_without_solution: bool = field(
+        default=_CORE["feedback_only_without_solution"],
+        metadata={"help": "success+feedback: feedback only where no sibling succeeded."},
+    )
+    demo_pick: Literal["first", "random"] = field(
+        default=_CORE["demo_pick"], metadata={"help": "Which successful sibling: 'first' or 'random' (seeded)."}
+    )
+    reprompt_template: str = field(
+        default=_CORE["reprompt_template"], metadata={"help": "Teacher reprompt: {prompt} {solution} {feedback}."}
+    )
+    solution_template: str = field(
+        default=_CORE["solution_template"], metadata={"help": "Demonstration part: {demonstration}."}
+    )
+    feedback_template: str = field(
+        default=_CORE["feedback_template"], metadata={"help": "Feedback part: {feedback}."}
+    )
+    max_reprompt_len: int | None = field(
+        default=_CORE["max_reprompt_len"], metadata={"help": "Keep the last this many reprompt tokens."}
+    )
+    remove_thinking_from_demonstration: bool = field(
+        default=_CORE["remove_thinking_from_demonstration"], metadata={"help": "Drop <think> blocks from demos."}
+    )
+    sdpo_teacher: Literal["live", "ema", "base"] = field(
+        default=_CORE["sdpo_teacher"], metadata={"help": "Teacher weights: 'live', 'ema' or 'base'."}
+    )
+    teacher_update_rate: float = field(
+        default=_CORE["teacher_update_rate"], metadata={"help": "EMA teacher rate tau (sdpo_teacher='ema')."}
+    )
+    teacher_sync_steps: int = field(
+        default=_CORE["teacher_sync_steps"], metadata={"help": "EMA teacher update period in optimiser steps."}
+    )
 
     dpo_variant: Literal["dpo", "simpo"] = field(
         default=_CORE["dpo_variant"], metadata={"help": "'dpo' or 'simpo'."}
@@ -177,7 +246,28 @@ class ComposerGRPOConfig(GRPOConfig):
             raise ValueError(f"`dpo_label_smoothing`={self.dpo_label_smoothing!r} must lie in [0, 0.5).")
         if self.max_replay_length is not None and self.max_replay_length < 1:
             raise ValueError(f"`max_replay_length`={self.max_replay_length!r} must be >= 1 or None.")
+        self.teacher_context_options  # noqa: B018  (checks the templates and the context options)
+        self.teacher_weights_options  # noqa: B018
+        if self.alpha_sdpo == 0 and (self.sdpo_teacher != "live" or self.sdpo_teacher_context != "hint"):
+            raise ValueError(
+                f"sdpo_teacher={self.sdpo_teacher!r} / sdpo_teacher_context={self.sdpo_teacher_context!r} act only "
+                "with channel 2 on: set alpha_sdpo > 0 or drop them."
+            )
         self._check_grpo_options()
+
+    @property
+    def teacher_context_options(self) -> TeacherContextOptions:
+        """composer_core's :class:`~composer_core.sdpo.TeacherContextOptions` of these fields (checked when built)."""
+        return TeacherContextOptions(
+            **{f.name: getattr(self, f.name) for f in dataclasses.fields(TeacherContextOptions)}
+        )
+
+    @property
+    def teacher_weights_options(self) -> TeacherWeightsOptions:
+        """composer_core's :class:`~composer_core.sdpo.TeacherWeightsOptions` of these fields."""
+        return TeacherWeightsOptions(
+            **{f.name: getattr(self, f.name) for f in dataclasses.fields(TeacherWeightsOptions)}
+        )
 
     @property
     def compose_config(self) -> ComposeConfig:
@@ -206,6 +296,7 @@ class ComposerGRPOConfig(GRPOConfig):
             "sdpo_chunk_size": self.sdpo_chunk_size,
             "sdpo_compiled": self.sdpo_compiled,
             "sdpo_wrapper": self.sdpo_wrapper,
+            "sdpo_loss_agg": self.sdpo_loss_agg,
             "dpo_variant": self.dpo_variant,
         }
         if self.sdpo_wrapper == "taid":

@@ -29,18 +29,30 @@ window and all processes, like TRL's ``dapo``, so gradient accumulation is exact
 from __future__ import annotations
 
 import copy
+import os
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
-from accelerate.utils import is_peft_model
+from accelerate.utils import gather_object, is_peft_model
 from composer_core.loss.compose import ComposerBatch
 from composer_core.loss.metrics import ADAPTER_PREFIX
 from composer_core.loss.wrappers import TAIDScheduler
+from composer_core.sdpo import (
+    TeacherContexts,
+    build_teacher_contexts,
+    cap_reprompt,
+    ema_update_,
+    frozen_copy,
+    load_teacher,
+    save_teacher,
+)
 from torch import Tensor
 from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.data_utils import is_conversational
 from trl.trainer.utils import nanmax, nanmin, pad, use_adapter
@@ -49,6 +61,7 @@ from composer_trl.config import ComposerGRPOConfig
 from composer_trl.loss import Counts, composer_trl_loss
 
 HintFn = Callable[..., Sequence[str | None]]
+logger = logging.get_logger(__name__)
 
 COMPOSER_COLUMNS = (
     "hint",
@@ -59,6 +72,7 @@ COMPOSER_COLUMNS = (
     "rejected_mask",
     "ref_chosen_logps",
     "ref_rejected_logps",
+    "privileged_context",  # TRL SDPOTrainer's feedback column (sdpo_teacher_context 'feedback' sources)
     # composer_core.traces.records (TraceRecord) names, accepted as aliases
     "teacher_prompt",
     "ref_chosen_logp",
@@ -147,8 +161,13 @@ class ComposerGRPOTrainer(GRPOTrainer):
         self._replay_ref_model: torch.nn.Module | None = None
         self._replay_ref_source = "none"
         self._pair_token_cache: dict[str, list[int]] = {}  # text action → token ids (datasets repeat them)
+        self._sdpo_teacher: torch.nn.Module | None = None  # the ema/base teacher's own weights (None: live)
+        self._no_success_warned = False
+        self._last_rewards_per_func: Tensor | None = None
         self._check_channel_inputs()
         self._check_head()
+        if self.args.alpha_sdpo > 0:
+            self._setup_sdpo_teacher()
         if self.args.sdpo_wrapper == "taid":
             self._taid = TAIDScheduler(
                 total_steps=int(self.args.max_steps),
@@ -171,15 +190,30 @@ class ComposerGRPOTrainer(GRPOTrainer):
     def _check_channel_inputs(self) -> None:
         a = self.args
         cols = self._dataset_columns()
+        source = a.sdpo_teacher_context
         if (
             a.alpha_sdpo > 0
+            and source == "hint"
             and self.hint_fn is None
             and cols is not None
             and not cols & {"hint", "hinted_prompt"}
         ):
             raise ValueError(
                 f"alpha_sdpo={a.alpha_sdpo} needs hints: a `hint` or `hinted_prompt` dataset column, or "
-                "`hint_fn=`; provide one or set alpha_sdpo=0."
+                "`hint_fn=`; provide one, set sdpo_teacher_context='success' (successful siblings teach, no hint "
+                "needed) or set alpha_sdpo=0."
+            )
+        if (
+            a.alpha_sdpo > 0
+            and source in ("feedback", "success+feedback")
+            and self.hint_fn is None
+            and cols is not None
+            and "privileged_context" not in cols
+        ):
+            raise ValueError(
+                f"sdpo_teacher_context={source!r} needs the environment's feedback: `hint_fn=` (its text per "
+                "completion is the feedback) or a `privileged_context` dataset column; provide one or use "
+                "sdpo_teacher_context='success'."
             )
         if a.beta_replay > 0 and cols is not None and not {"chosen", "rejected"} <= cols:
             raise ValueError(
@@ -206,6 +240,26 @@ class ComposerGRPOTrainer(GRPOTrainer):
                     p.requires_grad_(False)
                 self._replay_ref_model = self.accelerator.prepare_model(ref, evaluation_mode=True)
                 self._replay_ref_source = "frozen_copy"
+
+    def _setup_sdpo_teacher(self) -> None:
+        """``sdpo_teacher``: live (the student), base (a frozen copy; PEFT: adapters off) or ema (a copy updated
+        by :class:`_SDPOTeacherCallback`). The copy is saved with every checkpoint and restored on resume."""
+        kind = self.args.sdpo_teacher
+        if kind == "live" or (kind == "base" and is_peft_model(self.model)):
+            return
+        if is_peft_model(self.model):
+            raise ValueError(
+                "sdpo_teacher='ema' with a PEFT model is not supported by ComposerGRPOTrainer yet (an EMA of the "
+                "adapter only); use sdpo_teacher='base' (the base with adapters off) or 'live', or merge the adapter."
+            )
+        teacher = frozen_copy(self.accelerator.unwrap_model(self.model))
+        self._sdpo_teacher = self.accelerator.prepare_model(teacher, evaluation_mode=True)
+        self.add_callback(_SDPOTeacherCallback(self))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[no-untyped-call]
+        if self._sdpo_teacher is not None:
+            load_teacher(self.accelerator.unwrap_model(self._sdpo_teacher), resume_from_checkpoint)
 
     def _check_head(self) -> None:
         if self.args.alpha_sdpo == 0 or self.args.sdpo_form != "full":
@@ -243,10 +297,17 @@ class ComposerGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ generation: carry the extra columns
 
+    def _calculate_rewards(self, inputs: Any, prompts: Any, completions: Any, completion_ids_list: Any) -> Tensor:
+        rewards_per_func: Tensor = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._last_rewards_per_func = rewards_per_func  # gathered over processes: the group's successes
+        return rewards_per_func
+
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         output = super()._generate_and_score_completions(inputs)
         mode = "train" if self.model.training else "eval"
-        if self.args.alpha_sdpo > 0:
+        if self.args.alpha_sdpo > 0 and self.args.sdpo_teacher_context != "hint":
+            output.update(self._build_group_contexts(inputs, output, mode))
+        elif self.args.alpha_sdpo > 0:
             output.update(self._build_hints(inputs, output))
         if self.args.beta_replay > 0:
             output.update(self._build_pairs(inputs, output, mode))
@@ -288,30 +349,98 @@ class ComposerGRPOTrainer(GRPOTrainer):
         for h in hinted:
             if h is not None and not isinstance(h, str | list):
                 raise ValueError(f"a hint must be a string (or a chat message list), got {type(h).__name__}.")
-        has_hint = torch.tensor([h is not None for h in hinted], device=device)
-        rows = [i for i, h in enumerate(hinted) if h is not None]
-        width = 1
-        ids_list = [torch.full((1,), self._tokenizer.pad_token_id)] * len(hinted)
-        mask_list = [torch.zeros(1, dtype=torch.long)] * len(hinted)
+        return self._teacher_tensors(hinted, output)
+
+    def _teacher_tensors(self, contexts: list[Any | None], output: dict[str, Any]) -> dict[str, Any]:
+        """The teacher prompts (None: not distilled) tokenised, left-padded, capped at ``max_reprompt_len``."""
+        device = self.accelerator.device
+        has_hint = torch.tensor([h is not None for h in contexts], device=device)
+        rows = [i for i, h in enumerate(contexts) if h is not None]
+        ids_list = [torch.full((1,), self._tokenizer.pad_token_id)] * len(contexts)
+        mask_list = [torch.zeros(1, dtype=torch.long)] * len(contexts)
         if rows:
-            tok_ids, _, _ = self._tokenize_prompts([hinted[i] for i in rows])
+            tok_ids, _, _ = self._tokenize_prompts([contexts[i] for i in rows])
             for i, ids in zip(rows, tok_ids):
+                ids = cap_reprompt(ids, self.args.max_reprompt_len)
                 ids_list[i] = torch.tensor(ids)
                 mask_list[i] = torch.ones(len(ids), dtype=torch.long)
-            width = max(len(t) for t in ids_list)
         hint_ids = pad(ids_list, padding_value=self._tokenizer.pad_token_id, padding_side="left").to(device)
         hint_mask = pad(mask_list, padding_value=0, padding_side="left").to(device)
-        assert hint_ids.shape[1] == width
         loss_mask = output["completion_mask"]
         if "tool_mask" in output:
             loss_mask = loss_mask * output["tool_mask"]
-        local = (loss_mask * has_hint.unsqueeze(1)).sum()
+        if self.args.sdpo_loss_agg == "seq_mean":  # normalised by rows, distilled or not (TRL SDPOTrainer)
+            local = torch.tensor(float(len(contexts)), device=device)
+        else:
+            local = (loss_mask * has_hint.unsqueeze(1)).sum()
         return {
             f"{_K}hint_ids": hint_ids,
             f"{_K}hint_mask": hint_mask,
             f"{_K}has_hint": has_hint,
             f"{_K}sdpo_num_items": self.accelerator.gather(local).sum(),
         }
+
+    def _group_rewards(self) -> list[float]:
+        """The weighted reward of every completion of the generation batch (all processes; NaN: unscorable)."""
+        rpf = self._last_rewards_per_func
+        assert rpf is not None, "GRPOTrainer computed no rewards before the teacher contexts"
+        rewards = (rpf * self.reward_weights.to(rpf.device).unsqueeze(0)).nansum(dim=1)
+        rewards[torch.isnan(rpf).all(dim=1)] = torch.nan
+        return [float(r) for r in rewards.tolist()]
+
+    def _feedback(self, inputs: list[dict[str, Any]], output: dict[str, Any]) -> list[str | None]:
+        """The environment's feedback per completion: ``hint_fn``'s text, else the ``privileged_context`` column."""
+        if self.hint_fn is None:
+            return [x.get("privileged_context") for x in inputs]
+        columns = {k: [x.get(k) for x in inputs] for k in inputs[0] if k not in ("prompt", "completion")}
+        texts = list(
+            self.hint_fn(
+                prompts=[x["prompt"] for x in inputs],
+                completions=self._completion_texts(output),
+                completion_ids=output["completion_ids"],
+                **columns,
+            )
+        )
+        if len(texts) != len(inputs):
+            raise ValueError(f"hint_fn returned {len(texts)} feedback texts for {len(inputs)} completions.")
+        return texts
+
+    def _build_group_contexts(
+        self, inputs: list[dict[str, Any]], output: dict[str, Any], mode: str
+    ) -> dict[str, Any]:
+        """Teacher contexts from the group's successful siblings and/or feedback (``composer_core.sdpo``), built
+        over the whole generation batch (every process) so a group split across processes sees all its rows."""
+        opts = self.args.teacher_context_options
+        pad_id = self._tokenizer.pad_token_id
+        demos = self._tokenizer.batch_decode(
+            [row[row != pad_id].tolist() for row in output["completion_ids"]], skip_special_tokens=True
+        )
+        feedback = self._feedback(inputs, output) if opts.uses_feedback else None
+        ctx = build_teacher_contexts(
+            gather_object([x["prompt"] for x in inputs]),
+            gather_object(demos),
+            self._group_rewards(),
+            self.num_generations if mode == "train" else self.num_generations_eval,
+            opts,
+            feedback=None if feedback is None else gather_object(feedback),
+            seed=self.args.seed,
+        )
+        self._log_contexts(mode, ctx)
+        start = self.accelerator.process_index * len(inputs)
+        return self._teacher_tensors(ctx.contexts[start : start + len(inputs)], output)
+
+    def _log_contexts(self, mode: str, ctx: TeacherContexts) -> None:
+        for key, value in ctx.metrics.items():
+            self._metrics[mode][f"{ADAPTER_PREFIX}sdpo/{key}"].append(value)
+        a = self.args
+        if a.sdpo_teacher_context != "feedback" and ctx.groups_with_success == 0 and not self._no_success_warned:
+            self._no_success_warned = True
+            logger.warning(
+                f"success_reward_threshold={a.success_reward_threshold}: none of the {ctx.groups} groups of this "
+                "generation batch has a completion that reached it, so no row had a successful sibling to learn "
+                "from (warned once per run; composer/sdpo/success_group_fraction logs it every step). Lower the "
+                "threshold if your rewards cannot reach it."
+            )
 
     def _apply_hint(self, prompt: Any, hint: str) -> Any:
         if not isinstance(hint, str):
@@ -546,18 +675,23 @@ class ComposerGRPOTrainer(GRPOTrainer):
         t_ids = torch.cat([inputs[f"{_K}hint_ids"][rows], completion_ids[rows]], dim=1)
         t_mask = torch.cat([inputs[f"{_K}hint_mask"][rows], completion_mask[rows]], dim=1)
         batch.sdpo_mask = mask.bool() & has_hint.unsqueeze(1)
+        teacher_model = model if self._sdpo_teacher is None else self._sdpo_teacher
         if self.args.sdpo_form == "sampled":
-            with torch.no_grad():
-                t_logps, _, _ = self._get_per_token_logps_and_entropies(model, t_ids, t_mask, logits_to_keep)
+            with torch.no_grad(), self._teacher_weights():
+                t_logps, _, _ = self._get_per_token_logps_and_entropies(
+                    teacher_model, t_ids, t_mask, logits_to_keep
+                )
             teacher = torch.zeros_like(batch.logprobs)
             teacher[rows] = t_logps.to(teacher.dtype)
             batch.teacher_logprobs = teacher
             return
         assert capture is not None and capture.hidden is not None
         base = self._base_model(model)
+        t_base = base if self._sdpo_teacher is None else self._base_model(self._sdpo_teacher)
         student_hidden = capture.hidden[:, -logits_to_keep - 1 : -1]
-        with torch.no_grad(), self.accelerator.autocast():  # the student's forward runs under autocast too
-            t_out = base.base_model(input_ids=t_ids, attention_mask=t_mask, use_cache=False)
+        # the student's forward runs under autocast too
+        with torch.no_grad(), self.accelerator.autocast(), self._teacher_weights():
+            t_out = t_base.base_model(input_ids=t_ids, attention_mask=t_mask, use_cache=False)
             t_hidden = t_out.last_hidden_state[:, -logits_to_keep - 1 : -1]
         teacher_hidden = torch.zeros_like(student_hidden)
         teacher_hidden[rows] = t_hidden.to(teacher_hidden.dtype)
@@ -566,6 +700,16 @@ class ComposerGRPOTrainer(GRPOTrainer):
         batch.teacher_hidden = teacher_hidden
         batch.lm_head_weight = head.weight
         batch.lm_head_bias = head.bias
+        if t_base is not base:
+            t_head = t_base.get_output_embeddings()
+            batch.teacher_lm_head_weight = t_head.weight
+            batch.teacher_lm_head_bias = t_head.bias
+
+    def _teacher_weights(self) -> AbstractContextManager[Any]:
+        """The PEFT ``base`` teacher reads the base weights (adapters off); other teachers need nothing."""
+        if self.args.sdpo_teacher == "base" and is_peft_model(self.model):
+            return use_adapter(self.accelerator.unwrap_model(self.model), adapter_name=None)
+        return nullcontext()
 
     def _fill_replay(
         self,
@@ -688,6 +832,32 @@ class _TAIDCallback(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         self.trainer._taid_step()
+        return control
+
+
+class _SDPOTeacherCallback(TrainerCallback):
+    """The ``ema``/``base`` teacher's life cycle: the EMA update after each ``teacher_sync_steps``-th optimiser step
+    (:func:`composer_core.sdpo.ema_update_`, TRL's order of float ops) and its weights in every checkpoint
+    (restored by :meth:`ComposerGRPOTrainer._load_from_checkpoint`)."""
+
+    def __init__(self, trainer: ComposerGRPOTrainer) -> None:
+        self.trainer = trainer
+
+    def _teacher(self) -> torch.nn.Module:
+        assert self.trainer._sdpo_teacher is not None
+        return self.trainer.accelerator.unwrap_model(self.trainer._sdpo_teacher)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        opts = self.trainer.args.teacher_weights_options
+        if opts.syncs_at(state.global_step):
+            student = self.trainer.accelerator.unwrap_model(self.trainer.model)
+            ema_update_(self._teacher(), student, opts.teacher_update_rate)
+        return control
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        folder = os.path.join(self.trainer._get_output_dir(trial=None), f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        if os.path.isdir(folder) and self.trainer.accelerator.is_main_process:
+            save_teacher(self._teacher(), folder)
         return control
 
 

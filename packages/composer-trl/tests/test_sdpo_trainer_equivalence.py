@@ -1,0 +1,249 @@
+"""ComposerGRPOTrainer's SDPO against TRL 1.16's own ``trl.experimental.sdpo.SDPOTrainer``, side by side.
+
+Both trainers are built on the same saved tiny Qwen2, seed and dataset, with matching options; generation is
+replaced in both by one deterministic function (one completion in four is the correct reversal), so the two see
+the same rollouts and rewards and everything after generation is each trainer's own code:
+
+- the teacher's input ids (reprompt ⊕ completion) equal token for token on every distilled row;
+- the self-distillation mask equal;
+- the per-step distillation loss equal (full logits; the sampled form's *value* differs by design, see below);
+- the gradients equal after the weight mapping, over 3 optimiser steps, and the EMA teacher's weights after them.
+
+Weight mapping: TRL blends ``(1 − w)·policy + w·distill``, composer adds ``policy + α·sdpo``. With ``w = ½`` and
+``α = w / (1 − w) = 1`` composer's loss is ``1 / (1 − w) = 2`` times TRL's, so its gradient is twice TRL's and
+plain SGD with half the learning rate makes the same update (gradient clipping off: it is not scale-free).
+
+Deliberate difference (asserted): in the sampled-token form TRL's loss value is the REINFORCE surrogate
+``sg(ℓS − ℓT)·ℓS`` while composer reports the k1 estimate ``ℓS − ℓT`` of KL(student‖teacher); the gradients are
+the same.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("trl.experimental.sdpo")
+
+G = 4
+STEPS = 3
+LR = 0.05
+W = 0.5  # TRL distillation_weight; composer alpha_sdpo = W / (1 - W)
+
+# TRL's default templates, written with this character tokenizer's alphabet (digits, '>', '|', '.')
+REPROMPT = "{prompt}|{solution}{feedback}.."
+TRL_SOLUTION = ">{successful_previous_attempt}|"
+COMPOSER_SOLUTION = ">{demonstration}|"
+
+
+def _fake_generate(tokenizer: Any) -> Any:
+    """model.generate → each prompt ⊕ a fixed completion: the reversal for row i % G == 0, else '000'."""
+    eos = tokenizer.eos_token_id
+
+    def generate(self: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **_: Any) -> Any:
+        rows = []
+        for i, ids in enumerate(input_ids.tolist()):
+            text = tokenizer.decode([t for t in ids if t != tokenizer.pad_token_id], skip_special_tokens=True)
+            digits = text.rstrip(">")
+            answer = digits[::-1] if i % G == 0 else "0" * len(digits)
+            rows.append(tokenizer(text=answer, add_special_tokens=False)["input_ids"] + [eos])
+        width = max(len(r) for r in rows)
+        comp = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows], device=input_ids.device)
+        return torch.cat([input_ids, comp], dim=1)
+
+    return generate
+
+
+def exact_reward(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
+    return [1.0 if c == p.rstrip(">")[::-1] else 0.0 for p, c in zip(prompts, completions, strict=True)]
+
+
+def _common(tmp_path: Any, name: str) -> dict[str, Any]:
+    return {
+        "output_dir": str(tmp_path / name),
+        "per_device_train_batch_size": 8,
+        "num_generations": G,
+        "max_completion_length": 4,
+        "max_steps": STEPS,
+        "optim": "sgd",
+        "max_grad_norm": 0.0,
+        "lr_scheduler_type": "constant",
+        "report_to": "none",
+        "use_cpu": True,
+        "save_strategy": "no",
+        "disable_tqdm": True,
+        "logging_steps": 1,
+        "seed": 0,
+        "loss_type": "dapo",
+        "beta": 0.0,
+        "shuffle_dataset": False,
+        "bf16": False,
+    }
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.teacher_prompts: list[list[list[int]]] = []
+        self.masks: list[list[bool]] = []
+        self.losses: list[float] = []
+        self.grads: list[dict[str, torch.Tensor]] = []
+
+
+def _grad_hook(trainer: Any, rec: _Recorder) -> None:
+    from transformers import TrainerCallback
+
+    class Grads(TrainerCallback):
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            rec.grads.append(
+                {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+            )
+
+    trainer.add_callback(Grads())
+
+
+def _strip(ids: torch.Tensor, mask: torch.Tensor) -> list[int]:
+    return ids[mask.bool()].tolist()
+
+
+def _run_trl(model_dir: Any, tokenizer: Any, dataset: Any, tmp_path: Any, mode: str, teacher: str) -> Any:
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl.experimental.sdpo import SDPOConfig, SDPOTrainer
+
+    rec = _Recorder()
+    args = SDPOConfig(
+        **_common(tmp_path, "trl"),
+        learning_rate=LR,
+        distillation_weight=W,
+        distillation_mode=mode,
+        distillation_alpha=1.0 if mode == "sampled_token" else 0.5,
+        distillation_is_clip=2.0,
+        teacher_model_kind=teacher,
+        teacher_update_rate=0.5,
+        teacher_sync_steps=1,
+        use_successful_as_teacher=True,
+        success_reward_threshold=1.0,
+        dont_reprompt_on_self_success=True,
+        reprompt_template=REPROMPT,
+        solution_template=TRL_SOLUTION,
+        max_reprompt_len=64,
+    )
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    trainer = SDPOTrainer(
+        model=model, reward_funcs=[exact_reward], args=args, train_dataset=dataset, processing_class=tokenizer
+    )
+
+    class Contexts(TrainerCallback):
+        def on_teacher_context_built(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            mask = kw["self_distillation_mask"].bool().tolist()
+            width = kw["teacher_input_ids"].shape[1] - kw["completion_mask"].shape[1]
+            ids, att = kw["teacher_input_ids"][:, :width], kw["teacher_attention_mask"][:, :width]
+            rec.teacher_prompts.append([_strip(i, a) if m else [] for i, a, m in zip(ids, att, mask)])
+            rec.masks.append(mask)
+
+    trainer.add_callback(Contexts())
+    _grad_hook(trainer, rec)
+    original = trainer._compute_self_distillation_loss
+
+    def record(*a: Any, **k: Any) -> Any:
+        loss = original(*a, **k)
+        rec.losses.append(float(loss.detach()))
+        return loss
+
+    trainer._compute_self_distillation_loss = record  # type: ignore[method-assign]
+    trainer.train()
+    return trainer, rec
+
+
+def _run_composer(model_dir: Any, tokenizer: Any, dataset: Any, tmp_path: Any, mode: str, teacher: str) -> Any:
+    import composer_trl.trainer as trainer_module
+    from composer_trl import ComposerGRPOConfig, ComposerGRPOTrainer
+    from transformers import AutoModelForCausalLM
+
+    rec = _Recorder()
+    args = ComposerGRPOConfig(
+        **_common(tmp_path, "composer"),
+        learning_rate=LR * (1 - W),
+        alpha_sdpo=W / (1 - W),
+        beta_replay=0.0,
+        sdpo_form="sampled" if mode == "sampled_token" else "full",
+        sdpo_beta=0.5,
+        sdpo_loss_agg="seq_mean",
+        sdpo_teacher_context="success",
+        success_reward_threshold=1.0,
+        dont_reprompt_on_self_success=True,
+        reprompt_template=REPROMPT,
+        solution_template=COMPOSER_SOLUTION,
+        max_reprompt_len=64,
+        sdpo_teacher=teacher,
+        **({"teacher_update_rate": 0.5} if teacher == "ema" else {}),
+    )
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    trainer = ComposerGRPOTrainer(
+        model=model, reward_funcs=[exact_reward], args=args, train_dataset=dataset, processing_class=tokenizer
+    )
+    build = trainer._build_group_contexts
+
+    def contexts(*a: Any, **k: Any) -> Any:
+        out = build(*a, **k)
+        mask = out["composer_has_hint"].tolist()
+        ids, att = out["composer_hint_ids"], out["composer_hint_mask"]
+        rec.teacher_prompts.append([_strip(i, m) if h else [] for i, m, h in zip(ids, att, mask)])
+        rec.masks.append(mask)
+        return out
+
+    trainer._build_group_contexts = contexts  # type: ignore[method-assign]
+    _grad_hook(trainer, rec)
+    original = trainer_module.composer_trl_loss
+
+    def loss(*a: Any, **k: Any) -> Any:
+        total, result = original(*a, **k)
+        rec.losses.append(float(result.sdpo.detach()) if result.sdpo is not None else 0.0)
+        return total, result
+
+    trainer_module.composer_trl_loss = loss
+    try:
+        trainer.train()
+    finally:
+        trainer_module.composer_trl_loss = original
+    return trainer, rec
+
+
+@pytest.mark.parametrize(
+    ("mode", "teacher"),
+    [("full_logits", "ema"), ("sampled_token", "ema"), ("full_logits", "base"), ("sampled_token", "live")],
+)
+def test_composer_sdpo_equals_trl_sdpo_trainer(mode, teacher, model_dir, tokenizer, dataset, tmp_path, monkeypatch):
+    from transformers import Qwen2ForCausalLM
+
+    monkeypatch.setattr(Qwen2ForCausalLM, "generate", _fake_generate(tokenizer))
+    trl_trainer, trl = _run_trl(model_dir, tokenizer, dataset, tmp_path, mode, teacher)
+    cmp_trainer, cmp = _run_composer(model_dir, tokenizer, dataset, tmp_path, mode, teacher)
+
+    assert len(trl.masks) == len(cmp.masks) == STEPS
+    assert trl.masks == cmp.masks  # self-distillation mask, row for row
+    assert sum(map(sum, cmp.masks)) == STEPS * 8 // G * (G - 1)  # every failed row has a successful sibling
+    assert trl.teacher_prompts == cmp.teacher_prompts  # reprompt token ids, token for token
+    assert len(trl.grads) == len(cmp.grads) == STEPS
+    for step, (g_trl, g_cmp) in enumerate(zip(trl.grads, cmp.grads)):
+        assert g_trl.keys() == g_cmp.keys()
+        for name in g_trl:
+            torch.testing.assert_close(
+                g_cmp[name], g_trl[name] / (1 - W), rtol=2e-4, atol=1e-6, msg=f"step {step}: d/d {name}"
+            )
+    if mode == "full_logits":
+        torch.testing.assert_close(torch.tensor(cmp.losses), torch.tensor(trl.losses), rtol=1e-5, atol=1e-7)
+    else:  # composer reports ℓS − ℓT (k1 KL estimate), TRL sg(ℓS − ℓT)·ℓS: different numbers, same gradient
+        assert not torch.allclose(torch.tensor(cmp.losses), torch.tensor(trl.losses))
+    for (n, p_t), (_, p_c) in zip(trl_trainer.model.named_parameters(), cmp_trainer.model.named_parameters()):
+        torch.testing.assert_close(p_c, p_t, rtol=1e-4, atol=1e-6, msg=f"student {n}")
+    if teacher in ("ema", "base"):
+        t_trl = trl_trainer.accelerator.unwrap_model(trl_trainer.teacher_model)
+        t_cmp = cmp_trainer.accelerator.unwrap_model(cmp_trainer._sdpo_teacher)
+        moved = 0.0
+        initial = dict(type(t_trl).from_pretrained(model_dir).named_parameters())
+        for (n, p_t), (_, p_c) in zip(t_trl.named_parameters(), t_cmp.named_parameters()):
+            torch.testing.assert_close(p_c, p_t, rtol=1e-4, atol=1e-6, msg=f"teacher {n}")
+            moved = max(moved, float((p_t - initial[n]).abs().max()))
+        assert (moved > 1e-4) == (teacher == "ema")  # the EMA teacher moved, the base teacher did not
