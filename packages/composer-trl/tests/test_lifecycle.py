@@ -140,14 +140,20 @@ def _logged_steps(path: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.endswith("}")]
 
 
+EMA_TEACHER = ["--sdpo_teacher", "ema", "--sdpo_teacher_context", "success", "--success_reward_threshold", "0.3"]
+EMA_TEACHER += ["--teacher_update_rate", "0.3"]
+
+
 @pytest.mark.timeout(1500)
-def test_sigkill_then_resume_last_is_bit_exact(tmp_path, monkeypatch):
+@pytest.mark.parametrize("options", [["--sdpo_wrapper", "taid"], EMA_TEACHER], ids=["taid", "ema-teacher"])
+def test_sigkill_then_resume_last_is_bit_exact(options, tmp_path, monkeypatch):
     """Uninterrupted 6 steps == (killed after step 3, resumed from checkpoint-2): torch.equal on every weight,
-    identical logged rewards/losses and TAID t; each step logged once (the killed run's step 3 is dropped)."""
+    identical logged rewards/losses and TAID t; each step logged once (the killed run's step 3 is dropped).
+    With the EMA SDPO teacher its weights (saved in each checkpoint) are equal too."""
     env = _env(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     common = ["--max_steps", "6", "--save_steps", "2", "--reward_funcs", "slow_reward_lc:reward"]
-    common += ["--sdpo_wrapper", "taid", *SMALL]
+    common += [*options, *SMALL]
     ref, cut = tmp_path / "ref", tmp_path / "cut"
     assert main([*common, "--output_dir", str(ref)]) == 0
 
@@ -164,9 +170,17 @@ def test_sigkill_then_resume_last_is_bit_exact(tmp_path, monkeypatch):
     assert all(torch.equal(a[k], b[k]) for k in a)
     ra, rb = read_jsonl(ref / "metrics-composer.jsonl"), read_jsonl(cut / "metrics-composer.jsonl")
     assert [r["step"] for r in rb] == [1, 2, 3, 4, 5, 6]
-    keys = ("reward", "composer/loss/policy", "composer/loss/sdpo", "composer/loss/replay", "composer/taid/t")
+    keys = ["reward", "composer/loss/policy", "composer/loss/sdpo", "composer/loss/replay"]
+    keys += ["composer/taid/t"] if "taid" in options else []
     assert [[r[k] for k in keys] for r in ra] == [[r[k] for k in keys] for r in rb]
-    assert len({r["composer/taid/t"] for r in rb}) > 1  # TAID's t moved, so restoring it mattered
+    if "taid" in options:
+        assert len({r["composer/taid/t"] for r in rb}) > 1  # TAID's t moved, so restoring it mattered
+        return
+    teacher = Path("trainer-composer", "checkpoint-6", "composer_sdpo_teacher.safetensors")
+    ta, tb, t0 = load_file(ref / teacher), load_file(cut / teacher), load_file(ref / teacher.parent.parent / "checkpoint-2" / teacher.name)
+    assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+    assert any(not torch.equal(ta[k], t0[k]) for k in ta)  # the EMA moved between the checkpoints
+    assert sum(r["composer/loss/sdpo"] > 0 for r in rb) >= 3  # the teacher was used
 
 
 @pytest.mark.timeout(900)

@@ -493,8 +493,9 @@ class Job:
         extra: dict[str, Any] = {}
         if self.composer:
             embedded = self.recipe.dataset is None and self.recipe.env is None
-            auto = reverse_hints if embedded and self.config.alpha_sdpo > 0 else None
-            hint = self.hint_fn or self.hint or auto
+            wants = self.config.alpha_sdpo > 0 and self.config.sdpo_teacher_context != "success"
+            auto = reverse_hints if embedded and wants else None
+            hint = self.hint_fn or (self.hint if wants else None) or auto
             if hint is not None:
                 extra["hint_fn"] = hint
         cls = self.trainer_cls or (ComposerGRPOTrainer if self.composer else GRPOTrainer)

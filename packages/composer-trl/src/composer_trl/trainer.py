@@ -152,6 +152,11 @@ class ComposerGRPOTrainer(GRPOTrainer):
             )
         if hint_fn is not None and not callable(hint_fn):
             raise ValueError(f"`hint_fn` must be callable, got {type(hint_fn).__name__}.")
+        if hint_fn is not None and targs.sdpo_teacher_context == "success":
+            raise ValueError(
+                "`hint_fn` is not read with sdpo_teacher_context='success' (successful siblings are the only "
+                "teacher context); use 'success+feedback' to add its text as feedback, or drop hint_fn."
+            )
         super().__init__(*args, **kwargs)
         self.args: ComposerGRPOConfig
         self.hint_fn = hint_fn
@@ -410,20 +415,19 @@ class ComposerGRPOTrainer(GRPOTrainer):
     ) -> dict[str, Any]:
         """Teacher contexts from the group's successful siblings and/or feedback (``composer_core.sdpo``), built
         over the whole generation batch (every process) so a group split across processes sees all its rows."""
-        opts = self.args.teacher_context_options
+        opts = self.args.teacher_context_options  # built (checked) once per call: a few dataclass fields
         pad_id = self._tokenizer.pad_token_id
         demos = self._tokenizer.batch_decode(
             [row[row != pad_id].tolist() for row in output["completion_ids"]], skip_special_tokens=True
         )
         feedback = self._feedback(inputs, output) if opts.uses_feedback else None
-        ctx = build_teacher_contexts(
+        ctx = group_contexts(
+            self.args,
             gather_object([x["prompt"] for x in inputs]),
             gather_object(demos),
             self._group_rewards(),
             self.num_generations if mode == "train" else self.num_generations_eval,
-            opts,
-            feedback=None if feedback is None else gather_object(feedback),
-            seed=self.args.seed,
+            None if feedback is None else gather_object(feedback),
         )
         self._log_contexts(mode, ctx)
         start = self.accelerator.process_index * len(inputs)
@@ -833,6 +837,21 @@ class _TAIDCallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         self.trainer._taid_step()
         return control
+
+
+def group_contexts(
+    args: ComposerGRPOConfig,
+    prompts: Sequence[Any],
+    completions: Sequence[str],
+    rewards: Sequence[float],
+    group_size: int,
+    feedback: Sequence[str | None] | None,
+) -> TeacherContexts:
+    """The teacher contexts ``ComposerGRPOTrainer`` builds for one generation batch (all processes' rows, in
+    order), from its config's ``sdpo_teacher_context`` options (:func:`composer_core.sdpo.build_teacher_contexts`)."""
+    return build_teacher_contexts(
+        prompts, completions, rewards, group_size, args.teacher_context_options, feedback=feedback, seed=args.seed
+    )
 
 
 class _SDPOTeacherCallback(TrainerCallback):
