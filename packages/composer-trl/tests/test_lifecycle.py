@@ -140,7 +140,14 @@ def _logged_steps(path: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.endswith("}")]
 
 
-EMA_TEACHER = ["--sdpo_teacher", "ema", "--sdpo_teacher_context", "success", "--success_reward_threshold", "0.3"]
+EMA_TEACHER = [
+    "--sdpo_teacher",
+    "ema",
+    "--sdpo_teacher_context",
+    "success",
+    "--success_reward_threshold",
+    "0.3",
+]
 EMA_TEACHER += ["--teacher_update_rate", "0.3"]
 
 
@@ -177,7 +184,11 @@ def test_sigkill_then_resume_last_is_bit_exact(options, tmp_path, monkeypatch):
         assert len({r["composer/taid/t"] for r in rb}) > 1  # TAID's t moved, so restoring it mattered
         return
     teacher = Path("trainer-composer", "checkpoint-6", "composer_sdpo_teacher.safetensors")
-    ta, tb, t0 = load_file(ref / teacher), load_file(cut / teacher), load_file(ref / teacher.parent.parent / "checkpoint-2" / teacher.name)
+    ta, tb, t0 = (
+        load_file(ref / teacher),
+        load_file(cut / teacher),
+        load_file(ref / teacher.parent.parent / "checkpoint-2" / teacher.name),
+    )
     assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
     assert any(not torch.equal(ta[k], t0[k]) for k in ta)  # the EMA moved between the checkpoints
     assert sum(r["composer/loss/sdpo"] > 0 for r in rb) >= 3  # the teacher was used

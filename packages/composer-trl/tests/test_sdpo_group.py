@@ -7,6 +7,7 @@ the EMA teacher is test_lifecycle.py.
 from __future__ import annotations
 
 import logging
+
 import pytest
 import torch
 from composer_core.testing.teacher_context import check_teacher_context
@@ -34,7 +35,10 @@ def test_group_context_conformance_through_the_trainer_config(tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
-        ({"sdpo_teacher_context": "success", "reprompt_template": "{prompt}{answer}"}, r"unknown placeholder.*\{answer\}"),
+        (
+            {"sdpo_teacher_context": "success", "reprompt_template": "{prompt}{answer}"},
+            r"unknown placeholder.*\{answer\}",
+        ),
         ({"solution_template": "x{demonstration}"}, "only act.*sdpo_teacher_context='success'"),
         ({"sdpo_teacher": "teacher"}, "`sdpo_teacher`='teacher' is not supported"),
         ({"teacher_update_rate": 0.1}, "act only with sdpo_teacher='ema'"),
@@ -48,14 +52,25 @@ def test_bad_options_raise_at_construction_naming_the_option(tmp_path, overrides
         ComposerGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", **overrides)
 
 
-def test_success_context_trains_without_hints_and_masks_rows_without_a_success(tmp_path, model_dir, tokenizer, dataset):
+def test_success_context_trains_without_hints_and_masks_rows_without_a_success(
+    tmp_path, model_dir, tokenizer, dataset
+):
     """No hint column, no hint_fn: rows with a successful sibling are distilled, the others are not."""
     from transformers import AutoModelForCausalLM
 
     args = grpo_args(
-        tmp_path, alpha_sdpo=1.0, beta_replay=0.0, sdpo_teacher_context="success", success_reward_threshold=0.3
+        tmp_path,
+        alpha_sdpo=1.0,
+        beta_replay=0.0,
+        sdpo_teacher_context="success",
+        success_reward_threshold=0.3,
     )
-    trainer = make_trainer(AutoModelForCausalLM.from_pretrained(model_dir), tokenizer, dataset.remove_columns(["chosen", "rejected"]), args)
+    trainer = make_trainer(
+        AutoModelForCausalLM.from_pretrained(model_dir),
+        tokenizer,
+        dataset.remove_columns(["chosen", "rejected"]),
+        args,
+    )
     seen: list[tuple[list[bool], list[float]]] = []
     build = trainer._build_group_contexts
 
@@ -74,7 +89,11 @@ def test_success_context_trains_without_hints_and_masks_rows_without_a_success(t
                 others = [r >= 0.3 for j, r in enumerate(group) if j != i]
                 assert mask[g + i] == any(others)
     logged = [m for m in trainer.state.log_history if "composer/loss/sdpo" in m]
-    fractions = [m["composer/sdpo/success_group_fraction"] for m in trainer.state.log_history if "composer/sdpo/success_group_fraction" in m]
+    fractions = [
+        m["composer/sdpo/success_group_fraction"]
+        for m in trainer.state.log_history
+        if "composer/sdpo/success_group_fraction" in m
+    ]
     assert len(fractions) == len(logged)
     for row, frac in zip(logged, fractions):
         assert (row["composer/loss/sdpo"] != 0) == (frac > 0)
@@ -86,7 +105,9 @@ def test_hint_fn_with_success_only_context_raises(tmp_path, model_dir, tokenizer
 
     args = grpo_args(tmp_path, beta_replay=0.0, sdpo_teacher_context="success")
     with pytest.raises(ValueError, match="hint_fn` is not read with sdpo_teacher_context='success'"):
-        make_trainer(AutoModelForCausalLM.from_pretrained(model_dir), tokenizer, dataset, args, hint_fn=reverse_hints)
+        make_trainer(
+            AutoModelForCausalLM.from_pretrained(model_dir), tokenizer, dataset, args, hint_fn=reverse_hints
+        )
 
 
 def test_feedback_context_needs_a_feedback_source(tmp_path, model_dir, tokenizer, dataset):
@@ -97,7 +118,9 @@ def test_feedback_context_needs_a_feedback_source(tmp_path, model_dir, tokenizer
         make_trainer(AutoModelForCausalLM.from_pretrained(model_dir), tokenizer, dataset, args)
 
 
-def test_unreachable_threshold_warns_once_with_the_group_count(tmp_path, model_dir, tokenizer, dataset, caplog):
+def test_unreachable_threshold_warns_once_with_the_group_count(
+    tmp_path, model_dir, tokenizer, dataset, caplog
+):
     from transformers import AutoModelForCausalLM
 
     args = grpo_args(
@@ -114,7 +137,11 @@ def test_base_teacher_is_the_frozen_initial_model(tmp_path, model_dir, tokenizer
     from transformers import AutoModelForCausalLM
 
     args = grpo_args(
-        tmp_path, beta_replay=0.0, sdpo_teacher_context="success", success_reward_threshold=0.3, sdpo_teacher="base"
+        tmp_path,
+        beta_replay=0.0,
+        sdpo_teacher_context="success",
+        success_reward_threshold=0.3,
+        sdpo_teacher="base",
     )
     trainer = make_trainer(AutoModelForCausalLM.from_pretrained(model_dir), tokenizer, dataset, args)
     initial = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -129,7 +156,9 @@ def test_peft_ema_teacher_is_refused_with_the_fix(tmp_path, model_dir, tokenizer
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), LoraConfig(r=4, target_modules=["q_proj"]))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(model_dir), LoraConfig(r=4, target_modules=["q_proj"])
+    )
     args = grpo_args(tmp_path, beta_replay=0.0, sdpo_teacher_context="success", sdpo_teacher="ema")
     with pytest.raises(ValueError, match="sdpo_teacher='ema' with a PEFT model"):
         make_trainer(model, tokenizer, dataset, args)

@@ -42,7 +42,9 @@ def _fake_generate(tokenizer: Any) -> Any:
     """model.generate → each prompt ⊕ a fixed completion: the reversal for row i % G == 0, else '000'."""
     eos = tokenizer.eos_token_id
 
-    def generate(self: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **_: Any) -> Any:
+    def generate(
+        self: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **_: Any
+    ) -> Any:
         rows = []
         for i, ids in enumerate(input_ids.tolist()):
             text = tokenizer.decode([t for t in ids if t != tokenizer.pad_token_id], skip_special_tokens=True)
@@ -50,7 +52,9 @@ def _fake_generate(tokenizer: Any) -> Any:
             answer = digits[::-1] if i % G == 0 else "0" * len(digits)
             rows.append(tokenizer(text=answer, add_special_tokens=False)["input_ids"] + [eos])
         width = max(len(r) for r in rows)
-        comp = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows], device=input_ids.device)
+        comp = torch.tensor(
+            [r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows], device=input_ids.device
+        )
         return torch.cat([input_ids, comp], dim=1)
 
     return generate
@@ -97,7 +101,11 @@ def _grad_hook(trainer: Any, rec: _Recorder) -> None:
     class Grads(TrainerCallback):
         def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             rec.grads.append(
-                {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+                {
+                    n: p.grad.detach().clone()
+                    for n, p in trainer.model.named_parameters()
+                    if p.grad is not None
+                }
             )
 
     trainer.add_callback(Grads())
@@ -156,7 +164,9 @@ def _run_trl(model_dir: Any, tokenizer: Any, dataset: Any, tmp_path: Any, mode: 
     return trainer, rec
 
 
-def _run_composer(model_dir: Any, tokenizer: Any, dataset: Any, tmp_path: Any, mode: str, teacher: str) -> Any:
+def _run_composer(
+    model_dir: Any, tokenizer: Any, dataset: Any, tmp_path: Any, mode: str, teacher: str
+) -> Any:
     import composer_trl.trainer as trainer_module
     from composer_trl import ComposerGRPOConfig, ComposerGRPOTrainer
     from transformers import AutoModelForCausalLM
@@ -214,7 +224,9 @@ def _run_composer(model_dir: Any, tokenizer: Any, dataset: Any, tmp_path: Any, m
     ("mode", "teacher"),
     [("full_logits", "ema"), ("sampled_token", "ema"), ("full_logits", "base"), ("sampled_token", "live")],
 )
-def test_composer_sdpo_equals_trl_sdpo_trainer(mode, teacher, model_dir, tokenizer, dataset, tmp_path, monkeypatch):
+def test_composer_sdpo_equals_trl_sdpo_trainer(
+    mode, teacher, model_dir, tokenizer, dataset, tmp_path, monkeypatch
+):
     from transformers import Qwen2ForCausalLM
 
     monkeypatch.setattr(Qwen2ForCausalLM, "generate", _fake_generate(tokenizer))

@@ -9,10 +9,9 @@ SimPO on (chosen, rejected) completions carried in the dataset.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
-
-import dataclasses
 
 from composer_core.loss.config import ComposeConfig, flat_defaults
 from composer_core.loss.distill import check_chunk_size
@@ -133,23 +132,29 @@ class ComposerGRPOConfig(GRPOConfig):
     )
     sdpo_teacher_context: Literal["hint", "success", "feedback", "success+feedback"] = field(
         default=_CORE["sdpo_teacher_context"],
-        metadata={"help": "Teacher context: 'hint', 'success' (successful siblings), 'feedback', 'success+feedback'."},
+        metadata={
+            "help": "Teacher context: 'hint', 'success' (successful siblings), 'feedback', 'success+feedback'."
+        },
     )
     success_reward_threshold: float = field(
-        default=_CORE["success_reward_threshold"], metadata={"help": "Reward at which a completion is a success."}
+        default=_CORE["success_reward_threshold"],
+        metadata={"help": "Reward at which a completion is a success."},
     )
     dont_reprompt_on_self_success: bool = field(
-        default=_CORE["dont_reprompt_on_self_success"], metadata={"help": "A success is not its own demonstration."}
+        default=_CORE["dont_reprompt_on_self_success"],
+        metadata={"help": "A success is not its own demonstration."},
     )
     feedback_only_without_solution: bool = field(
         default=_CORE["feedback_only_without_solution"],
         metadata={"help": "success+feedback: feedback only where no sibling succeeded."},
     )
     demo_pick: Literal["first", "random"] = field(
-        default=_CORE["demo_pick"], metadata={"help": "Which successful sibling: 'first' or 'random' (seeded)."}
+        default=_CORE["demo_pick"],
+        metadata={"help": "Which successful sibling: 'first' or 'random' (seeded)."},
     )
     reprompt_template: str = field(
-        default=_CORE["reprompt_template"], metadata={"help": "Teacher reprompt: {prompt} {solution} {feedback}."}
+        default=_CORE["reprompt_template"],
+        metadata={"help": "Teacher reprompt: {prompt} {solution} {feedback}."},
     )
     solution_template: str = field(
         default=_CORE["solution_template"], metadata={"help": "Demonstration part: {demonstration}."}
@@ -161,7 +166,8 @@ class ComposerGRPOConfig(GRPOConfig):
         default=_CORE["max_reprompt_len"], metadata={"help": "Keep the last this many reprompt tokens."}
     )
     remove_thinking_from_demonstration: bool = field(
-        default=_CORE["remove_thinking_from_demonstration"], metadata={"help": "Drop <think> blocks from demos."}
+        default=_CORE["remove_thinking_from_demonstration"],
+        metadata={"help": "Drop <think> blocks from demos."},
     )
     sdpo_teacher: Literal["live", "ema", "base"] = field(
         default=_CORE["sdpo_teacher"], metadata={"help": "Teacher weights: 'live', 'ema' or 'base'."}
@@ -170,7 +176,8 @@ class ComposerGRPOConfig(GRPOConfig):
         default=_CORE["teacher_update_rate"], metadata={"help": "EMA teacher rate tau (sdpo_teacher='ema')."}
     )
     teacher_sync_steps: int = field(
-        default=_CORE["teacher_sync_steps"], metadata={"help": "EMA teacher update period in optimiser steps."}
+        default=_CORE["teacher_sync_steps"],
+        metadata={"help": "EMA teacher update period in optimiser steps."},
     )
 
     dpo_variant: Literal["dpo", "simpo"] = field(

@@ -262,7 +262,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
         self.add_callback(_SDPOTeacherCallback(self))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[no-untyped-call]
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
         if self._sdpo_teacher is not None:
             load_teacher(self.accelerator.unwrap_model(self._sdpo_teacher), resume_from_checkpoint)
 
@@ -302,8 +302,12 @@ class ComposerGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ generation: carry the extra columns
 
-    def _calculate_rewards(self, inputs: Any, prompts: Any, completions: Any, completion_ids_list: Any) -> Tensor:
-        rewards_per_func: Tensor = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+    def _calculate_rewards(
+        self, inputs: Any, prompts: Any, completions: Any, completion_ids_list: Any
+    ) -> Tensor:
+        rewards_per_func: Tensor = super()._calculate_rewards(
+            inputs, prompts, completions, completion_ids_list
+        )
         self._last_rewards_per_func = rewards_per_func  # gathered over processes: the group's successes
         return rewards_per_func
 
@@ -325,7 +329,6 @@ class ComposerGRPOTrainer(GRPOTrainer):
         return texts
 
     def _build_hints(self, inputs: list[dict[str, Any]], output: dict[str, Any]) -> dict[str, Any]:
-        device = self.accelerator.device
         prompts = [x["prompt"] for x in inputs]
         if self.hint_fn is not None:
             columns = {k: [x.get(k) for x in inputs] for k in inputs[0] if k not in ("prompt", "completion")}
@@ -426,18 +429,27 @@ class ComposerGRPOTrainer(GRPOTrainer):
             gather_object([x["prompt"] for x in inputs]),
             gather_object(demos),
             self._group_rewards(),
-            self.num_generations if mode == "train" else self.num_generations_eval,
+            self._group_size(mode),
             None if feedback is None else gather_object(feedback),
         )
         self._log_contexts(mode, ctx)
         start = self.accelerator.process_index * len(inputs)
         return self._teacher_tensors(ctx.contexts[start : start + len(inputs)], output)
 
+    def _group_size(self, mode: str) -> int:
+        size = self.num_generations if mode == "train" else self.num_generations_eval
+        assert size is not None  # GRPOTrainer sets both
+        return int(size)
+
     def _log_contexts(self, mode: str, ctx: TeacherContexts) -> None:
         for key, value in ctx.metrics.items():
             self._metrics[mode][f"{ADAPTER_PREFIX}sdpo/{key}"].append(value)
         a = self.args
-        if a.sdpo_teacher_context != "feedback" and ctx.groups_with_success == 0 and not self._no_success_warned:
+        if (
+            a.sdpo_teacher_context != "feedback"
+            and ctx.groups_with_success == 0
+            and not self._no_success_warned
+        ):
             self._no_success_warned = True
             logger.warning(
                 f"success_reward_threshold={a.success_reward_threshold}: none of the {ctx.groups} groups of this "
@@ -850,7 +862,13 @@ def group_contexts(
     """The teacher contexts ``ComposerGRPOTrainer`` builds for one generation batch (all processes' rows, in
     order), from its config's ``sdpo_teacher_context`` options (:func:`composer_core.sdpo.build_teacher_contexts`)."""
     return build_teacher_contexts(
-        prompts, completions, rewards, group_size, args.teacher_context_options, feedback=feedback, seed=args.seed
+        prompts,
+        completions,
+        rewards,
+        group_size,
+        args.teacher_context_options,
+        feedback=feedback,
+        seed=args.seed,
     )
 
 
@@ -864,7 +882,8 @@ class _SDPOTeacherCallback(TrainerCallback):
 
     def _teacher(self) -> torch.nn.Module:
         assert self.trainer._sdpo_teacher is not None
-        return self.trainer.accelerator.unwrap_model(self.trainer._sdpo_teacher)
+        teacher: torch.nn.Module = self.trainer.accelerator.unwrap_model(self.trainer._sdpo_teacher)
+        return teacher
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         opts = self.trainer.args.teacher_weights_options
@@ -874,7 +893,9 @@ class _SDPOTeacherCallback(TrainerCallback):
         return control
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        folder = os.path.join(self.trainer._get_output_dir(trial=None), f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        folder = os.path.join(
+            self.trainer._get_output_dir(trial=None), f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        )
         if os.path.isdir(folder) and self.trainer.accelerator.is_main_process:
             save_teacher(self._teacher(), folder)
         return control

@@ -74,7 +74,9 @@ def _check_template(name: str, template: object) -> None:
     try:
         fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
     except ValueError as exc:
-        raise ValueError(f"`{name}`={template!r} is not a valid format string ({exc}); escape braces as {{{{ }}}}.")
+        raise ValueError(
+            f"`{name}`={template!r} is not a valid format string ({exc}); escape braces as {{{{ }}}}."
+        ) from None
     unknown = sorted({f for f in fields if f not in allowed})
     if unknown:
         raise ValueError(
@@ -109,7 +111,11 @@ class TeacherContextOptions:
         threshold = self.success_reward_threshold
         if isinstance(threshold, bool) or not isinstance(threshold, int | float) or threshold != threshold:
             raise ValueError(f"`success_reward_threshold`={threshold!r} must be a number.")
-        for name in ("dont_reprompt_on_self_success", "feedback_only_without_solution", "remove_thinking_from_demonstration"):
+        for name in (
+            "dont_reprompt_on_self_success",
+            "feedback_only_without_solution",
+            "remove_thinking_from_demonstration",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}`={getattr(self, name)!r} must be a bool.")
         cap = self.max_reprompt_len
@@ -230,19 +236,27 @@ def build_teacher_contexts(
     """
     n = len(prompts)
     if not options.from_group:
-        raise ValueError("build_teacher_contexts builds group contexts; sdpo_teacher_context='hint' uses hints.")
+        raise ValueError(
+            "build_teacher_contexts builds group contexts; sdpo_teacher_context='hint' uses hints."
+        )
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1 or n % group_size:
         raise ValueError(f"`group_size`={group_size!r} must be an int >= 1 dividing the {n} rows.")
     if len(completions) != n or len(rewards) != n:
-        raise ValueError(f"got {n} prompts, {len(completions)} completions and {len(rewards)} rewards; one per row.")
+        raise ValueError(
+            f"got {n} prompts, {len(completions)} completions and {len(rewards)} rewards; one per row."
+        )
     if feedback is not None and len(feedback) != n:
-        raise ValueError(f"got {len(feedback)} feedback entries for {n} rows; one per row (None where absent).")
+        raise ValueError(
+            f"got {len(feedback)} feedback entries for {n} rows; one per row (None where absent)."
+        )
     if options.uses_feedback and feedback is None:
         raise ValueError(
             f"sdpo_teacher_context={options.sdpo_teacher_context!r} needs the environment's feedback per "
             "completion (a hint_fn / feedback source); pass it or use sdpo_teacher_context='success'."
         )
-    out = TeacherContexts(contexts=[None] * n, mask=[False] * n, demo_index=[None] * n, groups=n // group_size)
+    out = TeacherContexts(
+        contexts=[None] * n, mask=[False] * n, demo_index=[None] * n, groups=n // group_size
+    )
     ok = [float(r) >= options.success_reward_threshold for r in rewards]  # NaN >= x is False
     for i in range(n):
         start = (i // group_size) * group_size
@@ -256,7 +270,9 @@ def build_teacher_contexts(
         text = feedback[i] if feedback is not None else None
         has_feedback = isinstance(text, str) and text.strip() != ""
         use_feedback = (
-            options.uses_feedback and has_feedback and not (options.feedback_only_without_solution and successful)
+            options.uses_feedback
+            and has_feedback
+            and not (options.feedback_only_without_solution and successful)
         )
         solution = ""
         if successful:

@@ -113,4 +113,6 @@ def load_teacher(teacher: nn.Module, directory: str | os.PathLike[str]) -> None:
     try:
         load_model(teacher, path, strict=True, device=str(next(teacher.parameters()).device))
     except Exception as exc:  # safetensors raises its own error types for a truncated file
-        raise ValueError(f"{path} is not a readable SDPO teacher checkpoint ({exc}); restore it or start anew.") from exc
+        raise ValueError(
+            f"{path} is not a readable SDPO teacher checkpoint ({exc}); restore it or start anew."
+        ) from exc
