@@ -16,17 +16,13 @@ def test_core_conformance_suite_passes_through_the_adapter(dtype):
         conformance_compute, supports=set(CONFORMANCE_SUPPORTS), atol=atol, rtol=rtol, dtype=dtype
     )
     assert len(report.passed) == len(cases_for(CONFORMANCE_SUPPORTS)) > 10
-    # only top-k cases are skipped (the adapter always distils the full vocabulary)
-    skipped = {c.name for c in CASES if c.name in report.skipped}
-    assert all("sdpo_topk" in c.tags for c in CASES if c.name in skipped)
+    assert not report.skipped  # every case, top-k included (sdpo_form='topk')
 
 
 def test_unsupported_option_is_reported_not_ignored():
-    from composer_core.testing.conformance import CASES
-
-    case = next(c for c in CASES if "sdpo_topk" in c.tags)
+    case = next(c for c in CASES if "sdpo_full" in c.tags)
     with pytest.raises(ValueError, match="sdpo_form"):
-        conformance_compute(case.make_batch(torch.float64), dict(case.options))
+        conformance_compute(case.make_batch(torch.float64), {**case.options, "sdpo_form": "chunked"})
 
 
 # Options whose conformance cases only use the default value (or none at all): a wrong or missing

@@ -115,7 +115,9 @@ def _strip(ids: torch.Tensor, mask: torch.Tensor) -> list[int]:
     return ids[mask.bool()].tolist()
 
 
-def _run_trl(model_dir: Any, tokenizer: Any, dataset: Any, tmp_path: Any, mode: str, teacher: str) -> Any:
+def _run_trl(
+    model_dir: Any, tokenizer: Any, dataset: Any, tmp_path: Any, mode: str, teacher: str, tail: bool = False
+) -> Any:
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl.experimental.sdpo import SDPOConfig, SDPOTrainer
 
@@ -127,6 +129,7 @@ def _run_trl(model_dir: Any, tokenizer: Any, dataset: Any, tmp_path: Any, mode: 
         distillation_mode=mode,
         distillation_alpha=1.0 if mode == "sampled_token" else 0.5,
         distillation_is_clip=2.0,
+        **({"distillation_topk": 5, "distillation_add_tail": tail} if mode == "topk_logits" else {}),
         teacher_model_kind=teacher,
         teacher_update_rate=0.5,
         teacher_sync_steps=1,
@@ -165,7 +168,7 @@ def _run_trl(model_dir: Any, tokenizer: Any, dataset: Any, tmp_path: Any, mode: 
 
 
 def _run_composer(
-    model_dir: Any, tokenizer: Any, dataset: Any, tmp_path: Any, mode: str, teacher: str
+    model_dir: Any, tokenizer: Any, dataset: Any, tmp_path: Any, mode: str, teacher: str, tail: bool = False
 ) -> Any:
     import composer_trl.trainer as trainer_module
     from composer_trl import ComposerGRPOConfig, ComposerGRPOTrainer
@@ -177,7 +180,8 @@ def _run_composer(
         learning_rate=LR * (1 - W),
         alpha_sdpo=W / (1 - W),
         beta_replay=0.0,
-        sdpo_form="sampled" if mode == "sampled_token" else "full",
+        sdpo_form={"sampled_token": "sampled", "full_logits": "full", "topk_logits": "topk"}[mode],
+        **({"sdpo_topk": 5, "sdpo_topk_tail": tail} if mode == "topk_logits" else {}),
         sdpo_beta=0.5,
         sdpo_loss_agg="seq_mean",
         sdpo_teacher_context="success",
@@ -221,17 +225,24 @@ def _run_composer(
 
 
 @pytest.mark.parametrize(
-    ("mode", "teacher"),
-    [("full_logits", "ema"), ("sampled_token", "ema"), ("full_logits", "base"), ("sampled_token", "live")],
+    ("mode", "teacher", "tail"),
+    [
+        ("full_logits", "ema", False),
+        ("sampled_token", "ema", False),
+        ("topk_logits", "ema", False),
+        ("topk_logits", "live", True),
+        ("full_logits", "base", False),
+        ("sampled_token", "live", False),
+    ],
 )
 def test_composer_sdpo_equals_trl_sdpo_trainer(
-    mode, teacher, model_dir, tokenizer, dataset, tmp_path, monkeypatch
+    mode, teacher, tail, model_dir, tokenizer, dataset, tmp_path, monkeypatch
 ):
     from transformers import Qwen2ForCausalLM
 
     monkeypatch.setattr(Qwen2ForCausalLM, "generate", _fake_generate(tokenizer))
-    trl_trainer, trl = _run_trl(model_dir, tokenizer, dataset, tmp_path, mode, teacher)
-    cmp_trainer, cmp = _run_composer(model_dir, tokenizer, dataset, tmp_path, mode, teacher)
+    trl_trainer, trl = _run_trl(model_dir, tokenizer, dataset, tmp_path, mode, teacher, tail)
+    cmp_trainer, cmp = _run_composer(model_dir, tokenizer, dataset, tmp_path, mode, teacher, tail)
 
     assert len(trl.masks) == len(cmp.masks) == STEPS
     assert trl.masks == cmp.masks  # self-distillation mask, row for row
@@ -244,7 +255,7 @@ def test_composer_sdpo_equals_trl_sdpo_trainer(
             torch.testing.assert_close(
                 g_cmp[name], g_trl[name] / (1 - W), rtol=2e-4, atol=1e-6, msg=f"step {step}: d/d {name}"
             )
-    if mode == "full_logits":
+    if mode != "sampled_token":
         torch.testing.assert_close(torch.tensor(cmp.losses), torch.tensor(trl.losses), rtol=1e-5, atol=1e-7)
     else:  # composer reports ℓS − ℓT (k1 KL estimate), TRL sg(ℓS − ℓT)·ℓS: different numbers, same gradient
         assert not torch.allclose(torch.tensor(cmp.losses), torch.tensor(trl.losses))

@@ -37,7 +37,10 @@ class ComposerGRPOConfig(GRPOConfig):
     Channel 2 (hinted self-teacher; the teacher is the same model, no grad, given the hint):
         sdpo_form: ``"full"`` — generalized JSD over the whole vocabulary, computed chunk-wise from the
             last hidden states and the LM-head weight (never materialises [B,T,V]); ``"sampled"`` — the
-            reverse-KL estimator on the sampled token only (teacher log-prob of each sampled token).
+            reverse-KL estimator on the sampled token only (teacher log-prob of each sampled token); ``"topk"`` —
+            the divergence on the student's top-``sdpo_topk`` tokens (TRL SDPOTrainer's ``topk_logits``; this form
+            materialises [B, T, V] logits of the distilled rows from the same hidden states), with the tail bucket
+            ``1 − Σ_k p`` when ``sdpo_topk_tail`` (TRL's ``distillation_add_tail``).
         sdpo_beta: generalized-JSD β (TRL GKD convention: 0 forward KL, 1 reverse KL, exact branches).
         sdpo_temperature: temperature of both distributions in the divergence.
         sdpo_token_clip: importance-sampling clip of the sampled form (None = no clip).
@@ -93,7 +96,17 @@ class ComposerGRPOConfig(GRPOConfig):
         default=_CORE["beta_replay"], metadata={"help": "Weight of channel 3 (trace-replay preference)."}
     )
 
-    sdpo_form: Literal["full", "sampled"] = field(default="full", metadata={"help": "'full' or 'sampled'."})
+    sdpo_form: Literal["full", "sampled", "topk"] = field(
+        default="full", metadata={"help": "'full', 'sampled' or 'topk' (with sdpo_topk)."}
+    )
+    sdpo_topk: int | None = field(
+        default=_CORE["sdpo_topk"],
+        metadata={"help": "Top-k support size of sdpo_form='topk' (student's top k)."},
+    )
+    sdpo_topk_tail: bool = field(
+        default=_CORE["sdpo_topk_tail"],
+        metadata={"help": "sdpo_form='topk': add the tail bucket 1 - sum_k p."},
+    )
     sdpo_beta: float = field(
         default=_CORE["sdpo_beta"], metadata={"help": "Generalized JSD beta (0 FKL, 1 RKL)."}
     )
@@ -206,7 +219,7 @@ class ComposerGRPOConfig(GRPOConfig):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and 0.0 <= float(value) < float("inf")):
                 raise ValueError(f"`{name}`={value!r} must be a finite weight >= 0 (0 disables the channel).")
-        _choice("sdpo_form", self.sdpo_form, ("full", "sampled"))
+        _choice("sdpo_form", self.sdpo_form, ("full", "sampled", "topk"))
         _choice("sdpo_wrapper", self.sdpo_wrapper, ("none", "taid", "entropy_opd"))
         _choice("dpo_variant", self.dpo_variant, ("dpo", "simpo"))
         _choice("dpo_loss_type", self.dpo_loss_type, ("sigmoid", "robust", "ipo"))
@@ -304,6 +317,8 @@ class ComposerGRPOConfig(GRPOConfig):
             "sdpo_compiled": self.sdpo_compiled,
             "sdpo_wrapper": self.sdpo_wrapper,
             "sdpo_loss_agg": self.sdpo_loss_agg,
+            "sdpo_topk": self.sdpo_topk,
+            "sdpo_topk_tail": self.sdpo_topk_tail,
             "dpo_variant": self.dpo_variant,
         }
         if self.sdpo_wrapper == "taid":

@@ -85,6 +85,7 @@ CONFORMANCE_SUPPORTS = frozenset(
         "policy",
         "sdpo_full",
         "sdpo_sampled",
+        "sdpo_topk",
         "sdpo_compiled",
         "taid",
         "entropy_opd",
@@ -93,12 +94,13 @@ CONFORMANCE_SUPPORTS = frozenset(
         "global_normalizer",
     }
 )
-"""Conformance tags this adapter implements (no top-k SDPO form: the adapter distils the full vocabulary)."""
+"""Conformance tags this adapter implements."""
 
 _RENAMED = {"epsilon_low": "epsilon", "kl_beta": "beta"}
 _SAME = {
     "alpha_sdpo", "beta_replay", "loss_type", "epsilon_high", "delta", "sdpo_beta", "sdpo_temperature",
     "sdpo_token_clip", "sdpo_chunk_size", "sdpo_compiled", "sdpo_wrapper", "entropy_opd_threshold", "entropy_opd_weight",
+    "sdpo_topk", "sdpo_topk_tail", "sdpo_loss_agg",
     "dpo_variant", "dpo_beta", "dpo_loss_type", "dpo_label_smoothing", "simpo_beta", "simpo_gamma",
 }  # fmt: skip
 
@@ -123,9 +125,11 @@ def conformance_compute(batch: ComposerBatch, options: Mapping[str, Any]) -> Ten
         elif key in _RENAMED:
             kwargs[_RENAMED[key]] = value
         elif key == "sdpo_form":
-            if value not in ("sampled", "full", "auto"):
-                raise ValueError(f"sdpo_form={value!r} is not a ComposerGRPOConfig option (full|sampled).")
-            kwargs["sdpo_form"] = "sampled" if value == "sampled" else "full"
+            if value not in ("sampled", "full", "topk", "auto"):
+                raise ValueError(
+                    f"sdpo_form={value!r} is not a ComposerGRPOConfig option (full|sampled|topk)."
+                )
+            kwargs["sdpo_form"] = "full" if value == "auto" else value
         elif key == "taid_t":
             taid_t = float(value)
         elif key in ("normalizer", "sdpo_normalizer", "replay_normalizer"):

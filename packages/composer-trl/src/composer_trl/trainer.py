@@ -267,13 +267,13 @@ class ComposerGRPOTrainer(GRPOTrainer):
             load_teacher(self.accelerator.unwrap_model(self._sdpo_teacher), resume_from_checkpoint)
 
     def _check_head(self) -> None:
-        if self.args.alpha_sdpo == 0 or self.args.sdpo_form != "full":
+        if self.args.alpha_sdpo == 0 or self.args.sdpo_form == "sampled":
             return
         base = self._base_model(self.model)
         head = base.get_output_embeddings()
         if not isinstance(head, torch.nn.Linear):
             raise ValueError(
-                f"sdpo_form='full' reads the LM-head weight directly, but the output embedding is a "
+                f"sdpo_form={self.args.sdpo_form!r} reads the LM-head weight directly, but the output embedding is a "
                 f"{type(head).__name__} (e.g. LoRA on lm_head); exclude lm_head from the adapter or use "
                 "sdpo_form='sampled'."
             )
@@ -282,7 +282,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
             value = getattr(text_cfg, attr, None)
             if value not in (None, 1.0):
                 raise ValueError(
-                    f"sdpo_form='full' projects hidden states with the plain LM head, but this model's config "
+                    f"sdpo_form={self.args.sdpo_form!r} projects hidden states with the plain LM head, but this model's config "
                     f"sets {attr}={value!r}; use sdpo_form='sampled' for it."
                 )
 
@@ -623,7 +623,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
         )
         if merged is not None:
             input_ids, attention_mask = merged.input_ids(input_ids), merged.attention(attention_mask)
-        capture = _HiddenCapture(self._base_model(model)) if want_sdpo and a.sdpo_form == "full" else None
+        capture = _HiddenCapture(self._base_model(model)) if want_sdpo and a.sdpo_form != "sampled" else None
         with capture if capture is not None else nullcontext():
             per_token_logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
                 model,
@@ -711,13 +711,17 @@ class ComposerGRPOTrainer(GRPOTrainer):
             t_hidden = t_out.last_hidden_state[:, -logits_to_keep - 1 : -1]
         teacher_hidden = torch.zeros_like(student_hidden)
         teacher_hidden[rows] = t_hidden.to(teacher_hidden.dtype)
-        head = base.get_output_embeddings()
+        head, t_head = base.get_output_embeddings(), t_base.get_output_embeddings()
+        if self.args.sdpo_form == "topk":  # [B, T, V] logits, as TRL's SDPOTrainer computes them
+            batch.student_logits = head(student_hidden)
+            with torch.no_grad():
+                batch.teacher_logits = t_head(teacher_hidden)
+            return
         batch.student_hidden = student_hidden
         batch.teacher_hidden = teacher_hidden
         batch.lm_head_weight = head.weight
         batch.lm_head_bias = head.bias
         if t_base is not base:
-            t_head = t_base.get_output_embeddings()
             batch.teacher_lm_head_weight = t_head.weight
             batch.teacher_lm_head_bias = t_head.bias
 
