@@ -152,16 +152,54 @@ def test_base_teacher_is_the_frozen_initial_model(tmp_path, model_dir, tokenizer
     assert not any(p.requires_grad for p in teacher.values())
 
 
-def test_peft_ema_teacher_is_refused_with_the_fix(tmp_path, model_dir, tokenizer, dataset):
+def test_peft_ema_teacher_is_an_ema_of_the_adapter_only(tmp_path, model_dir, tokenizer, dataset):
+    """PEFT + ema: a frozen second adapter, started as a copy of the student's, follows the closed-form EMA of the
+    student's adapter after every step; the base weights stay untouched and the teacher gets no gradient."""
+    from composer_trl.trainer import TEACHER_ADAPTER
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, TrainerCallback
 
-    model = get_peft_model(
-        AutoModelForCausalLM.from_pretrained(model_dir), LoraConfig(r=4, target_modules=["q_proj"])
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), lora)
+    base_before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
+    args = grpo_args(
+        tmp_path, beta_replay=0.0, sdpo_teacher_context="success", success_reward_threshold=0.3,
+        sdpo_teacher="ema", teacher_update_rate=0.5, max_steps=3,
+    )  # fmt: skip
+    trainer = make_trainer(model, tokenizer, dataset, args)
+    pairs = trainer._adapter_pairs()
+    assert len(pairs) == 8 and all(not t.requires_grad for t, _ in pairs.values())
+    expected = {n: s.detach().clone() for n, (_, s) in pairs.items()}  # the teacher starts as the student
+    assert all(torch.equal(t, expected[n]) for n, (t, _) in pairs.items())
+
+    class Closed(TrainerCallback):  # runs after composer's teacher callback (added later)
+        def on_step_end(self, args, state, control, **kw):
+            for n, (_, s) in trainer._adapter_pairs().items():
+                expected[n] = expected[n] * (1 - 0.5) + s.detach() * 0.5
+
+    trainer.add_callback(Closed())
+    optimizer_params: list[torch.Tensor] = []
+    trainer.add_callback(
+        type(
+            "Opt",
+            (TrainerCallback,),
+            {
+                "on_train_begin": lambda self, *a, **k: optimizer_params.extend(
+                    p for g in k["optimizer"].param_groups for p in g["params"]
+                )
+            },
+        )()  # fmt: skip
     )
-    args = grpo_args(tmp_path, beta_replay=0.0, sdpo_teacher_context="success", sdpo_teacher="ema")
-    with pytest.raises(ValueError, match="sdpo_teacher='ema' with a PEFT model"):
-        make_trainer(model, tokenizer, dataset, args)
+    trainer.train()
+    for n, (t, s) in trainer._adapter_pairs().items():
+        torch.testing.assert_close(t, expected[n], rtol=1e-6, atol=1e-7, msg=n)
+        assert not torch.equal(t, s)  # the teacher lags the student
+    assert all(torch.equal(p, base_before[n]) for n, p in model.named_parameters() if "lora_" not in n)
+    assert optimizer_params
+    assert not any(
+        TEACHER_ADAPTER in n for n, p in model.named_parameters() if any(p is q for q in optimizer_params)
+    )
+    assert any(m.get("composer/loss/sdpo", 0) > 0 for m in trainer.state.log_history)
 
 
 def test_composer_train_ema_success_runs_embedded_task_with_sdpo_where_a_group_succeeded(tmp_path):

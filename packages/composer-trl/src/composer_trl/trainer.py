@@ -41,10 +41,12 @@ from composer_core.loss.compose import ComposerBatch
 from composer_core.loss.metrics import ADAPTER_PREFIX
 from composer_core.loss.wrappers import TAIDScheduler
 from composer_core.sdpo import (
+    TEACHER_STATE_FILE,
     TeacherContexts,
     build_teacher_contexts,
     cap_reprompt,
     ema_update_,
+    ema_update_tensors_,
     frozen_copy,
     load_teacher,
     save_teacher,
@@ -95,6 +97,8 @@ def _get(row: dict[str, Any], key: str) -> Any:
 
 
 _K = "composer_"  # prefix of the extra keys carried from generation to the loss
+TEACHER_ADAPTER = "composer_sdpo_teacher"
+"""The PEFT adapter that holds the ``sdpo_teacher='ema'`` teacher of a PEFT student."""
 
 
 def _assistant_text(messages: list[dict[str, Any]], name: str) -> str:
@@ -253,18 +257,59 @@ class ComposerGRPOTrainer(GRPOTrainer):
         if kind == "live" or (kind == "base" and is_peft_model(self.model)):
             return
         if is_peft_model(self.model):
-            raise ValueError(
-                "sdpo_teacher='ema' with a PEFT model is not supported by ComposerGRPOTrainer yet (an EMA of the "
-                "adapter only); use sdpo_teacher='base' (the base with adapters off) or 'live', or merge the adapter."
-            )
-        teacher = frozen_copy(self.accelerator.unwrap_model(self.model))
-        self._sdpo_teacher = self.accelerator.prepare_model(teacher, evaluation_mode=True)
+            self._add_teacher_adapter()
+        else:
+            teacher = frozen_copy(self.accelerator.unwrap_model(self.model))
+            self._sdpo_teacher = self.accelerator.prepare_model(teacher, evaluation_mode=True)
         self.add_callback(_SDPOTeacherCallback(self))
+
+    def _add_teacher_adapter(self) -> None:
+        """PEFT + ``ema``: the teacher is a second adapter (:data:`TEACHER_ADAPTER`) on the same base, a frozen
+        copy of the student's adapter updated by EMA (an EMA of the adapter only: no copy of the base weights)."""
+        from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+        peft_model = self.accelerator.unwrap_model(self.model)
+        active = peft_model.active_adapter
+        peft_model.add_adapter(TEACHER_ADAPTER, peft_model.peft_config[active])
+        student_state = get_peft_model_state_dict(peft_model, adapter_name=active)
+        set_peft_model_state_dict(peft_model, student_state, adapter_name=TEACHER_ADAPTER)
+        peft_model.set_adapter(active)  # the student's adapter stays the trained one
+        pairs = self._adapter_pairs()
+        if not pairs:
+            raise ValueError(
+                "sdpo_teacher='ema' found no trainable adapter weights in this PEFT model to average; use "
+                "sdpo_teacher='base' or 'live'."
+            )
+        for teacher, _ in pairs.values():
+            teacher.requires_grad_(False)
+
+    def _adapter_pairs(self) -> dict[str, tuple[Tensor, Tensor]]:
+        """``{teacher adapter parameter name: (teacher tensor, student tensor)}`` of the PEFT ``ema`` teacher."""
+        peft_model = self.accelerator.unwrap_model(self.model)
+        active = f".{peft_model.active_adapter}."
+        params = dict(peft_model.named_parameters())
+        pairs: dict[str, tuple[Tensor, Tensor]] = {}
+        for name, p in params.items():
+            if f".{TEACHER_ADAPTER}." in name:
+                student = params.get(name.replace(f".{TEACHER_ADAPTER}.", active))
+                if student is not None:
+                    pairs[name] = (p, student)
+        return pairs
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         super()._load_from_checkpoint(resume_from_checkpoint, model)
         if self._sdpo_teacher is not None:
             load_teacher(self.accelerator.unwrap_model(self._sdpo_teacher), resume_from_checkpoint)
+        elif self.args.sdpo_teacher == "ema" and self.args.alpha_sdpo > 0:  # PEFT: the teacher adapter
+            from safetensors.torch import load_file
+
+            path = os.path.join(resume_from_checkpoint, TEACHER_STATE_FILE)
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"{path} is missing: the checkpoint holds no EMA teacher adapter.")
+            state = load_file(path)
+            with torch.no_grad():
+                for name, (teacher, _) in self._adapter_pairs().items():
+                    teacher.copy_(state[name])
 
     def _check_head(self) -> None:
         if self.args.alpha_sdpo == 0 or self.args.sdpo_form == "sampled":
@@ -726,9 +771,11 @@ class ComposerGRPOTrainer(GRPOTrainer):
             batch.teacher_lm_head_bias = t_head.bias
 
     def _teacher_weights(self) -> AbstractContextManager[Any]:
-        """The PEFT ``base`` teacher reads the base weights (adapters off); other teachers need nothing."""
-        if self.args.sdpo_teacher == "base" and is_peft_model(self.model):
-            return use_adapter(self.accelerator.unwrap_model(self.model), adapter_name=None)
+        """PEFT: the ``base`` teacher reads the base weights (adapters off), the ``ema`` teacher its own adapter;
+        other teachers need nothing."""
+        if is_peft_model(self.model) and self.args.sdpo_teacher != "live":
+            name = None if self.args.sdpo_teacher == "base" else TEACHER_ADAPTER
+            return use_adapter(self.accelerator.unwrap_model(self.model), adapter_name=name)
         return nullcontext()
 
     def _fill_replay(
@@ -891,16 +938,26 @@ class _SDPOTeacherCallback(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         opts = self.trainer.args.teacher_weights_options
-        if opts.syncs_at(state.global_step):
+        if not opts.syncs_at(state.global_step):
+            return control
+        if self.trainer._sdpo_teacher is None:  # PEFT: the teacher adapter follows the student's adapter
+            ema_update_tensors_(self.trainer._adapter_pairs().values(), opts.teacher_update_rate)
+        else:
             student = self.trainer.accelerator.unwrap_model(self.trainer.model)
             ema_update_(self._teacher(), student, opts.teacher_update_rate)
         return control
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        folder = os.path.join(
-            self.trainer._get_output_dir(trial=None), f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
-        )
-        if os.path.isdir(folder) and self.trainer.accelerator.is_main_process:
+        run_dir = self.trainer._get_output_dir(trial=None)
+        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        if not os.path.isdir(folder) or not self.trainer.accelerator.is_main_process:
+            return control
+        if self.trainer._sdpo_teacher is None:
+            from safetensors.torch import save_file
+
+            state_dict = {n: t.detach().contiguous() for n, (t, _) in self.trainer._adapter_pairs().items()}
+            save_file(state_dict, os.path.join(folder, TEACHER_STATE_FILE))
+        else:
             save_teacher(self._teacher(), folder)
         return control
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -26,6 +27,7 @@ __all__ = [
     "TEACHER_STATE_FILE",
     "TeacherWeightsOptions",
     "ema_update_",
+    "ema_update_tensors_",
     "frozen_copy",
     "load_teacher",
     "save_teacher",
@@ -87,8 +89,15 @@ def ema_update_(teacher: nn.Module, student: nn.Module, rate: float) -> None:
             f"the EMA teacher's parameters do not match the student's (first differences: {missing}); build the "
             "teacher with composer_core.sdpo.teacher.frozen_copy(student)."
         )
-    for name, t in t_params.items():
-        t.data.mul_(1.0 - rate).add_(s_params[name].data.to(t.dtype), alpha=rate)
+    ema_update_tensors_(((t, s_params[name]) for name, t in t_params.items()), rate)
+
+
+@torch.no_grad()
+def ema_update_tensors_(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], rate: float) -> None:
+    """``t ← (1 − rate)·t + rate·s`` in place for each ``(t, s)`` pair (e.g. a PEFT teacher adapter's tensors and
+    the student adapter's): the one EMA step every teacher uses."""
+    for t, s in pairs:
+        t.data.mul_(1.0 - rate).add_(s.data.to(t.dtype), alpha=rate)
 
 
 def save_teacher(teacher: nn.Module, directory: str | os.PathLike[str]) -> str:
