@@ -179,17 +179,12 @@ def test_peft_ema_teacher_is_an_ema_of_the_adapter_only(tmp_path, model_dir, tok
 
     trainer.add_callback(Closed())
     optimizer_params: list[torch.Tensor] = []
-    trainer.add_callback(
-        type(
-            "Opt",
-            (TrainerCallback,),
-            {
-                "on_train_begin": lambda self, *a, **k: optimizer_params.extend(
-                    p for g in k["optimizer"].param_groups for p in g["params"]
-                )
-            },
-        )()  # fmt: skip
-    )
+
+    class Opt(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            optimizer_params.extend(p for g in kw["optimizer"].param_groups for p in g["params"])
+
+    trainer.add_callback(Opt())
     trainer.train()
     for n, (t, s) in trainer._adapter_pairs().items():
         torch.testing.assert_close(t, expected[n], rtol=1e-6, atol=1e-7, msg=n)
