@@ -37,6 +37,7 @@ from composer_trl.lifecycle import (
     prepare_output_dir,
     resolve_checkpoint,
 )
+from composer_trl.models import PACKAGED
 from composer_trl.recipe import Recipe, import_callable, read_config_file
 
 SCRIPT_TO_RECIPE = {
@@ -303,6 +304,8 @@ def load_model(recipe: Recipe) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     name = recipe.model
+    if name in PACKAGED and not Path(name).expanduser().is_dir():
+        return _load_packaged(name)
     local = Path(name).expanduser()
     if not local.is_dir() and not _HUB_ID.match(name):
         raise UsageError(
@@ -325,6 +328,50 @@ def load_model(recipe: Recipe) -> tuple[Any, Any]:
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return model, tok
+
+
+def model_directory(name: str) -> str:
+    """The local directory of ``--model_name_or_path``: a packaged model's converted cache, or the path."""
+    if name in PACKAGED and not Path(name).expanduser().is_dir():
+        from composer_trl.models import ModelUnavailable, packaged_model_dir
+
+        try:
+            return str(packaged_model_dir(name))
+        except ModelUnavailable as e:
+            raise UsageError(f"--model_name_or_path {name!r}: {e}") from e
+    if not Path(name).expanduser().is_dir():
+        raise UsageError(f"--model_name_or_path {name!r}: no such directory (the comparison runs offline).")
+    return str(Path(name).expanduser())
+
+
+def _load_packaged(name: str) -> tuple[Any, Any]:
+    """A packaged GGUF model (:mod:`composer_trl.models`), converted once; a cache that no longer loads is
+    rebuilt once."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from composer_trl.models import ModelUnavailable, packaged_model_dir
+
+    for attempt in (1, 2):
+        try:
+            folder = packaged_model_dir(name)
+        except ModelUnavailable as e:
+            raise UsageError(f"--model_name_or_path {name!r}: {e}") from e
+        try:
+            tok = AutoTokenizer.from_pretrained(folder, padding_side="left")
+            model = AutoModelForCausalLM.from_pretrained(folder)
+        except Exception as e:  # a truncated or edited cache: safetensors, json and OS errors alike
+            if attempt == 2:
+                raise UsageError(
+                    f"--model_name_or_path {name!r}: the converted model in {folder} does not load: {e}"
+                ) from e
+            shutil.rmtree(folder, ignore_errors=True)
+            continue
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+        return model, tok
+    raise AssertionError("unreachable")
 
 
 DATA_KINDS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}

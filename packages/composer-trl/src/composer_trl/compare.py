@@ -78,7 +78,10 @@ class GRPOPlusSFTTrainer(GRPOTrainer):
         device = out["prompt_ids"].device
         seqs, targets = [], []
         for row in inputs:
-            p = tok(row["prompt"], add_special_tokens=False)["input_ids"]
+            prompt = row["prompt"]
+            if not isinstance(prompt, str):  # a chat prompt: the text the policy was prompted with
+                prompt = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+            p = tok(prompt, add_special_tokens=False)["input_ids"]
             c = [*tok(row["chosen"], add_special_tokens=False)["input_ids"], tok.eos_token_id]
             seqs.append(p + c)
             targets.append([0] * len(p) + [1] * len(c))
@@ -164,11 +167,15 @@ def run_comparison(inv: Any) -> int:
     from composer_trl.cli import Job, load_model
 
     recipe = inv.recipe
-    if recipe.model is not None or recipe.dataset is not None:
-        raise UsageError(
-            "--compare runs on the embedded task with the tiny model; drop --model_name_or_path/"
-            "--dataset_name."
-        )
+    if recipe.model is not None:  # a real model: the addition task, composer_trl.compare_real
+        from composer_trl.cli import model_directory
+        from composer_trl.compare_real import run_real_comparison
+
+        if inv.resume:
+            raise UsageError("--compare cannot --resume_from_checkpoint; rerun it: finished cells are kept.")
+        return run_real_comparison(inv, model_directory(recipe.model))
+    if recipe.dataset is not None:
+        raise UsageError("--compare runs on an embedded task; drop --dataset_name.")
     if inv.resume:
         raise UsageError("--compare cannot --resume_from_checkpoint; rerun it (each run takes minutes).")
     if inv.quick:

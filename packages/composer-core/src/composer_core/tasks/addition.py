@@ -1,0 +1,168 @@
+"""Two-digit addition for a real instruct model: a task a 135M model can start on and learn from its group.
+
+Chosen by measurement (SmolLM2-135M-Instruct, greedy, 48 held-out sums, 16 new tokens): with the prompt
+``"Compute 47 + 38. Reply with just the result."`` the model answers in the form ``"47 + 38 = 85"`` and is
+right on 15 % of the sums (0 % with ``"What is a + b? Answer with the number only."``, where it restates the
+question), so GRPO has a signal to start from and most groups hold both successes and failures — the setting
+where SDPO's successful-sibling teacher has something to teach.
+
+Rules (pure Python, one implementation for every host):
+
+- **answer** (:func:`extract_answer`): the first integer after the last ``=`` of the completion, else its first
+  integer; ``None`` when there is none.
+- **reward** (:func:`verify`): 1.0 for the exact sum; otherwise half the fraction of the sum's digits (aligned
+  from the right) that the answer gets right, so a near miss earns partial credit and only the exact sum scores
+  1 (``success_reward_threshold=1.0`` means "correct").
+- **feedback** (:func:`feedback`): the verifier's text on a wrong answer — which digit places are wrong and
+  whether the answer is too large or too small — without the sum itself (the SDPO teacher's ``feedback``);
+  ``None`` for a correct answer.
+- **reference** (:func:`reference_answer`): ``"47 + 38 = 85"``, the model's own format: the ``chosen`` of
+  channel 3 and the SFT target of the information-matched baseline; ``rejected`` (:func:`wrong_answer`) is the
+  sum without the carry.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = [
+    "PROMPT",
+    "addition_feedback",
+    "addition_reward",
+    "extract_answer",
+    "feedback",
+    "make_rows",
+    "operands",
+    "reference_answer",
+    "split_rows",
+    "verify",
+    "wrong_answer",
+]
+
+PROMPT = "Compute {a} + {b}. Reply with just the result."
+_OPERANDS = re.compile(r"Compute (\d+) \+ (\d+)\.")
+_INT = re.compile(r"\d+")
+
+
+def _text(prompt: Any) -> str:
+    """The user text of a prompt (a string or a chat message list)."""
+    if isinstance(prompt, str):
+        return prompt
+    return str(next(m["content"] for m in reversed(prompt) if m.get("role") == "user"))
+
+
+def _completion_text(completion: Any) -> str:
+    if isinstance(completion, str):
+        return completion
+    return "".join(str(m.get("content") or "") for m in completion if m.get("role") == "assistant")
+
+
+def operands(prompt: Any) -> tuple[int, int]:
+    """``(a, b)`` of a prompt made by :func:`make_rows`."""
+    m = _OPERANDS.search(_text(prompt))
+    if m is None:
+        raise ValueError(f"not an addition prompt of this task: {_text(prompt)!r:.80}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def extract_answer(completion: str) -> int | None:
+    """The first integer after the last ``=``, else the first integer; None when the text has none."""
+    tail = completion.rsplit("=", 1)[-1] if "=" in completion else completion
+    found = _INT.search(tail)
+    return int(found.group()) if found else None
+
+
+def verify(prompt: Any, completion: Any) -> float:
+    """1.0 for the exact sum, else 0.5 × the fraction of the sum's digits right (aligned from the right)."""
+    a, b = operands(prompt)
+    got = extract_answer(_completion_text(completion))
+    if got is None:
+        return 0.0
+    if got == a + b:
+        return 1.0
+    want, have = str(a + b), str(got)
+    width = max(len(want), len(have))
+    right = sum(x == y for x, y in zip(want.rjust(width), have.rjust(width)))
+    return 0.5 * right / width
+
+
+def feedback(prompt: Any, completion: Any) -> str | None:
+    """The verifier's feedback on a wrong answer (never the sum itself); None when the answer is right."""
+    a, b = operands(prompt)
+    got = extract_answer(_completion_text(completion))
+    if got is None:
+        return f"The reply has no number. Reply with the value of {a} + {b}."
+    if got == a + b:
+        return None
+    want, have = str(a + b), str(got)
+    width = max(len(want), len(have))
+    places = ("units", "tens", "hundreds", "thousands")
+    wrong = [places[i] if i < len(places) else f"10^{i}" for i, (x, y) in enumerate(
+        zip(reversed(want.rjust(width)), reversed(have.rjust(width)))) if x != y]  # fmt: skip
+    direction = "too large" if got > a + b else "too small"
+    carry = (
+        " Remember to carry the ten when the units add up to 10 or more." if (a % 10 + b % 10) >= 10 else ""
+    )
+    return f"{got} is wrong ({direction}): the {', '.join(wrong)} digit{'s are' if len(wrong) > 1 else ' is'} wrong.{carry}"
+
+
+def reference_answer(prompt: Any) -> str:
+    a, b = operands(prompt)
+    return f"{a} + {b} = {a + b}"
+
+
+def wrong_answer(prompt: Any) -> str:
+    """The sum without the carry (digit-wise sums mod 10), or one off when there is no carry."""
+    a, b = operands(prompt)
+    no_carry = int("".join(str((int(x) + int(y)) % 10) for x, y in zip(str(a).zfill(2), str(b).zfill(2))))
+    return f"{a} + {b} = {no_carry if no_carry != a + b else a + b + 1}"
+
+
+def _row(a: int, b: int, chat: bool) -> dict[str, Any]:
+    text = PROMPT.format(a=a, b=b)
+    prompt: Any = [{"role": "user", "content": text}] if chat else text
+    return {
+        "prompt": prompt,
+        "answer": str(a + b),
+        "chosen": reference_answer(text),
+        "rejected": wrong_answer(text),
+    }
+
+
+def make_rows(
+    n: int, *, seed: int = 0, chat: bool = True, exclude: Sequence[tuple[int, int]] = ()
+) -> list[dict[str, Any]]:
+    """``n`` distinct rows ``{"prompt", "answer", "chosen", "rejected"}`` with operands in [10, 99]."""
+    if not 1 <= n <= 8100 - len(exclude):
+        raise ValueError(f"n must lie in [1, {8100 - len(exclude)}], got {n}")
+    rng = random.Random(seed)
+    taken = set(exclude)
+    rows: list[dict[str, Any]] = []
+    while len(rows) < n:
+        pair = (rng.randint(10, 99), rng.randint(10, 99))
+        if pair not in taken:
+            taken.add(pair)
+            rows.append(_row(*pair, chat))
+    return rows
+
+
+def split_rows(
+    seed: int, n_train: int, n_held: int, *, chat: bool = True
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``(train, held_out)``: disjoint sums; the held-out set depends on ``seed`` only through its own stream."""
+    held = make_rows(n_held, seed=10_000 + seed, chat=chat)
+    train = make_rows(n_train, seed=seed, chat=chat, exclude=[operands(r["prompt"]) for r in held])
+    return train, held
+
+
+def addition_reward(prompts: Sequence[Any], completions: Sequence[Any], **_: Any) -> list[float]:
+    """TRL reward function (``reward_funcs=[addition_reward]``): :func:`verify` per completion."""
+    return [verify(p, c) for p, c in zip(prompts, completions, strict=True)]
+
+
+def addition_feedback(prompts: Sequence[Any], completions: Sequence[Any], **_: Any) -> list[str | None]:
+    """composer-trl ``hint_fn`` (the feedback of ``sdpo_teacher_context='success+feedback'``): :func:`feedback`."""
+    return [feedback(p, c) for p, c in zip(prompts, completions, strict=True)]

@@ -1,0 +1,411 @@
+"""``composer-train --compare --model_name_or_path <real model>``: does the objective beat GRPO on a model that
+can read its context, and how does it stand against TRL's own ``SDPOTrainer``, measured side by side.
+
+The task is two-digit addition (:mod:`composer_core.tasks.addition`: partial-credit verifier, textual feedback,
+held-out split, reference answers), chosen because SmolLM2-135M-Instruct starts low but not at zero on it.
+Every run gets the same prompts, seeds, group size, completion length, optimiser, learning rate and steps, and is
+evaluated greedily on the same held-out sums at step 0, along the way and at the end:
+
+=========================  ==========================================================  ==========================
+run                        what it is                                                  sees reference answers
+=========================  ==========================================================  ==========================
+grpo                       plain TRL ``GRPOTrainer``                                   no
+sdpo (success)             GRPO + channel 2, successful siblings as the only teacher   no
+                           context (EMA teacher): the paper's scalar-reward setting
+sdpo (success + feedback)  the same + the verifier's feedback on each failed answer    no
+composer                   all three channels (channel 3's pairs: reference answer     yes (replay pairs)
+                           vs the no-carry sum)
+grpo+sft                   GRPO + SFT on the reference answers (information-matched)   yes (SFT targets)
+trl sdpo                   TRL 1.16 ``trl.experimental.sdpo.SDPOTrainer``, options      no
+                           matched to "sdpo (success)" (see :data:`TRL_SDPO`)
+=========================  ==========================================================  ==========================
+
+Each (run, seed) cell runs in its own process (its peak resident memory is that process's) and writes
+``cells/<run>--seed<k>.json`` as soon as it finishes; a rerun into the same output directory skips finished
+cells, so the table can be filled over several sittings. ``comparison.json``, ``comparison.md`` and
+``comparison.png`` are rebuilt from the cells present after every cell.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from composer_trl.lifecycle import EXIT_OK, UsageError, dumps
+
+__all__ = ["RUNS", "RealRun", "run_real_comparison"]
+
+
+@dataclass(frozen=True)
+class RealRun:
+    name: str
+    kind: str  # grpo | composer | sft | trl_sdpo
+    sees: str
+    overrides: dict[str, Any] = field(default_factory=dict)
+    feedback: bool = False
+
+
+_SDPO = {"alpha_sdpo": 1.0, "beta_replay": 0.0, "sdpo_teacher": "ema", "sdpo_teacher_context": "success"}
+RUNS = (
+    RealRun("grpo", "grpo", "no"),
+    RealRun("sdpo (success)", "composer", "no", _SDPO),
+    RealRun(
+        "sdpo (success + feedback)",
+        "composer",
+        "no (verifier feedback)",
+        {**_SDPO, "sdpo_teacher_context": "success+feedback"},
+        feedback=True,
+    ),
+    RealRun(
+        "composer",
+        "composer",
+        "yes (replay pairs)",
+        {**_SDPO, "sdpo_teacher_context": "success+feedback", "beta_replay": 1.0, "dpo_variant": "simpo"},
+        feedback=True,
+    ),
+    RealRun("grpo+sft", "sft", "yes (SFT targets)"),
+    RealRun("trl sdpo", "trl_sdpo", "no"),
+)
+
+TRL_SDPO: dict[str, Any] = {
+    "distillation_weight": 0.5,  # (1 - w)·policy + w·distill: the direction of composer's policy + 1·sdpo
+    "distillation_mode": "full_logits",
+    "distillation_alpha": 0.5,  # composer's sdpo_beta default
+    "teacher_model_kind": "ema",
+    "teacher_update_rate": 0.05,
+    "use_successful_as_teacher": True,
+    "success_reward_threshold": 1.0,
+}
+"""TRL SDPOTrainer options matched to ``sdpo (success)``; its other options keep TRL's defaults."""
+
+COMMON: dict[str, Any] = {
+    "per_device_train_batch_size": 8,
+    "num_generations": 4,
+    "max_completion_length": 16,
+    "learning_rate": 2e-5,
+    "lr_scheduler_type": "constant",
+    "beta": 0.0,
+    "loss_type": "dapo",
+    "temperature": 1.0,
+    "bf16": False,  # this CPU has no bf16 instructions: TRL's default would emulate it (about twice the time)
+    "logging_steps": 1,
+}
+FULL = {"steps": 16, "held_out": 32, "seeds": 3}
+QUICK = {
+    "steps": 2,
+    "held_out": 4,
+    "per_device_train_batch_size": 4,
+    "num_generations": 2,
+    "max_completion_length": 8,
+}
+EVAL_POINTS = 4
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+# ------------------------------------------------------------------------------------------------ one cell
+
+
+class _HeldOut:
+    """Greedy evaluation on the held-out sums (exact match, mean partial credit), with its own wall time."""
+
+    def __init__(self, rows: list[dict[str, Any]], tok: Any, max_new: int) -> None:
+        self.rows, self.tok, self.max_new = rows, tok, max_new
+        self.points: list[dict[str, float]] = []
+        self.seconds = 0.0
+
+    def __call__(self, model: Any, step: int) -> None:
+        import torch
+        from composer_core.tasks.addition import verify
+
+        start = time.perf_counter()
+        texts = [
+            self.tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False)
+            for r in self.rows
+        ]
+        enc = self.tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        enc = {k: v.to(next(model.parameters()).device) for k, v in enc.items()}
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            out = model.generate(
+                **enc, max_new_tokens=self.max_new, do_sample=False, pad_token_id=self.tok.pad_token_id
+            )
+        if was_training:
+            model.train()
+        answers = self.tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+        scores = [verify(r["prompt"], a) for r, a in zip(self.rows, answers)]
+        self.points.append(
+            {
+                "step": step,
+                "exact_match": sum(s == 1.0 for s in scores) / len(scores),
+                "partial_credit": sum(scores) / len(scores),
+            }
+        )
+        self.seconds += time.perf_counter() - start
+
+
+def _trainer(spec: dict[str, Any], run: RealRun, model: Any, tok: Any, train: list[dict[str, Any]]) -> Any:
+    from composer_core.tasks.addition import addition_feedback, addition_reward
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from composer_trl.compare import GRPOPlusSFTTrainer
+    from composer_trl.config import ComposerGRPOConfig
+    from composer_trl.trainer import ComposerGRPOTrainer
+
+    common = {
+        **COMMON,
+        **spec["trainer"],
+        "output_dir": spec["work_dir"],
+        "max_steps": spec["steps"],
+        "seed": spec["seed"],
+        "report_to": "none",
+        "save_strategy": "no",
+        "disable_tqdm": True,
+        "use_cpu": True,
+    }
+    data = Dataset.from_list(train)
+    kw: dict[str, Any] = {
+        "model": model,
+        "reward_funcs": [addition_reward],
+        "train_dataset": data,
+        "processing_class": tok,
+    }
+    if run.kind == "trl_sdpo":
+        from trl.experimental.sdpo import SDPOConfig, SDPOTrainer
+
+        return SDPOTrainer(args=SDPOConfig(**common, **TRL_SDPO), **kw)
+    if run.kind == "composer":
+        extra = {"hint_fn": addition_feedback} if run.feedback else {}
+        return ComposerGRPOTrainer(args=ComposerGRPOConfig(**common, **run.overrides), **kw, **extra)
+    cls = GRPOPlusSFTTrainer if run.kind == "sft" else GRPOTrainer
+    return cls(args=GRPOConfig(**common), **kw)
+
+
+def run_cell(spec_path: str) -> int:
+    """Run one (run, seed) cell described by the JSON at ``spec_path``; write its result JSON."""
+    import torch
+    from composer_core.tasks.addition import split_rows
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(int(spec["threads"]))
+    run = next(r for r in RUNS if r.name == spec["run"])
+    trainer_kwargs = {**COMMON, **spec["trainer"]}
+    need = int(trainer_kwargs["per_device_train_batch_size"]) // int(trainer_kwargs["num_generations"])
+    train, held = split_rows(spec["seed"], need * (spec["steps"] + 1), spec["held_out"])
+    tok = AutoTokenizer.from_pretrained(spec["model"], padding_side="left")
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    evaluate = _HeldOut(held, tok, int(trainer_kwargs["max_completion_length"]))
+    points = {max(1, round(spec["steps"] * (i + 1) / EVAL_POINTS)) for i in range(EVAL_POINTS)}
+
+    class Eval(TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+            evaluate(model, 0)
+
+        def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+            if state.global_step in points:
+                evaluate(model, state.global_step)
+
+    trainer = _trainer(spec, run, model, tok, train)
+    trainer.add_callback(Eval())
+    start = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - start
+    logs = trainer.state.log_history
+    reward_key = "reward" if run.kind != "trl_sdpo" else "self_distillation/reward_mean"
+    curve = [(int(r["step"]), r.get(reward_key)) for r in logs if "step" in r and reward_key in r]
+    result = {
+        "run": run.name,
+        "seed": spec["seed"],
+        "train_reward": curve,
+        "held_out": evaluate.points,
+        "seconds_per_step": (wall - evaluate.seconds) / spec["steps"],
+        "train_seconds": wall - evaluate.seconds,
+        "eval_seconds": evaluate.seconds,
+        "sdpo_loss": [
+            r.get("composer/loss/sdpo", r.get("self_distillation/distillation_loss"))
+            for r in logs
+            if "loss" in r
+        ],
+    }
+    tmp = Path(spec["result"]).with_suffix(".tmp")
+    tmp.write_text(dumps(result, indent=1))
+    tmp.replace(spec["result"])
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------------------------------ the table
+
+
+def _spawn(spec: dict[str, Any], folder: Path) -> float:
+    """Run one cell in a child process; returns its peak resident memory in MiB."""
+    spec_path = folder / f"{_slug(spec['run'])}--seed{spec['seed']}.spec.json"
+    spec_path.write_text(json.dumps(spec))
+    log = (folder / f"{_slug(spec['run'])}--seed{spec['seed']}.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "composer_trl.compare_real", str(spec_path)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    log.close()
+    if proc.returncode != 0:
+        tail = (folder / f"{_slug(spec['run'])}--seed{spec['seed']}.log").read_text()[-2000:]
+        raise RuntimeError(
+            f"cell {spec['run']!r} seed {spec['seed']} failed (exit {proc.returncode}):\n{tail}"
+        )
+    return usage.ru_maxrss / 1024.0  # Linux: KiB
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    vals = [v for v in values if v is not None and math.isfinite(v)]
+    if not vals:
+        return {"mean": float("nan"), "std": float("nan"), "n": 0}
+    return {
+        "mean": statistics.fmean(vals),
+        "std": statistics.stdev(vals) if len(vals) > 1 else 0.0,
+        "n": len(vals),
+    }
+
+
+def report(cells: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
+    """``comparison.json`` from the finished cells (runs in :data:`RUNS` order; a run without cells is absent)."""
+    runs: dict[str, Any] = {}
+    for spec in RUNS:
+        mine = sorted((c for c in cells if c["run"] == spec.name), key=lambda c: c["seed"])
+        if not mine:
+            continue
+        final = [c["held_out"][-1] for c in mine]
+        start = [c["held_out"][0] for c in mine]
+        runs[spec.name] = {
+            "sees_oracle_answers": spec.sees,
+            "start_exact_match": _stats([f["exact_match"] for f in start]),
+            "final_exact_match": _stats([f["exact_match"] for f in final]),
+            "final_partial_credit": _stats([f["partial_credit"] for f in final]),
+            "seconds_per_step": _stats([c["seconds_per_step"] for c in mine]),
+            "peak_rss_mib": _stats([c["peak_rss_mib"] for c in mine]),
+            "seeds": mine,
+        }
+    return {**meta, "runs": runs}
+
+
+def table(rep: dict[str, Any]) -> str:
+    lines = [
+        f"{rep['model']}, two-digit addition, {rep['steps']} steps of {rep['trainer']['per_device_train_batch_size']} "
+        f"completions ({rep['trainer']['num_generations']} per prompt, ≤ {rep['trainer']['max_completion_length']} "
+        f"tokens), learning rate {rep['trainer']['learning_rate']}; greedy on {rep['held_out']} held-out sums; "
+        "mean ± std over seeds (n = seeds finished).",
+        "",
+        "| run | sees reference answers | n | exact match at step 0 | exact match | partial credit | s / step | peak RSS (MiB) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in rep["runs"].items():
+        cells = [
+            f"{r[k]['mean']:.3f} ± {r[k]['std']:.3f}"
+            for k in ("start_exact_match", "final_exact_match", "final_partial_credit")
+        ]
+        cells += [f"{r['seconds_per_step']['mean']:.1f}", f"{r['peak_rss_mib']['mean']:.0f}"]
+        lines.append(
+            f"| {name} | {r['sees_oracle_answers']} | {r['final_exact_match']['n']} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def run_real_comparison(inv: Any, model_dir: str) -> int:
+    """Every run × seed as a child process; finished cells are kept and skipped on a rerun."""
+    recipe = inv.recipe
+    if recipe.dataset is not None or recipe.env is not None:
+        raise UsageError(
+            "--compare on a real model runs the embedded addition task; drop --dataset_name/--env."
+        )
+    from composer_trl.recipe import Recipe
+
+    steps = (
+        recipe.steps if recipe.steps != Recipe.steps else FULL["steps"]
+    )  # --steps, else 16 (not the tiny 300)
+    sizes = dict(QUICK) if inv.quick else {"steps": steps, "held_out": FULL["held_out"]}
+    trainer = {k: v for k, v in sizes.items() if k not in ("steps", "held_out")}
+    trainer.update({k: v for k, v in recipe.trainer.items() if k in (*COMMON, "per_device_train_batch_size")})
+    out = Path(recipe.output_dir)
+    folder = out / "cells"
+    folder.mkdir(parents=True, exist_ok=True)
+    threads = int(inv.threads or os.cpu_count() or 1)
+    meta = {
+        "command": "composer-train --compare"
+        + (" --quick" if inv.quick else "")
+        + f" --seeds {inv.seeds} --model_name_or_path {recipe.model}",
+        "model": str(recipe.model),
+        "task": "two-digit addition (composer_core.tasks.addition)",
+        "steps": sizes["steps"],
+        "held_out": sizes["held_out"],
+        "seeds": list(range(inv.seeds)),
+        "trainer": {**COMMON, **trainer},
+        "trl_sdpo_options": TRL_SDPO,
+        "machine": _machine(threads),
+    }
+    for seed in range(inv.seeds):
+        for run in RUNS:
+            result = folder / f"{_slug(run.name)}--seed{seed}.json"
+            if result.is_file():
+                print(f"[compare] {run.name} seed {seed}: finished earlier, kept")
+                continue
+            spec = {
+                "run": run.name, "seed": seed, "model": model_dir, "steps": sizes["steps"], "held_out": sizes["held_out"],
+                "trainer": trainer, "threads": threads, "result": str(result),
+                "work_dir": str(out / "work" / f"{_slug(run.name)}--seed{seed}"),
+            }  # fmt: skip
+            print(f"[compare] {run.name} seed {seed}: training {sizes['steps']} steps ...", flush=True)
+            started = time.perf_counter()
+            rss = _spawn(spec, folder)
+            cell = json.loads(result.read_text())
+            cell["peak_rss_mib"] = rss
+            result.write_text(dumps(cell, indent=1))
+            print(f"[compare] {run.name} seed {seed}: done in {time.perf_counter() - started:.0f} s, "
+                  f"held-out exact match {cell['held_out'][0]['exact_match']:.3f} -> {cell['held_out'][-1]['exact_match']:.3f}", flush=True)  # fmt: skip
+            _write(out, meta, folder, inv.plot)
+    _write(out, meta, folder, inv.plot)
+    print("\n" + (out / "comparison.md").read_text())
+    return EXIT_OK
+
+
+def _write(out: Path, meta: dict[str, Any], folder: Path, plot: bool) -> None:
+    cells = [
+        json.loads(p.read_text())
+        for p in sorted(folder.glob("*--seed*.json"))
+        if not p.name.endswith(".spec.json")
+    ]
+    rep = report([c for c in cells if "peak_rss_mib" in c], meta)
+    (out / "comparison.json").write_text(dumps(rep, indent=1))
+    (out / "comparison.md").write_text(table(rep))
+    if plot and rep["runs"]:
+        from composer_trl.plot import plot_comparison
+
+        plot_comparison(rep, out / "comparison.png", window=3)
+
+
+def _machine(threads: int) -> str:
+    import platform
+
+    return f"{platform.machine()} {os.cpu_count()} CPU cores, torch threads {threads}"
+
+
+if __name__ == "__main__":
+    sys.exit(run_cell(sys.argv[1]))
