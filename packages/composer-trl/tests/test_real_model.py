@@ -15,9 +15,9 @@ if _MISSING and os.environ.get("COMPOSER_REAL_MODEL") == "required":  # set by `
 if _MISSING:
     pytest.skip(f"{_MISSING} not installed (nox installs them)", allow_module_level=True)
 
-from composer_trl.cli import main
-from composer_trl.lifecycle import EXIT_USAGE
-from composer_trl.models import MARKER, PACKAGED, PackagedModel, packaged_model_dir
+from composer_trl.cli import main  # noqa: E402
+from composer_trl.lifecycle import EXIT_USAGE  # noqa: E402
+from composer_trl.models import MARKER, PACKAGED, PackagedModel, packaged_model_dir  # noqa: E402
 
 NAME = "smollm2-135m-instruct"
 
