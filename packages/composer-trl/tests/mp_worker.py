@@ -11,7 +11,9 @@ import sys
 import torch
 
 
-def main(out_dir: str, model_dir: str) -> None:
+def main(out_dir: str, model_dir: str, mode: str = "hints") -> None:
+    """``mode``: ``hints`` (hint_fn, groups of 4 on one rank each) or ``success-ema`` (successful siblings, an
+    EMA teacher, one group of 8 split across the two ranks)."""
     import faulthandler
 
     faulthandler.dump_traceback_later(float(os.environ.get("COMPOSER_MP_DUMP_AFTER", "300")), exit=True)
@@ -28,7 +30,7 @@ def main(out_dir: str, model_dir: str) -> None:
     args = ComposerGRPOConfig(
         output_dir=os.path.join(out_dir, "trainer"),
         per_device_train_batch_size=4,
-        num_generations=4,
+        num_generations=8 if mode == "success-ema" else 4,
         max_completion_length=3,
         max_steps=2,
         learning_rate=3e-3,
@@ -40,6 +42,12 @@ def main(out_dir: str, model_dir: str) -> None:
         seed=0,
         bf16=False,
         dpo_variant="dpo",
+        **(
+            {"sdpo_teacher_context": "success", "success_reward_threshold": 0.3}
+            | {"sdpo_teacher": "ema", "teacher_update_rate": 0.5, "beta_replay": 0.0}
+            if mode == "success-ema"
+            else {}
+        ),
     )
     trainer = ComposerGRPOTrainer(
         model=model_dir,
@@ -47,7 +55,7 @@ def main(out_dir: str, model_dir: str) -> None:
         args=args,
         train_dataset=data,
         processing_class=tok,
-        hint_fn=reverse_hints,
+        **({"hint_fn": reverse_hints} if mode == "hints" else {}),
     )
     before = sum(float(p.detach().double().sum()) for p in trainer.model.parameters())
     trainer.train()
@@ -61,6 +69,9 @@ def main(out_dir: str, model_dir: str) -> None:
         "param_sum_before": before,
         "param_sum_after": after,
         "logs": [r for r in trainer.state.log_history if "reward" in r],
+        "teacher_sum": None
+        if trainer._sdpo_teacher is None
+        else sum(float(p.detach().double().sum()) for p in trainer._sdpo_teacher.parameters()),
     }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
@@ -74,4 +85,4 @@ def main(out_dir: str, model_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

@@ -19,7 +19,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_two_process_training_keeps_ranks_in_sync(tmp_path, model_dir):
+def _torchrun(tmp_path, model_dir, *extra: str) -> tuple[dict, dict]:
     worker = Path(__file__).with_name("mp_worker.py")
     env = {
         **os.environ,
@@ -40,6 +40,7 @@ def test_two_process_training_keeps_ranks_in_sync(tmp_path, model_dir):
         str(worker),
         str(tmp_path),
         str(model_dir),
+        *extra,
     ]
     env["COMPOSER_MP_DUMP_AFTER"] = "240"  # a hung collective dumps the stacks and exits instead of hanging
     try:
@@ -51,8 +52,13 @@ def test_two_process_training_keeps_ranks_in_sync(tmp_path, model_dir):
         pytest.fail(f"torchrun did not end within 300 s:\n{out[-3000:]}\n{err[-5000:]}")
     if res.returncode != 0:
         pytest.fail(f"torchrun failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}")
-    r0 = json.loads((tmp_path / "rank0.json").read_text())
-    r1 = json.loads((tmp_path / "rank1.json").read_text())
+    return json.loads((tmp_path / "rank0.json").read_text()), json.loads(
+        (tmp_path / "rank1.json").read_text()
+    )
+
+
+def test_two_process_training_keeps_ranks_in_sync(tmp_path, model_dir):
+    r0, r1 = _torchrun(tmp_path, model_dir)
     assert r0["world"] == r1["world"] == 2
     assert "MULTI_CPU" in r0["distributed_type"]
     assert r0["param_sum_before"] == r1["param_sum_before"]
@@ -63,3 +69,14 @@ def test_two_process_training_keeps_ranks_in_sync(tmp_path, model_dir):
         assert row["composer/loss/sdpo"] > 0 and row["composer/loss/replay"] > 0
         # 2 processes x 4 completions = 2 prompts: one pair each, counted across both ranks
         assert row["composer/replay/pairs"] == 2
+
+
+def test_two_processes_share_a_group_of_successful_siblings_and_one_ema_teacher(tmp_path, model_dir):
+    """One group of 8 completions split across two ranks: the successes on one rank teach the other's failures
+    (contexts built over the gathered group), and both ranks end with the same student and EMA teacher."""
+    r0, r1 = _torchrun(tmp_path, model_dir, "success-ema")
+    assert r0["param_sum_after"] == r1["param_sum_after"] != r0["param_sum_before"]
+    assert r0["teacher_sum"] == r1["teacher_sum"] not in (None, r0["param_sum_before"])
+    for row in r0["logs"]:
+        assert (row["composer/loss/sdpo"] > 0) == (row["composer/sdpo/success_group_fraction"] > 0)
+    assert any(row["composer/sdpo/success_group_fraction"] > 0 for row in r0["logs"])
