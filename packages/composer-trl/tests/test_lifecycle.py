@@ -219,3 +219,56 @@ def test_signal_finishes_step_writes_checkpoint_and_summary(tmp_path, sig, code)
     assert (ckpt / "model.safetensors").is_file() and (ckpt / "composer_state.json").is_file()
     assert _logged_steps(out / "metrics-composer.jsonl") == list(range(1, step + 1))
     assert f"stopped by {sig.name}" in stdout
+
+
+def _fake_checkpoint(folder: Path, step: int, skip: tuple[str, ...] = ()) -> Path:
+    ckpt = folder / f"checkpoint-{step}"
+    ckpt.mkdir(parents=True)
+    files = {
+        "trainer_state.json": json.dumps({"global_step": step}),
+        "optimizer.pt": "x",
+        "model.safetensors": "x",
+        "composer_state.json": "{}",
+    }
+    for name, text in files.items():
+        if name not in skip:
+            (ckpt / name).write_text(text)
+    return ckpt
+
+
+def test_last_skips_incomplete_newer_checkpoints_and_names_them(tmp_path, capsys):
+    from composer_trl.lifecycle import UsageError, resolve_checkpoint
+
+    good = _fake_checkpoint(tmp_path, 2)
+    _fake_checkpoint(tmp_path, 4, skip=("trainer_state.json",))  # killed while transformers wrote it in place
+    _fake_checkpoint(tmp_path, 6, skip=("optimizer.pt", "composer_state.json"))
+    assert resolve_checkpoint("last", tmp_path) == good
+    line = capsys.readouterr().out.strip()
+    assert line.count("\n") == 0 and "resuming from checkpoint-2" in line
+    assert (
+        "checkpoint-6 (no optimizer.pt, composer_state.json)" in line
+        and "checkpoint-4 (no trainer_state.json)" in line
+    )
+    with pytest.raises(UsageError, match=r"is incomplete .*pass `last`"):
+        resolve_checkpoint(str(tmp_path / "checkpoint-6"), tmp_path)
+    lone = _fake_checkpoint(tmp_path / "x", 1, skip=("optimizer.pt",)).parent
+    with pytest.raises(UsageError, match="no complete checkpoint"):
+        resolve_checkpoint("last", lone)
+    # an ema/base SDPO teacher's weights are part of a complete checkpoint
+    with pytest.raises(UsageError, match=r"composer_sdpo_teacher\.safetensors"):
+        resolve_checkpoint("last", tmp_path, ("composer_sdpo_teacher.safetensors",))
+
+
+def test_resume_last_after_a_kill_mid_save_trains_on_from_the_complete_one(tmp_path, capsys):
+    out = tmp_path / "run"
+    common = ["--max_steps", "4", "--save_steps", "2", *SMALL, "--output_dir", str(out)]
+    assert main(common) == 0
+    newest = out / "trainer-composer" / "checkpoint-4"
+    (newest / "trainer_state.json").unlink()  # as a kill while transformers wrote checkpoint-4 leaves it
+    for name in ("summary.json",):
+        (out / name).unlink()
+    capsys.readouterr()
+    assert main([*common, "--resume_from_checkpoint", "last"]) == 0
+    printed = capsys.readouterr().out
+    assert "resuming from checkpoint-2; set aside incomplete checkpoint-4 (no trainer_state.json)" in printed
+    assert json.loads((out / "summary.json").read_text())["status"] == "finished"

@@ -535,7 +535,12 @@ class Job:
 
         if self.dataset is None:
             self.check()
-        ckpt = resolve_checkpoint(resume, self.trainer_dir) if resume else None
+        from composer_core.sdpo import TEACHER_STATE_FILE
+
+        c = self.config  # an ema/base SDPO teacher's weights are part of a complete checkpoint
+        teacher = self.composer and c.alpha_sdpo > 0 and c.sdpo_teacher != "live"
+        parts = (TEACHER_STATE_FILE,) if teacher else ()
+        ckpt = resolve_checkpoint(resume, self.trainer_dir, parts) if resume else None
         model, tok = load_model(self.recipe)
         extra: dict[str, Any] = {}
         if self.composer:

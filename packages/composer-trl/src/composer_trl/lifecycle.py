@@ -24,6 +24,7 @@ import math
 import re
 import shutil
 import signal
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -111,8 +112,34 @@ def _step_of(p: Path) -> int:
     return int(m.group(1)) if m else -1
 
 
-def resolve_checkpoint(value: str, trainer_dir: Path) -> Path:
-    """``last`` → the newest ``checkpoint-<step>`` in ``trainer_dir``; otherwise an existing checkpoint path."""
+WEIGHT_FILES = (
+    "model.safetensors",
+    "adapter_model.safetensors",
+    "pytorch_model.bin",
+    "model.safetensors.index.json",
+)
+
+
+def missing_parts(ckpt: Path, extra: Sequence[str] = ()) -> list[str]:
+    """What a checkpoint lacks to be resumed (empty: complete): a readable ``trainer_state.json``, the optimizer,
+    the model's weights, composer's state and ``extra`` files (e.g. the SDPO teacher's). transformers writes a
+    checkpoint in place, so a run killed while saving leaves one that only this check tells apart."""
+    out = []
+    try:
+        json.loads((ckpt / "trainer_state.json").read_text())["global_step"]
+    except (OSError, ValueError, KeyError):
+        out.append("trainer_state.json")
+    if not (ckpt / "optimizer.pt").is_file():
+        out.append("optimizer.pt")
+    if not any((ckpt / name).is_file() for name in WEIGHT_FILES):
+        out.append("model weights")
+    out += [name for name in (COMPOSER_STATE, *extra) if not (ckpt / name).is_file()]
+    return out
+
+
+def resolve_checkpoint(value: str, trainer_dir: Path, extra: Sequence[str] = ()) -> Path:
+    """``last`` → the newest *complete* ``checkpoint-<step>`` in ``trainer_dir`` (:func:`missing_parts`; newer
+    incomplete ones are set aside and named in one line); otherwise an existing complete checkpoint path."""
     if value == "last":
         found = sorted((p for p in trainer_dir.glob("checkpoint-*") if _step_of(p) >= 0), key=_step_of)
         if not found:
@@ -120,12 +147,31 @@ def resolve_checkpoint(value: str, trainer_dir: Path) -> Path:
                 f"--resume_from_checkpoint last: no checkpoint-<step> in {str(trainer_dir)!r}; "
                 "run without it (and with --save_steps N to write checkpoints)."
             )
-        return found[-1]
+        skipped: list[str] = []
+        for ckpt in reversed(found):
+            missing = missing_parts(ckpt, extra)
+            if not missing:
+                if skipped:
+                    print(
+                        f"composer-train: resuming from {ckpt.name}; set aside incomplete {'; '.join(skipped)}"
+                    )
+                return ckpt
+            skipped.append(f"{ckpt.name} (no {', '.join(missing)})")
+        raise UsageError(
+            f"--resume_from_checkpoint last: no complete checkpoint in {str(trainer_dir)!r} ({'; '.join(skipped)}); "
+            "start the run again without --resume_from_checkpoint."
+        )
     p = Path(value)
     if not (p / "trainer_state.json").is_file():
         raise UsageError(
             f"--resume_from_checkpoint {value!r} is not a checkpoint directory (no trainer_state.json); "
             f"pass `last` or a path like {trainer_dir}/checkpoint-<step>."
+        )
+    missing = missing_parts(p, extra)
+    if missing:
+        raise UsageError(
+            f"--resume_from_checkpoint {value!r} is incomplete (no {', '.join(missing)}: a run killed while "
+            "saving it?); pass `last` to take the newest complete checkpoint."
         )
     return p
 
