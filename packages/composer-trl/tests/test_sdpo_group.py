@@ -6,6 +6,7 @@ the EMA teacher is test_lifecycle.py.
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -215,4 +216,28 @@ def test_composer_train_bad_template_is_one_line_exit_2_before_output(tmp_path, 
     assert main([*argv, "--reprompt_template", "{prompt}{oops}"]) == EXIT_USAGE
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "reprompt_template" in err[0] and "{oops}" in err[0]
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_channel_without_inputs_is_one_line_exit_2_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """A dataset with only `prompt` and the default hint context: one line, exit 2, no model loaded, nothing
+    written (it used to load the model, print a 21-line traceback, exit 1 and leave trainer-composer/)."""
+    import composer_trl.cli as cli
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}{i}{i}>"}) + "\n" for i in range(10)))
+    (tmp_path / "my_reward.py").write_text(
+        "def f(completions, **kw):\n    return [0.0 for _ in completions]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(cli, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    out = tmp_path / "run"
+    argv = ["--dataset_name", str(data), "--reward_funcs", "my_reward:f", "--output_dir", str(out)]
+    assert main([*argv, "--beta_replay", "0"]) == EXIT_USAGE
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs hints" in err[0] and "sdpo_teacher_context='success'" in err[0]
+    assert (
+        main([*argv, "--sdpo_teacher_context", "success"]) == EXIT_USAGE
+    )  # beta_replay=1: no chosen/rejected
+    assert "needs `chosen` and `rejected`" in capsys.readouterr().err
     assert not out.exists() or not any(out.iterdir())

@@ -522,6 +522,15 @@ class Job:
             self.hint = import_callable(self.recipe.hint_fn, "hint_fn") if self.recipe.hint_fn else None
         except ValueError as e:
             raise UsageError(str(e)) from e
+        if self.composer:  # a channel without its inputs: one line, exit 2, before the model loads
+            from composer_trl.trainer import check_channel_inputs
+
+            embedded = self.recipe.dataset is None
+            hints = embedded or self.hint is not None or self.hint_fn is not None
+            try:
+                check_channel_inputs(c, set(self.dataset.column_names), hint_fn=hints)
+            except ValueError as e:
+                raise UsageError(str(e)) from e
 
     def run(self, *, resume: str | None = None) -> dict[str, Any]:
         """Train (from ``resume``: ``last`` or a checkpoint path); the result row of summary.json."""

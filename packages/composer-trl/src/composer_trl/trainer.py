@@ -199,36 +199,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
     def _check_channel_inputs(self) -> None:
         a = self.args
         cols = self._dataset_columns()
-        source = a.sdpo_teacher_context
-        if (
-            a.alpha_sdpo > 0
-            and source == "hint"
-            and self.hint_fn is None
-            and cols is not None
-            and not cols & {"hint", "hinted_prompt"}
-        ):
-            raise ValueError(
-                f"alpha_sdpo={a.alpha_sdpo} needs hints: a `hint` or `hinted_prompt` dataset column, or "
-                "`hint_fn=`; provide one, set sdpo_teacher_context='success' (successful siblings teach, no hint "
-                "needed) or set alpha_sdpo=0."
-            )
-        if (
-            a.alpha_sdpo > 0
-            and source in ("feedback", "success+feedback")
-            and self.hint_fn is None
-            and cols is not None
-            and "privileged_context" not in cols
-        ):
-            raise ValueError(
-                f"sdpo_teacher_context={source!r} needs the environment's feedback: `hint_fn=` (its text per "
-                "completion is the feedback) or a `privileged_context` dataset column; provide one or use "
-                "sdpo_teacher_context='success'."
-            )
-        if a.beta_replay > 0 and cols is not None and not {"chosen", "rejected"} <= cols:
-            raise ValueError(
-                f"beta_replay={a.beta_replay} needs `chosen` and `rejected` dataset columns (the teacher trace and "
-                f"the trace it beats); the dataset has {sorted(cols)}. Add them or set beta_replay=0."
-            )
+        check_channel_inputs(a, cols, hint_fn=self.hint_fn is not None)
         if a.beta_replay > 0 and a.dpo_variant == "dpo":
             has_cols = cols is not None and {"ref_chosen_logps", "ref_rejected_logps"} <= cols
             if a.replay_reference == "column" or (a.replay_reference == "auto" and has_cols):
@@ -900,6 +871,43 @@ class _TAIDCallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         self.trainer._taid_step()
         return control
+
+
+def check_channel_inputs(args: ComposerGRPOConfig, columns: set[str] | None, *, hint_fn: bool) -> None:
+    """Raise ``ValueError`` (one line naming the option and the fix) for a channel whose weight is > 0 but whose
+    inputs a dataset with ``columns`` (None: unknown, e.g. an iterable dataset) and ``hint_fn`` cannot provide.
+    The trainer runs it at construction and ``composer-train`` before it loads the model or writes anything."""
+    a, cols = args, columns
+    source = a.sdpo_teacher_context
+    if (
+        a.alpha_sdpo > 0
+        and source == "hint"
+        and not hint_fn
+        and cols is not None
+        and not cols & {"hint", "hinted_prompt", "teacher_prompt"}
+    ):
+        raise ValueError(
+            f"alpha_sdpo={a.alpha_sdpo} needs hints: a `hint` or `hinted_prompt` dataset column, or "
+            "`hint_fn=`; provide one, set sdpo_teacher_context='success' (successful siblings teach, no hint "
+            "needed) or set alpha_sdpo=0."
+        )
+    if (
+        a.alpha_sdpo > 0
+        and source in ("feedback", "success+feedback")
+        and not hint_fn
+        and cols is not None
+        and "privileged_context" not in cols
+    ):
+        raise ValueError(
+            f"sdpo_teacher_context={source!r} needs the environment's feedback: `hint_fn=` (its text per "
+            "completion is the feedback) or a `privileged_context` dataset column; provide one or use "
+            "sdpo_teacher_context='success'."
+        )
+    if a.beta_replay > 0 and cols is not None and not {"chosen", "rejected"} <= cols:
+        raise ValueError(
+            f"beta_replay={a.beta_replay} needs `chosen` and `rejected` dataset columns (the teacher trace and "
+            f"the trace it beats); the dataset has {sorted(cols)}. Add them or set beta_replay=0."
+        )
 
 
 def group_contexts(
