@@ -75,3 +75,36 @@ def test_channels_off_equals_plain_grpo_bitwise(
     for key in ("clip_ratio/low_min", "clip_ratio/high_max"):
         a, b = comp._metrics["train"][key][-1], plain._metrics["train"][key][-1]
         assert a == b or (a != a and b != b), key
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "bnpo"])
+def test_all_masked_micro_batches_train_with_loss_zero_like_grpo_trainer(
+    loss_type, tmp_path, model_dir, tokenizer, dataset, h
+):
+    """TRL's reproduction (issue 50): mask_truncated_completions with max_completion_length=1 masks every
+    completion that does not end at once; GRPOTrainer trains on with loss 0 (accumulation 2), and so must the
+    swap, bit for bit, with the channels off and with channel 2 on (global normaliser)."""
+    from composer_core.tasks.digit_reversal import reverse_hints
+    from transformers import AutoModelForCausalLM
+
+    opts = {
+        "loss_type": loss_type, "mask_truncated_completions": True, "max_completion_length": 1,
+        "max_steps": 4, "gradient_accumulation_steps": 2, "per_device_train_batch_size": 4,
+    }  # fmt: skip
+    runs = {}
+    for name, composer, extra in (
+        ("grpo", False, {}),
+        ("swap", True, {"alpha_sdpo": 0.0, "beta_replay": 0.0}),
+        ("sdpo", True, {"beta_replay": 0.0}),
+    ):
+        args = h.grpo_args(tmp_path / name, composer=composer, **opts, **extra)
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        hints = {"hint_fn": reverse_hints} if name == "sdpo" else {}
+        trainer = h.make_trainer(model, tokenizer, dataset, args, composer=composer, **hints)
+        trainer.train()
+        runs[name] = (trainer, [r["loss"] for r in trainer.state.log_history if "loss" in r])
+    grpo, swap = runs["grpo"], runs["swap"]
+    assert len(grpo[1]) == 4 and grpo[1] == swap[1]
+    for (n, a), (_, b) in zip(grpo[0].model.named_parameters(), swap[0].model.named_parameters()):
+        assert torch.equal(a, b), n
+    assert len(runs["sdpo"][1]) == 4

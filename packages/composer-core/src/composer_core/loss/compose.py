@@ -449,7 +449,15 @@ def _sdpo(
     """Compute channel 2 in the resolved ``form``: pick the kernel, pick the runner; returns (loss, metrics)."""
     mask_src = batch.sdpo_mask if batch.sdpo_mask is not None else batch.completion_mask
     name = "sdpo_mask" if batch.sdpo_mask is not None else "completion_mask (used as sdpo_mask)"
-    m = as_mask(name, mask_src, batch.logprobs.shape, device=batch.logprobs.device)
+    # with a global normaliser another micro-batch or rank holds the distilled tokens: an empty mask here is a
+    # zero contribution (TRL's all-masked micro-batch); without one an empty mask is a mistake and raises
+    m = as_mask(
+        name,
+        mask_src,
+        batch.logprobs.shape,
+        device=batch.logprobs.device,
+        require_nonempty=normalizer is None,
+    )
     metrics: dict[str, Tensor | float] = {"sdpo/tokens": m.sum().to(torch.float64)}
     kernel = _pick_kernel(opts, form)
     if kernel.t is not None:

@@ -530,7 +530,8 @@ def _rows_and_scale(
     if mask is None:  # every row: counted on the host, nothing to select or zero
         rows = torch.arange(math.prod(token_shape), device=device)
     else:
-        m = as_mask("mask", mask, token_shape, device=device).reshape(-1)
+        # an empty mask is a zero contribution when a global normaliser counts tokens elsewhere
+        m = as_mask("mask", mask, token_shape, device=device, require_nonempty=normalizer is None).reshape(-1)
         rows = m.nonzero().squeeze(-1) if host_reads_are_free(device) else m
     if reduction != "mean":
         return rows, 1.0
@@ -840,7 +841,13 @@ def topk_distill(
     vocab = student_logits.shape[-1]
     if isinstance(k, bool) or not isinstance(k, int) or not (1 <= k <= vocab):
         raise ValueError(f"`k`={k!r} must be an int in [1, V={vocab}].")
-    m = as_mask("mask", mask, student_logits.shape[:-1], device=student_logits.device)
+    m = as_mask(
+        "mask",
+        mask,
+        student_logits.shape[:-1],
+        device=student_logits.device,
+        require_nonempty=normalizer is None,
+    )
     cdtype = _compute_dtype(student_logits.dtype)
     with full_precision(student_logits.device):
         zs = student_logits.to(cdtype) / temperature

@@ -416,7 +416,9 @@ def policy_loss(
     """
     check_tensor("logprobs", logprobs, ndim=2)
     check_float("logprobs", logprobs)
-    m_bool = as_mask("mask", mask, logprobs.shape, device=logprobs.device)
+    # an all-masked micro-batch (every completion truncated under mask_truncated_completions, ...) is a loss of
+    # 0 with zero gradients, as in TRL: the normalisers are clamped to >= 1
+    m_bool = as_mask("mask", mask, logprobs.shape, device=logprobs.device, require_nonempty=False)
     check_choice("loss_type", loss_type, LOSS_TYPES)
     check_choice("rollout_correction", rollout_correction, (None, *ROLLOUT_MODES, "dppo_mask"))
     if old_logprobs is not None:
