@@ -67,6 +67,7 @@ def _batch(
         ({}, "dppo_mask_low", 0.05),
         ({}, "dppo_mask_high", 0.3),
         ({}, "kl_estimator", "k1"),
+        ({"sampled": True}, "sdpo_chunk_size", 16),
     ],
 )
 def test_option_without_effect_in_the_resolved_mode_raises(
@@ -75,6 +76,21 @@ def test_option_without_effect_in_the_resolved_mode_raises(
     b = _batch(**batch_kw)
     with pytest.raises(ValueError, match=f"`{option}`.*silently ignored|silently ignored.*`{option}`"):
         compose_loss(b, **{option: value})
+
+
+def test_taid_beta_and_topk_chunk_size_raise_instead_of_being_ignored() -> None:
+    """Issue 50: under sdpo_wrapper='taid' every sdpo_beta gave the same loss, and sdpo_chunk_size did nothing in
+    the top-k form; both now raise, naming the option; their defaults still run."""
+    b = _batch(logits=True)
+    taid = {"sdpo_wrapper": "taid", "taid_t": 0.5}
+    losses = {beta: float(compose_loss(b, **taid, sdpo_beta=beta).sdpo) for beta in (0.5,)}
+    assert losses[0.5] > 0
+    for beta in (0.0, 0.3, 1.0):
+        with pytest.raises(ValueError, match=r"`sdpo_beta`.*taid"):
+            compose_loss(b, **taid, sdpo_beta=beta)
+    with pytest.raises(ValueError, match=r"`sdpo_chunk_size`=8.*'topk'"):
+        compose_loss(b, sdpo_form="topk", sdpo_topk=3, sdpo_chunk_size=8)
+    assert compose_loss(b, sdpo_form="topk", sdpo_topk=3).sdpo is not None
 
 
 def test_sampled_batch_with_default_sdpo_options_still_runs() -> None:

@@ -323,6 +323,16 @@ class SDPOOptions:
                 f"`sdpo_compiled`=True (compiles the generalized-JSD chunk kernel: acts only with sdpo_form='full' "
                 f"and no wrapper; the form is {form!r} ({how}), sdpo_wrapper={self.wrapper_name!r})"
             )
+        if isinstance(self.wrapper, TAID) and _non_default(self, "beta"):
+            out.append(
+                f"`sdpo_beta`={self.beta!r} (sdpo_wrapper='taid' distils toward its interpolated target with its own "
+                "divergence; the generalized-JSD beta is not read)"
+            )
+        if form in ("sampled", "topk") and _non_default(self, "chunk_size"):
+            out.append(
+                f"`sdpo_chunk_size`={self.chunk_size!r} (chunks the full-vocabulary kernels only; the form is "
+                f"{form!r} ({how}))"
+            )
         if form != "topk" and _non_default(self, "topk_tail"):
             out.append(
                 f"`sdpo_topk_tail`={self.topk_tail!r} (acts only with sdpo_form='topk'; the form is {form!r} ({how}))"
