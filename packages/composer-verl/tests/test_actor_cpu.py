@@ -255,3 +255,227 @@ def test_actor_rollout_ref_worker_uses_the_extension() -> None:
     assert issubclass(ComposerActorRolloutRefWorker, ActorRolloutRefWorker)
     assert ComposerActorRolloutRefWorker.actor_worker_cls is ComposerTrainingWorker
     assert ComposerActorRolloutRefWorker.ref_worker_cls is ActorRolloutRefWorker.ref_worker_cls
+
+
+# --- the ema/base SDPO teacher held by the actor worker -------------------------------------------------------------
+
+
+def _log_probs(worker: Any, teacher: bool = False) -> torch.Tensor:
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    data = _batch({}, compute_loss=False)
+    out = worker.infer_sdpo_teacher_batch(data) if teacher else worker.infer_batch(data)
+    return no_padding_2_padding(out["log_probs"], _batch({}, compute_loss=False)).detach()
+
+
+def _local_params(worker: Any) -> dict[str, torch.Tensor]:
+    from composer_verl.actor import _local
+
+    return {n: _local(p).detach().clone() for n, p in worker.engine.module.named_parameters()}
+
+
+def _holder(tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """Plain module with these tensors as parameters (for composer_core's module-level ema_update_)."""
+    m = torch.nn.Module()
+    for name, t in tensors.items():
+        m.register_parameter(name.replace(".", "__"), torch.nn.Parameter(t.clone()))
+    return m
+
+
+def _train_step(worker: Any) -> dict[str, float]:
+    from verl.workers.utils.losses import ppo_loss
+
+    old, mask = _old_log_probs(worker)
+    extra = {
+        "old_log_probs": old,
+        "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5])[:, None] * mask,
+        "composer_teacher_log_probs": old - LN2,
+        "composer_sdpo_mask": mask.float(),
+    }
+    worker.set_loss_fn(partial(ppo_loss, config=_actor_config("composer")))
+    return _metrics(worker.train_mini_batch(_batch(extra)))  # 4 rows, mini-batch 4: one optimizer step
+
+
+@pytest.fixture
+def teacher_worker(worker: Any) -> Iterator[Any]:
+    yield worker
+    worker.sdpo_teacher = None  # the module-scoped worker goes back to the live teacher
+    worker.optimizer_steps = 0
+
+
+def test_base_teacher_scores_with_the_initial_weights(teacher_worker: Any) -> None:
+    """After an optimizer step the base teacher's log-probs are bit-equal to the weights it was taken from, and
+    scoring with it leaves the actor's own log-probs bit-unchanged (the swap and FSDP's reshard are exact)."""
+    from composer_verl.config import configure
+
+    w = teacher_worker
+    configure({"alpha_sdpo": 0.5, "sdpo_teacher": "base"})
+    w.init_sdpo_teacher()
+    initial = _log_probs(w)
+    assert torch.equal(_log_probs(w, teacher=True), initial)
+    _train_step(w)
+    student = _log_probs(w)
+    assert not torch.equal(student, initial)  # the actor moved
+    assert torch.equal(_log_probs(w, teacher=True), initial)  # the teacher did not
+    assert torch.equal(_log_probs(w), student)  # and the actor is back
+    assert w.optimizer_steps == 1
+
+
+def test_ema_teacher_update_equals_core_ema_update(teacher_worker: Any) -> None:
+    """θT ← (1 − τ)θT + τθS after each optimizer step, bit-equal to composer_core.sdpo.ema_update_ on modules;
+    with teacher_sync_steps=2 only every second step."""
+    from composer_core.sdpo import ema_update_
+    from composer_verl.config import configure
+
+    w = teacher_worker
+    configure(
+        {"alpha_sdpo": 0.5, "sdpo_teacher": "ema", "teacher_update_rate": 0.25, "teacher_sync_steps": 2}
+    )
+    w.init_sdpo_teacher()
+    theta0 = _local_params(w)
+    assert all(torch.equal(w.sdpo_teacher[n], t) for n, t in theta0.items())
+    assert _train_step(w)["composer/sdpo/teacher_synced"] == 0.0  # step 1: no sync
+    assert all(torch.equal(w.sdpo_teacher[n], t) for n, t in theta0.items())
+    assert _train_step(w)["composer/sdpo/teacher_synced"] == 1.0  # step 2: sync
+    theta2 = _local_params(w)
+    expected = _holder(theta0)
+    ema_update_(expected, _holder(theta2), 0.25)
+    got = dict(expected.named_parameters())
+    assert all(torch.equal(w.sdpo_teacher[n], got[n.replace(".", "__")]) for n in theta0)
+    assert any(not torch.equal(w.sdpo_teacher[n], theta0[n]) for n in theta0)
+    # the teacher's log-probs differ from the actor's, and scoring with it restores the actor exactly
+    student = _log_probs(w)
+    assert not torch.equal(_log_probs(w, teacher=True), student)
+    assert torch.equal(_log_probs(w), student)
+
+
+def test_teacher_shards_save_and_load(teacher_worker: Any, tmp_path: Any) -> None:
+    from composer_verl.actor import TEACHER_FILE, load_teacher_shards, save_teacher_shards
+    from composer_verl.config import configure
+
+    w = teacher_worker
+    configure({"alpha_sdpo": 0.5, "sdpo_teacher": "ema"})
+    w.init_sdpo_teacher()
+    saved = {n: t.clone() for n, t in w.sdpo_teacher.items()}
+    path = save_teacher_shards(w.sdpo_teacher, 7, str(tmp_path), 0)
+    assert path.endswith(TEACHER_FILE.format(rank=0))
+    for t in w.sdpo_teacher.values():
+        t.zero_()
+    assert load_teacher_shards(w.sdpo_teacher, str(tmp_path), 0) == 7
+    assert all(torch.equal(w.sdpo_teacher[n], t) for n, t in saved.items())
+    with pytest.raises(FileNotFoundError, match="holds no SDPO teacher"):
+        w.load_checkpoint(str(tmp_path / "elsewhere"))  # raises before verl's own load
+
+
+def test_live_worker_refuses_teacher_scoring(worker: Any) -> None:
+    assert worker.sdpo_teacher is None
+    with pytest.raises(ValueError, match="sdpo_teacher is 'live'"):
+        worker.infer_sdpo_teacher_batch(_batch({}, compute_loss=False))
+
+
+def test_teacher_method_is_dispatched_like_compute_log_prob() -> None:
+    from composer_verl.actor import ComposerActorRolloutRefWorker
+    from composer_verl.batch import TEACHER_METHOD
+    from verl.single_controller.base.decorator import MAGIC_ATTR
+
+    ours = getattr(getattr(ComposerActorRolloutRefWorker, TEACHER_METHOD), MAGIC_ATTR)
+    verls = getattr(ComposerActorRolloutRefWorker.compute_log_prob, MAGIC_ATTR)
+    assert (
+        ours["dispatch_mode"]["dispatch_fn"].args == verls["dispatch_mode"]["dispatch_fn"].args == ("actor",)
+    )
+    assert ours["dispatch_mode"]["dispatch_fn"].func is verls["dispatch_mode"]["dispatch_fn"].func
+
+
+def test_teacher_is_saved_and_loaded_with_verls_actor_checkpoint(teacher_worker: Any, tmp_path: Any) -> None:
+    """verl's own checkpoint manager writes the actor; the teacher's shards and step count go next to it, and a
+    load brings back actor, teacher and EMA schedule: the same log-probs on both sides, bit for bit."""
+    from composer_verl.actor import TEACHER_FILE
+    from composer_verl.config import configure
+
+    w = teacher_worker
+    configure({"alpha_sdpo": 0.5, "sdpo_teacher": "ema", "teacher_update_rate": 0.5})
+    w.init_sdpo_teacher()
+    _train_step(w)
+    teacher = {n: t.clone() for n, t in w.sdpo_teacher.items()}
+    student_lp, teacher_lp = _log_probs(w), _log_probs(w, teacher=True)
+    w.save_checkpoint(str(tmp_path / "actor"), global_step=1)
+    assert TEACHER_FILE.format(rank=0) in os.listdir(tmp_path / "actor")
+    _train_step(w)  # actor and teacher move on
+    assert w.optimizer_steps == 2 and not torch.equal(_log_probs(w, teacher=True), teacher_lp)
+    w.load_checkpoint(str(tmp_path / "actor"))
+    assert w.optimizer_steps == 1
+    assert all(torch.equal(w.sdpo_teacher[n], t) for n, t in teacher.items())
+    assert torch.equal(_log_probs(w), student_lp)
+    assert torch.equal(_log_probs(w, teacher=True), teacher_lp)
+
+
+# --- sdpo_form='topk': the live teacher's top-k through verl's logits hook -----------------------------------------
+
+
+def _row_logits(module: Any, seq: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return module(
+            input_ids=seq[None], position_ids=torch.arange(seq.numel())[None], use_cache=False
+        ).logits[0]
+
+
+def test_topk_sdpo_in_the_engine_equals_core_topk_distill(worker: Any) -> None:
+    """verl's engine hands the student's logits to composer's hook; per micro-batch the logged SDPO term equals
+    composer_core's topk_distill (student support, tail bucket) between per-row forwards of the same module on the
+    student's and on the teacher's context; and a training step moves the weights through that term alone."""
+    from composer_core.loss.distill import topk_distill
+    from composer_verl.config import configure
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.losses import ppo_loss
+
+    configure({"alpha_sdpo": 1.0, "sdpo_form": "topk", "sdpo_topk": 4})
+    old, _ = _old_log_probs(worker)
+    sdpo_mask = torch.ones(B, R)
+    sdpo_mask[3] = 0  # a row without a teacher context
+    sdpo_mask[2, :2] = 0
+    g = torch.Generator().manual_seed(1)
+    teacher_prompts = [torch.randint(1, 128, (n,), generator=g) for n in (3, 7, 4, 5)]
+
+    def batch() -> Any:
+        td = _batch({"old_log_probs": old, "advantages": torch.zeros(B, R), "composer_sdpo_mask": sdpo_mask})
+        td["composer_teacher_prompts"] = torch.nested.as_nested_tensor(teacher_prompts, layout=torch.jagged)
+        tu.assign_non_tensor(td, distillation_use_topk=True)
+        return td
+
+    worker.set_loss_fn(partial(ppo_loss, config=_actor_config("composer")))
+    got = _metrics(worker.infer_batch(batch()))["composer/loss/sdpo"]
+
+    # expected: rows as the collator left them (row 0: prompt left-padded by 2; row 1: response right-padded by 2)
+    data = _batch({})
+    prompts, responses = data["prompts"], data["responses"]
+    att = data["attention_mask"]
+    module = worker.engine.module
+    per_mb = []
+    for rows in ((0, 1), (2, 3)):
+        total, count = 0.0, 0
+        for i in rows:
+            p = prompts[i][att[i, :P].bool()]
+            r = responses[i][att[i, P:].bool()]
+            s_logits = _row_logits(module, torch.cat([p, r]))[p.numel() - 1 : -1]
+            t_logits = _row_logits(module, torch.cat([teacher_prompts[i], r]))[
+                teacher_prompts[i].numel() - 1 : -1
+            ]
+            m = sdpo_mask[i, : r.numel()].bool()
+            if m.any():
+                total += float(topk_distill(s_logits, t_logits, k=4, mask=m, reduction="sum"))
+            count += int(m.sum())
+        per_mb.append(total / count if count else 0.0)
+    assert got == pytest.approx(sum(per_mb) / 2, rel=1e-5, abs=1e-7)
+    assert got > 0  # the teacher contexts differ, so the divergence is positive
+
+    before = [p.detach().clone() for p in module.parameters()]
+    m = _metrics(worker.train_mini_batch(batch()))  # advantages 0: only the top-k SDPO term has a gradient
+    assert m["composer/sdpo/tokens"] > 0
+    assert sum(not torch.equal(a.detach(), b) for a, b in zip(module.parameters(), before)) > 0
+
+
+def test_topk_needs_the_live_teacher() -> None:
+    from composer_verl.config import ComposerVerlConfig
+
+    with pytest.raises(ValueError, match="sdpo_form='topk' with sdpo_teacher='ema'"):
+        ComposerVerlConfig(alpha_sdpo=1.0, sdpo_form="topk", sdpo_topk=4, sdpo_teacher="ema")

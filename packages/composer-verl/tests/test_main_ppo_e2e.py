@@ -6,7 +6,8 @@ composer's actor worker), Ray, TransferQueue, the FSDP2 actor, the agent loop, t
 task's reward function, ``grpo_composer`` advantages, the ``composer`` policy loss, weight sync each step.
 What is composer's: the environment ``digit-reversal`` (``composer_core.envs``) as task, reward and hint source
 (``composer_verl.envs``: the data, verl's custom reward function, ``composer.env``), the producers
-(``composer_verl.producers``): hints = the environment's feedback, teacher log-probs re-scored by the actor,
+(``composer_verl.producers``): hints = the environment's feedback, channel 2 in its top-k form (the actor's
+module re-reads each response on the hinted prompt inside its training forward, ``sdpo_form=topk``),
 pairs from the dataset's ``chosen``/``rejected`` columns (the environment's reference answer / typical mistake).
 
 What is a TEST STAND-IN (``tests/verl_cpu_testkit``, never shipped): the CPU platform, the HF-``generate``
@@ -25,7 +26,15 @@ from verl_cpu_testkit.run import run_main_ppo, step_metrics
 
 pytestmark = pytest.mark.slow  # about 2-3 min on 2 free cores; runs in the verl session (no deselection)
 
-COMPOSER = {"alpha_sdpo": 0.5, "beta_replay": 0.25, "dpo_variant": "simpo", "sdpo_token_clip": 2.0}
+# channel 2 in its top-k form (sdpo_form=topk: the live teacher's top-k inside the actor's training forward); the
+# sampled-token form runs end to end in test_main_ppo_sdpo_e2e.py
+COMPOSER = {
+    "alpha_sdpo": 0.5,
+    "beta_replay": 0.25,
+    "dpo_variant": "simpo",
+    "sdpo_form": "topk",
+    "sdpo_topk": 8,
+}
 PRODUCERS = ("+composer.env=digit-reversal", "+composer.pair_source=dataset")
 
 
@@ -71,8 +80,8 @@ def test_three_steps_with_all_three_channels_non_zero(run: dict[int, dict[str, f
         assert _get(m, "composer/sdpo/tokens") > 0, step
         assert _get(m, "composer/replay/appended_pairs") == 2.0, step  # one pair per prompt group, 2 prompts
         assert _get(m, "composer/replay/pairs") > 0, step
-        # channel 2 in verl is the sampled-token (k1) reverse-KL estimate: non-zero, either sign; DPO's loss is > 0
-        assert _get(m, loss_key("sdpo")) != 0.0 and _get(m, loss_key("replay")) > 0.0, step
+        # channel 2 (top-k generalized JSD with the tail bucket) and SimPO's loss are > 0
+        assert _get(m, loss_key("sdpo")) > 0.0 and _get(m, loss_key("replay")) > 0.0, step
         assert 0.0 <= _get(m, "critic/score/mean") <= 1.0, step  # the environment's partial-credit reward
 
 

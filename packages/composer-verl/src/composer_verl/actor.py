@@ -13,16 +13,42 @@ Two subclasses, both using verl's own extension points:
   SDPO tokens and preference pairs of the mini-batch (summed over data-parallel ranks), the way the engine
   adds ``batch_num_tokens`` for ``agg_loss``.
 * :class:`ComposerActorRolloutRefWorker` (``ActorRolloutRefWorker``): sets the class attribute
-  ``actor_worker_cls = ComposerTrainingWorker``; nothing else changes (rollout, reference, checkpoints).
+  ``actor_worker_cls = ComposerTrainingWorker`` and adds one worker method,
+  ``compute_sdpo_teacher_log_prob`` (dispatched like verl's ``compute_log_prob``); nothing else changes
+  (rollout, reference, checkpoints).
+
+The SDPO teacher (``sdpo_teacher`` in ``COMPOSER_VERL_CONFIG``): ``live`` is the actor itself (the producers
+call verl's ``compute_log_prob``). ``base`` and ``ema`` keep a second copy of the actor's parameters inside the
+actor's ``TrainingWorker``, shard for shard (each rank holds a detached clone of its own local FSDP shards;
+composer_core's ``TeacherWeightsOptions``). ``compute_sdpo_teacher_log_prob`` swaps those values into the actor's
+parameters in place, runs verl's own ``infer_batch`` (the same engine forward, micro-batching and log-prob
+code as ``compute_log_prob``), and swaps them back; FSDP's cached unsharded parameters are dropped around it
+so no forward sees the other set. ``ema`` updates the copy after every ``teacher_sync_steps``-th optimizer step
+(one per mini-batch: verl's engine steps the optimizer once per ``train_batch``) with composer_core's
+``ema_update_tensors_`` (``θT ← (1−τ)θT + τθS``, the step ``ema_update_`` runs per parameter). The copy is
+saved with the actor checkpoint (one ``composer_sdpo_teacher-rank<r>.safetensors`` per rank next to verl's
+files) and loaded with it. Only verl's FSDP engines (``strategy=fsdp``/``fsdp2``) expose their module this
+way; another engine raises at start.
+
+``sdpo_form='topk'`` (live teacher only): :meth:`ComposerTrainingWorker.train_batch` sets verl's
+``distillation_use_topk`` on the mini-batch, so verl's engine calls the (wrapped) worker loss as its logits hook
+with the student's logits; :meth:`ComposerTrainingWorker.sdpo_topk_hook` runs the actor's module once more
+without gradient on each distilled row's teacher prompt + response and returns composer_core's per-token
+``topk_distill``, which the ``composer`` loss reduces.
 
 Select it with ``trainer.v1.trainer_mode=composer_sync`` (see :mod:`composer_verl.trainer`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+from composer_core.sdpo import ema_update_tensors_
+from verl.single_controller.base.decorator import make_nd_compute_dataproto_dispatch_fn, register
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
 from composer_verl.batch import (
@@ -31,8 +57,17 @@ from composer_verl.batch import (
     PREF_CHOSEN,
     PREF_PAIR_ID,
     SDPO_MASK,
+    SDPO_TOPK_OUTPUT,
+    TEACHER_METHOD,
+    TEACHER_PROMPTS,
     with_composer_batch,
 )
+from composer_verl.config import current_config
+
+TEACHER_SYNC_METRIC = "composer/sdpo/teacher_synced"
+"""1.0 on an optimizer step after which the EMA teacher was updated, else 0.0 (logged with ema/base only)."""
+TEACHER_FILE = "composer_sdpo_teacher-rank{rank}.safetensors"
+"""The SDPO teacher's local shards in an actor checkpoint directory, one file per rank."""
 
 
 def _values(t: torch.Tensor) -> torch.Tensor:
@@ -57,11 +92,192 @@ def global_counts(data: Any, dp_group: Any = None) -> dict[str, float]:
     return {k: float(v.item()) for k, v in counts.items()}
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A parameter's local shard (FSDP2's DTensor → the tensor it holds; a plain tensor as it is)."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def _reshard(module: torch.nn.Module) -> None:
+    """Drop the unsharded parameters FSDP2 keeps after a forward (the root module's), so the next forward
+    gathers the shards as they are now (verl does the same when it leaves eval mode with ``fsdp_size > 1``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 class ComposerTrainingWorker(TrainingWorker):  # type: ignore[misc]
-    """verl ``TrainingWorker`` whose loss sees composer's batch keys (see module docstring)."""
+    """verl ``TrainingWorker`` whose loss sees composer's batch keys and which holds the ``ema``/``base`` SDPO
+    teacher's weights (see module docstring)."""
+
+    sdpo_teacher: dict[str, torch.Tensor] | None = None
+    """name → detached clone of this rank's local shard of that parameter (None: the live teacher)."""
+    optimizer_steps: int = 0
 
     def set_loss_fn(self, loss_fn: Any) -> None:
-        super().set_loss_fn(with_composer_batch(loss_fn) if loss_fn is not None else None)
+        wrapped = with_composer_batch(loss_fn, self.sdpo_topk_hook) if loss_fn is not None else None
+        super().set_loss_fn(wrapped)
+
+    def reset(self) -> None:
+        super().reset()
+        self.init_sdpo_teacher()
+
+    # -- the ema/base SDPO teacher -------------------------------------------------------------------------------
+
+    def _module(self) -> torch.nn.Module:
+        module = getattr(self.engine, "module", None)
+        if not isinstance(module, torch.nn.Module):
+            raise ValueError(
+                f"sdpo_teacher={current_config().sdpo_teacher!r} needs verl's FSDP engine, whose actor is one module "
+                f"({type(self.engine).__name__} is not): set actor_rollout_ref.actor.strategy=fsdp2 or use "
+                "sdpo_teacher='live'."
+            )
+        return module
+
+    def init_sdpo_teacher(self) -> None:
+        """Take the teacher's copy of the current (initial) weights when ``sdpo_teacher`` is ``ema``/``base``."""
+        self.optimizer_steps = 0
+        if current_config().teacher.sdpo_teacher == "live":
+            self.sdpo_teacher = None
+            return
+        with torch.no_grad():
+            self.sdpo_teacher = {
+                name: _local(p).detach().clone() for name, p in self._module().named_parameters()
+            }
+
+    def _teacher_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(teacher shard, actor shard) per parameter, resolved now (offloading may move the actor's)."""
+        assert self.sdpo_teacher is not None
+        params = dict(self._module().named_parameters())
+        if params.keys() != self.sdpo_teacher.keys():
+            raise ValueError(
+                "the SDPO teacher's parameters no longer match the actor's (the module was rebuilt): restart the "
+                "run, or resume it from a checkpoint written with the same sdpo_teacher."
+            )
+        return [(self.sdpo_teacher[name], _local(p)) for name, p in params.items()]
+
+    @contextlib.contextmanager
+    def teacher_weights(self) -> Iterator[None]:
+        """Inside: the actor's parameters hold the teacher's values (swapped in place, swapped back after)."""
+        if self.sdpo_teacher is None:
+            raise ValueError(
+                f"{TEACHER_METHOD} scores with the ema/base teacher, but sdpo_teacher is 'live' in this worker's "
+                "COMPOSER_VERL_CONFIG: forward the same COMPOSER_VERL_CONFIG to every Ray worker."
+            )
+        module = self._module()
+        pairs = self._teacher_pairs()
+        with torch.no_grad():
+            _swap(pairs)
+        _reshard(module)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                _swap(pairs)
+            _reshard(module)
+
+    def infer_sdpo_teacher_batch(self, data: Any) -> Any:
+        """verl's ``infer_batch`` under the teacher's weights."""
+        with self.teacher_weights():
+            return self.infer_batch(data)
+
+    def update_sdpo_teacher(self) -> bool:
+        """Count one optimizer step; run the EMA update when ``sdpo_teacher='ema'`` syncs at it."""
+        if self.sdpo_teacher is None:
+            return False
+        self.optimizer_steps += 1
+        opts = current_config().teacher
+        if not opts.syncs_at(self.optimizer_steps):
+            return False
+        pairs = [(t, s if s.device == t.device else s.to(t.device)) for t, s in self._teacher_pairs()]
+        ema_update_tensors_(pairs, opts.teacher_update_rate)  # the teacher may sit where offloading put it
+        return True
+
+    # -- sdpo_form='topk': the live teacher's top-k, inside the training forward -------------------------------
+
+    def sdpo_topk_hook(self, student_logits: torch.Tensor, data: Any) -> dict[str, torch.Tensor]:
+        """verl's logits hook (``prepare_model_outputs`` with ``distillation_use_topk``): per token, composer_core's
+        ``topk_distill`` between the student's logits and the live teacher's on the teacher context (one more
+        forward of the actor's module, without gradient), on the student's top-k; one value per token (verl's
+        layout: the value at position t belongs to token t + 1), 0 off the SDPO tokens."""
+        from composer_core.loss.distill import topk_distill
+
+        sdpo = current_config().compose.sdpo
+        logits = student_logits.squeeze(0)  # (total_nnz, V), already divided by the temperature
+        input_ids = data["input_ids"]
+        offsets = input_ids.offsets().tolist()
+        if logits.shape[0] != offsets[-1]:
+            raise ValueError(
+                "sdpo_form='topk' reads the student's logits token by token, but verl packed them "
+                f"({logits.shape[0]} rows for {offsets[-1]} tokens: sequence-parallel or packing padding): set "
+                "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1 or use sdpo_form='sampled'."
+            )
+        tokens = input_ids.values()
+        resp_lens = _response_lengths(data)
+        masks = _rows(data[SDPO_MASK])
+        teacher_prompts = _rows(data[TEACHER_PROMPTS])
+        rows = [i for i, m in enumerate(masks) if bool(m[: int(resp_lens[i])].bool().any())]
+        out = torch.zeros(logits.shape[0], dtype=logits.dtype, device=logits.device)
+        if not rows:
+            return {SDPO_TOPK_OUTPUT: (out + 0.0 * logits[:, 0]).unsqueeze(0)}
+        ends = [offsets[i + 1] for i in rows]
+        lens = [int(resp_lens[i]) for i in rows]
+        pos = [torch.arange(e - r - 1, e - 1, device=logits.device) for e, r in zip(ends, lens, strict=True)]
+        resp = [tokens[e - r : e] for e, r in zip(ends, lens, strict=True)]
+        prompts = [teacher_prompts[i].to(tokens.device, tokens.dtype) for i in rows]
+        teacher = self._teacher_response_logits(prompts, resp, data)
+        width = max(lens)
+        student = torch.stack([_pad_rows(logits[p], width) for p in pos])
+        mask = torch.stack(
+            [_pad_rows(masks[i].to(logits.device).bool()[:r], width) for i, r in zip(rows, lens, strict=True)]
+        )
+        per_token = topk_distill(
+            student,
+            teacher.to(student.dtype),
+            k=int(sdpo.topk or 1),
+            beta=sdpo.beta,
+            mask=mask,
+            add_tail_bucket=sdpo.topk_tail,
+            support="student",
+            reduction="none",
+        )
+        flat_pos = torch.cat(pos)
+        flat_val = torch.cat([per_token[j, :r] for j, r in enumerate(lens)])
+        return {SDPO_TOPK_OUTPUT: out.index_put((flat_pos,), flat_val.to(out.dtype)).unsqueeze(0)}
+
+    def _teacher_response_logits(
+        self, prompts: list[torch.Tensor], responses: list[torch.Tensor], data: Any
+    ) -> torch.Tensor:
+        """(rows, max response length, V) logits of the live teacher (the actor's module, no gradient) on
+        ``prompt + response`` at the response positions, divided by the rollout temperature."""
+        from verl.utils import tensordict_utils as tu
+
+        seqs = [torch.cat([p, r]) for p, r in zip(prompts, responses, strict=True)]
+        width = max(int(s.numel()) for s in seqs)
+        device = seqs[0].device
+        ids = torch.zeros(len(seqs), width, dtype=seqs[0].dtype, device=device)
+        attention = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
+        for j, seq in enumerate(seqs):
+            ids[j, : seq.numel()] = seq
+            attention[j, : seq.numel()] = 1
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        with torch.no_grad():
+            logits = self._module()(
+                input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=False
+            ).logits
+        temperature = tu.get_non_tensor_data(data=data, key="temperature", default=1.0)
+        if isinstance(temperature, torch.Tensor):
+            temperature = float(temperature.reshape(-1)[0])
+        r_max = max(int(r.numel()) for r in responses)
+        picked = [
+            _pad_rows(logits[j, p.numel() - 1 : p.numel() - 1 + r.numel()], r_max)
+            for j, (p, r) in enumerate(zip(prompts, responses, strict=True))
+        ]
+        return torch.stack(picked) / float(temperature)
+
+    # -- verl's hooks ------------------------------------------------------------------------------------------
 
     def train_batch(self, data: Any) -> Any:
         from verl.utils import tensordict_utils as tu
@@ -69,10 +285,112 @@ class ComposerTrainingWorker(TrainingWorker):  # type: ignore[misc]
         counts = global_counts(data, self.engine.get_data_parallel_group())
         if counts:
             tu.assign_non_tensor(data, **counts)
-        return super().train_batch(data)
+        cfg = current_config()
+        if cfg.alpha_sdpo > 0 and cfg.sdpo_form == "topk" and TEACHER_PROMPTS in data.keys():  # noqa: SIM118
+            if self.engine_config.use_fused_kernels:
+                raise ValueError(
+                    "sdpo_form='topk' needs the student's logits, which verl's fused kernels never materialise: set "
+                    "actor_rollout_ref.model.use_fused_kernels=false or use sdpo_form='sampled'."
+                )
+            tu.assign_non_tensor(data, distillation_use_topk=True)  # verl's engine then calls the logits hook
+        out = super().train_batch(data)  # one optimizer step (verl's engine.train_batch)
+        synced = self.update_sdpo_teacher()
+        if self.sdpo_teacher is not None and out is not None:
+            tu.get(out, "metrics")[TEACHER_SYNC_METRIC] = float(synced)
+        return out
+
+    def save_checkpoint(
+        self, local_path: str, hdfs_path: Any = None, global_step: int = 0, max_ckpt_to_keep: Any = None
+    ) -> Any:
+        out = super().save_checkpoint(local_path, hdfs_path, global_step, max_ckpt_to_keep)
+        if self.sdpo_teacher is not None:
+            save_teacher_shards(self.sdpo_teacher, self.optimizer_steps, local_path, _rank())
+        return out
+
+    def load_checkpoint(
+        self, local_path: str, hdfs_path: Any = None, del_local_after_load: bool = False
+    ) -> Any:
+        if self.sdpo_teacher is not None:  # before verl may delete the local copy
+            self.optimizer_steps = load_teacher_shards(self.sdpo_teacher, local_path, _rank())
+        return super().load_checkpoint(local_path, hdfs_path, del_local_after_load)
+
+
+def _rows(t: torch.Tensor) -> list[torch.Tensor]:
+    """The rows of a jagged (or dense) per-row tensor."""
+    return list(t.unbind()) if t.is_nested else list(t)
+
+
+def _pad_rows(t: torch.Tensor, width: int) -> torch.Tensor:
+    """``t`` (n, ...) padded with zeros to (width, ...) along the first axis."""
+    if t.shape[0] == width:
+        return t
+    pad = torch.zeros((width - t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+    return torch.cat([t, pad])
+
+
+def _response_lengths(data: Any) -> list[int]:
+    """Each row's response length in a verl no-padding micro-batch (as ``no_padding_2_padding`` reads it)."""
+    responses = data["responses"]
+    if responses.is_nested:
+        return [int(n) for n in responses.offsets().diff().tolist()]
+    width = data["prompts"].shape[1]
+    return [int(n) for n in data["attention_mask"][:, width:].sum(dim=1).tolist()]
+
+
+def _swap(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for t, s in pairs:
+        tmp = s.clone()
+        s.copy_(t)
+        t.copy_(tmp)
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def save_teacher_shards(teacher: dict[str, torch.Tensor], steps: int, directory: str, rank: int) -> str:
+    """Write this rank's teacher shards (and the optimizer-step count the EMA schedule reads) to ``directory``."""
+    from safetensors.torch import save_file
+
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, TEACHER_FILE.format(rank=rank))
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in teacher.items()}
+    save_file(tensors, path, metadata={"optimizer_steps": str(steps)})
+    return path
+
+
+def load_teacher_shards(teacher: dict[str, torch.Tensor], directory: str, rank: int) -> int:
+    """Load this rank's teacher shards from ``directory`` into ``teacher`` in place; returns the step count."""
+    from safetensors import safe_open
+
+    path = os.path.join(directory, TEACHER_FILE.format(rank=rank))
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{path} is missing: this checkpoint holds no SDPO teacher (written with sdpo_teacher='live' or before "
+            "composer-verl saved it); resume with the sdpo_teacher it was trained with, or start a new run."
+        )
+    with safe_open(path, framework="pt") as f:
+        names = set(f.keys())
+        if names != set(teacher):
+            raise ValueError(
+                f"{path} holds other parameters than this actor ({len(names)} vs {len(teacher)}): resume with the "
+                "same model and data-parallel layout, or start a new run."
+            )
+        with torch.no_grad():
+            for name, t in teacher.items():
+                t.copy_(f.get_tensor(name))
+        meta = f.metadata() or {}
+    return int(meta.get("optimizer_steps", 0))
 
 
 class ComposerActorRolloutRefWorker(ActorRolloutRefWorker):  # type: ignore[misc]
     """verl's hybrid actor/rollout/ref worker with :class:`ComposerTrainingWorker` as the actor."""
 
     actor_worker_cls = ComposerTrainingWorker
+
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))  # type: ignore[untyped-decorator]
+    def compute_sdpo_teacher_log_prob(self, data: Any) -> Any:
+        """verl's ``compute_log_prob`` with the ``ema``/``base`` SDPO teacher's weights (see module docstring)."""
+        output = self.actor.infer_sdpo_teacher_batch(data)
+        return output.cpu() if output is not None else None

@@ -13,9 +13,11 @@ Keys of ``DataProto.batch`` (bs = rows, L = response length, aligned with ``resp
 key                              shape/dtype  meaning
 ===============================  ===========  ==========================================================
 ``composer_teacher_log_probs``   (bs, L) f32  channel 2: log-prob of each sampled response token under the
-                                              teacher, i.e. the same model given the hinted context
+                                              teacher (the actor, or its ema/base copy) given its context
 ``composer_sdpo_mask``           (bs, L) 0/1  channel 2: tokens SDPO applies to (0 for rows without a hint);
                                               multiplied by ``response_mask``
+``composer_teacher_prompts``     (bs, *) i64  channel 2, ``sdpo_form='topk'``: the teacher context's prompt ids
+                                              per row (jagged)
 ``composer_pref_pair_id``        (bs,) int64  channel 3: pair id of the row, -1 = the row is in no pair
 ``composer_pref_chosen``         (bs,) 0/1    channel 3: 1 = chosen (teacher-beaten) row, 0 = rejected row
 ``composer_pref_ref_log_prob``   (bs,) f32    channel 3 (DPO, optional): summed reference log-prob of the
@@ -49,6 +51,13 @@ PREF_REF_LOG_PROB = "composer_pref_ref_log_prob"
 REF_LOG_PROB = "ref_log_prob"  # verl's own key
 GLOBAL_SDPO_TOKENS = "composer_global_sdpo_tokens"
 GLOBAL_PREF_PAIRS = "composer_global_pref_pairs"
+TEACHER_PROMPTS = "composer_teacher_prompts"
+"""``sdpo_form='topk'``: per row, the teacher context's prompt token ids (jagged int64); the actor re-reads the
+response after it inside its training forward."""
+SDPO_TOPK_OUTPUT = "composer_sdpo_topk"
+"""``sdpo_form='topk'``: the per-token top-k divergence the logits hook returns (a ``model_output`` key of verl)."""
+TEACHER_METHOD = "compute_sdpo_teacher_log_prob"
+"""The actor worker's method scoring channel 2's teacher contexts with the ``ema``/``base`` teacher's weights."""
 
 TENSOR_KEYS = (TEACHER_LOG_PROBS, SDPO_MASK, PREF_PAIR_ID, PREF_CHOSEN, PREF_REF_LOG_PROB, REF_LOG_PROB)
 
@@ -63,6 +72,8 @@ class ComposerExtras:
     pref_chosen: torch.Tensor | None = None
     pref_ref_log_prob: torch.Tensor | None = None
     ref_log_prob: torch.Tensor | None = None
+    sdpo_topk: torch.Tensor | None = None
+    """``sdpo_form='topk'``: (bs, L) per-token divergence from the logits hook (with gradient)."""
     global_sdpo_tokens: float | None = None
     global_pref_pairs: float | None = None
     dp_size: int = 1
@@ -116,8 +127,14 @@ def read_extras(data: Any) -> ComposerExtras:
     )
 
 
-def with_composer_batch(loss_fn: Callable[..., Any]) -> Callable[..., Any]:
+def with_composer_batch(
+    loss_fn: Callable[..., Any], logits_processor: Callable[[Any, Any], dict[str, Any]] | None = None
+) -> Callable[..., Any]:
     """Wrap a verl worker loss function (``ppo_loss`` or ``distillation_ppo_loss`` partial).
+
+    verl's engine also calls the worker loss as its logits hook (``loss_fn(student_logits=, data=)``, when the
+    micro-batch sets ``distillation_use_topk``); the wrapper routes that call to ``logits_processor`` and hands
+    its per-token ``SDPO_TOPK_OUTPUT`` to the ``composer`` loss with the other keys.
 
     The wrapper has verl's worker-loss signature ``(model_output, data, dp_group=None)`` and runs
     ``loss_fn`` unchanged while the micro-batch's composer keys are visible to the ``composer``
@@ -126,7 +143,15 @@ def with_composer_batch(loss_fn: Callable[..., Any]) -> Callable[..., Any]:
 
     def composer_batch_loss(*args: Any, **kwargs: Any) -> Any:
         data = kwargs["data"] if "data" in kwargs else args[1]
-        with using_extras(read_extras(data)):
+        if "student_logits" in kwargs and logits_processor is not None:  # verl's logits hook (see actor.py)
+            return logits_processor(kwargs["student_logits"], data)
+        extras = read_extras(data)
+        model_output = kwargs["model_output"] if "model_output" in kwargs else (args[0] if args else None)
+        if isinstance(model_output, dict) and SDPO_TOPK_OUTPUT in model_output:
+            from verl.workers.utils.padding import no_padding_2_padding
+
+            extras.sdpo_topk = no_padding_2_padding(model_output[SDPO_TOPK_OUTPUT], data)
+        with using_extras(extras):
             return loss_fn(*args, **kwargs)
 
     composer_batch_loss.__wrapped__ = loss_fn  # type: ignore[attr-defined]

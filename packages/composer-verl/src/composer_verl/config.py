@@ -28,17 +28,20 @@ from pathlib import Path
 from typing import Any, Literal, cast
 
 from composer_core.loss.config import ComposeConfig, flat_defaults
+from composer_core.sdpo import TeacherWeightsOptions
 
 ENV_VAR = "COMPOSER_VERL_CONFIG"
 
 #: composer_core's defaults, the one source of truth for the options this section shares with core.
 _CORE = flat_defaults()
+_TEACHER = {f.name: f.default for f in fields(TeacherWeightsOptions)}
 
 _CHOICES: dict[str, tuple[Any, ...]] = {
     "adv_scale": (None, "group", "batch", "none"),
     "adv_singleton": ("reward", "zero"),
     "dpo_variant": ("dpo", "simpo"),
     "dpo_loss_type": ("sigmoid", "robust", "ipo"),
+    "sdpo_form": ("sampled", "topk"),
 }
 
 
@@ -63,6 +66,15 @@ class ComposerVerlConfig:
         sdpo_token_clip: clip of the detached importance weight ``min(exp(ℓθ-ℓold), clip)``
             (TRL ``distillation_is_clip``); ``None`` = no clip.
 
+        sdpo_form: ``sampled`` (the sampled-token estimator, default) or ``topk``: the generalized JSD (β =
+            ``sdpo_beta``) on the student's top-``sdpo_topk`` tokens, plus the tail bucket ``1 − Σ_k p`` when
+            ``sdpo_topk_tail`` (composer_core's ``topk_distill``, TRL SDPOTrainer's / lasgroup/SDPO's top-k form);
+            computed in the actor's training forward through verl's logits hook, with the live teacher only.
+        sdpo_teacher: whose weights score the teacher contexts (``trainer_mode=composer_sync``): ``live`` (the
+            actor's current weights, verl's ``compute_log_prob``), ``base`` (a frozen copy of the initial weights)
+            or ``ema`` (``θT ← (1−τ)θT + τθS`` after every ``teacher_sync_steps`` optimizer steps, τ =
+            ``teacher_update_rate``), held by the actor worker (composer_core's ``TeacherWeightsOptions``).
+
     Channel 3, trace-replay preference (needs the composer actor extension):
         beta_replay: weight β of the preference term; 0 disables it.
         dpo_variant: ``"dpo"`` (needs reference log-probs) or ``"simpo"`` (length-normalised, no ref).
@@ -76,6 +88,15 @@ class ComposerVerlConfig:
     policy_delta: float | None = cast("float | None", _CORE["delta"])
     alpha_sdpo: float = 0.0
     sdpo_token_clip: float | None = cast("float | None", _CORE["sdpo_token_clip"])
+    sdpo_form: Literal["sampled", "topk"] = "sampled"
+    sdpo_topk: int | None = cast("int | None", _CORE["sdpo_topk"])
+    sdpo_topk_tail: bool = cast(bool, _CORE["sdpo_topk_tail"])
+    sdpo_beta: float = cast(float, _CORE["sdpo_beta"])
+    sdpo_teacher: Literal["live", "ema", "base"] = cast(
+        Literal["live", "ema", "base"], _TEACHER["sdpo_teacher"]
+    )
+    teacher_update_rate: float = cast(float, _TEACHER["teacher_update_rate"])
+    teacher_sync_steps: int = cast(int, _TEACHER["teacher_sync_steps"])
     beta_replay: float = 0.0
     dpo_variant: Literal["dpo", "simpo"] = cast(Literal["dpo", "simpo"], _CORE["dpo_variant"])
     dpo_beta: float = cast(float, _CORE["dpo_beta"])
@@ -87,6 +108,8 @@ class ComposerVerlConfig:
     simpo_gamma: float = cast(float, _CORE["simpo_gamma"])
     #: composer_core's typed config of channels 2 and 3, built once here (the loss reads it every step)
     compose: ComposeConfig = field(init=False, repr=False, compare=False)
+    #: composer_core's teacher-weights options (sdpo_teacher, teacher_update_rate, teacher_sync_steps)
+    teacher: TeacherWeightsOptions = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name, allowed in _CHOICES.items():
@@ -112,8 +135,11 @@ class ComposerVerlConfig:
             compose = ComposeConfig.from_flat(
                 alpha_sdpo=self.alpha_sdpo,
                 beta_replay=self.beta_replay,
-                sdpo_form="sampled",
+                sdpo_form=self.sdpo_form,
                 sdpo_token_clip=self.sdpo_token_clip,
+                sdpo_topk=self.sdpo_topk,
+                sdpo_topk_tail=self.sdpo_topk_tail,
+                sdpo_beta=self.sdpo_beta,
                 dpo_variant=self.dpo_variant,
                 **{
                     k: getattr(self, k)
@@ -123,6 +149,26 @@ class ComposerVerlConfig:
         except ValueError as err:
             raise ValueError(f"composer-verl config: {err}") from None
         object.__setattr__(self, "compose", compose)
+        try:
+            teacher = TeacherWeightsOptions(
+                sdpo_teacher=self.sdpo_teacher,
+                teacher_update_rate=self.teacher_update_rate,
+                teacher_sync_steps=self.teacher_sync_steps,
+            )
+        except ValueError as err:
+            raise ValueError(f"composer-verl config: {err}") from None
+        if self.sdpo_form == "topk" and self.sdpo_teacher != "live":
+            raise ValueError(
+                f"composer-verl config: sdpo_form='topk' with sdpo_teacher={self.sdpo_teacher!r}: the top-k form scores "
+                "the teacher inside the actor's training forward, where verl 0.9's engine holds only the actor's "
+                "weights; use sdpo_teacher='live' or sdpo_form='sampled'."
+            )
+        if self.sdpo_teacher != "live" and self.alpha_sdpo <= 0:
+            raise ValueError(
+                f"composer-verl config: sdpo_teacher={self.sdpo_teacher!r} acts only on channel 2, but alpha_sdpo is "
+                "0: set alpha_sdpo > 0 or drop sdpo_teacher."
+            )
+        object.__setattr__(self, "teacher", teacher)
 
     @classmethod
     def from_mapping(cls, mapping: dict[str, Any]) -> ComposerVerlConfig:
@@ -138,6 +184,7 @@ class ComposerVerlConfig:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out.pop("compose", None)
+        out.pop("teacher", None)
         return out
 
 

@@ -119,6 +119,8 @@ def sdpo_term(
 
     if extras is None:
         raise ValueError("alpha_sdpo > 0 but " + _NO_EXTENSION.format(name="alpha_sdpo"))
+    if cfg.sdpo_form == "topk":
+        return _topk_sdpo_term(log_prob, response_mask, extras, cfg)
     missing = [
         k
         for k, v in ((TEACHER_LOG_PROBS, extras.teacher_log_probs), (SDPO_MASK, extras.sdpo_mask))
@@ -153,6 +155,31 @@ def sdpo_term(
         reduction="mean",
         normalizer=normalizer,
     )
+    return loss, {"composer/sdpo/tokens": float(local)}
+
+
+def _topk_sdpo_term(
+    log_prob: torch.Tensor, response_mask: torch.Tensor, extras: ComposerExtras, cfg: ComposerVerlConfig
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Channel 2, ``sdpo_form='topk'``: the per-token top-k divergence the actor's logits hook computed (with
+    gradient), summed over the SDPO tokens and divided by their global count (as the sampled form)."""
+    if extras.sdpo_topk is None or extras.sdpo_mask is None:
+        raise ValueError(
+            "sdpo_form='topk' but the micro-batch has no per-token top-k divergence: it is computed by the composer "
+            "actor extension (trainer.v1.trainer_mode=composer_sync) from the producers' teacher prompts; "
+            "use sdpo_form='sampled' elsewhere."
+        )
+    mask = extras.sdpo_mask.to(torch.bool) & response_mask.to(torch.bool)
+    local = int(mask.sum().item())
+    normalizer = (
+        float(extras.global_sdpo_tokens) / extras.dp_size
+        if extras.global_sdpo_tokens is not None
+        else float(local)
+    )
+    per_token = extras.sdpo_topk.to(log_prob.dtype)
+    if local == 0:
+        return (log_prob * 0.0).sum() + (per_token * 0.0).sum(), {"composer/sdpo/tokens": 0.0}
+    loss = torch.where(mask, per_token, torch.zeros_like(per_token)).sum() / normalizer
     return loss, {"composer/sdpo/tokens": float(local)}
 
 

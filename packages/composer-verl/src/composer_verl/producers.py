@@ -28,18 +28,31 @@ from __future__ import annotations
 import copy
 import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import torch
+from composer_core.sdpo import TeacherContextOptions, build_teacher_contexts
 from composer_core.traces.hints import HintJob
 
-from composer_verl.batch import PREF_CHOSEN, PREF_PAIR_ID, SDPO_MASK, TEACHER_LOG_PROBS
+from composer_verl.batch import (
+    PREF_CHOSEN,
+    PREF_PAIR_ID,
+    SDPO_MASK,
+    TEACHER_LOG_PROBS,
+    TEACHER_METHOD,
+    TEACHER_PROMPTS,
+)
 
 HintFn = Callable[[str, str, float, Mapping[str, Any]], "str | None"]
 PAIR_TAG = "composer_pair"
 _ROW_FIELDS = ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask")
+
+
+#: composer_core's defaults of the SDPO teacher-context options (one source of truth for the ``composer:`` keys)
+_CONTEXT_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(TeacherContextOptions)}
+CONTEXT_KEYS: tuple[str, ...] = tuple(_CONTEXT_DEFAULTS)
 
 
 @dataclass(frozen=True)
@@ -48,8 +61,9 @@ class ProducerConfig:
 
     hint_fn: import path ``package.module:function`` (or ``package.module.function``) of
         ``hint_fn(prompt: str, response: str, reward: float, extra: Mapping) -> str | None``; ``None`` = no hint
-        for that row. Needs ``alpha_sdpo > 0`` in ``COMPOSER_VERL_CONFIG``.
-    hint_role: role of the inserted hint message (``user`` or ``system``).
+        for that row. Needs ``alpha_sdpo > 0`` in ``COMPOSER_VERL_CONFIG``. With
+        ``sdpo_teacher_context`` ``feedback``/``success+feedback`` its text is the row's feedback.
+    hint_role: role of the inserted hint message (``user`` or ``system``; ``sdpo_teacher_context='hint'`` only).
     pair_source: ``dataset`` (columns ``chosen``/``rejected`` of the training data) or the path of a
         ``composer_core.traces.records`` file (``.jsonl``/``.parquet``); needs ``beta_replay > 0``.
     pairs_per_step: records per step when ``pair_source`` is a records file.
@@ -57,6 +71,13 @@ class ProducerConfig:
         ``verifiers:<module>``) whose feedback on each sampled response is the hint
         (:func:`composer_verl.envs.env_hint_fn`); replaces ``hint_fn`` (setting both raises). Rows need
         ``extra_info.task_id`` (:func:`composer_verl.envs.write_env_dataset`).
+    sdpo_teacher_context, success_reward_threshold, dont_reprompt_on_self_success, feedback_only_without_solution,
+        demo_pick, reprompt_template, solution_template, feedback_template, max_reprompt_len,
+        remove_thinking_from_demonstration: composer_core's :class:`~composer_core.sdpo.TeacherContextOptions`
+        (same names, same defaults): ``hint`` (default) = the ``hint_fn``/``env`` text as one extra message;
+        ``success`` / ``feedback`` / ``success+feedback`` = the SDPO paper's reprompt built from the ``uid``
+        group's successful siblings and/or the ``hint_fn``/``env`` text as feedback
+        (:func:`composer_core.sdpo.build_teacher_contexts`).
     """
 
     hint_fn: str | None = None
@@ -64,6 +85,18 @@ class ProducerConfig:
     hint_role: str = "user"
     pair_source: str | None = None
     pairs_per_step: int = 1
+    sdpo_teacher_context: str = _CONTEXT_DEFAULTS["sdpo_teacher_context"]
+    success_reward_threshold: float = _CONTEXT_DEFAULTS["success_reward_threshold"]
+    dont_reprompt_on_self_success: bool = _CONTEXT_DEFAULTS["dont_reprompt_on_self_success"]
+    feedback_only_without_solution: bool = _CONTEXT_DEFAULTS["feedback_only_without_solution"]
+    demo_pick: str = _CONTEXT_DEFAULTS["demo_pick"]
+    reprompt_template: str = _CONTEXT_DEFAULTS["reprompt_template"]
+    solution_template: str = _CONTEXT_DEFAULTS["solution_template"]
+    feedback_template: str = _CONTEXT_DEFAULTS["feedback_template"]
+    max_reprompt_len: int | None = _CONTEXT_DEFAULTS["max_reprompt_len"]
+    remove_thinking_from_demonstration: bool = _CONTEXT_DEFAULTS["remove_thinking_from_demonstration"]
+    #: composer_core's typed teacher-context options, built (and checked) once here
+    context: TeacherContextOptions = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.hint_role not in ("user", "system"):
@@ -75,11 +108,33 @@ class ProducerConfig:
                 f"composer.env={self.env!r} and composer.hint_fn={self.hint_fn!r} are both set: the environment's "
                 "feedback is the hint, so drop one of them."
             )
+        try:
+            context = TeacherContextOptions(**{k: getattr(self, k) for k in CONTEXT_KEYS})
+        except ValueError as err:
+            raise ValueError(f"composer section: {err}") from None
+        object.__setattr__(self, "context", context)
+        has_text = self.hint_fn is not None or self.env is not None
+        source = self.sdpo_teacher_context
+        if source == "success" and has_text:
+            raise ValueError(
+                "composer.hint_fn / composer.env is not read with composer.sdpo_teacher_context=success (successful "
+                "siblings are the only teacher context); use success+feedback to add its text as feedback, or drop it."
+            )
+        if context.uses_feedback and not has_text:
+            raise ValueError(
+                f"composer.sdpo_teacher_context={source} needs each completion's feedback: set composer.env (the "
+                "environment's feedback) or composer.hint_fn (its text is the feedback), or use success."
+            )
+        if self.hint_role != "user" and context.from_group:
+            raise ValueError(
+                f"composer.hint_role={self.hint_role!r} acts only with composer.sdpo_teacher_context=hint (the group "
+                "contexts replace the last user turn); drop it."
+            )
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any] | None) -> ProducerConfig:
         mapping = dict(mapping or {})
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls) if f.init}
         unknown = sorted(set(mapping) - known)
         if unknown:
             raise ValueError(f"composer section: unknown key(s) {unknown}; valid keys: {sorted(known)}.")
@@ -93,8 +148,8 @@ class ProducerConfig:
 
     @property
     def hints(self) -> bool:
-        """Channel 2 is produced (a hint function or an environment)."""
-        return self.hint_fn is not None or self.env is not None
+        """Channel 2 is produced (a hint function, an environment, or the group's successes)."""
+        return self.hint_fn is not None or self.env is not None or self.context.from_group
 
 
 def load_hint_fn(path: str) -> HintFn:
@@ -110,7 +165,8 @@ def check_settings(
     """Refuse configurations where a producer would have no effect, or pairs could be split."""
     if producers.hints and alpha_sdpo <= 0:
         raise ValueError(
-            "composer.hint_fn / composer.env is set but alpha_sdpo is 0 in COMPOSER_VERL_CONFIG: set alpha_sdpo > 0."
+            "composer.hint_fn / composer.env / composer.sdpo_teacher_context produce channel 2 but alpha_sdpo is 0 "
+            "in COMPOSER_VERL_CONFIG: set alpha_sdpo > 0."
         )
     if producers.pair_source is not None:
         if beta_replay <= 0:
@@ -149,6 +205,81 @@ def render_prompt_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]]) -> 
 def hinted_prompt_ids(tokenizer: Any, raw_prompt: Any, hint: str, role: str = "user") -> list[int]:
     """Teacher context: the prompt messages + one hint message, rendered with the generation prompt."""
     return render_prompt_ids(tokenizer, [*_as_messages(raw_prompt), {"role": role, "content": hint}])
+
+
+def context_prompt_ids(tokenizer: Any, context: Any, max_len: int | None) -> list[int]:
+    """A group-built teacher context (text or chat messages) rendered with the generation prompt, keeping its
+    last ``max_len`` tokens (composer_core's :func:`~composer_core.sdpo.cap_reprompt`)."""
+    from composer_core.sdpo import cap_reprompt
+
+    return cap_reprompt(render_prompt_ids(tokenizer, _as_messages(context)), max_len)
+
+
+def _plain_prompt(raw_prompt: Any) -> Any:
+    """A row's ``raw_prompt`` as composer_core takes it: text stays text, messages become a list of dicts."""
+    return raw_prompt if isinstance(raw_prompt, str) else _as_messages(raw_prompt)
+
+
+@dataclass
+class GroupContexts:
+    """:func:`group_teacher_contexts`' answer: the teacher context of each distilled row (by row index) and
+    composer_core's counters summed over the batch (``metrics``: the fractions TRL's adapter logs too)."""
+
+    contexts: dict[int, Any]
+    metrics: dict[str, float]
+
+
+def group_teacher_contexts(
+    rows: Sequence[int],
+    uids: Sequence[str],
+    prompts: Sequence[Any],
+    completions: Sequence[str],
+    rewards: Sequence[float],
+    options: TeacherContextOptions,
+    feedback: Sequence[str | None] | None = None,
+    seed: int = 0,
+) -> GroupContexts:
+    """composer_core's :func:`~composer_core.sdpo.build_teacher_contexts` on verl rows grouped by ``uid``.
+
+    ``rows`` are the row indices taking part (``uids``/``prompts``/... are indexed by them); a group is every row
+    with the same uid, wherever it sits in the batch (verl does not keep a group contiguous after balancing or
+    when an agent loop returns rows out of order). Groups are handed to core in order of first appearance, one
+    call per group size (a group of G rows is one core group).
+    """
+    groups: dict[str, list[int]] = {}
+    for i in rows:
+        groups.setdefault(str(uids[i]), []).append(i)
+    by_size: dict[int, list[int]] = {}
+    for members in groups.values():
+        by_size.setdefault(len(members), []).extend(members)
+    out: dict[int, Any] = {}
+    totals = dict(groups=0, with_success=0, with_solution=0, with_feedback=0, masked=0)
+    for size, order in by_size.items():
+        ctx = build_teacher_contexts(
+            [prompts[i] for i in order],
+            [completions[i] for i in order],
+            [rewards[i] for i in order],
+            size,
+            options,
+            feedback=None if feedback is None else [feedback[i] for i in order],
+            seed=seed,
+        )
+        for k, i in enumerate(order):
+            if ctx.mask[k]:
+                out[i] = ctx.contexts[k]
+        totals["groups"] += ctx.groups
+        totals["with_success"] += ctx.groups_with_success
+        totals["with_solution"] += ctx.with_solution
+        totals["with_feedback"] += ctx.with_feedback
+        totals["masked"] += sum(ctx.mask)
+    n = max(len(rows), 1)
+    metrics = {
+        "success_group_fraction": totals["with_success"] / max(totals["groups"], 1),
+        "success_sample_fraction": totals["with_solution"] / n,
+        "feedback_used_fraction": totals["with_feedback"] / n,
+        "reprompt_sample_fraction": totals["masked"] / n,
+    }
+    return GroupContexts(out, metrics)
 
 
 def _position_ids(template: Any, n: int) -> torch.Tensor:
@@ -303,6 +434,19 @@ def dataset_pairs(samples: Sequence[Mapping[str, Any]]) -> list[PairText]:
 # --- the trainer-side glue (TransferQueue, the actor worker group) ---------------------------------------------
 
 
+def _step(trainer: Any) -> int:
+    """verl's global step (seeds ``demo_pick=random``: reproducible, one draw per step and group)."""
+    return int(getattr(trainer, "global_steps", 0) or 0)
+
+
+def _infer_micro_batch(config: Any) -> int:
+    """Rows per micro-batch of the actor's ``compute_log_prob`` (1 with dynamic batch size: no constraint)."""
+    rollout = config.actor_rollout_ref.rollout
+    if rollout.get("log_prob_use_dynamic_bsz", False):
+        return 1
+    return int(rollout.get("log_prob_micro_batch_size_per_gpu", None) or 1)
+
+
 def _nested(rows: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.nested.as_nested_tensor(list(rows), layout=torch.jagged)
 
@@ -310,8 +454,19 @@ def _nested(rows: Sequence[torch.Tensor]) -> torch.Tensor:
 class ComposerProducers:
     """Runs the producers on one step's ``KVBatchMeta`` (driver side, inside ``ComposerPPOTrainerSync``)."""
 
-    def __init__(self, config: ProducerConfig, tokenizer: Any, response_length: int) -> None:
+    def __init__(
+        self,
+        config: ProducerConfig,
+        tokenizer: Any,
+        response_length: int,
+        teacher: str = "live",
+        form: str = "sampled",
+    ) -> None:
         self.config = config
+        self.teacher = teacher  # COMPOSER_VERL_CONFIG's sdpo_teacher: live, ema or base
+        self.form = (
+            form  # COMPOSER_VERL_CONFIG's sdpo_form: sampled (teacher log-probs here) or topk (in the actor)
+        )
         self.tokenizer = tokenizer
         self.response_length = response_length
         self.hint_fn: HintFn | None = load_hint_fn(config.hint_fn) if config.hint_fn else None
@@ -333,12 +488,24 @@ class ComposerProducers:
         section = config.get("composer", None)
         mapping = OmegaConf.to_container(section, resolve=True) if section is not None else {}
         producers = ProducerConfig.from_mapping(mapping)  # type: ignore[arg-type]
+        composer = current_config()
+        if not producers.hints and composer.sdpo_teacher != "live":
+            raise ValueError(
+                f"sdpo_teacher={composer.sdpo_teacher!r} in COMPOSER_VERL_CONFIG scores channel 2's teacher contexts, "
+                "but the composer section produces none: set composer.sdpo_teacher_context (e.g. success), "
+                "composer.hint_fn or composer.env, or drop sdpo_teacher."
+            )
         if not producers.enabled:
             return None
-        composer = current_config()
         actor = OmegaConf.to_container(config.actor_rollout_ref.actor, resolve=True)
         check_settings(producers, composer.alpha_sdpo, composer.beta_replay, actor)  # type: ignore[arg-type]
-        return cls(producers, tokenizer, int(config.data.max_response_length))
+        return cls(
+            producers,
+            tokenizer,
+            int(config.data.max_response_length),
+            composer.sdpo_teacher,
+            composer.sdpo_form,
+        )
 
     # -- before verl balances the batch: append pairs, compute hints and teacher log-probs ---------------------
 
@@ -353,22 +520,32 @@ class ComposerProducers:
         pair_index = {k: i for i, k in enumerate(batch.keys)}
         pair_rows = {pair_index[k]: int(j == 0) for p in self.pair_keys for j, k in enumerate(p)}
 
-        hinted = self._hint_jobs(samples, pair_rows)
-        metrics["composer/sdpo/hinted_rows"] = float(len(hinted))
-        # one actor pass: hinted contexts (teacher) + pair rows (their behaviour log-probs)
+        teacher_prompts = self._teacher_prompts(samples, pair_rows, metrics, seed=_step(trainer))
+        metrics["composer/sdpo/hinted_rows"] = float(len(teacher_prompts))
         jobs: list[tuple[str, int]] = []
-        temp: list[dict[str, Any]] = []
-        for job in hinted:
-            i = job.index
+        teacher_rows: list[dict[str, Any]] = []
+        behaviour_rows: list[dict[str, Any]] = []
+        for i, ids in teacher_prompts.items():
             jobs.append(("teacher", i))
-            teacher_ids = hinted_prompt_ids(
-                self.tokenizer, samples[i]["raw_prompt"], job.hint, self.config.hint_role
-            )
-            temp.append(with_prompt(samples[i], teacher_ids))
+            teacher_rows.append(with_prompt(samples[i], ids))
         for i in pair_rows:
             jobs.append(("pair", i))
-            temp.append(with_prompt(samples[i], samples[i]["prompts"].tolist()))
-        scored = self._actor_log_probs(trainer, batch, temp) if temp else []
+            behaviour_rows.append(with_prompt(samples[i], samples[i]["prompts"].tolist()))
+        if (
+            self.form == "topk"
+        ):  # the actor scores the teacher contexts inside its training forward (actor.py)
+            jobs = [job for job in jobs if job[0] == "pair"]
+            scored = self._actor_log_probs(trainer, batch, behaviour_rows) if behaviour_rows else []
+        elif (
+            self.teacher == "live"
+        ):  # one actor pass: teacher contexts + pair rows (their behaviour log-probs)
+            rows = teacher_rows + behaviour_rows
+            scored = self._actor_log_probs(trainer, batch, rows) if rows else []
+        else:  # the teacher's own weights (ema/base, held by the actor worker) score the teacher contexts
+            scored = (
+                self._actor_log_probs(trainer, batch, teacher_rows, TEACHER_METHOD) if teacher_rows else []
+            )
+            scored += self._actor_log_probs(trainer, batch, behaviour_rows) if behaviour_rows else []
 
         lengths = [int(s["responses"].numel()) for s in samples]
         teacher = [torch.zeros(n_, dtype=torch.float32) for n_ in lengths]
@@ -381,6 +558,17 @@ class ComposerProducers:
                 sdpo[i] = samples[i]["response_mask"].to(torch.float32)
             else:
                 rollout_lp[i] = lp.to(torch.float32)
+        if self.form == "topk":
+            for i in teacher_prompts:
+                sdpo[i] = samples[i]["response_mask"].to(torch.float32)
+            fields[TEACHER_PROMPTS] = _nested(
+                [
+                    torch.tensor(teacher_prompts[i], dtype=torch.int64)
+                    if i in teacher_prompts
+                    else samples[i]["prompts"].to(torch.int64)
+                    for i in range(n)
+                ]
+            )
         fields[TEACHER_LOG_PROBS] = _nested(teacher)
         fields[SDPO_MASK] = _nested(sdpo)
         fields[PREF_PAIR_ID] = torch.tensor(
@@ -443,6 +631,61 @@ class ComposerProducers:
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id)
         rows = [data[i] for i in range(len(batch.keys))]
         return [{k: row[k] for k in row.keys()} for row in rows]  # noqa: SIM118 (TensorDict rows)
+
+    def _teacher_prompts(
+        self,
+        samples: Sequence[Mapping[str, Any]],
+        skip: Collection[int],
+        metrics: dict[str, float],
+        seed: int = 0,
+    ) -> dict[int, list[int]]:
+        """Teacher prompt ids of every distilled row (by index); rows absent from the answer get SDPO mask 0."""
+        opts = self.config.context
+        if not opts.from_group:
+            return {
+                job.index: hinted_prompt_ids(
+                    self.tokenizer, samples[job.index]["raw_prompt"], job.hint, self.config.hint_role
+                )
+                for job in self._hint_jobs(samples, skip)
+            }
+        built = self._group_contexts(samples, skip, seed)
+        for key, value in built.metrics.items():
+            metrics[f"composer/sdpo/{key}"] = float(value)
+        return {
+            i: context_prompt_ids(self.tokenizer, ctx, opts.max_reprompt_len)
+            for i, ctx in built.contexts.items()
+        }
+
+    def _group_contexts(
+        self, samples: Sequence[Mapping[str, Any]], skip: Collection[int], seed: int = 0
+    ) -> GroupContexts:
+        """The SDPO paper's teacher contexts from each ``uid`` group (successful siblings and/or feedback)."""
+        opts = self.config.context
+        rows = [i for i in range(len(samples)) if i not in skip]
+        feedback: list[str | None] | None = None
+        if opts.uses_feedback:
+            feedback = [None] * len(samples)
+            for job in self._hint_jobs(samples, skip):
+                feedback[job.index] = job.hint
+        texts = {i: self._hint_args(samples[i]) for i in rows}
+        for i in rows:
+            if "rm_scores" not in samples[i] or "uid" not in samples[i]:
+                raise ValueError(
+                    f"composer.sdpo_teacher_context={opts.sdpo_teacher_context} needs each row's reward (rm_scores) "
+                    "and group id (uid): run it in verl's v1 loop (trainer.v1.trainer_mode=composer_sync) with a "
+                    "reward function."
+                )
+        n = len(samples)
+        return group_teacher_contexts(
+            rows,
+            [str(samples[i]["uid"]) if i in texts else "" for i in range(n)],
+            [_plain_prompt(samples[i]["raw_prompt"]) if i in texts else None for i in range(n)],
+            [texts[i][1] if i in texts else "" for i in range(n)],
+            [texts[i][2] if i in texts else 0.0 for i in range(n)],
+            opts,
+            feedback,
+            seed,
+        )
 
     def _hint_jobs(self, samples: Sequence[Mapping[str, Any]], skip: Collection[int]) -> list[HintJob[int]]:
         """Rows (by index) that ``hint_fn`` gave a hint; pair rows (``skip``) are not asked."""
@@ -514,9 +757,10 @@ class ComposerProducers:
         )
 
     def _actor_log_probs(
-        self, trainer: Any, batch: Any, rows: Sequence[Mapping[str, Any]]
+        self, trainer: Any, batch: Any, rows: Sequence[Mapping[str, Any]], method: str = "compute_log_prob"
     ) -> list[torch.Tensor]:
-        """Per-response-token log-probs of ``rows`` under the current actor (verl's ``compute_log_prob``)."""
+        """Per-response-token log-probs of ``rows`` under the current actor (verl's ``compute_log_prob``) or, with
+        ``method=TEACHER_METHOD``, under the SDPO teacher's weights the actor worker holds."""
         import transfer_queue as tq
         from transfer_queue import KVBatchMeta
         from verl.utils.tensordict_utils import list_of_dict_to_tensordict
@@ -527,7 +771,9 @@ class ComposerProducers:
             wg._dispatch_info["actor"] = wg._query_dispatch_info("actor")
         dp = max(wg._dispatch_info["actor"]) + 1
         n_real = len(rows)
-        rows = list(rows) + [rows[0]] * ((-n_real) % dp)  # the worker group splits evenly over dp ranks
+        # the worker group splits evenly over dp ranks, and each rank's engine (without dynamic batch size) splits
+        # its share into micro-batches of rollout.log_prob_micro_batch_size_per_gpu rows: pad with copies of row 0
+        rows = list(rows) + [rows[0]] * ((-n_real) % (dp * _infer_micro_batch(trainer.config)))
         tag0 = batch.tags[0]
         keys, tags = [], []
         stem = f"composer-score-{uuid.uuid4().hex}"
@@ -553,7 +799,7 @@ class ComposerProducers:
                 compute_loss=False,
                 temperature=trainer.config.actor_rollout_ref.rollout.temperature,
             )
-            wg.compute_log_prob(meta)
+            getattr(wg, method)(meta)
             data = tq.kv_batch_get(
                 keys=keys, partition_id=batch.partition_id, select_fields=["log_probs", "response_mask"]
             )

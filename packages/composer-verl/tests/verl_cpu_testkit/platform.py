@@ -44,6 +44,9 @@ CPUDeviceModule = type(
         "synchronize": staticmethod(_none),
         "manual_seed": staticmethod(torch.manual_seed),
         "manual_seed_all": staticmethod(torch.manual_seed),
+        # verl's checkpoint manager restores the device RNG under the device's name, which is "cpu" here
+        "get_rng_state": staticmethod(torch.get_rng_state),
+        "set_rng_state": staticmethod(torch.set_rng_state),
     },
 )
 

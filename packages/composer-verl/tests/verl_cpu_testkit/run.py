@@ -69,7 +69,7 @@ def overrides(tmp: Path, *, steps: int = 3, extra: tuple[str, ...] = ()) -> list
 
 
 def run_main_ppo(
-    tmp: Path, composer: str, extra: tuple[str, ...] = (), timeout: float = 900
+    tmp: Path, composer: str, extra: tuple[str, ...] = (), timeout: float = 900, steps: int = 3
 ) -> subprocess.CompletedProcess[str]:
     examples = str(files("composer_verl.examples"))
     env = {
@@ -90,7 +90,7 @@ def run_main_ppo(
         "verl_cpu_testkit.launch",
         f"--config-path={examples}",
         "--config-name=composer_grpo",
-        *overrides(tmp, extra=extra),
+        *overrides(tmp, steps=steps, extra=extra),
     ]
     log = tmp / "main_ppo.log"
     # Ray refuses a temp dir inside the virtualenv (nox points TMPDIR there: workers die at start and the
