@@ -94,3 +94,19 @@ def test_quick_real_model_comparison_runs_every_run_and_keeps_finished_cells(cac
     capsys.readouterr()
     assert main(argv) == 0  # a rerun keeps every finished cell
     assert capsys.readouterr().out.count("finished earlier, kept") == len(RUNS)
+
+
+def test_readme_real_comparison_table_is_generated_from_the_committed_json(tmp_path):
+    """The README's real-model table is `python -m composer_trl.compare_real readme` of the committed JSON."""
+    import shutil
+    from pathlib import Path
+
+    from composer_trl.compare_real import BEGIN, END, update_readme
+
+    root = Path(__file__).resolve().parents[1]
+    committed = root / "bench" / "results" / "comparison-smollm2.json"
+    readme = tmp_path / "README.md"
+    shutil.copy(root / "README.md", readme)
+    update_readme(readme, committed)
+    block = lambda text: text.split(BEGIN, 1)[1].split(END, 1)[0]  # noqa: E731
+    assert block((root / "README.md").read_text()) == block(readme.read_text())
