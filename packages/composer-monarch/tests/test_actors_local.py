@@ -204,3 +204,93 @@ def test_rollout_distils_only_hinted_completions(rows: tuple[int, ...]) -> None:
         )
         assert batch.sdpo_rows is not None and batch.sdpo_rows.nonzero().flatten().tolist() == list(rows)
     d.actors = {}
+
+
+# ---------------------------------------------------------------- SDPO as its authors run it (issue 48)
+
+
+def test_teacher_context_conformance_through_the_driver_path() -> None:
+    from composer_core.testing.teacher_context import check_teacher_context
+    from composer_monarch.contexts import text_teacher_contexts
+
+    assert len(check_teacher_context(text_teacher_contexts)) >= 3
+
+
+def test_driver_success_context_with_an_ema_teacher() -> None:
+    """sdpo_teacher_context='success' + sdpo_teacher='ema': failed rows are distilled toward a successful
+    sibling's answer (sdpo > 0 on a step with a success), and after 2 steps the teacher's weights are
+    (1-r)^2 θ0 + r(1-r) θ1 + r θ2 of the trainer's weights θ0 (initial), θ1, θ2 (after steps 1, 2)."""
+    from composer_core.sdpo.context import TeacherContextOptions
+    from composer_core.sdpo.teacher import TeacherWeightsOptions
+
+    task = ReverseDigits(n_digits=2, length=2)
+    model = TinyQwen2(task.vocab_size, seed=0)
+    ctx = TeacherContextOptions(
+        sdpo_teacher_context="success",
+        success_reward_threshold=0.3,  # partial credit: the untrained model gets 1/3 on some rows
+        reprompt_template="{solution}{prompt}",
+        solution_template="{demonstration}|",
+    )
+    rate = 0.25
+    loss = ComposerLoss(alpha_sdpo=1.0, beta_replay=0.0)
+    loop = LoopConfig(steps=1, prompts_per_step=4, group_size=4, procs=1, num_threads=1)
+    with ComposerDriver(
+        task,
+        model,
+        loss=loss,
+        loop=loop,
+        teacher_context=ctx,
+        teacher_weights=TeacherWeightsOptions(sdpo_teacher="ema", teacher_update_rate=rate),
+    ) as d:
+        theta = [d.weights()]
+        kind, teacher0 = d._call("teacher", "teacher_weights")()
+        assert kind == "ema" and all(torch.equal(teacher0[k], v) for k, v in theta[0].items())
+        results = []
+        for _ in range(2):
+            results += d.run(steps=1, progress=False)
+            theta.append(d.weights())
+        _, teacher = d._call("teacher", "teacher_weights")()
+    distilled = [r for r in results if r.metrics.get("composer/sdpo/tokens", 0) > 0]
+    assert distilled, [r.metrics for r in results]  # a step with a success distils its failed siblings
+    assert all(r.metrics["composer/loss/sdpo"] > 0 for r in distilled)
+    for k, t in teacher.items():
+        want = (1 - rate) ** 2 * theta[0][k] + rate * (1 - rate) * theta[1][k] + rate * theta[2][k]
+        torch.testing.assert_close(t, want, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(teacher[next(iter(teacher))], theta[2][next(iter(teacher))])  # not the live policy
+
+
+def test_rollout_contexts_use_siblings_of_the_same_group_only() -> None:
+    from composer_core.sdpo.context import TeacherContextOptions
+    from composer_monarch.contexts import rollout_teacher_contexts
+
+    task = ReverseDigits(length=2)
+    a, b = torch.tensor([3, 4, 13]), torch.tensor([5, 6, 13])  # "01>", "23>"
+    prompts = torch.stack([a, a, b, b])
+    right_a, wrong = [4, 3, 1], [7, 7, 1]  # "10", "44"
+    completions = torch.tensor([wrong, right_a, wrong, wrong])
+    ro = Rollout(
+        step=0,
+        prompt_ids=prompts,
+        completion_ids=completions,
+        completion_mask=completions != 0,
+        inference_logprobs=torch.zeros(4, 3),
+        group_size=2,
+        policy_version=0,
+    )
+    rewards = torch.tensor([task.reward(pr, c[c != 0]) for pr, c in zip(prompts, completions)])
+    opts = TeacherContextOptions(
+        sdpo_teacher_context="success",
+        reprompt_template="{solution}{prompt}",
+        solution_template="{demonstration}|",
+    )
+    ids, rows = rollout_teacher_contexts(task, ro, rewards, opts)
+    assert rows.tolist() == [True, False, False, False]  # the success isn't reprompted; group b has none
+    assert task.text(ids[0]) == "10|01>"
+    with pytest.raises(
+        ValueError, match="reprompt_template"
+    ):  # the default template is not in the vocabulary
+        rollout_teacher_contexts(task, ro, rewards, TeacherContextOptions(sdpo_teacher_context="success"))
+    with pytest.raises(ValueError, match="feedback"):
+        rollout_teacher_contexts(task, ro, rewards, TeacherContextOptions(sdpo_teacher_context="feedback"))
+    with pytest.raises(ValueError, match="alpha_sdpo is 0"):  # no silent no-op option
+        ComposerDriver(task, MODEL, loss=ComposerLoss(alpha_sdpo=0.0, beta_replay=0.0), teacher_context=opts)

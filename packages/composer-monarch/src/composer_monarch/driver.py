@@ -26,11 +26,14 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from composer_core.sdpo.context import TeacherContextOptions
+from composer_core.sdpo.teacher import TeacherWeightsOptions
 from monarch.actor import HostMesh, ProcMesh, this_host
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from composer_monarch.bootstrap import prepare_process
+from composer_monarch.contexts import rollout_teacher_contexts
 from composer_monarch.errors import FAULTS, ActorCrashedError, Call, ProcessFailure, wait
 from composer_monarch.forge_loss import ComposerLoss
 from composer_monarch.generator import GeneratorActor, SamplingConfig
@@ -143,8 +146,12 @@ class ComposerDriver:
         reward_weights: Sequence[float] | None = None,
         replay: Sequence[ReplayRecord] | None = None,
         host_mesh: HostMesh | None = None,
+        teacher_context: TeacherContextOptions | None = None,
+        teacher_weights: TeacherWeightsOptions | None = None,
     ) -> None:
         self.task = task
+        self.teacher_context = teacher_context or TeacherContextOptions()
+        self.teacher_weights = teacher_weights or TeacherWeightsOptions()
         self.model_fn = model_fn
         self.loss = loss
         self.loop = loop or LoopConfig()
@@ -157,6 +164,13 @@ class ComposerDriver:
         beta = float(loss.options.get("beta_replay", 1.0))
         self.use_teacher_logits = alpha != 0.0
         self.use_pairs = beta != 0.0
+        if not self.use_teacher_logits and (
+            self.teacher_context.from_group or self.teacher_weights.sdpo_teacher != "live"
+        ):
+            raise ValueError(
+                "teacher_context / teacher_weights only act on channel 2 but alpha_sdpo is 0: set alpha_sdpo > 0 "
+                "in ComposerLoss or drop them"
+            )
         if self.use_pairs and not self.replay:
             raise ValueError(
                 "beta_replay is not 0 but no replay records were given: pass replay=[ReplayRecord, ...] "
@@ -218,7 +232,10 @@ class ComposerDriver:
                 "trainer": (TrainerActor, (self.model_fn, self.loss, self.trainer_config, t.pad_id)),
                 "generator": (GeneratorActor, (self.model_fn, sampling)),
                 "rewarder": (RewarderActor, (self.reward_fns, self.reward_weights)),
-                "teacher": (TeacherActor, (self.model_fn, self.replay, t.pad_id, lp.num_threads)),
+                "teacher": (
+                    TeacherActor,
+                    (self.model_fn, self.replay, t.pad_id, lp.num_threads, self.teacher_weights),
+                ),
             }
             for role, (cls, a) in args.items():
                 self.actors[role] = self._slot(role).spawn(self._prefix + role, cls, *a)
@@ -321,7 +338,16 @@ class ComposerDriver:
             teacher_key: str | None = None
             pending = None
             sdpo_rows = None
-            if self.use_teacher_logits:
+            if self.use_teacher_logits and self.teacher_context.from_group:
+                contexts, sdpo_rows = rollout_teacher_contexts(
+                    self.task, ro, rewards, self.teacher_context, seed=lp.seed * 1_000_003 + step
+                )
+                if bool(sdpo_rows.any()):  # no success/feedback in any group: channel 2 is skipped this step
+                    teacher_key = f"{step}-{uuid.uuid4().hex[:8]}"
+                    pending = self._call(
+                        "teacher", "context_logits", contexts, ro.completion_ids, teacher_key
+                    )
+            elif self.use_teacher_logits:
                 hinted, sdpo_rows = self.task.hinted_prompts(
                     ro.prompt_ids, ro.completion_ids, ro.completion_mask
                 )

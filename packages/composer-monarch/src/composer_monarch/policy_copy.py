@@ -42,11 +42,15 @@ class PolicyCopyActor(Actor):
         self.version = 0
         self.receiver = WeightReceiver(self.model, who)
 
+    def loaded(self, version: int) -> None:
+        """Called after every load of the trainer's weights (``version``); the teacher's EMA hooks in here."""
+
     @endpoint
     def update_weights(self, version: int, state: dict[str, Tensor]) -> int:
         """Load a state dict (in-process use and the bench's baseline; the loop uses pull/load_weights)."""
         load_weights(self.model, state, self.receiver.who)
         self.version = version
+        self.loaded(version)
         return version
 
     @endpoint
@@ -54,6 +58,7 @@ class PolicyCopyActor(Actor):
         """Read the trainer's packed weights from its RDMA buffer ``source``; returns the bytes read."""
         n = self.receiver.pull(layout, source, timeout_s)
         self.version = version
+        self.loaded(version)
         return n
 
     @endpoint
@@ -61,6 +66,7 @@ class PolicyCopyActor(Actor):
         """Copy the trainer's packed weights out of its shared-memory buffer at ``path`` (same host)."""
         n = self.receiver.map_shared(layout, path)
         self.version = version
+        self.loaded(version)
         return n
 
     @endpoint
@@ -73,6 +79,7 @@ class PolicyCopyActor(Actor):
         """Load packed weights sent by the trainer in one message; returns the bytes."""
         n = self.receiver.load(layout, flat)
         self.version = version
+        self.loaded(version)
         return n
 
     @endpoint

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from composer_core.sdpo.teacher import TeacherWeightsOptions, ema_update_, frozen_copy
 from monarch.actor import endpoint
 from torch import Tensor, nn
 
@@ -82,11 +83,57 @@ class TeacherActor(PolicyCopyActor):
         replay: Sequence[ReplayRecord] | None,
         pad_id: int,
         num_threads: int | None = None,
+        weights: TeacherWeightsOptions | None = None,
     ) -> None:
         super().__init__(model_fn, "teacher", num_threads)
         self.replay = index_replay(replay) if replay else {}
         self.pad_id = pad_id
         self.stash: OrderedDict[str, Tensor] = OrderedDict()
+        self.options = weights or TeacherWeightsOptions()
+        self.teacher: nn.Module | None = None  # ema/base: its own weights; live: the policy copy itself
+
+    def loaded(self, version: int) -> None:
+        """The first load (the trainer's initial weights) makes the ema/base teacher; each later load whose
+        version is a multiple of ``teacher_sync_steps`` moves the EMA teacher toward it (``ema_update_``)."""
+        kind = self.options.sdpo_teacher
+        if kind == "live":
+            return
+        if self.teacher is None:
+            self.teacher = frozen_copy(self.model)
+        elif self.options.syncs_at(version):
+            ema_update_(self.teacher, self.model, self.options.teacher_update_rate)
+
+    @property
+    def scoring_model(self) -> nn.Module:
+        return self.model if self.teacher is None else self.teacher
+
+    @endpoint
+    def teacher_weights(self) -> tuple[str, dict[str, Tensor]]:
+        """(sdpo_teacher, a copy of the weights the teacher scores with): for tests and checks."""
+        state = self.scoring_model.state_dict()
+        return self.options.sdpo_teacher, {k: v.detach().clone() for k, v in state.items()}
+
+    @endpoint
+    def context_logits(self, contexts: list[Tensor], completion_ids: Tensor, key: str) -> tuple[int, ...]:
+        """Like :meth:`hinted_logits` (stashed under ``key``) for one context of its own length per row
+        (contexts built from the group differ in length; each row is scored on its own, no padding)."""
+        if len(contexts) != completion_ids.shape[0]:
+            raise ValueError(
+                f"{len(contexts)} teacher contexts for {completion_ids.shape[0]} completions: one per completion"
+            )
+        with torch.no_grad():
+            logits = torch.cat(
+                [
+                    completion_logits(
+                        self.scoring_model, c.long().view(1, -1), completion_ids[i : i + 1]
+                    ).float()
+                    for i, c in enumerate(contexts)
+                ]
+            )
+        self.stash[key] = logits
+        while len(self.stash) > STASHED:
+            self.stash.popitem(last=False)
+        return tuple(logits.shape)
 
     @endpoint
     def hinted_logits(
@@ -130,7 +177,7 @@ class TeacherActor(PolicyCopyActor):
                 f"{completion_ids.shape[0]}: one hinted prompt per completion"
             )
         with torch.no_grad():
-            return completion_logits(self.model, hinted_prompt_ids, completion_ids).float()
+            return completion_logits(self.scoring_model, hinted_prompt_ids, completion_ids).float()
 
     @endpoint
     def preference_pairs(self, rollout: Rollout, rewards: Tensor) -> PreferencePairs | None:

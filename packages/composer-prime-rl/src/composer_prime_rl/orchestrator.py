@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from composer_core.sdpo.context import TeacherContextOptions, TeacherContexts, build_teacher_contexts
 from composer_core.traces.hints import HintJob, hint_jobs
 
 __all__ = [
@@ -133,8 +134,15 @@ class ComposerSDPOSettings:
     hint_env: str | None = None
     hint_role: str = "system"
     template: str = "{hint}"
+    context: TeacherContextOptions = field(default_factory=TeacherContextOptions)
+    sdpo_teacher: str = "live"
 
     def __post_init__(self) -> None:
+        if self.sdpo_teacher != "live":
+            raise ValueError(
+                f"composer_sdpo: sdpo_teacher={self.sdpo_teacher!r} is not available here: the orchestrator scores "
+                "with the inference server's live policy; set sdpo_teacher='live' (ema/base need a second server)."
+            )
         if self.hint_role not in ("system", "user"):
             raise ValueError(f"composer_sdpo: hint_role={self.hint_role!r} must be 'system' or 'user'.")
         if self.hint_fn and self.hint_env:
@@ -146,10 +154,18 @@ class ComposerSDPOSettings:
 
     @classmethod
     def from_config(cls, config: Any) -> ComposerSDPOSettings:
-        names = ("hint_key", "hint_fn", "hint_env", "hint_role", "template")
-        if isinstance(config, dict):
-            return cls(**{k: config[k] for k in names if k in config})
-        return cls(**{k: getattr(config, k) for k in names if hasattr(config, k)})
+        names = ("hint_key", "hint_fn", "hint_env", "hint_role", "template", "sdpo_teacher")
+        ctx_names = tuple(TeacherContextOptions.__dataclass_fields__)
+        is_dict = isinstance(config, dict)
+
+        def has(k: str) -> bool:
+            return k in config if is_dict else hasattr(config, k)
+
+        def get(k: str) -> Any:
+            return config[k] if is_dict else getattr(config, k)
+
+        context = TeacherContextOptions(**{k: get(k) for k in ctx_names if has(k)})
+        return cls(**{k: get(k) for k in names if has(k)}, context=context)
 
 
 def _import(path: str) -> HintFn:
@@ -225,9 +241,82 @@ class ComposerSDPOAlgorithm(_Base):  # type: ignore[misc, valid-type]
         )
         return [int(i) for i in ids]
 
+    def decode(self, ids: Sequence[int]) -> str:
+        tokenizer = getattr(self.renderer, "tokenizer", None)
+        if tokenizer is None or not callable(getattr(tokenizer, "decode", None)):
+            raise RuntimeError(
+                "composer_sdpo: sdpo_teacher_context from the group needs renderer.tokenizer.decode "
+                "(to read each trace's prompt and completion text)."
+            )
+        return str(tokenizer.decode(list(ids), skip_special_tokens=True))
+
+    def teacher_contexts(self, episodes: Sequence[Any]) -> tuple[list[Any], TeacherContexts]:
+        """The group's traces and their teacher contexts (core's ``build_teacher_contexts``, one group).
+
+        A trace's prompt is its ``prompt`` messages (a chat prompt) or else the text of its leading unsampled nodes, its completion the text of its sampled
+        tokens; the feedback is the hint source's raw answer (``hint_fn`` / ``trace.info[hint_key]``)."""
+        traces = [trace for _, trace in iter_trainable_traces(episodes)]
+        episode_of = {id(t): ep for ep, t in iter_trainable_traces(episodes)}
+        prompts: list[Any] = []
+        completions: list[str] = []
+        rewards: list[float] = []
+        feedback: list[str | None] = []
+        for trace in traces:
+            prefix = _prompt_prefix(trace)
+            messages = getattr(
+                trace, "prompt", None
+            )  # the chat prompt's messages, where the trace keeps them
+            if isinstance(messages, list) and messages:
+                prompts.append(messages)
+            else:
+                prompts.append(self.decode([t for n in trace.nodes[:prefix] for t in n.token_ids]))
+            sampled = [t for n in trace.nodes for t, m in zip(n.token_ids, n.mask, strict=True) if m]
+            completions.append(self.decode(sampled))
+            rewards.append(float(trace.reward))
+            raw = (
+                self.hint_fn(episode_of[id(trace)], trace)
+                if self.hint_fn
+                else ((getattr(trace, "info", None) or {}).get(self.settings.hint_key))
+            )
+            if raw is not None and not isinstance(raw, str):
+                raise ValueError(
+                    f"composer_sdpo: the feedback answered {type(raw).__name__}; return a string or None."
+                )
+            feedback.append(raw)
+        if not traces:
+            return [], TeacherContexts([], [], [])
+        built = build_teacher_contexts(
+            prompts, completions, rewards, len(traces), self.settings.context,
+            feedback=feedback if self.settings.context.uses_feedback else None,
+        )  # fmt: skip
+        return traces, built
+
+    async def score_group(self, episodes: list[Any]) -> None:
+        await super().score_group(episodes)
+        if not self.settings.context.from_group:
+            return
+        if self.renderer is None:
+            raise RuntimeError("composer_sdpo: setup() must run before score_group (no renderer).")
+        traces, built = self.teacher_contexts(episodes)
+        for trace, context, keep in zip(traces, built.contexts, built.mask, strict=True):
+            if not keep:
+                continue
+            messages = context if isinstance(context, list) else [{"role": "user", "content": context}]
+            block = self.renderer.render_ids(messages, add_generation_prompt=True)
+            block = [int(i) for i in block]
+            prefix = sum(len(n.token_ids) for n in trace.nodes[: _prompt_prefix(trace)])
+            branches = [branch for branch, _ in iter_trainable_branches(trace)]
+            scores = await asyncio.gather(
+                *(self.policy_pool.score(block + list(b.token_ids)[prefix:]) for b in branches)
+            )
+            for branch, full in zip(branches, scores, strict=True):
+                assign_reference_logprobs(branch, [0.0] * prefix + list(full)[len(block) :])
+
     async def score_episode(self, episode: Any) -> None:
         if self.renderer is None:
             raise RuntimeError("composer_sdpo: setup() must run before score_episode (no renderer).")
+        if self.settings.context.from_group:
+            return  # the teacher context needs the whole group: score_group
         traces = [trace for _, trace in iter_trainable_traces([episode])]
         for job in trace_hint_jobs(self.settings, self.hint_fn, episode, traces):
             trace, block = job.item, self.hint_block(job.hint)
@@ -237,6 +326,14 @@ class ComposerSDPOAlgorithm(_Base):  # type: ignore[misc, valid-type]
             )
             for branch, full in zip(branches, scores, strict=True):
                 assign_reference_logprobs(branch, list(full)[len(block) :])
+
+
+def _prompt_prefix(trace: Any) -> int:
+    """Number of leading nodes without a sampled token (the prompt)."""
+    for i, node in enumerate(trace.nodes):
+        if any(node.mask):
+            return i
+    return len(trace.nodes)
 
 
 def install() -> type:
