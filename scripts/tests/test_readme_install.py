@@ -121,7 +121,7 @@ def test_named_install_test_blocks_get_their_own_commands(tmp_path: Path) -> Non
         n: tmp_path / f"{n.replace('-', '_')}-0.1.0-py3-none-any.whl"
         for n in ("composer-core", "composer-trl")
     }
-    assert install_test_names(pkg) == ["openenv", "verifiers"]
+    assert install_test_names(pkg) == ["openenv", "smollm2", "verifiers"]
     (cmd,) = install_test_commands(pkg, wheels, name="verifiers")
     assert cmd == [
         f"composer-core @ {wheels['composer-core'].as_uri()}",
