@@ -351,13 +351,8 @@ def _load_packaged(name: str) -> tuple[Any, Any]:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from composer_trl.models import ModelUnavailable, packaged_model_dir
-
     for attempt in (1, 2):
-        try:
-            folder = packaged_model_dir(name)
-        except ModelUnavailable as e:
-            raise UsageError(f"--model_name_or_path {name!r}: {e}") from e
+        folder = Path(model_directory(name))
         try:
             tok = AutoTokenizer.from_pretrained(folder, padding_side="left")
             model = AutoModelForCausalLM.from_pretrained(folder)

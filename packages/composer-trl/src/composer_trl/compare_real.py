@@ -29,10 +29,8 @@ cells, so the table can be filled over several sittings. ``comparison.json``, ``
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
-import statistics
 import subprocess
 import sys
 import time
@@ -40,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from composer_trl.compare import _stats
 from composer_trl.lifecycle import EXIT_OK, UsageError, dumps
 
 __all__ = ["RUNS", "RealRun", "run_real_comparison"]
@@ -271,17 +270,6 @@ def _spawn(spec: dict[str, Any], folder: Path) -> float:
             f"cell {spec['run']!r} seed {spec['seed']} failed (exit {proc.returncode}):\n{tail}"
         )
     return usage.ru_maxrss / 1024.0  # Linux: KiB
-
-
-def _stats(values: list[float]) -> dict[str, float]:
-    vals = [v for v in values if v is not None and math.isfinite(v)]
-    if not vals:
-        return {"mean": float("nan"), "std": float("nan"), "n": 0}
-    return {
-        "mean": statistics.fmean(vals),
-        "std": statistics.stdev(vals) if len(vals) > 1 else 0.0,
-        "n": len(vals),
-    }
 
 
 def report(cells: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:

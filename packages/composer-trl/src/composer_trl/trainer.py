@@ -347,17 +347,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
     def _build_hints(self, inputs: list[dict[str, Any]], output: dict[str, Any]) -> dict[str, Any]:
         prompts = [x["prompt"] for x in inputs]
         if self.hint_fn is not None:
-            columns = {k: [x.get(k) for x in inputs] for k in inputs[0] if k not in ("prompt", "completion")}
-            hints = list(
-                self.hint_fn(
-                    prompts=prompts,
-                    completions=self._completion_texts(output),
-                    completion_ids=output["completion_ids"],
-                    **columns,
-                )
-            )
-            if len(hints) != len(prompts):
-                raise ValueError(f"hint_fn returned {len(hints)} hints for {len(prompts)} completions.")
+            hints = self._call_hint_fn(inputs, output, "hints")
             hinted: list[Any | None] = [
                 None if h is None else self._apply_hint(p, h) for p, h in zip(prompts, hints)
             ]
@@ -416,8 +406,13 @@ class ComposerGRPOTrainer(GRPOTrainer):
         """The environment's feedback per completion: ``hint_fn``'s text, else the ``privileged_context`` column."""
         if self.hint_fn is None:
             return [x.get("privileged_context") for x in inputs]
+        return self._call_hint_fn(inputs, output, "feedback texts")
+
+    def _call_hint_fn(self, inputs: list[dict[str, Any]], output: dict[str, Any], what: str) -> list[Any]:
+        """``hint_fn(prompts=, completions=, completion_ids=, **columns)``: one value per completion."""
+        assert self.hint_fn is not None
         columns = {k: [x.get(k) for x in inputs] for k in inputs[0] if k not in ("prompt", "completion")}
-        texts = list(
+        values = list(
             self.hint_fn(
                 prompts=[x["prompt"] for x in inputs],
                 completions=self._completion_texts(output),
@@ -425,9 +420,9 @@ class ComposerGRPOTrainer(GRPOTrainer):
                 **columns,
             )
         )
-        if len(texts) != len(inputs):
-            raise ValueError(f"hint_fn returned {len(texts)} feedback texts for {len(inputs)} completions.")
-        return texts
+        if len(values) != len(inputs):
+            raise ValueError(f"hint_fn returned {len(values)} {what} for {len(inputs)} completions.")
+        return values
 
     def _build_group_contexts(
         self, inputs: list[dict[str, Any]], output: dict[str, Any], mode: str
