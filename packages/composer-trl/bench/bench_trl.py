@@ -74,6 +74,7 @@ def _trainer(kind: str, steps: int, out: str, device: str = "cpu", seed: int = 0
         if kind == "composer-off":
             kwargs.update(alpha_sdpo=0.0, beta_replay=0.0)
         else:
+            kwargs = {"alpha_sdpo": 1.0, "beta_replay": 1.0, **kwargs}
             extra["hint_fn"] = reverse_hints
         config = ComposerGRPOConfig(**common, **kwargs)
         cls = ComposerGRPOTrainer

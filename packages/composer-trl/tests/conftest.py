@@ -87,8 +87,11 @@ def grpo_args(tmp_path: Path, composer: bool = True, **overrides: Any) -> Any:
     from composer_trl import ComposerGRPOConfig
     from trl import GRPOConfig
 
-    cls = ComposerGRPOConfig if composer else GRPOConfig
-    return cls(output_dir=str(tmp_path / "out"), **{**BASE_ARGS, **overrides})
+    if not composer:
+        return GRPOConfig(output_dir=str(tmp_path / "out"), **{**BASE_ARGS, **overrides})
+    # the tests of the channels switch both on unless they say otherwise (the library's default is off)
+    channels = {"alpha_sdpo": 1.0, "beta_replay": 1.0}
+    return ComposerGRPOConfig(output_dir=str(tmp_path / "out"), **{**BASE_ARGS, **channels, **overrides})
 
 
 def make_trainer(

@@ -42,6 +42,8 @@ def main(out_dir: str, model_dir: str, mode: str = "hints") -> None:
         seed=0,
         bf16=False,
         dpo_variant="dpo",
+        alpha_sdpo=1.0,
+        **({"beta_replay": 1.0} if mode != "success-ema" else {}),
         **(
             {"sdpo_teacher_context": "success", "success_reward_threshold": 0.3}
             | {"sdpo_teacher": "ema", "teacher_update_rate": 0.5, "beta_replay": 0.0}

@@ -78,7 +78,7 @@ def test_console_script_is_installed():
     assert res.returncode == 0 and "--compare" in res.stdout and "--model" in res.stdout
 
 
-def test_recipe_dataset_reward_and_hint_fn_are_used(tmp_path, model_dir, monkeypatch):
+def test_recipe_dataset_reward_and_hint_fn_are_used(tmp_path, model_dir, monkeypatch, capsys):
     """The recipe's `dataset`, `reward` and `hint_fn` replace the embedded task's (README: real work)."""
     from composer_core.tasks.digit_reversal import make_dataset_rows
 
@@ -101,6 +101,11 @@ def test_recipe_dataset_reward_and_hint_fn_are_used(tmp_path, model_dir, monkeyp
         "[trainer]\nmax_completion_length = 3\nper_device_train_batch_size = 8\nnum_generations = 4\n"
     )
     assert main(["--config", str(recipe), "--no-plot"]) == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("composer-train: alpha")]
+    assert said == [  # the channels the recipe left unset, chosen from the data, in one line
+        "composer-train: alpha_sdpo=1.0 (the data's hints teach), beta_replay=1.0 (chosen/rejected columns); "
+        "set --alpha_sdpo / --beta_replay to choose."
+    ]
     import recipe_fns_for_test
 
     rows = read_jsonl(out / "metrics-composer.jsonl")

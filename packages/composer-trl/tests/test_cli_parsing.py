@@ -147,3 +147,42 @@ def test_local_dataset_formats_are_loaded(tmp_path):
     for ext in ("jsonl", "json", "csv", "parquet"):
         ds = load_dataset_checked(Recipe(dataset=str(tmp_path / f"d.{ext}")), need=2, n_rows=0)
         assert len(ds) == 6 and ds[0]["prompt"] == rows[0]["prompt"], ext
+
+
+def test_grpo_trainer_options_arrive_as_strings_and_are_taken(tmp_path):
+    """Issue 50: every GRPOConfig option group GRPOTrainer accepts is accepted from the command line."""
+    _, c = _config(
+        ["--loss_type", "vespo", "--importance_sampling_level", "sequence", "--top_entropy_quantile", "0.5",
+         "--off_policy_mask_threshold", "0.1", "--entropy_coef", "0.01", "--use_adaptive_entropy", "true",
+         "--use_vllm", "true", "--vllm_mode", "server", "--use_liger_kernel", "true", "--vespo_k_pos", "1.5"],
+        tmp_path,
+    )  # fmt: skip
+    assert c.loss_type == "vespo" and c.importance_sampling_level == "sequence" and c.use_vllm is True
+    assert c.compose_config.policy.vespo_k_pos == 1.5
+    assert c.top_entropy_quantile == 0.5 and c.off_policy_mask_threshold == 0.1 and c.use_liger_kernel is True
+
+
+def test_an_option_of_another_loss_type_is_one_line_exit_2(tmp_path, capsys):
+    argv = ["--loss_type", "grpo", "--sapo_temperature_pos", "2.0", "--output_dir", str(tmp_path / "o")]
+    assert main(argv) == EXIT_USAGE
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "sapo_temperature_pos" in err and not (tmp_path / "o").exists()
+
+
+def test_unset_channel_weights_are_chosen_from_the_data_in_one_line(tmp_path):
+    from composer_trl.recipe import choose_channels
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}>"}) + "\n" for i in range(64)))
+    inv = parse(["--dataset_name", str(data), "--output_dir", str(tmp_path / "o")])
+    job = Job(inv.recipe, tmp_path / "o", name="composer", composer=True)
+    job.check()
+    c = job.config
+    assert (c.alpha_sdpo, c.sdpo_teacher_context, c.beta_replay) == (1.0, "success", 0.0)
+    assert job.channel_line == (  # printed once the model has loaded
+        "composer-train: alpha_sdpo=1.0 (no hints: a successful sibling of each group teaches), beta_replay=0.0 "
+        "(no chosen/rejected columns); set --alpha_sdpo / --beta_replay to choose."
+    )
+    chosen, line = choose_channels({}, {"prompt", "hint", "chosen", "rejected"}, hints=False)
+    assert chosen == {"alpha_sdpo": 1.0, "beta_replay": 1.0} and "hints teach" in line
+    assert choose_channels({"alpha_sdpo": 0, "beta_replay": 0}, set(), hints=False) == ({}, "")

@@ -26,7 +26,9 @@ def test_group_context_conformance_through_the_trainer_config(tmp_path):
 
     def build(prompts, completions, rewards, group_size, feedback, options):
         fields = {name: getattr(options, name) for name in options.__dataclass_fields__}
-        args = ComposerGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", **fields)
+        args = ComposerGRPOConfig(
+            output_dir=str(tmp_path), use_cpu=True, report_to="none", alpha_sdpo=1.0, **fields
+        )
         ctx = group_contexts(args, prompts, completions, rewards, group_size, feedback)
         return ctx.contexts, ctx.mask
 
@@ -220,8 +222,8 @@ def test_composer_train_bad_template_is_one_line_exit_2_before_output(tmp_path, 
 
 
 def test_channel_without_inputs_is_one_line_exit_2_before_the_model_loads(tmp_path, capsys, monkeypatch):
-    """A dataset with only `prompt` and the default hint context: one line, exit 2, no model loaded, nothing
-    written (it used to load the model, print a 21-line traceback, exit 1 and leave trainer-composer/)."""
+    """A dataset with only `prompt`, channel 2 set on with the hint context: one line, exit 2, no model loaded,
+    nothing written (it used to load the model, print a 21-line traceback, exit 1 and leave trainer-composer/)."""
     import composer_trl.cli as cli
 
     data = tmp_path / "d.jsonl"
@@ -233,11 +235,9 @@ def test_channel_without_inputs_is_one_line_exit_2_before_the_model_loads(tmp_pa
     monkeypatch.setattr(cli, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     out = tmp_path / "run"
     argv = ["--dataset_name", str(data), "--reward_funcs", "my_reward:f", "--output_dir", str(out)]
-    assert main([*argv, "--beta_replay", "0"]) == EXIT_USAGE
+    assert main([*argv, "--alpha_sdpo", "1", "--beta_replay", "0"]) == EXIT_USAGE
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "needs hints" in err[0] and "sdpo_teacher_context='success'" in err[0]
-    assert (
-        main([*argv, "--sdpo_teacher_context", "success"]) == EXIT_USAGE
-    )  # beta_replay=1: no chosen/rejected
+    assert main([*argv, "--sdpo_teacher_context", "success", "--beta_replay", "1"]) == EXIT_USAGE
     assert "needs `chosen` and `rejected`" in capsys.readouterr().err
     assert not out.exists() or not any(out.iterdir())

@@ -154,10 +154,12 @@ def _launch(config: Path, world: int, *, threads: bool = False) -> list[tuple[in
     return _run_ranks(_cli_args(config, threads=threads), world)
 
 
-def _run_ranks(args: list[str], world: int) -> list[tuple[int, str, str]]:
-    """``python <args>`` as ranks 0..world-1 of one gloo group on 127.0.0.1: (exit status, stdout, stderr)."""
+def _start_ranks(
+    args: list[str], world: int, rank_env: dict[int, dict[str, str]] | None = None
+) -> list[subprocess.Popen[str]]:
+    """``python <args>`` as ranks 0..world-1 of one gloo group on 127.0.0.1 (``rank_env``: more env per rank)."""
     port = str(_free_port())
-    procs = [
+    return [
         _python(
             args,
             {
@@ -166,10 +168,16 @@ def _run_ranks(args: list[str], world: int) -> list[tuple[int, str, str]]:
                 "WORLD_SIZE": str(world),
                 "RANK": str(r),
                 "LOCAL_RANK": str(r),
+                **(rank_env or {}).get(r, {}),
             },
         )
         for r in range(world)
     ]
+
+
+def _run_ranks(args: list[str], world: int) -> list[tuple[int, str, str]]:
+    """``python <args>`` as ranks 0..world-1 of one gloo group on 127.0.0.1: (exit status, stdout, stderr)."""
+    procs = _start_ranks(args, world)
     results = []
     for p in procs:
         out, err = p.communicate(timeout=300)
@@ -254,3 +262,19 @@ def test_rank0_decision_error_reaches_every_rank(setup: dict[str, Any], tmp_path
         # as a default argument when imported after init) kept its gloo threads running into interpreter
         # teardown, where they died with "terminate called without an active exception" (exit -6).
         assert out.strip().splitlines()[-1] == "[]"
+
+
+def test_dead_rank_is_named_by_every_survivor(setup: dict[str, Any], tmp_path: Path) -> None:
+    """Issue 50: rank 2 of 3 is SIGKILLed mid-run (after writing its blocks of step 2, before the gather).
+    Each survivor used to print a ~30-line gloo traceback naming no rank (exit 1); now one line naming
+    the dead rank, its host and pid, and exit 4."""
+    toml, _ = _write_run(tmp_path, "dead-rank", {"save_every": 2}, setup["teacher"], setup["tokens"])
+    procs = _start_ranks(_cli_args(toml), 3, {2: {KILL_ENV: "step-00000002:blocks"}})
+    results = [(p.returncode, err) for p in procs for _, err in [p.communicate(timeout=120)]]
+    assert results[2][0] == -signal.SIGKILL, results[2]
+    for rank, (rc, err) in enumerate(results[:2]):
+        lines = err.strip().splitlines()
+        assert (rc, len(lines)) == (4, 1), f"rank {rank}: exit {rc}\n{err}"
+        assert lines[0].startswith("composer-bypass: error: "), lines
+        assert f"rank 2 (host {socket.gethostname()}, pid {procs[2].pid})" in lines[0], lines
+        assert f"died (killed or crashed), so rank {rank} stopped" in lines[0], lines

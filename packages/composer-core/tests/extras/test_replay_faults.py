@@ -338,6 +338,29 @@ def test_exit_status_all_failed_and_failure_rate(tmp_path: Path) -> None:
     assert "--max-response-bytes" in help_text and "--max-failure-rate" in help_text
 
 
+@pytest.mark.parametrize(("value", "other_teacher"), [(None, False), ("", True)])
+def test_unset_api_key_env_is_refused_before_any_request(
+    tmp_path: Path, value: str | None, other_teacher: bool
+) -> None:
+    """Issue 50: a teacher whose api_key_env is unset (or empty) failed each of its requests: exit 3 alone,
+    exit 0 beside a working teacher (half the requests failed). Now: one line, exit 2, nothing sent or written."""
+    var = "COMPOSER_ISSUE50_UNSET_KEY"
+    assert var not in os.environ
+    with ChatServer() as srv:
+        teachers = [{"name": "big", "base_url": srv.base_url, "model": "m2", "api_key_env": var}]
+        if other_teacher:
+            teachers.insert(0, {"name": "ok", "base_url": srv.base_url, "model": "m1"})
+        traces, toml = write_run(tmp_path, teachers)
+        rc, out, err = run_cli(
+            cli_argv(tmp_path, traces, toml, "--no-progress"), env=None if value is None else {var: value}
+        )
+        sent = srv.total_requests
+    assert (rc, sent) == (2, 0), err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert "teacher 'big'" in err and f"export {var}=" in err and "drop api_key_env" in err, err
+    assert not out and list((tmp_path / "out").iterdir()) == []  # nothing written
+
+
 # --- cache paths and orphans --------------------------------------------------------------------
 
 

@@ -343,7 +343,7 @@ def test_policy_bad_inputs() -> None:
         (lambda: policy_loss(lp, adv[:2], m), "advantages"),
         (lambda: policy_loss(lp, adv, m[:, :2]), "mask.*shape"),
         (lambda: policy_loss(lp, adv, m, old_logprobs=x["old"][:, :2]), "old_logprobs.*shape"),
-        (lambda: policy_loss(lp, adv, m, loss_type="sapo"), "loss_type"),  # type: ignore[arg-type]
+        (lambda: policy_loss(lp, adv, m, loss_type="ppo"), "loss_type"),  # type: ignore[arg-type]
         (lambda: policy_loss(lp, adv, m, kl_beta=0.1), "ref_logprobs"),
         (lambda: policy_loss(lp, adv, m, ref_logprobs=x["ref"]), "kl_beta"),
         (lambda: policy_loss(lp, adv, m, rollout_correction="token_mask"), "inference_logprobs"),

@@ -38,7 +38,7 @@ from composer_trl.lifecycle import (
     resolve_checkpoint,
 )
 from composer_trl.models import PACKAGED
-from composer_trl.recipe import Recipe, import_callable, read_config_file
+from composer_trl.recipe import Recipe, choose_channels, import_callable, read_config_file
 
 SCRIPT_TO_RECIPE = {
     "model_name_or_path": "model",
@@ -473,6 +473,7 @@ class Job:
         self.metrics_path = out / f"metrics-{name}.jsonl"
         self.config = self._config()
         self.dataset: Any = None
+        self.channel_line = ""
 
     def _config(self) -> Any:
         import torch
@@ -481,7 +482,9 @@ class Job:
         from composer_trl.config import ComposerGRPOConfig
 
         kwargs = {**self.recipe.trainer_kwargs(), **self.overrides}
-        if not self.composer:
+        if self.composer:  # channel 2 is on unless set; check() picks its teacher context from the data
+            kwargs.setdefault("alpha_sdpo", 1.0)
+        else:
             base = {f.name for f in fields(GRPOConfig)}
             kwargs = {k: v for k, v in kwargs.items() if k in base}
         common = {
@@ -509,7 +512,9 @@ class Job:
 
             env, self.dataset = load_env_checked(self.recipe, c, need=need, n_rows=n_rows)
             self.rewards = [env_reward_func(env)]
-            self.hint = env_hint_func(env) if self.composer and float(c.alpha_sdpo) > 0 else None
+            if self.composer:  # the environment's feedback is the hint
+                self._choose_channels(set(self.dataset.column_names), hints=True)
+            self.hint = env_hint_func(env) if self.composer and float(self.config.alpha_sdpo) > 0 else None
             return
         self.dataset = load_dataset_checked(self.recipe, need=need, n_rows=n_rows)
         try:
@@ -522,10 +527,20 @@ class Job:
 
             embedded = self.recipe.dataset is None
             hints = embedded or self.hint is not None or self.hint_fn is not None
+            columns = set(self.dataset.column_names)
+            self._choose_channels(columns, hints=hints)
             try:
-                check_channel_inputs(c, set(self.dataset.column_names), hint_fn=hints)
+                check_channel_inputs(self.config, columns, hint_fn=hints)
             except ValueError as e:
                 raise UsageError(str(e)) from e
+
+    def _choose_channels(self, columns: set[str], *, hints: bool) -> None:
+        """Channel weights the user did not set: from what the data provides (one line says which)."""
+        chosen, line = choose_channels({**self.recipe.trainer, **self.overrides}, columns, hints=hints)
+        if chosen:
+            self.overrides = {**self.overrides, **chosen}
+            self.config = self._config()
+        self.channel_line = line  # said once the model has loaded (errors before that stay one line)
 
     def run(self, *, resume: str | None = None) -> dict[str, Any]:
         """Train (from ``resume``: ``last`` or a checkpoint path); the result row of summary.json."""
@@ -546,6 +561,8 @@ class Job:
         parts = (TEACHER_STATE_FILE,) if teacher else ()
         ckpt = resolve_checkpoint(resume, self.trainer_dir, parts) if resume else None
         model, tok = load_model(self.recipe)
+        if self.channel_line:
+            print(self.channel_line, file=sys.stderr)
         extra: dict[str, Any] = {}
         if self.composer:
             embedded = self.recipe.dataset is None and self.recipe.env is None

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from composer_core.loss.config import ComposeConfig, flat_defaults
 from composer_core.loss.distill import check_chunk_size
+from composer_core.loss.policy import CLIP_LOSS_TYPES
 from composer_core.sdpo import TeacherContextOptions, TeacherWeightsOptions
 from trl import GRPOConfig
 
@@ -23,7 +24,10 @@ _CORE: dict[str, Any] = flat_defaults()  # typed Any: each field declares its ow
 _CORE.update({f.name: f.default for f in dataclasses.fields(TeacherContextOptions)})
 _CORE.update({f.name: f.default for f in dataclasses.fields(TeacherWeightsOptions)})
 
-SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+
+_SHAPE_OPTIONS = tuple(
+    f.name for f in dataclasses.fields(GRPOConfig) if f.name.startswith(("sapo_", "vespo_"))
+)
 
 
 @dataclass
@@ -31,8 +35,11 @@ class ComposerGRPOConfig(GRPOConfig):
     r"""Configuration of :class:`~composer_trl.ComposerGRPOTrainer` (all ``GRPOConfig`` fields, plus these).
 
     Channel weights:
-        alpha_sdpo: weight of channel 2 (hinted self-distillation); 0 disables it (bit-exact GRPO).
-        beta_replay: weight of channel 3 (trace-replay preference); 0 disables it.
+        alpha_sdpo: weight of channel 2 (SDPO self-distillation); 0, the default, disables it.
+        beta_replay: weight of channel 3 (trace-replay preference); 0, the default, disables it.
+        With both 0 the trainer is GRPOTrainer bit for bit, for every ``GRPOConfig`` option (loss types,
+        sequence-level importance sampling, entropy masking and bonus, the off-policy mask, vLLM's rollout
+        log-probs and importance-sampling correction).
 
     Channel 2 (hinted self-teacher; the teacher is the same model, no grad, given the hint):
         sdpo_form: ``"full"`` — generalized JSD over the whole vocabulary, computed chunk-wise from the
@@ -89,11 +96,15 @@ class ComposerGRPOConfig(GRPOConfig):
         max_replay_length: truncate chosen/rejected to this many tokens (None = ``max_completion_length``).
     """
 
+    # Off by default: swapping GRPOTrainer for ComposerGRPOTrainer is plain GRPO until a channel is switched on
+    # (composer-train chooses them from what the dataset or environment provides and says so).
     alpha_sdpo: float = field(
-        default=_CORE["alpha_sdpo"], metadata={"help": "Weight of channel 2 (hinted self-distillation)."}
+        default=0.0,
+        metadata={"help": "Weight of channel 2 (SDPO self-distillation); 0 (default) disables it."},
     )
     beta_replay: float = field(
-        default=_CORE["beta_replay"], metadata={"help": "Weight of channel 3 (trace-replay preference)."}
+        default=0.0,
+        metadata={"help": "Weight of channel 3 (trace-replay preference); 0 (default) disables it."},
     )
 
     sdpo_form: Literal["full", "sampled", "topk"] = field(
@@ -215,6 +226,23 @@ class ComposerGRPOConfig(GRPOConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()  # type: ignore[no-untyped-call]
+        self._check_composer()
+
+    @classmethod
+    def from_grpo_config(cls, args: GRPOConfig) -> ComposerGRPOConfig:
+        """A plain ``GRPOConfig``'s options as they stand (TRL's ``__post_init__`` already ran on them), with every
+        composer option at its default: channels off, plain GRPO."""
+        new = cls.__new__(cls)
+        new.__dict__.update(vars(args))
+        for f in dataclasses.fields(cls):
+            if f.name not in new.__dict__:
+                default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[operator]
+                setattr(new, f.name, default)
+        new._check_composer()
+        return new
+
+    def _check_composer(self) -> None:
+        """The composer options' checks (TRL's own ran in ``GRPOConfig.__post_init__``)."""
         for name in ("alpha_sdpo", "beta_replay"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and 0.0 <= float(value) < float("inf")):
@@ -273,7 +301,6 @@ class ComposerGRPOConfig(GRPOConfig):
                 f"sdpo_teacher={self.sdpo_teacher!r} / sdpo_teacher_context={self.sdpo_teacher_context!r} act only "
                 "with channel 2 on: set alpha_sdpo > 0 or drop them."
             )
-        self._check_grpo_options()
 
     @property
     def teacher_context_options(self) -> TeacherContextOptions:
@@ -309,6 +336,7 @@ class ComposerGRPOConfig(GRPOConfig):
             # TRL's default use_bias_correction_kl=True: the per-token KL times the ratio (acts with beta != 0)
             "kl_bias_correction": bool(self.use_bias_correction_kl) and self.beta != 0.0,
             "max_completion_length": self.max_completion_length if self.loss_type == "dr_grpo" else None,
+            "importance_sampling_level": self.importance_sampling_level,
             "sdpo_form": self.sdpo_form,
             "sdpo_beta": self.sdpo_beta,
             "sdpo_temperature": self.sdpo_temperature,
@@ -321,6 +349,10 @@ class ComposerGRPOConfig(GRPOConfig):
             "sdpo_topk_tail": self.sdpo_topk_tail,
             "dpo_variant": self.dpo_variant,
         }
+        # SAPO's and VESPO's shape parameters (TRL's names; core refuses them set under another loss type)
+        opts.update({name: getattr(self, name) for name in _SHAPE_OPTIONS})
+        if self.loss_type not in CLIP_LOSS_TYPES:
+            opts["delta"] = None  # TRL reads delta in the clip surrogate only
         if self.sdpo_wrapper == "taid":
             opts.update(taid_t_start=self.taid_t_start, taid_t_end=self.taid_t_end)
         for name in ("taid_t_start", "taid_t_end", "entropy_opd_threshold", "entropy_opd_weight"):
@@ -328,28 +360,6 @@ class ComposerGRPOConfig(GRPOConfig):
         for name in ("dpo_beta", "dpo_loss_type", "dpo_label_smoothing", "simpo_beta", "simpo_gamma"):
             opts[name] = getattr(self, name)
         return opts
-
-    def _check_grpo_options(self) -> None:
-        """Reject TRL options whose channel-1 semantics composer does not reproduce (clear error, no silent change)."""
-        if self.loss_type not in SUPPORTED_LOSS_TYPES:
-            raise ValueError(
-                f"loss_type={self.loss_type!r} is not supported by ComposerGRPOTrainer; use one of "
-                f"{SUPPORTED_LOSS_TYPES} (cispo/sapo/vespo/luspo keep plain GRPOTrainer)."
-            )
-        unsupported = {
-            "importance_sampling_level": (self.importance_sampling_level != "token", "'token'"),
-            "top_entropy_quantile": (self.top_entropy_quantile < 1.0, "1.0"),
-            "off_policy_mask_threshold": (self.off_policy_mask_threshold is not None, "None"),
-            "entropy_coef": (self.entropy_coef != 0.0 or bool(self.use_adaptive_entropy), "0.0"),
-            "use_liger_kernel": (bool(self.use_liger_kernel), "False"),
-            "use_vllm": (bool(self.use_vllm), "False"),
-        }
-        for name, (bad, fix) in unsupported.items():
-            if bad:
-                raise ValueError(
-                    f"{name}={getattr(self, name)!r} is not supported by ComposerGRPOTrainer (composer's channel 1 "
-                    f"reproduces TRL's clipped GRPO/DAPO loss only); set {name}={fix}."
-                )
 
 
 def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:

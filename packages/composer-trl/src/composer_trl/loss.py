@@ -5,8 +5,8 @@ Pure (no model, no trainer), so the trainer's ``_compute_loss`` and the core con
 
 Normalisation follows TRL 1.16 for channel 1 and TRL's ``dapo`` convention for channels 2 and 3::
 
-    dapo policy     Σ L·m / (num_items / P · G / S)      (train; num_items over the generation batch)
-    grpo/bnpo/dr    compose_loss's local value / G       (train)
+    dapo/cispo/vespo  Σ L·m / (num_items / P · G / S)    (train; num_items over the generation batch)
+    other types       compose_loss's local value / G     (train)
     sdpo, replay    Σ / (count / P · G / S)              (count = hinted tokens / pairs, generation batch)
 
 with P processes, G = current gradient-accumulation steps and S = steps per generation (in eval G = S = 1).
@@ -36,6 +36,10 @@ class Counts:
     steps_per_generation: int = 1  # micro-batches per generation batch (1 in eval)
 
 
+#: TRL's loss types normalised by the generation batch's token count (``num_items_in_batch``), not per micro-batch.
+WINDOW_LOSS_TYPES = ("dapo", "cispo", "vespo")
+
+
 def _window(count: Tensor | None, c: Counts) -> Tensor | None:
     if count is None:
         return None
@@ -54,7 +58,7 @@ def composer_trl_loss(
     :class:`~composer_core.loss.compose.ComposeResult` (unweighted channel values and metrics).
     """
     policy_norm: Tensor | None = None
-    if args.loss_type == "dapo" and counts.num_items is not None:
+    if args.loss_type in WINDOW_LOSS_TYPES and counts.num_items is not None:
         # TRL 1.16's exact expression: num_items_in_batch.clamp(min=1) / P, then × G / S in training.
         policy_norm = counts.num_items.clamp(min=1.0) / counts.num_processes
         if counts.accumulation != 1 or counts.steps_per_generation != 1:
@@ -70,7 +74,7 @@ def composer_trl_loss(
         replay_normalizer=_window(counts.replay_items, counts),
     )
     # TRL divides grpo/bnpo/dr_grpo by the accumulation steps; dapo's normaliser already spans the window.
-    loss = result.policy if args.loss_type == "dapo" else result.policy / counts.accumulation
+    loss = result.policy if args.loss_type in WINDOW_LOSS_TYPES else result.policy / counts.accumulation
     if result.sdpo is not None:
         loss = loss + args.alpha_sdpo * result.sdpo
     if result.replay is not None:

@@ -54,10 +54,12 @@ TINY_TRAINER_DEFAULTS: dict[str, Any] = {
     "warmup_steps": 0,
     "logging_steps": 1,
     "dpo_variant": "simpo",
-    "alpha_sdpo": 1.0,
-    "beta_replay": 1.0,
 }
-"""Trainer settings of the no-argument run (the tiny model on digit reversal)."""
+"""Trainer settings of the no-argument run (the tiny model on digit reversal; its hints and pairs switch both
+channels on through :func:`choose_channels`)."""
+
+HINT_COLUMNS = frozenset({"hint", "hinted_prompt", "teacher_prompt"})
+PAIR_COLUMNS = frozenset({"chosen", "rejected"})
 
 MODEL_TRAINER_DEFAULTS: dict[str, Any] = {
     "learning_rate": 1e-6,
@@ -174,3 +176,34 @@ def import_callable(spec: str, what: str) -> Callable[..., Any]:
     if not callable(obj):
         raise ValueError(f"`{what}`={spec!r} is not callable.")
     return obj  # type: ignore[no-any-return]
+
+
+def choose_channels(trainer: dict[str, Any], columns: set[str], *, hints: bool) -> tuple[dict[str, Any], str]:
+    """The channel weights ``composer-train`` uses where the recipe sets none, from what the data provides, and the
+    one line that says so.
+
+    Channel 2 is on: taught by hints where the data has them (a hint column, ``--hint_fn``, an environment's
+    hints, the embedded task), else by a successful sibling of each group (``sdpo_teacher_context='success'``:
+    rewards are all it needs). Channel 3 is on where the dataset has ``chosen`` and ``rejected`` columns.
+    """
+    chosen: dict[str, Any] = {}
+    said: list[str] = []
+    if "alpha_sdpo" not in trainer:
+        chosen["alpha_sdpo"] = 1.0
+        if "sdpo_teacher_context" in trainer:
+            why = f"teacher context {trainer['sdpo_teacher_context']!r} as set"
+        elif hints or columns & HINT_COLUMNS:
+            why = "the data's hints teach"
+        else:
+            chosen["sdpo_teacher_context"] = "success"
+            why = "no hints: a successful sibling of each group teaches"
+        said.append(f"alpha_sdpo=1.0 ({why})")
+    if "beta_replay" not in trainer:
+        pairs = columns >= PAIR_COLUMNS
+        chosen["beta_replay"] = 1.0 if pairs else 0.0
+        said.append(
+            f"beta_replay={chosen['beta_replay']} ({'chosen/rejected columns' if pairs else 'no chosen/rejected columns'})"
+        )
+    if not said:
+        return chosen, ""
+    return chosen, "composer-train: " + ", ".join(said) + "; set --alpha_sdpo / --beta_replay to choose."

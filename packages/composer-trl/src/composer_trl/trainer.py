@@ -31,7 +31,7 @@ from __future__ import annotations
 import copy
 import os
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -39,6 +39,7 @@ import torch
 from accelerate.utils import gather_object, is_peft_model
 from composer_core.loss.compose import ComposerBatch
 from composer_core.loss.metrics import ADAPTER_PREFIX
+from composer_core.loss.surrogates import log_importance_weights, vespo_weights
 from composer_core.loss.wrappers import TAIDScheduler
 from composer_core.sdpo import (
     TEACHER_STATE_FILE,
@@ -55,12 +56,12 @@ from torch import Tensor
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
-from trl import GRPOTrainer
+from trl import GRPOConfig, GRPOTrainer
 from trl.data_utils import is_conversational
-from trl.trainer.utils import nanmax, nanmin, pad, use_adapter
+from trl.trainer.utils import get_config_model_id, nanmax, nanmin, pad, use_adapter
 
 from composer_trl.config import ComposerGRPOConfig
-from composer_trl.loss import Counts, composer_trl_loss
+from composer_trl.loss import WINDOW_LOSS_TYPES, Counts, composer_trl_loss
 
 HintFn = Callable[..., Sequence[str | None]]
 logger = logging.get_logger(__name__)
@@ -148,12 +149,8 @@ class ComposerGRPOTrainer(GRPOTrainer):
     model: torch.nn.Module  # Trainer.__init__ sets it; never None in a constructed trainer
 
     def __init__(self, *args: Any, hint_fn: HintFn | None = None, **kwargs: Any) -> None:
-        targs = kwargs.get("args", args[2] if len(args) > 2 else None)
-        if not isinstance(targs, ComposerGRPOConfig):
-            raise ValueError(
-                "ComposerGRPOTrainer needs `args=ComposerGRPOConfig(...)` (a GRPOConfig subclass carrying the "
-                f"composer options), got {type(targs).__name__}."
-            )
+        args, kwargs = _with_composer_config(args, kwargs)
+        targs = kwargs["args"]
         if hint_fn is not None and not callable(hint_fn):
             raise ValueError(f"`hint_fn` must be callable, got {type(hint_fn).__name__}.")
         if hint_fn is not None and targs.sdpo_teacher_context == "success":
@@ -650,12 +647,16 @@ class ComposerGRPOTrainer(GRPOTrainer):
             if capture is not None and capture.hidden is not None:
                 capture.hidden = merged.policy_hidden(capture.hidden)
 
+        keep, entropy_mask = self._surrogate_masks(per_token_logps, entropies, mask, inputs)
+        vllm_is = self.use_vllm and self.vllm_importance_sampling_correction  # TRL's rollout IS correction
         batch = ComposerBatch(
             logprobs=per_token_logps,
             advantages=inputs["advantages"],
             completion_mask=mask,
             old_logprobs=inputs.get("old_per_token_logps"),
             ref_logprobs=inputs["ref_per_token_logps"] if self.beta != 0.0 else None,
+            rollout_is_weights=inputs["importance_sampling_ratio"] if vllm_is else None,
+            surrogate_mask=keep,
         )
         if want_sdpo:
             self._fill_sdpo(batch, model, inputs, mask, capture, logits_to_keep)
@@ -674,8 +675,12 @@ class ComposerGRPOTrainer(GRPOTrainer):
             batch, a, counts, taid_t=self._taid.t if self._taid is not None else None
         )
         policy_part = (
-            result.policy if self.loss_type == "dapo" else result.policy / counts.accumulation
+            result.policy if self.loss_type in WINDOW_LOSS_TYPES else result.policy / counts.accumulation
         ).detach()
+        bonus_mask = mask if entropy_mask is None else mask * entropy_mask
+        bonus = self._entropy_bonus(entropies, bonus_mask, mode, result.policy.detach())
+        if bonus is not None:
+            loss = loss - bonus
         if aux_loss is not None:
             # GRPOTrainer's MoE router load-balancing loss, scaled for accumulation like its policy loss
             loss = loss + self.router_aux_loss_coef * aux_loss / counts.accumulation
@@ -683,7 +688,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
                 self.accelerator.gather_for_metrics(aux_loss).mean().item()
             )
 
-        self._log_trl_metrics(mode, per_token_logps, entropies, mask, inputs, result.metrics)
+        self._log_trl_metrics(mode, per_token_logps, entropies, mask, inputs)
         self._log_composer_metrics(mode, policy_part, result, loss.detach())
         return loss
 
@@ -764,47 +769,115 @@ class ComposerGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ metrics
 
     def _log_trl_metrics(
-        self,
-        mode: str,
-        logps: Tensor,
-        entropies: Tensor,
-        mask: Tensor,
-        inputs: dict[str, Any],
-        metrics: Mapping[str, float],
+        self, mode: str, logps: Tensor, entropies: Tensor, mask: Tensor, inputs: dict[str, Any]
     ) -> None:
         """The metrics plain GRPOTrainer logs from its loss, same names and values: ``kl`` (bias-corrected when
-        TRL's ``use_bias_correction_kl`` is), ``entropy``, ``clip_ratio/low_mean``, ``clip_ratio/high_mean``,
-        ``clip_ratio/region_mean``, ``clip_ratio/low_min``, ``clip_ratio/high_max`` (``aux_loss`` for MoE models
-        is logged in :meth:`_compute_loss`)."""
+        TRL's ``use_bias_correction_kl`` is), ``entropy``, and by loss type ``clip_ratio/*`` (the clip family),
+        ``cispo_clip_ratio`` or ``vespo/phi_seq_mean`` (``aux_loss`` for MoE models and ``policy_loss`` /
+        ``entropy_coef`` with the entropy bonus are logged in :meth:`_compute_loss`)."""
 
         def global_masked_mean(x: Tensor) -> float:
-            totals = self.accelerator.reduce(
-                torch.stack([(x * mask).sum(), mask.sum().float()]), reduction="sum"
-            )
+            if x.shape[1] == 1:  # sequence level: one value per sequence
+                local = torch.stack([x.sum(), torch.tensor(float(x.shape[0]), device=x.device)])
+            else:
+                local = torch.stack([(x * mask).sum(), mask.sum().float()])
+            totals = self.accelerator.reduce(local, reduction="sum")
             return float((totals[0] / totals[1].clamp(min=1.0)).item())
 
-        def masked_seq_mean(x: Tensor) -> Tensor:
-            return (x * mask).sum(-1) / mask.sum(-1)  # NaN for an empty row, skipped by nanmin/nanmax (TRL)
+        def masked_seq_mean(x: Tensor) -> Tensor:  # NaN for an empty row, skipped by nanmin/nanmax (TRL)
+            return x.squeeze(1) if x.shape[1] == 1 else (x * mask).sum(-1) / mask.sum(-1)
 
         old = inputs.get("old_per_token_logps")
-        coef = torch.ones_like(logps) if old is None else torch.exp(logps.detach() - old)
+        log_ratio = logps.detach() - (logps.detach() if old is None else old)
+        m = self._metrics[mode]
+        coef = torch.exp(log_importance_weights(log_ratio, mask, self.importance_sampling_level))
         if self.beta != 0.0:
             ref = inputs["ref_per_token_logps"]
             kl = torch.exp(ref - logps.detach()) - (ref - logps.detach()) - 1
             if self.args.use_bias_correction_kl:
                 kl = kl * coef
-            self._metrics[mode]["kl"].append(global_masked_mean(kl))
-        self._metrics[mode]["entropy"].append(global_masked_mean(entropies.detach()))
+            m["kl"].append(global_masked_mean(kl))
+        m["entropy"].append(global_masked_mean(entropies.detach()))
         adv = inputs["advantages"].unsqueeze(1) if inputs["advantages"].dim() == 1 else inputs["advantages"]
-        low = ((coef < 1 - self.epsilon_low) & (adv < 0)).float()
-        high = ((coef > 1 + self.epsilon_high) & (adv > 0)).float()
-        self._metrics[mode]["clip_ratio/low_mean"].append(global_masked_mean(low))
-        self._metrics[mode]["clip_ratio/high_mean"].append(global_masked_mean(high))
-        self._metrics[mode]["clip_ratio/region_mean"].append(global_masked_mean(torch.maximum(low, high)))
-        low_rows = self.accelerator.gather(masked_seq_mean(low))
-        high_rows = self.accelerator.gather(masked_seq_mean(high))
-        self._metrics[mode]["clip_ratio/low_min"].append(nanmin(low_rows).item())
-        self._metrics[mode]["clip_ratio/high_max"].append(nanmax(high_rows).item())
+        if self.loss_type == "cispo":
+            m["cispo_clip_ratio"].append(global_masked_mean(((coef > self.epsilon_high) & (adv > 0)).float()))
+        elif self.loss_type == "vespo":
+            phi = vespo_weights(
+                adv, log_ratio, mask, inputs.get("importance_sampling_ratio"), *self._vespo_shape()
+            )
+            m["vespo/phi_seq_mean"].append(global_masked_mean(phi))
+        elif self.loss_type != "sapo":
+            low = ((coef < 1 - self.epsilon_low) & (adv < 0)).float()
+            high = ((coef > 1 + self.epsilon_high) & (adv > 0)).float()
+            m["clip_ratio/low_mean"].append(global_masked_mean(low))
+            m["clip_ratio/high_mean"].append(global_masked_mean(high))
+            m["clip_ratio/region_mean"].append(global_masked_mean(torch.maximum(low, high)))
+            m["clip_ratio/low_min"].append(nanmin(self.accelerator.gather(masked_seq_mean(low))).item())
+            m["clip_ratio/high_max"].append(nanmax(self.accelerator.gather(masked_seq_mean(high))).item())
+
+    def _vespo_shape(self) -> tuple[float, float, float, float]:
+        a = self.args
+        return a.vespo_k_pos, a.vespo_lambda_pos, a.vespo_k_neg, a.vespo_lambda_neg
+
+    def _surrogate_masks(
+        self, logps: Tensor, entropies: Tensor, mask: Tensor, inputs: dict[str, Any]
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """TRL's high-entropy token mask (``top_entropy_quantile``) and off-policy sequence mask
+        (``off_policy_mask_threshold``), computed by GRPOTrainer's own methods: (their product, the entropy mask)."""
+        entropy_mask = None
+        if self.top_entropy_quantile < 1.0:
+            entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
+        keep = entropy_mask
+        if self.off_policy_mask_threshold is not None:
+            adv = (
+                inputs["advantages"].unsqueeze(1) if inputs["advantages"].dim() == 1 else inputs["advantages"]
+            )
+            old = inputs.get("old_per_token_logps")
+            old = logps.detach() if old is None else old
+            off = self.get_off_policy_mask(
+                advantages=adv,
+                per_token_logps=logps,
+                sampling_per_token_logps=inputs.get("sampling_per_token_logps", old),
+                mask=mask,
+                off_policy_threshold=self.off_policy_mask_threshold,
+            )
+            keep = off if keep is None else off * keep
+        return keep, entropy_mask
+
+    def _entropy_bonus(self, entropies: Tensor, mask: Tensor, mode: str, policy: Tensor) -> Tensor | None:
+        """TRL's entropy bonus ``coef · H`` (H the mean entropy over ``mask``, scaled for accumulation), to subtract
+        from the loss; ``use_adaptive_entropy`` moves ``coef`` once per optimiser step from the window's entropy."""
+        if not self._entropy_bonus_enabled:
+            return None
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        h = (entropies * mask).sum() / mask.sum().clamp(min=1.0) / accumulation
+        coef = self.entropy_coef
+        if self.use_adaptive_entropy and self._last_world_entropy > self.args.entropy_target:
+            coef = 0.0
+        self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy).nanmean().item())
+        if self.use_adaptive_entropy and mode == "train":
+            self._adapt_entropy_coef(torch.stack([(entropies * mask).sum(), mask.sum()]).detach())
+        if mode == "train" and self.accelerator.sync_gradients:
+            self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
+        return coef * h
+
+    def _adapt_entropy_coef(self, stats: Tensor) -> None:
+        """Accumulate (Σ entropy, tokens) over the window; at its end move ``entropy_coef`` by ``entropy_coef_delta``
+        towards ``entropy_target`` from the global mean, within [``entropy_coef_min``, ``entropy_coef_max``]."""
+        window: Tensor | None = self._entropy_window_stats
+        window = stats if window is None else window + stats
+        self._entropy_window_stats = window  # type: ignore[assignment]  # TRL declares it None at construction
+        if not self.accelerator.sync_gradients:
+            return
+        totals = self.accelerator.reduce(window, reduction="sum")
+        world = (totals[0] / totals[1].clamp(min=1.0)).item()
+        a = self.args
+        if world <= a.entropy_target:
+            self.entropy_coef = min(self.entropy_coef + a.entropy_coef_delta, a.entropy_coef_max)
+        else:
+            self.entropy_coef = max(self.entropy_coef - a.entropy_coef_delta, a.entropy_coef_min)
+        self._last_world_entropy = world
+        self._entropy_window_stats = None
 
     def _log_composer_metrics(self, mode: str, policy: Tensor, result: Any, total: Tensor) -> None:
         """Accumulate each channel's contribution over the accumulation window; log once per optimiser step.
@@ -866,6 +939,31 @@ class _TAIDCallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         self.trainer._taid_step()
         return control
+
+
+def _with_composer_config(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """GRPOTrainer's arguments with ``args`` made a :class:`ComposerGRPOConfig`: ``None`` → TRL's default config
+    (``"<model>-GRPO"``), a plain ``GRPOConfig`` → its options with the channels off (a plain swap)."""
+    kwargs = dict(kwargs)
+    names = ("model", "reward_funcs", "args")
+    for name, value in zip(names, args):
+        kwargs[name] = value
+    args = args[len(names) :]
+    targs = kwargs.get("args")
+    if targs is None:
+        model = kwargs.get("model")
+        name = model if isinstance(model, str) else get_config_model_id(model.config)  # type: ignore[union-attr]
+        targs = ComposerGRPOConfig(f"{name.split('/')[-1]}-GRPO")
+    elif not isinstance(targs, ComposerGRPOConfig):
+        if not isinstance(targs, GRPOConfig):
+            raise ValueError(
+                f"ComposerGRPOTrainer's `args` must be a GRPOConfig or ComposerGRPOConfig, got {type(targs).__name__}."
+            )
+        targs = ComposerGRPOConfig.from_grpo_config(targs)
+    kwargs["args"] = targs
+    return args, kwargs
 
 
 def check_channel_inputs(args: ComposerGRPOConfig, columns: set[str] | None, *, hint_fn: bool) -> None:

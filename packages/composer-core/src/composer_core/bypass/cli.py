@@ -14,7 +14,9 @@ console script under torchrun); gloo on CPU, NCCL when CUDA is available.
 Exit status: 0 done (or skipped: a completed run re-run writes nothing, so it also works from a
 read-only disk); 2 bad config or input, or a checkpoint that cannot be used (one line naming it);
 3 an output file cannot be written (disk full, read-only or unwritable output directory: one
-line naming the path and the cause; the interrupted checkpoint is set aside on the next run).
+line naming the path and the cause; the interrupted checkpoint is set aside on the next run);
+4 another rank died (its process on this host is gone): each surviving rank prints one line
+naming its rank, host and pid; rerun every rank to resume.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from torch import Tensor
 from composer_core.bypass.checkpoint import safetensors_write_error
 from composer_core.bypass.config import BypassConfig, config_from_dict, student_from_dict
 from composer_core.bypass.data import load_tokens, synthetic_tokens
-from composer_core.bypass.distributed import DistContext
+from composer_core.bypass.distributed import DistContext, PeerDiedError
 from composer_core.bypass.export import export_sharded
 from composer_core.bypass.protocol import BlockwiseModel
 from composer_core.bypass.reference import ReferenceDecoder
@@ -139,6 +141,7 @@ def _init_distributed() -> None:
 
 EXIT_BAD_INPUT = 2
 EXIT_CANNOT_WRITE = 3
+EXIT_PEER_DIED = 4
 
 
 def _finish(result: BypassResult, config: BypassConfig, plot: bool | None, ctx: DistContext) -> None:
@@ -188,7 +191,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.epilog = (
         "exit status: 0 done or skipped (already complete); 2 bad config/input or unusable checkpoint; "
-        "3 an output file cannot be written (disk full, read-only or unwritable directory)"
+        "3 an output file cannot be written (disk full, read-only or unwritable directory); 4 another rank "
+        "died (one line naming it)"
     )
     args = parser.parse_args(argv)
     if args.keep_last is not None and args.keep_last < 0:
@@ -198,6 +202,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, ImportError) as exc:
         print(f"composer-bypass: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except PeerDiedError as exc:
+        print(f"composer-bypass: error: {exc}", file=sys.stderr)
+        return EXIT_PEER_DIED
     except OSError as exc:  # disk full, read-only, permissions: one line, no traceback
         code = errno.errorcode.get(exc.errno or 0, "")
         cause = f"{exc.strerror or exc}{f' ({code})' if code else ''}"
@@ -219,15 +226,20 @@ def _run(args: argparse.Namespace) -> int:
     configs = [base.with_student(student_from_dict(s)) for s in sweep] if sweep else [base]
     _init_distributed()
     ctx = DistContext.current()
-    teacher = load_teacher(dict(raw.get("teacher", {})), ctx)
-    tokens = load_data(dict(raw.get("data", {})))
+    processes = ctx.processes()  # to name a rank whose death breaks a collective
     try:
+        teacher = load_teacher(dict(raw.get("teacher", {})), ctx)
+        tokens = load_data(dict(raw.get("data", {})))
         for config in configs:
             result = run_bypass(
                 teacher, tokens, config, resume=not args.no_resume, progress=not args.no_progress
             )
             _finish(result, config, plot, ctx)
             ctx.barrier()
+    except RuntimeError:
+        if ctx.active:
+            ctx.raise_if_peer_died(processes)
+        raise
     finally:
         if ctx.active:
             dist.destroy_process_group()

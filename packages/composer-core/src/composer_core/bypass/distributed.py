@@ -14,7 +14,9 @@ point, best) are made on rank 0 and broadcast. Every tensor a rank creates lives
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import socket
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -23,6 +25,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 T = TypeVar("T")
+
+
+class PeerDiedError(RuntimeError):
+    """A collective failed because another rank's process is gone; the message names it."""
 
 
 def partition_blocks(num_blocks: int, world_size: int) -> list[range]:
@@ -179,3 +185,37 @@ class DistContext:
         while self._pending:
             work, _payload = self._pending.pop(0)
             work.wait()
+
+    def processes(self) -> list[tuple[str, int]]:
+        """(host name, pid) of every rank (list indexed by rank): what :meth:`raise_if_peer_died` checks."""
+        return self.gather((socket.gethostname(), os.getpid()))
+
+    def raise_if_peer_died(self, processes: Sequence[tuple[str, int]], wait_s: float = 2.0) -> None:
+        """After a failed collective: :class:`PeerDiedError` naming the ranks on this host whose process is
+        gone (dead or a zombie; polled up to ``wait_s``). Ranks on other hosts cannot be checked from here."""
+        host = socket.gethostname()
+        deadline = time.monotonic() + wait_s
+        while True:
+            gone = [r for r, (h, pid) in enumerate(processes) if r != self.rank and h == host and _gone(pid)]
+            if gone or time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
+        if gone:
+            names = ", ".join(f"rank {r} (host {processes[r][0]}, pid {processes[r][1]})" for r in gone)
+            raise PeerDiedError(
+                f"{names} died (killed or crashed), so rank {self.rank} stopped; "
+                "rerun every rank to resume from the last complete checkpoint"
+            )
+
+
+def _gone(pid: int) -> bool:
+    """The process has exited (or is a zombie nobody reaped yet)."""
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as f:  # Linux: the state is the field after "(comm)"
+            stat = f.read()
+    except ProcessLookupError:
+        return True
+    except OSError:  # another user's process, or no /proc: alive as far as we can tell
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] in ("Z", "X")

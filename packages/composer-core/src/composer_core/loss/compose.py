@@ -70,7 +70,8 @@ class ComposerBatch:
         old_logprobs: [B, T] sampling-time policy log-probs (None → ratio 1).
         ref_logprobs: [B, T] reference-model log-probs (for ``kl_beta != 0``).
         inference_logprobs: [B, T] inference-engine log-probs (for ``rollout_correction``).
-        rollout_is_weights: [B, T] precomputed detached rollout IS weights.
+        rollout_is_weights: [B, T] (or [B, 1]) precomputed detached rollout IS weights.
+        surrogate_mask: [B, T] or [B, 1] tokens whose surrogate counts (e.g. TRL's entropy / off-policy masks).
 
     Channel 2 (SDPO; any one form, plus ``sdpo_mask``):
         sdpo_mask: [B, T] tokens to distil (e.g. the targeted span, 0 for samples without a hint);
@@ -95,6 +96,7 @@ class ComposerBatch:
     ref_logprobs: Tensor | None = None
     inference_logprobs: Tensor | None = None
     rollout_is_weights: Tensor | None = None
+    surrogate_mask: Tensor | None = None
     sdpo_mask: Tensor | None = None
     student_logits: Tensor | None = None
     teacher_logits: Tensor | None = None
@@ -340,6 +342,14 @@ def _compose(
         dppo_mask_high=p.dppo_mask_high,
         normalizer=norms[0],
         max_completion_length=p.max_completion_length,
+        importance_sampling_level=p.importance_sampling_level,
+        surrogate_mask=batch.surrogate_mask,
+        sapo_temperature_pos=p.sapo_temperature_pos,
+        sapo_temperature_neg=p.sapo_temperature_neg,
+        vespo_k_pos=p.vespo_k_pos,
+        vespo_lambda_pos=p.vespo_lambda_pos,
+        vespo_k_neg=p.vespo_k_neg,
+        vespo_lambda_neg=p.vespo_lambda_neg,
     )
     metrics: dict[str, Tensor | float] = pol.metrics.tensors()
     total = pol.loss

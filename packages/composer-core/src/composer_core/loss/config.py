@@ -38,6 +38,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 from composer_core.loss.distill import DEFAULT_CHUNK_SIZE, check_chunk_size
 from composer_core.loss.policy import (
+    CLIP_LOSS_TYPES,
     LOSS_TYPES,
     ROLLOUT_MODES,
     KLEstimator,
@@ -45,6 +46,7 @@ from composer_core.loss.policy import (
     RolloutCorrection,
 )
 from composer_core.loss.preference import DPOLossType
+from composer_core.loss.surrogates import IS_LEVELS, ISLevel
 from composer_core.loss.validation import check_bool
 
 __all__ = [
@@ -102,7 +104,8 @@ class PolicyOptions:
     ``rollout_clip_max``/``rollout_clip_min`` act only with a ``rollout_correction`` weight mode
     (``token_*``/``sequence_*``), ``dppo_mask_low``/``dppo_mask_high`` only with ``rollout_correction=
     'dppo_mask'``, ``kl_estimator`` and ``kl_bias_correction`` only with ``kl_beta != 0``, ``max_completion_length`` only with
-    ``loss_type='dr_grpo'``: a non-default value outside its mode raises ``ValueError``.
+    ``loss_type='dr_grpo'``, ``delta`` only with a clip loss type, ``sapo_*``/``vespo_*`` only with their loss
+    type: a non-default value outside its mode raises ``ValueError``.
     """
 
     loss_type: LossType = "dapo"
@@ -118,9 +121,19 @@ class PolicyOptions:
     dppo_mask_low: float = 0.2
     dppo_mask_high: float = 0.2
     max_completion_length: int | None = None
+    importance_sampling_level: ISLevel = "token"
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
 
     def __post_init__(self) -> None:
         _choice("loss_type", self.loss_type, LOSS_TYPES)
+        _choice("importance_sampling_level", self.importance_sampling_level, IS_LEVELS)
+        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            _finite(name, getattr(self, name), low=0.0, strict=True)
         _choice("kl_estimator", self.kl_estimator, ("k1", "k2", "k3"))
         _choice("rollout_correction", self.rollout_correction, (None, *ROLLOUT_MODES, "dppo_mask"))
         _finite("kl_beta", self.kl_beta, low=0.0)
@@ -146,6 +159,16 @@ class PolicyOptions:
         for name in ("kl_estimator", "kl_bias_correction"):
             if self.kl_beta == 0.0 and _non_default(self, name):
                 out.append(f"`{name}`={getattr(self, name)!r} (acts only with kl_beta != 0)")
+        if self.loss_type not in CLIP_LOSS_TYPES and _non_default(self, "delta"):
+            out.append(f"`delta`={self.delta!r} (acts only with loss_type={'/'.join(CLIP_LOSS_TYPES)})")
+        for prefix in ("sapo", "vespo"):
+            for f in dataclasses.fields(self):
+                if (
+                    f.name.startswith(prefix + "_")
+                    and self.loss_type != prefix
+                    and _non_default(self, f.name)
+                ):
+                    out.append(f"`{f.name}`={getattr(self, f.name)!r} (acts only with loss_type={prefix!r})")
         return out
 
 

@@ -20,6 +20,14 @@ import torch
 from torch import Tensor
 
 from composer_core.loss.metrics import Metrics
+from composer_core.loss.surrogates import (
+    IS_LEVELS,
+    ISLevel,
+    cispo_surrogate,
+    log_importance_weights,
+    sapo_surrogate,
+    vespo_weights,
+)
 from composer_core.loss.validation import (
     as_mask,
     check_choice,
@@ -41,12 +49,13 @@ __all__ = [
     "rollout_correction_weights",
 ]
 
-LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "luspo"]
 KLEstimator = Literal["k1", "k2", "k3"]
 RolloutMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 RolloutCorrection = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "dppo_mask"]
 
-LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo")
+LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "luspo")
+CLIP_LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the PPO clip surrogate
 ROLLOUT_MODES: tuple[str, ...] = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
@@ -159,12 +168,13 @@ def aggregate_loss(
 ) -> Tensor:
     """Reduce a [B, T] per-token loss to a scalar (TRL ``loss_type`` / verl ``loss_agg_mode``).
 
-    - ``grpo``: ``mean_i(Σ_t L·m / Σ_t m)`` (GRPO paper); with ``normalizer`` (global number of sequences):
-      ``Σ_i(...) / normalizer``.
+    - ``grpo``, ``sapo``: ``mean_i(Σ_t L·m / Σ_t m)`` (GRPO paper); with ``normalizer`` (global number of
+      sequences): ``Σ_i(...) / normalizer``.
+    - ``luspo``: ``mean_i(Σ_t L·m)`` (a per-sequence sum; ``normalizer`` as for ``grpo``).
     - ``bnpo``: ``Σ L·m / Σ m`` over the local micro-batch; ``normalizer`` is rejected.
     - ``dr_grpo``: ``Σ L·m / (B·L_max)`` (Dr. GRPO, arXiv 2503.20783), ``L_max = max_completion_length``
       (default T); ``normalizer`` replaces ``B·L_max``.
-    - ``dapo``: ``Σ L·m / normalizer`` with ``normalizer`` = global active-token count (DAPO token-level
+    - ``dapo``, ``cispo``, ``vespo``: ``Σ L·m / normalizer`` with ``normalizer`` = global active-token count (DAPO token-level
       loss); ``None`` → local ``Σ m``.
 
     Passing the global count over all micro-batches and ranks makes gradient accumulation exact: the
@@ -189,8 +199,11 @@ def _aggregate(
     """:func:`aggregate_loss` on validated inputs (``m`` a float mask in the loss dtype); option checks only."""
     if max_completion_length is not None and loss_type != "dr_grpo":
         raise ValueError(f"`max_completion_length` is only used by loss_type='dr_grpo', not {loss_type!r}.")
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         per_seq = (per_token_loss * m).sum(-1) / m.sum(-1).clamp(min=1.0)
+        return per_seq.mean() if normalizer is None else per_seq.sum() / normalizer
+    if loss_type == "luspo":
+        per_seq = (per_token_loss * m).sum(-1)
         return per_seq.mean() if normalizer is None else per_seq.sum() / normalizer
     if loss_type == "bnpo":
         if normalizer is not None:
@@ -386,11 +399,23 @@ def policy_loss(
     dppo_mask_high: float = 0.2,
     normalizer: float | Tensor | None = None,
     max_completion_length: int | None = None,
+    importance_sampling_level: ISLevel = "token",
+    surrogate_mask: Tensor | None = None,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
 ) -> PolicyLossOutput:
     """GRPO-family policy loss, op order of TRL 1.16 ``GRPOTrainer._compute_loss``.
 
-    ``L_t = −min(ρA, clip(ρ, 1−ε_lo, 1+ε_hi)A) · w_t + kl_beta·KL_t``, aggregated by ``loss_type`` (see
-    :func:`aggregate_loss`); ``ρ = exp(ℓθ − ℓold)``, ``w_t`` the rollout-correction weight.
+    ``L_t = S_t(ρ, A) · k_t · w_t + kl_beta·KL_t``, aggregated by ``loss_type`` (see :func:`aggregate_loss`);
+    ``ρ = exp(ℓθ − ℓold)`` per token, or GSPO's length-normalised sequence ratio [B, 1]
+    (``importance_sampling_level='sequence'``); ``k_t`` the ``surrogate_mask``; ``w_t`` the rollout-correction
+    weight. The surrogate ``S_t`` by ``loss_type``: ``grpo``/``bnpo``/``dr_grpo``/``dapo``/``luspo``
+    ``−min(ρA, clip(ρ, 1−ε_lo, 1+ε_hi)A)``; ``cispo``/``sapo``/``vespo`` see :mod:`composer_core.loss.surrogates`
+    (for ``vespo`` the rollout weight enters the gamma weight instead of multiplying ``S_t``).
 
     Args:
         logprobs: [B, T] log-prob of each sampled token under the current policy (with grad).
@@ -410,6 +435,11 @@ def policy_loss(
             importance-sampling correction of TRL's ``use_bias_correction_kl=True`` (its default): the KL is
             estimated on samples of πold, not πθ. Needs ``kl_beta != 0``.
         normalizer / max_completion_length: see :func:`aggregate_loss`.
+        importance_sampling_level: ``'token'`` or ``'sequence'`` (GSPO, arXiv 2507.18071).
+        surrogate_mask: [B, T] or [B, 1] bool/0-1 tokens whose surrogate counts (TRL's high-entropy mask and
+            off-policy sequence mask); the KL term and the aggregation's denominators ignore it.
+        sapo_temperature_pos / sapo_temperature_neg: SAPO's τ for ``A > 0`` / ``A ≤ 0`` (``loss_type='sapo'``).
+        vespo_k_pos / vespo_lambda_pos / vespo_k_neg / vespo_lambda_neg: VESPO's gamma shape (``'vespo'``).
 
     Metrics: ``policy/clip_ratio`` (masked mean of clipped tokens), ``policy/kl`` (if ``kl_beta``),
     ``policy/rollout_is_weight`` (masked mean weight) or ``policy/dppo_masked`` (masked fraction).
@@ -424,9 +454,15 @@ def policy_loss(
     if old_logprobs is not None:
         check_float("old_logprobs", old_logprobs)
         check_same_shape("logprobs", logprobs, "old_logprobs", old_logprobs)
+    check_choice("importance_sampling_level", importance_sampling_level, IS_LEVELS)
+    if surrogate_mask is not None and surrogate_mask.shape not in (logprobs.shape, (logprobs.shape[0], 1)):
+        raise ValueError(
+            f"`surrogate_mask` must be [B, T] = {tuple(logprobs.shape)} or [B, 1], got {tuple(surrogate_mask.shape)}."
+        )
     if rollout_is_weights is not None:
         check_float("rollout_is_weights", rollout_is_weights)
-        check_same_shape("logprobs", logprobs, "rollout_is_weights", rollout_is_weights)
+        if rollout_is_weights.shape != (logprobs.shape[0], 1):  # TRL's sequence-level modes give [B, 1]
+            check_same_shape("logprobs", logprobs, "rollout_is_weights", rollout_is_weights)
         if rollout_correction is not None:
             raise ValueError(
                 "pass either precomputed `rollout_is_weights` or `rollout_correction` (computed here), not both."
@@ -489,18 +525,34 @@ def policy_loss(
 
     # Same op sequence as TRL 1.16 GRPOTrainer._compute_loss (graph-creation order fixes the order in which
     # autograd accumulates gradients, so even the gradients are bit-identical).
+    m_f = m_bool.to(logprobs.dtype)
     log_ratio = logprobs - old.detach()
-    coef_1 = torch.exp(log_ratio)
+    coef_1 = torch.exp(log_importance_weights(log_ratio, m_f, importance_sampling_level))
     per_token_kl: Tensor | None = None
     if kl_beta != 0.0:
         assert ref is not None
         per_token_kl = _kl_unchecked(logprobs, ref, kl_estimator)
         if kl_bias_correction:
             per_token_kl = per_token_kl * coef_1  # TRL 1.16: after the KL, before the δ clamp of the ratio
-    per_token_loss, is_clipped = _surrogate_from_ratio(coef_1, adv, eps_lo, eps_hi, delta)
     metrics: dict[str, Tensor | float] = {}
-    m_f = m_bool.to(logprobs.dtype)
     n_tok = m_f.sum().clamp(min=1.0)
+    if loss_type in CLIP_LOSS_TYPES:
+        per_token_loss, is_clipped = _surrogate_from_ratio(coef_1, adv, eps_lo, eps_hi, delta)
+    elif loss_type == "cispo":
+        per_token_loss = cispo_surrogate(coef_1, adv, logprobs, eps_hi)
+        is_clipped = ((coef_1 > eps_hi) & (adv > 0)).detach().expand_as(per_token_loss)
+    elif loss_type == "sapo":
+        per_token_loss = sapo_surrogate(coef_1, adv, sapo_temperature_pos, sapo_temperature_neg)
+        is_clipped = torch.zeros_like(per_token_loss, dtype=torch.bool)
+    else:  # vespo: the rollout IS weight is folded into the gamma weight
+        vespo = (vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg)
+        phi = vespo_weights(adv, log_ratio, m_f, rollout_is_weights, *vespo)
+        per_token_loss = -phi * adv * logprobs
+        is_clipped = torch.zeros_like(per_token_loss, dtype=torch.bool)
+        metrics["policy/vespo_phi"] = (phi.expand_as(m_f) * m_f).sum() / n_tok
+        rollout_is_weights = None
+    if surrogate_mask is not None:
+        per_token_loss = per_token_loss * surrogate_mask
 
     if rollout_correction == "dppo_mask":
         assert inference_logprobs is not None

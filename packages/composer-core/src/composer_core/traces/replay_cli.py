@@ -11,11 +11,12 @@ them, and write :class:`~composer_core.traces.records.TraceRecord` rows. Request
 failed go to ``<out>.failures.jsonl`` with their reason; per-teacher accounting to
 ``<out>.summary.json`` and the terminal.
 
-Exit status (all outputs are written first, whatever the status):
+Exit status (with 0, 3 and 4 all outputs are written first):
 
 - 0: done; at most ``--max-failure-rate`` of the teacher requests failed
 - 1: an unexpected error (a traceback)
-- 2: bad arguments or input (one line naming the argument)
+- 2: bad arguments or input (one line naming the argument); also, before any request or output, the
+  ``replay`` extra (httpx) is not installed or a teacher's ``api_key_env`` variable is unset or empty
 - 3: every teacher request failed (nothing usable came back: check keys, URLs, the endpoints)
 - 4: more than ``--max-failure-rate`` (default 0.5) of the teacher requests failed
 """
@@ -26,6 +27,7 @@ import argparse
 import asyncio
 import importlib
 import json
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -42,7 +44,14 @@ from .hints import (
 )
 from .pairs import PreferencePair, Verifier, filter_pairs, make_pair
 from .records import TraceRecord, write_records
-from .replay import DEFAULT_MAX_RESPONSE_BYTES, Replayer, ReplayJob, ReplayResult, load_teachers
+from .replay import (
+    DEFAULT_MAX_RESPONSE_BYTES,
+    Replayer,
+    ReplayJob,
+    ReplayResult,
+    TeacherConfig,
+    load_teachers,
+)
 from .schema import Episode, ErrorSite, find_error_sites, read_traces
 
 __all__ = ["EXIT_ALL_FAILED", "EXIT_TOO_MANY_FAILED", "BuildResult", "build_records", "main", "plot_summary"]
@@ -237,8 +246,9 @@ def _parser() -> argparse.ArgumentParser:
         prog="composer-replay",
         description="Replay N teacher models at the states of agent traces; write SDPO sites and preference pairs.",
         epilog=(
-            "exit status: 0 done; 1 unexpected error; 2 bad arguments or input; 3 every teacher request "
-            "failed; 4 more than --max-failure-rate of them failed (outputs are written in every case)"
+            "exit status: 0 done; 1 unexpected error; 2 bad arguments or input, the replay extra missing or a "
+            "teacher's api_key_env unset (one line, before any request or output); 3 every teacher request "
+            "failed; 4 more than --max-failure-rate of them failed (0, 3, 4: outputs are written)"
         ),
     )
     ap.add_argument(
@@ -353,6 +363,22 @@ def _exit_status(result: BuildResult, max_failure_rate: float, failures_path: Pa
     return 0
 
 
+def _usable_teachers(path: str) -> list[TeacherConfig] | str:
+    """The teachers of ``path``, or one line saying why none can be asked (checked before any request)."""
+    try:
+        importlib.import_module("httpx")
+    except ImportError as e:
+        return f"--teachers needs the module {e.name or 'httpx'} (replay extra): pip install 'composer-core[replay]'"
+    teachers = load_teachers(path)
+    for t in teachers:
+        if t.api_key_env and not os.environ.get(t.api_key_env):
+            return (
+                f"teacher {t.name!r}: its api_key_env variable {t.api_key_env} is not set or empty; "
+                f"export {t.api_key_env}=... or drop api_key_env from {path}"
+            )
+    return teachers
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -361,12 +387,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.max_response_bytes < 1:
         parser.error(f"--max-response-bytes must be >= 1, got {args.max_response_bytes}")
     out = Path(args.out)
+    teachers = _usable_teachers(args.teachers) if args.teachers else []
+    if isinstance(teachers, str):
+        print(f"composer-replay: error: {teachers}", file=sys.stderr)
+        return 2
     episodes = [ep for path in args.traces for ep in read_traces(path, args.format)]
     replayer = None
-    if args.teachers:
+    if teachers:
         cache = Path(args.cache_dir) if args.cache_dir else out.with_name(out.name + ".cache")
         replayer = Replayer(
-            load_teachers(args.teachers),
+            teachers,
             cache,
             max_concurrency=args.max_concurrency,
             max_response_bytes=args.max_response_bytes,
