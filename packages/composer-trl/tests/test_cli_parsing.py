@@ -186,3 +186,25 @@ def test_unset_channel_weights_are_chosen_from_the_data_in_one_line(tmp_path):
     chosen, line = choose_channels({}, {"prompt", "hint", "chosen", "rejected"}, hints=False)
     assert chosen == {"alpha_sdpo": 1.0, "beta_replay": 1.0} and "hints teach" in line
     assert choose_channels({"alpha_sdpo": 0, "beta_replay": 0}, set(), hints=False) == ({}, "")
+
+
+def test_reward_funcs_are_found_as_trl_grpo_finds_them(tmp_path, monkeypatch):
+    """Issue 52: a reward.py in the working directory by `module.function` (TRL's form) or `module:function`, and
+    TRL's built-in reward names; a bad form says which forms work."""
+    import sys
+
+    from composer_trl.recipe import import_callable
+    from trl.rewards import think_format_reward
+
+    (tmp_path / "cwd_reward_52.py").write_text(
+        "def f(completions, **kw):\n    return [1.0] * len(completions)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert import_callable("cwd_reward_52.f", "reward_funcs")(completions=["a"]) == [1.0]
+    assert import_callable("cwd_reward_52:f", "reward_funcs")(completions=["a"]) == [1.0]
+    assert import_callable("think_format_reward", "reward_funcs") is think_format_reward
+    with pytest.raises(ValueError, match=r"'module.function' or 'module:function' or one of TRL's"):
+        import_callable("f", "reward_funcs")
+    with pytest.raises(ValueError, match=r"cannot be imported .*No module named 'nope_52'"):
+        import_callable("nope_52.f", "reward_funcs")

@@ -144,3 +144,29 @@ def test_liger_kernel_config_is_accepted(tmp_path, h):
 
     args = h.grpo_args(tmp_path, composer=False, use_liger_kernel=True)
     assert ComposerGRPOConfig.from_grpo_config(args).use_liger_kernel is True
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        {"loss_type": "vespo", **VLLM, "vllm_importance_sampling_mode": "token_truncate"},
+        {"loss_type": "sapo", "importance_sampling_level": "sequence", "top_entropy_quantile": 0.5},
+        {"loss_type": "cispo", "epsilon_high": 2.0, "off_policy_mask_threshold": 0.0, "entropy_coef": 0.05},
+    ],
+    ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()),
+)
+def test_channels_on_combine_with_the_grpo_options(
+    case, monkeypatch, tmp_path, model_dir, tokenizer, dataset, h
+):
+    """The policy options act on channel 1; channels 2 and 3 train beside them (all three losses logged > 0)."""
+    from composer_core.tasks.digit_reversal import reverse_hints
+
+    if case.get("use_vllm"):
+        monkeypatch.setattr("trl.trainer.grpo_trainer.VLLMGeneration", StandInVLLM)
+    args = h.grpo_args(tmp_path, num_iterations=2, max_steps=2, dpo_variant="simpo", **case)
+    trainer = h.make_trainer(model_dir, tokenizer, dataset, args, hint_fn=reverse_hints)
+    trainer.train()
+    rows = [r for r in trainer.state.log_history if "loss" in r]
+    assert len(rows) == 2
+    for r in rows:
+        assert math.isfinite(r["loss"]) and r["composer/loss/sdpo"] > 0 and r["composer/replay/pairs"] > 0

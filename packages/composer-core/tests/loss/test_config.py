@@ -379,3 +379,13 @@ def test_sdpo_chunk_size_is_rows_or_none_for_a_budget_of_logits(value: object, w
 def test_invalid_sdpo_chunk_size_names_the_option(value: object) -> None:
     with pytest.raises(ValueError, match="`sdpo_chunk_size`"):
         ComposeConfig.from_flat(sdpo_chunk_size=value)
+
+
+def test_dpo_label_smoothing_range_per_loss_type_is_checked_at_construction() -> None:
+    from composer_core.loss.config import DPO
+
+    assert DPO(label_smoothing=0.5).label_smoothing == 0.5  # cDPO's ε = 0.5 is valid for the sigmoid loss
+    for kwargs in ({"label_smoothing": 0.6}, {"loss_type": "robust", "label_smoothing": 0.5},
+                   {"loss_type": "ipo", "label_smoothing": 0.1}):  # fmt: skip
+        with pytest.raises(ValueError, match="dpo_label_smoothing"):
+            DPO(**kwargs)  # type: ignore[arg-type]

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from composer_core.loss.config import ComposeConfig, flat_defaults
-from composer_core.loss.distill import check_chunk_size
 from composer_core.loss.policy import CLIP_LOSS_TYPES
 from composer_core.sdpo import TeacherContextOptions, TeacherWeightsOptions
 from trl import GRPOConfig
@@ -242,56 +241,24 @@ class ComposerGRPOConfig(GRPOConfig):
         return new
 
     def _check_composer(self) -> None:
-        """The composer options' checks (TRL's own ran in ``GRPOConfig.__post_init__``)."""
-        for name in ("alpha_sdpo", "beta_replay"):
-            value = getattr(self, name)
-            if not (isinstance(value, int | float) and 0.0 <= float(value) < float("inf")):
-                raise ValueError(f"`{name}`={value!r} must be a finite weight >= 0 (0 disables the channel).")
+        """The checks of the composer options this adapter adds; every option shared with composer_core is checked
+        once, by core's typed config built from these fields (TRL's own options ran in ``GRPOConfig.__post_init__``)."""
         _choice("sdpo_form", self.sdpo_form, ("full", "sampled", "topk"))
-        _choice("sdpo_wrapper", self.sdpo_wrapper, ("none", "taid", "entropy_opd"))
-        _choice("dpo_variant", self.dpo_variant, ("dpo", "simpo"))
-        _choice("dpo_loss_type", self.dpo_loss_type, ("sigmoid", "robust", "ipo"))
         _choice("replay_reference", self.replay_reference, ("auto", "model", "column"))
-        if not 0.0 <= self.sdpo_beta <= 1.0:
-            raise ValueError(
-                f"`sdpo_beta`={self.sdpo_beta!r} must lie in [0, 1] (0 forward KL, 1 reverse KL)."
-            )
-        if not self.sdpo_temperature > 0.0:
-            raise ValueError(f"`sdpo_temperature`={self.sdpo_temperature!r} must be > 0.")
-        if self.sdpo_token_clip is not None and not self.sdpo_token_clip > 0.0:
-            raise ValueError(f"`sdpo_token_clip`={self.sdpo_token_clip!r} must be > 0 or None (no clip).")
-        check_chunk_size("sdpo_chunk_size", self.sdpo_chunk_size)
-        if self.sdpo_wrapper != "none" and self.sdpo_form != "full":
-            raise ValueError(
-                f"sdpo_wrapper={self.sdpo_wrapper!r} needs the full-vocabulary distribution; set sdpo_form='full'."
-            )
-        if self.sdpo_wrapper == "taid":
-            if not 0.0 <= self.taid_t_start <= self.taid_t_end <= 1.0:
-                raise ValueError(
-                    f"TAID needs 0 <= taid_t_start <= taid_t_end <= 1, got {self.taid_t_start}, {self.taid_t_end}."
-                )
-            if self.max_steps is None or self.max_steps <= 0:
-                raise ValueError("sdpo_wrapper='taid' needs `max_steps` > 0 (the schedule's total_steps).")
-        # composer_core's typed config, built (and cached) from these fields: an option of a mode that is not
-        # selected, or one the resolved form ignores, raises here, at construction
+        if self.sdpo_wrapper == "taid" and (self.max_steps is None or self.max_steps <= 0):
+            raise ValueError("sdpo_wrapper='taid' needs `max_steps` > 0 (the schedule's total_steps).")
+        # composer_core's typed config, built (and cached) from these fields: a value out of range, an option of a
+        # mode that is not selected, or one the resolved form ignores, raises here, at construction
         self.compose_config  # noqa: B018
         if self.sdpo_wrapper != "taid" and (self.taid_alpha != 5e-4 or self.taid_momentum != 0.99):
             raise ValueError(
                 f"`taid_alpha`={self.taid_alpha!r} / `taid_momentum`={self.taid_momentum!r} act only with "
                 "sdpo_wrapper='taid'; select it or drop them."
             )
-        if self.entropy_opd_threshold < 0.0 or self.entropy_opd_weight < 0.0:
-            raise ValueError("`entropy_opd_threshold` and `entropy_opd_weight` must be >= 0.")
         if "{hint}" not in self.hint_template or "{prompt}" not in self.hint_template:
             raise ValueError(
                 f"`hint_template`={self.hint_template!r} must contain both '{{hint}}' and '{{prompt}}'."
             )
-        if not self.dpo_beta > 0.0 or not self.simpo_beta > 0.0:
-            raise ValueError(
-                f"`dpo_beta` and `simpo_beta` must be > 0, got {self.dpo_beta}, {self.simpo_beta}."
-            )
-        if not 0.0 <= self.dpo_label_smoothing < 0.5:
-            raise ValueError(f"`dpo_label_smoothing`={self.dpo_label_smoothing!r} must lie in [0, 0.5).")
         if self.max_replay_length is not None and self.max_replay_length < 1:
             raise ValueError(f"`max_replay_length`={self.max_replay_length!r} must be >= 1 or None.")
         self.teacher_context_options  # noqa: B018  (checks the templates and the context options)

@@ -5,8 +5,8 @@ A recipe file has optional top-level keys and one ``[trainer]`` table of
 
     model = "Qwen/Qwen2.5-0.5B-Instruct"     # local directory or hub id (default: tiny Qwen2 from config)
     dataset = "data/train.jsonl"              # json/jsonl/parquet/csv with `prompt` (+ hint/chosen/rejected)
-    reward = "my_pkg.rewards:passes_tests"    # "module:function" (default: the embedded task's verifier)
-    hint_fn = "my_pkg.rewards:test_feedback"  # "module:function" or omit (uses a `hint` column if any)
+    reward = "my_pkg.rewards.passes_tests"    # "module.function", "module:function" or a TRL reward name
+    hint_fn = "my_pkg.rewards:test_feedback"  # "module.function"/"module:function" or omit (a `hint` column)
     env = "openenv:http://127.0.0.1:8000"     # or: prompts, rewards and hints from an environment
     steps = 300
     seed = 0
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -164,15 +165,44 @@ def recipe_from_dict(data: dict[str, Any], *, source: str = "recipe") -> Recipe:
     return recipe
 
 
+def trl_reward_functions() -> dict[str, Callable[..., Any]]:
+    """The reward names ``trl grpo --reward_funcs`` takes (TRL 1.16 ``trl/scripts/grpo.py``'s registry, with its
+    arguments)."""
+    from trl.rewards import (
+        accuracy_reward,
+        get_soft_overlong_punishment,
+        reasoning_accuracy_reward,
+        think_format_reward,
+    )
+
+    return {
+        "accuracy_reward": accuracy_reward,
+        "reasoning_accuracy_reward": reasoning_accuracy_reward,
+        "think_format_reward": think_format_reward,
+        "get_soft_overlong_punishment": get_soft_overlong_punishment(
+            max_completion_len=1280, soft_punish_cache=256
+        ),
+    }
+
+
 def import_callable(spec: str, what: str) -> Callable[..., Any]:
-    """Resolve ``"package.module:function"`` (used for ``reward`` and ``hint_fn``)."""
-    module_name, sep, attr = spec.partition(":")
+    """Resolve a callable as ``trl grpo`` does: ``module.function`` or ``module:function``, imported with the working
+    directory on ``sys.path``; for ``reward_funcs`` also TRL's built-in reward names (:func:`trl_reward_functions`)."""
+    builtin = trl_reward_functions() if what == "reward_funcs" else {}
+    if spec in builtin:
+        return builtin[spec]
+    module_name, sep, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")
+    forms = "'module.function' or 'module:function'" + (
+        f" or one of TRL's {sorted(builtin)}" if builtin else ""
+    )
     if not sep or not module_name or not attr:
-        raise ValueError(f"`{what}`={spec!r} must look like 'package.module:function'.")
+        raise ValueError(f"`{what}`={spec!r} must be {forms}.")
+    if os.getcwd() not in sys.path:  # `trl grpo` imports reward modules from the working directory
+        sys.path.insert(0, os.getcwd())
     try:
         obj = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"`{what}`={spec!r} cannot be imported: {e}") from e
+        raise ValueError(f"`{what}`={spec!r} cannot be imported ({e}); it must be {forms}.") from e
     if not callable(obj):
         raise ValueError(f"`{what}`={spec!r} is not callable.")
     return obj  # type: ignore[no-any-return]

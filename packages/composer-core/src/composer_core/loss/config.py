@@ -318,7 +318,7 @@ class SDPOOptions:
         if wrapper != "none" and form != "full":
             raise ValueError(
                 f"sdpo_wrapper={wrapper!r} needs full-vocabulary inputs (student/teacher logits or hidden states "
-                f"+ lm_head_weight), but the SDPO form is {form!r}."
+                f"+ lm_head_weight), but the SDPO form is {form!r}; set sdpo_form='full'."
             )
         if form == "topk" and self.topk is None:
             raise ValueError("sdpo_form='topk' needs `sdpo_topk` (the support size k).")
@@ -376,6 +376,16 @@ class DPO:
         _choice("dpo_loss_type", self.loss_type, ("sigmoid", "robust", "ipo"))
         _finite("dpo_beta", self.beta, low=0.0, strict=True)
         _finite("dpo_label_smoothing", self.label_smoothing, low=0.0)
+        top = {"sigmoid": "0.5]", "robust": "0.5)", "ipo": "0]"}[self.loss_type]
+        if (
+            self.label_smoothing > 0.5
+            or (self.label_smoothing == 0.5 and top != "0.5]")
+            or (self.loss_type == "ipo" and self.label_smoothing != 0.0)
+        ):
+            raise ValueError(
+                f"`dpo_label_smoothing`={self.label_smoothing!r} must lie in [0, {top} for dpo_loss_type="
+                f"{self.loss_type!r}."
+            )
 
 
 @dataclass(frozen=True)
