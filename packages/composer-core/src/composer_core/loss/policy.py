@@ -42,6 +42,7 @@ __all__ = [
     "PolicyLossOutput",
     "aggregate_loss",
     "clipped_surrogate",
+    "clipped_surrogate_from_ratio",
     "dppo_loss",
     "dppo_mask",
     "kl_penalty",
@@ -123,7 +124,7 @@ def clipped_surrogate(
     adv = _broadcast_advantages(advantages, logprobs)
     eps_lo, eps_hi = _check_clip_args(epsilon_low, epsilon_high, delta)
     coef_1 = torch.exp(logprobs - old_logprobs.detach())
-    return _surrogate_from_ratio(coef_1, adv, eps_lo, eps_hi, delta)
+    return clipped_surrogate_from_ratio(coef_1, adv, eps_lo, eps_hi, delta)
 
 
 def _check_clip_args(
@@ -143,10 +144,21 @@ def _check_clip_args(
     return eps_lo, eps_hi
 
 
-def _surrogate_from_ratio(
+def clipped_surrogate_from_ratio(
     coef_1: Tensor, adv: Tensor, eps_lo: float, eps_hi: float, delta: float | None
 ) -> tuple[Tensor, Tensor]:
-    """The clip/min part of :func:`clipped_surrogate`, given ρ (TRL op order)."""
+    """The clip/min part of :func:`clipped_surrogate` given the importance ratio ``ρ`` itself (TRL 1.16's op
+    order), for a caller that already holds ρ (another ratio than ``exp(ℓθ − ℓold)``, e.g. against the inference
+    engine's log-probs) and has checked its own inputs: nothing is validated here.
+
+    ``L_t = −min(min(ρ, δ)·A, clip(ρ, 1−ε_lo, 1+ε_hi)·A)`` (``delta=None``: no ``min(ρ, δ)``), and
+    ``is_clipped = (ρ' < 1−ε_lo ∧ A < 0) ∨ (ρ' > 1+ε_hi ∧ A > 0)`` with ``ρ' = min(ρ, δ)``, computed without grad.
+
+    Args: ``coef_1`` ρ, any shape (e.g. [B, T], [B, 1] or 1-D per token); ``adv`` A, broadcastable to it
+    ([B, 1] or [B, T]); ``eps_lo`` in [0, 1), ``eps_hi`` ≥ 0, ``delta`` > 1 + ``eps_hi`` or None (see
+    :func:`clipped_surrogate` for the checks). Returns ``(per_token_loss, is_clipped)`` of the broadcast shape,
+    ``is_clipped`` bool.
+    """
     coef_2 = torch.clamp(coef_1, 1 - eps_lo, 1 + eps_hi)
     if delta is not None:
         coef_1 = torch.clamp(coef_1, max=delta)
@@ -450,78 +462,19 @@ def policy_loss(
     # 0 with zero gradients, as in TRL: the normalisers are clamped to >= 1
     m_bool = as_mask("mask", mask, logprobs.shape, device=logprobs.device, require_nonempty=False)
     check_choice("loss_type", loss_type, LOSS_TYPES)
-    check_choice("rollout_correction", rollout_correction, (None, *ROLLOUT_MODES, "dppo_mask"))
-    if old_logprobs is not None:
-        check_float("old_logprobs", old_logprobs)
-        check_same_shape("logprobs", logprobs, "old_logprobs", old_logprobs)
     check_choice("importance_sampling_level", importance_sampling_level, IS_LEVELS)
-    if surrogate_mask is not None and surrogate_mask.shape not in (logprobs.shape, (logprobs.shape[0], 1)):
-        raise ValueError(
-            f"`surrogate_mask` must be [B, T] = {tuple(logprobs.shape)} or [B, 1], got {tuple(surrogate_mask.shape)}."
-        )
-    if rollout_is_weights is not None:
-        check_float("rollout_is_weights", rollout_is_weights)
-        if rollout_is_weights.shape != (logprobs.shape[0], 1):  # TRL's sequence-level modes give [B, 1]
-            check_same_shape("logprobs", logprobs, "rollout_is_weights", rollout_is_weights)
-        if rollout_correction is not None:
-            raise ValueError(
-                "pass either precomputed `rollout_is_weights` or `rollout_correction` (computed here), not both."
-            )
-    if inference_logprobs is not None:
-        check_float("inference_logprobs", inference_logprobs)
-        check_same_shape("logprobs", logprobs, "inference_logprobs", inference_logprobs)
-    if rollout_correction == "dppo_mask":
-        check_probability_bound("dppo_mask_low", dppo_mask_low)
-        check_probability_bound("dppo_mask_high", dppo_mask_high)
-    elif rollout_correction is not None:
-        if rollout_clip_max is not None:
-            check_positive("rollout_clip_max", rollout_clip_max)
-        if rollout_clip_min is not None and not (float(rollout_clip_min) >= 0.0):
-            raise ValueError(f"`rollout_clip_min`={rollout_clip_min!r} must be >= 0.")
-        if (
-            rollout_clip_min is not None
-            and rollout_clip_max is not None
-            and rollout_clip_min > rollout_clip_max
-        ):
-            raise ValueError(
-                f"`rollout_clip_min`={rollout_clip_min} exceeds `rollout_clip_max`={rollout_clip_max}."
-            )
+    _check_policy_tensors(
+        logprobs, old_logprobs, ref_logprobs, rollout_is_weights, inference_logprobs, surrogate_mask
+    )
+    _check_rollout_args(
+        rollout_correction, rollout_is_weights, inference_logprobs,
+        (rollout_clip_min, rollout_clip_max), (dppo_mask_low, dppo_mask_high),
+    )  # fmt: skip
+    _check_kl_args(kl_beta, ref_logprobs, kl_estimator, kl_bias_correction)
     check_normalizer("normalizer", normalizer)
-    if rollout_correction is not None and inference_logprobs is None:
-        raise ValueError(
-            f"rollout_correction={rollout_correction!r} needs `inference_logprobs` (the inference engine's "
-            "log-probs of the sampled tokens); pass them or set rollout_correction=None."
-        )
-    if inference_logprobs is not None and rollout_correction is None:
-        raise ValueError(
-            "`inference_logprobs` is only used by `rollout_correction`; set rollout_correction (e.g. "
-            "'token_truncate', 'sequence_mask', 'dppo_mask') or drop inference_logprobs."
-        )
-    if kl_beta != 0.0 and ref_logprobs is None:
-        raise ValueError(
-            f"kl_beta={kl_beta} needs `ref_logprobs`; pass the reference model's log-probs or kl_beta=0."
-        )
-    if kl_beta == 0.0 and ref_logprobs is not None:
-        raise ValueError("`ref_logprobs` is only used when kl_beta != 0; set kl_beta or drop ref_logprobs.")
-    if not (float(kl_beta) >= 0.0):
-        raise ValueError(f"`kl_beta`={kl_beta!r} must be >= 0.")
-    check_choice("kl_estimator", kl_estimator, ("k1", "k2", "k3"))
-    if not isinstance(kl_bias_correction, bool):
-        raise ValueError(f"`kl_bias_correction`={kl_bias_correction!r} must be a bool.")
-    if kl_bias_correction and kl_beta == 0.0:
-        raise ValueError(
-            "`kl_bias_correction` corrects the KL penalty, which is off (kl_beta=0); set kl_beta or drop it."
-        )
-
     adv = _broadcast_advantages(advantages, logprobs)
     old = logprobs.detach() if old_logprobs is None else old_logprobs
-
     eps_lo, eps_hi = _check_clip_args(epsilon_low, epsilon_high, delta)
-    ref: Tensor | None = None
-    if ref_logprobs is not None:
-        check_float("ref_logprobs", ref_logprobs)
-        check_same_shape("logprobs", logprobs, "ref_logprobs", ref_logprobs)
-        ref = ref_logprobs.detach()
 
     # Same op sequence as TRL 1.16 GRPOTrainer._compute_loss (graph-creation order fixes the order in which
     # autograd accumulates gradients, so even the gradients are bit-identical).
@@ -530,46 +483,38 @@ def policy_loss(
     coef_1 = torch.exp(log_importance_weights(log_ratio, m_f, importance_sampling_level))
     per_token_kl: Tensor | None = None
     if kl_beta != 0.0:
-        assert ref is not None
-        per_token_kl = _kl_unchecked(logprobs, ref, kl_estimator)
+        assert ref_logprobs is not None
+        per_token_kl = _kl_unchecked(logprobs, ref_logprobs.detach(), kl_estimator)
         if kl_bias_correction:
             per_token_kl = per_token_kl * coef_1  # TRL 1.16: after the KL, before the δ clamp of the ratio
     metrics: dict[str, Tensor | float] = {}
     n_tok = m_f.sum().clamp(min=1.0)
-    if loss_type in CLIP_LOSS_TYPES:
-        per_token_loss, is_clipped = _surrogate_from_ratio(coef_1, adv, eps_lo, eps_hi, delta)
-    elif loss_type == "cispo":
-        per_token_loss = cispo_surrogate(coef_1, adv, logprobs, eps_hi)
-        is_clipped = ((coef_1 > eps_hi) & (adv > 0)).detach().expand_as(per_token_loss)
-    elif loss_type == "sapo":
-        per_token_loss = sapo_surrogate(coef_1, adv, sapo_temperature_pos, sapo_temperature_neg)
-        is_clipped = torch.zeros_like(per_token_loss, dtype=torch.bool)
-    else:  # vespo: the rollout IS weight is folded into the gamma weight
-        vespo = (vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg)
-        phi = vespo_weights(adv, log_ratio, m_f, rollout_is_weights, *vespo)
-        per_token_loss = -phi * adv * logprobs
-        is_clipped = torch.zeros_like(per_token_loss, dtype=torch.bool)
+    shape = {
+        "sapo": (sapo_temperature_pos, sapo_temperature_neg),
+        "vespo": (vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg),
+    }.get(loss_type, ())
+    per_token_loss, is_clipped, phi = _surrogate(
+        loss_type, coef_1, log_ratio, logprobs, adv, m_f, rollout_is_weights, (eps_lo, eps_hi, delta), shape
+    )
+    if phi is not None:  # vespo: the rollout IS weight is folded into the gamma weight
         metrics["policy/vespo_phi"] = (phi.expand_as(m_f) * m_f).sum() / n_tok
         rollout_is_weights = None
     if surrogate_mask is not None:
         per_token_loss = per_token_loss * surrogate_mask
-
     if rollout_correction == "dppo_mask":
         assert inference_logprobs is not None
         masked = _dppo_mask(logprobs, inference_logprobs, adv, dppo_mask_low, dppo_mask_high)
         per_token_loss = per_token_loss * (~masked)
         metrics["policy/dppo_masked"] = ((masked.to(m_f.dtype) * m_f).sum() / n_tok).detach()
-    elif rollout_correction is not None:
-        assert inference_logprobs is not None
-        weights = _rollout_weights(
-            old, inference_logprobs, m_bool, rollout_correction, rollout_clip_max, rollout_clip_min
-        )
-        per_token_loss = per_token_loss * weights
-        metrics["policy/rollout_is_weight"] = ((weights * m_f).sum() / n_tok).detach()
-    elif rollout_is_weights is not None:
-        per_token_loss = per_token_loss * rollout_is_weights.detach()
-        metrics["policy/rollout_is_weight"] = ((rollout_is_weights.detach() * m_f).sum() / n_tok).detach()
-
+    else:
+        if rollout_correction is not None:
+            assert inference_logprobs is not None
+            rollout_is_weights = _rollout_weights(
+                old, inference_logprobs, m_bool, rollout_correction, rollout_clip_max, rollout_clip_min
+            )
+        if rollout_is_weights is not None:
+            per_token_loss = per_token_loss * rollout_is_weights.detach()
+            metrics["policy/rollout_is_weight"] = ((rollout_is_weights.detach() * m_f).sum() / n_tok).detach()
     if per_token_kl is not None:
         per_token_loss = per_token_loss + kl_beta * per_token_kl
         metrics["policy/kl"] = ((per_token_kl.detach() * m_f).sum() / n_tok).detach()
@@ -578,3 +523,116 @@ def policy_loss(
     loss = _aggregate(per_token_loss, m_agg, loss_type, normalizer, max_completion_length)
     metrics["policy/clip_ratio"] = ((is_clipped.to(m_f.dtype) * m_f).sum() / n_tok).detach()
     return PolicyLossOutput(loss=loss, metrics=Metrics(metrics))
+
+
+def _surrogate(
+    loss_type: str,
+    coef_1: Tensor,
+    log_ratio: Tensor,
+    logprobs: Tensor,
+    adv: Tensor,
+    m_f: Tensor,
+    is_weights: Tensor | None,
+    clip: tuple[float, float, float | None],
+    shape: tuple[float, ...],
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The per-token surrogate of ``loss_type`` given ρ (``coef_1``): (loss [B, T], is_clipped, VESPO's φ or None)."""
+    eps_lo, eps_hi, delta = clip
+    if loss_type in CLIP_LOSS_TYPES:
+        per_token_loss, is_clipped = clipped_surrogate_from_ratio(coef_1, adv, eps_lo, eps_hi, delta)
+        return per_token_loss, is_clipped, None
+    if loss_type == "cispo":
+        per_token_loss = cispo_surrogate(coef_1, adv, logprobs, eps_hi)
+        return per_token_loss, ((coef_1 > eps_hi) & (adv > 0)).detach().expand_as(per_token_loss), None
+    if loss_type == "sapo":
+        per_token_loss = sapo_surrogate(coef_1, adv, *shape)
+        return per_token_loss, torch.zeros_like(per_token_loss, dtype=torch.bool), None
+    phi = vespo_weights(adv, log_ratio, m_f, is_weights, *shape)
+    per_token_loss = -phi * adv * logprobs
+    return per_token_loss, torch.zeros_like(per_token_loss, dtype=torch.bool), phi
+
+
+def _check_policy_tensors(
+    logprobs: Tensor,
+    old_logprobs: Tensor | None,
+    ref_logprobs: Tensor | None,
+    rollout_is_weights: Tensor | None,
+    inference_logprobs: Tensor | None,
+    surrogate_mask: Tensor | None,
+) -> None:
+    """Dtype and shape of :func:`policy_loss`'s optional tensors (each [B, T]; the IS weights and the surrogate mask
+    may be [B, 1])."""
+    for name, t in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs),
+                    ("inference_logprobs", inference_logprobs)):  # fmt: skip
+        if t is not None:
+            check_float(name, t)
+            check_same_shape("logprobs", logprobs, name, t)
+    per_sequence = (logprobs.shape[0], 1)
+    if rollout_is_weights is not None:
+        check_float("rollout_is_weights", rollout_is_weights)
+        if rollout_is_weights.shape != per_sequence:  # TRL's sequence-level modes give [B, 1]
+            check_same_shape("logprobs", logprobs, "rollout_is_weights", rollout_is_weights)
+    if surrogate_mask is not None and surrogate_mask.shape not in (logprobs.shape, per_sequence):
+        raise ValueError(
+            f"`surrogate_mask` must be [B, T] = {tuple(logprobs.shape)} or [B, 1], got {tuple(surrogate_mask.shape)}."
+        )
+
+
+def _check_rollout_args(
+    mode: str | None,
+    rollout_is_weights: Tensor | None,
+    inference_logprobs: Tensor | None,
+    clip: tuple[float | None, float | None],
+    dppo: tuple[float, float],
+) -> None:
+    """The rollout-correction options of :func:`policy_loss`: one source of weights, its inputs and bounds."""
+    check_choice("rollout_correction", mode, (None, *ROLLOUT_MODES, "dppo_mask"))
+    if rollout_is_weights is not None and mode is not None:
+        raise ValueError(
+            "pass either precomputed `rollout_is_weights` or `rollout_correction` (computed here), not both."
+        )
+    if mode is not None and inference_logprobs is None:
+        raise ValueError(
+            f"rollout_correction={mode!r} needs `inference_logprobs` (the inference engine's "
+            "log-probs of the sampled tokens); pass them or set rollout_correction=None."
+        )
+    if inference_logprobs is not None and mode is None:
+        raise ValueError(
+            "`inference_logprobs` is only used by `rollout_correction`; set rollout_correction (e.g. "
+            "'token_truncate', 'sequence_mask', 'dppo_mask') or drop inference_logprobs."
+        )
+    if mode == "dppo_mask":
+        check_probability_bound("dppo_mask_low", dppo[0])
+        check_probability_bound("dppo_mask_high", dppo[1])
+    elif mode is not None:
+        _check_rollout_clip(*clip)
+
+
+def _check_rollout_clip(clip_min: float | None, clip_max: float | None) -> None:
+    if clip_max is not None:
+        check_positive("rollout_clip_max", clip_max)
+    if clip_min is not None and not (float(clip_min) >= 0.0):
+        raise ValueError(f"`rollout_clip_min`={clip_min!r} must be >= 0.")
+    if clip_min is not None and clip_max is not None and clip_min > clip_max:
+        raise ValueError(f"`rollout_clip_min`={clip_min} exceeds `rollout_clip_max`={clip_max}.")
+
+
+def _check_kl_args(
+    kl_beta: float, ref_logprobs: Tensor | None, estimator: str, bias_correction: bool
+) -> None:
+    """The KL-penalty options of :func:`policy_loss`: a reference exactly when ``kl_beta != 0``."""
+    if kl_beta != 0.0 and ref_logprobs is None:
+        raise ValueError(
+            f"kl_beta={kl_beta} needs `ref_logprobs`; pass the reference model's log-probs or kl_beta=0."
+        )
+    if kl_beta == 0.0 and ref_logprobs is not None:
+        raise ValueError("`ref_logprobs` is only used when kl_beta != 0; set kl_beta or drop ref_logprobs.")
+    if not (float(kl_beta) >= 0.0):
+        raise ValueError(f"`kl_beta`={kl_beta!r} must be >= 0.")
+    check_choice("kl_estimator", estimator, ("k1", "k2", "k3"))
+    if not isinstance(bias_correction, bool):
+        raise ValueError(f"`kl_bias_correction`={bias_correction!r} must be a bool.")
+    if bias_correction and kl_beta == 0.0:
+        raise ValueError(
+            "`kl_bias_correction` corrects the KL penalty, which is off (kl_beta=0); set kl_beta or drop it."
+        )

@@ -125,6 +125,24 @@ def _int_list(value: Any, column: str, where: str) -> list[int]:
 
 def validate_record(row: Mapping[str, Any], where: str = "record") -> TraceRecord:
     """Check one row against the schema and return it as a :class:`TraceRecord`."""
+    prompt, completion = _check_base(row, where)
+    has_sdpo = row.get("teacher_prompt") is not None
+    has_pair = row.get("chosen") is not None or row.get("rejected") is not None
+    if not has_sdpo and not has_pair:
+        raise ValueError(
+            f"{where}: a record needs channel 2 (teacher_prompt, hint) or channel 3 (chosen, rejected)"
+        )
+    if has_sdpo:
+        _check_teacher_prompt(row, prompt, where)
+    _check_token_columns(row, has_sdpo, where)
+    if has_pair:
+        _check_pair(row, completion, where)
+    _check_reference_logps(row, has_pair, where)
+    return TraceRecord(**{k: row[k] for k in row if k in _FIELDS})
+
+
+def _check_base(row: Mapping[str, Any], where: str) -> tuple[list[Message], Message]:
+    """Known columns, the required ones, the turn, tools; returns (prompt, completion)."""
     unknown = set(row) - _FIELDS
     if unknown:
         raise ValueError(f"{where}: unknown columns {sorted(unknown)}")
@@ -137,58 +155,63 @@ def validate_record(row: Mapping[str, Any], where: str = "record") -> TraceRecor
     tools = row.get("tools", [])
     if not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools):
         raise ValueError(f"{where}: tools must be a list of OpenAI tool schemas")
-    completion = _one_assistant(row["completion"], "completion", where)
-    has_sdpo = row.get("teacher_prompt") is not None
-    has_pair = row.get("chosen") is not None or row.get("rejected") is not None
-    if not has_sdpo and not has_pair:
-        raise ValueError(
-            f"{where}: a record needs channel 2 (teacher_prompt, hint) or channel 3 (chosen, rejected)"
-        )
-    if has_sdpo:
-        teacher = _messages(row["teacher_prompt"], "teacher_prompt", where)
-        hint, k = row.get("hint"), row.get("hint_index")
-        if not isinstance(hint, str) or not hint.strip() or not isinstance(k, int):
-            raise ValueError(f"{where}: teacher_prompt needs a non-empty hint and an integer hint_index")
-        if not 0 <= k < len(teacher) or teacher[:k] + teacher[k + 1 :] != prompt or teacher[k].text != hint:
-            raise ValueError(
-                f"{where}: teacher_prompt must equal prompt with one hint message (text == hint) inserted at hint_index"
-            )
-    ids_given = [c for c in ("prompt_ids", "completion_ids", "sdpo_mask") if row.get(c) is not None]
-    if ids_given:
-        for c in ("prompt_ids", "completion_ids", "sdpo_mask", "tokenizer"):
-            if row.get(c) is None:
-                raise ValueError(f"{where}: {ids_given} given without {c}; token columns come together")
-        completion_ids = _int_list(row["completion_ids"], "completion_ids", where)
-        mask = _int_list(row["sdpo_mask"], "sdpo_mask", where)
-        _int_list(row["prompt_ids"], "prompt_ids", where)
-        if len(mask) != len(completion_ids):
-            raise ValueError(
-                f"{where}: sdpo_mask has {len(mask)} entries but completion_ids {len(completion_ids)}; "
-                "the mask is per completion token"
-            )
-        if any(v not in (0, 1) for v in mask):
-            raise ValueError(f"{where}: sdpo_mask must hold only 0 and 1")
-        if has_sdpo:
-            if not any(mask):
-                raise ValueError(
-                    f"{where}: sdpo_mask is all zero (an SDPO site must mark at least one token)"
-                )
-            if row.get("teacher_prompt_ids") is None:
-                raise ValueError(
-                    f"{where}: teacher_prompt given with token ids but without teacher_prompt_ids"
-                )
-            _int_list(row["teacher_prompt_ids"], "teacher_prompt_ids", where)
-    if has_pair:
-        if row.get("chosen") is None or row.get("rejected") is None:
-            raise ValueError(f"{where}: give chosen and rejected together (channel 3)")
-        chosen = _one_assistant(row.get("chosen"), "chosen", where)
-        rejected = _one_assistant(row.get("rejected"), "rejected", where)
-        from .pairs import action_key
+    return prompt, _one_assistant(row["completion"], "completion", where)
 
-        if action_key(chosen) == action_key(rejected):
-            raise ValueError(f"{where}: chosen and rejected are the same action")
-        if action_key(rejected) != action_key(completion):
-            raise ValueError(f"{where}: rejected must be the student's action (the completion)")
+
+def _check_teacher_prompt(row: Mapping[str, Any], prompt: list[Message], where: str) -> None:
+    """Channel 2: the teacher prompt is the prompt with one hint message inserted at ``hint_index``."""
+    teacher = _messages(row["teacher_prompt"], "teacher_prompt", where)
+    hint, k = row.get("hint"), row.get("hint_index")
+    if not isinstance(hint, str) or not hint.strip() or not isinstance(k, int):
+        raise ValueError(f"{where}: teacher_prompt needs a non-empty hint and an integer hint_index")
+    if not 0 <= k < len(teacher) or teacher[:k] + teacher[k + 1 :] != prompt or teacher[k].text != hint:
+        raise ValueError(
+            f"{where}: teacher_prompt must equal prompt with one hint message (text == hint) inserted at hint_index"
+        )
+
+
+def _check_token_columns(row: Mapping[str, Any], has_sdpo: bool, where: str) -> None:
+    """Token ids come together, and the SDPO mask is a 0/1 list per completion token."""
+    ids_given = [c for c in ("prompt_ids", "completion_ids", "sdpo_mask") if row.get(c) is not None]
+    if not ids_given:
+        return
+    for c in ("prompt_ids", "completion_ids", "sdpo_mask", "tokenizer"):
+        if row.get(c) is None:
+            raise ValueError(f"{where}: {ids_given} given without {c}; token columns come together")
+    completion_ids = _int_list(row["completion_ids"], "completion_ids", where)
+    mask = _int_list(row["sdpo_mask"], "sdpo_mask", where)
+    _int_list(row["prompt_ids"], "prompt_ids", where)
+    if len(mask) != len(completion_ids):
+        raise ValueError(
+            f"{where}: sdpo_mask has {len(mask)} entries but completion_ids {len(completion_ids)}; "
+            "the mask is per completion token"
+        )
+    if any(v not in (0, 1) for v in mask):
+        raise ValueError(f"{where}: sdpo_mask must hold only 0 and 1")
+    if not has_sdpo:
+        return
+    if not any(mask):
+        raise ValueError(f"{where}: sdpo_mask is all zero (an SDPO site must mark at least one token)")
+    if row.get("teacher_prompt_ids") is None:
+        raise ValueError(f"{where}: teacher_prompt given with token ids but without teacher_prompt_ids")
+    _int_list(row["teacher_prompt_ids"], "teacher_prompt_ids", where)
+
+
+def _check_pair(row: Mapping[str, Any], completion: Message, where: str) -> None:
+    """Channel 3: chosen and rejected together, different actions, rejected the student's own."""
+    if row.get("chosen") is None or row.get("rejected") is None:
+        raise ValueError(f"{where}: give chosen and rejected together (channel 3)")
+    chosen = _one_assistant(row.get("chosen"), "chosen", where)
+    rejected = _one_assistant(row.get("rejected"), "rejected", where)
+    from .pairs import action_key
+
+    if action_key(chosen) == action_key(rejected):
+        raise ValueError(f"{where}: chosen and rejected are the same action")
+    if action_key(rejected) != action_key(completion):
+        raise ValueError(f"{where}: rejected must be the student's action (the completion)")
+
+
+def _check_reference_logps(row: Mapping[str, Any], has_pair: bool, where: str) -> None:
     refs = [row.get("ref_chosen_logp"), row.get("ref_rejected_logp")]
     if (refs[0] is None) != (refs[1] is None):
         raise ValueError(f"{where}: give ref_chosen_logp and ref_rejected_logp together")
@@ -197,7 +220,6 @@ def validate_record(row: Mapping[str, Any], where: str = "record") -> TraceRecor
             raise ValueError(f"{where}: {name} must be a finite number, got {v!r}")
     if refs[0] is not None and not has_pair:
         raise ValueError(f"{where}: reference log-probs given without chosen/rejected")
-    return TraceRecord(**{k: row[k] for k in row if k in _FIELDS})
 
 
 def write_records(records: Iterable[TraceRecord], path: str | Path) -> int:
