@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from composer_core.loss.compose import ComposerBatch, ComposeResult, compose_loss
+from composer_core.loss.compose import ComposerBatch, ComposeResult, compose_loss, weighted_total
 from composer_core.loss.config import TAID
 from torch import Tensor
 
@@ -74,12 +74,8 @@ def composer_trl_loss(
         replay_normalizer=_window(counts.replay_items, counts),
     )
     # TRL divides grpo/bnpo/dr_grpo by the accumulation steps; dapo's normaliser already spans the window.
-    loss = result.policy if args.loss_type in WINDOW_LOSS_TYPES else result.policy / counts.accumulation
-    if result.sdpo is not None:
-        loss = loss + args.alpha_sdpo * result.sdpo
-    if result.replay is not None:
-        loss = loss + args.beta_replay * result.replay
-    return loss, result
+    policy = result.policy if args.loss_type in WINDOW_LOSS_TYPES else result.policy / counts.accumulation
+    return weighted_total(policy, result.sdpo, result.replay, args.alpha_sdpo, args.beta_replay), result
 
 
 # ----------------------------------------------------------------------------- core conformance suite

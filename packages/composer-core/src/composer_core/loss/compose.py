@@ -55,7 +55,29 @@ from composer_core.loss.validation import (
 )
 from composer_core.loss.wrappers import entropy_opd_kernel, entropy_opd_loss, taid_kernel, taid_loss
 
-__all__ = ["ComposeConfig", "ComposeResult", "ComposerBatch", "check_mode_options", "compose_loss"]
+__all__ = [
+    "ComposeConfig",
+    "ComposeResult",
+    "ComposerBatch",
+    "check_mode_options",
+    "compose_loss",
+    "weighted_total",
+]
+
+
+def weighted_total(
+    policy: Tensor, sdpo: Tensor | None, replay: Tensor | None, alpha_sdpo: float, beta_replay: float
+) -> Tensor:
+    """The objective: ``policy + alpha_sdpo · sdpo + beta_replay · replay``, a skipped channel (None) adding nothing.
+
+    The one place the channels are weighted: :func:`compose_loss` and every adapter's loss call it, each with its
+    channels already normalised as its host normalises them (scalars, same device)."""
+    total = policy
+    if sdpo is not None:
+        total = total + alpha_sdpo * sdpo
+    if replay is not None:
+        total = total + beta_replay * replay
+    return total
 
 
 @dataclass
@@ -352,7 +374,6 @@ def _compose(
         vespo_lambda_neg=p.vespo_lambda_neg,
     )
     metrics: dict[str, Tensor | float] = pol.metrics.tensors()
-    total = pol.loss
 
     # ---- channel 2 -------------------------------------------------------------------------------------
     sdpo: Tensor | None = None
@@ -362,7 +383,6 @@ def _compose(
         sdpo, sdpo_metrics = _sdpo(batch, cfg.sdpo, form, norms[1])
         metrics.update(sdpo_metrics)
         metrics["sdpo/skipped"] = 0.0
-        total = total + cfg.alpha_sdpo * sdpo
 
     # ---- channel 3 -------------------------------------------------------------------------------------
     replay: Tensor | None = None
@@ -375,7 +395,7 @@ def _compose(
         metrics["replay/pairs"] = float(batch.chosen_logps.shape[0])
         metrics["replay/accuracy"] = (margin.detach() > 0).to(torch.float64).mean()
         metrics["replay/skipped"] = 0.0
-        total = total + cfg.beta_replay * replay
+    total = weighted_total(pol.loss, sdpo, replay, cfg.alpha_sdpo, cfg.beta_replay)
 
     metrics["loss/policy"] = pol.loss.detach()
     if sdpo is not None:
