@@ -1,8 +1,8 @@
 """``composer_loss`` writes its gradient out (one multiply in backward, no autograd graph of the formula):
 it must equal autograd through the same formulas, ties included. The reference here differentiates the
 textbook forms with autograd: DPPO + KL as PRIME-RL's ``default_loss_fn`` writes it, the PPO/GRPO clipped
-surrogate through ``composer_core``'s ``_surrogate_from_ratio`` (TRL's op order), channel 2 through
-``composer_core``'s ``_sampled_token_distill``."""
+surrogate through ``composer_core``'s ``clipped_surrogate_from_ratio`` (TRL's op order), channel 2 through
+``composer_core``'s ``sampled_token_distill``."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import math
 
 import pytest
 import torch
-from composer_core.loss.distill import _sampled_token_distill
-from composer_core.loss.policy import _surrogate_from_ratio
+from composer_core.loss.distill import sampled_token_distill
+from composer_core.loss.policy import clipped_surrogate_from_ratio
 from composer_prime_rl import LossInputs, composer_loss
 
 EPS_LO, EPS_HI, DELTA = 0.2, 0.28, 1.5
@@ -67,7 +67,7 @@ def _reference(x: dict[str, torch.Tensor], lp: torch.Tensor, kwargs: dict, weigh
     log_ratio = torch.where(m, lp, 0.0) - torch.where(m, x["inf"], 0.0)
     ratio = torch.exp(log_ratio)
     if kwargs.get("policy_loss") == "clipped_surrogate":
-        per_token, _ = _surrogate_from_ratio(
+        per_token, _ = clipped_surrogate_from_ratio(
             ratio, torch.where(m, adv, 0.0), EPS_LO, EPS_HI, kwargs.get("delta")
         )
     else:  # PRIME-RL's default_loss_fn (DPPO + KL), adv_tau = 1, kl_tau = 1e-3, mask bounds 0.2
@@ -76,8 +76,8 @@ def _reference(x: dict[str, torch.Tensor], lp: torch.Tensor, kwargs: dict, weigh
         keep = m & ~masked
         per_token = -(keep * adv * ratio) + 1e-3 * m.double() * log_ratio**2
     if kwargs.get("alpha_sdpo"):
-        distill = _sampled_token_distill(
-            lp[None], x["ref"][None], m[None], x["inf"][None], 2.0, "none", None
+        distill = sampled_token_distill(
+            lp[None], x["ref"][None], m[None], old_logprobs=x["inf"][None], is_clip=2.0, reduction="none"
         )[0]
         per_token = per_token + kwargs["alpha_sdpo"] * distill
     per_token = torch.where(m, per_token, 0.0)

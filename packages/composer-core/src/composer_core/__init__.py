@@ -8,6 +8,7 @@ from importlib.metadata import version as _version
 
 from composer_core.loss.advantages import group_advantages, overlong_reward_shaping
 from composer_core.loss.compose import ComposerBatch, ComposeResult, check_mode_options, compose_loss
+from composer_core.loss.config import DPO, TAID, ComposeConfig, EntropyOPD, PolicyOptions, SDPOOptions, SimPO
 from composer_core.loss.distill import (
     fused_linear_generalized_jsd,
     generalized_jsd,
@@ -19,6 +20,7 @@ from composer_core.loss.policy import (
     PolicyLossOutput,
     aggregate_loss,
     clipped_surrogate,
+    clipped_surrogate_from_ratio,
     dppo_loss,
     dppo_mask,
     kl_penalty,
@@ -32,17 +34,25 @@ __version__ = _version("composer-core")
 
 __all__ = [
     "ADAPTER_PREFIX",
+    "DPO",
     "METRIC_KEYS",
     "OPTIONAL_METRIC_KEYS",
+    "TAID",
+    "ComposeConfig",
     "ComposeResult",
     "ComposerBatch",
+    "EntropyOPD",
     "Metrics",
     "PolicyLossOutput",
+    "PolicyOptions",
+    "SDPOOptions",
+    "SimPO",
     "TAIDScheduler",
     "__version__",
     "aggregate_loss",
     "check_mode_options",
     "clipped_surrogate",
+    "clipped_surrogate_from_ratio",
     "compose_loss",
     "dpo_loss",
     "dppo_loss",

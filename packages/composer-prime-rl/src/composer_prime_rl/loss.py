@@ -44,9 +44,10 @@ from collections.abc import Callable
 from typing import Any, NamedTuple, NoReturn, cast
 
 import torch
-from composer_core.loss.distill import _sampled_token_distill, full_precision
-from composer_core.loss.policy import _surrogate_from_ratio
+from composer_core.loss.distill import full_precision, sampled_token_distill
+from composer_core.loss.policy import clipped_surrogate_from_ratio
 from composer_core.loss.validation import host_reads_are_free as _host_reads_are_free
+from composer_core.loss.validation import value_checks
 from torch import Tensor
 
 from composer_prime_rl.contract import LossInputs, LossOutputs, read_loss_weights, read_ref_logprobs
@@ -326,7 +327,7 @@ def _policy_terms(s: _Sample, opts: PrimeRLLossOptions) -> tuple[Tensor, Tensor,
     if opts.policy_loss == "clipped_surrogate":
         eps_lo = float(opts.epsilon_low)
         eps_hi = eps_lo if opts.epsilon_high is None else float(opts.epsilon_high)
-        per_token, is_clipped = _surrogate_from_ratio(ratio, s.advantages, eps_lo, eps_hi, opts.delta)
+        per_token, is_clipped = clipped_surrogate_from_ratio(ratio, s.advantages, eps_lo, eps_hi, opts.delta)
         grad = _clipped_grad(ratio, s.advantages, eps_lo, eps_hi, opts.delta)
         return per_token, grad, {"clipped": is_clipped, "mismatch_kl": mismatch_kl}
 
@@ -382,13 +383,17 @@ def _clipped_grad(ratio: Tensor, adv: Tensor, eps_lo: float, eps_hi: float, delt
 
 
 def _sdpo_terms(s: _Sample, opts: PrimeRLLossOptions) -> Tensor:
-    """Channel 2 per token [seq], detached, zero outside the mask (``sampled_token_distill`` on checked
-    inputs): the value w·(ℓ − ℓ_ref) is also its gradient coefficient by design (the k1 surrogate)."""
+    """Channel 2 per token [seq], detached, zero outside the mask (``sampled_token_distill``): the value
+    w·(ℓ − ℓ_ref) is also its gradient coefficient by design (the k1 surrogate). Core's value checks are off (no
+    host sync, no extra kernel): this module runs its own, per sample and naming the culprit (:func:`_passes`,
+    :func:`_recheck`, :func:`_own_mask`), and a packed or fresh-mask table (:class:`_Unmasked`) may hold a bad
+    value another sample owns or select no token."""
     assert s.ref_logprobs is not None
-    return _sampled_token_distill(
-        s.logprobs[None], s.ref_logprobs[None], s.mask[None], s.inference_logprobs[None], opts.sdpo_token_clip,
-        "none", None,
-    )[0]  # fmt: skip
+    with value_checks(enabled=False):
+        return sampled_token_distill(
+            s.logprobs[None], s.ref_logprobs[None], s.mask[None], old_logprobs=s.inference_logprobs[None],
+            is_clip=opts.sdpo_token_clip, reduction="none",
+        )[0]  # fmt: skip
 
 
 class _Unmasked(NamedTuple):
