@@ -33,6 +33,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from composer_core.loss.compose import weighted_total
 from composer_core.loss.validation import checked_once
 
 from composer_verl.batch import (
@@ -337,17 +338,15 @@ def compute_policy_loss_composer(
         per_token = per_token * rollout_is_weights
     batch_info = dict(config.get("global_batch_info", None) or {})
     policy = agg_loss(loss_mat=per_token, loss_mask=response_mask, loss_agg_mode=loss_agg_mode, **batch_info)
-    total = policy
     metrics["composer/loss/policy"] = policy.detach().item()
     extras = active_extras()
+    sdpo = replay = None
     if cfg.alpha_sdpo > 0:
         sdpo, m = sdpo_term(log_prob, old_log_prob, response_mask, extras, cfg)
-        total = total + cfg.alpha_sdpo * sdpo
         metrics.update(m)
         metrics["composer/loss/sdpo"] = sdpo.detach().item()
     if cfg.beta_replay > 0:
         replay, m = replay_term(log_prob, response_mask, extras, cfg)
-        total = total + cfg.beta_replay * replay
         metrics.update(m)
         metrics["composer/loss/replay"] = replay.detach().item()
-    return total, metrics
+    return weighted_total(policy, sdpo, replay, cfg.alpha_sdpo, cfg.beta_replay), metrics
