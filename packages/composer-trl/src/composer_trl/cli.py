@@ -28,11 +28,14 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, NoReturn
 
+from composer_trl.guards import RewardFunctionError
 from composer_trl.lifecycle import (
     DataError,
     EnvFault,
+    RewardFault,
     UsageError,
     checkpoint_step,
+    discard_failed_run,
     dumps,
     prepare_output_dir,
     resolve_checkpoint,
@@ -88,7 +91,17 @@ def build_parser() -> Any:
     types: Any = (ComposerScriptArguments, ComposerGRPOConfig)
     p = _Parser(types, prog="composer-train", allow_abbrev=False)  # a typo never matches a prefix
     p.description = "Train with composer's objective (GRPO + hinted self-distillation + trace replay) in TRL."
+    p.epilog = EXIT_CODES
     return p
+
+
+EXIT_CODES = (
+    "exit codes: 0 finished; 1 unexpected failure (a traceback); 2 bad argument or config (one line; also a prompt "
+    "longer than the model's context); 3 bad dataset (one line, nothing written); 4 the --env environment "
+    "faulted; 5 a reward function raised or scored no completion of a batch (one line; the run's outputs are "
+    "removed unless complete checkpoints were saved); 130/143 stopped by SIGINT/SIGTERM (checkpoint written). "
+    "See the README's 'Exit codes and what is kept'."
+)
 
 
 def _closest(name: str, valid: Sequence[str]) -> str:
@@ -253,8 +266,20 @@ def train_once(inv: Invocation) -> int:
     out = Path(recipe.output_dir)
     job = Job(recipe, out, name="composer", composer=True)
     job.check()  # dataset and model problems surface here, before anything is written
+    existed = out.exists()
     prepare_output_dir(out, overwrite=inv.overwrite, resume=inv.resume is not None)
-    result = job.run(resume=inv.resume)
+    before = set(out.iterdir()) if out.is_dir() else set()
+    try:
+        result = job.run(resume=inv.resume)
+    except RewardFunctionError as e:
+        from composer_core.envs import EnvError
+
+        if isinstance(e.__cause__, EnvError):  # --env's reward: exit 4 as before
+            raise e.__cause__ from None
+        kept = discard_failed_run(
+            out, existed=existed, before=before, trainer_dir=job.trainer_dir, parts=job.checkpoint_parts()
+        )
+        raise RewardFault(f"{e}; {kept}") from e
     summary: dict[str, Any] = {
         "status": "interrupted" if result["signal"] else "finished",
         "steps": recipe.steps,
@@ -511,12 +536,15 @@ class Job:
             from composer_core.envs import env_hint_func, env_reward_func
 
             env, self.dataset = load_env_checked(self.recipe, c, need=need, n_rows=n_rows)
+            check_prompt_lengths(self.recipe, self.config, self.dataset, f"--env {self.recipe.env!r}")
             self.rewards = [env_reward_func(env)]
             if self.composer:  # the environment's feedback is the hint
                 self._choose_channels(set(self.dataset.column_names), hints=True)
             self.hint = env_hint_func(env) if self.composer and float(self.config.alpha_sdpo) > 0 else None
             return
         self.dataset = load_dataset_checked(self.recipe, need=need, n_rows=n_rows)
+        flag = f"--dataset_name {self.recipe.dataset!r}" if self.recipe.dataset else "the embedded task"
+        check_prompt_lengths(self.recipe, self.config, self.dataset, flag)
         try:
             self.rewards = [import_callable(r, "reward_funcs") for r in (self.recipe.reward or [])]
             self.hint = import_callable(self.recipe.hint_fn, "hint_fn") if self.recipe.hint_fn else None
@@ -542,6 +570,14 @@ class Job:
             self.config = self._config()
         self.channel_line = line  # said once the model has loaded (errors before that stay one line)
 
+    def checkpoint_parts(self) -> tuple[str, ...]:
+        """Files a complete checkpoint holds besides TRL's own (an ema/base SDPO teacher's weights)."""
+        from composer_core.sdpo import TEACHER_STATE_FILE
+
+        c = self.config
+        teacher = self.composer and c.alpha_sdpo > 0 and c.sdpo_teacher != "live"
+        return (TEACHER_STATE_FILE,) if teacher else ()
+
     def run(self, *, resume: str | None = None) -> dict[str, Any]:
         """Train (from ``resume``: ``last`` or a checkpoint path); the result row of summary.json."""
         from composer_core.tasks.digit_reversal import reverse_hints, reverse_reward
@@ -554,12 +590,8 @@ class Job:
 
         if self.dataset is None:
             self.check()
-        from composer_core.sdpo import TEACHER_STATE_FILE
-
-        c = self.config  # an ema/base SDPO teacher's weights are part of a complete checkpoint
-        teacher = self.composer and c.alpha_sdpo > 0 and c.sdpo_teacher != "live"
-        parts = (TEACHER_STATE_FILE,) if teacher else ()
-        ckpt = resolve_checkpoint(resume, self.trainer_dir, parts) if resume else None
+        # an ema/base SDPO teacher's weights are part of a complete checkpoint
+        ckpt = resolve_checkpoint(resume, self.trainer_dir, self.checkpoint_parts()) if resume else None
         model, tok = load_model(self.recipe)
         if self.channel_line:
             print(self.channel_line, file=sys.stderr)
@@ -595,6 +627,7 @@ class Job:
             trainer.train(resume_from_checkpoint=str(ckpt) if ckpt else None)
         finally:
             stop.uninstall()
+            _erase_progress(cbs)  # a run that raised: its error line is not glued to the bar
         seconds = time.perf_counter() - start
         return self._result(trainer, tok, stop, seconds)
 
@@ -616,6 +649,67 @@ class Job:
         result["reward_end"] = sum(rewards[-k:]) / k if rewards else None
         self.trainer = trainer
         return result
+
+
+def _erase_progress(callbacks: Sequence[Any]) -> None:
+    """Close a progress bar left open by a run that raised (a finished run closed it), erasing it."""
+    for cb in callbacks:
+        bar = getattr(cb, "bar", None)
+        if bar is not None:
+            bar.leave = False
+            bar.close()
+            cb.bar = None
+
+
+def check_prompt_lengths(recipe: Recipe, config: Any, dataset: Any, flag: str) -> None:
+    """Refuse (:class:`UsageError`, exit 2) the first prompt whose tokens + ``max_completion_length`` exceed the
+    model's context, before the model loads: TRL 1.16 has no prompt truncation and would generate over it
+    (minutes or an out-of-memory error for a 100,000-token prompt). Tokenized as ``GRPOTrainer`` tokenizes."""
+    from composer_trl.guards import overlong_prompt, prompt_lengths, prompt_too_long_message
+
+    found = _tokenizer_and_context(recipe, config)
+    if found is None or "prompt" not in dataset.column_names:
+        return
+    tok, context = found
+    m = int(config.max_completion_length or 0)
+    kwargs = config.chat_template_kwargs if isinstance(config.chat_template_kwargs, dict) else {}
+    for start in range(0, len(dataset), 1024):
+        try:
+            lengths = prompt_lengths(tok, list(dataset[start : start + 1024]["prompt"]), kwargs)
+        except Exception:  # prompts this tokenizer cannot render: GRPOTrainer reports them as it always has
+            return
+        i = overlong_prompt(lengths, m, context)
+        if i is not None:
+            raise UsageError(prompt_too_long_message(f"{flag} row {start + i}", lengths[i], m, context))
+
+
+def _tokenizer_and_context(recipe: Recipe, config: Any) -> tuple[Any, int] | None:
+    """The tokenizer and context length of ``recipe.model`` without loading its weights (None: they cannot be
+    read here; :func:`load_model` then reports the problem in its own line)."""
+    from composer_trl.guards import context_length
+
+    if recipe.model is None:
+        from composer_core.tasks.digit_reversal import ALPHABET
+        from composer_core.tasks.tiny import TinyModelConfig, build_char_tokenizer
+
+        return build_char_tokenizer(ALPHABET), TinyModelConfig().max_position_embeddings
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        local = Path(recipe.model).expanduser()
+        name = (
+            model_directory(recipe.model) if recipe.model in PACKAGED and not local.is_dir() else recipe.model
+        )
+        name = str(local) if local.is_dir() else name
+        remote = recipe.trust_remote_code
+        tok = AutoTokenizer.from_pretrained(name, trust_remote_code=remote)
+        context = context_length(AutoConfig.from_pretrained(name, trust_remote_code=remote))
+    except Exception:  # load_model says what is wrong with the model, in one line
+        return None
+    vllm_len = getattr(config, "vllm_max_model_length", None)
+    if getattr(config, "use_vllm", False) and getattr(config, "vllm_mode", None) == "colocate" and vllm_len:
+        context = int(vllm_len)
+    return (tok, context) if context is not None else None
 
 
 def _step(ckpt: Path | None) -> int | None:

@@ -9,6 +9,12 @@ Exit codes (documented in the package README)::
     4    the ``--env`` environment faulted (server down, no answer within its timeout, garbage answers): one
          line naming the server; before training nothing is written, during training the run stops at the
          failing step (checkpoints already saved are kept)
+    5    a reward function failed: it raised (or returned the wrong number or kind of rewards), or no completion of
+         a generation batch got a reward from any function (None/NaN for all: TRL's "All reward functions
+         returned None" for every row). One line naming ``module:function``, the step, the dataset rows and the
+         error. Complete checkpoints already saved are kept (the line says so, resume with
+         ``--resume_from_checkpoint last``); without one, what the run wrote is removed (the output directory
+         too when the run created it; the user's own files stay)
     130  stopped by SIGINT  (the current step finished, a checkpoint and summary.json written)
     143  stopped by SIGTERM (same)
 
@@ -35,6 +41,7 @@ EXIT_FAILURE = 1
 EXIT_USAGE = 2
 EXIT_DATA = 3
 EXIT_ENV = 4
+EXIT_REWARD = 5
 EXIT_SIGINT = 130
 EXIT_SIGTERM = 143
 
@@ -67,6 +74,12 @@ class EnvFault(UsageError):
     """The ``--env`` environment faulted (composer_core.envs.EnvError): one line on stderr, exit 4."""
 
     exit_code = EXIT_ENV
+
+
+class RewardFault(UsageError):
+    """A reward function failed during training (composer_trl.guards.RewardFunctionError): one line, exit 5."""
+
+    exit_code = EXIT_REWARD
 
 
 def json_safe(value: Any, path: str = "", flagged: list[str] | None = None) -> Any:
@@ -105,6 +118,30 @@ def prepare_output_dir(out: Path, *, overwrite: bool, resume: bool) -> None:
     for pattern in OWNED_OUTPUTS:
         for p in out.glob(pattern):
             shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
+def discard_failed_run(
+    out: Path, *, existed: bool, before: set[Path], trainer_dir: Path, parts: Sequence[str] = ()
+) -> str:
+    """After a run failed in training: keep it if ``trainer_dir`` holds a complete checkpoint, else remove what the
+    run wrote (``out`` itself when the run created it, otherwise the entries not in ``before``). Returns the
+    clause that says which."""
+    complete = [
+        p for p in trainer_dir.glob("checkpoint-*") if _step_of(p) >= 0 and not missing_parts(p, parts)
+    ]
+    if complete:
+        newest = max(complete, key=_step_of)
+        return (
+            f"the complete checkpoints are kept (newest {newest}); continue with --resume_from_checkpoint last "
+            "once fixed"
+        )
+    if not existed:
+        shutil.rmtree(out, ignore_errors=True)
+        return f"nothing kept ({out} removed)"
+    for p in list(out.iterdir()) if out.is_dir() else []:
+        if p not in before:
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    return f"nothing kept (what this run wrote in {out} removed)"
 
 
 def _step_of(p: Path) -> int:

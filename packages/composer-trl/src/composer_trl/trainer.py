@@ -61,6 +61,15 @@ from trl.data_utils import is_conversational
 from trl.trainer.utils import get_config_model_id, nanmax, nanmin, pad, use_adapter
 
 from composer_trl.config import ComposerGRPOConfig
+from composer_trl.guards import (
+    check_batch_prompts,
+    deferred_trl_none_warning,
+    emit,
+    guarded_reward_funcs,
+    reward_func_label,
+    row_indices,
+    unscored_batch_error,
+)
 from composer_trl.loss import WINDOW_LOSS_TYPES, Counts, composer_trl_loss
 
 HintFn = Callable[..., Sequence[str | None]]
@@ -318,11 +327,38 @@ class ComposerGRPOTrainer(GRPOTrainer):
     def _calculate_rewards(
         self, inputs: Any, prompts: Any, completions: Any, completion_ids_list: Any
     ) -> Tensor:
-        rewards_per_func: Tensor = super()._calculate_rewards(
-            inputs, prompts, completions, completion_ids_list
-        )
+        """TRL's, plus one-line :class:`~composer_trl.guards.RewardFunctionError` for a reward function that
+        raises (or returns the wrong number/kind of rewards) and for a batch no function scored at all."""
+        step = f"step {self.state.global_step + 1}" if self.model.training else "evaluation"
+
+        def rows() -> list[int | None]:
+            return row_indices(self.train_dataset, prompts)
+
+        with deferred_trl_none_warning() as held, guarded_reward_funcs(self, rows, step):
+            rewards_per_func: Tensor = super()._calculate_rewards(
+                inputs, prompts, completions, completion_ids_list
+            )
+        labels = [reward_func_label(f, n) for f, n in zip(self.reward_funcs, self.reward_func_names)]
+        unscored = unscored_batch_error(rewards_per_func, labels, rows, step)
+        if unscored is not None:  # every completion is TRL's "All reward functions returned None" case
+            raise unscored
+        emit(held)  # TRL's warning for the rows no function scored
         self._last_rewards_per_func = rewards_per_func  # gathered over processes: the group's successes
         return rewards_per_func
+
+    def _generate(self, prompts: list[Any]) -> Any:
+        self._composer_check_prompts = True  # the batch's prompts: checked against the context once tokenized
+        try:
+            return super()._generate(prompts)
+        finally:
+            self._composer_check_prompts = False
+
+    def _tokenize_prompts(self, prompts: list[Any]) -> Any:
+        tokenized = super()._tokenize_prompts(prompts)
+        if getattr(self, "_composer_check_prompts", False):  # not the SDPO teacher contexts
+            self._composer_check_prompts = False
+            check_batch_prompts(self, prompts, tokenized[0])
+        return tokenized
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         output = super()._generate_and_score_completions(inputs)

@@ -1,0 +1,285 @@
+"""What would hang a run or leave it half made, refused in one line (issue 50).
+
+- **Prompts longer than the model's context.** TRL 1.16's ``GRPOConfig`` has no ``max_prompt_length`` (it was
+  removed) and ``GRPOTrainer`` generates from the whole prompt: a 100,000-token prompt runs the model over
+  100,000 positions (minutes, or an allocation of tens of GB) far past ``max_position_embeddings``.
+  :func:`overlong_prompt` finds the first prompt whose tokens + ``max_completion_length`` exceed the context
+  (``max_position_embeddings``, or vLLM's ``max_model_len`` when it generates, as TRL's tool loop caps
+  sequences); :func:`prompt_too_long_message` is the one line that names the row, its length, the limit and
+  the fix. ``composer-train`` checks the whole dataset before the model loads; ``ComposerGRPOTrainer`` checks
+  each generation batch before generating.
+- **Reward functions that fail.** TRL lets a reward function return ``None``/NaN for some completions (a
+  completion no function scored gets no advantage; TRL warns "All reward functions returned None"). A batch in
+  which *no* completion got a reward from any function trains on nothing, and a function that raises ends the
+  run with TRL's traceback: both raise :class:`RewardFunctionError`, one line naming the function
+  (``module:function``), the step, the dataset rows and the error.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+__all__ = [
+    "RewardFunctionError",
+    "check_batch_prompts",
+    "context_length",
+    "deferred_trl_none_warning",
+    "emit",
+    "guarded_reward_funcs",
+    "overlong_prompt",
+    "prompt_lengths",
+    "prompt_too_long_message",
+    "reward_func_label",
+    "row_indices",
+    "unscored_batch_error",
+]
+
+TRL_NONE_WARNING = "All reward functions returned None"
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function raised, returned the wrong number or kind of rewards, or no completion of a generation
+    batch got a reward from any function. ``str(e)`` is one line; ``__cause__`` holds the function's own error."""
+
+
+# ---------------------------------------------------------------------------------------------- prompt length
+
+
+def context_length(model_config: Any) -> int | None:
+    """``max_position_embeddings`` of a model config (its text config for a VLM); None when it has none."""
+    cfg = model_config
+    get_text = getattr(cfg, "get_text_config", None)
+    if callable(get_text):
+        cfg = get_text()
+    value = getattr(cfg, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def prompt_lengths(
+    tokenizer: Any, prompts: Sequence[Any], chat_template_kwargs: dict[str, Any] | None = None
+) -> list[int]:
+    """Token counts of ``prompts`` as TRL 1.16's ``GRPOTrainer._tokenize_prompts`` tokenizes them (text: the
+    tokenizer with its special tokens; messages: the chat template with the generation prompt)."""
+    if not prompts:
+        return []
+    if isinstance(prompts[0], list):  # conversational
+        ids = tokenizer.apply_chat_template(
+            conversation=list(prompts),
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+            **(chat_template_kwargs or {}),
+        )["input_ids"]
+    else:
+        ids = tokenizer(text=list(prompts))["input_ids"]
+    return [len(x) for x in ids]
+
+
+def overlong_prompt(lengths: Sequence[int], max_completion_length: int, context: int) -> int | None:
+    """Index of the first prompt whose length + ``max_completion_length`` exceeds ``context`` (None: all fit)."""
+    for i, n in enumerate(lengths):
+        if n + max_completion_length > context:
+            return i
+    return None
+
+
+def prompt_too_long_message(where: str, n_tokens: int, max_completion_length: int, context: int) -> str:
+    """The one line: ``where`` names the row (``train_dataset row 3``, ``--dataset_name 'x.jsonl' row 3``)."""
+    room = context - max_completion_length
+    fix = f"shorten it to at most {room} tokens or drop the row" if room > 0 else "drop the row"
+    if n_tokens < context:
+        fix += f", or lower max_completion_length to {context - n_tokens}"
+    return (
+        f"{where}: the prompt is {n_tokens} tokens; with max_completion_length={max_completion_length} that is "
+        f"{n_tokens + max_completion_length} positions, but the model's context is {context} "
+        f"(max_position_embeddings); {fix} (TRL 1.16 does not truncate prompts)."
+    )
+
+
+def generation_context(trainer: Any) -> int | None:
+    """The longest sequence the trainer's generator takes, as TRL 1.16's tool loop reads it: vLLM's
+    ``max_model_len`` when vLLM generates in-process, else the policy's ``max_position_embeddings``."""
+    if getattr(trainer, "use_vllm", False) and getattr(trainer, "vllm_mode", None) == "colocate":
+        try:
+            return int(trainer.vllm_generation.llm.llm_engine.model_config.max_model_len)
+        except AttributeError:
+            pass
+    return context_length(trainer.model.config)
+
+
+def check_batch_prompts(trainer: Any, prompts: Sequence[Any], prompt_ids: Sequence[Sequence[int]]) -> None:
+    """Raise ``ValueError`` (:func:`prompt_too_long_message`) for the first prompt of a generation batch whose
+    tokens + ``max_completion_length`` exceed the generator's context, before anything is generated."""
+    context = generation_context(trainer)
+    if context is None:
+        return
+    m = int(trainer.max_completion_length or 0)
+    i = overlong_prompt([len(ids) for ids in prompt_ids], m, context)
+    if i is None:
+        return
+    row = row_indices(trainer.train_dataset, [prompts[i]])[0]
+    where = f"train_dataset row {row}" if row is not None else f"prompt {i} of the generation batch"
+    raise ValueError(prompt_too_long_message(where, len(prompt_ids[i]), m, context))
+
+
+def row_indices(dataset: Any, prompts: Sequence[Any]) -> list[int | None]:
+    """The dataset row of each prompt (its first row with that prompt; None: not found or no ``prompt`` column).
+    Only called on an error path: it reads the dataset's whole ``prompt`` column."""
+    try:
+        column = dataset["prompt"]
+    except Exception:  # no dataset, an IterableDataset, no prompt column
+        return [None] * len(prompts)
+    first: dict[str, int] = {}
+    for i, p in enumerate(column):
+        first.setdefault(repr(p), i)
+    return [first.get(repr(p)) for p in prompts]
+
+
+# ---------------------------------------------------------------------------------------------- reward functions
+
+
+def reward_func_label(func: Any, name: str) -> str:
+    """``module:function`` as ``--reward_funcs`` takes it (TRL's name when the callable has no module)."""
+    while isinstance(func, functools.partial):
+        func = func.func
+    target = func if inspect.isfunction(func) or inspect.ismethod(func) else type(func)
+    module, qualname = getattr(target, "__module__", None), getattr(target, "__qualname__", None)
+    if not module or not qualname or module == "builtins":
+        return name
+    return f"{module}:{qualname}"
+
+
+def _rows_text(rows: Sequence[int | None], limit: int = 8) -> str:
+    unique: list[int] = []
+    for r in rows:
+        if r is not None and r not in unique:
+            unique.append(r)
+    if not unique:
+        return "rows not found in the training dataset"
+    shown = ", ".join(str(r) for r in unique[:limit])
+    more = f", … ({len(unique)} prompts)" if len(unique) > limit else ""
+    return f"dataset rows {shown}{more}"
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
+def _check_output(output: Any, n: int) -> list[Any]:
+    """``output`` as a list (a generator is read once here), if it holds ``n`` numbers or Nones."""
+    try:
+        values = list(output)
+    except TypeError:
+        raise RewardFunctionError(
+            f"returned {type(output).__name__}, not a list of {n} rewards (one per completion)"
+        ) from None
+    if len(values) != n:
+        raise RewardFunctionError(f"returned {len(values)} rewards for {n} completions (one per completion)")
+    for v in values:
+        if v is not None and not isinstance(v, int | float) and not hasattr(v, "__float__"):
+            raise RewardFunctionError(f"returned a {type(v).__name__} ({v!r:.40}), not a number or None")
+    return values
+
+
+@contextmanager
+def guarded_reward_funcs(trainer: Any, rows: Callable[[], Sequence[int | None]], step: str) -> Iterator[None]:
+    """Within the block, each of ``trainer.reward_funcs`` that is a plain or async callable (reward models are left
+    as they are) raises :class:`RewardFunctionError` naming itself, ``step`` and the batch's dataset rows when it
+    raises or returns the wrong number or kind of rewards. ``rows()`` is called on the error path only."""
+    import torch
+    from trl.trainer.utils import is_async_callable
+
+    originals = list(trainer.reward_funcs)
+    names = list(trainer.reward_func_names)
+
+    def fail(label: str, what: str, cause: BaseException | None) -> RewardFunctionError:
+        err = RewardFunctionError(f"reward function {label} {what} ({step}, {_rows_text(rows())})")
+        err.__cause__ = cause
+        return err
+
+    def wrap(func: Any, name: str) -> Any:
+        label = reward_func_label(func, name)
+
+        def check(output: Any, n: int) -> list[Any]:
+            try:
+                return _check_output(output, n)
+            except RewardFunctionError as e:
+                raise fail(label, str(e), None) from None
+
+        if is_async_callable(func):
+
+            async def guarded_async(*args: Any, **kwargs: Any) -> Any:
+                try:
+                    output = await func(*args, **kwargs)
+                except Exception as e:
+                    raise fail(label, f"raised {_first_line(e)}", e) from e
+                return check(output, len(kwargs.get("prompts", ())))
+
+            return guarded_async
+
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            try:
+                output = func(*args, **kwargs)
+            except Exception as e:
+                raise fail(label, f"raised {_first_line(e)}", e) from e
+            return check(output, len(kwargs.get("prompts", ())))
+
+        return guarded
+
+    trainer.reward_funcs = [
+        f if isinstance(f, torch.nn.Module) else wrap(f, n) for f, n in zip(originals, names, strict=True)
+    ]
+    try:
+        yield
+    finally:
+        trainer.reward_funcs = originals
+
+
+def unscored_batch_error(
+    rewards_per_func: Any, labels: Sequence[str], rows: Callable[[], Sequence[int | None]], step: str
+) -> RewardFunctionError | None:
+    """The error for a generation batch in which no completion got a finite reward from any function (every row
+    TRL's "All reward functions returned None" case); None when at least one completion was scored."""
+    import torch
+
+    if rewards_per_func.numel() == 0 or not bool(torch.isnan(rewards_per_func).all()):
+        return None
+    who = ", ".join(labels)
+    return RewardFunctionError(
+        f"no completion of the generation batch got a reward: {who} returned None/NaN for all "
+        f"{rewards_per_func.shape[0]} completions ({step}, {_rows_text(rows())}); return a number for the "
+        "completions you can score"
+    )
+
+
+@contextmanager
+def deferred_trl_none_warning() -> Iterator[list[logging.LogRecord]]:
+    """Hold TRL's "All reward functions returned None" warning (GRPOTrainer's logger) for the block; the caller
+    re-emits the held records with :func:`emit` or drops them (when it raises one line instead)."""
+    log = logging.getLogger("trl.trainer.grpo_trainer")
+    held: list[logging.LogRecord] = []
+
+    def hold(record: logging.LogRecord) -> bool:
+        if TRL_NONE_WARNING in str(record.msg):
+            held.append(record)
+            return False
+        return True
+
+    log.addFilter(hold)
+    try:
+        yield held
+    finally:
+        log.removeFilter(hold)
+
+
+def emit(records: Sequence[logging.LogRecord]) -> None:
+    """Log records held by :func:`deferred_trl_none_warning` as TRL would have."""
+    log = logging.getLogger("trl.trainer.grpo_trainer")
+    for record in records:
+        log.handle(record)
