@@ -99,10 +99,10 @@ class ComposerBatch:
         sdpo_mask: [B, T] tokens to distil (e.g. the targeted span, 0 for samples without a hint);
             None → ``completion_mask``.
         full form: student_logits [B, T, V] (grad), teacher_logits [B, T, V] (the hinted context; detached).
-        fused form: student_hidden [B, T, H] (grad), teacher_hidden [B, T, H] (detached),
-            lm_head_weight [V, H] (grad), lm_head_bias [V] (optional); teacher_lm_head_weight [V, H] /
+        fused form: student_hidden [B, T, Hs] (grad), teacher_hidden [B, T, Ht] (detached),
+            lm_head_weight [V, Hs] (grad), lm_head_bias [V] (optional); teacher_lm_head_weight [V, Ht] /
             teacher_lm_head_bias [V] (optional, detached: a teacher with weights of its own, e.g. an EMA
-            teacher; None → the student's head).
+            teacher or a model of another hidden size Ht; None → the student's head, which needs Ht = Hs).
         sampled form: teacher_logprobs [B, T] (the student side is ``logprobs``).
 
     Channel 3 (trace replay):

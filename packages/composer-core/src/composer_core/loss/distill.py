@@ -381,7 +381,8 @@ class _ChunkedLogitsLoss(torch.autograd.Function):
 
 
 class _FusedLinearLoss(torch.autograd.Function):
-    """Σ_rows scale·loss(row) with logits = hidden @ Wᵀ (+ b) built one chunk at a time."""
+    """Σ_rows scale·loss(row) with logits built one chunk at a time: student ``hidden [N, Hs] @ W [V, Hs]ᵀ (+ b)``,
+    teacher ``teacher_hidden [N, Ht] @ teacher_weight [V, Ht]ᵀ (+ teacher_bias)`` (Ht may differ from Hs)."""
 
     @staticmethod
     @_in_full_precision
@@ -410,11 +411,10 @@ class _FusedLinearLoss(torch.autograd.Function):
             else None
         )
         w_c = weight.detach().to(cdtype)
-        tw_c = (
-            w_c
-            if teacher_weight is weight or teacher_weight.data_ptr() == weight.data_ptr()
-            else teacher_weight.to(cdtype)
+        same_head = teacher_weight is weight or (
+            teacher_weight.shape == weight.shape and teacher_weight.data_ptr() == weight.data_ptr()
         )
+        tw_c = w_c if same_head else teacher_weight.to(cdtype)
         tb_c = None if teacher_bias is None else teacher_bias.to(cdtype)
         b_c = None if bias is None else bias.detach().to(cdtype)
         total = torch.zeros((), dtype=cdtype, device=device)
@@ -422,7 +422,8 @@ class _FusedLinearLoss(torch.autograd.Function):
         width = _chunk_width(rows, student_hidden.shape[0], chunk_size)
         hidden = student_hidden.shape[1]
         buf_hs = torch.empty(width, hidden, dtype=cdtype, device=device)
-        buf_ht = torch.empty_like(buf_hs)
+        # the teacher's hidden size Ht may differ from the student's Hs
+        buf_ht = torch.empty(width, teacher_hidden.shape[1], dtype=cdtype, device=device)
         buf_s = torch.empty(width, weight.shape[0], dtype=cdtype, device=device)
         buf_t = torch.empty_like(buf_s)
         buf_gh = torch.empty_like(buf_hs) if grad_h is not None else None
@@ -665,25 +666,47 @@ def fused_linear_loss(
     reduction: str,
     normalizer: float | Tensor | None,
 ) -> Tensor:
-    """Run a chunk ``kernel`` on logits built chunk-wise from hidden states (shared by the wrappers)."""
+    """Run a chunk ``kernel`` on logits built chunk-wise from hidden states (shared by the wrappers).
+
+    Student ``student_hidden [..., Hs]`` with ``lm_head_weight [V, Hs]``; teacher ``teacher_hidden [..., Ht]`` with
+    ``teacher_lm_head_weight [V, Ht]`` (Ht may differ from Hs; without a teacher head, Ht must equal Hs)."""
     check_tensor("student_hidden", student_hidden, min_ndim=2)
     check_tensor("teacher_hidden", teacher_hidden, min_ndim=2)
     check_tensor("lm_head_weight", lm_head_weight, ndim=2)
     check_float("student_hidden", student_hidden)
     check_float("teacher_hidden", teacher_hidden)
     check_float("lm_head_weight", lm_head_weight)
-    check_same_shape("student_hidden", student_hidden, "teacher_hidden", teacher_hidden)
-    hidden = student_hidden.shape[-1]
+    if teacher_hidden.shape[:-1] != student_hidden.shape[:-1]:
+        raise ValueError(
+            f"`teacher_hidden` has shape {tuple(teacher_hidden.shape)} but `student_hidden` has shape "
+            f"{tuple(student_hidden.shape)}; their leading dims (the tokens) must match."
+        )
+    hidden, t_hidden = student_hidden.shape[-1], teacher_hidden.shape[-1]
     if lm_head_weight.shape[1] != hidden:
         raise ValueError(
             f"`lm_head_weight` has shape {tuple(lm_head_weight.shape)} but must be [V, H] with H = "
             f"{hidden} (the hidden size of `student_hidden`)."
         )
     t_weight = lm_head_weight if teacher_lm_head_weight is None else teacher_lm_head_weight
+    if teacher_lm_head_weight is None and t_hidden != hidden:
+        raise ValueError(
+            f"`teacher_hidden` has shape {tuple(teacher_hidden.shape)}: hidden size {t_hidden}, not the student's "
+            f"{hidden}; without `teacher_lm_head_weight` the teacher uses `lm_head_weight` [V, {hidden}]. Pass "
+            f"the teacher's own head as `teacher_lm_head_weight` [V, {t_hidden}]."
+        )
     if teacher_lm_head_weight is not None:
         check_tensor("teacher_lm_head_weight", teacher_lm_head_weight, ndim=2)
         check_float("teacher_lm_head_weight", teacher_lm_head_weight)
-        check_same_shape("lm_head_weight", lm_head_weight, "teacher_lm_head_weight", teacher_lm_head_weight)
+        if teacher_lm_head_weight.shape[0] != lm_head_weight.shape[0]:
+            raise ValueError(
+                f"`teacher_lm_head_weight` has shape {tuple(teacher_lm_head_weight.shape)} but `lm_head_weight` has "
+                f"shape {tuple(lm_head_weight.shape)}; their vocabulary sizes V (dim 0) must match."
+            )
+        if teacher_lm_head_weight.shape[1] != t_hidden:
+            raise ValueError(
+                f"`teacher_hidden` has hidden size {t_hidden} but `teacher_lm_head_weight` has shape "
+                f"{tuple(teacher_lm_head_weight.shape)}; it must be [V, Ht] with Ht = {t_hidden}."
+            )
     for name, b in (("lm_head_bias", lm_head_bias), ("teacher_lm_head_bias", teacher_lm_head_bias)):
         if b is not None:
             check_tensor(name, b, ndim=1)
@@ -701,7 +724,7 @@ def fused_linear_loss(
         student_hidden.reshape(-1, hidden),
         lm_head_weight,
         lm_head_bias,
-        teacher_hidden.detach().reshape(-1, hidden),
+        teacher_hidden.detach().reshape(-1, t_hidden),
         t_weight.detach(),
         None if t_bias is None else t_bias.detach(),
         rows,
@@ -731,14 +754,18 @@ def fused_linear_generalized_jsd(
     """Generalized JSD from hidden states with the LM head fused in (never materialises [N, V]).
 
     Same loss as :func:`generalized_jsd` on ``student_logits = student_hidden @ lm_head_weightᵀ + lm_head_bias``
-    and ``teacher_logits = teacher_hidden @ teacher_lm_head_weightᵀ (+ bias)``; the teacher head defaults to
-    the student's (hinted self-teacher: same network, different context). Logits exist only one chunk at a
-    time (Liger-Kernel ``LigerFusedLinearJSD`` pattern): peak extra memory O(chunk·V + V·H). Gradients
-    flow to ``student_hidden``, ``lm_head_weight`` and ``lm_head_bias``; the teacher side is detached.
+    ([N, Hs] @ [V, Hs]ᵀ) and ``teacher_logits = teacher_hidden @ teacher_lm_head_weightᵀ (+ teacher_lm_head_bias)``
+    ([N, Ht] @ [V, Ht]ᵀ); only V must match, so the teacher may be a model of another hidden size (as Liger-Kernel's
+    ``LigerFusedLinearJSDLoss``). The teacher head defaults to the student's (hinted self-teacher: same network,
+    different context; then Ht = Hs). Logits exist only one chunk at a time (Liger-Kernel ``LigerFusedLinearJSD``
+    pattern): peak extra memory O(chunk·V + V·(Hs + Ht)). Gradients flow to ``student_hidden``, ``lm_head_weight``
+    and ``lm_head_bias``; the teacher side is detached.
 
     Args:
-        student_hidden / teacher_hidden: [..., H]. lm_head_weight: [V, H]. lm_head_bias: [V] or None.
-        teacher_lm_head_weight / teacher_lm_head_bias: a separate teacher head (default: the student's).
+        student_hidden: [..., Hs]. lm_head_weight: [V, Hs]. lm_head_bias: [V] or None.
+        teacher_hidden: [..., Ht] (the same leading dims as ``student_hidden``).
+        teacher_lm_head_weight / teacher_lm_head_bias: a separate teacher head [V, Ht] / [V] (default: the
+            student's, which needs Ht = Hs).
         chunk_size: tokens per chunk (None: :data:`FUSED_MIN_ROWS`, 256, from V = 32,768 up; see
             :func:`chunk_rows`); the extra memory is about four chunk × V float buffers plus the gradients.
         mask, beta, temperature, normalizer, compiled: as in :func:`generalized_jsd`.

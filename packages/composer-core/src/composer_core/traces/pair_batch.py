@@ -52,7 +52,9 @@ class PairBatch:
 def sequence_logps(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``ℓ_i = Σ_t m_it · log softmax(z_it)[y_it]`` — summed completion log-probs ``[P]``.
 
-    ``logits [P,T,V]`` are the rows that predict ``ids [P,T]`` (``logits[:, inputs.logits_slice]``).
+    ``logits [P,T,V]`` are the rows that predict ``ids [P,T]`` (``logits[:, inputs.logits_slice]``). Computed
+    and returned in ``promote(logits.dtype, float32)``: bf16/fp16 logits are upcast to float32, float64 stays
+    float64.
     """
     if logits.dim() != 3 or logits.shape[:2] != ids.shape or ids.shape != mask.shape:
         raise ValueError(
@@ -61,7 +63,8 @@ def sequence_logps(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) 
         )
     if not torch.isfinite(logits).all():
         raise ValueError("logits contain NaN or inf")
-    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    cdtype = torch.promote_types(logits.dtype, torch.float32)  # bf16/fp16 -> float32; float64 stays
+    logp = torch.log_softmax(logits.to(cdtype), dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     return (logp * mask.to(logp.dtype)).sum(dim=-1)
 
 
