@@ -104,13 +104,22 @@ def test_sdpo_options_without_alpha_raise(sample, key) -> None:
         ({"kl_tau": float("nan")}, "'kl_tau' must be a finite number"),
         ({"adv_tau": "1.0x"}, "'adv_tau' must be a number"),
         ({"adv_tau": True}, "'adv_tau' must be a number"),
-        ({"alpha_sdpo": -1.0}, "'alpha_sdpo' must be a finite number >= 0"),
-        ({"alpha_sdpo": 1.0, "sdpo_token_clip": 0.0}, "'sdpo_token_clip' must be a finite number > 0"),
+        ({"alpha_sdpo": -1.0}, "`alpha_sdpo`=-1.0 must be a finite weight >= 0"),
+        (
+            {"alpha_sdpo": 1.0, "sdpo_token_clip": 0.0},
+            r"`is_clip \(sdpo_token_clip\)`=0.0 must be a finite number > 0",
+        ),
         ({"alpha_sdpo": 1.0, "sdpo_missing": "ignore"}, "'sdpo_missing' must be one of"),
-        ({"alpha_sdpo": 1.0, "sdpo_token_clip": float("inf")}, "'sdpo_token_clip' must be finite"),
-        ({"alpha_sdpo": 1.0, "sdpo_token_clip": True}, "'sdpo_token_clip' must be a number"),
-        ({"policy_loss": "clipped_surrogate", "epsilon_low": 1.0}, "'epsilon_low' must be < 1"),
-        ({"policy_loss": "clipped_surrogate", "delta": 1.1}, "'delta' must be > 1 \\+ epsilon_high"),
+        (
+            {"alpha_sdpo": 1.0, "sdpo_token_clip": float("inf")},
+            r"`is_clip \(sdpo_token_clip\)`=inf must be a finite number",
+        ),
+        (
+            {"alpha_sdpo": 1.0, "sdpo_token_clip": True},
+            r"`sdpo_token_clip`=True \(bool\) is not a valid value",
+        ),
+        ({"policy_loss": "clipped_surrogate", "epsilon_low": 1.0}, r"`epsilon_low`=1.0 must lie in \[0, 1\)"),
+        ({"policy_loss": "clipped_surrogate", "delta": 1.1}, r"`delta`=1.1 must exceed 1 \+ epsilon_high"),
     ],
 )
 def test_bad_values_raise(sample, kwargs, message) -> None:
@@ -173,3 +182,47 @@ def test_every_core_option_is_either_supported_or_refused_with_a_reason() -> Non
 
     for key in flat_option_names():
         assert key in valid_option_names() or key in _UNSUPPORTED, key
+
+
+@pytest.mark.parametrize(
+    ("bad", "option"),
+    [
+        ({"alpha_sdpo": -0.5}, "alpha_sdpo"),
+        ({"alpha_sdpo": float("nan")}, "alpha_sdpo"),
+        ({"beta_replay": -1.0}, "beta_replay"),
+        ({"alpha_sdpo": 1.0, "sdpo_token_clip": -1.0}, "sdpo_token_clip"),
+        ({"alpha_sdpo": 1.0, "sdpo_token_clip": float("inf")}, "sdpo_token_clip"),
+    ],
+)
+def test_core_channel_options_are_checked_by_core_only(bad, option) -> None:
+    """No range check of its own for an option shared with composer_core's ComposeConfig: the error is core's."""
+    from composer_core.loss.config import ComposeConfig
+
+    with pytest.raises(ValueError) as core:
+        ComposeConfig.from_flat(**bad)
+    with pytest.raises(ValueError) as here:
+        parse_options(bad)
+    assert str(here.value) == str(core.value) and option in str(here.value)
+
+
+@pytest.mark.parametrize(
+    ("bad", "option"),
+    [
+        ({"epsilon_low": -0.1}, "epsilon_low"),
+        ({"epsilon_low": 1.0}, "epsilon_low"),
+        ({"epsilon_high": -0.5}, "epsilon_high"),
+        ({"delta": 1.1}, "delta"),
+        ({"delta": 0.5}, "delta"),
+    ],
+)
+def test_clip_options_are_checked_by_core_only(bad, option) -> None:
+    """epsilon_low / epsilon_high / delta raise composer_core's clipped_surrogate message."""
+    import torch
+    from composer_core.loss.policy import clipped_surrogate
+
+    x = torch.zeros(1, 1)
+    with pytest.raises(ValueError) as core:
+        clipped_surrogate(x, x, torch.zeros(1), **bad)
+    with pytest.raises(ValueError) as here:
+        parse_options({"policy_loss": "clipped_surrogate", **bad})
+    assert str(here.value) == str(core.value) and option in str(here.value)

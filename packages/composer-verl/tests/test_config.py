@@ -36,10 +36,13 @@ def test_configure_takes_precedence_over_env(monkeypatch: pytest.MonkeyPatch) ->
     [
         ('{"alpha": 1}', r"unknown key\(s\) \['alpha'\]"),
         ('{"adv_scale": "std"}', "adv_scale='std' is not one of"),
-        ('{"alpha_sdpo": -1}', "alpha_sdpo=-1 must be a finite number >= 0"),
-        ('{"beta_replay": NaN}', "beta_replay=nan must be a finite number >= 0"),
+        ('{"alpha_sdpo": -1}', "composer-verl config: `alpha_sdpo`=-1.0 must be a finite weight >= 0"),
+        ('{"beta_replay": NaN}', "composer-verl config: `beta_replay`=nan must be a finite weight >= 0"),
         ('{"policy_delta": 1.0}', "policy_delta=1.0 must be > 1"),
-        ('{"sdpo_token_clip": 0}', "sdpo_token_clip=0 must be > 0"),
+        (
+            '{"sdpo_token_clip": 0}',
+            r"composer-verl config: `is_clip \(sdpo_token_clip\)`=0.0 must be a finite number > 0",
+        ),
         ('{"alpha_sdpo": ', "not valid JSON"),
         ("/no/such/file.yaml", "no such file"),
         ("[1, 2]", "no such file"),
@@ -52,7 +55,7 @@ def test_bad_config_is_a_clear_error(raw: str, match: str) -> None:
 
 def test_bad_env_config_fails_at_use(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("COMPOSER_VERL_CONFIG", '{"alpha_sdpo": "high"}')
-    with pytest.raises(ValueError, match="alpha_sdpo='high'"):
+    with pytest.raises(ValueError, match="composer-verl config: `alpha_sdpo`='high'"):
         current_config()
 
 
@@ -83,3 +86,50 @@ def test_defaults_shared_with_core_come_from_core() -> None:
 def test_option_of_the_unselected_replay_variant_raises(raw: str, option: str) -> None:
     with pytest.raises(ValueError, match=f"composer-verl config: .*silently ignored: `{option}`"):
         parse_config(raw)
+
+
+@pytest.mark.parametrize(
+    ("bad", "option"),
+    [
+        ({"alpha_sdpo": -0.5}, "alpha_sdpo"),
+        ({"alpha_sdpo": "high"}, "alpha_sdpo"),
+        ({"beta_replay": float("inf")}, "beta_replay"),
+        ({"sdpo_token_clip": -1.0}, "sdpo_token_clip"),
+        ({"sdpo_form": "topk", "alpha_sdpo": 1.0, "sdpo_topk": 0}, "sdpo_topk"),
+        ({"sdpo_form": "topk", "alpha_sdpo": 1.0, "sdpo_topk": 4, "sdpo_beta": 1.5}, "sdpo_beta"),
+        (
+            {"sdpo_form": "topk", "alpha_sdpo": 1.0, "sdpo_topk": 4, "sdpo_topk_tail": "maybe"},
+            "sdpo_topk_tail",
+        ),
+        ({"dpo_variant": "kto"}, "dpo_variant"),
+        ({"dpo_beta": 0.0}, "dpo_beta"),
+        ({"dpo_loss_type": "hinge"}, "dpo_loss_type"),
+        ({"dpo_label_smoothing": 0.7}, "dpo_label_smoothing"),
+        ({"dpo_variant": "simpo", "simpo_beta": -2.0}, "simpo_beta"),
+        ({"dpo_variant": "simpo", "simpo_gamma": float("nan")}, "simpo_gamma"),
+    ],
+)
+def test_core_options_are_checked_by_core_only(bad: dict, option: str) -> None:
+    """No range check of its own for an option shared with composer_core: the error is core's, prefixed once."""
+    from composer_core.loss.config import ComposeConfig
+
+    with pytest.raises(ValueError) as core:
+        ComposeConfig.from_flat(**bad)
+    with pytest.raises(ValueError) as verl:
+        ComposerVerlConfig(**bad)
+    assert str(verl.value) == f"composer-verl config: {core.value}"
+    assert option in str(verl.value)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"sdpo_teacher": "frozen"}, {"sdpo_teacher": "ema", "alpha_sdpo": 1.0, "teacher_update_rate": 0.0}],
+)
+def test_teacher_options_are_checked_by_core_only(bad: dict) -> None:
+    from composer_core.sdpo import TeacherWeightsOptions
+
+    with pytest.raises(ValueError) as core:
+        TeacherWeightsOptions(**{k: v for k, v in bad.items() if k != "alpha_sdpo"})
+    with pytest.raises(ValueError) as verl:
+        ComposerVerlConfig(**bad)
+    assert str(verl.value) == f"composer-verl config: {core.value}"

@@ -27,6 +27,7 @@ from typing import Any, Literal
 from composer_core.loss.config import (
     DPO,
     TAID,
+    ComposeConfig,
     EntropyOPD,
     PolicyOptions,
     SDPOOptions,
@@ -35,7 +36,7 @@ from composer_core.loss.config import (
     flat_defaults,
     flat_option_names,
 )
-from composer_core.loss.policy import dppo_loss
+from composer_core.loss.policy import check_clip_args, dppo_loss
 
 __all__ = ["PrimeRLLossOptions", "parse_options", "valid_option_names"]
 
@@ -192,18 +193,6 @@ def _number(key: str, value: Any, *, minimum: float = 0.0, strict: bool = False)
     return out
 
 
-def _token_clip(value: Any) -> float | None:
-    # TOML has no null: ``sdpo_token_clip = false`` is how a config drops the importance weight.
-    if value is None or value is False:
-        return None
-    if isinstance(value, (int, float)) and value == math.inf:
-        raise ValueError(
-            "'sdpo_token_clip' must be finite (an uncapped importance weight has unbounded variance); "
-            "use a large cap, or false to drop the importance weight."
-        )
-    return _number("sdpo_token_clip", value, strict=True)
-
-
 def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> str:
     if value not in allowed:
         raise ValueError(f"'{key}' must be one of {', '.join(map(repr, allowed))}, got {value!r}.")
@@ -262,32 +251,22 @@ def _build(items: tuple[tuple[str, Any], ...]) -> PrimeRLLossOptions:
     # "auto" is compose_loss's choice among the forms whose inputs exist: here only "sampled".
     _choice("sdpo_form", form, ("sampled", "auto"))
 
-    beta_replay = _number("beta_replay", given.get("beta_replay", 0.0))
-    if beta_replay != 0.0:
+    # composer_core checks the options it shares with this adapter (its message names the option): channel
+    # weights and sdpo_token_clip through its ComposeConfig, the clip arguments with clipped_surrogate's check.
+    sdpo = {k: given[k] for k in ("alpha_sdpo", "sdpo_token_clip") if k in given}
+    core = ComposeConfig.from_flat(beta_replay=given.get("beta_replay", 0.0), sdpo_form="sampled", **sdpo)
+    if core.beta_replay != 0.0:
         raise ValueError(_CHANNEL3.format(key="beta_replay"))
-
-    alpha = _number("alpha_sdpo", given.get("alpha_sdpo", 0.0))
+    alpha = core.alpha_sdpo if "alpha_sdpo" in given else typing.cast(float, _DEFAULTS["alpha_sdpo"])
     if alpha == 0.0 and _SDPO_ONLY & given.keys():
         names = ", ".join(sorted(_SDPO_ONLY & given.keys()))
         raise ValueError(
             f"{names} configure channel 2, which is off (alpha_sdpo = 0); set alpha_sdpo > 0 "
             f"or remove {names}."
         )
-
-    def opt(key: str, default: float | None, strict: bool = False) -> float | None:
-        value = given.get(key, default)
-        return None if value is None else _number(key, value, strict=strict)
-
-    eps_low = opt("epsilon_low", typing.cast(float, _DEFAULTS["epsilon_low"]))
-    assert eps_low is not None
-    if eps_low >= 1.0:
-        raise ValueError(
-            f"'epsilon_low' must be < 1 (the ratio is clipped at 1 - epsilon_low), got {eps_low}."
-        )
-    delta = opt("delta", typing.cast("float | None", _DEFAULTS["delta"]), strict=True)
-    eps_high = opt("epsilon_high", typing.cast("float | None", _DEFAULTS["epsilon_high"]))
-    if delta is not None and delta <= 1.0 + (eps_high if eps_high is not None else eps_low):
-        raise ValueError(f"'delta' must be > 1 + epsilon_high (it caps the unclipped ratio), got {delta}.")
+    clip = {k: given.get(k, _DEFAULTS[k]) for k in ("epsilon_low", "epsilon_high", "delta")}
+    clip = {k: None if v is None else coerce_to(k, v, _HINTS[k]) for k, v in clip.items()}
+    check_clip_args(clip["epsilon_low"], clip["epsilon_high"], clip["delta"])
 
     return PrimeRLLossOptions(
         policy_loss=policy,  # type: ignore[arg-type]
@@ -295,12 +274,12 @@ def _build(items: tuple[tuple[str, Any], ...]) -> PrimeRLLossOptions:
         dppo_mask_high=_number("dppo_mask_high", given.get("dppo_mask_high", _DEFAULTS["dppo_mask_high"])),
         adv_tau=_number("adv_tau", given.get("adv_tau", _DEFAULTS["adv_tau"])),
         kl_tau=_number("kl_tau", given.get("kl_tau", _DEFAULTS["kl_tau"])),
-        epsilon_low=eps_low,
-        epsilon_high=eps_high,
-        delta=delta,
+        epsilon_low=clip["epsilon_low"],
+        epsilon_high=clip["epsilon_high"],
+        delta=clip["delta"],
         alpha_sdpo=alpha,
         sdpo_form="sampled",
-        sdpo_token_clip=_token_clip(given.get("sdpo_token_clip", _DEFAULTS["sdpo_token_clip"])),
+        sdpo_token_clip=core.sdpo.token_clip,
         sdpo_missing=_choice("sdpo_missing", given.get("sdpo_missing", "error"), ("error", "skip")),  # type: ignore[arg-type]
         beta_replay=0.0,
     )

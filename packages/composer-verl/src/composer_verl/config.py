@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, cast
 
-from composer_core.loss.config import ComposeConfig, flat_defaults
+from composer_core.loss.config import ComposeConfig, coerce_option, flat_defaults
 from composer_core.sdpo import TeacherWeightsOptions
 
 ENV_VAR = "COMPOSER_VERL_CONFIG"
@@ -39,10 +39,24 @@ _TEACHER = {f.name: f.default for f in fields(TeacherWeightsOptions)}
 _CHOICES: dict[str, tuple[Any, ...]] = {
     "adv_scale": (None, "group", "batch", "none"),
     "adv_singleton": ("reward", "zero"),
-    "dpo_variant": ("dpo", "simpo"),
-    "dpo_loss_type": ("sigmoid", "robust", "ipo"),
-    "sdpo_form": ("sampled", "topk"),
+    "sdpo_form": ("sampled", "topk"),  # verl's subset of core's forms (core checks the value itself)
 }
+#: the options this section passes to composer_core's ComposeConfig, which checks them (under core's flat names)
+_SHARED = (
+    "alpha_sdpo",
+    "beta_replay",
+    "sdpo_form",
+    "sdpo_token_clip",
+    "sdpo_topk",
+    "sdpo_topk_tail",
+    "sdpo_beta",
+    "dpo_variant",
+    "dpo_beta",
+    "dpo_loss_type",
+    "dpo_label_smoothing",
+    "simpo_beta",
+    "simpo_gamma",
+)
 
 
 @dataclass(frozen=True)
@@ -86,6 +100,7 @@ class ComposerVerlConfig:
     adv_eps: float = 1e-6
     adv_singleton: Literal["reward", "zero"] = "reward"
     policy_delta: float | None = cast("float | None", _CORE["delta"])
+    # alpha_sdpo / beta_replay default to 0 on purpose (core: 1.0): verl runs channel 1 only unless asked
     alpha_sdpo: float = 0.0
     sdpo_token_clip: float | None = cast("float | None", _CORE["sdpo_token_clip"])
     sdpo_form: Literal["sampled", "topk"] = "sampled"
@@ -112,51 +127,32 @@ class ComposerVerlConfig:
     teacher: TeacherWeightsOptions = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        # Only verl's own options (and verl's subset of sdpo_form) are checked here; every option shared with
+        # composer_core is coerced and range-checked by core (ComposeConfig / TeacherWeightsOptions), whose
+        # message, naming the option, is wrapped once with this section's prefix.
         for name, allowed in _CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(
                     f"composer-verl config: {name}={getattr(self, name)!r} is not one of {allowed}."
                 )
-        for name in ("adv_eps", "alpha_sdpo", "beta_replay", "dpo_beta", "simpo_beta"):
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or isinstance(value, bool) or not value >= 0.0:
-                raise ValueError(f"composer-verl config: {name}={value!r} must be a finite number >= 0.")
+        eps = self.adv_eps
+        if isinstance(eps, bool) or not isinstance(eps, int | float) or not eps >= 0.0:
+            raise ValueError(f"composer-verl config: adv_eps={eps!r} must be a finite number >= 0.")
         if self.policy_delta is not None and not self.policy_delta > 1.0:
             raise ValueError(
                 f"composer-verl config: policy_delta={self.policy_delta!r} must be > 1 (choose delta > 1 + clip_ratio_high)."
             )
-        if self.sdpo_token_clip is not None and not self.sdpo_token_clip > 0.0:
-            raise ValueError(
-                f"composer-verl config: sdpo_token_clip={self.sdpo_token_clip!r} must be > 0 or null."
-            )
-        # composer_core's config: one set of defaults, and an option of the unselected replay variant
-        # (e.g. simpo_gamma with dpo_variant='dpo') raises instead of being ignored.
         try:
-            compose = ComposeConfig.from_flat(
-                alpha_sdpo=self.alpha_sdpo,
-                beta_replay=self.beta_replay,
-                sdpo_form=self.sdpo_form,
-                sdpo_token_clip=self.sdpo_token_clip,
-                sdpo_topk=self.sdpo_topk,
-                sdpo_topk_tail=self.sdpo_topk_tail,
-                sdpo_beta=self.sdpo_beta,
-                dpo_variant=self.dpo_variant,
-                **{
-                    k: getattr(self, k)
-                    for k in ("dpo_beta", "dpo_loss_type", "dpo_label_smoothing", "simpo_beta", "simpo_gamma")
-                },
-            )
+            # composer_core's coercion (CLI/YAML strings) for the shared options; an option of the unselected
+            # replay variant (e.g. simpo_gamma with dpo_variant='dpo') raises instead of being ignored.
+            shared: dict[str, Any] = {name: coerce_option(name, getattr(self, name)) for name in _SHARED}
+            compose = ComposeConfig.from_flat(**shared)
+            teacher = TeacherWeightsOptions(**{name: getattr(self, name) for name in _TEACHER})
         except ValueError as err:
             raise ValueError(f"composer-verl config: {err}") from None
+        for name, value in shared.items():
+            object.__setattr__(self, name, value)
         object.__setattr__(self, "compose", compose)
-        try:
-            teacher = TeacherWeightsOptions(
-                sdpo_teacher=self.sdpo_teacher,
-                teacher_update_rate=self.teacher_update_rate,
-                teacher_sync_steps=self.teacher_sync_steps,
-            )
-        except ValueError as err:
-            raise ValueError(f"composer-verl config: {err}") from None
         if self.sdpo_form == "topk" and self.sdpo_teacher != "live":
             raise ValueError(
                 f"composer-verl config: sdpo_form='topk' with sdpo_teacher={self.sdpo_teacher!r}: the top-k form scores "

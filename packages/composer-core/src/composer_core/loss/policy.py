@@ -41,6 +41,7 @@ from composer_core.loss.validation import (
 __all__ = [
     "PolicyLossOutput",
     "aggregate_loss",
+    "check_clip_args",
     "clipped_surrogate",
     "clipped_surrogate_from_ratio",
     "dppo_loss",
@@ -122,14 +123,16 @@ def clipped_surrogate(
     check_float("old_logprobs", old_logprobs)
     check_same_shape("logprobs", logprobs, "old_logprobs", old_logprobs)
     adv = _broadcast_advantages(advantages, logprobs)
-    eps_lo, eps_hi = _check_clip_args(epsilon_low, epsilon_high, delta)
+    eps_lo, eps_hi = check_clip_args(epsilon_low, epsilon_high, delta)
     coef_1 = torch.exp(logprobs - old_logprobs.detach())
     return clipped_surrogate_from_ratio(coef_1, adv, eps_lo, eps_hi, delta)
 
 
-def _check_clip_args(
+def check_clip_args(
     epsilon_low: float, epsilon_high: float | None, delta: float | None
 ) -> tuple[float, float]:
+    """Check the clip options of :func:`clipped_surrogate` / :func:`policy_loss` and return ``(ε_lo, ε_hi)``:
+    ``0 ≤ ε_lo < 1``, ``ε_hi ≥ 0`` (None → ε_lo), ``δ > 1 + ε_hi`` when given. Raises ``ValueError`` naming the option."""
     eps_lo = float(epsilon_low)
     eps_hi = eps_lo if epsilon_high is None else float(epsilon_high)
     if not (0.0 <= eps_lo < 1.0):
@@ -474,7 +477,7 @@ def policy_loss(
     check_normalizer("normalizer", normalizer)
     adv = _broadcast_advantages(advantages, logprobs)
     old = logprobs.detach() if old_logprobs is None else old_logprobs
-    eps_lo, eps_hi = _check_clip_args(epsilon_low, epsilon_high, delta)
+    eps_lo, eps_hi = check_clip_args(epsilon_low, epsilon_high, delta)
 
     # Same op sequence as TRL 1.16 GRPOTrainer._compute_loss (graph-creation order fixes the order in which
     # autograd accumulates gradients, so even the gradients are bit-identical).
