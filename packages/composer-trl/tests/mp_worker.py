@@ -88,3 +88,8 @@ def main(out_dir: str, model_dir: str, mode: str = "hints") -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    # Everything this rank had to say is on disk and the process group is gone: skip the interpreter's teardown,
+    # where a rank once hung past the watchdog under load (threads of torch/hf_hub/tqdm being torn down).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
