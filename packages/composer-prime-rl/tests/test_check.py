@@ -76,3 +76,23 @@ def test_configs_that_do_not_use_composer_are_bad(tmp_path: Path, text: str, nee
     assert main([str(p)]) == 2
     assert needle in capsys.readouterr().err
     assert main([str(tmp_path / "missing.toml")]) == 2
+
+
+def test_the_readme_check_block_runs_as_written_in_an_empty_directory(tmp_path):
+    """Issue 52: the README's commands worked only where rl.toml already existed; run its block verbatim in an empty
+    directory (the shipped examples are written by `--example`), every line exiting 0."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    block = re.search(r"```bash check-config\n(.*?)```", readme, re.S)
+    assert block is not None
+    lines = [ln.split("  #")[0].strip() for ln in block.group(1).splitlines() if ln.strip()]
+    assert len(lines) == 5
+    for line in lines:
+        cmd = line.replace("python ", f"{sys.executable} ", 1)
+        run = subprocess.run(cmd, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, (line, run.stderr)
+    assert (tmp_path / "rl.toml").read_text().startswith(("#", "["))

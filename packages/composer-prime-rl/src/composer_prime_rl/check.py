@@ -1,5 +1,7 @@
 """``python -m composer_prime_rl.check <config.toml> [--trainer.loss.kwargs.KEY VALUE ...]``
 
+``python -m composer_prime_rl.check --example rl.toml|trainer.toml`` prints a shipped example config to stdout.
+
 Validates the composer loss options of a PRIME-RL config **before training** (PRIME-RL itself would only call
 the loss, and so only find a bad option, at the first training step, after the model has loaded).
 
@@ -101,6 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(__doc__.strip().splitlines()[0].strip("`"), file=sys.stderr if not args else sys.stdout)
         return EXIT_OK if args else EXIT_BAD_CONFIG
+    if args[0] == "--example":  # the shipped example config on stdout: `... --example rl.toml > rl.toml`
+        return _print_example(args[1] if len(args) > 1 else "rl.toml")
     path, rest = args[0], args[1:]
     try:
         opts = check_config(path, rest)
@@ -108,6 +112,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{path}: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     print(f"{path}: ok ({opts})")
+    return EXIT_OK
+
+
+def _print_example(name: str) -> int:
+    from composer_prime_rl import example_config
+
+    try:
+        print(example_config(name).read_text(encoding="utf-8"), end="")
+    except ValueError as err:
+        print(f"--example: {err}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
     return EXIT_OK
 
 
