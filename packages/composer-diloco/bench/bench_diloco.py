@@ -205,7 +205,8 @@ def round_replica(
     )
     values = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
     parts = [c.clone() for c in values.chunk(tensors)]  # separate storages, as a model's parameters
-    fs, cat_options = store.fs, store._cat_options
+    fs = store.fs
+    cat_options = {"max_concurrency": 1} if url.startswith("s3://") else {}  # one GET, as the store reads
     raw_prefix = f"{store.root}/raw-{run}"
     local = url.startswith("file://")
     phases: list[dict[str, float]] = []

@@ -13,7 +13,8 @@ import time
 from typing import Any
 
 import torch
-from composer_diloco import ObjectStoreAllReduce, ObjectStoreError, object_store
+from composer_diloco import ObjectStoreAllReduce, ObjectStoreError
+from composer_diloco.object_store import backend
 
 
 def exchange(
@@ -68,8 +69,6 @@ def exchange(
                 "participants": list(stats.participants),
                 "excluded": {str(k): v for k, v in stats.excluded.items()},
                 "adopted": bool(getattr(stats, "adopted", False)),
-                "colocated": store.colocated,
-                "checksum_parallel": store.checksum_parallel,
             }
         )
         print(f"round {int(round_id)} done value={float(tensor[0])}", flush=True)
@@ -125,13 +124,13 @@ def count_reads(fs: Any) -> list[int]:
         return out
 
     fs.open, fs.cat_file, fs.cat = counted_open, counted_cat_file, counted_cat
-    object_store.mmap = _CountingMmap(counter)  # type: ignore[attr-defined]  # local objects are mapped, not read
+    backend.mmap = _CountingMmap(counter)  # type: ignore[attr-defined]  # local objects are mapped, not read
 
     def counted_builtin_open(path: Any, mode: str = "r", *args: Any, **kw: Any) -> Any:
         f = open(path, mode, *args, **kw)  # noqa: SIM115  # the caller closes it
         return _CountingFile(f, counter) if "r" in mode else f
 
-    object_store.open = counted_builtin_open  # type: ignore[attr-defined]  # local manifests and markers
+    backend.open = counted_builtin_open  # type: ignore[attr-defined]  # local manifests and markers
     return counter
 
 

@@ -109,7 +109,7 @@ def test_local_writes_go_through_a_temporary_key(tmp_path: Path, monkeypatch: py
     temporary = [Path(a) for a, _ in links + renames]
     assert all(t.name.startswith(".tmp-") and t.parent == Path(store.key("tmp")) for t in temporary)
     store.wait_cleanup()
-    assert not list(Path(store.prefix).rglob(".tmp-*"))[len(store._spares) :]  # only the spares made ahead
+    assert not list(Path(store.prefix).rglob(".tmp-*"))  # every temporary name is gone
     assert not any(Path(a).exists() for a, _ in links + renames)
 
 
@@ -120,7 +120,7 @@ def test_average_is_written_in_pieces_without_a_payload_sized_accumulator(url: s
     from the values the replicas published. Bits equal ``(x0 + x1 + x2) / 3`` in float32."""
     from composer_diloco import object_store
 
-    n = object_store._REDUCE_PIECE * 2 + 5  # two full pieces and a short one
+    n = object_store.reduce.REDUCE_PIECE * 2 + 5  # two full pieces and a short one
     g = torch.Generator().manual_seed(0)
     big = [torch.randn(n, generator=g) for _ in range(3)]
     stores = _stores(url, 3)
@@ -258,25 +258,17 @@ def test_object_from_another_rank_or_run_is_rejected(url: str) -> None:
         store1.decode(store1.encode(0, [torch.ones(1)]), round_id=1, rank=1)
 
 
-def _frame(meta: dict[str, Any], body: bytes, chunk: int = 1 << 20) -> bytes:
-    """A format-3 object built from the documented layout (independently of the encoder):
-    MAGIC | SHA-256(lead) | lead | body, lead = len(meta) | len(table) | meta | XXH3-64 table."""
+def _frame(meta: dict[str, Any], body: bytes) -> bytes:
+    """A format-4 object built from the documented layout (independently of the encoder):
+    MAGIC | SHA-256(lead) | lead | body, lead = len(meta) | len(digest) | meta | XXH3-64 of the body."""
     import hashlib
     import json
 
     import xxhash
     from composer_diloco.object_store import MAGIC
 
-    meta = {**meta, "chunk": chunk}
     raw = json.dumps(meta).encode()
-    table, offset = b"", 0
-    for entry in meta["layout"]:
-        data = body[offset : offset + entry["nbytes"]]
-        offset += entry["nbytes"]
-        table += b"".join(
-            xxhash.xxh3_64(data[i : i + chunk]).intdigest().to_bytes(8, "big")
-            for i in range(0, len(data), chunk)
-        )
+    table = xxhash.xxh3_64(body).intdigest().to_bytes(8, "big")
     lead = len(raw).to_bytes(4, "little") + len(table).to_bytes(4, "little") + raw + table
     return MAGIC + hashlib.sha256(lead).digest() + lead + body
 
@@ -296,13 +288,10 @@ def test_checksummed_object_with_a_lying_layout_is_rejected(url: str) -> None:
 def test_every_flipped_byte_is_detected_with_a_named_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, signed: bool
 ) -> None:
-    """Flip each byte of an object (3 tensors, one spanning several checksum chunks; magic, tag,
-    lengths, meta, table, every chunk of the body): every single one is refused, naming the key."""
-    import composer_diloco.object_store as object_store
-
+    """Flip each byte of an object (3 tensors; magic, tag, lengths, meta, digest, every byte of the
+    body): every single one is refused, naming the key."""
     if signed:
         monkeypatch.setenv("COMPOSER_DILOCO_HMAC_KEY", KEY)
-    monkeypatch.setattr(object_store, "CHUNK_BYTES", 64)
     store = ObjectStoreAllReduce(f"file://{tmp_path}", "run", rank=0, world_size=1)
     data = store.encode(0, [torch.arange(40.0), torch.zeros(0), torch.full((3,), 2.0, dtype=torch.bfloat16)])
     assert len(json.loads(data[48 : 48 + int.from_bytes(data[40:44], "little")])["layout"]) == 3
@@ -323,7 +312,15 @@ def test_every_flipped_byte_is_detected_with_a_named_error(
 
 
 @pytest.mark.parametrize(
-    ("magic", "name"), [(b"CDILOCO1", "1"), (b"CDILOCH1", "1"), (b"CDILOCO2", "2"), (b"CDILOCH2", "2")]
+    ("magic", "name"),
+    [
+        (b"CDILOCO1", "1"),
+        (b"CDILOCH1", "1"),
+        (b"CDILOCO2", "2"),
+        (b"CDILOCH2", "2"),
+        (b"CDILOCO3", "3"),
+        (b"CDILOCH3", "3"),
+    ],
 )
 def test_older_formats_are_refused_by_name(url: str, magic: bytes, name: str) -> None:
     import hashlib
@@ -683,7 +680,7 @@ def test_hmac_signed_round_trip_and_refusals(url: str, monkeypatch: pytest.Monke
     store0, store1 = _stores(url, 2, timeout_s=10)
     assert store0.authenticated and not plain.authenticated
     signed = store1.encode(0, [torch.ones(2)])
-    assert signed.startswith(b"CDILOCH3") and store0.decode(signed, round_id=0, rank=1).tensors[
+    assert signed.startswith(b"CDILOCH4") and store0.decode(signed, round_id=0, rank=1).tensors[
         0
     ].tolist() == [1, 1]
     with pytest.raises(AuthenticationError, match="not authenticated") as unsigned:

@@ -3,7 +3,6 @@ over s3:// (moto's S3 server on 127.0.0.1); equal to the fault-tolerant run for 
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from pathlib import Path
 from typing import Any
@@ -120,50 +119,30 @@ def _multipart_store(moto_s3: dict[str, Any]) -> Any:
     return store
 
 
-def _encoded(seed: int) -> tuple[Any, bytes]:
-    """A 6-part object (head + two tensors, parts spanning both): the _Encoded and its expected bytes."""
-    from composer_diloco.object_store import _Encoded
-
+def _encoded(seed: int) -> bytes:
+    """A 6-part object's bytes (30 MB in parts of 5 MiB)."""
     g = torch.Generator().manual_seed(seed)
     tensors = [torch.randn(3_000_000, generator=g), torch.randn(4_500_001, generator=g)]
-    head = b"HEAD" * 100
-    chunks = [memoryview(t.numpy()).cast("B") for t in tensors]
-    return _Encoded(head, chunks, b"", tensors), head + b"".join(bytes(c) for c in chunks)
+    return b"HEAD" * 100 + b"".join(t.numpy().tobytes() for t in tensors)
 
 
-def test_s3_multipart_upload_streams_bounded_parts_without_a_joined_copy(
-    moto_s3: dict[str, Any], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """An object of 2+ parts goes up as a multipart upload whose part bodies stream from the tensors'
-    memory: never a joined copy (tobytes) nor a copied part (bytes), at most s3_parts_in_flight parts at
-    once, in parallel, and the object reads back byte-exact (create-only: a second put loses)."""
-    from composer_diloco.object_store import _Encoded
-
+def test_s3_multipart_upload_is_create_only(moto_s3: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """An object of 2+ parts goes up as a multipart upload (s3fs's, in parts of s3_part_bytes) whose
+    completion is create-only: the object reads back byte-exact, and a second put loses."""
     store = _multipart_store(moto_s3)
-    enc, expected = _encoded(0)
-    monkeypatch.setattr(_Encoded, "tobytes", lambda self: pytest.fail("joined copy of a multipart object"))
-    call_s3, live, peak, parts = store.fs._call_s3, [0], [0], []
+    call_s3, parts = store.fs._call_s3, []
 
     async def tracking(method: str, *args: Any, **kwargs: Any) -> Any:
-        if method != "upload_part":
-            return await call_s3(method, *args, **kwargs)
-        live[0] += 1
-        peak[0] = max(peak[0], live[0])
-        assert not isinstance(kwargs["Body"], bytes | bytearray | memoryview), "a copied part body"
-        parts.append(len(kwargs["Body"]))
-        try:
-            await asyncio.sleep(0.05)  # let the other parts start: the bound, not luck, keeps them at 2
-            return await call_s3(method, *args, **kwargs)
-        finally:
-            live[0] -= 1
+        if method == "upload_part":
+            parts.append(len(kwargs["Body"]))
+        return await call_s3(method, *args, **kwargs)
 
     monkeypatch.setattr(store.fs, "_call_s3", tracking)
-    key = store.object_key(0, 0)
-    assert store.put_if_absent(key, enc) is True
-    assert peak[0] == 2 and len(parts) == 6 and sum(parts) == len(expected)
-    assert max(parts) == 5 << 20
+    key, expected = store.object_key(0, 0), _encoded(0)
+    assert store.put_if_absent(key, expected) is True
+    assert len(parts) == 6 and sum(parts) == len(expected) and max(parts) == 5 << 20
     assert store.fs.cat_file(key) == expected
-    assert store.put_if_absent(key, _encoded(1)[0]) is False  # create-only completion
+    assert store.put_if_absent(key, _encoded(1)) is False  # create-only completion
     assert store.fs.cat_file(key) == expected
 
 
@@ -185,7 +164,7 @@ def test_s3_multipart_upload_that_fails_is_aborted_and_never_visible(
     monkeypatch.setattr(store.fs, "_call_s3", failing)
     key = store.object_key(0, 0)
     with pytest.raises(OSError, match="mid-part"):
-        store.put_if_absent(key, _encoded(0)[0])
+        store.put_if_absent(key, _encoded(0))
     bucket, name, _ = store.fs.split_path(key)
     pending = store.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=name).get("Uploads", [])
     assert pending == [] and not store.fs.exists(key)

@@ -246,7 +246,7 @@ def _overflowing(r: int) -> list[torch.Tensor]:
     shard 0 of 3 (the first third of each tensor): in tensor 0 at the start of its first piece on the piecewise
     path and at the start of its second, in the bfloat16 tensor 1 at its largest value; ordinary values elsewhere.
     One reducer's shard overflows and the others do not."""
-    from composer_diloco.object_store import _REDUCE_PIECE
+    from composer_diloco.object_store.reduce import REDUCE_PIECE as _REDUCE_PIECE
 
     g = torch.Generator().manual_seed(r)
     first = torch.randn(3 * _REDUCE_PIECE + 12, generator=g)  # shard 0 reaches past the first piece

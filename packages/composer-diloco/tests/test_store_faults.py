@@ -102,15 +102,10 @@ def run_together(
     return {p.rank: finish(p) for p in procs}
 
 
-def test_replica_processes_on_one_machine_count_each_other(store: Store, tmp_path: Path) -> None:
-    """Each replica process reads the machine fingerprint on its own (checksum threads follow the cores per
-    replica: ObjectStoreAllReduce.checksum_parallel); both find the other on this machine from round 0 on."""
+def test_two_replica_processes_average_two_rounds(store: Store, tmp_path: Path) -> None:
     done = run_together(tmp_path, store, 2, {0: [[0, 1.0], [1, 1.0]], 1: [[0, 3.0], [1, 3.0]]}, timeout_s=120)
     for out in done.values():
         assert out["error"] is None and [r["value"] for r in out["results"]] == [2.0, 2.0], out
-        assert [r["colocated"] for r in out["results"]] == [2, 2]
-        cores = len(os.sched_getaffinity(0))
-        assert all(r["checksum_parallel"] == (cores // 2 >= 2) for r in out["results"])
 
 
 def test_late_replica_whose_committed_manifest_was_deleted_fails_named(store: Store, tmp_path: Path) -> None:

@@ -9,7 +9,8 @@ verifier's feedback (channel 2), oracle answers as teacher traces (channel 3). I
 trained model, and prints where they are. ``--compare`` runs the fair comparison of :mod:`composer_trl.compare`.
 
 Arguments follow TRL's conventions: ``transformers.HfArgumentParser`` over
-:class:`~composer_trl.args.ComposerScriptArguments` and :class:`~composer_trl.ComposerGRPOConfig`, so every
+:class:`~composer_trl.args.ComposerScriptArguments`, :class:`~composer_trl.args.ComposerModelConfig` (TRL's
+``ModelConfig``: ``--use_peft --lora_r 8``) and :class:`~composer_trl.ComposerGRPOConfig`, so every
 config field is a flag (``--alpha_sdpo 0.5 --learning_rate 1e-6``) and ``--config`` takes the flat YAML
 ``trl grpo --config`` takes (or composer's TOML/YAML recipe with a ``[trainer]`` table). Values given on
 the command line win over the file, which wins over the defaults of :mod:`composer_trl.recipe`.
@@ -19,6 +20,7 @@ Exit codes: see :mod:`composer_trl.lifecycle`.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import sys
 import time
@@ -54,6 +56,7 @@ SCRIPT_TO_RECIPE = {
     "seed": "seed",
     "output_dir": "output_dir",
     "trust_remote_code": "trust_remote_code",
+    "eval_holdout": "eval_holdout",
 }
 """Flags that fill a :class:`Recipe` field (the rest of the config fields go to its ``trainer`` table)."""
 
@@ -81,14 +84,14 @@ def build_parser() -> Any:
     """HfArgumentParser over the script arguments and ComposerGRPOConfig; errors raise :class:`UsageError`."""
     from transformers import HfArgumentParser
 
-    from composer_trl.args import ComposerScriptArguments
+    from composer_trl.args import ComposerModelConfig, ComposerScriptArguments
     from composer_trl.config import ComposerGRPOConfig
 
     class _Parser(HfArgumentParser):
         def error(self, message: str) -> NoReturn:
             raise UsageError(message)
 
-    types: Any = (ComposerScriptArguments, ComposerGRPOConfig)
+    types: Any = (ComposerScriptArguments, ComposerModelConfig, ComposerGRPOConfig)
     p = _Parser(types, prog="composer-train", allow_abbrev=False)  # a typo never matches a prefix
     p.description = "Train with composer's objective (GRPO + hinted self-distillation + trace replay) in TRL."
     p.epilog = EXIT_CODES
@@ -158,12 +161,16 @@ def _typed(parser: Any, dest: str, value: Any, source: str) -> Any:
 
 
 def _invocation(values: dict[str, Any]) -> Invocation:
+    from composer_trl.args import MODEL_CONFIG_FIELDS
+
     recipe = Recipe()
     run = {k: values.pop(k) for k in list(values) if k in RUN_ONLY}
     resume = values.pop("resume_from_checkpoint", None)
     for key, value in values.items():
         if key in SCRIPT_TO_RECIPE:
             setattr(recipe, SCRIPT_TO_RECIPE[key], value)
+        elif key in MODEL_CONFIG_FIELDS:
+            recipe.model_args[key] = value
         else:
             recipe.trainer[key] = value
     if isinstance(recipe.reward, str):
@@ -172,6 +179,12 @@ def _invocation(values: dict[str, Any]) -> Invocation:
         raise UsageError(f"--max_steps (or --steps) must be an int >= 1, got {recipe.steps!r}.")
     if not isinstance(recipe.seed, int):
         raise UsageError(f"--seed must be an int, got {recipe.seed!r}.")
+    _check_model_args(recipe)
+    holdout = recipe.eval_holdout
+    if isinstance(holdout, bool) or not isinstance(holdout, int | float) or holdout <= 0:
+        raise UsageError(
+            f"--eval_holdout must be a fraction in (0, 1) or a number of rows >= 1, got {holdout!r}."
+        )
     if "save_steps" in recipe.trainer:
         recipe.trainer.setdefault("save_strategy", "steps")
     _check_env_flags(recipe, compare=bool(run.get("compare", False)))
@@ -188,6 +201,22 @@ def _invocation(values: dict[str, Any]) -> Invocation:
         plot=not run.get("no_plot", False),
         threads=run.get("threads"),
     )
+
+
+def _check_model_args(recipe: Recipe) -> None:
+    """TRL's own ``ModelConfig`` checks (4 and 8 bit at once, ...) as one line."""
+    if recipe.model_args:
+        try:
+            model_config(recipe)
+        except (TypeError, ValueError) as e:
+            raise UsageError(str(e).strip().splitlines()[0]) from e
+
+
+def model_config(recipe: Recipe) -> Any:
+    """The run's ``trl.ModelConfig`` (its defaults where the command line set nothing)."""
+    from trl import ModelConfig
+
+    return ModelConfig(model_name_or_path=recipe.model, **recipe.model_args)
 
 
 ENV_EXCLUDES = (("dataset", "--dataset_name"), ("reward", "--reward_funcs"), ("hint_fn", "--hint_fn"))
@@ -247,6 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             torch.set_num_threads(
                 threads
             )  # the tiny model runs ~10x faster on one thread than on contended cores
+        cpu_bf16_default(inv.recipe)
         if inv.compare:
             from composer_trl.compare import run_comparison
 
@@ -258,6 +288,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         print(f"composer-train: error: {e}", file=sys.stderr)
         return e.exit_code
+
+
+CPU_NO_BF16 = "composer-train: this CPU has no bf16 support: bf16=False (pass --bf16 true to force)"
+
+
+def cpu_bf16_default(recipe: Recipe) -> None:
+    """Without CUDA, on a CPU with neither AVX512-BF16 nor AMX, turn GRPOConfig's ``bf16=True`` default off (bf16
+    autocast would be emulated, several times slower), saying so in one line; a ``bf16`` the user set wins."""
+    import torch
+
+    if "bf16" in recipe.trainer or torch.cuda.is_available():
+        return
+    if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
+        return
+    recipe.trainer["bf16"] = False
+    print(CPU_NO_BF16, file=sys.stderr)
 
 
 def train_once(inv: Invocation) -> int:
@@ -325,12 +371,19 @@ def load_model(recipe: Recipe) -> tuple[Any, Any]:
         from composer_core.tasks.tiny import build_char_tokenizer, build_tiny_model
 
         tok: Any = build_char_tokenizer(ALPHABET)
-        return build_tiny_model(tok, seed=recipe.seed), tok
+        model = build_tiny_model(tok, seed=recipe.seed)
+        dtype = recipe.model_args.get("dtype")
+        if dtype in ("bfloat16", "float16"):
+            import torch
+
+            model = model.to(getattr(torch, dtype))
+        return model, tok
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     name = recipe.model
+    init = model_init_kwargs(recipe)
     if name in PACKAGED and not Path(name).expanduser().is_dir():
-        return _load_packaged(name)
+        return _load_packaged(name, {k: init[k] for k in ("dtype", "attn_implementation") if k in init})
     local = Path(name).expanduser()
     if not local.is_dir() and not _HUB_ID.match(name):
         raise UsageError(
@@ -344,7 +397,7 @@ def load_model(recipe: Recipe) -> tuple[Any, Any]:
             trust_remote_code=recipe.trust_remote_code,
         )
         model = AutoModelForCausalLM.from_pretrained(
-            str(local) if local.is_dir() else name, trust_remote_code=recipe.trust_remote_code
+            str(local) if local.is_dir() else name, trust_remote_code=recipe.trust_remote_code, **init
         )
     except (OSError, ValueError) as e:
         where = "local directory" if local.is_dir() else f"hub id (no directory {str(local)!r} exists)"
@@ -353,6 +406,22 @@ def load_model(recipe: Recipe) -> tuple[Any, Any]:
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return model, tok
+
+
+def model_init_kwargs(recipe: Recipe) -> dict[str, Any]:
+    """``from_pretrained`` keywords from TRL's ``ModelConfig`` flags, as ``trl grpo`` builds them (``revision``,
+    ``attn_implementation``, ``dtype``; ``--load_in_4bit``/``--load_in_8bit``: TRL's ``get_quantization_config``,
+    which needs CUDA and bitsandbytes)."""
+    from trl import get_quantization_config
+
+    mc = model_config(recipe)
+    kwargs: dict[str, Any] = {"revision": mc.model_revision, "dtype": mc.dtype}
+    if mc.attn_implementation is not None:
+        kwargs["attn_implementation"] = mc.attn_implementation
+    quantization = get_quantization_config(mc)
+    if quantization is not None:
+        kwargs["quantization_config"] = quantization
+    return kwargs
 
 
 def model_directory(name: str) -> str:
@@ -369,7 +438,7 @@ def model_directory(name: str) -> str:
     return str(Path(name).expanduser())
 
 
-def _load_packaged(name: str) -> tuple[Any, Any]:
+def _load_packaged(name: str, init: dict[str, Any] | None = None) -> tuple[Any, Any]:
     """A packaged GGUF model (:mod:`composer_trl.models`), converted once; a cache that no longer loads is
     rebuilt once."""
     import shutil
@@ -380,7 +449,7 @@ def _load_packaged(name: str) -> tuple[Any, Any]:
         folder = Path(model_directory(name))
         try:
             tok = AutoTokenizer.from_pretrained(folder, padding_side="left")
-            model = AutoModelForCausalLM.from_pretrained(folder)
+            model = AutoModelForCausalLM.from_pretrained(folder, **(init or {}))
         except Exception as e:  # a truncated or edited cache: safetensors, json and OS errors alike
             if attempt == 2:
                 raise UsageError(
@@ -498,6 +567,7 @@ class Job:
         self.metrics_path = out / f"metrics-{name}.jsonl"
         self.config = self._config()
         self.dataset: Any = None
+        self.eval_dataset: Any = None
         self.channel_line = ""
 
     def _config(self) -> Any:
@@ -535,16 +605,18 @@ class Job:
         if self.recipe.env is not None:
             from composer_core.envs import env_hint_func, env_reward_func
 
-            env, self.dataset = load_env_checked(self.recipe, c, need=need, n_rows=n_rows)
+            env, self.dataset = load_env_checked(self.recipe, c, need=need, n_rows=self._with_eval(n_rows))
             check_prompt_lengths(self.recipe, self.config, self.dataset, f"--env {self.recipe.env!r}")
+            self._hold_out_eval(need, f"--env {self.recipe.env!r}")
             self.rewards = [env_reward_func(env)]
             if self.composer:  # the environment's feedback is the hint
                 self._choose_channels(set(self.dataset.column_names), hints=True)
             self.hint = env_hint_func(env) if self.composer and float(self.config.alpha_sdpo) > 0 else None
             return
-        self.dataset = load_dataset_checked(self.recipe, need=need, n_rows=n_rows)
+        self.dataset = load_dataset_checked(self.recipe, need=need, n_rows=self._with_eval(n_rows))
         flag = f"--dataset_name {self.recipe.dataset!r}" if self.recipe.dataset else "the embedded task"
         check_prompt_lengths(self.recipe, self.config, self.dataset, flag)
+        self._hold_out_eval(need, flag)
         try:
             self.rewards = [import_callable(r, "reward_funcs") for r in (self.recipe.reward or [])]
             self.hint = import_callable(self.recipe.hint_fn, "hint_fn") if self.recipe.hint_fn else None
@@ -561,6 +633,35 @@ class Job:
                 check_channel_inputs(self.config, columns, hint_fn=hints)
             except ValueError as e:
                 raise UsageError(str(e)) from e
+
+    @property
+    def evaluates(self) -> bool:
+        strategy = self.config.eval_strategy
+        return str(getattr(strategy, "value", strategy)) != "no"
+
+    def _with_eval(self, n_rows: int) -> int:
+        """Rows to generate (embedded task, ``--env``) so that ``n_rows`` remain for training after the hold-out."""
+        if not self.evaluates:
+            return n_rows
+        h = self.recipe.eval_holdout
+        return n_rows + int(h) if h >= 1 else math.ceil(n_rows / (1 - h))
+
+    def _hold_out_eval(self, need: int, flag: str) -> None:
+        """With an ``eval_strategy``: ``--eval_holdout`` rows (a fraction or a count) of the data become the eval set,
+        split off with the run's seed; the rest trains."""
+        self.eval_dataset = None
+        if not self.evaluates:
+            return
+        h = self.recipe.eval_holdout
+        n = len(self.dataset)
+        n_eval = int(h) if h >= 1 else math.ceil(n * h)
+        if n_eval < 1 or n - n_eval < need:
+            raise DataError(
+                f"{flag} has {n} rows: holding out {n_eval} for evaluation (--eval_holdout {h}) leaves "
+                f"{n - n_eval}, but one optimiser step needs {need} prompts; lower --eval_holdout or add rows."
+            )
+        split = self.dataset.train_test_split(test_size=n_eval, seed=self.recipe.seed, shuffle=True)
+        self.dataset, self.eval_dataset = split["train"], split["test"]
 
     def _choose_channels(self, columns: set[str], *, hints: bool) -> None:
         """Channel weights the user did not set: from what the data provides (one line says which)."""
@@ -582,7 +683,7 @@ class Job:
         """Train (from ``resume``: ``last`` or a checkpoint path); the result row of summary.json."""
         from composer_core.tasks.digit_reversal import reverse_hints, reverse_reward
         from transformers import PrinterCallback, ProgressCallback
-        from trl import GRPOTrainer
+        from trl import GRPOTrainer, get_peft_config
 
         from composer_trl.lifecycle import ComposerState, StopOnSignal
         from composer_trl.progress import MetricsJSONL, ProgressBar
@@ -605,11 +706,18 @@ class Job:
                 extra["hint_fn"] = hint
         cls = self.trainer_cls or (ComposerGRPOTrainer if self.composer else GRPOTrainer)
         rewards: list[Any] = list(self.rewards) or [reverse_reward]
+        try:
+            peft_config = get_peft_config(model_config(self.recipe))  # TRL's own LoRA config (--use_peft ...)
+        except ValueError as e:
+            raise UsageError(str(e).strip().splitlines()[0]) from e
+        if peft_config is not None:
+            extra["peft_config"] = peft_config
         trainer = cls(
             model=model,
             reward_funcs=rewards,
             args=self.config,
             train_dataset=self.dataset,
+            eval_dataset=self.eval_dataset,
             processing_class=tok,
             **extra,
         )
@@ -642,6 +750,7 @@ class Job:
         elif self.save:
             trainer.save_model(str(self.out / "model"))
             tok.save_pretrained(str(self.out / "model"))
+            write_model_card(trainer, self.out / "model", self.recipe, composer=self.composer)
             result["model"] = str(self.out / "model")
         rewards = [r["reward"] for r in read_jsonl(self.metrics_path) if r.get("reward") is not None]
         k = max(1, len(rewards) // 10)
@@ -649,6 +758,59 @@ class Job:
         result["reward_end"] = sum(rewards[-k:]) / k if rewards else None
         self.trainer = trainer
         return result
+
+
+CARD_OPTIONS = (
+    "alpha_sdpo",
+    "beta_replay",
+    "sdpo_form",
+    "sdpo_teacher_context",
+    "sdpo_teacher",
+    "sdpo_wrapper",
+    "dpo_variant",
+    "replay_reference",
+    "loss_type",
+    "beta",
+    "learning_rate",
+    "num_generations",
+    "max_completion_length",
+)
+"""Config fields the model card's table names (composer's channels, then the GRPO settings they sit on)."""
+
+
+def write_model_card(trainer: Any, folder: Path, recipe: Recipe, *, composer: bool) -> Path:
+    """``folder/README.md``: TRL's model card (``create_model_card``: YAML metadata, usage, framework versions,
+    citation) tagged ``composer``, plus a section naming the objective and the options it was trained with."""
+    args = trainer.args
+    kept = args.output_dir
+    tags = ["composer", "sdpo", "trace-replay"] if composer else []
+    args.output_dir = str(folder)  # TRL writes the card to output_dir/README.md
+    try:
+        trainer.create_model_card(model_name=folder.parent.name, dataset_name=recipe.dataset, tags=tags)
+    finally:
+        args.output_dir = kept
+    path = folder / "README.md"
+    if not path.is_file():  # not the main process
+        return path
+    if composer:
+        objective = (
+            "composer's 3-channel objective: GRPO (channel 1) + hinted self-distillation, SDPO "
+            "(channel 2, weight `alpha_sdpo`) + trace replay (channel 3, weight `beta_replay`)"
+        )
+    else:
+        objective = "GRPO alone (composer-train's comparison baseline)"
+    rows = [f"| {name} | {getattr(args, name)} |" for name in CARD_OPTIONS if hasattr(args, name)]
+    lines = ["", "## composer", "", f"Trained with `composer-train` on {objective}.", ""]
+    lines += [f"- model: `{recipe.model or 'tiny-qwen2 (built from config)'}`"]
+    lines += [f"- data: `{recipe.env or recipe.dataset or 'the embedded digit-reversal task'}`"]
+    lines += [f"- steps: {trainer.state.global_step}, seed: {recipe.seed}"]
+    if recipe.model_args.get("use_peft"):
+        lora = {k: v for k, v in recipe.model_args.items() if k.startswith("lora_")}
+        lines += [f"- LoRA (TRL's `get_peft_config`): {lora}"]
+    lines += ["", "| option | value |", "| --- | --- |", *rows, ""]
+    with path.open("a") as f:
+        f.write("\n".join(lines))
+    return path
 
 
 def _erase_progress(callbacks: Sequence[Any]) -> None:

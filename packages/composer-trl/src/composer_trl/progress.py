@@ -53,7 +53,8 @@ class ProgressBar(TrainerCallback):
 
 
 class MetricsJSONL(TrainerCallback):
-    """Appends one JSON object per logging step (``step`` + every numeric metric TRL logged) to ``path``.
+    """Appends one JSON object per logging step (``step`` + every numeric metric TRL logged) to ``path``, and one per
+    evaluation (``--eval_strategy``: ``step`` + TRL's ``eval_*`` metrics, ``eval_reward`` among them).
 
     Every line is strict JSON: a non-finite value is written as ``null`` and its key listed under
     ``"nonfinite"``. ``resume_step=None`` starts a fresh file; ``resume_step=N`` (resuming from the
@@ -73,7 +74,7 @@ class MetricsJSONL(TrainerCallback):
     def on_log(
         self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **kw: Any
     ) -> None:
-        if not logs or "reward" not in logs:  # skip the final train_runtime summary
+        if not logs or ("reward" not in logs and "eval_reward" not in logs):  # skip the train_runtime summary
             return
         row: dict[str, Any] = {"step": state.global_step}
         for k, v in logs.items():

@@ -41,6 +41,7 @@ TOP_LEVEL_KEYS = {
     "seed",
     "output_dir",
     "trust_remote_code",
+    "eval_holdout",
     "trainer",
 }
 
@@ -86,7 +87,11 @@ class Recipe:
     seed: int = 0
     output_dir: str = "runs/composer-train"
     trust_remote_code: bool = False
+    eval_holdout: float = 0.1
+    """With an ``eval_strategy``: the rows held out as the eval set (a fraction < 1 or a number of rows)."""
     trainer: dict[str, Any] = field(default_factory=dict)
+    model_args: dict[str, Any] = field(default_factory=dict)
+    """TRL ``ModelConfig`` fields set (``use_peft``, ``lora_r``, ``dtype``, ...; see :mod:`composer_trl.args`)."""
 
     def trainer_kwargs(self) -> dict[str, Any]:
         """Defaults for the chosen model kind, overridden by the recipe's ``[trainer]`` table."""

@@ -1,0 +1,234 @@
+"""Storage primitives over fsspec: create-only and atomic writes, reads, listings, deletions.
+
+Create-only (the protocol's agreement rests on it): a local filesystem writes a complete temporary file
+under ``<run_id>/tmp/`` and ``os.link``s it (fails if the key exists); S3 sends ``If-None-Match: *`` on
+the PUT or on the multipart completion (s3fs's ``pipe_file(mode="create")``: readers never see part of
+an upload); ``memory://`` checks and writes under a lock. Atomic replace (progress markers): a local
+``os.replace``, one PUT elsewhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import posixpath
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from .codec import Codec, Encoded, Payload
+from .errors import ObjectStoreError
+
+_T = TypeVar("_T")
+S3_PART_BYTES = 50 << 20  # s3fs's part size: objects of 2 parts or more go up as multipart uploads
+S3_PARTS_IN_FLIGHT = 4  # multipart parts uploading at once
+# a local object of this many bytes or more is mapped (read in place), a smaller one read into a buffer kept
+# across rounds (a copy that stays in cache costs less than mapping and unmapping it)
+_MAP_MIN = 2 << 20
+_MEMORY_LOCK = threading.Lock()
+
+
+class Backend(Codec):
+    """Reads and writes of one store (``file://`` paths go straight to the OS; other URLs through fsspec)."""
+
+    fs: Any
+    _local: bool
+    _memory: bool
+    _s3: bool
+    _buffers: dict[str, bytearray]
+    bytes_written: int
+    bytes_read: int
+    s3_part_bytes: int
+    s3_parts_in_flight: int
+
+    def put_atomic(self, key: str, data: bytes) -> None:
+        """Write ``data`` so that readers see all of it or nothing (the old value until then)."""
+        if self._local:
+            tmp = self._write_tmp([data])
+            try:
+                _in_folder(lambda: os.replace(tmp, key), posixpath.dirname(key))
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+        else:  # object stores publish a single PUT atomically
+            self.fs.pipe_file(key, data)
+        self.bytes_written += len(data)
+
+    def put_if_absent(self, key: str, data: bytes | Encoded) -> bool:
+        """Create ``key`` only if it does not exist (conditional put); True if we created it. Readers see
+        all of ``data`` or nothing."""
+        enc = data if isinstance(data, Encoded) else Encoded(bytes(data), [], b"")
+        created = self._create(key, enc)
+        if created:
+            self.bytes_written += enc.size
+        return created
+
+    def _create(self, key: str, enc: Encoded) -> bool:
+        if self._local:  # straight from the tensors' memory: no joined copy
+            tmp = self._write_tmp([memoryview(enc.head), *enc.chunks])
+            try:
+                _in_folder(lambda: os.link(tmp, key), posixpath.dirname(key))
+                return True
+            except FileExistsError:
+                return False
+            finally:
+                os.unlink(tmp)
+        data = enc.tobytes()  # one copy: fsspec clients want one bytes-like body
+        if self._memory:
+            with _MEMORY_LOCK:
+                if self.fs.exists(key):
+                    return False
+                self.fs.pipe_file(key, data)
+                return True
+        options = (
+            {"chunksize": self.s3_part_bytes, "max_concurrency": self.s3_parts_in_flight} if self._s3 else {}
+        )
+        try:
+            self.fs.pipe_file(key, data, mode="create", **options)  # S3: If-None-Match: *
+            return True
+        except FileExistsError:
+            return False
+        except (TypeError, ValueError, NotImplementedError) as exc:
+            raise ObjectStoreError(
+                f"{type(self.fs).__name__} offers no conditional put (pipe_file(mode='create')); "
+                "composer-diloco needs one to agree on a round's participants. Use file://, memory:// "
+                "or s3:// (s3fs >= 2024.12), or an fsspec backend with create-only writes."
+            ) from exc
+        finally:
+            if self._s3:
+                self.fs.invalidate_cache(key)
+
+    def _write_tmp(self, pieces: list[memoryview] | list[bytes]) -> str:
+        """A complete temporary file in the run's ``tmp/`` folder (the filesystem of every key) holding
+        ``pieces``; a failed write (a full disk) leaves none behind."""
+        tmp = f"{self.key('tmp')}/.tmp-{uuid.uuid4().hex}"
+        try:
+            with _in_folder(lambda: open(tmp, "wb"), posixpath.dirname(tmp)) as f:
+                for piece in pieces:
+                    f.write(piece)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        return tmp
+
+    def _slot(self, slot: str, size: int) -> memoryview:
+        """A writable ``size``-byte view of the read buffer kept for ``slot`` across rounds."""
+        buf = self._buffers.get(slot)
+        if buf is None or len(buf) < size:
+            buf = self._buffers[slot] = bytearray(size)
+        return memoryview(buf)[:size]
+
+    def _read(self, key: str, slot: str | None = None) -> Payload | None:
+        """The object's bytes, or None if absent. With ``slot`` on a local filesystem the object is mapped or
+        read into a buffer kept for that slot across rounds (:meth:`_read_local`)."""
+        if self._local:
+            if slot is not None:
+                return self._read_local(key, slot)
+            try:  # a manifest or a marker: one open and read
+                with open(key, "rb") as f:
+                    data = f.read()
+            except FileNotFoundError:
+                return None
+            self.bytes_read += len(data)
+            return data
+        self.fs.invalidate_cache(posixpath.dirname(key))  # s3fs answers from a stale listing otherwise
+        try:  # one GET, no HEAD first (s3fs sends one unless max_concurrency=1)
+            data = self.fs.cat_file(key, **({"max_concurrency": 1} if self._s3 else {}))
+        except FileNotFoundError:
+            return None
+        self.bytes_read += len(data)
+        return bytes(data)
+
+    def _read_local(self, key: str, slot: str) -> memoryview | None:
+        """A local object's bytes. Of ``_MAP_MIN`` bytes or more, unsigned: mapped copy-on-write, so the
+        checksum and the sum read the page cache in place (objects are create-only and deletion keeps a
+        mapping valid, so the mapped bytes are the checked bytes). Otherwise read into the slot's buffer; a
+        signed object is always copied, since an untrusted writer could change a mapped file between its check
+        and its use."""
+        try:
+            f = open(key, "rb", buffering=0)  # noqa: SIM115  # closed below, also when mapped
+        except FileNotFoundError:
+            return None
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            if size >= _MAP_MIN and self._hmac_key is None:
+                self.bytes_read += size
+                return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
+            view, got = self._slot(slot, size), 0
+            while got < size:  # a file shorter than its size a moment ago reads short: its digest fails
+                n = f.readinto(view[got:])
+                if not n:
+                    break
+                got += n
+        self.bytes_read += got
+        return view[:got]
+
+    def _list(self, directory: str) -> set[str]:
+        if self._local:
+            try:
+                return set(os.listdir(directory))
+            except (FileNotFoundError, NotADirectoryError):
+                return set()
+        self.fs.invalidate_cache(directory)
+        try:
+            entries = self.fs.ls(directory, detail=False)
+        except FileNotFoundError:
+            return set()
+        return {posixpath.basename(str(e).rstrip("/")) for e in entries}
+
+    def _pause(self, seconds: float) -> None:
+        """Wait before the next look for other replicas' files."""
+        time.sleep(seconds)
+
+    def _round_keys(self) -> list[tuple[str, str]]:
+        """(round folder, name) of every object under the run's ``rounds/``: one listing on an object store."""
+        prefix = self.key("rounds")
+        if self._local or self._memory:
+            return [(r, name) for r in self._list(prefix) for name in self._list(f"{prefix}/{r}")]
+        self.fs.invalidate_cache(prefix)
+        try:
+            keys = self.fs.find(prefix)
+        except FileNotFoundError:
+            return []
+        pairs = [str(k)[len(prefix) + 1 :].split("/") for k in keys]
+        return [(p[0], p[1]) for p in pairs if len(p) == 2]
+
+    def _rounds_listed(self) -> list[int]:
+        """Round numbers in the store's listing now (a round being deleted in the background may still show:
+        only rounds newer than the one asked about count as evidence)."""
+        return sorted(int(n) for n in self._list(self.key("rounds")) if n.isdigit())
+
+    def _remove_rounds(self, old: int) -> None:
+        """Delete every stored round up to ``old`` (on S3 one listing and one bulk delete)."""
+        if self._s3:
+            keys = [
+                f"{self.key('rounds')}/{r}/{n}"
+                for r, n in self._round_keys()
+                if r.isdigit() and int(r) <= old
+            ]
+            if keys:
+                self.fs.rm(keys)
+            return
+        for r in self._rounds_listed():
+            if r <= old:
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.rm(self.round_dir(r), recursive=True)
+
+
+def _in_folder(op: Callable[[], _T], folder: str) -> _T:
+    """``op()`` (a file operation into ``folder``), once more after making ``folder`` if it failed for want
+    of it: the folder is made only when missing, not before every write."""
+    try:
+        return op()
+    except FileNotFoundError:
+        os.makedirs(folder, exist_ok=True)
+        return op()
+
+
+def protocols(fs: Any) -> set[str]:
+    proto = fs.protocol
+    return {proto} if isinstance(proto, str) else set(proto)

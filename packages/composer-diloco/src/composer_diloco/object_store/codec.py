@@ -1,0 +1,447 @@
+"""Object format 4: how one replica's tensors become one self-checking object, and back.
+
+Layout::
+
+    MAGIC | tag (32) | len(meta) (u32 LE) | len(digest) (u32 LE) | meta | digest | body
+
+``meta`` is JSON (run, round, rank, world size, per-tensor dtype/shape/scale/nbytes), ``body`` the raw
+tensor bytes and ``digest`` one checksum over the whole body: XXH3-64 (8 bytes) by default, SHA-256 with
+an HMAC key. ``tag`` = SHA-256, or HMAC-SHA256 with the key, of everything between the tag and the body.
+No pickle: decoding is ``torch.frombuffer`` on validated offsets with a dtype whitelist. Signed JSON
+(manifests, progress markers) carries an ``hmac`` field under the same key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import math
+import os
+import posixpath
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import xxhash
+
+from .errors import AuthenticationError, CorruptObjectError, NonFiniteObjectError, check_round, safe_part
+
+MAGIC = b"CDILOCO4"  # object format 4: one XXH3-64 over the body, SHA-256 over header + digest (integrity)
+MAGIC_HMAC = b"CDILOCH4"  # format 4 signed: SHA-256 over the body, HMAC-SHA256 over header + digest
+_OLD_FORMATS = {  # refused by name: an upgraded run needs a new run_id
+    b"CDILOCO1": "1 (whole-body SHA-256)",
+    b"CDILOCH1": "1 (whole-body SHA-256)",
+    b"CDILOCO2": "2 (CRC-32 per chunk)",
+    b"CDILOCH2": "2 (signed)",
+    b"CDILOCO3": "3 (XXH3-64 per chunk)",
+    b"CDILOCH3": "3 (signed)",
+}
+HMAC_KEY_ENV = "COMPOSER_DILOCO_HMAC_KEY"
+MIN_HMAC_KEY_BYTES = 16
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+_DIGEST = 32
+_HEAD = len(MAGIC) + _DIGEST + 8  # magic, tag, len(meta) and len(digest) as 4-byte little-endian ints
+_NUMPY_DTYPES = (torch.float16, torch.float32, torch.float64)
+_DTYPES = {
+    name: getattr(torch, name) for name in ("float16", "bfloat16", "float32", "float64", "float8_e4m3fn")
+}
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+
+Payload = bytes | bytearray | memoryview
+
+
+@dataclass
+class Decoded:
+    meta: dict[str, Any]
+    tensors: list[torch.Tensor]
+    size: int
+    tag: bytes = b""  # the object's SHA-256 / HMAC tag, as listed in the manifest
+
+
+@dataclass
+class Encoded:
+    """An object ready to write: ``head`` (magic, tag, meta, digest) then ``chunks`` (zero-copy byte
+    views of ``wires``, which keep the memory alive)."""
+
+    head: bytes
+    chunks: list[memoryview]
+    tag: bytes
+    wires: Sequence[torch.Tensor] = ()
+
+    @property
+    def size(self) -> int:
+        return len(self.head) + sum(c.nbytes for c in self.chunks)
+
+    def tobytes(self) -> bytes:
+        return b"".join([self.head, *self.chunks])
+
+
+class Codec:
+    """Keys and the object format of one replica of one run (the store's bottom layer)."""
+
+    run_id: str
+    rank: int
+    world_size: int
+    exchange: str
+    prefix: str
+    hmac_key_env: str
+    _hmac: _Secret | None
+
+    @property
+    def authenticated(self) -> bool:
+        """True when objects are signed and verified with HMAC-SHA256."""
+        return self._hmac is not None
+
+    @property
+    def _hmac_key(self) -> bytes | None:
+        return None if self._hmac is None else self._hmac.value
+
+    # ---- keys -------------------------------------------------------------------------
+    def key(self, *parts: str) -> str:
+        """A key under the run prefix; every part is validated, the result re-checked."""
+        clean = [safe_part("key part", p) for p in parts]
+        key = "/".join([self.prefix, *clean])
+        if posixpath.normpath(key) != key.rstrip("/") or not key.startswith(self.prefix + "/"):
+            raise ValueError(f"key {key!r} escapes the run prefix {self.prefix!r}.")
+        return key
+
+    def round_dir(self, round_id: int) -> str:
+        return self.key("rounds", f"{check_round(round_id):010d}")
+
+    def object_key(self, round_id: int, rank: int) -> str:
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.world_size:
+            raise ValueError(f"rank must be an int in [0, {self.world_size}), got {rank!r}.")
+        return self.key("rounds", f"{check_round(round_id):010d}", f"rank-{rank:05d}.bin")
+
+    def manifest_key(self, round_id: int) -> str:
+        return self.key("rounds", f"{check_round(round_id):010d}", "manifest.json")
+
+    def marker_key(self, rank: int) -> str:
+        """Replica ``rank``'s progress marker (manifests it accepted in its latest rounds)."""
+        return self.key("progress", f"rank-{rank:05d}.json")
+
+    # ---- encoding ---------------------------------------------------------------------
+    def encode(self, round_id: int, tensors: Sequence[torch.Tensor], *, quantize: bool = False) -> bytes:
+        """Serialise this replica's tensors for ``round_id`` (fp8 e4m3 + fp32 scale if ``quantize``) in
+        object format 4 (module docstring). NaN/inf is refused here, before anything is published."""
+        return self._encode(round_id, tensors, quantize)[0].tobytes()
+
+    def _encode(
+        self, round_id: int, tensors: Sequence[torch.Tensor], quantize: bool
+    ) -> tuple[Encoded, Decoded]:
+        """(the object, this replica's contribution as decoded)."""
+        forms = [wire_form(t, i, self.rank, round_id, quantize) for i, t in enumerate(tensors)]
+        meta = self._meta(round_id, self.rank, quantized=quantize, layout=[entry for _, entry, _ in forms])
+        enc = self._pack(meta, [wire for wire, _, _ in forms])
+        return enc, Decoded(meta, [own for *_, own in forms], enc.size, enc.tag)
+
+    def _meta(self, round_id: int, rank: int, **extra: Any) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "round": round_id,
+            "rank": rank,
+            "world_size": self.world_size,
+            **extra,
+        }
+
+    def _pack(self, meta: dict[str, Any], wires: Sequence[torch.Tensor]) -> Encoded:
+        """Header (with the body's digest) + zero-copy views of the wire tensors: the digest is computed over
+        the tensors' own memory; no joined copy of the payload is made here."""
+        chunks = [bytes_view(w) for w in wires]
+        for entry, chunk in zip(meta["layout"], chunks):
+            entry["nbytes"] = chunk.nbytes
+        meta_bytes = json.dumps(meta).encode()
+        digest = _body_digest(self._hmac_key is not None, chunks)
+        lead = _u32(len(meta_bytes)) + _u32(len(digest)) + meta_bytes + digest
+        tag = self._tag(lead)
+        return Encoded((MAGIC_HMAC if self._hmac_key is not None else MAGIC) + tag + lead, chunks, tag, wires)
+
+    def _tag(self, lead: bytes | memoryview) -> bytes:
+        if self._hmac_key is None:
+            return hashlib.sha256(lead).digest()
+        return hmac.new(self._hmac_key, lead, hashlib.sha256).digest()
+
+    # ---- decoding ---------------------------------------------------------------------
+    def _damaged(self, key: str, size: int, what: str) -> CorruptObjectError:
+        if self._hmac_key is not None:
+            return AuthenticationError(
+                f"object {key} fails its HMAC-SHA256 check ({what}, {size} bytes): signed with a "
+                f"different ${self.hmac_key_env}, or altered/truncated after signing."
+            )
+        return CorruptObjectError(
+            f"object {key} fails its checksum ({what}, {size} bytes: truncated or corrupt)."
+        )
+
+    def _check_header(self, view: memoryview, key: str) -> None:
+        magic = bytes(view[: len(MAGIC)])
+        if magic in _OLD_FORMATS:
+            raise CorruptObjectError(
+                f"object {key} is in object format {_OLD_FORMATS[magic]}, written by an older "
+                "composer-diloco; this version reads format 4 only. Run every replica of a run with the "
+                "same composer-diloco version (an upgraded run needs a new run_id)."
+            )
+        if len(view) < _HEAD or magic not in (MAGIC, MAGIC_HMAC):
+            raise CorruptObjectError(
+                f"object {key} has no composer-diloco header (partial or foreign write)."
+            )
+        env = self.hmac_key_env
+        if self._hmac_key is not None and magic != MAGIC_HMAC:
+            raise AuthenticationError(
+                f"object {key} is not authenticated (written without ${env}); this replica has "
+                f"${env} set and refuses unsigned objects: give every replica the same secret."
+            )
+        if self._hmac_key is None and magic == MAGIC_HMAC:
+            raise AuthenticationError(
+                f"object {key} is HMAC-signed but ${env} is not set on this replica, which cannot "
+                "verify it: give every replica the same secret."
+            )
+
+    def _verify(self, data: Payload, key: str) -> tuple[dict[str, Any], memoryview, bytes]:
+        """Check the header, the tag and the body's digest; return (meta, body, tag). Any flipped byte is
+        caught: in the tag, lengths, meta or digest by the tag (SHA-256 / HMAC-SHA256 over them); in the body by
+        its XXH3-64 (a random corruption passes with probability 2^-64) or SHA-256; a truncated body by its
+        length."""
+        view = memoryview(data)
+        view = view if view.format == "B" else view.cast("B")
+        self._check_header(view, key)
+        tag = bytes(view[len(MAGIC) : len(MAGIC) + _DIGEST])
+        meta_len = int.from_bytes(view[_HEAD - 8 : _HEAD - 4], "little")
+        digest_len = int.from_bytes(view[_HEAD - 4 : _HEAD], "little")
+        end = _HEAD + meta_len + digest_len
+        if end > len(view) or not hmac.compare_digest(self._tag(view[_HEAD - 8 : end]), tag):
+            raise self._damaged(key, len(view), "header")
+        try:
+            meta = json.loads(bytes(view[_HEAD : _HEAD + meta_len]))
+            sizes = [int(e["nbytes"]) for e in meta["layout"]]
+            if min(sizes, default=0) < 0:
+                raise ValueError(f"nbytes={sizes}")
+        except (ValueError, KeyError, TypeError) as exc:  # tag matched: a foreign/garbage writer
+            raise CorruptObjectError(f"object {key} does not decode: {exc}") from exc
+        body = view[end:]
+        if sum(sizes) != len(body):
+            raise self._damaged(key, len(view), f"body of {len(body)} bytes, its header lists {sum(sizes)}")
+        if _body_digest(self._hmac_key is not None, [body]) != view[_HEAD + meta_len : end]:
+            raise self._damaged(key, len(view), f"body bytes 0-{len(body)}")
+        return meta, body, tag
+
+    def decode(
+        self,
+        data: Payload,
+        *,
+        round_id: int,
+        rank: int,
+        key: str = "?",
+        expect: Mapping[str, Any] | None = None,
+    ) -> Decoded:
+        """Validate and deserialise an object; raise :class:`CorruptObjectError` naming ``key``
+        (:class:`AuthenticationError` for a missing/wrong HMAC, :class:`NonFiniteObjectError`
+        for NaN/inf values)."""
+        meta, body, tag = self._verify(data, key)
+        if meta.get("exchange", "full") != self.exchange:
+            raise CorruptObjectError(
+                f"object {key} was written by a replica with exchange={meta.get('exchange', 'full')!r}, "
+                f"this one uses exchange={self.exchange!r}: every replica of a run must use the same."
+            )
+        for name, want in {**self._meta(round_id, rank), **(expect or {})}.items():
+            if meta.get(name) != want:
+                raise CorruptObjectError(f"object {key} has {name}={meta.get(name)!r}, expected {want!r}.")
+        try:
+            tensors = _tensors(meta, body)
+        except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as exc:
+            raise CorruptObjectError(f"object {key} has an invalid tensor layout: {exc}") from exc
+        for i, t in enumerate(tensors):
+            if not all_finite(t):
+                raise NonFiniteObjectError(
+                    f"object {key} passes its checksum but tensor {i} holds NaN/inf; it is never "
+                    "averaged (a replica with a diverged inner loop, or a foreign writer)."
+                )
+        return Decoded(meta, tensors, len(data), tag)
+
+    # ---- signed JSON (manifests, markers) ---------------------------------------------
+    def _dump_json(self, obj: dict[str, Any]) -> bytes:
+        if self._hmac_key is not None:
+            obj = {**obj, "hmac": hmac.new(self._hmac_key, _canonical(obj), hashlib.sha256).hexdigest()}
+        return json.dumps(obj, sort_keys=True).encode()
+
+    def _load_json(self, raw: bytes, key: str) -> dict[str, Any]:
+        try:
+            obj = json.loads(raw)
+            if not isinstance(obj, dict):
+                raise TypeError(f"a JSON {type(obj).__name__}, not an object")
+        except (ValueError, TypeError) as exc:
+            raise CorruptObjectError(f"{key} is not valid JSON of this run: {exc}") from exc
+        mac = obj.pop("hmac", None)
+        env = self.hmac_key_env
+        if self._hmac_key is None:
+            if mac is not None:
+                raise AuthenticationError(
+                    f"{key} is HMAC-signed but ${env} is not set on this replica: give every replica the same secret."
+                )
+            return obj
+        want = hmac.new(self._hmac_key, _canonical(obj), hashlib.sha256).hexdigest()
+        if not isinstance(mac, str) or not hmac.compare_digest(mac, want):
+            raise AuthenticationError(
+                f"{key} is {'unsigned' if mac is None else 'wrongly signed'}: this replica has ${env} set "
+                "and refuses it (written without the secret, with a different one, or altered)."
+            )
+        return obj
+
+
+def _tensors(meta: Mapping[str, Any], body: memoryview) -> list[torch.Tensor]:
+    """The tensors ``meta``'s layout places in ``body`` (views of it, dequantized if quantized)."""
+    tensors: list[torch.Tensor] = []
+    offset = 0
+    for entry in meta["layout"]:
+        wire, dtype = _DTYPES.get(entry["wire"]), _DTYPES.get(entry["dtype"])
+        shape = [int(d) for d in entry["shape"]]
+        nbytes = int(entry["nbytes"])
+        if wire is None or dtype is None:
+            raise ValueError(f"unknown dtype {entry['wire']!r}/{entry['dtype']!r}")
+        if nbytes != math.prod(shape) * wire.itemsize or offset + nbytes > len(body):
+            raise ValueError(f"tensor of shape {shape} cannot occupy {nbytes} bytes at offset {offset}")
+        raw = frombuffer(body, nbytes, offset, wire)
+        t = raw if len(shape) == 1 else raw.view(shape)
+        tensors.append(dequantize_fp8(t, float(entry["scale"])) if meta.get("quantized") else t)
+        offset += nbytes
+    if offset != len(body):
+        raise ValueError(f"{len(body) - offset} trailing bytes beyond the layout")
+    return tensors
+
+
+def _body_digest(signed: bool, chunks: Sequence[memoryview]) -> bytes:
+    """One checksum over the concatenated ``chunks``: SHA-256 for signed objects, else XXH3-64 (big-endian)."""
+    h: Any = hashlib.sha256() if signed else xxhash.xxh3_64()
+    for chunk in chunks:
+        h.update(chunk)
+    return bytes(h.digest())
+
+
+def non_finite(i: int, rank: int, round_id: int) -> ValueError:
+    return ValueError(
+        f"tensor {i} of rank {rank} in round {round_id} holds NaN/inf; refusing to publish "
+        "it (it would poison every replica's average). Check the inner optimiser / loss."
+    )
+
+
+def wire_form(
+    t: object, i: int, rank: int, round_id: int, quantize: bool
+) -> tuple[torch.Tensor, dict[str, Any], torch.Tensor]:
+    """(wire tensor, layout entry, this replica's own contribution) of tensor ``i``, checked finite. A
+    contiguous CPU tensor is used in place (no copy)."""
+    if not isinstance(t, torch.Tensor) or not torch.is_floating_point(t):
+        raise ValueError(f"tensor {i} must be a floating-point torch.Tensor, got {type(t).__name__}.")
+    plain = t.is_cpu and not t.requires_grad and t.is_contiguous()
+    host = t if plain else t.detach().to("cpu").contiguous()
+    if not all_finite(host):
+        raise non_finite(i, rank, round_id)
+    entry: dict[str, Any] = {
+        "shape": list(host.shape),
+        "dtype": _DTYPE_NAMES.get(host.dtype) or str(host.dtype)[6:],
+    }
+    if quantize:
+        q, scale = quantize_fp8(host)
+        entry.update(wire="float8_e4m3fn", scale=scale)
+        return q, entry, dequantize_fp8(q, scale)
+    entry.update(wire=entry["dtype"], scale=None)
+    return host, entry, host
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """One reduction pass: a finite float32 sum proves every value finite; only when it is not
+    (NaN/inf, or a huge but finite tensor whose sum overflows) are the values checked one by one."""
+    if t.numel() == 0:
+        return True
+    if t.dtype == torch.float8_e4m3fn:
+        t = t.to(torch.float32)
+    if math.isfinite(t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32).item()):
+        return True
+    return bool(torch.isfinite(t).all())
+
+
+def bytes_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a CPU tensor in row-major order: a view of its memory when it is contiguous."""
+    if t.numel() == 0:
+        return memoryview(b"")
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.dtype not in _NUMPY_DTYPES:  # bfloat16, float8: numpy has no such dtype, its bytes do
+        t = t.reshape(-1).view(torch.uint8)
+    array: Any = t.numpy()
+    return memoryview(array).cast("B")
+
+
+def frombuffer(buf: memoryview, nbytes: int, offset: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """``nbytes`` bytes of ``buf`` from ``offset`` as a 1-D ``dtype`` tensor over that memory, no copy."""
+    if not nbytes:
+        return torch.empty(0, dtype=dtype)
+    if offset + nbytes > len(buf):
+        raise ValueError(f"{nbytes} bytes at offset {offset} exceed the object's {len(buf)} bytes")
+    count = nbytes // dtype.itemsize
+    if not buf.readonly:  # mapped objects, read buffers, tensors' memory: no warning to silence
+        return torch.frombuffer(buf, dtype=dtype, count=count, offset=offset)
+    with warnings.catch_warnings():  # read-only bytes from the store: these tensors are only read
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buf, dtype=dtype, count=count, offset=offset)
+
+
+def quantize_fp8(t: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Per-tensor absmax fp8 (e4m3): ``q = fp8(t / s)``, ``s = max|t| / 448`` (1 when t = 0).
+
+    The Streaming DiLoCo paper sends 4-bit E3M0 values; like torchft's ``should_quantize`` this
+    uses fp8, with float32 accumulation on the receiving side.
+    """
+    amax = float(t.abs().max()) if t.numel() else 0.0
+    scale = amax / FP8_MAX if amax > 0 else 1.0
+    return (t.to(torch.float32) / scale).to(torch.float8_e4m3fn), scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: float) -> torch.Tensor:
+    """Inverse of :func:`quantize_fp8` in float32."""
+    return q.to(torch.float32) * float(scale)
+
+
+class _Secret:
+    """Holds the HMAC key; its repr never shows it (reprs end up in logs and tracebacks)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: bytes) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return "_Secret(<redacted>)"
+
+    def __reduce__(self) -> Any:
+        raise TypeError("the HMAC key is not picklable: every replica reads it from its own environment.")
+
+
+def read_hmac_key(env: str, required: bool) -> _Secret | None:
+    """The shared HMAC secret from ``$env`` (its value never appears in any message)."""
+    if not isinstance(env, str) or not env:
+        raise ValueError(f"hmac_key_env must name an environment variable, got {env!r}.")
+    secret = os.environ.get(env, "")
+    if not secret:
+        if required:
+            raise ValueError(
+                f"require_hmac=True but ${env} is not set: export the run's shared secret "
+                f"(at least {MIN_HMAC_KEY_BYTES} bytes) on every replica."
+            )
+        return None
+    key = secret.encode()
+    if len(key) < MIN_HMAC_KEY_BYTES:
+        raise ValueError(
+            f"${env} is set but shorter than {MIN_HMAC_KEY_BYTES} bytes: use a random secret of at "
+            "least 32 bytes (e.g. `openssl rand -hex 32`)."
+        )
+    return _Secret(key)
+
+
+def _canonical(obj: Mapping[str, Any]) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _u32(n: int) -> bytes:
+    return n.to_bytes(4, "little")

@@ -1,0 +1,105 @@
+"""The object store's errors, key validation and round statistics."""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+
+_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+PHASES = ("publish", "commit", "reduce", "accept", "apply")  # RoundStats.phases, in a round's order
+
+
+class ObjectStoreError(RuntimeError):
+    """An exchange through the object store could not complete."""
+
+
+class StragglerTimeoutError(ObjectStoreError, TimeoutError):
+    """Some replicas did not deliver a valid object for a round within ``timeout_s``."""
+
+
+class CorruptObjectError(ObjectStoreError, ValueError):
+    """An object in the store is truncated, corrupt, or belongs to another run/round/rank."""
+
+
+class NonFiniteObjectError(CorruptObjectError):
+    """An object passes its checksum but holds NaN/inf values (never averaged)."""
+
+
+class NonFiniteResultError(ObjectStoreError, ValueError):
+    """Every contribution of a round is finite but their sum (``op="sum"``) is beyond float32: no replica
+    applies it, none changes."""
+
+
+class AuthenticationError(CorruptObjectError):
+    """An object, manifest or marker is unauthenticated or fails its HMAC-SHA256 check."""
+
+
+class RoundExpiredError(ObjectStoreError):
+    """Round r was committed but its result is no longer in the store (cleaned up, or its
+    manifest or objects deleted): this replica must restart from a checkpoint."""
+
+
+class RoundConflictError(ObjectStoreError):
+    """Replicas accepted different manifests for one round (a manifest was deleted and proposed
+    again): the run can no longer guarantee identical replicas."""
+
+
+def safe_part(name: str, value: object) -> str:
+    """Validate one key component: letters, digits, ``._-``, no leading dot, no ``/``.
+
+    This is what keeps every key under the run's prefix: ``..``, ``.`` and absolute or nested
+    paths are rejected with a ValueError naming the argument.
+    """
+    if not isinstance(value, str) or not _PART.fullmatch(value) or value in {".", ".."}:
+        raise ValueError(
+            f"{name}={value!r} is not a safe object-store key component: use letters, digits, '.', '_' "
+            "or '-', not starting with '.', with no '/' (keys may never escape the run prefix)."
+        )
+    return value
+
+
+def check_round(round_id: int) -> int:
+    if not isinstance(round_id, int) or isinstance(round_id, bool) or round_id < 0:
+        raise ValueError(f"round_id must be an int >= 0, got {round_id!r}.")
+    return round_id
+
+
+@dataclass
+class RoundStats:
+    """What the last round did (for logs, tests and the benchmark).
+
+    ``phases``: seconds per phase, in the round's order, each timed from the end of the one before (together
+    they are the round's ``seconds`` but for the hand-off of old rounds to the deletion worker):
+
+    - ``publish``: encode this replica's tensors and create its object (sharded: its shards and index); 0 when
+      the round was committed already;
+    - ``commit``: the committed-round check, then wait for and validate the other replicas' objects until the
+      round's manifest is committed (a straggler's wait is here);
+    - ``reduce``: read what the manifest lists and compute the result before anything is applied (full
+      exchange: the checks and the staged sums; sharded: reduce this replica's shards, read the reduced ones);
+    - ``accept``: write this replica's progress marker, read the others';
+    - ``apply``: write the result into the caller's tensors (full exchange: the average, piece by piece).
+    """
+
+    round: int = -1
+    participants: list[int] = field(default_factory=list)
+    excluded: dict[int, str] = field(default_factory=dict)
+    bytes_written: int = 0
+    bytes_read: int = 0
+    seconds: float = 0.0
+    adopted: bool = False  # this replica's new values were not its contribution (see allreduce)
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+class Laps:
+    """A round's :data:`PHASES` timed back to back: each call adds the time since the previous one."""
+
+    def __init__(self) -> None:
+        self.start = self._last = time.perf_counter()
+        self.phases = dict.fromkeys(PHASES, 0.0)
+
+    def __call__(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase] += now - self._last
+        self._last = now

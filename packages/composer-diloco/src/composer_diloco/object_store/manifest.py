@@ -1,0 +1,189 @@
+"""The round's single source of truth: the create-only manifest, and each replica's progress marker.
+
+The first replica that sees every rank, or whose timeout expires, *creates* ``manifest.json`` listing the
+ranks and each object's tag; every replica averages exactly those objects. Before applying, a replica
+records the manifest's fingerprint in ``progress/rank-<r>.json`` and then reads every replica's marker: of
+two replicas accepting different manifests for one round, the later reader sees the other's marker and
+raises :class:`RoundConflictError`. A round the run has left (a marker went past it, or a later round is
+stored) whose manifest is gone raises :class:`RoundExpiredError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .backend import Backend
+from .codec import _DIGEST, Decoded
+from .errors import CorruptObjectError, RoundConflictError, RoundExpiredError
+
+
+@dataclass
+class Manifest:
+    ranks: list[int]
+    tags: dict[int, bytes]
+    fingerprint: str  # SHA-256 of the manifest's bytes, recorded in progress markers
+
+
+class Manifests(Backend):
+    """Manifests and progress markers (signed with the HMAC key when there is one)."""
+
+    keep_rounds: int
+    _marker: dict[int, str] | None  # this replica's progress marker, as last written
+
+    def _read_manifest(self, round_id: int) -> Manifest | None:
+        key = self.manifest_key(round_id)
+        raw = self._read(key)
+        return None if raw is None else self._parse_manifest(bytes(raw), key, round_id)
+
+    def _parse_manifest(self, raw: bytes, key: str, round_id: int) -> Manifest:
+        m = self._load_json(raw, key)
+        try:
+            ranks = m["ranks"]
+            tags = {int(r): bytes.fromhex(t) for r, t in m["tags"].items()}
+            ok = (
+                m["run_id"] == self.run_id
+                and m["round"] == round_id
+                and m["world_size"] == self.world_size
+                and isinstance(ranks, list)
+                and all(
+                    isinstance(r, int) and not isinstance(r, bool) and 0 <= r < self.world_size for r in ranks
+                )
+                and ranks == sorted(set(ranks))
+                and len(ranks) > 0
+                and sorted(tags) == ranks
+                and all(len(t) == _DIGEST for t in tags.values())
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CorruptObjectError(f"manifest {key} is not a manifest of this run: {exc}") from exc
+        if not ok:
+            raise CorruptObjectError(
+                f"manifest {key} does not describe round {round_id} of run {self.run_id!r} with "
+                f"world_size={self.world_size} (ranks {m.get('ranks')!r})."
+            )
+        return Manifest(list(ranks), tags, hashlib.sha256(raw).hexdigest())
+
+    def _propose_manifest(self, round_id: int, decoded: Mapping[int, Decoded]) -> bytes | None:
+        """Create the round's manifest; its bytes if this replica's proposal won, else None."""
+        proposal = {
+            "run_id": self.run_id,
+            "round": round_id,
+            "world_size": self.world_size,
+            "ranks": sorted(decoded),
+            "tags": {str(r): d.tag.hex() for r, d in sorted(decoded.items())},
+            "proposer": self.rank,
+        }
+        data = self._dump_json(proposal)
+        return data if self.put_if_absent(self.manifest_key(round_id), data) else None
+
+    def _read_marker(self, rank: int) -> dict[int, str] | None:
+        """Replica ``rank``'s progress marker: ``{round: manifest fingerprint}`` (None if absent)."""
+        key = self.marker_key(rank)
+        raw = self._read(key)
+        if raw is None:
+            return None
+        obj = self._load_json(bytes(raw), key)
+        try:
+            if obj["run_id"] != self.run_id or obj["rank"] != rank:
+                raise ValueError(f"run_id/rank {obj['run_id']!r}/{obj['rank']!r}")
+            return {int(k): str(v) for k, v in obj["accepted"].items()}
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CorruptObjectError(f"progress marker {key} is not a marker of this run: {exc}") from exc
+
+    def _read_markers(self, skip: int | None = None) -> dict[int, dict[int, str]]:
+        own = self._marker  # this replica's marker is only written by itself: no GET once known
+        markers = {
+            r: dict(own) if r == self.rank and own is not None else self._read_marker(r)
+            for r in range(self.world_size)
+            if r != skip
+        }
+        return {r: m for r, m in markers.items() if m is not None}
+
+    def _commit_evidence(self, round_id: int) -> str | None:
+        """Why round ``round_id`` must already be committed (None if nothing says so)."""
+        later = [r for r in self._rounds_stored() if r > round_id]
+        if later:
+            return f"the store already holds round {max(later)}"
+        for rank, accepted in sorted(self._read_markers().items()):
+            if round_id in accepted:
+                return f"rank {rank} accepted its manifest"
+            if accepted and max(accepted) > round_id:
+                return f"rank {rank} has reached round {max(accepted)}"
+        return None
+
+    def _expired(self, round_id: int, evidence: str, what: str) -> RoundExpiredError:
+        return RoundExpiredError(
+            f"round {round_id} of run {self.run_id!r} was already committed ({evidence}) but {what}: "
+            "this replica cannot get the committed average and will not recompute it. It fell more "
+            f"than keep_rounds={self.keep_rounds} rounds behind (or the round was deleted from the "
+            "store): restart it from a checkpoint of the run's current round (or heal it from a "
+            "healthy replica). If this is a new run, use a new run_id."
+        )
+
+    def _committed(self, round_id: int) -> Manifest | None:
+        """The committed manifest of ``round_id``; None if the round is still open;
+        :class:`RoundExpiredError` if it was committed and its manifest is gone."""
+        manifest = self._read_manifest(round_id)
+        if manifest is not None:
+            return manifest
+        evidence = self._commit_evidence(round_id)
+        if evidence is None:
+            return None
+        manifest = self._read_manifest(round_id)  # committed since the first read?
+        if manifest is None:
+            raise self._expired(round_id, evidence, "its manifest is gone")
+        return manifest
+
+    def _accept(self, round_id: int, manifest: Manifest) -> None:
+        """Record that this replica applies ``manifest`` for ``round_id``, then check that no
+        replica accepted another one. Marker first, reads second: of two replicas accepting
+        different manifests, the later reader sees the other's marker and raises. If the round
+        turns out to be one the run has left, the record is taken back (nothing is applied)."""
+        before = dict(self._marker if self._marker is not None else self._read_marker(self.rank) or {})
+        self._record({**before, round_id: manifest.fingerprint})
+        try:
+            self._check_markers(round_id, manifest)
+        except RoundExpiredError:
+            self._record(before)
+            raise
+
+    def _record(self, accepted: Mapping[int, str]) -> None:
+        """Write this replica's progress marker: the newest ``keep_rounds + 1`` accepted rounds."""
+        newest = {r: accepted[r] for r in sorted(accepted)[-(self.keep_rounds + 1) :]}
+        marker = {
+            "run_id": self.run_id,
+            "rank": self.rank,
+            "accepted": {str(r): v for r, v in newest.items()},
+        }
+        self.put_atomic(self.marker_key(self.rank), self._dump_json(marker))
+        self._marker = newest
+
+    def _check_markers(self, round_id: int, manifest: Manifest) -> None:
+        for rank, accepted in sorted(self._read_markers(skip=self.rank).items()):
+            theirs = accepted.get(round_id)
+            if theirs is not None and theirs != manifest.fingerprint:
+                # it went on under the first manifest: ours was proposed after that one was gone
+                if max(accepted) > round_id:
+                    raise self._expired(
+                        round_id,
+                        f"rank {rank} applied another manifest for it and has reached round {max(accepted)}",
+                        "its manifest is gone (this replica's proposal came after it)",
+                    )
+                raise RoundConflictError(
+                    f"round {round_id}: rank {rank} applied a different manifest than this replica "
+                    f"(rank {self.rank}); the manifest was deleted and proposed again while replicas "
+                    "were reading it. Replicas no longer hold the same weights: stop the run and restart "
+                    "every replica from one checkpoint."
+                )
+            if theirs is None and accepted and min(accepted) > round_id:
+                raise self._expired(
+                    round_id,
+                    f"rank {rank} has reached round {max(accepted)}",
+                    "this replica cannot check which manifest the others applied",
+                )
+
+    def _rounds_stored(self) -> list[int]:
+        """:meth:`_rounds_listed`, less a local round folder that is empty."""
+        rounds = self._rounds_listed()
+        return [r for r in rounds if self._list(self.round_dir(r))] if self._local else rounds

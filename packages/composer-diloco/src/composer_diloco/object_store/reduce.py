@@ -1,0 +1,219 @@
+"""The arithmetic of a round: ``Σ x_r`` in float32 in rank order, then ``/ n`` for an average (the order
+torchft's gloo path uses). The full and the sharded exchange share it, so both give the same bits; an
+element whose float32 sum overflows although its average is finite gets that average, summed in float64."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
+
+import torch
+from torch._C._nn import flatten_dense_tensors, unflatten_dense_tensors
+
+from .codec import Decoded, all_finite
+from .errors import CorruptObjectError, ObjectStoreError
+
+_T = TypeVar("_T")
+# float32 elements (512 KiB) of the scratch a full-exchange average goes through, kept across rounds
+REDUCE_PIECE = 1 << 17
+_BUCKET_TENSOR = 1 << 15  # float32 targets up to this many elements are averaged several at a time
+
+
+def piece(t: torch.Tensor, s: int, k: int) -> torch.Tensor:
+    """Shard ``s`` of ``k`` of a tensor: a contiguous 1/k slice of its flattened values (a view)."""
+    flat = t.reshape(-1)
+    n = flat.numel()
+    return flat[n * s // k : n * (s + 1) // k]
+
+
+def sum_into(outs: Sequence[torch.Tensor], inputs: Sequence[Sequence[torch.Tensor]], op: str) -> list[bool]:
+    """``outs[i] = Σ_r inputs[r][i]`` in float32 in the given order, then ``/ n`` for avg (the
+    full and the sharded exchange share this arithmetic, so both give the same bits); an element whose float32
+    running sum overflows although its average is finite gets that average (:func:`_mend`). Returns whether
+    each result is finite (known from the mend's one read: no second pass)."""
+    divisor = len(inputs) if op == "avg" else 1
+    finite = []
+    for i, out in enumerate(outs):
+        fix = _average_into(out, [x[i] for x in inputs], divisor)
+        finite.append(fix is None or bool(torch.isfinite(fix[1]).all()))
+    return finite
+
+
+def _average_into(
+    out: torch.Tensor, inputs: Sequence[torch.Tensor], divisor: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``out ← Σ inputs / divisor`` in float32 in the given order, the elements whose sum overflowed mended
+    (:func:`_mend`); the mend, or None."""
+    _sum(out, inputs)
+    fix = _mend(out, inputs, divisor)
+    if divisor > 1:
+        out.div_(divisor)
+    if fix is not None:
+        out[fix[0]] = fix[1]
+    return fix
+
+
+def _sum(out: torch.Tensor, inputs: Sequence[torch.Tensor]) -> None:
+    """``out = Σ inputs`` in float32, in the given order."""
+    first, rest = inputs[0].reshape(-1), [x.reshape(-1) for x in inputs[1:]]
+    if rest and first.dtype == rest[0].dtype == torch.float32:
+        torch.add(first, rest[0], out=out)  # one pass instead of copy + add
+        rest = rest[1:]
+    else:
+        out.copy_(first)
+    for x in rest:
+        out.add_(x)
+
+
+def _mend(
+    acc: torch.Tensor, inputs: Sequence[torch.Tensor], divisor: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Where the float32 sums ``acc`` of finite ``inputs`` overflowed: (those indices, ``Σ inputs / divisor``
+    there, summed in float64 in the same order and rounded to float32, which is finite for an average and may
+    not be for a sum). None when every sum is finite: one read of ``acc`` (in cache on the piecewise path).
+    Elementwise, so the result does not depend on how the tensors are cut into pieces or shards."""
+    if all_finite(acc):
+        return None
+    where = torch.isfinite(acc).logical_not_().nonzero().view(-1)
+    wide = torch.zeros(where.numel(), dtype=torch.float64)
+    for x in inputs:
+        wide += x.reshape(-1)[where].to(torch.float64)
+    return where, (wide / divisor).to(torch.float32)
+
+
+def overflow_message(round_id: int, what: str, op: str) -> str:
+    if op == "avg":  # only float64 contributions beyond float32's range get here
+        fix = "the exchange averages in float32: keep float64 tensors within float32's range (±3.4e38)."
+    else:
+        fix = (
+            "scale the tensors down, or use op='avg' (an average of finite float32 values is always applied)."
+        )
+    return (
+        f"round {round_id}: {what} is finite in every contribution but their sum overflows float32 (op={op!r}); "
+        f"no replica applies it and no tensor changed: {fix}"
+    )
+
+
+def direct_targets(tensors: Sequence[torch.Tensor]) -> set[int]:
+    """Indices of the contiguous CPU targets whose memory no other target shares (tied weights passed
+    twice, views of one buffer): those can be written while the inputs of later targets are still read. Not
+    float64 ones: they may hold values beyond float32, whose float32 average is inf, and :meth:`_stage` checks
+    its results before any write."""
+    owners: dict[int, list[int]] = {}
+    for i, t in enumerate(tensors):
+        # the storage's address, without building its Python object (untyped_storage(): ~5 µs a tensor)
+        owners.setdefault(t.data_ptr() - int(t.storage_offset()) * t.element_size(), []).append(i)
+    return {
+        i
+        for i, t in ((ix[0], tensors[ix[0]]) for ix in owners.values() if len(ix) == 1)
+        if t.is_cpu and t.is_contiguous() and t.dtype != torch.float64
+    }
+
+
+def reduce_pieces(
+    t: torch.Tensor, inputs: Sequence[torch.Tensor], divisor: int, scratch: torch.Tensor
+) -> None:
+    """``t ← Σ inputs / divisor`` through ``scratch``, a float32 piece of ``REDUCE_PIECE`` elements (it stays
+    in cache; the caller keeps it across rounds): the arithmetic of :func:`sum_into` + :func:`_apply`, piece
+    by piece, for an average (whose mended elements are always finite). An input that is ``t`` itself (this
+    replica's own contribution) is read piece by piece before that piece is written."""
+    flat, flats = t.view(-1), [x.reshape(-1) for x in inputs]
+    for lo in range(0, flat.numel(), REDUCE_PIECE):
+        hi = min(lo + REDUCE_PIECE, flat.numel())
+        piece, column = scratch[: hi - lo], [x[lo:hi] for x in flats]
+        _sum(piece, column)
+        fix = _mend(piece, column, divisor)  # before the write below: an input may be t
+        apply(flat[lo:hi], piece, divisor)
+        if fix is not None:
+            flat[lo:hi][fix[0]] = fix[1].to(t.dtype)
+
+
+def bucketable(t: torch.Tensor, inputs: Sequence[torch.Tensor]) -> bool:
+    """Whether the direct target ``t`` is averaged in a bucket with others (:func:`reduce_bucket`): small, and
+    it and its inputs float32."""
+    return (
+        t.numel() <= _BUCKET_TENSOR
+        and t.dtype == torch.float32
+        and all(x.dtype == torch.float32 and x.is_cpu for x in inputs)
+    )
+
+
+def runs(items: Sequence[_T], sizes: Sequence[int], limit: int) -> list[list[_T]]:
+    """``items`` cut, in order, into runs whose ``sizes`` add up to at most ``limit`` (an item larger than
+    ``limit`` makes a run of its own)."""
+    out: list[list[_T]] = []
+    total = 0
+    for item, n in zip(items, sizes):
+        if not out or total + n > limit:
+            out.append([])
+            total = 0
+        out[-1].append(item)
+        total += n
+    return out
+
+
+def reduce_bucket(
+    targets: Sequence[torch.Tensor],
+    columns: Sequence[Sequence[torch.Tensor]],
+    divisor: int,
+    scratch: torch.Tensor,
+) -> None:
+    """``targets[j] ← Σ_r columns[r][j] / divisor`` for small float32 targets at once: each input's tensors are
+    flattened into one buffer (in cache), then summed into ``scratch``, mended, divided and copied back, one call
+    each, not one per tensor (a 200-tensor round spent ~15 µs a tensor in per-call overhead, 5 µs gathering with
+    ``torch.cat``). Elementwise, so the bits are :func:`reduce_pieces`'."""
+    flats = [flatten_dense_tensors(list(column)) for column in columns]  # reads the targets before any write
+    piece = scratch[: flats[0].numel()]
+    _average_into(piece, flats, divisor)
+    torch._foreach_copy_(list(targets), unflatten_dense_tensors(piece, list(targets)))
+
+
+def apply(t: torch.Tensor, acc: torch.Tensor, divisor: int) -> None:
+    """``t ← acc / divisor`` (float32 division, then cast to t's dtype/device); a float32
+    contiguous CPU ``t`` receives the quotient directly (no extra pass)."""
+    if divisor == 1:
+        t.copy_(acc.view(t.shape))
+    elif t.dtype == torch.float32 and t.is_cpu and t.is_contiguous():
+        torch.div(acc, divisor, out=t.view(-1))
+    else:
+        t.copy_(acc.div_(divisor).view(t.shape))
+
+
+def shard_count(indexes: Mapping[int, Decoded], ranks: Sequence[int], world_size: int, round_id: int) -> int:
+    counts = {int(indexes[r].meta.get("shards", -1)) for r in ranks}
+    if counts != {world_size}:
+        raise CorruptObjectError(
+            f"round {round_id}: the committed indexes split the tensors into {sorted(counts)} shards, "
+            f"expected world_size={world_size}: every replica must run with the same world_size."
+        )
+    return world_size
+
+
+def _full_layout(d: Decoded) -> list[dict[str, Any]]:
+    """The tensors an object stands for (a sharded index lists them under ``tensors``)."""
+    return list(d.meta["tensors"] if d.meta.get("kind") == "index" else d.meta["layout"])
+
+
+def check_layouts(decoded: Mapping[int, Decoded], ranks: Sequence[int], round_id: int) -> None:
+    def shapes(r: int) -> list[tuple[Any, ...]]:
+        return [(tuple(e["shape"]), e["dtype"], e["wire"]) for e in _full_layout(decoded[r])]
+
+    ref_rank = ranks[0]
+    ref = shapes(ref_rank)
+    for r in ranks[1:]:
+        if shapes(r) != ref:
+            raise ObjectStoreError(
+                f"round {round_id}: rank {r} sent tensors {shapes(r)} but rank {ref_rank} sent {ref}; "
+                "every replica must all-reduce the same parameters in the same order (same model, same fragments)."
+            )
+
+
+def check_targets(ref: Decoded, tensors: Sequence[torch.Tensor], round_id: int) -> None:
+    """The caller's tensors must have the committed objects' shapes (e.g. when adopting)."""
+    shapes = [tuple(e["shape"]) for e in _full_layout(ref)]
+    mine = [tuple(t.shape) for t in tensors]
+    if shapes != mine:
+        raise ObjectStoreError(
+            f"round {round_id} was committed with tensors of shapes {shapes} but this replica passes "
+            f"{mine}; every replica must all-reduce the same parameters in the same order."
+        )

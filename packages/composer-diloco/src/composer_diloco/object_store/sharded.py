@@ -1,0 +1,244 @@
+"""``exchange="sharded"``: a reduce-scatter + all-gather through the store, under the full exchange's
+manifest, markers, adoption and straggler rules.
+
+Each replica writes its tensors as k shard objects (shard s = the s-th 1/k of every flattened tensor,
+under a fresh nonce) and then its small *index* object, whose tag the manifest lists. Participant j of
+the n in the manifest reduces the shards s with ``s % n == j`` and *creates* ``reduced-<s>.bin``; every
+replica then reads the k reduced shards. A shard whose reducer is silent for ``timeout_s`` is reduced by
+the waiting replica (create-only: the first writer wins, everyone applies the stored shard).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from .codec import Decoded, Encoded, wire_form
+from .errors import (
+    CorruptObjectError,
+    NonFiniteObjectError,
+    NonFiniteResultError,
+    ObjectStoreError,
+    check_round,
+    safe_part,
+)
+from .manifest import Manifest, Manifests
+from .reduce import overflow_message, piece, shard_count, sum_into
+
+logger = logging.getLogger("composer_diloco.object_store")
+
+
+class Sharded(Manifests):
+    """The sharded exchange's objects and its reduce-scatter."""
+
+    timeout_s: float
+    poll_interval_s: float
+    _first_poll_s: float
+    _acc: list[torch.Tensor]  # float32 accumulators reused across rounds
+
+    def shard_key(self, round_id: int, rank: int, shard: int, nonce: str) -> str:
+        return self.key(
+            "rounds",
+            f"{check_round(round_id):010d}",
+            f"shard-{shard:05d}-rank-{rank:05d}-{safe_part('nonce', nonce)}.bin",
+        )
+
+    def reduced_key(self, round_id: int, shard: int) -> str:
+        return self.key("rounds", f"{check_round(round_id):010d}", f"reduced-{shard:05d}.bin")
+
+    def _encode_sharded(
+        self, round_id: int, tensors: Sequence[torch.Tensor], quantize: bool
+    ) -> tuple[Encoded, Decoded]:
+        """Write this replica's k shard objects (shard s = the s-th 1/k of every tensor, under a
+        fresh nonce, so they never collide), then return the *index* object listing their tags:
+        creating the index is what publishes the contribution."""
+        forms = [wire_form(t, i, self.rank, round_id, quantize) for i, t in enumerate(tensors)]
+        k, nonce = self.world_size, uuid.uuid4().hex[:16]
+        shards: dict[str, Encoded] = {}
+        for s in range(k):
+            layout = [{**entry, "shape": [piece(wire, s, k).numel()]} for wire, entry, _ in forms]
+            meta = self._meta(
+                round_id,
+                self.rank,
+                exchange="sharded",
+                kind="shard",
+                shard=s,
+                quantized=quantize,
+                layout=layout,
+            )
+            shards[self.shard_key(round_id, self.rank, s, nonce)] = self._pack(
+                meta, [piece(wire, s, k) for wire, _, _ in forms]
+            )
+        self._put_many(shards)
+        meta = self._meta(
+            round_id,
+            self.rank,
+            exchange="sharded",
+            kind="index",
+            quantized=quantize,
+            layout=[],
+            tensors=[entry for _, entry, _ in forms],
+            shards=k,
+            nonce=nonce,
+            shard_tags=[enc.tag.hex() for enc in shards.values()],
+        )
+        index = self._pack(meta, [])
+        return index, Decoded(meta, [own for *_, own in forms], index.size, index.tag)
+
+    def _put_many(self, objects: Mapping[str, Encoded]) -> None:
+        """Write objects under fresh keys: one after the other on local/memory stores, all at
+        once on object stores (s3fs sends them concurrently)."""
+        if self._local or self._memory:
+            for key, enc in objects.items():
+                if not self.put_if_absent(key, enc):
+                    raise ObjectStoreError(
+                        f"{key} already exists: a fresh shard key collided; retry the round."
+                    )
+            return
+        self.fs.pipe({key: enc.tobytes() for key, enc in objects.items()})
+        self.bytes_written += sum(enc.size for enc in objects.values())
+
+    def _sharded_result(
+        self,
+        round_id: int,
+        manifest: Manifest,
+        indexes: Mapping[int, Decoded],
+        local: Decoded | None,
+        op: str,
+    ) -> list[torch.Tensor]:
+        """Reduce this replica's shards (participant j of n owns shards s with s % n == j), then
+        collect every other reduced shard; a shard whose reducer is silent for ``timeout_s`` is
+        reduced by the waiting replica itself. The *stored* reduced shard (create-only, first
+        writer wins) is what every replica applies, so all replicas end identical."""
+        ranks = manifest.ranks
+        k = shard_count(indexes, ranks, self.world_size, round_id)
+        sizes = [math.prod(e["shape"]) for e in indexes[ranks[0]].meta["tensors"]]
+        if [a.numel() for a in self._acc] != sizes:
+            self._acc = [torch.empty(n, dtype=torch.float32) for n in sizes]
+        mine = [s for s in range(k) if ranks[s % len(ranks)] == self.rank]
+        deadline = time.monotonic() + self.timeout_s
+        for s in mine + [s for s in range(k) if s not in mine]:
+            if s in mine:
+                reduced = self._reduce_shard(round_id, manifest, indexes, s, local, op)
+            else:
+                reduced = self._await_reduced(round_id, manifest, indexes, s, local, op, deadline)
+            self._place(round_id, s, k, reduced)
+        return self._acc
+
+    def _place(self, round_id: int, s: int, k: int, reduced: Sequence[torch.Tensor]) -> None:
+        """Copy reduced shard ``s`` of ``k`` into the accumulators (unless it was reduced there)."""
+        for acc, got in zip(self._acc, reduced):
+            target = piece(acc, s, k)
+            if got.data_ptr() == target.data_ptr():
+                continue  # reduced in place by this replica
+            if got.numel() != target.numel():
+                raise CorruptObjectError(
+                    f"round {round_id}: reduced shard {s} holds {got.numel()} values where "
+                    f"{target.numel()} belong: it does not match the committed layout."
+                )
+            target.copy_(got)
+
+    def _reduce_shard(
+        self,
+        round_id: int,
+        manifest: Manifest,
+        indexes: Mapping[int, Decoded],
+        s: int,
+        local: Decoded | None,
+        op: str,
+    ) -> list[torch.Tensor]:
+        """Σ over the participants (rank order) of their shard ``s``, ``/ n`` for avg; create it
+        as ``reduced-<s>.bin`` and return the stored one (another replica may have been first)."""
+        k = self.world_size
+        inputs = []
+        for r in manifest.ranks:
+            if r == self.rank and local is not None:
+                inputs.append([piece(t, s, k) for t in local.tensors])
+            else:
+                inputs.append(self._read_shard(round_id, indexes[r], r, s).tensors)
+        sums = [piece(acc, s, k) for acc in self._acc]  # reduced straight into the accumulators
+        finite = sum_into(sums, inputs, op)
+        layout = [{"shape": [t.numel()], "dtype": "float32", "wire": "float32", "scale": None} for t in sums]
+        meta = self._meta(
+            round_id,
+            -1,
+            exchange="sharded",
+            kind="reduced",
+            shard=s,
+            manifest=manifest.fingerprint,
+            op=op,
+            quantized=False,
+            layout=layout,
+        )
+        # published as it is: a sum beyond float32 (op="sum") is refused by every replica, its readers promptly
+        reduced = self._pack(meta, sums)
+        if self.put_if_absent(self.reduced_key(round_id, s), reduced):
+            if not all(finite):
+                raise NonFiniteResultError(overflow_message(round_id, f"reduced shard {s}", op))
+            return sums
+        stored = self._load_reduced(round_id, manifest, s, op)
+        if stored is None:
+            raise ObjectStoreError(
+                f"round {round_id}: reduced shard {s} exists but could not be read; retry."
+            )
+        return stored
+
+    def _read_shard(self, round_id: int, index: Decoded, rank: int, s: int) -> Decoded:
+        key = self.shard_key(round_id, rank, s, str(index.meta["nonce"]))
+        raw = self._read(key, slot=f"shard-{rank}")
+        if raw is None:
+            raise self._expired(round_id, f"its manifest lists rank {rank}", f"{key} is gone")
+        shard = self.decode(raw, round_id=round_id, rank=rank, key=key, expect={"kind": "shard", "shard": s})
+        if shard.tag.hex() != index.meta["shard_tags"][s]:
+            raise CorruptObjectError(
+                f"object {key} is not the shard rank {rank}'s committed index lists (its tag differs): "
+                "it was replaced after publication. The round cannot be reduced; restart the round."
+            )
+        return shard
+
+    def _load_reduced(self, round_id: int, manifest: Manifest, s: int, op: str) -> list[torch.Tensor] | None:
+        key = self.reduced_key(round_id, s)
+        raw = self._read(key, slot="reduced")
+        if raw is None:
+            return None
+        expect = {"kind": "reduced", "shard": s, "manifest": manifest.fingerprint, "op": op}
+        try:
+            return self.decode(raw, round_id=round_id, rank=-1, key=key, expect=expect).tensors
+        except NonFiniteObjectError as exc:  # its inputs were checked finite: their sum is beyond float32
+            raise NonFiniteResultError(
+                f"{overflow_message(round_id, f'reduced shard {s}', op)} ({key})"
+            ) from exc
+
+    def _await_reduced(
+        self,
+        round_id: int,
+        manifest: Manifest,
+        indexes: Mapping[int, Decoded],
+        s: int,
+        local: Decoded | None,
+        op: str,
+        deadline: float,
+    ) -> list[torch.Tensor]:
+        delay = self._first_poll_s
+        while True:
+            found = self._load_reduced(round_id, manifest, s, op)
+            if found is not None:
+                return found
+            if time.monotonic() >= deadline:
+                owner = manifest.ranks[s % len(manifest.ranks)]
+                logger.warning(
+                    "round %d: rank %d wrote no reduced shard %d within timeout_s=%s; rank %d reduces it",
+                    round_id,
+                    owner,
+                    s,
+                    self.timeout_s,
+                    self.rank,
+                )
+                return self._reduce_shard(round_id, manifest, indexes, s, local, op)
+            self._pause(min(delay, self.poll_interval_s, max(0.0, deadline - time.monotonic())))
+            delay *= 2
