@@ -56,9 +56,19 @@ def core_requirement(package: Package) -> Requirement | None:
     return None
 
 
+def imports_core(package: Package) -> bool:
+    """Whether the package's source imports ``composer_core`` (then it must declare a composer-core range)."""
+    return any(
+        re.search(r"^\s*(from|import)\s+composer_core\b", path.read_text(encoding="utf-8"), re.M)
+        for path in package.source.rglob("*.py")
+    )
+
+
 def core_range_problems(package: Package, core_version: str) -> list[str]:
     """Why ``package`` cannot be released against the workspace's composer-core (empty: it can)."""
     req = core_requirement(package)
+    if req is None and not imports_core(package):
+        return []  # a distribution that does not use composer-core has no range to keep (composer-diloco)
     if req is None:
         return [f"{package.name}: no composer-core dependency in pyproject.toml"]
     if not str(req.specifier):

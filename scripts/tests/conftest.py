@@ -29,7 +29,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def ws(tmp_path: Path) -> Path:
     """A copy of the workspace's metadata: the root pyproject and README, and each package's pyproject,
-    README and CHANGELOG (what check_release.py and readme_install.py read), to edit in a test."""
+    README, CHANGELOG and src (what check_release.py and readme_install.py read), to edit in a test."""
     for leaf in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / leaf, tmp_path / leaf)
     for pkg in packages().values():
@@ -37,6 +37,8 @@ def ws(tmp_path: Path) -> Path:
         dst.mkdir(parents=True)
         for leaf in ("pyproject.toml", "README.md", "CHANGELOG.md"):
             shutil.copy(pkg.directory / leaf, dst / leaf)
+        # the sources: check_release reads whether a package imports composer_core
+        shutil.copytree(pkg.directory / "src", dst / "src", ignore=shutil.ignore_patterns("__pycache__"))
     return tmp_path
 
 
