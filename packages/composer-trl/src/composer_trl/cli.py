@@ -43,7 +43,7 @@ from composer_trl.lifecycle import (
     resolve_checkpoint,
 )
 from composer_trl.models import PACKAGED
-from composer_trl.recipe import Recipe, choose_channels, import_callable, read_config_file
+from composer_trl.recipe import PAIR_COLUMNS, Recipe, choose_channels, import_callable, read_config_file
 
 SCRIPT_TO_RECIPE = {
     "model_name_or_path": "model",
@@ -522,7 +522,7 @@ def load_env_checked(recipe: Recipe, config: Any, *, need: int, n_rows: int) -> 
             f"--env {spec!r} has {len(rows)} training tasks but one optimiser step needs {need} prompts "
             "(generation batch / num_generations); lower --per_device_train_batch_size."
         )
-    if float(getattr(config, "beta_replay", 0.0)) > 0 and not {"chosen", "rejected"} <= set(rows[0]):
+    if float(getattr(config, "beta_replay", 0.0)) > 0 and not set(rows[0]) >= PAIR_COLUMNS:
         raise UsageError(
             f"--env {spec!r} gives no reference and wrong answers (channel 3's chosen/rejected); "
             "pass --beta_replay 0 to train without channel 3."

@@ -10,11 +10,13 @@ SimPO on (chosen, rejected) completions carried in the dataset.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from composer_core.loss.config import ComposeConfig, flat_defaults
 from composer_core.loss.policy import CLIP_LOSS_TYPES
+from composer_core.loss.wrappers import TAIDScheduler
 from composer_core.sdpo import TeacherContextOptions, TeacherWeightsOptions
 from trl import GRPOConfig
 
@@ -22,6 +24,8 @@ from trl import GRPOConfig
 _CORE: dict[str, Any] = flat_defaults()  # typed Any: each field declares its own type
 _CORE.update({f.name: f.default for f in dataclasses.fields(TeacherContextOptions)})
 _CORE.update({f.name: f.default for f in dataclasses.fields(TeacherWeightsOptions)})
+#: TAIDScheduler's own defaults (its step size alpha and momentum beta)
+_TAID: dict[str, Any] = {n: p.default for n, p in inspect.signature(TAIDScheduler).parameters.items()}
 
 
 _SHAPE_OPTIONS = tuple(
@@ -141,8 +145,8 @@ class ComposerGRPOConfig(GRPOConfig):
     )
     taid_t_start: float = field(default=_CORE["taid_t_start"], metadata={"help": "TAID initial t."})
     taid_t_end: float = field(default=_CORE["taid_t_end"], metadata={"help": "TAID final t."})
-    taid_alpha: float = field(default=5e-4, metadata={"help": "TAID adaptive step size."})
-    taid_momentum: float = field(default=0.99, metadata={"help": "TAID momentum (paper's beta)."})
+    taid_alpha: float = field(default=_TAID["alpha"], metadata={"help": "TAID adaptive step size."})
+    taid_momentum: float = field(default=_TAID["beta"], metadata={"help": "TAID momentum (paper's beta)."})
     entropy_opd_threshold: float = field(
         default=_CORE["entropy_opd_threshold"], metadata={"help": "Teacher-entropy gate (nats)."}
     )
@@ -250,7 +254,10 @@ class ComposerGRPOConfig(GRPOConfig):
         # composer_core's typed config, built (and cached) from these fields: a value out of range, an option of a
         # mode that is not selected, or one the resolved form ignores, raises here, at construction
         self.compose_config  # noqa: B018
-        if self.sdpo_wrapper != "taid" and (self.taid_alpha != 5e-4 or self.taid_momentum != 0.99):
+        if self.sdpo_wrapper != "taid" and (self.taid_alpha, self.taid_momentum) != (
+            _TAID["alpha"],
+            _TAID["beta"],
+        ):
             raise ValueError(
                 f"`taid_alpha`={self.taid_alpha!r} / `taid_momentum`={self.taid_momentum!r} act only with "
                 "sdpo_wrapper='taid'; select it or drop them."

@@ -71,6 +71,7 @@ from composer_trl.guards import (
     unscored_batch_error,
 )
 from composer_trl.loss import WINDOW_LOSS_TYPES, Counts, composer_trl_loss
+from composer_trl.recipe import HINT_COLUMNS, PAIR_COLUMNS
 
 HintFn = Callable[..., Sequence[str | None]]
 logger = logging.get_logger(__name__)
@@ -1008,13 +1009,7 @@ def check_channel_inputs(args: ComposerGRPOConfig, columns: set[str] | None, *, 
     The trainer runs it at construction and ``composer-train`` before it loads the model or writes anything."""
     a, cols = args, columns
     source = a.sdpo_teacher_context
-    if (
-        a.alpha_sdpo > 0
-        and source == "hint"
-        and not hint_fn
-        and cols is not None
-        and not cols & {"hint", "hinted_prompt", "teacher_prompt"}
-    ):
+    if a.alpha_sdpo > 0 and source == "hint" and not hint_fn and cols is not None and not cols & HINT_COLUMNS:
         raise ValueError(
             f"alpha_sdpo={a.alpha_sdpo} needs hints: a `hint` or `hinted_prompt` dataset column, or "
             "`hint_fn=`; provide one, set sdpo_teacher_context='success' (successful siblings teach, no hint "
@@ -1032,7 +1027,7 @@ def check_channel_inputs(args: ComposerGRPOConfig, columns: set[str] | None, *, 
             "completion is the feedback) or a `privileged_context` dataset column; provide one or use "
             "sdpo_teacher_context='success'."
         )
-    if a.beta_replay > 0 and cols is not None and not {"chosen", "rejected"} <= cols:
+    if a.beta_replay > 0 and cols is not None and not cols >= PAIR_COLUMNS:
         raise ValueError(
             f"beta_replay={a.beta_replay} needs `chosen` and `rejected` dataset columns (the teacher trace and "
             f"the trace it beats); the dataset has {sorted(cols)}. Add them or set beta_replay=0."
