@@ -145,9 +145,18 @@ def _check_metadata(raw: bytes, exp: Expected, where: str) -> list[str]:
         out.append(f"{where}: Description-Content-Type is not text/markdown (readme = 'README.md')")
     if body.strip() != exp.readme.strip():
         out.append(f"{where}: long description is not the package README.md (readme = 'README.md')")
-    classifiers = meta.get_all("Classifier", [])
-    if "Typing :: Typed" not in classifiers:
-        out.append(f"{where}: no classifier 'Typing :: Typed'")
+    out += _check_classifiers(meta.get_all("Classifier", []), where)
+    out += _check_urls(meta.get_all("Project-URL", []), exp, where)
+    declared = {_requirement_name(r) for r in pkg.project.get("dependencies", [])}
+    shipped = {_requirement_name(r) for r in meta.get_all("Requires-Dist", []) if "extra ==" not in r}
+    for name in sorted(declared - shipped):
+        out.append(f"{where}: dependency {name!r} of pyproject.toml is missing from Requires-Dist")
+    return out
+
+
+def _check_classifiers(classifiers: list[str], where: str) -> list[str]:
+    """``Typing :: Typed`` and one Python classifier per tested version, no other."""
+    out = [] if "Typing :: Typed" in classifiers else [f"{where}: no classifier 'Typing :: Typed'"]
     versions = {
         c.rsplit(" :: ", 1)[1]
         for c in classifiers
@@ -159,18 +168,21 @@ def _check_metadata(raw: bytes, exp: Expected, where: str) -> list[str]:
         out.append(
             f"{where}: classifier 'Programming Language :: Python :: {v}' but CI tests only {', '.join(TESTED_PYTHONS)}"
         )
-    urls = dict(u.split(", ", 1) for u in meta.get_all("Project-URL", []) if ", " in u)
-    for label in PROJECT_URLS:
-        if label not in urls:
-            out.append(f"{where}: no Project-URL {label!r} (add it to [project.urls])")
+    return out
+
+
+def _check_urls(project_urls: list[str], exp: Expected, where: str) -> list[str]:
+    """Every label of :data:`PROJECT_URLS`, and the Repository URL of the root pyproject."""
+    urls = dict(u.split(", ", 1) for u in project_urls if ", " in u)
+    out = [
+        f"{where}: no Project-URL {label!r} (add it to [project.urls])"
+        for label in PROJECT_URLS
+        if label not in urls
+    ]
     if urls.get("Repository") not in (None, exp.repository):
         out.append(
             f"{where}: Project-URL Repository is {urls['Repository']!r}, the root pyproject says {exp.repository!r}"
         )
-    declared = {_requirement_name(r) for r in pkg.project.get("dependencies", [])}
-    shipped = {_requirement_name(r) for r in meta.get_all("Requires-Dist", []) if "extra ==" not in r}
-    for name in sorted(declared - shipped):
-        out.append(f"{where}: dependency {name!r} of pyproject.toml is missing from Requires-Dist")
     return out
 
 

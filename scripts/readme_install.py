@@ -99,7 +99,6 @@ def check_readme(pkg: Package, root: Path = ROOT) -> list[str]:
     where = f"packages/{pkg.directory.name}/README.md"
     text = (pkg.directory / "README.md").read_text()
     workspace = {_norm(p.name): p for p in packages(root).values()}
-    repo = repository(root)
     found = {k: [b for b in blocks(text) if b.kind == k] for k in KINDS}
     out = [f"{where}: no ```bash {k} block (see scripts/readme_install.py)" for k in KINDS if not found[k]]
     out += index_form_outside_blocks(text, where, workspace)
@@ -109,34 +108,48 @@ def check_readme(pkg: Package, root: Path = ROOT) -> list[str]:
     forms: dict[str, set[Req]] = {}
     venvs: dict[str, set[Req]] = {}  # install-test block name ("": the main one) -> what its venv gets
     for kind in KINDS:
-        reqs: set[Req] = set()
+        forms[kind] = set()
         for block in found[kind]:
-            own_reqs: set[Req] = set()
-            for words in commands(block.body):
-                args = pip_install_args(words)
-                if args is None:
-                    out.append(
-                        f"{where}:{block.line}: {kind} block holds {shlex.join(words)!r}, not a pip install"
-                    )
-                    continue
-                for arg in (a for a in args if not a.startswith("-")):
-                    req, problem = _parse(kind, arg, repo, root, workspace)
-                    if problem:
-                        out.append(f"{where}:{block.line}: {problem}")
-                    elif req:
-                        own_reqs.add(req)
-            reqs |= own_reqs
+            own_reqs = _block_reqs(block, kind, where, (repository(root), root, workspace), out)
+            forms[kind] |= own_reqs
             if kind == "install-test":
                 venvs.setdefault(block.name, set()).update(own_reqs)
-        forms[kind] = reqs
+    return out + _consistency(pkg, where, forms, venvs)
+
+
+def _block_reqs(
+    block: Block, kind: str, where: str, ctx: tuple[str, Path, dict[str, Package]], out: list[str]
+) -> set[Req]:
+    """The requirements one block installs (``ctx``: repository URL, root, workspace packages); its problems are
+    appended to ``out``."""
+    reqs: set[Req] = set()
+    for words in commands(block.body):
+        args = pip_install_args(words)
+        if args is None:
+            out.append(f"{where}:{block.line}: {kind} block holds {shlex.join(words)!r}, not a pip install")
+            continue
+        for arg in (a for a in args if not a.startswith("-")):
+            req, problem = _parse(kind, arg, *ctx)
+            if problem:
+                out.append(f"{where}:{block.line}: {problem}")
+            elif req:
+                reqs.add(req)
+    return reqs
+
+
+def _consistency(
+    pkg: Package, where: str, forms: dict[str, set[Req]], venvs: dict[str, set[Req]]
+) -> list[str]:
+    """The blocks agree: the main install-test block installs the package and composer-core, every named block
+    (its own venv) too, and the git / index forms install what the clone form does."""
+    out: list[str] = []
     main_block = venvs.get("", set())  # named blocks are checked below, each its own venv
     own = {r for r in main_block if r[0] == pkg.name}
-    names = {r[0] for r in main_block}
     if not own:
         out.append(
             f"{where}: the install-test block does not install {pkg.name} (./packages/{pkg.directory.name})"
         )
-    if "composer-core" not in names:
+    if "composer-core" not in {r[0] for r in main_block}:
         out.append(
             f"{where}: the install-test block must install ./packages/composer-core too (not on PyPI yet)"
         )

@@ -25,17 +25,23 @@ def test_model_config_flags_are_parsed_with_trl_model_config():
 
 
 def test_use_peft_trains_only_lora_weights_with_all_channels(tmp_path, model_dir):
+    """The issue's whole line: LoRA, every channel, tensorboard and evaluation in one run."""
     from safetensors.torch import load_file
 
     out = tmp_path / "run"
     argv = ["--model", str(model_dir), "--steps", "3", "--output_dir", str(out), *FAST]
     argv += ["--learning_rate", "1e-2"]
     argv += ["--use_peft", "--lora_r", "8", "--lora_alpha", "16", "--lora_target_modules", "q_proj", "v_proj"]
+    argv += ["--report_to", "tensorboard", "--eval_strategy", "steps", "--eval_steps", "3"]
     assert main(argv) == 0
-    rows = [r for r in read_jsonl(out / "metrics-composer.jsonl") if "reward" in r]
+    logged = read_jsonl(out / "metrics-composer.jsonl")
+    rows = [r for r in logged if "reward" in r]
     assert len(rows) == 3
     for r in rows:
         assert r["composer/loss/sdpo"] > 0 and r["composer/replay/pairs"] > 0
+    assert [r["step"] for r in logged if "eval_reward" in r] == [3]
+    composer = {k for r in rows for k in r if k.startswith("composer/")}
+    assert {f"train/{k}" for k in composer} <= set(_tensorboard(out).Tags()["scalars"])
     saved = out / "model"
     assert (saved / "adapter_config.json").is_file()
     assert not (saved / "model.safetensors").exists()  # the base is not written again: it did not move
@@ -59,15 +65,21 @@ def test_use_peft_trains_only_lora_weights_with_all_channels(tmp_path, model_dir
         assert torch.equal(p, reference[plain]), name
 
 
-def test_report_to_tensorboard_writes_every_composer_metric(tmp_path):
+def _tensorboard(out):
+    """The run's tensorboard events, read back with tensorboard's own reader."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    out = tmp_path / "run"
-    assert main(["--steps", "2", "--output_dir", str(out), *FAST, "--report_to", "tensorboard"]) == 0
     events = sorted((out / "trainer-composer" / "runs").rglob("events.out.tfevents.*"))
     assert events
     acc = EventAccumulator(str(events[0].parent))
     acc.Reload()
+    return acc
+
+
+def test_report_to_tensorboard_writes_every_composer_metric(tmp_path):
+    out = tmp_path / "run"
+    assert main(["--steps", "2", "--output_dir", str(out), *FAST, "--report_to", "tensorboard"]) == 0
+    acc = _tensorboard(out)
     tags = set(acc.Tags()["scalars"])
     logged = {k for r in read_jsonl(out / "metrics-composer.jsonl") for k in r if k.startswith("composer/")}
     assert logged and {"composer/loss/sdpo", "composer/loss/replay"} <= logged

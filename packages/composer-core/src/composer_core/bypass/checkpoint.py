@@ -249,6 +249,30 @@ def _save_checkpoint(
         for sub in ("blocks", "optim", "rng"):
             (partial / sub).mkdir(parents=True)
     ctx.barrier()
+    sums = _write_rank_files(partial, name, model, blocks, optimizers, ctx)
+    everyone = ctx.gather(sums)  # every rank's files are durable past this point
+    if ctx.is_main:
+        files = {k: v for part in everyone for k, v in part.items()}
+        write_json_atomic(partial / STATE, dict(state))
+        files[STATE] = file_sha256(partial / STATE)
+        _fault_point(name, "state")
+        _write_marker(partial, files)
+        _fault_point(name, "marker")
+        _publish(exp_dir, name, partial, update_latest)
+    ctx.barrier()
+    return final
+
+
+def _write_rank_files(
+    partial: Path,
+    name: str,
+    model: BlockwiseModel,
+    blocks: Sequence[int],
+    optimizers: Mapping[int, BlockOptimizer],
+    ctx: DistContext,
+) -> dict[str, str]:
+    """This rank's files of the checkpoint (optimizer states, block weights, shared weights, RNG), fsynced;
+    their checksums by relative path."""
     sums: dict[str, str] = {}
     for i in blocks:
         if i in optimizers:
@@ -266,31 +290,27 @@ def _save_checkpoint(
     sums[rel] = _torch_save({"cpu": torch.get_rng_state()}, partial / rel)
     for sub in ("blocks", "optim", "rng", "."):
         _fsync_dir(partial / sub)
-    everyone = ctx.gather(sums)  # every rank's files are durable past this point
-    if ctx.is_main:
-        files = {k: v for part in everyone for k, v in part.items()}
-        write_json_atomic(partial / STATE, dict(state))
-        files[STATE] = file_sha256(partial / STATE)
-        _fault_point(name, "state")
-        _write_marker(partial, files)
-        _fault_point(name, "marker")
-        old = exp_dir / f"{name}.old"
-        if final.exists():
-            if old.exists():
-                shutil.rmtree(old)
-            final.rename(old)
-        partial.rename(final)
-        _fault_point(name, "rename")
+    return sums
+
+
+def _publish(exp_dir: Path, name: str, partial: Path, update_latest: bool) -> None:
+    """Rename the complete ``partial`` into place (the previous one set aside, then removed) and point
+    ``latest`` at it."""
+    final, old = exp_dir / name, exp_dir / f"{name}.old"
+    if final.exists():
         if old.exists():
             shutil.rmtree(old)
-        if update_latest:
-            tmp = exp_dir / f".{LATEST}.tmp-{os.getpid()}"
-            if tmp.is_symlink() or tmp.exists():
-                tmp.unlink()
-            os.symlink(name, tmp)
-            os.replace(tmp, exp_dir / LATEST)
-    ctx.barrier()
-    return final
+        final.rename(old)
+    partial.rename(final)
+    _fault_point(name, "rename")
+    if old.exists():
+        shutil.rmtree(old)
+    if update_latest:
+        tmp = exp_dir / f".{LATEST}.tmp-{os.getpid()}"
+        if tmp.is_symlink() or tmp.exists():
+            tmp.unlink()
+        os.symlink(name, tmp)
+        os.replace(tmp, exp_dir / LATEST)
 
 
 def _set_aside(exp_dir: Path, path: Path, why: str, tag: str = "") -> Path:
@@ -419,6 +439,33 @@ def _shared_files(path: Path, wanted: set[str]) -> dict[str, str]:
     return out
 
 
+def _read_tensors(
+    path: Path,
+    model: BlockwiseModel,
+    blocks: Sequence[int],
+    shared_files: Mapping[str, str],
+    expected: Mapping[str, Tensor],
+) -> dict[str, Tensor]:
+    """This rank's block tensors and the shared tensors it loads, each checked against the model's."""
+    updates: dict[str, Tensor] = {}
+    for i in blocks:
+        file = path / "blocks" / f"block-{i:04d}.safetensors"
+        prefix = model.block_prefix(i)
+        try:
+            tensors = load_file(str(file))
+        except Exception as exc:
+            raise ValueError(f"checkpoint file {file} is missing or corrupt: {exc}") from exc
+        for k, v in tensors.items():
+            _check_fits(file, k, prefix + k, v, expected)
+            updates[prefix + k] = v
+    for k, rel in shared_files.items():
+        with safe_open(str(path / rel), framework="pt") as handle:
+            v = handle.get_tensor(k)
+        _check_fits(path / rel, k, k, v, expected)
+        updates[k] = v
+    return updates
+
+
 def load_checkpoint(
     path: Path,
     *,
@@ -448,22 +495,7 @@ def load_checkpoint(
     if problem is not None:
         raise ValueError(f"checkpoint {path} is corrupt: {problem}; it will not be loaded")
     state = read_state(path)
-    updates: dict[str, Tensor] = {}
-    for i in blocks:
-        file = path / "blocks" / f"block-{i:04d}.safetensors"
-        prefix = model.block_prefix(i)
-        try:
-            tensors = load_file(str(file))
-        except Exception as exc:
-            raise ValueError(f"checkpoint file {file} is missing or corrupt: {exc}") from exc
-        for k, v in tensors.items():
-            _check_fits(file, k, prefix + k, v, expected)
-            updates[prefix + k] = v
-    for k, rel in shared_files.items():
-        with safe_open(str(path / rel), framework="pt") as handle:
-            v = handle.get_tensor(k)
-        _check_fits(path / rel, k, k, v, expected)
-        updates[k] = v
+    updates = _read_tensors(path, model, blocks, shared_files, expected)
     owned_prefixes = tuple(model.block_prefix(i) for i in blocks)
     missing = [
         k for k in expected if (k.startswith(owned_prefixes) or k in shared_wanted) and k not in updates

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from composer_core.bypass.distributed import DistContext, Ownership
-from composer_core.bypass.protocol import BlockOverride, BlockwiseModel, resolve_block_configs
+from composer_core.bypass.protocol import BlockConfig, BlockOverride, BlockwiseModel, resolve_block_configs
 from composer_core.bypass.shard import TensorSource, source_of
 
 MlpInit = Literal["truncate", "importance"]
@@ -171,34 +171,48 @@ def init_from_teacher(
         tensor.copy_(t_state[name])
     s_cfgs, t_cfgs = student.block_configs(), teacher.block_configs()
     for i in range(student.num_blocks):
-        prefix, t_prefix = student.block_prefix(i), teacher.block_prefix(i)
-        same_mixer = s_cfgs[i].attention.mixer == t_cfgs[i].attention.mixer and not t_cfgs[i].attention.no_op
-        n_t = t_cfgs[i].attention.num_key_value_heads or 0
-        n_s = s_cfgs[i].attention.num_key_value_heads or 0
-        channels: Tensor | None = None
-        for name, tensor in s_state.items():
-            if not name.startswith(prefix):
-                continue
-            local = name[len(prefix) :]
-            t_tensor = t_state.get(t_prefix + local)
-            is_mixer = local.startswith(("self_attn.", "mamba.", "input_layernorm."))
-            if t_tensor is None or (is_mixer and not same_mixer):
-                continue  # new module (mixer kind changed): keep its fresh init
-            if t_tensor.shape == tensor.shape:
-                tensor.copy_(t_tensor)
-            elif local in _FFN_ROWS or local in _FFN_COLS:
-                if channels is None:
-                    k = s_cfgs[i].ffn.intermediate_size or 0
-                    channels = _select_channels(
-                        importance, i, t_tensor.shape[0 if local in _FFN_ROWS else 1], k
-                    )
-                tensor.copy_(t_tensor[channels] if local in _FFN_ROWS else t_tensor[:, channels])
-            elif local in _KV:
-                tensor.copy_(_average_kv(t_tensor, n_t, n_s, gqa_init_mode))
-            else:
-                raise ValueError(
-                    f"cannot initialise student {name!r} {tuple(tensor.shape)} from teacher {tuple(t_tensor.shape)}"
-                )
+        _init_block(student, teacher, i, (s_cfgs[i], t_cfgs[i]), s_state, t_state, importance, gqa_init_mode)
+
+
+def _init_block(
+    student: BlockwiseModel,
+    teacher: BlockwiseModel,
+    i: int,
+    cfgs: tuple[BlockConfig, BlockConfig],
+    s_state: dict[str, Tensor],
+    t_state: _LazyState,
+    importance: dict[int, Tensor] | None,
+    gqa_init_mode: GqaInit,
+) -> None:
+    """Block ``i`` of the student from the teacher's: copied, FFN channels selected, KV heads averaged; a mixer
+    whose kind changed keeps its fresh init."""
+    s_cfg, t_cfg = cfgs
+    prefix, t_prefix = student.block_prefix(i), teacher.block_prefix(i)
+    same_mixer = s_cfg.attention.mixer == t_cfg.attention.mixer and not t_cfg.attention.no_op
+    n_t = t_cfg.attention.num_key_value_heads or 0
+    n_s = s_cfg.attention.num_key_value_heads or 0
+    channels: Tensor | None = None
+    for name, tensor in s_state.items():
+        if not name.startswith(prefix):
+            continue
+        local = name[len(prefix) :]
+        t_tensor = t_state.get(t_prefix + local)
+        is_mixer = local.startswith(("self_attn.", "mamba.", "input_layernorm."))
+        if t_tensor is None or (is_mixer and not same_mixer):
+            continue  # new module (mixer kind changed): keep its fresh init
+        if t_tensor.shape == tensor.shape:
+            tensor.copy_(t_tensor)
+        elif local in _FFN_ROWS or local in _FFN_COLS:
+            if channels is None:
+                k = s_cfg.ffn.intermediate_size or 0
+                channels = _select_channels(importance, i, t_tensor.shape[0 if local in _FFN_ROWS else 1], k)
+            tensor.copy_(t_tensor[channels] if local in _FFN_ROWS else t_tensor[:, channels])
+        elif local in _KV:
+            tensor.copy_(_average_kv(t_tensor, n_t, n_s, gqa_init_mode))
+        else:
+            raise ValueError(
+                f"cannot initialise student {name!r} {tuple(tensor.shape)} from teacher {tuple(t_tensor.shape)}"
+            )
 
 
 class _LazyState:
