@@ -514,6 +514,64 @@ def _close(a: Tensor, b: Tensor, atol: float, rtol: float) -> bool:
     )
 
 
+def _reference(
+    case: ConformanceCase, dtype: torch.dtype, atol: float, rtol: float, failures: list[str]
+) -> tuple[ComposeResult, tuple[Tensor | None, ...]]:
+    """``compose_loss`` on the case and its gradients; a mismatch with the case's closed form is a failure."""
+    ref_batch = case.make_batch(dtype)
+    ref = compose_loss(ref_batch, **case.options)
+    parts = {"total": ref.total, "policy": ref.policy, "sdpo": ref.sdpo, "replay": ref.replay}
+    for key, expected in case.expected.items():
+        got = parts[key]
+        tol_a, tol_r = max(atol, 1e-9), max(rtol, 1e-7)
+        if got is None or abs(float(got.detach()) - expected) > tol_a + tol_r * abs(expected):
+            failures.append(f"[{case.name}] compose_loss {key}={got} but the closed form is {expected!r}")
+    ref_leaves = _grad_leaves(ref_batch)
+    return ref, torch.autograd.grad(ref.total, list(ref_leaves.values()), allow_unused=True)
+
+
+def _check_case(
+    compute: Compute,
+    case: ConformanceCase,
+    dtype: torch.dtype,
+    ref: tuple[Tensor, tuple[Tensor | None, ...]],
+    tolerances: tuple[float, float, bool],
+    failures: list[str],
+) -> bool:
+    """The adapter's total and gradients on the case against the reference's; False when the case could not be
+    compared (the adapter raised or returned no differentiable scalar)."""
+    (ref_total, ref_grads), (atol, rtol, check_grads) = ref, tolerances
+    batch = case.make_batch(dtype)
+    leaves = _grad_leaves(batch)
+    try:
+        out = _total(compute(batch, dict(case.options)))
+    except Exception as exc:  # report, then continue with the other cases
+        failures.append(f"[{case.name}] the adapter raised {type(exc).__name__}: {exc}")
+        return False
+    if not isinstance(out, Tensor) or out.numel() != 1:
+        failures.append(f"[{case.name}] the adapter returned {type(out).__name__}, not a scalar tensor")
+        return False
+    if not _close(out, ref_total, atol, rtol):
+        failures.append(
+            f"[{case.name}] total {float(out.detach())!r} != compose_loss {float(ref_total.detach())!r}"
+        )
+    if not check_grads:
+        return True
+    if not out.requires_grad:
+        failures.append(f"[{case.name}] the adapter's total does not require grad")
+        return False
+    grads = torch.autograd.grad(out, list(leaves.values()), allow_unused=True)
+    for (name, leaf), g, g_ref in zip(leaves.items(), grads, ref_grads):
+        g = torch.zeros_like(leaf) if g is None else g
+        g_ref = torch.zeros_like(leaf) if g_ref is None else g_ref
+        if not _close(g, g_ref, atol, rtol):
+            err = float((g.detach().double() - g_ref.detach().double()).abs().max())
+            failures.append(
+                f"[{case.name}] d total / d {name} differs from compose_loss (max abs err {err:.3g})"
+            )
+    return True
+
+
 def check_adapter(
     compute: Compute,
     *,
@@ -542,50 +600,9 @@ def check_adapter(
     report = ConformanceReport(skipped=[c.name for c in CASES if c not in selected])
     failures: list[str] = []
     for case in selected:
-        ref_batch = case.make_batch(dtype)
-        ref = compose_loss(ref_batch, **case.options)
-        parts = {
-            "total": ref.total,
-            "policy": ref.policy,
-            "sdpo": ref.sdpo,
-            "replay": ref.replay,
-        }
-        for key, expected in case.expected.items():
-            got = parts[key]
-            tol_a, tol_r = max(atol, 1e-9), max(rtol, 1e-7)
-            if got is None or abs(float(got.detach()) - expected) > tol_a + tol_r * abs(expected):
-                failures.append(f"[{case.name}] compose_loss {key}={got} but the closed form is {expected!r}")
-        ref_leaves = _grad_leaves(ref_batch)
-        ref_grads = torch.autograd.grad(ref.total, list(ref_leaves.values()), allow_unused=True)
-
-        batch = case.make_batch(dtype)
-        leaves = _grad_leaves(batch)
-        try:
-            out = _total(compute(batch, dict(case.options)))
-        except Exception as exc:  # report, then continue with the other cases
-            failures.append(f"[{case.name}] the adapter raised {type(exc).__name__}: {exc}")
-            continue
-        if not isinstance(out, Tensor) or out.numel() != 1:
-            failures.append(f"[{case.name}] the adapter returned {type(out).__name__}, not a scalar tensor")
-            continue
-        if not _close(out, ref.total, atol, rtol):
-            failures.append(
-                f"[{case.name}] total {float(out.detach())!r} != compose_loss {float(ref.total.detach())!r}"
-            )
-        if check_grads:
-            if not out.requires_grad:
-                failures.append(f"[{case.name}] the adapter's total does not require grad")
-                continue
-            grads = torch.autograd.grad(out, list(leaves.values()), allow_unused=True)
-            for (name, leaf), g, g_ref in zip(leaves.items(), grads, ref_grads):
-                g = torch.zeros_like(leaf) if g is None else g
-                g_ref = torch.zeros_like(leaf) if g_ref is None else g_ref
-                if not _close(g, g_ref, atol, rtol):
-                    err = float((g.detach().double() - g_ref.detach().double()).abs().max())
-                    failures.append(
-                        f"[{case.name}] d total / d {name} differs from compose_loss (max abs err {err:.3g})"
-                    )
-        report.passed.append(case.name)
+        ref, ref_grads = _reference(case, dtype, atol, rtol, failures)
+        if _check_case(compute, case, dtype, (ref.total, ref_grads), (atol, rtol, check_grads), failures):
+            report.passed.append(case.name)
     if failures:
         raise ConformanceError(f"{len(failures)} conformance failure(s):\n  " + "\n  ".join(failures))
     return report
