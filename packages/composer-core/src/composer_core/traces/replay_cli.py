@@ -97,45 +97,9 @@ def build_records(
         raise ValueError(f"states must be 'all' or 'errors', got {states!r}")
     if tokenizer is not None and hint_source is None:
         raise ValueError("a tokenizer only serves SDPO masks: also pass hint_source")
-    sites: dict[tuple[str, int], list[ErrorSite]] = {}
-    targets: list[tuple[Episode, int]] = []
-    for ep in episodes:
-        for s in find_error_sites(ep):
-            sites.setdefault((ep.id, s.action_turn), []).append(s)
-        turns = ep.assistant_turns() if states == "all" else sorted({t for (e, t) in sites if e == ep.id})
-        targets += [(ep, t) for t in turns if t > 0]  # an action with no context before it is no state
-    ids = [f"{ep.id}@{t}" for ep, t in targets]
-    if len(set(ids)) != len(ids):
-        raise ValueError("episode ids must be unique across the input traces")
+    sites, targets = _targets(episodes, states)
 
-    results: dict[tuple[str, int], list[ReplayResult]] = {}
-    failures: list[dict[str, Any]] = []
-    if replayer is not None and targets:
-        jobs = [
-            ReplayJob(name, ep.messages[:t], ep.tools) for ep, t in targets for name in replayer.teacher_names
-        ]
-        bar = _progress(len(jobs), progress)
-
-        def tick(r: ReplayResult) -> None:
-            bar.update(1)
-            hits = sum(s.cache_hits for s in replayer.stats.values())
-            fails = sum(s.failures for s in replayer.stats.values())
-            bar.set_postfix(cache_hits=hits, failures=fails, refresh=False)
-
-        try:
-            flat = asyncio.run(replayer.areplay(jobs, tick))
-        finally:
-            bar.close()
-        n = len(replayer.teacher_names)
-        for i, (ep, t) in enumerate(targets):
-            rs = flat[i * n : (i + 1) * n]
-            results[(ep.id, t)] = rs
-            failures += [
-                {"episode_id": ep.id, "turn": t, "teacher": r.teacher, "model": r.model, "reason": r.failure}
-                for r in rs
-                if not r.ok
-            ]
-
+    results, failures = _replay_all(replayer, targets, progress)
     pairs: dict[tuple[str, int], PreferencePair] = {}
     for ep, t in targets:
         pair = make_pair(ep, t, results.get((ep.id, t), []), verifier=verifier)
@@ -161,21 +125,7 @@ def build_records(
         if site_list:
             row["error_kinds"] = sorted({k for s in site_list for k in s.kinds})
         if site_list and hint_source is not None:
-            ctx = build_hinted_context(ep, site_list[0], hint_source)
-            row |= {
-                "teacher_prompt": [m.to_dict() for m in ctx.teacher_prompt],
-                "hint": ctx.hint,
-                "hint_index": ctx.hint_index,
-            }
-            if tokenizer is not None:
-                tok = tokenize_hinted(ctx, tokenizer, chat_template=chat_template)
-                row |= {
-                    "tokenizer": tokenizer_name or type(tokenizer).__name__,
-                    "prompt_ids": tok.prompt_ids,
-                    "teacher_prompt_ids": tok.teacher_prompt_ids,
-                    "completion_ids": tok.completion_ids,
-                    "sdpo_mask": tok.sdpo_mask,
-                }
+            row |= _sdpo_fields(ep, site_list[0], hint_source, tokenizer, tokenizer_name, chat_template)
             out.sdpo_sites += 1
         if (ep.id, t) in kept_ids:
             p = pairs[(ep.id, t)]
@@ -189,6 +139,87 @@ def build_records(
         if "teacher_prompt" in row or "chosen" in row:
             out.records.append(TraceRecord(**row))
     return out
+
+
+def _targets(
+    episodes: Sequence[Episode], states: str
+) -> tuple[dict[tuple[str, int], list[ErrorSite]], list[tuple[Episode, int]]]:
+    """The error sites by (episode, turn), and the states to replay: every assistant turn, or those with an
+    error site."""
+    sites: dict[tuple[str, int], list[ErrorSite]] = {}
+    targets: list[tuple[Episode, int]] = []
+    for ep in episodes:
+        for s in find_error_sites(ep):
+            sites.setdefault((ep.id, s.action_turn), []).append(s)
+        turns = ep.assistant_turns() if states == "all" else sorted({t for (e, t) in sites if e == ep.id})
+        targets += [(ep, t) for t in turns if t > 0]  # an action with no context before it is no state
+    ids = [f"{ep.id}@{t}" for ep, t in targets]
+    if len(set(ids)) != len(ids):
+        raise ValueError("episode ids must be unique across the input traces")
+    return sites, targets
+
+
+def _replay_all(
+    replayer: Replayer | None, targets: list[tuple[Episode, int]], progress: bool
+) -> tuple[dict[tuple[str, int], list[ReplayResult]], list[dict[str, Any]]]:
+    """Every teacher's action at every target state (with a progress bar), and the failed requests."""
+    results: dict[tuple[str, int], list[ReplayResult]] = {}
+    failures: list[dict[str, Any]] = []
+    if replayer is None or not targets:
+        return results, failures
+    jobs = [
+        ReplayJob(name, ep.messages[:t], ep.tools) for ep, t in targets for name in replayer.teacher_names
+    ]
+    bar = _progress(len(jobs), progress)
+
+    def tick(r: ReplayResult) -> None:
+        bar.update(1)
+        hits = sum(s.cache_hits for s in replayer.stats.values())
+        fails = sum(s.failures for s in replayer.stats.values())
+        bar.set_postfix(cache_hits=hits, failures=fails, refresh=False)
+
+    try:
+        flat = asyncio.run(replayer.areplay(jobs, tick))
+    finally:
+        bar.close()
+    n = len(replayer.teacher_names)
+    for i, (ep, t) in enumerate(targets):
+        rs = flat[i * n : (i + 1) * n]
+        results[(ep.id, t)] = rs
+        failures += [
+            {"episode_id": ep.id, "turn": t, "teacher": r.teacher, "model": r.model, "reason": r.failure}
+            for r in rs
+            if not r.ok
+        ]
+    return results, failures
+
+
+def _sdpo_fields(
+    ep: Episode,
+    site: ErrorSite,
+    hint_source: HintSource,
+    tokenizer: Any,
+    tokenizer_name: str | None,
+    chat_template: bool | None,
+) -> dict[str, Any]:
+    """A record's channel-2 fields at an error site: the hinted teacher prompt, and its token ids and SDPO mask
+    when a tokenizer is given."""
+    ctx = build_hinted_context(ep, site, hint_source)
+    row: dict[str, Any] = {
+        "teacher_prompt": [m.to_dict() for m in ctx.teacher_prompt],
+        "hint": ctx.hint,
+        "hint_index": ctx.hint_index,
+    }
+    if tokenizer is not None:
+        tok = tokenize_hinted(ctx, tokenizer, chat_template=chat_template)
+        row |= {
+            "tokenizer": tokenizer_name or type(tokenizer).__name__,
+            "prompt_ids": tok.prompt_ids,
+            "teacher_prompt_ids": tok.teacher_prompt_ids,
+            "completion_ids": tok.completion_ids,
+            "sdpo_mask": tok.sdpo_mask,
+        }
+    return row
 
 
 def _load_verifier(spec: str) -> Verifier:

@@ -354,20 +354,7 @@ def read_claude_code_jsonl(path: str | Path) -> list[Episode]:
             [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
         )
         if kind == "assistant":
-            text: list[str] = []
-            calls: list[ToolCall] = []
-            for b in blocks:
-                btype = b.get("type") if isinstance(b, Mapping) else None
-                if btype == "text":
-                    text.append(str(b.get("text", "")))
-                elif btype == "tool_use":
-                    calls.append(
-                        ToolCall(str(b.get("id")), str(b.get("name")), canonical_json(b.get("input", {})))
-                    )
-                elif btype in ("thinking", "redacted_thinking"):
-                    continue
-                else:
-                    raise ValueError(f"{where}: unsupported assistant content block {btype!r}")
+            text, calls = _assistant_blocks(blocks, where)
             if not text and not calls:
                 continue
             mid = msg.get("id")
@@ -385,26 +372,7 @@ def read_claude_code_jsonl(path: str | Path) -> list[Episode]:
             last_assistant_id[sid] = None if mid is None else str(mid)
         else:
             last_assistant_id[sid] = None
-            user_text: list[str] = []
-            for b in blocks:
-                btype = b.get("type") if isinstance(b, Mapping) else None
-                if btype == "tool_result":
-                    out.append(
-                        Message(
-                            "tool",
-                            _tool_result_text(b, where),
-                            tool_call_id=str(b.get("tool_use_id")),
-                            is_error=bool(b.get("is_error", False)),
-                        )
-                    )
-                elif btype == "text":
-                    user_text.append(str(b.get("text", "")))
-                elif btype == "image":
-                    user_text.append("[image]")
-                else:
-                    raise ValueError(f"{where}: unsupported user content block {btype!r}")
-            if user_text:
-                out.append(Message("user", "".join(user_text)))
+            out.extend(_user_messages(blocks, where))
     episodes = []
     for sid, msgs in sessions.items():
         if not msgs:
@@ -414,6 +382,48 @@ def read_claude_code_jsonl(path: str | Path) -> list[Episode]:
         except ValueError as e:
             raise ValueError(f"{p}: {e}") from e
     return episodes
+
+
+def _assistant_blocks(blocks: list[Any], where: str) -> tuple[list[str], list[ToolCall]]:
+    """The text pieces and tool calls of one assistant entry's content blocks (thinking blocks skipped)."""
+    text: list[str] = []
+    calls: list[ToolCall] = []
+    for b in blocks:
+        btype = b.get("type") if isinstance(b, Mapping) else None
+        if btype == "text":
+            text.append(str(b.get("text", "")))
+        elif btype == "tool_use":
+            calls.append(ToolCall(str(b.get("id")), str(b.get("name")), canonical_json(b.get("input", {}))))
+        elif btype not in ("thinking", "redacted_thinking"):
+            raise ValueError(f"{where}: unsupported assistant content block {btype!r}")
+    return text, calls
+
+
+def _user_messages(blocks: list[Any], where: str) -> list[Message]:
+    """One user entry's content blocks: a ``tool`` message per tool result, then its text as one ``user``
+    message (images as ``[image]``)."""
+    out: list[Message] = []
+    user_text: list[str] = []
+    for b in blocks:
+        btype = b.get("type") if isinstance(b, Mapping) else None
+        if btype == "tool_result":
+            out.append(
+                Message(
+                    "tool",
+                    _tool_result_text(b, where),
+                    tool_call_id=str(b.get("tool_use_id")),
+                    is_error=bool(b.get("is_error", False)),
+                )
+            )
+        elif btype == "text":
+            user_text.append(str(b.get("text", "")))
+        elif btype == "image":
+            user_text.append("[image]")
+        else:
+            raise ValueError(f"{where}: unsupported user content block {btype!r}")
+    if user_text:
+        out.append(Message("user", "".join(user_text)))
+    return out
 
 
 def read_traces(path: str | Path, fmt: Literal["auto", "openai", "claude-code"] = "auto") -> list[Episode]:
