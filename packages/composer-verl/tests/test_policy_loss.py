@@ -8,6 +8,7 @@ import composer_verl.plugin  # noqa: F401
 import pytest
 import torch
 from composer_core import ADAPTER_PREFIX, METRIC_KEYS
+from composer_core.loss.config import DPO, SimPO
 from composer_core.loss.distill import sampled_token_distill
 from composer_core.loss.preference import dpo_loss, simpo_loss
 from composer_verl.batch import ComposerExtras, using_extras
@@ -280,14 +281,10 @@ def test_dpo_options_reach_core(options: dict[str, object]) -> None:
         with using_extras(ComposerExtras(**PAIRS, pref_ref_log_prob=ref)):
             return _run("composer", inputs, "token-mean", _actor_config())[0].item()
 
-    core_kw = {
-        "beta": options.get("dpo_beta", 0.1),
-        "loss_type": options.get("dpo_loss_type", "sigmoid"),
-        "label_smoothing": options.get("dpo_label_smoothing", 0.0),
-    }
-    if core_kw["loss_type"] == "ipo":
-        core_kw.update(chosen_lengths=lengths[[0, 4]], rejected_lengths=lengths[[1, 3]])
-    expected = dpo_loss(seq[[0, 4]], seq[[1, 3]], ref[[0, 4]], ref[[1, 3]], **core_kw)
+    core = DPO(**{k.removeprefix("dpo_"): v for k, v in options.items()})  # type: ignore[arg-type]
+    ipo = core.loss_type == "ipo"
+    lens = {"chosen_lengths": lengths[[0, 4]], "rejected_lengths": lengths[[1, 3]]} if ipo else {}
+    expected = dpo_loss(seq[[0, 4]], seq[[1, 3]], ref[[0, 4]], ref[[1, 3]], options=core, **lens)
     assert ours(options) == pytest.approx(expected.item(), rel=1e-12)
     assert ours(options) != pytest.approx(ours({}), rel=1e-6)
 
@@ -304,7 +301,9 @@ def test_simpo(options: dict[str, object]) -> None:
     margin = beta * (seq[[0, 4]] / lengths[[0, 4]] - seq[[1, 3]] / lengths[[1, 3]]) - gamma
     closed_form = -torch.nn.functional.logsigmoid(margin).mean()
     assert loss.item() == pytest.approx(closed_form.item(), rel=1e-12)
-    core = simpo_loss(seq[[0, 4]], seq[[1, 3]], lengths[[0, 4]], lengths[[1, 3]], beta=beta, gamma=gamma)
+    core = simpo_loss(
+        seq[[0, 4]], seq[[1, 3]], lengths[[0, 4]], lengths[[1, 3]], options=SimPO(beta=beta, gamma=gamma)
+    )
     assert loss.item() == pytest.approx(core.item(), rel=1e-12)
 
 
@@ -402,7 +401,7 @@ def test_pairs_are_read_to_the_host_once_whatever_their_number(monkeypatch: pyte
     assert metrics == {"composer/replay/pairs": 3.0}
     seq, n = logp.sum(-1), mask.sum(-1).double()
     ci, ri = [1, 3, 5], [4, 7, 0]  # pairs 0, 1, 2: chosen and rejected rows
-    want = simpo_loss(seq[ci], seq[ri], n[ci], n[ri], beta=2.0, gamma=0.5)
+    want = simpo_loss(seq[ci], seq[ri], n[ci], n[ri], options=SimPO(beta=2.0, gamma=0.5))
     assert loss.item() == pytest.approx(want.item(), rel=1e-12)
 
 

@@ -5,7 +5,10 @@ import dataclasses
 import pytest
 import torch
 from composer_core import (
+    DPO,
     ComposerBatch,
+    PolicyOptions,
+    SimPO,
     compose_loss,
     dpo_loss,
     entropy_opd_loss,
@@ -259,7 +262,9 @@ def test_replay_variants_through_compose() -> None:
     b = _batch(8)
     args = (b.chosen_logps, b.rejected_logps)
     r = compose_loss(b, dpo_variant="simpo", simpo_beta=1.5, simpo_gamma=0.3)
-    assert torch.equal(r.replay, simpo_loss(*args, b.chosen_lengths, b.rejected_lengths, beta=1.5, gamma=0.3))  # type: ignore[arg-type]
+    assert torch.equal(
+        r.replay, simpo_loss(*args, b.chosen_lengths, b.rejected_lengths, options=SimPO(beta=1.5, gamma=0.3))
+    )  # type: ignore[arg-type]
     # SimPO's accuracy counts its length-normalised margin c/|c| − r/|r| > 0: 2 of these 3 pairs (the raw
     # difference c − r is positive for all 3, the sum c/|c| + r/|r| for none)
     t = lambda *v: torch.tensor(v, dtype=b.chosen_logps.dtype)  # noqa: E731
@@ -273,10 +278,16 @@ def test_replay_variants_through_compose() -> None:
     assert compose_loss(pairs, dpo_variant="simpo").metrics["replay/accuracy"] == pytest.approx(2 / 3)
     refs = (b.ref_chosen_logps, b.ref_rejected_logps)
     r = compose_loss(b, dpo_beta=0.2, dpo_loss_type="robust", dpo_label_smoothing=0.1)
-    assert torch.equal(r.replay, dpo_loss(*args, *refs, beta=0.2, loss_type="robust", label_smoothing=0.1))  # type: ignore[arg-type]
+    assert torch.equal(
+        r.replay, dpo_loss(*args, *refs, options=DPO(beta=0.2, loss_type="robust", label_smoothing=0.1))
+    )  # type: ignore[arg-type]
     r = compose_loss(b, dpo_loss_type="ipo")
     ipo = dpo_loss(
-        *args, *refs, loss_type="ipo", chosen_lengths=b.chosen_lengths, rejected_lengths=b.rejected_lengths
+        *args,
+        *refs,
+        options=DPO(loss_type="ipo"),
+        chosen_lengths=b.chosen_lengths,
+        rejected_lengths=b.rejected_lengths,
     )  # type: ignore[arg-type]
     assert torch.equal(r.replay, ipo)  # type: ignore[arg-type]
 
@@ -286,7 +297,9 @@ def test_policy_options_pass_through() -> None:
     b.ref_logprobs = b.logprobs.detach() + 0.1
     kw = dict(loss_type="grpo", epsilon_low=0.1, epsilon_high=0.3, kl_beta=0.05, kl_estimator="k2")
     r = compose_loss(b, alpha_sdpo=0, beta_replay=0, **kw)  # type: ignore[arg-type]
-    p = policy_loss(b.logprobs, b.advantages, b.completion_mask, ref_logprobs=b.ref_logprobs, **kw)  # type: ignore[arg-type]
+    p = policy_loss(
+        b.logprobs, b.advantages, b.completion_mask, ref_logprobs=b.ref_logprobs, options=PolicyOptions(**kw)
+    )  # type: ignore[arg-type]
     assert torch.equal(r.total, p.loss)
     assert r.metrics["policy/kl"] == p.metrics["policy/kl"]
 
@@ -409,8 +422,8 @@ def test_remaining_policy_options_pass_through() -> None:
             bb.completion_mask,
             old_logprobs=bb.old_logprobs,
             inference_logprobs=bb.inference_logprobs,
-            **kw,
-        )  # type: ignore[arg-type]
+            options=PolicyOptions(**kw),  # type: ignore[arg-type]
+        )
         assert torch.equal(r.total, p.loss), kw
         plain = policy_loss(bb.logprobs, bb.advantages, bb.completion_mask, old_logprobs=bb.old_logprobs)
         assert r.total.item() != pytest.approx(plain.loss.item(), abs=1e-9), kw

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 from composer_core import (
+    PolicyOptions,
     aggregate_loss,
     clipped_surrogate,
     dppo_loss,
@@ -219,8 +220,7 @@ def test_gradcheck_policy_loss(loss_type: str) -> None:
                     old_logprobs=x["old"],
                     ref_logprobs=ref,
                     inference_logprobs=inf,
-                    loss_type=loss_type,
-                    **kw,  # type: ignore[arg-type]
+                    options=PolicyOptions(loss_type=loss_type, **kw),  # type: ignore[arg-type]
                 ).loss
             ),
             (x["logprobs"],),
@@ -240,7 +240,7 @@ def test_policy_loss_matches_manual_composition() -> None:
     """Surrogate × IS weight + β·KL, then aggregation — every kwarg changes the result."""
     x = _inputs(2)
     lp, m = x["logprobs"], x["mask"]
-    base = dict(old_logprobs=x["old"], loss_type="dapo")
+    base = dict(old_logprobs=x["old"])
     surr, _ = clipped_surrogate(lp, x["old"], x["adv"], epsilon_high=0.28)
     w = rollout_correction_weights(x["old"], x["inf"], m, mode="token_mask", clip_min=0.5, clip_max=1.5)
     kl = kl_penalty(lp, x["ref"], "k1")
@@ -251,45 +251,49 @@ def test_policy_loss_matches_manual_composition() -> None:
         m,
         ref_logprobs=x["ref"],
         inference_logprobs=x["inf"],
-        epsilon_high=0.28,
-        kl_beta=0.1,
-        kl_estimator="k1",
-        rollout_correction="token_mask",
-        rollout_clip_min=0.5,
-        rollout_clip_max=1.5,
-        **base,  # type: ignore[arg-type]
+        options=PolicyOptions(
+            loss_type="dapo",
+            epsilon_high=0.28,
+            kl_beta=0.1,
+            kl_estimator="k1",
+            rollout_correction="token_mask",
+            rollout_clip_min=0.5,
+            rollout_clip_max=1.5,
+        ),
+        **base,
     )
     assert torch.equal(out.loss, manual)
     assert set(out.metrics) == {"policy/clip_ratio", "policy/kl", "policy/rollout_is_weight"}
     masked_mean = lambda v: float((v * m).sum() / m.sum())  # noqa: E731
     assert out.metrics["policy/rollout_is_weight"] == pytest.approx(masked_mean(w), rel=1e-12)
     assert out.metrics["policy/kl"] == pytest.approx(masked_mean(kl), rel=1e-12)
-    given = policy_loss(lp, x["adv"], m, rollout_is_weights=torch.full_like(lp, 0.5), **base)  # type: ignore[arg-type]
+    given = policy_loss(lp, x["adv"], m, rollout_is_weights=torch.full_like(lp, 0.5), **base)
     assert given.metrics["policy/rollout_is_weight"] == pytest.approx(0.5, rel=1e-12)
-    ref_out = policy_loss(lp, x["adv"], m, **base)  # type: ignore[arg-type]
+    ref_out = policy_loss(lp, x["adv"], m, **base)
     # the given weights multiply the per-token loss (dapo aggregates linearly)
     assert given.loss.item() == pytest.approx(0.5 * ref_out.loss.item(), rel=1e-12)
-    for kw in (
-        {"epsilon_low": 0.1},
-        {"epsilon_high": 0.5},
-        {"normalizer": 100.0},
-        {"rollout_is_weights": torch.full_like(lp, 0.5)},
-        {"inference_logprobs": x["inf"], "rollout_correction": "sequence_truncate", "rollout_clip_max": 1.0},
-        {
-            "inference_logprobs": x["inf"],
-            "rollout_correction": "dppo_mask",
-            "dppo_mask_low": 0.0,
-            "dppo_mask_high": 0.0,
-        },
-        {"loss_type": "dr_grpo", "max_completion_length": 9},
+    for opts, kw in (
+        ({"epsilon_low": 0.1}, {}),
+        ({"epsilon_high": 0.5}, {}),
+        ({}, {"normalizer": 100.0}),
+        ({}, {"rollout_is_weights": torch.full_like(lp, 0.5)}),
+        (
+            {"rollout_correction": "sequence_truncate", "rollout_clip_max": 1.0},
+            {"inference_logprobs": x["inf"]},
+        ),
+        (
+            {"rollout_correction": "dppo_mask", "dppo_mask_low": 0.0, "dppo_mask_high": 0.0},
+            {"inference_logprobs": x["inf"]},
+        ),
+        ({"loss_type": "dr_grpo", "max_completion_length": 9}, {}),
     ):
-        changed = policy_loss(lp, x["adv"], m, **{**base, **kw})  # type: ignore[arg-type]
-        assert changed.loss.item() != pytest.approx(ref_out.loss.item(), abs=1e-9), kw
+        changed = policy_loss(lp, x["adv"], m, options=PolicyOptions(**opts), **{**base, **kw})  # type: ignore[arg-type]
+        assert changed.loss.item() != pytest.approx(ref_out.loss.item(), abs=1e-9), (opts, kw)
     # delta reaches the surrogate through policy_loss: ρ = e^0.5 > delta, A < 0
     far_old = lp.detach() - 0.5
     neg = -x["adv"].abs()
     no_delta = policy_loss(lp, neg, m, old_logprobs=far_old).loss
-    with_delta = policy_loss(lp, neg, m, old_logprobs=far_old, delta=1.25).loss
+    with_delta = policy_loss(lp, neg, m, old_logprobs=far_old, options=PolicyOptions(delta=1.25)).loss
     assert with_delta.item() == pytest.approx(no_delta.item() * 1.25 / math.exp(0.5), rel=1e-12)
     # dppo thresholds: masked tokens drop out of the surrogate and are reported
     dp = policy_loss(
@@ -297,9 +301,7 @@ def test_policy_loss_matches_manual_composition() -> None:
         x["adv"],
         m,
         inference_logprobs=x["inf"],
-        rollout_correction="dppo_mask",
-        dppo_mask_low=0.0,
-        dppo_mask_high=0.0,
+        options=PolicyOptions(rollout_correction="dppo_mask", dppo_mask_low=0.0, dppo_mask_high=0.0),
     )
     assert dp.metrics["policy/dppo_masked"] > 0
 
@@ -318,13 +320,14 @@ def test_global_normalizer_makes_gradient_accumulation_exact(loss_type: str) -> 
     m = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]])
     lp = (torch.rand(4, 5, dtype=D, generator=torch.Generator().manual_seed(5)) * -2).requires_grad_(True)
     adv = x["adv"].repeat(2)[:4]
-    full = policy_loss(lp, adv, m, loss_type=loss_type).loss  # type: ignore[arg-type]
+    opts = PolicyOptions(loss_type=loss_type)  # type: ignore[arg-type]
+    full = policy_loss(lp, adv, m, options=opts).loss
     (g_full,) = torch.autograd.grad(full, lp)
     norm = {"grpo": 4.0, "dr_grpo": 4.0 * 5, "dapo": float(m.sum())}[loss_type]
     g_acc = torch.zeros_like(lp)
     total = 0.0
     for rows in ([0, 1], [2, 3]):
-        part = policy_loss(lp[rows], adv[rows], m[rows], loss_type=loss_type, normalizer=norm).loss  # type: ignore[arg-type]
+        part = policy_loss(lp[rows], adv[rows], m[rows], options=opts, normalizer=norm).loss
         (g,) = torch.autograd.grad(part, lp)
         g_acc += g
         total += part.item()
@@ -343,10 +346,13 @@ def test_policy_bad_inputs() -> None:
         (lambda: policy_loss(lp, adv[:2], m), "advantages"),
         (lambda: policy_loss(lp, adv, m[:, :2]), "mask.*shape"),
         (lambda: policy_loss(lp, adv, m, old_logprobs=x["old"][:, :2]), "old_logprobs.*shape"),
-        (lambda: policy_loss(lp, adv, m, loss_type="ppo"), "loss_type"),  # type: ignore[arg-type]
-        (lambda: policy_loss(lp, adv, m, kl_beta=0.1), "ref_logprobs"),
+        (lambda: PolicyOptions(loss_type="ppo"), "loss_type"),  # type: ignore[arg-type]
+        (lambda: policy_loss(lp, adv, m, options=PolicyOptions(kl_beta=0.1)), "ref_logprobs"),
         (lambda: policy_loss(lp, adv, m, ref_logprobs=x["ref"]), "kl_beta"),
-        (lambda: policy_loss(lp, adv, m, rollout_correction="token_mask"), "inference_logprobs"),
+        (
+            lambda: policy_loss(lp, adv, m, options=PolicyOptions(rollout_correction="token_mask")),
+            "inference_logprobs",
+        ),
         (lambda: policy_loss(lp, adv, m, inference_logprobs=x["inf"]), "rollout_correction"),
         (
             lambda: policy_loss(
@@ -354,23 +360,27 @@ def test_policy_bad_inputs() -> None:
                 adv,
                 m,
                 inference_logprobs=x["inf"],
-                rollout_correction="token_mask",
+                options=PolicyOptions(rollout_correction="token_mask"),
                 rollout_is_weights=torch.ones_like(lp),
             ),
             "not both",
         ),
-        (lambda: policy_loss(lp, adv, m, rollout_correction="tis"), "rollout_correction"),  # type: ignore[arg-type]
-        (lambda: policy_loss(lp, adv, m, delta=1.1), "delta"),
-        (lambda: policy_loss(lp, adv, m, epsilon_low=1.5), "epsilon_low"),
-        (lambda: policy_loss(lp, adv, m, loss_type="bnpo", normalizer=3), "bnpo"),
+        (lambda: PolicyOptions(rollout_correction="tis"), "rollout_correction"),  # type: ignore[arg-type]
+        (lambda: PolicyOptions(delta=1.1), "delta"),
+        (lambda: PolicyOptions(epsilon_low=1.5), "epsilon_low"),
+        (lambda: policy_loss(lp, adv, m, options=PolicyOptions(loss_type="bnpo"), normalizer=3), "bnpo"),
         (lambda: policy_loss(lp, adv, m, normalizer=0), "normalizer"),
-        (lambda: policy_loss(lp, adv, m, max_completion_length=8), "max_completion_length"),
+        (lambda: PolicyOptions(max_completion_length=8), "max_completion_length"),
         (
-            lambda: policy_loss(lp, adv, m, loss_type="dr_grpo", max_completion_length=2),
+            lambda: policy_loss(
+                lp, adv, m, options=PolicyOptions(loss_type="dr_grpo", max_completion_length=2)
+            ),
             "max_completion_length",
         ),
         (
-            lambda: policy_loss(lp, adv, m, loss_type="dr_grpo", max_completion_length=8, normalizer=3),
+            lambda: policy_loss(
+                lp, adv, m, options=PolicyOptions(loss_type="dr_grpo", max_completion_length=8), normalizer=3
+            ),
             "not both",
         ),
         (lambda: kl_penalty(lp, x["ref"], "k4"), "estimator"),  # type: ignore[arg-type]
@@ -434,8 +444,8 @@ def test_kl_bias_correction_weights_the_k3_kl_by_the_unclipped_ratio() -> None:
     adv = torch.randn(3, generator=g, dtype=torch.float64)
     mask = torch.ones(3, 4)
     out = policy_loss(
-        lp, adv, mask, old_logprobs=old, ref_logprobs=ref, kl_beta=0.1, kl_bias_correction=True, delta=1.5,
-        loss_type="bnpo",
+        lp, adv, mask, old_logprobs=old, ref_logprobs=ref,
+        options=PolicyOptions(kl_beta=0.1, kl_bias_correction=True, delta=1.5, loss_type="bnpo"),
     )  # fmt: skip
     rho = torch.exp(lp - old)
     k3 = torch.exp(ref - lp) - (ref - lp) - 1
@@ -445,8 +455,9 @@ def test_kl_bias_correction_weights_the_k3_kl_by_the_unclipped_ratio() -> None:
     torch.testing.assert_close(out.loss, expected, rtol=1e-13, atol=0.0)
     assert out.metrics["policy/kl"] == pytest.approx(float((rho * k3).mean()), rel=1e-12)
     plain = policy_loss(
-        lp, adv, mask, old_logprobs=old, ref_logprobs=ref, kl_beta=0.1, loss_type="bnpo", delta=1.5
-    )
+        lp, adv, mask, old_logprobs=old, ref_logprobs=ref,
+        options=PolicyOptions(kl_beta=0.1, loss_type="bnpo", delta=1.5),
+    )  # fmt: skip
     assert abs(plain.loss.item() - out.loss.item()) > 1e-6
     with pytest.raises(ValueError, match="kl_bias_correction"):
-        policy_loss(lp, adv, mask, kl_bias_correction=True)
+        PolicyOptions(kl_bias_correction=True)

@@ -233,7 +233,7 @@ def compose_loss(
     ``sdpo_normalizer`` (global distilled-token count; default local count), ``replay_normalizer`` (global pair
     count; default local P). Python numbers or 0-dim tensors (a tensor is never read on the host).
 
-    Channel 1 options are those of :func:`composer_core.loss.policy.policy_loss`. Channel 2:
+    Channel 1 options are the fields of :class:`~composer_core.loss.config.PolicyOptions`. Channel 2:
 
     - ``sdpo_form``: ``"auto"`` picks top-k if ``sdpo_topk`` is set and logits are present, else full logits,
       else fused hidden states, else the sampled-token form; ``"full"`` (logits or fused hidden states),
@@ -341,37 +341,17 @@ def _compose(
     form: str | None,
     norms: tuple[float | Tensor | None, float | Tensor | None, float | Tensor | None],
 ) -> ComposeResult:
-    p = cfg.policy
     pol = policy_loss(
         batch.logprobs,
         batch.advantages,
         batch.completion_mask,
+        options=cfg.policy,
         old_logprobs=batch.old_logprobs,
         ref_logprobs=batch.ref_logprobs,
         rollout_is_weights=batch.rollout_is_weights,
         inference_logprobs=batch.inference_logprobs,
-        loss_type=p.loss_type,
-        epsilon_low=p.epsilon_low,
-        epsilon_high=p.epsilon_high,
-        delta=p.delta,
-        kl_beta=p.kl_beta,
-        kl_estimator=p.kl_estimator,
-        kl_bias_correction=p.kl_bias_correction,
-        rollout_correction=p.rollout_correction,
-        rollout_clip_max=p.rollout_clip_max,
-        rollout_clip_min=p.rollout_clip_min,
-        dppo_mask_low=p.dppo_mask_low,
-        dppo_mask_high=p.dppo_mask_high,
-        normalizer=norms[0],
-        max_completion_length=p.max_completion_length,
-        importance_sampling_level=p.importance_sampling_level,
         surrogate_mask=batch.surrogate_mask,
-        sapo_temperature_pos=p.sapo_temperature_pos,
-        sapo_temperature_neg=p.sapo_temperature_neg,
-        vespo_k_pos=p.vespo_k_pos,
-        vespo_lambda_pos=p.vespo_lambda_pos,
-        vespo_k_neg=p.vespo_k_neg,
-        vespo_lambda_neg=p.vespo_lambda_neg,
+        normalizer=norms[0],
     )
     metrics: dict[str, Tensor | float] = pol.metrics.tensors()
 
@@ -428,9 +408,7 @@ def _replay(
             batch.rejected_logps,
             batch.ref_chosen_logps,
             batch.ref_rejected_logps,
-            beta=opts.beta,
-            loss_type=opts.loss_type,
-            label_smoothing=opts.label_smoothing,
+            options=opts,
             chosen_lengths=batch.chosen_lengths if ipo else None,
             rejected_lengths=batch.rejected_lengths if ipo else None,
             normalizer=normalizer,
@@ -449,8 +427,7 @@ def _replay(
         batch.rejected_logps,
         batch.chosen_lengths,
         batch.rejected_lengths,
-        beta=opts.beta,
-        gamma=opts.gamma,
+        options=opts,
         normalizer=normalizer,
     )
     lc = batch.chosen_lengths.to(batch.chosen_logps.dtype)
@@ -465,7 +442,7 @@ class _SDPOKernel:
     (top-k generalized JSD) or ``"sampled"`` (the sampled-token reverse-KL estimator)."""
 
     name: Literal["jsd", "taid", "entropy_opd", "topk", "sampled"]
-    t: float | None = None
+    t: float | None  # TAID's interpolation of this step (None: another kernel)
 
 
 #: Decision 2 of channel 2: what the kernel runs on (sampled-token log-probs, full logits, or fused hidden
@@ -524,15 +501,11 @@ def _seq_mean(
 
 def _pick_kernel(opts: SDPOOptions, form: str) -> _SDPOKernel:
     """The divergence the resolved ``form`` and wrapper ask for (wrappers need the full or fused form)."""
-    if form == "sampled":
-        return _SDPOKernel("sampled")
-    if form == "topk":
-        return _SDPOKernel("topk")
+    if form in ("sampled", "topk"):
+        return _SDPOKernel("sampled" if form == "sampled" else "topk", None)
     if isinstance(opts.wrapper, TAID):
-        return _SDPOKernel("taid", t=opts.wrapper.resolve_t())
-    if isinstance(opts.wrapper, EntropyOPD):
-        return _SDPOKernel("entropy_opd")
-    return _SDPOKernel("jsd")
+        return _SDPOKernel("taid", opts.wrapper.resolve_t())
+    return _SDPOKernel("entropy_opd" if isinstance(opts.wrapper, EntropyOPD) else "jsd", None)
 
 
 def _pick_runner(batch: ComposerBatch, form: str) -> _Runner:

@@ -36,38 +36,44 @@ from dataclasses import dataclass, field
 from functools import cache, lru_cache
 from typing import Any, Literal, Union, get_args, get_origin
 
-from composer_core.loss.distill import DEFAULT_CHUNK_SIZE, check_chunk_size
-from composer_core.loss.policy import (
-    CLIP_LOSS_TYPES,
-    LOSS_TYPES,
-    ROLLOUT_MODES,
-    KLEstimator,
-    LossType,
-    RolloutCorrection,
-)
-from composer_core.loss.preference import DPOLossType
+from composer_core.loss.chunking import check_chunk_size
 from composer_core.loss.surrogates import IS_LEVELS, ISLevel
-from composer_core.loss.validation import check_bool
+from composer_core.loss.validation import check_bool, check_int, check_positive
 
 __all__ = [
+    "CLIP_LOSS_TYPES",
     "DPO",
+    "LOSS_TYPES",
+    "ROLLOUT_MODES",
     "TAID",
     "ComposeConfig",
     "EntropyOPD",
     "PolicyOptions",
     "SDPOOptions",
     "SimPO",
+    "check_clip_args",
+    "check_probability_bound",
+    "check_rollout_clip",
     "coerce_option",
     "coerce_to",
     "flat_defaults",
     "flat_option_names",
 ]
 
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "luspo"]
+KLEstimator = Literal["k1", "k2", "k3"]
+RolloutMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+RolloutCorrection = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "dppo_mask"]
+DPOLossType = Literal["sigmoid", "robust", "ipo"]
 SDPOForm = Literal["auto", "full", "topk", "sampled"]
 ResolvedForm = Literal["full", "topk", "sampled"]
 SDPOWrapper = Literal["none", "taid", "entropy_opd"]
 SDPOLossAgg = Literal["token_mean", "seq_mean"]
 DPOVariant = Literal["dpo", "simpo"]
+
+LOSS_TYPES: tuple[str, ...] = get_args(LossType)
+CLIP_LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the PPO clip surrogate
+ROLLOUT_MODES: tuple[str, ...] = get_args(RolloutMode)
 
 _HEADER = "option(s) set for a mode that is not selected, so they would be silently ignored: "
 _FOOTER = ". These options only apply in their mode: select it, or drop them."
@@ -96,10 +102,64 @@ def _choice(name: str, value: object, choices: tuple[object, ...]) -> None:
         )
 
 
+def check_clip_args(
+    epsilon_low: float, epsilon_high: float | None, delta: float | None
+) -> tuple[float, float]:
+    """Check the clip options of :class:`PolicyOptions` / :func:`~composer_core.loss.policy.clipped_surrogate` and
+    return ``(ε_lo, ε_hi)``: ``0 ≤ ε_lo < 1``, ``ε_hi ≥ 0`` (None → ε_lo), ``δ > 1 + ε_hi`` when given. Raises
+    ``ValueError`` naming the option."""
+    eps_lo = float(epsilon_low)
+    eps_hi = eps_lo if epsilon_high is None else float(epsilon_high)
+    if not (0.0 <= eps_lo < 1.0):
+        raise ValueError(f"`epsilon_low`={epsilon_low!r} must lie in [0, 1).")
+    if not (eps_hi >= 0.0):
+        raise ValueError(f"`epsilon_high`={epsilon_high!r} must be >= 0 (None = epsilon_low).")
+    if delta is not None and not (float(delta) > 1.0 + eps_hi):
+        raise ValueError(
+            f"`delta`={delta!r} must exceed 1 + epsilon_high = {1.0 + eps_hi} (it caps the unclipped ratio); "
+            "pass delta=None to disable the two-sided clip."
+        )
+    return eps_lo, eps_hi
+
+
+def check_probability_bound(name: str, value: float) -> None:
+    """DPPO thresholds are probability differences in [0, 1]."""
+    if not (0.0 <= float(value) <= 1.0):
+        raise ValueError(f"`{name}`={value!r} must lie in [0, 1] (a probability difference).")
+
+
+def check_rollout_clip(clip_min: float | None, clip_max: float | None, *, prefix: str = "") -> None:
+    """Bounds of the rollout IS weights (None = unbounded): ``clip_max > 0``, ``0 ≤ clip_min ≤ clip_max``; the
+    message names them ``<prefix>clip_min`` / ``<prefix>clip_max``."""
+    if clip_max is not None:
+        check_positive(f"{prefix}clip_max", clip_max)
+    if clip_min is not None and not (float(clip_min) >= 0.0):
+        raise ValueError(f"`{prefix}clip_min`={clip_min!r} must be >= 0.")
+    if clip_min is not None and clip_max is not None and clip_min > clip_max:
+        raise ValueError(f"`{prefix}clip_min`={clip_min} exceeds `{prefix}clip_max`={clip_max}.")
+
+
 # ----------------------------------------------------------------------------------------------- channel 1
 @dataclass(frozen=True)
 class PolicyOptions:
-    """Channel 1 (:func:`composer_core.loss.policy.policy_loss`). Flat names: the same field names.
+    """Channel 1: the options of :func:`composer_core.loss.policy.policy_loss`, checked here once (ranges and
+    combinations; ``policy_loss`` checks only its tensors per call). Flat names: the same field names.
+
+    - ``loss_type``: the surrogate and its aggregation (:func:`~composer_core.loss.policy.aggregate_loss`).
+      ``epsilon_low``/``epsilon_high``: the clip range, ``0 ≤ ε_lo < 1``, ``ε_hi ≥ 0`` (None = ε_lo; CISPO's
+      ratio cap). ``delta``: INTELLECT-2's cap of the unclipped ratio, ``δ > 1 + ε_hi``. ``max_completion_length``:
+      Dr. GRPO's ``L_max`` (an int ≥ 1; None = T).
+    - ``kl_beta`` / ``kl_estimator``: KL-to-reference coefficient and estimator
+      (:func:`~composer_core.loss.policy.kl_penalty`). ``kl_bias_correction``: multiply the per-token KL by the
+      (unclipped) ratio ρ = exp(ℓθ − ℓold), the importance-sampling correction of TRL's
+      ``use_bias_correction_kl=True`` (its default): the KL is estimated on samples of πold, not πθ.
+    - ``rollout_correction``: weights computed in ``policy_loss``, a
+      :func:`~composer_core.loss.policy.rollout_correction_weights` mode (bounds ``rollout_clip_min`` ≥ 0,
+      ``rollout_clip_max`` > 0), or ``"dppo_mask"`` (zero the surrogate on the tokens
+      :func:`~composer_core.loss.policy.dppo_mask` flags; bounds ``dppo_mask_low``/``dppo_mask_high`` in [0, 1]).
+    - ``importance_sampling_level``: ``'token'`` or ``'sequence'`` (GSPO, arXiv 2507.18071).
+    - ``sapo_temperature_pos`` / ``sapo_temperature_neg``: SAPO's τ for ``A > 0`` / ``A ≤ 0``;
+      ``vespo_k_pos`` / ``vespo_lambda_pos`` / ``vespo_k_neg`` / ``vespo_lambda_neg``: VESPO's gamma shape.
 
     ``rollout_clip_max``/``rollout_clip_min`` act only with a ``rollout_correction`` weight mode
     (``token_*``/``sequence_*``), ``dppo_mask_low``/``dppo_mask_high`` only with ``rollout_correction=
@@ -134,12 +194,28 @@ class PolicyOptions:
         _choice("importance_sampling_level", self.importance_sampling_level, IS_LEVELS)
         for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
             _finite(name, getattr(self, name), low=0.0, strict=True)
+        for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+            _finite(name, getattr(self, name))
         _choice("kl_estimator", self.kl_estimator, ("k1", "k2", "k3"))
         _choice("rollout_correction", self.rollout_correction, (None, *ROLLOUT_MODES, "dppo_mask"))
         _finite("kl_beta", self.kl_beta, low=0.0)
         if not isinstance(self.kl_bias_correction, bool):
             raise ValueError(f"`kl_bias_correction`={self.kl_bias_correction!r} must be a bool.")
         _raise_unused(self.unused())
+        check_clip_args(self.epsilon_low, self.epsilon_high, self.delta)
+        if self.rollout_correction == "dppo_mask":
+            check_probability_bound("dppo_mask_low", self.dppo_mask_low)
+            check_probability_bound("dppo_mask_high", self.dppo_mask_high)
+        elif self.rollout_correction is not None:
+            check_rollout_clip(self.rollout_clip_min, self.rollout_clip_max, prefix="rollout_")
+        if self.max_completion_length is not None:
+            check_int("max_completion_length", self.max_completion_length, low=1)
+
+    @property
+    def epsilons(self) -> tuple[float, float]:
+        """``(ε_lo, ε_hi)``, ``ε_hi = ε_lo`` when ``epsilon_high`` is None."""
+        eps_lo = float(self.epsilon_low)
+        return eps_lo, eps_lo if self.epsilon_high is None else float(self.epsilon_high)
 
     def unused(self) -> list[str]:
         """Messages for options set (non-default) in a mode that does not read them."""
@@ -161,6 +237,10 @@ class PolicyOptions:
                 out.append(f"`{name}`={getattr(self, name)!r} (acts only with kl_beta != 0)")
         if self.loss_type not in CLIP_LOSS_TYPES and _non_default(self, "delta"):
             out.append(f"`delta`={self.delta!r} (acts only with loss_type={'/'.join(CLIP_LOSS_TYPES)})")
+        if self.loss_type != "dr_grpo" and _non_default(self, "max_completion_length"):
+            out.append(
+                f"`max_completion_length`={self.max_completion_length!r} (acts only with loss_type='dr_grpo')"
+            )
         for prefix in ("sapo", "vespo"):
             for f in dataclasses.fields(self):
                 if (
@@ -197,8 +277,8 @@ class TAID:
             ("taid_total_steps", self.total_steps, 1),
             ("taid_schedule_step", self.schedule_step, 0),
         ):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
-                raise ValueError(f"`{name}`={value!r} must be an int >= {low}.")
+            if value is not None:
+                check_int(name, value, low=low)
         if self.t is not None and (self.schedule_step is not None or self.total_steps is not None):
             raise ValueError(
                 "pass either `taid_t` (e.g. TAIDScheduler.t) or `taid_schedule_step` + `taid_total_steps` "
@@ -256,7 +336,9 @@ class SDPOOptions:
     token_clip: float | None = 2.0
     topk: int | None = None
     topk_tail: bool = True
-    chunk_size: int | None = DEFAULT_CHUNK_SIZE
+    chunk_size: int | None = (
+        None  # rows per chunk from V and the form: composer_core.loss.chunking.chunk_rows
+    )
     compiled: bool = False
     loss_agg: SDPOLossAgg = "token_mean"
     wrapper: TAID | EntropyOPD | None = None

@@ -31,6 +31,14 @@ from typing import Any, Literal, cast
 import torch
 from torch import Tensor
 
+from composer_core.loss.chunking import (
+    CHUNK_LOGITS,
+    FUSED_CHUNK_LOGITS,
+    FUSED_MIN_ROWS,
+    check_chunk_size,
+    chunk_rows,
+)
+from composer_core.loss.config import SDPOOptions
 from composer_core.loss.validation import (
     as_mask,
     check_bool,
@@ -63,27 +71,10 @@ __all__ = [
 
 Reduction = Literal["mean", "sum", "none"]
 
-#: Logits per chunk of the logits-input losses at the default ``chunk_size`` (None): a chunk is
-#: ``max(1, CHUNK_LOGITS // V)`` rows (tokens), 1024 at V = 32,768 and 220 at V = 152,064, so the work buffers,
-#: about four chunk × V float buffers (+ a bool one), stay ≈ 0.5 GB whatever the vocabulary (a fixed 1024 rows
-#: held 2.3 GiB at V = 152,064, and ran slower). The caller's [N, V] gradient (and its copy in backward) is the
-#: larger part of that form's memory; smaller chunks would only add per-chunk cost (``bench/bench_jsd.py``).
-CHUNK_LOGITS = 1024 * 32_768
-
-#: Logits per chunk of the fused (LM-head) losses at the default ``chunk_size``, with at least
-#: :data:`FUSED_MIN_ROWS` rows: ``max(FUSED_MIN_ROWS, FUSED_CHUNK_LOGITS // V)`` rows, 256 from V = 32,768 up.
-#: There the chunk buffers are the extra memory (with the [V, H] weight gradient): about a third of
-#: Liger-Kernel's fused JSD at its 1024 rows, the issue-19 target (``bench/bench_jsd.py --device cuda``).
-#: More rows amortise the per-chunk cost for more memory (``chunk_size``; the bench's ``--chunk-size``).
-FUSED_CHUNK_LOGITS = 256 * 32_768
-
-#: Rows the fused default never goes below: thinner chunks re-read the LM head (0.5 GB at V = 152,064, H = 896)
-#: for matmuls too short to use the device.
-FUSED_MIN_ROWS = 256
-
-#: ``chunk_size`` (``sdpo_chunk_size``) default: None = rows from V and the form (see
-#: :func:`chunk_rows`). An int fixes the rows per chunk: smaller saves memory, larger amortises per-chunk overhead.
-DEFAULT_CHUNK_SIZE: int | None = None
+#: ``chunk_size`` default (``sdpo_chunk_size``, read from :class:`~composer_core.loss.config.SDPOOptions`): None =
+#: rows from V and the form (see :func:`chunk_rows`). An int fixes the rows per chunk: smaller saves memory,
+#: larger amortises per-chunk overhead.
+DEFAULT_CHUNK_SIZE: int | None = SDPOOptions.chunk_size
 
 #: A per-chunk kernel: (scaled student logits [c, V], scaled teacher logits [c, V]) ->
 #: (per-row loss [c], gradient of the per-row loss w.r.t. the scaled student logits [c, V]).
@@ -130,7 +121,7 @@ def _log_softmax_and_probs(z: Tensor, logp: Tensor) -> tuple[Tensor, Tensor]:
     return logp, z
 
 
-def jsd_kernel(beta: float, compiled: bool = False) -> Kernel:
+def jsd_kernel(beta: float, compiled: bool = SDPOOptions.compiled) -> Kernel:
     """Chunk kernel of the generalized JSD (exact FKL / RKL branches at β = 0 / 1).
 
     ``compiled=True``: the same formulas as one graph under ``torch.compile``
@@ -480,26 +471,6 @@ _apply_fused = cast(Callable[..., Tensor], _FusedLinearLoss.apply)
 # ---------------------------------------------------------------------------------------------------------
 
 
-def chunk_rows(chunk_size: int | None, vocab: int, *, fused: bool) -> int:
-    """Rows (tokens) per chunk over a vocabulary of ``vocab``: ``chunk_size``, or for None (the default)
-    ``max(FUSED_MIN_ROWS, FUSED_CHUNK_LOGITS // vocab)`` in the fused form, ``max(1, CHUNK_LOGITS // vocab)`` on
-    logits."""
-    if chunk_size is not None:
-        return chunk_size
-    return max(FUSED_MIN_ROWS, FUSED_CHUNK_LOGITS // vocab) if fused else max(1, CHUNK_LOGITS // vocab)
-
-
-def check_chunk_size(name: str, chunk_size: object) -> None:
-    """``chunk_size`` is None (rows from V: :func:`chunk_rows`) or an int >= 1; raises naming ``name``."""
-    if chunk_size is not None and (
-        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
-    ):
-        raise ValueError(
-            f"`{name}`={chunk_size!r} must be an int >= 1 (rows of B·T processed at once) or None (the default: "
-            f"{CHUNK_LOGITS:,} // V rows on logits, max({FUSED_MIN_ROWS}, {FUSED_CHUNK_LOGITS:,} // V) fused)."
-        )
-
-
 def _check_common(
     temperature: float,
     chunk_size: int | None,
@@ -583,13 +554,13 @@ def generalized_jsd(
     student_logits: Tensor,
     teacher_logits: Tensor,
     *,
-    beta: float = 0.5,
-    temperature: float = 1.0,
+    beta: float = SDPOOptions.beta,
+    temperature: float = SDPOOptions.temperature,
     mask: Tensor | None = None,
     chunk_size: int | None = DEFAULT_CHUNK_SIZE,
     reduction: Reduction = "mean",
     normalizer: float | Tensor | None = None,
-    compiled: bool = False,
+    compiled: bool = SDPOOptions.compiled,
 ) -> Tensor:
     """Generalized Jensen-Shannon divergence per token (GKD, arXiv 2306.13649; TRL β convention).
 
@@ -743,13 +714,13 @@ def fused_linear_generalized_jsd(
     teacher_lm_head_weight: Tensor | None = None,
     lm_head_bias: Tensor | None = None,
     teacher_lm_head_bias: Tensor | None = None,
-    beta: float = 0.5,
-    temperature: float = 1.0,
+    beta: float = SDPOOptions.beta,
+    temperature: float = SDPOOptions.temperature,
     mask: Tensor | None = None,
     chunk_size: int | None = DEFAULT_CHUNK_SIZE,
     reduction: Literal["mean", "sum"] = "mean",
     normalizer: float | Tensor | None = None,
-    compiled: bool = False,
+    compiled: bool = SDPOOptions.compiled,
 ) -> Tensor:
     """Generalized JSD from hidden states with the LM head fused in (never materialises [N, V]).
 
@@ -842,10 +813,10 @@ def topk_distill(
     teacher_logits: Tensor,
     *,
     k: int,
-    beta: float = 0.5,
-    temperature: float = 1.0,
+    beta: float = SDPOOptions.beta,
+    temperature: float = SDPOOptions.temperature,
     mask: Tensor | None = None,
-    add_tail_bucket: bool = True,
+    add_tail_bucket: bool = SDPOOptions.topk_tail,
     support: Literal["student", "teacher"] = "student",
     reduction: Reduction = "mean",
     normalizer: float | Tensor | None = None,
@@ -898,7 +869,7 @@ def sampled_token_distill(
     mask: Tensor,
     *,
     old_logprobs: Tensor | None = None,
-    is_clip: float | None = 2.0,
+    is_clip: float | None = SDPOOptions.token_clip,
     reduction: Reduction = "mean",
     normalizer: float | Tensor | None = None,
 ) -> Tensor:

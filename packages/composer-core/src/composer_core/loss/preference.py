@@ -19,11 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from composer_core.loss.config import DPO, SimPO
 from composer_core.loss.validation import (
     check_choice,
     check_float,
     check_normalizer,
-    check_positive,
     check_same_shape,
     check_tensor,
     value_check,
@@ -31,7 +31,9 @@ from composer_core.loss.validation import (
 
 __all__ = ["dpo_loss", "preference_margin", "simpo_loss"]
 
-DPOLossType = Literal["sigmoid", "robust", "ipo"]
+#: the options of :func:`dpo_loss` / :func:`simpo_loss` when none are given (frozen: shared instances)
+_DEFAULT_DPO = DPO()
+_DEFAULT_SIMPO = SimPO()
 
 
 def _check_pairs(**tensors: Tensor | None) -> int:
@@ -89,9 +91,7 @@ def dpo_loss(
     ref_chosen_logps: Tensor,
     ref_rejected_logps: Tensor,
     *,
-    beta: float = 0.1,
-    loss_type: DPOLossType = "sigmoid",
-    label_smoothing: float = 0.0,
+    options: DPO = _DEFAULT_DPO,
     chosen_lengths: Tensor | None = None,
     rejected_lengths: Tensor | None = None,
     reduction: Literal["mean", "sum", "none"] = "mean",
@@ -102,15 +102,13 @@ def dpo_loss(
     Args:
         chosen_logps / rejected_logps: [P] summed policy log-probs (with grad).
         ref_chosen_logps / ref_rejected_logps: [P] summed reference log-probs (detached).
-        beta: β (TRL default 0.1).
-        loss_type: ``"sigmoid"`` (DPO; cDPO when ``label_smoothing > 0``), ``"robust"``, ``"ipo"``.
-        label_smoothing: ε ∈ [0, 0.5] for sigmoid, [0, 0.5) for robust; not used by ipo.
+        options: :class:`~composer_core.loss.config.DPO`, checked when it was built: ``beta`` β (TRL default
+            0.1); ``loss_type`` ``"sigmoid"`` (DPO; cDPO when ``label_smoothing > 0``), ``"robust"``, ``"ipo"``;
+            ``label_smoothing`` ε ∈ [0, 0.5] for sigmoid, [0, 0.5) for robust, 0 for ipo.
         chosen_lengths / rejected_lengths: [P] token counts; required by ``"ipo"`` only (per-token averages).
         reduction / normalizer: ``"mean"`` = Σ / (normalizer or P) — pass the global pair count for
             accumulation-exact gradients; ``"sum"``; ``"none"`` = [P].
     """
-    check_choice("loss_type", loss_type, ("sigmoid", "robust", "ipo"))
-    beta = check_positive("beta", beta)
     _check_pairs(
         chosen_logps=chosen_logps,
         rejected_logps=rejected_logps,
@@ -119,15 +117,13 @@ def dpo_loss(
         chosen_lengths=None if chosen_lengths is None else chosen_lengths.to(chosen_logps.dtype),
         rejected_lengths=None if rejected_lengths is None else rejected_lengths.to(chosen_logps.dtype),
     )
-    eps = float(label_smoothing)
-    if loss_type == "ipo":
+    beta, eps = float(options.beta), float(options.label_smoothing)
+    if options.loss_type == "ipo":
         if chosen_lengths is None or rejected_lengths is None:
             raise ValueError(
                 "loss_type='ipo' needs `chosen_lengths` and `rejected_lengths` (IPO uses per-token-averaged "
                 "log-probs, as TRL does); pass the completion token counts."
             )
-        if eps != 0.0:
-            raise ValueError("`label_smoothing` is not used by loss_type='ipo'; set it to 0.")
         lc = _check_lengths("chosen_lengths", chosen_lengths).to(chosen_logps.dtype)
         lr = _check_lengths("rejected_lengths", rejected_lengths).to(chosen_logps.dtype)
         h_bar = (chosen_logps - ref_chosen_logps.detach()) / lc - (
@@ -137,21 +133,14 @@ def dpo_loss(
         return _reduce_pairs(losses, reduction, normalizer)
     if chosen_lengths is not None or rejected_lengths is not None:
         raise ValueError(
-            f"`chosen_lengths`/`rejected_lengths` are only used by loss_type='ipo', not {loss_type!r}; drop them."
+            f"`chosen_lengths`/`rejected_lengths` are only used by loss_type='ipo', not {options.loss_type!r}; "
+            "drop them."
         )
     h = preference_margin(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps)
     logits = beta * h
-    if loss_type == "sigmoid":
-        if not (0.0 <= eps <= 0.5):
-            raise ValueError(
-                f"`label_smoothing`={label_smoothing!r} must lie in [0, 0.5] for loss_type='sigmoid'."
-            )
+    if options.loss_type == "sigmoid":
         losses = -F.logsigmoid(logits) * (1 - eps) - F.logsigmoid(-logits) * eps
     else:
-        if not (0.0 <= eps < 0.5):
-            raise ValueError(
-                f"`label_smoothing`={label_smoothing!r} must lie in [0, 0.5) for loss_type='robust'."
-            )
         losses = (-F.logsigmoid(logits) * (1 - eps) + F.logsigmoid(-logits) * eps) / (1 - 2 * eps)
     return _reduce_pairs(losses, reduction, normalizer)
 
@@ -162,19 +151,16 @@ def simpo_loss(
     chosen_lengths: Tensor,
     rejected_lengths: Tensor,
     *,
-    beta: float = 2.0,
-    gamma: float = 0.5,
+    options: SimPO = _DEFAULT_SIMPO,
     reduction: Literal["mean", "sum", "none"] = "mean",
     normalizer: float | Tensor | None = None,
 ) -> Tensor:
     """SimPO (arXiv 2405.14734): ``−log σ(β·(ℓθ^w/|y_w| − ℓθ^l/|y_l|) − γ)`` [P], reference-free, no NLL term.
 
-    ``gamma`` is the absolute target margin γ (= β·``gamma_beta_ratio`` in the SimPO repo; defaults β=2.0,
-    γ=0.5 correspond to the paper's γ/β = 0.25). ``reduction``/``normalizer`` as in :func:`dpo_loss`.
+    ``options``: :class:`~composer_core.loss.config.SimPO`, checked when it was built; ``gamma`` is the absolute
+    target margin γ (= β·``gamma_beta_ratio`` in the SimPO repo; defaults β=2.0, γ=0.5 correspond to the paper's
+    γ/β = 0.25). Shapes: every argument [P]. ``reduction``/``normalizer`` as in :func:`dpo_loss`.
     """
-    beta = check_positive("beta", beta)
-    if not (float(gamma) >= 0.0) or float(gamma) == float("inf"):
-        raise ValueError(f"`gamma`={gamma!r} must be a finite margin >= 0.")
     _check_pairs(
         chosen_logps=chosen_logps,
         rejected_logps=rejected_logps,
@@ -183,7 +169,7 @@ def simpo_loss(
     )
     lc = _check_lengths("chosen_lengths", chosen_lengths).to(chosen_logps.dtype)
     lr = _check_lengths("rejected_lengths", rejected_lengths).to(chosen_logps.dtype)
-    logits = beta * (chosen_logps / lc - rejected_logps / lr) - gamma
+    logits = float(options.beta) * (chosen_logps / lc - rejected_logps / lr) - float(options.gamma)
     losses = -F.logsigmoid(logits)
     return _reduce_pairs(losses, reduction, normalizer)
 

@@ -20,6 +20,7 @@ __all__ = [
     "check_bool",
     "check_choice",
     "check_finite",
+    "check_int",
     "check_normalizer",
     "check_probability",
     "check_same_shape",
@@ -233,6 +234,12 @@ def check_bool(name: str, value: object) -> None:
     """Raise ValueError unless ``value`` is a bool (a CLI string goes through ``config.coerce_option`` first)."""
     if not isinstance(value, bool):
         raise ValueError(f"`{name}`={value!r} must be a bool (True or False).")
+
+
+def check_int(name: str, value: object, *, low: int) -> None:
+    """Raise ValueError unless ``value`` is an int (not a bool) ``>= low``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"`{name}`={value!r} must be an int >= {low}.")
 
 
 def check_probability(

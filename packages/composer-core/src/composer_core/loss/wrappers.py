@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from composer_core.loss import distill as _distill
+from composer_core.loss.config import TAID, EntropyOPD, SDPOOptions
 from composer_core.loss.distill import (
     DEFAULT_CHUNK_SIZE,
     Kernel,
@@ -46,7 +47,7 @@ def taid_loss(
     teacher_logits: Tensor,
     t: float,
     *,
-    temperature: float = 1.0,
+    temperature: float = SDPOOptions.temperature,
     mask: Tensor | None = None,
     chunk_size: int | None = DEFAULT_CHUNK_SIZE,
     reduction: Reduction = "mean",
@@ -90,15 +91,16 @@ class TAIDScheduler:
     denominator), so t advances faster above the linear floor; to reproduce the reference's schedule exactly,
     feed KL + H(p_t). The floor (and so ``t_end`` at ``total_steps``) is the same either way.
 
-    Args: total_steps (optimiser steps of the run), t_start=0.4, t_end=1.0, alpha=5e-4 (α), beta=0.99
-    (momentum β). State (``t``, momentum, previous loss, step) round-trips via state_dict().
+    Args: total_steps (optimiser steps of the run), t_start / t_end (default: those of
+    :class:`~composer_core.loss.config.TAID`), alpha=5e-4 (α), beta=0.99 (momentum β). State (``t``, momentum,
+    previous loss, step) round-trips via state_dict().
     """
 
     def __init__(
         self,
         total_steps: int,
-        t_start: float = 0.4,
-        t_end: float = 1.0,
+        t_start: float = TAID.t_start,
+        t_end: float = TAID.t_end,
         alpha: float = 5e-4,
         beta: float = 0.99,
     ) -> None:
@@ -218,11 +220,11 @@ def entropy_opd_loss(
     student_logits: Tensor,
     teacher_logits: Tensor,
     *,
-    threshold: float = 0.8,
-    fkl_weight: float = 1.0,
-    beta: float = 0.5,
-    temperature: float = 1.0,
-    topk: int | None = None,
+    threshold: float = EntropyOPD.threshold,
+    fkl_weight: float = EntropyOPD.weight,
+    beta: float = SDPOOptions.beta,
+    temperature: float = SDPOOptions.temperature,
+    topk: int | None = SDPOOptions.topk,
     mask: Tensor | None = None,
     chunk_size: int | None = DEFAULT_CHUNK_SIZE,
     reduction: Reduction = "mean",

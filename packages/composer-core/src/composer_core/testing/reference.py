@@ -10,10 +10,14 @@ import math
 import torch
 from torch import Tensor
 
+from composer_core.loss.config import SDPOOptions
+
 __all__ = ["naive_jsd"]
 
 
-def naive_jsd(student: Tensor, teacher: Tensor, beta: float, temperature: float = 1.0) -> Tensor:
+def naive_jsd(
+    student: Tensor, teacher: Tensor, beta: float, temperature: float = SDPOOptions.temperature
+) -> Tensor:
     """Per-token generalized JSD [...] with the TRL GKD formula (``logsumexp`` of the stacked mixture terms)."""
     ls = torch.log_softmax(student / temperature, -1)
     lt = torch.log_softmax(teacher.detach() / temperature, -1)
