@@ -119,6 +119,21 @@ class ComposerLoss:
             if targets.get(name) is None:
                 raise ValueError(f"ComposerLoss: target {name!r} is required ({TARGETS[name]})")
         response = targets["response"]
+        logits = self._response_logits(logits, response)
+        logprobs = token_logprobs(logits, response)
+        mask = targets["padding_mask"].bool()
+        policy_rows, chosen, rejected = self._rows(targets, response.shape[0], logits.device)
+        fields = self._policy_fields(targets, logits, logprobs, mask, policy_rows.nonzero().squeeze(-1))
+        if chosen is not None and rejected is not None:
+            fields.update(_pair_fields(targets, logprobs, mask, chosen, rejected))
+        batch_cls, compose_loss = _compose()
+        result = compose_loss(batch_cls(**fields), self.config, **self.normalizers)
+        self.last_result = result
+        return result.total  # type: ignore[no-any-return]
+
+    def _response_logits(self, logits: Tensor, response: Tensor) -> Tensor:
+        """The logits that predict each response token ([rows, response_len, vocab], temperature applied, upcast
+        to float32 at least)."""
         if response.dim() != 2:
             raise ValueError(f"response has shape {tuple(response.shape)}; expected [rows, response_len]")
         rows, s = response.shape
@@ -138,19 +153,19 @@ class ComposerLoss:
             raise ValueError(f"align=False needs logits [{rows}, {s}, vocab]; got {tuple(logits.shape)}")
         if self.temperature != 1.0:  # TorchForge's order: scale in the logits' dtype, then upcast
             logits = logits / self.temperature
-        logits = upcast(logits)
-        logprobs = token_logprobs(logits, response)
+        return upcast(logits)
 
-        mask = targets["padding_mask"].bool()
-        policy_rows, chosen, rejected = self._rows(targets, rows, logits.device)
-        pick = policy_rows.nonzero().squeeze(-1)
+    def _policy_fields(
+        self, targets: dict[str, Tensor], logits: Tensor, logprobs: Tensor, mask: Tensor, pick: Tensor
+    ) -> dict[str, Any]:
+        """The batch fields of channels 1 and 2 on the sampled rows ``pick``."""
 
         def sel(name: str) -> Tensor | None:
             t = targets.get(name)
             return None if t is None else t[pick]
 
         adv = targets["advantages"][pick]
-        if adv.dim() == 2 and adv.shape[1] == 1 and s != 1:
+        if adv.dim() == 2 and adv.shape[1] == 1 and logprobs.shape[1] != 1:
             adv = adv.squeeze(-1)
         fields: dict[str, Any] = {
             "logprobs": logprobs[pick],
@@ -172,22 +187,7 @@ class ComposerLoss:
                 fields["teacher_logprobs"] = targets["teacher_logprobs"][pick].detach()
         elif targets.get("sdpo_mask") is not None:
             raise ValueError("sdpo_mask was given without teacher_logits or teacher_logprobs (channel 2)")
-        if chosen is not None and rejected is not None:
-            token_sums = (logprobs * mask).sum(-1)
-            fields["chosen_logps"] = token_sums[chosen]
-            fields["rejected_logps"] = token_sums[rejected]
-            lengths = mask.sum(-1)
-            fields["chosen_lengths"] = lengths[chosen]
-            fields["rejected_lengths"] = lengths[rejected]
-            ref = targets.get("ref_logprobs")
-            if ref is not None:
-                ref_sums = (ref.detach() * mask).sum(-1)
-                fields["ref_chosen_logps"] = ref_sums[chosen]
-                fields["ref_rejected_logps"] = ref_sums[rejected]
-        batch_cls, compose_loss = _compose()
-        result = compose_loss(batch_cls(**fields), self.config, **self.normalizers)
-        self.last_result = result
-        return result.total  # type: ignore[no-any-return]
+        return fields
 
     @staticmethod
     def _rows(
@@ -222,3 +222,24 @@ class ComposerLoss:
         if not bool(policy_rows.any()):
             raise ValueError("policy_rows selects no row: channel 1 needs at least one sampled completion")
         return policy_rows, chosen, rejected
+
+
+def _pair_fields(
+    targets: dict[str, Tensor], logprobs: Tensor, mask: Tensor, chosen: Tensor, rejected: Tensor
+) -> dict[str, Tensor]:
+    """Channel 3's batch fields: summed log-probs and lengths of the chosen and rejected rows, and the
+    reference's sums when ``ref_logprobs`` is given."""
+    token_sums = (logprobs * mask).sum(-1)
+    lengths = mask.sum(-1)
+    fields = {
+        "chosen_logps": token_sums[chosen],
+        "rejected_logps": token_sums[rejected],
+        "chosen_lengths": lengths[chosen],
+        "rejected_lengths": lengths[rejected],
+    }
+    ref = targets.get("ref_logprobs")
+    if ref is not None:
+        ref_sums = (ref.detach() * mask).sum(-1)
+        fields["ref_chosen_logps"] = ref_sums[chosen]
+        fields["ref_rejected_logps"] = ref_sums[rejected]
+    return fields
