@@ -155,146 +155,7 @@ class ChatServer:
         return plan.pop(0)
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, format: str, *args: Any) -> None:  # silence (and never log headers)
-                return
-
-            def _send(self, code: int, body: bytes, headers: dict[str, str] | None = None) -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                for k, v in (headers or {}).items():
-                    self.send_header(k, v)
-                self.end_headers()
-                self.wfile.write(body)
-
-            def do_POST(self) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
-                try:
-                    body = json.loads(self.rfile.read(length))
-                    model, messages = str(body["model"]), list(body["messages"])
-                except (ValueError, KeyError, TypeError):
-                    self._send(400, b'{"error": {"message": "bad request"}}')
-                    return
-                if not self.path.endswith("/chat/completions"):
-                    self._send(404, b'{"error": {"message": "not found"}}')
-                    return
-                state = _state(messages)
-                with server._lock:
-                    server.total_requests += 1
-                    n = server.total_requests
-                    server.requests[(model, state)] += 1
-                    server.bodies.append(body)
-                    server.auth_headers.append(self.headers.get("Authorization"))
-                    fault = server._next_fault(model)
-                    server.in_flight += 1
-                    server.max_in_flight = max(server.max_in_flight, server.in_flight)
-                try:
-                    self._answer(n, model, messages, state, fault)
-                finally:
-                    with server._lock:
-                        server.in_flight -= 1
-
-            def _answer(
-                self, n: int, model: str, messages: list[dict[str, Any]], state: str, fault: str
-            ) -> None:
-                if server.on_request is not None and server.on_request(n, model, state):
-                    self.close_connection = True
-                    return
-                if (
-                    server.require_key is not None
-                    and self.headers.get("Authorization") != f"Bearer {server.require_key}"
-                ):
-                    self._send(401, b'{"error": {"message": "invalid api key"}}')
-                    return
-                if fault == "400":
-                    echo = json.dumps({"error": {"message": f"bad auth {self.headers.get('Authorization')}"}})
-                    self._send(400, echo.encode())
-                    return
-                if fault in ("429", "500", "503"):
-                    extra = {"Retry-After": server.retry_after} if fault == "429" else None
-                    self._send(int(fault), b'{"error": {"message": "injected"}}', extra)
-                    return
-                if fault == "malformed":
-                    self._send(200, b'{"choices": [ this is not json')
-                    return
-                if fault == "no_choices":
-                    self._send(200, b'{"object": "chat.completion"}')
-                    return
-                if self._hostile(fault, model):
-                    return
-                if fault == "timeout":
-                    time.sleep(server.timeout_sleep_s)
-                message = server.answer_fn(model, messages)
-                if fault == "answer_echo":
-                    message = {
-                        "role": "assistant",
-                        "content": "ok " + _echo_forms(self.headers.get("Authorization")),
-                    }
-                prompt_chars = sum(len(str(m.get("content") or "")) for m in messages)
-                completion_chars = len(json.dumps(message))
-                payload = {
-                    "id": f"chatcmpl-{n}",
-                    "object": "chat.completion",
-                    "model": model,
-                    "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
-                    "usage": {
-                        "prompt_tokens": 1 + prompt_chars // 4,
-                        "completion_tokens": 1 + completion_chars // 4,
-                        "total_tokens": 2 + prompt_chars // 4 + completion_chars // 4,
-                    },
-                }
-                damage = BAD_PAYLOADS.get(fault)
-                try:
-                    self._send(200, _dumps(damage(payload) if damage else payload))
-                except OSError:  # client gone (killed): not answered
-                    return
-                if fault != "timeout":
-                    with server._lock:
-                        server.answered[(model, state)] += 1
-
-            def _hostile(self, fault: str, model: str) -> bool:
-                """Answer the echo/oversize faults; False when ``fault`` is not one of them."""
-                pad = server.echo_pad if isinstance(server.echo_pad, int) else server.echo_pad.get(model, 0)
-                echo = "x" * pad + _echo_forms(self.headers.get("Authorization"))
-                if fault in ("401", "500_echo"):
-                    body = json.dumps({"error": {"message": echo}}).encode()
-                    self._send(401 if fault == "401" else 500, body)
-                elif fault == "malformed_echo":
-                    self._send(200, ("<html>" + echo + "</html>").encode())
-                elif fault in ("oversize", "oversize_chunked"):
-                    self._stream_oversize(echo.encode(), chunked=fault == "oversize_chunked")
-                else:
-                    return False
-                return True
-
-            def _stream_oversize(self, head: bytes, chunked: bool) -> None:
-                total, block = server.oversize_bytes, b"y" * 65536
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                if chunked:
-                    self.send_header("Transfer-Encoding", "chunked")
-                else:
-                    self.send_header("Content-Length", str(total))
-                self.end_headers()
-                sent = 0
-                try:
-                    while sent < total:
-                        part = (head if sent == 0 else block)[: total - sent]
-                        self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part) if chunked else part)
-                        sent += len(part)
-                        with server._lock:
-                            server.oversize_sent += len(part)
-                    if chunked:
-                        self.wfile.write(b"0\r\n\r\n")
-                except OSError:  # the client stopped reading and hung up: the point of the test
-                    self.close_connection = True
-
-        return Handler
+        return type("Handler", (_Handler,), {"chat": self})
 
     def start(self) -> ChatServer:
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -314,3 +175,144 @@ class ChatServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """The OpenAI-compatible chat endpoint of :class:`ChatServer` (``chat``: the server whose plan it follows)."""
+
+    chat: ChatServer
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:  # silence (and never log headers)
+        return
+
+    def _send(self, code: int, body: bytes, headers: dict[str, str] | None = None) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        try:
+            body = json.loads(self.rfile.read(length))
+            model, messages = str(body["model"]), list(body["messages"])
+        except (ValueError, KeyError, TypeError):
+            self._send(400, b'{"error": {"message": "bad request"}}')
+            return
+        if not self.path.endswith("/chat/completions"):
+            self._send(404, b'{"error": {"message": "not found"}}')
+            return
+        state = _state(messages)
+        with self.chat._lock:
+            self.chat.total_requests += 1
+            n = self.chat.total_requests
+            self.chat.requests[(model, state)] += 1
+            self.chat.bodies.append(body)
+            self.chat.auth_headers.append(self.headers.get("Authorization"))
+            fault = self.chat._next_fault(model)
+            self.chat.in_flight += 1
+            self.chat.max_in_flight = max(self.chat.max_in_flight, self.chat.in_flight)
+        try:
+            self._answer(n, model, messages, state, fault)
+        finally:
+            with self.chat._lock:
+                self.chat.in_flight -= 1
+
+    def _answer(self, n: int, model: str, messages: list[dict[str, Any]], state: str, fault: str) -> None:
+        if self.chat.on_request is not None and self.chat.on_request(n, model, state):
+            self.close_connection = True
+            return
+        if (
+            self.chat.require_key is not None
+            and self.headers.get("Authorization") != f"Bearer {self.chat.require_key}"
+        ):
+            self._send(401, b'{"error": {"message": "invalid api key"}}')
+            return
+        if self._error_fault(fault) or self._hostile(fault, model):
+            return
+        if fault == "timeout":
+            time.sleep(self.chat.timeout_sleep_s)
+        message = self.chat.answer_fn(model, messages)
+        if fault == "answer_echo":
+            message = {
+                "role": "assistant",
+                "content": "ok " + _echo_forms(self.headers.get("Authorization")),
+            }
+        prompt_chars = sum(len(str(m.get("content") or "")) for m in messages)
+        completion_chars = len(json.dumps(message))
+        payload = {
+            "id": f"chatcmpl-{n}",
+            "object": "chat.completion",
+            "model": model,
+            "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+            "usage": {
+                "prompt_tokens": 1 + prompt_chars // 4,
+                "completion_tokens": 1 + completion_chars // 4,
+                "total_tokens": 2 + prompt_chars // 4 + completion_chars // 4,
+            },
+        }
+        damage = BAD_PAYLOADS.get(fault)
+        try:
+            self._send(200, _dumps(damage(payload) if damage else payload))
+        except OSError:  # client gone (killed): not answered
+            return
+        if fault != "timeout":
+            with self.chat._lock:
+                self.chat.answered[(model, state)] += 1
+
+    def _error_fault(self, fault: str) -> bool:
+        """Answer the error-status and broken-body faults; False when ``fault`` is not one of them."""
+        if fault == "400":
+            echo = json.dumps({"error": {"message": f"bad auth {self.headers.get('Authorization')}"}})
+            self._send(400, echo.encode())
+        elif fault in ("429", "500", "503"):
+            extra = {"Retry-After": self.chat.retry_after} if fault == "429" else None
+            self._send(int(fault), b'{"error": {"message": "injected"}}', extra)
+        elif fault == "malformed":
+            self._send(200, b'{"choices": [ this is not json')
+        elif fault == "no_choices":
+            self._send(200, b'{"object": "chat.completion"}')
+        else:
+            return False
+        return True
+
+    def _hostile(self, fault: str, model: str) -> bool:
+        """Answer the echo/oversize faults; False when ``fault`` is not one of them."""
+        pad = self.chat.echo_pad if isinstance(self.chat.echo_pad, int) else self.chat.echo_pad.get(model, 0)
+        echo = "x" * pad + _echo_forms(self.headers.get("Authorization"))
+        if fault in ("401", "500_echo"):
+            body = json.dumps({"error": {"message": echo}}).encode()
+            self._send(401 if fault == "401" else 500, body)
+        elif fault == "malformed_echo":
+            self._send(200, ("<html>" + echo + "</html>").encode())
+        elif fault in ("oversize", "oversize_chunked"):
+            self._stream_oversize(echo.encode(), chunked=fault == "oversize_chunked")
+        else:
+            return False
+        return True
+
+    def _stream_oversize(self, head: bytes, chunked: bool) -> None:
+        total, block = self.chat.oversize_bytes, b"y" * 65536
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        if chunked:
+            self.send_header("Transfer-Encoding", "chunked")
+        else:
+            self.send_header("Content-Length", str(total))
+        self.end_headers()
+        sent = 0
+        try:
+            while sent < total:
+                part = (head if sent == 0 else block)[: total - sent]
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part) if chunked else part)
+                sent += len(part)
+                with self.chat._lock:
+                    self.chat.oversize_sent += len(part)
+            if chunked:
+                self.wfile.write(b"0\r\n\r\n")
+        except OSError:  # the client stopped reading and hung up: the point of the test
+            self.close_connection = True
