@@ -102,6 +102,16 @@ def _trl(d: Json) -> str:
     )
 
 
+def _dtype(d: Json) -> str:
+    grpo = _num(cell(d, "bf16 / float32", run="grpo"))
+    sdpo = _num(cell(d, "bf16 / float32", run="sdpo (success)"))
+    support = "with" if d["machine"]["avx512_bf16"] or d["machine"]["amx_tile"] else "without"
+    return (
+        f"{d['model']}, a CPU {support} AVX512-BF16/AMX: a bf16 step takes {grpo:.2f}× a float32 step's time "
+        f"(GRPO), {sdpo:.2f}× (SDPO, EMA teacher)"
+    )
+
+
 def _prime_rl(d: Json) -> str:
     row = {"samples × tokens": "32 × 256", "method": "dppo", "layout": "packed"}
     rl = {**row, "layout": "packed_rl_weights"}
@@ -181,6 +191,7 @@ HEADLINES: tuple[Headline, ...] = (
     Headline("core", "bench_bypass_dist", "bypass on gloo processes", _bypass_dist),
     Headline("trl", "bench_trl", "`ComposerGRPOTrainer` step vs plain `GRPOTrainer`", _trl),
     Headline("trl", "bench_trl_cuda", "the same on a GPU", _on_gpu(_trl)),
+    Headline("trl", "bench_dtype", "real-model training step, bf16 vs float32 on CPU", _dtype),
     Headline("prime-rl", "bench_composer_loss", "`composer_loss` per PRIME-RL step", _prime_rl),
     Headline("prime-rl", "bench_composer_loss_cuda", "the same on a GPU", _on_gpu(_prime_rl)),
     Headline(

@@ -39,3 +39,15 @@ def test_bench_device_cuda_without_a_gpu_exits_2_in_one_line(tmp_path: Path) -> 
         .endswith("--device cuda: torch sees no CUDA device (run without --device for the CPU bench)")
     )
     assert not any(tmp_path.iterdir())
+
+
+def test_dtype_bench_runs_at_small_size(tmp_path: Path) -> None:
+    """bench_dtype.py: every (run, dtype) cell ran, and the README rows are the medians it measured."""
+    run_small_bench(BENCH.with_name("bench_dtype.py"), tmp_path)
+    data = load_bench_json(tmp_path / "bench_dtype.json")
+    assert data["small"] is True
+    med = data["median_seconds_per_step"]
+    assert set(med) == {"grpo", "sdpo (success)"}
+    for row in data["readme"]["rows"]:
+        m = med[row[0]]
+        assert row[1:] == [round(m["float32"], 2), round(m["bf16"], 2), round(m["bf16"] / m["float32"], 3)]

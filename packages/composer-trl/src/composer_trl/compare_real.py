@@ -95,7 +95,7 @@ COMMON: dict[str, Any] = {
     "beta": 0.0,
     "loss_type": "dapo",
     "temperature": 1.0,
-    "bf16": False,  # this CPU has no bf16 instructions: TRL's default would emulate it (about twice the time)
+    "bf16": False,  # one exact float32 math for every run (bench/bench_dtype.py times bf16 against it)
     "logging_steps": 1,
 }
 FULL = {"steps": 16, "held_out": 32, "seeds": 3}
