@@ -66,7 +66,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4, help="optimiser steps per cell")
     p.add_argument("--repeats", type=int, default=2, help="interleaved cells per (run, dtype)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads per cell")
-    p.add_argument("--small", action="store_true", help="tiny model, one step: CI's check that the bench works")
+    p.add_argument(
+        "--small", action="store_true", help="tiny model, one step: CI's check that the bench works"
+    )
     args = p.parse_args()
     if args.small:
         args.steps, args.repeats = 1, 1
