@@ -226,3 +226,10 @@ def test_clip_options_are_checked_by_core_only(bad, option) -> None:
     with pytest.raises(ValueError) as here:
         parse_options({"policy_loss": "clipped_surrogate", **bad})
     assert str(here.value) == str(core.value) and option in str(here.value)
+
+
+def test_the_cache_keeps_value_types_apart() -> None:
+    """1.0 and True hash alike: a cached 1.0 must not answer for a bool."""
+    assert parse_options({"adv_tau": 1.0}).adv_tau == 1.0
+    with pytest.raises(ValueError, match="'adv_tau' must be a number"):
+        parse_options({"adv_tau": True})

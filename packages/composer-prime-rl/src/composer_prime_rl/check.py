@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from composer_prime_rl import example_config
 from composer_prime_rl.options import PrimeRLLossOptions, parse_options
 
 __all__ = ["check_config", "main"]
@@ -52,18 +53,14 @@ def _overrides(args: Sequence[str]) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     it = iter(args)
     for flag in it:
-        key = None
-        for prefix in ("--trainer.loss.kwargs.", "--loss.kwargs."):
-            if flag.startswith(prefix):
-                key = flag[len(prefix) :]
-        if key is None or not key:
+        key = flag.removeprefix("--trainer.loss.kwargs.").removeprefix("--loss.kwargs.")
+        if key in (flag, ""):
             raise ConfigError(
                 f"unexpected argument {flag!r}; overrides look like --trainer.loss.kwargs.KEY VALUE "
                 "(or --loss.kwargs.KEY VALUE)."
             )
-        if "=" in key:
-            key, value = key.split("=", 1)
-        else:
+        key, eq, value = key.partition("=")
+        if not eq:
             value = next(it, None)  # type: ignore[assignment]
             if value is None:
                 raise ConfigError(f"{flag} needs a value.")
@@ -103,26 +100,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(__doc__.strip().splitlines()[0].strip("`"), file=sys.stderr if not args else sys.stdout)
         return EXIT_OK if args else EXIT_BAD_CONFIG
-    if args[0] == "--example":  # the shipped example config on stdout: `... --example rl.toml > rl.toml`
-        return _print_example(args[1] if len(args) > 1 else "rl.toml")
-    path, rest = args[0], args[1:]
     try:
-        opts = check_config(path, rest)
+        if args[0] == "--example":  # the shipped example config on stdout: `... --example rl.toml > rl.toml`
+            print(example_config(args[1] if len(args) > 1 else "rl.toml").read_text(encoding="utf-8"), end="")
+            return EXIT_OK
+        opts = check_config(args[0], args[1:])
     except ValueError as err:
-        print(f"{path}: {err}", file=sys.stderr)
+        print(f"{args[0]}: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG
-    print(f"{path}: ok ({opts})")
-    return EXIT_OK
-
-
-def _print_example(name: str) -> int:
-    from composer_prime_rl import example_config
-
-    try:
-        print(example_config(name).read_text(encoding="utf-8"), end="")
-    except ValueError as err:
-        print(f"--example: {err}", file=sys.stderr)
-        return EXIT_BAD_CONFIG
+    print(f"{args[0]}: ok ({opts})")
     return EXIT_OK
 
 

@@ -7,9 +7,8 @@ exactly the type the trainer expects. Otherwise (prime-rl is not on the package 
 it defines structurally identical dataclasses with the same field names, order, types
 and defaults, so the adapter can be developed and tested without PRIME-RL installed.
 
-Field history handled by :func:`read_ref_logprobs` and :func:`read_loss_weights`:
-``ref_logprobs`` was called ``teacher_logprobs`` before PRIME-RL commit 0be5ac45
-(2026-06-27), and ``loss_weights`` was added in that same commit.
+Field history: ``ref_logprobs`` was called ``teacher_logprobs`` before PRIME-RL commit 0be5ac45 (2026-06-27)
+(:func:`read_ref_logprobs` reads either), and ``loss_weights`` was added in that same commit (absent: None).
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from typing import Any
 
 from torch import Tensor
 
-__all__ = ["HAS_PRIME_RL", "LossInputs", "LossOutputs", "read_loss_weights", "read_ref_logprobs"]
+__all__ = ["HAS_PRIME_RL", "LossInputs", "LossOutputs", "read_ref_logprobs"]
 
 try:  # pragma: no cover - exercised only inside a PRIME-RL trainer environment
     from prime_rl.trainer.rl.loss import LossInputs, LossOutputs  # type: ignore[import-not-found, unused-ignore]
@@ -73,9 +72,3 @@ def read_ref_logprobs(inputs: Any) -> Tensor | None:
             "commit 0be5ac45); pass only ref_logprobs."
         )
     return ref if ref is not None else teacher
-
-
-def read_loss_weights(inputs: Any) -> Tensor | None:
-    """``inputs.loss_weights`` (absent on PRIME-RL before 0be5ac45: treated as None = 1.0)."""
-    weights: Tensor | None = getattr(inputs, "loss_weights", None)
-    return weights

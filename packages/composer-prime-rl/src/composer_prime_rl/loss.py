@@ -50,16 +50,15 @@ from composer_core.loss.validation import host_reads_are_free as _host_reads_are
 from composer_core.loss.validation import value_checks
 from torch import Tensor
 
-from composer_prime_rl.contract import LossInputs, LossOutputs, read_loss_weights, read_ref_logprobs
+from composer_prime_rl.contract import LossInputs, LossOutputs, read_ref_logprobs
 from composer_prime_rl.options import PrimeRLLossOptions, parse_options
 
 __all__ = ["composer_loss"]
 
 
 class _Sample(NamedTuple):
-    """The tensors of the samples one micro-batch packs (or of one sample), detached and zeroed outside
-    ``mask`` (no NaN/inf can reach the loss or its gradient). Under fresh masks (see :class:`_Unmasked`) ``mask``
-    is every token and nothing is zeroed: each call's own mask zeroes the rest of its slice."""
+    """The fields of a packed micro-batch (or of one sample), detached and zeroed outside ``mask`` (no NaN/inf
+    reaches the loss or its gradient); under fresh masks (:class:`_Unmasked`) every token, nothing zeroed."""
 
     logprobs: Tensor
     inference_logprobs: Tensor
@@ -72,8 +71,8 @@ class _Sample(NamedTuple):
 
 
 class _Suspect(NamedTuple):
-    """A packed value check failed (CPU): each sample is checked on its own slice, so the error comes from
-    the sample that holds the bad value and a clean sample still trains."""
+    """A packed value check failed (CPU): each sample rechecks its own slice, so the error names the sample
+    holding the bad value and a clean sample still trains."""
 
     raw_mask: Tensor
     mask: Tensor
@@ -81,7 +80,8 @@ class _Suspect(NamedTuple):
     kept: Tensor
 
 
-def _tensor(name: str, value: Any, length: int | None) -> Tensor:
+def _tensor(name: str, value: Any, length: int | None, *, floating: bool = True) -> Tensor:
+    """A 1-D tensor field of ``length`` tokens (any length when None), floating-point unless ``floating`` is off."""
     if not isinstance(value, Tensor):
         raise ValueError(f"LossInputs.{name} must be a torch.Tensor, got {type(value).__name__}.")
     if value.dim() != 1:
@@ -94,33 +94,25 @@ def _tensor(name: str, value: Any, length: int | None) -> Tensor:
             f"LossInputs.{name} has {value.shape[0]} tokens but trainer_logprobs has {length}; "
             "every per-token field must have the same length."
         )
+    if floating and not value.is_floating_point():
+        raise ValueError(f"LossInputs.{name} must be a floating-point tensor, got {value.dtype}.")
     return value
-
-
-def _float(name: str, value: Any, length: int | None) -> Tensor:
-    t = _tensor(name, value, length)
-    if not t.is_floating_point():
-        raise ValueError(f"LossInputs.{name} must be a floating-point tensor, got {t.dtype}.")
-    return t
 
 
 def _fields(inputs: Any, opts: PrimeRLLossOptions) -> tuple[Tensor, dict[str, Tensor]]:
     """Structural checks (no tensor values read): (raw mask, the float fields by name, trainer log-probs first and
     ref_logprobs last when channel 2 reads them)."""
-    logprobs = _float("trainer_logprobs", getattr(inputs, "trainer_logprobs", None), None)
-    n = logprobs.shape[0]
-    named = {
-        "trainer_logprobs": logprobs,
-        "inference_logprobs": _float("inference_logprobs", getattr(inputs, "inference_logprobs", None), n),
-        "advantages": _float("advantages", getattr(inputs, "advantages", None), n),
-    }
-    raw_mask = _tensor("loss_mask", getattr(inputs, "loss_mask", None), n)
-    weights = read_loss_weights(inputs)
-    if weights is not None:
-        named["loss_weights"] = _float("loss_weights", weights, n)
+    n = _tensor("trainer_logprobs", getattr(inputs, "trainer_logprobs", None), None).shape[0]
+    names = ("trainer_logprobs", "inference_logprobs", "advantages")
+    named = {name: _tensor(name, getattr(inputs, name, None), n) for name in names}
+    raw_mask = _tensor("loss_mask", getattr(inputs, "loss_mask", None), n, floating=False)
     ref = read_ref_logprobs(inputs)
-    if ref is not None and opts.alpha_sdpo != 0:
-        named["ref_logprobs"] = _float("ref_logprobs", ref, n)
+    # loss_weights: absent before PRIME-RL 0be5ac45 (None = 1.0)
+    optional = {
+        "loss_weights": getattr(inputs, "loss_weights", None),
+        "ref_logprobs": ref if opts.alpha_sdpo else None,
+    }
+    named |= {name: _tensor(name, value, n) for name, value in optional.items() if value is not None}
     return raw_mask, named
 
 
@@ -212,40 +204,36 @@ def _as_sample(named: dict[str, Tensor], kept: Tensor, mask: Tensor, stacked: Te
     )
 
 
-def _read_sample(raw_mask: Tensor, named: dict[str, Tensor]) -> tuple[_Sample, _Suspect | None]:
-    """Every field zeroed outside the mask, and every value check in one fused condition (see :func:`_passes`):
-    None when it passed, else what :func:`_recheck` needs to find the sample that failed."""
+def _read(raw_mask: Tensor | None, named: dict[str, Tensor]) -> tuple[_Sample, Tensor, _Suspect | None]:
+    """(the sample, the stacked fields [F, N], the suspect). With ``raw_mask``: every field zeroed outside it
+    and every value check in one fused condition (:func:`_passes`); the suspect, None when it passed, is what
+    :func:`_recheck` needs to find the failing sample. None (fresh masks, :class:`_Unmasked`): every token,
+    nothing zeroed nor checked yet."""
     stacked = _stack(named)
+    if raw_mask is None:
+        every = torch.ones(stacked.shape[1], dtype=torch.bool, device=stacked.device)
+        return _as_sample(named, stacked, every, stacked), stacked, None
     mask = _bool_mask(raw_mask, stacked.device)
     kept = _keep(mask, stacked)  # every field detached, zeroed outside the mask
-    total = kept.sum()  # a NaN/±inf on a selected token makes the sum non-finite
-    binary = _binary(raw_mask, stacked.device)
-    suspect = None if _passes(total, binary, named, kept) else _Suspect(raw_mask, mask, named, kept)
-    return _as_sample(named, kept, mask, stacked), suspect
-
-
-def _read_unmasked(named: dict[str, Tensor]) -> tuple[_Sample, Tensor]:
-    """Fresh masks (see :class:`_Unmasked`): every token of the packed fields, nothing zeroed nor checked yet;
-    (the sample, the stacked fields)."""
-    stacked = _stack(named)
-    every = torch.ones(stacked.shape[1], dtype=torch.bool, device=stacked.device)
-    return _as_sample(named, stacked, every, stacked), stacked
+    passed = _passes(kept.sum(), _binary(raw_mask, stacked.device), named, kept)
+    return (
+        _as_sample(named, kept, mask, stacked),
+        stacked,
+        None if passed else _Suspect(raw_mask, mask, named, kept),
+    )
 
 
 def _all_finite(stacked: Tensor, table: Tensor) -> bool:
-    """Fresh masks: whether every packed value and float table entry is finite, by one host read of their sums
-    on CPU (then no call checks its slice, and a call masks only the rows that select tokens: finite × 0 is 0;
-    backward always zeroes with ``torch.where``); False on an accelerator, with nothing read (every call checks
-    its own slice with device asserts)."""
+    """Fresh masks: whether every packed value and float table entry is finite (:attr:`_Unmasked.clean`), by one
+    host read of their sums on CPU; False on an accelerator, with nothing read."""
     if not _host_reads_are_free(stacked.device):
         return False
     return math.isfinite((stacked.sum() + table.sum()).item())
 
 
 def _own_mask(unmasked: _Unmasked, raw_mask: Tensor, named: dict[str, Tensor], start: int) -> Tensor:
-    """A call's own bool mask on the packed fields' device, after its value checks on its slice of them (as
-    the separate path checks them: one host read on CPU, device asserts on an accelerator). Skipped when the
-    micro-batch's one read found every value finite and the mask is bool."""
+    """A call's own bool mask on the packed fields' device, after the value checks of its slice (:func:`_check`),
+    skipped when the micro-batch is clean and the mask bool."""
     stacked = unmasked.stacked
     mask = _bool_mask(raw_mask, stacked.device)
     if not (unmasked.clean and raw_mask.dtype == torch.bool):
@@ -337,9 +325,8 @@ def _policy_terms(s: _Sample, opts: PrimeRLLossOptions) -> tuple[Tensor, Tensor,
     low, high = min(opts.dppo_mask_low, 1.0), min(opts.dppo_mask_high, 1.0)
     prob_diff = torch.exp(s.logprobs).sub_(torch.exp(s.inference_logprobs))  # Δp
     positive, negative = s.advantages > 0, s.advantages < 0
-    if _vectorised(
-        s.mask
-    ):  # bool algebra and a product: torch.where's CPU kernel is scalar (VECTORISED_FROM)
+    # on many tokens bool algebra and a product: torch.where's CPU kernel is scalar (VECTORISED_FROM)
+    if _vectorised(s.mask):
         dropped = ((positive & (prob_diff > high)) | (~positive & (prob_diff < -low))) & s.mask
         keep = s.mask ^ dropped
         kept_adv = s.advantages * _bits(keep)  # A is finite (0 outside the mask)
@@ -350,13 +337,7 @@ def _policy_terms(s: _Sample, opts: PrimeRLLossOptions) -> tuple[Tensor, Tensor,
     coef_ratio = kept_adv.mul_(-opts.adv_tau).mul_(ratio)  # c·ρ
     per_token = torch.addcmul(coef_ratio, log_ratio, log_ratio, value=opts.kl_tau)
     grad = torch.add(coef_ratio, log_ratio, alpha=2.0 * opts.kl_tau)
-    cols = {
-        "dropped": dropped,
-        "keep": keep,
-        "positive": positive,
-        "negative": negative,
-        "mismatch_kl": mismatch_kl,
-    }
+    cols = dict(dropped=dropped, keep=keep, positive=positive, negative=negative, mismatch_kl=mismatch_kl)
     return per_token, grad, cols
 
 
@@ -384,10 +365,9 @@ def _clipped_grad(ratio: Tensor, adv: Tensor, eps_lo: float, eps_hi: float, delt
 
 def _sdpo_terms(s: _Sample, opts: PrimeRLLossOptions) -> Tensor:
     """Channel 2 per token [seq], detached, zero outside the mask (``sampled_token_distill``): the value
-    w·(ℓ − ℓ_ref) is also its gradient coefficient by design (the k1 surrogate). Core's value checks are off (no
-    host sync, no extra kernel): this module runs its own, per sample and naming the culprit (:func:`_passes`,
-    :func:`_recheck`, :func:`_own_mask`), and a packed or fresh-mask table (:class:`_Unmasked`) may hold a bad
-    value another sample owns or select no token."""
+    w·(ℓ − ℓ_ref) is also its gradient coefficient (the k1 surrogate). Core's value checks are off (no host sync):
+    this module runs its own per sample (:func:`_passes`), and a packed table may hold another sample's bad value
+    or select no token."""
     assert s.ref_logprobs is not None
     with value_checks(enabled=False):
         return sampled_token_distill(
@@ -397,16 +377,15 @@ def _sdpo_terms(s: _Sample, opts: PrimeRLLossOptions) -> Tensor:
 
 
 class _Unmasked(NamedTuple):
-    """A micro-batch whose float fields are packed views but whose masks are not: with an rl weight stream
-    PRIME-RL's ``compute_loss`` passes each sample ``loss_mask = mask & (rl_weights != 0)``, a new tensor, and
-    ``loss_weights = rl_weights``, a view. Every per-token column is computed once over every token, nothing
-    zeroed. Each call zeroes its slice of the table outside its own mask before the matmul: ``torch.where`` over
-    the whole slice (exact, NaN/inf included), or, when one read found every entry finite (CPU), a product of
-    only the rows that select tokens (finite × 0 = 0). Backward zeroes its slice of the derivative with
-    ``torch.where``."""
+    """Fresh masks: a micro-batch whose float fields are packed views but whose masks are not (under an rl weight
+    stream PRIME-RL passes each sample ``loss_mask = mask & (rl_weights != 0)``, a new tensor, and ``loss_weights =
+    rl_weights``, a view). Every per-token column is computed once over every token, nothing zeroed; each call
+    checks its slice and zeroes it outside its own mask before the matmul: ``torch.where`` (exact, NaN/inf
+    included), or when ``clean`` only the rows that select tokens, by a product (finite × 0 = 0). Backward zeroes
+    its slice of the derivative with ``torch.where``."""
 
     stacked: Tensor  # [F, N] the packed fields (each call's value checks read its slice)
-    clean: bool  # every packed value and table entry is finite (one host read, CPU; see _all_finite)
+    clean: bool  # every packed value and table entry is finite: one host read on CPU, never on an accelerator
     # [C, 1] bool: the table rows no call's mask touches (ref_nonzero: a teacher is judged on every token of
     # the sample); None when there is none
     unmasked_rows: Tensor | None
@@ -500,11 +479,7 @@ def _pack(
 ) -> _Packed:
     """Every per-token column and gradient over the given (packed or single-sample) tensors (under no_grad);
     ``raw_mask`` None: every token, each call bringing its own mask (see :class:`_Unmasked`)."""
-    if raw_mask is None:
-        s, stacked = _read_unmasked(named)
-        suspect = None
-    else:
-        s, suspect = _read_sample(raw_mask, named)
+    s, stacked, suspect = _read(raw_mask, named)
     policy, grad, cols = _policy_terms(s, opts)
     w = s.weights
     cols["mask"] = s.mask
@@ -651,12 +626,10 @@ def composer_loss(inputs: LossInputs, **kwargs: Any) -> LossOutputs:
         ``composer/sdpo/reverse_kl_k1`` and ``composer/sdpo/skipped``. Every call of a run emits the same keys.
 
         Cost: structural checks in Python on every call. When the fields are views of packed tensors (PRIME-RL's
-        train loop splits its ``[1, N]`` micro-batch tensors by sequence length), every per-token term and value
-        check runs once over the packed tensors at the micro-batch's first sample, and each sample costs one
-        matmul over its slice; otherwise all of it runs on the sample. A mask that is a fresh tensor while the
-        float fields are packed views (PRIME-RL's ``mask & (rl_weights != 0)`` under an rl weight stream) keeps
-        the shared work: each call zeroes its slice outside its own mask. The value checks are one host read on CPU
-        and asynchronous device asserts (no host sync) on an accelerator.
+        train loop splits its ``[1, N]`` micro-batch tensors), every per-token term and value check runs once over
+        them at the micro-batch's first sample, and each sample costs one matmul over its slice (also with a fresh
+        mask per sample, under an rl weight stream); otherwise all of it runs on the sample. The value checks are
+        one host read on CPU and asynchronous device asserts (no host sync) on an accelerator.
 
         A sample whose ``loss_mask`` selects no token (PRIME-RL calls the loss for it when
         no rl weight stream exists) returns an exact 0 that is still attached to the graph
@@ -703,27 +676,6 @@ def composer_loss(inputs: LossInputs, **kwargs: Any) -> LossOutputs:
     return LossOutputs(loss=loss, metrics=dict(zip(packed.keys, values[:k], strict=True)))
 
 
-def _metric_keys(opts: PrimeRLLossOptions) -> tuple[str, ...]:
-    """The metric keys of a run (every call emits the same ones, so PRIME-RL can stack them)."""
-    keys: tuple[str, ...]
-    if opts.policy_loss == "dppo":
-        keys = (
-            "masked_mismatch_kl",
-            "unmasked_mismatch_kl",
-            "is_masked",
-            "is_masked_low",
-            "is_masked_high",
-            "masked_advantage_positive",
-            "masked_advantage_negative",
-        )
-    else:
-        keys = ("composer/policy/clip_ratio", "mismatch_kl")
-    keys += ("composer/loss/policy", "composer/loss/total")
-    if opts.alpha_sdpo > 0:
-        keys += ("composer/loss/sdpo", "composer/sdpo/reverse_kl_k1", "composer/sdpo/skipped")
-    return keys
-
-
 @functools.lru_cache(maxsize=64)
 def _plan(
     opts: PrimeRLLossOptions, names: tuple[str, ...]
@@ -734,8 +686,14 @@ def _plan(
     values, then the W bool ones that select tokens or count them (the where rows, a view of the table's last
     rows). So Σ where·where = Σ where (a 0/1 column) gives the denominators from the same matmul, and
     Σ where·0 = 0, clamped to 1, is a denominator of None."""
-    keys = _metric_keys(opts)
     policy = _DPPO_METRICS if opts.policy_loss == "dppo" else _CLIPPED_METRICS
+    keys: tuple[str, ...] = (
+        *policy,
+        "composer/loss/policy",
+        "composer/loss/total",
+    )  # every call of a run emits the same keys
+    if opts.alpha_sdpo > 0:
+        keys += ("composer/loss/sdpo", "composer/sdpo/reverse_kl_k1", "composer/sdpo/skipped")
     alone = policy | {
         "composer/loss/policy": ("composer/loss/policy", "mask", "mask"),
         "composer/loss/total": ("composer/loss/policy", "mask", "mask"),

@@ -1,18 +1,8 @@
 """The ``[trainer.loss.kwargs]`` table of ``composer_loss``, validated.
 
-PRIME-RL forwards ``CustomLossConfig.kwargs`` verbatim on every per-sample call, so a
-typo or an option that cannot work per sample would otherwise be silently ignored.
-:func:`parse_options` turns the kwargs into a frozen :class:`PrimeRLLossOptions` and raises
-``ValueError`` for anything it cannot honour, naming the option and the fix:
-
-- an unknown key (the message lists the valid ones);
-- a composer option that exists in ``composer_core.compose_loss`` but cannot be computed
-  from PRIME-RL's per-sample, sampled-token inputs (full-vocabulary SDPO and its
-  wrappers, channel 3 preference replay, per-sequence aggregation, ...): the message
-  says why and what to do instead;
-- an option of the policy loss that is not selected (e.g. ``epsilon_low`` with
-  ``policy_loss = "dppo"``), which would otherwise do nothing;
-- a value of the wrong type or out of range.
+PRIME-RL forwards ``CustomLossConfig.kwargs`` verbatim on every per-sample call, so a typo or an option that
+cannot work per sample would otherwise be silently ignored. :func:`parse_options` turns the kwargs into a frozen
+:class:`PrimeRLLossOptions` and raises ``ValueError`` for anything it cannot honour, naming the option and the fix.
 """
 
 from __future__ import annotations
@@ -24,26 +14,14 @@ from dataclasses import dataclass, fields
 from functools import lru_cache
 from typing import Any, Literal
 
-from composer_core.loss.config import (
-    DPO,
-    TAID,
-    ComposeConfig,
-    EntropyOPD,
-    PolicyOptions,
-    SDPOOptions,
-    SimPO,
-    coerce_to,
-    flat_defaults,
-    flat_option_names,
-)
-from composer_core.loss.policy import check_clip_args, dppo_loss
+from composer_core import ComposeConfig, PolicyOptions, SDPOOptions, dppo_loss
+from composer_core.loss.config import coerce_to, flat_option_names
 
 __all__ = ["PrimeRLLossOptions", "parse_options", "valid_option_names"]
 
 PolicyLoss = Literal["dppo", "clipped_surrogate"]
 
-#: composer_core's defaults (the one source of truth) for the options this adapter shares with core.
-_CORE = flat_defaults()
+#: dppo_loss's defaults (PRIME-RL's DefaultLossConfig), the one source of truth for adv_tau / kl_tau.
 _DPPO = {name: p.default for name, p in inspect.signature(dppo_loss).parameters.items()}
 
 
@@ -73,29 +51,40 @@ class PrimeRLLossOptions:
 
     Channel 3 (``beta_replay``) only accepts 0: preference pairs cannot be formed per sample.
 
-    Defaults shared with composer_core (``dppo_mask_*``, ``epsilon_*``, ``delta``, ``sdpo_token_clip``,
-    ``adv_tau``, ``kl_tau``) are read from composer_core; ``alpha_sdpo`` and ``beta_replay`` default to 0 here on
-    purpose (PRIME-RL's default loss, and channel 3 cannot run per sample).
+    Defaults shared with composer_core are composer_core's; ``alpha_sdpo`` and ``beta_replay`` default to 0 here
+    on purpose (PRIME-RL's default loss, and channel 3 cannot run per sample).
     """
 
     policy_loss: PolicyLoss = "dppo"
-    dppo_mask_low: float = typing.cast(float, _CORE["dppo_mask_low"])
-    dppo_mask_high: float = typing.cast(float, _CORE["dppo_mask_high"])
+    dppo_mask_low: float = PolicyOptions.dppo_mask_low
+    dppo_mask_high: float = PolicyOptions.dppo_mask_high
     adv_tau: float = typing.cast(float, _DPPO["adv_tau"])
     kl_tau: float = typing.cast(float, _DPPO["kl_tau"])
-    epsilon_low: float = typing.cast(float, _CORE["epsilon_low"])
-    epsilon_high: float | None = typing.cast("float | None", _CORE["epsilon_high"])
-    delta: float | None = typing.cast("float | None", _CORE["delta"])
+    epsilon_low: float = PolicyOptions.epsilon_low
+    epsilon_high: float | None = PolicyOptions.epsilon_high
+    delta: float | None = PolicyOptions.delta
     alpha_sdpo: float = 0.0
     sdpo_form: Literal["sampled"] = "sampled"
-    sdpo_token_clip: float | None = typing.cast("float | None", _CORE["sdpo_token_clip"])
+    sdpo_token_clip: float | None = SDPOOptions.token_clip
     sdpo_missing: Literal["error", "skip"] = "error"
     beta_replay: float = 0.0
 
 
 _DEFAULTS = {f.name: f.default for f in fields(PrimeRLLossOptions)}
-_DPPO_ONLY = frozenset({"dppo_mask_low", "dppo_mask_high", "adv_tau", "kl_tau"})
-_SURROGATE_ONLY = frozenset({"epsilon_low", "epsilon_high", "delta"})
+_HINTS = typing.get_type_hints(PrimeRLLossOptions)
+_CHOICES = {
+    "policy_loss": ("dppo", "clipped_surrogate"),
+    "sdpo_form": ("sampled", "auto"),
+    "sdpo_missing": ("error", "skip"),
+}
+#: the adapter's own numbers (PRIME-RL's ranges: any finite value >= 0; core's dppo bounds stop at 1)
+_OWN_NUMBERS = frozenset({"dppo_mask_low", "dppo_mask_high", "adv_tau", "kl_tau"})
+#: the options composer_core's ComposeConfig checks (its message names the option)
+_CORE_CHECKED = ("alpha_sdpo", "beta_replay", "sdpo_token_clip", "epsilon_low", "epsilon_high", "delta")
+_OTHER_POLICY = {
+    "dppo": frozenset({"epsilon_low", "epsilon_high", "delta"}),
+    "clipped_surrogate": _OWN_NUMBERS,
+}
 _SDPO_ONLY = frozenset({"sdpo_form", "sdpo_token_clip", "sdpo_missing"})
 
 _FULL_VOCAB = (
@@ -104,6 +93,7 @@ _FULL_VOCAB = (
     '(alpha_sdpo > 0 with the default sdpo_form = "sampled"), or a host that exposes logits '
     "(composer-trl, composer-verl)."
 )
+_WRAPPER = _FULL_VOCAB.format(what="TAID / entropy-aware (EOPD) SDPO wrapper")
 _PER_TOKEN_SUM = (
     "PRIME-RL sums each sample's per-token loss and divides by the global rl-token count "
     'itself (token-level, like composer\'s loss_type = "dapo" with a global normalizer); '
@@ -118,11 +108,11 @@ _CHANNEL3 = (
     "the student's rollout with a higher reward, so its advantage ranks it above the "
     "student's), and keep beta_replay = 0 here. '{key}' was given."
 )
+_NOT_HERE = "'{key}' is a composer_core.compose_loss option that is not available here."
 _ROLLOUT = (
     "composer_prime_rl handles the trainer/inference mismatch through the selected "
     "policy_loss itself (DPPO probability masks, or the clipped ratio against "
-    "inference_logprobs); '{key}' is a composer_core.compose_loss option that is not "
-    "available here."
+    "inference_logprobs); " + _NOT_HERE
 )
 _KL = (
     "In PRIME-RL, ref_logprobs carry the hinted self-teacher of channel 2, not a "
@@ -130,159 +120,92 @@ _KL = (
     "kl_tau (squared log-ratio to the inference policy) or PRIME-RL's own ref_kl "
     "component (algorithms opd / opsd)."
 )
-_CHECKS = (
-    "composer_prime_rl checks each sample's values in its own single fused read; '{key}' is a "
-    "composer_core.compose_loss option that is not available here."
+_CHECKS = "composer_prime_rl checks each sample's values in its own single fused read; " + _NOT_HERE
+
+#: why a composer_core option cannot work per sample, by core's flat-name prefix (the first match wins;
+#: "" is the rest of PolicyOptions: loss_type, max_completion_length, importance_sampling_level, sapo_*, ...)
+_REASONS = (
+    ("check_values", _CHECKS),
+    ("normalizer", _PER_TOKEN_SUM),
+    ("sdpo_normalizer", _PER_TOKEN_SUM),
+    ("replay_normalizer", _CHANNEL3),
+    ("sdpo_wrapper", _WRAPPER),
+    ("taid_", _WRAPPER),
+    ("entropy_opd_", _WRAPPER),
+    ("dpo_", _CHANNEL3),
+    ("simpo_", _CHANNEL3),
+    ("sdpo_", _FULL_VOCAB.format(what="full-vocabulary / top-k SDPO divergence")),
+    ("rollout_", _ROLLOUT),
+    ("kl_", _KL),
+    ("", _PER_TOKEN_SUM),
 )
-
-
-def _reason(key: str) -> str | None:
-    """Why a composer_core option cannot be used here (derived from core's config classes), or None."""
-    prefixes = {
-        "taid_": (TAID, _FULL_VOCAB.format(what="TAID / entropy-aware (EOPD) SDPO wrapper")),
-        "entropy_opd_": (EntropyOPD, _FULL_VOCAB.format(what="TAID / entropy-aware (EOPD) SDPO wrapper")),
-        "dpo_": (DPO, _CHANNEL3),
-        "simpo_": (SimPO, _CHANNEL3),
-        "sdpo_": (SDPOOptions, _FULL_VOCAB.format(what="full-vocabulary / top-k SDPO divergence")),
-    }
-    if key == "sdpo_wrapper":
-        return _FULL_VOCAB.format(what="TAID / entropy-aware (EOPD) SDPO wrapper")
-    for prefix, (klass, reason) in prefixes.items():
-        if key.startswith(prefix) and key[len(prefix) :] in {f.name for f in fields(klass)}:
-            return reason
-    special = {
-        "sdpo_wrapper": _FULL_VOCAB.format(what="TAID / entropy-aware (EOPD) SDPO wrapper"),
-        "dpo_variant": _CHANNEL3,
-        "replay_normalizer": _CHANNEL3,
-        "normalizer": _PER_TOKEN_SUM,
-        "sdpo_normalizer": _PER_TOKEN_SUM,
-        "check_values": _CHECKS,
-    }
-    if key in special:
-        return special[key]
-    if key in {f.name for f in fields(PolicyOptions)}:
-        if key.startswith("rollout_"):
-            return _ROLLOUT
-        if key.startswith("kl_"):
-            return _KL
-        return _PER_TOKEN_SUM  # loss_type, max_completion_length
-    return None
-
-
-#: composer_core options that cannot work per sample, each with the reason (no hand-written table: every core
-#: option that is not one of PrimeRLLossOptions' fields is here).
+#: every composer_core option that is not one of PrimeRLLossOptions' fields, with the reason it is refused
 _UNSUPPORTED: dict[str, str] = {
-    key: reason
+    key: next(reason for prefix, reason in _REASONS if key.startswith(prefix))
     for key in flat_option_names()
-    if key not in _DEFAULTS and (reason := _reason(key)) is not None
+    if key not in _DEFAULTS
 }
 
 
 def valid_option_names() -> tuple[str, ...]:
     """The keys ``[trainer.loss.kwargs]`` accepts, in declaration order."""
-    return tuple(f.name for f in fields(PrimeRLLossOptions))
-
-
-def _number(key: str, value: Any, *, minimum: float = 0.0, strict: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"'{key}' must be a number, got {value!r} ({type(value).__name__}).")
-    out = float(value)
-    if not math.isfinite(out) or out < minimum or (strict and out == minimum):
-        bound = f"> {minimum}" if strict else f">= {minimum}"
-        raise ValueError(f"'{key}' must be a finite number {bound}, got {value!r}.")
-    return out
-
-
-def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> str:
-    if value not in allowed:
-        raise ValueError(f"'{key}' must be one of {', '.join(map(repr, allowed))}, got {value!r}.")
-    return str(value)
-
-
-_HINTS = typing.get_type_hints(PrimeRLLossOptions)
+    return tuple(_DEFAULTS)
 
 
 def _coerce(key: str, value: Any) -> Any:
-    """CLI strings (``--loss.kwargs.alpha_sdpo 0.25`` arrives as ``'0.25'``) → the option's type, with the
-    coercion of composer_core's typed config; ``sdpo_token_clip = false`` (TOML has no null) → None."""
-    if key == "sdpo_token_clip" and (
-        value is False or (isinstance(value, str) and value.strip().lower() == "false")
-    ):
+    """One option's value checked against its choices, or converted to its type with composer_core's
+    ``coerce_to`` (CLI strings: ``--loss.kwargs.alpha_sdpo 0.25`` arrives as ``'0.25'``); ``sdpo_token_clip =
+    false`` (TOML has no null) → None. Typed values of the options core checks are left to core."""
+    if key in _CHOICES:
+        if key == "sdpo_form" and value in ("full", "topk", "fused"):
+            raise ValueError(_FULL_VOCAB.format(what=f"sdpo_form = {value!r}"))
+        if value not in _CHOICES[key]:  # sdpo_form "auto" can only pick "sampled" here
+            raise ValueError(f"'{key}' must be one of {', '.join(map(repr, _CHOICES[key]))}, got {value!r}.")
+        return value
+    if key == "sdpo_token_clip" and isinstance(value, bool | str) and str(value).strip().lower() == "false":
         return None
-    if not isinstance(value, str) or typing.get_origin(_HINTS[key]) is Literal:
-        return value  # typed values (TOML numbers, Python kwargs) and choices are judged by the checks below
+    if key not in _OWN_NUMBERS and not isinstance(value, str):
+        return value
     try:
-        return coerce_to(key, value, _HINTS[key])
+        out = coerce_to(key, value, _HINTS[key])
     except ValueError:
-        want = (
-            "a number" if _HINTS[key] in (float, float | None) else f"one of {typing.get_args(_HINTS[key])}"
-        )
         raise ValueError(
-            f"'{key}' must be {want}, got {value!r} (a string that does not convert); fix the value in "
+            f"'{key}' must be a number, got {value!r} ({type(value).__name__}); fix the value in "
             "[trainer.loss.kwargs] or on the command line."
         ) from None
+    if key in _OWN_NUMBERS and not 0.0 <= typing.cast(float, out) < math.inf:
+        raise ValueError(f"'{key}' must be a finite number >= 0, got {value!r}.")
+    return out
 
 
-def _build(items: tuple[tuple[str, Any], ...]) -> PrimeRLLossOptions:
-    given = dict(items)
-    valid = valid_option_names()
-    for key in given:
+def _build(items: tuple[tuple[str, type, Any], ...]) -> PrimeRLLossOptions:
+    for key, _, _ in items:
         if key in _UNSUPPORTED:
             raise ValueError(_UNSUPPORTED[key].format(key=key))
-        if key not in valid:
+        if key not in _DEFAULTS:
             raise ValueError(
                 f"Unknown option '{key}' in [trainer.loss.kwargs] for "
-                f"composer_prime_rl.composer_loss. Valid options: {', '.join(valid)}."
+                f"composer_prime_rl.composer_loss. Valid options: {', '.join(_DEFAULTS)}."
             )
-    given = {key: _coerce(key, value) for key, value in given.items()}
-
-    policy = _choice("policy_loss", given.get("policy_loss", "dppo"), ("dppo", "clipped_surrogate"))
-    stray = (_SURROGATE_ONLY if policy == "dppo" else _DPPO_ONLY) & given.keys()
-    if stray:
-        names = ", ".join(sorted(stray))
+    given = {key: _coerce(key, value) for key, _, value in items}
+    opts = {**_DEFAULTS, **given}
+    policy = opts["policy_loss"]
+    if stray := ", ".join(sorted(_OTHER_POLICY[policy] & given.keys())):
         raise ValueError(
-            f"{names} only apply to the other policy loss, but policy_loss = {policy!r}; "
-            f"remove {names} or change policy_loss."
+            f"{stray} only apply to the other policy loss, but policy_loss = {policy!r}; "
+            f"remove {stray} or change policy_loss."
         )
-
-    form = given.get("sdpo_form", "sampled")
-    if form in ("full", "topk", "fused"):
-        raise ValueError(_FULL_VOCAB.format(what=f"sdpo_form = {form!r}"))
-    # "auto" is compose_loss's choice among the forms whose inputs exist: here only "sampled".
-    _choice("sdpo_form", form, ("sampled", "auto"))
-
-    # composer_core checks the options it shares with this adapter (its message names the option): channel
-    # weights and sdpo_token_clip through its ComposeConfig, the clip arguments with clipped_surrogate's check.
-    sdpo = {k: given[k] for k in ("alpha_sdpo", "sdpo_token_clip") if k in given}
-    core = ComposeConfig.from_flat(beta_replay=given.get("beta_replay", 0.0), sdpo_form="sampled", **sdpo)
+    # composer_core checks the options it shares with this adapter, its message naming the option
+    core = ComposeConfig.from_flat(**{k: opts[k] for k in _CORE_CHECKED}, sdpo_form="sampled")
     if core.beta_replay != 0.0:
         raise ValueError(_CHANNEL3.format(key="beta_replay"))
-    alpha = core.alpha_sdpo if "alpha_sdpo" in given else typing.cast(float, _DEFAULTS["alpha_sdpo"])
-    if alpha == 0.0 and _SDPO_ONLY & given.keys():
-        names = ", ".join(sorted(_SDPO_ONLY & given.keys()))
+    if core.alpha_sdpo == 0.0 and (stray := ", ".join(sorted(_SDPO_ONLY & given.keys()))):
         raise ValueError(
-            f"{names} configure channel 2, which is off (alpha_sdpo = 0); set alpha_sdpo > 0 "
-            f"or remove {names}."
+            f"{stray} configure channel 2, which is off (alpha_sdpo = 0); set alpha_sdpo > 0 or remove {stray}."
         )
-    clip = {k: given.get(k, _DEFAULTS[k]) for k in ("epsilon_low", "epsilon_high", "delta")}
-    clip = {k: None if v is None else coerce_to(k, v, _HINTS[k]) for k, v in clip.items()}
-    check_clip_args(clip["epsilon_low"], clip["epsilon_high"], clip["delta"])
-
-    return PrimeRLLossOptions(
-        policy_loss=policy,  # type: ignore[arg-type]
-        dppo_mask_low=_number("dppo_mask_low", given.get("dppo_mask_low", _DEFAULTS["dppo_mask_low"])),
-        dppo_mask_high=_number("dppo_mask_high", given.get("dppo_mask_high", _DEFAULTS["dppo_mask_high"])),
-        adv_tau=_number("adv_tau", given.get("adv_tau", _DEFAULTS["adv_tau"])),
-        kl_tau=_number("kl_tau", given.get("kl_tau", _DEFAULTS["kl_tau"])),
-        epsilon_low=clip["epsilon_low"],
-        epsilon_high=clip["epsilon_high"],
-        delta=clip["delta"],
-        alpha_sdpo=alpha,
-        sdpo_form="sampled",
-        sdpo_token_clip=core.sdpo.token_clip,
-        sdpo_missing=_choice("sdpo_missing", given.get("sdpo_missing", "error"), ("error", "skip")),  # type: ignore[arg-type]
-        beta_replay=0.0,
-    )
+    core_values = {"sdpo_token_clip": core.sdpo.token_clip, "alpha_sdpo": core.alpha_sdpo}
+    core_values |= {k: getattr(core.policy, k) for k in ("epsilon_low", "epsilon_high", "delta")}
+    return PrimeRLLossOptions(**{**opts, **core_values, "sdpo_form": "sampled"})
 
 
 _build_cached = lru_cache(maxsize=64)(_build)
@@ -299,7 +222,8 @@ def parse_options(kwargs: dict[str, Any]) -> PrimeRLLossOptions:
             per-sample PRIME-RL loss (says why and what to do), an option of the policy
             loss that is not selected, or a bad value.
     """
-    items = tuple(sorted(kwargs.items()))
+    # the type joins the key: 1.0 and True hash alike but do not validate alike
+    items = tuple(sorted((key, type(value), value) for key, value in kwargs.items()))
     try:
         return _build_cached(items)
     except TypeError:  # an unhashable value (a list from TOML): validate uncached

@@ -1,13 +1,10 @@
 """Channel-2 producer on PRIME-RL's orchestrator: hinted self-scoring routed to the rl loss.
 
-PRIME-RL (559b447) turns a finalized episode into training signal through an ``Algorithm``
-(``prime_rl.orchestrator.algo``): ``score_episode`` (rollout-local) and ``score_group`` (group-relative)
-annotate the verifier graph; ``action_loss_type`` routes the action tokens to a loss component. Its
-``opsd`` algorithm scores each sampled branch with the **live policy** after a hint block (a leading system
-message) and ships the result as ``ref_logprobs``, but routes the tokens to the ``ref_kl`` component and
-assigns no advantage. :class:`ComposerSDPOAlgorithm` does the same hinted scoring and keeps GRPO's group
-advantages with ``action_loss_type = "rl"``, so ``composer_prime_rl.composer_loss`` (the custom rl loss)
-receives both: advantages for channel 1 and the hinted self-teacher for channel 2 (``alpha_sdpo``).
+PRIME-RL's (559b447) ``opsd`` algorithm scores each sampled branch with the **live policy** after a hint block
+and ships the result as ``ref_logprobs``, but routes the tokens to the ``ref_kl`` component with no advantage.
+:class:`ComposerSDPOAlgorithm` does the same hinted scoring and keeps GRPO's group advantages with
+``action_loss_type = "rl"``, so ``composer_prime_rl.composer_loss`` receives both: advantages for channel 1 and
+the hinted self-teacher for channel 2 (``alpha_sdpo``).
 
 The hint is the environment's feedback: ``trace.info[hint_key]`` (a verifiers reward function writes it),
 the feedback of a verifiers environment's own rewards on the trace (``hint_env = "verifiers:<module>"``, read
@@ -30,12 +27,12 @@ states that a new algorithm is registered in code, not through an import path; s
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from composer_core.sdpo.context import TeacherContextOptions, TeacherContexts, build_teacher_contexts
-from composer_core.traces.hints import HintJob, hint_jobs
+from composer_core.traces.hints import HintJob, hint_jobs, load_hint_fn
 
 __all__ = [
     "HAS_PRIME_RL_ORCHESTRATOR",
@@ -108,8 +105,7 @@ except ImportError:
                 return
             mean = sum(t.reward for t in traces) / len(traces)
             for trace in traces:
-                nodes = [n for n in trace.nodes if any(n.mask)]
-                for node in nodes:
+                for node in (n for n in trace.nodes if any(n.mask)):
                     node.advantages = [float(trace.reward - mean)] * sum(node.mask)
 
 
@@ -154,24 +150,16 @@ class ComposerSDPOSettings:
 
     @classmethod
     def from_config(cls, config: Any) -> ComposerSDPOSettings:
+        """The settings from a config's attributes (or a dict's keys); what it lacks keeps its default."""
+
+        def given(names: Iterable[str]) -> dict[str, Any]:
+            if isinstance(config, dict):
+                return {k: config[k] for k in names if k in config}
+            return {k: getattr(config, k) for k in names if hasattr(config, k)}
+
+        context = TeacherContextOptions(**given(TeacherContextOptions.__dataclass_fields__))
         names = ("hint_key", "hint_fn", "hint_env", "hint_role", "template", "sdpo_teacher")
-        ctx_names = tuple(TeacherContextOptions.__dataclass_fields__)
-        is_dict = isinstance(config, dict)
-
-        def has(k: str) -> bool:
-            return k in config if is_dict else hasattr(config, k)
-
-        def get(k: str) -> Any:
-            return config[k] if is_dict else getattr(config, k)
-
-        context = TeacherContextOptions(**{k: get(k) for k in ctx_names if has(k)})
-        return cls(**{k: get(k) for k in names if has(k)}, context=context)
-
-
-def _import(path: str) -> HintFn:
-    from composer_core.traces.hints import load_hint_fn
-
-    return load_hint_fn(path, option="composer_sdpo: hint_fn")
+        return cls(**given(names), context=context)
 
 
 def env_hint_fn(spec: str) -> HintFn:
@@ -203,13 +191,17 @@ def trace_hint_jobs(
     settings: ComposerSDPOSettings, hint_fn: HintFn | None, episode: Any, traces: Sequence[Any]
 ) -> list[HintJob[Any]]:
     """The traces that get a hint (``composer_core.traces.hints.hint_jobs``), hint formatted by ``template``."""
+    return hint_jobs(
+        traces, lambda trace: _raw_hint(settings, hint_fn, episode, trace),
+        option="composer_sdpo: the hint", template=settings.template,
+    )  # fmt: skip
 
-    def hint_of(trace: Any) -> object:
-        if hint_fn is not None:
-            return hint_fn(episode, trace)
-        return (getattr(trace, "info", None) or {}).get(settings.hint_key)
 
-    return hint_jobs(traces, hint_of, option="composer_sdpo: the hint", template=settings.template)
+def _raw_hint(settings: ComposerSDPOSettings, hint_fn: HintFn | None, episode: Any, trace: Any) -> object:
+    """The hint source's answer for one trace: ``hint_fn``'s, else ``trace.info[hint_key]``."""
+    if hint_fn is not None:
+        return hint_fn(episode, trace)
+    return (getattr(trace, "info", None) or {}).get(settings.hint_key)
 
 
 class ComposerSDPOAlgorithm(_Base):  # type: ignore[misc, valid-type]
@@ -220,8 +212,10 @@ class ComposerSDPOAlgorithm(_Base):  # type: ignore[misc, valid-type]
     def __init__(self, config: Any, policy_pool: Any) -> None:
         super().__init__(config, policy_pool)
         self.settings = ComposerSDPOSettings.from_config(config)
-        self.hint_fn = _import(self.settings.hint_fn) if self.settings.hint_fn else None
-        if self.settings.hint_env:
+        self.hint_fn: HintFn | None = None
+        if self.settings.hint_fn:
+            self.hint_fn = load_hint_fn(self.settings.hint_fn, option="composer_sdpo: hint_fn")
+        elif self.settings.hint_env:
             self.hint_fn = env_hint_fn(self.settings.hint_env)
         self.renderer: Any = getattr(config, "renderer_instance", None)
         self._renderer_config = getattr(config, "renderer", None)
@@ -253,40 +247,35 @@ class ComposerSDPOAlgorithm(_Base):  # type: ignore[misc, valid-type]
     def teacher_contexts(self, episodes: Sequence[Any]) -> tuple[list[Any], TeacherContexts]:
         """The group's traces and their teacher contexts (core's ``build_teacher_contexts``, one group).
 
-        A trace's prompt is its ``prompt`` messages (a chat prompt) or else the text of its leading unsampled nodes, its completion the text of its sampled
-        tokens; the feedback is the hint source's raw answer (``hint_fn`` / ``trace.info[hint_key]``)."""
-        traces = [trace for _, trace in iter_trainable_traces(episodes)]
-        episode_of = {id(t): ep for ep, t in iter_trainable_traces(episodes)}
+        A trace's prompt is its ``prompt`` messages (a chat prompt) or else the text of its leading unsampled nodes,
+        its completion the text of its sampled tokens; the feedback is the hint source's raw answer (``hint_fn`` /
+        ``trace.info[hint_key]``)."""
+        pairs = list(iter_trainable_traces(episodes))
+        if not pairs:
+            return [], TeacherContexts([], [], [])
         prompts: list[Any] = []
         completions: list[str] = []
-        rewards: list[float] = []
         feedback: list[str | None] = []
-        for trace in traces:
-            prefix = _prompt_prefix(trace)
-            messages = getattr(
-                trace, "prompt", None
-            )  # the chat prompt's messages, where the trace keeps them
+        for episode, trace in pairs:
+            messages = getattr(trace, "prompt", None)  # a chat prompt's messages, where the trace keeps them
             if isinstance(messages, list) and messages:
                 prompts.append(messages)
             else:
-                prompts.append(self.decode([t for n in trace.nodes[:prefix] for t in n.token_ids]))
-            sampled = [t for n in trace.nodes for t, m in zip(n.token_ids, n.mask, strict=True) if m]
-            completions.append(self.decode(sampled))
-            rewards.append(float(trace.reward))
-            raw = (
-                self.hint_fn(episode_of[id(trace)], trace)
-                if self.hint_fn
-                else ((getattr(trace, "info", None) or {}).get(self.settings.hint_key))
+                prompts.append(
+                    self.decode([t for n in trace.nodes[: _prompt_prefix(trace)] for t in n.token_ids])
+                )
+            completions.append(
+                self.decode([t for n in trace.nodes for t, m in zip(n.token_ids, n.mask, strict=True) if m])
             )
+            raw = _raw_hint(self.settings, self.hint_fn, episode, trace)
             if raw is not None and not isinstance(raw, str):
                 raise ValueError(
                     f"composer_sdpo: the feedback answered {type(raw).__name__}; return a string or None."
                 )
             feedback.append(raw)
-        if not traces:
-            return [], TeacherContexts([], [], [])
+        traces = [trace for _, trace in pairs]
         built = build_teacher_contexts(
-            prompts, completions, rewards, len(traces), self.settings.context,
+            prompts, completions, [float(t.reward) for t in traces], len(traces), self.settings.context,
             feedback=feedback if self.settings.context.uses_feedback else None,
         )  # fmt: skip
         return traces, built
@@ -299,18 +288,11 @@ class ComposerSDPOAlgorithm(_Base):  # type: ignore[misc, valid-type]
             raise RuntimeError("composer_sdpo: setup() must run before score_group (no renderer).")
         traces, built = self.teacher_contexts(episodes)
         for trace, context, keep in zip(traces, built.contexts, built.mask, strict=True):
-            if not keep:
-                continue
-            messages = context if isinstance(context, list) else [{"role": "user", "content": context}]
-            block = self.renderer.render_ids(messages, add_generation_prompt=True)
-            block = [int(i) for i in block]
-            prefix = sum(len(n.token_ids) for n in trace.nodes[: _prompt_prefix(trace)])
-            branches = [branch for branch, _ in iter_trainable_branches(trace)]
-            scores = await asyncio.gather(
-                *(self.policy_pool.score(block + list(b.token_ids)[prefix:]) for b in branches)
-            )
-            for branch, full in zip(branches, scores, strict=True):
-                assign_reference_logprobs(branch, [0.0] * prefix + list(full)[len(block) :])
+            if keep:
+                messages = context if isinstance(context, list) else [{"role": "user", "content": context}]
+                block = [int(i) for i in self.renderer.render_ids(messages, add_generation_prompt=True)]
+                prefix = sum(len(n.token_ids) for n in trace.nodes[: _prompt_prefix(trace)])
+                await self._score_branches(trace, block, prefix)
 
     async def score_episode(self, episode: Any) -> None:
         if self.renderer is None:
@@ -319,13 +301,18 @@ class ComposerSDPOAlgorithm(_Base):  # type: ignore[misc, valid-type]
             return  # the teacher context needs the whole group: score_group
         traces = [trace for _, trace in iter_trainable_traces([episode])]
         for job in trace_hint_jobs(self.settings, self.hint_fn, episode, traces):
-            trace, block = job.item, self.hint_block(job.hint)
-            branches = [branch for branch, _ in iter_trainable_branches(trace)]
-            scores = await asyncio.gather(
-                *(self.policy_pool.score(block + list(b.token_ids)) for b in branches)
-            )
-            for branch, full in zip(branches, scores, strict=True):
-                assign_reference_logprobs(branch, list(full)[len(block) :])
+            await self._score_branches(job.item, self.hint_block(job.hint))
+
+    async def _score_branches(self, trace: Any, block: list[int], prefix: int = 0) -> None:
+        """Score each trainable branch of ``trace`` with the live policy after ``block`` (which replaces the
+        branch's first ``prefix`` tokens, its prompt) and ship the log-probs as its ``ref_logprobs`` (0 on the
+        replaced prompt)."""
+        branches = [branch for branch, _ in iter_trainable_branches(trace)]
+        scores = await asyncio.gather(
+            *(self.policy_pool.score(block + list(b.token_ids)[prefix:]) for b in branches)
+        )
+        for branch, full in zip(branches, scores, strict=True):
+            assign_reference_logprobs(branch, [0.0] * prefix + list(full)[len(block) :])
 
 
 def _prompt_prefix(trace: Any) -> int:

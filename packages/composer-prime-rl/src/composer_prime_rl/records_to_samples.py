@@ -100,28 +100,28 @@ def pair_samples(
     """The PRIME-RL samples of one record's pair (see the module docstring for the two modes)."""
     if not getattr(record, "has_pair", False):
         raise ValueError(f"record {record.id!r} has no pair (chosen/rejected): filter with record.has_pair.")
-    if mode == "ce":
-        prompt_ids, chosen_ids = _tokens(tokenizer, record, "chosen", chat_template)
-        s = _sample(prompt_ids, chosen_ids, env_name, temperature)
-        s.rl_weights = [0.0] * len(s.token_ids)
-        s.ce_weights = [weight if m else 0.0 for m in s.mask]
-        return [s]
-    if mode != "rl_pair":
+    if mode not in ("ce", "rl_pair"):
         raise ValueError(f"mode={mode!r} must be 'ce' or 'rl_pair'.")
-    if scorer is None:
+    if mode == "rl_pair" and scorer is None:
         raise ValueError(
             "mode='rl_pair' needs scorer=: the rl loss needs the sampling log-probs of each trained token "
             "(score the sequence with the live policy, e.g. PRIME-RL's InferencePool.score)."
         )
     out = []
-    for side, adv in (("chosen", margin), ("rejected", -margin)):
-        prompt_ids, action_ids = _tokens(tokenizer, record, side, chat_template)
-        s = _sample(prompt_ids, action_ids, env_name, temperature)
-        logprobs = [float(x) for x in scorer(list(s.token_ids))]
-        if len(logprobs) != len(s.token_ids):
-            raise ValueError(f"scorer returned {len(logprobs)} log-probs for {len(s.token_ids)} tokens.")
-        s.logprobs = logprobs
-        s.advantages = [adv if m else 0.0 for m in s.mask]
+    sides = {"chosen": margin} if mode == "ce" else {"chosen": margin, "rejected": -margin}
+    for side, adv in sides.items():
+        s = _sample(*_tokens(tokenizer, record, side, chat_template), env_name, temperature)
+        if mode == "ce":  # supervised replay of the chosen action
+            s.rl_weights = [0.0] * len(s.token_ids)
+            s.ce_weights = [weight if m else 0.0 for m in s.mask]
+        else:
+            assert scorer is not None  # checked above
+            s.logprobs = [float(x) for x in scorer(list(s.token_ids))]
+            if len(s.logprobs) != len(s.token_ids):
+                raise ValueError(
+                    f"scorer returned {len(s.logprobs)} log-probs for {len(s.token_ids)} tokens."
+                )
+            s.advantages = [adv if m else 0.0 for m in s.mask]
         out.append(s)
     return out
 

@@ -31,8 +31,7 @@ class UpstreamUnavailable(LookupError):
 
 def _module(name: str, **attrs: Any) -> types.ModuleType:
     mod = types.ModuleType(name)
-    for key, value in attrs.items():
-        setattr(mod, key, value)
+    mod.__dict__.update(attrs)
     return mod
 
 
