@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from composer_diloco import NonFiniteObjectError, ObjectStoreAllReduce
+from composer_diloco import CorruptObjectError, NonFiniteObjectError, ObjectStoreAllReduce
 from composer_diloco.object_store import backend, codec, protocol
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -409,6 +409,70 @@ def test_a_non_finite_small_tensor_is_named_when_published_and_when_read(
     assert all(torch.equal(a, b) for a, b in zip(good.tensors, tensors))
     with pytest.raises(NonFiniteObjectError, match=rf"tensor {where} holds NaN/inf"):
         stores[0].decode(_unchecked_object(stores[1], poisoned), round_id=0, rank=1)
+
+
+def test_s3_reads_the_peers_objects_and_markers_at_once(
+    moto_s3: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """k = 3 on S3: a replica reads its two peers' objects, and their markers, with one ``fs.cat`` of both keys
+    (s3fs sends the GETs concurrently), not one GET after the other."""
+    run = uuid.uuid4().hex[:8]
+    stores = [
+        ObjectStoreAllReduce("s3://diloco-test/cat", run, rank=r, world_size=3, storage_options=moto_s3)
+        for r in range(3)
+    ]
+    batches: list[list[str]] = []
+    cat = stores[0].fs.cat  # one filesystem instance serves the three stores
+
+    def recorded(paths: Any, *args: Any, **kwargs: Any) -> Any:
+        batches.append([str(p).rsplit("/", 1)[-1] for p in paths])
+        return cat(paths, *args, **kwargs)
+
+    monkeypatch.setattr(stores[0].fs, "cat", recorded)
+    for round_id, out in zip(range(2), _run_rounds(stores, range(2))):
+        assert all(torch.equal(o, torch.full((64,), round_id + 1.0)) for o in out)
+    both = [b for b in batches if len(b) == 2]
+    assert any(all(n.startswith("rank-") and n.endswith(".bin") for n in b) for b in both), batches
+    assert any(all(n.startswith("rank-") and n.endswith(".json") for n in b) for b in both), batches
+    stores[0].cleanup_run()
+
+
+@pytest.mark.parametrize("quantize", [False, True], ids=["fp32", "fp8"])
+def test_s3_objects_are_written_from_one_buffer_kept_across_rounds(
+    moto_s3: dict[str, Any], quantize: bool
+) -> None:
+    """On S3 a round's object goes up from a buffer kept across rounds (a fresh payload-sized copy each round
+    cost its page faults every round), resized in place when the header's length changes (round 9 to 10, fp8
+    scales): every stored object is the encoded one."""
+    store = ObjectStoreAllReduce(
+        "s3://diloco-test/body", uuid.uuid4().hex[:8], rank=0, world_size=1, storage_options=moto_s3
+    )
+    buffers = set()
+    for round_id in range(8, 12):
+        values = [torch.randn(1000, generator=torch.Generator().manual_seed(round_id)), torch.randn(3, 5)]
+        want = store.encode(round_id, values, quantize=quantize)
+        store.allreduce(round_id, values, quantize=quantize)
+        assert store.fs.cat_file(store.object_key(round_id, 0)) == want
+        buffers.add(id(store._bodies["obj"]))
+    assert len(buffers) == 1
+    store.cleanup_run()
+
+
+def test_the_checksum_pass_finds_a_non_finite_value_past_its_first_block(tmp_path: Path) -> None:
+    """NaN/inf is checked block by block in the checksum's pass: one in the last block of a tensor of several
+    blocks is named on publish and on read, and a corrupted body that also holds one is named corrupt."""
+    stores = [ObjectStoreAllReduce(f"file://{tmp_path}", "run", rank=r, world_size=2) for r in (0, 1)]
+    tensors = [torch.ones(10), torch.randn(3 * codec._BLOCK // 4 + 5), torch.ones(3, dtype=torch.bfloat16)]
+    tensors[1][-2] = float("inf")
+    with pytest.raises(ValueError, match="tensor 1 of rank 1 in round 0 holds NaN/inf; refusing"):
+        stores[1].allreduce(0, tensors)
+    data = _unchecked_object(stores[1], tensors)
+    with pytest.raises(NonFiniteObjectError, match="tensor 1 holds NaN/inf"):
+        stores[0].decode(data, round_id=0, rank=1)
+    bad = bytearray(data)
+    bad[-20] ^= 0x01  # in the last block of tensor 1
+    with pytest.raises(CorruptObjectError, match="fails its checksum"):
+        stores[0].decode(bytes(bad), round_id=0, rank=1)
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ import posixpath
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from .codec import Codec, Encoded, Payload
@@ -39,6 +39,7 @@ class Backend(Codec):
     _memory: bool
     _s3: bool
     _buffers: dict[str, bytearray]
+    _bodies: dict[str, bytearray]
     bytes_written: int
     bytes_read: int
     s3_part_bytes: int
@@ -57,16 +58,16 @@ class Backend(Codec):
             self.fs.pipe_file(key, data)
         self.bytes_written += len(data)
 
-    def put_if_absent(self, key: str, data: bytes | Encoded) -> bool:
+    def put_if_absent(self, key: str, data: bytes | Encoded, slot: str = "") -> bool:
         """Create ``key`` only if it does not exist (conditional put); True if we created it. Readers see
-        all of ``data`` or nothing."""
+        all of ``data`` or nothing. ``slot``: the buffer kept across rounds for its body (:meth:`_body`)."""
         enc = data if isinstance(data, Encoded) else Encoded(bytes(data), [], b"")
-        created = self._create(key, enc)
+        created = self._create(key, enc, slot)
         if created:
             self.bytes_written += enc.size
         return created
 
-    def _create(self, key: str, enc: Encoded) -> bool:
+    def _create(self, key: str, enc: Encoded, slot: str) -> bool:
         if self._local:  # straight from the tensors' memory: no joined copy
             tmp = self._write_tmp([memoryview(enc.head), *enc.chunks])
             try:
@@ -76,7 +77,7 @@ class Backend(Codec):
                 return False
             finally:
                 os.unlink(tmp)
-        data = enc.tobytes()  # one copy: fsspec clients want one bytes-like body
+        data = self._body(enc, slot)
         if self._memory:
             with _MEMORY_LOCK:
                 if self.fs.exists(key):
@@ -101,6 +102,29 @@ class Backend(Codec):
             if self._s3:
                 self.fs.invalidate_cache(key)
 
+    def _body(self, enc: Encoded, slot: str) -> bytes | bytearray:
+        """``enc`` as the one bytes-like body fsspec clients take (one copy). On S3 a payload is copied into a
+        bytearray kept for ``slot`` across rounds (s3fs is done with it when its write returns): a fresh
+        payload-sized copy each round cost its page faults every round, 9 of a 16 MiB round's ~150 ms on a VM
+        that hands freed memory back to its host."""
+        if not (self._s3 and slot and enc.chunks):
+            return enc.tobytes()
+        buf = self._bodies.get(slot)
+        if buf is not None:
+            try:
+                del buf[enc.size :]  # a shorter object (its header): the buffer keeps its memory
+                buf.extend(bytes(enc.size - len(buf)))  # a longer one grows it, in place by a few bytes
+            except BufferError:  # still exported (by a write that failed)
+                buf = None
+        if buf is None:
+            buf = self._bodies[slot] = bytearray(enc.size)
+        with memoryview(buf) as view:
+            pos = 0
+            for piece in (memoryview(enc.head), *enc.chunks):
+                view[pos : pos + len(piece)] = piece
+                pos += len(piece)
+        return buf
+
     def _write_tmp(self, pieces: list[memoryview] | list[bytes]) -> str:
         """A complete temporary file in the run's ``tmp/`` folder (the filesystem of every key) holding
         ``pieces``; a failed write (a full disk) leaves none behind."""
@@ -123,42 +147,42 @@ class Backend(Codec):
         return memoryview(buf)[:size]
 
     def _read(self, key: str, slot: str | None = None) -> Payload | None:
-        """The object's bytes, or None if absent. With ``slot`` on a local filesystem the object is mapped or
-        read into a buffer kept for that slot across rounds (:meth:`_read_local`)."""
-        if self._local:
-            if slot is not None:
-                return self._read_local(key, slot)
-            try:  # a manifest or a marker: one open and read
-                with open(key, "rb") as f:
-                    data = f.read()
-            except FileNotFoundError:
-                return None
-            self.bytes_read += len(data)
-            return data
-        self.fs.invalidate_cache(posixpath.dirname(key))  # s3fs answers from a stale listing otherwise
-        try:  # one GET, no HEAD first (s3fs sends one unless max_concurrency=1)
-            data = self.fs.cat_file(key, **({"max_concurrency": 1} if self._s3 else {}))
-        except FileNotFoundError:
-            return None
-        self.bytes_read += len(data)
-        return bytes(data)
+        """The object's bytes, or None if absent (:meth:`_read_many`)."""
+        return self._read_many([key], [slot])[0]
 
-    def _read_local(self, key: str, slot: str) -> memoryview | None:
-        """A local object's bytes. Of ``_MAP_MIN`` bytes or more, unsigned: mapped copy-on-write, so the
-        checksum and the sum read the page cache in place (objects are create-only and deletion keeps a
-        mapping valid, so the mapped bytes are the checked bytes). Otherwise read into the slot's buffer; a
-        signed object is always copied, since an untrusted writer could change a mapped file between its check
-        and its use."""
+    def _read_many(self, keys: Sequence[str], slots: Sequence[str | None]) -> list[Payload | None]:
+        """The objects' bytes, None for each absent one. Local ones straight from the OS (:meth:`_read_local`);
+        others with one ``fs.cat``: a GET each, no HEAD first (s3fs sends one unless max_concurrency=1), all at
+        once (s3fs, as every async fsspec backend, sends them concurrently)."""
+        if self._local or not keys:
+            return [self._read_local(key, slot) for key, slot in zip(keys, slots)]
+        for folder in {posixpath.dirname(key) for key in keys}:
+            self.fs.invalidate_cache(folder)  # s3fs answers from a stale listing otherwise
+        got = self.fs.cat(list(keys), on_error="return", **({"max_concurrency": 1} if self._s3 else {}))
+        out: list[Payload | None] = []
+        for data in (got[key] for key in keys):
+            if isinstance(data, BaseException) and not isinstance(data, FileNotFoundError):
+                raise data
+            out.append(None if isinstance(data, FileNotFoundError) else bytes(data))
+            self.bytes_read += len(out[-1] or b"")
+        return out
+
+    def _read_local(self, key: str, slot: str | None) -> memoryview | None:
+        """A local object's bytes. With a ``slot``, of ``_MAP_MIN`` bytes or more, unsigned: mapped
+        copy-on-write, so the checksum and the sum read the page cache in place (objects are create-only and
+        deletion keeps a mapping valid, so the mapped bytes are the checked bytes). Otherwise read into the slot's
+        buffer (a new one without a slot: a manifest, a marker); a signed object is always copied, since an
+        untrusted writer could change a mapped file between its check and its use."""
         try:
             f = open(key, "rb", buffering=0)  # noqa: SIM115  # closed below, also when mapped
         except FileNotFoundError:
             return None
         with f:
             size = os.fstat(f.fileno()).st_size
-            if size >= _MAP_MIN and self._hmac_key is None:
+            if slot is not None and size >= _MAP_MIN and self._hmac_key is None:
                 self.bytes_read += size
                 return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
-            view, got = self._slot(slot, size), 0
+            view, got = (memoryview(bytearray(size)) if slot is None else self._slot(slot, size)), 0
             while got < size:  # a file shorter than its size a moment ago reads short: its digest fails
                 n = f.readinto(view[got:])
                 if not n:

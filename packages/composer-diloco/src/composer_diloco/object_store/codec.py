@@ -42,6 +42,7 @@ _OLD_FORMATS = {  # refused by name: an upgraded run needs a new run_id
 HMAC_KEY_ENV = "COMPOSER_DILOCO_HMAC_KEY"
 MIN_HMAC_KEY_BYTES = 16
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+_BLOCK = 512 << 10  # bytes of a tensor hashed and then checked finite while they are in cache
 _DIGEST = 32
 _HEAD = len(MAGIC) + _DIGEST + 8  # magic, tag, len(meta) and len(digest) as 4-byte little-endian ints
 _NUMPY_DTYPES = (torch.float16, torch.float32, torch.float64)
@@ -135,7 +136,7 @@ class Codec:
         """(the object, this replica's contribution as decoded)."""
         forms = [wire_form(t, i, self.rank, round_id, quantize) for i, t in enumerate(tensors)]
         meta = self._meta(round_id, self.rank, quantized=quantize, layout=[entry for _, entry, _ in forms])
-        enc = self._pack(meta, [wire for wire, _, _ in forms])
+        enc = self._pack(meta, [wire for wire, _, _ in forms], check_finite=not quantize)
         return enc, Decoded(meta, [own for *_, own in forms], enc.size, enc.tag)
 
     def _meta(self, round_id: int, rank: int, **extra: Any) -> dict[str, Any]:
@@ -147,14 +148,19 @@ class Codec:
             **extra,
         }
 
-    def _pack(self, meta: dict[str, Any], wires: Sequence[torch.Tensor]) -> Encoded:
+    def _pack(
+        self, meta: dict[str, Any], wires: Sequence[torch.Tensor], *, check_finite: bool = False
+    ) -> Encoded:
         """Header (with the body's digest) + zero-copy views of the wire tensors: the digest is computed over
-        the tensors' own memory; no joined copy of the payload is made here."""
+        the tensors' own memory; no joined copy of the payload is made here. With ``check_finite``, NaN/inf is
+        refused in the same pass (:func:`_scan`)."""
         chunks = [bytes_view(w) for w in wires]
         for entry, chunk in zip(meta["layout"], chunks):
             entry["nbytes"] = chunk.nbytes
         meta_bytes = json.dumps(meta).encode()
-        digest = _body_digest(self._hmac_key is not None, chunks)
+        digest, bad = _scan(self._hmac_key is not None, list(zip(chunks, wires)), check_finite)
+        if bad is not None:
+            raise non_finite(bad, meta["rank"], meta["round"])
         lead = _u32(len(meta_bytes)) + _u32(len(digest)) + meta_bytes + digest
         tag = self._tag(lead)
         return Encoded((MAGIC_HMAC if self._hmac_key is not None else MAGIC) + tag + lead, chunks, tag, wires)
@@ -199,11 +205,11 @@ class Codec:
                 "verify it: give every replica the same secret."
             )
 
-    def _verify(self, data: Payload, key: str) -> tuple[dict[str, Any], memoryview, bytes]:
-        """Check the header, the tag and the body's digest; return (meta, body, tag). Any flipped byte is
-        caught: in the tag, lengths, meta or digest by the tag (SHA-256 / HMAC-SHA256 over them); in the body by
-        its XXH3-64 (a random corruption passes with probability 2^-64) or SHA-256; a truncated body by its
-        length."""
+    def _verify(self, data: Payload, key: str) -> tuple[dict[str, Any], memoryview, bytes, memoryview]:
+        """Check the header, the tag and the body's length; return (meta, body, tag, the body's digest as
+        listed). Any flipped byte is caught: in the tag, lengths, meta or digest by the tag (SHA-256 /
+        HMAC-SHA256 over them); a truncated body by its length; in the body by its XXH3-64 (a random corruption
+        passes with probability 2^-64) or SHA-256, which :meth:`decode` computes."""
         view = memoryview(data)
         view = view if view.format == "B" else view.cast("B")
         self._check_header(view, key)
@@ -223,9 +229,7 @@ class Codec:
         body = view[end:]
         if sum(sizes) != len(body):
             raise self._damaged(key, len(view), f"body of {len(body)} bytes, its header lists {sum(sizes)}")
-        if _body_digest(self._hmac_key is not None, [body]) != view[_HEAD + meta_len : end]:
-            raise self._damaged(key, len(view), f"body bytes 0-{len(body)}")
-        return meta, body, tag
+        return meta, body, tag, view[_HEAD + meta_len : end]
 
     def decode(
         self,
@@ -239,7 +243,16 @@ class Codec:
         """Validate and deserialise an object; raise :class:`CorruptObjectError` naming ``key``
         (:class:`AuthenticationError` for a missing/wrong HMAC, :class:`NonFiniteObjectError`
         for NaN/inf values)."""
-        meta, body, tag = self._verify(data, key)
+        meta, body, tag, digest = self._verify(data, key)
+        quantized = bool(meta.get("quantized"))
+        try:
+            parts, tensors = _tensors(meta, body)
+        except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as exc:
+            raise CorruptObjectError(f"object {key} has an invalid tensor layout: {exc}") from exc
+        # one read of the body: its checksum and (unless quantized: checked below, dequantized) finite values
+        got, bad = _scan(self._hmac_key is not None, parts, not quantized)
+        if got != digest:
+            raise self._damaged(key, len(data), f"body bytes 0-{len(body)}")
         if meta.get("exchange", "full") != self.exchange:
             raise CorruptObjectError(
                 f"object {key} was written by a replica with exchange={meta.get('exchange', 'full')!r}, "
@@ -248,16 +261,13 @@ class Codec:
         for name, want in {**self._meta(round_id, rank), **(expect or {})}.items():
             if meta.get(name) != want:
                 raise CorruptObjectError(f"object {key} has {name}={meta.get(name)!r}, expected {want!r}.")
-        try:
-            tensors = _tensors(meta, body)
-        except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as exc:
-            raise CorruptObjectError(f"object {key} has an invalid tensor layout: {exc}") from exc
-        for i, t in enumerate(tensors):
-            if not all_finite(t):
-                raise NonFiniteObjectError(
-                    f"object {key} passes its checksum but tensor {i} holds NaN/inf; it is never "
-                    "averaged (a replica with a diverged inner loop, or a foreign writer)."
-                )
+        if quantized:
+            bad = next((i for i, t in enumerate(tensors) if not all_finite(t)), None)
+        if bad is not None:
+            raise NonFiniteObjectError(
+                f"object {key} passes its checksum but tensor {bad} holds NaN/inf; it is never "
+                "averaged (a replica with a diverged inner loop, or a foreign writer)."
+            )
         return Decoded(meta, tensors, len(data), tag)
 
     # ---- signed JSON (manifests, markers) ---------------------------------------------
@@ -290,8 +300,12 @@ class Codec:
         return obj
 
 
-def _tensors(meta: Mapping[str, Any], body: memoryview) -> list[torch.Tensor]:
-    """The tensors ``meta``'s layout places in ``body`` (views of it, dequantized if quantized)."""
+def _tensors(
+    meta: Mapping[str, Any], body: memoryview
+) -> tuple[list[tuple[memoryview, torch.Tensor]], list[torch.Tensor]]:
+    """The (bytes, tensor) parts ``meta``'s layout places in ``body`` (views of it, as on the wire) and the
+    tensors they stand for (the same views, or dequantized)."""
+    parts: list[tuple[memoryview, torch.Tensor]] = []
     tensors: list[torch.Tensor] = []
     offset = 0
     for entry in meta["layout"]:
@@ -304,19 +318,33 @@ def _tensors(meta: Mapping[str, Any], body: memoryview) -> list[torch.Tensor]:
             raise ValueError(f"tensor of shape {shape} cannot occupy {nbytes} bytes at offset {offset}")
         raw = frombuffer(body, nbytes, offset, wire)
         t = raw if len(shape) == 1 else raw.view(shape)
+        parts.append((body[offset : offset + nbytes], t))
         tensors.append(dequantize_fp8(t, float(entry["scale"])) if meta.get("quantized") else t)
         offset += nbytes
     if offset != len(body):
         raise ValueError(f"{len(body) - offset} trailing bytes beyond the layout")
-    return tensors
+    return parts, tensors
 
 
-def _body_digest(signed: bool, chunks: Sequence[memoryview]) -> bytes:
-    """One checksum over the concatenated ``chunks``: SHA-256 for signed objects, else XXH3-64 (big-endian)."""
+def _scan(
+    signed: bool, parts: Sequence[tuple[memoryview, torch.Tensor]], check: bool
+) -> tuple[bytes, int | None]:
+    """One read of a body given as (bytes, tensor over them) parts in order: its checksum (SHA-256 for signed
+    objects, else XXH3-64, big-endian) and, with ``check``, the index of the first part holding NaN/inf (None
+    if none). Each block of ``_BLOCK`` bytes is checked right after it is hashed, while it is in cache."""
     h: Any = hashlib.sha256() if signed else xxhash.xxh3_64()
-    for chunk in chunks:
-        h.update(chunk)
-    return bytes(h.digest())
+    bad: int | None = None
+    for i, (view, t) in enumerate(parts):
+        if not check or bad is not None:
+            h.update(view)
+            continue
+        flat, size = t.reshape(-1), t.element_size()
+        step = _BLOCK // size
+        for lo in range(0, flat.numel(), step):
+            h.update(view[lo * size : (lo + step) * size])
+            if bad is None and not all_finite(flat[lo : lo + step]):
+                bad = i
+    return bytes(h.digest()), bad
 
 
 def non_finite(i: int, rank: int, round_id: int) -> ValueError:
@@ -329,13 +357,14 @@ def non_finite(i: int, rank: int, round_id: int) -> ValueError:
 def wire_form(
     t: object, i: int, rank: int, round_id: int, quantize: bool
 ) -> tuple[torch.Tensor, dict[str, Any], torch.Tensor]:
-    """(wire tensor, layout entry, this replica's own contribution) of tensor ``i``, checked finite. A
-    contiguous CPU tensor is used in place (no copy)."""
+    """(wire tensor, layout entry, this replica's own contribution) of tensor ``i``. A contiguous CPU tensor is
+    used in place (no copy) and checked finite when it is packed (:meth:`Codec._pack`, in the checksum's pass);
+    one to quantize is checked here."""
     if not isinstance(t, torch.Tensor) or not torch.is_floating_point(t):
         raise ValueError(f"tensor {i} must be a floating-point torch.Tensor, got {type(t).__name__}.")
     plain = t.is_cpu and not t.requires_grad and t.is_contiguous()
     host = t if plain else t.detach().to("cpu").contiguous()
-    if not all_finite(host):
+    if quantize and not all_finite(host):
         raise non_finite(i, rank, round_id)
     entry: dict[str, Any] = {
         "shape": list(host.shape),

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .backend import Backend
-from .codec import _DIGEST, Decoded
+from .codec import _DIGEST, Decoded, Payload
 from .errors import CorruptObjectError, RoundConflictError, RoundExpiredError
 
 
@@ -79,10 +79,12 @@ class Manifests(Backend):
 
     def _read_marker(self, rank: int) -> dict[int, str] | None:
         """Replica ``rank``'s progress marker: ``{round: manifest fingerprint}`` (None if absent)."""
-        key = self.marker_key(rank)
-        raw = self._read(key)
+        return self._parse_marker(rank, self._read(self.marker_key(rank)))
+
+    def _parse_marker(self, rank: int, raw: Payload | None) -> dict[int, str] | None:
         if raw is None:
             return None
+        key = self.marker_key(rank)
         obj = self._load_json(bytes(raw), key)
         try:
             if obj["run_id"] != self.run_id or obj["rank"] != rank:
@@ -93,12 +95,12 @@ class Manifests(Backend):
 
     def _read_markers(self, skip: int | None = None) -> dict[int, dict[int, str]]:
         own = self._marker  # this replica's marker is only written by itself: no GET once known
-        markers = {
-            r: dict(own) if r == self.rank and own is not None else self._read_marker(r)
-            for r in range(self.world_size)
-            if r != skip
-        }
-        return {r: m for r, m in markers.items() if m is not None}
+        ranks = [r for r in range(self.world_size) if r != skip and (r != self.rank or own is None)]
+        raws = self._read_many([self.marker_key(r) for r in ranks], [None] * len(ranks))  # at once on S3
+        markers = {r: self._parse_marker(r, raw) for r, raw in zip(ranks, raws)}
+        if own is not None and skip != self.rank:
+            markers[self.rank] = dict(own)
+        return {r: m for r, m in sorted(markers.items()) if m is not None}
 
     def _commit_evidence(self, round_id: int) -> str | None:
         """Why round ``round_id`` must already be committed (None if nothing says so)."""

@@ -169,6 +169,7 @@ class ObjectStoreAllReduce(Sharded):
         self._hmac = read_hmac_key(hmac_key_env, require_hmac)
         self.exchange = exchange
         self._buffers: dict[str, bytearray] = {}  # read buffers reused across rounds (local stores)
+        self._bodies: dict[str, bytearray] = {}  # bodies of S3 writes, reused across rounds
         self._acc: list[torch.Tensor] = []  # float32 accumulators reused across rounds
         self._scratch: torch.Tensor | None = None  # the direct average's float32 piece, kept across rounds
         # a local filesystem's paths are the OS's: small reads and listings skip fsspec
@@ -356,7 +357,7 @@ class ObjectStoreAllReduce(Sharded):
         """Create this replica's object; if it exists already (a re-run of the round), return the
         stored one: objects are immutable, other replicas may have read it. True if reused."""
         key = self.object_key(round_id, self.rank)
-        created = self.put_if_absent(key, data)
+        created = self.put_if_absent(key, data, slot="obj")
         if created:
             return own, False
         raw = self._read(key, slot=f"obj-{self.rank}")
@@ -375,23 +376,20 @@ class ObjectStoreAllReduce(Sharded):
 
     def _gather(self, round_id: int, manifest: Manifest, decoded: dict[int, Decoded]) -> dict[int, Decoded]:
         """The committed objects: each participant's object with the tag the manifest lists."""
-        out: dict[int, Decoded] = {}
-        for r in manifest.ranks:
-            have = decoded.get(r)
-            if have is None or have.tag != manifest.tags[r]:
-                key = self.object_key(round_id, r)
-                raw = self._read(key, slot=f"obj-{r}")
-                if raw is None:
-                    raise self._expired(round_id, f"its manifest lists rank {r}", f"{key} is gone")
-                have = self.decode(raw, round_id=round_id, rank=r, key=key)
-                if have.tag != manifest.tags[r]:
-                    raise CorruptObjectError(
-                        f"object {key} is not the one committed in round {round_id}'s manifest (its tag "
-                        "differs): it was replaced after the round was committed. Objects are create-only; "
-                        "something else writes to this run's prefix."
-                    )
-            out[r] = have
-        return out
+        out = {r: decoded[r] for r in manifest.ranks if r in decoded and decoded[r].tag == manifest.tags[r]}
+        ranks = [r for r in manifest.ranks if r not in out]
+        keys = [self.object_key(round_id, r) for r in ranks]
+        for r, key, raw in zip(ranks, keys, self._read_many(keys, [f"obj-{r}" for r in ranks])):
+            if raw is None:
+                raise self._expired(round_id, f"its manifest lists rank {r}", f"{key} is gone")
+            out[r] = self.decode(raw, round_id=round_id, rank=r, key=key)
+            if out[r].tag != manifest.tags[r]:
+                raise CorruptObjectError(
+                    f"object {key} is not the one committed in round {round_id}'s manifest (its tag "
+                    "differs): it was replaced after the round was committed. Objects are create-only; "
+                    "something else writes to this run's prefix."
+                )
+        return {r: out[r] for r in manifest.ranks}
 
     def _await_manifest(
         self, round_id: int, decoded: dict[int, Decoded], problems: dict[int, CorruptObjectError]
@@ -477,10 +475,10 @@ class ObjectStoreAllReduce(Sharded):
         decoded: dict[int, Decoded],
         problems: dict[int, CorruptObjectError],
     ) -> None:
-        """Read and validate the objects of ``ranks`` that exist now."""
-        for r in ranks:
-            key = self.object_key(round_id, r)
-            raw = self._read(key, slot=f"obj-{r}")
+        """Read (at once on an object store: :meth:`_read_many`) and validate the objects of ``ranks`` that exist
+        now."""
+        keys = [self.object_key(round_id, r) for r in ranks]
+        for r, key, raw in zip(ranks, keys, self._read_many(keys, [f"obj-{r}" for r in ranks])):
             if raw is None:
                 continue
             try:

@@ -72,7 +72,7 @@ class Sharded(Manifests):
                 layout=layout,
             )
             shards[self.shard_key(round_id, self.rank, s, nonce)] = self._pack(
-                meta, [piece(wire, s, k) for wire, _, _ in forms]
+                meta, [piece(wire, s, k) for wire, _, _ in forms], check_finite=not quantize
             )
         self._put_many(shards)
         meta = self._meta(
@@ -100,7 +100,7 @@ class Sharded(Manifests):
                         f"{key} already exists: a fresh shard key collided; retry the round."
                     )
             return
-        self.fs.pipe({key: enc.tobytes() for key, enc in objects.items()})
+        self.fs.pipe({key: self._body(enc, f"shard-{s}") for s, (key, enc) in enumerate(objects.items())})
         self.bytes_written += sum(enc.size for enc in objects.values())
 
     def _sharded_result(
@@ -155,12 +155,11 @@ class Sharded(Manifests):
         """Σ over the participants (rank order) of their shard ``s``, ``/ n`` for avg; create it
         as ``reduced-<s>.bin`` and return the stored one (another replica may have been first)."""
         k = self.world_size
-        inputs = []
-        for r in manifest.ranks:
-            if r == self.rank and local is not None:
-                inputs.append([piece(t, s, k) for t in local.tensors])
-            else:
-                inputs.append(self._read_shard(round_id, indexes[r], r, s).tensors)
+        own = [] if local is None else [piece(t, s, k) for t in local.tensors]
+        read = self._read_shards(
+            round_id, indexes, [r for r in manifest.ranks if r != self.rank or local is None], s
+        )
+        inputs = [read.get(r, own) for r in manifest.ranks]
         sums = [piece(acc, s, k) for acc in self._acc]  # reduced straight into the accumulators
         finite = sum_into(sums, inputs, op)
         layout = [{"shape": [t.numel()], "dtype": "float32", "wire": "float32", "scale": None} for t in sums]
@@ -177,7 +176,7 @@ class Sharded(Manifests):
         )
         # published as it is: a sum beyond float32 (op="sum") is refused by every replica, its readers promptly
         reduced = self._pack(meta, sums)
-        if self.put_if_absent(self.reduced_key(round_id, s), reduced):
+        if self.put_if_absent(self.reduced_key(round_id, s), reduced, slot=f"reduced-{s}"):
             if not all(finite):
                 raise NonFiniteResultError(overflow_message(round_id, f"reduced shard {s}", op))
             return sums
@@ -188,18 +187,23 @@ class Sharded(Manifests):
             )
         return stored
 
-    def _read_shard(self, round_id: int, index: Decoded, rank: int, s: int) -> Decoded:
-        key = self.shard_key(round_id, rank, s, str(index.meta["nonce"]))
-        raw = self._read(key, slot=f"shard-{rank}")
-        if raw is None:
-            raise self._expired(round_id, f"its manifest lists rank {rank}", f"{key} is gone")
-        shard = self.decode(raw, round_id=round_id, rank=rank, key=key, expect={"kind": "shard", "shard": s})
-        if shard.tag.hex() != index.meta["shard_tags"][s]:
-            raise CorruptObjectError(
-                f"object {key} is not the shard rank {rank}'s committed index lists (its tag differs): "
-                "it was replaced after publication. The round cannot be reduced; restart the round."
-            )
-        return shard
+    def _read_shards(
+        self, round_id: int, indexes: Mapping[int, Decoded], ranks: Sequence[int], s: int
+    ) -> dict[int, list[torch.Tensor]]:
+        """Shard ``s`` of each of ``ranks`` (read at once on an object store), checked against its index."""
+        keys = [self.shard_key(round_id, r, s, str(indexes[r].meta["nonce"])) for r in ranks]
+        out = {}
+        for r, key, raw in zip(ranks, keys, self._read_many(keys, [f"shard-{r}" for r in ranks])):
+            if raw is None:
+                raise self._expired(round_id, f"its manifest lists rank {r}", f"{key} is gone")
+            shard = self.decode(raw, round_id=round_id, rank=r, key=key, expect={"kind": "shard", "shard": s})
+            if shard.tag.hex() != indexes[r].meta["shard_tags"][s]:
+                raise CorruptObjectError(
+                    f"object {key} is not the shard rank {r}'s committed index lists (its tag differs): "
+                    "it was replaced after publication. The round cannot be reduced; restart the round."
+                )
+            out[r] = shard.tensors
+        return out
 
     def _load_reduced(self, round_id: int, manifest: Manifest, s: int, op: str) -> list[torch.Tensor] | None:
         key = self.reduced_key(round_id, s)
