@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from composer_core.tasks import digit_reversal as rules
 from composer_monarch import ComposerDriver, ComposerLoss, LoopConfig, ReplayRecord
+from composer_monarch.task import hinted_rows
 from composer_monarch.trainer import TrainerConfig
 from torch import Tensor, nn
 
@@ -112,14 +113,10 @@ class ChatReverseDigits:
     def hinted_prompts(
         self, prompts: Tensor, completions: Tensor, completion_mask: Tensor
     ) -> tuple[Tensor, Tensor]:
-        rows, has_hint = [], []
-        for prompt, completion, mask in zip(prompts, completions, completion_mask.bool()):
-            text = self.text(prompt)
-            hint = rules.feedback_hint(text, self.answer(completion[mask]))
-            has_hint.append(hint is not None)
-            filler = "." * self.length + "|"  # a right answer's context (not distilled)
-            rows.append(self.encode(rules.hint_template(text, filler if hint is None else hint)))
-        return torch.tensor(rows), torch.tensor(has_hint)
+        pairs = [
+            (self.text(p), self.answer(c[m])) for p, c, m in zip(prompts, completions, completion_mask.bool())
+        ]
+        return hinted_rows(pairs, self.length, self.encode)
 
     def reward(self, prompt: Tensor, completion: Tensor) -> float:
         return rules.verify(self.text(prompt), self.answer(completion))

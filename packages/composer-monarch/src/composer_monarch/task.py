@@ -10,6 +10,7 @@ the same reward and hint rules as composer-trl's main job) on the token ids of i
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -111,17 +112,27 @@ class ReverseDigits:
     def hinted_prompts(
         self, prompts: Tensor, completions: Tensor, completion_mask: Tensor
     ) -> tuple[Tensor, Tensor]:
-        rows, has_hint = [], []
-        for prompt, completion, mask in zip(prompts, completions, completion_mask.bool()):
-            text = self.text(prompt)
-            hint = rules.feedback_hint(text, self.text(completion[mask]))
-            has_hint.append(hint is not None)
-            filler = "." * self.length + "|"  # context of a row without a hint (not distilled)
-            rows.append(rules.encode(rules.hint_template(text, filler if hint is None else hint)))
-        return torch.tensor(rows, dtype=torch.long), torch.tensor(has_hint, dtype=torch.bool)
+        pairs = [
+            (self.text(p), self.text(c[m])) for p, c, m in zip(prompts, completions, completion_mask.bool())
+        ]
+        return hinted_rows(pairs, self.length, rules.encode)
 
     def reward(self, prompt: Tensor, completion: Tensor) -> float:
         return rules.verify(self.text(prompt), self.text(completion))
+
+
+def hinted_rows(
+    pairs: Sequence[tuple[str, str]], length: int, encode: Callable[[str], list[int]]
+) -> tuple[Tensor, Tensor]:
+    """The hinted contexts of (prompt text, answer text) pairs, encoded by ``encode``, and which rows have a hint:
+    composer-core's feedback hint on a wrong answer; a right answer's row gets a filler context (not distilled)."""
+    rows, has_hint = [], []
+    for text, answer in pairs:
+        hint = rules.feedback_hint(text, answer)
+        has_hint.append(hint is not None)
+        filler = "." * length + "|"
+        rows.append(encode(rules.hint_template(text, filler if hint is None else hint)))
+    return torch.tensor(rows, dtype=torch.long), torch.tensor(has_hint, dtype=torch.bool)
 
 
 class EnvBoundTask:
