@@ -25,111 +25,70 @@ import json
 import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
-from composer_core.loss.config import ComposeConfig, coerce_option, flat_defaults
+from composer_core.loss.config import (
+    DPO,
+    ComposeConfig,
+    PolicyOptions,
+    SDPOOptions,
+    SimPO,
+    coerce_option,
+    flat_option_names,
+)
 from composer_core.sdpo import TeacherWeightsOptions
 
 ENV_VAR = "COMPOSER_VERL_CONFIG"
-
-#: composer_core's defaults, the one source of truth for the options this section shares with core.
-_CORE = flat_defaults()
-_TEACHER = {f.name: f.default for f in fields(TeacherWeightsOptions)}
 
 _CHOICES: dict[str, tuple[Any, ...]] = {
     "adv_scale": (None, "group", "batch", "none"),
     "adv_singleton": ("reward", "zero"),
     "sdpo_form": ("sampled", "topk"),  # verl's subset of core's forms (core checks the value itself)
 }
-#: the options this section passes to composer_core's ComposeConfig, which checks them (under core's flat names)
-_SHARED = (
-    "alpha_sdpo",
-    "beta_replay",
-    "sdpo_form",
-    "sdpo_token_clip",
-    "sdpo_topk",
-    "sdpo_topk_tail",
-    "sdpo_beta",
-    "dpo_variant",
-    "dpo_beta",
-    "dpo_loss_type",
-    "dpo_label_smoothing",
-    "simpo_beta",
-    "simpo_gamma",
-)
 
 
 @dataclass(frozen=True)
-class ComposerVerlConfig:
-    """composer's options that verl's config has no key for.
+class ComposerVerlConfig(TeacherWeightsOptions):
+    """composer's options that verl's config has no key for (the README's table describes each).
 
-    Advantage estimator ``grpo_composer`` (driver side):
-        adv_scale: ``"group"`` (GRPO, std of the group), ``"batch"`` (std of the whole batch, TRL
-            ``scale_rewards="batch"``), ``"none"`` (Dr. GRPO, ``r - mean_g``). ``None`` follows verl's
-            ``algorithm.norm_adv_by_std_in_grpo`` (True -> ``"group"``, False -> ``"none"``).
-        adv_eps: ε in ``(r - mean)/(std + ε)``; verl's GRPO uses 1e-6.
-        adv_singleton: a group of one completion gets ``A = r`` (``"reward"``, verl: mean 0, std 1)
-            or ``A = 0`` (``"zero"``, TRL).
+    Advantage estimator ``grpo_composer`` (driver side): ``adv_scale`` (``group``, ``batch``, ``none``; ``None``
+    follows verl's ``algorithm.norm_adv_by_std_in_grpo``), ``adv_eps``, ``adv_singleton`` (``reward``: a group of
+    one gets ``A = r``, verl; ``zero``: ``A = 0``, TRL). Policy loss ``composer`` (actor side): ``policy_delta``
+    (channel 1's cap δ of the unclipped ratio, ``> 1 + clip_ratio_high``; ``None`` = verl's vanilla surrogate);
+    ``alpha_sdpo`` and the ``sdpo_*`` options (channel 2: ``sampled`` tokens or the ``topk`` form computed in the
+    actor's training forward); ``beta_replay``, ``dpo_variant`` and the ``dpo_*``/``simpo_*`` options (channel 3).
 
-    Policy loss ``composer`` channel 1 (actor side):
-        policy_delta: optional cap δ on the ratio in the unclipped branch (TRL/INTELLECT-2 two-sided
-            clipping); choose ``delta > 1 + clip_ratio_high``. ``None`` = verl's vanilla surrogate.
-
-    Channel 2, SDPO on the sampled tokens (needs the composer actor extension):
-        alpha_sdpo: weight α of the distillation term; 0 disables it (not computed at all).
-        sdpo_token_clip: clip of the detached importance weight ``min(exp(ℓθ-ℓold), clip)``
-            (TRL ``distillation_is_clip``); ``None`` = no clip.
-
-        sdpo_form: ``sampled`` (the sampled-token estimator, default) or ``topk``: the generalized JSD (β =
-            ``sdpo_beta``) on the student's top-``sdpo_topk`` tokens, plus the tail bucket ``1 − Σ_k p`` when
-            ``sdpo_topk_tail`` (composer_core's ``topk_distill``, TRL SDPOTrainer's / lasgroup/SDPO's top-k form);
-            computed in the actor's training forward through verl's logits hook, with the live teacher only.
-        sdpo_teacher: whose weights score the teacher contexts (``trainer_mode=composer_sync``): ``live`` (the
-            actor's current weights, verl's ``compute_log_prob``), ``base`` (a frozen copy of the initial weights)
-            or ``ema`` (``θT ← (1−τ)θT + τθS`` after every ``teacher_sync_steps`` optimizer steps, τ =
-            ``teacher_update_rate``), held by the actor worker (composer_core's ``TeacherWeightsOptions``).
-
-    Channel 3, trace-replay preference (needs the composer actor extension):
-        beta_replay: weight β of the preference term; 0 disables it.
-        dpo_variant: ``"dpo"`` (needs reference log-probs) or ``"simpo"`` (length-normalised, no ref).
-        dpo_beta, dpo_loss_type, dpo_label_smoothing: DPO options (TRL defaults).
-        simpo_beta, simpo_gamma: SimPO options (paper defaults β=2, γ=0.5).
+    Every option shared with composer_core has core's name (or verl's: ``policy_delta``) and core's default,
+    except ``alpha_sdpo``/``beta_replay`` (0 here: verl runs channel 1 only unless asked); core checks them
+    (:class:`~composer_core.loss.config.ComposeConfig`, built once as ``compose``, which the loss reads). The
+    teacher-weights options (``sdpo_teacher``: ``live``, ``base`` or ``ema``; ``teacher_update_rate``,
+    ``teacher_sync_steps``) are inherited from composer_core's
+    :class:`~composer_core.sdpo.TeacherWeightsOptions`.
     """
 
     adv_scale: Literal["group", "batch", "none"] | None = None
     adv_eps: float = 1e-6
     adv_singleton: Literal["reward", "zero"] = "reward"
-    policy_delta: float | None = cast("float | None", _CORE["delta"])
-    # alpha_sdpo / beta_replay default to 0 on purpose (core: 1.0): verl runs channel 1 only unless asked
+    policy_delta: float | None = PolicyOptions.delta
     alpha_sdpo: float = 0.0
-    sdpo_token_clip: float | None = cast("float | None", _CORE["sdpo_token_clip"])
+    sdpo_token_clip: float | None = SDPOOptions.token_clip
     sdpo_form: Literal["sampled", "topk"] = "sampled"
-    sdpo_topk: int | None = cast("int | None", _CORE["sdpo_topk"])
-    sdpo_topk_tail: bool = cast(bool, _CORE["sdpo_topk_tail"])
-    sdpo_beta: float = cast(float, _CORE["sdpo_beta"])
-    sdpo_teacher: Literal["live", "ema", "base"] = cast(
-        Literal["live", "ema", "base"], _TEACHER["sdpo_teacher"]
-    )
-    teacher_update_rate: float = cast(float, _TEACHER["teacher_update_rate"])
-    teacher_sync_steps: int = cast(int, _TEACHER["teacher_sync_steps"])
+    sdpo_topk: int | None = SDPOOptions.topk
+    sdpo_topk_tail: bool = SDPOOptions.topk_tail
+    sdpo_beta: float = SDPOOptions.beta
     beta_replay: float = 0.0
-    dpo_variant: Literal["dpo", "simpo"] = cast(Literal["dpo", "simpo"], _CORE["dpo_variant"])
-    dpo_beta: float = cast(float, _CORE["dpo_beta"])
-    dpo_loss_type: Literal["sigmoid", "robust", "ipo"] = cast(
-        Literal["sigmoid", "robust", "ipo"], _CORE["dpo_loss_type"]
-    )
-    dpo_label_smoothing: float = cast(float, _CORE["dpo_label_smoothing"])
-    simpo_beta: float = cast(float, _CORE["simpo_beta"])
-    simpo_gamma: float = cast(float, _CORE["simpo_gamma"])
+    dpo_variant: Literal["dpo", "simpo"] = "dpo"
+    dpo_beta: float = DPO.beta
+    dpo_loss_type: Literal["sigmoid", "robust", "ipo"] = DPO.loss_type
+    dpo_label_smoothing: float = DPO.label_smoothing
+    simpo_beta: float = SimPO.beta
+    simpo_gamma: float = SimPO.gamma
     #: composer_core's typed config of channels 2 and 3, built once here (the loss reads it every step)
     compose: ComposeConfig = field(init=False, repr=False, compare=False)
-    #: composer_core's teacher-weights options (sdpo_teacher, teacher_update_rate, teacher_sync_steps)
-    teacher: TeacherWeightsOptions = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Only verl's own options (and verl's subset of sdpo_form) are checked here; every option shared with
-        # composer_core is coerced and range-checked by core (ComposeConfig / TeacherWeightsOptions), whose
-        # message, naming the option, is wrapped once with this section's prefix.
+        # composer_core is coerced and checked by core, whose message, naming the option, gets this prefix.
         for name, allowed in _CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(
@@ -143,11 +102,10 @@ class ComposerVerlConfig:
                 f"composer-verl config: policy_delta={self.policy_delta!r} must be > 1 (choose delta > 1 + clip_ratio_high)."
             )
         try:
-            # composer_core's coercion (CLI/YAML strings) for the shared options; an option of the unselected
-            # replay variant (e.g. simpo_gamma with dpo_variant='dpo') raises instead of being ignored.
-            shared: dict[str, Any] = {name: coerce_option(name, getattr(self, name)) for name in _SHARED}
+            # an option of the unselected replay variant (simpo_gamma with dpo_variant='dpo') raises in core
+            shared = {name: coerce_option(name, getattr(self, name)) for name in _SHARED}
             compose = ComposeConfig.from_flat(**shared)
-            teacher = TeacherWeightsOptions(**{name: getattr(self, name) for name in _TEACHER})
+            super().__post_init__()
         except ValueError as err:
             raise ValueError(f"composer-verl config: {err}") from None
         for name, value in shared.items():
@@ -164,7 +122,11 @@ class ComposerVerlConfig:
                 f"composer-verl config: sdpo_teacher={self.sdpo_teacher!r} acts only on channel 2, but alpha_sdpo is "
                 "0: set alpha_sdpo > 0 or drop sdpo_teacher."
             )
-        object.__setattr__(self, "teacher", teacher)
+
+    @property
+    def teacher(self) -> TeacherWeightsOptions:
+        """composer_core's teacher-weights options (this config is one)."""
+        return self
 
     @classmethod
     def from_mapping(cls, mapping: dict[str, Any]) -> ComposerVerlConfig:
@@ -180,8 +142,11 @@ class ComposerVerlConfig:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out.pop("compose", None)
-        out.pop("teacher", None)
         return out
+
+
+#: the options this section passes to composer_core's ComposeConfig (its flat names; core checks them)
+_SHARED = tuple(f.name for f in fields(ComposerVerlConfig) if f.name in flat_option_names())
 
 
 def parse_config(raw: str) -> ComposerVerlConfig:

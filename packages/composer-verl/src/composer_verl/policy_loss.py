@@ -108,45 +108,57 @@ def channel1_per_token(
     return loss, metrics
 
 
+def _require(option: str, value: float, keys: dict[str, torch.Tensor | None], how: str) -> None:
+    """Raise naming the batch keys channel ``option`` reads that the micro-batch lacks."""
+    missing = [k for k, v in keys.items() if v is None]
+    if missing:
+        raise ValueError(f"{option}={value} > 0 but the batch has no {missing}: {how}, or set {option}=0.")
+
+
 def sdpo_term(
     log_prob: torch.Tensor,
     old_log_prob: torch.Tensor,
     response_mask: torch.Tensor,
-    extras: ComposerExtras | None,
+    extras: ComposerExtras,
     cfg: ComposerVerlConfig,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Channel 2: sampled-token SDPO averaged over the global count of SDPO tokens."""
+    """Channel 2 averaged over the global count of SDPO tokens: the sampled-token SDPO term, or with
+    ``sdpo_form='topk'`` the per-token top-k divergence the actor's logits hook computed (with gradient)."""
     from composer_core.loss.distill import sampled_token_distill
 
-    if extras is None:
-        raise ValueError("alpha_sdpo > 0 but " + _NO_EXTENSION.format(name="alpha_sdpo"))
-    if cfg.sdpo_form == "topk":
-        return _topk_sdpo_term(log_prob, response_mask, extras, cfg)
-    missing = [
-        k
-        for k, v in ((TEACHER_LOG_PROBS, extras.teacher_log_probs), (SDPO_MASK, extras.sdpo_mask))
-        if v is None
-    ]
-    if missing:
+    topk = cfg.sdpo_form == "topk"
+    if topk and (extras.sdpo_topk is None or extras.sdpo_mask is None):
         raise ValueError(
-            f"alpha_sdpo={cfg.alpha_sdpo} > 0 but the batch has no {missing}: put the teacher (hinted-context) "
-            f"log-probs of the sampled tokens in data.batch['{TEACHER_LOG_PROBS}'] and the SDPO token mask in "
-            f"data.batch['{SDPO_MASK}'] (both (bs, response_length)), or set alpha_sdpo=0."
+            "sdpo_form='topk' but the micro-batch has no per-token top-k divergence: it is computed by the composer "
+            "actor extension (trainer.v1.trainer_mode=composer_sync) from the producers' teacher prompts; "
+            "use sdpo_form='sampled' elsewhere."
         )
-    assert extras.teacher_log_probs is not None and extras.sdpo_mask is not None
+    how = (
+        f"put the teacher (hinted-context) log-probs of the sampled tokens in data.batch['{TEACHER_LOG_PROBS}'] and "
+        f"the SDPO token mask in data.batch['{SDPO_MASK}'] (both (bs, response_length))"
+    )
+    keys = {} if topk else {TEACHER_LOG_PROBS: extras.teacher_log_probs, SDPO_MASK: extras.sdpo_mask}
+    _require("alpha_sdpo", cfg.alpha_sdpo, keys, how)
+    assert extras.sdpo_mask is not None
+    mask = extras.sdpo_mask.to(torch.bool) & response_mask.to(torch.bool)
+    local = int(mask.sum().item())
+    normalizer = float(local)
+    if extras.global_sdpo_tokens is not None:
+        normalizer = float(extras.global_sdpo_tokens) / extras.dp_size
+    metrics = {"composer/sdpo/tokens": float(local)}
+    if topk and extras.sdpo_topk is not None:
+        per_token = extras.sdpo_topk.to(log_prob.dtype)
+        if local == 0:  # this micro-batch holds no hinted tokens: it contributes nothing, with a graph
+            return (log_prob * 0.0).sum() + (per_token * 0.0).sum(), metrics
+        return torch.where(mask, per_token, torch.zeros_like(per_token)).sum() / normalizer, metrics
+    assert extras.teacher_log_probs is not None
     for name, t in ((TEACHER_LOG_PROBS, extras.teacher_log_probs), (SDPO_MASK, extras.sdpo_mask)):
         if t.shape != log_prob.shape:
             raise ValueError(
                 f"data.batch['{name}'] has shape {tuple(t.shape)}, expected {tuple(log_prob.shape)}."
             )
-    mask = extras.sdpo_mask.to(torch.bool) & response_mask.to(torch.bool)
-    local = int(mask.sum().item())
-    if extras.global_sdpo_tokens is not None:
-        normalizer = float(extras.global_sdpo_tokens) / extras.dp_size
-    else:
-        normalizer = float(local)
-    if local == 0:  # this micro-batch holds no hinted tokens: it contributes nothing, with a graph
-        return (log_prob * 0.0).sum(), {"composer/sdpo/tokens": 0.0}
+    if local == 0:
+        return (log_prob * 0.0).sum(), metrics
     loss = sampled_token_distill(
         log_prob,
         extras.teacher_log_probs.to(log_prob.dtype),
@@ -156,32 +168,7 @@ def sdpo_term(
         reduction="mean",
         normalizer=normalizer,
     )
-    return loss, {"composer/sdpo/tokens": float(local)}
-
-
-def _topk_sdpo_term(
-    log_prob: torch.Tensor, response_mask: torch.Tensor, extras: ComposerExtras, cfg: ComposerVerlConfig
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Channel 2, ``sdpo_form='topk'``: the per-token top-k divergence the actor's logits hook computed (with
-    gradient), summed over the SDPO tokens and divided by their global count (as the sampled form)."""
-    if extras.sdpo_topk is None or extras.sdpo_mask is None:
-        raise ValueError(
-            "sdpo_form='topk' but the micro-batch has no per-token top-k divergence: it is computed by the composer "
-            "actor extension (trainer.v1.trainer_mode=composer_sync) from the producers' teacher prompts; "
-            "use sdpo_form='sampled' elsewhere."
-        )
-    mask = extras.sdpo_mask.to(torch.bool) & response_mask.to(torch.bool)
-    local = int(mask.sum().item())
-    normalizer = (
-        float(extras.global_sdpo_tokens) / extras.dp_size
-        if extras.global_sdpo_tokens is not None
-        else float(local)
-    )
-    per_token = extras.sdpo_topk.to(log_prob.dtype)
-    if local == 0:
-        return (log_prob * 0.0).sum() + (per_token * 0.0).sum(), {"composer/sdpo/tokens": 0.0}
-    loss = torch.where(mask, per_token, torch.zeros_like(per_token)).sum() / normalizer
-    return loss, {"composer/sdpo/tokens": float(local)}
+    return loss, metrics
 
 
 def _pair_rows(pair_id: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,24 +201,19 @@ def _pair_rows(pair_id: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tenso
 def replay_term(
     log_prob: torch.Tensor,
     response_mask: torch.Tensor,
-    extras: ComposerExtras | None,
+    extras: ComposerExtras,
     cfg: ComposerVerlConfig,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Channel 3: DPO / SimPO over the pairs of the micro-batch, averaged over the global pair count."""
     from composer_core.loss.config import SimPO
     from composer_core.loss.preference import dpo_loss, simpo_loss
 
-    if extras is None:
-        raise ValueError("beta_replay > 0 but " + _NO_EXTENSION.format(name="beta_replay"))
-    missing = [
-        k for k, v in ((PREF_PAIR_ID, extras.pref_pair_id), (PREF_CHOSEN, extras.pref_chosen)) if v is None
-    ]
-    if missing:
-        raise ValueError(
-            f"beta_replay={cfg.beta_replay} > 0 but the batch has no {missing}: mark preference pairs with "
-            f"data.batch['{PREF_PAIR_ID}'] (bs,) int64 (-1 = none) and data.batch['{PREF_CHOSEN}'] (bs,) 0/1, "
-            "or set beta_replay=0."
-        )
+    how = (
+        f"mark preference pairs with data.batch['{PREF_PAIR_ID}'] (bs,) int64 (-1 = none) and "
+        f"data.batch['{PREF_CHOSEN}'] (bs,) 0/1"
+    )
+    keys = {PREF_PAIR_ID: extras.pref_pair_id, PREF_CHOSEN: extras.pref_chosen}
+    _require("beta_replay", cfg.beta_replay, keys, how)
     assert extras.pref_pair_id is not None and extras.pref_chosen is not None
     rows = log_prob.shape[0]
     for name, t in (
@@ -337,12 +319,17 @@ def compute_policy_loss_composer(
     policy = agg_loss(loss_mat=per_token, loss_mask=response_mask, loss_agg_mode=loss_agg_mode, **batch_info)
     metrics["composer/loss/policy"] = policy.detach().item()
     extras = active_extras()
+    for option, weight in (("alpha_sdpo", cfg.alpha_sdpo), ("beta_replay", cfg.beta_replay)):
+        if weight > 0 and extras is None:
+            raise ValueError(f"{option} > 0 but " + _NO_EXTENSION.format(name=option))
     sdpo = replay = None
     if cfg.alpha_sdpo > 0:
+        assert extras is not None
         sdpo, m = sdpo_term(log_prob, old_log_prob, response_mask, extras, cfg)
         metrics.update(m)
         metrics["composer/loss/sdpo"] = sdpo.detach().item()
     if cfg.beta_replay > 0:
+        assert extras is not None
         replay, m = replay_term(log_prob, response_mask, extras, cfg)
         metrics.update(m)
         metrics["composer/loss/replay"] = replay.detach().item()

@@ -28,7 +28,7 @@ from __future__ import annotations
 import copy
 import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -46,38 +46,30 @@ from composer_verl.batch import (
 )
 
 HintFn = Callable[[str, str, float, Mapping[str, Any]], "str | None"]
-PAIR_TAG = "composer_pair"
-_ROW_FIELDS = ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask")
-
-
-#: composer_core's defaults of the SDPO teacher-context options (one source of truth for the ``composer:`` keys)
-_CONTEXT_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(TeacherContextOptions)}
-CONTEXT_KEYS: tuple[str, ...] = tuple(_CONTEXT_DEFAULTS)
+#: the ``composer:`` keys composer_core's TeacherContextOptions owns (ProducerConfig inherits them)
+CONTEXT_KEYS: tuple[str, ...] = tuple(f.name for f in fields(TeacherContextOptions))
 
 
 @dataclass(frozen=True)
-class ProducerConfig:
+class ProducerConfig(TeacherContextOptions):
     """The ``composer:`` section of verl's config (read by the driver; Hydra: ``composer.hint_fn=...``).
 
     hint_fn: import path ``package.module:function`` (or ``package.module.function``) of
         ``hint_fn(prompt: str, response: str, reward: float, extra: Mapping) -> str | None``; ``None`` = no hint
         for that row. Needs ``alpha_sdpo > 0`` in ``COMPOSER_VERL_CONFIG``. With
         ``sdpo_teacher_context`` ``feedback``/``success+feedback`` its text is the row's feedback.
+    env: an environment spec (``composer_core.envs.load_env``) whose feedback on each sampled response is the hint
+        (:func:`composer_verl.envs.env_hint_fn`); replaces ``hint_fn`` (setting both raises). Rows need
+        ``extra_info.task_id`` (:func:`composer_verl.envs.write_env_dataset`).
     hint_role: role of the inserted hint message (``user`` or ``system``; ``sdpo_teacher_context='hint'`` only).
     pair_source: ``dataset`` (columns ``chosen``/``rejected`` of the training data) or the path of a
         ``composer_core.traces.records`` file (``.jsonl``/``.parquet``); needs ``beta_replay > 0``.
     pairs_per_step: records per step when ``pair_source`` is a records file.
-    env: an environment spec (``composer_core.envs.load_env``: ``digit-reversal``, ``openenv:<url>``,
-        ``verifiers:<module>``) whose feedback on each sampled response is the hint
-        (:func:`composer_verl.envs.env_hint_fn`); replaces ``hint_fn`` (setting both raises). Rows need
-        ``extra_info.task_id`` (:func:`composer_verl.envs.write_env_dataset`).
-    sdpo_teacher_context, success_reward_threshold, dont_reprompt_on_self_success, feedback_only_without_solution,
-        demo_pick, reprompt_template, solution_template, feedback_template, max_reprompt_len,
-        remove_thinking_from_demonstration: composer_core's :class:`~composer_core.sdpo.TeacherContextOptions`
-        (same names, same defaults): ``hint`` (default) = the ``hint_fn``/``env`` text as one extra message;
-        ``success`` / ``feedback`` / ``success+feedback`` = the SDPO paper's reprompt built from the ``uid``
-        group's successful siblings and/or the ``hint_fn``/``env`` text as feedback
-        (:func:`composer_core.sdpo.build_teacher_contexts`).
+
+    The other keys are composer_core's :class:`~composer_core.sdpo.TeacherContextOptions` (inherited: same names,
+    defaults and checks): ``hint`` (default) = the ``hint_fn``/``env`` text as one extra message; ``success`` /
+    ``feedback`` / ``success+feedback`` = the SDPO paper's reprompt built from the ``uid`` group's successful
+    siblings and/or the ``hint_fn``/``env`` text as feedback (:func:`composer_core.sdpo.build_teacher_contexts`).
     """
 
     hint_fn: str | None = None
@@ -85,18 +77,6 @@ class ProducerConfig:
     hint_role: str = "user"
     pair_source: str | None = None
     pairs_per_step: int = 1
-    sdpo_teacher_context: str = _CONTEXT_DEFAULTS["sdpo_teacher_context"]
-    success_reward_threshold: float = _CONTEXT_DEFAULTS["success_reward_threshold"]
-    dont_reprompt_on_self_success: bool = _CONTEXT_DEFAULTS["dont_reprompt_on_self_success"]
-    feedback_only_without_solution: bool = _CONTEXT_DEFAULTS["feedback_only_without_solution"]
-    demo_pick: str = _CONTEXT_DEFAULTS["demo_pick"]
-    reprompt_template: str = _CONTEXT_DEFAULTS["reprompt_template"]
-    solution_template: str = _CONTEXT_DEFAULTS["solution_template"]
-    feedback_template: str = _CONTEXT_DEFAULTS["feedback_template"]
-    max_reprompt_len: int | None = _CONTEXT_DEFAULTS["max_reprompt_len"]
-    remove_thinking_from_demonstration: bool = _CONTEXT_DEFAULTS["remove_thinking_from_demonstration"]
-    #: composer_core's typed teacher-context options, built (and checked) once here
-    context: TeacherContextOptions = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.hint_role not in ("user", "system"):
@@ -109,23 +89,22 @@ class ProducerConfig:
                 "feedback is the hint, so drop one of them."
             )
         try:
-            context = TeacherContextOptions(**{k: getattr(self, k) for k in CONTEXT_KEYS})
+            super().__post_init__()
         except ValueError as err:
             raise ValueError(f"composer section: {err}") from None
-        object.__setattr__(self, "context", context)
         has_text = self.hint_fn is not None or self.env is not None
-        source = self.sdpo_teacher_context
-        if source == "success" and has_text:
+        if self.sdpo_teacher_context == "success" and has_text:
             raise ValueError(
                 "composer.hint_fn / composer.env is not read with composer.sdpo_teacher_context=success (successful "
                 "siblings are the only teacher context); use success+feedback to add its text as feedback, or drop it."
             )
-        if context.uses_feedback and not has_text:
+        if self.uses_feedback and not has_text:
             raise ValueError(
-                f"composer.sdpo_teacher_context={source} needs each completion's feedback: set composer.env (the "
-                "environment's feedback) or composer.hint_fn (its text is the feedback), or use success."
+                f"composer.sdpo_teacher_context={self.sdpo_teacher_context} needs each completion's feedback: set "
+                "composer.env (the environment's feedback) or composer.hint_fn (its text is the feedback), or use "
+                "success."
             )
-        if self.hint_role != "user" and context.from_group:
+        if self.hint_role != "user" and self.from_group:
             raise ValueError(
                 f"composer.hint_role={self.hint_role!r} acts only with composer.sdpo_teacher_context=hint (the group "
                 "contexts replace the last user turn); drop it."
@@ -134,7 +113,7 @@ class ProducerConfig:
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any] | None) -> ProducerConfig:
         mapping = dict(mapping or {})
-        known = {f.name for f in fields(cls) if f.init}
+        known = {f.name for f in fields(cls)}
         unknown = sorted(set(mapping) - known)
         if unknown:
             raise ValueError(f"composer section: unknown key(s) {unknown}; valid keys: {sorted(known)}.")
@@ -149,7 +128,7 @@ class ProducerConfig:
     @property
     def hints(self) -> bool:
         """Channel 2 is produced (a hint function, an environment, or the group's successes)."""
-        return self.hint_fn is not None or self.env is not None or self.context.from_group
+        return self.hint_fn is not None or self.env is not None or self.from_group
 
 
 def load_hint_fn(path: str) -> HintFn:
@@ -215,11 +194,6 @@ def context_prompt_ids(tokenizer: Any, context: Any, max_len: int | None) -> lis
     return cap_reprompt(render_prompt_ids(tokenizer, _as_messages(context)), max_len)
 
 
-def _plain_prompt(raw_prompt: Any) -> Any:
-    """A row's ``raw_prompt`` as composer_core takes it: text stays text, messages become a list of dicts."""
-    return raw_prompt if isinstance(raw_prompt, str) else _as_messages(raw_prompt)
-
-
 @dataclass
 class GroupContexts:
     """:func:`group_teacher_contexts`' answer: the teacher context of each distilled row (by row index) and
@@ -253,7 +227,7 @@ def group_teacher_contexts(
     for members in groups.values():
         by_size.setdefault(len(members), []).extend(members)
     out: dict[int, Any] = {}
-    totals = dict(groups=0, with_success=0, with_solution=0, with_feedback=0, masked=0)
+    groups_seen = with_success = with_solution = with_feedback = masked = 0
     for size, order in by_size.items():
         ctx = build_teacher_contexts(
             [prompts[i] for i in order],
@@ -264,42 +238,37 @@ def group_teacher_contexts(
             feedback=None if feedback is None else [feedback[i] for i in order],
             seed=seed,
         )
-        for k, i in enumerate(order):
-            if ctx.mask[k]:
-                out[i] = ctx.contexts[k]
-        totals["groups"] += ctx.groups
-        totals["with_success"] += ctx.groups_with_success
-        totals["with_solution"] += ctx.with_solution
-        totals["with_feedback"] += ctx.with_feedback
-        totals["masked"] += sum(ctx.mask)
+        out.update((i, ctx.contexts[k]) for k, i in enumerate(order) if ctx.mask[k])
+        groups_seen += ctx.groups
+        with_success += ctx.groups_with_success
+        with_solution += ctx.with_solution
+        with_feedback += ctx.with_feedback
+        masked += sum(ctx.mask)
     n = max(len(rows), 1)
     metrics = {
-        "success_group_fraction": totals["with_success"] / max(totals["groups"], 1),
-        "success_sample_fraction": totals["with_solution"] / n,
-        "feedback_used_fraction": totals["with_feedback"] / n,
-        "reprompt_sample_fraction": totals["masked"] / n,
+        "success_group_fraction": with_success / max(groups_seen, 1),
+        "success_sample_fraction": with_solution / n,
+        "feedback_used_fraction": with_feedback / n,
+        "reprompt_sample_fraction": masked / n,
     }
     return GroupContexts(out, metrics)
 
 
-def _position_ids(template: Any, n: int) -> torch.Tensor:
-    pos = torch.arange(n, dtype=torch.int64)
-    if isinstance(template, torch.Tensor) and template.dim() > 1:
-        return pos.reshape(1, -1).expand(template.shape[0], -1).clone()
-    return pos
-
-
-def with_prompt(sample: Mapping[str, Any], prompt_ids: Sequence[int]) -> dict[str, Any]:
-    """A copy of one no-padding sample whose prompt is replaced by ``prompt_ids`` (response unchanged)."""
+def with_prompt(
+    sample: Mapping[str, Any], prompt_ids: Sequence[int], responses: torch.Tensor | None = None
+) -> dict[str, Any]:
+    """A copy of one no-padding sample whose prompt is replaced by ``prompt_ids`` (and its response by
+    ``responses`` when given); ``input_ids``, ``position_ids`` and an ``attention_mask`` (all ones) rebuilt."""
     out = {k: (v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in sample.items()}
     prompts = torch.tensor(list(prompt_ids), dtype=torch.int64)
-    responses = sample["responses"]
-    input_ids = torch.cat([prompts, responses.to(torch.int64)])
-    out.update(
-        prompts=prompts,
-        input_ids=input_ids,
-        position_ids=_position_ids(sample.get("position_ids"), input_ids.numel()),
-    )
+    if responses is not None:
+        out["responses"] = responses
+    input_ids = torch.cat([prompts, out["responses"].to(torch.int64)])
+    positions = torch.arange(input_ids.numel(), dtype=torch.int64)
+    template = sample.get("position_ids")
+    if isinstance(template, torch.Tensor) and template.dim() > 1:
+        positions = positions.reshape(1, -1).expand(template.shape[0], -1).clone()
+    out.update(prompts=prompts, input_ids=input_ids, position_ids=positions)
     if "attention_mask" in out:  # verl's agent loop stores no attention mask (all ones, no padding)
         out["attention_mask"] = torch.ones_like(input_ids)
     return out
@@ -319,25 +288,17 @@ def pair_sample(
     template: Mapping[str, Any], prompt_ids: Sequence[int], resp_ids: Sequence[int]
 ) -> dict[str, Any]:
     """One appended pair row built on a real sample (same fields), zero reward, full response mask."""
-    out = {k: (v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in template.items()}
-    prompts = torch.tensor(list(prompt_ids), dtype=torch.int64)
-    responses = torch.tensor(list(resp_ids), dtype=torch.int64)
-    input_ids = torch.cat([prompts, responses])
-    ones = torch.ones_like(responses)
+    out = with_prompt(template, prompt_ids, torch.tensor(list(resp_ids), dtype=torch.int64))
+    ones = torch.ones(len(resp_ids), dtype=torch.int64)
+    zeros = torch.zeros(len(resp_ids), dtype=torch.float32)
     out.update(
-        prompts=prompts,
-        responses=responses,
-        input_ids=input_ids,
-        position_ids=_position_ids(template.get("position_ids"), input_ids.numel()),
         response_mask=ones,
-        rm_scores=torch.zeros(len(resp_ids), dtype=torch.float32),
-        rollout_log_probs=torch.zeros(len(resp_ids), dtype=torch.float32),
+        rm_scores=zeros,
+        rollout_log_probs=zeros.clone(),
         uid=f"composer-pair-{uuid.uuid4().hex}",
     )
     if "loss_mask" in out:
         out["loss_mask"] = ones.clone()
-    if "attention_mask" in out:
-        out["attention_mask"] = torch.ones_like(input_ids)
     if "num_turns" in out:
         out["num_turns"] = 1
     return out
@@ -347,10 +308,7 @@ def pairs_last(keys: Sequence[str], pairs: Sequence[tuple[str, str]]) -> list[in
     """Reorder indices: every non-pair row in its order, then each pair as (chosen, rejected)."""
     index = {k: i for i, k in enumerate(keys)}
     in_pairs = {k for p in pairs for k in p}
-    order = [i for i, k in enumerate(keys) if k not in in_pairs]
-    for chosen, rejected in pairs:
-        order += [index[chosen], index[rejected]]
-    return order
+    return [i for i, k in enumerate(keys) if k not in in_pairs] + [index[k] for p in pairs for k in p]
 
 
 def reward_extra(sample: Mapping[str, Any]) -> dict[str, Any]:
@@ -434,11 +392,6 @@ def dataset_pairs(samples: Sequence[Mapping[str, Any]]) -> list[PairText]:
 # --- the trainer-side glue (TransferQueue, the actor worker group) ---------------------------------------------
 
 
-def _step(trainer: Any) -> int:
-    """verl's global step (seeds ``demo_pick=random``: reproducible, one draw per step and group)."""
-    return int(getattr(trainer, "global_steps", 0) or 0)
-
-
 def _infer_micro_batch(config: Any) -> int:
     """Rows per micro-batch of the actor's ``compute_log_prob`` (1 with dynamic batch size: no constraint)."""
     rollout = config.actor_rollout_ref.rollout
@@ -451,8 +404,22 @@ def _nested(rows: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.nested.as_nested_tensor(list(rows), layout=torch.jagged)
 
 
+def _tags(tag0: dict[str, Any], rows: Sequence[Mapping[str, Any]], **extra: Any) -> list[dict[str, Any]]:
+    """verl's per-row tags for new rows: a copy of ``tag0`` with each row's lengths (and ``extra``)."""
+    tags = []
+    for r in rows:
+        tag = copy.deepcopy(tag0)
+        prompt_len, response_len = int(r["prompts"].numel()), int(r["responses"].numel())
+        tag.update(extra, prompt_len=prompt_len, response_len=response_len, seq_len=prompt_len + response_len)
+        tags.append(tag)
+    return tags
+
+
 class ComposerProducers:
-    """Runs the producers on one step's ``KVBatchMeta`` (driver side, inside ``ComposerPPOTrainerSync``)."""
+    """Runs the producers on one step's ``KVBatchMeta`` (driver side, inside ``ComposerPPOTrainerSync``).
+
+    ``teacher``/``form``: ``COMPOSER_VERL_CONFIG``'s ``sdpo_teacher`` (live, ema or base) and ``sdpo_form``
+    (``sampled``: the teacher log-probs are computed here; ``topk``: inside the actor's training forward)."""
 
     def __init__(
         self,
@@ -463,10 +430,8 @@ class ComposerProducers:
         form: str = "sampled",
     ) -> None:
         self.config = config
-        self.teacher = teacher  # COMPOSER_VERL_CONFIG's sdpo_teacher: live, ema or base
-        self.form = (
-            form  # COMPOSER_VERL_CONFIG's sdpo_form: sampled (teacher log-probs here) or topk (in the actor)
-        )
+        self.teacher = teacher
+        self.form = form
         self.tokenizer = tokenizer
         self.response_length = response_length
         self.hint_fn: HintFn | None = load_hint_fn(config.hint_fn) if config.hint_fn else None
@@ -499,13 +464,8 @@ class ComposerProducers:
             return None
         actor = OmegaConf.to_container(config.actor_rollout_ref.actor, resolve=True)
         check_settings(producers, composer.alpha_sdpo, composer.beta_replay, actor)  # type: ignore[arg-type]
-        return cls(
-            producers,
-            tokenizer,
-            int(config.data.max_response_length),
-            composer.sdpo_teacher,
-            composer.sdpo_form,
-        )
+        length = int(config.data.max_response_length)
+        return cls(producers, tokenizer, length, composer.sdpo_teacher, composer.sdpo_form)
 
     # -- before verl balances the batch: append pairs, compute hints and teacher log-probs ---------------------
 
@@ -513,75 +473,57 @@ class ComposerProducers:
         import transfer_queue as tq
         from verl.utils import tensordict_utils as tu
 
+        batch = self._append_pairs(batch, self._samples(batch), metrics)
         samples = self._samples(batch)
-        batch = self._append_pairs(batch, samples, metrics)
-        samples = self._samples(batch)
-        n = len(samples)
-        pair_index = {k: i for i, k in enumerate(batch.keys)}
-        pair_rows = {pair_index[k]: int(j == 0) for p in self.pair_keys for j, k in enumerate(p)}
+        pair_of = {k: (j, int(side == 0)) for j, p in enumerate(self.pair_keys) for side, k in enumerate(p)}
+        pair_rows = {
+            i: pair_of[k] for i, k in enumerate(batch.keys) if k in pair_of
+        }  # row -> (pair id, chosen)
 
-        teacher_prompts = self._teacher_prompts(samples, pair_rows, metrics, seed=_step(trainer))
+        # demo_pick=random is seeded by verl's global step: reproducible, one draw per step and group
+        seed = int(getattr(trainer, "global_steps", 0) or 0)
+        teacher_prompts = self._teacher_prompts(samples, pair_rows, metrics, seed=seed)
         metrics["composer/sdpo/hinted_rows"] = float(len(teacher_prompts))
-        jobs: list[tuple[str, int]] = []
-        teacher_rows: list[dict[str, Any]] = []
-        behaviour_rows: list[dict[str, Any]] = []
-        for i, ids in teacher_prompts.items():
-            jobs.append(("teacher", i))
-            teacher_rows.append(with_prompt(samples[i], ids))
-        for i in pair_rows:
-            jobs.append(("pair", i))
-            behaviour_rows.append(with_prompt(samples[i], samples[i]["prompts"].tolist()))
-        if (
-            self.form == "topk"
-        ):  # the actor scores the teacher contexts inside its training forward (actor.py)
-            jobs = [job for job in jobs if job[0] == "pair"]
-            scored = self._actor_log_probs(trainer, batch, behaviour_rows) if behaviour_rows else []
-        elif (
-            self.teacher == "live"
-        ):  # one actor pass: teacher contexts + pair rows (their behaviour log-probs)
-            rows = teacher_rows + behaviour_rows
-            scored = self._actor_log_probs(trainer, batch, rows) if rows else []
+        # with sdpo_form='topk' the actor scores the teacher contexts inside its training forward (actor.py)
+        teacher_rows = {} if self.form == "topk" else teacher_prompts
+        teacher_in = [with_prompt(samples[i], ids) for i, ids in teacher_rows.items()]
+        # the pair rows' behaviour log-probs: the actor's own (they were not sampled)
+        pair_in = [with_prompt(samples[i], samples[i]["prompts"].tolist()) for i in pair_rows]
+        if self.teacher == "live":  # one actor pass: teacher contexts + pair rows
+            scored = self._actor_log_probs(trainer, batch, teacher_in + pair_in)
         else:  # the teacher's own weights (ema/base, held by the actor worker) score the teacher contexts
-            scored = (
-                self._actor_log_probs(trainer, batch, teacher_rows, TEACHER_METHOD) if teacher_rows else []
-            )
-            scored += self._actor_log_probs(trainer, batch, behaviour_rows) if behaviour_rows else []
+            scored = self._actor_log_probs(trainer, batch, teacher_in, TEACHER_METHOD)
+            scored += self._actor_log_probs(trainer, batch, pair_in)
+        teacher_lp = dict(zip(teacher_rows, scored, strict=False))
+        rollout_lp = dict(zip(pair_rows, scored[len(teacher_rows) :], strict=True))
 
-        lengths = [int(s["responses"].numel()) for s in samples]
-        teacher = [torch.zeros(n_, dtype=torch.float32) for n_ in lengths]
-        sdpo = [torch.zeros(n_, dtype=torch.float32) for n_ in lengths]
-        fields: dict[str, Any] = {}
-        rollout_lp: dict[int, torch.Tensor] = {}
-        for (kind, i), lp in zip(jobs, scored, strict=True):
-            if kind == "teacher":
-                teacher[i] = lp.to(torch.float32)
-                sdpo[i] = samples[i]["response_mask"].to(torch.float32)
-            else:
-                rollout_lp[i] = lp.to(torch.float32)
+        def per_row(values: Mapping[int, torch.Tensor]) -> torch.Tensor:
+            zeros = [torch.zeros(s["responses"].numel()) for s in samples]
+            return _nested([values[i].to(torch.float32) if i in values else z for i, z in enumerate(zeros)])
+
+        fields = {
+            TEACHER_LOG_PROBS: per_row(teacher_lp),
+            SDPO_MASK: per_row({i: samples[i]["response_mask"] for i in teacher_prompts}),
+            PREF_PAIR_ID: torch.tensor([pair_rows.get(i, (-1, 0))[0] for i in range(len(samples))]),
+            PREF_CHOSEN: torch.tensor([pair_rows.get(i, (-1, 0))[1] for i in range(len(samples))]),
+        }
         if self.form == "topk":
-            for i in teacher_prompts:
-                sdpo[i] = samples[i]["response_mask"].to(torch.float32)
             fields[TEACHER_PROMPTS] = _nested(
                 [
                     torch.tensor(teacher_prompts[i], dtype=torch.int64)
                     if i in teacher_prompts
-                    else samples[i]["prompts"].to(torch.int64)
-                    for i in range(n)
+                    else s["prompts"].to(torch.int64)
+                    for i, s in enumerate(samples)
                 ]
             )
-        fields[TEACHER_LOG_PROBS] = _nested(teacher)
-        fields[SDPO_MASK] = _nested(sdpo)
-        fields[PREF_PAIR_ID] = torch.tensor(
-            [self._pair_id(batch.keys[i]) if i in pair_rows else -1 for i in range(n)], dtype=torch.int64
-        )
-        fields[PREF_CHOSEN] = torch.tensor([pair_rows.get(i, 0) for i in range(n)], dtype=torch.int64)
         tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=tu.get_tensordict(fields))
         if rollout_lp:
-            idx = sorted(rollout_lp)
             tq.kv_batch_put(
-                keys=[batch.keys[i] for i in idx],
+                keys=[batch.keys[i] for i in rollout_lp],
                 partition_id=batch.partition_id,
-                fields=tu.get_tensordict({"rollout_log_probs": _nested([rollout_lp[i] for i in idx])}),
+                fields=tu.get_tensordict(
+                    {"rollout_log_probs": _nested([lp.float() for lp in rollout_lp.values()])}
+                ),
             )
         return batch
 
@@ -618,12 +560,6 @@ class ComposerProducers:
 
     # -- helpers ----------------------------------------------------------------------------------------------
 
-    def _pair_id(self, key: str) -> int:
-        for j, p in enumerate(self.pair_keys):
-            if key in p:
-                return j
-        raise KeyError(key)
-
     @staticmethod
     def _samples(batch: Any) -> list[dict[str, Any]]:
         import transfer_queue as tq
@@ -640,7 +576,7 @@ class ComposerProducers:
         seed: int = 0,
     ) -> dict[int, list[int]]:
         """Teacher prompt ids of every distilled row (by index); rows absent from the answer get SDPO mask 0."""
-        opts = self.config.context
+        opts = self.config
         if not opts.from_group:
             return {
                 job.index: hinted_prompt_ids(
@@ -660,32 +596,26 @@ class ComposerProducers:
         self, samples: Sequence[Mapping[str, Any]], skip: Collection[int], seed: int = 0
     ) -> GroupContexts:
         """The SDPO paper's teacher contexts from each ``uid`` group (successful siblings and/or feedback)."""
-        opts = self.config.context
-        rows = [i for i in range(len(samples)) if i not in skip]
+        opts, n = self.config, len(samples)
+        rows = [i for i in range(n) if i not in skip]
+        if any("rm_scores" not in samples[i] or "uid" not in samples[i] for i in rows):
+            raise ValueError(
+                f"composer.sdpo_teacher_context={opts.sdpo_teacher_context} needs each row's reward (rm_scores) "
+                "and group id (uid): run it in verl's v1 loop (trainer.v1.trainer_mode=composer_sync) with a "
+                "reward function."
+            )
         feedback: list[str | None] | None = None
         if opts.uses_feedback:
-            feedback = [None] * len(samples)
+            feedback = [None] * n
             for job in self._hint_jobs(samples, skip):
                 feedback[job.index] = job.hint
-        texts = {i: self._hint_args(samples[i]) for i in rows}
+        uids, prompts, completions, rewards = [""] * n, [None] * n, [""] * n, [0.0] * n
         for i in rows:
-            if "rm_scores" not in samples[i] or "uid" not in samples[i]:
-                raise ValueError(
-                    f"composer.sdpo_teacher_context={opts.sdpo_teacher_context} needs each row's reward (rm_scores) "
-                    "and group id (uid): run it in verl's v1 loop (trainer.v1.trainer_mode=composer_sync) with a "
-                    "reward function."
-                )
-        n = len(samples)
-        return group_teacher_contexts(
-            rows,
-            [str(samples[i]["uid"]) if i in texts else "" for i in range(n)],
-            [_plain_prompt(samples[i]["raw_prompt"]) if i in texts else None for i in range(n)],
-            [texts[i][1] if i in texts else "" for i in range(n)],
-            [texts[i][2] if i in texts else 0.0 for i in range(n)],
-            opts,
-            feedback,
-            seed,
-        )
+            _, completions[i], rewards[i], _ = self._hint_args(samples[i])
+            uids[i] = str(samples[i]["uid"])
+            raw = samples[i]["raw_prompt"]  # text stays text, messages become a list of dicts
+            prompts[i] = raw if isinstance(raw, str) else _as_messages(raw)
+        return group_teacher_contexts(rows, uids, prompts, completions, rewards, opts, feedback, seed)
 
     def _hint_jobs(self, samples: Sequence[Mapping[str, Any]], skip: Collection[int]) -> list[HintJob[int]]:
         """Rows (by index) that ``hint_fn`` gave a hint; pair rows (``skip``) are not asked."""
@@ -720,28 +650,17 @@ class ComposerProducers:
         if self.config.pair_source is None:
             return batch
         pairs = self.records.take() if self.records is not None else dataset_pairs(samples)
-        template, tag0 = samples[0], batch.tags[0]
         rows, keys, tags = [], [], []
         for p in pairs:
             prompt_ids = render_prompt_ids(self.tokenizer, p.prompt)
-            pair = []
             for side, text in (("chosen", p.chosen), ("rejected", p.rejected)):
-                resp = response_ids(self.tokenizer, text, self.response_length)
-                row = pair_sample(template, prompt_ids, resp)
-                key = f"{row['uid']}_{side}_0"
-                tag = copy.deepcopy(tag0)
-                tag.update(
-                    is_padding=True,
-                    **{PAIR_TAG: side},
-                    prompt_len=len(prompt_ids),
-                    response_len=len(resp),
-                    seq_len=len(prompt_ids) + len(resp),
+                row = pair_sample(
+                    samples[0], prompt_ids, response_ids(self.tokenizer, text, self.response_length)
                 )
                 rows.append(row)
-                keys.append(key)
-                tags.append(tag)
-                pair.append(key)
-            self.pair_keys.append((pair[0], pair[1]))
+                keys.append(f"{row['uid']}_{side}_0")
+                tags += _tags(batch.tags[0], [row], is_padding=True, composer_pair=side)
+            self.pair_keys.append((keys[-2], keys[-1]))
         metrics["composer/replay/appended_pairs"] = float(len(pairs))
         if not rows:
             return batch
@@ -766,6 +685,8 @@ class ComposerProducers:
         from verl.utils.tensordict_utils import list_of_dict_to_tensordict
         from verl.workers.utils.padding import response_from_nested
 
+        if not rows:
+            return []
         wg = trainer.actor_rollout_wg
         if "actor" not in wg._dispatch_info:
             wg._dispatch_info["actor"] = wg._query_dispatch_info("actor")
@@ -774,30 +695,22 @@ class ComposerProducers:
         # the worker group splits evenly over dp ranks, and each rank's engine (without dynamic batch size) splits
         # its share into micro-batches of rollout.log_prob_micro_batch_size_per_gpu rows: pad with copies of row 0
         rows = list(rows) + [rows[0]] * ((-n_real) % (dp * _infer_micro_batch(trainer.config)))
-        tag0 = batch.tags[0]
-        keys, tags = [], []
         stem = f"composer-score-{uuid.uuid4().hex}"
-        for i, r in enumerate(rows):
-            keys.append(f"{stem}_{i}_0")
-            tag = copy.deepcopy(tag0)
-            tag.update(prompt_len=int(r["prompts"].numel()), response_len=int(r["responses"].numel()))
-            tag["seq_len"] = tag["prompt_len"] + tag["response_len"]
-            tags.append(tag)
+        keys = [f"{stem}_{i}_0" for i in range(len(rows))]
+        tags = _tags(batch.tags[0], rows)
         tq.kv_batch_put(
             keys=keys, partition_id=batch.partition_id, fields=list_of_dict_to_tensordict(rows), tags=tags
         )
+        temperature = trainer.config.actor_rollout_ref.rollout.temperature
+        extra = {
+            **batch.extra_info,
+            "calculate_entropy": False,
+            "compute_loss": False,
+            "temperature": temperature,
+        }
         try:
             meta = KVBatchMeta(
-                keys=keys,
-                tags=tags,
-                partition_id=batch.partition_id,
-                fields=batch.fields,
-                extra_info=dict(batch.extra_info),
-            )
-            meta.extra_info.update(
-                calculate_entropy=False,
-                compute_loss=False,
-                temperature=trainer.config.actor_rollout_ref.rollout.temperature,
+                keys=keys, tags=tags, partition_id=batch.partition_id, fields=batch.fields, extra_info=extra
             )
             getattr(wg, method)(meta)
             data = tq.kv_batch_get(
