@@ -81,7 +81,7 @@ class _Suspect(NamedTuple):
 
 
 def _tensor(name: str, value: Any, length: int | None, *, floating: bool = True) -> Tensor:
-    """A 1-D tensor field of ``length`` tokens (any length when None), floating-point unless ``floating`` is off."""
+    """A 1-D tensor field of ``length`` tokens (any length when None), floating-point unless ``floating``."""
     if not isinstance(value, Tensor):
         raise ValueError(f"LossInputs.{name} must be a torch.Tensor, got {type(value).__name__}.")
     if value.dim() != 1:
@@ -100,7 +100,7 @@ def _tensor(name: str, value: Any, length: int | None, *, floating: bool = True)
 
 
 def _fields(inputs: Any, opts: PrimeRLLossOptions) -> tuple[Tensor, dict[str, Tensor]]:
-    """Structural checks (no tensor values read): (raw mask, the float fields by name, trainer log-probs first and
+    """Structural checks (no tensor values read): (raw mask, the float fields by name, trainer log-probs first,
     ref_logprobs last when channel 2 reads them)."""
     n = _tensor("trainer_logprobs", getattr(inputs, "trainer_logprobs", None), None).shape[0]
     names = ("trainer_logprobs", "inference_logprobs", "advantages")
@@ -128,8 +128,7 @@ _OVERFLOW = (
 
 
 def _raise_bad_values(binary: Tensor | None, mask: Tensor, named: dict[str, Tensor]) -> NoReturn:
-    """The fused check failed: name the first culprit (extra reads only on this error path). ``binary``: whether
-    a non-bool mask holds only 0/1 (None for a bool mask)."""
+    """The fused check failed: name the first culprit (extra reads only on this error path)."""
     if binary is not None and not bool(binary):
         raise ValueError(_NOT_BOOLEAN)
     for name, t in named.items():
@@ -140,22 +139,19 @@ def _raise_bad_values(binary: Tensor | None, mask: Tensor, named: dict[str, Tens
 
 def _passes(total: Tensor, binary: Tensor | None, named: dict[str, Tensor], kept: Tensor) -> bool:
     """Whether every value check passes: ``total`` (the sum of every kept value) is non-finite exactly when a
-    selected token holds NaN/±inf (or the sum overflows); ``binary`` is whether a non-bool mask is 0/1. On CPU:
-    one host read of ``total`` (``binary`` folded in). On an accelerator: True, after queueing asynchronous
-    device asserts (no host sync, so PRIME-RL's per-sample calls never stall the stream), one per field so the
-    assert message names it; a failure surfaces at the next synchronisation as a device-side assert carrying
-    that message."""
+    selected token holds NaN/±inf (or the sum overflows); ``binary``: whether a non-bool mask is 0/1 (None for a
+    bool mask). On CPU one host read; on an accelerator True, after queueing one asynchronous device assert per
+    field (no host sync), which fails at the next synchronisation with the message naming the field."""
     if _host_reads_are_free(kept.device):
         if binary is not None:  # one read either way: a non-binary mask turns the total into NaN
             total = torch.where(binary, total, math.nan)
         return math.isfinite(total.item())
-    # x − x is 0 for a finite x and NaN for NaN/±inf; a sum of zeros cannot overflow, so a field's row sums to
-    # 0 exactly when all its kept values are finite. Two operators where isfinite + all dispatch five.
+    # x − x is 0 for a finite x and NaN for NaN/±inf: a field's row sums to 0 exactly when its kept values are finite
     ok = total.sub(total).eq(0)
     if binary is not None:
         ok &= binary
     finite = kept.sub(kept).sum(dim=1).eq(0)  # per field, exact (kept is 0 outside the mask)
-    for flag, name in zip(finite.unbind(), named, strict=True):  # one unbind, not a select per field
+    for flag, name in zip(finite.unbind(), named, strict=True):
         torch._assert_async(flag, _NON_FINITE.format(name=name))
     if binary is not None:
         torch._assert_async(binary, _NOT_BOOLEAN)
@@ -169,8 +165,7 @@ def _bool_mask(raw_mask: Tensor, device: torch.device) -> Tensor:
 
 
 def _check(kept: Tensor, raw_mask: Tensor, mask: Tensor, named: dict[str, Tensor]) -> None:
-    """One sample's value checks (see :func:`_passes`) on its fields ``kept`` [F, n] (zeroed outside ``mask``);
-    raises naming the culprit."""
+    """One sample's value checks (:func:`_passes`) on its fields ``kept`` [F, n] (zeroed outside ``mask``)."""
     binary = _binary(raw_mask, kept.device)
     if not _passes(kept.sum(), binary, named, kept):
         _raise_bad_values(binary, mask, named)
@@ -188,10 +183,9 @@ def _stack(named: dict[str, Tensor]) -> Tensor:
 
 
 def _as_sample(named: dict[str, Tensor], kept: Tensor, mask: Tensor, stacked: Tensor) -> _Sample:
-    """The fields ``kept`` [F, N] by name. PRIME-RL's packer fills ref_logprobs with 0.0 over the whole sample
-    when the sample has none but a neighbour in its micro-batch has some (trainer/batch.py): that is no teacher
-    (it would pull every token towards p = 1), so channel 2 is skipped for such a sample, never an error (decided
-    per sample from the count of the ``ref_nonzero`` flags of ``stacked``, with no branch on tensor values)."""
+    """The fields ``kept`` [F, N] by name. PRIME-RL's packer fills ref_logprobs with 0.0 when a sample has none
+    but a neighbour in its micro-batch has some: that is no teacher, so channel 2 is skipped for such a sample
+    (decided per sample from its count of ``ref_nonzero`` flags, with no branch on tensor values)."""
     by_name = dict(zip(named, kept.unbind(0), strict=True))
     return _Sample(
         logprobs=by_name["trainer_logprobs"],
@@ -205,10 +199,8 @@ def _as_sample(named: dict[str, Tensor], kept: Tensor, mask: Tensor, stacked: Te
 
 
 def _read(raw_mask: Tensor | None, named: dict[str, Tensor]) -> tuple[_Sample, Tensor, _Suspect | None]:
-    """(the sample, the stacked fields [F, N], the suspect). With ``raw_mask``: every field zeroed outside it
-    and every value check in one fused condition (:func:`_passes`); the suspect, None when it passed, is what
-    :func:`_recheck` needs to find the failing sample. None (fresh masks, :class:`_Unmasked`): every token,
-    nothing zeroed nor checked yet."""
+    """(the sample, the stacked fields [F, N], the suspect: None when the fused check (:func:`_passes`) passed).
+    ``raw_mask`` None (fresh masks, :class:`_Unmasked`): every token, nothing zeroed nor checked yet."""
     stacked = _stack(named)
     if raw_mask is None:
         every = torch.ones(stacked.shape[1], dtype=torch.bool, device=stacked.device)
@@ -224,16 +216,14 @@ def _read(raw_mask: Tensor | None, named: dict[str, Tensor]) -> tuple[_Sample, T
 
 
 def _all_finite(stacked: Tensor, table: Tensor) -> bool:
-    """Fresh masks: whether every packed value and float table entry is finite (:attr:`_Unmasked.clean`), by one
-    host read of their sums on CPU; False on an accelerator, with nothing read."""
+    """Fresh masks: whether every packed value and table entry is finite (one host read on CPU; False elsewhere)."""
     if not _host_reads_are_free(stacked.device):
         return False
     return math.isfinite((stacked.sum() + table.sum()).item())
 
 
 def _own_mask(unmasked: _Unmasked, raw_mask: Tensor, named: dict[str, Tensor], start: int) -> Tensor:
-    """A call's own bool mask on the packed fields' device, after the value checks of its slice (:func:`_check`),
-    skipped when the micro-batch is clean and the mask bool."""
+    """A call's own bool mask, after the value checks of its slice (skipped when clean and the mask bool)."""
     stacked = unmasked.stacked
     mask = _bool_mask(raw_mask, stacked.device)
     if not (unmasked.clean and raw_mask.dtype == torch.bool):
@@ -242,16 +232,13 @@ def _own_mask(unmasked: _Unmasked, raw_mask: Tensor, named: dict[str, Tensor], s
 
 
 def _recheck(suspect: _Suspect, start: int, n: int) -> None:
-    """The value checks of one sample (tokens ``start : start + n`` of the packed tensors); raises naming the
-    culprit."""
+    """The value checks of one sample (tokens ``start : start + n`` of the packed tensors)."""
     cut = slice(start, start + n)
     named = {name: t[cut] for name, t in suspect.named.items()}
     _check(suspect.kept[:, cut], suspect.raw_mask[cut], suspect.mask[cut], named)
 
 
-# torch.where's CPU kernel is a scalar loop (about 1 ns a token; 25x a bool op on bool operands): from this many
-# tokens on (a packed micro-batch) its vectorised equivalents win; below it (one sample) operator dispatch
-# dominates and where's single operator wins. test_packed.py runs both forms.
+# torch.where's CPU kernel is a scalar loop: from this many tokens on its vectorised equivalents win
 VECTORISED_FROM = 16384
 # An integer dtype of each float dtype's width: a float's bits ANDed with 0 or all ones is +0.0 or itself.
 _BITS = {
@@ -267,8 +254,7 @@ def _vectorised(mask: Tensor) -> bool:
 
 
 def _keep(mask: Tensor, x: Tensor) -> Tensor:
-    """``torch.where(mask, x, 0)`` (``mask`` broadcast over ``x``'s rows), exact for NaN/inf outside the mask:
-    on many tokens, a bitwise AND of the bits with 0 or all ones."""
+    """``torch.where(mask, x, 0)``, exact for NaN/inf outside the mask: on many tokens a bitwise AND of the bits."""
     ints = _BITS.get(x.dtype)
     if ints is None or not _vectorised(mask):
         return torch.where(mask, x, _zero(x))
@@ -280,10 +266,8 @@ def _as(t: Tensor, device: torch.device, dtype: torch.dtype) -> Tensor:
     return t if t.dtype == dtype and t.device == device else t.to(device=device, dtype=dtype)
 
 
-# A metric is Σ_t where·value / max(Σ_t den, 1) over one sample's tokens: (value column, where column,
-# denominator column) by name, where and denominator columns bool. A value of None reads 0, a denominator of None
-# reads 1 (a plain sum: the loss). All of a sample's sums come from ONE matmul of the bool columns with every
-# column (see _Packed).
+# A metric is Σ_t where·value / max(Σ_t den, 1) over one sample's tokens: (value, where, denominator) columns by
+# name, where and denominator bool; a value of None reads 0, a denominator of None 1 (a plain sum: the loss).
 MetricSpec = tuple[str | None, str, str | None]
 
 
@@ -291,8 +275,7 @@ _CLIPPED_METRICS: dict[str, MetricSpec] = {
     "composer/policy/clip_ratio": ("clipped", "mask", "mask"),
     "mismatch_kl": ("mismatch_kl", "mask", "mask"),
 }
-# PRIME-RL's default_loss_fn metric names and definitions (dashboards carry over); for A < 0 "masked" is "too
-# low" and for A > 0 "too high", so the low/high splits are the sign columns over the dropped tokens.
+# PRIME-RL's default_loss_fn metric names and definitions (for A < 0 "masked" is "too low", for A > 0 "too high")
 _DPPO_METRICS: dict[str, MetricSpec] = {
     "masked_mismatch_kl": ("mismatch_kl", "dropped", "dropped"),
     "unmasked_mismatch_kl": ("mismatch_kl", "keep", "keep"),
@@ -306,9 +289,8 @@ _BOOL_COLUMNS = frozenset({"clipped", "dropped", "keep", "positive", "negative",
 
 
 def _policy_terms(s: _Sample, opts: PrimeRLLossOptions) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-    """Channel 1 per token [seq], detached and zero outside the mask: (loss, ∂loss/∂ℓ_train, the columns its
-    metrics read). The derivative is written out (see :func:`_clipped_grad`), so the call runs no autograd
-    graph."""
+    """Channel 1 per token [seq], detached and zero outside the mask: (loss, ∂loss/∂ℓ_train written out, the
+    columns its metrics read)."""
     log_ratio = s.logprobs - s.inference_logprobs  # 0 outside the mask (both zeroed)
     ratio = torch.exp(log_ratio)
     mismatch_kl = ratio - log_ratio - 1.0  # k3 estimate of KL(π_inf‖π_train)
@@ -319,13 +301,11 @@ def _policy_terms(s: _Sample, opts: PrimeRLLossOptions) -> tuple[Tensor, Tensor,
         grad = _clipped_grad(ratio, s.advantages, eps_lo, eps_hi, opts.delta)
         return per_token, grad, {"clipped": is_clipped, "mismatch_kl": mismatch_kl}
 
-    # DPPO (composer_core.loss.policy.dppo_loss, PRIME-RL's default_loss_fn), branch-free. |Δp| < 1 always, so
-    # a bound above 1 (PRIME-RL allows any value >= 0, e.g. 10 to turn masking off) masks what 1 masks: nothing.
-    # L = c·ρ + κ·δ² with c = −adv_tau·A on kept tokens (0 on dropped ones), so ∂L/∂ℓ = c·ρ + 2κ·δ.
+    # DPPO (composer_core.loss.policy.dppo_loss, PRIME-RL's default_loss_fn). |Δp| < 1, so a bound above 1 masks
+    # nothing. L = c·ρ + κ·δ² with c = −adv_tau·A on kept tokens (0 on dropped ones), so ∂L/∂ℓ = c·ρ + 2κ·δ.
     low, high = min(opts.dppo_mask_low, 1.0), min(opts.dppo_mask_high, 1.0)
     prob_diff = torch.exp(s.logprobs).sub_(torch.exp(s.inference_logprobs))  # Δp
     positive, negative = s.advantages > 0, s.advantages < 0
-    # on many tokens bool algebra and a product: torch.where's CPU kernel is scalar (VECTORISED_FROM)
     if _vectorised(s.mask):
         dropped = ((positive & (prob_diff > high)) | (~positive & (prob_diff < -low))) & s.mask
         keep = s.mask ^ dropped
@@ -344,15 +324,12 @@ def _policy_terms(s: _Sample, opts: PrimeRLLossOptions) -> tuple[Tensor, Tensor,
 def _clipped_grad(ratio: Tensor, adv: Tensor, eps_lo: float, eps_hi: float, delta: float | None) -> Tensor:
     """∂/∂ℓ of ``−min(a, b)``, ``a = ρ'·A``, ``b = clip(ρ, 1 − ε_lo, 1 + ε_hi)·A``, ρ' = min(ρ, δ), exactly as
     autograd differentiates it (clamp passes the gradient on its closed interval, ``min`` gives a tie half to each
-    side, ∂ρ/∂ℓ = ρ), branch-free in float arithmetic with three new tensors (CPU's bool comparisons and ``where``
-    are scalar loops; on 131,072 tokens this takes 0.18 ms against 1.4 ms for the nested ``where`` form):
+    side, ∂ρ/∂ℓ = ρ), branch-free in float arithmetic:
 
         ∂/∂ℓ = −ρ · A · 1[ρ ≤ δ] · share,  share = 1 + (sign(b − a) − |sign(clip(ρ) − ρ)|) / 2
 
-    ``share`` is the unclipped side's part of the min's gradient. Inside the clip range clip(ρ) = ρ = ρ' (δ > 1 +
-    ε_hi), so a = b, a tie of two equal derivatives: share 1. Outside it the clipped side's derivative is 0: share
-    1 where a < b, 1/2 on a tie (A = 0, or the two products rounding to one value), 0 where a > b. Each factor is 0,
-    1/2 or 1, so the product is the one autograd forms."""
+    ``share`` is the unclipped side's part of the min's gradient: 1 inside the clip range (a = b, two equal
+    derivatives); outside it 1 where a < b, 1/2 on a tie, 0 where a > b."""
     clip = torch.clamp(ratio, 1 - eps_lo, 1 + eps_hi)
     lhs = ratio if delta is None else ratio.clamp(max=delta)
     side = torch.mul(clip, adv).sub_(lhs * adv).sign_()  # sign(b − a)
@@ -365,9 +342,8 @@ def _clipped_grad(ratio: Tensor, adv: Tensor, eps_lo: float, eps_hi: float, delt
 
 def _sdpo_terms(s: _Sample, opts: PrimeRLLossOptions) -> Tensor:
     """Channel 2 per token [seq], detached, zero outside the mask (``sampled_token_distill``): the value
-    w·(ℓ − ℓ_ref) is also its gradient coefficient (the k1 surrogate). Core's value checks are off (no host sync):
-    this module runs its own per sample (:func:`_passes`), and a packed table may hold another sample's bad value
-    or select no token."""
+    w·(ℓ − ℓ_ref) is also its gradient coefficient (the k1 surrogate). Core's value checks are off: this module
+    runs its own per sample (:func:`_passes`)."""
     assert s.ref_logprobs is not None
     with value_checks(enabled=False):
         return sampled_token_distill(
@@ -377,30 +353,24 @@ def _sdpo_terms(s: _Sample, opts: PrimeRLLossOptions) -> Tensor:
 
 
 class _Unmasked(NamedTuple):
-    """Fresh masks: a micro-batch whose float fields are packed views but whose masks are not (under an rl weight
-    stream PRIME-RL passes each sample ``loss_mask = mask & (rl_weights != 0)``, a new tensor, and ``loss_weights =
-    rl_weights``, a view). Every per-token column is computed once over every token, nothing zeroed; each call
-    checks its slice and zeroes it outside its own mask before the matmul: ``torch.where`` (exact, NaN/inf
-    included), or when ``clean`` only the rows that select tokens, by a product (finite × 0 = 0). Backward zeroes
-    its slice of the derivative with ``torch.where``."""
+    """Fresh masks: packed float fields whose masks are not views (under an rl weight stream PRIME-RL passes
+    ``loss_mask = mask & (rl_weights != 0)``, a new tensor). Every column is computed once over every token; each
+    call checks its slice and zeroes it outside its own mask before the matmul (``torch.where``, or when ``clean``
+    a product of the rows that select tokens), and backward zeroes its slice of the derivative."""
 
     stacked: Tensor  # [F, N] the packed fields (each call's value checks read its slice)
-    clean: bool  # every packed value and table entry is finite: one host read on CPU, never on an accelerator
-    # [C, 1] bool: the table rows no call's mask touches (ref_nonzero: a teacher is judged on every token of
-    # the sample); None when there is none
-    unmasked_rows: Tensor | None
+    clean: bool  # every packed value and table entry is finite (known on CPU only)
+    unmasked_rows: Tensor | None  # [C, 1] bool: the rows no call's mask touches (ref_nonzero), None if none
 
 
 class _Packed(NamedTuple):
     """Everything per token that one micro-batch's samples share, computed once over the packed tensors they
     are views of (PRIME-RL's train loop passes ``packed.squeeze().split(sequence_lengths)``), or over one
-    sample's own tensors when they are not such views. A sample then costs one matmul over its slice.
+    sample's own tensors. A sample then costs one matmul over its slice.
 
-    Variants: with channel 2 on, a sample whose ``ref_logprobs`` are PRIME-RL's zero fill is trained without
-    it. Both readings of every metric are in ``picks`` (variant 0: with its teacher, 1: without), then the
-    sample's selector (whether it has a token, whether its ``ref_logprobs`` are real), and its gradient is
-    ``grads @ selector``: channel 1 in column 0, channel 2's share in column 1. Without variants ``grads`` is
-    the gradient."""
+    Variants: with channel 2 on, a sample whose ``ref_logprobs`` are PRIME-RL's zero fill is trained without it:
+    ``picks`` holds both readings of every metric (with its teacher, without), then the sample's selector, and its
+    gradient is ``grads @ selector`` (channel 1 in column 0, channel 2's share in column 1)."""
 
     key: tuple[Any, ...]  # (options, field names, version counters)
     bases: tuple[weakref.ref[Tensor], ...]  # what every field (and the mask) is a view of
@@ -415,16 +385,15 @@ class _Packed(NamedTuple):
 
 
 class _Last:
-    """The micro-batch being trained. One slot: PRIME-RL calls every sample of a micro-batch before the next
-    one. It refers to the packed tensors weakly (a freed one is never matched again) and holds what was
-    derived from them until the next micro-batch replaces it."""
+    """The micro-batch being trained (one slot: PRIME-RL calls every sample of a micro-batch before the next);
+    it refers to the packed tensors weakly."""
 
     packed: _Packed | None = None
 
 
 def _layout(tensors: tuple[Tensor, ...]) -> tuple[tuple[Tensor, ...], int, int] | None:
-    """(each tensor's base, the sample's first token in it, the bases' size) when all are 1-D views at one
-    offset of contiguous tensors of one size (PRIME-RL's ``split`` of packed ``[1, N]`` tensors); else None."""
+    """(the bases, the sample's first token in them, their size) when all are 1-D views at one offset of
+    contiguous tensors of one size (PRIME-RL's ``split`` of packed ``[1, N]`` tensors); else None."""
     bases: list[Tensor] = []
     start = size = -1
     for t in tensors:
@@ -442,10 +411,8 @@ def _layout(tensors: tuple[Tensor, ...]) -> tuple[tuple[Tensor, ...], int, int] 
 
 def _shared(opts: PrimeRLLossOptions, raw_mask: Tensor, named: dict[str, Tensor]) -> tuple[_Packed, int]:
     """The micro-batch this sample belongs to (computed on its first sample, matched by identity and version
-    counter: an in-place change of any field recomputes it), and the sample's first token in it. The mask is
-    part of the micro-batch when it is a view like the float fields, else each call brings its own (an rl
-    weight stream; see :class:`_Unmasked`). Float fields that are not views of packed tensors share nothing:
-    their sample is computed on its own."""
+    counter) and the sample's first token in it. A mask that is not a view like the float fields is each call's
+    own (:class:`_Unmasked`); float fields that are not packed views make a micro-batch of their own."""
     layout = _layout(tuple(named.values()))
     if layout is None:
         return _pack(opts, raw_mask, named), 0
@@ -477,8 +444,7 @@ def _pack(
     key: tuple[Any, ...] = (),
     bases: tuple[weakref.ref[Tensor], ...] = (),
 ) -> _Packed:
-    """Every per-token column and gradient over the given (packed or single-sample) tensors (under no_grad);
-    ``raw_mask`` None: every token, each call bringing its own mask (see :class:`_Unmasked`)."""
+    """Every per-token column and gradient over the given tensors; ``raw_mask`` None: :class:`_Unmasked`."""
     s, stacked, suspect = _read(raw_mask, named)
     policy, grad, cols = _policy_terms(s, opts)
     w = s.weights
@@ -518,8 +484,7 @@ def _pack(
 
 
 def _table(columns: list[Tensor | None], n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """[C, N] ``columns`` in ``dtype`` (None: zeros), each written and converted in place: one pass per column
-    (a stack and a cast per kind, then a cat, would pass twice or more)."""
+    """[C, N] ``columns`` in ``dtype`` (None: zeros), each written and converted in place (one pass per column)."""
     table = torch.empty((len(columns), n), dtype=dtype, device=device)
     for row, column in zip(table.unbind(), columns, strict=True):
         row.zero_() if column is None else row.copy_(_bits(column))
@@ -527,17 +492,15 @@ def _table(columns: list[Tensor | None], n: int, dtype: torch.dtype, device: tor
 
 
 def _bits(t: Tensor) -> Tensor:
-    """A bool tensor of many tokens (see :data:`VECTORISED_FROM`) as its bytes, a 0/1 uint8 view: CPU kernels
-    that read bool as a float (a cast, a product) are scalar loops, about 7x slower than on uint8 (73 against 9 us
-    for a 131,072-token cast). Any other tensor as itself (on few tokens the view's dispatch costs more)."""
+    """A bool tensor of many tokens as a 0/1 uint8 view (CPU kernels reading bool as a float are scalar loops);
+    any other tensor as itself."""
     return t.view(torch.uint8) if t.dtype == torch.bool and _vectorised(t) else t
 
 
 def _sample_row(packed: _Packed, start: int, n: int, mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
-    """One sample's K metric means then its loss (a sum), in the table's dtype, and its gradient selector [2]
-    (None without variants; see :class:`_Packed`): one matmul of its slice of the bool columns with its slice
-    of every column, one gather, one division. ``mask``: the call's own (fresh masks), which first zeroes its
-    slice of the table outside it."""
+    """One sample's K metric means then its loss (a sum) and its gradient selector [2] (None without variants):
+    one matmul of its slice of the bool columns with every column, one gather, one division. ``mask``: the call's
+    own (fresh masks), which first zeroes its slice of the table outside it."""
     where, table = packed.where, packed.table
     cut = n != packed.length
     unmasked = packed.unmasked
@@ -563,15 +526,13 @@ def _sample_row(packed: _Packed, start: int, n: int, mask: Tensor | None) -> tup
 
 
 def _exact(device: torch.device) -> contextlib.AbstractContextManager[None]:
-    """Full precision under an ambient autocast (it would run the metrics' matmul in bf16: counts past 256
-    inexact)."""
+    """Full precision under an ambient autocast (a bf16 matmul counts inexactly past 256)."""
     return full_precision(device) if torch.is_autocast_enabled(device.type) else contextlib.nullcontext()
 
 
 class _SampleLoss(torch.autograd.Function):
-    """A sample's loss (its entry of the row) as a function of ``trainer_logprobs`` whose gradient is the
-    sample's slice of the packed per-token derivative: one matrix-vector product in backward instead of
-    replaying the formula's autograd graph."""
+    """A sample's loss as a function of ``trainer_logprobs`` whose gradient is the sample's slice of the packed
+    per-token derivative (no autograd graph of the formula)."""
 
     @staticmethod
     def forward(
@@ -625,26 +586,17 @@ def composer_loss(inputs: LossInputs, **kwargs: Any) -> LossOutputs:
         DPPO names, or ``composer/policy/clip_ratio`` + ``mismatch_kl``), and with channel 2 on
         ``composer/sdpo/reverse_kl_k1`` and ``composer/sdpo/skipped``. Every call of a run emits the same keys.
 
-        Cost: structural checks in Python on every call. When the fields are views of packed tensors (PRIME-RL's
-        train loop splits its ``[1, N]`` micro-batch tensors), every per-token term and value check runs once over
-        them at the micro-batch's first sample, and each sample costs one matmul over its slice (also with a fresh
-        mask per sample, under an rl weight stream); otherwise all of it runs on the sample. The value checks are
-        one host read on CPU and asynchronous device asserts (no host sync) on an accelerator.
-
-        A sample whose ``loss_mask`` selects no token (PRIME-RL calls the loss for it when
-        no rl weight stream exists) returns an exact 0 that is still attached to the graph
-        (zero gradient, no NaN) and zero metrics: emptiness is judged per batch by PRIME-RL
-        (its global count), not per sample.
+        When the fields are views of packed tensors (PRIME-RL's train loop), every per-token term and value check
+        runs once per micro-batch and each sample costs one matmul over its slice. A sample whose ``loss_mask``
+        selects no token returns an exact 0 still attached to the graph and zero metrics.
 
     Raises:
         ValueError: bad kwargs (see :func:`composer_prime_rl.options.parse_options`), a
             field that is not a 1-D tensor of the sample's length, a non-boolean mask,
             NaN/inf on masked tokens, or channel 2 on without ``ref_logprobs`` (None) while
-            ``sdpo_missing = "error"``. A sample whose ``ref_logprobs`` are 0.0 everywhere
-            (PRIME-RL's packer fill for a sample without them) is skipped on channel 2.
-            On an accelerator the value checks (mask values, NaN/inf, overflow) are device asserts with
-            the same messages instead: the error surfaces at the next synchronisation, and for packed fields
-            it covers the packed tensors.
+            ``sdpo_missing = "error"`` (all-zero ``ref_logprobs``, PRIME-RL's packer fill, skip channel 2).
+            On an accelerator the value checks are device asserts with the same messages, raised at the next
+            synchronisation.
     """
     opts = parse_options(kwargs)
     raw_mask, named = _fields(inputs, opts)
@@ -680,12 +632,10 @@ def composer_loss(inputs: LossInputs, **kwargs: Any) -> LossOutputs:
 def _plan(
     opts: PrimeRLLossOptions, names: tuple[str, ...]
 ) -> tuple[tuple[str, ...], tuple[str | None, ...], int, tuple[int, ...]]:
-    """(the metric keys, the table's columns, W, flat indices into the [W, C] sums: every variant's K metrics
-    and loss then the selector (see :class:`_Packed`), numerators then denominators) for the columns ``names``
-    of a run. The table's columns are the float ones, an all-zero one (None), the bool ones only read as
-    values, then the W bool ones that select tokens or count them (the where rows, a view of the table's last
-    rows). So Σ where·where = Σ where (a 0/1 column) gives the denominators from the same matmul, and
-    Σ where·0 = 0, clamped to 1, is a denominator of None."""
+    """(the metric keys, the table's columns, W, flat indices into the [W, C] sums: every variant's K metrics and
+    loss then the selector, numerators then denominators) for the columns ``names`` of a run. Columns: the float
+    ones, an all-zero one (None), the bool ones only read as values, then the W bool ones that select or count
+    tokens (the where rows), so Σ where·where = Σ where gives the denominators from the same matmul."""
     policy = _DPPO_METRICS if opts.policy_loss == "dppo" else _CLIPPED_METRICS
     keys: tuple[str, ...] = (
         *policy,
@@ -730,22 +680,19 @@ def _plan(
 
 @functools.cache
 def _unmasked_rows(columns: tuple[str | None, ...], device: torch.device) -> Tensor | None:
-    """[C, 1] bool: the table rows a call's own mask leaves whole (see :class:`_Unmasked`), built once per
-    (columns, device); None when every row is masked."""
+    """[C, 1] bool: the table rows a call's own mask leaves whole (:class:`_Unmasked`), None if none."""
     flags = [c == "ref_nonzero" for c in columns]
     return torch.tensor(flags, device=device)[:, None] if any(flags) else None
 
 
 @functools.cache
 def _pairs(flat: tuple[int, ...], device: torch.device) -> Tensor:
-    """``flat`` as a [2, n] index tensor on ``device`` (numerators, denominators), built once per (index,
-    device)."""
+    """``flat`` as a [2, n] index tensor (numerators, denominators) on ``device``, built once."""
     return torch.tensor(flat, dtype=torch.long, device=device).view(2, -1)
 
 
 def _zero(like: Tensor) -> Tensor:
-    """A 0-dim zero of ``like``'s dtype and device, made once: ``torch.where(c, x, 0.0)`` dispatches a
-    ``scalar_tensor`` per call to make it."""
+    """A 0-dim zero of ``like``'s dtype and device, made once (``where(c, x, 0.0)`` makes one per call)."""
     return _zero_of(like.dtype, like.device)
 
 

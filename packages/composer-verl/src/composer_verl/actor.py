@@ -1,42 +1,29 @@
 """The composer actor extension: the smallest change that gets batch fields into the policy loss.
 
-verl 0.9's actor (``verl.workers.engine_workers``) trains through ``TrainingWorker``, whose engine
-calls ``loss_fn(model_output=, data=<micro-batch TensorDict>, dp_group=)``; the actor's loss function is
-``partial(ppo_loss, config=actor_config)``, which keeps only ``old_log_probs``, ``advantages``,
-``response_mask``, ``rollout_is_weights`` and ``ref_log_prob`` before calling the registered policy loss.
+verl 0.9's actor (``verl.workers.engine_workers``) trains through ``TrainingWorker``, whose engine calls
+``loss_fn(model_output=, data=<micro-batch TensorDict>, dp_group=)``; the actor's loss function is
+``partial(ppo_loss, config=actor_config)``, which keeps only verl's own keys before calling the registered policy
+loss. Two subclasses, both using verl's own extension points:
 
-Two subclasses, both using verl's own extension points:
+* :class:`ComposerTrainingWorker` (``TrainingWorker``): ``set_loss_fn`` wraps verl's loss with
+  :func:`composer_verl.batch.with_composer_batch`, so the ``composer`` loss sees the micro-batch's composer keys;
+  ``train_batch`` adds the mini-batch's global counts of SDPO tokens and preference pairs (summed over
+  data-parallel ranks), the way the engine adds ``batch_num_tokens``.
+* :class:`ComposerActorRolloutRefWorker` (``ActorRolloutRefWorker``): ``actor_worker_cls =
+  ComposerTrainingWorker`` plus one worker method, ``compute_sdpo_teacher_log_prob`` (dispatched like verl's
+  ``compute_log_prob``).
 
-* :class:`ComposerTrainingWorker` (``TrainingWorker``): ``set_loss_fn`` wraps whatever loss verl installs
-  (``ppo_loss`` or ``distillation_ppo_loss``) with :func:`composer_verl.batch.with_composer_batch`, so the
-  ``composer`` policy loss sees the micro-batch's composer keys; ``train_batch`` adds the global counts of
-  SDPO tokens and preference pairs of the mini-batch (summed over data-parallel ranks), the way the engine
-  adds ``batch_num_tokens`` for ``agg_loss``.
-* :class:`ComposerActorRolloutRefWorker` (``ActorRolloutRefWorker``): sets the class attribute
-  ``actor_worker_cls = ComposerTrainingWorker`` and adds one worker method,
-  ``compute_sdpo_teacher_log_prob`` (dispatched like verl's ``compute_log_prob``); nothing else changes
-  (rollout, reference, checkpoints).
+The SDPO teacher (``sdpo_teacher``): ``live`` is the actor itself. ``base`` and ``ema`` keep a detached clone of
+each rank's local FSDP shards inside the ``TrainingWorker``; ``compute_sdpo_teacher_log_prob`` swaps them into
+the actor's parameters in place, runs verl's own ``infer_batch`` and swaps them back (FSDP's unsharded parameters
+are dropped around it). ``ema`` updates the copy after every ``teacher_sync_steps``-th optimizer step with
+composer_core's ``ema_update_tensors_`` (``θT ← (1−τ)θT + τθS``). The copy is saved with the actor checkpoint
+(``composer_sdpo_teacher-rank<r>.safetensors``) and loaded with it. Only verl's FSDP engines expose their module.
 
-The SDPO teacher (``sdpo_teacher`` in ``COMPOSER_VERL_CONFIG``): ``live`` is the actor itself (the producers
-call verl's ``compute_log_prob``). ``base`` and ``ema`` keep a second copy of the actor's parameters inside the
-actor's ``TrainingWorker``, shard for shard (each rank holds a detached clone of its own local FSDP shards;
-composer_core's ``TeacherWeightsOptions``). ``compute_sdpo_teacher_log_prob`` swaps those values into the actor's
-parameters in place, runs verl's own ``infer_batch`` (the same engine forward, micro-batching and log-prob
-code as ``compute_log_prob``), and swaps them back; FSDP's cached unsharded parameters are dropped around it
-so no forward sees the other set. ``ema`` updates the copy after every ``teacher_sync_steps``-th optimizer step
-(one per mini-batch: verl's engine steps the optimizer once per ``train_batch``) with composer_core's
-``ema_update_tensors_`` (``θT ← (1−τ)θT + τθS``, the step ``ema_update_`` runs per parameter). The copy is
-saved with the actor checkpoint (one ``composer_sdpo_teacher-rank<r>.safetensors`` per rank next to verl's
-files) and loaded with it. Only verl's FSDP engines (``strategy=fsdp``/``fsdp2``) expose their module this
-way; another engine raises at start.
-
-``sdpo_form='topk'`` (live teacher only): :meth:`ComposerTrainingWorker.train_batch` sets verl's
-``distillation_use_topk`` on the mini-batch, so verl's engine calls the (wrapped) worker loss as its logits hook
-with the student's logits; :meth:`ComposerTrainingWorker.sdpo_topk_hook` runs the actor's module once more
-without gradient on each distilled row's teacher prompt + response and returns composer_core's per-token
-``topk_distill``, which the ``composer`` loss reduces.
-
-Select it with ``trainer.v1.trainer_mode=composer_sync`` (see :mod:`composer_verl.trainer`).
+``sdpo_form='topk'`` (live teacher only): ``train_batch`` sets verl's ``distillation_use_topk``, so verl's engine
+calls the (wrapped) worker loss as its logits hook; :meth:`ComposerTrainingWorker.sdpo_topk_hook` runs the actor's
+module once more without gradient on each distilled row's teacher prompt + response and returns composer_core's
+per-token ``topk_distill``, which the ``composer`` loss reduces.
 """
 
 from __future__ import annotations
@@ -48,6 +35,7 @@ from typing import Any
 
 import torch
 from composer_core.sdpo import ema_update_tensors_
+from torch.nn.utils.rnn import pad_sequence
 from verl.single_controller.base.decorator import make_nd_compute_dataproto_dispatch_fn, register
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
@@ -228,10 +216,9 @@ class ComposerTrainingWorker(TrainingWorker):  # type: ignore[misc]
         resp = [tokens[e - r : e] for e, r in zip(ends, lens, strict=True)]
         prompts = [teacher_prompts[i].to(tokens.device, tokens.dtype) for i in rows]
         teacher = self._teacher_response_logits(prompts, resp, data)
-        width = max(lens)
-        student = torch.stack([_pad_rows(logits[p], width) for p in pos])
-        mask = torch.stack(
-            [_pad_rows(masks[i].to(logits.device).bool()[:r], width) for i, r in zip(rows, lens, strict=True)]
+        student = pad_sequence([logits[p] for p in pos], batch_first=True)
+        mask = pad_sequence(
+            [masks[i].to(logits.device).bool()[:r] for i, r in zip(rows, lens, strict=True)], True
         )
         per_token = topk_distill(
             student,
@@ -255,13 +242,8 @@ class ComposerTrainingWorker(TrainingWorker):  # type: ignore[misc]
         from verl.utils import tensordict_utils as tu
 
         seqs = [torch.cat([p, r]) for p, r in zip(prompts, responses, strict=True)]
-        width = max(int(s.numel()) for s in seqs)
-        device = seqs[0].device
-        ids = torch.zeros(len(seqs), width, dtype=seqs[0].dtype, device=device)
-        attention = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
-        for j, seq in enumerate(seqs):
-            ids[j, : seq.numel()] = seq
-            attention[j, : seq.numel()] = 1
+        ids = pad_sequence(seqs, batch_first=True)
+        attention = pad_sequence([torch.ones_like(s, dtype=torch.long) for s in seqs], batch_first=True)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         with torch.no_grad():
             logits = self._module()(
@@ -270,12 +252,11 @@ class ComposerTrainingWorker(TrainingWorker):  # type: ignore[misc]
         temperature = tu.get_non_tensor_data(data=data, key="temperature", default=1.0)
         if isinstance(temperature, torch.Tensor):
             temperature = float(temperature.reshape(-1)[0])
-        r_max = max(int(r.numel()) for r in responses)
         picked = [
-            _pad_rows(logits[j, p.numel() - 1 : p.numel() - 1 + r.numel()], r_max)
+            logits[j, p.numel() - 1 : p.numel() - 1 + r.numel()]
             for j, (p, r) in enumerate(zip(prompts, responses, strict=True))
         ]
-        return torch.stack(picked) / float(temperature)
+        return pad_sequence(picked, batch_first=True) / float(temperature)
 
     # -- verl's hooks ------------------------------------------------------------------------------------------
 
@@ -318,14 +299,6 @@ class ComposerTrainingWorker(TrainingWorker):  # type: ignore[misc]
 def _rows(t: torch.Tensor) -> list[torch.Tensor]:
     """The rows of a jagged (or dense) per-row tensor."""
     return list(t.unbind()) if t.is_nested else list(t)
-
-
-def _pad_rows(t: torch.Tensor, width: int) -> torch.Tensor:
-    """``t`` (n, ...) padded with zeros to (width, ...) along the first axis."""
-    if t.shape[0] == width:
-        return t
-    pad = torch.zeros((width - t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
-    return torch.cat([t, pad])
 
 
 def _response_lengths(data: Any) -> list[int]:

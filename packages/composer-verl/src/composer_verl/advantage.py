@@ -7,28 +7,16 @@ Outcome-reward GRPO / Dr. GRPO group advantages computed by ``composer_core.loss
     A_i = (r_i - mean_g r) / (std_batch r + ε)  scale="batch"  (TRL scale_rewards="batch")
     A_i =  r_i - mean_g r                       scale="none"   (Dr. GRPO, arXiv 2503.20783)
 
-g is the group of rows sharing verl's ``uid`` (``index``), std is unbiased (Bessel). A group of
-size 1 has no baseline: ``adv_singleton="reward"`` gives ``A = r`` (verl's convention of mean 0 and
-std 1, exactly r rather than verl's ``r/(1+ε)``), ``"zero"`` gives ``A = 0`` (TRL). A zero-std group
-gives 0. The advantage is broadcast over the response: ``advantages = A[:, None] * response_mask``,
-and ``returns`` equals ``advantages`` (as verl's GRPO does).
+g is the group of rows sharing verl's ``uid`` (``index``), std is unbiased (Bessel). A group of size 1 gets
+``A = r`` (``adv_singleton="reward"``, verl's mean 0 / std 1) or ``A = 0`` (``"zero"``, TRL); a zero-std group
+gives 0. ``advantages = A[:, None] * response_mask`` and ``returns`` equals it (as verl's GRPO). Options come from
+:mod:`composer_verl.config`; with ``adv_scale`` unset, verl's ``algorithm.norm_adv_by_std_in_grpo`` chooses.
 
-Options come from :mod:`composer_verl.config` (``adv_scale``, ``adv_eps``, ``adv_singleton``); with
-``adv_scale`` unset, verl's own ``algorithm.norm_adv_by_std_in_grpo`` chooses group vs none.
-
-Multi-output agent sessions (verl's v1 trainer). An agent loop may return several outputs per session;
-verl's v1 trainer keys each row ``{uid}_{session}_{output}`` and computes advantages through
-``verl.trainer.ppo.v1.utils.compute_advantage_for_multi_trajectories``, which for ``grpo`` lets only the
-final output of each session (highest ``output``) take part in its uid's group and broadcasts that
-session's advantage to all of its outputs; every other estimator name is passed the rows as they are.
-``grpo_composer`` takes the same path itself: verl's estimator contract carries no session keys, so it
-reads the ``batch_keys`` argument of that enclosing verl call (the only caller that has them) and then
-
-    g = rows sharing a uid, one member per session: the session's final output
-    A_row = A_final(session(row))                  broadcast over response_mask
-
-The same grouping is used for ``scale="batch"`` (std over the final outputs). Outside that call (verl's
-legacy trainer, ``compute_advantage`` directly) each row is one sample and a group member.
+Multi-output agent sessions (verl's v1 trainer keys rows ``{uid}_{session}_{output}``): like verl's ``grpo`` in
+``verl.trainer.ppo.v1.utils.compute_advantage_for_multi_trajectories``, only each session's final output (highest
+``output``) joins its uid's group, and the session's advantage is broadcast to all its outputs. verl's estimator
+contract carries no session keys, so ``grpo_composer`` reads the ``batch_keys`` argument of that enclosing verl
+call; outside it (the legacy trainer, ``compute_advantage`` directly) each row is one group member.
 """
 
 from __future__ import annotations

@@ -1,36 +1,19 @@
 """The ``DataProto`` keys composer reads, and how they reach the policy loss.
 
 verl's policy-loss contract (``policy_loss_fn(old_log_prob=, log_prob=, advantages=, response_mask=,
-loss_agg_mode=, config=, rollout_is_weights=)``) carries no teacher log-probs, SDPO masks or preference
-fields. The composer actor extension (:mod:`composer_verl.actor`) wraps the worker's loss function so
-that, for each micro-batch, it reads the keys below from the micro-batch ``TensorDict`` and makes them
-visible to the registered ``composer`` policy loss for the duration of that call (a context variable:
-nothing global, nothing left behind after the call).
+loss_agg_mode=, config=, rollout_is_weights=)``) carries no teacher log-probs, SDPO masks or preference fields.
+The composer actor extension (:mod:`composer_verl.actor`) wraps the worker's loss function so that, for each
+micro-batch, it reads the keys below from the micro-batch ``TensorDict`` and makes them visible to the
+``composer`` policy loss for the duration of that call (a context variable: nothing left behind after the call).
 
-Keys of ``DataProto.batch`` (bs = rows, L = response length, aligned with ``responses``):
-
-===============================  ===========  ==========================================================
-key                              shape/dtype  meaning
-===============================  ===========  ==========================================================
-``composer_teacher_log_probs``   (bs, L) f32  channel 2: log-prob of each sampled response token under the
-                                              teacher (the actor, or its ema/base copy) given its context
-``composer_sdpo_mask``           (bs, L) 0/1  channel 2: tokens SDPO applies to (0 for rows without a hint);
-                                              multiplied by ``response_mask``
-``composer_teacher_prompts``     (bs, *) i64  channel 2, ``sdpo_form='topk'``: the teacher context's prompt ids
-                                              per row (jagged)
-``composer_pref_pair_id``        (bs,) int64  channel 3: pair id of the row, -1 = the row is in no pair
-``composer_pref_chosen``         (bs,) 0/1    channel 3: 1 = chosen (teacher-beaten) row, 0 = rejected row
-``composer_pref_ref_log_prob``   (bs,) f32    channel 3 (DPO, optional): summed reference log-prob of the
-                                              row's response; default Σ_t ``ref_log_prob`` · mask (verl's
-                                              own per-token reference key, present when a ref model runs)
-===============================  ===========  ==========================================================
-
-Both rows of a pair must land in the same micro-batch (keep them adjacent, ``actor.shuffle=False``,
-``use_dynamic_bsz=False`` and an even ``ppo_micro_batch_size_per_gpu``); otherwise the loss raises.
-
-Non-tensor entries added by :class:`composer_verl.actor.ComposerTrainingWorker` per mini-batch (like
-verl's own ``batch_num_tokens``), so channels 2 and 3 are normalised by their own global counts:
-``composer_global_sdpo_tokens`` and ``composer_global_pref_pairs`` (summed over data-parallel ranks).
+Keys of ``DataProto.batch`` (bs rows, L = response length; the README's table says more):
+``composer_teacher_log_probs`` (bs, L) and ``composer_sdpo_mask`` (bs, L) 0/1 for channel 2,
+``composer_teacher_prompts`` (bs, *) int64 jagged for ``sdpo_form='topk'``, ``composer_pref_pair_id`` (bs,)
+int64 (-1 = no pair), ``composer_pref_chosen`` (bs,) 0/1 and the optional ``composer_pref_ref_log_prob`` (bs,)
+(default Σ_t verl's ``ref_log_prob`` · mask) for channel 3. Both rows of a pair must land in one micro-batch
+(``actor.shuffle=False``, ``use_dynamic_bsz=False``, an even ``ppo_micro_batch_size_per_gpu``), else the loss
+raises. :class:`composer_verl.actor.ComposerTrainingWorker` adds ``composer_global_sdpo_tokens`` and
+``composer_global_pref_pairs`` per mini-batch (summed over data-parallel ranks), like verl's ``batch_num_tokens``.
 """
 
 from __future__ import annotations
