@@ -1,14 +1,9 @@
 """PRIME-RL's per-sample loss contract: ``LossInputs`` in, ``LossOutputs`` out.
 
-PRIME-RL (``src/prime_rl/trainer/rl/loss.py``) calls a custom loss once per packed
-sample as ``fn(inputs, **kwargs)``. When ``prime_rl`` is importable (the trainer's own
-environment) this module re-exports its real dataclasses, so ``composer_loss`` returns
-exactly the type the trainer expects. Otherwise (prime-rl is not on the package index)
-it defines structurally identical dataclasses with the same field names, order, types
-and defaults, so the adapter can be developed and tested without PRIME-RL installed.
-
-Field history: ``ref_logprobs`` was called ``teacher_logprobs`` before PRIME-RL commit 0be5ac45 (2026-06-27)
-(:func:`read_ref_logprobs` reads either), and ``loss_weights`` was added in that same commit (absent: None).
+PRIME-RL (``prime_rl.trainer.rl.loss``) calls a custom loss once per packed sample as ``fn(inputs, **kwargs)``.
+With ``prime_rl`` importable this module re-exports its dataclasses; otherwise it defines structurally identical
+ones (same fields, order, types and defaults). ``ref_logprobs`` was ``teacher_logprobs`` before PRIME-RL commit
+0be5ac45 (:func:`read_ref_logprobs` reads either), and ``loss_weights`` was added in that commit (absent: None).
 """
 
 from __future__ import annotations

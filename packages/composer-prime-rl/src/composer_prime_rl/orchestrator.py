@@ -1,34 +1,19 @@
 """Channel-2 producer on PRIME-RL's orchestrator: hinted self-scoring routed to the rl loss.
 
-PRIME-RL's (559b447) ``opsd`` algorithm scores each sampled branch with the **live policy** after a hint block
-and ships the result as ``ref_logprobs``, but routes the tokens to the ``ref_kl`` component with no advantage.
-:class:`ComposerSDPOAlgorithm` does the same hinted scoring and keeps GRPO's group advantages with
-``action_loss_type = "rl"``, so ``composer_prime_rl.composer_loss`` receives both: advantages for channel 1 and
-the hinted self-teacher for channel 2 (``alpha_sdpo``).
-
-The hint is the environment's feedback: ``trace.info[hint_key]`` (a verifiers reward function writes it),
-the feedback of a verifiers environment's own rewards on the trace (``hint_env = "verifiers:<module>"``, read
-through :class:`composer_core.envs.verifiers.VerifiersEnvironment`; needs ``composer-core[verifiers]``),
-or a user ``hint_fn(episode, trace) -> str | None`` (import path). A trace without a hint gets no
-``ref_logprobs`` (``composer_loss`` then trains it on channel 1 only).
-
-When ``prime_rl`` is importable the class derives from PRIME-RL's own ``GRPOAlgorithm`` and uses its
-``assign_reference_logprobs`` / ``iter_trainable_traces`` / ``iter_trainable_branches``; otherwise (no PRIME-RL
-on the package index) the same hooks run on structurally identical local stand-ins, as in
-:mod:`composer_prime_rl.contract`.
-
-Registration: :func:`install` adds ``"composer_sdpo"`` to PRIME-RL's ``ALGORITHM_CLASSES``. PRIME-RL's config
-side (``prime_rl.configs.algorithm.AlgoConfig``) is a closed pydantic union keyed on ``type``, and upstream
-states that a new algorithm is registered in code, not through an import path; selecting
-``algo.type = "composer_sdpo"`` in the TOML therefore also needs :class:`ComposerSDPOAlgoConfig` in that union
-(see the README). Until then the algorithm is usable from code (``build_algorithm`` replacement or a fork).
+PRIME-RL's (559b447) ``opsd`` algorithm scores each sampled branch with the live policy after a hint block and
+ships it as ``ref_logprobs``, but routes the tokens to ``ref_kl`` with no advantage. :class:`ComposerSDPOAlgorithm`
+does the same scoring and keeps GRPO's advantages (``action_loss_type = "rl"``), so ``composer_loss`` gets both.
+The hint is ``trace.info[hint_key]``, a verifiers environment's feedback on the trace (``hint_env``) or a user
+``hint_fn(episode, trace)``; a trace without one gets no ``ref_logprobs`` (channel 1 only). Without ``prime_rl``
+the hooks run on structurally identical local stand-ins. :func:`install` registers ``"composer_sdpo"`` in
+PRIME-RL's ``ALGORITHM_CLASSES``; selecting it from a TOML also needs it in PRIME-RL's closed ``AlgoConfig`` union.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, fields
 from typing import Any
 
 from composer_core.sdpo.context import TeacherContextOptions, TeacherContexts, build_teacher_contexts
@@ -113,8 +98,9 @@ HintFn = Callable[[Any, Any], "str | None"]
 
 
 @dataclass(frozen=True)
-class ComposerSDPOSettings:
-    """Options of :class:`ComposerSDPOAlgorithm` (the ``[...algo]`` table keys of ComposerSDPOAlgoConfig).
+class ComposerSDPOSettings(TeacherContextOptions):
+    """Options of :class:`ComposerSDPOAlgorithm` (the ``[...algo]`` table keys of ComposerSDPOAlgoConfig): the
+    teacher-context options of composer_core's :class:`TeacherContextOptions` (inherited), and
 
     hint_key: key of ``trace.info`` holding the environment's feedback (the hint); default ``feedback``.
     hint_fn: optional import path ``module.function`` of ``hint_fn(episode, trace) -> str | None``; takes
@@ -123,6 +109,7 @@ class ComposerSDPOSettings:
         trace (:func:`env_hint_fn`); takes precedence over ``hint_key``, exclusive with ``hint_fn``.
     hint_role: role of the hint message (``system`` like ``opsd``, or ``user``).
     template: ``str.format`` template of the hint message with ``{hint}``.
+    sdpo_teacher: only ``live`` (the inference server's policy scores the hinted context).
     """
 
     hint_key: str = "feedback"
@@ -130,10 +117,10 @@ class ComposerSDPOSettings:
     hint_env: str | None = None
     hint_role: str = "system"
     template: str = "{hint}"
-    context: TeacherContextOptions = field(default_factory=TeacherContextOptions)
     sdpo_teacher: str = "live"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.sdpo_teacher != "live":
             raise ValueError(
                 f"composer_sdpo: sdpo_teacher={self.sdpo_teacher!r} is not available here: the orchestrator scores "
@@ -152,14 +139,10 @@ class ComposerSDPOSettings:
     def from_config(cls, config: Any) -> ComposerSDPOSettings:
         """The settings from a config's attributes (or a dict's keys); what it lacks keeps its default."""
 
-        def given(names: Iterable[str]) -> dict[str, Any]:
-            if isinstance(config, dict):
-                return {k: config[k] for k in names if k in config}
-            return {k: getattr(config, k) for k in names if hasattr(config, k)}
-
-        context = TeacherContextOptions(**given(TeacherContextOptions.__dataclass_fields__))
-        names = ("hint_key", "hint_fn", "hint_env", "hint_role", "template", "sdpo_teacher")
-        return cls(**given(names), context=context)
+        names = [f.name for f in fields(cls)]
+        if isinstance(config, dict):
+            return cls(**{k: config[k] for k in names if k in config})
+        return cls(**{k: getattr(config, k) for k in names if hasattr(config, k)})
 
 
 def env_hint_fn(spec: str) -> HintFn:
@@ -275,14 +258,14 @@ class ComposerSDPOAlgorithm(_Base):  # type: ignore[misc, valid-type]
             feedback.append(raw)
         traces = [trace for _, trace in pairs]
         built = build_teacher_contexts(
-            prompts, completions, [float(t.reward) for t in traces], len(traces), self.settings.context,
-            feedback=feedback if self.settings.context.uses_feedback else None,
+            prompts, completions, [float(t.reward) for t in traces], len(traces), self.settings,
+            feedback=feedback if self.settings.uses_feedback else None,
         )  # fmt: skip
         return traces, built
 
     async def score_group(self, episodes: list[Any]) -> None:
         await super().score_group(episodes)
-        if not self.settings.context.from_group:
+        if not self.settings.from_group:
             return
         if self.renderer is None:
             raise RuntimeError("composer_sdpo: setup() must run before score_group (no renderer).")
@@ -297,7 +280,7 @@ class ComposerSDPOAlgorithm(_Base):  # type: ignore[misc, valid-type]
     async def score_episode(self, episode: Any) -> None:
         if self.renderer is None:
             raise RuntimeError("composer_sdpo: setup() must run before score_episode (no renderer).")
-        if self.settings.context.from_group:
+        if self.settings.from_group:
             return  # the teacher context needs the whole group: score_group
         traces = [trace for _, trace in iter_trainable_traces([episode])]
         for job in trace_hint_jobs(self.settings, self.hint_fn, episode, traces):

@@ -1,25 +1,12 @@
 """Channel 3 for PRIME-RL: ``composer_core.traces.records`` pairs → PRIME-RL training samples.
 
-PRIME-RL's trainer calls the loss once per packed sample, so a pairwise DPO/SimPO term cannot be computed
-there (``composer_loss`` raises for ``beta_replay > 0``). Its loss is instead a sum of three per-token
-components (``rl``, ``ce``, ``ref_kl``) routed by weight streams on each ``TrainingSample``. This converter
-folds trace-replay pairs into that data, in one of two documented ways:
-
-* ``mode="ce"`` (default): one sample per pair, ``prompt_ids + chosen_ids``; the chosen (teacher-beaten)
-  action's tokens get ``ce_weights = weight`` and ``rl_weights = 0``: supervised replay of the preferred
-  action (the SFT term of RPO-style objectives). The rejected action is not trained on.
-* ``mode="rl_pair"``: two samples per pair, chosen with advantage ``+margin`` and rejected with ``−margin``
-  (``rl`` component, composer's channel 1 then pushes the chosen action up and the rejected one down
-  relative to each other). The rl loss needs the sampling log-probs of every trained token, so a
-  ``scorer(token_ids) -> list[float]`` (the live policy's prefill log-probs, e.g. PRIME-RL's
-  ``InferencePool.score``) is required.
-
-Tokenisation uses ``composer_core.traces.hints.tokenize_completion`` (TRL convention: prompt and action
-tokenised separately; the tokenizer's chat template when it has one). A record's ``prompt_ids`` /
-``completion_ids`` are not reused: they belong to the student's completion, not to ``chosen``.
-
-``TrainingSample`` is PRIME-RL's own class (``prime_rl.transports.rollouts.types``) when importable, else a
-structurally identical local dataclass (same field names and defaults).
+PRIME-RL calls the loss once per packed sample, so a pairwise DPO/SimPO term cannot be computed there; its loss is
+a sum of per-token components (``rl``, ``ce``, ``ref_kl``) routed by weight streams. The pairs are folded into
+the data instead: ``mode="ce"`` (default), one sample per pair whose chosen action's tokens get ``ce_weights =
+weight`` (supervised replay); ``mode="rl_pair"``, two samples per pair with advantage ``±margin`` on the ``rl``
+component, which needs a ``scorer(token_ids) -> list[float]`` (the live policy's log-probs, e.g. PRIME-RL's
+``InferencePool.score``). Tokenised with ``composer_core.traces.hints.tokenize_completion``. ``TrainingSample`` is
+PRIME-RL's own class when importable, else a structurally identical local dataclass.
 """
 
 from __future__ import annotations

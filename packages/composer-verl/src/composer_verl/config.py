@@ -1,22 +1,11 @@
 """The plugin-owned configuration section of composer-verl.
 
-verl's ``PolicyLossConfig`` and ``AlgoConfig`` are closed dataclasses: an unknown key such as
-``+actor_rollout_ref.actor.policy_loss.alpha_sdpo=0.5`` raises ``TypeError``. composer's own
-hyper-parameters therefore live in this section, read from the environment variable
-``COMPOSER_VERL_CONFIG`` in every process that needs them (the driver computing advantages and
-the actor workers computing the loss):
-
-* inline JSON: ``COMPOSER_VERL_CONFIG='{"alpha_sdpo": 0.5, "adv_scale": "none"}'``
-* or a path to a ``.json`` / ``.yaml`` / ``.yml`` file holding the same mapping.
-
-Forward it to verl's Ray workers with
-``+ray_kwargs.ray_init.runtime_env.env_vars.COMPOSER_VERL_CONFIG=...`` (``run_ppo`` merges it into
-the runtime environment of every actor). In one process (tests, notebooks) :func:`configure`
-sets it programmatically and takes precedence over the environment.
-
-Everything verl already has a key for stays in verl's config and is read from there:
-``clip_ratio_low/high``, ``clip_ratio_c``, ``loss_agg_mode``, ``loss_scale_factor``,
-``algorithm.norm_adv_by_std_in_grpo``, ``use_kl_loss``/``kl_loss_coef``, ``entropy_coeff``.
+verl's ``PolicyLossConfig`` and ``AlgoConfig`` are closed dataclasses (an unknown key raises ``TypeError``), so
+composer's own options live here, read from ``COMPOSER_VERL_CONFIG`` in every process that needs them (the driver
+and the actor workers): inline JSON, or a path to a ``.json`` / ``.yaml`` / ``.yml`` file holding the same mapping.
+Forward it to Ray workers with ``+ray_kwargs.ray_init.runtime_env.env_vars.COMPOSER_VERL_CONFIG=...``; in one
+process :func:`configure` sets it and takes precedence. Everything verl has a key for stays in verl's config
+(``clip_ratio_low/high``, ``clip_ratio_c``, ``loss_agg_mode``, ``norm_adv_by_std_in_grpo``, ...).
 """
 
 from __future__ import annotations

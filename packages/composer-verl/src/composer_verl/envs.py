@@ -1,21 +1,11 @@
 """An environment (``composer_core.envs``) as verl's task, reward and channel-2 hint source.
 
-One spec string (``digit-reversal``, ``openenv:<url>``, ``verifiers:<module>``; see
-``composer_core.envs.load_env``) drives three places of a verl run:
-
-* **data**: :func:`write_env_dataset` writes verl's RLHF parquet from the environment's tasks
-  (``composer_core.envs.env_dataset_rows``): the prompt messages, ``extra_info.task_id``, and the reference answer /
-  ``info["rejected"]`` as the ``chosen`` / ``rejected`` columns of ``composer.pair_source=dataset``;
-* **reward**: :func:`compute_score` is verl's custom reward function
-  (``reward.custom_reward_function.path=pkg://composer_verl.envs``, ``name=compute_score``, and
-  ``+reward.custom_reward_function.reward_kwargs.env=<spec>``): ``reset(task)`` -> ``step(response)`` -> the
-  step's reward, and its feedback as ``feedback`` (verl keeps it in the row's reward extra info);
-* **hint**: ``composer.env=<spec>`` makes :func:`env_hint_fn` the producers' ``hint_fn``: the environment's
-  feedback on the sampled response (``composer_core.envs.env_hint_func``), None when it has none.
-
-Every process (reward-loop workers, the driver) loads the environment once per spec. A task is found by its
-``task_id`` through the environment's ``task(task_id)`` lookup (the embedded digit-reversal task has one) or the
-tasks this process listed; an environment fault raises ``composer_core.envs.EnvError`` (the step fails).
+One spec string (``digit-reversal``, ``openenv:<url>``, ``verifiers:<module>``; ``composer_core.envs.load_env``)
+drives the data (:func:`write_env_dataset`: verl's RLHF parquet of the environment's tasks, with
+``extra_info.task_id`` and the ``chosen``/``rejected`` columns of ``composer.pair_source=dataset``), the reward
+(:func:`compute_score`, verl's custom reward function: ``reset(task)`` -> ``step(response)``, its feedback as
+``feedback``) and the hint (``composer.env=<spec>``: :func:`env_hint_fn`). Every process loads the environment
+once per spec; an environment fault raises ``composer_core.envs.EnvError``.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """verl plugin: registers the ``grpo_composer`` advantage estimator and the ``composer`` policy loss.
 
-How this module gets imported (every route ends in ``importlib.import_module``):
-
-* entry point ``composer = "composer_verl.plugin"`` in the ``verl.plugins`` group: ``import verl``
-  loads it in every process where composer-verl is installed (unless ``VERL_USE_EXTERNAL_PLUGINS=none``
-  or a list without ``composer``);
-* ``VERL_USE_EXTERNAL_MODULES=composer_verl.plugin`` (forward it to Ray workers with
-  ``+ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES=composer_verl.plugin``);
-* ``actor_rollout_ref.model.external_lib=composer_verl.plugin`` (reaches the workers that build the
-  model config; the driver may not see it, so pair it with one of the above for the estimator).
-
-verl calls plugins while ``verl/__init__`` is still running. This module imports
-``verl.trainer.ppo.core_algos`` only inside :func:`register` (by then ``verl.DataProto`` and every
-name core_algos needs from the package exist; tests prove there is no circular import). verl logs a
-failing plugin at DEBUG level and carries on, so a failure here is also logged at ERROR level and
-emitted as a ``RuntimeWarning`` before it propagates: a broken install never fails silently.
+It is imported by the ``verl.plugins`` entry point ``composer = "composer_verl.plugin"`` (``import verl`` loads it
+in every process), by ``VERL_USE_EXTERNAL_MODULES=composer_verl.plugin``, or by
+``actor_rollout_ref.model.external_lib=composer_verl.plugin`` (workers only). verl calls plugins while
+``verl/__init__`` still runs, so ``verl.trainer.ppo.core_algos`` is imported only inside :func:`register`. verl
+logs a failing plugin at DEBUG level and carries on, so a failure here is logged at ERROR level and emitted as a
+``RuntimeWarning`` before it propagates.
 """
 
 from __future__ import annotations

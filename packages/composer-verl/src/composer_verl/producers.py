@@ -1,26 +1,17 @@
 """Producers of channels 2 and 3 inside verl's own loop (``trainer.v1.trainer_mode=composer_sync``).
 
-Users write a hint function, not a pipeline stage. After rollout and reward (before verl balances the batch
-and computes ``old_log_probs``), :class:`ComposerProducers` does, for every step:
+Users write a hint function, not a pipeline stage. After rollout and reward (before verl balances the batch and
+computes ``old_log_probs``), :class:`ComposerProducers` does, every step:
 
-* **channel 2**: for each sampled row it calls the configured ``hint_fn(prompt, response, reward, extra)``
-  (``prompt``/``response`` decoded text, ``reward`` = Σ ``rm_scores``, ``extra`` = the row's reward extra info,
-  i.e. the environment's feedback returned by the reward function, plus the dataset fields); a returned
-  string is inserted as one ``hint_role`` message after the prompt messages (``composer_core.traces.hints``'
-  layout: the hint right before the student's action), the hinted prompt is rendered with the tokenizer's
-  chat template, and the **actor** re-scores the sampled response on that context (verl's own
-  ``compute_log_prob``, current weights): ``composer_teacher_log_probs``; ``composer_sdpo_mask`` is 1 on the
-  response tokens of hinted rows, 0 elsewhere.
-* **channel 3**: pairs from ``pair_source`` (``dataset``: the rows' ``chosen``/``rejected`` columns, one pair
-  per prompt group; or a ``composer_core.traces.records`` file: ``pairs_per_step`` records per step, in
-  order, cycling) are appended as two rows each (prompt = the chat-rendered prompt, response = the tokenised
-  text + EOS, truncated to the response length), with ``composer_pref_pair_id`` / ``composer_pref_chosen``,
-  reward 0 (so advantage 0: channel 1 ignores them), tagged ``is_padding`` so verl's reward and length
-  metrics skip them. Their ``rollout_log_probs`` are the actor's own (they were not sampled). After verl's
-  balancing the pair rows are moved to the end of the batch in (chosen, rejected) order so each pair sits
-  in one micro-batch.
-
-Configured by the ``composer`` section of verl's config (driver side only; see :class:`ProducerConfig`).
+* **channel 2**: each row's teacher context (``hint_fn(prompt, response, reward, extra)``'s text as one
+  ``hint_role`` message after the prompt, or the group-built reprompt of composer_core's
+  :func:`~composer_core.sdpo.build_teacher_contexts`) is rendered with the chat template, and the actor (or the
+  ema/base teacher it holds) re-scores the sampled response on it: ``composer_teacher_log_probs``, with
+  ``composer_sdpo_mask`` 1 on the response tokens of those rows.
+* **channel 3**: pairs from ``pair_source`` (the rows' ``chosen``/``rejected`` columns, or a
+  ``composer_core.traces.records`` file) are appended as two rows each, with ``composer_pref_pair_id`` /
+  ``composer_pref_chosen``, reward 0 and the actor's own ``rollout_log_probs``, tagged ``is_padding`` so verl's
+  metrics skip them; after verl's balancing they move to the end of the batch, each pair in one micro-batch.
 """
 
 from __future__ import annotations

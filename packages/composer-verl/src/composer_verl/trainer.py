@@ -1,16 +1,9 @@
 """``trainer.v1.trainer_mode=composer_sync``: verl's synchronous v1 trainer with the composer actor.
 
-verl 0.9's v1 trainer (``trainer.use_v1=true``, the default) builds its actor workers from
-``ActorRolloutRefWorker``. This trainer, registered in verl's ``TRAINER_REGISTRY``, is
-``PPOTrainerSync`` with one change, made the way verl's own ``PPOTrainerSeparateAsync`` swaps in its
-``DetachActorWorker``: after the resource pools are set up, the actor roles map to
-:class:`composer_verl.actor.ComposerActorRolloutRefWorker`. Everything else (rollout, reference,
-checkpoints, weight sync) is verl's, except that when the ``composer`` section of verl's config configures
-producers (:mod:`composer_verl.producers`: a ``hint_fn`` for channel 2, a ``pair_source`` for channel 3),
-they run on each step's batch right before verl balances it (rewards are known, ``old_log_probs`` not yet).
-
-The plugin registers this module lazily, right after ``verl.trainer.ppo.v1`` finishes importing (the
-TaskRunner process imports it to look the trainer up), so ``import verl`` stays cheap everywhere else.
+``PPOTrainerSync`` with the actor roles mapped to :class:`composer_verl.actor.ComposerActorRolloutRefWorker` (the
+way verl's ``PPOTrainerSeparateAsync`` swaps in its ``DetachActorWorker``), and, when the ``composer`` section
+configures producers (:mod:`composer_verl.producers`), those run on each step's batch right before verl balances
+it. The plugin registers this module lazily, after ``verl.trainer.ppo.v1`` finishes importing.
 """
 
 from __future__ import annotations
