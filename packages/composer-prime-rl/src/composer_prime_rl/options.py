@@ -27,32 +27,16 @@ _DPPO = {name: p.default for name, p in inspect.signature(dppo_loss).parameters.
 
 @dataclass(frozen=True)
 class PrimeRLLossOptions:
-    """Options of ``composer_prime_rl.composer_loss`` (keys of ``[trainer.loss.kwargs]``).
+    """Options of ``composer_prime_rl.composer_loss`` (keys of ``[trainer.loss.kwargs]``; the README's table).
 
-    Channel 1, the policy loss (``policy_loss``):
-
-    - ``"dppo"`` (default): PRIME-RL's own default rl loss, DPPO-Binary-TV probability-
-      difference masking with advantage-sign-dependent bounds plus the Kimi-K2.5
-      squared-log-ratio term. Options ``dppo_mask_low``, ``dppo_mask_high``, ``adv_tau``,
-      ``kl_tau`` (same names and defaults as PRIME-RL's ``DefaultLossConfig``;
-      ``kl_tau = 0`` drops the squared-log-ratio term).
-    - ``"clipped_surrogate"``: the PPO/GRPO clipped surrogate with the importance ratio
-      against ``inference_logprobs``. Options ``epsilon_low``, ``epsilon_high`` (None =
-      ``epsilon_low``), ``delta`` (cap on the ratio in the unclipped branch, None = off).
-
-    Channel 2, sampled-token self-distillation (``alpha_sdpo > 0``): the per-sample
-    ``ref_logprobs`` (hinted-context log-probs of the sampled tokens) are the teacher.
-    ``sdpo_token_clip`` caps the detached importance weight ``exp(ℓ_train − ℓ_inf)``;
-    None (``false`` in TOML) drops the weight (w = 1, TRL's ``distillation_is_clip=None``).
-    ``sdpo_missing`` decides what a sample with ``ref_logprobs = None`` does: ``"error"``
-    (default) raises, ``"skip"`` trains it on channel 1 only and reports ``composer/sdpo/skipped = 1``
-    (an all-zero ``ref_logprobs``, PRIME-RL's packer fill, is always skipped).
-    ``sdpo_form`` accepts ``"sampled"`` (or ``"auto"``, which can only pick it here).
-
-    Channel 3 (``beta_replay``) only accepts 0: preference pairs cannot be formed per sample.
-
-    Defaults shared with composer_core are composer_core's; ``alpha_sdpo`` and ``beta_replay`` default to 0 here
-    on purpose (PRIME-RL's default loss, and channel 3 cannot run per sample).
+    Channel 1, ``policy_loss``: ``"dppo"`` (default; PRIME-RL's own default rl loss, options ``dppo_mask_low``,
+    ``dppo_mask_high``, ``adv_tau``, ``kl_tau`` with its names and defaults) or ``"clipped_surrogate"`` (PPO/GRPO
+    against ``inference_logprobs``; ``epsilon_low``, ``epsilon_high``, ``delta``). Channel 2, ``alpha_sdpo > 0``:
+    the per-sample ``ref_logprobs`` are the teacher of the sampled-token form (``sdpo_form``: ``"sampled"``, or
+    ``"auto"``, which can only pick it); ``sdpo_token_clip`` caps the importance weight (None / ``false``: no
+    weight); ``sdpo_missing``: a sample without ``ref_logprobs`` raises (``"error"``) or trains on channel 1 only
+    (``"skip"``). Channel 3, ``beta_replay``, only accepts 0. Shared defaults are composer_core's, except
+    ``alpha_sdpo`` and ``beta_replay`` (0 here).
     """
 
     policy_loss: PolicyLoss = "dppo"

@@ -28,19 +28,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from composer_verl.config import ComposerVerlConfig, current_config
+from composer_verl.config import current_config
 
 ESTIMATOR_NAME = "grpo_composer"
 MULTI_TRAJECTORY_MODULE = "verl.trainer.ppo.v1.utils"
 MULTI_TRAJECTORY_FN = "compute_advantage_for_multi_trajectories"
-
-
-def resolve_scale(composer: ComposerVerlConfig, algo_config: Any) -> str:
-    """``composer.adv_scale`` if set, else verl's ``norm_adv_by_std_in_grpo`` (default True)."""
-    if composer.adv_scale is not None:
-        return composer.adv_scale
-    norm = True if algo_config is None else algo_config.get("norm_adv_by_std_in_grpo", True)
-    return "group" if norm else "none"
 
 
 def compute_grpo_composer_advantage(
@@ -73,13 +65,16 @@ def compute_grpo_composer_advantage(
     if len(index) != token_level_rewards.shape[0]:
         raise ValueError(f"index has {len(index)} entries for {token_level_rewards.shape[0]} rows.")
     composer = current_config()
+    scale = composer.adv_scale  # unset: verl's norm_adv_by_std_in_grpo (default True) chooses group or none
+    if scale is None:
+        scale = "group" if config is None or config.get("norm_adv_by_std_in_grpo", True) else "none"
     scores = token_level_rewards.sum(dim=-1)
     members, row_member = session_members(enclosing_batch_keys(), len(index), scores.device)
     with torch.no_grad():
         adv = group_advantages(
             scores[members],
             group_ids=[index[i] for i in members.tolist()],
-            scale=resolve_scale(composer, config),  # type: ignore[arg-type]
+            scale=scale,
             eps=composer.adv_eps,
             singleton=composer.adv_singleton,
         )[row_member]

@@ -92,7 +92,7 @@ class ComposerVerlConfig(TeacherWeightsOptions):
             )
         try:
             # an option of the unselected replay variant (simpo_gamma with dpo_variant='dpo') raises in core
-            shared = {name: coerce_option(name, getattr(self, name)) for name in _SHARED}
+            shared: dict[str, Any] = {name: coerce_option(name, getattr(self, name)) for name in _SHARED}
             compose = ComposeConfig.from_flat(**shared)
             super().__post_init__()
         except ValueError as err:

@@ -600,7 +600,8 @@ class ComposerProducers:
             feedback = [None] * n
             for job in self._hint_jobs(samples, skip):
                 feedback[job.index] = job.hint
-        uids, prompts, completions, rewards = [""] * n, [None] * n, [""] * n, [0.0] * n
+        prompts: list[Any] = [None] * n
+        uids, completions, rewards = [""] * n, [""] * n, [0.0] * n
         for i in rows:
             _, completions[i], rewards[i], _ = self._hint_args(samples[i])
             uids[i] = str(samples[i]["uid"])
