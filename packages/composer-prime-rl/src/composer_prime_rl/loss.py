@@ -1,37 +1,31 @@
 """``composer_loss``: composer's objective as a PRIME-RL custom rl loss, one sample per call.
 
-PRIME-RL contract (``prime_rl.trainer.rl.loss``): the trainer calls ``fn(inputs, **kwargs)``
-once per packed sample with 1-D per-token tensors and divides the sum of the returned
-losses by the global rl-token count N (all-reduced over micro-batches and ranks). So the
-function returns the **sum** over the sample's masked tokens, never a mean:
+PRIME-RL contract (``prime_rl.trainer.rl.loss``): the trainer calls ``fn(inputs, **kwargs)`` once per packed sample
+with 1-D per-token tensors and divides the sum of the returned losses by the global rl-token count N (all-reduced
+over micro-batches and ranks). So the function returns the **sum** over the sample's masked tokens, never a mean:
 
     loss_i = Σ_t m_t · w_t · ( L^policy_t + α · L^sdpo_t )
 
-with m = ``loss_mask``, w = ``loss_weights`` (1 when None). Summed over samples and divided
-by N this is exactly composer_core's token-level (``loss_type = "dapo"``) policy loss plus
-α × the sampled-token distillation loss, both normalised by the same global count.
+with m = ``loss_mask``, w = ``loss_weights`` (1 when None). Summed over samples and divided by N this is exactly
+composer_core's token-level (``loss_type = "dapo"``) policy loss plus α × the sampled-token distillation loss, both
+normalised by the same global count.
 
-Channel 1, ``policy_loss = "dppo"`` (PRIME-RL's default, DPPO arXiv 2602.04879 with the
-Kimi-K2.5 KL of arXiv 2602.02276), with δ = ℓ_train − ℓ_inf, ρ = e^δ,
-Δp = e^{ℓ_train} − e^{ℓ_inf}:
+Channel 1, ``policy_loss = "dppo"`` (PRIME-RL's default, DPPO arXiv 2602.04879 with the Kimi-K2.5 KL of arXiv
+2602.02276), with δ = ℓ_train − ℓ_inf, ρ = e^δ, Δp = e^{ℓ_train} − e^{ℓ_inf}:
 
     masked_t = (A_t > 0 ∧ Δp_t > dppo_mask_high) ∨ (A_t ≤ 0 ∧ Δp_t < −dppo_mask_low)
     L^policy_t = −1[¬masked_t] · adv_tau · A_t · ρ_t + kl_tau · δ_t²
 
-``policy_loss = "clipped_surrogate"`` (PPO, Schulman et al. 2017; GRPO, Shao et al. 2024)
-with the importance ratio against the inference engine:
+``policy_loss = "clipped_surrogate"`` (PPO, Schulman et al. 2017; GRPO, Shao et al. 2024) with the importance ratio
+against the inference engine:
 
     L^policy_t = −min(ρ_t A_t, clip(ρ_t, 1 − ε_low, 1 + ε_high) A_t)
 
-Channel 2 (``alpha_sdpo > 0``), sampled-token self-distillation (SDPO, arXiv 2601.20802;
-on-policy distillation estimator): ``ref_logprobs`` are the log-probs of the sampled tokens
-under the same policy given a hint (the self-teacher). Per token the gradient is
-``sg(ℓ_train − ℓ_ref) · min(e^{ℓ_train − ℓ_inf}, sdpo_token_clip) · ∇ℓ_train`` (an unbiased
-reverse-KL(π‖π_hint) gradient on the sampled tokens); see
-``composer_core.loss.distill.sampled_token_distill``.
-
-Channel 3 (preference replay) has no per-sample form; :mod:`composer_prime_rl.options`
-raises if it is requested.
+Channel 2 (``alpha_sdpo > 0``), sampled-token self-distillation (SDPO, arXiv 2601.20802): ``ref_logprobs`` are the
+log-probs of the sampled tokens under the same policy given a hint (the self-teacher). Per token the gradient is
+``sg(ℓ_train − ℓ_ref) · min(e^{ℓ_train − ℓ_inf}, sdpo_token_clip) · ∇ℓ_train`` (an unbiased reverse-KL(π‖π_hint)
+gradient on the sampled tokens; ``composer_core.loss.distill.sampled_token_distill``). Channel 3 (preference
+replay) has no per-sample form; :mod:`composer_prime_rl.options` raises if it is requested.
 """
 
 from __future__ import annotations
@@ -176,12 +170,6 @@ def _binary(raw_mask: Tensor, device: torch.device) -> Tensor | None:
     return None if raw_mask.dtype == torch.bool else ((raw_mask == 0) | (raw_mask == 1)).all().to(device)
 
 
-def _stack(named: dict[str, Tensor]) -> Tensor:
-    """[F, N] every field in the trainer log-probs' dtype and device, detached (a new tensor)."""
-    logprobs = named["trainer_logprobs"]
-    return torch.stack([_as(t, logprobs.device, logprobs.dtype) for t in named.values()])
-
-
 def _as_sample(named: dict[str, Tensor], kept: Tensor, mask: Tensor, stacked: Tensor) -> _Sample:
     """The fields ``kept`` [F, N] by name. PRIME-RL's packer fills ref_logprobs with 0.0 when a sample has none
     but a neighbour in its micro-batch has some: that is no teacher, so channel 2 is skipped for such a sample
@@ -201,7 +189,10 @@ def _as_sample(named: dict[str, Tensor], kept: Tensor, mask: Tensor, stacked: Te
 def _read(raw_mask: Tensor | None, named: dict[str, Tensor]) -> tuple[_Sample, Tensor, _Suspect | None]:
     """(the sample, the stacked fields [F, N], the suspect: None when the fused check (:func:`_passes`) passed).
     ``raw_mask`` None (fresh masks, :class:`_Unmasked`): every token, nothing zeroed nor checked yet."""
-    stacked = _stack(named)
+    logprobs = named[
+        "trainer_logprobs"
+    ]  # [F, N] every field in its dtype and device, detached (a new tensor)
+    stacked = torch.stack([_as(t, logprobs.device, logprobs.dtype) for t in named.values()])
     if raw_mask is None:
         every = torch.ones(stacked.shape[1], dtype=torch.bool, device=stacked.device)
         return _as_sample(named, stacked, every, stacked), stacked, None
@@ -215,13 +206,6 @@ def _read(raw_mask: Tensor | None, named: dict[str, Tensor]) -> tuple[_Sample, T
     )
 
 
-def _all_finite(stacked: Tensor, table: Tensor) -> bool:
-    """Fresh masks: whether every packed value and table entry is finite (one host read on CPU; False elsewhere)."""
-    if not _host_reads_are_free(stacked.device):
-        return False
-    return math.isfinite((stacked.sum() + table.sum()).item())
-
-
 def _own_mask(unmasked: _Unmasked, raw_mask: Tensor, named: dict[str, Tensor], start: int) -> Tensor:
     """A call's own bool mask, after the value checks of its slice (skipped when clean and the mask bool)."""
     stacked = unmasked.stacked
@@ -229,13 +213,6 @@ def _own_mask(unmasked: _Unmasked, raw_mask: Tensor, named: dict[str, Tensor], s
     if not (unmasked.clean and raw_mask.dtype == torch.bool):
         _check(_keep(mask, stacked[:, start : start + mask.shape[0]]), raw_mask, mask, named)
     return mask
-
-
-def _recheck(suspect: _Suspect, start: int, n: int) -> None:
-    """The value checks of one sample (tokens ``start : start + n`` of the packed tensors)."""
-    cut = slice(start, start + n)
-    named = {name: t[cut] for name, t in suspect.named.items()}
-    _check(suspect.kept[:, cut], suspect.raw_mask[cut], suspect.mask[cut], named)
 
 
 # torch.where's CPU kernel is a scalar loop: from this many tokens on its vectorised equivalents win
@@ -468,7 +445,9 @@ def _pack(
     unmasked = None
     if raw_mask is None:
         floats = table[: columns.index(None)]  # the bool rows are finite
-        unmasked = _Unmasked(stacked, _all_finite(stacked, floats), _unmasked_rows(columns, s.mask.device))
+        # clean: every packed value and table entry finite, known by one host read on CPU only
+        clean = _host_reads_are_free(stacked.device) and math.isfinite((stacked.sum() + floats.sum()).item())
+        unmasked = _Unmasked(stacked, clean, _unmasked_rows(columns, s.mask.device))
     return _Packed(
         key=key,
         bases=bases,
@@ -571,40 +550,39 @@ def composer_loss(inputs: LossInputs, **kwargs: Any) -> LossOutputs:
     """composer's loss for one PRIME-RL sample: ``[trainer.loss] import_path = "composer_prime_rl.composer_loss"``.
 
     Args:
-        inputs: PRIME-RL's ``LossInputs`` for one sample (1-D tensors of equal length):
-            ``trainer_logprobs`` (grad), ``inference_logprobs``, ``ref_logprobs`` (or its
-            pre-0be5ac45 name ``teacher_logprobs``), ``advantages``, ``loss_mask``,
-            ``loss_weights`` (optional).
+        inputs: PRIME-RL's ``LossInputs`` for one sample (1-D tensors of equal length): ``trainer_logprobs``
+            (grad), ``inference_logprobs``, ``ref_logprobs`` (or its pre-0be5ac45 name ``teacher_logprobs``),
+            ``advantages``, ``loss_mask``, ``loss_weights`` (optional).
         **kwargs: ``[trainer.loss.kwargs]``; see :class:`composer_prime_rl.options.PrimeRLLossOptions`
             (validated once per distinct kwargs, then a cache lookup).
 
     Returns:
-        ``LossOutputs`` with ``loss`` = the SUM over masked tokens of
-        ``w_t (L^policy_t + alpha_sdpo L^sdpo_t)`` (PRIME-RL divides by the global token
-        count) and 0-dim detached float32 ``metrics``: ``composer/loss/policy``, ``composer/loss/sdpo`` and
-        ``composer/loss/total`` (per-token means of this sample), the policy diagnostics (PRIME-RL's
-        DPPO names, or ``composer/policy/clip_ratio`` + ``mismatch_kl``), and with channel 2 on
-        ``composer/sdpo/reverse_kl_k1`` and ``composer/sdpo/skipped``. Every call of a run emits the same keys.
-
-        When the fields are views of packed tensors (PRIME-RL's train loop), every per-token term and value check
-        runs once per micro-batch and each sample costs one matmul over its slice. A sample whose ``loss_mask``
-        selects no token returns an exact 0 still attached to the graph and zero metrics.
+        ``LossOutputs`` with ``loss`` = the SUM over masked tokens of ``w_t (L^policy_t + alpha_sdpo L^sdpo_t)``
+        (PRIME-RL divides by the global token count) and 0-dim detached float32 ``metrics``:
+        ``composer/loss/policy``, ``composer/loss/sdpo`` and ``composer/loss/total`` (per-token means of this
+        sample), the policy diagnostics (PRIME-RL's DPPO names, or ``composer/policy/clip_ratio`` +
+        ``mismatch_kl``), and with channel 2 on ``composer/sdpo/reverse_kl_k1`` and ``composer/sdpo/skipped``.
+        Every call of a run emits the same keys. When the fields are views of packed tensors (PRIME-RL's train
+        loop), every per-token term and value check runs once per micro-batch and each sample costs one matmul
+        over its slice. A sample whose ``loss_mask`` selects no token returns an exact 0 still attached to the
+        graph and zero metrics.
 
     Raises:
-        ValueError: bad kwargs (see :func:`composer_prime_rl.options.parse_options`), a
-            field that is not a 1-D tensor of the sample's length, a non-boolean mask,
-            NaN/inf on masked tokens, or channel 2 on without ``ref_logprobs`` (None) while
-            ``sdpo_missing = "error"`` (all-zero ``ref_logprobs``, PRIME-RL's packer fill, skip channel 2).
-            On an accelerator the value checks are device asserts with the same messages, raised at the next
-            synchronisation.
+        ValueError: bad kwargs (:func:`composer_prime_rl.options.parse_options`), a field that is not a 1-D tensor
+            of the sample's length, a non-boolean mask, NaN/inf on masked tokens, or channel 2 on without
+            ``ref_logprobs`` (None) while ``sdpo_missing = "error"`` (all-zero ``ref_logprobs``, PRIME-RL's packer
+            fill, skip channel 2). On an accelerator the value checks are device asserts with the same messages,
+            raised at the next synchronisation.
     """
     opts = parse_options(kwargs)
     raw_mask, named = _fields(inputs, opts)
     n = raw_mask.shape[0]
     with torch.no_grad(), _exact(named["trainer_logprobs"].device):
         packed, start = _shared(opts, raw_mask, named)
-        if packed.suspect is not None:
-            _recheck(packed.suspect, start, n)
+        if (suspect := packed.suspect) is not None:  # a packed check failed: this sample rechecks its slice
+            cut = slice(start, start + n)
+            named_cut = {name: t[cut] for name, t in suspect.named.items()}
+            _check(suspect.kept[:, cut], suspect.raw_mask[cut], suspect.mask[cut], named_cut)
         mask = None if packed.unmasked is None else _own_mask(packed.unmasked, raw_mask, named, start)
         row, selector = _sample_row(packed, start, n, mask)
     if (

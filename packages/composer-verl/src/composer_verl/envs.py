@@ -10,6 +10,7 @@ once per spec; an environment fault raises ``composer_core.envs.EnvError``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -18,16 +19,13 @@ from composer_verl.producers import HintFn
 
 __all__ = ["compute_score", "env_hint_fn", "env_rows", "load", "write_env_dataset"]
 
-_ENVS: dict[str, Any] = {}
 
-
+@functools.cache
 def load(spec: str) -> Any:
     """``composer_core.envs.load_env(spec)``, once per process."""
     from composer_core.envs import load_env
 
-    if spec not in _ENVS:
-        _ENVS[spec] = load_env(spec)
-    return _ENVS[spec]
+    return load_env(spec)
 
 
 def env_rows(spec: str, split: str = "train", limit: int | None = None) -> list[dict[str, Any]]:

@@ -16,22 +16,19 @@ import importlib.util
 import logging
 import sys
 import warnings
-from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 logger = logging.getLogger("composer_verl")
 
-REGISTERED: dict[str, str] = {}
 TRAINER_PACKAGE = "verl.trainer.ppo.v1"
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Run ``callback`` right after module ``target`` has executed (one shot, then it removes itself)."""
+    """Register the trainer mode right after verl's v1 trainer package has executed (one shot, then it removes
+    itself)."""
 
-    def __init__(self, target: str, callback: Callable[[], None]) -> None:
-        self.target = target
-        self.callback = callback
+    target = TRAINER_PACKAGE
 
     def find_spec(self, fullname: str, path: Any, target: ModuleType | None = None) -> Any:
         if fullname != self.target:
@@ -44,7 +41,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
         def exec_then_register(module: ModuleType) -> None:
             exec_module(module)
-            self.callback()
+            _register_trainer()
 
         spec.loader.exec_module = exec_then_register  # type: ignore[method-assign]
         return spec
@@ -65,7 +62,6 @@ def register() -> None:
     # normal modules, so importing this plugin twice (entry point + VERL_USE_EXTERNAL_MODULES) is fine.
     core_algos.register_adv_est(ESTIMATOR_NAME)(compute_grpo_composer_advantage)
     core_algos.register_policy_loss(LOSS_NAME)(compute_policy_loss_composer)
-    REGISTERED.update(adv_estimator=ESTIMATOR_NAME, policy_loss=LOSS_NAME)
 
     # The trainer mode needs verl's v1 trainer (ray, transfer_queue, ...): register it only once
     # something imports that package (the TaskRunner does), never at `import verl` time.
@@ -74,8 +70,7 @@ def register() -> None:
     elif not any(
         getattr(f, "target", None) == TRAINER_PACKAGE for f in sys.meta_path
     ):  # one hook, even on reload
-        sys.meta_path.insert(0, _AfterImport(TRAINER_PACKAGE, _register_trainer))
-    REGISTERED.update(trainer_mode="composer_sync")
+        sys.meta_path.insert(0, _AfterImport())
 
 
 try:

@@ -4,9 +4,8 @@
 
 Channel 1 (always): verl's PPO clipped surrogate with dual clip, computed per token by
 ``composer_core.loss.policy.clipped_surrogate`` and reduced by verl's own ``agg_loss`` with the actor's
-``loss_agg_mode`` and ``config.global_batch_info`` (``dp_size``, ``batch_num_tokens``,
-``global_batch_size``, ``loss_scale_factor``), so it is invariant to the micro-batch / data-parallel
-layout exactly like verl's ``vanilla`` loss:
+``loss_agg_mode`` and ``config.global_batch_info``, so it is invariant to the micro-batch / data-parallel layout
+exactly like verl's ``vanilla`` loss:
 
     x = clamp(ℓθ - ℓold, -20, 20),  ρ = exp(x)
     L1 = max(-ρA, -clip(ρ, 1-ε_lo, 1+ε_hi)·A)             (PPO, Schulman et al. 2017; clip-higher, DAPO)
@@ -18,14 +17,11 @@ With ``policy_delta`` set, ρ is additionally capped at δ in the unclipped bran
 
 Channel 2 (α = ``alpha_sdpo`` > 0): SDPO on the sampled tokens (Hübotter et al., arXiv 2601.20802),
 ``composer_core.loss.distill.sampled_token_distill``: gradient sg(ℓθ - ℓT)·∇ℓθ × min(exp(ℓθ - ℓold), clip),
-averaged over the SDPO tokens of the whole mini-batch (its own global count).
-
-Channel 3 (β = ``beta_replay`` > 0): DPO (Rafailov et al., arXiv 2305.18290) or SimPO (Meng et al.,
-arXiv 2405.14734) on pairs of rows, ``composer_core.loss.preference``, with the row log-prob Σ_t ℓθ·mask,
-averaged over the pairs of the whole mini-batch.
-
-Channels 2 and 3 read the batch keys of :mod:`composer_verl.batch`, which only the composer actor
-extension passes in; an enabled channel without its keys raises ``ValueError``.
+averaged over the SDPO tokens of the whole mini-batch (its own global count). Channel 3 (β = ``beta_replay`` > 0):
+DPO (Rafailov et al., arXiv 2305.18290) or SimPO (Meng et al., arXiv 2405.14734) on pairs of rows,
+``composer_core.loss.preference``, with the row log-prob Σ_t ℓθ·mask, averaged over the mini-batch's pairs.
+Channels 2 and 3 read the batch keys of :mod:`composer_verl.batch`, which only the composer actor extension
+passes in; an enabled channel without its keys raises ``ValueError``.
 """
 
 from __future__ import annotations
