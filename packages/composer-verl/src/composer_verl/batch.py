@@ -113,15 +113,11 @@ def read_extras(data: Any) -> ComposerExtras:
 def with_composer_batch(
     loss_fn: Callable[..., Any], logits_processor: Callable[[Any, Any], dict[str, Any]] | None = None
 ) -> Callable[..., Any]:
-    """Wrap a verl worker loss function (``ppo_loss`` or ``distillation_ppo_loss`` partial).
-
-    verl's engine also calls the worker loss as its logits hook (``loss_fn(student_logits=, data=)``, when the
-    micro-batch sets ``distillation_use_topk``); the wrapper routes that call to ``logits_processor`` and hands
-    its per-token ``SDPO_TOPK_OUTPUT`` to the ``composer`` loss with the other keys.
-
-    The wrapper has verl's worker-loss signature ``(model_output, data, dp_group=None)`` and runs
-    ``loss_fn`` unchanged while the micro-batch's composer keys are visible to the ``composer``
-    policy loss. verl's own terms (entropy bonus, KL loss, metrics) stay verl's.
+    """Wrap a verl worker loss function (``ppo_loss`` or ``distillation_ppo_loss`` partial, signature
+    ``(model_output, data, dp_group=None)``): ``loss_fn`` runs unchanged while the micro-batch's composer keys are
+    visible to the ``composer`` policy loss (verl's own terms and metrics stay verl's). verl's engine also calls the
+    worker loss as its logits hook (``loss_fn(student_logits=, data=)`` with ``distillation_use_topk``): that call
+    goes to ``logits_processor``, whose per-token ``SDPO_TOPK_OUTPUT`` reaches the loss with the other keys.
     """
 
     def composer_batch_loss(*args: Any, **kwargs: Any) -> Any:

@@ -45,22 +45,19 @@ CONTEXT_KEYS: tuple[str, ...] = tuple(f.name for f in fields(TeacherContextOptio
 class ProducerConfig(TeacherContextOptions):
     """The ``composer:`` section of verl's config (read by the driver; Hydra: ``composer.hint_fn=...``).
 
-    hint_fn: import path ``package.module:function`` (or ``package.module.function``) of
-        ``hint_fn(prompt: str, response: str, reward: float, extra: Mapping) -> str | None``; ``None`` = no hint
-        for that row. Needs ``alpha_sdpo > 0`` in ``COMPOSER_VERL_CONFIG``. With
-        ``sdpo_teacher_context`` ``feedback``/``success+feedback`` its text is the row's feedback.
+    hint_fn: import path ``package.module:function`` (or ``package.module.function``) of ``hint_fn(prompt: str,
+        response: str, reward: float, extra: Mapping) -> str | None`` (None: no hint for that row; with
+        ``sdpo_teacher_context`` ``feedback``/``success+feedback`` its text is the row's feedback).
     env: an environment spec (``composer_core.envs.load_env``) whose feedback on each sampled response is the hint
-        (:func:`composer_verl.envs.env_hint_fn`); replaces ``hint_fn`` (setting both raises). Rows need
-        ``extra_info.task_id`` (:func:`composer_verl.envs.write_env_dataset`).
+        (:func:`composer_verl.envs.env_hint_fn`); replaces ``hint_fn``.
     hint_role: role of the inserted hint message (``user`` or ``system``; ``sdpo_teacher_context='hint'`` only).
     pair_source: ``dataset`` (columns ``chosen``/``rejected`` of the training data) or the path of a
-        ``composer_core.traces.records`` file (``.jsonl``/``.parquet``); needs ``beta_replay > 0``.
+        ``composer_core.traces.records`` file; needs ``beta_replay > 0``.
     pairs_per_step: records per step when ``pair_source`` is a records file.
 
     The other keys are composer_core's :class:`~composer_core.sdpo.TeacherContextOptions` (inherited: same names,
-    defaults and checks): ``hint`` (default) = the ``hint_fn``/``env`` text as one extra message; ``success`` /
-    ``feedback`` / ``success+feedback`` = the SDPO paper's reprompt built from the ``uid`` group's successful
-    siblings and/or the ``hint_fn``/``env`` text as feedback (:func:`composer_core.sdpo.build_teacher_contexts`).
+    defaults and checks), e.g. ``sdpo_teacher_context``: ``hint`` (default) or the SDPO paper's reprompt built from
+    the ``uid`` group (``success``, ``feedback``, ``success+feedback``).
     """
 
     hint_fn: str | None = None
