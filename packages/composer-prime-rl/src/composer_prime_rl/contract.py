@@ -27,15 +27,13 @@ except ImportError:
         """One sample's 1-D per-token tensors (length ``seq``), as PRIME-RL passes them.
 
         Attributes:
-            trainer_logprobs: [seq] log-prob of each sampled token under the policy being
-                trained (carries the gradient).
-            inference_logprobs: [seq] log-prob of the same tokens under the inference
-                engine that sampled them.
-            ref_logprobs: [seq] or None. Sampled-token log-probs from a reference scoring
-                (composer reads them as the hinted self-teacher of channel 2).
-            advantages: [seq] per-token advantage (group credit broadcast over tokens).
-            loss_mask: [seq] bool, the tokens that belong to this loss component.
-            loss_weights: [seq] or None, the component's per-token weight (None = 1.0).
+            trainer_logprobs: log-prob of each sampled token under the policy being trained (with gradient).
+            inference_logprobs: log-prob of the same tokens under the inference engine that sampled them.
+            ref_logprobs: or None; sampled-token log-probs from a reference scoring (composer: channel 2's
+                hinted self-teacher).
+            advantages: per-token advantage (group credit broadcast over tokens).
+            loss_mask: bool, the tokens that belong to this loss component.
+            loss_weights: or None, the component's per-token weight (None = 1.0).
         """
 
         trainer_logprobs: Tensor
