@@ -189,5 +189,4 @@ def serverless_replica(
         manager = ObjectStoreManager(store, load, save)
         return manager, manager.shutdown
 
-    out = run_toy(factory, rank=rank, **kw)
-    return out
+    return run_toy(factory, rank=rank, **kw)

@@ -1,11 +1,8 @@
-"""The round's single source of truth: the create-only manifest, and each replica's progress marker.
-
-The first replica that sees every rank, or whose timeout expires, *creates* ``manifest.json`` listing the
-ranks and each object's tag; every replica averages exactly those objects. Before applying, a replica
-records the manifest's fingerprint in ``progress/rank-<r>.json`` and then reads every replica's marker: of
-two replicas accepting different manifests for one round, the later reader sees the other's marker and
-raises :class:`RoundConflictError`. A round the run has left (a marker went past it, or a later round is
-stored) whose manifest is gone raises :class:`RoundExpiredError`.
+"""The round's single source of truth: the create-only ``manifest.json`` (the ranks and each object's
+tag), and each replica's progress marker ``progress/rank-<r>.json``. A replica records the manifest's
+fingerprint in its marker, then reads the others': of two replicas accepting different manifests, the later
+reader raises :class:`RoundConflictError`. A round the run has left whose manifest is gone raises
+:class:`RoundExpiredError`.
 """
 
 from __future__ import annotations
@@ -27,10 +24,10 @@ class Manifest:
 
 
 class Manifests(Backend):
-    """Manifests and progress markers (signed with the HMAC key when there is one)."""
+    """Manifests and progress markers."""
 
     keep_rounds: int
-    _marker: dict[int, str] | None  # this replica's progress marker, as last written
+    _marker: dict[int, str] | None
 
     def _read_manifest(self, round_id: int) -> Manifest | None:
         key = self.manifest_key(round_id)
@@ -65,7 +62,6 @@ class Manifests(Backend):
         return Manifest(list(ranks), tags, hashlib.sha256(raw).hexdigest())
 
     def _propose_manifest(self, round_id: int, decoded: Mapping[int, Decoded]) -> bytes | None:
-        """Create the round's manifest; its bytes if this replica's proposal won, else None."""
         proposal = {
             "run_id": self.run_id,
             "round": round_id,
@@ -94,9 +90,9 @@ class Manifests(Backend):
             raise CorruptObjectError(f"progress marker {key} is not a marker of this run: {exc}") from exc
 
     def _read_markers(self, skip: int | None = None) -> dict[int, dict[int, str]]:
-        own = self._marker  # this replica's marker is only written by itself: no GET once known
+        own = self._marker  # only this replica writes it: no GET once known
         ranks = [r for r in range(self.world_size) if r != skip and (r != self.rank or own is None)]
-        raws = self._read_many([self.marker_key(r) for r in ranks], [None] * len(ranks))  # at once on S3
+        raws = self._read_many([self.marker_key(r) for r in ranks], [None] * len(ranks))
         markers = {r: self._parse_marker(r, raw) for r, raw in zip(ranks, raws)}
         if own is not None and skip != self.rank:
             markers[self.rank] = dict(own)
@@ -138,10 +134,8 @@ class Manifests(Backend):
         return manifest
 
     def _accept(self, round_id: int, manifest: Manifest) -> None:
-        """Record that this replica applies ``manifest`` for ``round_id``, then check that no
-        replica accepted another one. Marker first, reads second: of two replicas accepting
-        different manifests, the later reader sees the other's marker and raises. If the round
-        turns out to be one the run has left, the record is taken back (nothing is applied)."""
+        """Record that this replica applies ``manifest`` for ``round_id`` (marker first), then check that no
+        replica accepted another one; the record is taken back if the run has left the round."""
         before = dict(self._marker if self._marker is not None else self._read_marker(self.rank) or {})
         self._record({**before, round_id: manifest.fingerprint})
         try:
