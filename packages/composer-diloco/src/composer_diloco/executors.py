@@ -1,10 +1,6 @@
-"""Executors that run N replica functions and collect their results and exit codes.
-
-A replica is a plain importable function ``"package.module:function"`` called with JSON
-keyword arguments (so it can start in a fresh process anywhere). :class:`LocalProcessExecutor`
-runs each replica in its own Python subprocess on this machine; :class:`RayExecutor` runs each
-as a Ray task (the way past one machine: any Ray cluster whose nodes reach the object store).
-Either way a failed replica is reported with its exit code and the tail of its log.
+"""Executors that run N replica functions ``"package.module:function"`` with JSON keyword arguments:
+:class:`LocalProcessExecutor` (one subprocess each) and :class:`RayExecutor` (one Ray task each). A failed
+replica is reported with its exit code and the tail of its log.
 """
 
 from __future__ import annotations
@@ -190,7 +186,7 @@ class LocalProcessExecutor:
 
 
 def _ray_replica(target: str, kwargs: dict[str, Any]) -> tuple[int, Any, str]:
-    """Body of one Ray task: run the target, capture its output, never raise."""
+    """One Ray task: run the target, capture its output, never raise."""
     from ._worker import resolve
 
     buf = io.StringIO()
@@ -205,8 +201,7 @@ def _ray_replica(target: str, kwargs: dict[str, Any]) -> tuple[int, Any, str]:
 
 
 def ray_temp_dir() -> str:
-    """A temp dir Ray accepts: Ray's workers refuse one inside the virtualenv (nox/tox point
-    TMPDIR there), and its socket paths must stay short, so fall back to /tmp."""
+    """A temp dir Ray accepts: not inside the virtualenv, with a short path (else under /tmp)."""
     tmp = os.path.realpath(tempfile.gettempdir())
     if tmp.startswith(os.path.realpath(sys.prefix) + os.sep) or len(tmp) > 40:
         tmp = "/tmp"

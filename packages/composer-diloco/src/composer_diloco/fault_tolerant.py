@@ -11,6 +11,7 @@ import re
 import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -20,7 +21,7 @@ import torch
 from .executors import ReplicaFailedError, ReplicaProcess, ReplicaResult, finish_all, make_workdir
 
 
-class Lighthouse:
+class Lighthouse(AbstractContextManager["Lighthouse"]):
     """A torchft Lighthouse on ``host`` (default 127.0.0.1), or an existing one's ``address``.
 
     Args:
@@ -66,9 +67,6 @@ class Lighthouse:
         if self._server is not None:
             self._server.shutdown()
             self._server = None
-
-    def __enter__(self) -> Lighthouse:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
@@ -135,7 +133,7 @@ def make_manager(
     return ReplicaGroup(manager=manager, store=store, pg=pg)
 
 
-class FaultTolerantLauncher:
+class FaultTolerantLauncher(AbstractContextManager["FaultTolerantLauncher"]):
     """Start a Lighthouse (or use ``lighthouse``) and N replica subprocesses.
 
     Each replica runs ``target`` (``"package.module:function"``) with its kwargs plus
@@ -221,9 +219,6 @@ class FaultTolerantLauncher:
             p.kill()
         if self._own_lighthouse:
             self.lighthouse.shutdown()
-
-    def __enter__(self) -> FaultTolerantLauncher:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()

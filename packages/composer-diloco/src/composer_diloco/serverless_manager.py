@@ -50,8 +50,8 @@ class ObjectStoreManager:
 
     Args:
         store: the replica's :class:`ObjectStoreAllReduce` (its rank/world size are the replica's).
-        load_state_dict / state_dict: optional user state functions (registered as ``"default"``,
-            as torchft does; kept for API parity, they are not used for healing).
+        load_state_dict / state_dict: optional user state functions (registered as ``"default"``;
+            not used for healing).
     """
 
     _use_async_quorum = False

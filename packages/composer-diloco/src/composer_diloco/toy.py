@@ -1,10 +1,7 @@
-"""A tiny, seeded replica program used by the tests, the benchmark and the README quick start.
-
-A 3-block MLP regression: identical initial weights on every replica (same ``seed``), data that
-depends on (seed, replica rank, inner step). :func:`ft_replica` runs it with a real torchft
-``Manager`` (fault-tolerant mode); :func:`serverless_replica` with an
-:class:`~composer_diloco.ObjectStoreManager`. Both return plain lists (safe to send between
-processes) and print ``sync <n> done`` after every committed sync.
+"""A tiny, seeded replica program (tests, benchmark, README quick start): a 3-block MLP regression with
+the same initial weights on every replica and data per (seed, rank, step), run by :func:`ft_replica`
+(torchft ``Manager``) or :func:`serverless_replica` (:class:`~composer_diloco.ObjectStoreManager`). Both
+return plain lists and print ``sync <n> done`` after every committed sync.
 """
 
 from __future__ import annotations
@@ -67,12 +64,8 @@ def run_toy(
     step_sleep_s: float = 0.0,
     gates: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Build model/optimiser, call ``manager_factory(load_fn, save_fn)``, train, return lists.
-
-    ``gates`` (for tests of replicas dying and joining) maps a global step (as a string, JSON
-    keys) to a file: after reaching that step (``"0"``: before training) the replica waits until
-    the file exists. Every ``start_quorum`` call is logged.
-    """
+    """Build model/optimiser, call ``manager_factory(load_fn, save_fn)``, train, return lists. ``gates``
+    maps a global step (a string) to a file the replica waits for after reaching that step."""
     config = DiLoCoConfig.from_dict(diloco)
     model = toy_model(seed)
     opt = make_inner_optimizer(model, inner, inner_lr)

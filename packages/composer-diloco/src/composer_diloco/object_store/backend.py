@@ -17,14 +17,12 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from .codec import Codec, Encoded, Payload
 from .errors import ObjectStoreError
 
 _T = TypeVar("_T")
-S3_PART_BYTES = 50 << 20  # s3fs's multipart part size
-S3_PARTS_IN_FLIGHT = 4  # multipart parts uploading at once
 _MAP_MIN = 2 << 20  # local objects this large are mapped, smaller ones read into a kept buffer
 _MEMORY_LOCK = threading.Lock()
 
@@ -32,26 +30,10 @@ _MEMORY_LOCK = threading.Lock()
 class Backend(Codec):
     """Reads and writes of one store (``file://`` paths go straight to the OS)."""
 
-    fs: Any
-    _local: bool
-    _memory: bool
-    _s3: bool
-    _buffers: dict[str, bytearray]
-    _bodies: dict[str, bytearray]
-    bytes_written: int
-    bytes_read: int
-    s3_part_bytes: int
-    s3_parts_in_flight: int
-
     def put_atomic(self, key: str, data: bytes) -> None:
         """Write ``data`` so that readers see all of it or nothing (the old value until then)."""
         if self._local:
-            tmp = self._write_tmp([data])
-            try:
-                _in_folder(lambda: os.replace(tmp, key), posixpath.dirname(key))
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp)
+            self._via_tmp(key, [data], os.replace)
         else:
             self.fs.pipe_file(key, data)
         self.bytes_written += len(data)
@@ -66,14 +48,11 @@ class Backend(Codec):
 
     def _create(self, key: str, enc: Encoded, slot: str) -> bool:
         if self._local:
-            tmp = self._write_tmp([memoryview(enc.head), *enc.chunks])
             try:
-                _in_folder(lambda: os.link(tmp, key), posixpath.dirname(key))
+                self._via_tmp(key, [memoryview(enc.head), *enc.chunks], os.link)
                 return True
             except FileExistsError:
                 return False
-            finally:
-                os.unlink(tmp)
         data = self._body(enc, slot)
         if self._memory:
             with _MEMORY_LOCK:
@@ -119,18 +98,20 @@ class Backend(Codec):
                 pos += len(piece)
         return buf
 
-    def _write_tmp(self, pieces: list[memoryview] | list[bytes]) -> str:
-        """A complete temporary file in the run's ``tmp/`` folder; a failed write leaves none behind."""
+    def _via_tmp(
+        self, key: str, pieces: Sequence[bytes | memoryview], op: Callable[[str, str], None]
+    ) -> None:
+        """Write ``pieces`` to a temporary file in the run's ``tmp/`` folder, then ``op(tmp, key)`` (link or
+        replace); no temporary file is left behind."""
         tmp = f"{self.key('tmp')}/.tmp-{uuid.uuid4().hex}"
         try:
             with _in_folder(lambda: open(tmp, "wb"), posixpath.dirname(tmp)) as f:
                 for piece in pieces:
                     f.write(piece)
-        except BaseException:
+            _in_folder(lambda: op(tmp, key), posixpath.dirname(key))
+        finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
-            raise
-        return tmp
 
     def _slot(self, slot: str, size: int) -> memoryview:
         buf = self._buffers.get(slot)
@@ -236,8 +217,3 @@ def _in_folder(op: Callable[[], _T], folder: str) -> _T:
     except FileNotFoundError:
         os.makedirs(folder, exist_ok=True)
         return op()
-
-
-def protocols(fs: Any) -> set[str]:
-    proto = fs.protocol
-    return {proto} if isinstance(proto, str) else set(proto)

@@ -22,27 +22,32 @@ import posixpath
 import struct
 import warnings
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
+import fsspec
 import torch
 import xxhash
 
-from .errors import AuthenticationError, CorruptObjectError, NonFiniteObjectError, check_round, safe_part
+from .errors import (
+    AuthenticationError,
+    CorruptObjectError,
+    NonFiniteObjectError,
+    RoundStats,
+    check_round,
+    safe_part,
+)
 
 MAGIC = b"CDILOCO4"
 MAGIC_HMAC = b"CDILOCH4"  # signed
-_OLD_FORMATS = {  # refused by name: an upgraded run needs a new run_id
-    b"CDILOCO1": "1 (whole-body SHA-256)",
-    b"CDILOCH1": "1 (whole-body SHA-256)",
-    b"CDILOCO2": "2 (CRC-32 per chunk)",
-    b"CDILOCH2": "2 (signed)",
-    b"CDILOCO3": "3 (XXH3-64 per chunk)",
-    b"CDILOCH3": "3 (signed)",
-}
 HMAC_KEY_ENV = "COMPOSER_DILOCO_HMAC_KEY"
 MIN_HMAC_KEY_BYTES = 16
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+S3_PART_BYTES = 50 << 20  # s3fs's multipart part size
+S3_PARTS_IN_FLIGHT = 4  # multipart parts uploading at once
+_FIRST_POLL_S = 0.001  # first poll delay on a remote store (doubles up to poll_interval_s)
+_FIRST_LOCAL_POLL_S = 0.00005  # on a local filesystem
 _BLOCK = 512 << 10  # bytes of a tensor hashed and then checked finite while they are in cache
 _DIGEST = 32
 _LENGTHS = struct.Struct("<II")  # len(meta), len(digest)
@@ -83,15 +88,80 @@ class Encoded:
 
 
 class Codec:
-    """Keys and the object format of one replica of one run."""
+    """The state of one replica of one run (arguments: :class:`~.protocol.ObjectStoreAllReduce`), its keys
+    and its object format."""
 
-    run_id: str
-    rank: int
-    world_size: int
-    exchange: str
-    prefix: str
-    hmac_key_env: str
-    _hmac: _Secret | None
+    def __init__(
+        self,
+        url: str,
+        run_id: str,
+        *,
+        rank: int,
+        world_size: int,
+        timeout_s: float = 60.0,
+        on_timeout: Literal["proceed", "fail"] = "fail",
+        min_replicas: int = 1,
+        keep_rounds: int = 2,
+        poll_interval_s: float = 0.02,
+        storage_options: Mapping[str, Any] | None = None,
+        hmac_key_env: str = HMAC_KEY_ENV,
+        require_hmac: bool = False,
+        exchange: Literal["full", "sharded"] = "full",
+    ) -> None:
+        if exchange not in ("full", "sharded"):
+            raise ValueError(f"exchange must be 'full' or 'sharded', got {exchange!r}.")
+        for name, value, low in (
+            ("world_size", world_size, 1),
+            ("min_replicas", min_replicas, 1),
+            ("keep_rounds", keep_rounds, 2),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be an int in [0, world_size={world_size}), got {rank!r}.")
+        if min_replicas > world_size:
+            raise ValueError(f"min_replicas={min_replicas} cannot exceed world_size={world_size}.")
+        if on_timeout not in ("proceed", "fail"):
+            raise ValueError(f"on_timeout must be 'proceed' or 'fail', got {on_timeout!r}.")
+        if not timeout_s > 0 or not poll_interval_s > 0:
+            raise ValueError(
+                f"timeout_s and poll_interval_s must be > 0, got {timeout_s}, {poll_interval_s}."
+            )
+        self.run_id = safe_part("run_id", run_id)
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = float(timeout_s)
+        self.on_timeout = on_timeout
+        self.min_replicas = min_replicas
+        self.keep_rounds = keep_rounds
+        self.poll_interval_s = float(poll_interval_s)
+        self.url = url
+        self.fs, root = fsspec.url_to_fs(url, **dict(storage_options or {}))
+        self.root = root.rstrip("/")
+        if any(part in {"..", "."} for part in self.root.split("/")):
+            raise ValueError(f"url={url!r} contains '.' or '..' path segments; pass a normalised store root.")
+        self.prefix = f"{self.root}/{self.run_id}" if self.root else self.run_id
+        self.last = RoundStats()
+        self.bytes_written = 0
+        self.bytes_read = 0
+        self.hmac_key_env = hmac_key_env
+        self._hmac = read_hmac_key(hmac_key_env, require_hmac)
+        self.exchange = exchange
+        # buffers kept across rounds: local reads, S3 write bodies, float32 accumulators and scratch
+        self._buffers: dict[str, bytearray] = {}
+        self._bodies: dict[str, bytearray] = {}
+        self._acc: list[torch.Tensor] = []
+        self._scratch: torch.Tensor | None = None
+        kinds = {self.fs.protocol} if isinstance(self.fs.protocol, str) else set(self.fs.protocol)
+        self._local, self._memory, self._s3 = "file" in kinds, "memory" in kinds, "s3" in kinds
+        self._first_poll_s = _FIRST_LOCAL_POLL_S if self._local else _FIRST_POLL_S
+        self._cleaner: ThreadPoolExecutor | None = None  # one worker: deletions run in order
+        self._cleanups: list[Future[None]] = []
+        self._marker: dict[int, str] | None = None  # this replica's progress marker, as last written
+        self._next_round: int | None = None  # the round after the one this instance last completed
+        self._proposed: int | None = None  # the round whose manifest this call created
+        self.s3_part_bytes = S3_PART_BYTES
+        self.s3_parts_in_flight = S3_PARTS_IN_FLIGHT
 
     @property
     def authenticated(self) -> bool:
@@ -180,10 +250,10 @@ class Codec:
 
     def _check_header(self, view: memoryview, key: str) -> None:
         magic = bytes(view[: len(MAGIC)])
-        if magic in _OLD_FORMATS:
+        if magic[:-1] in (MAGIC[:-1], MAGIC_HMAC[:-1]) and magic[-1:] in (b"1", b"2", b"3"):
             raise CorruptObjectError(
-                f"object {key} is in object format {_OLD_FORMATS[magic]}, written by an older "
-                "composer-diloco; this version reads format 4 only. Run every replica of a run with the "
+                f"object {key} is in object format {magic[-1:].decode()} of an older composer-diloco; "
+                "this version reads format 4 only. Run every replica of a run with the "
                 "same composer-diloco version (an upgraded run needs a new run_id)."
             )
         if len(view) < _HEAD or magic not in (MAGIC, MAGIC_HMAC):

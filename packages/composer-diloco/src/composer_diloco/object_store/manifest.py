@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .backend import Backend
 from .codec import _DIGEST, Decoded, Payload
-from .errors import CorruptObjectError, RoundConflictError, RoundExpiredError
+from .errors import CorruptObjectError, ObjectStoreError, RoundConflictError, RoundExpiredError
 
 
 @dataclass
@@ -25,9 +25,6 @@ class Manifest:
 
 class Manifests(Backend):
     """Manifests and progress markers."""
-
-    keep_rounds: int
-    _marker: dict[int, str] | None
 
     def _read_manifest(self, round_id: int) -> Manifest | None:
         key = self.manifest_key(round_id)
@@ -61,7 +58,8 @@ class Manifests(Backend):
             )
         return Manifest(list(ranks), tags, hashlib.sha256(raw).hexdigest())
 
-    def _propose_manifest(self, round_id: int, decoded: Mapping[int, Decoded]) -> bytes | None:
+    def _propose(self, round_id: int, decoded: Mapping[int, Decoded]) -> Manifest:
+        """Create the manifest of ``decoded``'s ranks; the stored one if another proposal won."""
         proposal = {
             "run_id": self.run_id,
             "round": round_id,
@@ -70,8 +68,14 @@ class Manifests(Backend):
             "tags": {str(r): d.tag.hex() for r, d in sorted(decoded.items())},
             "proposer": self.rank,
         }
-        data = self._dump_json(proposal)
-        return data if self.put_if_absent(self.manifest_key(round_id), data) else None
+        data, key = self._dump_json(proposal), self.manifest_key(round_id)
+        if self.put_if_absent(key, data):
+            self._proposed = round_id
+            return self._parse_manifest(data, key, round_id)
+        found = self._read_manifest(round_id)
+        if found is None:
+            raise ObjectStoreError(f"round {round_id}: manifest {key} vanished right after creation.")
+        return found
 
     def _read_marker(self, rank: int) -> dict[int, str] | None:
         """Replica ``rank``'s progress marker: ``{round: manifest fingerprint}`` (None if absent)."""

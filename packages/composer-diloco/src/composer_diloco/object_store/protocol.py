@@ -30,14 +30,12 @@ import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Literal
+from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
 
-import fsspec
 import torch
 
-from .backend import S3_PART_BYTES, S3_PARTS_IN_FLIGHT, protocols
-from .codec import HMAC_KEY_ENV, Decoded, Encoded, Payload, read_hmac_key
+from .codec import Decoded, Encoded, Payload
 from .errors import (
     CorruptObjectError,
     Laps,
@@ -46,7 +44,6 @@ from .errors import (
     RoundExpiredError,
     RoundStats,
     StragglerTimeoutError,
-    safe_part,
 )
 from .manifest import Manifest
 from .reduce import (
@@ -65,8 +62,6 @@ from .reduce import (
 from .sharded import Sharded
 
 logger = logging.getLogger("composer_diloco.object_store")
-_FIRST_POLL_S = 0.001  # first poll delay on a remote store (doubles up to poll_interval_s)
-_FIRST_LOCAL_POLL_S = 0.00005  # on a local filesystem
 _PROPOSAL_LOOKS = 4  # reads of rank min(ranks)'s manifest before the others propose too
 _CLEANUPS_QUEUED = 2  # deletions that may wait behind the running one
 
@@ -95,78 +90,6 @@ class ObjectStoreAllReduce(Sharded):
             (:class:`AuthenticationError`).
         require_hmac: raise at construction if ``hmac_key_env`` is not set.
     """
-
-    def __init__(
-        self,
-        url: str,
-        run_id: str,
-        *,
-        rank: int,
-        world_size: int,
-        timeout_s: float = 60.0,
-        on_timeout: Literal["proceed", "fail"] = "fail",
-        min_replicas: int = 1,
-        keep_rounds: int = 2,
-        poll_interval_s: float = 0.02,
-        storage_options: Mapping[str, Any] | None = None,
-        hmac_key_env: str = HMAC_KEY_ENV,
-        require_hmac: bool = False,
-        exchange: Literal["full", "sharded"] = "full",
-    ) -> None:
-        if exchange not in ("full", "sharded"):
-            raise ValueError(f"exchange must be 'full' or 'sharded', got {exchange!r}.")
-        for name, value, low in (
-            ("world_size", world_size, 1),
-            ("min_replicas", min_replicas, 1),
-            ("keep_rounds", keep_rounds, 2),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
-        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
-            raise ValueError(f"rank must be an int in [0, world_size={world_size}), got {rank!r}.")
-        if min_replicas > world_size:
-            raise ValueError(f"min_replicas={min_replicas} cannot exceed world_size={world_size}.")
-        if on_timeout not in ("proceed", "fail"):
-            raise ValueError(f"on_timeout must be 'proceed' or 'fail', got {on_timeout!r}.")
-        if not timeout_s > 0 or not poll_interval_s > 0:
-            raise ValueError(
-                f"timeout_s and poll_interval_s must be > 0, got {timeout_s}, {poll_interval_s}."
-            )
-        self.run_id = safe_part("run_id", run_id)
-        self.rank = rank
-        self.world_size = world_size
-        self.timeout_s = float(timeout_s)
-        self.on_timeout = on_timeout
-        self.min_replicas = min_replicas
-        self.keep_rounds = keep_rounds
-        self.poll_interval_s = float(poll_interval_s)
-        self.url = url
-        self.fs, root = fsspec.url_to_fs(url, **dict(storage_options or {}))
-        self.root = root.rstrip("/")
-        if any(part in {"..", "."} for part in self.root.split("/")):
-            raise ValueError(f"url={url!r} contains '.' or '..' path segments; pass a normalised store root.")
-        self.prefix = f"{self.root}/{self.run_id}" if self.root else self.run_id
-        self.last = RoundStats()
-        self.bytes_written = 0
-        self.bytes_read = 0
-        self.hmac_key_env = hmac_key_env
-        self._hmac = read_hmac_key(hmac_key_env, require_hmac)
-        self.exchange = exchange
-        # buffers kept across rounds: local reads, S3 write bodies, float32 accumulators and scratch
-        self._buffers: dict[str, bytearray] = {}
-        self._bodies: dict[str, bytearray] = {}
-        self._acc: list[torch.Tensor] = []
-        self._scratch: torch.Tensor | None = None
-        kinds = protocols(self.fs)
-        self._local, self._memory, self._s3 = "file" in kinds, "memory" in kinds, "s3" in kinds
-        self._first_poll_s = _FIRST_LOCAL_POLL_S if self._local else _FIRST_POLL_S
-        self._cleaner: ThreadPoolExecutor | None = None  # one worker: deletions run in order
-        self._cleanups: list[Future[None]] = []
-        self._marker: dict[int, str] | None = None  # this replica's progress marker, as last written
-        self._next_round: int | None = None  # the round after the one this instance last completed
-        self._proposed: int | None = None  # the round whose manifest this call created
-        self.s3_part_bytes = S3_PART_BYTES
-        self.s3_parts_in_flight = S3_PARTS_IN_FLIGHT
 
     def allreduce(
         self,
@@ -402,25 +325,13 @@ class ObjectStoreAllReduce(Sharded):
         """On an object store rank ``min(ranks)`` proposes and the others read its manifest (a GET costs less
         than a losing create-only PUT) for ``_PROPOSAL_LOOKS`` looks before proposing too."""
         delay = self._first_poll_s
-        for look in range(_PROPOSAL_LOOKS):
+        for _ in range(_PROPOSAL_LOOKS - 1):
             found = self._read_manifest(round_id)
-            if found is not None or look == _PROPOSAL_LOOKS - 1:
+            if found is not None:
                 return found
             time.sleep(delay)
             delay *= 2
-        return None
-
-    def _propose(self, round_id: int, decoded: Mapping[int, Decoded]) -> Manifest:
-        """Create the manifest of ``decoded``'s ranks; the stored one if another proposal won."""
-        created = self._propose_manifest(round_id, decoded)
-        key = self.manifest_key(round_id)
-        if created is not None:
-            self._proposed = round_id
-            return self._parse_manifest(created, key, round_id)
-        found = self._read_manifest(round_id)
-        if found is None:
-            raise ObjectStoreError(f"round {round_id}: manifest {key} vanished right after creation.")
-        return found
+        return self._read_manifest(round_id)
 
     def _take(
         self,

@@ -36,11 +36,6 @@ logger = logging.getLogger("composer_diloco.object_store")
 class Sharded(Manifests):
     """The sharded exchange's objects and its reduce-scatter."""
 
-    timeout_s: float
-    poll_interval_s: float
-    _first_poll_s: float
-    _acc: list[torch.Tensor]  # float32 accumulators reused across rounds
-
     def shard_key(self, round_id: int, rank: int, shard: int, nonce: str) -> str:
         return self.key(
             "rounds",
