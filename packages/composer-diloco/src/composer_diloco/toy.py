@@ -44,14 +44,6 @@ def _mse(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Te
     return nn.functional.mse_loss(model(x), y)
 
 
-def make_inner_optimizer(model: nn.Module, name: str, lr: float) -> torch.optim.Optimizer:
-    if name == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
-    if name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=lr)
-    raise ValueError(f"inner optimiser must be 'adamw' or 'sgd', got {name!r}.")
-
-
 def run_toy(
     manager_factory: Any,
     *,
@@ -67,8 +59,14 @@ def run_toy(
     """Build model/optimiser, call ``manager_factory(load_fn, save_fn)``, train, return lists. ``gates``
     maps a global step (a string) to a file the replica waits for after reaching that step."""
     config = DiLoCoConfig.from_dict(diloco)
+    if inner not in ("adamw", "sgd"):
+        raise ValueError(f"inner optimiser must be 'adamw' or 'sgd', got {inner!r}.")
     model = toy_model(seed)
-    opt = make_inner_optimizer(model, inner, inner_lr)
+    opt: torch.optim.Optimizer = (
+        torch.optim.AdamW(model.parameters(), lr=inner_lr, weight_decay=0.1)
+        if inner == "adamw"
+        else torch.optim.SGD(model.parameters(), lr=inner_lr)
+    )
 
     def save() -> dict[str, Any]:
         return {"model": model.state_dict(), "optim": opt.state_dict()}
