@@ -1,8 +1,6 @@
-"""Replica process entry point: ``python -m composer_diloco._worker SPEC.json``.
-
-SPEC holds ``{"target": "package.module:function", "kwargs": {...}, "result": "/path"}``; the
-function is called with the JSON kwargs and its return value is written with ``torch.save``
-(read back with ``weights_only=True``: return tensors, numbers, strings, lists and dicts).
+"""Replica process entry point: ``python -m composer_diloco._worker SPEC.json``, SPEC =
+``{"target": "package.module:function", "kwargs": {...}, "result": "/path"}``; the return value is written
+with ``torch.save`` (read back with ``weights_only=True``).
 """
 
 from __future__ import annotations

@@ -1,27 +1,16 @@
 """A thin entry point around torchft's DiLoCo (``torchft.local_sgd.DiLoCo``).
 
-DiLoCo (Douillard et al., arXiv 2311.08105): every replica starts a round from the global
-parameters θ, runs H inner optimiser steps to θ_i, and the replicas exchange the
-*pseudo-gradient*
-
-    Δ = (1/k) Σ_i (θ − θ_i)            (old global minus local: it points *against* the update)
-
-which the outer optimiser consumes as an ordinary gradient: ``θ ← OuterOpt(θ, Δ)``. With
-PyTorch's ``SGD(nesterov=True)`` that is ``b ← μ b + Δ ; θ ← θ − η (Δ + μ b)``. With η = 1 and
-μ = 0 the update is ``θ − Δ = (1/k) Σ_i θ_i``: plain parameter averaging (FedAvg).
-
-Streaming DiLoCo (arXiv 2501.18512) splits the model into fragments synced on staggered
-schedules (one fragment every H / #fragments steps), lets a fragment's exchange overlap τ inner
-steps (``fragment_sync_delay``), and merges ``θ_local ← lerp(θ_global_new, θ_local, α)``
-(``fragment_update_alpha``; α = 0 takes the new global weights).
-
-Nothing here re-implements DiLoCo: :func:`build_diloco` validates a :class:`DiLoCoConfig`,
-builds the outer optimisers and hands everything to torchft's own class. The sign convention
-is torchft's and the paper's (``original − local`` is written to ``.grad``).
+DiLoCo (Douillard et al., arXiv 2311.08105): each replica runs H inner steps from the global θ to θ_i;
+the replicas exchange the pseudo-gradient ``Δ = (1/k) Σ_i (θ − θ_i)`` and the outer optimiser takes it as
+a gradient, ``θ ← OuterOpt(θ, Δ)`` (SGD-Nesterov: ``b ← μ b + Δ ; θ ← θ − η (Δ + μ b)``; η = 1, μ = 0 is
+parameter averaging). Streaming DiLoCo (arXiv 2501.18512) syncs strided fragments on staggered schedules,
+overlaps an exchange with τ inner steps and merges ``θ_local ← lerp(θ_global_new, θ_local, α)``.
+:func:`build_diloco` validates a :class:`DiLoCoConfig` and hands everything to torchft's own class.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -81,9 +70,7 @@ class DiLoCoConfig:
             )
         for name in ("outer_lr", "outer_momentum", "fragment_update_alpha"):
             value = getattr(self, name)
-            if not isinstance(value, int | float) or isinstance(value, bool) or value != value:
-                raise ValueError(f"{name} must be a finite number, got {value!r}.")
-            if value in (float("inf"), float("-inf")):
+            if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, got {value!r}.")
         if self.outer_lr <= 0:
             raise ValueError(f"outer_lr must be > 0, got {self.outer_lr}.")
@@ -114,13 +101,8 @@ def _check_int(name: str, value: object, *, minimum: int) -> None:
 
 
 def split_fragments(model: nn.Module, n_fragments: int) -> list[nn.Module]:
-    """Split a model's blocks into ``n_fragments`` *strided* fragments (Streaming DiLoCo §2).
-
-    Blocks are the model's top-level children that own parameters (for a transformer pass the
-    layer list, e.g. ``model.model.layers``, wrapped in ``nn.Sequential`` or a ``ModuleList``).
-    Block j goes to fragment ``j % n_fragments`` (strided, as in the paper, not sequential), so
-    every fragment spans the depth of the network.
-    """
+    """Split a model's blocks (its top-level children with parameters; for a transformer pass the layer
+    list) into ``n_fragments`` *strided* fragments: block j goes to fragment ``j % n_fragments``."""
     _check_int("n_fragments", n_fragments, minimum=1)
     if n_fragments == 1:
         return [model]
@@ -134,17 +116,13 @@ def split_fragments(model: nn.Module, n_fragments: int) -> list[nn.Module]:
     stray = [n for n, p in model.named_parameters() if id(p) not in owned]
     if stray:
         raise ValueError(f"parameters {stray} belong to no top-level block; wrap them in a child module.")
-    fragments: list[nn.Module] = []
-    for i in range(n_fragments):
-        fragments.append(nn.ModuleList(blocks[i::n_fragments]))
-    return fragments
+    return [nn.ModuleList(blocks[i::n_fragments]) for i in range(n_fragments)]
 
 
 def make_outer_optimizers(
     fragments: Sequence[nn.Module], config: DiLoCoConfig
 ) -> list[torch.optim.Optimizer]:
-    """One outer ``SGD(lr=η, momentum=μ, nesterov=…)`` per fragment (created once, never per round:
-    re-creating it each round would silently drop the momentum buffer)."""
+    """One outer ``SGD(lr=η, momentum=μ, nesterov=…)`` per fragment (created once: it keeps momentum)."""
     return [
         torch.optim.SGD(
             list(f.parameters()), lr=config.outer_lr, momentum=config.outer_momentum, nesterov=config.nesterov

@@ -1,10 +1,6 @@
-"""Executors that run N replica functions and collect their results and exit codes.
-
-A replica is a plain importable function ``"package.module:function"`` called with JSON
-keyword arguments (so it can start in a fresh process anywhere). :class:`LocalProcessExecutor`
-runs each replica in its own Python subprocess on this machine; :class:`RayExecutor` runs each
-as a Ray task (the way past one machine: any Ray cluster whose nodes reach the object store).
-Either way a failed replica is reported with its exit code and the tail of its log.
+"""Executors that run N replica functions ``"package.module:function"`` with JSON keyword arguments:
+:class:`LocalProcessExecutor` (one subprocess each) and :class:`RayExecutor` (one Ray task each). A failed
+replica is reported with its exit code and the tail of its log.
 """
 
 from __future__ import annotations
@@ -80,17 +76,6 @@ def _check_target(target: str, replica_kwargs: Sequence[Mapping[str, Any]]) -> N
             raise ValueError(f"replica_kwargs[{i}] must be JSON-serialisable: {exc}") from exc
 
 
-def _tail(path: Path, chars: int = LOG_TAIL_CHARS) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - chars))
-            return f.read().decode("utf-8", errors="replace")
-    except FileNotFoundError:
-        return ""
-
-
 class ReplicaProcess:
     """One replica subprocess with its log file and result file (used by both local modes)."""
 
@@ -152,10 +137,25 @@ class ReplicaProcess:
             rank=self.rank,
             exit_code=code,
             value=value,
-            log_tail=_tail(self.log_path),
+            log_tail=self.log_text()[-LOG_TAIL_CHARS:],
             log_path=str(self.log_path),
             seconds=time.monotonic() - self.started,
         )
+
+
+def make_workdir(workdir: str | os.PathLike[str] | None, prefix: str) -> Path:
+    path = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix=prefix))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def finish_all(procs: Sequence[ReplicaProcess], timeout_s: float | None, check: bool) -> list[ReplicaResult]:
+    """Wait for ``procs`` within ``timeout_s`` in all; raise :class:`ReplicaFailedError` if ``check`` and one failed."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    results = [p.finish(None if deadline is None else max(0.1, deadline - time.monotonic())) for p in procs]
+    if check and not all(r.ok for r in results):
+        raise ReplicaFailedError(results)
+    return results
 
 
 class LocalProcessExecutor:
@@ -173,10 +173,7 @@ class LocalProcessExecutor:
         env: Mapping[str, str] | None = None,
         check: bool = True,
     ) -> None:
-        self.workdir = (
-            Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="composer-diloco-"))
-        )
-        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.workdir = make_workdir(workdir, "composer-diloco-")
         self.env = dict(env or {})
         self.check = check
 
@@ -185,18 +182,11 @@ class LocalProcessExecutor:
     ) -> list[ReplicaResult]:
         _check_target(target, replica_kwargs)
         procs = [ReplicaProcess(i, target, kw, self.workdir, self.env) for i, kw in enumerate(replica_kwargs)]
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        results = []
-        for p in procs:
-            left = None if deadline is None else max(0.1, deadline - time.monotonic())
-            results.append(p.finish(left))
-        if self.check and not all(r.ok for r in results):
-            raise ReplicaFailedError(results)
-        return results
+        return finish_all(procs, timeout_s, self.check)
 
 
 def _ray_replica(target: str, kwargs: dict[str, Any]) -> tuple[int, Any, str]:
-    """Body of one Ray task: run the target, capture its output, never raise."""
+    """One Ray task: run the target, capture its output, never raise."""
     from ._worker import resolve
 
     buf = io.StringIO()
@@ -211,8 +201,7 @@ def _ray_replica(target: str, kwargs: dict[str, Any]) -> tuple[int, Any, str]:
 
 
 def ray_temp_dir() -> str:
-    """A temp dir Ray accepts: Ray's workers refuse one inside the virtualenv (nox/tox point
-    TMPDIR there), and its socket paths must stay short, so fall back to /tmp."""
+    """A temp dir Ray accepts: not inside the virtualenv, with a short path (else under /tmp)."""
     tmp = os.path.realpath(tempfile.gettempdir())
     if tmp.startswith(os.path.realpath(sys.prefix) + os.sep) or len(tmp) > 40:
         tmp = "/tmp"

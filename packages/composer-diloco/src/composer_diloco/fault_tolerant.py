@@ -1,15 +1,7 @@
-"""Fault-tolerant mode: a torchft Lighthouse plus N replica processes, each with a real
-``torchft.Manager`` (Gloo on CPU, NCCL on GPU).
-
-* :class:`Lighthouse` starts ``torchft``'s Lighthouse on 127.0.0.1 (or wraps the address of one
-  that is already running).
-* :func:`make_manager` builds one replica group's ``Manager``: its own ``TCPStore`` on
-  127.0.0.1, a reconfigurable process group, ``use_async_quorum=False`` (DiLoCo needs it) and
-  ``hostname="127.0.0.1"``.
-* :class:`FaultTolerantLauncher` starts the replicas as subprocesses, can kill and restart any
-  of them, and collects results. A restarted replica joins the next quorum, where torchft heals
-  it: it receives the current step, the model/inner-optimiser state and DiLoCo's global copy
-  and outer optimiser (``StreamingDiLoCoFragment_*``) from a healthy peer.
+"""Fault-tolerant mode: a torchft :class:`Lighthouse` plus N replica processes, each with a real
+``torchft.Manager`` (:func:`make_manager`: Gloo on CPU, NCCL on GPU, ``use_async_quorum=False``).
+:class:`FaultTolerantLauncher` starts, kills and restarts replicas; a restarted one joins the next quorum,
+where torchft heals it from a healthy peer.
 """
 
 from __future__ import annotations
@@ -17,20 +9,19 @@ from __future__ import annotations
 import os
 import re
 import signal
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from .executors import ReplicaFailedError, ReplicaProcess, ReplicaResult
+from .executors import ReplicaFailedError, ReplicaProcess, ReplicaResult, finish_all, make_workdir
 
 
-class Lighthouse:
+class Lighthouse(AbstractContextManager["Lighthouse"]):
     """A torchft Lighthouse on ``host`` (default 127.0.0.1), or an existing one's ``address``.
 
     Args:
@@ -77,9 +68,6 @@ class Lighthouse:
             self._server.shutdown()
             self._server = None
 
-    def __enter__(self) -> Lighthouse:
-        return self
-
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
@@ -94,15 +82,6 @@ class ReplicaGroup:
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
-
-
-def make_process_group(device: torch.device | str, timeout: timedelta) -> Any:
-    """torchft's reconfigurable process group: NCCL for CUDA devices, Gloo otherwise."""
-    from torchft.process_group import ProcessGroupBabyNCCL, ProcessGroupGloo
-
-    if torch.device(device).type == "cuda":
-        return ProcessGroupBabyNCCL(timeout=timeout)
-    return ProcessGroupGloo(timeout=timeout)
 
 
 def make_manager(
@@ -125,12 +104,14 @@ def make_manager(
     """
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
     from torchft.manager import Manager
+    from torchft.process_group import ProcessGroupBabyNCCL, ProcessGroupGloo
 
     if not replica_id or not re.fullmatch(r"[A-Za-z0-9_.-]+", replica_id):
         raise ValueError(f"replica_id must be a non-empty [A-Za-z0-9_.-] string, got {replica_id!r}.")
     store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
     timeout = timedelta(seconds=timeout_s)
-    pg = make_process_group(device, timeout)
+    pg_class = ProcessGroupBabyNCCL if torch.device(device).type == "cuda" else ProcessGroupGloo
+    pg = pg_class(timeout=timeout)
     manager = Manager(
         pg=pg,
         load_state_dict=load_state_dict,
@@ -152,7 +133,7 @@ def make_manager(
     return ReplicaGroup(manager=manager, store=store, pg=pg)
 
 
-class FaultTolerantLauncher:
+class FaultTolerantLauncher(AbstractContextManager["FaultTolerantLauncher"]):
     """Start a Lighthouse (or use ``lighthouse``) and N replica subprocesses.
 
     Each replica runs ``target`` (``"package.module:function"``) with its kwargs plus
@@ -190,38 +171,28 @@ class FaultTolerantLauncher:
             self.lighthouse = lighthouse
         else:
             self.lighthouse = Lighthouse(lighthouse, **dict(lighthouse_kwargs or {}))
-        self.workdir = (
-            Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="composer-diloco-ft-"))
-        )
-        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.workdir = make_workdir(workdir, "composer-diloco-ft-")
         self.env = dict(env or {})
         self.procs: dict[int, ReplicaProcess] = {}
-        self.killed: list[ReplicaResult] = []
-
-    def _kwargs(self, i: int) -> dict[str, Any]:
-        return {**self.replica_kwargs[i], "lighthouse_addr": self.lighthouse.address, "replica_id": str(i)}
 
     def start(self) -> FaultTolerantLauncher:
         for i in range(len(self.replica_kwargs)):
-            self.start_replica(i)
+            self.restart(i)
         return self
-
-    def start_replica(self, i: int) -> None:
-        if i in self.procs and self.procs[i].proc.poll() is None:
-            raise RuntimeError(f"replica {i} is still running; kill it before restarting.")
-        self.procs[i] = ReplicaProcess(i, self.target, self._kwargs(i), self.workdir, self.env)
 
     def kill(self, i: int, sig: int = signal.SIGKILL) -> ReplicaResult:
         """Kill replica ``i`` (SIGKILL by default) and return its (failed) result."""
         p = self.procs[i]
         if p.proc.poll() is None:
             p.proc.send_signal(sig)
-        result = p.finish(timeout_s=30)
-        self.killed.append(result)
-        return result
+        return p.finish(timeout_s=30)
 
     def restart(self, i: int) -> None:
-        self.start_replica(i)
+        """(Re)start replica ``i`` with ``replica_kwargs[i]``."""
+        if i in self.procs and self.procs[i].proc.poll() is None:
+            raise RuntimeError(f"replica {i} is still running; kill it before restarting.")
+        kwargs = {**self.replica_kwargs[i], "lighthouse_addr": self.lighthouse.address, "replica_id": str(i)}
+        self.procs[i] = ReplicaProcess(i, self.target, kwargs, self.workdir, self.env)
 
     def wait_for_log(self, i: int, pattern: str, timeout_s: float = 60.0) -> str:
         """Block until replica ``i``'s log matches ``pattern`` (regex); return the match."""
@@ -241,23 +212,13 @@ class FaultTolerantLauncher:
 
     def wait(self, timeout_s: float | None = None, *, check: bool = True) -> list[ReplicaResult]:
         """Wait for the current process of every replica; raise with log tails if any failed."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        results = []
-        for i in sorted(self.procs):
-            left = None if deadline is None else max(0.1, deadline - time.monotonic())
-            results.append(self.procs[i].finish(left))
-        if check and not all(r.ok for r in results):
-            raise ReplicaFailedError(results)
-        return results
+        return finish_all([self.procs[i] for i in sorted(self.procs)], timeout_s, check)
 
     def close(self) -> None:
         for p in self.procs.values():
             p.kill()
         if self._own_lighthouse:
             self.lighthouse.shutdown()
-
-    def __enter__(self) -> FaultTolerantLauncher:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()

@@ -21,12 +21,9 @@ def run_serverless(
     timeout_s: float | None = None,
     cleanup: bool = True,
 ) -> list[ReplicaResult]:
-    """Run ``target`` on ``world_size`` replicas (kwargs + ``url``, ``run_id``, ``rank``,
-    ``world_size``, ``storage_options``), then delete the run's objects if ``cleanup``.
-
-    ``memory://`` is process-local: it only works with replicas that share one process, so
-    subprocess and Ray executors need a shared store (``file://`` on a shared disk, ``s3://``…).
-    """
+    """Run ``target`` on ``world_size`` replicas (kwargs + ``url``, ``run_id``, ``rank``, ``world_size``,
+    ``storage_options``) on a store they share (not ``memory://``), then delete the run's objects if
+    ``cleanup``."""
     safe_part("run_id", run_id)
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}.")

@@ -1,10 +1,7 @@
-"""A tiny, seeded replica program used by the tests, the benchmark and the README quick start.
-
-A 3-block MLP regression: identical initial weights on every replica (same ``seed``), data that
-depends on (seed, replica rank, inner step). :func:`ft_replica` runs it with a real torchft
-``Manager`` (fault-tolerant mode); :func:`serverless_replica` with an
-:class:`~composer_diloco.ObjectStoreManager`. Both return plain lists (safe to send between
-processes) and print ``sync <n> done`` after every committed sync.
+"""A tiny, seeded replica program (tests, benchmark, README quick start): a 3-block MLP regression with
+the same initial weights on every replica and data per (seed, rank, step), run by :func:`ft_replica`
+(torchft ``Manager``) or :func:`serverless_replica` (:class:`~composer_diloco.ObjectStoreManager`). Both
+return plain lists and print ``sync <n> done`` after every committed sync.
 """
 
 from __future__ import annotations
@@ -47,14 +44,6 @@ def _mse(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Te
     return nn.functional.mse_loss(model(x), y)
 
 
-def make_inner_optimizer(model: nn.Module, name: str, lr: float) -> torch.optim.Optimizer:
-    if name == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
-    if name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=lr)
-    raise ValueError(f"inner optimiser must be 'adamw' or 'sgd', got {name!r}.")
-
-
 def run_toy(
     manager_factory: Any,
     *,
@@ -67,15 +56,17 @@ def run_toy(
     step_sleep_s: float = 0.0,
     gates: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Build model/optimiser, call ``manager_factory(load_fn, save_fn)``, train, return lists.
-
-    ``gates`` (for tests of replicas dying and joining) maps a global step (as a string, JSON
-    keys) to a file: after reaching that step (``"0"``: before training) the replica waits until
-    the file exists. Every ``start_quorum`` call is logged.
-    """
+    """Build model/optimiser, call ``manager_factory(load_fn, save_fn)``, train, return lists. ``gates``
+    maps a global step (a string) to a file the replica waits for after reaching that step."""
     config = DiLoCoConfig.from_dict(diloco)
+    if inner not in ("adamw", "sgd"):
+        raise ValueError(f"inner optimiser must be 'adamw' or 'sgd', got {inner!r}.")
     model = toy_model(seed)
-    opt = make_inner_optimizer(model, inner, inner_lr)
+    opt: torch.optim.Optimizer = (
+        torch.optim.AdamW(model.parameters(), lr=inner_lr, weight_decay=0.1)
+        if inner == "adamw"
+        else torch.optim.SGD(model.parameters(), lr=inner_lr)
+    )
 
     def save() -> dict[str, Any]:
         return {"model": model.state_dict(), "optim": opt.state_dict()}
@@ -189,5 +180,4 @@ def serverless_replica(
         manager = ObjectStoreManager(store, load, save)
         return manager, manager.shutdown
 
-    out = run_toy(factory, rank=rank, **kw)
-    return out
+    return run_toy(factory, rank=rank, **kw)

@@ -36,12 +36,9 @@ def train_diloco(
     progress: bool = True,
     on_step: Callable[[int, float], None] | None = None,
 ) -> TrainStats:
-    """Train with DiLoCo until ``batches`` runs out or the manager reaches ``max_syncs`` steps.
-
-    ``manager.current_step()`` counts committed fragment syncs (the global step); stopping on it
-    (not on a local counter) lets a replica that was restarted and healed finish at the same
-    global step as the others. ``loss_fn(model, batch)`` returns a scalar loss.
-    """
+    """Train with DiLoCo until ``batches`` runs out or ``manager.current_step()`` (committed syncs, the
+    global step: a healed replica stops with the others) reaches ``max_syncs``. ``loss_fn(model, batch)``
+    returns a scalar loss."""
     if max_syncs is not None and (not isinstance(max_syncs, int) or max_syncs < 1):
         raise ValueError(f"max_syncs must be a positive int or None, got {max_syncs!r}.")
     stats = TrainStats()

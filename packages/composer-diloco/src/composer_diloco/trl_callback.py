@@ -1,10 +1,5 @@
-"""A ``transformers.TrainerCallback`` that runs torchft's DiLoCo inside any HF/TRL trainer.
-
-TRL's trainers (``GRPOTrainer``, ``DPOTrainer``, composer-trl's trainers, …) are
-``transformers.Trainer`` subclasses, so ``callbacks=[DiLoCoCallback(manager, config)]`` makes
-every replica sync pseudo-gradients every ``config.sync_every`` *optimiser* steps (gradient
-accumulation micro-batches do not count; a step skipped by the grad scaler does not count).
-Install with ``pip install 'composer-diloco[trl]'``.
+"""A ``transformers.TrainerCallback`` that runs torchft's DiLoCo inside any HF/TRL trainer: replicas
+sync every ``config.sync_every`` *optimiser* steps. Install with ``pip install 'composer-diloco[trl]'``.
 """
 
 from __future__ import annotations

@@ -17,66 +17,42 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from .codec import Codec, Encoded, Payload
 from .errors import ObjectStoreError
 
 _T = TypeVar("_T")
-S3_PART_BYTES = 50 << 20  # s3fs's part size: objects of 2 parts or more go up as multipart uploads
-S3_PARTS_IN_FLIGHT = 4  # multipart parts uploading at once
-# a local object of this many bytes or more is mapped (read in place), a smaller one read into a buffer kept
-# across rounds (a copy that stays in cache costs less than mapping and unmapping it)
-_MAP_MIN = 2 << 20
+_MAP_MIN = 2 << 20  # local objects this large are mapped, smaller ones read into a kept buffer
 _MEMORY_LOCK = threading.Lock()
 
 
 class Backend(Codec):
-    """Reads and writes of one store (``file://`` paths go straight to the OS; other URLs through fsspec)."""
-
-    fs: Any
-    _local: bool
-    _memory: bool
-    _s3: bool
-    _buffers: dict[str, bytearray]
-    _bodies: dict[str, bytearray]
-    bytes_written: int
-    bytes_read: int
-    s3_part_bytes: int
-    s3_parts_in_flight: int
+    """Reads and writes of one store (``file://`` paths go straight to the OS)."""
 
     def put_atomic(self, key: str, data: bytes) -> None:
         """Write ``data`` so that readers see all of it or nothing (the old value until then)."""
         if self._local:
-            tmp = self._write_tmp([data])
-            try:
-                _in_folder(lambda: os.replace(tmp, key), posixpath.dirname(key))
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp)
-        else:  # object stores publish a single PUT atomically
+            self._via_tmp(key, [data], os.replace)
+        else:
             self.fs.pipe_file(key, data)
         self.bytes_written += len(data)
 
     def put_if_absent(self, key: str, data: bytes | Encoded, slot: str = "") -> bool:
-        """Create ``key`` only if it does not exist (conditional put); True if we created it. Readers see
-        all of ``data`` or nothing. ``slot``: the buffer kept across rounds for its body (:meth:`_body`)."""
+        """Create ``key`` only if it does not exist; True if we created it. Readers see all of ``data`` or
+        nothing. ``slot``: the buffer kept across rounds for its body (:meth:`_body`)."""
         enc = data if isinstance(data, Encoded) else Encoded(bytes(data), [], b"")
         created = self._create(key, enc, slot)
-        if created:
-            self.bytes_written += enc.size
+        self.bytes_written += enc.size if created else 0
         return created
 
     def _create(self, key: str, enc: Encoded, slot: str) -> bool:
-        if self._local:  # straight from the tensors' memory: no joined copy
-            tmp = self._write_tmp([memoryview(enc.head), *enc.chunks])
+        if self._local:
             try:
-                _in_folder(lambda: os.link(tmp, key), posixpath.dirname(key))
+                self._via_tmp(key, [memoryview(enc.head), *enc.chunks], os.link)
                 return True
             except FileExistsError:
                 return False
-            finally:
-                os.unlink(tmp)
         data = self._body(enc, slot)
         if self._memory:
             with _MEMORY_LOCK:
@@ -103,17 +79,14 @@ class Backend(Codec):
                 self.fs.invalidate_cache(key)
 
     def _body(self, enc: Encoded, slot: str) -> bytes | bytearray:
-        """``enc`` as the one bytes-like body fsspec clients take (one copy). On S3 a payload is copied into a
-        bytearray kept for ``slot`` across rounds (s3fs is done with it when its write returns): a fresh
-        payload-sized copy each round cost its page faults every round, 9 of a 16 MiB round's ~150 ms on a VM
-        that hands freed memory back to its host."""
+        """``enc`` as one bytes-like body; on S3 copied into a bytearray kept for ``slot`` across rounds."""
         if not (self._s3 and slot and enc.chunks):
             return enc.tobytes()
         buf = self._bodies.get(slot)
         if buf is not None:
             try:
-                del buf[enc.size :]  # a shorter object (its header): the buffer keeps its memory
-                buf.extend(bytes(enc.size - len(buf)))  # a longer one grows it, in place by a few bytes
+                del buf[enc.size :]
+                buf.extend(bytes(enc.size - len(buf)))
             except BufferError:  # still exported (by a write that failed)
                 buf = None
         if buf is None:
@@ -125,35 +98,33 @@ class Backend(Codec):
                 pos += len(piece)
         return buf
 
-    def _write_tmp(self, pieces: list[memoryview] | list[bytes]) -> str:
-        """A complete temporary file in the run's ``tmp/`` folder (the filesystem of every key) holding
-        ``pieces``; a failed write (a full disk) leaves none behind."""
+    def _via_tmp(
+        self, key: str, pieces: Sequence[bytes | memoryview], op: Callable[[str, str], None]
+    ) -> None:
+        """Write ``pieces`` to a temporary file in the run's ``tmp/`` folder, then ``op(tmp, key)`` (link or
+        replace); no temporary file is left behind."""
         tmp = f"{self.key('tmp')}/.tmp-{uuid.uuid4().hex}"
         try:
             with _in_folder(lambda: open(tmp, "wb"), posixpath.dirname(tmp)) as f:
                 for piece in pieces:
                     f.write(piece)
-        except BaseException:
+            _in_folder(lambda: op(tmp, key), posixpath.dirname(key))
+        finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
-            raise
-        return tmp
 
     def _slot(self, slot: str, size: int) -> memoryview:
-        """A writable ``size``-byte view of the read buffer kept for ``slot`` across rounds."""
         buf = self._buffers.get(slot)
         if buf is None or len(buf) < size:
             buf = self._buffers[slot] = bytearray(size)
         return memoryview(buf)[:size]
 
     def _read(self, key: str, slot: str | None = None) -> Payload | None:
-        """The object's bytes, or None if absent (:meth:`_read_many`)."""
         return self._read_many([key], [slot])[0]
 
     def _read_many(self, keys: Sequence[str], slots: Sequence[str | None]) -> list[Payload | None]:
-        """The objects' bytes, None for each absent one. Local ones straight from the OS (:meth:`_read_local`);
-        others with one ``fs.cat``: a GET each, no HEAD first (s3fs sends one unless max_concurrency=1), all at
-        once (s3fs, as every async fsspec backend, sends them concurrently)."""
+        """The objects' bytes, None for each absent one; on object stores one concurrent ``fs.cat``
+        (``max_concurrency=1``: s3fs sends no HEAD first)."""
         if self._local or not keys:
             return [self._read_local(key, slot) for key, slot in zip(keys, slots)]
         for folder in {posixpath.dirname(key) for key in keys}:
@@ -168,11 +139,9 @@ class Backend(Codec):
         return out
 
     def _read_local(self, key: str, slot: str | None) -> memoryview | None:
-        """A local object's bytes. With a ``slot``, of ``_MAP_MIN`` bytes or more, unsigned: mapped
-        copy-on-write, so the checksum and the sum read the page cache in place (objects are create-only and
-        deletion keeps a mapping valid, so the mapped bytes are the checked bytes). Otherwise read into the slot's
-        buffer (a new one without a slot: a manifest, a marker); a signed object is always copied, since an
-        untrusted writer could change a mapped file between its check and its use."""
+        """A local object's bytes: mapped copy-on-write if large, with a ``slot`` and unsigned (objects are
+        create-only); otherwise read into the slot's buffer. A signed object is always copied: an untrusted
+        writer could change a mapped file between its check and its use."""
         try:
             f = open(key, "rb", buffering=0)  # noqa: SIM115  # closed below, also when mapped
         except FileNotFoundError:
@@ -205,11 +174,10 @@ class Backend(Codec):
         return {posixpath.basename(str(e).rstrip("/")) for e in entries}
 
     def _pause(self, seconds: float) -> None:
-        """Wait before the next look for other replicas' files."""
         time.sleep(seconds)
 
     def _round_keys(self) -> list[tuple[str, str]]:
-        """(round folder, name) of every object under the run's ``rounds/``: one listing on an object store."""
+        """(round folder, name) of every object under the run's ``rounds/``."""
         prefix = self.key("rounds")
         if self._local or self._memory:
             return [(r, name) for r in self._list(prefix) for name in self._list(f"{prefix}/{r}")]
@@ -222,12 +190,11 @@ class Backend(Codec):
         return [(p[0], p[1]) for p in pairs if len(p) == 2]
 
     def _rounds_listed(self) -> list[int]:
-        """Round numbers in the store's listing now (a round being deleted in the background may still show:
-        only rounds newer than the one asked about count as evidence)."""
+        """Round numbers in the store's listing now (may include one being deleted)."""
         return sorted(int(n) for n in self._list(self.key("rounds")) if n.isdigit())
 
     def _remove_rounds(self, old: int) -> None:
-        """Delete every stored round up to ``old`` (on S3 one listing and one bulk delete)."""
+        """Delete every stored round up to ``old``."""
         if self._s3:
             keys = [
                 f"{self.key('rounds')}/{r}/{n}"
@@ -244,15 +211,9 @@ class Backend(Codec):
 
 
 def _in_folder(op: Callable[[], _T], folder: str) -> _T:
-    """``op()`` (a file operation into ``folder``), once more after making ``folder`` if it failed for want
-    of it: the folder is made only when missing, not before every write."""
+    """``op()``, once more after making ``folder`` if it failed for want of it."""
     try:
         return op()
     except FileNotFoundError:
         os.makedirs(folder, exist_ok=True)
         return op()
-
-
-def protocols(fs: Any) -> set[str]:
-    proto = fs.protocol
-    return {proto} if isinstance(proto, str) else set(proto)

@@ -19,32 +19,39 @@ import json
 import math
 import os
 import posixpath
+import struct
 import warnings
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
+import fsspec
 import torch
 import xxhash
 
-from .errors import AuthenticationError, CorruptObjectError, NonFiniteObjectError, check_round, safe_part
+from .errors import (
+    AuthenticationError,
+    CorruptObjectError,
+    NonFiniteObjectError,
+    RoundStats,
+    check_round,
+    safe_part,
+)
 
-MAGIC = b"CDILOCO4"  # object format 4: one XXH3-64 over the body, SHA-256 over header + digest (integrity)
-MAGIC_HMAC = b"CDILOCH4"  # format 4 signed: SHA-256 over the body, HMAC-SHA256 over header + digest
-_OLD_FORMATS = {  # refused by name: an upgraded run needs a new run_id
-    b"CDILOCO1": "1 (whole-body SHA-256)",
-    b"CDILOCH1": "1 (whole-body SHA-256)",
-    b"CDILOCO2": "2 (CRC-32 per chunk)",
-    b"CDILOCH2": "2 (signed)",
-    b"CDILOCO3": "3 (XXH3-64 per chunk)",
-    b"CDILOCH3": "3 (signed)",
-}
+MAGIC = b"CDILOCO4"
+MAGIC_HMAC = b"CDILOCH4"  # signed
 HMAC_KEY_ENV = "COMPOSER_DILOCO_HMAC_KEY"
 MIN_HMAC_KEY_BYTES = 16
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+S3_PART_BYTES = 50 << 20  # s3fs's multipart part size
+S3_PARTS_IN_FLIGHT = 4  # multipart parts uploading at once
+_FIRST_POLL_S = 0.001  # first poll delay on a remote store (doubles up to poll_interval_s)
+_FIRST_LOCAL_POLL_S = 0.00005  # on a local filesystem
 _BLOCK = 512 << 10  # bytes of a tensor hashed and then checked finite while they are in cache
 _DIGEST = 32
-_HEAD = len(MAGIC) + _DIGEST + 8  # magic, tag, len(meta) and len(digest) as 4-byte little-endian ints
+_LENGTHS = struct.Struct("<II")  # len(meta), len(digest)
+_HEAD = len(MAGIC) + _DIGEST + _LENGTHS.size
 _NUMPY_DTYPES = (torch.float16, torch.float32, torch.float64)
 _DTYPES = {
     name: getattr(torch, name) for name in ("float16", "bfloat16", "float32", "float64", "float8_e4m3fn")
@@ -81,15 +88,80 @@ class Encoded:
 
 
 class Codec:
-    """Keys and the object format of one replica of one run (the store's bottom layer)."""
+    """The state of one replica of one run (arguments: :class:`~.protocol.ObjectStoreAllReduce`), its keys
+    and its object format."""
 
-    run_id: str
-    rank: int
-    world_size: int
-    exchange: str
-    prefix: str
-    hmac_key_env: str
-    _hmac: _Secret | None
+    def __init__(
+        self,
+        url: str,
+        run_id: str,
+        *,
+        rank: int,
+        world_size: int,
+        timeout_s: float = 60.0,
+        on_timeout: Literal["proceed", "fail"] = "fail",
+        min_replicas: int = 1,
+        keep_rounds: int = 2,
+        poll_interval_s: float = 0.02,
+        storage_options: Mapping[str, Any] | None = None,
+        hmac_key_env: str = HMAC_KEY_ENV,
+        require_hmac: bool = False,
+        exchange: Literal["full", "sharded"] = "full",
+    ) -> None:
+        if exchange not in ("full", "sharded"):
+            raise ValueError(f"exchange must be 'full' or 'sharded', got {exchange!r}.")
+        for name, value, low in (
+            ("world_size", world_size, 1),
+            ("min_replicas", min_replicas, 1),
+            ("keep_rounds", keep_rounds, 2),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be an int in [0, world_size={world_size}), got {rank!r}.")
+        if min_replicas > world_size:
+            raise ValueError(f"min_replicas={min_replicas} cannot exceed world_size={world_size}.")
+        if on_timeout not in ("proceed", "fail"):
+            raise ValueError(f"on_timeout must be 'proceed' or 'fail', got {on_timeout!r}.")
+        if not timeout_s > 0 or not poll_interval_s > 0:
+            raise ValueError(
+                f"timeout_s and poll_interval_s must be > 0, got {timeout_s}, {poll_interval_s}."
+            )
+        self.run_id = safe_part("run_id", run_id)
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = float(timeout_s)
+        self.on_timeout = on_timeout
+        self.min_replicas = min_replicas
+        self.keep_rounds = keep_rounds
+        self.poll_interval_s = float(poll_interval_s)
+        self.url = url
+        self.fs, root = fsspec.url_to_fs(url, **dict(storage_options or {}))
+        self.root = root.rstrip("/")
+        if any(part in {"..", "."} for part in self.root.split("/")):
+            raise ValueError(f"url={url!r} contains '.' or '..' path segments; pass a normalised store root.")
+        self.prefix = f"{self.root}/{self.run_id}" if self.root else self.run_id
+        self.last = RoundStats()
+        self.bytes_written = 0
+        self.bytes_read = 0
+        self.hmac_key_env = hmac_key_env
+        self._hmac = read_hmac_key(hmac_key_env, require_hmac)
+        self.exchange = exchange
+        # buffers kept across rounds: local reads, S3 write bodies, float32 accumulators and scratch
+        self._buffers: dict[str, bytearray] = {}
+        self._bodies: dict[str, bytearray] = {}
+        self._acc: list[torch.Tensor] = []
+        self._scratch: torch.Tensor | None = None
+        kinds = {self.fs.protocol} if isinstance(self.fs.protocol, str) else set(self.fs.protocol)
+        self._local, self._memory, self._s3 = "file" in kinds, "memory" in kinds, "s3" in kinds
+        self._first_poll_s = _FIRST_LOCAL_POLL_S if self._local else _FIRST_POLL_S
+        self._cleaner: ThreadPoolExecutor | None = None  # one worker: deletions run in order
+        self._cleanups: list[Future[None]] = []
+        self._marker: dict[int, str] | None = None  # this replica's progress marker, as last written
+        self._next_round: int | None = None  # the round after the one this instance last completed
+        self._proposed: int | None = None  # the round whose manifest this call created
+        self.s3_part_bytes = S3_PART_BYTES
+        self.s3_parts_in_flight = S3_PARTS_IN_FLIGHT
 
     @property
     def authenticated(self) -> bool:
@@ -100,7 +172,6 @@ class Codec:
     def _hmac_key(self) -> bytes | None:
         return None if self._hmac is None else self._hmac.value
 
-    # ---- keys -------------------------------------------------------------------------
     def key(self, *parts: str) -> str:
         """A key under the run prefix; every part is validated, the result re-checked."""
         clean = [safe_part("key part", p) for p in parts]
@@ -124,16 +195,14 @@ class Codec:
         """Replica ``rank``'s progress marker (manifests it accepted in its latest rounds)."""
         return self.key("progress", f"rank-{rank:05d}.json")
 
-    # ---- encoding ---------------------------------------------------------------------
     def encode(self, round_id: int, tensors: Sequence[torch.Tensor], *, quantize: bool = False) -> bytes:
-        """Serialise this replica's tensors for ``round_id`` (fp8 e4m3 + fp32 scale if ``quantize``) in
-        object format 4 (module docstring). NaN/inf is refused here, before anything is published."""
+        """Serialise this replica's tensors for ``round_id`` (fp8 e4m3 + fp32 scale if ``quantize``);
+        NaN/inf is refused before anything is published."""
         return self._encode(round_id, tensors, quantize)[0].tobytes()
 
     def _encode(
         self, round_id: int, tensors: Sequence[torch.Tensor], quantize: bool
     ) -> tuple[Encoded, Decoded]:
-        """(the object, this replica's contribution as decoded)."""
         forms = [wire_form(t, i, self.rank, round_id, quantize) for i, t in enumerate(tensors)]
         meta = self._meta(round_id, self.rank, quantized=quantize, layout=[entry for _, entry, _ in forms])
         enc = self._pack(meta, [wire for wire, _, _ in forms], check_finite=not quantize)
@@ -151,9 +220,8 @@ class Codec:
     def _pack(
         self, meta: dict[str, Any], wires: Sequence[torch.Tensor], *, check_finite: bool = False
     ) -> Encoded:
-        """Header (with the body's digest) + zero-copy views of the wire tensors: the digest is computed over
-        the tensors' own memory; no joined copy of the payload is made here. With ``check_finite``, NaN/inf is
-        refused in the same pass (:func:`_scan`)."""
+        """Header (with the body's digest) + zero-copy views of the wire tensors; with ``check_finite``,
+        NaN/inf is refused in the digest's pass (:func:`_scan`)."""
         chunks = [bytes_view(w) for w in wires]
         for entry, chunk in zip(meta["layout"], chunks):
             entry["nbytes"] = chunk.nbytes
@@ -161,7 +229,7 @@ class Codec:
         digest, bad = _scan(self._hmac_key is not None, list(zip(chunks, wires)), check_finite)
         if bad is not None:
             raise non_finite(bad, meta["rank"], meta["round"])
-        lead = _u32(len(meta_bytes)) + _u32(len(digest)) + meta_bytes + digest
+        lead = _LENGTHS.pack(len(meta_bytes), len(digest)) + meta_bytes + digest
         tag = self._tag(lead)
         return Encoded((MAGIC_HMAC if self._hmac_key is not None else MAGIC) + tag + lead, chunks, tag, wires)
 
@@ -170,7 +238,6 @@ class Codec:
             return hashlib.sha256(lead).digest()
         return hmac.new(self._hmac_key, lead, hashlib.sha256).digest()
 
-    # ---- decoding ---------------------------------------------------------------------
     def _damaged(self, key: str, size: int, what: str) -> CorruptObjectError:
         if self._hmac_key is not None:
             return AuthenticationError(
@@ -183,10 +250,10 @@ class Codec:
 
     def _check_header(self, view: memoryview, key: str) -> None:
         magic = bytes(view[: len(MAGIC)])
-        if magic in _OLD_FORMATS:
+        if magic[:-1] in (MAGIC[:-1], MAGIC_HMAC[:-1]) and magic[-1:] in (b"1", b"2", b"3"):
             raise CorruptObjectError(
-                f"object {key} is in object format {_OLD_FORMATS[magic]}, written by an older "
-                "composer-diloco; this version reads format 4 only. Run every replica of a run with the "
+                f"object {key} is in object format {magic[-1:].decode()} of an older composer-diloco; "
+                "this version reads format 4 only. Run every replica of a run with the "
                 "same composer-diloco version (an upgraded run needs a new run_id)."
             )
         if len(view) < _HEAD or magic not in (MAGIC, MAGIC_HMAC):
@@ -206,18 +273,14 @@ class Codec:
             )
 
     def _verify(self, data: Payload, key: str) -> tuple[dict[str, Any], memoryview, bytes, memoryview]:
-        """Check the header, the tag and the body's length; return (meta, body, tag, the body's digest as
-        listed). Any flipped byte is caught: in the tag, lengths, meta or digest by the tag (SHA-256 /
-        HMAC-SHA256 over them); a truncated body by its length; in the body by its XXH3-64 (a random corruption
-        passes with probability 2^-64) or SHA-256, which :meth:`decode` computes."""
+        """Check the header, the tag and the body's length; return (meta, body, tag, the listed digest)."""
         view = memoryview(data)
         view = view if view.format == "B" else view.cast("B")
         self._check_header(view, key)
         tag = bytes(view[len(MAGIC) : len(MAGIC) + _DIGEST])
-        meta_len = int.from_bytes(view[_HEAD - 8 : _HEAD - 4], "little")
-        digest_len = int.from_bytes(view[_HEAD - 4 : _HEAD], "little")
+        meta_len, digest_len = _LENGTHS.unpack_from(view, _HEAD - _LENGTHS.size)
         end = _HEAD + meta_len + digest_len
-        if end > len(view) or not hmac.compare_digest(self._tag(view[_HEAD - 8 : end]), tag):
+        if end > len(view) or not hmac.compare_digest(self._tag(view[_HEAD - _LENGTHS.size : end]), tag):
             raise self._damaged(key, len(view), "header")
         try:
             meta = json.loads(bytes(view[_HEAD : _HEAD + meta_len]))
@@ -249,7 +312,6 @@ class Codec:
             parts, tensors = _tensors(meta, body)
         except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as exc:
             raise CorruptObjectError(f"object {key} has an invalid tensor layout: {exc}") from exc
-        # one read of the body: its checksum and (unless quantized: checked below, dequantized) finite values
         got, bad = _scan(self._hmac_key is not None, parts, not quantized)
         if got != digest:
             raise self._damaged(key, len(data), f"body bytes 0-{len(body)}")
@@ -270,7 +332,6 @@ class Codec:
             )
         return Decoded(meta, tensors, len(data), tag)
 
-    # ---- signed JSON (manifests, markers) ---------------------------------------------
     def _dump_json(self, obj: dict[str, Any]) -> bytes:
         if self._hmac_key is not None:
             obj = {**obj, "hmac": hmac.new(self._hmac_key, _canonical(obj), hashlib.sha256).hexdigest()}
@@ -303,8 +364,7 @@ class Codec:
 def _tensors(
     meta: Mapping[str, Any], body: memoryview
 ) -> tuple[list[tuple[memoryview, torch.Tensor]], list[torch.Tensor]]:
-    """The (bytes, tensor) parts ``meta``'s layout places in ``body`` (views of it, as on the wire) and the
-    tensors they stand for (the same views, or dequantized)."""
+    """The (bytes, tensor) parts ``meta``'s layout places in ``body`` and the tensors they stand for."""
     parts: list[tuple[memoryview, torch.Tensor]] = []
     tensors: list[torch.Tensor] = []
     offset = 0
@@ -329,9 +389,8 @@ def _tensors(
 def _scan(
     signed: bool, parts: Sequence[tuple[memoryview, torch.Tensor]], check: bool
 ) -> tuple[bytes, int | None]:
-    """One read of a body given as (bytes, tensor over them) parts in order: its checksum (SHA-256 for signed
-    objects, else XXH3-64, big-endian) and, with ``check``, the index of the first part holding NaN/inf (None
-    if none). Each block of ``_BLOCK`` bytes is checked right after it is hashed, while it is in cache."""
+    """One read of a body's (bytes, tensor) parts: its checksum (SHA-256 if signed, else XXH3-64) and, with
+    ``check``, the index of the first part holding NaN/inf (None if none), each block checked while in cache."""
     h: Any = hashlib.sha256() if signed else xxhash.xxh3_64()
     bad: int | None = None
     for i, (view, t) in enumerate(parts):
@@ -357,9 +416,8 @@ def non_finite(i: int, rank: int, round_id: int) -> ValueError:
 def wire_form(
     t: object, i: int, rank: int, round_id: int, quantize: bool
 ) -> tuple[torch.Tensor, dict[str, Any], torch.Tensor]:
-    """(wire tensor, layout entry, this replica's own contribution) of tensor ``i``. A contiguous CPU tensor is
-    used in place (no copy) and checked finite when it is packed (:meth:`Codec._pack`, in the checksum's pass);
-    one to quantize is checked here."""
+    """(wire tensor, layout entry, this replica's own contribution) of tensor ``i`` (no copy of a
+    contiguous CPU tensor)."""
     if not isinstance(t, torch.Tensor) or not torch.is_floating_point(t):
         raise ValueError(f"tensor {i} must be a floating-point torch.Tensor, got {type(t).__name__}.")
     plain = t.is_cpu and not t.requires_grad and t.is_contiguous()
@@ -379,8 +437,7 @@ def wire_form(
 
 
 def all_finite(t: torch.Tensor) -> bool:
-    """One reduction pass: a finite float32 sum proves every value finite; only when it is not
-    (NaN/inf, or a huge but finite tensor whose sum overflows) are the values checked one by one."""
+    """A finite sum proves every value finite; only otherwise are the values checked one by one."""
     if t.numel() == 0:
         return True
     if t.dtype == torch.float8_e4m3fn:
@@ -406,22 +463,17 @@ def frombuffer(buf: memoryview, nbytes: int, offset: int, dtype: torch.dtype = t
     """``nbytes`` bytes of ``buf`` from ``offset`` as a 1-D ``dtype`` tensor over that memory, no copy."""
     if not nbytes:
         return torch.empty(0, dtype=dtype)
-    if offset + nbytes > len(buf):
-        raise ValueError(f"{nbytes} bytes at offset {offset} exceed the object's {len(buf)} bytes")
     count = nbytes // dtype.itemsize
-    if not buf.readonly:  # mapped objects, read buffers, tensors' memory: no warning to silence
+    if not buf.readonly:
         return torch.frombuffer(buf, dtype=dtype, count=count, offset=offset)
-    with warnings.catch_warnings():  # read-only bytes from the store: these tensors are only read
+    with warnings.catch_warnings():  # read-only bytes: these tensors are only read
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(buf, dtype=dtype, count=count, offset=offset)
 
 
 def quantize_fp8(t: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """Per-tensor absmax fp8 (e4m3): ``q = fp8(t / s)``, ``s = max|t| / 448`` (1 when t = 0).
-
-    The Streaming DiLoCo paper sends 4-bit E3M0 values; like torchft's ``should_quantize`` this
-    uses fp8, with float32 accumulation on the receiving side.
-    """
+    """Per-tensor absmax fp8 (e4m3): ``q = fp8(t / s)``, ``s = max|t| / 448`` (1 when t = 0), as torchft's
+    ``should_quantize`` (the Streaming DiLoCo paper sends 4-bit E3M0)."""
     amax = float(t.abs().max()) if t.numel() else 0.0
     scale = amax / FP8_MAX if amax > 0 else 1.0
     return (t.to(torch.float32) / scale).to(torch.float8_e4m3fn), scale
@@ -470,7 +522,3 @@ def read_hmac_key(env: str, required: bool) -> _Secret | None:
 
 def _canonical(obj: Mapping[str, Any]) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
-
-
-def _u32(n: int) -> bytes:
-    return n.to_bytes(4, "little")

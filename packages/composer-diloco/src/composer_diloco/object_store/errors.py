@@ -27,8 +27,7 @@ class NonFiniteObjectError(CorruptObjectError):
 
 
 class NonFiniteResultError(ObjectStoreError, ValueError):
-    """Every contribution of a round is finite but their sum (``op="sum"``) is beyond float32: no replica
-    applies it, none changes."""
+    """Every contribution is finite but their sum is beyond float32: no replica applies it."""
 
 
 class AuthenticationError(CorruptObjectError):
@@ -36,21 +35,16 @@ class AuthenticationError(CorruptObjectError):
 
 
 class RoundExpiredError(ObjectStoreError):
-    """Round r was committed but its result is no longer in the store (cleaned up, or its
-    manifest or objects deleted): this replica must restart from a checkpoint."""
+    """Round r was committed but its result is gone from the store: restart from a checkpoint."""
 
 
 class RoundConflictError(ObjectStoreError):
-    """Replicas accepted different manifests for one round (a manifest was deleted and proposed
-    again): the run can no longer guarantee identical replicas."""
+    """Replicas accepted different manifests for one round: they may no longer be identical."""
 
 
 def safe_part(name: str, value: object) -> str:
-    """Validate one key component: letters, digits, ``._-``, no leading dot, no ``/``.
-
-    This is what keeps every key under the run's prefix: ``..``, ``.`` and absolute or nested
-    paths are rejected with a ValueError naming the argument.
-    """
+    """Validate one key component (letters, digits, ``._-``, no leading dot, no ``/``): keys never
+    leave the run's prefix."""
     if not isinstance(value, str) or not _PART.fullmatch(value) or value in {".", ".."}:
         raise ValueError(
             f"{name}={value!r} is not a safe object-store key component: use letters, digits, '.', '_' "
@@ -67,20 +61,10 @@ def check_round(round_id: int) -> int:
 
 @dataclass
 class RoundStats:
-    """What the last round did (for logs, tests and the benchmark).
-
-    ``phases``: seconds per phase, in the round's order, each timed from the end of the one before (together
-    they are the round's ``seconds`` but for the hand-off of old rounds to the deletion worker):
-
-    - ``publish``: encode this replica's tensors and create its object (sharded: its shards and index); 0 when
-      the round was committed already;
-    - ``commit``: the committed-round check, then wait for and validate the other replicas' objects until the
-      round's manifest is committed (a straggler's wait is here);
-    - ``reduce``: read what the manifest lists and compute the result before anything is applied (full
-      exchange: the checks and the staged sums; sharded: reduce this replica's shards, read the reduced ones);
-    - ``accept``: write this replica's progress marker, read the others';
-    - ``apply``: write the result into the caller's tensors (full exchange: the average, piece by piece).
-    """
+    """What the last round did. ``phases``: seconds per phase, back to back: ``publish`` (encode and create
+    this replica's object), ``commit`` (the committed-round check, the wait for the others' objects, the
+    manifest), ``reduce`` (read what the manifest lists, compute the result), ``accept`` (progress markers),
+    ``apply`` (write the result into the caller's tensors)."""
 
     round: int = -1
     participants: list[int] = field(default_factory=list)
@@ -88,12 +72,12 @@ class RoundStats:
     bytes_written: int = 0
     bytes_read: int = 0
     seconds: float = 0.0
-    adopted: bool = False  # this replica's new values were not its contribution (see allreduce)
+    adopted: bool = False  # this replica's new values were not its contribution
     phases: dict[str, float] = field(default_factory=dict)
 
 
 class Laps:
-    """A round's :data:`PHASES` timed back to back: each call adds the time since the previous one."""
+    """A round's :data:`PHASES` timed back to back."""
 
     def __init__(self) -> None:
         self.start = self._last = time.perf_counter()

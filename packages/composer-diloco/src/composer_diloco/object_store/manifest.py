@@ -1,11 +1,8 @@
-"""The round's single source of truth: the create-only manifest, and each replica's progress marker.
-
-The first replica that sees every rank, or whose timeout expires, *creates* ``manifest.json`` listing the
-ranks and each object's tag; every replica averages exactly those objects. Before applying, a replica
-records the manifest's fingerprint in ``progress/rank-<r>.json`` and then reads every replica's marker: of
-two replicas accepting different manifests for one round, the later reader sees the other's marker and
-raises :class:`RoundConflictError`. A round the run has left (a marker went past it, or a later round is
-stored) whose manifest is gone raises :class:`RoundExpiredError`.
+"""The round's single source of truth: the create-only ``manifest.json`` (the ranks and each object's
+tag), and each replica's progress marker ``progress/rank-<r>.json``. A replica records the manifest's
+fingerprint in its marker, then reads the others': of two replicas accepting different manifests, the later
+reader raises :class:`RoundConflictError`. A round the run has left whose manifest is gone raises
+:class:`RoundExpiredError`.
 """
 
 from __future__ import annotations
@@ -16,7 +13,7 @@ from dataclasses import dataclass
 
 from .backend import Backend
 from .codec import _DIGEST, Decoded, Payload
-from .errors import CorruptObjectError, RoundConflictError, RoundExpiredError
+from .errors import CorruptObjectError, ObjectStoreError, RoundConflictError, RoundExpiredError
 
 
 @dataclass
@@ -27,10 +24,7 @@ class Manifest:
 
 
 class Manifests(Backend):
-    """Manifests and progress markers (signed with the HMAC key when there is one)."""
-
-    keep_rounds: int
-    _marker: dict[int, str] | None  # this replica's progress marker, as last written
+    """Manifests and progress markers."""
 
     def _read_manifest(self, round_id: int) -> Manifest | None:
         key = self.manifest_key(round_id)
@@ -64,8 +58,8 @@ class Manifests(Backend):
             )
         return Manifest(list(ranks), tags, hashlib.sha256(raw).hexdigest())
 
-    def _propose_manifest(self, round_id: int, decoded: Mapping[int, Decoded]) -> bytes | None:
-        """Create the round's manifest; its bytes if this replica's proposal won, else None."""
+    def _propose(self, round_id: int, decoded: Mapping[int, Decoded]) -> Manifest:
+        """Create the manifest of ``decoded``'s ranks; the stored one if another proposal won."""
         proposal = {
             "run_id": self.run_id,
             "round": round_id,
@@ -74,8 +68,14 @@ class Manifests(Backend):
             "tags": {str(r): d.tag.hex() for r, d in sorted(decoded.items())},
             "proposer": self.rank,
         }
-        data = self._dump_json(proposal)
-        return data if self.put_if_absent(self.manifest_key(round_id), data) else None
+        data, key = self._dump_json(proposal), self.manifest_key(round_id)
+        if self.put_if_absent(key, data):
+            self._proposed = round_id
+            return self._parse_manifest(data, key, round_id)
+        found = self._read_manifest(round_id)
+        if found is None:
+            raise ObjectStoreError(f"round {round_id}: manifest {key} vanished right after creation.")
+        return found
 
     def _read_marker(self, rank: int) -> dict[int, str] | None:
         """Replica ``rank``'s progress marker: ``{round: manifest fingerprint}`` (None if absent)."""
@@ -94,9 +94,9 @@ class Manifests(Backend):
             raise CorruptObjectError(f"progress marker {key} is not a marker of this run: {exc}") from exc
 
     def _read_markers(self, skip: int | None = None) -> dict[int, dict[int, str]]:
-        own = self._marker  # this replica's marker is only written by itself: no GET once known
+        own = self._marker  # only this replica writes it: no GET once known
         ranks = [r for r in range(self.world_size) if r != skip and (r != self.rank or own is None)]
-        raws = self._read_many([self.marker_key(r) for r in ranks], [None] * len(ranks))  # at once on S3
+        raws = self._read_many([self.marker_key(r) for r in ranks], [None] * len(ranks))
         markers = {r: self._parse_marker(r, raw) for r, raw in zip(ranks, raws)}
         if own is not None and skip != self.rank:
             markers[self.rank] = dict(own)
@@ -138,10 +138,8 @@ class Manifests(Backend):
         return manifest
 
     def _accept(self, round_id: int, manifest: Manifest) -> None:
-        """Record that this replica applies ``manifest`` for ``round_id``, then check that no
-        replica accepted another one. Marker first, reads second: of two replicas accepting
-        different manifests, the later reader sees the other's marker and raises. If the round
-        turns out to be one the run has left, the record is taken back (nothing is applied)."""
+        """Record that this replica applies ``manifest`` for ``round_id`` (marker first), then check that no
+        replica accepted another one; the record is taken back if the run has left the round."""
         before = dict(self._marker if self._marker is not None else self._read_marker(self.rank) or {})
         self._record({**before, round_id: manifest.fingerprint})
         try:

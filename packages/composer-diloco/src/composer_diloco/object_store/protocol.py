@@ -2,34 +2,25 @@
 between replicas (``file://``, ``memory://``, ``s3://``, ``gs://``, …).
 
 The invariant: **every replica that completes round r applies the same average, or fails with an
-error naming why.** The round's committed manifest is its single source of truth. One round, for
-replica ``rank`` of ``world_size``:
+error naming why.** The round's committed manifest is its single source of truth. One round:
 
-1. If round r already has a manifest (a replica re-running a committed round, or a straggler the
-   round went on without), adopt it: average exactly the objects it lists, never this replica's
-   new values. If it has none but the run has evidently moved past r, raise
-   :class:`RoundExpiredError` (restart from a checkpoint); nothing is written then. A replica *in step*
-   (it completed round r - 1 and calls round r) skips this check: its proposal loses to a committed
-   manifest and reads it back, its listing shows a committed manifest or a later round (then the check
-   runs), and a marker that went on from r under another manifest names the round expired. On
-   :class:`RoundExpiredError` it deletes what it wrote into r and takes back its marker entry.
-2. Encode the tensors into one object (:mod:`.codec`: a header, one checksum over the body, a tag =
-   SHA-256 or, with ``$COMPOSER_DILOCO_HMAC_KEY``, HMAC-SHA256 of the header) and *create*
-   ``<root>/<run_id>/rounds/<round>/rank-<rank>.bin`` create-only (:mod:`.backend`). Objects are
-   immutable: a replica whose object for r exists already contributes the stored object.
-3. Read the other ranks' objects (first directly, then by polling a listing of the run's rounds) and
-   validate each (magic, tag, checksum, run, round, rank, world size, layout, finite values).
-4. When every rank is present, or when ``timeout_s`` passes, propose the participant set by *creating*
-   ``manifest.json`` (:mod:`.manifest`); the first proposal wins and every replica averages exactly those
-   objects. On timeout, ``on_timeout="proceed"`` goes on with the replicas present (at least
-   ``min_replicas``); ``"fail"`` raises :class:`StragglerTimeoutError`.
-5. Record the manifest in this replica's progress marker, then check the others' markers
-   (:class:`RoundConflictError` if one accepted another manifest for r).
-6. Average in float32 in rank order (:mod:`.reduce`) into the caller's tensors; one participant per
-   round (``ranks[r % n]``) deletes the rounds older than ``keep_rounds`` in a background thread.
+1. If round r already has a manifest, adopt it (average exactly the objects it lists, never this
+   replica's new values); if it has none but the run has evidently moved past r, raise
+   :class:`RoundExpiredError`. A replica *in step* (it completed round r - 1) skips this check: the
+   wait and the markers catch the same cases. On :class:`RoundExpiredError` a replica deletes what it
+   wrote into r and takes back its marker entry.
+2. Encode the tensors into one object (:mod:`.codec`) and *create* it create-only (:mod:`.backend`):
+   objects are immutable, a replica whose object for r exists contributes the stored one.
+3. Read and validate the other ranks' objects, polling a listing of the run's rounds.
+4. When every rank is present, or at ``timeout_s``, propose the participant set by *creating*
+   ``manifest.json`` (:mod:`.manifest`); the first proposal wins. On timeout ``on_timeout="proceed"``
+   goes on with the replicas present (at least ``min_replicas``), ``"fail"`` raises
+   :class:`StragglerTimeoutError`.
+5. Record the manifest in this replica's progress marker, then check the others' markers.
+6. Average in float32 in rank order (:mod:`.reduce`); one participant deletes old rounds in the
+   background.
 
-``exchange="sharded"`` is a reduce-scatter + all-gather under the same rules (:mod:`.sharded`). Every key
-is built from validated parts and checked to stay under ``<root>/<run_id>/``.
+``exchange="sharded"`` is a reduce-scatter + all-gather under the same rules (:mod:`.sharded`).
 """
 
 from __future__ import annotations
@@ -39,14 +30,12 @@ import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Literal
+from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
 
-import fsspec
 import torch
 
-from .backend import S3_PART_BYTES, S3_PARTS_IN_FLIGHT, protocols
-from .codec import HMAC_KEY_ENV, Decoded, Encoded, read_hmac_key
+from .codec import Decoded, Encoded, Payload
 from .errors import (
     CorruptObjectError,
     Laps,
@@ -55,7 +44,6 @@ from .errors import (
     RoundExpiredError,
     RoundStats,
     StragglerTimeoutError,
-    safe_part,
 )
 from .manifest import Manifest
 from .reduce import (
@@ -74,10 +62,8 @@ from .reduce import (
 from .sharded import Sharded
 
 logger = logging.getLogger("composer_diloco.object_store")
-_FIRST_POLL_S = 0.001  # polls of a remote store start here and double up to poll_interval_s
-_FIRST_LOCAL_POLL_S = 0.00005  # a local listing costs tens of µs: small rounds must not wait out 1 ms sleeps
-_PROPOSAL_LOOKS = 4  # reads of the manifest rank min(ranks) proposes, before the others propose too
-_CLEANUPS_QUEUED = 2  # deletions allowed to wait behind the running one before a round waits for them
+_PROPOSAL_LOOKS = 4  # reads of rank min(ranks)'s manifest before the others propose too
+_CLEANUPS_QUEUED = 2  # deletions that may wait behind the running one
 
 
 class ObjectStoreAllReduce(Sharded):
@@ -95,97 +81,16 @@ class ObjectStoreAllReduce(Sharded):
         min_replicas: with ``"proceed"``, the fewest valid replicas a round may average.
         keep_rounds: rounds kept in the store (older ones are deleted; ≥ 2 so that every replica
             can still read the round it is finishing).
-        poll_interval_s: the longest delay between listings of the round folder (polling starts
-            at 50 µs on a local filesystem and 1 ms elsewhere and doubles up to this, so small
-            payloads are not dominated by sleeps).
-        exchange: ``"full"`` (every replica reads every replica's whole object: bytes read per
-            replica grow as (k−1)× the payload) or ``"sharded"`` (reduce-scatter then all-gather
-            through the store: each replica reduces 1/k of the tensors and reads about 2× the
-            payload per round whatever k; see the module docstring). Every replica of a run must
-            use the same; objects of the other kind are refused.
+        poll_interval_s: the longest delay between listings of the round folder.
+        exchange: ``"full"`` (each replica reads (k−1)× the payload) or ``"sharded"`` (reduce-scatter
+            + all-gather: about 2× the payload whatever k). Every replica of a run must use the same.
         storage_options: passed to ``fsspec.url_to_fs`` (e.g. ``key``/``secret``/``client_kwargs``).
-        hmac_key_env: the environment variable holding the shared HMAC secret (at least
-            16 bytes). When it is set, objects, manifests and markers are signed with
-            HMAC-SHA256 and unsigned or wrongly signed ones are refused
-            (:class:`AuthenticationError`); every replica must then have the same secret.
+        hmac_key_env: the environment variable holding the shared HMAC secret (≥ 16 bytes). When set,
+            objects, manifests and markers are signed with HMAC-SHA256; others are refused
+            (:class:`AuthenticationError`).
         require_hmac: raise at construction if ``hmac_key_env`` is not set.
     """
 
-    def __init__(
-        self,
-        url: str,
-        run_id: str,
-        *,
-        rank: int,
-        world_size: int,
-        timeout_s: float = 60.0,
-        on_timeout: Literal["proceed", "fail"] = "fail",
-        min_replicas: int = 1,
-        keep_rounds: int = 2,
-        poll_interval_s: float = 0.02,
-        storage_options: Mapping[str, Any] | None = None,
-        hmac_key_env: str = HMAC_KEY_ENV,
-        require_hmac: bool = False,
-        exchange: Literal["full", "sharded"] = "full",
-    ) -> None:
-        if exchange not in ("full", "sharded"):
-            raise ValueError(f"exchange must be 'full' or 'sharded', got {exchange!r}.")
-        for name, value, low in (
-            ("world_size", world_size, 1),
-            ("min_replicas", min_replicas, 1),
-            ("keep_rounds", keep_rounds, 2),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
-        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
-            raise ValueError(f"rank must be an int in [0, world_size={world_size}), got {rank!r}.")
-        if min_replicas > world_size:
-            raise ValueError(f"min_replicas={min_replicas} cannot exceed world_size={world_size}.")
-        if on_timeout not in ("proceed", "fail"):
-            raise ValueError(f"on_timeout must be 'proceed' or 'fail', got {on_timeout!r}.")
-        if not timeout_s > 0 or not poll_interval_s > 0:
-            raise ValueError(
-                f"timeout_s and poll_interval_s must be > 0, got {timeout_s}, {poll_interval_s}."
-            )
-        self.run_id = safe_part("run_id", run_id)
-        self.rank = rank
-        self.world_size = world_size
-        self.timeout_s = float(timeout_s)
-        self.on_timeout = on_timeout
-        self.min_replicas = min_replicas
-        self.keep_rounds = keep_rounds
-        self.poll_interval_s = float(poll_interval_s)
-        self.url = url
-        self.fs, root = fsspec.url_to_fs(url, **dict(storage_options or {}))
-        root = root.rstrip("/")
-        if any(part in {"..", "."} for part in root.split("/")):
-            raise ValueError(f"url={url!r} contains '.' or '..' path segments; pass a normalised store root.")
-        self.root = root
-        self.prefix = f"{root}/{self.run_id}" if root else self.run_id
-        self.last = RoundStats()
-        self.bytes_written = 0
-        self.bytes_read = 0
-        self.hmac_key_env = hmac_key_env
-        self._hmac = read_hmac_key(hmac_key_env, require_hmac)
-        self.exchange = exchange
-        self._buffers: dict[str, bytearray] = {}  # read buffers reused across rounds (local stores)
-        self._bodies: dict[str, bytearray] = {}  # bodies of S3 writes, reused across rounds
-        self._acc: list[torch.Tensor] = []  # float32 accumulators reused across rounds
-        self._scratch: torch.Tensor | None = None  # the direct average's float32 piece, kept across rounds
-        # a local filesystem's paths are the OS's: small reads and listings skip fsspec
-        self._local = "file" in protocols(self.fs)
-        self._memory = "memory" in protocols(self.fs)  # create-only emulated under a process-wide lock
-        self._s3 = "s3" in protocols(self.fs)
-        self._first_poll_s = _FIRST_LOCAL_POLL_S if self._local else _FIRST_POLL_S
-        self._cleaner: ThreadPoolExecutor | None = None  # one worker: deletions run one at a time, in order
-        self._cleanups: list[Future[None]] = []
-        self._marker: dict[int, str] | None = None  # this replica's progress marker, as last written
-        self._next_round: int | None = None  # the round after the one this instance last completed
-        self._proposed: int | None = None  # the round whose manifest this call created (see _discard)
-        self.s3_part_bytes = S3_PART_BYTES  # multipart part size on S3 (s3fs's pipe_file chunksize)
-        self.s3_parts_in_flight = S3_PARTS_IN_FLIGHT  # multipart parts uploading at once
-
-    # ---- the round --------------------------------------------------------------------
     def allreduce(
         self,
         round_id: int,
@@ -204,15 +109,12 @@ class ObjectStoreAllReduce(Sharded):
             raise ValueError(f"op must be 'avg' or 'sum', got {op!r}.")
         laps = Laps()
         written0, read0 = self.bytes_written, self.bytes_read
-        # In step (this instance completed round r - 1), nothing of round r is this replica's yet: the
-        # committed-round check rides on the wait and the markers (module docstring, step 1).
         in_step, self._next_round, self._proposed = self._next_round == round_id, None, None
         problems: dict[int, CorruptObjectError] = {}
         manifest = None if in_step else self._committed(round_id)
         laps("commit")
         own: Decoded | None = None
-        reused = False  # this replica's object of the round was there before this call
-        adopted = manifest is not None
+        reused, adopted = False, manifest is not None
         try:
             if manifest is None:
                 own, reused = self._contribute(round_id, tensors, quantize)
@@ -231,17 +133,18 @@ class ObjectStoreAllReduce(Sharded):
                 )
             self._apply_round(round_id, manifest, decoded, tensors, None if adopted else own, op, laps)
         except RoundExpiredError:
-            if own is not None and not reused:  # this call's objects belong to a round the run has left
+            if own is not None and not reused:
                 self._discard(round_id)
             raise
         self._cleanup(round_id, manifest)
         self._next_round = round_id + 1
-        participants = manifest.ranks
         self.last = RoundStats(
             round=round_id,
-            participants=list(participants),
+            participants=list(manifest.ranks),
             excluded={
-                r: str(problems.get(r, "no object")) for r in range(self.world_size) if r not in participants
+                r: str(problems.get(r, "no object"))
+                for r in range(self.world_size)
+                if r not in manifest.ranks
             },
             bytes_written=self.bytes_written - written0,
             bytes_read=self.bytes_read - read0,
@@ -264,7 +167,7 @@ class ObjectStoreAllReduce(Sharded):
         laps: Laps,
     ) -> None:
         """Read the committed objects, record acceptance (:meth:`_accept`), then write the result
-        into ``tensors``: nothing changes before every check has passed. ``laps`` times the phases."""
+        into ``tensors``: nothing changes before every check has passed."""
         inputs = self._gather(round_id, manifest, decoded)
         participants = manifest.ranks
         check_layouts(inputs, participants, round_id)
@@ -279,7 +182,7 @@ class ObjectStoreAllReduce(Sharded):
                     apply(t, acc, 1)
             else:
                 xs = [inputs[r].tensors for r in participants]
-                staged = self._stage(round_id, tensors, xs, op)  # every check before anything changes
+                staged = self._stage(round_id, tensors, xs, op)
                 laps("reduce")
                 self._accept(round_id, manifest)
                 laps("accept")
@@ -291,12 +194,8 @@ class ObjectStoreAllReduce(Sharded):
     ) -> tuple[Decoded, bool]:
         """Publish this replica's object (full) or shards + index (sharded); True if an object
         published earlier (a re-run of the round) is the contribution instead."""
-        if self.exchange == "sharded":
-            index, own = self._encode_sharded(round_id, tensors, quantize)
-            mine, reused = self._publish(round_id, index, own)
-            return mine, reused
-        data, own = self._encode(round_id, tensors, quantize)
-        return self._publish(round_id, data, own)
+        encode = self._encode_sharded if self.exchange == "sharded" else self._encode
+        return self._publish(round_id, *encode(round_id, tensors, quantize))
 
     def _stage(
         self,
@@ -305,14 +204,17 @@ class ObjectStoreAllReduce(Sharded):
         inputs: Sequence[Sequence[torch.Tensor]],
         op: str,
     ) -> dict[int, torch.Tensor]:
-        """The results of the targets that are not written piece by piece (:func:`direct_targets`; under
-        ``op="sum"``, whose result may be beyond float32, every target), by index, computed into the accumulators
-        and checked: raises :class:`NonFiniteResultError` before any tensor changes."""
+        """The results of the targets not written piece by piece (:func:`direct_targets`; every target
+        under ``op="sum"``), by index, in the reused accumulators; :class:`NonFiniteResultError` before
+        any tensor changes."""
         direct = set() if op == "sum" else direct_targets(tensors)
         rest = [i for i in range(len(tensors)) if i not in direct]
         if not rest:
             return {}
-        sums, finite = self._reduce([[x[i] for i in rest] for x in inputs], op)
+        columns = [[x[i] for i in rest] for x in inputs]
+        if [a.numel() for a in self._acc] != [t.numel() for t in columns[0]]:
+            self._acc = [torch.empty(t.numel(), dtype=torch.float32) for t in columns[0]]
+        sums, finite = self._acc, sum_into(self._acc, columns, op)
         if not all(finite):
             raise NonFiniteResultError(overflow_message(round_id, f"tensor {rest[finite.index(False)]}", op))
         return dict(zip(rest, sums))
@@ -324,15 +226,13 @@ class ObjectStoreAllReduce(Sharded):
         op: str,
         staged: Mapping[int, torch.Tensor],
     ) -> None:
-        """``tensors ← Σ_r inputs[r]`` (float32, rank order), ``/ n`` for avg. The ``staged`` results
-        (:meth:`_stage`) are copied in first (they may read memory a direct target shares); every other target, a
-        contiguous CPU tensor sharing memory with no other, is written piece by piece through a cache-sized
-        float32 scratch (:func:`reduce_pieces`: no payload-sized accumulator, one pass less), small float32 ones
+        """``tensors ← Σ_r inputs[r]`` (float32, rank order), ``/ n`` for avg: the ``staged`` results first,
+        every other target through a cache-sized scratch (:func:`reduce_pieces`), small float32 ones
         several at a time (:func:`reduce_bucket`). The same bits either way."""
         for i, acc in staged.items():
             apply(tensors[i], acc, 1)
         divisor = len(inputs) if op == "avg" else 1
-        if self._scratch is None:  # a fresh one per round cost its page faults every round
+        if self._scratch is None:
             self._scratch = torch.empty(REDUCE_PIECE, dtype=torch.float32)
         rest = [i for i in range(len(tensors)) if i not in staged]
         small = [i for i in rest if bucketable(tensors[i], [x[i] for x in inputs])]
@@ -342,20 +242,8 @@ class ObjectStoreAllReduce(Sharded):
         for i in sorted(set(rest) - set(small)):
             reduce_pieces(tensors[i], [x[i] for x in inputs], divisor, self._scratch)
 
-    def _reduce(
-        self, inputs: Sequence[Sequence[torch.Tensor]], op: str
-    ) -> tuple[list[torch.Tensor], list[bool]]:
-        """``Σ x_r`` in float32 in the given (rank) order, then ``/ n`` for ``avg`` (:func:`sum_into`): the
-        order torchft's gloo path uses, and whether each result is finite. Accumulators are reused across
-        rounds."""
-        shapes = [t.numel() for t in inputs[0]]
-        if [a.numel() for a in self._acc] != shapes:
-            self._acc = [torch.empty(n, dtype=torch.float32) for n in shapes]
-        return self._acc, sum_into(self._acc, inputs, op)
-
     def _publish(self, round_id: int, data: Encoded, own: Decoded) -> tuple[Decoded, bool]:
-        """Create this replica's object; if it exists already (a re-run of the round), return the
-        stored one: objects are immutable, other replicas may have read it. True if reused."""
+        """Create this replica's object, or return the stored one (objects are immutable). True if reused."""
         key = self.object_key(round_id, self.rank)
         created = self.put_if_absent(key, data, slot="obj")
         if created:
@@ -377,9 +265,7 @@ class ObjectStoreAllReduce(Sharded):
     def _gather(self, round_id: int, manifest: Manifest, decoded: dict[int, Decoded]) -> dict[int, Decoded]:
         """The committed objects: each participant's object with the tag the manifest lists."""
         out = {r: decoded[r] for r in manifest.ranks if r in decoded and decoded[r].tag == manifest.tags[r]}
-        ranks = [r for r in manifest.ranks if r not in out]
-        keys = [self.object_key(round_id, r) for r in ranks]
-        for r, key, raw in zip(ranks, keys, self._read_many(keys, [f"obj-{r}" for r in ranks])):
+        for r, key, raw in self._objects(round_id, [r for r in manifest.ranks if r not in out]):
             if raw is None:
                 raise self._expired(round_id, f"its manifest lists rank {r}", f"{key} is gone")
             out[r] = self.decode(raw, round_id=round_id, rank=r, key=key)
@@ -394,11 +280,9 @@ class ObjectStoreAllReduce(Sharded):
     def _await_manifest(
         self, round_id: int, decoded: dict[int, Decoded], problems: dict[int, CorruptObjectError]
     ) -> Manifest:
-        """Collect the other ranks' objects until all are present or ``timeout_s`` passes, then
-        propose the participant set. The first look reads the missing objects directly (no listing:
-        replicas in step find them there). Each later look lists first: it finds a manifest committed
-        meanwhile (the round went on without this replica: adopt it) and notices a run that has left this
-        round (a later round exists: the committed manifest, or :class:`RoundExpiredError` when it is gone)."""
+        """Collect the other ranks' objects until all are present or ``timeout_s`` passes, then propose the
+        participant set. The first look reads the objects directly; each later one lists first, and adopts a
+        manifest committed meanwhile or notices a run that has left this round."""
         deadline = time.monotonic() + self.timeout_s
         delay = self._first_poll_s
         names: set[str] | None = None  # None: the first look, which lists nothing
@@ -415,16 +299,11 @@ class ObjectStoreAllReduce(Sharded):
             )
             timed_out = time.monotonic() >= deadline
             if len(decoded) == self.world_size or timed_out:
-                if len(decoded) < self.world_size:  # never exclude ranks from a round the run has left
+                if len(decoded) < self.world_size:
                     committed = self._committed(round_id)
                     if committed is not None:
                         return committed
                     self._check_timeout(round_id, decoded, problems)
-                # With every object present the proposal is the only possible one: a manifest committed
-                # since the listing makes ours lose (create-only) and is read back; a round the run has
-                # left was refused by the check before this replica contributed (or is refused now,
-                # at the read-back), and a deletion racing this round is caught by _accept's markers
-                # before any tensor changes.
                 if len(decoded) == self.world_size and self.rank != min(decoded) and not self._local:
                     found = self._await_proposal(round_id)
                     if found is not None:
@@ -443,30 +322,16 @@ class ObjectStoreAllReduce(Sharded):
                     return committed
 
     def _await_proposal(self, round_id: int) -> Manifest | None:
-        """With every object present on an object store, rank ``min(ranks)`` proposes and the others read its
-        manifest (a losing create-only PUT costs more than a GET), for ``_PROPOSAL_LOOKS`` looks; then they
-        propose too (create-only: a proposer that died changes nothing). Not on a local filesystem, where a
-        losing create is a failed link and one read (~20 µs) and a poll's sleep ~0.1 ms (the timer slack)."""
+        """On an object store rank ``min(ranks)`` proposes and the others read its manifest (a GET costs less
+        than a losing create-only PUT) for ``_PROPOSAL_LOOKS`` looks before proposing too."""
         delay = self._first_poll_s
-        for look in range(_PROPOSAL_LOOKS):
+        for _ in range(_PROPOSAL_LOOKS - 1):
             found = self._read_manifest(round_id)
-            if found is not None or look == _PROPOSAL_LOOKS - 1:
+            if found is not None:
                 return found
             time.sleep(delay)
             delay *= 2
-        return None
-
-    def _propose(self, round_id: int, decoded: Mapping[int, Decoded]) -> Manifest:
-        """Create the manifest of ``decoded``'s ranks; the stored one if another proposal won."""
-        created = self._propose_manifest(round_id, decoded)
-        key = self.manifest_key(round_id)
-        if created is not None:  # ours won: no need to read it back
-            self._proposed = round_id
-            return self._parse_manifest(created, key, round_id)
-        found = self._read_manifest(round_id)
-        if found is None:
-            raise ObjectStoreError(f"round {round_id}: manifest {key} vanished right after creation.")
-        return found
+        return self._read_manifest(round_id)
 
     def _take(
         self,
@@ -475,10 +340,8 @@ class ObjectStoreAllReduce(Sharded):
         decoded: dict[int, Decoded],
         problems: dict[int, CorruptObjectError],
     ) -> None:
-        """Read (at once on an object store: :meth:`_read_many`) and validate the objects of ``ranks`` that exist
-        now."""
-        keys = [self.object_key(round_id, r) for r in ranks]
-        for r, key, raw in zip(ranks, keys, self._read_many(keys, [f"obj-{r}" for r in ranks])):
+        """Read and validate the objects of ``ranks`` that exist now."""
+        for r, key, raw in self._objects(round_id, ranks):
             if raw is None:
                 continue
             try:
@@ -487,9 +350,13 @@ class ObjectStoreAllReduce(Sharded):
             except CorruptObjectError as exc:
                 problems[r] = exc  # maybe still being written by a non-atomic writer: re-read
 
+    def _objects(self, round_id: int, ranks: Sequence[int]) -> list[tuple[int, str, Payload | None]]:
+        """(rank, key, bytes or None) of the objects of ``ranks``, read at once on an object store."""
+        keys = [self.object_key(round_id, r) for r in ranks]
+        return list(zip(ranks, keys, self._read_many(keys, [f"obj-{r}" for r in ranks])))
+
     def _scan(self, round_id: int) -> tuple[set[str], bool]:
-        """The names in round ``round_id``'s folder, and whether a later round is stored: one
-        listing of the run's rounds on S3, two directory reads on a local filesystem."""
+        """The names in round ``round_id``'s folder, and whether a later round is stored."""
         if self._s3:
             keys = self._round_keys()
             here = f"{round_id:010d}"
@@ -498,11 +365,8 @@ class ObjectStoreAllReduce(Sharded):
         return self._list(self.round_dir(round_id)), any(r > round_id for r in self._rounds_listed())
 
     def _discard(self, round_id: int) -> None:
-        """Delete what this call wrote into ``round_id``, a round the run has left: this replica's
-        objects and the manifest it proposed, if it did (nobody applies it: every replica that
-        accepts it finds the marker of one that went on under the first), and on a local
-        filesystem the round's folder if that leaves it empty. Best effort: a failure leaves
-        garbage, logged."""
+        """Best effort: delete what this call wrote into ``round_id``, a round the run has left (its objects,
+        the manifest it proposed, an emptied local folder)."""
         directory = self.round_dir(round_id)
         mine = f"rank-{self.rank:05d}"
         try:
@@ -524,12 +388,11 @@ class ObjectStoreAllReduce(Sharded):
     def _check_timeout(
         self, round_id: int, decoded: Mapping[int, Decoded], problems: Mapping[int, CorruptObjectError]
     ) -> None:
-        """Raise per ``on_timeout`` / ``min_replicas`` when ranks are missing at the deadline."""
         missing = {r: str(problems.get(r, "no object")) for r in range(self.world_size) if r not in decoded}
         corrupt = {r: problems[r] for r in missing if r in problems}
         if self.on_timeout == "fail" and corrupt:
             kinds = {type(exc) for exc in corrupt.values()}
-            cls = kinds.pop() if len(kinds) == 1 else CorruptObjectError  # the most specific name
+            cls = kinds.pop() if len(kinds) == 1 else CorruptObjectError
             raise cls(
                 f"round {round_id}: invalid objects for ranks {sorted(corrupt)} after timeout_s="
                 f"{self.timeout_s}: {'; '.join(map(str, corrupt.values()))}. They are never averaged; remove "
@@ -548,17 +411,12 @@ class ObjectStoreAllReduce(Sharded):
             )
 
     def _cleanup(self, round_id: int, manifest: Manifest) -> None:
-        """Delete round ``round_id - keep_rounds`` (and any older one still stored) in the background:
-        directory removal is a slow metadata operation on many filesystems, so it overlaps the next
-        inner steps. One participant per round does it, ``ranks[round_id % n]`` of the manifest (so
-        deletions cost one listing and one bulk delete per round, not per replica); a cleaner that
-        died leaves its rounds to the next round's. One long-lived worker runs the deletions in order
-        (no thread start per round); a round waits only when more than ``_CLEANUPS_QUEUED`` are
-        behind. :meth:`rounds_present` and :meth:`cleanup_run` wait for all of them."""
+        """Delete rounds up to ``round_id - keep_rounds`` on one background worker; participant
+        ``ranks[round_id % n]`` of the manifest does it."""
         old = round_id - self.keep_rounds
         if old < 0 or manifest.ranks[round_id % len(manifest.ranks)] != self.rank:
             return
-        if self._cleaner is None:  # not a daemon: the interpreter finishes queued deletions before exiting
+        if self._cleaner is None:
             self._cleaner = ThreadPoolExecutor(1, thread_name_prefix="diloco-store-cleanup")
         self._cleanups = [f for f in self._cleanups if not f.done()]
         while len(self._cleanups) > _CLEANUPS_QUEUED:
@@ -566,7 +424,6 @@ class ObjectStoreAllReduce(Sharded):
         self._cleanups.append(self._cleaner.submit(self._remove_round, old))
 
     def _remove_round(self, old: int) -> None:
-        """Delete every stored round up to ``old``."""
         try:
             self._remove_rounds(old)
         except Exception as exc:  # a failed cleanup leaves garbage, never a wrong average
@@ -576,7 +433,7 @@ class ObjectStoreAllReduce(Sharded):
         """Wait until the deletions of old rounds running in the background have finished."""
         pending, self._cleanups = self._cleanups, []
         for f in pending:
-            f.result()  # _remove_round logs its own failures: this never raises
+            f.result()
 
     def cleanup_run(self) -> None:
         """Delete everything under this run's prefix (call once, after every replica finished)."""

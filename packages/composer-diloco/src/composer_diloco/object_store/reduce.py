@@ -1,6 +1,5 @@
-"""The arithmetic of a round: ``Σ x_r`` in float32 in rank order, then ``/ n`` for an average (the order
-torchft's gloo path uses). The full and the sharded exchange share it, so both give the same bits; an
-element whose float32 sum overflows although its average is finite gets that average, summed in float64."""
+"""The arithmetic of a round: ``Σ x_r`` in float32 in rank order, then ``/ n`` for an average (torchft's gloo
+order), shared by both exchanges; an element whose float32 sum overflows gets its float64-summed average."""
 
 from __future__ import annotations
 
@@ -14,9 +13,8 @@ from .codec import Decoded, all_finite
 from .errors import CorruptObjectError, ObjectStoreError
 
 _T = TypeVar("_T")
-# float32 elements (512 KiB) of the scratch a full-exchange average goes through, kept across rounds
-REDUCE_PIECE = 1 << 17
-_BUCKET_TENSOR = 1 << 15  # float32 targets up to this many elements are averaged several at a time
+REDUCE_PIECE = 1 << 17  # float32 elements of the scratch a full-exchange average goes through
+_BUCKET_TENSOR = 1 << 15  # float32 targets up to this size are averaged several at a time
 
 
 def piece(t: torch.Tensor, s: int, k: int) -> torch.Tensor:
@@ -27,10 +25,8 @@ def piece(t: torch.Tensor, s: int, k: int) -> torch.Tensor:
 
 
 def sum_into(outs: Sequence[torch.Tensor], inputs: Sequence[Sequence[torch.Tensor]], op: str) -> list[bool]:
-    """``outs[i] = Σ_r inputs[r][i]`` in float32 in the given order, then ``/ n`` for avg (the
-    full and the sharded exchange share this arithmetic, so both give the same bits); an element whose float32
-    running sum overflows although its average is finite gets that average (:func:`_mend`). Returns whether
-    each result is finite (known from the mend's one read: no second pass)."""
+    """``outs[i] = Σ_r inputs[r][i]`` in float32 in the given order, then ``/ n`` for avg, mended
+    (:func:`_mend`). Returns whether each result is finite."""
     divisor = len(inputs) if op == "avg" else 1
     finite = []
     for i, out in enumerate(outs):
@@ -42,8 +38,6 @@ def sum_into(outs: Sequence[torch.Tensor], inputs: Sequence[Sequence[torch.Tenso
 def _average_into(
     out: torch.Tensor, inputs: Sequence[torch.Tensor], divisor: int
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``out ← Σ inputs / divisor`` in float32 in the given order, the elements whose sum overflowed mended
-    (:func:`_mend`); the mend, or None."""
     _sum(out, inputs)
     fix = _mend(out, inputs, divisor)
     if divisor > 1:
@@ -54,7 +48,6 @@ def _average_into(
 
 
 def _sum(out: torch.Tensor, inputs: Sequence[torch.Tensor]) -> None:
-    """``out = Σ inputs`` in float32, in the given order."""
     first, rest = inputs[0].reshape(-1), [x.reshape(-1) for x in inputs[1:]]
     if rest and first.dtype == rest[0].dtype == torch.float32:
         torch.add(first, rest[0], out=out)  # one pass instead of copy + add
@@ -68,10 +61,8 @@ def _sum(out: torch.Tensor, inputs: Sequence[torch.Tensor]) -> None:
 def _mend(
     acc: torch.Tensor, inputs: Sequence[torch.Tensor], divisor: int
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Where the float32 sums ``acc`` of finite ``inputs`` overflowed: (those indices, ``Σ inputs / divisor``
-    there, summed in float64 in the same order and rounded to float32, which is finite for an average and may
-    not be for a sum). None when every sum is finite: one read of ``acc`` (in cache on the piecewise path).
-    Elementwise, so the result does not depend on how the tensors are cut into pieces or shards."""
+    """Where the float32 sums ``acc`` overflowed: (those indices, ``Σ inputs / divisor`` there summed in
+    float64), or None. Elementwise: the result does not depend on how tensors are cut into pieces or shards."""
     if all_finite(acc):
         return None
     where = torch.isfinite(acc).logical_not_().nonzero().view(-1)
@@ -95,13 +86,10 @@ def overflow_message(round_id: int, what: str, op: str) -> str:
 
 
 def direct_targets(tensors: Sequence[torch.Tensor]) -> set[int]:
-    """Indices of the contiguous CPU targets whose memory no other target shares (tied weights passed
-    twice, views of one buffer): those can be written while the inputs of later targets are still read. Not
-    float64 ones: they may hold values beyond float32, whose float32 average is inf, and :meth:`_stage` checks
-    its results before any write."""
+    """Indices of the contiguous, non-float64 CPU targets whose memory no other target shares: those can be
+    written while later targets' inputs are still read (a float64 one's average may overflow float32)."""
     owners: dict[int, list[int]] = {}
     for i, t in enumerate(tensors):
-        # the storage's address, without building its Python object (untyped_storage(): ~5 µs a tensor)
         owners.setdefault(t.data_ptr() - int(t.storage_offset()) * t.element_size(), []).append(i)
     return {
         i
@@ -113,10 +101,8 @@ def direct_targets(tensors: Sequence[torch.Tensor]) -> set[int]:
 def reduce_pieces(
     t: torch.Tensor, inputs: Sequence[torch.Tensor], divisor: int, scratch: torch.Tensor
 ) -> None:
-    """``t ← Σ inputs / divisor`` through ``scratch``, a float32 piece of ``REDUCE_PIECE`` elements (it stays
-    in cache; the caller keeps it across rounds): the arithmetic of :func:`sum_into` + :func:`_apply`, piece
-    by piece, for an average (whose mended elements are always finite). An input that is ``t`` itself (this
-    replica's own contribution) is read piece by piece before that piece is written."""
+    """``t ← Σ inputs / divisor`` piece by piece through the cache-sized float32 ``scratch`` (an input may
+    be ``t`` itself: each piece is read before it is written)."""
     flat, flats = t.view(-1), [x.reshape(-1) for x in inputs]
     for lo in range(0, flat.numel(), REDUCE_PIECE):
         hi = min(lo + REDUCE_PIECE, flat.numel())
@@ -129,8 +115,6 @@ def reduce_pieces(
 
 
 def bucketable(t: torch.Tensor, inputs: Sequence[torch.Tensor]) -> bool:
-    """Whether the direct target ``t`` is averaged in a bucket with others (:func:`reduce_bucket`): small, and
-    it and its inputs float32."""
     return (
         t.numel() <= _BUCKET_TENSOR
         and t.dtype == torch.float32
@@ -139,8 +123,7 @@ def bucketable(t: torch.Tensor, inputs: Sequence[torch.Tensor]) -> bool:
 
 
 def runs(items: Sequence[_T], sizes: Sequence[int], limit: int) -> list[list[_T]]:
-    """``items`` cut, in order, into runs whose ``sizes`` add up to at most ``limit`` (an item larger than
-    ``limit`` makes a run of its own)."""
+    """``items`` cut, in order, into runs whose ``sizes`` add up to at most ``limit``."""
     out: list[list[_T]] = []
     total = 0
     for item, n in zip(items, sizes):
@@ -158,10 +141,8 @@ def reduce_bucket(
     divisor: int,
     scratch: torch.Tensor,
 ) -> None:
-    """``targets[j] ← Σ_r columns[r][j] / divisor`` for small float32 targets at once: each input's tensors are
-    flattened into one buffer (in cache), then summed into ``scratch``, mended, divided and copied back, one call
-    each, not one per tensor (a 200-tensor round spent ~15 µs a tensor in per-call overhead, 5 µs gathering with
-    ``torch.cat``). Elementwise, so the bits are :func:`reduce_pieces`'."""
+    """``targets[j] ← Σ_r columns[r][j] / divisor`` for small float32 targets, flattened into one buffer
+    (one call each, not one per tensor); the same bits as :func:`reduce_pieces`."""
     flats = [flatten_dense_tensors(list(column)) for column in columns]  # reads the targets before any write
     piece = scratch[: flats[0].numel()]
     _average_into(piece, flats, divisor)
@@ -169,8 +150,7 @@ def reduce_bucket(
 
 
 def apply(t: torch.Tensor, acc: torch.Tensor, divisor: int) -> None:
-    """``t ← acc / divisor`` (float32 division, then cast to t's dtype/device); a float32
-    contiguous CPU ``t`` receives the quotient directly (no extra pass)."""
+    """``t ← acc / divisor`` (float32 division, then cast to t's dtype/device)."""
     if divisor == 1:
         t.copy_(acc.view(t.shape))
     elif t.dtype == torch.float32 and t.is_cpu and t.is_contiguous():
@@ -190,7 +170,6 @@ def shard_count(indexes: Mapping[int, Decoded], ranks: Sequence[int], world_size
 
 
 def _full_layout(d: Decoded) -> list[dict[str, Any]]:
-    """The tensors an object stands for (a sharded index lists them under ``tensors``)."""
     return list(d.meta["tensors"] if d.meta.get("kind") == "index" else d.meta["layout"])
 
 

@@ -36,11 +36,6 @@ logger = logging.getLogger("composer_diloco.object_store")
 class Sharded(Manifests):
     """The sharded exchange's objects and its reduce-scatter."""
 
-    timeout_s: float
-    poll_interval_s: float
-    _first_poll_s: float
-    _acc: list[torch.Tensor]  # float32 accumulators reused across rounds
-
     def shard_key(self, round_id: int, rank: int, shard: int, nonce: str) -> str:
         return self.key(
             "rounds",
@@ -54,23 +49,15 @@ class Sharded(Manifests):
     def _encode_sharded(
         self, round_id: int, tensors: Sequence[torch.Tensor], quantize: bool
     ) -> tuple[Encoded, Decoded]:
-        """Write this replica's k shard objects (shard s = the s-th 1/k of every tensor, under a
-        fresh nonce, so they never collide), then return the *index* object listing their tags:
-        creating the index is what publishes the contribution."""
+        """Write this replica's k shard objects under a fresh nonce, then return the *index* object listing
+        their tags (creating it publishes the contribution)."""
         forms = [wire_form(t, i, self.rank, round_id, quantize) for i, t in enumerate(tensors)]
         k, nonce = self.world_size, uuid.uuid4().hex[:16]
         shards: dict[str, Encoded] = {}
+        tags = {"exchange": "sharded", "quantized": quantize}
         for s in range(k):
             layout = [{**entry, "shape": [piece(wire, s, k).numel()]} for wire, entry, _ in forms]
-            meta = self._meta(
-                round_id,
-                self.rank,
-                exchange="sharded",
-                kind="shard",
-                shard=s,
-                quantized=quantize,
-                layout=layout,
-            )
+            meta = self._meta(round_id, self.rank, **tags, kind="shard", shard=s, layout=layout)
             shards[self.shard_key(round_id, self.rank, s, nonce)] = self._pack(
                 meta, [piece(wire, s, k) for wire, _, _ in forms], check_finite=not quantize
             )
@@ -78,9 +65,8 @@ class Sharded(Manifests):
         meta = self._meta(
             round_id,
             self.rank,
-            exchange="sharded",
+            **tags,
             kind="index",
-            quantized=quantize,
             layout=[],
             tensors=[entry for _, entry, _ in forms],
             shards=k,
@@ -91,8 +77,7 @@ class Sharded(Manifests):
         return index, Decoded(meta, [own for *_, own in forms], index.size, index.tag)
 
     def _put_many(self, objects: Mapping[str, Encoded]) -> None:
-        """Write objects under fresh keys: one after the other on local/memory stores, all at
-        once on object stores (s3fs sends them concurrently)."""
+        """Write objects under fresh keys (at once on object stores)."""
         if self._local or self._memory:
             for key, enc in objects.items():
                 if not self.put_if_absent(key, enc):
@@ -111,10 +96,8 @@ class Sharded(Manifests):
         local: Decoded | None,
         op: str,
     ) -> list[torch.Tensor]:
-        """Reduce this replica's shards (participant j of n owns shards s with s % n == j), then
-        collect every other reduced shard; a shard whose reducer is silent for ``timeout_s`` is
-        reduced by the waiting replica itself. The *stored* reduced shard (create-only, first
-        writer wins) is what every replica applies, so all replicas end identical."""
+        """Reduce this replica's shards, then collect the others (reducing one whose reducer is silent for
+        ``timeout_s``). Every replica applies the *stored* reduced shard (create-only, first writer wins)."""
         ranks = manifest.ranks
         k = shard_count(indexes, ranks, self.world_size, round_id)
         sizes = [math.prod(e["shape"]) for e in indexes[ranks[0]].meta["tensors"]]
@@ -123,19 +106,17 @@ class Sharded(Manifests):
         mine = [s for s in range(k) if ranks[s % len(ranks)] == self.rank]
         deadline = time.monotonic() + self.timeout_s
         for s in mine + [s for s in range(k) if s not in mine]:
-            if s in mine:
+            reduced = None if s in mine else self._await_reduced(round_id, manifest, s, op, deadline)
+            if reduced is None:
                 reduced = self._reduce_shard(round_id, manifest, indexes, s, local, op)
-            else:
-                reduced = self._await_reduced(round_id, manifest, indexes, s, local, op, deadline)
             self._place(round_id, s, k, reduced)
         return self._acc
 
     def _place(self, round_id: int, s: int, k: int, reduced: Sequence[torch.Tensor]) -> None:
-        """Copy reduced shard ``s`` of ``k`` into the accumulators (unless it was reduced there)."""
         for acc, got in zip(self._acc, reduced):
             target = piece(acc, s, k)
-            if got.data_ptr() == target.data_ptr():
-                continue  # reduced in place by this replica
+            if got.data_ptr() == target.data_ptr():  # reduced in place
+                continue
             if got.numel() != target.numel():
                 raise CorruptObjectError(
                     f"round {round_id}: reduced shard {s} holds {got.numel()} values where "
@@ -152,8 +133,8 @@ class Sharded(Manifests):
         local: Decoded | None,
         op: str,
     ) -> list[torch.Tensor]:
-        """Σ over the participants (rank order) of their shard ``s``, ``/ n`` for avg; create it
-        as ``reduced-<s>.bin`` and return the stored one (another replica may have been first)."""
+        """Σ over the participants (rank order) of their shard ``s``, ``/ n`` for avg, created as
+        ``reduced-<s>.bin``; the stored one if another replica was first."""
         k = self.world_size
         own = [] if local is None else [piece(t, s, k) for t in local.tensors]
         read = self._read_shards(
@@ -164,18 +145,10 @@ class Sharded(Manifests):
         finite = sum_into(sums, inputs, op)
         layout = [{"shape": [t.numel()], "dtype": "float32", "wire": "float32", "scale": None} for t in sums]
         meta = self._meta(
-            round_id,
-            -1,
-            exchange="sharded",
-            kind="reduced",
-            shard=s,
-            manifest=manifest.fingerprint,
-            op=op,
-            quantized=False,
-            layout=layout,
+            round_id, -1, exchange="sharded", quantized=False, kind="reduced", shard=s, layout=layout
         )
-        # published as it is: a sum beyond float32 (op="sum") is refused by every replica, its readers promptly
-        reduced = self._pack(meta, sums)
+        # published as it is: a sum beyond float32 (op="sum") is refused by every replica
+        reduced = self._pack({**meta, "manifest": manifest.fingerprint, "op": op}, sums)
         if self.put_if_absent(self.reduced_key(round_id, s), reduced, slot=f"reduced-{s}"):
             if not all(finite):
                 raise NonFiniteResultError(overflow_message(round_id, f"reduced shard {s}", op))
@@ -190,7 +163,7 @@ class Sharded(Manifests):
     def _read_shards(
         self, round_id: int, indexes: Mapping[int, Decoded], ranks: Sequence[int], s: int
     ) -> dict[int, list[torch.Tensor]]:
-        """Shard ``s`` of each of ``ranks`` (read at once on an object store), checked against its index."""
+        """Shard ``s`` of each of ``ranks``, checked against its index."""
         keys = [self.shard_key(round_id, r, s, str(indexes[r].meta["nonce"])) for r in ranks]
         out = {}
         for r, key, raw in zip(ranks, keys, self._read_many(keys, [f"shard-{r}" for r in ranks])):
@@ -219,15 +192,9 @@ class Sharded(Manifests):
             ) from exc
 
     def _await_reduced(
-        self,
-        round_id: int,
-        manifest: Manifest,
-        indexes: Mapping[int, Decoded],
-        s: int,
-        local: Decoded | None,
-        op: str,
-        deadline: float,
-    ) -> list[torch.Tensor]:
+        self, round_id: int, manifest: Manifest, s: int, op: str, deadline: float
+    ) -> list[torch.Tensor] | None:
+        """The stored reduced shard ``s``; None if its reducer wrote none by ``deadline``."""
         delay = self._first_poll_s
         while True:
             found = self._load_reduced(round_id, manifest, s, op)
@@ -243,6 +210,6 @@ class Sharded(Manifests):
                     self.timeout_s,
                     self.rank,
                 )
-                return self._reduce_shard(round_id, manifest, indexes, s, local, op)
+                return None
             self._pause(min(delay, self.poll_interval_s, max(0.0, deadline - time.monotonic())))
             delay *= 2
