@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from composer_monarch.forge_loss import ComposerLoss
 from composer_monarch.model import forward_logits, token_logprobs
+from composer_monarch.policy_copy import state_copy
 from composer_monarch.rollout import TrainBatch
 from composer_monarch.weights import (
     WeightLayout,
@@ -63,11 +64,9 @@ def collate(batch: TrainBatch, pad_id: int) -> tuple[Tensor, dict[str, Tensor]]:
     their prompt; prompts must share one length). Responses are right-padded to one width.
     """
     b, p = batch.prompt_ids.shape
-    responses = [batch.completion_ids]
-    masks = [batch.completion_mask.bool()]
-    prompts = [batch.prompt_ids]
-    pairs = batch.pairs
-    if pairs is not None and len(pairs):
+    responses, masks, prompts = [batch.completion_ids], [batch.completion_mask.bool()], [batch.prompt_ids]
+    pairs, n = batch.pairs, 0 if batch.pairs is None else len(batch.pairs)
+    if pairs is not None and n:
         if pairs.prompt_ids.shape[1] != p:
             raise ValueError(
                 f"pair prompts have length {pairs.prompt_ids.shape[1]}, sampled prompts {p}: the trainer "
@@ -86,29 +85,26 @@ def collate(batch: TrainBatch, pad_id: int) -> tuple[Tensor, dict[str, Tensor]]:
 
     response = torch.cat([widen(r, pad_id) for r in responses])
     mask = torch.cat([widen(m, False) for m in masks])
-    rows = response.shape[0]
     tokens = torch.cat([torch.cat(prompts), response], dim=1)
-    extra = rows - b
 
-    def rows_of(t: Tensor, fill: float) -> Tensor:
-        t = widen(t, fill)
-        return torch.cat([t, torch.full((extra, *t.shape[1:]), fill, dtype=t.dtype)]) if extra else t
+    def rows_of(t: Tensor) -> Tensor:  # the sampled rows' values, zeros on the 2n pair rows
+        t = t.float() if t.dim() == 1 else widen(t.float(), 0.0)
+        return torch.cat([t, t.new_zeros((2 * n, *t.shape[1:]))])
 
     targets: dict[str, Tensor] = {
         "response": response,
         "padding_mask": mask,
-        "advantages": torch.cat([batch.advantages.float(), torch.zeros(extra)]).unsqueeze(-1),
-        "old_logprobs": rows_of(batch.inference_logprobs.float(), 0.0),
-        "policy_rows": torch.arange(rows) < b,
+        "advantages": rows_of(batch.advantages).unsqueeze(-1),
+        "old_logprobs": rows_of(batch.inference_logprobs),
+        "policy_rows": torch.arange(b + 2 * n) < b,
     }
     if batch.teacher_logits is not None:
-        targets["teacher_logits"] = rows_of(batch.teacher_logits.float(), 0.0)
+        targets["teacher_logits"] = rows_of(batch.teacher_logits)
         distilled = targets["policy_rows"]
         if batch.sdpo_rows is not None:  # completions without a hint are not distilled
-            distilled = distilled & torch.cat([batch.sdpo_rows.bool(), torch.zeros(extra, dtype=torch.bool)])
+            distilled = rows_of(batch.sdpo_rows).bool()
         targets["sdpo_mask"] = mask & distilled.unsqueeze(-1)
-    if extra:
-        n = len(pairs) if pairs is not None else 0
+    if n:
         targets["chosen_rows"] = torch.arange(b, b + n)
         targets["rejected_rows"] = torch.arange(b + n, b + 2 * n)
     return tokens, targets
@@ -167,7 +163,7 @@ class PolicyTrainer:
 
     def weights(self) -> dict[str, Tensor]:
         """A detached copy of the policy's state dict."""
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        return state_copy(self.model)
 
     def state(self) -> dict[str, Any]:
         """Everything a step depends on: version, model, optimiser (a copy)."""
@@ -209,8 +205,7 @@ class TrainerActor(Actor):
         self._layout: WeightLayout | None = None
         self._flat: Tensor | None = None
         self._rdma: Any = None
-        self._shm: tuple[str, Tensor] | None = None
-        self._shm_mapped: set[str] = set()
+        self._shm_path = ""
 
     @endpoint
     def connect(self, peers: dict[str, Any], transport: str, timeout_s: float) -> str:
@@ -222,47 +217,33 @@ class TrainerActor(Actor):
         return self.transport
 
     def _packed(self) -> tuple[WeightLayout, Tensor]:
+        """The weights packed into the send buffer (made on the first push, then rewritten in place)."""
         state = self.trainer.model.state_dict()
         if self._layout is None:
             self._layout = layout_of(state)
-        if self.transport == "shm":
-            if self._shm is None:
-                self._shm = shared_buffer(self._layout.nbytes)
-            flat = self._shm[1]
-        else:
-            if self._flat is None:
+            if self.transport == "shm":
+                self._shm_path, self._flat = shared_buffer(self._layout.nbytes)
+            else:
                 self._flat = torch.empty(self._layout.nbytes, dtype=torch.uint8)
-            flat = self._flat
-        pack_into(state, self._layout, flat)
-        return self._layout, flat
+            if self.transport == "rdma":
+                import warnings
+
+                from monarch.rdma import RDMABuffer
+
+                with warnings.catch_warnings():  # the TCP transport warns once per process; we report it
+                    warnings.simplefilter("ignore")
+                    self._rdma = RDMABuffer(self._flat)
+        assert self._flat is not None
+        pack_into(state, self._layout, self._flat)
+        return self._layout, self._flat
 
     def _futures(self, version: int, layout: WeightLayout, flat: Tensor) -> list[Any]:
         peers = self.peers.values()
         if self.transport == "shm":
-            assert self._shm is not None
-            return [p.map_weights.call_one(version, layout, self._shm[0]) for p in peers]
+            return [p.map_weights.call_one(version, layout, self._shm_path) for p in peers]
         if self.transport == "rdma":
-            source = self._rdma_buffer(flat)
-            return [p.pull_weights.call_one(version, layout, source, self.timeout_s) for p in peers]
+            return [p.pull_weights.call_one(version, layout, self._rdma, self.timeout_s) for p in peers]
         return [p.load_weights.call_one(version, layout, flat) for p in peers]
-
-    def _unlink_shared(self) -> None:
-        """Every receiver has mapped the buffer: drop its name (the mappings stay valid)."""
-        if self._shm is not None and set(self.peers) <= self._shm_mapped:
-            path = self._shm[0]
-            if os.path.exists(path):
-                os.unlink(path)
-
-    def _rdma_buffer(self, flat: Tensor) -> Any:
-        if self._rdma is None:  # registered once; its bytes are rewritten in place every push
-            import warnings
-
-            from monarch.rdma import RDMABuffer
-
-            with warnings.catch_warnings():  # the TCP transport warns once per process; we report it
-                warnings.simplefilter("ignore")
-                self._rdma = RDMABuffer(flat)
-        return self._rdma
 
     @endpoint
     def push_weights(self) -> dict[str, Any]:
@@ -274,9 +255,10 @@ class TrainerActor(Actor):
         version = self.trainer.version
         futs = self._futures(version, layout, flat)
         received = [int(f.get(timeout=self.timeout_s)) for f in futs]
-        if self.transport == "shm":
-            self._shm_mapped |= set(self.peers)
-            self._unlink_shared()
+        if os.path.exists(
+            self._shm_path
+        ):  # every receiver has mapped it: drop its name (mappings stay valid)
+            os.unlink(self._shm_path)
         return {
             "version": version,
             "bytes": layout.nbytes,
