@@ -1,18 +1,11 @@
 """The driver: spawns the four actors on a proc mesh and runs the GRPO loop with composer's loss.
 
-One step k:  generator samples G completions for each prompt (weights v) → rewarder scores them →
-group advantages (composer_core.group_advantages) → teacher: hinted-context logits (channel 2) and
-replay pairs (channel 3) → trainer: one optimiser step on the 3-channel loss → weights v+1 go from
-trainer to generator and teacher.
-
-With ``overlap=True`` the rollout of step k+1 (generate, score, teacher) runs while the trainer
-trains on step k, on a different process, so it is sampled by the weights one step behind; the
-sampler's log-probabilities are the ``old_logprobs`` of the clipped ratio, which corrects for it
-(``composer/policy/staleness`` reports the lag). ``overlap=False`` is strictly on-policy.
-
-Local: ``this_host().spawn_procs(per_host={"procs": 2})``. Multi-host: pass ``host_mesh`` (e.g.
-``SlurmJob(...).state().hosts`` or ``ProcessJob({"hosts": 2}).state().hosts``) and place each role at
-``(host, proc)``; the loop code is the same.
+Step k: the generator samples G completions per prompt (weights v) → the rewarder scores them → group
+advantages → the teacher's hinted logits (channel 2) and replay pairs (channel 3) → one optimiser step
+of the trainer → weights v+1 go trainer → generator, teacher. With ``overlap=True`` the rollout of step
+k+1 runs while step k trains, sampled one version behind (the sampler's log-probs are ``old_logprobs``
+of the clipped ratio; ``composer/policy/staleness`` reports the lag). Multi-host: pass ``host_mesh``
+(e.g. ``SlurmJob(...).state().hosts``) and place each role at ``(host, proc)``.
 """
 
 from __future__ import annotations
@@ -81,9 +74,10 @@ class LoopConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"LoopConfig.{name}={getattr(self, name)}: must be ≥ 1")
         for name in ("call_timeout_s", "start_timeout_s", "stop_timeout_s"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"LoopConfig.{name}={value}: must be a positive number of seconds")
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(
+                    f"LoopConfig.{name}={getattr(self, name)}: must be a positive number of seconds"
+                )
         if self.weight_transport not in TRANSPORTS:
             raise ValueError(
                 f"LoopConfig.weight_transport={self.weight_transport!r}: use one of {list(TRANSPORTS)}"
@@ -92,10 +86,8 @@ class LoopConfig:
             raise ValueError(
                 f"LoopConfig.advantage_scale={self.advantage_scale!r}: use 'group', 'batch' or 'none'"
             )
-        if self.placement is not None:
-            unknown = sorted(set(self.placement) - set(ROLES))
-            if unknown:
-                raise ValueError(f"LoopConfig.placement: unknown role(s) {unknown}; roles are {list(ROLES)}")
+        if unknown := sorted(set(self.placement or ()) - set(ROLES)):
+            raise ValueError(f"LoopConfig.placement: unknown role(s) {unknown}; roles are {list(ROLES)}")
 
     def place(self, role: str) -> Placement:
         if self.placement is not None and role in self.placement:
@@ -251,12 +243,9 @@ class ComposerDriver:
         procs, self.procs = self.procs, None
         try:
             if procs is not None:
-                try:
-                    procs.stop("composer driver exit").get(timeout=self.loop.stop_timeout_s)
-                except Exception as e:  # a mesh with a dead process may not stop cleanly
-                    print(
-                        f"composer-monarch: stopping the proc mesh: {type(e).__name__}: {e}", file=sys.stderr
-                    )
+                procs.stop("composer driver exit").get(timeout=self.loop.stop_timeout_s)
+        except Exception as e:  # a mesh with a dead process may not stop cleanly
+            print(f"composer-monarch: stopping the proc mesh: {type(e).__name__}: {e}", file=sys.stderr)
         finally:
             self.actors = {}
             FAULTS.unregister(self._prefix)

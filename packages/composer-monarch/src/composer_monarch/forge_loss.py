@@ -186,22 +186,18 @@ class ComposerLoss:
         chosen, rejected = targets.get("chosen_rows"), targets.get("rejected_rows")
         if (chosen is None) != (rejected is None):
             raise ValueError("chosen_rows and rejected_rows come together (channel-3 pairs); got only one")
-        if chosen is not None and rejected is not None:
+        both = None
+        if chosen is not None and rejected is not None:  # equal lengths: compose_loss checks the pair sums
             chosen = chosen.to(device=device, dtype=torch.long).reshape(-1)
             rejected = rejected.to(device=device, dtype=torch.long).reshape(-1)
-            if chosen.shape != rejected.shape:
-                raise ValueError(
-                    f"chosen_rows has {chosen.numel()} entries, rejected_rows {rejected.numel()}: one each per pair"
-                )
             both = torch.cat([chosen, rejected])
             if both.numel() and (both.min() < 0 or both.max() >= rows):
                 raise ValueError(f"chosen_rows/rejected_rows index rows 0..{rows - 1}; got {both.tolist()}")
         policy_rows = targets.get("policy_rows")
         if policy_rows is None:
             policy_rows = torch.ones(rows, dtype=torch.bool, device=device)
-            if chosen is not None and rejected is not None:
-                policy_rows[chosen] = False
-                policy_rows[rejected] = False
+            if both is not None:
+                policy_rows[both] = False
         else:
             policy_rows = policy_rows.to(device=device, dtype=torch.bool).reshape(-1)
             if policy_rows.numel() != rows:

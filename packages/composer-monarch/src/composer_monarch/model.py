@@ -10,13 +10,9 @@ from torch import Tensor, nn
 
 @dataclass(frozen=True)
 class TinyQwen2:
-    """Picklable factory of a tiny ``Qwen2ForCausalLM`` (hidden 64, 2 layers by default).
-
-    Every actor builds its own copy from the factory; ``seed`` fixes the initial weights so the trainer,
-    generator and teacher start identical (the driver also pushes the trainer's weights before step 0).
-    The model is composer-core's tiny Qwen2 (:func:`composer_core.tasks.tiny.build_tiny_qwen2`, eager
-    attention), the one composer-trl's main job trains. Needs ``transformers``
-    (``pip install 'composer-monarch[hf]'``).
+    """Picklable factory of composer-core's tiny ``Qwen2ForCausalLM`` (:func:`composer_core.tasks.tiny.build_tiny_qwen2`,
+    eager attention; hidden 64, 2 layers by default). Every actor builds its own copy; ``seed`` fixes the initial
+    weights. Needs ``transformers`` (``pip install 'composer-monarch[hf]'``).
     """
 
     vocab_size: int

@@ -22,7 +22,15 @@ def state_copy(model: nn.Module) -> dict[str, Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-class PolicyCopyActor(Actor):
+class ProcessActor(Actor):
+    """An actor that reports its OS process id (``ComposerDriver.process_ids``)."""
+
+    @endpoint
+    def process_id(self) -> int:
+        return os.getpid()
+
+
+class PolicyCopyActor(ProcessActor):
     """An actor holding a frozen copy of the policy (``model``, at weight ``version``), loaded from the trainer.
 
     Subclasses call ``super().__init__(model_fn, who, num_threads)``.
@@ -78,7 +86,3 @@ class PolicyCopyActor(Actor):
     def weights(self) -> tuple[int, dict[str, Tensor]]:
         """(version, a copy of the state dict): for tests and checks, not for the loop."""
         return self.version, state_copy(self.model)
-
-    @endpoint
-    def process_id(self) -> int:
-        return os.getpid()

@@ -98,19 +98,15 @@ def sample(
     """
     if temperature <= 0:
         raise ValueError(f"temperature={temperature}: must be > 0 (greedy decoding is not sampling)")
-    b = prompt_ids.shape[0]
-    tokens = prompt_ids
-    done = torch.zeros(b, dtype=torch.bool)
+    tokens, done = prompt_ids, torch.zeros(prompt_ids.shape[0], dtype=torch.bool)
     ids, masks, logps = [], [], []
     for _ in range(max_new_tokens):
         logits = forward_logits(model, tokens)[:, -1].float() / temperature
-        probs = torch.softmax(logits, dim=-1)
-        nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze(-1)
         lp = token_logprobs(logits.unsqueeze(1), nxt.unsqueeze(1)).squeeze(1)
-        alive = ~done
-        ids.append(torch.where(alive, nxt, torch.full_like(nxt, pad_id)))
-        masks.append(alive)
-        logps.append(torch.where(alive, lp, torch.zeros_like(lp)))
+        ids.append(nxt.masked_fill(done, pad_id))
+        masks.append(~done)
+        logps.append(lp.masked_fill(done, 0.0))
         done = done | (nxt == eos_id)
         tokens = torch.cat([tokens, ids[-1].unsqueeze(1)], dim=1)
         if bool(done.all()):

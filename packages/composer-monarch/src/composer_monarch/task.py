@@ -1,11 +1,7 @@
 """The task interface the loop runs, and the digit-reversal task as integer tokens.
 
-A task turns a step number into prompts, scores completions, and writes the hinted context of the
-self-distillation teacher (channel 2: the same model, shown a hint about its own completion, is the
-teacher). Prompts are dense integer tensors of one length: the loop does not left-pad.
-
-:class:`ReverseDigits` runs composer-core's digit-reversal rules (:mod:`composer_core.tasks.digit_reversal`,
-the same reward and hint rules as composer-trl's main job) on the token ids of its character vocabulary.
+A task turns a step number into prompts (dense, one length: the loop does not left-pad), scores
+completions, and writes the hinted context of the self-distillation teacher (channel 2).
 """
 
 from __future__ import annotations
@@ -53,15 +49,10 @@ class Task(Protocol):
 class ReverseDigits:
     """Reverse ``length`` digits, then stop: ``"381>"`` → ``"183"`` + EOS, as token ids.
 
-    Ids are composer-core's character vocabulary (:data:`composer_core.tasks.digit_reversal.VOCAB`:
-    PAD=0, EOS=1, BOS=2, ``"0"``..``"9"`` = 3..12, ``">"`` = 13, ``"|"`` = 14, ``"."`` = 15), the ids
-    ``composer_core.tasks.tiny.build_char_tokenizer`` gives the same text. Digits are drawn from the first
-    ``n_digits`` of 0-9.
-
-    Reward and hint are composer-core's rules on the decoded text (the completion up to its EOS):
-    reward = fraction of positions right over ``max(len(completion), length)``; the hinted context is
-    the verifier's feedback (the expected digit at every wrong position, ``.`` elsewhere, then ``|``) in
-    front of the prompt, and a correct completion has no hint.
+    Ids are composer-core's character vocabulary (:data:`composer_core.tasks.digit_reversal.VOCAB`: PAD=0,
+    EOS=1, BOS=2, ``"0"``..``"9"`` = 3..12, ``">"`` = 13, ``"|"`` = 14, ``"."`` = 15); digits are drawn from
+    the first ``n_digits`` of 0-9. Reward and hint are composer-core's digit-reversal rules (those of
+    composer-trl's main job) on the decoded text; a correct completion has no hint.
     """
 
     n_digits: int = 10
@@ -139,21 +130,12 @@ class EnvBoundTask:
     """A :class:`Task` whose prompts, rewards and hints come from an environment (:mod:`composer_core.envs`).
 
     ``env`` is a :func:`composer_core.envs.load_env` spec (``"digit-reversal"``, ``"verifiers:<module>"``,
-    ``"openenv:<url>"``; ``env_kwargs`` go to its constructor). The environment's text is mapped to token ids by
-    ``codec`` (a :class:`ReverseDigits`: composer-core's character vocabulary), so every prompt, reply and
-    feedback of the environment must be written in that vocabulary, and all prompts must have one length (the
-    loop does not left-pad).
-
-    - **prompts**: ``n`` of the environment's first ``n_tasks`` train tasks, drawn reproducibly from ``step``;
-    - **reward** (the rewarder actor calls it, in its own process): one step of a fresh episode of the task whose
-      prompt this is (:class:`composer_core.envs.EnvScorer`): the step's reward; a multi-turn environment gives
-      its first step's (0 until it ends the episode);
-    - **hinted prompts** (the teacher's context): the same step's ``feedback`` in front of the prompt
-      (:func:`composer_core.tasks.digit_reversal.hint_template`); no feedback = no hint. Every hint of a batch
-      must have one length (rows without one get a filler of that length).
-
-    The environment is loaded lazily in each process that uses it (the object is pickled to the actors without
-    it).
+    ``"openenv:<url>"``; ``env_kwargs`` go to its constructor). Text is mapped to ids by ``codec`` (a
+    :class:`ReverseDigits`), so the environment must write in that vocabulary, with prompts of one length.
+    Prompts: ``n`` of the first ``n_tasks`` train tasks, drawn from ``step``. Reward: one step of a fresh
+    episode (:class:`composer_core.envs.EnvScorer`; a multi-turn environment gives its first step's). Hinted
+    prompt: that step's ``feedback`` in front of the prompt (no feedback = no hint; one hint length per batch).
+    The environment is loaded lazily in each process (it is not pickled).
     """
 
     def __init__(

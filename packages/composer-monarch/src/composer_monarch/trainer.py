@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 from composer_core.loss.metrics import ADAPTER_PREFIX
-from monarch.actor import Actor, endpoint
+from monarch.actor import endpoint
 from torch import Tensor, nn
 
 from composer_monarch.forge_loss import ComposerLoss
 from composer_monarch.model import forward_logits, token_logprobs
-from composer_monarch.policy_copy import state_copy
+from composer_monarch.policy_copy import ProcessActor, state_copy
 from composer_monarch.rollout import TrainBatch
 from composer_monarch.weights import (
     WeightLayout,
@@ -125,11 +125,10 @@ class PolicyTrainer:
         self.config = config
         self.loss = loss
         self.pad_id = pad_id
-        self.model = model_fn()
-        self.model.train()
-        self.reference: nn.Module | None = None
-        if loss.needs_reference:
-            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.model = model_fn().train()
+        self.reference = (
+            copy.deepcopy(self.model).eval().requires_grad_(False) if loss.needs_reference else None
+        )
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
         )
@@ -142,11 +141,9 @@ class PolicyTrainer:
         tokens, targets = collate(batch, self.pad_id)
         if self.reference is not None:
             with torch.no_grad():
-                s = targets["response"].shape[1]
-                ref_logits = forward_logits(self.reference, tokens)[:, -s - 1 : -1]
-                targets["ref_logprobs"] = token_logprobs(
-                    ref_logits, targets["response"], self.loss.temperature
-                )
+                response = targets["response"]
+                ref_logits = forward_logits(self.reference, tokens)[:, -response.shape[1] - 1 : -1]
+                targets["ref_logprobs"] = token_logprobs(ref_logits, response, self.loss.temperature)
         logits = forward_logits(self.model, tokens)
         loss = self.loss(logits, **targets)
         self.optimizer.zero_grad(set_to_none=True)
@@ -177,8 +174,7 @@ class PolicyTrainer:
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state` (e.g. to replay a step in-process, or resume)."""
-        missing = {"version", "model", "optimizer"} - set(state)
-        if missing:
+        if missing := {"version", "model", "optimizer"} - set(state):
             raise ValueError(
                 f"trainer state lacks {sorted(missing)}: pass what PolicyTrainer.state() returned"
             )
@@ -187,7 +183,7 @@ class PolicyTrainer:
         self.version = int(state["version"])
 
 
-class TrainerActor(Actor):
+class TrainerActor(ProcessActor):
     """A :class:`PolicyTrainer` on a Monarch proc mesh (TorchForge's ``TitanTrainer`` role).
 
     After :meth:`connect` it holds the generator and teacher actors: :meth:`push_weights` sends them the
@@ -205,7 +201,7 @@ class TrainerActor(Actor):
         self._layout: WeightLayout | None = None
         self._flat: Tensor | None = None
         self._rdma: Any = None
-        self._shm_path = ""
+        self._shm: tuple[str, Tensor] | None = None
 
     @endpoint
     def connect(self, peers: dict[str, Any], transport: str, timeout_s: float) -> str:
@@ -217,30 +213,33 @@ class TrainerActor(Actor):
         return self.transport
 
     def _packed(self) -> tuple[WeightLayout, Tensor]:
-        """The weights packed into the send buffer (made on the first push, then rewritten in place)."""
+        """The weights packed into the transport's send buffer (made at its first push, then rewritten in place)."""
         state = self.trainer.model.state_dict()
         if self._layout is None:
             self._layout = layout_of(state)
-            if self.transport == "shm":
-                self._shm_path, self._flat = shared_buffer(self._layout.nbytes)
-            else:
+        if self.transport == "shm":
+            self._shm = self._shm or shared_buffer(self._layout.nbytes)
+            flat = self._shm[1]
+        else:
+            if self._flat is None:
                 self._flat = torch.empty(self._layout.nbytes, dtype=torch.uint8)
-            if self.transport == "rdma":
-                import warnings
+            flat = self._flat
+        if self.transport == "rdma" and self._rdma is None:
+            import warnings
 
-                from monarch.rdma import RDMABuffer
+            from monarch.rdma import RDMABuffer
 
-                with warnings.catch_warnings():  # the TCP transport warns once per process; we report it
-                    warnings.simplefilter("ignore")
-                    self._rdma = RDMABuffer(self._flat)
-        assert self._flat is not None
-        pack_into(state, self._layout, self._flat)
-        return self._layout, self._flat
+            with warnings.catch_warnings():  # the TCP transport warns once per process; we report it
+                warnings.simplefilter("ignore")
+                self._rdma = RDMABuffer(flat)
+        pack_into(state, self._layout, flat)
+        return self._layout, flat
 
     def _futures(self, version: int, layout: WeightLayout, flat: Tensor) -> list[Any]:
         peers = self.peers.values()
         if self.transport == "shm":
-            return [p.map_weights.call_one(version, layout, self._shm_path) for p in peers]
+            assert self._shm is not None
+            return [p.map_weights.call_one(version, layout, self._shm[0]) for p in peers]
         if self.transport == "rdma":
             return [p.pull_weights.call_one(version, layout, self._rdma, self.timeout_s) for p in peers]
         return [p.load_weights.call_one(version, layout, flat) for p in peers]
@@ -255,10 +254,8 @@ class TrainerActor(Actor):
         version = self.trainer.version
         futs = self._futures(version, layout, flat)
         received = [int(f.get(timeout=self.timeout_s)) for f in futs]
-        if os.path.exists(
-            self._shm_path
-        ):  # every receiver has mapped it: drop its name (mappings stay valid)
-            os.unlink(self._shm_path)
+        if self.transport == "shm" and self._shm and os.path.exists(self._shm[0]):
+            os.unlink(self._shm[0])  # every receiver has mapped it: drop its name (the mappings stay valid)
         return {
             "version": version,
             "bytes": layout.nbytes,
@@ -297,7 +294,3 @@ class TrainerActor(Actor):
     @endpoint
     def load_state(self, state: dict[str, Any]) -> None:
         self.trainer.load_state(state)
-
-    @endpoint
-    def process_id(self) -> int:
-        return os.getpid()

@@ -122,7 +122,9 @@ def shared_buffer(nbytes: int) -> tuple[str, Tensor]:
 
 def resolve_transport(transport: str, same_host: bool = False) -> str:
     """'auto' → 'shm' when every receiver shares the trainer's host, else 'rdma' where Monarch has an RDMA
-    backend, else 'direct'; checks that 'shm' / 'rdma' are possible (the name is checked by LoopConfig)."""
+    backend, else 'direct'; checks the name (and that 'shm' / 'rdma' are possible)."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"weight_transport={transport!r}: use one of {list(TRANSPORTS)}")
     if transport == "shm" and not same_host:
         raise ValueError(
             "weight_transport='shm' needs every receiver on the trainer's host: use 'auto' or 'rdma'"
