@@ -1,10 +1,8 @@
 """SDPO's teacher context built from the group (successful siblings and/or feedback) for the driver.
 
-The driver's path from a rollout to the teacher's contexts: decode each row's prompt and completion with the
-task (``task.text``), ask composer-core's :func:`~composer_core.sdpo.context.build_teacher_contexts` for each
-row's context (one group = ``group_size`` contiguous rows), and encode every context with the task's vocabulary
-(``task.encode``, else composer-core's character vocabulary). Contexts differ in length (demonstrations do), so
-the teacher scores each row on its own context (``TeacherActor.context_logits``), no padding.
+Rows are decoded with ``task.text``, given composer-core's
+:func:`~composer_core.sdpo.context.build_teacher_contexts`, and encoded with ``task.encode`` (else
+composer-core's character vocabulary); contexts differ in length, so the teacher scores each on its own.
 """
 
 from __future__ import annotations

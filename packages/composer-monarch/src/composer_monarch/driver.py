@@ -1,18 +1,11 @@
 """The driver: spawns the four actors on a proc mesh and runs the GRPO loop with composer's loss.
 
-One step k:  generator samples G completions for each prompt (weights v) → rewarder scores them →
-group advantages (composer_core.group_advantages) → teacher: hinted-context logits (channel 2) and
-replay pairs (channel 3) → trainer: one optimiser step on the 3-channel loss → weights v+1 go from
-trainer to generator and teacher.
-
-With ``overlap=True`` the rollout of step k+1 (generate, score, teacher) runs while the trainer
-trains on step k, on a different process, so it is sampled by the weights one step behind; the
-sampler's log-probabilities are the ``old_logprobs`` of the clipped ratio, which corrects for it
-(``composer/policy/staleness`` reports the lag). ``overlap=False`` is strictly on-policy.
-
-Local: ``this_host().spawn_procs(per_host={"procs": 2})``. Multi-host: pass ``host_mesh`` (e.g.
-``SlurmJob(...).state().hosts`` or ``ProcessJob({"hosts": 2}).state().hosts``) and place each role at
-``(host, proc)``; the loop code is the same.
+Step k: the generator samples G completions per prompt (weights v) → the rewarder scores them → group
+advantages → the teacher's hinted logits (channel 2) and replay pairs (channel 3) → one optimiser step
+of the trainer → weights v+1 go trainer → generator, teacher. With ``overlap=True`` the rollout of step
+k+1 runs while step k trains, sampled one version behind (the sampler's log-probs are ``old_logprobs``
+of the clipped ratio; ``composer/policy/staleness`` reports the lag). Multi-host: pass ``host_mesh``
+(e.g. ``SlurmJob(...).state().hosts``) and place each role at ``(host, proc)``.
 """
 
 from __future__ import annotations
@@ -52,18 +45,14 @@ Placement = int | tuple[int, int]
 class LoopConfig:
     """Loop settings.
 
-    steps: optimiser steps. prompts_per_step × group_size completions per step. overlap: sample step
-    k+1 while training step k. procs: processes per host. placement: role → proc index (or
-    ``(host, proc)`` on a multi-host mesh); by default the trainer has proc 0 to itself and the
-    generator, rewarder and teacher share the last proc. call_timeout_s: every call to an actor must be
-    answered within it of being sent, once the loop runs (in overlap mode the train_step too, while the
-    next rollout runs); seed: sampling seed (step k samples with seed·1_000_003 + k);
-    num_threads: torch threads in each actor process (None: torch's default); weight_transport: how the
-    trainer sends weights to the generator and teacher, never through the driver: "rdma" (Monarch's
-    RDMABuffer; ibverbs or Monarch's TCP transport), "direct" (one packed buffer per message), "auto"
-    (rdma where Monarch has a backend); start_timeout_s bounds spawning (processes import torch and build the
-    models); stop_timeout_s bounds stopping the mesh. advantage_scale: "group" | "batch" | "none"
-    (composer_core.group_advantages).
+    steps: optimiser steps; prompts_per_step × group_size completions per step; overlap: sample step k+1
+    while training step k; procs: processes per host; placement: role → proc (or ``(host, proc)``), by
+    default the trainer alone on proc 0 and the other roles on the last proc. call_timeout_s: every actor
+    call must be answered within it of its send; start_timeout_s / stop_timeout_s bound spawning / stopping
+    the mesh. advantage_scale: "group" | "batch" | "none" (composer_core.group_advantages); seed: step k
+    samples with seed·1_000_003 + k; num_threads: torch threads per actor process (None: torch's default).
+    weight_transport: trainer → generator/teacher, never through the driver: "shm" (same host), "rdma"
+    (Monarch's RDMABuffer), "direct" (one packed message), "auto" (shm, else rdma, else direct).
     """
 
     steps: int = 3
@@ -85,9 +74,10 @@ class LoopConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"LoopConfig.{name}={getattr(self, name)}: must be ≥ 1")
         for name in ("call_timeout_s", "start_timeout_s", "stop_timeout_s"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"LoopConfig.{name}={value}: must be a positive number of seconds")
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(
+                    f"LoopConfig.{name}={getattr(self, name)}: must be a positive number of seconds"
+                )
         if self.weight_transport not in TRANSPORTS:
             raise ValueError(
                 f"LoopConfig.weight_transport={self.weight_transport!r}: use one of {list(TRANSPORTS)}"
@@ -96,26 +86,27 @@ class LoopConfig:
             raise ValueError(
                 f"LoopConfig.advantage_scale={self.advantage_scale!r}: use 'group', 'batch' or 'none'"
             )
-        if self.placement is not None:
-            unknown = sorted(set(self.placement) - set(ROLES))
-            if unknown:
-                raise ValueError(f"LoopConfig.placement: unknown role(s) {unknown}; roles are {list(ROLES)}")
+        if unknown := sorted(set(self.placement or ()) - set(ROLES)):
+            raise ValueError(f"LoopConfig.placement: unknown role(s) {unknown}; roles are {list(ROLES)}")
 
     def place(self, role: str) -> Placement:
         if self.placement is not None and role in self.placement:
             return self.placement[role]
         return 0 if role == "trainer" else self.procs - 1
 
+    def slot(self, role: str) -> tuple[int, int]:
+        """(host, proc) of ``role``."""
+        where = self.place(role)
+        return where if isinstance(where, tuple) else (0, where)
+
 
 @dataclass
 class StepResult:
     """What one step did: the trainer's metrics, the mean reward, the seconds the step took.
 
-    ``extra``: weights_version (after the push), pairs (channel-3 pairs in the batch), and the
-    step's phases in seconds: train_wait_s (send → train_step answered; with overlap this includes
-    the next rollout), push_s (weights trainer → generator, teacher, as the driver waits for it),
-    push_bytes and push_transport (the trainer's receipt), rollout_s (sequential only:
-    sampling, scoring and teacher calls of the next step).
+    ``extra``: weights_version (after the push), pairs (channel-3 pairs), push_bytes and push_transport
+    (the trainer's receipt), and the phases in seconds: train_wait_s (send → answer; with overlap it
+    includes the next rollout), push_s, rollout_s (sequential only: the next step's rollout).
     """
 
     step: int
@@ -160,10 +151,8 @@ class ComposerDriver:
         self.reward_weights = reward_weights
         self.replay = list(replay) if replay is not None else None
         self.host_mesh = host_mesh
-        alpha = float(loss.options.get("alpha_sdpo", 1.0))
-        beta = float(loss.options.get("beta_replay", 1.0))
-        self.use_teacher_logits = alpha != 0.0
-        self.use_pairs = beta != 0.0
+        self.use_teacher_logits = loss.config.alpha_sdpo != 0.0
+        self.use_pairs = loss.config.beta_replay != 0.0
         if not self.use_teacher_logits and (
             self.teacher_context.from_group or self.teacher_weights.sdpo_teacher != "live"
         ):
@@ -184,7 +173,6 @@ class ComposerDriver:
         self.transport = ""
         self.last_push: dict[str, Any] = {}
 
-    # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> ComposerDriver:
         self.start()
         return self
@@ -200,14 +188,9 @@ class ComposerDriver:
 
     def _colocated(self, role: str) -> tuple[str, ...]:
         """The roles placed on the same process as ``role`` (itself included), in ROLES order."""
-
-        def slot(r: str) -> tuple[int, int]:
-            where = self.loop.place(r)
-            return where if isinstance(where, tuple) else (0, where)
-
         if role not in ROLES:
             return (role,)
-        return tuple(r for r in ROLES if slot(r) == slot(role))
+        return tuple(r for r in ROLES if self.loop.slot(r) == self.loop.slot(role))
 
     def start(self) -> None:
         """Spawn the proc mesh and the actors, and wait until all of them are constructed."""
@@ -216,17 +199,13 @@ class ComposerDriver:
         FAULTS.register(self._prefix, self._on_fault)
         try:
             hosts = self.host_mesh if self.host_mesh is not None else this_host()
-            self.procs = hosts.spawn_procs(
-                per_host={"procs": self.loop.procs}, bootstrap=prepare_process, name="composer"
-            )
             t, lp = self.task, self.loop
+            self.procs = hosts.spawn_procs(
+                per_host={"procs": lp.procs}, bootstrap=prepare_process, name="composer"
+            )
+            # the sampler and the loss see the same distribution (temperature)
             sampling = SamplingConfig(
-                max_new_tokens=t.max_new_tokens,
-                eos_id=t.eos_id,
-                pad_id=t.pad_id,
-                temperature=self.loss.temperature,  # the sampler and the loss see the same distribution
-                seed=lp.seed,
-                num_threads=lp.num_threads,
+                t.max_new_tokens, t.eos_id, t.pad_id, self.loss.temperature, lp.seed, lp.num_threads
             )
             args: dict[str, tuple[type, tuple[Any, ...]]] = {
                 "trainer": (TrainerActor, (self.model_fn, self.loss, self.trainer_config, t.pad_id)),
@@ -240,14 +219,8 @@ class ComposerDriver:
             for role, (cls, a) in args.items():
                 self.actors[role] = self._slot(role).spawn(self._prefix + role, cls, *a)
             peers = {r: self.actors[r] for r in ("generator", "teacher")}
-            self.transport = self._call(
-                "trainer",
-                "connect",
-                peers,
-                lp.weight_transport,
-                lp.call_timeout_s,
-                timeout_s=lp.start_timeout_s,
-            )()
+            connect = (peers, lp.weight_transport, lp.call_timeout_s)
+            self.transport = self._call("trainer", "connect", *connect, timeout_s=lp.start_timeout_s)()
             self._push_weights(timeout_s=lp.start_timeout_s)
             self._call("rewarder", "process_id", timeout_s=lp.start_timeout_s)()
         except BaseException:
@@ -256,34 +229,27 @@ class ComposerDriver:
 
     def _slot(self, role: str) -> ProcMesh:
         assert self.procs is not None
-        where = self.loop.place(role)
-        host, proc = where if isinstance(where, tuple) else (0, where)
+        host, proc = self.loop.slot(role)
         if not 0 <= proc < self.loop.procs:
             raise ValueError(f"placement of {role}: proc {proc} is outside 0..{self.loop.procs - 1}")
-        labels = set(self.procs.extent.labels)
-        coords: dict[str, int] = {"procs": proc}
-        if "hosts" in labels:
-            coords["hosts"] = host
-        elif host != 0:
+        if "hosts" in self.procs.extent.labels:
+            return self.procs.slice(hosts=host, procs=proc)
+        if host != 0:
             raise ValueError(f"placement of {role}: host {host} given but the mesh has one host")
-        return self.procs.slice(**coords)
+        return self.procs.slice(procs=proc)
 
     def stop(self) -> None:
         """Stop the proc mesh (bounded by ``stop_timeout_s``); later reports about it are ignored."""
         procs, self.procs = self.procs, None
         try:
             if procs is not None:
-                try:
-                    procs.stop("composer driver exit").get(timeout=self.loop.stop_timeout_s)
-                except Exception as e:  # a mesh with a dead process may not stop cleanly
-                    print(
-                        f"composer-monarch: stopping the proc mesh: {type(e).__name__}: {e}", file=sys.stderr
-                    )
+                procs.stop("composer driver exit").get(timeout=self.loop.stop_timeout_s)
+        except Exception as e:  # a mesh with a dead process may not stop cleanly
+            print(f"composer-monarch: stopping the proc mesh: {type(e).__name__}: {e}", file=sys.stderr)
         finally:
             self.actors = {}
             FAULTS.unregister(self._prefix)
 
-    # ------------------------------------------------------------------ calls
     def _call(
         self, role: str, endpoint: str, *args: Any, timeout_s: float | None = None
     ) -> Callable[[], Any]:
@@ -300,12 +266,9 @@ class ComposerDriver:
             try:
                 return wait(call, failures=lambda: list(self._failures), others=lambda: list(self._in_flight))
             finally:
-                self._forget(call)
+                self._in_flight[:] = [c for c in self._in_flight if c is not call]
 
         return answer
-
-    def _forget(self, call: Call) -> None:
-        self._in_flight[:] = [c for c in self._in_flight if c is not call]
 
     @contextlib.contextmanager
     def _abandoned_on_error(self) -> Iterator[None]:
@@ -323,7 +286,6 @@ class ComposerDriver:
         self.last_push = dict(self._call("trainer", "push_weights", timeout_s=timeout_s)())
         return int(self.last_push["version"])
 
-    # ------------------------------------------------------------------ the loop
     def rollout(self, step: int) -> TrainBatch:
         """Sample, score and annotate the batch of ``step`` (generator → rewarder → teacher).
 
@@ -335,34 +297,31 @@ class ComposerDriver:
         with self._abandoned_on_error():
             ro: Rollout = self._call("generator", "generate", step, prompts, lp.group_size)()
             rewards: Tensor = self._call("rewarder", "score", ro)()
-            teacher_key: str | None = None
-            pending = None
-            sdpo_rows = None
-            if self.use_teacher_logits and self.teacher_context.from_group:
-                contexts, sdpo_rows = rollout_teacher_contexts(
-                    self.task, ro, rewards, self.teacher_context, seed=lp.seed * 1_000_003 + step
-                )
-                if bool(sdpo_rows.any()):  # no success/feedback in any group: channel 2 is skipped this step
-                    teacher_key = f"{step}-{uuid.uuid4().hex[:8]}"
-                    pending = self._call(
-                        "teacher", "context_logits", contexts, ro.completion_ids, teacher_key
+            key, sdpo_rows, pending = None, None, None
+            if self.use_teacher_logits:
+                ctx: Any
+                if self.teacher_context.from_group:
+                    endpoint, seed = "context_logits", lp.seed * 1_000_003 + step
+                    ctx, sdpo_rows = rollout_teacher_contexts(
+                        self.task, ro, rewards, self.teacher_context, seed
                     )
-            elif self.use_teacher_logits:
-                hinted, sdpo_rows = self.task.hinted_prompts(
-                    ro.prompt_ids, ro.completion_ids, ro.completion_mask
-                )
-                if bool(sdpo_rows.any()):  # no hinted completion: channel 2 is skipped this step
-                    teacher_key = f"{step}-{uuid.uuid4().hex[:8]}"  # the logits stay on the teacher
-                    pending = self._call("teacher", "hinted_logits", hinted, ro.completion_ids, teacher_key)
+                else:
+                    endpoint = "hinted_logits"
+                    ctx, sdpo_rows = self.task.hinted_prompts(
+                        ro.prompt_ids, ro.completion_ids, ro.completion_mask
+                    )
+                if bool(sdpo_rows.any()):  # else no row has a hint/context: channel 2 is skipped this step
+                    key = f"{step}-{uuid.uuid4().hex[:8]}"  # the logits stay on the teacher for the trainer
+                    pending = self._call("teacher", endpoint, ctx, ro.completion_ids, key)
             pairs = self._call("teacher", "preference_pairs", ro, rewards)() if self.use_pairs else None
             if pending is not None:
-                pending()  # their shape: the trainer takes the logits from the teacher
+                pending()
         return assemble_batch(
             ro,
             rewards,
             advantage_scale=lp.advantage_scale,
-            teacher_key=teacher_key,
-            sdpo_rows=sdpo_rows if teacher_key is not None else None,
+            teacher_key=key,
+            sdpo_rows=sdpo_rows if key is not None else None,
             pairs=pairs,
         )
 
@@ -392,11 +351,9 @@ class ComposerDriver:
         ``overlap`` overrides ``loop.overlap`` for this run. Steps are numbered from the trainer's
         current version, so a second ``run`` continues with fresh prompts.
         """
-        overrides: dict[str, Any] = {}
-        if steps is not None:
-            overrides["steps"] = steps
-        if overlap is not None:
-            overrides["overlap"] = overlap
+        overrides: dict[str, Any] = {
+            k: v for k, v in (("steps", steps), ("overlap", overlap)) if v is not None
+        }
         lp = replace(self.loop, **overrides)
         results: list[StepResult] = []
         bar = tqdm(total=lp.steps, desc="composer-monarch GRPO", disable=not progress, unit="step")
@@ -415,31 +372,21 @@ class ComposerDriver:
                     t2 = time.perf_counter()
                     if not lp.overlap and not last:
                         nxt = self.rollout(k + 1)
-                    timing = {
+                    extra = {
+                        "weights_version": version,
+                        "pairs": 0 if batch.pairs is None else len(batch.pairs),
                         "train_wait_s": t1 - t0,
                         "push_s": t2 - t1,
                         "push_bytes": self.last_push.get("bytes", 0),
                         "push_transport": self.last_push.get("transport", ""),
                         "rollout_s": time.perf_counter() - t2,
                     }
-                    results.append(
-                        StepResult(
-                            step=k,
-                            metrics=metrics,
-                            reward_mean=float(batch.rewards.mean()),
-                            seconds=time.perf_counter() - t0,
-                            sampled_by_version=batch.policy_version,
-                            extra={
-                                "weights_version": version,
-                                "pairs": 0 if batch.pairs is None else len(batch.pairs),
-                                **timing,
-                            },
-                        )
-                    )
+                    reward = float(batch.rewards.mean())
+                    seconds = time.perf_counter() - t0
+                    results.append(StepResult(k, metrics, reward, seconds, batch.policy_version, extra))
                     bar.update(1)
                     bar.set_postfix(
-                        reward=f"{results[-1].reward_mean:.3f}",
-                        loss=f"{metrics.get('composer/loss/total', 0):.4f}",
+                        reward=f"{reward:.3f}", loss=f"{metrics.get('composer/loss/total', 0):.4f}"
                     )
                     if nxt is not None:
                         batch = nxt

@@ -15,11 +15,9 @@ from monarch.actor import ActorError, Future
 class ActorCrashedError(RuntimeError):
     """An actor raised, or its process died, while the driver waited on an actor.
 
-    ``role`` is the role that failed: the actor that raised, or the role whose process died, which need
-    not be the one the driver was waiting on (``waiting_on``, ``endpoint``). When a dead process hosted
-    several roles (the placement puts them together), ``roles`` lists all of them and ``role`` is the
-    waited-on role if it is among them, else the first one Monarch reported. ``remote_exception`` is the
-    exception object from the actor's process when the actor raised.
+    ``role``: the role that failed (the waited-on role ``waiting_on`` if its process died, else the first
+    one Monarch reported); ``roles``: every role of the dead process; ``remote_exception``: the actor's
+    exception when it raised.
     """
 
     def __init__(
@@ -93,19 +91,6 @@ class Call:
         return True
 
 
-def _crashed(call: Call, seen: list[ProcessFailure]) -> ActorCrashedError:
-    own = [f for f in seen if call.role in f.roles]
-    failure = own[0] if own else seen[0]
-    role = call.role if own else failure.role
-    return ActorCrashedError(
-        role,
-        call.endpoint,
-        f"while waiting on it, {failure.detail}",
-        waiting_on=call.role,
-        roles=failure.roles,
-    )
-
-
 def wait(
     call: Call,
     *,
@@ -115,17 +100,20 @@ def wait(
 ) -> Any:
     """The answer to ``call``, polled in slices of ``poll_s`` seconds, bounded by its deadline.
 
-    Between slices it checks ``failures()`` — the mesh failures Monarch's supervision reported to the
-    driver (a process that died), reported as :class:`ActorCrashedError` naming the role that died —
-    and the deadlines of ``others()``, the driver's other calls in flight: in overlap mode the
-    ``train_step`` sent before the next rollout must answer within ``call_timeout_s`` of its send even
-    while the driver waits on the rollout. An exception raised inside the actor becomes
-    :class:`ActorCrashedError` with the remote exception attached.
+    Between slices it checks ``failures()`` (processes Monarch's supervision reported dead) and the
+    deadlines of ``others()``, the driver's other calls in flight (in overlap mode the ``train_step``
+    must answer in time while the driver waits on the next rollout). Failures and exceptions raised in
+    the actor become :class:`ActorCrashedError`; missed deadlines :class:`ActorTimeoutError`.
     """
     while not call.poll(min(poll_s, call.deadline - time.monotonic())):
-        seen = failures()
-        if seen:
-            raise _crashed(call, seen) from None
+        if seen := failures():
+            own = [f for f in seen if call.role in f.roles]
+            f = own[0] if own else seen[0]
+            detail = f"while waiting on it, {f.detail}"
+            role = call.role if own else f.role
+            raise ActorCrashedError(
+                role, call.endpoint, detail, waiting_on=call.role, roles=f.roles
+            ) from None
         now = time.monotonic()
         for other in others():
             if other is not call and now >= other.deadline and not other.poll(0.0):
@@ -143,14 +131,11 @@ def wait(
 
 
 class _FaultRouter:
-    """Monarch's ``unhandled_fault_hook`` while composer drivers exist in this process.
+    """Monarch's ``unhandled_fault_hook`` (whose default exits the client) while composer drivers exist.
 
-    Monarch calls the hook when a mesh fails and nobody handled it; its default exits the client
-    (``KeyboardInterrupt`` in the main thread). The router sends failures of a driver's actor meshes
-    (named ``composer_<token>_<role>``) to that driver, drops late reports about stopped drivers'
-    meshes and about proc meshes' internal ``logger``/``setup`` actors (they fail together with the
-    actors on the same process, which are reported by name), and passes everything else to the hook
-    that was installed before. It stays installed once set (late reports arrive after a mesh stops).
+    Failures of a driver's actor meshes (``composer_<token>_<role>``) go to that driver; late reports about
+    stopped drivers' meshes and proc meshes' internal ``logger``/``setup`` actors (they fail with the named
+    actors on their process) are dropped; anything else goes to the previous hook. Once set it stays.
     """
 
     def __init__(self) -> None:

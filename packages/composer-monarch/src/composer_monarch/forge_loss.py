@@ -27,6 +27,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from composer_core.loss.compose import ComposerBatch, compose_loss
+from composer_core.loss.config import DPO, PER_CALL, ComposeConfig
 from torch import Tensor
 
 from composer_monarch.model import token_logprobs, upcast
@@ -54,12 +56,6 @@ TARGETS: dict[str, str] = {
 FORGE_DEFAULTS: dict[str, Any] = {"loss_type": "grpo", "kl_beta": 0.1, "kl_estimator": "k3"}
 
 
-def _compose() -> Any:
-    from composer_core.loss.compose import ComposerBatch, compose_loss
-
-    return ComposerBatch, compose_loss
-
-
 class ComposerLoss:
     """TorchForge-compatible loss callable computing composer's 3-channel objective.
 
@@ -82,8 +78,6 @@ class ComposerLoss:
     def __init__(self, *, align: bool = True, temperature: float = 1.0, **options: Any) -> None:
         if not temperature > 0:
             raise ValueError(f"temperature={temperature}: must be > 0")
-        from composer_core.loss.config import PER_CALL, ComposeConfig
-
         self.align = align
         self.temperature = float(temperature)
         self.options = {**FORGE_DEFAULTS, **options}
@@ -106,8 +100,6 @@ class ComposerLoss:
     @property
     def needs_reference(self) -> bool:
         """True when the options use reference log-probs (KL penalty or DPO on replay pairs)."""
-        from composer_core.loss.config import DPO
-
         dpo = self.config.beta_replay != 0.0 and isinstance(self.config.replay, DPO)
         return self.config.policy.kl_beta != 0.0 or dpo
 
@@ -126,10 +118,8 @@ class ComposerLoss:
         fields = self._policy_fields(targets, logits, logprobs, mask, policy_rows.nonzero().squeeze(-1))
         if chosen is not None and rejected is not None:
             fields.update(_pair_fields(targets, logprobs, mask, chosen, rejected))
-        batch_cls, compose_loss = _compose()
-        result = compose_loss(batch_cls(**fields), self.config, **self.normalizers)
-        self.last_result = result
-        return result.total  # type: ignore[no-any-return]
+        self.last_result = compose_loss(ComposerBatch(**fields), self.config, **self.normalizers)
+        return self.last_result.total  # type: ignore[no-any-return]
 
     def _response_logits(self, logits: Tensor, response: Tensor) -> Tensor:
         """The logits that predict each response token ([rows, response_len, vocab], temperature applied, upcast
@@ -151,9 +141,7 @@ class ComposerLoss:
             logits = logits[:, -s - 1 : -1]
         elif logits.shape[1] != s:
             raise ValueError(f"align=False needs logits [{rows}, {s}, vocab]; got {tuple(logits.shape)}")
-        if self.temperature != 1.0:  # TorchForge's order: scale in the logits' dtype, then upcast
-            logits = logits / self.temperature
-        return upcast(logits)
+        return upcast(logits / self.temperature if self.temperature != 1.0 else logits)  # TorchForge's order
 
     def _policy_fields(
         self, targets: dict[str, Tensor], logits: Tensor, logprobs: Tensor, mask: Tensor, pick: Tensor
@@ -161,8 +149,7 @@ class ComposerLoss:
         """The batch fields of channels 1 and 2 on the sampled rows ``pick``."""
 
         def sel(name: str) -> Tensor | None:
-            t = targets.get(name)
-            return None if t is None else t[pick]
+            return None if targets.get(name) is None else targets[name][pick]
 
         adv = targets["advantages"][pick]
         if adv.dim() == 2 and adv.shape[1] == 1 and logprobs.shape[1] != 1:
@@ -177,14 +164,16 @@ class ComposerLoss:
             "inference_logprobs": sel("inference_logprobs"),
             "rollout_is_weights": sel("rollout_is_weights"),
         }
-        if targets.get("teacher_logits") is not None or targets.get("teacher_logprobs") is not None:
+        teacher = {
+            k: t[pick].detach()
+            for k in ("teacher_logits", "teacher_logprobs")
+            if (t := targets.get(k)) is not None
+        }
+        if teacher:
             sdpo_mask = targets.get("sdpo_mask")
-            fields["sdpo_mask"] = (mask if sdpo_mask is None else sdpo_mask.bool())[pick]
-            if targets.get("teacher_logits") is not None:
+            fields.update(teacher, sdpo_mask=(mask if sdpo_mask is None else sdpo_mask.bool())[pick])
+            if "teacher_logits" in teacher:
                 fields["student_logits"] = logits[pick]
-                fields["teacher_logits"] = targets["teacher_logits"][pick].detach()
-            if targets.get("teacher_logprobs") is not None:
-                fields["teacher_logprobs"] = targets["teacher_logprobs"][pick].detach()
         elif targets.get("sdpo_mask") is not None:
             raise ValueError("sdpo_mask was given without teacher_logits or teacher_logprobs (channel 2)")
         return fields
@@ -197,22 +186,18 @@ class ComposerLoss:
         chosen, rejected = targets.get("chosen_rows"), targets.get("rejected_rows")
         if (chosen is None) != (rejected is None):
             raise ValueError("chosen_rows and rejected_rows come together (channel-3 pairs); got only one")
-        if chosen is not None and rejected is not None:
+        both = None
+        if chosen is not None and rejected is not None:  # equal lengths: compose_loss checks the pair sums
             chosen = chosen.to(device=device, dtype=torch.long).reshape(-1)
             rejected = rejected.to(device=device, dtype=torch.long).reshape(-1)
-            if chosen.shape != rejected.shape:
-                raise ValueError(
-                    f"chosen_rows has {chosen.numel()} entries, rejected_rows {rejected.numel()}: one each per pair"
-                )
             both = torch.cat([chosen, rejected])
             if both.numel() and (both.min() < 0 or both.max() >= rows):
                 raise ValueError(f"chosen_rows/rejected_rows index rows 0..{rows - 1}; got {both.tolist()}")
         policy_rows = targets.get("policy_rows")
         if policy_rows is None:
             policy_rows = torch.ones(rows, dtype=torch.bool, device=device)
-            if chosen is not None and rejected is not None:
-                policy_rows[chosen] = False
-                policy_rows[rejected] = False
+            if both is not None:
+                policy_rows[both] = False
         else:
             policy_rows = policy_rows.to(device=device, dtype=torch.bool).reshape(-1)
             if policy_rows.numel() != rows:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,8 +27,6 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens}: must be ≥ 1")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature={self.temperature}: must be > 0")
 
 
 class GeneratorActor(PolicyCopyActor):
@@ -41,8 +38,6 @@ class GeneratorActor(PolicyCopyActor):
 
     @endpoint
     def generate(self, step: int, prompt_ids: Tensor, group_size: int) -> Rollout:
-        if group_size < 1:
-            raise ValueError(f"group_size={group_size}: must be ≥ 1")
         c = self.config
         prompts = prompt_ids.repeat_interleave(group_size, dim=0)
         g = torch.Generator().manual_seed(c.seed * 1_000_003 + step)
@@ -56,7 +51,3 @@ class GeneratorActor(PolicyCopyActor):
             generator=g,
         )
         return Rollout(step, prompts, ids, mask, logps, self.version, group_size)
-
-    @endpoint
-    def process_id(self) -> int:
-        return os.getpid()

@@ -10,13 +10,9 @@ from torch import Tensor, nn
 
 @dataclass(frozen=True)
 class TinyQwen2:
-    """Picklable factory of a tiny ``Qwen2ForCausalLM`` (hidden 64, 2 layers by default).
-
-    Every actor builds its own copy from the factory; ``seed`` fixes the initial weights so the trainer,
-    generator and teacher start identical (the driver also pushes the trainer's weights before step 0).
-    The model is composer-core's tiny Qwen2 (:func:`composer_core.tasks.tiny.build_tiny_qwen2`, eager
-    attention), the one composer-trl's main job trains. Needs ``transformers``
-    (``pip install 'composer-monarch[hf]'``).
+    """Picklable factory of composer-core's tiny ``Qwen2ForCausalLM`` (:func:`composer_core.tasks.tiny.build_tiny_qwen2`,
+    eager attention; hidden 64, 2 layers by default). Every actor builds its own copy; ``seed`` fixes the initial
+    weights. Needs ``transformers`` (``pip install 'composer-monarch[hf]'``).
     """
 
     vocab_size: int
@@ -40,19 +36,15 @@ class TinyQwen2:
             max_position_embeddings=self.max_positions,
             attn_implementation="eager",
         )
-        try:
-            model: nn.Module = build_tiny_qwen2(self.vocab_size, config, seed=self.seed)
-        except ImportError as e:  # pragma: no cover - exercised only without the extra
-            raise ImportError(
-                f"TinyQwen2 needs transformers: pip install 'composer-monarch[hf]' ({e})"
-            ) from e
+        model: nn.Module = build_tiny_qwen2(self.vocab_size, config, seed=self.seed)
         return model
 
 
 def forward_logits(model: nn.Module, tokens: Tensor) -> Tensor:
     """Logits [B, L, V] of a causal LM (a Hugging Face model or any module returning logits)."""
-    out = model(input_ids=tokens, use_cache=False) if _is_hf(model) else model(tokens)
-    logits = out.logits if hasattr(out, "logits") else out
+    hf = hasattr(model, "config") and hasattr(model, "get_input_embeddings")
+    out = model(input_ids=tokens, use_cache=False) if hf else model(tokens)
+    logits = getattr(out, "logits", out)
     if not isinstance(logits, Tensor) or logits.dim() != 3:
         raise ValueError(
             f"model returned {type(logits).__name__} of shape {getattr(logits, 'shape', None)}: "
@@ -62,14 +54,9 @@ def forward_logits(model: nn.Module, tokens: Tensor) -> Tensor:
 
 
 def completion_logits(model: nn.Module, prompt_ids: Tensor, completion_ids: Tensor) -> Tensor:
-    """Logits [B, T, V] at the positions that predict each completion token.
-
-    The model reads ``prompt ⊕ completion``; position P-1+t predicts completion token t. Padding after
-    a completion's end does not change earlier positions (causal attention).
-    """
-    tokens = torch.cat([prompt_ids, completion_ids], dim=1)
+    """Logits [B, T, V] at the positions that predict each completion token (position P-1+t predicts token t)."""
     p, t = prompt_ids.shape[1], completion_ids.shape[1]
-    return forward_logits(model, tokens)[:, p - 1 : p + t - 1]
+    return forward_logits(model, torch.cat([prompt_ids, completion_ids], dim=1))[:, p - 1 : p + t - 1]
 
 
 def upcast(x: Tensor) -> Tensor:
@@ -84,9 +71,4 @@ def token_logprobs(logits: Tensor, ids: Tensor, temperature: float = 1.0) -> Ten
     """
     if temperature != 1.0:
         logits = logits / temperature
-    logits = upcast(logits)
-    return torch.log_softmax(logits, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
-
-
-def _is_hf(model: nn.Module) -> bool:
-    return hasattr(model, "config") and hasattr(model, "get_input_embeddings")
+    return torch.log_softmax(upcast(logits), dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Sequence
 
 import torch
-from monarch.actor import Actor, endpoint
+from monarch.actor import endpoint
 from torch import Tensor
 
+from composer_monarch.policy_copy import ProcessActor
 from composer_monarch.rollout import Rollout
 
 RewardFn = Callable[[Tensor, Tensor], float]
@@ -31,7 +31,7 @@ def score(rollout: Rollout, reward_fns: Sequence[RewardFn], weights: Sequence[fl
     return out
 
 
-class RewarderActor(Actor):
+class RewarderActor(ProcessActor):
     """Scores rollouts with a weighted sum of reward functions ``fn(prompt [P], completion [t]) -> float``."""
 
     def __init__(self, reward_fns: Sequence[RewardFn], weights: Sequence[float] | None = None) -> None:
@@ -45,7 +45,3 @@ class RewarderActor(Actor):
     @endpoint
     def score(self, rollout: Rollout) -> Tensor:
         return score(rollout, self.reward_fns, self.weights)
-
-    @endpoint
-    def process_id(self) -> int:
-        return os.getpid()

@@ -96,23 +96,17 @@ def sample(
     Returns completion_ids [B, T] (``pad_id`` after EOS), completion_mask [B, T] (True up to and
     including EOS) and the log-probabilities of the sampled tokens [B, T] (0 where masked).
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens}: must be ≥ 1")
     if temperature <= 0:
         raise ValueError(f"temperature={temperature}: must be > 0 (greedy decoding is not sampling)")
-    b = prompt_ids.shape[0]
-    tokens = prompt_ids
-    done = torch.zeros(b, dtype=torch.bool)
+    tokens, done = prompt_ids, torch.zeros(prompt_ids.shape[0], dtype=torch.bool)
     ids, masks, logps = [], [], []
     for _ in range(max_new_tokens):
         logits = forward_logits(model, tokens)[:, -1].float() / temperature
-        probs = torch.softmax(logits, dim=-1)
-        nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze(-1)
         lp = token_logprobs(logits.unsqueeze(1), nxt.unsqueeze(1)).squeeze(1)
-        alive = ~done
-        ids.append(torch.where(alive, nxt, torch.full_like(nxt, pad_id)))
-        masks.append(alive)
-        logps.append(torch.where(alive, lp, torch.zeros_like(lp)))
+        ids.append(nxt.masked_fill(done, pad_id))
+        masks.append(~done)
+        logps.append(lp.masked_fill(done, 0.0))
         done = done | (nxt == eos_id)
         tokens = torch.cat([tokens, ids[-1].unsqueeze(1)], dim=1)
         if bool(done.all()):
@@ -121,9 +115,7 @@ def sample(
 
 
 def pad_right(rows: list[Tensor], pad_id: int) -> tuple[Tensor, Tensor]:
-    """Stack 1-D long tensors of varying length into [N, max_len] plus a bool mask."""
-    if not rows:
-        raise ValueError("pad_right needs at least one row")
+    """Stack 1-D long tensors of varying length (at least one) into [N, max_len] plus a bool mask."""
     width = max(1, max(len(r) for r in rows))
     out = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.bool)
@@ -138,7 +130,6 @@ def assemble_batch(
     rewards: Tensor,
     *,
     advantage_scale: str = "group",
-    teacher_logits: Tensor | None = None,
     pairs: PreferencePairs | None = None,
     sdpo_rows: Tensor | None = None,
     teacher_key: str | None = None,
@@ -155,10 +146,9 @@ def assemble_batch(
             f"rewards has shape {tuple(rewards.shape)}; expected one reward per completion "
             f"({rollout.prompt_ids.shape[0]},)"
         )
-    has_teacher = teacher_logits is not None or teacher_key is not None
-    if sdpo_rows is not None and (not has_teacher or sdpo_rows.shape != rewards.shape):
+    if sdpo_rows is not None and (teacher_key is None or sdpo_rows.shape != rewards.shape):
         raise ValueError(
-            f"sdpo_rows (shape {tuple(sdpo_rows.shape)}) needs teacher_logits and one flag per completion "
+            f"sdpo_rows (shape {tuple(sdpo_rows.shape)}) needs teacher_key and one flag per completion "
             f"({rewards.shape[0]},)"
         )
     adv = group_advantages(rewards, rollout.group_size, scale=advantage_scale)  # type: ignore[arg-type]
@@ -171,7 +161,6 @@ def assemble_batch(
         inference_logprobs=rollout.inference_logprobs,
         rewards=rewards,
         policy_version=rollout.policy_version,
-        teacher_logits=teacher_logits,
         pairs=pairs,
         sdpo_rows=None if sdpo_rows is None else sdpo_rows.bool(),
         teacher_key=teacher_key,

@@ -1,11 +1,7 @@
 """The task interface the loop runs, and the digit-reversal task as integer tokens.
 
-A task turns a step number into prompts, scores completions, and writes the hinted context of the
-self-distillation teacher (channel 2: the same model, shown a hint about its own completion, is the
-teacher). Prompts are dense integer tensors of one length: the loop does not left-pad.
-
-:class:`ReverseDigits` runs composer-core's digit-reversal rules (:mod:`composer_core.tasks.digit_reversal`,
-the same reward and hint rules as composer-trl's main job) on the token ids of its character vocabulary.
+A task turns a step number into prompts (dense, one length: the loop does not left-pad), scores
+completions, and writes the hinted context of the self-distillation teacher (channel 2).
 """
 
 from __future__ import annotations
@@ -16,7 +12,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 from composer_core.tasks import digit_reversal as rules
-from composer_core.tasks.tiny import BOS_ID, EOS_ID, PAD_ID
+from composer_core.tasks.tiny import EOS_ID, PAD_ID
 from torch import Tensor
 
 
@@ -53,24 +49,15 @@ class Task(Protocol):
 class ReverseDigits:
     """Reverse ``length`` digits, then stop: ``"381>"`` → ``"183"`` + EOS, as token ids.
 
-    Ids are composer-core's character vocabulary (:data:`composer_core.tasks.digit_reversal.VOCAB`:
-    PAD=0, EOS=1, BOS=2, ``"0"``..``"9"`` = 3..12, ``">"`` = 13, ``"|"`` = 14, ``"."`` = 15), the ids
-    ``composer_core.tasks.tiny.build_char_tokenizer`` gives the same text. Digits are drawn from the first
-    ``n_digits`` of 0-9.
-
-    Reward and hint are composer-core's rules on the decoded text (the completion up to its EOS):
-    reward = fraction of positions right over ``max(len(completion), length)``; the hinted context is
-    the verifier's feedback (the expected digit at every wrong position, ``.`` elsewhere, then ``|``) in
-    front of the prompt, and a correct completion has no hint.
+    Ids are composer-core's character vocabulary (:data:`composer_core.tasks.digit_reversal.VOCAB`: PAD=0,
+    EOS=1, BOS=2, ``"0"``..``"9"`` = 3..12, ``">"`` = 13, ``"|"`` = 14, ``"."`` = 15); digits are drawn from
+    the first ``n_digits`` of 0-9. Reward and hint are composer-core's digit-reversal rules (those of
+    composer-trl's main job) on the decoded text; a correct completion has no hint.
     """
 
     n_digits: int = 10
     length: int = 3
     seed: int = 0
-
-    PAD = PAD_ID
-    EOS = EOS_ID
-    BOS = BOS_ID
 
     def __post_init__(self) -> None:
         if not 2 <= self.n_digits <= 10:
@@ -84,11 +71,11 @@ class ReverseDigits:
 
     @property
     def pad_id(self) -> int:
-        return self.PAD
+        return PAD_ID
 
     @property
     def eos_id(self) -> int:
-        return self.EOS
+        return EOS_ID
 
     @property
     def max_new_tokens(self) -> int:
@@ -107,7 +94,7 @@ class ReverseDigits:
 
     def target(self, prompt: Tensor) -> Tensor:
         """The correct completion for one prompt: reversed digits then EOS."""
-        return torch.tensor([*rules.encode(rules.oracle_solve(self.text(prompt))), self.EOS])
+        return torch.tensor([*rules.encode(rules.oracle_solve(self.text(prompt))), EOS_ID])
 
     def hinted_prompts(
         self, prompts: Tensor, completions: Tensor, completion_mask: Tensor
@@ -126,34 +113,29 @@ def hinted_rows(
 ) -> tuple[Tensor, Tensor]:
     """The hinted contexts of (prompt text, answer text) pairs, encoded by ``encode``, and which rows have a hint:
     composer-core's feedback hint on a wrong answer; a right answer's row gets a filler context (not distilled)."""
-    rows, has_hint = [], []
-    for text, answer in pairs:
-        hint = rules.feedback_hint(text, answer)
-        has_hint.append(hint is not None)
-        filler = "." * length + "|"
-        rows.append(encode(rules.hint_template(text, filler if hint is None else hint)))
-    return torch.tensor(rows, dtype=torch.long), torch.tensor(has_hint, dtype=torch.bool)
+    hints = [rules.feedback_hint(text, answer) for text, answer in pairs]
+    return _hint_rows([text for text, _ in pairs], hints, "." * length + "|", encode)
+
+
+def _hint_rows(
+    texts: Sequence[str], hints: Sequence[str | None], filler: str, encode: Callable[[str], list[int]]
+) -> tuple[Tensor, Tensor]:
+    rows = [encode(rules.hint_template(t, filler if h is None else h)) for t, h in zip(texts, hints)]
+    return torch.tensor(rows, dtype=torch.long), torch.tensor(
+        [h is not None for h in hints], dtype=torch.bool
+    )
 
 
 class EnvBoundTask:
     """A :class:`Task` whose prompts, rewards and hints come from an environment (:mod:`composer_core.envs`).
 
     ``env`` is a :func:`composer_core.envs.load_env` spec (``"digit-reversal"``, ``"verifiers:<module>"``,
-    ``"openenv:<url>"``; ``env_kwargs`` go to its constructor). The environment's text is mapped to token ids by
-    ``codec`` (a :class:`ReverseDigits`: composer-core's character vocabulary), so every prompt, reply and
-    feedback of the environment must be written in that vocabulary, and all prompts must have one length (the
-    loop does not left-pad).
-
-    - **prompts**: ``n`` of the environment's first ``n_tasks`` train tasks, drawn reproducibly from ``step``;
-    - **reward** (the rewarder actor calls it, in its own process): one step of a fresh episode of the task whose
-      prompt this is (:class:`composer_core.envs.EnvScorer`): the step's reward; a multi-turn environment gives
-      its first step's (0 until it ends the episode);
-    - **hinted prompts** (the teacher's context): the same step's ``feedback`` in front of the prompt
-      (:func:`composer_core.tasks.digit_reversal.hint_template`); no feedback = no hint. Every hint of a batch
-      must have one length (rows without one get a filler of that length).
-
-    The environment is loaded lazily in each process that uses it (the object is pickled to the actors without
-    it).
+    ``"openenv:<url>"``; ``env_kwargs`` go to its constructor). Text is mapped to ids by ``codec`` (a
+    :class:`ReverseDigits`), so the environment must write in that vocabulary, with prompts of one length.
+    Prompts: ``n`` of the first ``n_tasks`` train tasks, drawn from ``step``. Reward: one step of a fresh
+    episode (:class:`composer_core.envs.EnvScorer`; a multi-turn environment gives its first step's). Hinted
+    prompt: that step's ``feedback`` in front of the prompt (no feedback = no hint; one hint length per batch).
+    The environment is loaded lazily in each process (it is not pickled).
     """
 
     def __init__(
@@ -172,15 +154,12 @@ class EnvBoundTask:
         self.env_kwargs, self.timeout_s = dict(env_kwargs or {}), timeout_s
         self._scorer: Any = None
         self._by_prompt: dict[str, str] = {}
-        self._prompts: list[str] = []
+        self._ids = torch.empty(0, dtype=torch.long)
         self._answer_len = 0
         self._load()
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_scorer": None}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
 
     def _load(self) -> Any:
         if self._scorer is None:
@@ -190,27 +169,27 @@ class EnvBoundTask:
             self._scorer = scorer_for(env, timeout_s=self.timeout_s)
             tasks = list(env.tasks("train", self.n_tasks))
             self._scorer.register(tasks)
-            self._prompts = [self._prompt_text(t) for t in tasks]
-            self._by_prompt = {p: t.task_id for p, t in zip(self._prompts, tasks)}
-            if len({len(p) for p in self._prompts}) != 1:
+            prompts = [self._prompt_text(t) for t in tasks]
+            self._by_prompt = {p: t.task_id for p, t in zip(prompts, tasks)}
+            if len({len(p) for p in prompts}) != 1:
                 raise ValueError(
                     f"env {self.spec!r}: prompts of different lengths; the loop does not left-pad"
                 )
-            for p in self._prompts:
-                rules.encode(p)  # every prompt is in the codec's vocabulary (raises naming the characters)
+            # every prompt is in the codec's vocabulary (encode raises naming the characters)
+            self._ids = torch.tensor([rules.encode(p) for p in prompts], dtype=torch.long)
             refs = [t.reference for t in tasks if t.reference is not None]
             self._answer_len = max((len(r) for r in refs), default=self.codec.length)
         return self._scorer
 
     def _prompt_text(self, task: Any) -> str:
-        prompt = task.prompt
-        if not isinstance(prompt, str):
-            if len(prompt) != 1 or prompt[0].role != "user":
-                raise ValueError(
-                    f"env {self.spec!r}: task {task.task_id!r} has a chat prompt; need one text prompt"
-                )
-            prompt = prompt[0].text
-        return str(prompt)
+        from composer_core.envs import prompt_messages
+
+        messages = prompt_messages(task)
+        if len(messages) != 1 or messages[0].role != "user":
+            raise ValueError(
+                f"env {self.spec!r}: task {task.task_id!r} has a chat prompt; need one text prompt"
+            )
+        return str(messages[0].text)
 
     @property
     def vocab_size(self) -> int:
@@ -230,8 +209,7 @@ class EnvBoundTask:
 
     def prompts(self, n: int, *, step: int) -> Tensor:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        picks = torch.randint(0, len(self._prompts), (n,), generator=g).tolist()
-        return torch.tensor([rules.encode(self._prompts[i]) for i in picks], dtype=torch.long)
+        return self._ids[torch.randint(0, len(self._ids), (n,), generator=g)]
 
     def step(self, prompt: Tensor, completion: Tensor) -> Any:
         """The environment's :class:`~composer_core.envs.StepResult` for one completion of one prompt."""
@@ -258,9 +236,4 @@ class EnvBoundTask:
                 f"env {self.spec!r}: feedback of lengths {sorted(lengths)} in one batch; need one"
             )
         width = lengths.pop() if lengths else self._answer_len + 1
-        filler = "." * (width - 1) + "|"
-        rows = [
-            rules.encode(rules.hint_template(t, filler if h is None else h)) for t, h in zip(texts, hints)
-        ]
-        has_hint = torch.tensor([h is not None for h in hints], dtype=torch.bool)
-        return torch.tensor(rows, dtype=torch.long), has_hint
+        return _hint_rows(texts, hints, "." * (width - 1) + "|", rules.encode)

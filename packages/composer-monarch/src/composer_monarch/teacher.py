@@ -11,7 +11,6 @@ such action becomes ``chosen`` and the student's completion ``rejected``.
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from monarch.actor import endpoint
 from torch import Tensor, nn
 
 from composer_monarch.model import completion_logits
-from composer_monarch.policy_copy import PolicyCopyActor
+from composer_monarch.policy_copy import PolicyCopyActor, state_copy
 from composer_monarch.rollout import PreferencePairs, Rollout, pad_right
 
 STASHED = 8
@@ -39,11 +38,15 @@ class ReplayRecord:
     source: str = "teacher"
 
 
+def _key(prompt_ids: Tensor) -> tuple[int, ...]:
+    return tuple(int(x) for x in prompt_ids.tolist())
+
+
 def index_replay(records: Sequence[ReplayRecord]) -> dict[tuple[int, ...], ReplayRecord]:
     """The best record per prompt (highest reward; the first one on ties)."""
     best: dict[tuple[int, ...], ReplayRecord] = {}
     for r in records:
-        key = tuple(int(x) for x in r.prompt_ids.tolist())
+        key = _key(r.prompt_ids)
         if key not in best or r.reward > best[key].reward:
             best[key] = r
     return best
@@ -52,25 +55,20 @@ def index_replay(records: Sequence[ReplayRecord]) -> dict[tuple[int, ...], Repla
 def preference_pairs(
     rollout: Rollout, rewards: Tensor, replay: dict[tuple[int, ...], ReplayRecord], pad_id: int
 ) -> PreferencePairs | None:
-    """Pairs (best replayed action ≻ student completion) wherever the replayed reward is higher.
-
-    Returns None when no sampled completion is beaten by a replayed action.
-    """
+    """Pairs (best replayed action ≻ student completion) wherever the replayed reward is higher; None if none."""
     prompts, chosen, rejected, sources = [], [], [], []
-    for i in range(rollout.prompt_ids.shape[0]):
-        rec = replay.get(tuple(int(x) for x in rollout.prompt_ids[i].tolist()))
+    for i, prompt in enumerate(rollout.prompt_ids):
+        rec = replay.get(_key(prompt))
         if rec is None or not rec.reward > float(rewards[i]):
             continue
-        prompts.append(rollout.prompt_ids[i])
+        prompts.append(prompt)
         chosen.append(rec.completion_ids.long())
         rejected.append(rollout.completion_ids[i][rollout.completion_mask[i].bool()])
         sources.append(rec.source)
     if not prompts:
         return None
-    chosen_ids, chosen_mask = pad_right(chosen, pad_id)
-    rejected_ids, rejected_mask = pad_right(rejected, pad_id)
     return PreferencePairs(
-        torch.stack(prompts), chosen_ids, chosen_mask, rejected_ids, rejected_mask, tuple(sources)
+        torch.stack(prompts), *pad_right(chosen, pad_id), *pad_right(rejected, pad_id), tuple(sources)
     )
 
 
@@ -95,8 +93,7 @@ class TeacherActor(PolicyCopyActor):
     def loaded(self, version: int) -> None:
         """The first load (the trainer's initial weights) makes the ema/base teacher; each later load whose
         version is a multiple of ``teacher_sync_steps`` moves the EMA teacher toward it (``ema_update_``)."""
-        kind = self.options.sdpo_teacher
-        if kind == "live":
+        if self.options.sdpo_teacher == "live":
             return
         if self.teacher is None:
             self.teacher = frozen_copy(self.model)
@@ -107,11 +104,16 @@ class TeacherActor(PolicyCopyActor):
     def scoring_model(self) -> nn.Module:
         return self.model if self.teacher is None else self.teacher
 
+    def _stash(self, key: str, logits: Tensor) -> tuple[int, ...]:
+        self.stash[key] = logits
+        while len(self.stash) > STASHED:
+            self.stash.popitem(last=False)
+        return tuple(logits.shape)
+
     @endpoint
     def teacher_weights(self) -> tuple[str, dict[str, Tensor]]:
         """(sdpo_teacher, a copy of the weights the teacher scores with): for tests and checks."""
-        state = self.scoring_model.state_dict()
-        return self.options.sdpo_teacher, {k: v.detach().clone() for k, v in state.items()}
+        return self.options.sdpo_teacher, state_copy(self.scoring_model)
 
     @endpoint
     def context_logits(self, contexts: list[Tensor], completion_ids: Tensor, key: str) -> tuple[int, ...]:
@@ -122,18 +124,11 @@ class TeacherActor(PolicyCopyActor):
                 f"{len(contexts)} teacher contexts for {completion_ids.shape[0]} completions: one per completion"
             )
         with torch.no_grad():
-            logits = torch.cat(
-                [
-                    completion_logits(
-                        self.scoring_model, c.long().view(1, -1), completion_ids[i : i + 1]
-                    ).float()
-                    for i, c in enumerate(contexts)
-                ]
-            )
-        self.stash[key] = logits
-        while len(self.stash) > STASHED:
-            self.stash.popitem(last=False)
-        return tuple(logits.shape)
+            rows = [
+                completion_logits(self.scoring_model, c.long().view(1, -1), completion_ids[i : i + 1])
+                for i, c in enumerate(contexts)
+            ]
+        return self._stash(key, torch.cat(rows).float())
 
     @endpoint
     def hinted_logits(
@@ -144,13 +139,14 @@ class TeacherActor(PolicyCopyActor):
         With ``key`` the logits stay here for the trainer to :meth:`take_logits` (the loop's path: they
         go teacher → trainer, not through the driver) and the answer is their shape.
         """
-        logits = self._hinted_logits(hinted_prompt_ids, completion_ids)
-        if key is None:
-            return logits
-        self.stash[key] = logits
-        while len(self.stash) > STASHED:
-            self.stash.popitem(last=False)
-        return tuple(logits.shape)
+        if hinted_prompt_ids.shape[0] != completion_ids.shape[0]:
+            raise ValueError(
+                f"hinted_prompt_ids has {hinted_prompt_ids.shape[0]} rows, completion_ids "
+                f"{completion_ids.shape[0]}: one hinted prompt per completion"
+            )
+        with torch.no_grad():
+            logits = completion_logits(self.scoring_model, hinted_prompt_ids, completion_ids).float()
+        return logits if key is None else self._stash(key, logits)
 
     @endpoint
     def take_logits(self, key: str) -> Tensor:
@@ -170,19 +166,6 @@ class TeacherActor(PolicyCopyActor):
             )
         return self.stash[key] if keep else self.stash.pop(key)
 
-    def _hinted_logits(self, hinted_prompt_ids: Tensor, completion_ids: Tensor) -> Tensor:
-        if hinted_prompt_ids.shape[0] != completion_ids.shape[0]:
-            raise ValueError(
-                f"hinted_prompt_ids has {hinted_prompt_ids.shape[0]} rows, completion_ids "
-                f"{completion_ids.shape[0]}: one hinted prompt per completion"
-            )
-        with torch.no_grad():
-            return completion_logits(self.scoring_model, hinted_prompt_ids, completion_ids).float()
-
     @endpoint
     def preference_pairs(self, rollout: Rollout, rewards: Tensor) -> PreferencePairs | None:
         return preference_pairs(rollout, rewards, self.replay, self.pad_id)
-
-    @endpoint
-    def process_id(self) -> int:
-        return os.getpid()

@@ -16,11 +16,12 @@ from typing import Any
 
 import torch
 from composer_core.loss.metrics import ADAPTER_PREFIX
-from monarch.actor import Actor, endpoint
+from monarch.actor import endpoint
 from torch import Tensor, nn
 
 from composer_monarch.forge_loss import ComposerLoss
 from composer_monarch.model import forward_logits, token_logprobs
+from composer_monarch.policy_copy import ProcessActor, state_copy
 from composer_monarch.rollout import TrainBatch
 from composer_monarch.weights import (
     WeightLayout,
@@ -63,11 +64,9 @@ def collate(batch: TrainBatch, pad_id: int) -> tuple[Tensor, dict[str, Tensor]]:
     their prompt; prompts must share one length). Responses are right-padded to one width.
     """
     b, p = batch.prompt_ids.shape
-    responses = [batch.completion_ids]
-    masks = [batch.completion_mask.bool()]
-    prompts = [batch.prompt_ids]
-    pairs = batch.pairs
-    if pairs is not None and len(pairs):
+    responses, masks, prompts = [batch.completion_ids], [batch.completion_mask.bool()], [batch.prompt_ids]
+    pairs, n = batch.pairs, 0 if batch.pairs is None else len(batch.pairs)
+    if pairs is not None and n:
         if pairs.prompt_ids.shape[1] != p:
             raise ValueError(
                 f"pair prompts have length {pairs.prompt_ids.shape[1]}, sampled prompts {p}: the trainer "
@@ -86,29 +85,26 @@ def collate(batch: TrainBatch, pad_id: int) -> tuple[Tensor, dict[str, Tensor]]:
 
     response = torch.cat([widen(r, pad_id) for r in responses])
     mask = torch.cat([widen(m, False) for m in masks])
-    rows = response.shape[0]
     tokens = torch.cat([torch.cat(prompts), response], dim=1)
-    extra = rows - b
 
-    def rows_of(t: Tensor, fill: float) -> Tensor:
-        t = widen(t, fill)
-        return torch.cat([t, torch.full((extra, *t.shape[1:]), fill, dtype=t.dtype)]) if extra else t
+    def rows_of(t: Tensor) -> Tensor:  # the sampled rows' values, zeros on the 2n pair rows
+        t = t.float() if t.dim() == 1 else widen(t.float(), 0.0)
+        return torch.cat([t, t.new_zeros((2 * n, *t.shape[1:]))])
 
     targets: dict[str, Tensor] = {
         "response": response,
         "padding_mask": mask,
-        "advantages": torch.cat([batch.advantages.float(), torch.zeros(extra)]).unsqueeze(-1),
-        "old_logprobs": rows_of(batch.inference_logprobs.float(), 0.0),
-        "policy_rows": torch.arange(rows) < b,
+        "advantages": rows_of(batch.advantages).unsqueeze(-1),
+        "old_logprobs": rows_of(batch.inference_logprobs),
+        "policy_rows": torch.arange(b + 2 * n) < b,
     }
     if batch.teacher_logits is not None:
-        targets["teacher_logits"] = rows_of(batch.teacher_logits.float(), 0.0)
+        targets["teacher_logits"] = rows_of(batch.teacher_logits)
         distilled = targets["policy_rows"]
         if batch.sdpo_rows is not None:  # completions without a hint are not distilled
-            distilled = distilled & torch.cat([batch.sdpo_rows.bool(), torch.zeros(extra, dtype=torch.bool)])
+            distilled = rows_of(batch.sdpo_rows).bool()
         targets["sdpo_mask"] = mask & distilled.unsqueeze(-1)
-    if extra:
-        n = len(pairs) if pairs is not None else 0
+    if n:
         targets["chosen_rows"] = torch.arange(b, b + n)
         targets["rejected_rows"] = torch.arange(b + n, b + 2 * n)
     return tokens, targets
@@ -129,11 +125,10 @@ class PolicyTrainer:
         self.config = config
         self.loss = loss
         self.pad_id = pad_id
-        self.model = model_fn()
-        self.model.train()
-        self.reference: nn.Module | None = None
-        if loss.needs_reference:
-            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.model = model_fn().train()
+        self.reference = (
+            copy.deepcopy(self.model).eval().requires_grad_(False) if loss.needs_reference else None
+        )
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
         )
@@ -146,11 +141,9 @@ class PolicyTrainer:
         tokens, targets = collate(batch, self.pad_id)
         if self.reference is not None:
             with torch.no_grad():
-                s = targets["response"].shape[1]
-                ref_logits = forward_logits(self.reference, tokens)[:, -s - 1 : -1]
-                targets["ref_logprobs"] = token_logprobs(
-                    ref_logits, targets["response"], self.loss.temperature
-                )
+                response = targets["response"]
+                ref_logits = forward_logits(self.reference, tokens)[:, -response.shape[1] - 1 : -1]
+                targets["ref_logprobs"] = token_logprobs(ref_logits, response, self.loss.temperature)
         logits = forward_logits(self.model, tokens)
         loss = self.loss(logits, **targets)
         self.optimizer.zero_grad(set_to_none=True)
@@ -167,7 +160,7 @@ class PolicyTrainer:
 
     def weights(self) -> dict[str, Tensor]:
         """A detached copy of the policy's state dict."""
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        return state_copy(self.model)
 
     def state(self) -> dict[str, Any]:
         """Everything a step depends on: version, model, optimiser (a copy)."""
@@ -181,8 +174,7 @@ class PolicyTrainer:
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state` (e.g. to replay a step in-process, or resume)."""
-        missing = {"version", "model", "optimizer"} - set(state)
-        if missing:
+        if missing := {"version", "model", "optimizer"} - set(state):
             raise ValueError(
                 f"trainer state lacks {sorted(missing)}: pass what PolicyTrainer.state() returned"
             )
@@ -191,7 +183,7 @@ class PolicyTrainer:
         self.version = int(state["version"])
 
 
-class TrainerActor(Actor):
+class TrainerActor(ProcessActor):
     """A :class:`PolicyTrainer` on a Monarch proc mesh (TorchForge's ``TitanTrainer`` role).
 
     After :meth:`connect` it holds the generator and teacher actors: :meth:`push_weights` sends them the
@@ -210,7 +202,6 @@ class TrainerActor(Actor):
         self._flat: Tensor | None = None
         self._rdma: Any = None
         self._shm: tuple[str, Tensor] | None = None
-        self._shm_mapped: set[str] = set()
 
     @endpoint
     def connect(self, peers: dict[str, Any], transport: str, timeout_s: float) -> str:
@@ -222,17 +213,25 @@ class TrainerActor(Actor):
         return self.transport
 
     def _packed(self) -> tuple[WeightLayout, Tensor]:
+        """The weights packed into the transport's send buffer (made at its first push, then rewritten in place)."""
         state = self.trainer.model.state_dict()
         if self._layout is None:
             self._layout = layout_of(state)
         if self.transport == "shm":
-            if self._shm is None:
-                self._shm = shared_buffer(self._layout.nbytes)
+            self._shm = self._shm or shared_buffer(self._layout.nbytes)
             flat = self._shm[1]
         else:
             if self._flat is None:
                 self._flat = torch.empty(self._layout.nbytes, dtype=torch.uint8)
             flat = self._flat
+        if self.transport == "rdma" and self._rdma is None:
+            import warnings
+
+            from monarch.rdma import RDMABuffer
+
+            with warnings.catch_warnings():  # the TCP transport warns once per process; we report it
+                warnings.simplefilter("ignore")
+                self._rdma = RDMABuffer(flat)
         pack_into(state, self._layout, flat)
         return self._layout, flat
 
@@ -242,27 +241,8 @@ class TrainerActor(Actor):
             assert self._shm is not None
             return [p.map_weights.call_one(version, layout, self._shm[0]) for p in peers]
         if self.transport == "rdma":
-            source = self._rdma_buffer(flat)
-            return [p.pull_weights.call_one(version, layout, source, self.timeout_s) for p in peers]
+            return [p.pull_weights.call_one(version, layout, self._rdma, self.timeout_s) for p in peers]
         return [p.load_weights.call_one(version, layout, flat) for p in peers]
-
-    def _unlink_shared(self) -> None:
-        """Every receiver has mapped the buffer: drop its name (the mappings stay valid)."""
-        if self._shm is not None and set(self.peers) <= self._shm_mapped:
-            path = self._shm[0]
-            if os.path.exists(path):
-                os.unlink(path)
-
-    def _rdma_buffer(self, flat: Tensor) -> Any:
-        if self._rdma is None:  # registered once; its bytes are rewritten in place every push
-            import warnings
-
-            from monarch.rdma import RDMABuffer
-
-            with warnings.catch_warnings():  # the TCP transport warns once per process; we report it
-                warnings.simplefilter("ignore")
-                self._rdma = RDMABuffer(flat)
-        return self._rdma
 
     @endpoint
     def push_weights(self) -> dict[str, Any]:
@@ -274,9 +254,8 @@ class TrainerActor(Actor):
         version = self.trainer.version
         futs = self._futures(version, layout, flat)
         received = [int(f.get(timeout=self.timeout_s)) for f in futs]
-        if self.transport == "shm":
-            self._shm_mapped |= set(self.peers)
-            self._unlink_shared()
+        if self.transport == "shm" and self._shm and os.path.exists(self._shm[0]):
+            os.unlink(self._shm[0])  # every receiver has mapped it: drop its name (the mappings stay valid)
         return {
             "version": version,
             "bytes": layout.nbytes,
@@ -315,7 +294,3 @@ class TrainerActor(Actor):
     @endpoint
     def load_state(self, state: dict[str, Any]) -> None:
         self.trainer.load_state(state)
-
-    @endpoint
-    def process_id(self) -> int:
-        return os.getpid()

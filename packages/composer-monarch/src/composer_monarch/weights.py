@@ -1,22 +1,10 @@
 """Weights as one packed byte buffer: the trainer → generator/teacher push, never through the driver.
 
-The trainer packs its state dict into one contiguous ``uint8`` buffer (every tensor at an 8-byte aligned
-offset, storage shared by tied weights stored once) and describes it with a :class:`WeightLayout`
-(name, dtype, shape, offset per tensor: a few KB). The generator and the teacher copy the bytes
-straight out of the trainer's buffer and into their own parameters:
-
-* ``"rdma"``: the trainer registers the buffer once as a Monarch :class:`monarch.rdma.RDMABuffer`;
-  each receiver ``read_into``-s its own receive buffer (ibverbs where the hardware has it, Monarch's TCP
-  transport otherwise, e.g. on CPU-only machines).
-* ``"shm"``: receivers on the trainer's host map the trainer's buffer, which lives in shared memory
-  (``/dev/shm``), and copy out of it: one copy on each side, no serialisation, no socket. The file is
-  unlinked once every receiver has mapped it, so nothing is left behind.
-* ``"direct"``: the trainer sends the packed buffer in one actor-to-actor message (one tensor, no
-  nested state dict) to each receiver; used where no RDMA backend exists.
-
-Either way the driver only sees the push's receipt (version, bytes, transport). Copies are bitwise
-(``Tensor.copy_`` between equal dtypes): after a push every receiver's weights equal the trainer's bit
-for bit, in every dtype the model mixes.
+The trainer packs its state dict into one ``uint8`` buffer (8-byte aligned offsets, tied weights once),
+described by a :class:`WeightLayout`; receivers copy the bytes into their own parameters, bitwise. Over
+``"rdma"`` each receiver reads the trainer's Monarch ``RDMABuffer`` (ibverbs, or Monarch's TCP transport);
+over ``"shm"`` receivers on the trainer's host map its ``/dev/shm`` buffer (unlinked once all have mapped
+it); ``"direct"`` sends the buffer in one actor-to-actor message. The driver only sees the receipt.
 """
 
 from __future__ import annotations
@@ -52,10 +40,6 @@ class WeightLayout:
 
     slots: tuple[Slot, ...]
     nbytes: int
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(s.name for s in self.slots)
 
 
 def layout_of(state: Mapping[str, Tensor]) -> WeightLayout:
@@ -98,8 +82,9 @@ def unpack_into(model: nn.Module, layout: WeightLayout, flat: Tensor, who: str) 
     Raises ValueError naming ``who`` when the layout does not fit the model (another model factory?).
     """
     state = model.state_dict()
-    if set(state) != set(layout.names):
-        missing, unexpected = sorted(set(state) - set(layout.names)), sorted(set(layout.names) - set(state))
+    names = {s.name for s in layout.slots}
+    if set(state) != names:
+        missing, unexpected = sorted(set(state) - names), sorted(names - set(state))
         raise ValueError(
             f"{who}: the weights do not fit its model (same model factory?): missing {missing[:5]}, "
             f"unexpected {unexpected[:5]}"
@@ -114,15 +99,6 @@ def unpack_into(model: nn.Module, layout: WeightLayout, flat: Tensor, who: str) 
     with torch.no_grad():
         for slot in layout.slots:
             state[slot.name].copy_(view(flat, slot))
-
-
-def rdma_backend() -> str:
-    """Monarch's RDMA backend here: 'ibverbs', 'tcp' or 'none' ('none' also when monarch lacks rdma)."""
-    try:
-        from monarch.rdma import get_rdma_backend
-    except ImportError:  # pragma: no cover - older torchmonarch
-        return "none"
-    return str(get_rdma_backend())
 
 
 def host_id() -> str:
@@ -146,7 +122,7 @@ def shared_buffer(nbytes: int) -> tuple[str, Tensor]:
 
 def resolve_transport(transport: str, same_host: bool = False) -> str:
     """'auto' → 'shm' when every receiver shares the trainer's host, else 'rdma' where Monarch has an RDMA
-    backend, else 'direct'; checks the name (and that 'shm' is possible)."""
+    backend, else 'direct'; checks the name (and that 'shm' / 'rdma' are possible)."""
     if transport not in TRANSPORTS:
         raise ValueError(f"weight_transport={transport!r}: use one of {list(TRANSPORTS)}")
     if transport == "shm" and not same_host:
@@ -157,7 +133,9 @@ def resolve_transport(transport: str, same_host: bool = False) -> str:
         return "shm"
     if transport in ("direct", "shm"):
         return transport
-    available = rdma_backend() != "none"
+    from monarch.rdma import get_rdma_backend
+
+    available = str(get_rdma_backend()) != "none"
     if transport == "rdma" and not available:
         raise ValueError(
             "weight_transport='rdma' but Monarch has no RDMA backend here: use 'auto' or 'direct', or "
@@ -175,14 +153,11 @@ class WeightReceiver:
         self._recv: Tensor | None = None
         self._shared: tuple[str, Tensor] | None = None  # the trainer's shared buffer, mapped
 
-    def _buffer(self, nbytes: int) -> Tensor:
-        if self._recv is None or self._recv.numel() != nbytes:
-            self._recv = torch.empty(nbytes, dtype=torch.uint8)
-        return self._recv
-
     def pull(self, layout: WeightLayout, source: object, timeout_s: float) -> int:
         """Read the trainer's :class:`RDMABuffer` ``source`` and load it; returns the bytes read."""
-        recv = self._buffer(layout.nbytes)
+        if self._recv is None or self._recv.numel() != layout.nbytes:
+            self._recv = torch.empty(layout.nbytes, dtype=torch.uint8)
+        recv = self._recv
         source.read_into(recv, timeout=max(1, int(timeout_s))).get()  # type: ignore[attr-defined]
         unpack_into(self.model, layout, recv, self.who)
         return layout.nbytes
@@ -206,19 +181,3 @@ class WeightReceiver:
             )
         unpack_into(self.model, layout, flat, self.who)
         return layout.nbytes
-
-
-__all__ = [
-    "TRANSPORTS",
-    "Slot",
-    "WeightLayout",
-    "WeightReceiver",
-    "host_id",
-    "layout_of",
-    "pack_into",
-    "rdma_backend",
-    "resolve_transport",
-    "shared_buffer",
-    "unpack_into",
-    "view",
-]
