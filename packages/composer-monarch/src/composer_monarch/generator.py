@@ -27,6 +27,8 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens}: must be ≥ 1")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature={self.temperature}: must be > 0 (greedy decoding is not sampling)")
 
 
 class GeneratorActor(PolicyCopyActor):
