@@ -1,31 +1,19 @@
 """Hinted teacher contexts and token-level SDPO masks (channel 2 data).
 
-SDPO (Hübotter et al., "Reinforcement Learning via Self-Distillation", arXiv 2601.20802)
-and Composer 2.5's targeted feedback use the *same* policy as teacher, re-prompted with a
-textual hint ``f`` about what went wrong::
+SDPO (Hübotter et al., "Reinforcement Learning via Self-Distillation", arXiv 2601.20802) uses the *same*
+policy as teacher, re-prompted with a textual hint ``f`` about what went wrong::
 
     L = Σ_t M_t · D( πθ(· | x, y<t) ‖ sg πθ(· | x, f, y<t) )
 
-Here ``x`` is the student's context up to the faulty turn (:class:`ErrorSite.action_turn`),
-``y`` the student's action at that turn, and the teacher context is ``x`` with one hint
-message inserted right before the action (:func:`build_hinted_context`). ``M`` is the
-SDPO mask over the tokens of ``y`` (:func:`tokenize_hinted`).
+``x`` is the student's context up to the faulty turn, ``y`` the student's action there; the teacher
+context is ``x`` with one hint message inserted right before the action (:func:`build_hinted_context`),
+and ``M`` is the SDPO mask over the tokens of ``y`` (:func:`tokenize_hinted`). Hint sources are any
+``Callable[[Episode, ErrorSite], str]``: :func:`error_text_hint`, :class:`TemplateHint`,
+:class:`TeacherHint`. Host producers import a user's hint function with :func:`load_hint_fn` and ask it
+per row with :func:`hint_jobs`.
 
-Hint sources (any ``Callable[[Episode, ErrorSite], str]``): :func:`error_text_hint` (the
-tool's own error output), :class:`TemplateHint` (a ``str.format`` template), and
-:class:`TeacherHint` (a teacher model asked through :mod:`composer_core.traces.replay`).
-
-Host producers (composer-verl's ``composer_sync`` producers, composer-prime-rl's ``composer_sdpo``
-algorithm) ask a user's hint function per sampled row and re-score the hinted rows with the live policy:
-:func:`load_hint_fn` imports the function from its config string, :func:`hint_jobs` asks it for every row
-and returns the rows that got a hint (:class:`HintJob`), which the host then scores its own way.
-
-Tokenisation follows TRL: the prompt and the completion are tokenised separately and
-concatenated (``prompt_ids + completion_ids``); the completion token ids are identical in
-the student and teacher sequences by construction, so the mask lines up with both.
-With a chat template the completion text is the template's rendering of the full
-conversation minus its rendering of the prompt with ``add_generation_prompt=True``;
-without one, :func:`render_plain` is used.
+Tokenisation follows TRL: prompt and completion are tokenised separately and concatenated, so the
+completion ids are identical in the student and teacher sequences and the mask lines up with both.
 """
 
 from __future__ import annotations
@@ -64,10 +52,7 @@ T = TypeVar("T")
 
 
 def load_hint_fn(path: str, *, option: str) -> Callable[..., Any]:
-    """Import ``package.module:function`` (or ``package.module.function``).
-
-    ``option`` names the config key the path came from (``composer.hint_fn``); every error says it.
-    """
+    """Import ``package.module:function`` (or ``package.module.function``); errors name ``option``."""
     module_name, sep, attr = path.partition(":")
     if not sep:
         module_name, _, attr = path.rpartition(".")
@@ -176,13 +161,8 @@ class TemplateHint:
 
 
 class TeacherHint:
-    """Hint written by a teacher model (any OpenAI-compatible endpoint, via a Replayer).
-
-    The teacher sees the episode up to and including the failed tool result and is asked
-    (``instruction``) for a short hint. Answers are cached like every replay request; a
-    teacher that finally fails raises ``RuntimeError`` with the recorded reason (never an
-    empty hint).
-    """
+    """Hint written by a teacher model (via a Replayer, cached) that sees the episode up to the failed tool
+    result plus ``instruction``; a teacher that finally fails raises ``RuntimeError`` with the reason."""
 
     DEFAULT_INSTRUCTION = (
         "The last tool call failed. In at most three sentences, write a hint for the agent that "
@@ -231,11 +211,7 @@ def build_hinted_context(
     *,
     role: Literal["user", "system"] = "user",
 ) -> HintedContext:
-    """Teacher context = the student's context with the hint inserted at the faulty turn.
-
-    The hint becomes one ``role`` message placed immediately before the faulty assistant
-    message ``episode.messages[site.action_turn]``; the student's context is unchanged.
-    """
+    """Teacher context = the student's context plus one ``role`` hint message right before the faulty action."""
     if role not in ("user", "system"):
         raise ValueError(f"role must be 'user' or 'system', got {role!r}")
     if site.episode_id != episode.id:
@@ -249,12 +225,10 @@ def build_hinted_context(
     if not isinstance(hint, str) or not hint.strip():
         raise ValueError(f"hint source returned an empty hint for {episode.id}@{site.action_turn}")
     prompt = episode.messages[: site.action_turn]
-    k = len(prompt)
-    teacher = (*prompt[:k], Message(role, hint), *prompt[k:])
-    return HintedContext(episode.id, site.action_turn, prompt, action, teacher, hint, k, episode.tools)
-
-
-# --- rendering and tokenisation ------------------------------------------------------------
+    teacher = (*prompt, Message(role, hint))
+    return HintedContext(
+        episode.id, site.action_turn, prompt, action, teacher, hint, len(prompt), episode.tools
+    )
 
 
 def render_plain(messages: Sequence[Message], *, add_generation_prompt: bool = False) -> str:
@@ -299,7 +273,7 @@ def _render_template(
 
 
 def _encode(tokenizer: Any, text: str, special: bool) -> tuple[list[int], list[tuple[int, int]]]:
-    """Token ids and character offsets of ``text`` (fast tokenizers give offsets directly)."""
+    """Token ids and character offsets of ``text``."""
     try:
         enc = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
         ids = list(enc["input_ids"])

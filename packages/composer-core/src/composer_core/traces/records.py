@@ -30,13 +30,8 @@ ref_chosen_logp        float | null                     optional summed referenc
 ref_rejected_logp      float | null                     optional summed reference log-prob of rejected
 =====================  ===============================  ==========================================
 
-A record carries channel 2 (``teacher_prompt`` + ``hint``), channel 3 (``chosen`` +
-``rejected``) or both. :func:`read_records` validates every row: messages parse, the
-completion is one assistant message, ``sdpo_mask`` is 0/1 with ``len == len(completion_ids)``
-and at least one 1, ``teacher_prompt`` equals ``prompt`` with exactly the hint message
-inserted at ``hint_index``, ``chosen`` != ``rejected``, reference log-probs finite and
-given in pairs. Parquet (``parquet`` extra, pyarrow) stores message columns and ``tools`` as JSON text
-(tool-call structures are ragged) and everything else natively.
+A record carries channel 2, channel 3 or both; :func:`validate_record` checks every row read or written.
+Parquet (``parquet`` extra) stores message columns and ``tools`` as JSON text, everything else natively.
 """
 
 from __future__ import annotations
@@ -49,7 +44,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .schema import Message, message_from_dict
+from .schema import Message, _json_lines, message_from_dict
 
 __all__ = [
     "MESSAGE_COLUMNS",
@@ -142,7 +137,6 @@ def validate_record(row: Mapping[str, Any], where: str = "record") -> TraceRecor
 
 
 def _check_base(row: Mapping[str, Any], where: str) -> tuple[list[Message], Message]:
-    """Known columns, the required ones, the turn, tools; returns (prompt, completion)."""
     unknown = set(row) - _FIELDS
     if unknown:
         raise ValueError(f"{where}: unknown columns {sorted(unknown)}")
@@ -259,17 +253,10 @@ def read_records(path: str | Path) -> list[TraceRecord]:
                         raise ValueError(f"{p} row {i}: column {k} is not JSON ({e.msg})") from e
             rows.append((f"{p} row {i}", dec))
     else:
-        with p.open(encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{p}:{n}: not valid JSON ({e.msg})") from e
-                if not isinstance(obj, dict):
-                    raise ValueError(f"{p}:{n}: each line must be a JSON object")
-                rows.append((f"{p}:{n}", obj))
+        for n, obj in _json_lines(p):
+            if not isinstance(obj, dict):
+                raise ValueError(f"{p}:{n}: each line must be a JSON object")
+            rows.append((f"{p}:{n}", obj))
     out = [validate_record(r, where) for where, r in rows]
     ids = [r.id for r in out]
     if len(set(ids)) != len(ids):

@@ -1,43 +1,27 @@
 """N-teacher replay: ask OpenAI-compatible chat-completions endpoints for the next action.
 
-For each student state (the messages before one of the student's assistant turns) every
-configured teacher is asked ``POST {base_url}/chat/completions``. Any OpenAI-compatible
-server works: a hosted router, vLLM, SGLang, a local server.
+Every configured teacher is asked ``POST {base_url}/chat/completions`` at each student state (the
+messages before one of the student's assistant turns). Guarantees:
 
-Guarantees:
-
-- **Bounded concurrency**: at most ``max_concurrency`` requests in flight overall and
-  ``TeacherConfig.max_concurrency`` per teacher.
-- **Retries**: 408/409/429, 5xx, timeouts, connection errors, malformed JSON and responses
-  without a well-typed ``choices[0].message`` are retried up to ``max_retries`` times with exponential
-  backoff and jitter: sleep ~ U(d/2, d), ``d = min(backoff_max_s, backoff_base_s·2^attempt)``;
-  a ``Retry-After`` header (seconds) is honoured up to ``backoff_max_s``. Other 4xx are not
-  retried. Every request has a timeout (``timeout_s``).
-- **Failures are recorded, never dropped**: a request that finally fails yields a
-  :class:`ReplayResult` with ``failure`` set to the reason. A malformed part of one response
-  (wrong types anywhere, a non-object body, no choices) fails that request only, never the run.
-- **Bounded responses**: bodies are read streamed and refused past ``max_response_bytes``
-  (default :data:`DEFAULT_MAX_RESPONSE_BYTES` = 8 MiB; a declared ``Content-Length`` above it is
-  refused before reading): an oversize answer is a recorded, non-retried failure.
-- **Cache**: every answer is written (atomically) to ``cache_dir`` as soon as it arrives,
-  keyed by SHA-256 over (teacher name, model, state hash, sampling parameters); a rerun —
-  also after a crash or ``kill -9`` — reads it and never pays for it again. Identical
-  requests within one run are sent once. Requests that got no answer are not cached (a
-  rerun retries them); an answer that arrived but is unusable (e.g. empty) is cached and
-  reported as a failure.
-- **Accounting** per teacher (:class:`TeacherStats`): HTTP requests, cache hits, retries,
-  failures, prompt/completion tokens (from ``usage``) and cost from the configured prices.
-  A ``usage`` count that is missing, non-numeric, negative, non-finite or absurd (>= 1e15) is
-  *unknown*: the result carries None, ``usage_unknown`` counts the answer, and the totals
-  (tokens, cost) cover the known counts only (a lower bound when ``usage_unknown > 0``).
-- **Keys**: read from the environment variable named by ``api_key_env`` at request time;
-  never stored in configs, caches, results, logs or errors (``teachers.toml`` refuses an
-  ``api_key`` entry). Everything taken from a response (error bodies, answers) is redacted
-  *before* it is cut: every run of >= 8 characters of the key, its URL-encoded and JSON forms
-  and its base64 forms at any alignment (e.g. an echoed ``Authorization: Basic``/``Bearer``
-  header) becomes ``***``.
-- **Cache paths** never leave ``cache_dir`` (teacher names such as ``..`` or ``a/b`` map to a
-  sanitised directory); temporary files orphaned by a killed run are removed by the next one.
+- **Bounded concurrency**: ``max_concurrency`` requests in flight overall, ``TeacherConfig.max_concurrency``
+  per teacher; every request has a deadline (``timeout_s``).
+- **Retries**: 408/409/429, 5xx, timeouts, connection errors, malformed JSON and responses without a
+  well-typed ``choices[0].message`` are retried up to ``max_retries`` times, sleeping U(d/2, d) with
+  ``d = min(backoff_max_s, backoff_base_s·2^attempt)`` (at least ``Retry-After``, capped by
+  ``backoff_max_s``). Other 4xx are not retried.
+- **Failures are recorded, never dropped**: a request that finally fails yields a :class:`ReplayResult`
+  with ``failure`` set; a malformed response fails that request only, never the run. Bodies past
+  ``max_response_bytes`` (default 8 MiB, also a declared ``Content-Length``) are a non-retried failure.
+- **Cache**: every answer is written atomically to ``cache_dir`` as it arrives, keyed by SHA-256 over
+  (teacher name, model, state hash, sampling parameters), so a rerun (also after ``kill -9``) never pays
+  for it again; identical requests within one run are sent once. Unanswered requests are not cached; an
+  unusable answer is cached and reported as a failure. Cache paths never leave ``cache_dir``.
+- **Accounting** per teacher (:class:`TeacherStats`): requests, cache hits, retries, failures, tokens
+  (from ``usage``) and cost. A missing, non-numeric, negative, non-finite or absurd (>= 1e15) count is
+  *unknown*: None on the result, counted in ``usage_unknown``, left out of the totals.
+- **Keys** come from the variable named by ``api_key_env`` at request time and are never stored
+  (``teachers.toml`` refuses ``api_key``). Everything taken from a response is redacted *before* it is
+  cut: every run of >= 8 characters of the key, its URL-encoded, JSON and base64 forms becomes ``***``.
 
 Requires the ``replay`` extra (``pip install 'composer-core[replay]'``, httpx).
 """
@@ -58,7 +42,6 @@ import random
 import re
 import signal
 import tempfile
-import time
 import tomllib
 import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -197,6 +180,13 @@ def _count(value: Any) -> int | None:
     if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
         return None
     return int(value) if 0 <= value < _MAX_COUNT else None
+
+
+def _usage(data: Mapping[str, Any]) -> tuple[int | None, int | None]:
+    """(prompt, completion) token counts of a response's or cache entry's ``usage``."""
+    usage = data.get("usage")
+    usage = usage if isinstance(usage, dict) else {}
+    return _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
 
 
 def _httpx() -> Any:
@@ -392,20 +382,14 @@ class ReplayCache:
         self.root.mkdir(parents=True, exist_ok=True)
         self.orphans_removed = self._remove_orphans()
 
-    def _remove_orphans(self, legacy_age_s: float = 600.0) -> int:
-        """Delete temporary files whose writer is gone (dead pid, or unnamed and older than 10 min)."""
+    def _remove_orphans(self) -> int:
+        """Delete temporary files whose writer (the pid in their name) is gone."""
         removed = 0
         for tmp in self.root.rglob(".tmp-*"):
             m = re.match(r"\.tmp-(\d+)-", tmp.name)
-            try:
-                if m is not None and _pid_alive(int(m.group(1))):  # a live writer (maybe this process)
-                    continue
-                if m is None and time.time() - tmp.stat().st_mtime < legacy_age_s:
-                    continue
-                tmp.unlink()
+            if m is not None and not _pid_alive(int(m.group(1))):
+                tmp.unlink(missing_ok=True)
                 removed += 1
-            except FileNotFoundError:
-                continue
         if removed:
             log.info("replay cache %s: removed %d temporary files of an interrupted run", self.root, removed)
         return removed
@@ -668,22 +652,15 @@ class Replayer:
     def _answered(self, t: TeacherConfig, key: str, data: Mapping[str, Any], attempts: int) -> ReplayResult:
         """Account and cache a paid answer (even an unusable one, so a rerun does not pay again)."""
         st = self.stats[t.name]
-        usage = data.get("usage")
-        usage = usage if isinstance(usage, dict) else {}
-        pt, ct = _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
+        pt, ct = _usage(data)
         st.answers += 1
         st.usage_unknown += pt is None or ct is None
         st.prompt_tokens += pt or 0
         st.completion_tokens += ct or 0
         st.cost_usd += t.cost(pt or 0, ct or 0) or 0.0
-        secrets = self._secrets()
-        raw = _redact_strings({**_answer_message(data), "role": "assistant"}, secrets)
-        entry = {
-            "teacher": t.name,
-            "model": t.model,
-            "message": raw,
-            "usage": {"prompt_tokens": pt, "completion_tokens": ct},
-        }
+        raw = _redact_strings({**_answer_message(data), "role": "assistant"}, self._secrets())
+        usage = {"prompt_tokens": pt, "completion_tokens": ct}
+        entry = {"teacher": t.name, "model": t.model, "message": raw, "usage": usage}
         if self.cache is not None:
             self.cache.put(t.name, key, entry)
         result = self._from_entry(t, key, entry, cached=False, attempts=attempts)
@@ -695,9 +672,7 @@ class Replayer:
     def _from_entry(
         self, t: TeacherConfig, key: str, entry: Mapping[str, Any], cached: bool, attempts: int
     ) -> ReplayResult:
-        usage = entry.get("usage")
-        usage = usage if isinstance(usage, dict) else {}
-        pt, ct = _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
+        pt, ct = _usage(entry)
         try:
             msg: Message | None = message_from_dict(entry.get("message"), f"teacher {t.name} answer")
             failure = None
