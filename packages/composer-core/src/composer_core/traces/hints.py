@@ -113,28 +113,9 @@ def _truncate(text: str, max_chars: int) -> str:
     return text[:half] + "\n[...]\n" + text[-(max_chars - half) :]
 
 
-def error_text_hint(max_chars: int = 2000) -> HintSource:
-    """Hint = the tool's error output (head and tail kept when longer than ``max_chars``)."""
-    if max_chars < 16:
-        raise ValueError(f"max_chars must be >= 16, got {max_chars}")
-
-    def source(episode: Episode, site: ErrorSite) -> str:
-        kinds = ", ".join(site.kinds)
-        return (
-            f"Hint: your call to `{site.tool_name}` here fails ({kinds}). The tool reports:\n"
-            f"{_truncate(site.evidence, max_chars)}"
-        )
-
-    return source
-
-
 class TemplateHint:
-    """Hint from a ``str.format`` template.
-
-    Fields: ``{tool_name}``, ``{arguments}`` (the faulty call's JSON), ``{error}`` (tool
-    output, truncated to ``max_chars``), ``{kinds}``, ``{exit_code}``. Unknown fields raise
-    ``ValueError`` at construction, not at the first error site.
-    """
+    """Hint from a ``str.format`` template with the fields ``{tool_name}``, ``{arguments}`` (the faulty call's
+    JSON), ``{error}`` (tool output, head and tail kept within ``max_chars``), ``{kinds}``, ``{exit_code}``."""
 
     FIELDS = frozenset({"tool_name", "arguments", "error", "kinds", "exit_code"})
 
@@ -187,12 +168,18 @@ class TeacherHint:
         return result.message.text.strip()
 
 
+def error_text_hint(max_chars: int = 2000) -> HintSource:
+    """Hint = the tool's error output (head and tail kept when longer than ``max_chars``)."""
+    if max_chars < 16:
+        raise ValueError(f"max_chars must be >= 16, got {max_chars}")
+    return TemplateHint(
+        "Hint: your call to `{tool_name}` here fails ({kinds}). The tool reports:\n{error}", max_chars
+    )
+
+
 @dataclass(frozen=True)
 class HintedContext:
-    """Student and teacher contexts of one SDPO site.
-
-    ``teacher_prompt == prompt[:hint_index] + (hint_message,) + prompt[hint_index:]``.
-    """
+    """Student and teacher contexts of one SDPO site (``teacher_prompt[hint_index]`` is the hint message)."""
 
     episode_id: str
     turn: int
@@ -346,11 +333,8 @@ def tokenize_completion(
 
 @dataclass(frozen=True)
 class TokenizedHinted:
-    """Token ids of one SDPO site; ``sdpo_mask[t]`` marks ``completion_ids[t]``.
-
-    Student sequence: ``prompt_ids + completion_ids``; teacher sequence:
-    ``teacher_prompt_ids + completion_ids``.
-    """
+    """Token ids of one SDPO site (student: ``prompt_ids + completion_ids``, teacher:
+    ``teacher_prompt_ids + completion_ids``); ``sdpo_mask[t]`` marks ``completion_ids[t]``."""
 
     prompt_ids: list[int]
     teacher_prompt_ids: list[int]
@@ -371,12 +355,9 @@ def tokenize_hinted(
 ) -> TokenizedHinted:
     """Tokenise student and teacher contexts and build the SDPO mask over completion tokens.
 
-    ``tokenizer``: any Hugging Face tokenizer (``transformers.PreTrainedTokenizerBase``;
-    wrap a raw ``tokenizers.Tokenizer`` in ``PreTrainedTokenizerFast``). ``chat_template``:
-    ``None`` uses the tokenizer's template when it has one, else :func:`render_plain`.
-    Mask: every completion token by default; ``mask_spans`` (character spans of
-    ``completion_text``) or ``mask_text`` (a substring of it, e.g. the faulty call's
-    arguments) restrict it to the tokens overlapping those characters.
+    ``tokenizer``: any Hugging Face tokenizer; ``chat_template=None`` uses its template when it has one.
+    The mask covers every completion token, or only those overlapping ``mask_spans`` (character spans of
+    ``completion_text``) or ``mask_text`` (a substring of it).
     """
     if mask_spans is not None and mask_text is not None:
         raise ValueError("pass mask_spans or mask_text, not both")
@@ -417,10 +398,8 @@ def tokenize_hinted(
 def hint_token_span(prompt_ids: Sequence[int], teacher_prompt_ids: Sequence[int]) -> tuple[int, int]:
     """``(start, end)`` such that ``teacher[:start] + teacher[end:] == prompt``.
 
-    Raises ``ValueError`` when the teacher context is not the student context with one
-    contiguous inserted run (i.e. when they differ by more than the hint). When the run's
-    boundary tokens repeat (e.g. ``<|im_start|>``), several placements are valid; the one
-    furthest right is returned.
+    ``ValueError`` when they differ by more than one contiguous inserted run; when several placements are
+    valid (repeated boundary tokens), the one furthest right.
     """
     n, m = len(prompt_ids), len(teacher_prompt_ids)
     if m <= n:

@@ -313,9 +313,6 @@ def load_teachers(path: str | Path) -> list[TeacherConfig]:
             out.append(TeacherConfig(**merged))
         except (TypeError, ValueError) as e:
             raise ValueError(f"{p}: teachers[{i}]: {e}") from e
-    names = [t.name for t in out]
-    if len(set(names)) != len(names):
-        raise ValueError(f"{p}: teacher names must be unique, got {names}")
     return out
 
 
@@ -345,10 +342,8 @@ class ReplayJob:
 
 @dataclass(frozen=True)
 class ReplayResult:
-    """A teacher's answer (``message``) or the reason it finally failed (``failure``).
-
-    Token counts and cost are None when the endpoint's ``usage`` did not state them usably.
-    """
+    """A teacher's answer (``message``) or the reason it finally failed (``failure``); token counts and
+    cost are None when ``usage`` did not state them usably."""
 
     teacher: str
     model: str
@@ -369,10 +364,8 @@ class ReplayResult:
 class ReplayCache:
     """On-disk cache: one JSON file per key under ``root/<teacher dir>/<key[:2]>/<key>.json``.
 
-    Writes go to a temporary file ``.tmp-<pid>-*`` then ``os.replace``, so a killed process
-    leaves either a complete entry or none (plus possibly its temporary file, which the next
-    :class:`ReplayCache` on the same root removes: ``orphans_removed``). ``<teacher dir>`` is
-    the name itself when it is a plain name, else a sanitised name plus a hash of the original.
+    Writes go to ``.tmp-<pid>-*`` then ``os.replace``: a killed process leaves a complete entry or none,
+    plus maybe its temporary file, which the next :class:`ReplayCache` on the root removes.
     """
 
     _writes = 0  # per process, for the KILL_ENV test hook
@@ -416,8 +409,6 @@ class ReplayCache:
         return f"{safe}-{hashlib.sha256(teacher.encode()).hexdigest()[:12]}"
 
     def _path(self, teacher: str, key: str) -> Path:
-        if not re.fullmatch(r"[0-9a-f]{64}", key):
-            raise ValueError(f"cache key must be a SHA-256 hex digest, got {key!r}")
         p = self.root / self.teacher_dir(teacher) / key[:2] / f"{key}.json"
         if not p.resolve().is_relative_to(self.root.resolve()):
             raise ValueError(f"cache path {p} leaves the cache directory {self.root}")
@@ -466,7 +457,6 @@ def _pid_alive(pid: int) -> bool:
 class _Retryable(Exception):
     def __init__(self, reason: str, retry_after: float | None = None) -> None:
         super().__init__(reason)
-        self.reason = reason
         self.retry_after = retry_after
 
 
@@ -527,7 +517,7 @@ class Replayer:
         self.max_response_bytes = max_response_bytes
         self.teachers = {t.name: t for t in teachers}
         if len(self.teachers) != len(teachers):
-            raise ValueError("teacher names must be unique")
+            raise ValueError(f"teacher names must be unique, got {[t.name for t in teachers]}")
         self.cache = None if cache_dir is None else ReplayCache(cache_dir)
         self.max_concurrency = max_concurrency
         self.stats = {t.name: TeacherStats() for t in teachers}
@@ -541,11 +531,7 @@ class Replayer:
         return list(self.teachers)
 
     def _secrets(self) -> list[str]:
-        return [
-            os.environ[t.api_key_env]
-            for t in self.teachers.values()
-            if t.api_key_env and os.environ.get(t.api_key_env)
-        ]
+        return [k for t in self.teachers.values() if t.api_key_env and (k := os.environ.get(t.api_key_env))]
 
     def _redact(self, text: str) -> str:
         return redact(text, self._secrets())
@@ -633,7 +619,7 @@ class Replayer:
                 reason = str(e)
                 break
             except _Retryable as e:
-                reason = e.reason
+                reason = str(e)
                 if attempt < t.max_retries:
                     st.retries += 1
                     delay = self.backoff(t, attempt, e.retry_after)

@@ -39,7 +39,7 @@ from .hints import (
     load_hint_fn,
     tokenize_hinted,
 )
-from .pairs import PreferencePair, Verifier, filter_pairs, make_pair
+from .pairs import Verifier, filter_pairs, make_pair
 from .records import TraceRecord, write_records
 from .replay import (
     DEFAULT_MAX_RESPONSE_BYTES,
@@ -93,18 +93,12 @@ def build_records(
     sites, targets = _targets(episodes, states)
 
     results, failures = _replay_all(replayer, targets, progress)
-    pairs: dict[tuple[str, int], PreferencePair] = {}
-    for ep, t in targets:
-        pair = make_pair(ep, t, results.get((ep.id, t), []), verifier=verifier)
-        if pair is not None:
-            pairs[(ep.id, t)] = pair
+    made = [make_pair(ep, t, results.get((ep.id, t), []), verifier=verifier) for ep, t in targets]
     kept, dropped = filter_pairs(
-        list(pairs.values()), min_chars=min_chars, max_chars=max_chars, dedupe=dedupe
+        [p for p in made if p is not None], min_chars=min_chars, max_chars=max_chars, dedupe=dedupe
     )
-    kept_ids = {(p.episode_id, p.turn) for p in kept}
-
-    out = BuildResult([], failures, dropped, states=len(targets))
-    out.requests = sum(len(rs) for rs in results.values())
+    pairs = {(p.episode_id, p.turn): p for p in kept}
+    out = BuildResult([], failures, dropped, len(targets), requests=sum(map(len, results.values())))
     for ep, t in targets:
         row: dict[str, Any] = {
             "id": f"{ep.id}@{t}",
@@ -120,8 +114,8 @@ def build_records(
         if site_list and hint_source is not None:
             row |= _sdpo_fields(ep, site_list[0], hint_source, tokenizer, tokenizer_name, chat_template)
             out.sdpo_sites += 1
-        if (ep.id, t) in kept_ids:
-            p = pairs[(ep.id, t)]
+        p = pairs.get((ep.id, t))
+        if p is not None:
             row |= {
                 "chosen": [p.chosen.to_dict()],
                 "rejected": [p.rejected.to_dict()],

@@ -48,11 +48,8 @@ def canonical_json(value: Any) -> str:
 
 @dataclass(frozen=True)
 class ToolCall:
-    """One function call of an assistant message (OpenAI ``tool_calls[i]``).
-
-    ``arguments`` is the JSON text the model produced (OpenAI keeps it a string; it may
-    be invalid JSON when the model erred, which is itself a useful error signal).
-    """
+    """One function call of an assistant message; ``arguments`` is the JSON text the model produced (may
+    be invalid JSON when the model erred)."""
 
     id: str
     name: str
@@ -82,12 +79,9 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class Message:
-    """One chat message in OpenAI format.
+    """One chat message in OpenAI format (content-part lists are joined into ``content`` when read).
 
-    ``content`` is text (content-part lists are joined when read). ``tool_calls`` only on
-    ``assistant``; ``tool_call_id`` required on ``tool``. ``is_error`` (an extension, from
-    Claude Code's ``tool_result.is_error``) and ``exit_code`` mark failed tool results when
-    the harness recorded them.
+    ``is_error`` and ``exit_code`` (extensions) mark failed tool results when the harness recorded them.
     """
 
     role: Role
@@ -196,11 +190,8 @@ def message_from_dict(d: Any, where: str = "message") -> Message:
 
 @dataclass(frozen=True)
 class Episode:
-    """One agent run: messages (OpenAI chat format), optional tool schemas and metadata.
-
-    Validated on construction: every ``tool`` message answers a call issued by an earlier
-    assistant message of the same episode.
-    """
+    """One agent run: messages, optional tool schemas and metadata; every ``tool`` message must answer a
+    call issued by an earlier assistant message."""
 
     id: str
     messages: tuple[Message, ...]
@@ -297,11 +288,9 @@ def write_openai_jsonl(episodes: Iterable[Episode], path: str | Path) -> None:
 def read_claude_code_jsonl(path: str | Path) -> list[Episode]:
     """Read a Claude Code session file into episodes (one per ``sessionId``).
 
-    Mapping: assistant ``text`` blocks -> ``content``; ``tool_use`` -> a :class:`ToolCall`
-    (``input`` serialised as canonical JSON); user ``tool_result`` -> a ``tool`` message
-    with ``is_error``; other user text -> a ``user`` message. Skipped: ``summary``,
-    ``system``, snapshot and queue entries, ``isSidechain`` / ``isMeta`` entries and
-    ``thinking`` blocks. Consecutive assistant entries sharing ``message.id`` are merged.
+    ``tool_use`` blocks become :class:`ToolCall` s, ``tool_result`` blocks ``tool`` messages; other entry
+    types, side-chain / meta entries and ``thinking`` blocks are skipped, and consecutive assistant entries
+    sharing ``message.id`` are merged.
     """
     p = Path(path)
     sessions: dict[str, list[Message]] = {}
@@ -411,12 +400,8 @@ _TOOL_ERROR = [
 
 @dataclass(frozen=True)
 class ErrorSite:
-    """A failed tool result and the assistant turn that caused it.
-
-    ``turn`` indexes the ``tool`` message; ``action_turn`` the assistant message whose
-    call failed (the faulty turn). ``kinds`` lists every signal found; ``evidence`` is the
-    tool output (the error text hints are built from); ``exit_code`` when one was seen.
-    """
+    """A failed tool result (message ``turn``) and the assistant message whose call failed (``action_turn``);
+    ``kinds`` lists every signal found, ``evidence`` is the tool output."""
 
     episode_id: str
     turn: int
