@@ -266,22 +266,8 @@ _TEACHER_FIELDS = {f.name for f in dataclasses.fields(TeacherConfig)}
 
 
 def load_teachers(path: str | Path) -> list[TeacherConfig]:
-    """Parse ``teachers.toml``: an optional ``[defaults]`` table and ``[[teachers]]`` tables.
-
-    Example::
-
-        [defaults]
-        timeout_s = 60
-        max_retries = 4
-
-        [[teachers]]
-        name = "big"
-        base_url = "https://openrouter.ai/api/v1"
-        model = "qwen/qwen3-coder"
-        api_key_env = "OPENROUTER_API_KEY"
-        input_cost_per_mtok = 0.2
-        output_cost_per_mtok = 0.8
-    """
+    """Parse ``teachers.toml``: an optional ``[defaults]`` table and ``[[teachers]]`` tables whose keys are
+    :class:`TeacherConfig` fields (example in the package README)."""
     p = Path(path)
     try:
         data = tomllib.loads(p.read_text(encoding="utf-8"))
