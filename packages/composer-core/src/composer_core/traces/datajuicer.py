@@ -54,9 +54,8 @@ def datajuicer_filter(
 ) -> tuple[list[PreferencePair], int]:
     """Apply data-juicer ops in order; return the surviving pairs (input order) and the drop count.
 
-    ``process``: op instances, or data-juicer config entries such as
-    ``{"text_length_filter": {"max_len": 4000}}`` / ``{"document_deduplicator": {}}``
-    (``num_proc`` is filled in for config entries that do not set it).
+    ``process``: op instances, or config entries such as ``{"text_length_filter": {"max_len": 4000}}``
+    (``num_proc`` filled in unless set).
     """
     nested_dataset, load_ops, allowed, mapper = _dj()
     for i, p in enumerate(pairs):

@@ -86,9 +86,8 @@ def hint_jobs(
 ) -> list[HintJob[T]]:
     """The rows of ``items`` that get a hint, in order: ``hint_of(item)`` formatted into ``template``.
 
-    ``hint_of`` answers ``None`` or a blank string for "no hint" (nothing went wrong, e.g. empty feedback);
-    any other non-string answer raises ``ValueError`` naming ``option``. Rows whose index is in ``skip``
-    (e.g. appended preference rows) are not asked.
+    ``None`` or a blank string means "no hint"; any other non-string raises ``ValueError`` naming ``option``.
+    Rows whose index is in ``skip`` are not asked.
     """
     if "{hint}" not in template:
         raise ValueError(f"template={template!r} must contain '{{hint}}'.")
@@ -288,10 +287,8 @@ def render_completion(
 ) -> tuple[str, str, bool]:
     """``(prompt_text, completion_text, add_special_tokens_to_prompt)`` for one action.
 
-    With a chat template: ``prompt_text`` = the prompt rendered with
-    ``add_generation_prompt=True``, ``completion_text`` = the rendering of ``prompt +
-    [completion]`` minus ``prompt_text`` (``ValueError`` when the template rewrites earlier
-    turns so that this is not a prefix). Without: :func:`render_plain`.
+    With a chat template, ``completion_text`` is the rendering of ``prompt + [completion]`` minus the
+    prompt's (with ``add_generation_prompt``); without one, :func:`render_plain`.
     """
     use_template = bool(getattr(tokenizer, "chat_template", None)) if chat_template is None else chat_template
     if not use_template:

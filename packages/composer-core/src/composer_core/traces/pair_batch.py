@@ -49,9 +49,8 @@ class PairBatch:
 def sequence_logps(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``ℓ_i = Σ_t m_it · log softmax(z_it)[y_it]`` — summed completion log-probs ``[P]``.
 
-    ``logits [P,T,V]`` are the rows that predict ``ids [P,T]`` (``logits[:, inputs.logits_slice]``). Computed
-    and returned in ``promote(logits.dtype, float32)``: bf16/fp16 logits are upcast to float32, float64 stays
-    float64.
+    ``logits [P,T,V]`` are the rows that predict ``ids [P,T]`` (``logits[:, inputs.logits_slice]``); computed in
+    ``promote(logits.dtype, float32)``.
     """
     if logits.dim() != 3 or logits.shape[:2] != ids.shape or ids.shape != mask.shape:
         raise ValueError(

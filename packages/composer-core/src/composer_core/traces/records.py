@@ -5,31 +5,6 @@ OpenAI chat dicts, in TRL's *conversational* layout (``prompt`` is a list of mes
 ``completion``, ``chosen`` and ``rejected`` are one-message lists), so TRL-style code can
 apply the same chat template it uses elsewhere.
 
-=====================  ===============================  ==========================================
-column                 type                             meaning
-=====================  ===============================  ==========================================
-id                     str                              ``"{episode_id}@{turn}"``, unique
-episode_id, turn       str, int                         where the state comes from
-prompt                 list[message]                    the student's context x
-tools                  list[tool schema]                OpenAI tool schemas of the episode (may be empty)
-completion             [message]                        the student's action y at x
-teacher_prompt         list[message] | null             channel 2: x with the hint inserted
-hint                   str | null                       channel 2: the hint text
-hint_index             int | null                       position of the hint message in teacher_prompt
-error_kinds            list[str]                        error signals at this site (may be empty)
-tokenizer              str | null                       tokenizer the ids and mask belong to
-prompt_ids             list[int] | null                 tokens of prompt (add_generation_prompt)
-teacher_prompt_ids     list[int] | null                 tokens of teacher_prompt
-completion_ids         list[int] | null                 tokens of completion (shared by both contexts)
-sdpo_mask              list[int] | null                 0/1 per completion token: where to distil
-chosen                 [message] | null                 channel 3: the preferred (teacher) action
-rejected               [message] | null                 channel 3: the student's action (= completion)
-chosen_by              "verifier" | "majority" | null   how chosen was selected
-chosen_teachers        list[str]                        teachers that gave the chosen action
-ref_chosen_logp        float | null                     optional summed reference log-prob of chosen
-ref_rejected_logp      float | null                     optional summed reference log-prob of rejected
-=====================  ===============================  ==========================================
-
 A record carries channel 2, channel 3 or both; :func:`validate_record` checks every row read or written.
 Parquet (``parquet`` extra) stores message columns and ``tools`` as JSON text, everything else natively.
 """
@@ -60,28 +35,28 @@ MESSAGE_COLUMNS = ("prompt", "completion", "tools", "teacher_prompt", "chosen", 
 
 @dataclass(frozen=True)
 class TraceRecord:
-    """One row of the output schema (see the module docstring for every column)."""
+    """One row of the output schema; messages are OpenAI chat dicts, ``null`` where a channel is absent."""
 
-    id: str
+    id: str  # "{episode_id}@{turn}", unique
     episode_id: str
     turn: int
-    prompt: list[dict[str, Any]]
-    completion: list[dict[str, Any]]
-    tools: list[dict[str, Any]] = field(default_factory=list)
-    teacher_prompt: list[dict[str, Any]] | None = None
-    hint: str | None = None
-    hint_index: int | None = None
-    error_kinds: list[str] = field(default_factory=list)
-    tokenizer: str | None = None
-    prompt_ids: list[int] | None = None
+    prompt: list[dict[str, Any]]  # the student's context x
+    completion: list[dict[str, Any]]  # [the student's action y at x]
+    tools: list[dict[str, Any]] = field(default_factory=list)  # OpenAI tool schemas of the episode
+    teacher_prompt: list[dict[str, Any]] | None = None  # channel 2: x with the hint message inserted
+    hint: str | None = None  # channel 2: the hint text
+    hint_index: int | None = None  # position of the hint message in teacher_prompt
+    error_kinds: list[str] = field(default_factory=list)  # error signals at this site
+    tokenizer: str | None = None  # the tokenizer the ids and mask belong to
+    prompt_ids: list[int] | None = None  # tokens of prompt (with the generation prompt)
     teacher_prompt_ids: list[int] | None = None
-    completion_ids: list[int] | None = None
-    sdpo_mask: list[int] | None = None
-    chosen: list[dict[str, Any]] | None = None
-    rejected: list[dict[str, Any]] | None = None
-    chosen_by: str | None = None
-    chosen_teachers: list[str] = field(default_factory=list)
-    ref_chosen_logp: float | None = None
+    completion_ids: list[int] | None = None  # tokens of completion (shared by both contexts)
+    sdpo_mask: list[int] | None = None  # 0/1 per completion token: where to distil
+    chosen: list[dict[str, Any]] | None = None  # channel 3: [the preferred (teacher) action]
+    rejected: list[dict[str, Any]] | None = None  # channel 3: [the student's action] (= completion)
+    chosen_by: str | None = None  # "verifier" or "majority"
+    chosen_teachers: list[str] = field(default_factory=list)  # teachers that gave the chosen action
+    ref_chosen_logp: float | None = None  # optional summed reference log-probs of chosen / rejected
     ref_rejected_logp: float | None = None
 
     @property

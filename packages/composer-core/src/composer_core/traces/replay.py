@@ -96,10 +96,7 @@ def _redactor(secrets: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...
 
 
 def _grow(text: str, start: int, end: int, forms: Sequence[str], right_first: bool) -> tuple[int, int]:
-    """Widen ``text[start:end]`` (part of a form) as far as it stays part of some form.
-
-    "Part of a form" is monotone in both ends, so each end is found by bisection.
-    """
+    """Widen ``text[start:end]`` (part of a form) by bisection as far as it stays part of some form."""
     longest = max(map(len, forms))
 
     def part(a: int, b: int) -> bool:
@@ -124,9 +121,8 @@ def _grow(text: str, start: int, end: int, forms: Sequence[str], right_first: bo
 def redact(text: str, secrets: Sequence[str]) -> str:
     """``text`` with every form of every secret (see the module docstring) replaced by ``***``.
 
-    Any run of >= ``MIN_SECRET_CHARS`` characters that is part of a form is removed, so a key
-    cut short by a truncation, or a prefix/suffix of it, is caught too. Redact *before* cutting.
-    Anchors are found with ``str.find`` (C speed); a body full of keys costs O(log) per key.
+    Any run of >= ``MIN_SECRET_CHARS`` characters that is part of a form is removed, so a prefix or
+    suffix of a key is caught too. Redact *before* cutting.
     """
     uniq = tuple(sorted({s for s in secrets if s}))
     if not uniq or not text:
@@ -200,11 +196,8 @@ def _httpx() -> Any:
 
 @dataclass(frozen=True)
 class TeacherConfig:
-    """One teacher endpoint (a ``[[teachers]]`` table of ``teachers.toml``).
-
-    ``base_url`` ends before ``/chat/completions`` (e.g. ``http://127.0.0.1:8000/v1``).
-    Prices are USD per million tokens. ``extra_body`` is merged into every request body.
-    """
+    """One teacher endpoint: ``base_url`` ends before ``/chat/completions``, prices are USD per million
+    tokens, ``extra_body`` is merged into every request body."""
 
     name: str
     base_url: str
@@ -475,8 +468,7 @@ def _retry_after(headers: Mapping[str, str]) -> float | None:
 class Replayer:
     """Ask N teachers for actions with bounded concurrency, retries, caching and accounting.
 
-    ``sleep`` and ``rng`` are injectable (tests use them to check the backoff schedule);
-    ``transport`` is passed to ``httpx.AsyncClient``.
+    ``sleep`` and ``rng`` drive the backoff; ``transport`` is passed to ``httpx.AsyncClient``.
     """
 
     def __init__(

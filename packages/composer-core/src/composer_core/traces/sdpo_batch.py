@@ -95,11 +95,8 @@ def pad_ids(rows: Sequence[Sequence[int]], pad: int, left: bool) -> tuple[torch.
 def collate_sdpo(
     records: Sequence[TraceRecord], pad_token_id: int, tokenizer: str | None = None
 ) -> SDPOBatch:
-    """Pad the token columns of SDPO records (written with a tokenizer) into an :class:`SDPOBatch`.
-
-    Raises ``ValueError`` for records without SDPO token columns, with an empty prompt, or
-    tokenised with a different tokenizer than ``tokenizer`` (when given) or than each other.
-    """
+    """Pad the token columns of SDPO records into an :class:`SDPOBatch`; every record needs them, a
+    non-empty prompt and the same tokenizer (``tokenizer`` when given)."""
     if not records:
         raise ValueError("records is empty")
     names = {r.tokenizer for r in records}
