@@ -1,16 +1,10 @@
 """Run py-data-juicer filters and deduplicators over preference pairs (``datajuicer`` extra).
 
-Each typed :class:`~composer_core.traces.pairs.PreferencePair` is flattened to text columns that
-data-juicer ops read — never the ``str()`` of a message list:
-
-- ``text``: the chosen action (content, then one ``name arguments`` line per tool call),
-- ``rejected_text``: the student's action, same rendering,
-- ``prompt_text``: the state rendered with :func:`composer_core.traces.hints.render_plain`.
-
-Ops see ``text`` unless built with ``text_key="rejected_text"`` / ``"prompt_text"``. Only
-``Filter`` and ``Deduplicator`` ops are accepted: they keep or drop whole rows, which map
-back to the typed pairs. ``Mapper`` ops rewrite text that cannot be turned back into typed
-messages, so they raise ``ValueError``.
+Each :class:`~composer_core.traces.pairs.PreferencePair` becomes text columns: ``text`` (the chosen action:
+content, then one ``name arguments`` line per tool call), ``rejected_text`` (the student's action, same
+rendering) and ``prompt_text`` (:func:`composer_core.traces.hints.render_plain` of the state). Ops see
+``text`` unless built with another ``text_key``. Only ``Filter`` and ``Deduplicator`` ops (which keep or drop
+whole rows) are accepted; ``Mapper`` ops raise ``ValueError``.
 
 Requires ``pip install 'composer-core[datajuicer]'`` (py-data-juicer plus the ``aiohttp``
 and ``ray`` it imports without declaring).
@@ -60,9 +54,8 @@ def datajuicer_filter(
 ) -> tuple[list[PreferencePair], int]:
     """Apply data-juicer ops in order; return the surviving pairs (input order) and the drop count.
 
-    ``process``: op instances, or data-juicer config entries such as
-    ``{"text_length_filter": {"max_len": 4000}}`` / ``{"document_deduplicator": {}}``
-    (``num_proc`` is filled in for config entries that do not set it).
+    ``process``: op instances, or config entries such as ``{"text_length_filter": {"max_len": 4000}}``
+    (``num_proc`` filled in unless set).
     """
     nested_dataset, load_ops, allowed, mapper = _dj()
     for i, p in enumerate(pairs):

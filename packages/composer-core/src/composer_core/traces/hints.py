@@ -1,31 +1,19 @@
 """Hinted teacher contexts and token-level SDPO masks (channel 2 data).
 
-SDPO (Hübotter et al., "Reinforcement Learning via Self-Distillation", arXiv 2601.20802)
-and Composer 2.5's targeted feedback use the *same* policy as teacher, re-prompted with a
-textual hint ``f`` about what went wrong::
+SDPO (Hübotter et al., "Reinforcement Learning via Self-Distillation", arXiv 2601.20802) uses the *same*
+policy as teacher, re-prompted with a textual hint ``f`` about what went wrong::
 
     L = Σ_t M_t · D( πθ(· | x, y<t) ‖ sg πθ(· | x, f, y<t) )
 
-Here ``x`` is the student's context up to the faulty turn (:class:`ErrorSite.action_turn`),
-``y`` the student's action at that turn, and the teacher context is ``x`` with one hint
-message inserted right before the action (:func:`build_hinted_context`). ``M`` is the
-SDPO mask over the tokens of ``y`` (:func:`tokenize_hinted`).
+``x`` is the student's context up to the faulty turn, ``y`` the student's action there; the teacher
+context is ``x`` with one hint message inserted right before the action (:func:`build_hinted_context`),
+and ``M`` is the SDPO mask over the tokens of ``y`` (:func:`tokenize_hinted`). Hint sources are any
+``Callable[[Episode, ErrorSite], str]``: :func:`error_text_hint`, :class:`TemplateHint`,
+:class:`TeacherHint`. Host producers import a user's hint function with :func:`load_hint_fn` and ask it
+per row with :func:`hint_jobs`.
 
-Hint sources (any ``Callable[[Episode, ErrorSite], str]``): :func:`error_text_hint` (the
-tool's own error output), :class:`TemplateHint` (a ``str.format`` template), and
-:class:`TeacherHint` (a teacher model asked through :mod:`composer_core.traces.replay`).
-
-Host producers (composer-verl's ``composer_sync`` producers, composer-prime-rl's ``composer_sdpo``
-algorithm) ask a user's hint function per sampled row and re-score the hinted rows with the live policy:
-:func:`load_hint_fn` imports the function from its config string, :func:`hint_jobs` asks it for every row
-and returns the rows that got a hint (:class:`HintJob`), which the host then scores its own way.
-
-Tokenisation follows TRL: the prompt and the completion are tokenised separately and
-concatenated (``prompt_ids + completion_ids``); the completion token ids are identical in
-the student and teacher sequences by construction, so the mask lines up with both.
-With a chat template the completion text is the template's rendering of the full
-conversation minus its rendering of the prompt with ``add_generation_prompt=True``;
-without one, :func:`render_plain` is used.
+Tokenisation follows TRL: prompt and completion are tokenised separately and concatenated, so the
+completion ids are identical in the student and teacher sequences and the mask lines up with both.
 """
 
 from __future__ import annotations
@@ -64,10 +52,7 @@ T = TypeVar("T")
 
 
 def load_hint_fn(path: str, *, option: str) -> Callable[..., Any]:
-    """Import ``package.module:function`` (or ``package.module.function``).
-
-    ``option`` names the config key the path came from (``composer.hint_fn``); every error says it.
-    """
+    """Import ``package.module:function`` (or ``package.module.function``); errors name ``option``."""
     module_name, sep, attr = path.partition(":")
     if not sep:
         module_name, _, attr = path.rpartition(".")
@@ -101,9 +86,8 @@ def hint_jobs(
 ) -> list[HintJob[T]]:
     """The rows of ``items`` that get a hint, in order: ``hint_of(item)`` formatted into ``template``.
 
-    ``hint_of`` answers ``None`` or a blank string for "no hint" (nothing went wrong, e.g. empty feedback);
-    any other non-string answer raises ``ValueError`` naming ``option``. Rows whose index is in ``skip``
-    (e.g. appended preference rows) are not asked.
+    ``None`` or a blank string means "no hint"; any other non-string raises ``ValueError`` naming ``option``.
+    Rows whose index is in ``skip`` are not asked.
     """
     if "{hint}" not in template:
         raise ValueError(f"template={template!r} must contain '{{hint}}'.")
@@ -128,28 +112,9 @@ def _truncate(text: str, max_chars: int) -> str:
     return text[:half] + "\n[...]\n" + text[-(max_chars - half) :]
 
 
-def error_text_hint(max_chars: int = 2000) -> HintSource:
-    """Hint = the tool's error output (head and tail kept when longer than ``max_chars``)."""
-    if max_chars < 16:
-        raise ValueError(f"max_chars must be >= 16, got {max_chars}")
-
-    def source(episode: Episode, site: ErrorSite) -> str:
-        kinds = ", ".join(site.kinds)
-        return (
-            f"Hint: your call to `{site.tool_name}` here fails ({kinds}). The tool reports:\n"
-            f"{_truncate(site.evidence, max_chars)}"
-        )
-
-    return source
-
-
 class TemplateHint:
-    """Hint from a ``str.format`` template.
-
-    Fields: ``{tool_name}``, ``{arguments}`` (the faulty call's JSON), ``{error}`` (tool
-    output, truncated to ``max_chars``), ``{kinds}``, ``{exit_code}``. Unknown fields raise
-    ``ValueError`` at construction, not at the first error site.
-    """
+    """Hint from a ``str.format`` template with the fields ``{tool_name}``, ``{arguments}`` (the faulty call's
+    JSON), ``{error}`` (tool output, head and tail kept within ``max_chars``), ``{kinds}``, ``{exit_code}``."""
 
     FIELDS = frozenset({"tool_name", "arguments", "error", "kinds", "exit_code"})
 
@@ -176,13 +141,8 @@ class TemplateHint:
 
 
 class TeacherHint:
-    """Hint written by a teacher model (any OpenAI-compatible endpoint, via a Replayer).
-
-    The teacher sees the episode up to and including the failed tool result and is asked
-    (``instruction``) for a short hint. Answers are cached like every replay request; a
-    teacher that finally fails raises ``RuntimeError`` with the recorded reason (never an
-    empty hint).
-    """
+    """Hint written by a teacher model (via a Replayer, cached) that sees the episode up to the failed tool
+    result plus ``instruction``; a teacher that finally fails raises ``RuntimeError`` with the reason."""
 
     DEFAULT_INSTRUCTION = (
         "The last tool call failed. In at most three sentences, write a hint for the agent that "
@@ -207,12 +167,18 @@ class TeacherHint:
         return result.message.text.strip()
 
 
+def error_text_hint(max_chars: int = 2000) -> HintSource:
+    """Hint = the tool's error output (head and tail kept when longer than ``max_chars``)."""
+    if max_chars < 16:
+        raise ValueError(f"max_chars must be >= 16, got {max_chars}")
+    return TemplateHint(
+        "Hint: your call to `{tool_name}` here fails ({kinds}). The tool reports:\n{error}", max_chars
+    )
+
+
 @dataclass(frozen=True)
 class HintedContext:
-    """Student and teacher contexts of one SDPO site.
-
-    ``teacher_prompt == prompt[:hint_index] + (hint_message,) + prompt[hint_index:]``.
-    """
+    """Student and teacher contexts of one SDPO site (``teacher_prompt[hint_index]`` is the hint message)."""
 
     episode_id: str
     turn: int
@@ -231,11 +197,7 @@ def build_hinted_context(
     *,
     role: Literal["user", "system"] = "user",
 ) -> HintedContext:
-    """Teacher context = the student's context with the hint inserted at the faulty turn.
-
-    The hint becomes one ``role`` message placed immediately before the faulty assistant
-    message ``episode.messages[site.action_turn]``; the student's context is unchanged.
-    """
+    """Teacher context = the student's context plus one ``role`` hint message right before the faulty action."""
     if role not in ("user", "system"):
         raise ValueError(f"role must be 'user' or 'system', got {role!r}")
     if site.episode_id != episode.id:
@@ -249,12 +211,10 @@ def build_hinted_context(
     if not isinstance(hint, str) or not hint.strip():
         raise ValueError(f"hint source returned an empty hint for {episode.id}@{site.action_turn}")
     prompt = episode.messages[: site.action_turn]
-    k = len(prompt)
-    teacher = (*prompt[:k], Message(role, hint), *prompt[k:])
-    return HintedContext(episode.id, site.action_turn, prompt, action, teacher, hint, k, episode.tools)
-
-
-# --- rendering and tokenisation ------------------------------------------------------------
+    teacher = (*prompt, Message(role, hint))
+    return HintedContext(
+        episode.id, site.action_turn, prompt, action, teacher, hint, len(prompt), episode.tools
+    )
 
 
 def render_plain(messages: Sequence[Message], *, add_generation_prompt: bool = False) -> str:
@@ -299,7 +259,7 @@ def _render_template(
 
 
 def _encode(tokenizer: Any, text: str, special: bool) -> tuple[list[int], list[tuple[int, int]]]:
-    """Token ids and character offsets of ``text`` (fast tokenizers give offsets directly)."""
+    """Token ids and character offsets of ``text``."""
     try:
         enc = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
         ids = list(enc["input_ids"])
@@ -327,10 +287,8 @@ def render_completion(
 ) -> tuple[str, str, bool]:
     """``(prompt_text, completion_text, add_special_tokens_to_prompt)`` for one action.
 
-    With a chat template: ``prompt_text`` = the prompt rendered with
-    ``add_generation_prompt=True``, ``completion_text`` = the rendering of ``prompt +
-    [completion]`` minus ``prompt_text`` (``ValueError`` when the template rewrites earlier
-    turns so that this is not a prefix). Without: :func:`render_plain`.
+    With a chat template, ``completion_text`` is the rendering of ``prompt + [completion]`` minus the
+    prompt's (with ``add_generation_prompt``); without one, :func:`render_plain`.
     """
     use_template = bool(getattr(tokenizer, "chat_template", None)) if chat_template is None else chat_template
     if not use_template:
@@ -372,11 +330,8 @@ def tokenize_completion(
 
 @dataclass(frozen=True)
 class TokenizedHinted:
-    """Token ids of one SDPO site; ``sdpo_mask[t]`` marks ``completion_ids[t]``.
-
-    Student sequence: ``prompt_ids + completion_ids``; teacher sequence:
-    ``teacher_prompt_ids + completion_ids``.
-    """
+    """Token ids of one SDPO site (student: ``prompt_ids + completion_ids``, teacher:
+    ``teacher_prompt_ids + completion_ids``); ``sdpo_mask[t]`` marks ``completion_ids[t]``."""
 
     prompt_ids: list[int]
     teacher_prompt_ids: list[int]
@@ -397,12 +352,9 @@ def tokenize_hinted(
 ) -> TokenizedHinted:
     """Tokenise student and teacher contexts and build the SDPO mask over completion tokens.
 
-    ``tokenizer``: any Hugging Face tokenizer (``transformers.PreTrainedTokenizerBase``;
-    wrap a raw ``tokenizers.Tokenizer`` in ``PreTrainedTokenizerFast``). ``chat_template``:
-    ``None`` uses the tokenizer's template when it has one, else :func:`render_plain`.
-    Mask: every completion token by default; ``mask_spans`` (character spans of
-    ``completion_text``) or ``mask_text`` (a substring of it, e.g. the faulty call's
-    arguments) restrict it to the tokens overlapping those characters.
+    ``tokenizer``: any Hugging Face tokenizer; ``chat_template=None`` uses its template when it has one.
+    The mask covers every completion token, or only those overlapping ``mask_spans`` (character spans of
+    ``completion_text``) or ``mask_text`` (a substring of it).
     """
     if mask_spans is not None and mask_text is not None:
         raise ValueError("pass mask_spans or mask_text, not both")
@@ -443,10 +395,8 @@ def tokenize_hinted(
 def hint_token_span(prompt_ids: Sequence[int], teacher_prompt_ids: Sequence[int]) -> tuple[int, int]:
     """``(start, end)`` such that ``teacher[:start] + teacher[end:] == prompt``.
 
-    Raises ``ValueError`` when the teacher context is not the student context with one
-    contiguous inserted run (i.e. when they differ by more than the hint). When the run's
-    boundary tokens repeat (e.g. ``<|im_start|>``), several placements are valid; the one
-    furthest right is returned.
+    ``ValueError`` when they differ by more than one contiguous inserted run; when several placements are
+    valid (repeated boundary tokens), the one furthest right.
     """
     n, m = len(prompt_ids), len(teacher_prompt_ids)
     if m <= n:

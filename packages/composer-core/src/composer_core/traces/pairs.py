@@ -1,23 +1,11 @@
-"""Preference pairs from teacher replay (channel 3 data), with typed normalisation.
+"""Preference pairs from teacher replay (channel 3 data), on typed messages.
 
-At a student state ``x`` (the messages before the student's assistant turn ``y_S``), N
-teachers answered ``a_1..a_N`` (:mod:`composer_core.traces.replay`). The pair is
-
-- ``chosen`` = a teacher action a **verifier** accepts (the most common accepted action),
-  or — without a verifier — the **strict majority** action of the teachers that answered
-  (its count > half of them);
-- ``rejected`` = the student's own action ``y_S``.
-
-No pair is made when no action qualifies, or when the chosen action *is* the student's
-(after normalisation). The DPO / SimPO losses then prefer ``chosen`` over ``rejected``
-(:mod:`composer_core.loss.preference`).
-
-Normalisation works on the typed :class:`~composer_core.traces.Message` structure:
-whitespace in text is collapsed (NFC, trimmed), tool-call arguments are compared as
-canonical JSON. The functions here accept only ``Message`` / ``str`` and raise
-``TypeError`` for anything else: the bug of the project this replaces — string filters
-(``.strip()``, ``len``, substring tests) run over list-of-dict message fields, which
-silently measured or compared the wrong thing — cannot happen.
+At a student state (the messages before the student's assistant turn ``y_S``), the pair is ``chosen`` =
+the most common teacher action a **verifier** accepts or, without one, the **strict majority** action of
+the teachers that answered; ``rejected`` = ``y_S``. No pair is made when no action qualifies or when the
+chosen action is the student's after normalisation (NFC, whitespace collapsed, tool-call arguments as
+canonical JSON). The functions take only ``Message`` / ``str`` and raise ``TypeError`` for anything else,
+so no filter can silently measure the dict form of a message.
 """
 
 from __future__ import annotations
@@ -71,10 +59,7 @@ def _canonical_args(arguments: str) -> str:
 
 
 def action_key(m: Message) -> str:
-    """Normalised identity of an action: text (whitespace-collapsed) + tool calls (name, canonical args).
-
-    Tool-call ids are ignored (they are arbitrary per sample).
-    """
+    """Normalised identity of an action: text + tool calls (name, canonical args; ids ignored)."""
     m = _require_message(m, "action")
     calls = [[c.name, _canonical_args(c.arguments)] for c in m.tool_calls]
     return canonical_json([normalize_text(m.text), calls])
@@ -123,12 +108,9 @@ def make_pair(
     *,
     verifier: Verifier | None = None,
 ) -> PreferencePair | None:
-    """Pair at ``episode.messages[turn]`` from the teachers' ``results`` (failed ones are ignored).
+    """Pair at ``episode.messages[turn]`` from the teachers' ``results`` (failed ones ignored), or None.
 
-    With ``verifier``: chosen = the most common action it accepts (ties: first teacher
-    order); none accepted -> ``None``. Without: chosen = the action more than half of the
-    answering teachers gave; no strict majority -> ``None``. Chosen equal to the student's
-    action -> ``None``.
+    Ties between accepted actions go to the first in teacher order.
     """
     student = episode.messages[turn]
     if student.role != "assistant":
@@ -145,16 +127,12 @@ def make_pair(
         chosen_by = "majority"
     if not pool:
         return None
-    counts = Counter(action_key(m) for _, m in pool)
-    order = list(dict.fromkeys(action_key(m) for _, m in pool))  # first-seen order breaks ties
-    best_key = max(order, key=lambda k: counts[k])
-    best = counts[best_key]
-    if verifier is None and 2 * best <= len(answers):
+    keys = [action_key(m) for _, m in pool]
+    ((best_key, best),) = Counter(keys).most_common(1)  # ties: first seen
+    if (verifier is None and 2 * best <= len(answers)) or best_key == action_key(student):
         return None
-    if best_key == action_key(student):
-        return None
-    voters = tuple(t for t, m in pool if action_key(m) == best_key)
-    chosen = next(m for _, m in pool if action_key(m) == best_key)
+    voters = tuple(t for (t, _), k in zip(pool, keys) if k == best_key)
+    chosen = pool[keys.index(best_key)][1]
     return PreferencePair(
         episode.id,
         turn,
@@ -175,12 +153,8 @@ def filter_pairs(
     max_chars: int | None = None,
     dedupe: bool = True,
 ) -> tuple[list[PreferencePair], dict[str, int]]:
-    """Length and duplicate filters on typed pairs.
-
-    Length = :func:`action_length` of chosen and of rejected (both must lie in
-    ``[min_chars, max_chars]``). Duplicates: same state hash and same normalised chosen and
-    rejected actions; the first is kept. Returns the kept pairs and drop counts.
-    """
+    """Keep pairs whose chosen and rejected :func:`action_length` lie in ``[min_chars, max_chars]``, and
+    (``dedupe``) the first of those with the same state and normalised actions; returns them and drop counts."""
     if min_chars < 0 or (max_chars is not None and max_chars < min_chars):
         raise ValueError(
             f"need 0 <= min_chars <= max_chars, got min_chars={min_chars}, max_chars={max_chars}"

@@ -5,38 +5,8 @@ OpenAI chat dicts, in TRL's *conversational* layout (``prompt`` is a list of mes
 ``completion``, ``chosen`` and ``rejected`` are one-message lists), so TRL-style code can
 apply the same chat template it uses elsewhere.
 
-=====================  ===============================  ==========================================
-column                 type                             meaning
-=====================  ===============================  ==========================================
-id                     str                              ``"{episode_id}@{turn}"``, unique
-episode_id, turn       str, int                         where the state comes from
-prompt                 list[message]                    the student's context x
-tools                  list[tool schema]                OpenAI tool schemas of the episode (may be empty)
-completion             [message]                        the student's action y at x
-teacher_prompt         list[message] | null             channel 2: x with the hint inserted
-hint                   str | null                       channel 2: the hint text
-hint_index             int | null                       position of the hint message in teacher_prompt
-error_kinds            list[str]                        error signals at this site (may be empty)
-tokenizer              str | null                       tokenizer the ids and mask belong to
-prompt_ids             list[int] | null                 tokens of prompt (add_generation_prompt)
-teacher_prompt_ids     list[int] | null                 tokens of teacher_prompt
-completion_ids         list[int] | null                 tokens of completion (shared by both contexts)
-sdpo_mask              list[int] | null                 0/1 per completion token: where to distil
-chosen                 [message] | null                 channel 3: the preferred (teacher) action
-rejected               [message] | null                 channel 3: the student's action (= completion)
-chosen_by              "verifier" | "majority" | null   how chosen was selected
-chosen_teachers        list[str]                        teachers that gave the chosen action
-ref_chosen_logp        float | null                     optional summed reference log-prob of chosen
-ref_rejected_logp      float | null                     optional summed reference log-prob of rejected
-=====================  ===============================  ==========================================
-
-A record carries channel 2 (``teacher_prompt`` + ``hint``), channel 3 (``chosen`` +
-``rejected``) or both. :func:`read_records` validates every row: messages parse, the
-completion is one assistant message, ``sdpo_mask`` is 0/1 with ``len == len(completion_ids)``
-and at least one 1, ``teacher_prompt`` equals ``prompt`` with exactly the hint message
-inserted at ``hint_index``, ``chosen`` != ``rejected``, reference log-probs finite and
-given in pairs. Parquet (``parquet`` extra, pyarrow) stores message columns and ``tools`` as JSON text
-(tool-call structures are ragged) and everything else natively.
+A record carries channel 2, channel 3 or both; :func:`validate_record` checks every row read or written.
+Parquet (``parquet`` extra) stores message columns and ``tools`` as JSON text, everything else natively.
 """
 
 from __future__ import annotations
@@ -49,7 +19,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .schema import Message, message_from_dict
+from .schema import Message, _json_lines, message_from_dict
 
 __all__ = [
     "MESSAGE_COLUMNS",
@@ -65,28 +35,28 @@ MESSAGE_COLUMNS = ("prompt", "completion", "tools", "teacher_prompt", "chosen", 
 
 @dataclass(frozen=True)
 class TraceRecord:
-    """One row of the output schema (see the module docstring for every column)."""
+    """One row of the output schema; messages are OpenAI chat dicts, ``null`` where a channel is absent."""
 
-    id: str
+    id: str  # "{episode_id}@{turn}", unique
     episode_id: str
     turn: int
-    prompt: list[dict[str, Any]]
-    completion: list[dict[str, Any]]
-    tools: list[dict[str, Any]] = field(default_factory=list)
-    teacher_prompt: list[dict[str, Any]] | None = None
-    hint: str | None = None
-    hint_index: int | None = None
-    error_kinds: list[str] = field(default_factory=list)
-    tokenizer: str | None = None
-    prompt_ids: list[int] | None = None
+    prompt: list[dict[str, Any]]  # the student's context x
+    completion: list[dict[str, Any]]  # [the student's action y at x]
+    tools: list[dict[str, Any]] = field(default_factory=list)  # OpenAI tool schemas of the episode
+    teacher_prompt: list[dict[str, Any]] | None = None  # channel 2: x with the hint message inserted
+    hint: str | None = None  # channel 2: the hint text
+    hint_index: int | None = None  # position of the hint message in teacher_prompt
+    error_kinds: list[str] = field(default_factory=list)  # error signals at this site
+    tokenizer: str | None = None  # the tokenizer the ids and mask belong to
+    prompt_ids: list[int] | None = None  # tokens of prompt (with the generation prompt)
     teacher_prompt_ids: list[int] | None = None
-    completion_ids: list[int] | None = None
-    sdpo_mask: list[int] | None = None
-    chosen: list[dict[str, Any]] | None = None
-    rejected: list[dict[str, Any]] | None = None
-    chosen_by: str | None = None
-    chosen_teachers: list[str] = field(default_factory=list)
-    ref_chosen_logp: float | None = None
+    completion_ids: list[int] | None = None  # tokens of completion (shared by both contexts)
+    sdpo_mask: list[int] | None = None  # 0/1 per completion token: where to distil
+    chosen: list[dict[str, Any]] | None = None  # channel 3: [the preferred (teacher) action]
+    rejected: list[dict[str, Any]] | None = None  # channel 3: [the student's action] (= completion)
+    chosen_by: str | None = None  # "verifier" or "majority"
+    chosen_teachers: list[str] = field(default_factory=list)  # teachers that gave the chosen action
+    ref_chosen_logp: float | None = None  # optional summed reference log-probs of chosen / rejected
     ref_rejected_logp: float | None = None
 
     @property
@@ -142,7 +112,6 @@ def validate_record(row: Mapping[str, Any], where: str = "record") -> TraceRecor
 
 
 def _check_base(row: Mapping[str, Any], where: str) -> tuple[list[Message], Message]:
-    """Known columns, the required ones, the turn, tools; returns (prompt, completion)."""
     unknown = set(row) - _FIELDS
     if unknown:
         raise ValueError(f"{where}: unknown columns {sorted(unknown)}")
@@ -259,17 +228,10 @@ def read_records(path: str | Path) -> list[TraceRecord]:
                         raise ValueError(f"{p} row {i}: column {k} is not JSON ({e.msg})") from e
             rows.append((f"{p} row {i}", dec))
     else:
-        with p.open(encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{p}:{n}: not valid JSON ({e.msg})") from e
-                if not isinstance(obj, dict):
-                    raise ValueError(f"{p}:{n}: each line must be a JSON object")
-                rows.append((f"{p}:{n}", obj))
+        for n, obj in _json_lines(p):
+            if not isinstance(obj, dict):
+                raise ValueError(f"{p}:{n}: each line must be a JSON object")
+            rows.append((f"{p}:{n}", obj))
     out = [validate_record(r, where) for where, r in rows]
     ids = [r.id for r in out]
     if len(set(ids)) != len(ids):

@@ -1,43 +1,27 @@
 """N-teacher replay: ask OpenAI-compatible chat-completions endpoints for the next action.
 
-For each student state (the messages before one of the student's assistant turns) every
-configured teacher is asked ``POST {base_url}/chat/completions``. Any OpenAI-compatible
-server works: a hosted router, vLLM, SGLang, a local server.
+Every configured teacher is asked ``POST {base_url}/chat/completions`` at each student state (the
+messages before one of the student's assistant turns). Guarantees:
 
-Guarantees:
-
-- **Bounded concurrency**: at most ``max_concurrency`` requests in flight overall and
-  ``TeacherConfig.max_concurrency`` per teacher.
-- **Retries**: 408/409/429, 5xx, timeouts, connection errors, malformed JSON and responses
-  without a well-typed ``choices[0].message`` are retried up to ``max_retries`` times with exponential
-  backoff and jitter: sleep ~ U(d/2, d), ``d = min(backoff_max_s, backoff_base_s·2^attempt)``;
-  a ``Retry-After`` header (seconds) is honoured up to ``backoff_max_s``. Other 4xx are not
-  retried. Every request has a timeout (``timeout_s``).
-- **Failures are recorded, never dropped**: a request that finally fails yields a
-  :class:`ReplayResult` with ``failure`` set to the reason. A malformed part of one response
-  (wrong types anywhere, a non-object body, no choices) fails that request only, never the run.
-- **Bounded responses**: bodies are read streamed and refused past ``max_response_bytes``
-  (default :data:`DEFAULT_MAX_RESPONSE_BYTES` = 8 MiB; a declared ``Content-Length`` above it is
-  refused before reading): an oversize answer is a recorded, non-retried failure.
-- **Cache**: every answer is written (atomically) to ``cache_dir`` as soon as it arrives,
-  keyed by SHA-256 over (teacher name, model, state hash, sampling parameters); a rerun —
-  also after a crash or ``kill -9`` — reads it and never pays for it again. Identical
-  requests within one run are sent once. Requests that got no answer are not cached (a
-  rerun retries them); an answer that arrived but is unusable (e.g. empty) is cached and
-  reported as a failure.
-- **Accounting** per teacher (:class:`TeacherStats`): HTTP requests, cache hits, retries,
-  failures, prompt/completion tokens (from ``usage``) and cost from the configured prices.
-  A ``usage`` count that is missing, non-numeric, negative, non-finite or absurd (>= 1e15) is
-  *unknown*: the result carries None, ``usage_unknown`` counts the answer, and the totals
-  (tokens, cost) cover the known counts only (a lower bound when ``usage_unknown > 0``).
-- **Keys**: read from the environment variable named by ``api_key_env`` at request time;
-  never stored in configs, caches, results, logs or errors (``teachers.toml`` refuses an
-  ``api_key`` entry). Everything taken from a response (error bodies, answers) is redacted
-  *before* it is cut: every run of >= 8 characters of the key, its URL-encoded and JSON forms
-  and its base64 forms at any alignment (e.g. an echoed ``Authorization: Basic``/``Bearer``
-  header) becomes ``***``.
-- **Cache paths** never leave ``cache_dir`` (teacher names such as ``..`` or ``a/b`` map to a
-  sanitised directory); temporary files orphaned by a killed run are removed by the next one.
+- **Bounded concurrency**: ``max_concurrency`` requests in flight overall, ``TeacherConfig.max_concurrency``
+  per teacher; every request has a deadline (``timeout_s``).
+- **Retries**: 408/409/429, 5xx, timeouts, connection errors, malformed JSON and responses without a
+  well-typed ``choices[0].message`` are retried up to ``max_retries`` times, sleeping U(d/2, d) with
+  ``d = min(backoff_max_s, backoff_base_s·2^attempt)`` (at least ``Retry-After``, capped by
+  ``backoff_max_s``). Other 4xx are not retried.
+- **Failures are recorded, never dropped**: a request that finally fails yields a :class:`ReplayResult`
+  with ``failure`` set; a malformed response fails that request only, never the run. Bodies past
+  ``max_response_bytes`` (default 8 MiB, also a declared ``Content-Length``) are a non-retried failure.
+- **Cache**: every answer is written atomically to ``cache_dir`` as it arrives, keyed by SHA-256 over
+  (teacher name, model, state hash, sampling parameters), so a rerun (also after ``kill -9``) never pays
+  for it again; identical requests within one run are sent once. Unanswered requests are not cached; an
+  unusable answer is cached and reported as a failure. Cache paths never leave ``cache_dir``.
+- **Accounting** per teacher (:class:`TeacherStats`): requests, cache hits, retries, failures, tokens
+  (from ``usage``) and cost. A missing, non-numeric, negative, non-finite or absurd (>= 1e15) count is
+  *unknown*: None on the result, counted in ``usage_unknown``, left out of the totals.
+- **Keys** come from the variable named by ``api_key_env`` at request time and are never stored
+  (``teachers.toml`` refuses ``api_key``). Everything taken from a response is redacted *before* it is
+  cut: every run of >= 8 characters of the key, its URL-encoded, JSON and base64 forms becomes ``***``.
 
 Requires the ``replay`` extra (``pip install 'composer-core[replay]'``, httpx).
 """
@@ -58,7 +42,6 @@ import random
 import re
 import signal
 import tempfile
-import time
 import tomllib
 import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -113,10 +96,7 @@ def _redactor(secrets: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...
 
 
 def _grow(text: str, start: int, end: int, forms: Sequence[str], right_first: bool) -> tuple[int, int]:
-    """Widen ``text[start:end]`` (part of a form) as far as it stays part of some form.
-
-    "Part of a form" is monotone in both ends, so each end is found by bisection.
-    """
+    """Widen ``text[start:end]`` (part of a form) by bisection as far as it stays part of some form."""
     longest = max(map(len, forms))
 
     def part(a: int, b: int) -> bool:
@@ -141,9 +121,8 @@ def _grow(text: str, start: int, end: int, forms: Sequence[str], right_first: bo
 def redact(text: str, secrets: Sequence[str]) -> str:
     """``text`` with every form of every secret (see the module docstring) replaced by ``***``.
 
-    Any run of >= ``MIN_SECRET_CHARS`` characters that is part of a form is removed, so a key
-    cut short by a truncation, or a prefix/suffix of it, is caught too. Redact *before* cutting.
-    Anchors are found with ``str.find`` (C speed); a body full of keys costs O(log) per key.
+    Any run of >= ``MIN_SECRET_CHARS`` characters that is part of a form is removed, so a prefix or
+    suffix of a key is caught too. Redact *before* cutting.
     """
     uniq = tuple(sorted({s for s in secrets if s}))
     if not uniq or not text:
@@ -199,6 +178,13 @@ def _count(value: Any) -> int | None:
     return int(value) if 0 <= value < _MAX_COUNT else None
 
 
+def _usage(data: Mapping[str, Any]) -> tuple[int | None, int | None]:
+    """(prompt, completion) token counts of a response's or cache entry's ``usage``."""
+    usage = data.get("usage")
+    usage = usage if isinstance(usage, dict) else {}
+    return _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
+
+
 def _httpx() -> Any:
     try:
         return importlib.import_module("httpx")
@@ -210,11 +196,8 @@ def _httpx() -> Any:
 
 @dataclass(frozen=True)
 class TeacherConfig:
-    """One teacher endpoint (a ``[[teachers]]`` table of ``teachers.toml``).
-
-    ``base_url`` ends before ``/chat/completions`` (e.g. ``http://127.0.0.1:8000/v1``).
-    Prices are USD per million tokens. ``extra_body`` is merged into every request body.
-    """
+    """One teacher endpoint: ``base_url`` ends before ``/chat/completions``, prices are USD per million
+    tokens, ``extra_body`` is merged into every request body."""
 
     name: str
     base_url: str
@@ -276,22 +259,8 @@ _TEACHER_FIELDS = {f.name for f in dataclasses.fields(TeacherConfig)}
 
 
 def load_teachers(path: str | Path) -> list[TeacherConfig]:
-    """Parse ``teachers.toml``: an optional ``[defaults]`` table and ``[[teachers]]`` tables.
-
-    Example::
-
-        [defaults]
-        timeout_s = 60
-        max_retries = 4
-
-        [[teachers]]
-        name = "big"
-        base_url = "https://openrouter.ai/api/v1"
-        model = "qwen/qwen3-coder"
-        api_key_env = "OPENROUTER_API_KEY"
-        input_cost_per_mtok = 0.2
-        output_cost_per_mtok = 0.8
-    """
+    """Parse ``teachers.toml``: an optional ``[defaults]`` table and ``[[teachers]]`` tables whose keys are
+    :class:`TeacherConfig` fields (example in the package README)."""
     p = Path(path)
     try:
         data = tomllib.loads(p.read_text(encoding="utf-8"))
@@ -323,9 +292,6 @@ def load_teachers(path: str | Path) -> list[TeacherConfig]:
             out.append(TeacherConfig(**merged))
         except (TypeError, ValueError) as e:
             raise ValueError(f"{p}: teachers[{i}]: {e}") from e
-    names = [t.name for t in out]
-    if len(set(names)) != len(names):
-        raise ValueError(f"{p}: teacher names must be unique, got {names}")
     return out
 
 
@@ -355,10 +321,8 @@ class ReplayJob:
 
 @dataclass(frozen=True)
 class ReplayResult:
-    """A teacher's answer (``message``) or the reason it finally failed (``failure``).
-
-    Token counts and cost are None when the endpoint's ``usage`` did not state them usably.
-    """
+    """A teacher's answer (``message``) or the reason it finally failed (``failure``); token counts and
+    cost are None when ``usage`` did not state them usably."""
 
     teacher: str
     model: str
@@ -379,10 +343,8 @@ class ReplayResult:
 class ReplayCache:
     """On-disk cache: one JSON file per key under ``root/<teacher dir>/<key[:2]>/<key>.json``.
 
-    Writes go to a temporary file ``.tmp-<pid>-*`` then ``os.replace``, so a killed process
-    leaves either a complete entry or none (plus possibly its temporary file, which the next
-    :class:`ReplayCache` on the same root removes: ``orphans_removed``). ``<teacher dir>`` is
-    the name itself when it is a plain name, else a sanitised name plus a hash of the original.
+    Writes go to ``.tmp-<pid>-*`` then ``os.replace``: a killed process leaves a complete entry or none,
+    plus maybe its temporary file, which the next :class:`ReplayCache` on the root removes.
     """
 
     _writes = 0  # per process, for the KILL_ENV test hook
@@ -392,20 +354,14 @@ class ReplayCache:
         self.root.mkdir(parents=True, exist_ok=True)
         self.orphans_removed = self._remove_orphans()
 
-    def _remove_orphans(self, legacy_age_s: float = 600.0) -> int:
-        """Delete temporary files whose writer is gone (dead pid, or unnamed and older than 10 min)."""
+    def _remove_orphans(self) -> int:
+        """Delete temporary files whose writer (the pid in their name) is gone."""
         removed = 0
         for tmp in self.root.rglob(".tmp-*"):
             m = re.match(r"\.tmp-(\d+)-", tmp.name)
-            try:
-                if m is not None and _pid_alive(int(m.group(1))):  # a live writer (maybe this process)
-                    continue
-                if m is None and time.time() - tmp.stat().st_mtime < legacy_age_s:
-                    continue
-                tmp.unlink()
+            if m is not None and not _pid_alive(int(m.group(1))):
+                tmp.unlink(missing_ok=True)
                 removed += 1
-            except FileNotFoundError:
-                continue
         if removed:
             log.info("replay cache %s: removed %d temporary files of an interrupted run", self.root, removed)
         return removed
@@ -432,8 +388,6 @@ class ReplayCache:
         return f"{safe}-{hashlib.sha256(teacher.encode()).hexdigest()[:12]}"
 
     def _path(self, teacher: str, key: str) -> Path:
-        if not re.fullmatch(r"[0-9a-f]{64}", key):
-            raise ValueError(f"cache key must be a SHA-256 hex digest, got {key!r}")
         p = self.root / self.teacher_dir(teacher) / key[:2] / f"{key}.json"
         if not p.resolve().is_relative_to(self.root.resolve()):
             raise ValueError(f"cache path {p} leaves the cache directory {self.root}")
@@ -482,7 +436,6 @@ def _pid_alive(pid: int) -> bool:
 class _Retryable(Exception):
     def __init__(self, reason: str, retry_after: float | None = None) -> None:
         super().__init__(reason)
-        self.reason = reason
         self.retry_after = retry_after
 
 
@@ -515,8 +468,7 @@ def _retry_after(headers: Mapping[str, str]) -> float | None:
 class Replayer:
     """Ask N teachers for actions with bounded concurrency, retries, caching and accounting.
 
-    ``sleep`` and ``rng`` are injectable (tests use them to check the backoff schedule);
-    ``transport`` is passed to ``httpx.AsyncClient``.
+    ``sleep`` and ``rng`` drive the backoff; ``transport`` is passed to ``httpx.AsyncClient``.
     """
 
     def __init__(
@@ -543,7 +495,7 @@ class Replayer:
         self.max_response_bytes = max_response_bytes
         self.teachers = {t.name: t for t in teachers}
         if len(self.teachers) != len(teachers):
-            raise ValueError("teacher names must be unique")
+            raise ValueError(f"teacher names must be unique, got {[t.name for t in teachers]}")
         self.cache = None if cache_dir is None else ReplayCache(cache_dir)
         self.max_concurrency = max_concurrency
         self.stats = {t.name: TeacherStats() for t in teachers}
@@ -557,11 +509,7 @@ class Replayer:
         return list(self.teachers)
 
     def _secrets(self) -> list[str]:
-        return [
-            os.environ[t.api_key_env]
-            for t in self.teachers.values()
-            if t.api_key_env and os.environ.get(t.api_key_env)
-        ]
+        return [k for t in self.teachers.values() if t.api_key_env and (k := os.environ.get(t.api_key_env))]
 
     def _redact(self, text: str) -> str:
         return redact(text, self._secrets())
@@ -649,7 +597,7 @@ class Replayer:
                 reason = str(e)
                 break
             except _Retryable as e:
-                reason = e.reason
+                reason = str(e)
                 if attempt < t.max_retries:
                     st.retries += 1
                     delay = self.backoff(t, attempt, e.retry_after)
@@ -668,22 +616,15 @@ class Replayer:
     def _answered(self, t: TeacherConfig, key: str, data: Mapping[str, Any], attempts: int) -> ReplayResult:
         """Account and cache a paid answer (even an unusable one, so a rerun does not pay again)."""
         st = self.stats[t.name]
-        usage = data.get("usage")
-        usage = usage if isinstance(usage, dict) else {}
-        pt, ct = _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
+        pt, ct = _usage(data)
         st.answers += 1
         st.usage_unknown += pt is None or ct is None
         st.prompt_tokens += pt or 0
         st.completion_tokens += ct or 0
         st.cost_usd += t.cost(pt or 0, ct or 0) or 0.0
-        secrets = self._secrets()
-        raw = _redact_strings({**_answer_message(data), "role": "assistant"}, secrets)
-        entry = {
-            "teacher": t.name,
-            "model": t.model,
-            "message": raw,
-            "usage": {"prompt_tokens": pt, "completion_tokens": ct},
-        }
+        raw = _redact_strings({**_answer_message(data), "role": "assistant"}, self._secrets())
+        usage = {"prompt_tokens": pt, "completion_tokens": ct}
+        entry = {"teacher": t.name, "model": t.model, "message": raw, "usage": usage}
         if self.cache is not None:
             self.cache.put(t.name, key, entry)
         result = self._from_entry(t, key, entry, cached=False, attempts=attempts)
@@ -695,9 +636,7 @@ class Replayer:
     def _from_entry(
         self, t: TeacherConfig, key: str, entry: Mapping[str, Any], cached: bool, attempts: int
     ) -> ReplayResult:
-        usage = entry.get("usage")
-        usage = usage if isinstance(usage, dict) else {}
-        pt, ct = _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
+        pt, ct = _usage(entry)
         try:
             msg: Message | None = message_from_dict(entry.get("message"), f"teacher {t.name} answer")
             failure = None

@@ -2,14 +2,10 @@
 
     composer-replay --traces traces.jsonl --teachers teachers.toml --out pairs.jsonl
 
-Pipeline (:func:`build_records`): read episodes (OpenAI JSONL or Claude Code sessions),
-find error sites, pick the states (every student turn, or only faulty ones), ask every
-teacher for the next action at each state (:class:`~composer_core.traces.replay.Replayer`: cached,
-retried, accounted), build a hinted teacher context at each faulty turn
-(:mod:`composer_core.traces.hints`), build preference pairs (:mod:`composer_core.traces.pairs`), filter
-them, and write :class:`~composer_core.traces.records.TraceRecord` rows. Requests that finally
-failed go to ``<out>.failures.jsonl`` with their reason; per-teacher accounting to
-``<out>.summary.json`` and the terminal.
+:func:`build_records` asks every teacher for the next action at each chosen state (every student turn, or
+only faulty ones), builds a hinted teacher context at each faulty turn and preference pairs, and returns
+:class:`~composer_core.traces.records.TraceRecord` rows. Failed requests go to ``<out>.failures.jsonl``,
+per-teacher accounting to ``<out>.summary.json`` and the terminal.
 
 Exit status (with 0, 3 and 4 all outputs are written first):
 
@@ -30,7 +26,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -40,9 +36,10 @@ from .hints import (
     TemplateHint,
     build_hinted_context,
     error_text_hint,
+    load_hint_fn,
     tokenize_hinted,
 )
-from .pairs import PreferencePair, Verifier, filter_pairs, make_pair
+from .pairs import Verifier, filter_pairs, make_pair
 from .records import TraceRecord, write_records
 from .replay import (
     DEFAULT_MAX_RESPONSE_BYTES,
@@ -50,6 +47,7 @@ from .replay import (
     ReplayJob,
     ReplayResult,
     TeacherConfig,
+    TeacherStats,
     load_teachers,
 )
 from .schema import Episode, ErrorSite, find_error_sites, read_traces
@@ -70,11 +68,6 @@ class BuildResult:
     sdpo_sites: int = 0
     pairs: int = 0
     requests: int = 0  # teacher requests (one per state and teacher; cached ones included)
-
-
-def _progress(total: int, enabled: bool) -> Any:
-    tqdm = importlib.import_module("tqdm.auto").tqdm
-    return tqdm(total=total, desc="teacher replay", unit="req", disable=not enabled, file=sys.stderr)
 
 
 def build_records(
@@ -100,18 +93,12 @@ def build_records(
     sites, targets = _targets(episodes, states)
 
     results, failures = _replay_all(replayer, targets, progress)
-    pairs: dict[tuple[str, int], PreferencePair] = {}
-    for ep, t in targets:
-        pair = make_pair(ep, t, results.get((ep.id, t), []), verifier=verifier)
-        if pair is not None:
-            pairs[(ep.id, t)] = pair
+    made = [make_pair(ep, t, results.get((ep.id, t), []), verifier=verifier) for ep, t in targets]
     kept, dropped = filter_pairs(
-        list(pairs.values()), min_chars=min_chars, max_chars=max_chars, dedupe=dedupe
+        [p for p in made if p is not None], min_chars=min_chars, max_chars=max_chars, dedupe=dedupe
     )
-    kept_ids = {(p.episode_id, p.turn) for p in kept}
-
-    out = BuildResult([], failures, dropped, states=len(targets))
-    out.requests = sum(len(rs) for rs in results.values())
+    pairs = {(p.episode_id, p.turn): p for p in kept}
+    out = BuildResult([], failures, dropped, len(targets), requests=sum(map(len, results.values())))
     for ep, t in targets:
         row: dict[str, Any] = {
             "id": f"{ep.id}@{t}",
@@ -127,8 +114,8 @@ def build_records(
         if site_list and hint_source is not None:
             row |= _sdpo_fields(ep, site_list[0], hint_source, tokenizer, tokenizer_name, chat_template)
             out.sdpo_sites += 1
-        if (ep.id, t) in kept_ids:
-            p = pairs[(ep.id, t)]
+        p = pairs.get((ep.id, t))
+        if p is not None:
             row |= {
                 "chosen": [p.chosen.to_dict()],
                 "rejected": [p.rejected.to_dict()],
@@ -170,7 +157,8 @@ def _replay_all(
     jobs = [
         ReplayJob(name, ep.messages[:t], ep.tools) for ep, t in targets for name in replayer.teacher_names
     ]
-    bar = _progress(len(jobs), progress)
+    tqdm = importlib.import_module("tqdm.auto").tqdm
+    bar = tqdm(total=len(jobs), desc="teacher replay", unit="req", disable=not progress, file=sys.stderr)
 
     def tick(r: ReplayResult) -> None:
         bar.update(1)
@@ -223,13 +211,10 @@ def _sdpo_fields(
 
 
 def _load_verifier(spec: str) -> Verifier:
-    module, _, attr = spec.partition(":")
-    if not module or not attr:
-        raise SystemExit(f"--verifier must look like 'package.module:function', got {spec!r}")
-    fn = getattr(importlib.import_module(module), attr)
-    if not callable(fn):
-        raise SystemExit(f"--verifier {spec} is not callable")
-    return fn  # type: ignore[no-any-return]
+    try:
+        return load_hint_fn(spec, option="--verifier")
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
 
 
 def _load_tokenizer(path: str, trust_remote_code: bool) -> Any:
@@ -350,17 +335,7 @@ def _hint_source(spec: str, template: str | None, replayer: Replayer | None) -> 
 
 
 def _print_summary(summary: dict[str, Any]) -> None:
-    cols = [
-        "requests",
-        "answers",
-        "cache_hits",
-        "retries",
-        "failures",
-        "usage_unknown",
-        "prompt_tokens",
-        "completion_tokens",
-        "cost_usd",
-    ]
+    cols = [f.name for f in fields(TeacherStats)]
     teachers = summary["teachers"]
     width = max([len("teacher"), *(len(n) for n in teachers)])
     print(f"{'teacher':<{width}}  " + "  ".join(f"{c:>17}" for c in cols))

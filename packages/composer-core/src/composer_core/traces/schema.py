@@ -1,26 +1,11 @@
 """Agent episodes: a typed schema in OpenAI chat format, ingesters, and error-site detection.
 
-An **episode** is one agent run: a sequence of chat messages (``system``, ``user``,
-``assistant`` with optional tool calls, ``tool`` results) in the OpenAI chat-completions
-format, plus optional tool schemas and metadata. Every record is a frozen dataclass and
-is validated when built, so downstream code (hints, replay, pairs) never works on raw
-``list[dict]`` fields.
-
-Ingesters:
-
-- :func:`read_openai_jsonl` — one episode per line: ``{"id": ..., "messages": [...],
-  "tools": [...], "metadata": {...}}`` (or a bare JSON list of messages).
-- :func:`read_claude_code_jsonl` — a Claude Code session file
-  (``~/.claude/projects/<dir>/<session>.jsonl``): ``user``/``assistant`` entries whose
-  ``message.content`` holds ``text``, ``tool_use`` and ``tool_result`` blocks. Assistant
-  entries that share ``message.id`` (one line per content block) are merged; ``thinking``
-  blocks, side-chain (sub-agent) and meta entries are skipped.
-
-Error sites (:func:`find_error_sites`): a ``tool`` message is an error site when the tool
-reported an error (``is_error``), its output shows a failing test run, or a non-zero exit
-code. The assistant turn that issued the failing call is the **faulty turn**: the SDPO
-site where a hint is inserted (:mod:`composer_core.traces.hints`) and the state at which teachers
-are replayed (:mod:`composer_core.traces.replay`).
+An **episode** is one agent run: chat messages (``system``, ``user``, ``assistant`` with optional
+tool calls, ``tool`` results) in OpenAI chat-completions format, plus optional tool schemas and
+metadata; every record is a frozen dataclass validated when built. :func:`read_openai_jsonl` reads one
+episode per line (or a bare list of messages); :func:`read_claude_code_jsonl` reads a Claude Code
+session file. :func:`find_error_sites` finds failed tool results; the assistant turn that issued the
+failing call is the **faulty turn**, where hints are inserted and teachers are replayed.
 """
 
 from __future__ import annotations
@@ -63,11 +48,8 @@ def canonical_json(value: Any) -> str:
 
 @dataclass(frozen=True)
 class ToolCall:
-    """One function call of an assistant message (OpenAI ``tool_calls[i]``).
-
-    ``arguments`` is the JSON text the model produced (OpenAI keeps it a string; it may
-    be invalid JSON when the model erred, which is itself a useful error signal).
-    """
+    """One function call of an assistant message; ``arguments`` is the JSON text the model produced (may
+    be invalid JSON when the model erred)."""
 
     id: str
     name: str
@@ -97,12 +79,9 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class Message:
-    """One chat message in OpenAI format.
+    """One chat message in OpenAI format (content-part lists are joined into ``content`` when read).
 
-    ``content`` is text (content-part lists are joined when read). ``tool_calls`` only on
-    ``assistant``; ``tool_call_id`` required on ``tool``. ``is_error`` (an extension, from
-    Claude Code's ``tool_result.is_error``) and ``exit_code`` mark failed tool results when
-    the harness recorded them.
+    ``is_error`` and ``exit_code`` (extensions) mark failed tool results when the harness recorded them.
     """
 
     role: Role
@@ -142,14 +121,9 @@ class Message:
         out: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.tool_calls:
             out["tool_calls"] = [c.to_dict() for c in self.tool_calls]
-        if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
-        if self.name is not None:
-            out["name"] = self.name
-        if self.is_error is not None:
-            out["is_error"] = self.is_error
-        if self.exit_code is not None:
-            out["exit_code"] = self.exit_code
+        for attr in ("tool_call_id", "name", "is_error", "exit_code"):
+            if getattr(self, attr) is not None:
+                out[attr] = getattr(self, attr)
         return out
 
     def to_api_dict(self) -> dict[str, Any]:
@@ -185,9 +159,6 @@ def message_from_dict(d: Any, where: str = "message") -> Message:
     """Build a :class:`Message` from an OpenAI-format dict, with errors naming ``where``."""
     if not isinstance(d, Mapping):
         raise ValueError(f"{where}: expected a message object, got {type(d).__name__}")
-    role = d.get("role")
-    if role not in ROLES:
-        raise ValueError(f"{where}: role must be one of {ROLES}, got {role!r}")
     calls: list[ToolCall] = []
     for i, c in enumerate(d.get("tool_calls") or []):
         fn = c.get("function") if isinstance(c, Mapping) else None
@@ -205,7 +176,7 @@ def message_from_dict(d: Any, where: str = "message") -> Message:
     is_error = d.get("is_error")
     try:
         return Message(
-            role=role,
+            role=cast(Role, d.get("role")),  # checked by Message
             content=_content_to_text(d.get("content"), where),
             tool_calls=tuple(calls),
             tool_call_id=d.get("tool_call_id"),
@@ -219,11 +190,8 @@ def message_from_dict(d: Any, where: str = "message") -> Message:
 
 @dataclass(frozen=True)
 class Episode:
-    """One agent run: messages (OpenAI chat format), optional tool schemas and metadata.
-
-    Validated on construction: every ``tool`` message answers a call issued by an earlier
-    assistant message of the same episode.
-    """
+    """One agent run: messages, optional tool schemas and metadata; every ``tool`` message must answer a
+    call issued by an earlier assistant message."""
 
     id: str
     messages: tuple[Message, ...]
@@ -256,11 +224,8 @@ class Episode:
         raise KeyError(tool_call_id)
 
     def tool_call(self, tool_call_id: str) -> ToolCall:
-        for m in self.messages:
-            for c in m.tool_calls:
-                if c.id == tool_call_id:
-                    return c
-        raise KeyError(tool_call_id)
+        calls = self.messages[self.issuing_turn(tool_call_id)].tool_calls
+        return next(c for c in calls if c.id == tool_call_id)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"id": self.id, "messages": [m.to_dict() for m in self.messages]}
@@ -320,19 +285,12 @@ def write_openai_jsonl(episodes: Iterable[Episode], path: str | Path) -> None:
             f.write(json.dumps(ep.to_dict(), ensure_ascii=False) + "\n")
 
 
-def _tool_result_text(block: Mapping[str, Any], where: str) -> str:
-    text = _content_to_text(block.get("content"), where)
-    return text or ""
-
-
 def read_claude_code_jsonl(path: str | Path) -> list[Episode]:
     """Read a Claude Code session file into episodes (one per ``sessionId``).
 
-    Mapping: assistant ``text`` blocks -> ``content``; ``tool_use`` -> a :class:`ToolCall`
-    (``input`` serialised as canonical JSON); user ``tool_result`` -> a ``tool`` message
-    with ``is_error``; other user text -> a ``user`` message. Skipped: ``summary``,
-    ``system``, snapshot and queue entries, ``isSidechain`` / ``isMeta`` entries and
-    ``thinking`` blocks. Consecutive assistant entries sharing ``message.id`` are merged.
+    ``tool_use`` blocks become :class:`ToolCall` s, ``tool_result`` blocks ``tool`` messages; other entry
+    types, side-chain / meta entries and ``thinking`` blocks are skipped, and consecutive assistant entries
+    sharing ``message.id`` are merged.
     """
     p = Path(path)
     sessions: dict[str, list[Message]] = {}
@@ -350,29 +308,20 @@ def read_claude_code_jsonl(path: str | Path) -> list[Episode]:
         sid = str(obj.get("sessionId") or p.stem)
         out = sessions.setdefault(sid, [])
         content = msg.get("content")
-        blocks: list[Any] = (
-            [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
-        )
-        if kind == "assistant":
-            text, calls = _assistant_blocks(blocks, where)
-            if not text and not calls:
-                continue
-            mid = msg.get("id")
-            prev = out[-1] if out else None
-            if (
-                prev is not None
-                and prev.role == "assistant"
-                and mid is not None
-                and last_assistant_id.get(sid) == mid
-            ):
-                merged_text = "".join(t for t in (prev.content, *text) if t) or None
-                out[-1] = Message("assistant", merged_text, prev.tool_calls + tuple(calls))
-            else:
-                out.append(Message("assistant", "".join(text) or None, tuple(calls)))
+        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
+        results, text, calls = _entry_blocks(kind, blocks, where)
+        mid = msg.get("id") if kind == "assistant" else None
+        if mid is not None and last_assistant_id.get(sid) == mid:  # out[-1] is that entry's message
+            prev = out[-1]
+            merged_text = "".join(t for t in (prev.content, text) if t) or None
+            out[-1] = Message("assistant", merged_text, prev.tool_calls + calls)
+        elif kind == "assistant" and (text or calls):
+            out.append(Message("assistant", text or None, calls))
+        out += results
+        if kind == "user" and text is not None:
+            out.append(Message("user", text))
+        if kind == "user" or text or calls:
             last_assistant_id[sid] = None if mid is None else str(mid)
-        else:
-            last_assistant_id[sid] = None
-            out.extend(_user_messages(blocks, where))
     episodes = []
     for sid, msgs in sessions.items():
         if not msgs:
@@ -384,46 +333,28 @@ def read_claude_code_jsonl(path: str | Path) -> list[Episode]:
     return episodes
 
 
-def _assistant_blocks(blocks: list[Any], where: str) -> tuple[list[str], list[ToolCall]]:
-    """The text pieces and tool calls of one assistant entry's content blocks (thinking blocks skipped)."""
+def _entry_blocks(
+    kind: str, blocks: list[Any], where: str
+) -> tuple[list[Message], str | None, tuple[ToolCall, ...]]:
+    """One entry's content blocks: (a ``tool`` message per tool result, its text or None, its tool calls)."""
+    results: list[Message] = []
     text: list[str] = []
     calls: list[ToolCall] = []
     for b in blocks:
-        btype = b.get("type") if isinstance(b, Mapping) else None
-        if btype == "text":
+        btype = (b.get("type") if isinstance(b, Mapping) else None, kind)
+        if btype[0] == "text":
             text.append(str(b.get("text", "")))
-        elif btype == "tool_use":
+        elif btype == ("image", "user"):
+            text.append("[image]")
+        elif btype == ("tool_use", "assistant"):
             calls.append(ToolCall(str(b.get("id")), str(b.get("name")), canonical_json(b.get("input", {}))))
-        elif btype not in ("thinking", "redacted_thinking"):
-            raise ValueError(f"{where}: unsupported assistant content block {btype!r}")
-    return text, calls
-
-
-def _user_messages(blocks: list[Any], where: str) -> list[Message]:
-    """One user entry's content blocks: a ``tool`` message per tool result, then its text as one ``user``
-    message (images as ``[image]``)."""
-    out: list[Message] = []
-    user_text: list[str] = []
-    for b in blocks:
-        btype = b.get("type") if isinstance(b, Mapping) else None
-        if btype == "tool_result":
-            out.append(
-                Message(
-                    "tool",
-                    _tool_result_text(b, where),
-                    tool_call_id=str(b.get("tool_use_id")),
-                    is_error=bool(b.get("is_error", False)),
-                )
-            )
-        elif btype == "text":
-            user_text.append(str(b.get("text", "")))
-        elif btype == "image":
-            user_text.append("[image]")
-        else:
-            raise ValueError(f"{where}: unsupported user content block {btype!r}")
-    if user_text:
-        out.append(Message("user", "".join(user_text)))
-    return out
+        elif btype == ("tool_result", "user"):
+            tool_text = _content_to_text(b.get("content"), where) or ""
+            call_id = str(b.get("tool_use_id"))
+            results.append(Message("tool", tool_text, tool_call_id=call_id, is_error=bool(b.get("is_error"))))
+        elif btype not in (("thinking", "assistant"), ("redacted_thinking", "assistant")):
+            raise ValueError(f"{where}: unsupported {kind} content block {btype[0]!r}")
+    return results, "".join(text) if text else None, tuple(calls)
 
 
 def read_traces(path: str | Path, fmt: Literal["auto", "openai", "claude-code"] = "auto") -> list[Episode]:
@@ -469,12 +400,8 @@ _TOOL_ERROR = [
 
 @dataclass(frozen=True)
 class ErrorSite:
-    """A failed tool result and the assistant turn that caused it.
-
-    ``turn`` indexes the ``tool`` message; ``action_turn`` the assistant message whose
-    call failed (the faulty turn). ``kinds`` lists every signal found; ``evidence`` is the
-    tool output (the error text hints are built from); ``exit_code`` when one was seen.
-    """
+    """A failed tool result (message ``turn``) and the assistant message whose call failed (``action_turn``);
+    ``kinds`` lists every signal found, ``evidence`` is the tool output."""
 
     episode_id: str
     turn: int
@@ -516,25 +443,8 @@ def find_error_sites(episode: Episode) -> list[ErrorSite]:
             kinds.append("exit_code")
         if kinds:
             action = episode.issuing_turn(m.tool_call_id)
+            name = episode.tool_call(m.tool_call_id).name
             sites.append(
-                ErrorSite(
-                    episode_id=episode.id,
-                    turn=i,
-                    action_turn=action,
-                    tool_call_id=m.tool_call_id,
-                    tool_name=episode.tool_call(m.tool_call_id).name,
-                    kinds=tuple(kinds),
-                    evidence=m.text,
-                    exit_code=code if code else None,
-                )
+                ErrorSite(episode.id, i, action, m.tool_call_id, name, tuple(kinds), m.text, code or None)
             )
     return sites
-
-
-def _as_messages(value: object) -> tuple[Message, ...]:
-    """Internal: accept only typed messages (never raw dicts) — see pairs.py."""
-    if isinstance(value, Message):
-        return (value,)
-    if isinstance(value, tuple | list) and all(isinstance(v, Message) for v in value):
-        return tuple(cast(Sequence[Message], value))
-    raise TypeError(f"expected Message or a sequence of Message, got {type(value).__name__}")

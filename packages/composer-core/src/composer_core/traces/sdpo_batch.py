@@ -7,12 +7,9 @@ for the student (``prompt_ids``) and the hinted teacher (``teacher_prompt_ids``)
     student:  [pad pad p p p p | c c c pad]      P = prompt width
     teacher:  [pad p p h h p p p | c c c pad]    P' = teacher prompt width (hint tokens h)
 
-The logits that predict completion token ``t`` sit at column ``P - 1 + t`` (teacher:
-``P' - 1 + t``), i.e. ``logits[:, P - 1 : P - 1 + T]``. :meth:`SDPOBatch.student_inputs` and
-:meth:`SDPOBatch.teacher_inputs` return ``input_ids``, ``attention_mask``, ``position_ids``
-(``cumsum(mask) - 1``, so left padding does not shift positions) and that slice, so an
-adapter gets ``student_logits[B,T,V]``, ``teacher_logits[B,T,V]`` and ``sdpo_mask[B,T]`` for
-:func:`composer_core.loss.compose.compose_loss` without index arithmetic of its own.
+The logits that predict completion token ``t`` sit at column ``P - 1 + t`` (teacher: ``P' - 1 + t``).
+:meth:`SDPOBatch.student_inputs` / :meth:`SDPOBatch.teacher_inputs` return the forward inputs (position ids
+``cumsum(mask) - 1``, so left padding does not shift positions) and that slice of the logits.
 """
 
 from __future__ import annotations
@@ -83,10 +80,6 @@ def model_inputs(
 
 def pad_ids(rows: Sequence[Sequence[int]], pad: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Pad token rows to ``[N, max_len]``; returns ``(ids, mask)`` (long)."""
-    return _pad(rows, pad, left)
-
-
-def _pad(rows: Sequence[Sequence[int]], pad: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -102,11 +95,8 @@ def _pad(rows: Sequence[Sequence[int]], pad: int, left: bool) -> tuple[torch.Ten
 def collate_sdpo(
     records: Sequence[TraceRecord], pad_token_id: int, tokenizer: str | None = None
 ) -> SDPOBatch:
-    """Pad the token columns of SDPO records (written with a tokenizer) into an :class:`SDPOBatch`.
-
-    Raises ``ValueError`` for records without SDPO token columns, with an empty prompt, or
-    tokenised with a different tokenizer than ``tokenizer`` (when given) or than each other.
-    """
+    """Pad the token columns of SDPO records into an :class:`SDPOBatch`; every record needs them, a
+    non-empty prompt and the same tokenizer (``tokenizer`` when given)."""
     if not records:
         raise ValueError("records is empty")
     names = {r.tokenizer for r in records}
@@ -123,10 +113,10 @@ def collate_sdpo(
         raise ValueError(
             f"records were tokenised with {sorted(map(str, names))}, expected one tokenizer {tokenizer!r}"
         )
-    prompt, prompt_mask = _pad([r.prompt_ids or [] for r in records], pad_token_id, left=True)
-    teacher, teacher_mask = _pad([r.teacher_prompt_ids or [] for r in records], pad_token_id, left=True)
-    completion, completion_mask = _pad([r.completion_ids or [] for r in records], pad_token_id, left=False)
-    sdpo, _ = _pad([r.sdpo_mask or [] for r in records], 0, left=False)
+    prompt, prompt_mask = pad_ids([r.prompt_ids or [] for r in records], pad_token_id, left=True)
+    teacher, teacher_mask = pad_ids([r.teacher_prompt_ids or [] for r in records], pad_token_id, left=True)
+    completion, completion_mask = pad_ids([r.completion_ids or [] for r in records], pad_token_id, left=False)
+    sdpo, _ = pad_ids([r.sdpo_mask or [] for r in records], 0, left=False)
     return SDPOBatch(
         prompt,
         prompt_mask,
