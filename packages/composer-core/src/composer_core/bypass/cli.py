@@ -37,7 +37,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from composer_core.bypass.checkpoint import safetensors_write_error
 from composer_core.bypass.config import BypassConfig, config_from_dict, student_from_dict
 from composer_core.bypass.data import load_tokens, synthetic_tokens
 from composer_core.bypass.distributed import DistContext, PeerDiedError
@@ -150,13 +149,7 @@ def _finish(result: BypassResult, config: BypassConfig, plot: bool | None, ctx: 
     exp = result.experiment_dir
     already = result.skipped and (exp / "student" / "config.json").is_file()
     if not already:
-        try:
-            export_sharded(result.student, exp / "student", ctx)
-        except Exception as exc:  # safetensors reports a full / read-only disk as SafetensorError
-            error = safetensors_write_error(exc, exp / "student")
-            if error is None:
-                raise
-            raise error from exc
+        export_sharded(result.student, exp / "student", ctx)
     if not ctx.is_main:
         return
     history = exp / "history.json"

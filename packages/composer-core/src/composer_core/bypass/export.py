@@ -13,9 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from safetensors.torch import save as safetensors_bytes
-
-from composer_core.bypass.checkpoint import _write_file, load_checkpoint
+from composer_core.bypass.checkpoint import load_checkpoint, save_tensors
 from composer_core.bypass.distributed import DistContext
 from composer_core.bypass.protocol import BlockwiseModel
 from composer_core.bypass.shard import INDEX_NAME, name_owner
@@ -46,14 +44,14 @@ def export_sharded(student: BlockwiseModel, out: Path, ctx: DistContext) -> Path
     out.mkdir(parents=True, exist_ok=True)
     tied = bool(getattr(getattr(student.module, "config", None), "tie_word_embeddings", False))
     mine = {
-        k: v.detach().cpu().clone().contiguous()
+        k: v
         for k, v in student.module.state_dict().items()
         if not v.is_meta
         and name_owner(student, k, ctx.world_size) == ctx.rank
         and not (tied and k == "lm_head.weight")  # tied to the embedding: transformers re-ties it
     }
     name = shard_name(ctx.rank, ctx.world_size)
-    _write_file(out / name, safetensors_bytes(mine, metadata={"format": "pt"}))
+    save_tensors(mine, out / name, metadata={"format": "pt"})
     parts = ctx.gather({k: (name, v.numel() * v.element_size()) for k, v in mine.items()})
     if ctx.is_main:
         student.save_config(out)

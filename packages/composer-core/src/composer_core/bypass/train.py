@@ -26,12 +26,10 @@ from tqdm.auto import tqdm  # type: ignore[import-untyped, unused-ignore]
 
 from composer_core.bypass.checkpoint import (
     MANIFEST,
-    OutputWriteError,
     find_resume_checkpoint,
     is_complete,
     load_checkpoint,
     prune_checkpoints,
-    read_state,
     save_checkpoint,
     set_aside_checkpoints,
     set_aside_corrupt,
@@ -95,10 +93,7 @@ def _decide(exp: Path, run_id: str, identity: dict[str, Any], resume: bool) -> d
             if problem is None:
                 return {"action": "skip", "path": str(exp / "final")}
             set_aside_corrupt(exp, exp / "final", problem)
-    try:
-        exp.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise OutputWriteError(exc.errno or 5, exc.strerror or str(exc), str(exp)) from exc
+    exp.mkdir(parents=True, exist_ok=True)
     if not resume:
         set_aside_checkpoints(exp, "superseded by a run started with resume=False")
     path = find_resume_checkpoint(exp) if resume else None
@@ -401,8 +396,3 @@ def run_sweep(
         run_bypass(teacher, input_ids, config.with_student(s), resume=resume, progress=progress)
         for s in students
     ]
-
-
-def load_final_state(result_dir: Path) -> dict[str, Any]:
-    """``state.json`` of a finished run's ``final/`` checkpoint."""
-    return read_state(result_dir)
