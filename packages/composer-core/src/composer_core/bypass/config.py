@@ -154,14 +154,8 @@ def config_from_dict(data: Mapping[str, Any]) -> BypassConfig:
     unknown = set(data) - {"student", "training", "run"}
     if unknown:
         raise ValueError(f"bypass config: unknown tables {sorted(unknown)}; allowed: student, training, run")
-    training = dict(data.get("training", {}))
-    if "betas" in training:
-        training["betas"] = tuple(training["betas"])
-    if "keys_to_learn" in training:
-        raw = training["keys_to_learn"]
-        training["keys_to_learn"] = (raw,) if isinstance(raw, str) else tuple(raw)
     return BypassConfig(
         student=student_from_dict(data.get("student", {})),
-        training=_build(TrainingConfig, training, "training"),
+        training=_build(TrainingConfig, data.get("training", {}), "training"),
         run=_build(RunConfig, data.get("run", {}), "run"),
     )

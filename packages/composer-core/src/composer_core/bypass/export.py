@@ -22,21 +22,12 @@ WEIGHTS_NAME = "model.safetensors"
 
 
 def export_student(student: BlockwiseModel, checkpoint: Path, out: Path) -> Path:
-    """Load every block of ``checkpoint`` into ``student`` (built whole with the run's config) and ``save`` it.
-
-    Reads the per-block files from disk, so no rank ever gathers the model over the network.
-    Reference decoders are written as ``config.json`` + ``model.safetensors``; HF models with
-    ``save_pretrained`` (see :mod:`composer_core.bypass.hf` for per-block shapes).
-    """
+    """Load every block of ``checkpoint`` into ``student`` (built whole with the run's config) and ``save`` it."""
     load_checkpoint(
         checkpoint, model=student, blocks=range(student.num_blocks), optimizers=None, ctx=DistContext()
     )
     student.save(out)
     return out
-
-
-def shard_name(rank: int, world_size: int) -> str:
-    return WEIGHTS_NAME if world_size == 1 else f"model-{rank + 1:05d}-of-{world_size:05d}.safetensors"
 
 
 def export_sharded(student: BlockwiseModel, out: Path, ctx: DistContext) -> Path:
@@ -50,7 +41,11 @@ def export_sharded(student: BlockwiseModel, out: Path, ctx: DistContext) -> Path
         and name_owner(student, k, ctx.world_size) == ctx.rank
         and not (tied and k == "lm_head.weight")  # tied to the embedding: transformers re-ties it
     }
-    name = shard_name(ctx.rank, ctx.world_size)
+    name = (
+        WEIGHTS_NAME
+        if ctx.world_size == 1
+        else f"model-{ctx.rank + 1:05d}-of-{ctx.world_size:05d}.safetensors"
+    )
     save_tensors(mine, out / name, metadata={"format": "pt"})
     parts = ctx.gather({k: (name, v.numel() * v.element_size()) for k, v in mine.items()})
     if ctx.is_main:
