@@ -87,10 +87,7 @@ def is_complete(path: Path) -> bool:
 
 def write_json_atomic(path: Path, data: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
+    write_file(tmp, json.dumps(data, indent=1, sort_keys=True).encode())
     os.replace(tmp, path)
 
 

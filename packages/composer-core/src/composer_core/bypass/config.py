@@ -9,6 +9,7 @@ from typing import Any, Literal
 from composer_core.bypass.keys import canonical_keys
 from composer_core.bypass.losses import LOSSES
 from composer_core.bypass.protocol import BlockOverride
+from composer_core.bypass.student import GqaInit, MlpInit
 
 
 @dataclass(frozen=True)
@@ -16,8 +17,8 @@ class StudentConfig:
     """How the student differs from the teacher and how it is initialised."""
 
     overrides: tuple[BlockOverride, ...] = ()
-    mlp_init_mode: Literal["truncate", "importance"] = "truncate"
-    gqa_init_mode: Literal["average", "first"] = "average"
+    mlp_init_mode: MlpInit = "truncate"
+    gqa_init_mode: GqaInit = "average"
     importance_batches: int = 4
 
     def __post_init__(self) -> None:

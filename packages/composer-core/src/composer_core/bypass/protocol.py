@@ -19,8 +19,6 @@ from torch import Tensor, nn
 
 from composer_core.bypass.distributed import Ownership
 
-SubblockKind = Literal["attention", "ffn", "mamba"]
-
 
 @dataclass(frozen=True)
 class AttentionConfig:
