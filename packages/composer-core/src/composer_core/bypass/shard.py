@@ -110,13 +110,7 @@ def materialise(module: nn.Module, names: Iterable[str], fill: Callable[[str, Te
 
 def materialised_bytes(module: nn.Module) -> int:
     """Bytes of the real (non-meta) parameters of ``module`` (each shared tensor once)."""
-    seen: set[int] = set()
-    total = 0
-    for p in module.parameters():
-        if not p.is_meta and id(p) not in seen:
-            seen.add(id(p))
-            total += p.numel() * p.element_size()
-    return total
+    return sum(p.numel() * p.element_size() for p in module.parameters() if not p.is_meta)
 
 
 def to_device(module: nn.Module, device: torch.device | str) -> None:

@@ -60,9 +60,7 @@ def build_student(
     if gqa_init_mode not in ("average", "first"):
         raise ValueError(f"gqa_init_mode={gqa_init_mode!r} is unknown; choose 'average' or 'first'")
     configs = resolve_block_configs(teacher.block_configs(), overrides)
-    student = (
-        teacher.with_block_configs(configs, ownership) if ownership else teacher.with_block_configs(configs)
-    )
+    student = teacher.with_block_configs(configs, ownership)
     importance = None
     if mlp_init_mode == "importance":
         if calibration is None:
