@@ -1,22 +1,12 @@
 """Crash-safe checkpoints: ``step-N/``, ``best/``, ``final/`` and a ``latest`` link.
 
-A checkpoint is written into ``<name>.partial/``: each rank writes its own blocks'
-optimizer+scaler state (``optim/block-i.pt``) and weights (``blocks/block-i.safetensors``)
-and its RNG state; rank 0 writes the non-block weights (``shared.safetensors``) and
-``state.json`` (step, explicit ``batches_consumed``, history). The completion marker
-``COMPLETE`` is written last, then the directory is renamed into place (an older one of the
-same name is moved out first, so a re-save never keeps stale optimizer state), then
-``latest`` is repointed atomically (temporary symlink + ``os.replace``).
-
-The marker holds the SHA-256 of every other file of the checkpoint. On resume only marked
-``step-*``/``final`` directories count; unmarked, ``.partial`` and ``.old`` ones are moved to
-``aside/`` with a warning. Candidates are tried newest first and verified against the marker's
-checksums: a corrupt one (bit rot, a truncated or missing file, an unreadable ``state.json``) is
-moved to ``aside/<name>.corrupt-<UTC time>`` with a warning and the next older one is tried.
-``load_checkpoint`` verifies the files it reads, so a corrupt file is never loaded. ``best`` is
-never resumed from. ``prune_checkpoints`` keeps the newest K ``step-*`` (``best``/``final``
-always kept). A file that cannot be written (disk full, read-only, permissions) raises
-:class:`OutputWriteError` (an ``OSError`` naming the path and the cause).
+A checkpoint is written into ``<name>.partial/`` (each rank: its blocks' weights, optimizer and RNG
+state; rank 0 also ``shared.safetensors`` and ``state.json``), then the ``COMPLETE`` marker (the
+SHA-256 of every other file), then renamed into place (an older one of the same name removed) and
+``latest`` repointed atomically. On resume, unmarked, ``.partial`` and ``.old`` directories go to
+``aside/``; marked ones are tried newest first and a corrupt one (a checksum mismatch or an
+unreadable ``state.json``) goes to ``aside/<name>.corrupt-<UTC time>``. ``best`` is never resumed
+from. A file that cannot be written raises :class:`OutputWriteError`.
 """
 
 from __future__ import annotations
@@ -37,7 +27,6 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 from torch import Tensor
 
@@ -63,13 +52,7 @@ def _write_error(exc: OSError, path: Path) -> OutputWriteError:
     return OutputWriteError(code, os.strerror(code), exc.filename or str(path))
 
 
-def safetensors_write_error(exc: Exception, path: Path) -> OutputWriteError | None:
-    """The :class:`OutputWriteError` behind a safetensors I/O error ("... (os error 28) ..."), else None."""
-    m = re.search(r"(?:\(os error |IoError\(Os \{ code: )(\d+)", str(exc))
-    return None if m is None else OutputWriteError(int(m.group(1)), os.strerror(int(m.group(1))), str(path))
-
-
-def _write_file(path: Path, data: bytes | memoryview) -> str:
+def write_file(path: Path, data: bytes | memoryview) -> str:
     """Write ``data`` to ``path`` durably (fsync); returns its SHA-256. An OSError names the file."""
     try:
         with open(path, "wb") as f:
@@ -82,18 +65,10 @@ def _write_file(path: Path, data: bytes | memoryview) -> str:
 
 
 def _torch_save(obj: Any, path: Path) -> str:
-    # serialised in memory first: torch.save reports a full disk as a RuntimeError without errno
+    # serialised in memory: torch.save reports a full disk as a RuntimeError without errno
     buf = io.BytesIO()
     torch.save(obj, buf)
-    return _write_file(path, buf.getbuffer())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    return write_file(path, buf.getbuffer())
 
 
 def _fault_point(name: str, phase: str) -> None:
@@ -112,26 +87,8 @@ def is_complete(path: Path) -> bool:
 
 def write_json_atomic(path: Path, data: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
+    write_file(tmp, json.dumps(data, indent=1, sort_keys=True).encode())
     os.replace(tmp, path)
-
-
-def block_state(model: BlockwiseModel, index: int) -> dict[str, Tensor]:
-    prefix = model.block_prefix(index)
-    return {k[len(prefix) :]: v for k, v in model.module.state_dict().items() if k.startswith(prefix)}
-
-
-def shared_state(model: BlockwiseModel, rank: int = 0, world_size: int = 1) -> dict[str, Tensor]:
-    """The non-block tensors rank ``rank`` writes: those it owns (embedding: first rank, rest: last)."""
-    prefixes = tuple(model.block_prefix(i) for i in range(model.num_blocks))
-    return {
-        k: v
-        for k, v in model.module.state_dict().items()
-        if not k.startswith(prefixes) and not v.is_meta and name_owner(model, k, world_size) == rank
-    }
 
 
 def shared_file(rank: int) -> str:
@@ -139,68 +96,30 @@ def shared_file(rank: int) -> str:
     return "shared.safetensors" if rank == 0 else f"shared-rank-{rank:04d}.safetensors"
 
 
-def _save_tensors(tensors: Mapping[str, Tensor], path: Path) -> str:
-    # clone: tied weights share storage, which safetensors refuses to write twice
-    # (serialised in memory, written by _write_file: safetensors' own writer reports a full
-    # disk as a SafetensorError without errno or path)
-    return _write_file(
-        path, safetensors_bytes({k: v.detach().cpu().clone().contiguous() for k, v in tensors.items()})
-    )
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _write_marker(path: Path, files: Mapping[str, str]) -> None:
-    """The completion marker: the SHA-256 of every other file of the checkpoint (written last).
-
-    ``files`` are the checksums every rank computed of the bytes it wrote (and fsynced) before
-    the barrier that precedes the marker; the marker lists exactly the files on disk.
-    """
-    on_disk = {p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file() and p.name != MARKER}
-    if on_disk != set(files):
-        raise ValueError(
-            f"checkpoint {path}: files on disk {sorted(on_disk ^ set(files))} were not reported by a rank"
-        )
-    with open(path / MARKER, "w") as f:
-        json.dump({"format": MARKER_FORMAT, "sha256": dict(files)}, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def marker_checksums(path: Path) -> dict[str, str] | None:
-    """``{relative file: sha256}`` from the marker; None for a legacy marker without checksums."""
-    text = (path / MARKER).read_text()
-    if text.strip() == "complete":
-        return None
-    try:
-        data = json.loads(text)
-        files = data["sha256"]
-        if not isinstance(files, dict):
-            raise TypeError
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"checkpoint {path}: unreadable {MARKER} marker") from exc
-    return {str(k): str(v) for k, v in files.items()}
+def save_tensors(tensors: Mapping[str, Tensor], path: Path, metadata: dict[str, str] | None = None) -> str:
+    # clone: tied weights share storage, which safetensors refuses to write twice; serialised in
+    # memory: safetensors' own writer reports a full disk without errno or path
+    data = {k: v.detach().cpu().clone().contiguous() for k, v in tensors.items()}
+    return write_file(path, safetensors_bytes(data, metadata=metadata))
 
 
 def verify_files(path: Path, files: Sequence[str] | None = None) -> str | None:
     """None when ``files`` (default: all listed in the marker) match their checksums, else the problem."""
     try:
-        sums = marker_checksums(path)
-    except (OSError, ValueError) as exc:
-        return str(exc)
-    if sums is None:
-        return None  # written before checksums existed: nothing to verify against
+        text = (path / MARKER).read_text()
+        if text.strip() == "complete":
+            return None  # written before checksums existed: nothing to verify against
+        sums = json.loads(text)["sha256"]
+        if not isinstance(sums, dict):
+            raise TypeError
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"unreadable {MARKER} marker"
     for rel in files if files is not None else sorted(sums):
         if rel not in sums:
             return f"{rel} is not listed in {MARKER}"
         try:
-            got = file_sha256(path / rel)
+            with open(path / rel, "rb") as f:
+                got = hashlib.file_digest(f, "sha256").hexdigest()
         except OSError as exc:
             return f"{rel} is unreadable ({exc.strerror or exc})"
         if got != sums[rel]:
@@ -223,44 +142,31 @@ def save_checkpoint(
 
     Raises :class:`OutputWriteError` when a file cannot be written (disk full, read-only, ...).
     """
+    partial = exp_dir / f"{name}.partial"
     try:
-        return _save_checkpoint(exp_dir, name, model, blocks, optimizers, state, ctx, update_latest)
+        if ctx.is_main:
+            if partial.exists():
+                shutil.rmtree(partial)
+            for sub in ("blocks", "optim", "rng"):
+                (partial / sub).mkdir(parents=True)
+        ctx.barrier()
+        everyone = ctx.gather(_write_rank_files(partial, name, model, blocks, optimizers, ctx))
+        if ctx.is_main:  # every rank's files are durable past the gather
+            files = {k: v for part in everyone for k, v in part.items()}
+            files[STATE] = write_file(
+                partial / STATE, json.dumps(dict(state), indent=1, sort_keys=True).encode()
+            )
+            _fault_point(name, "state")
+            marker = {"format": MARKER_FORMAT, "sha256": files}
+            write_file(partial / MARKER, json.dumps(marker, indent=1, sort_keys=True).encode())
+            _fault_point(name, "marker")
+            _publish(exp_dir, name, partial, update_latest)
     except OutputWriteError:
         raise
     except OSError as exc:
-        raise _write_error(exc, exp_dir / f"{name}.partial") from exc
-
-
-def _save_checkpoint(
-    exp_dir: Path,
-    name: str,
-    model: BlockwiseModel,
-    blocks: Sequence[int],
-    optimizers: Mapping[int, BlockOptimizer],
-    state: Mapping[str, Any],
-    ctx: DistContext,
-    update_latest: bool,
-) -> Path:
-    final = exp_dir / name
-    partial = exp_dir / f"{name}.partial"
-    if ctx.is_main:
-        if partial.exists():
-            shutil.rmtree(partial)
-        for sub in ("blocks", "optim", "rng"):
-            (partial / sub).mkdir(parents=True)
+        raise _write_error(exc, partial) from exc
     ctx.barrier()
-    sums = _write_rank_files(partial, name, model, blocks, optimizers, ctx)
-    everyone = ctx.gather(sums)  # every rank's files are durable past this point
-    if ctx.is_main:
-        files = {k: v for part in everyone for k, v in part.items()}
-        write_json_atomic(partial / STATE, dict(state))
-        files[STATE] = file_sha256(partial / STATE)
-        _fault_point(name, "state")
-        _write_marker(partial, files)
-        _fault_point(name, "marker")
-        _publish(exp_dir, name, partial, update_latest)
-    ctx.barrier()
-    return final
+    return exp_dir / name
 
 
 def _write_rank_files(
@@ -271,8 +177,7 @@ def _write_rank_files(
     optimizers: Mapping[int, BlockOptimizer],
     ctx: DistContext,
 ) -> dict[str, str]:
-    """This rank's files of the checkpoint (optimizer states, block weights, shared weights, RNG), fsynced;
-    their checksums by relative path."""
+    """Write this rank's files of the checkpoint (fsynced); their checksums by relative path."""
     sums: dict[str, str] = {}
     for i in blocks:
         if i in optimizers:
@@ -281,15 +186,24 @@ def _write_rank_files(
     _fault_point(name, "optimizer")
     for i in blocks:
         rel = f"blocks/block-{i:04d}.safetensors"
-        sums[rel] = _save_tensors(block_state(model, i), partial / rel)
+        prefix = model.block_prefix(i)
+        state = {k[len(prefix) :]: v for k, v in model.module.state_dict().items() if k.startswith(prefix)}
+        sums[rel] = save_tensors(state, partial / rel)
     _fault_point(name, "blocks")
-    shared = shared_state(model, ctx.rank, ctx.world_size)
+    prefixes = tuple(model.block_prefix(i) for i in range(model.num_blocks))
+    shared = {  # the non-block tensors this rank owns (embedding: first rank, the rest: last)
+        k: v
+        for k, v in model.module.state_dict().items()
+        if not k.startswith(prefixes) and not v.is_meta and name_owner(model, k, ctx.world_size) == ctx.rank
+    }
     if shared or ctx.is_main:
-        sums[shared_file(ctx.rank)] = _save_tensors(shared, partial / shared_file(ctx.rank))
+        sums[shared_file(ctx.rank)] = save_tensors(shared, partial / shared_file(ctx.rank))
     rel = f"rng/rank-{ctx.rank:04d}.pt"
     sums[rel] = _torch_save({"cpu": torch.get_rng_state()}, partial / rel)
     for sub in ("blocks", "optim", "rng", "."):
-        _fsync_dir(partial / sub)
+        fd = os.open(partial / sub, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
     return sums
 
 
@@ -418,52 +332,17 @@ def find_resume_checkpoint(exp_dir: Path) -> Path | None:
     return None
 
 
-def _check_fits(file: Path, key: str, full: str, v: Tensor, expected: Mapping[str, Tensor]) -> None:
-    if full not in expected or expected[full].shape != v.shape:
-        raise ValueError(
-            f"checkpoint {file}: tensor {key!r} {tuple(v.shape)} does not fit the student "
-            "(was it written for another student config?)"
-        )
-
-
-def _shared_files(path: Path, wanted: set[str]) -> dict[str, str]:
-    """``{tensor: file}`` for the non-block tensors ``wanted``, from whichever rank's file holds them
-    (only the safetensors headers are read)."""
-    out: dict[str, str] = {}
+def _shared_files(path: Path, wanted: set[str]) -> list[str]:
+    """The non-block files holding any of the tensors ``wanted`` (only the headers are read)."""
+    out = []
     for f in sorted(path.glob("shared*.safetensors")):
         try:
             with safe_open(str(f), framework="pt") as handle:
-                out.update({k: f.name for k in handle.keys() if k in wanted})  # noqa: SIM118
+                if wanted & set(handle.keys()):
+                    out.append(f.name)
         except Exception as exc:
             raise ValueError(f"checkpoint file {f} is corrupt: {exc}") from exc
     return out
-
-
-def _read_tensors(
-    path: Path,
-    model: BlockwiseModel,
-    blocks: Sequence[int],
-    shared_files: Mapping[str, str],
-    expected: Mapping[str, Tensor],
-) -> dict[str, Tensor]:
-    """This rank's block tensors and the shared tensors it loads, each checked against the model's."""
-    updates: dict[str, Tensor] = {}
-    for i in blocks:
-        file = path / "blocks" / f"block-{i:04d}.safetensors"
-        prefix = model.block_prefix(i)
-        try:
-            tensors = load_file(str(file))
-        except Exception as exc:
-            raise ValueError(f"checkpoint file {file} is missing or corrupt: {exc}") from exc
-        for k, v in tensors.items():
-            _check_fits(file, k, prefix + k, v, expected)
-            updates[prefix + k] = v
-    for k, rel in shared_files.items():
-        with safe_open(str(path / rel), framework="pt") as handle:
-            v = handle.get_tensor(k)
-        _check_fits(path / rel, k, k, v, expected)
-        updates[k] = v
-    return updates
 
 
 def load_checkpoint(
@@ -473,29 +352,36 @@ def load_checkpoint(
     blocks: Sequence[int],
     optimizers: Mapping[int, BlockOptimizer] | None,
     ctx: DistContext,
-    load_shared: bool = True,
 ) -> dict[str, Any]:
     """Load this rank's blocks (and optimizers, RNG) from ``path``; return ``state.json``."""
     if not is_complete(path):
         raise ValueError(f"checkpoint {path} has no {MARKER} marker; it is incomplete and will not be loaded")
     expected = {k: v for k, v in model.module.state_dict().items() if not v.is_meta}
     block_prefixes = tuple(model.block_prefix(i) for i in range(model.num_blocks))
-    shared_wanted = {k for k in expected if not k.startswith(block_prefixes)} if load_shared else set()
-    shared_files = _shared_files(path, shared_wanted)
-    mine = [
-        STATE,
-        *(f"blocks/block-{i:04d}.safetensors" for i in blocks),
-        *sorted(set(shared_files.values())),
-    ]
-    mine += [f"optim/block-{i:04d}.pt" for i in (optimizers or {})]
-    rng_rel = f"rng/rank-{ctx.rank:04d}.pt"
-    if optimizers is not None and (path / rng_rel).is_file():
-        mine.append(rng_rel)
-    problem = verify_files(path, mine)
+    shared_wanted = {k for k in expected if not k.startswith(block_prefixes)}
+    sources = [(f"blocks/block-{i:04d}.safetensors", model.block_prefix(i)) for i in blocks]
+    sources += [(rel, "") for rel in _shared_files(path, shared_wanted)]
+    mine = [STATE, *(rel for rel, _ in sources), *(f"optim/block-{i:04d}.pt" for i in (optimizers or {}))]
+    rng = f"rng/rank-{ctx.rank:04d}.pt"
+    resuming = optimizers is not None and (path / rng).is_file()  # the RNG only when resuming training
+    problem = verify_files(path, [*mine, rng] if resuming else mine)
     if problem is not None:
         raise ValueError(f"checkpoint {path} is corrupt: {problem}; it will not be loaded")
     state = read_state(path)
-    updates = _read_tensors(path, model, blocks, shared_files, expected)
+    updates: dict[str, Tensor] = {}
+    for rel, prefix in sources:
+        try:
+            with safe_open(str(path / rel), framework="pt") as handle:
+                keys = [k for k in handle.keys() if prefix or k in shared_wanted]  # noqa: SIM118 (not a dict)
+                updates.update({prefix + k: handle.get_tensor(k) for k in keys})
+        except Exception as exc:
+            raise ValueError(f"checkpoint file {path / rel} is missing or corrupt: {exc}") from exc
+    for k, v in updates.items():
+        if k not in expected or expected[k].shape != v.shape:
+            raise ValueError(
+                f"checkpoint {path}: tensor {k!r} {tuple(v.shape)} does not fit the student "
+                "(was it written for another student config?)"
+            )
     owned_prefixes = tuple(model.block_prefix(i) for i in blocks)
     missing = [
         k for k in expected if (k.startswith(owned_prefixes) or k in shared_wanted) and k not in updates
@@ -511,7 +397,6 @@ def load_checkpoint(
             opt.load_state_dict(torch.load(file, weights_only=True))
         except Exception as exc:
             raise ValueError(f"optimizer state {file} is missing or corrupt: {exc}") from exc
-    rng = path / "rng" / f"rank-{ctx.rank:04d}.pt"
-    if optimizers is not None and rng.is_file():  # only when resuming training
-        torch.set_rng_state(torch.load(rng, weights_only=True)["cpu"])
+    if resuming:
+        torch.set_rng_state(torch.load(path / rng, weights_only=True)["cpu"])
     return state

@@ -5,18 +5,12 @@ The file (TOML, or YAML with the ``yaml`` extra) has tables ``teacher`` (``kind`
 ``input_ids [N, T]``, or ``synthetic = {vocab_size, num_sequences, seq_len, seed}``),
 ``student``, ``training``, ``run`` (see :mod:`composer_core.bypass.config`), optional
 ``output`` (``plot``: true/false, default = when matplotlib is installed) and an optional
-list ``sweep`` of student tables (one run each).
+list ``sweep`` of student tables (one run each). Several processes: ``torchrun --nproc-per-node N
+-m composer_core.bypass.cli --config run.toml`` (gloo on CPU, NCCL when CUDA is available).
 
-Resumes by default (``--no-resume`` starts over). Several processes: launch with
-``torchrun --nproc-per-node N -m composer_core.bypass.cli --config run.toml`` (or the
-console script under torchrun); gloo on CPU, NCCL when CUDA is available.
-
-Exit status: 0 done (or skipped: a completed run re-run writes nothing, so it also works from a
-read-only disk); 2 bad config or input, or a checkpoint that cannot be used (one line naming it);
-3 an output file cannot be written (disk full, read-only or unwritable output directory: one
-line naming the path and the cause; the interrupted checkpoint is set aside on the next run);
-4 another rank died (its process on this host is gone): each surviving rank prints one line
-naming its rank, host and pid; rerun every rank to resume.
+exit status: 0 done or skipped (already complete; a skipped run writes nothing); 2 bad config/input
+or unusable checkpoint; 3 an output file cannot be written (disk full, read-only or unwritable
+directory); 4 another rank died (one line naming it); errors are one line naming the cause.
 """
 
 from __future__ import annotations
@@ -37,8 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from composer_core.bypass.checkpoint import safetensors_write_error
-from composer_core.bypass.config import BypassConfig, config_from_dict, student_from_dict
+from composer_core.bypass.config import config_from_dict, student_from_dict
 from composer_core.bypass.data import load_tokens, synthetic_tokens
 from composer_core.bypass.distributed import DistContext, PeerDiedError
 from composer_core.bypass.export import export_sharded
@@ -144,19 +137,13 @@ EXIT_CANNOT_WRITE = 3
 EXIT_PEER_DIED = 4
 
 
-def _finish(result: BypassResult, config: BypassConfig, plot: bool | None, ctx: DistContext) -> None:
-    """Rank 0 prints the table and writes history.json and the plot; every rank writes its shard of the
-    student (a skipped run rewrites none that exist, so re-running a finished run writes nothing)."""
+def _finish(result: BypassResult, plot: bool | None, ctx: DistContext) -> None:
+    """Every rank writes its shard of the student; rank 0 the table, history.json and the plot (a skipped
+    run rewrites nothing that exists)."""
     exp = result.experiment_dir
     already = result.skipped and (exp / "student" / "config.json").is_file()
     if not already:
-        try:
-            export_sharded(result.student, exp / "student", ctx)
-        except Exception as exc:  # safetensors reports a full / read-only disk as SafetensorError
-            error = safetensors_write_error(exc, exp / "student")
-            if error is None:
-                raise
-            raise error from exc
+        export_sharded(result.student, exp / "student", ctx)
     if not ctx.is_main:
         return
     history = exp / "history.json"
@@ -179,7 +166,8 @@ def _finish(result: BypassResult, config: BypassConfig, plot: bool | None, ctx: 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="composer-bypass", description=__doc__.split("\n\n")[0])
+    doc = __doc__.split("\n\n")
+    parser = argparse.ArgumentParser(prog="composer-bypass", description=doc[0], epilog=doc[-1])
     parser.add_argument("--config", required=True, help="run file (.toml, or .yaml with composer-core[yaml])")
     parser.add_argument("--no-resume", action="store_true", help="start over instead of resuming")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -188,11 +176,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=int,
         metavar="K",
         help="keep only the newest K step-N checkpoints (best/final always kept); overrides run.keep_last",
-    )
-    parser.epilog = (
-        "exit status: 0 done or skipped (already complete); 2 bad config/input or unusable checkpoint; "
-        "3 an output file cannot be written (disk full, read-only or unwritable directory); 4 another rank "
-        "died (one line naming it)"
     )
     args = parser.parse_args(argv)
     if args.keep_last is not None and args.keep_last < 0:
@@ -234,7 +217,7 @@ def _run(args: argparse.Namespace) -> int:
             result = run_bypass(
                 teacher, tokens, config, resume=not args.no_resume, progress=not args.no_progress
             )
-            _finish(result, config, plot, ctx)
+            _finish(result, plot, ctx)
             ctx.barrier()
     except RuntimeError:
         if ctx.active:

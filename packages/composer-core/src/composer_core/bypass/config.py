@@ -9,6 +9,7 @@ from typing import Any, Literal
 from composer_core.bypass.keys import canonical_keys
 from composer_core.bypass.losses import LOSSES
 from composer_core.bypass.protocol import BlockOverride
+from composer_core.bypass.student import GqaInit, MlpInit
 
 
 @dataclass(frozen=True)
@@ -16,8 +17,8 @@ class StudentConfig:
     """How the student differs from the teacher and how it is initialised."""
 
     overrides: tuple[BlockOverride, ...] = ()
-    mlp_init_mode: Literal["truncate", "importance"] = "truncate"
-    gqa_init_mode: Literal["average", "first"] = "average"
+    mlp_init_mode: MlpInit = "truncate"
+    gqa_init_mode: GqaInit = "average"
     importance_batches: int = 4
 
     def __post_init__(self) -> None:
@@ -154,14 +155,8 @@ def config_from_dict(data: Mapping[str, Any]) -> BypassConfig:
     unknown = set(data) - {"student", "training", "run"}
     if unknown:
         raise ValueError(f"bypass config: unknown tables {sorted(unknown)}; allowed: student, training, run")
-    training = dict(data.get("training", {}))
-    if "betas" in training:
-        training["betas"] = tuple(training["betas"])
-    if "keys_to_learn" in training:
-        raw = training["keys_to_learn"]
-        training["keys_to_learn"] = (raw,) if isinstance(raw, str) else tuple(raw)
     return BypassConfig(
         student=student_from_dict(data.get("student", {})),
-        training=_build(TrainingConfig, training, "training"),
+        training=_build(TrainingConfig, data.get("training", {}), "training"),
         run=_build(RunConfig, data.get("run", {}), "run"),
     )

@@ -1,14 +1,11 @@
 """Block partitioning and the few collectives the engine needs (no-ops in one process).
 
-Blocks are split contiguously: with ``L`` blocks and ``W`` ranks, rank ``r`` gets
-``L // W`` blocks plus one more if ``r < L mod W`` (:class:`Ownership`: its blocks, its
-neighbour ranks, whether it holds the embedding or the head). Teacher activations flow rank to
-rank (pipeline): rank ``r`` runs the teacher over its blocks and sends the hidden state to
-``r + 1`` with a non-blocking send (one message in flight per link), then trains its blocks on
-that micro-batch while ``r + 1`` already works on it: a forward-only wavefront schedule (no
-gradient crosses ranks, so there is no drain of backward passes). Decisions (skip, resume
-point, best) are made on rank 0 and broadcast. Every tensor a rank creates lives on
-:attr:`DistContext.device` (CPU with gloo, ``cuda:<LOCAL_RANK>`` with NCCL).
+Blocks are split contiguously (:func:`partition_blocks`). Teacher activations flow rank to rank:
+rank ``r`` runs the teacher over its blocks and sends the hidden state to ``r + 1`` with a
+non-blocking send (one in flight per link), then trains its blocks while ``r + 1`` already works on
+it (a forward-only wavefront; no gradient crosses ranks). Decisions (skip, resume point, best) are
+made on rank 0 and broadcast. Tensors live on :attr:`DistContext.device` (CPU with gloo,
+``cuda:<LOCAL_RANK>`` with NCCL).
 """
 
 from __future__ import annotations
@@ -45,12 +42,8 @@ def partition_blocks(num_blocks: int, world_size: int) -> list[range]:
             f"one block; run with at most {num_blocks} processes"
         )
     base, extra = divmod(num_blocks, world_size)
-    out, start = [], 0
-    for r in range(world_size):
-        size = base + (1 if r < extra else 0)
-        out.append(range(start, start + size))
-        start += size
-    return out
+    starts = [r * base + min(r, extra) for r in range(world_size + 1)]
+    return [range(starts[r], starts[r + 1]) for r in range(world_size)]
 
 
 @dataclass(frozen=True)
@@ -76,22 +69,6 @@ class Ownership:
     def head(self) -> bool:
         return self.rank == self.world_size - 1
 
-    @property
-    def previous(self) -> int | None:
-        """The rank sending this one its first block's input (None on the first rank)."""
-        return self.rank - 1 if self.rank > 0 else None
-
-    @property
-    def next(self) -> int | None:
-        """The rank receiving this one's last block's output (None on the last rank)."""
-        return self.rank + 1 if self.rank < self.world_size - 1 else None
-
-
-def _default_device() -> torch.device:
-    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
-
 
 @dataclass(frozen=True)
 class DistContext:
@@ -105,9 +82,11 @@ class DistContext:
 
     @staticmethod
     def current() -> DistContext:
-        if dist.is_available() and dist.is_initialized():
-            return DistContext(dist.get_rank(), dist.get_world_size(), True, _default_device())
-        return DistContext()
+        if not (dist.is_available() and dist.is_initialized()):
+            return DistContext()
+        nccl = dist.get_backend() == "nccl"
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if nccl else torch.device("cpu")
+        return DistContext(dist.get_rank(), dist.get_world_size(), True, device)
 
     def ownership(self, num_blocks: int) -> Ownership:
         return Ownership.of(num_blocks, self.rank, self.world_size)
@@ -121,14 +100,6 @@ class DistContext:
             self.flush_sends()
             dist.barrier()
 
-    def broadcast(self, obj: Any) -> Any:
-        """Rank 0's ``obj`` on every rank."""
-        if not self.active:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
     def run_on_main(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on rank 0 and broadcast its result; an error there is raised on every rank (no hang)."""
         if not self.active:
@@ -139,7 +110,9 @@ class DistContext:
                 result = (True, fn())
             except (ValueError, OSError) as exc:
                 result = (False, f"{type(exc).__name__}: {exc}")
-        ok, value = self.broadcast(result)
+        box = [result]
+        dist.broadcast_object_list(box, src=0)
+        ok, value = box[0]
         if not ok:
             raise ValueError(f"rank 0 failed: {value}")
         return value  # type: ignore[no-any-return]

@@ -13,9 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from safetensors.torch import save as safetensors_bytes
-
-from composer_core.bypass.checkpoint import _write_file, load_checkpoint
+from composer_core.bypass.checkpoint import load_checkpoint, save_tensors
 from composer_core.bypass.distributed import DistContext
 from composer_core.bypass.protocol import BlockwiseModel
 from composer_core.bypass.shard import INDEX_NAME, name_owner
@@ -24,12 +22,7 @@ WEIGHTS_NAME = "model.safetensors"
 
 
 def export_student(student: BlockwiseModel, checkpoint: Path, out: Path) -> Path:
-    """Load every block of ``checkpoint`` into ``student`` (built whole with the run's config) and ``save`` it.
-
-    Reads the per-block files from disk, so no rank ever gathers the model over the network.
-    Reference decoders are written as ``config.json`` + ``model.safetensors``; HF models with
-    ``save_pretrained`` (see :mod:`composer_core.bypass.hf` for per-block shapes).
-    """
+    """Load every block of ``checkpoint`` into ``student`` (built whole with the run's config) and ``save`` it."""
     load_checkpoint(
         checkpoint, model=student, blocks=range(student.num_blocks), optimizers=None, ctx=DistContext()
     )
@@ -37,23 +30,23 @@ def export_student(student: BlockwiseModel, checkpoint: Path, out: Path) -> Path
     return out
 
 
-def shard_name(rank: int, world_size: int) -> str:
-    return WEIGHTS_NAME if world_size == 1 else f"model-{rank + 1:05d}-of-{world_size:05d}.safetensors"
-
-
 def export_sharded(student: BlockwiseModel, out: Path, ctx: DistContext) -> Path:
     """Every rank writes its shard of ``student``; rank 0 the config and the index (every rank calls this)."""
     out.mkdir(parents=True, exist_ok=True)
     tied = bool(getattr(getattr(student.module, "config", None), "tie_word_embeddings", False))
     mine = {
-        k: v.detach().cpu().clone().contiguous()
+        k: v
         for k, v in student.module.state_dict().items()
         if not v.is_meta
         and name_owner(student, k, ctx.world_size) == ctx.rank
         and not (tied and k == "lm_head.weight")  # tied to the embedding: transformers re-ties it
     }
-    name = shard_name(ctx.rank, ctx.world_size)
-    _write_file(out / name, safetensors_bytes(mine, metadata={"format": "pt"}))
+    name = (
+        WEIGHTS_NAME
+        if ctx.world_size == 1
+        else f"model-{ctx.rank + 1:05d}-of-{ctx.world_size:05d}.safetensors"
+    )
+    save_tensors(mine, out / name, metadata={"format": "pt"})
     parts = ctx.gather({k: (name, v.numel() * v.element_size()) for k, v in mine.items()})
     if ctx.is_main:
         student.save_config(out)

@@ -39,13 +39,9 @@ def student_lm_loss(
     student: BlockwiseModel, input_ids: Tensor, blocks: Sequence[int], ctx: DistContext
 ) -> float:
     """Next-token cross-entropy of the assembled student (pipelined; every rank gets the value)."""
-    hidden, context = student.prepare(input_ids)
-    hidden = ctx.recv_from_previous(hidden)
-    for i in blocks:
-        hidden = student.run_block(i, hidden, context)
-    ctx.send_to_next(hidden)
+    _, outputs, _ = teacher_forward(student, input_ids, blocks, ctx)
     loss = float("nan")
     if ctx.rank == ctx.world_size - 1:
-        logits = student.logits(hidden)[:, :-1].float()
+        logits = student.logits(outputs[blocks[-1]])[:, :-1].float()
         loss = float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), input_ids[:, 1:].reshape(-1)))
     return float(ctx.gather(loss)[-1])

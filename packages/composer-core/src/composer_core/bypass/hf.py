@@ -1,24 +1,14 @@
 """Hugging Face Llama / Qwen2 / Mistral-style causal LMs as :class:`BlockwiseModel` (extra ``hf``).
 
-Supported: ``*ForCausalLM`` models whose base model has ``embed_tokens``, ``layers`` (each
-layer with ``self_attn``, ``mlp``, ``input_layernorm``, ``post_attention_layernorm``),
-``norm``, plus ``lm_head``: Llama, Qwen2, Mistral and their relatives.
-
-Block context: :meth:`HFDecoder.prepare` runs the base model's own ``forward`` with every
-decoder layer temporarily replaced by a recorder, so the per-layer keyword arguments
-(rotary ``position_embeddings``, causal / sliding-window masks) are exactly the ones the
-model itself would pass, whatever the transformers version builds internally.
-
-Per-block shapes: the student's layers are rebuilt with the model's own attention / MLP
-classes from a config copy carrying that block's ``num_key_value_heads`` /
-``intermediate_size``; no-op subblocks become parameter-free modules returning zeros (the
-residual passes unchanged) and their norm becomes ``Identity``. A transformers config can
-only describe uniform layers, so :meth:`HFDecoder.save` writes
-``config.composer_block_configs`` (one entry per layer) and, when every block has the same
-shapes and no no-op, also sets ``intermediate_size`` / ``num_key_value_heads`` so plain
-``AutoModelForCausalLM.from_pretrained`` loads the student. Heterogeneous students must be
-loaded with :func:`load_hf_model`; plain ``from_pretrained`` refuses their weights (shape
-mismatch) or, with ``ignore_mismatched_sizes=True``, would re-initialise them.
+Supported: ``*ForCausalLM`` models with ``model.{embed_tokens, layers, norm}`` and ``lm_head``, each
+layer with ``self_attn``, ``mlp``, ``input_layernorm``, ``post_attention_layernorm``. The block
+context is recorded by running the base model's own ``forward`` with every layer replaced by a
+recorder, so rotary embeddings and masks are exactly what the model would pass. Student layers are
+rebuilt with the model's own attention / MLP classes from a config copy with that block's shapes;
+no-op subblocks return zeros and their norm becomes ``Identity``. :meth:`HFDecoder.save` writes
+``config.composer_block_configs`` (one entry per layer) and, for uniform students, also
+``intermediate_size`` / ``num_key_value_heads`` so plain ``from_pretrained`` loads them;
+heterogeneous students need :func:`load_hf_model`.
 """
 
 from __future__ import annotations
@@ -26,6 +16,7 @@ from __future__ import annotations
 import copy
 import importlib
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, cast
 
@@ -34,7 +25,7 @@ from torch import Tensor, nn
 
 from composer_core.bypass.distributed import Ownership
 from composer_core.bypass.protocol import AttentionConfig, BlockConfig, BlockwiseModel, FFNConfig
-from composer_core.bypass.shard import SafetensorsSource, materialise, meta_parameters, owned_names
+from composer_core.bypass.shard import SafetensorsSource, build_owned, fill_from_source, meta_parameters
 
 BLOCK_CONFIGS_KEY = "composer_block_configs"
 
@@ -80,24 +71,18 @@ class HFDecoder:
     """Wrap a transformers causal LM (Llama layout) as a :class:`BlockwiseModel`."""
 
     def __init__(self, model: nn.Module) -> None:
-        base = getattr(model, "model", None)
-        needed = ("embed_tokens", "layers", "norm")
-        if base is None or not all(hasattr(base, n) for n in needed) or not hasattr(model, "lm_head"):
+        base: Any = getattr(model, "model", None)
+        layer_attrs = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+        ok = hasattr(model, "lm_head") and all(hasattr(base, n) for n in ("embed_tokens", "layers", "norm"))
+        if not ok or not all(hasattr(x, a) for x in base.layers for a in layer_attrs):
             raise ValueError(
-                f"{type(model).__name__} is not a Llama-style causal LM (need .model.embed_tokens, .model.layers, "
-                ".model.norm and .lm_head); supported: Llama, Qwen2, Mistral and relatives"
+                f"{type(model).__name__} is not a Llama-style causal LM (need .model.embed_tokens, .model.layers "
+                f"with {', '.join(layer_attrs)}, .model.norm and .lm_head); supported: Llama, Qwen2, Mistral"
             )
-        for i, layer in enumerate(base.layers):
-            for attr in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"):
-                if not hasattr(layer, attr):
-                    raise ValueError(
-                        f"layer {i} of {type(model).__name__} has no {attr!r}: not a Llama-style block"
-                    )
         self.model: Any = model
         self.base: Any = base
         self.tensor_source: SafetensorsSource | None = None
 
-    # -- BlockwiseModel -------------------------------------------------------------
     @property
     def module(self) -> nn.Module:
         return cast(nn.Module, self.model)
@@ -175,57 +160,39 @@ class HFDecoder:
     def with_block_configs(
         self, configs: Sequence[BlockConfig], ownership: Ownership | None = None
     ) -> BlockwiseModel:
-        """A new model with these block shapes; with ``ownership`` only the owned parts get storage.
-
-        Owned layers are created with the seed ``torch.initial_seed() + 7919·(i + 1)``; the
-        owned embedding / norm / head are zeros until initialised from the teacher.
-        """
+        """A new model with these block shapes; with ``ownership`` only the owned parts get storage."""
         if len(configs) != self.num_blocks:
             raise ValueError(f"got {len(configs)} block configs for a model with {self.num_blocks} layers")
         cfg = copy.deepcopy(self.model.config)
         if hasattr(cfg, BLOCK_CONFIGS_KEY):
             delattr(cfg, BLOCK_CONFIGS_KEY)
         dtype = next(self.model.parameters()).dtype
-        seed = torch.initial_seed()
+        with meta_parameters() if ownership else nullcontext():
+            model = HFDecoder(type(self.model)(cfg).to(dtype))
+            apply_block_configs(model.model, configs)
         if ownership is None:
-            new = type(self.model)(cfg).to(dtype)
-            apply_block_configs(new, configs)
-            return HFDecoder(new)
-        with meta_parameters():
-            new = type(self.model)(cfg).to(dtype)
-            apply_block_configs(new, configs)
-        layers = new.model.layers
-        for i in ownership.blocks:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed + 7919 * (i + 1))
-                layer = type(layers[i])(cfg, layer_idx=i).to(dtype)
-                _configure_layer(layer, cfg, configs[i], i)
-            layers[i] = layer
-        model = HFDecoder(new)
-        materialise(
-            new, owned_names(model, ownership, head=True), lambda _n, p: torch.zeros(p.shape, dtype=p.dtype)
-        )
+            return model
+
+        def build(i: int) -> None:
+            model.base.layers[i] = type(model.base.layers[i])(cfg, layer_idx=i).to(dtype)
+            _configure_layer(model.base.layers[i], cfg, configs[i], i)
+
+        build_owned(model, ownership, build)
         return model
 
     def save_config(self, directory: str | Path) -> None:
-        """The config (with per-block shapes, see module doc) and generation config, no weights."""
-        self._record_block_configs()
-        self.model.config.save_pretrained(str(directory))
-
-    def _record_block_configs(self) -> None:
+        """The config with the per-block shapes (see module doc), no weights."""
         configs = self.block_configs()
         cfg = self.model.config
         setattr(cfg, BLOCK_CONFIGS_KEY, [c.to_dict() for c in configs])
-        uniform = all(c == configs[0] for c in configs) and not (
-            configs[0].attention.no_op or configs[0].ffn.no_op
-        )
-        if uniform:
+        if all(c == configs[0] for c in configs) and not (configs[0].attention.no_op or configs[0].ffn.no_op):
             cfg.intermediate_size = configs[0].ffn.intermediate_size
             cfg.num_key_value_heads = configs[0].attention.num_key_value_heads
+        cfg.save_pretrained(str(directory))
 
     def save(self, directory: str | Path) -> None:
         """``save_pretrained`` with the per-block shapes recorded in the config (see module doc)."""
-        self._record_block_configs()
+        self.save_config(directory)
         self.model.save_pretrained(str(directory))
 
 
@@ -277,9 +244,7 @@ def load_hf_model(
 ) -> HFDecoder:
     """Load a teacher or a saved student (honouring ``composer_block_configs``) as an :class:`HFDecoder`.
 
-    The model is built from its config as a skeleton (parameters on ``meta``), then only the
-    tensors ``ownership`` names (default: all) are read from the safetensors files (index json
-    or every ``*.safetensors``; ``safe_open``, one tensor at a time) onto ``device``;
+    Only the tensors ``ownership`` names (default: all) are read, one at a time, onto ``device``;
     ``head=False`` leaves the final norm and LM head unread (a teacher never needs them).
     """
     tf = _transformers()
@@ -295,18 +260,7 @@ def load_hf_model(
     tied = bool(getattr(config, "tie_word_embeddings", False))
     source = SafetensorsSource(p, aliases={"lm_head.weight": "model.embed_tokens.weight"} if tied else None)
     decoder = HFDecoder(model)
-    own = ownership or Ownership.of(decoder.num_blocks)
-    names = owned_names(decoder, own, head=head or ownership is None)
-    materialise(model, names, lambda n, _p: source.get(n).to(device=device, dtype=dtype))
-    if ownership is None:
-        expected = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-        extra = set(source.names()) - expected
-        missing = expected - set(source.names()) - ({"lm_head.weight"} if tied else set())
-        if extra or missing:
-            raise ValueError(
-                f"{p}: weights do not match the model config / recorded block configs "
-                f"(missing {sorted(missing)[:5]}, unexpected {sorted(extra)[:5]})"
-            )
+    fill_from_source(decoder, source, ownership, head, device)
     decoder.tensor_source = source
     model.eval()
     return decoder

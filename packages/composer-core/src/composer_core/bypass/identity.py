@@ -7,37 +7,21 @@ import json
 from typing import Any
 
 import torch
-from torch import Tensor, nn
-
-
-def canonical_json(obj: Any) -> str:
-    """Sorted keys, compact separators, no NaN: equal configs give equal bytes."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+from torch import Tensor
 
 
 def sha256_json(obj: Any) -> str:
-    return hashlib.sha256(canonical_json(obj).encode()).hexdigest()
+    """sha256 of canonical JSON (sorted keys, compact, no NaN): equal configs give equal hashes."""
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _update(h: Any, name: str, t: Tensor) -> None:
-    t = t.detach().cpu().contiguous()
-    h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+def tensor_fingerprint(tensor: Tensor, tag: str = "|") -> str:
+    """sha256 over ``tag``, dtype, shape and bytes of a tensor."""
+    t = tensor.detach().cpu().contiguous()
+    h = hashlib.sha256(f"{tag}{t.dtype}|{tuple(t.shape)}|".encode())
     if t.numel():
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-
-
-def tensor_fingerprint(tensor: Tensor) -> str:
-    """sha256 over dtype, shape and bytes of a tensor (the training data)."""
-    h = hashlib.sha256()
-    _update(h, "", tensor)
-    return h.hexdigest()
-
-
-def module_fingerprint(module: nn.Module) -> str:
-    """sha256 over every state-dict entry (name, dtype, shape, bytes) in sorted order: the teacher."""
-    h = hashlib.sha256()
-    for name, t in sorted(module.state_dict().items()):
-        _update(h, name, t)
     return h.hexdigest()
 
 

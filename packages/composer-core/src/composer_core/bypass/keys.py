@@ -37,11 +37,7 @@ def canonical_keys(keys: str | Sequence[str]) -> tuple[str, ...]:
 
 
 def check_keys_for_model(model: BlockwiseModel, keys: Sequence[str]) -> None:
-    """Raise when a requested subblock kind exists in no block of the model.
-
-    Puzzletron's v1 silently trained every attention parameter when ``subblock_mamba`` was
-    asked of a model without mamba blocks; here that is an error.
-    """
+    """Raise when a requested subblock kind exists in no block of the model (never train a fallback)."""
     present: set[str] = set()
     for i in range(model.num_blocks):
         present.update(model.subblocks(i))

@@ -77,14 +77,9 @@ def optimizer_step(block: BlockOptimizer, *, lr: float, clip: ClipMode, clip_val
         group["lr"] = lr
     block.scaler.unscale_(block.optimizer)
     grads = [p for p in block.params if p.grad is not None]
-    norms = [torch.linalg.vector_norm(p.grad.detach()) for p in grads if p.grad is not None]
-    norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
-    if clip == "norm":
-        torch.nn.utils.clip_grad_norm_(grads, clip_value)
-    elif clip == "value":
+    norm = float(torch.nn.utils.clip_grad_norm_(grads, clip_value if clip == "norm" else math.inf))
+    if clip == "value":
         torch.nn.utils.clip_grad_value_(grads, clip_value)
-    elif clip != "none":
-        raise ValueError(f"clip={clip!r} is unknown; choose 'none', 'norm' or 'value'")
     block.scaler.step(block.optimizer)
     block.scaler.update()
     block.optimizer.zero_grad(set_to_none=True)

@@ -11,15 +11,13 @@ implement it.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from torch import Tensor, nn
 
 from composer_core.bypass.distributed import Ownership
-
-SubblockKind = Literal["attention", "ffn", "mamba"]
 
 
 @dataclass(frozen=True)
@@ -52,14 +50,7 @@ class BlockConfig:
     ffn: FFNConfig = FFNConfig()
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "attention": {
-                "no_op": self.attention.no_op,
-                "num_key_value_heads": self.attention.num_key_value_heads,
-                "mixer": self.attention.mixer,
-            },
-            "ffn": {"no_op": self.ffn.no_op, "intermediate_size": self.ffn.intermediate_size},
-        }
+        return asdict(self)
 
     @staticmethod
     def from_dict(data: Mapping[str, Any]) -> BlockConfig:

@@ -5,9 +5,8 @@ attention and rotary embeddings (Su et al. 2021), a SwiGLU FFN (Shazeer 2020) an
 Module names follow Hugging Face Llama (``layers.i.self_attn.k_proj`` ...), so student
 initialisation treats both the same way. Per-block shapes come from ``block_configs``.
 
-The ``"mamba"`` mixer is a small stand-in, not Mamba: a gated causal depthwise
-convolution (input projection to value and gate, causal conv over time, SiLU gate, output
-projection). It exists so the engine's ``subblock_mamba`` path has a real model to run on.
+The ``"mamba"`` mixer is a stand-in, not Mamba (a gated causal depthwise convolution), so the
+engine's ``subblock_mamba`` path has a real model to run on.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -26,10 +25,9 @@ from torch import Tensor, nn
 
 from composer_core.bypass.distributed import Ownership
 from composer_core.bypass.protocol import BlockConfig, BlockwiseModel
-from composer_core.bypass.shard import SafetensorsSource, materialise, meta_parameters, owned_names
+from composer_core.bypass.shard import SafetensorsSource, build_owned, fill_from_source, meta_parameters
 
 CONFIG_NAME = "config.json"
-_SDPA_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 WEIGHTS_NAME = "model.safetensors"
 
 
@@ -78,9 +76,7 @@ class ReferenceConfig:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        data = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "block_configs"}
-        data["block_configs"] = [c.to_dict() for c in self.block_configs]
-        return data
+        return asdict(self)
 
     @staticmethod
     def from_dict(data: Mapping[str, Any]) -> ReferenceConfig:
@@ -90,18 +86,6 @@ class ReferenceConfig:
         if unknown:
             raise ValueError(f"reference config: unknown keys {sorted(unknown)}")
         return ReferenceConfig(**data, block_configs=blocks)
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm (Zhang & Sennrich 2019): ``x / sqrt(mean(x^2) + eps) * w``."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 def _rope(x: Tensor, rot: Tensor) -> Tensor:
@@ -126,13 +110,9 @@ class Attention(nn.Module):
         q = _rope(self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2), rot)
         k = _rope(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2), rot)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        if self.kv_heads != self.heads and not _SDPA_GQA:  # torch < 2.5: expand KV heads
-            k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
-            v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
-        if self.kv_heads != self.heads and _SDPA_GQA:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)  # grouped KV heads, expanded
+        v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))  # type: ignore[no-any-return]
 
 
@@ -170,20 +150,20 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ReferenceConfig, block: BlockConfig) -> None:
         super().__init__()
-        self.input_layernorm: RMSNorm | None = None
+        self.input_layernorm: nn.RMSNorm | None = None
         self.self_attn: Attention | None = None
         self.mamba: ConvMixer | None = None
-        self.post_attention_layernorm: RMSNorm | None = None
+        self.post_attention_layernorm: nn.RMSNorm | None = None
         self.mlp: MLP | None = None
         if not block.attention.no_op:
-            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+            self.input_layernorm = nn.RMSNorm(cfg.hidden_size, cfg.norm_eps)
             if block.attention.mixer == "mamba":
                 self.mamba = ConvMixer(cfg.hidden_size)
             else:
                 kv = block.attention.num_key_value_heads or cfg.num_kv_heads
                 self.self_attn = Attention(cfg.hidden_size, cfg.num_heads, kv, cfg.head_dim)
         if not block.ffn.no_op:
-            self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+            self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, cfg.norm_eps)
             self.mlp = MLP(cfg.hidden_size, block.ffn.intermediate_size or cfg.intermediate_size)
 
     def forward(self, h: Tensor, rot: Tensor) -> Tensor:
@@ -210,34 +190,20 @@ class ReferenceDecoder(nn.Module):
     tensor_source: SafetensorsSource | None = None
 
     def __init__(self, config: ReferenceConfig, ownership: Ownership | None = None) -> None:
-        """Build the decoder; with ``ownership`` only its blocks (and embedding / head) get storage.
-
-        The other parameters stay on the ``meta`` device. An owned block is created with the
-        seed ``torch.initial_seed() + 7919·(i + 1)``, so its fresh initialisation does not depend
-        on which other blocks this process builds.
-        """
+        """Build the decoder; with ``ownership`` only its parts get storage (see :func:`shard.build_owned`)."""
         super().__init__()
         self.config = config
         self._blocks = config.resolved()
-        seed = torch.initial_seed()
         with meta_parameters() if ownership is not None else nullcontext():
             self.embed_tokens = _embedding(config.vocab_size, config.hidden_size)
             self.layers = nn.ModuleList(Block(config, b) for b in self._blocks)
-            self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+            self.norm = nn.RMSNorm(config.hidden_size, config.norm_eps)
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         inv = 1.0 / config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim)
         self.register_buffer("inv_freq", inv, persistent=False)
         if ownership is not None:
-            for i in ownership.blocks:
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(seed + 7919 * (i + 1))
-                    self.layers[i] = Block(config, self._blocks[i])
-            keep = owned_names(self, ownership, head=True)
-            materialise(
-                self, keep, lambda _n, p: torch.zeros(p.shape, dtype=p.dtype)
-            )  # filled from the teacher
+            build_owned(self, ownership, lambda i: self.layers.__setitem__(i, Block(config, self._blocks[i])))
 
-    # -- BlockwiseModel -------------------------------------------------------------
     @property
     def module(self) -> nn.Module:
         return self
@@ -303,7 +269,6 @@ class ReferenceDecoder(nn.Module):
             {k: v.contiguous() for k, v in self.state_dict().items()}, str(Path(directory) / WEIGHTS_NAME)
         )
 
-    # -- plain use ------------------------------------------------------------------
     def forward(self, input_ids: Tensor) -> Tensor:
         hidden, ctx = self.prepare(input_ids)
         for i in range(self.num_blocks):
@@ -316,9 +281,8 @@ class ReferenceDecoder(nn.Module):
     ) -> ReferenceDecoder:
         """Load a decoder written by :meth:`save` or a sharded export (config.json + safetensors).
 
-        With ``ownership`` only the owned tensors are read (``safe_open``, one tensor at a time)
-        and the rest stay on the ``meta`` device; ``head=False`` skips the final norm and LM head
-        (a teacher never needs them). The source stays attached as ``tensor_source``.
+        With ``ownership`` only the owned tensors are read (the rest stay on ``meta``); ``head=False``
+        skips the final norm and LM head (a teacher never needs them).
         """
         path = Path(directory)
         if not (path / CONFIG_NAME).is_file():
@@ -327,16 +291,8 @@ class ReferenceDecoder(nn.Module):
             )
         config = ReferenceConfig.from_dict(json.loads((path / CONFIG_NAME).read_text()))
         source = SafetensorsSource(path)
-        own = ownership or Ownership.of(config.num_layers)
         with meta_parameters():
             model = ReferenceDecoder(config)
-        names = owned_names(model, own, head=head or ownership is None)
-        materialise(model, names, lambda n, _p: source.get(n))
-        if ownership is None:
-            expected = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-            if set(source.names()) != expected:
-                raise ValueError(
-                    f"{path}: tensors {sorted(set(source.names()) ^ expected)[:5]} do not fit its config"
-                )
+        fill_from_source(model, source, ownership, head)
         model.tensor_source = source
         return model

@@ -27,22 +27,17 @@ def loss_table(history: Sequence[dict[str, Any]], validation: Sequence[dict[str,
     return "\n".join(lines)
 
 
-def _pyplot() -> Any:
-    try:
-        mpl = importlib.import_module("matplotlib")
-    except ImportError as exc:
-        raise ImportError(
-            "plotting per-block losses needs matplotlib: pip install 'composer-core[plot]'"
-        ) from exc
-    mpl.use("Agg")
-    return importlib.import_module("matplotlib.pyplot")
-
-
 def plot_block_losses(history: Sequence[dict[str, Any]], path: str | Path, *, title: str = "bypass") -> Path:
     """Per-block training loss over steps (log scale) as a PNG."""
     if not history:
         raise ValueError("no history to plot: the run recorded no steps")
-    plt = _pyplot()
+    try:
+        importlib.import_module("matplotlib").use("Agg")
+    except ImportError as exc:
+        raise ImportError(
+            "plotting per-block losses needs matplotlib: pip install 'composer-core[plot]'"
+        ) from exc
+    plt: Any = importlib.import_module("matplotlib.pyplot")
     fig, ax = plt.subplots(figsize=(7, 4))
     steps = [h["step"] for h in history]
     for key in sorted(history[0]["block_loss"], key=int):

@@ -1,17 +1,11 @@
 """Sharded model creation: each rank materialises only the blocks it owns.
 
-A model is first built as a *skeleton* inside :func:`meta_parameters`: every parameter lives on
-the ``meta`` device (shape and dtype, no storage) while buffers (rotary tables) stay real. Then
-:func:`materialise` gives real storage to the parameters a rank owns, reading each tensor
-directly from the model directory's safetensors files (:class:`SafetensorsSource`: the index json
-``model.safetensors.index.json`` when present, else every ``*.safetensors``; ``safe_open`` reads
-one named tensor at a time, never the whole state dict).
-
-Ownership (:class:`~composer_core.bypass.distributed.Ownership`): rank ``r`` owns the blocks of
-``partition_blocks(L, W)[r]``; the embedding belongs to the first rank, every other non-block
-tensor (final norm, LM head) to the last. The teacher never materialises the final norm or the
-head (training and validation never need teacher logits); the student's last rank does (the
-assembled student's LM loss).
+A model is first built as a *skeleton* inside :func:`meta_parameters` (parameters on the ``meta``
+device, buffers real); :func:`materialise` then gives real storage to the parameters a rank owns,
+read one tensor at a time from the model's safetensors files (:class:`SafetensorsSource`). Rank
+``r`` owns the blocks ``partition_blocks(L, W)[r]``; the embedding belongs to the first rank, the
+other non-block tensors (final norm, LM head) to the last. The teacher never materialises the
+final norm or the head; the student's last rank does (the assembled student's LM loss).
 """
 
 from __future__ import annotations
@@ -21,13 +15,14 @@ import json
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
-from composer_core.bypass.distributed import DistContext, Ownership
+from composer_core.bypass.distributed import DistContext, Ownership, partition_blocks
+from composer_core.bypass.identity import tensor_fingerprint
 from composer_core.bypass.protocol import BlockwiseModel
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -60,9 +55,7 @@ def is_embedding(name: str) -> bool:
 
 
 def name_owner(model: BlockwiseModel, name: str, world_size: int) -> int | None:
-    """The rank owning tensor ``name`` under contiguous partitioning (None: no rank, never)."""
-    from composer_core.bypass.distributed import partition_blocks
-
+    """The rank owning tensor ``name`` under contiguous partitioning."""
     for r, blocks in enumerate(partition_blocks(model.num_blocks, world_size)):
         if any(name.startswith(model.block_prefix(i)) for i in blocks):
             return r
@@ -117,30 +110,12 @@ def materialise(module: nn.Module, names: Iterable[str], fill: Callable[[str, Te
 
 def materialised_bytes(module: nn.Module) -> int:
     """Bytes of the real (non-meta) parameters of ``module`` (each shared tensor once)."""
-    seen: set[int] = set()
-    total = 0
-    for p in module.parameters():
-        if not p.is_meta and id(p) not in seen:
-            seen.add(id(p))
-            total += p.numel() * p.element_size()
-    return total
+    return sum(p.numel() * p.element_size() for p in module.parameters() if not p.is_meta)
 
 
 def to_device(module: nn.Module, device: torch.device | str) -> None:
     """Move the real parameters and buffers of ``module`` to ``device`` (meta ones stay meta)."""
     module._apply(lambda t: t if t.is_meta else t.to(device))  # type: ignore[no-untyped-call]
-
-
-def has_meta(module: nn.Module, prefix: str = "") -> bool:
-    return any(p.is_meta for n, p in module.named_parameters() if n.startswith(prefix))
-
-
-class TensorSource(Protocol):
-    """Named tensors of a teacher, read one at a time."""
-
-    def names(self) -> list[str]: ...
-
-    def get(self, name: str) -> Tensor: ...
 
 
 class ModuleSource:
@@ -202,6 +177,44 @@ class SafetensorsSource:
         return tensor
 
 
+TensorSource = ModuleSource | SafetensorsSource
+
+
+def build_owned(model: BlockwiseModel, ownership: Ownership, build_block: Callable[[int], None]) -> None:
+    """Give the owned parts of a skeleton storage: ``build_block(i)`` rebuilds owned block ``i`` under the
+    seed ``torch.initial_seed() + 7919·(i + 1)`` (independent of the other blocks); the owned non-block
+    parameters become zeros (filled from the teacher)."""
+    seed = torch.initial_seed()
+    for i in ownership.blocks:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + 7919 * (i + 1))
+            build_block(i)
+    names = owned_names(model, ownership, head=True)
+    materialise(model.module, names, lambda _n, p: torch.zeros(p.shape, dtype=p.dtype))
+
+
+def fill_from_source(
+    model: BlockwiseModel,
+    source: SafetensorsSource,
+    ownership: Ownership | None,
+    head: bool,
+    device: torch.device | str = "cpu",
+) -> None:
+    """Read ``ownership``'s tensors of a skeleton from ``source``; without ``ownership`` all of them, and the
+    files must hold exactly the model's tensors."""
+    own = ownership or Ownership.of(model.num_blocks)
+    names = owned_names(model, own, head=head or ownership is None)
+    materialise(model.module, names, lambda n, _p: source.get(n).to(device))
+    if ownership is None:
+        expected = {n for n, _ in model.module.named_parameters(remove_duplicate=False)}
+        extra, missing = set(source.names()) - expected, expected - set(source.names()) - set(source.aliases)
+        if extra or missing:
+            raise ValueError(
+                f"{source.directory}: weights do not match the model config "
+                f"(missing {sorted(missing)[:5]}, unexpected {sorted(extra)[:5]})"
+            )
+
+
 def source_of(model: BlockwiseModel) -> TensorSource:
     """Where ``model``'s own tensors come from: its loader's source, else its in-memory state dict."""
     source = getattr(model, "tensor_source", None)
@@ -218,12 +231,7 @@ def sharded_fingerprint(model: BlockwiseModel, source: TensorSource, ctx: DistCo
     for name, t in sorted(model.module.state_dict().items()):
         if name_owner(model, name, ctx.world_size) != ctx.rank:
             continue
-        value = source.get(name).to(t.dtype) if t.is_meta else t
-        h = hashlib.sha256(f"{value.dtype}|{tuple(value.shape)}|".encode())
-        flat = value.detach().cpu().contiguous().reshape(-1)
-        if flat.numel():
-            h.update(flat.view(torch.uint8).numpy().tobytes())
-        mine[name] = h.hexdigest()
+        mine[name] = tensor_fingerprint(source.get(name).to(t.dtype) if t.is_meta else t, tag="")
     merged: dict[str, Any] = {}
     for part in ctx.gather(mine):
         merged.update(part)

@@ -21,7 +21,7 @@ A subblock whose mixer kind changes (attention → mamba) keeps its fresh initia
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 from torch import Tensor, nn
@@ -60,9 +60,7 @@ def build_student(
     if gqa_init_mode not in ("average", "first"):
         raise ValueError(f"gqa_init_mode={gqa_init_mode!r} is unknown; choose 'average' or 'first'")
     configs = resolve_block_configs(teacher.block_configs(), overrides)
-    student = (
-        teacher.with_block_configs(configs, ownership) if ownership else teacher.with_block_configs(configs)
-    )
+    student = teacher.with_block_configs(configs, ownership)
     importance = None
     if mlp_init_mode == "importance":
         if calibration is None:
@@ -93,8 +91,8 @@ def ffn_channel_importance(
     counts: dict[int, int] = {}
     handles = []
     for i in owned:
-        down = _find(teacher.block(i), "mlp.down_proj")
-        if down is None:
+        down = getattr(getattr(teacher.block(i), "mlp", None), "down_proj", None)
+        if not isinstance(down, nn.Module):
             continue
 
         def hook(_m: nn.Module, args: tuple[Tensor, ...], i: int = i) -> None:
@@ -114,15 +112,6 @@ def ffn_channel_importance(
         for h in handles:
             h.remove()
     return {i: (sums[i] / counts[i]).sqrt() for i in sums}
-
-
-def _find(module: nn.Module, path: str) -> nn.Module | None:
-    for part in path.split("."):
-        child = getattr(module, part, None)
-        if not isinstance(child, nn.Module):
-            return None
-        module = child
-    return module
 
 
 def _average_kv(t: Tensor, n_teacher: int, n_student: int, mode: GqaInit) -> Tensor:
@@ -157,21 +146,21 @@ def init_from_teacher(
     t_skeleton = teacher.module.state_dict()
     src = source or source_of(teacher)
 
-    def read(name: str) -> Tensor:
-        t = t_skeleton[name]
-        return src.get(name).to(t.dtype) if t.is_meta else t
+    def read(name: str) -> Tensor | None:
+        """The teacher's tensor ``name`` (read from ``src`` if not materialised here); None if it has none."""
+        t = t_skeleton.get(name)
+        return src.get(name).to(t.dtype) if t is not None and t.is_meta else t
 
-    t_state = _LazyState(t_skeleton, read)
-    block_prefixes = [student.block_prefix(i) for i in range(student.num_blocks)]
+    block_prefixes = tuple(student.block_prefix(i) for i in range(student.num_blocks))
     for name, tensor in s_state.items():
-        if any(name.startswith(p) for p in block_prefixes):
+        if name.startswith(block_prefixes):
             continue
-        if name not in t_state or t_skeleton[name].shape != tensor.shape:
+        if name not in t_skeleton or t_skeleton[name].shape != tensor.shape:
             raise ValueError(f"student parameter {name!r} has no teacher counterpart of the same shape")
-        tensor.copy_(t_state[name])
+        tensor.copy_(cast(Tensor, read(name)))
     s_cfgs, t_cfgs = student.block_configs(), teacher.block_configs()
     for i in range(student.num_blocks):
-        _init_block(student, teacher, i, (s_cfgs[i], t_cfgs[i]), s_state, t_state, importance, gqa_init_mode)
+        _init_block(student, teacher, i, (s_cfgs[i], t_cfgs[i]), s_state, read, importance, gqa_init_mode)
 
 
 def _init_block(
@@ -180,7 +169,7 @@ def _init_block(
     i: int,
     cfgs: tuple[BlockConfig, BlockConfig],
     s_state: dict[str, Tensor],
-    t_state: _LazyState,
+    read: Callable[[str], Tensor | None],
     importance: dict[int, Tensor] | None,
     gqa_init_mode: GqaInit,
 ) -> None:
@@ -196,7 +185,7 @@ def _init_block(
         if not name.startswith(prefix):
             continue
         local = name[len(prefix) :]
-        t_tensor = t_state.get(t_prefix + local)
+        t_tensor = read(t_prefix + local)
         is_mixer = local.startswith(("self_attn.", "mamba.", "input_layernorm."))
         if t_tensor is None or (is_mixer and not same_mixer):
             continue  # new module (mixer kind changed): keep its fresh init
@@ -213,22 +202,6 @@ def _init_block(
             raise ValueError(
                 f"cannot initialise student {name!r} {tuple(tensor.shape)} from teacher {tuple(t_tensor.shape)}"
             )
-
-
-class _LazyState:
-    """``name in``, ``[name]`` and ``.get(name)`` over a teacher whose tensors are read on demand."""
-
-    def __init__(self, skeleton: dict[str, Tensor], read: Callable[[str], Tensor]) -> None:
-        self._skeleton, self._read = skeleton, read
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._skeleton
-
-    def __getitem__(self, name: str) -> Tensor:
-        return self._read(name)
-
-    def get(self, name: str) -> Tensor | None:
-        return self._read(name) if name in self._skeleton else None
 
 
 def _select_channels(importance: dict[int, Tensor] | None, block: int, width: int, k: int) -> Tensor:

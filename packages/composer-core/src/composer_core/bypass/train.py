@@ -1,19 +1,15 @@
 """The bypass training loop (blockwise local distillation, Puzzle arXiv 2411.19146).
 
-Per optimiser step and micro-batch: one no-grad teacher forward captures every block's
-input and output; each trainable student block runs on the *teacher's* input (teacher
-forcing) and is trained towards the teacher's output with a normalised MSE, its own AdamW
-and GradScaler. Blocks are independent, so they are split across ranks and trained
-in parallel; each rank materialises only the teacher and student blocks it owns
-(:mod:`composer_core.bypass.shard`). The only inter-rank traffic is the teacher's hidden
-state at rank boundaries (a forward-only wavefront: rank ``r`` sends micro-batch ``m`` on
-and trains on it while ``r + 1`` already runs its teacher blocks on it) and small metadata;
-per-step losses are gathered at checkpoints, validation and the end, not every step, so no
-per-step collective stalls the pipeline.
+Per micro-batch, one no-grad teacher forward captures every block's input and output; each student
+block runs on the *teacher's* input and is trained towards the teacher's output (normalised MSE, its
+own AdamW and GradScaler). Blocks are independent, so they are split across ranks; each rank
+materialises only its own blocks (:mod:`composer_core.bypass.shard`). Per-step losses are gathered at
+checkpoints, validation and the end only, so no per-step collective stalls the pipeline.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,12 +22,10 @@ from tqdm.auto import tqdm  # type: ignore[import-untyped, unused-ignore]
 
 from composer_core.bypass.checkpoint import (
     MANIFEST,
-    OutputWriteError,
     find_resume_checkpoint,
     is_complete,
     load_checkpoint,
     prune_checkpoints,
-    read_state,
     save_checkpoint,
     set_aside_checkpoints,
     set_aside_corrupt,
@@ -48,7 +42,7 @@ from composer_core.bypass.keys import check_keys_for_model, freeze_for_training
 from composer_core.bypass.losses import get_loss
 from composer_core.bypass.optim import BlockOptimizer, cosine_lr, make_block_optimizer, optimizer_step
 from composer_core.bypass.protocol import BlockwiseModel
-from composer_core.bypass.shard import has_meta, sharded_fingerprint, source_of, to_device
+from composer_core.bypass.shard import sharded_fingerprint, source_of, to_device
 from composer_core.bypass.student import build_student
 from composer_core.bypass.validation import validate
 
@@ -95,10 +89,7 @@ def _decide(exp: Path, run_id: str, identity: dict[str, Any], resume: bool) -> d
             if problem is None:
                 return {"action": "skip", "path": str(exp / "final")}
             set_aside_corrupt(exp, exp / "final", problem)
-    try:
-        exp.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise OutputWriteError(exc.errno or 5, exc.strerror or str(exc), str(exp)) from exc
+    exp.mkdir(parents=True, exist_ok=True)
     if not resume:
         set_aside_checkpoints(exp, "superseded by a run started with resume=False")
     path = find_resume_checkpoint(exp) if resume else None
@@ -107,8 +98,6 @@ def _decide(exp: Path, run_id: str, identity: dict[str, Any], resume: bool) -> d
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
-    import json
-
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
@@ -154,14 +143,28 @@ def _flush(
     pending.clear()
 
 
-def _check_teacher(teacher: BlockwiseModel, owned: Sequence[int], ctx: DistContext) -> None:
-    """Every block this rank owns must be materialised in ``teacher``."""
+def _check_inputs(
+    teacher: BlockwiseModel, input_ids: Tensor, owned: Sequence[int], ctx: DistContext, config: BypassConfig
+) -> TokenBatches:
     for i in owned:
-        if has_meta(teacher.module, teacher.block_prefix(i)):
+        if any(p.is_meta for p in teacher.block(i).parameters()):
             raise ValueError(
                 f"rank {ctx.rank} owns teacher block {i} but it is not materialised: load the teacher with "
                 f"ownership=DistContext.current().ownership(num_blocks)"
             )
+    tcfg = config.training
+    data = TokenBatches(
+        input_ids,
+        micro_batch_size=tcfg.micro_batch_size,
+        seed=tcfg.seed,
+        val_sequences=config.run.val_sequences,
+    )
+    if input_ids.numel() and int(input_ids.max()) >= teacher.vocab_size:
+        raise ValueError(
+            f"input_ids contains token id {int(input_ids.max())} but the teacher's vocabulary has "
+            f"{teacher.vocab_size} entries: tokenize with the teacher's tokenizer"
+        )
+    return data
 
 
 def run_bypass(
@@ -175,28 +178,17 @@ def run_bypass(
 ) -> BypassResult:
     """Build the student from ``teacher`` and train it blockwise on ``input_ids`` ``[N, T]``.
 
-    Runs in one process or, when ``torch.distributed`` is initialised, with blocks split
-    across ranks (every rank calls this with the same arguments). ``teacher`` needs only this
-    rank's blocks materialised (:func:`composer_core.bypass.load_model` with this rank's
-    :class:`~composer_core.bypass.distributed.Ownership`); the student is built with only its
-    owned blocks (+ embedding on the first rank, final norm and head on the last) unless
-    ``hold_all_blocks`` (the former every-rank-holds-everything mode, kept for comparison).
-    Resumes from the newest complete checkpoint unless ``resume=False``; a completed run with
-    the same identity is skipped. Returns the trained student and per-step per-block losses.
+    Runs in one process or, when ``torch.distributed`` is initialised, with blocks split across
+    ranks (every rank calls this with the same arguments). ``teacher`` needs only this rank's
+    blocks materialised (:func:`composer_core.bypass.load_model` with this rank's ``Ownership``);
+    the student holds only its owned parts unless ``hold_all_blocks``. Resumes from the newest
+    intact checkpoint unless ``resume=False``; a completed run with the same identity is skipped.
     """
     ctx = DistContext.current()
     tcfg, rcfg = config.training, config.run
     ownership = ctx.ownership(teacher.num_blocks)
     owned = list(ownership.blocks)
-    _check_teacher(teacher, owned, ctx)
-    data = TokenBatches(
-        input_ids, micro_batch_size=tcfg.micro_batch_size, seed=tcfg.seed, val_sequences=rcfg.val_sequences
-    )
-    if input_ids.numel() and int(input_ids.max()) >= teacher.vocab_size:
-        raise ValueError(
-            f"input_ids contains token id {int(input_ids.max())} but the teacher's vocabulary has "
-            f"{teacher.vocab_size} entries: tokenize with the teacher's tokenizer"
-        )
+    data = _check_inputs(teacher, input_ids, owned, ctx, config)
     teacher.module.eval().requires_grad_(False)
     to_device(teacher.module, ctx.device)
     identity = run_identity(
@@ -215,36 +207,24 @@ def run_bypass(
     loss_fn = get_loss(tcfg.loss)
     if decision["action"] == "skip":
         done = load_checkpoint(Path(decision["path"]), model=student, blocks=owned, optimizers=None, ctx=ctx)
-        return BypassResult(
-            run_id,
-            exp,
-            True,
-            student,
-            done.get("history", []),
-            done.get("validation", []),
-            int(done["batches_consumed"]),
-        )
+        history, val = done.get("history", []), done.get("validation", [])
+        return BypassResult(run_id, exp, True, student, history, val, int(done["batches_consumed"]))
 
     optimizers = make_optimizers(student, owned, tcfg, ctx.device.type)
     state = _initial_state(decision, student, owned, optimizers, ctx, tcfg.grad_accum)
 
     pending: list[tuple[int, float, dict[int, float]]] = []
 
-    def flush() -> None:
-        _flush(pending, state, ctx)
-
     def save(name: str, latest: bool = True) -> None:
-        flush()
-        save_checkpoint(
-            exp,
-            name,
-            model=student,
-            blocks=owned,
-            optimizers=optimizers,
-            state=state,
-            ctx=ctx,
-            update_latest=latest,
-        )
+        _flush(pending, state, ctx)
+        kw: dict[str, Any] = {
+            "model": student,
+            "blocks": owned,
+            "optimizers": optimizers,
+            "state": state,
+            "ctx": ctx,
+        }
+        save_checkpoint(exp, name, **kw, update_latest=latest)
 
     student.module.train()
     bar = tqdm(
@@ -273,7 +253,7 @@ def run_bypass(
         bar.set_postfix(loss=f"{mean:.4g}", tok_s=f"{tokens_per_step / (time.perf_counter() - t0):.0f}")
         bar.update(1)
         if rcfg.val_every and (state["step"] % rcfg.val_every == 0 or state["step"] == tcfg.steps):
-            flush()
+            _flush(pending, state, ctx)
             val = [b.to(ctx.device) for b in data.val_batches()]
             result = validate(teacher, student, val, owned, ctx, loss_fn, tcfg.loss_eps)
             state["validation"].append({"step": state["step"], **result})
@@ -369,7 +349,7 @@ def make_student(
     calibration = None
     if student.mlp_init_mode == "importance":
         calibration = [data.batch(i).to(device) for i in range(student.importance_batches)]
-    built = build_student(
+    return build_student(
         teacher,
         student.overrides,
         mlp_init_mode=student.mlp_init_mode,
@@ -378,11 +358,6 @@ def make_student(
         ownership=ownership,
         ctx=ctx,
     )
-    if built.num_blocks != teacher.num_blocks:
-        raise ValueError(
-            f"student has {built.num_blocks} blocks, teacher {teacher.num_blocks}; they must match"
-        )
-    return built
 
 
 def run_sweep(
@@ -401,8 +376,3 @@ def run_sweep(
         run_bypass(teacher, input_ids, config.with_student(s), resume=resume, progress=progress)
         for s in students
     ]
-
-
-def load_final_state(result_dir: Path) -> dict[str, Any]:
-    """``state.json`` of a finished run's ``final/`` checkpoint."""
-    return read_state(result_dir)
