@@ -25,10 +25,8 @@ from composer_core.loss.config import (
     KLEstimator,
     LossType,
     PolicyOptions,
-    RolloutCorrection,
     RolloutMode,
     check_clip_args,
-    check_probability_bound,
     check_rollout_clip,
 )
 from composer_core.loss.metrics import Metrics
@@ -44,21 +42,15 @@ from composer_core.loss.validation import (
     check_float,
     check_int,
     check_normalizer,
+    check_probability,
     check_same_shape,
     check_tensor,
 )
 
 __all__ = [
     "CLIP_LOSS_TYPES",
-    "LOSS_TYPES",
-    "ROLLOUT_MODES",
-    "KLEstimator",
-    "LossType",
     "PolicyLossOutput",
-    "RolloutCorrection",
-    "RolloutMode",
     "aggregate_loss",
-    "check_clip_args",
     "clipped_surrogate",
     "clipped_surrogate_from_ratio",
     "dppo_loss",
@@ -309,13 +301,20 @@ def dppo_mask(
     ``Δp = exp(ℓtrain) − exp(ℓinf)``; ``masked = (A > 0 ∧ Δp > mask_high) ∨ (A ≤ 0 ∧ Δp < −mask_low)``:
     bounds are on probabilities, not log-ratios, and depend on the advantage sign.
     """
+    adv = _check_dppo(logprobs, inference_logprobs, advantages, mask_low, mask_high)
+    return _dppo_mask(logprobs, inference_logprobs, adv, mask_low, mask_high)
+
+
+def _check_dppo(
+    logprobs: Tensor, inference_logprobs: Tensor, advantages: Tensor, mask_low: float, mask_high: float
+) -> Tensor:
+    """The checks of :func:`dppo_mask` / :func:`dppo_loss`; returns the advantages broadcast to [B, 1|T]."""
     check_float("logprobs", logprobs)
     check_float("inference_logprobs", inference_logprobs)
     check_same_shape("logprobs", logprobs, "inference_logprobs", inference_logprobs)
-    adv = _broadcast_advantages(advantages, logprobs)
-    check_probability_bound("mask_low", mask_low)
-    check_probability_bound("mask_high", mask_high)
-    return _dppo_mask(logprobs, inference_logprobs, adv, mask_low, mask_high)
+    check_probability("mask_low", mask_low)
+    check_probability("mask_high", mask_high)
+    return _broadcast_advantages(advantages, logprobs)
 
 
 def _dppo_mask(
@@ -346,13 +345,8 @@ def dppo_loss(
     use :func:`aggregate_loss` with ``loss_type="dapo"``). Metrics (detached tensors): ``masked_fraction``,
     ``mismatch_kl`` (mean ``δ²/2`` over ``mask``).
     """
-    check_float("logprobs", logprobs)
-    check_float("inference_logprobs", inference_logprobs)
-    check_same_shape("logprobs", logprobs, "inference_logprobs", inference_logprobs)
-    adv = _broadcast_advantages(advantages, logprobs)
+    adv = _check_dppo(logprobs, inference_logprobs, advantages, mask_low, mask_high)
     m_bool = as_mask("mask", mask, logprobs.shape, device=logprobs.device)
-    check_probability_bound("mask_low", mask_low)
-    check_probability_bound("mask_high", mask_high)
     masked = _dppo_mask(logprobs, inference_logprobs, adv, mask_low, mask_high)
     m = m_bool.to(logprobs.dtype)
     keep = (~masked).to(logprobs.dtype) * m
