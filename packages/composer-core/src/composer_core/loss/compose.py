@@ -22,21 +22,9 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from composer_core.loss.config import (
-    _FLAT,
-    DPO,
-    PER_CALL,
-    TAID,
-    ComposeConfig,
-    EntropyOPD,
-    SDPOOptions,
-    SimPO,
-    flat_defaults,
-    flat_option_names,
-)
+from composer_core.loss.config import DPO, PER_CALL, TAID, ComposeConfig, EntropyOPD, SDPOOptions, SimPO
 from composer_core.loss.distill import (
     Kernel,
-    _check_common,
     _sampled_token_distill,
     fused_linear_loss,
     generalized_jsd,
@@ -177,17 +165,6 @@ class ComposeResult:
         return self.replay
 
 
-#: Every flat keyword of :func:`compose_loss` (derived from :class:`~composer_core.loss.config.ComposeConfig`).
-_COMPOSE_OPTIONS = list(flat_option_names())
-
-#: Options that act in one mode only: name -> (default, what selects it). Derived from the config classes.
-_MODE_OPTIONS: dict[str, tuple[object, str]] = {
-    name: (flat_defaults()[name], selector)
-    for name, (_, _, selector) in _FLAT.items()
-    if selector is not None
-}
-
-
 def check_mode_options(**options: object) -> None:
     """Raise ``ValueError`` for an option set to a non-default value in a mode that does not use it.
 
@@ -233,37 +210,17 @@ def compose_loss(
     ``sdpo_normalizer`` (global distilled-token count; default local count), ``replay_normalizer`` (global pair
     count; default local P). Python numbers or 0-dim tensors (a tensor is never read on the host).
 
-    Channel 1 options are the fields of :class:`~composer_core.loss.config.PolicyOptions`. Channel 2:
-
-    - ``sdpo_form``: ``"auto"`` picks top-k if ``sdpo_topk`` is set and logits are present, else full logits,
-      else fused hidden states, else the sampled-token form; ``"full"`` (logits or fused hidden states),
-      ``"topk"`` (logits + ``sdpo_topk``), ``"sampled"`` (``teacher_logprobs``; always the reverse-KL
-      estimator, so ``sdpo_beta``/``sdpo_temperature`` do not apply, ``sdpo_token_clip`` is its IS clip vs
-      ``old_logprobs`` and applies to it only).
-    - ``sdpo_beta`` (generalized-JSD β, TRL convention: 0 forward KL, 1 reverse KL), ``sdpo_temperature``,
-      ``sdpo_chunk_size``; ``sdpo_compiled`` (full form, no wrapper): the JSD chunk kernel under
-      ``torch.compile`` (:mod:`composer_core.loss.compiled`).
-    - ``sdpo_topk_tail`` (top-k form): add the tail bucket ``1 − Σ_k p`` on each side (default True: the
-      divergence approximates the full-vocabulary one); False renormalises both over the k tokens, TRL
-      ``trl.experimental.sdpo``'s default ``distillation_add_tail=False``.
-    - ``sdpo_wrapper``: ``"taid"`` (:func:`composer_core.loss.wrappers.taid_loss`; t from ``taid_t`` or the linear
-      schedule ``taid_schedule_step``/``taid_total_steps``/``taid_t_start``/``taid_t_end``) or
-      ``"entropy_opd"`` (base JSD with ``sdpo_beta`` + ``entropy_opd_weight``·gated FKL over the teacher
-      top-``sdpo_topk`` or the full vocabulary, gate ``H(p_T) > entropy_opd_threshold``). Wrappers need the
-      full or fused form.
-
-    Channel 3: ``dpo_variant`` ``"dpo"`` (:func:`composer_core.loss.preference.dpo_loss` with ``dpo_beta``,
-    ``dpo_loss_type``, ``dpo_label_smoothing``) or ``"simpo"`` (``simpo_beta``, ``simpo_gamma``).
+    The options are the fields of :class:`~composer_core.loss.config.PolicyOptions` (channel 1, same names),
+    :class:`~composer_core.loss.config.SDPOOptions` (channel 2, ``sdpo_<field>``; ``sdpo_wrapper`` ``"taid"``
+    with ``taid_<field>`` or ``"entropy_opd"`` with ``entropy_opd_<field>``), and ``dpo_variant`` ``"dpo"``
+    (``dpo_<field>`` of :class:`~composer_core.loss.config.DPO`) or ``"simpo"`` (``simpo_beta``, ``simpo_gamma``)
+    for channel 3.
 
     ``check_values`` (default True): value checks (finite inputs, 0/1 masks, non-empty selections, positive
     lengths/normalisers) run fused, with ONE host sync per call; False (or ``torch.compile``) skips them (no host
     sync). Structural checks (shapes, dtypes, devices, options) always run, without reading device memory.
 
-    Metrics (detached; see :class:`ComposeResult`): the keys of
-    :data:`~composer_core.loss.metrics.METRIC_KEYS` (``<group>/<name>``: ``loss/total``, ``loss/policy``,
-    ``loss/sdpo``, ``loss/replay``, ``sdpo/skipped``, ``replay/skipped`` (1.0 when the channel was not computed:
-    inputs absent or weight 0), ``sdpo/tokens``, ``replay/pairs``, ``replay/accuracy``, ``taid/t`` (TAID only),
-    ``policy/clip_ratio`` and the optional ``policy/*`` metrics of ``policy_loss``).
+    Metrics (detached; see :class:`ComposeResult`): the keys of :data:`~composer_core.loss.metrics.METRIC_KEYS`.
 
     Raises ValueError for unknown options (with the closest name), options without effect in the resolved mode,
     contradictory options, partial channel inputs, NaN/inf, shape, device or vocabulary mismatches and empty masks
@@ -591,7 +548,6 @@ def _run_fused(
     assert batch.student_hidden is not None and batch.teacher_hidden is not None
     assert batch.lm_head_weight is not None
     _check_vocab_tokens(batch.student_hidden, batch.logprobs, "student_hidden")
-    _check_common(opts.temperature, opts.chunk_size, "mean", normalizer, ("mean",))
     return fused_linear_loss(
         batch.student_hidden,
         batch.lm_head_weight,

@@ -168,20 +168,6 @@ def jsd_kernel(beta: float, compiled: bool = SDPOOptions.compiled) -> Kernel:
     return kernel
 
 
-def fkl_kernel_to_target(
-    zs: Tensor, target_logits: Tensor, scratch: Scratch | None = None
-) -> tuple[Tensor, Tensor]:
-    """Forward KL(softmax(target)‖softmax(zs)) and its gradient q − p (the target is constant).
-
-    Owns (overwrites) both inputs; the gradient is returned in ``zs``'s buffer. ``scratch`` (optional) holds
-    the two work buffers across chunks."""
-    scratch = Scratch() if scratch is None else scratch
-    lq, q = _log_softmax_and_probs(zs, scratch.get("a", zs))
-    lp, p = _log_softmax_and_probs(target_logits, scratch.get("b", target_logits))
-    loss = _rowdot(p, lp.sub_(lq))
-    return loss, q.sub_(p)
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Chunked engines
 # ---------------------------------------------------------------------------------------------------------
@@ -192,13 +178,9 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def full_precision(device: torch.device) -> contextlib.AbstractContextManager[Any]:
-    """Autocast off for ``device``'s type, so the explicit float32 (or float64) upcasts of the losses hold.
-
-    Under an ambient ``torch.autocast`` (TRL ``bf16=True``, FSDP mixed precision) matmuls such as the chunk
-    kernels' row dot products and the fused LM head would run in bf16/fp16 (and ``grad_w.addmm_`` would mix
-    dtypes). Every loss here computes in ``promote(input dtype, float32)`` and returns gradients in the inputs'
-    dtypes instead.
-    """
+    """Autocast off for ``device``'s type: under an ambient ``torch.autocast`` (TRL ``bf16=True``, FSDP mixed
+    precision) the kernels' matmuls would run in bf16/fp16; every loss here computes in ``promote(input dtype,
+    float32)`` and returns gradients in the inputs' dtypes instead."""
     if torch.amp.is_autocast_available(device.type):
         return torch.autocast(device_type=device.type, enabled=False)
     return contextlib.nullcontext()
@@ -209,30 +191,6 @@ def _non_finite_message(names: tuple[str, str], chunks: tuple[Tensor, Tensor]) -
     return (
         f"`{culprits[0]}` contains NaN/inf values; fix the upstream computation (mask padded positions with a "
         "finite value, not -inf/NaN) before calling the loss."
-    )
-
-
-def _check_logits_finite(result: Tensor, student: Tensor, teacher: Tensor, rows: Tensor) -> None:
-    """Value check of a logits call's result (the summed loss or the per-row losses; joins ``compose_loss``'s
-    fused check, eager when called directly): one per call, as a NaN/inf logit makes its row's loss non-finite.
-    Only on failure are the selected rows (``rows``: indices or the bool row mask) searched for the culprit."""
-    value_check(
-        None,
-        lambda: torch.isfinite(result),
-        lambda: _non_finite_message(("student_logits", "teacher_logits"), (student[rows], teacher[rows])),
-    )
-
-
-def _check_fused_finite(total: Tensor) -> None:
-    """Value check of a fused call's summed loss (joins ``compose_loss``'s fused check; eager when called
-    directly): one per call, not per chunk, as a NaN/inf row makes the sum non-finite."""
-    value_check(
-        None,
-        lambda: torch.isfinite(total),
-        lambda: (
-            "the logits computed from `student_hidden`/`teacher_hidden` and the LM head overflow to "
-            "NaN/inf; check the hidden states and head weights (or compute in float32)."
-        ),
     )
 
 
@@ -350,7 +308,14 @@ class _ChunkedLogitsLoss(torch.autograd.Function):
                 _put(per_row_out, sel, loss)
             else:
                 total += loss.sum()
-        _check_logits_finite(total if per_row_out is None else per_row_out, student, teacher, rows)
+        # one value check per call (joins compose_loss's fused check): a NaN/inf logit makes its row's loss
+        # non-finite; only on failure are the selected rows searched for the culprit
+        result = total if per_row_out is None else per_row_out
+        value_check(
+            None,
+            lambda: torch.isfinite(result),
+            lambda: _non_finite_message(("student_logits", "teacher_logits"), (student[rows], teacher[rows])),
+        )
         ctx.save_for_backward(grad)
         ctx.per_row = per_row
         if per_row_out is not None:
@@ -438,7 +403,14 @@ class _FusedLinearLoss(torch.autograd.Function):
                 grad_w.addmm_(g.T, hs.mul_(factor))
             if grad_b is not None:
                 grad_b.add_(g.sum(0).mul_(factor))
-        _check_fused_finite(total)  # a non-finite row makes the sum non-finite: one check per call
+        value_check(  # a non-finite row makes the sum non-finite: one check per call
+            None,
+            lambda: torch.isfinite(total),
+            lambda: (
+                "the logits computed from `student_hidden`/`teacher_hidden` and the LM head overflow to "
+                "NaN/inf; check the hidden states and head weights (or compute in float32)."
+            ),
+        )
         ctx.save_for_backward(
             *(t if t is not None else torch.empty(0) for t in (grad_h, grad_w, grad_b)),
         )
@@ -518,7 +490,7 @@ def _rows_and_scale(
 
 
 @checked_once
-def chunked_logits_loss(
+def logits_loss(
     student_logits: Tensor,
     teacher_logits: Tensor,
     kernel: Kernel,
@@ -529,7 +501,9 @@ def chunked_logits_loss(
     reduction: str,
     normalizer: float | Tensor | None,
 ) -> Tensor:
-    """Run a chunk ``kernel`` over [..., V] logits with masking and reduction (shared by the wrappers)."""
+    """Check the shared arguments, then run a chunk ``kernel`` over [..., V] logits with masking and reduction
+    (the logits-input losses: :func:`generalized_jsd`, ``taid_loss``, ``entropy_opd_loss``)."""
+    _check_common(temperature, chunk_size, reduction, normalizer, ("mean", "sum", "none"))
     check_tensor("student_logits", student_logits, min_ndim=2)
     check_tensor("teacher_logits", teacher_logits, min_ndim=2)
     check_same_shape("student_logits", student_logits, "teacher_logits", teacher_logits)
@@ -595,32 +569,6 @@ def generalized_jsd(
     )
 
 
-def logits_loss(
-    student_logits: Tensor,
-    teacher_logits: Tensor,
-    kernel: Kernel,
-    *,
-    temperature: float,
-    mask: Tensor | None,
-    chunk_size: int | None,
-    reduction: str,
-    normalizer: float | Tensor | None,
-) -> Tensor:
-    """Check the shared arguments, then run ``kernel`` chunk-wise over [..., V] logits (the public
-    logits-input losses: :func:`generalized_jsd`, ``taid_loss``, ``entropy_opd_loss``)."""
-    _check_common(temperature, chunk_size, reduction, normalizer, ("mean", "sum", "none"))
-    return chunked_logits_loss(
-        student_logits,
-        teacher_logits,
-        kernel,
-        temperature=temperature,
-        mask=mask,
-        chunk_size=chunk_size,
-        reduction=reduction,
-        normalizer=normalizer,
-    )
-
-
 @checked_once
 def fused_linear_loss(
     student_hidden: Tensor,
@@ -641,6 +589,7 @@ def fused_linear_loss(
 
     Student ``student_hidden [..., Hs]`` with ``lm_head_weight [V, Hs]``; teacher ``teacher_hidden [..., Ht]`` with
     ``teacher_lm_head_weight [V, Ht]`` (Ht may differ from Hs; without a teacher head, Ht must equal Hs)."""
+    _check_common(temperature, chunk_size, reduction, normalizer, ("mean", "sum"))
     check_tensor("student_hidden", student_hidden, min_ndim=2)
     check_tensor("teacher_hidden", teacher_hidden, min_ndim=2)
     check_tensor("lm_head_weight", lm_head_weight, ndim=2)
@@ -744,7 +693,6 @@ def fused_linear_generalized_jsd(
     """
     check_probability("beta", beta)
     check_bool("compiled", compiled)
-    _check_common(temperature, chunk_size, reduction, normalizer, ("mean", "sum"))
     return fused_linear_loss(
         student_hidden,
         lm_head_weight,
