@@ -27,8 +27,8 @@ from composer_core.loss.distill import (
     Kernel,
     _sampled_token_distill,
     fused_linear_loss,
-    generalized_jsd,
     jsd_kernel,
+    logits_loss,
     topk_distill,
 )
 from composer_core.loss.metrics import Metrics
@@ -41,7 +41,7 @@ from composer_core.loss.validation import (
     check_same_shape,
     value_checks,
 )
-from composer_core.loss.wrappers import entropy_opd_kernel, entropy_opd_loss, taid_kernel, taid_loss
+from composer_core.loss.wrappers import entropy_opd_kernel, taid_kernel
 
 __all__ = [
     "ComposeConfig",
@@ -515,29 +515,15 @@ def _run_logits(
     _require_all(batch, "full-logits", ("student_logits", "teacher_logits"))
     assert batch.student_logits is not None and batch.teacher_logits is not None
     _check_vocab_tokens(batch.student_logits, batch.logprobs, "student_logits")
-    common: dict[str, object] = {
-        "temperature": opts.temperature, "mask": m, "chunk_size": opts.chunk_size, "normalizer": normalizer
-    }  # fmt: skip
-    if kernel.name == "taid":
-        assert kernel.t is not None
-        return taid_loss(batch.student_logits, batch.teacher_logits, kernel.t, **common)  # type: ignore[arg-type]
-    if kernel.name == "entropy_opd":
-        assert isinstance(opts.wrapper, EntropyOPD)
-        return entropy_opd_loss(
-            batch.student_logits,
-            batch.teacher_logits,
-            threshold=opts.wrapper.threshold,
-            fkl_weight=opts.wrapper.weight,
-            beta=opts.beta,
-            topk=opts.topk,
-            **common,  # type: ignore[arg-type]
-        )
-    return generalized_jsd(
+    return logits_loss(
         batch.student_logits,
         batch.teacher_logits,
-        beta=opts.beta,
-        compiled=opts.compiled,
-        **common,  # type: ignore[arg-type]
+        _full_kernel(opts, kernel, vocab=batch.student_logits.shape[-1]),
+        temperature=opts.temperature,
+        mask=m,
+        chunk_size=opts.chunk_size,
+        reduction="mean",
+        normalizer=normalizer,
     )
 
 
@@ -552,7 +538,7 @@ def _run_fused(
         batch.student_hidden,
         batch.lm_head_weight,
         batch.teacher_hidden,
-        _fused_kernel(opts, kernel, vocab=batch.lm_head_weight.shape[0]),
+        _full_kernel(opts, kernel, vocab=batch.lm_head_weight.shape[0]),
         teacher_lm_head_weight=batch.teacher_lm_head_weight,
         lm_head_bias=batch.lm_head_bias,
         teacher_lm_head_bias=batch.teacher_lm_head_bias,
@@ -564,8 +550,9 @@ def _run_fused(
     )
 
 
-def _fused_kernel(opts: SDPOOptions, kernel: _SDPOKernel, vocab: int) -> Kernel:
-    """The chunk kernel of :func:`~composer_core.loss.distill.fused_linear_loss` for ``kernel``."""
+def _full_kernel(opts: SDPOOptions, kernel: _SDPOKernel, vocab: int) -> Kernel:
+    """The chunk kernel of the full forms (logits or fused hidden states) for ``kernel``; its options were checked
+    by :class:`~composer_core.loss.config.SDPOOptions`."""
     if kernel.name == "taid":
         assert kernel.t is not None
         return taid_kernel(kernel.t)
@@ -574,7 +561,7 @@ def _fused_kernel(opts: SDPOOptions, kernel: _SDPOKernel, vocab: int) -> Kernel:
         if opts.topk is not None and not (1 <= opts.topk <= vocab):
             raise ValueError(f"`sdpo_topk`={opts.topk!r} must be None or an int in [1, V={vocab}].")
         return entropy_opd_kernel(
-            opts.beta, float(opts.wrapper.threshold), float(opts.wrapper.weight), opts.topk
+            float(opts.beta), float(opts.wrapper.threshold), float(opts.wrapper.weight), opts.topk
         )
     return jsd_kernel(float(opts.beta), opts.compiled)
 

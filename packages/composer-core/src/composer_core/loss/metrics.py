@@ -1,14 +1,8 @@
 """``Metrics``: a loss's metrics as detached tensors, read from the device only when the caller reads them.
 
-The loss functions never read a metric on the host (each read would be a device sync in the hot loop). A
-:class:`Metrics` holds the detached 0-dim tensors (and plain Python numbers); reading a key (``m[k]``,
-``float(m[k])``, ``dict(m)``, iterating values) converts **all** of them to floats with one host transfer,
-once, and caches the result. :meth:`Metrics.tensors` returns them unread, for callers that reduce or log
-tensors themselves.
-
-:data:`METRIC_KEYS` names every key :func:`composer_core.compose_loss` can return (``<group>/<name>``; the
-groups are the channels ``policy`` / ``sdpo`` / ``replay``, ``loss`` for the channel losses, ``taid`` for the
-wrapper): the one source of truth adapters log under their ``composer/`` prefix.
+Reading a key converts **all** of them to floats with one host transfer, once; :meth:`Metrics.tensors` returns
+them unread. :data:`METRIC_KEYS` names every key :func:`composer_core.compose_loss` can return
+(``<group>/<name>``), the one source of truth adapters log under their ``composer/`` prefix.
 """
 
 from __future__ import annotations

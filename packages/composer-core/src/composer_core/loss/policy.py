@@ -136,17 +136,12 @@ def clipped_surrogate(
 def clipped_surrogate_from_ratio(
     coef_1: Tensor, adv: Tensor, eps_lo: float, eps_hi: float, delta: float | None
 ) -> tuple[Tensor, Tensor]:
-    """The clip/min part of :func:`clipped_surrogate` given the importance ratio ``ρ`` itself (TRL 1.16's op
-    order), for a caller that already holds ρ (another ratio than ``exp(ℓθ − ℓold)``, e.g. against the inference
-    engine's log-probs) and has checked its own inputs: nothing is validated here.
+    """:func:`clipped_surrogate` given the importance ratio ρ itself (TRL 1.16's op order), for a caller holding
+    another ratio (e.g. against the inference engine's log-probs) that checked its inputs: nothing is validated.
 
-    ``L_t = −min(min(ρ, δ)·A, clip(ρ, 1−ε_lo, 1+ε_hi)·A)`` (``delta=None``: no ``min(ρ, δ)``), and
-    ``is_clipped = (ρ' < 1−ε_lo ∧ A < 0) ∨ (ρ' > 1+ε_hi ∧ A > 0)`` with ``ρ' = min(ρ, δ)``, computed without grad.
-
-    Args: ``coef_1`` ρ, any shape (e.g. [B, T], [B, 1] or 1-D per token); ``adv`` A, broadcastable to it
-    ([B, 1] or [B, T]); ``eps_lo`` in [0, 1), ``eps_hi`` ≥ 0, ``delta`` > 1 + ``eps_hi`` or None (see
-    :func:`clipped_surrogate` for the checks). Returns ``(per_token_loss, is_clipped)`` of the broadcast shape,
-    ``is_clipped`` bool.
+    ``L_t = −min(min(ρ, δ)·A, clip(ρ, 1−ε_lo, 1+ε_hi)·A)`` (``delta=None``: no ``min(ρ, δ)``), ``is_clipped =
+    (ρ' < 1−ε_lo ∧ A < 0) ∨ (ρ' > 1+ε_hi ∧ A > 0)`` with ``ρ' = min(ρ, δ)``. Shapes: ``coef_1`` any (e.g. [B, T],
+    [B, 1]); ``adv`` broadcastable to it; returns ``(per_token_loss, is_clipped)`` of the broadcast shape.
     """
     coef_2 = torch.clamp(coef_1, 1 - eps_lo, 1 + eps_hi)
     if delta is not None:
@@ -203,8 +198,7 @@ def _aggregate(
     normalizer: float | Tensor | None,
     max_completion_length: int | None,
 ) -> Tensor:
-    """:func:`aggregate_loss` on validated inputs and options (``m`` a float mask in the loss dtype); checks only
-    what depends on the call: the normaliser and the width T."""
+    """:func:`aggregate_loss` on validated inputs (``m`` a float mask in the loss dtype)."""
     if loss_type in ("grpo", "sapo"):
         per_seq = (per_token_loss * m).sum(-1) / m.sum(-1).clamp(min=1.0)
         return per_seq.mean() if normalizer is None else per_seq.sum() / normalizer

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import Literal
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -172,8 +171,3 @@ def simpo_loss(
     logits = float(options.beta) * (chosen_logps / lc - rejected_logps / lr) - float(options.gamma)
     losses = -F.logsigmoid(logits)
     return _reduce_pairs(losses, reduction, normalizer)
-
-
-def _pair_accuracy(margin: Tensor) -> float:
-    """Fraction of pairs whose implicit reward prefers the chosen action."""
-    return float((margin.detach() > 0).to(torch.float64).mean())
