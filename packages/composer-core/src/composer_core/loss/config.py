@@ -483,24 +483,12 @@ class ComposeConfig:
 
     def to_flat(self) -> dict[str, object]:
         """The flat keyword form of this config (every option, including defaults)."""
-        out: dict[str, object] = {"alpha_sdpo": self.alpha_sdpo, "beta_replay": self.beta_replay}
-        out.update({f.name: getattr(self.policy, f.name) for f in dataclasses.fields(PolicyOptions)})
-        for f in dataclasses.fields(SDPOOptions):
-            if f.name != "wrapper":
-                out[f"sdpo_{f.name}"] = getattr(self.sdpo, f.name)
-        out["sdpo_wrapper"] = self.sdpo.wrapper_name
-        if self.sdpo.wrapper is not None:
-            prefix = "taid_" if isinstance(self.sdpo.wrapper, TAID) else "entropy_opd_"
-            out.update(
-                {
-                    prefix + f.name: getattr(self.sdpo.wrapper, f.name)
-                    for f in dataclasses.fields(self.sdpo.wrapper)
-                }
-            )
-        out["dpo_variant"] = self.dpo_variant
-        prefix = "simpo_" if isinstance(self.replay, SimPO) else "dpo_"
-        out.update({prefix + f.name: getattr(self.replay, f.name) for f in dataclasses.fields(self.replay)})
-        out["check_values"] = self.check_values
+        out: dict[str, object] = {name: getattr(self, name) for name in _TOP}
+        for obj in (self.policy, self.sdpo, self.sdpo.wrapper, self.replay):
+            if obj is not None:
+                prefix = next(prefix for klass, prefix, _ in _SECTIONS if klass is type(obj))
+                out.update({prefix + f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)})
+        out.update(sdpo_wrapper=self.sdpo.wrapper_name, dpo_variant=self.dpo_variant)
         return out
 
 

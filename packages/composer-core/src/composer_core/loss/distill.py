@@ -259,12 +259,26 @@ def _times(total: Tensor, scale: float | Tensor) -> Tensor:
     return total * (scale.to(total.dtype) if isinstance(scale, Tensor) else scale)
 
 
-def _drop_masked(loss: Tensor, grad: Tensor, keep: Tensor | None) -> Tensor:
-    """Zero the loss and gradient of the masked rows of a chunk (accelerator path; NaN-safe)."""
+def _run_kernel(
+    kernel: Kernel, zs: Tensor, zt: Tensor, temperature: float, keep: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """``kernel`` on one chunk of logits (scaled by ``1/temperature`` in place); the loss and gradient of the rows
+    ``keep`` drops are zeroed (accelerator path; NaN-safe)."""
+    if temperature != 1.0:
+        zs.div_(temperature)
+        zt.div_(temperature)
+    loss, grad = kernel(zs, zt)
     if keep is None:
-        return loss
+        return loss, grad
     grad.masked_fill_(~keep.unsqueeze(-1), 0.0)
-    return torch.where(keep, loss, 0.0)
+    return torch.where(keep, loss, 0.0), grad
+
+
+def _times_grad_out(grad: Tensor, grad_out: Tensor) -> Tensor:
+    """``grad · grad_out`` (a backward's chain rule), skipped for the usual ``grad_out`` of 1 read on the host."""
+    if host_reads_are_free(grad_out.device) and bool(grad_out == 1):
+        return grad
+    return grad * grad_out.to(grad.dtype)
 
 
 class _ChunkedLogitsLoss(torch.autograd.Function):
@@ -295,12 +309,7 @@ class _ChunkedLogitsLoss(torch.autograd.Function):
         factor = _factor(1.0 if per_row else scale, temperature, cdtype)
         for sel, keep, c in _chunks(rows, n_rows, chunk_size):
             zs = _rows_into(student, sel, buf_s[:c])
-            zt = _rows_into(teacher, sel, buf_t[:c])
-            if temperature != 1.0:
-                zs.div_(temperature)
-                zt.div_(temperature)
-            loss, g = kernel(zs, zt)
-            loss = _drop_masked(loss, g, keep)
+            loss, g = _run_kernel(kernel, zs, _rows_into(teacher, sel, buf_t[:c]), temperature, keep)
             if isinstance(factor, Tensor) or factor != 1.0:
                 g.mul_(factor)
             _put(grad, sel, g)
@@ -329,10 +338,8 @@ class _ChunkedLogitsLoss(torch.autograd.Function):
         with full_precision(grad.device):
             if ctx.per_row:
                 g = grad * grad_out.to(grad.dtype).unsqueeze(-1)
-            elif host_reads_are_free(grad.device) and bool(grad_out == 1):
-                g = grad
             else:
-                g = grad * grad_out.to(grad.dtype)
+                g = _times_grad_out(grad, grad_out)
         return g, None, None, None, None, None, None, None
 
 
@@ -391,11 +398,8 @@ class _FusedLinearLoss(torch.autograd.Function):
                 zs.add_(b_c)
             if tb_c is not None:
                 zt.add_(tb_c)
-            if temperature != 1.0:
-                zs.div_(temperature)
-                zt.div_(temperature)
-            loss, g = kernel(zs, zt)
-            total += _drop_masked(loss, g, keep).sum()
+            loss, g = _run_kernel(kernel, zs, zt, temperature, keep)
+            total += loss.sum()
             # the factor scales the [c, H] operands and the [V] sum, not a pass over g [c, V]
             if grad_h is not None and buf_gh is not None:
                 _put(grad_h, sel, torch.matmul(g, w_c, out=buf_gh[:c]).mul_(factor))
@@ -421,17 +425,12 @@ class _FusedLinearLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, ...]:
         grad_out = grad_outputs[0]
-        saved = ctx.saved_tensors
-        outs: list[Tensor | None] = []
-        one = host_reads_are_free(grad_out.device) and bool(grad_out == 1)
         with full_precision(grad_out.device):
-            for has, g, dtype in zip(ctx.has, saved, ctx.dtypes):
-                if not has:
-                    outs.append(None)
-                    continue
-                g = g if one else g * grad_out.to(g.dtype)
-                outs.append(g.to(dtype))
-        return outs[0], outs[1], outs[2], None, None, None, None, None, None, None, None
+            outs = [
+                _times_grad_out(g, grad_out).to(dtype) if has else None
+                for has, g, dtype in zip(ctx.has, ctx.saved_tensors, ctx.dtypes)
+            ]
+        return (*outs, None, None, None, None, None, None, None, None)
 
 
 _apply_chunked = cast(Callable[..., Tensor], _ChunkedLogitsLoss.apply)
