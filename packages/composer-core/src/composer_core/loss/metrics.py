@@ -49,18 +49,6 @@ ADAPTER_PREFIX = "composer/"
 _RENAMED = {"skipped/sdpo": "sdpo/skipped", "skipped/replay": "replay/skipped"}
 
 
-def _renamed(key: object) -> object:
-    if isinstance(key, str) and key in _RENAMED:
-        warnings.warn(
-            f"metric key {key!r} is deprecated; use {_RENAMED[key]!r} (keys are <group>/<name>, see "
-            "composer_core.METRIC_KEYS).",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        return _RENAMED[key]
-    return key
-
-
 class Metrics(Mapping[str, float]):
     """Read-only mapping ``name -> float``, converted lazily (one host sync for all keys) from tensors."""
 
@@ -86,9 +74,20 @@ class Metrics(Mapping[str, float]):
             self._floats = {k: floats[k] for k in self._raw}
         return self._floats
 
+    def _key(self, key: object) -> object:
+        """``key``, or the new name of a renamed key (with a DeprecationWarning)."""
+        if isinstance(key, str) and key not in self._raw and _RENAMED.get(key) in self._raw:
+            warnings.warn(
+                f"metric key {key!r} is deprecated; use {_RENAMED[key]!r} (keys are <group>/<name>, see "
+                "composer_core.METRIC_KEYS).",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            return _RENAMED[key]
+        return key
+
     def __getitem__(self, key: str) -> float:
-        if key not in self._raw and _RENAMED.get(key) in self._raw:
-            key = str(_renamed(key))
+        key = str(self._key(key))
         if key not in self._raw:
             raise KeyError(key)
         return self._read()[key]
@@ -100,9 +99,7 @@ class Metrics(Mapping[str, float]):
         return len(self._raw)
 
     def __contains__(self, key: object) -> bool:
-        if isinstance(key, str) and key not in self._raw and _RENAMED.get(key) in self._raw:
-            key = _renamed(key)
-        return key in self._raw
+        return self._key(key) in self._raw
 
     def __repr__(self) -> str:
         return f"Metrics({self._read()!r})"

@@ -435,6 +435,10 @@ def policy_loss(
             per_token_kl = per_token_kl * coef_1  # TRL 1.16: after the KL, before the δ clamp of the ratio
     metrics: dict[str, Tensor | float] = {}
     n_tok = m_f.sum().clamp(min=1.0)
+
+    def masked_mean(x: Tensor) -> Tensor:
+        return ((x.detach().to(m_f.dtype) * m_f).sum() / n_tok).detach()
+
     shape = {
         "sapo": (o.sapo_temperature_pos, o.sapo_temperature_neg),
         "vespo": (o.vespo_k_pos, o.vespo_lambda_pos, o.vespo_k_neg, o.vespo_lambda_neg),
@@ -443,7 +447,7 @@ def policy_loss(
         o.loss_type, coef_1, log_ratio, logprobs, adv, m_f, rollout_is_weights, (*o.epsilons, o.delta), shape
     )
     if phi is not None:  # vespo: the rollout IS weight is folded into the gamma weight
-        metrics["policy/vespo_phi"] = (phi.expand_as(m_f) * m_f).sum() / n_tok
+        metrics["policy/vespo_phi"] = masked_mean(phi.expand_as(m_f))
         rollout_is_weights = None
     if surrogate_mask is not None:
         per_token_loss = per_token_loss * surrogate_mask
@@ -451,7 +455,7 @@ def policy_loss(
         assert inference_logprobs is not None
         masked = _dppo_mask(logprobs, inference_logprobs, adv, o.dppo_mask_low, o.dppo_mask_high)
         per_token_loss = per_token_loss * (~masked)
-        metrics["policy/dppo_masked"] = ((masked.to(m_f.dtype) * m_f).sum() / n_tok).detach()
+        metrics["policy/dppo_masked"] = masked_mean(masked)
     else:
         if o.rollout_correction is not None:
             assert inference_logprobs is not None
@@ -460,14 +464,14 @@ def policy_loss(
             )
         if rollout_is_weights is not None:
             per_token_loss = per_token_loss * rollout_is_weights.detach()
-            metrics["policy/rollout_is_weight"] = ((rollout_is_weights.detach() * m_f).sum() / n_tok).detach()
+            metrics["policy/rollout_is_weight"] = masked_mean(rollout_is_weights)
     if per_token_kl is not None:
         per_token_loss = per_token_loss + o.kl_beta * per_token_kl
-        metrics["policy/kl"] = ((per_token_kl.detach() * m_f).sum() / n_tok).detach()
+        metrics["policy/kl"] = masked_mean(per_token_kl)
 
     m_agg = mask if (mask.dtype != torch.bool and mask.is_floating_point()) else m_f
     loss = _aggregate(per_token_loss, m_agg, o.loss_type, normalizer, o.max_completion_length)
-    metrics["policy/clip_ratio"] = ((is_clipped.to(m_f.dtype) * m_f).sum() / n_tok).detach()
+    metrics["policy/clip_ratio"] = masked_mean(is_clipped)
     return PolicyLossOutput(loss=loss, metrics=Metrics(metrics))
 
 

@@ -158,17 +158,7 @@ class TAIDScheduler:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume (plain Python values; safe for torch.save/json)."""
-        return {
-            "total_steps": self.total_steps,
-            "t_start": self.t_start,
-            "t_end": self.t_end,
-            "alpha": self.alpha,
-            "beta": self.beta,
-            "t": self.t,
-            "momentum": self.momentum,
-            "prev_loss": self.prev_loss,
-            "num_steps": self.num_steps,
-        }
+        return {key: getattr(self, key) for key in (*_SETTINGS, "t", "momentum", "prev_loss", "num_steps")}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict`; raises ValueError on missing keys or out-of-range values."""
@@ -180,13 +170,17 @@ class TAIDScheduler:
         t = float(state["t"])
         if not (0.0 <= t <= 1.0):
             raise ValueError(f"TAIDScheduler state has t={t}, outside [0, 1]; the checkpoint is corrupt.")
-        for key in ("total_steps", "t_start", "t_end", "alpha", "beta"):
+        for key in _SETTINGS:
             if key in state:
                 setattr(self, key, type(getattr(self, key))(state[key]))
         self.t = t
         self.momentum = float(state["momentum"])
         self.prev_loss = None if state["prev_loss"] is None else float(state["prev_loss"])
         self.num_steps = int(state["num_steps"])
+
+
+#: the constructor's arguments, kept in :meth:`TAIDScheduler.state_dict`
+_SETTINGS = ("total_steps", "t_start", "t_end", "alpha", "beta")
 
 
 def entropy_opd_kernel(beta: float, threshold: float, fkl_weight: float, topk: int | None) -> Kernel:
