@@ -14,6 +14,8 @@ compute the channel at all, so the total is bit-identical to the policy-only los
 
 from __future__ import annotations
 
+import functools
+import operator
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
@@ -281,7 +283,7 @@ def _channel2_flags(batch: ComposerBatch) -> tuple[bool, bool, bool]:
 def _check_devices(batch: ComposerBatch) -> None:
     """Structural: every tensor of the batch on ``logprobs``' device (no host sync)."""
     device = batch.logprobs.device if isinstance(batch.logprobs, Tensor) else None
-    if device is None:
+    if device is None:  # policy_loss names the bad `logprobs`
         return
     for name in _BATCH_FIELDS:
         value = getattr(batch, name)
@@ -448,12 +450,8 @@ def _seq_mean(
     sizes = [int(c) for c in torch.unique(counts[counts > 0]).tolist()]
     if not sizes:
         return runner(batch, opts, kernel, m, rows)
-    total: Tensor | None = None
-    for c in sizes:
-        part = runner(batch, opts, kernel, m & (counts == c).unsqueeze(-1), rows * c)
-        total = part if total is None else total + part
-    assert total is not None
-    return total
+    parts = [runner(batch, opts, kernel, m & (counts == c).unsqueeze(-1), rows * c) for c in sizes]
+    return functools.reduce(operator.add, parts)
 
 
 def _pick_kernel(opts: SDPOOptions, form: str) -> _SDPOKernel:

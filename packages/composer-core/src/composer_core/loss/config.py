@@ -278,14 +278,11 @@ class SDPOOptions:
     """Channel 2. Flat names ``sdpo_<field>`` (``sdpo_wrapper`` selects ``wrapper``: ``"none"`` → None,
     ``"taid"`` → :class:`TAID`, ``"entropy_opd"`` → :class:`EntropyOPD`).
 
-    ``form="auto"`` is resolved per batch (:meth:`resolved`): top-k if ``topk`` is set and logits are present
-    (and no wrapper), else full logits, else fused hidden states, else the sampled-token form. In the resolved
-    form: ``token_clip`` acts only in ``"sampled"``; ``temperature`` and ``beta`` only outside it (the sampled
-    form is always the reverse-KL estimator: ``beta`` 0.5 (default) or 1.0 are accepted there); ``topk`` only in
-    ``"topk"`` or with the entropy-OPD wrapper; ``topk_tail`` (add the tail bucket ``1 − Σ_k p``; False is TRL
-    SDPO's ``distillation_add_tail=False``) only in ``"topk"``; a wrapper needs ``"full"``; ``compiled`` (the
-    generalized-JSD chunk kernel under ``torch.compile``, :mod:`composer_core.loss.compiled`) only in ``"full"``
-    without a wrapper.
+    ``form="auto"`` is resolved per batch (:meth:`resolve_form`): top-k if ``topk`` is set and logits are present
+    (and no wrapper), else full logits, else fused hidden states, else the sampled-token form; an option the
+    resolved form does not read raises (:meth:`unused`; ``topk`` also acts with the entropy-OPD wrapper, which
+    needs ``"full"``). ``topk_tail``: add the tail bucket ``1 − Σ_k p`` (False is TRL SDPO's
+    ``distillation_add_tail=False``); ``compiled``: the JSD chunk kernel under ``torch.compile``.
 
     ``loss_agg`` (every form): ``"token_mean"`` (default; lasgroup/SDPO's verl ``token-mean``) divides the sum over
     distilled tokens by their count (``sdpo_normalizer``: the global count); ``"seq_mean"`` (TRL

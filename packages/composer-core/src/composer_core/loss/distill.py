@@ -124,12 +124,9 @@ def _log_softmax_and_probs(z: Tensor, logp: Tensor) -> tuple[Tensor, Tensor]:
 def jsd_kernel(beta: float, compiled: bool = SDPOOptions.compiled) -> Kernel:
     """Chunk kernel of the generalized JSD (exact FKL / RKL branches at β = 0 / 1).
 
-    ``compiled=True``: the same formulas as one graph under ``torch.compile``
-    (:func:`composer_core.loss.compiled.compiled_jsd_kernel`: inductor fuses the elementwise passes; returns new
-    tensors and leaves its inputs as they are). Otherwise the eager kernel below.
-
-    The eager kernel owns (and overwrites) its two input chunks and returns the gradient in ``zs``'s buffer; it uses
-    two more [c, V] buffers (plus a bool one at 0 < β < 1), reused across the chunks of one loss call.
+    ``compiled=True``: the same formulas under ``torch.compile`` (:mod:`composer_core.loss.compiled`). The eager
+    kernel owns (overwrites) its two chunks, returns the gradient in ``zs``'s buffer and reuses two more [c, V]
+    buffers (plus a bool one at 0 < β < 1) across the chunks of one loss call.
 
     Interior β, with d = log q − log p and f = log m − log p = log(β + (1−β)·e^d)
     (= logaddexp(d + log(1−β), log β), forced to exactly 0 where d == 0 so that p == q gives exactly 0):

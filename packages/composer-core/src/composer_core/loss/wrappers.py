@@ -92,12 +92,9 @@ class TAIDScheduler:
         δ = (J_prev − J)/(J_prev + 1e-15);  m = β·m + (1−β)·δ;  Δt = α·sigmoid(m)·(1 − t)
         t = min(t_end, max(t_start + (t_end − t_start)·k/total_steps, t + Δt))
 
-    Which J: the reference feeds its distillation loss value, the token-mean **cross-entropy**
-    ``−Σ_v p_t log q_θ`` (= KL(p_t‖q_θ) + H(p_t)). :func:`taid_loss` returns the KL (same gradient, no entropy
-    term), and :class:`composer_trl.ComposerGRPOTrainer` feeds that KL (its channel-2 value). Fed the KL, δ is
-    the relative change of the KL alone, larger than the reference's (the entropy H(p_t) is absent from the
-    denominator), so t advances faster above the linear floor; to reproduce the reference's schedule exactly,
-    feed KL + H(p_t). The floor (and so ``t_end`` at ``total_steps``) is the same either way.
+    Which J: the reference feeds the token-mean cross-entropy ``−Σ_v p_t log q_θ`` (= KL + H(p_t));
+    :func:`taid_loss` returns the KL, which :class:`composer_trl.ComposerGRPOTrainer` feeds, so t advances faster
+    above the linear floor (the floor is the same); feed KL + H(p_t) to reproduce the reference exactly.
 
     Args: total_steps (optimiser steps of the run), t_start / t_end (default: those of
     :class:`~composer_core.loss.config.TAID`), alpha=5e-4 (α), beta=0.99 (momentum β). State (``t``, momentum,
