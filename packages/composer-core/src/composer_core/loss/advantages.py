@@ -74,8 +74,7 @@ def group_advantages(
 
     A zero-std group (all rewards equal) gets A=0 exactly. Returns a new [B] tensor (no gradient).
     """
-    check_tensor("rewards", rewards, ndim=1)
-    check_float("rewards", rewards)
+    check_float("rewards", rewards, ndim=1)
     check_choice("scale", scale, ("group", "batch", "none"))
     check_choice("singleton", singleton, ("zero", "reward"))
     check_number("eps", eps, low=0.0)

@@ -252,11 +252,8 @@ def compose_loss(
         )
 
 
-#: The per-token and per-pair float fields. A bf16/fp16 one is upcast to float32 once (a [B, T] copy; its
-#: gradient flows back in its own dtype), so every channel computes in ``promote(dtype, float32)`` as the
-#: distillation kernels do, with or without an ambient autocast (CUDA autocast runs ``exp``/``log`` in float32,
-#: CPU autocast does not: without this the same bf16 batch gave two losses). Logits, hidden states and the LM
-#: head are not copied: the chunked kernels upcast one chunk at a time.
+#: The per-token and per-pair float fields, upcast from bf16/fp16 to float32 once so every channel computes in
+#: ``promote(dtype, float32)`` as the chunked kernels do (which upcast logits and hidden states per chunk).
 _UPCAST = (
     "logprobs", "advantages", "old_logprobs", "ref_logprobs", "inference_logprobs", "rollout_is_weights",
     "teacher_logprobs", "chosen_logps", "rejected_logps", "ref_chosen_logps", "ref_rejected_logps",

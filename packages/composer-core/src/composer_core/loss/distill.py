@@ -71,9 +71,8 @@ __all__ = [
 
 Reduction = Literal["mean", "sum", "none"]
 
-#: ``chunk_size`` default (``sdpo_chunk_size``, read from :class:`~composer_core.loss.config.SDPOOptions`): None =
-#: rows from V and the form (see :func:`chunk_rows`). An int fixes the rows per chunk: smaller saves memory,
-#: larger amortises per-chunk overhead.
+#: ``chunk_size`` default (from :class:`~composer_core.loss.config.SDPOOptions`): None = rows from V
+#: (:func:`chunk_rows`).
 DEFAULT_CHUNK_SIZE: int | None = SDPOOptions.chunk_size
 
 #: A per-chunk kernel: (scaled student logits [c, V], scaled teacher logits [c, V]) ->
@@ -586,12 +585,9 @@ def fused_linear_loss(
     Student ``student_hidden [..., Hs]`` with ``lm_head_weight [V, Hs]``; teacher ``teacher_hidden [..., Ht]`` with
     ``teacher_lm_head_weight [V, Ht]`` (Ht may differ from Hs; without a teacher head, Ht must equal Hs)."""
     _check_common(temperature, chunk_size, reduction, normalizer, ("mean", "sum"))
-    check_tensor("student_hidden", student_hidden, min_ndim=2)
-    check_tensor("teacher_hidden", teacher_hidden, min_ndim=2)
-    check_tensor("lm_head_weight", lm_head_weight, ndim=2)
-    check_float("student_hidden", student_hidden)
-    check_float("teacher_hidden", teacher_hidden)
-    check_float("lm_head_weight", lm_head_weight)
+    check_float("student_hidden", student_hidden, min_ndim=2)
+    check_float("teacher_hidden", teacher_hidden, min_ndim=2)
+    check_float("lm_head_weight", lm_head_weight, ndim=2)
     if teacher_hidden.shape[:-1] != student_hidden.shape[:-1]:
         raise ValueError(
             f"`teacher_hidden` has shape {tuple(teacher_hidden.shape)} but `student_hidden` has shape "
@@ -611,8 +607,7 @@ def fused_linear_loss(
             f"the teacher's own head as `teacher_lm_head_weight` [V, {t_hidden}]."
         )
     if teacher_lm_head_weight is not None:
-        check_tensor("teacher_lm_head_weight", teacher_lm_head_weight, ndim=2)
-        check_float("teacher_lm_head_weight", teacher_lm_head_weight)
+        check_float("teacher_lm_head_weight", teacher_lm_head_weight, ndim=2)
         if teacher_lm_head_weight.shape[0] != lm_head_weight.shape[0]:
             raise ValueError(
                 f"`teacher_lm_head_weight` has shape {tuple(teacher_lm_head_weight.shape)} but `lm_head_weight` has "
@@ -625,8 +620,7 @@ def fused_linear_loss(
             )
     for name, b in (("lm_head_bias", lm_head_bias), ("teacher_lm_head_bias", teacher_lm_head_bias)):
         if b is not None:
-            check_tensor(name, b, ndim=1)
-            check_float(name, b)
+            check_float(name, b, ndim=1)
             if b.shape[0] != lm_head_weight.shape[0]:
                 raise ValueError(
                     f"`{name}` has {b.shape[0]} entries; it must have V = {lm_head_weight.shape[0]}."
@@ -773,8 +767,7 @@ def topk_distill(
     full-vocabulary one and stays ≥ 0; verl#7856), else both are renormalised over the k tokens.
     Then :func:`generalized_jsd`'s divergence (same ``beta`` convention) on the k(+1) categories.
     """
-    check_tensor("student_logits", student_logits, min_ndim=2)
-    check_float("student_logits", student_logits)
+    check_float("student_logits", student_logits, min_ndim=2)
     check_float("teacher_logits", teacher_logits)
     check_same_shape("student_logits", student_logits, "teacher_logits", teacher_logits)
     check_probability("beta", beta)
@@ -829,8 +822,7 @@ def sampled_token_distill(
 
     Args: ``student_logprobs`` [B, T] (with grad); ``teacher_logprobs`` [B, T] (detached); ``mask`` [B, T].
     """
-    check_tensor("student_logprobs", student_logprobs, min_ndim=1)
-    check_float("student_logprobs", student_logprobs)
+    check_float("student_logprobs", student_logprobs, min_ndim=1)
     check_float("teacher_logprobs", teacher_logprobs)
     check_same_shape("student_logprobs", student_logprobs, "teacher_logprobs", teacher_logprobs)
     check_choice("reduction", reduction, ("mean", "sum", "none"))

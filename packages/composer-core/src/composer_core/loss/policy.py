@@ -44,7 +44,6 @@ from composer_core.loss.validation import (
     check_normalizer,
     check_probability,
     check_same_shape,
-    check_tensor,
 )
 
 __all__ = [
@@ -176,8 +175,7 @@ def aggregate_loss(
     Passing the global count over all micro-batches and ranks makes gradient accumulation exact: the
     sum of micro-batch losses equals the full-batch loss. Denominators are clamped to ≥ 1.
     """
-    check_tensor("per_token_loss", per_token_loss, ndim=2)
-    check_float("per_token_loss", per_token_loss)
+    check_float("per_token_loss", per_token_loss, ndim=2)
     check_choice("loss_type", loss_type, LOSS_TYPES)
     m_bool = as_mask("mask", mask, per_token_loss.shape, device=per_token_loss.device, require_nonempty=False)
     m = mask if (mask.dtype != torch.bool and mask.is_floating_point()) else m_bool.to(per_token_loss.dtype)
@@ -407,8 +405,7 @@ def policy_loss(
     Metrics: ``policy/clip_ratio`` (masked mean of clipped tokens), ``policy/kl`` (if ``kl_beta``),
     ``policy/rollout_is_weight`` (masked mean weight) or ``policy/dppo_masked`` (masked fraction).
     """
-    check_tensor("logprobs", logprobs, ndim=2)
-    check_float("logprobs", logprobs)
+    check_float("logprobs", logprobs, ndim=2)
     # an all-masked micro-batch (every completion truncated under mask_truncated_completions, ...) is a loss of
     # 0 with zero gradients, as in TRL: the normalisers are clamped to >= 1
     m_bool = as_mask("mask", mask, logprobs.shape, device=logprobs.device, require_nonempty=False)

@@ -24,7 +24,6 @@ from composer_core.loss.validation import (
     check_float,
     check_normalizer,
     check_same_shape,
-    check_tensor,
     value_check,
 )
 
@@ -40,8 +39,7 @@ def _check_pairs(**tensors: Tensor | None) -> int:
     for name, t in tensors.items():
         if t is None:
             continue
-        check_tensor(name, t, ndim=1)
-        check_float(name, t)
+        check_float(name, t, ndim=1)
         if first is None:
             first = (name, t)
         else:

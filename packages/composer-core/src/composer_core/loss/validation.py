@@ -164,9 +164,9 @@ def check_finite(name: str, value: Tensor) -> Tensor:
     return value
 
 
-def check_float(name: str, value: Tensor) -> Tensor:
-    """Raise ValueError unless ``value`` is a finite floating-point tensor."""
-    check_tensor(name, value)
+def check_float(name: str, value: Tensor, *, ndim: int | None = None, min_ndim: int | None = None) -> Tensor:
+    """Raise ValueError unless ``value`` is a finite floating-point tensor (of the rank, as :func:`check_tensor`)."""
+    check_tensor(name, value, ndim=ndim, min_ndim=min_ndim)
     if not value.is_floating_point():
         raise ValueError(
             f"`{name}` must be a floating-point tensor, got dtype {value.dtype}; cast it with .float()."
