@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from composer_core.loss.validation import check_choice, check_float, check_tensor
+from composer_core.loss.validation import check_choice, check_float, check_int, check_number, check_tensor
 
 __all__ = ["group_advantages", "overlong_reward_shaping"]
 
@@ -32,8 +32,7 @@ def _group_index(
             "contiguous, or group_ids=[prompt id per sample] (e.g. verl's uid)."
         )
     if group_size is not None:
-        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-            raise ValueError(f"`group_size`={group_size!r} must be an int >= 1.")
+        check_int("group_size", group_size, low=1)
         if n % group_size != 0:
             raise ValueError(
                 f"`rewards` has {n} entries, not a multiple of `group_size`={group_size}; pad the batch to whole "
@@ -75,12 +74,10 @@ def group_advantages(
 
     A zero-std group (all rewards equal) gets A=0 exactly. Returns a new [B] tensor (no gradient).
     """
-    check_tensor("rewards", rewards, ndim=1)
-    check_float("rewards", rewards)
+    check_float("rewards", rewards, ndim=1)
     check_choice("scale", scale, ("group", "batch", "none"))
     check_choice("singleton", singleton, ("zero", "reward"))
-    if not (float(eps) >= 0.0):
-        raise ValueError(f"`eps`={eps!r} must be >= 0.")
+    check_number("eps", eps, low=0.0)
     r = rewards.detach()
     n = r.shape[0]
     if n == 0:
@@ -139,8 +136,8 @@ def overlong_reward_shaping(
     (verl ``overlong_penalty_factor``).
     """
     check_tensor("lengths", lengths, ndim=1)
-    check_finite_lengths = lengths.float()
-    if not bool(torch.isfinite(check_finite_lengths).all()) or bool((check_finite_lengths < 0).any()):
+    length = lengths.float()
+    if not bool(torch.isfinite(length).all()) or bool((length < 0).any()):
         raise ValueError("`lengths` must hold finite, non-negative completion lengths (token counts).")
     if not isinstance(max_length, int) or not isinstance(cache_length, int):
         raise ValueError("`max_length` and `cache_length` must be ints (token counts).")
@@ -148,9 +145,7 @@ def overlong_reward_shaping(
         raise ValueError(
             f"`cache_length`={cache_length} must satisfy 1 <= cache_length <= max_length={max_length}."
         )
-    if not (float(penalty_factor) >= 0.0):
-        raise ValueError(f"`penalty_factor`={penalty_factor!r} must be >= 0.")
-    length = check_finite_lengths
+    check_number("penalty_factor", penalty_factor, low=0.0)
     soft_start = max_length - cache_length
     ramp = (soft_start - length) / cache_length
     out = torch.where(length <= soft_start, torch.zeros_like(length), ramp)

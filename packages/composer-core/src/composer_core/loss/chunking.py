@@ -5,22 +5,16 @@ from __future__ import annotations
 
 __all__ = ["CHUNK_LOGITS", "FUSED_CHUNK_LOGITS", "FUSED_MIN_ROWS", "check_chunk_size", "chunk_rows"]
 
-#: Logits per chunk of the logits-input losses at the default ``chunk_size`` (None): a chunk is
-#: ``max(1, CHUNK_LOGITS // V)`` rows (tokens), 1024 at V = 32,768 and 220 at V = 152,064, so the work buffers,
-#: about four chunk × V float buffers (+ a bool one), stay ≈ 0.5 GB whatever the vocabulary (a fixed 1024 rows
-#: held 2.3 GiB at V = 152,064, and ran slower). The caller's [N, V] gradient (and its copy in backward) is the
-#: larger part of that form's memory; smaller chunks would only add per-chunk cost (``bench/bench_jsd.py``).
+#: Logits per chunk of the logits-input losses at the default ``chunk_size`` (None): ``max(1, CHUNK_LOGITS // V)``
+#: rows, so the ~four chunk × V work buffers stay ≈ 0.5 GB whatever V (``bench/bench_jsd.py``).
 CHUNK_LOGITS = 1024 * 32_768
 
-#: Logits per chunk of the fused (LM-head) losses at the default ``chunk_size``, with at least
-#: :data:`FUSED_MIN_ROWS` rows: ``max(FUSED_MIN_ROWS, FUSED_CHUNK_LOGITS // V)`` rows, 256 from V = 32,768 up.
-#: There the chunk buffers are the extra memory (with the [V, H] weight gradient): about a third of
-#: Liger-Kernel's fused JSD at its 1024 rows, the issue-19 target (``bench/bench_jsd.py --device cuda``).
-#: More rows amortise the per-chunk cost for more memory (``chunk_size``; the bench's ``--chunk-size``).
+#: Logits per chunk of the fused (LM-head) losses at the default ``chunk_size``:
+#: ``max(FUSED_MIN_ROWS, FUSED_CHUNK_LOGITS // V)`` rows, 256 from V = 32,768 up (about a third of Liger-Kernel's
+#: fused JSD memory at its 1024 rows).
 FUSED_CHUNK_LOGITS = 256 * 32_768
 
-#: Rows the fused default never goes below: thinner chunks re-read the LM head (0.5 GB at V = 152,064, H = 896)
-#: for matmuls too short to use the device.
+#: Rows the fused default never goes below: thinner chunks re-read the LM head for matmuls too short to pay.
 FUSED_MIN_ROWS = 256
 
 

@@ -1,16 +1,11 @@
 """The generalized-JSD chunk kernel under ``torch.compile`` (``compiled=True``; flat option ``sdpo_compiled``).
 
-Same formulas as :func:`composer_core.loss.distill.jsd_kernel` (see its docstring), written as one functional
-graph per β branch so that inductor fuses the elementwise passes over the [c, V] chunk. On a GPU those passes,
-not the matmuls, are what lies between the eager kernel and the matmul floor (``bench/bench_jsd.py``); Liger-
-Kernel's chunked losses make the same choice (``compiled=True``, its default). On a CPU the matmuls dominate,
-and inductor's CPU backend needs a C++ compiler.
+Same formulas as :func:`composer_core.loss.distill.jsd_kernel`, written as one functional graph per β branch so
+that inductor fuses the elementwise passes over the [c, V] chunk (as Liger-Kernel's chunked losses do).
 
-Shapes: ``zs``, ``zt`` [c, V] scaled student / teacher logits in the compute dtype (float32 or float64).
-Returns (per-row loss [c], gradient of the per-row loss w.r.t. ``zs`` [c, V]) as new tensors; the inputs are
-left as they are. One compiled graph per branch serves every β in (0, 1) (β enters as 0-dim device tensors,
-filled on the device: no host copy, no recompilation when β changes) and every chunk height (rows are marked
-dynamic: the last, shorter chunk of a batch does not recompile).
+Shapes: ``zs``, ``zt`` [c, V] scaled student / teacher logits in the compute dtype. Returns (per-row loss [c],
+gradient w.r.t. ``zs`` [c, V]) as new tensors. One graph per branch serves every β in (0, 1) (β enters as 0-dim
+device tensors) and every chunk height (rows are marked dynamic).
 """
 
 from __future__ import annotations
@@ -81,11 +76,8 @@ def _compiled(fn: Callable[..., tuple[Tensor, Tensor]]) -> Callable[..., tuple[T
 
 
 def compiled_jsd_kernel(beta: float) -> Kernel:
-    """The chunk kernel of the generalized JSD (exact FKL / RKL branches at β = 0 / 1) under ``torch.compile``.
-
-    Drop-in for :func:`composer_core.loss.distill.jsd_kernel` in the chunked and fused engines; compiles on
-    first use (seconds), once per branch, compute dtype and device.
-    """
+    """:func:`composer_core.loss.distill.jsd_kernel` under ``torch.compile`` (compiled on first use, once per
+    branch, compute dtype and device)."""
     if beta == 0.0 or beta == 1.0:
         return _compiled(_fkl if beta == 0.0 else _rkl)
     interior = _compiled(_jsd)

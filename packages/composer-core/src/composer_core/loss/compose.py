@@ -14,6 +14,8 @@ compute the channel at all, so the total is bit-identical to the policy-only los
 
 from __future__ import annotations
 
+import functools
+import operator
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
@@ -22,25 +24,13 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from composer_core.loss.config import (
-    _FLAT,
-    DPO,
-    PER_CALL,
-    TAID,
-    ComposeConfig,
-    EntropyOPD,
-    SDPOOptions,
-    SimPO,
-    flat_defaults,
-    flat_option_names,
-)
+from composer_core.loss.config import DPO, PER_CALL, TAID, ComposeConfig, EntropyOPD, SDPOOptions, SimPO
 from composer_core.loss.distill import (
     Kernel,
-    _check_common,
     _sampled_token_distill,
     fused_linear_loss,
-    generalized_jsd,
     jsd_kernel,
+    logits_loss,
     topk_distill,
 )
 from composer_core.loss.metrics import Metrics
@@ -53,7 +43,7 @@ from composer_core.loss.validation import (
     check_same_shape,
     value_checks,
 )
-from composer_core.loss.wrappers import entropy_opd_kernel, entropy_opd_loss, taid_kernel, taid_loss
+from composer_core.loss.wrappers import entropy_opd_kernel, taid_kernel
 
 __all__ = [
     "ComposeConfig",
@@ -177,17 +167,6 @@ class ComposeResult:
         return self.replay
 
 
-#: Every flat keyword of :func:`compose_loss` (derived from :class:`~composer_core.loss.config.ComposeConfig`).
-_COMPOSE_OPTIONS = list(flat_option_names())
-
-#: Options that act in one mode only: name -> (default, what selects it). Derived from the config classes.
-_MODE_OPTIONS: dict[str, tuple[object, str]] = {
-    name: (flat_defaults()[name], selector)
-    for name, (_, _, selector) in _FLAT.items()
-    if selector is not None
-}
-
-
 def check_mode_options(**options: object) -> None:
     """Raise ``ValueError`` for an option set to a non-default value in a mode that does not use it.
 
@@ -233,37 +212,17 @@ def compose_loss(
     ``sdpo_normalizer`` (global distilled-token count; default local count), ``replay_normalizer`` (global pair
     count; default local P). Python numbers or 0-dim tensors (a tensor is never read on the host).
 
-    Channel 1 options are the fields of :class:`~composer_core.loss.config.PolicyOptions`. Channel 2:
-
-    - ``sdpo_form``: ``"auto"`` picks top-k if ``sdpo_topk`` is set and logits are present, else full logits,
-      else fused hidden states, else the sampled-token form; ``"full"`` (logits or fused hidden states),
-      ``"topk"`` (logits + ``sdpo_topk``), ``"sampled"`` (``teacher_logprobs``; always the reverse-KL
-      estimator, so ``sdpo_beta``/``sdpo_temperature`` do not apply, ``sdpo_token_clip`` is its IS clip vs
-      ``old_logprobs`` and applies to it only).
-    - ``sdpo_beta`` (generalized-JSD β, TRL convention: 0 forward KL, 1 reverse KL), ``sdpo_temperature``,
-      ``sdpo_chunk_size``; ``sdpo_compiled`` (full form, no wrapper): the JSD chunk kernel under
-      ``torch.compile`` (:mod:`composer_core.loss.compiled`).
-    - ``sdpo_topk_tail`` (top-k form): add the tail bucket ``1 − Σ_k p`` on each side (default True: the
-      divergence approximates the full-vocabulary one); False renormalises both over the k tokens, TRL
-      ``trl.experimental.sdpo``'s default ``distillation_add_tail=False``.
-    - ``sdpo_wrapper``: ``"taid"`` (:func:`composer_core.loss.wrappers.taid_loss`; t from ``taid_t`` or the linear
-      schedule ``taid_schedule_step``/``taid_total_steps``/``taid_t_start``/``taid_t_end``) or
-      ``"entropy_opd"`` (base JSD with ``sdpo_beta`` + ``entropy_opd_weight``·gated FKL over the teacher
-      top-``sdpo_topk`` or the full vocabulary, gate ``H(p_T) > entropy_opd_threshold``). Wrappers need the
-      full or fused form.
-
-    Channel 3: ``dpo_variant`` ``"dpo"`` (:func:`composer_core.loss.preference.dpo_loss` with ``dpo_beta``,
-    ``dpo_loss_type``, ``dpo_label_smoothing``) or ``"simpo"`` (``simpo_beta``, ``simpo_gamma``).
+    The options are the fields of :class:`~composer_core.loss.config.PolicyOptions` (channel 1, same names),
+    :class:`~composer_core.loss.config.SDPOOptions` (channel 2, ``sdpo_<field>``; ``sdpo_wrapper`` ``"taid"``
+    with ``taid_<field>`` or ``"entropy_opd"`` with ``entropy_opd_<field>``), and ``dpo_variant`` ``"dpo"``
+    (``dpo_<field>`` of :class:`~composer_core.loss.config.DPO`) or ``"simpo"`` (``simpo_beta``, ``simpo_gamma``)
+    for channel 3.
 
     ``check_values`` (default True): value checks (finite inputs, 0/1 masks, non-empty selections, positive
     lengths/normalisers) run fused, with ONE host sync per call; False (or ``torch.compile``) skips them (no host
     sync). Structural checks (shapes, dtypes, devices, options) always run, without reading device memory.
 
-    Metrics (detached; see :class:`ComposeResult`): the keys of
-    :data:`~composer_core.loss.metrics.METRIC_KEYS` (``<group>/<name>``: ``loss/total``, ``loss/policy``,
-    ``loss/sdpo``, ``loss/replay``, ``sdpo/skipped``, ``replay/skipped`` (1.0 when the channel was not computed:
-    inputs absent or weight 0), ``sdpo/tokens``, ``replay/pairs``, ``replay/accuracy``, ``taid/t`` (TAID only),
-    ``policy/clip_ratio`` and the optional ``policy/*`` metrics of ``policy_loss``).
+    Metrics (detached; see :class:`ComposeResult`): the keys of :data:`~composer_core.loss.metrics.METRIC_KEYS`.
 
     Raises ValueError for unknown options (with the closest name), options without effect in the resolved mode,
     contradictory options, partial channel inputs, NaN/inf, shape, device or vocabulary mismatches and empty masks
@@ -293,11 +252,8 @@ def compose_loss(
         )
 
 
-#: The per-token and per-pair float fields. A bf16/fp16 one is upcast to float32 once (a [B, T] copy; its
-#: gradient flows back in its own dtype), so every channel computes in ``promote(dtype, float32)`` as the
-#: distillation kernels do, with or without an ambient autocast (CUDA autocast runs ``exp``/``log`` in float32,
-#: CPU autocast does not: without this the same bf16 batch gave two losses). Logits, hidden states and the LM
-#: head are not copied: the chunked kernels upcast one chunk at a time.
+#: The per-token and per-pair float fields, upcast from bf16/fp16 to float32 once so every channel computes in
+#: ``promote(dtype, float32)`` as the chunked kernels do (which upcast logits and hidden states per chunk).
 _UPCAST = (
     "logprobs", "advantages", "old_logprobs", "ref_logprobs", "inference_logprobs", "rollout_is_weights",
     "teacher_logprobs", "chosen_logps", "rejected_logps", "ref_chosen_logps", "ref_rejected_logps",
@@ -324,7 +280,7 @@ def _channel2_flags(batch: ComposerBatch) -> tuple[bool, bool, bool]:
 def _check_devices(batch: ComposerBatch) -> None:
     """Structural: every tensor of the batch on ``logprobs``' device (no host sync)."""
     device = batch.logprobs.device if isinstance(batch.logprobs, Tensor) else None
-    if device is None:
+    if device is None:  # policy_loss names the bad `logprobs`
         return
     for name in _BATCH_FIELDS:
         value = getattr(batch, name)
@@ -491,12 +447,8 @@ def _seq_mean(
     sizes = [int(c) for c in torch.unique(counts[counts > 0]).tolist()]
     if not sizes:
         return runner(batch, opts, kernel, m, rows)
-    total: Tensor | None = None
-    for c in sizes:
-        part = runner(batch, opts, kernel, m & (counts == c).unsqueeze(-1), rows * c)
-        total = part if total is None else total + part
-    assert total is not None
-    return total
+    parts = [runner(batch, opts, kernel, m & (counts == c).unsqueeze(-1), rows * c) for c in sizes]
+    return functools.reduce(operator.add, parts)
 
 
 def _pick_kernel(opts: SDPOOptions, form: str) -> _SDPOKernel:
@@ -558,29 +510,15 @@ def _run_logits(
     _require_all(batch, "full-logits", ("student_logits", "teacher_logits"))
     assert batch.student_logits is not None and batch.teacher_logits is not None
     _check_vocab_tokens(batch.student_logits, batch.logprobs, "student_logits")
-    common: dict[str, object] = {
-        "temperature": opts.temperature, "mask": m, "chunk_size": opts.chunk_size, "normalizer": normalizer
-    }  # fmt: skip
-    if kernel.name == "taid":
-        assert kernel.t is not None
-        return taid_loss(batch.student_logits, batch.teacher_logits, kernel.t, **common)  # type: ignore[arg-type]
-    if kernel.name == "entropy_opd":
-        assert isinstance(opts.wrapper, EntropyOPD)
-        return entropy_opd_loss(
-            batch.student_logits,
-            batch.teacher_logits,
-            threshold=opts.wrapper.threshold,
-            fkl_weight=opts.wrapper.weight,
-            beta=opts.beta,
-            topk=opts.topk,
-            **common,  # type: ignore[arg-type]
-        )
-    return generalized_jsd(
+    return logits_loss(
         batch.student_logits,
         batch.teacher_logits,
-        beta=opts.beta,
-        compiled=opts.compiled,
-        **common,  # type: ignore[arg-type]
+        _full_kernel(opts, kernel, vocab=batch.student_logits.shape[-1]),
+        temperature=opts.temperature,
+        mask=m,
+        chunk_size=opts.chunk_size,
+        reduction="mean",
+        normalizer=normalizer,
     )
 
 
@@ -591,12 +529,11 @@ def _run_fused(
     assert batch.student_hidden is not None and batch.teacher_hidden is not None
     assert batch.lm_head_weight is not None
     _check_vocab_tokens(batch.student_hidden, batch.logprobs, "student_hidden")
-    _check_common(opts.temperature, opts.chunk_size, "mean", normalizer, ("mean",))
     return fused_linear_loss(
         batch.student_hidden,
         batch.lm_head_weight,
         batch.teacher_hidden,
-        _fused_kernel(opts, kernel, vocab=batch.lm_head_weight.shape[0]),
+        _full_kernel(opts, kernel, vocab=batch.lm_head_weight.shape[0]),
         teacher_lm_head_weight=batch.teacher_lm_head_weight,
         lm_head_bias=batch.lm_head_bias,
         teacher_lm_head_bias=batch.teacher_lm_head_bias,
@@ -608,8 +545,9 @@ def _run_fused(
     )
 
 
-def _fused_kernel(opts: SDPOOptions, kernel: _SDPOKernel, vocab: int) -> Kernel:
-    """The chunk kernel of :func:`~composer_core.loss.distill.fused_linear_loss` for ``kernel``."""
+def _full_kernel(opts: SDPOOptions, kernel: _SDPOKernel, vocab: int) -> Kernel:
+    """The chunk kernel of the full forms (logits or fused hidden states) for ``kernel``; its options were checked
+    by :class:`~composer_core.loss.config.SDPOOptions`."""
     if kernel.name == "taid":
         assert kernel.t is not None
         return taid_kernel(kernel.t)
@@ -618,7 +556,7 @@ def _fused_kernel(opts: SDPOOptions, kernel: _SDPOKernel, vocab: int) -> Kernel:
         if opts.topk is not None and not (1 <= opts.topk <= vocab):
             raise ValueError(f"`sdpo_topk`={opts.topk!r} must be None or an int in [1, V={vocab}].")
         return entropy_opd_kernel(
-            opts.beta, float(opts.wrapper.threshold), float(opts.wrapper.weight), opts.topk
+            float(opts.beta), float(opts.wrapper.threshold), float(opts.wrapper.weight), opts.topk
         )
     return jsd_kernel(float(opts.beta), opts.compiled)
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import types
 import typing
 from collections.abc import Mapping
@@ -38,7 +37,14 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 from composer_core.loss.chunking import check_chunk_size
 from composer_core.loss.surrogates import IS_LEVELS, ISLevel
-from composer_core.loss.validation import check_bool, check_int, check_positive
+from composer_core.loss.validation import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+    check_positive,
+    check_probability,
+)
 
 __all__ = [
     "CLIP_LOSS_TYPES",
@@ -52,7 +58,6 @@ __all__ = [
     "SDPOOptions",
     "SimPO",
     "check_clip_args",
-    "check_probability_bound",
     "check_rollout_clip",
     "coerce_option",
     "coerce_to",
@@ -84,34 +89,14 @@ def _raise_unused(unused: list[str]) -> None:
         raise ValueError(_HEADER + "; ".join(unused) + _FOOTER)
 
 
-def _finite(name: str, value: float, *, low: float | None = None, strict: bool = False) -> None:
-    if not math.isfinite(value) or (low is not None and (value < low or (strict and value == low))):
-        bound = "" if low is None else (f" > {low}" if strict else f" >= {low}")
-        raise ValueError(f"`{name}`={value!r} must be a finite number{bound}.")
-
-
-def _unit(name: str, value: float) -> None:
-    if not (0.0 <= value <= 1.0):
-        raise ValueError(f"`{name}`={value!r} must lie in [0, 1].")
-
-
-def _choice(name: str, value: object, choices: tuple[object, ...]) -> None:
-    if value not in choices:
-        raise ValueError(
-            f"`{name}`={value!r} is not supported; choose one of {', '.join(map(repr, choices))}."
-        )
-
-
 def check_clip_args(
     epsilon_low: float, epsilon_high: float | None, delta: float | None
 ) -> tuple[float, float]:
     """Check the clip options of :class:`PolicyOptions` / :func:`~composer_core.loss.policy.clipped_surrogate` and
     return ``(ε_lo, ε_hi)``: ``0 ≤ ε_lo < 1``, ``ε_hi ≥ 0`` (None → ε_lo), ``δ > 1 + ε_hi`` when given. Raises
     ``ValueError`` naming the option."""
-    eps_lo = float(epsilon_low)
+    eps_lo = check_probability("epsilon_low", epsilon_low, high_open=True)
     eps_hi = eps_lo if epsilon_high is None else float(epsilon_high)
-    if not (0.0 <= eps_lo < 1.0):
-        raise ValueError(f"`epsilon_low`={epsilon_low!r} must lie in [0, 1).")
     if not (eps_hi >= 0.0):
         raise ValueError(f"`epsilon_high`={epsilon_high!r} must be >= 0 (None = epsilon_low).")
     if delta is not None and not (float(delta) > 1.0 + eps_hi):
@@ -122,19 +107,13 @@ def check_clip_args(
     return eps_lo, eps_hi
 
 
-def check_probability_bound(name: str, value: float) -> None:
-    """DPPO thresholds are probability differences in [0, 1]."""
-    if not (0.0 <= float(value) <= 1.0):
-        raise ValueError(f"`{name}`={value!r} must lie in [0, 1] (a probability difference).")
-
-
 def check_rollout_clip(clip_min: float | None, clip_max: float | None, *, prefix: str = "") -> None:
     """Bounds of the rollout IS weights (None = unbounded): ``clip_max > 0``, ``0 ≤ clip_min ≤ clip_max``; the
     message names them ``<prefix>clip_min`` / ``<prefix>clip_max``."""
     if clip_max is not None:
         check_positive(f"{prefix}clip_max", clip_max)
-    if clip_min is not None and not (float(clip_min) >= 0.0):
-        raise ValueError(f"`{prefix}clip_min`={clip_min!r} must be >= 0.")
+    if clip_min is not None:
+        check_number(f"{prefix}clip_min", clip_min, low=0.0)
     if clip_min is not None and clip_max is not None and clip_min > clip_max:
         raise ValueError(f"`{prefix}clip_min`={clip_min} exceeds `{prefix}clip_max`={clip_max}.")
 
@@ -161,11 +140,7 @@ class PolicyOptions:
     - ``sapo_temperature_pos`` / ``sapo_temperature_neg``: SAPO's τ for ``A > 0`` / ``A ≤ 0``;
       ``vespo_k_pos`` / ``vespo_lambda_pos`` / ``vespo_k_neg`` / ``vespo_lambda_neg``: VESPO's gamma shape.
 
-    ``rollout_clip_max``/``rollout_clip_min`` act only with a ``rollout_correction`` weight mode
-    (``token_*``/``sequence_*``), ``dppo_mask_low``/``dppo_mask_high`` only with ``rollout_correction=
-    'dppo_mask'``, ``kl_estimator`` and ``kl_bias_correction`` only with ``kl_beta != 0``, ``max_completion_length`` only with
-    ``loss_type='dr_grpo'``, ``delta`` only with a clip loss type, ``sapo_*``/``vespo_*`` only with their loss
-    type: a non-default value outside its mode raises ``ValueError``.
+    An option outside its mode (see :meth:`unused`) at a non-default value raises ``ValueError``.
     """
 
     loss_type: LossType = "dapo"
@@ -190,22 +165,21 @@ class PolicyOptions:
     vespo_lambda_neg: float = 2.0
 
     def __post_init__(self) -> None:
-        _choice("loss_type", self.loss_type, LOSS_TYPES)
-        _choice("importance_sampling_level", self.importance_sampling_level, IS_LEVELS)
+        check_choice("loss_type", self.loss_type, LOSS_TYPES)
+        check_choice("importance_sampling_level", self.importance_sampling_level, IS_LEVELS)
         for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
-            _finite(name, getattr(self, name), low=0.0, strict=True)
+            check_number(name, getattr(self, name), low=0.0, strict=True)
         for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
-            _finite(name, getattr(self, name))
-        _choice("kl_estimator", self.kl_estimator, ("k1", "k2", "k3"))
-        _choice("rollout_correction", self.rollout_correction, (None, *ROLLOUT_MODES, "dppo_mask"))
-        _finite("kl_beta", self.kl_beta, low=0.0)
-        if not isinstance(self.kl_bias_correction, bool):
-            raise ValueError(f"`kl_bias_correction`={self.kl_bias_correction!r} must be a bool.")
+            check_number(name, getattr(self, name))
+        check_choice("kl_estimator", self.kl_estimator, ("k1", "k2", "k3"))
+        check_choice("rollout_correction", self.rollout_correction, (None, *ROLLOUT_MODES, "dppo_mask"))
+        check_number("kl_beta", self.kl_beta, low=0.0)
+        check_bool("kl_bias_correction", self.kl_bias_correction)
         _raise_unused(self.unused())
         check_clip_args(self.epsilon_low, self.epsilon_high, self.delta)
         if self.rollout_correction == "dppo_mask":
-            check_probability_bound("dppo_mask_low", self.dppo_mask_low)
-            check_probability_bound("dppo_mask_high", self.dppo_mask_high)
+            check_probability("dppo_mask_low", self.dppo_mask_low)
+            check_probability("dppo_mask_high", self.dppo_mask_high)
         elif self.rollout_correction is not None:
             check_rollout_clip(self.rollout_clip_min, self.rollout_clip_max, prefix="rollout_")
         if self.max_completion_length is not None:
@@ -219,37 +193,26 @@ class PolicyOptions:
 
     def unused(self) -> list[str]:
         """Messages for options set (non-default) in a mode that does not read them."""
-        out: list[str] = []
-        weights = self.rollout_correction in ROLLOUT_MODES
-        for name in ("rollout_clip_max", "rollout_clip_min"):
-            if not weights and _non_default(self, name):
-                out.append(
-                    f"`{name}`={getattr(self, name)!r} (acts only with rollout_correction="
-                    f"{'/'.join(map(repr, ROLLOUT_MODES))}; rollout_correction={self.rollout_correction!r})"
-                )
-        for name in ("dppo_mask_low", "dppo_mask_high"):
-            if self.rollout_correction != "dppo_mask" and _non_default(self, name):
-                out.append(
-                    f"`{name}`={getattr(self, name)!r} (acts only with rollout_correction='dppo_mask')"
-                )
-        for name in ("kl_estimator", "kl_bias_correction"):
-            if self.kl_beta == 0.0 and _non_default(self, name):
-                out.append(f"`{name}`={getattr(self, name)!r} (acts only with kl_beta != 0)")
-        if self.loss_type not in CLIP_LOSS_TYPES and _non_default(self, "delta"):
-            out.append(f"`delta`={self.delta!r} (acts only with loss_type={'/'.join(CLIP_LOSS_TYPES)})")
-        if self.loss_type != "dr_grpo" and _non_default(self, "max_completion_length"):
-            out.append(
-                f"`max_completion_length`={self.max_completion_length!r} (acts only with loss_type='dr_grpo')"
-            )
-        for prefix in ("sapo", "vespo"):
-            for f in dataclasses.fields(self):
-                if (
-                    f.name.startswith(prefix + "_")
-                    and self.loss_type != prefix
-                    and _non_default(self, f.name)
-                ):
-                    out.append(f"`{f.name}`={getattr(self, f.name)!r} (acts only with loss_type={prefix!r})")
-        return out
+        modes = "/".join(map(repr, ROLLOUT_MODES))
+        rules = (
+            ("rollout_clip_max rollout_clip_min", self.rollout_correction in ROLLOUT_MODES,
+             f"rollout_correction={modes}; rollout_correction={self.rollout_correction!r}"),
+            ("dppo_mask_low dppo_mask_high", self.rollout_correction == "dppo_mask",
+             "rollout_correction='dppo_mask'"),
+            ("kl_estimator kl_bias_correction", self.kl_beta != 0.0, "kl_beta != 0"),
+            ("delta", self.loss_type in CLIP_LOSS_TYPES, f"loss_type={'/'.join(CLIP_LOSS_TYPES)}"),
+            ("max_completion_length", self.loss_type == "dr_grpo", "loss_type='dr_grpo'"),
+            ("sapo_temperature_pos sapo_temperature_neg", self.loss_type == "sapo", "loss_type='sapo'"),
+            ("vespo_k_pos vespo_lambda_pos vespo_k_neg vespo_lambda_neg", self.loss_type == "vespo",
+             "loss_type='vespo'"),
+        )  # fmt: skip
+        return [
+            f"`{name}`={getattr(self, name)!r} (acts only with {mode})"
+            for names, active, mode in rules
+            if not active
+            for name in names.split()
+            if _non_default(self, name)
+        ]
 
 
 # ----------------------------------------------------------------------------------------------- channel 2
@@ -267,12 +230,12 @@ class TAID:
     t_end: float = 1.0
 
     def __post_init__(self) -> None:
-        _unit("taid_t_start", self.t_start)
-        _unit("taid_t_end", self.t_end)
+        check_probability("taid_t_start", self.t_start)
+        check_probability("taid_t_end", self.t_end)
         if self.t_start > self.t_end:
             raise ValueError(f"`taid_t_start`={self.t_start} must not exceed `taid_t_end`={self.t_end}.")
         if self.t is not None:
-            _unit("taid_t", self.t)
+            check_probability("taid_t", self.t)
         for name, value, low in (
             ("taid_total_steps", self.total_steps, 1),
             ("taid_schedule_step", self.schedule_step, 0),
@@ -306,8 +269,8 @@ class EntropyOPD:
     weight: float = 1.0
 
     def __post_init__(self) -> None:
-        _finite("entropy_opd_threshold", self.threshold, low=0.0)
-        _finite("entropy_opd_weight", self.weight, low=0.0, strict=True)
+        check_number("entropy_opd_threshold", self.threshold, low=0.0)
+        check_number("entropy_opd_weight", self.weight, low=0.0, strict=True)
 
 
 @dataclass(frozen=True)
@@ -315,14 +278,11 @@ class SDPOOptions:
     """Channel 2. Flat names ``sdpo_<field>`` (``sdpo_wrapper`` selects ``wrapper``: ``"none"`` → None,
     ``"taid"`` → :class:`TAID`, ``"entropy_opd"`` → :class:`EntropyOPD`).
 
-    ``form="auto"`` is resolved per batch (:meth:`resolved`): top-k if ``topk`` is set and logits are present
-    (and no wrapper), else full logits, else fused hidden states, else the sampled-token form. In the resolved
-    form: ``token_clip`` acts only in ``"sampled"``; ``temperature`` and ``beta`` only outside it (the sampled
-    form is always the reverse-KL estimator: ``beta`` 0.5 (default) or 1.0 are accepted there); ``topk`` only in
-    ``"topk"`` or with the entropy-OPD wrapper; ``topk_tail`` (add the tail bucket ``1 − Σ_k p``; False is TRL
-    SDPO's ``distillation_add_tail=False``) only in ``"topk"``; a wrapper needs ``"full"``; ``compiled`` (the
-    generalized-JSD chunk kernel under ``torch.compile``, :mod:`composer_core.loss.compiled`) only in ``"full"``
-    without a wrapper.
+    ``form="auto"`` is resolved per batch (:meth:`resolve_form`): top-k if ``topk`` is set and logits are present
+    (and no wrapper), else full logits, else fused hidden states, else the sampled-token form; an option the
+    resolved form does not read raises (:meth:`unused`; ``topk`` also acts with the entropy-OPD wrapper, which
+    needs ``"full"``). ``topk_tail``: add the tail bucket ``1 − Σ_k p`` (False is TRL SDPO's
+    ``distillation_add_tail=False``); ``compiled``: the JSD chunk kernel under ``torch.compile``.
 
     ``loss_agg`` (every form): ``"token_mean"`` (default; lasgroup/SDPO's verl ``token-mean``) divides the sum over
     distilled tokens by their count (``sdpo_normalizer``: the global count); ``"seq_mean"`` (TRL
@@ -336,45 +296,33 @@ class SDPOOptions:
     token_clip: float | None = 2.0
     topk: int | None = None
     topk_tail: bool = True
-    chunk_size: int | None = (
-        None  # rows per chunk from V and the form: composer_core.loss.chunking.chunk_rows
-    )
+    chunk_size: int | None = None  # None: rows per chunk from V (composer_core.loss.chunking.chunk_rows)
     compiled: bool = False
     loss_agg: SDPOLossAgg = "token_mean"
     wrapper: TAID | EntropyOPD | None = None
 
     def __post_init__(self) -> None:
-        _choice("sdpo_form", self.form, ("auto", "full", "topk", "sampled"))
-        _choice("sdpo_loss_agg", self.loss_agg, ("token_mean", "seq_mean"))
+        check_choice("sdpo_form", self.form, ("auto", "full", "topk", "sampled"))
+        check_choice("sdpo_loss_agg", self.loss_agg, ("token_mean", "seq_mean"))
         if not isinstance(self.wrapper, (TAID, EntropyOPD, type(None))):
             raise TypeError(f"`wrapper` must be None, TAID(...) or EntropyOPD(...), got {self.wrapper!r}.")
-        _unit("sdpo_beta", self.beta)
-        if not isinstance(self.topk_tail, bool):
-            raise ValueError(
-                f"`sdpo_topk_tail`={self.topk_tail!r} must be a bool (True adds the tail bucket)."
-            )
-        _finite("sdpo_temperature", self.temperature, low=0.0, strict=True)
+        check_probability("sdpo_beta", self.beta)
+        check_bool("sdpo_topk_tail", self.topk_tail)
+        check_number("sdpo_temperature", self.temperature, low=0.0, strict=True)
         if self.token_clip is not None:
-            _finite("is_clip (sdpo_token_clip)", self.token_clip, low=0.0, strict=True)
+            check_number("is_clip (sdpo_token_clip)", self.token_clip, low=0.0, strict=True)
         check_chunk_size("sdpo_chunk_size", self.chunk_size)
         check_bool("sdpo_compiled", self.compiled)
-        if self.topk is not None and (
-            isinstance(self.topk, bool) or not isinstance(self.topk, int) or self.topk < 1
-        ):
-            raise ValueError(f"`sdpo_topk`={self.topk!r} must be None or an int >= 1.")
+        if self.topk is not None:
+            check_int("sdpo_topk", self.topk, low=1)
         if self.form != "auto":
             self.structural_errors(self.form)
             _raise_unused(self.unused(self.form))
 
     @property
     def wrapper_name(self) -> SDPOWrapper:
-        return (
-            "taid"
-            if isinstance(self.wrapper, TAID)
-            else "entropy_opd"
-            if isinstance(self.wrapper, EntropyOPD)
-            else "none"
-        )
+        names: dict[type, SDPOWrapper] = {TAID: "taid", EntropyOPD: "entropy_opd"}
+        return names.get(type(self.wrapper), "none")
 
     def resolve_form(self, *, has_logits: bool, has_hidden: bool, has_sampled: bool) -> ResolvedForm | None:
         """The form a batch with these channel-2 inputs runs (None: no channel-2 input, the channel is skipped)."""
@@ -407,42 +355,26 @@ class SDPOOptions:
 
     def unused(self, form: str) -> list[str]:
         """Messages for options that the resolved ``form`` does not read."""
-        out: list[str] = []
+        rules = (
+            ("beta", form == "sampled" and self.beta not in (0.5, 1.0),
+             "a generalized-JSD form: sdpo_form='sampled' is always the reverse-KL estimator, beta 1"),
+            ("temperature", form == "sampled" and _non_default(self, "temperature"), "sdpo_form='full'/'topk'"),
+            ("token_clip", form != "sampled" and _non_default(self, "token_clip"), "sdpo_form='sampled'"),
+            ("compiled", self.compiled and (form != "full" or self.wrapper is not None),
+             "sdpo_form='full' and no wrapper: it compiles the generalized-JSD chunk kernel"),
+            ("beta", isinstance(self.wrapper, TAID) and _non_default(self, "beta"),
+             "a generalized-JSD form: sdpo_wrapper='taid' distils with its own divergence"),
+            ("chunk_size", form in ("sampled", "topk") and _non_default(self, "chunk_size"),
+             "the full-vocabulary kernels"),
+            ("topk_tail", form != "topk" and _non_default(self, "topk_tail"), "sdpo_form='topk'"),
+        )  # fmt: skip
         how = "given" if self.form != "auto" else "resolved from the batch"
-        if form == "sampled":
-            if self.beta not in (0.5, 1.0):
-                out.append(
-                    f"`sdpo_beta`={self.beta!r} (sdpo_form='sampled' ({how}) is always the reverse-KL estimator, beta 1)"
-                )
-            if _non_default(self, "temperature"):
-                out.append(
-                    f"`sdpo_temperature`={self.temperature!r} (acts only with sdpo_form='full'/'topk'; the form is "
-                    f"'sampled' ({how}), which reads given log-probs)"
-                )
-        elif _non_default(self, "token_clip"):
-            out.append(
-                f"`sdpo_token_clip`={self.token_clip!r} (acts only with sdpo_form='sampled'; the form is {form!r} ({how}))"
-            )
-        if self.compiled and (form != "full" or self.wrapper is not None):
-            out.append(
-                f"`sdpo_compiled`=True (compiles the generalized-JSD chunk kernel: acts only with sdpo_form='full' "
-                f"and no wrapper; the form is {form!r} ({how}), sdpo_wrapper={self.wrapper_name!r})"
-            )
-        if isinstance(self.wrapper, TAID) and _non_default(self, "beta"):
-            out.append(
-                f"`sdpo_beta`={self.beta!r} (sdpo_wrapper='taid' distils toward its interpolated target with its own "
-                "divergence; the generalized-JSD beta is not read)"
-            )
-        if form in ("sampled", "topk") and _non_default(self, "chunk_size"):
-            out.append(
-                f"`sdpo_chunk_size`={self.chunk_size!r} (chunks the full-vocabulary kernels only; the form is "
-                f"{form!r} ({how}))"
-            )
-        if form != "topk" and _non_default(self, "topk_tail"):
-            out.append(
-                f"`sdpo_topk_tail`={self.topk_tail!r} (acts only with sdpo_form='topk'; the form is {form!r} ({how}))"
-            )
-        return out
+        return [
+            f"`sdpo_{name}`={getattr(self, name)!r} (acts only with {mode}; the form is {form!r} ({how}), "
+            f"sdpo_wrapper={self.wrapper_name!r})"
+            for name, unused, mode in rules
+            if unused
+        ]
 
 
 # ----------------------------------------------------------------------------------------------- channel 3
@@ -455,9 +387,9 @@ class DPO:
     label_smoothing: float = 0.0
 
     def __post_init__(self) -> None:
-        _choice("dpo_loss_type", self.loss_type, ("sigmoid", "robust", "ipo"))
-        _finite("dpo_beta", self.beta, low=0.0, strict=True)
-        _finite("dpo_label_smoothing", self.label_smoothing, low=0.0)
+        check_choice("dpo_loss_type", self.loss_type, ("sigmoid", "robust", "ipo"))
+        check_number("dpo_beta", self.beta, low=0.0, strict=True)
+        check_number("dpo_label_smoothing", self.label_smoothing, low=0.0)
         top = {"sigmoid": "0.5]", "robust": "0.5)", "ipo": "0]"}[self.loss_type]
         if (
             self.label_smoothing > 0.5
@@ -478,8 +410,8 @@ class SimPO:
     gamma: float = 0.5
 
     def __post_init__(self) -> None:
-        _finite("simpo_beta", self.beta, low=0.0, strict=True)
-        _finite("simpo_gamma", self.gamma, low=0.0)
+        check_number("simpo_beta", self.beta, low=0.0, strict=True)
+        check_number("simpo_gamma", self.gamma, low=0.0)
 
 
 # ----------------------------------------------------------------------------------------------- the config
@@ -505,7 +437,7 @@ class ComposeConfig:
     def __post_init__(self) -> None:
         for name in ("alpha_sdpo", "beta_replay"):
             w = getattr(self, name)
-            if isinstance(w, bool) or not isinstance(w, (int, float)) or not (0.0 <= float(w) < math.inf):
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not (0.0 <= float(w) < float("inf")):
                 raise ValueError(f"`{name}`={w!r} must be a finite weight >= 0 (0 disables the channel).")
         for name, value, kinds in (
             ("policy", self.policy, (PolicyOptions,)),
@@ -548,24 +480,12 @@ class ComposeConfig:
 
     def to_flat(self) -> dict[str, object]:
         """The flat keyword form of this config (every option, including defaults)."""
-        out: dict[str, object] = {"alpha_sdpo": self.alpha_sdpo, "beta_replay": self.beta_replay}
-        out.update({f.name: getattr(self.policy, f.name) for f in dataclasses.fields(PolicyOptions)})
-        for f in dataclasses.fields(SDPOOptions):
-            if f.name != "wrapper":
-                out[f"sdpo_{f.name}"] = getattr(self.sdpo, f.name)
-        out["sdpo_wrapper"] = self.sdpo.wrapper_name
-        if self.sdpo.wrapper is not None:
-            prefix = "taid_" if isinstance(self.sdpo.wrapper, TAID) else "entropy_opd_"
-            out.update(
-                {
-                    prefix + f.name: getattr(self.sdpo.wrapper, f.name)
-                    for f in dataclasses.fields(self.sdpo.wrapper)
-                }
-            )
-        out["dpo_variant"] = self.dpo_variant
-        prefix = "simpo_" if isinstance(self.replay, SimPO) else "dpo_"
-        out.update({prefix + f.name: getattr(self.replay, f.name) for f in dataclasses.fields(self.replay)})
-        out["check_values"] = self.check_values
+        out: dict[str, object] = {name: getattr(self, name) for name in _TOP}
+        for obj in (self.policy, self.sdpo, self.sdpo.wrapper, self.replay):
+            if obj is not None:
+                prefix = next(prefix for klass, prefix, _ in _SECTIONS if klass is type(obj))
+                out.update({prefix + f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)})
+        out.update(sdpo_wrapper=self.sdpo.wrapper_name, dpo_variant=self.dpo_variant)
         return out
 
 
@@ -761,11 +681,7 @@ def _from_flat(
     values = {k: coerce_option(k, v) for k, v in given.items()}
     wrapper = values.get("sdpo_wrapper", "none")
     variant = values.get("dpo_variant", "dpo")
-    selected = {
-        "sdpo_wrapper='taid'": wrapper == "taid",
-        "sdpo_wrapper='entropy_opd'": wrapper == "entropy_opd",
-    }
-    selected.update({"dpo_variant='dpo'": variant == "dpo", "dpo_variant='simpo'": variant == "simpo"})
+    selected = {f"sdpo_wrapper={wrapper!r}", f"dpo_variant={variant!r}"}
     unused: list[str] = []
     sections: dict[type, dict[str, object]] = {klass: {} for klass, _, _ in _SECTIONS}
     sections[ComposeConfig] = {}
@@ -773,7 +689,7 @@ def _from_flat(
         if name in _SELECTORS:
             continue
         klass, fname, selector = _FLAT[name]
-        if selector is not None and not selected[selector]:
+        if selector is not None and selector not in selected:
             if value != _default(klass, fname):
                 unused.append(f"`{name}`={value!r} (acts only with {selector})")
             continue
@@ -781,28 +697,20 @@ def _from_flat(
     # judge every class's mode-dependent options together, so one message names them all
     policy_kw = sections[PolicyOptions]
     sdpo_kw = sections[SDPOOptions]
-    probe_policy = _unchecked(PolicyOptions, policy_kw)
-    unused += probe_policy.unused()
+    unused += _unchecked(PolicyOptions, policy_kw).unused()
     probe_sdpo = _unchecked(SDPOOptions, sdpo_kw)
-    if wrapper == "taid":
-        object.__setattr__(probe_sdpo, "wrapper", _unchecked(TAID, sections[TAID]))
-    elif wrapper == "entropy_opd":
-        object.__setattr__(probe_sdpo, "wrapper", _unchecked(EntropyOPD, sections[EntropyOPD]))
-    has_logits, has_hidden, has_sampled = batch_flags
+    wrapper_cls: Any = {"taid": TAID, "entropy_opd": EntropyOPD}.get(str(wrapper))
+    if wrapper_cls is not None:
+        object.__setattr__(probe_sdpo, "wrapper", _unchecked(wrapper_cls, sections[wrapper_cls]))
     form: str | None = probe_sdpo.form
     if form == "auto" and None not in batch_flags:
-        form = probe_sdpo.resolve_form(
-            has_logits=bool(has_logits), has_hidden=bool(has_hidden), has_sampled=bool(has_sampled)
-        )
+        has_logits, has_hidden, has_sampled = map(bool, batch_flags)
+        form = probe_sdpo.resolve_form(has_logits=has_logits, has_hidden=has_hidden, has_sampled=has_sampled)
     if form is not None and form != "auto":
         probe_sdpo.structural_errors(form)
         unused += probe_sdpo.unused(form)
     _raise_unused(unused)
-    wrapper_obj: TAID | EntropyOPD | None = None
-    if wrapper == "taid":
-        wrapper_obj = TAID(**sections[TAID])  # type: ignore[arg-type]
-    elif wrapper == "entropy_opd":
-        wrapper_obj = EntropyOPD(**sections[EntropyOPD])  # type: ignore[arg-type]
+    wrapper_obj = None if wrapper_cls is None else wrapper_cls(**sections[wrapper_cls])
     replay: DPO | SimPO = SimPO(**sections[SimPO]) if variant == "simpo" else DPO(**sections[DPO])  # type: ignore[arg-type]
     return ComposeConfig(
         policy=PolicyOptions(**policy_kw),  # type: ignore[arg-type]

@@ -71,9 +71,8 @@ __all__ = [
 
 Reduction = Literal["mean", "sum", "none"]
 
-#: ``chunk_size`` default (``sdpo_chunk_size``, read from :class:`~composer_core.loss.config.SDPOOptions`): None =
-#: rows from V and the form (see :func:`chunk_rows`). An int fixes the rows per chunk: smaller saves memory,
-#: larger amortises per-chunk overhead.
+#: ``chunk_size`` default (from :class:`~composer_core.loss.config.SDPOOptions`): None = rows from V
+#: (:func:`chunk_rows`).
 DEFAULT_CHUNK_SIZE: int | None = SDPOOptions.chunk_size
 
 #: A per-chunk kernel: (scaled student logits [c, V], scaled teacher logits [c, V]) ->
@@ -124,12 +123,9 @@ def _log_softmax_and_probs(z: Tensor, logp: Tensor) -> tuple[Tensor, Tensor]:
 def jsd_kernel(beta: float, compiled: bool = SDPOOptions.compiled) -> Kernel:
     """Chunk kernel of the generalized JSD (exact FKL / RKL branches at β = 0 / 1).
 
-    ``compiled=True``: the same formulas as one graph under ``torch.compile``
-    (:func:`composer_core.loss.compiled.compiled_jsd_kernel`: inductor fuses the elementwise passes; returns new
-    tensors and leaves its inputs as they are). Otherwise the eager kernel below.
-
-    The eager kernel owns (and overwrites) its two input chunks and returns the gradient in ``zs``'s buffer; it uses
-    two more [c, V] buffers (plus a bool one at 0 < β < 1), reused across the chunks of one loss call.
+    ``compiled=True``: the same formulas under ``torch.compile`` (:mod:`composer_core.loss.compiled`). The eager
+    kernel owns (overwrites) its two chunks, returns the gradient in ``zs``'s buffer and reuses two more [c, V]
+    buffers (plus a bool one at 0 < β < 1) across the chunks of one loss call.
 
     Interior β, with d = log q − log p and f = log m − log p = log(β + (1−β)·e^d)
     (= logaddexp(d + log(1−β), log β), forced to exactly 0 where d == 0 so that p == q gives exactly 0):
@@ -168,20 +164,6 @@ def jsd_kernel(beta: float, compiled: bool = SDPOOptions.compiled) -> Kernel:
     return kernel
 
 
-def fkl_kernel_to_target(
-    zs: Tensor, target_logits: Tensor, scratch: Scratch | None = None
-) -> tuple[Tensor, Tensor]:
-    """Forward KL(softmax(target)‖softmax(zs)) and its gradient q − p (the target is constant).
-
-    Owns (overwrites) both inputs; the gradient is returned in ``zs``'s buffer. ``scratch`` (optional) holds
-    the two work buffers across chunks."""
-    scratch = Scratch() if scratch is None else scratch
-    lq, q = _log_softmax_and_probs(zs, scratch.get("a", zs))
-    lp, p = _log_softmax_and_probs(target_logits, scratch.get("b", target_logits))
-    loss = _rowdot(p, lp.sub_(lq))
-    return loss, q.sub_(p)
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Chunked engines
 # ---------------------------------------------------------------------------------------------------------
@@ -192,13 +174,9 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def full_precision(device: torch.device) -> contextlib.AbstractContextManager[Any]:
-    """Autocast off for ``device``'s type, so the explicit float32 (or float64) upcasts of the losses hold.
-
-    Under an ambient ``torch.autocast`` (TRL ``bf16=True``, FSDP mixed precision) matmuls such as the chunk
-    kernels' row dot products and the fused LM head would run in bf16/fp16 (and ``grad_w.addmm_`` would mix
-    dtypes). Every loss here computes in ``promote(input dtype, float32)`` and returns gradients in the inputs'
-    dtypes instead.
-    """
+    """Autocast off for ``device``'s type: under an ambient ``torch.autocast`` (TRL ``bf16=True``, FSDP mixed
+    precision) the kernels' matmuls would run in bf16/fp16; every loss here computes in ``promote(input dtype,
+    float32)`` and returns gradients in the inputs' dtypes instead."""
     if torch.amp.is_autocast_available(device.type):
         return torch.autocast(device_type=device.type, enabled=False)
     return contextlib.nullcontext()
@@ -209,30 +187,6 @@ def _non_finite_message(names: tuple[str, str], chunks: tuple[Tensor, Tensor]) -
     return (
         f"`{culprits[0]}` contains NaN/inf values; fix the upstream computation (mask padded positions with a "
         "finite value, not -inf/NaN) before calling the loss."
-    )
-
-
-def _check_logits_finite(result: Tensor, student: Tensor, teacher: Tensor, rows: Tensor) -> None:
-    """Value check of a logits call's result (the summed loss or the per-row losses; joins ``compose_loss``'s
-    fused check, eager when called directly): one per call, as a NaN/inf logit makes its row's loss non-finite.
-    Only on failure are the selected rows (``rows``: indices or the bool row mask) searched for the culprit."""
-    value_check(
-        None,
-        lambda: torch.isfinite(result),
-        lambda: _non_finite_message(("student_logits", "teacher_logits"), (student[rows], teacher[rows])),
-    )
-
-
-def _check_fused_finite(total: Tensor) -> None:
-    """Value check of a fused call's summed loss (joins ``compose_loss``'s fused check; eager when called
-    directly): one per call, not per chunk, as a NaN/inf row makes the sum non-finite."""
-    value_check(
-        None,
-        lambda: torch.isfinite(total),
-        lambda: (
-            "the logits computed from `student_hidden`/`teacher_hidden` and the LM head overflow to "
-            "NaN/inf; check the hidden states and head weights (or compute in float32)."
-        ),
     )
 
 
@@ -301,12 +255,26 @@ def _times(total: Tensor, scale: float | Tensor) -> Tensor:
     return total * (scale.to(total.dtype) if isinstance(scale, Tensor) else scale)
 
 
-def _drop_masked(loss: Tensor, grad: Tensor, keep: Tensor | None) -> Tensor:
-    """Zero the loss and gradient of the masked rows of a chunk (accelerator path; NaN-safe)."""
+def _run_kernel(
+    kernel: Kernel, zs: Tensor, zt: Tensor, temperature: float, keep: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """``kernel`` on one chunk of logits (scaled by ``1/temperature`` in place); the loss and gradient of the rows
+    ``keep`` drops are zeroed (accelerator path; NaN-safe)."""
+    if temperature != 1.0:
+        zs.div_(temperature)
+        zt.div_(temperature)
+    loss, grad = kernel(zs, zt)
     if keep is None:
-        return loss
+        return loss, grad
     grad.masked_fill_(~keep.unsqueeze(-1), 0.0)
-    return torch.where(keep, loss, 0.0)
+    return torch.where(keep, loss, 0.0), grad
+
+
+def _times_grad_out(grad: Tensor, grad_out: Tensor) -> Tensor:
+    """``grad · grad_out`` (a backward's chain rule), skipped for the usual ``grad_out`` of 1 read on the host."""
+    if host_reads_are_free(grad_out.device) and bool(grad_out == 1):
+        return grad
+    return grad * grad_out.to(grad.dtype)
 
 
 class _ChunkedLogitsLoss(torch.autograd.Function):
@@ -337,12 +305,7 @@ class _ChunkedLogitsLoss(torch.autograd.Function):
         factor = _factor(1.0 if per_row else scale, temperature, cdtype)
         for sel, keep, c in _chunks(rows, n_rows, chunk_size):
             zs = _rows_into(student, sel, buf_s[:c])
-            zt = _rows_into(teacher, sel, buf_t[:c])
-            if temperature != 1.0:
-                zs.div_(temperature)
-                zt.div_(temperature)
-            loss, g = kernel(zs, zt)
-            loss = _drop_masked(loss, g, keep)
+            loss, g = _run_kernel(kernel, zs, _rows_into(teacher, sel, buf_t[:c]), temperature, keep)
             if isinstance(factor, Tensor) or factor != 1.0:
                 g.mul_(factor)
             _put(grad, sel, g)
@@ -350,7 +313,14 @@ class _ChunkedLogitsLoss(torch.autograd.Function):
                 _put(per_row_out, sel, loss)
             else:
                 total += loss.sum()
-        _check_logits_finite(total if per_row_out is None else per_row_out, student, teacher, rows)
+        # one value check per call (joins compose_loss's fused check): a NaN/inf logit makes its row's loss
+        # non-finite; only on failure are the selected rows searched for the culprit
+        result = total if per_row_out is None else per_row_out
+        value_check(
+            None,
+            lambda: torch.isfinite(result),
+            lambda: _non_finite_message(("student_logits", "teacher_logits"), (student[rows], teacher[rows])),
+        )
         ctx.save_for_backward(grad)
         ctx.per_row = per_row
         if per_row_out is not None:
@@ -364,10 +334,8 @@ class _ChunkedLogitsLoss(torch.autograd.Function):
         with full_precision(grad.device):
             if ctx.per_row:
                 g = grad * grad_out.to(grad.dtype).unsqueeze(-1)
-            elif host_reads_are_free(grad.device) and bool(grad_out == 1):
-                g = grad
             else:
-                g = grad * grad_out.to(grad.dtype)
+                g = _times_grad_out(grad, grad_out)
         return g, None, None, None, None, None, None, None
 
 
@@ -426,11 +394,8 @@ class _FusedLinearLoss(torch.autograd.Function):
                 zs.add_(b_c)
             if tb_c is not None:
                 zt.add_(tb_c)
-            if temperature != 1.0:
-                zs.div_(temperature)
-                zt.div_(temperature)
-            loss, g = kernel(zs, zt)
-            total += _drop_masked(loss, g, keep).sum()
+            loss, g = _run_kernel(kernel, zs, zt, temperature, keep)
+            total += loss.sum()
             # the factor scales the [c, H] operands and the [V] sum, not a pass over g [c, V]
             if grad_h is not None and buf_gh is not None:
                 _put(grad_h, sel, torch.matmul(g, w_c, out=buf_gh[:c]).mul_(factor))
@@ -438,7 +403,14 @@ class _FusedLinearLoss(torch.autograd.Function):
                 grad_w.addmm_(g.T, hs.mul_(factor))
             if grad_b is not None:
                 grad_b.add_(g.sum(0).mul_(factor))
-        _check_fused_finite(total)  # a non-finite row makes the sum non-finite: one check per call
+        value_check(  # a non-finite row makes the sum non-finite: one check per call
+            None,
+            lambda: torch.isfinite(total),
+            lambda: (
+                "the logits computed from `student_hidden`/`teacher_hidden` and the LM head overflow to "
+                "NaN/inf; check the hidden states and head weights (or compute in float32)."
+            ),
+        )
         ctx.save_for_backward(
             *(t if t is not None else torch.empty(0) for t in (grad_h, grad_w, grad_b)),
         )
@@ -449,17 +421,12 @@ class _FusedLinearLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, ...]:
         grad_out = grad_outputs[0]
-        saved = ctx.saved_tensors
-        outs: list[Tensor | None] = []
-        one = host_reads_are_free(grad_out.device) and bool(grad_out == 1)
         with full_precision(grad_out.device):
-            for has, g, dtype in zip(ctx.has, saved, ctx.dtypes):
-                if not has:
-                    outs.append(None)
-                    continue
-                g = g if one else g * grad_out.to(g.dtype)
-                outs.append(g.to(dtype))
-        return outs[0], outs[1], outs[2], None, None, None, None, None, None, None, None
+            outs = [
+                _times_grad_out(g, grad_out).to(dtype) if has else None
+                for has, g, dtype in zip(ctx.has, ctx.saved_tensors, ctx.dtypes)
+            ]
+        return (*outs, None, None, None, None, None, None, None, None)
 
 
 _apply_chunked = cast(Callable[..., Tensor], _ChunkedLogitsLoss.apply)
@@ -518,7 +485,7 @@ def _rows_and_scale(
 
 
 @checked_once
-def chunked_logits_loss(
+def logits_loss(
     student_logits: Tensor,
     teacher_logits: Tensor,
     kernel: Kernel,
@@ -529,7 +496,9 @@ def chunked_logits_loss(
     reduction: str,
     normalizer: float | Tensor | None,
 ) -> Tensor:
-    """Run a chunk ``kernel`` over [..., V] logits with masking and reduction (shared by the wrappers)."""
+    """Check the shared arguments, then run a chunk ``kernel`` over [..., V] logits with masking and reduction
+    (the logits-input losses: :func:`generalized_jsd`, ``taid_loss``, ``entropy_opd_loss``)."""
+    _check_common(temperature, chunk_size, reduction, normalizer, ("mean", "sum", "none"))
     check_tensor("student_logits", student_logits, min_ndim=2)
     check_tensor("teacher_logits", teacher_logits, min_ndim=2)
     check_same_shape("student_logits", student_logits, "teacher_logits", teacher_logits)
@@ -595,32 +564,6 @@ def generalized_jsd(
     )
 
 
-def logits_loss(
-    student_logits: Tensor,
-    teacher_logits: Tensor,
-    kernel: Kernel,
-    *,
-    temperature: float,
-    mask: Tensor | None,
-    chunk_size: int | None,
-    reduction: str,
-    normalizer: float | Tensor | None,
-) -> Tensor:
-    """Check the shared arguments, then run ``kernel`` chunk-wise over [..., V] logits (the public
-    logits-input losses: :func:`generalized_jsd`, ``taid_loss``, ``entropy_opd_loss``)."""
-    _check_common(temperature, chunk_size, reduction, normalizer, ("mean", "sum", "none"))
-    return chunked_logits_loss(
-        student_logits,
-        teacher_logits,
-        kernel,
-        temperature=temperature,
-        mask=mask,
-        chunk_size=chunk_size,
-        reduction=reduction,
-        normalizer=normalizer,
-    )
-
-
 @checked_once
 def fused_linear_loss(
     student_hidden: Tensor,
@@ -641,12 +584,10 @@ def fused_linear_loss(
 
     Student ``student_hidden [..., Hs]`` with ``lm_head_weight [V, Hs]``; teacher ``teacher_hidden [..., Ht]`` with
     ``teacher_lm_head_weight [V, Ht]`` (Ht may differ from Hs; without a teacher head, Ht must equal Hs)."""
-    check_tensor("student_hidden", student_hidden, min_ndim=2)
-    check_tensor("teacher_hidden", teacher_hidden, min_ndim=2)
-    check_tensor("lm_head_weight", lm_head_weight, ndim=2)
-    check_float("student_hidden", student_hidden)
-    check_float("teacher_hidden", teacher_hidden)
-    check_float("lm_head_weight", lm_head_weight)
+    _check_common(temperature, chunk_size, reduction, normalizer, ("mean", "sum"))
+    check_float("student_hidden", student_hidden, min_ndim=2)
+    check_float("teacher_hidden", teacher_hidden, min_ndim=2)
+    check_float("lm_head_weight", lm_head_weight, ndim=2)
     if teacher_hidden.shape[:-1] != student_hidden.shape[:-1]:
         raise ValueError(
             f"`teacher_hidden` has shape {tuple(teacher_hidden.shape)} but `student_hidden` has shape "
@@ -666,8 +607,7 @@ def fused_linear_loss(
             f"the teacher's own head as `teacher_lm_head_weight` [V, {t_hidden}]."
         )
     if teacher_lm_head_weight is not None:
-        check_tensor("teacher_lm_head_weight", teacher_lm_head_weight, ndim=2)
-        check_float("teacher_lm_head_weight", teacher_lm_head_weight)
+        check_float("teacher_lm_head_weight", teacher_lm_head_weight, ndim=2)
         if teacher_lm_head_weight.shape[0] != lm_head_weight.shape[0]:
             raise ValueError(
                 f"`teacher_lm_head_weight` has shape {tuple(teacher_lm_head_weight.shape)} but `lm_head_weight` has "
@@ -680,8 +620,7 @@ def fused_linear_loss(
             )
     for name, b in (("lm_head_bias", lm_head_bias), ("teacher_lm_head_bias", teacher_lm_head_bias)):
         if b is not None:
-            check_tensor(name, b, ndim=1)
-            check_float(name, b)
+            check_float(name, b, ndim=1)
             if b.shape[0] != lm_head_weight.shape[0]:
                 raise ValueError(
                     f"`{name}` has {b.shape[0]} entries; it must have V = {lm_head_weight.shape[0]}."
@@ -744,7 +683,6 @@ def fused_linear_generalized_jsd(
     """
     check_probability("beta", beta)
     check_bool("compiled", compiled)
-    _check_common(temperature, chunk_size, reduction, normalizer, ("mean", "sum"))
     return fused_linear_loss(
         student_hidden,
         lm_head_weight,
@@ -829,8 +767,7 @@ def topk_distill(
     full-vocabulary one and stays ≥ 0; verl#7856), else both are renormalised over the k tokens.
     Then :func:`generalized_jsd`'s divergence (same ``beta`` convention) on the k(+1) categories.
     """
-    check_tensor("student_logits", student_logits, min_ndim=2)
-    check_float("student_logits", student_logits)
+    check_float("student_logits", student_logits, min_ndim=2)
     check_float("teacher_logits", teacher_logits)
     check_same_shape("student_logits", student_logits, "teacher_logits", teacher_logits)
     check_probability("beta", beta)
@@ -885,8 +822,7 @@ def sampled_token_distill(
 
     Args: ``student_logprobs`` [B, T] (with grad); ``teacher_logprobs`` [B, T] (detached); ``mask`` [B, T].
     """
-    check_tensor("student_logprobs", student_logprobs, min_ndim=1)
-    check_float("student_logprobs", student_logprobs)
+    check_float("student_logprobs", student_logprobs, min_ndim=1)
     check_float("teacher_logprobs", teacher_logprobs)
     check_same_shape("student_logprobs", student_logprobs, "teacher_logprobs", teacher_logprobs)
     check_choice("reduction", reduction, ("mean", "sum", "none"))

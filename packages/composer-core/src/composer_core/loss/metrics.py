@@ -1,14 +1,8 @@
 """``Metrics``: a loss's metrics as detached tensors, read from the device only when the caller reads them.
 
-The loss functions never read a metric on the host (each read would be a device sync in the hot loop). A
-:class:`Metrics` holds the detached 0-dim tensors (and plain Python numbers); reading a key (``m[k]``,
-``float(m[k])``, ``dict(m)``, iterating values) converts **all** of them to floats with one host transfer,
-once, and caches the result. :meth:`Metrics.tensors` returns them unread, for callers that reduce or log
-tensors themselves.
-
-:data:`METRIC_KEYS` names every key :func:`composer_core.compose_loss` can return (``<group>/<name>``; the
-groups are the channels ``policy`` / ``sdpo`` / ``replay``, ``loss`` for the channel losses, ``taid`` for the
-wrapper): the one source of truth adapters log under their ``composer/`` prefix.
+Reading a key converts **all** of them to floats with one host transfer, once; :meth:`Metrics.tensors` returns
+them unread. :data:`METRIC_KEYS` names every key :func:`composer_core.compose_loss` can return
+(``<group>/<name>``), the one source of truth adapters log under their ``composer/`` prefix.
 """
 
 from __future__ import annotations
@@ -55,18 +49,6 @@ ADAPTER_PREFIX = "composer/"
 _RENAMED = {"skipped/sdpo": "sdpo/skipped", "skipped/replay": "replay/skipped"}
 
 
-def _renamed(key: object) -> object:
-    if isinstance(key, str) and key in _RENAMED:
-        warnings.warn(
-            f"metric key {key!r} is deprecated; use {_RENAMED[key]!r} (keys are <group>/<name>, see "
-            "composer_core.METRIC_KEYS).",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        return _RENAMED[key]
-    return key
-
-
 class Metrics(Mapping[str, float]):
     """Read-only mapping ``name -> float``, converted lazily (one host sync for all keys) from tensors."""
 
@@ -92,9 +74,20 @@ class Metrics(Mapping[str, float]):
             self._floats = {k: floats[k] for k in self._raw}
         return self._floats
 
+    def _key(self, key: object) -> object:
+        """``key``, or the new name of a renamed key (with a DeprecationWarning)."""
+        if isinstance(key, str) and key not in self._raw and _RENAMED.get(key) in self._raw:
+            warnings.warn(
+                f"metric key {key!r} is deprecated; use {_RENAMED[key]!r} (keys are <group>/<name>, see "
+                "composer_core.METRIC_KEYS).",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            return _RENAMED[key]
+        return key
+
     def __getitem__(self, key: str) -> float:
-        if key not in self._raw and _RENAMED.get(key) in self._raw:
-            key = str(_renamed(key))
+        key = str(self._key(key))
         if key not in self._raw:
             raise KeyError(key)
         return self._read()[key]
@@ -106,9 +99,7 @@ class Metrics(Mapping[str, float]):
         return len(self._raw)
 
     def __contains__(self, key: object) -> bool:
-        if isinstance(key, str) and key not in self._raw and _RENAMED.get(key) in self._raw:
-            key = _renamed(key)
-        return key in self._raw
+        return self._key(key) in self._raw
 
     def __repr__(self) -> str:
         return f"Metrics({self._read()!r})"

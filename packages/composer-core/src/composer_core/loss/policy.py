@@ -25,10 +25,8 @@ from composer_core.loss.config import (
     KLEstimator,
     LossType,
     PolicyOptions,
-    RolloutCorrection,
     RolloutMode,
     check_clip_args,
-    check_probability_bound,
     check_rollout_clip,
 )
 from composer_core.loss.metrics import Metrics
@@ -44,21 +42,14 @@ from composer_core.loss.validation import (
     check_float,
     check_int,
     check_normalizer,
+    check_probability,
     check_same_shape,
-    check_tensor,
 )
 
 __all__ = [
     "CLIP_LOSS_TYPES",
-    "LOSS_TYPES",
-    "ROLLOUT_MODES",
-    "KLEstimator",
-    "LossType",
     "PolicyLossOutput",
-    "RolloutCorrection",
-    "RolloutMode",
     "aggregate_loss",
-    "check_clip_args",
     "clipped_surrogate",
     "clipped_surrogate_from_ratio",
     "dppo_loss",
@@ -144,17 +135,12 @@ def clipped_surrogate(
 def clipped_surrogate_from_ratio(
     coef_1: Tensor, adv: Tensor, eps_lo: float, eps_hi: float, delta: float | None
 ) -> tuple[Tensor, Tensor]:
-    """The clip/min part of :func:`clipped_surrogate` given the importance ratio ``ρ`` itself (TRL 1.16's op
-    order), for a caller that already holds ρ (another ratio than ``exp(ℓθ − ℓold)``, e.g. against the inference
-    engine's log-probs) and has checked its own inputs: nothing is validated here.
+    """:func:`clipped_surrogate` given the importance ratio ρ itself (TRL 1.16's op order), for a caller holding
+    another ratio (e.g. against the inference engine's log-probs) that checked its inputs: nothing is validated.
 
-    ``L_t = −min(min(ρ, δ)·A, clip(ρ, 1−ε_lo, 1+ε_hi)·A)`` (``delta=None``: no ``min(ρ, δ)``), and
-    ``is_clipped = (ρ' < 1−ε_lo ∧ A < 0) ∨ (ρ' > 1+ε_hi ∧ A > 0)`` with ``ρ' = min(ρ, δ)``, computed without grad.
-
-    Args: ``coef_1`` ρ, any shape (e.g. [B, T], [B, 1] or 1-D per token); ``adv`` A, broadcastable to it
-    ([B, 1] or [B, T]); ``eps_lo`` in [0, 1), ``eps_hi`` ≥ 0, ``delta`` > 1 + ``eps_hi`` or None (see
-    :func:`clipped_surrogate` for the checks). Returns ``(per_token_loss, is_clipped)`` of the broadcast shape,
-    ``is_clipped`` bool.
+    ``L_t = −min(min(ρ, δ)·A, clip(ρ, 1−ε_lo, 1+ε_hi)·A)`` (``delta=None``: no ``min(ρ, δ)``), ``is_clipped =
+    (ρ' < 1−ε_lo ∧ A < 0) ∨ (ρ' > 1+ε_hi ∧ A > 0)`` with ``ρ' = min(ρ, δ)``. Shapes: ``coef_1`` any (e.g. [B, T],
+    [B, 1]); ``adv`` broadcastable to it; returns ``(per_token_loss, is_clipped)`` of the broadcast shape.
     """
     coef_2 = torch.clamp(coef_1, 1 - eps_lo, 1 + eps_hi)
     if delta is not None:
@@ -189,8 +175,7 @@ def aggregate_loss(
     Passing the global count over all micro-batches and ranks makes gradient accumulation exact: the
     sum of micro-batch losses equals the full-batch loss. Denominators are clamped to ≥ 1.
     """
-    check_tensor("per_token_loss", per_token_loss, ndim=2)
-    check_float("per_token_loss", per_token_loss)
+    check_float("per_token_loss", per_token_loss, ndim=2)
     check_choice("loss_type", loss_type, LOSS_TYPES)
     m_bool = as_mask("mask", mask, per_token_loss.shape, device=per_token_loss.device, require_nonempty=False)
     m = mask if (mask.dtype != torch.bool and mask.is_floating_point()) else m_bool.to(per_token_loss.dtype)
@@ -211,8 +196,7 @@ def _aggregate(
     normalizer: float | Tensor | None,
     max_completion_length: int | None,
 ) -> Tensor:
-    """:func:`aggregate_loss` on validated inputs and options (``m`` a float mask in the loss dtype); checks only
-    what depends on the call: the normaliser and the width T."""
+    """:func:`aggregate_loss` on validated inputs (``m`` a float mask in the loss dtype)."""
     if loss_type in ("grpo", "sapo"):
         per_seq = (per_token_loss * m).sum(-1) / m.sum(-1).clamp(min=1.0)
         return per_seq.mean() if normalizer is None else per_seq.sum() / normalizer
@@ -309,13 +293,20 @@ def dppo_mask(
     ``Δp = exp(ℓtrain) − exp(ℓinf)``; ``masked = (A > 0 ∧ Δp > mask_high) ∨ (A ≤ 0 ∧ Δp < −mask_low)``:
     bounds are on probabilities, not log-ratios, and depend on the advantage sign.
     """
+    adv = _check_dppo(logprobs, inference_logprobs, advantages, mask_low, mask_high)
+    return _dppo_mask(logprobs, inference_logprobs, adv, mask_low, mask_high)
+
+
+def _check_dppo(
+    logprobs: Tensor, inference_logprobs: Tensor, advantages: Tensor, mask_low: float, mask_high: float
+) -> Tensor:
+    """The checks of :func:`dppo_mask` / :func:`dppo_loss`; returns the advantages broadcast to [B, 1|T]."""
     check_float("logprobs", logprobs)
     check_float("inference_logprobs", inference_logprobs)
     check_same_shape("logprobs", logprobs, "inference_logprobs", inference_logprobs)
-    adv = _broadcast_advantages(advantages, logprobs)
-    check_probability_bound("mask_low", mask_low)
-    check_probability_bound("mask_high", mask_high)
-    return _dppo_mask(logprobs, inference_logprobs, adv, mask_low, mask_high)
+    check_probability("mask_low", mask_low)
+    check_probability("mask_high", mask_high)
+    return _broadcast_advantages(advantages, logprobs)
 
 
 def _dppo_mask(
@@ -346,13 +337,8 @@ def dppo_loss(
     use :func:`aggregate_loss` with ``loss_type="dapo"``). Metrics (detached tensors): ``masked_fraction``,
     ``mismatch_kl`` (mean ``δ²/2`` over ``mask``).
     """
-    check_float("logprobs", logprobs)
-    check_float("inference_logprobs", inference_logprobs)
-    check_same_shape("logprobs", logprobs, "inference_logprobs", inference_logprobs)
-    adv = _broadcast_advantages(advantages, logprobs)
+    adv = _check_dppo(logprobs, inference_logprobs, advantages, mask_low, mask_high)
     m_bool = as_mask("mask", mask, logprobs.shape, device=logprobs.device)
-    check_probability_bound("mask_low", mask_low)
-    check_probability_bound("mask_high", mask_high)
     masked = _dppo_mask(logprobs, inference_logprobs, adv, mask_low, mask_high)
     m = m_bool.to(logprobs.dtype)
     keep = (~masked).to(logprobs.dtype) * m
@@ -419,8 +405,7 @@ def policy_loss(
     Metrics: ``policy/clip_ratio`` (masked mean of clipped tokens), ``policy/kl`` (if ``kl_beta``),
     ``policy/rollout_is_weight`` (masked mean weight) or ``policy/dppo_masked`` (masked fraction).
     """
-    check_tensor("logprobs", logprobs, ndim=2)
-    check_float("logprobs", logprobs)
+    check_float("logprobs", logprobs, ndim=2)
     # an all-masked micro-batch (every completion truncated under mask_truncated_completions, ...) is a loss of
     # 0 with zero gradients, as in TRL: the normalisers are clamped to >= 1
     m_bool = as_mask("mask", mask, logprobs.shape, device=logprobs.device, require_nonempty=False)
@@ -447,6 +432,10 @@ def policy_loss(
             per_token_kl = per_token_kl * coef_1  # TRL 1.16: after the KL, before the δ clamp of the ratio
     metrics: dict[str, Tensor | float] = {}
     n_tok = m_f.sum().clamp(min=1.0)
+
+    def masked_mean(x: Tensor) -> Tensor:
+        return ((x.detach().to(m_f.dtype) * m_f).sum() / n_tok).detach()
+
     shape = {
         "sapo": (o.sapo_temperature_pos, o.sapo_temperature_neg),
         "vespo": (o.vespo_k_pos, o.vespo_lambda_pos, o.vespo_k_neg, o.vespo_lambda_neg),
@@ -455,7 +444,7 @@ def policy_loss(
         o.loss_type, coef_1, log_ratio, logprobs, adv, m_f, rollout_is_weights, (*o.epsilons, o.delta), shape
     )
     if phi is not None:  # vespo: the rollout IS weight is folded into the gamma weight
-        metrics["policy/vespo_phi"] = (phi.expand_as(m_f) * m_f).sum() / n_tok
+        metrics["policy/vespo_phi"] = masked_mean(phi.expand_as(m_f))
         rollout_is_weights = None
     if surrogate_mask is not None:
         per_token_loss = per_token_loss * surrogate_mask
@@ -463,7 +452,7 @@ def policy_loss(
         assert inference_logprobs is not None
         masked = _dppo_mask(logprobs, inference_logprobs, adv, o.dppo_mask_low, o.dppo_mask_high)
         per_token_loss = per_token_loss * (~masked)
-        metrics["policy/dppo_masked"] = ((masked.to(m_f.dtype) * m_f).sum() / n_tok).detach()
+        metrics["policy/dppo_masked"] = masked_mean(masked)
     else:
         if o.rollout_correction is not None:
             assert inference_logprobs is not None
@@ -472,14 +461,14 @@ def policy_loss(
             )
         if rollout_is_weights is not None:
             per_token_loss = per_token_loss * rollout_is_weights.detach()
-            metrics["policy/rollout_is_weight"] = ((rollout_is_weights.detach() * m_f).sum() / n_tok).detach()
+            metrics["policy/rollout_is_weight"] = masked_mean(rollout_is_weights)
     if per_token_kl is not None:
         per_token_loss = per_token_loss + o.kl_beta * per_token_kl
-        metrics["policy/kl"] = ((per_token_kl.detach() * m_f).sum() / n_tok).detach()
+        metrics["policy/kl"] = masked_mean(per_token_kl)
 
     m_agg = mask if (mask.dtype != torch.bool and mask.is_floating_point()) else m_f
     loss = _aggregate(per_token_loss, m_agg, o.loss_type, normalizer, o.max_completion_length)
-    metrics["policy/clip_ratio"] = ((is_clipped.to(m_f.dtype) * m_f).sum() / n_tok).detach()
+    metrics["policy/clip_ratio"] = masked_mean(is_clipped)
     return PolicyLossOutput(loss=loss, metrics=Metrics(metrics))
 
 

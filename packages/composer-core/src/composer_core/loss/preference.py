@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import Literal
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -25,7 +24,6 @@ from composer_core.loss.validation import (
     check_float,
     check_normalizer,
     check_same_shape,
-    check_tensor,
     value_check,
 )
 
@@ -41,8 +39,7 @@ def _check_pairs(**tensors: Tensor | None) -> int:
     for name, t in tensors.items():
         if t is None:
             continue
-        check_tensor(name, t, ndim=1)
-        check_float(name, t)
+        check_float(name, t, ndim=1)
         if first is None:
             first = (name, t)
         else:
@@ -172,8 +169,3 @@ def simpo_loss(
     logits = float(options.beta) * (chosen_logps / lc - rejected_logps / lr) - float(options.gamma)
     losses = -F.logsigmoid(logits)
     return _reduce_pairs(losses, reduction, normalizer)
-
-
-def _pair_accuracy(margin: Tensor) -> float:
-    """Fraction of pairs whose implicit reward prefers the chosen action."""
-    return float((margin.detach() > 0).to(torch.float64).mean())

@@ -7,10 +7,11 @@ bad batch fails loudly at the boundary instead of producing a silent 0 or NaN de
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Iterator, Mapping
+import math
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any, ParamSpec, TypeVar
+from typing import ParamSpec, TypeVar
 
 import torch
 from torch import Tensor
@@ -22,12 +23,12 @@ __all__ = [
     "check_finite",
     "check_int",
     "check_normalizer",
+    "check_number",
     "check_probability",
     "check_same_shape",
     "check_tensor",
     "checked_once",
     "host_reads_are_free",
-    "resolve_normalizer",
     "value_check",
     "value_checks",
 ]
@@ -163,9 +164,9 @@ def check_finite(name: str, value: Tensor) -> Tensor:
     return value
 
 
-def check_float(name: str, value: Tensor) -> Tensor:
-    """Raise ValueError unless ``value`` is a finite floating-point tensor."""
-    check_tensor(name, value)
+def check_float(name: str, value: Tensor, *, ndim: int | None = None, min_ndim: int | None = None) -> Tensor:
+    """Raise ValueError unless ``value`` is a finite floating-point tensor (of the rank, as :func:`check_tensor`)."""
+    check_tensor(name, value, ndim=ndim, min_ndim=min_ndim)
     if not value.is_floating_point():
         raise ValueError(
             f"`{name}` must be a floating-point tensor, got dtype {value.dtype}; cast it with .float()."
@@ -243,71 +244,45 @@ def check_int(name: str, value: object, *, low: int) -> None:
 
 
 def check_probability(
-    name: str,
-    value: float,
-    *,
-    low: float = 0.0,
-    high: float = 1.0,
-    low_open: bool = False,
-    high_open: bool = False,
+    name: str, value: float, *, low: float = 0.0, high: float = 1.0, high_open: bool = False
 ) -> float:
-    """Raise ValueError unless ``low <(=) value <(=) high``."""
+    """Raise ValueError unless ``low <= value <= high`` (``< high`` when ``high_open``)."""
     v = float(value)
-    ok_low = v > low if low_open else v >= low
-    ok_high = v < high if high_open else v <= high
-    if not (ok_low and ok_high) or v != v:
-        lb = "(" if low_open else "["
-        hb = ")" if high_open else "]"
-        raise ValueError(f"`{name}`={value!r} must lie in {lb}{low}, {high}{hb}.")
+    if not (low <= v and (v < high if high_open else v <= high)):
+        raise ValueError(f"`{name}`={value!r} must lie in [{low:g}, {high:g}{')' if high_open else ']'}.")
+    return v
+
+
+def check_number(name: str, value: float, *, low: float | None = None, strict: bool = False) -> float:
+    """Raise ValueError unless ``value`` is a finite number, ``> low`` (``strict``) or ``>= low``."""
+    v = float(value)
+    if not math.isfinite(v) or (low is not None and (v < low or (strict and v == low))):
+        bound = "" if low is None else f" {'>' if strict else '>='} {low:g}"
+        raise ValueError(f"`{name}`={value!r} must be a finite number{bound}.")
     return v
 
 
 def check_positive(name: str, value: float) -> float:
     """Raise ValueError unless ``value`` is a finite number > 0."""
-    v = float(value)
-    if not (v > 0.0) or v == float("inf"):
-        raise ValueError(f"`{name}`={value!r} must be a finite number > 0.")
-    return v
+    return check_number(name, value, low=0.0, strict=True)
 
 
 def check_normalizer(name: str, normalizer: float | Tensor | None) -> None:
     """Raise ValueError if a user-supplied normaliser is not a finite positive scalar."""
     if normalizer is None:
         return
-    if isinstance(normalizer, Tensor):
-        if normalizer.numel() != 1:
-            raise ValueError(
-                f"`{name}` must be a scalar (global count), got shape {tuple(normalizer.shape)}."
-            )
-        n = normalizer.detach()
-        value_check(
-            (name, id(normalizer)),
-            lambda: torch.isfinite(n) & (n > 0),
-            lambda: (
-                f"`{name}`={float(n)!r} must be a finite count > 0 (the global number of tokens/sequences/pairs "
-                "summed over micro-batches and ranks)."
-            ),
-        )
-        return
-    val = float(normalizer)
-    if not (val > 0.0) or val == float("inf"):
-        raise ValueError(
-            f"`{name}`={val!r} must be a finite count > 0 (the global number of tokens/sequences/pairs "
+    if isinstance(normalizer, Tensor) and normalizer.numel() != 1:
+        raise ValueError(f"`{name}` must be a scalar (global count), got shape {tuple(normalizer.shape)}.")
+    n = normalizer.detach() if isinstance(normalizer, Tensor) else float(normalizer)
+
+    def message() -> str:
+        return (
+            f"`{name}`={float(n)!r} must be a finite count > 0 (the global number of tokens/sequences/pairs "
             "summed over micro-batches and ranks)."
         )
 
-
-def resolve_normalizer(name: str, normalizer: float | Tensor | None, local_count: Tensor) -> Tensor | float:
-    """The denominator: ``normalizer`` if given (validated), else ``local_count.clamp(min=1)``."""
-    if normalizer is None:
-        return local_count.clamp(min=1)
-    check_normalizer(name, normalizer)
-    return normalizer
-
-
-def check_no_extra(name: str, extra: Mapping[str, Any]) -> None:
-    """Raise ValueError for unknown keyword options."""
-    if extra:
-        raise ValueError(
-            f"{name}() got unknown option(s) {sorted(extra)}; check the spelling against the docs."
-        )
+    if not isinstance(n, Tensor):
+        if not (0.0 < n < float("inf")):
+            raise ValueError(message())
+        return
+    value_check((name, id(normalizer)), lambda: torch.isfinite(n) & (n > 0), message)

@@ -14,30 +14,38 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from composer_core.loss import distill as _distill
+from composer_core.loss import distill as _distill  # patched in tests: the kernels look the sync rule up here
 from composer_core.loss.config import TAID, EntropyOPD, SDPOOptions
 from composer_core.loss.distill import (
     DEFAULT_CHUNK_SIZE,
     Kernel,
     Reduction,
     Scratch,
-    fkl_kernel_to_target,
+    _log_softmax_and_probs,
+    _rowdot,
     jsd_kernel,
     logits_loss,
 )
-from composer_core.loss.validation import check_positive, check_probability
+from composer_core.loss.validation import (
+    check_int,
+    check_number,
+    check_positive,
+    check_probability,
+)
 
 __all__ = ["TAIDScheduler", "entropy_opd_kernel", "entropy_opd_loss", "taid_kernel", "taid_loss"]
 
 
 def taid_kernel(t: float) -> Kernel:
-    """Chunk kernel of TAID: KL(p_t‖q), p_t = softmax((1−t)·sg(z_S) + t·z_T); gradient q − p_t."""
-
+    """Chunk kernel of TAID: KL(p_t‖q), p_t = softmax((1−t)·sg(z_S) + t·z_T); gradient q − p_t. Owns (overwrites)
+    both chunks and returns the gradient in ``zs``'s buffer."""
     scratch = Scratch()
 
     def kernel(zs: Tensor, zt: Tensor) -> tuple[Tensor, Tensor]:
         target = zt.mul_(t).add_(zs, alpha=1.0 - t)  # (1−t)·z_S + t·z_T, built in the teacher buffer
-        return fkl_kernel_to_target(zs, target, scratch)
+        lq, q = _log_softmax_and_probs(zs, scratch.get("a", zs))
+        lp, p = _log_softmax_and_probs(target, scratch.get("b", target))
+        return _rowdot(p, lp.sub_(lq)), q.sub_(p)
 
     return kernel
 
@@ -84,12 +92,9 @@ class TAIDScheduler:
         δ = (J_prev − J)/(J_prev + 1e-15);  m = β·m + (1−β)·δ;  Δt = α·sigmoid(m)·(1 − t)
         t = min(t_end, max(t_start + (t_end − t_start)·k/total_steps, t + Δt))
 
-    Which J: the reference feeds its distillation loss value, the token-mean **cross-entropy**
-    ``−Σ_v p_t log q_θ`` (= KL(p_t‖q_θ) + H(p_t)). :func:`taid_loss` returns the KL (same gradient, no entropy
-    term), and :class:`composer_trl.ComposerGRPOTrainer` feeds that KL (its channel-2 value). Fed the KL, δ is
-    the relative change of the KL alone, larger than the reference's (the entropy H(p_t) is absent from the
-    denominator), so t advances faster above the linear floor; to reproduce the reference's schedule exactly,
-    feed KL + H(p_t). The floor (and so ``t_end`` at ``total_steps``) is the same either way.
+    Which J: the reference feeds the token-mean cross-entropy ``−Σ_v p_t log q_θ`` (= KL + H(p_t));
+    :func:`taid_loss` returns the KL, which :class:`composer_trl.ComposerGRPOTrainer` feeds, so t advances faster
+    above the linear floor (the floor is the same); feed KL + H(p_t) to reproduce the reference exactly.
 
     Args: total_steps (optimiser steps of the run), t_start / t_end (default: those of
     :class:`~composer_core.loss.config.TAID`), alpha=5e-4 (α), beta=0.99 (momentum β). State (``t``, momentum,
@@ -104,16 +109,12 @@ class TAIDScheduler:
         alpha: float = 5e-4,
         beta: float = 0.99,
     ) -> None:
-        if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
-            raise ValueError(
-                f"`total_steps`={total_steps!r} must be an int >= 1 (optimiser steps in the run)."
-            )
+        check_int("total_steps", total_steps, low=1)
         check_probability("t_start", t_start)
         check_probability("t_end", t_end)
         if t_start > t_end:
             raise ValueError(f"`t_start`={t_start} must not exceed `t_end`={t_end}.")
-        if not (float(alpha) >= 0.0) or math.isinf(alpha):
-            raise ValueError(f"`alpha`={alpha!r} must be a finite number >= 0.")
+        check_number("alpha", alpha, low=0.0)
         check_probability("beta", beta, high_open=True)
         self.total_steps = total_steps
         self.t_start = float(t_start)
@@ -154,17 +155,7 @@ class TAIDScheduler:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume (plain Python values; safe for torch.save/json)."""
-        return {
-            "total_steps": self.total_steps,
-            "t_start": self.t_start,
-            "t_end": self.t_end,
-            "alpha": self.alpha,
-            "beta": self.beta,
-            "t": self.t,
-            "momentum": self.momentum,
-            "prev_loss": self.prev_loss,
-            "num_steps": self.num_steps,
-        }
+        return {key: getattr(self, key) for key in (*_SETTINGS, "t", "momentum", "prev_loss", "num_steps")}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict`; raises ValueError on missing keys or out-of-range values."""
@@ -176,13 +167,17 @@ class TAIDScheduler:
         t = float(state["t"])
         if not (0.0 <= t <= 1.0):
             raise ValueError(f"TAIDScheduler state has t={t}, outside [0, 1]; the checkpoint is corrupt.")
-        for key in ("total_steps", "t_start", "t_end", "alpha", "beta"):
+        for key in _SETTINGS:
             if key in state:
                 setattr(self, key, type(getattr(self, key))(state[key]))
         self.t = t
         self.momentum = float(state["momentum"])
         self.prev_loss = None if state["prev_loss"] is None else float(state["prev_loss"])
         self.num_steps = int(state["num_steps"])
+
+
+#: the constructor's arguments, kept in :meth:`TAIDScheduler.state_dict`
+_SETTINGS = ("total_steps", "t_start", "t_end", "alpha", "beta")
 
 
 def entropy_opd_kernel(beta: float, threshold: float, fkl_weight: float, topk: int | None) -> Kernel:
@@ -240,8 +235,7 @@ def entropy_opd_loss(
     The gate is detached; the added term is normalised by the same token count as the base.
     """
     check_probability("beta", beta)
-    if not (float(threshold) >= 0.0) or math.isinf(threshold):
-        raise ValueError(f"`threshold`={threshold!r} must be a finite entropy in nats >= 0.")
+    check_number("threshold", threshold, low=0.0)
     check_positive("fkl_weight", fkl_weight)
     vocab = student_logits.shape[-1] if isinstance(student_logits, Tensor) and student_logits.dim() else 0
     if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int) or not (1 <= topk <= vocab)):

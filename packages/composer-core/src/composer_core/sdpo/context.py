@@ -10,22 +10,11 @@ self-teacher reads the prompt *re-asked* with what the group learnt:
   where no sibling succeeded when ``feedback_only_without_solution``);
 - rows with neither get no teacher context: their self-distillation mask is 0 (they contribute nothing).
 
-The reprompt is three templates (placeholders checked once, at construction)::
-
-    reprompt_template   {prompt} {solution} {feedback}       the teacher's user turn
-    solution_template   {demonstration}                       -> {solution}  ("" without a demonstration)
-    feedback_template   {feedback}                            -> {feedback}  ("" without feedback)
-
-A chat prompt keeps its earlier messages; its last message (a user turn) is replaced by the reprompt whose
-``{prompt}`` is that message's text, as TRL's ``trl.experimental.sdpo.SDPOTrainer`` does. ``max_reprompt_len``
-(tokens; the adapter tokenises) keeps the last tokens of a long reprompt (:func:`cap_reprompt`).
-
-Which sibling: ``demo_pick="first"`` the first successful sibling in group order (lasgroup/SDPO and TRL's
-choice); ``"random"`` one drawn uniformly from a generator seeded by ``seed`` and the group's index, so a run is
-reproducible and independent of batch layout across processes.
-
-One implementation for every adapter (TRL, verl, PRIME-RL, Monarch): :func:`build_teacher_contexts` on plain
-Python lists, no tokenizer, no torch.
+The reprompt is three templates (placeholders checked at construction): ``reprompt_template`` (``{prompt}
+{solution} {feedback}``, the teacher's user turn), ``solution_template`` (``{demonstration}``) and
+``feedback_template`` (``{feedback}``). A chat prompt keeps its earlier messages; its last (user) message is
+replaced by the reprompt, as TRL's ``trl.experimental.sdpo.SDPOTrainer`` does. ``demo_pick="first"`` takes the
+first successful sibling (lasgroup/SDPO, TRL); ``"random"`` draws one, seeded by ``seed`` and the group index.
 """
 
 from __future__ import annotations
@@ -36,6 +25,8 @@ import string
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from composer_core.loss.validation import check_bool, check_choice, check_int
 
 __all__ = [
     "CONTEXT_SOURCES",
@@ -101,26 +92,16 @@ class TeacherContextOptions:
     remove_thinking_from_demonstration: bool = False
 
     def __post_init__(self) -> None:
-        if self.sdpo_teacher_context not in CONTEXT_SOURCES:
-            raise ValueError(
-                f"`sdpo_teacher_context`={self.sdpo_teacher_context!r} is not supported; choose one of "
-                f"{', '.join(map(repr, CONTEXT_SOURCES))}."
-            )
-        if self.demo_pick not in ("first", "random"):
-            raise ValueError(f"`demo_pick`={self.demo_pick!r} must be 'first' or 'random'.")
+        check_choice("sdpo_teacher_context", self.sdpo_teacher_context, CONTEXT_SOURCES)
+        check_choice("demo_pick", self.demo_pick, ("first", "random"))
         threshold = self.success_reward_threshold
         if isinstance(threshold, bool) or not isinstance(threshold, int | float) or threshold != threshold:
             raise ValueError(f"`success_reward_threshold`={threshold!r} must be a number.")
-        for name in (
-            "dont_reprompt_on_self_success",
-            "feedback_only_without_solution",
-            "remove_thinking_from_demonstration",
-        ):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"`{name}`={getattr(self, name)!r} must be a bool.")
-        cap = self.max_reprompt_len
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
-            raise ValueError(f"`max_reprompt_len`={cap!r} must be an int >= 1 or None (no cap).")
+        for name in ("dont_reprompt_on_self_success", "feedback_only_without_solution",
+                     "remove_thinking_from_demonstration"):  # fmt: skip
+            check_bool(name, getattr(self, name))
+        if self.max_reprompt_len is not None:
+            check_int("max_reprompt_len", self.max_reprompt_len, low=1)
         for name in _PLACEHOLDERS:
             _check_template(name, getattr(self, name))
         if self.sdpo_teacher_context == "hint":
@@ -159,14 +140,9 @@ _DEFAULTS = {f: getattr(TeacherContextOptions, f) for f in _GROUP_ONLY}
 
 @dataclass
 class TeacherContexts:
-    """The output of :func:`build_teacher_contexts` for one batch (N = number of completions).
-
-    contexts: the teacher's prompt per row (a string, or a chat message list for chat prompts); None where the
-        row has no teacher context (its ``mask`` is False).
-    mask: the self-distillation mask per row.
-    demo_index: the row whose completion is the demonstration (None: no demonstration).
-    groups, groups_with_success, with_solution, with_feedback: counts for logging and the no-success warning.
-    """
+    """The output of :func:`build_teacher_contexts` for N rows: per row the teacher's prompt (text or chat
+    messages; None where the row has no teacher context), the self-distillation ``mask`` and ``demo_index`` (the
+    demonstration's row); counts for logging and the no-success warning."""
 
     contexts: list[Any | None]
     mask: list[bool]

@@ -22,6 +22,8 @@ from typing import Literal
 import torch
 from torch import nn
 
+from composer_core.loss.validation import check_choice, check_int
+
 __all__ = [
     "TEACHER_KINDS",
     "TEACHER_STATE_FILE",
@@ -48,17 +50,12 @@ class TeacherWeightsOptions:
     teacher_sync_steps: int = 1
 
     def __post_init__(self) -> None:
-        if self.sdpo_teacher not in TEACHER_KINDS:
-            raise ValueError(
-                f"`sdpo_teacher`={self.sdpo_teacher!r} is not supported; choose one of "
-                f"{', '.join(map(repr, TEACHER_KINDS))}."
-            )
+        check_choice("sdpo_teacher", self.sdpo_teacher, TEACHER_KINDS)
         rate = self.teacher_update_rate
         if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0.0 < float(rate) <= 1.0:
             raise ValueError(f"`teacher_update_rate`={rate!r} must lie in (0, 1] (the EMA rate τ).")
         steps = self.teacher_sync_steps
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"`teacher_sync_steps`={steps!r} must be an int >= 1.")
+        check_int("teacher_sync_steps", steps, low=1)
         if self.sdpo_teacher != "ema" and (rate != 0.05 or steps != 1):
             raise ValueError(
                 f"`teacher_update_rate`={rate!r} / `teacher_sync_steps`={steps!r} act only with sdpo_teacher='ema' "
