@@ -676,7 +676,7 @@ class Job:
         from composer_core.sdpo import TEACHER_STATE_FILE
 
         c = self.config
-        teacher = self.composer and c.alpha_sdpo > 0 and c.sdpo_teacher != "live"
+        teacher = self.composer and c.alpha_sdpo > 0 and c.teacher_weights_options.sdpo_teacher != "live"
         return (TEACHER_STATE_FILE,) if teacher else ()
 
     def run(self, *, resume: str | None = None) -> dict[str, Any]:
@@ -699,7 +699,10 @@ class Job:
         extra: dict[str, Any] = {}
         if self.composer:
             embedded = self.recipe.dataset is None and self.recipe.env is None
-            wants = self.config.alpha_sdpo > 0 and self.config.sdpo_teacher_context != "success"
+            wants = (
+                self.config.alpha_sdpo > 0
+                and self.config.teacher_context_options.sdpo_teacher_context != "success"
+            )
             auto = reverse_hints if embedded and wants else None
             hint = self.hint_fn or (self.hint if wants else None) or auto
             if hint is not None:

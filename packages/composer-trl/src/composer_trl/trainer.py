@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from accelerate.utils import gather_object, is_peft_model
 from composer_core.loss.compose import ComposerBatch
+from composer_core.loss.config import TAID
 from composer_core.loss.metrics import ADAPTER_PREFIX
 from composer_core.loss.surrogates import log_importance_weights, vespo_weights
 from composer_core.loss.wrappers import TAIDScheduler
@@ -163,7 +164,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
         targs = kwargs["args"]
         if hint_fn is not None and not callable(hint_fn):
             raise ValueError(f"`hint_fn` must be callable, got {type(hint_fn).__name__}.")
-        if hint_fn is not None and targs.sdpo_teacher_context == "success":
+        if hint_fn is not None and targs.teacher_context_options.sdpo_teacher_context == "success":
             raise ValueError(
                 "`hint_fn` is not read with sdpo_teacher_context='success' (successful siblings are the only "
                 "teacher context); use 'success+feedback' to add its text as feedback, or drop hint_fn."
@@ -184,11 +185,12 @@ class ComposerGRPOTrainer(GRPOTrainer):
         self._check_head()
         if self.args.alpha_sdpo > 0:
             self._setup_sdpo_teacher()
-        if self.args.sdpo_wrapper == "taid":
+        taid = self.args.compose_config.sdpo.wrapper
+        if isinstance(taid, TAID):
             self._taid = TAIDScheduler(
                 total_steps=int(self.args.max_steps),
-                t_start=self.args.taid_t_start,
-                t_end=self.args.taid_t_end,
+                t_start=taid.t_start,
+                t_end=taid.t_end,
                 alpha=self.args.taid_alpha,
                 beta=self.args.taid_momentum,
             )
@@ -231,7 +233,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
     def _setup_sdpo_teacher(self) -> None:
         """``sdpo_teacher``: live (the student), base (a frozen copy; PEFT: adapters off) or ema (a copy updated
         by :class:`_SDPOTeacherCallback`). The copy is saved with every checkpoint and restored on resume."""
-        kind = self.args.sdpo_teacher
+        kind = self.args.teacher_weights_options.sdpo_teacher
         if kind == "live" or (kind == "base" and is_peft_model(self.model)):
             return
         if is_peft_model(self.model):
@@ -278,7 +280,9 @@ class ComposerGRPOTrainer(GRPOTrainer):
         super()._load_from_checkpoint(resume_from_checkpoint, model)
         if self._sdpo_teacher is not None:
             load_teacher(self.accelerator.unwrap_model(self._sdpo_teacher), resume_from_checkpoint)
-        elif self.args.sdpo_teacher == "ema" and self.args.alpha_sdpo > 0:  # PEFT: the teacher adapter
+        elif (
+            self.args.teacher_weights_options.sdpo_teacher == "ema" and self.args.alpha_sdpo > 0
+        ):  # PEFT: the teacher adapter
             from safetensors.torch import load_file
 
             path = os.path.join(resume_from_checkpoint, TEACHER_STATE_FILE)
@@ -364,7 +368,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         output = super()._generate_and_score_completions(inputs)
         mode = "train" if self.model.training else "eval"
-        if self.args.alpha_sdpo > 0 and self.args.sdpo_teacher_context != "hint":
+        if self.args.alpha_sdpo > 0 and self.args.teacher_context_options.sdpo_teacher_context != "hint":
             output.update(self._build_group_contexts(inputs, output, mode))
         elif self.args.alpha_sdpo > 0:
             output.update(self._build_hints(inputs, output))
@@ -407,9 +411,10 @@ class ComposerGRPOTrainer(GRPOTrainer):
         ids_list = [torch.full((1,), self._tokenizer.pad_token_id)] * len(contexts)
         mask_list = [torch.zeros(1, dtype=torch.long)] * len(contexts)
         if rows:
+            max_len = self.args.teacher_context_options.max_reprompt_len
             tok_ids, _, _ = self._tokenize_prompts([contexts[i] for i in rows])
             for i, ids in zip(rows, tok_ids):
-                ids = cap_reprompt(ids, self.args.max_reprompt_len)
+                ids = cap_reprompt(ids, max_len)
                 ids_list[i] = torch.tensor(ids)
                 mask_list[i] = torch.ones(len(ids), dtype=torch.long)
         hint_ids = pad(ids_list, padding_value=self._tokenizer.pad_token_id, padding_side="left").to(device)
@@ -417,7 +422,9 @@ class ComposerGRPOTrainer(GRPOTrainer):
         loss_mask = output["completion_mask"]
         if "tool_mask" in output:
             loss_mask = loss_mask * output["tool_mask"]
-        if self.args.sdpo_loss_agg == "seq_mean":  # normalised by rows, distilled or not (TRL SDPOTrainer)
+        if (
+            self.args.compose_config.sdpo.loss_agg == "seq_mean"
+        ):  # normalised by rows, distilled or not (TRL SDPOTrainer)
             local = torch.tensor(float(len(contexts)), device=device)
         else:
             local = (loss_mask * has_hint.unsqueeze(1)).sum()
@@ -489,7 +496,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
     def _log_contexts(self, mode: str, ctx: TeacherContexts) -> None:
         for key, value in ctx.metrics.items():
             self._metrics[mode][f"{ADAPTER_PREFIX}sdpo/{key}"].append(value)
-        a = self.args
+        a = self.args.teacher_context_options
         if (
             a.sdpo_teacher_context != "feedback"
             and ctx.groups_with_success == 0
@@ -781,8 +788,9 @@ class ComposerGRPOTrainer(GRPOTrainer):
     def _teacher_weights(self) -> AbstractContextManager[Any]:
         """PEFT: the ``base`` teacher reads the base weights (adapters off), the ``ema`` teacher its own adapter;
         other teachers need nothing."""
-        if is_peft_model(self.model) and self.args.sdpo_teacher != "live":
-            name = None if self.args.sdpo_teacher == "base" else TEACHER_ADAPTER
+        kind = self.args.teacher_weights_options.sdpo_teacher
+        if is_peft_model(self.model) and kind != "live":
+            name = None if kind == "base" else TEACHER_ADAPTER
             return use_adapter(self.accelerator.unwrap_model(self.model), adapter_name=name)
         return nullcontext()
 
@@ -1008,7 +1016,7 @@ def check_channel_inputs(args: ComposerGRPOConfig, columns: set[str] | None, *, 
     inputs a dataset with ``columns`` (None: unknown, e.g. an iterable dataset) and ``hint_fn`` cannot provide.
     The trainer runs it at construction and ``composer-train`` before it loads the model or writes anything."""
     a, cols = args, columns
-    source = a.sdpo_teacher_context
+    source = a.teacher_context_options.sdpo_teacher_context
     if a.alpha_sdpo > 0 and source == "hint" and not hint_fn and cols is not None and not cols & HINT_COLUMNS:
         raise ValueError(
             f"alpha_sdpo={a.alpha_sdpo} needs hints: a `hint` or `hinted_prompt` dataset column, or "
