@@ -39,39 +39,61 @@ _CORE_SECTIONS: tuple[tuple[type, str, tuple[str, ...]], ...] = (
     (TeacherContextOptions, "", ()),
     (TeacherWeightsOptions, "", ()),
 )
+#: the help text (``--help``) and documentation (appended to the class docstring) of every composer option
 _HELP = {
-    "sdpo_beta": "Generalized JSD beta (0 FKL, 1 RKL).",
-    "sdpo_temperature": "Divergence temperature.",
-    "sdpo_token_clip": "IS clip of the sampled form.",
-    "sdpo_topk": "Top-k support size of sdpo_form='topk' (student's top k).",
-    "sdpo_topk_tail": "sdpo_form='topk': add the tail bucket 1 - sum_k p.",
-    "sdpo_chunk_size": "Rows per chunk of the fused kernel (None: composer_core.loss.distill.chunk_rows, "
-    "256 from V = 32,768).",
-    "sdpo_compiled": "Run the JSD chunk kernel under torch.compile (full form, no wrapper).",
-    "sdpo_loss_agg": "'token_mean' or 'seq_mean' (TRL SDPOTrainer's).",
+    "alpha_sdpo": "weight of channel 2 (SDPO self-distillation); 0, the default, disables it.",
+    "beta_replay": "weight of channel 3 (trace-replay preference); 0, the default, disables it.",
+    "sdpo_form": "'full': generalized JSD over the whole vocabulary, chunk-wise from the last hidden states and "
+    "the LM-head weight (never [B, T, V]); 'sampled': the reverse-KL estimator on the sampled token only; "
+    "'topk': the divergence on the student's top-sdpo_topk tokens (TRL SDPOTrainer's topk_logits; materialises "
+    "[B, T, V] logits of the distilled rows).",
+    "sdpo_topk": "top-k support size of sdpo_form='topk' (the student's top k).",
+    "sdpo_topk_tail": "sdpo_form='topk': add the tail bucket 1 - sum_k p (TRL's distillation_add_tail).",
+    "sdpo_beta": "generalized-JSD beta (TRL GKD convention: 0 forward KL, 1 reverse KL, exact branches).",
+    "sdpo_temperature": "temperature of both distributions in the divergence.",
+    "sdpo_token_clip": "importance-sampling clip of the sampled form (None: no clip).",
+    "sdpo_chunk_size": "rows per chunk of the fused kernel (None: composer_core.loss.distill.chunk_rows, 256 "
+    "rows from V = 32,768 up); a chunk holds about four [rows, V] float32 buffers.",
+    "sdpo_compiled": "run the JSD chunk kernel under torch.compile (sdpo_form='full', no wrapper; one "
+    "compilation on the first step).",
+    "sdpo_loss_agg": "'token_mean' (sum over distilled tokens / their global count, TRL's dapo convention) or "
+    "'seq_mean' (TRL SDPOTrainer: each row's mean, summed and divided by the number of rows).",
+    "sdpo_wrapper": "'none', 'taid' (interpolated target, adaptive t, arXiv 2501.16937; needs max_steps) or "
+    "'entropy_opd' (extra forward KL where the teacher is uncertain).",
     "taid_t_start": "TAID initial t.",
     "taid_t_end": "TAID final t.",
-    "entropy_opd_threshold": "Teacher-entropy gate (nats).",
-    "entropy_opd_weight": "Weight of the gated forward KL.",
+    "taid_alpha": "TAID adaptive step size (t is stepped once per optimiser step from the SDPO loss).",
+    "taid_momentum": "TAID momentum (the paper's beta).",
+    "entropy_opd_threshold": "teacher-entropy gate (nats) of sdpo_wrapper='entropy_opd'.",
+    "entropy_opd_weight": "weight of the gated forward KL.",
+    "hint_template": "how a hint becomes the teacher's context of a text prompt: a format string with {hint} "
+    "and {prompt} (for chat prompts the hint is added to the last user message).",
+    "sdpo_teacher_context": "'hint' (a hint/hinted_prompt column or hint_fn), 'success' (a successful sibling "
+    "of the group is the demonstration), 'feedback' (hint_fn's text or a privileged_context column) or "
+    "'success+feedback'; rows without a teacher context are not distilled.",
+    "success_reward_threshold": "the reward at which a completion counts as a success.",
+    "dont_reprompt_on_self_success": "a completion that succeeded is not its own demonstration.",
+    "feedback_only_without_solution": "'success+feedback': feedback only where no sibling succeeded.",
+    "demo_pick": "which successful sibling: 'first' (TRL, lasgroup/SDPO) or 'random' (seeded by seed).",
+    "reprompt_template": "the teacher's reprompt: {prompt}, {solution}, {feedback}.",
+    "solution_template": "the reprompt's demonstration part: {demonstration}.",
+    "feedback_template": "the reprompt's feedback part: {feedback}.",
+    "max_reprompt_len": "keep the last this many tokens of a reprompt.",
+    "remove_thinking_from_demonstration": "drop <think>...</think> from the demonstration.",
+    "sdpo_teacher": "'live' (the student, no extra memory), 'ema' (an EMA of the student, one extra copy) or "
+    "'base' (the frozen initial model; with PEFT the base with adapters off).",
+    "teacher_update_rate": "the EMA teacher's rate tau (sdpo_teacher='ema').",
+    "teacher_sync_steps": "the EMA teacher's update period in optimiser steps.",
+    "dpo_variant": "'dpo' (reference log-probs needed) or 'simpo' (reference-free, length-normalised).",
     "dpo_beta": "DPO beta.",
-    "dpo_loss_type": "DPO loss.",
+    "dpo_loss_type": "DPO loss: 'sigmoid', 'robust' or 'ipo'.",
     "dpo_label_smoothing": "cDPO / robust epsilon.",
     "simpo_beta": "SimPO beta.",
     "simpo_gamma": "SimPO absolute margin gamma.",
-    "sdpo_teacher_context": "Teacher context: 'hint', 'success' (successful siblings), 'feedback', "
-    "'success+feedback'.",
-    "success_reward_threshold": "Reward at which a completion is a success.",
-    "dont_reprompt_on_self_success": "A success is not its own demonstration.",
-    "feedback_only_without_solution": "success+feedback: feedback only where no sibling succeeded.",
-    "demo_pick": "Which successful sibling: 'first' or 'random' (seeded).",
-    "reprompt_template": "Teacher reprompt: {prompt} {solution} {feedback}.",
-    "solution_template": "Demonstration part: {demonstration}.",
-    "feedback_template": "Feedback part: {feedback}.",
-    "max_reprompt_len": "Keep the last this many reprompt tokens.",
-    "remove_thinking_from_demonstration": "Drop <think> blocks from demos.",
-    "sdpo_teacher": "Teacher weights: 'live', 'ema' or 'base'.",
-    "teacher_update_rate": "EMA teacher rate tau (sdpo_teacher='ema').",
-    "teacher_sync_steps": "EMA teacher update period in optimiser steps.",
+    "replay_reference": "'auto' (ref_chosen_logps/ref_rejected_logps columns when present, else the reference "
+    "model), 'model' or 'column'.",
+    "replay_append_eos": "append EOS to text chosen/rejected (as the policy's own completions end).",
+    "max_replay_length": "truncate chosen/rejected to this many tokens (None: max_completion_length).",
 }
 #: the generated flags that are ``compose_loss`` options (the others are the teacher's context and weights)
 _COMPOSE_FIELDS: list[str] = []
@@ -80,17 +102,19 @@ _C = TypeVar("_C")
 
 
 def _with_core_fields(cls: type[_C]) -> type[_C]:
-    """Add one dataclass field per option of ``_CORE_SECTIONS`` (core's type and default, ``_HELP``'s text)."""
+    """Add one dataclass field per option of ``_CORE_SECTIONS`` (core's type and default), give every composer
+    option its ``_HELP`` text as ``--help`` and list them all in the class docstring."""
     for klass, prefix, skip in _CORE_SECTIONS:
         hints = typing.get_type_hints(klass)
         for f in dataclasses.fields(klass):
-            if f.name in skip:
-                continue
-            name = prefix + f.name
-            cls.__annotations__[name] = hints[f.name]
-            setattr(cls, name, field(default=f.default, metadata={"help": _HELP[name]}))
-            if klass not in (TeacherContextOptions, TeacherWeightsOptions):
-                _COMPOSE_FIELDS.append(name)
+            if f.name not in skip:
+                cls.__annotations__[prefix + f.name] = hints[f.name]
+                setattr(cls, prefix + f.name, f.default)
+                if klass not in (TeacherContextOptions, TeacherWeightsOptions):
+                    _COMPOSE_FIELDS.append(prefix + f.name)
+    for name, text in _HELP.items():
+        setattr(cls, name, field(default=getattr(cls, name), metadata={"help": text}))
+    cls.__doc__ = (cls.__doc__ or "") + "".join(f"\n    {name}: {text}" for name, text in _HELP.items())
     return cls
 
 
@@ -99,94 +123,26 @@ def _with_core_fields(cls: type[_C]) -> type[_C]:
 class ComposerGRPOConfig(GRPOConfig):
     r"""Configuration of :class:`~composer_trl.ComposerGRPOTrainer` (all ``GRPOConfig`` fields, plus these).
 
-    Channel weights:
-        alpha_sdpo: weight of channel 2 (SDPO self-distillation); 0, the default, disables it.
-        beta_replay: weight of channel 3 (trace-replay preference); 0, the default, disables it.
-        With both 0 the trainer is GRPOTrainer bit for bit, for every ``GRPOConfig`` option (loss types,
-        sequence-level importance sampling, entropy masking and bonus, the off-policy mask, vLLM's rollout
-        log-probs and importance-sampling correction).
-
-    Channel 2 (hinted self-teacher; the teacher is the same model, no grad, given the hint):
-        sdpo_form: ``"full"`` — generalized JSD over the whole vocabulary, computed chunk-wise from the
-            last hidden states and the LM-head weight (never materialises [B,T,V]); ``"sampled"`` — the
-            reverse-KL estimator on the sampled token only (teacher log-prob of each sampled token); ``"topk"`` —
-            the divergence on the student's top-``sdpo_topk`` tokens (TRL SDPOTrainer's ``topk_logits``; this form
-            materialises [B, T, V] logits of the distilled rows from the same hidden states), with the tail bucket
-            ``1 − Σ_k p`` when ``sdpo_topk_tail`` (TRL's ``distillation_add_tail``).
-        sdpo_beta: generalized-JSD β (TRL GKD convention: 0 forward KL, 1 reverse KL, exact branches).
-        sdpo_temperature: temperature of both distributions in the divergence.
-        sdpo_token_clip: importance-sampling clip of the sampled form (None = no clip).
-        sdpo_chunk_size: rows per chunk of the fused kernel; None (the default) is
-            ``composer_core.loss.distill.chunk_rows``: fused, 256 rows from V = 32,768 up
-            (``FUSED_CHUNK_LOGITS // V`` below); on logits ``CHUNK_LOGITS // V``. A chunk holds about four
-            [rows, V] float32 buffers; more rows trade memory for speed.
-        sdpo_compiled: run the JSD chunk kernel under ``torch.compile`` (``sdpo_form="full"``, no wrapper;
-            one compilation on the first step). On a GPU it removes most of the kernel's time above the LM-head
-            matmuls (the README's CUDA table); Liger-Kernel's ``use_liger_kernel`` losses compile the same way.
-        sdpo_wrapper: ``"none"``, ``"taid"`` (interpolated target, adaptive t, arXiv 2501.16937) or
-            ``"entropy_opd"`` (extra forward KL where the teacher is uncertain).
-        taid_t_start / taid_t_end / taid_alpha / taid_momentum: TAID schedule (stepped once per optimiser
-            step from the globally reduced SDPO loss; ``max_steps`` must be set).
-        entropy_opd_threshold / entropy_opd_weight: the entropy gate and the weight of its forward KL.
-        hint_template: how a ``hint`` becomes the teacher's context, a format string with ``{hint}`` and
-            ``{prompt}`` for text prompts (for chat prompts the hint is added to the last user message).
-        sdpo_loss_agg: ``"token_mean"`` (Σ over distilled tokens / their global count, TRL's ``dapo``
-            convention) or ``"seq_mean"`` (TRL ``SDPOTrainer``: each row's mean over its distilled tokens, summed
-            and divided by the number of rows, distilled or not).
-
-    Channel 2's teacher context and weights (SDPO as its authors run it; ``composer_core.sdpo``):
-        sdpo_teacher_context: ``"hint"`` (a ``hint``/``hinted_prompt`` column or ``hint_fn``; the default),
-            ``"success"`` (a successful sibling of the same group is the demonstration: no hint, no oracle),
-            ``"feedback"`` (``hint_fn``'s text or a ``privileged_context`` column as the environment's feedback)
-            or ``"success+feedback"``. Rows without a teacher context are not distilled.
-        success_reward_threshold: the reward at which a completion counts as a success.
-        dont_reprompt_on_self_success: a completion that succeeded is not its own demonstration.
-        feedback_only_without_solution: ``"success+feedback"``: feedback only where no sibling succeeded.
-        demo_pick: ``"first"`` successful sibling (TRL, lasgroup/SDPO) or ``"random"`` (seeded by ``seed``).
-        reprompt_template (``{prompt}``, ``{solution}``, ``{feedback}``), solution_template
-            (``{demonstration}``), feedback_template (``{feedback}``): the teacher's reprompt.
-        max_reprompt_len: keep the last this many tokens of a reprompt.
-        remove_thinking_from_demonstration: drop ``<think>…</think>`` from the demonstration.
-        sdpo_teacher: ``"live"`` (the student, no extra memory), ``"ema"`` (an EMA of the student, one extra
-            copy) or ``"base"`` (the frozen initial model; with PEFT the base with adapters off).
-        teacher_update_rate / teacher_sync_steps: the EMA's τ and period in optimiser steps (``"ema"`` only).
-
-    Channel 3 (preference on dataset pairs ``chosen``/``rejected``):
-        dpo_variant: ``"dpo"`` (reference log-probs needed) or ``"simpo"`` (reference-free, length-normalised).
-        dpo_beta / dpo_loss_type / dpo_label_smoothing: DPO β, ``"sigmoid"|"robust"|"ipo"``, cDPO ε.
-        simpo_beta / simpo_gamma: SimPO β and absolute margin γ.
-        replay_reference: ``"auto"`` (dataset columns ``ref_chosen_logps``/``ref_rejected_logps`` when
-            present, else the reference model), ``"model"`` or ``"column"``.
-        replay_append_eos: append EOS to text ``chosen``/``rejected`` (as the policy's own completions end).
-        max_replay_length: truncate chosen/rejected to this many tokens (None = ``max_completion_length``).
+    With ``alpha_sdpo = beta_replay = 0`` (the defaults: a plain swap is plain GRPO until a channel is switched on)
+    the trainer is GRPOTrainer bit for bit, for every ``GRPOConfig`` option (loss types, sequence-level
+    importance sampling, entropy masking and bonus, the off-policy mask, vLLM's rollout log-probs and
+    importance-sampling correction). Channel 2's teacher is the same model, without gradient, given a hint or a
+    successful sibling (its teacher context and weights: ``composer_core.sdpo``); channel 3 is a preference
+    loss on dataset pairs ``chosen``/``rejected``. The composer options (the shared ones take composer_core's
+    types and defaults):
     """
 
-    # Off by default: swapping GRPOTrainer for ComposerGRPOTrainer is plain GRPO until a channel is switched on
-    # (composer-train chooses them from what the dataset or environment provides and says so).
-    alpha_sdpo: float = field(
-        default=0.0,
-        metadata={"help": "Weight of channel 2 (SDPO self-distillation); 0 (default) disables it."},
-    )
-    beta_replay: float = field(
-        default=0.0,
-        metadata={"help": "Weight of channel 3 (trace-replay preference); 0 (default) disables it."},
-    )
-
-    sdpo_form: Literal["full", "sampled", "topk"] = field(
-        default="full", metadata={"help": "'full', 'sampled' or 'topk' (with sdpo_topk)."}
-    )
-    sdpo_wrapper: Literal["none", "taid", "entropy_opd"] = field(
-        default="none", metadata={"help": "'none', 'taid' or 'entropy_opd'."}
-    )
-    taid_alpha: float = field(default=_TAID["alpha"], metadata={"help": "TAID adaptive step size."})
-    taid_momentum: float = field(default=_TAID["beta"], metadata={"help": "TAID momentum (paper's beta)."})
-    hint_template: str = field(default="{hint}{prompt}", metadata={"help": "Hinted context of text prompts."})
-    dpo_variant: Literal["dpo", "simpo"] = field(default="dpo", metadata={"help": "'dpo' or 'simpo'."})
-    replay_reference: Literal["auto", "model", "column"] = field(
-        default="auto", metadata={"help": "Where DPO reference log-probs come from."}
-    )
-    replay_append_eos: bool = field(default=True, metadata={"help": "Append EOS to text chosen/rejected."})
-    max_replay_length: int | None = field(default=None, metadata={"help": "Token cap of chosen/rejected."})
+    alpha_sdpo: float = 0.0
+    beta_replay: float = 0.0
+    sdpo_form: Literal["full", "sampled", "topk"] = "full"
+    sdpo_wrapper: Literal["none", "taid", "entropy_opd"] = "none"
+    taid_alpha: float = _TAID["alpha"]
+    taid_momentum: float = _TAID["beta"]
+    hint_template: str = "{hint}{prompt}"
+    dpo_variant: Literal["dpo", "simpo"] = "dpo"
+    replay_reference: Literal["auto", "model", "column"] = "auto"
+    replay_append_eos: bool = True
+    max_replay_length: int | None = None
     # + one field per option of _CORE_SECTIONS (sdpo_beta, dpo_beta, sdpo_teacher, ...), added by _with_core_fields
 
     def __post_init__(self) -> None:
