@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import copy
 import math
+import os
+import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -262,6 +264,8 @@ def _stats(values: list[float]) -> dict[str, float]:
 def _report(
     results: dict[str, list[dict[str, Any]]], recipe: Any, inv: Any, held_n: int, wall: float
 ) -> dict[str, Any]:
+    import torch
+
     runs = {}
     for spec in RUNS:
         per_seed = results[spec.name]
@@ -286,22 +290,17 @@ def _report(
         "trainer": recipe.trainer_kwargs(),
         "sft_weight": SFT_WEIGHT,
         "wall_seconds": wall,
-        "machine": _machine(),
+        "machine": machine(torch.get_num_threads()) + f", load average {_load():.1f} at the end",
         "runs": runs,
     }
 
 
-def _machine() -> str:
-    import os
-    import platform
+def machine(threads: int) -> str:
+    return f"{platform.machine()} {os.cpu_count()} CPU cores, torch threads {threads}"
 
-    import torch
 
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return (
-        f"{platform.machine()} {os.cpu_count()} CPU cores, torch threads {torch.get_num_threads()}, "
-        f"load average {load:.1f} at the end"
-    )
+def _load() -> float:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
 
 
 def table(report: dict[str, Any]) -> str:
@@ -315,12 +314,14 @@ def table(report: dict[str, Any]) -> str:
         "|---|---|---|---|---|",
     ]
     for name, r in report["runs"].items():
-        cells = [
-            f"{r[k]['mean']:.3f} ± {r[k]['std']:.3f}"
-            for k in ("final_exact_match", "final_partial_credit", "train_reward_last10pct")
-        ]
+        cells = mean_std(r, ("final_exact_match", "final_partial_credit", "train_reward_last10pct"))
         lines.append(f"| {name} | {r['sees_oracle_answers']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def mean_std(run: dict[str, Any], keys: tuple[str, ...]) -> list[str]:
+    """``mean ± std`` table cells of a run's :func:`_stats` entries ``keys``."""
+    return [f"{run[k]['mean']:.3f} ± {run[k]['std']:.3f}" for k in keys]
 
 
 BEGIN, END = "<!-- comparison:begin -->", "<!-- comparison:end -->"

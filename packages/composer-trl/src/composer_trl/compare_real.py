@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from composer_trl.compare import HeldOutEval, _stats, eval_steps, fill_block
+from composer_trl.compare import HeldOutEval, _stats, eval_steps, fill_block, machine, mean_std
 from composer_trl.lifecycle import EXIT_OK, UsageError, dumps
 
 __all__ = ["RUNS", "RealRun", "run_real_comparison"]
@@ -255,10 +255,7 @@ def table(rep: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, r in rep["runs"].items():
-        cells = [
-            f"{r[k]['mean']:.3f} ± {r[k]['std']:.3f}"
-            for k in ("start_exact_match", "final_exact_match", "final_partial_credit")
-        ]
+        cells = mean_std(r, ("start_exact_match", "final_exact_match", "final_partial_credit"))
         cells += [f"{r['seconds_per_step']['mean']:.1f}", f"{r['peak_rss_mib']['mean']:.0f}"]
         lines.append(
             f"| {name} | {r['sees_oracle_answers']} | {r['final_exact_match']['n']} | "
@@ -277,9 +274,8 @@ def run_real_comparison(inv: Any, model_dir: str) -> int:
         )
     from composer_trl.recipe import Recipe
 
-    steps = (
-        recipe.steps if recipe.steps != Recipe.steps else FULL["steps"]
-    )  # --steps, else 16 (not the tiny 300)
+    # --steps, else 16 (not the tiny 300)
+    steps = recipe.steps if recipe.steps != Recipe.steps else FULL["steps"]
     sizes = dict(QUICK) if inv.quick else {"steps": steps, "held_out": FULL["held_out"]}
     trainer = {k: v for k, v in sizes.items() if k not in ("steps", "held_out")}
     trainer.update({k: v for k, v in recipe.trainer.items() if k in (*COMMON, "per_device_train_batch_size")})
@@ -298,7 +294,7 @@ def run_real_comparison(inv: Any, model_dir: str) -> int:
         "seeds": list(range(inv.seeds)),
         "trainer": {**COMMON, **trainer},
         "trl_sdpo_options": TRL_SDPO,
-        "machine": _machine(threads),
+        "machine": machine(threads),
     }
     for seed in range(inv.seeds):
         for run in RUNS:
@@ -338,12 +334,6 @@ def _write(out: Path, meta: dict[str, Any], folder: Path, plot: bool) -> None:
         from composer_trl.plot import plot_comparison
 
         plot_comparison(rep, out / "comparison.png", window=3)
-
-
-def _machine(threads: int) -> str:
-    import platform
-
-    return f"{platform.machine()} {os.cpu_count()} CPU cores, torch threads {threads}"
 
 
 BEGIN, END = "<!-- real-comparison:begin -->", "<!-- real-comparison:end -->"

@@ -476,13 +476,14 @@ class ComposerGRPOTrainer(GRPOTrainer):
             [row[row != pad_id].tolist() for row in output["completion_ids"]], skip_special_tokens=True
         )
         feedback = self._feedback(inputs, output) if opts.uses_feedback else None
-        ctx = group_contexts(
-            self.args,
+        ctx = build_teacher_contexts(
             gather_object([x["prompt"] for x in inputs]),
             gather_object(demos),
             self._group_rewards(),
             self._group_size(mode),
-            None if feedback is None else gather_object(feedback),
+            opts,
+            feedback=None if feedback is None else gather_object(feedback),
+            seed=self.args.seed,
         )
         self._log_contexts(mode, ctx)
         start = self.accelerator.process_index * len(inputs)
@@ -563,34 +564,30 @@ class ComposerGRPOTrainer(GRPOTrainer):
 
     def _build_pairs(self, inputs: list[dict[str, Any]], output: dict[str, Any], mode: str) -> dict[str, Any]:
         device = self.accelerator.device
-        g = self.num_generations if mode == "train" else self.num_generations_eval
+        g = self._group_size(mode)
         offset = self.accelerator.process_index * len(inputs)
-        chosen: list[list[int]] = []
-        rejected: list[list[int]] = []
-        c_mask: list[list[int]] = []
-        r_mask: list[list[int]] = []
+        pad_id = self._tokenizer.pad_token_id
+        rows: list[tuple[list[int], list[int], list[int], list[int]]] = []
         has_pair: list[bool] = []
-        ref_cols: list[tuple[float, float]] = []
+        ref_cols: list[tuple[float, float]] = []  # read with replay_reference 'column' only
         for i, x in enumerate(inputs):
             # Each prompt appears num_generations times in a generation batch: keep its pair once.
             present = x.get("chosen") is not None and x.get("rejected") is not None
-            if present and (offset + i) % g == 0:
+            has_pair.append(present and (offset + i) % g == 0)
+            if has_pair[-1]:
                 ci, cm = self._pair_ids(x["chosen"], x.get("chosen_mask"), "chosen")
                 ri, rm = self._pair_ids(x["rejected"], x.get("rejected_mask"), "rejected")
-                has_pair.append(True)
-                if self._replay_ref_source == "column":
-                    ref_cols.append((_finite(x, "ref_chosen_logps"), _finite(x, "ref_rejected_logps")))
+                rows.append((ci, cm, ri, rm))
+                column = self._replay_ref_source == "column"
+                refs = (
+                    (_finite(x, "ref_chosen_logps"), _finite(x, "ref_rejected_logps")) if column else (0, 0)
+                )
             else:
-                ci, cm, ri, rm = [self._tokenizer.pad_token_id], [0], [self._tokenizer.pad_token_id], [0]
-                has_pair.append(False)
-                if self._replay_ref_source == "column":
-                    ref_cols.append((0.0, 0.0))
-            chosen.append(ci)
-            rejected.append(ri)
-            c_mask.append(cm)
-            r_mask.append(rm)
+                rows.append(([pad_id], [0], [pad_id], [0]))
+                refs = (0.0, 0.0)
+            ref_cols.append(refs)
+        chosen, c_mask, rejected, r_mask = (list(col) for col in zip(*rows))
         width = max(len(t) for t in chosen + rejected)
-        pad_id = self._tokenizer.pad_token_id
 
         def to_tensor(rows: list[list[int]], value: int) -> Tensor:
             return torch.tensor([r + [value] * (width - len(r)) for r in rows], device=device)
@@ -847,9 +844,9 @@ class ComposerGRPOTrainer(GRPOTrainer):
         if self.loss_type == "cispo":
             m["cispo_clip_ratio"].append(global_masked_mean(((coef > self.epsilon_high) & (adv > 0)).float()))
         elif self.loss_type == "vespo":
-            phi = vespo_weights(
-                adv, log_ratio, mask, inputs.get("importance_sampling_ratio"), *self._vespo_shape()
-            )
+            a = self.args
+            shape = (a.vespo_k_pos, a.vespo_lambda_pos, a.vespo_k_neg, a.vespo_lambda_neg)
+            phi = vespo_weights(adv, log_ratio, mask, inputs.get("importance_sampling_ratio"), *shape)
             m["vespo/phi_seq_mean"].append(global_masked_mean(phi))
         elif self.loss_type != "sapo":
             low = ((coef < 1 - self.epsilon_low) & (adv < 0)).float()
@@ -859,10 +856,6 @@ class ComposerGRPOTrainer(GRPOTrainer):
             m["clip_ratio/region_mean"].append(global_masked_mean(torch.maximum(low, high)))
             m["clip_ratio/low_min"].append(nanmin(self.accelerator.gather(masked_seq_mean(low))).item())
             m["clip_ratio/high_max"].append(nanmax(self.accelerator.gather(masked_seq_mean(high))).item())
-
-    def _vespo_shape(self) -> tuple[float, float, float, float]:
-        a = self.args
-        return a.vespo_k_pos, a.vespo_lambda_pos, a.vespo_k_neg, a.vespo_lambda_neg
 
     def _surrogate_masks(
         self, logps: Tensor, entropies: Tensor, mask: Tensor, inputs: dict[str, Any]
@@ -936,17 +929,19 @@ class ComposerGRPOTrainer(GRPOTrainer):
         """
         m = result.metrics
         w = self._composer_window
-        w["loss/policy"] = w["loss/policy"] + policy.double().cpu()
-        w["loss/total"] = w["loss/total"] + total.double().cpu()
-        w["loss/sdpo"] = w["loss/sdpo"] + (0.0 if result.sdpo is None else float(result.sdpo.detach()))
-        w["loss/replay"] = w["loss/replay"] + (
-            0.0 if result.replay is None else float(result.replay.detach())
-        )
-        w["sdpo/skipped"] = w["sdpo/skipped"] + m.get("sdpo/skipped", 1.0)
-        w["replay/skipped"] = w["replay/skipped"] + m.get("replay/skipped", 1.0)
-        w["sdpo/tokens"] = w["sdpo/tokens"] + m.get("sdpo/tokens", 0.0)
-        w["replay/pairs"] = w["replay/pairs"] + m.get("replay/pairs", 0.0)
-        w["replay/correct"] = w["replay/correct"] + m.get("replay/accuracy", 0.0) * m.get("replay/pairs", 0.0)
+        step = {
+            "loss/policy": policy.double().cpu(),
+            "loss/total": total.double().cpu(),
+            "loss/sdpo": 0.0 if result.sdpo is None else float(result.sdpo.detach()),
+            "loss/replay": 0.0 if result.replay is None else float(result.replay.detach()),
+            "sdpo/skipped": m.get("sdpo/skipped", 1.0),
+            "replay/skipped": m.get("replay/skipped", 1.0),
+            "sdpo/tokens": m.get("sdpo/tokens", 0.0),
+            "replay/pairs": m.get("replay/pairs", 0.0),
+            "replay/correct": m.get("replay/accuracy", 0.0) * m.get("replay/pairs", 0.0),
+        }
+        for k, v in step.items():
+            w[k] = w[k] + v
         if mode == "train" and not self.accelerator.sync_gradients:
             return
         keys = sorted(w)
@@ -968,21 +963,19 @@ class ComposerGRPOTrainer(GRPOTrainer):
                 self._taid_pending = vals["loss/sdpo"] / n
         self._composer_window.clear()
 
-    def _taid_step(self) -> None:
-        """Advance TAID's t once per optimiser step from the globally reduced SDPO loss of that step."""
-        if self._taid is not None and self._taid_pending is not None:
-            self._taid.step(self._taid_pending)
-            self._taid_pending = None
-
 
 class _TAIDCallback(TrainerCallback):
-    """Steps the TAID scheduler at each optimiser step (``on_step_end``), never during evaluation."""
+    """Advances TAID's t once per optimiser step (``on_step_end``, never during evaluation) from the globally
+    reduced SDPO loss of that step."""
 
     def __init__(self, trainer: ComposerGRPOTrainer) -> None:
         self.trainer = trainer
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        self.trainer._taid_step()
+        t = self.trainer
+        if t._taid is not None and t._taid_pending is not None:
+            t._taid.step(t._taid_pending)
+            t._taid_pending = None
         return control
 
 
@@ -1040,27 +1033,6 @@ def check_channel_inputs(args: ComposerGRPOConfig, columns: set[str] | None, *, 
             f"beta_replay={a.beta_replay} needs `chosen` and `rejected` dataset columns (the teacher trace and "
             f"the trace it beats); the dataset has {sorted(cols)}. Add them or set beta_replay=0."
         )
-
-
-def group_contexts(
-    args: ComposerGRPOConfig,
-    prompts: Sequence[Any],
-    completions: Sequence[str],
-    rewards: Sequence[float],
-    group_size: int,
-    feedback: Sequence[str | None] | None,
-) -> TeacherContexts:
-    """The teacher contexts ``ComposerGRPOTrainer`` builds for one generation batch (all processes' rows, in
-    order), from its config's ``sdpo_teacher_context`` options (:func:`composer_core.sdpo.build_teacher_contexts`)."""
-    return build_teacher_contexts(
-        prompts,
-        completions,
-        rewards,
-        group_size,
-        args.teacher_context_options,
-        feedback=feedback,
-        seed=args.seed,
-    )
 
 
 class _SDPOTeacherCallback(TrainerCallback):
