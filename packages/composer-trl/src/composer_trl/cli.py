@@ -570,15 +570,9 @@ class Job:
         else:
             base = {f.name for f in fields(GRPOConfig)}
             kwargs = {k: v for k, v in kwargs.items() if k in base}
-        common = {
-            "output_dir": str(self.trainer_dir),
-            "max_steps": self.recipe.steps,
-            "seed": self.recipe.seed,
-            "report_to": "none",
-            "save_strategy": "no",
-            "disable_tqdm": True,
-            "use_cpu": not torch.cuda.is_available(),
-        }
+        common = run_args(
+            self.trainer_dir, self.recipe.steps, self.recipe.seed, not torch.cuda.is_available()
+        )
         cls = ComposerGRPOConfig if self.composer else GRPOConfig
         try:
             return cls(**{**common, **kwargs})
@@ -750,6 +744,19 @@ class Job:
         result["reward_end"] = sum(rewards[-k:]) / k if rewards else None
         self.trainer = trainer
         return result
+
+
+def run_args(output_dir: str | Path, steps: int, seed: int, use_cpu: bool) -> dict[str, Any]:
+    """The config keywords every run of composer-train sets (no report_to, no checkpoints unless asked)."""
+    return {
+        "output_dir": str(output_dir),
+        "max_steps": steps,
+        "seed": seed,
+        "report_to": "none",
+        "save_strategy": "no",
+        "disable_tqdm": True,
+        "use_cpu": use_cpu,
+    }
 
 
 CARD_OPTIONS = (

@@ -120,21 +120,12 @@ def _trainer(spec: dict[str, Any], run: RealRun, model: Any, tok: Any, train: li
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
+    from composer_trl.cli import run_args
     from composer_trl.compare import GRPOPlusSFTTrainer
     from composer_trl.config import ComposerGRPOConfig
     from composer_trl.trainer import ComposerGRPOTrainer
 
-    common = {
-        **COMMON,
-        **spec["trainer"],
-        "output_dir": spec["work_dir"],
-        "max_steps": spec["steps"],
-        "seed": spec["seed"],
-        "report_to": "none",
-        "save_strategy": "no",
-        "disable_tqdm": True,
-        "use_cpu": True,
-    }
+    common = {**COMMON, **spec["trainer"], **run_args(spec["work_dir"], spec["steps"], spec["seed"], True)}
     data = Dataset.from_list(train)
     kw: dict[str, Any] = {
         "model": model,

@@ -476,14 +476,13 @@ class ComposerGRPOTrainer(GRPOTrainer):
             [row[row != pad_id].tolist() for row in output["completion_ids"]], skip_special_tokens=True
         )
         feedback = self._feedback(inputs, output) if opts.uses_feedback else None
-        ctx = build_teacher_contexts(
+        ctx = group_contexts(
+            self.args,
             gather_object([x["prompt"] for x in inputs]),
             gather_object(demos),
             self._group_rewards(),
             self._group_size(mode),
-            opts,
-            feedback=None if feedback is None else gather_object(feedback),
-            seed=self.args.seed,
+            None if feedback is None else gather_object(feedback),
         )
         self._log_contexts(mode, ctx)
         start = self.accelerator.process_index * len(inputs)
@@ -1033,6 +1032,27 @@ def check_channel_inputs(args: ComposerGRPOConfig, columns: set[str] | None, *, 
             f"beta_replay={a.beta_replay} needs `chosen` and `rejected` dataset columns (the teacher trace and "
             f"the trace it beats); the dataset has {sorted(cols)}. Add them or set beta_replay=0."
         )
+
+
+def group_contexts(
+    args: ComposerGRPOConfig,
+    prompts: Sequence[Any],
+    completions: Sequence[str],
+    rewards: Sequence[float],
+    group_size: int,
+    feedback: Sequence[str | None] | None,
+) -> TeacherContexts:
+    """The teacher contexts ``ComposerGRPOTrainer`` builds for one generation batch (all processes' rows, in
+    order), from its config's ``sdpo_teacher_context`` options (:func:`composer_core.sdpo.build_teacher_contexts`)."""
+    return build_teacher_contexts(
+        prompts,
+        completions,
+        rewards,
+        group_size,
+        args.teacher_context_options,
+        feedback=feedback,
+        seed=args.seed,
+    )
 
 
 class _SDPOTeacherCallback(TrainerCallback):
