@@ -186,10 +186,8 @@ class ComposerGRPOConfig(GRPOConfig):
             )
         if self.max_replay_length is not None and self.max_replay_length < 1:
             raise ValueError(f"`max_replay_length`={self.max_replay_length!r} must be >= 1 or None.")
-        ctx, weights = (
-            self.teacher_context_options,
-            self.teacher_weights_options,
-        )  # core checks them when built
+        # core checks the teacher's options when they are built
+        ctx, weights = self.teacher_context_options, self.teacher_weights_options
         if self.alpha_sdpo == 0 and (weights.sdpo_teacher != "live" or ctx.sdpo_teacher_context != "hint"):
             raise ValueError(
                 f"sdpo_teacher={weights.sdpo_teacher!r} / sdpo_teacher_context={ctx.sdpo_teacher_context!r} act "

@@ -422,9 +422,8 @@ class ComposerGRPOTrainer(GRPOTrainer):
         loss_mask = output["completion_mask"]
         if "tool_mask" in output:
             loss_mask = loss_mask * output["tool_mask"]
-        if (
-            self.args.compose_config.sdpo.loss_agg == "seq_mean"
-        ):  # normalised by rows, distilled or not (TRL SDPOTrainer)
+        # seq_mean: normalised by rows, distilled or not (TRL SDPOTrainer)
+        if self.args.compose_config.sdpo.loss_agg == "seq_mean":
             local = torch.tensor(float(len(contexts)), device=device)
         else:
             local = (loss_mask * has_hint.unsqueeze(1)).sum()
