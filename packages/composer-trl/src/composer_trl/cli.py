@@ -248,11 +248,9 @@ def quiet_third_party_warnings() -> None:
     import transformers
 
     datasets.utils.logging.set_verbosity_error()
-    datasets.utils.logging.get_logger().setLevel(
-        60
-    )  # unreadable files: composer-train reports them in one line
+    # unreadable files: composer-train reports them in one line
+    datasets.utils.logging.get_logger().setLevel(60)
     datasets.disable_progress_bars()  # "Generating train split" bars: composer-train shows its own bar
-    # "Writing model shards" bars at every save
     transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call]
 
 
@@ -272,10 +270,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         import torch
 
         threads = inv.threads if inv.threads is not None else (1 if inv.recipe.model is None else None)
-        if threads is not None:
-            torch.set_num_threads(
-                threads
-            )  # the tiny model runs ~10x faster on one thread than on contended cores
+        if threads is not None:  # the tiny model runs ~10x faster on one thread than on contended cores
+            torch.set_num_threads(threads)
         cpu_bf16_default(inv.recipe)
         if inv.compare:
             from composer_trl.compare import run_comparison
@@ -378,31 +374,30 @@ def load_model(recipe: Recipe) -> tuple[Any, Any]:
 
             model = model.to(getattr(torch, dtype))
         return model, tok
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     name = recipe.model
     init = model_init_kwargs(recipe)
-    if name in PACKAGED and not Path(name).expanduser().is_dir():
-        return _load_packaged(name, {k: init[k] for k in ("dtype", "attn_implementation") if k in init})
     local = Path(name).expanduser()
+    if name in PACKAGED and not local.is_dir():
+        return _load_packaged(name, {k: init[k] for k in ("dtype", "attn_implementation") if k in init})
     if not local.is_dir() and not _HUB_ID.match(name):
         raise UsageError(
             f"--model_name_or_path {name!r}: directory {str(local)!r} does not exist; pass an existing "
             "model directory or a hub id like 'Qwen/Qwen2.5-0.5B-Instruct'."
         )
     try:
-        tok = AutoTokenizer.from_pretrained(
-            str(local) if local.is_dir() else name,
-            padding_side="left",
-            trust_remote_code=recipe.trust_remote_code,
-        )
-        model = AutoModelForCausalLM.from_pretrained(
-            str(local) if local.is_dir() else name, trust_remote_code=recipe.trust_remote_code, **init
-        )
+        return _pretrained(str(local) if local.is_dir() else name, init, recipe.trust_remote_code)
     except (OSError, ValueError) as e:
         where = "local directory" if local.is_dir() else f"hub id (no directory {str(local)!r} exists)"
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(f"--model_name_or_path {name!r} as a {where} could not be loaded: {first}") from e
+
+
+def _pretrained(name: str, init: dict[str, Any], trust_remote_code: bool = False) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` of a directory or hub id (left padding; EOS pads when the tokenizer has no pad)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(name, padding_side="left", trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(name, trust_remote_code=trust_remote_code, **init)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return model, tok
@@ -443,23 +438,16 @@ def _load_packaged(name: str, init: dict[str, Any] | None = None) -> tuple[Any, 
     rebuilt once."""
     import shutil
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     for attempt in (1, 2):
         folder = Path(model_directory(name))
         try:
-            tok = AutoTokenizer.from_pretrained(folder, padding_side="left")
-            model = AutoModelForCausalLM.from_pretrained(folder, **(init or {}))
+            return _pretrained(str(folder), init or {})
         except Exception as e:  # a truncated or edited cache: safetensors, json and OS errors alike
             if attempt == 2:
                 raise UsageError(
                     f"--model_name_or_path {name!r}: the converted model in {folder} does not load: {e}"
                 ) from e
             shutil.rmtree(folder, ignore_errors=True)
-            continue
-        if tok.pad_token is None:
-            tok.pad_token = tok.eos_token
-        return model, tok
     raise AssertionError("unreachable")
 
 
@@ -582,15 +570,9 @@ class Job:
         else:
             base = {f.name for f in fields(GRPOConfig)}
             kwargs = {k: v for k, v in kwargs.items() if k in base}
-        common = {
-            "output_dir": str(self.trainer_dir),
-            "max_steps": self.recipe.steps,
-            "seed": self.recipe.seed,
-            "report_to": "none",
-            "save_strategy": "no",
-            "disable_tqdm": True,
-            "use_cpu": not torch.cuda.is_available(),
-        }
+        common = run_args(
+            self.trainer_dir, self.recipe.steps, self.recipe.seed, not torch.cuda.is_available()
+        )
         cls = ComposerGRPOConfig if self.composer else GRPOConfig
         try:
             return cls(**{**common, **kwargs})
@@ -676,7 +658,7 @@ class Job:
         from composer_core.sdpo import TEACHER_STATE_FILE
 
         c = self.config
-        teacher = self.composer and c.alpha_sdpo > 0 and c.sdpo_teacher != "live"
+        teacher = self.composer and c.alpha_sdpo > 0 and c.teacher_weights_options.sdpo_teacher != "live"
         return (TEACHER_STATE_FILE,) if teacher else ()
 
     def run(self, *, resume: str | None = None) -> dict[str, Any]:
@@ -699,7 +681,10 @@ class Job:
         extra: dict[str, Any] = {}
         if self.composer:
             embedded = self.recipe.dataset is None and self.recipe.env is None
-            wants = self.config.alpha_sdpo > 0 and self.config.sdpo_teacher_context != "success"
+            wants = (
+                self.config.alpha_sdpo > 0
+                and self.config.teacher_context_options.sdpo_teacher_context != "success"
+            )
             auto = reverse_hints if embedded and wants else None
             hint = self.hint_fn or (self.hint if wants else None) or auto
             if hint is not None:
@@ -724,7 +709,8 @@ class Job:
         for cb in (PrinterCallback, ProgressCallback):
             trainer.remove_callback(cb)
         stop = StopOnSignal()
-        cbs = [ComposerState(trainer, ckpt), stop, MetricsJSONL(self.metrics_path, resume_step=_step(ckpt))]
+        resume_step = checkpoint_step(ckpt) if ckpt is not None else None
+        cbs = [ComposerState(trainer, ckpt), stop, MetricsJSONL(self.metrics_path, resume_step=resume_step)]
         if self.progress:
             cbs.append(ProgressBar(self.name))
         for cb in [*cbs, *self.callbacks]:
@@ -758,6 +744,19 @@ class Job:
         result["reward_end"] = sum(rewards[-k:]) / k if rewards else None
         self.trainer = trainer
         return result
+
+
+def run_args(output_dir: str | Path, steps: int, seed: int, use_cpu: bool) -> dict[str, Any]:
+    """The config keywords every run of composer-train sets (no report_to, no checkpoints unless asked)."""
+    return {
+        "output_dir": str(output_dir),
+        "max_steps": steps,
+        "seed": seed,
+        "report_to": "none",
+        "save_strategy": "no",
+        "disable_tqdm": True,
+        "use_cpu": use_cpu,
+    }
 
 
 CARD_OPTIONS = (
@@ -872,10 +871,6 @@ def _tokenizer_and_context(recipe: Recipe, config: Any) -> tuple[Any, int] | Non
     if getattr(config, "use_vllm", False) and getattr(config, "vllm_mode", None) == "colocate" and vllm_len:
         context = int(vllm_len)
     return (tok, context) if context is not None else None
-
-
-def _step(ckpt: Path | None) -> int | None:
-    return checkpoint_step(ckpt) if ckpt is not None else None
 
 
 def _entry() -> None:

@@ -29,9 +29,13 @@ Writes ``comparison.json`` (every run x seed: training reward curve, held-out ev
 
 from __future__ import annotations
 
+import copy
 import math
+import os
+import platform
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,26 +110,44 @@ class GRPOPlusSFTTrainer(GRPOTrainer):
 
 
 class HeldOutEval(TrainerCallback):
-    """Greedy decoding on held-out prompts at ``steps`` (and step 0): exact-match rate, mean partial credit."""
+    """Greedy decoding on held-out prompts at step 0 and at ``steps``: exact-match rate and mean partial credit of
+    ``verify(prompt, completion)`` (chat prompts go through the chat template), and the seconds it took."""
 
-    def __init__(self, prompts: list[str], tok: Any, steps: set[int], max_new_tokens: int) -> None:
-        self.prompts, self.tok, self.steps, self.max_new = prompts, tok, steps, max_new_tokens
+    def __init__(
+        self, prompts: list[Any], tok: Any, steps: set[int], max_new_tokens: int, verify: Callable[..., float]
+    ) -> None:
+        self.prompts, self.tok, self.steps, self.max_new, self.verify = (
+            prompts,
+            tok,
+            steps,
+            max_new_tokens,
+            verify,
+        )
         self.rows: list[dict[str, float]] = []
+        self.seconds = 0.0
 
     def evaluate(self, model: Any, step: int) -> None:
         import torch
-        from composer_core.tasks.digit_reversal import verify
 
+        start = time.perf_counter()
+        texts = [
+            p
+            if isinstance(p, str)
+            else self.tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False)
+            for p in self.prompts
+        ]
+        enc = self.tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        enc = {k: v.to(next(model.parameters()).device) for k, v in enc.items()}
         was_training = model.training
         model.eval()
-        enc = self.tok(self.prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-        enc = {k: v.to(next(model.parameters()).device) for k, v in enc.items()}
         with torch.no_grad():
             gen = model.generate(
                 **enc, max_new_tokens=self.max_new, do_sample=False, pad_token_id=self.tok.pad_token_id
             )
-        texts = self.tok.batch_decode(gen[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-        scores = [verify(p, t) for p, t in zip(self.prompts, texts)]
+        if was_training:
+            model.train()
+        answers = self.tok.batch_decode(gen[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+        scores = [self.verify(p, t) for p, t in zip(self.prompts, answers)]
         self.rows.append(
             {
                 "step": step,
@@ -133,8 +155,7 @@ class HeldOutEval(TrainerCallback):
                 "partial_credit": sum(scores) / len(scores),
             }
         )
-        if was_training:
-            model.train()
+        self.seconds += time.perf_counter() - start
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
         if state.global_step == 0:
@@ -162,6 +183,7 @@ def split_rows(seed: int, n_train: int, n_held: int) -> tuple[list[dict[str, str
 
 def run_comparison(inv: Any) -> int:
     """Every run x seed; writes comparison.json / .md / .png into the output directory."""
+    from composer_core.tasks.digit_reversal import verify
     from datasets import Dataset
 
     from composer_trl.cli import Job, load_model
@@ -188,7 +210,8 @@ def run_comparison(inv: Any) -> int:
     start = time.perf_counter()
     for seed in range(inv.seeds):
         for spec in RUNS:
-            r = _seeded(recipe, seed)
+            r = copy.deepcopy(recipe)
+            r.seed = seed
             _, tok = load_model(r)
             job = Job(
                 r,
@@ -203,7 +226,7 @@ def run_comparison(inv: Any) -> int:
             need = int(c.generation_batch_size) // int(c.num_generations)
             train_rows, held = split_rows(seed, max(64, need * (r.steps + 1)), held_n)
             job.dataset, job.rewards, job.hint = Dataset.from_list(train_rows), [], None
-            ev = HeldOutEval(held, tok, eval_steps(r.steps), int(c.max_completion_length))
+            ev = HeldOutEval(held, tok, eval_steps(r.steps), int(c.max_completion_length), verify)
             job.callbacks.append(ev)
             res = job.run()
             if res["signal"]:
@@ -227,14 +250,6 @@ def run_comparison(inv: Any) -> int:
     return EXIT_OK
 
 
-def _seeded(recipe: Any, seed: int) -> Any:
-    import copy
-
-    r = copy.deepcopy(recipe)
-    r.seed = seed
-    return r
-
-
 def _stats(values: list[float]) -> dict[str, float]:
     vals = [v for v in values if v is not None and math.isfinite(v)]
     if not vals:
@@ -249,6 +264,8 @@ def _stats(values: list[float]) -> dict[str, float]:
 def _report(
     results: dict[str, list[dict[str, Any]]], recipe: Any, inv: Any, held_n: int, wall: float
 ) -> dict[str, Any]:
+    import torch
+
     runs = {}
     for spec in RUNS:
         per_seed = results[spec.name]
@@ -273,22 +290,17 @@ def _report(
         "trainer": recipe.trainer_kwargs(),
         "sft_weight": SFT_WEIGHT,
         "wall_seconds": wall,
-        "machine": _machine(),
+        "machine": machine(torch.get_num_threads()) + f", load average {_load():.1f} at the end",
         "runs": runs,
     }
 
 
-def _machine() -> str:
-    import os
-    import platform
+def machine(threads: int) -> str:
+    return f"{platform.machine()} {os.cpu_count()} CPU cores, torch threads {threads}"
 
-    import torch
 
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return (
-        f"{platform.machine()} {os.cpu_count()} CPU cores, torch threads {torch.get_num_threads()}, "
-        f"load average {load:.1f} at the end"
-    )
+def _load() -> float:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
 
 
 def table(report: dict[str, Any]) -> str:
@@ -302,12 +314,14 @@ def table(report: dict[str, Any]) -> str:
         "|---|---|---|---|---|",
     ]
     for name, r in report["runs"].items():
-        cells = [
-            f"{r[k]['mean']:.3f} ± {r[k]['std']:.3f}"
-            for k in ("final_exact_match", "final_partial_credit", "train_reward_last10pct")
-        ]
+        cells = mean_std(r, ("final_exact_match", "final_partial_credit", "train_reward_last10pct"))
         lines.append(f"| {name} | {r['sees_oracle_answers']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def mean_std(run: dict[str, Any], keys: tuple[str, ...]) -> list[str]:
+    """``mean ± std`` table cells of a run's :func:`_stats` entries ``keys``."""
+    return [f"{run[k]['mean']:.3f} ± {run[k]['std']:.3f}" for k in keys]
 
 
 BEGIN, END = "<!-- comparison:begin -->", "<!-- comparison:end -->"
@@ -322,17 +336,22 @@ def update_readme(readme: str | Path, comparison: str | Path) -> None:
     import json
 
     report = json.loads(Path(comparison).read_text())
-    text = Path(readme).read_text()
-    if BEGIN not in text or END not in text:
-        raise ValueError(f"{readme}: no {BEGIN} ... {END} block to fill.")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
     block = (
         f"Generated by `python -m composer_trl.compare` from the `comparison.json` of `{report['command']}` "
         f"(wall time {report['wall_seconds']:.0f} s on {report.get('machine', 'an unrecorded machine')}).\n\n"
         + table(report)
     )
-    Path(readme).write_text(f"{head}{BEGIN}\n{block}{END}{tail}")
+    fill_block(readme, BEGIN, END, block)
+
+
+def fill_block(readme: str | Path, begin: str, end: str, block: str) -> None:
+    """Replace the text of ``readme`` between the markers ``begin`` and ``end`` with ``block``."""
+    text = Path(readme).read_text()
+    if begin not in text or end not in text:
+        raise ValueError(f"{readme}: no {begin} ... {end} block to fill.")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    Path(readme).write_text(f"{head}{begin}\n{block}{end}{tail}")
 
 
 if __name__ == "__main__":

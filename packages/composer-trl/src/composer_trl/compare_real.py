@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from composer_trl.compare import _stats
+from composer_trl.compare import HeldOutEval, _stats, eval_steps, fill_block, machine, mean_std
 from composer_trl.lifecycle import EXIT_OK, UsageError, dumps
 
 __all__ = ["RUNS", "RealRun", "run_real_comparison"]
@@ -106,7 +106,6 @@ QUICK = {
     "num_generations": 2,
     "max_completion_length": 8,
 }
-EVAL_POINTS = 4
 
 
 def _slug(name: str) -> str:
@@ -116,65 +115,17 @@ def _slug(name: str) -> str:
 # ------------------------------------------------------------------------------------------------ one cell
 
 
-class _HeldOut:
-    """Greedy evaluation on the held-out sums (exact match, mean partial credit), with its own wall time."""
-
-    def __init__(self, rows: list[dict[str, Any]], tok: Any, max_new: int) -> None:
-        self.rows, self.tok, self.max_new = rows, tok, max_new
-        self.points: list[dict[str, float]] = []
-        self.seconds = 0.0
-
-    def __call__(self, model: Any, step: int) -> None:
-        import torch
-        from composer_core.tasks.addition import verify
-
-        start = time.perf_counter()
-        texts = [
-            self.tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False)
-            for r in self.rows
-        ]
-        enc = self.tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        enc = {k: v.to(next(model.parameters()).device) for k, v in enc.items()}
-        was_training = model.training
-        model.eval()
-        with torch.no_grad():
-            out = model.generate(
-                **enc, max_new_tokens=self.max_new, do_sample=False, pad_token_id=self.tok.pad_token_id
-            )
-        if was_training:
-            model.train()
-        answers = self.tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-        scores = [verify(r["prompt"], a) for r, a in zip(self.rows, answers)]
-        self.points.append(
-            {
-                "step": step,
-                "exact_match": sum(s == 1.0 for s in scores) / len(scores),
-                "partial_credit": sum(scores) / len(scores),
-            }
-        )
-        self.seconds += time.perf_counter() - start
-
-
 def _trainer(spec: dict[str, Any], run: RealRun, model: Any, tok: Any, train: list[dict[str, Any]]) -> Any:
     from composer_core.tasks.addition import addition_feedback, addition_reward
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
+    from composer_trl.cli import run_args
     from composer_trl.compare import GRPOPlusSFTTrainer
     from composer_trl.config import ComposerGRPOConfig
     from composer_trl.trainer import ComposerGRPOTrainer
 
-    common = {
-        **COMMON,
-        **spec["trainer"],
-        "output_dir": spec["work_dir"],
-        "max_steps": spec["steps"],
-        "seed": spec["seed"],
-        "report_to": "none",
-        "save_strategy": "no",
-        "disable_tqdm": True,
-        "use_cpu": True,
-    }
+    common = {**COMMON, **spec["trainer"], **run_args(spec["work_dir"], spec["steps"], spec["seed"], True)}
     data = Dataset.from_list(train)
     kw: dict[str, Any] = {
         "model": model,
@@ -196,8 +147,8 @@ def _trainer(spec: dict[str, Any], run: RealRun, model: Any, tok: Any, train: li
 def run_cell(spec_path: str) -> int:
     """Run one (run, seed) cell described by the JSON at ``spec_path``; write its result JSON."""
     import torch
-    from composer_core.tasks.addition import split_rows
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from composer_core.tasks.addition import split_rows, verify
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(int(spec["threads"]))
@@ -209,19 +160,10 @@ def run_cell(spec_path: str) -> int:
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
-    evaluate = _HeldOut(held, tok, int(trainer_kwargs["max_completion_length"]))
-    points = {max(1, round(spec["steps"] * (i + 1) / EVAL_POINTS)) for i in range(EVAL_POINTS)}
-
-    class Eval(TrainerCallback):
-        def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
-            evaluate(model, 0)
-
-        def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
-            if state.global_step in points:
-                evaluate(model, state.global_step)
-
+    max_new = int(trainer_kwargs["max_completion_length"])
+    evaluate = HeldOutEval([r["prompt"] for r in held], tok, eval_steps(spec["steps"]), max_new, verify)
     trainer = _trainer(spec, run, model, tok, train)
-    trainer.add_callback(Eval())
+    trainer.add_callback(evaluate)
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
@@ -232,7 +174,7 @@ def run_cell(spec_path: str) -> int:
         "run": run.name,
         "seed": spec["seed"],
         "train_reward": curve,
-        "held_out": evaluate.points,
+        "held_out": evaluate.rows,
         "seconds_per_step": (wall - evaluate.seconds) / spec["steps"],
         "train_seconds": wall - evaluate.seconds,
         "eval_seconds": evaluate.seconds,
@@ -304,10 +246,7 @@ def table(rep: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, r in rep["runs"].items():
-        cells = [
-            f"{r[k]['mean']:.3f} ± {r[k]['std']:.3f}"
-            for k in ("start_exact_match", "final_exact_match", "final_partial_credit")
-        ]
+        cells = mean_std(r, ("start_exact_match", "final_exact_match", "final_partial_credit"))
         cells += [f"{r['seconds_per_step']['mean']:.1f}", f"{r['peak_rss_mib']['mean']:.0f}"]
         lines.append(
             f"| {name} | {r['sees_oracle_answers']} | {r['final_exact_match']['n']} | "
@@ -326,9 +265,8 @@ def run_real_comparison(inv: Any, model_dir: str) -> int:
         )
     from composer_trl.recipe import Recipe
 
-    steps = (
-        recipe.steps if recipe.steps != Recipe.steps else FULL["steps"]
-    )  # --steps, else 16 (not the tiny 300)
+    # --steps, else 16 (not the tiny 300)
+    steps = recipe.steps if recipe.steps != Recipe.steps else FULL["steps"]
     sizes = dict(QUICK) if inv.quick else {"steps": steps, "held_out": FULL["held_out"]}
     trainer = {k: v for k, v in sizes.items() if k not in ("steps", "held_out")}
     trainer.update({k: v for k, v in recipe.trainer.items() if k in (*COMMON, "per_device_train_batch_size")})
@@ -347,7 +285,7 @@ def run_real_comparison(inv: Any, model_dir: str) -> int:
         "seeds": list(range(inv.seeds)),
         "trainer": {**COMMON, **trainer},
         "trl_sdpo_options": TRL_SDPO,
-        "machine": _machine(threads),
+        "machine": machine(threads),
     }
     for seed in range(inv.seeds):
         for run in RUNS:
@@ -389,12 +327,6 @@ def _write(out: Path, meta: dict[str, Any], folder: Path, plot: bool) -> None:
         plot_comparison(rep, out / "comparison.png", window=3)
 
 
-def _machine(threads: int) -> str:
-    import platform
-
-    return f"{platform.machine()} {os.cpu_count()} CPU cores, torch threads {threads}"
-
-
 BEGIN, END = "<!-- real-comparison:begin -->", "<!-- real-comparison:end -->"
 
 
@@ -402,11 +334,6 @@ def update_readme(readme: str | Path, comparison: str | Path) -> None:
     """Fill the README block between :data:`BEGIN` and :data:`END` from ``comparison.json`` (never typed by hand):
     ``python -m composer_trl.compare_real readme packages/composer-trl/README.md <comparison.json>``."""
     rep = json.loads(Path(comparison).read_text())
-    text = Path(readme).read_text()
-    if BEGIN not in text or END not in text:
-        raise ValueError(f"{readme}: no {BEGIN} ... {END} block to fill.")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
     done = {name: r["final_exact_match"]["n"] for name, r in rep["runs"].items()}
     missing = [r.name for r in RUNS if done.get(r.name, 0) < len(rep["seeds"])]
     status = (
@@ -419,7 +346,7 @@ def update_readme(readme: str | Path, comparison: str | Path) -> None:
         f"Generated by `python -m composer_trl.compare_real readme` from the `comparison.json` of `{rep['command']}` "
         f"({status}; {rep['machine']}).\n\n" + table(rep)
     )
-    Path(readme).write_text(f"{head}{BEGIN}\n{block}{END}{tail}")
+    fill_block(readme, BEGIN, END, block)
 
 
 if __name__ == "__main__":

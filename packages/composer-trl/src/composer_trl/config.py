@@ -11,221 +11,139 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
-from composer_core.loss.config import ComposeConfig, flat_defaults
+from composer_core.loss.config import DPO, TAID, ComposeConfig, EntropyOPD, SDPOOptions, SimPO
 from composer_core.loss.policy import CLIP_LOSS_TYPES
 from composer_core.loss.wrappers import TAIDScheduler
 from composer_core.sdpo import TeacherContextOptions, TeacherWeightsOptions
 from trl import GRPOConfig
 
-#: composer_core's defaults: the one source of truth for every option this config shares with core.
-_CORE: dict[str, Any] = flat_defaults()  # typed Any: each field declares its own type
-_CORE.update({f.name: f.default for f in dataclasses.fields(TeacherContextOptions)})
-_CORE.update({f.name: f.default for f in dataclasses.fields(TeacherWeightsOptions)})
 #: TAIDScheduler's own defaults (its step size alpha and momentum beta)
 _TAID: dict[str, Any] = {n: p.default for n, p in inspect.signature(TAIDScheduler).parameters.items()}
-
 
 _SHAPE_OPTIONS = tuple(
     f.name for f in dataclasses.fields(GRPOConfig) if f.name.startswith(("sapo_", "vespo_"))
 )
 
+#: composer_core's option classes whose fields become this config's flags: (class, flag prefix, fields left out).
+#: Each flag keeps core's type and default (core is the one source of truth); the help text is in ``_HELP``.
+_CORE_SECTIONS: tuple[tuple[type, str, tuple[str, ...]], ...] = (
+    (SDPOOptions, "sdpo_", ("form", "wrapper")),  # sdpo_form: TRL's choices; sdpo_wrapper: a selector below
+    (TAID, "taid_", ("t", "schedule_step", "total_steps")),  # set per step by the trainer
+    (EntropyOPD, "entropy_opd_", ()),
+    (DPO, "dpo_", ()),
+    (SimPO, "simpo_", ()),
+    (TeacherContextOptions, "", ()),
+    (TeacherWeightsOptions, "", ()),
+)
+#: the help text (``--help``) and documentation (appended to the class docstring) of every composer option
+_HELP = {
+    "alpha_sdpo": "weight of channel 2 (SDPO self-distillation); 0, the default, disables it.",
+    "beta_replay": "weight of channel 3 (trace-replay preference); 0, the default, disables it.",
+    "sdpo_form": "'full': generalized JSD over the whole vocabulary, chunk-wise from the last hidden states and "
+    "the LM-head weight (never [B, T, V]); 'sampled': the reverse-KL estimator on the sampled token only; "
+    "'topk': the divergence on the student's top-sdpo_topk tokens (TRL SDPOTrainer's topk_logits; materialises "
+    "[B, T, V] logits of the distilled rows).",
+    "sdpo_topk": "top-k support size of sdpo_form='topk' (the student's top k).",
+    "sdpo_topk_tail": "sdpo_form='topk': add the tail bucket 1 - sum_k p (TRL's distillation_add_tail).",
+    "sdpo_beta": "generalized-JSD beta (TRL GKD convention: 0 forward KL, 1 reverse KL, exact branches).",
+    "sdpo_temperature": "temperature of both distributions in the divergence.",
+    "sdpo_token_clip": "importance-sampling clip of the sampled form (None: no clip).",
+    "sdpo_chunk_size": "rows per chunk of the fused kernel (None: composer_core.loss.distill.chunk_rows, 256 "
+    "rows from V = 32,768 up); a chunk holds about four [rows, V] float32 buffers.",
+    "sdpo_compiled": "run the JSD chunk kernel under torch.compile (sdpo_form='full', no wrapper; one "
+    "compilation on the first step).",
+    "sdpo_loss_agg": "'token_mean' (sum over distilled tokens / their global count, TRL's dapo convention) or "
+    "'seq_mean' (TRL SDPOTrainer: each row's mean, summed and divided by the number of rows).",
+    "sdpo_wrapper": "'none', 'taid' (interpolated target, adaptive t, arXiv 2501.16937; needs max_steps) or "
+    "'entropy_opd' (extra forward KL where the teacher is uncertain).",
+    "taid_t_start": "TAID initial t.",
+    "taid_t_end": "TAID final t.",
+    "taid_alpha": "TAID adaptive step size (t is stepped once per optimiser step from the SDPO loss).",
+    "taid_momentum": "TAID momentum (the paper's beta).",
+    "entropy_opd_threshold": "teacher-entropy gate (nats) of sdpo_wrapper='entropy_opd'.",
+    "entropy_opd_weight": "weight of the gated forward KL.",
+    "hint_template": "how a hint becomes the teacher's context of a text prompt: a format string with {hint} "
+    "and {prompt} (for chat prompts the hint is added to the last user message).",
+    "sdpo_teacher_context": "'hint' (a hint/hinted_prompt column or hint_fn), 'success' (a successful sibling "
+    "of the group is the demonstration), 'feedback' (hint_fn's text or a privileged_context column) or "
+    "'success+feedback'; rows without a teacher context are not distilled.",
+    "success_reward_threshold": "the reward at which a completion counts as a success.",
+    "dont_reprompt_on_self_success": "a completion that succeeded is not its own demonstration.",
+    "feedback_only_without_solution": "'success+feedback': feedback only where no sibling succeeded.",
+    "demo_pick": "which successful sibling: 'first' (TRL, lasgroup/SDPO) or 'random' (seeded by seed).",
+    "reprompt_template": "the teacher's reprompt: {prompt}, {solution}, {feedback}.",
+    "solution_template": "the reprompt's demonstration part: {demonstration}.",
+    "feedback_template": "the reprompt's feedback part: {feedback}.",
+    "max_reprompt_len": "keep the last this many tokens of a reprompt.",
+    "remove_thinking_from_demonstration": "drop <think>...</think> from the demonstration.",
+    "sdpo_teacher": "'live' (the student, no extra memory), 'ema' (an EMA of the student, one extra copy) or "
+    "'base' (the frozen initial model; with PEFT the base with adapters off).",
+    "teacher_update_rate": "the EMA teacher's rate tau (sdpo_teacher='ema').",
+    "teacher_sync_steps": "the EMA teacher's update period in optimiser steps.",
+    "dpo_variant": "'dpo' (reference log-probs needed) or 'simpo' (reference-free, length-normalised).",
+    "dpo_beta": "DPO beta.",
+    "dpo_loss_type": "DPO loss: 'sigmoid', 'robust' or 'ipo'.",
+    "dpo_label_smoothing": "cDPO / robust epsilon.",
+    "simpo_beta": "SimPO beta.",
+    "simpo_gamma": "SimPO absolute margin gamma.",
+    "replay_reference": "'auto' (ref_chosen_logps/ref_rejected_logps columns when present, else the reference "
+    "model), 'model' or 'column'.",
+    "replay_append_eos": "append EOS to text chosen/rejected (as the policy's own completions end).",
+    "max_replay_length": "truncate chosen/rejected to this many tokens (None: max_completion_length).",
+}
+#: the generated flags that are ``compose_loss`` options (the others are the teacher's context and weights)
+_COMPOSE_FIELDS: list[str] = []
+
+_C = TypeVar("_C")
+
+
+def _with_core_fields(cls: type[_C]) -> type[_C]:
+    """Add one dataclass field per option of ``_CORE_SECTIONS`` (core's type and default), give every composer
+    option its ``_HELP`` text as ``--help`` and list them all in the class docstring."""
+    for klass, prefix, skip in _CORE_SECTIONS:
+        hints = typing.get_type_hints(klass)
+        for f in dataclasses.fields(klass):
+            if f.name not in skip:
+                cls.__annotations__[prefix + f.name] = hints[f.name]
+                setattr(cls, prefix + f.name, f.default)
+                if klass not in (TeacherContextOptions, TeacherWeightsOptions):
+                    _COMPOSE_FIELDS.append(prefix + f.name)
+    for name, text in _HELP.items():
+        setattr(cls, name, field(default=getattr(cls, name), metadata={"help": text}))
+    cls.__doc__ = (cls.__doc__ or "") + "".join(f"\n    {name}: {text}" for name, text in _HELP.items())
+    return cls
+
 
 @dataclass
+@_with_core_fields
 class ComposerGRPOConfig(GRPOConfig):
     r"""Configuration of :class:`~composer_trl.ComposerGRPOTrainer` (all ``GRPOConfig`` fields, plus these).
 
-    Channel weights:
-        alpha_sdpo: weight of channel 2 (SDPO self-distillation); 0, the default, disables it.
-        beta_replay: weight of channel 3 (trace-replay preference); 0, the default, disables it.
-        With both 0 the trainer is GRPOTrainer bit for bit, for every ``GRPOConfig`` option (loss types,
-        sequence-level importance sampling, entropy masking and bonus, the off-policy mask, vLLM's rollout
-        log-probs and importance-sampling correction).
-
-    Channel 2 (hinted self-teacher; the teacher is the same model, no grad, given the hint):
-        sdpo_form: ``"full"`` — generalized JSD over the whole vocabulary, computed chunk-wise from the
-            last hidden states and the LM-head weight (never materialises [B,T,V]); ``"sampled"`` — the
-            reverse-KL estimator on the sampled token only (teacher log-prob of each sampled token); ``"topk"`` —
-            the divergence on the student's top-``sdpo_topk`` tokens (TRL SDPOTrainer's ``topk_logits``; this form
-            materialises [B, T, V] logits of the distilled rows from the same hidden states), with the tail bucket
-            ``1 − Σ_k p`` when ``sdpo_topk_tail`` (TRL's ``distillation_add_tail``).
-        sdpo_beta: generalized-JSD β (TRL GKD convention: 0 forward KL, 1 reverse KL, exact branches).
-        sdpo_temperature: temperature of both distributions in the divergence.
-        sdpo_token_clip: importance-sampling clip of the sampled form (None = no clip).
-        sdpo_chunk_size: rows per chunk of the fused kernel; None (the default) is
-            ``composer_core.loss.distill.chunk_rows``: fused, 256 rows from V = 32,768 up
-            (``FUSED_CHUNK_LOGITS // V`` below); on logits ``CHUNK_LOGITS // V``. A chunk holds about four
-            [rows, V] float32 buffers; more rows trade memory for speed.
-        sdpo_compiled: run the JSD chunk kernel under ``torch.compile`` (``sdpo_form="full"``, no wrapper;
-            one compilation on the first step). On a GPU it removes most of the kernel's time above the LM-head
-            matmuls (the README's CUDA table); Liger-Kernel's ``use_liger_kernel`` losses compile the same way.
-        sdpo_wrapper: ``"none"``, ``"taid"`` (interpolated target, adaptive t, arXiv 2501.16937) or
-            ``"entropy_opd"`` (extra forward KL where the teacher is uncertain).
-        taid_t_start / taid_t_end / taid_alpha / taid_momentum: TAID schedule (stepped once per optimiser
-            step from the globally reduced SDPO loss; ``max_steps`` must be set).
-        entropy_opd_threshold / entropy_opd_weight: the entropy gate and the weight of its forward KL.
-        hint_template: how a ``hint`` becomes the teacher's context, a format string with ``{hint}`` and
-            ``{prompt}`` for text prompts (for chat prompts the hint is added to the last user message).
-        sdpo_loss_agg: ``"token_mean"`` (Σ over distilled tokens / their global count, TRL's ``dapo``
-            convention) or ``"seq_mean"`` (TRL ``SDPOTrainer``: each row's mean over its distilled tokens, summed
-            and divided by the number of rows, distilled or not).
-
-    Channel 2's teacher context and weights (SDPO as its authors run it; ``composer_core.sdpo``):
-        sdpo_teacher_context: ``"hint"`` (a ``hint``/``hinted_prompt`` column or ``hint_fn``; the default),
-            ``"success"`` (a successful sibling of the same group is the demonstration: no hint, no oracle),
-            ``"feedback"`` (``hint_fn``'s text or a ``privileged_context`` column as the environment's feedback)
-            or ``"success+feedback"``. Rows without a teacher context are not distilled.
-        success_reward_threshold: the reward at which a completion counts as a success.
-        dont_reprompt_on_self_success: a completion that succeeded is not its own demonstration.
-        feedback_only_without_solution: ``"success+feedback"``: feedback only where no sibling succeeded.
-        demo_pick: ``"first"`` successful sibling (TRL, lasgroup/SDPO) or ``"random"`` (seeded by ``seed``).
-        reprompt_template (``{prompt}``, ``{solution}``, ``{feedback}``), solution_template
-            (``{demonstration}``), feedback_template (``{feedback}``): the teacher's reprompt.
-        max_reprompt_len: keep the last this many tokens of a reprompt.
-        remove_thinking_from_demonstration: drop ``<think>…</think>`` from the demonstration.
-        sdpo_teacher: ``"live"`` (the student, no extra memory), ``"ema"`` (an EMA of the student, one extra
-            copy) or ``"base"`` (the frozen initial model; with PEFT the base with adapters off).
-        teacher_update_rate / teacher_sync_steps: the EMA's τ and period in optimiser steps (``"ema"`` only).
-
-    Channel 3 (preference on dataset pairs ``chosen``/``rejected``):
-        dpo_variant: ``"dpo"`` (reference log-probs needed) or ``"simpo"`` (reference-free, length-normalised).
-        dpo_beta / dpo_loss_type / dpo_label_smoothing: DPO β, ``"sigmoid"|"robust"|"ipo"``, cDPO ε.
-        simpo_beta / simpo_gamma: SimPO β and absolute margin γ.
-        replay_reference: ``"auto"`` (dataset columns ``ref_chosen_logps``/``ref_rejected_logps`` when
-            present, else the reference model), ``"model"`` or ``"column"``.
-        replay_append_eos: append EOS to text ``chosen``/``rejected`` (as the policy's own completions end).
-        max_replay_length: truncate chosen/rejected to this many tokens (None = ``max_completion_length``).
+    With ``alpha_sdpo = beta_replay = 0`` (the defaults: a plain swap is plain GRPO until a channel is switched on)
+    the trainer is GRPOTrainer bit for bit, for every ``GRPOConfig`` option (loss types, sequence-level
+    importance sampling, entropy masking and bonus, the off-policy mask, vLLM's rollout log-probs and
+    importance-sampling correction). Channel 2's teacher is the same model, without gradient, given a hint or a
+    successful sibling (its teacher context and weights: ``composer_core.sdpo``); channel 3 is a preference
+    loss on dataset pairs ``chosen``/``rejected``. The composer options (the shared ones take composer_core's
+    types and defaults):
     """
 
-    # Off by default: swapping GRPOTrainer for ComposerGRPOTrainer is plain GRPO until a channel is switched on
-    # (composer-train chooses them from what the dataset or environment provides and says so).
-    alpha_sdpo: float = field(
-        default=0.0,
-        metadata={"help": "Weight of channel 2 (SDPO self-distillation); 0 (default) disables it."},
-    )
-    beta_replay: float = field(
-        default=0.0,
-        metadata={"help": "Weight of channel 3 (trace-replay preference); 0 (default) disables it."},
-    )
-
-    sdpo_form: Literal["full", "sampled", "topk"] = field(
-        default="full", metadata={"help": "'full', 'sampled' or 'topk' (with sdpo_topk)."}
-    )
-    sdpo_topk: int | None = field(
-        default=_CORE["sdpo_topk"],
-        metadata={"help": "Top-k support size of sdpo_form='topk' (student's top k)."},
-    )
-    sdpo_topk_tail: bool = field(
-        default=_CORE["sdpo_topk_tail"],
-        metadata={"help": "sdpo_form='topk': add the tail bucket 1 - sum_k p."},
-    )
-    sdpo_beta: float = field(
-        default=_CORE["sdpo_beta"], metadata={"help": "Generalized JSD beta (0 FKL, 1 RKL)."}
-    )
-    sdpo_temperature: float = field(
-        default=_CORE["sdpo_temperature"], metadata={"help": "Divergence temperature."}
-    )
-    sdpo_token_clip: float | None = field(
-        default=_CORE["sdpo_token_clip"], metadata={"help": "IS clip of the sampled form."}
-    )
-    sdpo_chunk_size: int | None = field(
-        default=_CORE["sdpo_chunk_size"],
-        metadata={
-            "help": "Rows per chunk of the fused kernel (None: composer_core.loss.distill.chunk_rows, 256 from V = 32,768)."
-        },
-    )
-    sdpo_compiled: bool = field(
-        default=_CORE["sdpo_compiled"],
-        metadata={"help": "Run the JSD chunk kernel under torch.compile (full form, no wrapper)."},
-    )
-    sdpo_wrapper: Literal["none", "taid", "entropy_opd"] = field(
-        default=_CORE["sdpo_wrapper"], metadata={"help": "'none', 'taid' or 'entropy_opd'."}
-    )
-    taid_t_start: float = field(default=_CORE["taid_t_start"], metadata={"help": "TAID initial t."})
-    taid_t_end: float = field(default=_CORE["taid_t_end"], metadata={"help": "TAID final t."})
-    taid_alpha: float = field(default=_TAID["alpha"], metadata={"help": "TAID adaptive step size."})
-    taid_momentum: float = field(default=_TAID["beta"], metadata={"help": "TAID momentum (paper's beta)."})
-    entropy_opd_threshold: float = field(
-        default=_CORE["entropy_opd_threshold"], metadata={"help": "Teacher-entropy gate (nats)."}
-    )
-    entropy_opd_weight: float = field(
-        default=_CORE["entropy_opd_weight"], metadata={"help": "Weight of the gated forward KL."}
-    )
-    hint_template: str = field(default="{hint}{prompt}", metadata={"help": "Hinted context of text prompts."})
-    sdpo_loss_agg: Literal["token_mean", "seq_mean"] = field(
-        default=_CORE["sdpo_loss_agg"], metadata={"help": "'token_mean' or 'seq_mean' (TRL SDPOTrainer's)."}
-    )
-    sdpo_teacher_context: Literal["hint", "success", "feedback", "success+feedback"] = field(
-        default=_CORE["sdpo_teacher_context"],
-        metadata={
-            "help": "Teacher context: 'hint', 'success' (successful siblings), 'feedback', 'success+feedback'."
-        },
-    )
-    success_reward_threshold: float = field(
-        default=_CORE["success_reward_threshold"],
-        metadata={"help": "Reward at which a completion is a success."},
-    )
-    dont_reprompt_on_self_success: bool = field(
-        default=_CORE["dont_reprompt_on_self_success"],
-        metadata={"help": "A success is not its own demonstration."},
-    )
-    feedback_only_without_solution: bool = field(
-        default=_CORE["feedback_only_without_solution"],
-        metadata={"help": "success+feedback: feedback only where no sibling succeeded."},
-    )
-    demo_pick: Literal["first", "random"] = field(
-        default=_CORE["demo_pick"],
-        metadata={"help": "Which successful sibling: 'first' or 'random' (seeded)."},
-    )
-    reprompt_template: str = field(
-        default=_CORE["reprompt_template"],
-        metadata={"help": "Teacher reprompt: {prompt} {solution} {feedback}."},
-    )
-    solution_template: str = field(
-        default=_CORE["solution_template"], metadata={"help": "Demonstration part: {demonstration}."}
-    )
-    feedback_template: str = field(
-        default=_CORE["feedback_template"], metadata={"help": "Feedback part: {feedback}."}
-    )
-    max_reprompt_len: int | None = field(
-        default=_CORE["max_reprompt_len"], metadata={"help": "Keep the last this many reprompt tokens."}
-    )
-    remove_thinking_from_demonstration: bool = field(
-        default=_CORE["remove_thinking_from_demonstration"],
-        metadata={"help": "Drop <think> blocks from demos."},
-    )
-    sdpo_teacher: Literal["live", "ema", "base"] = field(
-        default=_CORE["sdpo_teacher"], metadata={"help": "Teacher weights: 'live', 'ema' or 'base'."}
-    )
-    teacher_update_rate: float = field(
-        default=_CORE["teacher_update_rate"], metadata={"help": "EMA teacher rate tau (sdpo_teacher='ema')."}
-    )
-    teacher_sync_steps: int = field(
-        default=_CORE["teacher_sync_steps"],
-        metadata={"help": "EMA teacher update period in optimiser steps."},
-    )
-
-    dpo_variant: Literal["dpo", "simpo"] = field(
-        default=_CORE["dpo_variant"], metadata={"help": "'dpo' or 'simpo'."}
-    )
-    dpo_beta: float = field(default=_CORE["dpo_beta"], metadata={"help": "DPO beta."})
-    dpo_loss_type: Literal["sigmoid", "robust", "ipo"] = field(
-        default=_CORE["dpo_loss_type"], metadata={"help": "DPO loss."}
-    )
-    dpo_label_smoothing: float = field(
-        default=_CORE["dpo_label_smoothing"], metadata={"help": "cDPO / robust epsilon."}
-    )
-    simpo_beta: float = field(default=_CORE["simpo_beta"], metadata={"help": "SimPO beta."})
-    simpo_gamma: float = field(
-        default=_CORE["simpo_gamma"], metadata={"help": "SimPO absolute margin gamma."}
-    )
-    replay_reference: Literal["auto", "model", "column"] = field(
-        default="auto", metadata={"help": "Where DPO reference log-probs come from."}
-    )
-    replay_append_eos: bool = field(default=True, metadata={"help": "Append EOS to text chosen/rejected."})
-    max_replay_length: int | None = field(default=None, metadata={"help": "Token cap of chosen/rejected."})
+    alpha_sdpo: float = 0.0
+    beta_replay: float = 0.0
+    sdpo_form: Literal["full", "sampled", "topk"] = "full"
+    sdpo_wrapper: Literal["none", "taid", "entropy_opd"] = "none"
+    taid_alpha: float = _TAID["alpha"]
+    taid_momentum: float = _TAID["beta"]
+    hint_template: str = "{hint}{prompt}"
+    dpo_variant: Literal["dpo", "simpo"] = "dpo"
+    replay_reference: Literal["auto", "model", "column"] = "auto"
+    replay_append_eos: bool = True
+    max_replay_length: int | None = None
+    # + one field per option of _CORE_SECTIONS (sdpo_beta, dpo_beta, sdpo_teacher, ...), added by _with_core_fields
 
     def __post_init__(self) -> None:
         super().__post_init__()  # type: ignore[no-untyped-call]
@@ -268,12 +186,12 @@ class ComposerGRPOConfig(GRPOConfig):
             )
         if self.max_replay_length is not None and self.max_replay_length < 1:
             raise ValueError(f"`max_replay_length`={self.max_replay_length!r} must be >= 1 or None.")
-        self.teacher_context_options  # noqa: B018  (checks the templates and the context options)
-        self.teacher_weights_options  # noqa: B018
-        if self.alpha_sdpo == 0 and (self.sdpo_teacher != "live" or self.sdpo_teacher_context != "hint"):
+        # core checks the teacher's options when they are built
+        ctx, weights = self.teacher_context_options, self.teacher_weights_options
+        if self.alpha_sdpo == 0 and (weights.sdpo_teacher != "live" or ctx.sdpo_teacher_context != "hint"):
             raise ValueError(
-                f"sdpo_teacher={self.sdpo_teacher!r} / sdpo_teacher_context={self.sdpo_teacher_context!r} act only "
-                "with channel 2 on: set alpha_sdpo > 0 or drop them."
+                f"sdpo_teacher={weights.sdpo_teacher!r} / sdpo_teacher_context={ctx.sdpo_teacher_context!r} act "
+                "only with channel 2 on: set alpha_sdpo > 0 or drop them."
             )
 
     @property
@@ -312,27 +230,13 @@ class ComposerGRPOConfig(GRPOConfig):
             "max_completion_length": self.max_completion_length if self.loss_type == "dr_grpo" else None,
             "importance_sampling_level": self.importance_sampling_level,
             "sdpo_form": self.sdpo_form,
-            "sdpo_beta": self.sdpo_beta,
-            "sdpo_temperature": self.sdpo_temperature,
-            "sdpo_token_clip": self.sdpo_token_clip,
-            "sdpo_chunk_size": self.sdpo_chunk_size,
-            "sdpo_compiled": self.sdpo_compiled,
             "sdpo_wrapper": self.sdpo_wrapper,
-            "sdpo_loss_agg": self.sdpo_loss_agg,
-            "sdpo_topk": self.sdpo_topk,
-            "sdpo_topk_tail": self.sdpo_topk_tail,
             "dpo_variant": self.dpo_variant,
         }
         # SAPO's and VESPO's shape parameters (TRL's names; core refuses them set under another loss type)
-        opts.update({name: getattr(self, name) for name in _SHAPE_OPTIONS})
+        opts.update({name: getattr(self, name) for name in (*_SHAPE_OPTIONS, *_COMPOSE_FIELDS)})
         if self.loss_type not in CLIP_LOSS_TYPES:
             opts["delta"] = None  # TRL reads delta in the clip surrogate only
-        if self.sdpo_wrapper == "taid":
-            opts.update(taid_t_start=self.taid_t_start, taid_t_end=self.taid_t_end)
-        for name in ("taid_t_start", "taid_t_end", "entropy_opd_threshold", "entropy_opd_weight"):
-            opts.setdefault(name, getattr(self, name))
-        for name in ("dpo_beta", "dpo_loss_type", "dpo_label_smoothing", "simpo_beta", "simpo_gamma"):
-            opts[name] = getattr(self, name)
         return opts
 
 

@@ -24,21 +24,6 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = [
-    "RewardFunctionError",
-    "check_batch_prompts",
-    "context_length",
-    "deferred_trl_none_warning",
-    "emit",
-    "guarded_reward_funcs",
-    "overlong_prompt",
-    "prompt_lengths",
-    "prompt_too_long_message",
-    "reward_func_label",
-    "row_indices",
-    "unscored_batch_error",
-]
-
 TRL_NONE_WARNING = "All reward functions returned None"
 
 

@@ -57,12 +57,8 @@ def composer_trl_loss(
     ``args`` is a :class:`~composer_trl.ComposerGRPOConfig`. Returns the loss to backpropagate and the
     :class:`~composer_core.loss.compose.ComposeResult` (unweighted channel values and metrics).
     """
-    policy_norm: Tensor | None = None
-    if args.loss_type in WINDOW_LOSS_TYPES and counts.num_items is not None:
-        # TRL 1.16's exact expression: num_items_in_batch.clamp(min=1) / P, then × G / S in training.
-        policy_norm = counts.num_items.clamp(min=1.0) / counts.num_processes
-        if counts.accumulation != 1 or counts.steps_per_generation != 1:
-            policy_norm = policy_norm * counts.accumulation / counts.steps_per_generation
+    # TRL 1.16's exact expression: num_items_in_batch.clamp(min=1) / P, then × G / S in training.
+    policy_norm = _window(counts.num_items, counts) if args.loss_type in WINDOW_LOSS_TYPES else None
     config = args.compose_config  # built and validated with the TRL config (cached per option values)
     if isinstance(config.sdpo.wrapper, TAID):  # TAID's t moves every optimiser step
         config = replace(config, sdpo=replace(config.sdpo, wrapper=replace(config.sdpo.wrapper, t=taid_t)))
@@ -97,12 +93,6 @@ CONFORMANCE_SUPPORTS = frozenset(
 """Conformance tags this adapter implements."""
 
 _RENAMED = {"epsilon_low": "epsilon", "kl_beta": "beta"}
-_SAME = {
-    "alpha_sdpo", "beta_replay", "loss_type", "epsilon_high", "delta", "sdpo_beta", "sdpo_temperature",
-    "sdpo_token_clip", "sdpo_chunk_size", "sdpo_compiled", "sdpo_wrapper", "entropy_opd_threshold", "entropy_opd_weight",
-    "sdpo_topk", "sdpo_topk_tail", "sdpo_loss_agg",
-    "dpo_variant", "dpo_beta", "dpo_loss_type", "dpo_label_smoothing", "simpo_beta", "simpo_gamma",
-}  # fmt: skip
 
 
 def conformance_compute(batch: ComposerBatch, options: Mapping[str, Any]) -> Tensor:
@@ -112,17 +102,18 @@ def conformance_compute(batch: ComposerBatch, options: Mapping[str, Any]) -> Ten
     Global normalisers map to the counts the trainer gathers (``normalizer`` → TRL's
     ``num_items_in_batch``, ``sdpo_normalizer`` → hinted tokens, ``replay_normalizer`` → pairs).
     """
+    import dataclasses
     import tempfile
 
     from composer_trl.config import ComposerGRPOConfig
+
+    same = {f.name for f in dataclasses.fields(ComposerGRPOConfig)}
 
     kwargs: dict[str, Any] = {"alpha_sdpo": 1.0, "beta_replay": 1.0}
     counts: dict[str, Tensor] = {}
     taid_t: float | None = None
     for key, value in options.items():
-        if key in _SAME:
-            kwargs[key] = value
-        elif key in _RENAMED:
+        if key in _RENAMED:
             kwargs[_RENAMED[key]] = value
         elif key == "sdpo_form":
             if value not in ("sampled", "full", "topk", "auto"):
@@ -134,6 +125,8 @@ def conformance_compute(batch: ComposerBatch, options: Mapping[str, Any]) -> Ten
             taid_t = float(value)
         elif key in ("normalizer", "sdpo_normalizer", "replay_normalizer"):
             counts[key] = torch.as_tensor(float(value), dtype=torch.float64)
+        elif key in same:  # the same name here as in compose_loss
+            kwargs[key] = value
         else:
             raise ValueError(f"compose_loss option {key!r} has no ComposerGRPOConfig counterpart.")
     if kwargs.get("beta", 0.0) != 0.0:

@@ -62,12 +62,7 @@ def plot_runs(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str | Path,
         ax.grid(alpha=0.3)
         ax.legend(loc="best", fontsize=8)
     axes[-1, 0].set_xlabel("optimiser step")
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, path)
 
 
 COMPARE_PANELS = (
@@ -107,6 +102,10 @@ def plot_comparison(report: Mapping[str, Any], path: str | Path, *, window: int 
         ax.grid(alpha=0.3)
     axes[0].legend(loc="best", fontsize=7)
     axes[-1].set_xlabel("optimiser step")
+    return _save(plt, fig, path)
+
+
+def _save(plt: Any, fig: Any, path: str | Path) -> Path:
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

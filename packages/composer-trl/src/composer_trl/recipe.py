@@ -31,20 +31,6 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-TOP_LEVEL_KEYS = {
-    "model",
-    "dataset",
-    "reward",
-    "hint_fn",
-    "env",
-    "steps",
-    "seed",
-    "output_dir",
-    "trust_remote_code",
-    "eval_holdout",
-    "trainer",
-}
-
 TINY_TRAINER_DEFAULTS: dict[str, Any] = {
     # Measured on 2 shared CPU cores, 1 thread: 300 steps ≈ 1–1.5 min; composer's reward 0.06 → ≈0.69
     # (seeds 0 and 2; see the package README for GRPO alone).
@@ -97,6 +83,9 @@ class Recipe:
         """Defaults for the chosen model kind, overridden by the recipe's ``[trainer]`` table."""
         base = MODEL_TRAINER_DEFAULTS if self.model else TINY_TRAINER_DEFAULTS
         return {**base, **self.trainer}
+
+
+TOP_LEVEL_KEYS = {f.name for f in fields(Recipe)} - {"model_args"}
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -156,9 +145,7 @@ def recipe_from_dict(data: dict[str, Any], *, source: str = "recipe") -> Recipe:
     trainer = data.get("trainer", {})
     if not isinstance(trainer, dict):
         raise ValueError(f"{source}: `trainer` must be a table of ComposerGRPOConfig fields.")
-    names = {f.name for f in fields(Recipe)}
-    kwargs = {k: v for k, v in data.items() if k in names}
-    recipe = Recipe(**kwargs)
+    recipe = Recipe(**data)
     if not isinstance(recipe.steps, int) or recipe.steps < 1:
         raise ValueError(f"{source}: `steps` must be an int >= 1, got {recipe.steps!r}.")
     if not isinstance(recipe.seed, int):

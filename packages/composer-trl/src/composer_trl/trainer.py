@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from accelerate.utils import gather_object, is_peft_model
 from composer_core.loss.compose import ComposerBatch
+from composer_core.loss.config import TAID
 from composer_core.loss.metrics import ADAPTER_PREFIX
 from composer_core.loss.surrogates import log_importance_weights, vespo_weights
 from composer_core.loss.wrappers import TAIDScheduler
@@ -163,7 +164,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
         targs = kwargs["args"]
         if hint_fn is not None and not callable(hint_fn):
             raise ValueError(f"`hint_fn` must be callable, got {type(hint_fn).__name__}.")
-        if hint_fn is not None and targs.sdpo_teacher_context == "success":
+        if hint_fn is not None and targs.teacher_context_options.sdpo_teacher_context == "success":
             raise ValueError(
                 "`hint_fn` is not read with sdpo_teacher_context='success' (successful siblings are the only "
                 "teacher context); use 'success+feedback' to add its text as feedback, or drop hint_fn."
@@ -184,11 +185,12 @@ class ComposerGRPOTrainer(GRPOTrainer):
         self._check_head()
         if self.args.alpha_sdpo > 0:
             self._setup_sdpo_teacher()
-        if self.args.sdpo_wrapper == "taid":
+        taid = self.args.compose_config.sdpo.wrapper
+        if isinstance(taid, TAID):
             self._taid = TAIDScheduler(
                 total_steps=int(self.args.max_steps),
-                t_start=self.args.taid_t_start,
-                t_end=self.args.taid_t_end,
+                t_start=taid.t_start,
+                t_end=taid.t_end,
                 alpha=self.args.taid_alpha,
                 beta=self.args.taid_momentum,
             )
@@ -231,7 +233,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
     def _setup_sdpo_teacher(self) -> None:
         """``sdpo_teacher``: live (the student), base (a frozen copy; PEFT: adapters off) or ema (a copy updated
         by :class:`_SDPOTeacherCallback`). The copy is saved with every checkpoint and restored on resume."""
-        kind = self.args.sdpo_teacher
+        kind = self.args.teacher_weights_options.sdpo_teacher
         if kind == "live" or (kind == "base" and is_peft_model(self.model)):
             return
         if is_peft_model(self.model):
@@ -278,7 +280,9 @@ class ComposerGRPOTrainer(GRPOTrainer):
         super()._load_from_checkpoint(resume_from_checkpoint, model)
         if self._sdpo_teacher is not None:
             load_teacher(self.accelerator.unwrap_model(self._sdpo_teacher), resume_from_checkpoint)
-        elif self.args.sdpo_teacher == "ema" and self.args.alpha_sdpo > 0:  # PEFT: the teacher adapter
+        elif (
+            self.args.teacher_weights_options.sdpo_teacher == "ema" and self.args.alpha_sdpo > 0
+        ):  # PEFT: the teacher adapter
             from safetensors.torch import load_file
 
             path = os.path.join(resume_from_checkpoint, TEACHER_STATE_FILE)
@@ -364,7 +368,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         output = super()._generate_and_score_completions(inputs)
         mode = "train" if self.model.training else "eval"
-        if self.args.alpha_sdpo > 0 and self.args.sdpo_teacher_context != "hint":
+        if self.args.alpha_sdpo > 0 and self.args.teacher_context_options.sdpo_teacher_context != "hint":
             output.update(self._build_group_contexts(inputs, output, mode))
         elif self.args.alpha_sdpo > 0:
             output.update(self._build_hints(inputs, output))
@@ -407,9 +411,10 @@ class ComposerGRPOTrainer(GRPOTrainer):
         ids_list = [torch.full((1,), self._tokenizer.pad_token_id)] * len(contexts)
         mask_list = [torch.zeros(1, dtype=torch.long)] * len(contexts)
         if rows:
+            max_len = self.args.teacher_context_options.max_reprompt_len
             tok_ids, _, _ = self._tokenize_prompts([contexts[i] for i in rows])
             for i, ids in zip(rows, tok_ids):
-                ids = cap_reprompt(ids, self.args.max_reprompt_len)
+                ids = cap_reprompt(ids, max_len)
                 ids_list[i] = torch.tensor(ids)
                 mask_list[i] = torch.ones(len(ids), dtype=torch.long)
         hint_ids = pad(ids_list, padding_value=self._tokenizer.pad_token_id, padding_side="left").to(device)
@@ -417,7 +422,8 @@ class ComposerGRPOTrainer(GRPOTrainer):
         loss_mask = output["completion_mask"]
         if "tool_mask" in output:
             loss_mask = loss_mask * output["tool_mask"]
-        if self.args.sdpo_loss_agg == "seq_mean":  # normalised by rows, distilled or not (TRL SDPOTrainer)
+        # seq_mean: normalised by rows, distilled or not (TRL SDPOTrainer)
+        if self.args.compose_config.sdpo.loss_agg == "seq_mean":
             local = torch.tensor(float(len(contexts)), device=device)
         else:
             local = (loss_mask * has_hint.unsqueeze(1)).sum()
@@ -489,7 +495,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
     def _log_contexts(self, mode: str, ctx: TeacherContexts) -> None:
         for key, value in ctx.metrics.items():
             self._metrics[mode][f"{ADAPTER_PREFIX}sdpo/{key}"].append(value)
-        a = self.args
+        a = self.args.teacher_context_options
         if (
             a.sdpo_teacher_context != "feedback"
             and ctx.groups_with_success == 0
@@ -556,34 +562,30 @@ class ComposerGRPOTrainer(GRPOTrainer):
 
     def _build_pairs(self, inputs: list[dict[str, Any]], output: dict[str, Any], mode: str) -> dict[str, Any]:
         device = self.accelerator.device
-        g = self.num_generations if mode == "train" else self.num_generations_eval
+        g = self._group_size(mode)
         offset = self.accelerator.process_index * len(inputs)
-        chosen: list[list[int]] = []
-        rejected: list[list[int]] = []
-        c_mask: list[list[int]] = []
-        r_mask: list[list[int]] = []
+        pad_id = self._tokenizer.pad_token_id
+        rows: list[tuple[list[int], list[int], list[int], list[int]]] = []
         has_pair: list[bool] = []
-        ref_cols: list[tuple[float, float]] = []
+        ref_cols: list[tuple[float, float]] = []  # read with replay_reference 'column' only
         for i, x in enumerate(inputs):
             # Each prompt appears num_generations times in a generation batch: keep its pair once.
             present = x.get("chosen") is not None and x.get("rejected") is not None
-            if present and (offset + i) % g == 0:
+            has_pair.append(present and (offset + i) % g == 0)
+            if has_pair[-1]:
                 ci, cm = self._pair_ids(x["chosen"], x.get("chosen_mask"), "chosen")
                 ri, rm = self._pair_ids(x["rejected"], x.get("rejected_mask"), "rejected")
-                has_pair.append(True)
-                if self._replay_ref_source == "column":
-                    ref_cols.append((_finite(x, "ref_chosen_logps"), _finite(x, "ref_rejected_logps")))
+                rows.append((ci, cm, ri, rm))
+                column = self._replay_ref_source == "column"
+                refs = (
+                    (_finite(x, "ref_chosen_logps"), _finite(x, "ref_rejected_logps")) if column else (0, 0)
+                )
             else:
-                ci, cm, ri, rm = [self._tokenizer.pad_token_id], [0], [self._tokenizer.pad_token_id], [0]
-                has_pair.append(False)
-                if self._replay_ref_source == "column":
-                    ref_cols.append((0.0, 0.0))
-            chosen.append(ci)
-            rejected.append(ri)
-            c_mask.append(cm)
-            r_mask.append(rm)
+                rows.append(([pad_id], [0], [pad_id], [0]))
+                refs = (0.0, 0.0)
+            ref_cols.append(refs)
+        chosen, c_mask, rejected, r_mask = (list(col) for col in zip(*rows))
         width = max(len(t) for t in chosen + rejected)
-        pad_id = self._tokenizer.pad_token_id
 
         def to_tensor(rows: list[list[int]], value: int) -> Tensor:
             return torch.tensor([r + [value] * (width - len(r)) for r in rows], device=device)
@@ -781,8 +783,9 @@ class ComposerGRPOTrainer(GRPOTrainer):
     def _teacher_weights(self) -> AbstractContextManager[Any]:
         """PEFT: the ``base`` teacher reads the base weights (adapters off), the ``ema`` teacher its own adapter;
         other teachers need nothing."""
-        if is_peft_model(self.model) and self.args.sdpo_teacher != "live":
-            name = None if self.args.sdpo_teacher == "base" else TEACHER_ADAPTER
+        kind = self.args.teacher_weights_options.sdpo_teacher
+        if is_peft_model(self.model) and kind != "live":
+            name = None if kind == "base" else TEACHER_ADAPTER
             return use_adapter(self.accelerator.unwrap_model(self.model), adapter_name=name)
         return nullcontext()
 
@@ -839,9 +842,9 @@ class ComposerGRPOTrainer(GRPOTrainer):
         if self.loss_type == "cispo":
             m["cispo_clip_ratio"].append(global_masked_mean(((coef > self.epsilon_high) & (adv > 0)).float()))
         elif self.loss_type == "vespo":
-            phi = vespo_weights(
-                adv, log_ratio, mask, inputs.get("importance_sampling_ratio"), *self._vespo_shape()
-            )
+            a = self.args
+            shape = (a.vespo_k_pos, a.vespo_lambda_pos, a.vespo_k_neg, a.vespo_lambda_neg)
+            phi = vespo_weights(adv, log_ratio, mask, inputs.get("importance_sampling_ratio"), *shape)
             m["vespo/phi_seq_mean"].append(global_masked_mean(phi))
         elif self.loss_type != "sapo":
             low = ((coef < 1 - self.epsilon_low) & (adv < 0)).float()
@@ -851,10 +854,6 @@ class ComposerGRPOTrainer(GRPOTrainer):
             m["clip_ratio/region_mean"].append(global_masked_mean(torch.maximum(low, high)))
             m["clip_ratio/low_min"].append(nanmin(self.accelerator.gather(masked_seq_mean(low))).item())
             m["clip_ratio/high_max"].append(nanmax(self.accelerator.gather(masked_seq_mean(high))).item())
-
-    def _vespo_shape(self) -> tuple[float, float, float, float]:
-        a = self.args
-        return a.vespo_k_pos, a.vespo_lambda_pos, a.vespo_k_neg, a.vespo_lambda_neg
 
     def _surrogate_masks(
         self, logps: Tensor, entropies: Tensor, mask: Tensor, inputs: dict[str, Any]
@@ -928,17 +927,19 @@ class ComposerGRPOTrainer(GRPOTrainer):
         """
         m = result.metrics
         w = self._composer_window
-        w["loss/policy"] = w["loss/policy"] + policy.double().cpu()
-        w["loss/total"] = w["loss/total"] + total.double().cpu()
-        w["loss/sdpo"] = w["loss/sdpo"] + (0.0 if result.sdpo is None else float(result.sdpo.detach()))
-        w["loss/replay"] = w["loss/replay"] + (
-            0.0 if result.replay is None else float(result.replay.detach())
-        )
-        w["sdpo/skipped"] = w["sdpo/skipped"] + m.get("sdpo/skipped", 1.0)
-        w["replay/skipped"] = w["replay/skipped"] + m.get("replay/skipped", 1.0)
-        w["sdpo/tokens"] = w["sdpo/tokens"] + m.get("sdpo/tokens", 0.0)
-        w["replay/pairs"] = w["replay/pairs"] + m.get("replay/pairs", 0.0)
-        w["replay/correct"] = w["replay/correct"] + m.get("replay/accuracy", 0.0) * m.get("replay/pairs", 0.0)
+        step = {
+            "loss/policy": policy.double().cpu(),
+            "loss/total": total.double().cpu(),
+            "loss/sdpo": 0.0 if result.sdpo is None else float(result.sdpo.detach()),
+            "loss/replay": 0.0 if result.replay is None else float(result.replay.detach()),
+            "sdpo/skipped": m.get("sdpo/skipped", 1.0),
+            "replay/skipped": m.get("replay/skipped", 1.0),
+            "sdpo/tokens": m.get("sdpo/tokens", 0.0),
+            "replay/pairs": m.get("replay/pairs", 0.0),
+            "replay/correct": m.get("replay/accuracy", 0.0) * m.get("replay/pairs", 0.0),
+        }
+        for k, v in step.items():
+            w[k] = w[k] + v
         if mode == "train" and not self.accelerator.sync_gradients:
             return
         keys = sorted(w)
@@ -960,21 +961,19 @@ class ComposerGRPOTrainer(GRPOTrainer):
                 self._taid_pending = vals["loss/sdpo"] / n
         self._composer_window.clear()
 
-    def _taid_step(self) -> None:
-        """Advance TAID's t once per optimiser step from the globally reduced SDPO loss of that step."""
-        if self._taid is not None and self._taid_pending is not None:
-            self._taid.step(self._taid_pending)
-            self._taid_pending = None
-
 
 class _TAIDCallback(TrainerCallback):
-    """Steps the TAID scheduler at each optimiser step (``on_step_end``), never during evaluation."""
+    """Advances TAID's t once per optimiser step (``on_step_end``, never during evaluation) from the globally
+    reduced SDPO loss of that step."""
 
     def __init__(self, trainer: ComposerGRPOTrainer) -> None:
         self.trainer = trainer
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        self.trainer._taid_step()
+        t = self.trainer
+        if t._taid is not None and t._taid_pending is not None:
+            t._taid.step(t._taid_pending)
+            t._taid_pending = None
         return control
 
 
@@ -1008,7 +1007,7 @@ def check_channel_inputs(args: ComposerGRPOConfig, columns: set[str] | None, *, 
     inputs a dataset with ``columns`` (None: unknown, e.g. an iterable dataset) and ``hint_fn`` cannot provide.
     The trainer runs it at construction and ``composer-train`` before it loads the model or writes anything."""
     a, cols = args, columns
-    source = a.sdpo_teacher_context
+    source = a.teacher_context_options.sdpo_teacher_context
     if a.alpha_sdpo > 0 and source == "hint" and not hint_fn and cols is not None and not cols & HINT_COLUMNS:
         raise ValueError(
             f"alpha_sdpo={a.alpha_sdpo} needs hints: a `hint` or `hinted_prompt` dataset column, or "
