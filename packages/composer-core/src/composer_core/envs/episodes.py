@@ -77,6 +77,16 @@ def _reply_text(step: StepResult) -> str | None:
     return "\n\n".join(parts) if parts else None
 
 
+def _chat(task: EnvTask, actions: Sequence[str], steps: Sequence[StepResult]) -> tuple[Message, ...]:
+    """The episode's messages in the layout of the module docstring."""
+    messages = list(prompt_messages(task))
+    for k, action in enumerate(actions):
+        messages.append(Message("assistant", action))
+        if k < len(steps) and (reply := _reply_text(steps[k])) is not None:
+            messages.append(Message("user", reply))
+    return tuple(messages)
+
+
 def episode_from_steps(
     task: EnvTask,
     actions: Sequence[str],
@@ -95,14 +105,10 @@ def episode_from_steps(
         raise ValueError(f"{len(actions)} actions for {len(steps)} steps (need as many, or one more)")
     if len(actions) > len(steps) and failed is None:
         raise ValueError("an action without a step result needs `failed` (why the step did not complete)")
-    messages = list(prompt_messages(task))
-    for k, action in enumerate(actions):
-        messages.append(Message("assistant", action))
-        if k < len(steps) and (reply := _reply_text(steps[k])) is not None:
-            messages.append(Message("user", reply))
+    messages = _chat(task, actions, steps)
     eid = episode_id or f"{env_name}:{task.task_id}:{next(_COUNTER)}"
     meta = {"env": env_name, "task_id": task.task_id, **({"failed": failed} if failed else {})}
-    episode = Episode(eid, tuple(messages), task.tools, meta)
+    episode = Episode(eid, messages, task.tools, meta)
     reward = float(sum(s.reward for s in steps))
     return EnvEpisode(task, episode, tuple(steps), reward, failed)
 
@@ -174,33 +180,34 @@ def run_episode(
     session: EnvSession | None = None
     try:
         session = _call_bounded(lambda: env.reset(task), timeout_s, f"{env.name} reset")
-        messages = list(prompt_messages(task))
         for _ in range(max_turns):
-            action = act(tuple(messages))
+            action = act(_chat(task, actions, steps))
             if not isinstance(action, str):
                 raise TypeError(f"act returned {type(action).__name__}, expected the action text (str)")
             actions.append(action)
-            step = _call_bounded(functools.partial(session.step, action), timeout_s, f"{env.name} step")
-            if not isinstance(step, StepResult):
-                raise EnvError(f"{env.name}: step returned {type(step).__name__}, not a StepResult")
-            steps.append(step)
-            messages.append(Message("assistant", action))
-            if (reply := _reply_text(step)) is not None:
-                messages.append(Message("user", reply))
-            if step.done:
+            steps.append(_bounded_step(env, session, action, timeout_s))
+            if steps[-1].done:
                 break
     except EnvError as e:
         failed = str(e)
     finally:
         if session is not None:
-            _close_quietly(session, timeout_s)
+            _close_quietly(env, session, timeout_s)
     return episode_from_steps(task, actions, steps, env_name=env.name, failed=failed, episode_id=episode_id)
 
 
-def _close_quietly(session: EnvSession, timeout_s: float) -> None:
-    # the episode's result is already recorded; a session that cannot close is the server's problem
+def _bounded_step(env: Environment, session: EnvSession, action: str, timeout_s: float) -> StepResult:
+    """``session.step(action)`` bounded by ``timeout_s``; EnvError when it answers anything but a StepResult."""
+    step = _call_bounded(functools.partial(session.step, action), timeout_s, f"{env.name} step")
+    if not isinstance(step, StepResult):
+        raise EnvError(f"{env.name}: step returned {type(step).__name__}, not a StepResult")
+    return step
+
+
+def _close_quietly(env: Environment, session: EnvSession, timeout_s: float) -> None:
+    """Close ``session``; the episode's result (or error) is already what matters, so a close fault is dropped."""
     with contextlib.suppress(EnvError):
-        _call_bounded(session.close, timeout_s, "close")
+        _call_bounded(session.close, timeout_s, f"{env.name} close")
 
 
 def episode_error_sites(ep: EnvEpisode) -> list[ErrorSite]:

@@ -18,14 +18,13 @@ a training step never continues on a reward it could not compute.
 
 from __future__ import annotations
 
-import contextlib
 import re
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from .base import EnvError, Environment, EnvTask, StepResult
-from .episodes import _call_bounded
+from .base import Environment, EnvTask, StepResult
+from .episodes import _bounded_step, _call_bounded, _close_quietly
 
 __all__ = ["EnvScorer", "env_dataset_rows", "env_hint_func", "env_reward_func", "scorer_for"]
 
@@ -66,12 +65,9 @@ class EnvScorer:
         task = self.task(task_id)
         session = _call_bounded(lambda: self.env.reset(task), self.timeout_s, f"{self.env.name} reset")
         try:
-            result = _call_bounded(lambda: session.step(completion), self.timeout_s, f"{self.env.name} step")
+            result = _bounded_step(self.env, session, completion, self.timeout_s)
         finally:
-            with contextlib.suppress(EnvError):  # the step's result (or its error) is what matters
-                _call_bounded(session.close, self.timeout_s, f"{self.env.name} close")
-        if not isinstance(result, StepResult):
-            raise EnvError(f"{self.env.name}: step returned {type(result).__name__}, not a StepResult")
+            _close_quietly(self.env, session, self.timeout_s)
         self._cache[key] = result
         while len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
@@ -100,10 +96,8 @@ def scorer_for(env: Environment, *, timeout_s: float | None = None) -> EnvScorer
 def _completion_text(c: Any) -> str:
     if isinstance(c, str):
         return c
-    if isinstance(c, Sequence) and c and isinstance(c[-1], Mapping):
-        return str(
-            c[-1].get("content") or ""
-        )  # TRL's conversational completion: [{"role": "assistant", ...}]
+    if isinstance(c, Sequence) and c and isinstance(c[-1], Mapping):  # TRL's [{"role": "assistant", ...}]
+        return str(c[-1].get("content") or "")
     raise TypeError(f"a completion must be text or a list of chat messages, got {type(c).__name__}")
 
 
