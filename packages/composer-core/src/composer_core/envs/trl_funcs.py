@@ -1,19 +1,10 @@
-"""An environment as TRL-style callables: dataset rows, a reward function, a hint function.
+"""An environment as TRL-style callables (``f(prompts=..., completions=..., **dataset_columns)``, no TRL import).
 
-No TRL import: these are plain callables in TRL's reward-function calling convention
-(``f(prompts=..., completions=..., **dataset_columns)``), which composer-trl's ``hint_fn`` shares.
-
-- :func:`env_dataset_rows`: one row per task, ``{"prompt", "task_id"}`` plus ``"chosen"`` (the reference
-  answer, channel 3) when any task has one, and ``"rejected"`` when a task's ``info["rejected"]`` gives one;
-- :func:`env_reward_func`: per completion, ``reset(task)`` -> ``step(completion)`` -> the step's reward;
-- :func:`env_hint_func`: the same step's feedback (None when there is none: that completion is not distilled).
-
-Single-turn use: each completion is one step of a fresh episode (a multi-turn environment contributes its first
-step's reward and feedback). The reward and the hint of a completion come from **one** step: both functions share
-an :class:`EnvScorer` per environment that caches the step result by ``(task_id, completion)``. The task of a row
-is found by its ``task_id`` column (tasks seen by :func:`env_dataset_rows`, else the environment's own
-``task(task_id)`` when it has one). An environment fault raises :class:`~composer_core.envs.EnvError` (one line);
-a training step never continues on a reward it could not compute.
+:func:`env_dataset_rows` gives one row per task (``prompt``, ``task_id``, and ``chosen`` / ``rejected`` when the
+tasks have them); :func:`env_reward_func` and :func:`env_hint_func` score each completion as one step of a fresh
+episode. Both share one :class:`EnvScorer` per environment, which caches the step result by
+``(task_id, completion)``, so a completion's reward and hint come from **one** step. An environment fault
+raises :class:`~composer_core.envs.EnvError`: a training step never continues on a reward it could not compute.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """Two-digit addition for a real instruct model: a task a 135M model can start on and learn from its group.
 
-Chosen by measurement (SmolLM2-135M-Instruct, greedy, 48 held-out sums, 16 new tokens): with the prompt
-``"Compute 47 + 38. Reply with just the result."`` the model answers in the form ``"47 + 38 = 85"`` and is
-right on 15 % of the sums (0 % with ``"What is a + b? Answer with the number only."``, where it restates the
-question), so GRPO has a signal to start from and most groups hold both successes and failures — the setting
-where SDPO's successful-sibling teacher has something to teach.
+With the prompt ``"Compute 47 + 38. Reply with just the result."`` SmolLM2-135M-Instruct answers
+``"47 + 38 = 85"`` and is right on 15 % of held-out sums, so most groups hold both successes and failures.
 
 Rules (pure Python, one implementation for every host):
 

@@ -1,26 +1,12 @@
 """A tiny Qwen2 causal LM and a character tokenizer, built locally (no download).
 
-composer-trl's main job (``composer-train`` without ``--model``) and composer-monarch's ``TinyQwen2``
-both build their model here; the tests of both use it too.
-
-- :func:`char_vocab` is the id mapping (``<pad>`` 0, ``<eos>`` 1, ``<bos>`` 2, then one id per character),
-  pure Python;
-- :func:`build_char_tokenizer` wraps that mapping in a ``tokenizers`` WordLevel model inside
-  ``PreTrainedTokenizerFast`` (left padding, as TRL's GRPOTrainer requires), so it saves and reloads with
-  ``AutoTokenizer`` like any other tokenizer;
-- :func:`build_tiny_qwen2` / :func:`build_tiny_model` build a randomly initialised ``Qwen2ForCausalLM``
-  (or, with ``TinyModelConfig(num_experts=...)``, a mixture-of-experts ``Qwen2MoeForCausalLM``)
-  from a :class:`TinyModelConfig` and a seed, without touching the caller's global RNG state, and
-  thread-safe (Monarch actors sharing a process are constructed on different threads);
-- ``build_char_tokenizer(alphabet, chatml=True)`` is the same character tokenizer in the form a Qwen2 model
-  directory needs (hosts that load a tokenizer by the model's type, e.g. verl's agent loop, through
-  ``AutoTokenizer``, which rebuilds a ``qwen2`` model's tokenizer as transformers' byte-level
-  ``Qwen2Tokenizer``): byte-level vocabulary keys, ``<|im_start|>`` / ``<|im_end|>`` special tokens and a
-  ChatML chat template (:data:`CHATML_TEMPLATE`), ``"\\n"`` one token.
-
-The builders need the ``hf`` extra (``pip install 'composer-core[hf]'``: transformers, tokenizers); a
-missing one raises ``ImportError`` naming it. Importing this module needs nothing beyond the standard
-library.
+composer-trl's main job (``composer-train`` without ``--model``), composer-monarch's ``TinyQwen2`` and their
+tests build their model here. :func:`char_vocab` is the id mapping (pure Python);
+:func:`build_char_tokenizer` wraps it in a ``PreTrainedTokenizerFast`` (left padding, as TRL's GRPOTrainer
+requires; ``chatml=True``: the byte-level, ChatML form a Qwen2 model directory needs, for hosts that reload
+the tokenizer by the model's type); :func:`build_tiny_qwen2` / :func:`build_tiny_model` build a seeded,
+thread-safe, randomly initialised ``Qwen2ForCausalLM`` (or ``Qwen2MoeForCausalLM``). The builders need the
+``hf`` extra (``pip install 'composer-core[hf]'``); importing this module needs only the standard library.
 """
 
 from __future__ import annotations
@@ -127,15 +113,9 @@ def _byte_level_vocab(alphabet: str) -> dict[str, int]:
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character table (the symbols of a byte-level vocabulary):
     printable Latin-1 bytes map to themselves, the other bytes to ``chr(256 + k)`` in byte order."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    table = {b: chr(b) for b in printable}
-    others = [b for b in range(256) if b not in table]
-    table.update({b: chr(256 + k) for k, b in enumerate(others)})
-    return table
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)}
+    others = [b for b in range(256) if b not in printable]
+    return {b: chr(b) for b in printable} | {b: chr(256 + k) for k, b in enumerate(others)}
 
 
 @dataclass(frozen=True)
