@@ -1,26 +1,17 @@
-"""OpenEnv adapter (``composer-core[openenv]``): an OpenEnv environment server as a composer Environment.
+"""OpenEnv adapter (``composer-core[openenv]``): ``load_env("openenv:http://host:port")`` gives an
+:class:`OpenEnvEnvironment`, whose episodes go through OpenEnv's own client (``GenericEnvClient``, one
+WebSocket session per episode, driven through ``.sync()``): ``reset`` starts the task's episode, ``step``
+sends ``{action_field: text}`` (default: the one string field of the action schema, ``GET /schema``).
 
-``load_env("openenv:http://host:port")`` (``composer-train --env openenv:<url>``) gives an
-:class:`OpenEnvEnvironment`. Episodes go through OpenEnv's own client (:class:`openenv.core.GenericEnvClient`,
-one WebSocket session per episode, driven synchronously through its ``.sync()`` wrapper): ``reset`` starts the
-task's episode on the server, ``step`` sends ``{action_field: text}``.
-
-Tasks come from OpenEnv's Task API (``POST /{env}/task_range``): each task spec's ``prompt`` (text or chat
-messages) is the prompt, ``reference`` (or ``answer``) the reference answer (channel 3's ``chosen``),
-``rejected`` an optional wrong answer, and the episode of task ``index`` of ``split`` starts with
-``reset(split=..., index=...)``. A server without the Task API (HTTP 501) gets seeded episodes instead: task
-``i`` of a split is ``reset(seed=SPLIT_SEED[split] + i)`` and its prompt is the reset observation's ``prompt``.
-
-Observations map to :class:`~composer_core.envs.StepResult` as: ``reward`` (None -> 0.0), ``done``,
-``feedback`` = the observation's ``feedback_field`` (default ``"feedback"``), ``observation`` = its
-``observation_field`` when one is configured. ``reset_kwargs`` go with every reset (e.g. the digit-reversal
-server's ``max_attempts``). ``action_field`` defaults to the one string field of the
-server's action schema (``GET /schema``).
-
-Faults are :class:`~composer_core.envs.EnvError` with one line naming the server: connection refused (server
-down), no answer within ``timeout_s`` (OpenEnv's own ``connect_timeout_s`` / ``message_timeout_s`` and the
-HTTP timeout are all ``timeout_s``), a non-JSON answer, or an answer of the wrong shape. Credentials in the URL
-are redacted from every message.
+Tasks come from OpenEnv's Task API (``POST /{env}/task_range``): a spec's ``prompt`` (text or chat messages),
+``reference`` (or ``answer``, channel 3's ``chosen``) and optional ``rejected``; task ``index`` of ``split``
+starts with ``reset(split=..., index=...)``. A server without the Task API (HTTP 501) gets seeded episodes:
+task ``i`` is ``reset(seed=SPLIT_SEEDS[split] + i)``, its prompt the reset observation's ``prompt``.
+Observations map to :class:`~composer_core.envs.StepResult` as ``reward`` (None -> 0.0), ``done``,
+``feedback`` = the ``feedback_field``, ``observation`` = the ``observation_field`` when one is configured;
+``reset_kwargs`` go with every reset. Every fault (server down, no answer within ``timeout_s``, which also
+bounds OpenEnv's connect and message timeouts, non-JSON, wrong shape) is a one-line
+:class:`~composer_core.envs.EnvError` naming the server, with credentials in the URL redacted.
 """
 
 from __future__ import annotations

@@ -178,20 +178,13 @@ def _faulty_ws(app: FastAPI, fault: str) -> None:
 
 
 def build_app(
-    *,
-    n_tasks: int = 64,
-    min_digits: int = 3,
-    max_digits: int = 3,
-    seed: int = 0,
-    max_attempts: int = 1,
-    fault: str = "none",
-    slow_s: float = 30.0,
-    max_concurrent_envs: int = 64,
+    *, fault: str = "none", slow_s: float = 30.0, max_concurrent_envs: int = 64, **env: int
 ) -> FastAPI:
-    """The FastAPI app: OpenEnv's :class:`HTTPEnvServer` routes for :class:`DigitReversalOpenEnv`."""
+    """The FastAPI app: OpenEnv's :class:`HTTPEnvServer` routes for :class:`DigitReversalOpenEnv` serving
+    ``DigitReversalEnv(**env)`` (``n_tasks``, ``min_digits``, ``max_digits``, ``seed``, ``max_attempts``)."""
     if fault not in FAULTS:
         raise ValueError(f"--fault must be one of {FAULTS}, got {fault!r}")
-    config = DigitReversalEnv(n_tasks, min_digits, max_digits, seed, max_attempts)
+    config = DigitReversalEnv(**env)
     env_cls = type(
         "DigitReversalOpenEnv",
         (DigitReversalOpenEnv,),

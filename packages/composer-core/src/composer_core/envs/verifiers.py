@@ -1,27 +1,17 @@
 """verifiers environments (``composer-core[verifiers]``, verifiers >= 0.4) behind composer's environment contract.
 
-A verifiers 0.4 environment is an installed package exporting a ``Taskset`` subclass (``vf.Taskset.load()``
-yields ``vf.Task`` s, each with its ``TaskData`` and its ``@vf.reward`` functions) and, for a multi-turn
-episode, an ``Env`` subclass whose ``run(task, agents)`` is the episode's control flow
-(``agents.<seat>.interaction(task)``, ``chat.turn(message)``). ``verifiers:<module>`` loads the taskset
-and the env exactly as verifiers' own loaders do (``taskset_class`` / ``environment_class``).
+``verifiers:<module>`` loads an installed package's ``Taskset`` (and, for multi-turn episodes, its ``Env``)
+exactly as verifiers' own loaders do. composer is the policy and no LLM endpoint is ever called:
 
-composer is the policy, and no LLM endpoint is ever called: verifiers' rollout machinery (harness programs
-behind an intercepted OpenAI endpoint) is not used. Instead:
+- **single-turn** (no ``Env`` of its own): ``step(completion)`` builds a ``vf.Trace`` of the prompt and the
+  completion and runs the task's own scoring (``await task.score(trace)``); the reward is ``trace.reward``;
+- **multi-turn**: the env's own ``run`` drives the episode with composer's actions as the solver seat's
+  replies; each message the env sends the solver (``chat.turn(message)``) is a step's ``feedback``, and when
+  ``run`` returns the trace is scored (and ``finalize`` runs) and the last step carries the reward.
 
-- **single-turn** (the taskset has no ``Env`` of its own, i.e. verifiers would run ``SingleAgentEnv``):
-  ``step(completion)`` builds a ``vf.Trace`` holding the prompt and the completion as the sampled assistant
-  reply and runs the task's own scoring (``await task.score(trace)``): the reward is ``trace.reward``, the
-  weighted sum of the task's rewards, exactly what verifiers records;
-- **multi-turn** (the package exports an ``Env``): the env's own ``run`` drives the episode with composer's
-  actions standing in for the solver seat's model replies. Each message the env sends the solver
-  (``chat.turn(message)``) is the step's ``feedback`` (the channel-2 hint, and the next user turn); when
-  ``run`` returns, the trace is scored (and the env's ``finalize`` runs) and the last step carries the reward.
-
-Feedback: verifiers has no feedback field; a reward function writes its text on the trace's scratch space,
-``trace.info["feedback"]`` (``feedback_key``), which becomes the last step's ``feedback``. Left out, loudly:
-LLM judges (``TaskConfig.judges``), rewards that need a runtime (sandbox) and envs with more than one
-seat raise :class:`~composer_core.envs.base.EnvError` / ``ValueError`` instead of being skipped.
+A reward function writes its feedback to ``trace.info["feedback"]`` (``feedback_key``), the last step's
+``feedback``. LLM judges, rewards that need a runtime (sandbox) and envs with more than one seat raise
+:class:`~composer_core.envs.base.EnvError` / ``ValueError`` instead of being skipped.
 """
 
 from __future__ import annotations

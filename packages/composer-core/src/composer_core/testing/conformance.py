@@ -9,14 +9,12 @@ Pytest-free, so each adapter runs it inside its own host's test session::
 
     check_adapter(compute, supports={"policy", "sdpo_full", "dpo"}, atol=1e-6, rtol=1e-5)
 
-Each :class:`ConformanceCase` is a batch factory (fresh leaf tensors on every call), the ``compose_loss``
-options, and closed-form expected values where one exists (e.g. JSD_½ of [0.9, 0.1] vs [0.5, 0.5] is
-0.10175; DPO at initialisation is ln 2). ``check_adapter`` first checks ``compose_loss`` against the closed
-form, then the adapter's total against ``compose_loss`` in value and in the gradient of every input that
-requires grad. Tags (``supports``): ``policy``, ``sdpo_full``, ``sdpo_sampled``, ``sdpo_topk``, ``taid``,
-``entropy_opd``, ``dpo``, ``simpo``, ``global_normalizer``, ``sdpo_compiled`` (the adapter passes
-``sdpo_compiled`` through: the JSD chunk kernel under ``torch.compile``, which needs inductor's backend: a C++
-compiler on a CPU); a case runs when all its tags are supported.
+A :class:`ConformanceCase` is a batch factory (fresh leaves on every call), ``compose_loss`` options and
+closed-form values where one exists (JSD_½ of [0.9, 0.1] vs [0.5, 0.5] is 0.10175; DPO at initialisation is
+ln 2). ``check_adapter`` checks ``compose_loss`` against the closed form, then the adapter's total against
+``compose_loss`` in value and in the gradient of every input that requires grad. A case runs when all its tags
+(:data:`TAGS`) are in ``supports``; ``sdpo_compiled`` is the JSD chunk kernel under ``torch.compile`` (needs
+inductor's backend: a C++ compiler on a CPU).
 """
 
 from __future__ import annotations
