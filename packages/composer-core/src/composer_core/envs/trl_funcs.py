@@ -12,10 +12,12 @@ from __future__ import annotations
 import re
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from .base import Environment, EnvTask, StepResult
 from .episodes import _bounded_step, _call_bounded, _close_quietly
+
+R = TypeVar("R")
 
 __all__ = ["EnvScorer", "env_dataset_rows", "env_hint_func", "env_reward_func", "scorer_for"]
 
@@ -92,51 +94,37 @@ def _completion_text(c: Any) -> str:
     raise TypeError(f"a completion must be text or a list of chat messages, got {type(c).__name__}")
 
 
-def _task_ids(task_id: Any, n: int, who: str) -> list[str]:
-    if task_id is None:
-        raise ValueError(
-            f"{who}: the dataset has no `task_id` column; build it with composer_core.envs.env_dataset_rows(env)"
-        )
-    ids = [str(t) for t in task_id]
-    if len(ids) != n:
-        raise ValueError(f"{who}: {len(ids)} task ids for {n} completions")
-    return ids
+def _env_func(
+    env: Environment, kind: str, timeout_s: float | None, value: Callable[[StepResult], R]
+) -> Callable[..., list[R]]:
+    """``(prompts, completions, task_id=[...], **kw) -> [value(step result) per completion]``."""
+    scorer = scorer_for(env, timeout_s=timeout_s)
+    name = f"env_{kind}_" + re.sub(r"\W+", "_", env.name).strip("_")
 
+    def func(prompts: Sequence[Any], completions: Sequence[Any], task_id: Any = None, **_: Any) -> list[R]:
+        if task_id is None:
+            raise ValueError(
+                f"{name}: the dataset has no `task_id` column; build it with composer_core.envs.env_dataset_rows(env)"
+            )
+        ids = [str(t) for t in task_id]
+        if len(ids) != len(completions):
+            raise ValueError(f"{name}: {len(ids)} task ids for {len(completions)} completions")
+        return [value(scorer.score(t, _completion_text(c))) for t, c in zip(ids, completions)]
 
-def _func_name(env: Environment, kind: str) -> str:
-    return f"env_{kind}_" + re.sub(r"\W+", "_", env.name).strip("_")
+    func.__name__ = func.__qualname__ = name  # TRL logs rewards/<__name__>
+    return func
 
 
 def env_reward_func(env: Environment, *, timeout_s: float | None = None) -> Callable[..., list[float]]:
     """A reward function ``(prompts, completions, task_id=[...], **kw) -> list[float]`` scoring with ``env``."""
-    scorer = scorer_for(env, timeout_s=timeout_s)
-
-    def reward(
-        prompts: Sequence[Any], completions: Sequence[Any], task_id: Any = None, **_: Any
-    ) -> list[float]:
-        ids = _task_ids(task_id, len(completions), reward.__name__)
-        return [float(scorer.score(t, _completion_text(c)).reward) for t, c in zip(ids, completions)]
-
-    reward.__name__ = reward.__qualname__ = _func_name(env, "reward")  # TRL logs rewards/<__name__>
-    return reward
+    return _env_func(env, "reward", timeout_s, lambda step: float(step.reward))
 
 
 def env_hint_func(env: Environment, *, timeout_s: float | None = None) -> Callable[..., list[str | None]]:
     """A hint function (composer-trl's ``hint_fn``): the environment's feedback on each completion, or None."""
-    scorer = scorer_for(env, timeout_s=timeout_s)
-
-    def hint(
-        prompts: Sequence[Any], completions: Sequence[Any], task_id: Any = None, **_: Any
-    ) -> list[str | None]:
-        ids = _task_ids(task_id, len(completions), hint.__name__)
-        out: list[str | None] = []
-        for t, c in zip(ids, completions):
-            fb = scorer.score(t, _completion_text(c)).feedback
-            out.append(fb if fb and fb.strip() else None)
-        return out
-
-    hint.__name__ = hint.__qualname__ = _func_name(env, "hint")
-    return hint
+    return _env_func(
+        env, "hint", timeout_s, lambda step: step.feedback if (step.feedback or "").strip() else None
+    )
 
 
 def env_dataset_rows(

@@ -12,7 +12,7 @@ thread-safe, randomly initialised ``Qwen2ForCausalLM`` (or ``Qwen2MoeForCausalLM
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -192,32 +192,22 @@ def _hf_config(
     with _BUILD_LOCK:
         from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-    common: dict[str, Any] = {
-        "vocab_size": vocab_size,
-        "hidden_size": c.hidden_size,
-        "num_hidden_layers": c.num_hidden_layers,
-        "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads,
-        "intermediate_size": c.intermediate_size,
-        "max_position_embeddings": c.max_position_embeddings,
-        "pad_token_id": pad_id,
-        "eos_token_id": eos_id,
-        "bos_token_id": bos_id,
-        "tie_word_embeddings": False,
-    }
-    if c.attn_implementation is not None:
-        common["attn_implementation"] = c.attn_implementation
+    shape = asdict(c)
+    attn = shape.pop("attn_implementation")
+    moe_fields = (
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "shared_expert_intermediate_size",
+    )
+    moe = {k: shape.pop(k) for k in moe_fields}
+    common: dict[str, Any] = {**shape, "vocab_size": vocab_size, "tie_word_embeddings": False}
+    common |= {"pad_token_id": pad_id, "eos_token_id": eos_id, "bos_token_id": bos_id}
+    if attn is not None:
+        common["attn_implementation"] = attn
     if not c.num_experts:
         return Qwen2ForCausalLM, Qwen2Config(**common)
-    moe = Qwen2MoeConfig(
-        num_experts=c.num_experts,
-        num_experts_per_tok=c.num_experts_per_tok,
-        moe_intermediate_size=c.moe_intermediate_size,
-        shared_expert_intermediate_size=c.shared_expert_intermediate_size,
-        decoder_sparse_step=1,
-        **common,
-    )
-    return Qwen2MoeForCausalLM, moe
+    return Qwen2MoeForCausalLM, Qwen2MoeConfig(decoder_sparse_step=1, **moe, **common)
 
 
 def build_tiny_model(
