@@ -178,7 +178,7 @@ def _faulty_ws(app: FastAPI, fault: str) -> None:
 
 
 def build_app(
-    *, fault: str = "none", slow_s: float = 30.0, max_concurrent_envs: int = 64, **env: int
+    *, fault: str = "none", slow_s: float = 30.0, max_concurrent_envs: int = 64, **env: Any
 ) -> FastAPI:
     """The FastAPI app: OpenEnv's :class:`HTTPEnvServer` routes for :class:`DigitReversalOpenEnv` serving
     ``DigitReversalEnv(**env)`` (``n_tasks``, ``min_digits``, ``max_digits``, ``seed``, ``max_attempts``)."""

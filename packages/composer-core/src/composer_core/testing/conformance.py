@@ -73,12 +73,12 @@ def _t(values: Any, dtype: torch.dtype, grad: bool = False) -> Tensor:
     return torch.tensor(values, dtype=dtype).requires_grad_(grad)
 
 
-def _policy_only(dtype: torch.dtype, b: int = 1, t: int = 1) -> dict[str, Tensor]:
-    """Channel-1 inputs with zero advantage: policy loss and its gradient are exactly 0."""
+def _policy_only(dtype: torch.dtype) -> dict[str, Tensor]:
+    """Channel-1 inputs of one token with zero advantage: policy loss and its gradient are exactly 0."""
     return {
-        "logprobs": torch.full((b, t), -1.0, dtype=dtype).requires_grad_(True),
-        "advantages": torch.zeros(b, dtype=dtype),
-        "completion_mask": torch.ones(b, t, dtype=torch.bool),
+        "logprobs": _t([[-1.0]], dtype, grad=True),
+        "advantages": torch.zeros(1, dtype=dtype),
+        "completion_mask": torch.ones(1, 1, dtype=torch.bool),
     }
 
 
@@ -307,7 +307,7 @@ def _cases() -> tuple[ConformanceCase, ...]:
         _case(
             "sdpo_sampled/random_is_clip",
             "policy sdpo_sampled",
-            lambda dt: _random_sampled(dt, 4),
+            lambda dt: _random_with_old(dt, 4, sampled=True),
             {"sdpo_form": "sampled", "sdpo_token_clip": 1.5},
             "random batch with old log-probs: IS ratio clipped at 1.5",
         ),
@@ -375,24 +375,17 @@ def _cases() -> tuple[ConformanceCase, ...]:
     return tuple(cases)
 
 
-def _random_with_old(dtype: torch.dtype, seed: int) -> ComposerBatch:
+def _noisy(like: Tensor, seed: int, scale: float) -> Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return like.detach() + scale * torch.randn(like.shape, generator=g, dtype=torch.float64).to(like.dtype)
+
+
+def _random_with_old(dtype: torch.dtype, seed: int, sampled: bool = False) -> ComposerBatch:
+    """Channel-1 inputs of a random batch with old log-probs (``sampled``: and teacher log-probs)."""
     b = _random_batch(dtype, seed)
-    g = torch.Generator().manual_seed(seed + 1000)
-    b.old_logprobs = b.logprobs.detach() + 0.4 * torch.randn(
-        b.logprobs.shape, generator=g, dtype=torch.float64
-    ).to(dtype)
-    b.student_logits = b.teacher_logits = None
-    b.chosen_logps = b.rejected_logps = None
-    b.teacher_logprobs = None
-    return b
-
-
-def _random_sampled(dtype: torch.dtype, seed: int) -> ComposerBatch:
-    b = _random_with_old(dtype, seed)
-    g = torch.Generator().manual_seed(seed + 2000)
-    b.teacher_logprobs = b.logprobs.detach() + 0.5 * torch.randn(
-        b.logprobs.shape, generator=g, dtype=torch.float64
-    ).to(dtype)
+    b.old_logprobs = _noisy(b.logprobs, seed + 1000, 0.4)
+    b.student_logits = b.teacher_logits = b.chosen_logps = b.rejected_logps = None
+    b.teacher_logprobs = _noisy(b.logprobs, seed + 2000, 0.5) if sampled else None
     return b
 
 
