@@ -196,25 +196,20 @@ def _close_quietly(env: Environment, session: EnvSession, timeout_s: float) -> N
 
 def episode_error_sites(ep: EnvEpisode) -> list[ErrorSite]:
     """The environment's replies that carry feedback, as error sites (see the module docstring)."""
-    sites = []
-    for k, (action, reply) in enumerate(_step_turns(ep)):
-        if k >= len(ep.steps) or reply is None:
-            continue
-        feedback = ep.steps[k].feedback
-        if feedback is None or not feedback.strip():
-            continue
-        sites.append(
-            ErrorSite(
-                episode_id=ep.episode.id,
-                turn=reply,
-                action_turn=action,
-                tool_call_id=f"step-{k}",
-                tool_name=str(ep.episode.metadata.get("env", "env")),
-                kinds=("env_feedback",),
-                evidence=feedback,
-            )
+    env = str(ep.episode.metadata.get("env", "env"))
+    return [
+        ErrorSite(
+            episode_id=ep.episode.id,
+            turn=reply,
+            action_turn=action,
+            tool_call_id=f"step-{k}",
+            tool_name=env,
+            kinds=("env_feedback",),
+            evidence=feedback,
         )
-    return sites
+        for k, (action, reply) in enumerate(_step_turns(ep))
+        if reply is not None and (feedback := ep.steps[k].feedback) and feedback.strip()
+    ]
 
 
 def feedback_hint(ep_or_feedback: EnvEpisode | str | None = None) -> HintSource:
@@ -267,9 +262,7 @@ def episode_records(
     hint = feedback_hint()
     msgs, ref = ep.episode.messages, ep.task.reference
     out = []
-    for k, (a, _) in enumerate(_step_turns(ep)):
-        if k >= len(ep.steps):
-            continue
+    for k, (a, _) in enumerate(_step_turns(ep)[: len(ep.steps)]):  # the unscored last action: no record
         action = msgs[a]
         row: dict[str, object] = {
             "id": f"{ep.episode.id}@{a}",

@@ -23,6 +23,7 @@ wrong shape). Reset, the Task API and ``/health`` stay healthy in every mode.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -158,23 +159,16 @@ class DigitReversalOpenEnv(Environment[DigitReversalAction, DigitReversalObserva
 
 def _faulty_ws(app: FastAPI, fault: str) -> None:
     """A session WebSocket that answers garbage (registered before OpenEnv's, so it wins the route)."""
+    schema = {"type": "observation", "data": {"observation": "oops", "reward": "high", "done": "maybe"}}
+    answer = "<html>502 Bad Gateway</html>" if fault == "garbage" else json.dumps(schema)
 
     @app.websocket("/ws")
     async def faulty(websocket: WebSocket) -> None:
         await websocket.accept()
-        try:
+        with contextlib.suppress(WebSocketDisconnect):
             while True:
                 await websocket.receive_text()
-                if fault == "garbage":
-                    await websocket.send_text("<html>502 Bad Gateway</html>")
-                else:
-                    bad = {
-                        "type": "observation",
-                        "data": {"observation": "oops", "reward": "high", "done": "maybe"},
-                    }
-                    await websocket.send_text(json.dumps(bad))
-        except WebSocketDisconnect:
-            pass
+                await websocket.send_text(answer)
 
 
 def build_app(
