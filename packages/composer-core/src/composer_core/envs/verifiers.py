@@ -116,12 +116,9 @@ class VerifiersEnvironment:
         view = self.taskset if limit is None else self.taskset.take(limit)
         if not view.bounded:
             raise ValueError(f"{self.name}: the taskset is infinite; pass limit")
-        out = []
-        for task in view:
-            env_task = self._to_env_task(task)
-            self._tasks[env_task.task_id] = task
-            out.append(env_task)
-        return out
+        pairs = [(self._to_env_task(task), task) for task in view]
+        self._tasks.update((env_task.task_id, task) for env_task, task in pairs)
+        return [env_task for env_task, _ in pairs]
 
     def task(self, task_id: str) -> EnvTask:
         """The task with id ``task_id`` (composer_core.envs.trl_funcs looks rows up through this)."""
