@@ -32,7 +32,6 @@ OTHER_QUANTITIES = {
         "TAIDScheduler.__init__",
         "beta",
     ): "the momentum β of TAID's Alg. 1, not a divergence β",
-    ("testing/conformance.py", "_policy_only", "t"): "a sequence length T, not TAID's t",
     ("traces/replay.py", "TeacherConfig", "temperature"): "a teacher API's sampling temperature",
 }
 

@@ -1,17 +1,7 @@
-"""Environments as the source of tasks, rewards and hints (issue 18).
-
-- :mod:`.base`: the contract (:class:`EnvTask`, :class:`StepResult`, :class:`EnvSession`,
-  :class:`Environment`, :class:`EnvError`);
-- :mod:`.episodes`: :func:`run_episode` (multi-turn, bounded by ``timeout_s``, faults recorded as failed
-  episodes), error sites at the feedback turns, the feedback as a channel-2 hint source, training records
-  (the reference answer as channel 3's ``chosen``);
-- :mod:`.registry`: :func:`load_env` (``digit-reversal``, ``openenv:<url>``, ``verifiers:<module>``,
-  entry-point schemes);
-- :mod:`.trl_funcs`: dataset rows, reward and hint functions in TRL's calling convention;
-- :mod:`.digit_reversal`: the embedded task as an in-process environment.
-
-Adapters are extras: ``composer-core[openenv]`` (:mod:`.openenv`), ``composer-core[verifiers]``
-(:mod:`.verifiers`); they are not imported here.
+"""Environments as the source of tasks, rewards and hints: the contract (:mod:`.base`), episodes and their
+training records (:mod:`.episodes`), :func:`load_env` (:mod:`.registry`), TRL-style dataset rows, reward and
+hint functions (:mod:`.trl_funcs`) and the embedded task (:mod:`.digit_reversal`). The adapters are extras,
+not imported here: ``composer-core[openenv]`` (:mod:`.openenv`), ``composer-core[verifiers]`` (:mod:`.verifiers`).
 """
 
 from .base import EnvError, Environment, EnvSession, EnvTask, StepResult, prompt_messages

@@ -1,21 +1,12 @@
 """The environment contract: tasks, episodes stepped one action at a time, and the errors they raise.
 
-An :class:`Environment` hands out :class:`EnvTask` s (a prompt, optional tools, an optional reference answer)
-and opens one :class:`EnvSession` per episode (:meth:`Environment.reset`). Each
-:meth:`EnvSession.step` takes the policy's action (text) and returns a :class:`StepResult`: the reward of
-that step, whether the episode is over, and the environment's ``feedback`` on what went wrong. That
-feedback is what channel 2 distils from (the hint, :func:`composer_core.envs.episodes.feedback_hint`); the
-reference answer is channel 3's ``chosen`` (:func:`composer_core.envs.episodes.episode_records`).
-
-Single-turn hosts (TRL's reward functions, verl's reward loop) call ``reset(task)`` then ``step(completion)``
-once per completion; multi-turn hosts loop ``step`` until ``done`` (:func:`composer_core.envs.run_episode`).
-
-Every fault of an environment (server down, timeout, garbage response) is an :class:`EnvError` whose message is
-one line naming the environment and the cause; :func:`composer_core.envs.run_episode` records it as a failed
-episode (``EnvEpisode.failed``) instead of raising.
-
-This module is pure Python: adapters for environment ecosystems (OpenEnv, verifiers) are extras that import
-their host lazily.
+An :class:`Environment` hands out :class:`EnvTask` s and opens one :class:`EnvSession` per episode
+(:meth:`Environment.reset`); each :meth:`EnvSession.step` takes the policy's action (text) and returns a
+:class:`StepResult`. Its ``feedback`` is what channel 2 distils from, the task's reference answer channel 3's
+``chosen``. Single-turn hosts call ``reset(task)`` then ``step(completion)`` once; multi-turn hosts loop ``step``
+until ``done`` (:func:`composer_core.envs.run_episode`, which records an :class:`EnvError`, always one line
+naming the environment and the cause, as a failed episode). Pure Python: the OpenEnv and verifiers adapters
+are extras that import their host lazily.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """The embedded digit-reversal task as an in-process :class:`~composer_core.envs.Environment` (``--env digit-reversal``).
 
-The rules are :mod:`composer_core.tasks.digit_reversal`'s, unchanged: the reward of an answer is
-:func:`~composer_core.tasks.digit_reversal.verify` (partial credit per position), the feedback is
-:func:`~composer_core.tasks.digit_reversal.feedback_hint` (``".8.|"``: the expected digit where the answer is
-wrong, ``.`` where it is right; None when it is correct), the reference answer is the oracle's and
-``info["rejected"]`` the typical mistake (the digits copied unreversed).
-
-``max_attempts`` makes it multi-turn: a wrong answer before the last attempt gets reward 0, ``done=False`` and
-the feedback, and the policy tries again; the episode ends at the first correct answer (reward 1) or at the last
-attempt (reward = :func:`verify` of that answer). With ``max_attempts=1`` (the default) every episode is one step
-whose reward is :func:`verify`, the reward composer-train has always used.
-
-Task ids are ``"<split>:<digits>"``, so :meth:`DigitReversalEnv.task` rebuilds any task from its id.
+The rules are :mod:`composer_core.tasks.digit_reversal`'s: the reward is ``verify``, the feedback
+``feedback_hint``, the reference the oracle's answer and ``info["rejected"]`` the typical mistake.
+``max_attempts`` > 1 makes it multi-turn: a wrong answer before the last attempt gets reward 0, ``done=False``
+and the feedback; the episode ends at the first correct answer (reward 1) or at the last attempt (reward =
+``verify`` of that answer). Task ids are ``"<split>:<digits>"``, so :meth:`DigitReversalEnv.task` rebuilds
+any task from its id.
 """
 
 from __future__ import annotations

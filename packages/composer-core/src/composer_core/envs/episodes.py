@@ -62,11 +62,6 @@ class EnvEpisode:
     reward: float
     failed: str | None = None
 
-    def __post_init__(self) -> None:
-        turns = _step_turns(self)  # validates the layout
-        if self.failed is None and len(turns) > len(self.steps):
-            raise ValueError(f"episode {self.episode.id!r}: an unscored action without `failed` set")
-
     def actions(self) -> list[str]:
         """The policy's actions, in order (including a last unscored one of a failed episode)."""
         return [self.episode.messages[a].text for a, _ in _step_turns(self)]
@@ -75,6 +70,16 @@ class EnvEpisode:
 def _reply_text(step: StepResult) -> str | None:
     parts = [p for p in (step.feedback, step.observation) if p]
     return "\n\n".join(parts) if parts else None
+
+
+def _chat(task: EnvTask, actions: Sequence[str], steps: Sequence[StepResult]) -> tuple[Message, ...]:
+    """The episode's messages in the layout of the module docstring."""
+    messages = list(prompt_messages(task))
+    for k, action in enumerate(actions):
+        messages.append(Message("assistant", action))
+        if k < len(steps) and (reply := _reply_text(steps[k])) is not None:
+            messages.append(Message("user", reply))
+    return tuple(messages)
 
 
 def episode_from_steps(
@@ -95,37 +100,22 @@ def episode_from_steps(
         raise ValueError(f"{len(actions)} actions for {len(steps)} steps (need as many, or one more)")
     if len(actions) > len(steps) and failed is None:
         raise ValueError("an action without a step result needs `failed` (why the step did not complete)")
-    messages = list(prompt_messages(task))
-    for k, action in enumerate(actions):
-        messages.append(Message("assistant", action))
-        if k < len(steps) and (reply := _reply_text(steps[k])) is not None:
-            messages.append(Message("user", reply))
+    messages = _chat(task, actions, steps)
     eid = episode_id or f"{env_name}:{task.task_id}:{next(_COUNTER)}"
     meta = {"env": env_name, "task_id": task.task_id, **({"failed": failed} if failed else {})}
-    episode = Episode(eid, tuple(messages), task.tools, meta)
+    episode = Episode(eid, messages, task.tools, meta)
     reward = float(sum(s.reward for s in steps))
     return EnvEpisode(task, episode, tuple(steps), reward, failed)
 
 
 def _step_turns(ep: EnvEpisode) -> list[tuple[int, int | None]]:
-    """``(action index, reply index or None)`` per action, checked against the layout."""
+    """``(action index, reply index or None)`` per action (the layout of the module docstring)."""
     msgs = ep.episode.messages
-    i = len(prompt_messages(ep.task))
-    turns: list[tuple[int, int | None]] = []
-    k = 0
-    while i < len(msgs):
-        if msgs[i].role != "assistant":
-            raise ValueError(f"episode {ep.episode.id!r}: message {i} should be action {k} (assistant)")
-        reply = _reply_text(ep.steps[k]) if k < len(ep.steps) else None
-        has_reply = reply is not None
-        if has_reply and (i + 1 >= len(msgs) or msgs[i + 1].text != reply):
-            raise ValueError(f"episode {ep.episode.id!r}: message {i + 1} should be the reply to action {k}")
-        turns.append((i, i + 1 if has_reply else None))
-        i += 2 if has_reply else 1
-        k += 1
-    if len(turns) not in (len(ep.steps), len(ep.steps) + 1):
-        raise ValueError(f"episode {ep.episode.id!r}: {len(turns)} actions for {len(ep.steps)} steps")
-    return turns
+    replied = [i + 1 < len(msgs) and msgs[i + 1].role == "user" for i in range(len(msgs))]
+    start = len(prompt_messages(ep.task))
+    return [
+        (i, i + 1 if replied[i] else None) for i in range(start, len(msgs)) if msgs[i].role == "assistant"
+    ]
 
 
 def _call_bounded(fn: Callable[[], T], timeout_s: float, what: str) -> T:
@@ -174,56 +164,52 @@ def run_episode(
     session: EnvSession | None = None
     try:
         session = _call_bounded(lambda: env.reset(task), timeout_s, f"{env.name} reset")
-        messages = list(prompt_messages(task))
         for _ in range(max_turns):
-            action = act(tuple(messages))
+            action = act(_chat(task, actions, steps))
             if not isinstance(action, str):
                 raise TypeError(f"act returned {type(action).__name__}, expected the action text (str)")
             actions.append(action)
-            step = _call_bounded(functools.partial(session.step, action), timeout_s, f"{env.name} step")
-            if not isinstance(step, StepResult):
-                raise EnvError(f"{env.name}: step returned {type(step).__name__}, not a StepResult")
-            steps.append(step)
-            messages.append(Message("assistant", action))
-            if (reply := _reply_text(step)) is not None:
-                messages.append(Message("user", reply))
-            if step.done:
+            steps.append(_bounded_step(env, session, action, timeout_s))
+            if steps[-1].done:
                 break
     except EnvError as e:
         failed = str(e)
     finally:
         if session is not None:
-            _close_quietly(session, timeout_s)
+            _close_quietly(env, session, timeout_s)
     return episode_from_steps(task, actions, steps, env_name=env.name, failed=failed, episode_id=episode_id)
 
 
-def _close_quietly(session: EnvSession, timeout_s: float) -> None:
-    # the episode's result is already recorded; a session that cannot close is the server's problem
+def _bounded_step(env: Environment, session: EnvSession, action: str, timeout_s: float) -> StepResult:
+    """``session.step(action)`` bounded by ``timeout_s``; EnvError when it answers anything but a StepResult."""
+    step = _call_bounded(functools.partial(session.step, action), timeout_s, f"{env.name} step")
+    if not isinstance(step, StepResult):
+        raise EnvError(f"{env.name}: step returned {type(step).__name__}, not a StepResult")
+    return step
+
+
+def _close_quietly(env: Environment, session: EnvSession, timeout_s: float) -> None:
+    """Close ``session``; the episode's result (or error) is already what matters, so a close fault is dropped."""
     with contextlib.suppress(EnvError):
-        _call_bounded(session.close, timeout_s, "close")
+        _call_bounded(session.close, timeout_s, f"{env.name} close")
 
 
 def episode_error_sites(ep: EnvEpisode) -> list[ErrorSite]:
     """The environment's replies that carry feedback, as error sites (see the module docstring)."""
-    sites = []
-    for k, (action, reply) in enumerate(_step_turns(ep)):
-        if k >= len(ep.steps) or reply is None:
-            continue
-        feedback = ep.steps[k].feedback
-        if feedback is None or not feedback.strip():
-            continue
-        sites.append(
-            ErrorSite(
-                episode_id=ep.episode.id,
-                turn=reply,
-                action_turn=action,
-                tool_call_id=f"step-{k}",
-                tool_name=str(ep.episode.metadata.get("env", "env")),
-                kinds=("env_feedback",),
-                evidence=feedback,
-            )
+    env = str(ep.episode.metadata.get("env", "env"))
+    return [
+        ErrorSite(
+            episode_id=ep.episode.id,
+            turn=reply,
+            action_turn=action,
+            tool_call_id=f"step-{k}",
+            tool_name=env,
+            kinds=("env_feedback",),
+            evidence=feedback,
         )
-    return sites
+        for k, (action, reply) in enumerate(_step_turns(ep))
+        if reply is not None and (feedback := ep.steps[k].feedback) and feedback.strip()
+    ]
 
 
 def feedback_hint(ep_or_feedback: EnvEpisode | str | None = None) -> HintSource:
@@ -276,9 +262,7 @@ def episode_records(
     hint = feedback_hint()
     msgs, ref = ep.episode.messages, ep.task.reference
     out = []
-    for k, (a, _) in enumerate(_step_turns(ep)):
-        if k >= len(ep.steps):
-            continue
+    for k, (a, _) in enumerate(_step_turns(ep)[: len(ep.steps)]):  # the unscored last action: no record
         action = msgs[a]
         row: dict[str, object] = {
             "id": f"{ep.episode.id}@{a}",

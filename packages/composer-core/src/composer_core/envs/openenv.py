@@ -1,26 +1,17 @@
-"""OpenEnv adapter (``composer-core[openenv]``): an OpenEnv environment server as a composer Environment.
+"""OpenEnv adapter (``composer-core[openenv]``): ``load_env("openenv:http://host:port")`` gives an
+:class:`OpenEnvEnvironment`, whose episodes go through OpenEnv's own client (``GenericEnvClient``, one
+WebSocket session per episode, driven through ``.sync()``): ``reset`` starts the task's episode, ``step``
+sends ``{action_field: text}`` (default: the one string field of the action schema, ``GET /schema``).
 
-``load_env("openenv:http://host:port")`` (``composer-train --env openenv:<url>``) gives an
-:class:`OpenEnvEnvironment`. Episodes go through OpenEnv's own client (:class:`openenv.core.GenericEnvClient`,
-one WebSocket session per episode, driven synchronously through its ``.sync()`` wrapper): ``reset`` starts the
-task's episode on the server, ``step`` sends ``{action_field: text}``.
-
-Tasks come from OpenEnv's Task API (``POST /{env}/task_range``): each task spec's ``prompt`` (text or chat
-messages) is the prompt, ``reference`` (or ``answer``) the reference answer (channel 3's ``chosen``),
-``rejected`` an optional wrong answer, and the episode of task ``index`` of ``split`` starts with
-``reset(split=..., index=...)``. A server without the Task API (HTTP 501) gets seeded episodes instead: task
-``i`` of a split is ``reset(seed=SPLIT_SEED[split] + i)`` and its prompt is the reset observation's ``prompt``.
-
-Observations map to :class:`~composer_core.envs.StepResult` as: ``reward`` (None -> 0.0), ``done``,
-``feedback`` = the observation's ``feedback_field`` (default ``"feedback"``), ``observation`` = its
-``observation_field`` when one is configured. ``reset_kwargs`` go with every reset (e.g. the digit-reversal
-server's ``max_attempts``). ``action_field`` defaults to the one string field of the
-server's action schema (``GET /schema``).
-
-Faults are :class:`~composer_core.envs.EnvError` with one line naming the server: connection refused (server
-down), no answer within ``timeout_s`` (OpenEnv's own ``connect_timeout_s`` / ``message_timeout_s`` and the
-HTTP timeout are all ``timeout_s``), a non-JSON answer, or an answer of the wrong shape. Credentials in the URL
-are redacted from every message.
+Tasks come from OpenEnv's Task API (``POST /{env}/task_range``): a spec's ``prompt`` (text or chat messages),
+``reference`` (or ``answer``, channel 3's ``chosen``) and optional ``rejected``; task ``index`` of ``split``
+starts with ``reset(split=..., index=...)``. A server without the Task API (HTTP 501) gets seeded episodes:
+task ``i`` is ``reset(seed=SPLIT_SEEDS[split] + i)``, its prompt the reset observation's ``prompt``.
+Observations map to :class:`~composer_core.envs.StepResult` as ``reward`` (None -> 0.0), ``done``,
+``feedback`` = the ``feedback_field``, ``observation`` = the ``observation_field`` when one is configured;
+``reset_kwargs`` go with every reset. Every fault (server down, no answer within ``timeout_s``, which also
+bounds OpenEnv's connect and message timeouts, non-JSON, wrong shape) is a one-line
+:class:`~composer_core.envs.EnvError` naming the server, with credentials in the URL redacted.
 """
 
 from __future__ import annotations
@@ -35,12 +26,11 @@ from urllib.parse import urlsplit, urlunsplit
 from composer_core.traces.schema import Message, message_from_dict
 
 from .base import EnvError, EnvTask, StepResult
+from .digit_reversal import SPLIT_SEEDS  # also the seed offsets of the seeded-episode fallback
 
 __all__ = ["SPLIT_SEEDS", "OpenEnvEnvironment", "OpenEnvSession"]
 
 T = TypeVar("T")
-SPLIT_SEEDS = {"train": 0, "eval": 10_000, "test": 20_000}
-"""Seed offsets of the seeded-episode fallback (servers without OpenEnv's Task API)."""
 _MAX_MSG = 300
 
 
@@ -95,11 +85,8 @@ class OpenEnvEnvironment:
         self.name = f"openenv:{redact_url(self.url)}"
         self.timeout_s = timeout_s
         self._env_name, self._action_field = env_name, action_field
-        self.prompt_field, self.feedback_field, self.observation_field = (
-            prompt_field,
-            feedback_field,
-            observation_field,
-        )
+        self.prompt_field, self.feedback_field = prompt_field, feedback_field
+        self.observation_field = observation_field
         self.reset_kwargs = dict(reset_kwargs or {})
         self._tasks: dict[str, EnvTask] = {}
 
@@ -114,16 +101,12 @@ class OpenEnvEnvironment:
             return fn()
         except EnvError:
             raise
-        except TimeoutError as e:  # asyncio.TimeoutError is TimeoutError on Python >= 3.11
+        except (TimeoutError, self._httpx.TimeoutException) as e:  # asyncio's TimeoutError too (3.11+)
             raise self.fail(f"{what} did not answer within timeout_s={self.timeout_s:g}s") from e
-        except ConnectionError as e:
+        except (ConnectionError, self._httpx.ConnectError) as e:
             raise self.fail(f"{what}: cannot connect ({e}); is the OpenEnv server running?") from e
         except json.JSONDecodeError as e:
             raise self.fail(f"{what} answered non-JSON ({e.msg}); is this an OpenEnv server?") from e
-        except self._httpx.TimeoutException as e:
-            raise self.fail(f"{what} did not answer within timeout_s={self.timeout_s:g}s") from e
-        except self._httpx.ConnectError as e:
-            raise self.fail(f"{what}: cannot connect ({e}); is the OpenEnv server running?") from e
         except Exception as e:
             raise self.fail(f"{what} failed: {type(e).__name__}: {e}") from e
 
@@ -225,17 +208,19 @@ class OpenEnvEnvironment:
     def reset(self, task: EnvTask) -> OpenEnvSession:
         return OpenEnvSession(self, {**self.reset_kwargs, **task.info.get("reset", {})})
 
-    def parse(self, result: Any, what: str) -> StepResult:
-        """OpenEnv's ``StepResult`` (observation dict, reward, done) -> composer's, or a one-line EnvError."""
-        obs, reward, done = (
-            getattr(result, "observation", None),
-            getattr(result, "reward", None),
-            getattr(result, "done", None),
-        )
+    def observation(self, result: Any, what: str) -> dict[str, Any]:
+        """The observation dict of OpenEnv's ``StepResult``, or a one-line EnvError."""
+        obs = getattr(result, "observation", None)
         if not isinstance(obs, dict):
             raise self.fail(
                 f"{what} answered a malformed observation ({type(obs).__name__}, expected an object)"
             )
+        return obs
+
+    def parse(self, result: Any, what: str) -> StepResult:
+        """OpenEnv's ``StepResult`` (observation dict, reward, done) -> composer's, or a one-line EnvError."""
+        obs = self.observation(result, what)
+        reward, done = getattr(result, "reward", None), getattr(result, "done", None)
         if reward is not None and (isinstance(reward, str) or not isinstance(reward, int | float)):
             raise self.fail(f"{what} answered a malformed reward {reward!r} (expected a number)")
         if not isinstance(done, bool):
@@ -247,14 +232,8 @@ class OpenEnvEnvironment:
                 raise self.fail(
                     f"{what} answered a malformed {field!r} ({type(value).__name__}, expected text)"
                 )
-        meta = getattr(result, "metadata", None) or {}
-        return StepResult(
-            0.0 if reward is None else float(reward),
-            done,
-            feedback,
-            text,
-            {"observation": obs, "metadata": meta},
-        )
+        info = {"observation": obs, "metadata": getattr(result, "metadata", None) or {}}
+        return StepResult(0.0 if reward is None else float(reward), done, feedback, text, info)
 
 
 class OpenEnvSession:
@@ -267,12 +246,7 @@ class OpenEnvSession:
         try:
             env.guard("connect", self.client.connect)
             first = env.guard("reset", lambda: self.client.reset(**reset_kwargs))
-            obs = getattr(first, "observation", None)
-            if not isinstance(obs, dict):
-                raise env.fail(
-                    f"reset answered a malformed observation ({type(obs).__name__}, expected an object)"
-                )
-            self.first: dict[str, Any] = obs
+            self.first: dict[str, Any] = env.observation(first, "reset")
         except BaseException:
             self.close()
             raise

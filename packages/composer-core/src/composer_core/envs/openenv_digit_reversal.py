@@ -5,8 +5,8 @@ Run it::
     python -m composer_core.envs.openenv_digit_reversal --port 8000      # needs composer-core[openenv]
     composer-train --env openenv:http://127.0.0.1:8000 ...
 
-It is :class:`composer_core.envs.digit_reversal.DigitReversalEnv` behind
-:func:`openenv.core.env_server.create_fastapi_app`: one :class:`DigitReversalOpenEnv` per WebSocket session,
+It is :class:`composer_core.envs.digit_reversal.DigitReversalEnv` behind OpenEnv's :class:`HTTPEnvServer`:
+one :class:`DigitReversalOpenEnv` per WebSocket session,
 ``reset(split=..., index=..., max_attempts=...)`` starts the episode of that task (``max_attempts`` > 1 makes
 it multi-turn, default ``--max-attempts``), ``step(DigitReversalAction(answer=...))``
 returns a :class:`DigitReversalObservation` with the reward (``verify``), ``done`` and the ``feedback`` (the
@@ -23,9 +23,11 @@ wrong shape). Reset, the Task API and ``/health`` stay healthy in every mode.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 
 if __name__ == "__main__":
@@ -100,12 +102,10 @@ class DigitReversalOpenEnv(Environment[DigitReversalAction, DigitReversalObserva
         max_attempts: int | None = None,
         **kwargs: Any,
     ) -> DigitReversalObservation:
-        task = self._tasks(split)[self._index(split, index)]
-        attempts = self.config.max_attempts if max_attempts is None else int(max_attempts)
-        if attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
-        self._session = DigitReversalSession(task, attempts)
-        self._state = State(episode_id=episode_id or f"{task.task_id}", step_count=0)
+        task = self._task(split, index)
+        env = self.config if max_attempts is None else replace(self.config, max_attempts=int(max_attempts))
+        self._session = env.reset(task)
+        self._state = State(episode_id=episode_id or task.task_id, step_count=0)
         assert isinstance(task.prompt, str)
         return DigitReversalObservation(prompt=task.prompt, task_id=task.task_id, reward=None, done=False)
 
@@ -131,28 +131,25 @@ class DigitReversalOpenEnv(Environment[DigitReversalAction, DigitReversalObserva
         return self._state
 
     # --- OpenEnv's Task API -----------------------------------------------------------------
-    def _tasks(self, split: str) -> list[EnvTask]:
-        return list(self.config.tasks(split))
-
-    def _index(self, split: str, index: int) -> int:
-        n = self.num_tasks(split)
-        if not 0 <= index < n:
-            raise IndexError(f"task index {index} out of range for split {split!r} ({n} tasks)")
-        return index
+    def _task(self, split: str, index: int) -> EnvTask:
+        tasks = self.config.tasks(split)
+        if not 0 <= index < len(tasks):
+            raise IndexError(f"task index {index} out of range for split {split!r} ({len(tasks)} tasks)")
+        return tasks[index]
 
     def list_splits(self) -> list[str]:
         return list(SPLIT_SEEDS)
 
     def num_tasks(self, split: str) -> int:
-        return len(self._tasks(split))
+        return len(self.config.tasks(split))
 
     def get_task(self, split: str, index: int) -> dict[str, Any]:
-        return _spec(split, index, self._tasks(split)[self._index(split, index)])
+        return _spec(split, index, self._task(split, index))
 
     def get_task_range(
         self, split: str, start: int | None = None, stop: int | None = None
     ) -> list[dict[str, Any]]:
-        tasks = self._tasks(split)
+        tasks = self.config.tasks(split)
         lo, hi, _ = slice(start, stop).indices(len(tasks))
         return [_spec(split, i, tasks[i]) for i in range(lo, hi)]
 
@@ -162,40 +159,26 @@ class DigitReversalOpenEnv(Environment[DigitReversalAction, DigitReversalObserva
 
 def _faulty_ws(app: FastAPI, fault: str) -> None:
     """A session WebSocket that answers garbage (registered before OpenEnv's, so it wins the route)."""
+    schema = {"type": "observation", "data": {"observation": "oops", "reward": "high", "done": "maybe"}}
+    answer = "<html>502 Bad Gateway</html>" if fault == "garbage" else json.dumps(schema)
 
     @app.websocket("/ws")
     async def faulty(websocket: WebSocket) -> None:
         await websocket.accept()
-        try:
+        with contextlib.suppress(WebSocketDisconnect):
             while True:
                 await websocket.receive_text()
-                if fault == "garbage":
-                    await websocket.send_text("<html>502 Bad Gateway</html>")
-                else:
-                    bad = {
-                        "type": "observation",
-                        "data": {"observation": "oops", "reward": "high", "done": "maybe"},
-                    }
-                    await websocket.send_text(json.dumps(bad))
-        except WebSocketDisconnect:
-            pass
+                await websocket.send_text(answer)
 
 
 def build_app(
-    *,
-    n_tasks: int = 64,
-    min_digits: int = 3,
-    max_digits: int = 3,
-    seed: int = 0,
-    max_attempts: int = 1,
-    fault: str = "none",
-    slow_s: float = 30.0,
-    max_concurrent_envs: int = 64,
+    *, fault: str = "none", slow_s: float = 30.0, max_concurrent_envs: int = 64, **env: Any
 ) -> FastAPI:
-    """The FastAPI app: OpenEnv's :class:`HTTPEnvServer` routes for :class:`DigitReversalOpenEnv`."""
+    """The FastAPI app: OpenEnv's :class:`HTTPEnvServer` routes for :class:`DigitReversalOpenEnv` serving
+    ``DigitReversalEnv(**env)`` (``n_tasks``, ``min_digits``, ``max_digits``, ``seed``, ``max_attempts``)."""
     if fault not in FAULTS:
         raise ValueError(f"--fault must be one of {FAULTS}, got {fault!r}")
-    config = DigitReversalEnv(n_tasks, min_digits, max_digits, seed, max_attempts)
+    config = DigitReversalEnv(**env)
     env_cls = type(
         "DigitReversalOpenEnv",
         (DigitReversalOpenEnv,),
@@ -221,26 +204,16 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--n-tasks", type=int, default=64)
-    p.add_argument("--min-digits", type=int, default=3)
-    p.add_argument("--max-digits", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-attempts", type=int, default=1)
+    defaults = DigitReversalEnv()
+    for name in ("n_tasks", "min_digits", "max_digits", "seed", "max_attempts"):
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     p.add_argument("--fault", choices=FAULTS, default="none", help="a faulty server, for tests")
     p.add_argument("--slow-s", type=float, default=30.0, help="seconds every step sleeps with --fault slow")
-    a = p.parse_args(argv)
+    kw = vars(p.parse_args(argv))
+    host, port = kw.pop("host"), kw.pop("port")
     import uvicorn
 
-    app = build_app(
-        n_tasks=a.n_tasks,
-        min_digits=a.min_digits,
-        max_digits=a.max_digits,
-        seed=a.seed,
-        max_attempts=a.max_attempts,
-        fault=a.fault,
-        slow_s=a.slow_s,
-    )
-    uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
+    uvicorn.run(build_app(**kw), host=host, port=port, log_level="warning")
 
 
 if __name__ == "__main__":

@@ -28,10 +28,10 @@ from .base import Environment
 __all__ = ["BUILTIN_SCHEMES", "ENTRY_POINT_GROUP", "known_schemes", "load_env"]
 
 ENTRY_POINT_GROUP = "composer_core.envs"
-BUILTIN_SCHEMES: dict[str, tuple[str, str, str | None]] = {
-    # scheme: (module, class or factory, extra that installs the host library)
-    "openenv": ("composer_core.envs.openenv", "OpenEnvEnvironment", "openenv"),
-    "verifiers": ("composer_core.envs.verifiers", "VerifiersEnvironment", "verifiers"),
+BUILTIN_SCHEMES: dict[str, tuple[str, str]] = {
+    # scheme (also the extra that installs the host library): (module, class)
+    "openenv": ("composer_core.envs.openenv", "OpenEnvEnvironment"),
+    "verifiers": ("composer_core.envs.verifiers", "VerifiersEnvironment"),
 }
 _EXAMPLES = "digit-reversal, openenv:http://127.0.0.1:8000, verifiers:my_env_module"
 
@@ -52,11 +52,11 @@ def _bad(spec: object, why: str) -> ValueError:
 
 
 def _builtin(scheme: str, target: str, kw: dict[str, Any]) -> Environment:
-    module_name, attr, extra = BUILTIN_SCHEMES[scheme]
+    module_name, attr = BUILTIN_SCHEMES[scheme]
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        hint = f"pip install 'composer-core[{extra}]'" if extra else "check the installation"
+        hint = f"pip install 'composer-core[{scheme}]'"
         raise ImportError(f"--env {scheme}:{target} needs the {scheme} adapter ({e}); {hint}") from e
     return cast(Environment, getattr(module, attr)(target, **kw))
 

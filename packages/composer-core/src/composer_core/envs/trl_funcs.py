@@ -1,31 +1,23 @@
-"""An environment as TRL-style callables: dataset rows, a reward function, a hint function.
+"""An environment as TRL-style callables (``f(prompts=..., completions=..., **dataset_columns)``, no TRL import).
 
-No TRL import: these are plain callables in TRL's reward-function calling convention
-(``f(prompts=..., completions=..., **dataset_columns)``), which composer-trl's ``hint_fn`` shares.
-
-- :func:`env_dataset_rows`: one row per task, ``{"prompt", "task_id"}`` plus ``"chosen"`` (the reference
-  answer, channel 3) when any task has one, and ``"rejected"`` when a task's ``info["rejected"]`` gives one;
-- :func:`env_reward_func`: per completion, ``reset(task)`` -> ``step(completion)`` -> the step's reward;
-- :func:`env_hint_func`: the same step's feedback (None when there is none: that completion is not distilled).
-
-Single-turn use: each completion is one step of a fresh episode (a multi-turn environment contributes its first
-step's reward and feedback). The reward and the hint of a completion come from **one** step: both functions share
-an :class:`EnvScorer` per environment that caches the step result by ``(task_id, completion)``. The task of a row
-is found by its ``task_id`` column (tasks seen by :func:`env_dataset_rows`, else the environment's own
-``task(task_id)`` when it has one). An environment fault raises :class:`~composer_core.envs.EnvError` (one line);
-a training step never continues on a reward it could not compute.
+:func:`env_dataset_rows` gives one row per task (``prompt``, ``task_id``, and ``chosen`` / ``rejected`` when the
+tasks have them); :func:`env_reward_func` and :func:`env_hint_func` score each completion as one step of a fresh
+episode. Both share one :class:`EnvScorer` per environment, which caches the step result by
+``(task_id, completion)``, so a completion's reward and hint come from **one** step. An environment fault
+raises :class:`~composer_core.envs.EnvError`: a training step never continues on a reward it could not compute.
 """
 
 from __future__ import annotations
 
-import contextlib
 import re
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
-from .base import EnvError, Environment, EnvTask, StepResult
-from .episodes import _call_bounded
+from .base import Environment, EnvTask, StepResult
+from .episodes import _bounded_step, _call_bounded, _close_quietly
+
+R = TypeVar("R")
 
 __all__ = ["EnvScorer", "env_dataset_rows", "env_hint_func", "env_reward_func", "scorer_for"]
 
@@ -66,12 +58,9 @@ class EnvScorer:
         task = self.task(task_id)
         session = _call_bounded(lambda: self.env.reset(task), self.timeout_s, f"{self.env.name} reset")
         try:
-            result = _call_bounded(lambda: session.step(completion), self.timeout_s, f"{self.env.name} step")
+            result = _bounded_step(self.env, session, completion, self.timeout_s)
         finally:
-            with contextlib.suppress(EnvError):  # the step's result (or its error) is what matters
-                _call_bounded(session.close, self.timeout_s, f"{self.env.name} close")
-        if not isinstance(result, StepResult):
-            raise EnvError(f"{self.env.name}: step returned {type(result).__name__}, not a StepResult")
+            _close_quietly(self.env, session, self.timeout_s)
         self._cache[key] = result
         while len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
@@ -100,58 +89,42 @@ def scorer_for(env: Environment, *, timeout_s: float | None = None) -> EnvScorer
 def _completion_text(c: Any) -> str:
     if isinstance(c, str):
         return c
-    if isinstance(c, Sequence) and c and isinstance(c[-1], Mapping):
-        return str(
-            c[-1].get("content") or ""
-        )  # TRL's conversational completion: [{"role": "assistant", ...}]
+    if isinstance(c, Sequence) and c and isinstance(c[-1], Mapping):  # TRL's [{"role": "assistant", ...}]
+        return str(c[-1].get("content") or "")
     raise TypeError(f"a completion must be text or a list of chat messages, got {type(c).__name__}")
 
 
-def _task_ids(task_id: Any, n: int, who: str) -> list[str]:
-    if task_id is None:
-        raise ValueError(
-            f"{who}: the dataset has no `task_id` column; build it with composer_core.envs.env_dataset_rows(env)"
-        )
-    ids = [str(t) for t in task_id]
-    if len(ids) != n:
-        raise ValueError(f"{who}: {len(ids)} task ids for {n} completions")
-    return ids
+def _env_func(
+    env: Environment, kind: str, timeout_s: float | None, value: Callable[[StepResult], R]
+) -> Callable[..., list[R]]:
+    """``(prompts, completions, task_id=[...], **kw) -> [value(step result) per completion]``."""
+    scorer = scorer_for(env, timeout_s=timeout_s)
+    name = f"env_{kind}_" + re.sub(r"\W+", "_", env.name).strip("_")
 
+    def func(prompts: Sequence[Any], completions: Sequence[Any], task_id: Any = None, **_: Any) -> list[R]:
+        if task_id is None:
+            raise ValueError(
+                f"{name}: the dataset has no `task_id` column; build it with composer_core.envs.env_dataset_rows(env)"
+            )
+        ids = [str(t) for t in task_id]
+        if len(ids) != len(completions):
+            raise ValueError(f"{name}: {len(ids)} task ids for {len(completions)} completions")
+        return [value(scorer.score(t, _completion_text(c))) for t, c in zip(ids, completions)]
 
-def _func_name(env: Environment, kind: str) -> str:
-    return f"env_{kind}_" + re.sub(r"\W+", "_", env.name).strip("_")
+    func.__name__ = func.__qualname__ = name  # TRL logs rewards/<__name__>
+    return func
 
 
 def env_reward_func(env: Environment, *, timeout_s: float | None = None) -> Callable[..., list[float]]:
     """A reward function ``(prompts, completions, task_id=[...], **kw) -> list[float]`` scoring with ``env``."""
-    scorer = scorer_for(env, timeout_s=timeout_s)
-
-    def reward(
-        prompts: Sequence[Any], completions: Sequence[Any], task_id: Any = None, **_: Any
-    ) -> list[float]:
-        ids = _task_ids(task_id, len(completions), reward.__name__)
-        return [float(scorer.score(t, _completion_text(c)).reward) for t, c in zip(ids, completions)]
-
-    reward.__name__ = reward.__qualname__ = _func_name(env, "reward")  # TRL logs rewards/<__name__>
-    return reward
+    return _env_func(env, "reward", timeout_s, lambda step: float(step.reward))
 
 
 def env_hint_func(env: Environment, *, timeout_s: float | None = None) -> Callable[..., list[str | None]]:
     """A hint function (composer-trl's ``hint_fn``): the environment's feedback on each completion, or None."""
-    scorer = scorer_for(env, timeout_s=timeout_s)
-
-    def hint(
-        prompts: Sequence[Any], completions: Sequence[Any], task_id: Any = None, **_: Any
-    ) -> list[str | None]:
-        ids = _task_ids(task_id, len(completions), hint.__name__)
-        out: list[str | None] = []
-        for t, c in zip(ids, completions):
-            fb = scorer.score(t, _completion_text(c)).feedback
-            out.append(fb if fb and fb.strip() else None)
-        return out
-
-    hint.__name__ = hint.__qualname__ = _func_name(env, "hint")
-    return hint
+    return _env_func(
+        env, "hint", timeout_s, lambda step: step.feedback if (step.feedback or "").strip() else None
+    )
 
 
 def env_dataset_rows(

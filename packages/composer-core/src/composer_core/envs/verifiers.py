@@ -1,27 +1,17 @@
 """verifiers environments (``composer-core[verifiers]``, verifiers >= 0.4) behind composer's environment contract.
 
-A verifiers 0.4 environment is an installed package exporting a ``Taskset`` subclass (``vf.Taskset.load()``
-yields ``vf.Task`` s, each with its ``TaskData`` and its ``@vf.reward`` functions) and, for a multi-turn
-episode, an ``Env`` subclass whose ``run(task, agents)`` is the episode's control flow
-(``agents.<seat>.interaction(task)``, ``chat.turn(message)``). ``verifiers:<module>`` loads the taskset
-and the env exactly as verifiers' own loaders do (``taskset_class`` / ``environment_class``).
+``verifiers:<module>`` loads an installed package's ``Taskset`` (and, for multi-turn episodes, its ``Env``)
+exactly as verifiers' own loaders do. composer is the policy and no LLM endpoint is ever called:
 
-composer is the policy, and no LLM endpoint is ever called: verifiers' rollout machinery (harness programs
-behind an intercepted OpenAI endpoint) is not used. Instead:
+- **single-turn** (no ``Env`` of its own): ``step(completion)`` builds a ``vf.Trace`` of the prompt and the
+  completion and runs the task's own scoring (``await task.score(trace)``); the reward is ``trace.reward``;
+- **multi-turn**: the env's own ``run`` drives the episode with composer's actions as the solver seat's
+  replies; each message the env sends the solver (``chat.turn(message)``) is a step's ``feedback``, and when
+  ``run`` returns the trace is scored (and ``finalize`` runs) and the last step carries the reward.
 
-- **single-turn** (the taskset has no ``Env`` of its own, i.e. verifiers would run ``SingleAgentEnv``):
-  ``step(completion)`` builds a ``vf.Trace`` holding the prompt and the completion as the sampled assistant
-  reply and runs the task's own scoring (``await task.score(trace)``): the reward is ``trace.reward``, the
-  weighted sum of the task's rewards, exactly what verifiers records;
-- **multi-turn** (the package exports an ``Env``): the env's own ``run`` drives the episode with composer's
-  actions standing in for the solver seat's model replies. Each message the env sends the solver
-  (``chat.turn(message)``) is the step's ``feedback`` (the channel-2 hint, and the next user turn); when
-  ``run`` returns, the trace is scored (and the env's ``finalize`` runs) and the last step carries the reward.
-
-Feedback: verifiers has no feedback field; a reward function writes its text on the trace's scratch space,
-``trace.info["feedback"]`` (``feedback_key``), which becomes the last step's ``feedback``. Left out, loudly:
-LLM judges (``TaskConfig.judges``), rewards that need a runtime (sandbox) and envs with more than one
-seat raise :class:`~composer_core.envs.base.EnvError` / ``ValueError`` instead of being skipped.
+A reward function writes its feedback to ``trace.info["feedback"]`` (``feedback_key``), the last step's
+``feedback``. LLM judges, rewards that need a runtime (sandbox) and envs with more than one seat raise
+:class:`~composer_core.envs.base.EnvError` / ``ValueError`` instead of being skipped.
 """
 
 from __future__ import annotations
@@ -93,7 +83,9 @@ class VerifiersEnvironment:
                 {"taskset": ts_config.model_dump(), **dict(env_args or {})}
             )
             self.vf_env = env_cls(env_config)
-            self.seats = list(_seats(env_config))
+            from verifiers.v1.configs.agent import agent_config_fields
+
+            self.seats = list(agent_config_fields(env_config))
             if len(self.seats) != 1:
                 raise ValueError(
                     f"{self.name}: its Env declares seats {self.seats}; composer drives exactly one (the policy) "
@@ -124,12 +116,9 @@ class VerifiersEnvironment:
         view = self.taskset if limit is None else self.taskset.take(limit)
         if not view.bounded:
             raise ValueError(f"{self.name}: the taskset is infinite; pass limit")
-        out = []
-        for task in view:
-            env_task = self._to_env_task(task)
-            self._tasks[env_task.task_id] = task
-            out.append(env_task)
-        return out
+        pairs = [(self._to_env_task(task), task) for task in view]
+        self._tasks.update((env_task.task_id, task) for env_task, task in pairs)
+        return [env_task for env_task, _ in pairs]
 
     def task(self, task_id: str) -> EnvTask:
         """The task with id ``task_id`` (composer_core.envs.trl_funcs looks rows up through this)."""
@@ -227,12 +216,6 @@ class VerifiersEnvironment:
         return StepResult(float(trace.reward), True, feedback or None, info={"rewards": rewards})
 
 
-def _seats(env_config: Any) -> Sequence[str]:
-    from verifiers.v1.configs.agent import agent_config_fields
-
-    return list(agent_config_fields(env_config))
-
-
 def _prompt(data: Any) -> str | tuple[Message, ...]:
     prompt = data.prompt
     if prompt is None:
@@ -250,19 +233,21 @@ def _prompt(data: Any) -> str | tuple[Message, ...]:
 def _new_trace(task: Any, seat: str = "agent") -> Any:
     """A verifiers ``Trace`` for ``task`` holding its prompt messages (system prompt first)."""
     vf = _vf()
-    from verifiers.v1.graph import MessageNode
-    from verifiers.v1.trace import AgentInfo, TraceTask
+    from verifiers.v1.trace import AgentInfo
 
-    trace = vf.Trace(
-        task=TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
-        agent=AgentInfo(config=vf.AgentConfig(), name=seat),
-    )
+    trace = vf.Trace(task=_trace_task(task), agent=AgentInfo(config=vf.AgentConfig(), name=seat))
     data = task.data
     msgs: list[Any] = [vf.SystemMessage(content=data.system_prompt)] if data.system_prompt else []
     msgs += [vf.UserMessage(content=data.prompt)] if isinstance(data.prompt, str) else list(data.prompt or [])
     for m in msgs:
-        trace.nodes.append(MessageNode(parent=len(trace.nodes) - 1 if trace.nodes else None, message=m))
+        _append(trace, m, sampled=False)
     return trace
+
+
+def _trace_task(task: Any) -> Any:
+    from verifiers.v1.trace import TraceTask
+
+    return TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash)
 
 
 def _append(trace: Any, message: Any, *, sampled: bool) -> None:
@@ -301,6 +286,13 @@ class _Bridge:
         self.opened = False
         self.trainable = True
 
+    @asynccontextmanager
+    async def interaction(self, task: Any) -> AsyncIterator[_Bridge]:
+        if self.opened:
+            raise RuntimeError("composer's solver seat supports one interaction per episode")
+        self.opened = True
+        yield self
+
     async def turn(self, message: Any = None) -> Any:
         vf = _vf()
         if message is not None:
@@ -320,27 +312,16 @@ class _Bridge:
         return Segment(messages=[reply])
 
 
-class _Seat:
+class _Agents:
     def __init__(self, bridge: _Bridge) -> None:
         self._bridge = bridge
-        self.trainable = True
 
-    @asynccontextmanager
-    async def interaction(self, task: Any) -> AsyncIterator[_Bridge]:
-        if self._bridge.opened:
-            raise RuntimeError("composer's solver seat supports one interaction per episode")
-        self._bridge.opened = True
-        yield self._bridge
-
-
-class _Agents:
-    def __init__(self, seat: str, bridge: _Bridge) -> None:
-        self._seat, self._impl = seat, _Seat(bridge)
-
-    def __getattr__(self, name: str) -> _Seat:
-        if name != self._seat:
-            raise AttributeError(f"this env's only seat is {self._seat!r} (composer plays it), not {name!r}")
-        return self._impl
+    def __getattr__(self, name: str) -> _Bridge:
+        if name != self._bridge.seat:
+            raise AttributeError(
+                f"this env's only seat is {self._bridge.seat!r} (composer plays it), not {name!r}"
+            )
+        return self._bridge
 
 
 class _MultiTurnSession:
@@ -351,8 +332,8 @@ class _MultiTurnSession:
         self.run: asyncio.Task[Any] | None = None
         self.done = False
         self.loop = asyncio.new_event_loop()
-        self.bridge: _Bridge = self.loop.run_until_complete(self._make_bridge(seat))
-        agents = _Agents(seat, self.bridge)
+        self.bridge = _Bridge(seat, task)
+        agents = _Agents(self.bridge)
         try:
             self.loop.run_until_complete(self._bounded(env.vf_env.setup(agents)))
         except Exception as e:
@@ -364,9 +345,6 @@ class _MultiTurnSession:
             self.close()
             why = f" (it raised {error!r})" if error is not None else ""
             raise EnvError(f"{env.name}: its run() ended without asking the policy for a reply{why}")
-
-    async def _make_bridge(self, seat: str) -> _Bridge:
-        return _Bridge(seat, self.task)
 
     async def _bounded(self, coro: Any) -> Any:
         try:
@@ -442,8 +420,4 @@ _DONE = object()
 
 
 def _episode(task: Any, trace: Any) -> Any:
-    vf = _vf()
-    from verifiers.v1.trace import TraceTask
-
-    tt = TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash)
-    return vf.Episode(task=tt, traces=[trace])
+    return _vf().Episode(task=_trace_task(task), traces=[trace])

@@ -1,10 +1,7 @@
 """Two-digit addition for a real instruct model: a task a 135M model can start on and learn from its group.
 
-Chosen by measurement (SmolLM2-135M-Instruct, greedy, 48 held-out sums, 16 new tokens): with the prompt
-``"Compute 47 + 38. Reply with just the result."`` the model answers in the form ``"47 + 38 = 85"`` and is
-right on 15 % of the sums (0 % with ``"What is a + b? Answer with the number only."``, where it restates the
-question), so GRPO has a signal to start from and most groups hold both successes and failures — the setting
-where SDPO's successful-sibling teacher has something to teach.
+With the prompt ``"Compute 47 + 38. Reply with just the result."`` SmolLM2-135M-Instruct answers
+``"47 + 38 = 85"`` and is right on 15 % of held-out sums, so most groups hold both successes and failures.
 
 Rules (pure Python, one implementation for every host):
 
@@ -75,6 +72,13 @@ def extract_answer(completion: str) -> int | None:
     return int(found.group()) if found else None
 
 
+def _digit_pairs(want: int, got: int) -> list[tuple[str, str]]:
+    """The digits of ``want`` and ``got`` paired from the units up (the shorter one padded with blanks)."""
+    a, b = str(want), str(got)
+    width = max(len(a), len(b))
+    return list(zip(reversed(a.rjust(width)), reversed(b.rjust(width))))
+
+
 def verify(prompt: Any, completion: Any) -> float:
     """1.0 for the exact sum, else 0.5 × the fraction of the sum's digits right (aligned from the right)."""
     a, b = operands(prompt)
@@ -83,10 +87,8 @@ def verify(prompt: Any, completion: Any) -> float:
         return 0.0
     if got == a + b:
         return 1.0
-    want, have = str(a + b), str(got)
-    width = max(len(want), len(have))
-    right = sum(x == y for x, y in zip(want.rjust(width), have.rjust(width)))
-    return 0.5 * right / width
+    pairs = _digit_pairs(a + b, got)
+    return 0.5 * sum(x == y for x, y in pairs) / len(pairs)
 
 
 def feedback(prompt: Any, completion: Any) -> str | None:
@@ -97,11 +99,8 @@ def feedback(prompt: Any, completion: Any) -> str | None:
         return f"The reply has no number. Reply with the value of {a} + {b}."
     if got == a + b:
         return None
-    want, have = str(a + b), str(got)
-    width = max(len(want), len(have))
     places = ("units", "tens", "hundreds", "thousands")
-    wrong = [places[i] if i < len(places) else f"10^{i}" for i, (x, y) in enumerate(
-        zip(reversed(want.rjust(width)), reversed(have.rjust(width)))) if x != y]  # fmt: skip
+    wrong = [places[i] if i < 4 else f"10^{i}" for i, (x, y) in enumerate(_digit_pairs(a + b, got)) if x != y]
     direction = "too large" if got > a + b else "too small"
     carry = (
         " Remember to carry the ten when the units add up to 10 or more." if (a % 10 + b % 10) >= 10 else ""

@@ -4,8 +4,7 @@ A prompt is a digit string followed by ``>``; the correct completion is the same
 
     prompt "3817>"   answer "7183"
 
-composer-trl's main job (``composer-train``) and composer-monarch's ``ReverseDigits`` both run this
-module's rules, so a number measured in one host means the same thing in the other:
+composer-trl's main job and composer-monarch's ``ReverseDigits`` both run these rules:
 
 - **reward** (:func:`verify`): partial credit, ``#{i : completion[i] == answer[i]} / max(len(completion),
   len(answer))``, so a tiny model's reward rises smoothly instead of staying at 0 until it is perfect,
@@ -17,14 +16,8 @@ module's rules, so a number measured in one host means the same thing in the oth
 - **oracle** (:func:`oracle_solve`): the correct answer, the teacher trace (``chosen``) of channel 3; the
   ``rejected`` side (:func:`wrong_solution`) is the typical mistake, the digits copied unreversed.
 
-These are the rules composer-trl's main job has used since its first README numbers; composer-monarch's
-earlier integer task (reward over the answer length plus EOS, the full answer as the hint of every
-sample) was replaced by them.
-
-Text is made of :data:`ALPHABET` (13 characters). :data:`VOCAB` maps it to token ids after three special
-tokens (``<pad>`` 0, ``<eos>`` 1, ``<bos>`` 2): :func:`encode` / :func:`decode` are that mapping in pure
-Python, and :func:`composer_core.tasks.tiny.build_char_tokenizer` builds the same ids as a Hugging Face
-tokenizer, so a token-level host (Monarch) and a text-level host (TRL) see identical token ids.
+:func:`encode` / :func:`decode` map text to the ids of :data:`VOCAB` in pure Python, the ids
+:func:`composer_core.tasks.tiny.build_char_tokenizer` gives too, so Monarch and TRL see identical token ids.
 """
 
 from __future__ import annotations

@@ -1,32 +1,18 @@
 """A tiny Qwen2 causal LM and a character tokenizer, built locally (no download).
 
-composer-trl's main job (``composer-train`` without ``--model``) and composer-monarch's ``TinyQwen2``
-both build their model here; the tests of both use it too.
-
-- :func:`char_vocab` is the id mapping (``<pad>`` 0, ``<eos>`` 1, ``<bos>`` 2, then one id per character),
-  pure Python;
-- :func:`build_char_tokenizer` wraps that mapping in a ``tokenizers`` WordLevel model inside
-  ``PreTrainedTokenizerFast`` (left padding, as TRL's GRPOTrainer requires), so it saves and reloads with
-  ``AutoTokenizer`` like any other tokenizer;
-- :func:`build_tiny_qwen2` / :func:`build_tiny_model` build a randomly initialised ``Qwen2ForCausalLM``
-  (or, with ``TinyModelConfig(num_experts=...)``, a mixture-of-experts ``Qwen2MoeForCausalLM``)
-  from a :class:`TinyModelConfig` and a seed, without touching the caller's global RNG state, and
-  thread-safe (Monarch actors sharing a process are constructed on different threads);
-- ``build_char_tokenizer(alphabet, chatml=True)`` is the same character tokenizer in the form a Qwen2 model
-  directory needs (hosts that load a tokenizer by the model's type, e.g. verl's agent loop, through
-  ``AutoTokenizer``, which rebuilds a ``qwen2`` model's tokenizer as transformers' byte-level
-  ``Qwen2Tokenizer``): byte-level vocabulary keys, ``<|im_start|>`` / ``<|im_end|>`` special tokens and a
-  ChatML chat template (:data:`CHATML_TEMPLATE`), ``"\\n"`` one token.
-
-The builders need the ``hf`` extra (``pip install 'composer-core[hf]'``: transformers, tokenizers); a
-missing one raises ``ImportError`` naming it. Importing this module needs nothing beyond the standard
-library.
+composer-trl's main job (``composer-train`` without ``--model``), composer-monarch's ``TinyQwen2`` and their
+tests build their model here. :func:`char_vocab` is the id mapping (pure Python);
+:func:`build_char_tokenizer` wraps it in a ``PreTrainedTokenizerFast`` (left padding, as TRL's GRPOTrainer
+requires; ``chatml=True``: the byte-level, ChatML form a Qwen2 model directory needs, for hosts that reload
+the tokenizer by the model's type); :func:`build_tiny_qwen2` / :func:`build_tiny_model` build a seeded,
+thread-safe, randomly initialised ``Qwen2ForCausalLM`` (or ``Qwen2MoeForCausalLM``). The builders need the
+``hf`` extra (``pip install 'composer-core[hf]'``); importing this module needs only the standard library.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -127,15 +113,9 @@ def _byte_level_vocab(alphabet: str) -> dict[str, int]:
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character table (the symbols of a byte-level vocabulary):
     printable Latin-1 bytes map to themselves, the other bytes to ``chr(256 + k)`` in byte order."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    table = {b: chr(b) for b in printable}
-    others = [b for b in range(256) if b not in table]
-    table.update({b: chr(256 + k) for k, b in enumerate(others)})
-    return table
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)}
+    others = [b for b in range(256) if b not in printable]
+    return {b: chr(b) for b in printable} | {b: chr(256 + k) for k, b in enumerate(others)}
 
 
 @dataclass(frozen=True)
@@ -212,32 +192,22 @@ def _hf_config(
     with _BUILD_LOCK:
         from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-    common: dict[str, Any] = {
-        "vocab_size": vocab_size,
-        "hidden_size": c.hidden_size,
-        "num_hidden_layers": c.num_hidden_layers,
-        "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads,
-        "intermediate_size": c.intermediate_size,
-        "max_position_embeddings": c.max_position_embeddings,
-        "pad_token_id": pad_id,
-        "eos_token_id": eos_id,
-        "bos_token_id": bos_id,
-        "tie_word_embeddings": False,
-    }
-    if c.attn_implementation is not None:
-        common["attn_implementation"] = c.attn_implementation
+    shape = asdict(c)
+    attn = shape.pop("attn_implementation")
+    moe_fields = (
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "shared_expert_intermediate_size",
+    )
+    moe = {k: shape.pop(k) for k in moe_fields}
+    common: dict[str, Any] = {**shape, "vocab_size": vocab_size, "tie_word_embeddings": False}
+    common |= {"pad_token_id": pad_id, "eos_token_id": eos_id, "bos_token_id": bos_id}
+    if attn is not None:
+        common["attn_implementation"] = attn
     if not c.num_experts:
         return Qwen2ForCausalLM, Qwen2Config(**common)
-    moe = Qwen2MoeConfig(
-        num_experts=c.num_experts,
-        num_experts_per_tok=c.num_experts_per_tok,
-        moe_intermediate_size=c.moe_intermediate_size,
-        shared_expert_intermediate_size=c.shared_expert_intermediate_size,
-        decoder_sparse_step=1,
-        **common,
-    )
-    return Qwen2MoeForCausalLM, moe
+    return Qwen2MoeForCausalLM, Qwen2MoeConfig(decoder_sparse_step=1, **moe, **common)
 
 
 def build_tiny_model(

@@ -9,18 +9,17 @@ Pytest-free, so each adapter runs it inside its own host's test session::
 
     check_adapter(compute, supports={"policy", "sdpo_full", "dpo"}, atol=1e-6, rtol=1e-5)
 
-Each :class:`ConformanceCase` is a batch factory (fresh leaf tensors on every call), the ``compose_loss``
-options, and closed-form expected values where one exists (e.g. JSD_½ of [0.9, 0.1] vs [0.5, 0.5] is
-0.10175; DPO at initialisation is ln 2). ``check_adapter`` first checks ``compose_loss`` against the closed
-form, then the adapter's total against ``compose_loss`` in value and in the gradient of every input that
-requires grad. Tags (``supports``): ``policy``, ``sdpo_full``, ``sdpo_sampled``, ``sdpo_topk``, ``taid``,
-``entropy_opd``, ``dpo``, ``simpo``, ``global_normalizer``, ``sdpo_compiled`` (the adapter passes
-``sdpo_compiled`` through: the JSD chunk kernel under ``torch.compile``, which needs inductor's backend: a C++
-compiler on a CPU); a case runs when all its tags are supported.
+A :class:`ConformanceCase` is a batch factory (fresh leaves on every call), ``compose_loss`` options and
+closed-form values where one exists (JSD_½ of [0.9, 0.1] vs [0.5, 0.5] is 0.10175; DPO at initialisation is
+ln 2). ``check_adapter`` checks ``compose_loss`` against the closed form, then the adapter's total against
+``compose_loss`` in value and in the gradient of every input that requires grad. A case runs when all its tags
+(:data:`TAGS`) are in ``supports``; ``sdpo_compiled`` is the JSD chunk kernel under ``torch.compile`` (needs
+inductor's backend: a C++ compiler on a CPU).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
@@ -40,21 +39,6 @@ __all__ = [
     "cases_for",
     "check_adapter",
 ]
-
-TAGS = frozenset(
-    {
-        "policy",
-        "sdpo_full",
-        "sdpo_sampled",
-        "sdpo_topk",
-        "taid",
-        "entropy_opd",
-        "dpo",
-        "simpo",
-        "global_normalizer",
-        "sdpo_compiled",
-    }
-)
 
 #: An adapter's host-side computation: (batch, compose_loss options) -> total loss (or a ComposeResult).
 Compute = Callable[[ComposerBatch, Mapping[str, Any]], "Tensor | ComposeResult"]
@@ -89,12 +73,12 @@ def _t(values: Any, dtype: torch.dtype, grad: bool = False) -> Tensor:
     return torch.tensor(values, dtype=dtype).requires_grad_(grad)
 
 
-def _policy_only(dtype: torch.dtype, b: int = 1, t: int = 1) -> dict[str, Tensor]:
-    """Channel-1 inputs with zero advantage: policy loss and its gradient are exactly 0."""
+def _policy_only(dtype: torch.dtype) -> dict[str, Tensor]:
+    """Channel-1 inputs of one token with zero advantage: policy loss and its gradient are exactly 0."""
     return {
-        "logprobs": torch.full((b, t), -1.0, dtype=dtype).requires_grad_(True),
-        "advantages": torch.zeros(b, dtype=dtype),
-        "completion_mask": torch.ones(b, t, dtype=torch.bool),
+        "logprobs": _t([[-1.0]], dtype, grad=True),
+        "advantages": torch.zeros(1, dtype=dtype),
+        "completion_mask": torch.ones(1, 1, dtype=torch.bool),
     }
 
 
@@ -167,323 +151,247 @@ def _two_token(dtype: torch.dtype, student: list[float], teacher: list[float]) -
 
 
 # ------------------------------------------------------------------------------------------------ cases
+def _case(
+    name: str,
+    tags: str,
+    make_batch: Callable[[torch.dtype], ComposerBatch],
+    options: Mapping[str, Any],
+    description: str,
+    exact: tuple[str, float] | None = None,
+) -> ConformanceCase:
+    """A case with space-separated ``tags``; ``exact = (channel, value)``: that channel and the total are
+    ``value`` in closed form."""
+    expected = {exact[0]: exact[1], "total": exact[1]} if exact else {}
+    return ConformanceCase(name, frozenset(tags.split()), make_batch, options, expected, description)
+
+
+def _one_token(dtype: torch.dtype, other: str) -> ComposerBatch:
+    """ℓθ = ln .5 on one token with zero advantage; the batch field ``other`` (log-probs) is ln .25."""
+    batch = ComposerBatch(
+        logprobs=_t([[math.log(0.5)]], dtype, grad=True),
+        advantages=_t([0.0], dtype),
+        completion_mask=torch.ones(1, 1, dtype=torch.bool),
+    )
+    setattr(batch, other, _t([[math.log(0.25)]], dtype))
+    return batch
+
+
+def _pairs(dtype: torch.dtype, h: float) -> ComposerBatch:
+    """One preference pair whose chosen log-prob is ``h`` above the reference's."""
+    return ComposerBatch(
+        **_policy_only(dtype),
+        chosen_logps=_t([h - 12.0], dtype, grad=True),
+        rejected_logps=_t([-15.0], dtype, grad=True),
+        ref_chosen_logps=_t([-12.0], dtype),
+        ref_rejected_logps=_t([-15.0], dtype),
+        chosen_lengths=torch.tensor([4]),
+        rejected_lengths=torch.tensor([5]),
+    )
+
+
+def _policy_ratio_one(dtype: torch.dtype) -> ComposerBatch:
+    return ComposerBatch(
+        logprobs=_t([[-1.0, -2.0, -0.5], [-0.3, -1.2, -2.2]], dtype, grad=True),
+        advantages=_t([1.0, -1.0], dtype),
+        completion_mask=torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool),
+    )
+
+
+def _policy_clip(dtype: torch.dtype) -> ComposerBatch:
+    return ComposerBatch(
+        logprobs=_t([[math.log(1.5)], [math.log(0.5)]], dtype, grad=True),
+        advantages=_t([1.0, -1.0], dtype),
+        completion_mask=torch.ones(2, 1, dtype=torch.bool),
+        old_logprobs=torch.zeros(2, 1, dtype=dtype),
+    )
+
+
 def _cases() -> tuple[ConformanceCase, ...]:
-    cases: list[ConformanceCase] = []
-    add = cases.append
-
-    # ---- channel 1
-    def policy_ratio_one(dtype: torch.dtype) -> ComposerBatch:
-        return ComposerBatch(
-            logprobs=_t([[-1.0, -2.0, -0.5], [-0.3, -1.2, -2.2]], dtype, grad=True),
-            advantages=_t([1.0, -1.0], dtype),
-            completion_mask=torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool),
-        )
-
-    add(
-        ConformanceCase(
-            "policy/ratio_one_dapo",
-            frozenset({"policy"}),
-            policy_ratio_one,
-            {"alpha_sdpo": 0.0, "beta_replay": 0.0},
-            {"total": 0.2, "policy": 0.2},
-            "on-policy (old = sg(ℓ)): −Σ A·m / Σ m = −(2·1 + 3·(−1))/5",
-        )
-    )
-    add(
-        ConformanceCase(
-            "policy/ratio_one_global_normalizer",
-            frozenset({"policy", "global_normalizer"}),
-            policy_ratio_one,
-            {"normalizer": 10.0},
-            {"total": 0.1, "policy": 0.1},
-            "dapo with the global token count 10 (e.g. 2 micro-batches): 1/10",
-        )
-    )
-
-    def policy_clip(dtype: torch.dtype) -> ComposerBatch:
-        return ComposerBatch(
-            logprobs=_t([[math.log(1.5)], [math.log(0.5)]], dtype, grad=True),
-            advantages=_t([1.0, -1.0], dtype),
-            completion_mask=torch.ones(2, 1, dtype=torch.bool),
-            old_logprobs=torch.zeros(2, 1, dtype=dtype),
-        )
-
-    add(
-        ConformanceCase(
-            "policy/clip_higher_grpo",
-            frozenset({"policy"}),
-            policy_clip,
-            {"loss_type": "grpo", "epsilon_high": 0.28},
-            {"total": (-1.28 + 0.8) / 2, "policy": (-1.28 + 0.8) / 2},
-            "ρ=1.5, A=+1, ε_hi=0.28 → −1.28; ρ=0.5, A=−1, ε_lo=0.2 → +0.8; grpo mean",
-        )
-    )
-
-    def policy_kl(dtype: torch.dtype) -> ComposerBatch:
-        return ComposerBatch(
-            logprobs=_t([[math.log(0.5)]], dtype, grad=True),
-            advantages=_t([0.0], dtype),
-            completion_mask=torch.ones(1, 1, dtype=torch.bool),
-            ref_logprobs=_t([[math.log(0.25)]], dtype),
-        )
-
+    q9, half, q631, uni = [0.9, 0.1], [0.5, 0.5], [0.6, 0.3, 0.1], [1 / 3] * 3
     k3 = 0.5 - math.log(0.5) - 1  # e^x − x − 1 with x = ln(0.25/0.5)
-    add(
-        ConformanceCase(
+    jsd_half = _jsd(half, q9, 0.5)
+    t_mix = 0.4
+    taid_target = _softmax([(1 - t_mix) * a + t_mix * b for a, b in zip(_log(q9), _log(half))])
+    topk_fkl = 0.2 * math.log(0.2 / 0.6) + 0.8 * math.log(0.8 / 0.4)
+    cases = [
+        # ---- channel 1
+        _case(
+            "policy/ratio_one_dapo",
+            "policy",
+            _policy_ratio_one,
+            {"alpha_sdpo": 0.0, "beta_replay": 0.0},
+            "on-policy (old = sg(ℓ)): −Σ A·m / Σ m = −(2·1 + 3·(−1))/5",
+            ("policy", 0.2),
+        ),
+        _case(
+            "policy/ratio_one_global_normalizer",
+            "policy global_normalizer",
+            _policy_ratio_one,
+            {"normalizer": 10.0},
+            "dapo with the global token count 10 (e.g. 2 micro-batches): 1/10",
+            ("policy", 0.1),
+        ),
+        _case(
+            "policy/clip_higher_grpo",
+            "policy",
+            _policy_clip,
+            {"loss_type": "grpo", "epsilon_high": 0.28},
+            "ρ=1.5, A=+1, ε_hi=0.28 → −1.28; ρ=0.5, A=−1, ε_lo=0.2 → +0.8; grpo mean",
+            ("policy", (-1.28 + 0.8) / 2),
+        ),
+        _case(
             "policy/kl_k3",
-            frozenset({"policy"}),
-            policy_kl,
+            "policy",
+            lambda dt: _one_token(dt, "ref_logprobs"),
             {"kl_beta": 0.04},
-            {"total": 0.04 * k3, "policy": 0.04 * k3},
             "ℓθ=ln .5, ℓref=ln .25: k3 = 0.19315, × β=0.04",
-        )
-    )
-    add(
-        ConformanceCase(
+            ("policy", 0.04 * k3),
+        ),
+        _case(
             "policy/random_bnpo_delta",
-            frozenset({"policy"}),
+            "policy",
             lambda dt: _random_with_old(dt, 21),
             {"loss_type": "bnpo", "epsilon_high": 0.28, "delta": 1.5},
-            {},
             "random batch, old log-probs, clip-higher, two-sided delta",
-        )
-    )
-
-    # ---- channel 2: full JSD
-    for beta in (0.0, 0.5, 1.0):
-        add(
-            ConformanceCase(
+        ),
+        # ---- channel 2: full JSD
+        *(
+            _case(
                 f"sdpo_full/two_token_beta_{beta}",
-                frozenset({"sdpo_full"}),
-                lambda dt: _two_token(dt, [0.9, 0.1], [0.5, 0.5]),
+                "sdpo_full",
+                lambda dt: _two_token(dt, q9, half),
                 {"sdpo_beta": beta, "beta_replay": 0.0},
-                {"sdpo": _jsd([0.5, 0.5], [0.9, 0.1], beta), "total": _jsd([0.5, 0.5], [0.9, 0.1], beta)},
                 "P_T=[.5,.5], P_S=[.9,.1]: FKL 0.51083, JSD_½ 0.10175, RKL 0.36806",
+                ("sdpo", _jsd(half, q9, beta)),
             )
-        )
-    add(
-        ConformanceCase(
+            for beta in (0.0, 0.5, 1.0)
+        ),
+        _case(
             "sdpo_full/two_token_compiled",
-            frozenset({"sdpo_full", "sdpo_compiled"}),
-            lambda dt: _two_token(dt, [0.9, 0.1], [0.5, 0.5]),
+            "sdpo_full sdpo_compiled",
+            lambda dt: _two_token(dt, q9, half),
             {"sdpo_beta": 0.5, "beta_replay": 0.0, "sdpo_compiled": True},
-            {"sdpo": _jsd([0.5, 0.5], [0.9, 0.1], 0.5), "total": _jsd([0.5, 0.5], [0.9, 0.1], 0.5)},
             "sdpo_compiled=True (the chunk kernel under torch.compile): JSD_½ 0.10175",
-        )
-    )
-    add(
-        ConformanceCase(
+            ("sdpo", jsd_half),
+        ),
+        _case(
             "sdpo_full/random_three_channels",
-            frozenset({"policy", "sdpo_full", "dpo"}),
+            "policy sdpo_full dpo",
             lambda dt: _random_batch(dt, 1),
             {"alpha_sdpo": 0.7, "beta_replay": 0.3, "sdpo_temperature": 0.9},
-            {},
             "random batch, all three channels, hint mask ≠ completion mask",
-        )
-    )
-    add(
-        ConformanceCase(
+        ),
+        _case(
             "sdpo_full/random_fused_hidden",
-            frozenset({"policy", "sdpo_full"}),
+            "policy sdpo_full",
             lambda dt: _random_batch(dt, 2, hidden=True),
             {"alpha_sdpo": 0.5, "beta_replay": 0.0, "sdpo_beta": 0.2},
-            {},
             "fused hidden-state form (student_hidden, teacher_hidden, lm_head_weight)",
-        )
-    )
-    add(
-        ConformanceCase(
+        ),
+        _case(
             "global_normalizer/three_channels",
-            frozenset({"policy", "sdpo_full", "dpo", "global_normalizer"}),
+            "policy sdpo_full dpo global_normalizer",
             lambda dt: _random_batch(dt, 3),
             {"normalizer": 40.0, "sdpo_normalizer": 25.0, "replay_normalizer": 8.0},
-            {},
             "each channel divided by its global count",
-        )
-    )
-
-    # ---- channel 2: sampled token
-    def sampled(dtype: torch.dtype) -> ComposerBatch:
-        return ComposerBatch(
-            logprobs=_t([[math.log(0.5)]], dtype, grad=True),
-            advantages=_t([0.0], dtype),
-            completion_mask=torch.ones(1, 1, dtype=torch.bool),
-            teacher_logprobs=_t([[math.log(0.25)]], dtype),
-        )
-
-    add(
-        ConformanceCase(
+        ),
+        # ---- channel 2: sampled token, top-k
+        _case(
             "sdpo_sampled/check_value",
-            frozenset({"sdpo_sampled"}),
-            sampled,
+            "sdpo_sampled",
+            lambda dt: _one_token(dt, "teacher_logprobs"),
             {"sdpo_form": "sampled"},
-            {"sdpo": math.log(2), "total": math.log(2)},
             "p_S=.5, p_T=.25: k1 value ln 2, gradient coefficient on ℓS +0.69315",
-        )
-    )
-    add(
-        ConformanceCase(
+            ("sdpo", math.log(2)),
+        ),
+        _case(
             "sdpo_sampled/random_is_clip",
-            frozenset({"policy", "sdpo_sampled"}),
-            lambda dt: _random_sampled(dt, 4),
+            "policy sdpo_sampled",
+            lambda dt: _random_with_old(dt, 4, sampled=True),
             {"sdpo_form": "sampled", "sdpo_token_clip": 1.5},
-            {},
             "random batch with old log-probs: IS ratio clipped at 1.5",
-        )
-    )
-
-    # ---- channel 2: top-k
-    topk_fkl = 0.2 * math.log(0.2 / 0.6) + 0.8 * math.log(0.8 / 0.4)
-    add(
-        ConformanceCase(
+        ),
+        _case(
             "sdpo_topk/tail_bucket",
-            frozenset({"sdpo_topk"}),
-            lambda dt: _two_token(dt, [0.6, 0.3, 0.1], [0.2, 0.5, 0.3]),
+            "sdpo_topk",
+            lambda dt: _two_token(dt, q631, [0.2, 0.5, 0.3]),
             {"sdpo_form": "topk", "sdpo_topk": 1, "sdpo_beta": 0.0},
-            {"sdpo": topk_fkl, "total": topk_fkl},
             "student top-1 support + tail bucket: FKL([.2,.8] ‖ [.6,.4])",
-        )
-    )
-
-    # ---- wrappers
-    zs, zt, t_mix = _log([0.9, 0.1]), _log([0.5, 0.5]), 0.4
-    p_t = _softmax([(1 - t_mix) * a + t_mix * b for a, b in zip(zs, zt)])
-    add(
-        ConformanceCase(
+            ("sdpo", topk_fkl),
+        ),
+        # ---- wrappers
+        _case(
             "taid/interpolated_target",
-            frozenset({"taid"}),
-            lambda dt: _two_token(dt, [0.9, 0.1], [0.5, 0.5]),
+            "taid",
+            lambda dt: _two_token(dt, q9, half),
             {"sdpo_wrapper": "taid", "taid_t": t_mix},
-            {"sdpo": _kl(p_t, [0.9, 0.1]), "total": _kl(p_t, [0.9, 0.1])},
             "KL(softmax(0.6·z_S + 0.4·z_T) ‖ q_S)",
-        )
-    )
-    q3 = [0.6, 0.3, 0.1]
-    uni = [1 / 3] * 3
-    eopd = _jsd(uni, q3, 0.5) + _kl(uni, q3)
-    add(
-        ConformanceCase(
+            ("sdpo", _kl(taid_target, q9)),
+        ),
+        _case(
             "entropy_opd/gate_open",
-            frozenset({"entropy_opd"}),
-            lambda dt: _two_token(dt, q3, uni),
+            "entropy_opd",
+            lambda dt: _two_token(dt, q631, uni),
             {"sdpo_wrapper": "entropy_opd"},
-            {"sdpo": eopd, "total": eopd},
             "uniform teacher over 3 (H = 1.0986 > 0.8): JSD_½ + FKL",
-        )
-    )
-    closed = _jsd([0.5, 0.5], [0.9, 0.1], 0.5)
-    add(
-        ConformanceCase(
+            ("sdpo", _jsd(uni, q631, 0.5) + _kl(uni, q631)),
+        ),
+        _case(
             "entropy_opd/gate_closed",
-            frozenset({"entropy_opd"}),
-            lambda dt: _two_token(dt, [0.9, 0.1], [0.5, 0.5]),
+            "entropy_opd",
+            lambda dt: _two_token(dt, q9, half),
             {"sdpo_wrapper": "entropy_opd"},
-            {"sdpo": closed, "total": closed},
             "teacher [.5,.5] (H = 0.693 < 0.8): base JSD only",
-        )
-    )
-
-    # ---- channel 3
-    def pairs(dtype: torch.dtype, h: float) -> ComposerBatch:
-        return ComposerBatch(
-            **_policy_only(dtype),
-            chosen_logps=_t([h - 12.0], dtype, grad=True),
-            rejected_logps=_t([-15.0], dtype, grad=True),
-            ref_chosen_logps=_t([-12.0], dtype),
-            ref_rejected_logps=_t([-15.0], dtype),
-            chosen_lengths=torch.tensor([4]),
-            rejected_lengths=torch.tensor([5]),
-        )
-
-    add(
-        ConformanceCase(
-            "dpo/init_ln2",
-            frozenset({"dpo"}),
-            lambda dt: pairs(dt, 0.0),
-            {"alpha_sdpo": 0.0},
-            {"replay": math.log(2), "total": math.log(2)},
-            "policy = reference → ln 2 for any β",
-        )
-    )
-    dpo10 = math.log1p(math.exp(-1.0))
-    add(
-        ConformanceCase(
-            "dpo/margin_10",
-            frozenset({"dpo"}),
-            lambda dt: pairs(dt, 10.0),
-            {"dpo_beta": 0.1},
-            {"replay": dpo10, "total": dpo10},
-            "β=0.1, h=10 → 0.313262",
-        )
-    )
-    add(
-        ConformanceCase(
-            "dpo/ipo_init",
-            frozenset({"dpo"}),
-            lambda dt: pairs(dt, 0.0),
-            {"dpo_loss_type": "ipo"},
-            {"replay": 25.0, "total": 25.0},
-            "IPO at h=0, β=0.1 → (0 − 1/(2β))² = 25",
-        )
-    )
-    cdpo = -(0.8 * math.log(1 / (1 + math.exp(-1.0))) + 0.2 * math.log(1 / (1 + math.exp(1.0))))
-    add(
-        ConformanceCase(
-            "dpo/cdpo_margin_10",
-            frozenset({"dpo"}),
-            lambda dt: pairs(dt, 10.0),
-            {"dpo_label_smoothing": 0.2},
-            {"replay": cdpo, "total": cdpo},
-            "cDPO ε=0.2 at βh=1",
-        )
-    )
+            ("sdpo", jsd_half),
+        ),
+    ]
+    # ---- channel 3: one pair, chosen log-prob h above the reference (name, h, options, value, description)
     simpo_x = 2.0 * ((-2.0 - 12.0) / 4 - (-15.0) / 5) - 0.5
-    simpo = math.log1p(math.exp(-simpo_x))
-    add(
-        ConformanceCase(
+    cdpo = -(0.8 * math.log(1 / (1 + math.exp(-1.0))) + 0.2 * math.log(1 / (1 + math.exp(1.0))))
+    for name, h, options, value, description in (
+        ("dpo/init_ln2", 0.0, {"alpha_sdpo": 0.0}, math.log(2), "policy = reference → ln 2 for any β"),
+        ("dpo/margin_10", 10.0, {"dpo_beta": 0.1}, math.log1p(math.exp(-1.0)), "β=0.1, h=10 → 0.313262"),
+        ("dpo/ipo_init", 0.0, {"dpo_loss_type": "ipo"}, 25.0, "IPO at h=0, β=0.1 → (0 − 1/(2β))² = 25"),
+        ("dpo/cdpo_margin_10", 10.0, {"dpo_label_smoothing": 0.2}, cdpo, "cDPO ε=0.2 at βh=1"),
+        (
             "simpo/closed_form",
-            frozenset({"simpo"}),
-            lambda dt: pairs(dt, -2.0),
+            -2.0,
             {"dpo_variant": "simpo"},
-            {"replay": simpo, "total": simpo},
+            math.log1p(math.exp(-simpo_x)),
             "−log σ(2·(−14/4 + 15/5) − 0.5)",
-        )
-    )
-    add(
-        ConformanceCase(
+        ),
+    ):
+        make = functools.partial(_pairs, h=h)
+        cases.append(_case(name, name.split("/")[0], make, options, description, ("replay", value)))
+    cases.append(
+        _case(
             "simpo/random_three_channels",
-            frozenset({"policy", "sdpo_full", "simpo"}),
+            "policy sdpo_full simpo",
             lambda dt: _random_batch(dt, 5),
             {"dpo_variant": "simpo", "simpo_beta": 2.5, "simpo_gamma": 1.0},
-            {},
             "random batch, SimPO replay",
         )
     )
     return tuple(cases)
 
 
-def _random_with_old(dtype: torch.dtype, seed: int) -> ComposerBatch:
+def _noisy(like: Tensor, seed: int, scale: float) -> Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return like.detach() + scale * torch.randn(like.shape, generator=g, dtype=torch.float64).to(like.dtype)
+
+
+def _random_with_old(dtype: torch.dtype, seed: int, sampled: bool = False) -> ComposerBatch:
+    """Channel-1 inputs of a random batch with old log-probs (``sampled``: and teacher log-probs)."""
     b = _random_batch(dtype, seed)
-    g = torch.Generator().manual_seed(seed + 1000)
-    b.old_logprobs = b.logprobs.detach() + 0.4 * torch.randn(
-        b.logprobs.shape, generator=g, dtype=torch.float64
-    ).to(dtype)
-    b.student_logits = b.teacher_logits = None
-    b.chosen_logps = b.rejected_logps = None
-    b.teacher_logprobs = None
-    return b
-
-
-def _random_sampled(dtype: torch.dtype, seed: int) -> ComposerBatch:
-    b = _random_with_old(dtype, seed)
-    g = torch.Generator().manual_seed(seed + 2000)
-    b.teacher_logprobs = b.logprobs.detach() + 0.5 * torch.randn(
-        b.logprobs.shape, generator=g, dtype=torch.float64
-    ).to(dtype)
+    b.old_logprobs = _noisy(b.logprobs, seed + 1000, 0.4)
+    b.student_logits = b.teacher_logits = b.chosen_logps = b.rejected_logps = None
+    b.teacher_logprobs = _noisy(b.logprobs, seed + 2000, 0.5) if sampled else None
     return b
 
 
 CASES: tuple[ConformanceCase, ...] = _cases()
+TAGS: frozenset[str] = frozenset().union(*(c.tags for c in CASES))
+"""Every tag some case carries (what ``supports`` may name)."""
 
 
 def cases_for(supports: set[str] | frozenset[str]) -> list[ConformanceCase]:
@@ -496,16 +404,8 @@ def cases_for(supports: set[str] | frozenset[str]) -> list[ConformanceCase]:
 
 # ---------------------------------------------------------------------------------------------- checking
 def _grad_leaves(batch: ComposerBatch) -> dict[str, Tensor]:
-    out: dict[str, Tensor] = {}
-    for f in fields(ComposerBatch):
-        v = getattr(batch, f.name)
-        if isinstance(v, Tensor) and v.requires_grad:
-            out[f.name] = v
-    return out
-
-
-def _total(value: Tensor | ComposeResult) -> Tensor:
-    return value.total if isinstance(value, ComposeResult) else value
+    leaves = {f.name: getattr(batch, f.name) for f in fields(ComposerBatch)}
+    return {k: v for k, v in leaves.items() if isinstance(v, Tensor) and v.requires_grad}
 
 
 def _close(a: Tensor, b: Tensor, atol: float, rtol: float) -> bool:
@@ -544,10 +444,12 @@ def _check_case(
     batch = case.make_batch(dtype)
     leaves = _grad_leaves(batch)
     try:
-        out = _total(compute(batch, dict(case.options)))
+        out = compute(batch, dict(case.options))
     except Exception as exc:  # report, then continue with the other cases
         failures.append(f"[{case.name}] the adapter raised {type(exc).__name__}: {exc}")
         return False
+    if isinstance(out, ComposeResult):
+        out = out.total
     if not isinstance(out, Tensor) or out.numel() != 1:
         failures.append(f"[{case.name}] the adapter returned {type(out).__name__}, not a scalar tensor")
         return False

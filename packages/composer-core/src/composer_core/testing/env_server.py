@@ -1,10 +1,9 @@
 """A real OpenEnv environment server process for tests (``composer-core[openenv]``; pytest-free).
 
-:class:`EnvServerProcess` runs ``python -m composer_core.envs.openenv_digit_reversal --port <free port>`` on
-127.0.0.1 and waits, bounded by ``startup_s``, until its ``/health`` answers. Start several with
-``start(wait=False)`` then :meth:`EnvServerProcess.wait_ready` on each so they boot in parallel. A server that
-exits during startup (e.g. its port was taken in between) is restarted on another port, at most ``retries``
-times; one that is not up by the deadline is killed and reported with the tail of its log.
+:class:`EnvServerProcess` runs ``python -m composer_core.envs.openenv_digit_reversal`` on a free port and waits,
+bounded by ``startup_s``, until its ``/health`` answers (``start(wait=False)`` then :meth:`~EnvServerProcess.wait_ready`
+boots several in parallel). A server that exits during startup is restarted on another port, at most
+``retries`` times; one not up by the deadline is killed and reported with the tail of its log.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
-from types import TracebackType
 
 __all__ = ["EnvServerProcess", "free_port"]
 
@@ -99,8 +97,6 @@ class EnvServerProcess:
     def __enter__(self) -> EnvServerProcess:
         return self.start() if self.proc is None else self.wait_ready()
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
         self._log.unlink(missing_ok=True)

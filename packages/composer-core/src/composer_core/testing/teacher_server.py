@@ -1,32 +1,16 @@
-"""A deterministic OpenAI-compatible chat-completions server (stdlib) for tests and dry runs.
+"""A deterministic OpenAI-compatible chat-completions server (stdlib, real HTTP on ``127.0.0.1``) for tests.
 
-It is a real HTTP server on ``127.0.0.1`` speaking ``POST .../chat/completions``: use it to
-exercise :mod:`composer_core.traces.replay` and ``composer-replay`` end to end without paying a
-provider. Answers are a pure function of (model, messages) — by default an assistant text
-``"answer <hash>"`` where the hash covers the messages only, so different teacher models
-agree (a majority) unless ``answer_fn`` says otherwise.
-
-Fault injection (``faults``: per model, a list consumed one request at a time, then the
-last entry repeats if ``repeat_last``): ``"ok"``, ``"429"`` (with ``Retry-After: 0``),
-``"500"``, ``"503"``, ``"400"``, ``"timeout"`` (sleep ``timeout_sleep_s`` before answering),
-``"malformed"`` (HTTP 200 with a body that is not JSON), ``"no_choices"`` (JSON without
-``choices``). Counters: ``requests`` per (model, state hash), ``answered`` likewise,
-``total_requests``, ``max_in_flight``. ``on_request(n, model, state)`` runs before the n-th
-request is answered; when it returns True the connection is closed without an answer.
-``"400"`` echoes the request's ``Authorization`` header in its body (as some gateways do),
-to check that clients redact keys from recorded errors.
-
-Hostile-endpoint faults (for the secret, malformed-response and size tests). The ``echo``
-faults put ``echo_pad`` characters of padding, then the request's ``Authorization`` header
-(raw, URL-encoded and base64) into the body (``echo_pad``: an int, or a dict per model): ``"401"``, ``"500_echo"``, ``"malformed_echo"``
-(HTTP 200, not JSON), ``"answer_echo"`` (a valid answer whose content holds the header).
-``"oversize"`` streams ``oversize_bytes`` (declared in ``Content-Length``) and
-``"oversize_chunked"`` the same with chunked transfer encoding (no length), both starting with
-the echoed header. Malformed-but-JSON answers (:data:`BAD_PAYLOADS`): ``"usage_str"``
-(``prompt_tokens: "abc"``), ``"usage_inf"`` (``1e999``), ``"usage_missing"``,
-``"usage_not_dict"``, ``"usage_negative"``, ``"usage_huge"``, ``"choices_empty"``,
-``"choices_not_list"``, ``"choice_not_dict"``, ``"message_not_dict"``, ``"content_not_str"``,
-``"tool_calls_not_list"``, ``"role_wrong"``, ``"not_object"``.
+It answers ``POST .../chat/completions`` with a pure function of (model, messages): by default
+``"answer <hash of the messages>"``, so teacher models agree unless ``answer_fn`` says otherwise.
+``faults`` (per model, consumed one request at a time; the last repeats if ``repeat_last``): ``"ok"``,
+``"429"`` (``Retry-After``), ``"500"``, ``"503"``, ``"400"`` (echoes the request's ``Authorization`` header,
+as some gateways do), ``"timeout"`` (sleeps ``timeout_sleep_s``), ``"malformed"`` (HTTP 200, not JSON),
+``"no_choices"``; the hostile ones put ``echo_pad`` characters then the ``Authorization`` header (raw,
+URL-encoded, base64) in the body: ``"401"``, ``"500_echo"``, ``"malformed_echo"``, ``"answer_echo"`` (a valid
+answer holding it), ``"oversize"`` / ``"oversize_chunked"`` (``oversize_bytes`` with / without a length); and
+the malformed-but-JSON answers of :data:`BAD_PAYLOADS`. Counters: ``requests`` / ``answered`` per (model,
+state hash), ``total_requests``, ``max_in_flight``. ``on_request(n, model, state)`` runs before the n-th
+request; when it returns True the connection is closed without an answer.
 """
 
 from __future__ import annotations
@@ -39,6 +23,7 @@ import time
 import urllib.parse
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -103,42 +88,33 @@ def default_answer(model: str, messages: list[dict[str, Any]]) -> dict[str, Any]
     return {"role": "assistant", "content": f"answer {_state(messages)[:12]}"}
 
 
+@dataclass(eq=False)
 class ChatServer:
     """Run with ``with ChatServer() as srv: srv.base_url`` (``http://127.0.0.1:<port>/v1``)."""
 
-    def __init__(
-        self,
-        answer_fn: AnswerFn = default_answer,
-        *,
-        faults: dict[str, list[str]] | None = None,
-        repeat_last: bool = False,
-        timeout_sleep_s: float = 2.0,
-        require_key: str | None = None,
-        on_request: Callable[[int, str, str], bool | None] | None = None,
-        retry_after: str = "0",
-        echo_pad: int | dict[str, int] = 0,
-        oversize_bytes: int = 60_000_000,
-    ) -> None:
-        self.answer_fn = answer_fn
-        self.faults = {k: list(v) for k, v in (faults or {}).items()}
-        self.repeat_last = repeat_last
-        self.timeout_sleep_s = timeout_sleep_s
-        self.require_key = require_key
-        self.on_request = on_request
-        self.retry_after = retry_after
-        self.echo_pad = echo_pad
-        self.oversize_bytes = oversize_bytes
-        self.oversize_sent = 0  # bytes of oversize bodies actually written before the client hung up
-        self.in_flight = 0
-        self.max_in_flight = 0
-        self.requests: Counter[tuple[str, str]] = Counter()
-        self.answered: Counter[tuple[str, str]] = Counter()
-        self.total_requests = 0
-        self.bodies: list[dict[str, Any]] = []
-        self.auth_headers: list[str | None] = []
+    answer_fn: AnswerFn = default_answer
+    _: KW_ONLY
+    faults: dict[str, list[str]] = field(default_factory=dict)
+    repeat_last: bool = False
+    timeout_sleep_s: float = 2.0
+    require_key: str | None = None
+    on_request: Callable[[int, str, str], bool | None] | None = None
+    retry_after: str = "0"
+    echo_pad: int | dict[str, int] = 0
+    oversize_bytes: int = 60_000_000
+    oversize_sent: int = field(default=0, init=False)  # bytes written before the client hung up
+    in_flight: int = field(default=0, init=False)
+    max_in_flight: int = field(default=0, init=False)
+    requests: Counter[tuple[str, str]] = field(default_factory=Counter, init=False)
+    answered: Counter[tuple[str, str]] = field(default_factory=Counter, init=False)
+    total_requests: int = field(default=0, init=False)
+    bodies: list[dict[str, Any]] = field(default_factory=list, init=False)
+    auth_headers: list[str | None] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
+        self.faults = {k: list(v) for k, v in self.faults.items()}  # consumed: the caller's lists stay
         self._lock = threading.Lock()
         self._httpd: ThreadingHTTPServer | None = None
-        self._thread: threading.Thread | None = None
 
     @property
     def base_url(self) -> str:
@@ -160,8 +136,7 @@ class ChatServer:
     def start(self) -> ChatServer:
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._httpd.serve_forever, daemon=True).start()
         return self
 
     def stop(self) -> None:
