@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import zlib
+from collections import Counter
 from typing import Any
 
 import ray
@@ -38,6 +40,7 @@ class HFGenerateServer:
         self.eos_token_id = eos_token_id if eos_token_id is not None else self.model.config.eos_token_id
         self.lock = asyncio.Lock()
         self.weight_version = 0
+        self._draws: Counter[tuple[int, ...]] = Counter()  # samples drawn per prompt, for the seeds
         self.global_steps = 0  # the trainer step of the loaded weights (verl's staleness tags); 0 = initial
 
     async def set_global_steps(self, global_steps: int) -> None:
@@ -64,7 +67,12 @@ class HFGenerateServer:
         temperature = float(params.get("temperature", 1.0))
         max_tokens = int(params.get("max_tokens") or params.get("max_new_tokens") or self.response_length)
         max_tokens = min(max_tokens, self.response_length)
-        gen = torch.Generator().manual_seed(hash((request_id, self.weight_version)) & 0x7FFFFFFF)
+        # the seed: the prompt, the weights and how many samples of this prompt were drawn before (not the random
+        # request id, nor Python's salted hash): a run samples the same completions whatever the request order
+        key = tuple(prompt_ids)
+        self._draws[key] += 1
+        seed = zlib.crc32(repr((key, self.weight_version, self._draws[key])).encode())
+        gen = torch.Generator().manual_seed(seed)
         ids = torch.tensor([prompt_ids])
         out = self.model(input_ids=ids, use_cache=True)
         past, logits = out.past_key_values, out.logits[:, -1]
