@@ -61,9 +61,7 @@ class HFGenerateServer:
             return len(state)
 
     @torch.no_grad()
-    def _sample(
-        self, prompt_ids: list[int], params: dict[str, Any], request_id: str
-    ) -> tuple[list[int], list[float]]:
+    def _sample(self, prompt_ids: list[int], params: dict[str, Any]) -> tuple[list[int], list[float]]:
         temperature = float(params.get("temperature", 1.0))
         max_tokens = int(params.get("max_tokens") or params.get("max_new_tokens") or self.response_length)
         max_tokens = min(max_tokens, self.response_length)
@@ -99,7 +97,7 @@ class HFGenerateServer:
         from verl.workers.rollout.replica import TokenOutput
 
         async with self.lock:
-            tokens, logps = self._sample(list(prompt_ids), dict(sampling_params), str(request_id))
+            tokens, logps = self._sample(list(prompt_ids), dict(sampling_params))
         # like verl's vLLM/SGLang servers: the weights' step goes back with every output (the v1 trainer reads it
         # as min/max_global_steps for its staleness metrics)
         return TokenOutput(
