@@ -202,6 +202,7 @@ def random_rounds(
     tensors = [
         torch.randn(numel, generator=torch.Generator().manual_seed(1000 * r + rank)) for r in range(rounds)
     ]
+    store.rounds_present()  # the store's client is set up (botocore loads its models) before the baseline
     print(f"ready rank={rank}", flush=True)
     if gate is not None:
         deadline = time.monotonic() + 300

@@ -438,23 +438,19 @@ def test_s3_reads_the_peers_objects_and_markers_at_once(
 
 
 @pytest.mark.parametrize("quantize", [False, True], ids=["fp32", "fp8"])
-def test_s3_objects_are_written_from_one_buffer_kept_across_rounds(
+def test_s3_objects_are_the_encoded_bytes_as_the_header_grows(
     moto_s3: dict[str, Any], quantize: bool
 ) -> None:
-    """On S3 a round's object goes up from a buffer kept across rounds (a fresh payload-sized copy each round
-    cost its page faults every round), resized in place when the header's length changes (round 9 to 10, fp8
-    scales): every stored object is the encoded one."""
+    """On S3 every stored object is the encoded one, also when the header's length changes between rounds
+    (round 9 to 10, fp8 scales)."""
     store = ObjectStoreAllReduce(
         "s3://diloco-test/body", uuid.uuid4().hex[:8], rank=0, world_size=1, storage_options=moto_s3
     )
-    buffers = set()
     for round_id in range(8, 12):
         values = [torch.randn(1000, generator=torch.Generator().manual_seed(round_id)), torch.randn(3, 5)]
         want = store.encode(round_id, values, quantize=quantize)
         store.allreduce(round_id, values, quantize=quantize)
         assert store.fs.cat_file(store.object_key(round_id, 0)) == want
-        buffers.add(id(store._bodies["obj"]))
-    assert len(buffers) == 1
     store.cleanup_run()
 
 

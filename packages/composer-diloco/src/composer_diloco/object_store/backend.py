@@ -38,22 +38,22 @@ class Backend(Codec):
             self.fs.pipe_file(key, data)
         self.bytes_written += len(data)
 
-    def put_if_absent(self, key: str, data: bytes | Encoded, slot: str = "") -> bool:
+    def put_if_absent(self, key: str, data: bytes | Encoded) -> bool:
         """Create ``key`` only if it does not exist; True if we created it. Readers see all of ``data`` or
-        nothing. ``slot``: the buffer kept across rounds for its body (:meth:`_body`)."""
+        nothing."""
         enc = data if isinstance(data, Encoded) else Encoded(bytes(data), [], b"")
-        created = self._create(key, enc, slot)
+        created = self._create(key, enc)
         self.bytes_written += enc.size if created else 0
         return created
 
-    def _create(self, key: str, enc: Encoded, slot: str) -> bool:
+    def _create(self, key: str, enc: Encoded) -> bool:
         if self._local:
             try:
                 self._via_tmp(key, [memoryview(enc.head), *enc.chunks], os.link)
                 return True
             except FileExistsError:
                 return False
-        data = self._body(enc, slot)
+        data = enc.tobytes()  # bytes, not a bytearray: aiohttp would copy a bytearray three more times
         if self._memory:
             with _MEMORY_LOCK:
                 if self.fs.exists(key):
@@ -77,26 +77,6 @@ class Backend(Codec):
         finally:
             if self._s3:
                 self.fs.invalidate_cache(key)
-
-    def _body(self, enc: Encoded, slot: str) -> bytes | bytearray:
-        """``enc`` as one bytes-like body; on S3 copied into a bytearray kept for ``slot`` across rounds."""
-        if not (self._s3 and slot and enc.chunks):
-            return enc.tobytes()
-        buf = self._bodies.get(slot)
-        if buf is not None:
-            try:
-                del buf[enc.size :]
-                buf.extend(bytes(enc.size - len(buf)))
-            except BufferError:  # still exported (by a write that failed)
-                buf = None
-        if buf is None:
-            buf = self._bodies[slot] = bytearray(enc.size)
-        with memoryview(buf) as view:
-            pos = 0
-            for piece in (memoryview(enc.head), *enc.chunks):
-                view[pos : pos + len(piece)] = piece
-                pos += len(piece)
-        return buf
 
     def _via_tmp(
         self, key: str, pieces: Sequence[bytes | memoryview], op: Callable[[str, str], None]

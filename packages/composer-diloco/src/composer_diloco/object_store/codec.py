@@ -147,9 +147,8 @@ class Codec:
         self.hmac_key_env = hmac_key_env
         self._hmac = read_hmac_key(hmac_key_env, require_hmac)
         self.exchange = exchange
-        # buffers kept across rounds: local reads, S3 write bodies, float32 accumulators and scratch
+        # buffers kept across rounds: local reads, float32 accumulators and scratch
         self._buffers: dict[str, bytearray] = {}
-        self._bodies: dict[str, bytearray] = {}
         self._acc: list[torch.Tensor] = []
         self._scratch: torch.Tensor | None = None
         kinds = {self.fs.protocol} if isinstance(self.fs.protocol, str) else set(self.fs.protocol)

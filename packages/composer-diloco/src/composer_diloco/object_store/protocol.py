@@ -245,7 +245,7 @@ class ObjectStoreAllReduce(Sharded):
     def _publish(self, round_id: int, data: Encoded, own: Decoded) -> tuple[Decoded, bool]:
         """Create this replica's object, or return the stored one (objects are immutable). True if reused."""
         key = self.object_key(round_id, self.rank)
-        created = self.put_if_absent(key, data, slot="obj")
+        created = self.put_if_absent(key, data)
         if created:
             return own, False
         raw = self._read(key, slot=f"obj-{self.rank}")

@@ -85,7 +85,7 @@ class Sharded(Manifests):
                         f"{key} already exists: a fresh shard key collided; retry the round."
                     )
             return
-        self.fs.pipe({key: self._body(enc, f"shard-{s}") for s, (key, enc) in enumerate(objects.items())})
+        self.fs.pipe({key: enc.tobytes() for key, enc in objects.items()})
         self.bytes_written += sum(enc.size for enc in objects.values())
 
     def _sharded_result(
@@ -149,7 +149,7 @@ class Sharded(Manifests):
         )
         # published as it is: a sum beyond float32 (op="sum") is refused by every replica
         reduced = self._pack({**meta, "manifest": manifest.fingerprint, "op": op}, sums)
-        if self.put_if_absent(self.reduced_key(round_id, s), reduced, slot=f"reduced-{s}"):
+        if self.put_if_absent(self.reduced_key(round_id, s), reduced):
             if not all(finite):
                 raise NonFiniteResultError(overflow_message(round_id, f"reduced shard {s}", op))
             return sums
