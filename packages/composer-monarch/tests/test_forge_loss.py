@@ -202,7 +202,8 @@ def test_gradcheck_float64_all_three_channels() -> None:
     # explicit old log-probs: with the default (ℓ.detach()) the ratio's value is 1 whatever the logits,
     # so finite differences cannot see the policy-gradient term
     old = -torch.rand(R, S, generator=g, dtype=torch.float64) - 1.0
-    loss = ComposerLoss(loss_type="dapo", alpha_sdpo=0.5, beta_replay=0.5, kl_beta=0.05)
+    # SDPO's IS clip weight is a stop-gradient of ℓθ (core gradchecks the clipped form with ℓθ held fixed)
+    loss = ComposerLoss(loss_type="dapo", alpha_sdpo=0.5, beta_replay=0.5, kl_beta=0.05, sdpo_token_clip=None)
 
     def f(x: torch.Tensor) -> torch.Tensor:
         return loss(x, **t, teacher_logits=teacher, old_logprobs=old)
