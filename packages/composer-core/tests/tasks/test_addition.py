@@ -108,7 +108,9 @@ def test_held_out_and_validation_are_fixed_for_every_seed_and_disjoint_from_trai
     assert s1.held_out == s0.held_out and s1.validation == s0.validation  # the same sums for every seed
     assert s1.train != s0.train
     for s in (s0, s1):
-        assert len(pairs(s.train)) == 200 and len(pairs(s.validation)) == 128 and len(pairs(s.held_out)) == 256
+        assert (
+            len(pairs(s.train)) == 200 and len(pairs(s.validation)) == 128 and len(pairs(s.held_out)) == 256
+        )
         assert not pairs(s.train) & pairs(s.held_out)
         assert not pairs(s.train) & pairs(s.validation)
         assert not pairs(s.validation) & pairs(s.held_out)
