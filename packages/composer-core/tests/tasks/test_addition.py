@@ -19,6 +19,7 @@ Q = "Compute 34 + 44. Reply with just the result."
         ("78", 78),
         ("78.", 78),
         ("**78**", 78),
+        ("34 + 44 = 34", 34),  # a stated result, even an operand
         ("34 + 44 equals 78.", 78),
         ("The sum of 34 and 44 is 78.", 78),
         ("The result is 78.", 78),
@@ -33,6 +34,7 @@ Q = "Compute 34 + 44. Reply with just the result."
     ],
 )
 def test_answer_is_the_number_the_reply_states_as_its_result(reply: str, want: int) -> None:
+    assert A.extract_answer(reply, operands=(34, 44)) == want
     assert A.extract_answer(reply) == want
 
 
@@ -47,12 +49,14 @@ def test_answer_is_the_number_the_reply_states_as_its_result(reply: str, want: i
         "The answer is 34 + 44",  # the operands restated as an expression, no result
         "The sum of 34 and 44 is",
         "This is 2-digit addition.",
+        "34",  # the first operand alone: a reply cut off after "34" (restating "34 + 44") states no result
+        "44.",
         "no idea",
         "",
     ],
 )
 def test_a_reply_without_a_stated_result_has_no_answer(reply: str) -> None:
-    assert A.extract_answer(reply) is None
+    assert A.extract_answer(reply, operands=(34, 44)) is None
     assert A.verify(Q, reply) == 0.0
     assert A.feedback(Q, reply) == "The reply does not state a result for 34 + 44."
 

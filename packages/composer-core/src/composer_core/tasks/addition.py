@@ -7,8 +7,8 @@ Rules (pure Python, one implementation for every host):
 
 - **answer** (:func:`extract_answer`): the integer the reply states as its result — after its last result marker
   (``=``, "equals", "is", "results in", ``:``), never an integer that starts an expression (``is 34 + 44``
-  restates the operands) — else the whole reply when it is one number; ``None`` otherwise: a reply cut off before
-  its result (``"To compute 34 + 44, we simply add them together:"``) has no answer.
+  restates the operands) — else the whole reply when it is one number other than an operand; ``None`` otherwise:
+  a reply cut off before its result (``"To compute 34 + 44, we simply add them together:"``, ``"34"``) has none.
 - **reward** (:func:`verify`): 1.0 for the exact sum; otherwise half the fraction of the sum's digits (aligned
   from the right) that the answer gets right, so a near miss earns partial credit and only the exact sum scores
   1 (``success_reward_threshold=1.0`` means "correct").
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, NamedTuple
 
 __all__ = [
@@ -87,13 +87,14 @@ def operands(prompt: Any) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
-def extract_answer(completion: str) -> int | None:
+def extract_answer(completion: str, operands: Collection[int] = ()) -> int | None:
     """The integer after the reply's last result marker (not the start of an expression), else the whole reply
-    when it is one number; None when the reply states no result."""
+    when it is one number other than the ``operands``; None when the reply states no result."""
     found = [m.group(1) for m in _RESULT.finditer(completion)]
     bare = _BARE.fullmatch(completion)
-    got = found[-1] if found else bare.group(1) if bare else None
-    return None if got is None else int(got)
+    if found:
+        return int(found[-1])
+    return int(bare.group(1)) if bare and int(bare.group(1)) not in operands else None
 
 
 def _digit_pairs(want: int, got: int) -> list[tuple[str, str]]:
@@ -106,7 +107,7 @@ def _digit_pairs(want: int, got: int) -> list[tuple[str, str]]:
 def verify(prompt: Any, completion: Any) -> float:
     """1.0 for the exact sum, else 0.5 × the fraction of the sum's digits right (aligned from the right)."""
     a, b = operands(prompt)
-    got = extract_answer(_completion_text(completion))
+    got = extract_answer(_completion_text(completion), (a, b))
     if got is None:
         return 0.0
     if got == a + b:
@@ -118,7 +119,7 @@ def verify(prompt: Any, completion: Any) -> float:
 def feedback(prompt: Any, completion: Any) -> str | None:
     """The verifier's feedback on a wrong answer (never the sum itself); None when the answer is right."""
     a, b = operands(prompt)
-    got = extract_answer(_completion_text(completion))
+    got = extract_answer(_completion_text(completion), (a, b))
     if got is None:
         return f"The reply does not state a result for {a} + {b}."
     if got == a + b:
