@@ -1,7 +1,8 @@
 """Two-digit addition for a real instruct model: a task a 135M model can start on and learn from its group.
 
 With the prompt ``"Compute 47 + 38. Reply with just the result."`` SmolLM2-135M-Instruct answers
-``"47 + 38 = 85"`` and is right on 15 % of held-out sums, so most groups hold both successes and failures.
+``"47 + 38 = 85"`` or one sentence ending in it, right on about a third of the sums given 32 tokens (greedy, base
+model: composer-trl's ``bench/addition_budget.py``), so most groups hold both successes and failures.
 
 Rules (pure Python, one implementation for every host):
 
