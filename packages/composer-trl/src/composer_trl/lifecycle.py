@@ -9,7 +9,7 @@ Exit codes (documented in the package README)::
     4    the ``--env`` environment faulted (server down, no answer within its timeout, garbage answers): one
          line naming the server; before training nothing is written, during training the run stops at the
          failing step (checkpoints already saved are kept)
-    5    a reward function failed: it raised (or returned the wrong number or kind of rewards), or no completion of
+    5    a reward function failed: it raised (or returned the wrong number or kind of rewards, or ``inf``), or no completion of
          a generation batch got a reward from any function (None/NaN for all: TRL's "All reward functions
          returned None" for every row). One line naming ``module:function``, the step, the dataset rows and the
          error. Complete checkpoints already saved are kept (the line says so, resume with
