@@ -311,16 +311,17 @@ def train_once(inv: Invocation) -> int:
     existed = out.exists()
     prepare_output_dir(out, overwrite=inv.overwrite, resume=inv.resume is not None)
     before = set(out.iterdir()) if out.is_dir() else set()
+    from composer_core.envs import EnvError
+
     try:
         result = job.run(resume=inv.resume)
-    except RewardFunctionError as e:
-        from composer_core.envs import EnvError
-
-        if isinstance(e.__cause__, EnvError):  # --env's reward: exit 4 as before
-            raise e.__cause__ from None
+    except (RewardFunctionError, EnvError) as e:
         kept = discard_failed_run(
             out, existed=existed, before=before, trainer_dir=job.trainer_dir, parts=job.checkpoint_parts()
         )
+        cause = e.__cause__ if isinstance(e.__cause__, EnvError) else e
+        if isinstance(cause, EnvError):  # --env's reward or hint: exit 4, leaving nothing half made
+            raise EnvFault(f"--env: {cause}; {kept}") from e
         raise RewardFault(f"{e}; {kept}") from e
     summary: dict[str, Any] = {
         "status": "interrupted" if result["signal"] else "finished",

@@ -8,7 +8,7 @@ Exit codes (documented in the package README)::
     3    bad dataset (missing, empty, unreadable, no ``prompt`` column, fewer rows than one step needs)
     4    the ``--env`` environment faulted (server down, no answer within its timeout, garbage answers): one
          line naming the server; before training nothing is written, during training the run stops at the
-         failing step (checkpoints already saved are kept)
+         failing step and, as for 5, keeps complete checkpoints already saved or else removes what it wrote
     5    a reward function failed: it raised (or returned the wrong number or kind of rewards, or ``inf``), or no completion of
          a generation batch got a reward from any function (None/NaN for all: TRL's "All reward functions
          returned None" for every row). One line naming ``module:function``, the step, the dataset rows and the
