@@ -143,6 +143,17 @@ def test_builtin_reward_without_its_inputs_is_refused_before_loading(
     assert f"--reward_funcs {reward}" in line and needle in line, line
 
 
+def test_accuracy_reward_without_math_verify_names_the_extra(monkeypatch, model_dir, no_model_load, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "math_verify", None)
+    rows = [json.loads(r) for r in _prompts(tmp_path / "d.jsonl", conversational=True).read_text().splitlines()]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({**r, "solution": "1"}) + "\n" for r in rows))
+    args = ["--model_name_or_path", str(model_dir), "--dataset_name", str(tmp_path / "d.jsonl")]
+    args += ["--reward_funcs", "accuracy_reward", "--output_dir", str(tmp_path / "o"), "--max_steps", "1", *SMALL]
+    assert main(args) == EXIT_USAGE  # before the fix: the model loads, then TRL's ImportError at step 1
+    line = _one_line(capsys)
+    assert "--reward_funcs accuracy_reward" in line and "pip install 'composer-trl[math]'" in line, line
+
+
 def test_a_custom_reward_with_a_required_column_the_data_lacks_is_refused(no_model_load, tmp_path, capsys):
     (tmp_path / "needs_answer_62.py").write_text("def f(prompts, completions, answer, **kw):\n    return [0.0]\n")
     sys.path.insert(0, str(tmp_path))

@@ -30,6 +30,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, NoReturn
 
+from composer_trl import preflight
 from composer_trl.guards import RewardFunctionError
 from composer_trl.lifecycle import (
     DataError,
@@ -307,9 +308,10 @@ def train_once(inv: Invocation) -> int:
     recipe = inv.recipe
     out = Path(recipe.output_dir)
     job = Job(recipe, out, name="composer", composer=True)
-    job.check()  # dataset and model problems surface here, before anything is written
+    preflight.check(job)  # flags, output dir, model, dataset, rewards: before the model loads or anything is written
     existed = out.exists()
-    prepare_output_dir(out, overwrite=inv.overwrite, resume=inv.resume is not None)
+    overwrite = inv.overwrite or (inv.resume is None and preflight.demo_rerun(recipe, out))
+    prepare_output_dir(out, overwrite=overwrite, resume=inv.resume is not None)
     before = set(out.iterdir()) if out.is_dir() else set()
     from composer_core.envs import EnvError
 
@@ -358,7 +360,7 @@ def _report(summary: dict[str, Any], result: dict[str, Any], out: Path, plot_pat
     print(f"  summary: {(out / 'summary.json').resolve()}")
 
 
-_HUB_ID = __import__("re").compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+_HUB_ID = preflight.HUB_ID
 
 
 def load_model(recipe: Recipe) -> tuple[Any, Any]:
