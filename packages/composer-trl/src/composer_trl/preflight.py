@@ -70,7 +70,9 @@ def check_extras(config: Any, recipe: Recipe) -> None:
         if name in ("none", "all") or available is None or available():
             continue
         fix = f"pip install 'composer-trl[{name}]'" if name in REPORT_EXTRAS else f"install {name}"
-        raise UsageError(f"--report_to {name} needs {name}, which is not installed: {fix} (or drop the flag).")
+        raise UsageError(
+            f"--report_to {name} needs {name}, which is not installed: {fix} (or drop the flag)."
+        )
     if recipe.model_args.get("use_peft") and importlib.util.find_spec("peft") is None:
         raise UsageError("--use_peft needs peft, which is not installed: pip install 'composer-trl[peft]'.")
 
@@ -102,7 +104,9 @@ def check_hub_model(recipe: Recipe) -> None:
         return
     where = f"--model_name_or_path {name!r} is not a local directory nor in the Hugging Face cache"
     if constants.HF_HUB_OFFLINE:
-        raise UsageError(f"{where}, and HF_HUB_OFFLINE is set; download it once online or pass a model directory.")
+        raise UsageError(
+            f"{where}, and HF_HUB_OFFLINE is set; download it once online or pass a model directory."
+        )
     try:
         model_info(name, revision=revision, timeout=10)
     except RepositoryNotFoundError as e:
@@ -156,7 +160,8 @@ def check_reward_inputs(specs: Sequence[str], funcs: Sequence[Any], dataset: Any
 def demo_rerun(recipe: Recipe, out: Path) -> bool:
     """True (said in one line) when this is the demo (tiny model, embedded task, default ``--output_dir``) and
     ``out`` holds a previous demo run (its ``summary.json`` names the tiny model): the demo reruns as is."""
-    if (recipe.model, recipe.dataset, recipe.env) != (None, None, None) or recipe.output_dir != Recipe.output_dir:
+    demo = recipe.model is None and recipe.dataset is None and recipe.env is None
+    if not demo or recipe.output_dir != Recipe.output_dir:
         return False
     try:
         previous = json.loads((out / "summary.json").read_text())
@@ -164,5 +169,8 @@ def demo_rerun(recipe: Recipe, out: Path) -> bool:
         return False
     if not isinstance(previous, dict) or previous.get("model") != "tiny-qwen2":
         return False
-    print(f"composer-train: replacing the previous demo run in {out} (pass --output_dir to keep both)", file=sys.stderr)
+    print(
+        f"composer-train: replacing the previous demo run in {out} (pass --output_dir to keep both)",
+        file=sys.stderr,
+    )
     return True
