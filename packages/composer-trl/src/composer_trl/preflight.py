@@ -53,11 +53,13 @@ def check(job: Any) -> None:
     check_extras(job.config, recipe)
     check_output_dir(job.out)
     check_hub_model(recipe)
-    if recipe.model is not None and recipe.dataset is None and recipe.env is None:
-        print(EMBEDDED_TASK, file=sys.stderr)
     job.check()
     if recipe.env is None and recipe.reward:
         check_reward_inputs(recipe.reward, job.rewards, job.dataset)
+    name = recipe.model
+    if name is not None and recipe.dataset is None and recipe.env is None:
+        if name in PACKAGED or Path(name).expanduser().is_dir() or HUB_ID.match(name):  # else: load_model's line
+            print(EMBEDDED_TASK, file=sys.stderr)
 
 
 def check_extras(config: Any, recipe: Recipe) -> None:
