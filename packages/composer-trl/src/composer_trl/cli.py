@@ -101,8 +101,8 @@ def build_parser() -> Any:
 
 EXIT_CODES = (
     "exit codes: 0 finished; 1 unexpected failure (a traceback); 2 bad argument or config (one line; also a prompt "
-    "longer than the model's context); 3 bad dataset (one line, nothing written); 4 the --env environment "
-    "faulted; 5 a reward function raised or scored no completion of a batch (one line; the run's outputs are "
+    "longer than the model's context, a missing extra, an unwritable --output_dir); 3 bad dataset (one line, "
+    "nothing written); 4 the --env environment faulted; 5 a reward function raised or scored no completion of a batch (one line; the run's outputs are "
     "removed unless complete checkpoints were saved); 130/143 stopped by SIGINT/SIGTERM (checkpoint written). "
     "See the README's 'Exit codes and what is kept'."
 )
