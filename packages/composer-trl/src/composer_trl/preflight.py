@@ -56,10 +56,10 @@ def check(job: Any) -> None:
     job.check()
     if recipe.env is None and recipe.reward:
         check_reward_inputs(recipe.reward, job.rewards, job.dataset)
-    name = recipe.model
-    if name is not None and recipe.dataset is None and recipe.env is None:
-        if name in PACKAGED or Path(name).expanduser().is_dir() or HUB_ID.match(name):  # else: load_model's line
-            print(EMBEDDED_TASK, file=sys.stderr)
+    if (
+        recipe.model is not None and recipe.dataset is None and recipe.env is None
+    ):  # said once the model loaded
+        job.channel_line = "\n".join(filter(None, [EMBEDDED_TASK, job.channel_line]))
 
 
 def check_extras(config: Any, recipe: Recipe) -> None:
