@@ -236,3 +236,25 @@ def test_one_channel_alone_its_norm_is_the_total_gradient_norm_before_clipping(
     r = rows[0]
     assert r["composer/grad_norm/policy"] == pytest.approx(r["grad_norm"], rel=1e-5)
     assert r["composer/grad_norm/sdpo"] == 0.0 and r["composer/grad_norm/replay"] == 0.0
+
+
+def test_moe_router_loss_path_forwards_the_chosen_rows_alone(tmp_path, moe_dir, tokenizer, chosen_only, h):
+    """With TRL's router aux loss the pairs get a forward of their own: the chosen rows only; the rejected side
+    still comes from the policy forward. Same loss as the closed form of test above, on the MoE model."""
+    trainer = _trainer(tmp_path, moe_dir, tokenizer, chosen_only, h, dpo_variant="simpo")
+    assert trainer.aux_loss_enabled
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    out = trainer._generate_and_score_completions(h.generation_batch(chosen_only, 2, 4))
+    trainer.compute_loss(trainer.model, out)
+    rows = torch.tensor([1, 3])
+    p_ids, p_mask = out["prompt_ids"][rows], out["prompt_mask"][rows]
+    cm = out["completion_mask"][rows]
+    lr = _summed(trainer, p_ids, p_mask, out["completion_ids"][rows], cm, cm)
+    c_ids, c_mask = out["composer_chosen_ids"][rows], out["composer_chosen_mask"][rows]
+    lc = _summed(trainer, p_ids, p_mask, c_ids, c_mask, out["composer_chosen_attn"][rows])
+    a = trainer.args
+    per_pair = -F.logsigmoid(a.simpo_beta * (lc / c_mask.sum(-1) - lr / cm.sum(-1)) - a.simpo_gamma)
+    assert trainer._metrics["train"]["composer/loss/replay"][-1] == pytest.approx(
+        float(per_pair.mean()), rel=1e-5
+    )
