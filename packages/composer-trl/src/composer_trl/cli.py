@@ -515,7 +515,11 @@ def load_env_checked(recipe: Recipe, config: Any, *, need: int, n_rows: int) -> 
             f"--env {spec!r} has {len(rows)} training tasks but one optimiser step needs {need} prompts "
             "(generation batch / num_generations); lower --per_device_train_batch_size."
         )
-    if float(getattr(config, "beta_replay", 0.0)) > 0 and not set(rows[0]) >= PAIR_COLUMNS:
+    if (
+        getattr(config, "replay_pairs", "columns") == "on_policy"
+    ):  # the student's failures are the rejected side
+        rows = [{k: v for k, v in r.items() if k != "rejected"} for r in rows]
+    elif float(getattr(config, "beta_replay", 0.0)) > 0 and not set(rows[0]) >= PAIR_COLUMNS:
         raise UsageError(
             f"--env {spec!r} gives no reference and wrong answers (channel 3's chosen/rejected); "
             "pass --beta_replay 0 to train without channel 3."
