@@ -441,7 +441,9 @@ def _pack(
         grads.append(distill * opts.alpha_sdpo)
     keys, columns, width, flat = _plan(opts, tuple(cols))
     dtype = torch.float64 if s.logprobs.dtype == torch.float64 else torch.float32
-    table = _table([None if c is None else cols[c] for c in columns], s.mask.shape[0], dtype, s.mask.device, bool(key))
+    table = _table(
+        [None if c is None else cols[c] for c in columns], s.mask.shape[0], dtype, s.mask.device, bool(key)
+    )
     if w is not None:
         grads = [g * w for g in grads]
     unmasked = None
