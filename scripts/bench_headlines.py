@@ -116,9 +116,15 @@ def _prime_rl(d: Json) -> str:
     row = {"samples × tokens": "32 × 256", "method": "dppo", "layout": "packed"}
     rl = {**row, "layout": "packed_rl_weights"}
     sdpo = {**row, "method": "clipped_surrogate_sdpo"}
+    loaded = "ratio vs inline, loaded" in d["readme"]["columns"]
+    beside = (
+        f" ({_num(cell(d, 'ratio vs inline, loaded', **row)):.2f}× beside a CPU-bound neighbour)"
+        if loaded
+        else ""
+    )
     return (
         f"DPPO, 32 × 256 tokens in PRIME-RL's packed train loop: step time "
-        f"{_num(cell(d, 'ratio vs inline', **row)):.2f}× an inline one-metric formula without validation, "
+        f"{_num(cell(d, 'ratio vs inline', **row)):.2f}×{beside} an inline one-metric formula without validation, "
         f"{_num(cell(d, 'ratio vs prime_rl_default', **row)):.2f}× PRIME-RL's own default_loss_fn (same metrics); "
         f"with an rl weight stream (a fresh mask per sample) {_num(cell(d, 'ratio vs inline', **rl)):.2f}× / "
         f"{_num(cell(d, 'ratio vs prime_rl_default', **rl)):.2f}×; clipped surrogate + SDPO against its own inline "

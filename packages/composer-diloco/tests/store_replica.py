@@ -31,9 +31,12 @@ def exchange(
     numel: int = 4,
     gate: str | None = None,
     multipart_chunksize: int | None = None,
+    go_on_after_refusal: bool = False,
 ) -> dict[str, Any]:
     """``rounds``: ``[[round_id, value], ...]``. ``gate``: wait for this file before round one
-    (after printing ``ready``), so that replicas started one after the other begin together."""
+    (after printing ``ready``), so that replicas started one after the other begin together.
+    ``go_on_after_refusal``: when the store refuses this replica's own payload (NaN/inf), note it under
+    ``refused`` and go on with the next round, as a training loop that catches the error would."""
     store = ObjectStoreAllReduce(
         url,
         run_id,
@@ -54,13 +57,26 @@ def exchange(
                 raise TimeoutError(f"gate {gate} never opened")
             time.sleep(0.02)
     results: list[dict[str, Any]] = []
+    refused: dict[str, str] = {}
     for round_id, value in rounds:
         tensor = torch.full((numel,), float(value))
         try:
             stats = store.allreduce(int(round_id), [tensor])
         except ObjectStoreError as exc:
             print(f"round {int(round_id)} failed: {type(exc).__name__}: {exc}", flush=True)
-            return {"results": results, "error": type(exc).__name__, "message": str(exc)}
+            return {
+                "results": results,
+                "error": type(exc).__name__,
+                "message": str(exc),
+                "refused": refused,
+                "unchanged": bool((tensor == float(value)).all()),  # nothing applied by the failed round
+            }
+        except ValueError as exc:
+            if not go_on_after_refusal or "refusing to publish" not in str(exc):
+                raise
+            refused[str(int(round_id))] = str(exc)
+            print(f"round {int(round_id)} refused, going on: {exc}", flush=True)
+            continue
         results.append(
             {
                 "round": int(round_id),
@@ -72,7 +88,7 @@ def exchange(
             }
         )
         print(f"round {int(round_id)} done value={float(tensor[0])}", flush=True)
-    return {"results": results, "error": None, "message": ""}
+    return {"results": results, "error": None, "message": "", "refused": refused}
 
 
 class _CountingFile:

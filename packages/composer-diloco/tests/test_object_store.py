@@ -22,6 +22,7 @@ from composer_diloco import (
     ObjectStoreError,
     RoundConflictError,
     RoundExpiredError,
+    RoundWithdrawnError,
     StragglerTimeoutError,
 )
 from composer_diloco.object_store import dequantize_fp8, quantize_fp8, safe_part
@@ -363,6 +364,9 @@ def test_nan_and_layout_mismatch_are_refused(url: str) -> None:
     with pytest.raises(ValueError, match="NaN/inf"):
         store0.encode(0, [torch.tensor([1.0, float("-inf")])])
     store0.encode(0, [torch.full((4,), 3e38)])  # finite values whose float32 sum overflows are fine
+    with pytest.raises(RoundWithdrawnError, match="rank 0 refused its own payload for round 0"):
+        store0.allreduce(1, [torch.ones(2)])  # it missed round 0's average: it may not join round 1
+    store0, store1 = _stores(url, 2, timeout_s=5)  # restarted
     out = _parallel([store0, store1], 1, [[torch.ones(2)], [torch.ones(2), torch.ones(1)]])
     assert all(isinstance(o, ObjectStoreError) and "same parameters" in str(o) for o in out)
 

@@ -271,14 +271,14 @@ def test_a_write_that_fails_leaves_no_temporary_file(tmp_path: Path, monkeypatch
 @pytest.mark.parametrize("mib", [6, 12])
 def test_a_non_finite_value_leaves_nothing_behind(tmp_path: Path, mib: int) -> None:
     """A NaN in the last value: the round is refused by name and neither the object nor a temporary file is
-    left under the run."""
+    left under the run: only the record of the withdrawal that tells the peers why."""
     store = ObjectStoreAllReduce(f"file://{tmp_path}", "run", rank=0, world_size=2, timeout_s=5)
     tensor = torch.randn(mib << 18)
     tensor[-1] = float("nan")
     with pytest.raises(ValueError, match="tensor 0 of rank 0 in round 0 holds NaN/inf; refusing to publish"):
         store.allreduce(0, [tensor])
     assert not Path(store.object_key(0, 0)).exists()
-    assert [p for p in Path(store.prefix).rglob("*") if p.is_file()] == []
+    assert [p for p in Path(store.prefix).rglob("*") if p.is_file()] == [Path(store.withdrawal_key(0, 0))]
 
 
 def test_a_streamed_object_of_mixed_dtypes_is_the_encoded_one_and_averages_exactly(tmp_path: Path) -> None:
@@ -404,7 +404,10 @@ def test_a_non_finite_small_tensor_is_named_when_published_and_when_read(
     poisoned[where].view(-1)[7] = bad
     with pytest.raises(ValueError, match=rf"tensor {where} of rank 1 in round 0 holds NaN/inf; refusing"):
         stores[1].allreduce(0, poisoned)
-    assert [p for p in Path(stores[1].prefix).rglob("*") if p.is_file()] == []
+    assert [p for p in Path(stores[1].prefix).rglob("*") if p.is_file()] == [
+        Path(stores[1].withdrawal_key(0, 1))
+    ]
+    assert f"tensor {where} of rank 1" in stores[0]._withdrawals(0, {"withdrawn-rank-00001.json"}, [1])[1]
     good = stores[0].decode(_unchecked_object(stores[1], tensors), round_id=0, rank=1)
     assert all(torch.equal(a, b) for a, b in zip(good.tensors, tensors))
     with pytest.raises(NonFiniteObjectError, match=rf"tensor {where} holds NaN/inf"):

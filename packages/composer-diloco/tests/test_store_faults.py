@@ -151,6 +151,54 @@ def test_replica_behind_keep_rounds_gets_round_expired_and_recreates_nothing(
     assert admin.rounds_present() == [2, 3]
 
 
+@pytest.mark.parametrize("on_timeout", ["fail", "proceed"])
+def test_replica_that_refuses_its_nan_payload_and_goes_on_is_named_by_its_peers(
+    store: Store, tmp_path: Path, on_timeout: str
+) -> None:
+    """Issue 62: rank 1 refuses its own NaN payload of round 1 and goes on to round 2. The healthy replicas
+    failed round 1 with "round 1 was already committed ... but its manifest is gone" (it never was). Now
+    every replica either completes a round with the others' average or fails naming rank 1's refusal."""
+    nan = float("nan")
+    values = {
+        0: [[0, 1.0], [1, 1.0], [2, 1.0]],
+        1: [[0, 3.0], [1, nan], [2, 3.0]],
+        2: [[0, 5.0], [1, 5.0], [2, 5.0]],
+    }
+    done = run_together(
+        tmp_path, store, 3, values, timeout_s=20, on_timeout=on_timeout, go_on_after_refusal=True
+    )
+    for out in done.values():
+        assert out["results"][0]["value"] == 3.0, out
+        assert "already committed" not in out["message"], out["message"]
+    refuser = done[1]
+    assert list(refuser["refused"]) == ["1"] and "NaN/inf" in refuser["refused"]["1"], refuser
+    # it missed round 1's average: it may not join round 2 (its weights are no longer the others')
+    assert refuser["error"] == "RoundWithdrawnError" and len(refuser["results"]) == 1, refuser
+    assert (
+        "rank 1" in refuser["message"]
+        and "round 1" in refuser["message"]
+        and "checkpoint" in refuser["message"]
+    )
+    for rank in (0, 2):
+        out = done[rank]
+        if on_timeout == "fail":  # the round cannot complete: named at once, nothing applied
+            assert out["error"] == "RoundWithdrawnError" and out["unchanged"] and len(out["results"]) == 1, (
+                out
+            )
+            msg = out["message"]
+            assert "round 1" in msg and "rank 1" in msg and "NaN/inf" in msg and "never committed" in msg, msg
+            assert "on_timeout='proceed'" in msg and "checkpoint" in msg, msg
+        else:  # the healthy replicas go on without rank 1, agreeing on every round
+            assert out["error"] is None, out
+            assert [r["value"] for r in out["results"]] == [3.0, 3.0, 3.0], out
+            assert (
+                out["results"][1]["participants"] == [0, 2]
+                and "NaN/inf" in out["results"][1]["excluded"]["1"]
+            )
+    if on_timeout == "proceed":
+        assert done[0]["results"] == done[2]["results"]
+
+
 class StallProxy:
     """A TCP proxy in front of moto's S3 server that holds one upload mid-body.
 

@@ -35,6 +35,16 @@ def test_bench_runs_at_small_size_and_counts_operators(tmp_path: Path) -> None:
         assert "composer_dppo_ratio_vs_inline_dppo_kl" in row
         assert "composer_clipped_surrogate_sdpo_ratio_vs_inline_clipped_sdpo" in row
         assert "composer_clipped_surrogate_sdpo_ratio_vs_inline_dppo_kl" not in row
+    # issue 63: every ratio also measured beside a CPU-bound neighbour the bench starts and stops itself, and the
+    # cost of reading the typed options per call beside the call's own
+    for row in data["rows"]:
+        loaded = row["loaded"]
+        assert loaded["neighbour"]["started"] and loaded["neighbour"]["stopped"], loaded
+        assert loaded["composer_dppo_ratio_vs_inline_dppo_kl"] > 0
+        assert loaded["composer_clipped_surrogate_sdpo_ratio_vs_inline_clipped_sdpo"] > 0
+        for name in ("composer_dppo", "composer_clipped_surrogate_sdpo"):
+            assert 0 < row["options_us_per_call"][name] < row[f"{name}_ms"] * 1e3 / row["samples"], row
+    assert "ratio vs inline, loaded" in data["readme"]["columns"]
     # the step's own operators are not counted (a loss that does nothing is subtracted)
     assert ops["packed"]["inline_dppo_kl"] == 32.5 and ops["separate"]["inline_dppo_kl"] == 33.75
     assert ops["packed_rl_weights"]["inline_dppo_kl"] == 34.5  # and the loss weights' product

@@ -187,6 +187,26 @@ def test_a_new_micro_batch_of_the_same_shape_is_recomputed() -> None:
         del f, views
 
 
+@pytest.mark.parametrize("kwargs", [CONFIGS[0], CONFIGS[2]])
+def test_the_next_micro_batch_reuses_the_table_memory_and_changes_no_result(kwargs) -> None:
+    """Issue 63: a packed micro-batch writes its table into the last one's memory (no page faults on CPU). The
+    earlier micro-batch's losses still backpropagate their own gradient, a separate-tensor call in between
+    reuses nothing, and every micro-batch still equals its samples computed one by one."""
+    first, second = _fields(21), _fields(22)
+    a_leaf, b_leaf = first["lp"].clone().requires_grad_(True), second["lp"].clone().requires_grad_(True)
+    a_views, b_views = _views({**first, "lp": a_leaf * 1.0}), _views({**second, "lp": b_leaf * 1.0})
+    a = [composer_loss(_inputs(a_views, i), **kwargs) for i in range(len(LENGTHS))]
+    table = loss_module._Last.table
+    alone = composer_loss(_inputs(_views(_fields(23)), 1, clone=True), **kwargs)  # separate: its own table
+    b = [composer_loss(_inputs(b_views, i), **kwargs) for i in range(len(LENGTHS))]
+    assert table is not None and loss_module._Last.table is table  # the same memory, rewritten
+    torch.stack([o.loss for o in a]).sum().backward()
+    torch.stack([o.loss for o in b]).sum().backward()
+    _assert_same((a, a_leaf.grad), _step(first, kwargs, packed=False))
+    _assert_same((b, b_leaf.grad), _step(second, kwargs, packed=False))
+    torch.testing.assert_close(alone.loss, composer_loss(_inputs(_views(_fields(23)), 1), **kwargs).loss)
+
+
 def _gradcheck_micro_batch(f: dict[str, torch.Tensor], inputs_of: Any, kwargs: dict[str, Any]) -> bool:
     """float64 gradcheck of the micro-batch's summed loss wrt the packed log-probs, set close to the inference
     ones (away from the mask and clip boundaries the loss is smooth); ``inputs_of(views, i)``: sample i's inputs."""

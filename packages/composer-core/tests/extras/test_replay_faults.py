@@ -205,11 +205,12 @@ def test_secret_absent_from_exceptions_logs_and_results(
 
 UNKNOWN_USAGE = ["usage_str", "usage_inf", "usage_missing", "usage_not_dict", "usage_negative", "usage_huge"]
 MALFORMED = ["choices_empty", "choices_not_list", "choice_not_dict", "message_not_dict", "not_object"]
-UNUSABLE = ["content_not_str", "tool_calls_not_list"]
+# issue 62: a role other than "assistant" (7, "system") was overwritten with "assistant" and counted as good
+UNUSABLE = ["content_not_str", "tool_calls_not_list", "role_wrong", "role_system"]
 
 
 def test_fault_lists_cover_every_bad_payload() -> None:
-    assert set(UNKNOWN_USAGE + MALFORMED + UNUSABLE + ["role_wrong"]) == set(BAD_PAYLOADS)
+    assert set(UNKNOWN_USAGE + MALFORMED + UNUSABLE) == set(BAD_PAYLOADS)
 
 
 @pytest.mark.parametrize("fault", UNKNOWN_USAGE + MALFORMED + UNUSABLE)
@@ -236,6 +237,10 @@ def test_malformed_response_fails_that_request_only(tmp_path: Path, fault: str) 
     else:  # paid for, unusable: a cached failure naming the field
         assert all(not x.ok and x.failure.startswith("unusable answer") for x in res[1::2])
         assert st.failures == 2 and st.answers == 2
+        if fault.startswith("role"):
+            assert all("role" in x.failure for x in res[1::2]), res[1].failure
+            again = Replayer([good, bad], tmp_path).replay(jobs)  # re-read from the cache: still refused
+            assert [x.ok for x in again] == [True, False] * 2 and all(x.cached for x in again)
 
 
 def test_cli_survives_bad_usage_and_caches_it(tmp_path: Path) -> None:
@@ -338,7 +343,9 @@ def test_exit_status_all_failed_and_failure_rate(tmp_path: Path) -> None:
     assert "--max-response-bytes" in help_text and "--max-failure-rate" in help_text
 
 
-@pytest.mark.parametrize(("value", "other_teacher"), [(None, False), ("", True)])
+@pytest.mark.parametrize(
+    ("value", "other_teacher"), [(None, False), ("", True), ("   ", True), (" \t", False)]
+)
 def test_unset_api_key_env_is_refused_before_any_request(
     tmp_path: Path, value: str | None, other_teacher: bool
 ) -> None:
@@ -359,6 +366,26 @@ def test_unset_api_key_env_is_refused_before_any_request(
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert "teacher 'big'" in err and f"export {var}=" in err and "drop api_key_env" in err, err
     assert not out and list((tmp_path / "out").iterdir()) == []  # nothing written
+
+
+@pytest.mark.parametrize("line", ['api_key_env = ""', 'api_key_env = "  "', 'api_key = "sk-1"', "colour = 1"])
+def test_bad_teachers_toml_is_refused_in_one_line_before_any_request(tmp_path: Path, line: str) -> None:
+    """Issue 62: ``api_key_env = ""`` was taken as "no key" then failed every request (exit 0 beside a
+    working teacher); any other bad teachers.toml ended in a traceback (exit 1). Now: one line, exit 2."""
+    with ChatServer() as srv:
+        teachers = [{"name": "ok", "base_url": srv.base_url, "model": "m1"}]
+        traces, toml = write_run(tmp_path, teachers)
+        toml.write_text(
+            toml.read_text()
+            + f'[[teachers]]\nname = "big"\nbase_url = "{srv.base_url}"\nmodel = "m2"\n{line}\n'
+        )
+        rc, out, err = run_cli(cli_argv(tmp_path, traces, toml, "--no-progress"))
+        sent = srv.total_requests
+    assert (rc, sent) == (2, 0), err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("composer-replay: error: ") and "teachers[1]" in err, err
+    assert ("api_key_env" in err and "drop" in err) if "api_key_env" in line else True, err
+    assert not out and list((tmp_path / "out").iterdir()) == []
 
 
 # --- cache paths and orphans --------------------------------------------------------------------

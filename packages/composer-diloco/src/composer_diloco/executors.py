@@ -1,6 +1,7 @@
 """Executors that run N replica functions ``"package.module:function"`` with JSON keyword arguments:
 :class:`LocalProcessExecutor` (one subprocess each) and :class:`RayExecutor` (one Ray task each). A failed
-replica is reported with its exit code and the tail of its log.
+replica is reported with its exit code and the tail of its log; so is one that exits 0 before its function
+returned (no result: it stopped before finishing its steps).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from typing import Any, Protocol, runtime_checkable
 from ._optional import require
 
 LOG_TAIL_CHARS = 4000
+_EARLY_EXIT = (
+    "exited with code 0 before its function returned (no result): it stopped before finishing its steps"
+)
 
 
 @dataclass
@@ -35,10 +39,15 @@ class ReplicaResult:
     log_tail: str = ""
     log_path: str | None = None
     seconds: float = 0.0
+    finished: bool = True  # False: exited 0 before its function returned (``sys.exit(0)``, ``os._exit(0)``)
 
     @property
     def ok(self) -> bool:
-        return self.exit_code == 0
+        return self.exit_code == 0 and self.finished
+
+    @property
+    def status(self) -> str:
+        return f"exit code {self.exit_code}" if self.finished else _EARLY_EXIT
 
 
 class ReplicaFailedError(RuntimeError):
@@ -49,9 +58,7 @@ class ReplicaFailedError(RuntimeError):
         failed = [r for r in self.results if not r.ok]
         lines = [f"{len(failed)} of {len(self.results)} replicas failed:"]
         for r in failed:
-            lines.append(
-                f"--- replica {r.rank}: exit code {r.exit_code} (log: {r.log_path}) ---\n{r.log_tail.rstrip()}"
-            )
+            lines.append(f"--- replica {r.rank}: {r.status} (log: {r.log_path}) ---\n{r.log_tail.rstrip()}")
         super().__init__("\n".join(lines))
 
 
@@ -128,8 +135,11 @@ class ReplicaProcess:
                 )
             code = -9
         self._log.close()
-        value = None
-        if code == 0 and self.result_path.exists():
+        value, finished = None, code != 0 or self.result_path.exists()
+        if not finished:
+            with open(self.log_path, "ab") as f:
+                f.write(f"\n[composer-diloco] replica {self.rank} {_EARLY_EXIT}\n".encode())
+        elif code == 0:
             import torch
 
             value = torch.load(self.result_path, weights_only=True)
@@ -140,6 +150,7 @@ class ReplicaProcess:
             log_tail=self.log_text()[-LOG_TAIL_CHARS:],
             log_path=str(self.log_path),
             seconds=time.monotonic() - self.started,
+            finished=finished,
         )
 
 

@@ -176,8 +176,9 @@ class FaultTolerantLauncher(AbstractContextManager["FaultTolerantLauncher"]):
         self.procs: dict[int, ReplicaProcess] = {}
 
     def start(self) -> FaultTolerantLauncher:
+        """Start every replica (again, from step 0, once none is running)."""
         for i in range(len(self.replica_kwargs)):
-            self.restart(i)
+            self._spawn(i)
         return self
 
     def kill(self, i: int, sig: int = signal.SIGKILL) -> ReplicaResult:
@@ -188,7 +189,19 @@ class FaultTolerantLauncher(AbstractContextManager["FaultTolerantLauncher"]):
         return p.finish(timeout_s=30)
 
     def restart(self, i: int) -> None:
-        """(Re)start replica ``i`` with ``replica_kwargs[i]``."""
+        """Restart replica ``i`` with ``replica_kwargs[i]``: it joins the next quorum and is healed from a
+        running peer. Refused when no other replica is running (none could heal it: it would train alone from
+        step 0)."""
+        peers = [j for j in sorted(self.procs) if j != i]
+        if peers and all(self.procs[j].proc.poll() is not None for j in peers):
+            raise RuntimeError(
+                f"replica {i} cannot rejoin: no other replica is running (replicas {peers} have exited), so none "
+                "can heal it and it would train alone from step 0; restart it while a peer still runs, or run "
+                "every replica again with start()."
+            )
+        self._spawn(i)
+
+    def _spawn(self, i: int) -> None:
         if i in self.procs and self.procs[i].proc.poll() is None:
             raise RuntimeError(f"replica {i} is still running; kill it before restarting.")
         kwargs = {**self.replica_kwargs[i], "lighthouse_addr": self.lighthouse.address, "replica_id": str(i)}
@@ -204,7 +217,12 @@ class FaultTolerantLauncher(AbstractContextManager["FaultTolerantLauncher"]):
             if m:
                 return m.group(0)
             if p.proc.poll() is not None:
-                raise ReplicaFailedError([p.finish(timeout_s=1)])
+                result = p.finish(timeout_s=1)
+                if not result.ok:
+                    raise ReplicaFailedError([result])
+                raise RuntimeError(
+                    f"replica {i} finished without logging {pattern!r}; log tail:\n{result.log_tail[-2000:]}"
+                )
             time.sleep(0.05)
         raise TimeoutError(
             f"replica {i} did not log {pattern!r} within {timeout_s}s; log tail:\n{self.procs[i].log_text()[-2000:]}"

@@ -366,6 +366,7 @@ class _Last:
     it refers to the packed tensors weakly."""
 
     packed: _Packed | None = None
+    table: Tensor | None = None  # the packed table's memory, reused by the next micro-batch of its shape
 
 
 def _layout(tensors: tuple[Tensor, ...]) -> tuple[tuple[Tensor, ...], int, int] | None:
@@ -410,6 +411,7 @@ def _shared(opts: PrimeRLLossOptions, raw_mask: Tensor, named: dict[str, Tensor]
     flat = [b.detach().view(-1) for b in bases]
     refs = tuple(weakref.ref(b) for b in bases)
     floats = dict(zip(named, flat[: len(named)], strict=True))
+    _Last.packed = None  # that micro-batch is done: the next one reuses its table's memory
     _Last.packed = _pack(opts, None if fresh else flat[-1], floats, key, refs)
     return _Last.packed, start
 
@@ -443,7 +445,9 @@ def _pack(
         grads.append(distill * opts.alpha_sdpo)
     keys, columns, width, flat = _plan(opts, tuple(cols))
     dtype = torch.float64 if s.logprobs.dtype == torch.float64 else torch.float32
-    table = _table([None if c is None else cols[c] for c in columns], s.mask.shape[0], dtype, s.mask.device)
+    table = _table(
+        [None if c is None else cols[c] for c in columns], s.mask.shape[0], dtype, s.mask.device, bool(key)
+    )
     if w is not None:
         grads = [g * w for g in grads]
     unmasked = None
@@ -466,9 +470,16 @@ def _pack(
     )
 
 
-def _table(columns: list[Tensor | None], n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """[C, N] ``columns`` in ``dtype`` (None: zeros), each written and converted in place (one pass per column)."""
-    table = torch.empty((len(columns), n), dtype=dtype, device=device)
+def _table(
+    columns: list[Tensor | None], n: int, dtype: torch.dtype, device: torch.device, reuse: bool
+) -> Tensor:
+    """[C, N] ``columns`` in ``dtype`` (None: zeros), each written and converted in place (one pass per column).
+    ``reuse``: a packed micro-batch's, written into the last one's memory when the shape matches (a fresh [C, N]
+    costs a page fault per 4 KiB on CPU, more than the copies)."""
+    table = _Last.table if reuse else None
+    if table is None or table.shape != (len(columns), n) or table.dtype != dtype or table.device != device:
+        table = torch.empty((len(columns), n), dtype=dtype, device=device)
+        _Last.table = table if reuse else _Last.table
     for row, column in zip(table.unbind(), columns, strict=True):
         row.zero_() if column is None else row.copy_(_bits(column))
     return table

@@ -68,6 +68,7 @@ BAD_PAYLOADS: dict[str, Callable[[dict[str, Any]], Any]] = {
     "content_not_str": _set(("choices", 0, "message", "content"), {"text": 1}),
     "tool_calls_not_list": _set(("choices", 0, "message", "tool_calls"), 5),
     "role_wrong": _set(("choices", 0, "message", "role"), 7),
+    "role_system": _set(("choices", 0, "message", "role"), "system"),
     "not_object": lambda payload: [payload],
 }
 

@@ -236,14 +236,23 @@ class TeacherConfig:
             raise ValueError(f"teacher {self.name!r}: max_concurrency must be an integer >= 1")
         if not isinstance(self.max_retries, int) or self.max_retries < 0:
             raise ValueError(f"teacher {self.name!r}: max_retries must be an integer >= 0")
+        if self.api_key_env is not None and (
+            not isinstance(self.api_key_env, str) or not self.api_key_env.strip()
+        ):
+            raise ValueError(
+                f"teacher {self.name!r}: api_key_env must name an environment variable, got {self.api_key_env!r}; "
+                "drop api_key_env for an endpoint without a key"
+            )
 
     def api_key(self) -> str | None:
         """The key from ``os.environ[api_key_env]`` (None when no variable is configured)."""
         if self.api_key_env is None:
             return None
-        key = os.environ.get(self.api_key_env)
-        if not key:
-            raise ValueError(f"teacher {self.name!r}: environment variable {self.api_key_env} is not set")
+        key = os.environ.get(self.api_key_env, "")
+        if not key.strip():
+            raise ValueError(
+                f"teacher {self.name!r}: environment variable {self.api_key_env} is not set or blank"
+            )
         return key
 
     def cost(self, prompt_tokens: int | None, completion_tokens: int | None) -> float | None:
@@ -622,7 +631,7 @@ class Replayer:
         st.prompt_tokens += pt or 0
         st.completion_tokens += ct or 0
         st.cost_usd += t.cost(pt or 0, ct or 0) or 0.0
-        raw = _redact_strings({**_answer_message(data), "role": "assistant"}, self._secrets())
+        raw = _redact_strings({"role": "assistant", **_answer_message(data)}, self._secrets())
         usage = {"prompt_tokens": pt, "completion_tokens": ct}
         entry = {"teacher": t.name, "model": t.model, "message": raw, "usage": usage}
         if self.cache is not None:
@@ -639,6 +648,8 @@ class Replayer:
         pt, ct = _usage(entry)
         try:
             msg: Message | None = message_from_dict(entry.get("message"), f"teacher {t.name} answer")
+            if msg is not None and msg.role != "assistant":
+                raise ValueError(f"teacher {t.name} answer: role {msg.role!r}, not 'assistant'")
             failure = None
         except (ValueError, TypeError, AttributeError) as e:  # any malformed part: unusable, not a crash
             msg, failure = None, self._redact(f"unusable answer: {e}")[:300]

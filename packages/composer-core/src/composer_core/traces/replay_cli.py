@@ -12,7 +12,8 @@ Exit status (with 0, 3 and 4 all outputs are written first):
 - 0: done; at most ``--max-failure-rate`` of the teacher requests failed
 - 1: an unexpected error (a traceback)
 - 2: bad arguments or input (one line naming the argument); also, before any request or output, the
-  ``replay`` extra (httpx) is not installed or a teacher's ``api_key_env`` variable is unset or empty
+  ``replay`` extra (httpx) is not installed, ``--teachers`` is not a valid teachers.toml (``api_key_env = ""``
+  included), or a teacher's ``api_key_env`` variable is unset, empty or blank
 - 3: every teacher request failed (nothing usable came back: check keys, URLs, the endpoints)
 - 4: more than ``--max-failure-rate`` (default 0.5) of the teacher requests failed
 """
@@ -262,8 +263,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="composer-replay",
         description="Replay N teacher models at the states of agent traces; write SDPO sites and preference pairs.",
         epilog=(
-            "exit status: 0 done; 1 unexpected error; 2 bad arguments or input, the replay extra missing or a "
-            "teacher's api_key_env unset (one line, before any request or output); 3 every teacher request "
+            "exit status: 0 done; 1 unexpected error; 2 bad arguments or input, the replay extra missing, a bad "
+            "--teachers file or a teacher's api_key_env unset or blank (one line, before any request or output); 3 every teacher request "
             "failed; 4 more than --max-failure-rate of them failed (0, 3, 4: outputs are written)"
         ),
     )
@@ -375,11 +376,14 @@ def _usable_teachers(path: str) -> list[TeacherConfig] | str:
         importlib.import_module("httpx")
     except ImportError as e:
         return f"--teachers needs the module {e.name or 'httpx'} (replay extra): pip install 'composer-core[replay]'"
-    teachers = load_teachers(path)
+    try:
+        teachers = load_teachers(path)
+    except ValueError as e:
+        return str(e)
     for t in teachers:
-        if t.api_key_env and not os.environ.get(t.api_key_env):
+        if t.api_key_env and not os.environ.get(t.api_key_env, "").strip():
             return (
-                f"teacher {t.name!r}: its api_key_env variable {t.api_key_env} is not set or empty; "
+                f"teacher {t.name!r}: its api_key_env variable {t.api_key_env} is not set, empty or blank; "
                 f"export {t.api_key_env}=... or drop api_key_env from {path}"
             )
     return teachers

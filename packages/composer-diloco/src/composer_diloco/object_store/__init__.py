@@ -11,6 +11,7 @@ from .errors import (
     RoundConflictError,
     RoundExpiredError,
     RoundStats,
+    RoundWithdrawnError,
     StragglerTimeoutError,
     safe_part,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "RoundConflictError",
     "RoundExpiredError",
     "RoundStats",
+    "RoundWithdrawnError",
     "StragglerTimeoutError",
     "dequantize_fp8",
     "quantize_fp8",

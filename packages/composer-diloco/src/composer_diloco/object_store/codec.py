@@ -159,6 +159,7 @@ class Codec:
         self._marker: dict[int, str] | None = None  # this replica's progress marker, as last written
         self._next_round: int | None = None  # the round after the one this instance last completed
         self._proposed: int | None = None  # the round whose manifest this call created
+        self._withdrawn: tuple[int, str] | None = None  # (round, reason) this replica refused its payload for
         self.s3_part_bytes = S3_PART_BYTES
         self.s3_parts_in_flight = S3_PARTS_IN_FLIGHT
 
@@ -189,6 +190,10 @@ class Codec:
 
     def manifest_key(self, round_id: int) -> str:
         return self.key("rounds", f"{check_round(round_id):010d}", "manifest.json")
+
+    def withdrawal_key(self, round_id: int, rank: int) -> str:
+        """Replica ``rank``'s record that it refused its own payload for ``round_id``."""
+        return self.key("rounds", f"{check_round(round_id):010d}", f"withdrawn-rank-{rank:05d}.json")
 
     def marker_key(self, rank: int) -> str:
         """Replica ``rank``'s progress marker (manifests it accepted in its latest rounds)."""

@@ -38,6 +38,11 @@ class RoundExpiredError(ObjectStoreError):
     """Round r was committed but its result is gone from the store: restart from a checkpoint."""
 
 
+class RoundWithdrawnError(ObjectStoreError):
+    """A replica refused its own payload for round r (NaN/inf): the round cannot complete with it, and it
+    cannot join a later round (it missed round r's average)."""
+
+
 class RoundConflictError(ObjectStoreError):
     """Replicas accepted different manifests for one round: they may no longer be identical."""
 

@@ -2,18 +2,28 @@
 tag), and each replica's progress marker ``progress/rank-<r>.json``. A replica records the manifest's
 fingerprint in its marker, then reads the others': of two replicas accepting different manifests, the later
 reader raises :class:`RoundConflictError`. A round the run has left whose manifest is gone raises
-:class:`RoundExpiredError`.
+:class:`RoundExpiredError`. A replica that refuses its own payload (NaN/inf) creates
+``withdrawn-rank-<r>.json`` in the round's folder, so that its peers name it (:class:`RoundWithdrawnError`).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+import logging
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from .backend import Backend
 from .codec import _DIGEST, Decoded, Payload
-from .errors import CorruptObjectError, ObjectStoreError, RoundConflictError, RoundExpiredError
+from .errors import (
+    CorruptObjectError,
+    ObjectStoreError,
+    RoundConflictError,
+    RoundExpiredError,
+    RoundWithdrawnError,
+)
+
+logger = logging.getLogger("composer_diloco.object_store")
 
 
 @dataclass
@@ -134,8 +144,62 @@ class Manifests(Backend):
             return None
         manifest = self._read_manifest(round_id)  # committed since the first read?
         if manifest is None:
-            raise self._expired(round_id, evidence, "its manifest is gone")
+            gone = self._withdrawals(round_id, self._list(self.round_dir(round_id)), range(self.world_size))
+            raise (
+                self._withdrawn_error(round_id, gone)
+                if gone
+                else self._expired(round_id, evidence, "its manifest is gone")
+            )
         return manifest
+
+    def _withdraw(self, round_id: int, reason: str) -> None:
+        """Remember that this replica refused its own payload for ``round_id``, and tell its peers with a
+        create-only record (best effort: the caller gets the refusal either way)."""
+        self._withdrawn = (round_id, reason)
+        record = {"run_id": self.run_id, "round": round_id, "rank": self.rank, "reason": reason}
+        try:
+            self.put_if_absent(self.withdrawal_key(round_id, self.rank), self._dump_json(record))
+        except Exception as exc:  # its peers then wait for it as for a straggler
+            logger.warning(
+                "could not record rank %d's withdrawal from round %d: %s", self.rank, round_id, exc
+            )
+
+    def _withdrawals(self, round_id: int, names: set[str], ranks: Iterable[int]) -> dict[int, str]:
+        """Why each replica of ``ranks`` withdrew from ``round_id`` (``names``: the round folder's listing)."""
+        out: dict[int, str] = {}
+        for r in ranks:
+            key = self.withdrawal_key(round_id, r)
+            raw = self._read(key) if key.rsplit("/", 1)[-1] in names else None
+            if raw is None:
+                continue
+            record = self._load_json(bytes(raw), key)
+            if (record.get("run_id"), record.get("round"), record.get("rank")) != (self.run_id, round_id, r):
+                raise CorruptObjectError(
+                    f"{key} is not rank {r}'s withdrawal from round {round_id} of this run."
+                )
+            out[r] = str(record.get("reason"))
+        return out
+
+    def _withdrawn_error(self, round_id: int, withdrawn: Mapping[int, str]) -> RoundWithdrawnError:
+        who = "; ".join(f"rank {r}: {why}" for r, why in sorted(withdrawn.items()))
+        return RoundWithdrawnError(
+            f"round {round_id} of run {self.run_id!r} was never committed: ranks {sorted(withdrawn)} refused "
+            f"their own payloads and withdrew ({who}); rank {self.rank} applied nothing. Fix the cause there, "
+            "then restart every replica from one checkpoint under a new run_id (with on_timeout='proceed' the "
+            "others go on without a withdrawn replica)."
+        )
+
+    def _check_not_withdrawn(self, round_id: int) -> None:
+        """A replica that withdrew from round w missed its average: it may not join a later round."""
+        if self._withdrawn is None or round_id <= self._withdrawn[0]:
+            return
+        w, why = self._withdrawn
+        raise RoundWithdrawnError(
+            f"rank {self.rank} refused its own payload for round {w} ({why}) and cannot join round {round_id}: "
+            f"it did not apply round {w}'s average, so its weights are no longer the other replicas'. Restart "
+            "it from a checkpoint of the run's current round (every replica from one checkpoint if the others "
+            "stopped too)."
+        )
 
     def _accept(self, round_id: int, manifest: Manifest) -> None:
         """Record that this replica applies ``manifest`` for ``round_id`` (marker first), then check that no

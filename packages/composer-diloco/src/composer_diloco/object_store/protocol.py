@@ -15,7 +15,9 @@ error naming why.** The round's committed manifest is its single source of truth
 4. When every rank is present, or at ``timeout_s``, propose the participant set by *creating*
    ``manifest.json`` (:mod:`.manifest`); the first proposal wins. On timeout ``on_timeout="proceed"``
    goes on with the replicas present (at least ``min_replicas``), ``"fail"`` raises
-   :class:`StragglerTimeoutError`.
+   :class:`StragglerTimeoutError`. A rank that refused its own payload (NaN/inf) and withdrew is named at
+   once (:class:`RoundWithdrawnError` with ``"fail"``; excluded without waiting with ``"proceed"``), and
+   may not join a later round.
 5. Record the manifest in this replica's progress marker, then check the others' markers.
 6. Average in float32 in rank order (:mod:`.reduce`); one participant deletes old rounds in the
    background.
@@ -43,6 +45,7 @@ from .errors import (
     ObjectStoreError,
     RoundExpiredError,
     RoundStats,
+    RoundWithdrawnError,
     StragglerTimeoutError,
 )
 from .manifest import Manifest
@@ -107,10 +110,11 @@ class ObjectStoreAllReduce(Sharded):
         """
         if op not in ("avg", "sum"):
             raise ValueError(f"op must be 'avg' or 'sum', got {op!r}.")
+        self._check_not_withdrawn(round_id)
         laps = Laps()
         written0, read0 = self.bytes_written, self.bytes_read
         in_step, self._next_round, self._proposed = self._next_round == round_id, None, None
-        problems: dict[int, CorruptObjectError] = {}
+        problems: dict[int, ObjectStoreError] = {}
         manifest = None if in_step else self._committed(round_id)
         laps("commit")
         own: Decoded | None = None
@@ -138,14 +142,14 @@ class ObjectStoreAllReduce(Sharded):
             raise
         self._cleanup(round_id, manifest)
         self._next_round = round_id + 1
+        if (
+            self._withdrawn is not None and self._withdrawn[0] == round_id
+        ):  # re-run with a payload it publishes
+            self._withdrawn = None
         self.last = RoundStats(
             round=round_id,
             participants=list(manifest.ranks),
-            excluded={
-                r: str(problems.get(r, "no object"))
-                for r in range(self.world_size)
-                if r not in manifest.ranks
-            },
+            excluded=self._excluded(round_id, manifest, problems),
             bytes_written=self.bytes_written - written0,
             bytes_read=self.bytes_read - read0,
             seconds=time.perf_counter() - laps.start,
@@ -155,6 +159,19 @@ class ObjectStoreAllReduce(Sharded):
         if self.last.excluded:
             logger.warning("round %d proceeded without ranks %s", round_id, self.last.excluded)
         return self.last
+
+    def _excluded(
+        self, round_id: int, manifest: Manifest, problems: Mapping[int, ObjectStoreError]
+    ) -> dict[int, str]:
+        """Why each rank is not in ``manifest``: what this replica saw, or the rank's withdrawal record."""
+        out = {
+            r: str(problems.get(r, "no object")) for r in range(self.world_size) if r not in manifest.ranks
+        }
+        unknown = [r for r in out if r not in problems]
+        if unknown:  # another replica proposed the manifest: a withdrawal this one did not see is still named
+            names = self._list(self.round_dir(round_id))
+            out |= {r: f"withdrew: {why}" for r, why in self._withdrawals(round_id, names, unknown).items()}
+        return out
 
     def _apply_round(
         self,
@@ -195,7 +212,12 @@ class ObjectStoreAllReduce(Sharded):
         """Publish this replica's object (full) or shards + index (sharded); True if an object
         published earlier (a re-run of the round) is the contribution instead."""
         encode = self._encode_sharded if self.exchange == "sharded" else self._encode
-        return self._publish(round_id, *encode(round_id, tensors, quantize))
+        try:
+            encoded = encode(round_id, tensors, quantize)
+        except ValueError as exc:  # NaN/inf or a bad layout: refused before anything is published
+            self._withdraw(round_id, str(exc))
+            raise
+        return self._publish(round_id, *encoded)
 
     def _stage(
         self,
@@ -278,7 +300,7 @@ class ObjectStoreAllReduce(Sharded):
         return {r: out[r] for r in manifest.ranks}
 
     def _await_manifest(
-        self, round_id: int, decoded: dict[int, Decoded], problems: dict[int, CorruptObjectError]
+        self, round_id: int, decoded: dict[int, Decoded], problems: dict[int, ObjectStoreError]
     ) -> Manifest:
         """Collect the other ranks' objects until all are present or ``timeout_s`` passes, then propose the
         participant set. The first look reads the objects directly; each later one lists first, and adopts a
@@ -316,10 +338,27 @@ class ObjectStoreAllReduce(Sharded):
                 found = self._read_manifest(round_id)
                 if found is not None:
                     return found
+            if self._note_withdrawals(round_id, names, decoded, problems):
+                deadline = time.monotonic()  # nobody left to wait for: go on without them now
             if later:
                 committed = self._committed(round_id)
                 if committed is not None:
                     return committed
+
+    def _note_withdrawals(
+        self,
+        round_id: int,
+        names: set[str],
+        decoded: Mapping[int, Decoded],
+        problems: dict[int, ObjectStoreError],
+    ) -> bool:
+        """Raise :class:`RoundWithdrawnError` for ranks that withdrew from the round (``"fail"``), or note them
+        in ``problems`` (``"proceed"``); True if every rank has delivered or withdrawn."""
+        gone = self._withdrawals(round_id, names, [r for r in range(self.world_size) if r not in decoded])
+        if gone and self.on_timeout == "fail":
+            raise self._withdrawn_error(round_id, gone)
+        problems.update({r: RoundWithdrawnError(f"withdrew: {why}") for r, why in gone.items()})
+        return bool(gone) and len(decoded) + len(gone) == self.world_size
 
     def _await_proposal(self, round_id: int) -> Manifest | None:
         """On an object store rank ``min(ranks)`` proposes and the others read its manifest (a GET costs less
@@ -338,7 +377,7 @@ class ObjectStoreAllReduce(Sharded):
         round_id: int,
         ranks: Sequence[int],
         decoded: dict[int, Decoded],
-        problems: dict[int, CorruptObjectError],
+        problems: dict[int, ObjectStoreError],
     ) -> None:
         """Read and validate the objects of ``ranks`` that exist now."""
         for r, key, raw in self._objects(round_id, ranks):
@@ -386,10 +425,10 @@ class ObjectStoreAllReduce(Sharded):
             )
 
     def _check_timeout(
-        self, round_id: int, decoded: Mapping[int, Decoded], problems: Mapping[int, CorruptObjectError]
+        self, round_id: int, decoded: Mapping[int, Decoded], problems: Mapping[int, ObjectStoreError]
     ) -> None:
         missing = {r: str(problems.get(r, "no object")) for r in range(self.world_size) if r not in decoded}
-        corrupt = {r: problems[r] for r in missing if r in problems}
+        corrupt = {r: p for r, p in problems.items() if r in missing and isinstance(p, CorruptObjectError)}
         if self.on_timeout == "fail" and corrupt:
             kinds = {type(exc) for exc in corrupt.values()}
             cls = kinds.pop() if len(kinds) == 1 else CorruptObjectError
