@@ -123,3 +123,27 @@ def h() -> Any:
     from types import SimpleNamespace
 
     return SimpleNamespace(grpo_args=grpo_args, make_trainer=make_trainer, generation_batch=generation_batch)
+
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.fixture(scope="session")
+def bench() -> Any:
+    """The benchmark scripts of ``bench/`` loaded by path (they are scripts, not part of the installed package):
+    ``bench.compare_tiny``, ``bench.compare_smollm2``, ``bench.paired_stats`` and their shared ``bench._compare``.
+    Each is registered under its file name, as the scripts import one another when run from ``bench/``."""
+    import importlib.util
+    import sys
+    from types import SimpleNamespace
+
+    modules = {}
+    for name in ("_compare", "paired_stats", "compare_tiny", "compare_smollm2"):
+        if name not in sys.modules:
+            spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+        modules[name] = sys.modules[name]
+    return SimpleNamespace(**modules)

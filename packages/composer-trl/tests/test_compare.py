@@ -1,4 +1,5 @@
-"""`composer-train --compare --quick`: every run x seed, held-out eval, comparison.json/.md/.png, README block."""
+"""`bench/compare_tiny.py --quick` (what `nox -s demo -- --compare` runs): every run x seed, held-out eval,
+comparison.json/.md/.png, finished cells kept, the README block; `composer-train --compare` names the new command."""
 
 from __future__ import annotations
 
@@ -6,11 +7,18 @@ import json
 
 import pytest
 from composer_trl.cli import main
-from composer_trl.compare import RUNS, eval_steps, split_rows, update_readme
 from composer_trl.progress import read_jsonl
 
 
-def test_held_out_prompts_are_never_trained_on():
+def test_composer_train_compare_exits_2_naming_the_bench_command(tmp_path, capsys):
+    assert main(["--compare", "--output_dir", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nox -s demo -- --compare" in err[0] and "bench/compare_smollm2.py" in err[0]
+    assert not (tmp_path / "o").exists()
+
+
+def test_held_out_prompts_are_never_trained_on(bench):
+    split_rows, eval_steps = bench.compare_tiny.split_rows, bench.compare_tiny.eval_steps
     for seed in range(3):
         train, held = split_rows(seed, 2400, 64)
         assert len(held) == 64 and len(train) == 2400
@@ -19,9 +27,11 @@ def test_held_out_prompts_are_never_trained_on():
 
 
 @pytest.mark.timeout(1500)
-def test_compare_quick_writes_json_table_plot_and_fills_readme(tmp_path, capsys):
+def test_compare_quick_writes_json_table_plot_and_fills_readme(tmp_path, capsys, bench):
+    RUNS, update_readme = bench.compare_tiny.RUNS, bench.compare_tiny.update_readme
     out = tmp_path / "cmp"
-    assert main(["--compare", "--quick", "--seeds", "2", "--output_dir", str(out)]) == 0
+    argv = ["--quick", "--seeds", "2", "--output_dir", str(out)]
+    assert bench.compare_tiny.main(argv) == 0
     report = json.loads((out / "comparison.json").read_text())
     assert list(report["runs"]) == [r.name for r in RUNS]
     assert report["runs"]["grpo"]["sees_oracle_answers"] == "no"
@@ -49,16 +59,19 @@ def test_compare_quick_writes_json_table_plot_and_fills_readme(tmp_path, capsys)
     assert "old 0.24" not in text and md in text and text.endswith("rest\n")
     c = report["runs"]["composer"]["final_partial_credit"]
     assert f"{c['mean']:.3f} ± {c['std']:.3f}" in text
+    capsys.readouterr()
+    assert bench.compare_tiny.main(argv) == 0  # a rerun keeps every finished cell and rebuilds the same table
+    assert capsys.readouterr().out.count("finished earlier, kept") == 2 * len(RUNS)
+    assert (out / "comparison.md").read_text() == md
 
 
-def test_grpo_plus_sft_adds_exactly_the_answer_nll(tmp_path):
+def test_grpo_plus_sft_adds_exactly_the_answer_nll(tmp_path, bench):
     """Constant reward (zero advantages, beta=0): GRPO's loss is 0, so the logged loss is the SFT term alone,
     equal to the mean token NLL of `chosen`+EOS after the prompt under the (lr=0, unchanged) initial model."""
     import torch
     import torch.nn.functional as F
     from composer_core.tasks.digit_reversal import ALPHABET
     from composer_core.tasks.tiny import build_char_tokenizer, build_tiny_model
-    from composer_trl.compare import GRPOPlusSFTTrainer
     from datasets import Dataset
     from trl import GRPOConfig
 
@@ -91,7 +104,7 @@ def test_grpo_plus_sft_adds_exactly_the_answer_nll(tmp_path):
         def on_log(self, args, state, control, logs_=None, **kw):
             logs.append(kw.get("logs") or logs_)
 
-    trainer = GRPOPlusSFTTrainer(
+    trainer = bench._compare.GRPOPlusSFTTrainer(
         model=model,
         reward_funcs=[lambda completions, **kw: [0.25] * len(completions)],
         args=args,
