@@ -69,9 +69,16 @@ def composer_trl_loss(
         sdpo_normalizer=_window(counts.sdpo_items, counts),
         replay_normalizer=_window(counts.replay_items, counts),
     )
+    return weighted_total(*channel_terms(result, args, counts), args.alpha_sdpo, args.beta_replay), result
+
+
+def channel_terms(
+    result: ComposeResult, args: Any, counts: Counts
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """The policy term as TRL scales it, and the unweighted sdpo and replay losses (None: skipped)."""
     # TRL divides grpo/bnpo/dr_grpo by the accumulation steps; dapo's normaliser already spans the window.
     policy = result.policy if args.loss_type in WINDOW_LOSS_TYPES else result.policy / counts.accumulation
-    return weighted_total(policy, result.sdpo, result.replay, args.alpha_sdpo, args.beta_replay), result
+    return policy, result.sdpo, result.replay
 
 
 # ----------------------------------------------------------------------------- core conformance suite
