@@ -139,18 +139,26 @@ def _slug(name: str) -> str:
 
 
 def budget() -> int:
-    """The completion budget: the task's, at which ≤ 10 % of the base model's greedy answers are cut off."""
-    return 48  # TODO(h2a): the task module's budget
+    """The completion budget: ``chosen_budget`` of ``results/addition_budget.json`` (``addition_budget.py``: the
+    smallest budget at which ≤ 10 % of the base model's greedy validation answers are cut off)."""
+    path = HERE / "results" / "addition_budget.json"
+    if not path.is_file():
+        raise SystemExit(
+            f"compare_smollm2: {path} is missing; run bench/addition_budget.py first (or pass --budget)"
+        )
+    return int(json.loads(path.read_text())["chosen_budget"])
 
 
 def task_rows(seed: int, n_train: int) -> tuple[list[dict[str, Any]], list[Any], list[Any]]:
-    """``(train rows of this seed, fixed held-out prompts, validation prompts)`` from the task module."""
-    from composer_core.tasks.addition import make_rows, operands  # TODO(h2a): the task module's fixed splits
+    """``(training rows of this seed, the fixed held-out prompts, the validation prompts)``
+    (:func:`composer_core.tasks.addition.task_splits`: the same held-out and validation sums for every seed)."""
+    from composer_core.tasks.addition import task_splits
 
-    held = [r["prompt"] for r in make_rows(256, seed=10_000)]
-    val = [r["prompt"] for r in make_rows(64, seed=20_000, exclude=[operands(p) for p in held])]
-    train = make_rows(n_train, seed=seed, exclude=[operands(p) for p in held + val])
-    return [{k: r[k] for k in ("prompt", "chosen")} for r in train], held, val
+    s = task_splits(seed, n_train)
+    train = [
+        {"prompt": r["prompt"], "chosen": r["chosen"]} for r in s.train
+    ]  # on-policy pairs: no `rejected`
+    return train, [r["prompt"] for r in s.held_out], [r["prompt"] for r in s.validation]
 
 
 # ------------------------------------------------------------------------------------------------ one cell
@@ -284,8 +292,12 @@ def run_cell(spec_path: str) -> int:
     if torch.cuda.is_available() and spec["device"].startswith("cuda"):
         result["peak_gpu_mib"] = torch.cuda.max_memory_allocated() / 2**20
     result["machine"] = {**machine(int(spec["threads"])), "load_average_start": list(load_start)}
-    _write_json(Path(spec["result"]), result)
+    _write_json(_child_result(spec), result)  # the parent adds the peak memory and writes the cell
     return 0
+
+
+def _child_result(spec: dict[str, Any]) -> Path:
+    return Path(spec["result"]).with_suffix(".child.json")
 
 
 def spawn_cell(spec: dict[str, Any], folder: Path) -> dict[str, Any]:
@@ -299,9 +311,10 @@ def spawn_cell(spec: dict[str, Any], folder: Path) -> dict[str, Any]:
         raise RuntimeError(
             f"cell {spec['arm']!r} seed {spec['seed']} failed (exit {code}):\n{log.read_text()[-3000:]}"
         )
-    cell = json.loads(Path(spec["result"]).read_text())
+    cell = json.loads(_child_result(spec).read_text())
     cell["peak_rss_mib"] = rss
-    _write_json(Path(spec["result"]), cell)
+    _write_json(Path(spec["result"]), cell)  # atomically: a cell file exists only when complete
+    _child_result(spec).unlink()
     return dict(cell)
 
 
@@ -488,7 +501,8 @@ def update_readme(readme: str | Path = README, comparison: str | Path = RESULTS)
 def _design(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
     sizes = dict(QUICK) if args.quick else {"steps": STEPS, "held_out": None, "validation": None}
     trainer = {**COMMON, **{k: v for k, v in sizes.items() if k not in ("steps", "held_out", "validation")}}
-    trainer.setdefault("max_completion_length", args.budget or budget())
+    if "max_completion_length" not in trainer:
+        trainer["max_completion_length"] = args.budget or budget()
     _, held, val = task_rows(0, 1)
     bf16 = args.dtype == "bf16" or (args.dtype == "auto" and (args.device != "cpu" or cpu_has_bf16()))
     return {
@@ -594,7 +608,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("auto", "bf16", "float32"), default="auto",
                    help="auto: bf16 on CUDA or where /proc/cpuinfo has avx512_bf16, else float32")  # fmt: skip
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch CPU threads per cell")
-    p.add_argument("--budget", type=int, default=None, help=argparse.SUPPRESS)  # a smaller model's tests only
+    p.add_argument("--budget", type=int, default=None,
+                   help="completion tokens (default: chosen_budget of results/addition_budget.json, the design's)")  # fmt: skip
     p.add_argument(
         "--dry_run", action="store_true", help="run no cell: rebuild the JSON from the cells present"
     )
