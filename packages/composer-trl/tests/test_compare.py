@@ -116,3 +116,61 @@ def test_grpo_plus_sft_adds_exactly_the_answer_nll(tmp_path, bench):
     step = next(entry for entry in logs if entry and "sft/nll" in entry)
     assert step["sft/nll"] == pytest.approx(expected, rel=1e-5)
     assert step["loss"] == pytest.approx(expected, rel=1e-4)
+
+
+def _cell(arm: str, seed: int, held: float, val: float) -> dict:
+    scores = lambda em: {"exact_match": em, "partial_credit": em, "truncated": 0.0, "per_prompt": [em]}  # noqa: E731
+    return {"arm": arm, "seed": seed, "held_out": scores(held), "validation": scores(val), "seconds_per_step": 1.0,
+            "eval_seconds": 1.0, "peak_rss_mib": 100.0, "train_reward": [[1, 0.5]]}  # fmt: skip
+
+
+def test_smollm2_report_pairs_seeds_picks_the_best_channel_on_validation_and_states_verdicts(tmp_path, bench):
+    """The report of compare_smollm2.py from synthetic cells: comparison 4's "best single channel" is chosen on the
+    validation split (here the worst on held-out), the paired statistics are paired_stats' on the seeds both arms
+    finished, the pilot's seeds-needed appear once every arm has the 6 pilot seeds, and the README block says
+    "not distinguishable" where the CI contains 0."""
+    cmp, ps = bench.compare_smollm2, bench.paired_stats
+    base = {a.name: 0.30 for a in cmp.ARMS}
+    base.update({"composer": 0.40, "grpo+replay": 0.10})  # grpo+replay: best on validation, worst on held-out
+    wobble = [0.0, 0.02, -0.01, 0.03, -0.02, 0.01]
+    cells = [_cell(a, s, base[a] + wobble[s] * (a == "composer"), 0.9 if a == "grpo+replay" else 0.2)
+             for a in base for s in range(6)]  # fmt: skip
+    meta = {"command": "x", "seeds": list(range(8)), "design": {}, "machine": {}}
+    rep = cmp.report(cells[:-1], meta)  # composer seed 5 missing: the pilot is incomplete
+    assert rep["status"] == "pilot incomplete: 47 of 48 pilot cells finished" and not rep["pilot"]["complete"]
+    rep = cmp.report(cells, meta)
+    assert rep["best_single_channel"] == "grpo+replay"
+    assert rep["status"] == "pilot complete; 48 of 64 cells of the 8-seed design finished"
+    c1, _, _, c4 = rep["comparisons"]
+    expected = ps.paired_comparison(
+        "composer", {s: 0.40 + wobble[s] for s in range(6)}, "grpo", dict.fromkeys(range(6), 0.30)
+    )
+    assert c1["mean"] == pytest.approx(expected.mean) and c1["t_ci"] == pytest.approx(expected.t_ci)
+    assert c1["verdict"] == expected.verdict and "composer beats grpo" in c1["verdict"]
+    assert c4["b"] == "grpo+replay" and c4["verdict"].endswith(
+        "(best single channel by validation: grpo+replay)"
+    )
+    assert rep["pilot"]["comparisons"]["composer − grpo"]["seeds_needed"] == ps.seeds_needed(expected.sd)
+    same = rep["comparisons"][1]  # sdpo (success + feedback) − trl sdpo (feedback): identical scores
+    assert same["mean"] == 0 and "not distinguishable" in same["verdict"]
+    rep["machine"] = {"cpu": "cpu", "cpu_count": 2, "threads": 2, "load_average": [1.0, 1.0, 1.0]}
+    rep["design"] = {"model": "m", "steps": 16, "dtype": "bf16", "device": "cpu", "held_out": 256, "validation": 128,
+                     "trainer": {"per_device_train_batch_size": 8, "num_generations": 4, "max_completion_length": 48,
+                                 "learning_rate": 2e-5}}  # fmt: skip
+    (tmp_path / "c.json").write_text(json.dumps(rep))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"a\n{cmp.BEGIN}\nold\n{cmp.END}\nb\n")
+    cmp.update_readme(readme, tmp_path / "c.json")
+    text = readme.read_text()
+    assert "old" not in text and "**pilot complete; 48 of 64" in text and c1["verdict"] in text
+    assert f"- {same['verdict']}" in text and "seeds needed to detect 0.05" in text
+
+
+def test_smollm2_device_cuda_without_a_gpu_exits_2(bench, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    with pytest.raises(SystemExit) as e:
+        bench.compare_smollm2.main(["--device", "cuda"])
+    assert e.value.code == 2 and "--device cuda: torch sees no CUDA device" in capsys.readouterr().err
