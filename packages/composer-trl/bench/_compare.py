@@ -84,6 +84,8 @@ def greedy_scores(
     model.eval()
     scores: list[float] = []
     cut = 0
+    eos = model.generation_config.eos_token_id  # a reply is cut off when none of these ends it in the budget
+    ends = set(eos if isinstance(eos, list) else [eos if eos is not None else tok.eos_token_id])
     for i in range(0, len(prompts), batch):
         chunk = prompts[i : i + batch]
         texts = [
@@ -98,7 +100,7 @@ def greedy_scores(
                 **enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id
             )
         new = gen[:, enc["input_ids"].shape[1] :]
-        cut += int(sum(tok.eos_token_id not in row and tok.pad_token_id not in row for row in new.tolist()))
+        cut += sum(not ends & set(row) for row in new.tolist())
         answers = tok.batch_decode(new, skip_special_tokens=True)
         scores += [float(verify(p, t)) for p, t in zip(chunk, answers, strict=True)]
     if was_training:

@@ -498,7 +498,7 @@ def update_readme(readme: str | Path = README, comparison: str | Path = RESULTS)
 # ------------------------------------------------------------------------------------------------ the design
 
 
-def _design(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
+def _design(args: argparse.Namespace) -> dict[str, Any]:
     sizes = dict(QUICK) if args.quick else {"steps": STEPS, "held_out": None, "validation": None}
     trainer = {**COMMON, **{k: v for k, v in sizes.items() if k not in ("steps", "held_out", "validation")}}
     if "max_completion_length" not in trainer:
@@ -506,7 +506,7 @@ def _design(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
     _, held, val = task_rows(0, 1)
     bf16 = args.dtype == "bf16" or (args.dtype == "auto" and (args.device != "cpu" or cpu_has_bf16()))
     return {
-        "model": MODEL, "model_dir": model_dir, "steps": sizes["steps"], "trainer": trainer,
+        "model": args.model, "steps": sizes["steps"], "trainer": trainer,
         "held_out": sizes["held_out"] or len(held), "validation": sizes["validation"] or len(val),
         "device": args.device, "dtype": "bf16" if bf16 else "float32", "threads": args.threads, "quick": args.quick,
         "learning_rate_reason": LR_REASON, "replay": {**REPLAY, "why": _REPLAY_WHY},
@@ -541,7 +541,7 @@ def _check_design(out: Path, design: dict[str, Any]) -> None:
     path = out / "design.json"
     if path.is_file():
         old = json.loads(path.read_text())
-        keys = [k for k in design if k not in ("threads", "model_dir") and old.get(k) != design[k]]
+        keys = [k for k in design if k != "threads" and old.get(k) != design[k]]
         if keys:
             raise SystemExit(f"compare_smollm2: {out} holds cells of another design ({', '.join(keys)} differ); "
                              "pass another --output_dir")  # fmt: skip
@@ -554,7 +554,7 @@ def run(args: argparse.Namespace) -> int:
     folder = out / "cells"
     folder.mkdir(parents=True, exist_ok=True)
     model_dir = _model_dir(args.model)
-    design = _design(args, model_dir)
+    design = _design(args)
     _check_design(out, design)
     meta = {
         "command": "python packages/composer-trl/bench/compare_smollm2.py" + (" --quick" if args.quick else "")
