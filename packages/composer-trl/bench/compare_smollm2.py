@@ -126,7 +126,7 @@ LR_REASON = (
     "the held-out set"
 )
 STEPS, PILOT_SEEDS = 16, 6
-QUICK = {"steps": 2, "held_out": 4, "validation": 4, "per_device_train_batch_size": 4, "num_generations": 2,
+QUICK = {"steps": 1, "held_out": 4, "validation": 4, "per_device_train_batch_size": 4, "num_generations": 2,
          "max_completion_length": 8}  # fmt: skip
 MODEL = "smollm2-135m-instruct"
 
@@ -599,7 +599,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--seeds", type=int, default=PILOT_SEEDS, help=f"seeds 0 .. N-1 (default {PILOT_SEEDS}: the pilot)"
     )
-    p.add_argument("--quick", action="store_true", help="2 steps, 4 held-out and 4 validation sums (tests)")
+    p.add_argument("--quick", action="store_true", help="1 step, 4 held-out and 4 validation sums (tests)")
     p.add_argument(
         "--output_dir", default="runs/compare-smollm2", help="cells/, design.json, comparison-smollm2.json"
     )

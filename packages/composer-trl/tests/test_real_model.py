@@ -74,7 +74,7 @@ def test_missing_package_is_one_line_naming_the_install(cache, monkeypatch, caps
     )
 
 
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(2400)
 def test_quick_real_model_comparison_runs_every_arm_and_keeps_finished_cells(cache, tmp_path, capsys, bench):
     """`bench/compare_smollm2.py --quick`: every arm trains on SmolLM2 (the path CI proves), the step-0 evaluation
     is one cell shared by every arm, the pre-registered comparisons are computed, and a rerun keeps every cell."""
@@ -89,7 +89,7 @@ def test_quick_real_model_comparison_runs_every_arm_and_keeps_finished_cells(cac
     for name, arm in report["arms"].items():
         (cell,) = arm["cells"]
         assert cell["seconds_per_step"] > 0 and cell["peak_rss_mib"] > 100, name
-        assert len(cell["train_reward"]) == 2 and len(cell["held_out"]["per_prompt"]) == 4, name
+        assert len(cell["train_reward"]) == cmp.QUICK["steps"] and len(cell["held_out"]["per_prompt"]) == 4, name
         assert {"load_average", "load_average_start", "threads"} <= set(cell["machine"]), name
     replay = [n for n, a in zip(report["arms"], cmp.ARMS) if a.overrides.get("beta_replay")]
     assert replay == ["grpo+replay", "composer"]
