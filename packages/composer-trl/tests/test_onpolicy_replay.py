@@ -258,3 +258,11 @@ def test_moe_router_loss_path_forwards_the_chosen_rows_alone(tmp_path, moe_dir, 
     assert trainer._metrics["train"]["composer/loss/replay"][-1] == pytest.approx(
         float(per_pair.mean()), rel=1e-5
     )
+
+
+def test_composer_train_turns_channel_3_on_for_a_chosen_column_with_on_policy_pairs():
+    from composer_trl.recipe import choose_channels
+
+    chosen, _ = choose_channels({"replay_pairs": "on_policy"}, {"prompt", "chosen"}, hints=True)
+    assert chosen["beta_replay"] == 1.0
+    assert choose_channels({}, {"prompt", "chosen"}, hints=True)[0]["beta_replay"] == 0.0

@@ -267,6 +267,8 @@ def test_dpo_reference_from_verl_ref_log_prob() -> None:
         {"dpo_loss_type": "robust", "dpo_label_smoothing": 0.2},
         {"dpo_loss_type": "ipo"},
         {"dpo_label_smoothing": 0.1},
+        {"rpo_alpha": 0.5},
+        {"dpo_loss_type": "ipo", "rpo_alpha": 0.5},
     ],
 )
 def test_dpo_options_reach_core(options: dict[str, object]) -> None:
@@ -284,6 +286,11 @@ def test_dpo_options_reach_core(options: dict[str, object]) -> None:
     core = DPO(**{k.removeprefix("dpo_"): v for k, v in options.items()})  # type: ignore[arg-type]
     ipo = core.loss_type == "ipo"
     lens = {"chosen_lengths": lengths[[0, 4]], "rejected_lengths": lengths[[1, 3]]} if ipo else {}
+    if core.rpo_alpha and not ipo:  # RPO's NLL of the chosen side, by hand: alpha * mean(-l_c / |c|)
+        plain = dpo_loss(seq[[0, 4]], seq[[1, 3]], ref[[0, 4]], ref[[1, 3]])
+        nll = (-seq[[0, 4]] / lengths[[0, 4]]).mean()
+        assert ours(options) == pytest.approx((plain + core.rpo_alpha * nll).item(), rel=1e-12)
+        lens = {"chosen_lengths": lengths[[0, 4]]}
     expected = dpo_loss(seq[[0, 4]], seq[[1, 3]], ref[[0, 4]], ref[[1, 3]], options=core, **lens)
     assert ours(options) == pytest.approx(expected.item(), rel=1e-12)
     assert ours(options) != pytest.approx(ours({}), rel=1e-6)

@@ -29,6 +29,10 @@ Q = "Compute 34 + 44. Reply with just the result."
         ("To compute 34 + 44, we simply add them together: 34 + 44 = 78.", 78),
         ("34 + 44 = 78\n\nI'm ready to help. What's your next question?", 78),  # trailing text
         ("34 + 44 equals 78, and 78 is indeed 34 + 44.", 78),
+        (
+            "34 + 44 equals 77, and then we add 1, which gives us 78. So, 34 + 4",
+            78,
+        ),  # cut off: its last result
         ("The answer is 75, I think", 75),
         ("34 + 44 = 30 + 40 + 8 = 78", 78),  # a chain: its last result
     ],

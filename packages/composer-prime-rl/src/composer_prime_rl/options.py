@@ -118,6 +118,7 @@ _REASONS = (
     ("entropy_opd_", _WRAPPER),
     ("dpo_", _CHANNEL3),
     ("simpo_", _CHANNEL3),
+    ("rpo_alpha", _CHANNEL3),
     ("sdpo_", _FULL_VOCAB.format(what="full-vocabulary / top-k SDPO divergence")),
     ("rollout_", _ROLLOUT),
     ("kl_", _KL),

@@ -19,7 +19,7 @@ from composer_core.loss.config import DPO, TAID, ComposeConfig, EntropyOPD, SDPO
 from composer_core.loss.policy import CLIP_LOSS_TYPES
 from composer_core.loss.wrappers import TAIDScheduler
 from composer_core.sdpo import TeacherContextOptions, TeacherWeightsOptions
-from composer_core.traces.onpolicy import ReplayPairOptions
+from composer_core.traces.onpolicy import ReplayPairOptions, ReplayPairs
 from trl import GRPOConfig
 
 #: TAIDScheduler's own defaults (its step size alpha and momentum beta)
@@ -39,10 +39,9 @@ _CORE_SECTIONS: tuple[tuple[type, str, tuple[str, ...]], ...] = (
     (SimPO, "simpo_", ("rpo_alpha",)),
     (TeacherContextOptions, "", ()),
     (TeacherWeightsOptions, "", ()),
-    (ReplayPairOptions, "", ()),
 )
 #: the generated flags that are the adapter's own (not ``compose_loss`` options)
-_ADAPTER_SECTIONS = (TeacherContextOptions, TeacherWeightsOptions, ReplayPairOptions)
+_ADAPTER_SECTIONS = (TeacherContextOptions, TeacherWeightsOptions)
 #: the help text (``--help``) and documentation (appended to the class docstring) of every composer option
 _HELP = {
     "alpha_sdpo": "weight of channel 2 (SDPO self-distillation); 0, the default, disables it.",
@@ -155,6 +154,7 @@ class ComposerGRPOConfig(GRPOConfig):
     replay_append_eos: bool = True
     max_replay_length: int | None = None
     rpo_alpha: float = DPO.rpo_alpha
+    replay_pairs: ReplayPairs = ReplayPairOptions.replay_pairs
     log_channel_grad_norms: bool = True
     # + one field per option of _CORE_SECTIONS (sdpo_beta, dpo_beta, sdpo_teacher, ...), added by _with_core_fields
 

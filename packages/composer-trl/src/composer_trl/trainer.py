@@ -1141,10 +1141,8 @@ class _MergedPairs:
         rows = inputs[f"{_K}has_pair"].nonzero().squeeze(-1)
         self.b, self.t, self.n, self.pad_id = inputs["completion_ids"].size(0), t, rows.numel(), pad_id
         self.prompt_ids, self.prompt_mask = inputs["prompt_ids"][rows], inputs["prompt_mask"][rows]
-        self.sides, names = (
-            sides,
-            ("chosen", "rejected")[:sides],
-        )  # sides=1: on-policy pairs, chosen rows only
+        self.sides = sides  # 1: on-policy pairs, the chosen rows only (the rejected side is a policy row)
+        names = ("chosen", "rejected")[:sides]
         self.pair_ids = torch.cat([inputs[f"{_K}{s}_ids"][rows] for s in names])
         self.pair_attn = torch.cat([inputs[f"{_K}{s}_attn"][rows] for s in names])
         self.pair_mask = torch.cat([inputs[f"{_K}{s}_mask"][rows] for s in names])

@@ -257,14 +257,14 @@ def replay_term(
                 f"dpo_variant='dpo' needs reference log-probs: give data.batch['{PREF_REF_LOG_PROB}'] (bs,) or run "
                 "verl's reference model (ref_log_prob), or use dpo_variant='simpo'."
             )
-        ipo = replay.loss_type == "ipo"  # IPO averages per token: it alone takes the lengths
+        ipo = replay.loss_type == "ipo"  # IPO averages per token: it takes both lengths, RPO's NLL the chosen
         loss = dpo_loss(
             seq_logp[ci],
             seq_logp[ri],
             ref_seq[ci],
             ref_seq[ri],
             options=replay,
-            chosen_lengths=lengths[ci] if ipo else None,
+            chosen_lengths=lengths[ci] if ipo or replay.rpo_alpha > 0 else None,
             rejected_lengths=lengths[ri] if ipo else None,
             reduction="mean",
             normalizer=normalizer,

@@ -14,7 +14,7 @@ rejected (l) actions.
   writes it per pair. The pairs are then reduced like the rest (Σ / normaliser: the global pair count).
   TRL 1.16 writes RPO as ``DPOConfig(loss_type=["sigmoid", "sft"], loss_weights=[1, α])``, whose ``sft`` term
   is the token mean over the micro-batch's chosen tokens, ``−Σ_p ℓθ^w_p / Σ_p |y_w,p|``: the same value when
-  every chosen answer has one length (tested against TRL's expression), a length-weighted average otherwise
+  every chosen answer has one length (tested against TRL's DPOTrainer on its own log-probs), a length-weighted average otherwise
   (composer keeps each pair's weight 1/P so accumulation and processes stay exact).
 """
 

@@ -1,12 +1,13 @@
 """Two-digit addition for a real instruct model: a task a 135M model can start on and learn from its group.
 
 With the prompt ``"Compute 47 + 38. Reply with just the result."`` SmolLM2-135M-Instruct answers
-``"47 + 38 = 85"`` and is right on 15 % of held-out sums, so most groups hold both successes and failures.
+``"47 + 38 = 85"`` or one sentence ending in it, right on about a third of the sums given 32 tokens (greedy, base
+model: composer-trl's ``bench/addition_budget.py``), so most groups hold both successes and failures.
 
 Rules (pure Python, one implementation for every host):
 
 - **answer** (:func:`extract_answer`): the integer the reply states as its result — after its last result marker
-  (``=``, "equals", "is", "results in", ``:``), never an integer that starts an expression (``is 34 + 44``
+  (``=``, "equals", "is", "results in", "gives", ``:``), never an integer that starts an expression (``is 34 + 44``
   restates the operands) — else the whole reply when it is one number other than an operand; ``None`` otherwise:
   a reply cut off before its result (``"To compute 34 + 44, we simply add them together:"``, ``"34"``) has none.
 - **reward** (:func:`verify`): 1.0 for the exact sum; otherwise half the fraction of the sum's digits (aligned
@@ -54,7 +55,7 @@ __all__ = [
 PROMPT = "Compute {a} + {b}. Reply with just the result."
 _OPERANDS = re.compile(r"Compute (\d+) \+ (\d+)\.")
 _RESULT = re.compile(
-    r"(?:=|\bequals?(?:\s+to)?\b|\bis\b|\bresults?\s+in\b|:)[\s*$]*(\d+)"
+    r"(?:=|\bequals?(?:\s+to)?\b|\bis\b|\bresults?\s+in\b|\bgives(?:\s+us)?\b|:)[\s*$]*(\d+)"
     r"(?![\w-]|\s*(?:[-+*/×]|plus|and|minus|times)\s*\d)"  # not the first number of an expression
 )
 _BARE = re.compile(r"[\s*$]*(\d+)[\s*$.!]*")

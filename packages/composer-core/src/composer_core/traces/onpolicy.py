@@ -18,7 +18,7 @@ from typing import Literal, get_args
 
 from composer_core.loss.validation import check_choice, check_int
 
-__all__ = ["REPLAY_PAIRS", "ReplayPairOptions", "check_on_policy_columns", "failed_rows"]
+__all__ = ["REPLAY_PAIRS", "ReplayPairOptions", "ReplayPairs", "check_on_policy_columns", "failed_rows"]
 
 ReplayPairs = Literal["columns", "on_policy"]
 REPLAY_PAIRS: tuple[str, ...] = get_args(ReplayPairs)
