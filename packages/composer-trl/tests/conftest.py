@@ -147,3 +147,15 @@ def paired_stats() -> Any:
 @pytest.fixture(scope="session")
 def addition_budget() -> Any:
     return _bench_module("addition_budget")
+
+
+@pytest.fixture(scope="session")
+def bench() -> Any:
+    """The comparison scripts of ``bench/`` loaded by path: ``bench.compare_tiny``, ``bench.compare_smollm2``,
+    ``bench.paired_stats`` and their shared ``bench._compare``, each registered under its file name (the scripts
+    import one another by it, as they do when run from ``bench/``)."""
+    import sys
+    from types import SimpleNamespace
+
+    names = ("_compare", "paired_stats", "compare_tiny", "compare_smollm2")
+    return SimpleNamespace(**{n: sys.modules.get(n) or _bench_module(n) for n in names})
