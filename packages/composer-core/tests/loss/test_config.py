@@ -59,9 +59,6 @@ def _batch(
     [
         ({"sampled": True}, "sdpo_beta", 0.0),
         ({"sampled": True}, "sdpo_temperature", 3.0),
-        ({"logits": True}, "sdpo_token_clip", 5.0),
-        ({"logits": True}, "sdpo_token_clip", None),
-        ({"hidden": True}, "sdpo_token_clip", 1.5),
         ({}, "rollout_clip_max", 5.0),
         ({}, "rollout_clip_min", 0.1),
         ({}, "dppo_mask_low", 0.05),
@@ -152,7 +149,6 @@ def test_typed_config_has_no_field_for_an_unselected_mode() -> None:
     [
         lambda: SDPOOptions(form="sampled", temperature=2.0),
         lambda: SDPOOptions(form="sampled", beta=0.2),
-        lambda: SDPOOptions(form="full", token_clip=3.0),
         lambda: SDPOOptions(form="topk", topk=4, wrapper=TAID(t=0.5)),
         lambda: SDPOOptions(form="full", topk=4),
         lambda: PolicyOptions(rollout_clip_max=5.0),

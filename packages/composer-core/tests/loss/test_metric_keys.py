@@ -58,8 +58,18 @@ def test_every_option_metric_is_documented_and_every_documented_key_occurs() -> 
         taid_t=0.4,
     )
     dppo = compose_loss(_batch(rollout=True), rollout_correction="dppo_mask")
-    assert set(tis.metrics) == set(METRIC_KEYS) - {"policy/dppo_masked"}
-    assert set(dppo.metrics) == set(METRIC_KEYS) - {"policy/kl", "policy/rollout_is_weight", "taid/t"}
+    assert set(tis.metrics) == set(METRIC_KEYS) - {"policy/dppo_masked", "policy/skipped"}
+    assert set(dppo.metrics) == set(METRIC_KEYS) - {
+        "policy/kl",
+        "policy/rollout_is_weight",
+        "taid/t",
+        "policy/skipped",
+    }
+    pure = compose_loss(_batch(), w_policy=0.0)  # pure self-distillation: no policy term, no policy keys
+    assert set(pure.metrics) == set(METRIC_KEYS) - OPTIONAL_METRIC_KEYS - {
+        "loss/policy",
+        "policy/clip_ratio",
+    } | {"policy/skipped"}
 
 
 def test_skipped_channels_drop_their_counts_and_losses() -> None:

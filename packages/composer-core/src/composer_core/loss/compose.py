@@ -1,4 +1,4 @@
-"""The composer objective: ``total = policy + α·sdpo + β·replay``.
+"""The composer objective: ``total = w_policy·policy + α·sdpo + β·replay``.
 
 - channel 1, policy: GRPO-family loss (:func:`composer_core.loss.policy.policy_loss`);
 - channel 2, SDPO: hinted self-distillation — the same model given a textual hint is the teacher
@@ -9,7 +9,8 @@
 Each channel is normalised by its own count (tokens for channels 1–2, pairs for 3), as PRIME-RL's
 ``compute_loss`` does, so the terms do not dilute each other. A channel whose inputs are absent from the batch
 is skipped for that step (``metrics["<channel>/skipped"] = 1.0``); ``alpha_sdpo=0`` / ``beta_replay=0`` do not
-compute the channel at all, so the total is bit-identical to the policy-only loss.
+compute the channel at all, so the total is bit-identical to the policy-only loss, and ``w_policy=0`` (pure
+self-distillation) does not compute the policy term (``policy/skipped = 1.0``, no ``loss/policy``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from composer_core.loss.distill import (
     Kernel,
     _sampled_token_distill,
     fused_linear_loss,
+    is_clip_weight,
     jsd_kernel,
     logits_loss,
     topk_distill,
@@ -56,18 +58,27 @@ __all__ = [
 
 
 def weighted_total(
-    policy: Tensor, sdpo: Tensor | None, replay: Tensor | None, alpha_sdpo: float, beta_replay: float
+    policy: Tensor | None,
+    sdpo: Tensor | None,
+    replay: Tensor | None,
+    alpha_sdpo: float,
+    beta_replay: float,
+    w_policy: float = 1.0,
 ) -> Tensor:
-    """The objective: ``policy + alpha_sdpo · sdpo + beta_replay · replay``, a skipped channel (None) adding nothing.
+    """The objective: ``w_policy · policy + alpha_sdpo · sdpo + beta_replay · replay``, a skipped channel (None)
+    adding nothing (``w_policy = 1`` adds ``policy`` as it is, bit for bit).
 
     The one place the channels are weighted: :func:`compose_loss` and every adapter's loss call it, each with its
-    channels already normalised as its host normalises them (scalars, same device)."""
-    total = policy
-    if sdpo is not None:
-        total = total + alpha_sdpo * sdpo
-    if replay is not None:
-        total = total + beta_replay * replay
-    return total
+    channels already normalised as its host normalises them (scalars, same device). At least one channel must be
+    given (a step with none has no loss to build)."""
+    parts = [
+        (p if w == 1.0 else w * p)
+        for p, w in ((policy, w_policy), (sdpo, alpha_sdpo), (replay, beta_replay))
+        if p is not None
+    ]
+    if not parts:
+        raise ValueError("weighted_total() got no channel: policy, sdpo and replay are all None.")
+    return functools.reduce(operator.add, parts)
 
 
 @dataclass
@@ -131,8 +142,8 @@ class ComposerBatch:
 class ComposeResult:
     """Output of :func:`compose_loss`.
 
-    total: scalar to backpropagate. policy / sdpo / replay: the channel-1 / 2 / 3 losses (sdpo and replay
-    before α / β; None when the channel was skipped). metrics: a :class:`~composer_core.loss.metrics.Metrics`
+    total: scalar to backpropagate. policy / sdpo / replay: the channel-1 / 2 / 3 losses (before w_policy / α / β;
+    None when the channel was skipped: policy only with ``w_policy=0``). metrics: a :class:`~composer_core.loss.metrics.Metrics`
     mapping (keys: :data:`~composer_core.loss.metrics.METRIC_KEYS`): reading it gives floats (all keys converted
     with one host transfer, on first read), ``metrics.tensors()`` gives the detached 0-dim tensors unread.
     ``float(v)`` / ``dict(metrics)`` keep working. ``distill`` / ``preference`` are deprecated read-only aliases
@@ -140,7 +151,7 @@ class ComposeResult:
     """
 
     total: Tensor
-    policy: Tensor
+    policy: Tensor | None
     sdpo: Tensor | None = None
     replay: Tensor | None = None
     metrics: Metrics = field(default_factory=Metrics)
@@ -200,7 +211,7 @@ def compose_loss(
     replay_normalizer: float | Tensor | None = None,
     **options: object,
 ) -> ComposeResult:
-    """``total = policy + alpha_sdpo·sdpo + beta_replay·replay`` (see the module docstring).
+    """``total = w_policy·policy + alpha_sdpo·sdpo + beta_replay·replay`` (see the module docstring).
 
     Two call forms: ``compose_loss(batch, config)`` with a :class:`~composer_core.loss.config.ComposeConfig`
     (build it once, reuse it every step), or the flat keyword facade ``compose_loss(batch, alpha_sdpo=...,
@@ -297,19 +308,28 @@ def _compose(
     form: str | None,
     norms: tuple[float | Tensor | None, float | Tensor | None, float | Tensor | None],
 ) -> ComposeResult:
-    pol = policy_loss(
-        batch.logprobs,
-        batch.advantages,
-        batch.completion_mask,
-        options=cfg.policy,
-        old_logprobs=batch.old_logprobs,
-        ref_logprobs=batch.ref_logprobs,
-        rollout_is_weights=batch.rollout_is_weights,
-        inference_logprobs=batch.inference_logprobs,
-        surrogate_mask=batch.surrogate_mask,
-        normalizer=norms[0],
-    )
-    metrics: dict[str, Tensor | float] = pol.metrics.tensors()
+    metrics: dict[str, Tensor | float] = {}
+    pol: Tensor | None = None
+    if cfg.w_policy == 0:  # pure self-distillation: the policy term is not computed at all
+        check_float("logprobs", batch.logprobs, ndim=2)
+        if batch.old_logprobs is not None:
+            check_same_shape("logprobs", batch.logprobs, "old_logprobs", batch.old_logprobs)
+        metrics["policy/skipped"] = 1.0
+    else:
+        out = policy_loss(
+            batch.logprobs,
+            batch.advantages,
+            batch.completion_mask,
+            options=cfg.policy,
+            old_logprobs=batch.old_logprobs,
+            ref_logprobs=batch.ref_logprobs,
+            rollout_is_weights=batch.rollout_is_weights,
+            inference_logprobs=batch.inference_logprobs,
+            surrogate_mask=batch.surrogate_mask,
+            normalizer=norms[0],
+        )
+        pol = out.loss
+        metrics.update(out.metrics.tensors())
 
     # ---- channel 2 -------------------------------------------------------------------------------------
     sdpo: Tensor | None = None
@@ -331,15 +351,20 @@ def _compose(
         metrics["replay/pairs"] = float(batch.chosen_logps.shape[0])
         metrics["replay/accuracy"] = (margin.detach() > 0).to(torch.float64).mean()
         metrics["replay/skipped"] = 0.0
-    total = weighted_total(pol.loss, sdpo, replay, cfg.alpha_sdpo, cfg.beta_replay)
-
-    metrics["loss/policy"] = pol.loss.detach()
+    if (
+        pol is None and sdpo is None and replay is None
+    ):  # w_policy=0 and no channel input here: zero, with a graph
+        total = batch.logprobs.sum() * 0.0
+    else:
+        total = weighted_total(pol, sdpo, replay, cfg.alpha_sdpo, cfg.beta_replay, cfg.w_policy)
+    if pol is not None:
+        metrics["loss/policy"] = pol.detach()
     if sdpo is not None:
         metrics["loss/sdpo"] = sdpo.detach()
     if replay is not None:
         metrics["loss/replay"] = replay.detach()
     metrics["loss/total"] = total.detach()
-    return ComposeResult(total=total, policy=pol.loss, sdpo=sdpo, replay=replay, metrics=Metrics(metrics))
+    return ComposeResult(total=total, policy=pol, sdpo=sdpo, replay=replay, metrics=Metrics(metrics))
 
 
 def _replay(
@@ -402,8 +427,10 @@ class _SDPOKernel:
 
 
 #: Decision 2 of channel 2: what the kernel runs on (sampled-token log-probs, full logits, or fused hidden
-#: states and the LM head). ``(batch, options, kernel, mask, normalizer) -> loss``.
-_Runner = Callable[[ComposerBatch, SDPOOptions, _SDPOKernel, Tensor, float | Tensor | None], Tensor]
+#: states and the LM head). ``(batch, options, kernel, mask, normalizer, IS-clip weight) -> loss``.
+_Runner = Callable[
+    [ComposerBatch, SDPOOptions, _SDPOKernel, Tensor, float | Tensor | None, Tensor | None], Tensor
+]
 
 
 def _sdpo(
@@ -426,9 +453,11 @@ def _sdpo(
     if kernel.t is not None:
         metrics["taid/t"] = kernel.t
     runner = _pick_runner(batch, form)
+    # the IS clip of every form (TRL SDPOTrainer's distillation_is_clip): one detached weight per token
+    w = is_clip_weight(batch.logprobs, batch.old_logprobs, opts.token_clip)
     if opts.loss_agg == "token_mean":
-        return runner(batch, opts, kernel, m, normalizer), metrics
-    return _seq_mean(runner, batch, opts, kernel, m, normalizer), metrics
+        return runner(batch, opts, kernel, m, normalizer, w), metrics
+    return _seq_mean(runner, batch, opts, kernel, m, normalizer, w), metrics
 
 
 def _seq_mean(
@@ -438,6 +467,7 @@ def _seq_mean(
     kernel: _SDPOKernel,
     m: Tensor,
     normalizer: float | Tensor | None,
+    w: Tensor | None,
 ) -> Tensor:
     """``Σ_rows (Σ_t loss·m / Σ_t m) / rows`` (``sdpo_loss_agg="seq_mean"``): the rows holding ``c`` distilled
     tokens form one call of the token-mean ``runner`` with normaliser ``c · rows``, one call per distinct count
@@ -446,8 +476,8 @@ def _seq_mean(
     rows: float | Tensor = float(m.shape[0]) if normalizer is None else normalizer
     sizes = [int(c) for c in torch.unique(counts[counts > 0]).tolist()]
     if not sizes:
-        return runner(batch, opts, kernel, m, rows)
-    parts = [runner(batch, opts, kernel, m & (counts == c).unsqueeze(-1), rows * c) for c in sizes]
+        return runner(batch, opts, kernel, m, rows, w)
+    parts = [runner(batch, opts, kernel, m & (counts == c).unsqueeze(-1), rows * c, w) for c in sizes]
     return functools.reduce(operator.add, parts)
 
 
@@ -476,7 +506,12 @@ def _pick_runner(batch: ComposerBatch, form: str) -> _Runner:
 
 
 def _run_sampled(
-    batch: ComposerBatch, opts: SDPOOptions, kernel: _SDPOKernel, m: Tensor, normalizer: float | Tensor | None
+    batch: ComposerBatch,
+    opts: SDPOOptions,
+    kernel: _SDPOKernel,
+    m: Tensor,
+    normalizer: float | Tensor | None,
+    w: Tensor | None,
 ) -> Tensor:
     if batch.teacher_logprobs is None:
         raise ValueError(
@@ -486,13 +521,16 @@ def _run_sampled(
     check_float("teacher_logprobs", batch.teacher_logprobs)
     check_same_shape("logprobs", batch.logprobs, "teacher_logprobs", batch.teacher_logprobs)
     check_normalizer("sdpo_normalizer", normalizer)
-    return _sampled_token_distill(
-        batch.logprobs, batch.teacher_logprobs, m, batch.old_logprobs, opts.token_clip, "mean", normalizer
-    )
+    return _sampled_token_distill(batch.logprobs, batch.teacher_logprobs, m, w, "mean", normalizer)
 
 
 def _run_logits(
-    batch: ComposerBatch, opts: SDPOOptions, kernel: _SDPOKernel, m: Tensor, normalizer: float | Tensor | None
+    batch: ComposerBatch,
+    opts: SDPOOptions,
+    kernel: _SDPOKernel,
+    m: Tensor,
+    normalizer: float | Tensor | None,
+    w: Tensor | None,
 ) -> Tensor:
     if kernel.name == "topk":
         _require_all(batch, "top-k", ("student_logits", "teacher_logits"))
@@ -506,6 +544,7 @@ def _run_logits(
             mask=m,
             add_tail_bucket=opts.topk_tail,
             normalizer=normalizer,
+            token_weight=w,
         )
     _require_all(batch, "full-logits", ("student_logits", "teacher_logits"))
     assert batch.student_logits is not None and batch.teacher_logits is not None
@@ -519,11 +558,17 @@ def _run_logits(
         chunk_size=opts.chunk_size,
         reduction="mean",
         normalizer=normalizer,
+        token_weight=w,
     )
 
 
 def _run_fused(
-    batch: ComposerBatch, opts: SDPOOptions, kernel: _SDPOKernel, m: Tensor, normalizer: float | Tensor | None
+    batch: ComposerBatch,
+    opts: SDPOOptions,
+    kernel: _SDPOKernel,
+    m: Tensor,
+    normalizer: float | Tensor | None,
+    w: Tensor | None,
 ) -> Tensor:
     _require_all(batch, "fused hidden-state", ("student_hidden", "teacher_hidden", "lm_head_weight"))
     assert batch.student_hidden is not None and batch.teacher_hidden is not None
@@ -542,6 +587,7 @@ def _run_fused(
         chunk_size=opts.chunk_size,
         reduction="mean",
         normalizer=normalizer,
+        token_weight=w,
     )
 
 

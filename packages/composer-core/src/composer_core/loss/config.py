@@ -4,7 +4,7 @@ option and default.
 The shape makes an option of an unselected mode impossible to write down::
 
     ComposeConfig(
-        alpha_sdpo=1.0, beta_replay=1.0,
+        w_policy=1.0, alpha_sdpo=1.0, beta_replay=1.0,
         policy=PolicyOptions(loss_type="dapo", kl_beta=0.0, ...),
         sdpo=SDPOOptions(form="auto", beta=0.5, wrapper=None | TAID(...) | EntropyOPD(...)),
         replay=DPO(beta=0.1, ...) | SimPO(beta=2.0, gamma=0.5),
@@ -15,7 +15,7 @@ The shape makes an option of an unselected mode impossible to write down::
 an unselected mode has nowhere to go, and :meth:`ComposeConfig.from_flat` (the flat keyword facade of
 ``compose_loss`` and of every adapter) raises ``ValueError`` naming it. Within one class, an option that acts
 only under another value of a sibling (``rollout_clip_max`` without ``rollout_correction``, ``kl_estimator``
-with ``kl_beta=0``, ``sdpo_token_clip`` outside the sampled form, ...) is refused by ``__post_init__``, and the
+with ``kl_beta=0``, ``sdpo_topk_tail`` outside the top-k form, ...) is refused by ``__post_init__``, and the
 SDPO form ``"auto"`` is judged again once resolved against a batch (:meth:`ComposeConfig.resolve`).
 
 ``from_flat`` also coerces values the way a typed config loader would, so options arriving as strings from a
@@ -282,7 +282,10 @@ class SDPOOptions:
     (and no wrapper), else full logits, else fused hidden states, else the sampled-token form; an option the
     resolved form does not read raises (:meth:`unused`; ``topk`` also acts with the entropy-OPD wrapper, which
     needs ``"full"``). ``topk_tail``: add the tail bucket ``1 − Σ_k p`` (False is TRL SDPO's
-    ``distillation_add_tail=False``); ``compiled``: the JSD chunk kernel under ``torch.compile``.
+    ``distillation_add_tail=False``); ``compiled``: the JSD chunk kernel under ``torch.compile``. ``token_clip``
+    (every form): the importance-sampling clip of the distillation loss on tokens sampled by an older policy,
+    ``w = min(exp(ℓθ − ℓold), token_clip)`` per token (:func:`~composer_core.loss.distill.is_clip_weight`; TRL
+    SDPOTrainer's ``distillation_is_clip``); it acts when the batch carries ``old_logprobs``, None disables it.
 
     ``loss_agg`` (every form): ``"token_mean"`` (default; lasgroup/SDPO's verl ``token-mean``) divides the sum over
     distilled tokens by their count (``sdpo_normalizer``: the global count); ``"seq_mean"`` (TRL
@@ -359,7 +362,6 @@ class SDPOOptions:
             ("beta", form == "sampled" and self.beta not in (0.5, 1.0),
              "a generalized-JSD form: sdpo_form='sampled' is always the reverse-KL estimator, beta 1"),
             ("temperature", form == "sampled" and _non_default(self, "temperature"), "sdpo_form='full'/'topk'"),
-            ("token_clip", form != "sampled" and _non_default(self, "token_clip"), "sdpo_form='sampled'"),
             ("compiled", self.compiled and (form != "full" or self.wrapper is not None),
              "sdpo_form='full' and no wrapper: it compiles the generalized-JSD chunk kernel"),
             ("beta", isinstance(self.wrapper, TAID) and _non_default(self, "beta"),
@@ -421,12 +423,17 @@ class ComposeConfig:
     normalisers. Build it once (directly, or with :meth:`from_flat` from the flat keyword names) and pass it
     on every call.
 
+    ``w_policy`` / ``alpha_sdpo`` / ``beta_replay``: the channel weights of ``total = w_policy·policy +
+    alpha_sdpo·sdpo + beta_replay·replay`` (finite, >= 0, not all 0). ``w_policy=0`` is pure self-distillation
+    (TRL SDPOTrainer's ``distillation_weight=1``): the policy term is not computed at all (``kl_beta`` must be 0).
+
     ``check_values``: run the value checks (finite inputs, 0/1 masks, non-empty selections, positive lengths and
     normalisers) fused into one host sync per ``compose_loss`` call; ``False`` skips them (no host sync at all)
     for hot loops whose inputs are trusted. They are skipped under ``torch.compile`` either way. Structural
     checks (shapes, dtypes, devices, options) always run and never read device memory.
     """
 
+    w_policy: float = 1.0
     alpha_sdpo: float = 1.0
     beta_replay: float = 1.0
     policy: PolicyOptions = field(default_factory=PolicyOptions)
@@ -435,10 +442,20 @@ class ComposeConfig:
     check_values: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("alpha_sdpo", "beta_replay"):
+        for name in ("w_policy", "alpha_sdpo", "beta_replay"):
             w = getattr(self, name)
             if isinstance(w, bool) or not isinstance(w, (int, float)) or not (0.0 <= float(w) < float("inf")):
                 raise ValueError(f"`{name}`={w!r} must be a finite weight >= 0 (0 disables the channel).")
+        if self.w_policy == self.alpha_sdpo == self.beta_replay == 0:
+            raise ValueError(
+                "`w_policy`, `alpha_sdpo` and `beta_replay` are all 0: nothing to train; set w_policy=1 (the policy "
+                "term) or alpha_sdpo > 0 (w_policy=0, alpha_sdpo=1 is pure self-distillation)."
+            )
+        if self.w_policy == 0 and self.policy.kl_beta != 0:
+            raise ValueError(
+                f"`kl_beta`={self.policy.kl_beta!r} is part of the policy term, which w_policy=0 does not compute: "
+                "set kl_beta=0 or w_policy > 0."
+            )
         for name, value, kinds in (
             ("policy", self.policy, (PolicyOptions,)),
             ("sdpo", self.sdpo, (SDPOOptions,)),
@@ -503,7 +520,7 @@ _SELECTORS: dict[str, tuple[object, tuple[object, ...]]] = {
     "sdpo_wrapper": ("none", ("none", "taid", "entropy_opd")),
     "dpo_variant": ("dpo", ("dpo", "simpo")),
 }
-_TOP = ("alpha_sdpo", "beta_replay", "check_values")
+_TOP = ("w_policy", "alpha_sdpo", "beta_replay", "check_values")
 #: per-call values of compose_loss that are not options of the config
 PER_CALL = ("normalizer", "sdpo_normalizer", "replay_normalizer")
 

@@ -65,6 +65,7 @@ __all__ = [
     "chunk_rows",
     "fused_linear_generalized_jsd",
     "generalized_jsd",
+    "is_clip_weight",
     "sampled_token_distill",
     "topk_distill",
 ]
@@ -277,6 +278,16 @@ def _times_grad_out(grad: Tensor, grad_out: Tensor) -> Tensor:
     return grad * grad_out.to(grad.dtype)
 
 
+def _weighted(loss: Tensor, grad: Tensor, weight: Tensor | None, sel: Selector) -> Tensor:
+    """A chunk's per-row ``loss`` times its rows of the detached per-token ``weight`` [N] (None: 1), the gradient
+    ``grad`` scaled in place to match."""
+    if weight is None:
+        return loss
+    w = weight[sel].to(loss.dtype)
+    grad.mul_(w.unsqueeze(-1))
+    return loss * w
+
+
 class _ChunkedLogitsLoss(torch.autograd.Function):
     """Σ_rows scale·loss(row) (or per-row losses) over given rows of [N, V] logits, chunk by chunk."""
 
@@ -292,6 +303,7 @@ class _ChunkedLogitsLoss(torch.autograd.Function):
         chunk_size: int,
         scale: float | Tensor,
         per_row: bool,
+        weight: Tensor | None,
     ) -> Tensor:
         cdtype = _compute_dtype(student.dtype)
         n_rows, vocab = student.shape
@@ -306,6 +318,7 @@ class _ChunkedLogitsLoss(torch.autograd.Function):
         for sel, keep, c in _chunks(rows, n_rows, chunk_size):
             zs = _rows_into(student, sel, buf_s[:c])
             loss, g = _run_kernel(kernel, zs, _rows_into(teacher, sel, buf_t[:c]), temperature, keep)
+            loss = _weighted(loss, g, weight, sel)
             if isinstance(factor, Tensor) or factor != 1.0:
                 g.mul_(factor)
             _put(grad, sel, g)
@@ -336,7 +349,7 @@ class _ChunkedLogitsLoss(torch.autograd.Function):
                 g = grad * grad_out.to(grad.dtype).unsqueeze(-1)
             else:
                 g = _times_grad_out(grad, grad_out)
-        return g, None, None, None, None, None, None, None
+        return g, None, None, None, None, None, None, None, None
 
 
 class _FusedLinearLoss(torch.autograd.Function):
@@ -358,6 +371,7 @@ class _FusedLinearLoss(torch.autograd.Function):
         temperature: float,
         chunk_size: int,
         scale: float | Tensor,
+        token_weight: Tensor | None,
     ) -> Tensor:
         cdtype = _compute_dtype(student_hidden.dtype)
         device = student_hidden.device
@@ -395,7 +409,7 @@ class _FusedLinearLoss(torch.autograd.Function):
             if tb_c is not None:
                 zt.add_(tb_c)
             loss, g = _run_kernel(kernel, zs, zt, temperature, keep)
-            total += loss.sum()
+            total += _weighted(loss, g, token_weight, sel).sum()
             # the factor scales the [c, H] operands and the [V] sum, not a pass over g [c, V]
             if grad_h is not None and buf_gh is not None:
                 _put(grad_h, sel, torch.matmul(g, w_c, out=buf_gh[:c]).mul_(factor))
@@ -426,7 +440,7 @@ class _FusedLinearLoss(torch.autograd.Function):
                 _times_grad_out(g, grad_out).to(dtype) if has else None
                 for has, g, dtype in zip(ctx.has, ctx.saved_tensors, ctx.dtypes)
             ]
-        return (*outs, None, None, None, None, None, None, None, None)
+        return (*outs, None, None, None, None, None, None, None, None, None)
 
 
 _apply_chunked = cast(Callable[..., Tensor], _ChunkedLogitsLoss.apply)
@@ -484,6 +498,17 @@ def _rows_and_scale(
     return rows, rows.sum().clamp(min=1).to(exact).reciprocal()
 
 
+def _flat_weight(weight: Tensor | None, token_shape: torch.Size) -> Tensor | None:
+    if weight is None:
+        return None
+    check_float("token_weight", weight)
+    if weight.shape != token_shape:
+        raise ValueError(
+            f"`token_weight` has shape {tuple(weight.shape)}; it must be the tokens' shape {tuple(token_shape)}."
+        )
+    return weight.detach().reshape(-1)
+
+
 @checked_once
 def logits_loss(
     student_logits: Tensor,
@@ -495,9 +520,11 @@ def logits_loss(
     chunk_size: int | None,
     reduction: str,
     normalizer: float | Tensor | None,
+    token_weight: Tensor | None = None,
 ) -> Tensor:
     """Check the shared arguments, then run a chunk ``kernel`` over [..., V] logits with masking and reduction
-    (the logits-input losses: :func:`generalized_jsd`, ``taid_loss``, ``entropy_opd_loss``)."""
+    (the logits-input losses: :func:`generalized_jsd`, ``taid_loss``, ``entropy_opd_loss``). ``token_weight``
+    [...]: a detached per-token factor of the loss and its gradient (SDPO's IS clip, :func:`is_clip_weight`)."""
     _check_common(temperature, chunk_size, reduction, normalizer, ("mean", "sum", "none"))
     check_tensor("student_logits", student_logits, min_ndim=2)
     check_tensor("teacher_logits", teacher_logits, min_ndim=2)
@@ -510,7 +537,8 @@ def logits_loss(
     s = student_logits.reshape(-1, vocab)
     t = teacher_logits.detach().reshape(-1, vocab)
     chunk = chunk_rows(chunk_size, vocab, fused=False)
-    out = _apply_chunked(s, t, rows, kernel, float(temperature), chunk, scale, reduction == "none")
+    w = _flat_weight(token_weight, token_shape)
+    out = _apply_chunked(s, t, rows, kernel, float(temperature), chunk, scale, reduction == "none", w)
     return out.reshape(token_shape) if reduction == "none" else out
 
 
@@ -579,8 +607,10 @@ def fused_linear_loss(
     chunk_size: int | None,
     reduction: str,
     normalizer: float | Tensor | None,
+    token_weight: Tensor | None = None,
 ) -> Tensor:
-    """Run a chunk ``kernel`` on logits built chunk-wise from hidden states (shared by the wrappers).
+    """Run a chunk ``kernel`` on logits built chunk-wise from hidden states (shared by the wrappers); ``token_weight``
+    as in :func:`logits_loss`.
 
     Student ``student_hidden [..., Hs]`` with ``lm_head_weight [V, Hs]``; teacher ``teacher_hidden [..., Ht]`` with
     ``teacher_lm_head_weight [V, Ht]`` (Ht may differ from Hs; without a teacher head, Ht must equal Hs)."""
@@ -642,6 +672,7 @@ def fused_linear_loss(
         float(temperature),
         chunk_rows(chunk_size, lm_head_weight.shape[0], fused=True),
         scale,
+        _flat_weight(token_weight, token_shape),
     )
 
 
@@ -758,6 +789,7 @@ def topk_distill(
     support: Literal["student", "teacher"] = "student",
     reduction: Reduction = "mean",
     normalizer: float | Tensor | None = None,
+    token_weight: Tensor | None = None,
 ) -> Tensor:
     """Generalized JSD restricted to a top-k support (TRL ``trl/experimental/sdpo`` ``topk_logits`` mode).
 
@@ -765,7 +797,8 @@ def topk_distill(
     True log-probs (normalised over the full vocabulary) are gathered on it; with ``add_tail_bucket`` one extra
     category holds the leftover mass ``1 − Σ_k p`` on each side (so the divergence approximates the
     full-vocabulary one and stays ≥ 0; verl#7856), else both are renormalised over the k tokens.
-    Then :func:`generalized_jsd`'s divergence (same ``beta`` convention) on the k(+1) categories.
+    Then :func:`generalized_jsd`'s divergence (same ``beta`` convention) on the k(+1) categories, times the
+    detached per-token ``token_weight`` [...] when given (SDPO's IS clip, :func:`is_clip_weight`).
     """
     check_float("student_logits", student_logits, min_ndim=2)
     check_float("teacher_logits", teacher_logits)
@@ -797,6 +830,9 @@ def topk_distill(
             lq = lq - torch.logsumexp(lq, dim=-1, keepdim=True)
             lp = lp - torch.logsumexp(lp, dim=-1, keepdim=True)
         per_token = divergence(lq, lp, float(beta))
+        w = _flat_weight(token_weight, per_token.shape)
+        if w is not None:
+            per_token = per_token * w.reshape(per_token.shape).to(per_token.dtype)
         return _reduce(per_token, m, reduction, normalizer)
 
 
@@ -835,27 +871,35 @@ def sampled_token_distill(
     if old_logprobs is not None:
         check_float("old_logprobs", old_logprobs)
         check_same_shape("student_logprobs", student_logprobs, "old_logprobs", old_logprobs)
-    return _sampled_token_distill(
-        student_logprobs, teacher_logprobs, m, old_logprobs, is_clip, reduction, normalizer
-    )
+    w = is_clip_weight(student_logprobs, old_logprobs, is_clip)
+    return _sampled_token_distill(student_logprobs, teacher_logprobs, m, w, reduction, normalizer)
 
 
 def _sampled_token_distill(
     ls: Tensor,
     teacher_logprobs: Tensor,
     m: Tensor,
-    old_logprobs: Tensor | None,
-    is_clip: float | None,
+    w: Tensor | None,
     reduction: str,
     normalizer: float | Tensor | None,
 ) -> Tensor:
-    """:func:`sampled_token_distill` on validated inputs (``m`` a bool mask)."""
+    """:func:`sampled_token_distill` on validated inputs (``m`` a bool mask, ``w`` the IS-clip weight or None)."""
     d = (ls - teacher_logprobs.detach()).detach()
     per_token = d + d * (ls - ls.detach())
-    if old_logprobs is not None and is_clip is not None:
-        with torch.no_grad():
-            w = torch.exp(torch.clamp(ls.detach() - old_logprobs.detach(), min=-20.0, max=20.0)).clamp(
-                max=is_clip
-            )
+    if w is not None:
         per_token = per_token * w
     return _reduce(per_token, m, reduction, normalizer)
+
+
+def is_clip_weight(logprobs: Tensor, old_logprobs: Tensor | None, is_clip: float | None) -> Tensor | None:
+    """SDPO's importance-sampling clip (TRL ``trl/experimental/sdpo`` ``distillation_is_clip``, lasgroup/SDPO
+    ``is_clip``): the detached per-token weight ``w = min(exp(clamp(ℓθ − ℓold, ±20)), is_clip)`` [B, T] that
+    multiplies the distillation loss of every form (full, top-k, sampled) on tokens sampled from an older policy
+    (``num_iterations > 1``, more generation steps than accumulation steps). None (weight 1) when ``old_logprobs``
+    or ``is_clip`` is None. ``logprobs`` / ``old_logprobs``: [B, T] log-probs of the sampled tokens now / at
+    sampling."""
+    if old_logprobs is None or is_clip is None:
+        return None
+    with torch.no_grad():
+        log_ratio = torch.clamp(logprobs.detach() - old_logprobs.detach(), min=-20.0, max=20.0)
+        return torch.exp(log_ratio).clamp(max=is_clip)

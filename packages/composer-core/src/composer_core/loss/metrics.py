@@ -20,8 +20,9 @@ __all__ = ["ADAPTER_PREFIX", "METRIC_KEYS", "OPTIONAL_METRIC_KEYS", "Metrics"]
 #: default options returns exactly the keys not in :data:`OPTIONAL_METRIC_KEYS`.
 METRIC_KEYS: Mapping[str, str] = MappingProxyType(
     {
-        "loss/total": "the total loss, policy + alpha_sdpo*sdpo + beta_replay*replay",
-        "loss/policy": "channel 1 (policy) loss",
+        "loss/total": "the total loss, w_policy*policy + alpha_sdpo*sdpo + beta_replay*replay",
+        "loss/policy": "channel 1 (policy) loss before w_policy; absent when the channel was skipped (w_policy=0)",
+        "policy/skipped": "1.0 when channel 1 was not computed (w_policy=0 only: pure self-distillation)",
         "loss/sdpo": "channel 2 (SDPO) loss before alpha_sdpo; absent when the channel was skipped",
         "loss/replay": "channel 3 (trace replay) loss before beta_replay; absent when the channel was skipped",
         "policy/clip_ratio": "fraction of policy tokens whose ratio was clipped",
@@ -38,7 +39,9 @@ METRIC_KEYS: Mapping[str, str] = MappingProxyType(
 )
 
 #: Keys present only under an option (see :data:`METRIC_KEYS`).
-OPTIONAL_METRIC_KEYS = frozenset({"policy/kl", "policy/rollout_is_weight", "policy/dppo_masked", "taid/t"})
+OPTIONAL_METRIC_KEYS = frozenset(
+    {"policy/skipped", "policy/kl", "policy/rollout_is_weight", "policy/dppo_masked", "taid/t"}
+)
 
 #: The prefix under which every adapter logs :data:`METRIC_KEYS` (``composer/loss/sdpo``); an adapter's own
 #: counters use the same ``<group>/<name>`` grouping under it (``composer/sdpo/hinted_rows``).
