@@ -7,11 +7,19 @@ the same rollouts and rewards and everything after generation is each trainer's 
 - the teacher's input ids (reprompt ⊕ completion) equal token for token on every distilled row;
 - the self-distillation mask equal;
 - the per-step distillation loss equal (full logits; the sampled form's *value* differs by design, see below);
-- the gradients equal after the weight mapping, over 3 optimiser steps, and the EMA teacher's weights after them.
+- the gradients equal over 3 optimiser steps, and the student's and the EMA teacher's weights after them.
 
-Weight mapping: TRL blends ``(1 − w)·policy + w·distill``, composer adds ``policy + α·sdpo``. With ``w = ½`` and
-``α = w / (1 − w) = 1`` composer's loss is ``1 / (1 − w) = 2`` times TRL's, so its gradient is twice TRL's and
-plain SGD with half the learning rate makes the same update (gradient clipping off: it is not scale-free).
+Weight mapping (direct): TRL blends ``(1 − w)·policy + w·distill``, composer ``w_policy·policy + α·sdpo``, so
+``w_policy = 1 − distillation_weight`` and ``alpha_sdpo = distillation_weight`` at the same learning rate; TRL's
+default ``distillation_weight = 1`` (pure self-distillation) is ``w_policy = 0``, which computes no policy term.
+
+Off-policy steps (``num_iterations = 2``, or ``steps_per_generation = 2`` with no gradient accumulation): both
+trainers keep the rollout's log-probs and SDPOTrainer multiplies the distillation loss of every form by its clipped
+importance ratio ``min(exp(ℓθ − ℓold), distillation_is_clip)``; composer's ``sdpo_token_clip`` does the same in
+core, on every form. With ``steps_per_generation = 2`` GRPOTrainer shuffles the generation batch before splitting it
+into micro-batches (SDPOTrainer does not; README, "Differences inherited from GRPOTrainer"): the run switches TRL's
+shuffle off on composer's side so both see the same micro-batches, and ``test_grpo_shuffles_micro_batches`` shows
+the shuffle.
 
 Deliberate difference (asserted): in the sampled-token form TRL's loss value is the REINFORCE surrogate
 ``sg(ℓS − ℓT)·ℓS`` while composer reports the k1 estimate ``ℓS − ℓT`` of KL(student‖teacher); the gradients are
@@ -30,7 +38,8 @@ pytest.importorskip("trl.experimental.sdpo")
 G = 4
 STEPS = 3
 LR = 0.05
-W = 0.5  # TRL distillation_weight; composer alpha_sdpo = W / (1 - W)
+W = 0.5  # TRL distillation_weight; composer w_policy = 1 - W, alpha_sdpo = W
+CLIP = 1.001  # tight: one SGD step moves the sampled tokens' ratios by ~1e-2, so this clip binds off-policy
 
 # TRL's default templates, written with this character tokenizer's alphabet (digits, '>', '|', '.')
 REPROMPT = "{prompt}|{solution}{feedback}.."
@@ -116,7 +125,15 @@ def _strip(ids: torch.Tensor, mask: torch.Tensor) -> list[int]:
 
 
 def _run_trl(
-    model_dir: Any, tokenizer: Any, dataset: Any, tmp_path: Any, mode: str, teacher: str, tail: bool = False
+    model_dir: Any,
+    tokenizer: Any,
+    dataset: Any,
+    tmp_path: Any,
+    mode: str,
+    teacher: str,
+    tail: bool = False,
+    w: float = W,
+    **extra: Any,
 ) -> Any:
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl.experimental.sdpo import SDPOConfig, SDPOTrainer
@@ -125,10 +142,10 @@ def _run_trl(
     args = SDPOConfig(
         **_common(tmp_path, "trl"),
         learning_rate=LR,
-        distillation_weight=W,
+        distillation_weight=w,
         distillation_mode=mode,
         distillation_alpha=1.0 if mode == "sampled_token" else 0.5,
-        distillation_is_clip=2.0,
+        distillation_is_clip=CLIP,
         **({"distillation_topk": 5, "distillation_add_tail": tail} if mode == "topk_logits" else {}),
         teacher_model_kind=teacher,
         teacher_update_rate=0.5,
@@ -139,6 +156,7 @@ def _run_trl(
         reprompt_template=REPROMPT,
         solution_template=TRL_SOLUTION,
         max_reprompt_len=64,
+        **extra,
     )
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     trainer = SDPOTrainer(
@@ -168,7 +186,15 @@ def _run_trl(
 
 
 def _run_composer(
-    model_dir: Any, tokenizer: Any, dataset: Any, tmp_path: Any, mode: str, teacher: str, tail: bool = False
+    model_dir: Any,
+    tokenizer: Any,
+    dataset: Any,
+    tmp_path: Any,
+    mode: str,
+    teacher: str,
+    tail: bool = False,
+    w: float = W,
+    **extra: Any,
 ) -> Any:
     import composer_trl.trainer as trainer_module
     from composer_trl import ComposerGRPOConfig, ComposerGRPOTrainer
@@ -177,8 +203,10 @@ def _run_composer(
     rec = _Recorder()
     args = ComposerGRPOConfig(
         **_common(tmp_path, "composer"),
-        learning_rate=LR * (1 - W),
-        alpha_sdpo=W / (1 - W),
+        learning_rate=LR,
+        w_policy=1 - w,
+        alpha_sdpo=w,
+        sdpo_token_clip=CLIP,
         beta_replay=0.0,
         sdpo_form={"sampled_token": "sampled", "full_logits": "full", "topk_logits": "topk"}[mode],
         **({"sdpo_topk": 5, "sdpo_topk_tail": tail} if mode == "topk_logits" else {}),
@@ -192,6 +220,7 @@ def _run_composer(
         max_reprompt_len=64,
         sdpo_teacher=teacher,
         **({"teacher_update_rate": 0.5} if teacher == "ema" else {}),
+        **extra,
     )
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     trainer = ComposerGRPOTrainer(
@@ -224,36 +253,34 @@ def _run_composer(
     return trainer, rec
 
 
-@pytest.mark.parametrize(
-    ("mode", "teacher", "tail"),
-    [
-        ("full_logits", "ema", False),
-        ("sampled_token", "ema", False),
-        ("topk_logits", "ema", False),
-        ("topk_logits", "live", True),
-        ("full_logits", "base", False),
-        ("sampled_token", "live", False),
-    ],
-)
-def test_composer_sdpo_equals_trl_sdpo_trainer(
-    mode, teacher, tail, model_dir, tokenizer, dataset, tmp_path, monkeypatch
-):
-    from transformers import Qwen2ForCausalLM
+def _compare(
+    model_dir: Any,
+    tokenizer: Any,
+    dataset: Any,
+    tmp_path: Any,
+    mode: str,
+    teacher: str,
+    tail: bool,
+    **kw: Any,
+) -> None:
+    trl_trainer, trl = _run_trl(model_dir, tokenizer, dataset, tmp_path, mode, teacher, tail, **kw)
+    cmp_trainer, cmp = _run_composer(model_dir, tokenizer, dataset, tmp_path, mode, teacher, tail, **kw)
 
-    monkeypatch.setattr(Qwen2ForCausalLM, "generate", _fake_generate(tokenizer))
-    trl_trainer, trl = _run_trl(model_dir, tokenizer, dataset, tmp_path, mode, teacher, tail)
-    cmp_trainer, cmp = _run_composer(model_dir, tokenizer, dataset, tmp_path, mode, teacher, tail)
-
-    assert len(trl.masks) == len(cmp.masks) == STEPS
+    per_generation = kw.get("num_iterations", 1) * kw.get("steps_per_generation", 1)
+    rows = 8 * kw.get("steps_per_generation", 1)  # rows per generation batch
+    generations = -(-STEPS // per_generation)
+    assert len(trl.masks) == len(cmp.masks) == generations
     assert trl.masks == cmp.masks  # self-distillation mask, row for row
-    assert sum(map(sum, cmp.masks)) == STEPS * 8 // G * (G - 1)  # every failed row has a successful sibling
+    assert sum(map(sum, cmp.masks)) == generations * rows // G * (
+        G - 1
+    )  # every failed row has a successful sibling
     assert trl.teacher_prompts == cmp.teacher_prompts  # reprompt token ids, token for token
     assert len(trl.grads) == len(cmp.grads) == STEPS
     for step, (g_trl, g_cmp) in enumerate(zip(trl.grads, cmp.grads)):
         assert g_trl.keys() == g_cmp.keys()
         for name in g_trl:
             torch.testing.assert_close(
-                g_cmp[name], g_trl[name] / (1 - W), rtol=2e-4, atol=1e-6, msg=f"step {step}: d/d {name}"
+                g_cmp[name], g_trl[name], rtol=2e-4, atol=1e-6, msg=f"step {step}: d/d {name}"
             )
     if mode != "sampled_token":
         torch.testing.assert_close(torch.tensor(cmp.losses), torch.tensor(trl.losses), rtol=1e-5, atol=1e-7)
@@ -270,3 +297,68 @@ def test_composer_sdpo_equals_trl_sdpo_trainer(
             torch.testing.assert_close(p_c, p_t, rtol=1e-4, atol=1e-6, msg=f"teacher {n}")
             moved = max(moved, float((p_t - initial[n]).abs().max()))
         assert (moved > 1e-4) == (teacher == "ema")  # the EMA teacher moved, the base teacher did not
+
+
+@pytest.mark.parametrize(
+    ("mode", "teacher", "tail", "w"),
+    [
+        ("full_logits", "ema", False, W),
+        ("sampled_token", "ema", False, W),
+        ("topk_logits", "ema", False, W),
+        ("topk_logits", "live", True, W),
+        ("full_logits", "base", False, W),
+        ("sampled_token", "live", False, W),
+        # TRL's default distillation_weight=1: composer's w_policy=0 (no policy term computed)
+        ("full_logits", "ema", False, 1.0),
+        ("sampled_token", "ema", False, 1.0),
+    ],
+)
+def test_composer_sdpo_equals_trl_sdpo_trainer(
+    mode, teacher, tail, w, model_dir, tokenizer, dataset, tmp_path, monkeypatch
+):
+    from transformers import Qwen2ForCausalLM
+
+    monkeypatch.setattr(Qwen2ForCausalLM, "generate", _fake_generate(tokenizer))
+    _compare(model_dir, tokenizer, dataset, tmp_path, mode, teacher, tail, w=w)
+
+
+FORMS = [("full_logits", False), ("topk_logits", True), ("topk_logits", False), ("sampled_token", False)]
+
+
+@pytest.mark.parametrize(("mode", "tail"), FORMS)
+@pytest.mark.parametrize(
+    "regime",
+    [
+        {
+            "num_iterations": 2,
+            "w": W,
+        },  # the policy term in: GRPO's clip and SDPO's IS clip on the reused batch
+        {"steps_per_generation": 2, "w": 1.0},  # two micro-batches (two optimiser steps) per generation
+    ],
+    ids=["num_iterations=2", "steps_per_generation=2"],
+)
+def test_is_clip_off_policy_equals_trl_sdpo_trainer(
+    mode, tail, regime, model_dir, tokenizer, dataset, tmp_path, monkeypatch
+):
+    """SDPOTrainer's ``distillation_is_clip`` on every form == composer's ``sdpo_token_clip`` (core, every form)."""
+    import trl.trainer.grpo_trainer as grpo_module
+    from transformers import Qwen2ForCausalLM
+
+    monkeypatch.setattr(Qwen2ForCausalLM, "generate", _fake_generate(tokenizer))
+    monkeypatch.setattr(
+        grpo_module, "shuffle_sequence_dict", lambda batch: batch
+    )  # SDPOTrainer does not shuffle
+    clipped: list[bool] = []  # the clip must bind: whether any weight hit it
+    import composer_core.loss.compose as compose_module
+
+    weight = compose_module.is_clip_weight
+
+    def spy(*a: Any) -> Any:
+        w = weight(*a)
+        if w is not None:
+            clipped.append(bool((w == CLIP).any()))
+        return w
+
+    monkeypatch.setattr(compose_module, "is_clip_weight", spy)
+    _compare(model_dir, tokenizer, dataset, tmp_path, mode, "ema", tail, **regime)
+    assert any(clipped)  # the off-policy steps hit the clip: the test would see a missing clip

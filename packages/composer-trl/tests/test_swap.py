@@ -170,3 +170,38 @@ def test_channels_on_combine_with_the_grpo_options(
     assert len(rows) == 2
     for r in rows:
         assert math.isfinite(r["loss"]) and r["composer/loss/sdpo"] > 0 and r["composer/replay/pairs"] > 0
+
+
+def test_positional_construction_equals_keyword_construction(tmp_path, model_dir, tokenizer, dataset, h):
+    """``ComposerGRPOTrainer(model, reward_funcs, args, train_dataset, eval_dataset, processing_class)`` binds as
+    GRPOTrainer binds it (issue 60: it raised "got multiple values for argument 'model'"), with SDPO on (successful
+    siblings teach): the first step's logged loss and the weights after it equal keyword construction's, bit for bit.
+    """
+    import inspect
+
+    from composer_core.tasks.digit_reversal import reverse_reward
+    from composer_trl import ComposerGRPOTrainer
+    from trl import GRPOTrainer
+
+    params = list(inspect.signature(ComposerGRPOTrainer).parameters)
+    assert params == [*inspect.signature(GRPOTrainer).parameters, "hint_fn"]
+    runs = []
+    for positional in (True, False):
+        args = h.grpo_args(
+            tmp_path / str(positional), max_steps=1, beta_replay=0.0, sdpo_teacher_context="success"
+        )
+        if positional:
+            t = ComposerGRPOTrainer(str(model_dir), [reverse_reward], args, dataset, None, tokenizer)
+        else:
+            t = ComposerGRPOTrainer(
+                model=str(model_dir), reward_funcs=[reverse_reward], args=args, train_dataset=dataset,
+                processing_class=tokenizer,
+            )  # fmt: skip
+        t.train()
+        runs.append(t)
+    logged = [[r["loss"] for r in t.state.log_history if "loss" in r] for t in runs]
+    assert len(logged[0]) == 1 and logged[0] == logged[1]
+    for (n, a), (_, b) in zip(runs[0].model.named_parameters(), runs[1].model.named_parameters()):
+        assert torch.equal(a, b), n
+    with pytest.raises(TypeError, match="multiple values for argument 'model'"):
+        ComposerGRPOTrainer(str(model_dir), model=str(model_dir))

@@ -760,6 +760,7 @@ def run_args(output_dir: str | Path, steps: int, seed: int, use_cpu: bool) -> di
 
 
 CARD_OPTIONS = (
+    "w_policy",
     "alpha_sdpo",
     "beta_replay",
     "sdpo_form",

@@ -1,6 +1,6 @@
 """``ComposerGRPOConfig``: TRL's ``GRPOConfig`` plus the composer options (validated in ``__post_init__``).
 
-``total = policy + alpha_sdpo · SDPO + beta_replay · trace-replay``. Channel 1 is TRL's own GRPO loss
+``total = w_policy · policy + alpha_sdpo · SDPO + beta_replay · trace-replay``. Channel 1 is TRL's own GRPO loss
 (``loss_type``, ``epsilon``/``epsilon_high``, ``delta``, ``beta`` KL) computed by ``composer_core`` with
 TRL's op order; channel 2 distils the same model read under a hinted context into the plain context
 (generalized JSD over the full vocabulary, optional TAID / entropy-aware wrapper); channel 3 is DPO or
@@ -41,6 +41,8 @@ _CORE_SECTIONS: tuple[tuple[type, str, tuple[str, ...]], ...] = (
 )
 #: the help text (``--help``) and documentation (appended to the class docstring) of every composer option
 _HELP = {
+    "w_policy": "weight of channel 1 (TRL's GRPO loss); 0 is pure self-distillation (TRL SDPOTrainer's "
+    "distillation_weight=1): the policy surrogate, its KL and its clip metrics are not computed.",
     "alpha_sdpo": "weight of channel 2 (SDPO self-distillation); 0, the default, disables it.",
     "beta_replay": "weight of channel 3 (trace-replay preference); 0, the default, disables it.",
     "sdpo_form": "'full': generalized JSD over the whole vocabulary, chunk-wise from the last hidden states and "
@@ -51,7 +53,8 @@ _HELP = {
     "sdpo_topk_tail": "sdpo_form='topk': add the tail bucket 1 - sum_k p (TRL's distillation_add_tail).",
     "sdpo_beta": "generalized-JSD beta (TRL GKD convention: 0 forward KL, 1 reverse KL, exact branches).",
     "sdpo_temperature": "temperature of both distributions in the divergence.",
-    "sdpo_token_clip": "importance-sampling clip of the sampled form (None: no clip).",
+    "sdpo_token_clip": "importance-sampling clip of the distillation loss on every form, min(exp(logp - "
+    "old_logp), clip) per token when old log-probs exist (TRL SDPOTrainer's distillation_is_clip; None: no clip).",
     "sdpo_chunk_size": "rows per chunk of the fused kernel (None: composer_core.loss.distill.chunk_rows, 256 "
     "rows from V = 32,768 up); a chunk holds about four [rows, V] float32 buffers.",
     "sdpo_compiled": "run the JSD chunk kernel under torch.compile (sdpo_form='full', no wrapper; one "
@@ -132,6 +135,7 @@ class ComposerGRPOConfig(GRPOConfig):
     types and defaults):
     """
 
+    w_policy: float = ComposeConfig.w_policy
     alpha_sdpo: float = 0.0
     beta_replay: float = 0.0
     sdpo_form: Literal["full", "sampled", "topk"] = "full"
@@ -218,6 +222,7 @@ class ComposerGRPOConfig(GRPOConfig):
     def compose_options(self) -> dict[str, Any]:
         """The flat ``compose_loss`` options these fields mean (TRL names mapped to composer's)."""
         opts: dict[str, Any] = {
+            "w_policy": self.w_policy,
             "alpha_sdpo": self.alpha_sdpo,
             "beta_replay": self.beta_replay,
             "loss_type": self.loss_type,

@@ -52,7 +52,7 @@ def _window(count: Tensor | None, c: Counts) -> Tensor | None:
 def composer_trl_loss(
     batch: ComposerBatch, args: Any, counts: Counts, *, taid_t: float | None = None
 ) -> tuple[Tensor, ComposeResult]:
-    """``loss = policy (TRL-scaled) + alpha_sdpo · sdpo + beta_replay · replay`` for one micro-batch.
+    """``loss = w_policy · policy (TRL-scaled) + alpha_sdpo · sdpo + beta_replay · replay`` for one micro-batch.
 
     ``args`` is a :class:`~composer_trl.ComposerGRPOConfig`. Returns the loss to backpropagate and the
     :class:`~composer_core.loss.compose.ComposeResult` (unweighted channel values and metrics).
@@ -70,8 +70,19 @@ def composer_trl_loss(
         replay_normalizer=_window(counts.replay_items, counts),
     )
     # TRL divides grpo/bnpo/dr_grpo by the accumulation steps; dapo's normaliser already spans the window.
-    policy = result.policy if args.loss_type in WINDOW_LOSS_TYPES else result.policy / counts.accumulation
-    return weighted_total(policy, result.sdpo, result.replay, args.alpha_sdpo, args.beta_replay), result
+    policy = policy_part(result.policy, args.loss_type, counts.accumulation)
+    if policy is None and result.sdpo is None and result.replay is None:  # w_policy=0, nothing distilled here
+        return result.total, result
+    weights = (args.alpha_sdpo, args.beta_replay, args.w_policy)
+    return weighted_total(policy, result.sdpo, result.replay, *weights), result
+
+
+def policy_part(policy: Tensor | None, loss_type: str, accumulation: int) -> Tensor | None:
+    """Channel 1 scaled as TRL scales it: grpo/bnpo/dr_grpo divided by the accumulation steps, dapo's family not
+    (its normaliser already spans the window). None when ``w_policy=0`` skipped it."""
+    if policy is None or loss_type in WINDOW_LOSS_TYPES:
+        return policy
+    return policy / accumulation
 
 
 # ----------------------------------------------------------------------------- core conformance suite

@@ -3,9 +3,11 @@
 Swap ``GRPOTrainer``/``GRPOConfig`` for ``ComposerGRPOTrainer``/``ComposerGRPOConfig``; everything else
 (reward functions, datasets, PEFT, accelerate launch) stays TRL's. Per micro-batch::
 
-    loss = policy + alpha_sdpo · sdpo + beta_replay · replay
+    loss = w_policy · policy + alpha_sdpo · sdpo + beta_replay · replay
 
-- **policy** (channel 1): TRL 1.16's GRPO loss for ``loss_type`` grpo/bnpo/dr_grpo/dapo — clipping
+- **policy** (channel 1, ``w_policy`` = 1 by default; 0 is pure self-distillation: the student's forward still
+  gives the log-probs and hidden states channel 2 needs, but the surrogate, its KL, its entropy / off-policy
+  masks and its ``kl`` / ``clip_ratio`` metrics are not computed): TRL 1.16's GRPO loss for ``loss_type`` grpo/bnpo/dr_grpo/dapo — clipping
   (``epsilon``, ``epsilon_high``, ``delta``), k3 KL to the reference (``beta``), TRL's normalisers and
   gradient-accumulation scaling — computed by :func:`composer_core.loss.compose.compose_loss`, which follows
   TRL's op order: with ``alpha_sdpo = beta_replay = 0`` loss and gradients equal ``GRPOTrainer``'s
@@ -29,6 +31,7 @@ window and all processes, like TRL's ``dapo``, so gradient accumulation is exact
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -71,7 +74,7 @@ from composer_trl.guards import (
     row_indices,
     unscored_batch_error,
 )
-from composer_trl.loss import WINDOW_LOSS_TYPES, Counts, composer_trl_loss
+from composer_trl.loss import Counts, composer_trl_loss, policy_part
 from composer_trl.recipe import HINT_COLUMNS, PAIR_COLUMNS
 
 HintFn = Callable[..., Sequence[str | None]]
@@ -142,12 +145,16 @@ def _assistant_text(messages: list[dict[str, Any]], name: str) -> str:
     return "".join(texts)
 
 
+_GRPO_SIGNATURE = inspect.signature(GRPOTrainer.__init__)
+
+
 class ComposerGRPOTrainer(GRPOTrainer):
     """``GRPOTrainer`` whose loss is composer's 3-channel objective (see the module docstring).
 
     Args:
-        *args, **kwargs: exactly ``GRPOTrainer``'s (``model``, ``reward_funcs``, ``args``, ``train_dataset``, ...).
-            ``args`` must be a :class:`ComposerGRPOConfig`.
+        *args, **kwargs: exactly ``GRPOTrainer``'s, positionally or by name, in its order (``model``,
+            ``reward_funcs``, ``args``, ``train_dataset``, ``eval_dataset``, ``processing_class``, ...). ``args``: a
+            :class:`ComposerGRPOConfig` (a plain ``GRPOConfig`` is taken with the channels off).
         hint_fn: optional callable ``hint_fn(prompts=..., completions=..., completion_ids=..., **columns)``
             returning one hint (str) or ``None`` per completion — e.g. a verifier's feedback. It replaces the
             ``hint`` column. Rows without a hint are not distilled.
@@ -686,7 +693,11 @@ class ComposerGRPOTrainer(GRPOTrainer):
             if capture is not None and capture.hidden is not None:
                 capture.hidden = merged.policy_hidden(capture.hidden)
 
-        keep, entropy_mask = self._surrogate_masks(per_token_logps, entropies, mask, inputs)
+        # w_policy=0 (pure self-distillation): no surrogate, so neither its masks nor its KL / clip metrics
+        pure = a.w_policy == 0
+        keep, entropy_mask = (
+            (None, None) if pure else self._surrogate_masks(per_token_logps, entropies, mask, inputs)
+        )
         vllm_is = self.use_vllm and self.vllm_importance_sampling_correction  # TRL's rollout IS correction
         batch = ComposerBatch(
             logprobs=per_token_logps,
@@ -713,11 +724,12 @@ class ComposerGRPOTrainer(GRPOTrainer):
         loss, result = composer_trl_loss(
             batch, a, counts, taid_t=self._taid.t if self._taid is not None else None
         )
-        policy_part = (
-            result.policy if self.loss_type in WINDOW_LOSS_TYPES else result.policy / counts.accumulation
-        ).detach()
+        policy = policy_part(result.policy, self.loss_type, counts.accumulation)
+        policy = (
+            torch.zeros((), device=loss.device) if policy is None else policy.detach()
+        )  # None: w_policy=0
         bonus_mask = mask if entropy_mask is None else mask * entropy_mask
-        bonus = self._entropy_bonus(entropies, bonus_mask, mode, result.policy.detach())
+        bonus = self._entropy_bonus(entropies, bonus_mask, mode, policy)
         if bonus is not None:
             loss = loss - bonus
         if aux_loss is not None:
@@ -727,8 +739,8 @@ class ComposerGRPOTrainer(GRPOTrainer):
                 self.accelerator.gather_for_metrics(aux_loss).mean().item()
             )
 
-        self._log_trl_metrics(mode, per_token_logps, entropies, mask, inputs)
-        self._log_composer_metrics(mode, policy_part, result, loss.detach())
+        self._log_trl_metrics(mode, per_token_logps, entropies, mask, inputs, policy=not pure)
+        self._log_composer_metrics(mode, policy, result, loss.detach())
         return loss
 
     def _fill_sdpo(
@@ -809,12 +821,20 @@ class ComposerGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ metrics
 
     def _log_trl_metrics(
-        self, mode: str, logps: Tensor, entropies: Tensor, mask: Tensor, inputs: dict[str, Any]
+        self,
+        mode: str,
+        logps: Tensor,
+        entropies: Tensor,
+        mask: Tensor,
+        inputs: dict[str, Any],
+        *,
+        policy: bool,
     ) -> None:
         """The metrics plain GRPOTrainer logs from its loss, same names and values: ``kl`` (bias-corrected when
         TRL's ``use_bias_correction_kl`` is), ``entropy``, and by loss type ``clip_ratio/*`` (the clip family),
         ``cispo_clip_ratio`` or ``vespo/phi_seq_mean`` (``aux_loss`` for MoE models and ``policy_loss`` /
-        ``entropy_coef`` with the entropy bonus are logged in :meth:`_compute_loss`)."""
+        ``entropy_coef`` with the entropy bonus are logged in :meth:`_compute_loss`). ``policy=False``
+        (``w_policy=0``): ``entropy`` only."""
 
         def global_masked_mean(x: Tensor) -> float:
             if x.shape[1] == 1:  # sequence level: one value per sequence
@@ -827,9 +847,12 @@ class ComposerGRPOTrainer(GRPOTrainer):
         def masked_seq_mean(x: Tensor) -> Tensor:  # NaN for an empty row, skipped by nanmin/nanmax (TRL)
             return x.squeeze(1) if x.shape[1] == 1 else (x * mask).sum(-1) / mask.sum(-1)
 
+        m = self._metrics[mode]
+        m["entropy"].append(global_masked_mean(entropies.detach()))
+        if not policy:
+            return
         old = inputs.get("old_per_token_logps")
         log_ratio = logps.detach() - (logps.detach() if old is None else old)
-        m = self._metrics[mode]
         coef = torch.exp(log_importance_weights(log_ratio, mask, self.importance_sampling_level))
         if self.beta != 0.0:
             ref = inputs["ref_per_token_logps"]
@@ -837,7 +860,6 @@ class ComposerGRPOTrainer(GRPOTrainer):
             if self.args.use_bias_correction_kl:
                 kl = kl * coef
             m["kl"].append(global_masked_mean(kl))
-        m["entropy"].append(global_masked_mean(entropies.detach()))
         adv = inputs["advantages"].unsqueeze(1) if inputs["advantages"].dim() == 1 else inputs["advantages"]
         if self.loss_type == "cispo":
             m["cispo_clip_ratio"].append(global_masked_mean(((coef > self.epsilon_high) & (adv > 0)).float()))
@@ -962,6 +984,15 @@ class ComposerGRPOTrainer(GRPOTrainer):
         self._composer_window.clear()
 
 
+# introspection shows GRPOTrainer's parameters (positional order included) plus the keyword-only ``hint_fn``
+ComposerGRPOTrainer.__init__.__signature__ = _GRPO_SIGNATURE.replace(  # type: ignore[attr-defined]
+    parameters=[
+        *_GRPO_SIGNATURE.parameters.values(),
+        inspect.Parameter("hint_fn", inspect.Parameter.KEYWORD_ONLY, default=None),
+    ]
+)
+
+
 class _TAIDCallback(TrainerCallback):
     """Advances TAID's t once per optimiser step (``on_step_end``, never during evaluation) from the globally
     reduced SDPO loss of that step."""
@@ -980,13 +1011,13 @@ class _TAIDCallback(TrainerCallback):
 def _with_composer_config(
     args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """GRPOTrainer's arguments with ``args`` made a :class:`ComposerGRPOConfig`: ``None`` → TRL's default config
-    (``"<model>-GRPO"``), a plain ``GRPOConfig`` → its options with the channels off (a plain swap)."""
-    kwargs = dict(kwargs)
-    names = ("model", "reward_funcs", "args")
-    for name, value in zip(names, args):
-        kwargs[name] = value
-    args = args[len(names) :]
+    """GRPOTrainer's arguments, every positional one bound by name as ``GRPOTrainer.__init__`` binds it (so
+    positional and keyword construction are the same call), with ``args`` made a :class:`ComposerGRPOConfig`:
+    ``None`` → TRL's default config (``"<model>-GRPO"``), a plain ``GRPOConfig`` → its options with the channels
+    off (a plain swap)."""
+    kwargs = _GRPO_SIGNATURE.bind(None, *args, **kwargs).arguments  # TypeError as GRPOTrainer raises it
+    del kwargs["self"]
+    args = ()
     targs = kwargs.get("args")
     if targs is None:
         model = kwargs.get("model")
