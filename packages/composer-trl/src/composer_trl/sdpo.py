@@ -107,7 +107,7 @@ class ComposerSDPOConfig(SDPOConfig):
     # + every other option of _EXTRAS, added by _with_extras
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        super().__post_init__()  # type: ignore[no-untyped-call]
         grpo_config(self)  # every check of the translated options runs at construction
 
 
@@ -139,12 +139,12 @@ class ComposerSDPOTrainer(ComposerGRPOTrainer):
     _name = "SDPO"
     _tag_names = ["trl", "sdpo", "composer"]  # noqa: RUF012  (TRL declares it a plain list)
     # SDPOTrainer's own helpers, unchanged: its callback dispatch and its teacher-server loss
-    _dispatch_self_distillation_callback = SDPOTrainer._dispatch_self_distillation_callback
-    _warn_on_degenerate_diagnostics = SDPOTrainer._warn_on_degenerate_diagnostics
-    _compute_server_distillation_loss = SDPOTrainer._compute_server_distillation_loss
-    _get_teacher_token_logprobs_from_server = SDPOTrainer._get_teacher_token_logprobs_from_server
-    _forward_logits = SDPOTrainer._forward_logits
-    _log_self_distillation_metric = SDPOTrainer._log_self_distillation_metric
+    _dispatch_self_distillation_callback: Any = SDPOTrainer._dispatch_self_distillation_callback
+    _warn_on_degenerate_diagnostics: Any = SDPOTrainer._warn_on_degenerate_diagnostics
+    _compute_server_distillation_loss: Any = SDPOTrainer._compute_server_distillation_loss
+    _get_teacher_token_logprobs_from_server: Any = SDPOTrainer._get_teacher_token_logprobs_from_server
+    _forward_logits: Any = SDPOTrainer._forward_logits
+    _log_self_distillation_metric: Any = SDPOTrainer._log_self_distillation_metric
 
     def __init__(
         self,
@@ -235,11 +235,11 @@ class ComposerSDPOTrainer(ComposerGRPOTrainer):
         if "composer_hint_ids" in output:
             self._teacher_events(output)
         if mode == "train":
-            a = self.args
+            steps = int(self.args.steps_per_generation or 1)  # set by SDPOConfig.__post_init__
             self._dispatch_self_distillation_callback(
                 "on_generation_batch_built",
-                generate_every=a.steps_per_generation * a.num_iterations,
-                steps_per_generation=a.steps_per_generation,
+                generate_every=steps * self.args.num_iterations,
+                steps_per_generation=steps,
             )
         return output
 
