@@ -294,3 +294,41 @@ def test_rollout_contexts_use_siblings_of_the_same_group_only() -> None:
         rollout_teacher_contexts(task, ro, rewards, TeacherContextOptions(sdpo_teacher_context="feedback"))
     with pytest.raises(ValueError, match="alpha_sdpo is 0"):  # no silent no-op option
         ComposerDriver(task, MODEL, loss=ComposerLoss(alpha_sdpo=0.0, beta_replay=0.0), teacher_context=opts)
+
+
+def test_max_reprompt_len_caps_the_teacher_prompt() -> None:
+    """max_reprompt_len=5 keeps each teacher prompt's last 5 tokens (issue 60: 9–15 token prompts here while TRL
+    and verl cut to 5), on the group path (rollout_teacher_contexts) and on the hint path (through the driver)."""
+    from composer_core.sdpo.context import TeacherContextOptions
+    from composer_monarch.contexts import rollout_teacher_contexts
+
+    task = ReverseDigits(length=2)
+    a = torch.tensor([3, 4, 13])  # "01>"
+    completions = torch.tensor([[7, 7, 1], [4, 3, 1]])  # "44" (wrong), "10" (right)
+    ro = Rollout(
+        step=0, prompt_ids=torch.stack([a, a]), completion_ids=completions, completion_mask=completions != 0,
+        inference_logprobs=torch.zeros(2, 3), group_size=2, policy_version=0,
+    )  # fmt: skip
+    rewards = torch.tensor([task.reward(a, c[c != 0]) for c in completions])
+    opts = TeacherContextOptions(
+        sdpo_teacher_context="success", reprompt_template="{solution}{prompt}", solution_template="{demonstration}||",
+        max_reprompt_len=5,
+    )  # fmt: skip
+    ids, rows = rollout_teacher_contexts(task, ro, rewards, opts)
+    assert rows.tolist() == [True, False] and task.text(ids[0]) == "0||01>"[-5:]  # "10||01>" uncapped
+    seen: list[torch.Tensor] = []
+    loop = LoopConfig(steps=1, prompts_per_step=2, group_size=2, procs=1, num_threads=1)
+    loss = ComposerLoss(alpha_sdpo=1.0, beta_replay=0.0)
+    with ComposerDriver(
+        TASK, MODEL, loss=loss, loop=loop, teacher_context=TeacherContextOptions(max_reprompt_len=5)
+    ) as d:
+        real = d._call
+
+        def spy(role: str, endpoint: str, *args: object, **kw: object) -> object:
+            if endpoint == "hinted_logits":
+                seen.append(args[0])  # type: ignore[arg-type]
+            return real(role, endpoint, *args, **kw)
+
+        d._call = spy  # type: ignore[method-assign]
+        d.run(steps=1, progress=False)
+    assert seen and all(ctx.shape[1] == 5 for ctx in seen)

@@ -202,7 +202,8 @@ def test_gradcheck_float64_all_three_channels() -> None:
     # explicit old log-probs: with the default (ℓ.detach()) the ratio's value is 1 whatever the logits,
     # so finite differences cannot see the policy-gradient term
     old = -torch.rand(R, S, generator=g, dtype=torch.float64) - 1.0
-    loss = ComposerLoss(loss_type="dapo", alpha_sdpo=0.5, beta_replay=0.5, kl_beta=0.05)
+    # SDPO's IS clip weight is a stop-gradient of ℓθ (core gradchecks the clipped form with ℓθ held fixed)
+    loss = ComposerLoss(loss_type="dapo", alpha_sdpo=0.5, beta_replay=0.5, kl_beta=0.05, sdpo_token_clip=None)
 
     def f(x: torch.Tensor) -> torch.Tensor:
         return loss(x, **t, teacher_logits=teacher, old_logprobs=old)
@@ -334,3 +335,21 @@ def test_pairs_and_policy_rows_on_cuda() -> None:
     got = loss(logits.cuda(), **cuda)
     assert got.device.type == "cuda"
     torch.testing.assert_close(got.cpu(), loss(logits, **t), atol=1e-9, rtol=1e-9)
+
+
+def test_w_policy_zero_is_pure_self_distillation() -> None:
+    """w_policy=0 (issue 60): no policy term (and no TorchForge KL default), the loss is α·sdpo of compose_loss."""
+    logits, t = _forge_targets()
+    teacher = torch.randn(R, S, V, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    loss = ComposerLoss(w_policy=0.0, alpha_sdpo=0.5, beta_replay=0.0)
+    assert loss.config.w_policy == 0.0 and loss.config.policy.kl_beta == 0.0 and not loss.needs_reference
+    total = loss(logits, **t, teacher_logits=teacher)
+    assert loss.last_result.policy is None and loss.last_result.metrics["policy/skipped"] == 1.0
+    both = ComposerLoss(loss_type="grpo", kl_beta=0.0, alpha_sdpo=0.5, beta_replay=0.0)
+    both(logits, **t, teacher_logits=teacher)
+    assert torch.equal(total, 0.5 * both.last_result.sdpo)
+    half = ComposerLoss(w_policy=0.5, loss_type="grpo", kl_beta=0.0, alpha_sdpo=0.5, beta_replay=0.0)
+    value = half(logits, **t, teacher_logits=teacher)
+    torch.testing.assert_close(value, 0.5 * both.last_result.policy + 0.5 * both.last_result.sdpo)
+    with pytest.raises(ValueError, match="all 0"):
+        ComposerLoss(w_policy=0.0, alpha_sdpo=0.0, beta_replay=0.0)

@@ -181,3 +181,31 @@ def test_metric_keys_are_composer_core_keys_under_the_prefix(make_inputs, policy
         core.add("policy/clip_ratio")
     assert core <= set(METRIC_KEYS) and ours == core | {"sdpo/reverse_kl_k1"}
     assert not any("/" in k for k in out.metrics if not k.startswith(ADAPTER_PREFIX))
+
+
+@pytest.mark.parametrize("w_policy", [0.25, 0.0])
+def test_w_policy_weights_the_policy_term(make_inputs, w_policy: float) -> None:
+    """loss = Σ w_t (w_policy·L^policy + α·L^sdpo) (issue 60): the gradient of the kept DPPO token (A = −1, ρ = 1.5)
+    is w_policy·1.5, the distilled token's 0.5·ln 2; a sample without a teacher trains on w_policy·policy alone."""
+    args = {"p_train": [0.9, 0.5], "p_inf": [0.6, 0.5], "adv": [-1.0, 0.0], "weights": [2.0, 3.0]}
+    inputs = make_inputs(**args, p_ref=[0.9, 0.25])
+    out = composer_loss(inputs, alpha_sdpo=0.5, kl_tau=0.0, w_policy=w_policy)
+    out.loss.backward()
+    expected = torch.tensor([2.0 * 1.5 * w_policy, 3.0 * 0.5 * LN2], dtype=torch.float64)
+    torch.testing.assert_close(inputs.trainer_logprobs.grad, expected, rtol=1e-12, atol=1e-15)
+    full = composer_loss(make_inputs(**args, p_ref=[0.9, 0.25]), alpha_sdpo=0.5, kl_tau=0.0)
+    assert out.metrics["composer/loss/policy"].item() == pytest.approx(
+        full.metrics["composer/loss/policy"].item()
+    )
+    alone = make_inputs(**args)
+    policy_only = composer_loss(alone, alpha_sdpo=0.5, kl_tau=0.0, w_policy=w_policy, sdpo_missing="skip")
+    reference = composer_loss(make_inputs(**args), alpha_sdpo=0.5, kl_tau=0.0, sdpo_missing="skip")
+    assert policy_only.loss.item() == pytest.approx(w_policy * reference.loss.item(), abs=1e-15)
+
+
+def test_w_policy_is_core_checked() -> None:
+    from composer_prime_rl.options import parse_options
+
+    assert parse_options({"w_policy": "0.5", "alpha_sdpo": 1.0}).w_policy == 0.5
+    with pytest.raises(ValueError, match="all 0: nothing to train"):
+        parse_options({"w_policy": 0.0})

@@ -210,3 +210,46 @@ def test_bad_options_and_inputs_raise_one_line() -> None:
     algo.renderer = object()
     with pytest.raises(RuntimeError, match=r"tokenizer\.decode"):
         asyncio.run(algo.score_group([Episode([trace("P:", "no", 0.0)])]))
+
+
+@pytest.mark.parametrize("source", ["success", "hint"])
+def test_max_reprompt_len_caps_the_teacher_prompt(source: str) -> None:
+    """max_reprompt_len=5: every teacher prompt the policy scores keeps its last 5 tokens (issue 60 saw 9–15 here,
+    as TRL and verl cut to 5), and the ref log-probs still land on the completion tokens."""
+    pool = Pool()
+    if source == "success":
+        opts = TeacherContextOptions(sdpo_teacher_context="success", max_reprompt_len=5)
+        failed, ok = trace("Prompt:", "no", 0.0), trace("Prompt:", "yes", 1.0)
+        asyncio.run(algorithm(opts, pool).score_group([Episode([failed]), Episode([ok])]))
+        full = [7, *enc(opts.reprompt_template.format(prompt="Prompt:", solution="", feedback=""))]
+        assert len(full) > 5
+    else:
+        opts = TeacherContextOptions(max_reprompt_len=5)
+        failed = trace("Prompt:", "no", 0.0, {"feedback": "carry the one"})
+        asyncio.run(algorithm(opts, pool).score_episode(Episode([failed])))
+    assert len(pool.calls) == 1
+    head, tail = pool.calls[0][:-2], pool.calls[0][-2:]
+    assert len(head) == 5 and tail == enc("no")
+    if source == "hint":
+        assert head == enc("ompt:")  # the hint block went first: the prompt's end stays
+    assert failed.nodes[1].reference_logprobs == [-(t % 7) / 10 for t in enc("no")]
+
+
+def test_demo_pick_random_is_seeded_per_group() -> None:
+    """demo_pick='random' draws per group from the `seed` option and the group itself: two runs pick the same
+    demonstrations, another seed picks others, and the groups do not all pick the same position."""
+    opts = TeacherContextOptions(
+        sdpo_teacher_context="success", demo_pick="random", dont_reprompt_on_self_success=False
+    )
+    groups = [
+        [trace(f"P{g}:", c, 1.0 if c != "x" else 0.0) for c in ("a", "b", "c", "d", "x")] for g in range(12)
+    ]
+
+    def picks(seed: int) -> list[int | None]:
+        algo = algorithm(opts, seed=seed)
+        return [algo.teacher_contexts([Episode([t]) for t in group])[1].demo_index[-1] for group in groups]
+
+    first = picks(1)
+    assert first == picks(1)  # reproducible
+    assert first != picks(2)  # the seed is read
+    assert len(set(first)) > 1  # each group draws for itself

@@ -123,3 +123,27 @@ def h() -> Any:
     from types import SimpleNamespace
 
     return SimpleNamespace(grpo_args=grpo_args, make_trainer=make_trainer, generation_batch=generation_batch)
+
+
+def _bench_module(name: str) -> Any:
+    """``bench/<name>.py`` loaded by path (bench/ holds scripts, not a package)."""
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses resolve their module's namespace through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def paired_stats() -> Any:
+    return _bench_module("paired_stats")
+
+
+@pytest.fixture(scope="session")
+def addition_budget() -> Any:
+    return _bench_module("addition_budget")

@@ -12,8 +12,9 @@ import torch
 
 
 def main(out_dir: str, model_dir: str, mode: str = "hints") -> None:
-    """``mode``: ``hints`` (hint_fn, groups of 4 on one rank each) or ``success-ema`` (successful siblings, an
-    EMA teacher, one group of 8 split across the two ranks)."""
+    """``mode``: ``hints`` (hint_fn, groups of 4 on one rank each), ``success-ema`` (successful siblings, an
+    EMA teacher, one group of 8 split across the two ranks) or ``on-policy`` (channel 3 on the student's failures,
+    one group of 8 split across the two ranks; each rank records its rewards)."""
     import faulthandler
 
     faulthandler.dump_traceback_later(float(os.environ.get("COMPOSER_MP_DUMP_AFTER", "300")), exit=True)
@@ -27,10 +28,19 @@ def main(out_dir: str, model_dir: str, mode: str = "hints") -> None:
 
     tok = AutoTokenizer.from_pretrained(tok_dir)
     data = Dataset.from_list(make_dataset_rows(64, seed=1))
+    seen: list[list[float]] = []
+
+    def recorded_reward(completions: list[str], **kwargs: object) -> list[float]:
+        seen.append([float(r) for r in reverse_reward(completions=completions, **kwargs)])
+        return seen[-1]
+
+    on_policy = mode == "on-policy"
+    if on_policy:
+        data = data.remove_columns(["rejected"])
     args = ComposerGRPOConfig(
         output_dir=os.path.join(out_dir, "trainer"),
         per_device_train_batch_size=4,
-        num_generations=8 if mode == "success-ema" else 4,
+        num_generations=4 if mode == "hints" else 8,
         max_completion_length=3,
         max_steps=2,
         learning_rate=3e-3,
@@ -42,7 +52,7 @@ def main(out_dir: str, model_dir: str, mode: str = "hints") -> None:
         seed=0,
         bf16=False,
         dpo_variant="dpo",
-        alpha_sdpo=1.0,
+        alpha_sdpo=0.0 if on_policy else 1.0,
         **({"beta_replay": 1.0} if mode != "success-ema" else {}),
         **(
             {"sdpo_teacher_context": "success", "success_reward_threshold": 0.3}
@@ -50,10 +60,11 @@ def main(out_dir: str, model_dir: str, mode: str = "hints") -> None:
             if mode == "success-ema"
             else {}
         ),
+        **({"replay_pairs": "on_policy", "success_reward_threshold": 0.3} if on_policy else {}),
     )
     trainer = ComposerGRPOTrainer(
         model=model_dir,
-        reward_funcs=[reverse_reward],
+        reward_funcs=[recorded_reward if on_policy else reverse_reward],
         args=args,
         train_dataset=data,
         processing_class=tok,
@@ -71,6 +82,7 @@ def main(out_dir: str, model_dir: str, mode: str = "hints") -> None:
         "param_sum_before": before,
         "param_sum_after": after,
         "logs": [r for r in trainer.state.log_history if "reward" in r],
+        "rewards": seen,
         "teacher_sum": None
         if trainer._sdpo_teacher is None
         else sum(float(p.detach().double().sum()) for p in trainer._sdpo_teacher.parameters()),

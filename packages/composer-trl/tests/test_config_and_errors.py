@@ -28,7 +28,11 @@ import pytest
         ({"entropy_opd_weight": 2.0}, "entropy_opd_weight"),
         ({"taid_t_start": 0.2}, "taid_t_start"),
         ({"taid_alpha": 1e-3}, "taid_alpha"),
-        ({"sdpo_token_clip": 5.0}, "sdpo_token_clip"),
+        ({"sdpo_token_clip": 0.0}, "sdpo_token_clip"),
+        # w_policy: pure self-distillation has no policy term, so no KL of it; all weights 0 is nothing to train
+        ({"w_policy": 0.0, "beta": 0.04}, "kl_beta"),
+        ({"w_policy": 0.0, "alpha_sdpo": 0.0, "beta_replay": 0.0}, "w_policy"),
+        ({"w_policy": "-1"}, "w_policy"),
         ({"sdpo_form": "sampled", "sdpo_temperature": 2.0}, "sdpo_temperature"),
     ],
 )

@@ -224,15 +224,17 @@ def test_signal_finishes_step_writes_checkpoint_and_summary(tmp_path, sig, code)
 def _fake_checkpoint(folder: Path, step: int, skip: tuple[str, ...] = ()) -> Path:
     ckpt = folder / f"checkpoint-{step}"
     ckpt.mkdir(parents=True)
+    from safetensors.torch import save_file
+
     files = {
-        "trainer_state.json": json.dumps({"global_step": step}),
-        "optimizer.pt": "x",
-        "model.safetensors": "x",
-        "composer_state.json": "{}",
+        "trainer_state.json": lambda p: p.write_text(json.dumps({"global_step": step})),
+        "optimizer.pt": lambda p: torch.save({"state": {}}, p),  # every file reads back (issue 62)
+        "model.safetensors": lambda p: save_file({"w": torch.zeros(2)}, str(p)),
+        "composer_state.json": lambda p: p.write_text("{}"),
     }
-    for name, text in files.items():
+    for name, write in files.items():
         if name not in skip:
-            (ckpt / name).write_text(text)
+            write(ckpt / name)
     return ckpt
 
 

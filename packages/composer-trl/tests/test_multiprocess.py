@@ -80,3 +80,18 @@ def test_two_processes_share_a_group_of_successful_siblings_and_one_ema_teacher(
     for row in r0["logs"]:
         assert (row["composer/loss/sdpo"] > 0) == (row["composer/sdpo/success_group_fraction"] > 0)
     assert any(row["composer/sdpo/success_group_fraction"] > 0 for row in r0["logs"])
+
+
+def test_two_processes_count_on_policy_pairs_globally_and_agree_on_channel_grad_norms(tmp_path, model_dir):
+    """replay_pairs='on_policy' with one group of 8 split across two ranks: the pairs logged per step are the
+    failures (reward < 0.3) of both ranks, and the per-channel gradient norms (reduced like DDP's gradient) agree."""
+    r0, r1 = _torchrun(tmp_path, model_dir, "on-policy")
+    assert r0["param_sum_after"] == r1["param_sum_after"] != r0["param_sum_before"]
+    assert len(r0["logs"]) == 2
+    for step, row in enumerate(r0["logs"]):
+        failures = sum(r < 0.3 for r in r0["rewards"][step] + r1["rewards"][step])
+        assert row["composer/replay/pairs"] == failures
+        assert (row["composer/loss/replay"] > 0) == (failures > 0)
+        for key in ("composer/grad_norm/policy", "composer/grad_norm/replay"):
+            assert row[key] == r1["logs"][step][key]
+    assert any(row["composer/replay/pairs"] > 0 for row in r0["logs"])

@@ -362,3 +362,31 @@ def test_is_clip_off_policy_equals_trl_sdpo_trainer(
     monkeypatch.setattr(compose_module, "is_clip_weight", spy)
     _compare(model_dir, tokenizer, dataset, tmp_path, mode, "ema", tail, **regime)
     assert any(clipped)  # the off-policy steps hit the clip: the test would see a missing clip
+
+
+def test_w_policy_zero_skips_the_policy_terms_compute(
+    model_dir, tokenizer, dataset, tmp_path, monkeypatch, h
+):
+    """w_policy=0 (TRL's distillation_weight=1) trains without computing the policy term: core's policy_loss and
+    the surrogate's entropy/off-policy masks are never called, and its kl/clip_ratio metrics are not logged (the
+    student's forward runs: channel 2 needs its hidden states)."""
+    import composer_core.loss.compose as compose_module
+    from composer_trl import ComposerGRPOTrainer
+
+    def boom(*a: Any, **k: Any) -> None:
+        raise AssertionError("the policy term was computed under w_policy=0")
+
+    monkeypatch.setattr(compose_module, "policy_loss", boom)
+    monkeypatch.setattr(ComposerGRPOTrainer, "_surrogate_masks", boom)
+    args = h.grpo_args(
+        tmp_path, w_policy=0.0, alpha_sdpo=1.0, beta_replay=0.0, sdpo_teacher_context="success",
+        success_reward_threshold=0.3, max_steps=2,
+    )  # fmt: skip
+    trainer = h.make_trainer(model_dir, tokenizer, dataset, args)
+    start = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    logged = [r for r in trainer.state.log_history if "loss" in r]
+    assert len(logged) == 2 and all("entropy" in r for r in logged)
+    assert not any(k == "kl" or k.startswith("clip_ratio") for r in logged for k in r)
+    assert any(r["composer/sdpo/tokens"] > 0 for r in logged)  # something was distilled
+    assert any(not torch.equal(a, b) for a, b in zip(start, trainer.model.parameters()))  # and it trained

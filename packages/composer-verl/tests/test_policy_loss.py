@@ -267,6 +267,8 @@ def test_dpo_reference_from_verl_ref_log_prob() -> None:
         {"dpo_loss_type": "robust", "dpo_label_smoothing": 0.2},
         {"dpo_loss_type": "ipo"},
         {"dpo_label_smoothing": 0.1},
+        {"rpo_alpha": 0.5},
+        {"dpo_loss_type": "ipo", "rpo_alpha": 0.5},
     ],
 )
 def test_dpo_options_reach_core(options: dict[str, object]) -> None:
@@ -284,6 +286,11 @@ def test_dpo_options_reach_core(options: dict[str, object]) -> None:
     core = DPO(**{k.removeprefix("dpo_"): v for k, v in options.items()})  # type: ignore[arg-type]
     ipo = core.loss_type == "ipo"
     lens = {"chosen_lengths": lengths[[0, 4]], "rejected_lengths": lengths[[1, 3]]} if ipo else {}
+    if core.rpo_alpha and not ipo:  # RPO's NLL of the chosen side, by hand: alpha * mean(-l_c / |c|)
+        plain = dpo_loss(seq[[0, 4]], seq[[1, 3]], ref[[0, 4]], ref[[1, 3]])
+        nll = (-seq[[0, 4]] / lengths[[0, 4]]).mean()
+        assert ours(options) == pytest.approx((plain + core.rpo_alpha * nll).item(), rel=1e-12)
+        lens = {"chosen_lengths": lengths[[0, 4]]}
     expected = dpo_loss(seq[[0, 4]], seq[[1, 3]], ref[[0, 4]], ref[[1, 3]], options=core, **lens)
     assert ours(options) == pytest.approx(expected.item(), rel=1e-12)
     assert ours(options) != pytest.approx(ours({}), rel=1e-6)
@@ -453,3 +460,52 @@ def test_policy_loss_builds_every_tensor_on_the_batch_device() -> None:
             if isinstance(base, ast.Name) and base.id == "torch" and name in CONSTRUCTORS and not placed:
                 found.append(f"line {node.lineno}: torch.{name}")
     assert found == []
+
+
+def test_w_policy_weights_channel_1_and_zero_skips_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """total = w_policy·policy + α·sdpo (issue 60); w_policy=0 never computes channel 1 (pure self-distillation)."""
+    import composer_verl.policy_loss as module
+
+    inputs = _inputs(3)
+    teacher = inputs["log_prob"].detach() - 0.4
+    extras = ComposerExtras(teacher_log_probs=teacher, sdpo_mask=inputs["response_mask"])
+    parts = {}
+    for w in (1.0, 0.25, 0.0):
+        configure({"alpha_sdpo": 0.5, "w_policy": w})
+        with using_extras(extras):
+            parts[w] = _run("composer", inputs, "token-mean", _actor_config())
+    policy, sdpo = parts[1.0][2]["composer/loss/policy"], parts[1.0][2]["composer/loss/sdpo"]
+    assert parts[0.25][0].item() == pytest.approx(0.25 * policy + 0.5 * sdpo, rel=1e-12)
+    assert parts[0.0][0].item() == pytest.approx(0.5 * sdpo, rel=1e-12)
+    assert parts[0.0][2]["composer/policy/skipped"] == 1.0 and "composer/loss/policy" not in parts[0.0][2]
+
+    def boom(*a: object, **k: object) -> None:
+        raise AssertionError("channel 1 computed under w_policy=0")
+
+    monkeypatch.setattr(module, "channel1_per_token", boom)
+    with using_extras(extras):
+        assert torch.equal(_run("composer", inputs, "token-mean", _actor_config())[0], parts[0.0][0])
+    with pytest.raises(ValueError, match="all 0: nothing to train"):
+        configure({"w_policy": 0.0})
+
+
+def test_sdpo_topk_takes_the_is_clip() -> None:
+    """The top-k form's per-token divergence (the actor's) is weighted by core's clipped IS ratio, as the sampled
+    form is (issue 60: TRL SDPOTrainer applies distillation_is_clip on every form)."""
+    from composer_core.loss.distill import is_clip_weight
+
+    inputs = _inputs(4)
+    per_token = torch.rand(
+        inputs["log_prob"].shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1)
+    )
+    extras = ComposerExtras(sdpo_topk=per_token, sdpo_mask=inputs["response_mask"])
+    mask = inputs["response_mask"]
+    out = {}
+    for clip in (1.2, None):
+        configure({"alpha_sdpo": 1.0, "sdpo_form": "topk", "sdpo_topk": 3, "sdpo_token_clip": clip})
+        with using_extras(extras):
+            out[clip] = _run("composer", inputs, "token-mean", _actor_config())[2]["composer/loss/sdpo"]
+    w = is_clip_weight(inputs["log_prob"], inputs["old_log_prob"], 1.2)
+    assert w is not None and (w == 1.2).any() and (w < 1.0).any()
+    assert out[1.2] == pytest.approx(((per_token * w)[mask].sum() / mask.sum()).item(), rel=1e-12)
+    assert out[None] == pytest.approx((per_token[mask].sum() / mask.sum()).item(), rel=1e-12)

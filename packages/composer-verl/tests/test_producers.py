@@ -18,6 +18,7 @@ from composer_verl.producers import (
     dataset_pairs,
     hinted_prompt_ids,
     load_hint_fn,
+    on_policy_pair_rows,
     pair_sample,
     pairs_last,
     render_prompt_ids,
@@ -198,3 +199,60 @@ def test_example_yaml_turns_the_producers_on() -> None:
     check_settings(
         producers, env["alpha_sdpo"], env["beta_replay"], {**ACTOR, **cfg["actor_rollout_ref"]["actor"]}
     )
+
+
+def _rollout_row(tok, uid: str, response: list[int], reward: float, **extra: object) -> dict:
+    prompt = [5, 6]
+    ids = torch.tensor(prompt + response)
+    return {
+        "prompts": torch.tensor(prompt),
+        "responses": torch.tensor(response),
+        "input_ids": ids,
+        "attention_mask": torch.ones(len(ids), dtype=torch.int64),
+        "position_ids": torch.arange(len(ids)),
+        "response_mask": torch.tensor([1] * (len(response) - 1) + [0]),  # e.g. a tool token at the end
+        "rm_scores": torch.tensor([0.0] * (len(response) - 1) + [reward]),
+        "rollout_log_probs": torch.full((len(response),), -1.0),
+        "uid": uid,
+        "raw_prompt": [{"role": "user", "content": "q"}],
+        "chosen": "aa",
+        **extra,
+    }
+
+
+def test_on_policy_pairs_are_each_failed_response_against_the_chosen_column(tok) -> None:
+    """Rewards [1, 0.2, 1, 0] in one uid group: exactly rows 1 and 3 are rejected sides, each after its own prompt
+    with its own response ids and mask; the chosen side is the row's `chosen` text; an all-success group adds none."""
+    responses = [[8, 9], [9, 9, 8], [8, 8], [9, 8]]
+    rows = [_rollout_row(tok, "g", r, w) for r, w in zip(responses, [1.0, 0.2, 1.0, 0.0])]
+    rows += [_rollout_row(tok, "h", [8, 9], 1.0) for _ in range(4)]
+    pairs = on_policy_pair_rows(rows, 1.0, tok, length=8)
+    assert len(pairs) == 2
+    for (chosen, rejected), i in zip(pairs, (1, 3)):
+        assert rejected["responses"].tolist() == responses[i]
+        assert rejected["prompts"].tolist() == chosen["prompts"].tolist() == [5, 6]
+        assert rejected["response_mask"].tolist() == rows[i]["response_mask"].tolist()
+        assert chosen["responses"].tolist() == response_ids(tok, "aa", 8)
+        assert chosen["rm_scores"].sum() == rejected["rm_scores"].sum() == 0
+        assert chosen["uid"].startswith("composer-pair-")
+    assert on_policy_pair_rows(rows[4:], 1.0, tok, length=8) == []
+    with pytest.raises(ValueError, match=r"\['rejected'\] would be ignored"):
+        on_policy_pair_rows([_rollout_row(tok, "g", [8], 0.0, rejected="b")], 1.0, tok, length=8)
+    with pytest.raises(ValueError, match="needs a `chosen` column"):
+        on_policy_pair_rows([{k: v for k, v in rows[1].items() if k != "chosen"}], 1.0, tok, length=8)
+
+
+def test_on_policy_config() -> None:
+    cfg = ProducerConfig.from_mapping(
+        {"pair_source": "dataset", "replay_pairs": "on_policy", "success_reward_threshold": 0.5}
+    )
+    assert cfg.replay_pairs == "on_policy" and cfg.success_reward_threshold == 0.5
+    check_settings(cfg, 0.0, 0.1, ACTOR)
+    with pytest.raises(ValueError, match="pair_source=dataset"):
+        ProducerConfig(pair_source="pairs.jsonl", replay_pairs="on_policy")
+    with pytest.raises(ValueError, match="replay_pairs"):
+        ProducerConfig(pair_source="dataset", replay_pairs="offline")  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError, match="success_reward_threshold"
+    ):  # no on-policy pairs: SDPO's option alone
+        ProducerConfig(pair_source="dataset", success_reward_threshold=0.5)

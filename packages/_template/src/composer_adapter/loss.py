@@ -33,7 +33,8 @@ def composer_loss(
     sdpo_normalizer: float | Tensor | None = None,
     replay_normalizer: float | Tensor | None = None,
 ) -> ComposeResult:
-    """``total = policy + alpha_sdpo · sdpo + beta_replay · replay`` (composer_core.compose_loss) on the host's tensors.
+    """``total = w_policy · policy + alpha_sdpo · sdpo + beta_replay · replay`` (composer_core.compose_loss) on the host's
+    tensors (``w_policy=0``: pure self-distillation, the policy term not computed).
 
     The normalisers are the host's global counts (tokens, distilled tokens, pairs over every micro-batch and rank)
     where it has them. Replace with the host's hook (a trainer subclass, a registered loss function, ...); a host

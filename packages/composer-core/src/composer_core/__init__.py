@@ -15,7 +15,13 @@ from composer_core.loss.distill import (
     sampled_token_distill,
     topk_distill,
 )
-from composer_core.loss.metrics import ADAPTER_PREFIX, METRIC_KEYS, OPTIONAL_METRIC_KEYS, Metrics
+from composer_core.loss.metrics import (
+    ADAPTER_PREFIX,
+    GRAD_NORM_KEYS,
+    METRIC_KEYS,
+    OPTIONAL_METRIC_KEYS,
+    Metrics,
+)
 from composer_core.loss.policy import (
     PolicyLossOutput,
     aggregate_loss,
@@ -35,6 +41,7 @@ __version__ = _version("composer-core")
 __all__ = [
     "ADAPTER_PREFIX",
     "DPO",
+    "GRAD_NORM_KEYS",
     "METRIC_KEYS",
     "OPTIONAL_METRIC_KEYS",
     "TAID",

@@ -13,6 +13,7 @@ import pytest
 import torch
 from composer_core import (
     ADAPTER_PREFIX,
+    GRAD_NORM_KEYS,
     METRIC_KEYS,
     OPTIONAL_METRIC_KEYS,
     ComposerBatch,
@@ -58,13 +59,19 @@ def test_every_option_metric_is_documented_and_every_documented_key_occurs() -> 
         taid_t=0.4,
     )
     dppo = compose_loss(_batch(rollout=True), rollout_correction="dppo_mask")
-    assert set(tis.metrics) == set(METRIC_KEYS) - {"policy/dppo_masked", "policy/skipped"}
-    assert set(dppo.metrics) == set(METRIC_KEYS) - {
-        "policy/kl",
-        "policy/rollout_is_weight",
-        "taid/t",
-        "policy/skipped",
-    }
+    # the grad_norm/* keys are the adapters' (compose_loss has no parameters to differentiate)
+    assert set(tis.metrics) == set(METRIC_KEYS) - {"policy/dppo_masked", "policy/skipped"} - GRAD_NORM_KEYS
+    assert (
+        set(dppo.metrics)
+        == set(METRIC_KEYS)
+        - {
+            "policy/kl",
+            "policy/rollout_is_weight",
+            "taid/t",
+            "policy/skipped",
+        }
+        - GRAD_NORM_KEYS
+    )
     pure = compose_loss(_batch(), w_policy=0.0)  # pure self-distillation: no policy term, no policy keys
     assert set(pure.metrics) == set(METRIC_KEYS) - OPTIONAL_METRIC_KEYS - {
         "loss/policy",
@@ -86,7 +93,8 @@ def test_skipped_channels_drop_their_counts_and_losses() -> None:
 
 def test_keys_are_group_slash_name_with_the_channel_groups() -> None:
     for key in METRIC_KEYS:
-        assert re.fullmatch(r"(loss|policy|sdpo|replay|taid)/[a-z_]+", key), key
+        assert re.fullmatch(r"(loss|policy|sdpo|replay|taid|grad_norm)/[a-z_]+", key), key
+    assert {k.split("/")[1] for k in GRAD_NORM_KEYS} == {"policy", "sdpo", "replay"}
     assert {k for k in METRIC_KEYS if k.startswith("loss/")} == {
         "loss/total",
         "loss/policy",

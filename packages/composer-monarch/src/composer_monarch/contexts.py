@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from composer_core.sdpo.context import TeacherContextOptions, build_teacher_contexts
+from composer_core.sdpo.context import TeacherContextOptions, build_teacher_contexts, cap_reprompt
 from composer_core.tasks import digit_reversal as rules
 from torch import Tensor
 
@@ -41,7 +41,8 @@ def rollout_teacher_contexts(
     task: Any, rollout: Rollout, rewards: Tensor, options: TeacherContextOptions, seed: int = 0
 ) -> tuple[list[Tensor], Tensor]:
     """(one context's token ids per row, distilled rows [n] bool) for a rollout; a masked row's context is its
-    own prompt (never scored into the loss)."""
+    own prompt (never scored into the loss). A context keeps its last ``max_reprompt_len`` tokens (core's
+    ``cap_reprompt``, as TRL's SDPOTrainer cuts it)."""
     mask_t = rollout.completion_mask.bool()
     prompts = [task.text(p) for p in rollout.prompt_ids]
     completions = [task.text(c[m]) for c, m in zip(rollout.completion_ids, mask_t, strict=True)]
@@ -66,7 +67,7 @@ def rollout_teacher_contexts(
             ids.append(rollout.prompt_ids[i].long())
             continue
         try:
-            ids.append(torch.tensor(encode(ctx), dtype=torch.long))
+            ids.append(torch.tensor(cap_reprompt(encode(ctx), options.max_reprompt_len), dtype=torch.long))
         except ValueError as e:
             raise ValueError(
                 f"the teacher context of row {i} cannot be tokenised by the task ({e}); write reprompt_template / "

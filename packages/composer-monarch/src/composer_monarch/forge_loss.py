@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 from composer_core.loss.compose import ComposerBatch, compose_loss
-from composer_core.loss.config import DPO, PER_CALL, ComposeConfig
+from composer_core.loss.config import DPO, PER_CALL, ComposeConfig, coerce_option
 from torch import Tensor
 
 from composer_monarch.model import token_logprobs, upcast
@@ -71,6 +71,8 @@ class ComposerLoss:
             GRPO: ``"grpo"``, 0.1, ``"k3"``), the rest ``compose_loss``'s defaults. So the bare
             ``ComposerLoss()`` is a drop-in for ``simple_grpo_loss`` (with TorchForge's targets only,
             channels 2 and 3 have no inputs and are skipped); ``kl_beta=0.0`` turns the KL term off.
+            ``w_policy`` weighs channel 1 (``total = w_policy·policy + α·sdpo + β·replay``); ``w_policy=0`` is
+            pure self-distillation: the policy term is not computed and the KL defaults are not applied.
 
     After each call ``last_result`` holds the ``ComposeResult`` (per-channel losses and metrics).
     """
@@ -80,7 +82,10 @@ class ComposerLoss:
             raise ValueError(f"temperature={temperature}: must be > 0")
         self.align = align
         self.temperature = float(temperature)
-        self.options = {**FORGE_DEFAULTS, **options}
+        # w_policy=0 (pure self-distillation) computes no policy term, so TorchForge's KL default does not apply
+        pure = "w_policy" in options and coerce_option("w_policy", options["w_policy"]) == 0
+        defaults = {k: v for k, v in FORGE_DEFAULTS.items() if not (pure and k.startswith("kl_"))}
+        self.options = {**defaults, **options}
         # composer_core's typed config, built (and validated) once here; the per-call normalisers stay apart
         self.normalizers = {k: self.options[k] for k in PER_CALL if k in self.options}
         try:

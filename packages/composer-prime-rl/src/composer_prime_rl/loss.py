@@ -427,6 +427,10 @@ def _pack(
     w = s.weights
     cols["mask"] = s.mask
     cols["composer/loss/policy"] = policy if w is None else policy * w
+    if opts.w_policy != 1.0:  # the weighted policy term is the loss of a sample without a teacher
+        grad = grad * opts.w_policy
+        policy = policy * opts.w_policy
+        cols["weighted_policy"] = policy if w is None else policy * w
     grads = [grad]
     if opts.alpha_sdpo > 0 and s.ref_logprobs is not None:
         assert s.ref_nonzero is not None
@@ -557,7 +561,8 @@ def composer_loss(inputs: LossInputs, **kwargs: Any) -> LossOutputs:
             (validated once per distinct kwargs, then a cache lookup).
 
     Returns:
-        ``LossOutputs`` with ``loss`` = the SUM over masked tokens of ``w_t (L^policy_t + alpha_sdpo L^sdpo_t)``
+        ``LossOutputs`` with ``loss`` = the SUM over masked tokens of
+        ``w_t (w_policy L^policy_t + alpha_sdpo L^sdpo_t)``
         (PRIME-RL divides by the global token count) and 0-dim detached float32 ``metrics``:
         ``composer/loss/policy``, ``composer/loss/sdpo`` and ``composer/loss/total`` (per-token means of this
         sample), the policy diagnostics (PRIME-RL's DPPO names, or ``composer/policy/clip_ratio`` +
@@ -622,11 +627,12 @@ def _plan(
     )  # every call of a run emits the same keys
     if opts.alpha_sdpo > 0:
         keys += ("composer/loss/sdpo", "composer/sdpo/reverse_kl_k1", "composer/sdpo/skipped")
+    weighted = "composer/loss/policy" if opts.w_policy == 1.0 else "weighted_policy"  # w_policy·policy
     alone = policy | {
         "composer/loss/policy": ("composer/loss/policy", "mask", "mask"),
-        "composer/loss/total": ("composer/loss/policy", "mask", "mask"),
+        "composer/loss/total": (weighted, "mask", "mask"),
         "composer/sdpo/skipped": ("mask", "mask", "mask"),  # 1 when the sample has a token, else 0
-        "loss": ("composer/loss/policy", "mask", None),
+        "loss": (weighted, "mask", None),
     }
     variants = [alone]
     if "ref_nonzero" in names:  # channel 2 on, with ref_logprobs: with its teacher (0) or the zero fill (1)

@@ -31,7 +31,9 @@ class PrimeRLLossOptions:
 
     Channel 1, ``policy_loss``: ``"dppo"`` (default; PRIME-RL's own default rl loss, options ``dppo_mask_low``,
     ``dppo_mask_high``, ``adv_tau``, ``kl_tau`` with its names and defaults) or ``"clipped_surrogate"`` (PPO/GRPO
-    against ``inference_logprobs``; ``epsilon_low``, ``epsilon_high``, ``delta``). Channel 2, ``alpha_sdpo > 0``:
+    against ``inference_logprobs``; ``epsilon_low``, ``epsilon_high``, ``delta``), weighted by ``w_policy`` (core's
+    default 1; 0 = pure self-distillation: the policy term adds nothing to the loss or its gradient, though its
+    per-token diagnostics are still computed for PRIME-RL's metrics). Channel 2, ``alpha_sdpo > 0``:
     the per-sample ``ref_logprobs`` are the teacher of the sampled-token form (``sdpo_form``: ``"sampled"``, or
     ``"auto"``, which can only pick it); ``sdpo_token_clip`` caps the importance weight (None / ``false``: no
     weight); ``sdpo_missing``: a sample without ``ref_logprobs`` raises (``"error"``) or trains on channel 1 only
@@ -47,6 +49,7 @@ class PrimeRLLossOptions:
     epsilon_low: float = PolicyOptions.epsilon_low
     epsilon_high: float | None = PolicyOptions.epsilon_high
     delta: float | None = PolicyOptions.delta
+    w_policy: float = ComposeConfig.w_policy
     alpha_sdpo: float = 0.0
     sdpo_form: Literal["sampled"] = "sampled"
     sdpo_token_clip: float | None = SDPOOptions.token_clip
@@ -64,7 +67,15 @@ _CHOICES = {
 #: the adapter's own numbers (PRIME-RL's ranges: any finite value >= 0; core's dppo bounds stop at 1)
 _OWN_NUMBERS = frozenset({"dppo_mask_low", "dppo_mask_high", "adv_tau", "kl_tau"})
 #: the options composer_core's ComposeConfig checks (its message names the option)
-_CORE_CHECKED = ("alpha_sdpo", "beta_replay", "sdpo_token_clip", "epsilon_low", "epsilon_high", "delta")
+_CORE_CHECKED = (
+    "w_policy",
+    "alpha_sdpo",
+    "beta_replay",
+    "sdpo_token_clip",
+    "epsilon_low",
+    "epsilon_high",
+    "delta",
+)
 _OTHER_POLICY = {
     "dppo": frozenset({"epsilon_low", "epsilon_high", "delta"}),
     "clipped_surrogate": _OWN_NUMBERS,
@@ -118,6 +129,7 @@ _REASONS = (
     ("entropy_opd_", _WRAPPER),
     ("dpo_", _CHANNEL3),
     ("simpo_", _CHANNEL3),
+    ("rpo_alpha", _CHANNEL3),
     ("sdpo_", _FULL_VOCAB.format(what="full-vocabulary / top-k SDPO divergence")),
     ("rollout_", _ROLLOUT),
     ("kl_", _KL),
@@ -187,7 +199,11 @@ def _build(items: tuple[tuple[str, type, Any], ...]) -> PrimeRLLossOptions:
         raise ValueError(
             f"{stray} configure channel 2, which is off (alpha_sdpo = 0); set alpha_sdpo > 0 or remove {stray}."
         )
-    core_values = {"sdpo_token_clip": core.sdpo.token_clip, "alpha_sdpo": core.alpha_sdpo}
+    core_values = {
+        "sdpo_token_clip": core.sdpo.token_clip,
+        "alpha_sdpo": core.alpha_sdpo,
+        "w_policy": core.w_policy,
+    }
     core_values |= {k: getattr(core.policy, k) for k in ("epsilon_low", "epsilon_high", "delta")}
     return PrimeRLLossOptions(**{**opts, **core_values, "sdpo_form": "sampled"})
 

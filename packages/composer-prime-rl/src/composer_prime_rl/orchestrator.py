@@ -12,11 +12,17 @@ PRIME-RL's ``ALGORITHM_CLASSES``; selecting it from a TOML also needs it in PRIM
 from __future__ import annotations
 
 import asyncio
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from composer_core.sdpo.context import TeacherContextOptions, TeacherContexts, build_teacher_contexts
+from composer_core.sdpo.context import (
+    TeacherContextOptions,
+    TeacherContexts,
+    build_teacher_contexts,
+    cap_reprompt,
+)
 from composer_core.traces.hints import HintJob, hint_jobs, load_hint_fn
 
 __all__ = [
@@ -110,6 +116,11 @@ class ComposerSDPOSettings(TeacherContextOptions):
     hint_role: role of the hint message (``system`` like ``opsd``, or ``user``).
     template: ``str.format`` template of the hint message with ``{hint}``.
     sdpo_teacher: only ``live`` (the inference server's policy scores the hinted context).
+    seed: seeds ``demo_pick="random"``; each group draws from ``seed`` and a CRC of its own prompts and
+        completions, so a rerun picks the same demonstrations whatever order the groups are scored in.
+
+    ``max_reprompt_len`` caps the teacher's prompt (the rendered reprompt, or the hint block and the trace's
+    prompt) to its last that many tokens, as TRL's SDPOTrainer does.
     """
 
     hint_key: str = "feedback"
@@ -118,6 +129,7 @@ class ComposerSDPOSettings(TeacherContextOptions):
     hint_role: str = "system"
     template: str = "{hint}"
     sdpo_teacher: str = "live"
+    seed: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -257,9 +269,10 @@ class ComposerSDPOAlgorithm(_Base):  # type: ignore[misc, valid-type]
                 )
             feedback.append(raw)
         traces = [trace for _, trace in pairs]
+        group_seed = zlib.crc32(repr((self.settings.seed, prompts, completions)).encode())
         built = build_teacher_contexts(
             prompts, completions, [float(t.reward) for t in traces], len(traces), self.settings,
-            feedback=feedback if self.settings.uses_feedback else None,
+            feedback=feedback if self.settings.uses_feedback else None, seed=group_seed,
         )  # fmt: skip
         return traces, built
 
@@ -288,14 +301,23 @@ class ComposerSDPOAlgorithm(_Base):  # type: ignore[misc, valid-type]
 
     async def _score_branches(self, trace: Any, block: list[int], prefix: int = 0) -> None:
         """Score each trainable branch of ``trace`` with the live policy after ``block`` (which replaces the
-        branch's first ``prefix`` tokens, its prompt) and ship the log-probs as its ``ref_logprobs`` (0 on the
-        replaced prompt)."""
+        branch's first ``prefix`` tokens; with ``prefix=0`` the hint block goes before the prompt) and ship the
+        log-probs as its ``ref_logprobs`` (0 on the prompt). The teacher's prompt, ``block`` and what is left of
+        the trace's prompt, keeps its last ``max_reprompt_len`` tokens."""
         branches = [branch for branch, _ in iter_trainable_branches(trace)]
+        prompt = sum(len(n.token_ids) for n in trace.nodes[: _prompt_prefix(trace)])
+        heads = [
+            cap_reprompt(block + list(b.token_ids)[prefix:prompt], self.settings.max_reprompt_len)
+            for b in branches
+        ]
         scores = await asyncio.gather(
-            *(self.policy_pool.score(block + list(b.token_ids)[prefix:]) for b in branches)
+            *(
+                self.policy_pool.score(h + list(b.token_ids)[prompt:])
+                for h, b in zip(heads, branches, strict=True)
+            )
         )
-        for branch, full in zip(branches, scores, strict=True):
-            assign_reference_logprobs(branch, [0.0] * prefix + list(full)[len(block) :])
+        for branch, head, full in zip(branches, heads, scores, strict=True):
+            assign_reference_logprobs(branch, [0.0] * prompt + list(full)[len(head) :])
 
 
 def _prompt_prefix(trace: Any) -> int:

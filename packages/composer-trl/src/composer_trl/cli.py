@@ -30,6 +30,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, NoReturn
 
+from composer_trl import preflight
 from composer_trl.guards import RewardFunctionError
 from composer_trl.lifecycle import (
     DataError,
@@ -100,8 +101,8 @@ def build_parser() -> Any:
 
 EXIT_CODES = (
     "exit codes: 0 finished; 1 unexpected failure (a traceback); 2 bad argument or config (one line; also a prompt "
-    "longer than the model's context); 3 bad dataset (one line, nothing written); 4 the --env environment "
-    "faulted; 5 a reward function raised or scored no completion of a batch (one line; the run's outputs are "
+    "longer than the model's context, a missing extra, an unwritable --output_dir); 3 bad dataset (one line, "
+    "nothing written); 4 the --env environment faulted; 5 a reward function raised or scored no completion of a batch (one line; the run's outputs are "
     "removed unless complete checkpoints were saved); 130/143 stopped by SIGINT/SIGTERM (checkpoint written). "
     "See the README's 'Exit codes and what is kept'."
 )
@@ -307,20 +308,24 @@ def train_once(inv: Invocation) -> int:
     recipe = inv.recipe
     out = Path(recipe.output_dir)
     job = Job(recipe, out, name="composer", composer=True)
-    job.check()  # dataset and model problems surface here, before anything is written
+    preflight.check(
+        job
+    )  # flags, output dir, model, data, rewards: before the model loads or anything is written
     existed = out.exists()
-    prepare_output_dir(out, overwrite=inv.overwrite, resume=inv.resume is not None)
+    overwrite = inv.overwrite or (inv.resume is None and preflight.demo_rerun(recipe, out))
+    prepare_output_dir(out, overwrite=overwrite, resume=inv.resume is not None)
     before = set(out.iterdir()) if out.is_dir() else set()
+    from composer_core.envs import EnvError
+
     try:
         result = job.run(resume=inv.resume)
-    except RewardFunctionError as e:
-        from composer_core.envs import EnvError
-
-        if isinstance(e.__cause__, EnvError):  # --env's reward: exit 4 as before
-            raise e.__cause__ from None
+    except (RewardFunctionError, EnvError) as e:
         kept = discard_failed_run(
             out, existed=existed, before=before, trainer_dir=job.trainer_dir, parts=job.checkpoint_parts()
         )
+        cause = e.__cause__ if isinstance(e.__cause__, EnvError) else e
+        if isinstance(cause, EnvError):  # --env's reward or hint: exit 4, leaving nothing half made
+            raise EnvFault(f"--env: {cause}; {kept}") from e
         raise RewardFault(f"{e}; {kept}") from e
     summary: dict[str, Any] = {
         "status": "interrupted" if result["signal"] else "finished",
@@ -357,7 +362,7 @@ def _report(summary: dict[str, Any], result: dict[str, Any], out: Path, plot_pat
     print(f"  summary: {(out / 'summary.json').resolve()}")
 
 
-_HUB_ID = __import__("re").compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+_HUB_ID = preflight.HUB_ID
 
 
 def load_model(recipe: Recipe) -> tuple[Any, Any]:
@@ -510,7 +515,11 @@ def load_env_checked(recipe: Recipe, config: Any, *, need: int, n_rows: int) -> 
             f"--env {spec!r} has {len(rows)} training tasks but one optimiser step needs {need} prompts "
             "(generation batch / num_generations); lower --per_device_train_batch_size."
         )
-    if float(getattr(config, "beta_replay", 0.0)) > 0 and not set(rows[0]) >= PAIR_COLUMNS:
+    if (
+        getattr(config, "replay_pairs", "columns") == "on_policy"
+    ):  # the student's failures are the rejected side
+        rows = [{k: v for k, v in r.items() if k != "rejected"} for r in rows]
+    elif float(getattr(config, "beta_replay", 0.0)) > 0 and not set(rows[0]) >= PAIR_COLUMNS:
         raise UsageError(
             f"--env {spec!r} gives no reference and wrong answers (channel 3's chosen/rejected); "
             "pass --beta_replay 0 to train without channel 3."

@@ -19,6 +19,7 @@ from composer_core.loss.config import DPO, TAID, ComposeConfig, EntropyOPD, SDPO
 from composer_core.loss.policy import CLIP_LOSS_TYPES
 from composer_core.loss.wrappers import TAIDScheduler
 from composer_core.sdpo import TeacherContextOptions, TeacherWeightsOptions
+from composer_core.traces.onpolicy import ReplayPairOptions, ReplayPairs
 from trl import GRPOConfig
 
 #: TAIDScheduler's own defaults (its step size alpha and momentum beta)
@@ -34,11 +35,13 @@ _CORE_SECTIONS: tuple[tuple[type, str, tuple[str, ...]], ...] = (
     (SDPOOptions, "sdpo_", ("form", "wrapper")),  # sdpo_form: TRL's choices; sdpo_wrapper: a selector below
     (TAID, "taid_", ("t", "schedule_step", "total_steps")),  # set per step by the trainer
     (EntropyOPD, "entropy_opd_", ()),
-    (DPO, "dpo_", ()),
-    (SimPO, "simpo_", ()),
+    (DPO, "dpo_", ("rpo_alpha",)),  # rpo_alpha: one flat name for DPO and SimPO, declared below
+    (SimPO, "simpo_", ("rpo_alpha",)),
     (TeacherContextOptions, "", ()),
     (TeacherWeightsOptions, "", ()),
 )
+#: the generated flags that are the adapter's own (not ``compose_loss`` options)
+_ADAPTER_SECTIONS = (TeacherContextOptions, TeacherWeightsOptions)
 #: the help text (``--help``) and documentation (appended to the class docstring) of every composer option
 _HELP = {
     "w_policy": "weight of channel 1 (TRL's GRPO loss); 0 is pure self-distillation (TRL SDPOTrainer's "
@@ -93,6 +96,13 @@ _HELP = {
     "dpo_label_smoothing": "cDPO / robust epsilon.",
     "simpo_beta": "SimPO beta.",
     "simpo_gamma": "SimPO absolute margin gamma.",
+    "rpo_alpha": "weight of the chosen side's NLL added to each pair's DPO/SimPO loss (iterative RPO, arXiv "
+    "2404.19733; TRL's loss_type=['sigmoid', 'sft']); 0 = none.",
+    "replay_pairs": "'columns' (pairs from the dataset's chosen/rejected columns) or 'on_policy' (each failed "
+    "completion of the group, reward < success_reward_threshold, is the rejected side of a pair whose chosen "
+    "side is the row's `chosen` column; no `rejected` column).",
+    "log_channel_grad_norms": "log composer/grad_norm/{policy,sdpo,replay} at logging steps (one extra backward "
+    "per channel on those steps; the update is unchanged).",
     "replay_reference": "'auto' (ref_chosen_logps/ref_rejected_logps columns when present, else the reference "
     "model), 'model' or 'column'.",
     "replay_append_eos": "append EOS to text chosen/rejected (as the policy's own completions end).",
@@ -113,7 +123,7 @@ def _with_core_fields(cls: type[_C]) -> type[_C]:
             if f.name not in skip:
                 cls.__annotations__[prefix + f.name] = hints[f.name]
                 setattr(cls, prefix + f.name, f.default)
-                if klass not in (TeacherContextOptions, TeacherWeightsOptions):
+                if klass not in _ADAPTER_SECTIONS:
                     _COMPOSE_FIELDS.append(prefix + f.name)
     for name, text in _HELP.items():
         setattr(cls, name, field(default=getattr(cls, name), metadata={"help": text}))
@@ -147,6 +157,9 @@ class ComposerGRPOConfig(GRPOConfig):
     replay_reference: Literal["auto", "model", "column"] = "auto"
     replay_append_eos: bool = True
     max_replay_length: int | None = None
+    rpo_alpha: float = DPO.rpo_alpha
+    replay_pairs: ReplayPairs = ReplayPairOptions.replay_pairs
+    log_channel_grad_norms: bool = True
     # + one field per option of _CORE_SECTIONS (sdpo_beta, dpo_beta, sdpo_teacher, ...), added by _with_core_fields
 
     def __post_init__(self) -> None:
@@ -188,6 +201,7 @@ class ComposerGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"`hint_template`={self.hint_template!r} must contain both '{{hint}}' and '{{prompt}}'."
             )
+        self._check_replay_pairs()
         if self.max_replay_length is not None and self.max_replay_length < 1:
             raise ValueError(f"`max_replay_length`={self.max_replay_length!r} must be >= 1 or None.")
         # core checks the teacher's options when they are built
@@ -198,12 +212,29 @@ class ComposerGRPOConfig(GRPOConfig):
                 "only with channel 2 on: set alpha_sdpo > 0 or drop them."
             )
 
+    def _check_replay_pairs(self) -> None:
+        ReplayPairOptions(self.replay_pairs)
+        if self.replay_pairs == "columns":
+            return
+        if self.beta_replay == 0:
+            raise ValueError(
+                f"`replay_pairs`={self.replay_pairs!r} acts only with channel 3 on: set beta_replay > 0 or drop it."
+            )
+        if self.replay_reference == "column":
+            raise ValueError(
+                "replay_reference='column' reads a rejected side's reference log-prob, but replay_pairs='on_policy' "
+                "rejects the student's own completions: use replay_reference='model' or 'auto'."
+            )
+
     @property
     def teacher_context_options(self) -> TeacherContextOptions:
-        """composer_core's :class:`~composer_core.sdpo.TeacherContextOptions` of these fields (checked when built)."""
-        return TeacherContextOptions(
-            **{f.name: getattr(self, f.name) for f in dataclasses.fields(TeacherContextOptions)}
-        )
+        """composer_core's :class:`~composer_core.sdpo.TeacherContextOptions` of these fields (checked when built).
+        With ``replay_pairs='on_policy'`` channel 3 reads ``success_reward_threshold`` too, so the ``'hint'``
+        context does not refuse it."""
+        kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(TeacherContextOptions)}
+        if self.replay_pairs == "on_policy" and kw["sdpo_teacher_context"] == "hint":
+            kw.pop("success_reward_threshold")
+        return TeacherContextOptions(**kw)
 
     @property
     def teacher_weights_options(self) -> TeacherWeightsOptions:
@@ -237,6 +268,7 @@ class ComposerGRPOConfig(GRPOConfig):
             "sdpo_form": self.sdpo_form,
             "sdpo_wrapper": self.sdpo_wrapper,
             "dpo_variant": self.dpo_variant,
+            "rpo_alpha": self.rpo_alpha,
         }
         # SAPO's and VESPO's shape parameters (TRL's names; core refuses them set under another loss type)
         opts.update({name: getattr(self, name) for name in (*_SHAPE_OPTIONS, *_COMPOSE_FIELDS)})

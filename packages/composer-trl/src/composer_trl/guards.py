@@ -11,7 +11,8 @@
 - **Reward functions that fail.** TRL lets a reward function return ``None``/NaN for some completions (a
   completion no function scored gets no advantage; TRL warns "All reward functions returned None"). A batch in
   which *no* completion got a reward from any function trains on nothing, and a function that raises ends the
-  run with TRL's traceback: both raise :class:`RewardFunctionError`, one line naming the function
+  run with TRL's traceback, and an infinite reward (issue 62) trains on NaN advantages: each raises
+  :class:`RewardFunctionError`, one line naming the function
   (``module:function``), the step, the dataset rows and the error.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -169,6 +171,10 @@ def _check_output(output: Any, n: int) -> list[Any]:
     for v in values:
         if v is not None and not isinstance(v, int | float) and not hasattr(v, "__float__"):
             raise RewardFunctionError(f"returned a {type(v).__name__} ({v!r:.40}), not a number or None")
+        if v is not None and math.isinf(float(v)):  # an inf reward makes every advantage of its group NaN
+            raise RewardFunctionError(
+                f"returned {float(v)} (a reward must be finite; None or NaN skips a completion)"
+            )
     return values
 
 

@@ -8,8 +8,8 @@ Exit codes (documented in the package README)::
     3    bad dataset (missing, empty, unreadable, no ``prompt`` column, fewer rows than one step needs)
     4    the ``--env`` environment faulted (server down, no answer within its timeout, garbage answers): one
          line naming the server; before training nothing is written, during training the run stops at the
-         failing step (checkpoints already saved are kept)
-    5    a reward function failed: it raised (or returned the wrong number or kind of rewards), or no completion of
+         failing step and, as for 5, keeps complete checkpoints already saved or else removes what it wrote
+    5    a reward function failed: it raised (or returned the wrong number or kind of rewards, or ``inf``), or no completion of
          a generation batch got a reward from any function (None/NaN for all: TRL's "All reward functions
          returned None" for every row). One line naming ``module:function``, the step, the dataset rows and the
          error. Complete checkpoints already saved are kept (the line says so, resume with
@@ -30,6 +30,7 @@ import math
 import re
 import shutil
 import signal
+import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -127,7 +128,7 @@ def discard_failed_run(
     run wrote (``out`` itself when the run created it, otherwise the entries not in ``before``). Returns the
     clause that says which."""
     complete = [
-        p for p in trainer_dir.glob("checkpoint-*") if _step_of(p) >= 0 and not missing_parts(p, parts)
+        p for p in trainer_dir.glob("checkpoint-*") if _step_of(p) >= 0 and not checkpoint_problems(p, parts)
     ]
     if complete:
         newest = max(complete, key=_step_of)
@@ -174,8 +175,43 @@ def missing_parts(ckpt: Path, extra: Sequence[str] = ()) -> list[str]:
     return out
 
 
+def unreadable_parts(ckpt: Path) -> list[str]:
+    """The files of a checkpoint that do not read back (a copy or a save cut short): a ``.json`` that does not
+    parse, a ``.safetensors`` whose header does not parse or names more bytes than the file has, a torch ``.pt``/
+    ``.pth``/``.bin`` whose zip directory (written last) is missing. Each reads only headers, not the tensors."""
+    out = []
+    for path in sorted(p for p in ckpt.rglob("*") if p.is_file()):
+        try:
+            _read_back(path)
+        except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as e:
+            out.append(f"{path.relative_to(ckpt)} does not read back ({e})")
+    return out
+
+
+def _read_back(path: Path) -> None:
+    if path.suffix == ".json":
+        json.loads(path.read_text())
+    elif path.suffix == ".safetensors":
+        with path.open("rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n)) if 0 < n <= path.stat().st_size else None
+        if not isinstance(header, dict):
+            raise ValueError("no safetensors header")
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        if 8 + n + end != path.stat().st_size:
+            raise ValueError(f"its header names {8 + n + end} bytes, the file has {path.stat().st_size}")
+    elif path.suffix in (".pt", ".pth", ".bin"):
+        zipfile.ZipFile(path).close()
+
+
+def checkpoint_problems(ckpt: Path, extra: Sequence[str] = ()) -> list[str]:
+    """Why ``ckpt`` cannot be resumed (empty: complete): :func:`missing_parts` and :func:`unreadable_parts`."""
+    missing = missing_parts(ckpt, extra)
+    return ([f"no {', '.join(missing)}"] if missing else []) + unreadable_parts(ckpt)
+
+
 def resolve_checkpoint(value: str, trainer_dir: Path, extra: Sequence[str] = ()) -> Path:
-    """``last`` → the newest *complete* ``checkpoint-<step>`` in ``trainer_dir`` (:func:`missing_parts`; newer
+    """``last`` → the newest *complete* ``checkpoint-<step>`` in ``trainer_dir`` (:func:`checkpoint_problems`; newer
     incomplete ones are set aside and named in one line); otherwise an existing complete checkpoint path."""
     if value == "last":
         found = sorted((p for p in trainer_dir.glob("checkpoint-*") if _step_of(p) >= 0), key=_step_of)
@@ -186,14 +222,14 @@ def resolve_checkpoint(value: str, trainer_dir: Path, extra: Sequence[str] = ())
             )
         skipped: list[str] = []
         for ckpt in reversed(found):
-            missing = missing_parts(ckpt, extra)
-            if not missing:
+            problems = checkpoint_problems(ckpt, extra)
+            if not problems:
                 if skipped:
                     print(
                         f"composer-train: resuming from {ckpt.name}; set aside incomplete {'; '.join(skipped)}"
                     )
                 return ckpt
-            skipped.append(f"{ckpt.name} (no {', '.join(missing)})")
+            skipped.append(f"{ckpt.name} ({', '.join(problems)})")
         raise UsageError(
             f"--resume_from_checkpoint last: no complete checkpoint in {str(trainer_dir)!r} ({'; '.join(skipped)}); "
             "start the run again without --resume_from_checkpoint."
@@ -204,10 +240,10 @@ def resolve_checkpoint(value: str, trainer_dir: Path, extra: Sequence[str] = ())
             f"--resume_from_checkpoint {value!r} is not a checkpoint directory (no trainer_state.json); "
             f"pass `last` or a path like {trainer_dir}/checkpoint-<step>."
         )
-    missing = missing_parts(p, extra)
-    if missing:
+    problems = checkpoint_problems(p, extra)
+    if problems:
         raise UsageError(
-            f"--resume_from_checkpoint {value!r} is incomplete (no {', '.join(missing)}: a run killed while "
+            f"--resume_from_checkpoint {value!r} is incomplete ({', '.join(problems)}: a run killed while "
             "saving it?); pass `last` to take the newest complete checkpoint."
         )
     return p

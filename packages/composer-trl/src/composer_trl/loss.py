@@ -69,20 +69,22 @@ def composer_trl_loss(
         sdpo_normalizer=_window(counts.sdpo_items, counts),
         replay_normalizer=_window(counts.replay_items, counts),
     )
-    # TRL divides grpo/bnpo/dr_grpo by the accumulation steps; dapo's normaliser already spans the window.
-    policy = policy_part(result.policy, args.loss_type, counts.accumulation)
-    if policy is None and result.sdpo is None and result.replay is None:  # w_policy=0, nothing distilled here
+    policy, sdpo, replay = channel_terms(result, args, counts)
+    if policy is None and sdpo is None and replay is None:  # w_policy=0, nothing distilled here
         return result.total, result
-    weights = (args.alpha_sdpo, args.beta_replay, args.w_policy)
-    return weighted_total(policy, result.sdpo, result.replay, *weights), result
+    return weighted_total(policy, sdpo, replay, args.alpha_sdpo, args.beta_replay, args.w_policy), result
 
 
-def policy_part(policy: Tensor | None, loss_type: str, accumulation: int) -> Tensor | None:
-    """Channel 1 scaled as TRL scales it: grpo/bnpo/dr_grpo divided by the accumulation steps, dapo's family not
-    (its normaliser already spans the window). None when ``w_policy=0`` skipped it."""
-    if policy is None or loss_type in WINDOW_LOSS_TYPES:
-        return policy
-    return policy / accumulation
+def channel_terms(
+    result: ComposeResult, args: Any, counts: Counts
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """The policy term as TRL scales it (None: ``w_policy=0`` skipped it), and the unweighted sdpo and replay
+    losses (None: skipped)."""
+    # TRL divides grpo/bnpo/dr_grpo by the accumulation steps; dapo's normaliser already spans the window.
+    policy = result.policy
+    if policy is not None and args.loss_type not in WINDOW_LOSS_TYPES:
+        policy = policy / counts.accumulation
+    return policy, result.sdpo, result.replay
 
 
 # ----------------------------------------------------------------------------- core conformance suite

@@ -221,7 +221,8 @@ def choose_channels(trainer: dict[str, Any], columns: set[str], *, hints: bool) 
             why = "no hints: a successful sibling of each group teaches"
         said.append(f"alpha_sdpo=1.0 ({why})")
     if "beta_replay" not in trainer:
-        pairs = columns >= PAIR_COLUMNS
+        on_policy = trainer.get("replay_pairs") == "on_policy" and "chosen" in columns
+        pairs = columns >= PAIR_COLUMNS or on_policy
         chosen["beta_replay"] = 1.0 if pairs else 0.0
         said.append(
             f"beta_replay={chosen['beta_replay']} ({'chosen/rejected columns' if pairs else 'no chosen/rejected columns'})"

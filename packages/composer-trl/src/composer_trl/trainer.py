@@ -22,7 +22,9 @@ Swap ``GRPOTrainer``/``GRPOConfig`` for ``ComposerGRPOTrainer``/``ComposerGRPOCo
 - **replay** (channel 3): DPO or SimPO on ``chosen``/``rejected`` completions of the prompt (text or
   token ids, optional ``chosen_mask``/``rejected_mask``); reference log-probs from ``ref_chosen_logps``
   /``ref_rejected_logps`` columns or a frozen reference (TRL's ref model, the PEFT base with adapters
-  disabled, or a frozen copy of the initial policy), computed once per generation batch.
+  disabled, or a frozen copy of the initial policy), computed once per generation batch. With
+  ``replay_pairs='on_policy'`` the rejected side is each failed completion of the group instead
+  (:mod:`composer_trl.replay`).
 
 Each channel is normalised by its own global count (tokens of hinted rows, pairs) over the accumulation
 window and all processes, like TRL's ``dapo``, so gradient accumulation is exact.
@@ -56,6 +58,7 @@ from composer_core.sdpo import (
     load_teacher,
     save_teacher,
 )
+from composer_core.traces.onpolicy import check_on_policy_columns
 from torch import Tensor
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -74,8 +77,9 @@ from composer_trl.guards import (
     row_indices,
     unscored_batch_error,
 )
-from composer_trl.loss import Counts, composer_trl_loss, policy_part
+from composer_trl.loss import Counts, channel_terms, composer_trl_loss
 from composer_trl.recipe import HINT_COLUMNS, PAIR_COLUMNS
+from composer_trl.replay import ChannelGradNorms, PairRow, logs_this_step, on_policy_rows
 
 HintFn = Callable[..., Sequence[str | None]]
 logger = logging.get_logger(__name__)
@@ -188,6 +192,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
         self._sdpo_teacher: torch.nn.Module | None = None  # the ema/base teacher's own weights (None: live)
         self._no_success_warned = False
         self._last_rewards_per_func: Tensor | None = None
+        self._grad_norms = ChannelGradNorms()
         self._check_channel_inputs()
         self._check_head()
         if self.args.alpha_sdpo > 0:
@@ -567,31 +572,41 @@ class ComposerGRPOTrainer(GRPOTrainer):
             self._pair_token_cache[text] = ids
         return list(ids)
 
-    def _build_pairs(self, inputs: list[dict[str, Any]], output: dict[str, Any], mode: str) -> dict[str, Any]:
-        device = self.accelerator.device
+    def _column_rows(
+        self, inputs: list[dict[str, Any]], mode: str
+    ) -> tuple[list[PairRow | None], list[bool]]:
+        """``replay_pairs='columns'``: the dataset's chosen/rejected, once per prompt (its group's first row)."""
         g = self._group_size(mode)
         offset = self.accelerator.process_index * len(inputs)
-        pad_id = self._tokenizer.pad_token_id
-        rows: list[tuple[list[int], list[int], list[int], list[int]]] = []
-        has_pair: list[bool] = []
-        ref_cols: list[tuple[float, float]] = []  # read with replay_reference 'column' only
+        rows: list[PairRow | None] = []
         for i, x in enumerate(inputs):
             # Each prompt appears num_generations times in a generation batch: keep its pair once.
             present = x.get("chosen") is not None and x.get("rejected") is not None
-            has_pair.append(present and (offset + i) % g == 0)
-            if has_pair[-1]:
-                ci, cm = self._pair_ids(x["chosen"], x.get("chosen_mask"), "chosen")
-                ri, rm = self._pair_ids(x["rejected"], x.get("rejected_mask"), "rejected")
-                rows.append((ci, cm, ri, rm))
-                column = self._replay_ref_source == "column"
-                refs = (
-                    (_finite(x, "ref_chosen_logps"), _finite(x, "ref_rejected_logps")) if column else (0, 0)
-                )
-            else:
-                rows.append(([pad_id], [0], [pad_id], [0]))
-                refs = (0.0, 0.0)
-            ref_cols.append(refs)
-        chosen, c_mask, rejected, r_mask = (list(col) for col in zip(*rows))
+            if not (present and (offset + i) % g == 0):
+                rows.append(None)
+                continue
+            ci, cm = self._pair_ids(x["chosen"], x.get("chosen_mask"), "chosen")
+            ri, rm = self._pair_ids(x["rejected"], x.get("rejected_mask"), "rejected")
+            rows.append((ci, cm, [1] * len(ci), ri, rm, [1] * len(ri)))
+        return rows, [r is not None for r in rows]
+
+    def _build_pairs(self, inputs: list[dict[str, Any]], output: dict[str, Any], mode: str) -> dict[str, Any]:
+        device = self.accelerator.device
+        pad_id = self._tokenizer.pad_token_id
+        on_policy = self.args.replay_pairs == "on_policy"
+        found, has_pair = (
+            on_policy_rows(self, inputs, output, mode) if on_policy else self._column_rows(inputs, mode)
+        )
+        empty: PairRow = ([pad_id], [0], [0], [pad_id], [0], [0])
+        rows = [empty if r is None else r for r in found]
+        column = self._replay_ref_source == "column"
+        ref_cols = [
+            (_finite(x, "ref_chosen_logps"), _finite(x, "ref_rejected_logps"))
+            if column and has
+            else (0.0, 0.0)
+            for x, has in zip(inputs, has_pair)
+        ]
+        chosen, c_mask, c_attn, rejected, r_mask, r_attn = (list(col) for col in zip(*rows))
         width = max(len(t) for t in chosen + rejected)
 
         def to_tensor(rows: list[list[int]], value: int) -> Tensor:
@@ -600,10 +615,10 @@ class ComposerGRPOTrainer(GRPOTrainer):
         out: dict[str, Any] = {
             f"{_K}chosen_ids": to_tensor(chosen, pad_id),
             f"{_K}chosen_mask": to_tensor(c_mask, 0),
-            f"{_K}chosen_attn": to_tensor([[1] * len(r) for r in chosen], 0),
+            f"{_K}chosen_attn": to_tensor(c_attn, 0),
             f"{_K}rejected_ids": to_tensor(rejected, pad_id),
             f"{_K}rejected_mask": to_tensor(r_mask, 0),
-            f"{_K}rejected_attn": to_tensor([[1] * len(r) for r in rejected], 0),
+            f"{_K}rejected_attn": to_tensor(r_attn, 0),
             f"{_K}has_pair": torch.tensor(has_pair, device=device),
         }
         out[f"{_K}replay_num_items"] = self.accelerator.gather(out[f"{_K}has_pair"].sum()).sum()
@@ -638,19 +653,19 @@ class ComposerGRPOTrainer(GRPOTrainer):
         return result
 
     def _pair_logps(
-        self, model: Any, inputs: dict[str, Any], pairs: dict[str, Any], rows: Tensor
+        self, model: Any, inputs: dict[str, Any], pairs: dict[str, Any], rows: Tensor, sides: int = 2
     ) -> tuple[Tensor, Tensor]:
-        """Summed log-probs of chosen and rejected after the prompt, one forward over [2P, P_len + L]."""
+        """Summed log-probs of chosen and rejected after the prompt, one forward over [2P, P_len + L]
+        (``sides=1``: the chosen rows only, [P, ...]; the rejected sums returned are then empty)."""
         p_ids, p_mask = inputs["prompt_ids"][rows], inputs["prompt_mask"][rows]
-        c_ids, c_mask = pairs[f"{_K}chosen_ids"][rows], pairs[f"{_K}chosen_mask"][rows]
-        r_ids, r_mask = pairs[f"{_K}rejected_ids"][rows], pairs[f"{_K}rejected_mask"][rows]
-        pair_ids = torch.cat([c_ids, r_ids], dim=0)
+        names = ("chosen", "rejected")[:sides]
+        pair_ids = torch.cat([pairs[f"{_K}{s}_ids"][rows] for s in names], dim=0)
         # Attend over every real token; score only the masked ones.
-        pair_attn = torch.cat([pairs[f"{_K}chosen_attn"][rows], pairs[f"{_K}rejected_attn"][rows]], dim=0)
-        input_ids = torch.cat([torch.cat([p_ids, p_ids], dim=0), pair_ids], dim=1)
-        attention = torch.cat([torch.cat([p_mask, p_mask], dim=0), pair_attn], dim=1)
+        pair_attn = torch.cat([pairs[f"{_K}{s}_attn"][rows] for s in names], dim=0)
+        input_ids = torch.cat([torch.cat([p_ids] * sides, dim=0), pair_ids], dim=1)
+        attention = torch.cat([torch.cat([p_mask] * sides, dim=0), pair_attn], dim=1)
         logps, _, _ = self._get_per_token_logps_and_entropies(model, input_ids, attention, pair_ids.size(1))
-        summed = (logps * torch.cat([c_mask, r_mask], dim=0)).sum(-1)
+        summed = (logps * torch.cat([pairs[f"{_K}{s}_mask"][rows] for s in names], dim=0)).sum(-1)
         n = rows.numel()
         return summed[:n], summed[n:]
 
@@ -670,8 +685,9 @@ class ComposerGRPOTrainer(GRPOTrainer):
         want_replay = a.beta_replay > 0 and bool(inputs.get(f"{_K}has_pair", torch.zeros(1)).any())
         # The chosen/rejected rows ride in the student's forward (one forward over [B + 2P] rows) unless
         # the MoE aux loss is on: TRL's router loss must see the policy rows only.
+        on_policy = a.replay_pairs == "on_policy"
         merged = (
-            _MergedPairs(inputs, logits_to_keep, self._tokenizer.pad_token_id)
+            _MergedPairs(inputs, logits_to_keep, self._tokenizer.pad_token_id, sides=1 if on_policy else 2)
             if (want_replay and not self.aux_loss_enabled)
             else None
         )
@@ -711,7 +727,8 @@ class ComposerGRPOTrainer(GRPOTrainer):
         if want_sdpo:
             self._fill_sdpo(batch, model, inputs, mask, capture, logits_to_keep)
         if want_replay:
-            self._fill_replay(batch, model, inputs, None if merged is None else merged.pair_sums(pair_logps))
+            sums = None if merged is None else merged.pair_sums(pair_logps)
+            self._fill_replay(batch, model, inputs, sums, per_token_logps if on_policy else None)
         training = mode == "train"
         counts = Counts(
             num_items=inputs["num_items_in_batch"],
@@ -724,7 +741,16 @@ class ComposerGRPOTrainer(GRPOTrainer):
         loss, result = composer_trl_loss(
             batch, a, counts, taid_t=self._taid.t if self._taid is not None else None
         )
-        policy = policy_part(result.policy, self.loss_type, counts.accumulation)
+        if training and a.log_channel_grad_norms and logs_this_step(self):
+            policy, sdpo, replay = channel_terms(result, a, counts)
+            self._grad_norms.add(model, {
+                "policy": None if policy is None else a.w_policy * policy,
+                "sdpo": None if sdpo is None else a.alpha_sdpo * sdpo,
+                "replay": None if replay is None else a.beta_replay * replay,
+            })  # fmt: skip
+            if self.accelerator.sync_gradients:
+                self._grad_norms.log(self)
+        policy = channel_terms(result, a, counts)[0]
         policy = (
             torch.zeros((), device=loss.device) if policy is None else policy.detach()
         )  # None: w_policy=0
@@ -807,10 +833,16 @@ class ComposerGRPOTrainer(GRPOTrainer):
         model: Any,
         inputs: dict[str, Any],
         sums: tuple[Tensor, Tensor] | None = None,
+        policy_logps: Tensor | None = None,
     ) -> None:
-        """Channel-3 inputs; ``sums``: the pairs' summed log-probs when the student's forward computed them."""
+        """Channel-3 inputs; ``sums``: the pairs' summed log-probs when the student's forward computed them;
+        ``policy_logps`` [B, T] (on-policy pairs): the rejected side is the row's own completion, summed from it."""
         rows = inputs[f"{_K}has_pair"].nonzero().squeeze(-1)
-        chosen, rejected = sums if sums is not None else self._pair_logps(model, inputs, inputs, rows)
+        sides = 1 if policy_logps is not None else 2
+        chosen, rejected = sums if sums is not None else self._pair_logps(model, inputs, inputs, rows, sides)
+        if policy_logps is not None:
+            t = policy_logps.size(1)
+            rejected = (policy_logps[rows] * inputs[f"{_K}rejected_mask"][rows, :t]).sum(-1)
         batch.chosen_logps, batch.rejected_logps = chosen, rejected
         batch.chosen_lengths = inputs[f"{_K}chosen_mask"][rows].sum(-1)
         batch.rejected_lengths = inputs[f"{_K}rejected_mask"][rows].sum(-1)
@@ -1057,7 +1089,9 @@ def check_channel_inputs(args: ComposerGRPOConfig, columns: set[str] | None, *, 
             "completion is the feedback) or a `privileged_context` dataset column; provide one or use "
             "sdpo_teacher_context='success'."
         )
-    if a.beta_replay > 0 and cols is not None and not cols >= PAIR_COLUMNS:
+    if a.beta_replay > 0 and cols is not None and a.replay_pairs == "on_policy":
+        check_on_policy_columns(cols)
+    elif a.beta_replay > 0 and cols is not None and not cols >= PAIR_COLUMNS:
         raise ValueError(
             f"beta_replay={a.beta_replay} needs `chosen` and `rejected` dataset columns (the teacher trace and "
             f"the trace it beats); the dataset has {sorted(cols)}. Add them or set beta_replay=0."
@@ -1134,13 +1168,15 @@ class _MergedPairs:
     ``ComposerGRPOTrainer._pair_logps`` computes them.
     """
 
-    def __init__(self, inputs: dict[str, Any], t: int, pad_id: int) -> None:
+    def __init__(self, inputs: dict[str, Any], t: int, pad_id: int, sides: int = 2) -> None:
         rows = inputs[f"{_K}has_pair"].nonzero().squeeze(-1)
         self.b, self.t, self.n, self.pad_id = inputs["completion_ids"].size(0), t, rows.numel(), pad_id
         self.prompt_ids, self.prompt_mask = inputs["prompt_ids"][rows], inputs["prompt_mask"][rows]
-        self.pair_ids = torch.cat([inputs[f"{_K}chosen_ids"][rows], inputs[f"{_K}rejected_ids"][rows]])
-        self.pair_attn = torch.cat([inputs[f"{_K}chosen_attn"][rows], inputs[f"{_K}rejected_attn"][rows]])
-        self.pair_mask = torch.cat([inputs[f"{_K}chosen_mask"][rows], inputs[f"{_K}rejected_mask"][rows]])
+        self.sides = sides  # 1: on-policy pairs, the chosen rows only (the rejected side is a policy row)
+        names = ("chosen", "rejected")[:sides]
+        self.pair_ids = torch.cat([inputs[f"{_K}{s}_ids"][rows] for s in names])
+        self.pair_attn = torch.cat([inputs[f"{_K}{s}_attn"][rows] for s in names])
+        self.pair_mask = torch.cat([inputs[f"{_K}{s}_mask"][rows] for s in names])
         self.width = max(t, self.pair_ids.size(1))
 
     @staticmethod
@@ -1148,7 +1184,9 @@ class _MergedPairs:
         return x if extra == 0 else torch.cat([x, x.new_full((x.size(0), extra), fill)], dim=1)
 
     def _rows(self, policy: Tensor, prompt: Tensor, pair: Tensor, fill: int) -> Tensor:
-        pairs = torch.cat([torch.cat([prompt, prompt]), self._pad(pair, self.width - pair.size(1), fill)], 1)
+        pairs = torch.cat(
+            [torch.cat([prompt] * self.sides), self._pad(pair, self.width - pair.size(1), fill)], 1
+        )
         return torch.cat([self._pad(policy, self.width - self.t, fill), pairs])
 
     def input_ids(self, policy_ids: Tensor) -> Tensor:

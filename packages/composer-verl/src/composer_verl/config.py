@@ -44,8 +44,9 @@ class ComposerVerlConfig(TeacherWeightsOptions):
     follows verl's ``algorithm.norm_adv_by_std_in_grpo``), ``adv_eps``, ``adv_singleton`` (``reward``: a group of
     one gets ``A = r``, verl; ``zero``: ``A = 0``, TRL). Policy loss ``composer`` (actor side): ``policy_delta``
     (channel 1's cap δ of the unclipped ratio, ``> 1 + clip_ratio_high``; ``None`` = verl's vanilla surrogate);
+    ``w_policy`` (channel 1's weight, core's default 1; 0 = pure self-distillation, channel 1 not computed);
     ``alpha_sdpo`` and the ``sdpo_*`` options (channel 2: ``sampled`` tokens or the ``topk`` form computed in the
-    actor's training forward); ``beta_replay``, ``dpo_variant`` and the ``dpo_*``/``simpo_*`` options (channel 3).
+    actor's training forward); ``beta_replay``, ``dpo_variant``, the ``dpo_*``/``simpo_*`` options and ``rpo_alpha`` (channel 3).
 
     Every option shared with composer_core has core's name (or verl's: ``policy_delta``) and core's default,
     except ``alpha_sdpo``/``beta_replay`` (0 here: verl runs channel 1 only unless asked); core checks them
@@ -59,6 +60,7 @@ class ComposerVerlConfig(TeacherWeightsOptions):
     adv_eps: float = 1e-6
     adv_singleton: Literal["reward", "zero"] = "reward"
     policy_delta: float | None = PolicyOptions.delta
+    w_policy: float = ComposeConfig.w_policy
     alpha_sdpo: float = 0.0
     sdpo_token_clip: float | None = SDPOOptions.token_clip
     sdpo_form: Literal["sampled", "topk"] = "sampled"
@@ -72,6 +74,7 @@ class ComposerVerlConfig(TeacherWeightsOptions):
     dpo_label_smoothing: float = DPO.label_smoothing
     simpo_beta: float = SimPO.beta
     simpo_gamma: float = SimPO.gamma
+    rpo_alpha: float = DPO.rpo_alpha
     #: composer_core's typed config of channels 2 and 3, built once here (the loss reads it every step)
     compose: ComposeConfig = field(init=False, repr=False, compare=False)
 

@@ -11,7 +11,7 @@ once per spec; an environment fault raises ``composer_core.envs.EnvError``.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +28,14 @@ def load(spec: str) -> Any:
     return load_env(spec)
 
 
-def env_rows(spec: str, split: str = "train", limit: int | None = None) -> list[dict[str, Any]]:
-    """verl RLHF rows (``data_source`` = the spec) of the environment's tasks (see the module docstring)."""
+def env_rows(
+    spec: str,
+    split: str = "train",
+    limit: int | None = None,
+    pair_columns: Sequence[str] = ("chosen", "rejected"),
+) -> list[dict[str, Any]]:
+    """verl RLHF rows (``data_source`` = the spec) of the environment's tasks (see the module docstring);
+    ``pair_columns=("chosen",)`` for ``composer.replay_pairs=on_policy`` (the rejected side is the student's)."""
     from composer_core.envs import env_dataset_rows
 
     rows = []
@@ -42,16 +48,22 @@ def env_rows(spec: str, split: str = "train", limit: int | None = None) -> list[
             "reward_model": {"style": "env", "ground_truth": r.get("chosen") or ""},
             "extra_info": {"task_id": r["task_id"], "env": spec},
         }
-        row.update({k: r[k] for k in ("chosen", "rejected") if k in r})
+        row.update({k: r[k] for k in pair_columns if k in r})
         rows.append(row)
     return rows
 
 
-def write_env_dataset(spec: str, path: str | Path, split: str = "train", limit: int | None = None) -> Path:
+def write_env_dataset(
+    spec: str,
+    path: str | Path,
+    split: str = "train",
+    limit: int | None = None,
+    pair_columns: Sequence[str] = ("chosen", "rejected"),
+) -> Path:
     """:func:`env_rows` as a parquet file (verl's ``data.train_files``)."""
     import pandas as pd  # type: ignore[import-untyped, unused-ignore]  # a dependency of verl
 
-    pd.DataFrame(env_rows(spec, split, limit)).to_parquet(path)
+    pd.DataFrame(env_rows(spec, split, limit, pair_columns)).to_parquet(path)
     return Path(path)
 
 

@@ -1,8 +1,8 @@
 """The ``composer`` policy loss (registered in verl's ``POLICY_LOSS_REGISTRY``).
 
-    total = policy + α·SDPO + β·replay
+    total = w_policy·policy + α·SDPO + β·replay
 
-Channel 1 (always): verl's PPO clipped surrogate with dual clip, computed per token by
+Channel 1 (``w_policy`` > 0, default 1; ``w_policy = 0`` is pure self-distillation and skips it): verl's PPO clipped surrogate with dual clip, computed per token by
 ``composer_core.loss.policy.clipped_surrogate`` and reduced by verl's own ``agg_loss`` with the actor's
 ``loss_agg_mode`` and ``config.global_batch_info``, so it is invariant to the micro-batch / data-parallel layout
 exactly like verl's ``vanilla`` loss:
@@ -17,7 +17,8 @@ With ``policy_delta`` set, ρ is additionally capped at δ in the unclipped bran
 
 Channel 2 (α = ``alpha_sdpo`` > 0): SDPO on the sampled tokens (Hübotter et al., arXiv 2601.20802),
 ``composer_core.loss.distill.sampled_token_distill``: gradient sg(ℓθ - ℓT)·∇ℓθ × min(exp(ℓθ - ℓold), clip),
-averaged over the SDPO tokens of the whole mini-batch (its own global count). Channel 3 (β = ``beta_replay`` > 0):
+averaged over the SDPO tokens of the whole mini-batch (its own global count); the ``topk`` form's per-token
+divergence takes the same clipped IS weight (``composer_core.loss.distill.is_clip_weight``). Channel 3 (β = ``beta_replay`` > 0):
 DPO (Rafailov et al., arXiv 2305.18290) or SimPO (Meng et al., arXiv 2405.14734) on pairs of rows,
 ``composer_core.loss.preference``, with the row log-prob Σ_t ℓθ·mask, averaged over the mini-batch's pairs.
 Channels 2 and 3 read the batch keys of :mod:`composer_verl.batch`, which only the composer actor extension
@@ -120,7 +121,7 @@ def sdpo_term(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Channel 2 averaged over the global count of SDPO tokens: the sampled-token SDPO term, or with
     ``sdpo_form='topk'`` the per-token top-k divergence the actor's logits hook computed (with gradient)."""
-    from composer_core.loss.distill import sampled_token_distill
+    from composer_core.loss.distill import is_clip_weight, sampled_token_distill
 
     topk = cfg.sdpo_form == "topk"
     if topk and (extras.sdpo_topk is None or extras.sdpo_mask is None):
@@ -144,6 +145,9 @@ def sdpo_term(
     metrics = {"composer/sdpo/tokens": float(local)}
     if topk and extras.sdpo_topk is not None:
         per_token = extras.sdpo_topk.to(log_prob.dtype)
+        # SDPO's IS clip on the top-k form too (core's one weight; the sampled form applies it inside core)
+        w = is_clip_weight(log_prob, old_log_prob, cfg.compose.sdpo.token_clip)
+        per_token = per_token if w is None else per_token * w
         if local == 0:  # this micro-batch holds no hinted tokens: it contributes nothing, with a graph
             return (log_prob * 0.0).sum() + (per_token * 0.0).sum(), metrics
         return torch.where(mask, per_token, torch.zeros_like(per_token)).sum() / normalizer, metrics
@@ -257,14 +261,14 @@ def replay_term(
                 f"dpo_variant='dpo' needs reference log-probs: give data.batch['{PREF_REF_LOG_PROB}'] (bs,) or run "
                 "verl's reference model (ref_log_prob), or use dpo_variant='simpo'."
             )
-        ipo = replay.loss_type == "ipo"  # IPO averages per token: it alone takes the lengths
+        ipo = replay.loss_type == "ipo"  # IPO averages per token: it takes both lengths, RPO's NLL the chosen
         loss = dpo_loss(
             seq_logp[ci],
             seq_logp[ri],
             ref_seq[ci],
             ref_seq[ri],
             options=replay,
-            chosen_lengths=lengths[ci] if ipo else None,
+            chosen_lengths=lengths[ci] if ipo or replay.rpo_alpha > 0 else None,
             rejected_lengths=lengths[ri] if ipo else None,
             reduction="mean",
             normalizer=normalizer,
@@ -289,13 +293,48 @@ def compute_policy_loss_composer(
     ``config`` is verl's ``ActorConfig`` (``clip_ratio``, ``clip_ratio_low/high``, ``clip_ratio_c``,
     ``global_batch_info``); composer's own options come from :func:`composer_verl.config.current_config`.
     """
-    from verl.trainer.ppo.core_algos import agg_loss
-
     if config is None:
         raise ValueError(
             "the composer policy loss needs verl's ActorConfig as `config` (clip ratios, batch info)."
         )
     cfg = current_config()
+    policy: torch.Tensor | None = None
+    metrics: dict[str, Any] = {"composer/policy/skipped": 1.0}  # w_policy=0: pure self-distillation
+    if cfg.w_policy != 0:
+        policy, metrics = _policy_term(
+            old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights, cfg
+        )
+    extras = active_extras()
+    for option, weight in (("alpha_sdpo", cfg.alpha_sdpo), ("beta_replay", cfg.beta_replay)):
+        if weight > 0 and extras is None:
+            raise ValueError(f"{option} > 0 but " + _NO_EXTENSION.format(name=option))
+    sdpo = replay = None
+    if cfg.alpha_sdpo > 0:
+        assert extras is not None
+        sdpo, m = sdpo_term(log_prob, old_log_prob, response_mask, extras, cfg)
+        metrics.update(m)
+        metrics["composer/loss/sdpo"] = sdpo.detach().item()
+    if cfg.beta_replay > 0:
+        assert extras is not None
+        replay, m = replay_term(log_prob, response_mask, extras, cfg)
+        metrics.update(m)
+        metrics["composer/loss/replay"] = replay.detach().item()
+    return weighted_total(policy, sdpo, replay, cfg.alpha_sdpo, cfg.beta_replay, cfg.w_policy), metrics
+
+
+def _policy_term(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str,
+    config: Any,
+    rollout_is_weights: torch.Tensor | None,
+    cfg: ComposerVerlConfig,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Channel 1: the dual-clip surrogate reduced by verl's ``agg_loss`` (module docstring), and its metrics."""
+    from verl.trainer.ppo.core_algos import agg_loss
+
     clip_ratio = config.get("clip_ratio", 0.2)
     clip_low = config.get("clip_ratio_low", None)
     clip_high = config.get("clip_ratio_high", None)
@@ -313,20 +352,5 @@ def compute_policy_loss_composer(
         per_token = per_token * rollout_is_weights
     batch_info = dict(config.get("global_batch_info", None) or {})
     policy = agg_loss(loss_mat=per_token, loss_mask=response_mask, loss_agg_mode=loss_agg_mode, **batch_info)
-    metrics["composer/loss/policy"] = policy.detach().item()
-    extras = active_extras()
-    for option, weight in (("alpha_sdpo", cfg.alpha_sdpo), ("beta_replay", cfg.beta_replay)):
-        if weight > 0 and extras is None:
-            raise ValueError(f"{option} > 0 but " + _NO_EXTENSION.format(name=option))
-    sdpo = replay = None
-    if cfg.alpha_sdpo > 0:
-        assert extras is not None
-        sdpo, m = sdpo_term(log_prob, old_log_prob, response_mask, extras, cfg)
-        metrics.update(m)
-        metrics["composer/loss/sdpo"] = sdpo.detach().item()
-    if cfg.beta_replay > 0:
-        assert extras is not None
-        replay, m = replay_term(log_prob, response_mask, extras, cfg)
-        metrics.update(m)
-        metrics["composer/loss/replay"] = replay.detach().item()
-    return weighted_total(policy, sdpo, replay, cfg.alpha_sdpo, cfg.beta_replay), metrics
+    out: dict[str, Any] = {**metrics, "composer/loss/policy": policy.detach().item()}
+    return policy, out

@@ -9,7 +9,8 @@ computes ``old_log_probs``), :class:`ComposerProducers` does, every step:
   ema/base teacher it holds) re-scores the sampled response on it: ``composer_teacher_log_probs``, with
   ``composer_sdpo_mask`` 1 on the response tokens of those rows.
 * **channel 3**: pairs from ``pair_source`` (the rows' ``chosen``/``rejected`` columns, or a
-  ``composer_core.traces.records`` file) are appended as two rows each, with ``composer_pref_pair_id`` /
+  ``composer_core.traces.records`` file; with ``replay_pairs=on_policy`` each failed response of the step, reward
+  below ``success_reward_threshold``, against its row's ``chosen`` column) are appended as two rows each, with ``composer_pref_pair_id`` /
   ``composer_pref_chosen``, reward 0 and the actor's own ``rollout_log_probs``, tagged ``is_padding`` so verl's
   metrics skip them; after verl's balancing they move to the end of the batch, each pair in one micro-batch.
 """
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 from composer_core.sdpo import TeacherContextOptions, build_teacher_contexts
 from composer_core.traces.hints import HintJob
+from composer_core.traces.onpolicy import ReplayPairOptions, ReplayPairs, check_on_policy_columns, failed_rows
 
 from composer_verl.batch import (
     PREF_CHOSEN,
@@ -54,6 +56,11 @@ class ProducerConfig(TeacherContextOptions):
     pair_source: ``dataset`` (columns ``chosen``/``rejected`` of the training data) or the path of a
         ``composer_core.traces.records`` file; needs ``beta_replay > 0``.
     pairs_per_step: records per step when ``pair_source`` is a records file.
+    replay_pairs: ``columns`` (default: both sides from ``pair_source``) or ``on_policy`` (needs
+        ``pair_source=dataset``): every response of the step whose reward (Σ ``rm_scores``) is below
+        ``success_reward_threshold`` is the rejected side of one pair, its row's ``chosen`` column the chosen side
+        (a teacher's answer: a composer-replay record's, a teacher column or the reference); no ``rejected``
+        column. The rejected row is a copy of the response (verl scores each pair in one micro-batch).
 
     The other keys are composer_core's :class:`~composer_core.sdpo.TeacherContextOptions` (inherited: same names,
     defaults and checks), e.g. ``sdpo_teacher_context``: ``hint`` (default) or the SDPO paper's reprompt built from
@@ -65,6 +72,7 @@ class ProducerConfig(TeacherContextOptions):
     hint_role: str = "user"
     pair_source: str | None = None
     pairs_per_step: int = 1
+    replay_pairs: ReplayPairs = ReplayPairOptions.replay_pairs
 
     def __post_init__(self) -> None:
         if self.hint_role not in ("user", "system"):
@@ -76,10 +84,20 @@ class ProducerConfig(TeacherContextOptions):
                 f"composer.env={self.env!r} and composer.hint_fn={self.hint_fn!r} are both set: the environment's "
                 "feedback is the hint, so drop one of them."
             )
+        # with replay_pairs=on_policy channel 3 reads success_reward_threshold too: the 'hint' context accepts it
+        kw = {f.name: getattr(self, f.name) for f in fields(TeacherContextOptions)}
+        if self.replay_pairs == "on_policy" and self.sdpo_teacher_context == "hint":
+            kw.pop("success_reward_threshold")
         try:
-            super().__post_init__()
+            TeacherContextOptions(**kw)
+            ReplayPairOptions(self.replay_pairs)
         except ValueError as err:
             raise ValueError(f"composer section: {err}") from None
+        if self.replay_pairs == "on_policy" and self.pair_source != "dataset":
+            raise ValueError(
+                f"composer.replay_pairs=on_policy pairs each failed response with its row's `chosen` column: set "
+                f"composer.pair_source=dataset (it is {self.pair_source!r}) or use replay_pairs=columns."
+            )
         has_text = self.hint_fn is not None or self.env is not None
         if self.sdpo_teacher_context == "success" and has_text:
             raise ValueError(
@@ -355,6 +373,38 @@ class RecordPairs:
         out = [self.pairs[(self.cursor + i) % len(self.pairs)] for i in range(self.n)]
         self.cursor = (self.cursor + self.n) % len(self.pairs)
         return out
+
+
+def on_policy_pair_rows(
+    samples: Sequence[Mapping[str, Any]], threshold: float, tokenizer: Any, length: int
+) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(chosen, rejected) rows of ``replay_pairs=on_policy``: for each failed response (Σ ``rm_scores`` <
+    ``threshold``), its row's ``chosen`` text against a copy of the response itself, both after its own prompt."""
+    for s in samples:
+        if "rm_scores" not in s:
+            raise ValueError(
+                "composer.replay_pairs=on_policy needs each row's reward (rm_scores): run it in verl's v1 loop "
+                "(trainer.v1.trainer_mode=composer_sync) with a reward function."
+            )
+        check_on_policy_columns(s.keys())
+    out = []
+    for i in failed_rows([float(s["rm_scores"].sum()) for s in samples], 1, threshold):
+        s = samples[i]
+        if s["chosen"] is None:
+            raise ValueError(
+                "composer.replay_pairs=on_policy: a failed row has no `chosen` answer; fill the column."
+            )
+        prompt = s["prompts"].tolist()
+        chosen = pair_sample(s, prompt, response_ids(tokenizer, _message_text(s["chosen"]), length))
+        rejected = pair_sample(s, prompt, s["responses"].tolist())
+        for key in (
+            "response_mask",
+            "loss_mask",
+        ):  # the response's own mask (multi-turn: tool tokens stay out)
+            if key in s and key in rejected:
+                rejected[key] = s[key].clone()
+        out.append((chosen, rejected))
+    return out
 
 
 def dataset_pairs(samples: Sequence[Mapping[str, Any]]) -> list[PairText]:
@@ -638,14 +688,10 @@ class ComposerProducers:
         self.pair_keys = []
         if self.config.pair_source is None:
             return batch
-        pairs = self.records.take() if self.records is not None else dataset_pairs(samples)
+        pairs = self._pair_rows(samples)
         rows, keys, tags = [], [], []
-        for p in pairs:
-            prompt_ids = render_prompt_ids(self.tokenizer, p.prompt)
-            for side, text in (("chosen", p.chosen), ("rejected", p.rejected)):
-                row = pair_sample(
-                    samples[0], prompt_ids, response_ids(self.tokenizer, text, self.response_length)
-                )
+        for pair in pairs:
+            for side, row in zip(("chosen", "rejected"), pair, strict=True):
                 rows.append(row)
                 keys.append(f"{row['uid']}_{side}_0")
                 tags += _tags(batch.tags[0], [row], is_padding=True, composer_pair=side)
@@ -663,6 +709,18 @@ class ComposerProducers:
             fields=batch.fields,
             extra_info=batch.extra_info,
         )
+
+    def _pair_rows(self, samples: Sequence[Mapping[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+        """This step's pairs as (chosen, rejected) rows built on real samples."""
+        if self.config.replay_pairs == "on_policy":
+            threshold = self.config.success_reward_threshold
+            return on_policy_pair_rows(samples, threshold, self.tokenizer, self.response_length)
+        out = []
+        for p in self.records.take() if self.records is not None else dataset_pairs(samples):
+            prompt_ids = render_prompt_ids(self.tokenizer, p.prompt)
+            c, r = (response_ids(self.tokenizer, t, self.response_length) for t in (p.chosen, p.rejected))
+            out.append((pair_sample(samples[0], prompt_ids, c), pair_sample(samples[0], prompt_ids, r)))
+        return out
 
     def _actor_log_probs(
         self, trainer: Any, batch: Any, rows: Sequence[Mapping[str, Any]], method: str = "compute_log_prob"

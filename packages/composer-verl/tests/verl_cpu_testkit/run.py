@@ -19,9 +19,15 @@ TESTS_DIR = Path(__file__).resolve().parents[1]
 ENV = "digit-reversal"  # composer_core.envs: the task, its reward and (with composer.env) the hints
 
 
-def overrides(tmp: Path, *, steps: int = 3, extra: tuple[str, ...] = ()) -> list[str]:
+def overrides(
+    tmp: Path,
+    *,
+    steps: int = 3,
+    extra: tuple[str, ...] = (),
+    pair_columns: tuple[str, ...] = ("chosen", "rejected"),
+) -> list[str]:
     model = task.build_model_dir(tmp / "model")
-    train = write_env_dataset(ENV, tmp / "train.parquet", limit=16)
+    train = write_env_dataset(ENV, tmp / "train.parquet", limit=16, pair_columns=pair_columns)
     return [
         f"data.train_files={train}",
         f"data.val_files={train}",
@@ -69,7 +75,12 @@ def overrides(tmp: Path, *, steps: int = 3, extra: tuple[str, ...] = ()) -> list
 
 
 def run_main_ppo(
-    tmp: Path, composer: str, extra: tuple[str, ...] = (), timeout: float = 900, steps: int = 3
+    tmp: Path,
+    composer: str,
+    extra: tuple[str, ...] = (),
+    timeout: float = 900,
+    steps: int = 3,
+    pair_columns: tuple[str, ...] = ("chosen", "rejected"),
 ) -> subprocess.CompletedProcess[str]:
     examples = str(files("composer_verl.examples"))
     env = {
@@ -90,7 +101,7 @@ def run_main_ppo(
         "verl_cpu_testkit.launch",
         f"--config-path={examples}",
         "--config-name=composer_grpo",
-        *overrides(tmp, steps=steps, extra=extra),
+        *overrides(tmp, steps=steps, extra=extra, pair_columns=pair_columns),
     ]
     log = tmp / "main_ppo.log"
     # Ray refuses a temp dir inside the virtualenv (nox points TMPDIR there: workers die at start and the

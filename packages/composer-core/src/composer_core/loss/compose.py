@@ -378,6 +378,10 @@ def _replay(
         )
     assert batch.chosen_logps is not None and batch.rejected_logps is not None
     if isinstance(opts, DPO):
+        if opts.rpo_alpha > 0 and batch.chosen_lengths is None:
+            raise ValueError(
+                "rpo_alpha > 0 needs `chosen_lengths` (the chosen side's token counts); fill them."
+            )
         if batch.ref_chosen_logps is None or batch.ref_rejected_logps is None:
             raise ValueError(
                 "dpo_variant='dpo' needs `ref_chosen_logps` and `ref_rejected_logps` (reference model "
@@ -390,7 +394,7 @@ def _replay(
             batch.ref_chosen_logps,
             batch.ref_rejected_logps,
             options=opts,
-            chosen_lengths=batch.chosen_lengths if ipo else None,
+            chosen_lengths=batch.chosen_lengths if ipo or opts.rpo_alpha > 0 else None,
             rejected_lengths=batch.rejected_lengths if ipo else None,
             normalizer=normalizer,
         )

@@ -382,13 +382,17 @@ class SDPOOptions:
 # ----------------------------------------------------------------------------------------------- channel 3
 @dataclass(frozen=True)
 class DPO:
-    """DPO family (:func:`composer_core.loss.preference.dpo_loss`). Flat names ``dpo_<field>``."""
+    """DPO family (:func:`composer_core.loss.preference.dpo_loss`). Flat names ``dpo_<field>``, except
+    ``rpo_alpha`` (flat name ``rpo_alpha``, shared with :class:`SimPO`): the weight of the chosen side's NLL term
+    (iterative RPO, Pang et al., arXiv 2404.19733; 0 = none)."""
 
     beta: float = 0.1
     loss_type: DPOLossType = "sigmoid"
     label_smoothing: float = 0.0
+    rpo_alpha: float = 0.0
 
     def __post_init__(self) -> None:
+        check_number("rpo_alpha", self.rpo_alpha, low=0.0)
         check_choice("dpo_loss_type", self.loss_type, ("sigmoid", "robust", "ipo"))
         check_number("dpo_beta", self.beta, low=0.0, strict=True)
         check_number("dpo_label_smoothing", self.label_smoothing, low=0.0)
@@ -406,12 +410,15 @@ class DPO:
 
 @dataclass(frozen=True)
 class SimPO:
-    """SimPO (:func:`composer_core.loss.preference.simpo_loss`). Flat names ``simpo_beta`` / ``simpo_gamma``."""
+    """SimPO (:func:`composer_core.loss.preference.simpo_loss`). Flat names ``simpo_beta`` / ``simpo_gamma`` /
+    ``rpo_alpha`` (the chosen side's NLL weight, as in :class:`DPO`)."""
 
     beta: float = 2.0
     gamma: float = 0.5
+    rpo_alpha: float = 0.0
 
     def __post_init__(self) -> None:
+        check_number("rpo_alpha", self.rpo_alpha, low=0.0)
         check_number("simpo_beta", self.beta, low=0.0, strict=True)
         check_number("simpo_gamma", self.gamma, low=0.0)
 
@@ -463,6 +470,11 @@ class ComposeConfig:
         ):
             if not isinstance(value, kinds):
                 raise TypeError(f"`{name}` must be {' | '.join(k.__name__ for k in kinds)}, got {value!r}.")
+        if self.beta_replay == 0 and self.replay.rpo_alpha != 0:
+            raise ValueError(
+                f"`rpo_alpha`={self.replay.rpo_alpha!r} acts only with channel 3 on (beta_replay > 0, it is 0): "
+                "set beta_replay > 0 or drop rpo_alpha."
+            )
 
     @property
     def dpo_variant(self) -> DPOVariant:
@@ -501,7 +513,9 @@ class ComposeConfig:
         for obj in (self.policy, self.sdpo, self.sdpo.wrapper, self.replay):
             if obj is not None:
                 prefix = next(prefix for klass, prefix, _ in _SECTIONS if klass is type(obj))
-                out.update({prefix + f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)})
+                out.update(
+                    {_flat_name(prefix, f.name): getattr(obj, f.name) for f in dataclasses.fields(obj)}
+                )
         out.update(sdpo_wrapper=self.sdpo.wrapper_name, dpo_variant=self.dpo_variant)
         return out
 
@@ -521,8 +535,14 @@ _SELECTORS: dict[str, tuple[object, tuple[object, ...]]] = {
     "dpo_variant": ("dpo", ("dpo", "simpo")),
 }
 _TOP = ("w_policy", "alpha_sdpo", "beta_replay", "check_values")
+#: fields of both replay classes whose flat name has no prefix (the selected variant's class takes it)
+_SHARED_REPLAY = ("rpo_alpha",)
 #: per-call values of compose_loss that are not options of the config
 PER_CALL = ("normalizer", "sdpo_normalizer", "replay_normalizer")
+
+
+def _flat_name(prefix: str, name: str) -> str:
+    return name if name in _SHARED_REPLAY else prefix + name
 
 
 def _flat_table() -> dict[str, tuple[type, str, str | None]]:
@@ -530,7 +550,9 @@ def _flat_table() -> dict[str, tuple[type, str, str | None]]:
     for klass, prefix, selector in _SECTIONS:
         for f in dataclasses.fields(klass):
             if f.name != "wrapper":
-                table[prefix + f.name] = (klass, f.name, selector)
+                table[_flat_name(prefix, f.name)] = (klass, f.name, selector)
+    for name in _SHARED_REPLAY:  # in whichever replay class dpo_variant selects
+        table[name] = (DPO, name, None)
     return table
 
 
@@ -706,6 +728,8 @@ def _from_flat(
         if name in _SELECTORS:
             continue
         klass, fname, selector = _FLAT[name]
+        if name in _SHARED_REPLAY and variant == "simpo":
+            klass = SimPO
         if selector is not None and selector not in selected:
             if value != _default(klass, fname):
                 unused.append(f"`{name}`={value!r} (acts only with {selector})")

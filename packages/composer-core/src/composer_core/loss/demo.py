@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.autograd.backward(result.total)
     grad_norm = torch.stack([(p.grad**2).sum() for p in params if p.grad is not None]).sum().sqrt()
     print("composer loss demo: toy batch of 2 prompts x 4 completions, V=32")
+    assert result.policy is not None  # w_policy = 1
     print(f"  policy (GRPO/DAPO)          : {result.policy.item():+.6f}")
     if result.sdpo is not None:
         print(f"  sdpo (JSD beta=0.5)         : {result.sdpo.item():+.6f}  x alpha={args.alpha_sdpo}")

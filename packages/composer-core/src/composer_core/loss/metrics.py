@@ -14,7 +14,7 @@ from types import MappingProxyType
 import torch
 from torch import Tensor
 
-__all__ = ["ADAPTER_PREFIX", "METRIC_KEYS", "OPTIONAL_METRIC_KEYS", "Metrics"]
+__all__ = ["ADAPTER_PREFIX", "GRAD_NORM_KEYS", "METRIC_KEYS", "OPTIONAL_METRIC_KEYS", "Metrics"]
 
 #: Every metric key of :func:`composer_core.compose_loss` -> what it holds. A full 3-channel batch with the
 #: default options returns exactly the keys not in :data:`OPTIONAL_METRIC_KEYS`.
@@ -35,12 +35,19 @@ METRIC_KEYS: Mapping[str, str] = MappingProxyType(
         "replay/skipped": "1.0 when channel 3 was not computed (inputs absent or beta_replay=0), else 0.0",
         "replay/pairs": "preference pairs of this call; absent when the channel was skipped",
         "replay/accuracy": "fraction of pairs with a positive preference margin; absent when skipped",
+        "grad_norm/policy": "adapters, at logging steps: L2 norm of the policy term's gradient (before clipping)",
+        "grad_norm/sdpo": "adapters, at logging steps: L2 norm of alpha_sdpo*sdpo's gradient (0 when skipped)",
+        "grad_norm/replay": "adapters, at logging steps: L2 norm of beta_replay*replay's gradient (0 when skipped)",
     }
 )
 
+#: The per-channel gradient norms an adapter logs (never returned by ``compose_loss``: it has no parameters).
+GRAD_NORM_KEYS = frozenset({"grad_norm/policy", "grad_norm/sdpo", "grad_norm/replay"})
+
 #: Keys present only under an option (see :data:`METRIC_KEYS`).
-OPTIONAL_METRIC_KEYS = frozenset(
-    {"policy/skipped", "policy/kl", "policy/rollout_is_weight", "policy/dppo_masked", "taid/t"}
+OPTIONAL_METRIC_KEYS = (
+    frozenset({"policy/skipped", "policy/kl", "policy/rollout_is_weight", "policy/dppo_masked", "taid/t"})
+    | GRAD_NORM_KEYS
 )
 
 #: The prefix under which every adapter logs :data:`METRIC_KEYS` (``composer/loss/sdpo``); an adapter's own

@@ -8,7 +8,14 @@ rejected (l) actions.
 - robust DPO (Chowdhury et al., arXiv 2403.00409): ``[−(1−ε)·log σ(βh) + ε·log σ(−βh)] / (1−2ε)``.
 - IPO (Azar et al., arXiv 2310.12036): ``(h̄ − 1/(2β))²`` with h̄ from per-token-averaged log-probs (TRL).
 - SimPO (Meng et al., arXiv 2405.14734): ``−log σ(β·(ℓ̄θ^w − ℓ̄θ^l) − γ)``, ℓ̄ = ℓ/|y|, no reference model
-  and no NLL term (γ is the absolute margin; the paper's γ/β ratio times β).
+  (γ is the absolute margin; the paper's γ/β ratio times β).
+- RPO's NLL term (iterative RPO, Pang et al., arXiv 2404.19733, Eq. 3), option ``rpo_alpha`` = α of either
+  family: each pair's loss gains ``α · (−ℓθ^w / |y_w|)``, the chosen side's length-normalised NLL, as the paper
+  writes it per pair. The pairs are then reduced like the rest (Σ / normaliser: the global pair count).
+  TRL 1.16 writes RPO as ``DPOConfig(loss_type=["sigmoid", "sft"], loss_weights=[1, α])``, whose ``sft`` term
+  is the token mean over the micro-batch's chosen tokens, ``−Σ_p ℓθ^w_p / Σ_p |y_w,p|``: the same value when
+  every chosen answer has one length (tested against TRL's DPOTrainer on its own log-probs), a length-weighted average otherwise
+  (composer keeps each pair's weight 1/P so accumulation and processes stay exact).
 """
 
 from __future__ import annotations
@@ -82,6 +89,18 @@ def preference_margin(
     return (chosen_logps - ref_chosen_logps.detach()) - (rejected_logps - ref_rejected_logps.detach())
 
 
+def _with_nll(losses: Tensor, chosen_logps: Tensor, chosen_lengths: Tensor | None, alpha: float) -> Tensor:
+    """``losses + α · (−ℓθ^w / |y_w|)`` [P] (RPO's NLL term; unchanged for α = 0)."""
+    if alpha == 0.0:
+        return losses
+    if chosen_lengths is None:
+        raise ValueError(
+            "rpo_alpha > 0 needs `chosen_lengths` (the NLL term is per chosen token); pass the token counts."
+        )
+    lc = _check_lengths("chosen_lengths", chosen_lengths).to(chosen_logps.dtype)
+    return losses - alpha * chosen_logps / lc
+
+
 def dpo_loss(
     chosen_logps: Tensor,
     rejected_logps: Tensor,
@@ -101,8 +120,10 @@ def dpo_loss(
         ref_chosen_logps / ref_rejected_logps: [P] summed reference log-probs (detached).
         options: :class:`~composer_core.loss.config.DPO`, checked when it was built: ``beta`` β (TRL default
             0.1); ``loss_type`` ``"sigmoid"`` (DPO; cDPO when ``label_smoothing > 0``), ``"robust"``, ``"ipo"``;
-            ``label_smoothing`` ε ∈ [0, 0.5] for sigmoid, [0, 0.5) for robust, 0 for ipo.
-        chosen_lengths / rejected_lengths: [P] token counts; required by ``"ipo"`` only (per-token averages).
+            ``label_smoothing`` ε ∈ [0, 0.5] for sigmoid, [0, 0.5) for robust, 0 for ipo; ``rpo_alpha`` α ≥ 0,
+            the chosen side's NLL term (module docstring).
+        chosen_lengths / rejected_lengths: [P] token counts; required by ``"ipo"`` (per-token averages), and
+            ``chosen_lengths`` by ``rpo_alpha > 0``.
         reduction / normalizer: ``"mean"`` = Σ / (normalizer or P) — pass the global pair count for
             accumulation-exact gradients; ``"sum"``; ``"none"`` = [P].
     """
@@ -127,11 +148,11 @@ def dpo_loss(
             rejected_logps - ref_rejected_logps.detach()
         ) / lr
         losses = (h_bar - 1.0 / (2.0 * beta)) ** 2
-        return _reduce_pairs(losses, reduction, normalizer)
-    if chosen_lengths is not None or rejected_lengths is not None:
+        return _reduce_pairs(_with_nll(losses, chosen_logps, lc, options.rpo_alpha), reduction, normalizer)
+    if rejected_lengths is not None or (chosen_lengths is not None and options.rpo_alpha == 0.0):
         raise ValueError(
-            f"`chosen_lengths`/`rejected_lengths` are only used by loss_type='ipo', not {options.loss_type!r}; "
-            "drop them."
+            f"`chosen_lengths`/`rejected_lengths` are only used by loss_type='ipo' (and `chosen_lengths` by "
+            f"rpo_alpha > 0), not {options.loss_type!r}; drop them."
         )
     h = preference_margin(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps)
     logits = beta * h
@@ -139,7 +160,9 @@ def dpo_loss(
         losses = -F.logsigmoid(logits) * (1 - eps) - F.logsigmoid(-logits) * eps
     else:
         losses = (-F.logsigmoid(logits) * (1 - eps) + F.logsigmoid(-logits) * eps) / (1 - 2 * eps)
-    return _reduce_pairs(losses, reduction, normalizer)
+    return _reduce_pairs(
+        _with_nll(losses, chosen_logps, chosen_lengths, options.rpo_alpha), reduction, normalizer
+    )
 
 
 def simpo_loss(
@@ -152,7 +175,8 @@ def simpo_loss(
     reduction: Literal["mean", "sum", "none"] = "mean",
     normalizer: float | Tensor | None = None,
 ) -> Tensor:
-    """SimPO (arXiv 2405.14734): ``−log σ(β·(ℓθ^w/|y_w| − ℓθ^l/|y_l|) − γ)`` [P], reference-free, no NLL term.
+    """SimPO (arXiv 2405.14734): ``−log σ(β·(ℓθ^w/|y_w| − ℓθ^l/|y_l|) − γ)`` [P], reference-free; plus
+    ``rpo_alpha · (−ℓθ^w/|y_w|)`` per pair when ``options.rpo_alpha > 0`` (RPO's NLL term, module docstring).
 
     ``options``: :class:`~composer_core.loss.config.SimPO`, checked when it was built; ``gamma`` is the absolute
     target margin γ (= β·``gamma_beta_ratio`` in the SimPO repo; defaults β=2.0, γ=0.5 correspond to the paper's
@@ -167,5 +191,5 @@ def simpo_loss(
     lc = _check_lengths("chosen_lengths", chosen_lengths).to(chosen_logps.dtype)
     lr = _check_lengths("rejected_lengths", rejected_lengths).to(chosen_logps.dtype)
     logits = float(options.beta) * (chosen_logps / lc - rejected_logps / lr) - float(options.gamma)
-    losses = -F.logsigmoid(logits)
+    losses = _with_nll(-F.logsigmoid(logits), chosen_logps, lc, options.rpo_alpha)
     return _reduce_pairs(losses, reduction, normalizer)

@@ -1,0 +1,65 @@
+"""Channel 3 as trace replay of the student's own failures (``replay_pairs="on_policy"``), shared by the adapters.
+
+``"columns"`` (the default) reads both sides of a pair from the dataset's ``chosen``/``rejected`` columns, one pair
+per prompt. ``"on_policy"`` pairs each **failed** completion of the current group (reward below
+``success_reward_threshold``, the threshold SDPO's success context uses) with a teacher's answer to the same
+prompt, the row's ``chosen`` column: every failure of a group is one pair, a group without a failure gives none,
+and the replay normaliser stays the global pair count. ``chosen`` comes from wherever the user fills it: a
+``composer-replay`` records file (its ``chosen``: the teachers' accepted action, see
+:mod:`composer_core.traces.records`), a teacher column or the reference answer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from composer_core.loss.validation import check_choice, check_int
+
+__all__ = ["REPLAY_PAIRS", "ReplayPairOptions", "ReplayPairs", "check_on_policy_columns", "failed_rows"]
+
+ReplayPairs = Literal["columns", "on_policy"]
+REPLAY_PAIRS: tuple[str, ...] = get_args(ReplayPairs)
+#: the columns a ``"on_policy"`` pair never reads (its rejected side is the student's own completion)
+_REJECTED_COLUMNS = ("rejected", "rejected_mask", "ref_rejected_logps", "ref_rejected_logp")
+
+
+@dataclass(frozen=True)
+class ReplayPairOptions:
+    """Where channel 3's pairs come from (flat name ``replay_pairs``): ``"columns"`` or ``"on_policy"``."""
+
+    replay_pairs: ReplayPairs = "columns"
+
+    def __post_init__(self) -> None:
+        check_choice("replay_pairs", self.replay_pairs, REPLAY_PAIRS)
+
+
+def failed_rows(rewards: Sequence[float], group_size: int, threshold: float) -> list[int]:
+    """Indices of the completions that form an on-policy pair: reward < ``threshold``.
+
+    ``rewards``: one scalar per completion of the generation batch, groups of ``group_size`` consecutive rows
+    (all processes, in order). A NaN reward (unscorable) is no failure: nothing says the teacher's answer beats it.
+    """
+    check_int("group_size", group_size, low=1)
+    if len(rewards) % group_size:
+        raise ValueError(
+            f"{len(rewards)} rewards do not split into groups of {group_size} (num_generations)."
+        )
+    return [i for i, r in enumerate(rewards) if not math.isnan(float(r)) and float(r) < threshold]
+
+
+def check_on_policy_columns(columns: Collection[str]) -> None:
+    """Raise (one line with the fix) unless ``columns`` hold ``chosen`` and no rejected-side column."""
+    if "chosen" not in columns:
+        raise ValueError(
+            "replay_pairs='on_policy' needs a `chosen` column (a teacher's answer to the prompt: a composer-replay "
+            "record's `chosen`, a teacher column or the reference answer); add it or use replay_pairs='columns'."
+        )
+    extra = sorted(set(columns) & set(_REJECTED_COLUMNS))
+    if extra:
+        raise ValueError(
+            f"replay_pairs='on_policy' takes the rejected side from the student's failed completions, so {extra} "
+            "would be ignored: drop the column(s) or use replay_pairs='columns'."
+        )
