@@ -125,7 +125,7 @@ def grpo_config(args: SDPOConfig) -> ComposerGRPOConfig:
     mapped = {name: to(args) for name, to in SDPO_TO_COMPOSER.items()}
     if (
         args.distillation_weight == 0
-    ):  # plain policy gradient: no channel 2, its options stay composer's defaults
+    ):  # plain policy gradient: no channel 2, its options at composer's defaults
         keep = ("w_policy", "alpha_sdpo", "vllm_importance_sampling_correction")
         mapped = {k: v if k in keep else getattr(ComposerGRPOConfig, k, v) for k, v in mapped.items()}
     new.__dict__.update(mapped)
