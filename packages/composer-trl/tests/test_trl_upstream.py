@@ -4,7 +4,7 @@ composer's (``tests/upstream/derive.py`` derives both trees from a TRL checkout;
 TRL ships no tests in its sdist or wheel (``trl-1.16.0.tar.gz`` checked) and CI has no network, so this needs a
 checkout of https://github.com/huggingface/trl: ``COMPOSER_TRL_UPSTREAM=<checkout>`` (revision
 ``COMPOSER_TRL_UPSTREAM_REV``, default ``derive.DEFAULT_REV``). Without it the test is skipped. Each file runs twice
-in a subprocess (TRL's trainer, then composer's): the SDPO file whole (~6 min per run on 2 CPU cores), the GRPO file
+in a subprocess (TRL's trainer, then composer's): the SDPO file whole (8-12 min per run on 2 busy CPU cores), the GRPO file
 on the named subset ``GRPO_SUBSET``.
 """
 
