@@ -1,6 +1,7 @@
 """composer_trl: composer's 3-channel objective inside TRL's GRPOTrainer.
 
-Swap ``GRPOConfig``/``GRPOTrainer`` for :class:`ComposerGRPOConfig`/:class:`ComposerGRPOTrainer`.
+Swap ``GRPOConfig``/``GRPOTrainer`` for :class:`ComposerGRPOConfig`/:class:`ComposerGRPOTrainer`, and TRL's
+``trl.experimental.sdpo`` ``SDPOConfig``/``SDPOTrainer`` for :class:`ComposerSDPOConfig`/:class:`ComposerSDPOTrainer`.
 ``composer-train`` (:mod:`composer_trl.cli`) is the one-command demo and training entry point.
 """
 
@@ -9,10 +10,17 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = _version("composer-trl")
 
-__all__ = ["ComposerGRPOConfig", "ComposerGRPOTrainer", "__version__"]
+__all__ = [
+    "ComposerGRPOConfig",
+    "ComposerGRPOTrainer",
+    "ComposerSDPOConfig",
+    "ComposerSDPOTrainer",
+    "__version__",
+]
 
 if TYPE_CHECKING:
     from composer_trl.config import ComposerGRPOConfig
+    from composer_trl.sdpo import ComposerSDPOConfig, ComposerSDPOTrainer
     from composer_trl.trainer import ComposerGRPOTrainer
 
 
@@ -26,4 +34,8 @@ def __getattr__(name: str) -> Any:
         from composer_trl.trainer import ComposerGRPOTrainer
 
         return ComposerGRPOTrainer
+    if name in ("ComposerSDPOConfig", "ComposerSDPOTrainer"):
+        from composer_trl import sdpo
+
+        return getattr(sdpo, name)
     raise AttributeError(f"module 'composer_trl' has no attribute {name!r}")
