@@ -290,9 +290,14 @@ def bench(session: nox.Session, package: str) -> None:
 @nox.session(tags=["ci"])
 def demo(session: nox.Session) -> None:
     """The main job (README's first command): `composer-train` trains a tiny Qwen2 with the 3-channel
-    objective inside TRL on an embedded verifiable task; `nox -s demo -- --compare` runs the fair
-    comparison (GRPO, GRPO + SFT on the oracle answers, composer, each channel; 3 seeds; held-out eval)."""
+    objective inside TRL on an embedded verifiable task; `nox -s demo -- --compare [--seeds N --quick]` runs the
+    fair comparison, a benchmark script (`packages/composer-trl/bench/compare_tiny.py`: GRPO, GRPO + SFT on the
+    oracle answers, composer, each channel; 3 seeds; held-out eval; finished cells kept on a rerun)."""
     _install_package(session, "trl", extra="plot")
+    if "--compare" in session.posargs:
+        rest = [a for a in session.posargs if a != "--compare"]
+        session.run("python", str(Path(_pkg("trl")) / "bench" / "compare_tiny.py"), *rest)
+        return
     session.run("composer-train", *session.posargs)
 
 

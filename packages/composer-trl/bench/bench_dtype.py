@@ -1,6 +1,6 @@
 """bf16 against float32 per training step on the real model, side by side (issue 52's dtype question).
 
-Each cell is one ``composer_trl.compare_real`` cell (its own process: model load, the embedded addition task,
+Each cell is one ``compare_smollm2.py`` cell (its own process: model load, the embedded addition task,
 ``--steps`` optimiser steps, the held-out evaluation timed apart and left out), run once with TRL's default
 ``bf16=True`` (autocast over float32 weights) and once with ``bf16=False``, interleaved ``--repeats`` times for
 two runs of the comparison: plain GRPO and ``sdpo (success)`` (channel 2 on, EMA teacher). The table's ratio is
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from composer_trl.compare_real import QUICK, _spawn
+from compare_smollm2 import QUICK, spawn_cell
 
 RUNS = ("grpo", "sdpo (success)")
 DTYPES = {"float32": False, "bf16": True}
@@ -48,17 +48,16 @@ def _model_dir(small: bool, tmp: Path) -> tuple[str, str]:
 
 def _cell(run: str, bf16: bool, args: argparse.Namespace, model_dir: str, folder: Path, k: int) -> float:
     """Seconds per training step of one cell (evaluation excluded)."""
-    sizes = dict(QUICK) if args.small else {"held_out": 4}
-    trainer = {key: v for key, v in sizes.items() if key not in ("steps", "held_out")}
+    sizes = dict(QUICK) if args.small else {"held_out": 4, "validation": 4, "max_completion_length": 16}
+    trainer = {key: v for key, v in sizes.items() if key not in ("steps", "held_out", "validation")}
     work = folder / f"{run.replace(' ', '_')}-{'bf16' if bf16 else 'fp32'}-{k}"
     work.mkdir(parents=True)
     spec = {
-        "run": run, "seed": 0, "model": model_dir, "steps": args.steps, "held_out": sizes["held_out"],
-        "trainer": {**trainer, "bf16": bf16}, "threads": args.threads, "result": str(work / "cell.json"),
-        "work_dir": str(work / "out"),
+        "arm": run, "seed": 0, "model": model_dir, "steps": args.steps, "held_out": sizes["held_out"],
+        "validation": sizes["validation"], "trainer": trainer, "bf16": bf16, "device": "cpu",
+        "threads": args.threads, "result": str(work / "cell.cell.json"), "work_dir": str(work / "out"),
     }  # fmt: skip
-    _spawn(spec, work)
-    return float(json.loads((work / "cell.json").read_text())["seconds_per_step"])
+    return float(spawn_cell(spec, work)["seconds_per_step"])
 
 
 def main() -> None:

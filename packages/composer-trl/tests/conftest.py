@@ -123,3 +123,39 @@ def h() -> Any:
     from types import SimpleNamespace
 
     return SimpleNamespace(grpo_args=grpo_args, make_trainer=make_trainer, generation_batch=generation_batch)
+
+
+def _bench_module(name: str) -> Any:
+    """``bench/<name>.py`` loaded by path (bench/ holds scripts, not a package)."""
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses resolve their module's namespace through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def paired_stats() -> Any:
+    return _bench_module("paired_stats")
+
+
+@pytest.fixture(scope="session")
+def addition_budget() -> Any:
+    return _bench_module("addition_budget")
+
+
+@pytest.fixture(scope="session")
+def bench() -> Any:
+    """The comparison scripts of ``bench/`` loaded by path: ``bench.compare_tiny``, ``bench.compare_smollm2``,
+    ``bench.paired_stats`` and their shared ``bench._compare``, each registered under its file name (the scripts
+    import one another by it, as they do when run from ``bench/``)."""
+    import sys
+    from types import SimpleNamespace
+
+    names = ("_compare", "paired_stats", "compare_tiny", "compare_smollm2")
+    return SimpleNamespace(**{n: sys.modules.get(n) or _bench_module(n) for n in names})

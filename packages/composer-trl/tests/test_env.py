@@ -90,7 +90,6 @@ def test_env_flag_strings_and_yaml_env_var_block(tmp_path, monkeypatch) -> None:
         (["--reward_funcs", "m:f"], "--reward_funcs both given"),
         (["--hint_fn", "m:f"], "--hint_fn both given"),
         (["--dataset_name", "x.jsonl"], "--dataset_name both given"),
-        (["--compare"], "drop --env"),
     ],
 )
 def test_env_conflicting_flags_exit_2(tmp_path, capsys, extra, needle) -> None:

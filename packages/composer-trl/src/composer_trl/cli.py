@@ -6,7 +6,7 @@
 on the embedded digit-reversal task (:mod:`composer_core.tasks.digit_reversal`): reward from the verifier, hints from the
 verifier's feedback (channel 2), oracle answers as teacher traces (channel 3). It shows a progress bar
 (reward and each channel's loss), writes ``metrics-composer.jsonl``, a PNG plot, ``summary.json`` and the
-trained model, and prints where they are. ``--compare`` runs the fair comparison of :mod:`composer_trl.compare`.
+trained model, and prints where they are. The comparisons are benchmarks (``packages/composer-trl/bench/compare_*.py``).
 
 Arguments follow TRL's conventions: ``transformers.HfArgumentParser`` over
 :class:`~composer_trl.args.ComposerScriptArguments`, :class:`~composer_trl.args.ComposerModelConfig` (TRL's
@@ -64,7 +64,11 @@ SCRIPT_TO_RECIPE = {
 FILE_ALIASES = {"model": "model_name_or_path", "dataset": "dataset_name", "reward": "reward_funcs"}
 """composer's recipe keys → the TRL flag they mean (both spellings work in a config file)."""
 
-RUN_ONLY = {"config", "compare", "seeds", "quick", "no_plot", "threads", "overwrite_output_dir"}
+RUN_ONLY = {"config", "no_plot", "threads", "overwrite_output_dir"}
+COMPARE_MOVED = (
+    "--compare moved out of composer-train: run `nox -s demo -- --compare` (tiny model) or "
+    "`python packages/composer-trl/bench/compare_smollm2.py` (SmolLM2) from a checkout."
+)
 
 
 @dataclass
@@ -74,9 +78,6 @@ class Invocation:
     recipe: Recipe
     resume: str | None
     overwrite: bool
-    compare: bool
-    seeds: int
-    quick: bool
     plot: bool
     threads: int | None
 
@@ -126,6 +127,8 @@ def _explicit(argv: Sequence[str], parser: Any) -> list[str]:
 
 def parse(argv: Sequence[str]) -> Invocation:
     """Command line (+ ``--config`` file) → :class:`Invocation`; every mistake is one :class:`UsageError`."""
+    if any(str(a).split("=", 1)[0] == "--compare" for a in argv):
+        raise UsageError(COMPARE_MOVED)
     parser = build_parser()
     valid = sorted(a.dest for a in parser._actions if a.dest != "help")
     ns, rest = parser.parse_known_args(list(argv))
@@ -188,17 +191,11 @@ def _invocation(values: dict[str, Any]) -> Invocation:
         )
     if "save_steps" in recipe.trainer:
         recipe.trainer.setdefault("save_strategy", "steps")
-    _check_env_flags(recipe, compare=bool(run.get("compare", False)))
-    seeds = int(run.get("seeds", 3))
-    if seeds < 1:
-        raise UsageError(f"--seeds must be >= 1, got {seeds}.")
+    _check_env_flags(recipe)
     return Invocation(
         recipe=recipe,
         resume=str(resume) if resume else None,
         overwrite=bool(run.get("overwrite_output_dir", False)),
-        compare=bool(run.get("compare", False)),
-        seeds=seeds,
-        quick=bool(run.get("quick", False)),
         plot=not run.get("no_plot", False),
         threads=run.get("threads"),
     )
@@ -224,7 +221,7 @@ ENV_EXCLUDES = (("dataset", "--dataset_name"), ("reward", "--reward_funcs"), ("h
 """Recipe fields that ``--env`` replaces (the environment gives the prompts, the rewards and the hints)."""
 
 
-def _check_env_flags(recipe: Recipe, *, compare: bool) -> None:
+def _check_env_flags(recipe: Recipe) -> None:
     if recipe.env is None:
         return
     if not isinstance(recipe.env, str) or not recipe.env.strip():
@@ -235,8 +232,6 @@ def _check_env_flags(recipe: Recipe, *, compare: bool) -> None:
                 f"--env {recipe.env!r} and {flag} both given: the environment supplies the prompts, rewards "
                 f"and hints; drop {flag} or --env."
             )
-    if compare:
-        raise UsageError("--compare runs the embedded task's fair comparison; drop --env (or --compare).")
 
 
 def quiet_third_party_warnings() -> None:
@@ -274,10 +269,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if threads is not None:  # the tiny model runs ~10x faster on one thread than on contended cores
             torch.set_num_threads(threads)
         cpu_bf16_default(inv.recipe)
-        if inv.compare:
-            from composer_trl.compare import run_comparison
-
-            return run_comparison(inv)
         return train_once(inv)
     except EnvError as e:  # raised by the environment's reward/hint functions during training
         print(f"composer-train: error: --env: {e}", file=sys.stderr)
@@ -434,7 +425,7 @@ def model_directory(name: str) -> str:
         except ModelUnavailable as e:
             raise UsageError(f"--model_name_or_path {name!r}: {e}") from e
     if not Path(name).expanduser().is_dir():
-        raise UsageError(f"--model_name_or_path {name!r}: no such directory (the comparison runs offline).")
+        raise UsageError(f"--model_name_or_path {name!r}: no such directory.")
     return str(Path(name).expanduser())
 
 

@@ -53,8 +53,6 @@ OWNED_OUTPUTS = (
     "summary.json",
     "model",
     "trainer-*",
-    "comparison*",
-    "seed-*",
 )
 """What ``composer-train`` writes into its output directory (``--overwrite_output_dir`` removes only these)."""
 

@@ -65,46 +65,6 @@ def plot_runs(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str | Path,
     return _save(plt, fig, path)
 
 
-COMPARE_PANELS = (
-    ("exact_match", "held-out exact match (greedy)", "exact-match rate"),
-    ("partial_credit", "held-out mean partial credit (greedy)", "partial credit"),
-)
-
-
-def plot_comparison(report: Mapping[str, Any], path: str | Path, *, window: int = 10) -> Path:
-    """``comparison.json`` as a PNG: per run, the mean over seeds (line) and the min–max band over seeds.
-
-    Panels: held-out exact match, held-out partial credit (at the evaluation points, no smoothing) and the
-    training reward (``window``-step moving average per seed, then mean and band). Every run, baselines
-    included, is drawn on every panel.
-    """
-    plt = _require_matplotlib()
-    fig, axes = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
-    for i, (name, run) in enumerate(report["runs"].items()):
-        color = f"C{i}"
-        label = f"{name} (oracle answers: {run['sees_oracle_answers']})"
-        for ax, (key, _, _) in zip(axes[:2], COMPARE_PANELS):
-            curves = [[(r["step"], r[key]) for r in s["held_out"]] for s in run["seeds"]]
-            _band(ax, curves, color, label)
-        curves = []
-        for s in run["seeds"]:
-            pts = [(st, v) for st, v in s["train_reward"] if v is not None]
-            if pts:
-                steps, vals = zip(*pts)
-                curves.append(list(zip(steps, smooth(vals, window))))
-        _band(axes[2], curves, color, label)
-    n = len(report["seeds"])
-    titles = [t for _, t, _ in COMPARE_PANELS] + [f"training reward ({window}-step moving average)"]
-    ylabels = [y for _, _, y in COMPARE_PANELS] + ["training reward"]
-    for ax, title, ylabel in zip(axes, titles, ylabels):
-        ax.set_title(f"{title}; line: mean over {n} seeds, band: min–max", fontsize=9)
-        ax.set_ylabel(ylabel, fontsize=8)
-        ax.grid(alpha=0.3)
-    axes[0].legend(loc="best", fontsize=7)
-    axes[-1].set_xlabel("optimiser step")
-    return _save(plt, fig, path)
-
-
 def _save(plt: Any, fig: Any, path: str | Path) -> Path:
     fig.tight_layout()
     out = Path(path)
@@ -112,15 +72,3 @@ def _save(plt: Any, fig: Any, path: str | Path) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
-
-
-def _band(ax: Any, curves: Sequence[Sequence[tuple[int, float]]], color: str, label: str) -> None:
-    """Mean line and min–max band over curves, at the steps every curve has."""
-    if not curves:
-        return
-    common = sorted(set.intersection(*(set(s for s, _ in c) for c in curves)))
-    by = [dict(c) for c in curves]
-    vals = [[d[s] for d in by] for s in common]
-    mean = [sum(v) / len(v) for v in vals]
-    ax.plot(common, mean, color=color, linewidth=1.8, label=label, marker="o" if len(common) < 12 else None)
-    ax.fill_between(common, [min(v) for v in vals], [max(v) for v in vals], color=color, alpha=0.2)

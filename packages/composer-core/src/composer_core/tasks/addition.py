@@ -5,14 +5,21 @@ With the prompt ``"Compute 47 + 38. Reply with just the result."`` SmolLM2-135M-
 
 Rules (pure Python, one implementation for every host):
 
-- **answer** (:func:`extract_answer`): the first integer after the last ``=`` of the completion, else its first
-  integer; ``None`` when there is none.
+- **answer** (:func:`extract_answer`): the integer the reply states as its result — after its last result marker
+  (``=``, "equals", "is", "results in", ``:``), never an integer that starts an expression (``is 34 + 44``
+  restates the operands) — else the whole reply when it is one number other than an operand; ``None`` otherwise:
+  a reply cut off before its result (``"To compute 34 + 44, we simply add them together:"``, ``"34"``) has none.
 - **reward** (:func:`verify`): 1.0 for the exact sum; otherwise half the fraction of the sum's digits (aligned
   from the right) that the answer gets right, so a near miss earns partial credit and only the exact sum scores
   1 (``success_reward_threshold=1.0`` means "correct").
-- **feedback** (:func:`feedback`): the verifier's text on a wrong answer — which digit places are wrong and
-  whether the answer is too large or too small — without the sum itself (the SDPO teacher's ``feedback``);
-  ``None`` for a correct answer.
+- **feedback** (:func:`feedback`): the verifier's text on a wrong answer (the SDPO teacher's ``feedback``),
+  naming only the number the reply gave: which digit places are wrong, whether it is too large or too small, and
+  a carry hint when the units carry. It never states the sum, but all three are derived from it: partial
+  reference information (:data:`FEEDBACK_REVEALS`, the label a benchmark table uses). A reply without a result is
+  told exactly that; ``None`` for a correct answer.
+- **splits** (:func:`task_splits`): :data:`HELD_OUT_SIZE` held-out and :data:`VALIDATION_SIZE` validation sums
+  drawn once with fixed seeds — the same for every training seed — and training rows drawn per seed, all three
+  disjoint. Choices made by looking at results use the validation split, never the held-out one.
 - **reference** (:func:`reference_answer`): ``"47 + 38 = 85"``, the model's own format: the ``chosen`` of
   channel 3 and the SFT target of the information-matched baseline; ``rejected`` (:func:`wrong_answer`) is the
   sum without the carry.
@@ -22,11 +29,15 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Collection, Sequence
+from typing import Any, NamedTuple
 
 __all__ = [
+    "FEEDBACK_REVEALS",
+    "HELD_OUT_SIZE",
     "PROMPT",
+    "VALIDATION_SIZE",
+    "Splits",
     "addition_feedback",
     "addition_reward",
     "extract_answer",
@@ -35,13 +46,24 @@ __all__ = [
     "operands",
     "reference_answer",
     "split_rows",
+    "task_splits",
     "verify",
     "wrong_answer",
 ]
 
 PROMPT = "Compute {a} + {b}. Reply with just the result."
 _OPERANDS = re.compile(r"Compute (\d+) \+ (\d+)\.")
-_INT = re.compile(r"\d+")
+_RESULT = re.compile(
+    r"(?:=|\bequals?(?:\s+to)?\b|\bis\b|\bresults?\s+in\b|:)[\s*$]*(\d+)"
+    r"(?![\w-]|\s*(?:[-+*/×]|plus|and|minus|times)\s*\d)"  # not the first number of an expression
+)
+_BARE = re.compile(r"[\s*$]*(\d+)[\s*$.!]*")
+FEEDBACK_REVEALS = (
+    "verifier feedback: wrong digit places, direction, carry hint — partial reference information"
+)
+"""What :func:`feedback` tells the teacher, as a benchmark table labels it."""
+HELD_OUT_SIZE, VALIDATION_SIZE = 256, 128
+_SPLIT_SEED = 59_000  # the held-out sums; the validation sums use _SPLIT_SEED + 1
 
 
 def _text(prompt: Any) -> str:
@@ -65,11 +87,14 @@ def operands(prompt: Any) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
-def extract_answer(completion: str) -> int | None:
-    """The first integer after the last ``=``, else the first integer; None when the text has none."""
-    tail = completion.rsplit("=", 1)[-1] if "=" in completion else completion
-    found = _INT.search(tail)
-    return int(found.group()) if found else None
+def extract_answer(completion: str, operands: Collection[int] = ()) -> int | None:
+    """The integer after the reply's last result marker (not the start of an expression), else the whole reply
+    when it is one number other than the ``operands``; None when the reply states no result."""
+    found = [m.group(1) for m in _RESULT.finditer(completion)]
+    bare = _BARE.fullmatch(completion)
+    if found:
+        return int(found[-1])
+    return int(bare.group(1)) if bare and int(bare.group(1)) not in operands else None
 
 
 def _digit_pairs(want: int, got: int) -> list[tuple[str, str]]:
@@ -82,7 +107,7 @@ def _digit_pairs(want: int, got: int) -> list[tuple[str, str]]:
 def verify(prompt: Any, completion: Any) -> float:
     """1.0 for the exact sum, else 0.5 × the fraction of the sum's digits right (aligned from the right)."""
     a, b = operands(prompt)
-    got = extract_answer(_completion_text(completion))
+    got = extract_answer(_completion_text(completion), (a, b))
     if got is None:
         return 0.0
     if got == a + b:
@@ -94,9 +119,9 @@ def verify(prompt: Any, completion: Any) -> float:
 def feedback(prompt: Any, completion: Any) -> str | None:
     """The verifier's feedback on a wrong answer (never the sum itself); None when the answer is right."""
     a, b = operands(prompt)
-    got = extract_answer(_completion_text(completion))
+    got = extract_answer(_completion_text(completion), (a, b))
     if got is None:
-        return f"The reply has no number. Reply with the value of {a} + {b}."
+        return f"The reply does not state a result for {a} + {b}."
     if got == a + b:
         return None
     places = ("units", "tens", "hundreds", "thousands")
@@ -148,13 +173,30 @@ def make_rows(
     return rows
 
 
+class Splits(NamedTuple):
+    train: list[dict[str, Any]]
+    validation: list[dict[str, Any]]
+    held_out: list[dict[str, Any]]
+
+
+def task_splits(seed: int, n_train: int, *, chat: bool = True) -> Splits:
+    """``n_train`` training rows drawn with ``seed``; the validation and held-out rows are the same for every
+    seed (drawn once with fixed seeds); the three share no sum."""
+    held = make_rows(HELD_OUT_SIZE, seed=_SPLIT_SEED, chat=chat)
+    taken = [operands(r["prompt"]) for r in held]
+    validation = make_rows(VALIDATION_SIZE, seed=_SPLIT_SEED + 1, chat=chat, exclude=taken)
+    taken += [operands(r["prompt"]) for r in validation]
+    return Splits(make_rows(n_train, seed=seed, chat=chat, exclude=taken), validation, held)
+
+
 def split_rows(
     seed: int, n_train: int, n_held: int, *, chat: bool = True
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """``(train, held_out)``: disjoint sums; the held-out set depends on ``seed`` only through its own stream."""
-    held = make_rows(n_held, seed=10_000 + seed, chat=chat)
-    train = make_rows(n_train, seed=seed, chat=chat, exclude=[operands(r["prompt"]) for r in held])
-    return train, held
+    """``(train, held_out[:n_held])`` of :func:`task_splits`: the held-out prefix is the same for every seed."""
+    if not 1 <= n_held <= HELD_OUT_SIZE:
+        raise ValueError(f"n_held must lie in [1, {HELD_OUT_SIZE}], got {n_held}")
+    train, _, held = task_splits(seed, n_train, chat=chat)
+    return train, held[:n_held]
 
 
 def addition_reward(prompts: Sequence[Any], completions: Sequence[Any], **_: Any) -> list[float]:
