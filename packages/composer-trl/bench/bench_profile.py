@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _compare import cpu_has_bf16, machine, spawn, write_json  # noqa: E402
-from compare_smollm2 import ARMS, COMMON, MODEL, _model_dir, _trainer, budget, task_rows  # noqa: E402
+from _compare import cpu_has_bf16, machine, spawn, write_json
+from compare_smollm2 import ARMS, COMMON, MODEL, _model_dir, _trainer, budget, task_rows
 
 NO_NORMS = "composer, log_channel_grad_norms=False"
 _COMPOSER = next(a for a in ARMS if a.name == "composer")
