@@ -279,8 +279,11 @@ def run_child(spec_path: str) -> int:
                     _bare(trainer.model, x)
                 secs.append(time.perf_counter() - t)
             rows, width = x["ids"].shape
+            distinct = len(
+                {tuple(r.tolist()) for r in x["ids"]}
+            )  # a group's rows repeat (same prompt+answer)
             times[name] = {"median": statistics.median(secs[1:]), "runs": secs, "rows": rows, "width": width,
-                           "real_tokens": int(x["mask"].sum())}  # fmt: skip
+                           "real_tokens": int(x["mask"].sum()), "distinct_rows": distinct}  # fmt: skip
         result["extras"] = times
     Path(spec["result"]).write_text(json.dumps(result))
     return 0
@@ -421,7 +424,8 @@ def main() -> None:
                 )
             for k, v in ((e["floor_process"] or {}).get("extras") or {}).items():
                 print(
-                    f"  floor extra: {k:<34}{v['median']:>8.3f}  {v['rows']} x {v['width']} ({v['real_tokens']} real)"
+                    f"  floor extra: {k:<34}{v['median']:>8.3f}  {v['rows']} x {v['width']} ({v['real_tokens']} real, "
+                    f"{v['distinct_rows']} distinct rows)"
                 )
     out_dir = Path(os.environ.get("COMPOSER_BENCH_OUT", "bench-results"))
     out_dir.mkdir(parents=True, exist_ok=True)

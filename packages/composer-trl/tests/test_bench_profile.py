@@ -36,6 +36,7 @@ def test_profile_bench_runs_at_small_size(tmp_path: Path) -> None:
     extras = composer["floor_process"]["extras"]
     # a random model fails every sum: feedback contexts for the teacher, an on-policy pair per failure
     assert set(extras) == {"teacher hinted contexts (no-grad fwd)", "chosen side of pairs (fwd+bwd)"}
+    assert all(1 <= x["distinct_rows"] <= x["rows"] for x in extras.values())
     teacher = composer["arm"]["phase_medians"]["teacher forward"]
     t = extras["teacher hinted contexts (no-grad fwd)"]
     assert teacher["padded_tokens"] == t["rows"] * t["width"] and teacher["real_tokens"] == t["real_tokens"]
