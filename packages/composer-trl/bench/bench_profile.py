@@ -1,0 +1,437 @@
+"""Benchmark: where one training step's time goes on the real model, per arm, against each arm's floor (issue 63).
+
+SmolLM2-135M-Instruct on the addition task, the arms of ``compare_smollm2.py`` (same trainer settings, the measured
+completion budget of ``results/addition_budget.json``), float32 and bf16 (bf16 only where the CPU has
+AVX512-BF16). Each arm trains in its own process (its peak RSS is that process's) with the trainer's methods
+wrapped by a timing context (here only, nothing in ``src``); every phase records its exclusive seconds and the
+tokens it processed (rows x padded width, and real tokens). Phases: generation, scoring and batch building,
+teacher context building, pair building, old/ref log-prob forwards, the policy forward (with the chosen rows of
+on-policy pairs riding in it), SFT forward, teacher forward, loss math, backward, per-channel grad-norm logging,
+grad clipping, optimizer, EMA update, logging; ``other`` is the step minus them all. Median over the steps after
+the warm-up step.
+
+Floor of an arm = the plain GRPO step + a bare forward/backward (no-grad forward for a teacher) of exactly the
+extra sequences that arm's step built (its SFT sequences, the chosen side of its on-policy pairs, the teacher's
+hinted contexts), taken from the arm's last step and timed alone, in a process of its own that also trains plain
+GRPO (its peak RSS is the floor's). ``ratio = arm step / floor``; the target is <= 1.1.
+
+Writes ``bench_profile.json`` to ``$COMPOSER_BENCH_OUT`` (default ./bench-results); ``--small`` is CI's check that
+it works (a tiny random model with SmolLM2's tokenizer, 2 steps, grpo and composer, float32).
+
+    python packages/composer-trl/bench/bench_profile.py [--steps 4] [--threads 2] [--dtype both] [--small]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _compare import cpu_has_bf16, machine, spawn, write_json
+from compare_smollm2 import ARMS, COMMON, MODEL, _model_dir, _trainer, budget, task_rows
+
+NO_NORMS = "composer, log_channel_grad_norms=False"
+_COMPOSER = next(a for a in ARMS if a.name == "composer")
+PROFILED = (
+    *ARMS,
+    replace(_COMPOSER, name=NO_NORMS, overrides={**_COMPOSER.overrides, "log_channel_grad_norms": False}),
+)
+"""The comparison's arms, plus composer without the per-channel gradient norms (logged every step here:
+``logging_steps=1``), which splits their cost from the channels'."""
+DEFAULT_ARMS = ("grpo", "sdpo (success)", "sdpo (success + feedback)", "grpo+sft", "grpo+replay", "composer",
+                NO_NORMS)  # fmt: skip
+SMALL: dict[str, Any] = {"steps": 2, "arms": ("grpo", "composer"), "dtypes": ("float32",),
+                         "trainer": {"per_device_train_batch_size": 4, "num_generations": 2,
+                                     "max_completion_length": 8}}  # fmt: skip
+TARGET = 1.1
+EXTRA_REPEATS = 5
+CALLERS = {
+    "_compute_loss": "policy forward",
+    "_fill_sdpo": "teacher forward (sampled)",
+    "_pair_logps": "pair forward",
+    "_generate_and_score_completions": "old/ref log-prob forward",
+}
+"""``_get_per_token_logps_and_entropies``: the phase of each caller."""
+
+
+# ------------------------------------------------------------------------------------------------ timing
+
+
+class Profile:
+    """Exclusive seconds and tokens per phase per step (a phase nested in another is subtracted from it)."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, list[float]]] = []
+        self.starts: list[float] = []
+        self.stack: list[list[float]] = []
+
+    @contextmanager
+    def phase(self, name: str, rows: int = 0, width: int = 0, real: int = 0) -> Any:
+        self.stack.append([0.0])
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            total = time.perf_counter() - start
+            child = self.stack.pop()[0]
+            if self.stack:
+                self.stack[-1][0] += total
+            if self.steps:
+                cell = self.steps[-1].setdefault(name, [0.0, 0, 0, 0])
+                cell[0] += total - child
+                cell[1] += 1
+                cell[2] += rows * width
+                cell[3] += real
+
+    def wrap(self, obj: Any, attr: str, name: str | None = None, tokens: Any = None) -> None:
+        """Replace ``obj.attr`` by a timed call (``name``: the phase, or by caller; ``tokens(args, kwargs)``)."""
+        fn = getattr(obj, attr)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            phase = name or CALLERS.get(sys._getframe(1).f_code.co_name, f"forward ({attr})")
+            rows, width, real = tokens(args, kwargs) if tokens is not None else (0, 0, 0)
+            with self.phase(phase, rows, width, real):
+                return fn(*args, **kwargs)
+
+        setattr(obj, attr, timed)
+
+
+def _ids_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, int, int]:
+    ids, mask = args[1], args[2]
+    return ids.size(0), ids.size(1), int(mask.sum())
+
+
+def _teacher_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, int, int]:
+    inputs = args[2]
+    rows = inputs["composer_has_hint"].nonzero().squeeze(-1)
+    width = inputs["composer_hint_ids"].size(1) + inputs["completion_ids"].size(1)
+    real = inputs["composer_hint_mask"][rows].sum() + inputs["completion_mask"][rows].sum()
+    return rows.numel(), width, int(real)
+
+
+def _sft_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, int, int]:
+    ids = args[1]["sft_ids"]
+    return ids.size(0), ids.size(1), int(args[1]["sft_attn"].sum())
+
+
+def instrument(trainer: Any, prof: Profile, kind: str, captured: dict[str, Any]) -> None:
+    """Wrap the trainer's phases (this process only) and keep the last micro-batch's inputs in ``captured``."""
+    import composer_trl.trainer as ct
+    from transformers import TrainerCallback
+
+    p = prof
+    p.wrap(trainer, "_generate_and_score_completions", "scoring + batch building")
+    p.wrap(trainer, "_generate", "generation")
+    p.wrap(trainer, "_get_per_token_logps_and_entropies", None, _ids_tokens)
+    p.wrap(trainer.accelerator, "backward", "backward")
+    p.wrap(trainer.accelerator, "clip_grad_norm_", "grad clip")
+    p.wrap(trainer, "log", "logging (trainer.log)")
+    loss = trainer.compute_loss
+    p.wrap(trainer, "_compute_loss", "loss math + metrics")
+    if kind == "sft":
+        p.wrap(trainer, "compute_loss", "SFT forward + NLL", _sft_tokens)
+    if kind == "composer":
+        p.wrap(trainer, "_fill_sdpo", "teacher forward", _teacher_tokens)
+        p.wrap(trainer, "_build_group_contexts", "teacher context building")
+        p.wrap(trainer, "_build_hints", "teacher context building")
+        p.wrap(trainer, "_build_pairs", "pair building")
+        p.wrap(trainer._grad_norms, "add", "grad-norm logging")
+        p.wrap(trainer._grad_norms, "log", "grad-norm logging")
+        for cb in trainer.callback_handler.callbacks:
+            if type(cb).__name__ == "_SDPOTeacherCallback":
+                p.wrap(cb, "on_step_end", "EMA teacher update")
+        original = ct.composer_trl_loss
+        ct.composer_trl_loss = lambda *a, **k: _timed(p, "composer loss (core)", original, *a, **k)
+    inner = trainer._compute_loss
+
+    def keep(model: Any, inputs: dict[str, Any]) -> Any:
+        captured.clear()
+        captured.update({k: v.detach().cpu() for k, v in inputs.items() if hasattr(v, "detach")})
+        return inner(model, inputs)
+
+    trainer._compute_loss = keep
+    del loss
+
+    class Steps(TrainerCallback):  # type: ignore[misc]
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            p.starts.append(time.perf_counter())
+            p.steps.append({})
+
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self.t = time.perf_counter()
+
+        def on_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            p.steps[-1].setdefault("optimizer", [0.0, 0, 0, 0])[0] += time.perf_counter() - self.t
+            p.steps[-1]["optimizer"][1] += 1
+
+    trainer.add_callback(Steps())
+
+
+def _timed(p: Profile, name: str, fn: Any, *a: Any, **k: Any) -> Any:
+    with p.phase(name):
+        return fn(*a, **k)
+
+
+# ------------------------------------------------------------------------------------------------ children
+
+
+def _load(spec: dict[str, Any]) -> tuple[Any, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    torch.set_num_threads(int(spec["threads"]))
+    tok = AutoTokenizer.from_pretrained(spec["model"], padding_side="left")
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    if not spec["small"]:
+        return AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32), tok
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)  # fmt: skip
+    return AutoModelForCausalLM.from_config(cfg), tok
+
+
+def _extras(kind: str, arm: Any, inp: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The extra sequences of an arm's step: ``{name: {ids, mask, keep, grad}}`` (keep: scored positions)."""
+    import torch
+
+    out: dict[str, dict[str, Any]] = {}
+    if kind == "sft":
+        ids, attn, target = inp["sft_ids"], inp["sft_attn"], inp["sft_target"]
+        first = int(target.float().argmax(-1).min())  # the earliest answer position
+        out["SFT sequences (fwd+bwd)"] = {"ids": ids, "mask": attn, "keep": ids.size(1) - first, "grad": True}
+    if kind != "composer":
+        return out
+    if "composer_has_hint" in inp and bool(inp["composer_has_hint"].any()):
+        rows = inp["composer_has_hint"].nonzero().squeeze(-1)
+        ids = torch.cat([inp["composer_hint_ids"][rows], inp["completion_ids"][rows]], 1)
+        mask = torch.cat([inp["composer_hint_mask"][rows], inp["completion_mask"][rows]], 1)
+        out["teacher hinted contexts (no-grad fwd)"] = {"ids": ids, "mask": mask, "keep": 0, "grad": False}
+    if "composer_has_pair" in inp and bool(inp["composer_has_pair"].any()):
+        rows = inp["composer_has_pair"].nonzero().squeeze(-1)
+        on_policy = arm.overrides.get("replay_pairs") == "on_policy"
+        sides = ("chosen",) if on_policy else ("chosen", "rejected")
+        pair = torch.cat([inp[f"composer_{s}_ids"][rows] for s in sides])
+        pattn = torch.cat([inp[f"composer_{s}_attn"][rows] for s in sides])
+        ids = torch.cat([torch.cat([inp["prompt_ids"][rows]] * len(sides)), pair], 1)
+        mask = torch.cat([torch.cat([inp["prompt_mask"][rows]] * len(sides)), pattn], 1)
+        name = "chosen side of pairs (fwd+bwd)" if on_policy else "pairs (fwd+bwd)"
+        out[name] = {"ids": ids, "mask": mask, "keep": pair.size(1), "grad": True}
+    return out
+
+
+def _bare(model: Any, x: dict[str, Any]) -> None:
+    """A bare forward (+ backward of the summed log-probs of the scored positions) on ``x``'s sequences."""
+    import torch
+    from trl.trainer.utils import selective_log_softmax
+
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    with torch.set_grad_enabled(x["grad"]):
+        hidden = base(input_ids=x["ids"], attention_mask=x["mask"], use_cache=False).last_hidden_state
+        if not x["grad"]:
+            return
+        k = int(x["keep"])
+        logits = model.get_output_embeddings()(hidden[:, -k - 1 : -1]).float()
+        selective_log_softmax(logits, x["ids"][:, -k:]).sum().backward()
+    model.zero_grad(set_to_none=True)
+
+
+def run_child(spec_path: str) -> int:
+    """One arm (``spec["role"] == "arm"``) or one floor (``"floor"``): writes ``spec["result"]``."""
+    import torch
+
+    spec = json.loads(Path(spec_path).read_text())
+    model, tok = _load(spec)
+    arm = next(a for a in PROFILED if a.name == spec["arm"])
+    run_arm = arm if spec["role"] == "arm" else next(a for a in PROFILED if a.name == "grpo")
+    need = int(spec["trainer"]["per_device_train_batch_size"]) // int(spec["trainer"]["num_generations"])
+    train, _, _ = task_rows(0, need * (spec["steps"] + 1))
+    trainer = _trainer(spec, run_arm, model, tok, train)
+    prof, captured = Profile(), {}
+    instrument(trainer, prof, run_arm.kind, captured)
+    start = time.perf_counter()
+    trainer.train()
+    prof.starts.append(time.perf_counter())
+    result: dict[str, Any] = {"train_seconds": prof.starts[-1] - start}
+    result["step_seconds"] = [b - a for a, b in zip(prof.starts, prof.starts[1:])]
+    result["phases"] = prof.steps
+    if spec["role"] == "arm":
+        torch.save(_extras(arm.kind, arm, captured), spec["extras"])
+    else:
+        extras = torch.load(spec["extras"])
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(spec["bf16"]))
+        times: dict[str, Any] = {}
+        for name, x in extras.items():
+            secs = []
+            for _ in range(EXTRA_REPEATS + 1):
+                t = time.perf_counter()
+                with autocast:
+                    _bare(trainer.model, x)
+                secs.append(time.perf_counter() - t)
+            rows, width = x["ids"].shape
+            distinct = len(
+                {tuple(r.tolist()) for r in x["ids"]}
+            )  # a group's rows repeat (same prompt+answer)
+            times[name] = {"median": statistics.median(secs[1:]), "runs": secs, "rows": rows, "width": width,
+                           "real_tokens": int(x["mask"].sum()), "distinct_rows": distinct}  # fmt: skip
+        result["extras"] = times
+    Path(spec["result"]).write_text(json.dumps(result))
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ the parent
+
+
+def _phase_medians(phases: list[dict[str, list[float]]]) -> dict[str, dict[str, float]]:
+    measured = phases[1:] or phases  # after the warm-up step
+    names = sorted({n for s in measured for n in s})
+    return {
+        n: {
+            "seconds": statistics.median(s.get(n, [0.0])[0] for s in measured),
+            "calls": statistics.median(s.get(n, [0, 0])[1] for s in measured),
+            "padded_tokens": statistics.median(s.get(n, [0, 0, 0])[2] for s in measured),
+            "real_tokens": statistics.median(s.get(n, [0, 0, 0, 0])[3] for s in measured),
+        }
+        for n in names
+    }
+
+
+def _spawn(spec: dict[str, Any], tmp: Path) -> dict[str, Any]:
+    name = f"{spec['role']}-{spec['arm']}-{spec['dtype']}".replace(" ", "_").replace("/", "_")
+    spec = {**spec, "result": str(tmp / f"{name}.json"), "work_dir": str(tmp / name)}
+    path = tmp / f"{name}.spec.json"
+    path.write_text(json.dumps(spec))
+    code, rss = spawn([__file__, "--child", str(path)], tmp / f"{name}.log")
+    if code != 0:
+        raise SystemExit(
+            f"bench_profile: {name} failed (exit {code}):\n{(tmp / f'{name}.log').read_text()[-3000:]}"
+        )
+    result: dict[str, Any] = json.loads(Path(spec["result"]).read_text())
+    result["peak_rss_mib"] = rss
+    return result
+
+
+def profile_dtype(base: dict[str, Any], arms: list[str], tmp: Path) -> dict[str, Any]:
+    """Every arm and its floor at one dtype."""
+    out: dict[str, Any] = {}
+    for name in arms:
+        extras = str(tmp / f"extras-{name}-{base['dtype']}.pt".replace(" ", "_"))
+        r = _spawn({**base, "role": "arm", "arm": name, "extras": extras}, tmp)
+        r["median_step_seconds"] = statistics.median(r["step_seconds"][1:] or r["step_seconds"])
+        r["phase_medians"] = ph = _phase_medians(r.pop("phases"))
+        rest = r["median_step_seconds"] - sum(v["seconds"] for v in ph.values())
+        ph["other (trainer loop)"] = {"seconds": rest, "calls": 0, "padded_tokens": 0, "real_tokens": 0}
+        f = _spawn({**base, "role": "floor", "arm": name, "extras": extras}, tmp) if name != "grpo" else None
+        out[name] = {"arm": r, "floor_process": f}
+        print(f"[bench_profile] {base['dtype']} {name}: {r['median_step_seconds']:.3f} s/step", flush=True)
+    grpo = out["grpo"]["arm"]["median_step_seconds"]
+    for entry in out.values():
+        f = entry["floor_process"]
+        extra = sum(x["median"] for x in f["extras"].values()) if f else 0.0
+        entry["floor_seconds"] = grpo + extra
+        entry["ratio"] = entry["arm"]["median_step_seconds"] / entry["floor_seconds"]
+        entry["floor_rss_mib"] = f["peak_rss_mib"] if f else entry["arm"]["peak_rss_mib"]
+    return out
+
+
+def _rows(results: dict[str, Any]) -> list[list[Any]]:
+    rows = []
+    for dtype, arms in results.items():
+        for name, e in arms.items():
+            ph = e["arm"]["phase_medians"]
+            top = sorted(ph.items(), key=lambda kv: -kv[1]["seconds"])[:3]
+            rows.append([dtype, name, round(e["arm"]["median_step_seconds"], 3), round(e["floor_seconds"], 3),
+                         round(e["ratio"], 3), round(e["arm"]["peak_rss_mib"]), round(e["floor_rss_mib"]),
+                         ", ".join(f"{k} {v['seconds']:.2f}" for k, v in top)])  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=4, help="training steps per arm (the first is the warm-up)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads")
+    p.add_argument("--dtype", choices=("both", "float32", "bf16"), default="both",
+                   help="both: float32, and bf16 where the CPU has AVX512-BF16")  # fmt: skip
+    p.add_argument(
+        "--arms",
+        nargs="+",
+        default=list(DEFAULT_ARMS),
+        choices=[a.name for a in PROFILED],
+        help="arms of compare_smollm2.py (+ composer without grad-norm logging)",
+    )
+    p.add_argument("--budget", type=int, help="completion tokens (default: results/addition_budget.json's)")
+    p.add_argument("--small", action="store_true", help="tiny model, 2 steps, grpo and composer: CI's check")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        sys.exit(run_child(args.child))
+    dtypes = ["float32", "bf16"] if args.dtype == "both" else [args.dtype]
+    dtypes = [d for d in dtypes if d == "float32" or cpu_has_bf16()]
+    arms = list(args.arms)
+    if args.small:
+        args.budget = SMALL["trainer"]["max_completion_length"]
+        args.steps, arms, dtypes = SMALL["steps"], list(SMALL["arms"]), list(SMALL["dtypes"])
+    trainer = {
+        **COMMON,
+        "max_completion_length": args.budget or budget(),
+        **(SMALL["trainer"] if args.small else {}),
+    }
+    if "grpo" not in arms:
+        p.error("--arms: the floors need 'grpo' (the plain GRPO step)")
+    base = {"model": _model_dir(MODEL), "small": args.small, "steps": args.steps, "threads": args.threads,
+            "trainer": trainer, "seed": 0, "device": "cpu"}  # fmt: skip
+    results: dict[str, Any] = {}
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        for dtype in dtypes:
+            results[dtype] = profile_dtype({**base, "dtype": dtype, "bf16": dtype == "bf16"}, arms, Path(tmp))
+    rows = _rows(results)
+    data = {
+        "model": "tiny random Llama (SmolLM2 tokenizer)" if args.small else MODEL,
+        "small": args.small, "steps": args.steps, "trainer": trainer, "target_ratio": TARGET,
+        "seconds": time.perf_counter() - started, "results": results,
+        "machine": machine(args.threads),
+        "readme": {
+            "title": f"One training step by phase, {MODEL} on addition, {trainer['per_device_train_batch_size']} "
+                     f"completions x {trainer['max_completion_length']} tokens, CPU {args.threads} threads "
+                     f"(median of {args.steps - 1} steps after a warm-up; floor = GRPO step + the arm's extra "
+                     "sequences alone)",
+            "columns": ["dtype", "arm", "s/step", "floor s", "step/floor", "peak RSS MiB", "floor RSS MiB",
+                        "largest phases (s)"],
+            "rows": rows,
+        },
+    }  # fmt: skip
+    print(f"\n{'dtype':<8}{'arm':<28}{'s/step':>8}{'floor':>8}{'ratio':>7}{'RSS':>7}{'floorRSS':>9}")
+    for r in rows:
+        flag = "" if r[4] <= TARGET else "  > target"
+        print(f"{r[0]:<8}{r[1]:<28}{r[2]:>8.3f}{r[3]:>8.3f}{r[4]:>7.3f}{r[5]:>7}{r[6]:>9}{flag}")
+    for dtype, arms_ in results.items():
+        for name, e in arms_.items():
+            print(f"\n{dtype} {name}: phases (median s, calls, padded tokens, real tokens)")
+            for k, v in sorted(e["arm"]["phase_medians"].items(), key=lambda kv: -kv[1]["seconds"]):
+                print(
+                    f"  {k:<34}{v['seconds']:>8.3f}{v['calls']:>6g}{v['padded_tokens']:>9g}{v['real_tokens']:>9g}"
+                )
+            for k, v in ((e["floor_process"] or {}).get("extras") or {}).items():
+                print(
+                    f"  floor extra: {k:<34}{v['median']:>8.3f}  {v['rows']} x {v['width']} ({v['real_tokens']} real, "
+                    f"{v['distinct_rows']} distinct rows)"
+                )
+    out_dir = Path(os.environ.get("COMPOSER_BENCH_OUT", "bench-results"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_json(out_dir / "bench_profile.json", data)
+    print(f"wrote {(out_dir / 'bench_profile.json').resolve()}")
+
+
+if __name__ == "__main__":
+    main()

