@@ -96,7 +96,7 @@ class ProducerConfig(TeacherContextOptions):
         if self.replay_pairs == "on_policy" and self.pair_source != "dataset":
             raise ValueError(
                 f"composer.replay_pairs=on_policy pairs each failed response with its row's `chosen` column: set "
-                f"composer.pair_source=dataset (it is {self.pair_source!r}) or use replay_pairs=columns."
+                f"composer.pair_source=dataset (it is {self.pair_source!r}) or use composer.replay_pairs=columns."
             )
         has_text = self.hint_fn is not None or self.env is not None
         if self.sdpo_teacher_context == "success" and has_text:
