@@ -568,7 +568,10 @@ def run(args: argparse.Namespace) -> int:
         "design": design, "seeds": list(range(args.seeds)), "machine": machine(args.threads),
     }  # fmt: skip
     todo = [("step 0", 0)] + [(a.name, s) for s in range(args.seeds) for a in ARMS]
+    shard, shards = args.shard
     for k, (arm, seed) in enumerate(todo):
+        if (k + seed) % shards != shard:  # + seed: each shard gets every arm over the seeds
+            continue
         result = folder / ("step0.cell.json" if arm == "step 0" else f"{_slug(arm)}--seed{seed}.cell.json")
         if result.is_file():
             print(
@@ -600,6 +603,13 @@ def _write(out: Path, meta: dict[str, Any]) -> dict[str, Any]:
     return rep
 
 
+def _shard(text: str) -> tuple[int, int]:
+    i, _, n = text.partition("/")
+    if not (i.isdigit() and n.isdigit() and int(i) < int(n)):
+        raise argparse.ArgumentTypeError(f"--shard takes I/N with 0 <= I < N (e.g. 0/2), got {text!r}")
+    return int(i), int(n)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument(
@@ -616,6 +626,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch CPU threads per cell")
     p.add_argument("--budget", type=int, default=None,
                    help="completion tokens (default: chosen_budget of results/addition_budget.json, the design's)")  # fmt: skip
+    p.add_argument("--shard", type=_shard, default=(0, 1), metavar="I/N",
+                   help="run only cells k with (k + seed) %% N == I (N processes fill one --output_dir side by side)")  # fmt: skip
     p.add_argument(
         "--dry_run", action="store_true", help="run no cell: rebuild the JSON from the cells present"
     )
