@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from composer_core import ComposerBatch, compose_loss
-from composer_core.testing.teacher_server import ChatServer
+from composer_testkit.teacher_server import ChatServer
 from composer_core.traces.hints import error_text_hint, render_plain
 from composer_core.traces.pair_batch import collate_pairs, sequence_logps
 from composer_core.traces.records import read_records, write_records
