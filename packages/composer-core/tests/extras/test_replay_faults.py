@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from composer_testkit.teacher_server import BAD_PAYLOADS, ChatServer
 from composer_core.traces.records import read_records
 from composer_core.traces.replay import KILL_ENV, ReplayCache, Replayer, ReplayJob, TeacherConfig, redact
 from composer_core.traces.schema import Episode, Message, ToolCall, write_openai_jsonl
+from composer_testkit.teacher_server import BAD_PAYLOADS, ChatServer
 
 # URL-encoding changes '/', '+' and '=', so the encoded form differs from the raw key
 SECRET = "sk-Zq7/Xw+Lm9=Rt4Pv2Ks8Nd6Hy3Jb5Wc1"
