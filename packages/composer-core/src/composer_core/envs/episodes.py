@@ -246,10 +246,7 @@ def feedback_hint(ep_or_feedback: EnvEpisode | str | None = None) -> HintSource:
 
 
 def episode_records(
-    ep: EnvEpisode,
-    *,
-    hint_role: Literal["user", "system"] = "user",
-    pairs: bool = True,
+    ep: EnvEpisode, *, hint_role: Literal["user", "system"] = "user", pairs: bool = True
 ) -> list[TraceRecord]:
     """Training records of one episode (the :mod:`composer_core.traces.records` schema).
 

@@ -26,12 +26,7 @@ from composer_core.loss.distill import (
     jsd_kernel,
     logits_loss,
 )
-from composer_core.loss.validation import (
-    check_int,
-    check_number,
-    check_positive,
-    check_probability,
-)
+from composer_core.loss.validation import check_int, check_number, check_positive, check_probability
 
 __all__ = ["TAIDScheduler", "entropy_opd_kernel", "entropy_opd_loss", "taid_kernel", "taid_loss"]
 

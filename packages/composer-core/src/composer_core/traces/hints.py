@@ -191,11 +191,7 @@ class HintedContext:
 
 
 def build_hinted_context(
-    episode: Episode,
-    site: ErrorSite,
-    source: HintSource,
-    *,
-    role: Literal["user", "system"] = "user",
+    episode: Episode, site: ErrorSite, source: HintSource, *, role: Literal["user", "system"] = "user"
 ) -> HintedContext:
     """Teacher context = the student's context plus one ``role`` hint message right before the faulty action."""
     if role not in ("user", "system"):

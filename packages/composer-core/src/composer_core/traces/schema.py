@@ -388,8 +388,7 @@ _TEST_FAILURE = [
     re.compile(r"^test result: FAILED\.", re.M),  # cargo test
 ]
 _EXIT_CODE = re.compile(
-    r"(?:exit(?:ed)?(?: with)? (?:code|status)|returncode|return code)\s*[:=]?\s*(-?\d+)",
-    re.I,
+    r"(?:exit(?:ed)?(?: with)? (?:code|status)|returncode|return code)\s*[:=]?\s*(-?\d+)", re.I
 )
 _TOOL_ERROR = [
     re.compile(r"^Traceback \(most recent call last\):", re.M),
