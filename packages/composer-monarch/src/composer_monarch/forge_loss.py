@@ -51,8 +51,7 @@ TARGETS: dict[str, str] = {
 }
 
 
-#: Options in which the bare constructor differs from ``compose_loss``'s defaults, so that
-#: ``ComposerLoss()`` is TorchForge's ``simple_grpo_loss``: per-sequence mean (``"grpo"``), k3 KL, β = 0.1.
+#: Where ``ComposerLoss()`` differs from ``compose_loss``'s defaults to be TorchForge's ``simple_grpo_loss``.
 FORGE_DEFAULTS: dict[str, Any] = {"loss_type": "grpo", "kl_beta": 0.1, "kl_estimator": "k3"}
 
 
@@ -66,13 +65,8 @@ class ComposerLoss:
         temperature: logits are divided by it before the log-softmax (match the sampler's), in the
             logits' dtype and then upcast to float32, in TorchForge's order (``compute_logprobs``).
         **options: any keyword of ``composer_core.compose_loss`` (``alpha_sdpo``, ``beta_replay``,
-            ``loss_type``, ``epsilon_low``, ``kl_beta``, ``sdpo_beta``, ``dpo_variant`` …). Unset,
-            ``loss_type``, ``kl_beta`` and ``kl_estimator`` take :data:`FORGE_DEFAULTS` (TorchForge's
-            GRPO: ``"grpo"``, 0.1, ``"k3"``), the rest ``compose_loss``'s defaults. So the bare
-            ``ComposerLoss()`` is a drop-in for ``simple_grpo_loss`` (with TorchForge's targets only,
-            channels 2 and 3 have no inputs and are skipped); ``kl_beta=0.0`` turns the KL term off.
-            ``w_policy`` weighs channel 1 (``total = w_policy·policy + α·sdpo + β·replay``); ``w_policy=0`` is
-            pure self-distillation: the policy term is not computed and the KL defaults are not applied.
+            ``loss_type``, ``kl_beta``, ``sdpo_beta``, ``dpo_variant`` …); unset, :data:`FORGE_DEFAULTS`, then
+            ``compose_loss``'s. ``w_policy=0`` is pure self-distillation: no policy term, no KL defaults.
 
     After each call ``last_result`` holds the ``ComposeResult`` (per-channel losses and metrics).
     """
@@ -82,11 +76,9 @@ class ComposerLoss:
             raise ValueError(f"temperature={temperature}: must be > 0")
         self.align = align
         self.temperature = float(temperature)
-        # w_policy=0 (pure self-distillation) computes no policy term, so TorchForge's KL default does not apply
         pure = "w_policy" in options and coerce_option("w_policy", options["w_policy"]) == 0
         defaults = {k: v for k, v in FORGE_DEFAULTS.items() if not (pure and k.startswith("kl_"))}
         self.options = {**defaults, **options}
-        # composer_core's typed config, built (and validated) once here; the per-call normalisers stay apart
         self.normalizers = {k: self.options[k] for k in PER_CALL if k in self.options}
         try:
             self.config = ComposeConfig.from_flat(
