@@ -198,15 +198,7 @@ def episode_error_sites(ep: EnvEpisode) -> list[ErrorSite]:
     """The environment's replies that carry feedback, as error sites (see the module docstring)."""
     env = str(ep.episode.metadata.get("env", "env"))
     return [
-        ErrorSite(
-            episode_id=ep.episode.id,
-            turn=reply,
-            action_turn=action,
-            tool_call_id=f"step-{k}",
-            tool_name=env,
-            kinds=("env_feedback",),
-            evidence=feedback,
-        )
+        ErrorSite(ep.episode.id, reply, action, f"step-{k}", env, ("env_feedback",), feedback)
         for k, (action, reply) in enumerate(_step_turns(ep))
         if reply is not None and (feedback := ep.steps[k].feedback) and feedback.strip()
     ]

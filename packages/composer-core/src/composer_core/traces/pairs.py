@@ -129,16 +129,9 @@ def make_pair(
         return None
     voters = tuple(t for (t, _), k in zip(pool, keys) if k == best_key)
     chosen = pool[keys.index(best_key)][1]
+    state = episode.messages[:turn]
     return PreferencePair(
-        episode.id,
-        turn,
-        episode.messages[:turn],
-        chosen,
-        student,
-        chosen_by,
-        voters,
-        len(answers),
-        episode.tools,
+        episode.id, turn, state, chosen, student, chosen_by, voters, len(answers), episode.tools
     )
 
 
