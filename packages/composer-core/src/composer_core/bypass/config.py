@@ -117,11 +117,7 @@ class BypassConfig:
         return {
             "student": asdict(self.student),
             "training": asdict(self.training),
-            "validation": {
-                "val_every": self.run.val_every,
-                "val_sequences": self.run.val_sequences,
-                "best_metric": self.run.best_metric,
-            },
+            "validation": {k: getattr(self.run, k) for k in ("val_every", "val_sequences", "best_metric")},
         }
 
     def with_student(self, student: StudentConfig) -> BypassConfig:

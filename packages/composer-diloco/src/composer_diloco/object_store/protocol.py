@@ -262,13 +262,8 @@ class ObjectStoreAllReduce(Sharded):
             raise ObjectStoreError(f"round {round_id}: {key} exists but could not be read; retry the round.")
         stored = self.decode(raw, round_id=round_id, rank=self.rank, key=key)
         if stored.tag != own.tag:
-            logger.warning(
-                "round %d: rank %d's object %s was published earlier with other values; it is "
-                "immutable (other replicas may have read it), so this round uses the stored one",
-                round_id,
-                self.rank,
-                key,
-            )
+            msg = "round %d: rank %d's object %s was published earlier with other values; it is immutable (other replicas may have read it), so this round uses the stored one"
+            logger.warning(msg, round_id, self.rank, key)
         return stored, True
 
     def _gather(self, round_id: int, manifest: Manifest, decoded: dict[int, Decoded]) -> dict[int, Decoded]:
