@@ -230,9 +230,7 @@ def build_teacher_contexts(
             f"sdpo_teacher_context={options.sdpo_teacher_context!r} needs the environment's feedback per "
             "completion (a hint_fn / feedback source); pass it or use sdpo_teacher_context='success'."
         )
-    out = TeacherContexts(
-        contexts=[None] * n, mask=[False] * n, demo_index=[None] * n, groups=n // group_size
-    )
+    out = TeacherContexts([None] * n, [False] * n, [None] * n, groups=n // group_size)
     ok = [float(r) >= options.success_reward_threshold for r in rewards]  # NaN >= x is False
     for i in range(n):
         start = (i // group_size) * group_size

@@ -69,10 +69,7 @@ class TeacherWeightsOptions:
 
 def frozen_copy(model: nn.Module) -> nn.Module:
     """A deep copy of ``model`` in eval mode with every parameter frozen (the ``base``/``ema`` teacher)."""
-    teacher = copy.deepcopy(model).eval()
-    for p in teacher.parameters():
-        p.requires_grad_(False)
-    return teacher
+    return copy.deepcopy(model).eval().requires_grad_(False)
 
 
 @torch.no_grad()
