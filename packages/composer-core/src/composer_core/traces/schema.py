@@ -128,10 +128,7 @@ class Message:
 
     def to_api_dict(self) -> dict[str, Any]:
         """The dict sent to a chat-completions endpoint (no composer extensions)."""
-        out = self.to_dict()
-        out.pop("is_error", None)
-        out.pop("exit_code", None)
-        return out
+        return {k: v for k, v in self.to_dict().items() if k not in ("is_error", "exit_code")}
 
 
 def _content_to_text(content: Any, where: str) -> str | None:
