@@ -310,9 +310,7 @@ class ComposerDriver:
                     ctx, sdpo_rows = self.task.hinted_prompts(
                         ro.prompt_ids, ro.completion_ids, ro.completion_mask
                     )
-                    cap = (
-                        self.teacher_context.max_reprompt_len
-                    )  # each row's last tokens, as cap_reprompt keeps
+                    cap = self.teacher_context.max_reprompt_len  # keep each row's last tokens (cap_reprompt)
                     ctx = ctx if cap is None else ctx[:, -cap:]
                 if bool(sdpo_rows.any()):  # else no row has a hint/context: channel 2 is skipped this step
                     key = f"{step}-{uuid.uuid4().hex[:8]}"  # the logits stay on the teacher for the trainer

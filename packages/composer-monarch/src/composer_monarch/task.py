@@ -152,6 +152,11 @@ class EnvBoundTask:
             raise ValueError(f"n_tasks={n_tasks}: need at least one task")
         self.spec, self.codec, self.n_tasks, self.seed = env, codec or ReverseDigits(), n_tasks, seed
         self.env_kwargs, self.timeout_s = dict(env_kwargs or {}), timeout_s
+        self.vocab_size, self.pad_id, self.eos_id = (
+            self.codec.vocab_size,
+            self.codec.pad_id,
+            self.codec.eos_id,
+        )
         self._scorer: Any = None
         self._by_prompt: dict[str, str] = {}
         self._ids = torch.empty(0, dtype=torch.long)
@@ -190,18 +195,6 @@ class EnvBoundTask:
                 f"env {self.spec!r}: task {task.task_id!r} has a chat prompt; need one text prompt"
             )
         return str(messages[0].text)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.codec.vocab_size
-
-    @property
-    def pad_id(self) -> int:
-        return self.codec.pad_id
-
-    @property
-    def eos_id(self) -> int:
-        return self.codec.eos_id
 
     @property
     def max_new_tokens(self) -> int:
