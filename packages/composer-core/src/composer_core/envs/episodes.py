@@ -8,15 +8,8 @@ Message layout of an :class:`EnvEpisode` (built by :func:`episode_from_steps`, w
                                    blank line); only when the step returned either
     a failed episode may end with one more assistant action whose step faulted (no reply)
 
-Error sites (:func:`episode_error_sites`) are the environment's replies that carry ``feedback``: ``turn`` is the
-reply message, ``action_turn`` the action it answers, ``kinds == ("env_feedback",)`` and ``evidence`` the
-feedback text. :func:`feedback_hint` turns that feedback into a :data:`~composer_core.traces.hints.HintSource`
-(channel 2), and :func:`episode_records` writes one :class:`~composer_core.traces.records.TraceRecord` per
-action that has feedback (channel 2) or differs from the task's reference answer (channel 3: ``chosen`` = the
-reference, ``rejected`` = the action).
-
-``EnvEpisode.reward`` is the **sum** of the step rewards (for environments that reward only the last step, the
-terminal reward); a failed episode keeps the sum of the steps that completed and sets ``failed``.
+``EnvEpisode.reward`` is the **sum** of the step rewards; error sites, hints and records: the README's
+"Environments" table.
 """
 
 from __future__ import annotations

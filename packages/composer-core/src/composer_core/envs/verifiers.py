@@ -1,17 +1,12 @@
 """verifiers environments (``composer-core[verifiers]``, verifiers >= 0.4) behind composer's environment contract.
 
-``verifiers:<module>`` loads an installed package's ``Taskset`` (and, for multi-turn episodes, its ``Env``)
-exactly as verifiers' own loaders do. composer is the policy and no LLM endpoint is ever called:
-
-- **single-turn** (no ``Env`` of its own): ``step(completion)`` builds a ``vf.Trace`` of the prompt and the
-  completion and runs the task's own scoring (``await task.score(trace)``); the reward is ``trace.reward``;
-- **multi-turn**: the env's own ``run`` drives the episode with composer's actions as the solver seat's
-  replies; each message the env sends the solver (``chat.turn(message)``) is a step's ``feedback``, and when
-  ``run`` returns the trace is scored (and ``finalize`` runs) and the last step carries the reward.
-
-A reward function writes its feedback to ``trace.info["feedback"]`` (``feedback_key``), the last step's
-``feedback``. LLM judges, rewards that need a runtime (sandbox) and envs with more than one seat raise
-:class:`~composer_core.envs.base.EnvError` / ``ValueError`` instead of being skipped.
+``verifiers:<module>`` loads an installed package's ``Taskset`` (and, for a multi-turn episode, its ``Env``)
+exactly as verifiers' own loaders do; composer is the policy and no LLM endpoint is ever called. Single-turn:
+``step(completion)`` scores a ``vf.Trace`` of the prompt and the completion with the task's own rewards.
+Multi-turn: the env's own ``run`` drives the episode with composer's actions as the solver seat's replies; each
+message it sends the solver is a step's ``feedback``; the last step carries the reward. A reward function's
+``trace.info["feedback"]`` (``feedback_key``) is the last step's ``feedback``. LLM judges, rewards needing a
+runtime and envs with more than one seat raise instead of being skipped (the README's "Environments: verifiers").
 """
 
 from __future__ import annotations
