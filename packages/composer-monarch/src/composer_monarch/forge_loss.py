@@ -1,25 +1,21 @@
 """The composer objective as a TorchForge loss: ``loss(logits, **targets) -> Tensor``.
 
-TorchForge's ``TitanTrainer(loss=...)`` calls ``self.loss(logits, **targets)`` with the targets its
-``collate`` builds: ``response`` [b, s], ``ref_logprobs`` [b, s], ``advantages`` [b, 1] and
-``padding_mask`` [b, s] (``apps/grpo/main.py``). :class:`ComposerLoss` accepts exactly those, so it is
-a drop-in for ``simple_grpo_loss``, and takes optional extra targets that switch on composer's two
-other channels:
-
-total = policy(GRPO family)  +  α · SDPO(student ‖ hinted teacher)  +  β · DPO/SimPO(replay pairs)
-
-(see ``composer_core.loss.compose.compose_loss``; SDPO: Hübotter et al. 2026, DPO: Rafailov et al. 2023,
-SimPO: Meng et al. 2024). The bare ``ComposerLoss()`` is TorchForge's GRPO loss (``simple_grpo_loss``,
-DeepSeekMath arXiv 2402.03300 with the k3 KL of Schulman's estimator note), the defaults in
-:data:`FORGE_DEFAULTS`; per token, with ℓ = log softmax(logits / τ)[response] and r = ref_logprobs:
+TorchForge's ``TitanTrainer(loss=...)`` calls ``self.loss(logits, **targets)`` with its ``collate``'s targets
+``response`` [b, s], ``ref_logprobs`` [b, s], ``advantages`` [b, 1] and ``padding_mask`` [b, s]; :class:`ComposerLoss`
+takes exactly those (a drop-in for ``simple_grpo_loss``) and optional extra targets (:data:`TARGETS`) that switch
+on composer's other channels: total = policy (GRPO family) + α · SDPO(student ‖ hinted teacher) + β ·
+DPO/SimPO(replay pairs) (``composer_core.loss.compose.compose_loss``; SDPO: Hübotter et al. 2026, DPO: Rafailov
+et al. 2023, SimPO: Meng et al. 2024). The bare ``ComposerLoss()`` is TorchForge's GRPO loss (DeepSeekMath arXiv
+2402.03300, k3 KL of Schulman's estimator note; :data:`FORGE_DEFAULTS`); per token, with ℓ = log
+softmax(logits / τ)[response] and r = ref_logprobs:
 
     L_t = −(exp(ℓ − sg ℓ)·A − β·(exp(r − ℓ) − (r − ℓ) − 1)),   β = 0.1
     loss = mean_rows( Σ_t L_t·mask / max(Σ_t mask, 1) )        (per-sequence mean, then batch mean)
 
-Shapes: logits [R, P+s, V] (or [R, s, V] with ``align=False``), response/mask/ref [R, s], A [R, 1]. Channel-3 pairs ride in the same forward pass as extra rows: ``chosen_rows``
-and ``rejected_rows`` index rows of the batch whose ``response`` is the chosen / rejected completion;
-those rows are left out of channels 1 and 2. Their summed log-probabilities are the DPO/SimPO
-inputs, and the reference model's come from the same rows of ``ref_logprobs``.
+Shapes: logits [R, P+s, V] (or [R, s, V] with ``align=False``), response/mask/ref [R, s], A [R, 1]. Channel-3
+pairs ride in the same forward pass as extra rows (``chosen_rows`` / ``rejected_rows``, left out of channels 1
+and 2); their summed log-probs, and the reference's from the same rows of ``ref_logprobs``, are the DPO/SimPO
+inputs.
 """
 
 from __future__ import annotations
