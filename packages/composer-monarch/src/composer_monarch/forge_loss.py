@@ -194,9 +194,7 @@ class ComposerLoss:
         else:
             policy_rows = policy_rows.to(device=device, dtype=torch.bool).reshape(-1)
             if policy_rows.numel() != rows:
-                raise ValueError(
-                    f"policy_rows has {policy_rows.numel()} entries; expected one per row ({rows})"
-                )
+                raise ValueError(f"policy_rows has {policy_rows.numel()} entries; need one per row ({rows})")
         if not bool(policy_rows.any()):
             raise ValueError("policy_rows selects no row: channel 1 needs at least one sampled completion")
         return policy_rows, chosen, rejected

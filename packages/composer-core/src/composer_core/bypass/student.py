@@ -202,7 +202,5 @@ def _select_channels(importance: dict[int, Tensor] | None, block: int, width: in
     if importance is None:
         return torch.arange(k)
     if block not in importance:
-        raise ValueError(
-            f"block {block}: no activation importance was recorded (its teacher FFN is a no-op?)"
-        )
+        raise ValueError(f"block {block}: no activation importance recorded (its teacher FFN is a no-op?)")
     return torch.topk(importance[block], k).indices.sort().values.cpu()

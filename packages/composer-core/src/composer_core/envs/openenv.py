@@ -192,9 +192,7 @@ class OpenEnvEnvironment:
                 return tuple(message_from_dict(m, f"{where}.{self.prompt_field}") for m in value)
             except ValueError as e:
                 raise self.fail(str(e)) from e
-        raise self.fail(
-            f"{where} has no {self.prompt_field!r} (text or chat messages); pass prompt_field=..."
-        )
+        raise self.fail(f"{where} has no {self.prompt_field!r} (text or chat); pass prompt_field=...")
 
     # --- episodes ---------------------------------------------------------------------------
     def reset(self, task: EnvTask) -> OpenEnvSession:

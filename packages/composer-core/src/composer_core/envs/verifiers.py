@@ -53,9 +53,7 @@ class VerifiersEnvironment:
         timeout_s: float = 30.0,
     ) -> None:
         if not module or not isinstance(module, str):
-            raise ValueError(
-                f"module={module!r}: name an installed verifiers environment (verifiers:<module>)"
-            )
+            raise ValueError(f"module={module!r}: name an installed verifiers env (verifiers:<module>)")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         vf = _vf()
@@ -126,9 +124,7 @@ class VerifiersEnvironment:
     def reset(self, task: EnvTask) -> _SingleTurnSession | _MultiTurnSession:
         vf_task = self._tasks.get(task.task_id)
         if vf_task is None:
-            raise EnvError(
-                f"{self.name}: unknown task_id {task.task_id!r} (take tasks from this env's tasks())"
-            )
+            raise EnvError(f"{self.name}: unknown task_id {task.task_id!r} (use this env's tasks())")
         self._check_offline(vf_task)
         if self.multi_turn:
             return _MultiTurnSession(self, vf_task, self.seats[0])
@@ -161,9 +157,7 @@ class VerifiersEnvironment:
         judges = task.plugged_judges()
         if judges:
             names = [j.reward_name for j in judges]
-            raise EnvError(
-                f"{self.name} scores with LLM judges {names}; composer never calls an LLM endpoint"
-            )
+            raise EnvError(f"{self.name} scores with LLM judges {names}; composer calls no LLM endpoint")
         for fn in task.hooks("reward"):
             param = inspect.signature(fn).parameters.get("runtime")
             if param is not None and param.default is inspect.Parameter.empty:

@@ -42,9 +42,7 @@ def _group_index(
     assert group_ids is not None
     keys: list[Hashable] = group_ids.tolist() if isinstance(group_ids, Tensor) else list(group_ids)
     if len(keys) != n:
-        raise ValueError(
-            f"`group_ids` has {len(keys)} entries but `rewards` has {n}; give one id per sample."
-        )
+        raise ValueError(f"`group_ids` has {len(keys)} entries but `rewards` has {n}; give one id per sample")
     dense: dict[Hashable, int] = {}
     idx = [dense.setdefault(k, len(dense)) for k in keys]
     return torch.tensor(idx, dtype=torch.long, device=device)

@@ -214,9 +214,7 @@ def build_teacher_contexts(
             f"got {n} prompts, {len(completions)} completions and {len(rewards)} rewards; one per row."
         )
     if feedback is not None and len(feedback) != n:
-        raise ValueError(
-            f"got {len(feedback)} feedback entries for {n} rows; one per row (None where absent)."
-        )
+        raise ValueError(f"got {len(feedback)} feedback entries for {n} rows; one per row (None if absent).")
     if options.uses_feedback and feedback is None:
         raise ValueError(
             f"sdpo_teacher_context={options.sdpo_teacher_context!r} needs the environment's feedback per "

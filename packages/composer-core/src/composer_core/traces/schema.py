@@ -145,9 +145,7 @@ def _content_to_text(content: Any, where: str) -> str | None:
                 parts.append("[image]")
             else:
                 kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-                raise ValueError(
-                    f"{where}: unsupported content part {kind!r} (text and image parts are read)"
-                )
+                raise ValueError(f"{where}: unsupported content part {kind!r} (text and image parts only)")
         return "".join(parts)
     raise ValueError(f"{where}: content must be a string, a list of content parts or null")
 

@@ -155,9 +155,7 @@ class Sharded(Manifests):
             return sums
         stored = self._load_reduced(round_id, manifest, s, op)
         if stored is None:
-            raise ObjectStoreError(
-                f"round {round_id}: reduced shard {s} exists but could not be read; retry."
-            )
+            raise ObjectStoreError(f"round {round_id}: reduced shard {s} exists but could not be read; retry")
         return stored
 
     def _read_shards(
