@@ -75,9 +75,7 @@ class LoopConfig:
                 raise ValueError(f"LoopConfig.{name}={getattr(self, name)}: must be ≥ 1")
         for name in ("call_timeout_s", "start_timeout_s", "stop_timeout_s"):
             if not 0 < getattr(self, name) < math.inf:
-                raise ValueError(
-                    f"LoopConfig.{name}={getattr(self, name)}: must be a positive number of seconds"
-                )
+                raise ValueError(f"LoopConfig.{name}={getattr(self, name)}: must be > 0 seconds")
         if self.weight_transport not in TRANSPORTS:
             raise ValueError(
                 f"LoopConfig.weight_transport={self.weight_transport!r}: use one of {list(TRANSPORTS)}"

@@ -219,7 +219,7 @@ def feedback_hint(ep_or_feedback: EnvEpisode | str | None = None) -> HintSource:
         return from_episode
     if ep_or_feedback is not None:
         raise TypeError(
-            f"feedback_hint takes an EnvEpisode, a string or None, got {type(ep_or_feedback).__name__}"
+            f"feedback_hint takes an EnvEpisode, str or None, got {type(ep_or_feedback).__name__}"
         )
 
     def from_site(episode: Episode, site: ErrorSite) -> str:

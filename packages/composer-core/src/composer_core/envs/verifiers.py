@@ -179,9 +179,7 @@ class VerifiersEnvironment:
             with ThreadPoolExecutor(1) as pool:  # called from async code (an orchestrator): a loop of its own
                 return pool.submit(asyncio.run, bounded()).result()
         except TimeoutError:
-            raise EnvError(
-                f"{self.name}: scoring did not finish within timeout_s={self.timeout_s:g}s"
-            ) from None
+            raise EnvError(f"{self.name}: scoring exceeded timeout_s={self.timeout_s:g}s") from None
 
     def _score(self, task: Any, trace: Any) -> StepResult:
         """The task's own scoring of ``trace`` -> the terminal :class:`StepResult`."""

@@ -23,9 +23,7 @@ def _group_index(
 ) -> Tensor:
     """Return an int64 [B] tensor mapping every sample to a dense group index."""
     if group_size is not None and group_ids is not None:
-        raise ValueError(
-            "pass either `group_size` (contiguous groups) or `group_ids` (arbitrary ids), not both."
-        )
+        raise ValueError("pass `group_size` (contiguous groups) or `group_ids` (arbitrary ids), not both.")
     if group_size is None and group_ids is None:
         raise ValueError(
             "`group_size` or `group_ids` is required: pass group_size=G when each prompt's G completions are "
