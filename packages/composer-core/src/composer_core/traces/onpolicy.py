@@ -44,9 +44,7 @@ def failed_rows(rewards: Sequence[float], group_size: int, threshold: float) -> 
     """
     check_int("group_size", group_size, low=1)
     if len(rewards) % group_size:
-        raise ValueError(
-            f"{len(rewards)} rewards do not split into groups of {group_size} (num_generations)."
-        )
+        raise ValueError(f"{len(rewards)} rewards do not split into groups of {group_size} (num_generations)")
     return [i for i, r in enumerate(rewards) if not math.isnan(float(r)) and float(r) < threshold]
 
 
