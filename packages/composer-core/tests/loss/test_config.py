@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from composer_core import ComposerBatch, check_mode_options, compose_loss
+from composer_core import ComposerBatch, compose_loss
 from composer_core.loss.config import (
     DPO,
     TAID,
@@ -120,10 +120,10 @@ def test_every_option_without_effect_is_named_in_one_message() -> None:
         assert f"`{name}`" in str(err.value)
 
 
-def test_check_mode_options_without_a_batch_keeps_auto_open() -> None:
-    check_mode_options(sdpo_form="auto", sdpo_token_clip=None)
+def test_from_flat_without_a_batch_keeps_auto_open() -> None:
+    ComposeConfig.from_flat(sdpo_form="auto", sdpo_token_clip=None)
     with pytest.raises(ValueError, match="`kl_estimator`"):
-        check_mode_options(kl_estimator="k1")
+        ComposeConfig.from_flat(kl_estimator="k1")
 
 
 def test_unknown_option_suggests_the_close_match() -> None:
