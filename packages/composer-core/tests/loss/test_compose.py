@@ -23,7 +23,14 @@ from composer_core import compose_loss as core_compose_loss
 
 D = torch.float64
 B, T, V, H, P = 4, 5, 9, 6, 3
-SDPO_INPUTS = ("sdpo_mask", "student_logits", "teacher_logits", "student_hidden", "teacher_hidden", "lm_head_weight")
+SDPO_INPUTS = (
+    "sdpo_mask",
+    "student_logits",
+    "teacher_logits",
+    "student_hidden",
+    "teacher_hidden",
+    "lm_head_weight",
+)
 REPLAY_INPUTS = ("chosen_logps", "rejected_logps", "ref_chosen_logps", "ref_rejected_logps", "chosen_lengths",
                  "rejected_lengths")  # fmt: skip
 
@@ -87,7 +94,9 @@ def test_zero_weight_channels_refuse_their_inputs_and_are_not_computed(alpha: fl
     b = _batch()
     off = "alpha_sdpo" if alpha == 0 else "beta_replay"
     first = "sdpo_mask" if alpha == 0 else "chosen_logps"
-    with pytest.raises(ValueError, match=rf"^`{first}`.* passed with {off}=0 .*: set {off} > 0 to train on them, "):
+    with pytest.raises(
+        ValueError, match=rf"^`{first}`.* passed with {off}=0 .*: set {off} > 0 to train on them, "
+    ):
         core_compose_loss(b, alpha_sdpo=alpha, beta_replay=beta)
     # without the off channel's inputs, the channel is not computed: the total is the remaining channels', bit
     # for bit the same as with the channel's weight at 1 and its inputs absent (skipped)
