@@ -21,6 +21,7 @@ from composer_core.loss.config import (
     ComposeConfig,
     DPOVariant,
     EntropyOPD,
+    PolicyOptions,
     SDPOOptions,
     SDPOWrapper,
     SimPO,
@@ -268,7 +269,9 @@ class ComposerGRPOConfig(GRPOConfig):
         # SAPO's and VESPO's shape parameters (TRL's names; core refuses them set under another loss type)
         opts.update({name: getattr(self, name) for name in (*_SHAPE_OPTIONS, *_COMPOSE_FIELDS)})
         if self.loss_type not in CLIP_LOSS_TYPES:
-            opts["delta"] = None  # TRL reads delta in the clip surrogate only
+            opts["delta"] = (
+                PolicyOptions.delta
+            )  # off (core's default): TRL reads delta in the clip surrogate only
         return opts
 
 
