@@ -19,16 +19,16 @@ from composer_core.loss.config import (
     DPO,
     TAID,
     ComposeConfig,
-    DPOVariant,
     EntropyOPD,
     PolicyOptions,
     SDPOOptions,
-    SDPOWrapper,
     SimPO,
     flat_defaults,
     option_help,
 )
+from composer_core.loss.options import DPOVariant, SDPOWrapper
 from composer_core.loss.policy import CLIP_LOSS_TYPES
+from composer_core.loss.validation import check_choice
 from composer_core.loss.wrappers import TAIDScheduler
 from composer_core.sdpo import TeacherContextOptions, TeacherWeightsOptions
 from composer_core.traces.onpolicy import ReplayPairOptions
@@ -44,11 +44,7 @@ _SHAPE_OPTIONS = tuple(
 #: composer_core's option classes whose fields become this config's flags: (class, flag prefix, fields left out).
 #: Each flag keeps core's type, default and help text (core is the one source of truth).
 _CORE_SECTIONS: tuple[tuple[type, str, tuple[str, ...]], ...] = (
-    (
-        ComposeConfig,
-        "",
-        ("policy", "sdpo", "replay", "check_values"),
-    ),  # channel 1: TRL's own GRPOConfig names
+    (ComposeConfig, "", ("policy", "sdpo", "replay", "check_values")),  # the channel weights
     (SDPOOptions, "sdpo_", ("form", "wrapper")),  # sdpo_form: TRL's choices; sdpo_wrapper: a selector below
     (TAID, "taid_", ("t", "schedule_step", "total_steps")),  # set per step by the trainer
     (EntropyOPD, "entropy_opd_", ()),
@@ -135,9 +131,7 @@ class ComposerGRPOConfig(GRPOConfig):
     sdpo_form: Literal["full", "sampled", "topk"] = _helped("full", option_help("sdpo_form"))
     sdpo_wrapper: SDPOWrapper = _core("sdpo_wrapper")
     dpo_variant: DPOVariant = _core("dpo_variant")
-    taid_alpha: float = _helped(
-        _TAID["alpha"], "TAID adaptive step size (t is stepped once per optimiser step from the SDPO loss)."
-    )
+    taid_alpha: float = _helped(_TAID["alpha"], "TAID adaptive step size (t steps once per optimiser step).")
     taid_momentum: float = _helped(_TAID["beta"], "TAID momentum (the paper's beta).")
     hint_template: str = _helped(
         "{hint}{prompt}",
@@ -149,16 +143,10 @@ class ComposerGRPOConfig(GRPOConfig):
         "'auto' (ref_chosen_logps/ref_rejected_logps columns when present, else the reference model), "
         "'model' or 'column'.",
     )
-    replay_append_eos: bool = _helped(
-        True, "append EOS to text chosen/rejected (as the policy's own completions end)."
-    )
-    max_replay_length: int | None = _helped(
-        None, "truncate chosen/rejected to this many tokens (None: max_completion_length)."
-    )
+    replay_append_eos: bool = _helped(True, "append EOS to text chosen/rejected (as completions end).")
+    max_replay_length: int | None = _helped(None, "truncate chosen/rejected (None: max_completion_length).")
     log_channel_grad_norms: bool = _helped(
-        True,
-        "log composer/grad_norm/{policy,sdpo,replay} at logging steps (one extra backward per channel on those "
-        "steps; the update is unchanged).",
+        True, "log composer/grad_norm/{policy,sdpo,replay} at logging steps (one extra backward per channel)."
     )
     # + one field per option of _CORE_SECTIONS (w_policy, alpha_sdpo, sdpo_beta, dpo_beta, sdpo_teacher, ...)
 
@@ -182,8 +170,8 @@ class ComposerGRPOConfig(GRPOConfig):
     def _check_composer(self) -> None:
         """The checks of the composer options this adapter adds; every option shared with composer_core is checked
         once, by core's typed config built from these fields (TRL's own options ran in ``GRPOConfig.__post_init__``)."""
-        _choice("sdpo_form", self.sdpo_form, ("full", "sampled", "topk"))
-        _choice("replay_reference", self.replay_reference, ("auto", "model", "column"))
+        check_choice("sdpo_form", self.sdpo_form, ("full", "sampled", "topk"))
+        check_choice("replay_reference", self.replay_reference, ("auto", "model", "column"))
         if self.sdpo_wrapper == "taid" and (self.max_steps is None or self.max_steps <= 0):
             raise ValueError("sdpo_wrapper='taid' needs `max_steps` > 0 (the schedule's total_steps).")
         # composer_core's typed config, built (and cached) from these fields: a value out of range, an option of a
@@ -273,8 +261,3 @@ class ComposerGRPOConfig(GRPOConfig):
                 PolicyOptions.delta
             )  # off (core's default): TRL reads delta in the clip surrogate only
         return opts
-
-
-def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"`{name}`={value!r} is not one of {allowed}.")

@@ -102,25 +102,14 @@ def compose_loss(
     :meth:`ComposeConfig.from_flat` (cached per distinct options) with ``sdpo_form="auto"`` resolved against the
     batch before the options are judged. Defaults are the config classes' (the one place they live).
 
-    Per call: ``normalizer`` (channel 1, :func:`composer_core.loss.policy.policy_loss`'s global count),
-    ``sdpo_normalizer`` (global distilled-token count; default local count), ``replay_normalizer`` (global pair
-    count; default local P). Python numbers or 0-dim tensors (a tensor is never read on the host).
-
-    The options are the fields of :class:`~composer_core.loss.config.PolicyOptions` (channel 1, same names),
-    :class:`~composer_core.loss.config.SDPOOptions` (channel 2, ``sdpo_<field>``; ``sdpo_wrapper`` ``"taid"``
-    with ``taid_<field>`` or ``"entropy_opd"`` with ``entropy_opd_<field>``), and ``dpo_variant`` ``"dpo"``
-    (``dpo_<field>`` of :class:`~composer_core.loss.config.DPO`) or ``"simpo"`` (``simpo_beta``, ``simpo_gamma``)
-    for channel 3.
-
-    ``check_values`` (default True): value checks (finite inputs, 0/1 masks, non-empty selections, positive
-    lengths/normalisers) run fused, with ONE host sync per call; False (or ``torch.compile``) skips them (no host
-    sync). Structural checks (shapes, dtypes, devices, options) always run, without reading device memory.
-
+    Per call: ``normalizer``, ``sdpo_normalizer``, ``replay_normalizer`` (each channel's global count; None:
+    the local one), Python numbers or 0-dim tensors (a tensor is never read on the host). The options and their
+    help: :func:`~composer_core.loss.config.flat_option_names`, :func:`~composer_core.loss.config.option_help`.
     Metrics (detached; see :class:`ComposeResult`): the keys of :data:`~composer_core.loss.metrics.METRIC_KEYS`.
 
     Raises ValueError for unknown options (with the closest name), options without effect in the resolved mode,
-    contradictory options, partial channel inputs, NaN/inf, shape, device or vocabulary mismatches and empty masks
-    of a channel whose inputs are present.
+    contradictory options, inputs of a channel at weight 0, partial channel inputs, NaN/inf, shape, device or
+    vocabulary mismatches and empty masks of a channel whose inputs are present.
     """
     flags = _channel2_flags(batch)
     if config is None:

@@ -14,14 +14,10 @@ The shape makes an option of an unselected mode impossible to write down::
 
 ``SimPO`` has no ``dpo_beta`` field, ``SDPOOptions(wrapper=None)`` no ``taid_t``: a flat keyword that belongs to
 an unselected mode has nowhere to go, and :meth:`ComposeConfig.from_flat` (the flat keyword facade of
-``compose_loss`` and of every adapter) raises ``ValueError`` naming it. Within one class, an option that acts
-only under another value of a sibling (``rollout_clip_max`` without ``rollout_correction``, ``kl_estimator``
-with ``kl_beta=0``, ``sdpo_topk_tail`` outside the top-k form, ...) is refused by ``__post_init__``, and the
-SDPO form ``"auto"`` is judged again once resolved against a batch (:meth:`ComposeConfig.resolve`).
+``compose_loss`` and of every adapter) raises ``ValueError`` naming it; ``sdpo_form="auto"`` is judged once
+resolved against a batch (:meth:`ComposeConfig.resolve`).
 
-``from_flat`` also coerces values the way a typed config loader would, so options arriving as strings from a
-command line work: ``"0.25"`` → 0.25 for a float, ``"3"`` → 3 for an int, ``"true"/"false"/"1"/"0"/"yes"/"no"``
-for a bool, ``"none"/"null"/""`` → None where None is allowed, ``Literal`` choices checked; anything else is one
+``from_flat`` also coerces CLI strings to each option's type (:func:`coerce_to`); anything else is one
 ``ValueError`` naming the option and the expected type.
 """
 
@@ -37,55 +33,28 @@ from functools import cache, lru_cache
 from typing import Any, Literal, Union, get_args, get_origin
 
 from composer_core.loss.options import (
-    CLIP_LOSS_TYPES,
     DPO,
-    LOSS_TYPES,
-    ROLLOUT_MODES,
     TAID,
-    DPOLossType,
     DPOVariant,
     EntropyOPD,
-    KLEstimator,
-    LossType,
     PolicyOptions,
     ResolvedForm,
-    RolloutCorrection,
-    RolloutMode,
-    SDPOForm,
-    SDPOLossAgg,
     SDPOOptions,
     SDPOWrapper,
     SimPO,
     _default,
     _opt,
     _raise_unused,
-    check_clip_args,
-    check_rollout_clip,
 )
 
 __all__ = [
-    "CLIP_LOSS_TYPES",
     "DPO",
-    "LOSS_TYPES",
-    "ROLLOUT_MODES",
     "TAID",
     "ComposeConfig",
-    "DPOLossType",
-    "DPOVariant",
     "EntropyOPD",
-    "KLEstimator",
-    "LossType",
     "PolicyOptions",
-    "ResolvedForm",
-    "RolloutCorrection",
-    "RolloutMode",
-    "SDPOForm",
-    "SDPOLossAgg",
     "SDPOOptions",
-    "SDPOWrapper",
     "SimPO",
-    "check_clip_args",
-    "check_rollout_clip",
     "coerce_option",
     "coerce_to",
     "flat_defaults",
@@ -308,7 +277,8 @@ def coerce_option(name: str, value: object) -> object:
 
 def coerce_to(name: str, value: object, ann: Any) -> object:
     """Coerce ``value`` to the type annotation ``ann`` (``float``, ``int``, ``bool``, ``Literal[...]`` and their
-    unions with None), as :meth:`ComposeConfig.from_flat` does; adapters use it for their own options."""
+    unions with None; strings too: ``"true"/"no"/"1"``, ``"none"/"null"/""`` → None), as
+    :meth:`ComposeConfig.from_flat` does; adapters use it for their own options."""
     try:
         return _coerce(ann, value)
     except (TypeError, ValueError):

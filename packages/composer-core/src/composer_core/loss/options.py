@@ -119,44 +119,20 @@ class PolicyOptions:
     An option outside its mode (see :meth:`unused`) at a non-default value raises ``ValueError``.
     """
 
-    loss_type: LossType = _opt(
-        "dapo", "the policy surrogate and its aggregation: " + ", ".join(get_args(LossType))
-    )
+    loss_type: LossType = _opt("dapo", "the policy surrogate and its token aggregation.")
     epsilon_low: float = _opt(0.2, "lower clip range of the ratio, 0 <= epsilon_low < 1.")
     epsilon_high: float | None = _opt(None, "upper clip range, >= 0 (None: epsilon_low; CISPO's ratio cap).")
-    delta: float | None = _opt(
-        None, "INTELLECT-2's cap of the unclipped ratio, > 1 + epsilon_high (clip surrogates; None: off)."
-    )
-    kl_beta: float = _opt(
-        0.0, "coefficient of the KL to the reference model (0: no KL, no reference needed)."
-    )
-    kl_estimator: KLEstimator = _opt(
-        "k3", "estimator of the per-token KL: 'k1', 'k2' or 'k3' (kl_beta != 0)."
-    )
-    kl_bias_correction: bool = _opt(
-        False,
-        "multiply the per-token KL by the ratio exp(logp - old_logp): the KL is estimated on samples of "
-        "the old policy (TRL's use_bias_correction_kl).",
-    )
-    rollout_correction: RolloutCorrection | None = _opt(
-        None,
-        "importance-sampling correction of the rollout engine's log-probs: 'token_truncate', 'token_mask', "
-        "'sequence_truncate', 'sequence_mask' (IS weights) or 'dppo_mask' (zero the flagged tokens); None: off.",
-    )
-    rollout_clip_max: float | None = _opt(
-        3.0, "upper bound (> 0) of the rollout IS weights (None: unbounded)."
-    )
-    rollout_clip_min: float | None = _opt(
-        None, "lower bound (>= 0) of the rollout IS weights (None: unbounded)."
-    )
+    delta: float | None = _opt(None, "INTELLECT-2 cap of the unclipped ratio, > 1 + epsilon_high.")
+    kl_beta: float = _opt(0.0, "coefficient of the KL to the reference model (0: no KL).")
+    kl_estimator: KLEstimator = _opt("k3", "per-token KL estimator (kl_beta != 0).")
+    kl_bias_correction: bool = _opt(False, "the KL times the ratio exp(logp - old_logp) (TRL's default).")
+    rollout_correction: RolloutCorrection | None = _opt(None, "rollout IS correction (None: off).")
+    rollout_clip_max: float | None = _opt(3.0, "upper bound (> 0) of the rollout IS weights.")
+    rollout_clip_min: float | None = _opt(None, "lower bound (>= 0) of the rollout IS weights.")
     dppo_mask_low: float = _opt(0.2, "lower bound in [0, 1] of rollout_correction='dppo_mask'.")
     dppo_mask_high: float = _opt(0.2, "upper bound in [0, 1] of rollout_correction='dppo_mask'.")
-    max_completion_length: int | None = _opt(
-        None, "Dr. GRPO's L_max, an int >= 1 (loss_type='dr_grpo'; None: T)."
-    )
-    importance_sampling_level: ISLevel = _opt(
-        "token", "'token' or 'sequence' (GSPO, arXiv 2507.18071) ratios."
-    )
+    max_completion_length: int | None = _opt(None, "Dr. GRPO's L_max, an int >= 1 (None: T).")
+    importance_sampling_level: ISLevel = _opt("token", "'token' or 'sequence' (GSPO) ratios.")
     sapo_temperature_pos: float = _opt(1.0, "SAPO's temperature tau for advantages > 0 (loss_type='sapo').")
     sapo_temperature_neg: float = _opt(1.05, "SAPO's temperature tau for advantages <= 0 (loss_type='sapo').")
     vespo_k_pos: float = _opt(2.0, "VESPO's gamma shape k for advantages >= 0 (loss_type='vespo').")
@@ -224,9 +200,7 @@ class TAID:
     """
 
     t: float | None = _opt(None, "TAID's interpolation t of this step, in [0, 1] (e.g. TAIDScheduler.t).")
-    schedule_step: int | None = _opt(
-        None, "step of TAID's linear t_start -> t_end schedule (with total_steps)."
-    )
+    schedule_step: int | None = _opt(None, "step of TAID's linear t schedule (with total_steps).")
     total_steps: int | None = _opt(None, "length of TAID's linear schedule in steps.")
     t_start: float = _opt(0.4, "TAID initial t.")
     t_end: float = _opt(1.0, "TAID final t.")
@@ -294,31 +268,15 @@ class SDPOOptions:
         "the LM-head weight, never [B, T, V]); 'topk': on the student's top-sdpo_topk tokens (TRL SDPOTrainer's "
         "topk_logits); 'sampled': the reverse-KL estimator on the sampled token only; 'auto': from the batch.",
     )
-    beta: float = _opt(
-        0.5, "generalized-JSD beta (TRL GKD convention: 0 forward KL, 1 reverse KL, exact branches)."
-    )
+    beta: float = _opt(0.5, "generalized-JSD beta (TRL GKD: 0 forward KL, 1 reverse KL).")
     temperature: float = _opt(1.0, "temperature of both distributions in the divergence.")
-    token_clip: float | None = _opt(
-        2.0,
-        "importance-sampling clip of the distillation loss on every form, min(exp(logp - old_logp), clip) per "
-        "token when old log-probs exist (TRL SDPOTrainer's distillation_is_clip; None: no clip).",
-    )
+    token_clip: float | None = _opt(2.0, "IS clip: min(exp(logp - old_logp), clip) per token (None: off).")
     topk: int | None = _opt(None, "top-k support size of sdpo_form='topk' (the student's top k).")
-    topk_tail: bool = _opt(
-        True, "sdpo_form='topk': add the tail bucket 1 - sum_k p (TRL's distillation_add_tail)."
-    )
-    chunk_size: int | None = _opt(
-        None,
-        "rows per chunk of the full-vocabulary kernels (None: composer_core.loss.chunking.chunk_rows, 256 "
-        "rows from V = 32,768 up); a chunk holds about four [rows, V] float32 buffers.",
-    )
-    compiled: bool = _opt(
-        False, "run the JSD chunk kernel under torch.compile (sdpo_form='full', no wrapper; one compilation)."
-    )
+    topk_tail: bool = _opt(True, "sdpo_form='topk': add the tail bucket 1 - sum_k p (distillation_add_tail).")
+    chunk_size: int | None = _opt(None, "rows per chunk of the full-vocabulary kernels (None: from V).")
+    compiled: bool = _opt(False, "the JSD chunk kernel under torch.compile (sdpo_form='full', no wrapper).")
     loss_agg: SDPOLossAgg = _opt(
-        "token_mean",
-        "'token_mean' (sum over distilled tokens / their global count, lasgroup/SDPO's verl "
-        "token-mean) or 'seq_mean' (TRL SDPOTrainer: each row's mean, summed and divided by the number of rows).",
+        "token_mean", "'token_mean' (lasgroup/SDPO) or 'seq_mean' (TRL's SDPOTrainer)."
     )
     wrapper: TAID | EntropyOPD | None = None
 
