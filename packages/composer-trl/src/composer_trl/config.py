@@ -56,28 +56,6 @@ _CORE_SECTIONS: tuple[tuple[type, str, tuple[str, ...]], ...] = (
 )
 #: the generated flags that are the adapter's own (not ``compose_loss`` options)
 _ADAPTER_SECTIONS = (TeacherContextOptions, TeacherWeightsOptions, ReplayPairOptions)
-#: the help text of the core classes' fields that do not declare one (composer_core.sdpo, traces.onpolicy)
-_TEACHER_HELP = {
-    "sdpo_teacher_context": "'hint' (a hint/hinted_prompt column or hint_fn), 'success' (a successful sibling "
-    "of the group is the demonstration), 'feedback' (hint_fn's text or a privileged_context column) or "
-    "'success+feedback'; rows without a teacher context are not distilled.",
-    "success_reward_threshold": "the reward at which a completion counts as a success.",
-    "dont_reprompt_on_self_success": "a completion that succeeded is not its own demonstration.",
-    "feedback_only_without_solution": "'success+feedback': feedback only where no sibling succeeded.",
-    "demo_pick": "which successful sibling: 'first' (TRL, lasgroup/SDPO) or 'random' (seeded by seed).",
-    "reprompt_template": "the teacher's reprompt: {prompt}, {solution}, {feedback}.",
-    "solution_template": "the reprompt's demonstration part: {demonstration}.",
-    "feedback_template": "the reprompt's feedback part: {feedback}.",
-    "max_reprompt_len": "keep the last this many tokens of a reprompt.",
-    "remove_thinking_from_demonstration": "drop <think>...</think> from the demonstration.",
-    "sdpo_teacher": "'live' (the student, no extra memory), 'ema' (an EMA of the student, one extra copy) or "
-    "'base' (the frozen initial model; with PEFT the base with adapters off).",
-    "teacher_update_rate": "the EMA teacher's rate tau (sdpo_teacher='ema').",
-    "teacher_sync_steps": "the EMA teacher's update period in optimiser steps.",
-    "replay_pairs": "'columns' (pairs from the dataset's chosen/rejected columns) or 'on_policy' (each failed "
-    "completion of the group, reward < success_reward_threshold, is the rejected side of a pair whose chosen "
-    "side is the row's `chosen` column; no `rejected` column).",
-}
 #: the generated flags that are ``compose_loss`` options (the others are the teacher's context and weights)
 _COMPOSE_FIELDS: list[str] = []
 
@@ -102,8 +80,7 @@ def _with_core_fields(cls: type[_C]) -> type[_C]:
             if f.name not in skip:
                 name = f.name if f.name == "rpo_alpha" else prefix + f.name
                 cls.__annotations__[name] = hints[f.name]
-                text = f.metadata.get("help") or _TEACHER_HELP[name]
-                setattr(cls, name, _helped(f.default, text))
+                setattr(cls, name, _helped(f.default, f.metadata["help"]))
                 if klass not in _ADAPTER_SECTIONS:
                     _COMPOSE_FIELDS.append(name)
     own = [n for n in inspect.get_annotations(cls) if isinstance(cls.__dict__.get(n), dataclasses.Field)]
