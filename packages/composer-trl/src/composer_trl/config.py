@@ -31,7 +31,7 @@ from composer_core.loss.policy import CLIP_LOSS_TYPES
 from composer_core.loss.validation import check_choice
 from composer_core.loss.wrappers import TAIDScheduler
 from composer_core.sdpo import TeacherContextOptions, TeacherWeightsOptions
-from composer_core.traces.onpolicy import ReplayPairOptions
+from composer_core.traces.onpolicy import ReplayPairOptions, ReplayPairs
 from trl import GRPOConfig
 
 #: TAIDScheduler's own defaults (its step size alpha and momentum beta)
@@ -44,15 +44,14 @@ _SHAPE_OPTIONS = tuple(
 #: composer_core's option classes whose fields become this config's flags: (class, flag prefix, fields left out).
 #: Each flag keeps core's type, default and help text (core is the one source of truth).
 _CORE_SECTIONS: tuple[tuple[type, str, tuple[str, ...]], ...] = (
-    (ComposeConfig, "", ("policy", "sdpo", "replay", "check_values")),  # the channel weights
     (SDPOOptions, "sdpo_", ("form", "wrapper")),  # sdpo_form: TRL's choices; sdpo_wrapper: a selector below
     (TAID, "taid_", ("t", "schedule_step", "total_steps")),  # set per step by the trainer
     (EntropyOPD, "entropy_opd_", ()),
-    (DPO, "dpo_", ()),  # rpo_alpha: one flat name for DPO and SimPO
+    (DPO, "dpo_", ("rpo_alpha",)),  # rpo_alpha: one flat name for DPO and SimPO, declared below
     (SimPO, "simpo_", ("rpo_alpha",)),
     (TeacherContextOptions, "", ()),
     (TeacherWeightsOptions, "", ()),
-    (ReplayPairOptions, "", ()),
+    (ReplayPairOptions, "", ("replay_pairs",)),  # declared below
 )
 #: the generated flags that are the adapter's own (not ``compose_loss`` options)
 _ADAPTER_SECTIONS = (TeacherContextOptions, TeacherWeightsOptions, ReplayPairOptions)
@@ -67,7 +66,10 @@ def _helped(default: Any, text: str) -> Any:
 
 
 def _core(name: str) -> Any:
-    """A flag declared here (host-specific type) with core's default and help text of the flat option ``name``."""
+    """A flag declared here (for its static type or TRL's choices) with core's default and help text."""
+    if name == "replay_pairs":
+        f = next(f for f in dataclasses.fields(ReplayPairOptions) if f.name == name)
+        return _helped(f.default, f.metadata["help"])
     return _helped(flat_defaults()[name], option_help(name))
 
 
@@ -78,7 +80,7 @@ def _with_core_fields(cls: type[_C]) -> type[_C]:
         hints = typing.get_type_hints(klass)
         for f in dataclasses.fields(klass):
             if f.name not in skip:
-                name = f.name if f.name == "rpo_alpha" else prefix + f.name
+                name = prefix + f.name
                 cls.__annotations__[name] = hints[f.name]
                 setattr(cls, name, _helped(f.default, f.metadata["help"]))
                 if klass not in _ADAPTER_SECTIONS:
@@ -106,6 +108,11 @@ class ComposerGRPOConfig(GRPOConfig):
 
     # TRL computes the inputs of one form itself, so its default is a concrete form ('auto' resolves per batch)
     sdpo_form: Literal["full", "sampled", "topk"] = _helped("full", option_help("sdpo_form"))
+    w_policy: float = _core("w_policy")
+    alpha_sdpo: float = _core("alpha_sdpo")
+    beta_replay: float = _core("beta_replay")
+    rpo_alpha: float = _core("rpo_alpha")
+    replay_pairs: ReplayPairs = _core("replay_pairs")
     sdpo_wrapper: SDPOWrapper = _core("sdpo_wrapper")
     dpo_variant: DPOVariant = _core("dpo_variant")
     taid_alpha: float = _helped(_TAID["alpha"], "TAID adaptive step size (t steps once per optimiser step).")
@@ -230,6 +237,7 @@ class ComposerGRPOConfig(GRPOConfig):
             "sdpo_form": self.sdpo_form,
             "sdpo_wrapper": self.sdpo_wrapper,
             "dpo_variant": self.dpo_variant,
+            **{name: getattr(self, name) for name in ("w_policy", "alpha_sdpo", "beta_replay", "rpo_alpha")},
         }
         # SAPO's and VESPO's shape parameters (TRL's names; core refuses them set under another loss type)
         opts.update({name: getattr(self, name) for name in (*_SHAPE_OPTIONS, *_COMPOSE_FIELDS)})
