@@ -77,24 +77,14 @@ class ComposeConfig:
     device memory.
     """
 
-    w_policy: float = _opt(
-        1.0,
-        "weight of channel 1 (the policy loss); 0 is pure self-distillation (TRL SDPOTrainer's "
-        "distillation_weight=1): the policy surrogate, its KL and its clip metrics are not computed.",
-    )
-    alpha_sdpo: float = _opt(
-        0.0, "weight of channel 2 (SDPO self-distillation); 0, the default, disables it."
-    )
-    beta_replay: float = _opt(
-        0.0, "weight of channel 3 (trace-replay preference); 0, the default, disables it."
-    )
+    w_policy: float = _opt(1.0, "weight of channel 1 (policy); 0: pure self-distillation, no policy term.")
+    alpha_sdpo: float = _opt(0.0, "weight of channel 2 (SDPO self-distillation); 0 (default): off.")
+    beta_replay: float = _opt(0.0, "weight of channel 3 (trace-replay preference); 0 (default): off.")
     policy: PolicyOptions = field(default_factory=PolicyOptions)
     sdpo: SDPOOptions = field(default_factory=SDPOOptions)
     replay: DPO | SimPO = field(default_factory=DPO)
     check_values: bool = _opt(
-        True,
-        "run the value checks (finite inputs, 0/1 masks, non-empty selections, positive lengths and "
-        "normalisers) fused into one host sync per compose_loss call; False skips them (no host sync).",
+        True, "value checks (finite, 0/1 masks, ...) in one host sync per call; False: none."
     )
 
     def __post_init__(self) -> None:
