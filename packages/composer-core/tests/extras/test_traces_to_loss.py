@@ -134,13 +134,19 @@ def test_traces_to_compose_loss(tokenizer: PreTrainedTokenizerFast, tmp_path: Pa
     )
     # student == teacher (no hint): distillation 0; policy == reference: DPO ln 2
     same = compose_loss(
-        ComposerBatch(**base, student_logits=student_logits, teacher_logits=student_logits.detach())
+        ComposerBatch(**base, student_logits=student_logits, teacher_logits=student_logits.detach()),
+        alpha_sdpo=1.0,
+        beta_replay=1.0,
     )
     assert same.metrics["loss/sdpo"] == pytest.approx(0.0, abs=1e-6)
     assert same.metrics["loss/replay"] == pytest.approx(math.log(2), abs=1e-6)
     assert same.metrics["replay/pairs"] == 6 and same.metrics["sdpo/tokens"] == float(sb.sdpo_mask.sum())
     # the hinted teacher differs: a positive distillation loss with finite gradients into the model
-    hinted = compose_loss(ComposerBatch(**base, student_logits=student_logits, teacher_logits=teacher_logits))
+    hinted = compose_loss(
+        ComposerBatch(**base, student_logits=student_logits, teacher_logits=teacher_logits),
+        alpha_sdpo=1.0,
+        beta_replay=1.0,
+    )
     assert hinted.metrics["loss/sdpo"] > 1e-6
     model.zero_grad()
     hinted.total.backward()

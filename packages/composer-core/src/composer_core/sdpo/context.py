@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from composer_core.loss.options import _opt
 from composer_core.loss.validation import check_bool, check_choice, check_int
 
 __all__ = [
@@ -72,16 +73,29 @@ def _check_template(name: str, template: object) -> None:
 class TeacherContextOptions:
     """How the SDPO teacher's context is built (checked once, here). Field names are the flat option names."""
 
-    sdpo_teacher_context: ContextSource = "hint"
-    success_reward_threshold: float = 1.0
-    dont_reprompt_on_self_success: bool = True
-    feedback_only_without_solution: bool = False
-    demo_pick: Literal["first", "random"] = "first"
-    reprompt_template: str = DEFAULT_REPROMPT_TEMPLATE
-    solution_template: str = DEFAULT_SOLUTION_TEMPLATE
-    feedback_template: str = DEFAULT_FEEDBACK_TEMPLATE
-    max_reprompt_len: int | None = 10240
-    remove_thinking_from_demonstration: bool = False
+    sdpo_teacher_context: ContextSource = _opt(
+        "hint",
+        "'hint' (a hint/hinted_prompt column or hint_fn), 'success' (a successful sibling of the group is the demonstration), 'feedback' (hint_fn's text or a privileged_context column) or 'success+feedback'; rows without a teacher context are not distilled.",
+    )
+    success_reward_threshold: float = _opt(1.0, "the reward at which a completion counts as a success.")
+    dont_reprompt_on_self_success: bool = _opt(
+        True, "a completion that succeeded is not its own demonstration."
+    )
+    feedback_only_without_solution: bool = _opt(
+        False, "'success+feedback': feedback only where no sibling succeeded."
+    )
+    demo_pick: Literal["first", "random"] = _opt(
+        "first", "which successful sibling: 'first' (TRL, lasgroup/SDPO) or 'random' (seeded by seed)."
+    )
+    reprompt_template: str = _opt(
+        DEFAULT_REPROMPT_TEMPLATE, "the teacher's reprompt: {prompt}, {solution}, {feedback}."
+    )
+    solution_template: str = _opt(
+        DEFAULT_SOLUTION_TEMPLATE, "the reprompt's demonstration part: {demonstration}."
+    )
+    feedback_template: str = _opt(DEFAULT_FEEDBACK_TEMPLATE, "the reprompt's feedback part: {feedback}.")
+    max_reprompt_len: int | None = _opt(10240, "keep the last this many tokens of a reprompt.")
+    remove_thinking_from_demonstration: bool = _opt(False, "drop <think>...</think> from the demonstration.")
 
     def __post_init__(self) -> None:
         check_choice("sdpo_teacher_context", self.sdpo_teacher_context, CONTEXT_SOURCES)

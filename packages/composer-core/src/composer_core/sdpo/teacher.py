@@ -18,6 +18,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from composer_core.loss.options import _opt
 from composer_core.loss.validation import check_choice, check_int
 
 __all__ = [
@@ -41,9 +42,12 @@ TEACHER_STATE_FILE = "composer_sdpo_teacher.safetensors"
 class TeacherWeightsOptions:
     """``sdpo_teacher`` (live | ema | base), ``teacher_update_rate`` τ and ``teacher_sync_steps`` (ema only)."""
 
-    sdpo_teacher: TeacherKind = "live"
-    teacher_update_rate: float = 0.05
-    teacher_sync_steps: int = 1
+    sdpo_teacher: TeacherKind = _opt(
+        "live",
+        "'live' (the student, no extra memory), 'ema' (an EMA of the student, one extra copy) or 'base' (the frozen initial model; with PEFT the base with adapters off).",
+    )
+    teacher_update_rate: float = _opt(0.05, "the EMA teacher's rate tau (sdpo_teacher='ema').")
+    teacher_sync_steps: int = _opt(1, "the EMA teacher's update period in optimiser steps.")
 
     def __post_init__(self) -> None:
         check_choice("sdpo_teacher", self.sdpo_teacher, TEACHER_KINDS)
