@@ -38,6 +38,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple, NoReturn, cast
 
 import torch
+from composer_core.loss.compose import weighted_total
 from composer_core.loss.distill import full_precision, sampled_token_distill
 from composer_core.loss.policy import clipped_surrogate_from_ratio
 from composer_core.loss.validation import host_reads_are_free as _host_reads_are_free
@@ -104,7 +105,7 @@ def _fields(inputs: Any, opts: PrimeRLLossOptions) -> tuple[Tensor, dict[str, Te
     # loss_weights: absent before PRIME-RL 0be5ac45 (None = 1.0)
     optional = {
         "loss_weights": getattr(inputs, "loss_weights", None),
-        "ref_logprobs": ref if opts.alpha_sdpo else None,
+        "ref_logprobs": ref if opts.config.alpha_sdpo else None,
     }
     named |= {name: _tensor(name, value, n) for name, value in optional.items() if value is not None}
     return raw_mask, named
@@ -271,16 +272,19 @@ def _policy_terms(s: _Sample, opts: PrimeRLLossOptions) -> tuple[Tensor, Tensor,
     log_ratio = s.logprobs - s.inference_logprobs  # 0 outside the mask (both zeroed)
     ratio = torch.exp(log_ratio)
     mismatch_kl = ratio - log_ratio - 1.0  # k3 estimate of KL(π_inf‖π_train)
+    policy = opts.config.policy
     if opts.policy_loss == "clipped_surrogate":
-        eps_lo = float(opts.epsilon_low)
-        eps_hi = eps_lo if opts.epsilon_high is None else float(opts.epsilon_high)
-        per_token, is_clipped = clipped_surrogate_from_ratio(ratio, s.advantages, eps_lo, eps_hi, opts.delta)
-        grad = _clipped_grad(ratio, s.advantages, eps_lo, eps_hi, opts.delta)
+        eps_lo, eps_hi = policy.epsilons
+        per_token, is_clipped = clipped_surrogate_from_ratio(
+            ratio, s.advantages, eps_lo, eps_hi, policy.delta
+        )
+        grad = _clipped_grad(ratio, s.advantages, eps_lo, eps_hi, policy.delta)
         return per_token, grad, {"clipped": is_clipped, "mismatch_kl": mismatch_kl}
 
     # DPPO (composer_core.loss.policy.dppo_loss, PRIME-RL's default_loss_fn). |Δp| < 1, so a bound above 1 masks
-    # nothing. L = c·ρ + κ·δ² with c = −adv_tau·A on kept tokens (0 on dropped ones), so ∂L/∂ℓ = c·ρ + 2κ·δ.
-    low, high = min(opts.dppo_mask_low, 1.0), min(opts.dppo_mask_high, 1.0)
+    # nothing (options.py reads one as 1). L = c·ρ + κ·δ² with c = −adv_tau·A on kept tokens (0 on dropped ones), so
+    # ∂L/∂ℓ = c·ρ + 2κ·δ.
+    low, high = policy.dppo_mask_low, policy.dppo_mask_high
     prob_diff = torch.exp(s.logprobs).sub_(torch.exp(s.inference_logprobs))  # Δp
     positive, negative = s.advantages > 0, s.advantages < 0
     if _vectorised(s.mask):
@@ -325,7 +329,7 @@ def _sdpo_terms(s: _Sample, opts: PrimeRLLossOptions) -> Tensor:
     with value_checks(enabled=False):
         return sampled_token_distill(
             s.logprobs[None], s.ref_logprobs[None], s.mask[None], old_logprobs=s.inference_logprobs[None],
-            is_clip=opts.sdpo_token_clip, reduction="none",
+            is_clip=opts.config.sdpo.token_clip, reduction="none",
         )[0]  # fmt: skip
 
 
@@ -425,24 +429,27 @@ def _pack(
 ) -> _Packed:
     """Every per-token column and gradient over the given tensors; ``raw_mask`` None: :class:`_Unmasked`."""
     s, stacked, suspect = _read(raw_mask, named)
+    cfg = opts.config
     policy, grad, cols = _policy_terms(s, opts)
     w = s.weights
     cols["mask"] = s.mask
     cols["composer/loss/policy"] = policy if w is None else policy * w
-    if opts.w_policy != 1.0:  # the weighted policy term is the loss of a sample without a teacher
-        grad = grad * opts.w_policy
-        policy = policy * opts.w_policy
-        cols["weighted_policy"] = policy if w is None else policy * w
-    grads = [grad]
-    if opts.alpha_sdpo > 0 and s.ref_logprobs is not None:
+    # core's weighted_total weights the channels, per token: their values and their derivatives (a sample sums the
+    # channels it has: channel 2 only with a teacher, see _Packed)
+    weights = (cfg.alpha_sdpo, cfg.beta_replay, cfg.w_policy)
+    grads = [weighted_total(grad, None, None, *weights)]
+    if cfg.w_policy != 1.0:  # the weighted policy term is the loss of a sample without a teacher
+        alone = weighted_total(policy, None, None, *weights)
+        cols["weighted_policy"] = alone if w is None else alone * w
+    if cfg.alpha_sdpo > 0 and s.ref_logprobs is not None:
         assert s.ref_nonzero is not None
-        distill = _sdpo_terms(s, opts)
-        total = torch.add(policy, distill, alpha=opts.alpha_sdpo)
+        distill = _sdpo_terms(s, opts)  # its value is also its derivative (the k1 surrogate)
+        total = weighted_total(policy, distill, None, *weights)
         cols["composer/loss/total"] = total if w is None else total * w
         cols["composer/loss/sdpo"] = distill if w is None else distill * w
         cols["composer/sdpo/reverse_kl_k1"] = s.logprobs - s.ref_logprobs
         cols["ref_nonzero"] = s.ref_nonzero
-        grads.append(distill * opts.alpha_sdpo)
+        grads.append(weighted_total(None, distill, None, *weights))
     keys, columns, width, flat = _plan(opts, tuple(cols))
     dtype = torch.float64 if s.logprobs.dtype == torch.float64 else torch.float32
     table = _table(
@@ -602,7 +609,7 @@ def composer_loss(inputs: LossInputs, **kwargs: Any) -> LossOutputs:
         mask = None if packed.unmasked is None else _own_mask(packed.unmasked, raw_mask, named, start)
         row, selector = _sample_row(packed, start, n, mask)
     if (
-        opts.alpha_sdpo > 0
+        opts.config.alpha_sdpo > 0
         and "ref_logprobs" not in named
         and opts.sdpo_missing == "error"
         and bool((raw_mask != 0).any())  # only reached without ref_logprobs: an empty sample needs none
@@ -636,9 +643,9 @@ def _plan(
         "composer/loss/policy",
         "composer/loss/total",
     )  # every call of a run emits the same keys
-    if opts.alpha_sdpo > 0:
+    if opts.config.alpha_sdpo > 0:
         keys += ("composer/loss/sdpo", "composer/sdpo/reverse_kl_k1", "composer/sdpo/skipped")
-    weighted = "composer/loss/policy" if opts.w_policy == 1.0 else "weighted_policy"  # w_policy·policy
+    weighted = "composer/loss/policy" if opts.config.w_policy == 1.0 else "weighted_policy"  # w_policy·policy
     alone = policy | {
         "composer/loss/policy": ("composer/loss/policy", "mask", "mask"),
         "composer/loss/total": (weighted, "mask", "mask"),
