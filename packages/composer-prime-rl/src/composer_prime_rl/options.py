@@ -30,7 +30,7 @@ _DPPO = {name: p.default for name, p in inspect.signature(dppo_loss).parameters.
 def _core(policy_loss: str = "dppo", **flat: Any) -> ComposeConfig:
     """composer_core's typed options from their flat names: DPPO's probability masks are core's
     ``rollout_correction = "dppo_mask"``; channel 2 is the sampled-token form (the only one log-probs allow)."""
-    mode = {"rollout_correction": "dppo_mask"} if policy_loss == "dppo" else {}
+    mode: dict[str, Any] = {"rollout_correction": "dppo_mask"} if policy_loss == "dppo" else {}
     return ComposeConfig.from_flat(**flat, **mode, sdpo_form="sampled")
 
 
@@ -139,7 +139,7 @@ def _own(key: str, value: Any) -> Any:
     """One PRIME-RL option coerced to its type with composer_core's ``coerce_to`` (CLI strings: ``--loss.kwargs.kl_tau
     0`` arrives as ``'0'``); DPPO's taus are finite and >= 0, as PRIME-RL's config has them."""
     out = coerce_to(key, value, _HINTS[key])
-    return check_number(key, out, low=0.0) if key in ("adv_tau", "kl_tau") else out
+    return check_number(key, typing.cast(float, out), low=0.0) if key in ("adv_tau", "kl_tau") else out
 
 
 def _shared(key: str, value: Any) -> Any:
