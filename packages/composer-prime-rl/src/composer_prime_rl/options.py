@@ -70,37 +70,33 @@ _OTHER_POLICY = {
 _SDPO_ONLY = frozenset({"sdpo_form", "sdpo_token_clip", "sdpo_missing"})
 
 _FULL_VOCAB = (
-    "PRIME-RL passes only the log-prob of each sampled token (LossInputs has no logits), so "
-    "the {what} cannot be computed inside a PRIME-RL loss. Use the sampled-token form "
-    '(alpha_sdpo > 0 with the default sdpo_form = "sampled"), or a host that exposes logits '
-    "(composer-trl, composer-verl)."
+    "PRIME-RL passes only the log-prob of each sampled token (LossInputs has no logits), so the {what} cannot be "
+    "computed inside a PRIME-RL loss. Use the sampled-token form (alpha_sdpo > 0 with the default sdpo_form = "
+    '"sampled"), or a host that exposes logits (composer-trl, composer-verl).'
 )
 _WRAPPER = _FULL_VOCAB.format(what="TAID / entropy-aware (EOPD) SDPO wrapper")
 _PER_TOKEN_SUM = (
-    "PRIME-RL sums each sample's per-token loss and divides by the global rl-token count "
-    'itself (token-level, like composer\'s loss_type = "dapo" with a global normalizer); '
-    "a per-sample loss cannot choose another aggregation. Remove '{key}'."
+    "PRIME-RL sums each sample's per-token loss and divides by the global rl-token count itself (token-level, like "
+    'composer\'s loss_type = "dapo" with a global normalizer); a per-sample loss cannot choose another '
+    "aggregation. Remove '{key}'."
 )
 _CHANNEL3 = (
-    "Channel 3 (trace-replay preference, DPO/SimPO) cannot be expressed in a PRIME-RL loss: "
-    "PRIME-RL calls the loss once per sample, and a preference pair needs the summed "
-    "log-probs of two different sequences (chosen and rejected) in one call. Fold the pairs "
-    "into the data instead: ship each winning teacher trace as its own sample (for example "
-    "as ce/SFT tokens, or re-scored by the live policy and placed in the GRPO group next to "
-    "the student's rollout with a higher reward, so its advantage ranks it above the "
-    "student's), and keep beta_replay = 0 here. '{key}' was given."
+    "Channel 3 (trace-replay preference, DPO/SimPO) cannot be expressed in a PRIME-RL loss: PRIME-RL calls the "
+    "loss once per sample, and a preference pair needs the summed log-probs of two different sequences (chosen "
+    "and rejected) in one call. Fold the pairs into the data instead: ship each winning teacher trace as its own "
+    "sample (for example as ce/SFT tokens, or re-scored by the live policy and placed in the GRPO group next to "
+    "the student's rollout with a higher reward, so its advantage ranks it above the student's), and keep "
+    "beta_replay = 0 here. '{key}' was given."
 )
 _NOT_HERE = "'{key}' is a composer_core.compose_loss option that is not available here."
 _ROLLOUT = (
-    "composer_prime_rl handles the trainer/inference mismatch through the selected "
-    "policy_loss itself (DPPO probability masks, or the clipped ratio against "
-    "inference_logprobs); " + _NOT_HERE
+    "composer_prime_rl handles the trainer/inference mismatch through the selected policy_loss itself (DPPO "
+    "probability masks, or the clipped ratio against inference_logprobs); " + _NOT_HERE
 )
 _KL = (
-    "In PRIME-RL, ref_logprobs carry the hinted self-teacher of channel 2, not a "
-    "reference policy, so a KL-to-reference penalty ('{key}') is not offered. Use "
-    "kl_tau (squared log-ratio to the inference policy) or PRIME-RL's own ref_kl "
-    "component (algorithms opd / opsd)."
+    "In PRIME-RL, ref_logprobs carry the hinted self-teacher of channel 2, not a reference policy, so a "
+    "KL-to-reference penalty ('{key}') is not offered. Use kl_tau (squared log-ratio to the inference policy) or "
+    "PRIME-RL's own ref_kl component (algorithms opd / opsd)."
 )
 _CHECKS = "composer_prime_rl checks each sample's values in its own single fused read; " + _NOT_HERE
 
