@@ -23,7 +23,8 @@ def test_defaults_are_prime_rl_default_loss() -> None:
         1e-3,
     )
     assert opts.config.alpha_sdpo == 0.0 and opts.config.beta_replay == 0.0
-    assert policy.rollout_correction == "dppo_mask" and opts.config.sdpo.form == "sampled"
+    assert policy.rollout_correction == "dppo_mask"
+    assert opts.config.resolve(has_logits=False, has_hidden=False, has_sampled=True) == "sampled"
 
 
 def test_unknown_kwarg_lists_the_valid_ones(sample) -> None:

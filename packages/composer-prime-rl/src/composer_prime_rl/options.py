@@ -29,9 +29,10 @@ _DPPO = {name: p.default for name, p in inspect.signature(dppo_loss).parameters.
 
 def _core(policy_loss: str = "dppo", **flat: Any) -> ComposeConfig:
     """composer_core's typed options from their flat names: DPPO's probability masks are core's
-    ``rollout_correction = "dppo_mask"``; channel 2 is the sampled-token form (the only one log-probs allow)."""
+    ``rollout_correction = "dppo_mask"``; channel 2's options are judged in the sampled-token form, the one a batch
+    of log-probs resolves to."""
     mode: dict[str, Any] = {"rollout_correction": "dppo_mask"} if policy_loss == "dppo" else {}
-    return ComposeConfig.from_flat(**flat, **mode, sdpo_form="sampled")
+    return ComposeConfig.from_flat(**flat, **mode, has_logits=False, has_hidden=False, has_sampled=True)
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,6 @@ def _build(items: tuple[tuple[str, type, Any], ...]) -> PrimeRLLossOptions:
             f"remove {stray} or change policy_loss."
         )
     shared = {key: _shared(key, value) for key, _, value in items if key not in _OWN}
-    shared.pop("sdpo_form", None)  # checked above; always "sampled"
     config = _core(policy, **shared)  # core coerces and checks them, its message naming the option
     if config.beta_replay != 0.0:
         raise ValueError(_CHANNEL3.format(key="beta_replay"))
