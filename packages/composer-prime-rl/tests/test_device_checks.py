@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 import torch
-from composer_core.testing.host_reads import HOST_READS, RecordOps
 from composer_prime_rl import LossInputs, composer_loss
 from composer_prime_rl import inputs as inputs_module
 from composer_prime_rl import loss as loss_module
+from composer_testkit.host_reads import HOST_READS, RecordOps
 
 CONFIGS = [
     {},

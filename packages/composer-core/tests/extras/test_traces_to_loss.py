@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 from composer_core import ComposerBatch, compose_loss
-from composer_core.testing.teacher_server import ChatServer
 from composer_core.traces.hints import error_text_hint, render_plain
 from composer_core.traces.pair_batch import collate_pairs, sequence_logps
 from composer_core.traces.records import read_records, write_records
@@ -17,6 +16,7 @@ from composer_core.traces.replay import Replayer, TeacherConfig
 from composer_core.traces.replay_cli import build_records
 from composer_core.traces.schema import Episode, Message, ToolCall
 from composer_core.traces.sdpo_batch import collate_sdpo
+from composer_testkit.teacher_server import ChatServer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
