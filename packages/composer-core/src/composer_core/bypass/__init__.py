@@ -15,6 +15,7 @@ from composer_core.bypass.config import (
     config_from_dict,
 )
 from composer_core.bypass.distributed import DistContext, Ownership, partition_blocks
+from composer_core.bypass.export import load_model
 from composer_core.bypass.keys import canonical_keys
 from composer_core.bypass.losses import normalized_mse, per_sample_normalized_mse, vectorwise_normalized_mse
 from composer_core.bypass.optim import cosine_lr
@@ -27,7 +28,7 @@ from composer_core.bypass.protocol import (
     resolve_block_configs,
 )
 from composer_core.bypass.reference import ReferenceConfig, ReferenceDecoder
-from composer_core.bypass.shard import load_model, materialised_bytes
+from composer_core.bypass.shard import materialised_bytes
 from composer_core.bypass.student import build_student, init_from_teacher
 from composer_core.bypass.train import BypassResult, run_bypass, run_sweep
 

@@ -4,8 +4,9 @@
 first rank, final norm and head on the last) to its own shard ``model-<r+1>-of-<W>.safetensors``
 (one process: ``model.safetensors``), and rank 0 writes the config and
 ``model.safetensors.index.json`` (the weight map gathered from every rank), the layout
-``transformers``' ``from_pretrained`` and :func:`~composer_core.bypass.load_model` read.
+``transformers``' ``from_pretrained`` and :func:`load_model` read.
 :func:`export_student` assembles a whole in-memory student from a checkpoint (one process).
+:func:`load_model` reads a model directory (reference decoder or Hugging Face) with only a rank's tensors.
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from composer_core.bypass.checkpoint import load_checkpoint, save_tensors
-from composer_core.bypass.distributed import DistContext
-from composer_core.bypass.protocol import BlockwiseModel
-from composer_core.bypass.shard import INDEX_NAME, name_owner
+import torch
 
-WEIGHTS_NAME = "model.safetensors"
+from composer_core.bypass.checkpoint import load_checkpoint, save_tensors
+from composer_core.bypass.distributed import DistContext, Ownership
+from composer_core.bypass.hf import load_hf_model
+from composer_core.bypass.protocol import BlockwiseModel
+from composer_core.bypass.reference import WEIGHTS_NAME, ReferenceDecoder
+from composer_core.bypass.shard import INDEX_NAME, name_owner, to_device
 
 
 def export_student(student: BlockwiseModel, checkpoint: Path, out: Path) -> Path:
@@ -57,3 +60,28 @@ def export_sharded(student: BlockwiseModel, out: Path, ctx: DistContext) -> Path
             (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     ctx.barrier()
     return out
+
+
+def load_model(
+    path: str | Path,
+    ownership: Ownership | None = None,
+    *,
+    head: bool = True,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> BlockwiseModel:
+    """Load a model directory (reference decoder or Hugging Face) with only ``ownership``'s tensors.
+
+    The kind is read from ``config.json`` (``model_type`` → Hugging Face, extra ``hf``). A teacher
+    for rank ``r`` of ``W``: ``load_model(path, Ownership.of(num_blocks, r, W), head=False)``.
+    """
+    p = Path(path)
+    try:
+        cfg = json.loads((p / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{p}: no readable config.json ({exc}); pass a model directory") from exc
+    if "model_type" in cfg:
+        return load_hf_model(p, ownership=ownership, head=head, device=device, dtype=dtype)
+    model = ReferenceDecoder.load(p, ownership, head=head)
+    to_device(model, device)
+    return model

@@ -236,32 +236,3 @@ def sharded_fingerprint(model: BlockwiseModel, source: TensorSource, ctx: DistCo
     for part in ctx.gather(mine):
         merged.update(part)
     return hashlib.sha256(json.dumps(merged, sort_keys=True).encode()).hexdigest()
-
-
-def load_model(
-    path: str | Path,
-    ownership: Ownership | None = None,
-    *,
-    head: bool = True,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-) -> BlockwiseModel:
-    """Load a model directory (reference decoder or Hugging Face) with only ``ownership``'s tensors.
-
-    The kind is read from ``config.json`` (``model_type`` → Hugging Face, extra ``hf``). A teacher
-    for rank ``r`` of ``W``: ``load_model(path, Ownership.of(num_blocks, r, W), head=False)``.
-    """
-    p = Path(path)
-    try:
-        cfg = json.loads((p / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{p}: no readable config.json ({exc}); pass a model directory") from exc
-    if "model_type" in cfg:
-        from composer_core.bypass.hf import load_hf_model
-
-        return load_hf_model(p, ownership=ownership, head=head, device=device, dtype=dtype)
-    from composer_core.bypass.reference import ReferenceDecoder
-
-    model = ReferenceDecoder.load(p, ownership, head=head)
-    to_device(model, device)
-    return model
