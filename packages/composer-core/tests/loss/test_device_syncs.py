@@ -5,7 +5,7 @@ the implicit syncs of data-dependent ops (``nonzero``, boolean indexing) or of a
 for the hot loop: at most one host sync per call with value checks on (their fused read), none with
 ``check_values=False``, none in backward.
 
-- On the CPU the accelerator path is forced (``distill.host_reads_are_free`` patched to False: rows are masked,
+- On the CPU the accelerator path is forced (``host_reads_are_free`` patched to False: rows are masked,
   not selected; no ``grad_out == 1`` read; the entropy gate is not read) and every aten op of forward and
   backward is recorded: none may read a value to the host, and the result must equal the host path's.
 - On a CUDA device ``torch.cuda.set_sync_debug_mode("warn")`` reports every synchronizing call (skipped
@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import pytest
 import torch
 from composer_core import ComposerBatch, compose_loss, fused_linear_generalized_jsd, generalized_jsd
-from composer_core.loss import distill
 from composer_core.loss.config import ComposeConfig
 from composer_core.loss.wrappers import entropy_opd_loss
 from composer_testkit.host_reads import HOST_READS, RecordOps
@@ -100,21 +99,21 @@ def _value_and_grads(b: ComposerBatch, cfg: ComposeConfig, norms: dict[str, Any]
 
 
 @pytest.fixture
-def accelerator_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(distill, "host_reads_are_free", lambda device: False)
+def accelerator_path(force_accelerator: Callable[[], None]) -> None:
+    force_accelerator()
 
 
 # ------------------------------------------------------------------ CPU: the accelerator path, op by op
 @pytest.mark.parametrize("form", sorted(FORMS))
 @pytest.mark.parametrize("normalizers", ["none", "tensor"])
 def test_accelerator_path_reads_nothing_to_the_host_and_equals_the_host_path(
-    form: str, normalizers: str, monkeypatch: pytest.MonkeyPatch
+    form: str, normalizers: str, force_accelerator: Callable[[], None]
 ) -> None:
     b = _batch(FORMS[form][0], torch.float64, "cpu")
     cfg = dataclasses.replace(_config(form), check_values=False)
     norms = _norms("cpu", tensor=True) if normalizers == "tensor" else {}
     want = _value_and_grads(b, cfg, norms)  # the host path: rows selected by index
-    monkeypatch.setattr(distill, "host_reads_are_free", lambda device: False)
+    force_accelerator()
     for t in _leaves(b):
         t.grad = None
     with RecordOps() as fwd:

@@ -242,14 +242,13 @@ def test_compose_loss_bf16_inputs_under_autocast(form: str, device: str) -> None
 @pytest.mark.parametrize("normaliser", ["count", "tensor"])
 @pytest.mark.parametrize("amp", LOW, ids=str)
 def test_tensor_normaliser_and_masked_mean_round_the_gradient_once(
-    amp: torch.dtype, normaliser: str, path: str, device: str, monkeypatch: pytest.MonkeyPatch
+    amp: torch.dtype, normaliser: str, path: str, device: str, force_accelerator: Callable[[], None]
 ) -> None:
     """A bf16 gradient is the float32 one rounded once: ``1 / count`` (a tensor normaliser, or the mask's count
     kept on the device on an accelerator) is folded in before the store, not applied to the stored bf16."""
-    from composer_core.loss import distill
 
     if path == "accelerator":
-        monkeypatch.setattr(distill, "host_reads_are_free", lambda device: False)
+        force_accelerator()
     s32, t32 = _logits(device)
     mask = torch.ones(N, dtype=torch.bool, device=device)
     mask[1] = mask[4] = False

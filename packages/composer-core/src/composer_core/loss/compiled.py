@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from composer_core.loss.distill import Kernel
+from composer_core.loss.engine import Kernel
 
 __all__ = ["compiled_jsd_kernel"]
 
