@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 from composer_core.traces.records import read_records
-from composer_core.traces.replay import KILL_ENV, ReplayCache, Replayer, ReplayJob, TeacherConfig, redact
+from composer_core.traces.replay import ReplayCache, Replayer, ReplayJob, TeacherConfig, redact
+from composer_core.traces.replay_cache import KILL_ENV
 from composer_core.traces.schema import Episode, Message, ToolCall, write_openai_jsonl
 from composer_testkit.teacher_server import BAD_PAYLOADS, ChatServer
 

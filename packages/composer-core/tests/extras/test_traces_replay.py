@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from composer_core.traces.records import read_records
-from composer_core.traces.replay import ReplayCache, Replayer, ReplayJob, TeacherConfig, load_teachers
+from composer_core.traces.replay import Replayer, ReplayJob, TeacherConfig, load_teachers
 from composer_core.traces.schema import Episode, Message, ToolCall, write_openai_jsonl
 from composer_testkit.teacher_server import ChatServer
 
@@ -141,11 +141,11 @@ def test_cache_never_pays_twice_and_dedupes_within_a_run(tmp_path: Path) -> None
         assert [x.message for x in second] == [x.message for x in first]
         assert r2.stats["a"].cache_hits == 3 and r2.stats["a"].cost_usd == 0
         # the key covers teacher, model, state and sampling parameters
-        k = ReplayCache.key(t, state(0))
-        assert k != ReplayCache.key(TeacherConfig("b", t.base_url, "m1"), state(0))
-        assert k != ReplayCache.key(TeacherConfig("a", t.base_url, "m9"), state(0))
-        assert k != ReplayCache.key(TeacherConfig("a", t.base_url, "m1", temperature=1.0), state(0))
-        assert k != ReplayCache.key(t, state(1))
+        k = t.cache_key(state(0))
+        assert k != TeacherConfig("b", t.base_url, "m1").cache_key(state(0))
+        assert k != TeacherConfig("a", t.base_url, "m9").cache_key(state(0))
+        assert k != TeacherConfig("a", t.base_url, "m1", temperature=1.0).cache_key(state(0))
+        assert k != t.cache_key(state(1))
 
 
 def test_corrupt_cache_entry_is_an_error(tmp_path: Path) -> None:

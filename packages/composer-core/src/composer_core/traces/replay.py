@@ -29,9 +29,7 @@ Requires the ``replay`` extra (``pip install 'composer-core[replay]'``, httpx).
 from __future__ import annotations
 
 import asyncio
-import base64
 import dataclasses
-import functools
 import hashlib
 import importlib
 import json
@@ -39,16 +37,14 @@ import logging
 import math
 import os
 import random
-import re
-import signal
-import tempfile
 import tomllib
-import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .redact import redact, redact_strings
+from .replay_cache import ReplayCache
 from .schema import Message, canonical_json, message_from_dict, state_hash
 
 __all__ = [
@@ -67,106 +63,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_RESPONSE_BYTES = 8 * 2**20
 ERROR_BODY_BYTES = 64 * 2**10  # how much of an error body is read (redacted, then cut to 300 chars)
-MIN_SECRET_CHARS = 8  # runs of a key's characters at least this long are redacted
-KILL_ENV = "COMPOSER_REPLAY_KILL_AT"  # test hook: "cache-write:<n>" SIGKILLs after the n-th temp file
 _MAX_COUNT = 10**15
-_MAX_SECRET_HITS = 8192
-
-
-def _secret_forms(secret: str) -> set[str]:
-    """The key as it can appear in a body: raw, URL-encoded, JSON-escaped, base64 at every alignment."""
-    forms = {secret, urllib.parse.quote(secret, safe=""), urllib.parse.quote_plus(secret)}
-    forms.add(json.dumps(secret)[1:-1])
-    raw = secret.encode()
-    for encode in (base64.b64encode, base64.urlsafe_b64encode):
-        for shift in range(3):  # the key after 0, 1 or 2 other bytes (e.g. "Bearer ", "user:")
-            text = encode(b"\0" * shift + raw).decode().rstrip("=")
-            forms.add(text[4 if shift else 0 :])  # drop the group that mixes in the other bytes
-    return forms
-
-
-@functools.lru_cache(maxsize=64)
-def _redactor(secrets: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
-    """(forms >= MIN_SECRET_CHARS, their 4-grams at offsets 0, 4, 8, ..., shorter forms)."""
-    forms = sorted({f for s in secrets for f in _secret_forms(s)}, key=len, reverse=True)
-    long_forms = tuple(f for f in forms if len(f) >= MIN_SECRET_CHARS)
-    # any run of >= 8 characters of a form contains one of its 4-grams that starts at a multiple of 4
-    anchors = tuple(sorted({f[i : i + 4] for f in long_forms for i in range(0, len(f) - 3, 4)}))
-    return long_forms, anchors, tuple(f for f in forms if len(f) < MIN_SECRET_CHARS)
-
-
-def _grow(text: str, start: int, end: int, forms: Sequence[str], right_first: bool) -> tuple[int, int]:
-    """Widen ``text[start:end]`` (part of a form) by bisection as far as it stays part of some form."""
-    longest = max(map(len, forms))
-
-    def part(a: int, b: int) -> bool:
-        return any(text[a:b] in f for f in forms)
-
-    for side in ("right", "left") if right_first else ("left", "right"):
-        if side == "right":
-            lo, hi = end, min(len(text), start + longest)  # text[start:lo] is part of a form
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                lo, hi = (mid, hi) if part(start, mid) else (lo, mid - 1)
-            end = lo
-        else:
-            lo, hi = max(0, end - longest), start  # text[hi:end] is part of a form
-            while lo < hi:
-                mid = (lo + hi) // 2
-                lo, hi = (lo, mid) if part(mid, end) else (mid + 1, hi)
-            start = hi
-    return start, end
-
-
-def redact(text: str, secrets: Sequence[str]) -> str:
-    """``text`` with every form of every secret (see the module docstring) replaced by ``***``.
-
-    Any run of >= ``MIN_SECRET_CHARS`` characters that is part of a form is removed, so a prefix or
-    suffix of a key is caught too. Redact *before* cutting.
-    """
-    uniq = tuple(sorted({s for s in secrets if s}))
-    if not uniq or not text:
-        return text
-    forms, anchors, short = _redactor(uniq)
-    hits = []
-    for anchor in anchors:
-        hit = text.find(anchor)
-        while hit != -1:
-            hits.append(hit)
-            if len(hits) > _MAX_SECRET_HITS:  # a body made of keys: drop it whole rather than burn CPU
-                return "*** (redacted whole: it holds too many copies of an API key)"
-            hit = text.find(anchor, hit + 1)
-    merged: list[list[int]] = []
-    for hit in sorted(set(hits)):
-        if merged and hit + 4 <= merged[-1][1]:
-            continue  # inside a span already found
-        for right_first in (True, False):  # both ways round: the union covers the whole run
-            a, b = _grow(text, hit, hit + 4, forms, right_first)
-            if b - a < MIN_SECRET_CHARS:
-                continue
-            if merged and a <= merged[-1][1]:
-                merged[-1] = [min(merged[-1][0], a), max(merged[-1][1], b)]
-            else:
-                merged.append([a, b])
-    pieces, pos = [], 0
-    for a, b in merged:
-        pieces += [text[pos:a], "***"]
-        pos = b
-    text = "".join(pieces) + text[pos:]
-    for f in short:  # keys shorter than MIN_SECRET_CHARS: exact matches only
-        text = text.replace(f, "***")
-    return text
-
-
-def _redact_strings(value: Any, secrets: Sequence[str]) -> Any:
-    """Redact every string (keys included) inside a JSON value."""
-    if isinstance(value, str):
-        return redact(value, secrets)
-    if isinstance(value, list):
-        return [_redact_strings(v, secrets) for v in value]
-    if isinstance(value, dict):
-        return {redact(str(k), secrets): _redact_strings(v, secrets) for k, v in value.items()}
-    return value
 
 
 def _count(value: Any) -> int | None:
@@ -254,6 +151,16 @@ class TeacherConfig:
                 f"teacher {self.name!r}: environment variable {self.api_key_env} is not set or blank"
             )
         return key
+
+    def cache_key(self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] = ()) -> str:
+        """The :class:`ReplayCache` key of a request: SHA-256 of (name, model, state hash, sampling parameters)."""
+        params = {
+            "temperature": self.temperature,
+            "max_tokens": self.max_tokens,
+            "extra": dict(self.extra_body),
+        }
+        payload = [self.name, self.model, state_hash(messages, tools), params]
+        return hashlib.sha256(canonical_json(payload).encode()).hexdigest()
 
     def cost(self, prompt_tokens: int | None, completion_tokens: int | None) -> float | None:
         """USD for one answer; None when a count is unknown."""
@@ -347,99 +254,6 @@ class ReplayResult:
     @property
     def ok(self) -> bool:
         return self.message is not None
-
-
-class ReplayCache:
-    """On-disk cache: one JSON file per key under ``root/<teacher dir>/<key[:2]>/<key>.json``.
-
-    Writes go to ``.tmp-<pid>-*`` then ``os.replace``: a killed process leaves a complete entry or none,
-    plus maybe its temporary file, which the next :class:`ReplayCache` on the root removes.
-    """
-
-    _writes = 0  # per process, for the KILL_ENV test hook
-
-    def __init__(self, root: str | Path) -> None:
-        self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.orphans_removed = self._remove_orphans()
-
-    def _remove_orphans(self) -> int:
-        """Delete temporary files whose writer (the pid in their name) is gone."""
-        removed = 0
-        for tmp in self.root.rglob(".tmp-*"):
-            m = re.match(r"\.tmp-(\d+)-", tmp.name)
-            if m is not None and not _pid_alive(int(m.group(1))):
-                tmp.unlink(missing_ok=True)
-                removed += 1
-        if removed:
-            log.info("replay cache %s: removed %d temporary files of an interrupted run", self.root, removed)
-        return removed
-
-    @staticmethod
-    def key(
-        teacher: TeacherConfig, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] = ()
-    ) -> str:
-        """SHA-256 of (teacher name, model, state hash, sampling parameters)."""
-        params = {
-            "temperature": teacher.temperature,
-            "max_tokens": teacher.max_tokens,
-            "extra": dict(teacher.extra_body),
-        }
-        payload = [teacher.name, teacher.model, state_hash(messages, tools), params]
-        return hashlib.sha256(canonical_json(payload).encode()).hexdigest()
-
-    @staticmethod
-    def teacher_dir(teacher: str) -> str:
-        """A directory name for ``teacher`` that stays inside the cache (no ``/``, ``..``, leading dot)."""
-        if re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}", teacher):
-            return teacher
-        safe = re.sub(r"[^A-Za-z0-9_-]", "_", teacher)[:64]
-        return f"{safe}-{hashlib.sha256(teacher.encode()).hexdigest()[:12]}"
-
-    def _path(self, teacher: str, key: str) -> Path:
-        p = self.root / self.teacher_dir(teacher) / key[:2] / f"{key}.json"
-        if not p.resolve().is_relative_to(self.root.resolve()):
-            raise ValueError(f"cache path {p} leaves the cache directory {self.root}")
-        return p
-
-    def get(self, teacher: str, key: str) -> dict[str, Any] | None:
-        p = self._path(teacher, key)
-        try:
-            entry = json.loads(p.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            return None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"corrupt cache entry {p}: {e}; delete it to re-request") from e
-        if not isinstance(entry, dict) or entry.get("key") != key:
-            raise ValueError(f"corrupt cache entry {p}: key mismatch; delete it to re-request")
-        return entry
-
-    def put(self, teacher: str, key: str, entry: Mapping[str, Any]) -> None:
-        p = self._path(teacher, key)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".tmp-{os.getpid()}-", suffix=".json")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump({**entry, "key": key}, f, ensure_ascii=False)
-                f.flush()
-                os.fsync(f.fileno())
-            ReplayCache._writes += 1
-            if os.environ.get(KILL_ENV) == f"cache-write:{ReplayCache._writes}":
-                os.kill(os.getpid(), signal.SIGKILL)
-            os.replace(tmp, p)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
 
 
 class _Retryable(Exception):
@@ -631,7 +445,7 @@ class Replayer:
         st.prompt_tokens += pt or 0
         st.completion_tokens += ct or 0
         st.cost_usd += t.cost(pt or 0, ct or 0) or 0.0
-        raw = _redact_strings({"role": "assistant", **_answer_message(data)}, self._secrets())
+        raw = redact_strings({"role": "assistant", **_answer_message(data)}, self._secrets())
         usage = {"prompt_tokens": pt, "completion_tokens": ct}
         entry = {"teacher": t.name, "model": t.model, "message": raw, "usage": usage}
         if self.cache is not None:
@@ -674,7 +488,7 @@ class Replayer:
 
             async def run(job: ReplayJob) -> ReplayResult:
                 t = self.teachers[job.teacher]
-                key = ReplayCache.key(t, job.messages, job.tools)
+                key = t.cache_key(job.messages, job.tools)
                 if key in inflight:  # identical request in this run: share it
                     result = await asyncio.shield(inflight[key])
                     if result.ok:  # a shared failure is not a cache hit
