@@ -49,7 +49,6 @@ from composer_core.loss.validation import (
     check_bool,
     check_choice,
     check_float,
-    check_normalizer,
     check_positive,
     check_probability,
     check_same_shape,
@@ -395,10 +394,7 @@ def sampled_token_distill(
     check_float("student_logprobs", student_logprobs, min_ndim=1)
     check_float("teacher_logprobs", teacher_logprobs)
     check_same_shape("student_logprobs", student_logprobs, "teacher_logprobs", teacher_logprobs)
-    check_choice("reduction", reduction, ("mean", "sum", "none"))
-    check_normalizer("normalizer", normalizer)
-    if normalizer is not None and reduction != "mean":
-        raise ValueError(f"`normalizer` only applies to reduction='mean', not {reduction!r}.")
+    _check_common(1.0, None, reduction, normalizer, ("mean", "sum", "none"))
     if is_clip is not None:
         check_positive("is_clip", is_clip)
     m = as_mask("mask", mask, student_logprobs.shape, device=student_logprobs.device)
