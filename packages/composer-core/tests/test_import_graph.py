@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterable
 from pathlib import Path
+from typing import cast
 
 PACKAGES = Path(__file__).resolve().parents[2]
 
@@ -37,17 +38,30 @@ def _targets(
     return [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
 
 
+def _dynamic(node: ast.AST) -> bool:
+    if not isinstance(node, ast.Call) or not node.args or not isinstance(node.args[0], ast.Constant):
+        return False
+    func = node.func
+    called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+    return called == "import_module" and isinstance(node.args[0].value, str)
+
+
 def import_graph(roots: Iterable[Path]) -> dict[str, set[str]]:
-    """Module -> the modules (of the same roots) it imports anywhere in its file; an unknown dotted name
+    """Module -> the modules (of the same roots) it imports anywhere in its file (``importlib.import_module`` of
+    a literal name included); an unknown dotted name
     falls back to its longest known prefix (``import a.b.c`` with ``c`` a function loads ``a.b``)."""
     modules = _modules(roots)
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for name, path in modules.items():
         is_pkg = path.name == "__init__.py"
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
-            if not isinstance(node, ast.Import | ast.ImportFrom):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                targets = _targets(node, name, is_pkg, modules)
+            elif _dynamic(node):  # importlib.import_module("a.b") with a literal name
+                targets = [cast(ast.Constant, cast(ast.Call, node).args[0]).value]
+            else:
                 continue
-            for target in _targets(node, name, is_pkg, modules):
+            for target in targets:
                 while target and target not in modules:
                     target = target.rpartition(".")[0]
                 if target and target != name:
@@ -129,8 +143,13 @@ def test_finds_a_circle_hidden_in_a_function_and_a_relative_import(tmp_path: Pat
     (pkg / "sub" / "b.py").write_text("from .. import c\n")
     (pkg / "c.py").write_text("import os\nif True:\n    from pkg import a\n")
     (pkg / "leaf.py").write_text("from pkg.c import nothing\n")
+    (pkg / "dyn.py").write_text("import importlib\nimportlib.import_module('pkg.leaf')\n")
     graph = import_graph([tmp_path / "src"])
-    assert graph["pkg.sub"] == {"pkg.sub.b"} and graph["pkg.leaf"] == {"pkg.c"}
+    assert (
+        graph["pkg.sub"] == {"pkg.sub.b"}
+        and graph["pkg.leaf"] == {"pkg.c"}
+        and graph["pkg.dyn"] == {"pkg.leaf"}
+    )
     assert import_cycles(graph) == [["pkg.a", "pkg.sub.b", "pkg.c", "pkg.a"]]
     (pkg / "c.py").write_text("import os\n")
     assert import_cycles(import_graph([tmp_path / "src"])) == []
