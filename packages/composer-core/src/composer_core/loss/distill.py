@@ -9,8 +9,9 @@ and teacher p = softmax(z_T/τ)
 - 0 < β < 1: m = β·p + (1−β)·q, JSD_β = β·KL(p‖m) + (1−β)·KL(q‖m)  (≤ ln 2 at β = ½)
 
 The teacher is always detached (stop-gradient). The full-vocabulary forms never hold more than
-``chunk_size × V`` of intermediate values: a custom :class:`torch.autograd.Function` computes each chunk's value
-and its exact analytic gradient during the forward pass (Liger-Kernel style), so the backward pass is a
+``chunk_size × V`` of intermediate values: :mod:`composer_core.loss.engine` runs this module's chunk kernel
+(:func:`jsd_kernel`, ``(zs, zt) -> (loss, grad)``) in one chunked and one fused autograd Function that compute each
+chunk's value and exact analytic gradient during the forward pass (Liger-Kernel style); the backward pass is a
 rescale. Gradients with respect to the scaled student logits z = z_S/τ:
 
 - FKL: q − p;  RKL: q ⊙ (g − ⟨q, g⟩) with g = log q − log p;
