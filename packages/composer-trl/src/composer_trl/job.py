@@ -187,8 +187,8 @@ class Job:
             trainer = self.make_trainer(model, tok)
         except ValueError as e:  # the trainer's checks (a channel without its inputs, ...): one line, exit 2
             raise UsageError(str(e).strip().splitlines()[0]) from e
-        for cb in (PrinterCallback, ProgressCallback):
-            trainer.remove_callback(cb)
+        for printer in (PrinterCallback, ProgressCallback):
+            trainer.remove_callback(printer)
         stop = StopOnSignal()
         resume_step = checkpoint_step(ckpt) if ckpt is not None else None
         metrics = MetricsJSONL(self.metrics_path, resume_step=resume_step)
