@@ -1,20 +1,11 @@
 """``composer-train``: train with composer's 3-channel objective inside TRL, in one command.
 
-``--env`` takes the prompts, rewards and hints from an environment instead (:mod:`composer_core.envs`:
-``digit-reversal``, ``openenv:<url>``, ``verifiers:<module>``; its reference answers are channel 3's
-``chosen``). With no arguments it builds a tiny Qwen2 (random init, character tokenizer, no download) and trains it
-on the embedded digit-reversal task (:mod:`composer_core.tasks.digit_reversal`): reward from the verifier, hints from the
-verifier's feedback (channel 2), oracle answers as teacher traces (channel 3). It shows a progress bar
-(reward and each channel's loss), writes ``metrics-composer.jsonl``, a PNG plot, ``summary.json`` and the
-trained model, and prints where they are. The comparisons are benchmarks (``packages/composer-trl/bench/compare_*.py``).
-
-Arguments follow TRL's conventions: ``transformers.HfArgumentParser`` over
-:class:`~composer_trl.args.ComposerScriptArguments`, :class:`~composer_trl.args.ComposerModelConfig` (TRL's
-``ModelConfig``: ``--use_peft --lora_r 8``) and :class:`~composer_trl.ComposerGRPOConfig`, so every
-config field is a flag (``--alpha_sdpo 0.5 --learning_rate 1e-6``) and ``--config`` takes the flat YAML
-``trl grpo --config`` takes (or composer's TOML/YAML recipe with a ``[trainer]`` table). Values given on
-the command line win over the file, which wins over the defaults of :mod:`composer_trl.recipe`.
-Exit codes: see :mod:`composer_trl.lifecycle`.
+With no arguments: a tiny Qwen2 (random init, no download) on the embedded digit-reversal task (reward from the
+verifier, hints from its feedback, oracle answers as channel 3's traces); ``--dataset_name``/``--reward_funcs``/
+``--hint_fn`` or ``--env`` (:mod:`composer_core.envs`) train on yours. Arguments follow TRL's conventions: TRL's
+``TrlParser`` over :mod:`composer_trl.args` and :class:`~composer_trl.ComposerGRPOConfig` (every config field is a
+flag), ``--config`` a YAML/TOML file whose values the flags override. This module parses and reports; the run is
+:class:`composer_trl.job.Job`. Exit codes: see :mod:`composer_trl.lifecycle`.
 """
 
 from __future__ import annotations
@@ -25,7 +16,7 @@ import os
 import sys
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -43,23 +34,15 @@ from composer_trl.lifecycle import (
 from composer_trl.models import model_config
 from composer_trl.recipe import Recipe, read_config_file
 
-SCRIPT_TO_RECIPE = {
+RECIPE_FLAGS = {
     "model_name_or_path": "model",
     "dataset_name": "dataset",
     "reward_funcs": "reward",
-    "hint_fn": "hint_fn",
-    "env": "env",
-    "steps": "steps",
     "max_steps": "steps",
-    "seed": "seed",
-    "output_dir": "output_dir",
-    "trust_remote_code": "trust_remote_code",
-    "eval_holdout": "eval_holdout",
 }
-"""Flags that fill a :class:`Recipe` field (the rest of the config fields go to its ``trainer`` table)."""
-
-FILE_ALIASES = {"model": "model_name_or_path", "dataset": "dataset_name", "reward": "reward_funcs"}
-"""composer's recipe keys → the TRL flag they mean (both spellings work in a config file)."""
+"""Flags that fill a :class:`Recipe` field of another name (the rest of the config fields go to its ``trainer``
+table); the first three are also the recipe keys of a config file."""
+RECIPE_FIELDS = {f.name for f in fields(Recipe)} - {"trainer", "model_args"}
 
 RUN_ONLY = {"no_plot", "threads", "overwrite_output_dir"}
 COMPARE_MOVED = (
@@ -132,7 +115,8 @@ def parse(argv: Sequence[str]) -> Invocation:
     given: dict[str, Any] = {}
     if ns.config:
         try:
-            given = {FILE_ALIASES.get(k, k): v for k, v in read_config_file(ns.config).items()}
+            aliases = {v: k for k, v in RECIPE_FLAGS.items() if v != "steps"}
+            given = {aliases.get(k, k): v for k, v in read_config_file(ns.config).items()}
         except (ValueError, ImportError) as e:
             raise UsageError(str(e)) from e
         unknown = [f"--{k}" for k in given if k == "config"] + parser.set_defaults_with_config(**given)
@@ -157,8 +141,8 @@ def _invocation(values: dict[str, Any]) -> Invocation:
     run = {k: values.pop(k) for k in list(values) if k in RUN_ONLY}
     resume = values.pop("resume_from_checkpoint", None)
     for key, value in values.items():
-        if key in SCRIPT_TO_RECIPE:
-            setattr(recipe, SCRIPT_TO_RECIPE[key], value)
+        if RECIPE_FLAGS.get(key, key) in RECIPE_FIELDS:
+            setattr(recipe, RECIPE_FLAGS.get(key, key), value)
         elif key in MODEL_CONFIG_FIELDS:
             recipe.model_args[key] = value
         else:
@@ -278,9 +262,8 @@ def train_once(inv: Invocation) -> int:
     recipe = inv.recipe
     out = Path(recipe.output_dir)
     job = Job(recipe, out)
-    preflight.check(
-        job
-    )  # flags, output dir, model, data, rewards: before the model loads or anything is written
+    # flags, output dir, model, data, rewards, the config: before the model loads or anything is written
+    preflight.check(job)
     existed = out.exists()
     overwrite = inv.overwrite or (inv.resume is None and preflight.demo_rerun(recipe, out))
     prepare_output_dir(out, overwrite=overwrite, resume=inv.resume is not None)
