@@ -54,8 +54,8 @@ def load_env_checked(
     """``(environment, dataset)`` of ``--env``: rows, rewards and hints come from the environment.
 
     Bad spec or missing extra: :class:`UsageError` (exit 2); the environment faulting (server down, ...):
-    :class:`EnvFault` (exit 4); too few tasks: :class:`DataError` (exit 3); channel 3 set on (``beta_replay > 0``
-    in ``trainer``, the trainer options) but the environment gives no reference answers: :class:`UsageError`.
+    :class:`EnvFault` (exit 4); too few tasks: :class:`DataError` (exit 3); channel 3 set on in ``trainer`` (the
+    trainer options) but the environment gives no reference answers: :class:`UsageError`.
     """
     from composer_core.envs import EnvError, env_dataset_rows, load_env
     from datasets import Dataset
@@ -76,7 +76,7 @@ def load_env_checked(
         )
     if trainer.get("replay_pairs") == "on_policy":  # the student's failures are the rejected side
         rows = [{k: v for k, v in r.items() if k != "rejected"} for r in rows]
-    elif float(trainer.get("beta_replay") or 0) > 0 and not set(rows[0]) >= PAIR_COLUMNS:
+    elif trainer.get("beta_replay") and not set(rows[0]) >= PAIR_COLUMNS:  # channel 3 set on
         raise UsageError(
             f"--env {spec!r} gives no reference and wrong answers (channel 3's chosen/rejected); "
             "pass --beta_replay 0 to train without channel 3."
