@@ -223,7 +223,9 @@ def test_config_file_values_are_typed_by_trl_parser_and_a_flag_at_its_default_st
     assert inv.recipe.trainer == {"alpha_sdpo": 0.0, "use_bias_correction_kl": False} and inv.recipe.seed == 4
     assert "learning_rate" not in inv.recipe.trainer  # neither set it: the tiny-model default applies
     y.write_text("learning_rate: fast\n")
-    with pytest.raises(UsageError, match=r"--config .*c.yaml: argument --learning_rate.*: invalid float value: 'fast'"):
+    with pytest.raises(
+        UsageError, match=r"--config .*c.yaml: argument --learning_rate.*: invalid float value: 'fast'"
+    ):
         parse(["--config", str(y)])
     y.write_text("config: other.yaml\n")
     with pytest.raises(UsageError, match="unknown field 'config'"):
