@@ -205,9 +205,9 @@ def plot_comparison(report: Mapping[str, Any], path: str | Path, *, window: int 
     training reward (``window``-step moving average per seed, then mean and band). Every run, baselines
     included, is drawn on every panel.
     """
-    from composer_trl.plot import _require_matplotlib, _save, smooth
+    from composer_trl.plot import _save, require_matplotlib, smooth
 
-    plt = _require_matplotlib()
+    plt = require_matplotlib()
     fig, axes = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
     for i, (name, run) in enumerate(report["runs"].items()):
         color = f"C{i}"

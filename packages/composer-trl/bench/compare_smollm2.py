@@ -187,8 +187,8 @@ def _feedback_sdpo() -> Any:
 
 def _trainer(spec: dict[str, Any], arm: Arm, model: Any, tok: Any, train: list[dict[str, Any]]) -> Any:
     from composer_core.tasks.addition import addition_feedback, addition_reward
-    from composer_trl.cli import run_args
     from composer_trl.config import ComposerGRPOConfig
+    from composer_trl.job import run_args
     from composer_trl.trainer import ComposerGRPOTrainer
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer

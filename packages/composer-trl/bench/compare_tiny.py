@@ -44,6 +44,7 @@ from _compare import (
     stats,
     write_json,
 )
+from composer_trl.job import Job
 from transformers import TrainerCallback
 
 
@@ -59,9 +60,9 @@ class RunSpec:
 RUNS = (
     RunSpec("grpo", composer=False, sees_oracle="no"),
     RunSpec("grpo+sft", composer=False, sees_oracle="yes (SFT targets)", sft=True),
-    RunSpec("composer", composer=True, sees_oracle="yes (hints + replay)"),
-    RunSpec("sdpo only", composer=True, sees_oracle="yes (hints)", overrides={"beta_replay": 0.0}),
-    RunSpec("replay only", composer=True, sees_oracle="yes (replay)", overrides={"alpha_sdpo": 0.0}),
+    RunSpec("composer", True, "yes (hints + replay)", {"alpha_sdpo": 1.0, "beta_replay": 1.0}),
+    RunSpec("sdpo only", True, "yes (hints)", {"alpha_sdpo": 1.0, "beta_replay": 0.0}),
+    RunSpec("replay only", True, "yes (replay)", {"alpha_sdpo": 0.0, "beta_replay": 1.0}),
 )
 HELD_OUT = 64
 """Held-out prompts per seed (never in that seed's training set)."""
@@ -117,33 +118,64 @@ def _slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
+class CellJob(Job):
+    """composer-train's :class:`~composer_trl.job.Job` for one cell: the given training rows (the held-out prompts
+    removed), the run's own channel weights (the GRPO runs: TRL's ``GRPOConfig`` and trainer, the SFT term for
+    ``grpo+sft``), the held-out evaluation as a callback, no saved model."""
+
+    rows: list[dict[str, str]]
+    evaluation: HeldOutEval
+
+    def __init__(self, spec: RunSpec, recipe: Any, out: Path) -> None:
+        self.name, self.spec = _slug(spec.name), spec
+        super().__init__(recipe, out)
+
+    def check(self) -> None:
+        from datasets import Dataset
+
+        self.dataset = Dataset.from_list(self.rows)
+        trainer = {**self.recipe.trainer_kwargs(), **self.spec.overrides}
+        self.config = self._config(trainer) if self.spec.composer else self.args  # args: TRL's GRPOConfig
+
+    def make_trainer(self, model: Any, tok: Any) -> Any:
+        from composer_core.tasks.digit_reversal import reverse_reward
+        from trl import GRPOTrainer
+
+        if self.spec.composer:
+            trainer = super().make_trainer(model, tok)
+        else:
+            cls = GRPOPlusSFTTrainer if self.spec.sft else GRPOTrainer
+            trainer = cls(
+                model=model,
+                reward_funcs=[reverse_reward],
+                args=self.config,
+                train_dataset=self.dataset,
+                processing_class=tok,
+            )
+        trainer.add_callback(self.evaluation)
+        return trainer
+
+    def save(self, trainer: Any, tok: Any) -> Any:
+        return None
+
+
 def run_cell(spec: RunSpec, seed: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """One (run, seed): train with composer-train's job on the tiny model, evaluate, return the cell."""
-    from composer_trl.cli import Job, cpu_bf16_default, load_model
+    from composer_trl.cli import cpu_bf16_default
+    from composer_trl.models import load_model
     from composer_trl.progress import read_jsonl
     from composer_trl.recipe import Recipe
-    from datasets import Dataset
 
     recipe = Recipe(steps=args.steps, seed=seed, output_dir=str(out))
     if args.quick:
         recipe.trainer["per_device_train_batch_size"] = QUICK["per_device_train_batch_size"]
     cpu_bf16_default(recipe)  # as composer-train: bf16 only where the CPU runs it natively
     _, tok = load_model(recipe)
-    job = Job(
-        recipe,
-        out / f"seed-{seed}",
-        name=_slug(spec.name),
-        composer=spec.composer,
-        trainer_overrides=spec.overrides,
-        trainer_cls=GRPOPlusSFTTrainer if spec.sft else None,
-        save_model=False,
-    )
-    c = job.config
-    need = int(c.generation_batch_size) // int(c.num_generations)
-    train_rows, held = split_rows(seed, max(64, need * (recipe.steps + 1)), args.held_out)
-    job.dataset, job.rewards, job.hint = Dataset.from_list(train_rows), [], None
-    ev = HeldOutEval(held, tok, eval_steps(recipe.steps), int(c.max_completion_length))
-    job.callbacks.append(ev)
+    job = CellJob(spec, recipe, out / f"seed-{seed}")
+    a = job.args
+    need = int(a.generation_batch_size) // int(a.num_generations)
+    job.rows, held = split_rows(seed, max(64, need * (recipe.steps + 1)), args.held_out)
+    ev = job.evaluation = HeldOutEval(held, tok, eval_steps(recipe.steps), int(a.max_completion_length))
     res = job.run()
     if res["signal"]:
         raise SystemExit(int(res["exit_code"]))

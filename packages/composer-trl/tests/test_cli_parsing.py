@@ -6,13 +6,16 @@ import json
 import os
 
 import pytest
-from composer_trl.cli import Job, main, parse
+from composer_trl.cli import main, parse
+from composer_trl.job import Job
 from composer_trl.lifecycle import EXIT_USAGE, UsageError
 
 
 def _config(argv, tmp_path):
     inv = parse([*argv, "--output_dir", str(tmp_path / "o")])
-    return inv, Job(inv.recipe, tmp_path / "o", name="composer", composer=True).config
+    job = Job(inv.recipe, tmp_path / "o")
+    job.check()  # the config is built once, after the data chose the channels the command line left unset
+    return inv, job.config
 
 
 def test_every_config_field_is_a_flag_and_strings_are_typed(tmp_path):
@@ -131,7 +134,7 @@ def test_unknown_key_in_config_file_names_closest(tmp_path, capsys):
 
 def test_local_dataset_formats_are_loaded(tmp_path):
     from composer_core.tasks.digit_reversal import make_dataset_rows
-    from composer_trl.cli import load_dataset_checked
+    from composer_trl.data import load_dataset_checked
     from composer_trl.recipe import Recipe
 
     rows = make_dataset_rows(6, seed=0)
@@ -175,7 +178,7 @@ def test_unset_channel_weights_are_chosen_from_the_data_in_one_line(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}>"}) + "\n" for i in range(64)))
     inv = parse(["--dataset_name", str(data), "--output_dir", str(tmp_path / "o")])
-    job = Job(inv.recipe, tmp_path / "o", name="composer", composer=True)
+    job = Job(inv.recipe, tmp_path / "o")
     job.check()
     c = job.config
     assert (c.alpha_sdpo, c.sdpo_teacher_context, c.beta_replay) == (1.0, "success", 0.0)
@@ -208,3 +211,22 @@ def test_reward_funcs_are_found_as_trl_grpo_finds_them(tmp_path, monkeypatch):
         import_callable("f", "reward_funcs")
     with pytest.raises(ValueError, match=r"cannot be imported .*No module named 'nope_52'"):
         import_callable("nope_52.f", "reward_funcs")
+
+
+def test_config_file_values_are_typed_by_trl_parser_and_a_flag_at_its_default_still_wins(tmp_path):
+    """``--config`` goes through TRL's ``TrlParser.set_defaults_with_config``: the file's strings are converted as the
+    flag's would be (a bad one is one line naming the flag), a flag wins even when it repeats the parser's default,
+    and what neither sets stays the recipe's default."""
+    y = tmp_path / "c.yaml"
+    y.write_text("alpha_sdpo: '0.5'\nuse_bias_correction_kl: 'false'\nseed: '4'\n")
+    inv = parse(["--config", str(y), "--alpha_sdpo", "0"])
+    assert inv.recipe.trainer == {"alpha_sdpo": 0.0, "use_bias_correction_kl": False} and inv.recipe.seed == 4
+    assert "learning_rate" not in inv.recipe.trainer  # neither set it: the tiny-model default applies
+    y.write_text("learning_rate: fast\n")
+    with pytest.raises(
+        UsageError, match=r"--config .*c.yaml: argument --learning_rate.*: invalid float value: 'fast'"
+    ):
+        parse(["--config", str(y)])
+    y.write_text("config: other.yaml\n")
+    with pytest.raises(UsageError, match="unknown field 'config'"):
+        parse(["--config", str(y)])

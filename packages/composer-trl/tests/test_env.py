@@ -111,3 +111,23 @@ def test_env_bad_spec_exit_2_and_server_down_exit_4(tmp_path, capsys) -> None:
     err = capsys.readouterr().err.strip()
     assert "cannot connect" in err and url in err and len(err.splitlines()) == 1
     assert not (tmp_path / "b").exists()  # nothing written
+
+
+def test_env_without_reference_answers_refuses_channel_3_only_when_set_on(monkeypatch):
+    """``load_env_checked`` reads the options the user set: ``beta_replay`` set on with an environment that gives no
+    chosen/rejected is one line naming the fix; left unset, the data's channel choice turns channel 3 off."""
+    import composer_core.envs as envs
+    from composer_trl.data import load_env_checked
+    from composer_trl.lifecycle import UsageError
+    from composer_trl.recipe import Recipe
+
+    monkeypatch.setattr(envs, "load_env", lambda spec, **kw: object())
+    monkeypatch.setattr(
+        envs, "env_dataset_rows", lambda env, split, n: [{"prompt": f"{i}>"} for i in range(n)]
+    )
+    recipe = Recipe(env="verifiers:no_answers")
+    with pytest.raises(UsageError, match=r"gives no reference and wrong answers.*--beta_replay 0"):
+        load_env_checked(recipe, {"beta_replay": 1.0}, need=2, n_rows=4)
+    for trainer in ({}, {"beta_replay": 0.0}):
+        _, ds = load_env_checked(recipe, trainer, need=2, n_rows=4)
+        assert ds.column_names == ["prompt"] and len(ds) == 4

@@ -1,7 +1,7 @@
 """Issue 62: what a new user meets first — install extras, the demo rerun, flags TRL users pass by habit, checkpoints
 that are half there, an ``inf`` reward, an environment that answers garbage.
 
-Every refusal is one line and a documented exit code, before the model loads: ``cli.load_model`` is replaced by
+Every refusal is one line and a documented exit code, before the model loads: ``job.load_model`` is replaced by
 a function that raises, so a check that runs too late fails the test.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from composer_trl import cli
+from composer_trl import job
 from composer_trl.cli import main
 from composer_trl.lifecycle import EXIT_USAGE
 
@@ -34,7 +34,7 @@ def no_model_load(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(recipe):
         raise ModelLoaded(recipe.model)
 
-    monkeypatch.setattr(cli, "load_model", refuse)
+    monkeypatch.setattr(job, "load_model", refuse)
 
 
 def _one_line(capsys: pytest.CaptureFixture[str]) -> str:

@@ -49,7 +49,7 @@ def test_converted_once_reused_and_rebuilt_when_corrupt(cache):
     (folder / MARKER).unlink()  # an interrupted conversion leaves no marker: rebuilt
     assert packaged_model_dir(NAME) == folder and (folder / MARKER).is_file()
 
-    from composer_trl.cli import load_model
+    from composer_trl.models import load_model
     from composer_trl.recipe import Recipe
 
     weights = folder / "model.safetensors"

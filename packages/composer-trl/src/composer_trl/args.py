@@ -1,6 +1,6 @@
 """``composer-train``'s script arguments: the fields TRL's ``ScriptArguments``/``ModelConfig`` would hold.
 
-Parsed by ``transformers.HfArgumentParser`` together with :class:`~composer_trl.ComposerGRPOConfig` (so
+Parsed by TRL's ``TrlParser`` (which reserves ``--config`` for the config file) together with :class:`~composer_trl.ComposerGRPOConfig` (so
 every config field is a flag: ``--alpha_sdpo 0.5 --learning_rate 1e-6``) and :class:`ComposerModelConfig`
 (TRL's ``ModelConfig``: ``--use_peft --lora_r 8``). This module has no
 ``from __future__ import annotations``: HfArgumentParser reads the field types at runtime.
@@ -9,6 +9,8 @@ every config field is a flag: ``--alpha_sdpo 0.5 --learning_rate 1e-6``) and :cl
 from dataclasses import dataclass, field, fields
 
 from trl import ModelConfig
+
+from composer_trl.recipe import Recipe
 
 
 @dataclass
@@ -62,10 +64,9 @@ class ComposerScriptArguments:
             "(a fraction < 1, or a number of rows >= 1), for the embedded task, --dataset_name and --env alike"
         },
     )
-    config: str | None = field(
-        default=None, metadata={"help": "YAML (as `trl grpo --config` takes it) or TOML recipe"}
+    steps: int | None = field(
+        default=None, metadata={"help": f"alias of --max_steps (default {Recipe.steps})"}
     )
-    steps: int | None = field(default=None, metadata={"help": "alias of --max_steps (default 300)"})
     overwrite_output_dir: bool = field(
         default=False, metadata={"help": "replace composer-train's outputs in a non-empty --output_dir"}
     )

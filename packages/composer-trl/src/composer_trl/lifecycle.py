@@ -1,22 +1,7 @@
-"""Run lifecycle of ``composer-train``: exit codes, output-directory rules, valid JSON, checkpoints, signals.
-
-Exit codes (documented in the package README)::
-
-    0    finished
-    1    unexpected failure (a traceback)
-    2    bad arguments or config (unknown field, missing model directory, non-empty output dir, ...)
-    3    bad dataset (missing, empty, unreadable, no ``prompt`` column, fewer rows than one step needs)
-    4    the ``--env`` environment faulted (server down, no answer within its timeout, garbage answers): one
-         line naming the server; before training nothing is written, during training the run stops at the
-         failing step and, as for 5, keeps complete checkpoints already saved or else removes what it wrote
-    5    a reward function failed: it raised (or returned the wrong number or kind of rewards, or ``inf``), or no completion of
-         a generation batch got a reward from any function (None/NaN for all: TRL's "All reward functions
-         returned None" for every row). One line naming ``module:function``, the step, the dataset rows and the
-         error. Complete checkpoints already saved are kept (the line says so, resume with
-         ``--resume_from_checkpoint last``); without one, what the run wrote is removed (the output directory
-         too when the run created it; the user's own files stay)
-    130  stopped by SIGINT  (the current step finished, a checkpoint and summary.json written)
-    143  stopped by SIGTERM (same)
+"""Run lifecycle of ``composer-train``: exit codes (``EXIT_*``: 0 finished, 1 a traceback, 2 bad arguments or config,
+3 bad dataset, 4 the ``--env`` environment faulted, 5 a reward function failed, 130/143 SIGINT/SIGTERM; what each
+says and what is kept: the package README's "Exit codes and what is kept"), output-directory rules, valid JSON,
+checkpoints, signals.
 
 Checkpoints are TRL/transformers' own (``trainer-<run>/checkpoint-<step>``: weights, optimiser, scheduler,
 RNG, trainer state) plus ``composer_state.json`` holding composer's own state (TAID's ``t`` and momentum),

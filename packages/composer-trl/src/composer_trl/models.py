@@ -1,4 +1,5 @@
-"""Real pretrained models that work offline: a GGUF file shipped inside a package, converted once to a cached
+"""Model loading of ``composer-train``: the tiny Qwen2, a directory or Hub id (TRL's ``ModelConfig`` flags), and
+real pretrained models that work offline: a GGUF file shipped inside a package, converted once to a cached
 Hugging Face directory.
 
 ``composer-train --model_name_or_path smollm2-135m-instruct`` finds ``SmolLM2-135M-Instruct.Q4_1.gguf`` in the
@@ -16,13 +17,17 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["PACKAGED", "PackagedModel", "cache_root", "packaged_model_dir"]
+from composer_trl.lifecycle import UsageError
+
+if TYPE_CHECKING:
+    from composer_trl.recipe import Recipe
 
 MARKER = "composer-converted.json"
 FORMAT = 2
@@ -111,3 +116,127 @@ def packaged_model_dir(name: str) -> Path:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return dest
+
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+"""What may name a Hub model (anything else that is no directory is a missing directory)."""
+
+
+def model_config(recipe: Recipe) -> Any:
+    """The run's ``trl.ModelConfig`` (its defaults where the command line set nothing)."""
+    from trl import ModelConfig
+
+    return ModelConfig(model_name_or_path=recipe.model, **recipe.model_args)
+
+
+def load_model(recipe: Recipe) -> tuple[Any, Any]:
+    """The tiny model (``model=None``) or ``from_pretrained``; a missing directory is one clear line."""
+    if recipe.model is None:
+        from composer_core.tasks.digit_reversal import ALPHABET
+        from composer_core.tasks.tiny import build_char_tokenizer, build_tiny_model
+
+        tok: Any = build_char_tokenizer(ALPHABET)
+        model = build_tiny_model(tok, seed=recipe.seed)
+        dtype = recipe.model_args.get("dtype")
+        if dtype in ("bfloat16", "float16"):
+            import torch
+
+            model = model.to(getattr(torch, dtype))
+        return model, tok
+    name = recipe.model
+    init = model_init_kwargs(recipe)
+    local = Path(name).expanduser()
+    if name in PACKAGED and not local.is_dir():
+        return _load_packaged(name, {k: init[k] for k in ("dtype", "attn_implementation") if k in init})
+    if not local.is_dir() and not HUB_ID.match(name):
+        raise UsageError(
+            f"--model_name_or_path {name!r}: directory {str(local)!r} does not exist; pass an existing "
+            "model directory or a hub id like 'Qwen/Qwen2.5-0.5B-Instruct'."
+        )
+    try:
+        return _pretrained(str(local) if local.is_dir() else name, init, recipe.trust_remote_code)
+    except (OSError, ValueError) as e:
+        where = "local directory" if local.is_dir() else f"hub id (no directory {str(local)!r} exists)"
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(f"--model_name_or_path {name!r} as a {where} could not be loaded: {first}") from e
+
+
+def _pretrained(name: str, init: dict[str, Any], trust_remote_code: bool = False) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` of a directory or hub id (left padding; EOS pads when the tokenizer has no pad)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(name, padding_side="left", trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(name, trust_remote_code=trust_remote_code, **init)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return model, tok
+
+
+def model_init_kwargs(recipe: Recipe) -> dict[str, Any]:
+    """``from_pretrained`` keywords from TRL's ``ModelConfig`` flags, as ``trl grpo`` builds them (``revision``,
+    ``attn_implementation``, ``dtype``; ``--load_in_4bit``/``--load_in_8bit``: TRL's ``get_quantization_config``,
+    which needs CUDA and bitsandbytes)."""
+    from trl import get_quantization_config
+
+    mc = model_config(recipe)
+    kwargs: dict[str, Any] = {"revision": mc.model_revision, "dtype": mc.dtype}
+    if mc.attn_implementation is not None:
+        kwargs["attn_implementation"] = mc.attn_implementation
+    quantization = get_quantization_config(mc)
+    if quantization is not None:
+        kwargs["quantization_config"] = quantization
+    return kwargs
+
+
+def model_directory(name: str) -> str:
+    """The local directory of ``--model_name_or_path``: a packaged model's converted cache, or the path."""
+    if name in PACKAGED and not Path(name).expanduser().is_dir():
+        try:
+            return str(packaged_model_dir(name))
+        except ModelUnavailable as e:
+            raise UsageError(f"--model_name_or_path {name!r}: {e}") from e
+    if not Path(name).expanduser().is_dir():
+        raise UsageError(f"--model_name_or_path {name!r}: no such directory.")
+    return str(Path(name).expanduser())
+
+
+def _load_packaged(name: str, init: dict[str, Any]) -> tuple[Any, Any]:
+    """A packaged GGUF model, converted once; a cache that no longer loads is rebuilt once."""
+    for attempt in (1, 2):
+        folder = Path(model_directory(name))
+        try:
+            return _pretrained(str(folder), init)
+        except Exception as e:  # a truncated or edited cache: safetensors, json and OS errors alike
+            if attempt == 2:
+                raise UsageError(
+                    f"--model_name_or_path {name!r}: the converted model in {folder} does not load: {e}"
+                ) from e
+            shutil.rmtree(folder, ignore_errors=True)
+    raise AssertionError("unreachable")
+
+
+def tokenizer_and_context(recipe: Recipe, config: Any) -> tuple[Any, int] | None:
+    """The tokenizer and context length of ``recipe.model`` without loading its weights (None: they cannot be
+    read here; :func:`load_model` then reports the problem in its own line)."""
+    from composer_trl.guards import context_length
+
+    if recipe.model is None:
+        from composer_core.tasks.digit_reversal import ALPHABET
+        from composer_core.tasks.tiny import TinyModelConfig, build_char_tokenizer
+
+        return build_char_tokenizer(ALPHABET), TinyModelConfig().max_position_embeddings
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        local = Path(recipe.model).expanduser()
+        name = str(local) if local.is_dir() else recipe.model
+        name = model_directory(name) if name in PACKAGED else name
+        remote = recipe.trust_remote_code
+        tok = AutoTokenizer.from_pretrained(name, trust_remote_code=remote)
+        context = context_length(AutoConfig.from_pretrained(name, trust_remote_code=remote))
+    except Exception:  # load_model says what is wrong with the model, in one line
+        return None
+    vllm_len = getattr(config, "vllm_max_model_length", None)
+    if getattr(config, "use_vllm", False) and getattr(config, "vllm_mode", None) == "colocate" and vllm_len:
+        context = int(vllm_len)
+    return (tok, context) if context is not None else None

@@ -14,7 +14,7 @@ PANELS = (
 )
 
 
-def _require_matplotlib() -> Any:
+def require_matplotlib() -> Any:
     try:
         import matplotlib
 
@@ -43,7 +43,7 @@ def plot_runs(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str | Path,
     channel-loss metric that any run logged. Light lines are raw values, solid lines a ``window``-step
     moving average. Returns the PNG path.
     """
-    plt = _require_matplotlib()
+    plt = require_matplotlib()
     panels = [p for p in PANELS if any(p[0] in row for rows in runs.values() for row in rows)]
     if not panels:
         raise ValueError("no metrics to plot: the runs logged neither reward nor channel losses.")

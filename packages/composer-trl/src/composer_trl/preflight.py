@@ -17,18 +17,15 @@ import importlib.util
 import inspect
 import json
 import os
-import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from composer_trl.lifecycle import UsageError
-from composer_trl.models import PACKAGED
+from composer_trl.models import HUB_ID, PACKAGED
 from composer_trl.recipe import Recipe
 
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-"""What may name a Hub model (anything else that is no directory is a missing directory)."""
 EMBEDDED_TASK = (
     "composer-train: no --dataset_name: training on the embedded digit-reversal task (pass --dataset_name "
     "data.jsonl or --env to train on yours)"
@@ -48,9 +45,10 @@ also math-verify)."""
 
 
 def check(job: Any) -> None:
-    """Every check of this module, then the job's own (:meth:`composer_trl.cli.Job.check`: dataset, channels)."""
+    """Every check of this module, then the job's own (:meth:`composer_trl.job.Job.check`: data, channels,
+    config)."""
     recipe = job.recipe
-    check_extras(job.config, recipe)
+    check_extras(job.args, recipe)
     check_output_dir(job.out)
     check_hub_model(recipe)
     job.check()
