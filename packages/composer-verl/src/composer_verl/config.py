@@ -68,11 +68,11 @@ class ComposerVerlConfig:
     success_reward_threshold: float = TeacherContextOptions.success_reward_threshold
 
     def __post_init__(self) -> None:
-        hints = typing.get_type_hints(ComposerVerlConfig)
-        for f in fields(self):
-            if f.name not in _TYPED and str not in (hints[f.name], *typing.get_args(hints[f.name])):
-                value = coerce_to(f"composer.{f.name}", getattr(self, f.name), hints[f.name])
-                object.__setattr__(self, f.name, value)
+        for name, ann in typing.get_type_hints(ComposerVerlConfig).items():  # verl's own options: core's coercion
+            value, args = getattr(self, name), typing.get_args(ann)
+            choices = [c for a in (ann, *args) if typing.get_origin(a) is Literal for c in typing.get_args(a)]
+            if name not in _TYPED and str not in (ann, *args) and value not in (None, *choices):
+                object.__setattr__(self, name, coerce_to(f"composer.{name}", value, ann))
         if not self.adv_eps >= 0.0:
             raise ValueError(f"composer.adv_eps={self.adv_eps!r} must be a finite number >= 0.")
         if self.policy_delta is not None and not self.policy_delta > 1.0:
@@ -155,11 +155,9 @@ class ComposerVerlConfig:
         if mapping is not None and not isinstance(mapping, Mapping):
             raise ValueError(f"the composer section must be a mapping, got {type(mapping).__name__}.")
         given = dict(mapping or {})
-        own = [f.name for f in fields(cls) if f.name not in _TYPED]
-        known = {*CORE_OPTIONS, *_TEACHER, *_CONTEXT, *own}
-        unknown = sorted(set(given) - known)
+        unknown = sorted(set(given) - set(section_keys()))
         if unknown:
-            raise ValueError(f"composer section: unknown key(s) {unknown}; valid keys: {sorted(known)}.")
+            raise ValueError(f"composer section: unknown key(s) {unknown}; valid keys: {section_keys()}.")
 
         def pick(names: typing.Iterable[str]) -> dict[str, Any]:
             return {k: given.pop(k) for k in names if k in given}
@@ -175,21 +173,18 @@ class ComposerVerlConfig:
         try:
             return cls(
                 compose=ComposeConfig.from_flat(**pick(CORE_OPTIONS)),
-                teacher=TeacherWeightsOptions(**_typed(TeacherWeightsOptions, pick(_TEACHER))),
-                context=TeacherContextOptions(**_typed(TeacherContextOptions, context)),
+                teacher=TeacherWeightsOptions(**pick(_TEACHER)),
+                context=TeacherContextOptions(**context),
                 **given,
             )
         except (TypeError, ValueError) as err:
             raise ValueError(f"composer section: {err}") from None
 
 
-def _typed(klass: type, values: dict[str, Any]) -> dict[str, Any]:
-    """Values (CLI strings included) coerced to ``klass``'s field types by core's ``coerce_to``; text as given."""
-    hints = typing.get_type_hints(klass)
-    return {
-        k: v if str in (hints[k], *typing.get_args(hints[k])) else coerce_to(k, v, hints[k])
-        for k, v in values.items()
-    }
+def section_keys() -> list[str]:
+    """Every key of the ``composer:`` section."""
+    own = [f.name for f in fields(ComposerVerlConfig) if f.name not in _TYPED]
+    return sorted({*CORE_OPTIONS, *_TEACHER, *_CONTEXT, *own})
 
 
 def section_of(config: Any) -> dict[str, Any]:
