@@ -68,7 +68,9 @@ class ComposerVerlConfig:
     success_reward_threshold: float = TeacherContextOptions.success_reward_threshold
 
     def __post_init__(self) -> None:
-        for name, ann in typing.get_type_hints(ComposerVerlConfig).items():  # verl's own options: core's coercion
+        for name, ann in typing.get_type_hints(
+            ComposerVerlConfig
+        ).items():  # verl's own options: core's coercion
             value, args = getattr(self, name), typing.get_args(ann)
             choices = [c for a in (ann, *args) if typing.get_origin(a) is Literal for c in typing.get_args(a)]
             if name not in _TYPED and str not in (ann, *args) and value not in (None, *choices):
@@ -193,7 +195,7 @@ def section_of(config: Any) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
     section = OmegaConf.select(config, "..composer" if "actor" in config else "composer")
-    return OmegaConf.to_container(section, resolve=True) if section is not None else {}  # type: ignore[return-value]
+    return OmegaConf.to_container(section, resolve=True) if section is not None else {}
 
 
 _current: ComposerVerlConfig | None = None
