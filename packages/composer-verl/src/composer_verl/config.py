@@ -36,19 +36,11 @@ HintFn = Callable[[str, str, float, Mapping[str, Any]], "str | None"]
 
 @dataclass(frozen=True)
 class ComposerVerlConfig:
-    """The ``composer:`` section: composer_core's typed options plus the few only verl has (README table).
-
-    ``compose`` (:data:`CORE_OPTIONS`), ``teacher`` (``sdpo_teacher``, ``teacher_update_rate``,
-    ``teacher_sync_steps``) and ``context`` (``sdpo_teacher_context`` and the reprompt options) are core's
-    classes, built by :meth:`from_mapping` from the section's flat keys; core declares and checks them. verl's own:
-    the advantage estimator's ``adv_scale`` (``None`` follows ``algorithm.norm_adv_by_std_in_grpo``), ``adv_eps``,
-    ``adv_singleton`` (``reward``: a group of one gets ``A = r``, verl; ``zero``: ``A = 0``, TRL);
-    ``policy_delta`` (channel 1's cap δ of the unclipped ratio, ``> 1 + clip_ratio_high``); the producers'
-    ``hint_fn`` (``package.module:function`` of ``hint_fn(prompt, response, reward, extra) -> str | None``),
-    ``env`` (an environment spec whose feedback is the hint), ``hint_role``, ``pair_source`` (``dataset`` or a
-    ``composer_core.traces.records`` file), ``pairs_per_step`` and ``replay_pairs`` (``columns`` or
-    ``on_policy``: each failed response, reward below ``success_reward_threshold``, against its row's
-    ``chosen``).
+    """The ``composer:`` section. ``compose`` (:data:`CORE_OPTIONS`), ``teacher`` and ``context`` are core's typed
+    classes, built by :meth:`from_mapping` from the section's flat keys (core declares, defaults and checks them);
+    the other fields are verl's own keys (the README's table): the advantage estimator's ``adv_*``, channel 1's
+    ``policy_delta`` (δ > 1 + ``clip_ratio_high``) and the producers' ``hint_fn``, ``env``, ``hint_role``,
+    ``pair_source``, ``pairs_per_step``, ``replay_pairs`` (with ``on_policy``, ``success_reward_threshold``).
     """
 
     compose: ComposeConfig = field(default_factory=ComposeConfig)
