@@ -7,9 +7,8 @@ from composer_verl.config import configure
 
 
 @pytest.fixture(autouse=True)
-def _fresh_config(monkeypatch: pytest.MonkeyPatch):
-    """Every test starts from default composer options and no COMPOSER_VERL_CONFIG."""
-    monkeypatch.delenv("COMPOSER_VERL_CONFIG", raising=False)
+def _fresh_config():
+    """Every test starts from default composer options."""
     configure(None)
     yield
     configure(None)

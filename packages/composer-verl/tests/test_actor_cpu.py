@@ -309,7 +309,7 @@ def test_base_teacher_scores_with_the_initial_weights(teacher_worker: Any) -> No
     from composer_verl.config import configure
 
     w = teacher_worker
-    configure({"alpha_sdpo": 0.5, "sdpo_teacher": "base"})
+    configure({"alpha_sdpo": 0.5, "sdpo_teacher": "base", "env": "digit-reversal"})
     w.init_sdpo_teacher()
     initial = _log_probs(w)
     assert torch.equal(_log_probs(w, teacher=True), initial)
@@ -329,7 +329,13 @@ def test_ema_teacher_update_equals_core_ema_update(teacher_worker: Any) -> None:
 
     w = teacher_worker
     configure(
-        {"alpha_sdpo": 0.5, "sdpo_teacher": "ema", "teacher_update_rate": 0.25, "teacher_sync_steps": 2}
+        {
+            "alpha_sdpo": 0.5,
+            "sdpo_teacher": "ema",
+            "teacher_update_rate": 0.25,
+            "teacher_sync_steps": 2,
+            "env": "e",
+        }
     )
     w.init_sdpo_teacher()
     theta0 = _local_params(w)
@@ -354,7 +360,7 @@ def test_teacher_shards_save_and_load(teacher_worker: Any, tmp_path: Any) -> Non
     from composer_verl.config import configure
 
     w = teacher_worker
-    configure({"alpha_sdpo": 0.5, "sdpo_teacher": "ema"})
+    configure({"alpha_sdpo": 0.5, "sdpo_teacher": "ema", "env": "digit-reversal"})
     w.init_sdpo_teacher()
     saved = {n: t.clone() for n, t in w.sdpo_teacher.items()}
     path = save_teacher_shards(w.sdpo_teacher, 7, str(tmp_path), 0)
@@ -393,7 +399,7 @@ def test_teacher_is_saved_and_loaded_with_verls_actor_checkpoint(teacher_worker:
     from composer_verl.config import configure
 
     w = teacher_worker
-    configure({"alpha_sdpo": 0.5, "sdpo_teacher": "ema", "teacher_update_rate": 0.5})
+    configure({"alpha_sdpo": 0.5, "sdpo_teacher": "ema", "teacher_update_rate": 0.5, "env": "e"})
     w.init_sdpo_teacher()
     _train_step(w)
     teacher = {n: t.clone() for n, t in w.sdpo_teacher.items()}
@@ -478,4 +484,6 @@ def test_topk_needs_the_live_teacher() -> None:
     from composer_verl.config import ComposerVerlConfig
 
     with pytest.raises(ValueError, match="sdpo_form='topk' with sdpo_teacher='ema'"):
-        ComposerVerlConfig(alpha_sdpo=1.0, sdpo_form="topk", sdpo_topk=4, sdpo_teacher="ema")
+        ComposerVerlConfig.from_mapping(
+            {"alpha_sdpo": 1.0, "sdpo_form": "topk", "sdpo_topk": 4, "sdpo_teacher": "ema", "env": "e"}
+        )

@@ -90,8 +90,8 @@ def test_adv_eps() -> None:
     assert math.isclose(_adv()[0].item(), 0.75 / (0.5 + 0.5), rel_tol=1e-6)
 
 
-def test_env_var_reaches_the_estimator(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("COMPOSER_VERL_CONFIG", '{"adv_singleton": "zero", "adv_scale": "none"}')
+def test_the_section_reaches_the_estimator() -> None:
+    configure({"adv_singleton": "zero", "adv_scale": "none"})
     adv = _adv()
     assert adv[1].item() == 0.0 and math.isclose(adv[0].item(), 0.75, rel_tol=1e-6)
 

@@ -9,7 +9,7 @@ token, got []"); this is the same construction, in-process.
 
 from __future__ import annotations
 
-from composer_verl.producers import render_prompt_ids
+from composer_verl.rows import render_prompt_ids
 from verl_cpu_testkit.task import build_model_dir, build_tokenizer
 
 

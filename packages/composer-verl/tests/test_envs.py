@@ -5,8 +5,8 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 from composer_core.tasks import digit_reversal as T
+from composer_verl.config import ComposerVerlConfig
 from composer_verl.envs import compute_score, env_hint_fn, env_rows, write_env_dataset
-from composer_verl.producers import ProducerConfig, check_settings
 
 ACTOR = {"shuffle": False, "use_dynamic_bsz": False, "ppo_micro_batch_size_per_gpu": 4}
 
@@ -42,8 +42,9 @@ def test_rows_without_task_id_name_the_fix() -> None:
 
 
 def test_env_option_replaces_hint_fn_and_needs_alpha() -> None:
-    assert ProducerConfig.from_mapping({"env": "digit-reversal"}).enabled
+    C = ComposerVerlConfig.from_mapping
+    assert C({"env": "digit-reversal", "alpha_sdpo": 0.5}).hints
     with pytest.raises(ValueError, match="both set"):
-        ProducerConfig(hint_fn="m:f", env="digit-reversal")
+        C({"hint_fn": "m:f", "env": "digit-reversal", "alpha_sdpo": 0.5})
     with pytest.raises(ValueError, match="alpha_sdpo"):
-        check_settings(ProducerConfig(env="digit-reversal"), 0.0, 0.0, ACTOR)
+        C({"env": "digit-reversal"})

@@ -10,7 +10,8 @@ Then each of these must resolve:
 * verl config keys (``actor_rollout_ref.…``, ``trainer.…``, ``algorithm.…``, ``+ray_kwargs.…``): present in
   verl's own ``ppo_trainer`` config composed by Hydra (a ``+`` key: its parent exists); for the keys that
   select a registered component (adv estimator, policy loss, v1 trainer mode), the value is registered;
-* ``key=value`` with a bare key: a ``COMPOSER_VERL_CONFIG`` option or a key of verl's config.
+* ``composer.key``: a key of the ``composer:`` section;
+* ``key=value`` with a bare key: a ``composer:`` section key or a key of verl's config.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 import composer_verl
 import composer_verl.plugin  # registers the estimator, loss and trainer mode
 import pytest
-from composer_verl.config import ComposerVerlConfig
+from composer_verl.config import section_keys
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
@@ -50,6 +51,7 @@ RESOURCE = re.compile(r"(?<![\w.])((?:composer_verl|composer_core|verl)(?:\.\w+)
 CONFIG_KEY = re.compile(
     r"(?<![\w.])(\+?(?:" + "|".join(ROOTS) + r")(?:\.[A-Za-z_]\w*)+)(?:=([\w-]+(?:\.[\w-]+)*))?"
 )
+SECTION_KEY = re.compile(r"(?<![\w.+])composer\.([a-z_][a-z0-9_]*)")
 BARE_ASSIGN = re.compile(r"(?<![\w.+'\"{])([a-z_][a-z0-9_]*)=(?!=)")
 REGISTRIES = {
     "algorithm.adv_estimator": "adv",
@@ -159,7 +161,7 @@ def problems(messages: list[tuple[str, str]], verl_config: DictConfig) -> list[s
     """Every name in ``messages`` that does not resolve, as ``file: what``."""
     paths = set(_leaf_paths(verl_config))
     last_parts = {p.rsplit(".", 1)[-1] for p in paths}
-    composer_keys = set(ComposerVerlConfig.__dataclass_fields__)
+    composer_keys = set(section_keys())
     found: list[str] = []
     for where, text in messages:
         for module in PYTHON_M.findall(text):
@@ -183,9 +185,12 @@ def problems(messages: list[tuple[str, str]], verl_config: DictConfig) -> list[s
                 found.append(f"{where}: {bare} is not a key of verl's config")
             if bare in REGISTRIES and value and not _registered(REGISTRIES[bare], value):
                 found.append(f"{where}: {bare}={value} is not registered with verl")
+        for key in SECTION_KEY.findall(text):
+            if key not in composer_keys:
+                found.append(f"{where}: composer.{key} is not a key of the composer section")
         for key in BARE_ASSIGN.findall(text):
             if key not in composer_keys and key not in last_parts:
-                found.append(f"{where}: {key}= is neither a COMPOSER_VERL_CONFIG key nor a verl config key")
+                found.append(f"{where}: {key}= is neither a composer section key nor a verl config key")
     return found
 
 
@@ -208,6 +213,7 @@ def test_the_checker_catches_what_does_not_exist(verl_config: DictConfig) -> Non
         ("x", "set trainer.v1.trainer_mode=no_such_mode"),
         ("x", "set no_such_option=0"),
         ("x", "+ray_kwargs.no_such_section.x=1"),
+        ("x", "set composer.no_such_option=1"),
         ("x", "use composer_verl.examples/no_such.yaml"),
     ]
     assert [item for item in bad if not problems([item], verl_config)] == []
@@ -217,7 +223,7 @@ def test_the_checker_catches_what_does_not_exist(verl_config: DictConfig) -> Non
             "x",
             "actor_rollout_ref.actor.policy_loss.loss_mode=composer, algorithm.adv_estimator=grpo_composer",
         ),
-        ("x", "+ray_kwargs.ray_init.runtime_env.env_vars.COMPOSER_VERL_CONFIG, alpha_sdpo=0, clip_ratio_c=3"),
+        ("x", "+ray_kwargs.ray_init.runtime_env.env_vars.X, alpha_sdpo=0, clip_ratio_c=3, composer.hint_fn"),
         ("x", "composer_verl.examples/composer_grpo.yaml, composer_verl.batch.with_composer_batch"),
     ]
     assert problems(good, verl_config) == []

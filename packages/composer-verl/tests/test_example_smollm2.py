@@ -2,19 +2,18 @@
 
 What runs: Hydra composes the recipe YAML exactly as ``main_ppo --config-path=<recipe dir>
 --config-name=smollm2_digit_reversal`` does (its defaults = composer_verl's ``composer_grpo`` + verl's
-``ppo_trainer``); verl's own ``validate_config`` and dataclass conversion accept it; composer's sections
-(``COMPOSER_VERL_CONFIG`` and the ``composer:`` producers) parse with composer_verl's own parsers; the
+``ppo_trainer``); verl's own ``validate_config`` and dataclass conversion accept it; composer's one
+``composer:`` section parses with composer_verl's own parser; the
 composer_sync trainer maps the actor roles to composer's worker. Then the same YAML at the e2e test's tiny size
 (``verl_cpu_testkit.run.overrides``: the tiny Qwen2 + char tokenizer, 16 digit-reversal rows, 1 step) composes
 and validates too.
 
 What does not run here: main_ppo itself (the recipe needs a GPU and vLLM/SGLang; the CPU path is
-``test_main_ppo_e2e.py``, ~3 min, with composer_grpo and the same composer sections) and SmolLM2's weights.
+``test_main_ppo_e2e.py``, ~3 min, with composer_grpo and the same composer section) and SmolLM2's weights.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import composer_verl.plugin  # noqa: F401
@@ -32,8 +31,8 @@ def _compose(overrides: list[str] | None = None):  # type: ignore[no-untyped-def
 
 def _validate(config) -> None:  # type: ignore[no-untyped-def]
     """What main_ppo checks before anything starts, plus composer's own sections."""
-    from composer_verl.config import parse_config
-    from composer_verl.producers import ProducerConfig, check_settings
+    from composer_verl.config import ComposerVerlConfig, section_of
+    from composer_verl.producers import check_settings
     from omegaconf import OmegaConf
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import omega_conf_to_dataclass, validate_config
@@ -45,11 +44,11 @@ def _validate(config) -> None:  # type: ignore[no-untyped-def]
     assert not need_critic(config)
     loss = omega_conf_to_dataclass(config.actor_rollout_ref.actor.policy_loss, PolicyLossConfig)
     assert loss.loss_mode == "composer"
-    options = parse_config(config.ray_kwargs.ray_init.runtime_env.env_vars.COMPOSER_VERL_CONFIG)
-    producers = ProducerConfig.from_mapping(OmegaConf.to_container(config.composer, resolve=True))
-    actor = OmegaConf.to_container(config.actor_rollout_ref.actor, resolve=True)
-    check_settings(producers, options.alpha_sdpo, options.beta_replay, actor)
-    assert producers.env == "digit-reversal" and producers.pair_source == "dataset"
+    composer = ComposerVerlConfig.from_mapping(
+        section_of(config)
+    )  # every composer option in this one section
+    check_settings(composer, OmegaConf.to_container(config.actor_rollout_ref.actor, resolve=True))  # type: ignore[arg-type]
+    assert composer.env == "digit-reversal" and composer.pair_source == "dataset"
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +63,8 @@ def test_recipe_selects_smollm2_and_composer(recipe) -> None:  # type: ignore[no
     assert recipe.trainer.use_v1 and recipe.trainer.v1.trainer_mode == "composer_sync"
     assert recipe.reward.custom_reward_function.path == "pkg://composer_verl.envs"
     assert recipe.reward.custom_reward_function.reward_kwargs.env == "digit-reversal"
-    env = json.loads(recipe.ray_kwargs.ray_init.runtime_env.env_vars.COMPOSER_VERL_CONFIG)
-    assert env["alpha_sdpo"] > 0 and env["beta_replay"] > 0  # all three channels on
+    assert recipe.composer.alpha_sdpo > 0 and recipe.composer.beta_replay > 0  # all three channels on
+    assert "ray_kwargs" not in recipe or "env_vars" not in recipe.ray_kwargs.ray_init.get("runtime_env", {})
 
 
 def test_verl_and_composer_accept_the_recipe(recipe) -> None:  # type: ignore[no-untyped-def]

@@ -17,7 +17,6 @@ gloo initialised before verl's own process-group init (see the kit's docstrings)
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
@@ -52,7 +51,7 @@ def _get(metrics: dict[str, float], name: str) -> float:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, float]]:
     tmp = tmp_path_factory.mktemp("main_ppo")
-    proc = run_main_ppo(tmp, json.dumps(COMPOSER), PRODUCERS)
+    proc = run_main_ppo(tmp, COMPOSER, PRODUCERS)
     if proc.returncode == RAY_START_FAILED:  # an overloaded machine, before any verl/composer code ran
         pytest.skip(next(ln for ln in proc.stdout.splitlines() if "RAY_START_FAILED" in ln))
     assert proc.returncode == 0, proc.stdout[-8000:]

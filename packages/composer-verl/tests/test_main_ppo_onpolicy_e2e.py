@@ -7,7 +7,6 @@ row's ``chosen``. Channel 1 + channel 3 only (SimPO with RPO's NLL)."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
@@ -27,7 +26,7 @@ def _get(metrics: dict[str, float], name: str) -> float:
 
 
 def test_on_policy_pairs_in_verls_loop(tmp_path: pytest.TempPathFactory) -> None:
-    proc = run_main_ppo(tmp_path, json.dumps(COMPOSER), PRODUCERS, steps=2, pair_columns=("chosen",))  # type: ignore[arg-type]
+    proc = run_main_ppo(tmp_path, COMPOSER, PRODUCERS, steps=2, pair_columns=("chosen",))  # type: ignore[arg-type]
     if proc.returncode == RAY_START_FAILED:
         pytest.skip(next(ln for ln in proc.stdout.splitlines() if "RAY_START_FAILED" in ln))
     assert proc.returncode == 0, proc.stdout[-8000:]

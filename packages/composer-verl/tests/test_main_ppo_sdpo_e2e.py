@@ -9,7 +9,6 @@ partly right answer a success, so the tiny untrained model has successes to lear
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
@@ -25,7 +24,7 @@ PRODUCERS = ("+composer.sdpo_teacher_context=success", "+composer.success_reward
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, float]]:
     tmp = tmp_path_factory.mktemp("main_ppo_sdpo")
-    proc = run_main_ppo(tmp, json.dumps(COMPOSER), PRODUCERS, steps=2)
+    proc = run_main_ppo(tmp, COMPOSER, PRODUCERS, steps=2)
     if proc.returncode == RAY_START_FAILED:  # an overloaded machine, before any verl/composer code ran
         pytest.skip(next(ln for ln in proc.stdout.splitlines() if "RAY_START_FAILED" in ln))
     assert proc.returncode == 0, proc.stdout[-8000:]

@@ -5,19 +5,16 @@ The producers' TransferQueue / actor glue runs inside verl's real loop in test_m
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from composer_verl.producers import (
-    ComposerProducers,
-    ProducerConfig,
+from composer_verl.config import ComposerVerlConfig
+from composer_verl.producers import ComposerProducers, check_settings, load_hint_fn
+from composer_verl.rows import (
     RecordPairs,
-    check_settings,
     dataset_pairs,
     hinted_prompt_ids,
-    load_hint_fn,
     on_policy_pair_rows,
     pair_sample,
     pairs_last,
@@ -27,6 +24,7 @@ from composer_verl.producers import (
 )
 from verl_cpu_testkit.task import build_tokenizer
 
+C = ComposerVerlConfig.from_mapping
 ACTOR = {"shuffle": False, "use_dynamic_bsz": False, "ppo_micro_batch_size_per_gpu": 4}
 
 
@@ -148,23 +146,25 @@ def test_hint_fn_import_paths_and_errors() -> None:
 
 def test_config_refuses_producers_without_effect_and_split_pairs() -> None:
     with pytest.raises(ValueError, match="unknown key"):
-        ProducerConfig.from_mapping({"hint": "x"})
-    assert ProducerConfig.from_mapping({"pairs_per_step": "3"}).pairs_per_step == 3  # CLI strings
-    with pytest.raises(ValueError, match="alpha_sdpo"):
-        check_settings(ProducerConfig(hint_fn="m:f"), 0.0, 0.0, ACTOR)
-    with pytest.raises(ValueError, match="beta_replay"):
-        check_settings(ProducerConfig(pair_source="dataset"), 0.0, 0.0, ACTOR)
+        C({"hint": "x"})
+    assert C({"pairs_per_step": "3"}).pairs_per_step == 3  # CLI strings
+    with pytest.raises(ValueError, match="alpha_sdpo is 0"):
+        C({"hint_fn": "m:f"})
+    with pytest.raises(ValueError, match="beta_replay is 0"):
+        C({"pair_source": "dataset"})
+    pairs = C({"pair_source": "dataset", "beta_replay": 0.1})
     with pytest.raises(ValueError, match="shuffle"):
-        check_settings(ProducerConfig(pair_source="dataset"), 0.0, 0.1, {**ACTOR, "shuffle": True})
+        check_settings(pairs, {**ACTOR, "shuffle": True})
     with pytest.raises(ValueError, match="even"):
-        check_settings(
-            ProducerConfig(pair_source="dataset"), 0.0, 0.1, {**ACTOR, "ppo_micro_batch_size_per_gpu": 3}
-        )
-    check_settings(ProducerConfig(hint_fn="m:f", pair_source="dataset"), 0.5, 0.1, ACTOR)
+        check_settings(pairs, {**ACTOR, "ppo_micro_batch_size_per_gpu": 3})
+    check_settings(pairs, ACTOR)
+    check_settings(C({}), {**ACTOR, "shuffle": True})  # no pairs: any actor layout
 
 
 def test_hints_get_prompt_response_reward_and_feedback(tok) -> None:
-    producers = ComposerProducers(ProducerConfig(hint_fn="verl_cpu_testkit.task:hint_from_feedback"), tok, 8)
+    producers = ComposerProducers(
+        C({"hint_fn": "verl_cpu_testkit.task:hint_from_feedback", "alpha_sdpo": 1}), tok, 8
+    )
     enc = lambda s: torch.tensor(tok(s, add_special_tokens=False)["input_ids"])  # noqa: E731
     samples = [
         {
@@ -193,12 +193,10 @@ def test_example_yaml_turns_the_producers_on() -> None:
 
     text = files("composer_verl.examples").joinpath("composer_grpo_producers.yaml").read_text()
     cfg = yaml.safe_load(text)
-    producers = ProducerConfig.from_mapping(cfg["composer"])
-    assert producers.hint_fn and producers.pair_source == "dataset"
-    env = json.loads(cfg["ray_kwargs"]["ray_init"]["runtime_env"]["env_vars"]["COMPOSER_VERL_CONFIG"])
-    check_settings(
-        producers, env["alpha_sdpo"], env["beta_replay"], {**ACTOR, **cfg["actor_rollout_ref"]["actor"]}
-    )
+    composer = C(cfg["composer"])  # every option in the one section, none in an environment variable
+    assert composer.hint_fn and composer.pair_source == "dataset" and composer.compose.alpha_sdpo > 0
+    assert "ray_kwargs" not in cfg
+    check_settings(composer, {**ACTOR, **cfg["actor_rollout_ref"]["actor"]})
 
 
 def _rollout_row(tok, uid: str, response: list[int], reward: float, **extra: object) -> dict:
@@ -243,16 +241,14 @@ def test_on_policy_pairs_are_each_failed_response_against_the_chosen_column(tok)
 
 
 def test_on_policy_config() -> None:
-    cfg = ProducerConfig.from_mapping(
-        {"pair_source": "dataset", "replay_pairs": "on_policy", "success_reward_threshold": 0.5}
-    )
+    on_policy = {"pair_source": "dataset", "replay_pairs": "on_policy", "beta_replay": 0.1}
+    cfg = C({**on_policy, "success_reward_threshold": 0.5})
     assert cfg.replay_pairs == "on_policy" and cfg.success_reward_threshold == 0.5
-    check_settings(cfg, 0.0, 0.1, ACTOR)
     with pytest.raises(ValueError, match="pair_source=dataset"):
-        ProducerConfig(pair_source="pairs.jsonl", replay_pairs="on_policy")
+        C({**on_policy, "pair_source": "pairs.jsonl"})
     with pytest.raises(ValueError, match="replay_pairs"):
-        ProducerConfig(pair_source="dataset", replay_pairs="offline")  # type: ignore[arg-type]
+        C({**on_policy, "replay_pairs": "offline"})
     with pytest.raises(
         ValueError, match="success_reward_threshold"
     ):  # no on-policy pairs: SDPO's option alone
-        ProducerConfig(pair_source="dataset", success_reward_threshold=0.5)
+        C({"pair_source": "dataset", "beta_replay": 0.1, "success_reward_threshold": 0.5})

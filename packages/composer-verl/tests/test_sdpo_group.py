@@ -8,6 +8,7 @@ whole loop in test_main_ppo_e2e.py.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,17 +17,11 @@ import torch
 from composer_core.sdpo import TeacherContextOptions, build_teacher_contexts
 from composer_testkit.teacher_context import TEACHER_CONTEXT_CASES, check_teacher_context
 from composer_verl.config import ComposerVerlConfig
-from composer_verl.producers import (
-    CONTEXT_KEYS,
-    ComposerProducers,
-    ProducerConfig,
-    check_settings,
-    context_prompt_ids,
-    group_teacher_contexts,
-    render_prompt_ids,
-)
+from composer_verl.producers import ComposerProducers
+from composer_verl.rows import context_prompt_ids, group_teacher_contexts, render_prompt_ids
 from verl_cpu_testkit.task import build_tokenizer
 
+C = ComposerVerlConfig.from_mapping
 HINT_FN = "verl_cpu_testkit.task:hint_from_feedback"  # the row's `feedback` field is its feedback text
 ACTOR = {"shuffle": False, "use_dynamic_bsz": False, "ppo_micro_batch_size_per_gpu": 4}
 
@@ -67,12 +62,13 @@ def _producer_build(
     feedback: Sequence[str | None] | None,
     options: TeacherContextOptions,
 ) -> tuple[list[Any], list[bool]]:
-    """composer-verl's path from a rollout group to teacher contexts: the ``composer:`` section → ProducerConfig →
+    """composer-verl's path from a rollout group to teacher contexts: the ``composer:`` section → ComposerVerlConfig →
     ComposerProducers reading TransferQueue-shaped rows (interleaved, grouped back by uid)."""
-    section = {k: getattr(options, k) for k in CONTEXT_KEYS}
+    section: dict[str, Any] = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
     if options.uses_feedback:
         section["hint_fn"] = HINT_FN
-    producers = ComposerProducers(ProducerConfig.from_mapping(section), TableTokenizer(completions), 8)
+    section["alpha_sdpo"] = 1.0
+    producers = ComposerProducers(C(section), TableTokenizer(completions), 8)
     n = len(prompts)
     order = _interleave(n, group_size)
     samples = [
@@ -143,11 +139,14 @@ def test_groups_are_gathered_by_uid_wherever_the_rows_sit() -> None:
 def test_teacher_prompts_render_the_reprompt_and_mask_rows_without_context() -> None:
     """ComposerProducers' step: the rendered chat ids of each distilled row; rows absent get SDPO mask 0."""
     tok = build_tokenizer()
-    cfg = ProducerConfig(
-        sdpo_teacher_context="success",
-        success_reward_threshold=0.5,
-        reprompt_template="{prompt}|{solution}",
-        solution_template="{demonstration}",
+    cfg = C(
+        {
+            "alpha_sdpo": 1.0,
+            "sdpo_teacher_context": "success",
+            "success_reward_threshold": 0.5,
+            "reprompt_template": "{prompt}|{solution}",
+            "solution_template": "{demonstration}",
+        }
     )
     producers = ComposerProducers(cfg, tok, 8)
     enc = lambda s: torch.tensor(tok(s, add_special_tokens=False)["input_ids"])  # noqa: E731
@@ -182,12 +181,15 @@ def test_max_reprompt_len_keeps_the_last_tokens() -> None:
 
 def test_feedback_comes_from_the_hint_fn() -> None:
     """success+feedback: the failed row sees the success and its own feedback (hint_fn's text), blank = none."""
-    cfg = ProducerConfig(
-        hint_fn=HINT_FN,
-        sdpo_teacher_context="success+feedback",
-        reprompt_template="{prompt}{solution}{feedback}",
-        solution_template="[{demonstration}]",
-        feedback_template="<{feedback}>",
+    cfg = C(
+        {
+            "alpha_sdpo": 1.0,
+            "hint_fn": HINT_FN,
+            "sdpo_teacher_context": "success+feedback",
+            "reprompt_template": "{prompt}{solution}{feedback}",
+            "solution_template": "[{demonstration}]",
+            "feedback_template": "<{feedback}>",
+        }
     )
     producers = ComposerProducers(cfg, TableTokenizer(["ok", "bad", "worse"]), 8)
     samples = [
@@ -199,7 +201,9 @@ def test_feedback_comes_from_the_hint_fn() -> None:
 
 
 def test_rows_without_reward_raise_naming_the_option() -> None:
-    producers = ComposerProducers(ProducerConfig(sdpo_teacher_context="success"), TableTokenizer(["a"]), 8)
+    producers = ComposerProducers(
+        C({"sdpo_teacher_context": "success", "alpha_sdpo": 1}), TableTokenizer(["a"]), 8
+    )
     row = _sample("g", "p", 0, 1.0, None)
     del row["rm_scores"]
     with pytest.raises(ValueError, match=r"composer\.sdpo_teacher_context=success needs each row's reward"):
@@ -225,22 +229,26 @@ def test_rows_without_reward_raise_naming_the_option() -> None:
 )
 def test_bad_sections_raise_one_line(section: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match) as err:
-        ProducerConfig.from_mapping(section)
+        C({"alpha_sdpo": 1.0, **section})
     assert "\n" not in str(err.value)
     assert str(err.value).startswith("composer")
 
 
 def test_group_context_needs_alpha_sdpo() -> None:
-    producers = ProducerConfig(sdpo_teacher_context="success")
-    assert producers.hints and producers.enabled
     with pytest.raises(ValueError, match="alpha_sdpo is 0"):
-        check_settings(producers, 0.0, 0.0, ACTOR)
-    check_settings(producers, 0.5, 0.0, ACTOR)
+        C({"sdpo_teacher_context": "success"})
+    assert C({"sdpo_teacher_context": "success", "alpha_sdpo": 0.5}).hints
 
 
 def test_teacher_weight_options_are_core_options() -> None:
-    cfg = ComposerVerlConfig(
-        alpha_sdpo=0.5, sdpo_teacher="ema", teacher_update_rate=0.25, teacher_sync_steps=2
+    cfg = C(
+        {
+            "alpha_sdpo": 0.5,
+            "sdpo_teacher": "ema",
+            "teacher_update_rate": 0.25,
+            "teacher_sync_steps": 2,
+            "env": "e",
+        }
     )
     assert (cfg.teacher.sdpo_teacher, cfg.teacher.teacher_update_rate, cfg.teacher.teacher_sync_steps) == (
         "ema",
@@ -248,13 +256,13 @@ def test_teacher_weight_options_are_core_options() -> None:
         2,
     )
     assert ComposerVerlConfig().teacher.sdpo_teacher == "live"
-    assert "teacher" not in cfg.to_dict() and cfg.to_dict()["sdpo_teacher"] == "ema"
 
 
 @pytest.mark.parametrize(
     ("mapping", "match"),
     [
         ({"alpha_sdpo": 0.5, "sdpo_teacher": "frozen"}, "sdpo_teacher.*is not supported"),
+        ({"alpha_sdpo": 0.5, "sdpo_teacher": "ema", "env": None}, "the section produces none"),
         ({"alpha_sdpo": 0.5, "sdpo_teacher": "ema", "teacher_update_rate": 0.0}, "teacher_update_rate"),
         ({"alpha_sdpo": 0.5, "teacher_sync_steps": 3}, "act only with sdpo_teacher='ema'"),  # no silent no-op
         ({"sdpo_teacher": "base"}, "alpha_sdpo is 0"),
@@ -262,28 +270,26 @@ def test_teacher_weight_options_are_core_options() -> None:
 )
 def test_bad_teacher_options_raise_one_line(mapping: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match) as err:
-        ComposerVerlConfig.from_mapping(mapping)
-    assert "\n" not in str(err.value) and str(err.value).startswith("composer-verl config")
+        C({"env": "digit-reversal", **mapping})
+    assert "\n" not in str(err.value) and str(err.value).startswith("composer section")
 
 
-def test_an_ema_teacher_without_a_channel_2_producer_raises() -> None:
-    """sdpo_teacher acts on the producers' teacher contexts: without any it would do nothing."""
-    from composer_verl.config import configure
+def test_the_trainer_reads_the_one_section() -> None:
+    """The driver builds the producers and this process's config from verl's ``composer:`` section alone."""
+    from composer_verl.config import current_config
     from omegaconf import OmegaConf
 
-    configure({"alpha_sdpo": 0.5, "sdpo_teacher": "ema"})
+    section = {"alpha_sdpo": 0.5, "sdpo_teacher": "ema", "pair_source": "dataset", "beta_replay": 0.1}
     config = OmegaConf.create(
-        {
-            "composer": {"pair_source": "dataset"},
-            "actor_rollout_ref": {"actor": ACTOR},
-            "data": {"max_response_length": 8},
-        }
+        {"composer": section, "actor_rollout_ref": {"actor": ACTOR}, "data": {"max_response_length": 8}}
     )
     with pytest.raises(ValueError, match=r"sdpo_teacher='ema'.*composer\.sdpo_teacher_context"):
         ComposerProducers.from_trainer_config(config, build_tokenizer())
-    config.composer = {"sdpo_teacher_context": "success"}
+    config.composer.sdpo_teacher_context = "success"
     producers = ComposerProducers.from_trainer_config(config, build_tokenizer())
-    assert producers is not None and producers.teacher == "ema"
+    assert producers is not None and producers.teacher == "ema" and producers.config is current_config()
+    assert current_config().compose.beta_replay == 0.1
+    assert ComposerProducers.from_trainer_config(OmegaConf.create({"composer": {}}), None) is None
 
 
 def test_scored_rows_pad_to_the_actor_micro_batch() -> None:

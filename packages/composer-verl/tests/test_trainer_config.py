@@ -18,12 +18,14 @@ def config():
 
 
 def test_example_selects_composer(config) -> None:
-    import json
+    from composer_verl.config import ComposerVerlConfig, section_of
 
-    from composer_verl.config import parse_config
-
-    env = config.ray_kwargs.ray_init.runtime_env.env_vars.COMPOSER_VERL_CONFIG
-    assert parse_config(env) == parse_config(json.dumps(json.loads(env)))  # valid, known keys only
+    assert "env_vars" not in config.ray_kwargs.ray_init.get(
+        "runtime_env", {}
+    )  # no second path for the options
+    assert (
+        ComposerVerlConfig.from_mapping(section_of(config)) == ComposerVerlConfig()
+    )  # +composer.<key>=... adds
     assert config.actor_rollout_ref.rollout.n == 8  # our value over verl's default
     assert config.algorithm.adv_estimator == "grpo_composer"
     assert config.actor_rollout_ref.actor.policy_loss.loss_mode == "composer"

@@ -5,7 +5,7 @@ Importing this package does not import verl. The pieces (see the README):
 * :mod:`composer_verl.plugin`: the ``verl.plugins`` entry point registering everything below.
 * :mod:`composer_verl.advantage`: advantage estimator ``grpo_composer``.
 * :mod:`composer_verl.policy_loss`: policy loss ``composer`` (3 channels).
-* :mod:`composer_verl.config`: composer's own options (``COMPOSER_VERL_CONFIG``).
+* :mod:`composer_verl.config`: the ``composer:`` section of verl's config (composer's options).
 * :mod:`composer_verl.batch`: the ``DataProto`` keys channels 2 and 3 read.
 * :mod:`composer_verl.actor` / :mod:`composer_verl.trainer`: the actor extension, ``trainer_mode=composer_sync``.
 """

@@ -50,7 +50,7 @@ from composer_verl.batch import (
     TEACHER_PROMPTS,
     with_composer_batch,
 )
-from composer_verl.config import current_config
+from composer_verl.config import configure, current_config, section_of
 
 TEACHER_SYNC_METRIC = "composer/sdpo/teacher_synced"
 """1.0 on an optimizer step after which the EMA teacher was updated, else 0.0 (logged with ema/base only)."""
@@ -118,7 +118,7 @@ class ComposerTrainingWorker(TrainingWorker):  # type: ignore[misc]
         module = getattr(self.engine, "module", None)
         if not isinstance(module, torch.nn.Module):
             raise ValueError(
-                f"sdpo_teacher={current_config().sdpo_teacher!r} needs verl's FSDP engine, whose actor is one module "
+                f"sdpo_teacher={current_config().teacher.sdpo_teacher!r} needs verl's FSDP engine, whose actor is one module "
                 f"({type(self.engine).__name__} is not): set actor_rollout_ref.actor.strategy=fsdp2 or use "
                 "sdpo_teacher='live'."
             )
@@ -151,8 +151,8 @@ class ComposerTrainingWorker(TrainingWorker):  # type: ignore[misc]
         """Inside: the actor's parameters hold the teacher's values (swapped in place, swapped back after)."""
         if self.sdpo_teacher is None:
             raise ValueError(
-                f"{TEACHER_METHOD} scores with the ema/base teacher, but sdpo_teacher is 'live' in this worker's "
-                "COMPOSER_VERL_CONFIG: forward the same COMPOSER_VERL_CONFIG to every Ray worker."
+                f"{TEACHER_METHOD} scores with the ema/base teacher, but sdpo_teacher is 'live' in this worker: "
+                "build it with the Hydra config that holds the composer section (trainer_mode=composer_sync does)."
             )
         module = self._module()
         pairs = self._teacher_pairs()
@@ -267,7 +267,7 @@ class ComposerTrainingWorker(TrainingWorker):  # type: ignore[misc]
         if counts:
             tu.assign_non_tensor(data, **counts)
         cfg = current_config()
-        if cfg.alpha_sdpo > 0 and cfg.sdpo_form == "topk" and TEACHER_PROMPTS in data.keys():  # noqa: SIM118
+        if cfg.compose.alpha_sdpo > 0 and cfg.sdpo_form == "topk" and TEACHER_PROMPTS in data.keys():  # noqa: SIM118
             if self.engine_config.use_fused_kernels:
                 raise ValueError(
                     "sdpo_form='topk' needs the student's logits, which verl's fused kernels never materialise: set "
@@ -361,6 +361,10 @@ class ComposerActorRolloutRefWorker(ActorRolloutRefWorker):  # type: ignore[misc
     """verl's hybrid actor/rollout/ref worker with :class:`ComposerTrainingWorker` as the actor."""
 
     actor_worker_cls = ComposerTrainingWorker
+
+    def __init__(self, config: Any, role: str, **kwargs: Any) -> None:
+        configure(section_of(config))  # the composer section of the Hydra config verl hands this worker
+        super().__init__(config, role, **kwargs)
 
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))  # type: ignore[untyped-decorator]
     def compute_sdpo_teacher_log_prob(self, data: Any) -> Any:

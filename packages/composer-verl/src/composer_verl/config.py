@@ -1,187 +1,205 @@
-"""The plugin-owned configuration section of composer-verl.
+"""The ``composer:`` section of verl's config (Hydra), the one place composer-verl reads its options.
 
 verl's ``PolicyLossConfig`` and ``AlgoConfig`` are closed dataclasses (an unknown key raises ``TypeError``), so
-composer's own options live here, read from ``COMPOSER_VERL_CONFIG`` in every process that needs them (the driver
-and the actor workers): inline JSON, or a path to a ``.json`` / ``.yaml`` / ``.yml`` file holding the same mapping.
-Forward it to Ray workers with ``+ray_kwargs.ray_init.runtime_env.env_vars.COMPOSER_VERL_CONFIG=...``; in one
-process :func:`configure` sets it and takes precedence. Everything verl has a key for stays in verl's config
-(``clip_ratio_low/high``, ``clip_ratio_c``, ``loss_agg_mode``, ``norm_adv_by_std_in_grpo``, ...).
+composer's options live in a top-level ``composer:`` section (``+composer.alpha_sdpo=0.5`` on the command line).
+``trainer.v1.trainer_mode=composer_sync`` reads it on the driver (the advantage estimator, the producers) and in
+every actor worker: verl hands each worker ``config.actor_rollout_ref``, a node of the same Hydra config, whose
+parent holds the section (:func:`section_of`). In one process :func:`configure` sets it (tests, custom workers).
+Everything verl has a key for stays in verl's config (``clip_ratio_low/high``, ``clip_ratio_c``,
+``loss_agg_mode``, ``norm_adv_by_std_in_grpo``, ...).
 """
 
 from __future__ import annotations
 
-import json
-import os
-from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from composer_core.loss.config import (
-    DPO,
-    ComposeConfig,
-    PolicyOptions,
-    SDPOOptions,
-    SimPO,
-    coerce_option,
-    flat_option_names,
-)
-from composer_core.sdpo import TeacherWeightsOptions
+from composer_core.loss.config import ComposeConfig, coerce_to
+from composer_core.sdpo import TeacherContextOptions, TeacherWeightsOptions
+from composer_core.traces.onpolicy import ReplayPairOptions, ReplayPairs
 
-ENV_VAR = "COMPOSER_VERL_CONFIG"
+#: composer_core's flat options (``compose_loss``'s names, defaults, types and checks) the section accepts; every
+#: other channel-1 setting is verl's own key (clip ratios, ``loss_agg_mode``, ``use_kl_loss``, ...)
+CORE_OPTIONS = (
+    "w_policy", "alpha_sdpo", "beta_replay", "sdpo_form", "sdpo_token_clip", "sdpo_topk", "sdpo_topk_tail",
+    "sdpo_beta", "dpo_variant", "dpo_beta", "dpo_loss_type", "dpo_label_smoothing", "simpo_beta",
+    "simpo_gamma", "rpo_alpha",
+)  # fmt: skip
+_TEACHER = tuple(f.name for f in fields(TeacherWeightsOptions))
+_CONTEXT = tuple(f.name for f in fields(TeacherContextOptions))
+_TYPED = ("compose", "teacher", "context")
 
-_CHOICES: dict[str, tuple[Any, ...]] = {
-    "adv_scale": (None, "group", "batch", "none"),
-    "adv_singleton": ("reward", "zero"),
-    "sdpo_form": ("sampled", "topk"),  # verl's subset of core's forms (core checks the value itself)
-}
+HintFn = Callable[[str, str, float, Mapping[str, Any]], "str | None"]
 
 
 @dataclass(frozen=True)
-class ComposerVerlConfig(TeacherWeightsOptions):
-    """composer's options that verl's config has no key for (the README's table describes each).
-
-    Advantage estimator ``grpo_composer`` (driver side): ``adv_scale`` (``group``, ``batch``, ``none``; ``None``
-    follows verl's ``algorithm.norm_adv_by_std_in_grpo``), ``adv_eps``, ``adv_singleton`` (``reward``: a group of
-    one gets ``A = r``, verl; ``zero``: ``A = 0``, TRL). Policy loss ``composer`` (actor side): ``policy_delta``
-    (channel 1's cap δ of the unclipped ratio, ``> 1 + clip_ratio_high``; ``None`` = verl's vanilla surrogate);
-    ``w_policy`` (channel 1's weight, core's default 1; 0 = pure self-distillation, channel 1 not computed);
-    ``alpha_sdpo`` and the ``sdpo_*`` options (channel 2: ``sampled`` tokens or the ``topk`` form computed in the
-    actor's training forward); ``beta_replay``, ``dpo_variant``, the ``dpo_*``/``simpo_*`` options and ``rpo_alpha`` (channel 3).
-
-    Every option shared with composer_core has core's name (or verl's: ``policy_delta``) and core's default,
-    except ``alpha_sdpo``/``beta_replay`` (0 here: verl runs channel 1 only unless asked); core checks them
-    (:class:`~composer_core.loss.config.ComposeConfig`, built once as ``compose``, which the loss reads). The
-    teacher-weights options (``sdpo_teacher``: ``live``, ``base`` or ``ema``; ``teacher_update_rate``,
-    ``teacher_sync_steps``) are inherited from composer_core's
-    :class:`~composer_core.sdpo.TeacherWeightsOptions`.
+class ComposerVerlConfig:
+    """The ``composer:`` section. ``compose`` (:data:`CORE_OPTIONS`), ``teacher`` and ``context`` are core's typed
+    classes, built by :meth:`from_mapping` from the section's flat keys (core declares, defaults and checks them);
+    the other fields are verl's own keys (the README's table): the advantage estimator's ``adv_*``, channel 1's
+    ``policy_delta`` (δ > 1 + ``clip_ratio_high``) and the producers' ``hint_fn``, ``env``, ``hint_role``,
+    ``pair_source``, ``pairs_per_step``, ``replay_pairs`` (with ``on_policy``, ``success_reward_threshold``).
     """
 
+    compose: ComposeConfig = field(default_factory=ComposeConfig)
+    teacher: TeacherWeightsOptions = field(default_factory=TeacherWeightsOptions)
+    context: TeacherContextOptions = field(default_factory=TeacherContextOptions)
     adv_scale: Literal["group", "batch", "none"] | None = None
     adv_eps: float = 1e-6
     adv_singleton: Literal["reward", "zero"] = "reward"
-    policy_delta: float | None = PolicyOptions.delta
-    w_policy: float = ComposeConfig.w_policy
-    alpha_sdpo: float = 0.0
-    sdpo_token_clip: float | None = SDPOOptions.token_clip
-    sdpo_form: Literal["sampled", "topk"] = "sampled"
-    sdpo_topk: int | None = SDPOOptions.topk
-    sdpo_topk_tail: bool = SDPOOptions.topk_tail
-    sdpo_beta: float = SDPOOptions.beta
-    beta_replay: float = 0.0
-    dpo_variant: Literal["dpo", "simpo"] = "dpo"
-    dpo_beta: float = DPO.beta
-    dpo_loss_type: Literal["sigmoid", "robust", "ipo"] = DPO.loss_type
-    dpo_label_smoothing: float = DPO.label_smoothing
-    simpo_beta: float = SimPO.beta
-    simpo_gamma: float = SimPO.gamma
-    rpo_alpha: float = DPO.rpo_alpha
-    #: composer_core's typed config of channels 2 and 3, built once here (the loss reads it every step)
-    compose: ComposeConfig = field(init=False, repr=False, compare=False)
+    policy_delta: float | None = None
+    hint_fn: str | None = None
+    env: str | None = None
+    hint_role: Literal["user", "system"] = "user"
+    pair_source: str | None = None
+    pairs_per_step: int = 1
+    replay_pairs: ReplayPairs = ReplayPairOptions.replay_pairs
+    #: channel 3's threshold with ``replay_pairs=on_policy`` (core's ``success_reward_threshold``)
+    success_reward_threshold: float = TeacherContextOptions.success_reward_threshold
 
     def __post_init__(self) -> None:
-        # Only verl's own options (and verl's subset of sdpo_form) are checked here; every option shared with
-        # composer_core is coerced and checked by core, whose message, naming the option, gets this prefix.
-        for name, allowed in _CHOICES.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(
-                    f"composer-verl config: {name}={getattr(self, name)!r} is not one of {allowed}."
-                )
-        eps = self.adv_eps
-        if isinstance(eps, bool) or not isinstance(eps, int | float) or not eps >= 0.0:
-            raise ValueError(f"composer-verl config: adv_eps={eps!r} must be a finite number >= 0.")
+        for name, ann in typing.get_type_hints(
+            ComposerVerlConfig
+        ).items():  # verl's own options: core's coercion
+            value, args = getattr(self, name), typing.get_args(ann)
+            choices = [c for a in (ann, *args) if typing.get_origin(a) is Literal for c in typing.get_args(a)]
+            if name not in _TYPED and str not in (ann, *args) and value not in (None, *choices):
+                object.__setattr__(self, name, coerce_to(f"composer.{name}", value, ann))
+        if not self.adv_eps >= 0.0:
+            raise ValueError(f"composer.adv_eps={self.adv_eps!r} must be a finite number >= 0.")
         if self.policy_delta is not None and not self.policy_delta > 1.0:
             raise ValueError(
-                f"composer-verl config: policy_delta={self.policy_delta!r} must be > 1 (choose delta > 1 + clip_ratio_high)."
+                f"composer.policy_delta={self.policy_delta!r} must be > 1 (choose delta > 1 + clip_ratio_high)."
             )
-        try:
-            # an option of the unselected replay variant (simpo_gamma with dpo_variant='dpo') raises in core
-            shared: dict[str, Any] = {name: coerce_option(name, getattr(self, name)) for name in _SHARED}
-            compose = ComposeConfig.from_flat(**shared)
-            super().__post_init__()
-        except ValueError as err:
-            raise ValueError(f"composer-verl config: {err}") from None
-        for name, value in shared.items():
-            object.__setattr__(self, name, value)
-        object.__setattr__(self, "compose", compose)
-        if self.sdpo_form == "topk" and self.sdpo_teacher != "live":
+        if self.pairs_per_step < 1:
+            raise ValueError(f"composer.pairs_per_step={self.pairs_per_step!r} must be an integer >= 1.")
+        if self.compose.sdpo.form not in ("auto", "sampled", "topk"):
             raise ValueError(
-                f"composer-verl config: sdpo_form='topk' with sdpo_teacher={self.sdpo_teacher!r}: the top-k form scores "
-                "the teacher inside the actor's training forward, where verl 0.9's engine holds only the actor's "
-                "weights; use sdpo_teacher='live' or sdpo_form='sampled'."
+                f"composer.sdpo_form={self.compose.sdpo.form!r}: verl computes channel 2 as 'sampled' or 'topk'."
             )
-        if self.sdpo_teacher != "live" and self.alpha_sdpo <= 0:
-            raise ValueError(
-                f"composer-verl config: sdpo_teacher={self.sdpo_teacher!r} acts only on channel 2, but alpha_sdpo is "
-                "0: set alpha_sdpo > 0 or drop sdpo_teacher."
-            )
+        if self.compose.sdpo.form == "auto":  # verl's batch carries the sampled tokens only
+            self.compose.resolve(has_logits=False, has_hidden=False, has_sampled=True)
+        self._check_teacher()
+        self._check_producers()
 
     @property
-    def teacher(self) -> TeacherWeightsOptions:
-        """composer_core's teacher-weights options (this config is one)."""
-        return self
+    def sdpo_form(self) -> Literal["sampled", "topk"]:
+        """Channel 2's estimator in verl: ``topk`` (asked for) or the sampled tokens."""
+        return "topk" if self.compose.sdpo.form == "topk" else "sampled"
+
+    @property
+    def hints(self) -> bool:
+        """Channel 2's teacher contexts are produced (a hint function, an environment, or the group)."""
+        return self.hint_fn is not None or self.env is not None or self.context.from_group
+
+    def _check_teacher(self) -> None:
+        teacher = self.teacher.sdpo_teacher
+        if self.sdpo_form == "topk" and teacher != "live":
+            raise ValueError(
+                f"composer.sdpo_form='topk' with sdpo_teacher={teacher!r}: the top-k form scores the teacher "
+                "inside the actor's training forward, where verl 0.9's engine holds only the actor's weights; use "
+                "sdpo_teacher='live' or sdpo_form='sampled'."
+            )
+        if teacher != "live" and self.compose.alpha_sdpo <= 0:
+            raise ValueError(
+                f"composer.sdpo_teacher={teacher!r} acts only on channel 2, but alpha_sdpo is 0: set "
+                "composer.alpha_sdpo > 0 or drop sdpo_teacher."
+            )
+        if teacher != "live" and not self.hints:
+            raise ValueError(
+                f"composer.sdpo_teacher={teacher!r} scores channel 2's teacher contexts, but the section produces "
+                "none: set composer.sdpo_teacher_context (e.g. success), composer.hint_fn or composer.env, or drop it."
+            )
+
+    def _check_producers(self) -> None:
+        has_text, context = (
+            self.hint_fn is not None or self.env is not None,
+            self.context.sdpo_teacher_context,
+        )
+        refusals = (
+            (self.env is not None and self.hint_fn is not None,
+             "composer.env and composer.hint_fn are both set: the environment's feedback is the hint, so drop one"),
+            (self.hints and self.compose.alpha_sdpo <= 0,
+             "composer.hint_fn / env / sdpo_teacher_context produce channel 2 but alpha_sdpo is 0: set "
+             "composer.alpha_sdpo > 0"),
+            (self.pair_source is not None and self.compose.beta_replay <= 0,
+             "composer.pair_source is set but beta_replay is 0: set composer.beta_replay > 0"),
+            (self.replay_pairs == "on_policy" and self.pair_source != "dataset",
+             "composer.replay_pairs=on_policy pairs each failed response with its row's `chosen` column: set "
+             "composer.pair_source=dataset or use composer.replay_pairs=columns"),
+            (context == "success" and has_text,
+             "composer.hint_fn / env is not read with sdpo_teacher_context=success (successful siblings are the "
+             "only teacher context); use success+feedback to add its text as feedback, or drop it"),
+            (self.context.uses_feedback and not has_text,
+             f"composer.sdpo_teacher_context={context} needs each completion's feedback: set composer.env (the "
+             "environment's feedback) or composer.hint_fn (its text is the feedback), or use success"),
+            (self.hint_role != "user" and self.context.from_group,
+             f"composer.hint_role={self.hint_role!r} acts only with sdpo_teacher_context=hint (the group contexts "
+             "replace the last user turn); drop it"),
+        )  # fmt: skip
+        for refused, message in refusals:
+            if refused:
+                raise ValueError(message + ".")
 
     @classmethod
-    def from_mapping(cls, mapping: dict[str, Any]) -> ComposerVerlConfig:
-        """Build from a plain mapping; unknown keys raise ``ValueError`` listing the valid ones."""
-        if not isinstance(mapping, dict):
-            raise ValueError(f"composer-verl config must be a mapping, got {type(mapping).__name__}.")
-        known = {f.name for f in fields(cls) if f.init}
-        unknown = sorted(set(mapping) - known)
+    def from_mapping(cls, mapping: Mapping[str, Any] | None) -> ComposerVerlConfig:
+        """Build from the section's flat keys; unknown keys and bad values raise ``ValueError`` naming them."""
+        if mapping is not None and not isinstance(mapping, Mapping):
+            raise ValueError(f"the composer section must be a mapping, got {type(mapping).__name__}.")
+        given = dict(mapping or {})
+        unknown = sorted(set(given) - set(section_keys()))
         if unknown:
-            raise ValueError(f"composer-verl config: unknown key(s) {unknown}; valid keys: {sorted(known)}.")
-        return cls(**mapping)
+            raise ValueError(f"composer section: unknown key(s) {unknown}; valid keys: {section_keys()}.")
 
-    def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out.pop("compose", None)
-        return out
+        def pick(names: typing.Iterable[str]) -> dict[str, Any]:
+            return {k: given.pop(k) for k in names if k in given}
 
-
-#: the options this section passes to composer_core's ComposeConfig (its flat names; core checks them)
-_SHARED = tuple(f.name for f in fields(ComposerVerlConfig) if f.name in flat_option_names())
-
-
-def parse_config(raw: str) -> ComposerVerlConfig:
-    """Parse the value of ``COMPOSER_VERL_CONFIG``: inline JSON or a path to a JSON/YAML file."""
-    text = raw.strip()
-    if not text:
-        return ComposerVerlConfig()
-    if text.startswith("{"):
+        context = pick(_CONTEXT)
+        if "success_reward_threshold" in context:
+            given["success_reward_threshold"] = context["success_reward_threshold"]
+            if (
+                given.get("replay_pairs") == "on_policy"
+                and context.get("sdpo_teacher_context", "hint") == "hint"
+            ):
+                del context["success_reward_threshold"]  # channel 3 reads it, the hint context does not
         try:
-            mapping = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{ENV_VAR} is not valid JSON ({e}); pass a JSON object or a file path.") from e
-        return ComposerVerlConfig.from_mapping(mapping)
-    path = Path(text)
-    if not path.is_file():
-        raise ValueError(f"{ENV_VAR}={text!r}: not inline JSON and no such file.")
-    if path.suffix in (".yaml", ".yml"):
-        import yaml  # verl depends on omegaconf, which depends on PyYAML
-
-        mapping = yaml.safe_load(path.read_text())
-    elif path.suffix == ".json":
-        mapping = json.loads(path.read_text())
-    else:
-        raise ValueError(f"{ENV_VAR}={text!r}: expected a .json, .yaml or .yml file.")
-    return ComposerVerlConfig.from_mapping(mapping or {})
+            return cls(
+                compose=ComposeConfig.from_flat(**pick(CORE_OPTIONS)),
+                teacher=TeacherWeightsOptions(**pick(_TEACHER)),
+                context=TeacherContextOptions(**context),
+                **given,
+            )
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"composer section: {err}") from None
 
 
-_override: ComposerVerlConfig | None = None
-_cache: tuple[str, ComposerVerlConfig] | None = None
+def section_keys() -> list[str]:
+    """Every key of the ``composer:`` section."""
+    own = [f.name for f in fields(ComposerVerlConfig) if f.name not in _TYPED]
+    return sorted({*CORE_OPTIONS, *_TEACHER, *_CONTEXT, *own})
 
 
-def configure(config: ComposerVerlConfig | dict[str, Any] | None) -> None:
-    """Set (or with ``None`` clear) this process's config; takes precedence over the environment."""
-    global _override
-    _override = ComposerVerlConfig.from_mapping(config) if isinstance(config, dict) else config
+def section_of(config: Any) -> dict[str, Any]:
+    """The ``composer:`` section of verl's Hydra config, from its root (the driver) or from the
+    ``actor_rollout_ref`` node verl hands each worker (its parent is the root)."""
+    from omegaconf import OmegaConf
+
+    section = OmegaConf.select(config, "..composer" if "actor" in config else "composer")
+    return OmegaConf.to_container(section, resolve=True) if section is not None else {}
+
+
+_current: ComposerVerlConfig | None = None
+
+
+def configure(config: ComposerVerlConfig | Mapping[str, Any] | None) -> ComposerVerlConfig | None:
+    """Set (a section mapping or a config) or with ``None`` clear this process's config; returns it."""
+    global _current
+    _current = ComposerVerlConfig.from_mapping(config) if isinstance(config, Mapping) else config
+    return _current
 
 
 def current_config() -> ComposerVerlConfig:
-    """The active config: :func:`configure`'s value, else ``$COMPOSER_VERL_CONFIG``, else defaults."""
-    global _cache
-    if _override is not None:
-        return _override
-    raw = os.environ.get(ENV_VAR, "")
-    if _cache is None or _cache[0] != raw:
-        _cache = (raw, parse_config(raw))
-    return _cache[1]
+    """This process's config (:func:`configure`), else the defaults (channel 1 only)."""
+    return _current if _current is not None else ComposerVerlConfig()

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from composer_verl.producers import HintFn
+from composer_verl.config import HintFn
 
 __all__ = ["compute_score", "env_hint_fn", "env_rows", "load", "write_env_dataset"]
 

@@ -52,7 +52,7 @@ _NO_EXTENSION = (
     "python -m verl.trainer.main_ppo trainer.use_v1=true trainer.v1.trainer_mode=composer_sync (as the example "
     "config composer_verl.examples/composer_grpo.yaml does), or build your workers from "
     "composer_verl.actor.ComposerActorRolloutRefWorker or wrap their loss with "
-    "composer_verl.batch.with_composer_batch; or set {name}=0 in COMPOSER_VERL_CONFIG."
+    "composer_verl.batch.with_composer_batch; or set composer.{name}=0."
 )
 
 
@@ -135,7 +135,7 @@ def sdpo_term(
         f"the SDPO token mask in data.batch['{SDPO_MASK}'] (both (bs, response_length))"
     )
     keys = {} if topk else {TEACHER_LOG_PROBS: extras.teacher_log_probs, SDPO_MASK: extras.sdpo_mask}
-    _require("alpha_sdpo", cfg.alpha_sdpo, keys, how)
+    _require("alpha_sdpo", cfg.compose.alpha_sdpo, keys, how)
     assert extras.sdpo_mask is not None
     mask = extras.sdpo_mask.to(torch.bool) & response_mask.to(torch.bool)
     local = int(mask.sum().item())
@@ -213,7 +213,7 @@ def replay_term(
         f"data.batch['{PREF_CHOSEN}'] (bs,) 0/1"
     )
     keys = {PREF_PAIR_ID: extras.pref_pair_id, PREF_CHOSEN: extras.pref_chosen}
-    _require("beta_replay", cfg.beta_replay, keys, how)
+    _require("beta_replay", cfg.compose.beta_replay, keys, how)
     assert extras.pref_pair_id is not None and extras.pref_chosen is not None
     rows = log_prob.shape[0]
     for name, t in (
@@ -291,35 +291,36 @@ def compute_policy_loss_composer(
     """verl policy-loss contract: ``(scalar loss, metrics)``; tensors are ``(bs, response_length)``.
 
     ``config`` is verl's ``ActorConfig`` (``clip_ratio``, ``clip_ratio_low/high``, ``clip_ratio_c``,
-    ``global_batch_info``); composer's own options come from :func:`composer_verl.config.current_config`.
+    ``global_batch_info``); composer's own options come from the ``composer:`` section (:func:`composer_verl.config.current_config`).
     """
     if config is None:
         raise ValueError(
             "the composer policy loss needs verl's ActorConfig as `config` (clip ratios, batch info)."
         )
     cfg = current_config()
+    w = cfg.compose  # the channel weights
     policy: torch.Tensor | None = None
     metrics: dict[str, Any] = {"composer/policy/skipped": 1.0}  # w_policy=0: pure self-distillation
-    if cfg.w_policy != 0:
+    if w.w_policy != 0:
         policy, metrics = _policy_term(
             old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights, cfg
         )
     extras = active_extras()
-    for option, weight in (("alpha_sdpo", cfg.alpha_sdpo), ("beta_replay", cfg.beta_replay)):
+    for option, weight in (("alpha_sdpo", w.alpha_sdpo), ("beta_replay", w.beta_replay)):
         if weight > 0 and extras is None:
             raise ValueError(f"{option} > 0 but " + _NO_EXTENSION.format(name=option))
     sdpo = replay = None
-    if cfg.alpha_sdpo > 0:
+    if w.alpha_sdpo > 0:
         assert extras is not None
         sdpo, m = sdpo_term(log_prob, old_log_prob, response_mask, extras, cfg)
         metrics.update(m)
         metrics["composer/loss/sdpo"] = sdpo.detach().item()
-    if cfg.beta_replay > 0:
+    if w.beta_replay > 0:
         assert extras is not None
         replay, m = replay_term(log_prob, response_mask, extras, cfg)
         metrics.update(m)
         metrics["composer/loss/replay"] = replay.detach().item()
-    return weighted_total(policy, sdpo, replay, cfg.alpha_sdpo, cfg.beta_replay, cfg.w_policy), metrics
+    return weighted_total(policy, sdpo, replay, w.alpha_sdpo, w.beta_replay, w.w_policy), metrics
 
 
 def _policy_term(

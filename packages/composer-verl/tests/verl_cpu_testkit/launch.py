@@ -4,7 +4,7 @@
 except that Ray is started here first: Ray gives a new node a hard-coded 30 s to register with its GCS, which
 a loaded 2-core CI machine can exceed; the attempt is retried (5 times, ending the processes a failed attempt left behind) instead of failing the run.
 verl's ``run_ppo`` sees an initialised Ray and uses it. Workers inherit this process's environment
-(COMPOSER_VERL_CONFIG, VERL_PLATFORM, VERL_USE_EXTERNAL_MODULES, PYTHONPATH).
+(VERL_PLATFORM, VERL_USE_EXTERNAL_MODULES, PYTHONPATH); composer's options travel in the Hydra config.
 """
 
 from __future__ import annotations
@@ -39,9 +39,6 @@ def start_ray(attempts: int = 5) -> None:
                 num_cpus=8,  # logical: verl's placement bundles ask for CPUs per worker
                 num_gpus=1,  # logical: verl's resource check counts only GPU/NPU
                 include_dashboard=False,
-                runtime_env={
-                    "env_vars": {k: os.environ[k] for k in ("COMPOSER_VERL_CONFIG",) if k in os.environ}
-                },
             )
             return
         except Exception as e:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from importlib.resources import files
 from pathlib import Path
 
@@ -74,9 +76,17 @@ def overrides(
     ]
 
 
+def composer_overrides(composer: Mapping[str, object]) -> list[str]:
+    """``+composer.<key>=<value>``: composer's options as Hydra overrides of the one ``composer:`` section."""
+    text = {True: "true", False: "false", None: "null"}
+    return [
+        f"+composer.{k}={text.get(v, v) if isinstance(v, bool | None) else v}" for k, v in composer.items()
+    ]
+
+
 def run_main_ppo(
     tmp: Path,
-    composer: str,
+    composer: Mapping[str, object],
     extra: tuple[str, ...] = (),
     timeout: float = 900,
     steps: int = 3,
@@ -89,7 +99,6 @@ def run_main_ppo(
         "VERL_PLATFORM": "cpu",
         "VERL_USE_EXTERNAL_MODULES": "verl_cpu_testkit",
         "VERL_ENGINE_DEVICE": "cuda",  # verl's own override: pick the FSDP engine class (registered for cuda/npu)
-        "COMPOSER_VERL_CONFIG": composer,
         "RAY_DEDUP_LOGS": "0",
         "TOKENIZERS_PARALLELISM": "false",
         "OMP_NUM_THREADS": "1",
@@ -102,6 +111,7 @@ def run_main_ppo(
         f"--config-path={examples}",
         "--config-name=composer_grpo",
         *overrides(tmp, steps=steps, extra=extra, pair_columns=pair_columns),
+        *composer_overrides(composer),
     ]
     log = tmp / "main_ppo.log"
     # Ray refuses a temp dir inside the virtualenv (nox points TMPDIR there: workers die at start and the
@@ -160,7 +170,8 @@ if __name__ == "__main__":
     tmp = Path(sys.argv[1])
     tmp.mkdir(parents=True, exist_ok=True)
     timeout = float(os.environ.get("VERL_CPU_TESTKIT_TIMEOUT", "900"))
-    proc = run_main_ppo(tmp, sys.argv[2] if len(sys.argv) > 2 else "{}", tuple(sys.argv[3:]), timeout=timeout)
+    composer = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
+    proc = run_main_ppo(tmp, composer, tuple(sys.argv[3:]), timeout=timeout)
     print(proc.stdout[-20000:])
     print(proc.stderr[-20000:], file=sys.stderr)
     print("RC", proc.returncode)
