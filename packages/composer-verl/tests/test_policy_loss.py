@@ -498,7 +498,7 @@ def test_sdpo_topk_takes_the_is_clip() -> None:
     per_token = torch.rand(
         inputs["log_prob"].shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1)
     )
-    extras = ComposerExtras(sdpo_topk=per_token, sdpo_mask=inputs["response_mask"])
+    extras = ComposerExtras(topk_divergence=per_token, sdpo_mask=inputs["response_mask"])
     mask = inputs["response_mask"]
     out = {}
     for clip in (1.2, None):

@@ -55,7 +55,7 @@ class ComposerExtras:
     pref_chosen: torch.Tensor | None = None
     pref_ref_log_prob: torch.Tensor | None = None
     ref_log_prob: torch.Tensor | None = None
-    sdpo_topk: torch.Tensor | None = None
+    topk_divergence: torch.Tensor | None = None
     """``sdpo_form='topk'``: (bs, L) per-token divergence from the logits hook (with gradient)."""
     global_sdpo_tokens: float | None = None
     global_pref_pairs: float | None = None
@@ -129,7 +129,7 @@ def with_composer_batch(
         if isinstance(model_output, dict) and SDPO_TOPK_OUTPUT in model_output:
             from verl.workers.utils.padding import no_padding_2_padding
 
-            extras.sdpo_topk = no_padding_2_padding(model_output[SDPO_TOPK_OUTPUT], data)
+            extras.topk_divergence = no_padding_2_padding(model_output[SDPO_TOPK_OUTPUT], data)
         with using_extras(extras):
             return loss_fn(*args, **kwargs)
 

@@ -124,7 +124,7 @@ def sdpo_term(
     from composer_core.loss.distill import is_clip_weight, sampled_token_distill
 
     topk = cfg.sdpo_form == "topk"
-    if topk and (extras.sdpo_topk is None or extras.sdpo_mask is None):
+    if topk and (extras.topk_divergence is None or extras.sdpo_mask is None):
         raise ValueError(
             "sdpo_form='topk' but the micro-batch has no per-token top-k divergence: it is computed by the composer "
             "actor extension (trainer.v1.trainer_mode=composer_sync) from the producers' teacher prompts; "
@@ -143,8 +143,8 @@ def sdpo_term(
     if extras.global_sdpo_tokens is not None:
         normalizer = float(extras.global_sdpo_tokens) / extras.dp_size
     metrics = {"composer/sdpo/tokens": float(local)}
-    if topk and extras.sdpo_topk is not None:
-        per_token = extras.sdpo_topk.to(log_prob.dtype)
+    if topk and extras.topk_divergence is not None:
+        per_token = extras.topk_divergence.to(log_prob.dtype)
         # SDPO's IS clip on the top-k form too (core's one weight; the sampled form applies it inside core)
         w = is_clip_weight(log_prob, old_log_prob, cfg.compose.sdpo.token_clip)
         per_token = per_token if w is None else per_token * w
