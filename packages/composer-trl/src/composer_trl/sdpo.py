@@ -27,6 +27,7 @@ from trl.experimental.sdpo import SDPOConfig, SDPOTrainer
 from trl.trainer.utils import get_config_model_id, pad
 
 from composer_trl.config import ComposerGRPOConfig
+from composer_trl.teacher import base_model
 from composer_trl.trainer import ComposerGRPOTrainer
 
 _FORMS = {"sampled_token": "sampled", "full_logits": "full", "topk_logits": "topk"}
@@ -103,8 +104,7 @@ class ComposerSDPOConfig(SDPOConfig):
     ``taid_*``, ``entropy_opd_*``), the kernel options (``sdpo_chunk_size``, ``sdpo_compiled``) and
     ``demo_pick``, at composer's defaults (see :class:`~composer_trl.ComposerGRPOConfig`)."""
 
-    beta_replay: float = 0.0
-    # + every other option of _EXTRAS, added by _with_extras
+    # + every option of _EXTRAS, added by _with_extras
 
     def __post_init__(self) -> None:
         super().__post_init__()  # type: ignore[no-untyped-call]
@@ -192,8 +192,9 @@ class ComposerSDPOTrainer(ComposerGRPOTrainer):
         )
         self.temperature = args.temperature
         self._last_loaded_step = getattr(self, "_last_loaded_step", 0)  # GRPOTrainer sets it with vLLM only
-        base = self._base_model(self.model)
-        self.model_kwarg_keys = inspect.signature(base.forward).parameters.keys()  # read by _forward_logits
+        self.model_kwarg_keys = inspect.signature(
+            base_model(self.model).forward
+        ).parameters.keys()  # read by _forward_logits
         self.teacher_client = None
         if self.use_teacher_server:
             from trl.generation.vllm_client import VLLMClient
@@ -294,14 +295,14 @@ class ComposerSDPOTrainer(ComposerGRPOTrainer):
                 "policy term learns nothing; check the reward functions or `success_reward_threshold`.",
             )
         ctx = self._last_contexts
-        if self.args.alpha_sdpo > 0:
+        if self.compose_config.alpha_sdpo > 0:
             reprompted = sum(ctx.mask) / max(1, len(ctx.mask)) if ctx is not None else 0.0
             checks["inactive_self_distillation"] = (
                 reprompted <= tol,
                 "SDPO self-distillation is inactive because no reprompted samples were constructed: no rollout "
                 "reached `success_reward_threshold` and no environment feedback was used.",
             )
-            if self.args.teacher_context_options.uses_success:
+            if self.teacher_context.uses_success:
                 succeeded = ctx.groups_with_success / max(1, ctx.groups) if ctx is not None else 0.0
                 checks["no_successful_rollouts"] = (
                     succeeded <= tol,
