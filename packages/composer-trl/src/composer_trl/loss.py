@@ -73,6 +73,6 @@ def composer_trl_loss(
     )
     g = counts.accumulation // span
     if g != 1:  # TRL's per-micro-batch loss types: loss / G
-        terms = ("total", "policy", "sdpo", "replay")
-        result = replace(result, **{k: None if (v := getattr(result, k)) is None else v / g for k in terms})
+        p, s, r = (None if v is None else v / g for v in (result.policy, result.sdpo, result.replay))
+        result = replace(result, total=result.total / g, policy=p, sdpo=s, replay=r)
     return result.total, result

@@ -34,6 +34,7 @@ class ComposerMetrics(GRPOTrainer):
     """The metrics and schedules layer of :class:`~composer_trl.ComposerGRPOTrainer` (module docstring)."""
 
     args: ComposerGRPOConfig
+    model: torch.nn.Module  # Trainer.__init__ sets it; never None in a constructed trainer
     compose_config: ComposeConfig  # built once, at construction
     _composer_window: dict[str, Tensor]
     _grad_norms: ChannelGradNorms
@@ -184,7 +185,7 @@ class ComposerMetrics(GRPOTrainer):
         are not repeated: TRL logs its own (``kl``, ``clip_ratio/*``).
         """
         m, w = result.metrics, self._composer_window
-        step = {
+        step: dict[str, Any] = {
             "loss/policy": policy.double().cpu(),
             "loss/total": total.double().cpu(),
             "loss/sdpo": 0.0 if result.sdpo is None else float(result.sdpo.detach()),

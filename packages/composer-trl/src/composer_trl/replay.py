@@ -123,7 +123,7 @@ class ReplayPairs(SDPOTeacher):
     ) -> list[PairRow | None]:
         """One pair per failed completion of this process's rows (None where no pair)."""
         offset = self.accelerator.process_index * len(inputs)
-        threshold = self.args.success_reward_threshold
+        threshold = vars(self.args)["success_reward_threshold"]  # a field added from TeacherContextOptions
         failed = set(failed_rows(self._group_rewards(), self._group_size(mode), threshold))
         ids, attn = output["completion_ids"], output["completion_mask"]
         scored = attn * output.get("tool_mask", 1)

@@ -177,7 +177,6 @@ class ComposerSDPOTrainer(ComposerGRPOTrainer):
             m: defaultdict(int) for m in ("train", "eval")
         }
         self._last_contexts: TeacherContexts | None = None
-        self._cut_prompts = False
         super().__init__(
             model=model,
             reward_funcs=reward_funcs,
@@ -204,20 +203,10 @@ class ComposerSDPOTrainer(ComposerGRPOTrainer):
 
     # ------------------------------------------------------------------ generation
 
-    def _generate(self, prompts: list[Any]) -> Any:
-        self._cut_prompts = True  # the policy's prompts (not the teacher's reprompts): SDPOTrainer cuts them
-        try:
-            return super()._generate(prompts)
-        finally:
-            self._cut_prompts = False
-
-    def _tokenize_prompts(self, prompts: list[Any]) -> Any:
-        ids, *rest = super()._tokenize_prompts(prompts)
-        limit = self.sdpo_args.max_prompt_length
-        if self._cut_prompts and limit is not None:
-            self._cut_prompts = False
-            ids = [row[-limit:] for row in ids]
-        return (ids, *rest)
+    def _policy_prompt_ids(self, prompts: list[Any], ids: list[list[int]]) -> list[list[int]]:
+        """SDPOTrainer cuts the policy's prompts (not the teacher's reprompts) to ``max_prompt_length``."""
+        ids, limit = super()._policy_prompt_ids(prompts, ids), self.sdpo_args.max_prompt_length
+        return ids if limit is None else [row[-limit:] for row in ids]
 
     def _log_contexts(self, mode: str, ctx: TeacherContexts) -> None:
         super()._log_contexts(mode, ctx)

@@ -1,30 +1,20 @@
 """``ComposerGRPOTrainer``: TRL's ``GRPOTrainer`` computing composer's 3-channel objective.
 
 Swap ``GRPOTrainer``/``GRPOConfig`` for ``ComposerGRPOTrainer``/``ComposerGRPOConfig``; everything else
-(reward functions, datasets, PEFT, accelerate launch) stays TRL's. Per micro-batch::
+(reward functions, datasets, PEFT, accelerate launch) stays TRL's. Per micro-batch, weighted once by
+:func:`composer_core.loss.compose.compose_loss` (:mod:`composer_trl.loss`)::
 
     loss = w_policy · policy + alpha_sdpo · sdpo + beta_replay · replay
 
-- **policy** (channel 1, ``w_policy`` = 1 by default; 0 is pure self-distillation: the student's forward still
-  gives the log-probs and hidden states channel 2 needs, but the surrogate, its KL, its entropy / off-policy
-  masks and its ``kl`` / ``clip_ratio`` metrics are not computed): TRL 1.16's GRPO loss for ``loss_type`` grpo/bnpo/dr_grpo/dapo — clipping
-  (``epsilon``, ``epsilon_high``, ``delta``), k3 KL to the reference (``beta``), TRL's normalisers and
-  gradient-accumulation scaling — computed by :func:`composer_core.loss.compose.compose_loss`, which follows
-  TRL's op order: with ``alpha_sdpo = beta_replay = 0`` loss and gradients equal ``GRPOTrainer``'s
-  bit for bit.
-- **sdpo** (channel 2): the same model, without gradient, reads the *hinted* context (a ``hint`` or
-  ``hinted_prompt`` column, or ``hint_fn`` built from the verifier's feedback on each completion) and
-  teaches the plain-context student on the completion tokens of hinted rows. TRL's fused LM head only
-  returns log-probs, so the trainer captures the student's last hidden state from that same forward
-  (a forward hook on the backbone: no second student forward) and runs the teacher backbone; the
-  full-vocabulary generalized JSD is computed chunk-wise from hidden states and the LM-head weight
-  (:func:`composer_core.loss.distill.fused_linear_loss`), never materialising [B, T, V].
-- **replay** (channel 3): DPO or SimPO on ``chosen``/``rejected`` completions of the prompt (text or
-  token ids, optional ``chosen_mask``/``rejected_mask``); reference log-probs from ``ref_chosen_logps``
-  /``ref_rejected_logps`` columns or a frozen reference (TRL's ref model, the PEFT base with adapters
-  disabled, or a frozen copy of the initial policy), computed once per generation batch. With
-  ``replay_pairs='on_policy'`` the rejected side is each failed completion of the group instead
-  (:mod:`composer_trl.replay`).
+- **policy** (channel 1): TRL 1.16's GRPO loss for every ``loss_type``, in TRL's op order, so with
+  ``alpha_sdpo = beta_replay = 0`` loss and gradients equal ``GRPOTrainer``'s bit for bit; ``w_policy = 0`` is
+  pure self-distillation (no surrogate, no ``kl`` / ``clip_ratio`` metrics).
+- **sdpo** (channel 2, :mod:`composer_trl.teacher`): the same model, without gradient, reads a teacher context
+  (a hint, or the group's successes and feedback) and teaches the plain-context student on the completion tokens
+  of those rows; the full-vocabulary generalized JSD runs chunk-wise from hidden states and the LM-head weight,
+  never materialising [B, T, V].
+- **replay** (channel 3, :mod:`composer_trl.replay`): DPO or SimPO on ``chosen``/``rejected`` completions of the
+  prompt, or on-policy pairs (each failed completion rejected).
 
 Each channel is normalised by its own global count (tokens of hinted rows, pairs) over the accumulation
 window and all processes, like TRL's ``dapo``, so gradient accumulation is exact.
@@ -99,14 +89,12 @@ class ComposerGRPOTrainer(ReplayPairs):
             provide, or a model/option combination the adapter cannot compute.
     """
 
-    model: torch.nn.Module  # Trainer.__init__ sets it; never None in a constructed trainer
-
     def __init__(self, *args: Any, hint_fn: HintFn | None = None, **kwargs: Any) -> None:
         kwargs = _with_composer_config(args, kwargs)
         if hint_fn is not None and not callable(hint_fn):
             raise ValueError(f"`hint_fn` must be callable, got {type(hint_fn).__name__}.")
         config: ComposerGRPOConfig = kwargs["args"]
-        if hint_fn is not None and config.sdpo_teacher_context == "success":
+        if hint_fn is not None and config.teacher_context_options.sdpo_teacher_context == "success":
             raise ValueError(
                 "`hint_fn` is not read with sdpo_teacher_context='success' (successful siblings are the only "
                 "teacher context); use 'success+feedback' to add its text as feedback, or drop hint_fn."
@@ -154,18 +142,23 @@ class ComposerGRPOTrainer(ReplayPairs):
         return rewards_per_func
 
     def _generate(self, prompts: list[Any]) -> Any:
-        self._composer_check_prompts = True  # the batch's prompts: checked against the context once tokenized
+        self._policy_prompts = True  # the batch's prompts, tokenized first (then the SDPO teacher contexts)
         try:
             return super()._generate(prompts)
         finally:
-            self._composer_check_prompts = False
+            self._policy_prompts = False
 
     def _tokenize_prompts(self, prompts: list[Any]) -> Any:
-        tokenized = super()._tokenize_prompts(prompts)
-        if getattr(self, "_composer_check_prompts", False):  # not the SDPO teacher contexts
-            self._composer_check_prompts = False
-            check_batch_prompts(self, prompts, tokenized[0])
-        return tokenized
+        ids, *rest = super()._tokenize_prompts(prompts)
+        if getattr(self, "_policy_prompts", False):
+            self._policy_prompts = False
+            ids = self._policy_prompt_ids(prompts, ids)
+        return (ids, *rest)
+
+    def _policy_prompt_ids(self, prompts: list[Any], ids: list[list[int]]) -> list[list[int]]:
+        """The policy's prompt ids, checked against the model's context."""
+        check_batch_prompts(self, prompts, ids)
+        return ids
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         output = super()._generate_and_score_completions(inputs)
@@ -300,29 +293,24 @@ def check_channel_inputs(args: ComposerGRPOConfig, columns: set[str] | None, *, 
     """Raise ``ValueError`` (one line naming the option and the fix) for a channel whose weight is > 0 but whose
     inputs a dataset with ``columns`` (None: unknown, e.g. an iterable dataset) and ``hint_fn`` cannot provide.
     The trainer runs it at construction."""
-    a, cols = args, columns
-    source = a.sdpo_teacher_context
-    if a.alpha_sdpo > 0 and source == "hint" and not hint_fn and cols is not None and not cols & HINT_COLUMNS:
+    a, cols, ctx = args, columns, args.teacher_context_options
+    if cols is None:
+        return
+    if a.alpha_sdpo > 0 and not hint_fn and ctx.sdpo_teacher_context == "hint" and not cols & HINT_COLUMNS:
         raise ValueError(
             f"alpha_sdpo={a.alpha_sdpo} needs hints: a `hint` or `hinted_prompt` dataset column, or "
             "`hint_fn=`; provide one, set sdpo_teacher_context='success' (successful siblings teach, no hint "
             "needed) or set alpha_sdpo=0."
         )
-    if (
-        a.alpha_sdpo > 0
-        and source in ("feedback", "success+feedback")
-        and not hint_fn
-        and cols is not None
-        and "privileged_context" not in cols
-    ):
+    if a.alpha_sdpo > 0 and not hint_fn and ctx.uses_feedback and "privileged_context" not in cols:
         raise ValueError(
-            f"sdpo_teacher_context={source!r} needs the environment's feedback: `hint_fn=` (its text per "
-            "completion is the feedback) or a `privileged_context` dataset column; provide one or use "
+            f"sdpo_teacher_context={ctx.sdpo_teacher_context!r} needs the environment's feedback: `hint_fn=` (its "
+            "text per completion is the feedback) or a `privileged_context` dataset column; provide one or use "
             "sdpo_teacher_context='success'."
         )
-    if a.beta_replay > 0 and cols is not None and a.replay_pairs == "on_policy":
+    if a.beta_replay > 0 and a.replay_pairs == "on_policy":
         check_on_policy_columns(cols)
-    elif a.beta_replay > 0 and cols is not None and not cols >= PAIR_COLUMNS:
+    elif a.beta_replay > 0 and not cols >= PAIR_COLUMNS:
         raise ValueError(
             f"beta_replay={a.beta_replay} needs `chosen` and `rejected` dataset columns (the teacher trace and "
             f"the trace it beats); the dataset has {sorted(cols)}. Add them or set beta_replay=0."
