@@ -175,15 +175,9 @@ class ComposerMetrics(GRPOTrainer):
             self._grad_norms.log(self)
 
     def _log_composer_metrics(self, mode: str, policy: Tensor, result: ComposeResult, total: Tensor) -> None:
-        """Accumulate each channel's contribution over the accumulation window; log once per optimiser step.
-
-        Logged (TRL's console / TensorBoard / W&B) under ``composer/`` + composer_core's ``METRIC_KEYS``:
-        ``composer/loss/policy``, ``composer/loss/sdpo``, ``composer/loss/replay`` (unweighted channel losses,
-        0 for a skipped channel), ``composer/loss/total``, ``composer/sdpo/skipped`` and
-        ``composer/replay/skipped`` (micro-batches, summed over processes), ``composer/sdpo/tokens``,
-        ``composer/replay/pairs``, ``composer/replay/accuracy`` and ``composer/taid/t``. The ``policy/*`` keys
-        are not repeated: TRL logs its own (``kl``, ``clip_ratio/*``).
-        """
+        """Accumulate each channel's contribution over the accumulation window; log once per optimiser step, under
+        ``composer/`` + composer_core's ``METRIC_KEYS`` (the README's list; TRL logs its own ``policy/*``: ``kl``,
+        ``clip_ratio/*``). Channel losses are unweighted, 0 for a skipped channel; counts summed over processes."""
         m, w = result.metrics, self._composer_window
         step: dict[str, Any] = {
             "loss/policy": policy.double().cpu(),

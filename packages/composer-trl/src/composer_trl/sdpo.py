@@ -90,9 +90,8 @@ _EXTRAS = [
 def _with_extras(cls: type[Any]) -> type[Any]:
     """Add :data:`_EXTRAS` as fields (composer's type, default and ``--help``)."""
     for f in _EXTRAS:
-        if f.name not in cls.__annotations__:
-            cls.__annotations__[f.name] = f.type
-            setattr(cls, f.name, field(default=f.default, metadata=dict(f.metadata)))
+        cls.__annotations__[f.name] = f.type
+        setattr(cls, f.name, field(default=f.default, metadata=dict(f.metadata)))
     return cls
 
 

@@ -50,20 +50,11 @@ from composer_trl.replay import MergedPairs, ReplayPairs
 from composer_trl.teacher import ALIASES, HiddenCapture, HintFn, K, base_model
 
 COMPOSER_COLUMNS = (
-    "hint",
-    "hinted_prompt",
-    "chosen",
-    "rejected",
-    "chosen_mask",
-    "rejected_mask",
-    "ref_chosen_logps",
-    "ref_rejected_logps",
-    "privileged_context",  # TRL SDPOTrainer's feedback column (sdpo_teacher_context 'feedback' sources)
-    *ALIASES.values(),  # composer_core.traces.records (TraceRecord) names, accepted as aliases
-)
-"""Dataset columns the trainer reads (kept through TRL's column removal). ``teacher_prompt``,
-``ref_chosen_logp`` and ``ref_rejected_logp`` (the :mod:`composer_core.traces.records` trace-record schema) are
-aliases of ``hinted_prompt``, ``ref_chosen_logps`` and ``ref_rejected_logps``."""
+    "hint", "hinted_prompt", "chosen", "rejected", "chosen_mask", "rejected_mask", "ref_chosen_logps",
+    "ref_rejected_logps", "privileged_context", *ALIASES.values(),
+)  # fmt: skip
+"""Dataset columns the trainer reads (kept through TRL's column removal): hints, pairs, SDPOTrainer's feedback
+column ``privileged_context`` and the trace-record aliases (:data:`~composer_trl.teacher.ALIASES`)."""
 
 _GRPO_SIGNATURE = inspect.signature(GRPOTrainer.__init__)
 
