@@ -12,6 +12,7 @@ gradient TRL clips and logs as ``grad_norm``.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -234,15 +235,13 @@ class ChannelGradNorms:
     def add(self, model: torch.nn.Module, terms: dict[str, Tensor | None]) -> None:
         params = [p for p in model.parameters() if p.requires_grad]
         for name, term in terms.items():
-            flat = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device)
+            grads: Sequence[Tensor | None] = [None] * len(params)
             if term is not None and term.requires_grad:
                 grads = torch.autograd.grad(term, params, retain_graph=True, allow_unused=True)
-                flat = torch.cat(
-                    [
-                        flat.new_zeros(p.numel()) if g is None else g.reshape(-1).float()
-                        for p, g in zip(params, grads)
-                    ]
-                )
+            flat = torch.cat(
+                [p.new_zeros(p.numel(), dtype=torch.float32) if g is None else g.reshape(-1).float()
+                 for p, g in zip(params, grads)]
+            )  # fmt: skip
             self.sums[name] = flat if name not in self.sums else self.sums[name] + flat
 
     def log(self, trainer: Any) -> None:

@@ -398,11 +398,6 @@ class _SDPOTeacherCallback(TrainerCallback):
     def __init__(self, trainer: SDPOTeacher) -> None:
         self.trainer = trainer
 
-    def _teacher(self) -> torch.nn.Module:
-        assert self.trainer._sdpo_teacher is not None
-        teacher: torch.nn.Module = self.trainer.accelerator.unwrap_model(self.trainer._sdpo_teacher)
-        return teacher
-
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         t, opts = self.trainer, self.trainer.teacher_weights
         if not opts.syncs_at(state.global_step):
@@ -410,7 +405,8 @@ class _SDPOTeacherCallback(TrainerCallback):
         if t._sdpo_teacher is None:  # PEFT: the teacher adapter follows the student's adapter
             ema_update_tensors_(t._adapter_pairs().values(), opts.teacher_update_rate)
         else:
-            ema_update_(self._teacher(), t.accelerator.unwrap_model(t.model), opts.teacher_update_rate)
+            unwrap = t.accelerator.unwrap_model
+            ema_update_(unwrap(t._sdpo_teacher), unwrap(t.model), opts.teacher_update_rate)
         return control
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
@@ -422,5 +418,5 @@ class _SDPOTeacherCallback(TrainerCallback):
             state_dict = {n: p.detach().contiguous() for n, (p, _) in t._adapter_pairs().items()}
             save_file(state_dict, os.path.join(folder, TEACHER_STATE_FILE))
         else:
-            save_teacher(self._teacher(), folder)
+            save_teacher(t.accelerator.unwrap_model(t._sdpo_teacher), folder)
         return control
