@@ -235,17 +235,12 @@ class ComposerSDPOTrainer(ComposerGRPOTrainer):
     def _teacher_events(self, output: dict[str, Any]) -> None:
         """SDPOTrainer's two events with its tensors: the teacher's input (its reprompt, or the plain prompt on a
         row without one, ⊕ the completion), the completion mask and the self-distillation mask."""
-        has = output["composer_has_hint"]
-        pad_id = self._tokenizer.pad_token_id
+        has, pad_id = output["composer_has_hint"], self._tokenizer.pad_token_id
+        rows = zip(
+            *(output[k] for k in ("composer_hint_ids", "composer_hint_mask", "prompt_ids", "prompt_mask"))
+        )
         prompts = [
-            (h_ids[h_m.bool()] if h else p_ids[p_m.bool()])
-            for h, h_ids, h_m, p_ids, p_m in zip(
-                has,
-                output["composer_hint_ids"],
-                output["composer_hint_mask"],
-                output["prompt_ids"],
-                output["prompt_mask"],
-            )
+            h_ids[h_m.bool()] if h else p_ids[p_m.bool()] for h, (h_ids, h_m, p_ids, p_m) in zip(has, rows)
         ]
         ids = pad(prompts, padding_value=pad_id, padding_side="left")
         mask = pad([torch.ones_like(p) for p in prompts], padding_value=0, padding_side="left")

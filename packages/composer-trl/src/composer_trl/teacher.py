@@ -266,15 +266,10 @@ class SDPOTeacher(ComposerMetrics):
         demos = self._tokenizer.batch_decode(
             [row[row != pad_id].tolist() for row in output["completion_ids"]], skip_special_tokens=True
         )
-        prompts, size = gather_object([x["prompt"] for x in inputs]), self._group_size(mode)
+        prompts, demos = gather_object([x["prompt"] for x in inputs]), gather_object(demos)
+        rewards, size = self._group_rewards(), self._group_size(mode)
         ctx = build_teacher_contexts(
-            prompts,
-            gather_object(demos),
-            self._group_rewards(),
-            size,
-            opts,
-            feedback=feedback,
-            seed=self.args.seed,
+            prompts, demos, rewards, size, opts, feedback=feedback, seed=self.args.seed
         )
         self._log_contexts(mode, ctx)
         start = self.accelerator.process_index * len(inputs)
@@ -284,11 +279,7 @@ class SDPOTeacher(ComposerMetrics):
         for key, value in ctx.metrics.items():
             self._metrics[mode][f"{ADAPTER_PREFIX}sdpo/{key}"].append(value)
         a = self.teacher_context
-        if (
-            a.sdpo_teacher_context != "feedback"
-            and ctx.groups_with_success == 0
-            and not self._no_success_warned
-        ):
+        if a.uses_success and ctx.groups_with_success == 0 and not self._no_success_warned:
             self._no_success_warned = True
             logger.warning(
                 f"success_reward_threshold={a.success_reward_threshold}: none of the {ctx.groups} groups of this "
