@@ -261,7 +261,7 @@ def _lock_check(session: nox.Session) -> None:
 
 @nox.session(tags=["ci"])
 def typecheck(session: nox.Session) -> None:
-    """mypy --strict (configured in pyproject.toml) over every package's src."""
+    """mypy --strict (configured in pyproject.toml) over every package's src and composer-core's tests/support."""
     _install(
         session,
         f"{_pkg('core')}[test,hf,replay,plot,yaml,parquet]",

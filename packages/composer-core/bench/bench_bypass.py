@@ -60,6 +60,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+# composer_testkit: composer-core's tests/support, never shipped (CONTRIBUTING.md, Test support)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "composer-core" / "tests" / "support"))
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -78,7 +81,7 @@ from composer_core.bypass.data import TokenBatches, synthetic_tokens
 from composer_core.bypass.distributed import DistContext
 from composer_core.bypass.keys import freeze_for_training
 from composer_core.bypass.train import bypass_step, make_optimizers, make_student
-from composer_core.testing.machine import cpu_model
+from composer_testkit.machine import cpu_model
 from safetensors.torch import load_file, save_file
 
 SMALL = "--small" in sys.argv[1:]

@@ -49,7 +49,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from composer_core.testing.machine import cpu_model
+# composer_testkit: composer-core's tests/support, never shipped (CONTRIBUTING.md, Test support)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "composer-core" / "tests" / "support"))
+
+from composer_testkit.machine import cpu_model
 
 DEFAULT_SIZES = [(32_768, 4096), (152_064, 1024)]  # (V, N tokens)
 SMALL = {"sizes": [(1024, 32)], "hidden": 32, "rounds": 1, "chunk_size": 16}

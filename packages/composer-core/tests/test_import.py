@@ -36,3 +36,17 @@ def test_import_pulls_in_torch_only() -> None:
     code = f"import sys, composer_core; print(sorted(m for m in {heavy!r} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_test_support_is_not_shipped() -> None:
+    """The installed package ships the conformance suite only; test servers and bench helpers are the
+    never-shipped ``composer_testkit`` in tests/support (CONTRIBUTING.md, Test support)."""
+    import pkgutil
+    from pathlib import Path
+
+    import composer_core.testing
+
+    assert {m.name for m in pkgutil.iter_modules(composer_core.testing.__path__)} == {"conformance"}
+    import composer_testkit
+
+    assert Path(composer_testkit.__file__).parent.parent == Path(__file__).parent / "support"

@@ -43,10 +43,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+# composer_testkit: composer-core's tests/support, never shipped (CONTRIBUTING.md, Test support)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "composer-core" / "tests" / "support"))
+
 import torch
-from composer_core.testing.machine import cpu_model
 from composer_diloco import DiLoCoConfig, ObjectStoreAllReduce, ObjectStoreManager, build_diloco
 from composer_diloco.object_store import PHASES
+from composer_testkit.machine import cpu_model
 from torch import nn
 from tqdm.auto import tqdm
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from composer_core.testing.bench import load_bench_json, run_small_bench
 from composer_diloco.object_store import PHASES
+from composer_testkit.bench import load_bench_json, run_small_bench
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_diloco.py"
 

@@ -18,13 +18,17 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
+# composer_testkit: composer-core's tests/support, never shipped (CONTRIBUTING.md, Test support)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "composer-core" / "tests" / "support"))
+
 import torch
-from composer_core.testing.machine import cpu_model
 from composer_monarch import ComposerDriver, ComposerLoss, LoopConfig, ReplayRecord, ReverseDigits, TinyQwen2
+from composer_testkit.machine import cpu_model
 from monarch.actor import Actor, endpoint
 
 SPIN_CPU_S = 0.5

@@ -25,13 +25,17 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
+# composer_testkit: composer-core's tests/support, never shipped (CONTRIBUTING.md, Test support)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "composer-core" / "tests" / "support"))
+
 import torch
-from composer_core.testing.machine import cpu_model
 from composer_monarch import ComposerDriver, ComposerLoss, LoopConfig, ReverseDigits, TinyQwen2
+from composer_testkit.machine import cpu_model
 
 METHODS = ("driver-pickle", "shm", "rdma", "direct")
 SHAPE = {"hidden": 768, "intermediate": 2048, "heads": 12}

@@ -210,8 +210,8 @@ def test_rollout_distils_only_hinted_completions(rows: tuple[int, ...]) -> None:
 
 
 def test_teacher_context_conformance_through_the_driver_path() -> None:
-    from composer_core.testing.teacher_context import check_teacher_context
     from composer_monarch.contexts import text_teacher_contexts
+    from composer_testkit.teacher_context import check_teacher_context
 
     assert len(check_teacher_context(text_teacher_contexts)) >= 3
 

@@ -8,7 +8,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-from composer_core.testing.bench import load_bench_json, run_small_bench
+from composer_testkit.bench import load_bench_json, run_small_bench
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 

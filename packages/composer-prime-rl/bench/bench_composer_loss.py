@@ -43,12 +43,16 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+# composer_testkit: composer-core's tests/support, never shipped (CONTRIBUTING.md, Test support)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "composer-core" / "tests" / "support"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # prime_rl_upstream: test support too
+
 import torch
-from composer_core.testing.host_reads import RecordOps
-from composer_core.testing.machine import cpu_model
 from composer_prime_rl import LossInputs, LossOutputs, composer_loss
 from composer_prime_rl.options import parse_options
-from composer_prime_rl.upstream import UpstreamUnavailable, load_upstream
+from composer_testkit.host_reads import RecordOps
+from composer_testkit.machine import cpu_model
+from prime_rl_upstream import UpstreamUnavailable, load_upstream
 
 
 def inline_dppo_kl(

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from composer_core.testing.bench import load_bench_json, run_bench, run_small_bench
+from composer_testkit.bench import load_bench_json, run_bench, run_small_bench
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_composer_loss.py"
 

@@ -28,7 +28,11 @@ def test_module_entry_point_exit_codes(tmp_path: Path) -> None:
     )
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and "'kl_tau' must be a number" in lines[0] and "[trainer.loss.kwargs]" in lines[0]
+    assert (
+        len(lines) == 1
+        and "`kl_tau`='fast' (str) is not a valid value" in lines[0]
+        and "[trainer.loss.kwargs]" in lines[0]
+    )
 
 
 @pytest.mark.parametrize(
@@ -40,7 +44,7 @@ def test_module_entry_point_exit_codes(tmp_path: Path) -> None:
             "ok",
         ),
         (["--trainer.loss.kwargs.alpha_sdpo=0.5"], 0, "alpha_sdpo=0.5"),
-        (["--trainer.loss.kwargs.alpha_sdpo", "lots"], 2, "'alpha_sdpo' must be a number"),
+        (["--trainer.loss.kwargs.alpha_sdpo", "lots"], 2, "`alpha_sdpo`='lots' (str) is not a valid value"),
         (["--trainer.loss.kwargs.simpo_gamma", "0.2"], 2, "'simpo_gamma' was given"),
         (["--trainer.loss.kwargs.epsilon_low", "0.3"], 2, "only apply to the other policy loss"),
         (["--trainer.loss.kwargs.clip_eps", "0.2"], 2, "Unknown option 'clip_eps'"),
@@ -59,7 +63,10 @@ def test_trainer_form_uses_loss_kwargs(capsys: pytest.CaptureFixture[str]) -> No
     path = str(example_config("trainer.toml"))
     assert main([path, "--loss.kwargs.sdpo_missing", "skip"]) == 0
     assert main([path, "--loss.kwargs.sdpo_missing", "never"]) == 2
-    assert "[loss.kwargs] 'sdpo_missing' must be one of" in capsys.readouterr().err
+    assert (
+        "[loss.kwargs] `sdpo_missing`='never' (str) is not a valid value: expected one of"
+        in capsys.readouterr().err
+    )
 
 
 @pytest.mark.parametrize(

@@ -129,7 +129,7 @@ def test_gradient_equals_autograd_through_the_formula(kwargs: dict, ties: bool, 
 def test_backward_is_one_multiply_not_the_formula_graph() -> None:
     """The loss is one node over trainer_logprobs: its backward dispatches a handful of aten ops
     whatever the formula (autograd through it dispatched 13)."""
-    from composer_core.testing.host_reads import RecordOps
+    from composer_testkit.host_reads import RecordOps
 
     x = _inputs(0, False)
     lp = x["lp"].clone().requires_grad_(True)

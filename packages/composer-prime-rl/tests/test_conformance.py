@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 from composer_core.loss.compose import ComposerBatch, compose_loss
+from composer_core.loss.config import flat_defaults
 from composer_core.testing import ConformanceError, cases_for, check_adapter
 from composer_prime_rl import LossInputs, composer_loss
 
@@ -28,6 +29,8 @@ SUPPORTS = {"policy", "sdpo_sampled", "global_normalizer"}
 # compose_loss options with a PRIME-RL meaning; every other one goes to composer_loss, which
 # accepts it (same name) or refuses it with its explanation.
 _TRANSLATED = {"loss_type", "normalizer", "sdpo_normalizer", "alpha_sdpo", "beta_replay", "sdpo_form"}
+
+_CORE_DEFAULTS = {k: flat_defaults()[k] for k in ("alpha_sdpo", "beta_replay")}
 
 NOT_EXPRESSIBLE = {
     "policy/clip_higher_grpo": "divides by the global rl-token count",  # per-sequence mean
@@ -46,13 +49,14 @@ def compute(
     loss_type = opts.get("loss_type", "dapo")
     if loss_type not in ("dapo", "bnpo"):  # token-level sums are all PRIME-RL does
         kwargs["loss_type"] = loss_type  # composer_loss raises its explanation
-    if batch.chosen_logps is not None and opts.get("beta_replay", 1.0) != 0:
-        kwargs["beta_replay"] = opts.get("beta_replay", 1.0)  # composer_loss raises: channel 3
+    opts = {**_CORE_DEFAULTS, **opts}  # the case's options over core's defaults
+    if batch.chosen_logps is not None and opts["beta_replay"] != 0:
+        kwargs["beta_replay"] = opts["beta_replay"]  # composer_loss raises: channel 3
 
     mask = batch.completion_mask.bool()
     rl_scale = float(opts.get("normalizer") or mask.sum())
     teacher = batch.teacher_logprobs
-    alpha = float(opts.get("alpha_sdpo", 1.0)) if teacher is not None else 0.0
+    alpha = float(opts["alpha_sdpo"]) if teacher is not None else 0.0
     if alpha:
         kwargs["alpha_sdpo"] = alpha
         kwargs["sdpo_missing"] = "skip"  # a row without hint tokens ships no ref_logprobs

@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 import torch
-from composer_core.testing.host_reads import HOST_READS, RecordOps
 from composer_prime_rl import LossInputs, composer_loss
+from composer_prime_rl import inputs as inputs_module
 from composer_prime_rl import loss as loss_module
+from composer_testkit.host_reads import HOST_READS, RecordOps
 
 CONFIGS = [
     {},
@@ -49,7 +50,7 @@ def _call(
 
 @pytest.fixture
 def accelerator_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(loss_module, "_host_reads_are_free", lambda device: False)
+    monkeypatch.setattr(inputs_module, "_host_reads_are_free", lambda device: False)
 
 
 @pytest.mark.parametrize("kwargs", CONFIGS, ids=["dppo", "dppo+sdpo", "clipped+delta", "clipped+sdpo-cli"])
@@ -61,7 +62,7 @@ def test_accelerator_path_reads_nothing_to_the_host_and_matches_the_cpu_path(
     x = _sample("cpu", weighted, float_mask)
     want = _call(x, kwargs)  # the CPU path (one host read)
     _call(x, kwargs)  # warm the per-run caches (index tensors) as a first step would
-    monkeypatch.setattr(loss_module, "_host_reads_are_free", lambda device: False)
+    monkeypatch.setattr(inputs_module, "_host_reads_are_free", lambda device: False)
     with RecordOps() as rec:
         got = _call(x, kwargs)
     assert not HOST_READS & set(rec.ops), sorted(HOST_READS & set(rec.ops))
@@ -158,7 +159,7 @@ def test_accelerator_path_packed_reads_nothing_to_the_host(
     """A packed micro-batch: one set of device asserts for all its samples, no host read, CPU-path results."""
     samples = [_sample("cpu", weighted=True, float_mask=True, seed=s) for s in range(4)]
     want = _call_packed(samples, kwargs)
-    monkeypatch.setattr(loss_module, "_host_reads_are_free", lambda device: False)
+    monkeypatch.setattr(inputs_module, "_host_reads_are_free", lambda device: False)
     with RecordOps() as rec:
         got = _call_packed(samples, kwargs)
     assert not HOST_READS & set(rec.ops), sorted(HOST_READS & set(rec.ops))
@@ -202,7 +203,7 @@ def test_accelerator_path_rl_stream_reads_nothing_to_the_host(
     as device asserts on its own slice (one per field and the overflow), no host read, CPU-path results."""
     samples = _rl_samples("cpu")
     want = _call_packed(samples, kwargs, rl_stream=True)
-    monkeypatch.setattr(loss_module, "_host_reads_are_free", lambda device: False)
+    monkeypatch.setattr(inputs_module, "_host_reads_are_free", lambda device: False)
     packs: list[int] = []
     pack = loss_module._pack
     monkeypatch.setattr(loss_module, "_pack", lambda *a, **k: packs.append(1) or pack(*a, **k))

@@ -73,12 +73,12 @@ def test_example_kwargs_validate_and_run(make_inputs, name) -> None:
     out.loss.backward()
     assert sample.trainer_logprobs.grad is not None
     if name == "rl.toml":
-        assert opts.policy_loss == "dppo" and opts.alpha_sdpo == 0.0
+        assert opts.policy_loss == "dppo" and opts.config.alpha_sdpo == 0.0
         # PRIME-RL's defaults written out: identical to calling with no kwargs at all
         assert out.loss.item() == composer_loss(sample).loss.item()
     else:
-        assert opts.policy_loss == "clipped_surrogate" and opts.alpha_sdpo == 0.5
-        assert opts.epsilon_high == 0.28 and opts.sdpo_token_clip == 2.0
+        assert opts.policy_loss == "clipped_surrogate" and opts.config.alpha_sdpo == 0.5
+        assert opts.config.policy.epsilon_high == 0.28 and opts.config.sdpo.token_clip == 2.0
 
 
 def test_examples_validate_against_prime_rl_config_schema() -> None:

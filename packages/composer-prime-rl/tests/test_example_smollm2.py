@@ -53,7 +53,7 @@ def test_recipe_names_smollm2_and_composer(config: dict[str, Any]) -> None:
 def test_loss_through_the_recipe_kwargs_on_a_tiny_batch(config: dict[str, Any], make_inputs) -> None:  # type: ignore[no-untyped-def]
     kwargs = config["trainer"]["loss"]["kwargs"]
     opts = parse_options(kwargs)
-    assert opts.policy_loss == "dppo" and opts.alpha_sdpo == 0.5 and opts.sdpo_missing == "skip"
+    assert opts.policy_loss == "dppo" and opts.config.alpha_sdpo == 0.5 and opts.sdpo_missing == "skip"
     hinted = make_inputs(
         p_train=[0.9, 0.5, 0.3], p_inf=[0.6, 0.6, 0.6], p_ref=[0.5, 0.4, 0.3], adv=[1.0, -0.5, 2.0]
     )

@@ -14,14 +14,17 @@ def sample(make_inputs):
 def test_defaults_are_prime_rl_default_loss() -> None:
     opts = parse_options({})
     assert opts == PrimeRLLossOptions()
-    assert (opts.policy_loss, opts.dppo_mask_low, opts.dppo_mask_high, opts.adv_tau, opts.kl_tau) == (
+    policy = opts.config.policy
+    assert (opts.policy_loss, policy.dppo_mask_low, policy.dppo_mask_high, opts.adv_tau, opts.kl_tau) == (
         "dppo",
         0.2,
         0.2,
         1.0,
         1e-3,
     )
-    assert opts.alpha_sdpo == 0.0 and opts.beta_replay == 0.0
+    assert opts.config.alpha_sdpo == 0.0 and opts.config.beta_replay == 0.0
+    assert policy.rollout_correction == "dppo_mask"
+    assert opts.config.resolve(has_logits=False, has_hidden=False, has_sampled=True) == "sampled"
 
 
 def test_unknown_kwarg_lists_the_valid_ones(sample) -> None:
@@ -99,17 +102,17 @@ def test_sdpo_options_without_alpha_raise(sample, key) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"policy_loss": "grpo"}, "'policy_loss' must be one of"),
-        ({"dppo_mask_low": -0.1}, "'dppo_mask_low' must be a finite number >= 0"),
-        ({"kl_tau": float("nan")}, "'kl_tau' must be a finite number"),
-        ({"adv_tau": "1.0x"}, "'adv_tau' must be a number"),
-        ({"adv_tau": True}, "'adv_tau' must be a number"),
+        ({"policy_loss": "grpo"}, "`policy_loss`='grpo' .* expected one of 'dppo', 'clipped_surrogate'"),
+        ({"dppo_mask_low": -0.1}, r"`dppo_mask_low`=-0.1 must lie in \[0, 1\]"),
+        ({"kl_tau": float("nan")}, "`kl_tau`=nan must be a finite number"),
+        ({"adv_tau": "1.0x"}, r"`adv_tau`='1.0x' \(str\) is not a valid value: expected float"),
+        ({"adv_tau": True}, r"`adv_tau`=True \(bool\) is not a valid value"),
         ({"alpha_sdpo": -1.0}, "`alpha_sdpo`=-1.0 must be a finite weight >= 0"),
         (
             {"alpha_sdpo": 1.0, "sdpo_token_clip": 0.0},
             r"`is_clip \(sdpo_token_clip\)`=0.0 must be a finite number > 0",
         ),
-        ({"alpha_sdpo": 1.0, "sdpo_missing": "ignore"}, "'sdpo_missing' must be one of"),
+        ({"alpha_sdpo": 1.0, "sdpo_missing": "ignore"}, "`sdpo_missing`='ignore' .* expected one of"),
         (
             {"alpha_sdpo": 1.0, "sdpo_token_clip": float("inf")},
             r"`is_clip \(sdpo_token_clip\)`=inf must be a finite number",
@@ -129,7 +132,7 @@ def test_bad_values_raise(sample, kwargs, message) -> None:
 
 def test_parse_is_cached_and_tolerates_unhashable_values() -> None:
     assert parse_options({"kl_tau": 0.0}) is parse_options({"kl_tau": 0.0})
-    with pytest.raises(ValueError, match="'kl_tau' must be a number"):
+    with pytest.raises(ValueError, match=r"`kl_tau`=\[0.0\] \(list\) is not a valid value"):
         parse_options({"kl_tau": [0.0]})
 
 
@@ -138,23 +141,29 @@ def test_cli_string_values_are_coerced_like_a_typed_config(sample) -> None:
     # what `--loss.kwargs.KEY VALUE` on PRIME-RL's command line delivers: every value a string
     cli = {"alpha_sdpo": "0.25", "sdpo_token_clip": "false", "dppo_mask_low": "0.1", "kl_tau": "0"}
     opts = parse_options(cli)
-    assert opts.alpha_sdpo == 0.25 and opts.sdpo_token_clip is None and opts.dppo_mask_low == 0.1
+    assert opts.config.alpha_sdpo == 0.25 and opts.config.sdpo.token_clip is None
+    assert opts.config.policy.dppo_mask_low == 0.1
     assert opts.kl_tau == 0.0
     typed = {"alpha_sdpo": 0.25, "sdpo_token_clip": False, "dppo_mask_low": 0.1, "kl_tau": 0.0}
     assert composer_loss(sample, **cli).loss.item() == composer_loss(sample, **typed).loss.item()
     surrogate = parse_options({"policy_loss": "clipped_surrogate", "epsilon_high": "none", "delta": "2.5"})
-    assert surrogate.epsilon_high is None and surrogate.delta == 2.5
-    assert parse_options({"alpha_sdpo": "1", "sdpo_token_clip": "3"}).sdpo_token_clip == 3.0
+    assert surrogate.config.policy.epsilon_high is None and surrogate.config.policy.delta == 2.5
+    assert parse_options({"alpha_sdpo": "1", "sdpo_token_clip": "3"}).config.sdpo.token_clip == 3.0
+    # PRIME-RL allows a DPPO bound above 1 (it masks nothing): read as core's largest bound, 1
+    assert parse_options({"dppo_mask_high": "5"}).config.policy.dppo_mask_high == 1.0
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"alpha_sdpo": "0.25x"}, "'alpha_sdpo' must be a number, got '0.25x'"),
-        ({"alpha_sdpo": "1", "sdpo_token_clip": "true"}, "'sdpo_token_clip' must be a number"),
-        ({"policy_loss": "ppo"}, "'policy_loss' must be one of"),
-        ({"alpha_sdpo": "1", "sdpo_missing": "maybe"}, "'sdpo_missing' must be one of"),
-        ({"kl_tau": "-1"}, "'kl_tau' must be a finite number >= 0"),
+        ({"alpha_sdpo": "0.25x"}, r"`alpha_sdpo`='0.25x' \(str\) is not a valid value: expected float"),
+        (
+            {"alpha_sdpo": "1", "sdpo_token_clip": "true"},
+            "`sdpo_token_clip`='true' .* expected float or None",
+        ),
+        ({"policy_loss": "ppo"}, "`policy_loss`='ppo' .* expected one of"),
+        ({"alpha_sdpo": "1", "sdpo_missing": "maybe"}, "`sdpo_missing`='maybe' .* expected one of"),
+        ({"kl_tau": "-1"}, "`kl_tau`=-1.0 must be a finite number >= 0"),
     ],
 )
 def test_bad_cli_strings_name_the_key(kwargs, message) -> None:
@@ -170,8 +179,11 @@ def test_shared_defaults_come_from_composer_core() -> None:
 
     core = flat_defaults()
     opts = PrimeRLLossOptions()
+    flat = opts.config.to_flat()  # core's typed options: their defaults are core's
     for key in ("dppo_mask_low", "dppo_mask_high", "epsilon_low", "epsilon_high", "delta", "sdpo_token_clip"):
-        assert getattr(opts, key) == core[key], key
+        assert flat[key] == core[key], key
+    for key in ("w_policy", "alpha_sdpo", "beta_replay"):
+        assert flat[key] == core[key], key
     sig = inspect.signature(dppo_loss).parameters
     assert (opts.adv_tau, opts.kl_tau) == (sig["adv_tau"].default, sig["kl_tau"].default)
 
@@ -232,5 +244,5 @@ def test_clip_options_are_checked_by_core_only(bad, option) -> None:
 def test_the_cache_keeps_value_types_apart() -> None:
     """1.0 and True hash alike: a cached 1.0 must not answer for a bool."""
     assert parse_options({"adv_tau": 1.0}).adv_tau == 1.0
-    with pytest.raises(ValueError, match="'adv_tau' must be a number"):
+    with pytest.raises(ValueError, match=r"`adv_tau`=True \(bool\) is not a valid value"):
         parse_options({"adv_tau": True})

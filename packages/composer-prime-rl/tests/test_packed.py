@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from composer_prime_rl import LossInputs, LossOutputs, composer_loss
+from composer_prime_rl import inputs as inputs_module
 from composer_prime_rl import loss as loss_module
 
 LENGTHS = (6, 1, 9, 4)
@@ -27,7 +28,7 @@ def form(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
     """Every test runs both CPU forms: torch.where (few tokens) and its vectorised equivalents (a packed
     micro-batch of VECTORISED_FROM tokens or more; forced here on these small ones)."""
     if request.param == "vectorised":
-        monkeypatch.setattr(loss_module, "VECTORISED_FROM", 0)
+        monkeypatch.setattr(inputs_module, "VECTORISED_FROM", 0)
     return str(request.param)
 
 

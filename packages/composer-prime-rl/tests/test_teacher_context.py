@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 from composer_core.sdpo.context import TeacherContextOptions
-from composer_core.testing.teacher_context import check_teacher_context
 from composer_prime_rl.orchestrator import ComposerSDPOAlgorithm, ComposerSDPOSettings
+from composer_testkit.teacher_context import check_teacher_context
 
 
 @dataclass

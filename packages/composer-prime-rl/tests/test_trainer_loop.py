@@ -162,7 +162,7 @@ def test_global_normalizer_across_micro_batches() -> None:
                 old_logprobs=_packed(part, "inf"),
                 teacher_logprobs=_packed(part, "ref"),
             ),
-            beta_replay=0.0,
+            alpha_sdpo=kwargs["alpha_sdpo"],
             loss_type="dapo",
             sdpo_form="sampled",
             normalizer=normalizer,

@@ -2,7 +2,7 @@
 
 prime-rl is not on the package index, so this module runs when either
 - ``prime_rl`` is importable (the trainer's own environment), or
-- ``PRIME_RL_SRC`` points at a prime-rl checkout (loaded by :mod:`composer_prime_rl.upstream`).
+- ``PRIME_RL_SRC`` points at a prime-rl checkout (loaded by :mod:`prime_rl_upstream`, beside these tests).
 Otherwise it is skipped (the CI case); test_trainer_loop.py then checks the same contract.
 """
 
@@ -13,12 +13,13 @@ import math
 import os
 import sys
 import types
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from composer_prime_rl import composer_loss
-from composer_prime_rl.upstream import UpstreamUnavailable, load_upstream
+from prime_rl_upstream import UpstreamUnavailable, load_upstream
 
 
 def _load_upstream() -> tuple[types.ModuleType, types.ModuleType]:
@@ -201,7 +202,7 @@ def test_adapter_uses_the_real_classes_when_prime_rl_is_importable(upstream) -> 
         [sys.executable, "-c", _CONTRACT_PROBE, __file__],
         capture_output=True,
         text=True,
-        env={**os.environ},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])},
         timeout=300,
         check=False,
     )

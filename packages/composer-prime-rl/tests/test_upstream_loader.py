@@ -1,4 +1,4 @@
-""":func:`composer_prime_rl.upstream.load_upstream` on a checkout, in the environments it meets: PRIME-RL's
+""":func:`prime_rl_upstream.load_upstream` on a checkout, in the environments it meets: PRIME-RL's
 loss module imports ``jaxtyping`` and ``beartype``; each is replaced by a stand-in only when that one is
 missing (a GPU image often has jaxtyping without beartype), and an installed one is used as it is.
 
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from composer_prime_rl.upstream import load_upstream
+from prime_rl_upstream import load_upstream
 
 LOSS_PY = """
 from beartype import beartype as typechecker

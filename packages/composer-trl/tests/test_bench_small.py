@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from composer_core.testing.bench import load_bench_json, run_bench, run_small_bench
+from composer_testkit.bench import load_bench_json, run_bench, run_small_bench
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_trl.py"
 

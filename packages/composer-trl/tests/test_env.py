@@ -27,7 +27,7 @@ SMALL = ["--per_device_train_batch_size", "64", "--num_generations", "8", "--max
 @pytest.fixture(scope="module")
 def openenv_url() -> Iterator[str]:
     pytest.importorskip("openenv.core", reason="needs composer-core[openenv]")
-    from composer_core.testing.env_server import EnvServerProcess
+    from composer_testkit.env_server import EnvServerProcess
 
     with EnvServerProcess("--n-tasks", "64", "--min-digits", "2", "--max-digits", "2") as srv:
         yield srv.url
@@ -104,7 +104,7 @@ def test_env_bad_spec_exit_2_and_server_down_exit_4(tmp_path, capsys) -> None:
     err = capsys.readouterr().err.strip()
     assert "--env 'nope:x'" in err and "openenv" in err and len(err.splitlines()) == 1
     pytest.importorskip("openenv.core", reason="needs composer-core[openenv]")
-    from composer_core.testing.env_server import free_port
+    from composer_testkit.env_server import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
     assert main(["--env", f"openenv:{url}", "--output_dir", str(tmp_path / "b"), "--no_plot"]) == 4

@@ -260,7 +260,7 @@ def test_inf_reward_is_refused_like_nan(tmp_path, capsys):
 
 def test_openenv_garbage_leaves_nothing_behind(tmp_path, capsys):
     pytest.importorskip("openenv.core", reason="needs composer-core[openenv]")
-    from composer_core.testing.env_server import EnvServerProcess
+    from composer_testkit.env_server import EnvServerProcess
 
     out = tmp_path / "run"
     with EnvServerProcess("--fault", "garbage") as srv:

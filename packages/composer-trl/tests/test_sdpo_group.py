@@ -12,7 +12,7 @@ import logging
 import pytest
 import torch
 from composer_core.sdpo import build_teacher_contexts
-from composer_core.testing.teacher_context import check_teacher_context
+from composer_testkit.teacher_context import check_teacher_context
 from composer_trl import ComposerGRPOConfig
 from composer_trl.cli import main
 from composer_trl.lifecycle import EXIT_USAGE

@@ -64,13 +64,15 @@ def test_compose_loss_sdpo_topk_tail_false_matches_trl_masked_mean(trl_topk) -> 
         student_logits=student,
         teacher_logits=teacher,
     )
-    out = compose_loss(batch, sdpo_form="topk", sdpo_topk=6, sdpo_topk_tail=False, sdpo_beta=0.5)
+    out = compose_loss(
+        batch, alpha_sdpo=1.0, sdpo_form="topk", sdpo_topk=6, sdpo_topk_tail=False, sdpo_beta=0.5
+    )
     per_token = trl_topk(
         student, teacher, distillation_topk=6, distillation_alpha=0.5, distillation_add_tail=False
     )
     assert out.sdpo is not None
     torch.testing.assert_close(out.sdpo, per_token[mask].mean(), rtol=1e-12, atol=0.0)
-    default = compose_loss(batch, sdpo_form="topk", sdpo_topk=6, sdpo_beta=0.5)
+    default = compose_loss(batch, alpha_sdpo=1.0, sdpo_form="topk", sdpo_topk=6, sdpo_beta=0.5)
     tailed = trl_topk(
         student, teacher, distillation_topk=6, distillation_alpha=0.5, distillation_add_tail=True
     )

@@ -386,7 +386,7 @@ def test_pairs_are_read_to_the_host_once_whatever_their_number(monkeypatch: pyte
     """verl's micro-batch lives on the GPU, where every read of a value to the host is a sync. Channel 3 finds
     its pairs with one read of the two pair columns (one ``tolist``), not a ``unique``, then a ``nonzero`` and
     two reads per pair; the loss equals the closed form's pairing."""
-    from composer_core.testing.host_reads import RecordOps
+    from composer_testkit.host_reads import RecordOps
     from composer_verl.config import current_config
     from composer_verl.policy_loss import replay_term
 
@@ -416,7 +416,7 @@ def test_the_three_channels_value_checks_are_one_host_read() -> None:
     """The core losses behind the three channels check their inputs (finite values, masks): 11 checks here.
     Inside the composer policy loss they are fused into one read, so a call reads the host 8 times: that read,
     the SDPO token count, and six metric values read from tensors (18 times before: each check read on its own)."""
-    from composer_core.testing.host_reads import HOST_READS, RecordOps
+    from composer_testkit.host_reads import HOST_READS, RecordOps
 
     configure({"alpha_sdpo": 0.5, "beta_replay": 0.25})
     inputs = _pref_inputs()

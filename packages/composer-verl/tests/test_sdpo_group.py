@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from composer_core.sdpo import TeacherContextOptions, build_teacher_contexts
-from composer_core.testing.teacher_context import TEACHER_CONTEXT_CASES, check_teacher_context
+from composer_testkit.teacher_context import TEACHER_CONTEXT_CASES, check_teacher_context
 from composer_verl.config import ComposerVerlConfig
 from composer_verl.producers import (
     CONTEXT_KEYS,

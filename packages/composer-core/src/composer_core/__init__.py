@@ -7,7 +7,7 @@ See :func:`composer_core.loss.compose.compose_loss`.
 from importlib.metadata import version as _version
 
 from composer_core.loss.advantages import group_advantages, overlong_reward_shaping
-from composer_core.loss.compose import ComposerBatch, ComposeResult, check_mode_options, compose_loss
+from composer_core.loss.compose import ComposerBatch, ComposeResult, compose_loss
 from composer_core.loss.config import DPO, TAID, ComposeConfig, EntropyOPD, PolicyOptions, SDPOOptions, SimPO
 from composer_core.loss.distill import (
     fused_linear_generalized_jsd,
@@ -57,7 +57,6 @@ __all__ = [
     "TAIDScheduler",
     "__version__",
     "aggregate_loss",
-    "check_mode_options",
     "clipped_surrogate",
     "clipped_surrogate_from_ratio",
     "compose_loss",

@@ -12,7 +12,7 @@ import os
 import shutil
 from pathlib import Path
 
-from composer_core.testing.bench import load_bench_json, run_small_bench
+from composer_testkit.bench import load_bench_json, run_small_bench
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 

@@ -1,6 +1,6 @@
 """composer-replay against hostile teacher endpoints (issue 15 item 1).
 
-A real ThreadingHTTPServer on 127.0.0.1 (composer_core.testing.teacher_server) with fault
+A real ThreadingHTTPServer on 127.0.0.1 (composer_testkit.teacher_server) with fault
 modes, and the real ``composer-replay`` CLI as a subprocess wherever the property concerns the
 process (its output files, stdout/stderr, exit status, peak RSS, SIGKILL).
 """
@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from composer_core.testing.teacher_server import BAD_PAYLOADS, ChatServer
 from composer_core.traces.records import read_records
 from composer_core.traces.replay import KILL_ENV, ReplayCache, Replayer, ReplayJob, TeacherConfig, redact
 from composer_core.traces.schema import Episode, Message, ToolCall, write_openai_jsonl
+from composer_testkit.teacher_server import BAD_PAYLOADS, ChatServer
 
 # URL-encoding changes '/', '+' and '=', so the encoded form differs from the raw key
 SECRET = "sk-Zq7/Xw+Lm9=Rt4Pv2Ks8Nd6Hy3Jb5Wc1"

@@ -1,4 +1,4 @@
-"""Teacher replay against a real chat-completions HTTP server on 127.0.0.1 (composer_core.testing.teacher_server).
+"""Teacher replay against a real chat-completions HTTP server on 127.0.0.1 (composer_testkit.teacher_server).
 
 No mocks: httpx talks to a real ThreadingHTTPServer; the resume test kills a real
 ``composer-replay`` subprocess with SIGKILL and counts requests on the server.
@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
-from composer_core.testing.teacher_server import ChatServer
 from composer_core.traces.records import read_records
 from composer_core.traces.replay import ReplayCache, Replayer, ReplayJob, TeacherConfig, load_teachers
 from composer_core.traces.schema import Episode, Message, ToolCall, write_openai_jsonl
+from composer_testkit.teacher_server import ChatServer
 
 FAST = {"backoff_base_s": 0.01, "backoff_max_s": 0.05}
 

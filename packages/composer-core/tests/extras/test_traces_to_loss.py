@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 from composer_core import ComposerBatch, compose_loss
-from composer_core.testing.teacher_server import ChatServer
 from composer_core.traces.hints import error_text_hint, render_plain
 from composer_core.traces.pair_batch import collate_pairs, sequence_logps
 from composer_core.traces.records import read_records, write_records
@@ -17,6 +16,7 @@ from composer_core.traces.replay import Replayer, TeacherConfig
 from composer_core.traces.replay_cli import build_records
 from composer_core.traces.schema import Episode, Message, ToolCall
 from composer_core.traces.sdpo_batch import collate_sdpo
+from composer_testkit.teacher_server import ChatServer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
@@ -134,13 +134,19 @@ def test_traces_to_compose_loss(tokenizer: PreTrainedTokenizerFast, tmp_path: Pa
     )
     # student == teacher (no hint): distillation 0; policy == reference: DPO ln 2
     same = compose_loss(
-        ComposerBatch(**base, student_logits=student_logits, teacher_logits=student_logits.detach())
+        ComposerBatch(**base, student_logits=student_logits, teacher_logits=student_logits.detach()),
+        alpha_sdpo=1.0,
+        beta_replay=1.0,
     )
     assert same.metrics["loss/sdpo"] == pytest.approx(0.0, abs=1e-6)
     assert same.metrics["loss/replay"] == pytest.approx(math.log(2), abs=1e-6)
     assert same.metrics["replay/pairs"] == 6 and same.metrics["sdpo/tokens"] == float(sb.sdpo_mask.sum())
     # the hinted teacher differs: a positive distillation loss with finite gradients into the model
-    hinted = compose_loss(ComposerBatch(**base, student_logits=student_logits, teacher_logits=teacher_logits))
+    hinted = compose_loss(
+        ComposerBatch(**base, student_logits=student_logits, teacher_logits=teacher_logits),
+        alpha_sdpo=1.0,
+        beta_replay=1.0,
+    )
     assert hinted.metrics["loss/sdpo"] > 1e-6
     model.zero_grad()
     hinted.total.backward()

@@ -24,7 +24,7 @@ from composer_core.loss.distill import (
     chunk_rows,
     jsd_kernel,
 )
-from composer_core.testing.host_reads import HOST_READS, RecordOps
+from composer_testkit.host_reads import HOST_READS, RecordOps
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 

@@ -9,7 +9,6 @@ from composer_core import (
     ComposerBatch,
     PolicyOptions,
     SimPO,
-    compose_loss,
     dpo_loss,
     entropy_opd_loss,
     fused_linear_generalized_jsd,
@@ -20,9 +19,32 @@ from composer_core import (
     taid_loss,
     topk_distill,
 )
+from composer_core import compose_loss as core_compose_loss
 
 D = torch.float64
 B, T, V, H, P = 4, 5, 9, 6, 3
+SDPO_INPUTS = (
+    "sdpo_mask",
+    "student_logits",
+    "teacher_logits",
+    "student_hidden",
+    "teacher_hidden",
+    "lm_head_weight",
+)
+REPLAY_INPUTS = ("chosen_logps", "rejected_logps", "ref_chosen_logps", "ref_rejected_logps", "chosen_lengths",
+                 "rejected_lengths")  # fmt: skip
+
+
+def compose_loss(batch: ComposerBatch, config: object = None, /, **options: object):  # type: ignore[no-untyped-def]
+    """core's ``compose_loss`` with channels 2 and 3 on (weight 1) unless the test sets their weights: core's
+    defaults are 0, and these batches carry every channel's inputs."""
+    if config is None:
+        options = {"alpha_sdpo": 1.0, "beta_replay": 1.0, **options}
+    return core_compose_loss(batch, config, **options)  # type: ignore[arg-type]
+
+
+def _without(b: ComposerBatch, *names: str) -> ComposerBatch:
+    return dataclasses.replace(b, **dict.fromkeys(names))
 
 
 def _batch(
@@ -68,16 +90,19 @@ def _grads(loss: torch.Tensor, b: ComposerBatch) -> list[torch.Tensor]:
 
 # ------------------------------------------------------------------ invariants
 @pytest.mark.parametrize(("alpha", "beta"), [(0.0, 0.0), (0.0, 1.0), (1.0, 0.0)])
-def test_zero_weight_channels_are_not_computed_bit_exact(alpha: float, beta: float) -> None:
+def test_zero_weight_channels_refuse_their_inputs_and_are_not_computed(alpha: float, beta: float) -> None:
     b = _batch()
+    off = "alpha_sdpo" if alpha == 0 else "beta_replay"
+    first = "sdpo_mask" if alpha == 0 else "chosen_logps"
+    with pytest.raises(
+        ValueError, match=rf"^`{first}`.* passed with {off}=0 .*: set {off} > 0 to train on them, "
+    ):
+        core_compose_loss(b, alpha_sdpo=alpha, beta_replay=beta)
+    # without the off channel's inputs, the channel is not computed: the total is the remaining channels', bit
+    # for bit the same as with the channel's weight at 1 and its inputs absent (skipped)
+    b = _without(b, *(SDPO_INPUTS if alpha == 0 else ()), *(REPLAY_INPUTS if beta == 0 else ()))
     r = compose_loss(b, alpha_sdpo=alpha, beta_replay=beta, kl_beta=0.0)
-    # the reference: the same call with the disabled channel's inputs removed from the batch
-    stripped = dataclasses.replace(
-        b,
-        **({"student_logits": None, "teacher_logits": None} if alpha == 0 else {}),
-        **({"chosen_logps": None, "rejected_logps": None} if beta == 0 else {}),
-    )
-    ref = compose_loss(stripped, alpha_sdpo=alpha, beta_replay=beta)
+    ref = compose_loss(b, kl_beta=0.0)
     assert torch.equal(r.total, ref.total)
     grads = _grads(r.total, b)
     for g1, g2 in zip(grads, _grads(ref.total, b)):
@@ -299,7 +324,7 @@ def test_policy_options_pass_through() -> None:
     b = _batch(9)
     b.ref_logprobs = b.logprobs.detach() + 0.1
     kw = dict(loss_type="grpo", epsilon_low=0.1, epsilon_high=0.3, kl_beta=0.05, kl_estimator="k2")
-    r = compose_loss(b, alpha_sdpo=0, beta_replay=0, **kw)  # type: ignore[arg-type]
+    r = compose_loss(_without(b, *SDPO_INPUTS, *REPLAY_INPUTS), alpha_sdpo=0, beta_replay=0, **kw)
     p = policy_loss(
         b.logprobs, b.advantages, b.completion_mask, ref_logprobs=b.ref_logprobs, options=PolicyOptions(**kw)
     )  # type: ignore[arg-type]
@@ -397,6 +422,7 @@ def test_all_masked_policy_is_zero_with_zero_gradient_like_trl(loss_type: str) -
     normaliser (the distilled tokens are elsewhere), and still an error without one."""
     b = _batch(5)
     b = dataclasses.replace(b, completion_mask=torch.zeros(B, T), sdpo_mask=torch.zeros(B, T))
+    b = _without(b, *REPLAY_INPUTS)
     out = compose_loss(b, alpha_sdpo=1.0, beta_replay=0.0, loss_type=loss_type, sdpo_normalizer=7.0)
     assert out.policy.item() == 0.0 and out.sdpo is not None and out.sdpo.item() == 0.0
     out.total.backward()
@@ -418,7 +444,7 @@ def test_remaining_policy_options_pass_through() -> None:
         {"loss_type": "dr_grpo", "max_completion_length": 12},
     ):
         bb = dataclasses.replace(b, inference_logprobs=inf if "rollout_correction" in kw else None)
-        r = compose_loss(bb, alpha_sdpo=0, beta_replay=0, **kw)  # type: ignore[arg-type]
+        r = compose_loss(_without(bb, *SDPO_INPUTS, *REPLAY_INPUTS), alpha_sdpo=0, beta_replay=0, **kw)
         p = policy_loss(
             bb.logprobs,
             bb.advantages,
@@ -450,23 +476,23 @@ def test_remaining_policy_options_pass_through() -> None:
     ],
 )
 def test_option_of_an_unselected_mode_raises_naming_it(option: str, value: object, selector: dict) -> None:
-    from composer_core import check_mode_options
+    from composer_core import ComposeConfig
 
     with pytest.raises(ValueError, match=f"`{option}`"):
-        check_mode_options(**selector, **{option: value})
+        ComposeConfig.from_flat(**selector, **{option: value})
     with pytest.raises(ValueError, match=f"`{option}`"):
         compose_loss(_mode_batch(), **selector, **{option: value})
 
 
 def test_mode_options_pass_when_their_mode_is_selected_or_left_at_default() -> None:
-    from composer_core import check_mode_options
+    from composer_core import ComposeConfig
 
-    check_mode_options(dpo_variant="simpo", simpo_beta=3.0, simpo_gamma=0.1)
-    check_mode_options(dpo_variant="dpo", dpo_beta=0.3, dpo_loss_type="ipo", simpo_beta=2.0)
-    check_mode_options(sdpo_wrapper="taid", taid_t_start=0.2, taid_t_end=0.9)
-    check_mode_options(sdpo_wrapper="entropy_opd", entropy_opd_threshold=0.5, entropy_opd_weight=2.0)
-    check_mode_options(sdpo_form="sampled", sdpo_token_clip=5.0, sdpo_beta=1.0)
-    check_mode_options(sdpo_form="auto", sdpo_token_clip=None)
+    ComposeConfig.from_flat(dpo_variant="simpo", simpo_beta=3.0, simpo_gamma=0.1)
+    ComposeConfig.from_flat(dpo_variant="dpo", dpo_beta=0.3, dpo_loss_type="ipo", simpo_beta=2.0)
+    ComposeConfig.from_flat(sdpo_wrapper="taid", taid_t_start=0.2, taid_t_end=0.9)
+    ComposeConfig.from_flat(sdpo_wrapper="entropy_opd", entropy_opd_threshold=0.5, entropy_opd_weight=2.0)
+    ComposeConfig.from_flat(sdpo_form="sampled", sdpo_token_clip=5.0, sdpo_beta=1.0)
+    ComposeConfig.from_flat(sdpo_form="auto", sdpo_token_clip=None)
     compose_loss(_mode_batch(), dpo_variant="dpo", dpo_beta=0.3)
 
 
@@ -517,7 +543,8 @@ def test_sdpo_topk_tail_threads_to_topk_distill_and_is_refused_elsewhere() -> No
     ],
 )
 def test_sdpo_is_two_decisions_kernel_then_runner(form, options, fields, kernel, runner) -> None:
-    from composer_core.loss.compose import ComposeConfig, _pick_kernel, _pick_runner
+    from composer_core.loss.channels import _pick_kernel, _pick_runner
+    from composer_core.loss.config import ComposeConfig
 
     b = _batch(**fields)
     cfg = ComposeConfig.from_flat(sdpo_form=form, **options)

@@ -8,7 +8,8 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from composer_core import ComposerBatch, check_mode_options, compose_loss
+from composer_core import ComposerBatch
+from composer_core import compose_loss as core_compose_loss
 from composer_core.loss.config import (
     DPO,
     TAID,
@@ -20,6 +21,17 @@ from composer_core.loss.config import (
     coerce_option,
     flat_defaults,
 )
+
+ON = {"alpha_sdpo": 1.0, "beta_replay": 1.0}
+
+
+def compose_loss(batch: ComposerBatch, config: object = None, /, **options: object):  # type: ignore[no-untyped-def]
+    """core's ``compose_loss`` with channels 2 and 3 on (weight 1) unless the test sets their weights (core's
+    defaults are 0)."""
+    if config is None:
+        options = {**ON, **options}
+    return core_compose_loss(batch, config, **options)  # type: ignore[arg-type]
+
 
 D = torch.float64
 B, T, V, H, P = 3, 4, 7, 5, 2
@@ -120,10 +132,10 @@ def test_every_option_without_effect_is_named_in_one_message() -> None:
         assert f"`{name}`" in str(err.value)
 
 
-def test_check_mode_options_without_a_batch_keeps_auto_open() -> None:
-    check_mode_options(sdpo_form="auto", sdpo_token_clip=None)
+def test_from_flat_without_a_batch_keeps_auto_open() -> None:
+    ComposeConfig.from_flat(sdpo_form="auto", sdpo_token_clip=None)
     with pytest.raises(ValueError, match="`kl_estimator`"):
-        check_mode_options(kl_estimator="k1")
+        ComposeConfig.from_flat(kl_estimator="k1")
 
 
 def test_unknown_option_suggests_the_close_match() -> None:
@@ -166,6 +178,7 @@ def test_invalid_combination_raises_at_construction(build: object) -> None:
 def test_config_is_frozen_and_equals_the_flat_form() -> None:
     cfg = ComposeConfig(
         alpha_sdpo=0.5,
+        beta_replay=1.0,
         policy=PolicyOptions(kl_beta=0.0, epsilon_high=0.28),
         sdpo=SDPOOptions(beta=0.3, wrapper=EntropyOPD(threshold=0.5)),
         replay=SimPO(gamma=0.2),
@@ -173,7 +186,7 @@ def test_config_is_frozen_and_equals_the_flat_form() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.alpha_sdpo = 1.0  # type: ignore[misc]
     flat = dict(
-        alpha_sdpo=0.5, epsilon_high=0.28, sdpo_beta=0.3, sdpo_wrapper="entropy_opd", entropy_opd_threshold=0.5,
+        alpha_sdpo=0.5, beta_replay=1.0, epsilon_high=0.28, sdpo_beta=0.3, sdpo_wrapper="entropy_opd", entropy_opd_threshold=0.5,
         dpo_variant="simpo", simpo_gamma=0.2,
     )  # fmt: skip
     assert ComposeConfig.from_flat(**flat) == cfg
@@ -283,7 +296,7 @@ def test_compose_loss_reads_the_host_at_most_once(form: str, variant: str, norma
             k: torch.tensor(5.0, dtype=D) for k in ("normalizer", "sdpo_normalizer", "replay_normalizer")
         }
     b.ref_logprobs = b.logprobs.detach() - 0.1
-    cfg = ComposeConfig.from_flat(dpo_variant=variant, kl_beta=0.04, **opts)
+    cfg = ComposeConfig.from_flat(dpo_variant=variant, kl_beta=0.04, **ON, **opts)
     compose_loss(b, cfg, **norms)  # warm-up (imports, caches)
     with _count_host_reads() as on:
         r = compose_loss(b, cfg, **norms)
@@ -322,7 +335,7 @@ def test_bad_values_raise_from_the_fused_check_with_one_sync(change: dict, match
             "zeros": torch.zeros_like(t),
         }
         setattr(b, name, bad[how])
-    cfg = ComposeConfig.from_flat(dpo_variant="simpo")
+    cfg = ComposeConfig.from_flat(dpo_variant="simpo", **ON)
     with _count_host_reads() as calls, pytest.raises(ValueError, match=match):
         compose_loss(b, cfg)
     assert calls[0] == "__bool__"  # the fused read; the rest only builds the message
@@ -347,7 +360,7 @@ def test_the_from_flat_cache_keeps_types_apart() -> None:
 def test_sdpo_chunk_size_from_a_cli_string_reaches_the_kernel(form: str, chunk_widths: list[int]) -> None:
     from composer_core.loss import distill
 
-    cfg = ComposeConfig.from_flat(sdpo_chunk_size="2", alpha_sdpo="1.0")
+    cfg = ComposeConfig.from_flat(sdpo_chunk_size="2", alpha_sdpo="1.0", beta_replay=1.0)
     assert cfg.sdpo.chunk_size == 2 and isinstance(cfg.sdpo.chunk_size, int)
     assert flat_defaults()["sdpo_chunk_size"] == distill.DEFAULT_CHUNK_SIZE  # one source of the default
     widths = chunk_widths
@@ -355,7 +368,7 @@ def test_sdpo_chunk_size_from_a_cli_string_reaches_the_kernel(form: str, chunk_w
     small = compose_loss(_batch(**flags), cfg).total
     assert widths and max(widths) == 2  # every chunk of 2 rows (the last may be shorter)
     widths.clear()
-    whole = compose_loss(_batch(**flags), ComposeConfig.from_flat(alpha_sdpo="1.0")).total
+    whole = compose_loss(_batch(**flags), ComposeConfig.from_flat(**ON)).total
     assert max(widths) > 2
     torch.testing.assert_close(small, whole, rtol=1e-12, atol=1e-12)  # exact per chunk: same loss
 

@@ -26,7 +26,7 @@ from composer_core import ComposerBatch, compose_loss, fused_linear_generalized_
 from composer_core.loss import distill
 from composer_core.loss.config import ComposeConfig
 from composer_core.loss.wrappers import entropy_opd_loss
-from composer_core.testing.host_reads import HOST_READS, RecordOps
+from composer_testkit.host_reads import HOST_READS, RecordOps
 
 B, T, V, H, P = 4, 16, 3000, 32, 3
 FORMS: dict[str, tuple[str, dict[str, object]]] = {

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 from composer_core import fused_linear_generalized_jsd, generalized_jsd, sampled_token_distill, topk_distill
-from composer_core.testing.reference import naive_jsd
+from composer_testkit.reference import naive_jsd
 
 D = torch.float64
 

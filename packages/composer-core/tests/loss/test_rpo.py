@@ -8,7 +8,17 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from composer_core import DPO, ComposeConfig, ComposerBatch, SimPO, compose_loss, dpo_loss, simpo_loss
+from composer_core import DPO, ComposeConfig, ComposerBatch, SimPO, dpo_loss, simpo_loss
+from composer_core import compose_loss as core_compose_loss
+
+
+def compose_loss(batch: ComposerBatch, config: object = None, /, **options: object):  # type: ignore[no-untyped-def]
+    """core's ``compose_loss`` with channels 2 and 3 on (weight 1) unless the test sets their weights (core's
+    defaults are 0)."""
+    if config is None:
+        options = {"alpha_sdpo": 1.0, "beta_replay": 1.0, **options}
+    return core_compose_loss(batch, config, **options)  # type: ignore[arg-type]
+
 
 D = torch.float64
 
@@ -108,26 +118,28 @@ def test_compose_loss_adds_the_nll_term_to_channel_3_and_normalises_by_pairs() -
         chosen_logps=r(2) - 5, rejected_logps=r(2) - 5, ref_chosen_logps=r(2) - 5, ref_rejected_logps=r(2) - 5,
         chosen_lengths=torch.tensor([2, 4]), rejected_lengths=torch.tensor([3, 3]),
     )  # fmt: skip
-    plain = compose_loss(b, beta_replay=1.0, alpha_sdpo=0.0, replay_normalizer=6.0)
-    rpo = compose_loss(b, beta_replay=1.0, alpha_sdpo=0.0, rpo_alpha=0.5, replay_normalizer=6.0)
+    plain = compose_loss(b, beta_replay=1.0, replay_normalizer=6.0)
+    rpo = compose_loss(b, beta_replay=1.0, rpo_alpha=0.5, replay_normalizer=6.0)
     assert b.chosen_logps is not None
     nll = float((-b.chosen_logps / torch.tensor([2.0, 4.0], dtype=D)).sum() / 6.0)
     assert float(rpo.replay) == pytest.approx(float(plain.replay) + 0.5 * nll, abs=1e-12)
-    simpo = compose_loss(b, beta_replay=1.0, alpha_sdpo=0.0, dpo_variant="simpo", rpo_alpha="0.5")
-    assert ComposeConfig.from_flat(dpo_variant="simpo", rpo_alpha="0.5").replay == SimPO(rpo_alpha=0.5)
-    base = compose_loss(b, beta_replay=1.0, alpha_sdpo=0.0, dpo_variant="simpo")
+    simpo = compose_loss(b, beta_replay=1.0, dpo_variant="simpo", rpo_alpha="0.5")
+    assert ComposeConfig.from_flat(dpo_variant="simpo", rpo_alpha="0.5", beta_replay=1).replay == SimPO(
+        rpo_alpha=0.5
+    )
+    base = compose_loss(b, beta_replay=1.0, dpo_variant="simpo")
     assert float(simpo.replay) == pytest.approx(float(base.replay) + 0.5 * nll * 6.0 / 2.0, abs=1e-12)
 
 
 def test_rpo_alpha_validation() -> None:
-    assert ComposeConfig.from_flat(rpo_alpha="0.5").replay == DPO(rpo_alpha=0.5)
-    assert ComposeConfig.from_flat(rpo_alpha=0.5).to_flat()["rpo_alpha"] == 0.5
+    assert ComposeConfig.from_flat(rpo_alpha="0.5", beta_replay=1).replay == DPO(rpo_alpha=0.5)
+    assert ComposeConfig.from_flat(rpo_alpha=0.5, beta_replay=1).to_flat()["rpo_alpha"] == 0.5
     with pytest.raises(ValueError, match="rpo_alpha"):
         DPO(rpo_alpha=-0.1)
     with pytest.raises(ValueError, match="rpo_alpha"):
         SimPO(rpo_alpha=-1.0)
     with pytest.raises(ValueError, match=r"`rpo_alpha`=0.5 acts only with channel 3 on \(beta_replay > 0"):
-        ComposeConfig.from_flat(rpo_alpha=0.5, beta_replay=0.0)
+        ComposeConfig.from_flat(rpo_alpha=0.5)
     with pytest.raises(ValueError, match=r"unknown option.*dpo_rpo_alpha"):
         ComposeConfig.from_flat(dpo_rpo_alpha=0.5)
     one = torch.ones(1, dtype=D)

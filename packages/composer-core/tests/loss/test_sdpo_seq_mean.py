@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from composer_core import ComposerBatch, compose_loss
+from composer_core import ComposerBatch
+from composer_core import compose_loss as core_compose_loss
+
+
+def compose_loss(batch: ComposerBatch, config: object = None, /, **options: object):  # type: ignore[no-untyped-def]
+    """core's ``compose_loss`` with channels 2 and 3 on (weight 1) unless the test sets their weights (core's
+    defaults are 0)."""
+    if config is None:
+        options = {"alpha_sdpo": 1.0, "beta_replay": 1.0, **options}
+    return core_compose_loss(batch, config, **options)  # type: ignore[arg-type]
+
 
 B, T, V, H = 4, 5, 11, 6
 D = torch.float64
@@ -35,11 +45,11 @@ def test_seq_mean_logits_equals_the_closed_form_over_all_rows(normalizer: float 
     zs = torch.randn(B, T, V, generator=g, dtype=D, requires_grad=True)
     zt = torch.randn(B, T, V, generator=g, dtype=D)
     b = _batch(g, student_logits=zs, teacher_logits=zt)
-    out = compose_loss(b, beta_replay=0.0, sdpo_form="full", sdpo_beta=0.0, sdpo_loss_agg="seq_mean",
+    out = compose_loss(b, sdpo_form="full", sdpo_beta=0.0, sdpo_loss_agg="seq_mean",
                        sdpo_normalizer=normalizer)  # fmt: skip
     ref = _seq_mean(_kl(torch.log_softmax(zt, -1), torch.log_softmax(zs, -1)), normalizer or B)
     torch.testing.assert_close(out.sdpo, ref, rtol=1e-12, atol=1e-14)
-    token_mean = compose_loss(b, beta_replay=0.0, sdpo_form="full", sdpo_beta=0.0).sdpo
+    token_mean = compose_loss(b, sdpo_form="full", sdpo_beta=0.0).sdpo
     assert not torch.allclose(token_mean, ref)  # the two aggregations differ on this mask
 
 
@@ -48,7 +58,7 @@ def test_seq_mean_sampled_and_topk_equal_their_closed_forms() -> None:
     zs = torch.randn(B, T, V, generator=g, dtype=D, requires_grad=True)
     zt = torch.randn(B, T, V, generator=g, dtype=D)
     b = _batch(g, student_logits=zs, teacher_logits=zt)
-    out = compose_loss(b, beta_replay=0.0, sdpo_form="topk", sdpo_topk=V, sdpo_topk_tail=False, sdpo_beta=0.0,
+    out = compose_loss(b, sdpo_form="topk", sdpo_topk=V, sdpo_topk_tail=False, sdpo_beta=0.0,
                        sdpo_loss_agg="seq_mean")  # fmt: skip
     ref = _seq_mean(
         _kl(torch.log_softmax(zt, -1), torch.log_softmax(zs, -1)), B
@@ -58,7 +68,7 @@ def test_seq_mean_sampled_and_topk_equal_their_closed_forms() -> None:
     lt = torch.randn(B, T, generator=g, dtype=D) - 2
     s = ComposerBatch(logprobs=ls, advantages=torch.zeros(B, dtype=D), completion_mask=torch.ones(B, T),
                       sdpo_mask=MASK, teacher_logprobs=lt)  # fmt: skip
-    out = compose_loss(s, beta_replay=0.0, sdpo_form="sampled", sdpo_loss_agg="seq_mean")
+    out = compose_loss(s, sdpo_form="sampled", sdpo_loss_agg="seq_mean")
     torch.testing.assert_close(out.sdpo, _seq_mean(ls.detach() - lt, B), rtol=1e-12, atol=1e-14)
 
 
@@ -75,14 +85,12 @@ def test_seq_mean_fused_with_a_teacher_head_of_its_own_gradchecks() -> None:
     def fused(hs_: torch.Tensor, w_: torch.Tensor) -> torch.Tensor:
         b = _batch(g, student_hidden=hs_, teacher_hidden=ht, lm_head_weight=w_, teacher_lm_head_weight=wt,
                    teacher_lm_head_bias=bt)  # fmt: skip
-        out = compose_loss(b, beta_replay=0.0, sdpo_form="full", sdpo_beta=0.3, sdpo_loss_agg="seq_mean")
+        out = compose_loss(b, sdpo_form="full", sdpo_beta=0.3, sdpo_loss_agg="seq_mean")
         assert out.sdpo is not None
         return out.sdpo
 
     logits = _batch(g, student_logits=hs @ w.T, teacher_logits=(ht @ wt.T + bt).detach())
-    ref = compose_loss(
-        logits, beta_replay=0.0, sdpo_form="full", sdpo_beta=0.3, sdpo_loss_agg="seq_mean"
-    ).sdpo
+    ref = compose_loss(logits, sdpo_form="full", sdpo_beta=0.3, sdpo_loss_agg="seq_mean").sdpo
     torch.testing.assert_close(fused(hs, w), ref, rtol=1e-10, atol=1e-12)
     assert torch.autograd.gradcheck(fused, (hs, w), eps=1e-6, atol=1e-6)
     fused(hs, w).backward()

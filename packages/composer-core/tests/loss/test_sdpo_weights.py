@@ -14,22 +14,32 @@ import dataclasses
 
 import pytest
 import torch
-from composer_core import ComposerBatch, compose_loss, generalized_jsd, topk_distill
+from composer_core import ComposerBatch, generalized_jsd, topk_distill
+from composer_core import compose_loss as core_compose_loss
 from composer_core.loss import compose as compose_module
 from composer_core.loss.config import ComposeConfig
 from composer_core.loss.distill import is_clip_weight
+
+
+def compose_loss(batch: ComposerBatch, config: object = None, /, **options: object):  # type: ignore[no-untyped-def]
+    """core's ``compose_loss`` with channels 2 and 3 on (weight 1) unless the test sets their weights (core's
+    defaults are 0)."""
+    if config is None:
+        options = {"alpha_sdpo": 1.0, "beta_replay": 1.0, **options}
+    return core_compose_loss(batch, config, **options)  # type: ignore[arg-type]
+
 
 D = torch.float64
 B, T, V, H = 3, 4, 7, 5
 
 
-def _batch(seed: int = 0) -> ComposerBatch:
+def _batch(seed: int = 0, *, pairs: bool = False) -> ComposerBatch:
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g, dtype=D)  # noqa: E731
     mask = torch.ones(B, T)
     mask[1, 2:] = 0
     logprobs = (r(B, T) - 1.5).requires_grad_(True)
-    return ComposerBatch(
+    b = ComposerBatch(
         logprobs=logprobs,
         advantages=r(B),
         completion_mask=mask,
@@ -42,11 +52,18 @@ def _batch(seed: int = 0) -> ComposerBatch:
         ref_chosen_logps=r(2),
         ref_rejected_logps=r(2),
     )
+    return (
+        b
+        if pairs
+        else dataclasses.replace(
+            b, chosen_logps=None, rejected_logps=None, ref_chosen_logps=None, ref_rejected_logps=None
+        )
+    )
 
 
 # ------------------------------------------------------------------------------------------------ w_policy
 def test_w_policy_weights_the_policy_term() -> None:
-    b = _batch()
+    b = _batch(pairs=True)
     one = compose_loss(b, alpha_sdpo=0.7, beta_replay=0.2)
     assert one.policy is not None and one.sdpo is not None and one.replay is not None
     for w in (0.25, 2.0):
@@ -60,13 +77,13 @@ def test_w_policy_weights_the_policy_term() -> None:
 
 def test_w_policy_zero_never_computes_the_policy_term(monkeypatch: pytest.MonkeyPatch) -> None:
     b = _batch()
-    ref = compose_loss(b, alpha_sdpo=0.5, beta_replay=0.0)
+    ref = compose_loss(b, alpha_sdpo=0.5)
 
     def boom(*a: object, **k: object) -> None:
         raise AssertionError("policy_loss called under w_policy=0")
 
     monkeypatch.setattr(compose_module, "policy_loss", boom)
-    r = compose_loss(b, w_policy=0.0, alpha_sdpo=0.5, beta_replay=0.0)
+    r = compose_loss(b, w_policy=0.0, alpha_sdpo=0.5)
     assert r.policy is None and r.sdpo is not None and ref.sdpo is not None
     assert torch.equal(r.sdpo, ref.sdpo) and torch.equal(r.total, 0.5 * ref.sdpo)
     assert r.metrics["policy/skipped"] == 1.0 and "loss/policy" not in r.metrics
@@ -86,7 +103,7 @@ def test_w_policy_zero_never_computes_the_policy_term(monkeypatch: pytest.Monkey
             {"w_policy": 0.0, "alpha_sdpo": 0.0, "beta_replay": 0.0},
             r"all 0: nothing to train; set w_policy=1",
         ),
-        ({"w_policy": 0.0, "kl_beta": 0.1}, r"`kl_beta`=0.1 is part of the policy term"),
+        ({"w_policy": 0.0, "alpha_sdpo": 1.0, "kl_beta": 0.1}, r"`kl_beta`=0.1 is part of the policy term"),
         ({"w_policy": -1.0}, r"`w_policy`=-1.0 must be a finite weight >= 0"),
         ({"w_policy": float("inf")}, r"`w_policy`=inf"),
     ],

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("openenv.core", reason="needs composer-core[openenv]")
 
-from composer_core.testing.env_server import EnvServerProcess
+from composer_testkit.env_server import EnvServerProcess
 
 MODES = {
     "ok": ("--n-tasks", "16"),

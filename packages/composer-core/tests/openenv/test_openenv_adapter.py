@@ -23,7 +23,7 @@ from composer_core.envs import (
 )
 from composer_core.envs.openenv import OpenEnvEnvironment, redact_url
 from composer_core.tasks.digit_reversal import feedback_hint, verify
-from composer_core.testing.env_server import free_port
+from composer_testkit.env_server import free_port
 
 
 def _replay(actions: Sequence[str]):

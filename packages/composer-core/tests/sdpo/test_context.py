@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from composer_core.sdpo import TeacherContextOptions, build_teacher_contexts, cap_reprompt, remove_thinking
 from composer_core.testing.conformance import ConformanceError
-from composer_core.testing.teacher_context import check_teacher_context
+from composer_testkit.teacher_context import check_teacher_context
 
 
 def _opts(source: str = "success", **kw: object) -> TeacherContextOptions:

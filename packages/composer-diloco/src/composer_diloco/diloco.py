@@ -178,22 +178,10 @@ def build_diloco(
             "inner_optimizer does not optimise every model parameter; DiLoCo would sync parameters "
             "that never move. Build the inner optimiser over model.parameters()."
         )
-    outer = (
-        list(outer_optimizers) if outer_optimizers is not None else make_outer_optimizers(fragments, config)
-    )
+    outer = make_outer_optimizers(fragments, config) if outer_optimizers is None else list(outer_optimizers)
     if len(outer) != len(fragments):
         raise ValueError(f"need one outer optimiser per fragment ({len(fragments)}), got {len(outer)}.")
-    return DiLoCo(
-        manager,
-        fragments,
-        inner_optimizer,
-        outer,
-        sync_every=config.sync_every,
-        backup_device=torch.device(config.backup_device) if config.backup_device else None,
-        pin_memory=config.pin_memory,
-        use_bucketization=config.use_bucketization,
-        bucket_cap_mb=config.bucket_cap_mb,
-        should_quantize=config.should_quantize,
-        fragment_sync_delay=config.fragment_sync_delay,
-        fragment_update_alpha=config.fragment_update_alpha,
-    )
+    passed = ("sync_every", "pin_memory", "use_bucketization", "bucket_cap_mb", "should_quantize")
+    kw = {k: getattr(config, k) for k in (*passed, "fragment_sync_delay", "fragment_update_alpha")}
+    backup = torch.device(config.backup_device) if config.backup_device else None
+    return DiLoCo(manager, fragments, inner_optimizer, outer, backup_device=backup, **kw)

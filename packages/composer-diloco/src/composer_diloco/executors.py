@@ -106,12 +106,9 @@ class ReplicaProcess:
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in finish())
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.started = time.monotonic()
+        cmd = [sys.executable, "-m", "composer_diloco._worker", str(spec_path)]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "composer_diloco._worker", str(spec_path)],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=full_env,
-            start_new_session=True,
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
         )
 
     def log_text(self) -> str:
@@ -143,15 +140,8 @@ class ReplicaProcess:
             import torch
 
             value = torch.load(self.result_path, weights_only=True)
-        return ReplicaResult(
-            rank=self.rank,
-            exit_code=code,
-            value=value,
-            log_tail=self.log_text()[-LOG_TAIL_CHARS:],
-            log_path=str(self.log_path),
-            seconds=time.monotonic() - self.started,
-            finished=finished,
-        )
+        tail, seconds = self.log_text()[-LOG_TAIL_CHARS:], time.monotonic() - self.started
+        return ReplicaResult(self.rank, code, value, tail, str(self.log_path), seconds, finished)
 
 
 def make_workdir(workdir: str | os.PathLike[str] | None, prefix: str) -> Path:
@@ -164,6 +154,10 @@ def finish_all(procs: Sequence[ReplicaProcess], timeout_s: float | None, check: 
     """Wait for ``procs`` within ``timeout_s`` in all; raise :class:`ReplicaFailedError` if ``check`` and one failed."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     results = [p.finish(None if deadline is None else max(0.1, deadline - time.monotonic())) for p in procs]
+    return _checked(results, check)
+
+
+def _checked(results: list[ReplicaResult], check: bool) -> list[ReplicaResult]:
     if check and not all(r.ok for r in results):
         raise ReplicaFailedError(results)
     return results
@@ -268,6 +262,4 @@ class RayExecutor:
             except ray.exceptions.RayError as exc:  # the worker process died
                 code, value, log = -1, None, str(exc)[-LOG_TAIL_CHARS:]
             results.append(ReplicaResult(rank, code, value, log, None, time.monotonic() - start))
-        if self.check and not all(r.ok for r in results):
-            raise ReplicaFailedError(results)
-        return results
+        return _checked(results, self.check)

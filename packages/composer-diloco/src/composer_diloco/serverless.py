@@ -35,17 +35,13 @@ def run_serverless(
     clash = {"url", "run_id", "rank", "world_size", "storage_options"} & set(common)
     if clash:
         raise ValueError(f"kwargs sets {sorted(clash)}; run_serverless provides them.")
-    replica_kwargs = [
-        {
-            **common,
-            "url": url,
-            "run_id": run_id,
-            "rank": r,
-            "world_size": world_size,
-            "storage_options": dict(storage_options or {}),
-        }
-        for r in range(world_size)
-    ]
+    fixed = {
+        "url": url,
+        "run_id": run_id,
+        "world_size": world_size,
+        "storage_options": dict(storage_options or {}),
+    }
+    replica_kwargs = [{**common, **fixed, "rank": r} for r in range(world_size)]
     try:
         return executor.run(target, replica_kwargs, timeout_s=timeout_s)
     finally:

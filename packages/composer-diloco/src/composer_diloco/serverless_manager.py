@@ -114,7 +114,7 @@ class ObjectStoreManager:
             raise ValueError(f"reduce_op must be ReduceOp.AVG or ReduceOp.SUM, got {reduce_op}.")
         if self._exchange is not None:
             raise RuntimeError(
-                "allreduce after this round's exchange started; queue all tensors of a round first."
+                "allreduce after this round's exchange started; queue a round's tensors first."
             )
         work = _RoundWork(self)
         self._pending.append((tensor, bool(should_quantize), reduce_op, work))

@@ -108,16 +108,9 @@ def run_toy(
             time.sleep(step_sleep_s)
 
     try:
+        batches = toy_batches(seed, rank)
         stats = train_diloco(
-            model,
-            opt,
-            manager,
-            config,
-            toy_batches(seed, rank),
-            _mse,
-            max_syncs=max_syncs,
-            progress=False,
-            on_step=on_step,
+            model, opt, manager, config, batches, _mse, max_syncs=max_syncs, progress=False, on_step=on_step
         )
     finally:
         cleanup()

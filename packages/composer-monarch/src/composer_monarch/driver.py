@@ -75,9 +75,7 @@ class LoopConfig:
                 raise ValueError(f"LoopConfig.{name}={getattr(self, name)}: must be ≥ 1")
         for name in ("call_timeout_s", "start_timeout_s", "stop_timeout_s"):
             if not 0 < getattr(self, name) < math.inf:
-                raise ValueError(
-                    f"LoopConfig.{name}={getattr(self, name)}: must be a positive number of seconds"
-                )
+                raise ValueError(f"LoopConfig.{name}={getattr(self, name)}: must be > 0 seconds")
         if self.weight_transport not in TRANSPORTS:
             raise ValueError(
                 f"LoopConfig.weight_transport={self.weight_transport!r}: use one of {list(TRANSPORTS)}"
@@ -310,9 +308,7 @@ class ComposerDriver:
                     ctx, sdpo_rows = self.task.hinted_prompts(
                         ro.prompt_ids, ro.completion_ids, ro.completion_mask
                     )
-                    cap = (
-                        self.teacher_context.max_reprompt_len
-                    )  # each row's last tokens, as cap_reprompt keeps
+                    cap = self.teacher_context.max_reprompt_len  # keep each row's last tokens (cap_reprompt)
                     ctx = ctx if cap is None else ctx[:, -cap:]
                 if bool(sdpo_rows.any()):  # else no row has a hint/context: channel 2 is skipped this step
                     key = f"{step}-{uuid.uuid4().hex[:8]}"  # the logits stay on the teacher for the trainer

@@ -1,25 +1,21 @@
 """The composer objective as a TorchForge loss: ``loss(logits, **targets) -> Tensor``.
 
-TorchForge's ``TitanTrainer(loss=...)`` calls ``self.loss(logits, **targets)`` with the targets its
-``collate`` builds: ``response`` [b, s], ``ref_logprobs`` [b, s], ``advantages`` [b, 1] and
-``padding_mask`` [b, s] (``apps/grpo/main.py``). :class:`ComposerLoss` accepts exactly those, so it is
-a drop-in for ``simple_grpo_loss``, and takes optional extra targets that switch on composer's two
-other channels:
-
-total = policy(GRPO family)  +  α · SDPO(student ‖ hinted teacher)  +  β · DPO/SimPO(replay pairs)
-
-(see ``composer_core.loss.compose.compose_loss``; SDPO: Hübotter et al. 2026, DPO: Rafailov et al. 2023,
-SimPO: Meng et al. 2024). The bare ``ComposerLoss()`` is TorchForge's GRPO loss (``simple_grpo_loss``,
-DeepSeekMath arXiv 2402.03300 with the k3 KL of Schulman's estimator note), the defaults in
-:data:`FORGE_DEFAULTS`; per token, with ℓ = log softmax(logits / τ)[response] and r = ref_logprobs:
+TorchForge's ``TitanTrainer(loss=...)`` calls ``self.loss(logits, **targets)`` with its ``collate``'s targets
+``response`` [b, s], ``ref_logprobs`` [b, s], ``advantages`` [b, 1] and ``padding_mask`` [b, s]; :class:`ComposerLoss`
+takes exactly those (a drop-in for ``simple_grpo_loss``) and optional extra targets (:data:`TARGETS`) that switch
+on composer's other channels: total = policy (GRPO family) + α · SDPO(student ‖ hinted teacher) + β ·
+DPO/SimPO(replay pairs) (``composer_core.loss.compose.compose_loss``; SDPO: Hübotter et al. 2026, DPO: Rafailov
+et al. 2023, SimPO: Meng et al. 2024). The bare ``ComposerLoss()`` is TorchForge's GRPO loss (DeepSeekMath arXiv
+2402.03300, k3 KL of Schulman's estimator note; :data:`FORGE_DEFAULTS`); per token, with ℓ = log
+softmax(logits / τ)[response] and r = ref_logprobs:
 
     L_t = −(exp(ℓ − sg ℓ)·A − β·(exp(r − ℓ) − (r − ℓ) − 1)),   β = 0.1
     loss = mean_rows( Σ_t L_t·mask / max(Σ_t mask, 1) )        (per-sequence mean, then batch mean)
 
-Shapes: logits [R, P+s, V] (or [R, s, V] with ``align=False``), response/mask/ref [R, s], A [R, 1]. Channel-3 pairs ride in the same forward pass as extra rows: ``chosen_rows``
-and ``rejected_rows`` index rows of the batch whose ``response`` is the chosen / rejected completion;
-those rows are left out of channels 1 and 2. Their summed log-probabilities are the DPO/SimPO
-inputs, and the reference model's come from the same rows of ``ref_logprobs``.
+Shapes: logits [R, P+s, V] (or [R, s, V] with ``align=False``), response/mask/ref [R, s], A [R, 1]. Channel-3
+pairs ride in the same forward pass as extra rows (``chosen_rows`` / ``rejected_rows``, left out of channels 1
+and 2); their summed log-probs, and the reference's from the same rows of ``ref_logprobs``, are the DPO/SimPO
+inputs.
 """
 
 from __future__ import annotations
@@ -51,8 +47,7 @@ TARGETS: dict[str, str] = {
 }
 
 
-#: Options in which the bare constructor differs from ``compose_loss``'s defaults, so that
-#: ``ComposerLoss()`` is TorchForge's ``simple_grpo_loss``: per-sequence mean (``"grpo"``), k3 KL, β = 0.1.
+#: Where ``ComposerLoss()`` differs from ``compose_loss``'s defaults to be TorchForge's ``simple_grpo_loss``.
 FORGE_DEFAULTS: dict[str, Any] = {"loss_type": "grpo", "kl_beta": 0.1, "kl_estimator": "k3"}
 
 
@@ -66,13 +61,8 @@ class ComposerLoss:
         temperature: logits are divided by it before the log-softmax (match the sampler's), in the
             logits' dtype and then upcast to float32, in TorchForge's order (``compute_logprobs``).
         **options: any keyword of ``composer_core.compose_loss`` (``alpha_sdpo``, ``beta_replay``,
-            ``loss_type``, ``epsilon_low``, ``kl_beta``, ``sdpo_beta``, ``dpo_variant`` …). Unset,
-            ``loss_type``, ``kl_beta`` and ``kl_estimator`` take :data:`FORGE_DEFAULTS` (TorchForge's
-            GRPO: ``"grpo"``, 0.1, ``"k3"``), the rest ``compose_loss``'s defaults. So the bare
-            ``ComposerLoss()`` is a drop-in for ``simple_grpo_loss`` (with TorchForge's targets only,
-            channels 2 and 3 have no inputs and are skipped); ``kl_beta=0.0`` turns the KL term off.
-            ``w_policy`` weighs channel 1 (``total = w_policy·policy + α·sdpo + β·replay``); ``w_policy=0`` is
-            pure self-distillation: the policy term is not computed and the KL defaults are not applied.
+            ``loss_type``, ``kl_beta``, ``sdpo_beta``, ``dpo_variant`` …); unset, :data:`FORGE_DEFAULTS`, then
+            ``compose_loss``'s. ``w_policy=0`` is pure self-distillation: no policy term, no KL defaults.
 
     After each call ``last_result`` holds the ``ComposeResult`` (per-channel losses and metrics).
     """
@@ -82,11 +72,9 @@ class ComposerLoss:
             raise ValueError(f"temperature={temperature}: must be > 0")
         self.align = align
         self.temperature = float(temperature)
-        # w_policy=0 (pure self-distillation) computes no policy term, so TorchForge's KL default does not apply
         pure = "w_policy" in options and coerce_option("w_policy", options["w_policy"]) == 0
         defaults = {k: v for k, v in FORGE_DEFAULTS.items() if not (pure and k.startswith("kl_"))}
         self.options = {**defaults, **options}
-        # composer_core's typed config, built (and validated) once here; the per-call normalisers stay apart
         self.normalizers = {k: self.options[k] for k in PER_CALL if k in self.options}
         try:
             self.config = ComposeConfig.from_flat(
@@ -206,9 +194,7 @@ class ComposerLoss:
         else:
             policy_rows = policy_rows.to(device=device, dtype=torch.bool).reshape(-1)
             if policy_rows.numel() != rows:
-                raise ValueError(
-                    f"policy_rows has {policy_rows.numel()} entries; expected one per row ({rows})"
-                )
+                raise ValueError(f"policy_rows has {policy_rows.numel()} entries; need one per row ({rows})")
         if not bool(policy_rows.any()):
             raise ValueError("policy_rows selects no row: channel 1 needs at least one sampled completion")
         return policy_rows, chosen, rejected

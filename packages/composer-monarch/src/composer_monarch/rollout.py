@@ -152,16 +152,6 @@ def assemble_batch(
             f"({rewards.shape[0]},)"
         )
     adv = group_advantages(rewards, rollout.group_size, scale=advantage_scale)  # type: ignore[arg-type]
-    return TrainBatch(
-        step=rollout.step,
-        prompt_ids=rollout.prompt_ids,
-        completion_ids=rollout.completion_ids,
-        completion_mask=rollout.completion_mask,
-        advantages=adv,
-        inference_logprobs=rollout.inference_logprobs,
-        rewards=rewards,
-        policy_version=rollout.policy_version,
-        pairs=pairs,
-        sdpo_rows=None if sdpo_rows is None else sdpo_rows.bool(),
-        teacher_key=teacher_key,
-    )
+    r, rows = rollout, None if sdpo_rows is None else sdpo_rows.bool()
+    sampled = (r.step, r.prompt_ids, r.completion_ids, r.completion_mask, adv, r.inference_logprobs, rewards)
+    return TrainBatch(*sampled, r.policy_version, pairs=pairs, sdpo_rows=rows, teacher_key=teacher_key)

@@ -152,6 +152,11 @@ class EnvBoundTask:
             raise ValueError(f"n_tasks={n_tasks}: need at least one task")
         self.spec, self.codec, self.n_tasks, self.seed = env, codec or ReverseDigits(), n_tasks, seed
         self.env_kwargs, self.timeout_s = dict(env_kwargs or {}), timeout_s
+        self.vocab_size, self.pad_id, self.eos_id = (
+            self.codec.vocab_size,
+            self.codec.pad_id,
+            self.codec.eos_id,
+        )
         self._scorer: Any = None
         self._by_prompt: dict[str, str] = {}
         self._ids = torch.empty(0, dtype=torch.long)
@@ -172,9 +177,7 @@ class EnvBoundTask:
             prompts = [self._prompt_text(t) for t in tasks]
             self._by_prompt = {p: t.task_id for p, t in zip(prompts, tasks)}
             if len({len(p) for p in prompts}) != 1:
-                raise ValueError(
-                    f"env {self.spec!r}: prompts of different lengths; the loop does not left-pad"
-                )
+                raise ValueError(f"env {self.spec!r}: prompts differ in length; the loop does not left-pad")
             # every prompt is in the codec's vocabulary (encode raises naming the characters)
             self._ids = torch.tensor([rules.encode(p) for p in prompts], dtype=torch.long)
             refs = [t.reference for t in tasks if t.reference is not None]
@@ -186,22 +189,8 @@ class EnvBoundTask:
 
         messages = prompt_messages(task)
         if len(messages) != 1 or messages[0].role != "user":
-            raise ValueError(
-                f"env {self.spec!r}: task {task.task_id!r} has a chat prompt; need one text prompt"
-            )
+            raise ValueError(f"env {self.spec!r}: task {task.task_id!r} has a chat prompt, need text")
         return str(messages[0].text)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.codec.vocab_size
-
-    @property
-    def pad_id(self) -> int:
-        return self.codec.pad_id
-
-    @property
-    def eos_id(self) -> int:
-        return self.codec.eos_id
 
     @property
     def max_new_tokens(self) -> int:
@@ -232,8 +221,6 @@ class EnvBoundTask:
             hints.append(fb if fb and fb.strip() else None)
         lengths = {len(h) for h in hints if h is not None}
         if len(lengths) > 1:
-            raise ValueError(
-                f"env {self.spec!r}: feedback of lengths {sorted(lengths)} in one batch; need one"
-            )
+            raise ValueError(f"env {self.spec!r}: feedback lengths {sorted(lengths)} in one batch; need one")
         width = lengths.pop() if lengths else self._answer_len + 1
         return _hint_rows(texts, hints, "." * (width - 1) + "|", rules.encode)

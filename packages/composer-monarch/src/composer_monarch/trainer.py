@@ -175,9 +175,7 @@ class PolicyTrainer:
     def load_state(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state` (e.g. to replay a step in-process, or resume)."""
         if missing := {"version", "model", "optimizer"} - set(state):
-            raise ValueError(
-                f"trainer state lacks {sorted(missing)}: pass what PolicyTrainer.state() returned"
-            )
+            raise ValueError(f"trainer state lacks {sorted(missing)}: pass PolicyTrainer.state()'s result")
         self.model.load_state_dict(state["model"], strict=True)
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])

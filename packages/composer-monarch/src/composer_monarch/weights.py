@@ -176,8 +176,6 @@ class WeightReceiver:
     def load(self, layout: WeightLayout, flat: Tensor) -> int:
         """Load a packed buffer sent in a message; returns its bytes."""
         if flat.dtype != torch.uint8 or flat.numel() != layout.nbytes:
-            raise ValueError(
-                f"{self.who}: packed weights of {flat.numel()} bytes, layout says {layout.nbytes}"
-            )
+            raise ValueError(f"{self.who}: {flat.numel()} packed weight bytes, layout says {layout.nbytes}")
         unpack_into(self.model, layout, flat, self.who)
         return layout.nbytes

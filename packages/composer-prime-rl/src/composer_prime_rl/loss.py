@@ -32,178 +32,35 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import weakref
 from collections.abc import Callable
-from typing import Any, NamedTuple, NoReturn, cast
+from typing import Any, NamedTuple, cast
 
 import torch
+from composer_core.loss.compose import weighted_total
 from composer_core.loss.distill import full_precision, sampled_token_distill
 from composer_core.loss.policy import clipped_surrogate_from_ratio
-from composer_core.loss.validation import host_reads_are_free as _host_reads_are_free
 from composer_core.loss.validation import value_checks
 from torch import Tensor
 
-from composer_prime_rl.contract import LossInputs, LossOutputs, read_ref_logprobs
+from composer_prime_rl.contract import LossInputs, LossOutputs
+from composer_prime_rl.inputs import (
+    _as,
+    _bits,
+    _bool_mask,
+    _check,
+    _fields,
+    _keep,
+    _read,
+    _Sample,
+    _Suspect,
+    _vectorised,
+    _zero,
+    finite_on_host,
+)
 from composer_prime_rl.options import PrimeRLLossOptions, parse_options
 
 __all__ = ["composer_loss"]
-
-
-class _Sample(NamedTuple):
-    """The fields of a packed micro-batch (or of one sample), detached and zeroed outside ``mask`` (no NaN/inf
-    reaches the loss or its gradient); under fresh masks (:class:`_Unmasked`) every token, nothing zeroed."""
-
-    logprobs: Tensor
-    inference_logprobs: Tensor
-    ref_logprobs: Tensor | None
-    advantages: Tensor
-    mask: Tensor
-    weights: Tensor | None
-    # bool per token: ref_logprobs != 0 (a sample of zeros is PRIME-RL's fill); None without ref_logprobs
-    ref_nonzero: Tensor | None
-
-
-class _Suspect(NamedTuple):
-    """A packed value check failed (CPU): each sample rechecks its own slice, so the error names the sample
-    holding the bad value and a clean sample still trains."""
-
-    raw_mask: Tensor
-    mask: Tensor
-    named: dict[str, Tensor]
-    kept: Tensor
-
-
-def _tensor(name: str, value: Any, length: int | None, *, floating: bool = True) -> Tensor:
-    """A 1-D tensor field of ``length`` tokens (any length when None), floating-point unless ``floating``."""
-    if not isinstance(value, Tensor):
-        raise ValueError(f"LossInputs.{name} must be a torch.Tensor, got {type(value).__name__}.")
-    if value.dim() != 1:
-        raise ValueError(
-            f"LossInputs.{name} must be 1-D (one sample's tokens; PRIME-RL calls the loss once per "
-            f"sample), got shape {tuple(value.shape)}."
-        )
-    if length is not None and value.shape[0] != length:
-        raise ValueError(
-            f"LossInputs.{name} has {value.shape[0]} tokens but trainer_logprobs has {length}; "
-            "every per-token field must have the same length."
-        )
-    if floating and not value.is_floating_point():
-        raise ValueError(f"LossInputs.{name} must be a floating-point tensor, got {value.dtype}.")
-    return value
-
-
-def _fields(inputs: Any, opts: PrimeRLLossOptions) -> tuple[Tensor, dict[str, Tensor]]:
-    """Structural checks (no tensor values read): (raw mask, the float fields by name, trainer log-probs first,
-    ref_logprobs last when channel 2 reads them)."""
-    n = _tensor("trainer_logprobs", getattr(inputs, "trainer_logprobs", None), None).shape[0]
-    names = ("trainer_logprobs", "inference_logprobs", "advantages")
-    named = {name: _tensor(name, getattr(inputs, name, None), n) for name in names}
-    raw_mask = _tensor("loss_mask", getattr(inputs, "loss_mask", None), n, floating=False)
-    ref = read_ref_logprobs(inputs)
-    # loss_weights: absent before PRIME-RL 0be5ac45 (None = 1.0)
-    optional = {
-        "loss_weights": getattr(inputs, "loss_weights", None),
-        "ref_logprobs": ref if opts.alpha_sdpo else None,
-    }
-    named |= {name: _tensor(name, value, n) for name, value in optional.items() if value is not None}
-    return raw_mask, named
-
-
-_NOT_BOOLEAN = "LossInputs.loss_mask must be boolean (or 0/1); it has other values."
-_NON_FINITE = (
-    "LossInputs.{name} has NaN or inf on tokens selected by loss_mask; fix the producer of this field "
-    "(values outside loss_mask are ignored)."
-)
-_OVERFLOW = (
-    "LossInputs fields are finite but so large that their sum over loss_mask overflows {dtype}; check the "
-    "advantages' scale (values outside loss_mask are ignored)."
-)
-
-
-def _raise_bad_values(binary: Tensor | None, mask: Tensor, named: dict[str, Tensor]) -> NoReturn:
-    """The fused check failed: name the first culprit (extra reads only on this error path)."""
-    if binary is not None and not bool(binary):
-        raise ValueError(_NOT_BOOLEAN)
-    for name, t in named.items():
-        if not bool((torch.isfinite(t) | ~mask).all()):
-            raise ValueError(_NON_FINITE.format(name=name))
-    raise ValueError(_OVERFLOW.format(dtype=named["trainer_logprobs"].dtype))
-
-
-def _passes(total: Tensor, binary: Tensor | None, named: dict[str, Tensor], kept: Tensor) -> bool:
-    """Whether every value check passes: ``total`` (the sum of every kept value) is non-finite exactly when a
-    selected token holds NaN/±inf (or the sum overflows); ``binary``: whether a non-bool mask is 0/1 (None for a
-    bool mask). On CPU one host read; on an accelerator True, after queueing one asynchronous device assert per
-    field (no host sync), which fails at the next synchronisation with the message naming the field."""
-    if _host_reads_are_free(kept.device):
-        if binary is not None:  # one read either way: a non-binary mask turns the total into NaN
-            total = torch.where(binary, total, math.nan)
-        return math.isfinite(total.item())
-    # x − x is 0 for a finite x and NaN for NaN/±inf: a field's row sums to 0 exactly when its kept values are finite
-    ok = total.sub(total).eq(0)
-    if binary is not None:
-        ok &= binary
-    finite = kept.sub(kept).sum(dim=1).eq(0)  # per field, exact (kept is 0 outside the mask)
-    for flag, name in zip(finite.unbind(), named, strict=True):
-        torch._assert_async(flag, _NON_FINITE.format(name=name))
-    if binary is not None:
-        torch._assert_async(binary, _NOT_BOOLEAN)
-    torch._assert_async(ok, _OVERFLOW.format(dtype=kept.dtype))
-    return True
-
-
-def _bool_mask(raw_mask: Tensor, device: torch.device) -> Tensor:
-    """The mask as bool on ``device`` (itself when it already is)."""
-    return (raw_mask if raw_mask.dtype == torch.bool else raw_mask != 0).to(device)
-
-
-def _check(kept: Tensor, raw_mask: Tensor, mask: Tensor, named: dict[str, Tensor]) -> None:
-    """One sample's value checks (:func:`_passes`) on its fields ``kept`` [F, n] (zeroed outside ``mask``)."""
-    binary = _binary(raw_mask, kept.device)
-    if not _passes(kept.sum(), binary, named, kept):
-        _raise_bad_values(binary, mask, named)
-
-
-def _binary(raw_mask: Tensor, device: torch.device) -> Tensor | None:
-    """Whether a non-bool mask holds only 0 and 1 (0-dim bool on ``device``; None for a bool mask)."""
-    return None if raw_mask.dtype == torch.bool else ((raw_mask == 0) | (raw_mask == 1)).all().to(device)
-
-
-def _as_sample(named: dict[str, Tensor], kept: Tensor, mask: Tensor, stacked: Tensor) -> _Sample:
-    """The fields ``kept`` [F, N] by name. PRIME-RL's packer fills ref_logprobs with 0.0 when a sample has none
-    but a neighbour in its micro-batch has some: that is no teacher, so channel 2 is skipped for such a sample
-    (decided per sample from its count of ``ref_nonzero`` flags, with no branch on tensor values)."""
-    by_name = dict(zip(named, kept.unbind(0), strict=True))
-    return _Sample(
-        logprobs=by_name["trainer_logprobs"],
-        inference_logprobs=by_name["inference_logprobs"],
-        ref_logprobs=by_name.get("ref_logprobs"),
-        advantages=by_name["advantages"],
-        mask=mask,
-        weights=by_name.get("loss_weights"),
-        ref_nonzero=stacked[-1] != 0 if "ref_logprobs" in named else None,
-    )
-
-
-def _read(raw_mask: Tensor | None, named: dict[str, Tensor]) -> tuple[_Sample, Tensor, _Suspect | None]:
-    """(the sample, the stacked fields [F, N], the suspect: None when the fused check (:func:`_passes`) passed).
-    ``raw_mask`` None (fresh masks, :class:`_Unmasked`): every token, nothing zeroed nor checked yet."""
-    logprobs = named[
-        "trainer_logprobs"
-    ]  # [F, N] every field in its dtype and device, detached (a new tensor)
-    stacked = torch.stack([_as(t, logprobs.device, logprobs.dtype) for t in named.values()])
-    if raw_mask is None:
-        every = torch.ones(stacked.shape[1], dtype=torch.bool, device=stacked.device)
-        return _as_sample(named, stacked, every, stacked), stacked, None
-    mask = _bool_mask(raw_mask, stacked.device)
-    kept = _keep(mask, stacked)  # every field detached, zeroed outside the mask
-    passed = _passes(kept.sum(), _binary(raw_mask, stacked.device), named, kept)
-    return (
-        _as_sample(named, kept, mask, stacked),
-        stacked,
-        None if passed else _Suspect(raw_mask, mask, named, kept),
-    )
 
 
 def _own_mask(unmasked: _Unmasked, raw_mask: Tensor, named: dict[str, Tensor], start: int) -> Tensor:
@@ -213,34 +70,6 @@ def _own_mask(unmasked: _Unmasked, raw_mask: Tensor, named: dict[str, Tensor], s
     if not (unmasked.clean and raw_mask.dtype == torch.bool):
         _check(_keep(mask, stacked[:, start : start + mask.shape[0]]), raw_mask, mask, named)
     return mask
-
-
-# torch.where's CPU kernel is a scalar loop: from this many tokens on its vectorised equivalents win
-VECTORISED_FROM = 16384
-# An integer dtype of each float dtype's width: a float's bits ANDed with 0 or all ones is +0.0 or itself.
-_BITS = {
-    torch.float64: torch.int64,
-    torch.float32: torch.int32,
-    torch.bfloat16: torch.int16,
-    torch.float16: torch.int16,
-}
-
-
-def _vectorised(mask: Tensor) -> bool:
-    return mask.device.type == "cpu" and mask.shape[-1] >= VECTORISED_FROM
-
-
-def _keep(mask: Tensor, x: Tensor) -> Tensor:
-    """``torch.where(mask, x, 0)``, exact for NaN/inf outside the mask: on many tokens a bitwise AND of the bits."""
-    ints = _BITS.get(x.dtype)
-    if ints is None or not _vectorised(mask):
-        return torch.where(mask, x, _zero(x))
-    return (x.view(ints) & mask.to(ints).neg_()).view(x.dtype)
-
-
-def _as(t: Tensor, device: torch.device, dtype: torch.dtype) -> Tensor:
-    """``t`` on ``device`` in ``dtype`` (itself when it already is: no dispatch)."""
-    return t if t.dtype == dtype and t.device == device else t.to(device=device, dtype=dtype)
 
 
 # A metric is Σ_t where·value / max(Σ_t den, 1) over one sample's tokens: (value, where, denominator) columns by
@@ -271,16 +100,19 @@ def _policy_terms(s: _Sample, opts: PrimeRLLossOptions) -> tuple[Tensor, Tensor,
     log_ratio = s.logprobs - s.inference_logprobs  # 0 outside the mask (both zeroed)
     ratio = torch.exp(log_ratio)
     mismatch_kl = ratio - log_ratio - 1.0  # k3 estimate of KL(π_inf‖π_train)
+    policy = opts.config.policy
     if opts.policy_loss == "clipped_surrogate":
-        eps_lo = float(opts.epsilon_low)
-        eps_hi = eps_lo if opts.epsilon_high is None else float(opts.epsilon_high)
-        per_token, is_clipped = clipped_surrogate_from_ratio(ratio, s.advantages, eps_lo, eps_hi, opts.delta)
-        grad = _clipped_grad(ratio, s.advantages, eps_lo, eps_hi, opts.delta)
+        eps_lo, eps_hi = policy.epsilons
+        per_token, is_clipped = clipped_surrogate_from_ratio(
+            ratio, s.advantages, eps_lo, eps_hi, policy.delta
+        )
+        grad = _clipped_grad(ratio, s.advantages, eps_lo, eps_hi, policy.delta)
         return per_token, grad, {"clipped": is_clipped, "mismatch_kl": mismatch_kl}
 
     # DPPO (composer_core.loss.policy.dppo_loss, PRIME-RL's default_loss_fn). |Δp| < 1, so a bound above 1 masks
-    # nothing. L = c·ρ + κ·δ² with c = −adv_tau·A on kept tokens (0 on dropped ones), so ∂L/∂ℓ = c·ρ + 2κ·δ.
-    low, high = min(opts.dppo_mask_low, 1.0), min(opts.dppo_mask_high, 1.0)
+    # nothing (options.py reads one as 1). L = c·ρ + κ·δ² with c = −adv_tau·A on kept tokens (0 on dropped ones), so
+    # ∂L/∂ℓ = c·ρ + 2κ·δ.
+    low, high = policy.dppo_mask_low, policy.dppo_mask_high
     prob_diff = torch.exp(s.logprobs).sub_(torch.exp(s.inference_logprobs))  # Δp
     positive, negative = s.advantages > 0, s.advantages < 0
     if _vectorised(s.mask):
@@ -325,7 +157,7 @@ def _sdpo_terms(s: _Sample, opts: PrimeRLLossOptions) -> Tensor:
     with value_checks(enabled=False):
         return sampled_token_distill(
             s.logprobs[None], s.ref_logprobs[None], s.mask[None], old_logprobs=s.inference_logprobs[None],
-            is_clip=opts.sdpo_token_clip, reduction="none",
+            is_clip=opts.config.sdpo.token_clip, reduction="none",
         )[0]  # fmt: skip
 
 
@@ -425,24 +257,27 @@ def _pack(
 ) -> _Packed:
     """Every per-token column and gradient over the given tensors; ``raw_mask`` None: :class:`_Unmasked`."""
     s, stacked, suspect = _read(raw_mask, named)
+    cfg = opts.config
     policy, grad, cols = _policy_terms(s, opts)
     w = s.weights
     cols["mask"] = s.mask
     cols["composer/loss/policy"] = policy if w is None else policy * w
-    if opts.w_policy != 1.0:  # the weighted policy term is the loss of a sample without a teacher
-        grad = grad * opts.w_policy
-        policy = policy * opts.w_policy
-        cols["weighted_policy"] = policy if w is None else policy * w
-    grads = [grad]
-    if opts.alpha_sdpo > 0 and s.ref_logprobs is not None:
+    # core's weighted_total weights the channels, per token: their values and their derivatives (a sample sums the
+    # channels it has: channel 2 only with a teacher, see _Packed)
+    weights = (cfg.alpha_sdpo, cfg.beta_replay, cfg.w_policy)
+    grads = [weighted_total(grad, None, None, *weights)]
+    if cfg.w_policy != 1.0:  # the weighted policy term is the loss of a sample without a teacher
+        alone = weighted_total(policy, None, None, *weights)
+        cols["weighted_policy"] = alone if w is None else alone * w
+    if cfg.alpha_sdpo > 0 and s.ref_logprobs is not None:
         assert s.ref_nonzero is not None
-        distill = _sdpo_terms(s, opts)
-        total = torch.add(policy, distill, alpha=opts.alpha_sdpo)
+        distill = _sdpo_terms(s, opts)  # its value is also its derivative (the k1 surrogate)
+        total = weighted_total(policy, distill, None, *weights)
         cols["composer/loss/total"] = total if w is None else total * w
         cols["composer/loss/sdpo"] = distill if w is None else distill * w
         cols["composer/sdpo/reverse_kl_k1"] = s.logprobs - s.ref_logprobs
         cols["ref_nonzero"] = s.ref_nonzero
-        grads.append(distill * opts.alpha_sdpo)
+        grads.append(weighted_total(None, distill, None, *weights))
     keys, columns, width, flat = _plan(opts, tuple(cols))
     dtype = torch.float64 if s.logprobs.dtype == torch.float64 else torch.float32
     table = _table(
@@ -454,7 +289,7 @@ def _pack(
     if raw_mask is None:
         floats = table[: columns.index(None)]  # the bool rows are finite
         # clean: every packed value and table entry finite, known by one host read on CPU only
-        clean = _host_reads_are_free(stacked.device) and math.isfinite((stacked.sum() + floats.sum()).item())
+        clean = finite_on_host(stacked, floats)
         unmasked = _Unmasked(stacked, clean, _unmasked_rows(columns, s.mask.device))
     return _Packed(
         key=key,
@@ -483,12 +318,6 @@ def _table(
     for row, column in zip(table.unbind(), columns, strict=True):
         row.zero_() if column is None else row.copy_(_bits(column))
     return table
-
-
-def _bits(t: Tensor) -> Tensor:
-    """A bool tensor of many tokens as a 0/1 uint8 view (CPU kernels reading bool as a float are scalar loops);
-    any other tensor as itself."""
-    return t.view(torch.uint8) if t.dtype == torch.bool and _vectorised(t) else t
 
 
 def _sample_row(packed: _Packed, start: int, n: int, mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
@@ -591,7 +420,7 @@ def composer_loss(inputs: LossInputs, **kwargs: Any) -> LossOutputs:
             raised at the next synchronisation.
     """
     opts = parse_options(kwargs)
-    raw_mask, named = _fields(inputs, opts)
+    raw_mask, named = _fields(inputs, opts.config.alpha_sdpo > 0)
     n = raw_mask.shape[0]
     with torch.no_grad(), _exact(named["trainer_logprobs"].device):
         packed, start = _shared(opts, raw_mask, named)
@@ -602,7 +431,7 @@ def composer_loss(inputs: LossInputs, **kwargs: Any) -> LossOutputs:
         mask = None if packed.unmasked is None else _own_mask(packed.unmasked, raw_mask, named, start)
         row, selector = _sample_row(packed, start, n, mask)
     if (
-        opts.alpha_sdpo > 0
+        opts.config.alpha_sdpo > 0
         and "ref_logprobs" not in named
         and opts.sdpo_missing == "error"
         and bool((raw_mask != 0).any())  # only reached without ref_logprobs: an empty sample needs none
@@ -636,9 +465,9 @@ def _plan(
         "composer/loss/policy",
         "composer/loss/total",
     )  # every call of a run emits the same keys
-    if opts.alpha_sdpo > 0:
+    if opts.config.alpha_sdpo > 0:
         keys += ("composer/loss/sdpo", "composer/sdpo/reverse_kl_k1", "composer/sdpo/skipped")
-    weighted = "composer/loss/policy" if opts.w_policy == 1.0 else "weighted_policy"  # w_policy·policy
+    weighted = "composer/loss/policy" if opts.config.w_policy == 1.0 else "weighted_policy"  # w_policy·policy
     alone = policy | {
         "composer/loss/policy": ("composer/loss/policy", "mask", "mask"),
         "composer/loss/total": (weighted, "mask", "mask"),
@@ -684,13 +513,3 @@ def _unmasked_rows(columns: tuple[str | None, ...], device: torch.device) -> Ten
 def _pairs(flat: tuple[int, ...], device: torch.device) -> Tensor:
     """``flat`` as a [2, n] index tensor (numerators, denominators) on ``device``, built once."""
     return torch.tensor(flat, dtype=torch.long, device=device).view(2, -1)
-
-
-def _zero(like: Tensor) -> Tensor:
-    """A 0-dim zero of ``like``'s dtype and device, made once (``where(c, x, 0.0)`` makes one per call)."""
-    return _zero_of(like.dtype, like.device)
-
-
-@functools.cache
-def _zero_of(dtype: torch.dtype, device: torch.device) -> Tensor:
-    return torch.zeros((), dtype=dtype, device=device)

@@ -15,8 +15,20 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
-from composer_core.loss.config import DPO, TAID, ComposeConfig, EntropyOPD, SDPOOptions, SimPO
+from composer_core.loss.config import (
+    DPO,
+    TAID,
+    ComposeConfig,
+    EntropyOPD,
+    PolicyOptions,
+    SDPOOptions,
+    SimPO,
+    flat_defaults,
+    option_help,
+)
+from composer_core.loss.options import DPOVariant, SDPOWrapper
 from composer_core.loss.policy import CLIP_LOSS_TYPES
+from composer_core.loss.validation import check_choice
 from composer_core.loss.wrappers import TAIDScheduler
 from composer_core.sdpo import TeacherContextOptions, TeacherWeightsOptions
 from composer_core.traces.onpolicy import ReplayPairOptions, ReplayPairs
@@ -30,7 +42,7 @@ _SHAPE_OPTIONS = tuple(
 )
 
 #: composer_core's option classes whose fields become this config's flags: (class, flag prefix, fields left out).
-#: Each flag keeps core's type and default (core is the one source of truth); the help text is in ``_HELP``.
+#: Each flag keeps core's type, default and help text (core is the one source of truth).
 _CORE_SECTIONS: tuple[tuple[type, str, tuple[str, ...]], ...] = (
     (SDPOOptions, "sdpo_", ("form", "wrapper")),  # sdpo_form: TRL's choices; sdpo_wrapper: a selector below
     (TAID, "taid_", ("t", "schedule_step", "total_steps")),  # set per step by the trainer
@@ -39,95 +51,44 @@ _CORE_SECTIONS: tuple[tuple[type, str, tuple[str, ...]], ...] = (
     (SimPO, "simpo_", ("rpo_alpha",)),
     (TeacherContextOptions, "", ()),
     (TeacherWeightsOptions, "", ()),
+    (ReplayPairOptions, "", ("replay_pairs",)),  # declared below
 )
 #: the generated flags that are the adapter's own (not ``compose_loss`` options)
-_ADAPTER_SECTIONS = (TeacherContextOptions, TeacherWeightsOptions)
-#: the help text (``--help``) and documentation (appended to the class docstring) of every composer option
-_HELP = {
-    "w_policy": "weight of channel 1 (TRL's GRPO loss); 0 is pure self-distillation (TRL SDPOTrainer's "
-    "distillation_weight=1): the policy surrogate, its KL and its clip metrics are not computed.",
-    "alpha_sdpo": "weight of channel 2 (SDPO self-distillation); 0, the default, disables it.",
-    "beta_replay": "weight of channel 3 (trace-replay preference); 0, the default, disables it.",
-    "sdpo_form": "'full': generalized JSD over the whole vocabulary, chunk-wise from the last hidden states and "
-    "the LM-head weight (never [B, T, V]); 'sampled': the reverse-KL estimator on the sampled token only; "
-    "'topk': the divergence on the student's top-sdpo_topk tokens (TRL SDPOTrainer's topk_logits; materialises "
-    "[B, T, V] logits of the distilled rows).",
-    "sdpo_topk": "top-k support size of sdpo_form='topk' (the student's top k).",
-    "sdpo_topk_tail": "sdpo_form='topk': add the tail bucket 1 - sum_k p (TRL's distillation_add_tail).",
-    "sdpo_beta": "generalized-JSD beta (TRL GKD convention: 0 forward KL, 1 reverse KL, exact branches).",
-    "sdpo_temperature": "temperature of both distributions in the divergence.",
-    "sdpo_token_clip": "importance-sampling clip of the distillation loss on every form, min(exp(logp - "
-    "old_logp), clip) per token when old log-probs exist (TRL SDPOTrainer's distillation_is_clip; None: no clip).",
-    "sdpo_chunk_size": "rows per chunk of the fused kernel (None: composer_core.loss.distill.chunk_rows, 256 "
-    "rows from V = 32,768 up); a chunk holds about four [rows, V] float32 buffers.",
-    "sdpo_compiled": "run the JSD chunk kernel under torch.compile (sdpo_form='full', no wrapper; one "
-    "compilation on the first step).",
-    "sdpo_loss_agg": "'token_mean' (sum over distilled tokens / their global count, TRL's dapo convention) or "
-    "'seq_mean' (TRL SDPOTrainer: each row's mean, summed and divided by the number of rows).",
-    "sdpo_wrapper": "'none', 'taid' (interpolated target, adaptive t, arXiv 2501.16937; needs max_steps) or "
-    "'entropy_opd' (extra forward KL where the teacher is uncertain).",
-    "taid_t_start": "TAID initial t.",
-    "taid_t_end": "TAID final t.",
-    "taid_alpha": "TAID adaptive step size (t is stepped once per optimiser step from the SDPO loss).",
-    "taid_momentum": "TAID momentum (the paper's beta).",
-    "entropy_opd_threshold": "teacher-entropy gate (nats) of sdpo_wrapper='entropy_opd'.",
-    "entropy_opd_weight": "weight of the gated forward KL.",
-    "hint_template": "how a hint becomes the teacher's context of a text prompt: a format string with {hint} "
-    "and {prompt} (for chat prompts the hint is added to the last user message).",
-    "sdpo_teacher_context": "'hint' (a hint/hinted_prompt column or hint_fn), 'success' (a successful sibling "
-    "of the group is the demonstration), 'feedback' (hint_fn's text or a privileged_context column) or "
-    "'success+feedback'; rows without a teacher context are not distilled.",
-    "success_reward_threshold": "the reward at which a completion counts as a success.",
-    "dont_reprompt_on_self_success": "a completion that succeeded is not its own demonstration.",
-    "feedback_only_without_solution": "'success+feedback': feedback only where no sibling succeeded.",
-    "demo_pick": "which successful sibling: 'first' (TRL, lasgroup/SDPO) or 'random' (seeded by seed).",
-    "reprompt_template": "the teacher's reprompt: {prompt}, {solution}, {feedback}.",
-    "solution_template": "the reprompt's demonstration part: {demonstration}.",
-    "feedback_template": "the reprompt's feedback part: {feedback}.",
-    "max_reprompt_len": "keep the last this many tokens of a reprompt.",
-    "remove_thinking_from_demonstration": "drop <think>...</think> from the demonstration.",
-    "sdpo_teacher": "'live' (the student, no extra memory), 'ema' (an EMA of the student, one extra copy) or "
-    "'base' (the frozen initial model; with PEFT the base with adapters off).",
-    "teacher_update_rate": "the EMA teacher's rate tau (sdpo_teacher='ema').",
-    "teacher_sync_steps": "the EMA teacher's update period in optimiser steps.",
-    "dpo_variant": "'dpo' (reference log-probs needed) or 'simpo' (reference-free, length-normalised).",
-    "dpo_beta": "DPO beta.",
-    "dpo_loss_type": "DPO loss: 'sigmoid', 'robust' or 'ipo'.",
-    "dpo_label_smoothing": "cDPO / robust epsilon.",
-    "simpo_beta": "SimPO beta.",
-    "simpo_gamma": "SimPO absolute margin gamma.",
-    "rpo_alpha": "weight of the chosen side's NLL added to each pair's DPO/SimPO loss (iterative RPO, arXiv "
-    "2404.19733; TRL's loss_type=['sigmoid', 'sft']); 0 = none.",
-    "replay_pairs": "'columns' (pairs from the dataset's chosen/rejected columns) or 'on_policy' (each failed "
-    "completion of the group, reward < success_reward_threshold, is the rejected side of a pair whose chosen "
-    "side is the row's `chosen` column; no `rejected` column).",
-    "log_channel_grad_norms": "log composer/grad_norm/{policy,sdpo,replay} at logging steps (one extra backward "
-    "per channel on those steps; the update is unchanged).",
-    "replay_reference": "'auto' (ref_chosen_logps/ref_rejected_logps columns when present, else the reference "
-    "model), 'model' or 'column'.",
-    "replay_append_eos": "append EOS to text chosen/rejected (as the policy's own completions end).",
-    "max_replay_length": "truncate chosen/rejected to this many tokens (None: max_completion_length).",
-}
+_ADAPTER_SECTIONS = (TeacherContextOptions, TeacherWeightsOptions, ReplayPairOptions)
 #: the generated flags that are ``compose_loss`` options (the others are the teacher's context and weights)
 _COMPOSE_FIELDS: list[str] = []
 
 _C = TypeVar("_C")
 
 
+def _helped(default: Any, text: str) -> Any:
+    return field(default=default, metadata={"help": text})
+
+
+def _core(name: str) -> Any:
+    """A flag declared here (for its static type or TRL's choices) with core's default and help text."""
+    if name == "replay_pairs":
+        f = next(f for f in dataclasses.fields(ReplayPairOptions) if f.name == name)
+        return _helped(f.default, f.metadata["help"])
+    return _helped(flat_defaults()[name], option_help(name))
+
+
 def _with_core_fields(cls: type[_C]) -> type[_C]:
-    """Add one dataclass field per option of ``_CORE_SECTIONS`` (core's type and default), give every composer
-    option its ``_HELP`` text as ``--help`` and list them all in the class docstring."""
+    """Add one dataclass field per option of ``_CORE_SECTIONS`` (core's type, default and help text) and list
+    every composer option (core's and this adapter's) in the class docstring."""
     for klass, prefix, skip in _CORE_SECTIONS:
         hints = typing.get_type_hints(klass)
         for f in dataclasses.fields(klass):
             if f.name not in skip:
-                cls.__annotations__[prefix + f.name] = hints[f.name]
-                setattr(cls, prefix + f.name, f.default)
+                name = prefix + f.name
+                cls.__annotations__[name] = hints[f.name]
+                setattr(cls, name, _helped(f.default, f.metadata["help"]))
                 if klass not in _ADAPTER_SECTIONS:
-                    _COMPOSE_FIELDS.append(prefix + f.name)
-    for name, text in _HELP.items():
-        setattr(cls, name, field(default=getattr(cls, name), metadata={"help": text}))
-    cls.__doc__ = (cls.__doc__ or "") + "".join(f"\n    {name}: {text}" for name, text in _HELP.items())
+                    _COMPOSE_FIELDS.append(name)
+    own = [n for n in inspect.get_annotations(cls) if isinstance(cls.__dict__.get(n), dataclasses.Field)]
+    cls.__doc__ = (cls.__doc__ or "") + "".join(
+        f"\n    {name}: {getattr(cls, name).metadata['help']}" for name in own
+    )
     return cls
 
 
@@ -145,22 +106,33 @@ class ComposerGRPOConfig(GRPOConfig):
     types and defaults):
     """
 
-    w_policy: float = ComposeConfig.w_policy
-    alpha_sdpo: float = 0.0
-    beta_replay: float = 0.0
-    sdpo_form: Literal["full", "sampled", "topk"] = "full"
-    sdpo_wrapper: Literal["none", "taid", "entropy_opd"] = "none"
-    taid_alpha: float = _TAID["alpha"]
-    taid_momentum: float = _TAID["beta"]
-    hint_template: str = "{hint}{prompt}"
-    dpo_variant: Literal["dpo", "simpo"] = "dpo"
-    replay_reference: Literal["auto", "model", "column"] = "auto"
-    replay_append_eos: bool = True
-    max_replay_length: int | None = None
-    rpo_alpha: float = DPO.rpo_alpha
-    replay_pairs: ReplayPairs = ReplayPairOptions.replay_pairs
-    log_channel_grad_norms: bool = True
-    # + one field per option of _CORE_SECTIONS (sdpo_beta, dpo_beta, sdpo_teacher, ...), added by _with_core_fields
+    # TRL computes the inputs of one form itself, so its default is a concrete form ('auto' resolves per batch)
+    sdpo_form: Literal["full", "sampled", "topk"] = _helped("full", option_help("sdpo_form"))
+    w_policy: float = _core("w_policy")
+    alpha_sdpo: float = _core("alpha_sdpo")
+    beta_replay: float = _core("beta_replay")
+    rpo_alpha: float = _core("rpo_alpha")
+    replay_pairs: ReplayPairs = _core("replay_pairs")
+    sdpo_wrapper: SDPOWrapper = _core("sdpo_wrapper")
+    dpo_variant: DPOVariant = _core("dpo_variant")
+    taid_alpha: float = _helped(_TAID["alpha"], "TAID adaptive step size (t steps once per optimiser step).")
+    taid_momentum: float = _helped(_TAID["beta"], "TAID momentum (the paper's beta).")
+    hint_template: str = _helped(
+        "{hint}{prompt}",
+        "how a hint becomes the teacher's context of a text prompt: a format string with {hint} "
+        "and {prompt} (for chat prompts the hint is added to the last user message).",
+    )
+    replay_reference: Literal["auto", "model", "column"] = _helped(
+        "auto",
+        "'auto' (ref_chosen_logps/ref_rejected_logps columns when present, else the reference model), "
+        "'model' or 'column'.",
+    )
+    replay_append_eos: bool = _helped(True, "append EOS to text chosen/rejected (as completions end).")
+    max_replay_length: int | None = _helped(None, "truncate chosen/rejected (None: max_completion_length).")
+    log_channel_grad_norms: bool = _helped(
+        True, "log composer/grad_norm/{policy,sdpo,replay} at logging steps (one extra backward per channel)."
+    )
+    # + one field per option of _CORE_SECTIONS (w_policy, alpha_sdpo, sdpo_beta, dpo_beta, sdpo_teacher, ...)
 
     def __post_init__(self) -> None:
         super().__post_init__()  # type: ignore[no-untyped-call]
@@ -182,8 +154,8 @@ class ComposerGRPOConfig(GRPOConfig):
     def _check_composer(self) -> None:
         """The checks of the composer options this adapter adds; every option shared with composer_core is checked
         once, by core's typed config built from these fields (TRL's own options ran in ``GRPOConfig.__post_init__``)."""
-        _choice("sdpo_form", self.sdpo_form, ("full", "sampled", "topk"))
-        _choice("replay_reference", self.replay_reference, ("auto", "model", "column"))
+        check_choice("sdpo_form", self.sdpo_form, ("full", "sampled", "topk"))
+        check_choice("replay_reference", self.replay_reference, ("auto", "model", "column"))
         if self.sdpo_wrapper == "taid" and (self.max_steps is None or self.max_steps <= 0):
             raise ValueError("sdpo_wrapper='taid' needs `max_steps` > 0 (the schedule's total_steps).")
         # composer_core's typed config, built (and cached) from these fields: a value out of range, an option of a
@@ -253,9 +225,6 @@ class ComposerGRPOConfig(GRPOConfig):
     def compose_options(self) -> dict[str, Any]:
         """The flat ``compose_loss`` options these fields mean (TRL names mapped to composer's)."""
         opts: dict[str, Any] = {
-            "w_policy": self.w_policy,
-            "alpha_sdpo": self.alpha_sdpo,
-            "beta_replay": self.beta_replay,
             "loss_type": self.loss_type,
             "epsilon_low": self.epsilon,
             "epsilon_high": self.epsilon_high if self.epsilon_high is not None else self.epsilon,
@@ -268,15 +237,12 @@ class ComposerGRPOConfig(GRPOConfig):
             "sdpo_form": self.sdpo_form,
             "sdpo_wrapper": self.sdpo_wrapper,
             "dpo_variant": self.dpo_variant,
-            "rpo_alpha": self.rpo_alpha,
+            **{name: getattr(self, name) for name in ("w_policy", "alpha_sdpo", "beta_replay", "rpo_alpha")},
         }
         # SAPO's and VESPO's shape parameters (TRL's names; core refuses them set under another loss type)
         opts.update({name: getattr(self, name) for name in (*_SHAPE_OPTIONS, *_COMPOSE_FIELDS)})
         if self.loss_type not in CLIP_LOSS_TYPES:
-            opts["delta"] = None  # TRL reads delta in the clip surrogate only
+            opts["delta"] = (
+                PolicyOptions.delta
+            )  # off (core's default): TRL reads delta in the clip surrogate only
         return opts
-
-
-def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"`{name}`={value!r} is not one of {allowed}.")

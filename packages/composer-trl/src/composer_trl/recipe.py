@@ -31,6 +31,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from composer_core.loss.config import ComposeConfig
+
 TINY_TRAINER_DEFAULTS: dict[str, Any] = {
     # Measured on 2 shared CPU cores, 1 thread: 300 steps ≈ 1–1.5 min; composer's reward 0.06 → ≈0.69
     # (seeds 0 and 2; see the package README for GRPO alone).
@@ -45,6 +47,10 @@ TINY_TRAINER_DEFAULTS: dict[str, Any] = {
 }
 """Trainer settings of the no-argument run (the tiny model on digit reversal; its hints and pairs switch both
 channels on through :func:`choose_channels`)."""
+
+COMPOSER_PRESET: dict[str, float] = {"alpha_sdpo": 1.0, "beta_replay": 1.0}
+"""The ``composer`` recipe's preset channel weights, where the recipe sets none and the data feeds the channel
+(:func:`choose_channels`); composer_core's defaults are 0 (channels off), which a channel without data keeps."""
 
 HINT_COLUMNS = frozenset({"hint", "hinted_prompt", "teacher_prompt"})
 PAIR_COLUMNS = frozenset({"chosen", "rejected"})
@@ -211,7 +217,7 @@ def choose_channels(trainer: dict[str, Any], columns: set[str], *, hints: bool) 
     chosen: dict[str, Any] = {}
     said: list[str] = []
     if "alpha_sdpo" not in trainer:
-        chosen["alpha_sdpo"] = 1.0
+        chosen["alpha_sdpo"] = COMPOSER_PRESET["alpha_sdpo"]
         if "sdpo_teacher_context" in trainer:
             why = f"teacher context {trainer['sdpo_teacher_context']!r} as set"
         elif hints or columns & HINT_COLUMNS:
@@ -219,11 +225,11 @@ def choose_channels(trainer: dict[str, Any], columns: set[str], *, hints: bool) 
         else:
             chosen["sdpo_teacher_context"] = "success"
             why = "no hints: a successful sibling of each group teaches"
-        said.append(f"alpha_sdpo=1.0 ({why})")
+        said.append(f"alpha_sdpo={chosen['alpha_sdpo']} ({why})")
     if "beta_replay" not in trainer:
         on_policy = trainer.get("replay_pairs") == "on_policy" and "chosen" in columns
         pairs = columns >= PAIR_COLUMNS or on_policy
-        chosen["beta_replay"] = 1.0 if pairs else 0.0
+        chosen["beta_replay"] = COMPOSER_PRESET["beta_replay"] if pairs else ComposeConfig.beta_replay
         said.append(
             f"beta_replay={chosen['beta_replay']} ({'chosen/rejected columns' if pairs else 'no chosen/rejected columns'})"
         )

@@ -84,13 +84,8 @@ def load_teacher(spec: dict[str, Any], ctx: DistContext | None = None) -> Blockw
         return ReferenceDecoder.load(path, own, head=False)
     from composer_core.bypass.hf import load_hf_model
 
-    return load_hf_model(
-        path,
-        trust_remote_code=bool(spec.get("trust_remote_code", False)),
-        ownership=own,
-        head=False,
-        device=ctx.device,
-    )
+    trust = bool(spec.get("trust_remote_code", False))
+    return load_hf_model(path, trust_remote_code=trust, ownership=own, head=False, device=ctx.device)
 
 
 def _num_blocks(path: Path, kind: str) -> int:

@@ -23,9 +23,7 @@ class StudentConfig:
 
     def __post_init__(self) -> None:
         if self.mlp_init_mode not in ("truncate", "importance"):
-            raise ValueError(
-                f"student.mlp_init_mode={self.mlp_init_mode!r}: choose 'truncate' or 'importance'"
-            )
+            raise ValueError(f"student.mlp_init_mode={self.mlp_init_mode!r}: use 'truncate' or 'importance'")
         if self.gqa_init_mode not in ("average", "first"):
             raise ValueError(f"student.gqa_init_mode={self.gqa_init_mode!r}: choose 'average' or 'first'")
         if self.importance_batches < 1:
@@ -117,11 +115,7 @@ class BypassConfig:
         return {
             "student": asdict(self.student),
             "training": asdict(self.training),
-            "validation": {
-                "val_every": self.run.val_every,
-                "val_sequences": self.run.val_sequences,
-                "best_metric": self.run.best_metric,
-            },
+            "validation": {k: getattr(self.run, k) for k in ("val_every", "val_sequences", "best_metric")},
         }
 
     def with_student(self, student: StudentConfig) -> BypassConfig:

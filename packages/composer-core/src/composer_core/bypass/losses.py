@@ -29,9 +29,7 @@ def _finite(loss: Tensor, x: Tensor, y: Tensor) -> Tensor:
     """Raise instead of returning NaN/inf (one scalar check; NaN/inf anywhere in x or y reaches the loss)."""
     if not torch.isfinite(loss.detach()):
         culprit = "teacher block output" if not torch.isfinite(y).all() else "student block output"
-        raise ValueError(
-            f"{culprit} contains NaN/inf (block loss {float(loss)}): check weights, inputs and lr"
-        )
+        raise ValueError(f"{culprit} contains NaN/inf (loss {float(loss)}): check weights, inputs and lr")
     return loss
 
 

@@ -34,9 +34,7 @@ def plot_block_losses(history: Sequence[dict[str, Any]], path: str | Path, *, ti
     try:
         importlib.import_module("matplotlib").use("Agg")
     except ImportError as exc:
-        raise ImportError(
-            "plotting per-block losses needs matplotlib: pip install 'composer-core[plot]'"
-        ) from exc
+        raise ImportError("plotting needs matplotlib: pip install 'composer-core[plot]'") from exc
     plt: Any = importlib.import_module("matplotlib.pyplot")
     fig, ax = plt.subplots(figsize=(7, 4))
     steps = [h["step"] for h in history]

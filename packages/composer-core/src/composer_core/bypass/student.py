@@ -1,21 +1,13 @@
 """Build a student from a teacher and initialise it from the teacher's weights.
 
-Per-block overrides (smaller FFN, fewer KV heads, no-op subblocks) give the student's
-block configs; :func:`build_student` creates the student and copies / shrinks the teacher's
-weights (Puzzle, arXiv 2411.19146; Model-Optimizer ``mlp_init_mode`` / ``gqa_init_mode``):
-
-* FFN ``truncate``: keep the first ``k`` intermediate channels (rows of gate/up, columns
-  of down).
-* FFN ``importance``: keep the ``k`` channels with the largest activation importance
-  ``s_j = sqrt(mean_tokens a_j²)`` where ``a`` is the input of ``down_proj`` on calibration
-  batches run through the teacher (Minitron, arXiv 2407.14679), in their original order.
-* KV heads ``average``: student KV head ``h`` is the mean of teacher KV heads
-  ``h·g … h·g+g−1`` with ``g = n_teacher/n_student`` (GQA uptraining, Ainslie et al. 2023);
-  ``first`` keeps the first head of each group.
-
-Initialisation needs the Llama module layout (``self_attn.{q,k,v,o}_proj``,
-``mlp.{gate,up,down}_proj``), which the reference decoder and HF Llama/Qwen2/Mistral share.
-A subblock whose mixer kind changes (attention → mamba) keeps its fresh initialisation.
+Per-block overrides give the student's block configs; :func:`build_student` creates the student and copies /
+shrinks the teacher's weights (Puzzle, arXiv 2411.19146; Model-Optimizer ``mlp_init_mode`` / ``gqa_init_mode``):
+FFN ``truncate`` keeps the first ``k`` intermediate channels, ``importance`` the ``k`` with the largest
+``s_j = sqrt(mean_tokens a_j²)``, ``a`` the ``down_proj`` input on calibration batches (Minitron, arXiv
+2407.14679), in their original order; KV head ``h`` is the mean of teacher heads ``h·g … h·g+g−1``, ``g =
+n_teacher/n_student`` (``average``, GQA uptraining, Ainslie et al. 2023) or the first of them (``first``).
+Initialisation needs the Llama module layout (``self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj``); a
+subblock whose mixer kind changes (attention → mamba) keeps its fresh initialisation.
 """
 
 from __future__ import annotations
@@ -210,7 +202,5 @@ def _select_channels(importance: dict[int, Tensor] | None, block: int, width: in
     if importance is None:
         return torch.arange(k)
     if block not in importance:
-        raise ValueError(
-            f"block {block}: no activation importance was recorded (its teacher FFN is a no-op?)"
-        )
+        raise ValueError(f"block {block}: no activation importance recorded (its teacher FFN is a no-op?)")
     return torch.topk(importance[block], k).indices.sort().values.cpu()

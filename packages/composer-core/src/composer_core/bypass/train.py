@@ -217,23 +217,20 @@ def run_bypass(
 
     def save(name: str, latest: bool = True) -> None:
         _flush(pending, state, ctx)
-        kw: dict[str, Any] = {
-            "model": student,
-            "blocks": owned,
-            "optimizers": optimizers,
-            "state": state,
-            "ctx": ctx,
-        }
-        save_checkpoint(exp, name, **kw, update_latest=latest)
+        save_checkpoint(
+            exp,
+            name,
+            model=student,
+            blocks=owned,
+            optimizers=optimizers,
+            state=state,
+            ctx=ctx,
+            update_latest=latest,
+        )
 
     student.module.train()
-    bar = tqdm(
-        total=tcfg.steps,
-        initial=state["step"],
-        disable=not (progress and ctx.is_main),
-        desc="bypass",
-        unit="step",
-    )
+    quiet = not (progress and ctx.is_main)
+    bar = tqdm(total=tcfg.steps, initial=state["step"], disable=quiet, desc="bypass", unit="step")
     tokens_per_step = tcfg.grad_accum * tcfg.micro_batch_size * data.train.shape[1]
     while state["step"] < tcfg.steps:
         t0 = time.perf_counter()
@@ -283,21 +280,8 @@ def make_optimizers(
 ) -> dict[int, BlockOptimizer]:
     """Freeze the student except ``keys_to_learn`` of ``blocks``; one AdamW + GradScaler per trainable block."""
     params = freeze_for_training(student, blocks, tcfg.keys_to_learn)
-    return {
-        i: make_block_optimizer(
-            i,
-            ps,
-            lr=tcfg.lr,
-            betas=tcfg.betas,
-            eps=tcfg.eps,
-            weight_decay=tcfg.weight_decay,
-            loss_scaling=tcfg.loss_scaling,
-            init_scale=tcfg.init_scale,
-            device=device,
-        )
-        for i, ps in params.items()
-        if ps
-    }
+    opts = {k: getattr(tcfg, k) for k in ("lr", "betas", "eps", "weight_decay", "loss_scaling", "init_scale")}
+    return {i: make_block_optimizer(i, ps, device=device, **opts) for i, ps in params.items() if ps}
 
 
 def bypass_step(
@@ -349,14 +333,9 @@ def make_student(
     calibration = None
     if student.mlp_init_mode == "importance":
         calibration = [data.batch(i).to(device) for i in range(student.importance_batches)]
+    modes: dict[str, Any] = {"mlp_init_mode": student.mlp_init_mode, "gqa_init_mode": student.gqa_init_mode}
     return build_student(
-        teacher,
-        student.overrides,
-        mlp_init_mode=student.mlp_init_mode,
-        gqa_init_mode=student.gqa_init_mode,
-        calibration=calibration,
-        ownership=ownership,
-        ctx=ctx,
+        teacher, student.overrides, **modes, calibration=calibration, ownership=ownership, ctx=ctx
     )
 
 

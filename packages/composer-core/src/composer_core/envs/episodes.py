@@ -8,15 +8,8 @@ Message layout of an :class:`EnvEpisode` (built by :func:`episode_from_steps`, w
                                    blank line); only when the step returned either
     a failed episode may end with one more assistant action whose step faulted (no reply)
 
-Error sites (:func:`episode_error_sites`) are the environment's replies that carry ``feedback``: ``turn`` is the
-reply message, ``action_turn`` the action it answers, ``kinds == ("env_feedback",)`` and ``evidence`` the
-feedback text. :func:`feedback_hint` turns that feedback into a :data:`~composer_core.traces.hints.HintSource`
-(channel 2), and :func:`episode_records` writes one :class:`~composer_core.traces.records.TraceRecord` per
-action that has feedback (channel 2) or differs from the task's reference answer (channel 3: ``chosen`` = the
-reference, ``rejected`` = the action).
-
-``EnvEpisode.reward`` is the **sum** of the step rewards (for environments that reward only the last step, the
-terminal reward); a failed episode keeps the sum of the steps that completed and sets ``failed``.
+``EnvEpisode.reward`` is the **sum** of the step rewards; error sites, hints and records: the README's
+"Environments" table.
 """
 
 from __future__ import annotations
@@ -198,15 +191,7 @@ def episode_error_sites(ep: EnvEpisode) -> list[ErrorSite]:
     """The environment's replies that carry feedback, as error sites (see the module docstring)."""
     env = str(ep.episode.metadata.get("env", "env"))
     return [
-        ErrorSite(
-            episode_id=ep.episode.id,
-            turn=reply,
-            action_turn=action,
-            tool_call_id=f"step-{k}",
-            tool_name=env,
-            kinds=("env_feedback",),
-            evidence=feedback,
-        )
+        ErrorSite(ep.episode.id, reply, action, f"step-{k}", env, ("env_feedback",), feedback)
         for k, (action, reply) in enumerate(_step_turns(ep))
         if reply is not None and (feedback := ep.steps[k].feedback) and feedback.strip()
     ]
@@ -234,7 +219,7 @@ def feedback_hint(ep_or_feedback: EnvEpisode | str | None = None) -> HintSource:
         return from_episode
     if ep_or_feedback is not None:
         raise TypeError(
-            f"feedback_hint takes an EnvEpisode, a string or None, got {type(ep_or_feedback).__name__}"
+            f"feedback_hint takes an EnvEpisode, str or None, got {type(ep_or_feedback).__name__}"
         )
 
     def from_site(episode: Episode, site: ErrorSite) -> str:
@@ -246,10 +231,7 @@ def feedback_hint(ep_or_feedback: EnvEpisode | str | None = None) -> HintSource:
 
 
 def episode_records(
-    ep: EnvEpisode,
-    *,
-    hint_role: Literal["user", "system"] = "user",
-    pairs: bool = True,
+    ep: EnvEpisode, *, hint_role: Literal["user", "system"] = "user", pairs: bool = True
 ) -> list[TraceRecord]:
     """Training records of one episode (the :mod:`composer_core.traces.records` schema).
 

@@ -1,17 +1,9 @@
 """OpenEnv adapter (``composer-core[openenv]``): ``load_env("openenv:http://host:port")`` gives an
 :class:`OpenEnvEnvironment`, whose episodes go through OpenEnv's own client (``GenericEnvClient``, one
-WebSocket session per episode, driven through ``.sync()``): ``reset`` starts the task's episode, ``step``
-sends ``{action_field: text}`` (default: the one string field of the action schema, ``GET /schema``).
-
-Tasks come from OpenEnv's Task API (``POST /{env}/task_range``): a spec's ``prompt`` (text or chat messages),
-``reference`` (or ``answer``, channel 3's ``chosen``) and optional ``rejected``; task ``index`` of ``split``
-starts with ``reset(split=..., index=...)``. A server without the Task API (HTTP 501) gets seeded episodes:
-task ``i`` is ``reset(seed=SPLIT_SEEDS[split] + i)``, its prompt the reset observation's ``prompt``.
-Observations map to :class:`~composer_core.envs.StepResult` as ``reward`` (None -> 0.0), ``done``,
-``feedback`` = the ``feedback_field``, ``observation`` = the ``observation_field`` when one is configured;
-``reset_kwargs`` go with every reset. Every fault (server down, no answer within ``timeout_s``, which also
-bounds OpenEnv's connect and message timeouts, non-JSON, wrong shape) is a one-line
-:class:`~composer_core.envs.EnvError` naming the server, with credentials in the URL redacted.
+WebSocket session per episode). Tasks come from OpenEnv's Task API (``POST /{env}/task_range``), else seeded
+episodes (``reset(seed=SPLIT_SEEDS[split] + i)``); ``feedback_field`` is the hint, ``observation_field`` the
+next message. Every fault is a one-line :class:`~composer_core.envs.EnvError` naming the server (credentials
+redacted). The mapping and the faults in detail: the README's "Environments".
 """
 
 from __future__ import annotations
@@ -200,9 +192,7 @@ class OpenEnvEnvironment:
                 return tuple(message_from_dict(m, f"{where}.{self.prompt_field}") for m in value)
             except ValueError as e:
                 raise self.fail(str(e)) from e
-        raise self.fail(
-            f"{where} has no {self.prompt_field!r} (text or chat messages); pass prompt_field=..."
-        )
+        raise self.fail(f"{where} has no {self.prompt_field!r} (text or chat); pass prompt_field=...")
 
     # --- episodes ---------------------------------------------------------------------------
     def reset(self, task: EnvTask) -> OpenEnvSession:

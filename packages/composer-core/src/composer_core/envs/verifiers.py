@@ -1,17 +1,12 @@
 """verifiers environments (``composer-core[verifiers]``, verifiers >= 0.4) behind composer's environment contract.
 
-``verifiers:<module>`` loads an installed package's ``Taskset`` (and, for multi-turn episodes, its ``Env``)
-exactly as verifiers' own loaders do. composer is the policy and no LLM endpoint is ever called:
-
-- **single-turn** (no ``Env`` of its own): ``step(completion)`` builds a ``vf.Trace`` of the prompt and the
-  completion and runs the task's own scoring (``await task.score(trace)``); the reward is ``trace.reward``;
-- **multi-turn**: the env's own ``run`` drives the episode with composer's actions as the solver seat's
-  replies; each message the env sends the solver (``chat.turn(message)``) is a step's ``feedback``, and when
-  ``run`` returns the trace is scored (and ``finalize`` runs) and the last step carries the reward.
-
-A reward function writes its feedback to ``trace.info["feedback"]`` (``feedback_key``), the last step's
-``feedback``. LLM judges, rewards that need a runtime (sandbox) and envs with more than one seat raise
-:class:`~composer_core.envs.base.EnvError` / ``ValueError`` instead of being skipped.
+``verifiers:<module>`` loads an installed package's ``Taskset`` (and, for a multi-turn episode, its ``Env``)
+exactly as verifiers' own loaders do; composer is the policy and no LLM endpoint is ever called. Single-turn:
+``step(completion)`` scores a ``vf.Trace`` of the prompt and the completion with the task's own rewards.
+Multi-turn: the env's own ``run`` drives the episode with composer's actions as the solver seat's replies; each
+message it sends the solver is a step's ``feedback``; the last step carries the reward. A reward function's
+``trace.info["feedback"]`` (``feedback_key``) is the last step's ``feedback``. LLM judges, rewards needing a
+runtime and envs with more than one seat raise instead of being skipped (the README's "Environments: verifiers").
 """
 
 from __future__ import annotations
@@ -58,9 +53,7 @@ class VerifiersEnvironment:
         timeout_s: float = 30.0,
     ) -> None:
         if not module or not isinstance(module, str):
-            raise ValueError(
-                f"module={module!r}: name an installed verifiers environment (verifiers:<module>)"
-            )
+            raise ValueError(f"module={module!r}: name an installed verifiers env (verifiers:<module>)")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         vf = _vf()
@@ -131,9 +124,7 @@ class VerifiersEnvironment:
     def reset(self, task: EnvTask) -> _SingleTurnSession | _MultiTurnSession:
         vf_task = self._tasks.get(task.task_id)
         if vf_task is None:
-            raise EnvError(
-                f"{self.name}: unknown task_id {task.task_id!r} (take tasks from this env's tasks())"
-            )
+            raise EnvError(f"{self.name}: unknown task_id {task.task_id!r} (use this env's tasks())")
         self._check_offline(vf_task)
         if self.multi_turn:
             return _MultiTurnSession(self, vf_task, self.seats[0])
@@ -166,9 +157,7 @@ class VerifiersEnvironment:
         judges = task.plugged_judges()
         if judges:
             names = [j.reward_name for j in judges]
-            raise EnvError(
-                f"{self.name} scores with LLM judges {names}; composer never calls an LLM endpoint"
-            )
+            raise EnvError(f"{self.name} scores with LLM judges {names}; composer calls no LLM endpoint")
         for fn in task.hooks("reward"):
             param = inspect.signature(fn).parameters.get("runtime")
             if param is not None and param.default is inspect.Parameter.empty:
@@ -190,9 +179,7 @@ class VerifiersEnvironment:
             with ThreadPoolExecutor(1) as pool:  # called from async code (an orchestrator): a loop of its own
                 return pool.submit(asyncio.run, bounded()).result()
         except TimeoutError:
-            raise EnvError(
-                f"{self.name}: scoring did not finish within timeout_s={self.timeout_s:g}s"
-            ) from None
+            raise EnvError(f"{self.name}: scoring exceeded timeout_s={self.timeout_s:g}s") from None
 
     def _score(self, task: Any, trace: Any) -> StepResult:
         """The task's own scoring of ``trace`` -> the terminal :class:`StepResult`."""

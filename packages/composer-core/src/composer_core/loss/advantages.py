@@ -23,9 +23,7 @@ def _group_index(
 ) -> Tensor:
     """Return an int64 [B] tensor mapping every sample to a dense group index."""
     if group_size is not None and group_ids is not None:
-        raise ValueError(
-            "pass either `group_size` (contiguous groups) or `group_ids` (arbitrary ids), not both."
-        )
+        raise ValueError("pass `group_size` (contiguous groups) or `group_ids` (arbitrary ids), not both.")
     if group_size is None and group_ids is None:
         raise ValueError(
             "`group_size` or `group_ids` is required: pass group_size=G when each prompt's G completions are "
@@ -42,9 +40,7 @@ def _group_index(
     assert group_ids is not None
     keys: list[Hashable] = group_ids.tolist() if isinstance(group_ids, Tensor) else list(group_ids)
     if len(keys) != n:
-        raise ValueError(
-            f"`group_ids` has {len(keys)} entries but `rewards` has {n}; give one id per sample."
-        )
+        raise ValueError(f"`group_ids` has {len(keys)} entries but `rewards` has {n}; give one id per sample")
     dense: dict[Hashable, int] = {}
     idx = [dense.setdefault(k, len(dense)) for k in keys]
     return torch.tensor(idx, dtype=torch.long, device=device)

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from composer_core.loss.config import (
+from composer_core.loss.metrics import Metrics
+from composer_core.loss.options import (
     CLIP_LOSS_TYPES,
     LOSS_TYPES,
     ROLLOUT_MODES,
@@ -29,7 +30,6 @@ from composer_core.loss.config import (
     check_clip_args,
     check_rollout_clip,
 )
-from composer_core.loss.metrics import Metrics
 from composer_core.loss.surrogates import (
     cispo_surrogate,
     log_importance_weights,

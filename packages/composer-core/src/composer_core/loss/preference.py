@@ -42,21 +42,14 @@ _DEFAULT_SIMPO = SimPO()
 
 
 def _check_pairs(**tensors: Tensor | None) -> int:
-    first: tuple[str, Tensor] | None = None
-    for name, t in tensors.items():
-        if t is None:
-            continue
+    given = [(name, t) for name, t in tensors.items() if t is not None]
+    first, ref = given[0]
+    for name, t in given:
         check_float(name, t, ndim=1)
-        if first is None:
-            first = (name, t)
-        else:
-            check_same_shape(first[0], first[1], name, t)
-    assert first is not None
-    if first[1].shape[0] == 0:
-        raise ValueError(
-            f"`{first[0]}` holds no preference pair; pass at least one pair or skip the channel."
-        )
-    return first[1].shape[0]
+        check_same_shape(first, ref, name, t)
+    if ref.shape[0] == 0:
+        raise ValueError(f"`{first}` holds no preference pair; pass at least one pair or skip the channel.")
+    return ref.shape[0]
 
 
 def _check_lengths(name: str, lengths: Tensor) -> Tensor:
@@ -75,11 +68,13 @@ def _reduce_pairs(losses: Tensor, reduction: str, normalizer: float | Tensor | N
         raise ValueError(f"`normalizer` only applies to reduction='mean', not {reduction!r}.")
     if reduction == "none":
         return losses
-    if reduction == "sum":
-        return losses.sum()
-    if normalizer is None:
-        return losses.mean()
-    return losses.sum() / normalizer
+    return (
+        losses.sum()
+        if reduction == "sum"
+        else losses.mean()
+        if normalizer is None
+        else losses.sum() / normalizer
+    )
 
 
 def preference_margin(

@@ -141,9 +141,7 @@ def check_tensor(name: str, value: object, *, ndim: int | None = None, min_ndim:
             f"`{name}` must have {ndim} dimension(s), got shape {tuple(value.shape)}; reshape it to the documented shape."
         )
     if min_ndim is not None and value.dim() < min_ndim:
-        raise ValueError(
-            f"`{name}` must have at least {min_ndim} dimension(s), got shape {tuple(value.shape)}."
-        )
+        raise ValueError(f"`{name}` must have >= {min_ndim} dimension(s), got shape {tuple(value.shape)}.")
     return value
 
 

@@ -26,12 +26,7 @@ from composer_core.loss.distill import (
     jsd_kernel,
     logits_loss,
 )
-from composer_core.loss.validation import (
-    check_int,
-    check_number,
-    check_positive,
-    check_probability,
-)
+from composer_core.loss.validation import check_int, check_number, check_positive, check_probability
 
 __all__ = ["TAIDScheduler", "entropy_opd_kernel", "entropy_opd_loss", "taid_kernel", "taid_loss"]
 
@@ -137,9 +132,7 @@ class TAIDScheduler:
         else:
             value = float(loss)
         if not math.isfinite(value):
-            raise ValueError(
-                f"`loss`={value} is not finite; TAIDScheduler.step needs the reduced training loss."
-            )
+            raise ValueError(f"`loss`={value} is not finite; TAIDScheduler.step needs the reduced loss.")
         done = self.num_steps  # optimiser steps before this one: the reference's 0-based global_step
         self.num_steps += 1
         if self.prev_loss is None:
@@ -161,9 +154,7 @@ class TAIDScheduler:
         """Restore from :meth:`state_dict`; raises ValueError on missing keys or out-of-range values."""
         missing = {"t", "momentum", "prev_loss", "num_steps"} - set(state)
         if missing:
-            raise ValueError(
-                f"TAIDScheduler state is missing {sorted(missing)}; pass a dict from state_dict()."
-            )
+            raise ValueError(f"TAIDScheduler state is missing {sorted(missing)}; pass state_dict()'s output.")
         t = float(state["t"])
         if not (0.0 <= t <= 1.0):
             raise ValueError(f"TAIDScheduler state has t={t}, outside [0, 1]; the checkpoint is corrupt.")

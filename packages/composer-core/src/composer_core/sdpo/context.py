@@ -1,20 +1,12 @@
 """The SDPO teacher's context, built from the group's own rollouts (arXiv 2601.20802, §3).
 
 For each completion ``i`` of a group (the ``G`` completions of one prompt, consecutive in the batch), the
-self-teacher reads the prompt *re-asked* with what the group learnt:
-
-- **a successful sibling's answer** (the scalar-reward setting of the paper): a completion ``j`` of the same
-  group whose reward reached ``success_reward_threshold``, never ``i`` itself while
-  ``dont_reprompt_on_self_success`` (a completion that succeeded is not reprompted on its own success);
-- **the environment's feedback** on ``i`` (``"feedback"``; with ``"success+feedback"`` both, or the feedback only
-  where no sibling succeeded when ``feedback_only_without_solution``);
-- rows with neither get no teacher context: their self-distillation mask is 0 (they contribute nothing).
-
-The reprompt is three templates (placeholders checked at construction): ``reprompt_template`` (``{prompt}
-{solution} {feedback}``, the teacher's user turn), ``solution_template`` (``{demonstration}``) and
-``feedback_template`` (``{feedback}``). A chat prompt keeps its earlier messages; its last (user) message is
-replaced by the reprompt, as TRL's ``trl.experimental.sdpo.SDPOTrainer`` does. ``demo_pick="first"`` takes the
-first successful sibling (lasgroup/SDPO, TRL); ``"random"`` draws one, seeded by ``seed`` and the group index.
+self-teacher reads the prompt *re-asked* with what the group learnt: a successful sibling's answer (reward
+≥ ``success_reward_threshold``; never ``i`` itself while ``dont_reprompt_on_self_success``) and/or the
+environment's feedback on ``i``; rows with neither get no teacher context (self-distillation mask 0). The
+reprompt is three templates (placeholders checked at construction); a chat prompt keeps its earlier messages
+and its last (user) message is replaced by the reprompt, as TRL's ``trl.experimental.sdpo.SDPOTrainer`` does.
+The options in full: :class:`TeacherContextOptions` and the README's "SDPO teacher context and weights".
 """
 
 from __future__ import annotations
@@ -26,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from composer_core.loss.options import _opt
 from composer_core.loss.validation import check_bool, check_choice, check_int
 
 __all__ = [
@@ -80,16 +73,29 @@ def _check_template(name: str, template: object) -> None:
 class TeacherContextOptions:
     """How the SDPO teacher's context is built (checked once, here). Field names are the flat option names."""
 
-    sdpo_teacher_context: ContextSource = "hint"
-    success_reward_threshold: float = 1.0
-    dont_reprompt_on_self_success: bool = True
-    feedback_only_without_solution: bool = False
-    demo_pick: Literal["first", "random"] = "first"
-    reprompt_template: str = DEFAULT_REPROMPT_TEMPLATE
-    solution_template: str = DEFAULT_SOLUTION_TEMPLATE
-    feedback_template: str = DEFAULT_FEEDBACK_TEMPLATE
-    max_reprompt_len: int | None = 10240
-    remove_thinking_from_demonstration: bool = False
+    sdpo_teacher_context: ContextSource = _opt(
+        "hint",
+        "'hint' (a hint/hinted_prompt column or hint_fn), 'success' (a successful sibling of the group is the demonstration), 'feedback' (hint_fn's text or a privileged_context column) or 'success+feedback'; rows without a teacher context are not distilled.",
+    )
+    success_reward_threshold: float = _opt(1.0, "the reward at which a completion counts as a success.")
+    dont_reprompt_on_self_success: bool = _opt(
+        True, "a completion that succeeded is not its own demonstration."
+    )
+    feedback_only_without_solution: bool = _opt(
+        False, "'success+feedback': feedback only where no sibling succeeded."
+    )
+    demo_pick: Literal["first", "random"] = _opt(
+        "first", "which successful sibling: 'first' (TRL, lasgroup/SDPO) or 'random' (seeded by seed)."
+    )
+    reprompt_template: str = _opt(
+        DEFAULT_REPROMPT_TEMPLATE, "the teacher's reprompt: {prompt}, {solution}, {feedback}."
+    )
+    solution_template: str = _opt(
+        DEFAULT_SOLUTION_TEMPLATE, "the reprompt's demonstration part: {demonstration}."
+    )
+    feedback_template: str = _opt(DEFAULT_FEEDBACK_TEMPLATE, "the reprompt's feedback part: {feedback}.")
+    max_reprompt_len: int | None = _opt(10240, "keep the last this many tokens of a reprompt.")
+    remove_thinking_from_demonstration: bool = _opt(False, "drop <think>...</think> from the demonstration.")
 
     def __post_init__(self) -> None:
         check_choice("sdpo_teacher_context", self.sdpo_teacher_context, CONTEXT_SOURCES)
@@ -222,17 +228,13 @@ def build_teacher_contexts(
             f"got {n} prompts, {len(completions)} completions and {len(rewards)} rewards; one per row."
         )
     if feedback is not None and len(feedback) != n:
-        raise ValueError(
-            f"got {len(feedback)} feedback entries for {n} rows; one per row (None where absent)."
-        )
+        raise ValueError(f"got {len(feedback)} feedback entries for {n} rows; one per row (None if absent).")
     if options.uses_feedback and feedback is None:
         raise ValueError(
             f"sdpo_teacher_context={options.sdpo_teacher_context!r} needs the environment's feedback per "
             "completion (a hint_fn / feedback source); pass it or use sdpo_teacher_context='success'."
         )
-    out = TeacherContexts(
-        contexts=[None] * n, mask=[False] * n, demo_index=[None] * n, groups=n // group_size
-    )
+    out = TeacherContexts([None] * n, [False] * n, [None] * n, groups=n // group_size)
     ok = [float(r) >= options.success_reward_threshold for r in rewards]  # NaN >= x is False
     for i in range(n):
         start = (i // group_size) * group_size

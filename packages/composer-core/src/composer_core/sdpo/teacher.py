@@ -1,14 +1,10 @@
 """The SDPO teacher's weights: the live student, a frozen copy of the initial model, or an EMA of the student.
 
-- ``"live"``: the student itself, read without gradient (no extra memory; the teacher moves with every step).
-- ``"base"``: the initial model, frozen (one extra copy of the weights; with PEFT, the base with adapters off).
-- ``"ema"``: ``θ_T ← (1 − τ)·θ_T + τ·θ_S`` every ``teacher_sync_steps`` optimiser steps, τ =
-  ``teacher_update_rate`` (one extra copy; SDPO's default, arXiv 2601.20802 §3.2, TRL ``teacher_model_kind``).
-
-:func:`ema_update_` is the update (the same float ops, in the same order, as TRL's
-``SyncRefModelCallback.sync_target_model``: ``θ_T.mul_(1 − τ).add_(θ_S, alpha=τ)``); :func:`save_teacher` /
-:func:`load_teacher` keep a teacher's weights with a checkpoint (safetensors, shared tensors handled), so a
-resumed run equals an uninterrupted one.
+``"live"``: the student itself, read without gradient; ``"base"``: the initial model, frozen (with PEFT, the base
+with adapters off); ``"ema"``: ``θ_T ← (1 − τ)·θ_T + τ·θ_S`` every ``teacher_sync_steps`` optimiser steps, τ =
+``teacher_update_rate`` (SDPO's default, arXiv 2601.20802 §3.2, TRL ``teacher_model_kind``), with TRL's order of
+float ops (:func:`ema_update_`). :func:`save_teacher` / :func:`load_teacher` keep the teacher's weights with a
+checkpoint, so a resumed run equals an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -22,6 +18,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from composer_core.loss.options import _opt
 from composer_core.loss.validation import check_choice, check_int
 
 __all__ = [
@@ -45,9 +42,12 @@ TEACHER_STATE_FILE = "composer_sdpo_teacher.safetensors"
 class TeacherWeightsOptions:
     """``sdpo_teacher`` (live | ema | base), ``teacher_update_rate`` τ and ``teacher_sync_steps`` (ema only)."""
 
-    sdpo_teacher: TeacherKind = "live"
-    teacher_update_rate: float = 0.05
-    teacher_sync_steps: int = 1
+    sdpo_teacher: TeacherKind = _opt(
+        "live",
+        "'live' (the student, no extra memory), 'ema' (an EMA of the student, one extra copy) or 'base' (the frozen initial model; with PEFT the base with adapters off).",
+    )
+    teacher_update_rate: float = _opt(0.05, "the EMA teacher's rate tau (sdpo_teacher='ema').")
+    teacher_sync_steps: int = _opt(1, "the EMA teacher's update period in optimiser steps.")
 
     def __post_init__(self) -> None:
         check_choice("sdpo_teacher", self.sdpo_teacher, TEACHER_KINDS)
@@ -69,10 +69,7 @@ class TeacherWeightsOptions:
 
 def frozen_copy(model: nn.Module) -> nn.Module:
     """A deep copy of ``model`` in eval mode with every parameter frozen (the ``base``/``ema`` teacher)."""
-    teacher = copy.deepcopy(model).eval()
-    for p in teacher.parameters():
-        p.requires_grad_(False)
-    return teacher
+    return copy.deepcopy(model).eval().requires_grad_(False)
 
 
 @torch.no_grad()

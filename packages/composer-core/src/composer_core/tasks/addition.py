@@ -2,28 +2,14 @@
 
 With the prompt ``"Compute 47 + 38. Reply with just the result."`` SmolLM2-135M-Instruct answers
 ``"47 + 38 = 85"`` or one sentence ending in it, right on about a third of the sums given 32 tokens (greedy, base
-model: composer-trl's ``bench/addition_budget.py``), so most groups hold both successes and failures.
-
-Rules (pure Python, one implementation for every host):
-
-- **answer** (:func:`extract_answer`): the integer the reply states as its result — after its last result marker
-  (``=``, "equals", "is", "results in", "gives", ``:``), never an integer that starts an expression (``is 34 + 44``
-  restates the operands) — else the whole reply when it is one number other than an operand; ``None`` otherwise:
-  a reply cut off before its result (``"To compute 34 + 44, we simply add them together:"``, ``"34"``) has none.
-- **reward** (:func:`verify`): 1.0 for the exact sum; otherwise half the fraction of the sum's digits (aligned
-  from the right) that the answer gets right, so a near miss earns partial credit and only the exact sum scores
-  1 (``success_reward_threshold=1.0`` means "correct").
-- **feedback** (:func:`feedback`): the verifier's text on a wrong answer (the SDPO teacher's ``feedback``),
-  naming only the number the reply gave: which digit places are wrong, whether it is too large or too small, and
-  a carry hint when the units carry. It never states the sum, but all three are derived from it: partial
-  reference information (:data:`FEEDBACK_REVEALS`, the label a benchmark table uses). A reply without a result is
-  told exactly that; ``None`` for a correct answer.
-- **splits** (:func:`task_splits`): :data:`HELD_OUT_SIZE` held-out and :data:`VALIDATION_SIZE` validation sums
-  drawn once with fixed seeds — the same for every training seed — and training rows drawn per seed, all three
-  disjoint. Choices made by looking at results use the validation split, never the held-out one.
-- **reference** (:func:`reference_answer`): ``"47 + 38 = 85"``, the model's own format: the ``chosen`` of
-  channel 3 and the SFT target of the information-matched baseline; ``rejected`` (:func:`wrong_answer`) is the
-  sum without the carry.
+model: composer-trl's ``bench/addition_budget.py``), so most groups hold both successes and failures. The rules
+(pure Python, one implementation for every host): the answer is the integer after the reply's last result marker
+(``=``, "equals", "is", "results in", "gives", ``:``; :func:`extract_answer`), the reward 1.0 for the exact sum
+and partial credit below (:func:`verify`), the feedback names only the number the reply gave — wrong digit
+places, too large/small, a carry hint — never the sum (:func:`feedback`, :data:`FEEDBACK_REVEALS`), the
+reference ``"47 + 38 = 85"`` is channel 3's ``chosen`` and the SFT target (:func:`reference_answer`), and the
+held-out/validation/train splits are disjoint, the first two the same for every seed (:func:`task_splits`;
+choices made by looking at results use the validation split, never the held-out one).
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
 """The embedded verifiable task: digit reversal (one reward rule, one hint rule for every adapter).
 
-A prompt is a digit string followed by ``>``; the correct completion is the same digits reversed::
-
-    prompt "3817>"   answer "7183"
-
-composer-trl's main job and composer-monarch's ``ReverseDigits`` both run these rules:
-
-- **reward** (:func:`verify`): partial credit, ``#{i : completion[i] == answer[i]} / max(len(completion),
-  len(answer))``, so a tiny model's reward rises smoothly instead of staying at 0 until it is perfect,
-  and extra or missing characters cost through the denominator (only the exact answer scores 1);
-- **hint** (:func:`feedback_hint`): the verifier's feedback on one completion, one character per answer
-  position (the expected digit where the completion is wrong, ``.`` where it is right) then ``|``, or
-  ``None`` when the completion is already correct (that completion is not distilled). The SDPO teacher
-  of channel 2 is the same model reading ``hint + prompt`` (:func:`hint_template`);
-- **oracle** (:func:`oracle_solve`): the correct answer, the teacher trace (``chosen``) of channel 3; the
-  ``rejected`` side (:func:`wrong_solution`) is the typical mistake, the digits copied unreversed.
-
-:func:`encode` / :func:`decode` map text to the ids of :data:`VOCAB` in pure Python, the ids
-:func:`composer_core.tasks.tiny.build_char_tokenizer` gives too, so Monarch and TRL see identical token ids.
+A prompt is a digit string followed by ``>``; the correct completion is the same digits reversed
+(``"3817>"`` → ``"7183"``). composer-trl's main job and composer-monarch's ``ReverseDigits`` both run these
+rules: the partial-credit reward :func:`verify`, the hint :func:`feedback_hint` (the SDPO teacher of channel 2
+is the same model reading ``hint + prompt``, :func:`hint_template`), the oracle :func:`oracle_solve` (channel
+3's ``chosen``; ``rejected`` is :func:`wrong_solution`). :func:`encode` / :func:`decode` map text to the ids of
+:data:`VOCAB` in pure Python, the ids :func:`composer_core.tasks.tiny.build_char_tokenizer` gives too, so
+Monarch and TRL see identical token ids.
 """
 
 from __future__ import annotations

@@ -214,14 +214,8 @@ def build_tiny_model(
     tokenizer: PreTrainedTokenizerFast, config: TinyModelConfig | None = None, *, seed: int = 0
 ) -> PreTrainedModel:
     """:func:`build_tiny_qwen2` sized for ``tokenizer``'s vocabulary and special tokens."""
-    return build_tiny_qwen2(
-        len(tokenizer),
-        config,
-        seed=seed,
-        pad_id=_token_id(tokenizer, "pad"),
-        eos_id=_token_id(tokenizer, "eos"),
-        bos_id=_token_id(tokenizer, "bos"),
-    )
+    ids = {f"{which}_id": _token_id(tokenizer, which) for which in ("pad", "eos", "bos")}
+    return build_tiny_qwen2(len(tokenizer), config, seed=seed, **ids)
 
 
 def _token_id(tokenizer: PreTrainedTokenizerFast, which: str) -> int:

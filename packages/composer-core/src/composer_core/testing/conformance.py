@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -160,8 +160,10 @@ def _case(
     exact: tuple[str, float] | None = None,
 ) -> ConformanceCase:
     """A case with space-separated ``tags``; ``exact = (channel, value)``: that channel and the total are
-    ``value`` in closed form."""
+    ``value`` in closed form. Channels 2 and 3 are on (weight 1: core's defaults are 0) unless ``options`` set
+    their weights."""
     expected = {exact[0]: exact[1], "total": exact[1]} if exact else {}
+    options = {"alpha_sdpo": 1.0, "beta_replay": 1.0, **options}
     return ConformanceCase(name, frozenset(tags.split()), make_batch, options, expected, description)
 
 
@@ -284,8 +286,8 @@ def _cases() -> tuple[ConformanceCase, ...]:
         _case(
             "sdpo_full/random_fused_hidden",
             "policy sdpo_full",
-            lambda dt: _random_batch(dt, 2, hidden=True),
-            {"alpha_sdpo": 0.5, "beta_replay": 0.0, "sdpo_beta": 0.2},
+            lambda dt: replace(_random_batch(dt, 2, hidden=True), chosen_logps=None, rejected_logps=None),
+            {"alpha_sdpo": 0.5, "sdpo_beta": 0.2},
             "fused hidden-state form (student_hidden, teacher_hidden, lm_head_weight)",
         ),
         _case(

@@ -191,11 +191,7 @@ class HintedContext:
 
 
 def build_hinted_context(
-    episode: Episode,
-    site: ErrorSite,
-    source: HintSource,
-    *,
-    role: Literal["user", "system"] = "user",
+    episode: Episode, site: ErrorSite, source: HintSource, *, role: Literal["user", "system"] = "user"
 ) -> HintedContext:
     """Teacher context = the student's context plus one ``role`` hint message right before the faulty action."""
     if role not in ("user", "system"):
@@ -295,9 +291,7 @@ def render_completion(
         prompt_text = render_plain(prompt, add_generation_prompt=True)
         return prompt_text, render_plain((completion,))[len("<|assistant|>\n") :], True
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
-            "chat_template=True but the tokenizer has no chat_template; pass chat_template=False"
-        )
+        raise ValueError("chat_template=True but tokenizer has no chat_template; pass chat_template=False")
     prompt_text = _render_template(tokenizer, prompt, tools, True)
     full = _render_template(tokenizer, (*prompt, completion), tools, False)
     if not full.startswith(prompt_text):

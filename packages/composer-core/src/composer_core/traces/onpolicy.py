@@ -16,6 +16,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from composer_core.loss.options import _opt
 from composer_core.loss.validation import check_choice, check_int
 
 __all__ = ["REPLAY_PAIRS", "ReplayPairOptions", "ReplayPairs", "check_on_policy_columns", "failed_rows"]
@@ -30,7 +31,10 @@ _REJECTED_COLUMNS = ("rejected", "rejected_mask", "ref_rejected_logps", "ref_rej
 class ReplayPairOptions:
     """Where channel 3's pairs come from (flat name ``replay_pairs``): ``"columns"`` or ``"on_policy"``."""
 
-    replay_pairs: ReplayPairs = "columns"
+    replay_pairs: ReplayPairs = _opt(
+        "columns",
+        "'columns' (pairs from the dataset's chosen/rejected columns) or 'on_policy' (each failed completion of the group, reward < success_reward_threshold, is the rejected side of a pair whose chosen side is the row's `chosen` column; no `rejected` column).",
+    )
 
     def __post_init__(self) -> None:
         check_choice("replay_pairs", self.replay_pairs, REPLAY_PAIRS)
@@ -44,9 +48,7 @@ def failed_rows(rewards: Sequence[float], group_size: int, threshold: float) -> 
     """
     check_int("group_size", group_size, low=1)
     if len(rewards) % group_size:
-        raise ValueError(
-            f"{len(rewards)} rewards do not split into groups of {group_size} (num_generations)."
-        )
+        raise ValueError(f"{len(rewards)} rewards do not split into groups of {group_size} (num_generations)")
     return [i for i, r in enumerate(rewards) if not math.isnan(float(r)) and float(r) < threshold]
 
 

@@ -97,17 +97,8 @@ def collate_pairs(
     chosen_ids, chosen_mask = pad_ids(chosen, pad, left=False)
     rejected_ids, rejected_mask = pad_ids(rejected, pad, left=False)
     refs = [(r.ref_chosen_logp, r.ref_rejected_logp) for r in records]
-    have_refs = all(a is not None and b is not None for a, b in refs)
-    return PairBatch(
-        prompt_ids,
-        prompt_mask,
-        chosen_ids,
-        chosen_mask,
-        rejected_ids,
-        rejected_mask,
-        chosen_mask.sum(dim=1),
-        rejected_mask.sum(dim=1),
-        torch.tensor([a for a, _ in refs], dtype=torch.float64) if have_refs else None,
-        torch.tensor([b for _, b in refs], dtype=torch.float64) if have_refs else None,
-        [r.id for r in records],
-    )
+    have_refs = all(None not in p for p in refs)
+    ref_c, ref_r = torch.tensor(list(zip(*refs)), dtype=torch.float64) if have_refs else (None, None)
+    pairs = (prompt_ids, prompt_mask, chosen_ids, chosen_mask, rejected_ids, rejected_mask)
+    lengths = (chosen_mask.sum(dim=1), rejected_mask.sum(dim=1))
+    return PairBatch(*pairs, *lengths, ref_c, ref_r, [r.id for r in records])

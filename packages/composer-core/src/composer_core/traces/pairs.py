@@ -102,11 +102,7 @@ class PreferencePair:
 
 
 def make_pair(
-    episode: Episode,
-    turn: int,
-    results: Sequence[ReplayResult],
-    *,
-    verifier: Verifier | None = None,
+    episode: Episode, turn: int, results: Sequence[ReplayResult], *, verifier: Verifier | None = None
 ) -> PreferencePair | None:
     """Pair at ``episode.messages[turn]`` from the teachers' ``results`` (failed ones ignored), or None.
 
@@ -133,25 +129,14 @@ def make_pair(
         return None
     voters = tuple(t for (t, _), k in zip(pool, keys) if k == best_key)
     chosen = pool[keys.index(best_key)][1]
+    state = episode.messages[:turn]
     return PreferencePair(
-        episode.id,
-        turn,
-        episode.messages[:turn],
-        chosen,
-        student,
-        chosen_by,
-        voters,
-        len(answers),
-        episode.tools,
+        episode.id, turn, state, chosen, student, chosen_by, voters, len(answers), episode.tools
     )
 
 
 def filter_pairs(
-    pairs: Sequence[PreferencePair],
-    *,
-    min_chars: int = 1,
-    max_chars: int | None = None,
-    dedupe: bool = True,
+    pairs: Sequence[PreferencePair], *, min_chars: int = 1, max_chars: int | None = None, dedupe: bool = True
 ) -> tuple[list[PreferencePair], dict[str, int]]:
     """Keep pairs whose chosen and rejected :func:`action_length` lie in ``[min_chars, max_chars]``, and
     (``dedupe``) the first of those with the same state and normalised actions; returns them and drop counts."""

@@ -128,10 +128,7 @@ class Message:
 
     def to_api_dict(self) -> dict[str, Any]:
         """The dict sent to a chat-completions endpoint (no composer extensions)."""
-        out = self.to_dict()
-        out.pop("is_error", None)
-        out.pop("exit_code", None)
-        return out
+        return {k: v for k, v in self.to_dict().items() if k not in ("is_error", "exit_code")}
 
 
 def _content_to_text(content: Any, where: str) -> str | None:
@@ -148,9 +145,7 @@ def _content_to_text(content: Any, where: str) -> str | None:
                 parts.append("[image]")
             else:
                 kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-                raise ValueError(
-                    f"{where}: unsupported content part {kind!r} (text and image parts are read)"
-                )
+                raise ValueError(f"{where}: unsupported content part {kind!r} (text and image parts only)")
         return "".join(parts)
     raise ValueError(f"{where}: content must be a string, a list of content parts or null")
 
@@ -388,8 +383,7 @@ _TEST_FAILURE = [
     re.compile(r"^test result: FAILED\.", re.M),  # cargo test
 ]
 _EXIT_CODE = re.compile(
-    r"(?:exit(?:ed)?(?: with)? (?:code|status)|returncode|return code)\s*[:=]?\s*(-?\d+)",
-    re.I,
+    r"(?:exit(?:ed)?(?: with)? (?:code|status)|returncode|return code)\s*[:=]?\s*(-?\d+)", re.I
 )
 _TOOL_ERROR = [
     re.compile(r"^Traceback \(most recent call last\):", re.M),

@@ -82,7 +82,7 @@ def pad_ids(rows: Sequence[Sequence[int]], pad: int, left: bool) -> tuple[torch.
     """Pad token rows to ``[N, max_len]``; returns ``(ids, mask)`` (long)."""
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
     for i, r in enumerate(rows):
         if not r:
             continue
@@ -117,13 +117,7 @@ def collate_sdpo(
     teacher, teacher_mask = pad_ids([r.teacher_prompt_ids or [] for r in records], pad_token_id, left=True)
     completion, completion_mask = pad_ids([r.completion_ids or [] for r in records], pad_token_id, left=False)
     sdpo, _ = pad_ids([r.sdpo_mask or [] for r in records], 0, left=False)
+    ids = [r.id for r in records]
     return SDPOBatch(
-        prompt,
-        prompt_mask,
-        teacher,
-        teacher_mask,
-        completion,
-        completion_mask,
-        sdpo.bool(),
-        [r.id for r in records],
+        prompt, prompt_mask, teacher, teacher_mask, completion, completion_mask, sdpo.bool(), ids
     )

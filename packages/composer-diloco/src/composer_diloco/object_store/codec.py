@@ -124,9 +124,7 @@ class Codec:
         if on_timeout not in ("proceed", "fail"):
             raise ValueError(f"on_timeout must be 'proceed' or 'fail', got {on_timeout!r}.")
         if not timeout_s > 0 or not poll_interval_s > 0:
-            raise ValueError(
-                f"timeout_s and poll_interval_s must be > 0, got {timeout_s}, {poll_interval_s}."
-            )
+            raise ValueError(f"timeout_s and poll_interval_s must be > 0, got {timeout_s}, {poll_interval_s}")
         self.run_id = safe_part("run_id", run_id)
         self.rank = rank
         self.world_size = world_size
@@ -261,9 +259,7 @@ class Codec:
                 "same composer-diloco version (an upgraded run needs a new run_id)."
             )
         if len(view) < _HEAD or magic not in (MAGIC, MAGIC_HMAC):
-            raise CorruptObjectError(
-                f"object {key} has no composer-diloco header (partial or foreign write)."
-            )
+            raise CorruptObjectError(f"object {key} has no composer-diloco header (partial or foreign write)")
         env = self.hmac_key_env
         if self._hmac_key is not None and magic != MAGIC_HMAC:
             raise AuthenticationError(

@@ -2,27 +2,14 @@
 between replicas (``file://``, ``memory://``, ``s3://``, ``gs://``, …).
 
 The invariant: **every replica that completes round r applies the same average, or fails with an
-error naming why.** The round's committed manifest is its single source of truth. One round:
-
-1. If round r already has a manifest, adopt it (average exactly the objects it lists, never this
-   replica's new values); if it has none but the run has evidently moved past r, raise
-   :class:`RoundExpiredError`. A replica *in step* (it completed round r - 1) skips this check: the
-   wait and the markers catch the same cases. On :class:`RoundExpiredError` a replica deletes what it
-   wrote into r and takes back its marker entry.
-2. Encode the tensors into one object (:mod:`.codec`) and *create* it create-only (:mod:`.backend`):
-   objects are immutable, a replica whose object for r exists contributes the stored one.
-3. Read and validate the other ranks' objects, polling a listing of the run's rounds.
-4. When every rank is present, or at ``timeout_s``, propose the participant set by *creating*
-   ``manifest.json`` (:mod:`.manifest`); the first proposal wins. On timeout ``on_timeout="proceed"``
-   goes on with the replicas present (at least ``min_replicas``), ``"fail"`` raises
-   :class:`StragglerTimeoutError`. A rank that refused its own payload (NaN/inf) and withdrew is named at
-   once (:class:`RoundWithdrawnError` with ``"fail"``; excluded without waiting with ``"proceed"``), and
-   may not join a later round.
-5. Record the manifest in this replica's progress marker, then check the others' markers.
-6. Average in float32 in rank order (:mod:`.reduce`); one participant deletes old rounds in the
-   background.
-
-``exchange="sharded"`` is a reduce-scatter + all-gather under the same rules (:mod:`.sharded`).
+error naming why.** The round's committed manifest is its single source of truth. One round: adopt a
+committed manifest of r if there is one (:class:`RoundExpiredError` when the run has moved past r); create
+this replica's object (:mod:`.codec`, :mod:`.backend`: create-only, immutable); read and validate the
+others'; propose the participant set by creating ``manifest.json`` (:mod:`.manifest`; the first proposal
+wins; ``on_timeout`` decides about stragglers and withdrawn ranks); record it in this replica's progress
+marker and check the others'; average in float32 in rank order (:mod:`.reduce`). ``exchange="sharded"`` is
+a reduce-scatter + all-gather under the same rules (:mod:`.sharded`). Each step in detail: the README's
+"Serverless mode".
 """
 
 from __future__ import annotations
@@ -275,13 +262,8 @@ class ObjectStoreAllReduce(Sharded):
             raise ObjectStoreError(f"round {round_id}: {key} exists but could not be read; retry the round.")
         stored = self.decode(raw, round_id=round_id, rank=self.rank, key=key)
         if stored.tag != own.tag:
-            logger.warning(
-                "round %d: rank %d's object %s was published earlier with other values; it is "
-                "immutable (other replicas may have read it), so this round uses the stored one",
-                round_id,
-                self.rank,
-                key,
-            )
+            msg = "round %d: rank %d's object %s was published earlier with other values; it is immutable (other replicas may have read it), so this round uses the stored one"
+            logger.warning(msg, round_id, self.rank, key)
         return stored, True
 
     def _gather(self, round_id: int, manifest: Manifest, decoded: dict[int, Decoded]) -> dict[int, Decoded]:

@@ -155,9 +155,7 @@ class Sharded(Manifests):
             return sums
         stored = self._load_reduced(round_id, manifest, s, op)
         if stored is None:
-            raise ObjectStoreError(
-                f"round {round_id}: reduced shard {s} exists but could not be read; retry."
-            )
+            raise ObjectStoreError(f"round {round_id}: reduced shard {s} exists but could not be read; retry")
         return stored
 
     def _read_shards(
@@ -202,14 +200,8 @@ class Sharded(Manifests):
                 return found
             if time.monotonic() >= deadline:
                 owner = manifest.ranks[s % len(manifest.ranks)]
-                logger.warning(
-                    "round %d: rank %d wrote no reduced shard %d within timeout_s=%s; rank %d reduces it",
-                    round_id,
-                    owner,
-                    s,
-                    self.timeout_s,
-                    self.rank,
-                )
+                msg = "round %d: rank %d wrote no reduced shard %d within timeout_s=%s; rank %d reduces it"
+                logger.warning(msg, round_id, owner, s, self.timeout_s, self.rank)
                 return None
             self._pause(min(delay, self.poll_interval_s, max(0.0, deadline - time.monotonic())))
             delay *= 2

@@ -1,4 +1,5 @@
-"""PRIME-RL's own loss module, for side-by-side checks (tests, ``bench/bench_composer_loss.py``).
+"""PRIME-RL's own loss module, for side-by-side checks (these tests, ``bench/bench_composer_loss.py``); test
+support, not shipped.
 
 prime-rl is not on the package index. :func:`load_upstream` returns ``(prime_rl.trainer.rl.loss,
 prime_rl.configs.trainer)`` when ``prime_rl`` is importable (the trainer's environment), else loads

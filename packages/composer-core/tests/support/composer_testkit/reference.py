@@ -8,9 +8,8 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import Tensor
-
 from composer_core.loss.config import SDPOOptions
+from torch import Tensor
 
 __all__ = ["naive_jsd"]
 
