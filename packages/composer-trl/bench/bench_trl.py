@@ -116,7 +116,9 @@ def _extras(tmp: str, repeats: int, device: str) -> dict[str, float]:
     tr._compute_loss = capture
     tr.train()
     inp, model = captured["inputs"], tr.model
-    base = tr._base_model(model)
+    from composer_trl.teacher import base_model
+
+    base = base_model(model)
     t = inp["completion_ids"].size(1)
     hint_rows = inp["composer_has_hint"].nonzero().squeeze(-1)
     pair_rows = inp["composer_has_pair"].nonzero().squeeze(-1)

@@ -22,6 +22,7 @@ CASES = [
     {"loss_type": "grpo", "beta": 0.1, "delta": 1.5},
     {"loss_type": "grpo", "epsilon_high": 0.28, "delta": 1.5},
     {"loss_type": "dapo", "gradient_accumulation_steps": 2},
+    {"loss_type": "grpo", "gradient_accumulation_steps": 2},  # TRL's loss / G: composer's objective / G
 ]
 
 

@@ -260,6 +260,7 @@ def test_entropy_opd_wrapper_computes(tmp_path, model_dir, tokenizer, dataset, h
     with_gate = trainer._metrics["train"]["composer/loss/sdpo"][-1]
     trainer.args.sdpo_wrapper = "none"
     trainer.args.entropy_opd_threshold = 0.8  # the gate's option is refused once its wrapper is off
+    trainer.compose_config = trainer.args.compose_config  # the trainer builds its config once
     trainer.compute_loss(trainer.model, inputs)
     plain_jsd = trainer._metrics["train"]["composer/loss/sdpo"][-1]
     assert with_gate > plain_jsd > 0  # threshold 0: every token adds the gated forward KL

@@ -2,11 +2,80 @@
 
 from __future__ import annotations
 
+import dataclasses
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
 import pytest
 import torch
+from composer_core.loss.compose import ComposerBatch
 from composer_core.testing import check_adapter
 from composer_core.testing.conformance import CASES, cases_for
-from composer_trl.loss import CONFORMANCE_SUPPORTS, conformance_compute
+from composer_trl import ComposerGRPOConfig
+from composer_trl.loss import Counts, composer_trl_loss
+from torch import Tensor
+
+CONFORMANCE_SUPPORTS = frozenset(
+    {"policy", "sdpo_full", "sdpo_sampled", "sdpo_topk", "sdpo_compiled", "taid", "entropy_opd", "dpo", "simpo",
+     "global_normalizer"}
+)  # fmt: skip
+"""Conformance tags this adapter implements."""
+
+_RENAMED = {"epsilon_low": "epsilon", "kl_beta": "beta"}
+
+
+def conformance_compute(batch: ComposerBatch, options: Mapping[str, Any]) -> Tensor:
+    """Host-side path for :func:`composer_core.testing.check_adapter`: compose_loss options → a
+    ``ComposerGRPOConfig`` → its ``compose_config`` → :func:`composer_trl_loss` (one process, no accumulation).
+
+    Global normalisers map to the counts the trainer gathers (``normalizer`` → TRL's
+    ``num_items_in_batch``, ``sdpo_normalizer`` → hinted tokens, ``replay_normalizer`` → pairs).
+    """
+    same = {f.name for f in dataclasses.fields(ComposerGRPOConfig)}
+    kwargs: dict[str, Any] = {"alpha_sdpo": 1.0, "beta_replay": 1.0}
+    counts: dict[str, Tensor] = {}
+    taid_t: float | None = None
+    for key, value in options.items():
+        if key in _RENAMED:
+            kwargs[_RENAMED[key]] = value
+        elif key == "sdpo_form":
+            if value not in ("sampled", "full", "topk", "auto"):
+                raise ValueError(
+                    f"sdpo_form={value!r} is not a ComposerGRPOConfig option (full|sampled|topk)."
+                )
+            kwargs["sdpo_form"] = "full" if value == "auto" else value
+        elif key == "taid_t":
+            taid_t = float(value)
+        elif key in ("normalizer", "sdpo_normalizer", "replay_normalizer"):
+            counts[key] = torch.as_tensor(float(value), dtype=torch.float64)
+        elif key in same:  # the same name here as in compose_loss
+            kwargs[key] = value
+        else:
+            raise ValueError(f"compose_loss option {key!r} has no ComposerGRPOConfig counterpart.")
+    if kwargs.get("beta", 0.0) != 0.0:
+        kwargs["use_bias_correction_kl"] = False
+    if kwargs.get("sdpo_wrapper") == "taid":
+        kwargs["max_steps"] = 1000
+    if "normalizer" in counts and kwargs.get("loss_type", "dapo") != "dapo":
+        raise ValueError(
+            "a global policy normalizer maps to TRL's num_items_in_batch, i.e. loss_type='dapo'."
+        )
+    with tempfile.TemporaryDirectory() as tmp:
+        args = ComposerGRPOConfig(
+            output_dir=tmp,
+            report_to="none",
+            use_cpu=True,
+            max_completion_length=batch.logprobs.shape[1],
+            **kwargs,
+        )
+    c = Counts(
+        num_items=counts.get("normalizer"),
+        sdpo_items=counts.get("sdpo_normalizer"),
+        replay_items=counts.get("replay_normalizer"),
+    )
+    loss, _ = composer_trl_loss(batch, args.compose_config, c, taid_t=taid_t)
+    return loss
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

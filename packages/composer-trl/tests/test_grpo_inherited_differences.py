@@ -32,7 +32,7 @@ def test_dapo_policy_normaliser_spans_the_generation_batch() -> None:
         mask.view(-1)[:tokens] = 1
         lp = torch.full((2, 4), -1.0, requires_grad=True)
         batch = ComposerBatch(logprobs=lp, advantages=torch.tensor([1.0, -0.5]), completion_mask=mask)
-        loss, _ = composer_trl_loss(batch, args, counts)
+        loss, _ = composer_trl_loss(batch, args.compose_config, counts)
         per_token = -torch.tensor([[1.0] * 4, [-0.5] * 4])  # on-policy: ratio 1, L = −A
         total = (per_token * mask).sum()
         assert torch.equal(loss.detach(), total / 4.0)  # (5 + 3) / 2: the generation batch's count

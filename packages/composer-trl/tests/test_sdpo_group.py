@@ -11,12 +11,12 @@ import logging
 
 import pytest
 import torch
+from composer_core.sdpo import build_teacher_contexts
 from composer_testkit.teacher_context import check_teacher_context
 from composer_trl import ComposerGRPOConfig
 from composer_trl.cli import main
 from composer_trl.lifecycle import EXIT_USAGE
 from composer_trl.progress import read_jsonl
-from composer_trl.trainer import group_contexts
 
 from .conftest import grpo_args, make_trainer
 
@@ -29,7 +29,15 @@ def test_group_context_conformance_through_the_trainer_config(tmp_path):
         args = ComposerGRPOConfig(
             output_dir=str(tmp_path), use_cpu=True, report_to="none", alpha_sdpo=1.0, **fields
         )
-        ctx = group_contexts(args, prompts, completions, rewards, group_size, feedback)
+        ctx = build_teacher_contexts(  # as the trainer builds them from its config
+            prompts,
+            completions,
+            rewards,
+            group_size,
+            args.teacher_context_options,
+            feedback=feedback,
+            seed=args.seed,
+        )
         return ctx.contexts, ctx.mask
 
     assert len(check_teacher_context(build)) == 5
@@ -130,7 +138,7 @@ def test_unreachable_threshold_warns_once_with_the_group_count(
         tmp_path, beta_replay=0.0, sdpo_teacher_context="success", success_reward_threshold=5.0, max_steps=3
     )
     trainer = make_trainer(AutoModelForCausalLM.from_pretrained(model_dir), tokenizer, dataset, args)
-    caplog.set_level(logging.WARNING, logger="composer_trl.trainer")
+    caplog.set_level(logging.WARNING, logger="composer_trl.teacher")
     trainer.train()
     warnings = [r.getMessage() for r in caplog.records if "success_reward_threshold=5.0" in r.getMessage()]
     assert len(warnings) == 1 and "none of the 2 groups" in warnings[0]
@@ -158,7 +166,7 @@ def test_base_teacher_is_the_frozen_initial_model(tmp_path, model_dir, tokenizer
 def test_peft_ema_teacher_is_an_ema_of_the_adapter_only(tmp_path, model_dir, tokenizer, dataset):
     """PEFT + ema: a frozen second adapter, started as a copy of the student's, follows the closed-form EMA of the
     student's adapter after every step; the base weights stay untouched and the teacher gets no gradient."""
-    from composer_trl.trainer import TEACHER_ADAPTER
+    from composer_trl.teacher import TEACHER_ADAPTER
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, TrainerCallback
 

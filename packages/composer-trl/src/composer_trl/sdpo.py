@@ -27,6 +27,7 @@ from trl.experimental.sdpo import SDPOConfig, SDPOTrainer
 from trl.trainer.utils import get_config_model_id, pad
 
 from composer_trl.config import ComposerGRPOConfig
+from composer_trl.teacher import base_model
 from composer_trl.trainer import ComposerGRPOTrainer
 
 _FORMS = {"sampled_token": "sampled", "full_logits": "full", "topk_logits": "topk"}
@@ -89,9 +90,8 @@ _EXTRAS = [
 def _with_extras(cls: type[Any]) -> type[Any]:
     """Add :data:`_EXTRAS` as fields (composer's type, default and ``--help``)."""
     for f in _EXTRAS:
-        if f.name not in cls.__annotations__:
-            cls.__annotations__[f.name] = f.type
-            setattr(cls, f.name, field(default=f.default, metadata=dict(f.metadata)))
+        cls.__annotations__[f.name] = f.type
+        setattr(cls, f.name, field(default=f.default, metadata=dict(f.metadata)))
     return cls
 
 
@@ -103,8 +103,7 @@ class ComposerSDPOConfig(SDPOConfig):
     ``taid_*``, ``entropy_opd_*``), the kernel options (``sdpo_chunk_size``, ``sdpo_compiled``) and
     ``demo_pick``, at composer's defaults (see :class:`~composer_trl.ComposerGRPOConfig`)."""
 
-    beta_replay: float = 0.0
-    # + every other option of _EXTRAS, added by _with_extras
+    # + every option of _EXTRAS, added by _with_extras
 
     def __post_init__(self) -> None:
         super().__post_init__()  # type: ignore[no-untyped-call]
@@ -177,7 +176,6 @@ class ComposerSDPOTrainer(ComposerGRPOTrainer):
             m: defaultdict(int) for m in ("train", "eval")
         }
         self._last_contexts: TeacherContexts | None = None
-        self._cut_prompts = False
         super().__init__(
             model=model,
             reward_funcs=reward_funcs,
@@ -192,8 +190,9 @@ class ComposerSDPOTrainer(ComposerGRPOTrainer):
         )
         self.temperature = args.temperature
         self._last_loaded_step = getattr(self, "_last_loaded_step", 0)  # GRPOTrainer sets it with vLLM only
-        base = self._base_model(self.model)
-        self.model_kwarg_keys = inspect.signature(base.forward).parameters.keys()  # read by _forward_logits
+        self.model_kwarg_keys = inspect.signature(
+            base_model(self.model).forward
+        ).parameters.keys()  # read by _forward_logits
         self.teacher_client = None
         if self.use_teacher_server:
             from trl.generation.vllm_client import VLLMClient
@@ -203,20 +202,10 @@ class ComposerSDPOTrainer(ComposerGRPOTrainer):
 
     # ------------------------------------------------------------------ generation
 
-    def _generate(self, prompts: list[Any]) -> Any:
-        self._cut_prompts = True  # the policy's prompts (not the teacher's reprompts): SDPOTrainer cuts them
-        try:
-            return super()._generate(prompts)
-        finally:
-            self._cut_prompts = False
-
-    def _tokenize_prompts(self, prompts: list[Any]) -> Any:
-        ids, *rest = super()._tokenize_prompts(prompts)
-        limit = self.sdpo_args.max_prompt_length
-        if self._cut_prompts and limit is not None:
-            self._cut_prompts = False
-            ids = [row[-limit:] for row in ids]
-        return (ids, *rest)
+    def _policy_prompt_ids(self, prompts: list[Any], ids: list[list[int]]) -> list[list[int]]:
+        """SDPOTrainer cuts the policy's prompts (not the teacher's reprompts) to ``max_prompt_length``."""
+        ids, limit = super()._policy_prompt_ids(prompts, ids), self.sdpo_args.max_prompt_length
+        return ids if limit is None else [row[-limit:] for row in ids]
 
     def _log_contexts(self, mode: str, ctx: TeacherContexts) -> None:
         super()._log_contexts(mode, ctx)
@@ -246,17 +235,12 @@ class ComposerSDPOTrainer(ComposerGRPOTrainer):
     def _teacher_events(self, output: dict[str, Any]) -> None:
         """SDPOTrainer's two events with its tensors: the teacher's input (its reprompt, or the plain prompt on a
         row without one, ⊕ the completion), the completion mask and the self-distillation mask."""
-        has = output["composer_has_hint"]
-        pad_id = self._tokenizer.pad_token_id
+        has, pad_id = output["composer_has_hint"], self._tokenizer.pad_token_id
+        rows = zip(
+            *(output[k] for k in ("composer_hint_ids", "composer_hint_mask", "prompt_ids", "prompt_mask"))
+        )
         prompts = [
-            (h_ids[h_m.bool()] if h else p_ids[p_m.bool()])
-            for h, h_ids, h_m, p_ids, p_m in zip(
-                has,
-                output["composer_hint_ids"],
-                output["composer_hint_mask"],
-                output["prompt_ids"],
-                output["prompt_mask"],
-            )
+            h_ids[h_m.bool()] if h else p_ids[p_m.bool()] for h, (h_ids, h_m, p_ids, p_m) in zip(has, rows)
         ]
         ids = pad(prompts, padding_value=pad_id, padding_side="left")
         mask = pad([torch.ones_like(p) for p in prompts], padding_value=0, padding_side="left")
@@ -294,14 +278,14 @@ class ComposerSDPOTrainer(ComposerGRPOTrainer):
                 "policy term learns nothing; check the reward functions or `success_reward_threshold`.",
             )
         ctx = self._last_contexts
-        if self.args.alpha_sdpo > 0:
+        if self.compose_config.alpha_sdpo > 0:
             reprompted = sum(ctx.mask) / max(1, len(ctx.mask)) if ctx is not None else 0.0
             checks["inactive_self_distillation"] = (
                 reprompted <= tol,
                 "SDPO self-distillation is inactive because no reprompted samples were constructed: no rollout "
                 "reached `success_reward_threshold` and no environment feedback was used.",
             )
-            if self.args.teacher_context_options.uses_success:
+            if self.teacher_context.uses_success:
                 succeeded = ctx.groups_with_success / max(1, ctx.groups) if ctx is not None else 0.0
                 checks["no_successful_rollouts"] = (
                     succeeded <= tol,
