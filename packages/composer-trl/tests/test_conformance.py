@@ -74,7 +74,7 @@ def conformance_compute(batch: ComposerBatch, options: Mapping[str, Any]) -> Ten
         sdpo_items=counts.get("sdpo_normalizer"),
         replay_items=counts.get("replay_normalizer"),
     )
-    loss, _ = composer_trl_loss(batch, args.compose_config, c, taid_t=taid_t)
+    loss, _ = composer_trl_loss(batch, args.compose_config, c, taid_now=taid_t)
     return loss
 
 

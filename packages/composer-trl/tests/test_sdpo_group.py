@@ -229,16 +229,18 @@ def test_composer_train_bad_template_is_one_line_exit_2_before_output(tmp_path, 
     assert not out.exists() or not any(out.iterdir())
 
 
-def test_channel_without_inputs_is_one_line_exit_2_nothing_written(tmp_path, capsys, monkeypatch):
-    """A dataset with only `prompt`, channel 2 set on with the hint context: one line, exit 2, nothing written (it
-    used to print a 21-line traceback, exit 1 and leave trainer-composer/). The trainer checks each channel's inputs
-    once, at construction; composer-train reports its refusal and removes what the construction wrote."""
+def test_channel_without_inputs_is_one_line_exit_2_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """A dataset with only `prompt`, channel 2 set on with the hint context: one line, exit 2, no model loaded,
+    nothing written (it used to load the model, print a 21-line traceback, exit 1 and leave trainer-composer/)."""
+    import composer_trl.job as job
+
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}{i}{i}>"}) + "\n" for i in range(10)))
     (tmp_path / "my_reward.py").write_text(
         "def f(completions, **kw):\n    return [0.0 for _ in completions]\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(job, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     out = tmp_path / "run"
     argv = ["--dataset_name", str(data), "--reward_funcs", "my_reward:f", "--output_dir", str(out)]
     assert main([*argv, "--alpha_sdpo", "1", "--beta_replay", "0"]) == EXIT_USAGE

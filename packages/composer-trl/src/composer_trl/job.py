@@ -90,6 +90,14 @@ class Job:
         hints = env is not None or self.recipe.dataset is None or self.hint is not None
         chosen, self.channel_line = choose_channels(trainer, set(self.dataset.column_names), hints=hints)
         self.config = self._config({**trainer, **chosen})
+        from composer_trl.trainer import check_channel_inputs, dataset_columns
+
+        try:  # before the model loads; the trainer finds this config and these columns checked
+            check_channel_inputs(
+                self.config, dataset_columns(self.dataset), hint_fn=self._hint_fn() is not None
+            )
+        except ValueError as e:
+            raise UsageError(str(e).strip().splitlines()[0]) from e
 
     def _config(self, trainer: dict[str, Any]) -> Any:
         from composer_trl.config import ComposerGRPOConfig
@@ -145,19 +153,26 @@ class Job:
         teacher = c.alpha_sdpo > 0 and c.teacher_weights_options.sdpo_teacher != "live"
         return (TEACHER_STATE_FILE,) if teacher else ()
 
+    def _hint_fn(self) -> Any:
+        """The hint callable the trainer gets (None: none is read)."""
+        from composer_core.tasks.digit_reversal import reverse_hints
+
+        c = self.config
+        if c.alpha_sdpo == 0 or c.teacher_context_options.sdpo_teacher_context == "success":
+            return None
+        embedded = self.recipe.dataset is None and self.recipe.env is None
+        return self.hint or (reverse_hints if embedded else None)
+
     def make_trainer(self, model: Any, tok: Any) -> Any:
         """``ComposerGRPOTrainer`` over the checked data (it checks each channel's inputs, once)."""
-        from composer_core.tasks.digit_reversal import reverse_hints, reverse_reward
+        from composer_core.tasks.digit_reversal import reverse_reward
         from trl import get_peft_config
 
         from composer_trl.trainer import ComposerGRPOTrainer
 
-        c, extra = self.config, {}
-        if c.alpha_sdpo > 0 and c.teacher_context_options.sdpo_teacher_context != "success":
-            embedded = self.recipe.dataset is None and self.recipe.env is None
-            hint = self.hint or (reverse_hints if embedded else None)
-            if hint is not None:
-                extra["hint_fn"] = hint
+        c, extra, hint = self.config, {}, self._hint_fn()
+        if hint is not None:
+            extra["hint_fn"] = hint
         peft_config = get_peft_config(model_config(self.recipe))  # TRL's own LoRA config (--use_peft ...)
         if peft_config is not None:
             extra["peft_config"] = peft_config

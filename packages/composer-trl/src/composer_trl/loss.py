@@ -47,7 +47,7 @@ def _window(count: Tensor | None, c: Counts, accumulation: int) -> Tensor | None
 
 
 def composer_trl_loss(
-    batch: ComposerBatch, config: ComposeConfig, counts: Counts, *, taid_t: float | None = None
+    batch: ComposerBatch, config: ComposeConfig, counts: Counts, *, taid_now: float | None = None
 ) -> tuple[Tensor, ComposeResult]:
     """``loss = w_policy · policy + alpha_sdpo · sdpo + beta_replay · replay`` for one micro-batch, weighted once,
     by :func:`~composer_core.loss.compose.compose_loss`.
@@ -57,12 +57,13 @@ def composer_trl_loss(
     objective, its sdpo and replay normalisers then spanning processes and steps per generation but not G (so
     each channel still weighs Σ / its global count). Returns the loss to backpropagate and the
     :class:`~composer_core.loss.compose.ComposeResult` whose ``total``, ``policy``, ``sdpo`` and ``replay`` are
-    the loss's terms (unweighted channel values on that same scale).
+    the loss's terms (unweighted channel values on that same scale). ``taid_now``: TAID's interpolation t at this
+    step (its schedule moves it every optimiser step; the option ``taid_t`` is where it starts).
     """
     window = config.policy.loss_type in WINDOW_LOSS_TYPES
     span = counts.accumulation if window else 1  # the accumulation steps the normalisers span
     if isinstance(config.sdpo.wrapper, TAID):  # TAID's t moves every optimiser step
-        config = replace(config, sdpo=replace(config.sdpo, wrapper=replace(config.sdpo.wrapper, t=taid_t)))
+        config = replace(config, sdpo=replace(config.sdpo, wrapper=replace(config.sdpo.wrapper, t=taid_now)))
     result = compose_loss(
         batch,
         config,

@@ -93,10 +93,7 @@ class ComposerGRPOTrainer(ReplayPairs):
         super().__init__(**kwargs)
         self.hint_fn = hint_fn
         self.compose_config = self.args.compose_config  # composer_core's typed config: built once, here
-        names = getattr(self.train_dataset, "column_names", None)  # None: unknown (an iterable dataset)
-        columns = (
-            None if names is None else set(names) | {n for n, alias in ALIASES.items() if alias in names}
-        )
+        columns = dataset_columns(self.train_dataset)
         check_channel_inputs(self.args, columns, hint_fn=hint_fn is not None)
         self._setup_replay(columns)
         self._setup_sdpo()
@@ -227,7 +224,7 @@ class ComposerGRPOTrainer(ReplayPairs):
             steps_per_generation=int(a.steps_per_generation or 1) if training else 1,  # GRPOConfig sets it
         )
         loss, result = composer_trl_loss(
-            batch, c, counts, taid_t=None if self._taid is None else self._taid.t
+            batch, c, counts, taid_now=None if self._taid is None else self._taid.t
         )
         if training and a.log_channel_grad_norms and logs_this_step(self):
             self._log_channel_grad_norms(model, result)
@@ -280,12 +277,27 @@ def _with_composer_config(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict
     return kwargs
 
 
+def dataset_columns(dataset: Any) -> set[str] | None:
+    """A dataset's columns under their composer names (None: unknown, e.g. an iterable dataset)."""
+    names = getattr(dataset, "column_names", None)
+    return None if names is None else set(names) | {n for n, alias in ALIASES.items() if alias in names}
+
+
 def check_channel_inputs(args: ComposerGRPOConfig, columns: set[str] | None, *, hint_fn: bool) -> None:
     """Raise ``ValueError`` (one line naming the option and the fix) for a channel whose weight is > 0 but whose
     inputs a dataset with ``columns`` (None: unknown, e.g. an iterable dataset) and ``hint_fn`` cannot provide.
-    The trainer runs it at construction."""
+    The trainer runs it at construction; composer-train runs it before the model loads, and the trainer then finds
+    the same config and columns checked (the check runs once per run)."""
     a, cols, ctx = args, columns, args.teacher_context_options
-    if cols is None:
+    key = (
+        frozenset(cols or ()),
+        hint_fn,
+        a.alpha_sdpo,
+        a.beta_replay,
+        ctx.sdpo_teacher_context,
+        a.replay_pairs,
+    )
+    if cols is None or getattr(a, "_composer_inputs_checked", None) == key:
         return
     if a.alpha_sdpo > 0 and not hint_fn and ctx.sdpo_teacher_context == "hint" and not cols & HINT_COLUMNS:
         raise ValueError(
@@ -306,3 +318,4 @@ def check_channel_inputs(args: ComposerGRPOConfig, columns: set[str] | None, *, 
             f"beta_replay={a.beta_replay} needs `chosen` and `rejected` dataset columns (the teacher trace and "
             f"the trace it beats); the dataset has {sorted(cols)}. Add them or set beta_replay=0."
         )
+    a._composer_inputs_checked = key  # type: ignore[attr-defined]
