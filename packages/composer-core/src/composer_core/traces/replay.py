@@ -31,16 +31,9 @@ from .replay_cache import ReplayCache
 from .schema import Message, canonical_json, message_from_dict, state_hash
 
 __all__ = [
-    "DEFAULT_MAX_RESPONSE_BYTES",
-    "ReplayCache",
-    "ReplayJob",
-    "ReplayResult",
-    "Replayer",
-    "TeacherConfig",
-    "TeacherStats",
-    "load_teachers",
-    "redact",
-]
+    "DEFAULT_MAX_RESPONSE_BYTES", "ReplayCache", "ReplayJob", "ReplayResult", "Replayer", "TeacherConfig",
+    "TeacherStats", "load_teachers", "redact",
+]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
