@@ -93,13 +93,8 @@ class TeacherConfig:
                 raise ValueError(f"teacher {attr} must be a non-empty string")
         if not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"teacher {self.name!r}: base_url must start with http:// or https://")
-        for attr in (
-            "input_cost_per_mtok",
-            "output_cost_per_mtok",
-            "timeout_s",
-            "backoff_base_s",
-            "backoff_max_s",
-        ):
+        for attr in ("input_cost_per_mtok", "output_cost_per_mtok", "timeout_s", "backoff_base_s",
+                     "backoff_max_s"):  # fmt: skip
             v = getattr(self, attr)
             if not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"teacher {self.name!r}: {attr} must be a finite number >= 0, got {v!r}")
