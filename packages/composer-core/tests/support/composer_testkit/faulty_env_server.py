@@ -20,6 +20,7 @@ if __name__ == "__main__":  # no Gradio web UI, as the real server when run as _
 
 from composer_core.envs import openenv_digit_reversal as srv
 from fastapi import FastAPI, WebSocket, WebSocketDisconnect
+from openenv.core.env_server import HTTPEnvServer
 
 FAULTS = ("none", "slow", "garbage", "schema")
 
@@ -38,7 +39,7 @@ def _faulty_ws(fault: str) -> None:
     """A session WebSocket that answers garbage (registered before OpenEnv's, so it wins the route)."""
     schema = {"type": "observation", "data": {"observation": "oops", "reward": "high", "done": "maybe"}}
     answer = "<html>502 Bad Gateway</html>" if fault == "garbage" else json.dumps(schema)
-    register = srv.HTTPEnvServer.register_routes
+    register = HTTPEnvServer.register_routes
 
     def register_faulty(self: Any, app: FastAPI, *args: Any, **kwargs: Any) -> Any:
         @app.websocket("/ws")
@@ -51,7 +52,7 @@ def _faulty_ws(fault: str) -> None:
 
         return register(self, app, *args, **kwargs)
 
-    srv.HTTPEnvServer.register_routes = register_faulty  # type: ignore[method-assign]
+    HTTPEnvServer.register_routes = register_faulty
 
 
 def main(argv: list[str] | None = None) -> None:
