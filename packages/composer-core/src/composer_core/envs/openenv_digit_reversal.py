@@ -14,19 +14,12 @@ task's hint, ``".8.|"``). The environment also implements OpenEnv's Task API (``
 ``num_tasks``, ``get_task``, ``get_task_range``, ``list_tasks``): each task spec is
 ``{"id", "index", "split", "prompt", "reference", "rejected"}``, which is how
 :class:`composer_core.envs.openenv.OpenEnvEnvironment` learns the prompts and the reference answers.
-
-``--fault`` runs a faulty server for tests of the client's fault handling: ``slow`` (every step sleeps
-``--slow-s`` seconds), ``garbage`` (the session WebSocket answers non-JSON), ``schema`` (it answers JSON of the
-wrong shape). Reset, the Task API and ``/health`` stay healthy in every mode.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import sys
-import time
 from dataclasses import replace
 from typing import Any
 
@@ -35,23 +28,18 @@ if __name__ == "__main__":
     # fallback when gradio is absent), and skipping it starts the server in a third of the time.
     sys.modules.setdefault("gradio", None)  # type: ignore[arg-type]
 
-from fastapi import FastAPI, WebSocket, WebSocketDisconnect
+from fastapi import FastAPI
 from openenv.core.env_server import Action, Environment, HTTPEnvServer, Observation, State
 
 from .base import EnvTask
 from .digit_reversal import SPLIT_SEEDS, DigitReversalEnv, DigitReversalSession
 
 __all__ = [
-    "ENV_NAME",
-    "DigitReversalAction",
-    "DigitReversalObservation",
-    "DigitReversalOpenEnv",
-    "build_app",
+    "ENV_NAME", "DigitReversalAction", "DigitReversalObservation", "DigitReversalOpenEnv", "build_app",
     "main",
-]
+]  # fmt: skip
 
 ENV_NAME = "digit_reversal"
-FAULTS = ("none", "slow", "garbage", "schema")
 
 
 class DigitReversalAction(Action):
@@ -85,7 +73,6 @@ class DigitReversalOpenEnv(Environment[DigitReversalAction, DigitReversalObserva
 
     SUPPORTS_CONCURRENT_SESSIONS = True
     config: DigitReversalEnv = DigitReversalEnv()
-    slow_s: float = 0.0
 
     def __init__(self) -> None:
         super().__init__()
@@ -114,8 +101,6 @@ class DigitReversalOpenEnv(Environment[DigitReversalAction, DigitReversalObserva
     ) -> DigitReversalObservation:
         if self._session is None:
             raise RuntimeError("step before reset: call reset(split=..., index=...) first")
-        if self.slow_s > 0:
-            time.sleep(self.slow_s)
         result = self._session.step(action.answer)
         self._state = State(episode_id=self._state.episode_id, step_count=self._state.step_count + 1)
         return DigitReversalObservation(
@@ -157,36 +142,11 @@ class DigitReversalOpenEnv(Environment[DigitReversalAction, DigitReversalObserva
         return self.get_task_range(split)
 
 
-def _faulty_ws(app: FastAPI, fault: str) -> None:
-    """A session WebSocket that answers garbage (registered before OpenEnv's, so it wins the route)."""
-    schema = {"type": "observation", "data": {"observation": "oops", "reward": "high", "done": "maybe"}}
-    answer = "<html>502 Bad Gateway</html>" if fault == "garbage" else json.dumps(schema)
-
-    @app.websocket("/ws")
-    async def faulty(websocket: WebSocket) -> None:
-        await websocket.accept()
-        with contextlib.suppress(WebSocketDisconnect):
-            while True:
-                await websocket.receive_text()
-                await websocket.send_text(answer)
-
-
-def build_app(
-    *, fault: str = "none", slow_s: float = 30.0, max_concurrent_envs: int = 64, **env: Any
-) -> FastAPI:
+def build_app(*, max_concurrent_envs: int = 64, **env: Any) -> FastAPI:
     """The FastAPI app: OpenEnv's :class:`HTTPEnvServer` routes for :class:`DigitReversalOpenEnv` serving
     ``DigitReversalEnv(**env)`` (``n_tasks``, ``min_digits``, ``max_digits``, ``seed``, ``max_attempts``)."""
-    if fault not in FAULTS:
-        raise ValueError(f"--fault must be one of {FAULTS}, got {fault!r}")
-    config = DigitReversalEnv(**env)
-    env_cls = type(
-        "DigitReversalOpenEnv",
-        (DigitReversalOpenEnv,),
-        {"config": config, "slow_s": slow_s if fault == "slow" else 0.0},
-    )
+    env_cls = type("DigitReversalOpenEnv", (DigitReversalOpenEnv,), {"config": DigitReversalEnv(**env)})
     app = FastAPI(title="composer digit-reversal (OpenEnv)")
-    if fault in ("garbage", "schema"):
-        _faulty_ws(app, fault)
     server = HTTPEnvServer(
         env_cls,
         DigitReversalAction,
@@ -207,8 +167,6 @@ def main(argv: list[str] | None = None) -> None:
     defaults = DigitReversalEnv()
     for name in ("n_tasks", "min_digits", "max_digits", "seed", "max_attempts"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
-    p.add_argument("--fault", choices=FAULTS, default="none", help="a faulty server, for tests")
-    p.add_argument("--slow-s", type=float, default=30.0, help="seconds every step sleeps with --fault slow")
     kw = vars(p.parse_args(argv))
     host, port = kw.pop("host"), kw.pop("port")
     import uvicorn

@@ -1,29 +1,12 @@
 """N-teacher replay: ask OpenAI-compatible chat-completions endpoints for the next action.
 
-Every configured teacher is asked ``POST {base_url}/chat/completions`` at each student state (the
-messages before one of the student's assistant turns). Guarantees:
-
-- **Bounded concurrency**: ``max_concurrency`` requests in flight overall, ``TeacherConfig.max_concurrency``
-  per teacher; every request has a deadline (``timeout_s``).
-- **Retries**: 408/409/429, 5xx, timeouts, connection errors, malformed JSON and responses without a
-  well-typed ``choices[0].message`` are retried up to ``max_retries`` times, sleeping U(d/2, d) with
-  ``d = min(backoff_max_s, backoff_base_s·2^attempt)`` (at least ``Retry-After``, capped by
-  ``backoff_max_s``). Other 4xx are not retried.
-- **Failures are recorded, never dropped**: a request that finally fails yields a :class:`ReplayResult`
-  with ``failure`` set; a malformed response fails that request only, never the run. Bodies past
-  ``max_response_bytes`` (default 8 MiB, also a declared ``Content-Length``) are a non-retried failure.
-- **Cache**: every answer is written atomically to ``cache_dir`` as it arrives, keyed by SHA-256 over
-  (teacher name, model, state hash, sampling parameters), so a rerun (also after ``kill -9``) never pays
-  for it again; identical requests within one run are sent once. Unanswered requests are not cached; an
-  unusable answer is cached and reported as a failure. Cache paths never leave ``cache_dir``.
-- **Accounting** per teacher (:class:`TeacherStats`): requests, cache hits, retries, failures, tokens
-  (from ``usage``) and cost. A missing, non-numeric, negative, non-finite or absurd (>= 1e15) count is
-  *unknown*: None on the result, counted in ``usage_unknown``, left out of the totals.
-- **Keys** come from the variable named by ``api_key_env`` at request time and are never stored
-  (``teachers.toml`` refuses ``api_key``). Everything taken from a response is redacted *before* it is
-  cut: every run of >= 8 characters of the key, its URL-encoded, JSON and base64 forms becomes ``***``.
-
-Requires the ``replay`` extra (``pip install 'composer-core[replay]'``, httpx).
+Every configured teacher is asked ``POST {base_url}/chat/completions`` at each student state, with bounded
+concurrency (overall and per teacher), a deadline per request, retries with jittered exponential backoff
+(:meth:`Replayer.backoff`; 408/409/429, 5xx, timeouts, connection errors and malformed answers), failures
+recorded never dropped, an atomic on-disk cache (:class:`ReplayCache`: a rerun never pays twice), per-teacher
+accounting (:class:`TeacherStats`), keys read from ``api_key_env`` at request time and redacted from everything
+taken from a response before it is cut. The guarantees in full: the package README's "Traces, hints and
+teacher replay" and "Reliability". Requires the ``replay`` extra (httpx).
 """
 
 from __future__ import annotations
@@ -48,16 +31,9 @@ from .replay_cache import ReplayCache
 from .schema import Message, canonical_json, message_from_dict, state_hash
 
 __all__ = [
-    "DEFAULT_MAX_RESPONSE_BYTES",
-    "ReplayCache",
-    "ReplayJob",
-    "ReplayResult",
-    "Replayer",
-    "TeacherConfig",
-    "TeacherStats",
-    "load_teachers",
-    "redact",
-]
+    "DEFAULT_MAX_RESPONSE_BYTES", "ReplayCache", "ReplayJob", "ReplayResult", "Replayer", "TeacherConfig",
+    "TeacherStats", "load_teachers", "redact",
+]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -117,13 +93,8 @@ class TeacherConfig:
                 raise ValueError(f"teacher {attr} must be a non-empty string")
         if not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"teacher {self.name!r}: base_url must start with http:// or https://")
-        for attr in (
-            "input_cost_per_mtok",
-            "output_cost_per_mtok",
-            "timeout_s",
-            "backoff_base_s",
-            "backoff_max_s",
-        ):
+        for attr in ("input_cost_per_mtok", "output_cost_per_mtok", "timeout_s", "backoff_base_s",
+                     "backoff_max_s"):  # fmt: skip
             v = getattr(self, attr)
             if not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"teacher {self.name!r}: {attr} must be a finite number >= 0, got {v!r}")

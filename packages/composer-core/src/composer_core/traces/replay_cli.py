@@ -7,15 +7,8 @@ only faulty ones), builds a hinted teacher context at each faulty turn and prefe
 :class:`~composer_core.traces.records.TraceRecord` rows. Failed requests go to ``<out>.failures.jsonl``,
 per-teacher accounting to ``<out>.summary.json`` and the terminal.
 
-Exit status (with 0, 3 and 4 all outputs are written first):
-
-- 0: done; at most ``--max-failure-rate`` of the teacher requests failed
-- 1: an unexpected error (a traceback)
-- 2: bad arguments or input (one line naming the argument); also, before any request or output, the
-  ``replay`` extra (httpx) is not installed, ``--teachers`` is not a valid teachers.toml (``api_key_env = ""``
-  included), or a teacher's ``api_key_env`` variable is unset, empty or blank
-- 3: every teacher request failed (nothing usable came back: check keys, URLs, the endpoints)
-- 4: more than ``--max-failure-rate`` (default 0.5) of the teacher requests failed
+Exit status: 0 done, 1 unexpected error, 2 bad arguments or input (one line, before any request or output),
+3 every teacher request failed, 4 more than ``--max-failure-rate`` failed (details: ``--help``, the README).
 """
 
 from __future__ import annotations
@@ -406,10 +399,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if teachers:
         cache = Path(args.cache_dir) if args.cache_dir else out.with_name(out.name + ".cache")
         replayer = Replayer(
-            teachers,
-            cache,
-            max_concurrency=args.max_concurrency,
-            max_response_bytes=args.max_response_bytes,
+            teachers, cache, max_concurrency=args.max_concurrency, max_response_bytes=args.max_response_bytes
         )
     hint = _hint_source(args.hint, args.hint_template, replayer)
     tokenizer = _load_tokenizer(args.tokenizer, args.trust_remote_code) if args.tokenizer else None

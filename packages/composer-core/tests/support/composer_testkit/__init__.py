@@ -5,6 +5,7 @@ puts ``packages/composer-core/tests/support`` on ``sys.path`` itself. See CONTRI
 
 - :mod:`composer_testkit.teacher_server`: a deterministic chat-completions server on 127.0.0.1 with faults.
 - :mod:`composer_testkit.env_server`: the digit-reversal OpenEnv server as a real process (needs openenv).
+- :mod:`composer_testkit.faulty_env_server`: that server with a fault (slow, garbage, wrong schema).
 - :mod:`composer_testkit.teacher_context`: the SDPO teacher-context case every adapter's suite runs.
 - :mod:`composer_testkit.host_reads`: record aten operators to show a path reads nothing to the host.
 - :mod:`composer_testkit.reference`: naive, fully materialised reference formulas.

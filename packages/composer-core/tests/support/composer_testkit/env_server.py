@@ -1,6 +1,7 @@
 """A real OpenEnv environment server process for tests (``composer-core[openenv]``; pytest-free).
 
-:class:`EnvServerProcess` runs ``python -m composer_core.envs.openenv_digit_reversal`` on a free port and waits,
+:class:`EnvServerProcess` runs ``python -m composer_core.envs.openenv_digit_reversal`` (or, given ``--fault``,
+:mod:`composer_testkit.faulty_env_server`, which wraps it) on a free port and waits,
 bounded by ``startup_s``, until its ``/health`` answers (``start(wait=False)`` then :meth:`~EnvServerProcess.wait_ready`
 boots several in parallel). A server that exits during startup is restarted on another port, at most
 ``retries`` times; one not up by the deadline is killed and reported with the tail of its log.
@@ -19,6 +20,7 @@ from pathlib import Path
 __all__ = ["EnvServerProcess", "free_port"]
 
 MODULE = "composer_core.envs.openenv_digit_reversal"
+FAULTY = str(Path(__file__).with_name("faulty_env_server.py"))
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -46,7 +48,8 @@ class EnvServerProcess:
 
     def _spawn(self) -> None:
         self.port = free_port(self.host)
-        cmd = [sys.executable, "-m", MODULE, "--host", self.host, "--port", str(self.port), *self.args]
+        run = [FAULTY] if "--fault" in self.args else ["-m", MODULE]
+        cmd = [sys.executable, *run, "--host", self.host, "--port", str(self.port), *self.args]
         with self._log.open("ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
