@@ -18,8 +18,24 @@ from .registry import known_schemes, load_env
 from .trl_funcs import EnvScorer, env_dataset_rows, env_hint_func, env_reward_func, scorer_for
 
 __all__ = [
-    "DigitReversalEnv", "EnvEpisode", "EnvError", "EnvScorer", "EnvSession", "EnvTask", "Environment",
-    "StepResult", "env_dataset_rows", "env_hint_func", "env_reward_func", "episode_error_sites",
-    "episode_from_steps", "episode_records", "feedback_hint", "known_schemes", "load_env", "prompt_messages",
-    "run_episode", "scorer_for",
-]  # fmt: skip
+    "DigitReversalEnv",
+    "EnvEpisode",
+    "EnvError",
+    "EnvScorer",
+    "EnvSession",
+    "EnvTask",
+    "Environment",
+    "StepResult",
+    "env_dataset_rows",
+    "env_hint_func",
+    "env_reward_func",
+    "episode_error_sites",
+    "episode_from_steps",
+    "episode_records",
+    "feedback_hint",
+    "known_schemes",
+    "load_env",
+    "prompt_messages",
+    "run_episode",
+    "scorer_for",
+]

@@ -30,9 +30,13 @@ from composer_core.traces.schema import Episode, ErrorSite, Message
 from .base import EnvError, Environment, EnvSession, EnvTask, StepResult, prompt_messages
 
 __all__ = [
-    "EnvEpisode", "episode_error_sites", "episode_from_steps", "episode_records", "feedback_hint",
+    "EnvEpisode",
+    "episode_error_sites",
+    "episode_from_steps",
+    "episode_records",
+    "feedback_hint",
     "run_episode",
-]  # fmt: skip
+]
 
 T = TypeVar("T")
 _COUNTER = itertools.count()

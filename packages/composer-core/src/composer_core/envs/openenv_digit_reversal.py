@@ -35,9 +35,13 @@ from .base import EnvTask
 from .digit_reversal import SPLIT_SEEDS, DigitReversalEnv, DigitReversalSession
 
 __all__ = [
-    "ENV_NAME", "DigitReversalAction", "DigitReversalObservation", "DigitReversalOpenEnv", "build_app",
+    "ENV_NAME",
+    "DigitReversalAction",
+    "DigitReversalObservation",
+    "DigitReversalOpenEnv",
+    "build_app",
     "main",
-]  # fmt: skip
+]
 
 ENV_NAME = "digit_reversal"
 

@@ -30,10 +30,22 @@ if TYPE_CHECKING:  # pragma: no cover
     from .replay import Replayer
 
 __all__ = [
-    "HintJob", "HintSource", "HintedContext", "TeacherHint", "TemplateHint", "TokenizedHinted",
-    "build_hinted_context", "error_text_hint", "hint_jobs", "hint_token_span", "load_hint_fn",
-    "render_completion", "render_plain", "tokenize_completion", "tokenize_hinted",
-]  # fmt: skip
+    "HintJob",
+    "HintSource",
+    "HintedContext",
+    "TeacherHint",
+    "TemplateHint",
+    "TokenizedHinted",
+    "build_hinted_context",
+    "error_text_hint",
+    "hint_jobs",
+    "hint_token_span",
+    "load_hint_fn",
+    "render_completion",
+    "render_plain",
+    "tokenize_completion",
+    "tokenize_hinted",
+]
 
 HintSource = Callable[[Episode, ErrorSite], str]
 T = TypeVar("T")

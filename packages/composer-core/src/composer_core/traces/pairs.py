@@ -22,9 +22,14 @@ from .replay import ReplayResult
 from .schema import Episode, Message, canonical_json, state_hash
 
 __all__ = [
-    "PreferencePair", "Verifier", "action_key", "action_length", "filter_pairs", "make_pair",
+    "PreferencePair",
+    "Verifier",
+    "action_key",
+    "action_length",
+    "filter_pairs",
+    "make_pair",
     "normalize_text",
-]  # fmt: skip
+]
 
 Verifier = Callable[[Episode, int, Message], bool]
 _WS = re.compile(r"\s+")

@@ -22,8 +22,13 @@ from typing import Any
 from .schema import Message, _json_lines, message_from_dict
 
 __all__ = [
-    "MESSAGE_COLUMNS", "TraceRecord", "read_records", "records_from_rows", "validate_record", "write_records",
-]  # fmt: skip
+    "MESSAGE_COLUMNS",
+    "TraceRecord",
+    "read_records",
+    "records_from_rows",
+    "validate_record",
+    "write_records",
+]
 
 MESSAGE_COLUMNS = ("prompt", "completion", "tools", "teacher_prompt", "chosen", "rejected")
 

@@ -31,9 +31,16 @@ from .replay_cache import ReplayCache
 from .schema import Message, canonical_json, message_from_dict, state_hash
 
 __all__ = [
-    "DEFAULT_MAX_RESPONSE_BYTES", "ReplayCache", "ReplayJob", "ReplayResult", "Replayer", "TeacherConfig",
-    "TeacherStats", "load_teachers", "redact",
-]  # fmt: skip
+    "DEFAULT_MAX_RESPONSE_BYTES",
+    "ReplayCache",
+    "ReplayJob",
+    "ReplayResult",
+    "Replayer",
+    "TeacherConfig",
+    "TeacherStats",
+    "load_teachers",
+    "redact",
+]
 
 log = logging.getLogger(__name__)
 

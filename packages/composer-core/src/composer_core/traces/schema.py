@@ -23,10 +23,22 @@ ROLES: tuple[Role, ...] = ("system", "user", "assistant", "tool")
 ErrorKind = Literal["tool_error", "test_failure", "exit_code", "env_feedback"]
 
 __all__ = [
-    "Episode", "ErrorKind", "ErrorSite", "Message", "Role", "ToolCall", "canonical_json", "episode_from_dict",
-    "find_error_sites", "message_from_dict", "read_claude_code_jsonl", "read_openai_jsonl", "read_traces",
-    "state_hash", "write_openai_jsonl",
-]  # fmt: skip
+    "Episode",
+    "ErrorKind",
+    "ErrorSite",
+    "Message",
+    "Role",
+    "ToolCall",
+    "canonical_json",
+    "episode_from_dict",
+    "find_error_sites",
+    "message_from_dict",
+    "read_claude_code_jsonl",
+    "read_openai_jsonl",
+    "read_traces",
+    "state_hash",
+    "write_openai_jsonl",
+]
 
 
 def canonical_json(value: Any) -> str:
