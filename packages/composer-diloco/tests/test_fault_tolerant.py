@@ -39,7 +39,7 @@ def test_sigkill_one_replica_others_continue_and_restart_rejoins(tmp_path: Path)
     ]
     lighthouse = {"min_replicas": 1, "join_timeout_ms": 10000, "heartbeat_timeout_ms": 1000}
     with FaultTolerantLauncher(
-        TOY_TARGET_FT, kwargs, lighthouse_kwargs=lighthouse, workdir=tmp_path
+        "ft_targets:gated_ft_replica", kwargs, lighthouse_kwargs=lighthouse, workdir=tmp_path, env=TESTS_ENV
     ) as launcher:
         launcher.start()
         for i in (0, 1):  # both heartbeat before anyone asks for a quorum: the first quorum has both
@@ -50,7 +50,7 @@ def test_sigkill_one_replica_others_continue_and_restart_rejoins(tmp_path: Path)
         assert killed.exit_code == -signal.SIGKILL
         # the survivor goes on alone (a quorum of one) through syncs 3 and 4, then waits at a gate
         launcher.wait_for_log(0, r"sync 4 done participants=1", timeout_s=60)
-        launcher.replica_kwargs[1] = common
+        launcher.replica_kwargs[1] = common  # no gate beyond the start
         launcher.restart(1)
         launcher.wait_for_log(1, r"start_quorum at step 0", timeout_s=120)
         time.sleep(0.5)  # its quorum request reaches the Lighthouse

@@ -254,11 +254,8 @@ class RayExecutor:
                 code, value, log = ray.get(ref, timeout=left)
             except ray.exceptions.GetTimeoutError:
                 ray.cancel(ref, force=True)
-                code, value, log = (
-                    -9,
-                    None,
-                    f"[composer-diloco] replica {rank} cancelled after timeout_s={timeout_s}",
-                )
+                log = f"[composer-diloco] replica {rank} cancelled after timeout_s={timeout_s}"
+                code, value = -9, None
             except ray.exceptions.RayError as exc:  # the worker process died
                 code, value, log = -1, None, str(exc)[-LOG_TAIL_CHARS:]
             results.append(ReplicaResult(rank, code, value, log, None, time.monotonic() - start))

@@ -6,8 +6,6 @@ return plain lists and print ``sync <n> done`` after every committed sync.
 
 from __future__ import annotations
 
-import os
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -53,11 +51,8 @@ def run_toy(
     diloco: dict[str, Any],
     inner: str = "adamw",
     inner_lr: float = 1e-2,
-    step_sleep_s: float = 0.0,
-    gates: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Build model/optimiser, call ``manager_factory(load_fn, save_fn)``, train, return lists. ``gates``
-    maps a global step (a string) to a file the replica waits for after reaching that step."""
+    """Build model/optimiser, call ``manager_factory(load_fn, save_fn)``, train, return lists."""
     config = DiLoCoConfig.from_dict(diloco)
     if inner not in ("adamw", "sgd"):
         raise ValueError(f"inner optimiser must be 'adamw' or 'sgd', got {inner!r}.")
@@ -77,21 +72,6 @@ def run_toy(
 
     manager, cleanup = manager_factory(load, save)
     print(f"manager ready at step {manager.current_step()}", flush=True)
-    gates = dict(gates or {})
-
-    def wait_gate(step: int) -> None:
-        path = gates.pop(str(step), None)
-        while path is not None and not os.path.exists(path):
-            time.sleep(0.05)
-
-    start_quorum = manager.start_quorum
-
-    def logged_start_quorum(*args: Any, **kwargs: Any) -> Any:
-        print(f"start_quorum at step {manager.current_step()}", flush=True)
-        return start_quorum(*args, **kwargs)
-
-    manager.start_quorum = logged_start_quorum
-    wait_gate(0)
     participants: list[int] = []
     synced_steps: list[int] = []
 
@@ -103,9 +83,6 @@ def run_toy(
                 f"sync {manager.current_step()} done participants={participants[-1]} loss={loss:.5f}",
                 flush=True,
             )
-            wait_gate(manager.current_step())
-        if step_sleep_s:
-            time.sleep(step_sleep_s)
 
     try:
         batches = toy_batches(seed, rank)

@@ -178,20 +178,21 @@ class Codec:
             raise ValueError(f"key {key!r} escapes the run prefix {self.prefix!r}.")
         return key
 
-    def round_dir(self, round_id: int) -> str:
-        return self.key("rounds", f"{check_round(round_id):010d}")
+    def round_dir(self, round_id: int, *names: str) -> str:
+        """Round ``round_id``'s folder, or the key of ``names`` in it."""
+        return self.key("rounds", f"{check_round(round_id):010d}", *names)
 
     def object_key(self, round_id: int, rank: int) -> str:
         if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.world_size:
             raise ValueError(f"rank must be an int in [0, {self.world_size}), got {rank!r}.")
-        return self.key("rounds", f"{check_round(round_id):010d}", f"rank-{rank:05d}.bin")
+        return self.round_dir(round_id, f"rank-{rank:05d}.bin")
 
     def manifest_key(self, round_id: int) -> str:
-        return self.key("rounds", f"{check_round(round_id):010d}", "manifest.json")
+        return self.round_dir(round_id, "manifest.json")
 
     def withdrawal_key(self, round_id: int, rank: int) -> str:
         """Replica ``rank``'s record that it refused its own payload for ``round_id``."""
-        return self.key("rounds", f"{check_round(round_id):010d}", f"withdrawn-rank-{rank:05d}.json")
+        return self.round_dir(round_id, f"withdrawn-rank-{rank:05d}.json")
 
     def marker_key(self, rank: int) -> str:
         """Replica ``rank``'s progress marker (manifests it accepted in its latest rounds)."""
@@ -211,13 +212,7 @@ class Codec:
         return enc, Decoded(meta, [own for *_, own in forms], enc.size, enc.tag)
 
     def _meta(self, round_id: int, rank: int, **extra: Any) -> dict[str, Any]:
-        return {
-            "run_id": self.run_id,
-            "round": round_id,
-            "rank": rank,
-            "world_size": self.world_size,
-            **extra,
-        }
+        return {"run_id": self.run_id, "round": round_id, "rank": rank, "world_size": self.world_size} | extra
 
     def _pack(
         self, meta: dict[str, Any], wires: Sequence[torch.Tensor], *, check_finite: bool = False

@@ -116,12 +116,10 @@ class ObjectStoreAllReduce(Sharded):
                 adopted = reused or manifest.tags.get(self.rank) != own.tag  # or committed without it
             else:
                 decoded = {}
-                logger.warning(
-                    "round %d is already committed (ranks %s): rank %d adopts its average, not its new values",
-                    round_id,
-                    manifest.ranks,
-                    self.rank,
+                msg = (
+                    "round %d is already committed (ranks %s): rank %d adopts its average, not its new values"
                 )
+                logger.warning(msg, round_id, manifest.ranks, self.rank)
             self._apply_round(round_id, manifest, decoded, tensors, None if adopted else own, op, laps)
         except RoundExpiredError:
             if own is not None and not reused:
@@ -129,9 +127,7 @@ class ObjectStoreAllReduce(Sharded):
             raise
         self._cleanup(round_id, manifest)
         self._next_round = round_id + 1
-        if (
-            self._withdrawn is not None and self._withdrawn[0] == round_id
-        ):  # re-run with a payload it publishes
+        if self._withdrawn is not None and self._withdrawn[0] == round_id:  # re-run: it published now
             self._withdrawn = None
         self.last = RoundStats(
             round=round_id,
@@ -291,16 +287,8 @@ class ObjectStoreAllReduce(Sharded):
         delay = self._first_poll_s
         names: set[str] | None = None  # None: the first look, which lists nothing
         while True:
-            self._take(
-                round_id,
-                [
-                    r
-                    for r in range(self.world_size)
-                    if r not in decoded and (names is None or f"rank-{r:05d}.bin" in names)
-                ],
-                decoded,
-                problems,
-            )
+            listed = [r for r in range(self.world_size) if names is None or f"rank-{r:05d}.bin" in names]
+            self._take(round_id, [r for r in listed if r not in decoded], decoded, problems)
             timed_out = time.monotonic() >= deadline
             if len(decoded) == self.world_size or timed_out:
                 if len(decoded) < self.world_size:

@@ -24,7 +24,6 @@ from .errors import (
     NonFiniteObjectError,
     NonFiniteResultError,
     ObjectStoreError,
-    check_round,
     safe_part,
 )
 from .manifest import Manifest, Manifests
@@ -37,14 +36,10 @@ class Sharded(Manifests):
     """The sharded exchange's objects and its reduce-scatter."""
 
     def shard_key(self, round_id: int, rank: int, shard: int, nonce: str) -> str:
-        return self.key(
-            "rounds",
-            f"{check_round(round_id):010d}",
-            f"shard-{shard:05d}-rank-{rank:05d}-{safe_part('nonce', nonce)}.bin",
-        )
+        return self.round_dir(round_id, f"shard-{shard:05d}-rank-{rank:05d}-{safe_part('nonce', nonce)}.bin")
 
     def reduced_key(self, round_id: int, shard: int) -> str:
-        return self.key("rounds", f"{check_round(round_id):010d}", f"reduced-{shard:05d}.bin")
+        return self.round_dir(round_id, f"reduced-{shard:05d}.bin")
 
     def _encode_sharded(
         self, round_id: int, tensors: Sequence[torch.Tensor], quantize: bool
