@@ -11,6 +11,8 @@ of the clipped ratio; ``composer/policy/staleness`` reports the lag). Multi-host
 from __future__ import annotations
 
 import contextlib
+import importlib
+import importlib.util
 import math
 import sys
 import time
@@ -25,7 +27,6 @@ from monarch.actor import HostMesh, ProcMesh, this_host
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from composer_monarch.bootstrap import prepare_process
 from composer_monarch.contexts import rollout_teacher_contexts
 from composer_monarch.errors import FAULTS, ActorCrashedError, Call, ProcessFailure, wait
 from composer_monarch.forge_loss import ComposerLoss
@@ -39,6 +40,14 @@ from composer_monarch.weights import TRANSPORTS
 
 ROLES = ("trainer", "generator", "rewarder", "teacher")
 Placement = int | tuple[int, int]
+
+
+def prepare_process() -> None:
+    """``spawn_procs(bootstrap=...)``, before any actor is built: actors sharing a process are built on different
+    threads, and concurrent first imports race (importlib's ``KeyError``, a half-initialised ``transformers``).
+    Unpickling this imports composer_monarch and every actor module; it adds the Qwen2 model code if installed."""
+    if importlib.util.find_spec("transformers") is not None:
+        importlib.import_module("transformers.models.qwen2")
 
 
 @dataclass(frozen=True)
