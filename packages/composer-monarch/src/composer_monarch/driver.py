@@ -39,6 +39,7 @@ from composer_monarch.trainer import TrainerActor, TrainerConfig
 from composer_monarch.weights import TRANSPORTS
 
 ROLES = ("trainer", "generator", "rewarder", "teacher")
+SCALES = ("group", "batch", "none")  # composer_core.group_advantages's scale
 Placement = int | tuple[int, int]
 
 
@@ -85,14 +86,9 @@ class LoopConfig:
         for name in ("call_timeout_s", "start_timeout_s", "stop_timeout_s"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"LoopConfig.{name}={getattr(self, name)}: must be > 0 seconds")
-        if self.weight_transport not in TRANSPORTS:
-            raise ValueError(
-                f"LoopConfig.weight_transport={self.weight_transport!r}: use one of {list(TRANSPORTS)}"
-            )
-        if self.advantage_scale not in ("group", "batch", "none"):
-            raise ValueError(
-                f"LoopConfig.advantage_scale={self.advantage_scale!r}: use 'group', 'batch' or 'none'"
-            )
+        for name, allowed in (("weight_transport", TRANSPORTS), ("advantage_scale", SCALES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"LoopConfig.{name}={getattr(self, name)!r}: use one of {list(allowed)}")
         if unknown := sorted(set(self.placement or ()) - set(ROLES)):
             raise ValueError(f"LoopConfig.placement: unknown role(s) {unknown}; roles are {list(ROLES)}")
 
@@ -360,10 +356,8 @@ class ComposerDriver:
         ``overlap`` overrides ``loop.overlap`` for this run. Steps are numbered from the trainer's
         current version, so a second ``run`` continues with fresh prompts.
         """
-        overrides: dict[str, Any] = {
-            k: v for k, v in (("steps", steps), ("overlap", overlap)) if v is not None
-        }
-        lp = replace(self.loop, **overrides)
+        steps = self.loop.steps if steps is None else steps
+        lp = replace(self.loop, steps=steps, overlap=self.loop.overlap if overlap is None else overlap)
         results: list[StepResult] = []
         bar = tqdm(total=lp.steps, desc="composer-monarch GRPO", disable=not progress, unit="step")
         first = int(self._call("trainer", "version")())
@@ -414,15 +408,11 @@ class ComposerDriver:
 
 
 def run_grpo(
-    task: Task,
-    model_fn: Callable[[], nn.Module],
-    *,
-    loss: ComposerLoss,
-    loop: LoopConfig | None = None,
-    **kwargs: Any,
+    task: Task, model_fn: Callable[[], nn.Module], *, loss: ComposerLoss, **kwargs: Any
 ) -> tuple[list[StepResult], dict[str, Tensor]]:
-    """Spawn, run the loop, stop: returns the step results and the final weights."""
-    with ComposerDriver(task, model_fn, loss=loss, loop=loop, **kwargs) as driver:
+    """Spawn, run the loop, stop: returns the step results and the final weights (``kwargs``: the
+    :class:`ComposerDriver` keywords, ``loop=`` included)."""
+    with ComposerDriver(task, model_fn, loss=loss, **kwargs) as driver:
         results = driver.run()
         return results, driver.weights()
 

@@ -50,11 +50,7 @@ TARGETS: dict[str, str] = {
 
 #: Where ``ComposerLoss()`` differs from ``compose_loss``'s defaults to be TorchForge's ``simple_grpo_loss``
 #: (whose k3 KL estimator is core's default, read from core).
-FORGE_DEFAULTS: dict[str, Any] = {
-    "loss_type": "grpo",
-    "kl_beta": 0.1,
-    "kl_estimator": PolicyOptions.kl_estimator,
-}
+FORGE_DEFAULTS: dict[str, Any] = dict(loss_type="grpo", kl_beta=0.1, kl_estimator=PolicyOptions.kl_estimator)
 
 
 class ComposerLoss:
