@@ -185,9 +185,8 @@ class ComposerDriver:
 
     def _on_fault(self, role: str, failure: Any) -> None:
         """A failure of one of this driver's actor meshes (routed by :data:`errors.FAULTS`)."""
-        self._failures.append(
-            ProcessFailure(role, self._colocated(role), f"the {role} actor's process failed: {failure}")
-        )
+        detail = f"the {role} actor's process failed: {failure}"
+        self._failures.append(ProcessFailure(role, self._colocated(role), detail))
 
     def _colocated(self, role: str) -> tuple[str, ...]:
         """The roles placed on the same process as ``role`` (itself included), in ROLES order."""

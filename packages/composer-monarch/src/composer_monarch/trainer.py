@@ -157,13 +157,8 @@ class PolicyTrainer:
 
     def state(self) -> dict[str, Any]:
         """Everything a step depends on: version, model, optimiser (a copy)."""
-        return copy.deepcopy(
-            {
-                "version": self.version,
-                "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-            }
-        )
+        state = {"version": self.version, "model": self.model.state_dict()}
+        return copy.deepcopy({**state, "optimizer": self.optimizer.state_dict()})
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state` (e.g. to replay a step in-process, or resume)."""
