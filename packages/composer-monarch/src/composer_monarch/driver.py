@@ -11,6 +11,8 @@ of the clipped ratio; ``composer/policy/staleness`` reports the lag). Multi-host
 from __future__ import annotations
 
 import contextlib
+import importlib
+import importlib.util
 import math
 import sys
 import time
@@ -25,7 +27,6 @@ from monarch.actor import HostMesh, ProcMesh, this_host
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from composer_monarch.bootstrap import prepare_process
 from composer_monarch.contexts import rollout_teacher_contexts
 from composer_monarch.errors import FAULTS, ActorCrashedError, Call, ProcessFailure, wait
 from composer_monarch.forge_loss import ComposerLoss
@@ -38,7 +39,16 @@ from composer_monarch.trainer import TrainerActor, TrainerConfig
 from composer_monarch.weights import TRANSPORTS
 
 ROLES = ("trainer", "generator", "rewarder", "teacher")
+SCALES = ("group", "batch", "none")  # composer_core.group_advantages's scale
 Placement = int | tuple[int, int]
+
+
+def prepare_process() -> None:
+    """``spawn_procs(bootstrap=...)``, before any actor is built: actors sharing a process are built on different
+    threads, and concurrent first imports race (importlib's ``KeyError``, a half-initialised ``transformers``).
+    Unpickling this imports composer_monarch and every actor module; it adds the Qwen2 model code if installed."""
+    if importlib.util.find_spec("transformers") is not None:
+        importlib.import_module("transformers.models.qwen2")
 
 
 @dataclass(frozen=True)
@@ -76,14 +86,9 @@ class LoopConfig:
         for name in ("call_timeout_s", "start_timeout_s", "stop_timeout_s"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"LoopConfig.{name}={getattr(self, name)}: must be > 0 seconds")
-        if self.weight_transport not in TRANSPORTS:
-            raise ValueError(
-                f"LoopConfig.weight_transport={self.weight_transport!r}: use one of {list(TRANSPORTS)}"
-            )
-        if self.advantage_scale not in ("group", "batch", "none"):
-            raise ValueError(
-                f"LoopConfig.advantage_scale={self.advantage_scale!r}: use 'group', 'batch' or 'none'"
-            )
+        for name, allowed in (("weight_transport", TRANSPORTS), ("advantage_scale", SCALES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"LoopConfig.{name}={getattr(self, name)!r}: use one of {list(allowed)}")
         if unknown := sorted(set(self.placement or ()) - set(ROLES)):
             raise ValueError(f"LoopConfig.placement: unknown role(s) {unknown}; roles are {list(ROLES)}")
 
@@ -180,9 +185,8 @@ class ComposerDriver:
 
     def _on_fault(self, role: str, failure: Any) -> None:
         """A failure of one of this driver's actor meshes (routed by :data:`errors.FAULTS`)."""
-        self._failures.append(
-            ProcessFailure(role, self._colocated(role), f"the {role} actor's process failed: {failure}")
-        )
+        detail = f"the {role} actor's process failed: {failure}"
+        self._failures.append(ProcessFailure(role, self._colocated(role), detail))
 
     def _colocated(self, role: str) -> tuple[str, ...]:
         """The roles placed on the same process as ``role`` (itself included), in ROLES order."""
@@ -351,10 +355,8 @@ class ComposerDriver:
         ``overlap`` overrides ``loop.overlap`` for this run. Steps are numbered from the trainer's
         current version, so a second ``run`` continues with fresh prompts.
         """
-        overrides: dict[str, Any] = {
-            k: v for k, v in (("steps", steps), ("overlap", overlap)) if v is not None
-        }
-        lp = replace(self.loop, **overrides)
+        steps = self.loop.steps if steps is None else steps
+        lp = replace(self.loop, steps=steps, overlap=self.loop.overlap if overlap is None else overlap)
         results: list[StepResult] = []
         bar = tqdm(total=lp.steps, desc="composer-monarch GRPO", disable=not progress, unit="step")
         first = int(self._call("trainer", "version")())
@@ -405,15 +407,11 @@ class ComposerDriver:
 
 
 def run_grpo(
-    task: Task,
-    model_fn: Callable[[], nn.Module],
-    *,
-    loss: ComposerLoss,
-    loop: LoopConfig | None = None,
-    **kwargs: Any,
+    task: Task, model_fn: Callable[[], nn.Module], *, loss: ComposerLoss, **kwargs: Any
 ) -> tuple[list[StepResult], dict[str, Tensor]]:
-    """Spawn, run the loop, stop: returns the step results and the final weights."""
-    with ComposerDriver(task, model_fn, loss=loss, loop=loop, **kwargs) as driver:
+    """Spawn, run the loop, stop: returns the step results and the final weights (``kwargs``: the
+    :class:`ComposerDriver` keywords, ``loop=`` included)."""
+    with ComposerDriver(task, model_fn, loss=loss, **kwargs) as driver:
         results = driver.run()
         return results, driver.weights()
 

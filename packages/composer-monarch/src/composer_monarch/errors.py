@@ -35,11 +35,9 @@ class ActorCrashedError(RuntimeError):
         self.waiting_on = role if waiting_on is None else waiting_on
         self.roles = (role,) if roles is None else roles
         self.remote_exception = remote_exception
-        where = (
-            f"in {endpoint!r}"
-            if self.waiting_on == role
-            else f"while the driver waited on the {self.waiting_on} actor's {endpoint!r}"
-        )
+        where = f"in {endpoint!r}"
+        if self.waiting_on != role:
+            where = f"while the driver waited on the {self.waiting_on} actor's {endpoint!r}"
         super().__init__(f"composer-monarch: the {role} actor failed {where}: {detail}")
 
 
@@ -109,8 +107,7 @@ def wait(
         if seen := failures():
             own = [f for f in seen if call.role in f.roles]
             f = own[0] if own else seen[0]
-            detail = f"while waiting on it, {f.detail}"
-            role = call.role if own else f.role
+            role, detail = (call.role if own else f.role), f"while waiting on it, {f.detail}"
             raise ActorCrashedError(
                 role, call.endpoint, detail, waiting_on=call.role, roles=f.roles
             ) from None

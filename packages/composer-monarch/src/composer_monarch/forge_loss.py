@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from composer_core.loss.compose import ComposerBatch, compose_loss
 from composer_core.loss.config import DPO, PER_CALL, ComposeConfig, coerce_option
+from composer_core.loss.options import PolicyOptions
 from torch import Tensor
 
 from composer_monarch.model import token_logprobs, upcast
@@ -47,8 +48,9 @@ TARGETS: dict[str, str] = {
 }
 
 
-#: Where ``ComposerLoss()`` differs from ``compose_loss``'s defaults to be TorchForge's ``simple_grpo_loss``.
-FORGE_DEFAULTS: dict[str, Any] = {"loss_type": "grpo", "kl_beta": 0.1, "kl_estimator": "k3"}
+#: Where ``ComposerLoss()`` differs from ``compose_loss``'s defaults to be TorchForge's ``simple_grpo_loss``
+#: (whose k3 KL estimator is core's default, read from core).
+FORGE_DEFAULTS: dict[str, Any] = dict(loss_type="grpo", kl_beta=0.1, kl_estimator=PolicyOptions.kl_estimator)
 
 
 class ComposerLoss:

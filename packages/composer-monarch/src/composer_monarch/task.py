@@ -121,9 +121,8 @@ def _hint_rows(
     texts: Sequence[str], hints: Sequence[str | None], filler: str, encode: Callable[[str], list[int]]
 ) -> tuple[Tensor, Tensor]:
     rows = [encode(rules.hint_template(t, filler if h is None else h)) for t, h in zip(texts, hints)]
-    return torch.tensor(rows, dtype=torch.long), torch.tensor(
-        [h is not None for h in hints], dtype=torch.bool
-    )
+    has_hint = torch.tensor([h is not None for h in hints], dtype=torch.bool)
+    return torch.tensor(rows, dtype=torch.long), has_hint
 
 
 class EnvBoundTask:

@@ -19,18 +19,11 @@ from composer_core.loss.metrics import ADAPTER_PREFIX
 from monarch.actor import endpoint
 from torch import Tensor, nn
 
+from composer_monarch import weights as wt
 from composer_monarch.forge_loss import ComposerLoss
 from composer_monarch.model import forward_logits, token_logprobs
 from composer_monarch.policy_copy import ProcessActor, state_copy
 from composer_monarch.rollout import TrainBatch
-from composer_monarch.weights import (
-    WeightLayout,
-    host_id,
-    layout_of,
-    pack_into,
-    resolve_transport,
-    shared_buffer,
-)
 
 ModelFactory = Callable[[], nn.Module]
 
@@ -164,13 +157,8 @@ class PolicyTrainer:
 
     def state(self) -> dict[str, Any]:
         """Everything a step depends on: version, model, optimiser (a copy)."""
-        return copy.deepcopy(
-            {
-                "version": self.version,
-                "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-            }
-        )
+        state = {"version": self.version, "model": self.model.state_dict()}
+        return copy.deepcopy({**state, "optimizer": self.optimizer.state_dict()})
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state` (e.g. to replay a step in-process, or resume)."""
@@ -196,7 +184,7 @@ class TrainerActor(ProcessActor):
         self.peers: dict[str, Any] = {}
         self.transport = "direct"
         self.timeout_s = 300.0
-        self._layout: WeightLayout | None = None
+        self._layout: wt.WeightLayout | None = None
         self._flat: Tensor | None = None
         self._rdma: Any = None
         self._shm: tuple[str, Tensor] | None = None
@@ -206,17 +194,17 @@ class TrainerActor(ProcessActor):
         """Hold the receivers (role → actor mesh) and pick the transport; returns the one in use."""
         self.peers = dict(peers)
         hosts = [p.host.call_one().get(timeout=timeout_s) for p in self.peers.values()]
-        self.transport = resolve_transport(transport, same_host=all(h == host_id() for h in hosts))
+        self.transport = wt.resolve_transport(transport, same_host=all(h == wt.host_id() for h in hosts))
         self.timeout_s = float(timeout_s)
         return self.transport
 
-    def _packed(self) -> tuple[WeightLayout, Tensor]:
+    def _packed(self) -> tuple[wt.WeightLayout, Tensor]:
         """The weights packed into the transport's send buffer (made at its first push, then rewritten in place)."""
         state = self.trainer.model.state_dict()
         if self._layout is None:
-            self._layout = layout_of(state)
+            self._layout = wt.layout_of(state)
         if self.transport == "shm":
-            self._shm = self._shm or shared_buffer(self._layout.nbytes)
+            self._shm = self._shm or wt.shared_buffer(self._layout.nbytes)
             flat = self._shm[1]
         else:
             if self._flat is None:
@@ -230,10 +218,10 @@ class TrainerActor(ProcessActor):
             with warnings.catch_warnings():  # the TCP transport warns once per process; we report it
                 warnings.simplefilter("ignore")
                 self._rdma = RDMABuffer(flat)
-        pack_into(state, self._layout, flat)
+        wt.pack_into(state, self._layout, flat)
         return self._layout, flat
 
-    def _futures(self, version: int, layout: WeightLayout, flat: Tensor) -> list[Any]:
+    def _futures(self, version: int, layout: wt.WeightLayout, flat: Tensor) -> list[Any]:
         peers = self.peers.values()
         if self.transport == "shm":
             assert self._shm is not None
