@@ -177,12 +177,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--keep-last must be >= 0, got {args.keep_last}")
     try:
         return _run(args)
-    except (ValueError, ImportError) as exc:
+    except (ValueError, ImportError, PeerDiedError) as exc:
         print(f"composer-bypass: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except PeerDiedError as exc:
-        print(f"composer-bypass: error: {exc}", file=sys.stderr)
-        return EXIT_PEER_DIED
+        return EXIT_PEER_DIED if isinstance(exc, PeerDiedError) else EXIT_BAD_INPUT
     except OSError as exc:  # disk full, read-only, permissions: one line, no traceback
         code = errno.errorcode.get(exc.errno or 0, "")
         cause = f"{exc.strerror or exc}{f' ({code})' if code else ''}"

@@ -4,6 +4,7 @@ replay preference loss (DPO / SimPO). Each returns its channel's normalised loss
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 from collections.abc import Callable
@@ -101,11 +102,21 @@ class _SDPOKernel:
     t: float | None  # TAID's interpolation of this step (None: another kernel)
 
 
+@dataclass(frozen=True)
+class _Call:
+    """One channel-2 computation: batch, options, kernel, mask ``m`` [B, T], normaliser, IS-clip weight ``w``."""
+
+    batch: ComposerBatch
+    opts: SDPOOptions
+    kernel: _SDPOKernel
+    m: Tensor
+    normalizer: float | Tensor | None
+    w: Tensor | None
+
+
 #: Decision 2 of channel 2: what the kernel runs on (sampled-token log-probs, full logits, or fused hidden
-#: states and the LM head). ``(batch, options, kernel, mask, normalizer, IS-clip weight) -> loss``.
-_Runner = Callable[
-    [ComposerBatch, SDPOOptions, _SDPOKernel, Tensor, float | Tensor | None, Tensor | None], Tensor
-]
+#: states and the LM head): ``_Call -> loss``.
+_Runner = Callable[[_Call], Tensor]
 
 
 def sdpo_channel(
@@ -130,29 +141,23 @@ def sdpo_channel(
     runner = _pick_runner(batch, form)
     # the IS clip of every form (TRL SDPOTrainer's distillation_is_clip): one detached weight per token
     w = is_clip_weight(batch.logprobs, batch.old_logprobs, opts.token_clip)
-    if opts.loss_agg == "token_mean":
-        return runner(batch, opts, kernel, m, normalizer, w), metrics
-    return _seq_mean(runner, batch, opts, kernel, m, normalizer, w), metrics
+    c = _Call(batch, opts, kernel, m, normalizer, w)
+    return (runner(c) if opts.loss_agg == "token_mean" else _seq_mean(runner, c)), metrics
 
 
-def _seq_mean(
-    runner: _Runner,
-    batch: ComposerBatch,
-    opts: SDPOOptions,
-    kernel: _SDPOKernel,
-    m: Tensor,
-    normalizer: float | Tensor | None,
-    w: Tensor | None,
-) -> Tensor:
+def _seq_mean(runner: _Runner, c: _Call) -> Tensor:
     """``Σ_rows (Σ_t loss·m / Σ_t m) / rows`` (``sdpo_loss_agg="seq_mean"``): the rows holding ``c`` distilled
     tokens form one call of the token-mean ``runner`` with normaliser ``c · rows``, one call per distinct count
     (reads the counts on the host: one sync on an accelerator)."""
-    counts = m.sum(-1)
-    rows: float | Tensor = float(m.shape[0]) if normalizer is None else normalizer
-    sizes = [int(c) for c in torch.unique(counts[counts > 0]).tolist()]
+    counts = c.m.sum(-1)
+    rows: float | Tensor = float(c.m.shape[0]) if c.normalizer is None else c.normalizer
+    sizes = [int(n) for n in torch.unique(counts[counts > 0]).tolist()]
     if not sizes:
-        return runner(batch, opts, kernel, m, rows, w)
-    parts = [runner(batch, opts, kernel, m & (counts == c).unsqueeze(-1), rows * c, w) for c in sizes]
+        return runner(dataclasses.replace(c, normalizer=rows))
+    parts = [
+        runner(dataclasses.replace(c, m=c.m & (counts == n).unsqueeze(-1), normalizer=rows * n))
+        for n in sizes
+    ]
     return functools.reduce(operator.add, parts)
 
 
@@ -180,89 +185,72 @@ def _pick_runner(batch: ComposerBatch, form: str) -> _Runner:
     return _run_fused
 
 
-def _run_sampled(
-    batch: ComposerBatch,
-    opts: SDPOOptions,
-    kernel: _SDPOKernel,
-    m: Tensor,
-    normalizer: float | Tensor | None,
-    w: Tensor | None,
-) -> Tensor:
-    if batch.teacher_logprobs is None:
+def _run_sampled(c: _Call) -> Tensor:
+    if c.batch.teacher_logprobs is None:
         raise ValueError(
             "sdpo_form='sampled' needs `teacher_logprobs` [B, T] (teacher log-probs of the sampled tokens)."
         )
     # logprobs / old_logprobs were validated by channel 1; the clip by the config
-    check_float("teacher_logprobs", batch.teacher_logprobs)
-    check_same_shape("logprobs", batch.logprobs, "teacher_logprobs", batch.teacher_logprobs)
-    check_normalizer("sdpo_normalizer", normalizer)
-    return _sampled_token_distill(batch.logprobs, batch.teacher_logprobs, m, w, "mean", normalizer)
+    check_float("teacher_logprobs", c.batch.teacher_logprobs)
+    check_same_shape("logprobs", c.batch.logprobs, "teacher_logprobs", c.batch.teacher_logprobs)
+    check_normalizer("sdpo_normalizer", c.normalizer)
+    return _sampled_token_distill(c.batch.logprobs, c.batch.teacher_logprobs, c.m, c.w, "mean", c.normalizer)
 
 
-def _run_logits(
-    batch: ComposerBatch,
-    opts: SDPOOptions,
-    kernel: _SDPOKernel,
-    m: Tensor,
-    normalizer: float | Tensor | None,
-    w: Tensor | None,
-) -> Tensor:
-    if kernel.name == "topk":
-        _require_all(batch, "top-k", ("student_logits", "teacher_logits"))
-        assert batch.student_logits is not None and batch.teacher_logits is not None and opts.topk is not None
-        return topk_distill(
-            batch.student_logits,
-            batch.teacher_logits,
-            k=opts.topk,
-            beta=opts.beta,
-            temperature=opts.temperature,
-            mask=m,
-            add_tail_bucket=opts.topk_tail,
-            normalizer=normalizer,
-            token_weight=w,
+def _run_logits(c: _Call) -> Tensor:
+    if c.kernel.name == "topk":
+        _require_all(c.batch, "top-k", ("student_logits", "teacher_logits"))
+        assert (
+            c.batch.student_logits is not None
+            and c.batch.teacher_logits is not None
+            and c.opts.topk is not None
         )
-    _require_all(batch, "full-logits", ("student_logits", "teacher_logits"))
-    assert batch.student_logits is not None and batch.teacher_logits is not None
-    _check_vocab_tokens(batch.student_logits, batch.logprobs, "student_logits")
+        return topk_distill(
+            c.batch.student_logits,
+            c.batch.teacher_logits,
+            k=c.opts.topk,
+            beta=c.opts.beta,
+            temperature=c.opts.temperature,
+            mask=c.m,
+            add_tail_bucket=c.opts.topk_tail,
+            normalizer=c.normalizer,
+            token_weight=c.w,
+        )
+    _require_all(c.batch, "full-logits", ("student_logits", "teacher_logits"))
+    assert c.batch.student_logits is not None and c.batch.teacher_logits is not None
+    _check_vocab_tokens(c.batch.student_logits, c.batch.logprobs, "student_logits")
     return logits_loss(
-        batch.student_logits,
-        batch.teacher_logits,
-        _full_kernel(opts, kernel, vocab=batch.student_logits.shape[-1]),
-        temperature=opts.temperature,
-        mask=m,
-        chunk_size=opts.chunk_size,
+        c.batch.student_logits,
+        c.batch.teacher_logits,
+        _full_kernel(c.opts, c.kernel, vocab=c.batch.student_logits.shape[-1]),
+        temperature=c.opts.temperature,
+        mask=c.m,
+        chunk_size=c.opts.chunk_size,
         reduction="mean",
-        normalizer=normalizer,
-        token_weight=w,
+        normalizer=c.normalizer,
+        token_weight=c.w,
     )
 
 
-def _run_fused(
-    batch: ComposerBatch,
-    opts: SDPOOptions,
-    kernel: _SDPOKernel,
-    m: Tensor,
-    normalizer: float | Tensor | None,
-    w: Tensor | None,
-) -> Tensor:
-    _require_all(batch, "fused hidden-state", ("student_hidden", "teacher_hidden", "lm_head_weight"))
-    assert batch.student_hidden is not None and batch.teacher_hidden is not None
-    assert batch.lm_head_weight is not None
-    _check_vocab_tokens(batch.student_hidden, batch.logprobs, "student_hidden")
+def _run_fused(c: _Call) -> Tensor:
+    _require_all(c.batch, "fused hidden-state", ("student_hidden", "teacher_hidden", "lm_head_weight"))
+    assert c.batch.student_hidden is not None and c.batch.teacher_hidden is not None
+    assert c.batch.lm_head_weight is not None
+    _check_vocab_tokens(c.batch.student_hidden, c.batch.logprobs, "student_hidden")
     return fused_linear_loss(
-        batch.student_hidden,
-        batch.lm_head_weight,
-        batch.teacher_hidden,
-        _full_kernel(opts, kernel, vocab=batch.lm_head_weight.shape[0]),
-        teacher_lm_head_weight=batch.teacher_lm_head_weight,
-        lm_head_bias=batch.lm_head_bias,
-        teacher_lm_head_bias=batch.teacher_lm_head_bias,
-        temperature=opts.temperature,
-        mask=m,
-        chunk_size=opts.chunk_size,
+        c.batch.student_hidden,
+        c.batch.lm_head_weight,
+        c.batch.teacher_hidden,
+        _full_kernel(c.opts, c.kernel, vocab=c.batch.lm_head_weight.shape[0]),
+        teacher_lm_head_weight=c.batch.teacher_lm_head_weight,
+        lm_head_bias=c.batch.lm_head_bias,
+        teacher_lm_head_bias=c.batch.teacher_lm_head_bias,
+        temperature=c.opts.temperature,
+        mask=c.m,
+        chunk_size=c.opts.chunk_size,
         reduction="mean",
-        normalizer=normalizer,
-        token_weight=w,
+        normalizer=c.normalizer,
+        token_weight=c.w,
     )
 
 

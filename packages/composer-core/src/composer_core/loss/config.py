@@ -292,9 +292,7 @@ def _coerce(ann: Any, value: object) -> object:
 def _coerce_union(args: tuple[Any, ...], value: object) -> object:
     if type(None) in args and (value is None or (isinstance(value, str) and value.strip().lower() in _NONE)):
         return None
-    for arg in args:
-        if arg is type(None):
-            continue
+    for arg in (a for a in args if a is not type(None)):
         try:
             return _coerce(arg, value)
         except (TypeError, ValueError):
@@ -329,13 +327,9 @@ def _to_int(value: object) -> int:
 
 
 def _to_float(value: object) -> float:
-    if isinstance(value, bool):
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise TypeError(value)
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str) and value.strip():
-        return float(value.strip())
-    raise TypeError(value)
+    return float(value.strip() if isinstance(value, str) else value)
 
 
 _SCALARS: dict[Any, Any] = {bool: _to_bool, int: _to_int, float: _to_float}
@@ -351,10 +345,8 @@ def _reject_unknown(names: list[str]) -> None:
     if not names:
         return
     known = flat_option_names()
-    hints = []
-    for key in sorted(names):
-        close = difflib.get_close_matches(key, known, n=1)
-        hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    close = {key: difflib.get_close_matches(key, known, n=1) for key in sorted(names)}
+    hints = [f"{k!r}" + (f" (did you mean {c[0]!r}?)" if c else "") for k, c in close.items()]
     raise ValueError(
         f"compose_loss() got unknown option(s) {', '.join(hints)}; see its docstring for the options."
     )

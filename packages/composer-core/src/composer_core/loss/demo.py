@@ -14,6 +14,10 @@ import torch
 
 from composer_core.loss.advantages import group_advantages
 from composer_core.loss.compose import ComposerBatch, compose_loss
+from composer_core.loss.config import option_help
+
+# the demo's preset: channels 2 and 3 on (core's ComposeConfig defaults are 0, i.e. off)
+PRESET = {"alpha_sdpo": 1.0, "beta_replay": 0.5}
 
 
 def build_batch(seed: int = 0) -> tuple[ComposerBatch, list[torch.nn.Parameter]]:
@@ -52,8 +56,8 @@ def build_batch(seed: int = 0) -> tuple[ComposerBatch, list[torch.nn.Parameter]]
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--alpha-sdpo", type=float, default=1.0)
-    parser.add_argument("--beta-replay", type=float, default=0.5)
+    for name, value in PRESET.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=float, default=value, help=option_help(name))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     batch, params = build_batch(args.seed)

@@ -275,9 +275,7 @@ def _log_mixture(lp: Tensor, lq: Tensor, beta: float) -> Tensor:
     p_is_hi = lp >= lq
     hi = torch.where(p_is_hi, lp, lq)
     diff = torch.where(p_is_hi, lq - lp, lp - lq)  # ≤ 0
-    weight = torch.full_like(lp, beta).masked_fill_(
-        p_is_hi, 1.0 - beta
-    )  # in lp's dtype (float64 stays exact)
+    weight = torch.full_like(lp, beta).masked_fill_(p_is_hi, 1.0 - beta)  # lp's dtype: float64 stays exact
     return hi + torch.log1p(weight * torch.expm1(diff))
 
 

@@ -264,9 +264,9 @@ class SDPOOptions:
 
     form: SDPOForm = _opt(
         "auto",
-        "'full': generalized JSD over the whole vocabulary (logits, or chunk-wise from hidden states and "
-        "the LM-head weight, never [B, T, V]); 'topk': on the student's top-sdpo_topk tokens (TRL SDPOTrainer's "
-        "topk_logits); 'sampled': the reverse-KL estimator on the sampled token only; 'auto': from the batch.",
+        "'full': generalized JSD over the whole vocabulary (logits, or chunk-wise from hidden states and the "
+        "LM head, never [B, T, V]); 'topk': on the student's top-sdpo_topk tokens (TRL SDPOTrainer's "
+        "topk_logits); 'sampled': the reverse-KL estimator on the sampled token; 'auto': from the batch.",
     )
     beta: float = _opt(0.5, "generalized-JSD beta (TRL GKD: 0 forward KL, 1 reverse KL).")
     temperature: float = _opt(1.0, "temperature of both distributions in the divergence.")
@@ -275,9 +275,7 @@ class SDPOOptions:
     topk_tail: bool = _opt(True, "sdpo_form='topk': add the tail bucket 1 - sum_k p (distillation_add_tail).")
     chunk_size: int | None = _opt(None, "rows per chunk of the full-vocabulary kernels (None: from V).")
     compiled: bool = _opt(False, "the JSD chunk kernel under torch.compile (sdpo_form='full', no wrapper).")
-    loss_agg: SDPOLossAgg = _opt(
-        "token_mean", "'token_mean' (lasgroup/SDPO) or 'seq_mean' (TRL's SDPOTrainer)."
-    )
+    loss_agg: SDPOLossAgg = _opt("token_mean", "'token_mean' (lasgroup/SDPO), 'seq_mean' (TRL SDPOTrainer).")
     wrapper: TAID | EntropyOPD | None = None
 
     def __post_init__(self) -> None:

@@ -78,9 +78,7 @@ class TeacherContextOptions:
         "'hint' (a hint/hinted_prompt column or hint_fn), 'success' (a successful sibling of the group is the demonstration), 'feedback' (hint_fn's text or a privileged_context column) or 'success+feedback'; rows without a teacher context are not distilled.",
     )
     success_reward_threshold: float = _opt(1.0, "the reward at which a completion counts as a success.")
-    dont_reprompt_on_self_success: bool = _opt(
-        True, "a completion that succeeded is not its own demonstration."
-    )
+    dont_reprompt_on_self_success: bool = _opt(True, "a successful completion is not its own demonstration.")
     feedback_only_without_solution: bool = _opt(
         False, "'success+feedback': feedback only where no sibling succeeded."
     )

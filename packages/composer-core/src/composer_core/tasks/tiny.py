@@ -70,6 +70,7 @@ def build_char_tokenizer(alphabet: str, *, chatml: bool = False) -> PreTrainedTo
     try:
         from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
         from transformers import PreTrainedTokenizerFast
+        from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2's byte -> symbol table
     except ImportError as e:
         raise ImportError(f"build_char_tokenizer needs tokenizers and transformers: {_HF_EXTRA}") from e
 
@@ -81,7 +82,8 @@ def build_char_tokenizer(alphabet: str, *, chatml: bool = False) -> PreTrainedTo
         return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call, unused-ignore]
             tokenizer_object=tok, pad_token=PAD, eos_token=EOS, bos_token=BOS, padding_side="left"
         )
-    tok = Tokenizer(models.BPE(vocab=_byte_level_vocab(alphabet), merges=[], fuse_unk=False))
+    vocab = _byte_level_vocab(alphabet, bytes_to_unicode())  # type: ignore[no-untyped-call, unused-ignore]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True) for t in (PAD, EOS, BOS, IM_START, IM_END)])
@@ -98,24 +100,15 @@ def build_char_tokenizer(alphabet: str, *, chatml: bool = False) -> PreTrainedTo
     return fast
 
 
-def _byte_level_vocab(alphabet: str) -> dict[str, int]:
+def _byte_level_vocab(alphabet: str, symbol: dict[int, str]) -> dict[str, int]:
     """:func:`char_vocab` + the template's characters + ChatML specials, keyed by byte-level symbols."""
     if not alphabet.isascii():
         raise ValueError(f"build_char_tokenizer(chatml=True) needs an ASCII alphabet, got {alphabet!r}")
     chars = alphabet + "".join(ch for ch in _CHATML_CHARS if ch not in alphabet)
-    symbol = _bytes_to_unicode()
     vocab = {PAD: PAD_ID, EOS: EOS_ID, BOS: BOS_ID}
     vocab.update({symbol[ord(ch)]: i + 3 for i, ch in enumerate(chars)})
     vocab.update({IM_START: len(vocab), IM_END: len(vocab) + 1})
     return vocab
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character table (the symbols of a byte-level vocabulary):
-    printable Latin-1 bytes map to themselves, the other bytes to ``chr(256 + k)`` in byte order."""
-    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)}
-    others = [b for b in range(256) if b not in printable]
-    return {b: chr(b) for b in printable} | {b: chr(256 + k) for k, b in enumerate(others)}
 
 
 @dataclass(frozen=True)
@@ -194,13 +187,8 @@ def _hf_config(
 
     shape = asdict(c)
     attn = shape.pop("attn_implementation")
-    moe_fields = (
-        "num_experts",
-        "num_experts_per_tok",
-        "moe_intermediate_size",
-        "shared_expert_intermediate_size",
-    )
-    moe = {k: shape.pop(k) for k in moe_fields}
+    moe_fields = "num_experts num_experts_per_tok moe_intermediate_size shared_expert_intermediate_size"
+    moe = {k: shape.pop(k) for k in moe_fields.split()}
     common: dict[str, Any] = {**shape, "vocab_size": vocab_size, "tie_word_embeddings": False}
     common |= {"pad_token_id": pad_id, "eos_token_id": eos_id, "bos_token_id": bos_id}
     if attn is not None:
