@@ -35,10 +35,6 @@ HOST_DEFAULTS = {
         "sdpo_form",
     ): "TRL computes one form's inputs itself, so it needs a "
     "concrete form; core's 'auto' resolves from a batch's inputs",
-    **dict.fromkeys(
-        (("composer-prime-rl", "_stub_modules", n) for n in ("dppo_mask_low", "dppo_mask_high")),
-        "a stand-in of PRIME-RL's own DefaultLossConfig (upstream's defaults) where prime-rl is not installed",
-    ),
 }
 _FALLBACKS = ("get", "setdefault", "pop")
 
