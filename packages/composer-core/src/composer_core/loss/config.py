@@ -144,7 +144,12 @@ class ComposeConfig:
         ``has_*`` flags (which channel-2 inputs the batch carries), ``sdpo_form="auto"`` is resolved and the
         options are judged in the resolved form.
         """
-        return _from_flat_cached(_freeze(options), (has_logits, has_hidden, has_sampled))
+        items, flags = _freeze(options), (has_logits, has_hidden, has_sampled)
+        try:
+            hash(items)
+        except TypeError:  # an unhashable value (a list from TOML): build uncached
+            return _from_flat.__wrapped__(items, flags)
+        return _from_flat(items, flags)
 
     def to_flat(self) -> dict[str, object]:
         """The flat keyword form of this config (every option, including defaults)."""
@@ -352,6 +357,7 @@ def _reject_unknown(names: list[str]) -> None:
     )
 
 
+@lru_cache(maxsize=256)
 def _from_flat(
     items: tuple[tuple[str, object], ...], batch_flags: tuple[bool | None, bool | None, bool | None]
 ) -> ComposeConfig:
@@ -407,17 +413,3 @@ def _unchecked(klass: type, kw: Mapping[str, object]) -> Any:
     for f in dataclasses.fields(klass):
         object.__setattr__(obj, f.name, kw.get(f.name, _default(klass, f.name)))
     return obj
-
-
-_cached = lru_cache(maxsize=256)(_from_flat)
-
-
-def _from_flat_cached(
-    items: tuple[tuple[str, object], ...], flags: tuple[bool | None, bool | None, bool | None]
-) -> ComposeConfig:
-    try:
-        return _cached(items, flags)
-    except TypeError as err:  # an unhashable value (a list from TOML): build uncached
-        if "unhashable" not in str(err):
-            raise
-        return _from_flat(items, flags)

@@ -68,13 +68,9 @@ def _reduce_pairs(losses: Tensor, reduction: str, normalizer: float | Tensor | N
         raise ValueError(f"`normalizer` only applies to reduction='mean', not {reduction!r}.")
     if reduction == "none":
         return losses
-    return (
-        losses.sum()
-        if reduction == "sum"
-        else losses.mean()
-        if normalizer is None
-        else losses.sum() / normalizer
-    )
+    if reduction == "sum":
+        return losses.sum()
+    return losses.mean() if normalizer is None else losses.sum() / normalizer
 
 
 def preference_margin(

@@ -241,13 +241,11 @@ def check_int(name: str, value: object, *, low: int) -> None:
         raise ValueError(f"`{name}`={value!r} must be an int >= {low}.")
 
 
-def check_probability(
-    name: str, value: float, *, low: float = 0.0, high: float = 1.0, high_open: bool = False
-) -> float:
-    """Raise ValueError unless ``low <= value <= high`` (``< high`` when ``high_open``)."""
+def check_probability(name: str, value: float, *, high_open: bool = False) -> float:
+    """Raise ValueError unless ``0 <= value <= 1`` (``< 1`` when ``high_open``)."""
     v = float(value)
-    if not (low <= v and (v < high if high_open else v <= high)):
-        raise ValueError(f"`{name}`={value!r} must lie in [{low:g}, {high:g}{')' if high_open else ']'}.")
+    if not (v >= 0.0 and (v < 1.0 if high_open else v <= 1.0)):
+        raise ValueError(f"`{name}`={value!r} must lie in [0, 1{')' if high_open else ']'}.")
     return v
 
 
@@ -258,11 +256,6 @@ def check_number(name: str, value: float, *, low: float | None = None, strict: b
         bound = "" if low is None else f" {'>' if strict else '>='} {low:g}"
         raise ValueError(f"`{name}`={value!r} must be a finite number{bound}.")
     return v
-
-
-def check_positive(name: str, value: float) -> float:
-    """Raise ValueError unless ``value`` is a finite number > 0."""
-    return check_number(name, value, low=0.0, strict=True)
 
 
 def check_normalizer(name: str, normalizer: float | Tensor | None) -> None:
