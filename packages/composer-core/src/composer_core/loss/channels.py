@@ -252,7 +252,7 @@ def _full_kernel(opts: SDPOOptions, kernel: _SDPOKernel, vocab: int) -> Kernel:
         return entropy_opd_kernel(
             float(opts.beta), float(opts.wrapper.threshold), float(opts.wrapper.weight), opts.topk
         )
-    return jsd_kernel(float(opts.beta), opts.compiled)
+    return jsd_kernel(opts.beta, opts.compiled)
 
 
 def _check_vocab_tokens(x: Tensor, logprobs: Tensor, name: str) -> None:

@@ -91,13 +91,8 @@ class Scratch:
     def get(self, key: str, like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
         dtype = like.dtype if dtype is None else dtype
         buf = self._bufs.get(key)
-        if (
-            buf is None
-            or buf.dtype != dtype
-            or buf.device != like.device
-            or buf.shape[1:] != like.shape[1:]
-            or buf.shape[0] < like.shape[0]
-        ):
+        wanted = (dtype, like.device, like.shape[1:])
+        if buf is None or buf.shape[0] < like.shape[0] or (buf.dtype, buf.device, buf.shape[1:]) != wanted:
             buf = torch.empty(like.shape, dtype=dtype, device=like.device)
             self._bufs[key] = buf
         return buf[: like.shape[0]]
@@ -121,6 +116,8 @@ def jsd_kernel(beta: float, compiled: bool = SDPOOptions.compiled) -> Kernel:
     (= logaddexp(d + log(1−β), log β), forced to exactly 0 where d == 0 so that p == q gives exactly 0):
     KL(p‖m) = −Σ p·f, KL(q‖m) = Σ q·(d − f), ∂JSD/∂z = (1−β)·q ⊙ (g − ⟨q, g⟩) with g = d − f.
     """
+    beta = check_probability("beta", beta)
+    check_bool("compiled", compiled)
     if compiled:
         return compiled_jsd_kernel(beta)
     scratch = Scratch()
@@ -188,12 +185,10 @@ def generalized_jsd(
 
     Values and gradients are exact (analytic per-chunk gradients, independent of ``chunk_size``).
     """
-    check_probability("beta", beta)
-    check_bool("compiled", compiled)
     return logits_loss(
         student_logits,
         teacher_logits,
-        jsd_kernel(float(beta), compiled),
+        jsd_kernel(beta, compiled),
         temperature=temperature,
         mask=mask,
         chunk_size=chunk_size,
@@ -238,13 +233,11 @@ def fused_linear_generalized_jsd(
         mask, beta, temperature, normalizer, compiled: as in :func:`generalized_jsd`.
         reduction: ``"mean"`` or ``"sum"``.
     """
-    check_probability("beta", beta)
-    check_bool("compiled", compiled)
     return fused_linear_loss(
         student_hidden,
         lm_head_weight,
         teacher_hidden,
-        jsd_kernel(float(beta), compiled),
+        jsd_kernel(beta, compiled),
         teacher_lm_head_weight=teacher_lm_head_weight,
         lm_head_bias=lm_head_bias,
         teacher_lm_head_bias=teacher_lm_head_bias,

@@ -124,14 +124,11 @@ class TAIDScheduler:
 
     def step(self, loss: float | Tensor) -> float:
         """Update t from this optimiser step's reduced loss J and return the new t."""
-        if isinstance(loss, Tensor):
-            if loss.numel() != 1:
-                raise ValueError(
-                    f"`loss` must be a scalar (the globally reduced loss), got shape {tuple(loss.shape)}."
-                )
-            value = float(loss.detach())
-        else:
-            value = float(loss)
+        if isinstance(loss, Tensor) and loss.numel() != 1:
+            raise ValueError(
+                f"`loss` must be a scalar (the globally reduced loss), got shape {tuple(loss.shape)}."
+            )
+        value = float(loss)
         if not math.isfinite(value):
             raise ValueError(f"`loss`={value} is not finite; TAIDScheduler.step needs the reduced loss.")
         done = self.num_steps  # optimiser steps before this one: the reference's 0-based global_step

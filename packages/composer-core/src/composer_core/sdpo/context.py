@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from composer_core.loss.options import _opt
+from composer_core.loss.options import _non_default, _opt
 from composer_core.loss.validation import check_bool, check_choice, check_int
 
 __all__ = [
@@ -109,7 +109,7 @@ class TeacherContextOptions:
         for name in _PLACEHOLDERS:
             _check_template(name, getattr(self, name))
         if self.sdpo_teacher_context == "hint":
-            changed = [f"`{n}`" for n in _GROUP_ONLY if getattr(self, n) != _DEFAULTS[n]]
+            changed = [f"`{n}`" for n in _GROUP_ONLY if _non_default(self, n)]
             if changed:
                 raise ValueError(
                     f"{', '.join(changed)} only act(s) when the teacher context is built from the group "
@@ -139,7 +139,6 @@ _GROUP_ONLY = (
     "success_reward_threshold", "dont_reprompt_on_self_success", "demo_pick", "reprompt_template",
     "solution_template", "feedback_template", "remove_thinking_from_demonstration",
 )  # fmt: skip
-_DEFAULTS = {f: getattr(TeacherContextOptions, f) for f in _GROUP_ONLY}
 
 
 @dataclass

@@ -18,7 +18,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from composer_core.loss.options import _opt
+from composer_core.loss.options import _non_default, _opt
 from composer_core.loss.validation import check_choice, check_int
 
 __all__ = [
@@ -56,7 +56,9 @@ class TeacherWeightsOptions:
             raise ValueError(f"`teacher_update_rate`={rate!r} must lie in (0, 1] (the EMA rate τ).")
         steps = self.teacher_sync_steps
         check_int("teacher_sync_steps", steps, low=1)
-        if self.sdpo_teacher != "ema" and (rate != 0.05 or steps != 1):
+        if self.sdpo_teacher != "ema" and (
+            _non_default(self, "teacher_update_rate") or _non_default(self, "teacher_sync_steps")
+        ):
             raise ValueError(
                 f"`teacher_update_rate`={rate!r} / `teacher_sync_steps`={steps!r} act only with sdpo_teacher='ema' "
                 f"(it is {self.sdpo_teacher!r}); select it or drop them."
