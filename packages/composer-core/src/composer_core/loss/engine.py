@@ -316,12 +316,13 @@ _apply_fused = cast(Callable[..., Tensor], _FusedLinearLoss.apply)
 
 
 def _check_common(
-    temperature: float,
-    chunk_size: int | None,
     reduction: str,
     normalizer: float | Tensor | None,
-    allowed: tuple[str, ...],
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    allowed: tuple[str, ...] = ("mean", "sum", "none"),
 ) -> None:
+    """The arguments the losses share (a ``normalizer`` only with ``reduction="mean"``)."""
     check_number("temperature", temperature, low=0.0, strict=True)
     check_chunk_size("chunk_size", chunk_size)
     check_choice("reduction", reduction, allowed)
@@ -388,7 +389,7 @@ def logits_loss(
     """Check the shared arguments, then run a chunk ``kernel`` over [..., V] logits with masking and reduction
     (the logits-input losses: :func:`generalized_jsd`, ``taid_loss``, ``entropy_opd_loss``). ``token_weight``
     [...]: a detached per-token factor of the loss and its gradient (SDPO's IS clip, :func:`is_clip_weight`)."""
-    _check_common(temperature, chunk_size, reduction, normalizer, ("mean", "sum", "none"))
+    _check_common(reduction, normalizer, temperature, chunk_size)
     check_tensor("student_logits", student_logits, min_ndim=2)
     check_tensor("teacher_logits", teacher_logits, min_ndim=2)
     check_same_shape("student_logits", student_logits, "teacher_logits", teacher_logits)
@@ -427,7 +428,7 @@ def fused_linear_loss(
 
     Student ``student_hidden [..., Hs]`` with ``lm_head_weight [V, Hs]``; teacher ``teacher_hidden [..., Ht]`` with
     ``teacher_lm_head_weight [V, Ht]`` (Ht may differ from Hs; without a teacher head, Ht must equal Hs)."""
-    _check_common(temperature, chunk_size, reduction, normalizer, ("mean", "sum"))
+    _check_common(reduction, normalizer, temperature, chunk_size, ("mean", "sum"))
     check_float("student_hidden", student_hidden, min_ndim=2)
     check_float("teacher_hidden", teacher_hidden, min_ndim=2)
     check_float("lm_head_weight", lm_head_weight, ndim=2)
@@ -442,22 +443,16 @@ def fused_linear_loss(
             f"`lm_head_weight` has shape {tuple(lm_head_weight.shape)} but must be [V, H] with H = "
             f"{hidden} (the hidden size of `student_hidden`)."
         )
-    t_weight = lm_head_weight if teacher_lm_head_weight is None else teacher_lm_head_weight
-    if teacher_lm_head_weight is None and t_hidden != hidden:
-        raise ValueError(
-            f"`teacher_hidden` has shape {tuple(teacher_hidden.shape)}: hidden size {t_hidden}, not the student's "
-            f"{hidden}; without `teacher_lm_head_weight` the teacher uses `lm_head_weight` [V, {hidden}]. Pass "
-            f"the teacher's own head as `teacher_lm_head_weight` [V, {t_hidden}]."
-        )
     vocab = lm_head_weight.shape[0]
+    t_weight = lm_head_weight if teacher_lm_head_weight is None else teacher_lm_head_weight
     if teacher_lm_head_weight is not None:
         check_float("teacher_lm_head_weight", teacher_lm_head_weight, ndim=2)
-        if teacher_lm_head_weight.shape != (vocab, t_hidden):
-            raise ValueError(
-                f"`teacher_lm_head_weight` has shape {tuple(teacher_lm_head_weight.shape)}; it must be [V, Ht] = "
-                f"[{vocab}, {t_hidden}]: V of `lm_head_weight`, Ht the hidden size of `teacher_hidden` (the "
-                "teacher's own head as `teacher_lm_head_weight`)."
-            )
+    if t_weight.shape != (vocab, t_hidden):
+        raise ValueError(
+            f"`teacher_hidden` (hidden size Ht = {t_hidden}) needs a teacher head of shape [V, Ht] = [{vocab}, "
+            f"{t_hidden}] (V of `lm_head_weight`), but `teacher_lm_head_weight` (default: `lm_head_weight`) has "
+            f"shape {tuple(t_weight.shape)}; pass the teacher's own head as `teacher_lm_head_weight`."
+        )
     for name, b in (("lm_head_bias", lm_head_bias), ("teacher_lm_head_bias", teacher_lm_head_bias)):
         if b is not None:
             check_float(name, b, ndim=1)

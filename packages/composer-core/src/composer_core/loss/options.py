@@ -371,12 +371,9 @@ class DPO:
         check_choice("dpo_loss_type", self.loss_type, ("sigmoid", "robust", "ipo"))
         check_number("dpo_beta", self.beta, low=0.0, strict=True)
         check_number("dpo_label_smoothing", self.label_smoothing, low=0.0)
-        top = {"sigmoid": "0.5]", "robust": "0.5)", "ipo": "0]"}[self.loss_type]
-        if (
-            self.label_smoothing > 0.5
-            or (self.label_smoothing == 0.5 and top != "0.5]")
-            or (self.loss_type == "ipo" and self.label_smoothing != 0.0)
-        ):
+        eps = self.label_smoothing
+        if not {"sigmoid": eps <= 0.5, "robust": eps < 0.5, "ipo": eps == 0.0}[self.loss_type]:
+            top = {"sigmoid": "0.5]", "robust": "0.5)", "ipo": "0]"}[self.loss_type]
             raise ValueError(
                 f"`dpo_label_smoothing`={self.label_smoothing!r} must lie in [0, {top} for dpo_loss_type="
                 f"{self.loss_type!r}."

@@ -26,13 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from composer_core.loss.config import DPO, SimPO
-from composer_core.loss.validation import (
-    check_choice,
-    check_float,
-    check_normalizer,
-    check_same_shape,
-    value_check,
-)
+from composer_core.loss.engine import _check_common
+from composer_core.loss.validation import check_float, check_same_shape, value_check
 
 __all__ = ["dpo_loss", "preference_margin", "simpo_loss"]
 
@@ -62,10 +57,7 @@ def _check_lengths(name: str, lengths: Tensor) -> Tensor:
 
 
 def _reduce_pairs(losses: Tensor, reduction: str, normalizer: float | Tensor | None) -> Tensor:
-    check_choice("reduction", reduction, ("mean", "sum", "none"))
-    check_normalizer("normalizer", normalizer)
-    if normalizer is not None and reduction != "mean":
-        raise ValueError(f"`normalizer` only applies to reduction='mean', not {reduction!r}.")
+    _check_common(reduction, normalizer)
     if reduction == "none":
         return losses
     if reduction == "sum":

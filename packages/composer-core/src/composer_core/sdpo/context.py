@@ -167,12 +167,6 @@ def cap_reprompt(ids: Sequence[int], max_len: int | None) -> list[int]:
     return list(ids) if max_len is None else list(ids)[-max_len:]
 
 
-def _pick(successful: list[int], opts: TeacherContextOptions, seed: int, group: int) -> int:
-    if opts.demo_pick == "first" or len(successful) == 1:
-        return successful[0]
-    return random.Random(seed * 1_000_003 + group).choice(successful)
-
-
 def _reprompt(prompt: Any, solution: str, feedback: str, opts: TeacherContextOptions) -> Any:
     if isinstance(prompt, str):
         return opts.reprompt_template.format(prompt=prompt, solution=solution, feedback=feedback)
@@ -244,14 +238,12 @@ def build_teacher_contexts(
         ]
         text = feedback[i] if feedback is not None else None
         has_feedback = isinstance(text, str) and text.strip() != ""
-        use_feedback = (
-            options.uses_feedback
-            and has_feedback
-            and not (options.feedback_only_without_solution and successful)
-        )
+        held_back = options.feedback_only_without_solution and bool(successful)
+        use_feedback = options.uses_feedback and has_feedback and not held_back
         solution = ""
         if successful:
-            j = _pick(successful, options, seed, i // group_size)
+            rng = random.Random(seed * 1_000_003 + i // group_size)  # demo_pick="random": seeded per group
+            j = successful[0] if options.demo_pick == "first" else rng.choice(successful)
             demo = completions[j]
             if options.remove_thinking_from_demonstration:
                 demo = remove_thinking(demo)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from safetensors.torch import load_model, save_model
 from torch import nn
 
 from composer_core.loss.options import _non_default, _opt
@@ -98,8 +99,6 @@ def ema_update_tensors_(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], rate
 
 def save_teacher(teacher: nn.Module, directory: str | os.PathLike[str]) -> str:
     """Write the teacher's weights to ``directory/TEACHER_STATE_FILE``; returns the path."""
-    from safetensors.torch import save_model
-
     path = os.path.join(os.fspath(directory), TEACHER_STATE_FILE)
     save_model(teacher, path)
     return path
@@ -107,8 +106,6 @@ def save_teacher(teacher: nn.Module, directory: str | os.PathLike[str]) -> str:
 
 def load_teacher(teacher: nn.Module, directory: str | os.PathLike[str]) -> None:
     """Load ``directory/TEACHER_STATE_FILE`` into ``teacher`` (strict); a missing or corrupt file raises with the fix."""
-    from safetensors.torch import load_model
-
     path = os.path.join(os.fspath(directory), TEACHER_STATE_FILE)
     if not os.path.isfile(path):
         raise FileNotFoundError(
