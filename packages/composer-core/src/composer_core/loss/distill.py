@@ -322,7 +322,7 @@ def topk_distill(
     check_same_shape("student_logits", student_logits, "teacher_logits", teacher_logits)
     check_probability("beta", beta)
     check_choice("support", support, ("student", "teacher"))
-    _check_common(reduction, normalizer, temperature)
+    _check_common(reduction, normalizer, temperature, None)
     vocab = student_logits.shape[-1]
     if isinstance(k, bool) or not isinstance(k, int) or not (1 <= k <= vocab):
         raise ValueError(f"`k`={k!r} must be an int in [1, V={vocab}].")
@@ -378,7 +378,7 @@ def sampled_token_distill(
     check_float("student_logprobs", student_logprobs, min_ndim=1)
     check_float("teacher_logprobs", teacher_logprobs)
     check_same_shape("student_logprobs", student_logprobs, "teacher_logprobs", teacher_logprobs)
-    _check_common(reduction, normalizer)
+    _check_common(reduction, normalizer, 1.0, None)
     if is_clip is not None:
         check_number("is_clip", is_clip, low=0.0, strict=True)
     m = as_mask("mask", mask, student_logprobs.shape, device=student_logprobs.device)

@@ -318,11 +318,12 @@ _apply_fused = cast(Callable[..., Tensor], _FusedLinearLoss.apply)
 def _check_common(
     reduction: str,
     normalizer: float | Tensor | None,
-    temperature: float = 1.0,
-    chunk_size: int | None = None,
+    temperature: float,
+    chunk_size: int | None,
     allowed: tuple[str, ...] = ("mean", "sum", "none"),
 ) -> None:
-    """The arguments the losses share (a ``normalizer`` only with ``reduction="mean"``)."""
+    """The arguments the losses share (a ``normalizer`` only with ``reduction="mean"``; a loss without a temperature
+    or chunks passes 1.0 and None)."""
     check_number("temperature", temperature, low=0.0, strict=True)
     check_chunk_size("chunk_size", chunk_size)
     check_choice("reduction", reduction, allowed)

@@ -57,7 +57,7 @@ def _check_lengths(name: str, lengths: Tensor) -> Tensor:
 
 
 def _reduce_pairs(losses: Tensor, reduction: str, normalizer: float | Tensor | None) -> Tensor:
-    _check_common(reduction, normalizer)
+    _check_common(reduction, normalizer, 1.0, None)
     if reduction == "none":
         return losses
     if reduction == "sum":
