@@ -28,11 +28,11 @@ def chunk_widths(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 @pytest.fixture
 def force_accelerator(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
     """Call it to take the accelerator path on the CPU: ``host_reads_are_free`` patched to False where the
-    engine (:mod:`composer_core.loss.engine`) and the wrappers' kernels (through ``distill``) look it up."""
-    from composer_core.loss import distill, engine
+    engine (:mod:`composer_core.loss.engine`) and the wrappers' kernels (through ``validation``) look it up."""
+    from composer_core.loss import engine, validation
 
     def force() -> None:
-        for module in (distill, engine):
+        for module in (validation, engine):
             monkeypatch.setattr(module, "host_reads_are_free", lambda device: False)
 
     return force

@@ -100,12 +100,8 @@ def group_advantages(
         adv = centered / (std_b + eps)
     else:
         adv = centered
-    gmax = torch.full((n_groups,), float("-inf"), dtype=r.dtype, device=r.device).scatter_reduce(
-        0, gidx, r, reduce="amax"
-    )
-    gmin = torch.full((n_groups,), float("inf"), dtype=r.dtype, device=r.device).scatter_reduce(
-        0, gidx, r, reduce="amin"
-    )
+    gmax = r.new_zeros(n_groups).scatter_reduce(0, gidx, r, reduce="amax", include_self=False)
+    gmin = r.new_zeros(n_groups).scatter_reduce(0, gidx, r, reduce="amin", include_self=False)
     adv = torch.where((gmax == gmin)[gidx], torch.zeros_like(adv), adv)
     single = counts[gidx] == 1
     if bool(single.any()):

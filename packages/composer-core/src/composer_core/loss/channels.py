@@ -16,27 +16,22 @@ from torch import Tensor
 
 from composer_core.loss.batch import ComposerBatch, _present
 from composer_core.loss.config import DPO, TAID, EntropyOPD, SDPOOptions, SimPO
-from composer_core.loss.distill import (
-    Kernel,
-    _sampled_token_distill,
-    fused_linear_loss,
-    is_clip_weight,
-    jsd_kernel,
-    logits_loss,
-    topk_distill,
-)
+from composer_core.loss.distill import _sampled_token_distill, is_clip_weight, jsd_kernel, topk_distill
+from composer_core.loss.engine import Kernel, fused_linear_loss, logits_loss
 from composer_core.loss.preference import dpo_loss, preference_margin, simpo_loss
 from composer_core.loss.validation import as_mask, check_float, check_normalizer, check_same_shape
 from composer_core.loss.wrappers import entropy_opd_kernel, taid_kernel
 
 
-def _require_all(batch: ComposerBatch, form: str, names: tuple[str, ...]) -> None:
+def _require_all(batch: ComposerBatch, form: str, names: tuple[str, ...]) -> list[Tensor]:
+    """The batch's ``names`` fields, all of which the ``form`` needs (raises naming the missing ones)."""
     missing = [n for n in names if getattr(batch, n) is None]
     if missing:
         raise ValueError(
             f"the {form} SDPO form needs {', '.join(names)}; the batch is missing {', '.join(missing)}. "
             "Fill them in, or leave all channel-2 fields out to skip the channel."
         )
+    return [getattr(batch, n) for n in names]
 
 
 def replay_channel(
@@ -49,11 +44,7 @@ def replay_channel(
             f"{ch3[0]!r}. Fill both, or leave both out to skip the channel."
         )
     assert batch.chosen_logps is not None and batch.rejected_logps is not None
-    if isinstance(opts, DPO):
-        if opts.rpo_alpha > 0 and batch.chosen_lengths is None:
-            raise ValueError(
-                "rpo_alpha > 0 needs `chosen_lengths` (the chosen side's token counts); fill them."
-            )
+    if isinstance(opts, DPO):  # dpo_loss names missing lengths (ipo, rpo_alpha > 0)
         if batch.ref_chosen_logps is None or batch.ref_rejected_logps is None:
             raise ValueError(
                 "dpo_variant='dpo' needs `ref_chosen_logps` and `ref_rejected_logps` (reference model "
@@ -199,15 +190,11 @@ def _run_sampled(c: _Call) -> Tensor:
 
 def _run_logits(c: _Call) -> Tensor:
     if c.kernel.name == "topk":
-        _require_all(c.batch, "top-k", ("student_logits", "teacher_logits"))
-        assert (
-            c.batch.student_logits is not None
-            and c.batch.teacher_logits is not None
-            and c.opts.topk is not None
-        )
+        student, teacher = _require_all(c.batch, "top-k", ("student_logits", "teacher_logits"))
+        assert c.opts.topk is not None  # SDPOOptions.structural_errors
         return topk_distill(
-            c.batch.student_logits,
-            c.batch.teacher_logits,
+            student,
+            teacher,
             k=c.opts.topk,
             beta=c.opts.beta,
             temperature=c.opts.temperature,
@@ -216,13 +203,12 @@ def _run_logits(c: _Call) -> Tensor:
             normalizer=c.normalizer,
             token_weight=c.w,
         )
-    _require_all(c.batch, "full-logits", ("student_logits", "teacher_logits"))
-    assert c.batch.student_logits is not None and c.batch.teacher_logits is not None
-    _check_vocab_tokens(c.batch.student_logits, c.batch.logprobs, "student_logits")
+    student, teacher = _require_all(c.batch, "full-logits", ("student_logits", "teacher_logits"))
+    _check_vocab_tokens(student, c.batch.logprobs, "student_logits")
     return logits_loss(
-        c.batch.student_logits,
-        c.batch.teacher_logits,
-        _full_kernel(c.opts, c.kernel, vocab=c.batch.student_logits.shape[-1]),
+        student,
+        teacher,
+        _full_kernel(c.opts, c.kernel, vocab=student.shape[-1]),
         temperature=c.opts.temperature,
         mask=c.m,
         chunk_size=c.opts.chunk_size,
@@ -233,15 +219,14 @@ def _run_logits(c: _Call) -> Tensor:
 
 
 def _run_fused(c: _Call) -> Tensor:
-    _require_all(c.batch, "fused hidden-state", ("student_hidden", "teacher_hidden", "lm_head_weight"))
-    assert c.batch.student_hidden is not None and c.batch.teacher_hidden is not None
-    assert c.batch.lm_head_weight is not None
-    _check_vocab_tokens(c.batch.student_hidden, c.batch.logprobs, "student_hidden")
+    names = ("student_hidden", "teacher_hidden", "lm_head_weight")
+    hidden, teacher_hidden, head = _require_all(c.batch, "fused hidden-state", names)
+    _check_vocab_tokens(hidden, c.batch.logprobs, "student_hidden")
     return fused_linear_loss(
-        c.batch.student_hidden,
-        c.batch.lm_head_weight,
-        c.batch.teacher_hidden,
-        _full_kernel(c.opts, c.kernel, vocab=c.batch.lm_head_weight.shape[0]),
+        hidden,
+        head,
+        teacher_hidden,
+        _full_kernel(c.opts, c.kernel, vocab=head.shape[0]),
         teacher_lm_head_weight=c.batch.teacher_lm_head_weight,
         lm_head_bias=c.batch.lm_head_bias,
         teacher_lm_head_bias=c.batch.teacher_lm_head_bias,
@@ -267,7 +252,7 @@ def _full_kernel(opts: SDPOOptions, kernel: _SDPOKernel, vocab: int) -> Kernel:
         return entropy_opd_kernel(
             float(opts.beta), float(opts.wrapper.threshold), float(opts.wrapper.weight), opts.topk
         )
-    return jsd_kernel(float(opts.beta), opts.compiled)
+    return jsd_kernel(opts.beta, opts.compiled)
 
 
 def _check_vocab_tokens(x: Tensor, logprobs: Tensor, name: str) -> None:

@@ -204,37 +204,24 @@ def _compose(
         pol = out.loss
         metrics.update(out.metrics.tensors())
 
-    # ---- channel 2 -------------------------------------------------------------------------------------
     sdpo: Tensor | None = None
-    if cfg.alpha_sdpo == 0 or form is None:
-        metrics["sdpo/skipped"] = 1.0
-    else:
+    if cfg.alpha_sdpo != 0 and form is not None:  # channel 2
         sdpo, sdpo_metrics = sdpo_channel(batch, cfg.sdpo, form, norms[1])
         metrics.update(sdpo_metrics)
-        metrics["sdpo/skipped"] = 0.0
-
-    # ---- channel 3 -------------------------------------------------------------------------------------
     replay: Tensor | None = None
     ch3 = _present(batch, "chosen_logps", "rejected_logps")
-    if cfg.beta_replay == 0 or not ch3:
-        metrics["replay/skipped"] = 1.0
-    else:
+    if cfg.beta_replay != 0 and ch3:  # channel 3
         replay, margin = replay_channel(batch, cfg.replay, ch3, norms[2])
         assert batch.chosen_logps is not None
         metrics["replay/pairs"] = float(batch.chosen_logps.shape[0])
         metrics["replay/accuracy"] = (margin.detach() > 0).to(torch.float64).mean()
-        metrics["replay/skipped"] = 0.0
-    if (
-        pol is None and sdpo is None and replay is None
-    ):  # w_policy=0 and no channel input here: zero, with a graph
+    if pol is None and sdpo is None and replay is None:  # w_policy=0, nothing to distil: zero, with a graph
         total = batch.logprobs.sum() * 0.0
     else:
         total = weighted_total(pol, sdpo, replay, cfg.alpha_sdpo, cfg.beta_replay, cfg.w_policy)
-    if pol is not None:
-        metrics["loss/policy"] = pol.detach()
-    if sdpo is not None:
-        metrics["loss/sdpo"] = sdpo.detach()
-    if replay is not None:
-        metrics["loss/replay"] = replay.detach()
+    for name, loss in (("policy", pol), ("sdpo", sdpo), ("replay", replay)):
+        if loss is not None:
+            metrics[f"loss/{name}"] = loss.detach()
+    metrics["sdpo/skipped"], metrics["replay/skipped"] = float(sdpo is None), float(replay is None)
     metrics["loss/total"] = total.detach()
     return ComposeResult(total=total, policy=pol, sdpo=sdpo, replay=replay, metrics=Metrics(metrics))

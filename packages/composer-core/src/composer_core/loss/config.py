@@ -144,7 +144,14 @@ class ComposeConfig:
         ``has_*`` flags (which channel-2 inputs the batch carries), ``sdpo_form="auto"`` is resolved and the
         options are judged in the resolved form.
         """
-        return _from_flat_cached(_freeze(options), (has_logits, has_hidden, has_sampled))
+        # the type joins the key: 1, 1.0 and True hash alike but do not coerce alike (True is no int option)
+        items = tuple(sorted((k, (type(v).__name__, v)) for k, v in options.items()))
+        flags = (has_logits, has_hidden, has_sampled)
+        try:
+            hash(items)
+        except TypeError:  # an unhashable value (a list from TOML): build uncached
+            return _from_flat.__wrapped__(items, flags)
+        return _from_flat(items, flags)
 
     def to_flat(self) -> dict[str, object]:
         """The flat keyword form of this config (every option, including defaults)."""
@@ -241,13 +248,6 @@ def _hints(klass: type) -> dict[str, Any]:
     return typing.get_type_hints(klass)
 
 
-def _annotation(name: str) -> Any:
-    if name in _SELECTORS:
-        return Literal[_SELECTORS[name][1]]
-    klass, fname, _ = _FLAT[name]
-    return _hints(klass)[fname]
-
-
 def _describe(ann: Any) -> str:
     origin = get_origin(ann)
     if origin is Literal:
@@ -262,7 +262,10 @@ def _describe(ann: Any) -> str:
 def coerce_option(name: str, value: object) -> object:
     """Coerce one flat option value to its declared type (strings from a CLI included); ``ValueError`` naming
     the option and the expected type for anything that does not convert."""
-    return coerce_to(name, value, _annotation(name))
+    if name in _SELECTORS:
+        return coerce_to(name, value, Literal[_SELECTORS[name][1]])
+    klass, fname, _ = _FLAT[name]
+    return coerce_to(name, value, _hints(klass)[fname])
 
 
 def coerce_to(name: str, value: object, ann: Any) -> object:
@@ -336,11 +339,6 @@ _SCALARS: dict[Any, Any] = {bool: _to_bool, int: _to_int, float: _to_float}
 
 
 # ----------------------------------------------------------------------------------------------- from_flat
-def _freeze(options: Mapping[str, object]) -> tuple[tuple[str, object], ...]:
-    # the type joins the key: 1, 1.0 and True hash alike but do not coerce alike (True is no int option)
-    return tuple(sorted((k, (type(v).__name__, v)) for k, v in options.items()))
-
-
 def _reject_unknown(names: list[str]) -> None:
     if not names:
         return
@@ -352,6 +350,7 @@ def _reject_unknown(names: list[str]) -> None:
     )
 
 
+@lru_cache(maxsize=256)
 def _from_flat(
     items: tuple[tuple[str, object], ...], batch_flags: tuple[bool | None, bool | None, bool | None]
 ) -> ComposeConfig:
@@ -407,17 +406,3 @@ def _unchecked(klass: type, kw: Mapping[str, object]) -> Any:
     for f in dataclasses.fields(klass):
         object.__setattr__(obj, f.name, kw.get(f.name, _default(klass, f.name)))
     return obj
-
-
-_cached = lru_cache(maxsize=256)(_from_flat)
-
-
-def _from_flat_cached(
-    items: tuple[tuple[str, object], ...], flags: tuple[bool | None, bool | None, bool | None]
-) -> ComposeConfig:
-    try:
-        return _cached(items, flags)
-    except TypeError as err:  # an unhashable value (a list from TOML): build uncached
-        if "unhashable" not in str(err):
-            raise
-        return _from_flat(items, flags)

@@ -8,11 +8,9 @@ and teacher p = softmax(z_T/τ)
 - β = 1: reverse KL(q‖p) = Σ_v q (log q − log p)  (exact branch)
 - 0 < β < 1: m = β·p + (1−β)·q, JSD_β = β·KL(p‖m) + (1−β)·KL(q‖m)  (≤ ln 2 at β = ½)
 
-The teacher is always detached (stop-gradient). The full-vocabulary forms never hold more than
-``chunk_size × V`` of intermediate values: :mod:`composer_core.loss.engine` runs this module's chunk kernel
-(:func:`jsd_kernel`, ``(zs, zt) -> (loss, grad)``) in one chunked and one fused autograd Function that compute each
-chunk's value and exact analytic gradient during the forward pass (Liger-Kernel style); the backward pass is a
-rescale. Gradients with respect to the scaled student logits z = z_S/τ:
+The teacher is always detached (stop-gradient). The full-vocabulary forms run this module's chunk kernel
+(:func:`jsd_kernel`, ``(zs, zt) -> (loss, grad)``) in :mod:`composer_core.loss.engine` (peak O(chunk·V)).
+Gradients with respect to the scaled student logits z = z_S/τ:
 
 - FKL: q − p;  RKL: q ⊙ (g − ⟨q, g⟩) with g = log q − log p;
 - JSD_β: q ⊙ (g − ⟨q, g⟩) with g = (1−β)(log q − log m)   (∂JSD/∂q_v = (1−β)(log q_v − log m_v)).
@@ -32,30 +30,23 @@ from torch import Tensor
 from composer_core.loss.chunking import CHUNK_LOGITS, FUSED_CHUNK_LOGITS, FUSED_MIN_ROWS, chunk_rows
 from composer_core.loss.compiled import compiled_jsd_kernel
 from composer_core.loss.config import SDPOOptions
-from composer_core.loss.engine import (  # re-exported: compose, wrappers and the adapters import them from here
-    Kernel as Kernel,
-)
-from composer_core.loss.engine import _check_common, _compute_dtype, _flat_weight
 from composer_core.loss.engine import (
-    full_precision as full_precision,
-)
-from composer_core.loss.engine import (
-    fused_linear_loss as fused_linear_loss,
-)
-from composer_core.loss.engine import (
-    logits_loss as logits_loss,
+    Kernel,
+    _check_common,
+    _compute_dtype,
+    _flat_weight,
+    full_precision,
+    fused_linear_loss,
+    logits_loss,
 )
 from composer_core.loss.validation import (
     as_mask,
     check_bool,
     check_choice,
     check_float,
-    check_positive,
+    check_number,
     check_probability,
     check_same_shape,
-)
-from composer_core.loss.validation import (  # re-exported: the kernels and wrappers look it up here
-    host_reads_are_free as host_reads_are_free,
 )
 
 __all__ = [
@@ -65,6 +56,7 @@ __all__ = [
     "FUSED_MIN_ROWS",
     "Reduction",
     "chunk_rows",
+    "full_precision",  # re-exported (PRIME-RL's loss imports it from here)
     "fused_linear_generalized_jsd",
     "generalized_jsd",
     "is_clip_weight",
@@ -99,13 +91,8 @@ class Scratch:
     def get(self, key: str, like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
         dtype = like.dtype if dtype is None else dtype
         buf = self._bufs.get(key)
-        if (
-            buf is None
-            or buf.dtype != dtype
-            or buf.device != like.device
-            or buf.shape[1:] != like.shape[1:]
-            or buf.shape[0] < like.shape[0]
-        ):
+        wanted = (dtype, like.device, like.shape[1:])
+        if buf is None or buf.shape[0] < like.shape[0] or (buf.dtype, buf.device, buf.shape[1:]) != wanted:
             buf = torch.empty(like.shape, dtype=dtype, device=like.device)
             self._bufs[key] = buf
         return buf[: like.shape[0]]
@@ -129,6 +116,8 @@ def jsd_kernel(beta: float, compiled: bool = SDPOOptions.compiled) -> Kernel:
     (= logaddexp(d + log(1−β), log β), forced to exactly 0 where d == 0 so that p == q gives exactly 0):
     KL(p‖m) = −Σ p·f, KL(q‖m) = Σ q·(d − f), ∂JSD/∂z = (1−β)·q ⊙ (g − ⟨q, g⟩) with g = d − f.
     """
+    beta = check_probability("beta", beta)
+    check_bool("compiled", compiled)
     if compiled:
         return compiled_jsd_kernel(beta)
     scratch = Scratch()
@@ -196,12 +185,10 @@ def generalized_jsd(
 
     Values and gradients are exact (analytic per-chunk gradients, independent of ``chunk_size``).
     """
-    check_probability("beta", beta)
-    check_bool("compiled", compiled)
     return logits_loss(
         student_logits,
         teacher_logits,
-        jsd_kernel(float(beta), compiled),
+        jsd_kernel(beta, compiled),
         temperature=temperature,
         mask=mask,
         chunk_size=chunk_size,
@@ -246,13 +233,11 @@ def fused_linear_generalized_jsd(
         mask, beta, temperature, normalizer, compiled: as in :func:`generalized_jsd`.
         reduction: ``"mean"`` or ``"sum"``.
     """
-    check_probability("beta", beta)
-    check_bool("compiled", compiled)
     return fused_linear_loss(
         student_hidden,
         lm_head_weight,
         teacher_hidden,
-        jsd_kernel(float(beta), compiled),
+        jsd_kernel(beta, compiled),
         teacher_lm_head_weight=teacher_lm_head_weight,
         lm_head_bias=lm_head_bias,
         teacher_lm_head_bias=teacher_lm_head_bias,
@@ -337,7 +322,7 @@ def topk_distill(
     check_same_shape("student_logits", student_logits, "teacher_logits", teacher_logits)
     check_probability("beta", beta)
     check_choice("support", support, ("student", "teacher"))
-    _check_common(temperature, 1, reduction, normalizer, ("mean", "sum", "none"))
+    _check_common(reduction, normalizer, temperature, None)
     vocab = student_logits.shape[-1]
     if isinstance(k, bool) or not isinstance(k, int) or not (1 <= k <= vocab):
         raise ValueError(f"`k`={k!r} must be an int in [1, V={vocab}].")
@@ -393,9 +378,9 @@ def sampled_token_distill(
     check_float("student_logprobs", student_logprobs, min_ndim=1)
     check_float("teacher_logprobs", teacher_logprobs)
     check_same_shape("student_logprobs", student_logprobs, "teacher_logprobs", teacher_logprobs)
-    _check_common(1.0, None, reduction, normalizer, ("mean", "sum", "none"))
+    _check_common(reduction, normalizer, 1.0, None)
     if is_clip is not None:
-        check_positive("is_clip", is_clip)
+        check_number("is_clip", is_clip, low=0.0, strict=True)
     m = as_mask("mask", mask, student_logprobs.shape, device=student_logprobs.device)
     if old_logprobs is not None:
         check_float("old_logprobs", old_logprobs)

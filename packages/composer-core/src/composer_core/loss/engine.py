@@ -26,7 +26,7 @@ from composer_core.loss.validation import (
     check_choice,
     check_float,
     check_normalizer,
-    check_positive,
+    check_number,
     check_same_shape,
     check_tensor,
     checked_once,
@@ -249,11 +249,8 @@ class _FusedLinearLoss(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         grad_h = torch.zeros_like(student_hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=cdtype, device=weight.device) if need_w else None
-        grad_b = (
-            torch.zeros(weight.shape[0], dtype=cdtype, device=device)
-            if (need_b and bias is not None)
-            else None
-        )
+        # needs_input_grad is False for a None bias
+        grad_b = torch.zeros(weight.shape[0], dtype=cdtype, device=device) if need_b else None
         w_c = weight.detach().to(cdtype)
         same_head = teacher_weight is weight or (
             teacher_weight.shape == weight.shape and teacher_weight.data_ptr() == weight.data_ptr()
@@ -319,13 +316,15 @@ _apply_fused = cast(Callable[..., Tensor], _FusedLinearLoss.apply)
 
 
 def _check_common(
-    temperature: float,
-    chunk_size: int | None,
     reduction: str,
     normalizer: float | Tensor | None,
-    allowed: tuple[str, ...],
+    temperature: float,
+    chunk_size: int | None,
+    allowed: tuple[str, ...] = ("mean", "sum", "none"),
 ) -> None:
-    check_positive("temperature", temperature)
+    """The arguments the losses share (a ``normalizer`` only with ``reduction="mean"``; a loss without a temperature
+    or chunks passes 1.0 and None)."""
+    check_number("temperature", temperature, low=0.0, strict=True)
     check_chunk_size("chunk_size", chunk_size)
     check_choice("reduction", reduction, allowed)
     check_normalizer("normalizer", normalizer)
@@ -391,7 +390,7 @@ def logits_loss(
     """Check the shared arguments, then run a chunk ``kernel`` over [..., V] logits with masking and reduction
     (the logits-input losses: :func:`generalized_jsd`, ``taid_loss``, ``entropy_opd_loss``). ``token_weight``
     [...]: a detached per-token factor of the loss and its gradient (SDPO's IS clip, :func:`is_clip_weight`)."""
-    _check_common(temperature, chunk_size, reduction, normalizer, ("mean", "sum", "none"))
+    _check_common(reduction, normalizer, temperature, chunk_size)
     check_tensor("student_logits", student_logits, min_ndim=2)
     check_tensor("teacher_logits", teacher_logits, min_ndim=2)
     check_same_shape("student_logits", student_logits, "teacher_logits", teacher_logits)
@@ -430,7 +429,7 @@ def fused_linear_loss(
 
     Student ``student_hidden [..., Hs]`` with ``lm_head_weight [V, Hs]``; teacher ``teacher_hidden [..., Ht]`` with
     ``teacher_lm_head_weight [V, Ht]`` (Ht may differ from Hs; without a teacher head, Ht must equal Hs)."""
-    _check_common(temperature, chunk_size, reduction, normalizer, ("mean", "sum"))
+    _check_common(reduction, normalizer, temperature, chunk_size, ("mean", "sum"))
     check_float("student_hidden", student_hidden, min_ndim=2)
     check_float("teacher_hidden", teacher_hidden, min_ndim=2)
     check_float("lm_head_weight", lm_head_weight, ndim=2)
@@ -445,32 +444,21 @@ def fused_linear_loss(
             f"`lm_head_weight` has shape {tuple(lm_head_weight.shape)} but must be [V, H] with H = "
             f"{hidden} (the hidden size of `student_hidden`)."
         )
+    vocab = lm_head_weight.shape[0]
     t_weight = lm_head_weight if teacher_lm_head_weight is None else teacher_lm_head_weight
-    if teacher_lm_head_weight is None and t_hidden != hidden:
-        raise ValueError(
-            f"`teacher_hidden` has shape {tuple(teacher_hidden.shape)}: hidden size {t_hidden}, not the student's "
-            f"{hidden}; without `teacher_lm_head_weight` the teacher uses `lm_head_weight` [V, {hidden}]. Pass "
-            f"the teacher's own head as `teacher_lm_head_weight` [V, {t_hidden}]."
-        )
     if teacher_lm_head_weight is not None:
         check_float("teacher_lm_head_weight", teacher_lm_head_weight, ndim=2)
-        if teacher_lm_head_weight.shape[0] != lm_head_weight.shape[0]:
-            raise ValueError(
-                f"`teacher_lm_head_weight` has shape {tuple(teacher_lm_head_weight.shape)} but `lm_head_weight` has "
-                f"shape {tuple(lm_head_weight.shape)}; their vocabulary sizes V (dim 0) must match."
-            )
-        if teacher_lm_head_weight.shape[1] != t_hidden:
-            raise ValueError(
-                f"`teacher_hidden` has hidden size {t_hidden} but `teacher_lm_head_weight` has shape "
-                f"{tuple(teacher_lm_head_weight.shape)}; it must be [V, Ht] with Ht = {t_hidden}."
-            )
+    if t_weight.shape != (vocab, t_hidden):
+        raise ValueError(
+            f"`teacher_hidden` (hidden size Ht = {t_hidden}) needs a teacher head of shape [V, Ht] = [{vocab}, "
+            f"{t_hidden}] (V of `lm_head_weight`), but `teacher_lm_head_weight` (default: `lm_head_weight`) has "
+            f"shape {tuple(t_weight.shape)}; pass the teacher's own head as `teacher_lm_head_weight`."
+        )
     for name, b in (("lm_head_bias", lm_head_bias), ("teacher_lm_head_bias", teacher_lm_head_bias)):
         if b is not None:
             check_float(name, b, ndim=1)
-            if b.shape[0] != lm_head_weight.shape[0]:
-                raise ValueError(
-                    f"`{name}` has {b.shape[0]} entries; it must have V = {lm_head_weight.shape[0]}."
-                )
+            if b.shape[0] != vocab:
+                raise ValueError(f"`{name}` has {b.shape[0]} entries; it must have V = {vocab}.")
     t_bias = teacher_lm_head_bias
     if t_bias is None and teacher_lm_head_weight is None:
         t_bias = lm_head_bias  # same head for the (self-)teacher
@@ -486,7 +474,7 @@ def fused_linear_loss(
         rows,
         kernel,
         float(temperature),
-        chunk_rows(chunk_size, lm_head_weight.shape[0], fused=True),
+        chunk_rows(chunk_size, vocab, fused=True),
         scale,
         _flat_weight(token_weight, token_shape),
     )

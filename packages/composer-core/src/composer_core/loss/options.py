@@ -20,7 +20,6 @@ from composer_core.loss.validation import (
     check_choice,
     check_int,
     check_number,
-    check_positive,
     check_probability,
 )
 
@@ -101,7 +100,7 @@ def check_rollout_clip(clip_min: float | None, clip_max: float | None, *, prefix
     """Bounds of the rollout IS weights (None = unbounded): ``clip_max > 0``, ``0 ≤ clip_min ≤ clip_max``; the
     message names them ``<prefix>clip_min`` / ``<prefix>clip_max``."""
     if clip_max is not None:
-        check_positive(f"{prefix}clip_max", clip_max)
+        check_number(f"{prefix}clip_max", clip_max, low=0.0, strict=True)
     if clip_min is not None:
         check_number(f"{prefix}clip_min", clip_min, low=0.0)
     if clip_min is not None and clip_max is not None and clip_min > clip_max:
@@ -164,8 +163,7 @@ class PolicyOptions:
     @property
     def epsilons(self) -> tuple[float, float]:
         """``(ε_lo, ε_hi)``, ``ε_hi = ε_lo`` when ``epsilon_high`` is None."""
-        eps_lo = float(self.epsilon_low)
-        return eps_lo, eps_lo if self.epsilon_high is None else float(self.epsilon_high)
+        return check_clip_args(self.epsilon_low, self.epsilon_high, self.delta)
 
     def unused(self) -> list[str]:
         """Messages for options set (non-default) in a mode that does not read them."""
@@ -212,12 +210,10 @@ class TAID:
             raise ValueError(f"`taid_t_start`={self.t_start} must not exceed `taid_t_end`={self.t_end}.")
         if self.t is not None:
             check_probability("taid_t", self.t)
-        for name, value, low in (
-            ("taid_total_steps", self.total_steps, 1),
-            ("taid_schedule_step", self.schedule_step, 0),
-        ):
-            if value is not None:
-                check_int(name, value, low=low)
+        if self.total_steps is not None:
+            check_int("taid_total_steps", self.total_steps, low=1)
+        if self.schedule_step is not None:
+            check_int("taid_schedule_step", self.schedule_step, low=0)
         if self.t is not None and (self.schedule_step is not None or self.total_steps is not None):
             raise ValueError(
                 "pass either `taid_t` (e.g. TAIDScheduler.t) or `taid_schedule_step` + `taid_total_steps` "
@@ -375,12 +371,9 @@ class DPO:
         check_choice("dpo_loss_type", self.loss_type, ("sigmoid", "robust", "ipo"))
         check_number("dpo_beta", self.beta, low=0.0, strict=True)
         check_number("dpo_label_smoothing", self.label_smoothing, low=0.0)
-        top = {"sigmoid": "0.5]", "robust": "0.5)", "ipo": "0]"}[self.loss_type]
-        if (
-            self.label_smoothing > 0.5
-            or (self.label_smoothing == 0.5 and top != "0.5]")
-            or (self.loss_type == "ipo" and self.label_smoothing != 0.0)
-        ):
+        eps = self.label_smoothing
+        if not {"sigmoid": eps <= 0.5, "robust": eps < 0.5, "ipo": eps == 0.0}[self.loss_type]:
+            top = {"sigmoid": "0.5]", "robust": "0.5)", "ipo": "0]"}[self.loss_type]
             raise ValueError(
                 f"`dpo_label_smoothing`={self.label_smoothing!r} must lie in [0, {top} for dpo_loss_type="
                 f"{self.loss_type!r}."

@@ -197,11 +197,10 @@ def _aggregate(
     max_completion_length: int | None,
 ) -> Tensor:
     """:func:`aggregate_loss` on validated inputs (``m`` a float mask in the loss dtype)."""
-    if loss_type in ("grpo", "sapo"):
-        per_seq = (per_token_loss * m).sum(-1) / m.sum(-1).clamp(min=1.0)
-        return per_seq.mean() if normalizer is None else per_seq.sum() / normalizer
-    if loss_type == "luspo":
+    if loss_type in ("grpo", "sapo", "luspo"):
         per_seq = (per_token_loss * m).sum(-1)
+        if loss_type != "luspo":  # luspo: a per-sequence sum
+            per_seq = per_seq / m.sum(-1).clamp(min=1.0)
         return per_seq.mean() if normalizer is None else per_seq.sum() / normalizer
     if loss_type == "bnpo":
         if normalizer is not None:
@@ -210,20 +209,18 @@ def _aggregate(
                 "use loss_type='dapo' for a global token count."
             )
         return (per_token_loss * m).sum() / m.sum().clamp(min=1.0)
-    if loss_type == "dr_grpo":
-        if normalizer is not None and max_completion_length is not None:
+    if loss_type == "dr_grpo" and normalizer is not None and max_completion_length is not None:
+        raise ValueError(
+            "loss_type='dr_grpo': pass either `normalizer` (global B·L_max) or `max_completion_length`, not both."
+        )
+    if loss_type == "dr_grpo" and normalizer is None:
+        l_max = per_token_loss.shape[1] if max_completion_length is None else max_completion_length
+        if l_max < per_token_loss.shape[1]:
             raise ValueError(
-                "loss_type='dr_grpo': pass either `normalizer` (global B·L_max) or `max_completion_length`, not both."
+                f"`max_completion_length`={l_max} is shorter than the completion width T="
+                f"{per_token_loss.shape[1]}; pass the generation cap (>= T)."
             )
-        if normalizer is None:
-            l_max = per_token_loss.shape[1] if max_completion_length is None else max_completion_length
-            if l_max < per_token_loss.shape[1]:
-                raise ValueError(
-                    f"`max_completion_length`={l_max} is shorter than the completion width T="
-                    f"{per_token_loss.shape[1]}; pass the generation cap (>= T)."
-                )
-            return (per_token_loss * m).sum() / (per_token_loss.size(0) * l_max)
-        return (per_token_loss * m).sum() / normalizer
+        return (per_token_loss * m).sum() / (per_token_loss.size(0) * l_max)
     denom = m.sum().clamp(min=1.0) if normalizer is None else normalizer
     return (per_token_loss * m).sum() / denom
 

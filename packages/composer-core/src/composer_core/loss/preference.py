@@ -26,13 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from composer_core.loss.config import DPO, SimPO
-from composer_core.loss.validation import (
-    check_choice,
-    check_float,
-    check_normalizer,
-    check_same_shape,
-    value_check,
-)
+from composer_core.loss.engine import _check_common
+from composer_core.loss.validation import check_float, check_same_shape, value_check
 
 __all__ = ["dpo_loss", "preference_margin", "simpo_loss"]
 
@@ -62,19 +57,12 @@ def _check_lengths(name: str, lengths: Tensor) -> Tensor:
 
 
 def _reduce_pairs(losses: Tensor, reduction: str, normalizer: float | Tensor | None) -> Tensor:
-    check_choice("reduction", reduction, ("mean", "sum", "none"))
-    check_normalizer("normalizer", normalizer)
-    if normalizer is not None and reduction != "mean":
-        raise ValueError(f"`normalizer` only applies to reduction='mean', not {reduction!r}.")
+    _check_common(reduction, normalizer, 1.0, None)
     if reduction == "none":
         return losses
-    return (
-        losses.sum()
-        if reduction == "sum"
-        else losses.mean()
-        if normalizer is None
-        else losses.sum() / normalizer
-    )
+    if reduction == "sum":
+        return losses.sum()
+    return losses.mean() if normalizer is None else losses.sum() / normalizer
 
 
 def preference_margin(

@@ -130,8 +130,8 @@ def value_check(
         raise ValueError(message())
 
 
-def check_tensor(name: str, value: object, *, ndim: int | None = None, min_ndim: int | None = None) -> Tensor:
-    """Return ``value`` if it is a floating/bool/int tensor of the right rank, else raise ValueError."""
+def check_tensor(name: str, value: object, *, ndim: int | None = None, min_ndim: int | None = None) -> None:
+    """Raise ValueError unless ``value`` is a tensor of the right rank."""
     if not isinstance(value, Tensor):
         raise ValueError(
             f"`{name}` must be a torch.Tensor, got {type(value).__name__}; convert it with torch.as_tensor."
@@ -142,10 +142,9 @@ def check_tensor(name: str, value: object, *, ndim: int | None = None, min_ndim:
         )
     if min_ndim is not None and value.dim() < min_ndim:
         raise ValueError(f"`{name}` must have >= {min_ndim} dimension(s), got shape {tuple(value.shape)}.")
-    return value
 
 
-def check_finite(name: str, value: Tensor) -> Tensor:
+def check_finite(name: str, value: Tensor) -> None:
     """Raise ValueError if ``value`` holds NaN or ±inf."""
     check_tensor(name, value)
     if value.is_floating_point() and value.numel() > 0:
@@ -159,17 +158,16 @@ def check_finite(name: str, value: Tensor) -> Tensor:
                 "calling the loss."
             ),
         )
-    return value
 
 
-def check_float(name: str, value: Tensor, *, ndim: int | None = None, min_ndim: int | None = None) -> Tensor:
+def check_float(name: str, value: Tensor, *, ndim: int | None = None, min_ndim: int | None = None) -> None:
     """Raise ValueError unless ``value`` is a finite floating-point tensor (of the rank, as :func:`check_tensor`)."""
     check_tensor(name, value, ndim=ndim, min_ndim=min_ndim)
     if not value.is_floating_point():
         raise ValueError(
             f"`{name}` must be a floating-point tensor, got dtype {value.dtype}; cast it with .float()."
         )
-    return check_finite(name, value)
+    check_finite(name, value)
 
 
 def check_same_shape(name_a: str, a: Tensor, name_b: str, b: Tensor) -> None:
@@ -241,13 +239,11 @@ def check_int(name: str, value: object, *, low: int) -> None:
         raise ValueError(f"`{name}`={value!r} must be an int >= {low}.")
 
 
-def check_probability(
-    name: str, value: float, *, low: float = 0.0, high: float = 1.0, high_open: bool = False
-) -> float:
-    """Raise ValueError unless ``low <= value <= high`` (``< high`` when ``high_open``)."""
+def check_probability(name: str, value: float, *, high_open: bool = False) -> float:
+    """Raise ValueError unless ``0 <= value <= 1`` (``< 1`` when ``high_open``)."""
     v = float(value)
-    if not (low <= v and (v < high if high_open else v <= high)):
-        raise ValueError(f"`{name}`={value!r} must lie in [{low:g}, {high:g}{')' if high_open else ']'}.")
+    if not (v >= 0.0 and (v < 1.0 if high_open else v <= 1.0)):
+        raise ValueError(f"`{name}`={value!r} must lie in [0, 1{')' if high_open else ']'}.")
     return v
 
 
@@ -258,11 +254,6 @@ def check_number(name: str, value: float, *, low: float | None = None, strict: b
         bound = "" if low is None else f" {'>' if strict else '>='} {low:g}"
         raise ValueError(f"`{name}`={value!r} must be a finite number{bound}.")
     return v
-
-
-def check_positive(name: str, value: float) -> float:
-    """Raise ValueError unless ``value`` is a finite number > 0."""
-    return check_number(name, value, low=0.0, strict=True)
 
 
 def check_normalizer(name: str, normalizer: float | Tensor | None) -> None:

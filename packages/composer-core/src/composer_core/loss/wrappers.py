@@ -14,19 +14,20 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from composer_core.loss import distill as _distill  # patched in tests: the kernels look the sync rule up here
+from composer_core.loss import (
+    validation as _validation,  # patched in tests: the kernels look the sync rule up here
+)
 from composer_core.loss.config import TAID, EntropyOPD, SDPOOptions
 from composer_core.loss.distill import (
     DEFAULT_CHUNK_SIZE,
-    Kernel,
     Reduction,
     Scratch,
     _log_softmax_and_probs,
     _rowdot,
     jsd_kernel,
-    logits_loss,
 )
-from composer_core.loss.validation import check_int, check_number, check_positive, check_probability
+from composer_core.loss.engine import Kernel, logits_loss
+from composer_core.loss.validation import check_int, check_number, check_probability
 
 __all__ = ["TAIDScheduler", "entropy_opd_kernel", "entropy_opd_loss", "taid_kernel", "taid_loss"]
 
@@ -123,14 +124,11 @@ class TAIDScheduler:
 
     def step(self, loss: float | Tensor) -> float:
         """Update t from this optimiser step's reduced loss J and return the new t."""
-        if isinstance(loss, Tensor):
-            if loss.numel() != 1:
-                raise ValueError(
-                    f"`loss` must be a scalar (the globally reduced loss), got shape {tuple(loss.shape)}."
-                )
-            value = float(loss.detach())
-        else:
-            value = float(loss)
+        if isinstance(loss, Tensor) and loss.numel() != 1:
+            raise ValueError(
+                f"`loss` must be a scalar (the globally reduced loss), got shape {tuple(loss.shape)}."
+            )
+        value = float(loss)
         if not math.isfinite(value):
             raise ValueError(f"`loss`={value} is not finite; TAIDScheduler.step needs the reduced loss.")
         done = self.num_steps  # optimiser steps before this one: the reference's 0-based global_step
@@ -181,7 +179,7 @@ def entropy_opd_kernel(beta: float, threshold: float, fkl_weight: float, topk: i
         entropy = -(p * lp).sum(-1)
         gate = (entropy > threshold).to(zs.dtype) * fkl_weight
         extra: tuple[Tensor, Tensor] | None = None
-        if not _distill.host_reads_are_free(zs.device) or bool(gate.any()):  # on a GPU: no sync, compute
+        if not _validation.host_reads_are_free(zs.device) or bool(gate.any()):  # on a GPU: no sync, compute
             lq = torch.log_softmax(zs, dim=-1)
             if topk is None:
                 fkl = (p * (lp - lq)).sum(-1)
@@ -227,7 +225,7 @@ def entropy_opd_loss(
     """
     check_probability("beta", beta)
     check_number("threshold", threshold, low=0.0)
-    check_positive("fkl_weight", fkl_weight)
+    check_number("fkl_weight", fkl_weight, low=0.0, strict=True)
     vocab = student_logits.shape[-1] if isinstance(student_logits, Tensor) and student_logits.dim() else 0
     if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int) or not (1 <= topk <= vocab)):
         raise ValueError(f"`topk`={topk!r} must be None (full vocabulary) or an int in [1, V={vocab}].")

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from composer_core.loss.options import _opt
+from composer_core.loss.options import _non_default, _opt
 from composer_core.loss.validation import check_bool, check_choice, check_int
 
 __all__ = [
@@ -109,7 +109,7 @@ class TeacherContextOptions:
         for name in _PLACEHOLDERS:
             _check_template(name, getattr(self, name))
         if self.sdpo_teacher_context == "hint":
-            changed = [f"`{n}`" for n in _GROUP_ONLY if getattr(self, n) != _DEFAULTS[n]]
+            changed = [f"`{n}`" for n in _GROUP_ONLY if _non_default(self, n)]
             if changed:
                 raise ValueError(
                     f"{', '.join(changed)} only act(s) when the teacher context is built from the group "
@@ -139,7 +139,6 @@ _GROUP_ONLY = (
     "success_reward_threshold", "dont_reprompt_on_self_success", "demo_pick", "reprompt_template",
     "solution_template", "feedback_template", "remove_thinking_from_demonstration",
 )  # fmt: skip
-_DEFAULTS = {f: getattr(TeacherContextOptions, f) for f in _GROUP_ONLY}
 
 
 @dataclass
@@ -166,12 +165,6 @@ def remove_thinking(text: str) -> str:
 def cap_reprompt(ids: Sequence[int], max_len: int | None) -> list[int]:
     """The last ``max_len`` tokens of a reprompt (all of them for None), as TRL's SDPOTrainer truncates."""
     return list(ids) if max_len is None else list(ids)[-max_len:]
-
-
-def _pick(successful: list[int], opts: TeacherContextOptions, seed: int, group: int) -> int:
-    if opts.demo_pick == "first" or len(successful) == 1:
-        return successful[0]
-    return random.Random(seed * 1_000_003 + group).choice(successful)
 
 
 def _reprompt(prompt: Any, solution: str, feedback: str, opts: TeacherContextOptions) -> Any:
@@ -245,14 +238,12 @@ def build_teacher_contexts(
         ]
         text = feedback[i] if feedback is not None else None
         has_feedback = isinstance(text, str) and text.strip() != ""
-        use_feedback = (
-            options.uses_feedback
-            and has_feedback
-            and not (options.feedback_only_without_solution and successful)
-        )
+        held_back = options.feedback_only_without_solution and bool(successful)
+        use_feedback = options.uses_feedback and has_feedback and not held_back
         solution = ""
         if successful:
-            j = _pick(successful, options, seed, i // group_size)
+            rng = random.Random(seed * 1_000_003 + i // group_size)  # demo_pick="random": seeded per group
+            j = successful[0] if options.demo_pick == "first" else rng.choice(successful)
             demo = completions[j]
             if options.remove_thinking_from_demonstration:
                 demo = remove_thinking(demo)

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from safetensors.torch import load_model, save_model
 from torch import nn
 
-from composer_core.loss.options import _opt
+from composer_core.loss.options import _non_default, _opt
 from composer_core.loss.validation import check_choice, check_int
 
 __all__ = [
@@ -56,7 +57,9 @@ class TeacherWeightsOptions:
             raise ValueError(f"`teacher_update_rate`={rate!r} must lie in (0, 1] (the EMA rate τ).")
         steps = self.teacher_sync_steps
         check_int("teacher_sync_steps", steps, low=1)
-        if self.sdpo_teacher != "ema" and (rate != 0.05 or steps != 1):
+        if self.sdpo_teacher != "ema" and (
+            _non_default(self, "teacher_update_rate") or _non_default(self, "teacher_sync_steps")
+        ):
             raise ValueError(
                 f"`teacher_update_rate`={rate!r} / `teacher_sync_steps`={steps!r} act only with sdpo_teacher='ema' "
                 f"(it is {self.sdpo_teacher!r}); select it or drop them."
@@ -96,8 +99,6 @@ def ema_update_tensors_(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], rate
 
 def save_teacher(teacher: nn.Module, directory: str | os.PathLike[str]) -> str:
     """Write the teacher's weights to ``directory/TEACHER_STATE_FILE``; returns the path."""
-    from safetensors.torch import save_model
-
     path = os.path.join(os.fspath(directory), TEACHER_STATE_FILE)
     save_model(teacher, path)
     return path
@@ -105,8 +106,6 @@ def save_teacher(teacher: nn.Module, directory: str | os.PathLike[str]) -> str:
 
 def load_teacher(teacher: nn.Module, directory: str | os.PathLike[str]) -> None:
     """Load ``directory/TEACHER_STATE_FILE`` into ``teacher`` (strict); a missing or corrupt file raises with the fix."""
-    from safetensors.torch import load_model
-
     path = os.path.join(os.fspath(directory), TEACHER_STATE_FILE)
     if not os.path.isfile(path):
         raise FileNotFoundError(
