@@ -1,13 +1,6 @@
-"""Run py-data-juicer filters and deduplicators over preference pairs (``datajuicer`` extra).
-
-Each :class:`~composer_core.traces.pairs.PreferencePair` becomes text columns: ``text`` (the chosen action:
-content, then one ``name arguments`` line per tool call), ``rejected_text`` (the student's action, same
-rendering) and ``prompt_text`` (:func:`composer_core.traces.hints.render_plain` of the state). Ops see
-``text`` unless built with another ``text_key``. Only ``Filter`` and ``Deduplicator`` ops (which keep or drop
-whole rows) are accepted; ``Mapper`` ops raise ``ValueError``.
-
-Requires ``pip install 'composer-core[datajuicer]'`` (py-data-juicer plus the ``aiohttp``
-and ``ray`` it imports without declaring).
+"""Run py-data-juicer Filter and Deduplicator ops over typed preference pairs, flattened to text columns (the
+package README's "Pairs are typed"); ``Mapper`` ops raise. Requires ``pip install 'composer-core[datajuicer]'``
+(py-data-juicer plus the ``aiohttp`` and ``ray`` it imports without declaring).
 """
 
 from __future__ import annotations

@@ -1,12 +1,5 @@
-"""The one output schema the adapters consume (channels 2 and 3), JSONL and Parquet.
-
-One :class:`TraceRecord` per student state (an assistant turn of an episode). Messages are
-OpenAI chat dicts, in TRL's *conversational* layout (``prompt`` is a list of messages;
-``completion``, ``chosen`` and ``rejected`` are one-message lists), so TRL-style code can
-apply the same chat template it uses elsewhere.
-
-A record carries channel 2, channel 3 or both; :func:`validate_record` checks every row read or written.
-Parquet (``parquet`` extra) stores message columns and ``tools`` as JSON text, everything else natively.
+"""The one output schema the adapters consume (channels 2 and 3): :class:`TraceRecord`, one per student state,
+messages in TRL's conversational layout; JSONL and Parquet, every row validated (package README: "Output schema").
 """
 
 from __future__ import annotations

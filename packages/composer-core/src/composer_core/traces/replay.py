@@ -1,12 +1,8 @@
 """N-teacher replay: ask OpenAI-compatible chat-completions endpoints for the next action.
 
-Every configured teacher is asked ``POST {base_url}/chat/completions`` at each student state, with bounded
-concurrency (overall and per teacher), a deadline per request, retries with jittered exponential backoff
-(:meth:`Replayer.backoff`; 408/409/429, 5xx, timeouts, connection errors and malformed answers), failures
-recorded never dropped, an atomic on-disk cache (:class:`ReplayCache`: a rerun never pays twice), per-teacher
-accounting (:class:`TeacherStats`), keys read from ``api_key_env`` at request time and redacted from everything
-taken from a response before it is cut. The guarantees in full: the package README's "Traces, hints and
-teacher replay" and "Reliability". Requires the ``replay`` extra (httpx).
+:class:`Replayer` asks every configured teacher ``POST {base_url}/chat/completions`` at each student state; its
+guarantees (concurrency, deadlines, retries, the cache, accounting, redaction) are the package README's "Traces,
+hints and teacher replay" and "Reliability". Requires the ``replay`` extra (httpx).
 """
 
 from __future__ import annotations
@@ -126,7 +122,8 @@ class TeacherConfig:
         key = os.environ.get(self.api_key_env, "")
         if not key.strip():
             raise ValueError(
-                f"teacher {self.name!r}: environment variable {self.api_key_env} is not set or blank"
+                f"teacher {self.name!r}: environment variable {self.api_key_env} is not set or blank; "
+                f"export {self.api_key_env}=... or drop api_key_env for an endpoint without a key"
             )
         return key
 

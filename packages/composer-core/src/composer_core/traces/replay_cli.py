@@ -2,13 +2,8 @@
 
     composer-replay --traces traces.jsonl --teachers teachers.toml --out pairs.jsonl
 
-:func:`build_records` asks every teacher for the next action at each chosen state (every student turn, or
-only faulty ones), builds a hinted teacher context at each faulty turn and preference pairs, and returns
-:class:`~composer_core.traces.records.TraceRecord` rows. Failed requests go to ``<out>.failures.jsonl``,
-per-teacher accounting to ``<out>.summary.json`` and the terminal.
-
-Exit status: 0 done, 1 unexpected error, 2 bad arguments or input (one line, before any request or output),
-3 every teacher request failed, 4 more than ``--max-failure-rate`` failed (details: ``--help``, the README).
+:func:`build_records` is the pipeline in memory; :func:`main` writes its records, ``<out>.failures.jsonl`` and
+``<out>.summary.json`` (the options and exit statuses: ``--help`` and the package README).
 """
 
 from __future__ import annotations
@@ -17,7 +12,6 @@ import argparse
 import asyncio
 import importlib
 import json
-import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
@@ -371,14 +365,10 @@ def _usable_teachers(path: str) -> list[TeacherConfig] | str:
         return f"--teachers needs the module {e.name or 'httpx'} (replay extra): pip install 'composer-core[replay]'"
     try:
         teachers = load_teachers(path)
+        for t in teachers:
+            t.api_key()
     except ValueError as e:
         return str(e)
-    for t in teachers:
-        if t.api_key_env and not os.environ.get(t.api_key_env, "").strip():
-            return (
-                f"teacher {t.name!r}: its api_key_env variable {t.api_key_env} is not set, empty or blank; "
-                f"export {t.api_key_env}=... or drop api_key_env from {path}"
-            )
     return teachers
 
 

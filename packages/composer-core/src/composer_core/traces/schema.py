@@ -1,11 +1,5 @@
-"""Agent episodes: a typed schema in OpenAI chat format, ingesters, and error-site detection.
-
-An **episode** is one agent run: chat messages (``system``, ``user``, ``assistant`` with optional
-tool calls, ``tool`` results) in OpenAI chat-completions format, plus optional tool schemas and
-metadata; every record is a frozen dataclass validated when built. :func:`read_openai_jsonl` reads one
-episode per line (or a bare list of messages); :func:`read_claude_code_jsonl` reads a Claude Code
-session file. :func:`find_error_sites` finds failed tool results; the assistant turn that issued the
-failing call is the **faulty turn**, where hints are inserted and teachers are replayed.
+"""Agent episodes: a typed schema in OpenAI chat format (frozen dataclasses, validated when built), ingesters
+(OpenAI JSONL, Claude Code sessions) and error-site detection (package README: "Error sites, hints and masks").
 """
 
 from __future__ import annotations
@@ -416,13 +410,8 @@ def _exit_code(m: Message) -> int | None:
 
 
 def find_error_sites(episode: Episode) -> list[ErrorSite]:
-    """Every tool result that shows a tool error, a failing test run or a non-zero exit code.
-
-    Signals: ``is_error`` set by the harness or a Python traceback / ``...Error:`` line /
-    shell "command not found" (``tool_error``); pytest, unittest, jest, go and cargo
-    failure summaries (``test_failure``); ``exit_code`` set by the harness, or "exit code N",
-    "exited with status N", "returncode=N" with N != 0 in the output (``exit_code``).
-    """
+    """Every tool result that shows a tool error, a failing test run or a non-zero exit code (the signals:
+    ``is_error`` / ``exit_code`` set by the harness, and the patterns above; the package README lists them)."""
     sites: list[ErrorSite] = []
     for i, m in enumerate(episode.messages):
         if m.role != "tool" or m.tool_call_id is None:
