@@ -5,13 +5,12 @@ package README's "Pairs are typed"); ``Mapper`` ops raise. Requires ``pip instal
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .hints import render_plain
 from .pairs import PreferencePair
-from .schema import Message
+from .schema import Message, import_extra
 
 __all__ = ["action_text", "datajuicer_filter"]
 
@@ -28,14 +27,10 @@ def action_text(m: Message) -> str:
 
 
 def _dj() -> tuple[Any, Any, tuple[type, ...], type]:
-    try:
-        data = importlib.import_module("data_juicer.core.data")
-        ops = importlib.import_module("data_juicer.ops")
-        base = importlib.import_module("data_juicer.ops.base_op")
-    except ImportError as e:
-        raise ImportError(
-            "the data-juicer integration needs py-data-juicer: pip install 'composer-core[datajuicer]'"
-        ) from e
+    data, ops, base = (
+        import_extra(f"data_juicer.{m}", "the data-juicer integration", "datajuicer")
+        for m in ("core.data", "ops", "ops.base_op")
+    )
     return data.NestedDataset, ops.load_ops, (base.Filter, base.Deduplicator), base.Mapper
 
 

@@ -4,7 +4,6 @@ messages in TRL's conversational layout; JSONL and Parquet, every row validated 
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -12,7 +11,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .schema import Message, _json_lines, message_from_dict
+from .schema import Message, _json_lines, import_extra, message_from_dict
 
 __all__ = [
     "MESSAGE_COLUMNS",
@@ -233,12 +232,8 @@ def read_records(path: str | Path) -> list[TraceRecord]:
 
 
 def _pyarrow() -> tuple[Any, Any]:
-    try:
-        pa = importlib.import_module("pyarrow")
-        pq = importlib.import_module("pyarrow.parquet")
-    except ImportError as e:
-        raise ImportError("Parquet output needs pyarrow: pip install 'composer-core[parquet]'") from e
-    return pa, pq
+    pq = import_extra("pyarrow.parquet", "Parquet", "parquet")
+    return import_extra("pyarrow", "Parquet", "parquet"), pq
 
 
 def _arrow_schema(pa: Any) -> Any:

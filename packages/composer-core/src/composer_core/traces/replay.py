@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
-import importlib
 import json
 import logging
 import math
@@ -24,7 +23,7 @@ from typing import Any
 
 from .redact import redact, redact_strings
 from .replay_cache import ReplayCache
-from .schema import Message, canonical_json, message_from_dict, state_hash
+from .schema import Message, canonical_json, import_extra, message_from_dict, state_hash
 
 __all__ = [
     "DEFAULT_MAX_RESPONSE_BYTES",
@@ -62,12 +61,7 @@ def _usage(data: Mapping[str, Any]) -> tuple[int | None, int | None]:
 
 
 def _httpx() -> Any:
-    try:
-        return importlib.import_module("httpx")
-    except ImportError as e:  # pragma: no cover - exercised only without the extra
-        raise ImportError(
-            "teacher replay needs httpx: install the replay extra, pip install 'composer-core[replay]'"
-        ) from e
+    return import_extra("httpx", "teacher replay", "replay")
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from .replay import (
     TeacherStats,
     load_teachers,
 )
-from .schema import Episode, ErrorSite, find_error_sites, read_traces
+from .schema import Episode, ErrorSite, find_error_sites, import_extra, read_traces
 
 __all__ = ["EXIT_ALL_FAILED", "EXIT_TOO_MANY_FAILED", "BuildResult", "build_records", "main", "plot_summary"]
 
@@ -206,20 +206,13 @@ def _load_verifier(spec: str) -> Verifier:
 
 
 def _load_tokenizer(path: str, trust_remote_code: bool) -> Any:
-    try:
-        transformers = importlib.import_module("transformers")
-    except ImportError as e:
-        raise ImportError("--tokenizer needs transformers: pip install 'composer-core[hf]'") from e
-    return transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    auto = import_extra("transformers", "--tokenizer", "hf").AutoTokenizer
+    return auto.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
 def plot_summary(summary: dict[str, Any], path: str | Path) -> None:
     """Bar charts per teacher (requests / cache hits / failures, tokens, cost) as a PNG (``plot`` extra)."""
-    try:
-        matplotlib = importlib.import_module("matplotlib")
-    except ImportError as e:
-        raise ImportError("--plot needs matplotlib: pip install 'composer-core[plot]'") from e
-    matplotlib.use("Agg")
+    import_extra("matplotlib", "--plot", "plot").use("Agg")
     plt = importlib.import_module("matplotlib.pyplot")
     teachers = summary["teachers"]
     if not teachers:
@@ -360,14 +353,11 @@ def _exit_status(result: BuildResult, max_failure_rate: float, failures_path: Pa
 def _usable_teachers(path: str) -> list[TeacherConfig] | str:
     """The teachers of ``path``, or one line saying why none can be asked (checked before any request)."""
     try:
-        importlib.import_module("httpx")
-    except ImportError as e:
-        return f"--teachers needs the module {e.name or 'httpx'} (replay extra): pip install 'composer-core[replay]'"
-    try:
+        import_extra("httpx", "--teachers", "replay")
         teachers = load_teachers(path)
         for t in teachers:
             t.api_key()
-    except ValueError as e:
+    except (ImportError, ValueError) as e:
         return str(e)
     return teachers
 

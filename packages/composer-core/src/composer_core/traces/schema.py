@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -33,6 +34,15 @@ __all__ = [
     "state_hash",
     "write_openai_jsonl",
 ]
+
+
+def import_extra(module: str, what: str, extra: str) -> Any:
+    """``importlib.import_module(module)``, or an ImportError (one line) naming the extra that installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        need = f"the module {e.name or module} ({extra} extra)"
+        raise ImportError(f"{what} needs {need}: pip install 'composer-core[{extra}]'") from e
 
 
 def canonical_json(value: Any) -> str:
