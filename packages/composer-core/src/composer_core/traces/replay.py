@@ -370,14 +370,10 @@ class Replayer:
 
     async def _request(self, client: Any, t: TeacherConfig, job: ReplayJob, key: str) -> ReplayResult:
         st = self.stats[t.name]
-        body: dict[str, Any] = {"model": t.model, "messages": [m.to_api_dict() for m in job.messages]}
-        if job.tools:
-            body["tools"] = [dict(x) for x in job.tools]
-        if t.temperature is not None:
-            body["temperature"] = t.temperature
-        if t.max_tokens is not None:
-            body["max_tokens"] = t.max_tokens
-        body.update(t.extra_body)
+        tools = [dict(x) for x in job.tools] or None
+        optional = {"tools": tools, "temperature": t.temperature, "max_tokens": t.max_tokens}
+        body = {"model": t.model, "messages": [m.to_api_dict() for m in job.messages]}
+        body |= {k: v for k, v in optional.items() if v is not None} | dict(t.extra_body)
         reason = ""
         attempts = 0
         for attempt in range(t.max_retries + 1):
