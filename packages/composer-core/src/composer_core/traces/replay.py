@@ -451,6 +451,14 @@ class Replayer:
 
         async with httpx.AsyncClient(transport=self._transport, limits=limits) as client:
 
+            async def fetch(t: TeacherConfig, job: ReplayJob, key: str) -> ReplayResult:
+                entry = self.cache.get(t.name, key) if self.cache is not None else None
+                if entry is not None:
+                    self.stats[t.name].cache_hits += 1
+                    return self._from_entry(t, key, entry, cached=True, attempts=0)
+                async with overall, per[t.name]:
+                    return await self._request(client, t, job, key)
+
             async def run(job: ReplayJob) -> ReplayResult:
                 t = self.teachers[job.teacher]
                 key = t.cache_key(job.messages, job.tools)
@@ -460,20 +468,8 @@ class Replayer:
                         self.stats[t.name].cache_hits += 1
                         result = dataclasses.replace(result, cached=True)
                 else:
-                    fut: asyncio.Future[ReplayResult] = asyncio.get_running_loop().create_future()
-                    inflight[key] = fut
-                    try:
-                        entry = self.cache.get(t.name, key) if self.cache is not None else None
-                        if entry is not None:
-                            self.stats[t.name].cache_hits += 1
-                            result = self._from_entry(t, key, entry, cached=True, attempts=0)
-                        else:
-                            async with overall, per[t.name]:
-                                result = await self._request(client, t, job, key)
-                        fut.set_result(result)
-                    except BaseException as e:
-                        fut.set_exception(e)
-                        raise
+                    inflight[key] = task = asyncio.ensure_future(fetch(t, job, key))
+                    result = await task
                 if on_result is not None:
                     on_result(result)
                 return result
