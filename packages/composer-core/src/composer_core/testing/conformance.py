@@ -410,9 +410,8 @@ def _reference(
     """``compose_loss`` on the case and its gradients; a mismatch with the case's closed form is a failure."""
     ref_batch = case.make_batch(dtype)
     ref = compose_loss(ref_batch, **case.options)
-    parts = {"total": ref.total, "policy": ref.policy, "sdpo": ref.sdpo, "replay": ref.replay}
     for key, expected in case.expected.items():
-        got = parts[key]
+        got = getattr(ref, key)  # total, policy, sdpo or replay
         tol_a, tol_r = max(atol, 1e-9), max(rtol, 1e-7)
         if got is None or abs(float(got.detach()) - expected) > tol_a + tol_r * abs(expected):
             failures.append(f"[{case.name}] compose_loss {key}={got} but the closed form is {expected!r}")

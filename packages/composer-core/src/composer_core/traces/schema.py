@@ -358,22 +358,14 @@ def _entry_blocks(
 
 def read_traces(path: str | Path, fmt: Literal["auto", "openai", "claude-code"] = "auto") -> list[Episode]:
     """Read episodes from a JSONL file; ``fmt="auto"`` looks at the first entry."""
-    p = Path(path)
-    if fmt == "openai":
-        return read_openai_jsonl(p)
-    if fmt == "claude-code":
-        return read_claude_code_jsonl(p)
-    if fmt != "auto":
+    p, readers = Path(path), {"openai": read_openai_jsonl, "claude-code": read_claude_code_jsonl}
+    if fmt not in (*readers, "auto"):
         raise ValueError(f"fmt must be 'auto', 'openai' or 'claude-code', got {fmt!r}")
-    for _, first in _json_lines(p):
-        if (
-            isinstance(first, Mapping)
-            and "messages" not in first
-            and ("sessionId" in first or "type" in first)
-        ):
-            return read_claude_code_jsonl(p)
-        return read_openai_jsonl(p)
-    return []
+    if fmt == "auto":  # a Claude Code entry has no "messages" but a "sessionId" or "type"
+        first = next((obj for _, obj in _json_lines(p)), None)
+        keys = set(first) if isinstance(first, Mapping) else set()
+        fmt = "claude-code" if "messages" not in keys and keys & {"sessionId", "type"} else "openai"
+    return readers[fmt](p)
 
 
 # --- error sites --------------------------------------------------------------------------
