@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from composer_core.loss.validation import check_int
+
 from .redact import redact, redact_strings
 from .replay_cache import ReplayCache
 from .schema import Message, canonical_json, import_extra, message_from_dict, state_hash
@@ -276,14 +278,8 @@ class Replayer:
     ) -> None:
         if not teachers:
             raise ValueError("teachers is empty: configure at least one teacher")
-        if max_concurrency < 1:
-            raise ValueError("max_concurrency must be >= 1")
-        if (
-            isinstance(max_response_bytes, bool)
-            or not isinstance(max_response_bytes, int)
-            or max_response_bytes < 1
-        ):
-            raise ValueError(f"max_response_bytes must be an integer >= 1, got {max_response_bytes!r}")
+        check_int("max_concurrency", max_concurrency, low=1)
+        check_int("max_response_bytes", max_response_bytes, low=1)
         self.max_response_bytes = max_response_bytes
         self.teachers = {t.name: t for t in teachers}
         if len(self.teachers) != len(teachers):

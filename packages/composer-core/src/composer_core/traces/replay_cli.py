@@ -146,18 +146,17 @@ def _replay_all(
         ReplayJob(name, ep.messages[:t], ep.tools) for ep, t in targets for name in replayer.teacher_names
     ]
     tqdm = importlib.import_module("tqdm.auto").tqdm
-    bar = tqdm(total=len(jobs), desc="teacher replay", unit="req", disable=not progress, file=sys.stderr)
+    with tqdm(
+        total=len(jobs), desc="teacher replay", unit="req", disable=not progress, file=sys.stderr
+    ) as bar:
 
-    def tick(r: ReplayResult) -> None:
-        bar.update(1)
-        hits = sum(s.cache_hits for s in replayer.stats.values())
-        fails = sum(s.failures for s in replayer.stats.values())
-        bar.set_postfix(cache_hits=hits, failures=fails, refresh=False)
+        def tick(r: ReplayResult) -> None:
+            bar.update(1)
+            hits = sum(s.cache_hits for s in replayer.stats.values())
+            fails = sum(s.failures for s in replayer.stats.values())
+            bar.set_postfix(cache_hits=hits, failures=fails, refresh=False)
 
-    try:
         flat = asyncio.run(replayer.areplay(jobs, tick))
-    finally:
-        bar.close()
     n = len(replayer.teacher_names)
     for i, (ep, t) in enumerate(targets):
         rs = flat[i * n : (i + 1) * n]
