@@ -99,10 +99,9 @@ class TeacherConfig:
                 raise ValueError(f"teacher {self.name!r}: {attr} must be a finite number >= 0, got {v!r}")
         if self.timeout_s <= 0:
             raise ValueError(f"teacher {self.name!r}: timeout_s must be > 0")
-        if not isinstance(self.max_concurrency, int) or self.max_concurrency < 1:
-            raise ValueError(f"teacher {self.name!r}: max_concurrency must be an integer >= 1")
-        if not isinstance(self.max_retries, int) or self.max_retries < 0:
-            raise ValueError(f"teacher {self.name!r}: max_retries must be an integer >= 0")
+        for attr, low in (("max_concurrency", 1), ("max_retries", 0)):
+            if not isinstance(getattr(self, attr), int) or getattr(self, attr) < low:
+                raise ValueError(f"teacher {self.name!r}: {attr} must be an integer >= {low}")
         if self.api_key_env is not None and (
             not isinstance(self.api_key_env, str) or not self.api_key_env.strip()
         ):
