@@ -398,9 +398,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     write_records(result.records, out)
     failures_path = Path(args.failures) if args.failures else out.with_name(out.name + ".failures.jsonl")
-    with failures_path.open("w", encoding="utf-8") as f:
-        for row in result.failures:
-            f.write(json.dumps(row) + "\n")
+    failures_path.write_text("".join(json.dumps(row) + "\n" for row in result.failures), encoding="utf-8")
     summary = {
         "episodes": len(episodes),
         "states": result.states,
