@@ -20,7 +20,6 @@ from typing import Any
 import pytest
 from composer_core.traces.records import read_records
 from composer_core.traces.replay import ReplayCache, Replayer, ReplayJob, TeacherConfig, redact
-from composer_core.traces.replay_cache import KILL_ENV
 from composer_core.traces.schema import Episode, Message, ToolCall, write_openai_jsonl
 from composer_testkit.teacher_server import BAD_PAYLOADS, ChatServer
 
@@ -28,6 +27,19 @@ from composer_testkit.teacher_server import BAD_PAYLOADS, ChatServer
 SECRET = "sk-Zq7/Xw+Lm9=Rt4Pv2Ks8Nd6Hy3Jb5Wc1"
 KEY_ENV = "COMPOSER_FAULT_TEST_KEY"
 FAST = {"backoff_base_s": 0.01, "backoff_max_s": 0.02}
+# composer-replay, SIGKILLed between writing the 3rd cache entry's temporary file and renaming it
+KILLED_AT_3RD_CACHE_WRITE = """
+import os, signal, sys
+from composer_core.traces import replay_cli
+real_replace, renames = os.replace, []
+def replace(src, dst):
+    renames.append(dst)
+    if len(renames) == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    real_replace(src, dst)
+os.replace = replace
+sys.exit(replay_cli.main(sys.argv[1:]))
+"""
 
 
 def leaked_forms(secret: str = SECRET) -> list[str]:
@@ -423,7 +435,7 @@ def test_orphaned_temp_files_of_a_killed_run_are_removed(tmp_path: Path) -> None
         teachers = [{"name": n, "base_url": srv.base_url, "model": f"m{n}"} for n in ("a", "b")]
         traces, toml = write_run(tmp_path, teachers, n_eps=2)  # 2 eps x 2 turns x 2 teachers = 8
         argv = cli_argv(tmp_path, traces, toml, "--no-progress", "--max-concurrency", "1")
-        rc, _, err = run_cli(argv, {KILL_ENV: "cache-write:3"})
+        rc, _, err = run_cli([sys.executable, "-c", KILLED_AT_3RD_CACHE_WRITE, *argv[3:]])
         assert rc == -signal.SIGKILL, err
         cache = tmp_path / "out" / "pairs.jsonl.cache"
         orphans = list(cache.rglob(".tmp-*"))

@@ -74,9 +74,9 @@ def _t(values: Any, dtype: torch.dtype, grad: bool = False) -> Tensor:
 
 
 def _policy_only(dtype: torch.dtype) -> dict[str, Tensor]:
-    """Channel-1 inputs of one token with zero advantage: policy loss and its gradient are exactly 0."""
+    """Channel-1 inputs of one token (ℓθ = ln .5) with zero advantage: policy loss and its gradient are 0."""
     return {
-        "logprobs": _t([[-1.0]], dtype, grad=True),
+        "logprobs": _t([[math.log(0.5)]], dtype, grad=True),
         "advantages": torch.zeros(1, dtype=dtype),
         "completion_mask": torch.ones(1, 1, dtype=torch.bool),
     }
@@ -97,13 +97,6 @@ def _jsd(p_t: list[float], q_s: list[float], beta: float) -> float:
         return _kl(q_s, p_t)
     m = [beta * a + (1 - beta) * b for a, b in zip(p_t, q_s)]
     return beta * _kl(p_t, m) + (1 - beta) * _kl(q_s, m)
-
-
-def _softmax(z: list[float]) -> list[float]:
-    mx = max(z)
-    e = [math.exp(v - mx) for v in z]
-    s = sum(e)
-    return [v / s for v in e]
 
 
 def _random_batch(dtype: torch.dtype, seed: int, *, hidden: bool = False) -> ComposerBatch:
@@ -168,14 +161,8 @@ def _case(
 
 
 def _one_token(dtype: torch.dtype, other: str) -> ComposerBatch:
-    """ℓθ = ln .5 on one token with zero advantage; the batch field ``other`` (log-probs) is ln .25."""
-    batch = ComposerBatch(
-        logprobs=_t([[math.log(0.5)]], dtype, grad=True),
-        advantages=_t([0.0], dtype),
-        completion_mask=torch.ones(1, 1, dtype=torch.bool),
-    )
-    setattr(batch, other, _t([[math.log(0.25)]], dtype))
-    return batch
+    """:func:`_policy_only` plus the batch field ``other`` (log-probs) at ln .25."""
+    return ComposerBatch(**_policy_only(dtype), **{other: _t([[math.log(0.25)]], dtype)})
 
 
 def _pairs(dtype: torch.dtype, h: float) -> ComposerBatch:
@@ -213,7 +200,8 @@ def _cases() -> tuple[ConformanceCase, ...]:
     k3 = 0.5 - math.log(0.5) - 1  # e^x − x − 1 with x = ln(0.25/0.5)
     jsd_half = _jsd(half, q9, 0.5)
     t_mix = 0.4
-    taid_target = _softmax([(1 - t_mix) * a + t_mix * b for a, b in zip(_log(q9), _log(half))])
+    taid_z = [(1 - t_mix) * a + t_mix * b for a, b in zip(_log(q9), _log(half))]
+    taid_target = torch.softmax(torch.tensor(taid_z, dtype=torch.float64), 0).tolist()
     topk_fkl = 0.2 * math.log(0.2 / 0.6) + 0.8 * math.log(0.8 / 0.4)
     cases = [
         # ---- channel 1
@@ -418,25 +406,24 @@ def _close(a: Tensor, b: Tensor, atol: float, rtol: float) -> bool:
 
 def _reference(
     case: ConformanceCase, dtype: torch.dtype, atol: float, rtol: float, failures: list[str]
-) -> tuple[ComposeResult, tuple[Tensor | None, ...]]:
+) -> tuple[ComposeResult, tuple[Tensor, ...]]:
     """``compose_loss`` on the case and its gradients; a mismatch with the case's closed form is a failure."""
     ref_batch = case.make_batch(dtype)
     ref = compose_loss(ref_batch, **case.options)
-    parts = {"total": ref.total, "policy": ref.policy, "sdpo": ref.sdpo, "replay": ref.replay}
     for key, expected in case.expected.items():
-        got = parts[key]
+        got = getattr(ref, key)  # total, policy, sdpo or replay
         tol_a, tol_r = max(atol, 1e-9), max(rtol, 1e-7)
         if got is None or abs(float(got.detach()) - expected) > tol_a + tol_r * abs(expected):
             failures.append(f"[{case.name}] compose_loss {key}={got} but the closed form is {expected!r}")
-    ref_leaves = _grad_leaves(ref_batch)
-    return ref, torch.autograd.grad(ref.total, list(ref_leaves.values()), allow_unused=True)
+    leaves = list(_grad_leaves(ref_batch).values())
+    return ref, torch.autograd.grad(ref.total, leaves, allow_unused=True, materialize_grads=True)
 
 
 def _check_case(
     compute: Compute,
     case: ConformanceCase,
     dtype: torch.dtype,
-    ref: tuple[Tensor, tuple[Tensor | None, ...]],
+    ref: tuple[Tensor, tuple[Tensor, ...]],
     tolerances: tuple[float, float, bool],
     failures: list[str],
 ) -> bool:
@@ -464,10 +451,8 @@ def _check_case(
     if not out.requires_grad:
         failures.append(f"[{case.name}] the adapter's total does not require grad")
         return False
-    grads = torch.autograd.grad(out, list(leaves.values()), allow_unused=True)
-    for (name, leaf), g, g_ref in zip(leaves.items(), grads, ref_grads):
-        g = torch.zeros_like(leaf) if g is None else g
-        g_ref = torch.zeros_like(leaf) if g_ref is None else g_ref
+    grads = torch.autograd.grad(out, list(leaves.values()), allow_unused=True, materialize_grads=True)
+    for name, g, g_ref in zip(leaves, grads, ref_grads):  # an unused input's gradient is zeros
         if not _close(g, g_ref, atol, rtol):
             err = float((g.detach().double() - g_ref.detach().double()).abs().max())
             failures.append(

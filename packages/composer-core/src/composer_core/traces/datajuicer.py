@@ -1,24 +1,16 @@
-"""Run py-data-juicer filters and deduplicators over preference pairs (``datajuicer`` extra).
-
-Each :class:`~composer_core.traces.pairs.PreferencePair` becomes text columns: ``text`` (the chosen action:
-content, then one ``name arguments`` line per tool call), ``rejected_text`` (the student's action, same
-rendering) and ``prompt_text`` (:func:`composer_core.traces.hints.render_plain` of the state). Ops see
-``text`` unless built with another ``text_key``. Only ``Filter`` and ``Deduplicator`` ops (which keep or drop
-whole rows) are accepted; ``Mapper`` ops raise ``ValueError``.
-
-Requires ``pip install 'composer-core[datajuicer]'`` (py-data-juicer plus the ``aiohttp``
-and ``ray`` it imports without declaring).
+"""Run py-data-juicer Filter and Deduplicator ops over typed preference pairs, flattened to text columns (the
+package README's "Pairs are typed"); ``Mapper`` ops raise. Requires ``pip install 'composer-core[datajuicer]'``
+(py-data-juicer plus the ``aiohttp`` and ``ray`` it imports without declaring).
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .hints import render_plain
 from .pairs import PreferencePair
-from .schema import Message
+from .schema import Message, import_extra
 
 __all__ = ["action_text", "datajuicer_filter"]
 
@@ -35,14 +27,10 @@ def action_text(m: Message) -> str:
 
 
 def _dj() -> tuple[Any, Any, tuple[type, ...], type]:
-    try:
-        data = importlib.import_module("data_juicer.core.data")
-        ops = importlib.import_module("data_juicer.ops")
-        base = importlib.import_module("data_juicer.ops.base_op")
-    except ImportError as e:
-        raise ImportError(
-            "the data-juicer integration needs py-data-juicer: pip install 'composer-core[datajuicer]'"
-        ) from e
+    data, ops, base = (
+        import_extra(f"data_juicer.{m}", "the data-juicer integration", "datajuicer")
+        for m in ("core.data", "ops", "ops.base_op")
+    )
     return data.NestedDataset, ops.load_ops, (base.Filter, base.Deduplicator), base.Mapper
 
 

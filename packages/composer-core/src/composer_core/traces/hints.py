@@ -7,13 +7,11 @@ policy as teacher, re-prompted with a textual hint ``f`` about what went wrong::
 
 ``x`` is the student's context up to the faulty turn, ``y`` the student's action there; the teacher
 context is ``x`` with one hint message inserted right before the action (:func:`build_hinted_context`),
-and ``M`` is the SDPO mask over the tokens of ``y`` (:func:`tokenize_hinted`). Hint sources are any
+and ``M`` is the SDPO mask over the tokens of ``y`` (:func:`tokenize_hinted`, tokenised as TRL does: the
+package README's "Error sites, hints and masks"). Hint sources are any
 ``Callable[[Episode, ErrorSite], str]``: :func:`error_text_hint`, :class:`TemplateHint`,
 :class:`TeacherHint`. Host producers import a user's hint function with :func:`load_hint_fn` and ask it
 per row with :func:`hint_jobs`.
-
-Tokenisation follows TRL: prompt and completion are tokenised separately and concatenated, so the
-completion ids are identical in the student and teacher sequences and the mask lines up with both.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""Channel 3 as trace replay of the student's own failures (``replay_pairs="on_policy"``), shared by the adapters.
-
-``"columns"`` (the default) reads both sides of a pair from the dataset's ``chosen``/``rejected`` columns, one pair
-per prompt. ``"on_policy"`` pairs each **failed** completion of the current group (reward below
-``success_reward_threshold``, the threshold SDPO's success context uses) with a teacher's answer to the same
-prompt, the row's ``chosen`` column: every failure of a group is one pair, a group without a failure gives none,
-and the replay normaliser stays the global pair count. ``chosen`` comes from wherever the user fills it: a
-``composer-replay`` records file (its ``chosen``: the teachers' accepted action, see
-:mod:`composer_core.traces.records`), a teacher column or the reference answer.
+"""Channel 3 as trace replay of the student's own failures (``replay_pairs="on_policy"``), shared by the adapters:
+each failed completion of a group (:func:`failed_rows`) is the rejected side of a pair whose chosen side is the
+row's ``chosen`` (a ``composer-replay`` record's, a teacher column or the reference answer); a group without a
+failure gives none, and the replay normaliser stays the global pair count.
 """
 
 from __future__ import annotations

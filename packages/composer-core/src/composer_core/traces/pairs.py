@@ -114,13 +114,12 @@ def make_pair(
     answers = [(r.teacher, r.message) for r in results if r.message is not None]
     if not answers:
         return None
-    chosen_by: Literal["verifier", "majority"]
-    if verifier is not None:
-        pool = [(t, m) for t, m in answers if m.role == "assistant" and verifier(episode, turn, m)]
-        chosen_by = "verifier"
-    else:
-        pool = answers
-        chosen_by = "majority"
+    chosen_by: Literal["verifier", "majority"] = "majority" if verifier is None else "verifier"
+    pool = [
+        (t, m)
+        for t, m in answers
+        if verifier is None or (m.role == "assistant" and verifier(episode, turn, m))
+    ]
     if not pool:
         return None
     keys = [action_key(m) for _, m in pool]

@@ -1,17 +1,9 @@
-"""The one output schema the adapters consume (channels 2 and 3), JSONL and Parquet.
-
-One :class:`TraceRecord` per student state (an assistant turn of an episode). Messages are
-OpenAI chat dicts, in TRL's *conversational* layout (``prompt`` is a list of messages;
-``completion``, ``chosen`` and ``rejected`` are one-message lists), so TRL-style code can
-apply the same chat template it uses elsewhere.
-
-A record carries channel 2, channel 3 or both; :func:`validate_record` checks every row read or written.
-Parquet (``parquet`` extra) stores message columns and ``tools`` as JSON text, everything else natively.
+"""The one output schema the adapters consume (channels 2 and 3): :class:`TraceRecord`, one per student state,
+messages in TRL's conversational layout; JSONL and Parquet, every row validated (package README: "Output schema").
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -19,7 +11,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .schema import Message, _json_lines, message_from_dict
+from .schema import Message, _json_lines, import_extra, message_from_dict
 
 __all__ = [
     "MESSAGE_COLUMNS",
@@ -240,12 +232,8 @@ def read_records(path: str | Path) -> list[TraceRecord]:
 
 
 def _pyarrow() -> tuple[Any, Any]:
-    try:
-        pa = importlib.import_module("pyarrow")
-        pq = importlib.import_module("pyarrow.parquet")
-    except ImportError as e:
-        raise ImportError("Parquet output needs pyarrow: pip install 'composer-core[parquet]'") from e
-    return pa, pq
+    pq = import_extra("pyarrow.parquet", "Parquet", "parquet")
+    return import_extra("pyarrow", "Parquet", "parquet"), pq
 
 
 def _arrow_schema(pa: Any) -> Any:

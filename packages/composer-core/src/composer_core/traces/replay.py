@@ -1,12 +1,8 @@
 """N-teacher replay: ask OpenAI-compatible chat-completions endpoints for the next action.
 
-Every configured teacher is asked ``POST {base_url}/chat/completions`` at each student state, with bounded
-concurrency (overall and per teacher), a deadline per request, retries with jittered exponential backoff
-(:meth:`Replayer.backoff`; 408/409/429, 5xx, timeouts, connection errors and malformed answers), failures
-recorded never dropped, an atomic on-disk cache (:class:`ReplayCache`: a rerun never pays twice), per-teacher
-accounting (:class:`TeacherStats`), keys read from ``api_key_env`` at request time and redacted from everything
-taken from a response before it is cut. The guarantees in full: the package README's "Traces, hints and
-teacher replay" and "Reliability". Requires the ``replay`` extra (httpx).
+:class:`Replayer` asks every configured teacher ``POST {base_url}/chat/completions`` at each student state; its
+guarantees (concurrency, deadlines, retries, the cache, accounting, redaction) are the package README's "Traces,
+hints and teacher replay" and "Reliability". Requires the ``replay`` extra (httpx).
 """
 
 from __future__ import annotations
@@ -14,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
-import importlib
 import json
 import logging
 import math
@@ -26,9 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from composer_core.loss.validation import check_int
+
 from .redact import redact, redact_strings
 from .replay_cache import ReplayCache
-from .schema import Message, canonical_json, message_from_dict, state_hash
+from .schema import Message, canonical_json, import_extra, message_from_dict, state_hash
 
 __all__ = [
     "DEFAULT_MAX_RESPONSE_BYTES",
@@ -66,12 +63,7 @@ def _usage(data: Mapping[str, Any]) -> tuple[int | None, int | None]:
 
 
 def _httpx() -> Any:
-    try:
-        return importlib.import_module("httpx")
-    except ImportError as e:  # pragma: no cover - exercised only without the extra
-        raise ImportError(
-            "teacher replay needs httpx: install the replay extra, pip install 'composer-core[replay]'"
-        ) from e
+    return import_extra("httpx", "teacher replay", "replay")
 
 
 @dataclass(frozen=True)
@@ -107,10 +99,9 @@ class TeacherConfig:
                 raise ValueError(f"teacher {self.name!r}: {attr} must be a finite number >= 0, got {v!r}")
         if self.timeout_s <= 0:
             raise ValueError(f"teacher {self.name!r}: timeout_s must be > 0")
-        if not isinstance(self.max_concurrency, int) or self.max_concurrency < 1:
-            raise ValueError(f"teacher {self.name!r}: max_concurrency must be an integer >= 1")
-        if not isinstance(self.max_retries, int) or self.max_retries < 0:
-            raise ValueError(f"teacher {self.name!r}: max_retries must be an integer >= 0")
+        for attr, low in (("max_concurrency", 1), ("max_retries", 0)):
+            if not isinstance(getattr(self, attr), int) or getattr(self, attr) < low:
+                raise ValueError(f"teacher {self.name!r}: {attr} must be an integer >= {low}")
         if self.api_key_env is not None and (
             not isinstance(self.api_key_env, str) or not self.api_key_env.strip()
         ):
@@ -126,7 +117,8 @@ class TeacherConfig:
         key = os.environ.get(self.api_key_env, "")
         if not key.strip():
             raise ValueError(
-                f"teacher {self.name!r}: environment variable {self.api_key_env} is not set or blank"
+                f"teacher {self.name!r}: environment variable {self.api_key_env} is not set or blank; "
+                f"export {self.api_key_env}=... or drop api_key_env for an endpoint without a key"
             )
         return key
 
@@ -285,14 +277,8 @@ class Replayer:
     ) -> None:
         if not teachers:
             raise ValueError("teachers is empty: configure at least one teacher")
-        if max_concurrency < 1:
-            raise ValueError("max_concurrency must be >= 1")
-        if (
-            isinstance(max_response_bytes, bool)
-            or not isinstance(max_response_bytes, int)
-            or max_response_bytes < 1
-        ):
-            raise ValueError(f"max_response_bytes must be an integer >= 1, got {max_response_bytes!r}")
+        check_int("max_concurrency", max_concurrency, low=1)
+        check_int("max_response_bytes", max_response_bytes, low=1)
         self.max_response_bytes = max_response_bytes
         self.teachers = {t.name: t for t in teachers}
         if len(self.teachers) != len(teachers):
@@ -379,14 +365,10 @@ class Replayer:
 
     async def _request(self, client: Any, t: TeacherConfig, job: ReplayJob, key: str) -> ReplayResult:
         st = self.stats[t.name]
-        body: dict[str, Any] = {"model": t.model, "messages": [m.to_api_dict() for m in job.messages]}
-        if job.tools:
-            body["tools"] = [dict(x) for x in job.tools]
-        if t.temperature is not None:
-            body["temperature"] = t.temperature
-        if t.max_tokens is not None:
-            body["max_tokens"] = t.max_tokens
-        body.update(t.extra_body)
+        tools = [dict(x) for x in job.tools] or None
+        optional = {"tools": tools, "temperature": t.temperature, "max_tokens": t.max_tokens}
+        body = {"model": t.model, "messages": [m.to_api_dict() for m in job.messages]}
+        body |= {k: v for k, v in optional.items() if v is not None} | dict(t.extra_body)
         reason = ""
         attempts = 0
         for attempt in range(t.max_retries + 1):
@@ -464,6 +446,14 @@ class Replayer:
 
         async with httpx.AsyncClient(transport=self._transport, limits=limits) as client:
 
+            async def fetch(t: TeacherConfig, job: ReplayJob, key: str) -> ReplayResult:
+                entry = self.cache.get(t.name, key) if self.cache is not None else None
+                if entry is not None:
+                    self.stats[t.name].cache_hits += 1
+                    return self._from_entry(t, key, entry, cached=True, attempts=0)
+                async with overall, per[t.name]:
+                    return await self._request(client, t, job, key)
+
             async def run(job: ReplayJob) -> ReplayResult:
                 t = self.teachers[job.teacher]
                 key = t.cache_key(job.messages, job.tools)
@@ -473,20 +463,8 @@ class Replayer:
                         self.stats[t.name].cache_hits += 1
                         result = dataclasses.replace(result, cached=True)
                 else:
-                    fut: asyncio.Future[ReplayResult] = asyncio.get_running_loop().create_future()
-                    inflight[key] = fut
-                    try:
-                        entry = self.cache.get(t.name, key) if self.cache is not None else None
-                        if entry is not None:
-                            self.stats[t.name].cache_hits += 1
-                            result = self._from_entry(t, key, entry, cached=True, attempts=0)
-                        else:
-                            async with overall, per[t.name]:
-                                result = await self._request(client, t, job, key)
-                        fut.set_result(result)
-                    except BaseException as e:
-                        fut.set_exception(e)
-                        raise
+                    inflight[key] = task = asyncio.ensure_future(fetch(t, job, key))
+                    result = await task
                 if on_result is not None:
                     on_result(result)
                 return result

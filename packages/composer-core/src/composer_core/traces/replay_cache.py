@@ -8,17 +8,14 @@ import json
 import logging
 import os
 import re
-import signal
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["KILL_ENV", "ReplayCache"]
+__all__ = ["ReplayCache"]
 
 log = logging.getLogger(__name__)
-
-KILL_ENV = "COMPOSER_REPLAY_KILL_AT"  # test hook: "cache-write:<n>" SIGKILLs after the n-th temp file
 
 
 class ReplayCache:
@@ -27,8 +24,6 @@ class ReplayCache:
     Writes go to ``.tmp-<pid>-*`` then ``os.replace``: a killed process leaves a complete entry or none,
     plus maybe its temporary file, which the next :class:`ReplayCache` on the root removes.
     """
-
-    _writes = 0  # per process, for the KILL_ENV test hook
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
@@ -82,9 +77,6 @@ class ReplayCache:
                 json.dump({**entry, "key": key}, f, ensure_ascii=False)
                 f.flush()
                 os.fsync(f.fileno())
-            ReplayCache._writes += 1
-            if os.environ.get(KILL_ENV) == f"cache-write:{ReplayCache._writes}":
-                os.kill(os.getpid(), signal.SIGKILL)
             os.replace(tmp, p)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)

@@ -2,13 +2,8 @@
 
     composer-replay --traces traces.jsonl --teachers teachers.toml --out pairs.jsonl
 
-:func:`build_records` asks every teacher for the next action at each chosen state (every student turn, or
-only faulty ones), builds a hinted teacher context at each faulty turn and preference pairs, and returns
-:class:`~composer_core.traces.records.TraceRecord` rows. Failed requests go to ``<out>.failures.jsonl``,
-per-teacher accounting to ``<out>.summary.json`` and the terminal.
-
-Exit status: 0 done, 1 unexpected error, 2 bad arguments or input (one line, before any request or output),
-3 every teacher request failed, 4 more than ``--max-failure-rate`` failed (details: ``--help``, the README).
+:func:`build_records` is the pipeline in memory; :func:`main` writes its records, ``<out>.failures.jsonl`` and
+``<out>.summary.json`` (the options and exit statuses: ``--help`` and the package README).
 """
 
 from __future__ import annotations
@@ -17,7 +12,6 @@ import argparse
 import asyncio
 import importlib
 import json
-import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
@@ -44,7 +38,7 @@ from .replay import (
     TeacherStats,
     load_teachers,
 )
-from .schema import Episode, ErrorSite, find_error_sites, read_traces
+from .schema import Episode, ErrorSite, find_error_sites, import_extra, read_traces
 
 __all__ = ["EXIT_ALL_FAILED", "EXIT_TOO_MANY_FAILED", "BuildResult", "build_records", "main", "plot_summary"]
 
@@ -152,18 +146,17 @@ def _replay_all(
         ReplayJob(name, ep.messages[:t], ep.tools) for ep, t in targets for name in replayer.teacher_names
     ]
     tqdm = importlib.import_module("tqdm.auto").tqdm
-    bar = tqdm(total=len(jobs), desc="teacher replay", unit="req", disable=not progress, file=sys.stderr)
+    with tqdm(
+        total=len(jobs), desc="teacher replay", unit="req", disable=not progress, file=sys.stderr
+    ) as bar:
 
-    def tick(r: ReplayResult) -> None:
-        bar.update(1)
-        hits = sum(s.cache_hits for s in replayer.stats.values())
-        fails = sum(s.failures for s in replayer.stats.values())
-        bar.set_postfix(cache_hits=hits, failures=fails, refresh=False)
+        def tick(r: ReplayResult) -> None:
+            bar.update(1)
+            hits = sum(s.cache_hits for s in replayer.stats.values())
+            fails = sum(s.failures for s in replayer.stats.values())
+            bar.set_postfix(cache_hits=hits, failures=fails, refresh=False)
 
-    try:
         flat = asyncio.run(replayer.areplay(jobs, tick))
-    finally:
-        bar.close()
     n = len(replayer.teacher_names)
     for i, (ep, t) in enumerate(targets):
         rs = flat[i * n : (i + 1) * n]
@@ -212,20 +205,13 @@ def _load_verifier(spec: str) -> Verifier:
 
 
 def _load_tokenizer(path: str, trust_remote_code: bool) -> Any:
-    try:
-        transformers = importlib.import_module("transformers")
-    except ImportError as e:
-        raise ImportError("--tokenizer needs transformers: pip install 'composer-core[hf]'") from e
-    return transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    auto = import_extra("transformers", "--tokenizer", "hf").AutoTokenizer
+    return auto.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
 def plot_summary(summary: dict[str, Any], path: str | Path) -> None:
     """Bar charts per teacher (requests / cache hits / failures, tokens, cost) as a PNG (``plot`` extra)."""
-    try:
-        matplotlib = importlib.import_module("matplotlib")
-    except ImportError as e:
-        raise ImportError("--plot needs matplotlib: pip install 'composer-core[plot]'") from e
-    matplotlib.use("Agg")
+    import_extra("matplotlib", "--plot", "plot").use("Agg")
     plt = importlib.import_module("matplotlib.pyplot")
     teachers = summary["teachers"]
     if not teachers:
@@ -366,19 +352,12 @@ def _exit_status(result: BuildResult, max_failure_rate: float, failures_path: Pa
 def _usable_teachers(path: str) -> list[TeacherConfig] | str:
     """The teachers of ``path``, or one line saying why none can be asked (checked before any request)."""
     try:
-        importlib.import_module("httpx")
-    except ImportError as e:
-        return f"--teachers needs the module {e.name or 'httpx'} (replay extra): pip install 'composer-core[replay]'"
-    try:
+        import_extra("httpx", "--teachers", "replay")
         teachers = load_teachers(path)
-    except ValueError as e:
+        for t in teachers:
+            t.api_key()
+    except (ImportError, ValueError) as e:
         return str(e)
-    for t in teachers:
-        if t.api_key_env and not os.environ.get(t.api_key_env, "").strip():
-            return (
-                f"teacher {t.name!r}: its api_key_env variable {t.api_key_env} is not set, empty or blank; "
-                f"export {t.api_key_env}=... or drop api_key_env from {path}"
-            )
     return teachers
 
 
@@ -419,9 +398,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     write_records(result.records, out)
     failures_path = Path(args.failures) if args.failures else out.with_name(out.name + ".failures.jsonl")
-    with failures_path.open("w", encoding="utf-8") as f:
-        for row in result.failures:
-            f.write(json.dumps(row) + "\n")
+    failures_path.write_text("".join(json.dumps(row) + "\n" for row in result.failures), encoding="utf-8")
     summary = {
         "episodes": len(episodes),
         "states": result.states,

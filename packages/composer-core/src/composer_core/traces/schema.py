@@ -1,16 +1,11 @@
-"""Agent episodes: a typed schema in OpenAI chat format, ingesters, and error-site detection.
-
-An **episode** is one agent run: chat messages (``system``, ``user``, ``assistant`` with optional
-tool calls, ``tool`` results) in OpenAI chat-completions format, plus optional tool schemas and
-metadata; every record is a frozen dataclass validated when built. :func:`read_openai_jsonl` reads one
-episode per line (or a bare list of messages); :func:`read_claude_code_jsonl` reads a Claude Code
-session file. :func:`find_error_sites` finds failed tool results; the assistant turn that issued the
-failing call is the **faulty turn**, where hints are inserted and teachers are replayed.
+"""Agent episodes: a typed schema in OpenAI chat format (frozen dataclasses, validated when built), ingesters
+(OpenAI JSONL, Claude Code sessions) and error-site detection (package README: "Error sites, hints and masks").
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -39,6 +34,15 @@ __all__ = [
     "state_hash",
     "write_openai_jsonl",
 ]
+
+
+def import_extra(module: str, what: str, extra: str) -> Any:
+    """``importlib.import_module(module)``, or an ImportError (one line) naming the extra that installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        need = f"the module {e.name or module} ({extra} extra)"
+        raise ImportError(f"{what} needs {need}: pip install 'composer-core[{extra}]'") from e
 
 
 def canonical_json(value: Any) -> str:
@@ -354,22 +358,14 @@ def _entry_blocks(
 
 def read_traces(path: str | Path, fmt: Literal["auto", "openai", "claude-code"] = "auto") -> list[Episode]:
     """Read episodes from a JSONL file; ``fmt="auto"`` looks at the first entry."""
-    p = Path(path)
-    if fmt == "openai":
-        return read_openai_jsonl(p)
-    if fmt == "claude-code":
-        return read_claude_code_jsonl(p)
-    if fmt != "auto":
+    p, readers = Path(path), {"openai": read_openai_jsonl, "claude-code": read_claude_code_jsonl}
+    if fmt not in (*readers, "auto"):
         raise ValueError(f"fmt must be 'auto', 'openai' or 'claude-code', got {fmt!r}")
-    for _, first in _json_lines(p):
-        if (
-            isinstance(first, Mapping)
-            and "messages" not in first
-            and ("sessionId" in first or "type" in first)
-        ):
-            return read_claude_code_jsonl(p)
-        return read_openai_jsonl(p)
-    return []
+    if fmt == "auto":  # a Claude Code entry has no "messages" but a "sessionId" or "type"
+        first = next((obj for _, obj in _json_lines(p)), None)
+        keys = set(first) if isinstance(first, Mapping) else set()
+        fmt = "claude-code" if "messages" not in keys and keys & {"sessionId", "type"} else "openai"
+    return readers[fmt](p)
 
 
 # --- error sites --------------------------------------------------------------------------
@@ -416,13 +412,8 @@ def _exit_code(m: Message) -> int | None:
 
 
 def find_error_sites(episode: Episode) -> list[ErrorSite]:
-    """Every tool result that shows a tool error, a failing test run or a non-zero exit code.
-
-    Signals: ``is_error`` set by the harness or a Python traceback / ``...Error:`` line /
-    shell "command not found" (``tool_error``); pytest, unittest, jest, go and cargo
-    failure summaries (``test_failure``); ``exit_code`` set by the harness, or "exit code N",
-    "exited with status N", "returncode=N" with N != 0 in the output (``exit_code``).
-    """
+    """Every tool result that shows a tool error, a failing test run or a non-zero exit code (the signals:
+    ``is_error`` / ``exit_code`` set by the harness, and the patterns above; the package README lists them)."""
     sites: list[ErrorSite] = []
     for i, m in enumerate(episode.messages):
         if m.role != "tool" or m.tool_call_id is None:

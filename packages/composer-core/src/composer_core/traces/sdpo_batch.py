@@ -35,11 +35,7 @@ class ModelInputs:
 
     def forward_kwargs(self) -> dict[str, torch.Tensor]:
         """``input_ids``, ``attention_mask``, ``position_ids`` for a Hugging Face causal LM."""
-        return {
-            "input_ids": self.input_ids,
-            "attention_mask": self.attention_mask,
-            "position_ids": self.position_ids,
-        }
+        return {k: getattr(self, k) for k in ("input_ids", "attention_mask", "position_ids")}
 
 
 @dataclass(frozen=True)
