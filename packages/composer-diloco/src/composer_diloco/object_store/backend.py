@@ -128,7 +128,7 @@ class Backend(Codec):
             return None
         with f:
             size = os.fstat(f.fileno()).st_size
-            if slot is not None and size >= _MAP_MIN and self._hmac_key is None:
+            if slot is not None and size >= _MAP_MIN and self._mac is None:
                 self.bytes_read += size
                 return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
             view, got = (memoryview(bytearray(size)) if slot is None else self._slot(slot, size)), 0

@@ -58,12 +58,6 @@ def safe_part(name: str, value: object) -> str:
     return value
 
 
-def check_round(round_id: int) -> int:
-    if not isinstance(round_id, int) or isinstance(round_id, bool) or round_id < 0:
-        raise ValueError(f"round_id must be an int >= 0, got {round_id!r}.")
-    return round_id
-
-
 @dataclass
 class RoundStats:
     """What the last round did. ``phases``: seconds per phase, back to back: ``publish`` (encode and create
