@@ -25,8 +25,10 @@ from composer_diloco import (
     RoundExpiredError,
     RoundWithdrawnError,
     StragglerTimeoutError,
+    dequantize_fp8,
+    quantize_fp8,
 )
-from composer_diloco.object_store import dequantize_fp8, quantize_fp8, safe_part
+from composer_diloco.object_store.errors import safe_part
 
 
 def _encode(store: ObjectStoreAllReduce, round_id: int, tensors: list[torch.Tensor]) -> bytes:
@@ -272,7 +274,7 @@ def _frame(meta: dict[str, Any], body: bytes) -> bytes:
     import json
 
     import xxhash
-    from composer_diloco.object_store import MAGIC
+    from composer_diloco.object_store.codec import MAGIC
 
     raw = json.dumps(meta).encode()
     table = xxhash.xxh3_64(body).intdigest().to_bytes(8, "big")

@@ -1,7 +1,5 @@
-"""Executors that run N replica functions ``"package.module:function"`` with JSON keyword arguments:
-:class:`LocalProcessExecutor` (one subprocess each) and :class:`RayExecutor` (one Ray task each). A failed
-replica is reported with its exit code and the tail of its log; so is one that exits 0 before its function
-returned (no result: it stopped before finishing its steps).
+"""Executors that run N replica functions ``"package.module:function"`` with JSON keyword arguments: one
+subprocess (:class:`LocalProcessExecutor`) or one Ray task (:class:`RayExecutor`) each (the README's "Executors").
 """
 
 from __future__ import annotations

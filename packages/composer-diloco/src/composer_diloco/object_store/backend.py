@@ -1,10 +1,5 @@
-"""Storage primitives over fsspec: create-only and atomic writes, reads, listings, deletions.
-
-Create-only (the protocol's agreement rests on it): a local filesystem writes a complete temporary file
-under ``<run_id>/tmp/`` and ``os.link``s it (fails if the key exists); S3 sends ``If-None-Match: *`` on
-the PUT or on the multipart completion (s3fs's ``pipe_file(mode="create")``: readers never see part of
-an upload); ``memory://`` checks and writes under a lock. Atomic replace (progress markers): a local
-``os.replace``, one PUT elsewhere.
+"""Storage primitives over fsspec: create-only and atomic writes, reads, listings, deletions (how each kind
+of store makes a write create-only or atomic: the README's "Serverless mode", item 2).
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
-"""ObjectStoreAllReduce: an all-reduce through any fsspec filesystem, with no network path
-between replicas (``file://``, ``memory://``, ``s3://``, ``gs://``, …).
+"""ObjectStoreAllReduce: an all-reduce through any fsspec filesystem, with no network path between replicas.
 
-The invariant: **every replica that completes round r applies the same average, or fails with an
-error naming why.** The round's committed manifest is its single source of truth. One round: adopt a
-committed manifest of r if there is one (:class:`RoundExpiredError` when the run has moved past r); create
-this replica's object (:mod:`.codec`, :mod:`.backend`: create-only, immutable); read and validate the
-others'; propose the participant set by creating ``manifest.json`` (:mod:`.manifest`; the first proposal
-wins; ``on_timeout`` decides about stragglers and withdrawn ranks); record it in this replica's progress
-marker and check the others'; average in float32 in rank order (:mod:`.reduce`). ``exchange="sharded"`` is
-a reduce-scatter + all-gather under the same rules (:mod:`.sharded`). Each step in detail: the README's
-"Serverless mode".
+The invariant: **every replica that completes round r applies the same average, or fails with an error naming
+why**; the round's committed manifest is its single source of truth. The steps of a round: the README's
+"Serverless mode"; objects: :mod:`.codec`, writes: :mod:`.backend`, manifests and markers: :mod:`.manifest`,
+the arithmetic: :mod:`.reduce`, ``exchange="sharded"``: :mod:`.sharded`.
 """
 
 from __future__ import annotations
@@ -265,16 +259,8 @@ class ObjectStoreAllReduce(Sharded):
     def _gather(self, round_id: int, manifest: Manifest, decoded: dict[int, Decoded]) -> dict[int, Decoded]:
         """The committed objects: each participant's object with the tag the manifest lists."""
         out = {r: decoded[r] for r in manifest.ranks if r in decoded and decoded[r].tag == manifest.tags[r]}
-        for r, key, raw in self._objects(round_id, [r for r in manifest.ranks if r not in out]):
-            if raw is None:
-                raise self._expired(round_id, f"its manifest lists rank {r}", f"{key} is gone")
-            out[r] = self.decode(raw, round_id=round_id, rank=r, key=key)
-            if out[r].tag != manifest.tags[r]:
-                raise CorruptObjectError(
-                    f"object {key} is not the one committed in round {round_id}'s manifest (its tag "
-                    "differs): it was replaced after the round was committed. Objects are create-only; "
-                    "something else writes to this run's prefix."
-                )
+        keys = {r: self.object_key(round_id, r) for r in manifest.ranks if r not in out}
+        out |= self._read_committed(round_id, keys, manifest.tags, "obj")
         return {r: out[r] for r in manifest.ranks}
 
     def _await_manifest(
