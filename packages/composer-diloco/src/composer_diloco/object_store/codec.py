@@ -1,14 +1,9 @@
-"""Object format 4: how one replica's tensors become one self-checking object, and back.
-
-Layout::
+"""Object format 4 (the README's "Serverless mode", item 1): one replica's tensors as one self-checking object::
 
     MAGIC | tag (32) | len(meta) (u32 LE) | len(digest) (u32 LE) | meta | digest | body
 
-``meta`` is JSON (run, round, rank, world size, per-tensor dtype/shape/scale/nbytes), ``body`` the raw
-tensor bytes and ``digest`` one checksum over the whole body: XXH3-64 (8 bytes) by default, SHA-256 with
-an HMAC key. ``tag`` = SHA-256, or HMAC-SHA256 with the key, of everything between the tag and the body.
-No pickle: decoding is ``torch.frombuffer`` on validated offsets with a dtype whitelist. Signed JSON
-(manifests, progress markers) carries an ``hmac`` field under the same key.
+``meta``: JSON, ``digest``: XXH3-64 of ``body`` (SHA-256 with an HMAC key), ``tag``: SHA-256 (HMAC-SHA256) of
+what lies between the tag and the body. Signed JSON (manifests, markers) carries an ``hmac`` field.
 """
 
 from __future__ import annotations

@@ -35,7 +35,6 @@ from .reduce import (
     apply,
     bucketable,
     check_layouts,
-    check_targets,
     direct_targets,
     overflow_message,
     reduce_bucket,
@@ -163,24 +162,18 @@ class ObjectStoreAllReduce(Sharded):
         """Read the committed objects, record acceptance (:meth:`_accept`), then write the result
         into ``tensors``: nothing changes before every check has passed."""
         inputs = self._gather(round_id, manifest, decoded)
-        participants = manifest.ranks
-        check_layouts(inputs, participants, round_id)
-        check_targets(inputs[participants[0]], tensors, round_id)
+        check_layouts(inputs, manifest.ranks, tensors, round_id)
         with torch.no_grad():
             if self.exchange == "sharded":
-                sums = self._sharded_result(round_id, manifest, inputs, local, op)
-                laps("reduce")
-                self._accept(round_id, manifest)
-                laps("accept")
-                for t, acc in zip(tensors, sums):
-                    apply(t, acc, 1)
+                xs: list[list[torch.Tensor]] = []  # every result is staged: the reduced shards
+                staged = dict(enumerate(self._sharded_result(round_id, manifest, inputs, local, op)))
             else:
-                xs = [inputs[r].tensors for r in participants]
+                xs = [inputs[r].tensors for r in manifest.ranks]
                 staged = self._stage(round_id, tensors, xs, op)
-                laps("reduce")
-                self._accept(round_id, manifest)
-                laps("accept")
-                self._reduce_into(tensors, xs, op, staged)
+            laps("reduce")
+            self._accept(round_id, manifest)
+            laps("accept")
+            self._reduce_into(tensors, xs, op, staged)
         laps("apply")
 
     def _contribute(
@@ -230,10 +223,12 @@ class ObjectStoreAllReduce(Sharded):
         several at a time (:func:`reduce_bucket`). The same bits either way."""
         for i, acc in staged.items():
             apply(tensors[i], acc, 1)
+        rest = [i for i in range(len(tensors)) if i not in staged]
+        if not rest:
+            return
         divisor = len(inputs) if op == "avg" else 1
         if self._scratch is None:
             self._scratch = torch.empty(REDUCE_PIECE, dtype=torch.float32)
-        rest = [i for i in range(len(tensors)) if i not in staged]
         small = [i for i in rest if bucketable(tensors[i], [x[i] for x in inputs])]
         for bucket in runs(small, [tensors[i].numel() for i in small], REDUCE_PIECE):
             columns = [[x[i] for i in bucket] for x in inputs]

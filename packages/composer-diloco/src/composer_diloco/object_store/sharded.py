@@ -21,7 +21,7 @@ from .errors import (
     safe_part,
 )
 from .manifest import Manifest, Manifests
-from .reduce import overflow_message, piece, shard_count, sum_into
+from .reduce import overflow_message, piece, sum_into
 
 logger = logging.getLogger("composer_diloco.object_store")
 
@@ -88,7 +88,12 @@ class Sharded(Manifests):
         """Reduce this replica's shards, then collect the others (reducing one whose reducer is silent for
         ``timeout_s``). Every replica applies the *stored* reduced shard (create-only, first writer wins)."""
         ranks = manifest.ranks
-        k = shard_count(indexes, ranks, self.world_size, round_id)
+        k, counts = self.world_size, {int(indexes[r].meta.get("shards", -1)) for r in ranks}
+        if counts != {k}:
+            raise CorruptObjectError(
+                f"round {round_id}: the committed indexes split the tensors into {sorted(counts)} shards, "
+                f"expected world_size={k}: every replica must run with the same world_size."
+            )
         sizes = [math.prod(e["shape"]) for e in indexes[ranks[0]].meta["tensors"]]
         if [a.numel() for a in self._acc] != sizes:
             self._acc = [torch.empty(n, dtype=torch.float32) for n in sizes]
