@@ -1,5 +1,5 @@
 """A replica program for the store fault tests: each call runs in its own process
-(``python -m composer_diloco._worker``, with this folder on ``PYTHONPATH``).
+(``composer_diloco.executors.run_spec``, with this folder on ``PYTHONPATH``).
 
 It all-reduces one constant tensor per round through :class:`ObjectStoreAllReduce` and returns
 what it ended with, or the name and text of the :class:`ObjectStoreError` that stopped it.

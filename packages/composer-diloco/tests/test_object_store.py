@@ -4,6 +4,7 @@ atomic rounds, manifests, cleanup, stragglers, corrupt/partial objects, key esca
 from __future__ import annotations
 
 import json
+import pickle
 import threading
 import time
 import types
@@ -24,8 +25,15 @@ from composer_diloco import (
     RoundExpiredError,
     RoundWithdrawnError,
     StragglerTimeoutError,
+    dequantize_fp8,
+    quantize_fp8,
 )
-from composer_diloco.object_store import dequantize_fp8, quantize_fp8, safe_part
+from composer_diloco.object_store.errors import safe_part
+
+
+def _encode(store: ObjectStoreAllReduce, round_id: int, tensors: list[torch.Tensor]) -> bytes:
+    """The object ``store`` publishes for ``tensors`` in ``round_id``, as bytes."""
+    return store._encode(round_id, tensors, False)[0].tobytes()
 
 
 def _stores(url: str, world: int, **kw: Any) -> list[ObjectStoreAllReduce]:
@@ -216,7 +224,7 @@ def _write_raw(store: ObjectStoreAllReduce, key: str, data: bytes) -> None:
 )
 def test_corrupt_or_partial_object_fails_clearly(url: str, damage: Any, match: str) -> None:
     store0, store1 = _stores(url, 2, timeout_s=0.3)
-    _write_raw(store0, store0.object_key(0, 1), damage(store1.encode(0, [torch.ones(2)])))
+    _write_raw(store0, store0.object_key(0, 1), damage(_encode(store1, 0, [torch.ones(2)])))
     with pytest.raises(CorruptObjectError, match=match) as info:
         store0.allreduce(0, [torch.ones(2)])
     assert store0.object_key(0, 1) in str(info.value)
@@ -224,7 +232,7 @@ def test_corrupt_or_partial_object_fails_clearly(url: str, damage: Any, match: s
 
 def test_corrupt_object_with_proceed_is_excluded_not_averaged(url: str) -> None:
     store0, store1 = _stores(url, 2, timeout_s=0.3, on_timeout="proceed")
-    data = store1.encode(0, [torch.full((2,), 100.0)])
+    data = _encode(store1, 0, [torch.full((2,), 100.0)])
     _write_raw(store0, store0.object_key(0, 1), data[:-10])
     mine = [torch.ones(2)]
     stats = store0.allreduce(0, mine)
@@ -234,7 +242,7 @@ def test_corrupt_object_with_proceed_is_excluded_not_averaged(url: str) -> None:
 
 def test_partial_object_replaced_by_complete_one_is_reread(url: str) -> None:
     store0, store1 = _stores(url, 2, timeout_s=5)
-    data = store1.encode(0, [torch.full((2,), 3.0)])
+    data = _encode(store1, 0, [torch.full((2,), 3.0)])
     key = store0.object_key(0, 1)
     _write_raw(store0, key, data[:20])
 
@@ -252,11 +260,11 @@ def test_object_from_another_rank_or_run_is_rejected(url: str) -> None:
     store0, store1 = _stores(url, 2, timeout_s=0.3)
     other_run = ObjectStoreAllReduce(url, "other", rank=1, world_size=2)
     with pytest.raises(CorruptObjectError, match="rank=0, expected 1"):
-        store1.decode(store0.encode(0, [torch.ones(1)]), round_id=0, rank=1)
+        store1.decode(_encode(store0, 0, [torch.ones(1)]), round_id=0, rank=1)
     with pytest.raises(CorruptObjectError, match="run_id='other'"):
-        store1.decode(other_run.encode(0, [torch.ones(1)]), round_id=0, rank=1)
+        store1.decode(_encode(other_run, 0, [torch.ones(1)]), round_id=0, rank=1)
     with pytest.raises(CorruptObjectError, match="round=0, expected 1"):
-        store1.decode(store1.encode(0, [torch.ones(1)]), round_id=1, rank=1)
+        store1.decode(_encode(store1, 0, [torch.ones(1)]), round_id=1, rank=1)
 
 
 def _frame(meta: dict[str, Any], body: bytes) -> bytes:
@@ -266,7 +274,7 @@ def _frame(meta: dict[str, Any], body: bytes) -> bytes:
     import json
 
     import xxhash
-    from composer_diloco.object_store import MAGIC
+    from composer_diloco.object_store.codec import MAGIC
 
     raw = json.dumps(meta).encode()
     table = xxhash.xxh3_64(body).intdigest().to_bytes(8, "big")
@@ -294,7 +302,9 @@ def test_every_flipped_byte_is_detected_with_a_named_error(
     if signed:
         monkeypatch.setenv("COMPOSER_DILOCO_HMAC_KEY", KEY)
     store = ObjectStoreAllReduce(f"file://{tmp_path}", "run", rank=0, world_size=1)
-    data = store.encode(0, [torch.arange(40.0), torch.zeros(0), torch.full((3,), 2.0, dtype=torch.bfloat16)])
+    data = _encode(
+        store, 0, [torch.arange(40.0), torch.zeros(0), torch.full((3,), 2.0, dtype=torch.bfloat16)]
+    )
     assert len(json.loads(data[48 : 48 + int.from_bytes(data[40:44], "little")])["layout"]) == 3
     assert store.decode(data, round_id=0, rank=0).tensors[0].equal(torch.arange(40.0))
     kinds = Counter()
@@ -362,8 +372,8 @@ def test_nan_and_layout_mismatch_are_refused(url: str) -> None:
     with pytest.raises(ValueError, match="NaN/inf"):
         store0.allreduce(0, [torch.tensor([1.0, float("nan")])])
     with pytest.raises(ValueError, match="NaN/inf"):
-        store0.encode(0, [torch.tensor([1.0, float("-inf")])])
-    store0.encode(0, [torch.full((4,), 3e38)])  # finite values whose float32 sum overflows are fine
+        _encode(store0, 0, [torch.tensor([1.0, float("-inf")])])
+    _encode(store0, 0, [torch.full((4,), 3e38)])  # finite values whose float32 sum overflows are fine
     with pytest.raises(RoundWithdrawnError, match="rank 0 refused its own payload for round 0"):
         store0.allreduce(1, [torch.ones(2)])  # it missed round 0's average: it may not join round 1
     store0, store1 = _stores(url, 2, timeout_s=5)  # restarted
@@ -406,7 +416,9 @@ def test_rerun_of_a_committed_round_adopts_it_and_never_overwrites(url: str) -> 
 
 def test_own_object_from_an_earlier_attempt_is_the_contribution(url: str) -> None:
     store0, store1 = _stores(url, 2, timeout_s=10)
-    store1.put_if_absent(store1.object_key(0, 1), store1.encode(0, [torch.full((2,), 10.0)]))  # then crashed
+    store1.put_if_absent(
+        store1.object_key(0, 1), _encode(store1, 0, [torch.full((2,), 10.0)])
+    )  # then crashed
     out = _parallel([store0, store1], 0, [[torch.zeros(2)], [torch.full((2,), 20.0)]])
     assert out[1].adopted and not out[0].adopted
     assert all(o.participants == [0, 1] for o in out)
@@ -414,7 +426,7 @@ def test_own_object_from_an_earlier_attempt_is_the_contribution(url: str) -> Non
 
 def test_own_object_from_an_earlier_attempt_gives_the_same_average_everywhere(url: str) -> None:
     store0, store1 = _stores(url, 2, timeout_s=10)
-    store1.put_if_absent(store1.object_key(0, 1), store1.encode(0, [torch.full((2,), 10.0)]))
+    store1.put_if_absent(store1.object_key(0, 1), _encode(store1, 0, [torch.full((2,), 10.0)]))
     values = [[torch.zeros(2)], [torch.full((2,), 20.0)]]
     _parallel([store0, store1], 0, values)
     assert torch.equal(values[0][0], torch.full((2,), 5.0)) and torch.equal(values[1][0], values[0][0])
@@ -423,7 +435,7 @@ def test_own_object_from_an_earlier_attempt_gives_the_same_average_everywhere(ur
 def test_object_replaced_after_commit_is_refused(url: str) -> None:
     store0, store1 = _stores(url, 2, timeout_s=0.3, on_timeout="proceed")
     assert store0.allreduce(0, [torch.ones(2)]).participants == [0]
-    forged = ObjectStoreAllReduce(url, "run", rank=0, world_size=2).encode(0, [torch.full((2,), 99.0)])
+    forged = _encode(ObjectStoreAllReduce(url, "run", rank=0, world_size=2), 0, [torch.full((2,), 99.0)])
     store0.fs.rm(store0.object_key(0, 0))
     _write_raw(store0, store0.object_key(0, 0), forged)  # a foreign writer replaces the committed object
     late = [torch.zeros(2)]
@@ -607,7 +619,7 @@ def test_the_others_propose_when_the_rank_that_should_died_after_its_object(wher
     published its object and died: rank 1 proposes itself after a few looks, well before its
     timeout, and averages both objects."""
     dead, alive = _at(where, 2, timeout_s=30)
-    assert dead.put_if_absent(dead.object_key(0, 0), dead.encode(0, [torch.full((2,), 2.0)]))
+    assert dead.put_if_absent(dead.object_key(0, 0), _encode(dead, 0, [torch.full((2,), 2.0)]))
     mine = [torch.full((2,), 4.0)]
     t0 = time.monotonic()
     stats = alive.allreduce(0, mine)
@@ -635,7 +647,7 @@ def test_one_participant_per_round_deletes_and_a_leftover_round_is_swept(
     for s in stores:
         s.wait_cleanup()
     assert removals == {0: 1, 1: 1} and stores[0].rounds_present() == [2, 3]
-    stray = stores[1].encode(0, [torch.ones(2)])  # round 0 again, as a cleaner that died would leave it
+    stray = _encode(stores[1], 0, [torch.ones(2)])  # round 0 again, as a cleaner that died would leave it
     assert stores[1].put_if_absent(stores[1].object_key(0, 1), stray)
     _in_step(stores, range(4, 5))
     for s in stores:
@@ -682,15 +694,15 @@ def test_hmac_signed_round_trip_and_refusals(url: str, monkeypatch: pytest.Monke
     wrong = ObjectStoreAllReduce(url, "run", rank=1, world_size=2)
     monkeypatch.setenv("COMPOSER_DILOCO_HMAC_KEY", KEY)
     store0, store1 = _stores(url, 2, timeout_s=10)
-    assert store0.authenticated and not plain.authenticated
-    signed = store1.encode(0, [torch.ones(2)])
+    signed = _encode(store1, 0, [torch.ones(2)])
+    assert _encode(plain, 0, [torch.ones(2)]).startswith(b"CDILOCO4")
     assert signed.startswith(b"CDILOCH4") and store0.decode(signed, round_id=0, rank=1).tensors[
         0
     ].tolist() == [1, 1]
     with pytest.raises(AuthenticationError, match="not authenticated") as unsigned:
-        store0.decode(plain.encode(0, [torch.ones(2)]), round_id=0, rank=1, key="k")
+        store0.decode(_encode(plain, 0, [torch.ones(2)]), round_id=0, rank=1, key="k")
     with pytest.raises(AuthenticationError, match="HMAC-SHA256 check") as forged:
-        store0.decode(wrong.encode(0, [torch.ones(2)]), round_id=0, rank=1, key="k")
+        store0.decode(_encode(wrong, 0, [torch.ones(2)]), round_id=0, rank=1, key="k")
     with pytest.raises(AuthenticationError, match="COMPOSER_DILOCO_HMAC_KEY is not set") as keyless:
         plain.decode(signed, round_id=0, rank=1, key="k")
     for info in (unsigned, forged, keyless):
@@ -707,7 +719,7 @@ def test_hmac_refuses_an_unsigned_manifest_and_excludes_unsigned_objects(
 ) -> None:
     monkeypatch.delenv("COMPOSER_DILOCO_HMAC_KEY", raising=False)
     plain1 = ObjectStoreAllReduce(url, "run", rank=1, world_size=2)
-    _write_raw(plain1, plain1.object_key(0, 1), plain1.encode(0, [torch.full((2,), 50.0)]))  # injected
+    _write_raw(plain1, plain1.object_key(0, 1), _encode(plain1, 0, [torch.full((2,), 50.0)]))  # injected
     monkeypatch.setenv("COMPOSER_DILOCO_HMAC_KEY", KEY)
     store0 = ObjectStoreAllReduce(url, "run", rank=0, world_size=2, timeout_s=0.3, on_timeout="proceed")
     mine = [torch.ones(2)]
@@ -732,7 +744,10 @@ def test_hmac_key_is_validated_without_echoing_it(tmp_path: Path, monkeypatch: p
         ObjectStoreAllReduce(f"file://{tmp_path}", "run", rank=0, world_size=1, require_hmac=True)
     monkeypatch.setenv("MY_KEY", KEY)
     store = ObjectStoreAllReduce(f"file://{tmp_path}", "run", rank=0, world_size=1, hmac_key_env="MY_KEY")
-    assert store.authenticated and KEY not in repr(store) and KEY not in str(vars(store))
+    assert _encode(store, 0, [torch.ones(1)]).startswith(b"CDILOCH4")  # signed with $MY_KEY
+    assert KEY not in repr(store) and KEY not in str(vars(store))
+    with pytest.raises(TypeError, match="pickle"):  # the key never leaves the replica that read it
+        pickle.dumps(store._mac)
 
 
 def test_manager_restored_from_a_checkpoint_adopts_committed_rounds_or_fails_named(url: str) -> None:

@@ -22,9 +22,8 @@ from .object_store import (
     RoundExpiredError,
     RoundWithdrawnError,
     StragglerTimeoutError,
-    dequantize_fp8,
-    quantize_fp8,
 )
+from .object_store.codec import dequantize_fp8, quantize_fp8
 from .serverless import run_serverless
 from .serverless_manager import ObjectStoreManager
 from .training import TrainStats, train_diloco

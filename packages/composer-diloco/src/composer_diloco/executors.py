@@ -1,11 +1,10 @@
-"""Executors that run N replica functions ``"package.module:function"`` with JSON keyword arguments:
-:class:`LocalProcessExecutor` (one subprocess each) and :class:`RayExecutor` (one Ray task each). A failed
-replica is reported with its exit code and the tail of its log; so is one that exits 0 before its function
-returned (no result: it stopped before finishing its steps).
+"""Executors that run N replica functions ``"package.module:function"`` with JSON keyword arguments: one
+subprocess (:class:`LocalProcessExecutor`) or one Ray task (:class:`RayExecutor`) each (the README's "Executors").
 """
 
 from __future__ import annotations
 
+import importlib
 import io
 import json
 import os
@@ -15,7 +14,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import redirect_stderr, redirect_stdout, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +70,28 @@ class ServerlessExecutor(Protocol):
     ) -> list[ReplicaResult]: ...
 
 
+def resolve(target: str) -> Callable[..., Any]:
+    """Import ``"package.module:function"``."""
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"target must look like 'package.module:function', got {target!r}.")
+    fn = getattr(importlib.import_module(module_name), attr)
+    if not callable(fn):
+        raise ValueError(f"target {target!r} is not callable.")
+    return fn  # type: ignore[no-any-return]
+
+
+def run_spec(path: str) -> None:
+    """A replica process's body: SPEC ``{"target": "package.module:function", "kwargs": {...}, "result":
+    "/path"}``; the return value is written with ``torch.save`` (read back with ``weights_only=True``)."""
+    with open(path) as f:
+        spec = json.load(f)
+    value = resolve(spec["target"])(**spec["kwargs"])
+    import torch
+
+    torch.save(value, spec["result"])
+
+
 def _check_target(target: str, replica_kwargs: Sequence[Mapping[str, Any]]) -> None:
     if not isinstance(target, str) or ":" not in target:
         raise ValueError(f"target must be 'package.module:function', got {target!r}.")
@@ -95,7 +116,6 @@ class ReplicaProcess:
         env: Mapping[str, str] | None = None,
     ) -> None:
         self.rank = rank
-        self.workdir = workdir
         stamp = f"{rank}-{time.monotonic_ns()}"
         self.log_path = workdir / f"replica-{stamp}.log"
         self.result_path = workdir / f"replica-{stamp}.pt"
@@ -106,7 +126,8 @@ class ReplicaProcess:
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in finish())
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.started = time.monotonic()
-        cmd = [sys.executable, "-m", "composer_diloco._worker", str(spec_path)]
+        run = "import sys; from composer_diloco.executors import run_spec; run_spec(sys.argv[1])"
+        cmd = [sys.executable, "-c", run, str(spec_path)]
         self.proc = subprocess.Popen(
             cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
         )
@@ -192,8 +213,6 @@ class LocalProcessExecutor:
 
 def _ray_replica(target: str, kwargs: dict[str, Any]) -> tuple[int, Any, str]:
     """One Ray task: run the target, capture its output, never raise."""
-    from ._worker import resolve
-
     buf = io.StringIO()
     with redirect_stdout(buf), redirect_stderr(buf):
         try:

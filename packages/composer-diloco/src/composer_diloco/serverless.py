@@ -6,7 +6,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from .executors import ReplicaResult, ServerlessExecutor
-from .object_store import ObjectStoreAllReduce, safe_part
+from .object_store import ObjectStoreAllReduce
+from .object_store.errors import safe_part
 
 
 def run_serverless(

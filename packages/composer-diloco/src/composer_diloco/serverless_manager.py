@@ -3,13 +3,9 @@
 ``allreduce``, ``should_commit``, ``_use_async_quorum``), backed by
 :class:`~composer_diloco.object_store.ObjectStoreAllReduce`.
 
-A round = one DiLoCo fragment sync = one manager step. ``allreduce`` only queues its tensor; the queued
-tensors of a round travel in **one** object, uploaded in a background thread as soon as the next inner
-step begins (so ``fragment_sync_delay`` overlaps the exchange with τ inner steps) or when DiLoCo first
-waits on the result. A replica restored from a checkpoint that re-runs committed rounds adopts their
-committed averages; one more than ``keep_rounds`` rounds behind gets
-:class:`~composer_diloco.object_store.RoundExpiredError` from ``Work.wait`` / ``should_commit``. No
-healing: use the fault-tolerant mode for that.
+A round = one DiLoCo fragment sync = one manager step, its queued tensors in **one** object, uploaded in a
+background thread when the next inner step begins or DiLoCo first waits. Errors of a round (README, "Serverless
+mode") surface from ``Work.wait`` / ``should_commit``. No healing: use the fault-tolerant mode for that.
 """
 
 from __future__ import annotations

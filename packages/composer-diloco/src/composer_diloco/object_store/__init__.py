@@ -1,6 +1,5 @@
 """ObjectStoreAllReduce: an all-reduce through any fsspec filesystem (see :mod:`.protocol`)."""
 
-from .codec import MAGIC, dequantize_fp8, quantize_fp8
 from .errors import (
     PHASES,
     AuthenticationError,
@@ -13,12 +12,10 @@ from .errors import (
     RoundStats,
     RoundWithdrawnError,
     StragglerTimeoutError,
-    safe_part,
 )
 from .protocol import ObjectStoreAllReduce
 
 __all__ = [
-    "MAGIC",
     "PHASES",
     "AuthenticationError",
     "CorruptObjectError",
@@ -31,7 +28,4 @@ __all__ = [
     "RoundStats",
     "RoundWithdrawnError",
     "StragglerTimeoutError",
-    "dequantize_fp8",
-    "quantize_fp8",
-    "safe_part",
 ]

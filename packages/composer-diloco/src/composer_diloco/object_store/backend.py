@@ -1,10 +1,5 @@
-"""Storage primitives over fsspec: create-only and atomic writes, reads, listings, deletions.
-
-Create-only (the protocol's agreement rests on it): a local filesystem writes a complete temporary file
-under ``<run_id>/tmp/`` and ``os.link``s it (fails if the key exists); S3 sends ``If-None-Match: *`` on
-the PUT or on the multipart completion (s3fs's ``pipe_file(mode="create")``: readers never see part of
-an upload); ``memory://`` checks and writes under a lock. Atomic replace (progress markers): a local
-``os.replace``, one PUT elsewhere.
+"""Storage primitives over fsspec: create-only and atomic writes, reads, listings, deletions (how each kind
+of store makes a write create-only or atomic: the README's "Serverless mode", item 2).
 """
 
 from __future__ import annotations
@@ -128,7 +123,7 @@ class Backend(Codec):
             return None
         with f:
             size = os.fstat(f.fileno()).st_size
-            if slot is not None and size >= _MAP_MIN and self._hmac_key is None:
+            if slot is not None and size >= _MAP_MIN and self._mac is None:
                 self.bytes_read += size
                 return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
             view, got = (memoryview(bytearray(size)) if slot is None else self._slot(slot, size)), 0

@@ -1,14 +1,9 @@
-"""Object format 4: how one replica's tensors become one self-checking object, and back.
-
-Layout::
+"""Object format 4 (the README's "Serverless mode", item 1): one replica's tensors as one self-checking object::
 
     MAGIC | tag (32) | len(meta) (u32 LE) | len(digest) (u32 LE) | meta | digest | body
 
-``meta`` is JSON (run, round, rank, world size, per-tensor dtype/shape/scale/nbytes), ``body`` the raw
-tensor bytes and ``digest`` one checksum over the whole body: XXH3-64 (8 bytes) by default, SHA-256 with
-an HMAC key. ``tag`` = SHA-256, or HMAC-SHA256 with the key, of everything between the tag and the body.
-No pickle: decoding is ``torch.frombuffer`` on validated offsets with a dtype whitelist. Signed JSON
-(manifests, progress markers) carries an ``hmac`` field under the same key.
+``meta``: JSON, ``digest``: XXH3-64 of ``body`` (SHA-256 with an HMAC key), ``tag``: SHA-256 (HMAC-SHA256) of
+what lies between the tag and the body. Signed JSON (manifests, markers) carries an ``hmac`` field.
 """
 
 from __future__ import annotations
@@ -35,7 +30,6 @@ from .errors import (
     CorruptObjectError,
     NonFiniteObjectError,
     RoundStats,
-    check_round,
     safe_part,
 )
 
@@ -143,7 +137,7 @@ class Codec:
         self.bytes_written = 0
         self.bytes_read = 0
         self.hmac_key_env = hmac_key_env
-        self._hmac = read_hmac_key(hmac_key_env, require_hmac)
+        self._mac = read_hmac_key(hmac_key_env, require_hmac)  # keyed HMAC-SHA256, copied per use
         self.exchange = exchange
         # buffers kept across rounds: local reads, float32 accumulators and scratch
         self._buffers: dict[str, bytearray] = {}
@@ -161,15 +155,6 @@ class Codec:
         self.s3_part_bytes = S3_PART_BYTES
         self.s3_parts_in_flight = S3_PARTS_IN_FLIGHT
 
-    @property
-    def authenticated(self) -> bool:
-        """True when objects are signed and verified with HMAC-SHA256."""
-        return self._hmac is not None
-
-    @property
-    def _hmac_key(self) -> bytes | None:
-        return None if self._hmac is None else self._hmac.value
-
     def key(self, *parts: str) -> str:
         """A key under the run prefix; every part is validated, the result re-checked."""
         clean = [safe_part("key part", p) for p in parts]
@@ -180,7 +165,9 @@ class Codec:
 
     def round_dir(self, round_id: int, *names: str) -> str:
         """Round ``round_id``'s folder, or the key of ``names`` in it."""
-        return self.key("rounds", f"{check_round(round_id):010d}", *names)
+        if not isinstance(round_id, int) or isinstance(round_id, bool) or round_id < 0:
+            raise ValueError(f"round_id must be an int >= 0, got {round_id!r}.")
+        return self.key("rounds", f"{round_id:010d}", *names)
 
     def object_key(self, round_id: int, rank: int) -> str:
         if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.world_size:
@@ -198,14 +185,11 @@ class Codec:
         """Replica ``rank``'s progress marker (manifests it accepted in its latest rounds)."""
         return self.key("progress", f"rank-{rank:05d}.json")
 
-    def encode(self, round_id: int, tensors: Sequence[torch.Tensor], *, quantize: bool = False) -> bytes:
-        """Serialise this replica's tensors for ``round_id`` (fp8 e4m3 + fp32 scale if ``quantize``);
-        NaN/inf is refused before anything is published."""
-        return self._encode(round_id, tensors, quantize)[0].tobytes()
-
     def _encode(
         self, round_id: int, tensors: Sequence[torch.Tensor], quantize: bool
     ) -> tuple[Encoded, Decoded]:
+        """This replica's object for ``round_id`` (fp8 e4m3 + fp32 scale if ``quantize``) and its own
+        contribution; NaN/inf is refused before anything is published."""
         forms = [wire_form(t, i, self.rank, round_id, quantize) for i, t in enumerate(tensors)]
         meta = self._meta(round_id, self.rank, quantized=quantize, layout=[entry for _, entry, _ in forms])
         enc = self._pack(meta, [wire for wire, _, _ in forms], check_finite=not quantize)
@@ -223,20 +207,23 @@ class Codec:
         for entry, chunk in zip(meta["layout"], chunks):
             entry["nbytes"] = chunk.nbytes
         meta_bytes = json.dumps(meta).encode()
-        digest, bad = _scan(self._hmac_key is not None, list(zip(chunks, wires)), check_finite)
+        digest, bad = _scan(self._mac is not None, list(zip(chunks, wires)), check_finite)
         if bad is not None:
             raise non_finite(bad, meta["rank"], meta["round"])
         lead = _LENGTHS.pack(len(meta_bytes), len(digest)) + meta_bytes + digest
-        tag = self._tag(lead)
-        return Encoded((MAGIC_HMAC if self._hmac_key is not None else MAGIC) + tag + lead, chunks, tag, wires)
+        tag = self._sign(lead)
+        return Encoded((MAGIC_HMAC if self._mac is not None else MAGIC) + tag + lead, chunks, tag, wires)
 
-    def _tag(self, lead: bytes | memoryview) -> bytes:
-        if self._hmac_key is None:
-            return hashlib.sha256(lead).digest()
-        return hmac.new(self._hmac_key, lead, hashlib.sha256).digest()
+    def _sign(self, data: bytes | memoryview) -> bytes:
+        """HMAC-SHA256 of ``data`` under the run's key; SHA-256 without a key."""
+        if self._mac is None:
+            return hashlib.sha256(data).digest()
+        mac = self._mac.copy()
+        mac.update(data)
+        return mac.digest()
 
     def _damaged(self, key: str, size: int, what: str) -> CorruptObjectError:
-        if self._hmac_key is not None:
+        if self._mac is not None:
             return AuthenticationError(
                 f"object {key} fails its HMAC-SHA256 check ({what}, {size} bytes): signed with a "
                 f"different ${self.hmac_key_env}, or altered/truncated after signing."
@@ -255,17 +242,21 @@ class Codec:
             )
         if len(view) < _HEAD or magic not in (MAGIC, MAGIC_HMAC):
             raise CorruptObjectError(f"object {key} has no composer-diloco header (partial or foreign write)")
+        if (magic == MAGIC_HMAC) != (self._mac is not None):
+            raise self._unverifiable(f"object {key}", signed=magic == MAGIC_HMAC)
+
+    def _unverifiable(self, what: str, *, signed: bool) -> AuthenticationError:
+        """``what`` is signed and this replica has no key, or unsigned and this replica has one."""
         env = self.hmac_key_env
-        if self._hmac_key is not None and magic != MAGIC_HMAC:
-            raise AuthenticationError(
-                f"object {key} is not authenticated (written without ${env}); this replica has "
-                f"${env} set and refuses unsigned objects: give every replica the same secret."
+        if signed:
+            return AuthenticationError(
+                f"{what} is HMAC-signed but ${env} is not set on this replica, which cannot verify it: "
+                "give every replica the same secret."
             )
-        if self._hmac_key is None and magic == MAGIC_HMAC:
-            raise AuthenticationError(
-                f"object {key} is HMAC-signed but ${env} is not set on this replica, which cannot "
-                "verify it: give every replica the same secret."
-            )
+        return AuthenticationError(
+            f"{what} is unsigned, not authenticated (written without ${env}); this replica has ${env} set "
+            "and refuses it: give every replica the same secret."
+        )
 
     def _verify(self, data: Payload, key: str) -> tuple[dict[str, Any], memoryview, bytes, memoryview]:
         """Check the header, the tag and the body's length; return (meta, body, tag, the listed digest)."""
@@ -275,7 +266,7 @@ class Codec:
         tag = bytes(view[len(MAGIC) : len(MAGIC) + _DIGEST])
         meta_len, digest_len = _LENGTHS.unpack_from(view, _HEAD - _LENGTHS.size)
         end = _HEAD + meta_len + digest_len
-        if end > len(view) or not hmac.compare_digest(self._tag(view[_HEAD - _LENGTHS.size : end]), tag):
+        if end > len(view) or not hmac.compare_digest(self._sign(view[_HEAD - _LENGTHS.size : end]), tag):
             raise self._damaged(key, len(view), "header")
         try:
             meta = json.loads(bytes(view[_HEAD : _HEAD + meta_len]))
@@ -307,7 +298,7 @@ class Codec:
             parts, tensors = _tensors(meta, body)
         except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as exc:
             raise CorruptObjectError(f"object {key} has an invalid tensor layout: {exc}") from exc
-        got, bad = _scan(self._hmac_key is not None, parts, not quantized)
+        got, bad = _scan(self._mac is not None, parts, not quantized)
         if got != digest:
             raise self._damaged(key, len(data), f"body bytes 0-{len(body)}")
         if meta.get("exchange", "full") != self.exchange:
@@ -328,8 +319,8 @@ class Codec:
         return Decoded(meta, tensors, len(data), tag)
 
     def _dump_json(self, obj: dict[str, Any]) -> bytes:
-        if self._hmac_key is not None:
-            obj = {**obj, "hmac": hmac.new(self._hmac_key, _canonical(obj), hashlib.sha256).hexdigest()}
+        if self._mac is not None:
+            obj = {**obj, "hmac": self._sign(_canonical(obj)).hex()}
         return json.dumps(obj, sort_keys=True).encode()
 
     def _load_json(self, raw: bytes, key: str) -> dict[str, Any]:
@@ -340,18 +331,14 @@ class Codec:
         except (ValueError, TypeError) as exc:
             raise CorruptObjectError(f"{key} is not valid JSON of this run: {exc}") from exc
         mac = obj.pop("hmac", None)
-        env = self.hmac_key_env
-        if self._hmac_key is None:
-            if mac is not None:
-                raise AuthenticationError(
-                    f"{key} is HMAC-signed but ${env} is not set on this replica: give every replica the same secret."
-                )
-            return obj
-        want = hmac.new(self._hmac_key, _canonical(obj), hashlib.sha256).hexdigest()
-        if not isinstance(mac, str) or not hmac.compare_digest(mac, want):
+        if (mac is not None) != (self._mac is not None):
+            raise self._unverifiable(key, signed=mac is not None)
+        if mac is not None and not hmac.compare_digest(
+            str(mac).encode(), self._sign(_canonical(obj)).hex().encode()
+        ):
             raise AuthenticationError(
-                f"{key} is {'unsigned' if mac is None else 'wrongly signed'}: this replica has ${env} set "
-                "and refuses it (written without the secret, with a different one, or altered)."
+                f"{key} is wrongly signed: this replica has ${self.hmac_key_env} set and refuses it (signed with "
+                "a different secret, or altered)."
             )
         return obj
 
@@ -479,23 +466,9 @@ def dequantize_fp8(q: torch.Tensor, scale: float) -> torch.Tensor:
     return q.to(torch.float32) * float(scale)
 
 
-class _Secret:
-    """Holds the HMAC key; its repr never shows it (reprs end up in logs and tracebacks)."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: bytes) -> None:
-        self.value = value
-
-    def __repr__(self) -> str:
-        return "_Secret(<redacted>)"
-
-    def __reduce__(self) -> Any:
-        raise TypeError("the HMAC key is not picklable: every replica reads it from its own environment.")
-
-
-def read_hmac_key(env: str, required: bool) -> _Secret | None:
-    """The shared HMAC secret from ``$env`` (its value never appears in any message)."""
+def read_hmac_key(env: str, required: bool) -> hmac.HMAC | None:
+    """An HMAC-SHA256 keyed with the shared secret from ``$env``: its repr never shows the key and it
+    cannot be pickled (every replica reads the key from its own environment)."""
     if not isinstance(env, str) or not env:
         raise ValueError(f"hmac_key_env must name an environment variable, got {env!r}.")
     secret = os.environ.get(env, "")
@@ -512,7 +485,7 @@ def read_hmac_key(env: str, required: bool) -> _Secret | None:
             f"${env} is set but shorter than {MIN_HMAC_KEY_BYTES} bytes: use a random secret of at "
             "least 32 bytes (e.g. `openssl rand -hex 32`)."
         )
-    return _Secret(key)
+    return hmac.new(key, digestmod=hashlib.sha256)
 
 
 def _canonical(obj: Mapping[str, Any]) -> bytes:

@@ -58,18 +58,10 @@ def safe_part(name: str, value: object) -> str:
     return value
 
 
-def check_round(round_id: int) -> int:
-    if not isinstance(round_id, int) or isinstance(round_id, bool) or round_id < 0:
-        raise ValueError(f"round_id must be an int >= 0, got {round_id!r}.")
-    return round_id
-
-
 @dataclass
 class RoundStats:
-    """What the last round did. ``phases``: seconds per phase, back to back: ``publish`` (encode and create
-    this replica's object), ``commit`` (the committed-round check, the wait for the others' objects, the
-    manifest), ``reduce`` (read what the manifest lists, compute the result), ``accept`` (progress markers),
-    ``apply`` (write the result into the caller's tensors)."""
+    """What the last round did. ``phases``: seconds per phase (:data:`PHASES`), back to back (each phase: the
+    README's "Serverless mode")."""
 
     round: int = -1
     participants: list[int] = field(default_factory=list)

@@ -1,9 +1,5 @@
-"""The round's single source of truth: the create-only ``manifest.json`` (the ranks and each object's
-tag), and each replica's progress marker ``progress/rank-<r>.json``. A replica records the manifest's
-fingerprint in its marker, then reads the others': of two replicas accepting different manifests, the later
-reader raises :class:`RoundConflictError`. A round the run has left whose manifest is gone raises
-:class:`RoundExpiredError`. A replica that refuses its own payload (NaN/inf) creates
-``withdrawn-rank-<r>.json`` in the round's folder, so that its peers name it (:class:`RoundWithdrawnError`).
+"""The round's single source of truth, the create-only ``manifest.json``; the progress markers
+``progress/rank-<r>.json`` and withdrawal records (the rules: the README's "Serverless mode", items 1, 3, 4).
 """
 
 from __future__ import annotations
@@ -12,6 +8,7 @@ import hashlib
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from .backend import Backend
 from .codec import _DIGEST, Decoded, Payload
@@ -86,6 +83,26 @@ class Manifests(Backend):
         if found is None:
             raise ObjectStoreError(f"round {round_id}: manifest {key} vanished right after creation.")
         return found
+
+    def _read_committed(
+        self, round_id: int, keys: Mapping[int, str], tags: Mapping[int, bytes], slot: str, **expect: Any
+    ) -> dict[int, Decoded]:
+        """The object at ``keys[r]`` of each rank ``r``, validated and carrying the tag ``tags[r]`` that the
+        round committed (in its manifest, or in a committed index); :class:`RoundExpiredError` if one is gone."""
+        out = {}
+        for (r, key), raw in zip(
+            keys.items(), self._read_many(list(keys.values()), [f"{slot}-{r}" for r in keys])
+        ):
+            if raw is None:
+                raise self._expired(round_id, f"its manifest lists rank {r}", f"{key} is gone")
+            out[r] = self.decode(raw, round_id=round_id, rank=r, key=key, expect=expect)
+            if out[r].tag != tags[r]:
+                raise CorruptObjectError(
+                    f"object {key} is not the one committed in round {round_id}'s manifest or index (its tag "
+                    "differs): it was replaced after publication. Objects are create-only; something else "
+                    "writes to this run's prefix."
+                )
+        return out
 
     def _read_marker(self, rank: int) -> dict[int, str] | None:
         """Replica ``rank``'s progress marker: ``{round: manifest fingerprint}`` (None if absent)."""

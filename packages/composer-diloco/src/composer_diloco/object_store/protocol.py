@@ -1,15 +1,9 @@
-"""ObjectStoreAllReduce: an all-reduce through any fsspec filesystem, with no network path
-between replicas (``file://``, ``memory://``, ``s3://``, ``gs://``, …).
+"""ObjectStoreAllReduce: an all-reduce through any fsspec filesystem, with no network path between replicas.
 
-The invariant: **every replica that completes round r applies the same average, or fails with an
-error naming why.** The round's committed manifest is its single source of truth. One round: adopt a
-committed manifest of r if there is one (:class:`RoundExpiredError` when the run has moved past r); create
-this replica's object (:mod:`.codec`, :mod:`.backend`: create-only, immutable); read and validate the
-others'; propose the participant set by creating ``manifest.json`` (:mod:`.manifest`; the first proposal
-wins; ``on_timeout`` decides about stragglers and withdrawn ranks); record it in this replica's progress
-marker and check the others'; average in float32 in rank order (:mod:`.reduce`). ``exchange="sharded"`` is
-a reduce-scatter + all-gather under the same rules (:mod:`.sharded`). Each step in detail: the README's
-"Serverless mode".
+The invariant: **every replica that completes round r applies the same average, or fails with an error naming
+why**; the round's committed manifest is its single source of truth. The steps of a round: the README's
+"Serverless mode"; objects: :mod:`.codec`, writes: :mod:`.backend`, manifests and markers: :mod:`.manifest`,
+the arithmetic: :mod:`.reduce`, ``exchange="sharded"``: :mod:`.sharded`.
 """
 
 from __future__ import annotations
@@ -41,7 +35,6 @@ from .reduce import (
     apply,
     bucketable,
     check_layouts,
-    check_targets,
     direct_targets,
     overflow_message,
     reduce_bucket,
@@ -169,24 +162,18 @@ class ObjectStoreAllReduce(Sharded):
         """Read the committed objects, record acceptance (:meth:`_accept`), then write the result
         into ``tensors``: nothing changes before every check has passed."""
         inputs = self._gather(round_id, manifest, decoded)
-        participants = manifest.ranks
-        check_layouts(inputs, participants, round_id)
-        check_targets(inputs[participants[0]], tensors, round_id)
+        check_layouts(inputs, manifest.ranks, tensors, round_id)
         with torch.no_grad():
             if self.exchange == "sharded":
-                sums = self._sharded_result(round_id, manifest, inputs, local, op)
-                laps("reduce")
-                self._accept(round_id, manifest)
-                laps("accept")
-                for t, acc in zip(tensors, sums):
-                    apply(t, acc, 1)
+                xs: list[list[torch.Tensor]] = []  # every result is staged: the reduced shards
+                staged = dict(enumerate(self._sharded_result(round_id, manifest, inputs, local, op)))
             else:
-                xs = [inputs[r].tensors for r in participants]
+                xs = [inputs[r].tensors for r in manifest.ranks]
                 staged = self._stage(round_id, tensors, xs, op)
-                laps("reduce")
-                self._accept(round_id, manifest)
-                laps("accept")
-                self._reduce_into(tensors, xs, op, staged)
+            laps("reduce")
+            self._accept(round_id, manifest)
+            laps("accept")
+            self._reduce_into(tensors, xs, op, staged)
         laps("apply")
 
     def _contribute(
@@ -236,10 +223,12 @@ class ObjectStoreAllReduce(Sharded):
         several at a time (:func:`reduce_bucket`). The same bits either way."""
         for i, acc in staged.items():
             apply(tensors[i], acc, 1)
+        rest = [i for i in range(len(tensors)) if i not in staged]
+        if not rest:
+            return
         divisor = len(inputs) if op == "avg" else 1
         if self._scratch is None:
             self._scratch = torch.empty(REDUCE_PIECE, dtype=torch.float32)
-        rest = [i for i in range(len(tensors)) if i not in staged]
         small = [i for i in rest if bucketable(tensors[i], [x[i] for x in inputs])]
         for bucket in runs(small, [tensors[i].numel() for i in small], REDUCE_PIECE):
             columns = [[x[i] for i in bucket] for x in inputs]
@@ -265,16 +254,8 @@ class ObjectStoreAllReduce(Sharded):
     def _gather(self, round_id: int, manifest: Manifest, decoded: dict[int, Decoded]) -> dict[int, Decoded]:
         """The committed objects: each participant's object with the tag the manifest lists."""
         out = {r: decoded[r] for r in manifest.ranks if r in decoded and decoded[r].tag == manifest.tags[r]}
-        for r, key, raw in self._objects(round_id, [r for r in manifest.ranks if r not in out]):
-            if raw is None:
-                raise self._expired(round_id, f"its manifest lists rank {r}", f"{key} is gone")
-            out[r] = self.decode(raw, round_id=round_id, rank=r, key=key)
-            if out[r].tag != manifest.tags[r]:
-                raise CorruptObjectError(
-                    f"object {key} is not the one committed in round {round_id}'s manifest (its tag "
-                    "differs): it was replaced after the round was committed. Objects are create-only; "
-                    "something else writes to this run's prefix."
-                )
+        keys = {r: self.object_key(round_id, r) for r in manifest.ranks if r not in out}
+        out |= self._read_committed(round_id, keys, manifest.tags, "obj")
         return {r: out[r] for r in manifest.ranks}
 
     def _await_manifest(

@@ -10,7 +10,7 @@ import torch
 from torch._C._nn import flatten_dense_tensors, unflatten_dense_tensors
 
 from .codec import Decoded, all_finite
-from .errors import CorruptObjectError, ObjectStoreError
+from .errors import ObjectStoreError
 
 _T = TypeVar("_T")
 REDUCE_PIECE = 1 << 17  # float32 elements of the scratch a full-exchange average goes through
@@ -159,23 +159,15 @@ def apply(t: torch.Tensor, acc: torch.Tensor, divisor: int) -> None:
         t.copy_(acc.div_(divisor).view(t.shape))
 
 
-def shard_count(indexes: Mapping[int, Decoded], ranks: Sequence[int], world_size: int, round_id: int) -> int:
-    counts = {int(indexes[r].meta.get("shards", -1)) for r in ranks}
-    if counts != {world_size}:
-        raise CorruptObjectError(
-            f"round {round_id}: the committed indexes split the tensors into {sorted(counts)} shards, "
-            f"expected world_size={world_size}: every replica must run with the same world_size."
-        )
-    return world_size
+def check_layouts(
+    decoded: Mapping[int, Decoded], ranks: Sequence[int], tensors: Sequence[torch.Tensor], round_id: int
+) -> None:
+    """Every participant sent the same tensors, and the caller's have their shapes (e.g. when adopting)."""
 
-
-def _full_layout(d: Decoded) -> list[dict[str, Any]]:
-    return list(d.meta["tensors"] if d.meta.get("kind") == "index" else d.meta["layout"])
-
-
-def check_layouts(decoded: Mapping[int, Decoded], ranks: Sequence[int], round_id: int) -> None:
     def shapes(r: int) -> list[tuple[Any, ...]]:
-        return [(tuple(e["shape"]), e["dtype"], e["wire"]) for e in _full_layout(decoded[r])]
+        meta = decoded[r].meta
+        layout = meta["tensors"] if meta.get("kind") == "index" else meta["layout"]
+        return [(tuple(e["shape"]), e["dtype"], e["wire"]) for e in layout]
 
     ref_rank = ranks[0]
     ref = shapes(ref_rank)
@@ -185,14 +177,9 @@ def check_layouts(decoded: Mapping[int, Decoded], ranks: Sequence[int], round_id
                 f"round {round_id}: rank {r} sent tensors {shapes(r)} but rank {ref_rank} sent {ref}; "
                 "every replica must all-reduce the same parameters in the same order (same model, same fragments)."
             )
-
-
-def check_targets(ref: Decoded, tensors: Sequence[torch.Tensor], round_id: int) -> None:
-    """The caller's tensors must have the committed objects' shapes (e.g. when adopting)."""
-    shapes = [tuple(e["shape"]) for e in _full_layout(ref)]
-    mine = [tuple(t.shape) for t in tensors]
-    if shapes != mine:
+    want, mine = [shape for shape, _, _ in ref], [tuple(t.shape) for t in tensors]
+    if want != mine:
         raise ObjectStoreError(
-            f"round {round_id} was committed with tensors of shapes {shapes} but this replica passes "
+            f"round {round_id} was committed with tensors of shapes {want} but this replica passes "
             f"{mine}; every replica must all-reduce the same parameters in the same order."
         )

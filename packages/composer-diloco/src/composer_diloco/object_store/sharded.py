@@ -1,11 +1,5 @@
 """``exchange="sharded"``: a reduce-scatter + all-gather through the store, under the full exchange's
-manifest, markers, adoption and straggler rules.
-
-Each replica writes its tensors as k shard objects (shard s = the s-th 1/k of every flattened tensor,
-under a fresh nonce) and then its small *index* object, whose tag the manifest lists. Participant j of
-the n in the manifest reduces the shards s with ``s % n == j`` and *creates* ``reduced-<s>.bin``; every
-replica then reads the k reduced shards. A shard whose reducer is silent for ``timeout_s`` is reduced by
-the waiting replica (create-only: the first writer wins, everyone applies the stored shard).
+manifest, markers, adoption and straggler rules (its three steps: the README's "Two exchanges, one protocol").
 """
 
 from __future__ import annotations
@@ -27,7 +21,7 @@ from .errors import (
     safe_part,
 )
 from .manifest import Manifest, Manifests
-from .reduce import overflow_message, piece, shard_count, sum_into
+from .reduce import overflow_message, piece, sum_into
 
 logger = logging.getLogger("composer_diloco.object_store")
 
@@ -94,7 +88,12 @@ class Sharded(Manifests):
         """Reduce this replica's shards, then collect the others (reducing one whose reducer is silent for
         ``timeout_s``). Every replica applies the *stored* reduced shard (create-only, first writer wins)."""
         ranks = manifest.ranks
-        k = shard_count(indexes, ranks, self.world_size, round_id)
+        k, counts = self.world_size, {int(indexes[r].meta.get("shards", -1)) for r in ranks}
+        if counts != {k}:
+            raise CorruptObjectError(
+                f"round {round_id}: the committed indexes split the tensors into {sorted(counts)} shards, "
+                f"expected world_size={k}: every replica must run with the same world_size."
+            )
         sizes = [math.prod(e["shape"]) for e in indexes[ranks[0]].meta["tensors"]]
         if [a.numel() for a in self._acc] != sizes:
             self._acc = [torch.empty(n, dtype=torch.float32) for n in sizes]
@@ -157,19 +156,10 @@ class Sharded(Manifests):
         self, round_id: int, indexes: Mapping[int, Decoded], ranks: Sequence[int], s: int
     ) -> dict[int, list[torch.Tensor]]:
         """Shard ``s`` of each of ``ranks``, checked against its index."""
-        keys = [self.shard_key(round_id, r, s, str(indexes[r].meta["nonce"])) for r in ranks]
-        out = {}
-        for r, key, raw in zip(ranks, keys, self._read_many(keys, [f"shard-{r}" for r in ranks])):
-            if raw is None:
-                raise self._expired(round_id, f"its manifest lists rank {r}", f"{key} is gone")
-            shard = self.decode(raw, round_id=round_id, rank=r, key=key, expect={"kind": "shard", "shard": s})
-            if shard.tag.hex() != indexes[r].meta["shard_tags"][s]:
-                raise CorruptObjectError(
-                    f"object {key} is not the shard rank {r}'s committed index lists (its tag differs): "
-                    "it was replaced after publication. The round cannot be reduced; restart the round."
-                )
-            out[r] = shard.tensors
-        return out
+        keys = {r: self.shard_key(round_id, r, s, str(indexes[r].meta["nonce"])) for r in ranks}
+        tags = {r: bytes.fromhex(indexes[r].meta["shard_tags"][s]) for r in ranks}
+        read = self._read_committed(round_id, keys, tags, "shard", kind="shard", shard=s)
+        return {r: d.tensors for r, d in read.items()}
 
     def _load_reduced(self, round_id: int, manifest: Manifest, s: int, op: str) -> list[torch.Tensor] | None:
         key = self.reduced_key(round_id, s)
