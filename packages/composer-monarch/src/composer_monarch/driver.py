@@ -329,23 +329,9 @@ class ComposerDriver:
             pairs=pairs,
         )
 
-    def with_teacher_logits(self, batch: TrainBatch) -> TrainBatch:
-        """``batch`` with the teacher's hinted logits fetched into it (kept on the teacher too).
-
-        For replaying a batch in-process (tests, debugging); the loop never calls it: its logits go
-        teacher → trainer.
-        """
-        if batch.teacher_logits is not None or batch.teacher_key is None:
-            return batch
-        return replace(batch, teacher_logits=self._call("teacher", "peek_logits", batch.teacher_key)())
-
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimiser step of the trainer actor on ``batch`` (no weight push)."""
         return dict(self._call("trainer", "train_step", batch)())
-
-    def trainer_state(self) -> dict[str, Any]:
-        """The trainer's version, model and optimiser state (a copy; see PolicyTrainer.state)."""
-        return dict(self._call("trainer", "state")())
 
     def run(
         self, *, steps: int | None = None, overlap: bool | None = None, progress: bool = True
@@ -395,10 +381,6 @@ class ComposerDriver:
         finally:
             bar.close()
         return results
-
-    def process_ids(self) -> dict[str, int]:
-        """Role → OS process id of the process hosting it (on its host)."""
-        return {role: int(self._call(role, "process_id")()) for role in ROLES}
 
     def weights(self) -> dict[str, Tensor]:
         """The trainer's current weights (a copy)."""

@@ -151,20 +151,12 @@ class TeacherActor(PolicyCopyActor):
     @endpoint
     def take_logits(self, key: str) -> Tensor:
         """The stashed logits of ``key`` (removed here): the trainer's call."""
-        return self._stashed(key, keep=False)
-
-    @endpoint
-    def peek_logits(self, key: str) -> Tensor:
-        """The stashed logits of ``key`` (kept): for tests that replay a batch in-process."""
-        return self._stashed(key, keep=True)
-
-    def _stashed(self, key: str, *, keep: bool) -> Tensor:
         if key not in self.stash:
             raise KeyError(
                 f"teacher: no hinted logits under {key!r} (taken already, or dropped after {STASHED} newer "
                 "batches): train each rolled-out batch once, soon after its rollout"
             )
-        return self.stash[key] if keep else self.stash.pop(key)
+        return self.stash.pop(key)
 
     @endpoint
     def preference_pairs(self, rollout: Rollout, rewards: Tensor) -> PreferencePairs | None:
