@@ -31,7 +31,6 @@ __all__ = [
     "ComposerSDPOSettings",
     "env_hint_fn",
     "install",
-    "resolve_hint",
     "trace_hint_jobs",
 ]
 
@@ -84,11 +83,8 @@ except ImportError:
     class _Base:  # type: ignore[no-redef]
         """Mirror of PRIME-RL's ``GRPOAlgorithm`` hooks (advantage = reward − group mean)."""
 
-        action_loss_type = "rl"
-
         def __init__(self, config: Any, policy_pool: Any) -> None:
             self.policy_pool = policy_pool
-            self.length_penalty = None
 
         async def score_group(self, episodes: list[Any]) -> None:
             traces = [trace for _, trace in iter_trainable_traces(episodes)]
@@ -172,14 +168,6 @@ def env_hint_fn(spec: str) -> HintFn:
             f"composer_sdpo: hint_env={spec!r} ({env.name}) cannot read a PRIME-RL trace; use verifiers:<module>."
         )
     return lambda episode, trace: feedback(trace)  # type: ignore[no-any-return]
-
-
-def resolve_hint(
-    settings: ComposerSDPOSettings, hint_fn: HintFn | None, episode: Any, trace: Any
-) -> str | None:
-    """The hint text of one trace: ``hint_fn``'s answer, else ``trace.info[hint_key]``; None/empty = no hint."""
-    jobs = trace_hint_jobs(settings, hint_fn, episode, [trace])
-    return jobs[0].hint if jobs else None
 
 
 def trace_hint_jobs(
