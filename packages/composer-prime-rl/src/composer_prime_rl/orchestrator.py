@@ -212,12 +212,6 @@ class ComposerSDPOAlgorithm(_Base):  # type: ignore[misc, valid-type]
                 load_tokenizer(self.policy_pool.model_name), self._renderer_config
             )
 
-    def hint_block(self, hint: str) -> list[int]:
-        ids = self.renderer.render_ids(
-            [{"role": self.settings.hint_role, "content": hint}], add_generation_prompt=False
-        )
-        return [int(i) for i in ids]
-
     def decode(self, ids: Sequence[int]) -> str:
         tokenizer = getattr(self.renderer, "tokenizer", None)
         if tokenizer is None or not callable(getattr(tokenizer, "decode", None)):
@@ -285,7 +279,9 @@ class ComposerSDPOAlgorithm(_Base):  # type: ignore[misc, valid-type]
             return  # the teacher context needs the whole group: score_group
         traces = [trace for _, trace in iter_trainable_traces([episode])]
         for job in trace_hint_jobs(self.settings, self.hint_fn, episode, traces):
-            await self._score_branches(job.item, self.hint_block(job.hint))
+            hint = [{"role": self.settings.hint_role, "content": job.hint}]
+            block = self.renderer.render_ids(hint, add_generation_prompt=False)
+            await self._score_branches(job.item, [int(i) for i in block])
 
     async def _score_branches(self, trace: Any, block: list[int], prefix: int = 0) -> None:
         """Score each trainable branch of ``trace`` with the live policy after ``block`` (which replaces the
