@@ -11,7 +11,6 @@ import pytest
 import torch
 from composer_core import ADAPTER_PREFIX, METRIC_KEYS, OPTIONAL_METRIC_KEYS
 from composer_monarch import ComposerDriver, ComposerLoss, LoopConfig, PolicyTrainer, ReplayRecord, TinyQwen2
-from composer_monarch.driver import ROLES
 from composer_monarch.rollout import TrainBatch
 from composer_monarch.task import ReverseDigits
 from composer_monarch.trainer import TrainerConfig
@@ -37,11 +36,6 @@ def driver():  # type: ignore[no-untyped-def]
         yield d
 
 
-def _pids(d: ComposerDriver) -> dict[str, int]:
-    """Role → OS process id of the process hosting it (each actor's ``process_id`` endpoint)."""
-    return {role: int(d._call(role, "process_id")()) for role in ROLES}
-
-
 def _version(d: ComposerDriver) -> int:
     return int(d._call("trainer", "version")())
 
@@ -59,7 +53,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_loop_runs_three_steps_on_two_processes_and_policy_changes(driver: ComposerDriver) -> None:
-    pids = _pids(driver)
+    pids = driver.process_ids()
     assert pids["trainer"] != pids["generator"]  # trainer alone on proc 0, the rest on proc 1
     assert pids["generator"] == pids["rewarder"] == pids["teacher"]
     assert os.getpid() not in pids.values()
@@ -101,9 +95,8 @@ def test_train_step_on_mesh_equals_in_process_bit_exact(driver: ComposerDriver) 
     assert batch.teacher_logits is None and batch.teacher_key is not None and batch.pairs is not None
     # the local trainer gets the same logits: the teacher (same weights, no push since) scores them again
     hinted, _ = TASK.hinted_prompts(batch.prompt_ids, batch.completion_ids, batch.completion_mask)
-    local_batch = replace(
-        batch, teacher_logits=driver._call("teacher", "hinted_logits", hinted, batch.completion_ids)()
-    )
+    driver._call("teacher", "hinted_logits", hinted, batch.completion_ids, "local")()
+    local_batch = replace(batch, teacher_logits=driver._call("teacher", "take_logits", "local")())
     local = PolicyTrainer(MODEL, LOSS, TrainerConfig(num_threads=LOOP.num_threads), pad_id=TASK.pad_id)
     local.load_state(state)
     local_metrics = local.train_step(local_batch)
@@ -145,7 +138,7 @@ def test_actor_that_raises_or_hangs_fails_the_driver_in_bounded_time() -> None:
     loop = LoopConfig(steps=3, prompts_per_step=2, group_size=4, procs=1, call_timeout_s=8, stop_timeout_s=30)
     loss = ComposerLoss(loss_type="grpo", alpha_sdpo=0.0, beta_replay=0.0)
     with ComposerDriver(TASK, MODEL, loss=loss, loop=loop, reward_fns=[FaultyReward(plan)]) as d:
-        pids = set(_pids(d).values())
+        pids = set(d.process_ids().values())
         t0 = time.monotonic()
         with pytest.raises(ActorCrashedError, match="verifier exploded on purpose") as err:
             d.run(progress=False)  # step 0 trains, the rollout of step 1 raises
@@ -190,7 +183,7 @@ def test_killed_process_is_reported_by_the_role_it_hosts_not_the_call_waited_on(
     )
     loss = ComposerLoss(kl_beta=0.0, alpha_sdpo=0.0, beta_replay=0.0)
     with ComposerDriver(TASK, MODEL, loss=loss, loop=loop, reward_fns=[FaultyReward({1: "hang"})]) as d:
-        pids = _pids(d)
+        pids = d.process_ids()
         assert len({pids["trainer"], pids["generator"], pids["rewarder"]}) == 3
         rollout = d._call("generator", "generate", 0, TASK.prompts(1, step=0), 2)()
         scoring = d._call("rewarder", "score", rollout)  # hangs in the reward function
@@ -269,7 +262,7 @@ def test_same_loop_on_a_two_host_mesh() -> None:
         with ComposerDriver(TASK, MODEL, loss=loss, loop=loop, host_mesh=hosts) as d:
             assert d.procs is not None
             assert dict(zip(d.procs.extent.labels, d.procs.extent.sizes)) == {"hosts": 2, "procs": 1}
-            pids = _pids(d)
+            pids = d.process_ids()
             assert pids["trainer"] != pids["generator"] == pids["teacher"] == pids["rewarder"]
             before = d.weights()
             results = d.run(progress=False)

@@ -92,14 +92,9 @@ class LoopConfig:
         if unknown := sorted(set(self.placement or ()) - set(ROLES)):
             raise ValueError(f"LoopConfig.placement: unknown role(s) {unknown}; roles are {list(ROLES)}")
 
-    def place(self, role: str) -> Placement:
-        if self.placement is not None and role in self.placement:
-            return self.placement[role]
-        return 0 if role == "trainer" else self.procs - 1
-
     def slot(self, role: str) -> tuple[int, int]:
-        """(host, proc) of ``role``."""
-        where = self.place(role)
+        """(host, proc) of ``role``: its ``placement``, else proc 0 (trainer) or the last proc (the rest)."""
+        where = (self.placement or {}).get(role, 0 if role == "trainer" else self.procs - 1)
         return where if isinstance(where, tuple) else (0, where)
 
 
@@ -381,6 +376,10 @@ class ComposerDriver:
         finally:
             bar.close()
         return results
+
+    def process_ids(self) -> dict[str, int]:
+        """Role → OS process id of the process hosting it (on its host)."""
+        return {role: int(self._call(role, "process_id")()) for role in ROLES}
 
     def weights(self) -> dict[str, Tensor]:
         """The trainer's current weights (a copy)."""

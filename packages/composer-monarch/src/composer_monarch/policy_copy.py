@@ -23,7 +23,7 @@ def state_copy(model: nn.Module) -> dict[str, Tensor]:
 
 
 class ProcessActor(Actor):
-    """An actor that reports its OS process id (the driver's start-up check; tests read where roles run)."""
+    """An actor that reports its OS process id (``ComposerDriver.process_ids``)."""
 
     @endpoint
     def process_id(self) -> int:

@@ -131,14 +131,10 @@ class TeacherActor(PolicyCopyActor):
         return self._stash(key, torch.cat(rows).float())
 
     @endpoint
-    def hinted_logits(
-        self, hinted_prompt_ids: Tensor, completion_ids: Tensor, key: str | None = None
-    ) -> Tensor | tuple[int, ...]:
-        """Teacher logits [B, T, V] at the completion positions, given the hinted context.
-
-        With ``key`` the logits stay here for the trainer to :meth:`take_logits` (the loop's path: they
-        go teacher → trainer, not through the driver) and the answer is their shape.
-        """
+    def hinted_logits(self, hinted_prompt_ids: Tensor, completion_ids: Tensor, key: str) -> tuple[int, ...]:
+        """Teacher logits [B, T, V] at the completion positions, given the hinted context, kept here under
+        ``key`` for the trainer to :meth:`take_logits` (teacher → trainer, not through the driver); returns
+        their shape."""
         if hinted_prompt_ids.shape[0] != completion_ids.shape[0]:
             raise ValueError(
                 f"hinted_prompt_ids has {hinted_prompt_ids.shape[0]} rows, completion_ids "
@@ -146,7 +142,7 @@ class TeacherActor(PolicyCopyActor):
             )
         with torch.no_grad():
             logits = completion_logits(self.scoring_model, hinted_prompt_ids, completion_ids).float()
-        return logits if key is None else self._stash(key, logits)
+        return self._stash(key, logits)
 
     @endpoint
     def take_logits(self, key: str) -> Tensor:
