@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import astuple, dataclass
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -28,7 +29,7 @@ class TinyQwen2:
         from composer_core.tasks.tiny import TinyModelConfig, build_tiny_qwen2
 
         # hidden_size .. max_positions are TinyModelConfig's first six fields, in the same order
-        shape = astuple(self)[1:7]
+        shape = cast("tuple[int, int, int, int, int, int]", astuple(self)[1:7])
         model: nn.Module = build_tiny_qwen2(
             self.vocab_size, TinyModelConfig(*shape, attn_implementation="eager"), seed=self.seed
         )
