@@ -213,3 +213,8 @@ def _zero(like: Tensor) -> Tensor:
 @functools.cache
 def _zero_of(dtype: torch.dtype, device: torch.device) -> Tensor:
     return torch.zeros((), dtype=dtype, device=device)
+
+
+def finite_on_host(a: Tensor, b: Tensor) -> bool:
+    """Whether every value of ``a`` and ``b`` is finite, known by one host read on CPU only (else False)."""
+    return _host_reads_are_free(a.device) and math.isfinite((a.sum() + b.sum()).item())

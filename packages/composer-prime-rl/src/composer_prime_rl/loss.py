@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple, cast
@@ -41,7 +40,7 @@ import torch
 from composer_core.loss.compose import weighted_total
 from composer_core.loss.distill import full_precision, sampled_token_distill
 from composer_core.loss.policy import clipped_surrogate_from_ratio
-from composer_core.loss.validation import host_reads_are_free, value_checks
+from composer_core.loss.validation import value_checks
 from torch import Tensor
 
 from composer_prime_rl.contract import LossInputs, LossOutputs
@@ -57,6 +56,7 @@ from composer_prime_rl.inputs import (
     _Suspect,
     _vectorised,
     _zero,
+    finite_on_host,
 )
 from composer_prime_rl.options import PrimeRLLossOptions, parse_options
 
@@ -289,7 +289,7 @@ def _pack(
     if raw_mask is None:
         floats = table[: columns.index(None)]  # the bool rows are finite
         # clean: every packed value and table entry finite, known by one host read on CPU only
-        clean = host_reads_are_free(stacked.device) and math.isfinite((stacked.sum() + floats.sum()).item())
+        clean = finite_on_host(stacked, floats)
         unmasked = _Unmasked(stacked, clean, _unmasked_rows(columns, s.mask.device))
     return _Packed(
         key=key,
