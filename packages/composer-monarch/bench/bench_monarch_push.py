@@ -79,7 +79,7 @@ def checksum_all(d: ComposerDriver) -> None:
 
 def perturb(d: ComposerDriver, seed: int) -> None:
     """New trainer weights so each push moves different bytes."""
-    state = d.trainer_state()
+    state = d._call("trainer", "state")()
     g = torch.Generator().manual_seed(seed)
     state["model"] = {k: v + 1e-3 * torch.randn(v.shape, generator=g) for k, v in state["model"].items()}
     d._call("trainer", "load_state", state)()

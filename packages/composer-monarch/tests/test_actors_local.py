@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from composer_monarch import (
@@ -58,7 +60,9 @@ def test_teacher_hinted_logits_and_pairs() -> None:
     completions = torch.tensor([[5, 6, 7, 1], [8, 9, 1, 0]])
     hinted, has_hint = TASK.hinted_prompts(prompts, completions, completions != 0)
     assert has_hint.all()
-    got = teacher.hinted_logits.call_one(hinted, completions).get(timeout=120)
+    shape = teacher.hinted_logits.call_one(hinted, completions, "k").get(timeout=120)
+    got = teacher.take_logits.call_one("k").get(timeout=60)
+    assert shape == tuple(got.shape)
     with torch.no_grad():
         expected = completion_logits(MODEL(), hinted, completions)
     assert torch.equal(got, expected)
@@ -70,7 +74,7 @@ def test_teacher_hinted_logits_and_pairs() -> None:
     pairs = teacher.preference_pairs.call_one(ro, torch.tensor([0.25, 1.0])).get(timeout=60)
     assert len(pairs) == 1 and torch.equal(pairs.chosen_ids[0], TASK.target(prompts[0]))
     with pytest.raises(ActorError, match="one hinted prompt per completion"):
-        teacher.hinted_logits.call_one(hinted[:1], completions).get(timeout=60)
+        teacher.hinted_logits.call_one(hinted[:1], completions, "k").get(timeout=60)
 
 
 def _zero(prompt: torch.Tensor, completion: torch.Tensor) -> float:
@@ -126,10 +130,10 @@ def test_loop_config_and_driver_arguments_are_checked() -> None:
 
 def test_placement_defaults_and_overrides() -> None:
     loop = LoopConfig(procs=3, placement={"teacher": 1, "rewarder": (0, 0)})
-    assert loop.place("trainer") == 0  # the trainer has proc 0 to itself by default
-    assert loop.place("generator") == 2  # the rest share the last proc
-    assert loop.place("teacher") == 1
-    assert loop.place("rewarder") == (0, 0)
+    assert loop.slot("trainer") == (0, 0)  # the trainer has proc 0 to itself by default
+    assert loop.slot("generator") == (0, 2)  # the rest share the last proc
+    assert loop.slot("teacher") == (0, 1)
+    assert loop.slot("rewarder") == (0, 0)
 
 
 def test_fault_router_routes_by_mesh_name() -> None:
@@ -198,7 +202,7 @@ def test_rollout_distils_only_hinted_completions(rows: tuple[int, ...]) -> None:
         assert (
             batch.teacher_logits is None and batch.teacher_key is not None
         )  # the logits stay on the teacher
-        batch = d.with_teacher_logits(batch)
+        batch = replace(batch, teacher_logits=d._call("teacher", "take_logits", batch.teacher_key)())
         assert (
             batch.teacher_logits is not None and batch.teacher_logits.shape[:2] == batch.completion_ids.shape
         )

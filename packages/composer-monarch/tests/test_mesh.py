@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -35,6 +36,10 @@ def driver():  # type: ignore[no-untyped-def]
         yield d
 
 
+def _version(d: ComposerDriver) -> int:
+    return int(d._call("trainer", "version")())
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -53,7 +58,7 @@ def test_loop_runs_three_steps_on_two_processes_and_policy_changes(driver: Compo
     assert pids["generator"] == pids["rewarder"] == pids["teacher"]
     assert os.getpid() not in pids.values()
     before = driver.weights()
-    first = int(driver.trainer_state()["version"])
+    first = _version(driver)
     results = driver.run(steps=3, overlap=True, progress=False)
     after = driver.weights()
     assert [r.step for r in results] == [first, first + 1, first + 2]
@@ -77,19 +82,21 @@ def test_loop_runs_three_steps_on_two_processes_and_policy_changes(driver: Compo
 
 
 def test_sequential_run_is_on_policy(driver: ComposerDriver) -> None:
-    first = int(driver.trainer_state()["version"])
+    first = _version(driver)
     results = driver.run(steps=2, overlap=False, progress=False)
     assert [r.sampled_by_version for r in results] == [first, first + 1]
     assert all(r.metrics["composer/policy/staleness"] == 0.0 for r in results)
 
 
 def test_train_step_on_mesh_equals_in_process_bit_exact(driver: ComposerDriver) -> None:
-    state = driver.trainer_state()
+    state = driver._call("trainer", "state")()
     batch = driver.rollout(int(state["version"]))  # a real rollout: generator, rewarder, teacher
     # the hinted logits stay on the teacher; the mesh trainer takes them from there itself
     assert batch.teacher_logits is None and batch.teacher_key is not None and batch.pairs is not None
-    local_batch = driver.with_teacher_logits(batch)
-    assert local_batch.teacher_logits is not None
+    # the local trainer gets the same logits: the teacher (same weights, no push since) scores them again
+    hinted, _ = TASK.hinted_prompts(batch.prompt_ids, batch.completion_ids, batch.completion_mask)
+    driver._call("teacher", "hinted_logits", hinted, batch.completion_ids, "local")()
+    local_batch = replace(batch, teacher_logits=driver._call("teacher", "take_logits", "local")())
     local = PolicyTrainer(MODEL, LOSS, TrainerConfig(num_threads=LOOP.num_threads), pad_id=TASK.pad_id)
     local.load_state(state)
     local_metrics = local.train_step(local_batch)

@@ -57,6 +57,23 @@ def test_reverse_digits_task() -> None:
         ReverseDigits(n_digits=11)
 
 
+def test_tiny_qwen2_builds_the_shape_it_names() -> None:
+    """Each shape field reaches the model's config under its transformers name (no field shifted)."""
+    m = TinyQwen2(
+        10, hidden_size=24, num_layers=3, num_heads=6, num_kv_heads=3, intermediate_size=40, max_positions=33
+    )
+    c = m().config
+    got = (
+        c.hidden_size,
+        c.num_hidden_layers,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.intermediate_size,
+    )
+    assert got == (24, 3, 6, 3, 40) and c.max_position_embeddings == 33 and c.vocab_size == 10
+    assert c._attn_implementation == "eager"
+
+
 def test_sample_masks_after_eos_and_logprobs_match_model() -> None:
     task = ReverseDigits()
     model = TinyQwen2(task.vocab_size)().eval()

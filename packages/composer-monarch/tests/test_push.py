@@ -69,7 +69,7 @@ def test_push_of_tied_mixed_dtype_model_is_bit_exact_and_the_driver_gets_a_recei
     with ComposerDriver(TASK, TiedMixed(TASK.vocab_size), loss=LOSS, loop=loop) as d:
         assert d.transport == transport
         for seed in (1, 2):  # twice: the registered buffer / receive buffers are reused
-            d._call("trainer", "load_state", _perturbed(d.trainer_state(), seed))()
+            d._call("trainer", "load_state", _perturbed(d._call("trainer", "state")(), seed))()
             version = d._push_weights()
             receipt = d.last_push
             trainer = d.weights()

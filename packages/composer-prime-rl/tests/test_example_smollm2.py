@@ -71,7 +71,7 @@ def test_loss_through_the_recipe_kwargs_on_a_tiny_batch(config: dict[str, Any], 
 def test_orchestrator_algo_table_and_taskset(config: dict[str, Any]) -> None:
     import verifiers.v1 as vf
     from composer_core.tasks import digit_reversal as dr
-    from composer_prime_rl.orchestrator import resolve_hint
+    from composer_prime_rl.orchestrator import trace_hint_jobs
     from verifiers.v1.utils.loaders import load_taskset, taskset_config_type
 
     algo = {k: v for k, v in config["orchestrator"]["algo"].items() if k != "type"}
@@ -85,6 +85,7 @@ def test_orchestrator_algo_table_and_taskset(config: dict[str, Any]) -> None:
     prompt = str(tasks[0].data.prompt)
     # what the taskset's reward writes for a wrong answer is the hint composer_sdpo uses, through the template
     trace = type("Trace", (), {"info": {"feedback": dr.feedback_hint(prompt, "000")}})()
-    hint = resolve_hint(settings, None, None, trace)
+    (job,) = trace_hint_jobs(settings, None, None, [trace])
+    hint = job.hint
     assert hint == settings.template.format(hint=dr.feedback_hint(prompt, "000"))
     assert isinstance(tasks[0], vf.Task)

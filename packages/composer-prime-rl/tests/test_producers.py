@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from composer_prime_rl.orchestrator import ComposerSDPOAlgorithm, ComposerSDPOSettings, resolve_hint
+from composer_prime_rl.orchestrator import ComposerSDPOAlgorithm, ComposerSDPOSettings, trace_hint_jobs
 from composer_prime_rl.records_to_samples import pair_samples, records_to_samples
 
 
@@ -109,6 +109,12 @@ def test_hinted_scores_become_ref_logprobs_and_grpo_advantages_stay() -> None:
     assert hinted.nodes[3].reference_logprobs == expected[5:6]
     assert hinted.nodes[0].reference_logprobs is None and plain.nodes[1].reference_logprobs is None
     assert hinted.nodes[1].advantages == [0.5, 0.5] and plain.nodes[3].advantages == [-0.5]
+
+
+def resolve_hint(s: ComposerSDPOSettings, hint_fn: Any, episode: Any, t: Any) -> str | None:
+    """The hint text of one trace (None: no hint), as the orchestrator's ``trace_hint_jobs`` gives it."""
+    jobs = trace_hint_jobs(s, hint_fn, episode, [t])
+    return jobs[0].hint if jobs else None
 
 
 def test_hint_sources_and_errors() -> None:

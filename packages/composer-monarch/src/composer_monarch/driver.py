@@ -92,14 +92,9 @@ class LoopConfig:
         if unknown := sorted(set(self.placement or ()) - set(ROLES)):
             raise ValueError(f"LoopConfig.placement: unknown role(s) {unknown}; roles are {list(ROLES)}")
 
-    def place(self, role: str) -> Placement:
-        if self.placement is not None and role in self.placement:
-            return self.placement[role]
-        return 0 if role == "trainer" else self.procs - 1
-
     def slot(self, role: str) -> tuple[int, int]:
-        """(host, proc) of ``role``."""
-        where = self.place(role)
+        """(host, proc) of ``role``: its ``placement``, else proc 0 (trainer) or the last proc (the rest)."""
+        where = (self.placement or {}).get(role, 0 if role == "trainer" else self.procs - 1)
         return where if isinstance(where, tuple) else (0, where)
 
 
@@ -329,23 +324,9 @@ class ComposerDriver:
             pairs=pairs,
         )
 
-    def with_teacher_logits(self, batch: TrainBatch) -> TrainBatch:
-        """``batch`` with the teacher's hinted logits fetched into it (kept on the teacher too).
-
-        For replaying a batch in-process (tests, debugging); the loop never calls it: its logits go
-        teacher → trainer.
-        """
-        if batch.teacher_logits is not None or batch.teacher_key is None:
-            return batch
-        return replace(batch, teacher_logits=self._call("teacher", "peek_logits", batch.teacher_key)())
-
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimiser step of the trainer actor on ``batch`` (no weight push)."""
         return dict(self._call("trainer", "train_step", batch)())
-
-    def trainer_state(self) -> dict[str, Any]:
-        """The trainer's version, model and optimiser state (a copy; see PolicyTrainer.state)."""
-        return dict(self._call("trainer", "state")())
 
     def run(
         self, *, steps: int | None = None, overlap: bool | None = None, progress: bool = True

@@ -7,7 +7,7 @@ completions, and writes the hinted context of the self-distillation teacher (cha
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -58,24 +58,15 @@ class ReverseDigits:
     n_digits: int = 10
     length: int = 3
     seed: int = 0
+    vocab_size: int = field(default=len(rules.VOCAB), init=False, repr=False)
+    pad_id: int = field(default=PAD_ID, init=False, repr=False)
+    eos_id: int = field(default=EOS_ID, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 2 <= self.n_digits <= 10:
             raise ValueError(f"n_digits={self.n_digits}: need 2..10 distinct digits")
         if self.length < 1:
             raise ValueError(f"length={self.length}: need at least 1 digit per prompt")
-
-    @property
-    def vocab_size(self) -> int:
-        return len(rules.VOCAB)
-
-    @property
-    def pad_id(self) -> int:
-        return PAD_ID
-
-    @property
-    def eos_id(self) -> int:
-        return EOS_ID
 
     @property
     def max_new_tokens(self) -> int:

@@ -131,14 +131,10 @@ class TeacherActor(PolicyCopyActor):
         return self._stash(key, torch.cat(rows).float())
 
     @endpoint
-    def hinted_logits(
-        self, hinted_prompt_ids: Tensor, completion_ids: Tensor, key: str | None = None
-    ) -> Tensor | tuple[int, ...]:
-        """Teacher logits [B, T, V] at the completion positions, given the hinted context.
-
-        With ``key`` the logits stay here for the trainer to :meth:`take_logits` (the loop's path: they
-        go teacher → trainer, not through the driver) and the answer is their shape.
-        """
+    def hinted_logits(self, hinted_prompt_ids: Tensor, completion_ids: Tensor, key: str) -> tuple[int, ...]:
+        """Teacher logits [B, T, V] at the completion positions, given the hinted context, kept here under
+        ``key`` for the trainer to :meth:`take_logits` (teacher → trainer, not through the driver); returns
+        their shape."""
         if hinted_prompt_ids.shape[0] != completion_ids.shape[0]:
             raise ValueError(
                 f"hinted_prompt_ids has {hinted_prompt_ids.shape[0]} rows, completion_ids "
@@ -146,25 +142,17 @@ class TeacherActor(PolicyCopyActor):
             )
         with torch.no_grad():
             logits = completion_logits(self.scoring_model, hinted_prompt_ids, completion_ids).float()
-        return logits if key is None else self._stash(key, logits)
+        return self._stash(key, logits)
 
     @endpoint
     def take_logits(self, key: str) -> Tensor:
         """The stashed logits of ``key`` (removed here): the trainer's call."""
-        return self._stashed(key, keep=False)
-
-    @endpoint
-    def peek_logits(self, key: str) -> Tensor:
-        """The stashed logits of ``key`` (kept): for tests that replay a batch in-process."""
-        return self._stashed(key, keep=True)
-
-    def _stashed(self, key: str, *, keep: bool) -> Tensor:
         if key not in self.stash:
             raise KeyError(
                 f"teacher: no hinted logits under {key!r} (taken already, or dropped after {STASHED} newer "
                 "batches): train each rolled-out batch once, soon after its rollout"
             )
-        return self.stash[key] if keep else self.stash.pop(key)
+        return self.stash.pop(key)
 
     @endpoint
     def preference_pairs(self, rollout: Rollout, rewards: Tensor) -> PreferencePairs | None:

@@ -31,7 +31,6 @@ __all__ = [
     "ComposerSDPOSettings",
     "env_hint_fn",
     "install",
-    "resolve_hint",
     "trace_hint_jobs",
 ]
 
@@ -84,11 +83,8 @@ except ImportError:
     class _Base:  # type: ignore[no-redef]
         """Mirror of PRIME-RL's ``GRPOAlgorithm`` hooks (advantage = reward − group mean)."""
 
-        action_loss_type = "rl"
-
         def __init__(self, config: Any, policy_pool: Any) -> None:
             self.policy_pool = policy_pool
-            self.length_penalty = None
 
         async def score_group(self, episodes: list[Any]) -> None:
             traces = [trace for _, trace in iter_trainable_traces(episodes)]
@@ -174,14 +170,6 @@ def env_hint_fn(spec: str) -> HintFn:
     return lambda episode, trace: feedback(trace)  # type: ignore[no-any-return]
 
 
-def resolve_hint(
-    settings: ComposerSDPOSettings, hint_fn: HintFn | None, episode: Any, trace: Any
-) -> str | None:
-    """The hint text of one trace: ``hint_fn``'s answer, else ``trace.info[hint_key]``; None/empty = no hint."""
-    jobs = trace_hint_jobs(settings, hint_fn, episode, [trace])
-    return jobs[0].hint if jobs else None
-
-
 def trace_hint_jobs(
     settings: ComposerSDPOSettings, hint_fn: HintFn | None, episode: Any, traces: Sequence[Any]
 ) -> list[HintJob[Any]]:
@@ -223,12 +211,6 @@ class ComposerSDPOAlgorithm(_Base):  # type: ignore[misc, valid-type]
             self.renderer = create_renderer(
                 load_tokenizer(self.policy_pool.model_name), self._renderer_config
             )
-
-    def hint_block(self, hint: str) -> list[int]:
-        ids = self.renderer.render_ids(
-            [{"role": self.settings.hint_role, "content": hint}], add_generation_prompt=False
-        )
-        return [int(i) for i in ids]
 
     def decode(self, ids: Sequence[int]) -> str:
         tokenizer = getattr(self.renderer, "tokenizer", None)
@@ -297,7 +279,9 @@ class ComposerSDPOAlgorithm(_Base):  # type: ignore[misc, valid-type]
             return  # the teacher context needs the whole group: score_group
         traces = [trace for _, trace in iter_trainable_traces([episode])]
         for job in trace_hint_jobs(self.settings, self.hint_fn, episode, traces):
-            await self._score_branches(job.item, self.hint_block(job.hint))
+            hint = [{"role": self.settings.hint_role, "content": job.hint}]
+            block = self.renderer.render_ids(hint, add_generation_prompt=False)
+            await self._score_branches(job.item, [int(i) for i in block])
 
     async def _score_branches(self, trace: Any, block: list[int], prefix: int = 0) -> None:
         """Score each trainable branch of ``trace`` with the live policy after ``block`` (which replaces the

@@ -58,20 +58,6 @@ def _tokens(
     return tokenize_completion(tokenizer, prompt, action, record.tools, chat_template=chat_template)
 
 
-def _sample(
-    prompt_ids: list[int], action_ids: list[int], env_name: str, temperature: float
-) -> TrainingSample:
-    ids = prompt_ids + action_ids
-    mask = [False] * len(prompt_ids) + [True] * len(action_ids)
-    return TrainingSample(
-        token_ids=ids,
-        mask=mask,
-        logprobs=[0.0] * len(ids),
-        temperatures=[temperature] * len(ids),
-        env_name=env_name,
-    )
-
-
 def pair_samples(
     record: Any,
     tokenizer: Any,
@@ -97,7 +83,10 @@ def pair_samples(
     out = []
     sides = {"chosen": margin} if mode == "ce" else {"chosen": margin, "rejected": -margin}
     for side, adv in sides.items():
-        s = _sample(*_tokens(tokenizer, record, side, chat_template), env_name, temperature)
+        prompt_ids, action_ids = _tokens(tokenizer, record, side, chat_template)
+        ids = prompt_ids + action_ids
+        mask = [False] * len(prompt_ids) + [True] * len(action_ids)
+        s = TrainingSample(ids, mask, [0.0] * len(ids), [temperature] * len(ids), env_name)
         if mode == "ce":  # supervised replay of the chosen action
             s.rl_weights = [0.0] * len(s.token_ids)
             s.ce_weights = [weight if m else 0.0 for m in s.mask]
