@@ -1,29 +1,12 @@
 """The composer actor extension: the smallest change that gets batch fields into the policy loss.
 
-verl 0.9's actor (``verl.workers.engine_workers``) trains through ``TrainingWorker``, whose engine calls
-``loss_fn(model_output=, data=<micro-batch TensorDict>, dp_group=)``; the actor's loss function is
-``partial(ppo_loss, config=actor_config)``, which keeps only verl's own keys before calling the registered policy
-loss. Two subclasses, both using verl's own extension points:
-
-* :class:`ComposerTrainingWorker` (``TrainingWorker``): ``set_loss_fn`` wraps verl's loss with
-  :func:`composer_verl.batch.with_composer_batch`, so the ``composer`` loss sees the micro-batch's composer keys;
-  ``train_batch`` adds the mini-batch's global counts of SDPO tokens and preference pairs (summed over
-  data-parallel ranks), the way the engine adds ``batch_num_tokens``.
-* :class:`ComposerActorRolloutRefWorker` (``ActorRolloutRefWorker``): ``actor_worker_cls =
-  ComposerTrainingWorker`` plus one worker method, ``compute_sdpo_teacher_log_prob`` (dispatched like verl's
-  ``compute_log_prob``).
-
-The SDPO teacher (``sdpo_teacher``): ``live`` is the actor itself. ``base`` and ``ema`` keep a detached clone of
-each rank's local FSDP shards inside the ``TrainingWorker``; ``compute_sdpo_teacher_log_prob`` swaps them into
-the actor's parameters in place, runs verl's own ``infer_batch`` and swaps them back (FSDP's unsharded parameters
-are dropped around it). ``ema`` updates the copy after every ``teacher_sync_steps``-th optimizer step with
-composer_core's ``ema_update_tensors_`` (``θT ← (1−τ)θT + τθS``). The copy is saved with the actor checkpoint
-(``composer_sdpo_teacher-rank<r>.safetensors``) and loaded with it. Only verl's FSDP engines expose their module.
-
-``sdpo_form='topk'`` (live teacher only): ``train_batch`` sets verl's ``distillation_use_topk``, so verl's engine
-calls the (wrapped) worker loss as its logits hook; :meth:`ComposerTrainingWorker.sdpo_topk_hook` runs the actor's
-module once more without gradient on each distilled row's teacher prompt + response and returns composer_core's
-per-token ``topk_distill``, which the ``composer`` loss reduces.
+verl 0.9's actor trains through ``TrainingWorker``, whose loss function ``partial(ppo_loss, config=actor_config)``
+keeps only verl's own keys before calling the registered policy loss. Two subclasses, both using verl's own
+extension points (README, "The actor extension"): :class:`ComposerTrainingWorker` wraps that loss with
+:func:`composer_verl.batch.with_composer_batch`, adds the mini-batch's global SDPO-token and pair counts, holds the
+``ema``/``base`` SDPO teacher's copy of its local FSDP shards (swapped into the actor around verl's ``infer_batch``,
+saved with the actor checkpoint) and answers verl's logits hook for ``sdpo_form='topk'``;
+:class:`ComposerActorRolloutRefWorker` uses it as the actor and adds ``compute_sdpo_teacher_log_prob``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """The ``composer:`` section of verl's config (Hydra), the one place composer-verl reads its options.
 
-verl's ``PolicyLossConfig`` and ``AlgoConfig`` are closed dataclasses (an unknown key raises ``TypeError``), so
-composer's options live in a top-level ``composer:`` section (``+composer.alpha_sdpo=0.5`` on the command line).
-``trainer.v1.trainer_mode=composer_sync`` reads it on the driver (the advantage estimator, the producers) and in
-every actor worker: verl hands each worker ``config.actor_rollout_ref``, a node of the same Hydra config, whose
-parent holds the section (:func:`section_of`). In one process :func:`configure` sets it (tests, custom workers).
-Everything verl has a key for stays in verl's config (``clip_ratio_low/high``, ``clip_ratio_c``,
-``loss_agg_mode``, ``norm_adv_by_std_in_grpo``, ...).
+verl's ``PolicyLossConfig`` and ``AlgoConfig`` are closed dataclasses, so composer's options live in a top-level
+``composer:`` section (README, "Composer's options"). ``trainer_mode=composer_sync`` reads it on the driver and in
+every actor worker (:func:`section_of`); in one process :func:`configure` sets it (tests, custom workers).
 """
 
 from __future__ import annotations
