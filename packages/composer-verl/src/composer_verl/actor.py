@@ -69,16 +69,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
-def _reshard(module: torch.nn.Module) -> None:
-    """Drop the unsharded parameters FSDP2 keeps after a forward (the root module's), so the next forward
-    gathers the shards as they are now (verl does the same when it leaves eval mode with ``fsdp_size > 1``)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for m in module.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
-
-
 class ComposerTrainingWorker(TrainingWorker):  # type: ignore[misc]
     """verl ``TrainingWorker`` whose loss sees composer's batch keys and which holds the ``ema``/``base`` SDPO
     teacher's weights (see module docstring)."""
@@ -113,10 +103,9 @@ class ComposerTrainingWorker(TrainingWorker):  # type: ignore[misc]
         if current_config().teacher.sdpo_teacher == "live":
             self.sdpo_teacher = None
             return
-        with torch.no_grad():
-            self.sdpo_teacher = {
-                name: _local(p).detach().clone() for name, p in self._module().named_parameters()
-            }
+        self.sdpo_teacher = {
+            name: _local(p).detach().clone() for name, p in self._module().named_parameters()
+        }
 
     def _teacher_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(teacher shard, actor shard) per parameter, resolved now (offloading may move the actor's)."""
@@ -139,15 +128,11 @@ class ComposerTrainingWorker(TrainingWorker):  # type: ignore[misc]
             )
         module = self._module()
         pairs = self._teacher_pairs()
-        with torch.no_grad():
-            _swap(pairs)
-        _reshard(module)
+        _swap(pairs, module)
         try:
             yield
         finally:
-            with torch.no_grad():
-                _swap(pairs)
-            _reshard(module)
+            _swap(pairs, module)
 
     def infer_sdpo_teacher_batch(self, data: Any) -> Any:
         """verl's ``infer_batch`` under the teacher's weights."""
@@ -246,9 +231,7 @@ class ComposerTrainingWorker(TrainingWorker):  # type: ignore[misc]
     def train_batch(self, data: Any) -> Any:
         from verl.utils import tensordict_utils as tu
 
-        counts = global_counts(data, self.engine.get_data_parallel_group())
-        if counts:
-            tu.assign_non_tensor(data, **counts)
+        tu.assign_non_tensor(data, **global_counts(data, self.engine.get_data_parallel_group()))
         cfg = current_config()
         if cfg.compose.alpha_sdpo > 0 and cfg.sdpo_form == "topk" and TEACHER_PROMPTS in data.keys():  # noqa: SIM118
             if self.engine_config.use_fused_kernels:
@@ -293,11 +276,20 @@ def _response_lengths(data: Any) -> list[int]:
     return [int(n) for n in data["attention_mask"][:, width:].sum(dim=1).tolist()]
 
 
-def _swap(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+@torch.no_grad()
+def _swap(pairs: list[tuple[torch.Tensor, torch.Tensor]], module: torch.nn.Module) -> None:
+    """Swap the values of each ``(teacher, actor)`` pair in place, then drop the unsharded parameters FSDP2 keeps
+    after a forward (the root module's), so the next forward gathers the shards as they are now (verl does the
+    same when it leaves eval mode with ``fsdp_size > 1``)."""
+    from torch.distributed.fsdp import FSDPModule
+
     for t, s in pairs:
         tmp = s.clone()
         s.copy_(t)
         t.copy_(tmp)
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def _rank() -> int:

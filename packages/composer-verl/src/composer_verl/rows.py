@@ -244,12 +244,8 @@ def on_policy_pair_rows(
         prompt = s["prompts"].tolist()
         chosen = pair_sample(s, prompt, response_ids(tokenizer, _message_text(s["chosen"]), length))
         rejected = pair_sample(s, prompt, s["responses"].tolist())
-        for key in (
-            "response_mask",
-            "loss_mask",
-        ):  # the response's own mask (multi-turn: tool tokens stay out)
-            if key in s and key in rejected:
-                rejected[key] = s[key].clone()
+        # the response's own masks (multi-turn: tool tokens stay out)
+        rejected.update((k, s[k].clone()) for k in ("response_mask", "loss_mask") if k in s and k in rejected)
         out.append((chosen, rejected))
     return out
 
