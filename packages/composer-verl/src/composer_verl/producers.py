@@ -157,15 +157,10 @@ class ComposerProducers:
             PREF_PAIR_ID: torch.tensor([pair_rows.get(i, (-1, 0))[0] for i in range(len(samples))]),
             PREF_CHOSEN: torch.tensor([pair_rows.get(i, (-1, 0))[1] for i in range(len(samples))]),
         }
-        if self.form == "topk":
-            fields[TEACHER_PROMPTS] = _nested(
-                [
-                    torch.tensor(teacher_prompts[i], dtype=torch.int64)
-                    if i in teacher_prompts
-                    else s["prompts"].to(torch.int64)
-                    for i, s in enumerate(samples)
-                ]
-            )
+        if self.form == "topk":  # a row without a teacher context keeps its own prompt (its SDPO mask is 0)
+            ids = {i: torch.tensor(p) for i, p in teacher_prompts.items()}
+            prompts = [ids.get(i, s["prompts"]).long() for i, s in enumerate(samples)]
+            fields[TEACHER_PROMPTS] = _nested(prompts)
         tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=tu.get_tensordict(fields))
         if rollout_lp:
             tq.kv_batch_put(
