@@ -34,9 +34,7 @@ HintFn = Callable[[str, str, float, Mapping[str, Any]], "str | None"]
 class ComposerVerlConfig:
     """The ``composer:`` section. ``compose`` (:data:`CORE_OPTIONS`), ``teacher`` and ``context`` are core's typed
     classes, built by :meth:`from_mapping` from the section's flat keys (core declares, defaults and checks them);
-    the other fields are verl's own keys (the README's table): the advantage estimator's ``adv_*``, channel 1's
-    ``policy_delta`` (δ > 1 + ``clip_ratio_high``) and the producers' ``hint_fn``, ``env``, ``hint_role``,
-    ``pair_source``, ``pairs_per_step``, ``replay_pairs`` (with ``on_policy``, ``success_reward_threshold``).
+    the other fields are verl's own keys (the README's table).
     """
 
     compose: ComposeConfig = field(default_factory=ComposeConfig)
