@@ -52,6 +52,10 @@ class ComposerExtras:
     global_pref_pairs: float | None = None
     dp_size: int = 1
 
+    def normalizer(self, global_count: float | None, local: float) -> float:
+        """This rank's share of a global count (``global_count / dp_size``), else the local count."""
+        return float(local) if global_count is None else float(global_count) / self.dp_size
+
 
 _ACTIVE: ContextVar[ComposerExtras | None] = ContextVar("composer_verl_extras", default=None)
 
