@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from composer_verl.config import ComposerVerlConfig
-from composer_verl.producers import ComposerProducers, check_settings, load_hint_fn
+from composer_verl.producers import ComposerProducers, check_settings
 from composer_verl.rows import (
     RecordPairs,
     dataset_pairs,
@@ -134,14 +134,17 @@ def test_record_pairs_cycle_in_file_order(tmp_path: Path) -> None:
     assert source.take()[0].rejected == "bad1"
 
 
-def test_hint_fn_import_paths_and_errors() -> None:
-    fn = load_hint_fn("verl_cpu_testkit.task:hint_from_feedback")
+def test_hint_fn_import_paths_and_errors(tok) -> None:
+    def hint_fn(path: str):
+        return ComposerProducers(C({"hint_fn": path, "alpha_sdpo": 0.5}), tok, 8).hint_fn
+
+    fn = hint_fn("verl_cpu_testkit.task:hint_from_feedback")
     assert fn("p", "r", 1.0, {"feedback": ""}) is None  # the verifier's feedback of a correct answer
-    assert load_hint_fn("verl_cpu_testkit.task.hint_from_feedback") is fn
+    assert hint_fn("verl_cpu_testkit.task.hint_from_feedback") is fn
     with pytest.raises(ValueError, match=r"composer\.hint_fn"):
-        load_hint_fn("verl_cpu_testkit.task:nope")
+        hint_fn("verl_cpu_testkit.task:nope")
     with pytest.raises(ValueError, match=r"composer\.hint_fn"):
-        load_hint_fn("verl_cpu_testkit.task:MODEL")
+        hint_fn("verl_cpu_testkit.task:MODEL")
 
 
 def test_config_refuses_producers_without_effect_and_split_pairs() -> None:

@@ -1,29 +1,12 @@
 """The composer actor extension: the smallest change that gets batch fields into the policy loss.
 
-verl 0.9's actor (``verl.workers.engine_workers``) trains through ``TrainingWorker``, whose engine calls
-``loss_fn(model_output=, data=<micro-batch TensorDict>, dp_group=)``; the actor's loss function is
-``partial(ppo_loss, config=actor_config)``, which keeps only verl's own keys before calling the registered policy
-loss. Two subclasses, both using verl's own extension points:
-
-* :class:`ComposerTrainingWorker` (``TrainingWorker``): ``set_loss_fn`` wraps verl's loss with
-  :func:`composer_verl.batch.with_composer_batch`, so the ``composer`` loss sees the micro-batch's composer keys;
-  ``train_batch`` adds the mini-batch's global counts of SDPO tokens and preference pairs (summed over
-  data-parallel ranks), the way the engine adds ``batch_num_tokens``.
-* :class:`ComposerActorRolloutRefWorker` (``ActorRolloutRefWorker``): ``actor_worker_cls =
-  ComposerTrainingWorker`` plus one worker method, ``compute_sdpo_teacher_log_prob`` (dispatched like verl's
-  ``compute_log_prob``).
-
-The SDPO teacher (``sdpo_teacher``): ``live`` is the actor itself. ``base`` and ``ema`` keep a detached clone of
-each rank's local FSDP shards inside the ``TrainingWorker``; ``compute_sdpo_teacher_log_prob`` swaps them into
-the actor's parameters in place, runs verl's own ``infer_batch`` and swaps them back (FSDP's unsharded parameters
-are dropped around it). ``ema`` updates the copy after every ``teacher_sync_steps``-th optimizer step with
-composer_core's ``ema_update_tensors_`` (``θT ← (1−τ)θT + τθS``). The copy is saved with the actor checkpoint
-(``composer_sdpo_teacher-rank<r>.safetensors``) and loaded with it. Only verl's FSDP engines expose their module.
-
-``sdpo_form='topk'`` (live teacher only): ``train_batch`` sets verl's ``distillation_use_topk``, so verl's engine
-calls the (wrapped) worker loss as its logits hook; :meth:`ComposerTrainingWorker.sdpo_topk_hook` runs the actor's
-module once more without gradient on each distilled row's teacher prompt + response and returns composer_core's
-per-token ``topk_distill``, which the ``composer`` loss reduces.
+verl 0.9's actor trains through ``TrainingWorker``, whose loss function ``partial(ppo_loss, config=actor_config)``
+keeps only verl's own keys before calling the registered policy loss. Two subclasses, both using verl's own
+extension points (README, "The actor extension"): :class:`ComposerTrainingWorker` wraps that loss with
+:func:`composer_verl.batch.with_composer_batch`, adds the mini-batch's global SDPO-token and pair counts, holds the
+``ema``/``base`` SDPO teacher's copy of its local FSDP shards (swapped into the actor around verl's ``infer_batch``,
+saved with the actor checkpoint) and answers verl's logits hook for ``sdpo_form='topk'``;
+:class:`ComposerActorRolloutRefWorker` uses it as the actor and adds ``compute_sdpo_teacher_log_prob``.
 """
 
 from __future__ import annotations
@@ -86,16 +69,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
-def _reshard(module: torch.nn.Module) -> None:
-    """Drop the unsharded parameters FSDP2 keeps after a forward (the root module's), so the next forward
-    gathers the shards as they are now (verl does the same when it leaves eval mode with ``fsdp_size > 1``)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for m in module.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
-
-
 class ComposerTrainingWorker(TrainingWorker):  # type: ignore[misc]
     """verl ``TrainingWorker`` whose loss sees composer's batch keys and which holds the ``ema``/``base`` SDPO
     teacher's weights (see module docstring)."""
@@ -130,10 +103,9 @@ class ComposerTrainingWorker(TrainingWorker):  # type: ignore[misc]
         if current_config().teacher.sdpo_teacher == "live":
             self.sdpo_teacher = None
             return
-        with torch.no_grad():
-            self.sdpo_teacher = {
-                name: _local(p).detach().clone() for name, p in self._module().named_parameters()
-            }
+        self.sdpo_teacher = {
+            name: _local(p).detach().clone() for name, p in self._module().named_parameters()
+        }
 
     def _teacher_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(teacher shard, actor shard) per parameter, resolved now (offloading may move the actor's)."""
@@ -156,15 +128,11 @@ class ComposerTrainingWorker(TrainingWorker):  # type: ignore[misc]
             )
         module = self._module()
         pairs = self._teacher_pairs()
-        with torch.no_grad():
-            _swap(pairs)
-        _reshard(module)
+        _swap(pairs, module)
         try:
             yield
         finally:
-            with torch.no_grad():
-                _swap(pairs)
-            _reshard(module)
+            _swap(pairs, module)
 
     def infer_sdpo_teacher_batch(self, data: Any) -> Any:
         """verl's ``infer_batch`` under the teacher's weights."""
@@ -263,9 +231,7 @@ class ComposerTrainingWorker(TrainingWorker):  # type: ignore[misc]
     def train_batch(self, data: Any) -> Any:
         from verl.utils import tensordict_utils as tu
 
-        counts = global_counts(data, self.engine.get_data_parallel_group())
-        if counts:
-            tu.assign_non_tensor(data, **counts)
+        tu.assign_non_tensor(data, **global_counts(data, self.engine.get_data_parallel_group()))
         cfg = current_config()
         if cfg.compose.alpha_sdpo > 0 and cfg.sdpo_form == "topk" and TEACHER_PROMPTS in data.keys():  # noqa: SIM118
             if self.engine_config.use_fused_kernels:
@@ -310,11 +276,20 @@ def _response_lengths(data: Any) -> list[int]:
     return [int(n) for n in data["attention_mask"][:, width:].sum(dim=1).tolist()]
 
 
-def _swap(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+@torch.no_grad()
+def _swap(pairs: list[tuple[torch.Tensor, torch.Tensor]], module: torch.nn.Module) -> None:
+    """Swap the values of each ``(teacher, actor)`` pair in place, then drop the unsharded parameters FSDP2 keeps
+    after a forward (the root module's), so the next forward gathers the shards as they are now (verl does the
+    same when it leaves eval mode with ``fsdp_size > 1``)."""
+    from torch.distributed.fsdp import FSDPModule
+
     for t, s in pairs:
         tmp = s.clone()
         s.copy_(t)
         t.copy_(tmp)
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def _rank() -> int:

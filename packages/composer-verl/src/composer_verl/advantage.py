@@ -12,11 +12,9 @@ g is the group of rows sharing verl's ``uid`` (``index``), std is unbiased (Bess
 gives 0. ``advantages = A[:, None] * response_mask`` and ``returns`` equals it (as verl's GRPO). Options come from
 :mod:`composer_verl.config`; with ``adv_scale`` unset, verl's ``algorithm.norm_adv_by_std_in_grpo`` chooses.
 
-Multi-output agent sessions (verl's v1 trainer keys rows ``{uid}_{session}_{output}``): like verl's ``grpo`` in
-``verl.trainer.ppo.v1.utils.compute_advantage_for_multi_trajectories``, only each session's final output (highest
-``output``) joins its uid's group, and the session's advantage is broadcast to all its outputs. verl's estimator
-contract carries no session keys, so ``grpo_composer`` reads the ``batch_keys`` argument of that enclosing verl
-call; outside it (the legacy trainer, ``compute_advantage`` directly) each row is one group member.
+Multi-output agent sessions (verl's v1 trainer): like verl's ``grpo``, one group member per session (its final
+output), the session's advantage broadcast to all its outputs (:func:`enclosing_batch_keys`,
+:func:`session_members`; README, "Multi-output agent loops").
 """
 
 from __future__ import annotations

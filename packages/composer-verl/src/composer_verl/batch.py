@@ -1,19 +1,10 @@
 """The ``DataProto`` keys composer reads, and how they reach the policy loss.
 
-verl's policy-loss contract (``policy_loss_fn(old_log_prob=, log_prob=, advantages=, response_mask=,
-loss_agg_mode=, config=, rollout_is_weights=)``) carries no teacher log-probs, SDPO masks or preference fields.
-The composer actor extension (:mod:`composer_verl.actor`) wraps the worker's loss function so that, for each
-micro-batch, it reads the keys below from the micro-batch ``TensorDict`` and makes them visible to the
-``composer`` policy loss for the duration of that call (a context variable: nothing left behind after the call).
-
-Keys of ``DataProto.batch`` (bs rows, L = response length; the README's table says more):
-``composer_teacher_log_probs`` (bs, L) and ``composer_sdpo_mask`` (bs, L) 0/1 for channel 2,
-``composer_teacher_prompts`` (bs, *) int64 jagged for ``sdpo_form='topk'``, ``composer_pref_pair_id`` (bs,)
-int64 (-1 = no pair), ``composer_pref_chosen`` (bs,) 0/1 and the optional ``composer_pref_ref_log_prob`` (bs,)
-(default Σ_t verl's ``ref_log_prob`` · mask) for channel 3. Both rows of a pair must land in one micro-batch
-(``actor.shuffle=False``, ``use_dynamic_bsz=False``, an even ``ppo_micro_batch_size_per_gpu``), else the loss
-raises. :class:`composer_verl.actor.ComposerTrainingWorker` adds ``composer_global_sdpo_tokens`` and
-``composer_global_pref_pairs`` per mini-batch (summed over data-parallel ranks), like verl's ``batch_num_tokens``.
+verl's policy-loss contract carries no teacher log-probs, SDPO masks or preference fields. The composer actor
+extension (:mod:`composer_verl.actor`) wraps the worker's loss function so that, for each micro-batch, it reads the
+keys below from the micro-batch ``TensorDict`` and makes them visible to the ``composer`` policy loss for the
+duration of that call (a context variable: nothing left behind after the call). Their shapes and meaning: the
+README's table ("The actor extension and the ``DataProto`` keys it reads").
 """
 
 from __future__ import annotations
@@ -61,6 +52,10 @@ class ComposerExtras:
     global_pref_pairs: float | None = None
     dp_size: int = 1
 
+    def normalizer(self, global_count: float | None, local: float) -> float:
+        """This rank's share of a global count (``global_count / dp_size``), else the local count."""
+        return float(local) if global_count is None else float(global_count) / self.dp_size
+
 
 _ACTIVE: ContextVar[ComposerExtras | None] = ContextVar("composer_verl_extras", default=None)
 
@@ -79,16 +74,10 @@ def using_extras(extras: ComposerExtras) -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
-def _non_tensor(data: Any, key: str) -> Any:
-    if key not in data.keys():  # noqa: SIM118 (TensorDict has no `in` membership test)
-        return None
-    from verl.utils import tensordict_utils as tu
-
-    return tu.get_non_tensor_data(data=data, key=key, default=None)
-
-
 def read_extras(data: Any) -> ComposerExtras:
     """Read composer's keys from a verl micro-batch ``TensorDict`` (padded to ``(bs, L)``)."""
+    from verl.utils.tensordict_utils import get_non_tensor_data
+
     present = [k for k in TENSOR_KEYS if k in data.keys()]  # noqa: SIM118
     tensors: dict[str, torch.Tensor] = {}
     if present:
@@ -96,7 +85,7 @@ def read_extras(data: Any) -> ComposerExtras:
         if hasattr(selected, "to_padded_tensor"):
             selected = selected.to_padded_tensor()
         tensors = {k: selected[k] for k in present}
-    dp_size = _non_tensor(data, "dp_size")
+    dp_size = get_non_tensor_data(data, "dp_size", None)
     return ComposerExtras(
         teacher_log_probs=tensors.get(TEACHER_LOG_PROBS),
         sdpo_mask=tensors.get(SDPO_MASK),
@@ -104,8 +93,8 @@ def read_extras(data: Any) -> ComposerExtras:
         pref_chosen=tensors.get(PREF_CHOSEN),
         pref_ref_log_prob=tensors.get(PREF_REF_LOG_PROB),
         ref_log_prob=tensors.get(REF_LOG_PROB),
-        global_sdpo_tokens=_non_tensor(data, GLOBAL_SDPO_TOKENS),
-        global_pref_pairs=_non_tensor(data, GLOBAL_PREF_PAIRS),
+        global_sdpo_tokens=get_non_tensor_data(data, GLOBAL_SDPO_TOKENS, None),
+        global_pref_pairs=get_non_tensor_data(data, GLOBAL_PREF_PAIRS, None),
         dp_size=int(dp_size) if dp_size is not None else 1,
     )
 

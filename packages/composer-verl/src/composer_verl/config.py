@@ -1,12 +1,8 @@
 """The ``composer:`` section of verl's config (Hydra), the one place composer-verl reads its options.
 
-verl's ``PolicyLossConfig`` and ``AlgoConfig`` are closed dataclasses (an unknown key raises ``TypeError``), so
-composer's options live in a top-level ``composer:`` section (``+composer.alpha_sdpo=0.5`` on the command line).
-``trainer.v1.trainer_mode=composer_sync`` reads it on the driver (the advantage estimator, the producers) and in
-every actor worker: verl hands each worker ``config.actor_rollout_ref``, a node of the same Hydra config, whose
-parent holds the section (:func:`section_of`). In one process :func:`configure` sets it (tests, custom workers).
-Everything verl has a key for stays in verl's config (``clip_ratio_low/high``, ``clip_ratio_c``,
-``loss_agg_mode``, ``norm_adv_by_std_in_grpo``, ...).
+verl's ``PolicyLossConfig`` and ``AlgoConfig`` are closed dataclasses, so composer's options live in a top-level
+``composer:`` section (README, "Composer's options"). ``trainer_mode=composer_sync`` reads it on the driver and in
+every actor worker (:func:`section_of`); in one process :func:`configure` sets it (tests, custom workers).
 """
 
 from __future__ import annotations
@@ -38,9 +34,7 @@ HintFn = Callable[[str, str, float, Mapping[str, Any]], "str | None"]
 class ComposerVerlConfig:
     """The ``composer:`` section. ``compose`` (:data:`CORE_OPTIONS`), ``teacher`` and ``context`` are core's typed
     classes, built by :meth:`from_mapping` from the section's flat keys (core declares, defaults and checks them);
-    the other fields are verl's own keys (the README's table): the advantage estimator's ``adv_*``, channel 1's
-    ``policy_delta`` (δ > 1 + ``clip_ratio_high``) and the producers' ``hint_fn``, ``env``, ``hint_role``,
-    ``pair_source``, ``pairs_per_step``, ``replay_pairs`` (with ``on_policy``, ``success_reward_threshold``).
+    the other fields are verl's own keys (the README's table).
     """
 
     compose: ComposeConfig = field(default_factory=ComposeConfig)

@@ -1,11 +1,7 @@
-"""verl plugin: registers the ``grpo_composer`` advantage estimator and the ``composer`` policy loss.
-
-It is imported by the ``verl.plugins`` entry point ``composer = "composer_verl.plugin"`` (``import verl`` loads it
-in every process), by ``VERL_USE_EXTERNAL_MODULES=composer_verl.plugin``, or by
-``actor_rollout_ref.model.external_lib=composer_verl.plugin`` (workers only). verl calls plugins while
-``verl/__init__`` still runs, so ``verl.trainer.ppo.core_algos`` is imported only inside :func:`register`. verl
-logs a failing plugin at DEBUG level and carries on, so a failure here is logged at ERROR level and emitted as a
-``RuntimeWarning`` before it propagates.
+"""verl plugin: registers the ``grpo_composer`` advantage estimator, the ``composer`` policy loss and (lazily) the
+``composer_sync`` trainer mode; the README's "How registration reaches every process" says how it is imported and
+why a failure here is loud. verl calls plugins while ``verl/__init__`` still runs, so
+``verl.trainer.ppo.core_algos`` is imported only inside :func:`register`.
 """
 
 from __future__ import annotations

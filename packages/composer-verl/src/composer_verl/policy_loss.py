@@ -139,9 +139,7 @@ def sdpo_term(
     assert extras.sdpo_mask is not None
     mask = extras.sdpo_mask.to(torch.bool) & response_mask.to(torch.bool)
     local = int(mask.sum().item())
-    normalizer = float(local)
-    if extras.global_sdpo_tokens is not None:
-        normalizer = float(extras.global_sdpo_tokens) / extras.dp_size
+    normalizer = extras.normalizer(extras.global_sdpo_tokens, local)
     metrics = {"composer/sdpo/tokens": float(local)}
     if topk and extras.topk_divergence is not None:
         per_token = extras.topk_divergence.to(log_prob.dtype)
@@ -235,11 +233,7 @@ def replay_term(
     mask = response_mask.to(log_prob.dtype)
     seq_logp = (log_prob * mask).sum(-1)
     lengths = mask.sum(-1)
-    normalizer = (
-        float(extras.global_pref_pairs) / extras.dp_size
-        if extras.global_pref_pairs is not None
-        else float(ci.numel())
-    )
+    normalizer = extras.normalizer(extras.global_pref_pairs, ci.numel())
     replay = cfg.compose.replay  # composer_core's typed DPO(...) | SimPO(...), built once with the config
     if isinstance(replay, SimPO):
         loss = simpo_loss(

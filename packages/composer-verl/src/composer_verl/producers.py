@@ -1,18 +1,8 @@
 """Producers of channels 2 and 3 inside verl's own loop (``trainer.v1.trainer_mode=composer_sync``).
 
-Users write a hint function, not a pipeline stage. After rollout and reward (before verl balances the batch and
-computes ``old_log_probs``), :class:`ComposerProducers` does, every step:
-
-* **channel 2**: each row's teacher context (``hint_fn(prompt, response, reward, extra)``'s text as one
-  ``hint_role`` message after the prompt, or the group-built reprompt of composer_core's
-  :func:`~composer_core.sdpo.build_teacher_contexts`) is rendered with the chat template, and the actor (or the
-  ema/base teacher it holds) re-scores the sampled response on it: ``composer_teacher_log_probs``, with
-  ``composer_sdpo_mask`` 1 on the response tokens of those rows.
-* **channel 3**: pairs from ``pair_source`` (the rows' ``chosen``/``rejected`` columns, or a
-  ``composer_core.traces.records`` file; with ``replay_pairs=on_policy`` each failed response of the step, reward
-  below ``success_reward_threshold``, against its row's ``chosen`` column) are appended as two rows each, with ``composer_pref_pair_id`` /
-  ``composer_pref_chosen``, reward 0 and the actor's own ``rollout_log_probs``, tagged ``is_padding`` so verl's
-  metrics skip them; after verl's balancing they move to the end of the batch, each pair in one micro-batch.
+After rollout and reward, before verl balances the batch and computes ``old_log_probs``, :class:`ComposerProducers`
+adds channel 2's teacher log-probs (``composer_teacher_log_probs``, ``composer_sdpo_mask``) and appends channel 3's
+pair rows (``composer_pref_pair_id`` / ``composer_pref_chosen``); the README's "Producers" section says how.
 """
 
 from __future__ import annotations
@@ -23,7 +13,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
-from composer_core.traces.hints import HintJob
+from composer_core.traces.hints import HintJob, load_hint_fn
 
 from composer_verl.batch import (
     PREF_CHOSEN,
@@ -51,13 +41,6 @@ from composer_verl.rows import (
     reward_extra,
     with_prompt,
 )
-
-
-def load_hint_fn(path: str) -> HintFn:
-    """Import ``module:function`` or ``module.function``; raise naming the key when it is not callable."""
-    from composer_core.traces.hints import load_hint_fn as load
-
-    return load(path, option="composer.hint_fn")
 
 
 def check_settings(config: ComposerVerlConfig, actor: Mapping[str, Any]) -> None:
@@ -113,9 +96,9 @@ class ComposerProducers:
         self.form = config.sdpo_form
         self.tokenizer = tokenizer
         self.response_length = response_length
-        self.hint_fn: HintFn | None = load_hint_fn(config.hint_fn) if config.hint_fn else None
-        if config.env is not None:
-            self.hint_fn = env_hint_fn(config.env)
+        self.hint_fn: HintFn | None = env_hint_fn(config.env) if config.env is not None else None
+        if config.hint_fn:  # the section refuses both
+            self.hint_fn = load_hint_fn(config.hint_fn, option="composer.hint_fn")
         self.records: RecordPairs | None = None
         if config.pair_source not in (None, "dataset"):
             self.records = RecordPairs(config.pair_source, config.pairs_per_step)
@@ -174,15 +157,10 @@ class ComposerProducers:
             PREF_PAIR_ID: torch.tensor([pair_rows.get(i, (-1, 0))[0] for i in range(len(samples))]),
             PREF_CHOSEN: torch.tensor([pair_rows.get(i, (-1, 0))[1] for i in range(len(samples))]),
         }
-        if self.form == "topk":
-            fields[TEACHER_PROMPTS] = _nested(
-                [
-                    torch.tensor(teacher_prompts[i], dtype=torch.int64)
-                    if i in teacher_prompts
-                    else s["prompts"].to(torch.int64)
-                    for i, s in enumerate(samples)
-                ]
-            )
+        if self.form == "topk":  # a row without a teacher context keeps its own prompt (its SDPO mask is 0)
+            ids = {i: torch.tensor(p) for i, p in teacher_prompts.items()}
+            prompts = [ids.get(i, s["prompts"]).long() for i, s in enumerate(samples)]
+            fields[TEACHER_PROMPTS] = _nested(prompts)
         tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=tu.get_tensordict(fields))
         if rollout_lp:
             tq.kv_batch_put(

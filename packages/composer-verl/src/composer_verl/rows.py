@@ -1,12 +1,7 @@
-"""The rows the producers (:mod:`composer_verl.producers`) build: teacher contexts and preference pairs.
-
-Channel 2: a row's teacher context, a ``hint_fn`` text as one message after the prompt
-(:func:`hinted_prompt_ids`) or the SDPO paper's reprompt built from the row's ``uid`` group
-(:func:`group_teacher_contexts`, composer_core's :func:`~composer_core.sdpo.build_teacher_contexts`), rendered with
-the chat template the way verl's agent loop renders prompts. Channel 3: pair rows built on a real sample
-(:func:`pair_sample`), from the dataset's ``chosen``/``rejected`` columns (:func:`dataset_pairs`), a
-``composer_core.traces.records`` file (:class:`RecordPairs`) or the step's failed responses
-(:func:`on_policy_pair_rows`). Pure functions of verl's no-padding samples: no TransferQueue, no Ray.
+"""The rows the producers (:mod:`composer_verl.producers`) build: channel 2's teacher contexts (a hint message, or
+the SDPO paper's reprompt from the row's ``uid`` group) rendered with the chat template the way verl's agent loop
+renders prompts, and channel 3's pair rows built on a real sample. Pure functions of verl's no-padding samples: no
+TransferQueue, no Ray.
 """
 
 from __future__ import annotations
@@ -249,12 +244,8 @@ def on_policy_pair_rows(
         prompt = s["prompts"].tolist()
         chosen = pair_sample(s, prompt, response_ids(tokenizer, _message_text(s["chosen"]), length))
         rejected = pair_sample(s, prompt, s["responses"].tolist())
-        for key in (
-            "response_mask",
-            "loss_mask",
-        ):  # the response's own mask (multi-turn: tool tokens stay out)
-            if key in s and key in rejected:
-                rejected[key] = s[key].clone()
+        # the response's own masks (multi-turn: tool tokens stay out)
+        rejected.update((k, s[k].clone()) for k in ("response_mask", "loss_mask") if k in s and k in rejected)
         out.append((chosen, rejected))
     return out
 

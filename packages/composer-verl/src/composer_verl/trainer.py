@@ -18,17 +18,14 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from composer_verl.actor import ComposerActorRolloutRefWorker
 from composer_verl.producers import ComposerProducers
 
-TRAINER_MODE = "composer_sync"
-ACTOR_ROLES = (Role.Actor, Role.ActorRollout, Role.ActorRolloutRef)
 
-
-@register_trainer(TRAINER_MODE)
+@register_trainer("composer_sync")
 class ComposerPPOTrainerSync(PPOTrainerSync):  # type: ignore[misc]
     """``PPOTrainerSync`` whose actor workers run the composer actor extension."""
 
     def _init_resource_pool_mgr(self) -> None:
         super()._init_resource_pool_mgr()
-        for role in ACTOR_ROLES:
+        for role in (Role.Actor, Role.ActorRollout, Role.ActorRolloutRef):
             if role in self.role_worker_mapping:
                 self.role_worker_mapping[role] = ray.remote(ComposerActorRolloutRefWorker)
 
