@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass
-from typing import cast
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -28,11 +27,16 @@ class TinyQwen2:
     def __call__(self) -> nn.Module:
         from composer_core.tasks.tiny import TinyModelConfig, build_tiny_qwen2
 
-        # hidden_size .. max_positions are TinyModelConfig's first six fields, in the same order
-        shape = cast("tuple[int, int, int, int, int, int]", astuple(self)[1:7])
-        model: nn.Module = build_tiny_qwen2(
-            self.vocab_size, TinyModelConfig(*shape, attn_implementation="eager"), seed=self.seed
+        config = TinyModelConfig(
+            hidden_size=self.hidden_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            intermediate_size=self.intermediate_size,
+            max_position_embeddings=self.max_positions,
+            attn_implementation="eager",
         )
+        model: nn.Module = build_tiny_qwen2(self.vocab_size, config, seed=self.seed)
         return model
 
 
