@@ -5,10 +5,10 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from composer_core.bypass import BlockOverride, build_student, config_from_dict, run_bypass
+from composer_core.bypass import BlockOverride, BlockwiseModel, build_student, config_from_dict, run_bypass
+from composer_core.bypass.checkpoint import load_checkpoint
 from composer_core.bypass.data import synthetic_tokens
 from composer_core.bypass.distributed import DistContext
-from composer_core.bypass.export import export_student
 from composer_core.bypass.forward import teacher_forward
 from composer_core.bypass.hf import HFDecoder, load_hf_model
 from composer_core.bypass.losses import normalized_mse
@@ -22,6 +22,15 @@ HETERO = [
     BlockOverride(intermediate_size=16, num_key_value_heads=2),
     BlockOverride(blocks=(1,), attention_no_op=True),
 ]
+
+
+def export_student(student: BlockwiseModel, checkpoint: Path, out: Path) -> Path:
+    """Load every block of ``checkpoint`` into ``student`` (built whole with the run's config) and ``save`` it."""
+    load_checkpoint(
+        checkpoint, model=student, blocks=range(student.num_blocks), optimizers=None, ctx=DistContext()
+    )
+    student.save(out)
+    return out
 
 
 def _teacher(arch: str, path: Path) -> HFDecoder:

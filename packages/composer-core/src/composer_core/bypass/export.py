@@ -5,7 +5,6 @@ first rank, final norm and head on the last) to its own shard ``model-<r+1>-of-<
 (one process: ``model.safetensors``), and rank 0 writes the config and
 ``model.safetensors.index.json`` (the weight map gathered from every rank), the layout
 ``transformers``' ``from_pretrained`` and :func:`load_model` read.
-:func:`export_student` assembles a whole in-memory student from a checkpoint (one process).
 :func:`load_model` reads a model directory (reference decoder or Hugging Face) with only a rank's tensors.
 """
 
@@ -16,21 +15,12 @@ from pathlib import Path
 
 import torch
 
-from composer_core.bypass.checkpoint import load_checkpoint, save_tensors
+from composer_core.bypass.checkpoint import save_tensors
 from composer_core.bypass.distributed import DistContext, Ownership
 from composer_core.bypass.hf import load_hf_model
 from composer_core.bypass.protocol import BlockwiseModel
 from composer_core.bypass.reference import WEIGHTS_NAME, ReferenceDecoder
 from composer_core.bypass.shard import INDEX_NAME, name_owner, to_device
-
-
-def export_student(student: BlockwiseModel, checkpoint: Path, out: Path) -> Path:
-    """Load every block of ``checkpoint`` into ``student`` (built whole with the run's config) and ``save`` it."""
-    load_checkpoint(
-        checkpoint, model=student, blocks=range(student.num_blocks), optimizers=None, ctx=DistContext()
-    )
-    student.save(out)
-    return out
 
 
 def export_sharded(student: BlockwiseModel, out: Path, ctx: DistContext) -> Path:

@@ -9,7 +9,6 @@ checkpoints, validation and the end only, so no per-step collective stalls the p
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from composer_core.bypass.checkpoint import (
     is_complete,
     load_checkpoint,
     prune_checkpoints,
+    read_json,
     save_checkpoint,
     set_aside_checkpoints,
     set_aside_corrupt,
@@ -79,7 +79,7 @@ def _decide(exp: Path, run_id: str, identity: dict[str, Any], resume: bool) -> d
     """
     manifest_path = exp / MANIFEST
     if manifest_path.is_file():
-        manifest = read_manifest(manifest_path)
+        manifest = read_json(manifest_path, "move it away to start this run afresh")
         if manifest.get("run_id") != run_id:
             raise ValueError(
                 f"{exp} belongs to run {manifest.get('run_id')!r}, not {run_id!r}; choose another run.output_dir/name"
@@ -95,18 +95,6 @@ def _decide(exp: Path, run_id: str, identity: dict[str, Any], resume: bool) -> d
     path = find_resume_checkpoint(exp) if resume else None
     write_json_atomic(manifest_path, {"run_id": run_id, "identity": identity, "status": "running"})
     return {"action": "resume" if path else "fresh", "path": str(path) if path else None}
-
-
-def read_manifest(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(
-            f"run manifest {path} is unreadable ({exc}); move it away to start this run afresh"
-        ) from exc
-    if not isinstance(data, dict):
-        raise ValueError(f"run manifest {path} is not a JSON object")
-    return data
 
 
 def _initial_state(
@@ -265,7 +253,7 @@ def run_bypass(
     bar.close()
     save("final")
     if ctx.is_main:
-        manifest = read_manifest(exp / MANIFEST)
+        manifest = read_json(exp / MANIFEST, "move it away to start this run afresh")
         write_json_atomic(exp / MANIFEST, {**manifest, "status": "completed", "final": "final"})
         if rcfg.keep_last:
             prune_checkpoints(exp, rcfg.keep_last)
