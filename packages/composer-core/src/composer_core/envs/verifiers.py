@@ -382,9 +382,8 @@ class _MultiTurnSession:
         try:
             self.loop.run_until_complete(self._bounded(self.task.score(trace)))
             if type(self.env.vf_env).finalize is not _vf().Env.finalize:
-                self.loop.run_until_complete(
-                    self._bounded(self.env.vf_env.finalize(self.task, _episode(self.task, trace)))
-                )
+                episode = _vf().Episode(task=_trace_task(self.task), traces=[trace])
+                self.loop.run_until_complete(self._bounded(self.env.vf_env.finalize(self.task, episode)))
         except EnvError:
             raise
         except Exception as e:
@@ -404,7 +403,3 @@ class _MultiTurnSession:
 
 
 _DONE = object()
-
-
-def _episode(task: Any, trace: Any) -> Any:
-    return _vf().Episode(task=_trace_task(task), traces=[trace])

@@ -69,8 +69,9 @@ def oracle_solve(prompt: str) -> str:
 def wrong_solution(prompt: str) -> str:
     """A typical wrong completion: the digits copied in order (the ``rejected`` side of the pair)."""
     digits = prompt_digits(prompt)
-    if digits == digits[::-1]:  # a palindrome's copy is correct: rotate it instead
-        return digits[1:] + digits[:1] if len(set(digits)) > 1 else _bump(digits)
+    if digits == digits[::-1]:  # a palindrome's copy is correct: rotate it (one repeated digit: bump it)
+        bumped = str((int(digits[0]) + 1) % 10) + digits[1:]
+        return digits[1:] + digits[:1] if len(set(digits)) > 1 else bumped
     return digits
 
 
@@ -155,7 +156,3 @@ def decode(ids: Iterable[int]) -> str:
             continue
         out.append(_CHARS.get(int(i), ""))
     return "".join(out)
-
-
-def _bump(digits: str) -> str:
-    return str((int(digits[0]) + 1) % 10) + digits[1:]
