@@ -278,7 +278,7 @@ def read_json(path: Path, fix: str) -> dict[str, Any]:
     """The JSON object in ``path``; a ValueError naming the file and ``fix`` when it is unreadable or no object."""
     try:
         data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # ValueError: not JSON, not UTF-8
         raise ValueError(f"{path.parent} has an unreadable {path.name} ({exc}); {fix}") from exc
     if not isinstance(data, dict):
         raise ValueError(f"{path} is not a JSON object; {fix}")

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from composer_core.bypass.checkpoint import read_json
 from composer_core.bypass.config import config_from_dict, student_from_dict
 from composer_core.bypass.data import load_tokens, synthetic_tokens
 from composer_core.bypass.distributed import DistContext, PeerDiedError
@@ -89,10 +90,7 @@ def load_teacher(spec: dict[str, Any], ctx: DistContext | None = None) -> Blockw
 
 
 def _num_blocks(path: Path, kind: str) -> int:
-    try:
-        cfg = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"[teacher] path={str(path)!r}: no readable config.json ({exc})") from exc
+    cfg = read_json(path / "config.json", "check [teacher] path")
     key = "num_layers" if kind == "reference" else "num_hidden_layers"
     if not isinstance(cfg.get(key), int):
         raise ValueError(f"[teacher] {path}/config.json has no integer {key!r}; is kind={kind!r} right?")

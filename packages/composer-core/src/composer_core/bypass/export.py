@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from composer_core.bypass.checkpoint import save_tensors
+from composer_core.bypass.checkpoint import read_json, save_tensors
 from composer_core.bypass.distributed import DistContext, Ownership
 from composer_core.bypass.hf import load_hf_model
 from composer_core.bypass.protocol import BlockwiseModel
@@ -66,10 +66,7 @@ def load_model(
     for rank ``r`` of ``W``: ``load_model(path, Ownership.of(num_blocks, r, W), head=False)``.
     """
     p = Path(path)
-    try:
-        cfg = json.loads((p / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{p}: no readable config.json ({exc}); pass a model directory") from exc
+    cfg = read_json(p / "config.json", "pass a model directory")
     if "model_type" in cfg:
         return load_hf_model(p, ownership=ownership, head=head, device=device, dtype=dtype)
     model = ReferenceDecoder.load(p, ownership, head=head)
