@@ -1,12 +1,8 @@
 """Crash-safe checkpoints: ``step-N/``, ``best/``, ``final/`` and a ``latest`` link.
 
-A checkpoint is written into ``<name>.partial/`` (each rank: its blocks' weights, optimizer and RNG
-state; rank 0 also ``shared.safetensors`` and ``state.json``), then the ``COMPLETE`` marker (the
-SHA-256 of every other file), then renamed into place (an older one of the same name removed) and
-``latest`` repointed atomically. On resume, unmarked, ``.partial`` and ``.old`` directories go to
-``aside/``; marked ones are tried newest first and a corrupt one (a checksum mismatch or an
-unreadable ``state.json``) goes to ``aside/<name>.corrupt-<UTC time>``. ``best`` is never resumed
-from. A file that cannot be written raises :class:`OutputWriteError`.
+Layout, atomic publication (``<name>.partial/``, then the ``COMPLETE`` marker holding every other file's
+SHA-256, then a rename), resume and the handling of corrupt checkpoints: the README's "Bypass engine",
+*Checkpoints*. A file that cannot be written raises :class:`OutputWriteError`.
 """
 
 from __future__ import annotations

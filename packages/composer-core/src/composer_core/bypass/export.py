@@ -1,11 +1,5 @@
-"""Write a finished run's student: a sharded safetensors checkpoint that no rank holds whole.
-
-:func:`export_sharded`: every rank writes the tensors it owns (its blocks; the embedding on the
-first rank, final norm and head on the last) to its own shard ``model-<r+1>-of-<W>.safetensors``
-(one process: ``model.safetensors``), and rank 0 writes the config and
-``model.safetensors.index.json`` (the weight map gathered from every rank), the layout
-``transformers``' ``from_pretrained`` and :func:`load_model` read.
-:func:`load_model` reads a model directory (reference decoder or Hugging Face) with only a rank's tensors.
+"""Write a finished run's student as a sharded safetensors checkpoint that no rank holds whole (the README's
+*Export*), and read a model directory with only a rank's tensors (:func:`load_model`).
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""Sharded model creation: each rank materialises only the blocks it owns.
+"""Sharded model creation: each rank materialises only what it owns (the README's "Several processes").
 
 A model is first built as a *skeleton* inside :func:`meta_parameters` (parameters on the ``meta``
 device, buffers real); :func:`materialise` then gives real storage to the parameters a rank owns,
-read one tensor at a time from the model's safetensors files (:class:`SafetensorsSource`). Rank
-``r`` owns the blocks ``partition_blocks(L, W)[r]``; the embedding belongs to the first rank, the
-other non-block tensors (final norm, LM head) to the last. The teacher never materialises the
-final norm or the head; the student's last rank does (the assembled student's LM loss).
+read one tensor at a time from the model's safetensors files (:class:`SafetensorsSource`).
 """
 
 from __future__ import annotations
