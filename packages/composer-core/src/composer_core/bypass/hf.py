@@ -1,14 +1,9 @@
 """Hugging Face Llama / Qwen2 / Mistral-style causal LMs as :class:`BlockwiseModel` (extra ``hf``).
 
 Supported: ``*ForCausalLM`` models with ``model.{embed_tokens, layers, norm}`` and ``lm_head``, each
-layer with ``self_attn``, ``mlp``, ``input_layernorm``, ``post_attention_layernorm``. The block
-context is recorded by running the base model's own ``forward`` with every layer replaced by a
-recorder, so rotary embeddings and masks are exactly what the model would pass. Student layers are
-rebuilt with the model's own attention / MLP classes from a config copy with that block's shapes;
-no-op subblocks return zeros and their norm becomes ``Identity``. :meth:`HFDecoder.save` writes
-``config.composer_block_configs`` (one entry per layer) and, for uniform students, also
-``intermediate_size`` / ``num_key_value_heads`` so plain ``from_pretrained`` loads them;
-heterogeneous students need :func:`load_hf_model`.
+layer with ``self_attn``, ``mlp``, ``input_layernorm``, ``post_attention_layernorm``. How the block context
+is recorded, how students are rebuilt and why a heterogeneous student needs :func:`load_hf_model`
+(``config.composer_block_configs``): the README's **Models**.
 """
 
 from __future__ import annotations

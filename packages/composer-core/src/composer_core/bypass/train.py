@@ -1,10 +1,7 @@
-"""The bypass training loop (blockwise local distillation, Puzzle arXiv 2411.19146).
+"""The bypass training loop (blockwise local distillation, Puzzle arXiv 2411.19146; the README's "Bypass engine").
 
-Per micro-batch, one no-grad teacher forward captures every block's input and output; each student
-block runs on the *teacher's* input and is trained towards the teacher's output (normalised MSE, its
-own AdamW and GradScaler). Blocks are independent, so they are split across ranks; each rank
-materialises only its own blocks (:mod:`composer_core.bypass.shard`). Per-step losses are gathered at
-checkpoints, validation and the end only, so no per-step collective stalls the pipeline.
+Per micro-batch, one no-grad teacher forward captures every block's input and output; each student block runs
+on the *teacher's* input and is trained towards the teacher's output (its own AdamW and GradScaler).
 """
 
 from __future__ import annotations
