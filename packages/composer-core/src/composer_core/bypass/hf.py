@@ -25,15 +25,6 @@ from composer_core.bypass.shard import SafetensorsSource, build_owned, fill_from
 BLOCK_CONFIGS_KEY = "composer_block_configs"
 
 
-def _transformers() -> Any:
-    try:
-        return importlib.import_module("transformers")
-    except ImportError as exc:
-        raise ImportError(
-            "Hugging Face models in the bypass engine need transformers: pip install 'composer-core[hf]'"
-        ) from exc
-
-
 class NoOpAttention(nn.Module):
     """Replaces a removed attention subblock: contributes zero to the residual stream."""
 
@@ -242,7 +233,12 @@ def load_hf_model(
     Only the tensors ``ownership`` names (default: all) are read, one at a time, onto ``device``;
     ``head=False`` leaves the final norm and LM head unread (a teacher never needs them).
     """
-    tf = _transformers()
+    try:
+        tf: Any = importlib.import_module("transformers")
+    except ImportError as exc:
+        raise ImportError(
+            "Hugging Face models in the bypass engine need transformers: pip install 'composer-core[hf]'"
+        ) from exc
     p = Path(path)
     if not (p / "config.json").is_file():
         raise ValueError(f"{p} is not a Hugging Face model directory (no config.json); local paths only here")
