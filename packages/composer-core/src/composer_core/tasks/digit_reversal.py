@@ -2,11 +2,8 @@
 
 A prompt is a digit string followed by ``>``; the correct completion is the same digits reversed
 (``"3817>"`` → ``"7183"``). composer-trl's main job and composer-monarch's ``ReverseDigits`` both run these
-rules: the partial-credit reward :func:`verify`, the hint :func:`feedback_hint` (the SDPO teacher of channel 2
-is the same model reading ``hint + prompt``, :func:`hint_template`), the oracle :func:`oracle_solve` (channel
-3's ``chosen``; ``rejected`` is :func:`wrong_solution`). :func:`encode` / :func:`decode` map text to the ids of
-:data:`VOCAB` in pure Python, the ids :func:`composer_core.tasks.tiny.build_char_tokenizer` gives too, so
-Monarch and TRL see identical token ids.
+rules; :func:`encode` / :func:`decode` give the ids :func:`composer_core.tasks.tiny.build_char_tokenizer`
+gives too, so Monarch and TRL see identical token ids.
 """
 
 from __future__ import annotations
