@@ -89,7 +89,7 @@ def test_train_save_and_reload_heterogeneous_student(arch: str, tmp_path: Path) 
     held = ids[-4:]
     b, a = _losses(teacher, before, held), _losses(teacher, result.student, held)  # type: ignore[arg-type]
     assert all(x < y for x, y in zip(a, b, strict=True)), (b, a)
-    out = export_student(result.student, result.final_dir, tmp_path / "student")
+    out = export_student(result.student, result.experiment_dir / "final", tmp_path / "student")
     saved = transformers.AutoConfig.from_pretrained(out)
     assert [c["attention"]["no_op"] for c in saved.composer_block_configs] == [False, True, False]
     reloaded = load_hf_model(out)

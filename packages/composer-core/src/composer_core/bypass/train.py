@@ -56,10 +56,6 @@ class BypassResult:
     validation: list[dict[str, Any]] = field(default_factory=list)
     batches_consumed: int = 0
 
-    @property
-    def final_dir(self) -> Path:
-        return self.experiment_dir / "final"
-
     def final_block_loss(self) -> dict[str, float]:
         """Per-block training loss of the last step."""
         return dict(self.history[-1]["block_loss"]) if self.history else {}

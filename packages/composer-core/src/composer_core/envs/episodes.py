@@ -55,10 +55,6 @@ class EnvEpisode:
     reward: float
     failed: str | None = None
 
-    def actions(self) -> list[str]:
-        """The policy's actions, in order (including a last unscored one of a failed episode)."""
-        return [self.episode.messages[a].text for a, _ in _step_turns(self)]
-
 
 def _chat(task: EnvTask, actions: Sequence[str], steps: Sequence[StepResult]) -> tuple[Message, ...]:
     """The episode's messages in the layout of the module docstring."""
