@@ -1,10 +1,7 @@
-"""An environment as TRL-style callables (``f(prompts=..., completions=..., **dataset_columns)``, no TRL import).
-
-:func:`env_dataset_rows` gives one row per task (``prompt``, ``task_id``, and ``chosen`` / ``rejected`` when the
-tasks have them); :func:`env_reward_func` and :func:`env_hint_func` score each completion as one step of a fresh
-episode. Both share one :class:`EnvScorer` per environment, which caches the step result by
-``(task_id, completion)``, so a completion's reward and hint come from **one** step. An environment fault
-raises :class:`~composer_core.envs.EnvError`: a training step never continues on a reward it could not compute.
+"""An environment as TRL-style callables (``f(prompts=..., completions=..., **dataset_columns)``, no TRL import;
+the README's ``env_dataset_rows`` row). The reward and hint functions of one environment share one
+:class:`EnvScorer`, so a completion's reward and hint come from **one** step. An environment fault raises
+:class:`~composer_core.envs.EnvError`: a training step never continues on a reward it could not compute.
 """
 
 from __future__ import annotations
