@@ -79,22 +79,17 @@ def load_teacher(spec: dict[str, Any], ctx: DistContext | None = None) -> Blockw
     if kind not in ("reference", "hf"):
         raise ValueError(f"[teacher] kind={kind!r}: choose 'reference' or 'hf'")
     ctx = ctx or DistContext()
-    num_blocks = _num_blocks(Path(path), kind)
-    own = ctx.ownership(num_blocks)
+    cfg = read_json(Path(path) / "config.json", "check [teacher] path")
+    key = "num_layers" if kind == "reference" else "num_hidden_layers"
+    if not isinstance(cfg.get(key), int):
+        raise ValueError(f"[teacher] {path}/config.json has no integer {key!r}; is kind={kind!r} right?")
+    own = ctx.ownership(int(cfg[key]))
     if kind == "reference":
         return ReferenceDecoder.load(path, own, head=False)
     from composer_core.bypass.hf import load_hf_model
 
     trust = bool(spec.get("trust_remote_code", False))
     return load_hf_model(path, trust_remote_code=trust, ownership=own, head=False, device=ctx.device)
-
-
-def _num_blocks(path: Path, kind: str) -> int:
-    cfg = read_json(path / "config.json", "check [teacher] path")
-    key = "num_layers" if kind == "reference" else "num_hidden_layers"
-    if not isinstance(cfg.get(key), int):
-        raise ValueError(f"[teacher] {path}/config.json has no integer {key!r}; is kind={kind!r} right?")
-    return int(cfg[key])
 
 
 def load_data(spec: dict[str, Any]) -> Tensor:
