@@ -36,6 +36,7 @@ from composer_core.bypass.config import config_from_dict, student_from_dict
 from composer_core.bypass.data import load_tokens, synthetic_tokens
 from composer_core.bypass.distributed import DistContext, PeerDiedError
 from composer_core.bypass.export import export_sharded
+from composer_core.bypass.hf import load_hf_model
 from composer_core.bypass.protocol import BlockwiseModel
 from composer_core.bypass.reference import ReferenceDecoder
 from composer_core.bypass.report import loss_table, plot_block_losses
@@ -86,8 +87,6 @@ def load_teacher(spec: dict[str, Any], ctx: DistContext | None = None) -> Blockw
     own = ctx.ownership(int(cfg[key]))
     if kind == "reference":
         return ReferenceDecoder.load(path, own, head=False)
-    from composer_core.bypass.hf import load_hf_model
-
     trust = bool(spec.get("trust_remote_code", False))
     return load_hf_model(path, trust_remote_code=trust, ownership=own, head=False, device=ctx.device)
 

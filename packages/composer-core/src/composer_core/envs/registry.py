@@ -14,6 +14,7 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import Any, cast
 
 from .base import Environment
+from .digit_reversal import DigitReversalEnv
 
 __all__ = ["BUILTIN_SCHEMES", "ENTRY_POINT_GROUP", "known_schemes", "load_env"]
 
@@ -57,8 +58,6 @@ def load_env(spec: str, **kw: Any) -> Environment:
         raise _bad(spec, "expected a non-empty string '<scheme>:<target>' or 'digit-reversal'")
     spec = spec.strip()
     if spec == "digit-reversal":
-        from .digit_reversal import DigitReversalEnv
-
         return DigitReversalEnv(**kw)
     scheme, sep, target = spec.partition(":")
     if not sep:
