@@ -38,9 +38,7 @@ def canonical_keys(keys: str | Sequence[str]) -> tuple[str, ...]:
 
 def check_keys_for_model(model: BlockwiseModel, keys: Sequence[str]) -> None:
     """Raise when a requested subblock kind exists in no block of the model (never train a fallback)."""
-    present: set[str] = set()
-    for i in range(model.num_blocks):
-        present.update(model.subblocks(i))
+    present = {kind for i in range(model.num_blocks) for kind in model.subblocks(i)}
     for key in keys:
         if key == "entire_block":
             continue
