@@ -71,10 +71,8 @@ def freeze_for_training(
 ) -> dict[int, list[nn.Parameter]]:
     """Freeze the whole model, then unfreeze the selected parameters of ``blocks``."""
     model.module.requires_grad_(False)
-    out: dict[int, list[nn.Parameter]] = {}
-    for i in blocks:
-        params = [p for _, p in trainable_parameters(model, i, keys)]
+    out = {i: [p for _, p in trainable_parameters(model, i, keys)] for i in blocks}
+    for params in out.values():
         for p in params:
             p.requires_grad_(True)
-        out[i] = params
     return out

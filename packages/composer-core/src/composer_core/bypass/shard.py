@@ -12,7 +12,6 @@ import json
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -229,7 +228,5 @@ def sharded_fingerprint(model: BlockwiseModel, source: TensorSource, ctx: DistCo
         if name_owner(model, name, ctx.world_size) != ctx.rank:
             continue
         mine[name] = tensor_fingerprint(source.get(name).to(t.dtype) if t.is_meta else t, tag="")
-    merged: dict[str, Any] = {}
-    for part in ctx.gather(mine):
-        merged.update(part)
+    merged = {k: v for part in ctx.gather(mine) for k, v in part.items()}
     return hashlib.sha256(json.dumps(merged, sort_keys=True).encode()).hexdigest()

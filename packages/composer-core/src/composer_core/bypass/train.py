@@ -116,9 +116,7 @@ def _flush(
     """Merge every rank's per-block losses of the steps since the last flush into the history."""
     parts = ctx.gather([(step, lr, {str(i): v for i, v in losses.items()}) for step, lr, losses in pending])
     for k, (step, lr, _) in enumerate(pending):
-        merged: dict[str, float] = {}
-        for part in parts:
-            merged.update(part[k][2])
+        merged = {b: v for part in parts for b, v in part[k][2].items()}
         block_loss = dict(sorted(merged.items(), key=lambda kv: int(kv[0])))
         state["history"].append({"step": step, "lr": lr, "block_loss": block_loss})
     pending.clear()
