@@ -140,7 +140,9 @@ def test_kill_minus_9_mid_save_then_resume_is_bit_identical(
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     for i in range(2):  # optimizer state is bit-identical too
         a = torch.load(exp / "final" / "optim" / f"block-{i:04d}.pt", weights_only=True)["optimizer"]["state"]
-        b = torch.load(ref.final_dir / "optim" / f"block-{i:04d}.pt", weights_only=True)["optimizer"]["state"]
+        b = torch.load(ref.experiment_dir / f"final/optim/block-{i:04d}.pt", weights_only=True)["optimizer"][
+            "state"
+        ]
         assert all(torch.equal(a[j]["exp_avg_sq"], b[j]["exp_avg_sq"]) for j in b)
 
 

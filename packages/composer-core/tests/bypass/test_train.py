@@ -63,14 +63,13 @@ def test_grad_accumulation_averages_micro_batches(S: Any, tmp_path: Path, loss_s
     for k in range(2):
         t_in, t_out, ctx = teacher_forward(teacher, data.batch(k), [0], DistContext())
         (normalized_mse(student.run_block(0, t_in[0], ctx), t_out[0]) / 2).backward()
-    state = torch.load(result.final_dir / "optim" / "block-0000.pt", weights_only=True)["optimizer"]["state"]
+    saved = torch.load(result.experiment_dir / "final" / "optim" / "block-0000.pt", weights_only=True)
+    state = saved["optimizer"]["state"]
     assert len(state) == len(params)
     for i, p in enumerate(params):
         torch.testing.assert_close(state[i]["exp_avg"], 0.1 * p.grad, rtol=1e-5, atol=1e-9)
     if loss_scaling:
-        assert (
-            torch.load(result.final_dir / "optim" / "block-0000.pt", weights_only=True)["scaler"]["scale"] > 1
-        )
+        assert saved["scaler"]["scale"] > 1
 
 
 def test_validation_and_best_checkpoint(S: Any, tmp_path: Path) -> None:
@@ -110,7 +109,7 @@ def test_sweep_runs_each_student(S: Any, tmp_path: Path) -> None:
     students = [StudentConfig(overrides=(override_from_dict({"intermediate_size": n}),)) for n in (8, 16)]
     results = run_sweep(S.teacher(), S.tokens(), cfg, students, progress=False)
     assert len({r.run_id for r in results}) == 2
-    assert all(ckpt.is_complete(r.final_dir) for r in results)
+    assert all(ckpt.is_complete(r.experiment_dir / "final") for r in results)
     assert results[0].student.layers[0].mlp.up_proj.weight.shape[0] == 8
     with pytest.raises(ValueError, match="at least one"):
         run_sweep(S.teacher(), S.tokens(), cfg, [])

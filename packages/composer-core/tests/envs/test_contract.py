@@ -230,7 +230,11 @@ def test_faults_become_failed_episodes(mode: str, n_actions: int, reason: str) -
     ep = run_episode(env, EnvTask("t", "x"), lambda m: "a", max_turns=3, timeout_s=0.2)
     assert time.monotonic() - t0 < 2.0  # bounded by timeout_s, not by the 5 s sleep
     assert isinstance(ep, EnvEpisode) and ep.failed is not None and reason in ep.failed
-    assert "\n" not in ep.failed and ep.steps == () and len(ep.actions()) == n_actions
+    assert (
+        "\n" not in ep.failed
+        and ep.steps == ()
+        and sum(m.role == "assistant" for m in ep.episode.messages) == n_actions
+    )
     assert episode_records(ep) == []
 
 

@@ -5,10 +5,10 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from composer_core.bypass import BlockOverride, build_student, config_from_dict, run_bypass
+from composer_core.bypass import BlockOverride, BlockwiseModel, build_student, config_from_dict, run_bypass
+from composer_core.bypass.checkpoint import load_checkpoint
 from composer_core.bypass.data import synthetic_tokens
 from composer_core.bypass.distributed import DistContext
-from composer_core.bypass.export import export_student
 from composer_core.bypass.forward import teacher_forward
 from composer_core.bypass.hf import HFDecoder, load_hf_model
 from composer_core.bypass.losses import normalized_mse
@@ -22,6 +22,15 @@ HETERO = [
     BlockOverride(intermediate_size=16, num_key_value_heads=2),
     BlockOverride(blocks=(1,), attention_no_op=True),
 ]
+
+
+def export_student(student: BlockwiseModel, checkpoint: Path, out: Path) -> Path:
+    """Load every block of ``checkpoint`` into ``student`` (built whole with the run's config) and ``save`` it."""
+    load_checkpoint(
+        checkpoint, model=student, blocks=range(student.num_blocks), optimizers=None, ctx=DistContext()
+    )
+    student.save(out)
+    return out
 
 
 def _teacher(arch: str, path: Path) -> HFDecoder:
@@ -80,7 +89,7 @@ def test_train_save_and_reload_heterogeneous_student(arch: str, tmp_path: Path) 
     held = ids[-4:]
     b, a = _losses(teacher, before, held), _losses(teacher, result.student, held)  # type: ignore[arg-type]
     assert all(x < y for x, y in zip(a, b, strict=True)), (b, a)
-    out = export_student(result.student, result.final_dir, tmp_path / "student")
+    out = export_student(result.student, result.experiment_dir / "final", tmp_path / "student")
     saved = transformers.AutoConfig.from_pretrained(out)
     assert [c["attention"]["no_op"] for c in saved.composer_block_configs] == [False, True, False]
     reloaded = load_hf_model(out)

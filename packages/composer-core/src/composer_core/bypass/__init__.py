@@ -1,10 +1,5 @@
-"""Bypass distillation: train a cheaper student block by block from a teacher.
-
-Puzzle (arXiv 2411.19146) / NVIDIA Model-Optimizer Puzzletron "bypass distillation": each
-student block sees the teacher's input to that block and learns to reproduce the teacher
-block's output. Torch-only; Hugging Face models go through :mod:`composer_core.bypass.hf`
-(extra ``hf``). Entry points: :func:`run_bypass`, :func:`run_sweep`, the ``composer-bypass``
-console script.
+"""Bypass distillation (Puzzle, arXiv 2411.19146): train a cheaper student block by block from a teacher (the
+README's "Bypass engine"). Entry points: :func:`run_bypass`, :func:`run_sweep`, the ``composer-bypass`` script.
 """
 
 from composer_core.bypass.config import (

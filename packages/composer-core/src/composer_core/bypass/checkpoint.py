@@ -1,12 +1,8 @@
 """Crash-safe checkpoints: ``step-N/``, ``best/``, ``final/`` and a ``latest`` link.
 
-A checkpoint is written into ``<name>.partial/`` (each rank: its blocks' weights, optimizer and RNG
-state; rank 0 also ``shared.safetensors`` and ``state.json``), then the ``COMPLETE`` marker (the
-SHA-256 of every other file), then renamed into place (an older one of the same name removed) and
-``latest`` repointed atomically. On resume, unmarked, ``.partial`` and ``.old`` directories go to
-``aside/``; marked ones are tried newest first and a corrupt one (a checksum mismatch or an
-unreadable ``state.json``) goes to ``aside/<name>.corrupt-<UTC time>``. ``best`` is never resumed
-from. A file that cannot be written raises :class:`OutputWriteError`.
+Layout, atomic publication (``<name>.partial/``, then the ``COMPLETE`` marker holding every other file's
+SHA-256, then a rename), resume and the handling of corrupt checkpoints: the README's "Bypass engine",
+*Checkpoints*. A file that cannot be written raises :class:`OutputWriteError`.
 """
 
 from __future__ import annotations
@@ -89,11 +85,6 @@ def write_json_atomic(path: Path, data: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     write_file(tmp, json.dumps(data, indent=1, sort_keys=True).encode())
     os.replace(tmp, path)
-
-
-def shared_file(rank: int) -> str:
-    """The non-block tensors' file of ``rank`` (rank 0 keeps the single-writer name)."""
-    return "shared.safetensors" if rank == 0 else f"shared-rank-{rank:04d}.safetensors"
 
 
 def save_tensors(tensors: Mapping[str, Tensor], path: Path, metadata: dict[str, str] | None = None) -> str:
@@ -196,8 +187,9 @@ def _write_rank_files(
         for k, v in model.module.state_dict().items()
         if not k.startswith(prefixes) and not v.is_meta and name_owner(model, k, ctx.world_size) == ctx.rank
     }
+    rel = "shared.safetensors" if ctx.is_main else f"shared-rank-{ctx.rank:04d}.safetensors"
     if shared or ctx.is_main:
-        sums[shared_file(ctx.rank)] = save_tensors(shared, partial / shared_file(ctx.rank))
+        sums[rel] = save_tensors(shared, partial / rel)
     rel = f"rng/rank-{ctx.rank:04d}.pt"
     sums[rel] = _torch_save({"cpu": torch.get_rng_state()}, partial / rel)
     for sub in ("blocks", "optim", "rng", "."):
@@ -278,14 +270,20 @@ def set_aside_checkpoints(exp_dir: Path, why: str) -> None:
         (exp_dir / LATEST).unlink()
 
 
-def read_state(path: Path) -> dict[str, Any]:
+def read_json(path: Path, fix: str) -> dict[str, Any]:
+    """The JSON object in ``path``; a ValueError naming the file and ``fix`` when it is unreadable or no object."""
     try:
-        data = json.loads((path / STATE).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(
-            f"checkpoint {path} has an unreadable {STATE}: {exc}; delete or move the directory"
-        ) from exc
-    if not isinstance(data, dict) or not {"step", "batches_consumed"} <= set(data):
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:  # ValueError: not JSON, not UTF-8
+        raise ValueError(f"{path.parent} has an unreadable {path.name} ({exc}); {fix}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} is not a JSON object; {fix}")
+    return data
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    data = read_json(path / STATE, "delete or move the checkpoint directory")
+    if not {"step", "batches_consumed"} <= set(data):
         raise ValueError(
             f"checkpoint {path}/{STATE} lacks step/batches_consumed; delete or move the directory"
         )

@@ -31,10 +31,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from composer_core.bypass.checkpoint import read_json
 from composer_core.bypass.config import config_from_dict, student_from_dict
 from composer_core.bypass.data import load_tokens, synthetic_tokens
 from composer_core.bypass.distributed import DistContext, PeerDiedError
 from composer_core.bypass.export import export_sharded
+from composer_core.bypass.hf import load_hf_model
 from composer_core.bypass.protocol import BlockwiseModel
 from composer_core.bypass.reference import ReferenceDecoder
 from composer_core.bypass.report import loss_table, plot_block_losses
@@ -78,25 +80,15 @@ def load_teacher(spec: dict[str, Any], ctx: DistContext | None = None) -> Blockw
     if kind not in ("reference", "hf"):
         raise ValueError(f"[teacher] kind={kind!r}: choose 'reference' or 'hf'")
     ctx = ctx or DistContext()
-    num_blocks = _num_blocks(Path(path), kind)
-    own = ctx.ownership(num_blocks)
-    if kind == "reference":
-        return ReferenceDecoder.load(path, own, head=False)
-    from composer_core.bypass.hf import load_hf_model
-
-    trust = bool(spec.get("trust_remote_code", False))
-    return load_hf_model(path, trust_remote_code=trust, ownership=own, head=False, device=ctx.device)
-
-
-def _num_blocks(path: Path, kind: str) -> int:
-    try:
-        cfg = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"[teacher] path={str(path)!r}: no readable config.json ({exc})") from exc
+    cfg = read_json(Path(path) / "config.json", "check [teacher] path")
     key = "num_layers" if kind == "reference" else "num_hidden_layers"
     if not isinstance(cfg.get(key), int):
         raise ValueError(f"[teacher] {path}/config.json has no integer {key!r}; is kind={kind!r} right?")
-    return int(cfg[key])
+    own = ctx.ownership(int(cfg[key]))
+    if kind == "reference":
+        return ReferenceDecoder.load(path, own, head=False)
+    trust = bool(spec.get("trust_remote_code", False))
+    return load_hf_model(path, trust_remote_code=trust, ownership=own, head=False, device=ctx.device)
 
 
 def load_data(spec: dict[str, Any]) -> Tensor:

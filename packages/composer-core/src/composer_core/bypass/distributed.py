@@ -1,11 +1,8 @@
 """Block partitioning and the few collectives the engine needs (no-ops in one process).
 
-Blocks are split contiguously (:func:`partition_blocks`). Teacher activations flow rank to rank:
-rank ``r`` runs the teacher over its blocks and sends the hidden state to ``r + 1`` with a
-non-blocking send (one in flight per link), then trains its blocks while ``r + 1`` already works on
-it (a forward-only wavefront; no gradient crosses ranks). Decisions (skip, resume point, best) are
-made on rank 0 and broadcast. Tensors live on :attr:`DistContext.device` (CPU with gloo,
-``cuda:<LOCAL_RANK>`` with NCCL).
+The schedule (a forward-only wavefront, one non-blocking send in flight per link): the README's "Several
+processes". Decisions (skip, resume point, best) are made on rank 0 and broadcast. Tensors live on
+:attr:`DistContext.device` (CPU with gloo, ``cuda:<LOCAL_RANK>`` with NCCL).
 """
 
 from __future__ import annotations

@@ -1,12 +1,5 @@
-"""Write a finished run's student: a sharded safetensors checkpoint that no rank holds whole.
-
-:func:`export_sharded`: every rank writes the tensors it owns (its blocks; the embedding on the
-first rank, final norm and head on the last) to its own shard ``model-<r+1>-of-<W>.safetensors``
-(one process: ``model.safetensors``), and rank 0 writes the config and
-``model.safetensors.index.json`` (the weight map gathered from every rank), the layout
-``transformers``' ``from_pretrained`` and :func:`load_model` read.
-:func:`export_student` assembles a whole in-memory student from a checkpoint (one process).
-:func:`load_model` reads a model directory (reference decoder or Hugging Face) with only a rank's tensors.
+"""Write a finished run's student as a sharded safetensors checkpoint that no rank holds whole (the README's
+*Export*), and read a model directory with only a rank's tensors (:func:`load_model`).
 """
 
 from __future__ import annotations
@@ -16,21 +9,12 @@ from pathlib import Path
 
 import torch
 
-from composer_core.bypass.checkpoint import load_checkpoint, save_tensors
+from composer_core.bypass.checkpoint import read_json, save_tensors
 from composer_core.bypass.distributed import DistContext, Ownership
 from composer_core.bypass.hf import load_hf_model
 from composer_core.bypass.protocol import BlockwiseModel
 from composer_core.bypass.reference import WEIGHTS_NAME, ReferenceDecoder
 from composer_core.bypass.shard import INDEX_NAME, name_owner, to_device
-
-
-def export_student(student: BlockwiseModel, checkpoint: Path, out: Path) -> Path:
-    """Load every block of ``checkpoint`` into ``student`` (built whole with the run's config) and ``save`` it."""
-    load_checkpoint(
-        checkpoint, model=student, blocks=range(student.num_blocks), optimizers=None, ctx=DistContext()
-    )
-    student.save(out)
-    return out
 
 
 def export_sharded(student: BlockwiseModel, out: Path, ctx: DistContext) -> Path:
@@ -76,10 +60,7 @@ def load_model(
     for rank ``r`` of ``W``: ``load_model(path, Ownership.of(num_blocks, r, W), head=False)``.
     """
     p = Path(path)
-    try:
-        cfg = json.loads((p / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{p}: no readable config.json ({exc}); pass a model directory") from exc
+    cfg = read_json(p / "config.json", "pass a model directory")
     if "model_type" in cfg:
         return load_hf_model(p, ownership=ownership, head=head, device=device, dtype=dtype)
     model = ReferenceDecoder.load(p, ownership, head=head)

@@ -1,14 +1,9 @@
 """Hugging Face Llama / Qwen2 / Mistral-style causal LMs as :class:`BlockwiseModel` (extra ``hf``).
 
 Supported: ``*ForCausalLM`` models with ``model.{embed_tokens, layers, norm}`` and ``lm_head``, each
-layer with ``self_attn``, ``mlp``, ``input_layernorm``, ``post_attention_layernorm``. The block
-context is recorded by running the base model's own ``forward`` with every layer replaced by a
-recorder, so rotary embeddings and masks are exactly what the model would pass. Student layers are
-rebuilt with the model's own attention / MLP classes from a config copy with that block's shapes;
-no-op subblocks return zeros and their norm becomes ``Identity``. :meth:`HFDecoder.save` writes
-``config.composer_block_configs`` (one entry per layer) and, for uniform students, also
-``intermediate_size`` / ``num_key_value_heads`` so plain ``from_pretrained`` loads them;
-heterogeneous students need :func:`load_hf_model`.
+layer with ``self_attn``, ``mlp``, ``input_layernorm``, ``post_attention_layernorm``. How the block context
+is recorded, how students are rebuilt and why a heterogeneous student needs :func:`load_hf_model`
+(``config.composer_block_configs``): the README's **Models**.
 """
 
 from __future__ import annotations
@@ -28,15 +23,6 @@ from composer_core.bypass.protocol import AttentionConfig, BlockConfig, Blockwis
 from composer_core.bypass.shard import SafetensorsSource, build_owned, fill_from_source, meta_parameters
 
 BLOCK_CONFIGS_KEY = "composer_block_configs"
-
-
-def _transformers() -> Any:
-    try:
-        return importlib.import_module("transformers")
-    except ImportError as exc:
-        raise ImportError(
-            "Hugging Face models in the bypass engine need transformers: pip install 'composer-core[hf]'"
-        ) from exc
 
 
 class NoOpAttention(nn.Module):
@@ -247,7 +233,12 @@ def load_hf_model(
     Only the tensors ``ownership`` names (default: all) are read, one at a time, onto ``device``;
     ``head=False`` leaves the final norm and LM head unread (a teacher never needs them).
     """
-    tf = _transformers()
+    try:
+        tf: Any = importlib.import_module("transformers")
+    except ImportError as exc:
+        raise ImportError(
+            "Hugging Face models in the bypass engine need transformers: pip install 'composer-core[hf]'"
+        ) from exc
     p = Path(path)
     if not (p / "config.json").is_file():
         raise ValueError(f"{p} is not a Hugging Face model directory (no config.json); local paths only here")

@@ -38,9 +38,7 @@ def canonical_keys(keys: str | Sequence[str]) -> tuple[str, ...]:
 
 def check_keys_for_model(model: BlockwiseModel, keys: Sequence[str]) -> None:
     """Raise when a requested subblock kind exists in no block of the model (never train a fallback)."""
-    present: set[str] = set()
-    for i in range(model.num_blocks):
-        present.update(model.subblocks(i))
+    present = {kind for i in range(model.num_blocks) for kind in model.subblocks(i)}
     for key in keys:
         if key == "entire_block":
             continue
@@ -73,10 +71,8 @@ def freeze_for_training(
 ) -> dict[int, list[nn.Parameter]]:
     """Freeze the whole model, then unfreeze the selected parameters of ``blocks``."""
     model.module.requires_grad_(False)
-    out: dict[int, list[nn.Parameter]] = {}
-    for i in blocks:
-        params = [p for _, p in trainable_parameters(model, i, keys)]
+    out = {i: [p for _, p in trainable_parameters(model, i, keys)] for i in blocks}
+    for params in out.values():
         for p in params:
             p.requires_grad_(True)
-        out[i] = params
     return out

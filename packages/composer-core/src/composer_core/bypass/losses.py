@@ -8,12 +8,9 @@ residual streams do not dominate and a student equal to the teacher scores exact
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
 
 import torch
 from torch import Tensor
-
-LossName = Literal["normalized_mse", "vectorwise", "per_sample"]
 
 
 def _check(x: Tensor, y: Tensor, eps: float) -> None:

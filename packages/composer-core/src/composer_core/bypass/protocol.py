@@ -1,11 +1,6 @@
-"""The structural protocol the bypass engine trains through, and per-block shape configs.
-
-The engine never imports a model library. It needs a decoder whose body is a list of
-blocks, each made of an attention (or mamba) mixer subblock and an FFN subblock, plus a way
-to embed tokens, run one block on a hidden state, and turn a final hidden state into
-logits. :class:`BlockwiseModel` spells that out; :mod:`composer_core.bypass.reference`
-(plain torch) and :mod:`composer_core.bypass.hf` (Hugging Face Llama / Qwen2 / Mistral)
-implement it.
+"""The structural protocol the bypass engine trains through (:class:`BlockwiseModel`; the engine never imports
+a model library) and per-block shape configs. Implementations: :mod:`composer_core.bypass.reference` (plain
+torch) and :mod:`composer_core.bypass.hf` (Hugging Face Llama / Qwen2 / Mistral).
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from composer_core.bypass.checkpoint import read_json
 from composer_core.bypass.distributed import Ownership
 from composer_core.bypass.protocol import BlockConfig, BlockwiseModel
 from composer_core.bypass.shard import SafetensorsSource, build_owned, fill_from_source, meta_parameters
@@ -285,11 +286,8 @@ class ReferenceDecoder(nn.Module):
         skips the final norm and LM head (a teacher never needs them).
         """
         path = Path(directory)
-        if not (path / CONFIG_NAME).is_file():
-            raise ValueError(
-                f"{path} is not a reference decoder directory: need {CONFIG_NAME} and safetensors"
-            )
-        config = ReferenceConfig.from_dict(json.loads((path / CONFIG_NAME).read_text()))
+        fix = f"not a reference decoder directory: need {CONFIG_NAME} and safetensors"
+        config = ReferenceConfig.from_dict(read_json(path / CONFIG_NAME, fix))
         source = SafetensorsSource(path)
         with meta_parameters():
             model = ReferenceDecoder(config)

@@ -1,11 +1,8 @@
-"""Sharded model creation: each rank materialises only the blocks it owns.
+"""Sharded model creation: each rank materialises only what it owns (the README's "Several processes").
 
 A model is first built as a *skeleton* inside :func:`meta_parameters` (parameters on the ``meta``
 device, buffers real); :func:`materialise` then gives real storage to the parameters a rank owns,
-read one tensor at a time from the model's safetensors files (:class:`SafetensorsSource`). Rank
-``r`` owns the blocks ``partition_blocks(L, W)[r]``; the embedding belongs to the first rank, the
-other non-block tensors (final norm, LM head) to the last. The teacher never materialises the
-final norm or the head; the student's last rank does (the assembled student's LM loss).
+read one tensor at a time from the model's safetensors files (:class:`SafetensorsSource`).
 """
 
 from __future__ import annotations
@@ -15,7 +12,6 @@ import json
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -232,7 +228,5 @@ def sharded_fingerprint(model: BlockwiseModel, source: TensorSource, ctx: DistCo
         if name_owner(model, name, ctx.world_size) != ctx.rank:
             continue
         mine[name] = tensor_fingerprint(source.get(name).to(t.dtype) if t.is_meta else t, tag="")
-    merged: dict[str, Any] = {}
-    for part in ctx.gather(mine):
-        merged.update(part)
+    merged = {k: v for part in ctx.gather(mine) for k, v in part.items()}
     return hashlib.sha256(json.dumps(merged, sort_keys=True).encode()).hexdigest()

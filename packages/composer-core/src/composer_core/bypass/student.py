@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from composer_core.bypass.distributed import DistContext, Ownership
+from composer_core.bypass.forward import teacher_forward
 from composer_core.bypass.protocol import BlockConfig, BlockOverride, BlockwiseModel, resolve_block_configs
 from composer_core.bypass.shard import TensorSource, source_of
 
@@ -76,8 +77,6 @@ def ffn_channel_importance(
 
     Scores ``blocks`` (default: all) with a pipelined teacher pass (every rank of ``ctx`` calls it).
     """
-    from composer_core.bypass.forward import teacher_forward
-
     owned = list(range(teacher.num_blocks) if blocks is None else blocks)
     sums: dict[int, Tensor] = {}
     counts: dict[int, int] = {}

@@ -1,15 +1,11 @@
-"""The bypass training loop (blockwise local distillation, Puzzle arXiv 2411.19146).
+"""The bypass training loop (blockwise local distillation, Puzzle arXiv 2411.19146; the README's "Bypass engine").
 
-Per micro-batch, one no-grad teacher forward captures every block's input and output; each student
-block runs on the *teacher's* input and is trained towards the teacher's output (normalised MSE, its
-own AdamW and GradScaler). Blocks are independent, so they are split across ranks; each rank
-materialises only its own blocks (:mod:`composer_core.bypass.shard`). Per-step losses are gathered at
-checkpoints, validation and the end only, so no per-step collective stalls the pipeline.
+Per micro-batch, one no-grad teacher forward captures every block's input and output; each student block runs
+on the *teacher's* input and is trained towards the teacher's output (its own AdamW and GradScaler).
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,6 +22,7 @@ from composer_core.bypass.checkpoint import (
     is_complete,
     load_checkpoint,
     prune_checkpoints,
+    read_json,
     save_checkpoint,
     set_aside_checkpoints,
     set_aside_corrupt,
@@ -59,10 +56,6 @@ class BypassResult:
     validation: list[dict[str, Any]] = field(default_factory=list)
     batches_consumed: int = 0
 
-    @property
-    def final_dir(self) -> Path:
-        return self.experiment_dir / "final"
-
     def final_block_loss(self) -> dict[str, float]:
         """Per-block training loss of the last step."""
         return dict(self.history[-1]["block_loss"]) if self.history else {}
@@ -79,7 +72,7 @@ def _decide(exp: Path, run_id: str, identity: dict[str, Any], resume: bool) -> d
     """
     manifest_path = exp / MANIFEST
     if manifest_path.is_file():
-        manifest = read_manifest(manifest_path)
+        manifest = read_json(manifest_path, "move it away to start this run afresh")
         if manifest.get("run_id") != run_id:
             raise ValueError(
                 f"{exp} belongs to run {manifest.get('run_id')!r}, not {run_id!r}; choose another run.output_dir/name"
@@ -95,18 +88,6 @@ def _decide(exp: Path, run_id: str, identity: dict[str, Any], resume: bool) -> d
     path = find_resume_checkpoint(exp) if resume else None
     write_json_atomic(manifest_path, {"run_id": run_id, "identity": identity, "status": "running"})
     return {"action": "resume" if path else "fresh", "path": str(path) if path else None}
-
-
-def read_manifest(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(
-            f"run manifest {path} is unreadable ({exc}); move it away to start this run afresh"
-        ) from exc
-    if not isinstance(data, dict):
-        raise ValueError(f"run manifest {path} is not a JSON object")
-    return data
 
 
 def _initial_state(
@@ -135,9 +116,7 @@ def _flush(
     """Merge every rank's per-block losses of the steps since the last flush into the history."""
     parts = ctx.gather([(step, lr, {str(i): v for i, v in losses.items()}) for step, lr, losses in pending])
     for k, (step, lr, _) in enumerate(pending):
-        merged: dict[str, float] = {}
-        for part in parts:
-            merged.update(part[k][2])
+        merged = {b: v for part in parts for b, v in part[k][2].items()}
         block_loss = dict(sorted(merged.items(), key=lambda kv: int(kv[0])))
         state["history"].append({"step": step, "lr": lr, "block_loss": block_loss})
     pending.clear()
@@ -265,7 +244,7 @@ def run_bypass(
     bar.close()
     save("final")
     if ctx.is_main:
-        manifest = read_manifest(exp / MANIFEST)
+        manifest = read_json(exp / MANIFEST, "move it away to start this run afresh")
         write_json_atomic(exp / MANIFEST, {**manifest, "status": "completed", "final": "final"})
         if rcfg.keep_last:
             prune_checkpoints(exp, rcfg.keep_last)

@@ -39,9 +39,7 @@ def validate(
         lm += student_lm_loss(student, ids, blocks, ctx) * ids.shape[0]
         n += ids.shape[0]
     student.module.train(was_training)
-    merged: dict[str, float] = {}
-    for part in ctx.gather({str(i): v / n for i, v in sums.items()}):
-        merged.update(part)
+    merged = {b: v for part in ctx.gather({str(i): v / n for i, v in sums.items()}) for b, v in part.items()}
     per_block = dict(sorted(merged.items(), key=lambda kv: int(kv[0])))
     return {
         "block_loss": per_block,

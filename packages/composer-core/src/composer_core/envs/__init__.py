@@ -1,7 +1,5 @@
-"""Environments as the source of tasks, rewards and hints: the contract (:mod:`.base`), episodes and their
-training records (:mod:`.episodes`), :func:`load_env` (:mod:`.registry`), TRL-style dataset rows, reward and
-hint functions (:mod:`.trl_funcs`) and the embedded task (:mod:`.digit_reversal`). The adapters are extras,
-not imported here: ``composer-core[openenv]`` (:mod:`.openenv`), ``composer-core[verifiers]`` (:mod:`.verifiers`).
+"""Environments as the source of tasks, rewards and hints (the README's "Environments"). The adapters are
+extras, not imported here: ``composer-core[openenv]`` (:mod:`.openenv`), ``composer-core[verifiers]`` (:mod:`.verifiers`).
 """
 
 from .base import EnvError, Environment, EnvSession, EnvTask, StepResult, prompt_messages

@@ -1,12 +1,6 @@
-"""The environment contract: tasks, episodes stepped one action at a time, and the errors they raise.
-
-An :class:`Environment` hands out :class:`EnvTask` s and opens one :class:`EnvSession` per episode
-(:meth:`Environment.reset`); each :meth:`EnvSession.step` takes the policy's action (text) and returns a
-:class:`StepResult`. Its ``feedback`` is what channel 2 distils from, the task's reference answer channel 3's
-``chosen``. Single-turn hosts call ``reset(task)`` then ``step(completion)`` once; multi-turn hosts loop ``step``
-until ``done`` (:func:`composer_core.envs.run_episode`, which records an :class:`EnvError`, always one line
-naming the environment and the cause, as a failed episode). Pure Python: the OpenEnv and verifiers adapters
-are extras that import their host lazily.
+"""The environment contract (the README's "Environments" table): tasks, episodes stepped one action at a time
+(single-turn hosts: ``reset(task)`` then one ``step(completion)``; multi-turn: ``step`` until ``done``, as
+:func:`composer_core.envs.run_episode` does) and :class:`EnvError`, always one line. Pure Python.
 """
 
 from __future__ import annotations

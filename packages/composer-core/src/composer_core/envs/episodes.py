@@ -55,23 +55,15 @@ class EnvEpisode:
     reward: float
     failed: str | None = None
 
-    def actions(self) -> list[str]:
-        """The policy's actions, in order (including a last unscored one of a failed episode)."""
-        return [self.episode.messages[a].text for a, _ in _step_turns(self)]
-
-
-def _reply_text(step: StepResult) -> str | None:
-    parts = [p for p in (step.feedback, step.observation) if p]
-    return "\n\n".join(parts) if parts else None
-
 
 def _chat(task: EnvTask, actions: Sequence[str], steps: Sequence[StepResult]) -> tuple[Message, ...]:
     """The episode's messages in the layout of the module docstring."""
     messages = list(prompt_messages(task))
     for k, action in enumerate(actions):
         messages.append(Message("assistant", action))
-        if k < len(steps) and (reply := _reply_text(steps[k])) is not None:
-            messages.append(Message("user", reply))
+        reply = [p for p in (steps[k].feedback, steps[k].observation) if p] if k < len(steps) else []
+        if reply:
+            messages.append(Message("user", "\n\n".join(reply)))
     return tuple(messages)
 
 

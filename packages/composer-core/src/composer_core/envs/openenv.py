@@ -1,9 +1,6 @@
 """OpenEnv adapter (``composer-core[openenv]``): ``load_env("openenv:http://host:port")`` gives an
-:class:`OpenEnvEnvironment`, whose episodes go through OpenEnv's own client (``GenericEnvClient``, one
-WebSocket session per episode). Tasks come from OpenEnv's Task API (``POST /{env}/task_range``), else seeded
-episodes (``reset(seed=SPLIT_SEEDS[split] + i)``); ``feedback_field`` is the hint, ``observation_field`` the
-next message. Every fault is a one-line :class:`~composer_core.envs.EnvError` naming the server (credentials
-redacted). The mapping and the faults in detail: the README's "Environments".
+:class:`OpenEnvEnvironment` (one OpenEnv ``GenericEnvClient`` session per episode). The mapping, the seeded
+fallback (``reset(seed=SPLIT_SEEDS[split] + i)``) and the faults: the README's "Environments".
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """The embedded digit-reversal task served as an OpenEnv environment (OpenEnv's own server classes).
 
-Run it::
-
-    python -m composer_core.envs.openenv_digit_reversal --port 8000      # needs composer-core[openenv]
-    composer-train --env openenv:http://127.0.0.1:8000 ...
-
-It is :class:`composer_core.envs.digit_reversal.DigitReversalEnv` behind OpenEnv's :class:`HTTPEnvServer`:
-one :class:`DigitReversalOpenEnv` per WebSocket session,
+How to run it: the README's "Environments". It is :class:`composer_core.envs.digit_reversal.DigitReversalEnv`
+behind OpenEnv's :class:`HTTPEnvServer`: one :class:`DigitReversalOpenEnv` per WebSocket session,
 ``reset(split=..., index=..., max_attempts=...)`` starts the episode of that task (``max_attempts`` > 1 makes
-it multi-turn, default ``--max-attempts``), ``step(DigitReversalAction(answer=...))``
-returns a :class:`DigitReversalObservation` with the reward (``verify``), ``done`` and the ``feedback`` (the
+it multi-turn, default ``--max-attempts``), ``step(DigitReversalAction(answer=...))`` returns a
+:class:`DigitReversalObservation` with the reward (``verify``), ``done`` and the ``feedback`` (the
 task's hint, ``".8.|"``). The environment also implements OpenEnv's Task API (``list_splits``,
 ``num_tasks``, ``get_task``, ``get_task_range``, ``list_tasks``): each task spec is
 ``{"id", "index", "split", "prompt", "reference", "rejected"}``, which is how

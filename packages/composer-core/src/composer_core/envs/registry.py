@@ -1,19 +1,9 @@
 """``load_env(spec)``: an environment from one string (``--env`` of composer-train, a recipe's ``env = ...``).
 
-=========================  =====================================================================  =========================
-spec                       environment                                                            needs
-=========================  =====================================================================  =========================
-``digit-reversal``         the embedded task, in process (:class:`~.digit_reversal.DigitReversalEnv`)  nothing
-``openenv:<url>``          an OpenEnv server, through OpenEnv's own client (:class:`~.openenv.OpenEnvEnvironment`)  ``composer-core[openenv]``
-``verifiers:<module>``     a verifiers environment (``vf.load_environment``; :mod:`~.verifiers`)     ``composer-core[verifiers]``
-``<scheme>:<target>``      a factory registered in the entry-point group ``composer_core.envs``     its package
-=========================  =====================================================================  =========================
-
-An entry point ``name = "pkg.module:factory"`` in the group ``composer_core.envs`` adds the scheme ``name``:
-``factory(target, **kw)`` returns an :class:`~composer_core.envs.Environment`. Keyword arguments of
-:func:`load_env` go to the environment's constructor. A spec that names no known scheme raises ``ValueError``
-naming ``--env``, the known schemes and the fix; a known scheme whose extra is not installed raises
-``ImportError`` naming the extra.
+The specs and their errors: the README's ``load_env`` row. An entry point ``name = "pkg.module:factory"`` in
+the group ``composer_core.envs`` adds the scheme ``name``: ``factory(target, **kw)`` returns an
+:class:`~composer_core.envs.Environment`. Keyword arguments of :func:`load_env` go to the environment's
+constructor.
 """
 
 from __future__ import annotations
@@ -24,6 +14,7 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import Any, cast
 
 from .base import Environment
+from .digit_reversal import DigitReversalEnv
 
 __all__ = ["BUILTIN_SCHEMES", "ENTRY_POINT_GROUP", "known_schemes", "load_env"]
 
@@ -67,8 +58,6 @@ def load_env(spec: str, **kw: Any) -> Environment:
         raise _bad(spec, "expected a non-empty string '<scheme>:<target>' or 'digit-reversal'")
     spec = spec.strip()
     if spec == "digit-reversal":
-        from .digit_reversal import DigitReversalEnv
-
         return DigitReversalEnv(**kw)
     scheme, sep, target = spec.partition(":")
     if not sep:

@@ -1,16 +1,13 @@
-"""An environment as TRL-style callables (``f(prompts=..., completions=..., **dataset_columns)``, no TRL import).
-
-:func:`env_dataset_rows` gives one row per task (``prompt``, ``task_id``, and ``chosen`` / ``rejected`` when the
-tasks have them); :func:`env_reward_func` and :func:`env_hint_func` score each completion as one step of a fresh
-episode. Both share one :class:`EnvScorer` per environment, which caches the step result by
-``(task_id, completion)``, so a completion's reward and hint come from **one** step. An environment fault
-raises :class:`~composer_core.envs.EnvError`: a training step never continues on a reward it could not compute.
+"""An environment as TRL-style callables (``f(prompts=..., completions=..., **dataset_columns)``, no TRL import;
+the README's ``env_dataset_rows`` row). The reward and hint functions of one environment share one
+:class:`EnvScorer`, so a completion's reward and hint come from **one** step. An environment fault raises
+:class:`~composer_core.envs.EnvError`: a training step never continues on a reward it could not compute.
 """
 
 from __future__ import annotations
 
+import functools
 import re
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -30,7 +27,7 @@ class EnvScorer:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.env, self.timeout_s, self.cache_size = env, timeout_s, cache_size
         self._tasks: dict[str, EnvTask] = {}
-        self._cache: OrderedDict[tuple[str, str], StepResult] = OrderedDict()
+        self.score: Callable[[str, str], StepResult] = functools.lru_cache(cache_size)(self._step)
 
     def register(self, tasks: Iterable[EnvTask]) -> None:
         for t in tasks:
@@ -50,21 +47,14 @@ class EnvScorer:
             "composer_core.envs.env_dataset_rows(env) so every row's task_id is registered"
         )
 
-    def score(self, task_id: str, completion: str) -> StepResult:
-        key = (task_id, completion)
-        if key in self._cache:
-            self._cache.move_to_end(key)
-            return self._cache[key]
+    def _step(self, task_id: str, completion: str) -> StepResult:
+        """One step of a fresh episode of ``task_id`` (:attr:`score` is this, cached)."""
         task = self.task(task_id)
         session = _call_bounded(lambda: self.env.reset(task), self.timeout_s, f"{self.env.name} reset")
         try:
-            result = _bounded_step(self.env, session, completion, self.timeout_s)
+            return _bounded_step(self.env, session, completion, self.timeout_s)
         finally:
             _close_quietly(self.env, session, self.timeout_s)
-        self._cache[key] = result
-        while len(self._cache) > self.cache_size:
-            self._cache.popitem(last=False)
-        return result
 
 
 _SCORERS: dict[int, tuple[Environment, EnvScorer]] = {}

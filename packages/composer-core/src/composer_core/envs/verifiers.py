@@ -1,12 +1,7 @@
 """verifiers environments (``composer-core[verifiers]``, verifiers >= 0.4) behind composer's environment contract.
 
-``verifiers:<module>`` loads an installed package's ``Taskset`` (and, for a multi-turn episode, its ``Env``)
-exactly as verifiers' own loaders do; composer is the policy and no LLM endpoint is ever called. Single-turn:
-``step(completion)`` scores a ``vf.Trace`` of the prompt and the completion with the task's own rewards.
-Multi-turn: the env's own ``run`` drives the episode with composer's actions as the solver seat's replies; each
-message it sends the solver is a step's ``feedback``; the last step carries the reward. A reward function's
-``trace.info["feedback"]`` (``feedback_key``) is the last step's ``feedback``. LLM judges, rewards needing a
-runtime and envs with more than one seat raise instead of being skipped (the README's "Environments: verifiers").
+The mapping, the episode flow and what raises instead of being skipped: the README's "Environments: verifiers".
+composer is the policy and no LLM endpoint is ever called.
 """
 
 from __future__ import annotations
@@ -382,9 +377,8 @@ class _MultiTurnSession:
         try:
             self.loop.run_until_complete(self._bounded(self.task.score(trace)))
             if type(self.env.vf_env).finalize is not _vf().Env.finalize:
-                self.loop.run_until_complete(
-                    self._bounded(self.env.vf_env.finalize(self.task, _episode(self.task, trace)))
-                )
+                episode = _vf().Episode(task=_trace_task(self.task), traces=[trace])
+                self.loop.run_until_complete(self._bounded(self.env.vf_env.finalize(self.task, episode)))
         except EnvError:
             raise
         except Exception as e:
@@ -404,7 +398,3 @@ class _MultiTurnSession:
 
 
 _DONE = object()
-
-
-def _episode(task: Any, trace: Any) -> Any:
-    return _vf().Episode(task=_trace_task(task), traces=[trace])

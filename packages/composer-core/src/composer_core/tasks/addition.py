@@ -3,13 +3,9 @@
 With the prompt ``"Compute 47 + 38. Reply with just the result."`` SmolLM2-135M-Instruct answers
 ``"47 + 38 = 85"`` or one sentence ending in it, right on about a third of the sums given 32 tokens (greedy, base
 model: composer-trl's ``bench/addition_budget.py``), so most groups hold both successes and failures. The rules
-(pure Python, one implementation for every host): the answer is the integer after the reply's last result marker
-(``=``, "equals", "is", "results in", "gives", ``:``; :func:`extract_answer`), the reward 1.0 for the exact sum
-and partial credit below (:func:`verify`), the feedback names only the number the reply gave — wrong digit
-places, too large/small, a carry hint — never the sum (:func:`feedback`, :data:`FEEDBACK_REVEALS`), the
-reference ``"47 + 38 = 85"`` is channel 3's ``chosen`` and the SFT target (:func:`reference_answer`), and the
-held-out/validation/train splits are disjoint, the first two the same for every seed (:func:`task_splits`;
-choices made by looking at results use the validation split, never the held-out one).
+are pure Python, one implementation for every host (each function states its own); the reference
+``"47 + 38 = 85"`` is channel 3's ``chosen`` and the SFT target, and choices made by looking at results use the
+validation split, never the held-out one (:func:`task_splits`).
 """
 
 from __future__ import annotations

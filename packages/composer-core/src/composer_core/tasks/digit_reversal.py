@@ -2,11 +2,8 @@
 
 A prompt is a digit string followed by ``>``; the correct completion is the same digits reversed
 (``"3817>"`` → ``"7183"``). composer-trl's main job and composer-monarch's ``ReverseDigits`` both run these
-rules: the partial-credit reward :func:`verify`, the hint :func:`feedback_hint` (the SDPO teacher of channel 2
-is the same model reading ``hint + prompt``, :func:`hint_template`), the oracle :func:`oracle_solve` (channel
-3's ``chosen``; ``rejected`` is :func:`wrong_solution`). :func:`encode` / :func:`decode` map text to the ids of
-:data:`VOCAB` in pure Python, the ids :func:`composer_core.tasks.tiny.build_char_tokenizer` gives too, so
-Monarch and TRL see identical token ids.
+rules; :func:`encode` / :func:`decode` give the ids :func:`composer_core.tasks.tiny.build_char_tokenizer`
+gives too, so Monarch and TRL see identical token ids.
 """
 
 from __future__ import annotations
@@ -69,8 +66,9 @@ def oracle_solve(prompt: str) -> str:
 def wrong_solution(prompt: str) -> str:
     """A typical wrong completion: the digits copied in order (the ``rejected`` side of the pair)."""
     digits = prompt_digits(prompt)
-    if digits == digits[::-1]:  # a palindrome's copy is correct: rotate it instead
-        return digits[1:] + digits[:1] if len(set(digits)) > 1 else _bump(digits)
+    if digits == digits[::-1]:  # a palindrome's copy is correct: rotate it (one repeated digit: bump it)
+        bumped = str((int(digits[0]) + 1) % 10) + digits[1:]
+        return digits[1:] + digits[:1] if len(set(digits)) > 1 else bumped
     return digits
 
 
@@ -155,7 +153,3 @@ def decode(ids: Iterable[int]) -> str:
             continue
         out.append(_CHARS.get(int(i), ""))
     return "".join(out)
-
-
-def _bump(digits: str) -> str:
-    return str((int(digits[0]) + 1) % 10) + digits[1:]

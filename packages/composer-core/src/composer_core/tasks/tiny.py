@@ -1,12 +1,8 @@
 """A tiny Qwen2 causal LM and a character tokenizer, built locally (no download).
 
 composer-trl's main job (``composer-train`` without ``--model``), composer-monarch's ``TinyQwen2`` and their
-tests build their model here. :func:`char_vocab` is the id mapping (pure Python);
-:func:`build_char_tokenizer` wraps it in a ``PreTrainedTokenizerFast`` (left padding, as TRL's GRPOTrainer
-requires; ``chatml=True``: the byte-level, ChatML form a Qwen2 model directory needs, for hosts that reload
-the tokenizer by the model's type); :func:`build_tiny_qwen2` / :func:`build_tiny_model` build a seeded,
-thread-safe, randomly initialised ``Qwen2ForCausalLM`` (or ``Qwen2MoeForCausalLM``). The builders need the
-``hf`` extra (``pip install 'composer-core[hf]'``); importing this module needs only the standard library.
+tests build their model here. The builders need the ``hf`` extra (``pip install 'composer-core[hf]'``);
+importing this module needs only the standard library.
 """
 
 from __future__ import annotations
@@ -60,9 +56,11 @@ def char_vocab(alphabet: str) -> dict[str, int]:
 
 
 def build_char_tokenizer(alphabet: str, *, chatml: bool = False) -> PreTrainedTokenizerFast:
-    """A character-level tokenizer with the ids of :func:`char_vocab` (left padding).
+    """A character-level ``PreTrainedTokenizerFast`` with the ids of :func:`char_vocab` (left padding, as TRL's
+    GRPOTrainer requires).
 
-    ``chatml=True``: the Qwen2-loadable form (see the module docstring). ``alphabet`` must be ASCII; the
+    ``chatml=True``: the byte-level, ChatML form a Qwen2 model directory needs (for hosts that reload the
+    tokenizer by the model's type). ``alphabet`` must be ASCII; the
     characters the ChatML template needs that ``alphabet`` lacks (role names, ``"\\n"``) get the next ids,
     then ``<|im_start|>`` and ``<|im_end|>``: the ids of ``alphabet`` itself are those of :func:`char_vocab`.
     """
