@@ -139,15 +139,16 @@ class ComposerGRPOConfig(GRPOConfig):
         self._check_composer()
 
     @classmethod
-    def from_grpo_config(cls, args: GRPOConfig) -> ComposerGRPOConfig:
+    def from_grpo_config(cls, args: GRPOConfig, **options: Any) -> ComposerGRPOConfig:
         """A plain ``GRPOConfig``'s options as they stand (TRL's ``__post_init__`` already ran on them), with every
-        composer option at its default: channels off, plain GRPO."""
+        composer option at its default (channels off, plain GRPO) unless set in ``options``; checked."""
         new = cls.__new__(cls)
         new.__dict__.update(vars(args))
         for f in dataclasses.fields(cls):
             if f.name not in new.__dict__:
                 default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[operator]
                 setattr(new, f.name, default)
+        new.__dict__.update(options)
         new._check_composer()
         return new
 

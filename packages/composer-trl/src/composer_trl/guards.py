@@ -232,17 +232,17 @@ def guarded_reward_funcs(trainer: Any, rows: Callable[[], Sequence[int | None]],
         trainer.reward_funcs = originals
 
 
-def unscored_batch_error(
+def check_scored(
     rewards_per_func: Any, labels: Sequence[str], rows: Callable[[], Sequence[int | None]], step: str
-) -> RewardFunctionError | None:
-    """The error for a generation batch in which no completion got a finite reward from any function (every row
-    TRL's "All reward functions returned None" case); None when at least one completion was scored."""
+) -> None:
+    """Raise :class:`RewardFunctionError` for a generation batch in which no completion got a finite reward from
+    any function (every row TRL's "All reward functions returned None" case)."""
     import torch
 
     if rewards_per_func.numel() == 0 or not bool(torch.isnan(rewards_per_func).all()):
-        return None
+        return
     who = ", ".join(labels)
-    return RewardFunctionError(
+    raise RewardFunctionError(
         f"no completion of the generation batch got a reward: {who} returned None/NaN for all "
         f"{rewards_per_func.shape[0]} completions ({step}, {_rows_text(rows())}); return a number for the "
         "completions you can score"
@@ -250,9 +250,9 @@ def unscored_batch_error(
 
 
 @contextmanager
-def deferred_trl_none_warning() -> Iterator[list[logging.LogRecord]]:
-    """Hold TRL's "All reward functions returned None" warning (GRPOTrainer's logger) for the block; the caller
-    re-emits the held records with :func:`emit` or drops them (when it raises one line instead)."""
+def deferred_trl_none_warning() -> Iterator[None]:
+    """Hold TRL's "All reward functions returned None" warning (GRPOTrainer's logger) for the block and log it as
+    TRL would have when the block ends normally; a block that raises (one line instead) drops it."""
     log = logging.getLogger("trl.trainer.grpo_trainer")
     held: list[logging.LogRecord] = []
 
@@ -264,13 +264,8 @@ def deferred_trl_none_warning() -> Iterator[list[logging.LogRecord]]:
 
     log.addFilter(hold)
     try:
-        yield held
+        yield
     finally:
         log.removeFilter(hold)
-
-
-def emit(records: Sequence[logging.LogRecord]) -> None:
-    """Log records held by :func:`deferred_trl_none_warning` as TRL would have."""
-    log = logging.getLogger("trl.trainer.grpo_trainer")
-    for record in records:
+    for record in held:
         log.handle(record)

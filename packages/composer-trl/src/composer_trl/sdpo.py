@@ -114,22 +114,13 @@ def grpo_config(args: SDPOConfig) -> ComposerGRPOConfig:
     """The :class:`ComposerGRPOConfig` an ``SDPOConfig`` means: its shared fields as they stand (TRL's
     ``__post_init__`` already ran on them), GRPOConfig's own at their defaults, the SDPO fields translated by
     :data:`SDPO_TO_COMPOSER`; the SDPO fields themselves stay readable on it (``args.distillation_weight``)."""
-    new = ComposerGRPOConfig.__new__(ComposerGRPOConfig)
-    new.__dict__.update(vars(args))
-    for f in dataclasses.fields(ComposerGRPOConfig):
-        if f.name not in new.__dict__:
-            default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[operator]
-            setattr(new, f.name, default)
-    new.pad_to_multiple_of = None if new.pad_to_multiple_of == "auto" else new.pad_to_multiple_of
     mapped = {name: to(args) for name, to in SDPO_TO_COMPOSER.items()}
-    if (
-        args.distillation_weight == 0
-    ):  # plain policy gradient: no channel 2, its options at composer's defaults
+    # plain policy gradient: no channel 2, its options at composer's defaults
+    if args.distillation_weight == 0:
         keep = ("w_policy", "alpha_sdpo", "vllm_importance_sampling_correction")
         mapped = {k: v if k in keep else getattr(ComposerGRPOConfig, k, v) for k, v in mapped.items()}
-    new.__dict__.update(mapped)
-    new._check_composer()
-    return new
+    pad_to = None if args.pad_to_multiple_of == "auto" else args.pad_to_multiple_of
+    return ComposerGRPOConfig.from_grpo_config(args, pad_to_multiple_of=pad_to, **mapped)
 
 
 class ComposerSDPOTrainer(ComposerGRPOTrainer):
