@@ -1,19 +1,7 @@
-"""What would hang a run or leave it half made, refused in one line (issue 50).
-
-- **Prompts longer than the model's context.** TRL 1.16's ``GRPOConfig`` has no ``max_prompt_length`` (it was
-  removed) and ``GRPOTrainer`` generates from the whole prompt: a 100,000-token prompt runs the model over
-  100,000 positions (minutes, or an allocation of tens of GB) far past ``max_position_embeddings``.
-  :func:`overlong_prompt` finds the first prompt whose tokens + ``max_completion_length`` exceed the context
-  (``max_position_embeddings``, or vLLM's ``max_model_len`` when it generates, as TRL's tool loop caps
-  sequences); :func:`prompt_too_long_message` is the one line that names the row, its length, the limit and
-  the fix. ``composer-train`` checks the whole dataset before the model loads; ``ComposerGRPOTrainer`` checks
-  each generation batch before generating.
-- **Reward functions that fail.** TRL lets a reward function return ``None``/NaN for some completions (a
-  completion no function scored gets no advantage; TRL warns "All reward functions returned None"). A batch in
-  which *no* completion got a reward from any function trains on nothing, and a function that raises ends the
-  run with TRL's traceback, and an infinite reward (issue 62) trains on NaN advantages: each raises
-  :class:`RewardFunctionError`, one line naming the function
-  (``module:function``), the step, the dataset rows and the error.
+"""What would hang a run or leave it half made, refused in one line (issue 50): prompts longer than the model's
+context (TRL 1.16 does not truncate them) and reward functions that fail (they raise, return the wrong number or kind
+of rewards, an infinite one, or no finite reward for a whole batch). What each refusal says: the package README's
+"Exit codes and what is kept" (*Prompt length*, *Reward functions*).
 """
 
 from __future__ import annotations

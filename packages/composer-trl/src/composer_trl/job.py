@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -216,7 +215,13 @@ class Job:
             trainer.train(resume_from_checkpoint=str(ckpt) if ckpt else None)
         finally:
             stop.uninstall()
-            _erase_progress(cbs)  # a run that raised: its error line is not glued to the bar
+            for (
+                cb
+            ) in cbs:  # a bar left open by a run that raised: erased, so the error line is not glued to it
+                if getattr(cb, "bar", None) is not None:
+                    cb.bar.leave = False
+                    cb.bar.close()
+                    cb.bar = None
         seconds = time.perf_counter() - start
         return self._result(trainer, tok, stop, seconds)
 
@@ -241,13 +246,3 @@ class Job:
         result["reward_start"] = sum(rewards[:k]) / k if rewards else None
         result["reward_end"] = sum(rewards[-k:]) / k if rewards else None
         return result
-
-
-def _erase_progress(callbacks: Sequence[Any]) -> None:
-    """Close a progress bar left open by a run that raised (a finished run closed it), erasing it."""
-    for cb in callbacks:
-        bar = getattr(cb, "bar", None)
-        if bar is not None:
-            bar.leave = False
-            bar.close()
-            cb.bar = None

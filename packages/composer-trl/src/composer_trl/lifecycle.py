@@ -1,11 +1,7 @@
 """Run lifecycle of ``composer-train``: exit codes (0 finished, 1 a traceback, 2 bad arguments or config,
 3 bad dataset, 4 the ``--env`` environment faulted, 5 a reward function failed, 130/143 SIGINT/SIGTERM; what each
 says and what is kept: the package README's "Exit codes and what is kept"), output-directory rules, valid JSON,
-checkpoints, signals.
-
-Checkpoints are TRL/transformers' own (``trainer-<run>/checkpoint-<step>``: weights, optimiser, scheduler,
-RNG, trainer state) plus ``composer_state.json`` holding composer's own state (TAID's ``t`` and momentum),
-so ``--resume_from_checkpoint`` continues bit-exactly on CPU.
+checkpoints (TRL's own plus :class:`ComposerState`'s file; README: they resume bit-exactly on CPU), signals.
 """
 
 from __future__ import annotations

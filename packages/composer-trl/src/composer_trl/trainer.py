@@ -147,8 +147,10 @@ class ComposerGRPOTrainer(ReplayPairs):
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         output = super()._generate_and_score_completions(inputs)
         mode = "train" if self.model.training else "eval"
-        if self.compose_config.alpha_sdpo > 0:
-            output.update(self._teacher_inputs(inputs, output, mode))
+        if self.compose_config.alpha_sdpo > 0 and self.teacher_context.sdpo_teacher_context == "hint":
+            output.update(self._build_hints(inputs, output))
+        elif self.compose_config.alpha_sdpo > 0:
+            output.update(self._build_group_contexts(inputs, output, mode))
         if self.compose_config.beta_replay > 0:
             output.update(self._build_pairs(inputs, output, mode))
         return output
