@@ -242,8 +242,7 @@ class ComposerGRPOConfig(GRPOConfig):
         }
         # SAPO's and VESPO's shape parameters (TRL's names; core refuses them set under another loss type)
         opts.update({name: getattr(self, name) for name in (*_SHAPE_OPTIONS, *_COMPOSE_FIELDS)})
+        # TRL reads delta in the clip surrogate only: off (core's default) for the other loss types
         if self.loss_type not in CLIP_LOSS_TYPES:
-            opts["delta"] = (
-                PolicyOptions.delta
-            )  # off (core's default): TRL reads delta in the clip surrogate only
+            opts["delta"] = PolicyOptions.delta
         return opts

@@ -46,9 +46,7 @@ def check(job: Any) -> None:
     job.check()
     if recipe.env is None and recipe.reward:
         check_reward_inputs(recipe.reward, job.rewards, job.dataset)
-    if (
-        recipe.model is not None and recipe.dataset is None and recipe.env is None
-    ):  # said once the model loaded
+    if recipe.model is not None and recipe.dataset is None and recipe.env is None:  # said once it loaded
         job.channel_line = "\n".join(filter(None, [EMBEDDED_TASK, job.channel_line]))
 
 

@@ -79,10 +79,8 @@ class SDPOTeacher(ComposerMetrics):
     def _setup_sdpo(self) -> None:
         """``sdpo_teacher``: live (the student), base (a frozen copy; PEFT: adapters off) or ema (a copy updated
         by :class:`_SDPOTeacherCallback`). The copy is saved with every checkpoint and restored on resume."""
-        self.teacher_context, self.teacher_weights = (
-            self.args.teacher_context_options,
-            self.args.teacher_weights_options,
-        )
+        self.teacher_context = self.args.teacher_context_options
+        self.teacher_weights = self.args.teacher_weights_options
         self._sdpo_teacher, self._no_success_warned, self._last_rewards_per_func = None, False, None
         kind = self.teacher_weights.sdpo_teacher
         if self.compose_config.alpha_sdpo == 0:
