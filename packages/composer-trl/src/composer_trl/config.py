@@ -32,6 +32,7 @@ from composer_core.loss.validation import check_choice
 from composer_core.loss.wrappers import TAIDScheduler
 from composer_core.sdpo import TeacherContextOptions, TeacherWeightsOptions
 from composer_core.traces.onpolicy import ReplayPairOptions, ReplayPairs
+from transformers import TrainingArguments
 from trl import GRPOConfig
 
 #: TAIDScheduler's own defaults (its step size alpha and momentum beta)
@@ -139,8 +140,8 @@ class ComposerGRPOConfig(GRPOConfig):
         self._check_composer()
 
     @classmethod
-    def from_grpo_config(cls, args: GRPOConfig, **options: Any) -> ComposerGRPOConfig:
-        """A plain ``GRPOConfig``'s options as they stand (TRL's ``__post_init__`` already ran on them), with every
+    def from_grpo_config(cls, args: TrainingArguments, **options: Any) -> ComposerGRPOConfig:
+        """A plain ``GRPOConfig``'s (or ``SDPOConfig``'s) options as they stand (TRL's ``__post_init__`` already ran on them), with every
         composer option at its default (channels off, plain GRPO) unless set in ``options``; checked."""
         new = cls.__new__(cls)
         new.__dict__.update(vars(args))

@@ -206,7 +206,8 @@ class Job:
         stop = StopOnSignal()
         resume_step = checkpoint_step(ckpt) if ckpt is not None else None
         metrics = MetricsJSONL(self.metrics_path, resume_step=resume_step)
-        cbs = [ComposerState(trainer, ckpt), stop, metrics, ProgressBar(self.name)]
+        progress = ProgressBar(self.name)
+        cbs = [ComposerState(trainer, ckpt), stop, metrics, progress]
         for cb in cbs:
             trainer.add_callback(cb)
         start = time.perf_counter()
@@ -215,13 +216,9 @@ class Job:
             trainer.train(resume_from_checkpoint=str(ckpt) if ckpt else None)
         finally:
             stop.uninstall()
-            for (
-                cb
-            ) in cbs:  # a bar left open by a run that raised: erased, so the error line is not glued to it
-                if getattr(cb, "bar", None) is not None:
-                    cb.bar.leave = False
-                    cb.bar.close()
-                    cb.bar = None
+            if progress.bar is not None:  # a run that raised: its bar erased, the error not glued to it
+                progress.bar.leave = False
+                progress.bar.close()
         seconds = time.perf_counter() - start
         return self._result(trainer, tok, stop, seconds)
 

@@ -119,7 +119,8 @@ def grpo_config(args: SDPOConfig) -> ComposerGRPOConfig:
     if args.distillation_weight == 0:
         keep = ("w_policy", "alpha_sdpo", "vllm_importance_sampling_correction")
         mapped = {k: v if k in keep else getattr(ComposerGRPOConfig, k, v) for k, v in mapped.items()}
-    pad_to = None if args.pad_to_multiple_of == "auto" else args.pad_to_multiple_of
+    pad_to = vars(args).get("pad_to_multiple_of", "auto")  # GRPOConfig's default, resolved as None here
+    pad_to = None if pad_to == "auto" else pad_to
     return ComposerGRPOConfig.from_grpo_config(args, pad_to_multiple_of=pad_to, **mapped)
 
 
