@@ -8,22 +8,22 @@ import subprocess
 
 import pytest
 from composer_core.tasks.digit_reversal import feedback_hint, oracle_solve, verify, wrong_solution
-from composer_trl.cli import main
+from composer_trl.cli import main, parse
+from composer_trl.lifecycle import UsageError
 from composer_trl.progress import read_jsonl
-from composer_trl.recipe import load_recipe, recipe_from_dict
 
 
 def test_main_job_runs_composer_core_task_and_tiny_model():
-    """composer_trl.task / composer_trl.tiny are re-exports: the main job's rules live in composer-core."""
-    import composer_core.tasks.digit_reversal as core_task
-    import composer_core.tasks.tiny as core_tiny
-    import composer_trl.task as trl_task
-    import composer_trl.tiny as trl_tiny
+    """The main job's rules live in composer-core (composer_core.tasks.digit_reversal / .tiny)."""
+    import torch
+    from composer_core.tasks.tiny import build_tiny_model
+    from composer_trl.models import load_model
+    from composer_trl.recipe import Recipe
 
-    for name in trl_task.__all__:
-        assert getattr(trl_task, name) is getattr(core_task, name)
-    for name in trl_tiny.__all__:
-        assert getattr(trl_tiny, name) is getattr(core_tiny, name)
+    model, tok = load_model(Recipe(seed=3))
+    ref = build_tiny_model(tok, seed=3).state_dict()
+    assert model.state_dict().keys() == ref.keys()
+    assert all(torch.equal(v, ref[k]) for k, v in model.state_dict().items())
     assert verify("381>", "133") == pytest.approx(2 / 3)
     assert feedback_hint("381>", "133") == ".8.|"
     assert oracle_solve("3817>") == "7183"
@@ -63,12 +63,14 @@ def test_composer_train_model_dir_and_toml_recipe(tmp_path, model_dir):
 def test_yaml_recipe_and_unknown_keys(tmp_path):
     y = tmp_path / "r.yaml"
     y.write_text("steps: 7\ntrainer:\n  alpha_sdpo: 0.5\n")
-    r = load_recipe(y)
+    r = parse(["--config", str(y)]).recipe
     assert r.steps == 7 and r.trainer_kwargs()["alpha_sdpo"] == 0.5
-    with pytest.raises(ValueError, match="unknown keys"):
-        recipe_from_dict({"stpes": 3})
-    with pytest.raises(ValueError, match="unknown recipe format"):
-        load_recipe(tmp_path.joinpath("r.txt").resolve() if (tmp_path / "r.txt").write_text("x") else None)
+    y.write_text("stpes: 3\n")
+    with pytest.raises(UsageError, match="unknown field 'stpes'"):
+        parse(["--config", str(y)])
+    (tmp_path / "r.txt").write_text("x")
+    with pytest.raises(UsageError, match="unknown recipe format"):
+        parse(["--config", str(tmp_path / "r.txt")])
 
 
 def test_console_script_is_installed():

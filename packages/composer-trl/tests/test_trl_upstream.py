@@ -39,6 +39,7 @@ def _derive() -> Any:
     spec = importlib.util.spec_from_file_location("composer_trl_upstream_derive", HERE / "derive.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses resolve their string annotations through sys.modules
     spec.loader.exec_module(module)
     return module
 

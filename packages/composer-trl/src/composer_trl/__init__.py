@@ -5,6 +5,7 @@ Swap ``GRPOConfig``/``GRPOTrainer`` for :class:`ComposerGRPOConfig`/:class:`Comp
 ``composer-train`` (:mod:`composer_trl.cli`) is the one-command demo and training entry point.
 """
 
+from importlib import import_module
 from importlib.metadata import version as _version
 from typing import TYPE_CHECKING, Any
 
@@ -26,16 +27,7 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str) -> Any:
     # Lazy: importing trl takes seconds; `import composer_trl` stays instant.
-    if name == "ComposerGRPOConfig":
-        from composer_trl.config import ComposerGRPOConfig
-
-        return ComposerGRPOConfig
-    if name == "ComposerGRPOTrainer":
-        from composer_trl.trainer import ComposerGRPOTrainer
-
-        return ComposerGRPOTrainer
-    if name in ("ComposerSDPOConfig", "ComposerSDPOTrainer"):
-        from composer_trl import sdpo
-
-        return getattr(sdpo, name)
-    raise AttributeError(f"module 'composer_trl' has no attribute {name!r}")
+    if name not in __all__:  # __version__ is set above
+        raise AttributeError(f"module 'composer_trl' has no attribute {name!r}")
+    module = {"ComposerGRPOConfig": "config", "ComposerGRPOTrainer": "trainer"}.get(name, "sdpo")
+    return getattr(import_module(f"composer_trl.{module}"), name)

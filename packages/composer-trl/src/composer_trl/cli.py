@@ -153,7 +153,10 @@ def _invocation(values: dict[str, Any]) -> Invocation:
         raise UsageError(f"--max_steps (or --steps) must be an int >= 1, got {recipe.steps!r}.")
     if not isinstance(recipe.seed, int):
         raise UsageError(f"--seed must be an int, got {recipe.seed!r}.")
-    _check_model_args(recipe)
+    try:  # TRL's own ModelConfig checks (4 and 8 bit at once, ...) as one line
+        model_config(recipe)
+    except (TypeError, ValueError) as e:
+        raise UsageError(str(e).strip().splitlines()[0]) from e
     holdout = recipe.eval_holdout
     if isinstance(holdout, bool) or not isinstance(holdout, int | float) or holdout <= 0:
         raise UsageError(
@@ -169,15 +172,6 @@ def _invocation(values: dict[str, Any]) -> Invocation:
         plot=not run.get("no_plot", False),
         threads=run.get("threads"),
     )
-
-
-def _check_model_args(recipe: Recipe) -> None:
-    """TRL's own ``ModelConfig`` checks (4 and 8 bit at once, ...) as one line."""
-    if recipe.model_args:
-        try:
-            model_config(recipe)
-        except (TypeError, ValueError) as e:
-            raise UsageError(str(e).strip().splitlines()[0]) from e
 
 
 ENV_EXCLUDES = (("dataset", "--dataset_name"), ("reward", "--reward_funcs"), ("hint_fn", "--hint_fn"))

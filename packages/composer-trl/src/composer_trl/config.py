@@ -32,6 +32,7 @@ from composer_core.loss.validation import check_choice
 from composer_core.loss.wrappers import TAIDScheduler
 from composer_core.sdpo import TeacherContextOptions, TeacherWeightsOptions
 from composer_core.traces.onpolicy import ReplayPairOptions, ReplayPairs
+from transformers import TrainingArguments
 from trl import GRPOConfig
 
 #: TAIDScheduler's own defaults (its step size alpha and momentum beta)
@@ -139,15 +140,16 @@ class ComposerGRPOConfig(GRPOConfig):
         self._check_composer()
 
     @classmethod
-    def from_grpo_config(cls, args: GRPOConfig) -> ComposerGRPOConfig:
-        """A plain ``GRPOConfig``'s options as they stand (TRL's ``__post_init__`` already ran on them), with every
-        composer option at its default: channels off, plain GRPO."""
+    def from_grpo_config(cls, args: TrainingArguments, **options: Any) -> ComposerGRPOConfig:
+        """A plain ``GRPOConfig``'s (or ``SDPOConfig``'s) options as they stand (TRL's ``__post_init__`` already ran on them), with every
+        composer option at its default (channels off, plain GRPO) unless set in ``options``; checked."""
         new = cls.__new__(cls)
         new.__dict__.update(vars(args))
         for f in dataclasses.fields(cls):
             if f.name not in new.__dict__:
                 default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[operator]
                 setattr(new, f.name, default)
+        new.__dict__.update(options)
         new._check_composer()
         return new
 
@@ -241,8 +243,7 @@ class ComposerGRPOConfig(GRPOConfig):
         }
         # SAPO's and VESPO's shape parameters (TRL's names; core refuses them set under another loss type)
         opts.update({name: getattr(self, name) for name in (*_SHAPE_OPTIONS, *_COMPOSE_FIELDS)})
+        # TRL reads delta in the clip surrogate only: off (core's default) for the other loss types
         if self.loss_type not in CLIP_LOSS_TYPES:
-            opts["delta"] = (
-                PolicyOptions.delta
-            )  # off (core's default): TRL reads delta in the clip surrogate only
+            opts["delta"] = PolicyOptions.delta
         return opts

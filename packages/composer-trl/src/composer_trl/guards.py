@@ -1,19 +1,7 @@
-"""What would hang a run or leave it half made, refused in one line (issue 50).
-
-- **Prompts longer than the model's context.** TRL 1.16's ``GRPOConfig`` has no ``max_prompt_length`` (it was
-  removed) and ``GRPOTrainer`` generates from the whole prompt: a 100,000-token prompt runs the model over
-  100,000 positions (minutes, or an allocation of tens of GB) far past ``max_position_embeddings``.
-  :func:`overlong_prompt` finds the first prompt whose tokens + ``max_completion_length`` exceed the context
-  (``max_position_embeddings``, or vLLM's ``max_model_len`` when it generates, as TRL's tool loop caps
-  sequences); :func:`prompt_too_long_message` is the one line that names the row, its length, the limit and
-  the fix. ``composer-train`` checks the whole dataset before the model loads; ``ComposerGRPOTrainer`` checks
-  each generation batch before generating.
-- **Reward functions that fail.** TRL lets a reward function return ``None``/NaN for some completions (a
-  completion no function scored gets no advantage; TRL warns "All reward functions returned None"). A batch in
-  which *no* completion got a reward from any function trains on nothing, and a function that raises ends the
-  run with TRL's traceback, and an infinite reward (issue 62) trains on NaN advantages: each raises
-  :class:`RewardFunctionError`, one line naming the function
-  (``module:function``), the step, the dataset rows and the error.
+"""What would hang a run or leave it half made, refused in one line (issue 50): prompts longer than the model's
+context (TRL 1.16 does not truncate them) and reward functions that fail (they raise, return the wrong number or kind
+of rewards, an infinite one, or no finite reward for a whole batch). What each refusal says: the package README's
+"Exit codes and what is kept" (*Prompt length*, *Reward functions*).
 """
 
 from __future__ import annotations
@@ -232,17 +220,17 @@ def guarded_reward_funcs(trainer: Any, rows: Callable[[], Sequence[int | None]],
         trainer.reward_funcs = originals
 
 
-def unscored_batch_error(
+def check_scored(
     rewards_per_func: Any, labels: Sequence[str], rows: Callable[[], Sequence[int | None]], step: str
-) -> RewardFunctionError | None:
-    """The error for a generation batch in which no completion got a finite reward from any function (every row
-    TRL's "All reward functions returned None" case); None when at least one completion was scored."""
+) -> None:
+    """Raise :class:`RewardFunctionError` for a generation batch in which no completion got a finite reward from
+    any function (every row TRL's "All reward functions returned None" case)."""
     import torch
 
     if rewards_per_func.numel() == 0 or not bool(torch.isnan(rewards_per_func).all()):
-        return None
+        return
     who = ", ".join(labels)
-    return RewardFunctionError(
+    raise RewardFunctionError(
         f"no completion of the generation batch got a reward: {who} returned None/NaN for all "
         f"{rewards_per_func.shape[0]} completions ({step}, {_rows_text(rows())}); return a number for the "
         "completions you can score"
@@ -250,9 +238,9 @@ def unscored_batch_error(
 
 
 @contextmanager
-def deferred_trl_none_warning() -> Iterator[list[logging.LogRecord]]:
-    """Hold TRL's "All reward functions returned None" warning (GRPOTrainer's logger) for the block; the caller
-    re-emits the held records with :func:`emit` or drops them (when it raises one line instead)."""
+def deferred_trl_none_warning() -> Iterator[None]:
+    """Hold TRL's "All reward functions returned None" warning (GRPOTrainer's logger) for the block and log it as
+    TRL would have when the block ends normally; a block that raises (one line instead) drops it."""
     log = logging.getLogger("trl.trainer.grpo_trainer")
     held: list[logging.LogRecord] = []
 
@@ -264,13 +252,8 @@ def deferred_trl_none_warning() -> Iterator[list[logging.LogRecord]]:
 
     log.addFilter(hold)
     try:
-        yield held
+        yield
     finally:
         log.removeFilter(hold)
-
-
-def emit(records: Sequence[logging.LogRecord]) -> None:
-    """Log records held by :func:`deferred_trl_none_warning` as TRL would have."""
-    log = logging.getLogger("trl.trainer.grpo_trainer")
-    for record in records:
+    for record in held:
         log.handle(record)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -207,7 +206,8 @@ class Job:
         stop = StopOnSignal()
         resume_step = checkpoint_step(ckpt) if ckpt is not None else None
         metrics = MetricsJSONL(self.metrics_path, resume_step=resume_step)
-        cbs = [ComposerState(trainer, ckpt), stop, metrics, ProgressBar(self.name)]
+        progress = ProgressBar(self.name)
+        cbs = [ComposerState(trainer, ckpt), stop, metrics, progress]
         for cb in cbs:
             trainer.add_callback(cb)
         start = time.perf_counter()
@@ -216,7 +216,9 @@ class Job:
             trainer.train(resume_from_checkpoint=str(ckpt) if ckpt else None)
         finally:
             stop.uninstall()
-            _erase_progress(cbs)  # a run that raised: its error line is not glued to the bar
+            if progress.bar is not None:  # a run that raised: its bar erased, the error not glued to it
+                progress.bar.leave = False
+                progress.bar.close()
         seconds = time.perf_counter() - start
         return self._result(trainer, tok, stop, seconds)
 
@@ -241,13 +243,3 @@ class Job:
         result["reward_start"] = sum(rewards[:k]) / k if rewards else None
         result["reward_end"] = sum(rewards[-k:]) / k if rewards else None
         return result
-
-
-def _erase_progress(callbacks: Sequence[Any]) -> None:
-    """Close a progress bar left open by a run that raised (a finished run closed it), erasing it."""
-    for cb in callbacks:
-        bar = getattr(cb, "bar", None)
-        if bar is not None:
-            bar.leave = False
-            bar.close()
-            cb.bar = None

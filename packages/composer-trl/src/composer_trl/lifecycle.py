@@ -1,11 +1,7 @@
-"""Run lifecycle of ``composer-train``: exit codes (``EXIT_*``: 0 finished, 1 a traceback, 2 bad arguments or config,
+"""Run lifecycle of ``composer-train``: exit codes (0 finished, 1 a traceback, 2 bad arguments or config,
 3 bad dataset, 4 the ``--env`` environment faulted, 5 a reward function failed, 130/143 SIGINT/SIGTERM; what each
 says and what is kept: the package README's "Exit codes and what is kept"), output-directory rules, valid JSON,
-checkpoints, signals.
-
-Checkpoints are TRL/transformers' own (``trainer-<run>/checkpoint-<step>``: weights, optimiser, scheduler,
-RNG, trainer state) plus ``composer_state.json`` holding composer's own state (TAID's ``t`` and momentum),
-so ``--resume_from_checkpoint`` continues bit-exactly on CPU.
+checkpoints (TRL's own plus :class:`ComposerState`'s file; README: they resume bit-exactly on CPU), signals.
 """
 
 from __future__ import annotations
@@ -20,16 +16,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from safetensors import SafetensorError, safe_open
 from transformers import TrainerCallback
 
 EXIT_OK = 0
-EXIT_FAILURE = 1
 EXIT_USAGE = 2
 EXIT_DATA = 3
 EXIT_ENV = 4
 EXIT_REWARD = 5
-EXIT_SIGINT = 130
-EXIT_SIGTERM = 143
 
 COMPOSER_STATE = "composer_state.json"
 OWNED_OUTPUTS = (
@@ -141,32 +135,28 @@ WEIGHT_FILES = (
 )
 
 
-def missing_parts(ckpt: Path, extra: Sequence[str] = ()) -> list[str]:
-    """What a checkpoint lacks to be resumed (empty: complete): a readable ``trainer_state.json``, the optimizer,
-    the model's weights, composer's state and ``extra`` files (e.g. the SDPO teacher's). transformers writes a
-    checkpoint in place, so a run killed while saving leaves one that only this check tells apart."""
-    out = []
+def checkpoint_problems(ckpt: Path, extra: Sequence[str] = ()) -> list[str]:
+    """Why ``ckpt`` cannot be resumed (empty: complete). Missing parts: a readable ``trainer_state.json``, the
+    optimizer, the model's weights, composer's state and ``extra`` files (e.g. the SDPO teacher's); transformers
+    writes a checkpoint in place, so a run killed while saving leaves one that only this check tells apart. Files
+    that do not read back (a copy or a save cut short): a ``.json`` that does not parse, a ``.safetensors`` whose
+    header safetensors refuses (it must name exactly the file's bytes), a torch ``.pt``/``.pth``/``.bin`` whose zip
+    directory (written last) is missing. Each reads only headers, not the tensors."""
+    missing = []
     try:
         json.loads((ckpt / "trainer_state.json").read_text())["global_step"]
     except (OSError, ValueError, KeyError):
-        out.append("trainer_state.json")
+        missing.append("trainer_state.json")
     if not (ckpt / "optimizer.pt").is_file():
-        out.append("optimizer.pt")
+        missing.append("optimizer.pt")
     if not any((ckpt / name).is_file() for name in WEIGHT_FILES):
-        out.append("model weights")
-    out += [name for name in (COMPOSER_STATE, *extra) if not (ckpt / name).is_file()]
-    return out
-
-
-def unreadable_parts(ckpt: Path) -> list[str]:
-    """The files of a checkpoint that do not read back (a copy or a save cut short): a ``.json`` that does not
-    parse, a ``.safetensors`` whose header does not parse or names more bytes than the file has, a torch ``.pt``/
-    ``.pth``/``.bin`` whose zip directory (written last) is missing. Each reads only headers, not the tensors."""
-    out = []
+        missing.append("model weights")
+    missing += [name for name in (COMPOSER_STATE, *extra) if not (ckpt / name).is_file()]
+    out = [f"no {', '.join(missing)}"] if missing else []
     for path in sorted(p for p in ckpt.rglob("*") if p.is_file()):
         try:
             _read_back(path)
-        except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as e:
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile, SafetensorError) as e:
             out.append(f"{path.relative_to(ckpt)} does not read back ({e})")
     return out
 
@@ -175,22 +165,10 @@ def _read_back(path: Path) -> None:
     if path.suffix == ".json":
         json.loads(path.read_text())
     elif path.suffix == ".safetensors":
-        with path.open("rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(n)) if 0 < n <= path.stat().st_size else None
-        if not isinstance(header, dict):
-            raise ValueError("no safetensors header")
-        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-        if 8 + n + end != path.stat().st_size:
-            raise ValueError(f"its header names {8 + n + end} bytes, the file has {path.stat().st_size}")
+        with safe_open(str(path), "pt"):
+            pass
     elif path.suffix in (".pt", ".pth", ".bin"):
         zipfile.ZipFile(path).close()
-
-
-def checkpoint_problems(ckpt: Path, extra: Sequence[str] = ()) -> list[str]:
-    """Why ``ckpt`` cannot be resumed (empty: complete): :func:`missing_parts` and :func:`unreadable_parts`."""
-    missing = missing_parts(ckpt, extra)
-    return ([f"no {', '.join(missing)}"] if missing else []) + unreadable_parts(ckpt)
 
 
 def resolve_checkpoint(value: str, trainer_dir: Path, extra: Sequence[str] = ()) -> Path:
@@ -248,9 +226,6 @@ class ComposerState(TrainerCallback):
         self.trainer = trainer
         self.resume_from = resume_from
 
-    def _taid(self) -> Any:
-        return getattr(self.trainer, "_taid", None)
-
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.resume_from is None:
             return
@@ -261,7 +236,7 @@ class ComposerState(TrainerCallback):
                 "by composer-train, so composer's state (TAID) cannot be restored."
             )
         saved = json.loads(path.read_text())
-        taid = self._taid()
+        taid = getattr(self.trainer, "_taid", None)
         if taid is not None:
             if saved.get("taid") is None:
                 raise UsageError(f"{path}: no TAID state saved, but this run uses sdpo_wrapper='taid'.")
@@ -269,7 +244,7 @@ class ComposerState(TrainerCallback):
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        taid = self._taid()
+        taid = getattr(self.trainer, "_taid", None)
         payload = {"global_step": state.global_step, "taid": taid.state_dict() if taid is not None else None}
         if ckpt.is_dir():
             (ckpt / COMPOSER_STATE).write_text(dumps(payload))

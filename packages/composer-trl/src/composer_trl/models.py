@@ -51,10 +51,6 @@ class ModelUnavailable(ValueError):
     """A packaged model whose package or converter is missing (one line naming the fix)."""
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("COMPOSER_CACHE") or Path.home() / ".cache" / "composer")
-
-
 def _gguf_path(spec: PackagedModel) -> Path:
     found = importlib.util.find_spec(spec.module)
     locations = list(found.submodule_search_locations or []) if found is not None else []
@@ -102,7 +98,7 @@ def packaged_model_dir(name: str) -> Path:
     spec = PACKAGED[name]
     gguf = _gguf_path(spec)
     source = {"name": name, "file": gguf.name, "bytes": gguf.stat().st_size, "format": FORMAT}
-    dest = cache_root() / "models" / name
+    dest = Path(os.environ.get("COMPOSER_CACHE") or Path.home() / ".cache" / "composer") / "models" / name
     if _complete(dest, source):
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)

@@ -1,14 +1,6 @@
-"""What ``composer-train`` checks before the model loads (issue 62), each refusal one line, exit 2.
-
-- a flag's optional dependency (``--report_to tensorboard``, ``--use_peft``) is installed, else composer's extra
-  that brings it is named;
-- ``--output_dir`` can be created and written;
-- a Hub model id is in the local cache or the Hub answers (one request, no retries: transformers would retry
-  each file for about two minutes before its own error);
-- each ``--reward_funcs`` gets what it reads: its required arguments are dataset columns (TRL's
-  ``accuracy_reward`` reads ``solution``), TRL's chat rewards get conversational prompts, its accuracy rewards
-  math-verify;
-- the no-argument demo run again into its default directory replaces its previous demo run (said in one line).
+"""What ``composer-train`` checks before the model loads (issue 62), each refusal one line, exit 2: a flag's optional
+dependency, a writable ``--output_dir``, a reachable Hub model, each ``--reward_funcs``' inputs, and the demo rerun
+into its own directory (the package README's exit code 2).
 """
 
 from __future__ import annotations
@@ -54,9 +46,7 @@ def check(job: Any) -> None:
     job.check()
     if recipe.env is None and recipe.reward:
         check_reward_inputs(recipe.reward, job.rewards, job.dataset)
-    if (
-        recipe.model is not None and recipe.dataset is None and recipe.env is None
-    ):  # said once the model loaded
+    if recipe.model is not None and recipe.dataset is None and recipe.env is None:  # said once it loaded
         job.channel_line = "\n".join(filter(None, [EMBEDDED_TASK, job.channel_line]))
 
 
@@ -92,7 +82,8 @@ def check_output_dir(out: Path) -> None:
 
 
 def check_hub_model(recipe: Recipe) -> None:
-    """A Hub id that is neither cached nor answered by the Hub: one line."""
+    """A Hub id that is neither cached nor answered by the Hub: one line (one request, no retries: transformers
+    would retry each file for about two minutes before its own error)."""
     name = recipe.model
     if name is None or name in PACKAGED or Path(name).expanduser().is_dir() or not HUB_ID.match(name):
         return  # the tiny model, a packaged one, a directory, or a missing one (load_model says so)

@@ -17,7 +17,7 @@ A recipe file has optional top-level keys and one ``[trainer]`` table of
     alpha_sdpo = 0.5
     dpo_variant = "dpo"
 
-Unknown keys raise ``ValueError`` naming them (a typo never silently falls back to a default).
+An unknown key is refused in one line naming it (a typo never silently falls back to a default).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import os
 import sys
 import tomllib
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -91,9 +91,6 @@ class Recipe:
         return {**base, **self.trainer}
 
 
-TOP_LEVEL_KEYS = {f.name for f in fields(Recipe)} - {"model_args"}
-
-
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """A ``.toml``/``.yaml``/``.yml`` file as one flat mapping (a ``trainer`` table is merged in).
 
@@ -136,31 +133,6 @@ def _read_mapping(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"recipe {str(p)!r} must be a mapping of keys, got {type(data).__name__}.")
     return data
-
-
-def load_recipe(path: str | Path) -> Recipe:
-    """Read a ``.toml``, ``.yaml`` or ``.yml`` recipe (YAML needs ``composer-trl[yaml]``)."""
-    return recipe_from_dict(_read_mapping(path), source=str(path))
-
-
-def recipe_from_dict(data: dict[str, Any], *, source: str = "recipe") -> Recipe:
-    """Validate keys and types; unknown top-level keys raise ``ValueError``."""
-    unknown = set(data) - TOP_LEVEL_KEYS
-    if unknown:
-        raise ValueError(f"{source}: unknown keys {sorted(unknown)}; allowed: {sorted(TOP_LEVEL_KEYS)}.")
-    trainer = data.get("trainer", {})
-    if not isinstance(trainer, dict):
-        raise ValueError(f"{source}: `trainer` must be a table of ComposerGRPOConfig fields.")
-    recipe = Recipe(**data)
-    if not isinstance(recipe.steps, int) or recipe.steps < 1:
-        raise ValueError(f"{source}: `steps` must be an int >= 1, got {recipe.steps!r}.")
-    if not isinstance(recipe.seed, int):
-        raise ValueError(f"{source}: `seed` must be an int, got {recipe.seed!r}.")
-    if recipe.env is not None and not isinstance(recipe.env, str):
-        raise ValueError(
-            f"{source}: `env` must be a string like 'openenv:http://127.0.0.1:8000', got {recipe.env!r}."
-        )
-    return recipe
 
 
 def trl_reward_functions() -> dict[str, Callable[..., Any]]:

@@ -218,9 +218,8 @@ class ReplayPairs(SDPOTeacher):
         sides = 1 if policy_logps is not None else 2
         chosen, rejected = sums if sums is not None else self._pair_logps(model, inputs, inputs, rows, sides)
         if policy_logps is not None:
-            rejected = (policy_logps[rows] * inputs[f"{K}rejected_mask"][rows, : policy_logps.size(1)]).sum(
-                -1
-            )
+            width = policy_logps.size(1)
+            rejected = (policy_logps[rows] * inputs[f"{K}rejected_mask"][rows, :width]).sum(-1)
         batch.chosen_logps, batch.rejected_logps = chosen, rejected
         batch.chosen_lengths = inputs[f"{K}chosen_mask"][rows].sum(-1)
         batch.rejected_lengths = inputs[f"{K}rejected_mask"][rows].sum(-1)

@@ -114,22 +114,14 @@ def grpo_config(args: SDPOConfig) -> ComposerGRPOConfig:
     """The :class:`ComposerGRPOConfig` an ``SDPOConfig`` means: its shared fields as they stand (TRL's
     ``__post_init__`` already ran on them), GRPOConfig's own at their defaults, the SDPO fields translated by
     :data:`SDPO_TO_COMPOSER`; the SDPO fields themselves stay readable on it (``args.distillation_weight``)."""
-    new = ComposerGRPOConfig.__new__(ComposerGRPOConfig)
-    new.__dict__.update(vars(args))
-    for f in dataclasses.fields(ComposerGRPOConfig):
-        if f.name not in new.__dict__:
-            default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[operator]
-            setattr(new, f.name, default)
-    new.pad_to_multiple_of = None if new.pad_to_multiple_of == "auto" else new.pad_to_multiple_of
     mapped = {name: to(args) for name, to in SDPO_TO_COMPOSER.items()}
-    if (
-        args.distillation_weight == 0
-    ):  # plain policy gradient: no channel 2, its options at composer's defaults
+    # plain policy gradient: no channel 2, its options at composer's defaults
+    if args.distillation_weight == 0:
         keep = ("w_policy", "alpha_sdpo", "vllm_importance_sampling_correction")
         mapped = {k: v if k in keep else getattr(ComposerGRPOConfig, k, v) for k, v in mapped.items()}
-    new.__dict__.update(mapped)
-    new._check_composer()
-    return new
+    pad_to = vars(args).get("pad_to_multiple_of", "auto")  # GRPOConfig's default, resolved as None here
+    pad_to = None if pad_to == "auto" else pad_to
+    return ComposerGRPOConfig.from_grpo_config(args, pad_to_multiple_of=pad_to, **mapped)
 
 
 class ComposerSDPOTrainer(ComposerGRPOTrainer):
@@ -244,20 +236,15 @@ class ComposerSDPOTrainer(ComposerGRPOTrainer):
         ]
         ids = pad(prompts, padding_value=pad_id, padding_side="left")
         mask = pad([torch.ones_like(p) for p in prompts], padding_value=0, padding_side="left")
-        completion_ids, completion_mask = output["completion_ids"], output["completion_mask"]
-        teacher = {
-            "teacher_input_ids": torch.cat([ids, completion_ids], dim=1),
-            "teacher_attention_mask": torch.cat([mask, completion_mask], dim=1),
-            "self_distillation_mask": has.float(),
-        }
+        teacher = _teacher_batch(output, ids, mask)
         self._dispatch_self_distillation_callback(
-            "on_teacher_context_built", completion_mask=completion_mask, **teacher
+            "on_teacher_context_built", completion_mask=output["completion_mask"], **teacher
         )
         self._dispatch_self_distillation_callback(
             "on_self_distillation_batch_prepared",
             old_per_token_logps=output.get("old_per_token_logps"),
             prompt_ids=output["prompt_ids"],
-            completion_ids=completion_ids,
+            completion_ids=output["completion_ids"],
             **teacher,
         )
 
@@ -313,15 +300,18 @@ class ComposerSDPOTrainer(ComposerGRPOTrainer):
         """A composer batch in SDPOTrainer's keys (``teacher_input_ids``, ...); an SDPOTrainer batch as it is."""
         if "teacher_input_ids" in inputs or "composer_hint_ids" not in inputs:
             return inputs
-        has = inputs["composer_has_hint"]
-        return {
-            **inputs,
-            "teacher_input_ids": torch.cat([inputs["composer_hint_ids"], inputs["completion_ids"]], dim=1),
-            "teacher_attention_mask": torch.cat(
-                [inputs["composer_hint_mask"], inputs["completion_mask"]], dim=1
-            ),
-            "self_distillation_mask": has.float(),
-        }
+        return {**inputs, **_teacher_batch(inputs, inputs["composer_hint_ids"], inputs["composer_hint_mask"])}
+
+
+def _teacher_batch(
+    batch: dict[str, Any], prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
+) -> dict[str, Any]:
+    """SDPOTrainer's teacher keys: the teacher's prompt ⊕ the completion, and the self-distillation row mask."""
+    return {
+        "teacher_input_ids": torch.cat([prompt_ids, batch["completion_ids"]], dim=1),
+        "teacher_attention_mask": torch.cat([prompt_mask, batch["completion_mask"]], dim=1),
+        "self_distillation_mask": batch["composer_has_hint"].float(),
+    }
 
 
 def _check_teacher_server(a: SDPOConfig) -> None:

@@ -79,10 +79,8 @@ class SDPOTeacher(ComposerMetrics):
     def _setup_sdpo(self) -> None:
         """``sdpo_teacher``: live (the student), base (a frozen copy; PEFT: adapters off) or ema (a copy updated
         by :class:`_SDPOTeacherCallback`). The copy is saved with every checkpoint and restored on resume."""
-        self.teacher_context, self.teacher_weights = (
-            self.args.teacher_context_options,
-            self.args.teacher_weights_options,
-        )
+        self.teacher_context = self.args.teacher_context_options
+        self.teacher_weights = self.args.teacher_weights_options
         self._sdpo_teacher, self._no_success_warned, self._last_rewards_per_func = None, False, None
         kind = self.teacher_weights.sdpo_teacher
         if self.compose_config.alpha_sdpo == 0:
@@ -167,20 +165,6 @@ class SDPOTeacher(ComposerMetrics):
 
     # ------------------------------------------------------------------ generation: the teacher contexts
 
-    def _teacher_inputs(
-        self, inputs: list[dict[str, Any]], output: dict[str, Any], mode: str
-    ) -> dict[str, Any]:
-        if self.teacher_context.sdpo_teacher_context != "hint":
-            return self._build_group_contexts(inputs, output, mode)
-        return self._build_hints(inputs, output)
-
-    def _completion_texts(self, output: dict[str, Any]) -> list[str]:
-        ids, mask = output["completion_ids"], output["completion_mask"]
-        texts: list[str] = self._tokenizer.batch_decode(
-            [row[m.bool()].tolist() for row, m in zip(ids, mask)], skip_special_tokens=True
-        )
-        return texts
-
     def _build_hints(self, inputs: list[dict[str, Any]], output: dict[str, Any]) -> dict[str, Any]:
         if self.hint_fn is not None:
             hints = self._call_hint_fn(inputs, output, "hints")
@@ -238,12 +222,12 @@ class SDPOTeacher(ComposerMetrics):
         """``hint_fn(prompts=, completions=, completion_ids=, **columns)``: one value per completion."""
         assert self.hint_fn is not None
         columns = {k: [x.get(k) for x in inputs] for k in inputs[0] if k not in ("prompt", "completion")}
-        prompts, texts = [x["prompt"] for x in inputs], self._completion_texts(output)
-        values = list(
-            self.hint_fn(
-                prompts=prompts, completions=texts, completion_ids=output["completion_ids"], **columns
-            )
+        ids, mask = output["completion_ids"], output["completion_mask"]
+        texts = self._tokenizer.batch_decode(
+            [r[m.bool()].tolist() for r, m in zip(ids, mask)], skip_special_tokens=True
         )
+        prompts = [x["prompt"] for x in inputs]
+        values = list(self.hint_fn(prompts=prompts, completions=texts, completion_ids=ids, **columns))
         if len(values) != len(inputs):
             raise ValueError(f"hint_fn returned {len(values)} {what} for {len(inputs)} completions.")
         return values

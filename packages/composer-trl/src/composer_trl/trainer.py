@@ -36,12 +36,11 @@ from trl.trainer.utils import get_config_model_id
 from composer_trl.config import ComposerGRPOConfig
 from composer_trl.guards import (
     check_batch_prompts,
+    check_scored,
     deferred_trl_none_warning,
-    emit,
     guarded_reward_funcs,
     reward_func_label,
     row_indices,
-    unscored_batch_error,
 )
 from composer_trl.loss import Counts, composer_trl_loss
 from composer_trl.metrics import logs_this_step
@@ -117,15 +116,12 @@ class ComposerGRPOTrainer(ReplayPairs):
         def rows() -> list[int | None]:
             return row_indices(self.train_dataset, prompts)
 
-        with deferred_trl_none_warning() as held, guarded_reward_funcs(self, rows, step):
+        labels = [reward_func_label(f, n) for f, n in zip(self.reward_funcs, self.reward_func_names)]
+        with deferred_trl_none_warning(), guarded_reward_funcs(self, rows, step):
             rewards_per_func: Tensor = super()._calculate_rewards(
                 inputs, prompts, completions, completion_ids_list
             )
-        labels = [reward_func_label(f, n) for f, n in zip(self.reward_funcs, self.reward_func_names)]
-        unscored = unscored_batch_error(rewards_per_func, labels, rows, step)
-        if unscored is not None:  # every completion is TRL's "All reward functions returned None" case
-            raise unscored
-        emit(held)  # TRL's warning for the rows no function scored
+            check_scored(rewards_per_func, labels, rows, step)  # TRL's warning is logged if it passes
         self._last_rewards_per_func = rewards_per_func  # gathered over processes: the group's successes
         return rewards_per_func
 
@@ -151,8 +147,10 @@ class ComposerGRPOTrainer(ReplayPairs):
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         output = super()._generate_and_score_completions(inputs)
         mode = "train" if self.model.training else "eval"
-        if self.compose_config.alpha_sdpo > 0:
-            output.update(self._teacher_inputs(inputs, output, mode))
+        if self.compose_config.alpha_sdpo > 0 and self.teacher_context.sdpo_teacher_context == "hint":
+            output.update(self._build_hints(inputs, output))
+        elif self.compose_config.alpha_sdpo > 0:
+            output.update(self._build_group_contexts(inputs, output, mode))
         if self.compose_config.beta_replay > 0:
             output.update(self._build_pairs(inputs, output, mode))
         return output
