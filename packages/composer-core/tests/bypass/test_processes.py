@@ -233,19 +233,24 @@ def test_more_ranks_than_blocks_fails_cleanly_on_every_rank(
     }
 
 
-_INIT_IMPORT_DESTROY = (
-    "import torch.distributed as dist\n"
-    "from composer_core.bypass.cli import _init_distributed\n"
-    "_init_distributed()\n"
-    "import torch._dynamo  # imported after init, as a model build or a transformers import may do\n"
-    "dist.destroy_process_group()\n" + _PRINT_GLOO_THREADS
-)
+_INIT = {
+    "cli": "from composer_core.bypass.cli import _init_distributed\n_init_distributed()\n",
+    # a user's torchrun script: imports the engine, then initialises the group itself
+    "own_script": "import composer_core.bypass\ndist.init_process_group('gloo')\n",
+}
 
 
-def test_destroy_process_group_ends_its_threads_whatever_is_imported_later() -> None:
+@pytest.mark.parametrize("init", sorted(_INIT))
+def test_destroy_process_group_ends_its_threads_whatever_is_imported_later(init: str) -> None:
     """Upstream modules imported after init (torch.distributed.nn binds ``group.WORLD`` as a default
-    argument) must not keep the default group, and its gloo threads, alive past destroy_process_group."""
-    results = _run_ranks(["-c", _INIT_IMPORT_DESTROY], 2)
+    argument; torch._dynamo imports it, as the optimizer step does) must not keep the default group, and its
+    gloo threads, alive past destroy_process_group: they would die in interpreter teardown (SIGABRT,
+    "terminate called without an active exception") on a rank that already finished."""
+    script = (
+        "import torch.distributed as dist\n" + _INIT[init] + "import torch._dynamo  # imported after init\n"
+        "dist.destroy_process_group()\n" + _PRINT_GLOO_THREADS
+    )
+    results = _run_ranks(["-c", script], 2)
     assert [rc for rc, _, _ in results] == [0, 0], results
     assert [out.strip().splitlines()[-1] for _, out, _ in results] == ["[]", "[]"]
 

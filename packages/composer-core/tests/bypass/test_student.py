@@ -139,15 +139,15 @@ def test_reference_save_load_roundtrip(S: Any, tmp_path: Path) -> None:
 
 def test_sharded_skeleton_imports_no_compiler_stack(S: Any, tmp_path: Path) -> None:
     """Building a rank's skeleton runs no initialiser on ``meta`` tensors: ``normal_`` on meta has no
-    C++ kernel and pulls in torch._dynamo (~800 modules, seconds per rank, and with it
-    torch.distributed.nn, which pins the default process group past destroy_process_group)."""
+    C++ kernel and pulls in torch._dynamo (~800 modules, seconds per rank). (torch.distributed.nn, 9 modules,
+    is imported on purpose with the engine: see ``test_destroy_process_group_ends_its_threads_...``.)"""
     S.teacher(num_layers=3).save(tmp_path / "teacher")
     code = (
         "import sys\n"
         "from composer_core.bypass.distributed import Ownership\n"
         "from composer_core.bypass.reference import ReferenceDecoder\n"
         f"m = ReferenceDecoder.load({str(tmp_path / 'teacher')!r}, Ownership.of(3, 1, 2), head=False)\n"
-        "print(sorted(k for k in ('torch._dynamo', 'torch.distributed.nn') if k in sys.modules))\n"
+        "print(sorted(k for k in ('torch._dynamo',) if k in sys.modules))\n"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr

@@ -108,10 +108,6 @@ def load_data(spec: dict[str, Any]) -> Tensor:
 
 def _init_distributed() -> None:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        # Imported first on purpose: torch.distributed.nn binds ``group.WORLD`` as a default argument, so
-        # imported after init (by torch._dynamo, transformers, ...) it would keep the default group alive
-        # past destroy_process_group, and its gloo threads would die in interpreter teardown (SIGABRT).
-        importlib.import_module("torch.distributed.nn")
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             dist.init_process_group("nccl")

@@ -16,6 +16,12 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+
+# Imported before any process group exists, on purpose: torch.distributed.nn binds ``group.WORLD`` as a default
+# argument, so imported after init (torch._dynamo does, from the optimizer step) it would keep the default group
+# alive past destroy_process_group and its gloo threads would die in interpreter teardown (SIGABRT). Every
+# script that imports the engine before ``init_process_group`` (the CLI, a user's torchrun script) is covered.
+import torch.distributed.nn
 from torch import Tensor
 
 T = TypeVar("T")
