@@ -39,16 +39,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _compare import cpu_has_bf16, machine, spawn, write_json
 from compare_smollm2 import ARMS, COMMON, MODEL, _model_dir, _trainer, budget, task_rows
 
-NO_NORMS = "composer, log_channel_grad_norms=False"
+NORMS = "composer + log_channel_grad_norms"
+_OFF = {"log_channel_grad_norms": False}
 _COMPOSER = next(a for a in ARMS if a.name == "composer")
 PROFILED = (
-    *ARMS,
-    replace(_COMPOSER, name=NO_NORMS, overrides={**_COMPOSER.overrides, "log_channel_grad_norms": False}),
+    *(replace(a, overrides={**_OFF, **a.overrides}) if a.kind == "composer" else a for a in ARMS),
+    replace(_COMPOSER, name=NORMS, overrides={**_COMPOSER.overrides, "log_channel_grad_norms": True}),
 )
-"""The comparison's arms, plus composer without the per-channel gradient norms (logged every step here:
-``logging_steps=1``), which splits their cost from the channels'."""
+"""The comparison's arms as a user runs them (composer's options at their defaults: no per-channel gradient norms,
+which the comparison logs as curves), plus composer with the norms (the diagnostic's opt-in cost: one extra backward
+per channel at each logging step, every step here: ``logging_steps=1``)."""
 DEFAULT_ARMS = ("grpo", "sdpo (success)", "sdpo (success + feedback)", "grpo+sft", "grpo+replay", "composer",
-                NO_NORMS)  # fmt: skip
+                NORMS)  # fmt: skip
 SMALL: dict[str, Any] = {"steps": 2, "arms": ("grpo", "composer"), "dtypes": ("float32",),
                          "trainer": {"per_device_train_batch_size": 4, "num_generations": 2,
                                      "max_completion_length": 8}}  # fmt: skip
@@ -367,7 +369,7 @@ def main() -> None:
         nargs="+",
         default=list(DEFAULT_ARMS),
         choices=[a.name for a in PROFILED],
-        help="arms of compare_smollm2.py (+ composer without grad-norm logging)",
+        help="arms of compare_smollm2.py (+ composer with the per-channel gradient norms)",
     )
     p.add_argument("--budget", type=int, help="completion tokens (default: results/addition_budget.json's)")
     p.add_argument("--small", action="store_true", help="tiny model, 2 steps, grpo and composer: CI's check")

@@ -212,7 +212,10 @@ def _trainer(spec: dict[str, Any], arm: Arm, model: Any, tok: Any, train: list[d
         return cls(args=SDPOConfig(**common, **arm.overrides), **kw)
     if arm.kind == "composer":
         extra = {"hint_fn": addition_feedback} if arm.feedback else {}
-        return ComposerGRPOTrainer(args=ComposerGRPOConfig(**common, **arm.overrides), **kw, **extra)
+        # the per-channel gradient norms are curves of every composer cell (off by default: one extra backward per
+        # channel at each logging step, which these cells' seconds per step include)
+        options = {"log_channel_grad_norms": True, **arm.overrides}
+        return ComposerGRPOTrainer(args=ComposerGRPOConfig(**common, **options), **kw, **extra)
     return (GRPOPlusSFTTrainer if arm.kind == "sft" else GRPOTrainer)(args=GRPOConfig(**common), **kw)
 
 

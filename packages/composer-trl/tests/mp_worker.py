@@ -52,6 +52,7 @@ def main(out_dir: str, model_dir: str, mode: str = "hints") -> None:
         seed=0,
         bf16=False,
         dpo_variant="dpo",
+        log_channel_grad_norms=on_policy,  # the on-policy test compares them across ranks
         alpha_sdpo=0.0 if on_policy else 1.0,
         **({"beta_replay": 1.0} if mode != "success-ema" else {}),
         **(

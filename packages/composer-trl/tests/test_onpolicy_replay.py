@@ -21,7 +21,8 @@ def fixed_rewards(completions: list[Any], **kwargs: Any) -> list[float]:
 def _trainer(tmp_path, model_dir, tokenizer, ds, h, reward=fixed_rewards, **overrides: Any) -> Any:
     from composer_trl import ComposerGRPOTrainer
 
-    kw = {"alpha_sdpo": 0.0, "replay_pairs": "on_policy", "bf16": False, **overrides}
+    kw = {"alpha_sdpo": 0.0, "replay_pairs": "on_policy", "bf16": False, "log_channel_grad_norms": True}
+    kw.update(overrides)
     return ComposerGRPOTrainer(
         model=str(model_dir),
         reward_funcs=[reward],
@@ -213,8 +214,9 @@ def test_grad_norm_logging_leaves_training_bit_for_bit_unchanged(tmp_path, model
     from composer_core.tasks.digit_reversal import reverse_hints
 
     runs = []
-    for on in (True, False):
-        args = h.grpo_args(tmp_path, max_steps=2, log_channel_grad_norms=on)
+    for on in (True, None):  # None: the default, off (one extra backward per channel is opt-in)
+        opts = {} if on is None else {"log_channel_grad_norms": on}
+        args = h.grpo_args(tmp_path, max_steps=2, **opts)
         trainer = h.make_trainer(model_dir, tokenizer, dataset, args, hint_fn=reverse_hints)
         trainer.train()
         runs.append((_params(trainer.model), trainer.state.log_history))
@@ -228,7 +230,15 @@ def test_grad_norm_logging_leaves_training_bit_for_bit_unchanged(tmp_path, model
 def test_one_channel_alone_its_norm_is_the_total_gradient_norm_before_clipping(
     tmp_path, model_dir, tokenizer, dataset, h
 ):
-    args = h.grpo_args(tmp_path, alpha_sdpo=0.0, beta_replay=0.0, bf16=False, max_steps=2, logging_steps=2)
+    args = h.grpo_args(
+        tmp_path,
+        alpha_sdpo=0.0,
+        beta_replay=0.0,
+        bf16=False,
+        max_steps=2,
+        logging_steps=2,
+        log_channel_grad_norms=True,
+    )
     trainer = h.make_trainer(model_dir, tokenizer, dataset, args)
     trainer.train()
     rows = [r for r in trainer.state.log_history if "reward" in r]

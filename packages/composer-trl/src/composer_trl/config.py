@@ -131,7 +131,9 @@ class ComposerGRPOConfig(GRPOConfig):
     replay_append_eos: bool = _helped(True, "append EOS to text chosen/rejected (as completions end).")
     max_replay_length: int | None = _helped(None, "truncate chosen/rejected (None: max_completion_length).")
     log_channel_grad_norms: bool = _helped(
-        True, "log composer/grad_norm/{policy,sdpo,replay} at logging steps (one extra backward per channel)."
+        False,
+        "log composer/grad_norm/{policy,sdpo,replay} at logging steps (a diagnostic: one extra backward per "
+        "channel on those steps).",
     )
     # + one field per option of _CORE_SECTIONS (w_policy, alpha_sdpo, sdpo_beta, dpo_beta, sdpo_teacher, ...)
 
