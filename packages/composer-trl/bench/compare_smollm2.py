@@ -596,8 +596,45 @@ def run(args: argparse.Namespace) -> int:
         _write(out, meta)
     rep = _write(out, meta)
     print(f"\n[compare_smollm2] {rep['status']}\n" + table(rep) + "\n" + _pilot_line(rep))
+    if not args.no_plot:
+        print(f"plot: {plot(rep, out / 'comparison-smollm2.png').resolve()}")
     print(f"json: {(out / 'comparison-smollm2.json').resolve()}")
     return 0
+
+
+def plot(rep: dict[str, Any], path: Path) -> Path:
+    """``comparison-smollm2.json`` as a PNG: each arm's final held-out exact match per seed (dots) with its mean and
+    95% CI (bar) beside step 0 (dashed); each pre-registered comparison's paired differences per seed with their
+    mean and t CI against 0."""
+    from composer_trl.plot import _save, require_matplotlib
+
+    plt = require_matplotlib()
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 8))
+    names = list(rep["arms"])
+    for i, name in enumerate(names):
+        arm = rep["arms"][name]
+        scores = [c["held_out"]["exact_match"] for c in arm["cells"]]
+        top.scatter([i] * len(scores), scores, s=14, color=f"C{i}", alpha=0.6)
+        m, (lo, hi) = arm["final_exact_match"]["mean"], arm["final_exact_match"]["ci95"]
+        top.errorbar([i + 0.15], [m], yerr=[[m - lo], [hi - m]], fmt="o", color=f"C{i}", capsize=4)
+    top.axhline(rep["step0"]["held_out"]["exact_match"], color="grey", linestyle="--", label="step 0")
+    labels = [f"{n} (n={rep['arms'][n]['n']})" for n in names]
+    top.set_xticks(range(len(names)), labels, fontsize=7, rotation=20, ha="right")
+    top.set_ylabel("final held-out exact match")
+    top.set_title("per arm: seeds (dots), mean and 95% CI (bar)", fontsize=9)
+    top.legend(fontsize=7)
+    for j, c in enumerate(rep["comparisons"]):
+        bottom.scatter(c["differences"], [j] * len(c["differences"]), s=14, color="C0", alpha=0.6)
+        lo, hi = c["t_ci"]
+        bottom.errorbar([c["mean"]], [j + 0.15], xerr=[[c["mean"] - lo], [hi - c["mean"]]], fmt="o", color="k",
+                        capsize=4)  # fmt: skip
+    bottom.axvline(0.0, color="grey", linestyle="--")
+    bottom.set_yticks(range(len(rep["comparisons"])), [c["name"] for c in rep["comparisons"]], fontsize=7)
+    bottom.set_xlabel("paired difference in final held-out exact match (A − B)")
+    bottom.set_title("pre-registered comparisons: per-seed differences, mean and 95% t CI", fontsize=9)
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+    return Path(_save(plt, fig, path))
 
 
 def _write(out: Path, meta: dict[str, Any]) -> dict[str, Any]:
@@ -631,6 +668,7 @@ def parser() -> argparse.ArgumentParser:
                    help="completion tokens (default: chosen_budget of results/addition_budget.json, the design's)")  # fmt: skip
     p.add_argument("--shard", type=_shard, default=(0, 1), metavar="I/N",
                    help="run only cells k with (k + seed) %% N == I (N processes fill one --output_dir side by side)")  # fmt: skip
+    p.add_argument("--no_plot", action="store_true", help="skip comparison-smollm2.png")
     p.add_argument(
         "--dry_run", action="store_true", help="run no cell: rebuild the JSON from the cells present"
     )

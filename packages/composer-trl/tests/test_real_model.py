@@ -83,6 +83,7 @@ def test_quick_real_model_comparison_runs_every_arm_and_keeps_finished_cells(cac
     argv = ["--quick", "--seeds", "1", "--threads", "1", "--output_dir", str(out)]
     assert cmp.main(argv) == 0
     report = json.loads((out / "comparison-smollm2.json").read_text())
+    assert (out / "comparison-smollm2.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the plot of that JSON
     assert list(report["arms"]) == [a.name for a in cmp.ARMS]
     step0 = report["step0"]
     assert len(step0["held_out"]["per_prompt"]) == 4 and len(step0["validation"]["per_prompt"]) == 4
