@@ -358,6 +358,21 @@ def _rows(results: dict[str, Any]) -> list[list[Any]]:
     return rows
 
 
+def _note(results: dict[str, Any]) -> str:
+    """Which tokens make each floor: the extra sequences of every arm's last step (the first dtype's run)."""
+    parts = []
+    for name, e in next(iter(results.values())).items():
+        extras = (e["floor_process"] or {}).get("extras") or {}
+        if name == NORMS:  # the same sequences as composer's
+            continue
+        parts += [
+            f"{name}: {k} {v['rows']} × {v['width']} ({v['real_tokens']} real tokens, {v['distinct_rows']} distinct "
+            f"rows, {v['median']:.2f} s)"
+            for k, v in extras.items()
+        ]
+    return "Extra sequences of each arm's step (floor = GRPO step + these alone): " + "; ".join(parts) + "."
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=4, help="training steps per arm (the first is the warm-up)")
@@ -411,6 +426,7 @@ def main() -> None:
             "columns": ["dtype", "arm", "s/step", "floor s", "step/floor", "peak RSS MiB", "floor RSS MiB",
                         "largest phases (s)"],
             "rows": rows,
+            "note": _note(results),
         },
     }  # fmt: skip
     print(f"\n{'dtype':<8}{'arm':<28}{'s/step':>8}{'floor':>8}{'ratio':>7}{'RSS':>7}{'floorRSS':>9}")

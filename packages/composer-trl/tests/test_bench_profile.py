@@ -47,6 +47,11 @@ def test_profile_bench_runs_at_small_size(tmp_path: Path) -> None:
     assert composer["floor_seconds"] == pytest.approx(
         arms["grpo"]["arm"]["median_step_seconds"] + sum(x["median"] for x in extras.values())
     )
+    t = extras["chosen side of pairs (fwd+bwd)"]
+    assert (
+        f"chosen side of pairs (fwd+bwd) {t['rows']} × {t['width']} ({t['real_tokens']} real tokens"
+        in (data["readme"]["note"])
+    )
     rows = data["readme"]["rows"]
     assert [r[1] for r in rows] == ["grpo", "composer"]
     assert rows[1][2:5] == [round(composer["arm"]["median_step_seconds"], 3), round(composer["floor_seconds"], 3),
