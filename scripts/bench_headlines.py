@@ -112,6 +112,18 @@ def _dtype(d: Json) -> str:
     )
 
 
+def _profile(d: Json) -> str:
+    arms = ("grpo+sft", "grpo+replay", "sdpo (success)", "sdpo (success + feedback)", "composer")
+    parts = []
+    for dtype in ("float32", "bf16"):
+        if not any(r[0] == dtype for r in d["readme"]["rows"]):
+            continue
+        ratios = ", ".join(f"{a} {_num(cell(d, 'step/floor', dtype=dtype, arm=a)):.2f}×" for a in arms)
+        norms = _num(cell(d, "step/floor", dtype=dtype, arm="composer + log_channel_grad_norms"))
+        parts.append(f"{dtype}: {ratios} (composer with the opt-in per-channel grad norms {norms:.2f}×)")
+    return "step / floor (GRPO step + the arm's extra sequences alone): " + "; ".join(parts)
+
+
 def _prime_rl(d: Json) -> str:
     row = {"samples × tokens": "32 × 256", "method": "dppo", "layout": "packed"}
     rl = {**row, "layout": "packed_rl_weights"}
@@ -198,6 +210,7 @@ HEADLINES: tuple[Headline, ...] = (
     Headline("trl", "bench_trl", "`ComposerGRPOTrainer` step vs plain `GRPOTrainer`", _trl),
     Headline("trl", "bench_trl_cuda", "the same on a GPU", _on_gpu(_trl)),
     Headline("trl", "bench_dtype", "real-model training step, bf16 vs float32 on CPU", _dtype),
+    Headline("trl", "bench_profile", "SmolLM2-135M training step per arm vs its floor", _profile),
     Headline("prime-rl", "bench_composer_loss", "`composer_loss` per PRIME-RL step", _prime_rl),
     Headline("prime-rl", "bench_composer_loss_cuda", "the same on a GPU", _on_gpu(_prime_rl)),
     Headline(
