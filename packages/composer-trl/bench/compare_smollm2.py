@@ -615,8 +615,10 @@ def plot(rep: dict[str, Any], path: Path) -> Path:
         arm = rep["arms"][name]
         scores = [c["held_out"]["exact_match"] for c in arm["cells"]]
         top.scatter([i] * len(scores), scores, s=14, color=f"C{i}", alpha=0.6)
-        m, (lo, hi) = arm["final_exact_match"]["mean"], arm["final_exact_match"]["ci95"]
-        top.errorbar([i + 0.15], [m], yerr=[[m - lo], [hi - m]], fmt="o", color=f"C{i}", capsize=4)
+        m, ci = arm["final_exact_match"]["mean"], arm["final_exact_match"]["ci95"]
+        if m is not None:  # one seed: a mean without an interval
+            lo, hi = ci or (m, m)
+            top.errorbar([i + 0.15], [m], yerr=[[m - lo], [hi - m]], fmt="o", color=f"C{i}", capsize=4)
     top.axhline(rep["step0"]["held_out"]["exact_match"], color="grey", linestyle="--", label="step 0")
     labels = [f"{n} (n={rep['arms'][n]['n']})" for n in names]
     top.set_xticks(range(len(names)), labels, fontsize=7, rotation=20, ha="right")
@@ -625,9 +627,10 @@ def plot(rep: dict[str, Any], path: Path) -> Path:
     top.legend(fontsize=7)
     for j, c in enumerate(rep["comparisons"]):
         bottom.scatter(c["differences"], [j] * len(c["differences"]), s=14, color="C0", alpha=0.6)
-        lo, hi = c["t_ci"]
-        bottom.errorbar([c["mean"]], [j + 0.15], xerr=[[c["mean"] - lo], [hi - c["mean"]]], fmt="o", color="k",
-                        capsize=4)  # fmt: skip
+        if c["mean"] is not None:
+            lo, hi = c["t_ci"] or (c["mean"], c["mean"])
+            bottom.errorbar([c["mean"]], [j + 0.15], xerr=[[c["mean"] - lo], [hi - c["mean"]]], fmt="o",
+                            color="k", capsize=4)  # fmt: skip
     bottom.axvline(0.0, color="grey", linestyle="--")
     bottom.set_yticks(range(len(rep["comparisons"])), [c["name"] for c in rep["comparisons"]], fontsize=7)
     bottom.set_xlabel("paired difference in final held-out exact match (A − B)")
