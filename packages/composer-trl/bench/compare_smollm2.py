@@ -615,10 +615,9 @@ def plot(rep: dict[str, Any], path: Path) -> Path:
         arm = rep["arms"][name]
         scores = [c["held_out"]["exact_match"] for c in arm["cells"]]
         top.scatter([i] * len(scores), scores, s=14, color=f"C{i}", alpha=0.6)
-        m, ci = arm["final_exact_match"]["mean"], arm["final_exact_match"]["ci95"]
-        if m is not None:  # one seed: a mean without an interval
-            lo, hi = ci or (m, m)
-            top.errorbar([i + 0.15], [m], yerr=[[m - lo], [hi - m]], fmt="o", color=f"C{i}", capsize=4)
+        _mean_bar(
+            top, i + 0.15, arm["final_exact_match"]["mean"], arm["final_exact_match"]["ci95"], f"C{i}", "y"
+        )
     top.axhline(rep["step0"]["held_out"]["exact_match"], color="grey", linestyle="--", label="step 0")
     labels = [f"{n} (n={rep['arms'][n]['n']})" for n in names]
     top.set_xticks(range(len(names)), labels, fontsize=7, rotation=20, ha="right")
@@ -627,10 +626,7 @@ def plot(rep: dict[str, Any], path: Path) -> Path:
     top.legend(fontsize=7)
     for j, c in enumerate(rep["comparisons"]):
         bottom.scatter(c["differences"], [j] * len(c["differences"]), s=14, color="C0", alpha=0.6)
-        if c["mean"] is not None:
-            lo, hi = c["t_ci"] or (c["mean"], c["mean"])
-            bottom.errorbar([c["mean"]], [j + 0.15], xerr=[[c["mean"] - lo], [hi - c["mean"]]], fmt="o",
-                            color="k", capsize=4)  # fmt: skip
+        _mean_bar(bottom, j + 0.15, c["mean"], c["t_ci"], "k", "x")
     bottom.axvline(0.0, color="grey", linestyle="--")
     bottom.set_yticks(range(len(rep["comparisons"])), [c["name"] for c in rep["comparisons"]], fontsize=7)
     bottom.set_xlabel("paired difference in final held-out exact match (A − B)")
@@ -638,6 +634,16 @@ def plot(rep: dict[str, Any], path: Path) -> Path:
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
     return Path(_save(plt, fig, path))
+
+
+def _mean_bar(ax: Any, at: float, mean: float | None, ci: list[float] | None, color: str, axis: str) -> None:
+    """A mean with its CI as an error bar along ``axis`` ("y" or "x") at position ``at`` (one seed: no interval)."""
+    if mean is None:
+        return
+    lo, hi = ci or (mean, mean)
+    err = {f"{axis}err": [[mean - lo], [hi - mean]]}
+    xy = ([at], [mean]) if axis == "y" else ([mean], [at])
+    ax.errorbar(*xy, fmt="o", color=color, capsize=4, **err)
 
 
 def _write(out: Path, meta: dict[str, Any]) -> dict[str, Any]:
