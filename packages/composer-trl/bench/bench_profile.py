@@ -7,13 +7,19 @@ wrapped by a timing context (here only, nothing in ``src``); every phase records
 tokens it processed (rows x padded width, and real tokens). Phases: generation, scoring and batch building,
 teacher context building, pair building, old/ref log-prob forwards, the policy forward (with the chosen rows of
 on-policy pairs riding in it), SFT forward, teacher forward, loss math, backward, per-channel grad-norm logging,
-grad clipping, optimizer, EMA update, logging; ``other`` is the step minus them all. Median over the steps after
-the warm-up step.
+grad clipping, optimizer, EMA update, logging; ``generation`` is split into the decode loop (``generation
+(decode)``) and the rest (tokenising, text, metrics); ``other`` is the step minus them all. Median over the steps
+after the warm-up step.
 
-Floor of an arm = the plain GRPO step + a bare forward/backward (no-grad forward for a teacher) of exactly the
-extra sequences that arm's step built (its SFT sequences, the chosen side of its on-policy pairs, the teacher's
-hinted contexts), taken from the arm's last step and timed alone, in a process of its own that also trains plain
-GRPO (its peak RSS is the floor's). ``ratio = arm step / floor``; the target is <= 1.1.
+Floor of an arm = the plain GRPO step **on the arm's own completions** + a bare forward/backward (no-grad forward,
+with the LM head over the completion positions, for a teacher) of exactly the extra sequences that arm's step built
+(its SFT sequences, the chosen side of its on-policy pairs, the teacher's hinted contexts), taken from the arm's last
+step and timed alone. The floor runs in a process of its own (its peak RSS is the floor's) that trains plain GRPO
+with the decode loop replaced by the arm's recorded completions, step for step, so both score, forward and update
+the same tokens (each arm's policy writes different completions after step 1, and their lengths move a step by
+seconds); the arm's own decode time of that step is added back. Per step: ``floor_i = GRPO step_i (replayed) +
+arm decode_i``; ``floor = median(floor_i) + extras``; ``ratio = median arm step / floor``; the target is <= 1.1.
+The grpo arm gets a floor too (GRPO replaying its own completions): its ratio is the bench's own noise.
 
 Writes ``bench_profile.json`` to ``$COMPOSER_BENCH_OUT`` (default ./bench-results); ``--small`` is CI's check that
 it works (a tiny random model with SmolLM2's tokenizer, 2 steps, grpo and composer, float32).
@@ -33,7 +39,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _compare import cpu_has_bf16, machine, spawn, write_json
@@ -55,6 +61,7 @@ SMALL: dict[str, Any] = {"steps": 2, "arms": ("grpo", "composer"), "dtypes": ("f
                          "trainer": {"per_device_train_batch_size": 4, "num_generations": 2,
                                      "max_completion_length": 8}}  # fmt: skip
 TARGET = 1.1
+T = TypeVar("T")
 EXTRA_REPEATS = 5
 CALLERS = {
     "_compute_loss": "policy forward",
@@ -133,6 +140,7 @@ def instrument(trainer: Any, prof: Profile, kind: str, captured: dict[str, Any])
     p = prof
     p.wrap(trainer, "_generate_and_score_completions", "scoring + batch building")
     p.wrap(trainer, "_generate", "generation")
+    p.wrap(trainer, "_generate_single_turn", "generation (decode)")
     p.wrap(trainer, "_get_per_token_logps_and_entropies", None, _ids_tokens)
     p.wrap(trainer.accelerator, "backward", "backward")
     p.wrap(trainer.accelerator, "clip_grad_norm_", "grad clip")
@@ -218,7 +226,8 @@ def _extras(kind: str, arm: Any, inp: dict[str, Any]) -> dict[str, dict[str, Any
         rows = inp["composer_has_hint"].nonzero().squeeze(-1)
         ids = torch.cat([inp["composer_hint_ids"][rows], inp["completion_ids"][rows]], 1)
         mask = torch.cat([inp["composer_hint_mask"][rows], inp["completion_mask"][rows]], 1)
-        out["teacher hinted contexts (no-grad fwd)"] = {"ids": ids, "mask": mask, "keep": 0, "grad": False}
+        keep = inp["completion_ids"].size(1)  # the teacher's logits at the completion positions
+        out["teacher hinted contexts (no-grad fwd)"] = {"ids": ids, "mask": mask, "keep": keep, "grad": False}
     if "composer_has_pair" in inp and bool(inp["composer_has_pair"].any()):
         rows = inp["composer_has_pair"].nonzero().squeeze(-1)
         on_policy = arm.overrides.get("replay_pairs") == "on_policy"
@@ -233,19 +242,37 @@ def _extras(kind: str, arm: Any, inp: dict[str, Any]) -> dict[str, dict[str, Any
 
 
 def _bare(model: Any, x: dict[str, Any]) -> None:
-    """A bare forward (+ backward of the summed log-probs of the scored positions) on ``x``'s sequences."""
+    """A bare forward of ``x``'s sequences with the LM head over the ``keep`` scored positions (+ backward of their
+    summed log-probs where ``grad``; a teacher's forward stops at its logits)."""
     import torch
     from trl.trainer.utils import selective_log_softmax
 
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     with torch.set_grad_enabled(x["grad"]):
         hidden = base(input_ids=x["ids"], attention_mask=x["mask"], use_cache=False).last_hidden_state
-        if not x["grad"]:
-            return
         k = int(x["keep"])
         logits = model.get_output_embeddings()(hidden[:, -k - 1 : -1]).float()
+        if not x["grad"]:
+            return
         selective_log_softmax(logits, x["ids"][:, -k:]).sum().backward()
     model.zero_grad(set_to_none=True)
+
+
+def _record_or_replay(trainer: Any, spec: dict[str, Any]) -> list[Any]:
+    """An arm records what each decode call returned; its floor returns those, in order, instead of decoding (the
+    floor's GRPO steps score, forward and update the arm's tokens). The list of what the calls returned."""
+    import torch
+
+    out: list[Any] = []
+    recorded = iter(torch.load(spec["generations"]) if spec["role"] == "floor" else ())
+    decode = trainer._generate_single_turn
+
+    def record(*a: Any, **k: Any) -> Any:
+        out.append(next(recorded) if spec["role"] == "floor" else decode(*a, **k))
+        return out[-1]
+
+    trainer._generate_single_turn = record
+    return out
 
 
 def run_child(spec_path: str) -> int:
@@ -259,6 +286,7 @@ def run_child(spec_path: str) -> int:
     need = int(spec["trainer"]["per_device_train_batch_size"]) // int(spec["trainer"]["num_generations"])
     train, _, _ = task_rows(0, need * (spec["steps"] + 1))
     trainer = _trainer(spec, run_arm, model, tok, train)
+    generations = _record_or_replay(trainer, spec)
     prof, captured = Profile(), {}
     instrument(trainer, prof, run_arm.kind, captured)
     start = time.perf_counter()
@@ -267,8 +295,10 @@ def run_child(spec_path: str) -> int:
     result: dict[str, Any] = {"train_seconds": prof.starts[-1] - start}
     result["step_seconds"] = [b - a for a, b in zip(prof.starts, prof.starts[1:])]
     result["phases"] = prof.steps
+    result["decode_calls"] = len(generations)
     if spec["role"] == "arm":
         torch.save(_extras(arm.kind, arm, captured), spec["extras"])
+        torch.save(generations, spec["generations"])
     else:
         extras = torch.load(spec["extras"])
         autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(spec["bf16"]))
@@ -295,7 +325,7 @@ def run_child(spec_path: str) -> int:
 
 
 def _phase_medians(phases: list[dict[str, list[float]]]) -> dict[str, dict[str, float]]:
-    measured = phases[1:] or phases  # after the warm-up step
+    measured = _measured(phases)
     names = sorted({n for s in measured for n in s})
     return {
         n: {
@@ -327,23 +357,31 @@ def profile_dtype(base: dict[str, Any], arms: list[str], tmp: Path) -> dict[str,
     """Every arm and its floor at one dtype."""
     out: dict[str, Any] = {}
     for name in arms:
-        extras = str(tmp / f"extras-{name}-{base['dtype']}.pt".replace(" ", "_"))
-        r = _spawn({**base, "role": "arm", "arm": name, "extras": extras}, tmp)
-        r["median_step_seconds"] = statistics.median(r["step_seconds"][1:] or r["step_seconds"])
+        files = {
+            k: str(tmp / f"{k}-{name}-{base['dtype']}.pt".replace(" ", "_"))
+            for k in ("extras", "generations")
+        }
+        r = _spawn({**base, "role": "arm", "arm": name, **files}, tmp)
+        r["median_step_seconds"] = statistics.median(_measured(r["step_seconds"]))
+        decode = [s.get("generation (decode)", [0.0])[0] for s in r["phases"]]
         r["phase_medians"] = ph = _phase_medians(r.pop("phases"))
         rest = r["median_step_seconds"] - sum(v["seconds"] for v in ph.values())
         ph["other (trainer loop)"] = {"seconds": rest, "calls": 0, "padded_tokens": 0, "real_tokens": 0}
-        f = _spawn({**base, "role": "floor", "arm": name, "extras": extras}, tmp) if name != "grpo" else None
-        out[name] = {"arm": r, "floor_process": f}
-        print(f"[bench_profile] {base['dtype']} {name}: {r['median_step_seconds']:.3f} s/step", flush=True)
-    grpo = out["grpo"]["arm"]["median_step_seconds"]
-    for entry in out.values():
-        f = entry["floor_process"]
-        extra = sum(x["median"] for x in f["extras"].values()) if f else 0.0
-        entry["floor_seconds"] = grpo + extra
-        entry["ratio"] = entry["arm"]["median_step_seconds"] / entry["floor_seconds"]
-        entry["floor_rss_mib"] = f["peak_rss_mib"] if f else entry["arm"]["peak_rss_mib"]
+        f = _spawn({**base, "role": "floor", "arm": name, **files}, tmp)
+        f["floor_step_seconds"] = [g + d for g, d in zip(f.pop("step_seconds"), decode, strict=True)]
+        extra = sum(x["median"] for x in f["extras"].values())
+        floor = statistics.median(_measured(f["floor_step_seconds"])) + extra
+        ratio = r["median_step_seconds"] / floor
+        out[name] = {"arm": r, "floor_process": f, "floor_seconds": floor, "ratio": ratio,
+                     "floor_rss_mib": f["peak_rss_mib"]}  # fmt: skip
+        print(f"[bench_profile] {base['dtype']} {name}: {r['median_step_seconds']:.3f} s/step, floor {floor:.3f} s, "
+              f"ratio {ratio:.3f}", flush=True)  # fmt: skip
     return out
+
+
+def _measured(steps: list[T]) -> list[T]:
+    """The steps after the warm-up step (all of them when there is only one)."""
+    return steps[1:] or steps
 
 
 def _rows(results: dict[str, Any]) -> list[list[Any]]:
@@ -370,7 +408,11 @@ def _note(results: dict[str, Any]) -> str:
             f"rows, {v['median']:.2f} s)"
             for k, v in extras.items()
         ]
-    return "Extra sequences of each arm's step (floor = GRPO step + these alone): " + "; ".join(parts) + "."
+    return (
+        "Extra sequences of each arm's step (floor = GRPO step on the arm's completions + these alone): "
+        + "; ".join(parts)
+        + "."
+    )
 
 
 def main() -> None:
@@ -421,8 +463,8 @@ def main() -> None:
         "readme": {
             "title": f"One training step by phase, {MODEL} on addition, {trainer['per_device_train_batch_size']} "
                      f"completions x {trainer['max_completion_length']} tokens, CPU {args.threads} threads "
-                     f"(median of {args.steps - 1} steps after a warm-up; floor = GRPO step + the arm's extra "
-                     "sequences alone)",
+                     f"(median of {args.steps - 1} steps after a warm-up; floor = GRPO step on the arm's own "
+                     "completions + the arm's extra sequences alone)",
             "columns": ["dtype", "arm", "s/step", "floor s", "step/floor", "peak RSS MiB", "floor RSS MiB",
                         "largest phases (s)"],
             "rows": rows,

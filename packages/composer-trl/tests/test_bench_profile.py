@@ -1,10 +1,11 @@
 """bench_profile.py runs at ``--small`` (CI's check; times are not asserted): every arm's step is split into
-phases that cover it, the floor process timed the extra sequences the arm's step built, and the README rows are
-the JSON's numbers."""
+phases that cover it, the floor process replayed the arm's completions and timed the extra sequences the arm's step
+built, and the README rows are the JSON's numbers."""
 
 from __future__ import annotations
 
 import importlib.util
+import statistics
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,24 @@ def test_profile_bench_runs_at_small_size(tmp_path: Path) -> None:
         # the exclusive phases plus "other" are the step
         assert sum(v["seconds"] for v in phases.values()) == pytest.approx(e["arm"]["median_step_seconds"])
         assert e["ratio"] == pytest.approx(e["arm"]["median_step_seconds"] / e["floor_seconds"])
-    assert arms["grpo"]["floor_seconds"] == arms["grpo"]["arm"]["median_step_seconds"]
+    # the floor trains GRPO on the arm's own completions (replayed, not decoded): grpo's floor forwards the
+    # very tokens its arm did, step for step, with no extra sequences
+    grpo = arms["grpo"]
+    for e in arms.values():  # every decode call of the floor returned the arm's recorded completions
+        assert e["floor_process"]["decode_calls"] == e["arm"]["decode_calls"] == data["steps"]
+        assert (
+            e["floor_process"]["phases"][-1]["generation (decode)"][0]
+            < e["arm"]["phase_medians"]["generation (decode)"]["seconds"]
+        )
+    floor_phases = grpo["floor_process"]["phases"][1:]
+    assert [s["policy forward"][2] for s in floor_phases] and grpo["floor_process"]["extras"] == {}
+    assert (
+        statistics.median(s["policy forward"][2] for s in floor_phases)
+        == (grpo["arm"]["phase_medians"]["policy forward"]["padded_tokens"])
+    )
+    assert grpo["floor_seconds"] == pytest.approx(
+        statistics.median(grpo["floor_process"]["floor_step_seconds"][1:])
+    )
     composer = arms["composer"]
     extras = composer["floor_process"]["extras"]
     # a random model fails every sum: feedback contexts for the teacher, an on-policy pair per failure
@@ -45,7 +63,8 @@ def test_profile_bench_runs_at_small_size(tmp_path: Path) -> None:
     )
     assert "grad-norm logging" not in composer["arm"]["phase_medians"]  # opt-in: log_channel_grad_norms=False
     assert composer["floor_seconds"] == pytest.approx(
-        arms["grpo"]["arm"]["median_step_seconds"] + sum(x["median"] for x in extras.values())
+        statistics.median(composer["floor_process"]["floor_step_seconds"][1:])
+        + sum(x["median"] for x in extras.values())
     )
     t = extras["chosen side of pairs (fwd+bwd)"]
     assert (
