@@ -212,7 +212,9 @@ def _load(spec: dict[str, Any]) -> tuple[Any, Any]:
 
 
 def _extras(kind: str, arm: Any, inp: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The extra sequences of an arm's step: ``{name: {ids, mask, keep, grad}}`` (keep: scored positions)."""
+    """The extra work of an arm's step: ``{name: {ids, mask, keep, grad}}`` (keep: scored positions) per extra
+    sequence set, and for SDPO ``{tokens}``: the distilled completion tokens whose full-vocabulary student logits the
+    loss needs (TRL's fused LM head forms only the sampled token's log-prob)."""
     import torch
 
     out: dict[str, dict[str, Any]] = {}
@@ -228,6 +230,8 @@ def _extras(kind: str, arm: Any, inp: dict[str, Any]) -> dict[str, dict[str, Any
         mask = torch.cat([inp["composer_hint_mask"][rows], inp["completion_mask"][rows]], 1)
         keep = inp["completion_ids"].size(1)  # the teacher's logits at the completion positions
         out["teacher hinted contexts (no-grad fwd)"] = {"ids": ids, "mask": mask, "keep": keep, "grad": False}
+        tokens = int(inp["completion_mask"][rows].sum())
+        out["student LM head over the distilled tokens (fwd+bwd)"] = {"tokens": tokens, "ids": ids[:, -keep:]}
     if "composer_has_pair" in inp and bool(inp["composer_has_pair"].any()):
         rows = inp["composer_has_pair"].nonzero().squeeze(-1)
         on_policy = arm.overrides.get("replay_pairs") == "on_policy"
@@ -241,20 +245,31 @@ def _extras(kind: str, arm: Any, inp: dict[str, Any]) -> dict[str, dict[str, Any
     return out
 
 
-def _bare(model: Any, x: dict[str, Any]) -> None:
-    """A bare forward of ``x``'s sequences with the LM head over the ``keep`` scored positions (+ backward of their
-    summed log-probs where ``grad``; a teacher's forward stops at its logits)."""
+def _bare(trainer: Any, x: dict[str, Any]) -> None:
+    """The extra work ``x`` alone, as the plain GRPO step would do it: sequences with gradient through the trainer's
+    own policy forward (TRL's fused LM head over the scored positions, entropies as the policy forward computes
+    them) and a backward of their summed log-probs; a teacher's sequences without gradient, the backbone and the LM
+    head over the real completion positions; the full-vocabulary student logits of ``tokens`` positions, forward
+    and backward through the LM head."""
     import torch
-    from trl.trainer.utils import selective_log_softmax
 
-    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    with torch.set_grad_enabled(x["grad"]):
-        hidden = base(input_ids=x["ids"], attention_mask=x["mask"], use_cache=False).last_hidden_state
+    model = trainer.model
+    head = model.get_output_embeddings()
+    if "tokens" in x:
+        hidden = torch.randn(int(x["tokens"]), head.in_features, requires_grad=True)
+        torch.logsumexp(head(hidden).float(), -1).sum().backward()
+    elif x["grad"]:
         k = int(x["keep"])
-        logits = model.get_output_embeddings()(hidden[:, -k - 1 : -1]).float()
-        if not x["grad"]:
-            return
-        selective_log_softmax(logits, x["ids"][:, -k:]).sum().backward()
+        logps = trainer._get_per_token_logps_and_entropies(
+            model, x["ids"], x["mask"], k, compute_entropy=True
+        )[0]
+        (logps * x["mask"][:, -k:]).sum().backward()
+    else:
+        base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        k = int(x["keep"])
+        with torch.no_grad():
+            hidden = base(input_ids=x["ids"], attention_mask=x["mask"], use_cache=False).last_hidden_state
+            head(hidden[:, -k - 1 : -1][x["mask"][:, -k:].bool()])
     model.zero_grad(set_to_none=True)
 
 
@@ -294,7 +309,9 @@ def run_child(spec_path: str) -> int:
     prof.starts.append(time.perf_counter())
     result: dict[str, Any] = {"train_seconds": prof.starts[-1] - start}
     result["step_seconds"] = [b - a for a, b in zip(prof.starts, prof.starts[1:])]
-    result["phases"] = prof.steps
+    result["phases"] = json.loads(
+        json.dumps(prof.steps)
+    )  # as trained (the floor's extras below are not steps)
     result["decode_calls"] = len(generations)
     if spec["role"] == "arm":
         torch.save(_extras(arm.kind, arm, captured), spec["extras"])
@@ -308,14 +325,15 @@ def run_child(spec_path: str) -> int:
             for _ in range(EXTRA_REPEATS + 1):
                 t = time.perf_counter()
                 with autocast:
-                    _bare(trainer.model, x)
+                    _bare(trainer, x)
                 secs.append(time.perf_counter() - t)
             rows, width = x["ids"].shape
             distinct = len(
                 {tuple(r.tolist()) for r in x["ids"]}
             )  # a group's rows repeat (same prompt+answer)
             times[name] = {"median": statistics.median(secs[1:]), "runs": secs, "rows": rows, "width": width,
-                           "real_tokens": int(x["mask"].sum()), "distinct_rows": distinct}  # fmt: skip
+                           "real_tokens": int(x["tokens"] if "tokens" in x else x["mask"].sum()),
+                           "distinct_rows": distinct}  # fmt: skip
         result["extras"] = times
     Path(spec["result"]).write_text(json.dumps(result))
     return 0

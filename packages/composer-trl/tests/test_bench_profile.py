@@ -53,7 +53,10 @@ def test_profile_bench_runs_at_small_size(tmp_path: Path) -> None:
     composer = arms["composer"]
     extras = composer["floor_process"]["extras"]
     # a random model fails every sum: feedback contexts for the teacher, an on-policy pair per failure
-    assert set(extras) == {"teacher hinted contexts (no-grad fwd)", "chosen side of pairs (fwd+bwd)"}
+    head = "student LM head over the distilled tokens (fwd+bwd)"
+    assert set(extras) == {"teacher hinted contexts (no-grad fwd)", "chosen side of pairs (fwd+bwd)", head}
+    # the distilled tokens: the real completion tokens of the teacher's rows
+    assert extras[head]["real_tokens"] <= extras["teacher hinted contexts (no-grad fwd)"]["real_tokens"]
     assert all(1 <= x["distinct_rows"] <= x["rows"] for x in extras.values())
     teacher = composer["arm"]["phase_medians"]["teacher forward"]
     t = extras["teacher hinted contexts (no-grad fwd)"]
