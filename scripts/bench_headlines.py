@@ -113,7 +113,7 @@ def _dtype(d: Json) -> str:
 
 
 def _profile(d: Json) -> str:
-    arms = ("grpo+sft", "grpo+replay", "sdpo (success)", "sdpo (success + feedback)", "composer")
+    arms = ("grpo", "grpo+sft", "grpo+replay", "sdpo (success)", "sdpo (success + feedback)", "composer")
     parts = []
     for dtype in ("float32", "bf16"):
         if not any(r[0] == dtype for r in d["readme"]["rows"]):
@@ -121,7 +121,10 @@ def _profile(d: Json) -> str:
         ratios = ", ".join(f"{a} {_num(cell(d, 'step/floor', dtype=dtype, arm=a)):.2f}×" for a in arms)
         norms = _num(cell(d, "step/floor", dtype=dtype, arm="composer + log_channel_grad_norms"))
         parts.append(f"{dtype}: {ratios} (composer with the opt-in per-channel grad norms {norms:.2f}×)")
-    return "step / floor (GRPO step + the arm's extra sequences alone): " + "; ".join(parts)
+    return (
+        "step / floor (GRPO on the arm's own completions + the arm's extra work alone; grpo: the noise): "
+        + "; ".join(parts)
+    )
 
 
 def _prime_rl(d: Json) -> str:
