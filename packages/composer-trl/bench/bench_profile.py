@@ -11,10 +11,11 @@ grad clipping, optimizer, EMA update, logging; ``generation`` is split into the 
 (decode)``) and the rest (tokenising, text, metrics); ``other`` is the step minus them all. Median over the steps
 after the warm-up step.
 
-Floor of an arm = the plain GRPO step **on the arm's own completions** + a bare forward/backward (no-grad forward,
-with the LM head over the completion positions, for a teacher) of exactly the extra sequences that arm's step built
-(its SFT sequences, the chosen side of its on-policy pairs, the teacher's hinted contexts), taken from the arm's last
-step and timed alone. The floor runs in a process of its own (its peak RSS is the floor's) that trains plain GRPO
+Floor of an arm = the plain GRPO step **on the arm's own completions** + exactly the extra work that arm's step
+needs, taken from the arm's last step and each part timed alone (:func:`_bare`): its sequences with gradient (SFT
+rows, the chosen side of on-policy pairs) through the trainer's own policy forward and a backward; the teacher's
+hinted contexts without gradient, with the LM head over the real completion positions; for SDPO, the student's
+full-vocabulary logits over the distilled tokens, forward and backward through the LM head. The floor runs in a process of its own (its peak RSS is the floor's) that trains plain GRPO
 with the decode loop replaced by the arm's recorded completions, step for step, so both score, forward and update
 the same tokens (each arm's policy writes different completions after step 1, and their lengths move a step by
 seconds); the arm's own decode time of that step is added back. Per step: ``floor_i = GRPO step_i (replayed) +
@@ -309,9 +310,8 @@ def run_child(spec_path: str) -> int:
     prof.starts.append(time.perf_counter())
     result: dict[str, Any] = {"train_seconds": prof.starts[-1] - start}
     result["step_seconds"] = [b - a for a, b in zip(prof.starts, prof.starts[1:])]
-    result["phases"] = json.loads(
-        json.dumps(prof.steps)
-    )  # as trained (the floor's extras below are not steps)
+    # a copy as trained: the floor's extras below run through the same wrapped methods and are not steps
+    result["phases"] = json.loads(json.dumps(prof.steps))
     result["decode_calls"] = len(generations)
     if spec["role"] == "arm":
         torch.save(_extras(arm.kind, arm, captured), spec["extras"])
