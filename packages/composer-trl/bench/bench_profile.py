@@ -15,11 +15,12 @@ Floor of an arm = the plain GRPO step **on the arm's own completions** + exactly
 needs, taken from the arm's last step and each part timed alone (:func:`_bare`): its sequences with gradient (SFT
 rows, the chosen side of on-policy pairs) through the trainer's own policy forward and a backward; the teacher's
 hinted contexts without gradient, with the LM head over the real completion positions; for SDPO, the student's
-full-vocabulary logits over the distilled tokens, forward and backward through the LM head. The floor runs in a process of its own (its peak RSS is the floor's) that trains plain GRPO
-with the decode loop replaced by the arm's recorded completions, step for step, so both score, forward and update
-the same tokens (each arm's policy writes different completions after step 1, and their lengths move a step by
-seconds); the arm's own decode time of that step is added back. Per step: ``floor_i = GRPO step_i (replayed) +
-arm decode_i``; ``floor = median(floor_i) + extras``; ``ratio = median arm step / floor``; the target is <= 1.1.
+full-vocabulary logits over the distilled tokens, forward and backward through the LM head. The floor runs in a
+process of its own (its peak RSS is the floor's) that trains plain GRPO with the decode loop replaced by the arm's
+recorded completions, step for step, so both score, forward and update the same tokens (each arm's policy writes
+different completions after step 1, and their lengths move a step by seconds); the arm's own decode time of that
+step is added back. Per step: ``floor_i = GRPO step_i (replayed) + arm decode_i``; ``floor = median(floor_i) +
+extras``; ``ratio = median arm step / floor``; the target is <= 1.1.
 The grpo arm gets a floor too (GRPO replaying its own completions): its ratio is the bench's own noise.
 
 Writes ``bench_profile.json`` to ``$COMPOSER_BENCH_OUT`` (default ./bench-results); ``--small`` is CI's check that
