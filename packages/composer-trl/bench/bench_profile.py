@@ -11,14 +11,17 @@ grad clipping, optimizer, EMA update, logging; ``generation`` is split into the 
 (decode)``) and the rest (tokenising, text, metrics); ``other`` is the step minus them all. Median over the steps
 after the warm-up step.
 
-Floor of an arm = the plain GRPO step **on the arm's own completions** + a bare forward/backward (no-grad forward,
-with the LM head over the completion positions, for a teacher) of exactly the extra sequences that arm's step built
-(its SFT sequences, the chosen side of its on-policy pairs, the teacher's hinted contexts), taken from the arm's last
-step and timed alone. The floor runs in a process of its own (its peak RSS is the floor's) that trains plain GRPO
-on the arm's recorded completions, step for step, so both score, forward and update the same tokens (each arm's
-policy writes different completions after step 1, and their lengths move a step by seconds); it still decodes (and
-drops the result), so it carries the same allocator and cache state into the step, and its decode time is swapped
-for the arm's. Per step: ``floor_i = GRPO step_i (replayed) - its decode_i + arm decode_i``; ``floor = median(floor_i) + extras``; ``ratio = median arm step / floor``; the target is <= 1.1.
+Floor of an arm = the plain GRPO step **on the arm's own completions** + exactly the extra work that arm's step
+needs, taken from the arm's last step and each part timed alone (:func:`_bare`): its sequences with gradient (SFT
+rows, the chosen side of on-policy pairs) through the trainer's own policy forward and a backward; the teacher's
+hinted contexts without gradient, with the LM head over the real completion positions; for SDPO, the student's
+full-vocabulary logits over the distilled tokens, forward and backward through the LM head. The floor runs in a
+process of its own (its peak RSS is the floor's) that trains plain GRPO on the arm's recorded completions, step for
+step, so both score, forward and update the same tokens (each arm's policy writes different completions after step
+1, and their lengths move a step by seconds); it still decodes (and drops the result), so it carries the same
+allocator and cache state into the step, and its decode time is swapped for the arm's. Per step: ``floor_i = GRPO
+step_i (replayed) - its decode_i + arm decode_i``; ``floor = median(floor_i) + extras``; ``ratio = median arm step
+/ floor``; the target is <= 1.1.
 The grpo arm gets a floor too (GRPO replaying its own completions): its ratio is the bench's own noise.
 
 Writes ``bench_profile.json`` to ``$COMPOSER_BENCH_OUT`` (default ./bench-results); ``--small`` is CI's check that
@@ -311,13 +314,10 @@ def run_child(spec_path: str) -> int:
     prof.starts.append(time.perf_counter())
     result: dict[str, Any] = {"train_seconds": prof.starts[-1] - start}
     result["step_seconds"] = [b - a for a, b in zip(prof.starts, prof.starts[1:])]
-    result["phases"] = json.loads(
-        json.dumps(prof.steps)
-    )  # as trained (the floor's extras below are not steps)
+    # a copy as trained: the floor's extras below run through the same wrapped methods and are not steps
+    result["phases"] = json.loads(json.dumps(prof.steps))
     result["decode_calls"] = len(generations)
-    result["completion_tokens"] = [
-        sum(map(len, g[0])) for g in generations
-    ]  # per call, as returned to the step
+    result["completion_tokens"] = [sum(map(len, g[0])) for g in generations]  # per call, as the step got them
     if spec["role"] == "arm":
         torch.save(_extras(arm.kind, arm, captured), spec["extras"])
         torch.save(generations, spec["generations"])
