@@ -16,11 +16,12 @@ needs, taken from the arm's last step and each part timed alone (:func:`_bare`):
 rows, the chosen side of on-policy pairs) through the trainer's own policy forward and a backward; the teacher's
 hinted contexts without gradient, with the LM head over the real completion positions; for SDPO, the student's
 full-vocabulary logits over the distilled tokens, forward and backward through the LM head. The floor runs in a
-process of its own (its peak RSS is the floor's) that trains plain GRPO with the decode loop replaced by the arm's
-recorded completions, step for step, so both score, forward and update the same tokens (each arm's policy writes
-different completions after step 1, and their lengths move a step by seconds); the arm's own decode time of that
-step is added back. Per step: ``floor_i = GRPO step_i (replayed) + arm decode_i``; ``floor = median(floor_i) +
-extras``; ``ratio = median arm step / floor``; the target is <= 1.1.
+process of its own (its peak RSS is the floor's) that trains plain GRPO on the arm's recorded completions, step for
+step, so both score, forward and update the same tokens (each arm's policy writes different completions after step
+1, and their lengths move a step by seconds); it still decodes (and drops the result), so it carries the same
+allocator and cache state into the step, and its decode time is swapped for the arm's. Per step: ``floor_i = GRPO
+step_i (replayed) - its decode_i + arm decode_i``; ``floor = median(floor_i) + extras``; ``ratio = median arm step
+/ floor``; the target is <= 1.1.
 The grpo arm gets a floor too (GRPO replaying its own completions): its ratio is the bench's own noise.
 
 Writes ``bench_profile.json`` to ``$COMPOSER_BENCH_OUT`` (default ./bench-results); ``--small`` is CI's check that
@@ -276,8 +277,9 @@ def _bare(trainer: Any, x: dict[str, Any]) -> None:
 
 
 def _record_or_replay(trainer: Any, spec: dict[str, Any]) -> list[Any]:
-    """An arm records what each decode call returned; its floor returns those, in order, instead of decoding (the
-    floor's GRPO steps score, forward and update the arm's tokens). The list of what the calls returned."""
+    """An arm records what each decode call returned; its floor decodes too (so both processes carry what a decode
+    leaves behind: allocator and caches) but returns the arm's recording, in order, so the floor's GRPO steps score,
+    forward and update the arm's tokens. The list of what the calls returned."""
     import torch
 
     out: list[Any] = []
@@ -285,7 +287,8 @@ def _record_or_replay(trainer: Any, spec: dict[str, Any]) -> list[Any]:
     decode = trainer._generate_single_turn
 
     def record(*a: Any, **k: Any) -> Any:
-        out.append(next(recorded) if spec["role"] == "floor" else decode(*a, **k))
+        own = decode(*a, **k)
+        out.append(next(recorded) if spec["role"] == "floor" else own)
         return out[-1]
 
     trainer._generate_single_turn = record
@@ -314,6 +317,7 @@ def run_child(spec_path: str) -> int:
     # a copy as trained: the floor's extras below run through the same wrapped methods and are not steps
     result["phases"] = json.loads(json.dumps(prof.steps))
     result["decode_calls"] = len(generations)
+    result["completion_tokens"] = [sum(map(len, g[0])) for g in generations]  # per call, as the step got them
     if spec["role"] == "arm":
         torch.save(_extras(arm.kind, arm, captured), spec["extras"])
         torch.save(generations, spec["generations"])
@@ -387,7 +391,12 @@ def profile_dtype(base: dict[str, Any], arms: list[str], tmp: Path) -> dict[str,
         rest = r["median_step_seconds"] - sum(v["seconds"] for v in ph.values())
         ph["other (trainer loop)"] = {"seconds": rest, "calls": 0, "padded_tokens": 0, "real_tokens": 0}
         f = _spawn({**base, "role": "floor", "arm": name, **files}, tmp)
-        f["floor_step_seconds"] = [g + d for g, d in zip(f.pop("step_seconds"), decode, strict=True)]
+        own = [
+            s.get("generation (decode)", [0.0])[0] for s in f["phases"]
+        ]  # its decode is swapped for the arm's
+        f["floor_step_seconds"] = [
+            g - o + d for g, o, d in zip(f.pop("step_seconds"), own, decode, strict=True)
+        ]
         extra = sum(x["median"] for x in f["extras"].values())
         floor = statistics.median(_measured(f["floor_step_seconds"])) + extra
         ratio = r["median_step_seconds"] / floor
