@@ -114,6 +114,8 @@ def _dtype(d: Json) -> str:
 
 def _profile(d: Json) -> str:
     arms = ("grpo", "grpo+sft", "grpo+replay", "sdpo (success)", "sdpo (success + feedback)", "composer")
+    if any(r[1] == "trl sdpo" for r in d["readme"]["rows"]):
+        arms = (*arms, "trl sdpo")  # TRL's SDPOTrainer: reported, not bound
     parts = []
     for dtype in ("float32", "bf16"):
         if not any(r[0] == dtype for r in d["readme"]["rows"]):

@@ -22,7 +22,8 @@ step, so both score, forward and update the same tokens (each arm's policy write
 allocator and cache state into the step, and its decode time is swapped for the arm's. Per step: ``floor_i = GRPO
 step_i (replayed) - its decode_i + arm decode_i``; ``floor = median(floor_i) + extras``; ``ratio = median arm step
 / floor``; the target is <= 1.1.
-The grpo arm gets a floor too (GRPO replaying its own completions): its ratio is the bench's own noise.
+The grpo arm gets a floor too (GRPO replaying its own completions): its ratio is the bench's own noise. ``trl
+sdpo`` is TRL's own SDPOTrainer, timed by its own methods and reported beside the bound arms.
 
 Writes ``bench_profile.json`` to ``$COMPOSER_BENCH_OUT`` (default ./bench-results); ``--small`` is CI's check that
 it works (a tiny random model with SmolLM2's tokenizer, 2 steps, grpo and composer, float32).
@@ -59,8 +60,8 @@ PROFILED = (
 which the comparison logs as curves), plus composer with the norms (the diagnostic's opt-in cost: one extra backward
 per channel at each logging step, every step here: ``logging_steps=1``)."""
 DEFAULT_ARMS = ("grpo", "sdpo (success)", "sdpo (success + feedback)", "grpo+sft", "grpo+replay", "composer",
-                NORMS)  # fmt: skip
-SMALL: dict[str, Any] = {"steps": 2, "arms": ("grpo", "composer"), "dtypes": ("float32",),
+                NORMS, "trl sdpo")  # fmt: skip
+SMALL: dict[str, Any] = {"steps": 2, "arms": ("grpo", "composer", "trl sdpo"), "dtypes": ("float32",),
                          "trainer": {"per_device_train_batch_size": 4, "num_generations": 2,
                                      "max_completion_length": 8}}  # fmt: skip
 TARGET = 1.1
@@ -104,12 +105,14 @@ class Profile:
                 cell[2] += rows * width
                 cell[3] += real
 
-    def wrap(self, obj: Any, attr: str, name: str | None = None, tokens: Any = None) -> None:
-        """Replace ``obj.attr`` by a timed call (``name``: the phase, or by caller; ``tokens(args, kwargs)``)."""
+    def wrap(self, obj: Any, attr: str, name: Any = None, tokens: Any = None) -> None:
+        """Replace ``obj.attr`` by a timed call (``name``: the phase, ``name(args, kwargs)``, or by caller;
+        ``tokens(args, kwargs)``)."""
         fn = getattr(obj, attr)
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            phase = name or CALLERS.get(sys._getframe(1).f_code.co_name, f"forward ({attr})")
+            phase = name(args, kwargs) if callable(name) else name
+            phase = phase or CALLERS.get(sys._getframe(1).f_code.co_name, f"forward ({attr})")
             rows, width, real = tokens(args, kwargs) if tokens is not None else (0, 0, 0)
             with self.phase(phase, rows, width, real):
                 return fn(*args, **kwargs)
@@ -135,12 +138,29 @@ def _sft_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, int
     return ids.size(0), ids.size(1), int(args[1]["sft_attn"].sum())
 
 
+_FORWARD_LOGITS = ("model", "input_ids", "attention_mask")
+"""``SDPOTrainer._forward_logits``' first parameters (passed by keyword or by position)."""
+
+
+def _forward_logits_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {**dict(zip(_FORWARD_LOGITS, args, strict=False)), **kwargs}
+
+
+def _trl_sdpo_forward_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, int, int]:
+    a = _forward_logits_args(args, kwargs)
+    return a["input_ids"].size(0), a["input_ids"].size(1), int(a["attention_mask"].sum())
+
+
 def instrument(trainer: Any, prof: Profile, kind: str, captured: dict[str, Any]) -> None:
     """Wrap the trainer's phases (this process only) and keep the last micro-batch's inputs in ``captured``."""
     import composer_trl.trainer as ct
     from transformers import TrainerCallback
 
     p = prof
+    if kind == "trl_sdpo":
+        _instrument_trl_sdpo(trainer, p, captured)
+        trainer.add_callback(_steps_callback(p, TrainerCallback))
+        return
     p.wrap(trainer, "_generate_and_score_completions", "scoring + batch building")
     p.wrap(trainer, "_generate", "generation")
     p.wrap(trainer, "_generate_single_turn", "generation (decode)")
@@ -173,8 +193,43 @@ def instrument(trainer: Any, prof: Profile, kind: str, captured: dict[str, Any])
 
     trainer._compute_loss = keep
     del loss
+    trainer.add_callback(_steps_callback(p, TrainerCallback))
 
-    class Steps(TrainerCallback):  # type: ignore[misc]
+
+def _instrument_trl_sdpo(trainer: Any, p: Profile, captured: dict[str, Any]) -> None:
+    """TRL's SDPOTrainer by its own methods: one full-logits forward of the student (its loss is the distillation
+    alone at ``distillation_weight=1``) and one of the teacher over every row's reprompted context."""
+    p.wrap(trainer, "_prepare_training_batch", "scoring + batch building")
+    p.wrap(trainer, "_generate", "generation")
+    p.wrap(trainer, "_generate_transformers", "generation (decode)")
+    p.wrap(trainer.teacher_context_builder, "build", "teacher context building")
+
+    def which(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        teacher = _forward_logits_args(args, kwargs)["model"] is trainer.teacher_model
+        return "teacher forward" if teacher else "policy forward"
+
+    p.wrap(trainer, "_forward_logits", which, _trl_sdpo_forward_tokens)
+    p.wrap(trainer.accelerator, "backward", "backward")
+    p.wrap(trainer.accelerator, "clip_grad_norm_", "grad clip")
+    p.wrap(trainer, "log", "logging (trainer.log)")
+    p.wrap(trainer, "_compute_self_distillation_loss", "loss math + metrics")
+    for cb in trainer.callback_handler.callbacks:
+        if type(cb).__name__ in ("SyncTeacherModelCallback", "PEFTAdapterEMACallback"):
+            p.wrap(cb, "on_step_end", "EMA teacher update")
+    inner = trainer.compute_loss
+
+    def keep(model: Any, inputs: dict[str, Any], *a: Any, **k: Any) -> Any:
+        captured.clear()
+        captured.update({k: v.detach().cpu() for k, v in inputs.items() if hasattr(v, "detach")})
+        return inner(model, inputs, *a, **k)
+
+    trainer.compute_loss = keep
+
+
+def _steps_callback(p: Profile, base: type) -> Any:
+    """A callback that opens a step in ``p`` at each step's start and times the optimizer step."""
+
+    class Steps(base):  # type: ignore[misc, valid-type]
         def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             p.starts.append(time.perf_counter())
             p.steps.append({})
@@ -186,7 +241,7 @@ def instrument(trainer: Any, prof: Profile, kind: str, captured: dict[str, Any])
             p.steps[-1].setdefault("optimizer", [0.0, 0, 0, 0])[0] += time.perf_counter() - self.t
             p.steps[-1]["optimizer"][1] += 1
 
-    trainer.add_callback(Steps())
+    return Steps()
 
 
 def _timed(p: Profile, name: str, fn: Any, *a: Any, **k: Any) -> Any:
@@ -211,7 +266,9 @@ def _load(spec: dict[str, Any]) -> tuple[Any, Any]:
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)  # fmt: skip
-    return AutoModelForCausalLM.from_config(cfg), tok
+    path = Path(spec["work_dir"]) / "model"  # a path of its own: TRL's SDPOTrainer builds its teacher from it
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    return AutoModelForCausalLM.from_pretrained(path), tok
 
 
 def _extras(kind: str, arm: Any, inp: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -225,16 +282,20 @@ def _extras(kind: str, arm: Any, inp: dict[str, Any]) -> dict[str, dict[str, Any
         ids, attn, target = inp["sft_ids"], inp["sft_attn"], inp["sft_target"]
         first = int(target.float().argmax(-1).min())  # the earliest answer position
         out["SFT sequences (fwd+bwd)"] = {"ids": ids, "mask": attn, "keep": ids.size(1) - first, "grad": True}
+    if kind == "trl_sdpo" and bool(inp["self_distillation_mask"].any()):
+        # the distilled rows only (TRL forwards every row's teacher context, a row without a teacher at zero
+        # weight); its default sampled-token form needs the student's log-prob of the sampled token alone, which the
+        # GRPO step's policy forward already computes: no student head pass
+        rows = inp["self_distillation_mask"].nonzero().squeeze(-1)
+        ids, mask = inp["teacher_input_ids"][rows], inp["teacher_attention_mask"][rows]
+        _sdpo_extras(out, ids, mask, inp["completion_mask"][rows], student_head=False)
     if kind != "composer":
         return out
     if "composer_has_hint" in inp and bool(inp["composer_has_hint"].any()):
         rows = inp["composer_has_hint"].nonzero().squeeze(-1)
         ids = torch.cat([inp["composer_hint_ids"][rows], inp["completion_ids"][rows]], 1)
         mask = torch.cat([inp["composer_hint_mask"][rows], inp["completion_mask"][rows]], 1)
-        keep = inp["completion_ids"].size(1)  # the teacher's logits at the completion positions
-        out["teacher hinted contexts (no-grad fwd)"] = {"ids": ids, "mask": mask, "keep": keep, "grad": False}
-        tokens = int(inp["completion_mask"][rows].sum())
-        out["student LM head over the distilled tokens (fwd+bwd)"] = {"tokens": tokens, "ids": ids[:, -keep:]}
+        _sdpo_extras(out, ids, mask, inp["completion_mask"][rows])
     if "composer_has_pair" in inp and bool(inp["composer_has_pair"].any()):
         rows = inp["composer_has_pair"].nonzero().squeeze(-1)
         on_policy = arm.overrides.get("replay_pairs") == "on_policy"
@@ -246,6 +307,19 @@ def _extras(kind: str, arm: Any, inp: dict[str, Any]) -> dict[str, dict[str, Any
         name = "chosen side of pairs (fwd+bwd)" if on_policy else "pairs (fwd+bwd)"
         out[name] = {"ids": ids, "mask": mask, "keep": pair.size(1), "grad": True}
     return out
+
+
+def _sdpo_extras(
+    out: dict[str, dict[str, Any]], ids: Any, mask: Any, completion_mask: Any, student_head: bool = True
+) -> None:
+    """SDPO's extra work: the teacher's contexts (prompt ⊕ hint ⊕ completion) without gradient, its logits at the
+    completion positions, and (a form over whole distributions) the student's full-vocabulary logits over the real
+    completion tokens."""
+    keep = completion_mask.size(1)
+    out["teacher hinted contexts (no-grad fwd)"] = {"ids": ids, "mask": mask, "keep": keep, "grad": False}
+    if student_head:
+        tokens = int(completion_mask.sum())
+        out["student LM head over the distilled tokens (fwd+bwd)"] = {"tokens": tokens, "ids": ids[:, -keep:]}
 
 
 def _bare(trainer: Any, x: dict[str, Any]) -> None:
@@ -276,22 +350,31 @@ def _bare(trainer: Any, x: dict[str, Any]) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def _record_or_replay(trainer: Any, spec: dict[str, Any]) -> list[Any]:
-    """An arm records what each decode call returned; its floor decodes too (so both processes carry what a decode
-    leaves behind: allocator and caches) but returns the arm's recording, in order, so the floor's GRPO steps score,
-    forward and update the arm's tokens. The list of what the calls returned."""
+def _record_or_replay(trainer: Any, spec: dict[str, Any], kind: str) -> list[Any]:
+    """An arm records what each decode call got and returned; its floor decodes too (so both processes carry what a
+    decode leaves behind: allocator and caches) but returns the arm's recording, in order, so the floor's GRPO steps
+    score, forward and update the arm's tokens. The list of ``(prompt ids, (completion ids, logprobs))`` per call,
+    in the form GRPO's ``_generate_single_turn`` returns (TRL's SDPOTrainer decodes in ``_generate_transformers``:
+    the same prompt ids in, the completion ids out). A floor whose prompts differ from its arm's stops the bench."""
     import torch
 
     out: list[Any] = []
-    recorded = iter(torch.load(spec["generations"]) if spec["role"] == "floor" else ())
-    decode = trainer._generate_single_turn
+    floor = spec["role"] == "floor"
+    recorded = iter(torch.load(spec["generations"]) if floor else ())
+    attr = "_generate_transformers" if kind == "trl_sdpo" else "_generate_single_turn"
+    decode = getattr(trainer, attr)
 
-    def record(*a: Any, **k: Any) -> Any:
-        own = decode(*a, **k)
-        out.append(next(recorded) if spec["role"] == "floor" else own)
-        return out[-1]
+    def record(prompt_ids: list[list[int]], *a: Any, **k: Any) -> Any:
+        own = decode(prompt_ids, *a, **k)
+        prompts = [list(p) for p in prompt_ids]
+        out.append(next(recorded) if floor else (prompts, (own[1], None) if kind == "trl_sdpo" else own))
+        if out[-1][0] != prompts:
+            raise SystemExit(
+                f"bench_profile: the floor's decode call {len(out)} got other prompts than its arm's"
+            )
+        return out[-1][1] if floor else own
 
-    trainer._generate_single_turn = record
+    setattr(trainer, attr, record)
     return out
 
 
@@ -306,7 +389,7 @@ def run_child(spec_path: str) -> int:
     need = int(spec["trainer"]["per_device_train_batch_size"]) // int(spec["trainer"]["num_generations"])
     train, _, _ = task_rows(0, need * (spec["steps"] + 1))
     trainer = _trainer(spec, run_arm, model, tok, train)
-    generations = _record_or_replay(trainer, spec)
+    generations = _record_or_replay(trainer, spec, run_arm.kind)
     prof, captured = Profile(), {}
     instrument(trainer, prof, run_arm.kind, captured)
     start = time.perf_counter()
@@ -317,7 +400,8 @@ def run_child(spec_path: str) -> int:
     # a copy as trained: the floor's extras below run through the same wrapped methods and are not steps
     result["phases"] = json.loads(json.dumps(prof.steps))
     result["decode_calls"] = len(generations)
-    result["completion_tokens"] = [sum(map(len, g[0])) for g in generations]  # per call, as the step got them
+    # per call, as the step got them
+    result["completion_tokens"] = [sum(map(len, g[1][0])) for g in generations]
     if spec["role"] == "arm":
         torch.save(_extras(arm.kind, arm, captured), spec["extras"])
         torch.save(generations, spec["generations"])

@@ -25,7 +25,7 @@ def test_profile_bench_runs_at_small_size(tmp_path: Path) -> None:
     data = load_bench_json(tmp_path / "bench_profile.json")
     assert data["small"] is True
     arms = data["results"]["float32"]
-    assert set(arms) == {"grpo", "composer"}
+    assert set(arms) == {"grpo", "composer", "trl sdpo"}
     for name, e in arms.items():
         phases = e["arm"]["phase_medians"]
         assert {"generation", "policy forward", "backward", "optimizer"} <= set(phases), name
@@ -71,7 +71,20 @@ def test_profile_bench_runs_at_small_size(tmp_path: Path) -> None:
         f"chosen side of pairs (fwd+bwd) {t['rows']} × {t['width']} ({t['real_tokens']} real tokens"
         in (data["readme"]["note"])
     )
+    # TRL's SDPOTrainer, timed by its own methods: a student forward (full logits), the teacher's over every row
+    trl = arms["trl sdpo"]
+    assert {
+        "teacher forward",
+        "teacher context building",
+        "EMA teacher update",
+        "generation (decode)",
+    } <= set(trl["arm"]["phase_medians"])
+    teacher = trl["arm"]["phase_medians"]["teacher forward"]
+    assert teacher["padded_tokens"] > 0 and teacher["calls"] == 1
+    # no sibling of a random model succeeds: no row is distilled, so the floor has no extra work (TRL still runs its
+    # teacher over every row, which the floor does not count)
+    assert trl["floor_process"]["extras"] == {}
     rows = data["readme"]["rows"]
-    assert [r[1] for r in rows] == ["grpo", "composer"]
+    assert [r[1] for r in rows] == ["grpo", "composer", "trl sdpo"]
     assert rows[1][2:5] == [round(composer["arm"]["median_step_seconds"], 3), round(composer["floor_seconds"], 3),
                             round(composer["ratio"], 3)]  # fmt: skip
