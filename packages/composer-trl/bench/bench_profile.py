@@ -28,7 +28,7 @@ sdpo`` is TRL's own SDPOTrainer, timed by its own methods and reported beside th
 Writes ``bench_profile.json`` to ``$COMPOSER_BENCH_OUT`` (default ./bench-results); ``--small`` is CI's check that
 it works (a tiny random model with SmolLM2's tokenizer, 2 steps, grpo and composer, float32).
 
-    python packages/composer-trl/bench/bench_profile.py [--steps 4] [--threads 2] [--dtype both] [--small]
+    python packages/composer-trl/bench/bench_profile.py [--steps 6] [--threads 2] [--dtype both] [--small]
 """
 
 from __future__ import annotations
@@ -529,7 +529,7 @@ def _note(results: dict[str, Any]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=4, help="training steps per arm (the first is the warm-up)")
+    p.add_argument("--steps", type=int, default=6, help="training steps per arm (the first is the warm-up)")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--dtype", choices=("both", "float32", "bf16"), default="both",
                    help="both: float32, and bf16 where the CPU has AVX512-BF16")  # fmt: skip
