@@ -12,7 +12,7 @@ grad clipping, optimizer, EMA update, logging; ``generation`` is split into the 
 after the warm-up step.
 
 Floor of an arm = the plain GRPO step **on the arm's own completions** + exactly the extra work that arm's step
-needs, taken from the arm's last step and each part timed alone (:func:`_bare`): its sequences with gradient (SFT
+needs, taken from each of the arm's steps and each part timed alone (:func:`_bare`): its sequences with gradient (SFT
 rows, the chosen side of on-policy pairs) through the trainer's own policy forward and a backward; the teacher's
 hinted contexts without gradient, with the LM head over the real completion positions; for SDPO, the student's
 full-vocabulary logits over the distilled tokens, forward and backward through the LM head. The floor runs in a
@@ -20,15 +20,15 @@ process of its own (its peak RSS is the floor's) that trains plain GRPO on the a
 step, so both score, forward and update the same tokens (each arm's policy writes different completions after step
 1, and their lengths move a step by seconds); it still decodes (and drops the result), so it carries the same
 allocator and cache state into the step, and its decode time is swapped for the arm's. Per step: ``floor_i = GRPO
-step_i (replayed) - its decode_i + arm decode_i``; ``floor = median(floor_i) + extras``; ``ratio = median arm step
-/ floor``; the target is <= 1.1.
+step_i (replayed) - its decode_i + arm decode_i + extras_i`` (step i's extra work, timed after the training);
+``floor = median(floor_i)``; ``ratio = median arm step / floor``; the target is <= 1.1.
 The grpo arm gets a floor too (GRPO replaying its own completions): its ratio is the bench's own noise. ``trl
 sdpo`` is TRL's own SDPOTrainer, timed by its own methods and reported beside the bound arms.
 
 Writes ``bench_profile.json`` to ``$COMPOSER_BENCH_OUT`` (default ./bench-results); ``--small`` is CI's check that
 it works (a tiny random model with SmolLM2's tokenizer, 2 steps, grpo and composer, float32).
 
-    python packages/composer-trl/bench/bench_profile.py [--steps 6] [--threads 2] [--dtype both] [--small]
+    python packages/composer-trl/bench/bench_profile.py [--steps 5] [--threads 2] [--dtype both] [--small]
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ SMALL: dict[str, Any] = {"steps": 2, "arms": ("grpo", "composer", "trl sdpo"), "
                                      "max_completion_length": 8}}  # fmt: skip
 TARGET = 1.1
 T = TypeVar("T")
-EXTRA_REPEATS = 5
+EXTRA_REPEATS = 2
 CALLERS = {
     "_compute_loss": "policy forward",
     "_fill_sdpo": "teacher forward (sampled)",
@@ -151,8 +151,9 @@ def _trl_sdpo_forward_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> t
     return a["input_ids"].size(0), a["input_ids"].size(1), int(a["attention_mask"].sum())
 
 
-def instrument(trainer: Any, prof: Profile, kind: str, captured: dict[str, Any]) -> None:
-    """Wrap the trainer's phases (this process only) and keep the last micro-batch's inputs in ``captured``."""
+def instrument(trainer: Any, prof: Profile, kind: str, captured: list[Any]) -> None:
+    """Wrap the trainer's phases (this process only) and keep every micro-batch's inputs in ``captured`` as
+    ``(step index, inputs)``."""
     import composer_trl.trainer as ct
     from transformers import TrainerCallback
 
@@ -187,8 +188,7 @@ def instrument(trainer: Any, prof: Profile, kind: str, captured: dict[str, Any])
     inner = trainer._compute_loss
 
     def keep(model: Any, inputs: dict[str, Any]) -> Any:
-        captured.clear()
-        captured.update({k: v.detach().cpu() for k, v in inputs.items() if hasattr(v, "detach")})
+        captured.append(_captured(p, inputs))
         return inner(model, inputs)
 
     trainer._compute_loss = keep
@@ -196,7 +196,11 @@ def instrument(trainer: Any, prof: Profile, kind: str, captured: dict[str, Any])
     trainer.add_callback(_steps_callback(p, TrainerCallback))
 
 
-def _instrument_trl_sdpo(trainer: Any, p: Profile, captured: dict[str, Any]) -> None:
+def _captured(p: Profile, inputs: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    return len(p.steps) - 1, {k: v.detach().cpu() for k, v in inputs.items() if hasattr(v, "detach")}
+
+
+def _instrument_trl_sdpo(trainer: Any, p: Profile, captured: list[Any]) -> None:
     """TRL's SDPOTrainer by its own methods: one full-logits forward of the student (its loss is the distillation
     alone at ``distillation_weight=1``) and one of the teacher over every row's reprompted context."""
     p.wrap(trainer, "_prepare_training_batch", "scoring + batch building")
@@ -219,8 +223,7 @@ def _instrument_trl_sdpo(trainer: Any, p: Profile, captured: dict[str, Any]) -> 
     inner = trainer.compute_loss
 
     def keep(model: Any, inputs: dict[str, Any], *a: Any, **k: Any) -> Any:
-        captured.clear()
-        captured.update({k: v.detach().cpu() for k, v in inputs.items() if hasattr(v, "detach")})
+        captured.append(_captured(p, inputs))
         return inner(model, inputs, *a, **k)
 
     trainer.compute_loss = keep
@@ -390,7 +393,7 @@ def run_child(spec_path: str) -> int:
     train, _, _ = task_rows(0, need * (spec["steps"] + 1))
     trainer = _trainer(spec, run_arm, model, tok, train)
     generations = _record_or_replay(trainer, spec, run_arm.kind)
-    prof, captured = Profile(), {}
+    prof, captured = Profile(), []
     instrument(trainer, prof, run_arm.kind, captured)
     start = time.perf_counter()
     trainer.train()
@@ -403,29 +406,46 @@ def run_child(spec_path: str) -> int:
     # per call, as the step got them
     result["completion_tokens"] = [sum(map(len, g[1][0])) for g in generations]
     if spec["role"] == "arm":
-        torch.save(_extras(arm.kind, arm, captured), spec["extras"])
+        torch.save([(i, _extras(arm.kind, arm, inp)) for i, inp in captured], spec["extras"])
         torch.save(generations, spec["generations"])
     else:
-        extras = torch.load(spec["extras"])
-        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(spec["bf16"]))
-        times: dict[str, Any] = {}
+        result["extra_seconds"], result["extras"] = _time_extras(trainer, spec, torch.load(spec["extras"]))
+    Path(spec["result"]).write_text(json.dumps(result))
+    return 0
+
+
+def _time_extras(
+    trainer: Any, spec: dict[str, Any], per_batch: list[Any]
+) -> tuple[list[float], dict[str, Any]]:
+    """Time each measured step's extra work alone (each part: the median of ``EXTRA_REPEATS`` runs, after one
+    warm-up run the first time the part is timed). Returns the extra seconds of every step (the warm-up step's: 0)
+    and per part its seconds per step, their median over the measured steps, and the last step's rows, width, real
+    tokens and distinct rows."""
+    import torch
+
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(spec["bf16"]))
+    per_step = [0.0] * int(spec["steps"])
+    parts: dict[str, Any] = {}
+    for step, extras in per_batch:
+        if step not in _measured(range(len(per_step))):
+            continue
         for name, x in extras.items():
             secs = []
-            for _ in range(EXTRA_REPEATS + 1):
+            for _ in range(EXTRA_REPEATS + (name not in parts)):
                 t = time.perf_counter()
                 with autocast:
                     _bare(trainer, x)
                 secs.append(time.perf_counter() - t)
-            rows, width = x["ids"].shape
-            distinct = len(
-                {tuple(r.tolist()) for r in x["ids"]}
-            )  # a group's rows repeat (same prompt+answer)
-            times[name] = {"median": statistics.median(secs[1:]), "runs": secs, "rows": rows, "width": width,
-                           "real_tokens": int(x["tokens"] if "tokens" in x else x["mask"].sum()),
-                           "distinct_rows": distinct}  # fmt: skip
-        result["extras"] = times
-    Path(spec["result"]).write_text(json.dumps(result))
-    return 0
+            seconds = statistics.median(secs[-EXTRA_REPEATS:])
+            per_step[step] += seconds
+            part = parts.setdefault(name, {"seconds": [0.0] * len(per_step)})
+            part["seconds"][step] += seconds
+            part.update(rows=x["ids"].size(0), width=x["ids"].size(1),
+                        real_tokens=int(x["tokens"] if "tokens" in x else x["mask"].sum()),
+                        distinct_rows=len({tuple(r.tolist()) for r in x["ids"]}))  # fmt: skip
+    for part in parts.values():  # a step without that part (no hinted row, no pair) counts 0 s
+        part["median"] = statistics.median(_measured(part["seconds"]))
+    return per_step, parts
 
 
 # ------------------------------------------------------------------------------------------------ the parent
@@ -478,11 +498,9 @@ def profile_dtype(base: dict[str, Any], arms: list[str], tmp: Path) -> dict[str,
         own = [
             s.get("generation (decode)", [0.0])[0] for s in f["phases"]
         ]  # its decode is swapped for the arm's
-        f["floor_step_seconds"] = [
-            g - o + d for g, o, d in zip(f.pop("step_seconds"), own, decode, strict=True)
-        ]
-        extra = sum(x["median"] for x in f["extras"].values())
-        floor = statistics.median(_measured(f["floor_step_seconds"])) + extra
+        steps = zip(f.pop("step_seconds"), own, decode, f["extra_seconds"], strict=True)
+        f["floor_step_seconds"] = [g - o + d + e for g, o, d, e in steps]
+        floor = statistics.median(_measured(f["floor_step_seconds"]))
         ratio = r["median_step_seconds"] / floor
         out[name] = {"arm": r, "floor_process": f, "floor_seconds": floor, "ratio": ratio,
                      "floor_rss_mib": f["peak_rss_mib"]}  # fmt: skip
@@ -509,7 +527,8 @@ def _rows(results: dict[str, Any]) -> list[list[Any]]:
 
 
 def _note(results: dict[str, Any]) -> str:
-    """Which tokens make each floor: the extra sequences of every arm's last step (the first dtype's run)."""
+    """Which tokens make each floor: the extra sequences of every arm's last step, with the median seconds of each
+    part over the measured steps (the first dtype's run)."""
     parts = []
     for name, e in next(iter(results.values())).items():
         extras = (e["floor_process"] or {}).get("extras") or {}
@@ -521,15 +540,14 @@ def _note(results: dict[str, Any]) -> str:
             for k, v in extras.items()
         ]
     return (
-        "Extra sequences of each arm's step (floor = GRPO step on the arm's completions + these alone): "
-        + "; ".join(parts)
-        + "."
+        "Extra sequences of each arm's last step (floor = GRPO step on the arm's completions + each step's extra "
+        "sequences alone; seconds: the median step's): " + "; ".join(parts) + "."
     )
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=6, help="training steps per arm (the first is the warm-up)")
+    p.add_argument("--steps", type=int, default=5, help="training steps per arm (the first is the warm-up)")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--dtype", choices=("both", "float32", "bf16"), default="both",
                    help="both: float32, and bf16 where the CPU has AVX512-BF16")  # fmt: skip

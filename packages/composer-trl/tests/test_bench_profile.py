@@ -62,10 +62,12 @@ def test_profile_bench_runs_at_small_size(tmp_path: Path) -> None:
         composer["arm"]["phase_medians"]
     )
     assert "grad-norm logging" not in composer["arm"]["phase_medians"]  # opt-in: log_channel_grad_norms=False
-    assert composer["floor_seconds"] == pytest.approx(
-        statistics.median(composer["floor_process"]["floor_step_seconds"][1:])
-        + sum(x["median"] for x in extras.values())
-    )
+    # each measured step's floor holds that step's extra work, timed alone after the training (the warm-up's: none)
+    floor = composer["floor_process"]
+    assert composer["floor_seconds"] == pytest.approx(statistics.median(floor["floor_step_seconds"][1:]))
+    assert floor["extra_seconds"][0] == 0 and all(e > 0 for e in floor["extra_seconds"][1:])
+    for i, e in enumerate(floor["extra_seconds"]):
+        assert e == pytest.approx(sum(x["seconds"][i] for x in extras.values()))
     t = extras["chosen side of pairs (fwd+bwd)"]
     assert (
         f"chosen side of pairs (fwd+bwd) {t['rows']} × {t['width']} ({t['real_tokens']} real tokens"
