@@ -445,6 +445,8 @@ def _time_extras(
                         distinct_rows=len({tuple(r.tolist()) for r in x["ids"]}))  # fmt: skip
     for part in parts.values():  # a step without that part (no hinted row, no pair) counts 0 s
         part["median"] = statistics.median(_measured(part["seconds"]))
+        present = [x for x in _measured(part["seconds"]) if x > 0]
+        part["steps_with"], part["median_with"] = len(present), statistics.median(present)
     return per_step, parts
 
 
@@ -536,12 +538,14 @@ def _note(results: dict[str, Any]) -> str:
             continue
         parts += [
             f"{name}: {k} {v['rows']} × {v['width']} ({v['real_tokens']} real tokens, {v['distinct_rows']} distinct "
-            f"rows, {v['median']:.2f} s)"
+            f"rows; {v['median_with']:.2f} s in each of the {v['steps_with']} measured steps that had it)"
             for k, v in extras.items()
         ]
     return (
-        "Extra sequences of each arm's last step (floor = GRPO step on the arm's completions + each step's extra "
-        "sequences alone; seconds: the median step's): " + "; ".join(parts) + "."
+        "Extra sequences of each arm's last step that had them (floor = GRPO step on the arm's completions + each "
+        "step's extra sequences alone; seconds: the median over the steps that had them): "
+        + "; ".join(parts)
+        + "."
     )
 
 
