@@ -169,7 +169,6 @@ def instrument(trainer: Any, prof: Profile, kind: str, captured: list[Any]) -> N
     p.wrap(trainer.accelerator, "backward", "backward")
     p.wrap(trainer.accelerator, "clip_grad_norm_", "grad clip")
     p.wrap(trainer, "log", "logging (trainer.log)")
-    loss = trainer.compute_loss
     p.wrap(trainer, "_compute_loss", "loss math + metrics")
     if kind == "sft":
         p.wrap(trainer, "compute_loss", "SFT forward + NLL", _sft_tokens)
@@ -192,7 +191,6 @@ def instrument(trainer: Any, prof: Profile, kind: str, captured: list[Any]) -> N
         return inner(model, inputs)
 
     trainer._compute_loss = keep
-    del loss
     trainer.add_callback(_steps_callback(p, TrainerCallback))
 
 
