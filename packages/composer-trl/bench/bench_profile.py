@@ -19,14 +19,20 @@ full-vocabulary logits over the distilled tokens, forward and backward through t
 process of its own (its peak RSS is the floor's) that trains plain GRPO on the arm's recorded completions, step for
 step, so both score, forward and update the same tokens (each arm's policy writes different completions after step
 1, and their lengths move a step by seconds); it still decodes (and drops the result), so it carries the same
-allocator and cache state into the step, and its decode time is swapped for the arm's. Per step: ``floor_i = GRPO
-step_i (replayed) - its decode_i + arm decode_i + extras_i`` (step i's extra work, timed after the training);
-``floor = median(floor_i)``; ``ratio = median arm step / floor``; the target is <= 1.1.
+allocator and cache state into the step, and its decode time is swapped for the arm's. Its extra work of step i is
+timed right after step i (and left out of the step).
+
+Three processes per arm: the arm alone records its completions and each step's extra sequences (its seconds per
+step, phases and peak RSS are the table's); then the arm **replaying** that recording and its floor run **at the
+same time**, on half the threads each: on a shared host, load moves two processes run side by side alike, while
+runs minutes apart differed by up to 15% (grpo against its own replay, run one after the other, read 0.915 to
+1.145). Per step: ``floor_i = GRPO step_i (replayed) - its decode_i + replay decode_i + extras_i``; ``floor =
+median(floor_i)``; ``ratio = median replay step / floor``; the target is <= 1.1.
 The grpo arm gets a floor too (GRPO replaying its own completions): its ratio is the bench's own noise. ``trl
 sdpo`` is TRL's own SDPOTrainer, timed by its own methods and reported beside the bound arms.
 
 Writes ``bench_profile.json`` to ``$COMPOSER_BENCH_OUT`` (default ./bench-results); ``--small`` is CI's check that
-it works (a tiny random model with SmolLM2's tokenizer, 2 steps, grpo and composer, float32).
+it works (a tiny random model with SmolLM2's tokenizer, 2 steps, grpo, composer and trl sdpo, float32).
 
     python packages/composer-trl/bench/bench_profile.py [--steps 5] [--threads 2] [--dtype both] [--small]
 """
@@ -37,6 +43,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -46,7 +53,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _compare import cpu_has_bf16, machine, spawn, write_json
+from _compare import cpu_has_bf16, machine, write_json
 from compare_smollm2 import ARMS, COMMON, MODEL, _model_dir, _trainer, budget, task_rows
 
 NORMS = "composer + log_channel_grad_norms"
@@ -86,9 +93,14 @@ class Profile:
         self.steps: list[dict[str, list[float]]] = []
         self.starts: list[float] = []
         self.stack: list[list[float]] = []
+        self.excluded: list[float] = []  # seconds of each step that are not the step's (the floor's extras)
+        self.paused = False
 
     @contextmanager
     def phase(self, name: str, rows: int = 0, width: int = 0, real: int = 0) -> Any:
+        if self.paused:
+            yield
+            return
         self.stack.append([0.0])
         start = time.perf_counter()
         try:
@@ -234,6 +246,7 @@ def _steps_callback(p: Profile, base: type) -> Any:
         def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             p.starts.append(time.perf_counter())
             p.steps.append({})
+            p.excluded.append(0.0)
 
         def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             self.t = time.perf_counter()
@@ -352,100 +365,126 @@ def _bare(trainer: Any, x: dict[str, Any]) -> None:
 
 
 def _record_or_replay(trainer: Any, spec: dict[str, Any], kind: str) -> list[Any]:
-    """An arm records what each decode call got and returned; its floor decodes too (so both processes carry what a
-    decode leaves behind: allocator and caches) but returns the arm's recording, in order, so the floor's GRPO steps
+    """An arm records what each decode call got and returned; its replay and its floor decode too (so every process
+    carries what a decode leaves behind: allocator and caches) but return the arm's recording, in order, so they
     score, forward and update the arm's tokens. The list of ``(prompt ids, (completion ids, logprobs))`` per call,
     in the form GRPO's ``_generate_single_turn`` returns (TRL's SDPOTrainer decodes in ``_generate_transformers``:
-    the same prompt ids in, the completion ids out). A floor whose prompts differ from its arm's stops the bench."""
+    the same prompt ids in, the completion ids out). A replay whose prompts differ from the arm's stops the bench."""
     import torch
 
     out: list[Any] = []
-    floor = spec["role"] == "floor"
-    recorded = iter(torch.load(spec["generations"]) if floor else ())
+    replay = spec["role"] != "arm"
+    recorded = iter(torch.load(spec["generations"]) if replay else ())
     attr = "_generate_transformers" if kind == "trl_sdpo" else "_generate_single_turn"
     decode = getattr(trainer, attr)
 
     def record(prompt_ids: list[list[int]], *a: Any, **k: Any) -> Any:
         own = decode(prompt_ids, *a, **k)
         prompts = [list(p) for p in prompt_ids]
-        out.append(next(recorded) if floor else (prompts, (own[1], None) if kind == "trl_sdpo" else own))
+        out.append(next(recorded) if replay else (prompts, (own[1], None) if kind == "trl_sdpo" else own))
         if out[-1][0] != prompts:
             raise SystemExit(
-                f"bench_profile: the floor's decode call {len(out)} got other prompts than its arm's"
+                f"bench_profile: the {spec['role']}'s decode call {len(out)} got other prompts than its arm's"
             )
-        return out[-1][1] if floor else own
+        if not replay:
+            return own
+        return (prompt_ids, out[-1][1][0]) if kind == "trl_sdpo" else out[-1][1]
 
     setattr(trainer, attr, record)
     return out
 
 
 def run_child(spec_path: str) -> int:
-    """One arm (``spec["role"] == "arm"``) or one floor (``"floor"``): writes ``spec["result"]``."""
+    """One process of an arm (``spec["role"]``: ``"arm"`` records, ``"replay"`` replays the recording) or its
+    ``"floor"``: writes ``spec["result"]``."""
     import torch
+    from transformers import TrainerCallback
 
     spec = json.loads(Path(spec_path).read_text())
     model, tok = _load(spec)
     arm = next(a for a in PROFILED if a.name == spec["arm"])
-    run_arm = arm if spec["role"] == "arm" else next(a for a in PROFILED if a.name == "grpo")
+    run_arm = arm if spec["role"] != "floor" else next(a for a in PROFILED if a.name == "grpo")
     need = int(spec["trainer"]["per_device_train_batch_size"]) // int(spec["trainer"]["num_generations"])
     train, _, _ = task_rows(0, need * (spec["steps"] + 1))
     trainer = _trainer(spec, run_arm, model, tok, train)
     generations = _record_or_replay(trainer, spec, run_arm.kind)
     prof, captured = Profile(), []
     instrument(trainer, prof, run_arm.kind, captured)
+    extras = _StepExtras(trainer, spec, prof, torch.load(spec["extras"]) if spec["role"] == "floor" else [])
+    trainer.add_callback(extras.callback(TrainerCallback))
     start = time.perf_counter()
     trainer.train()
     prof.starts.append(time.perf_counter())
     result: dict[str, Any] = {"train_seconds": prof.starts[-1] - start}
-    result["step_seconds"] = [b - a for a, b in zip(prof.starts, prof.starts[1:])]
-    # a copy as trained: the floor's extras below run through the same wrapped methods and are not steps
-    result["phases"] = json.loads(json.dumps(prof.steps))
+    result["step_seconds"] = [b - a - x for a, b, x in zip(prof.starts, prof.starts[1:], prof.excluded)]
+    result["phases"] = prof.steps
     result["decode_calls"] = len(generations)
     # per call, as the step got them
     result["completion_tokens"] = [sum(map(len, g[1][0])) for g in generations]
     if spec["role"] == "arm":
         torch.save([(i, _extras(arm.kind, arm, inp)) for i, inp in captured], spec["extras"])
         torch.save(generations, spec["generations"])
-    else:
-        result["extra_seconds"], result["extras"] = _time_extras(trainer, spec, torch.load(spec["extras"]))
+    if spec["role"] == "floor":
+        result["extra_seconds"], result["extras"] = extras.per_step, extras.summary()
     Path(spec["result"]).write_text(json.dumps(result))
     return 0
 
 
-def _time_extras(
-    trainer: Any, spec: dict[str, Any], per_batch: list[Any]
-) -> tuple[list[float], dict[str, Any]]:
-    """Time each measured step's extra work alone (each part: the median of ``EXTRA_REPEATS`` runs, after one
-    warm-up run the first time the part is timed). Returns the extra seconds of every step (the warm-up step's: 0)
-    and per part its seconds per step, their median over the measured steps, and the last step's rows, width, real
-    tokens and distinct rows."""
-    import torch
+class _StepExtras:
+    """The floor's extra work of each measured step (the arm's, from its recording), timed alone right after that
+    step, so it shares the step's machine conditions, and left out of the step's time and phases. Each part: the
+    median of ``EXTRA_REPEATS`` runs, after one warm-up run the first time the part is timed."""
 
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(spec["bf16"]))
-    per_step = [0.0] * int(spec["steps"])
-    parts: dict[str, Any] = {}
-    for step, extras in per_batch:
-        if step not in _measured(range(len(per_step))):
-            continue
-        for name, x in extras.items():
-            secs = []
-            for _ in range(EXTRA_REPEATS + (name not in parts)):
-                t = time.perf_counter()
-                with autocast:
-                    _bare(trainer, x)
-                secs.append(time.perf_counter() - t)
-            seconds = statistics.median(secs[-EXTRA_REPEATS:])
-            per_step[step] += seconds
-            part = parts.setdefault(name, {"seconds": [0.0] * len(per_step)})
-            part["seconds"][step] += seconds
-            part.update(rows=x["ids"].size(0), width=x["ids"].size(1),
-                        real_tokens=int(x["tokens"] if "tokens" in x else x["mask"].sum()),
-                        distinct_rows=len({tuple(r.tolist()) for r in x["ids"]}))  # fmt: skip
-    for part in parts.values():  # a step without that part (no hinted row, no pair) counts 0 s
-        part["median"] = statistics.median(_measured(part["seconds"]))
-        present = [x for x in _measured(part["seconds"]) if x > 0]
-        part["steps_with"], part["median_with"] = len(present), statistics.median(present)
-    return per_step, parts
+    def __init__(self, trainer: Any, spec: dict[str, Any], prof: Profile, per_batch: list[Any]) -> None:
+        import torch
+
+        self.trainer, self.prof, self.per_batch = trainer, prof, per_batch
+        self.autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(spec["bf16"]))
+        self.per_step = [0.0] * int(spec["steps"])
+        self.parts: dict[str, Any] = {}
+
+    def callback(self, base: type) -> Any:
+        outer = self
+
+        class Extras(base):  # type: ignore[misc, valid-type]
+            def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+                outer.time_step(len(outer.prof.steps) - 1)
+
+        return Extras()
+
+    def time_step(self, step: int) -> None:
+        if step not in _measured(range(len(self.per_step))):
+            return
+        start, self.prof.paused = time.perf_counter(), True
+        for extras in (x for i, x in self.per_batch if i == step):
+            for name, x in extras.items():
+                self._time(step, name, x)
+        self.prof.paused = False
+        self.prof.excluded[step] += time.perf_counter() - start
+
+    def _time(self, step: int, name: str, x: dict[str, Any]) -> None:
+        secs = []
+        for _ in range(EXTRA_REPEATS + (name not in self.parts)):
+            t = time.perf_counter()
+            with self.autocast():
+                _bare(self.trainer, x)
+            secs.append(time.perf_counter() - t)
+        seconds = statistics.median(secs[-EXTRA_REPEATS:])
+        self.per_step[step] += seconds
+        part = self.parts.setdefault(name, {"seconds": [0.0] * len(self.per_step)})
+        part["seconds"][step] += seconds
+        part.update(rows=x["ids"].size(0), width=x["ids"].size(1),
+                    real_tokens=int(x["tokens"] if "tokens" in x else x["mask"].sum()),
+                    distinct_rows=len({tuple(r.tolist()) for r in x["ids"]}))  # fmt: skip
+
+    def summary(self) -> dict[str, Any]:
+        """Per part: its seconds per step, their median over the measured steps (0 where a step had none), the
+        median over the steps that had it, and the last such step's rows, width, real tokens and distinct rows."""
+        for part in self.parts.values():
+            present = [x for x in _measured(part["seconds"]) if x > 0]
+            part["median"] = statistics.median(_measured(part["seconds"]))
+            part["steps_with"], part["median_with"] = len(present), statistics.median(present)
+        return self.parts
 
 
 # ------------------------------------------------------------------------------------------------ the parent
@@ -465,47 +504,64 @@ def _phase_medians(phases: list[dict[str, list[float]]]) -> dict[str, dict[str, 
     }
 
 
-def _spawn(spec: dict[str, Any], tmp: Path) -> dict[str, Any]:
-    name = f"{spec['role']}-{spec['arm']}-{spec['dtype']}".replace(" ", "_").replace("/", "_")
-    spec = {**spec, "result": str(tmp / f"{name}.json"), "work_dir": str(tmp / name)}
-    path = tmp / f"{name}.spec.json"
-    path.write_text(json.dumps(spec))
-    code, rss = spawn([__file__, "--child", str(path)], tmp / f"{name}.log")
-    if code != 0:
-        raise SystemExit(
-            f"bench_profile: {name} failed (exit {code}):\n{(tmp / f'{name}.log').read_text()[-3000:]}"
-        )
-    result: dict[str, Any] = json.loads(Path(spec["result"]).read_text())
-    result["peak_rss_mib"] = rss
-    return result
+def _spawn(specs: list[dict[str, Any]], tmp: Path) -> list[dict[str, Any]]:
+    """Run a child per spec, all at the same time; their results (with peak RSS) in order."""
+    started = []
+    for spec in specs:
+        name = f"{spec['role']}-{spec['arm']}-{spec['dtype']}".replace(" ", "_").replace("/", "_")
+        spec = {**spec, "result": str(tmp / f"{name}.json"), "work_dir": str(tmp / name)}
+        (tmp / f"{name}.spec.json").write_text(json.dumps(spec))
+        with (tmp / f"{name}.log").open("w") as log:
+            cmd = [sys.executable, __file__, "--child", str(tmp / f"{name}.spec.json")]
+            started.append((name, spec, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)))
+    done = [(name, spec, os.wait4(proc.pid, 0)) for name, spec, proc in started]
+    results = []
+    for name, spec, (_, status, usage) in done:
+        if (code := os.waitstatus_to_exitcode(status)) != 0:
+            log = (tmp / f"{name}.log").read_text()[-3000:]
+            raise SystemExit(f"bench_profile: {name} failed (exit {code}):\n{log}")
+        result: dict[str, Any] = json.loads(Path(spec["result"]).read_text())
+        result["peak_rss_mib"] = usage.ru_maxrss / 1024.0  # Linux: KiB
+        results.append(result)
+    return results
+
+
+def _summarise(r: dict[str, Any]) -> list[float]:
+    """A run's median step and phase medians (``other``: the step minus its phases); its decode seconds per step."""
+    r["median_step_seconds"] = statistics.median(_measured(r["step_seconds"]))
+    decode = [s.get("generation (decode)", [0.0])[0] for s in r["phases"]]
+    r["phase_medians"] = ph = _phase_medians(r.pop("phases"))
+    rest = r["median_step_seconds"] - sum(v["seconds"] for v in ph.values())
+    ph["other (trainer loop)"] = {"seconds": rest, "calls": 0, "padded_tokens": 0, "real_tokens": 0}
+    return decode
 
 
 def profile_dtype(base: dict[str, Any], arms: list[str], tmp: Path) -> dict[str, Any]:
-    """Every arm and its floor at one dtype."""
+    """Every arm at one dtype: a recording run alone (its seconds per step, phases and peak RSS at ``threads``),
+    then the arm replaying that recording and its floor at the same time on half the threads each, so the ratio
+    compares two processes under the same machine conditions (a shared host's load moves both alike)."""
     out: dict[str, Any] = {}
+    half = max(1, int(base["threads"]) // 2)
     for name in arms:
         files = {
             k: str(tmp / f"{k}-{name}-{base['dtype']}.pt".replace(" ", "_"))
             for k in ("extras", "generations")
         }
-        r = _spawn({**base, "role": "arm", "arm": name, **files}, tmp)
-        r["median_step_seconds"] = statistics.median(_measured(r["step_seconds"]))
-        decode = [s.get("generation (decode)", [0.0])[0] for s in r["phases"]]
-        r["phase_medians"] = ph = _phase_medians(r.pop("phases"))
-        rest = r["median_step_seconds"] - sum(v["seconds"] for v in ph.values())
-        ph["other (trainer loop)"] = {"seconds": rest, "calls": 0, "padded_tokens": 0, "real_tokens": 0}
-        f = _spawn({**base, "role": "floor", "arm": name, **files}, tmp)
-        own = [
-            s.get("generation (decode)", [0.0])[0] for s in f["phases"]
-        ]  # its decode is swapped for the arm's
+        (r,) = _spawn([{**base, "role": "arm", "arm": name, **files}], tmp)
+        _summarise(r)
+        pair = [{**base, "threads": half, "role": role, "arm": name, **files} for role in ("replay", "floor")]
+        rep, f = _spawn(pair, tmp)
+        decode = _summarise(rep)
+        own = [s.get("generation (decode)", [0.0])[0] for s in f["phases"]]  # swapped for the replay's
         steps = zip(f.pop("step_seconds"), own, decode, f["extra_seconds"], strict=True)
         f["floor_step_seconds"] = [g - o + d + e for g, o, d, e in steps]
         floor = statistics.median(_measured(f["floor_step_seconds"]))
-        ratio = r["median_step_seconds"] / floor
-        out[name] = {"arm": r, "floor_process": f, "floor_seconds": floor, "ratio": ratio,
-                     "floor_rss_mib": f["peak_rss_mib"]}  # fmt: skip
-        print(f"[bench_profile] {base['dtype']} {name}: {r['median_step_seconds']:.3f} s/step, floor {floor:.3f} s, "
-              f"ratio {ratio:.3f}", flush=True)  # fmt: skip
+        ratio = rep["median_step_seconds"] / floor
+        out[name] = {"arm": r, "replay": rep, "floor_process": f, "floor_seconds": floor, "ratio": ratio,
+                     "floor_rss_mib": f["peak_rss_mib"], "paired_threads": half}  # fmt: skip
+        print(f"[bench_profile] {base['dtype']} {name}: {r['median_step_seconds']:.3f} s/step alone; paired "
+              f"({half} thread(s) each): arm {rep['median_step_seconds']:.3f} s, floor {floor:.3f} s, ratio "
+              f"{ratio:.3f}", flush=True)  # fmt: skip
     return out
 
 
@@ -520,7 +576,8 @@ def _rows(results: dict[str, Any]) -> list[list[Any]]:
         for name, e in arms.items():
             ph = e["arm"]["phase_medians"]
             top = sorted(ph.items(), key=lambda kv: -kv[1]["seconds"])[:3]
-            rows.append([dtype, name, round(e["arm"]["median_step_seconds"], 3), round(e["floor_seconds"], 3),
+            rows.append([dtype, name, round(e["arm"]["median_step_seconds"], 3),
+                         round(e["replay"]["median_step_seconds"], 3), round(e["floor_seconds"], 3),
                          round(e["ratio"], 3), round(e["arm"]["peak_rss_mib"]), round(e["floor_rss_mib"]),
                          ", ".join(f"{k} {v['seconds']:.2f}" for k, v in top)])  # fmt: skip
     return rows
@@ -595,18 +652,22 @@ def main() -> None:
         "readme": {
             "title": f"One training step by phase, {MODEL} on addition, {trainer['per_device_train_batch_size']} "
                      f"completions x {trainer['max_completion_length']} tokens, CPU {args.threads} threads "
-                     f"(median of {args.steps - 1} steps after a warm-up; floor = GRPO step on the arm's own "
-                     "completions + the arm's extra sequences alone)",
-            "columns": ["dtype", "arm", "s/step", "floor s", "step/floor", "peak RSS MiB", "floor RSS MiB",
-                        "largest phases (s)"],
+                     f"(median of {args.steps - 1} steps after a warm-up; s/step and phases: the arm alone; "
+                     f"step/floor: the arm replaying its completions and its floor at the same time, "
+                     f"{max(1, args.threads // 2)} thread(s) each; floor = GRPO step on the arm's own completions + "
+                     "each step's extra sequences alone)",
+            "columns": ["dtype", "arm", "s/step", "paired: arm s", "paired: floor s", "step/floor", "peak RSS MiB",
+                        "floor RSS MiB", "largest phases (s)"],
             "rows": rows,
             "note": _note(results),
         },
     }  # fmt: skip
-    print(f"\n{'dtype':<8}{'arm':<28}{'s/step':>8}{'floor':>8}{'ratio':>7}{'RSS':>7}{'floorRSS':>9}")
+    print(
+        f"\n{'dtype':<8}{'arm':<28}{'s/step':>8}{'paired':>8}{'floor':>8}{'ratio':>7}{'RSS':>7}{'floorRSS':>9}"
+    )
     for r in rows:
-        flag = "" if r[4] <= TARGET else "  > target"
-        print(f"{r[0]:<8}{r[1]:<28}{r[2]:>8.3f}{r[3]:>8.3f}{r[4]:>7.3f}{r[5]:>7}{r[6]:>9}{flag}")
+        flag = "" if r[5] <= TARGET else "  > target"
+        print(f"{r[0]:<8}{r[1]:<28}{r[2]:>8.3f}{r[3]:>8.3f}{r[4]:>8.3f}{r[5]:>7.3f}{r[6]:>7}{r[7]:>9}{flag}")
     for dtype, arms_ in results.items():
         for name, e in arms_.items():
             print(f"\n{dtype} {name}: phases (median s, calls, padded tokens, real tokens)")

@@ -31,13 +31,23 @@ def test_profile_bench_runs_at_small_size(tmp_path: Path) -> None:
         assert {"generation", "policy forward", "backward", "optimizer"} <= set(phases), name
         # the exclusive phases plus "other" are the step
         assert sum(v["seconds"] for v in phases.values()) == pytest.approx(e["arm"]["median_step_seconds"])
-        assert e["ratio"] == pytest.approx(e["arm"]["median_step_seconds"] / e["floor_seconds"])
+        # the ratio is the replay's, run beside its floor on half the threads (the table's s/step: the arm alone)
+        assert e["paired_threads"] == 1
+        assert e["ratio"] == pytest.approx(e["replay"]["median_step_seconds"] / e["floor_seconds"])
     # the floor trains GRPO on the arm's own completions (it decodes, then takes the arm's recording): grpo's floor
     # forwards the very tokens its arm did, step for step, with no extra sequences
     grpo = arms["grpo"]
-    for name, e in arms.items():  # every decode call of the floor returned the arm's recorded completions
-        assert e["floor_process"]["decode_calls"] == e["arm"]["decode_calls"] == data["steps"]
-        assert e["floor_process"]["completion_tokens"] == e["arm"]["completion_tokens"], name
+    for (
+        name,
+        e,
+    ) in arms.items():  # every decode call of replay and floor returned the arm's recorded completions
+        calls = [e[k]["decode_calls"] for k in ("arm", "replay", "floor_process")]
+        assert calls == [data["steps"]] * 3, name
+        tokens = e["arm"]["completion_tokens"]
+        assert e["replay"]["completion_tokens"] == e["floor_process"]["completion_tokens"] == tokens, name
+        # the floor's extra work, timed after each step, is in neither its steps' time nor their phases
+        assert all(s["policy forward"][1] == 1 for s in e["floor_process"]["phases"]), name
+        assert not any(k.startswith("forward (") for s in e["floor_process"]["phases"] for k in s), name
     floor_phases = grpo["floor_process"]["phases"][1:]
     assert [s["policy forward"][2] for s in floor_phases] and grpo["floor_process"]["extras"] == {}
     assert (
@@ -88,5 +98,6 @@ def test_profile_bench_runs_at_small_size(tmp_path: Path) -> None:
     assert trl["floor_process"]["extras"] == {}
     rows = data["readme"]["rows"]
     assert [r[1] for r in rows] == ["grpo", "composer", "trl sdpo"]
-    assert rows[1][2:5] == [round(composer["arm"]["median_step_seconds"], 3), round(composer["floor_seconds"], 3),
+    assert rows[1][2:6] == [round(composer["arm"]["median_step_seconds"], 3),
+                            round(composer["replay"]["median_step_seconds"], 3), round(composer["floor_seconds"], 3),
                             round(composer["ratio"], 3)]  # fmt: skip
