@@ -62,6 +62,16 @@ def _non_finite_message(names: tuple[str, str], chunks: tuple[Tensor, Tensor]) -
     )
 
 
+def _head_message(heads: tuple[tuple[str, Tensor | None], ...]) -> str:
+    culprit = next((n for n, t in heads if t is not None and not bool(torch.isfinite(t).all())), None)
+    if culprit is not None:
+        return f"`{culprit}` contains NaN/inf values; fix the weights (reload them from a finite checkpoint)."
+    return (
+        "the logits computed from `student_hidden`/`teacher_hidden` and the LM head overflow to NaN/inf; check "
+        "the hidden states and head weights (or compute in float32)."
+    )
+
+
 def _in_full_precision(forward: Callable[..., Tensor]) -> Callable[..., Tensor]:
     """Run an autograd Function's ``forward(ctx, first_tensor, ...)`` with autocast off for that tensor's device."""
 
@@ -285,14 +295,11 @@ class _FusedLinearLoss(torch.autograd.Function):
                 grad_w.addmm_(g.T, hs.mul_(factor))
             if grad_b is not None:
                 grad_b.add_(g.sum(0).mul_(factor))
-        value_check(  # a non-finite row makes the sum non-finite: one check per call
-            None,
-            lambda: torch.isfinite(total),
-            lambda: (
-                "the logits computed from `student_hidden`/`teacher_hidden` and the LM head overflow to "
-                "NaN/inf; check the hidden states and head weights (or compute in float32)."
-            ),
-        )
+        heads = (("lm_head_weight", weight), ("lm_head_bias", bias), ("teacher_lm_head_weight", teacher_weight),
+                 ("teacher_lm_head_bias", teacher_bias))  # fmt: skip
+        # a non-finite row (or head entry: it reaches every row's logits) makes the sum non-finite: one check per
+        # call; the heads, not scanned up front, are searched only on failure
+        value_check(None, lambda: torch.isfinite(total), lambda: _head_message(heads))
         ctx.save_for_backward(
             *(t if t is not None else torch.empty(0) for t in (grad_h, grad_w, grad_b)),
         )
@@ -432,7 +439,7 @@ def fused_linear_loss(
     _check_common(reduction, normalizer, temperature, chunk_size, ("mean", "sum"))
     check_float("student_hidden", student_hidden, min_ndim=2)
     check_float("teacher_hidden", teacher_hidden, min_ndim=2)
-    check_float("lm_head_weight", lm_head_weight, ndim=2)
+    check_float("lm_head_weight", lm_head_weight, ndim=2, values=False)  # NaN/inf: the loss total's check
     if teacher_hidden.shape[:-1] != student_hidden.shape[:-1]:
         raise ValueError(
             f"`teacher_hidden` has shape {tuple(teacher_hidden.shape)} but `student_hidden` has shape "
@@ -447,7 +454,7 @@ def fused_linear_loss(
     vocab = lm_head_weight.shape[0]
     t_weight = lm_head_weight if teacher_lm_head_weight is None else teacher_lm_head_weight
     if teacher_lm_head_weight is not None:
-        check_float("teacher_lm_head_weight", teacher_lm_head_weight, ndim=2)
+        check_float("teacher_lm_head_weight", teacher_lm_head_weight, ndim=2, values=False)
     if t_weight.shape != (vocab, t_hidden):
         raise ValueError(
             f"`teacher_hidden` (hidden size Ht = {t_hidden}) needs a teacher head of shape [V, Ht] = [{vocab}, "
@@ -456,7 +463,7 @@ def fused_linear_loss(
         )
     for name, b in (("lm_head_bias", lm_head_bias), ("teacher_lm_head_bias", teacher_lm_head_bias)):
         if b is not None:
-            check_float(name, b, ndim=1)
+            check_float(name, b, ndim=1, values=False)
             if b.shape[0] != vocab:
                 raise ValueError(f"`{name}` has {b.shape[0]} entries; it must have V = {vocab}.")
     t_bias = teacher_lm_head_bias

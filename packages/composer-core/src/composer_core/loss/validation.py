@@ -160,14 +160,19 @@ def check_finite(name: str, value: Tensor) -> None:
         )
 
 
-def check_float(name: str, value: Tensor, *, ndim: int | None = None, min_ndim: int | None = None) -> None:
-    """Raise ValueError unless ``value`` is a finite floating-point tensor (of the rank, as :func:`check_tensor`)."""
+def check_float(
+    name: str, value: Tensor, *, ndim: int | None = None, min_ndim: int | None = None, values: bool = True
+) -> None:
+    """Raise ValueError unless ``value`` is a finite floating-point tensor (of the rank, as :func:`check_tensor`);
+    ``values=False`` checks the rank and dtype only (a large parameter whose NaN/inf the caller's result check
+    catches and names on failure, instead of a scan on every call)."""
     check_tensor(name, value, ndim=ndim, min_ndim=min_ndim)
     if not value.is_floating_point():
         raise ValueError(
             f"`{name}` must be a floating-point tensor, got dtype {value.dtype}; cast it with .float()."
         )
-    check_finite(name, value)
+    if values:
+        check_finite(name, value)
 
 
 def check_same_shape(name_a: str, a: Tensor, name_b: str, b: Tensor) -> None:
