@@ -120,12 +120,12 @@ def _profile(d: Json) -> str:
     for dtype in ("float32", "bf16"):
         if not any(r[0] == dtype for r in d["readme"]["rows"]):
             continue
-        ratios = ", ".join(f"{a} {_num(cell(d, 'step/floor', dtype=dtype, arm=a)):.2f}×" for a in arms)
+        ratios = ", ".join(f"{a} {_num(cell(d, 'step/floor', dtype=dtype, arm=a)):.3f}×" for a in arms)
         norms = _num(cell(d, "step/floor", dtype=dtype, arm="composer + log_channel_grad_norms"))
-        parts.append(f"{dtype}: {ratios} (composer with the opt-in per-channel grad norms {norms:.2f}×)")
+        parts.append(f"{dtype}: {ratios} (composer with the opt-in per-channel grad norms {norms:.3f}×)")
     return (
-        "step / floor (GRPO on the arm's own completions + the arm's extra work alone; grpo: the noise): "
-        + "; ".join(parts)
+        "step / floor (the arm replaying its completions beside GRPO on them + the arm's extra work, run at the same "
+        "time; grpo: the noise): " + "; ".join(parts)
     )
 
 

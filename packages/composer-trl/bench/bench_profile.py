@@ -578,7 +578,7 @@ def _rows(results: dict[str, Any]) -> list[list[Any]]:
             top = sorted(ph.items(), key=lambda kv: -kv[1]["seconds"])[:3]
             rows.append([dtype, name, round(e["arm"]["median_step_seconds"], 3),
                          round(e["replay"]["median_step_seconds"], 3), round(e["floor_seconds"], 3),
-                         round(e["ratio"], 3), round(e["arm"]["peak_rss_mib"]), round(e["floor_rss_mib"]),
+                         f"{e['ratio']:.3f}", round(e["arm"]["peak_rss_mib"]), round(e["floor_rss_mib"]),
                          ", ".join(f"{k} {v['seconds']:.2f}" for k, v in top)])  # fmt: skip
     return rows
 
@@ -666,8 +666,8 @@ def main() -> None:
         f"\n{'dtype':<8}{'arm':<28}{'s/step':>8}{'paired':>8}{'floor':>8}{'ratio':>7}{'RSS':>7}{'floorRSS':>9}"
     )
     for r in rows:
-        flag = "" if r[5] <= TARGET else "  > target"
-        print(f"{r[0]:<8}{r[1]:<28}{r[2]:>8.3f}{r[3]:>8.3f}{r[4]:>8.3f}{r[5]:>7.3f}{r[6]:>7}{r[7]:>9}{flag}")
+        flag = "" if float(r[5]) <= TARGET else "  > target"
+        print(f"{r[0]:<8}{r[1]:<28}{r[2]:>8.3f}{r[3]:>8.3f}{r[4]:>8.3f}{r[5]:>7}{r[6]:>7}{r[7]:>9}{flag}")
     for dtype, arms_ in results.items():
         for name, e in arms_.items():
             print(f"\n{dtype} {name}: phases (median s, calls, padded tokens, real tokens)")
