@@ -167,12 +167,21 @@ def write_json(path: Path, data: Any) -> None:
     tmp.replace(path)
 
 
+def start(args: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
+    """Start ``python *args`` as a child process logging to ``log`` (see :func:`finish`)."""
+    with log.open("w") as f:
+        return subprocess.Popen([sys.executable, *args], stdout=f, stderr=subprocess.STDOUT)
+
+
+def finish(proc: subprocess.Popen[bytes]) -> tuple[int, float]:
+    """Wait for a child of :func:`start`: ``(exit code, its peak resident MiB)``."""
+    _, status, usage = os.wait4(proc.pid, 0)
+    return os.waitstatus_to_exitcode(status), usage.ru_maxrss / 1024.0  # Linux: KiB
+
+
 def spawn(args: Sequence[str], log: Path) -> tuple[int, float]:
     """Run ``python *args`` as a child process logging to ``log``; ``(exit code, peak resident MiB)``."""
-    with log.open("w") as f:
-        proc = subprocess.Popen([sys.executable, *args], stdout=f, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(proc.pid, 0)
-    return os.waitstatus_to_exitcode(status), usage.ru_maxrss / 1024.0  # Linux: KiB
+    return finish(start(args, log))
 
 
 def fill_block(readme: str | Path, begin: str, end: str, block: str) -> None:

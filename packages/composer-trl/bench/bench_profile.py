@@ -43,7 +43,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -53,7 +52,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _compare import cpu_has_bf16, machine, write_json
+from _compare import cpu_has_bf16, finish, machine, start, write_json
 from compare_smollm2 import ARMS, COMMON, MODEL, _model_dir, _trainer, budget, task_rows
 
 NORMS = "composer + log_channel_grad_norms"
@@ -511,17 +510,17 @@ def _spawn(specs: list[dict[str, Any]], tmp: Path) -> list[dict[str, Any]]:
         name = f"{spec['role']}-{spec['arm']}-{spec['dtype']}".replace(" ", "_").replace("/", "_")
         spec = {**spec, "result": str(tmp / f"{name}.json"), "work_dir": str(tmp / name)}
         (tmp / f"{name}.spec.json").write_text(json.dumps(spec))
-        with (tmp / f"{name}.log").open("w") as log:
-            cmd = [sys.executable, __file__, "--child", str(tmp / f"{name}.spec.json")]
-            started.append((name, spec, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)))
-    done = [(name, spec, os.wait4(proc.pid, 0)) for name, spec, proc in started]
+        started.append(
+            (name, spec, start([__file__, "--child", str(tmp / f"{name}.spec.json")], tmp / f"{name}.log"))
+        )
+    done = [(name, spec, finish(proc)) for name, spec, proc in started]
     results = []
-    for name, spec, (_, status, usage) in done:
-        if (code := os.waitstatus_to_exitcode(status)) != 0:
+    for name, spec, (code, rss) in done:
+        if code != 0:
             log = (tmp / f"{name}.log").read_text()[-3000:]
             raise SystemExit(f"bench_profile: {name} failed (exit {code}):\n{log}")
         result: dict[str, Any] = json.loads(Path(spec["result"]).read_text())
-        result["peak_rss_mib"] = usage.ru_maxrss / 1024.0  # Linux: KiB
+        result["peak_rss_mib"] = rss
         results.append(result)
     return results
 

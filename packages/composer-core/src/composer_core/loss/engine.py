@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
 
 import torch
@@ -54,16 +54,21 @@ def full_precision(device: torch.device) -> contextlib.AbstractContextManager[An
     return contextlib.nullcontext()
 
 
+def _first_non_finite(named: Iterable[tuple[str, Tensor | None]]) -> str | None:
+    """The name of the first given tensor holding NaN/inf (searched only once a check has failed)."""
+    return next((n for n, t in named if t is not None and not bool(torch.isfinite(t).all())), None)
+
+
 def _non_finite_message(names: tuple[str, str], chunks: tuple[Tensor, Tensor]) -> str:
-    culprits = [n for n, c in zip(names, chunks) if not bool(torch.isfinite(c).all())] or [" / ".join(names)]
+    culprit = _first_non_finite(zip(names, chunks)) or " / ".join(names)
     return (
-        f"`{culprits[0]}` contains NaN/inf values; fix the upstream computation (mask padded positions with a "
+        f"`{culprit}` contains NaN/inf values; fix the upstream computation (mask padded positions with a "
         "finite value, not -inf/NaN) before calling the loss."
     )
 
 
-def _head_message(heads: tuple[tuple[str, Tensor | None], ...]) -> str:
-    culprit = next((n for n, t in heads if t is not None and not bool(torch.isfinite(t).all())), None)
+def _head_message(heads: Iterable[tuple[str, Tensor | None]]) -> str:
+    culprit = _first_non_finite(heads)
     if culprit is not None:
         return f"`{culprit}` contains NaN/inf values; fix the weights (reload them from a finite checkpoint)."
     return (
@@ -295,10 +300,10 @@ class _FusedLinearLoss(torch.autograd.Function):
                 grad_w.addmm_(g.T, hs.mul_(factor))
             if grad_b is not None:
                 grad_b.add_(g.sum(0).mul_(factor))
-        heads = (("lm_head_weight", weight), ("lm_head_bias", bias), ("teacher_lm_head_weight", teacher_weight),
-                 ("teacher_lm_head_bias", teacher_bias))  # fmt: skip
         # a non-finite row (or head entry: it reaches every row's logits) makes the sum non-finite: one check per
         # call; the heads, not scanned up front, are searched only on failure
+        heads = (("lm_head_weight", weight), ("lm_head_bias", bias), ("teacher_lm_head_weight", teacher_weight),
+                 ("teacher_lm_head_bias", teacher_bias))  # fmt: skip
         value_check(None, lambda: torch.isfinite(total), lambda: _head_message(heads))
         ctx.save_for_backward(
             *(t if t is not None else torch.empty(0) for t in (grad_h, grad_w, grad_b)),
