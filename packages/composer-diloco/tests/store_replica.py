@@ -199,6 +199,7 @@ def random_rounds(
     """All-reduce ``torch.randn(numel)`` seeded by (round, rank) for ``rounds`` rounds; return the
     results, the bytes read per round through an instrumented filesystem and the peak RSS growth.
     ``die_before_reduce``: SIGKILL this process when it starts reducing its first shard."""
+    import ctypes
     import signal
 
     torch.set_num_threads(1)  # one thread per replica process (several share the machine)
@@ -226,11 +227,15 @@ def random_rounds(
             if time.monotonic() > deadline:
                 raise TimeoutError(f"gate {gate} never opened")
             time.sleep(0.02)
-    rss0 = _reset_peak_rss()  # the peak below is then the rounds' own
+    rss0 = _status("VmRSS")
     out: list[dict[str, Any]] = []
+    peak = 0  # the highest RSS over all rounds (the max of each round's own peak)
     for r, t in enumerate(tensors):
         before = counter[0]
+        start = _reset_peak_rss()  # the peak read after the round is then that round's own
         stats = store.allreduce(r, [t])
+        hwm = _status("VmHWM")
+        peak = max(peak, hwm)
         out.append(
             {
                 "value": t,
@@ -238,7 +243,9 @@ def random_rounds(
                 "participants": stats.participants,
                 "seconds": stats.seconds,
                 "store_read": stats.bytes_read,
+                "peak_growth": hwm - start,  # this round's own peak above its start
             }
         )
-    peak = _status("VmHWM") - rss0
-    return {"rounds": out, "payload": numel * 4, "peak_rss_growth": peak}
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # the allocator gives back the free chunks it kept
+    live = _status("VmRSS") - rss0  # what the rounds left that something still holds
+    return {"rounds": out, "payload": numel * 4, "peak_rss_growth": peak - rss0, "live_after": live}

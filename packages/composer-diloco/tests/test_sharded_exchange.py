@@ -141,18 +141,22 @@ def test_dead_reducer_shard_is_taken_over_then_the_run_goes_on_without_it(tmp_pa
 
 
 @pytest.mark.parametrize(
-    ("store", "mib", "bound"), [("file", 16, 2.5), ("s3", 64, 3.5)], ids=["file-16MiB", "s3-64MiB"]
+    ("store", "mib", "bound"), [("file", 16, 2.5), ("s3", 64, 3.0)], ids=["file-16MiB", "s3-64MiB"]
 )
 def test_full_exchange_peak_memory(
     tmp_path: Path, request: pytest.FixtureRequest, store: str, mib: int, bound: float
 ) -> None:
-    """Peak RSS growth per replica over 3 rounds, in payloads. file://: issue 19's 2.5 (16 MiB is large enough
-    that the growth is the exchange's, not noise). s3:// (moto), 64 MiB, a LoRA adapter's or a small model's
-    size: each object goes up as one joined ``bytes`` (botocore streams it; a ``bytearray`` kept across rounds
-    was copied three more times by aiohttp: 4.1-5.0 payloads). What is left above 2.5 there: the PUT's body and
-    the copy aiohttp makes to size it (2 payloads in the publish phase), the peer's GET read as chunks and joined
-    (2 in the commit phase), and on one of the two replicas about one payload that stays resident between rounds
-    though no Python object holds it (tracemalloc): the allocator keeps the freed chunks. Measured 2.0-3.1."""
+    """Per replica, each of 3 rounds' peak RSS above that round's start, in payloads, and what is still resident
+    after the rounds once the allocator has given back its free chunks (``malloc_trim``). file://: issue 19's 2.5
+    (16 MiB is large enough that the growth is the exchange's, not noise; measured 1.0-1.27). s3:// (moto), 64
+    MiB, a LoRA adapter's or a small model's size: each object goes up as one joined ``bytes`` (botocore streams
+    it; a ``bytearray`` kept across rounds was copied three more times by aiohttp: 4.1-5.0 payloads); a round
+    holds the PUT's body and the copy aiohttp makes to size it (publish), then the peer's GET read as chunks and
+    joined (commit): measured 2.00-2.06, quiet or beside two CPU-bound processes. The peak over the whole run is
+    not bounded: under load glibc spreads the GET's chunks over more arenas and keeps them, so the RSS between
+    rounds grew by up to one payload per round (4.01 over 3 rounds) with no object holding it; after
+    ``malloc_trim`` at most one payload stays (measured -0.07-1.09), where a leak of each round's object would
+    leave three."""
     numel = mib * 2**18
     where: dict[str, Any] = {}
     if store == "s3":
@@ -161,8 +165,9 @@ def test_full_exchange_peak_memory(
             "storage_options": request.getfixturevalue("moto_s3"),
         }
     for rank, res in _run(tmp_path, 2, "full", rounds=3, numel=numel, **where).items():
-        growth = res["peak_rss_growth"] / res["payload"]
-        assert growth <= bound, (rank, growth)
+        per_round = [r["peak_growth"] / res["payload"] for r in res["rounds"]]
+        assert max(per_round) <= bound, (rank, per_round)
+        assert res["live_after"] / res["payload"] <= 1.5, (rank, res["live_after"] / res["payload"])
         assert torch.equal(res["rounds"][2]["value"], _direct_mean(2, 2, numel=numel))
 
 
