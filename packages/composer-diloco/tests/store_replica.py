@@ -197,7 +197,9 @@ def random_rounds(
     die_before_reduce: bool = False,
 ) -> dict[str, Any]:
     """All-reduce ``torch.randn(numel)`` seeded by (round, rank) for ``rounds`` rounds; return the
-    results, the bytes read per round through an instrumented filesystem and the peak RSS growth.
+    results, the bytes read and the peak RSS above its start per round (through an instrumented filesystem /
+    VmHWM), the peak RSS growth over all rounds, and what stays resident once ``malloc_trim`` gave back the free
+    chunks the allocator kept (``live_after``).
     ``die_before_reduce``: SIGKILL this process when it starts reducing its first shard."""
     import ctypes
     import signal
